@@ -1,0 +1,69 @@
+//! An example custom service translator, built only against `wasmplane-sdk`.
+//!
+//! It exposes only services labelled `wasmplane.io/expose=true`, and only their TCP ports:
+//! a site policy ("nothing reaches a service unless its owners opted in") that kube-proxy
+//! cannot express. Each exposed port gets a chain that picks an endpoint uniformly.
+//!
+//! Build: `cargo build --release --target wasm32-wasip2 -p port-filter-translator`
+//! Upload: `wasmplane module push port-filter target/wasm32-wasip2/release/port_filter_translator.wasm --kind service-translator`
+
+use wasmplane_sdk::builders::service_map_element;
+use wasmplane_sdk::types::*;
+use wasmplane_sdk::RuleBuilder;
+
+pub const EXPOSE_LABEL: &str = "wasmplane.io/expose";
+
+pub fn translate(prefix: &str, service: &Service, slices: &[EndpointSlice]) -> Ruleset {
+    let mut out = Ruleset { chains: vec![], sets: vec![], map_elements: vec![], warnings: vec![] };
+    let exposed = service.labels.iter().any(|l| l.key == EXPOSE_LABEL && l.value == "true");
+    if !exposed {
+        out.warnings.push(format!("not exposed: label {EXPOSE_LABEL}=true is missing"));
+        return out;
+    }
+    for port in service.ports.iter().filter(|p| p.protocol == Protocol::Tcp) {
+        let backends: Vec<(String, u16)> = slices
+            .iter()
+            .flat_map(|s| {
+                let target = s.ports.iter().find(|p| p.name == port.name).map(|p| p.port);
+                s.endpoints.iter().filter(|e| e.ready).filter_map(move |e| Some((e.addresses.first()?.clone(), target?)))
+            })
+            .collect();
+        let chain = format!("{prefix}/tcp/{}", port.port);
+        let verdict_map = if backends.is_empty() { "no-endpoint-services" } else { "service-ips" };
+        let n = backends.len() as u32;
+        let rules = backends
+            .iter()
+            .enumerate()
+            .map(|(i, (addr, target))| {
+                let left = n - i as u32;
+                let rule = if left > 1 { RuleBuilder::new().random(left, 0) } else { RuleBuilder::new() };
+                rule.protocol(Protocol::Tcp).dnat(addr, *target).build()
+            })
+            .collect();
+        for ip in &service.cluster_ips {
+            let verdict = if backends.is_empty() { Verdict::Reject } else { Verdict::Goto(chain.clone()) };
+            out.map_elements.push(service_map_element(verdict_map, ip, Protocol::Tcp, port.port, verdict));
+        }
+        if !backends.is_empty() {
+            out.chains.push(Chain { name: chain, rules });
+        }
+    }
+    out
+}
+
+#[cfg(target_family = "wasm")]
+mod export {
+    use wasmplane_sdk::service::exports::wasmplane::dataplane::service_translator::Guest;
+    use wasmplane_sdk::types::*;
+
+    struct PortFilter;
+
+    impl Guest for PortFilter {
+        fn translate(_node: NodeContext, prefix: String, svc: Service, slices: Vec<EndpointSlice>) -> Result<Ruleset, GuestError> {
+            wasmplane_sdk::log::debug(&format!("port-filter: {}/{}", svc.namespace, svc.name));
+            Ok(super::translate(&prefix, &svc, &slices))
+        }
+    }
+
+    wasmplane_sdk::export_service_translator!(PortFilter);
+}

@@ -1,0 +1,110 @@
+use super::*;
+
+fn ctx() -> NodeContext {
+    NodeContext { node_name: "node-a".into(), node_ips: vec!["192.168.0.1".into()], cluster_cidrs: vec!["10.244.0.0/16".into()], pod_cidrs: vec![] }
+}
+
+fn service() -> Service {
+    Service {
+        namespace: "shop".into(),
+        name: "web".into(),
+        service_type: ServiceType::ClusterIp,
+        cluster_ips: vec!["10.96.0.20".into()],
+        external_ips: vec![],
+        load_balancer_ips: vec![],
+        ports: vec![ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: 0, target_port: TargetPort::Number(8080) }],
+        session_affinity_timeout: None,
+        external_traffic_policy: TrafficPolicy::Cluster,
+        internal_traffic_policy: TrafficPolicy::Cluster,
+        labels: vec![],
+    }
+}
+
+fn endpoint(ip: &str, ready: bool, terminating: bool, local: bool) -> Endpoint {
+    Endpoint { addresses: vec![ip.into()], ready, serving: ready || terminating, terminating, node_name: None, zone: None, is_local: local }
+}
+
+fn slice(endpoints: Vec<Endpoint>) -> EndpointSlice {
+    EndpointSlice { name: "web-1".into(), endpoints, ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }] }
+}
+
+fn dnat_targets(r: &Ruleset) -> Vec<String> {
+    let mut v: Vec<String> = r
+        .chains
+        .iter()
+        .flat_map(|c| &c.rules)
+        .flat_map(|rule| &rule.statements)
+        .filter_map(|s| match s {
+            RuleStatement::Dnat(t) => Some(format!("{}:{}", t.address, t.port)),
+            _ => None,
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn cluster_ip_picks_uniformly_among_ready_endpoints() {
+    let eps = slice(vec![endpoint("10.244.0.11", true, false, true), endpoint("10.244.1.11", true, false, false), endpoint("10.244.1.12", false, false, false)]);
+    let r = translate(&ctx(), "svc/shop/web", &service(), &[eps]).unwrap();
+    assert_eq!(dnat_targets(&r), vec!["10.244.0.11:8080", "10.244.1.11:8080"]);
+    let svc_chain = r.chains.iter().find(|c| c.name == "svc/shop/web/tcp/http").unwrap();
+    // Masquerade off-cluster sources, then 1/2 and the rest.
+    assert!(matches!(svc_chain.rules[0].verdict, Verdict::Masquerade));
+    assert_eq!(svc_chain.rules[1].matches, vec![RuleMatch::Random((2, 0))]);
+    assert!(svc_chain.rules[2].matches.is_empty());
+    assert_eq!(r.map_elements.len(), 1);
+    assert_eq!(r.map_elements[0].map_name, "service-ips");
+}
+
+#[test]
+fn no_endpoints_rejects_and_terminating_are_a_fallback() {
+    let r = translate(&ctx(), "svc/shop/web", &service(), &[]).unwrap();
+    assert!(r.chains.is_empty());
+    assert_eq!(r.map_elements[0].map_name, "no-endpoint-services");
+    assert!(matches!(r.map_elements[0].verdict, Verdict::Reject));
+
+    let only_terminating = slice(vec![endpoint("10.244.0.11", false, true, true)]);
+    let r = translate(&ctx(), "svc/shop/web", &service(), &[only_terminating]).unwrap();
+    assert_eq!(dnat_targets(&r), vec!["10.244.0.11:8080"]);
+
+    let mixed = slice(vec![endpoint("10.244.0.11", false, true, true), endpoint("10.244.0.12", true, false, true)]);
+    let r = translate(&ctx(), "svc/shop/web", &service(), &[mixed]).unwrap();
+    assert_eq!(dnat_targets(&r), vec!["10.244.0.12:8080"], "terminating only when nothing is ready");
+}
+
+#[test]
+fn session_affinity_declares_sets_and_checks_them_first() {
+    let mut svc = service();
+    svc.session_affinity_timeout = Some(10800);
+    let r = translate(&ctx(), "svc/shop/web", &svc, &[slice(vec![endpoint("10.244.0.11", true, false, true), endpoint("10.244.0.12", true, false, true)])]).unwrap();
+    assert_eq!(r.sets.len(), 2);
+    assert!(r.sets.iter().all(|s| s.timeout_seconds == Some(10800) && s.name.starts_with("svc/shop/web/")));
+    let svc_chain = r.chains.iter().find(|c| c.name == "svc/shop/web/tcp/http").unwrap();
+    assert!(matches!(svc_chain.rules[1].matches[0], RuleMatch::SourceInSet(_)));
+}
+
+#[test]
+fn node_port_with_local_policy_uses_only_local_endpoints() {
+    let mut svc = service();
+    svc.service_type = ServiceType::NodePort;
+    svc.ports[0].node_port = 30080;
+    svc.external_traffic_policy = TrafficPolicy::Local;
+    let r = translate(&ctx(), "svc/shop/web", &svc, &[slice(vec![endpoint("10.244.0.11", true, false, true), endpoint("10.244.1.11", true, false, false)])]).unwrap();
+    let nodeport = r.map_elements.iter().find(|e| e.map_name == "service-nodeports").unwrap();
+    assert_eq!(nodeport.verdict, Verdict::Goto("svc/shop/web/tcp/http/external".into()));
+    let local = r.chains.iter().find(|c| c.name == "svc/shop/web/tcp/http/local").unwrap();
+    assert_eq!(local.rules.len(), 1, "one local endpoint, no random pick");
+    let external = r.chains.iter().find(|c| c.name == "svc/shop/web/tcp/http/external").unwrap();
+    assert!(external.rules.iter().all(|rule| !matches!(rule.verdict, Verdict::Masquerade)), "source IP must be kept");
+}
+
+#[test]
+fn headless_and_external_name_services_produce_nothing() {
+    let mut headless = service();
+    headless.cluster_ips = vec!["None".into()];
+    assert!(translate(&ctx(), "svc/shop/web", &headless, &[]).unwrap().map_elements.is_empty());
+    let mut external = service();
+    external.service_type = ServiceType::ExternalName;
+    assert!(translate(&ctx(), "svc/shop/web", &external, &[]).unwrap().chains.is_empty());
+}

@@ -1,0 +1,164 @@
+//! Runtime benchmark: compile, cached load, instantiate, and the default translator's
+//! per-call cost as Wasm vs the same Rust compiled natively, measured in one run.
+//!
+//! `cargo bench -p wasmplane --bench runtime`
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use wasmplane_model::state::{LocalEndpoint, LocalSlice, NodeContext, ServiceView};
+use wasmplane_model::*;
+use wasmplane_runtime::{GuestKind, Limits, NoLookups, Runtime};
+use wasmplane_sdk::types as sdk;
+
+fn synthetic(n: usize) -> Vec<ServiceView> {
+    (0..n)
+        .map(|i| {
+            let service = Service {
+                namespace: format!("ns{}", i % 50),
+                name: format!("svc{i}"),
+                service_type: ServiceType::ClusterIP,
+                cluster_ips: vec![format!("10.96.{}.{}", i / 250, i % 250 + 1)],
+                external_ips: vec![],
+                load_balancer_ips: vec![],
+                ports: vec![ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: 0, target_port: TargetPort::Number(8080) }],
+                session_affinity_timeout: None,
+                external_traffic_policy: TrafficPolicy::Cluster,
+                internal_traffic_policy: TrafficPolicy::Cluster,
+                labels: Labels::new(),
+            };
+            let endpoints = (0..3)
+                .map(|e| LocalEndpoint {
+                    addresses: vec![format!("10.244.{}.{}", (i * 3 + e) / 250 % 250, (i * 3 + e) % 250 + 1)],
+                    ready: true,
+                    serving: true,
+                    terminating: false,
+                    node_name: Some(format!("node-{e}")),
+                    zone: None,
+                    is_local: e == 0,
+                })
+                .collect();
+            ServiceView {
+                service,
+                slices: vec![LocalSlice { name: format!("svc{i}-x"), endpoints, ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }] }],
+            }
+        })
+        .collect()
+}
+
+/// Model → SDK types: the native path gets the same inputs the guest sees.
+fn to_sdk(view: &ServiceView) -> (sdk::Service, Vec<sdk::EndpointSlice>) {
+    let proto = |p: Protocol| match p {
+        Protocol::Tcp => sdk::Protocol::Tcp,
+        Protocol::Udp => sdk::Protocol::Udp,
+        Protocol::Sctp => sdk::Protocol::Sctp,
+    };
+    let s = &view.service;
+    let service = sdk::Service {
+        namespace: s.namespace.clone(),
+        name: s.name.clone(),
+        service_type: sdk::ServiceType::ClusterIp,
+        cluster_ips: s.cluster_ips.clone(),
+        external_ips: vec![],
+        load_balancer_ips: vec![],
+        ports: s
+            .ports
+            .iter()
+            .map(|p| sdk::ServicePort { name: p.name.clone(), protocol: proto(p.protocol), port: p.port, node_port: 0, target_port: sdk::TargetPort::Number(8080) })
+            .collect(),
+        session_affinity_timeout: None,
+        external_traffic_policy: sdk::TrafficPolicy::Cluster,
+        internal_traffic_policy: sdk::TrafficPolicy::Cluster,
+        labels: vec![],
+    };
+    let slices = view
+        .slices
+        .iter()
+        .map(|sl| sdk::EndpointSlice {
+            name: sl.name.clone(),
+            endpoints: sl
+                .endpoints
+                .iter()
+                .map(|e| sdk::Endpoint {
+                    addresses: e.addresses.clone(),
+                    ready: e.ready,
+                    serving: e.serving,
+                    terminating: e.terminating,
+                    node_name: e.node_name.clone(),
+                    zone: None,
+                    is_local: e.is_local,
+                })
+                .collect(),
+            ports: sl.ports.iter().map(|p| sdk::EndpointPort { name: p.name.clone(), protocol: proto(p.protocol), port: p.port }).collect(),
+        })
+        .collect();
+    (service, slices)
+}
+
+fn best_of<T>(runs: usize, mut f: impl FnMut() -> T) -> Duration {
+    (0..runs)
+        .map(|_| {
+            let t = Instant::now();
+            std::hint::black_box(f());
+            t.elapsed()
+        })
+        .min()
+        .unwrap()
+}
+
+fn main() {
+    let bytes = wasmplane_guest_artifacts::SERVICE_TRANSLATOR;
+    let cache = tempfile::tempdir().unwrap();
+    let limits = Limits { call_timeout: Duration::from_secs(5), ..Default::default() };
+    let runtime = Runtime::new(limits.clone(), Some(cache.path().to_path_buf())).unwrap();
+    let uncached = Runtime::new(limits, None).unwrap();
+
+    println!("default service translator: {} KiB component\n", bytes.len() / 1024);
+    println!("| measurement | time |");
+    println!("|---|---|");
+    let compile = best_of(3, || uncached.load("t", bytes, Some(GuestKind::ServiceTranslator), usize::MAX).unwrap());
+    println!("| compile (cranelift, no cache) | {:.1} ms |", compile.as_secs_f64() * 1e3);
+    runtime.load("t", bytes, Some(GuestKind::ServiceTranslator), usize::MAX).unwrap();
+    let cached = best_of(5, || runtime.load("t", bytes, Some(GuestKind::ServiceTranslator), usize::MAX).unwrap());
+    println!("| load from on-disk cache | {:.2} ms |", cached.as_secs_f64() * 1e3);
+    let module = runtime.load("t", bytes, Some(GuestKind::ServiceTranslator), usize::MAX).unwrap();
+    let instantiate = best_of(50, || {
+        let mut s = module.translator(Arc::new(NoLookups)).unwrap();
+        s.instantiate_now().unwrap();
+        s
+    });
+    println!("| instantiate (pooling allocator) | {:.1} µs |", instantiate.as_secs_f64() * 1e6);
+
+    let ctx = NodeContext { node_name: "node-0".into(), node_ips: vec!["192.168.0.1".into()], cluster_cidrs: vec!["10.244.0.0/16".into()], pod_cidrs: vec![] };
+    let sdk_ctx = sdk::NodeContext { node_name: ctx.node_name.clone(), node_ips: ctx.node_ips.clone(), cluster_cidrs: ctx.cluster_cidrs.clone(), pod_cidrs: vec![] };
+    println!("\n| services | Wasm total | Wasm per call | native total | native per call | Wasm/native |");
+    println!("|---|---|---|---|---|---|");
+    for n in [1_000usize, 10_000] {
+        let views = synthetic(n);
+        let prefixes: Vec<String> = views.iter().map(|v| format!("svc/{}/{}", v.service.namespace, v.service.name)).collect();
+        let mut session = module.translator(Arc::new(NoLookups)).unwrap();
+        session.instantiate_now().unwrap();
+        let wasm = best_of(3, || {
+            for (v, p) in views.iter().zip(&prefixes) {
+                std::hint::black_box(session.translate(&ctx, p, v).unwrap());
+            }
+        });
+        let inputs: Vec<_> = views.iter().map(to_sdk).collect();
+        let native = best_of(3, || {
+            for ((svc, slices), view) in inputs.iter().zip(&views) {
+                // Cloning the inputs stands in for the copy the guest boundary makes.
+                let (svc, slices) = (svc.clone(), slices.clone());
+                let p = format!("svc/{}/{}", view.service.namespace, view.service.name);
+                std::hint::black_box(wasmplane_guest_service_translator::translate(&sdk_ctx, &p, &svc, &slices).unwrap());
+            }
+        });
+        println!(
+            "| {n} | {:.1} ms | {:.2} µs | {:.1} ms | {:.2} µs | {:.2}× |",
+            wasm.as_secs_f64() * 1e3,
+            wasm.as_secs_f64() * 1e6 / n as f64,
+            native.as_secs_f64() * 1e3,
+            native.as_secs_f64() * 1e6 / n as f64,
+            wasm.as_secs_f64() / native.as_secs_f64()
+        );
+    }
+}

@@ -1,0 +1,9 @@
+//! wasmplane's pure core: typed cluster objects, the cluster state with its indexes, and the
+//! node-local model that says what changed for this node. No I/O: sources feed it events,
+//! the runtime reads views out of it.
+
+pub mod objects;
+pub mod state;
+
+pub use objects::*;
+pub use state::{ClusterEvent, ClusterState, NodeLocalModel, ServiceView};

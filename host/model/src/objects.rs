@@ -1,0 +1,247 @@
+//! Cluster objects, normalised to what wasmplane needs (not the full Kubernetes schema).
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// `namespace/name`; cluster-scoped objects have an empty namespace.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct ObjectKey {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl ObjectKey {
+    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        ObjectKey { namespace: namespace.into(), name: name.into() }
+    }
+    pub fn cluster(name: impl Into<String>) -> Self {
+        ObjectKey { namespace: String::new(), name: name.into() }
+    }
+}
+
+impl fmt::Display for ObjectKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.namespace.is_empty() { f.write_str(&self.name) } else { write!(f, "{}/{}", self.namespace, self.name) }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum Protocol {
+    #[default]
+    Tcp,
+    Udp,
+    Sctp,
+}
+
+impl Protocol {
+    pub fn parse(s: &str) -> Option<Protocol> {
+        match s {
+            "TCP" => Some(Protocol::Tcp),
+            "UDP" => Some(Protocol::Udp),
+            "SCTP" => Some(Protocol::Sctp),
+            _ => None,
+        }
+    }
+    pub fn as_nft(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+            Protocol::Sctp => "sctp",
+        }
+    }
+}
+
+pub type Labels = std::collections::BTreeMap<String, String>;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum ServiceType {
+    #[default]
+    ClusterIP,
+    NodePort,
+    LoadBalancer,
+    ExternalName,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum TrafficPolicy {
+    #[default]
+    Cluster,
+    Local,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum TargetPort {
+    Number(u16),
+    Name(String),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServicePort {
+    pub name: String,
+    pub protocol: Protocol,
+    pub port: u16,
+    /// 0 when none is allocated.
+    pub node_port: u16,
+    pub target_port: TargetPort,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Service {
+    pub namespace: String,
+    pub name: String,
+    pub service_type: ServiceType,
+    pub cluster_ips: Vec<String>,
+    pub external_ips: Vec<String>,
+    pub load_balancer_ips: Vec<String>,
+    pub ports: Vec<ServicePort>,
+    pub session_affinity_timeout: Option<u32>,
+    pub external_traffic_policy: TrafficPolicy,
+    pub internal_traffic_policy: TrafficPolicy,
+    pub labels: Labels,
+}
+
+impl Service {
+    pub fn key(&self) -> ObjectKey {
+        ObjectKey::new(&self.namespace, &self.name)
+    }
+    /// Headless and ExternalName services have nothing for the dataplane.
+    pub fn is_proxied(&self) -> bool {
+        self.service_type != ServiceType::ExternalName
+            && self.cluster_ips.iter().any(|ip| !ip.is_empty() && ip != "None")
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Endpoint {
+    pub addresses: Vec<String>,
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+    pub node_name: Option<String>,
+    pub zone: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndpointPort {
+    pub name: String,
+    pub protocol: Protocol,
+    pub port: u16,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndpointSlice {
+    pub namespace: String,
+    pub name: String,
+    /// From the `kubernetes.io/service-name` label.
+    pub service_name: String,
+    pub endpoints: Vec<Endpoint>,
+    pub ports: Vec<EndpointPort>,
+}
+
+impl EndpointSlice {
+    pub fn key(&self) -> ObjectKey {
+        ObjectKey::new(&self.namespace, &self.name)
+    }
+    pub fn service_key(&self) -> ObjectKey {
+        ObjectKey::new(&self.namespace, &self.service_name)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Node {
+    pub name: String,
+    pub addresses: Vec<String>,
+    pub pod_cidrs: Vec<String>,
+    pub labels: Labels,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Namespace {
+    pub name: String,
+    pub labels: Labels,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContainerPort {
+    pub name: String,
+    pub protocol: Protocol,
+    pub port: u16,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pod {
+    pub namespace: String,
+    pub name: String,
+    pub ips: Vec<String>,
+    pub node_name: Option<String>,
+    pub labels: Labels,
+    pub ports: Vec<ContainerPort>,
+    pub host_network: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SelectorOperator {
+    In,
+    NotIn,
+    Exists,
+    DoesNotExist,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SelectorRequirement {
+    pub key: String,
+    pub operator: SelectorOperator,
+    pub values: Vec<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct LabelSelector {
+    pub match_labels: Labels,
+    pub match_expressions: Vec<SelectorRequirement>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IpBlock {
+    pub cidr: String,
+    pub except: Vec<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PolicyPortNumber {
+    Any,
+    Number(u16),
+    Name(String),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PolicyPort {
+    pub protocol: Protocol,
+    pub port: PolicyPortNumber,
+    pub end_port: Option<u16>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PolicyPeer {
+    pub pod_selector: Option<LabelSelector>,
+    pub namespace_selector: Option<LabelSelector>,
+    pub ip_block: Option<IpBlock>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PolicyRule {
+    pub ports: Vec<PolicyPort>,
+    pub peers: Vec<PolicyPeer>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetworkPolicy {
+    pub namespace: String,
+    pub name: String,
+    pub generation: u64,
+    pub pod_selector: LabelSelector,
+    pub ingress: Option<Vec<PolicyRule>>,
+    pub egress: Option<Vec<PolicyRule>>,
+}

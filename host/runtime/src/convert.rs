@@ -1,0 +1,135 @@
+//! Model types to WIT types (what is lowered into a guest) and back for selectors.
+
+use wasmplane_model as m;
+use wasmplane_model::state as ms;
+
+use crate::bindings::service::wasmplane::dataplane::types as wit;
+
+pub fn protocol(p: m::Protocol) -> wit::Protocol {
+    match p {
+        m::Protocol::Tcp => wit::Protocol::Tcp,
+        m::Protocol::Udp => wit::Protocol::Udp,
+        m::Protocol::Sctp => wit::Protocol::Sctp,
+    }
+}
+
+fn labels(l: &m::Labels) -> Vec<wit::Label> {
+    l.iter().map(|(k, v)| wit::Label { key: k.clone(), value: v.clone() }).collect()
+}
+
+fn policy(p: m::TrafficPolicy) -> wit::TrafficPolicy {
+    match p {
+        m::TrafficPolicy::Cluster => wit::TrafficPolicy::Cluster,
+        m::TrafficPolicy::Local => wit::TrafficPolicy::Local,
+    }
+}
+
+pub fn node_context(c: &ms::NodeContext) -> wit::NodeContext {
+    wit::NodeContext {
+        node_name: c.node_name.clone(),
+        node_ips: c.node_ips.clone(),
+        cluster_cidrs: c.cluster_cidrs.clone(),
+        pod_cidrs: c.pod_cidrs.clone(),
+    }
+}
+
+pub fn service(s: &m::Service) -> wit::Service {
+    wit::Service {
+        namespace: s.namespace.clone(),
+        name: s.name.clone(),
+        service_type: match s.service_type {
+            m::ServiceType::ClusterIP => wit::ServiceType::ClusterIp,
+            m::ServiceType::NodePort => wit::ServiceType::NodePort,
+            m::ServiceType::LoadBalancer => wit::ServiceType::LoadBalancer,
+            m::ServiceType::ExternalName => wit::ServiceType::ExternalName,
+        },
+        cluster_ips: s.cluster_ips.clone(),
+        external_ips: s.external_ips.clone(),
+        load_balancer_ips: s.load_balancer_ips.clone(),
+        ports: s
+            .ports
+            .iter()
+            .map(|p| wit::ServicePort {
+                name: p.name.clone(),
+                protocol: protocol(p.protocol),
+                port: p.port,
+                node_port: p.node_port,
+                target_port: match &p.target_port {
+                    m::TargetPort::Number(n) => wit::TargetPort::Number(*n),
+                    m::TargetPort::Name(n) => wit::TargetPort::Name(n.clone()),
+                },
+            })
+            .collect(),
+        session_affinity_timeout: s.session_affinity_timeout,
+        external_traffic_policy: policy(s.external_traffic_policy),
+        internal_traffic_policy: policy(s.internal_traffic_policy),
+        labels: labels(&s.labels),
+    }
+}
+
+pub fn slices(view: &ms::ServiceView) -> Vec<wit::EndpointSlice> {
+    view.slices
+        .iter()
+        .map(|s| wit::EndpointSlice {
+            name: s.name.clone(),
+            endpoints: s
+                .endpoints
+                .iter()
+                .map(|e| wit::Endpoint {
+                    addresses: e.addresses.clone(),
+                    ready: e.ready,
+                    serving: e.serving,
+                    terminating: e.terminating,
+                    node_name: e.node_name.clone(),
+                    zone: e.zone.clone(),
+                    is_local: e.is_local,
+                })
+                .collect(),
+            ports: s
+                .ports
+                .iter()
+                .map(|p| wit::EndpointPort { name: p.name.clone(), protocol: protocol(p.protocol), port: p.port })
+                .collect(),
+        })
+        .collect()
+}
+
+pub fn pod(p: &m::Pod) -> wit::Pod {
+    wit::Pod {
+        namespace: p.namespace.clone(),
+        name: p.name.clone(),
+        ips: p.ips.clone(),
+        node_name: p.node_name.clone(),
+        labels: labels(&p.labels),
+        ports: p
+            .ports
+            .iter()
+            .map(|c| wit::ContainerPort { name: c.name.clone(), protocol: protocol(c.protocol), port: c.port })
+            .collect(),
+        host_network: p.host_network,
+    }
+}
+
+pub fn namespace(n: &m::Namespace) -> wit::Namespace {
+    wit::Namespace { name: n.name.clone(), labels: labels(&n.labels) }
+}
+
+pub fn selector_from_wit(s: wit::LabelSelector) -> m::LabelSelector {
+    m::LabelSelector {
+        match_labels: s.match_labels.into_iter().map(|l| (l.key, l.value)).collect(),
+        match_expressions: s
+            .match_expressions
+            .into_iter()
+            .map(|r| m::SelectorRequirement {
+                key: r.key,
+                operator: match r.operator {
+                    wit::SelectorOperator::In => m::SelectorOperator::In,
+                    wit::SelectorOperator::NotIn => m::SelectorOperator::NotIn,
+                    wit::SelectorOperator::Exists => m::SelectorOperator::Exists,
+                    wit::SelectorOperator::DoesNotExist => m::SelectorOperator::DoesNotExist,
+                },
+                values: r.values,
+            })
+            .collect(),
+    }
+}

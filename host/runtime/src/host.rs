@@ -1,0 +1,176 @@
+//! The store state of a guest and the capabilities the host links for it.
+//!
+//! Each capability is one WIT interface with its host implementation here: `log` (tracing)
+//! and `lookups` (read-only queries of the node-local model). WASI is linked only so that
+//! guests built with Rust's std instantiate; its context grants nothing.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use wasmtime::component::{HasSelf, Linker, ResourceTable};
+use wasmtime::{Engine, ResourceLimiter};
+use wasmtime_wasi::{Deterministic, HostMonotonicClock, HostWallClock, WasiCtx, WasiCtxView, WasiView};
+
+use crate::bindings::service::ServiceTranslation;
+use crate::bindings::service::wasmplane::dataplane::{log, lookups, types as wit};
+use crate::convert;
+
+/// Read-only queries a guest granted `lookups` may make of the node-local model.
+pub trait Lookups: Send + Sync {
+    fn pods_matching(
+        &self,
+        namespace: Option<&str>,
+        namespace_selector: Option<&wasmplane_model::LabelSelector>,
+        pod_selector: &wasmplane_model::LabelSelector,
+    ) -> Vec<wasmplane_model::Pod>;
+    fn namespace(&self, name: &str) -> Option<wasmplane_model::Namespace>;
+}
+
+/// Lookups over an empty cluster.
+pub struct NoLookups;
+
+impl Lookups for NoLookups {
+    fn pods_matching(
+        &self,
+        _: Option<&str>,
+        _: Option<&wasmplane_model::LabelSelector>,
+        _: &wasmplane_model::LabelSelector,
+    ) -> Vec<wasmplane_model::Pod> {
+        Vec::new()
+    }
+    fn namespace(&self, _: &str) -> Option<wasmplane_model::Namespace> {
+        None
+    }
+}
+
+/// Caps memory and tables; remembers a denial so the error names the real cause.
+pub(crate) struct GuestLimiter {
+    pub memory_bytes: usize,
+    pub table_elements: usize,
+    pub memory_exceeded: bool,
+}
+
+impl ResourceLimiter for GuestLimiter {
+    fn memory_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+        if desired > self.memory_bytes {
+            self.memory_exceeded = true;
+            return Err(wasmtime::format_err!("memory limit of {} bytes exceeded (wanted {desired})", self.memory_bytes));
+        }
+        Ok(true)
+    }
+
+    fn table_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+        Ok(desired <= self.table_elements)
+    }
+}
+
+pub struct GuestState {
+    wasi: WasiCtx,
+    table: ResourceTable,
+    pub(crate) limiter: GuestLimiter,
+    module: Arc<str>,
+    lookups: Arc<dyn Lookups>,
+}
+
+impl GuestState {
+    pub(crate) fn new(
+        module: Arc<str>,
+        memory_bytes: usize,
+        table_elements: usize,
+        lookups: Arc<dyn Lookups>,
+        stderr: wasmtime_wasi::p2::pipe::MemoryOutputPipe,
+    ) -> Self {
+        GuestState {
+            wasi: sealed_wasi(stderr),
+            table: ResourceTable::new(),
+            limiter: GuestLimiter { memory_bytes, table_elements, memory_exceeded: false },
+            module,
+            lookups,
+        }
+    }
+}
+
+/// A clock that stands still at the epoch: guests are pure functions of their input.
+struct FrozenClock;
+
+impl HostWallClock for FrozenClock {
+    fn resolution(&self) -> Duration {
+        Duration::from_secs(1)
+    }
+    fn now(&self) -> Duration {
+        Duration::ZERO
+    }
+}
+
+impl HostMonotonicClock for FrozenClock {
+    fn resolution(&self) -> u64 {
+        1_000_000_000
+    }
+    fn now(&self) -> u64 {
+        0
+    }
+}
+
+/// WASI granting nothing: no preopens, env, args, stdio or sockets; frozen clocks; a fixed
+/// random stream so the same input always gives the same output (hash maps included).
+pub(crate) fn sealed_wasi(stderr: wasmtime_wasi::p2::pipe::MemoryOutputPipe) -> WasiCtx {
+    WasiCtx::builder()
+        // Captured, bounded: Rust panic messages land here and make trap reports readable.
+        .stderr(stderr)
+        .allow_tcp(false)
+        .allow_udp(false)
+        .allow_ip_name_lookup(false)
+        .wall_clock(FrozenClock)
+        .monotonic_clock(FrozenClock)
+        .secure_random(Deterministic::new(vec![0x5a, 0x17, 0xc3, 0x88]))
+        .insecure_random(Deterministic::new(vec![0x42, 0x99, 0x01, 0x7e]))
+        .insecure_random_seed(0x5eed)
+        .build()
+}
+
+impl WasiView for GuestState {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
+    }
+}
+
+impl log::Host for GuestState {
+    fn log(&mut self, level: log::Level, message: String) {
+        // Bounded so a chatty guest cannot flood the host's log.
+        let message: String = message.chars().take(2048).collect();
+        let module = &*self.module;
+        match level {
+            log::Level::Trace => tracing::trace!(target: "guest", module, "{message}"),
+            log::Level::Debug => tracing::debug!(target: "guest", module, "{message}"),
+            log::Level::Info => tracing::info!(target: "guest", module, "{message}"),
+            log::Level::Warn => tracing::warn!(target: "guest", module, "{message}"),
+            log::Level::Error => tracing::error!(target: "guest", module, "{message}"),
+        }
+    }
+}
+
+impl lookups::Host for GuestState {
+    fn pods_matching(
+        &mut self,
+        namespace: Option<String>,
+        namespace_selector: Option<wit::LabelSelector>,
+        pod_selector: wit::LabelSelector,
+    ) -> Vec<wit::Pod> {
+        let ns_sel = namespace_selector.map(convert::selector_from_wit);
+        let pod_sel = convert::selector_from_wit(pod_selector);
+        self.lookups.pods_matching(namespace.as_deref(), ns_sel.as_ref(), &pod_sel).iter().map(convert::pod).collect()
+    }
+
+    fn get_namespace(&mut self, name: String) -> Option<wit::Namespace> {
+        self.lookups.namespace(&name).map(|n| convert::namespace(&n))
+    }
+}
+
+impl wit::Host for GuestState {}
+
+pub(crate) fn linker(engine: &Engine) -> wasmtime::Result<Linker<GuestState>> {
+    let mut linker = Linker::new(engine);
+    wasmtime_wasi::p2::add_to_linker_sync(&mut linker)?;
+    ServiceTranslation::add_to_linker::<_, HasSelf<_>>(&mut linker, |state| state)?;
+    Ok(linker)
+}

@@ -1,0 +1,153 @@
+//! wasmplane's Wasm runtime.
+//!
+//! One [`Runtime`] owns one wasmtime [`Engine`] (pooling allocator, epoch interruption) and a
+//! linker with exactly the capabilities a guest may import. [`Runtime::load`] validates and
+//! compiles a component (cached on disk by content hash) into a [`LoadedModule`] holding an
+//! `InstancePre`; guest calls go through short-lived sessions with per-call limits:
+//!
+//! - time: an epoch deadline (a ticker thread advances the epoch every [`EPOCH_TICK`]);
+//! - memory: a resource limiter capping linear memory and tables;
+//! - output: a cap on the size of what a call returns.
+//!
+//! A guest that breaks a limit or traps is stopped with a [`CallError`]; the host stays up.
+//! WASI is linked with an empty context: no preopened directories, environment, arguments,
+//! network or stdio, and clocks that stand still, unless a module is granted more.
+
+mod bindings;
+mod convert;
+mod host;
+mod loader;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use wasmtime::component::Linker;
+use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
+
+pub use bindings::service::wasmplane::dataplane::types as wit;
+pub use host::{GuestState, Lookups, NoLookups};
+pub use loader::{GuestKind, LoadError, LoadedModule, ModuleInfo, WIT_PACKAGE, WIT_VERSION};
+
+/// How often the epoch advances; deadlines are whole ticks.
+pub const EPOCH_TICK: Duration = Duration::from_millis(5);
+
+/// Per-call sandbox limits.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Wall-clock budget of one guest call.
+    pub call_timeout: Duration,
+    /// Maximum linear memory of one guest instance.
+    pub memory_bytes: usize,
+    /// Maximum table elements of one guest instance.
+    pub table_elements: usize,
+    /// Maximum size of one call's output, in rules + elements + declared objects.
+    pub max_output_objects: usize,
+    /// Maximum total bytes of strings in one call's output.
+    pub max_output_bytes: usize,
+    /// Instances alive at once (pool size).
+    pub max_instances: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            call_timeout: Duration::from_millis(500),
+            memory_bytes: 64 << 20,
+            table_elements: 20_000,
+            max_output_objects: 100_000,
+            max_output_bytes: 16 << 20,
+            max_instances: 64,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("configuring the Wasm engine: {0}")]
+    Engine(String),
+}
+
+/// Why a guest call produced no usable output.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum CallError {
+    #[error("guest exceeded its time limit of {0:?}")]
+    Timeout(Duration),
+    #[error("guest exceeded its memory limit of {0} bytes")]
+    MemoryLimit(usize),
+    #[error("guest trapped: {0}")]
+    Trap(String),
+    #[error("guest returned an error: {0}")]
+    Guest(String),
+    #[error("guest output too large: {0}")]
+    OutputTooLarge(String),
+    #[error("instantiating the guest failed: {0}")]
+    Instantiate(String),
+}
+
+/// The Wasm engine and everything shared by all modules.
+pub struct Runtime {
+    engine: Engine,
+    linker: Linker<GuestState>,
+    limits: Limits,
+    cache_dir: Option<PathBuf>,
+    stop_ticker: Arc<AtomicBool>,
+}
+
+impl Runtime {
+    /// `cache_dir`: where compiled components are kept between runs (`None`: no disk cache).
+    pub fn new(limits: Limits, cache_dir: Option<PathBuf>) -> Result<Runtime, RuntimeError> {
+        let mut pool = PoolingAllocationConfig::default();
+        pool.total_component_instances(limits.max_instances)
+            .total_core_instances(limits.max_instances * 8)
+            .total_memories(limits.max_instances * 2)
+            .total_tables(limits.max_instances * 4)
+            .max_memory_size(limits.memory_bytes)
+            .table_elements(limits.table_elements)
+            .total_stacks(limits.max_instances);
+        let mut config = Config::new();
+        config
+            .wasm_component_model(true)
+            .epoch_interruption(true)
+            .allocation_strategy(InstanceAllocationStrategy::Pooling(pool))
+            // Guests are small and short-lived: keep the per-instance reservation modest.
+            .memory_reservation(limits.memory_bytes as u64 + (64 << 20));
+        let engine = Engine::new(&config).map_err(|e| RuntimeError::Engine(format!("{e:#}")))?;
+        let linker = host::linker(&engine).map_err(|e| RuntimeError::Engine(format!("{e:#}")))?;
+        if let Some(dir) = &cache_dir {
+            std::fs::create_dir_all(dir).map_err(|e| RuntimeError::Engine(format!("creating {}: {e}", dir.display())))?;
+        }
+        let stop_ticker = Arc::new(AtomicBool::new(false));
+        {
+            let engine = engine.clone();
+            let stop = stop_ticker.clone();
+            std::thread::Builder::new()
+                .name("wasm-epoch".into())
+                .spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        std::thread::sleep(EPOCH_TICK);
+                        engine.increment_epoch();
+                    }
+                })
+                .map_err(|e| RuntimeError::Engine(format!("starting the epoch ticker: {e}")))?;
+        }
+        Ok(Runtime { engine, linker, limits, cache_dir, stop_ticker })
+    }
+
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        self.stop_ticker.store(true, Ordering::Relaxed);
+    }
+}
+
+pub use loader::TranslatorSession;

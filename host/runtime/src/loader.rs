@@ -1,0 +1,374 @@
+//! Validating, compiling and running guest components.
+
+use std::fmt;
+use std::hash::{Hash, Hasher};
+use std::path::Path;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use wasmtime::component::types::ComponentItem;
+use wasmtime::component::{Component, InstancePre};
+use wasmtime::{Store, Trap};
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+
+use crate::bindings::service::{ServiceTranslation, ServiceTranslationPre};
+use crate::host::{GuestState, Lookups};
+use crate::{CallError, EPOCH_TICK, Limits, Runtime, convert, wit};
+use wasmplane_model::state::{NodeContext, ServiceView};
+
+/// The WIT package every guest world belongs to.
+pub const WIT_PACKAGE: &str = "wasmplane:dataplane";
+/// The package version this host implements; guests built against any 1.x load.
+pub const WIT_VERSION: &str = "1.0.0";
+const WIT_MAJOR: &str = "1.";
+
+/// Bytes of guest stderr kept for error messages (panic messages land there).
+const STDERR_CAPTURE: usize = 4096;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum GuestKind {
+    ServiceTranslator,
+    NetworkPolicy,
+    Gc,
+}
+
+impl GuestKind {
+    pub const ALL: [GuestKind; 3] = [GuestKind::ServiceTranslator, GuestKind::NetworkPolicy, GuestKind::Gc];
+
+    /// The interface a component of this kind exports.
+    pub fn interface(self) -> &'static str {
+        match self {
+            GuestKind::ServiceTranslator => "service-translator",
+            GuestKind::NetworkPolicy => "network-policy",
+            GuestKind::Gc => "gc",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<GuestKind> {
+        GuestKind::ALL.into_iter().find(|k| k.interface() == s)
+    }
+}
+
+impl fmt::Display for GuestKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.interface())
+    }
+}
+
+/// Why a module was refused.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum LoadError {
+    #[error("module is {size} bytes, over the limit of {max}")]
+    TooLarge { size: usize, max: usize },
+    #[error("not a WebAssembly binary (bad magic number)")]
+    NotWasm,
+    #[error("this is a core WebAssembly module, not a component: build for wasm32-wasip2 or run `wasm-tools component new`")]
+    CoreModule,
+    #[error("component does not compile: {0}")]
+    Compile(String),
+    #[error("component implements no known wasmplane world (it exports {exports:?}; expected one of {expected:?} from {WIT_PACKAGE}@1.x)")]
+    UnknownWorld { exports: Vec<String>, expected: Vec<String> },
+    #[error("component was uploaded as kind {declared} but implements {found}")]
+    KindMismatch { declared: GuestKind, found: GuestKind },
+    #[error("component targets {WIT_PACKAGE}@{found}, this host implements {WIT_VERSION} (major version 1)")]
+    UnsupportedVersion { found: String },
+    #[error("component imports {0}, which this host does not grant")]
+    ForbiddenImport(String),
+    #[error("component does not link against the host: {0}")]
+    Link(String),
+    #[error("this host cannot run {0} guests yet")]
+    KindNotRunnable(GuestKind),
+}
+
+/// What the host learned about a module while loading it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ModuleInfo {
+    /// `sha256:<hex>` of the component bytes.
+    pub digest: String,
+    pub kind: GuestKind,
+    pub wit_version: String,
+    pub size: usize,
+    pub imports: Vec<String>,
+}
+
+enum Runner {
+    ServiceTranslator(ServiceTranslationPre<GuestState>),
+}
+
+/// A validated, compiled component ready to instantiate.
+pub struct LoadedModule {
+    pub info: ModuleInfo,
+    name: Arc<str>,
+    runner: Runner,
+    engine: wasmtime::Engine,
+    limits: Limits,
+}
+
+pub fn digest(bytes: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
+}
+
+fn check_header(bytes: &[u8]) -> Result<(), LoadError> {
+    const MAGIC: &[u8] = b"\0asm";
+    if bytes.len() < 8 || &bytes[..4] != MAGIC {
+        return Err(LoadError::NotWasm);
+    }
+    // Bytes 4..8: version and layer; layer 0 is a core module, 1 a component.
+    match &bytes[4..8] {
+        [1, 0, 0, 0] => Err(LoadError::CoreModule),
+        [_, _, 1, 0] => Ok(()),
+        _ => Err(LoadError::NotWasm),
+    }
+}
+
+/// `wasmplane:dataplane/service-translator@1.0.0` → (`service-translator`, `1.0.0`).
+fn split_name(name: &str) -> Option<(&str, &str)> {
+    let rest = name.strip_prefix(WIT_PACKAGE)?.strip_prefix('/')?;
+    rest.split_once('@')
+}
+
+impl Runtime {
+    /// Validates and compiles `bytes`. `expected`: the kind the uploader declared.
+    pub fn load(&self, name: &str, bytes: &[u8], expected: Option<GuestKind>, max_size: usize) -> Result<LoadedModule, LoadError> {
+        if bytes.len() > max_size {
+            return Err(LoadError::TooLarge { size: bytes.len(), max: max_size });
+        }
+        check_header(bytes)?;
+        let digest = digest(bytes);
+        let component = self.compile_cached(&digest, bytes)?;
+        let ty = component.component_type();
+
+        let mut found = None;
+        let mut exports = Vec::new();
+        for (export, item) in ty.exports(&self.engine) {
+            exports.push(export.to_string());
+            if let (Some((iface, version)), ComponentItem::ComponentInstance(_)) = (split_name(export), item.ty) {
+                if let Some(kind) = GuestKind::parse(iface) {
+                    found = Some((kind, version.to_string()));
+                }
+            }
+        }
+        let Some((kind, version)) = found else {
+            return Err(LoadError::UnknownWorld {
+                exports,
+                expected: GuestKind::ALL.iter().map(|k| format!("{WIT_PACKAGE}/{k}")).collect(),
+            });
+        };
+        if !version.starts_with(WIT_MAJOR) {
+            return Err(LoadError::UnsupportedVersion { found: version });
+        }
+        if let Some(declared) = expected {
+            if declared != kind {
+                return Err(LoadError::KindMismatch { declared, found: kind });
+            }
+        }
+        let mut imports = Vec::new();
+        for (import, _) in ty.imports(&self.engine) {
+            let granted = import.starts_with("wasi:")
+                || split_name(import)
+                    .is_some_and(|(iface, v)| matches!(iface, "types" | "log" | "lookups") && v.starts_with(WIT_MAJOR));
+            if !granted {
+                return Err(LoadError::ForbiddenImport(import.to_string()));
+            }
+            imports.push(import.to_string());
+        }
+        let pre: InstancePre<GuestState> =
+            self.linker.instantiate_pre(&component).map_err(|e| LoadError::Link(format!("{e:#}")))?;
+        let runner = match kind {
+            GuestKind::ServiceTranslator => {
+                Runner::ServiceTranslator(ServiceTranslationPre::new(pre).map_err(|e| LoadError::Link(format!("{e:#}")))?)
+            }
+            other => return Err(LoadError::KindNotRunnable(other)),
+        };
+        Ok(LoadedModule {
+            info: ModuleInfo { digest, kind, wit_version: version, size: bytes.len(), imports },
+            name: Arc::from(name),
+            runner,
+            engine: self.engine.clone(),
+            limits: self.limits.clone(),
+        })
+    }
+
+    /// Compiles, or loads the machine code compiled earlier for the same bytes and engine.
+    fn compile_cached(&self, digest: &str, bytes: &[u8]) -> Result<Component, LoadError> {
+        let Some(dir) = &self.cache_dir else {
+            return Component::new(&self.engine, bytes).map_err(|e| LoadError::Compile(format!("{e:#}")));
+        };
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        self.engine.precompile_compatibility_hash().hash(&mut hasher);
+        let path = dir.join(format!("{}-{:016x}.cwasm", digest.trim_start_matches("sha256:"), hasher.finish()));
+        if path.exists() {
+            // SAFETY: the cache directory is written only by this host (below), from components
+            // it compiled itself with a compatible engine; the file name binds both.
+            match unsafe { Component::deserialize_file(&self.engine, &path) } {
+                Ok(component) => return Ok(component),
+                Err(e) => tracing::warn!(path = %path.display(), "discarding unusable compiled module: {e:#}"),
+            }
+        }
+        let component = Component::new(&self.engine, bytes).map_err(|e| LoadError::Compile(format!("{e:#}")))?;
+        if let Err(e) = component.serialize().map_err(|e| e.to_string()).and_then(|code| write_atomically(&path, &code)) {
+            tracing::warn!(path = %path.display(), "could not cache compiled module: {e}");
+        }
+        Ok(component)
+    }
+}
+
+fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), String> {
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, bytes).and_then(|_| std::fs::rename(&tmp, path)).map_err(|e| e.to_string())
+}
+
+impl LoadedModule {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// A session running service translations; fails if this is another kind.
+    pub fn translator(&self, lookups: Arc<dyn Lookups>) -> Option<TranslatorSession> {
+        match &self.runner {
+            Runner::ServiceTranslator(pre) => Some(TranslatorSession {
+                pre: pre.clone(),
+                engine: self.engine.clone(),
+                limits: self.limits.clone(),
+                name: self.name.clone(),
+                lookups,
+                live: None,
+            }),
+        }
+    }
+}
+
+struct LiveInstance {
+    store: Store<GuestState>,
+    bindings: ServiceTranslation,
+    stderr: MemoryOutputPipe,
+}
+
+/// Runs translations on one instance, reused across calls until a call fails (a trapped
+/// instance cannot be entered again, so the next call gets a fresh one).
+pub struct TranslatorSession {
+    pre: ServiceTranslationPre<GuestState>,
+    engine: wasmtime::Engine,
+    limits: Limits,
+    name: Arc<str>,
+    lookups: Arc<dyn Lookups>,
+    live: Option<LiveInstance>,
+}
+
+impl TranslatorSession {
+    fn instantiate(&mut self) -> Result<&mut LiveInstance, CallError> {
+        if self.live.is_none() {
+            let stderr = MemoryOutputPipe::new(STDERR_CAPTURE);
+            let state = GuestState::new(
+                self.name.clone(),
+                self.limits.memory_bytes,
+                self.limits.table_elements,
+                self.lookups.clone(),
+                stderr.clone(),
+            );
+            let mut store = Store::new(&self.engine, state);
+            store.limiter(|s| &mut s.limiter);
+            self.arm_deadline(&mut store);
+            let bindings = self.pre.instantiate(&mut store).map_err(|e| CallError::Instantiate(format!("{e:#}")))?;
+            self.live = Some(LiveInstance { store, bindings, stderr });
+        }
+        Ok(self.live.as_mut().expect("just instantiated"))
+    }
+
+    /// Instantiates now rather than on the first call (benchmarks, warm-up).
+    pub fn instantiate_now(&mut self) -> Result<(), CallError> {
+        self.instantiate().map(|_| ())
+    }
+
+    fn arm_deadline(&self, store: &mut Store<GuestState>) {
+        let ticks = self.limits.call_timeout.as_nanos().div_ceil(EPOCH_TICK.as_nanos()).max(1) as u64;
+        store.set_epoch_deadline(ticks);
+        store.epoch_deadline_trap();
+    }
+
+    /// Translates one service. On any error the instance is dropped.
+    pub fn translate(&mut self, context: &NodeContext, chain_prefix: &str, view: &ServiceView) -> Result<wit::Ruleset, CallError> {
+        let ctx = convert::node_context(context);
+        let service = convert::service(&view.service);
+        let slices = convert::slices(view);
+        self.translate_wit(&ctx, chain_prefix, &service, &slices)
+    }
+
+    /// Like [`translate`](Self::translate) with inputs already in WIT form.
+    pub fn translate_wit(
+        &mut self,
+        ctx: &wit::NodeContext,
+        chain_prefix: &str,
+        service: &wit::Service,
+        slices: &[wit::EndpointSlice],
+    ) -> Result<wit::Ruleset, CallError> {
+        let limits = self.limits.clone();
+        let ticks = limits.call_timeout.as_nanos().div_ceil(EPOCH_TICK.as_nanos()).max(1) as u64;
+        let live = self.instantiate()?;
+        live.store.set_epoch_deadline(ticks);
+        let result = live.bindings.wasmplane_dataplane_service_translator().call_translate(
+            &mut live.store,
+            ctx,
+            chain_prefix,
+            service,
+            slices,
+        );
+        let outcome = match result {
+            Ok(Ok(ruleset)) => check_output_size(&ruleset, &limits).map(|_| ruleset),
+            Ok(Err(guest_error)) => Err(CallError::Guest(guest_error.message.chars().take(1024).collect())),
+            Err(e) => Err(classify(e, live, &limits)),
+        };
+        if matches!(outcome, Err(ref e) if !matches!(e, CallError::Guest(_))) {
+            self.live = None;
+        }
+        outcome
+    }
+}
+
+fn classify(error: wasmtime::Error, live: &LiveInstance, limits: &Limits) -> CallError {
+    if live.store.data().limiter.memory_exceeded {
+        return CallError::MemoryLimit(limits.memory_bytes);
+    }
+    if error.downcast_ref::<Trap>() == Some(&Trap::Interrupt) {
+        return CallError::Timeout(limits.call_timeout);
+    }
+    let stderr = String::from_utf8_lossy(&live.stderr.contents()).trim().to_string();
+    let root = format!("{error:#}");
+    let root = root.lines().next().unwrap_or_default().to_string();
+    if stderr.is_empty() { CallError::Trap(root) } else { CallError::Trap(format!("{root}; guest stderr: {stderr}")) }
+}
+
+/// Counts the objects and string bytes a call returned.
+pub fn output_cost(r: &wit::Ruleset) -> (usize, usize) {
+    let mut objects = r.chains.len() + r.sets.len() + r.map_elements.len() + r.warnings.len();
+    let mut bytes = r.warnings.iter().map(String::len).sum::<usize>();
+    for chain in &r.chains {
+        objects += chain.rules.len();
+        bytes += chain.name.len();
+        for rule in &chain.rules {
+            objects += rule.matches.len() + rule.statements.len();
+            bytes += rule.comment.as_ref().map_or(0, String::len) + 16;
+        }
+    }
+    for set in &r.sets {
+        objects += set.elements.len();
+        bytes += set.name.len() + set.elements.iter().map(String::len).sum::<usize>();
+    }
+    for e in &r.map_elements {
+        bytes += e.map_name.len() + 8 * e.key.len() + 16;
+    }
+    (objects, bytes)
+}
+
+fn check_output_size(r: &wit::Ruleset, limits: &Limits) -> Result<(), CallError> {
+    let (objects, bytes) = output_cost(r);
+    if objects > limits.max_output_objects || bytes > limits.max_output_bytes {
+        return Err(CallError::OutputTooLarge(format!(
+            "{objects} objects / {bytes} bytes (limits {} / {})",
+            limits.max_output_objects, limits.max_output_bytes
+        )));
+    }
+    Ok(())
+}

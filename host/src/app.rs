@@ -1,0 +1,199 @@
+//! Wiring: configuration in, a running host out (REST API, sources, controller loops).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use tokio::sync::oneshot;
+use wasmplane_runtime::{Limits, Runtime};
+
+use crate::api::{ApiState, router};
+use crate::controller::{Controller, ControllerConfig};
+use crate::dataplane::{Kernel, NftCommand, Recorder};
+use crate::metrics::Metrics;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DataplaneMode {
+    /// Render transactions without touching the kernel (no privileges needed).
+    Record,
+    /// Apply transactions with `nft -f` (needs CAP_NET_ADMIN).
+    Nftables,
+}
+
+#[derive(Clone, Debug)]
+pub struct HostConfig {
+    pub listen: SocketAddr,
+    pub manifests: Option<PathBuf>,
+    pub data_dir: Option<PathBuf>,
+    pub node_name: String,
+    pub cluster_cidrs: Vec<String>,
+    pub dataplane: DataplaneMode,
+    pub token: Option<String>,
+    pub limits: Limits,
+    pub max_module_bytes: usize,
+    pub reconcile_interval: Duration,
+    pub manifest_poll: Duration,
+}
+
+impl Default for HostConfig {
+    fn default() -> Self {
+        HostConfig {
+            listen: "127.0.0.1:8080".parse().expect("static address"),
+            manifests: None,
+            data_dir: None,
+            node_name: "node-a".into(),
+            cluster_cidrs: vec!["10.244.0.0/16".into()],
+            dataplane: DataplaneMode::Record,
+            token: None,
+            limits: Limits::default(),
+            max_module_bytes: 16 << 20,
+            reconcile_interval: Duration::from_secs(60),
+            manifest_poll: Duration::from_secs(1),
+        }
+    }
+}
+
+pub struct RunningHost {
+    pub addr: SocketAddr,
+    pub token: String,
+    pub controller: Arc<Mutex<Controller>>,
+    pub metrics: Arc<Metrics>,
+    pub ready: Arc<AtomicBool>,
+    shutdown: Option<oneshot::Sender<()>>,
+    server: tokio::task::JoinHandle<()>,
+    loops: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl RunningHost {
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        for l in &self.loops {
+            l.abort();
+        }
+        let _ = (&mut self.server).await;
+    }
+}
+
+/// The bearer token: configured, else kept in the data dir, else made up for this run.
+fn resolve_token(config: &HostConfig) -> anyhow::Result<String> {
+    if let Some(token) = &config.token {
+        anyhow::ensure!(token.len() >= 16, "the API token must be at least 16 characters");
+        return Ok(token.clone());
+    }
+    let mut bytes = [0u8; 24];
+    use std::io::Read as _;
+    std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes)).context("reading /dev/urandom")?;
+    let fresh = hex::encode(bytes);
+    let Some(dir) = &config.data_dir else { return Ok(fresh) };
+    let path = dir.join("token");
+    match std::fs::read_to_string(&path) {
+        Ok(existing) if existing.trim().len() >= 16 => Ok(existing.trim().to_string()),
+        _ => {
+            use std::os::unix::fs::OpenOptionsExt as _;
+            use std::io::Write as _;
+            let mut file = std::fs::OpenOptions::new().create(true).write(true).truncate(true).mode(0o600).open(&path).with_context(|| format!("writing {}", path.display()))?;
+            file.write_all(fresh.as_bytes())?;
+            Ok(fresh)
+        }
+    }
+}
+
+pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
+    if let Some(dir) = &config.data_dir {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating data dir {}", dir.display()))?;
+    }
+    let token = resolve_token(&config)?;
+    let metrics = Arc::new(Metrics::new());
+    let cache = config.data_dir.as_ref().map(|d| d.join("compiled"));
+    let runtime = Arc::new(Runtime::new(config.limits.clone(), cache)?);
+    let kernel: Box<dyn Kernel> = match config.dataplane {
+        DataplaneMode::Record => Box::new(Recorder::default()),
+        DataplaneMode::Nftables => Box::new(NftCommand { binary: "nft".into() }),
+    };
+    let controller_config = ControllerConfig {
+        node_name: config.node_name.clone(),
+        cluster_cidrs: config.cluster_cidrs.clone(),
+        max_module_bytes: config.max_module_bytes,
+    };
+    let data_dir = config.data_dir.clone();
+    let controller = {
+        let (runtime, metrics) = (runtime.clone(), metrics.clone());
+        tokio::task::spawn_blocking(move || Controller::new(runtime, metrics, kernel, data_dir.as_deref(), controller_config)).await??
+    };
+    let controller = Arc::new(Mutex::new(controller));
+    let ready = Arc::new(AtomicBool::new(config.manifests.is_none()));
+    let mut loops = Vec::new();
+
+    if let Some(dir) = config.manifests.clone() {
+        let (tx, mut rx) = tokio::sync::mpsc::channel(4);
+        loops.push(tokio::spawn(wasmplane_sources::manifests::watch_dir(dir.clone(), config.manifest_poll, tx)));
+        let (controller, ready) = (controller.clone(), ready.clone());
+        loops.push(tokio::spawn(async move {
+            while let Some(set) = rx.recv().await {
+                for e in &set.errors {
+                    tracing::warn!("manifest skipped: {e}");
+                }
+                tracing::info!(files = set.files, objects = set.objects.len(), errors = set.errors.len(), dir = %dir.display(), "manifests loaded");
+                let controller = controller.clone();
+                let result = tokio::task::spawn_blocking(move || {
+                    controller.lock().unwrap_or_else(|p| p.into_inner()).replace_objects(set.objects)
+                })
+                .await;
+                match result {
+                    Ok(Ok(())) => ready.store(true, Ordering::Relaxed),
+                    Ok(Err(e)) => tracing::error!("applying manifests: {e}"),
+                    Err(e) => tracing::error!("manifest task failed: {e}"),
+                }
+            }
+        }));
+    }
+
+    {
+        let controller = controller.clone();
+        let interval = config.reconcile_interval;
+        loops.push(tokio::spawn(async move {
+            let mut ticker = tokio::time::interval(interval);
+            ticker.tick().await;
+            loop {
+                ticker.tick().await;
+                let controller = controller.clone();
+                let result = tokio::task::spawn_blocking(move || controller.lock().unwrap_or_else(|p| p.into_inner()).reconcile()).await;
+                if let Ok(Err(e)) = result {
+                    tracing::error!("periodic reconcile failed: {e}");
+                }
+            }
+        }));
+    }
+
+    let state = ApiState {
+        controller: controller.clone(),
+        metrics: metrics.clone(),
+        token: Arc::new(token.clone()),
+        ready: ready.clone(),
+        max_module_bytes: config.max_module_bytes,
+    };
+    let listener = tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;
+    let addr = listener.local_addr()?;
+    let (shutdown_tx, shutdown_rx) = oneshot::channel::<()>();
+    let app = router(state).into_make_service_with_connect_info::<SocketAddr>();
+    let server = tokio::spawn(async move {
+        let result = axum::serve(listener, app)
+            .with_graceful_shutdown(async {
+                let _ = shutdown_rx.await;
+            })
+            .await;
+        if let Err(e) = result {
+            tracing::error!("REST API server failed: {e}");
+        }
+    });
+    Ok(RunningHost { addr, token, controller, metrics, ready, shutdown: Some(shutdown_tx), server, loops })
+}

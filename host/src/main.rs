@@ -1,0 +1,28 @@
+use anyhow::Context as _;
+use clap::Parser as _;
+use tracing_subscriber::EnvFilter;
+use wasmplane::cli::{Cli, Command};
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Run(args) => {
+            let config = args.into_config()?;
+            let data_dir = config.data_dir.clone();
+            let host = wasmplane::app::start(config).await.context("starting wasmplane")?;
+            println!("wasmplane REST API: {}  (try {}/v1/dataplane and {}/v1/modules)", host.url(), host.url(), host.url());
+            if let Some(dir) = data_dir {
+                println!("API token for mutating calls: {}", dir.join("token").display());
+            }
+            tokio::signal::ctrl_c().await.context("waiting for Ctrl-C")?;
+            tracing::info!("shutting down");
+            host.stop().await;
+            Ok(())
+        }
+        Command::Module { api, command } => wasmplane::cli::module_command(api, command).await,
+    }
+}

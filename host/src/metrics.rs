@@ -1,0 +1,79 @@
+//! Prometheus metrics (text exposition at `/metrics`).
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GuestLabels {
+    pub module: String,
+    pub kind: String,
+    pub result: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    pub result: String,
+}
+
+pub struct Metrics {
+    pub registry: Registry,
+    pub events: Counter,
+    pub revisions: Counter,
+    pub guest_calls: Family<GuestLabels, Counter>,
+    pub guest_call_seconds: Histogram,
+    pub invalid_outputs: Counter,
+    pub syncs: Family<ResultLabels, Counter>,
+    pub sync_statements: Counter,
+    pub module_uploads: Family<ResultLabels, Counter>,
+    pub services: Gauge,
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("wasmplane");
+        let m = Metrics {
+            events: Counter::default(),
+            revisions: Counter::default(),
+            guest_calls: Family::default(),
+            guest_call_seconds: Histogram::new(exponential_buckets(0.000_01, 4.0, 10)),
+            invalid_outputs: Counter::default(),
+            syncs: Family::default(),
+            sync_statements: Counter::default(),
+            module_uploads: Family::default(),
+            services: Gauge::default(),
+            registry: Registry::default(),
+        };
+        registry.register("model_events", "Cluster events received by the model", m.events.clone());
+        registry.register("model_revisions", "Node-local model revisions produced", m.revisions.clone());
+        registry.register("guest_calls", "Guest calls by module and result", m.guest_calls.clone());
+        registry.register("guest_call_seconds", "Duration of one guest call", m.guest_call_seconds.clone());
+        registry.register("guest_invalid_outputs", "Guest outputs rejected by validation", m.invalid_outputs.clone());
+        registry.register("dataplane_syncs", "Dataplane transactions by result", m.syncs.clone());
+        registry.register("dataplane_statements", "nftables statements written", m.sync_statements.clone());
+        registry.register("module_uploads", "Module uploads by result", m.module_uploads.clone());
+        registry.register("model_services", "Services in the node-local model", m.services.clone());
+        Metrics { registry, ..m }
+    }
+
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("writing to a String");
+        out
+    }
+
+    pub fn guest_call(&self, module: &str, kind: &str, result: &str) {
+        self.guest_calls
+            .get_or_create(&GuestLabels { module: module.into(), kind: kind.into(), result: result.into() })
+            .inc();
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,285 @@
+//! The REST API end to end: a real host on loopback, driven over HTTP.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use serde_json::Value;
+use wasmplane::app::{HostConfig, RunningHost, start};
+use wasmplane_guest_artifacts as artifacts;
+use wasmplane_runtime::Limits;
+
+const TOKEN: &str = "test-token-0123456789abcdef";
+
+const MANIFESTS: &str = r#"
+apiVersion: v1
+kind: Namespace
+metadata: { name: shop }
+---
+apiVersion: v1
+kind: Service
+metadata: { name: web, namespace: shop }
+spec:
+  clusterIP: 10.96.0.20
+  ports: [{ name: http, port: 80, targetPort: 8080, protocol: TCP }]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: { name: web-abc, namespace: shop, labels: { kubernetes.io/service-name: web } }
+addressType: IPv4
+ports: [{ name: http, port: 8080, protocol: TCP }]
+endpoints:
+  - { addresses: [10.244.0.11], conditions: { ready: true }, nodeName: node-a }
+  - { addresses: [10.244.1.11], conditions: { ready: true }, nodeName: node-b }
+---
+apiVersion: v1
+kind: Service
+metadata: { name: api, namespace: shop, labels: { wasmplane.io/expose: "true" } }
+spec:
+  clusterIP: 10.96.0.21
+  ports: [{ name: https, port: 443, targetPort: 8443, protocol: TCP }]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: { name: api-abc, namespace: shop, labels: { kubernetes.io/service-name: api } }
+addressType: IPv4
+ports: [{ name: https, port: 8443, protocol: TCP }]
+endpoints:
+  - { addresses: [10.244.0.21], conditions: { ready: true }, nodeName: node-a }
+"#;
+
+struct TestHost {
+    host: Option<RunningHost>,
+    client: reqwest::Client,
+    dir: tempfile::TempDir,
+}
+
+fn config(dir: &Path) -> HostConfig {
+    HostConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        manifests: Some(dir.join("manifests")),
+        data_dir: Some(dir.join("data")),
+        token: Some(TOKEN.into()),
+        limits: Limits { call_timeout: Duration::from_millis(200), memory_bytes: 32 << 20, max_instances: 16, ..Default::default() },
+        max_module_bytes: 4 << 20,
+        manifest_poll: Duration::from_millis(50),
+        ..Default::default()
+    }
+}
+
+impl TestHost {
+    async fn start() -> TestHost {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("manifests")).unwrap();
+        std::fs::write(dir.path().join("manifests/shop.yaml"), MANIFESTS).unwrap();
+        let host = start(config(dir.path())).await.unwrap();
+        let t = TestHost { host: Some(host), client: reqwest::Client::new(), dir };
+        t.wait_until("initial manifest sync", |dp| dp.contains("10.96.0.20 . tcp . 80")).await;
+        t
+    }
+
+    async fn restart(&mut self) {
+        self.host.take().unwrap().stop().await;
+        self.host = Some(start(config(self.dir.path())).await.unwrap());
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.host.as_ref().unwrap().url())
+    }
+
+    async fn dataplane(&self) -> String {
+        self.client.get(self.url("/v1/dataplane")).send().await.unwrap().text().await.unwrap()
+    }
+
+    async fn wait_until(&self, what: &str, cond: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let dp = self.dataplane().await;
+            if cond(&dp) {
+                return dp;
+            }
+            assert!(Instant::now() < deadline, "timed out waiting for {what}; dataplane:\n{dp}");
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    async fn upload(&self, name: &str, kind: &str, bytes: &[u8]) -> (StatusCode, Value) {
+        let r = self
+            .client
+            .put(self.url(&format!("/v1/modules/{name}?kind={kind}")))
+            .bearer_auth(TOKEN)
+            .body(bytes.to_vec())
+            .send()
+            .await
+            .unwrap();
+        let status = r.status();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn post(&self, path: &str) -> (StatusCode, Value) {
+        let r = self.client.post(self.url(path)).bearer_auth(TOKEN).send().await.unwrap();
+        let status = r.status();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn get_json(&self, path: &str) -> (StatusCode, Value) {
+        let r = self.client.get(self.url(path)).send().await.unwrap();
+        let status = r.status();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn healthy(&self) -> bool {
+        let r = self.client.get(self.url("/healthz")).send().await.unwrap();
+        r.status() == StatusCode::OK
+    }
+}
+
+fn error_of(body: &Value) -> String {
+    body["error"].as_str().unwrap_or_default().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn builtin_translator_renders_cluster_ip_services() {
+    let t = TestHost::start().await;
+    let dp = t.dataplane().await;
+    // kube-proxy shape: elements in the service map jump to a per-port chain that picks
+    // among endpoints with numgen, one endpoint chain per backend doing the DNAT.
+    assert!(dp.contains("add element inet wasmplane service-ips { 10.96.0.20 . tcp . 80 : goto svc/shop/web/tcp/http }"), "{dp}");
+    assert!(dp.contains("numgen random mod 2 == 0 goto svc/shop/web/tcp/http/ep/10.244.0.11/8080"), "{dp}");
+    assert!(dp.contains("dnat ip to 10.244.1.11:8080"), "{dp}");
+    assert!(dp.contains("ip daddr 10.96.0.20 meta l4proto tcp th dport 80 ip saddr != 10.244.0.0/16 jump mark-for-masquerade"), "{dp}");
+    let (_, state) = t.get_json("/v1/state").await;
+    assert!(state["revision"].as_u64().unwrap() >= 1);
+    let (status, modules) = t.get_json("/v1/modules").await;
+    assert_eq!(status, StatusCode::OK);
+    let builtin = modules["modules"].as_array().unwrap().iter().find(|m| m["name"] == "default-service-translator").unwrap();
+    assert_eq!(builtin["status"], "active");
+    assert!(builtin["calls"].as_u64().unwrap() >= 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uploading_and_activating_a_module_changes_the_dataplane_and_rollback_restores_it() {
+    let t = TestHost::start().await;
+    let (status, body) = t.upload("port-filter", "service-translator", artifacts::examples::PORT_FILTER_TRANSLATOR).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    assert_eq!(body["version"], 1);
+    let dp = t.dataplane().await;
+    // The example exposes only labelled services: api stays, web is gone.
+    assert!(dp.contains("10.96.0.21 . tcp . 443 : goto svc/shop/api/tcp/443"), "{dp}");
+    assert!(!dp.contains("10.96.0.20"), "{dp}");
+    let (_, module) = t.get_json("/v1/modules/port-filter").await;
+    assert_eq!(module["status"], "active");
+    assert!(module["versions"][0]["digest"].as_str().unwrap().starts_with("sha256:"));
+
+    // Version 2 of the same module: the default translation's bytes.
+    let (status, body) = t.upload("port-filter", "service-translator", artifacts::SERVICE_TRANSLATOR).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    assert_eq!(body["version"], 2);
+    assert!(t.dataplane().await.contains("10.96.0.20 . tcp . 80"));
+
+    let (status, body) = t.post("/v1/modules/port-filter/rollback").await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["active_version"], 1);
+    let dp = t.dataplane().await;
+    assert!(!dp.contains("10.96.0.20"), "rollback must restore version 1's output:\n{dp}");
+    let (status, _) = t.post("/v1/modules/port-filter/rollback").await;
+    assert_eq!(status, StatusCode::CONFLICT, "nothing earlier to roll back to");
+
+    // Explicit activation of a version, then deletion falls back to the builtin.
+    let (status, _) = t.post("/v1/modules/port-filter/activate?version=2").await;
+    assert_eq!(status, StatusCode::OK);
+    let r = t.client.delete(t.url("/v1/modules/port-filter")).bearer_auth(TOKEN).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::NO_CONTENT);
+    let (_, builtin) = t.get_json("/v1/modules/default-service-translator").await;
+    assert_eq!(builtin["status"], "active");
+    assert!(t.dataplane().await.contains("10.96.0.20 . tcp . 80"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_uploads_are_refused_with_clear_errors_and_change_nothing() {
+    let t = TestHost::start().await;
+    let before = t.dataplane().await;
+    let core_module = b"\0asm\x01\0\0\0".to_vec();
+    let cases: Vec<(&str, &str, Vec<u8>, StatusCode, &str)> = vec![
+        ("garbage", "service-translator", b"definitely not wasm".to_vec(), StatusCode::BAD_REQUEST, "not a WebAssembly binary"),
+        ("core", "service-translator", core_module, StatusCode::BAD_REQUEST, "core WebAssembly module, not a component"),
+        ("wrong", "service-translator", artifacts::test_programs::WRONG_WORLD.to_vec(), StatusCode::UNPROCESSABLE_ENTITY, "implements no known wasmplane world"),
+        ("kind", "network-policy", artifacts::SERVICE_TRANSLATOR.to_vec(), StatusCode::UNPROCESSABLE_ENTITY, "uploaded as kind network-policy but implements service-translator"),
+        ("huge", "service-translator", vec![0u8; 5 << 20], StatusCode::PAYLOAD_TOO_LARGE, ""),
+        ("nokind", "", artifacts::SERVICE_TRANSLATOR.to_vec(), StatusCode::BAD_REQUEST, "unknown kind"),
+        ("Bad_Name", "service-translator", artifacts::SERVICE_TRANSLATOR.to_vec(), StatusCode::BAD_REQUEST, "DNS label"),
+    ];
+    for (name, kind, bytes, want, message) in cases {
+        let (status, body) = t.upload(name, kind, &bytes).await;
+        assert_eq!(status, want, "{name}: {body}");
+        assert!(error_of(&body).contains(message), "{name}: {message:?} not in {body}");
+    }
+    // Unauthenticated and wrongly authenticated mutations.
+    let url = t.url("/v1/modules/sneaky?kind=service-translator");
+    let r = t.client.put(&url).body(artifacts::SERVICE_TRANSLATOR.to_vec()).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    assert!(r.text().await.unwrap().contains("missing bearer token"));
+    let r = t.client.put(&url).bearer_auth("wrong-token-wrong-token").body(artifacts::SERVICE_TRANSLATOR.to_vec()).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    let r = t.client.post(t.url("/v1/modules/default-service-translator/rollback")).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+
+    let (_, modules) = t.get_json("/v1/modules").await;
+    let names: Vec<&str> = modules["modules"].as_array().unwrap().iter().map(|m| m["name"].as_str().unwrap()).collect();
+    assert_eq!(names, vec!["default-service-translator"]);
+    assert_eq!(t.dataplane().await, before);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn misbehaving_guests_are_stopped_and_the_last_good_dataplane_stays() {
+    let t = TestHost::start().await;
+    let before = t.dataplane().await;
+    let cases: [(&str, &[u8], &str); 4] = [
+        ("looper", artifacts::test_programs::LOOP_FOREVER, "time limit"),
+        ("hoarder", artifacts::test_programs::ALLOCATE_FOREVER, "memory limit"),
+        ("trapper", artifacts::test_programs::TRAP, "this guest always traps"),
+        ("liar", artifacts::test_programs::INVALID_OUTPUT, "outside this object's namespace"),
+    ];
+    for (name, bytes, message) in cases {
+        let started = Instant::now();
+        let (status, body) = t.upload(name, "service-translator", bytes).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{name}: {body}");
+        assert!(error_of(&body).contains(message), "{name}: {message:?} not in {body}");
+        assert!(error_of(&body).contains("previous module stays in force"), "{body}");
+        assert!(started.elapsed() < Duration::from_secs(5), "{name} was not stopped promptly");
+        assert!(t.healthy().await);
+        let (_, module) = t.get_json(&format!("/v1/modules/{name}")).await;
+        assert_eq!(module["status"], "failed", "{module}");
+        assert!(module["last_error"].as_str().unwrap().contains(message));
+        assert_eq!(t.dataplane().await, before, "{name} changed the dataplane");
+    }
+    let (_, builtin) = t.get_json("/v1/modules/default-service-translator").await;
+    assert_eq!(builtin["status"], "active");
+    let metrics = t.client.get(t.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("wasmplane_model_events_total"), "{metrics}");
+    assert!(metrics.contains("result=\"refused\""), "{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manifest_changes_flow_through_and_modules_survive_a_restart() {
+    let mut t = TestHost::start().await;
+    let extra = r#"
+apiVersion: v1
+kind: Service
+metadata: { name: cart, namespace: shop }
+spec:
+  clusterIP: 10.96.0.30
+  ports: [{ port: 9000, targetPort: 9000 }]
+"#;
+    std::fs::write(t.dir.path().join("manifests/cart.yaml"), extra).unwrap();
+    // No endpoints: the service rejects instead of blackholing.
+    t.wait_until("the new service", |dp| dp.contains("no-endpoint-services { 10.96.0.30 . tcp . 9000 : goto reject-chain }")).await;
+
+    let (status, _) = t.upload("port-filter", "service-translator", artifacts::examples::PORT_FILTER_TRANSLATOR).await;
+    assert_eq!(status, StatusCode::CREATED);
+    t.restart().await;
+    let dp = t.wait_until("resync after restart", |dp| dp.contains("10.96.0.21 . tcp . 443")).await;
+    assert!(!dp.contains("10.96.0.20"), "the uploaded module must still be in force:\n{dp}");
+    let (_, module) = t.get_json("/v1/modules/port-filter").await;
+    assert_eq!(module["status"], "active");
+}

@@ -1,0 +1,76 @@
+//! The crate a wasmplane guest author depends on.
+//!
+//! A guest is a `cdylib` built for `wasm32-wasip2` that implements one of the guest worlds
+//! of `wit/wasmplane.wit` and exports it with the matching macro:
+//!
+//! ```ignore
+//! use wasmplane_sdk::service::exports::wasmplane::dataplane::service_translator::Guest;
+//! use wasmplane_sdk::types::*;
+//!
+//! struct MyTranslator;
+//! impl Guest for MyTranslator {
+//!     fn translate(node: NodeContext, prefix: String, svc: Service, slices: Vec<EndpointSlice>)
+//!         -> Result<Ruleset, GuestError> { /* ... */ }
+//! }
+//! wasmplane_sdk::export_service_translator!(MyTranslator);
+//! ```
+//!
+//! Besides the bindings it offers the helpers most guests need: label-selector matching,
+//! CIDR parsing, rule builders and logging through the host. All helpers are plain Rust and
+//! also compile natively, so guest logic can be unit-tested with `cargo test`.
+
+pub mod service {
+    wit_bindgen::generate!({
+        path: "../wit",
+        world: "service-translation",
+        pub_export_macro: true,
+        export_macro_name: "export_service_translator",
+        default_bindings_module: "wasmplane_sdk::service",
+        additional_derives: [PartialEq, Eq, Hash],
+    });
+}
+
+pub mod policy {
+    wit_bindgen::generate!({
+        path: "../wit",
+        world: "network-policy-enforcement",
+        pub_export_macro: true,
+        export_macro_name: "export_network_policy",
+        default_bindings_module: "wasmplane_sdk::policy",
+        with: {
+            "wasmplane:dataplane/types@1.0.0": crate::service::wasmplane::dataplane::types,
+            "wasmplane:dataplane/log@1.0.0": crate::service::wasmplane::dataplane::log,
+            "wasmplane:dataplane/lookups@1.0.0": crate::service::wasmplane::dataplane::lookups,
+        },
+    });
+}
+
+pub mod gc {
+    wit_bindgen::generate!({
+        path: "../wit",
+        world: "garbage-collection",
+        pub_export_macro: true,
+        export_macro_name: "export_gc",
+        default_bindings_module: "wasmplane_sdk::gc",
+        with: {
+                        "wasmplane:dataplane/log@1.0.0": crate::service::wasmplane::dataplane::log,
+        },
+    });
+}
+
+/// The shared WIT types (services, endpoints, rules, ...).
+pub mod types {
+    pub use crate::service::wasmplane::dataplane::types::*;
+}
+
+pub mod builders;
+pub mod cidr;
+pub mod log;
+pub mod selector;
+
+pub use builders::RuleBuilder;
+pub use cidr::Cidr;
+
+pub use gc::export_gc;
+pub use policy::export_network_policy;
+pub use service::export_service_translator;
