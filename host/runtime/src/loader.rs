@@ -221,6 +221,11 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), String> {
 }
 
 impl LoadedModule {
+    /// The digest a module with these bytes gets (`sha256:<hex>`).
+    pub fn digest_of(bytes: &[u8]) -> String {
+        digest(bytes)
+    }
+
     pub fn name(&self) -> &str {
         &self.name
     }

@@ -1,0 +1,103 @@
+//! The sandbox, below the API: limits stop misbehaving guests with typed errors, the
+//! runtime stays usable afterwards, and the disk cache is keyed by content.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use wasmplane_guest_artifacts as artifacts;
+use wasmplane_model::state::{LocalEndpoint, LocalSlice, NodeContext, ServiceView};
+use wasmplane_model::*;
+use wasmplane_runtime::{CallError, GuestKind, Limits, LoadError, NoLookups, Runtime};
+
+fn runtime(cache: Option<std::path::PathBuf>) -> Runtime {
+    Runtime::new(Limits { call_timeout: Duration::from_millis(100), memory_bytes: 16 << 20, max_instances: 8, ..Default::default() }, cache).unwrap()
+}
+
+fn view() -> ServiceView {
+    ServiceView {
+        service: Service {
+            namespace: "shop".into(),
+            name: "web".into(),
+            service_type: ServiceType::ClusterIP,
+            cluster_ips: vec!["10.96.0.20".into()],
+            external_ips: vec![],
+            load_balancer_ips: vec![],
+            ports: vec![ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: 0, target_port: TargetPort::Number(8080) }],
+            session_affinity_timeout: None,
+            external_traffic_policy: TrafficPolicy::Cluster,
+            internal_traffic_policy: TrafficPolicy::Cluster,
+            labels: Labels::new(),
+        },
+        slices: vec![LocalSlice {
+            name: "web-1".into(),
+            endpoints: vec![LocalEndpoint { addresses: vec!["10.244.0.11".into()], ready: true, serving: true, terminating: false, node_name: None, zone: None, is_local: false }],
+            ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }],
+        }],
+    }
+}
+
+fn call(rt: &Runtime, bytes: &[u8]) -> Result<wasmplane_runtime::wit::Ruleset, CallError> {
+    let module = rt.load("t", bytes, Some(GuestKind::ServiceTranslator), usize::MAX).unwrap();
+    let mut session = module.translator(Arc::new(NoLookups)).unwrap();
+    session.translate(&NodeContext::default(), "svc/shop/web", &view())
+}
+
+#[test]
+fn limits_stop_guests_with_typed_errors() {
+    let rt = runtime(None);
+    let started = Instant::now();
+    assert_eq!(call(&rt, artifacts::test_programs::LOOP_FOREVER).unwrap_err(), CallError::Timeout(Duration::from_millis(100)));
+    assert!(started.elapsed() < Duration::from_secs(2));
+    assert_eq!(call(&rt, artifacts::test_programs::ALLOCATE_FOREVER).unwrap_err(), CallError::MemoryLimit(16 << 20));
+    match call(&rt, artifacts::test_programs::TRAP).unwrap_err() {
+        CallError::Trap(msg) => assert!(msg.contains("this guest always traps"), "{msg}"),
+        other => panic!("expected a trap, got {other:?}"),
+    }
+    // The runtime is fine afterwards.
+    let out = call(&rt, artifacts::SERVICE_TRANSLATOR).unwrap();
+    assert!(out.chains.iter().any(|c| c.name == "svc/shop/web/tcp/http"));
+}
+
+#[test]
+fn a_session_recovers_after_a_failed_call() {
+    let rt = runtime(None);
+    let module = rt.load("t", artifacts::SERVICE_TRANSLATOR, None, usize::MAX).unwrap();
+    assert_eq!(module.info.kind, GuestKind::ServiceTranslator);
+    assert!(module.info.imports.iter().all(|i| i.starts_with("wasi:") || i.starts_with("wasmplane:dataplane/")), "{:?}", module.info.imports);
+    let mut session = module.translator(Arc::new(NoLookups)).unwrap();
+    let mut bad = view();
+    bad.service.cluster_ips = vec!["10.96.0.300".into()];
+    assert!(matches!(session.translate(&NodeContext::default(), "svc/shop/web", &bad), Err(CallError::Guest(m)) if m.contains("invalid IP")));
+    assert!(session.translate(&NodeContext::default(), "svc/shop/web", &view()).is_ok());
+}
+
+#[test]
+fn refuses_what_is_not_a_guest() {
+    let rt = runtime(None);
+    let load = |bytes: &[u8], kind| rt.load("t", bytes, kind, 1 << 20).err();
+    assert_eq!(load(b"nope", None), Some(LoadError::NotWasm));
+    assert_eq!(load(b"\0asm\x01\0\0\0", None), Some(LoadError::CoreModule));
+    assert!(matches!(load(&vec![0u8; 2 << 20], None), Some(LoadError::TooLarge { .. })));
+    assert!(matches!(load(artifacts::test_programs::WRONG_WORLD, None), Some(LoadError::UnknownWorld { .. })));
+    assert_eq!(
+        load(artifacts::SERVICE_TRANSLATOR, Some(GuestKind::Gc)),
+        Some(LoadError::KindMismatch { declared: GuestKind::Gc, found: GuestKind::ServiceTranslator })
+    );
+    let mut truncated = artifacts::SERVICE_TRANSLATOR.to_vec();
+    truncated.truncate(truncated.len() / 2);
+    assert!(matches!(load(&truncated, None), Some(LoadError::Compile(_))));
+}
+
+#[test]
+fn compiled_components_are_cached_by_content() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = runtime(Some(dir.path().to_path_buf()));
+    rt.load("t", artifacts::SERVICE_TRANSLATOR, None, usize::MAX).unwrap();
+    let files: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    assert_eq!(files.len(), 1);
+    let digest = wasmplane_runtime::LoadedModule::digest_of(artifacts::SERVICE_TRANSLATOR);
+    assert!(files[0].starts_with(digest.trim_start_matches("sha256:")), "{files:?}");
+    // A second runtime loads from the cache and still works.
+    let again = runtime(Some(dir.path().to_path_buf()));
+    assert!(call(&again, artifacts::SERVICE_TRANSLATOR).is_ok());
+}

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs what building and testing wasmplane needs on a fresh Debian machine (as root):
+# the wasm32-wasip2 Rust target for the guests, nftables and iproute2 for the dataplane
+# tests, protoc and etcd for the kvstore. Quick when everything is already there.
+set -euo pipefail
+packages=(build-essential pkg-config protobuf-compiler nftables iproute2 etcd-server)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+if ! rustup target list --installed | grep -qx wasm32-wasip2; then
+  rustup target add wasm32-wasip2
+fi
