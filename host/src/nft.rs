@@ -346,12 +346,15 @@ pub fn skeleton(out: &mut String) {
         ),
         ("reject-chain", "", &["reject"]),
     ];
-    for (name, hook, rules) in base {
+    // Declare every chain before any rule jumps to one.
+    for (name, hook, _) in base {
         if hook.is_empty() {
             writeln!(out, "add chain {t} {name}").unwrap();
         } else {
             writeln!(out, "add chain {t} {name} {{ {hook} }}").unwrap();
         }
+    }
+    for (name, _, rules) in base {
         writeln!(out, "flush chain {t} {name}").unwrap();
         for rule in *rules {
             writeln!(out, "add rule {t} {name} {}", rule.replace("0x4000", MASQUERADE_MARK)).unwrap();

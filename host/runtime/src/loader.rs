@@ -144,10 +144,10 @@ impl Runtime {
         let mut exports = Vec::new();
         for (export, item) in ty.exports(&self.engine) {
             exports.push(export.to_string());
-            if let (Some((iface, version)), ComponentItem::ComponentInstance(_)) = (split_name(export), item.ty) {
-                if let Some(kind) = GuestKind::parse(iface) {
-                    found = Some((kind, version.to_string()));
-                }
+            if let (Some((iface, version)), ComponentItem::ComponentInstance(_)) = (split_name(export), item.ty)
+                && let Some(kind) = GuestKind::parse(iface)
+            {
+                found = Some((kind, version.to_string()));
             }
         }
         let Some((kind, version)) = found else {
@@ -159,10 +159,10 @@ impl Runtime {
         if !version.starts_with(WIT_MAJOR) {
             return Err(LoadError::UnsupportedVersion { found: version });
         }
-        if let Some(declared) = expected {
-            if declared != kind {
-                return Err(LoadError::KindMismatch { declared, found: kind });
-            }
+        if let Some(declared) = expected
+            && declared != kind
+        {
+            return Err(LoadError::KindMismatch { declared, found: kind });
         }
         let mut imports = Vec::new();
         for (import, _) in ty.imports(&self.engine) {

@@ -1,1 +1,5 @@
+//! Where cluster state comes from: Kubernetes objects converted to model types
+//! ([`convert`]) and manifest directories for embedded mode ([`manifests`]).
 
+pub mod convert;
+pub mod manifests;
