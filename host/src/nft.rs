@@ -64,8 +64,19 @@ pub struct ObjectRules {
     /// Set name → rendered declaration body.
     pub sets: BTreeMap<String, String>,
     /// (map, rendered key) → rendered verdict.
+    #[serde(serialize_with = "elements_as_list")]
     pub elements: BTreeMap<(String, String), String>,
     pub warnings: Vec<String>,
+}
+
+fn elements_as_list<S: serde::Serializer>(elements: &BTreeMap<(String, String), String>, s: S) -> Result<S::Ok, S::Error> {
+    #[derive(Serialize)]
+    struct Element<'a> {
+        map: &'a str,
+        key: &'a str,
+        verdict: &'a str,
+    }
+    s.collect_seq(elements.iter().map(|((map, key), verdict)| Element { map, key, verdict }))
 }
 
 fn valid_name(name: &str) -> bool {

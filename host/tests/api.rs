@@ -283,3 +283,19 @@ spec:
     let (_, module) = t.get_json("/v1/modules/port-filter").await;
     assert_eq!(module["status"], "active");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn state_and_dataplane_are_readable_as_json() {
+    let t = TestHost::start().await;
+    let (status, dp) = t.get_json("/v1/dataplane?format=json").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(dp["mode"], "record");
+    assert_eq!(dp["translator"], "default-service-translator@1");
+    let web = &dp["objects"]["shop/web"];
+    assert!(web["elements"].as_array().unwrap().iter().any(|e| e["map"] == "service-ips" && e["key"] == "10.96.0.20 . tcp . 80"), "{web}");
+    let (_, state) = t.get_json("/v1/state").await;
+    assert_eq!(state["model"]["services"]["shop/web"]["service"]["cluster_ips"][0], "10.96.0.20");
+    assert_eq!(state["model"]["context"]["node_name"], "node-a");
+    let r = t.client.get(t.url("/readyz")).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+}

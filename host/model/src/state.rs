@@ -267,10 +267,16 @@ pub struct ServiceChange {
 pub struct NodeLocalModel {
     pub revision: u64,
     pub context: NodeContext,
+    #[serde(serialize_with = "keys_as_strings")]
     pub services: BTreeMap<ObjectKey, Arc<ServiceView>>,
     /// Cluster CIDRs are configuration, not cluster state.
     #[serde(skip)]
     configured_cluster_cidrs: Vec<String>,
+}
+
+/// JSON maps need string keys: `namespace/name`.
+fn keys_as_strings<S: serde::Serializer, V: Serialize>(map: &BTreeMap<ObjectKey, V>, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_map(map.iter().map(|(k, v)| (k.to_string(), v)))
 }
 
 /// The result of one model update.
