@@ -36,6 +36,8 @@ pub struct HostConfig {
     pub max_module_bytes: usize,
     pub reconcile_interval: Duration,
     pub manifest_poll: Duration,
+    /// How nft is run in `nftables` mode (tests point it into a network namespace).
+    pub nft_command: Vec<String>,
 }
 
 impl Default for HostConfig {
@@ -52,6 +54,7 @@ impl Default for HostConfig {
             max_module_bytes: 16 << 20,
             reconcile_interval: Duration::from_secs(60),
             manifest_poll: Duration::from_secs(1),
+            nft_command: vec!["nft".into()],
         }
     }
 }
@@ -117,7 +120,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
     let runtime = Arc::new(Runtime::new(config.limits.clone(), cache)?);
     let kernel: Box<dyn Kernel> = match config.dataplane {
         DataplaneMode::Record => Box::new(Recorder::default()),
-        DataplaneMode::Nftables => Box::new(NftCommand { binary: "nft".into() }),
+        DataplaneMode::Nftables => Box::new(NftCommand { command: config.nft_command.clone() }),
     };
     let controller_config = ControllerConfig {
         node_name: config.node_name.clone(),

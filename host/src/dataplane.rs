@@ -51,12 +51,22 @@ impl Kernel for Recorder {
 
 /// Writes through `nft -f -` (see `nft.rs` for why text).
 pub struct NftCommand {
-    pub binary: String,
+    /// The command that runs nft, e.g. `["nft"]` or `["ip", "netns", "exec", "node", "nft"]`.
+    pub command: Vec<String>,
+}
+
+impl NftCommand {
+    fn nft(&self) -> Command {
+        let mut cmd = Command::new(&self.command[0]);
+        cmd.args(&self.command[1..]);
+        cmd
+    }
 }
 
 impl Kernel for NftCommand {
     fn apply(&mut self, transaction: &str) -> Result<(), WriteError> {
-        let mut child = Command::new(&self.binary)
+        let mut child = self
+            .nft()
             .args(["-f", "-"])
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
@@ -73,7 +83,8 @@ impl Kernel for NftCommand {
     }
 
     fn list_objects(&mut self) -> Result<(Vec<String>, Vec<String>), WriteError> {
-        let output = Command::new(&self.binary)
+        let output = self
+            .nft()
             .args(["list", "table", nft::FAMILY, nft::TABLE])
             .stderr(Stdio::null())
             .output()

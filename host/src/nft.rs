@@ -305,8 +305,13 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
     Ok(rules)
 }
 
+const HOST_MAPS: [&str; 6] =
+    ["service-ips", "service-ips6", "service-nodeports", "no-endpoint-services", "no-endpoint-services6", "no-endpoint-nodeports"];
+
 /// The host's static part of the table: maps, base chains and their fixed rules.
-pub fn skeleton(out: &mut String) {
+/// `flush_first`: empty the table (rules and map elements) after declaring everything and
+/// before refilling it, all within the caller's one transaction.
+pub fn skeleton(out: &mut String, flush_first: bool) {
     let t = format!("{FAMILY} {TABLE}");
     writeln!(out, "add table {t}").unwrap();
     for (name, ty) in [
@@ -321,7 +326,7 @@ pub fn skeleton(out: &mut String) {
     }
     let base: &[(&str, &str, &[&str])] = &[
         ("nat-prerouting", "type nat hook prerouting priority dstnat; policy accept;", &["jump services"]),
-        ("nat-output", "type nat hook output priority dstnat; policy accept;", &["jump services"]),
+        ("nat-output", "type nat hook output priority -100; policy accept;", &["jump services"]),
         ("nat-postrouting", "type nat hook postrouting priority srcnat; policy accept;", &["jump masquerading"]),
         // Before DNAT (priority dstnat-10), so destinations are still the service addresses.
         ("filter-input", "type filter hook input priority -110; policy accept;", &["ct state new jump endpoints-check"]),
@@ -365,6 +370,13 @@ pub fn skeleton(out: &mut String) {
             writeln!(out, "add chain {t} {name} {{ {hook} }}").unwrap();
         }
     }
+    if flush_first {
+        // `flush table` empties chains but not maps: their elements go explicitly.
+        writeln!(out, "flush table {t}").unwrap();
+        for map in HOST_MAPS {
+            writeln!(out, "flush map {t} {map}").unwrap();
+        }
+    }
     for (name, _, rules) in base {
         writeln!(out, "flush chain {t} {name}").unwrap();
         for rule in *rules {
@@ -406,10 +418,9 @@ pub fn full_transaction<'a>(
     stale_chains: &[String],
     stale_sets: &[String],
 ) -> String {
-    let mut out = format!("add table {FAMILY} {TABLE}\n");
+    let mut out = String::new();
     // One atomic batch: flushing and refilling leaves no window without rules.
-    writeln!(out, "flush table {FAMILY} {TABLE}").unwrap();
-    skeleton(&mut out);
+    skeleton(&mut out, true);
     for rules in objects.clone() {
         add_object(&mut out, rules);
     }

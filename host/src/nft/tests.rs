@@ -33,7 +33,9 @@ fn renders_valid_output() {
     assert_eq!(rules.elements[&("service-ips".to_string(), "10.96.0.20 . tcp . 80".to_string())], "goto svc/shop/web/tcp/http");
     let text = full_transaction([&rules].into_iter(), &[], &[]);
     assert!(text.contains("add element inet wasmplane service-ips { 10.96.0.20 . tcp . 80 : goto svc/shop/web/tcp/http }"));
-    assert!(text.starts_with("add table inet wasmplane\nflush table inet wasmplane\n"));
+    let flush = text.find("flush table inet wasmplane").unwrap();
+    assert!(text.find("add map inet wasmplane service-ips ").unwrap() < flush, "maps exist before they are flushed");
+    assert!(text.find("flush map inet wasmplane service-ips\n").unwrap() > flush);
 }
 
 #[test]
