@@ -73,7 +73,10 @@ impl TestHost {
         std::fs::create_dir_all(dir.path().join("manifests")).unwrap();
         std::fs::write(dir.path().join("manifests/shop.yaml"), MANIFESTS).unwrap();
         let host = start(config(dir.path())).await.unwrap();
-        let t = TestHost { host: Some(host), client: reqwest::Client::new(), dir };
+        // No connection reuse: a server that answers 413 before reading a large body closes
+        // the connection, and a pooled client would then fail its next request.
+        let client = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
+        let t = TestHost { host: Some(host), client, dir };
         t.wait_until("initial manifest sync", |dp| dp.contains("10.96.0.20 . tcp . 80")).await;
         t
     }
@@ -298,4 +301,23 @@ async fn state_and_dataplane_are_readable_as_json() {
     assert_eq!(state["model"]["context"]["node_name"], "node-a");
     let r = t.client.get(t.url("/readyz")).send().await.unwrap();
     assert_eq!(r.status(), StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_pushes_lists_and_removes_modules() {
+    use wasmplane::cli::{ApiArgs, ModuleCommand, module_command};
+    let t = TestHost::start().await;
+    let file = t.dir.path().join("port_filter.wasm");
+    std::fs::write(&file, artifacts::examples::PORT_FILTER_TRANSLATOR).unwrap();
+    let api = |token: Option<&str>| ApiArgs { api: t.host.as_ref().unwrap().url(), token: token.map(str::to_string), token_file: None };
+    let push = || ModuleCommand::Push { name: "cli-filter".into(), file: file.clone(), kind: "service-translator".into(), no_activate: false };
+    let refused = module_command(api(None), push()).await.unwrap_err().to_string();
+    assert!(refused.contains("401") && refused.contains("missing bearer token"), "{refused}");
+    module_command(api(Some(TOKEN)), push()).await.unwrap();
+    assert!(!t.dataplane().await.contains("10.96.0.20"));
+    module_command(api(None), ModuleCommand::Ls).await.unwrap();
+    module_command(api(Some(TOKEN)), ModuleCommand::Rm { name: "cli-filter".into() }).await.unwrap();
+    assert!(t.dataplane().await.contains("10.96.0.20 . tcp . 80"), "the builtin is back in force");
+    let missing = module_command(api(Some(TOKEN)), ModuleCommand::Rollback { name: "cli-filter".into() }).await.unwrap_err().to_string();
+    assert!(missing.contains("404"), "{missing}");
 }

@@ -101,3 +101,12 @@ fn compiled_components_are_cached_by_content() {
     let again = runtime(Some(dir.path().to_path_buf()));
     assert!(call(&again, artifacts::SERVICE_TRANSLATOR).is_ok());
 }
+
+#[test]
+fn output_over_the_cap_is_refused() {
+    let rt = Runtime::new(Limits { max_output_objects: 3, max_instances: 4, ..Default::default() }, None).unwrap();
+    match call(&rt, artifacts::SERVICE_TRANSLATOR).unwrap_err() {
+        CallError::OutputTooLarge(msg) => assert!(msg.contains("limits 3"), "{msg}"),
+        other => panic!("expected OutputTooLarge, got {other:?}"),
+    }
+}
