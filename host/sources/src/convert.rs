@@ -1,4 +1,9 @@
-//! Kubernetes API objects (k8s-openapi) to wasmplane's model types.
+//! Kubernetes API objects (k8s-openapi types) to wasmplane's model types.
+//!
+//! Conversion keeps only what the dataplane needs and applies the API's defaults (no
+//! protocol means TCP, no `ready` condition means ready, ...) so that nothing downstream
+//! has to know which fields were optional. Values the API server would reject are errors
+//! naming the field: a manifest directory has no API server validating it first.
 
 use k8s_openapi::api::core::v1 as core;
 use k8s_openapi::api::discovery::v1 as discovery;
@@ -8,344 +13,759 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use wasmplane_model::state::ClusterObject;
 use wasmplane_model::*;
 
-#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
-#[error("{kind} {object}: {reason}")]
+/// The label that ties an EndpointSlice to its Service.
+pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+
+/// Kubernetes' default for `sessionAffinityConfig.clientIP.timeoutSeconds` (3 hours).
+pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10800;
+/// Kubernetes' upper bound for the affinity timeout (1 day).
+const MAX_AFFINITY_TIMEOUT: u32 = 86400;
+
+/// A Kubernetes object that cannot be converted, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{kind} {object}: {problem}")]
 pub struct ConvertError {
+    /// `Service`, `EndpointSlice`, ...
     pub kind: &'static str,
+    /// `namespace/name`, or `name` for cluster-scoped kinds.
     pub object: String,
-    pub reason: String,
+    pub problem: Problem,
 }
 
-fn err(kind: &'static str, m: &meta::ObjectMeta, reason: impl Into<String>) -> ConvertError {
-    let object = format!("{}/{}", m.namespace.as_deref().unwrap_or("default"), m.name.as_deref().unwrap_or("<unnamed>"));
-    ConvertError { kind, object, reason: reason.into() }
+/// What is wrong with an object; `at` is the Kubernetes field path (`spec.ports[3]`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Problem {
+    /// The document does not deserialize into the Kubernetes type (wrong field types,
+    /// missing required fields).
+    #[error("does not match the Kubernetes schema: {0}")]
+    Schema(String),
+    #[error("metadata.name is missing")]
+    MissingName,
+    #[error("{at} has invalid protocol {value:?} (TCP, UDP or SCTP)")]
+    InvalidProtocol { at: String, value: String },
+    #[error("{at} is {value}, not a port number (1-65535)")]
+    InvalidPort { at: String, value: i32 },
+    #[error("spec.type {0:?} is not ClusterIP, NodePort, LoadBalancer or ExternalName")]
+    UnknownServiceType(String),
+    #[error("spec.sessionAffinity {0:?} is not None or ClientIP")]
+    UnknownSessionAffinity(String),
+    #[error("spec.sessionAffinityConfig.clientIP.timeoutSeconds is {0}, not 1-86400")]
+    InvalidAffinityTimeout(i32),
+    #[error("label {} is missing", SERVICE_NAME_LABEL)]
+    MissingServiceName,
+    #[error("{at} has unknown operator {value:?} (In, NotIn, Exists or DoesNotExist)")]
+    UnknownSelectorOperator { at: String, value: String },
+    #[error("spec.policyTypes has unknown type {0:?} (Ingress or Egress)")]
+    UnknownPolicyType(String),
+    /// A port range needs a numeric start no greater than its end.
+    #[error("{at}.endPort {end} needs a numeric port no greater than it")]
+    InvalidEndPort { at: String, end: i32 },
 }
 
-fn name(kind: &'static str, m: &meta::ObjectMeta) -> Result<String, ConvertError> {
-    m.name.clone().filter(|n| !n.is_empty()).ok_or_else(|| err(kind, m, "metadata.name is missing"))
+/// The object being converted, for error messages.
+struct Subject {
+    kind: &'static str,
+    object: String,
 }
 
-fn namespace(m: &meta::ObjectMeta) -> String {
+impl Subject {
+    fn namespaced(kind: &'static str, m: &meta::ObjectMeta) -> Self {
+        Subject { kind, object: format!("{}/{}", namespace_of(m), m.name.as_deref().unwrap_or("<unnamed>")) }
+    }
+
+    fn cluster(kind: &'static str, m: &meta::ObjectMeta) -> Self {
+        Subject { kind, object: m.name.clone().unwrap_or_else(|| "<unnamed>".into()) }
+    }
+
+    fn error(&self, problem: Problem) -> ConvertError {
+        ConvertError { kind: self.kind, object: self.object.clone(), problem }
+    }
+
+    fn name(&self, m: &meta::ObjectMeta) -> Result<String, ConvertError> {
+        m.name.clone().filter(|n| !n.is_empty()).ok_or_else(|| self.error(Problem::MissingName))
+    }
+
+    /// A missing protocol is TCP, as in the API.
+    fn protocol(&self, at: &str, value: Option<&str>) -> Result<Protocol, ConvertError> {
+        match value {
+            None => Ok(Protocol::Tcp),
+            Some(s) => Protocol::parse(s)
+                .ok_or_else(|| self.error(Problem::InvalidProtocol { at: at.to_string(), value: s.to_string() })),
+        }
+    }
+
+    fn port(&self, at: &str, value: i32) -> Result<u16, ConvertError> {
+        u16::try_from(value)
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or_else(|| self.error(Problem::InvalidPort { at: at.to_string(), value }))
+    }
+}
+
+/// Namespaced objects without a namespace live in `default`, as `kubectl apply` would put them.
+fn namespace_of(m: &meta::ObjectMeta) -> String {
     m.namespace.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| "default".into())
 }
 
 fn labels(m: &meta::ObjectMeta) -> Labels {
-    m.labels.clone().unwrap_or_default().into_iter().collect()
+    m.labels.clone().unwrap_or_default()
 }
 
-fn protocol(kind: &'static str, m: &meta::ObjectMeta, p: Option<&String>) -> Result<Protocol, ConvertError> {
-    match p.map(String::as_str) {
-        None => Ok(Protocol::Tcp),
-        Some(s) => Protocol::parse(s).ok_or_else(|| err(kind, m, format!("invalid protocol {s:?} (TCP, UDP or SCTP)"))),
-    }
-}
-
-fn port(kind: &'static str, m: &meta::ObjectMeta, p: i32) -> Result<u16, ConvertError> {
-    u16::try_from(p).ok().filter(|p| *p > 0).ok_or_else(|| err(kind, m, format!("invalid port {p}")))
-}
-
-fn policy(p: Option<&String>) -> TrafficPolicy {
-    if p.map(String::as_str) == Some("Local") { TrafficPolicy::Local } else { TrafficPolicy::Cluster }
+/// Only `Local` changes behaviour; anything else routes cluster-wide.
+fn traffic_policy(value: Option<&str>) -> TrafficPolicy {
+    if value == Some("Local") { TrafficPolicy::Local } else { TrafficPolicy::Cluster }
 }
 
 pub fn service(s: &core::Service) -> Result<Service, ConvertError> {
-    const K: &str = "Service";
     let m = &s.metadata;
-    let spec = s.spec.clone().unwrap_or_default();
+    let subject = Subject::namespaced("Service", m);
+    let default_spec = core::ServiceSpec::default();
+    let spec = s.spec.as_ref().unwrap_or(&default_spec);
     let service_type = match spec.type_.as_deref() {
         None | Some("ClusterIP") => ServiceType::ClusterIP,
         Some("NodePort") => ServiceType::NodePort,
         Some("LoadBalancer") => ServiceType::LoadBalancer,
         Some("ExternalName") => ServiceType::ExternalName,
-        Some(other) => return Err(err(K, m, format!("unknown type {other:?}"))),
+        Some(other) => return Err(subject.error(Problem::UnknownServiceType(other.into()))),
     };
-    let cluster_ips = spec.cluster_ips.clone().filter(|v| !v.is_empty()).or_else(|| spec.cluster_ip.clone().map(|ip| vec![ip])).unwrap_or_default();
-    let mut ports = Vec::new();
-    for (i, p) in spec.ports.iter().flatten().enumerate() {
-        let number = port(K, m, p.port).map_err(|e| ConvertError { reason: format!("port {i}: {}", e.reason), ..e })?;
-        let target_port = match &p.target_port {
-            None => TargetPort::Number(number),
-            Some(IntOrString::Int(n)) => TargetPort::Number(port(K, m, *n)?),
-            Some(IntOrString::String(s)) => match s.parse::<i32>() {
-                Ok(n) => TargetPort::Number(port(K, m, n)?),
-                Err(_) => TargetPort::Name(s.clone()),
-            },
-        };
-        ports.push(ServicePort {
-            name: p.name.clone().unwrap_or_default(),
-            protocol: protocol(K, m, p.protocol.as_ref()).map_err(|e| ConvertError { reason: format!("port {i}: {}", e.reason), ..e })?,
-            port: number,
-            node_port: p.node_port.map(|n| port(K, m, n)).transpose()?.unwrap_or(0),
-            target_port,
-        });
-    }
-    let session_affinity_timeout = (spec.session_affinity.as_deref() == Some("ClientIP")).then(|| {
-        spec.session_affinity_config
-            .as_ref()
-            .and_then(|c| c.client_ip.as_ref())
-            .and_then(|c| c.timeout_seconds)
-            .and_then(|t| u32::try_from(t).ok())
-            .unwrap_or(10800)
-    });
+    // `clusterIPs` is authoritative (dual-stack); older manifests set only `clusterIP`.
+    let cluster_ips = match &spec.cluster_ips {
+        Some(ips) if !ips.is_empty() => ips.clone(),
+        _ => spec.cluster_ip.iter().filter(|ip| !ip.is_empty()).cloned().collect(),
+    };
+    let ports = spec
+        .ports
+        .iter()
+        .flatten()
+        .enumerate()
+        .map(|(i, p)| service_port(&subject, i, p))
+        .collect::<Result<Vec<_>, _>>()?;
+    let session_affinity_timeout = match spec.session_affinity.as_deref() {
+        None | Some("None") => None,
+        Some("ClientIP") => {
+            let timeout = spec.session_affinity_config.as_ref().and_then(|c| c.client_ip.as_ref()).and_then(|c| c.timeout_seconds);
+            match timeout {
+                None => Some(DEFAULT_AFFINITY_TIMEOUT),
+                Some(t) => Some(
+                    u32::try_from(t)
+                        .ok()
+                        .filter(|t| (1..=MAX_AFFINITY_TIMEOUT).contains(t))
+                        .ok_or_else(|| subject.error(Problem::InvalidAffinityTimeout(t)))?,
+                ),
+            }
+        }
+        Some(other) => return Err(subject.error(Problem::UnknownSessionAffinity(other.into()))),
+    };
+    // Hostname-only ingress entries (some cloud load balancers) have nothing to match on.
     let load_balancer_ips = s
         .status
         .as_ref()
         .and_then(|st| st.load_balancer.as_ref())
         .and_then(|lb| lb.ingress.as_ref())
-        .map(|ing| ing.iter().filter_map(|i| i.ip.clone()).collect())
+        .map(|ingress| ingress.iter().filter_map(|i| i.ip.clone()).collect())
         .unwrap_or_default();
     Ok(Service {
-        namespace: namespace(m),
-        name: name(K, m)?,
+        namespace: namespace_of(m),
+        name: subject.name(m)?,
         service_type,
         cluster_ips,
         external_ips: spec.external_ips.clone().unwrap_or_default(),
         load_balancer_ips,
         ports,
         session_affinity_timeout,
-        external_traffic_policy: policy(spec.external_traffic_policy.as_ref()),
-        internal_traffic_policy: policy(spec.internal_traffic_policy.as_ref()),
+        external_traffic_policy: traffic_policy(spec.external_traffic_policy.as_deref()),
+        internal_traffic_policy: traffic_policy(spec.internal_traffic_policy.as_deref()),
         labels: labels(m),
     })
 }
 
-pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+fn service_port(subject: &Subject, i: usize, p: &core::ServicePort) -> Result<ServicePort, ConvertError> {
+    let at = format!("spec.ports[{i}]");
+    let port = subject.port(&format!("{at}.port"), p.port)?;
+    // The API defaults a missing, 0 or "" targetPort to the service port; a string is
+    // always a container port name (the API rejects numeric strings).
+    let target_port = match &p.target_port {
+        None | Some(IntOrString::Int(0)) => TargetPort::Number(port),
+        Some(IntOrString::String(name)) if name.is_empty() => TargetPort::Number(port),
+        Some(IntOrString::Int(n)) => TargetPort::Number(subject.port(&format!("{at}.targetPort"), *n)?),
+        Some(IntOrString::String(name)) => TargetPort::Name(name.clone()),
+    };
+    let node_port = match p.node_port {
+        None | Some(0) => 0,
+        Some(n) => subject.port(&format!("{at}.nodePort"), n)?,
+    };
+    Ok(ServicePort {
+        name: p.name.clone().unwrap_or_default(),
+        protocol: subject.protocol(&at, p.protocol.as_deref())?,
+        port,
+        node_port,
+        target_port,
+    })
+}
 
 pub fn endpoint_slice(s: &discovery::EndpointSlice) -> Result<EndpointSlice, ConvertError> {
-    const K: &str = "EndpointSlice";
     let m = &s.metadata;
+    let subject = Subject::namespaced("EndpointSlice", m);
     let service_name = m
         .labels
         .as_ref()
         .and_then(|l| l.get(SERVICE_NAME_LABEL))
+        .filter(|n| !n.is_empty())
         .cloned()
-        .ok_or_else(|| err(K, m, format!("label {SERVICE_NAME_LABEL} is missing")))?;
+        .ok_or_else(|| subject.error(Problem::MissingServiceName))?;
     let endpoints = s
         .endpoints
         .iter()
         .map(|e| {
-            let c = e.conditions.clone().unwrap_or_default();
-            // API semantics: a missing `ready` means ready; `serving` defaults to `ready`.
-            let ready = c.ready.unwrap_or(true);
+            let c = e.conditions.as_ref();
+            // discovery/v1: a missing `ready` or `serving` means true, a missing
+            // `terminating` false (kube-proxy reads them the same way).
             Endpoint {
                 addresses: e.addresses.clone(),
-                ready,
-                serving: c.serving.unwrap_or(ready),
-                terminating: c.terminating.unwrap_or(false),
+                ready: c.and_then(|c| c.ready).unwrap_or(true),
+                serving: c.and_then(|c| c.serving).unwrap_or(true),
+                terminating: c.and_then(|c| c.terminating).unwrap_or(false),
                 node_name: e.node_name.clone(),
                 zone: e.zone.clone(),
             }
         })
         .collect();
     let mut ports = Vec::new();
-    for p in s.ports.iter().flatten() {
+    for (i, p) in s.ports.iter().flatten().enumerate() {
+        // A port without a number means "all ports" for non-Service consumers; a
+        // Service has nothing to forward to with it.
         let Some(number) = p.port else { continue };
-        ports.push(EndpointPort { name: p.name.clone().unwrap_or_default(), protocol: protocol(K, m, p.protocol.as_ref())?, port: port(K, m, number)? });
+        let at = format!("ports[{i}]");
+        ports.push(EndpointPort {
+            name: p.name.clone().unwrap_or_default(),
+            protocol: subject.protocol(&at, p.protocol.as_deref())?,
+            port: subject.port(&format!("{at}.port"), number)?,
+        });
     }
-    Ok(EndpointSlice { namespace: namespace(m), name: name(K, m)?, service_name, endpoints, ports })
+    Ok(EndpointSlice { namespace: namespace_of(m), name: subject.name(m)?, service_name, endpoints, ports })
 }
 
 pub fn node(n: &core::Node) -> Result<Node, ConvertError> {
     let m = &n.metadata;
-    let spec = n.spec.clone().unwrap_or_default();
-    let pod_cidrs = spec.pod_cidrs.filter(|v| !v.is_empty()).or_else(|| spec.pod_cidr.map(|c| vec![c])).unwrap_or_default();
+    let subject = Subject::cluster("Node", m);
+    let spec = n.spec.as_ref();
+    // `podCIDRs` is authoritative (dual-stack); `podCIDR` is its first entry.
+    let pod_cidrs = match spec.and_then(|s| s.pod_cidrs.as_ref()) {
+        Some(cidrs) if !cidrs.is_empty() => cidrs.clone(),
+        _ => spec.and_then(|s| s.pod_cidr.clone()).filter(|c| !c.is_empty()).into_iter().collect(),
+    };
+    // Only IPs: `Hostname` and `*DNS` addresses are not something traffic is addressed to.
     let addresses = n
         .status
         .as_ref()
         .and_then(|s| s.addresses.as_ref())
         .map(|a| a.iter().filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP").map(|a| a.address.clone()).collect())
         .unwrap_or_default();
-    Ok(Node { name: name("Node", m)?, addresses, pod_cidrs, labels: labels(m) })
+    Ok(Node { name: subject.name(m)?, addresses, pod_cidrs, labels: labels(m) })
 }
 
-pub fn namespace_object(n: &core::Namespace) -> Result<Namespace, ConvertError> {
-    Ok(Namespace { name: name("Namespace", &n.metadata)?, labels: labels(&n.metadata) })
+pub fn namespace(n: &core::Namespace) -> Result<Namespace, ConvertError> {
+    let m = &n.metadata;
+    Ok(Namespace { name: Subject::cluster("Namespace", m).name(m)?, labels: labels(m) })
 }
 
 pub fn pod(p: &core::Pod) -> Result<Pod, ConvertError> {
-    const K: &str = "Pod";
     let m = &p.metadata;
-    let spec = p.spec.clone().unwrap_or_default();
-    let status = p.status.clone().unwrap_or_default();
-    let ips = status
-        .pod_ips
-        .filter(|v| !v.is_empty())
-        .map(|v| v.into_iter().map(|ip| ip.ip).collect())
-        .or_else(|| status.pod_ip.map(|ip| vec![ip]))
-        .unwrap_or_default();
+    let subject = Subject::namespaced("Pod", m);
+    let status = p.status.as_ref();
+    // `podIPs` is authoritative (dual-stack); `podIP` is its first entry.
+    let ips = match status.and_then(|s| s.pod_ips.as_ref()) {
+        Some(ips) if !ips.is_empty() => ips.iter().map(|ip| ip.ip.clone()).collect(),
+        _ => status.and_then(|s| s.pod_ip.clone()).filter(|ip| !ip.is_empty()).into_iter().collect(),
+    };
     let mut ports = Vec::new();
-    for c in &spec.containers {
-        for cp in c.ports.iter().flatten() {
-            ports.push(ContainerPort { name: cp.name.clone().unwrap_or_default(), protocol: protocol(K, m, cp.protocol.as_ref())?, port: port(K, m, cp.container_port)? });
+    if let Some(spec) = &p.spec {
+        for (c, container) in spec.containers.iter().enumerate() {
+            for (i, cp) in container.ports.iter().flatten().enumerate() {
+                let at = format!("spec.containers[{c}].ports[{i}]");
+                ports.push(ContainerPort {
+                    name: cp.name.clone().unwrap_or_default(),
+                    protocol: subject.protocol(&at, cp.protocol.as_deref())?,
+                    port: subject.port(&format!("{at}.containerPort"), cp.container_port)?,
+                });
+            }
         }
     }
     Ok(Pod {
-        namespace: namespace(m),
-        name: name(K, m)?,
+        namespace: namespace_of(m),
+        name: subject.name(m)?,
         ips,
-        node_name: spec.node_name,
+        node_name: p.spec.as_ref().and_then(|s| s.node_name.clone()).filter(|n| !n.is_empty()),
         labels: labels(m),
         ports,
-        host_network: spec.host_network.unwrap_or(false),
+        host_network: p.spec.as_ref().and_then(|s| s.host_network).unwrap_or(false),
     })
 }
 
-fn selector(s: &meta::LabelSelector) -> Result<LabelSelector, String> {
-    let mut expressions = Vec::new();
-    for r in s.match_expressions.iter().flatten() {
+fn selector(subject: &Subject, at: &str, s: &meta::LabelSelector) -> Result<LabelSelector, ConvertError> {
+    let mut match_expressions = Vec::new();
+    for (i, r) in s.match_expressions.iter().flatten().enumerate() {
         let operator = match r.operator.as_str() {
             "In" => SelectorOperator::In,
             "NotIn" => SelectorOperator::NotIn,
             "Exists" => SelectorOperator::Exists,
             "DoesNotExist" => SelectorOperator::DoesNotExist,
-            other => return Err(format!("unknown selector operator {other:?}")),
+            other => {
+                let at = format!("{at}.matchExpressions[{i}]");
+                return Err(subject.error(Problem::UnknownSelectorOperator { at, value: other.into() }));
+            }
         };
-        expressions.push(SelectorRequirement { key: r.key.clone(), operator, values: r.values.clone().unwrap_or_default() });
+        match_expressions.push(SelectorRequirement { key: r.key.clone(), operator, values: r.values.clone().unwrap_or_default() });
     }
-    Ok(LabelSelector { match_labels: s.match_labels.clone().unwrap_or_default().into_iter().collect(), match_expressions: expressions })
+    Ok(LabelSelector { match_labels: s.match_labels.clone().unwrap_or_default(), match_expressions })
+}
+
+fn policy_ports(subject: &Subject, at: &str, ports: Option<&Vec<networking::NetworkPolicyPort>>) -> Result<Vec<PolicyPort>, ConvertError> {
+    let mut out = Vec::new();
+    for (i, p) in ports.into_iter().flatten().enumerate() {
+        let at = format!("{at}.ports[{i}]");
+        let port = match &p.port {
+            None => PolicyPortNumber::Any,
+            Some(IntOrString::Int(n)) => PolicyPortNumber::Number(subject.port(&format!("{at}.port"), *n)?),
+            Some(IntOrString::String(name)) => PolicyPortNumber::Name(name.clone()),
+        };
+        let end_port = match (p.end_port, &port) {
+            (None, _) => None,
+            (Some(end), PolicyPortNumber::Number(start)) if i32::from(*start) <= end => Some(subject.port(&format!("{at}.endPort"), end)?),
+            (Some(end), _) => return Err(subject.error(Problem::InvalidEndPort { at, end })),
+        };
+        out.push(PolicyPort { protocol: subject.protocol(&at, p.protocol.as_deref())?, port, end_port });
+    }
+    Ok(out)
+}
+
+fn policy_peers(subject: &Subject, at: &str, peers: Option<&Vec<networking::NetworkPolicyPeer>>) -> Result<Vec<PolicyPeer>, ConvertError> {
+    let mut out = Vec::new();
+    for (i, peer) in peers.into_iter().flatten().enumerate() {
+        let at = format!("{at}[{i}]");
+        out.push(PolicyPeer {
+            pod_selector: peer.pod_selector.as_ref().map(|s| selector(subject, &format!("{at}.podSelector"), s)).transpose()?,
+            namespace_selector: peer
+                .namespace_selector
+                .as_ref()
+                .map(|s| selector(subject, &format!("{at}.namespaceSelector"), s))
+                .transpose()?,
+            ip_block: peer.ip_block.as_ref().map(|b| IpBlock { cidr: b.cidr.clone(), except: b.except.clone().unwrap_or_default() }),
+        });
+    }
+    Ok(out)
 }
 
 pub fn network_policy(p: &networking::NetworkPolicy) -> Result<NetworkPolicy, ConvertError> {
-    const K: &str = "NetworkPolicy";
     let m = &p.metadata;
-    let spec = p.spec.clone().unwrap_or_default();
-    let fail = |reason: String| err(K, m, reason);
-    let ports = |ports: &Option<Vec<networking::NetworkPolicyPort>>| -> Result<Vec<PolicyPort>, ConvertError> {
-        ports
-            .iter()
-            .flatten()
-            .map(|p| {
-                let port = match &p.port {
-                    None => PolicyPortNumber::Any,
-                    Some(IntOrString::Int(n)) => PolicyPortNumber::Number(port(K, m, *n)?),
-                    Some(IntOrString::String(s)) => PolicyPortNumber::Name(s.clone()),
-                };
-                Ok(PolicyPort { protocol: protocol(K, m, p.protocol.as_ref())?, port, end_port: p.end_port.map(|e| port_of(K, m, e)).transpose()? })
-            })
-            .collect()
+    let subject = Subject::namespaced("NetworkPolicy", m);
+    let default_spec = networking::NetworkPolicySpec::default();
+    let spec = p.spec.as_ref().unwrap_or(&default_spec);
+    // Without policyTypes (the API treats an empty list the same) every policy isolates
+    // ingress, and egress only when it has an egress section.
+    let (ingress_on, egress_on) = match spec.policy_types.as_deref() {
+        None | Some([]) => (true, spec.egress.is_some()),
+        Some(types) => {
+            let (mut ingress, mut egress) = (false, false);
+            for t in types {
+                match t.as_str() {
+                    "Ingress" => ingress = true,
+                    "Egress" => egress = true,
+                    other => return Err(subject.error(Problem::UnknownPolicyType(other.into()))),
+                }
+            }
+            (ingress, egress)
+        }
     };
-    let peers = |peers: &Option<Vec<networking::NetworkPolicyPeer>>| -> Result<Vec<PolicyPeer>, ConvertError> {
-        peers
-            .iter()
-            .flatten()
-            .map(|peer| {
-                Ok(PolicyPeer {
-                    pod_selector: peer.pod_selector.as_ref().map(selector).transpose().map_err(fail)?,
-                    namespace_selector: peer.namespace_selector.as_ref().map(selector).transpose().map_err(fail)?,
-                    ip_block: peer.ip_block.as_ref().map(|b| IpBlock { cidr: b.cidr.clone(), except: b.except.clone().unwrap_or_default() }),
-                })
-            })
-            .collect()
-    };
-    let types = spec.policy_types.clone();
-    let has = |t: &str| types.as_ref().is_some_and(|ts| ts.iter().any(|x| x == t));
-    let ingress_on = types.is_none() || has("Ingress");
-    let egress_on = if types.is_none() { spec.egress.is_some() } else { has("Egress") };
     let ingress = if ingress_on {
-        Some(spec.ingress.iter().flatten().map(|r| Ok(PolicyRule { ports: ports(&r.ports)?, peers: peers(&r.from)? })).collect::<Result<Vec<_>, ConvertError>>()?)
+        let mut rules = Vec::new();
+        for (i, r) in spec.ingress.iter().flatten().enumerate() {
+            let at = format!("spec.ingress[{i}]");
+            rules.push(PolicyRule {
+                ports: policy_ports(&subject, &at, r.ports.as_ref())?,
+                peers: policy_peers(&subject, &format!("{at}.from"), r.from.as_ref())?,
+            });
+        }
+        Some(rules)
     } else {
         None
     };
     let egress = if egress_on {
-        Some(spec.egress.iter().flatten().map(|r| Ok(PolicyRule { ports: ports(&r.ports)?, peers: peers(&r.to)? })).collect::<Result<Vec<_>, ConvertError>>()?)
+        let mut rules = Vec::new();
+        for (i, r) in spec.egress.iter().flatten().enumerate() {
+            let at = format!("spec.egress[{i}]");
+            rules.push(PolicyRule {
+                ports: policy_ports(&subject, &at, r.ports.as_ref())?,
+                peers: policy_peers(&subject, &format!("{at}.to"), r.to.as_ref())?,
+            });
+        }
+        Some(rules)
     } else {
         None
     };
     Ok(NetworkPolicy {
-        namespace: namespace(m),
-        name: name(K, m)?,
+        namespace: namespace_of(m),
+        name: subject.name(m)?,
         generation: m.generation.and_then(|g| u64::try_from(g).ok()).unwrap_or(0),
-        pod_selector: spec.pod_selector.as_ref().map(selector).transpose().map_err(fail)?.unwrap_or_default(),
+        // An absent podSelector is the empty selector: every pod in the namespace.
+        pod_selector: spec.pod_selector.as_ref().map(|s| selector(&subject, "spec.podSelector", s)).transpose()?.unwrap_or_default(),
         ingress,
         egress,
     })
 }
 
-fn port_of(kind: &'static str, m: &meta::ObjectMeta, p: i32) -> Result<u16, ConvertError> {
-    port(kind, m, p)
+/// Converts one manifest document (a JSON object with `apiVersion` and `kind`).
+///
+/// `Ok(None)` for kinds wasmplane does not watch (Deployment, ConfigMap, ...), so a
+/// directory of ordinary manifests can be used as is.
+pub fn object_from_json(value: serde_json::Value) -> Result<Option<ClusterObject>, ConvertError> {
+    let field = |name: &str| value.get(name).and_then(|v| v.as_str()).unwrap_or_default().to_string();
+    let (api_version, kind) = (field("apiVersion"), field("kind"));
+    let object = match (api_version.as_str(), kind.as_str()) {
+        ("v1", "Service") => ClusterObject::Service(service(&parse("Service", true, value)?)?),
+        ("v1", "Node") => ClusterObject::Node(node(&parse("Node", false, value)?)?),
+        ("v1", "Namespace") => ClusterObject::Namespace(namespace(&parse("Namespace", false, value)?)?),
+        ("v1", "Pod") => ClusterObject::Pod(pod(&parse("Pod", true, value)?)?),
+        ("discovery.k8s.io/v1", "EndpointSlice") => ClusterObject::EndpointSlice(endpoint_slice(&parse("EndpointSlice", true, value)?)?),
+        ("networking.k8s.io/v1", "NetworkPolicy") => ClusterObject::NetworkPolicy(network_policy(&parse("NetworkPolicy", true, value)?)?),
+        _ => {
+            tracing::trace!(api_version = %api_version, kind = %kind, "ignoring a kind wasmplane does not use");
+            return Ok(None);
+        }
+    };
+    Ok(Some(object))
 }
 
-/// Converts one manifest document; `Ok(None)` for kinds wasmplane does not watch.
-pub fn object_from_json(value: serde_json::Value) -> Result<Option<ClusterObject>, ConvertError> {
-    let api_version = value.get("apiVersion").and_then(|v| v.as_str()).unwrap_or_default().to_string();
-    let kind = value.get("kind").and_then(|v| v.as_str()).unwrap_or_default().to_string();
-    fn parse<T: serde::de::DeserializeOwned>(kind: &'static str, value: serde_json::Value) -> Result<T, ConvertError> {
-        let object = value.pointer("/metadata/name").and_then(|v| v.as_str()).unwrap_or("<unnamed>").to_string();
-        serde_json::from_value(value).map_err(|e| ConvertError { kind, object, reason: e.to_string() })
-    }
-    Ok(Some(match (api_version.as_str(), kind.as_str()) {
-        ("v1", "Service") => ClusterObject::Service(service(&parse("Service", value)?)?),
-        ("v1", "Node") => ClusterObject::Node(node(&parse("Node", value)?)?),
-        ("v1", "Namespace") => ClusterObject::Namespace(namespace_object(&parse("Namespace", value)?)?),
-        ("v1", "Pod") => ClusterObject::Pod(pod(&parse("Pod", value)?)?),
-        ("discovery.k8s.io/v1", "EndpointSlice") => ClusterObject::EndpointSlice(endpoint_slice(&parse("EndpointSlice", value)?)?),
-        ("networking.k8s.io/v1", "NetworkPolicy") => ClusterObject::NetworkPolicy(network_policy(&parse("NetworkPolicy", value)?)?),
-        _ => return Ok(None),
-    }))
+fn parse<T: serde::de::DeserializeOwned>(kind: &'static str, namespaced: bool, value: serde_json::Value) -> Result<T, ConvertError> {
+    let meta = |field: &str| value.pointer(&format!("/metadata/{field}")).and_then(|v| v.as_str()).filter(|s| !s.is_empty());
+    let name = meta("name").unwrap_or("<unnamed>");
+    let object = if namespaced { format!("{}/{name}", meta("namespace").unwrap_or("default")) } else { name.to_string() };
+    serde_json::from_value(value).map_err(|e| ConvertError { kind, object, problem: Problem::Schema(e.to_string()) })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use serde_json::{Value, json};
+
+    fn k8s<T: serde::de::DeserializeOwned>(v: Value) -> T {
+        serde_json::from_value(v).expect("valid Kubernetes object")
+    }
+
+    fn svc(spec: Value) -> Result<Service, ConvertError> {
+        service(&k8s(json!({"metadata": {"name": "web", "namespace": "shop"}, "spec": spec})))
+    }
 
     #[test]
-    fn service_defaults_and_errors() {
-        let obj = object_from_json(json!({
-            "apiVersion": "v1", "kind": "Service",
+    fn service_defaults() {
+        let s = service(&k8s(json!({
             "metadata": {"name": "web"},
-            "spec": {"clusterIP": "10.96.0.20", "sessionAffinity": "ClientIP",
-                     "ports": [{"port": 80}, {"name": "named", "port": 81, "targetPort": "http"}]}
-        }))
-        .unwrap()
+            "spec": {"clusterIP": "10.96.0.20", "ports": [{"port": 80}, {"port": 81, "targetPort": 0}]}
+        })))
         .unwrap();
-        let ClusterObject::Service(s) = obj else { panic!() };
         assert_eq!(s.namespace, "default");
+        assert_eq!(s.service_type, ServiceType::ClusterIP);
         assert_eq!(s.cluster_ips, vec!["10.96.0.20"]);
-        assert_eq!(s.ports[0].protocol, Protocol::Tcp);
-        assert_eq!(s.ports[0].target_port, TargetPort::Number(80));
-        assert_eq!(s.ports[1].target_port, TargetPort::Name("http".into()));
-        assert_eq!(s.session_affinity_timeout, Some(10800));
-        let e = object_from_json(json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "bad", "namespace": "x"},
-            "spec": {"ports": [{"port": 80, "protocol": "FOO"}]}}))
-        .unwrap_err();
-        assert_eq!(e.to_string(), "Service x/bad: port 0: invalid protocol \"FOO\" (TCP, UDP or SCTP)");
-        assert!(object_from_json(json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d"}})).unwrap().is_none());
+        assert_eq!(
+            s.ports,
+            vec![
+                ServicePort { name: String::new(), protocol: Protocol::Tcp, port: 80, node_port: 0, target_port: TargetPort::Number(80) },
+                ServicePort { name: String::new(), protocol: Protocol::Tcp, port: 81, node_port: 0, target_port: TargetPort::Number(81) },
+            ]
+        );
+        assert_eq!(s.session_affinity_timeout, None);
+        assert_eq!(s.external_traffic_policy, TrafficPolicy::Cluster);
+        assert_eq!(s.internal_traffic_policy, TrafficPolicy::Cluster);
+        assert!(s.external_ips.is_empty() && s.load_balancer_ips.is_empty() && s.labels.is_empty());
+
+        let bare = service(&k8s(json!({"metadata": {"name": "bare"}}))).unwrap();
+        assert!(bare.cluster_ips.is_empty() && bare.ports.is_empty());
+    }
+
+    #[test]
+    fn service_fields() {
+        let s = service(&k8s(json!({
+            "metadata": {"name": "lb", "namespace": "shop", "labels": {"app": "lb"}},
+            "spec": {
+                "type": "LoadBalancer", "clusterIP": "10.96.0.30", "clusterIPs": ["10.96.0.30", "fd00::30"],
+                "externalIPs": ["203.0.113.5"], "externalTrafficPolicy": "Local", "internalTrafficPolicy": "Local",
+                "sessionAffinity": "ClientIP", "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 600}},
+                "ports": [
+                    {"name": "http", "port": 80, "targetPort": 8080, "nodePort": 30080},
+                    {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": "dns-udp", "nodePort": 30053}
+                ]
+            },
+            "status": {"loadBalancer": {"ingress": [{"ip": "198.51.100.7"}, {"hostname": "lb.example.com"}]}}
+        })))
+        .unwrap();
+        assert_eq!(s.key(), ObjectKey::new("shop", "lb"));
+        assert_eq!(s.service_type, ServiceType::LoadBalancer);
+        assert_eq!(s.cluster_ips, vec!["10.96.0.30", "fd00::30"], "clusterIPs wins over clusterIP");
+        assert_eq!(s.external_ips, vec!["203.0.113.5"]);
+        assert_eq!(s.load_balancer_ips, vec!["198.51.100.7"]);
+        assert_eq!(s.session_affinity_timeout, Some(600));
+        assert_eq!(s.external_traffic_policy, TrafficPolicy::Local);
+        assert_eq!(s.internal_traffic_policy, TrafficPolicy::Local);
+        assert_eq!(s.labels["app"], "lb");
+        assert_eq!(s.ports[0], ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: 30080, target_port: TargetPort::Number(8080) });
+        assert_eq!(s.ports[1], ServicePort { name: "dns".into(), protocol: Protocol::Udp, port: 53, node_port: 30053, target_port: TargetPort::Name("dns-udp".into()) });
+
+        let affinity = svc(json!({"sessionAffinity": "ClientIP"})).unwrap();
+        assert_eq!(affinity.session_affinity_timeout, Some(DEFAULT_AFFINITY_TIMEOUT));
+        let headless = svc(json!({"clusterIP": "None"})).unwrap();
+        assert!(!headless.is_proxied());
+        let external = svc(json!({"type": "ExternalName", "externalName": "payments.example.com"})).unwrap();
+        assert_eq!(external.service_type, ServiceType::ExternalName);
+        assert!(svc(json!({"externalTrafficPolicy": "Bogus"})).unwrap().external_traffic_policy == TrafficPolicy::Cluster);
+    }
+
+    #[test]
+    fn service_errors_name_the_field() {
+        let ports = |p: Value| svc(json!({"ports": p})).unwrap_err().to_string();
+        assert_eq!(
+            ports(json!([{"port": 1}, {"port": 2}, {"port": 3}, {"port": 4, "protocol": "FOO"}])),
+            "Service shop/web: spec.ports[3] has invalid protocol \"FOO\" (TCP, UDP or SCTP)"
+        );
+        assert_eq!(ports(json!([{"port": 70000}])), "Service shop/web: spec.ports[0].port is 70000, not a port number (1-65535)");
+        assert_eq!(ports(json!([{"port": 80, "targetPort": -1}])), "Service shop/web: spec.ports[0].targetPort is -1, not a port number (1-65535)");
+        assert_eq!(ports(json!([{"port": 80, "nodePort": 65536}])), "Service shop/web: spec.ports[0].nodePort is 65536, not a port number (1-65535)");
+        let e = svc(json!({"type": "Mesh"})).unwrap_err();
+        assert_eq!(e.problem, Problem::UnknownServiceType("Mesh".into()));
+        assert_eq!(svc(json!({"sessionAffinity": "Cookie"})).unwrap_err().problem, Problem::UnknownSessionAffinity("Cookie".into()));
+        let timeout = svc(json!({"sessionAffinity": "ClientIP", "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 0}}}));
+        assert_eq!(timeout.unwrap_err().problem, Problem::InvalidAffinityTimeout(0));
+        let unnamed = service(&k8s(json!({"metadata": {"namespace": "shop"}}))).unwrap_err();
+        assert_eq!(unnamed.to_string(), "Service shop/<unnamed>: metadata.name is missing");
+    }
+
+    fn slice(body: Value) -> Result<EndpointSlice, ConvertError> {
+        let mut v = json!({
+            "metadata": {"name": "web-1", "namespace": "shop", "labels": {SERVICE_NAME_LABEL: "web"}},
+            "addressType": "IPv4", "endpoints": []
+        });
+        if let (Some(v), Value::Object(body)) = (v.as_object_mut(), body) {
+            v.extend(body);
+        }
+        endpoint_slice(&k8s(v))
     }
 
     #[test]
     fn endpoint_slice_conditions_follow_api_defaults() {
-        let obj = object_from_json(json!({
-            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-            "metadata": {"name": "web-1", "namespace": "shop", "labels": {"kubernetes.io/service-name": "web"}},
-            "ports": [{"name": "http", "port": 8080}],
-            "endpoints": [{"addresses": ["10.244.0.1"]}, {"addresses": ["10.244.0.2"], "conditions": {"ready": false, "terminating": true, "serving": true}}]
+        let s = slice(json!({
+            "endpoints": [
+                {"addresses": ["10.244.0.1"], "nodeName": "node-a", "zone": "zone-1"},
+                {"addresses": ["10.244.0.2"], "conditions": {}},
+                {"addresses": ["10.244.0.3"], "conditions": {"ready": false}},
+                {"addresses": ["10.244.0.4"], "conditions": {"ready": false, "serving": true, "terminating": true}},
+                {"addresses": ["10.244.0.5"], "conditions": {"ready": false, "serving": false, "terminating": true}}
+            ]
         }))
-        .unwrap()
         .unwrap();
-        let ClusterObject::EndpointSlice(s) = obj else { panic!() };
-        assert_eq!(s.service_name, "web");
-        assert!(s.endpoints[0].ready && s.endpoints[0].serving && !s.endpoints[0].terminating);
-        assert!(!s.endpoints[1].ready && s.endpoints[1].serving && s.endpoints[1].terminating);
-        let missing = object_from_json(json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4", "metadata": {"name": "x"}, "endpoints": []}));
-        assert!(missing.unwrap_err().reason.contains("kubernetes.io/service-name"));
+        assert_eq!(s.service_key(), ObjectKey::new("shop", "web"));
+        let flags: Vec<_> = s.endpoints.iter().map(|e| (e.ready, e.serving, e.terminating)).collect();
+        assert_eq!(flags, vec![(true, true, false), (true, true, false), (false, true, false), (false, true, true), (false, false, true)]);
+        assert_eq!(s.endpoints[0].node_name.as_deref(), Some("node-a"));
+        assert_eq!(s.endpoints[0].zone.as_deref(), Some("zone-1"));
+        assert_eq!(s.endpoints[1].node_name, None);
     }
 
     #[test]
-    fn network_policy_types_are_inferred() {
-        let obj = object_from_json(json!({
-            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-            "metadata": {"name": "p", "namespace": "shop", "generation": 3},
-            "spec": {"podSelector": {"matchLabels": {"app": "api"}},
-                     "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "web"}}}], "ports": [{"port": 8000, "endPort": 8100}]}]}
-        }))
-        .unwrap()
+    fn endpoint_slice_ports() {
+        let s = slice(json!({"ports": [{"port": 8080}, {"name": "dns", "port": 53, "protocol": "UDP"}, {"name": "all"}]})).unwrap();
+        assert_eq!(
+            s.ports,
+            vec![
+                EndpointPort { name: String::new(), protocol: Protocol::Tcp, port: 8080 },
+                EndpointPort { name: "dns".into(), protocol: Protocol::Udp, port: 53 },
+            ],
+            "a port without a number is skipped"
+        );
+        let e = slice(json!({"ports": [{"port": 80, "protocol": "ICMP"}]})).unwrap_err();
+        assert_eq!(e.to_string(), "EndpointSlice shop/web-1: ports[0] has invalid protocol \"ICMP\" (TCP, UDP or SCTP)");
+        assert!(matches!(slice(json!({"ports": [{"port": 0}]})).unwrap_err().problem, Problem::InvalidPort { value: 0, .. }));
+    }
+
+    #[test]
+    fn endpoint_slice_needs_its_service() {
+        let e = endpoint_slice(&k8s(json!({"metadata": {"name": "orphan"}, "addressType": "IPv4", "endpoints": []}))).unwrap_err();
+        assert_eq!(e.to_string(), "EndpointSlice default/orphan: label kubernetes.io/service-name is missing");
+    }
+
+    #[test]
+    fn node_addresses_and_cidrs() {
+        let n = node(&k8s(json!({
+            "metadata": {"name": "node-a", "labels": {"topology.kubernetes.io/zone": "zone-1"}},
+            "spec": {"podCIDR": "10.244.0.0/24", "podCIDRs": ["10.244.0.0/24", "fd00:10:244::/64"]},
+            "status": {"addresses": [
+                {"type": "InternalIP", "address": "192.168.56.10"},
+                {"type": "Hostname", "address": "node-a"},
+                {"type": "ExternalIP", "address": "203.0.113.10"}
+            ]}
+        })))
         .unwrap();
-        let ClusterObject::NetworkPolicy(p) = obj else { panic!() };
-        assert_eq!(p.generation, 3);
-        assert!(p.egress.is_none(), "no policyTypes and no egress: ingress only");
+        assert_eq!(n.name, "node-a");
+        assert_eq!(n.addresses, vec!["192.168.56.10", "203.0.113.10"]);
+        assert_eq!(n.pod_cidrs, vec!["10.244.0.0/24", "fd00:10:244::/64"]);
+        assert_eq!(n.labels["topology.kubernetes.io/zone"], "zone-1");
+        let old = node(&k8s(json!({"metadata": {"name": "old"}, "spec": {"podCIDR": "10.244.9.0/24"}}))).unwrap();
+        assert_eq!(old.pod_cidrs, vec!["10.244.9.0/24"]);
+        assert!(old.addresses.is_empty());
+        let e = node(&k8s(json!({"metadata": {}}))).unwrap_err();
+        assert_eq!(e.to_string(), "Node <unnamed>: metadata.name is missing");
+    }
+
+    #[test]
+    fn namespace_labels() {
+        let n = namespace(&k8s(json!({"metadata": {"name": "shop", "labels": {"team": "shop"}}}))).unwrap();
+        assert_eq!((n.name.as_str(), n.labels["team"].as_str()), ("shop", "shop"));
+        assert_eq!(namespace(&k8s(json!({"metadata": {"name": ""}}))).unwrap_err().problem, Problem::MissingName);
+    }
+
+    #[test]
+    fn pod_ips_ports_and_host_network() {
+        let p = pod(&k8s(json!({
+            "metadata": {"name": "web-1", "namespace": "shop", "labels": {"app": "web"}},
+            "spec": {
+                "nodeName": "node-a",
+                "containers": [
+                    {"name": "web", "ports": [{"name": "http", "containerPort": 8080}]},
+                    {"name": "sidecar", "ports": [{"name": "metrics", "containerPort": 9090}, {"containerPort": 53, "protocol": "UDP"}]},
+                    {"name": "plain"}
+                ]
+            },
+            "status": {"podIP": "10.244.0.11", "podIPs": [{"ip": "10.244.0.11"}, {"ip": "fd00::11"}]}
+        })))
+        .unwrap();
+        assert_eq!(p.ips, vec!["10.244.0.11", "fd00::11"]);
+        assert_eq!(p.node_name.as_deref(), Some("node-a"));
+        assert_eq!(p.labels["app"], "web");
+        assert!(!p.host_network);
+        assert_eq!(
+            p.ports,
+            vec![
+                ContainerPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 },
+                ContainerPort { name: "metrics".into(), protocol: Protocol::Tcp, port: 9090 },
+                ContainerPort { name: String::new(), protocol: Protocol::Udp, port: 53 },
+            ]
+        );
+        let host = pod(&k8s(json!({"metadata": {"name": "agent"}, "spec": {"hostNetwork": true, "containers": []}, "status": {"podIP": "192.168.56.10"}}))).unwrap();
+        assert_eq!((host.namespace.as_str(), host.ips.as_slice(), host.host_network), ("default", &["192.168.56.10".to_string()][..], true));
+        let pending = pod(&k8s(json!({"metadata": {"name": "pending"}, "spec": {"containers": []}}))).unwrap();
+        assert!(pending.ips.is_empty() && pending.node_name.is_none());
+        let e = pod(&k8s(json!({"metadata": {"name": "bad"}, "spec": {"containers": [{"name": "c", "ports": [{"containerPort": 80, "protocol": "tcp"}]}]}})))
+            .unwrap_err();
+        assert_eq!(e.to_string(), "Pod default/bad: spec.containers[0].ports[0] has invalid protocol \"tcp\" (TCP, UDP or SCTP)");
+    }
+
+    fn policy(spec: Value) -> Result<NetworkPolicy, ConvertError> {
+        network_policy(&k8s(json!({"metadata": {"name": "p", "namespace": "shop", "generation": 3}, "spec": spec})))
+    }
+
+    #[test]
+    fn network_policy_types() {
+        let rule = json!([{}]);
+        let sides = |spec: Value| {
+            let p = policy(spec).unwrap();
+            (p.ingress.map(|r| r.len()), p.egress.map(|r| r.len()))
+        };
+        assert_eq!(sides(json!({})), (Some(0), None), "no policyTypes, no egress: isolates ingress only");
+        assert_eq!(sides(json!({"policyTypes": []})), (Some(0), None), "an empty list is the same as none");
+        assert_eq!(sides(json!({"egress": rule})), (Some(0), Some(1)), "no policyTypes, egress present: both");
+        assert_eq!(sides(json!({"policyTypes": ["Ingress"], "egress": rule})), (Some(0), None));
+        assert_eq!(sides(json!({"policyTypes": ["Egress"], "ingress": rule})), (None, Some(0)));
+        assert_eq!(sides(json!({"policyTypes": ["Ingress", "Egress"], "ingress": rule})), (Some(1), Some(0)));
+        assert_eq!(policy(json!({"policyTypes": ["Sideways"]})).unwrap_err().problem, Problem::UnknownPolicyType("Sideways".into()));
+    }
+
+    #[test]
+    fn network_policy_rules() {
+        let p = policy(json!({
+            "podSelector": {"matchLabels": {"app": "api"}},
+            "ingress": [{
+                "from": [
+                    {"podSelector": {"matchLabels": {"app": "web"}}, "namespaceSelector": {"matchExpressions": [{"key": "team", "operator": "In", "values": ["shop"]}]}},
+                    {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}}
+                ],
+                "ports": [{"port": 8000, "endPort": 8100}, {"port": "https-api"}, {"protocol": "UDP"}]
+            }],
+            "egress": [{"to": [{"namespaceSelector": {"matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "Exists"}]}}]}]
+        }))
+        .unwrap();
+        assert_eq!((p.namespace.as_str(), p.name.as_str(), p.generation), ("shop", "p", 3));
+        assert_eq!(p.pod_selector.match_labels["app"], "api");
         let rule = &p.ingress.as_ref().unwrap()[0];
-        assert_eq!(rule.ports[0].end_port, Some(8100));
+        assert_eq!(
+            rule.ports,
+            vec![
+                PolicyPort { protocol: Protocol::Tcp, port: PolicyPortNumber::Number(8000), end_port: Some(8100) },
+                PolicyPort { protocol: Protocol::Tcp, port: PolicyPortNumber::Name("https-api".into()), end_port: None },
+                PolicyPort { protocol: Protocol::Udp, port: PolicyPortNumber::Any, end_port: None },
+            ]
+        );
         assert_eq!(rule.peers[0].pod_selector.as_ref().unwrap().match_labels["app"], "web");
+        assert_eq!(
+            rule.peers[0].namespace_selector.as_ref().unwrap().match_expressions,
+            vec![SelectorRequirement { key: "team".into(), operator: SelectorOperator::In, values: vec!["shop".into()] }]
+        );
+        assert_eq!(rule.peers[1].ip_block, Some(IpBlock { cidr: "10.0.0.0/8".into(), except: vec!["10.1.0.0/16".into()] }));
+        assert_eq!(rule.peers[1].pod_selector, None);
+        let egress = &p.egress.as_ref().unwrap()[0];
+        assert_eq!(egress.peers[0].namespace_selector.as_ref().unwrap().match_expressions[0].operator, SelectorOperator::Exists);
+
+        let all = network_policy(&k8s(json!({"metadata": {"name": "deny"}, "spec": {"podSelector": {}}}))).unwrap();
+        assert_eq!((all.namespace.as_str(), all.generation), ("default", 0));
+        assert_eq!(all.pod_selector, LabelSelector::default());
+        assert_eq!(all.ingress, Some(vec![]));
+    }
+
+    #[test]
+    fn network_policy_errors() {
+        let e = policy(json!({"ingress": [{"ports": [{"port": "https", "endPort": 9000}]}]})).unwrap_err();
+        assert_eq!(e.to_string(), "NetworkPolicy shop/p: spec.ingress[0].ports[0].endPort 9000 needs a numeric port no greater than it");
+        let e = policy(json!({"egress": [{"ports": [{"port": 9000, "endPort": 8000}]}]})).unwrap_err();
+        assert!(matches!(e.problem, Problem::InvalidEndPort { .. }), "{e}");
+        let e = policy(json!({"egress": [{"to": [{"podSelector": {"matchExpressions": [{"key": "a", "operator": "Like"}]}}]}]})).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "NetworkPolicy shop/p: spec.egress[0].to[0].podSelector.matchExpressions[0] has unknown operator \"Like\" (In, NotIn, Exists or DoesNotExist)"
+        );
+        assert!(matches!(policy(json!({"ingress": [{"ports": [{"port": 0}]}]})).unwrap_err().problem, Problem::InvalidPort { .. }));
+    }
+
+    #[test]
+    fn object_from_json_dispatches_on_api_version_and_kind() {
+        let kinds = [
+            json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s"}}),
+            json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n"}}),
+            json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ns"}}),
+            json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}}),
+            json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4", "endpoints": [],
+                   "metadata": {"name": "e", "labels": {SERVICE_NAME_LABEL: "s"}}}),
+            json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "np"}}),
+        ];
+        let keys: Vec<String> = kinds.into_iter().map(|v| object_from_json(v).unwrap().unwrap().key().to_string()).collect();
+        assert_eq!(keys, vec!["default/s", "n", "ns", "default/p", "default/e", "default/np"]);
+
+        for ignored in [
+            json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d"}}),
+            json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"}, "data": {"a": "b"}}),
+            json!({"apiVersion": "discovery.k8s.io/v1beta1", "kind": "EndpointSlice", "metadata": {"name": "old"}}),
+            json!({"kind": "Service"}),
+        ] {
+            assert!(object_from_json(ignored).unwrap().is_none());
+        }
+    }
+
+    #[test]
+    fn object_from_json_reports_schema_errors() {
+        let e = object_from_json(json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s", "namespace": "shop"}, "spec": {"ports": [{"port": "eighty"}]}}))
+            .unwrap_err();
+        assert_eq!((e.kind, e.object.as_str()), ("Service", "shop/s"));
+        assert!(matches!(e.problem, Problem::Schema(_)), "{e}");
+        let e = object_from_json(json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "metadata": {"name": "e"}, "endpoints": {"addresses": []}}))
+            .unwrap_err();
+        assert!(e.to_string().starts_with("EndpointSlice default/e: does not match the Kubernetes schema: invalid type: map, expected"), "{e}");
+        let e = object_from_json(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n"}, "spec": {"podCIDRs": "10.0.0.0/24"}})).unwrap_err();
+        assert_eq!(e.object, "n", "cluster-scoped objects have no namespace");
     }
 }

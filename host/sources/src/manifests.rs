@@ -1,162 +1,433 @@
 //! A directory of Kubernetes manifests standing in for the API server (embedded mode).
 //!
-//! A malformed document is reported with its file and position and skipped; everything
-//! else stays in force. The directory is polled rather than watched with inotify: polling
-//! works on every file system, including ConfigMap mounts that swap a symlink.
+//! Every `*.yaml`, `*.yml` and `*.json` file below the directory is read, in path order.
+//! A malformed document is reported with its file and position and skipped; every other
+//! document stays in force, so one typo does not withdraw the whole cluster. Kinds
+//! wasmplane does not use (Deployments, ConfigMaps, ...) are ignored, so an ordinary
+//! application's manifests can be pointed at as they are.
 
-use std::fmt;
+use std::collections::HashSet;
+use std::io;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize as _;
+use serde_json::Value;
 use sha2::{Digest, Sha256};
+use tokio::sync::mpsc;
 use wasmplane_model::state::ClusterObject;
 
 use crate::convert::object_from_json;
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One document that was skipped, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{} document {document}: {reason}", file.display())]
 pub struct ManifestError {
     pub file: PathBuf,
-    /// 1-based position of the document in its file.
+    /// 1-based position of the document in its file (`---`-separated); 0 when the file
+    /// as a whole is unusable (not UTF-8).
     pub document: usize,
     pub reason: String,
 }
 
-impl fmt::Display for ManifestError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} document {}: {}", self.file.display(), self.document, self.reason)
-    }
-}
-
-#[derive(Debug, Default)]
+/// Everything one load of a directory produced.
+#[derive(Debug, Clone, Default)]
 pub struct ManifestSet {
     pub objects: Vec<ClusterObject>,
     pub errors: Vec<ManifestError>,
+    /// Manifest files read.
     pub files: usize,
 }
 
-fn manifest_files(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
-    for entry in std::fs::read_dir(dir)? {
-        let path = entry?.path();
-        if path.is_dir() {
-            manifest_files(&path, out)?;
-        } else if matches!(path.extension().and_then(|e| e.to_str()), Some("yaml" | "yml" | "json")) {
+/// Loads every manifest file below `dir`, in a stable order.
+///
+/// I/O errors (the directory or a file cannot be read) fail the whole load: a partial
+/// read would look like deleted objects. Content errors are collected in
+/// [`ManifestSet::errors`] (and logged) instead.
+pub fn load_dir(dir: &Path) -> io::Result<ManifestSet> {
+    Ok(parse_files(&read_files(dir)?))
+}
+
+/// Sends the directory's contents now, then again whenever they change; returns when the
+/// receiver is dropped.
+///
+/// The directory is polled (a SHA-256 over the relative paths and contents every
+/// `interval`) rather than watched with inotify on purpose: polling works on every file
+/// system (network mounts, overlay, bind mounts) and sees ConfigMap volumes, which update
+/// by swapping a `..data` symlink that inotify watches on the files miss. Nothing is sent
+/// while the directory cannot be read, so a transient failure keeps the last good set.
+pub async fn watch_dir(dir: PathBuf, interval: Duration, tx: mpsc::Sender<ManifestSet>) {
+    let mut last: Option<[u8; 32]> = None;
+    let mut last_failure: Option<String> = None;
+    loop {
+        let scan = {
+            let dir = dir.clone();
+            tokio::task::spawn_blocking(move || scan(&dir, last)).await
+        };
+        let failure = match scan {
+            Ok(Ok(Some((fingerprint, set)))) => {
+                tracing::debug!(dir = %dir.display(), fingerprint = %hex::encode(&fingerprint[..8]), "manifests changed");
+                if tx.send(set).await.is_err() {
+                    return;
+                }
+                last = Some(fingerprint);
+                None
+            }
+            Ok(Ok(None)) => None,
+            Ok(Err(e)) => Some(format!("reading manifests: {e}")),
+            Err(e) => Some(format!("manifest scan failed: {e}")),
+        };
+        // Once per distinct failure, not once per poll.
+        if let Some(f) = &failure
+            && last_failure.as_ref() != Some(f)
+        {
+            tracing::warn!(dir = %dir.display(), "{f} (keeping the last good set, retrying)");
+        }
+        last_failure = failure;
+        tokio::select! {
+            _ = tx.closed() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+    }
+}
+
+/// One poll: `None` when the contents still hash to `last`.
+fn scan(dir: &Path, last: Option<[u8; 32]>) -> io::Result<Option<([u8; 32], ManifestSet)>> {
+    let files = read_files(dir)?;
+    let print = fingerprint(&files);
+    if last == Some(print) {
+        return Ok(None);
+    }
+    Ok(Some((print, parse_files(&files))))
+}
+
+/// A manifest file read into memory, so that what is hashed is exactly what is parsed.
+struct ManifestFile {
+    path: PathBuf,
+    relative: PathBuf,
+    bytes: Vec<u8>,
+}
+
+fn with_path(e: io::Error, path: &Path) -> io::Error {
+    io::Error::new(e.kind(), format!("{}: {e}", path.display()))
+}
+
+fn read_files(dir: &Path) -> io::Result<Vec<ManifestFile>> {
+    let mut paths = Vec::new();
+    walk(dir, &mut paths, &mut HashSet::new())?;
+    paths.sort();
+    paths
+        .into_iter()
+        .map(|path| {
+            let bytes = std::fs::read(&path).map_err(|e| with_path(e, &path))?;
+            let relative = path.strip_prefix(dir).unwrap_or(&path).to_path_buf();
+            Ok(ManifestFile { path, relative, bytes })
+        })
+        .collect()
+}
+
+fn walk(dir: &Path, out: &mut Vec<PathBuf>, visited: &mut HashSet<PathBuf>) -> io::Result<()> {
+    // Symlinks are followed (ConfigMap files are symlinks); this stops a loop of them.
+    if !visited.insert(dir.canonicalize().map_err(|e| with_path(e, dir))?) {
+        return Ok(());
+    }
+    for entry in std::fs::read_dir(dir).map_err(|e| with_path(e, dir))? {
+        let entry = entry.map_err(|e| with_path(e, dir))?;
+        // Dot-entries are hidden files and, in ConfigMap and Secret volumes, the `..data`
+        // and `..<timestamp>` directories behind the visible symlinks: reading those would
+        // load every manifest twice.
+        if entry.file_name().as_encoded_bytes().starts_with(b".") {
+            continue;
+        }
+        let path = entry.path();
+        let meta = match std::fs::metadata(&path) {
+            Ok(meta) => meta,
+            // A dangling symlink: a file being removed by a ConfigMap update.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(with_path(e, &path)),
+        };
+        if meta.is_dir() {
+            walk(&path, out, visited)?;
+        } else if meta.is_file() && matches!(path.extension().and_then(|e| e.to_str()), Some("yaml" | "yml" | "json")) {
             out.push(path);
         }
     }
     Ok(())
 }
 
-fn sorted_files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
-    let mut files = Vec::new();
-    manifest_files(dir, &mut files)?;
-    files.sort();
-    Ok(files)
+/// Length-prefixed fields, so that no two different directories hash alike; relative
+/// paths, so that the same contents mounted elsewhere hash alike.
+fn fingerprint(files: &[ManifestFile]) -> [u8; 32] {
+    let mut hasher = Sha256::new();
+    for file in files {
+        let relative = file.relative.as_os_str().as_encoded_bytes();
+        hasher.update((relative.len() as u64).to_le_bytes());
+        hasher.update(relative);
+        hasher.update((file.bytes.len() as u64).to_le_bytes());
+        hasher.update(&file.bytes);
+    }
+    hasher.finalize().into()
 }
 
-fn push_document(set: &mut ManifestSet, file: &Path, document: usize, value: serde_json::Value) {
-    if value.is_null() {
+fn parse_files(files: &[ManifestFile]) -> ManifestSet {
+    let mut set = ManifestSet { files: files.len(), ..Default::default() };
+    for file in files {
+        parse_file(&mut set, file);
+    }
+    for e in &set.errors {
+        tracing::warn!(file = %e.file.display(), document = e.document, "skipping manifest document: {}", e.reason);
+    }
+    set
+}
+
+fn parse_file(set: &mut ManifestSet, file: &ManifestFile) {
+    let text = match std::str::from_utf8(&file.bytes) {
+        Ok(text) => text,
+        Err(e) => return set.errors.push(ManifestError { file: file.path.clone(), document: 0, reason: format!("not UTF-8: {e}") }),
+    };
+    let is_json = file.path.extension().is_some_and(|e| e == "json");
+    if is_json {
+        // JSON is parsed as JSON: exact line numbers, and no YAML corner cases (tabs).
+        for (n, value) in serde_json::Deserializer::from_str(text).into_iter::<Value>().enumerate() {
+            match value {
+                Ok(value) => push_document(set, &file.path, n + 1, value),
+                Err(e) => {
+                    set.errors.push(ManifestError { file: file.path.clone(), document: n + 1, reason: format!("invalid JSON: {e}") });
+                    break;
+                }
+            }
+        }
         return;
     }
-    if value.get("kind").and_then(|k| k.as_str()) == Some("List") {
-        for item in value.get("items").and_then(|i| i.as_array()).cloned().unwrap_or_default() {
+    for (n, (first_line, document)) in split_yaml(text).into_iter().enumerate() {
+        match yaml_values(document) {
+            Ok(values) => {
+                for value in values {
+                    push_document(set, &file.path, n + 1, value);
+                }
+            }
+            Err(e) => {
+                // Parse again at the document's place in the file, so that the error's line
+                // numbers are the file's.
+                let placed = format!("{}{document}", "\n".repeat(first_line - 1));
+                let e = yaml_values(&placed).err().unwrap_or(e);
+                set.errors.push(ManifestError { file: file.path.clone(), document: n + 1, reason: format!("invalid YAML: {e}") });
+            }
+        }
+    }
+}
+
+fn yaml_values(text: &str) -> Result<Vec<Value>, serde_yaml::Error> {
+    serde_yaml::Deserializer::from_str(text).map(Value::deserialize).collect()
+}
+
+/// Splits a YAML stream at its `---` (and `...`) lines into documents with their first
+/// line (1-based), so that a syntax error spoils only its own document: libyaml cannot
+/// resume a stream after one. A `---` at the start of a line always starts a document in
+/// YAML, even inside a block scalar, so this agrees with the parser. Comments and
+/// directives before a `---` stay with the document that follows; parts with nothing
+/// else are not documents.
+fn split_yaml(text: &str) -> Vec<(usize, &str)> {
+    let mut documents = Vec::new();
+    let (mut start, mut start_line, mut has_content, mut offset) = (0, 1, false, 0);
+    for (i, line) in text.split_inclusive('\n').enumerate() {
+        let marker = |m: &str| line.strip_prefix(m).filter(|rest| rest.trim().is_empty() || rest.starts_with([' ', '\t']));
+        let (begins, ends) = (marker("---"), marker("..."));
+        if begins.is_some() && has_content {
+            documents.push((start_line, &text[start..offset]));
+            (start, start_line, has_content) = (offset, i + 1, false);
+        }
+        offset += line.len();
+        let body = begins.unwrap_or(line).trim();
+        if ends.is_none() && !body.is_empty() && !body.starts_with('#') && !line.starts_with('%') {
+            has_content = true;
+        }
+        if ends.is_some() {
+            if has_content {
+                documents.push((start_line, &text[start..offset]));
+            }
+            (start, start_line, has_content) = (offset, i + 2, false);
+        }
+    }
+    if has_content {
+        documents.push((start_line, &text[start..]));
+    }
+    documents
+}
+
+/// Records one document's object, expanding lists; `kubectl get -o yaml` writes `List`,
+/// the API `ServiceList` and the like, whose items may omit `apiVersion` and `kind`.
+fn push_document(set: &mut ManifestSet, file: &Path, document: usize, value: Value) {
+    let skip = |set: &mut ManifestSet, reason: String| set.errors.push(ManifestError { file: file.to_path_buf(), document, reason });
+    let Value::Object(object) = &value else {
+        if !value.is_null() {
+            skip(set, "not a Kubernetes object (a mapping with apiVersion and kind)".into());
+        }
+        return;
+    };
+    let text = |field: &str| object.get(field).and_then(Value::as_str).filter(|s| !s.is_empty());
+    let (Some(api_version), Some(kind)) = (text("apiVersion"), text("kind")) else {
+        return skip(set, "not a Kubernetes object: apiVersion and kind are required".into());
+    };
+    if let Some(item_kind) = kind.strip_suffix("List")
+        && let Some(items) = object.get("items").and_then(Value::as_array)
+    {
+        for (i, mut item) in items.iter().cloned().enumerate() {
+            if let Some(item) = item.as_object_mut()
+                && !item_kind.is_empty()
+            {
+                item.entry("apiVersion").or_insert_with(|| api_version.into());
+                item.entry("kind").or_insert_with(|| item_kind.into());
+            }
+            let before = set.errors.len();
             push_document(set, file, document, item);
+            for e in &mut set.errors[before..] {
+                e.reason = format!("items[{i}]: {}", e.reason);
+            }
         }
         return;
     }
     match object_from_json(value) {
         Ok(Some(object)) => set.objects.push(object),
         Ok(None) => {}
-        Err(e) => set.errors.push(ManifestError { file: file.to_path_buf(), document, reason: e.to_string() }),
-    }
-}
-
-/// Loads every `*.yaml`, `*.yml` and `*.json` below `dir`, in a stable order.
-pub fn load_dir(dir: &Path) -> std::io::Result<ManifestSet> {
-    let mut set = ManifestSet::default();
-    for file in sorted_files(dir)? {
-        set.files += 1;
-        let text = match std::fs::read_to_string(&file) {
-            Ok(t) => t,
-            Err(e) => {
-                set.errors.push(ManifestError { file, document: 0, reason: e.to_string() });
-                continue;
-            }
-        };
-        for (i, doc) in serde_yaml::Deserializer::from_str(&text).enumerate() {
-            match serde_json::Value::deserialize(doc) {
-                Ok(value) => push_document(&mut set, &file, i + 1, value),
-                Err(e) => {
-                    set.errors.push(ManifestError { file: file.clone(), document: i + 1, reason: e.to_string() });
-                    // The YAML stream cannot be resumed past a syntax error.
-                    break;
-                }
-            }
-        }
-    }
-    for e in &set.errors {
-        tracing::warn!("skipping manifest: {e}");
-    }
-    Ok(set)
-}
-
-fn fingerprint(dir: &Path) -> std::io::Result<Vec<u8>> {
-    let mut hasher = Sha256::new();
-    for file in sorted_files(dir)? {
-        hasher.update(file.as_os_str().as_encoded_bytes());
-        hasher.update([0]);
-        hasher.update(std::fs::read(&file).unwrap_or_default());
-        hasher.update([0]);
-    }
-    Ok(hasher.finalize().to_vec())
-}
-
-/// Sends the directory's contents now and again whenever they change; returns when the
-/// receiver is gone.
-pub async fn watch_dir(dir: PathBuf, interval: Duration, tx: tokio::sync::mpsc::Sender<ManifestSet>) {
-    let mut last: Option<Vec<u8>> = None;
-    loop {
-        let scan = {
-            let dir = dir.clone();
-            tokio::task::spawn_blocking(move || fingerprint(&dir).and_then(|f| Ok((f, load_dir(&dir)?)))).await
-        };
-        match scan {
-            Ok(Ok((print, set))) if last.as_ref() != Some(&print) => {
-                last = Some(print);
-                if tx.send(set).await.is_err() {
-                    return;
-                }
-            }
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => tracing::warn!(dir = %dir.display(), "reading manifests: {e}"),
-            Err(e) => tracing::warn!("manifest scan failed: {e}"),
-        }
-        if tx.is_closed() {
-            return;
-        }
-        tokio::time::sleep(interval).await;
+        Err(e) => skip(set, e.to_string()),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use wasmplane_model::state::ObjectKind;
 
-    const GOOD: &str = "apiVersion: v1\nkind: Namespace\nmetadata: {name: shop}\n---\napiVersion: apps/v1\nkind: Deployment\nmetadata: {name: d}\n---\napiVersion: v1\nkind: List\nitems:\n- {apiVersion: v1, kind: Namespace, metadata: {name: a}}\n- {apiVersion: v1, kind: Namespace, metadata: {name: b}}\n";
+    fn write(dir: &Path, name: &str, text: &str) {
+        let path = dir.join(name);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).unwrap();
+        }
+        std::fs::write(path, text).unwrap();
+    }
+
+    fn keys(set: &ManifestSet) -> Vec<String> {
+        set.objects.iter().map(|o| format!("{:?} {}", o.kind(), o.key())).collect()
+    }
+
+    const MULTI: &str = "\
+# The shop namespace and its web service.
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: shop}
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: web, namespace: shop}
+spec: {replicas: 2}
+---
+# an empty document
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop}
+spec:
+  clusterIP: 10.96.0.20
+  ports: [{name: http, port: 80, targetPort: 8080}]
+";
 
     #[test]
-    fn loads_documents_and_reports_bad_ones_without_losing_the_rest() {
+    fn multi_document_files_lists_and_json() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("good.yaml"), GOOD).unwrap();
-        std::fs::write(dir.path().join("broken.yaml"), "apiVersion: v1\nkind: Namespace\nmetadata: {name: ok}\n---\nkind: [unclosed\n").unwrap();
-        std::fs::write(dir.path().join("invalid.yml"), "apiVersion: v1\nkind: Service\nmetadata: {name: s}\nspec: {ports: [{port: 80, protocol: FOO}]}\n").unwrap();
-        std::fs::write(dir.path().join("notes.txt"), "ignored").unwrap();
+        write(dir.path(), "a.yaml", MULTI);
+        write(
+            dir.path(),
+            "sub/list.yml",
+            "apiVersion: v1\nkind: List\nitems:\n- {apiVersion: v1, kind: Namespace, metadata: {name: a}}\n- {apiVersion: v1, kind: ConfigMap, metadata: {name: c}}\n---\napiVersion: v1\nkind: NamespaceList\nitems: [{metadata: {name: b}}]\n",
+        );
+        write(dir.path(), "z.json", r#"{"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"}}"#);
+        write(dir.path(), "notes.txt", "not a manifest");
         let set = load_dir(dir.path()).unwrap();
+        assert!(set.errors.is_empty(), "{:?}", set.errors);
         assert_eq!(set.files, 3);
-        assert_eq!(set.objects.len(), 4, "shop, a, b from good.yaml and ok from broken.yaml");
-        assert_eq!(set.errors.len(), 2);
-        assert!(set.errors[0].file.ends_with("broken.yaml") && set.errors[0].document == 2, "{:?}", set.errors);
-        assert!(set.errors[1].to_string().contains("invalid.yml document 1: Service default/s: port 0: invalid protocol"), "{}", set.errors[1]);
+        assert_eq!(keys(&set), vec!["Namespace shop", "Service shop/web", "Namespace a", "Namespace b", "Node node-a"]);
+    }
+
+    #[test]
+    fn malformed_yaml_is_reported_and_the_rest_stays() {
+        let dir = tempfile::tempdir().unwrap();
+        write(
+            dir.path(),
+            "broken.yaml",
+            "apiVersion: v1\nkind: Namespace\nmetadata: {name: before}\n---\napiVersion: v1\nkind: [unclosed\n---\napiVersion: v1\nkind: Namespace\nmetadata: {name: after}\n",
+        );
+        write(dir.path(), "good.yaml", "apiVersion: v1\nkind: Namespace\nmetadata: {name: good}\n");
+        write(dir.path(), "list.json", r#"{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "j"}} {"apiVersion": "#);
+        let set = load_dir(dir.path()).unwrap();
+        assert_eq!(keys(&set), vec!["Namespace before", "Namespace after", "Namespace good", "Namespace j"]);
+        assert_eq!(set.errors.len(), 2, "{:?}", set.errors);
+        let yaml = &set.errors[0];
+        assert_eq!((yaml.file.as_path(), yaml.document), (dir.path().join("broken.yaml").as_path(), 2));
+        assert!(yaml.reason.starts_with("invalid YAML") && yaml.reason.contains("line 7"), "line numbers are the file's: {yaml}");
+        assert!(yaml.to_string().contains("broken.yaml document 2: invalid YAML"), "{yaml}");
+        assert_eq!((set.errors[1].document, set.errors[1].reason.starts_with("invalid JSON")), (2, true), "{}", set.errors[1]);
+    }
+
+    #[test]
+    fn invalid_objects_are_reported_with_their_field() {
+        let dir = tempfile::tempdir().unwrap();
+        write(
+            dir.path(),
+            "shop.yaml",
+            "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: shop}\nspec: {ports: [{port: 80, protocol: FOO}]}\n---\n\
+             apiVersion: v1\nkind: Namespace\nmetadata: {name: shop}\n---\n\
+             just a string\n---\n\
+             metadata: {name: no-kind}\n---\n\
+             apiVersion: v1\nkind: List\nitems:\n- {apiVersion: v1, kind: Namespace, metadata: {name: ok}}\n- {apiVersion: v1, kind: Pod, metadata: {name: p}, spec: {containers: [{name: c, ports: [{containerPort: 0}]}]}}\n",
+        );
+        let set = load_dir(dir.path()).unwrap();
+        assert_eq!(keys(&set), vec!["Namespace shop", "Namespace ok"]);
+        let errors: Vec<String> = set.errors.iter().map(|e| format!("{} {}", e.document, e.reason)).collect();
+        assert_eq!(
+            errors,
+            vec![
+                "1 Service shop/web: spec.ports[0] has invalid protocol \"FOO\" (TCP, UDP or SCTP)",
+                "3 not a Kubernetes object (a mapping with apiVersion and kind)",
+                "4 not a Kubernetes object: apiVersion and kind are required",
+                "5 items[1]: Pod default/p: spec.containers[0].ports[0].containerPort is 0, not a port number (1-65535)",
+            ]
+        );
+    }
+
+    #[test]
+    fn yaml_documents_split_where_the_parser_splits_them() {
+        let text = "# head\n%YAML 1.2\n---\na: 1\n--- # c\nb: |\n  --- not a marker\n  x\n---\n---\n...\nc: 3\n...\n# tail\n";
+        let docs = split_yaml(text);
+        assert_eq!(docs.iter().map(|(line, _)| *line).collect::<Vec<_>>(), vec![1, 5, 12]);
+        let values: Vec<Value> = docs.iter().flat_map(|(_, d)| yaml_values(d).unwrap()).collect();
+        assert_eq!(values, vec![serde_json::json!({"a": 1}), serde_json::json!({"b": "--- not a marker\nx\n"}), serde_json::json!({"c": 3})]);
+        assert!(split_yaml("").is_empty() && split_yaml("# nothing\n---\n").is_empty());
+        assert_eq!(split_yaml("a: 1\r\n---\r\nb: 2"), vec![(1, "a: 1\r\n"), (2, "---\r\nb: 2")]);
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn configmap_volumes_are_read_once() {
+        // The kubelet's layout: visible symlinks into `..data`, itself a symlink to a
+        // timestamped directory swapped on update.
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path(), "..2025_01_01_00_00_00.1/ns.yaml", "apiVersion: v1\nkind: Namespace\nmetadata: {name: shop}\n");
+        std::os::unix::fs::symlink("..2025_01_01_00_00_00.1", dir.path().join("..data")).unwrap();
+        std::os::unix::fs::symlink("..data/ns.yaml", dir.path().join("ns.yaml")).unwrap();
+        std::os::unix::fs::symlink("..data/gone.yaml", dir.path().join("gone.yaml")).unwrap();
+        std::os::unix::fs::symlink(".", dir.path().join("loop")).unwrap();
+        let set = load_dir(dir.path()).unwrap();
+        assert_eq!((set.files, keys(&set)), (1, vec!["Namespace shop".to_string()]));
+    }
+
+    #[test]
+    fn missing_directory_is_an_io_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = load_dir(&dir.path().join("absent")).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound);
+        assert!(e.to_string().contains("absent"), "{e}");
     }
 
     #[test]
@@ -164,22 +435,74 @@ mod tests {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/manifests");
         let set = load_dir(&dir).unwrap();
         assert!(set.errors.is_empty(), "{:?}", set.errors);
-        let services = set.objects.iter().filter(|o| matches!(o, ClusterObject::Service(_))).count();
-        assert!(services >= 4, "{services}");
+        assert_eq!(set.files, 4);
+        let count = |kind| set.objects.iter().filter(|o| o.kind() == kind).count();
+        assert_eq!(count(ObjectKind::Node), 2);
+        assert_eq!(count(ObjectKind::Namespace), 3);
+        assert_eq!(count(ObjectKind::Service), 6);
+        assert_eq!(count(ObjectKind::EndpointSlice), 4);
+        assert_eq!(count(ObjectKind::Pod), 8);
+        assert_eq!(count(ObjectKind::NetworkPolicy), 2);
+        let services: Vec<_> = set
+            .objects
+            .iter()
+            .filter_map(|o| match o {
+                ClusterObject::Service(s) if s.is_proxied() => Some(s.name.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(services, vec!["web", "api", "checkout", "dns"], "db is headless, payments ExternalName");
+        // Every endpoint is a pod the example declares.
+        let pod_ips: HashSet<&str> = set
+            .objects
+            .iter()
+            .filter_map(|o| if let ClusterObject::Pod(p) = o { Some(p) } else { None })
+            .flat_map(|p| p.ips.iter().map(String::as_str))
+            .collect();
+        for object in &set.objects {
+            if let ClusterObject::EndpointSlice(s) = object {
+                for address in s.endpoints.iter().flat_map(|e| &e.addresses) {
+                    assert!(pod_ips.contains(address.as_str()), "{} has {address}, which no pod has", s.name);
+                }
+            }
+        }
     }
 
     #[tokio::test]
     async fn watch_sends_on_change_only() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("a.yaml"), GOOD).unwrap();
-        let (tx, mut rx) = tokio::sync::mpsc::channel(4);
-        let task = tokio::spawn(watch_dir(dir.path().to_path_buf(), Duration::from_millis(20), tx));
-        assert_eq!(rx.recv().await.unwrap().objects.len(), 3);
-        assert!(tokio::time::timeout(Duration::from_millis(150), rx.recv()).await.is_err(), "nothing changed");
-        std::fs::write(dir.path().join("b.yaml"), "apiVersion: v1\nkind: Namespace\nmetadata: {name: new}\n").unwrap();
-        let set = tokio::time::timeout(Duration::from_secs(2), rx.recv()).await.unwrap().unwrap();
-        assert_eq!(set.objects.len(), 4);
+        let ns = |name: &str| format!("apiVersion: v1\nkind: Namespace\nmetadata: {{name: {name}}}\n");
+        write(dir.path(), "a.yaml", &ns("a"));
+        let (tx, mut rx) = mpsc::channel(4);
+        let task = tokio::spawn(watch_dir(dir.path().to_path_buf(), Duration::from_millis(50), tx));
+        let first = tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.unwrap().unwrap();
+        assert_eq!(keys(&first), vec!["Namespace a"]);
+
+        // Rewriting a file with the same bytes is no change.
+        write(dir.path(), "a.yaml", &ns("a"));
+        assert!(tokio::time::timeout(Duration::from_millis(300), rx.recv()).await.is_err(), "nothing changed");
+
+        write(dir.path(), "a.yaml", &ns("b"));
+        let changed = tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.unwrap().unwrap();
+        assert_eq!(keys(&changed), vec!["Namespace b"]);
+        write(dir.path(), "c.yaml", &ns("c"));
+        let added = tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.unwrap().unwrap();
+        assert_eq!((added.files, keys(&added)), (2, vec!["Namespace b".to_string(), "Namespace c".to_string()]));
+        assert!(tokio::time::timeout(Duration::from_millis(200), rx.recv()).await.is_err(), "sent once per change");
+
         drop(rx);
-        tokio::time::timeout(Duration::from_secs(2), task).await.unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(5), task).await.expect("returns once the receiver is gone").unwrap();
+    }
+
+    #[test]
+    fn fingerprint_covers_paths_and_contents_not_location() {
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        for dir in [a.path(), b.path()] {
+            write(dir, "x.yaml", "a: 1\n");
+        }
+        let print = |dir: &Path| fingerprint(&read_files(dir).unwrap());
+        assert_eq!(print(a.path()), print(b.path()));
+        std::fs::rename(b.path().join("x.yaml"), b.path().join("y.yaml")).unwrap();
+        assert_ne!(print(a.path()), print(b.path()));
     }
 }
