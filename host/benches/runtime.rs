@@ -129,7 +129,7 @@ fn main() {
     });
     println!("| instantiate (pooling allocator) | {:.1} µs |", instantiate.as_secs_f64() * 1e6);
 
-    let ctx = NodeContext { node_name: "node-0".into(), node_ips: vec!["192.168.0.1".into()], cluster_cidrs: vec!["10.244.0.0/16".into()], pod_cidrs: vec![] };
+    let ctx = NodeContext { node_name: "node-0".into(), node_ips: vec!["192.168.0.1".into()], cluster_cidrs: vec!["10.244.0.0/16".into()], pod_cidrs: vec![], zone: None };
     let sdk_ctx = sdk::NodeContext { node_name: ctx.node_name.clone(), node_ips: ctx.node_ips.clone(), cluster_cidrs: ctx.cluster_cidrs.clone(), pod_cidrs: vec![] };
     println!("\n| services | Wasm total | Wasm per call | native total | native per call | Wasm/native |");
     println!("|---|---|---|---|---|---|");

@@ -14,6 +14,7 @@ use crate::api::{ApiState, router};
 use crate::controller::{Controller, ControllerConfig};
 use crate::dataplane::{Kernel, NftCommand, Recorder};
 use crate::metrics::Metrics;
+use wasmplane_sources::kube::{SourceEvent, WATCHED_KINDS, WatchStatus};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum DataplaneMode {
@@ -23,10 +24,41 @@ pub enum DataplaneMode {
     Nftables,
 }
 
+/// Where the Kubernetes API is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KubernetesSource {
+    /// `KUBECONFIG`, `~/.kube/config`, or the in-cluster service account, as kubectl finds it.
+    Infer,
+    /// A kubeconfig file.
+    Kubeconfig(PathBuf),
+    /// A plain URL with no credentials (tests against the test API server).
+    Url(String),
+}
+
+impl KubernetesSource {
+    pub async fn client(&self) -> anyhow::Result<kube::Client> {
+        let config = match self {
+            KubernetesSource::Infer => kube::Config::infer().await.context("finding Kubernetes credentials (kubeconfig or in-cluster)")?,
+            KubernetesSource::Kubeconfig(path) => {
+                let kubeconfig = kube::config::Kubeconfig::read_from(path).with_context(|| format!("reading kubeconfig {}", path.display()))?;
+                kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await.with_context(|| format!("using kubeconfig {}", path.display()))?
+            }
+            KubernetesSource::Url(url) => kube::Config::new(url.parse().with_context(|| format!("Kubernetes API URL {url:?}"))?),
+        };
+        kube::Client::try_from(config).context("building the Kubernetes client")
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct HostConfig {
     pub listen: SocketAddr,
     pub manifests: Option<PathBuf>,
+    /// Watch a Kubernetes API server (takes precedence over `manifests`).
+    pub kubernetes: Option<KubernetesSource>,
+    /// Where the gRPC node-local model stream listens (none: not served).
+    pub grpc_listen: Option<SocketAddr>,
+    /// How often the events/revisions stats line is logged.
+    pub stats_interval: Duration,
     pub data_dir: Option<PathBuf>,
     pub node_name: String,
     pub cluster_cidrs: Vec<String>,
@@ -45,6 +77,9 @@ impl Default for HostConfig {
         HostConfig {
             listen: "127.0.0.1:8080".parse().expect("static address"),
             manifests: None,
+            kubernetes: None,
+            grpc_listen: None,
+            stats_interval: Duration::from_secs(60),
             data_dir: None,
             node_name: "node-a".into(),
             cluster_cidrs: vec!["10.244.0.0/16".into()],
@@ -65,6 +100,7 @@ pub struct RunningHost {
     pub controller: Arc<Mutex<Controller>>,
     pub metrics: Arc<Metrics>,
     pub ready: Arc<AtomicBool>,
+    pub watch_status: Option<Arc<WatchStatus>>,
     shutdown: Option<oneshot::Sender<()>>,
     server: tokio::task::JoinHandle<()>,
     loops: Vec<tokio::task::JoinHandle<()>>,
@@ -133,10 +169,18 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         tokio::task::spawn_blocking(move || Controller::new(runtime, metrics, kernel, data_dir.as_deref(), controller_config)).await??
     };
     let controller = Arc::new(Mutex::new(controller));
-    let ready = Arc::new(AtomicBool::new(config.manifests.is_none()));
+    let ready = Arc::new(AtomicBool::new(config.manifests.is_none() && config.kubernetes.is_none()));
     let mut loops = Vec::new();
+    let mut watch_status = None;
 
-    if let Some(dir) = config.manifests.clone() {
+    if let Some(source) = &config.kubernetes {
+        let client = source.client().await?;
+        let status = Arc::new(WatchStatus::default());
+        let (tx, rx) = tokio::sync::mpsc::channel(1024);
+        loops.extend(wasmplane_sources::kube::spawn_watchers(client, tx, status.clone()));
+        loops.push(tokio::spawn(apply_watch_events(rx, controller.clone(), ready.clone())));
+        watch_status = Some(status);
+    } else if let Some(dir) = config.manifests.clone() {
         let (tx, mut rx) = tokio::sync::mpsc::channel(4);
         loops.push(tokio::spawn(wasmplane_sources::manifests::watch_dir(dir.clone(), config.manifest_poll, tx)));
         let (controller, ready) = (controller.clone(), ready.clone());
@@ -159,6 +203,8 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
             }
         }));
     }
+
+    loops.push(tokio::spawn(log_stats(metrics.clone(), config.stats_interval)));
 
     {
         let controller = controller.clone();
@@ -198,5 +244,60 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
             tracing::error!("REST API server failed: {e}");
         }
     });
-    Ok(RunningHost { addr, token, controller, metrics, ready, shutdown: Some(shutdown_tx), server, loops })
+    Ok(RunningHost { addr, token, controller, metrics, ready, watch_status, shutdown: Some(shutdown_tx), server, loops })
+}
+
+/// Most watch events a single model update takes; bounds the lock hold time under a burst.
+const MAX_BATCH: usize = 1024;
+
+/// Feeds watcher output to the controller in batches: whatever has queued up while the
+/// previous batch was applied goes in as one model update, so a burst of events costs one
+/// revision and one dataplane transaction. Ready once every kind's first list is applied.
+async fn apply_watch_events(mut rx: tokio::sync::mpsc::Receiver<SourceEvent>, controller: Arc<Mutex<Controller>>, ready: Arc<AtomicBool>) {
+    let mut listed = std::collections::BTreeSet::new();
+    while let Some(first) = rx.recv().await {
+        let mut batch = vec![first];
+        while batch.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(more) => batch.push(more),
+                Err(_) => break,
+            }
+        }
+        let kinds: Vec<_> = batch.iter().filter_map(|e| if let SourceEvent::Relisted { kind, .. } = e { Some(*kind) } else { None }).collect();
+        let controller = controller.clone();
+        let result = tokio::task::spawn_blocking(move || controller.lock().unwrap_or_else(|p| p.into_inner()).apply_source(batch)).await;
+        match result {
+            Ok(Ok(())) => {}
+            // The model took the change; only writing it failed. The periodic reconcile retries.
+            Ok(Err(e)) => tracing::error!("applying cluster changes: {e}"),
+            Err(e) => tracing::error!("cluster change task failed: {e}"),
+        }
+        listed.extend(kinds);
+        if !ready.load(Ordering::Relaxed) && WATCHED_KINDS.iter().all(|k| listed.contains(k)) {
+            tracing::info!("initial sync of every watched kind done: ready");
+            ready.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The periodic stats line: how much came in, how little of it was a real change.
+async fn log_stats(metrics: Arc<Metrics>, interval: Duration) {
+    let mut ticker = tokio::time::interval(interval);
+    ticker.tick().await;
+    let (mut last_events, mut last_revisions) = (0, 0);
+    loop {
+        ticker.tick().await;
+        let (events, revisions) = (metrics.events.get(), metrics.revisions.get());
+        tracing::info!(
+            events_total = events,
+            revisions_total = revisions,
+            events = events - last_events,
+            revisions = revisions - last_revisions,
+            services = metrics.services.get(),
+            policies = metrics.policies.get(),
+            local_pods = metrics.local_pods.get(),
+            "model stats (events in, revisions out)"
+        );
+        (last_events, last_revisions) = (events, revisions);
+    }
 }

@@ -35,8 +35,18 @@ pub struct RunArgs {
     #[arg(long, env = "WASMPLANE_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
     /// Directory of Kubernetes YAML manifests standing in for the API server (embedded mode).
-    #[arg(long, env = "WASMPLANE_MANIFESTS")]
+    #[arg(long, env = "WASMPLANE_MANIFESTS", conflicts_with_all = ["kubeconfig", "kubernetes"])]
     pub manifests: Option<PathBuf>,
+    /// Watch the Kubernetes API server named in this kubeconfig.
+    #[arg(long, env = "WASMPLANE_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Watch the Kubernetes API server found as kubectl would ($KUBECONFIG, ~/.kube/config,
+    /// or in-cluster service account).
+    #[arg(long, conflicts_with = "kubeconfig")]
+    pub kubernetes: bool,
+    /// gRPC listen address of the node-local model stream (off when unset).
+    #[arg(long, env = "WASMPLANE_GRPC_LISTEN")]
+    pub grpc_listen: Option<SocketAddr>,
     /// Where modules, compiled code and the API token are kept.
     #[arg(long, env = "WASMPLANE_DATA_DIR", default_value = "/var/lib/wasmplane")]
     pub data_dir: PathBuf,
@@ -121,6 +131,12 @@ impl RunArgs {
         Ok(HostConfig {
             listen: self.listen,
             manifests: self.manifests,
+            kubernetes: match (self.kubeconfig, self.kubernetes) {
+                (Some(path), _) => Some(crate::app::KubernetesSource::Kubeconfig(path)),
+                (None, true) => Some(crate::app::KubernetesSource::Infer),
+                (None, false) => None,
+            },
+            grpc_listen: self.grpc_listen,
             data_dir: Some(self.data_dir),
             node_name: self.node_name,
             cluster_cidrs: self.cluster_cidrs,

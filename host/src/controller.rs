@@ -10,8 +10,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Serialize;
-use wasmplane_model::state::{ClusterEvent, ClusterObject, ModelUpdate, ServiceView};
+use wasmplane_model::state::{ClusterEvent, ClusterObject, ModelUpdate, ServiceView, Touched};
 use wasmplane_model::{ClusterState, NodeLocalModel, ObjectKey};
+use wasmplane_sources::kube::SourceEvent;
 use wasmplane_runtime::{GuestKind, LoadError, LoadedModule, NoLookups, Runtime, TranslatorSession};
 
 use crate::dataplane::{Dataplane, Kernel, WriteError};
@@ -46,6 +47,12 @@ struct ActiveTranslator {
     session: TranslatorSession,
 }
 
+/// Told about every model revision, in order, while the controller lock is held (so a
+/// reader taking that lock sees a model consistent with what it was told).
+pub trait ModelObserver: Send {
+    fn model_changed(&self, model: &NodeLocalModel, update: &ModelUpdate);
+}
+
 pub struct ControllerConfig {
     pub node_name: String,
     pub cluster_cidrs: Vec<String>,
@@ -63,6 +70,7 @@ pub struct Controller {
     /// Last translation error per service (its last good rules stay applied).
     service_errors: BTreeMap<ObjectKey, String>,
     max_module_bytes: usize,
+    observers: Vec<Box<dyn ModelObserver>>,
 }
 
 #[derive(Debug, Serialize)]
@@ -94,6 +102,7 @@ impl Controller {
             dataplane: Dataplane::new(kernel),
             service_errors: BTreeMap::new(),
             max_module_bytes: config.max_module_bytes,
+            observers: Vec::new(),
         };
         // The module that was in force before a restart, else the builtin.
         let wanted = controller.registry.in_force(GuestKind::ServiceTranslator).map(str::to_string);
@@ -149,12 +158,43 @@ impl Controller {
     pub fn apply_events(&mut self, events: Vec<ClusterEvent>) -> Result<(), HostError> {
         self.metrics.events.inc_by(events.len() as u64);
         let node = self.model.node_name().to_string();
-        let mut touched = wasmplane_model::state::Touched::default();
+        let mut touched = Touched::default();
         for event in events {
             touched.merge(self.cluster.apply(event, &node));
         }
         let update = self.model.update(&self.cluster, &touched);
         self.run_update(update)
+    }
+
+    /// A batch from the Kubernetes watchers, applied as one model update (one revision at
+    /// most, however many events it holds).
+    pub fn apply_source(&mut self, batch: Vec<SourceEvent>) -> Result<(), HostError> {
+        let node = self.model.node_name().to_string();
+        let mut touched = Touched::default();
+        for event in batch {
+            match event {
+                SourceEvent::Events(events) => {
+                    self.metrics.events.inc_by(events.len() as u64);
+                    for event in events {
+                        touched.merge(self.cluster.apply(event, &node));
+                    }
+                }
+                SourceEvent::Relisted { kind, objects, unconvertible } => {
+                    self.metrics.events.inc_by(objects.len() as u64);
+                    touched.merge(self.cluster.replace_kind(kind, objects, &unconvertible, &node));
+                }
+            }
+        }
+        let update = self.model.update(&self.cluster, &touched);
+        self.run_update(update)
+    }
+
+    pub fn add_observer(&mut self, observer: Box<dyn ModelObserver>) {
+        self.observers.push(observer);
+    }
+
+    pub fn cluster(&self) -> &ClusterState {
+        &self.cluster
     }
 
     fn run_update(&mut self, update: ModelUpdate) -> Result<(), HostError> {
@@ -163,6 +203,11 @@ impl Controller {
         }
         self.metrics.revisions.inc();
         self.metrics.services.set(self.model.services.len() as i64);
+        self.metrics.policies.set(self.model.policies.len() as i64);
+        self.metrics.local_pods.set(self.model.local_pods.len() as i64);
+        for observer in &self.observers {
+            observer.model_changed(&self.model, &update);
+        }
         let changed: Vec<(ObjectKey, Option<Arc<ServiceView>>)> = if update.context_changed {
             // Every call sees the node context: all services are due.
             let mut all: Vec<_> = self.model.services.iter().map(|(k, v)| (k.clone(), Some(v.clone()))).collect();

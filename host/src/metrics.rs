@@ -30,6 +30,8 @@ pub struct Metrics {
     pub sync_statements: Counter,
     pub module_uploads: Family<ResultLabels, Counter>,
     pub services: Gauge,
+    pub policies: Gauge,
+    pub local_pods: Gauge,
 }
 
 impl Metrics {
@@ -45,6 +47,8 @@ impl Metrics {
             sync_statements: Counter::default(),
             module_uploads: Family::default(),
             services: Gauge::default(),
+            policies: Gauge::default(),
+            local_pods: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register("model_events", "Cluster events received by the model", m.events.clone());
@@ -56,6 +60,8 @@ impl Metrics {
         registry.register("dataplane_statements", "nftables statements written", m.sync_statements.clone());
         registry.register("module_uploads", "Module uploads by result", m.module_uploads.clone());
         registry.register("model_services", "Services in the node-local model", m.services.clone());
+        registry.register("model_policies", "Network policies that select pods on this node", m.policies.clone());
+        registry.register("model_local_pods", "Pods on this node", m.local_pods.clone());
         Metrics { registry, ..m }
     }
 

@@ -6,4 +6,4 @@ pub mod objects;
 pub mod state;
 
 pub use objects::*;
-pub use state::{ClusterEvent, ClusterState, NodeLocalModel, ServiceView};
+pub use state::{ClusterEvent, ClusterObject, ClusterState, NodeLocalModel, ObjectKind, PolicyView, ServiceView};

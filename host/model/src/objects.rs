@@ -122,6 +122,9 @@ pub struct Endpoint {
     pub terminating: bool,
     pub node_name: Option<String>,
     pub zone: Option<String>,
+    /// Topology hints (`hints.forZones`): the zones this endpoint should serve.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub for_zones: Vec<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -158,6 +161,15 @@ pub struct Node {
     pub labels: Labels,
 }
 
+/// The well-known label that places a node in a zone.
+pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+
+impl Node {
+    pub fn zone(&self) -> Option<&str> {
+        self.labels.get(ZONE_LABEL).map(String::as_str)
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Namespace {
     pub name: String,
@@ -182,6 +194,12 @@ pub struct Pod {
     pub host_network: bool,
 }
 
+impl Pod {
+    pub fn key(&self) -> ObjectKey {
+        ObjectKey::new(&self.namespace, &self.name)
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum SelectorOperator {
     In,
@@ -201,6 +219,23 @@ pub struct SelectorRequirement {
 pub struct LabelSelector {
     pub match_labels: Labels,
     pub match_expressions: Vec<SelectorRequirement>,
+}
+
+impl LabelSelector {
+    /// Kubernetes semantics: every `matchLabels` pair and every expression must hold; the
+    /// empty selector matches everything.
+    pub fn matches(&self, labels: &Labels) -> bool {
+        self.match_labels.iter().all(|(k, v)| labels.get(k) == Some(v))
+            && self.match_expressions.iter().all(|r| {
+                let value = labels.get(&r.key);
+                match r.operator {
+                    SelectorOperator::In => value.is_some_and(|v| r.values.contains(v)),
+                    SelectorOperator::NotIn => value.is_none_or(|v| !r.values.contains(v)),
+                    SelectorOperator::Exists => value.is_some(),
+                    SelectorOperator::DoesNotExist => value.is_none(),
+                }
+            })
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -244,4 +279,48 @@ pub struct NetworkPolicy {
     pub pod_selector: LabelSelector,
     pub ingress: Option<Vec<PolicyRule>>,
     pub egress: Option<Vec<PolicyRule>>,
+}
+
+impl NetworkPolicy {
+    pub fn key(&self) -> ObjectKey {
+        ObjectKey::new(&self.namespace, &self.name)
+    }
+
+    /// Every peer of every ingress and egress rule.
+    pub fn peers(&self) -> impl Iterator<Item = &PolicyPeer> {
+        self.ingress.iter().chain(self.egress.iter()).flatten().flat_map(|rule| rule.peers.iter())
+    }
+
+    /// Whether some peer selects pods outside the policy's own namespace, so that a change in
+    /// any namespace may concern it.
+    pub fn has_namespace_selectors(&self) -> bool {
+        self.peers().any(|p| p.namespace_selector.is_some())
+    }
+
+    /// Whether `pod` (in a namespace labelled `namespace_labels`) is one this policy selects
+    /// or names as a peer: the test the model's pod index uses to find what a change touches.
+    pub fn involves(&self, pod: &Pod, namespace_labels: Option<&Labels>) -> bool {
+        self.selects(pod) || self.peers().any(|peer| peer.selects(&self.namespace, pod, namespace_labels))
+    }
+
+    /// The pods the policy applies to: its own namespace, matching `podSelector`.
+    pub fn selects(&self, pod: &Pod) -> bool {
+        pod.namespace == self.namespace && !pod.host_network && self.pod_selector.matches(&pod.labels)
+    }
+}
+
+impl PolicyPeer {
+    /// NetworkPolicy peer semantics: a pod selector alone means the policy's namespace; a
+    /// namespace selector alone means every pod of the matching namespaces; both means the
+    /// matching pods of the matching namespaces. An ipBlock selects no pod.
+    pub fn selects(&self, policy_namespace: &str, pod: &Pod, namespace_labels: Option<&Labels>) -> bool {
+        if pod.host_network {
+            return false;
+        }
+        let namespace_ok = match &self.namespace_selector {
+            Some(selector) => namespace_labels.is_some_and(|labels| selector.matches(labels)),
+            None => self.pod_selector.is_some() && pod.namespace == policy_namespace,
+        };
+        namespace_ok && self.pod_selector.as_ref().is_none_or(|s| s.matches(&pod.labels))
+    }
 }

@@ -66,6 +66,10 @@ pub enum ClusterEvent {
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Touched {
     pub services: BTreeSet<ObjectKey>,
+    /// Policies whose targets, peers or spec may differ.
+    pub policies: BTreeSet<ObjectKey>,
+    /// Pods on this node (before or after the change) that changed.
+    pub local_pods: BTreeSet<ObjectKey>,
     /// This node's own object changed: the node context of every call may differ.
     pub node_context: bool,
 }
@@ -73,10 +77,12 @@ pub struct Touched {
 impl Touched {
     pub fn merge(&mut self, other: Touched) {
         self.services.extend(other.services);
+        self.policies.extend(other.policies);
+        self.local_pods.extend(other.local_pods);
         self.node_context |= other.node_context;
     }
     pub fn is_empty(&self) -> bool {
-        self.services.is_empty() && !self.node_context
+        self.services.is_empty() && self.policies.is_empty() && self.local_pods.is_empty() && !self.node_context
     }
 }
 
@@ -87,10 +93,19 @@ pub struct ClusterState {
     pub endpoint_slices: BTreeMap<ObjectKey, EndpointSlice>,
     pub nodes: BTreeMap<String, Node>,
     pub namespaces: BTreeMap<String, Namespace>,
-    pub pods: BTreeMap<ObjectKey, Pod>,
+    /// Ordered by namespace first, so one namespace's pods are a range.
+    pub pods: BTreeMap<ObjectKey, Arc<Pod>>,
     pub network_policies: BTreeMap<ObjectKey, NetworkPolicy>,
     /// Service key → the EndpointSlices labelled with it.
     slices_by_service: HashMap<ObjectKey, BTreeSet<ObjectKey>>,
+    /// Policies with a namespace selector in some peer: the only ones a change in another
+    /// namespace (pod or namespace labels) can concern. The rest are found by namespace.
+    cross_namespace_policies: BTreeSet<ObjectKey>,
+}
+
+/// The objects of one namespace in a map keyed by [`ObjectKey`].
+fn in_namespace<'a, V>(map: &'a BTreeMap<ObjectKey, V>, namespace: &str) -> impl Iterator<Item = (&'a ObjectKey, &'a V)> {
+    map.range(ObjectKey::new(namespace, "")..).take_while(move |(k, _)| k.namespace == namespace)
 }
 
 impl ClusterState {
@@ -104,6 +119,37 @@ impl ClusterState {
             .into_iter()
             .flatten()
             .filter_map(|k| self.endpoint_slices.get(k))
+    }
+
+    pub fn pods_in<'a>(&'a self, namespace: &'a str) -> impl Iterator<Item = &'a Arc<Pod>> {
+        in_namespace(&self.pods, namespace).map(|(_, p)| p)
+    }
+
+    pub fn namespace_labels(&self, namespace: &str) -> Option<&Labels> {
+        self.namespaces.get(namespace).map(|n| &n.labels)
+    }
+
+    /// Policies a pod (as it was, or as it is) may matter to: same-namespace policies and
+    /// the cross-namespace ones, narrowed by their selectors.
+    fn policies_involving(&self, pod: &Pod, into: &mut BTreeSet<ObjectKey>) {
+        let labels = self.namespace_labels(&pod.namespace);
+        let same_namespace = in_namespace(&self.network_policies, &pod.namespace).map(|(k, p)| (k, p));
+        let cross = self.cross_namespace_policies.iter().filter_map(|k| self.network_policies.get_key_value(k));
+        for (key, policy) in same_namespace.chain(cross) {
+            if policy.involves(pod, labels) {
+                into.insert(key.clone());
+            }
+        }
+    }
+
+    /// Policies whose namespace selectors match `labels` (old or new labels of a namespace).
+    fn policies_selecting_namespace(&self, labels: &Labels, into: &mut BTreeSet<ObjectKey>) {
+        for key in &self.cross_namespace_policies {
+            let Some(policy) = self.network_policies.get(key) else { continue };
+            if policy.peers().any(|peer| peer.namespace_selector.as_ref().is_some_and(|s| s.matches(labels))) {
+                into.insert(key.clone());
+            }
+        }
     }
 
     /// Applies one event; `node_name` is this node, whose own Node object feeds the context.
@@ -131,13 +177,37 @@ impl ClusterState {
                     self.nodes.insert(n.name.clone(), n);
                 }
                 ClusterObject::Namespace(n) => {
-                    self.namespaces.insert(n.name.clone(), n);
+                    let old = self.namespaces.insert(n.name.clone(), n.clone());
+                    if old.as_ref().map(|o| &o.labels) != Some(&n.labels) {
+                        if let Some(old) = &old {
+                            self.policies_selecting_namespace(&old.labels, &mut touched.policies);
+                        }
+                        self.policies_selecting_namespace(&n.labels, &mut touched.policies);
+                    }
                 }
                 ClusterObject::Pod(p) => {
-                    self.pods.insert(ObjectKey::new(&p.namespace, &p.name), p);
+                    let key = p.key();
+                    let old = self.pods.insert(key.clone(), Arc::new(p.clone()));
+                    if old.as_deref() != Some(&p) {
+                        if let Some(old) = &old {
+                            self.policies_involving(old, &mut touched.policies);
+                        }
+                        self.policies_involving(&p, &mut touched.policies);
+                        let on_node = |pod: &Pod| pod.node_name.as_deref() == Some(node_name);
+                        if on_node(&p) || old.as_deref().is_some_and(on_node) {
+                            touched.local_pods.insert(key);
+                        }
+                    }
                 }
                 ClusterObject::NetworkPolicy(p) => {
-                    self.network_policies.insert(ObjectKey::new(&p.namespace, &p.name), p);
+                    let key = p.key();
+                    if p.has_namespace_selectors() {
+                        self.cross_namespace_policies.insert(key.clone());
+                    } else {
+                        self.cross_namespace_policies.remove(&key);
+                    }
+                    touched.policies.insert(key.clone());
+                    self.network_policies.insert(key, p);
                 }
             },
             ClusterEvent::Delete(kind, key) => match kind {
@@ -157,36 +227,71 @@ impl ClusterState {
                     self.nodes.remove(&key.name);
                 }
                 ObjectKind::Namespace => {
-                    self.namespaces.remove(&key.name);
+                    if let Some(old) = self.namespaces.remove(&key.name) {
+                        self.policies_selecting_namespace(&old.labels, &mut touched.policies);
+                    }
                 }
                 ObjectKind::Pod => {
-                    self.pods.remove(&key);
+                    if let Some(old) = self.pods.remove(&key) {
+                        self.policies_involving(&old, &mut touched.policies);
+                        if old.node_name.as_deref() == Some(node_name) {
+                            touched.local_pods.insert(key);
+                        }
+                    }
                 }
                 ObjectKind::NetworkPolicy => {
-                    self.network_policies.remove(&key);
+                    if self.network_policies.remove(&key).is_some() {
+                        self.cross_namespace_policies.remove(&key);
+                        touched.policies.insert(key);
+                    }
                 }
             },
         }
         touched
     }
 
-    /// Replaces the whole state with `objects` (a relist or a manifest reload) as the minimal
-    /// set of upserts and deletes.
+    /// Replaces the whole state with `objects` (a manifest reload) as the minimal set of
+    /// upserts and deletes.
     pub fn replace_all(&mut self, objects: Vec<ClusterObject>, node_name: &str) -> Touched {
+        self.replace(None, objects, &[], node_name)
+    }
+
+    /// Replaces every object of one kind (a relist after a watch expired) as the minimal set
+    /// of upserts and deletes; objects of other kinds in `objects` are ignored. Objects in
+    /// `keep` exist at the source but could not be read this time: their last good version
+    /// stays rather than being deleted.
+    pub fn replace_kind(&mut self, kind: ObjectKind, objects: Vec<ClusterObject>, keep: &[ObjectKey], node_name: &str) -> Touched {
+        self.replace(Some(kind), objects, keep, node_name)
+    }
+
+    fn replace(&mut self, only: Option<ObjectKind>, objects: Vec<ClusterObject>, keep: &[ObjectKey], node_name: &str) -> Touched {
+        let wanted = |kind: ObjectKind| only.is_none_or(|k| k == kind);
         let mut incoming: BTreeMap<(ObjectKind, ObjectKey), ClusterObject> = BTreeMap::new();
-        for object in objects {
+        for object in objects.into_iter().filter(|o| wanted(o.kind())) {
             incoming.insert((object.kind(), object.key()), object);
         }
         let mut existing: Vec<(ObjectKind, ObjectKey)> = Vec::new();
-        existing.extend(self.services.keys().map(|k| (ObjectKind::Service, k.clone())));
-        existing.extend(self.endpoint_slices.keys().map(|k| (ObjectKind::EndpointSlice, k.clone())));
-        existing.extend(self.nodes.keys().map(|k| (ObjectKind::Node, ObjectKey::cluster(k))));
-        existing.extend(self.namespaces.keys().map(|k| (ObjectKind::Namespace, ObjectKey::cluster(k))));
-        existing.extend(self.pods.keys().map(|k| (ObjectKind::Pod, k.clone())));
-        existing.extend(self.network_policies.keys().map(|k| (ObjectKind::NetworkPolicy, k.clone())));
+        if wanted(ObjectKind::Service) {
+            existing.extend(self.services.keys().map(|k| (ObjectKind::Service, k.clone())));
+        }
+        if wanted(ObjectKind::EndpointSlice) {
+            existing.extend(self.endpoint_slices.keys().map(|k| (ObjectKind::EndpointSlice, k.clone())));
+        }
+        if wanted(ObjectKind::Node) {
+            existing.extend(self.nodes.keys().map(|k| (ObjectKind::Node, ObjectKey::cluster(k))));
+        }
+        if wanted(ObjectKind::Namespace) {
+            existing.extend(self.namespaces.keys().map(|k| (ObjectKind::Namespace, ObjectKey::cluster(k))));
+        }
+        if wanted(ObjectKind::Pod) {
+            existing.extend(self.pods.keys().map(|k| (ObjectKind::Pod, k.clone())));
+        }
+        if wanted(ObjectKind::NetworkPolicy) {
+            existing.extend(self.network_policies.keys().map(|k| (ObjectKind::NetworkPolicy, k.clone())));
+        }
         let mut touched = Touched::default();
         for (kind, key) in existing {
-            if !incoming.contains_key(&(kind, key.clone())) {
+            if !incoming.contains_key(&(kind, key.clone())) && !keep.contains(&key) {
                 touched.merge(self.apply(ClusterEvent::Delete(kind, key), node_name));
             }
         }
@@ -204,8 +309,8 @@ impl ClusterState {
             ClusterObject::EndpointSlice(s) => self.endpoint_slices.get(&s.key()) == Some(s),
             ClusterObject::Node(n) => self.nodes.get(&n.name) == Some(n),
             ClusterObject::Namespace(n) => self.namespaces.get(&n.name) == Some(n),
-            ClusterObject::Pod(p) => self.pods.get(&ObjectKey::new(&p.namespace, &p.name)) == Some(p),
-            ClusterObject::NetworkPolicy(p) => self.network_policies.get(&ObjectKey::new(&p.namespace, &p.name)) == Some(p),
+            ClusterObject::Pod(p) => self.pods.get(&p.key()).map(|x| &**x) == Some(p),
+            ClusterObject::NetworkPolicy(p) => self.network_policies.get(&p.key()) == Some(p),
         }
     }
 
@@ -226,6 +331,8 @@ pub struct NodeContext {
     pub node_ips: Vec<String>,
     pub cluster_cidrs: Vec<String>,
     pub pod_cidrs: Vec<String>,
+    /// The node's `topology.kubernetes.io/zone`; used by the host for topology hints.
+    pub zone: Option<String>,
 }
 
 /// An endpoint as this node sees it.
@@ -261,14 +368,43 @@ pub struct ServiceChange {
     pub view: Option<Arc<ServiceView>>,
 }
 
-/// The node-local model: per-service views for this node, with a revision that moves only
-/// when one of them (or the node context) really changes.
+/// What a policy compiler needs for one policy on this node: the policy, the pods on this
+/// node it applies to, and every pod its peers select (with IPs and named ports), so that a
+/// peer pod's IP change is a change of this view and nothing else.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct PolicyView {
+    pub policy: NetworkPolicy,
+    pub local_pods: Vec<Arc<Pod>>,
+    pub peer_pods: Vec<Arc<Pod>>,
+}
+
+/// One policy whose view changed; `view` is `None` when it no longer applies on this node.
+#[derive(Clone, Debug)]
+pub struct PolicyChange {
+    pub key: ObjectKey,
+    pub view: Option<Arc<PolicyView>>,
+}
+
+/// One pod on this node that changed; `pod` is `None` when it left the node.
+#[derive(Clone, Debug)]
+pub struct PodChange {
+    pub key: ObjectKey,
+    pub pod: Option<Arc<Pod>>,
+}
+
+/// The node-local model: what this node's dataplane depends on (per-service views, the
+/// policies that select its pods, its pods), with a revision that moves only when some of
+/// it really changes.
 #[derive(Debug, Clone, Serialize)]
 pub struct NodeLocalModel {
     pub revision: u64,
     pub context: NodeContext,
     #[serde(serialize_with = "keys_as_strings")]
     pub services: BTreeMap<ObjectKey, Arc<ServiceView>>,
+    #[serde(serialize_with = "keys_as_strings")]
+    pub policies: BTreeMap<ObjectKey, Arc<PolicyView>>,
+    #[serde(serialize_with = "keys_as_strings")]
+    pub local_pods: BTreeMap<ObjectKey, Arc<Pod>>,
     /// Cluster CIDRs are configuration, not cluster state.
     #[serde(skip)]
     configured_cluster_cidrs: Vec<String>,
@@ -279,16 +415,35 @@ fn keys_as_strings<S: serde::Serializer, V: Serialize>(map: &BTreeMap<ObjectKey,
     s.collect_map(map.iter().map(|(k, v)| (k.to_string(), v)))
 }
 
-/// The result of one model update.
+/// The result of one model update: exactly what differs from the previous revision.
 #[derive(Debug, Default)]
 pub struct ModelUpdate {
     pub changed: Vec<ServiceChange>,
+    pub policies: Vec<PolicyChange>,
+    pub pods: Vec<PodChange>,
     pub context_changed: bool,
 }
 
 impl ModelUpdate {
     pub fn is_empty(&self) -> bool {
-        self.changed.is_empty() && !self.context_changed
+        self.changed.is_empty() && self.policies.is_empty() && self.pods.is_empty() && !self.context_changed
+    }
+}
+
+/// Applies `new` at `key` in `map`, returning the change if it is a real one.
+fn replace_if_changed<V: PartialEq>(map: &mut BTreeMap<ObjectKey, Arc<V>>, key: &ObjectKey, new: Option<V>) -> Option<Option<Arc<V>>> {
+    match (map.get(key), new) {
+        (Some(old), Some(new)) if **old == new => None,
+        (None, None) => None,
+        (_, Some(new)) => {
+            let new = Arc::new(new);
+            map.insert(key.clone(), new.clone());
+            Some(Some(new))
+        }
+        (Some(_), None) => {
+            map.remove(key);
+            Some(None)
+        }
     }
 }
 
@@ -298,6 +453,8 @@ impl NodeLocalModel {
             revision: 0,
             context: NodeContext { node_name: node_name.to_string(), cluster_cidrs: cluster_cidrs.clone(), ..Default::default() },
             services: BTreeMap::new(),
+            policies: BTreeMap::new(),
+            local_pods: BTreeMap::new(),
             configured_cluster_cidrs: cluster_cidrs,
         }
     }
@@ -309,27 +466,34 @@ impl NodeLocalModel {
     /// Recomputes what `touched` names and bumps the revision if anything differs.
     pub fn update(&mut self, cluster: &ClusterState, touched: &Touched) -> ModelUpdate {
         let mut update = ModelUpdate::default();
+        let mut services: Vec<ObjectKey> = touched.services.iter().cloned().collect();
         if touched.node_context {
             let context = self.compute_context(cluster);
             if context != self.context {
+                // Topology hints are read against the node's zone: every view may differ.
+                if context.zone != self.context.zone {
+                    services = cluster.services.keys().chain(self.services.keys()).cloned().collect::<BTreeSet<_>>().into_iter().collect();
+                }
                 self.context = context;
                 update.context_changed = true;
             }
         }
-        for key in &touched.services {
+        for key in &services {
             let view = cluster.services.get(key).filter(|s| s.is_proxied()).map(|s| self.view_of(cluster, s));
-            match (self.services.get(key), view) {
-                (Some(old), Some(new)) if **old == new => {}
-                (None, None) => {}
-                (_, Some(new)) => {
-                    let new = Arc::new(new);
-                    self.services.insert(key.clone(), new.clone());
-                    update.changed.push(ServiceChange { key: key.clone(), view: Some(new) });
-                }
-                (Some(_), None) => {
-                    self.services.remove(key);
-                    update.changed.push(ServiceChange { key: key.clone(), view: None });
-                }
+            if let Some(view) = replace_if_changed(&mut self.services, key, view) {
+                update.changed.push(ServiceChange { key: key.clone(), view });
+            }
+        }
+        for key in &touched.local_pods {
+            let pod = cluster.pods.get(key).filter(|p| p.node_name.as_deref() == Some(self.node_name())).map(|p| Pod::clone(p));
+            if let Some(pod) = replace_if_changed(&mut self.local_pods, key, pod) {
+                update.pods.push(PodChange { key: key.clone(), pod });
+            }
+        }
+        for key in &touched.policies {
+            let view = cluster.network_policies.get(key).and_then(|p| self.policy_view(cluster, p));
+            if let Some(view) = replace_if_changed(&mut self.policies, key, view) {
+                update.policies.push(PolicyChange { key: key.clone(), view });
             }
         }
         if !update.is_empty() {
@@ -345,22 +509,57 @@ impl NodeLocalModel {
             node_ips: node.map(|n| n.addresses.clone()).unwrap_or_default(),
             pod_cidrs: node.map(|n| n.pod_cidrs.clone()).unwrap_or_default(),
             cluster_cidrs: self.configured_cluster_cidrs.clone(),
+            zone: node.and_then(|n| n.zone()).map(str::to_string),
         }
     }
 
+    /// `None` when the policy selects no pod on this node: it then has nothing to enforce here.
+    fn policy_view(&self, cluster: &ClusterState, policy: &NetworkPolicy) -> Option<PolicyView> {
+        let local_pods: Vec<Arc<Pod>> = cluster
+            .pods_in(&policy.namespace)
+            .filter(|p| p.node_name.as_deref() == Some(self.node_name()) && policy.selects(p))
+            .cloned()
+            .collect();
+        if local_pods.is_empty() {
+            return None;
+        }
+        let peers: Vec<&PolicyPeer> = policy.peers().filter(|p| p.ip_block.is_none()).collect();
+        let peer_pods: Vec<Arc<Pod>> = if peers.is_empty() {
+            Vec::new()
+        } else if peers.iter().all(|p| p.namespace_selector.is_none()) {
+            cluster.pods_in(&policy.namespace).filter(|pod| peers.iter().any(|peer| peer.selects(&policy.namespace, pod, None))).cloned().collect()
+        } else {
+            cluster
+                .pods
+                .values()
+                .filter(|pod| {
+                    let labels = cluster.namespace_labels(&pod.namespace);
+                    peers.iter().any(|peer| peer.selects(&policy.namespace, pod, labels))
+                })
+                .cloned()
+                .collect()
+        };
+        Some(PolicyView { policy: policy.clone(), local_pods, peer_pods })
+    }
+
     fn view_of(&self, cluster: &ClusterState, service: &Service) -> ServiceView {
+        let topology_zone = self.topology_zone(cluster, service);
         let mut slices: Vec<LocalSlice> = cluster
             .slices_of(&service.key())
             .map(|slice| {
                 let mut endpoints: Vec<LocalEndpoint> = slice
                     .endpoints
                     .iter()
-                    .map(|e| LocalEndpoint {
+                    .map(|e| (e, e.node_name.as_deref() == Some(self.node_name())))
+                    // Topology hints narrow the cluster-wide endpoints to this zone's; local
+                    // ones stay for externalTrafficPolicy/internalTrafficPolicy Local.
+                    .filter(|(e, is_local)| *is_local || topology_zone.is_none_or(|zone| e.for_zones.iter().any(|z| z == zone)))
+                    .map(|(e, is_local)| LocalEndpoint {
                         addresses: e.addresses.clone(),
                         ready: e.ready,
                         serving: e.serving,
                         terminating: e.terminating,
-                        is_local: e.node_name.as_deref() == Some(self.node_name()),
+                        is_local,
                         node_name: e.node_name.clone(),
                         zone: e.zone.clone(),
                     })
@@ -372,6 +571,24 @@ impl NodeLocalModel {
             .collect();
         slices.sort_by(|a, b| a.name.cmp(&b.name));
         ServiceView { service: service.clone(), slices }
+    }
+
+    /// The zone to filter by, if topology hints apply (kube-proxy's rule): the node has a
+    /// zone, every ready endpoint carries hints, and some endpoint is hinted for this zone.
+    /// Otherwise hints are ignored and every endpoint is used.
+    fn topology_zone<'a>(&'a self, cluster: &ClusterState, service: &Service) -> Option<&'a str> {
+        let zone = self.context.zone.as_deref()?;
+        let key = service.key();
+        let mut ready = cluster.slices_of(&key).flat_map(|s| s.endpoints.iter()).filter(|e| e.ready).peekable();
+        ready.peek()?;
+        let mut any_for_zone = false;
+        for e in ready {
+            if e.for_zones.is_empty() {
+                return None;
+            }
+            any_for_zone |= e.for_zones.iter().any(|z| z == zone);
+        }
+        any_for_zone.then_some(zone)
     }
 }
 
@@ -409,6 +626,7 @@ mod tests {
                     terminating: false,
                     node_name: Some(node.to_string()),
                     zone: None,
+                    for_zones: vec![],
                 })
                 .collect(),
             ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }],
@@ -481,5 +699,123 @@ mod tests {
         let t = state.replace_all(objects[..2].to_vec(), "node-a");
         assert_eq!(t.services.into_iter().collect::<Vec<_>>(), vec![ObjectKey::new("default", "web")]);
         assert_eq!(state.slices_of(&ObjectKey::new("default", "web")).count(), 0);
+    }
+    fn labels(pairs: &[(&str, &str)]) -> Labels {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    fn pod(namespace: &str, name: &str, ip: &str, node: &str, app: &str) -> ClusterObject {
+        ClusterObject::Pod(Pod {
+            namespace: namespace.into(),
+            name: name.into(),
+            ips: vec![ip.into()],
+            node_name: Some(node.into()),
+            labels: labels(&[("app", app)]),
+            ports: vec![],
+            host_network: false,
+        })
+    }
+
+    fn namespace(name: &str, team: &str) -> ClusterObject {
+        ClusterObject::Namespace(Namespace { name: name.into(), labels: labels(&[("team", team)]) })
+    }
+
+    /// `web` pods in `namespace` accept traffic from `app=client` pods of `team=<from_team>` namespaces.
+    fn policy(namespace: &str, from_team: Option<&str>) -> ClusterObject {
+        let select = |pairs: &[(&str, &str)]| LabelSelector { match_labels: labels(pairs), match_expressions: vec![] };
+        ClusterObject::NetworkPolicy(NetworkPolicy {
+            namespace: namespace.into(),
+            name: "allow-clients".into(),
+            generation: 1,
+            pod_selector: select(&[("app", "web")]),
+            ingress: Some(vec![PolicyRule {
+                ports: vec![],
+                peers: vec![PolicyPeer {
+                    pod_selector: Some(select(&[("app", "client")])),
+                    namespace_selector: from_team.map(|t| select(&[("team", t)])),
+                    ip_block: None,
+                }],
+            }]),
+            egress: None,
+        })
+    }
+
+    #[test]
+    fn policies_follow_local_targets_and_peer_pods() {
+        let mut state = ClusterState::new();
+        let mut model = NodeLocalModel::new("node-a", vec![]);
+        for o in [namespace("shop", "blue"), namespace("tools", "red"), policy("shop", Some("red"))] {
+            apply(&mut state, &mut model, o);
+        }
+        // No web pod on this node yet: the policy has nothing to enforce here.
+        assert!(model.policies.is_empty());
+
+        let u = apply(&mut state, &mut model, pod("shop", "web-1", "10.244.1.5", "node-a", "web"));
+        assert_eq!(u.pods.len(), 1);
+        assert_eq!(u.policies.len(), 1);
+        let key = ObjectKey::new("shop", "allow-clients");
+        assert_eq!(model.policies[&key].local_pods.len(), 1);
+        assert!(model.policies[&key].peer_pods.is_empty());
+
+        // A client in a red namespace on another node: a peer of the policy.
+        let u = apply(&mut state, &mut model, pod("tools", "client-1", "10.244.2.7", "node-b", "client"));
+        assert_eq!(u.policies.len(), 1);
+        assert!(u.pods.is_empty(), "a pod on another node is not a local pod");
+        assert_eq!(model.policies[&key].peer_pods[0].ips, vec!["10.244.2.7".to_string()]);
+
+        // A pod nobody selects, on another node: no revision at all.
+        let revision = model.revision;
+        assert!(apply(&mut state, &mut model, pod("tools", "batch-1", "10.244.2.8", "node-b", "batch")).is_empty());
+        assert_eq!(model.revision, revision);
+
+        // Relabelling the namespace away from red removes the peer.
+        let u = apply(&mut state, &mut model, namespace("tools", "green"));
+        assert_eq!(u.policies.len(), 1);
+        assert!(model.policies[&key].peer_pods.is_empty());
+
+        // The local web pod going away withdraws the policy from this node.
+        let touched = state.apply(ClusterEvent::Delete(ObjectKind::Pod, ObjectKey::new("shop", "web-1")), "node-a");
+        let u = model.update(&state, &touched);
+        assert!(u.policies[0].view.is_none());
+        assert!(u.pods[0].pod.is_none());
+        assert!(model.policies.is_empty() && model.local_pods.is_empty());
+    }
+
+    #[test]
+    fn same_namespace_peers_do_not_see_other_namespaces() {
+        let mut state = ClusterState::new();
+        let mut model = NodeLocalModel::new("node-a", vec![]);
+        for o in [namespace("shop", "blue"), namespace("tools", "red"), policy("shop", None), pod("shop", "web-1", "10.244.1.5", "node-a", "web")] {
+            apply(&mut state, &mut model, o);
+        }
+        let revision = model.revision;
+        assert!(apply(&mut state, &mut model, pod("tools", "client-1", "10.244.2.7", "node-b", "client")).is_empty());
+        assert_eq!(model.revision, revision);
+        apply(&mut state, &mut model, pod("shop", "client-2", "10.244.2.9", "node-b", "client"));
+        let view = &model.policies[&ObjectKey::new("shop", "allow-clients")];
+        assert_eq!(view.peer_pods.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(), vec!["client-2"]);
+    }
+
+    #[test]
+    fn topology_hints_narrow_remote_endpoints_to_the_node_zone() {
+        let mut state = ClusterState::new();
+        let mut model = NodeLocalModel::new("node-a", vec![]);
+        apply(&mut state, &mut model, ClusterObject::Service(service("web", "10.96.0.10")));
+        let mut hinted = slice("web-1", "web", &[("10.244.1.2", "node-a"), ("10.244.2.2", "node-b"), ("10.244.3.2", "node-c")]);
+        for (e, zone) in hinted.endpoints.iter_mut().zip(["zone-b", "zone-a", "zone-b"]) {
+            e.for_zones = vec![zone.into()];
+        }
+        apply(&mut state, &mut model, ClusterObject::EndpointSlice(hinted));
+        let addresses = |model: &NodeLocalModel| -> Vec<String> {
+            model.services[&ObjectKey::new("default", "web")].slices[0].endpoints.iter().map(|e| e.addresses[0].clone()).collect()
+        };
+        // No zone on the node yet: hints are ignored.
+        assert_eq!(addresses(&model).len(), 3);
+        let node = Node { name: "node-a".into(), addresses: vec![], pod_cidrs: vec![], labels: labels(&[(ZONE_LABEL, "zone-a")]) };
+        let u = apply(&mut state, &mut model, ClusterObject::Node(node));
+        assert!(u.context_changed);
+        assert_eq!(u.changed.len(), 1, "a zone change re-reads every service's hints");
+        // zone-a: the remote endpoint hinted for zone-a, plus the local one (for Local policies).
+        assert_eq!(addresses(&model), vec!["10.244.1.2".to_string(), "10.244.2.2".to_string()]);
     }
 }

@@ -227,6 +227,7 @@ pub fn endpoint_slice(s: &discovery::EndpointSlice) -> Result<EndpointSlice, Con
                 terminating: c.and_then(|c| c.terminating).unwrap_or(false),
                 node_name: e.node_name.clone(),
                 zone: e.zone.clone(),
+                for_zones: e.hints.iter().flat_map(|h| h.for_zones.iter().flatten()).map(|z| z.name.clone()).collect(),
             }
         })
         .collect();

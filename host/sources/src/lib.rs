@@ -2,4 +2,5 @@
 //! ([`convert`]) and manifest directories for embedded mode ([`manifests`]).
 
 pub mod convert;
+pub mod kube;
 pub mod manifests;

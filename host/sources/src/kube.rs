@@ -1,0 +1,170 @@
+//! Kubernetes watchers (kube-rs): the six kinds wasmplane needs, converted to model types.
+//!
+//! Each kind runs its own `kube::runtime::watcher`, which lists, watches from the list's
+//! resourceVersion, re-watches on timeouts and relists on `410 Gone`, with backoff on errors.
+//! A (re)list reaches the host as one [`SourceEvent::Relisted`] of the whole kind, which
+//! the cluster state applies as its difference, so a relist that changes nothing produces
+//! no revision; everything else arrives as single upserts and deletes.
+
+use std::collections::BTreeSet;
+use std::fmt::Debug;
+use std::sync::Mutex;
+
+use futures::{StreamExt as _, TryStreamExt as _};
+use k8s_openapi::api::core::v1 as core;
+use k8s_openapi::api::discovery::v1 as discovery;
+use k8s_openapi::api::networking::v1 as networking;
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt as _;
+use kube::{Api, Resource, ResourceExt as _};
+use serde::de::DeserializeOwned;
+use tokio::sync::mpsc;
+use wasmplane_model::state::{ClusterEvent, ClusterObject, ObjectKind};
+use wasmplane_model::ObjectKey;
+
+use crate::convert::{self, ConvertError};
+
+/// Labels that take a Service (and its EndpointSlices) away from the default proxy, as in
+/// kube-proxy: another proxy implementation owns `service-proxy-name`, and headless
+/// services have nothing to proxy.
+pub const SERVICE_LABEL_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
+
+/// What the watchers tell the host.
+#[derive(Debug)]
+pub enum SourceEvent {
+    /// Changes seen on a watch, in order.
+    Events(Vec<ClusterEvent>),
+    /// The complete current set of one kind after a list (initial, or a relist after the
+    /// watch expired). `unconvertible` names objects that exist but could not be
+    /// converted: the host keeps their last good version instead of deleting them.
+    Relisted { kind: ObjectKind, objects: Vec<ClusterObject>, unconvertible: Vec<ObjectKey> },
+}
+
+/// Which kinds have finished their initial list, and counters for the stats line.
+#[derive(Debug, Default)]
+pub struct WatchStatus {
+    inner: Mutex<WatchStatusInner>,
+}
+
+#[derive(Debug, Default, Clone, serde::Serialize)]
+pub struct WatchStatusInner {
+    pub listed: BTreeSet<ObjectKind>,
+    pub relists: u64,
+    pub watch_errors: u64,
+    pub conversion_errors: u64,
+    pub last_error: Option<String>,
+}
+
+impl WatchStatus {
+    pub fn snapshot(&self) -> WatchStatusInner {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+    fn update(&self, f: impl FnOnce(&mut WatchStatusInner)) {
+        f(&mut self.inner.lock().unwrap_or_else(|p| p.into_inner()));
+    }
+}
+
+/// Every kind wasmplane watches.
+pub const WATCHED_KINDS: [ObjectKind; 6] =
+    [ObjectKind::Service, ObjectKind::EndpointSlice, ObjectKind::Node, ObjectKind::Namespace, ObjectKind::Pod, ObjectKind::NetworkPolicy];
+
+/// Starts one watcher per kind; they run until `tx` is closed.
+pub fn spawn_watchers(client: kube::Client, tx: mpsc::Sender<SourceEvent>, status: std::sync::Arc<WatchStatus>) -> Vec<tokio::task::JoinHandle<()>> {
+    let proxied = || watcher::Config::default().labels(SERVICE_LABEL_SELECTOR);
+    let all = watcher::Config::default;
+    vec![
+        spawn(Api::<core::Service>::all(client.clone()), proxied(), ObjectKind::Service, |s| convert::service(s).map(ClusterObject::Service), tx.clone(), status.clone()),
+        spawn(
+            Api::<discovery::EndpointSlice>::all(client.clone()),
+            proxied(),
+            ObjectKind::EndpointSlice,
+            |s| convert::endpoint_slice(s).map(ClusterObject::EndpointSlice),
+            tx.clone(),
+            status.clone(),
+        ),
+        spawn(Api::<core::Node>::all(client.clone()), all(), ObjectKind::Node, |n| convert::node(n).map(ClusterObject::Node), tx.clone(), status.clone()),
+        spawn(Api::<core::Namespace>::all(client.clone()), all(), ObjectKind::Namespace, |n| convert::namespace(n).map(ClusterObject::Namespace), tx.clone(), status.clone()),
+        spawn(Api::<core::Pod>::all(client.clone()), all(), ObjectKind::Pod, |p| convert::pod(p).map(ClusterObject::Pod), tx.clone(), status.clone()),
+        spawn(
+            Api::<networking::NetworkPolicy>::all(client),
+            all(),
+            ObjectKind::NetworkPolicy,
+            |p| convert::network_policy(p).map(ClusterObject::NetworkPolicy),
+            tx,
+            status,
+        ),
+    ]
+}
+
+fn key_of<K: Resource>(object: &K) -> ObjectKey {
+    ObjectKey::new(object.namespace().unwrap_or_default(), object.name_any())
+}
+
+fn spawn<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    kind: ObjectKind,
+    convert: fn(&K) -> Result<ClusterObject, ConvertError>,
+    tx: mpsc::Sender<SourceEvent>,
+    status: std::sync::Arc<WatchStatus>,
+) -> tokio::task::JoinHandle<()>
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + 'static,
+{
+    tokio::spawn(async move {
+        let mut relisting: Option<(Vec<ClusterObject>, Vec<ObjectKey>)> = None;
+        let stream = watcher::watcher(api, config).default_backoff();
+        let mut stream = std::pin::pin!(stream.into_stream());
+        let convert_logged = |object: &K| match convert(object) {
+            Ok(converted) => Some(converted),
+            Err(e) => {
+                tracing::warn!(?kind, object = %key_of(object), "skipping an object that cannot be used, its last good version stays: {e}");
+                status.update(|s| s.conversion_errors += 1);
+                None
+            }
+        };
+        while let Some(event) = stream.next().await {
+            let out = match event {
+                Ok(Event::Init) => {
+                    relisting = Some((Vec::new(), Vec::new()));
+                    None
+                }
+                Ok(Event::InitApply(object)) => {
+                    let (objects, unconvertible) = relisting.get_or_insert_with(Default::default);
+                    match convert_logged(&object) {
+                        Some(converted) => objects.push(converted),
+                        None => unconvertible.push(key_of(&object)),
+                    }
+                    None
+                }
+                Ok(Event::InitDone) => {
+                    let (objects, unconvertible) = relisting.take().unwrap_or_default();
+                    tracing::debug!(?kind, objects = objects.len(), "listed");
+                    status.update(|s| {
+                        if !s.listed.insert(kind) {
+                            s.relists += 1;
+                        }
+                    });
+                    Some(SourceEvent::Relisted { kind, objects, unconvertible })
+                }
+                Ok(Event::Apply(object)) => convert_logged(&object).map(|o| SourceEvent::Events(vec![ClusterEvent::Upsert(o)])),
+                Ok(Event::Delete(object)) => Some(SourceEvent::Events(vec![ClusterEvent::Delete(kind, key_of(&object))])),
+                Err(e) => {
+                    // The watcher retries on its own (with backoff); a 410 is handled inside
+                    // it as a relist. Here it is only counted and reported.
+                    tracing::warn!(?kind, "watch error, retrying: {e}");
+                    status.update(|s| {
+                        s.watch_errors += 1;
+                        s.last_error = Some(format!("{kind:?}: {e}"));
+                    });
+                    None
+                }
+            };
+            if let Some(out) = out
+                && tx.send(out).await.is_err()
+            {
+                return;
+            }
+        }
+    })
+}
