@@ -1,0 +1,286 @@
+//! The Kubernetes watchers end to end: the host's kube-rs watchers against the test API
+//! server (real list/watch HTTP protocol), read back through the host's REST API.
+
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+use wasmplane::app::{HostConfig, KubernetesSource, RunningHost, start};
+use wasmplane_test_apiserver::{TestApiServer, Verb};
+
+const TOKEN: &str = "kube-watch-test-token-0123456789";
+
+fn object<K: DeserializeOwned>(value: Value) -> K {
+    serde_json::from_value(value).expect("a valid object")
+}
+
+fn namespace(name: &str, team: &str) -> Namespace {
+    object(json!({"metadata": {"name": name, "labels": {"team": team}}}))
+}
+
+fn node(name: &str, ip: &str, cidr: &str) -> Node {
+    object(json!({
+        "metadata": {"name": name},
+        "spec": {"podCIDR": cidr, "podCIDRs": [cidr]},
+        "status": {"addresses": [{"type": "InternalIP", "address": ip}]}
+    }))
+}
+
+fn service(name: &str, ip: &str, port: u16) -> Service {
+    object(json!({
+        "metadata": {"name": name, "namespace": "shop"},
+        "spec": {"type": "ClusterIP", "clusterIP": ip, "clusterIPs": [ip],
+                 "ports": [{"name": "http", "protocol": "TCP", "port": port, "targetPort": 8080}]}
+    }))
+}
+
+fn slice(name: &str, service: &str, endpoints: &[(&str, &str)]) -> EndpointSlice {
+    object(json!({
+        "metadata": {"name": name, "namespace": "shop", "labels": {"kubernetes.io/service-name": service}},
+        "addressType": "IPv4",
+        "endpoints": endpoints.iter().map(|(ip, node)| json!({
+            "addresses": [ip], "nodeName": node, "conditions": {"ready": true, "serving": true, "terminating": false}
+        })).collect::<Vec<_>>(),
+        "ports": [{"name": "http", "protocol": "TCP", "port": 8080}]
+    }))
+}
+
+fn pod(name: &str, app: &str, node: &str, ip: &str) -> Pod {
+    object(json!({
+        "metadata": {"name": name, "namespace": "shop", "labels": {"app": app}},
+        "spec": {"nodeName": node, "containers": [{"name": "main", "image": "example", "ports": [{"name": "http", "containerPort": 8080}]}]},
+        "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}
+    }))
+}
+
+fn policy(name: &str, app: &str) -> NetworkPolicy {
+    object(json!({
+        "metadata": {"name": name, "namespace": "shop", "generation": 1},
+        "spec": {"podSelector": {"matchLabels": {"app": app}}, "policyTypes": ["Ingress"],
+                 "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "client"}}}]}]}
+    }))
+}
+
+/// A small cluster with one object of every kind that matters to node-a.
+fn seed(server: &TestApiServer) {
+    server.create(&namespace("shop", "blue")).unwrap();
+    server.create(&node("node-a", "192.168.0.1", "10.244.1.0/24")).unwrap();
+    server.create(&node("node-b", "192.168.0.2", "10.244.2.0/24")).unwrap();
+    server.create(&service("web", "10.96.0.10", 80)).unwrap();
+    server.create(&slice("web-1", "web", &[("10.244.1.5", "node-a"), ("10.244.2.5", "node-b")])).unwrap();
+    server.create(&pod("web-a", "web", "node-a", "10.244.1.5")).unwrap();
+    server.create(&pod("web-b", "web", "node-b", "10.244.2.5")).unwrap();
+    server.create(&policy("web-ingress", "web")).unwrap();
+}
+
+async fn start_host(server: &TestApiServer, dir: &std::path::Path) -> RunningHost {
+    start(HostConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        kubernetes: Some(KubernetesSource::Url(server.url())),
+        data_dir: Some(dir.to_path_buf()),
+        token: Some(TOKEN.into()),
+        node_name: "node-a".into(),
+        ..Default::default()
+    })
+    .await
+    .expect("host starts")
+}
+
+struct Api {
+    http: reqwest::Client,
+    base: String,
+}
+
+impl Api {
+    fn new(host: &RunningHost) -> Api {
+        Api { http: reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap(), base: host.url() }
+    }
+    async fn state(&self) -> Value {
+        self.http.get(format!("{}/v1/state", self.base)).send().await.unwrap().json().await.unwrap()
+    }
+    async fn ready(&self) -> bool {
+        self.http.get(format!("{}/readyz", self.base)).send().await.unwrap().status().is_success()
+    }
+    async fn metric(&self, name: &str) -> u64 {
+        let text = self.http.get(format!("{}/metrics", self.base)).send().await.unwrap().text().await.unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .map(|v| v as u64)
+            .unwrap_or_else(|| panic!("metric {name} not in /metrics"))
+    }
+    /// Polls `/v1/state` until `cond` holds; panics with the last state after 10 s.
+    async fn wait_state(&self, what: &str, cond: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let state = self.state().await;
+            if cond(&state) {
+                return state;
+            }
+            assert!(Instant::now() < deadline, "timed out waiting for {what}; state: {state:#}");
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+}
+
+fn endpoints(state: &Value, service: &str) -> Vec<String> {
+    let mut ips: Vec<String> = state["model"]["services"][service]["slices"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|s| s["endpoints"].as_array().cloned().unwrap_or_default())
+        .map(|e| e["addresses"][0].as_str().unwrap().to_string())
+        .collect();
+    ips.sort();
+    ips
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ready_only_after_the_initial_sync_of_every_kind() {
+    let server = TestApiServer::start().await;
+    seed(&server);
+    // The API server is down when the host starts: it must not claim readiness.
+    server.set_unavailable(true);
+    let dir = tempfile::tempdir().unwrap();
+    let host = start_host(&server, dir.path()).await;
+    let api = Api::new(&host);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!api.ready().await, "ready before any list succeeded");
+    assert_eq!(api.state().await["revision"], 0);
+
+    server.set_unavailable(false);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !api.ready().await {
+        assert!(Instant::now() < deadline, "never became ready after the API server came back");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    // Readiness means every kind is in: nothing is still on its way.
+    let state = api.state().await;
+    assert_eq!(endpoints(&state, "shop/web"), vec!["10.244.1.5", "10.244.2.5"]);
+    assert_eq!(state["model"]["context"]["node_ips"], json!(["192.168.0.1"]));
+    assert!(state["model"]["local_pods"]["shop/web-a"].is_object());
+    assert!(state["model"]["local_pods"]["shop/web-b"].is_null(), "web-b runs on node-b");
+    assert_eq!(state["model"]["policies"]["shop/web-ingress"]["local_pods"][0]["name"], "web-a");
+    for kind in ["services", "endpointslices.discovery.k8s.io", "nodes", "namespaces", "pods", "networkpolicies.networking.k8s.io"] {
+        assert!(server.request_counts().iter().any(|((verb, k), n)| *verb == Verb::Watch && k == kind && *n > 0), "no watch on {kind}");
+    }
+    host.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_kind_reaches_the_model_and_irrelevant_changes_make_no_revision() {
+    let server = TestApiServer::start().await;
+    seed(&server);
+    let dir = tempfile::tempdir().unwrap();
+    let host = start_host(&server, dir.path()).await;
+    let api = Api::new(&host);
+    api.wait_state("initial sync", |s| !endpoints(s, "shop/web").is_empty() && s["model"]["policies"]["shop/web-ingress"].is_object()).await;
+
+    // Service: add, update, delete.
+    server.create(&service("api", "10.96.0.11", 81)).unwrap();
+    api.wait_state("service added", |s| s["model"]["services"]["shop/api"]["service"]["ports"][0]["port"] == 81).await;
+    server.update(&service("api", "10.96.0.11", 82)).unwrap();
+    api.wait_state("service updated", |s| s["model"]["services"]["shop/api"]["service"]["ports"][0]["port"] == 82).await;
+    server.delete::<Service>("shop", "api").unwrap();
+    api.wait_state("service deleted", |s| s["model"]["services"]["shop/api"].is_null()).await;
+
+    // EndpointSlice: scale up, down, delete.
+    server.update(&slice("web-1", "web", &[("10.244.1.5", "node-a"), ("10.244.1.6", "node-a"), ("10.244.2.5", "node-b")])).unwrap();
+    api.wait_state("endpoint added", |s| endpoints(s, "shop/web").len() == 3).await;
+    server.update(&slice("web-1", "web", &[("10.244.2.5", "node-b")])).unwrap();
+    api.wait_state("endpoints removed", |s| endpoints(s, "shop/web") == ["10.244.2.5"]).await;
+    server.delete::<EndpointSlice>("shop", "web-1").unwrap();
+    api.wait_state("slice deleted", |s| endpoints(s, "shop/web").is_empty()).await;
+
+    // Node: our own node's address changes the context; deleting it clears it.
+    server.update(&node("node-a", "192.168.0.10", "10.244.1.0/24")).unwrap();
+    api.wait_state("node updated", |s| s["model"]["context"]["node_ips"] == json!(["192.168.0.10"])).await;
+
+    // Pod: a new local pod selected by the policy; relabel it away; delete it.
+    server.create(&pod("web-a2", "web", "node-a", "10.244.1.7")).unwrap();
+    api.wait_state("pod added", |s| s["model"]["local_pods"]["shop/web-a2"].is_object() && s["model"]["policies"]["shop/web-ingress"]["local_pods"].as_array().unwrap().len() == 2).await;
+    server.update(&pod("web-a2", "batch", "node-a", "10.244.1.7")).unwrap();
+    api.wait_state("pod relabelled", |s| s["model"]["policies"]["shop/web-ingress"]["local_pods"].as_array().unwrap().len() == 1).await;
+    server.delete::<Pod>("shop", "web-a2").unwrap();
+    api.wait_state("pod deleted", |s| s["model"]["local_pods"]["shop/web-a2"].is_null()).await;
+
+    // A client pod anywhere in the namespace is a peer of the policy.
+    server.create(&pod("client-b", "client", "node-b", "10.244.2.9")).unwrap();
+    api.wait_state("peer added", |s| s["model"]["policies"]["shop/web-ingress"]["peer_pods"][0]["name"] == "client-b").await;
+
+    // NetworkPolicy: update (select nothing here), delete.
+    server.update(&policy("web-ingress", "nothing")).unwrap();
+    api.wait_state("policy no longer applies here", |s| s["model"]["policies"]["shop/web-ingress"].is_null()).await;
+    server.update(&policy("web-ingress", "web")).unwrap();
+    api.wait_state("policy applies again", |s| s["model"]["policies"]["shop/web-ingress"].is_object()).await;
+    server.delete::<NetworkPolicy>("shop", "web-ingress").unwrap();
+    api.wait_state("policy deleted", |s| s["model"]["policies"]["shop/web-ingress"].is_null()).await;
+
+    // Namespace: add and delete reach the cluster state (seen through the events counter).
+    let events = api.metric("wasmplane_model_events_total").await;
+    server.create(&namespace("tools", "red")).unwrap();
+    server.delete::<Namespace>("", "tools").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while api.metric("wasmplane_model_events_total").await < events + 2 {
+        assert!(Instant::now() < deadline, "namespace events never arrived");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+
+    // Changes that do not concern node-a: events counted, no revision.
+    let revision = api.state().await["revision"].as_u64().unwrap();
+    let events = api.metric("wasmplane_model_events_total").await;
+    server.update(&node("node-b", "192.168.0.20", "10.244.2.0/24")).unwrap();
+    server.create(&pod("batch-b", "batch", "node-b", "10.244.2.11")).unwrap();
+    let mut annotated = server.get::<Service>("shop", "web").unwrap();
+    annotated.metadata.annotations = Some([("note".to_string(), "irrelevant".to_string())].into());
+    server.update(&annotated).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while api.metric("wasmplane_model_events_total").await < events + 3 {
+        assert!(Instant::now() < deadline, "events never arrived");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(api.state().await["revision"].as_u64().unwrap(), revision, "an irrelevant change produced a revision");
+    assert!(api.metric("wasmplane_model_revisions_total").await < api.metric("wasmplane_model_events_total").await);
+    host.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_watch_relists_and_loses_nothing() {
+    let server = TestApiServer::start().await;
+    seed(&server);
+    let dir = tempfile::tempdir().unwrap();
+    let host = start_host(&server, dir.path()).await;
+    let api = Api::new(&host);
+    api.wait_state("initial sync", |s| !endpoints(s, "shop/web").is_empty()).await;
+    let service_lists = server.request_count::<Service>(Verb::List);
+    let slice_lists = server.request_count::<EndpointSlice>(Verb::List);
+
+    // Behind the watchers' backs: the server goes away, things change, history is compacted.
+    server.set_unavailable(true);
+    server.delete::<Service>("shop", "web").unwrap();
+    server.create(&service("cart", "10.96.0.12", 80)).unwrap();
+    server.create(&slice("cart-1", "cart", &[("10.244.1.8", "node-a")])).unwrap();
+    server.delete::<Pod>("shop", "web-a").unwrap();
+    server.compact();
+    server.set_unavailable(false);
+
+    // Resuming from their old versions gets each watcher an in-stream 410: it must relist.
+    let state = api
+        .wait_state("relisted state", |s| {
+            s["model"]["services"]["shop/web"].is_null() && endpoints(s, "shop/cart") == ["10.244.1.8"] && s["model"]["local_pods"]["shop/web-a"].is_null()
+        })
+        .await;
+    assert!(state["model"]["policies"]["shop/web-ingress"].is_null(), "the policy's only local pod is gone");
+    assert!(server.request_count::<Service>(Verb::List) > service_lists, "services were not relisted");
+    assert!(server.request_count::<EndpointSlice>(Verb::List) > slice_lists, "endpoint slices were not relisted");
+    let status = host.watch_status.as_ref().unwrap().snapshot();
+    assert!(status.relists >= 2, "relists not counted: {status:?}");
+
+    // And the watches work again afterwards.
+    server.create(&service("late", "10.96.0.13", 80)).unwrap();
+    api.wait_state("watching again", |s| s["model"]["services"]["shop/late"].is_object()).await;
+    host.stop().await;
+}
