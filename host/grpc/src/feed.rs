@@ -1,0 +1,249 @@
+//! The feed the host publishes the model's revisions into, and the stats it keeps.
+//!
+//! Publishing costs O(change): a [`Delta`] holds the `Arc`s of the service views the model
+//! already made, and one `Arc<Delta>` goes into a bounded broadcast ring that every watch
+//! reads from. No revision ever copies the whole model; only a watch that starts, or one that
+//! fell so far behind that the ring dropped deltas it had not read, asks the host for a
+//! [`Snapshot`] (and pays O(model) once, for that watch alone).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use tokio::sync::{broadcast, watch};
+use wasmplane_model::NodeLocalModel;
+use wasmplane_model::state::{ModelUpdate, NodeContext, ServiceChange};
+use wasmplane_model::ServiceView;
+
+/// The whole model at one revision, as a watch's first message (or a resync) needs it.
+#[derive(Clone, Debug)]
+pub struct Snapshot {
+    pub revision: u64,
+    pub context: NodeContext,
+    pub services: Vec<Arc<ServiceView>>,
+}
+
+impl Snapshot {
+    /// The model as it is. O(services) `Arc` clones: call it under the host's model lock.
+    pub fn of(model: &NodeLocalModel) -> Snapshot {
+        Snapshot { revision: model.revision, context: model.context.clone(), services: model.services.values().cloned().collect() }
+    }
+}
+
+/// What changed at `revision` (from `revision - 1`).
+#[derive(Clone, Debug)]
+pub struct Delta {
+    pub revision: u64,
+    /// The new node context, if it changed at this revision.
+    pub context: Option<NodeContext>,
+    /// Service views that changed; `view: None` is a delete.
+    pub changes: Vec<ServiceChange>,
+}
+
+impl Delta {
+    /// The delta of the update `model` has just applied. Call it for every non-empty update,
+    /// including those that only touched pods or policies: the revision moved, and a watch
+    /// that sees a revision skipped has to resync with a full snapshot.
+    pub fn from_update(model: &NodeLocalModel, update: &ModelUpdate) -> Delta {
+        Delta {
+            revision: model.revision,
+            context: update.context_changed.then(|| model.context.clone()),
+            changes: update.changed.clone(),
+        }
+    }
+}
+
+/// Where a watch gets the full model from.
+///
+/// The snapshot must be consistent with the published deltas: the state at
+/// `snapshot.revision`, with every delta up to that revision already applied. Taking it
+/// under the same lock under which the host updates the model (and publishes) guarantees it.
+/// It is called on a blocking thread (never on an async worker), so a blocking lock is fine.
+pub trait SnapshotSource: Send + Sync + 'static {
+    fn snapshot(&self) -> Snapshot;
+}
+
+impl<F> SnapshotSource for F
+where
+    F: Fn() -> Snapshot + Send + Sync + 'static,
+{
+    fn snapshot(&self) -> Snapshot {
+        self()
+    }
+}
+
+/// Counters of the feed, for `/metrics` and the stats log line.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FeedStats {
+    /// Watches streaming now.
+    pub subscribers: usize,
+    /// Watches ever started.
+    pub watches: u64,
+    /// Revisions published by the host.
+    pub published: u64,
+    /// Complete snapshots sent (initial ones and resyncs).
+    pub snapshots_sent: u64,
+    /// Deltas sent, over all watches.
+    pub deltas_sent: u64,
+    /// Snapshots sent because a watch read so slowly that the ring dropped deltas it needed.
+    pub resyncs_lagged: u64,
+    /// Snapshots sent because the published revisions had a gap or went out of order: a bug
+    /// in the host's publishing, made harmless by the resync but worth alerting on.
+    pub resyncs_gap: u64,
+}
+
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub(crate) watches: AtomicU64,
+    pub(crate) published: AtomicU64,
+    pub(crate) snapshots_sent: AtomicU64,
+    pub(crate) deltas_sent: AtomicU64,
+    pub(crate) resyncs_lagged: AtomicU64,
+    pub(crate) resyncs_gap: AtomicU64,
+}
+
+impl Counters {
+    pub(crate) fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+pub(crate) struct Inner {
+    pub(crate) deltas: broadcast::Sender<Arc<Delta>>,
+    pub(crate) source: Arc<dyn SnapshotSource>,
+    pub(crate) counters: Counters,
+    /// Set once by [`ModelFeed::close`]; every watch ends when it sees it.
+    pub(crate) closed: watch::Sender<bool>,
+    /// The last revision published (0: none yet; the model's first revision is 1), to warn
+    /// about out-of-order publishing where it happens rather than only in the watches.
+    last_published: AtomicU64,
+}
+
+/// The node-local model's revisions, fanned out to every watch. Cheap to clone.
+#[derive(Clone)]
+pub struct ModelFeed {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for ModelFeed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelFeed").field("stats", &self.stats()).finish_non_exhaustive()
+    }
+}
+
+impl ModelFeed {
+    /// `capacity` is how many revisions a watch may fall behind before it is resynced with a
+    /// full snapshot instead: size it so that a burst of changes (a rollout, a relist) fits,
+    /// since every resync costs a full model transfer. It should also cover the revisions
+    /// made while one snapshot is being sent, or a client of a large, busy model may resync
+    /// again right after each snapshot. Clamped to at least 1.
+    pub fn new(source: Arc<dyn SnapshotSource>, capacity: usize) -> Self {
+        let (deltas, _) = broadcast::channel(capacity.max(1));
+        let (closed, _) = watch::channel(false);
+        ModelFeed {
+            inner: Arc::new(Inner {
+                deltas,
+                source,
+                counters: Counters::default(),
+                closed,
+                last_published: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// Hands one revision to every watch. Call it for every revision, in revision order
+    /// (from the task that updates the model, or under its lock): watches rely on deltas
+    /// being contiguous and resync when they are not. Never blocks and never waits for a
+    /// watch; with no watch, the delta is simply dropped.
+    pub fn publish(&self, delta: Delta) {
+        let previous = self.inner.last_published.swap(delta.revision, Ordering::Relaxed);
+        if previous != 0 && delta.revision != previous + 1 {
+            tracing::warn!(previous, revision = delta.revision, "model revisions published out of order; watches will resync");
+        }
+        Counters::bump(&self.inner.counters.published);
+        // An error only means nobody is watching right now.
+        let _ = self.inner.deltas.send(Arc::new(delta));
+    }
+
+    /// Watches streaming now.
+    pub fn subscribers(&self) -> usize {
+        self.inner.deltas.receiver_count()
+    }
+
+    pub fn stats(&self) -> FeedStats {
+        let c = &self.inner.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        FeedStats {
+            subscribers: self.subscribers(),
+            watches: get(&c.watches),
+            published: get(&c.published),
+            snapshots_sent: get(&c.snapshots_sent),
+            deltas_sent: get(&c.deltas_sent),
+            resyncs_lagged: get(&c.resyncs_lagged),
+            resyncs_gap: get(&c.resyncs_gap),
+        }
+    }
+
+    /// Ends every watch (their streams finish cleanly) and refuses new ones. Needed before a
+    /// graceful server shutdown when the service was added to a server by hand: a watch
+    /// never ends on its own, so the server would wait for it forever. [`crate::serve`] does
+    /// the equivalent for its own watches.
+    pub fn close(&self) {
+        self.inner.closed.send_replace(true);
+    }
+
+    pub fn is_closed(&self) -> bool {
+        *self.inner.closed.borrow()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn empty(revision: u64) -> Snapshot {
+        Snapshot { revision, context: NodeContext::default(), services: vec![] }
+    }
+
+    #[test]
+    fn publishing_without_watches_is_fine_and_counted() {
+        let feed = ModelFeed::new(Arc::new(|| empty(0)), 4);
+        for revision in 1..=10 {
+            feed.publish(Delta { revision, context: None, changes: vec![] });
+        }
+        assert_eq!(feed.subscribers(), 0);
+        assert_eq!(feed.stats().published, 10);
+        assert!(!feed.is_closed());
+        feed.close();
+        assert!(feed.is_closed());
+    }
+
+    #[test]
+    fn snapshot_and_delta_follow_the_model() {
+        use wasmplane_model::{ClusterEvent, ClusterObject, ClusterState, Labels, Protocol, Service, ServicePort, ServiceType, TargetPort, TrafficPolicy};
+        let mut cluster = ClusterState::new();
+        let mut model = NodeLocalModel::new("node-a", vec![]);
+        let service = Service {
+            namespace: "default".into(),
+            name: "web".into(),
+            service_type: ServiceType::ClusterIP,
+            cluster_ips: vec!["10.96.0.10".into()],
+            external_ips: vec![],
+            load_balancer_ips: vec![],
+            ports: vec![ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: 0, target_port: TargetPort::Number(8080) }],
+            session_affinity_timeout: None,
+            external_traffic_policy: TrafficPolicy::Cluster,
+            internal_traffic_policy: TrafficPolicy::Cluster,
+            labels: Labels::new(),
+        };
+        let touched = cluster.apply(ClusterEvent::Upsert(ClusterObject::Service(service)), "node-a");
+        let update = model.update(&cluster, &touched);
+        let delta = Delta::from_update(&model, &update);
+        assert_eq!(delta.revision, 1);
+        assert!(delta.context.is_none());
+        assert_eq!(delta.changes.len(), 1);
+        let snapshot = Snapshot::of(&model);
+        assert_eq!(snapshot.revision, 1);
+        assert_eq!(snapshot.services.len(), 1);
+        assert!(Arc::ptr_eq(&snapshot.services[0], delta.changes[0].view.as_ref().unwrap()), "no copy of the views");
+    }
+}
