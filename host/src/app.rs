@@ -101,6 +101,9 @@ pub struct RunningHost {
     pub metrics: Arc<Metrics>,
     pub ready: Arc<AtomicBool>,
     pub watch_status: Option<Arc<WatchStatus>>,
+    /// Where the gRPC model stream listens, if it is served.
+    pub grpc_addr: Option<SocketAddr>,
+    model_feed: Option<wasmplane_grpc::ModelFeed>,
     shutdown: Option<oneshot::Sender<()>>,
     server: tokio::task::JoinHandle<()>,
     loops: Vec<tokio::task::JoinHandle<()>>,
@@ -114,6 +117,9 @@ impl RunningHost {
     pub async fn stop(mut self) {
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
+        }
+        if let Some(feed) = &self.model_feed {
+            feed.close();
         }
         for l in &self.loops {
             l.abort();
@@ -204,6 +210,20 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         }));
     }
 
+    let (mut grpc_addr, mut model_feed) = (None, None);
+    if let Some(listen) = config.grpc_listen {
+        let feed = model_feed_of(&controller);
+        let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding the gRPC listener {listen}"))?;
+        grpc_addr = Some(listener.local_addr()?);
+        let serving = feed.clone();
+        loops.push(tokio::spawn(async move {
+            if let Err(e) = wasmplane_grpc::serve(serving, listener, std::future::pending()).await {
+                tracing::error!("gRPC model server failed: {e}");
+            }
+        }));
+        model_feed = Some(feed);
+    }
+
     loops.push(tokio::spawn(log_stats(metrics.clone(), config.stats_interval)));
 
     {
@@ -244,7 +264,34 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
             tracing::error!("REST API server failed: {e}");
         }
     });
-    Ok(RunningHost { addr, token, controller, metrics, ready, watch_status, shutdown: Some(shutdown_tx), server, loops })
+    Ok(RunningHost { addr, token, controller, metrics, ready, watch_status, grpc_addr, model_feed, shutdown: Some(shutdown_tx), server, loops })
+}
+
+/// Publishes every model revision to gRPC watchers.
+struct FeedObserver(wasmplane_grpc::ModelFeed);
+
+impl crate::controller::ModelObserver for FeedObserver {
+    fn model_changed(&self, model: &wasmplane_model::NodeLocalModel, update: &wasmplane_model::state::ModelUpdate) {
+        self.0.publish(wasmplane_grpc::Delta::from_update(model, update));
+    }
+}
+
+/// Revisions a gRPC watcher may fall behind before it is resynced with a full snapshot.
+const MODEL_FEED_CAPACITY: usize = 1024;
+
+/// The gRPC feed of the model: deltas published under the controller lock, snapshots taken
+/// under it, so a watcher never sees a gap or a duplicate.
+fn model_feed_of(controller: &Arc<Mutex<Controller>>) -> wasmplane_grpc::ModelFeed {
+    // Weak: the controller owns the observer that owns the feed; a strong reference back
+    // would keep all of it alive forever.
+    let weak = Arc::downgrade(controller);
+    let source = move || match weak.upgrade() {
+        Some(controller) => wasmplane_grpc::Snapshot::of(controller.lock().unwrap_or_else(|p| p.into_inner()).model()),
+        None => wasmplane_grpc::Snapshot { revision: 0, context: Default::default(), services: Vec::new() },
+    };
+    let feed = wasmplane_grpc::ModelFeed::new(Arc::new(source), MODEL_FEED_CAPACITY);
+    controller.lock().unwrap_or_else(|p| p.into_inner()).add_observer(Box::new(FeedObserver(feed.clone())));
+    feed
 }
 
 /// Most watch events a single model update takes; bounds the lock hold time under a burst.

@@ -133,7 +133,7 @@ impl ClusterState {
     /// the cross-namespace ones, narrowed by their selectors.
     fn policies_involving(&self, pod: &Pod, into: &mut BTreeSet<ObjectKey>) {
         let labels = self.namespace_labels(&pod.namespace);
-        let same_namespace = in_namespace(&self.network_policies, &pod.namespace).map(|(k, p)| (k, p));
+        let same_namespace = in_namespace(&self.network_policies, &pod.namespace);
         let cross = self.cross_namespace_policies.iter().filter_map(|k| self.network_policies.get_key_value(k));
         for (key, policy) in same_namespace.chain(cross) {
             if policy.involves(pod, labels) {
