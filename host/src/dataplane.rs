@@ -1,7 +1,16 @@
 //! The service dataplane writer: what is applied per object, and how changes reach the
 //! kernel (or, in recording mode, a buffer) as one transaction per sync.
+//!
+//! Why `nft -f` text and where it stops scaling: see the measurements at the top of
+//! `nft.rs` (`benches/nft_writer.rs`). In short: full syncs are kernel-bound and cost the
+//! same as one plain `nft -f`; incremental changes pay for nft's cache fill (a dump of every
+//! chain), ≤ 0.3 s up to 10k services, 5.8 s at 50k; a netlink `Kernel` is the way past that.
+//!
+//! Costs this module keeps proportional to the change: an incremental sync edits the applied
+//! map and the map-key owner index in place (no copy of the table per sync), and a full sync
+//! finds stale chains with hashed lookups (a scan per listed chain took 60 s at 10k).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write as _;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -23,6 +32,10 @@ pub trait Kernel: Send {
     fn apply(&mut self, transaction: &str) -> Result<(), WriteError>;
     /// Chains and sets of our table currently in the kernel (for reconciliation).
     fn list_objects(&mut self) -> Result<(Vec<String>, Vec<String>), WriteError>;
+    /// Whether our table is already in the kernel (rules of a previous run).
+    fn has_table(&mut self) -> bool {
+        false
+    }
     fn mode(&self) -> &'static str;
 }
 
@@ -61,6 +74,25 @@ impl NftCommand {
         cmd.args(&self.command[1..]);
         cmd
     }
+
+    /// Names of the objects (lines starting with `kind`) inside our table in a listing.
+    fn list_ours(&self, args: &[&str], kind: &str) -> Result<Vec<String>, WriteError> {
+        let output = self.nft().args(args).stderr(Stdio::piped()).output().map_err(WriteError::Spawn)?;
+        if !output.status.success() {
+            return Err(WriteError::Rejected(String::from_utf8_lossy(&output.stderr).chars().take(4096).collect()));
+        }
+        let ours = format!("{} {}", nft::FAMILY, nft::TABLE);
+        let mut in_ours = false;
+        let mut names = Vec::new();
+        for line in String::from_utf8_lossy(&output.stdout).lines().map(str::trim) {
+            if let Some(table) = line.strip_prefix("table ") {
+                in_ours = table.trim_end_matches(" {") == ours;
+            } else if in_ours && let Some(rest) = line.strip_prefix(kind) {
+                names.push(rest.trim_end_matches(" {").trim_matches('"').to_string());
+            }
+        }
+        Ok(names)
+    }
 }
 
 impl Kernel for NftCommand {
@@ -83,27 +115,22 @@ impl Kernel for NftCommand {
     }
 
     fn list_objects(&mut self) -> Result<(Vec<String>, Vec<String>), WriteError> {
-        let output = self
-            .nft()
-            .args(["list", "table", nft::FAMILY, nft::TABLE])
+        // Not `list table`: that prints every rule and element (measured 6–9 s at 10k
+        // services). Chain names alone (`list chains`, 0.3 s at 10k) and set declarations
+        // without their elements (`-t list sets`, 10 ms) are all reconciliation needs.
+        let chains = self.list_ours(&["list", "chains", nft::FAMILY], "chain ")?;
+        let sets = self.list_ours(&["-t", "list", "sets", nft::FAMILY], "set ")?;
+        Ok((chains, sets))
+    }
+
+    fn has_table(&mut self) -> bool {
+        // `list tables` fills nft's whole cache (as slow as `list table`); a terse set
+        // listing prints every table's header and no elements.
+        self.nft()
+            .args(["-t", "list", "sets", nft::FAMILY])
             .stderr(Stdio::null())
             .output()
-            .map_err(WriteError::Spawn)?;
-        if !output.status.success() {
-            // No table yet: nothing of ours exists.
-            return Ok((Vec::new(), Vec::new()));
-        }
-        let text = String::from_utf8_lossy(&output.stdout);
-        let mut chains = Vec::new();
-        let mut sets = Vec::new();
-        for line in text.lines().map(str::trim) {
-            if let Some(rest) = line.strip_prefix("chain ") {
-                chains.push(rest.trim_end_matches(" {").trim_matches('"').to_string());
-            } else if let Some(rest) = line.strip_prefix("set ") {
-                sets.push(rest.trim_end_matches(" {").trim_matches('"').to_string());
-            }
-        }
-        Ok((chains, sets))
+            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).lines().any(|l| l.trim() == format!("table {} {} {{", nft::FAMILY, nft::TABLE)))
     }
 
     fn mode(&self) -> &'static str {
@@ -112,12 +139,27 @@ impl Kernel for NftCommand {
 }
 
 /// What is applied, per object, and the map keys each object owns.
+///
+/// Restarts: a new process starts with an empty model, and the controller activates its
+/// translator (a full sync) before any source has delivered state. Writing that would
+/// replace the previous run's working rules with an empty table until the sources catch up.
+/// So when our table is already in the kernel, the writer starts *held*: it records what it
+/// is asked for but writes nothing until the first object sync (state from a source) or
+/// [`Dataplane::release`]; that first write is one full transaction (flush and refill
+/// atomically), so there is never a moment without rules.
 pub struct Dataplane {
     kernel: Box<dyn Kernel>,
+    /// What the kernel has from us (written and accepted).
     applied: BTreeMap<ObjectKey, Arc<ObjectRules>>,
+    /// What we want but have not written: while held, or after a failed write (the next
+    /// sync or reconcile writes it in full). `Some` implies `!in_sync`.
+    pending: Option<BTreeMap<ObjectKey, Arc<ObjectRules>>>,
+    /// Owners of map keys in the wanted state (`pending`, else `applied`).
     element_owner: HashMap<(String, String), ObjectKey>,
     /// False until a full sync succeeded (and after a failed write): the next sync is full.
     in_sync: bool,
+    /// Rules of a previous run are in the kernel and we have not been given state yet.
+    held: bool,
     pub last_transaction: String,
 }
 
@@ -129,8 +171,20 @@ pub struct SyncStats {
 }
 
 impl Dataplane {
-    pub fn new(kernel: Box<dyn Kernel>) -> Self {
-        Dataplane { kernel, applied: BTreeMap::new(), element_owner: HashMap::new(), in_sync: false, last_transaction: String::new() }
+    pub fn new(mut kernel: Box<dyn Kernel>) -> Self {
+        let held = kernel.has_table();
+        if held {
+            tracing::info!("rules of a previous run are in the kernel: keeping them until the first state arrives");
+        }
+        Dataplane {
+            kernel,
+            applied: BTreeMap::new(),
+            pending: None,
+            element_owner: HashMap::new(),
+            in_sync: false,
+            held,
+            last_transaction: String::new(),
+        }
     }
 
     pub fn mode(&self) -> &'static str {
@@ -139,6 +193,15 @@ impl Dataplane {
 
     pub fn applied(&self) -> &BTreeMap<ObjectKey, Arc<ObjectRules>> {
         &self.applied
+    }
+
+    /// True while the previous run's rules are kept and nothing has been written.
+    pub fn is_held(&self) -> bool {
+        self.held
+    }
+
+    fn desired(&self) -> &BTreeMap<ObjectKey, Arc<ObjectRules>> {
+        self.pending.as_ref().unwrap_or(&self.applied)
     }
 
     /// Map keys another object already owns are refused (first owner wins) with a warning.
@@ -156,85 +219,152 @@ impl Dataplane {
     }
 
     /// Applies a set of per-object changes (`None`: the object is gone) as one transaction.
+    /// This is state from a source, so it also ends a hold (see [`Dataplane`]).
     pub fn sync(&mut self, changes: Vec<(ObjectKey, Option<ObjectRules>)>) -> Result<SyncStats, WriteError> {
-        let mut next = self.applied.clone();
-        for (key, rules) in changes.iter().cloned() {
-            match rules {
-                Some(r) => {
-                    let r = self.claim_elements(&key, r);
-                    next.insert(key, Arc::new(r));
-                }
-                None => {
-                    next.remove(&key);
-                }
-            }
-        }
+        self.held = false;
         if !self.in_sync {
+            let mut next = self.desired().clone();
+            for (key, rules) in changes {
+                self.replace_object(&mut next, key, rules);
+            }
             return self.write_full(next);
+        }
+        // In sync: `applied` is what is wanted. Change it in place and remember what the
+        // changed objects had, so the cost is the change's, not the table's.
+        let mut next = std::mem::take(&mut self.applied);
+        let mut olds: Vec<(ObjectKey, Option<Arc<ObjectRules>>)> = Vec::new();
+        let mut seen = HashSet::new();
+        for (key, rules) in changes {
+            let old = self.replace_object(&mut next, key.clone(), rules);
+            if seen.insert(key.clone()) {
+                olds.push((key, old));
+            }
         }
         let empty = ObjectRules::default();
         let mut transaction = String::new();
         // Objects leaving first, so elements and names they free can be reused by others.
-        let mut ordered: Vec<&ObjectKey> = changes.iter().map(|(k, _)| k).collect();
-        ordered.sort_by_key(|k| next.contains_key(*k));
-        ordered.dedup();
-        for key in &ordered {
-            let old = self.applied.get(*key).map_or(&empty, |r| r);
-            let new = next.get(*key).map_or(&empty, |r| r);
+        olds.sort_by_key(|(k, _)| next.contains_key(k));
+        for (key, old) in &olds {
+            let old = old.as_deref().unwrap_or(&empty);
+            let new = next.get(key).map_or(&empty, |r| r);
             nft::object_delta(old, new, &mut transaction);
         }
         let statements = transaction.lines().count();
-        if statements > 0 {
-            if let Err(e) = self.kernel.apply(&transaction) {
-                self.in_sync = false;
-                return Err(e);
+        let objects = olds.len();
+        if statements > 0
+            && let Err(e) = self.kernel.apply(&transaction)
+        {
+            // Wanted all the same (written in full next time); the kernel keeps the old.
+            let wanted = next.clone();
+            for (key, old) in olds {
+                match old {
+                    Some(old) => next.insert(key, old),
+                    None => next.remove(&key),
+                };
             }
+            self.applied = next;
+            self.keep_pending(wanted);
+            return Err(e);
         }
         self.last_transaction = transaction;
-        self.commit(next);
-        Ok(SyncStats { full: false, objects: ordered.len(), statements })
+        self.applied = next;
+        Ok(SyncStats { full: false, objects, statements })
+    }
+
+    /// Puts `rules` (or nothing) in place of `key` in `objects`, keeping `element_owner` in
+    /// step (map keys another object owns are refused with a warning: first owner wins).
+    /// Returns what `key` had.
+    fn replace_object(
+        &mut self,
+        objects: &mut BTreeMap<ObjectKey, Arc<ObjectRules>>,
+        key: ObjectKey,
+        rules: Option<ObjectRules>,
+    ) -> Option<Arc<ObjectRules>> {
+        let old = objects.remove(&key);
+        if let Some(old) = &old {
+            for k in old.elements.keys() {
+                if self.element_owner.get(k) == Some(&key) {
+                    self.element_owner.remove(k);
+                }
+            }
+        }
+        if let Some(rules) = rules {
+            let rules = self.claim_elements(&key, rules);
+            for k in rules.elements.keys() {
+                self.element_owner.insert(k.clone(), key.clone());
+            }
+            objects.insert(key, Arc::new(rules));
+        }
+        old
     }
 
     /// Rewrites the whole table from what we want (periodic reconcile, first sync, hot swap).
+    /// While held, `Some` only replaces what is wanted and `None` (a reconcile) does nothing.
     pub fn full_sync(&mut self, objects: Option<BTreeMap<ObjectKey, ObjectRules>>) -> Result<SyncStats, WriteError> {
         let next = match objects {
             Some(objects) => {
-                self.element_owner.clear();
                 let mut next = BTreeMap::new();
-                for (key, rules) in objects {
-                    let rules = Self::claim_pending(&next, rules);
+                let mut owners: HashMap<(String, String), ObjectKey> = HashMap::new();
+                for (key, mut rules) in objects {
+                    let mut conflicts = Vec::new();
+                    rules.elements.retain(|k, _| match owners.get(k) {
+                        Some(owner) => {
+                            conflicts.push(format!("{} {{ {} }} already belongs to {owner}", k.0, k.1));
+                            false
+                        }
+                        None => true,
+                    });
+                    rules.warnings.extend(conflicts);
+                    for k in rules.elements.keys() {
+                        owners.insert(k.clone(), key.clone());
+                    }
                     next.insert(key, Arc::new(rules));
                 }
                 next
             }
-            None => self.applied.clone(),
+            None => self.desired().clone(),
         };
+        if self.held {
+            let objects = next.len();
+            self.keep_pending(next);
+            return Ok(SyncStats { full: true, objects, statements: 0 });
+        }
         self.write_full(next)
     }
 
-    fn claim_pending(pending: &BTreeMap<ObjectKey, Arc<ObjectRules>>, mut rules: ObjectRules) -> ObjectRules {
-        let mut conflicts = Vec::new();
-        rules.elements.retain(|k, _| match pending.iter().find(|(_, r)| r.elements.contains_key(k)) {
-            Some((owner, _)) => {
-                conflicts.push(format!("{} {{ {} }} already belongs to {owner}", k.0, k.1));
-                false
-            }
-            None => true,
-        });
-        rules.warnings.extend(conflicts);
-        rules
+    /// Ends a hold: writes what is wanted now, in full. For callers that know their sources
+    /// delivered a complete state even when it changed nothing (an empty cluster).
+    pub fn release(&mut self) -> Result<SyncStats, WriteError> {
+        if !self.held {
+            return Ok(SyncStats::default());
+        }
+        self.held = false;
+        let next = self.desired().clone();
+        self.write_full(next)
     }
 
     fn write_full(&mut self, next: BTreeMap<ObjectKey, Arc<ObjectRules>>) -> Result<SyncStats, WriteError> {
-        let (kernel_chains, kernel_sets) = self.kernel.list_objects()?;
-        let stale_chains: Vec<String> = kernel_chains
-            .into_iter()
-            .filter(|c| !nft::is_static_chain(c) && !next.values().any(|r| r.chains.contains_key(c)))
-            .collect();
-        let stale_sets: Vec<String> =
-            kernel_sets.into_iter().filter(|s| s.starts_with("svc/") && !next.values().any(|r| r.sets.contains_key(s))).collect();
+        let (kernel_chains, kernel_sets) = match self.kernel.list_objects() {
+            Ok(listed) => listed,
+            Err(e) => {
+                self.keep_pending(next);
+                return Err(e);
+            }
+        };
+        let (stale_chains, stale_sets) = {
+            // Hashed: scanning every object per listed chain took 60 s at 10k services.
+            let chains: HashSet<&str> = next.values().flat_map(|r| r.chains.keys().map(String::as_str)).collect();
+            let sets: HashSet<&str> = next.values().flat_map(|r| r.sets.keys().map(String::as_str)).collect();
+            let stale_chains: Vec<String> =
+                kernel_chains.into_iter().filter(|c| !nft::is_static_chain(c) && !chains.contains(c.as_str())).collect();
+            let stale_sets: Vec<String> = kernel_sets.into_iter().filter(|s| s.starts_with("svc/") && !sets.contains(s.as_str())).collect();
+            (stale_chains, stale_sets)
+        };
         let transaction = nft::full_transaction(next.values().map(|r| &**r), &stale_chains, &stale_sets);
-        self.kernel.apply(&transaction).inspect_err(|_| self.in_sync = false)?;
+        if let Err(e) = self.kernel.apply(&transaction) {
+            self.keep_pending(next);
+            return Err(e);
+        }
         let stats = SyncStats { full: true, objects: next.len(), statements: transaction.lines().count() };
         self.last_transaction = transaction;
         self.in_sync = true;
@@ -242,18 +372,144 @@ impl Dataplane {
         Ok(stats)
     }
 
-    fn commit(&mut self, next: BTreeMap<ObjectKey, Arc<ObjectRules>>) {
-        self.element_owner.clear();
-        for (key, rules) in &next {
+    fn owners(objects: &BTreeMap<ObjectKey, Arc<ObjectRules>>) -> HashMap<(String, String), ObjectKey> {
+        let mut owners = HashMap::new();
+        for (key, rules) in objects {
             for k in rules.elements.keys() {
-                self.element_owner.insert(k.clone(), key.clone());
+                owners.insert(k.clone(), key.clone());
             }
         }
+        owners
+    }
+
+    /// Not written (held, or the kernel refused): wanted all the same, written in full next.
+    fn keep_pending(&mut self, next: BTreeMap<ObjectKey, Arc<ObjectRules>>) {
+        self.element_owner = Self::owners(&next);
+        self.pending = Some(next);
+        self.in_sync = false;
+    }
+
+    fn commit(&mut self, next: BTreeMap<ObjectKey, Arc<ObjectRules>>) {
+        self.element_owner = Self::owners(&next);
+        self.pending = None;
         self.applied = next;
     }
 
     /// The full table as it is applied now, as an `nft -f` document.
     pub fn render(&self) -> String {
         nft::full_transaction(self.applied.values().map(|r| &**r), &[], &[])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// A kernel that records transactions, can refuse them, and may already hold our table.
+    #[derive(Clone, Default)]
+    struct Fake {
+        applied: Arc<Mutex<Vec<String>>>,
+        refuse: Arc<Mutex<bool>>,
+        has_table: bool,
+    }
+
+    impl Kernel for Fake {
+        fn apply(&mut self, transaction: &str) -> Result<(), WriteError> {
+            if *self.refuse.lock().unwrap() {
+                return Err(WriteError::Rejected("refused".into()));
+            }
+            self.applied.lock().unwrap().push(transaction.to_string());
+            Ok(())
+        }
+        fn list_objects(&mut self) -> Result<(Vec<String>, Vec<String>), WriteError> {
+            Ok((Vec::new(), Vec::new()))
+        }
+        fn has_table(&mut self) -> bool {
+            self.has_table
+        }
+        fn mode(&self) -> &'static str {
+            "fake"
+        }
+    }
+
+    fn rules(name: &str, ip: &str) -> ObjectRules {
+        let chain = format!("svc/default/{name}");
+        let mut r = ObjectRules::default();
+        r.chains.insert(chain.clone(), vec![format!("meta l4proto tcp dnat ip to {ip}:80")]);
+        r.elements.insert(("service-ips".into(), "10.96.0.1 . tcp . 80".into()), format!("goto {chain}"));
+        r
+    }
+
+    fn key(name: &str) -> ObjectKey {
+        ObjectKey::new("default", name)
+    }
+
+    #[test]
+    fn a_restart_keeps_the_old_rules_until_state_arrives() {
+        let fake = Fake { has_table: true, ..Default::default() };
+        let mut dp = Dataplane::new(Box::new(fake.clone()));
+        assert!(dp.is_held());
+        // Activation over the empty startup model, then a periodic reconcile: nothing written.
+        dp.full_sync(Some(BTreeMap::new())).unwrap();
+        dp.full_sync(None).unwrap();
+        assert!(fake.applied.lock().unwrap().is_empty());
+        // State from a source: one full transaction.
+        let stats = dp.sync(vec![(key("a"), Some(rules("a", "10.244.0.1")))]).unwrap();
+        assert!(stats.full && !dp.is_held());
+        let written = fake.applied.lock().unwrap().clone();
+        assert_eq!(written.len(), 1);
+        assert!(written[0].contains("flush table") && written[0].contains("add chain inet wasmplane svc/default/a"));
+    }
+
+    #[test]
+    fn release_writes_even_an_empty_state() {
+        let fake = Fake { has_table: true, ..Default::default() };
+        let mut dp = Dataplane::new(Box::new(fake.clone()));
+        dp.full_sync(Some(BTreeMap::new())).unwrap();
+        assert!(dp.release().unwrap().full);
+        assert_eq!(fake.applied.lock().unwrap().len(), 1);
+        assert_eq!(dp.release().unwrap(), SyncStats::default(), "only once");
+    }
+
+    #[test]
+    fn a_fresh_kernel_is_written_at_once() {
+        let fake = Fake::default();
+        let mut dp = Dataplane::new(Box::new(fake.clone()));
+        assert!(!dp.is_held());
+        dp.full_sync(Some(BTreeMap::new())).unwrap();
+        assert_eq!(fake.applied.lock().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn a_refused_write_is_not_forgotten() {
+        let fake = Fake::default();
+        let mut dp = Dataplane::new(Box::new(fake.clone()));
+        dp.sync(vec![(key("a"), Some(rules("a", "10.244.0.1")))]).unwrap();
+        *fake.refuse.lock().unwrap() = true;
+        assert!(dp.sync(vec![(key("a"), Some(rules("a", "10.244.0.2")))]).is_err());
+        // The kernel kept the old rules, and that is what is reported as applied.
+        assert!(dp.render().contains("10.244.0.1"));
+        *fake.refuse.lock().unwrap() = false;
+        // The next reconcile writes what was wanted, in full.
+        assert!(dp.full_sync(None).unwrap().full);
+        assert!(dp.render().contains("10.244.0.2") && !dp.render().contains("10.244.0.1"));
+        let stats = dp.sync(vec![(key("b"), Some(rules("b", "10.244.0.3")))]).unwrap();
+        assert!(!stats.full, "back to incremental");
+    }
+
+    #[test]
+    fn map_keys_have_one_owner_and_are_freed_by_their_owner() {
+        let fake = Fake::default();
+        let mut dp = Dataplane::new(Box::new(fake.clone()));
+        dp.sync(vec![(key("a"), Some(rules("a", "10.244.0.1")))]).unwrap();
+        dp.sync(vec![(key("b"), Some(rules("b", "10.244.0.2")))]).unwrap();
+        let b = &dp.applied()[&key("b")];
+        assert!(b.elements.is_empty() && b.warnings[0].contains("already belongs to default/a"), "{b:?}");
+        dp.sync(vec![(key("a"), None)]).unwrap();
+        dp.sync(vec![(key("b"), Some(rules("b", "10.244.0.2")))]).unwrap();
+        assert_eq!(dp.applied()[&key("b")].elements.len(), 1);
+        let last = fake.applied.lock().unwrap().last().unwrap().clone();
+        assert!(last.contains("add element inet wasmplane service-ips { 10.96.0.1 . tcp . 80 : goto svc/default/b }"), "{last}");
     }
 }

@@ -241,9 +241,17 @@ fn translate_port(
     // Cluster-IP traffic.
     let service_chain = prefix.clone();
     if cluster_backends.is_empty() {
-        rules.ruleset.warnings.push(format!("{}: no ready endpoints", port_id(port)));
+        // Like kube-proxy: no endpoints at all rejects; internalTrafficPolicy Local with
+        // endpoints only on other nodes drops (the client is not told to go elsewhere).
+        let verdict = if endpoints.cluster.is_empty() {
+            rules.ruleset.warnings.push(format!("{}: no ready endpoints", port_id(port)));
+            Verdict::Reject
+        } else {
+            rules.ruleset.warnings.push(format!("{}: internalTrafficPolicy Local and no endpoint on this node", port_id(port)));
+            Verdict::Drop
+        };
         for ip in cluster_ips {
-            rules.ruleset.map_elements.push(service_map_element("no-endpoint-services", ip, port.protocol, port.port, Verdict::Reject));
+            rules.ruleset.map_elements.push(service_map_element("no-endpoint-services", ip, port.protocol, port.port, verdict.clone()));
         }
     } else {
         let mut chain_rules = Vec::new();

@@ -108,3 +108,19 @@ fn headless_and_external_name_services_produce_nothing() {
     external.service_type = ServiceType::ExternalName;
     assert!(translate(&ctx(), "svc/shop/web", &external, &[]).unwrap().chains.is_empty());
 }
+
+#[test]
+fn internal_local_policy_uses_local_endpoints_and_drops_without_them() {
+    let mut svc = service();
+    svc.internal_traffic_policy = TrafficPolicy::Local;
+    let both = slice(vec![endpoint("10.244.0.11", true, false, true), endpoint("10.244.1.11", true, false, false)]);
+    let r = translate(&ctx(), "svc/shop/web", &svc, &[both]).unwrap();
+    assert_eq!(dnat_targets(&r), vec!["10.244.0.11:8080"]);
+    let remote_only = slice(vec![endpoint("10.244.1.11", true, false, false)]);
+    let r = translate(&ctx(), "svc/shop/web", &svc, &[remote_only]).unwrap();
+    assert_eq!(r.map_elements.len(), 1);
+    assert_eq!(r.map_elements[0].map_name, "no-endpoint-services");
+    assert_eq!(r.map_elements[0].verdict, Verdict::Drop, "endpoints elsewhere: drop, not reject");
+    let r = translate(&ctx(), "svc/shop/web", &svc, &[]).unwrap();
+    assert_eq!(r.map_elements[0].verdict, Verdict::Reject, "no endpoints at all: reject");
+}

@@ -1,0 +1,162 @@
+//! nftables writer benchmark: the full ruleset our writer renders for N services (3 endpoints
+//! each, rules from the default translator running as Wasm), loaded into a fresh network
+//! namespace, then one-service changes on top, in one run:
+//!
+//! - render: validating the guest output and rendering the full `nft -f` document (CPU only);
+//! - `nft -f` (reference): that document loaded by one plain `nft -f` into an empty namespace;
+//! - writer full sync: `Dataplane::full_sync` through `nft` (first sync: list + one transaction);
+//! - list table: `nft list table` (what every full sync reads to find stale chains/sets);
+//! - reconcile: a periodic full reconcile over the loaded table (list + flush/refill);
+//! - one-service change: one endpoint of one service replaced, `Dataplane::sync` → kernel
+//!   (median of 5, the incremental transaction only).
+//!
+//! `cargo bench -p wasmplane --bench nft_writer` (needs root; sizes from
+//! `WASMPLANE_BENCH_SIZES`, default `1000,10000`).
+
+use std::collections::BTreeMap;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use wasmplane::dataplane::{Dataplane, Kernel as _, NftCommand};
+use wasmplane::nft::{self, ObjectRules};
+use wasmplane_model::state::{LocalEndpoint, LocalSlice, NodeContext, ServiceView};
+use wasmplane_model::*;
+use wasmplane_runtime::{GuestKind, Limits, NoLookups, Runtime, TranslatorSession};
+
+fn view(i: usize, endpoint_base: usize) -> ServiceView {
+    let service = Service {
+        namespace: format!("ns{}", i % 50),
+        name: format!("svc{i}"),
+        service_type: ServiceType::ClusterIP,
+        cluster_ips: vec![format!("10.{}.{}.{}", 96 + i / 62_500, i / 250 % 250, i % 250 + 1)],
+        external_ips: vec![],
+        load_balancer_ips: vec![],
+        ports: vec![ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: 0, target_port: TargetPort::Number(8080) }],
+        session_affinity_timeout: None,
+        external_traffic_policy: TrafficPolicy::Cluster,
+        internal_traffic_policy: TrafficPolicy::Cluster,
+        labels: Labels::new(),
+    };
+    let endpoints = (0..3)
+        .map(|e| {
+            let n = endpoint_base + i * 3 + e;
+            LocalEndpoint {
+                addresses: vec![format!("10.{}.{}.{}", 128 + n / 62_500, n / 250 % 250, n % 250 + 1)],
+                ready: true,
+                serving: true,
+                terminating: false,
+                node_name: Some(format!("node-{e}")),
+                zone: None,
+                is_local: e == 0,
+            }
+        })
+        .collect();
+    ServiceView {
+        service,
+        slices: vec![LocalSlice { name: format!("svc{i}-x"), endpoints, ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }] }],
+    }
+}
+
+fn rules(session: &mut TranslatorSession, ctx: &NodeContext, view: &ServiceView) -> (ObjectKey, ObjectRules) {
+    let key = ObjectKey::new(&view.service.namespace, &view.service.name);
+    let out = session.translate(ctx, &nft::service_prefix(&key), view).expect("translate");
+    let rules = nft::validate_service_output(&key, &out).expect("valid output");
+    (key, rules)
+}
+
+struct Netns(String);
+
+impl Netns {
+    fn new(name: String) -> Netns {
+        let _ = Command::new("ip").args(["netns", "del", &name]).output();
+        assert!(Command::new("ip").args(["netns", "add", &name]).status().unwrap().success(), "ip netns add {name}");
+        Netns(name)
+    }
+    fn nft_command(&self) -> Vec<String> {
+        ["ip", "netns", "exec", &self.0, "nft"].map(String::from).to_vec()
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).output();
+    }
+}
+
+fn timed<T>(f: impl FnOnce() -> T) -> (T, Duration) {
+    let t = Instant::now();
+    let v = f();
+    (v, t.elapsed())
+}
+
+fn fmt(d: Duration) -> String {
+    if d < Duration::from_secs(1) { format!("{:.1} ms", d.as_secs_f64() * 1e3) } else { format!("{:.2} s", d.as_secs_f64()) }
+}
+
+fn main() {
+    let root = Command::new("id").arg("-u").output().map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0").unwrap_or(false);
+    if !root {
+        eprintln!("\n!!!!!!!! nft_writer bench SKIPPED: needs root (network namespaces, nftables) !!!!!!!!\n");
+        return;
+    }
+    let sizes: Vec<usize> = std::env::var("WASMPLANE_BENCH_SIZES")
+        .unwrap_or_else(|_| "1000,10000".into())
+        .split(',')
+        .map(|s| s.trim().parse().expect("WASMPLANE_BENCH_SIZES: comma-separated numbers"))
+        .collect();
+    let runtime = Runtime::new(Limits { call_timeout: Duration::from_secs(5), ..Default::default() }, None).unwrap();
+    let module = runtime.load("t", wasmplane_guest_artifacts::SERVICE_TRANSLATOR, Some(GuestKind::ServiceTranslator), usize::MAX).unwrap();
+    let mut session = module.translator(Arc::new(NoLookups)).unwrap();
+    let ctx = NodeContext { node_name: "node-0".into(), cluster_cidrs: vec!["10.244.0.0/16".into()], ..Default::default() };
+
+    println!("nftables writer, `nft -f` text through `ip netns exec`, each size in a fresh namespace\n");
+    println!("| services | statements | render | `nft -f` (reference) | writer full sync | list table | reconcile | one-service change (median of 5) | change / full load |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for n in sizes {
+        let objects: BTreeMap<ObjectKey, ObjectRules> = (0..n).map(|i| rules(&mut session, &ctx, &view(i, 0))).collect();
+        let (document, render) = timed(|| nft::full_transaction(objects.values(), &[], &[]));
+        let statements = document.lines().count();
+
+        let reference_ns = Netns::new(format!("wpbench{}-ref", std::process::id()));
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), &document).unwrap();
+        let (status, reference) = timed(|| Command::new("ip").args(["netns", "exec", &reference_ns.0, "nft", "-f"]).arg(file.path()).status().unwrap());
+        assert!(status.success(), "reference load failed");
+        drop(reference_ns);
+
+        let ns = Netns::new(format!("wpbench{}-writer", std::process::id()));
+        let mut dataplane = Dataplane::new(Box::new(NftCommand { command: ns.nft_command() }));
+        let (result, full) = timed(|| dataplane.full_sync(Some(objects.clone())));
+        result.expect("writer full sync");
+        let mut lister = NftCommand { command: ns.nft_command() };
+        let (listed, list) = timed(|| lister.list_objects().unwrap());
+        assert!(listed.0.len() > n, "listing found {} chains", listed.0.len());
+        let (result, reconcile) = timed(|| dataplane.full_sync(None));
+        result.expect("reconcile");
+
+        let mut changes = Vec::new();
+        for k in 0..5 {
+            let i = k * n / 5 + 7;
+            let mut v = view(i, 0);
+            // One endpoint replaced: one endpoint chain goes, one comes, the service chain changes.
+            v.slices[0].endpoints[2].addresses = vec![format!("10.250.{}.{}", k, i % 250 + 1)];
+            let (key, r) = rules(&mut session, &ctx, &v);
+            let (stats, t) = timed(|| dataplane.sync(vec![(key, Some(r))]).expect("incremental sync"));
+            assert!(!stats.full && stats.statements > 0);
+            changes.push(t);
+        }
+        changes.sort();
+        let change = changes[changes.len() / 2];
+        println!(
+            "| {n} | {statements} | {} | {} | {} | {} | {} | {} | {:.3} |",
+            fmt(render),
+            fmt(reference),
+            fmt(full),
+            fmt(list),
+            fmt(reconcile),
+            fmt(change),
+            change.as_secs_f64() / reference.as_secs_f64()
+        );
+    }
+}

@@ -1,0 +1,7 @@
+//! Helpers for tests that run the host against the real kernel with real traffic.
+#![allow(dead_code)]
+
+pub mod cluster;
+pub mod echo;
+pub mod netns;
+pub mod sctp;

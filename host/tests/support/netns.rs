@@ -1,0 +1,178 @@
+//! Network namespaces, a node topology made of them, and running code inside one.
+//!
+//! Code runs inside a namespace on a short-lived thread that `setns`es into it: sockets made
+//! there belong to that namespace for their whole life, so they can be used afterwards from
+//! any thread. No extra crates or helper binaries are needed (`setns` comes from the libc
+//! std already links).
+
+use std::fs::File;
+use std::os::fd::AsRawFd as _;
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+mod sys {
+    use std::os::raw::c_int;
+    unsafe extern "C" {
+        pub fn setns(fd: c_int, nstype: c_int) -> c_int;
+    }
+    pub const CLONE_NEWNET: c_int = 0x4000_0000;
+}
+
+pub fn is_root() -> bool {
+    Command::new("id").arg("-u").output().map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0").unwrap_or(false)
+}
+
+/// Runs `cmd` (argv) and panics with its output when it fails.
+#[track_caller]
+pub fn run(cmd: &[&str]) -> String {
+    let out = Command::new(cmd[0]).args(&cmd[1..]).output().unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
+    assert!(out.status.success(), "{cmd:?} failed: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Runs `f` on a thread inside network namespace `ns` and returns what it returns.
+pub fn in_ns<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> T {
+    let file = File::open(format!("/var/run/netns/{ns}")).unwrap_or_else(|e| panic!("opening netns {ns}: {e}"));
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // SAFETY: plain syscall on a valid descriptor; it only changes this thread's
+            // network namespace, and the thread ends when `f` returns.
+            let rc = unsafe { sys::setns(file.as_raw_fd(), sys::CLONE_NEWNET) };
+            assert_eq!(rc, 0, "setns into {ns}: {}", std::io::Error::last_os_error());
+            f()
+        })
+        .join()
+        .unwrap_or_else(|p| std::panic::resume_unwind(p))
+    })
+}
+
+/// A named network namespace, deleted on drop.
+pub struct Netns {
+    pub name: String,
+}
+
+impl Netns {
+    pub fn new(name: String) -> Netns {
+        let _ = Command::new("ip").args(["netns", "del", &name]).output();
+        run(&["ip", "netns", "add", &name]);
+        let ns = Netns { name };
+        // Fresh namespaces: loopback up, no reverse-path filtering (veths are added later and
+        // inherit `default`).
+        ns.exec(&["ip", "link", "set", "lo", "up"]);
+        ns.sysctl("net.ipv4.conf.all.rp_filter", "0");
+        ns.sysctl("net.ipv4.conf.default.rp_filter", "0");
+        ns
+    }
+
+    /// Runs a command inside the namespace (`ip netns exec`).
+    #[track_caller]
+    pub fn exec(&self, cmd: &[&str]) -> String {
+        let mut argv = vec!["ip", "netns", "exec", &self.name];
+        argv.extend_from_slice(cmd);
+        run(&argv)
+    }
+
+    pub fn sysctl(&self, key: &str, value: &str) {
+        self.exec(&["sysctl", "-qw", &format!("{key}={value}")]);
+    }
+
+    pub fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
+        in_ns(&self.name, f)
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.name]).output();
+    }
+}
+
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+/// Namespace names unique to this process and call, so tests (and test runs) can overlap.
+pub fn unique_prefix(tag: &str) -> String {
+    format!("wpt{}-{}-{tag}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
+/// The address every pod's default gateway answers on (one /32 on each node-side veth).
+pub const POD_GATEWAY: &str = "169.254.1.1";
+/// The node's address on the "external" network, and the external client's.
+pub const NODE_EXTERNAL_IP: &str = "192.168.77.1";
+pub const EXTERNAL_CLIENT_IP: &str = "192.168.77.2";
+/// An address outside every local subnet that the external namespace routes to the node,
+/// used as a LoadBalancer ingress IP / externalIP.
+pub const LOAD_BALANCER_IP: &str = "203.0.113.10";
+
+/// A node made of namespaces:
+///
+/// ```text
+///  pod ns (eth0 10.244.0.x/32, default via 169.254.1.1) ──veth── node ns (vpN, route x/32)
+///  external ns (192.168.77.2/24) ──veth── node ns (ext0 192.168.77.1/24)
+///  node ns: ip_forward, service CIDR 10.96.0.0/12 routed to an empty bridge (no dummy links
+///           here) so cluster IPs are routable; nftables rules are written here.
+/// ```
+pub struct Topology {
+    pub prefix: String,
+    // Field order is drop order: pods and the external namespace go before the node.
+    pods: Vec<Netns>,
+    pub external: Netns,
+    pub node: Netns,
+}
+
+impl Topology {
+    pub fn new(tag: &str) -> Topology {
+        let prefix = unique_prefix(tag);
+        let node = Netns::new(format!("{prefix}-node"));
+        node.sysctl("net.ipv4.ip_forward", "1");
+        node.exec(&["ip", "link", "add", "svc0", "type", "bridge"]);
+        node.exec(&["ip", "link", "set", "svc0", "up"]);
+        node.exec(&["ip", "route", "add", "10.96.0.0/12", "dev", "svc0"]);
+
+        let external = Netns::new(format!("{prefix}-ext"));
+        node.exec(&["ip", "link", "add", "ext0", "type", "veth", "peer", "name", "eth0", "netns", &external.name]);
+        node.exec(&["ip", "addr", "add", &format!("{NODE_EXTERNAL_IP}/24"), "dev", "ext0"]);
+        node.exec(&["ip", "link", "set", "ext0", "up"]);
+        external.exec(&["ip", "addr", "add", &format!("{EXTERNAL_CLIENT_IP}/24"), "dev", "eth0"]);
+        external.exec(&["ip", "link", "set", "eth0", "up"]);
+        external.exec(&["ip", "route", "add", "default", "via", NODE_EXTERNAL_IP]);
+        Topology { prefix, pods: Vec::new(), external, node }
+    }
+
+    /// A pod namespace with address `ip` (10.244.x.y), wired to the node. Returns its name.
+    pub fn add_pod(&mut self, ip: &str) -> String {
+        let index = self.pods.len();
+        let pod = Netns::new(format!("{}-p{index}", self.prefix));
+        let veth = format!("vp{index}");
+        self.node.exec(&["ip", "link", "add", &veth, "type", "veth", "peer", "name", "eth0", "netns", &pod.name]);
+        self.node.exec(&["ip", "addr", "add", &format!("{POD_GATEWAY}/32"), "dev", &veth]);
+        self.node.exec(&["ip", "link", "set", &veth, "up"]);
+        self.node.exec(&["ip", "route", "add", &format!("{ip}/32"), "dev", &veth]);
+        pod.exec(&["ip", "addr", "add", &format!("{ip}/32"), "dev", "eth0"]);
+        pod.exec(&["ip", "link", "set", "eth0", "up"]);
+        pod.exec(&["ip", "route", "add", POD_GATEWAY, "dev", "eth0", "scope", "link"]);
+        pod.exec(&["ip", "route", "add", "default", "via", POD_GATEWAY, "dev", "eth0"]);
+        let name = pod.name.clone();
+        self.pods.push(pod);
+        name
+    }
+
+    /// `nft` inside the node namespace, as the host is configured to run it.
+    pub fn nft_command(&self) -> Vec<String> {
+        ["ip", "netns", "exec", &self.node.name, "nft"].map(String::from).to_vec()
+    }
+
+    /// `nft <args>` in the node namespace; stdout, or the error text.
+    pub fn nft(&self, args: &[&str]) -> Result<String, String> {
+        let out = Command::new("ip").args(["netns", "exec", &self.node.name, "nft"]).args(args).output().map_err(|e| e.to_string())?;
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).into_owned())
+        }
+    }
+
+    /// Our table as the kernel has it (empty when it does not exist).
+    pub fn table(&self) -> String {
+        self.nft(&["list", "table", "inet", "wasmplane"]).unwrap_or_default()
+    }
+}
