@@ -311,8 +311,8 @@ async fn apply_watch_events(mut rx: tokio::sync::mpsc::Receiver<SourceEvent>, co
             }
         }
         let kinds: Vec<_> = batch.iter().filter_map(|e| if let SourceEvent::Relisted { kind, .. } = e { Some(*kind) } else { None }).collect();
-        let controller = controller.clone();
-        let result = tokio::task::spawn_blocking(move || controller.lock().unwrap_or_else(|p| p.into_inner()).apply_source(batch)).await;
+        let applying = controller.clone();
+        let result = tokio::task::spawn_blocking(move || applying.lock().unwrap_or_else(|p| p.into_inner()).apply_source(batch)).await;
         match result {
             Ok(Ok(())) => {}
             // The model took the change; only writing it failed. The periodic reconcile retries.
@@ -321,6 +321,11 @@ async fn apply_watch_events(mut rx: tokio::sync::mpsc::Receiver<SourceEvent>, co
         }
         listed.extend(kinds);
         if !ready.load(Ordering::Relaxed) && WATCHED_KINDS.iter().all(|k| listed.contains(k)) {
+            let releasing = controller.clone();
+            let released = tokio::task::spawn_blocking(move || releasing.lock().unwrap_or_else(|p| p.into_inner()).release_dataplane()).await;
+            if let Ok(Err(e)) = released {
+                tracing::error!("writing the first complete dataplane: {e}");
+            }
             tracing::info!("initial sync of every watched kind done: ready");
             ready.store(true, Ordering::Relaxed);
         }

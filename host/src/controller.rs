@@ -152,7 +152,18 @@ impl Controller {
         let node = self.model.node_name().to_string();
         let touched = self.cluster.replace_all(objects, &node);
         let update = self.model.update(&self.cluster, &touched);
-        self.run_update(update)
+        self.run_update(update)?;
+        // A manifest set is the complete state: an unchanged (or empty) one still ends the
+        // hold on the rules a previous run left in the kernel.
+        self.release_dataplane()
+    }
+
+    /// The sources have delivered a complete state: write it even if nothing changed.
+    pub fn release_dataplane(&mut self) -> Result<(), HostError> {
+        if self.dataplane.is_held() {
+            self.dataplane.release()?;
+        }
+        Ok(())
     }
 
     pub fn apply_events(&mut self, events: Vec<ClusterEvent>) -> Result<(), HostError> {

@@ -154,10 +154,10 @@ impl Registry {
 
     /// Records a new version (or returns the existing one with the same digest).
     pub fn add_version(&mut self, name: &str, kind: GuestKind, info: &ModuleInfo, bytes: &[u8]) -> std::io::Result<u32> {
-        if let Some(path) = self.blob_path(&info.digest) {
-            if !path.exists() {
-                write_atomically(&path, bytes)?;
-            }
+        if let Some(path) = self.blob_path(&info.digest)
+            && !path.exists()
+        {
+            write_atomically(&path, bytes)?;
         }
         let record = self.index.modules.entry(name.to_string()).or_insert_with(|| ModuleRecord {
             name: name.to_string(),
@@ -189,14 +189,13 @@ impl Registry {
     /// `name@version` is now in force for its kind; whatever was in force before is not.
     pub fn mark_active(&mut self, name: &str, version: u32, push_history: bool) {
         let Some(kind) = self.index.modules.get(name).map(|m| m.kind) else { return };
-        if let Some(previous) = self.index.in_force.insert(kind, name.to_string()) {
-            if previous != name {
-                if let Some(prev) = self.index.modules.get_mut(&previous) {
-                    prev.active_version = None;
-                    if prev.status == ModuleStatus::Active {
-                        prev.status = ModuleStatus::Inactive;
-                    }
-                }
+        if let Some(previous) = self.index.in_force.insert(kind, name.to_string())
+            && previous != name
+            && let Some(prev) = self.index.modules.get_mut(&previous)
+        {
+            prev.active_version = None;
+            if prev.status == ModuleStatus::Active {
+                prev.status = ModuleStatus::Inactive;
             }
         }
         let record = self.index.modules.get_mut(name).expect("checked above");

@@ -581,7 +581,19 @@ fn decode_record(key: &str, bytes: &[u8]) -> Result<Record> {
 
 /// Opens the database and loads it into memory.
 fn load(path: &std::path::Path) -> Result<(State, redb::Database)> {
-    let db = redb::Database::create(path).map_err(storage_err)?;
+    // A store dropped a moment ago in this process may still be closing (a lease reaper
+    // task can hold the last reference for a few microseconds): wait briefly for its lock
+    // instead of failing a reopen.
+    let mut attempts = 0;
+    let db = loop {
+        match redb::Database::create(path) {
+            Err(redb::DatabaseError::DatabaseAlreadyOpen) if attempts < 100 => {
+                attempts += 1;
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            other => break other.map_err(storage_err)?,
+        }
+    };
     // Make sure every table exists so reads below need no special case.
     let txn = db.begin_write().map_err(storage_err)?;
     txn.open_table(KV_TABLE).map_err(storage_err)?;
