@@ -302,6 +302,10 @@ const MAX_BATCH: usize = 1024;
 /// revision and one dataplane transaction. Ready once every kind's first list is applied.
 async fn apply_watch_events(mut rx: tokio::sync::mpsc::Receiver<SourceEvent>, controller: Arc<Mutex<Controller>>, ready: Arc<AtomicBool>) {
     let mut listed = std::collections::BTreeSet::new();
+    // Until every kind has been listed, nothing is applied: Services without their
+    // EndpointSlices would be written as "no endpoints" and reject traffic for a moment.
+    // The first complete state goes in as one update, one revision, one transaction.
+    let mut initial: Vec<SourceEvent> = Vec::new();
     while let Some(first) = rx.recv().await {
         let mut batch = vec![first];
         while batch.len() < MAX_BATCH {
@@ -310,22 +314,32 @@ async fn apply_watch_events(mut rx: tokio::sync::mpsc::Receiver<SourceEvent>, co
                 Err(_) => break,
             }
         }
-        let kinds: Vec<_> = batch.iter().filter_map(|e| if let SourceEvent::Relisted { kind, .. } = e { Some(*kind) } else { None }).collect();
+        listed.extend(batch.iter().filter_map(|e| if let SourceEvent::Relisted { kind, .. } = e { Some(*kind) } else { None }));
+        let complete = WATCHED_KINDS.iter().all(|k| listed.contains(k));
+        if !ready.load(Ordering::Relaxed) && !complete {
+            initial.append(&mut batch);
+            continue;
+        }
+        let first_sync = !ready.load(Ordering::Relaxed);
+        if first_sync {
+            initial.append(&mut batch);
+            batch = std::mem::take(&mut initial);
+        }
         let applying = controller.clone();
-        let result = tokio::task::spawn_blocking(move || applying.lock().unwrap_or_else(|p| p.into_inner()).apply_source(batch)).await;
+        let result = tokio::task::spawn_blocking(move || {
+            let mut controller = applying.lock().unwrap_or_else(|p| p.into_inner());
+            controller.apply_source(batch)?;
+            // Written even when the cluster is empty, ending the hold on old rules.
+            if first_sync { controller.release_dataplane() } else { Ok(()) }
+        })
+        .await;
         match result {
             Ok(Ok(())) => {}
             // The model took the change; only writing it failed. The periodic reconcile retries.
             Ok(Err(e)) => tracing::error!("applying cluster changes: {e}"),
             Err(e) => tracing::error!("cluster change task failed: {e}"),
         }
-        listed.extend(kinds);
-        if !ready.load(Ordering::Relaxed) && WATCHED_KINDS.iter().all(|k| listed.contains(k)) {
-            let releasing = controller.clone();
-            let released = tokio::task::spawn_blocking(move || releasing.lock().unwrap_or_else(|p| p.into_inner()).release_dataplane()).await;
-            if let Ok(Err(e)) = released {
-                tracing::error!("writing the first complete dataplane: {e}");
-            }
+        if first_sync {
             tracing::info!("initial sync of every watched kind done: ready");
             ready.store(true, Ordering::Relaxed);
         }

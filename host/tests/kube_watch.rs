@@ -157,8 +157,10 @@ async fn ready_only_after_the_initial_sync_of_every_kind() {
         assert!(Instant::now() < deadline, "never became ready after the API server came back");
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    // Readiness means every kind is in: nothing is still on its way.
+    // Readiness means every kind is in: nothing is still on its way, and the whole first
+    // state went in as one revision (no service was ever seen without its endpoints).
     let state = api.state().await;
+    assert_eq!(state["revision"], 1, "the initial sync took more than one revision");
     assert_eq!(endpoints(&state, "shop/web"), vec!["10.244.1.5", "10.244.2.5"]);
     assert_eq!(state["model"]["context"]["node_ips"], json!(["192.168.0.1"]));
     assert!(state["model"]["local_pods"]["shop/web-a"].is_object());
