@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Serialize;
-use wasmplane_model::state::{ClusterEvent, ClusterObject, ModelUpdate, ServiceView, Touched};
+use wasmplane_model::state::{ClusterObject, ModelUpdate, ServiceView, Touched};
 use wasmplane_model::{ClusterState, NodeLocalModel, ObjectKey};
 use wasmplane_sources::kube::SourceEvent;
 use wasmplane_runtime::{GuestKind, LoadError, LoadedModule, NoLookups, Runtime, TranslatorSession};
@@ -164,17 +164,6 @@ impl Controller {
             self.dataplane.release()?;
         }
         Ok(())
-    }
-
-    pub fn apply_events(&mut self, events: Vec<ClusterEvent>) -> Result<(), HostError> {
-        self.metrics.events.inc_by(events.len() as u64);
-        let node = self.model.node_name().to_string();
-        let mut touched = Touched::default();
-        for event in events {
-            touched.merge(self.cluster.apply(event, &node));
-        }
-        let update = self.model.update(&self.cluster, &touched);
-        self.run_update(update)
     }
 
     /// A batch from the Kubernetes watchers, applied as one model update (one revision at
