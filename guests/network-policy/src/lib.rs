@@ -1,0 +1,1 @@
+//! Network-policy guest (placeholder, being written).

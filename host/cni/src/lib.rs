@@ -1,0 +1,1 @@
+//! CNI daemon (placeholder, being written).

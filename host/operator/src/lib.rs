@@ -1,0 +1,1 @@
+//! Operator duties (placeholder, being written).
