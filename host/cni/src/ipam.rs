@@ -1,0 +1,302 @@
+//! Node-local IPv4 allocation from the node's pod CIDR, persisted in one JSON file that is
+//! replaced atomically (write, fsync, rename, fsync dir) on every change, so a restart
+//! recovers exactly what was handed out.
+
+use std::collections::BTreeMap;
+use std::fs::{self, File};
+use std::io::Write as _;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use ipnet::Ipv4Net;
+use serde::{Deserialize, Serialize};
+
+use crate::error::Error;
+
+/// One address handed out, keyed by container ID and interface name as the spec keys ADD.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Allocation {
+    pub ip: Ipv4Addr,
+    pub container_id: String,
+    pub if_name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_namespace: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_name: Option<String>,
+}
+
+impl Allocation {
+    fn is(&self, container_id: &str, if_name: &str) -> bool {
+        self.container_id == container_id && self.if_name == if_name
+    }
+}
+
+#[derive(Default, Serialize, Deserialize)]
+struct StateFile {
+    /// The last address handed out: the next search starts after it, so a released address
+    /// is reused as late as possible (a stale conntrack entry or ARP cache on a peer does
+    /// not meet a new pod at once).
+    #[serde(default)]
+    last: Option<Ipv4Addr>,
+    #[serde(default)]
+    allocations: Vec<Allocation>,
+}
+
+struct State {
+    last: Option<Ipv4Addr>,
+    by_ip: BTreeMap<Ipv4Addr, Allocation>,
+}
+
+/// The allocator. Every method holds one lock across the change and its persistence, so
+/// two callers never get the same address and memory never runs ahead of the disk.
+pub struct Ipam {
+    cidr: Ipv4Net,
+    gateway: Ipv4Addr,
+    path: PathBuf,
+    state: Mutex<State>,
+}
+
+impl Ipam {
+    /// Opens (or creates) the state in `state_dir`, recovering earlier allocations.
+    pub fn open(state_dir: &Path, cidr: Ipv4Net) -> Result<Ipam, Error> {
+        if cidr.prefix_len() > 30 {
+            return Err(Error::InvalidConfig(format!(
+                "pod CIDR {cidr} is too small (needs at least a /30)"
+            )));
+        }
+        let cidr = cidr.trunc();
+        fs::create_dir_all(state_dir).map_err(|source| Error::State {
+            path: state_dir.into(),
+            source,
+        })?;
+        let path = state_dir.join("allocations.json");
+        let file: StateFile = match fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| Error::CorruptState {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => StateFile::default(),
+            Err(source) => return Err(Error::State { path, source }),
+        };
+        let mut by_ip = BTreeMap::new();
+        for a in file.allocations {
+            if !cidr.contains(&a.ip) {
+                // Kept anyway: the pod still has that address; it just is not ours to hand
+                // out again. Logged so a changed node CIDR is visible.
+                tracing::warn!(ip = %a.ip, container = %a.container_id, %cidr, "recovered allocation lies outside the pod CIDR");
+            }
+            if let Some(dup) = by_ip.insert(a.ip, a) {
+                return Err(Error::CorruptState {
+                    path,
+                    reason: format!(
+                        "{} allocated twice (container {})",
+                        dup.ip, dup.container_id
+                    ),
+                });
+            }
+        }
+        tracing::info!(path = %path.display(), %cidr, recovered = by_ip.len(), "IPAM state opened");
+        let gateway = first_host(cidr);
+        Ok(Ipam {
+            cidr,
+            gateway,
+            path,
+            state: Mutex::new(State {
+                last: file.last,
+                by_ip,
+            }),
+        })
+    }
+
+    pub fn cidr(&self) -> Ipv4Net {
+        self.cidr
+    }
+
+    /// The first address of the CIDR: the pods' gateway, held by the node side.
+    pub fn gateway(&self) -> Ipv4Addr {
+        self.gateway
+    }
+
+    /// The allocation of `(container_id, if_name)`, if any.
+    pub fn get(&self, container_id: &str, if_name: &str) -> Option<Allocation> {
+        self.lock()
+            .by_ip
+            .values()
+            .find(|a| a.is(container_id, if_name))
+            .cloned()
+    }
+
+    pub fn all(&self) -> Vec<Allocation> {
+        self.lock().by_ip.values().cloned().collect()
+    }
+
+    /// Allocates an address for `(container_id, if_name)`; returns the existing one (and
+    /// `false`) if that key already holds one, so a repeated ADD never takes a second.
+    pub fn allocate(
+        &self,
+        container_id: &str,
+        if_name: &str,
+        pod: Option<(&str, &str)>,
+    ) -> Result<(Allocation, bool), Error> {
+        let mut state = self.lock();
+        if let Some(a) = state.by_ip.values().find(|a| a.is(container_id, if_name)) {
+            return Ok((a.clone(), false));
+        }
+        let ip = self.next_free(&state).ok_or(Error::PoolExhausted {
+            cidr: self.cidr,
+            allocated: state.by_ip.len(),
+        })?;
+        let alloc = Allocation {
+            ip,
+            container_id: container_id.into(),
+            if_name: if_name.into(),
+            pod_namespace: pod.map(|p| p.0.to_string()),
+            pod_name: pod.map(|p| p.1.to_string()),
+        };
+        let previous_last = state.last.replace(ip);
+        state.by_ip.insert(ip, alloc.clone());
+        if let Err(e) = self.persist(&state) {
+            state.by_ip.remove(&ip);
+            state.last = previous_last;
+            return Err(e);
+        }
+        Ok((alloc, true))
+    }
+
+    /// Releases the address of `(container_id, if_name)`; `None` if it held none.
+    pub fn release(&self, container_id: &str, if_name: &str) -> Result<Option<Allocation>, Error> {
+        let mut state = self.lock();
+        let Some(ip) = state
+            .by_ip
+            .values()
+            .find(|a| a.is(container_id, if_name))
+            .map(|a| a.ip)
+        else {
+            return Ok(None);
+        };
+        let alloc = state.by_ip.remove(&ip).expect("found above");
+        if let Err(e) = self.persist(&state) {
+            state.by_ip.insert(ip, alloc);
+            return Err(e);
+        }
+        Ok(Some(alloc))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave a half-applied change (changes are
+        // rolled back before returning an error), so the state is still consistent.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The first free host address after `last`, wrapping around; never the network,
+    /// gateway or broadcast address.
+    fn next_free(&self, state: &State) -> Option<Ipv4Addr> {
+        let first = u32::from(self.gateway) + 1;
+        let last = u32::from(self.cidr.broadcast()) - 1;
+        if first > last {
+            return None;
+        }
+        let size = last - first + 1;
+        let start = match state.last.map(u32::from) {
+            Some(l) if (first..=last).contains(&l) => l - first + 1,
+            _ => 0,
+        };
+        (0..size)
+            .map(|i| Ipv4Addr::from(first + (start + i) % size))
+            .find(|ip| !state.by_ip.contains_key(ip))
+    }
+
+    fn persist(&self, state: &State) -> Result<(), Error> {
+        let file = StateFile {
+            last: state.last,
+            allocations: state.by_ip.values().cloned().collect(),
+        };
+        let bytes = serde_json::to_vec_pretty(&file)
+            .map_err(|e| Error::Internal(format!("serialising IPAM state: {e}")))?;
+        let tmp = self.path.with_extension("json.tmp");
+        let err = |source| Error::State {
+            path: self.path.clone(),
+            source,
+        };
+        let mut f = File::create(&tmp).map_err(err)?;
+        f.write_all(&bytes).map_err(err)?;
+        f.sync_all().map_err(err)?;
+        fs::rename(&tmp, &self.path).map_err(err)?;
+        // The rename is durable only once the directory is synced.
+        if let Some(dir) = self.path.parent() {
+            File::open(dir).and_then(|d| d.sync_all()).map_err(err)?;
+        }
+        Ok(())
+    }
+}
+
+/// The first usable address of `cidr`.
+fn first_host(cidr: Ipv4Net) -> Ipv4Addr {
+    Ipv4Addr::from(u32::from(cidr.network()) + 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    fn cidr(s: &str) -> Ipv4Net {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn allocates_distinct_addresses_and_skips_gateway() {
+        let dir = tempfile::tempdir().unwrap();
+        let ipam = Ipam::open(dir.path(), cidr("10.244.9.0/29")).unwrap();
+        assert_eq!(ipam.gateway(), "10.244.9.1".parse::<Ipv4Addr>().unwrap());
+        let ips: Vec<_> = (0..5)
+            .map(|i| ipam.allocate(&format!("c{i}"), "eth0", None).unwrap().0.ip)
+            .collect();
+        assert_eq!(ips.iter().collect::<HashSet<_>>().len(), 5);
+        for ip in &ips {
+            assert!(
+                *ip > Ipv4Addr::new(10, 244, 9, 1) && *ip < Ipv4Addr::new(10, 244, 9, 7),
+                "{ip}"
+            );
+        }
+        // /29: .2-.6 usable, all taken.
+        assert!(matches!(
+            ipam.allocate("c9", "eth0", None),
+            Err(Error::PoolExhausted { .. })
+        ));
+        // Same key again: same address, not a new one.
+        let (again, new) = ipam.allocate("c0", "eth0", None).unwrap();
+        assert_eq!((again.ip, new), (ips[0], false));
+    }
+
+    #[test]
+    fn survives_reopen_and_reuses_late() {
+        let dir = tempfile::tempdir().unwrap();
+        let ipam = Ipam::open(dir.path(), cidr("10.244.9.0/24")).unwrap();
+        let a = ipam.allocate("a", "eth0", Some(("ns", "pa"))).unwrap().0;
+        let b = ipam.allocate("b", "eth0", None).unwrap().0;
+        assert_eq!(ipam.release("a", "eth0").unwrap().unwrap().ip, a.ip);
+        assert_eq!(ipam.release("a", "eth0").unwrap(), None);
+        drop(ipam);
+        let ipam = Ipam::open(dir.path(), cidr("10.244.9.0/24")).unwrap();
+        assert_eq!(ipam.get("b", "eth0").unwrap().ip, b.ip);
+        assert!(ipam.get("a", "eth0").is_none());
+        let c = ipam.allocate("c", "eth0", None).unwrap().0;
+        assert!(
+            c.ip != a.ip && c.ip != b.ip,
+            "a released address is not reused at once: {c:?}"
+        );
+    }
+
+    #[test]
+    fn corrupt_state_is_an_error_not_a_reset() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join("allocations.json"), b"{not json").unwrap();
+        assert!(matches!(
+            Ipam::open(dir.path(), cidr("10.244.9.0/24")),
+            Err(Error::CorruptState { .. })
+        ));
+    }
+}

@@ -1,0 +1,447 @@
+//! The pod's veth pair through rtnetlink.
+//!
+//! A netlink socket belongs to the network namespace of the thread that created it, for its
+//! whole life. So every operation runs on a dedicated, short-lived thread with its own
+//! current-thread runtime: it `setns`es into the node namespace (when the daemon is told to
+//! work in one) and opens a socket there, then into the pod namespace and opens another.
+//! The thread ends with the operation, so no pooled thread is ever left in a pod namespace.
+//!
+//! Layout (the same on every node, no bridge):
+//! ```text
+//!  pod netns: <if_name> ip/32, route gw/32 scope link, default via gw
+//!  node:      <host_if> gw/32 (answers the pod's ARP for gw), route ip/32 dev <host_if>
+//! ```
+
+use std::fs::File;
+use std::net::{IpAddr, Ipv4Addr};
+use std::os::fd::AsRawFd as _;
+use std::path::{Path, PathBuf};
+
+use futures::TryStreamExt as _;
+use rtnetlink::packet_route::address::AddressAttribute;
+use rtnetlink::packet_route::link::{InfoData, InfoVeth, LinkAttribute, LinkFlags, LinkMessage};
+use rtnetlink::packet_route::route::{RouteAddress, RouteAttribute, RouteMessage, RouteScope};
+use rtnetlink::{Handle, LinkUnspec, LinkVeth, RouteMessageBuilder};
+
+use crate::error::Error;
+use crate::protocol::PodNetwork;
+
+/// Everything one pod interface is made of.
+#[derive(Clone, Debug)]
+pub(crate) struct LinkSpec {
+    /// The namespace to do the node side in; `None`: the daemon's own.
+    pub host_netns: Option<PathBuf>,
+    pub pod_netns: PathBuf,
+    pub host_if: String,
+    pub pod_if: String,
+    pub ip: Ipv4Addr,
+    pub gateway: Ipv4Addr,
+    pub mtu: Option<u32>,
+}
+
+/// The node-side interface name for a container interface: stable across restarts (DEL
+/// after a daemon upgrade still finds it), at most 15 bytes.
+pub fn host_if_name(container_id: &str, if_name: &str) -> String {
+    // FNV-1a: tiny, and stable across Rust versions (std's hasher is not).
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in container_id.bytes().chain([0]).chain(if_name.bytes()) {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("wp{:012x}", h >> 16)
+}
+
+/// Creates (or, for a repeated ADD, re-applies) the pod's interface.
+pub(crate) async fn setup(spec: LinkSpec) -> Result<PodNetwork, Error> {
+    on_thread("wpcni-add", move || {
+        let pod_ns = open_netns(&spec.pod_netns)?;
+        block_on(async {
+            let (host, pod) = connect_both(spec.host_netns.as_deref(), &pod_ns, &spec.pod_netns)?;
+            let sandbox = spec.pod_netns.display().to_string();
+            if let Some(hl) = link_by_name(&host, &spec.host_if).await? {
+                match link_by_name(&pod, &spec.pod_if).await? {
+                    Some(pl) if peer_index(&pl) == Some(hl.header.index) => {
+                        // Repeated ADD of the same container: the pair is ours, make sure it
+                        // is complete and answer as the first ADD did.
+                        tracing::info!(host_if = %spec.host_if, netns = %sandbox, "interface exists already, re-applying");
+                        return configure(&host, &pod, &spec).await;
+                    }
+                    _ => {
+                        // Leftover of an interrupted ADD (its pod side is gone): start over.
+                        tracing::warn!(host_if = %spec.host_if, "removing stale host interface");
+                        del_link(&host, hl.header.index, &spec.host_if).await?;
+                    }
+                }
+            }
+            if link_by_name(&pod, &spec.pod_if).await?.is_some() {
+                return Err(Error::InterfaceExists { if_name: spec.pod_if.clone(), netns: sandbox });
+            }
+            let mut peer = LinkUnspec::new_with_name(&spec.pod_if).setns_by_fd(pod_ns.as_raw_fd());
+            let mut veth = LinkVeth::new(&spec.host_if, &spec.pod_if);
+            if let Some(mtu) = spec.mtu {
+                peer = peer.mtu(mtu);
+                veth = veth.mtu(mtu);
+            }
+            // The peer is created directly in the pod namespace under its final name: no
+            // temporary name on the node, no rename, no window where it is visible there.
+            let msg = veth.set_info_data(InfoData::Veth(InfoVeth::Peer(peer.build()))).build();
+            host.link().add(msg).execute().await.map_err(|e| Error::netlink(format!("creating veth {} <-> {}:{}", spec.host_if, sandbox, spec.pod_if), e))?;
+            let result = configure(&host, &pod, &spec).await;
+            if result.is_err() {
+                // Undo: deleting one end of a veth removes both.
+                if let Ok(Some(hl)) = link_by_name(&host, &spec.host_if).await {
+                    let _ = del_link(&host, hl.header.index, &spec.host_if).await;
+                }
+            }
+            result
+        })
+    })
+    .await
+}
+
+/// Removes the pod's interface (both ends, and with them their routes). `Ok(false)` when
+/// there was nothing to remove: DEL is idempotent.
+pub(crate) async fn teardown(host_netns: Option<PathBuf>, host_if: String) -> Result<bool, Error> {
+    on_thread("wpcni-del", move || {
+        block_on(async {
+            if let Some(ns) = &host_netns {
+                enter(&open_netns(ns)?, ns)?;
+            }
+            let host = connect()?;
+            match link_by_name(&host, &host_if).await? {
+                Some(hl) => del_link(&host, hl.header.index, &host_if).await,
+                None => Ok(false),
+            }
+        })
+    })
+    .await
+}
+
+/// Verifies the interface, address and routes on both sides are as ADD left them.
+pub(crate) async fn check(spec: LinkSpec) -> Result<(), Error> {
+    on_thread("wpcni-check", move || {
+        let pod_ns = open_netns(&spec.pod_netns)?;
+        block_on(async {
+            let (host, pod) = connect_both(spec.host_netns.as_deref(), &pod_ns, &spec.pod_netns)?;
+            let fail = |what: String| Err(Error::CheckFailed(what));
+            let Some(hl) = link_by_name(&host, &spec.host_if).await? else {
+                return fail(format!("node-side interface {} is missing", spec.host_if));
+            };
+            if !is_up(&hl) {
+                return fail(format!("node-side interface {} is down", spec.host_if));
+            }
+            let Some(pl) = link_by_name(&pod, &spec.pod_if).await? else {
+                return fail(format!(
+                    "interface {} is missing in {}",
+                    spec.pod_if,
+                    spec.pod_netns.display()
+                ));
+            };
+            if !is_up(&pl) {
+                return fail(format!(
+                    "interface {} is down in {}",
+                    spec.pod_if,
+                    spec.pod_netns.display()
+                ));
+            }
+            if !has_address(&pod, pl.header.index, spec.ip).await? {
+                return fail(format!(
+                    "interface {} lacks address {}/32",
+                    spec.pod_if, spec.ip
+                ));
+            }
+            let pod_routes = routes(&pod).await?;
+            if !pod_routes.iter().any(|r| {
+                route_is(
+                    r,
+                    Ipv4Addr::UNSPECIFIED,
+                    0,
+                    Some(spec.gateway),
+                    pl.header.index,
+                )
+            }) {
+                return fail(format!(
+                    "default route via {} on {} is missing",
+                    spec.gateway, spec.pod_if
+                ));
+            }
+            let host_routes = routes(&host).await?;
+            if !host_routes
+                .iter()
+                .any(|r| route_is(r, spec.ip, 32, None, hl.header.index))
+            {
+                return fail(format!(
+                    "node route {}/32 dev {} is missing",
+                    spec.ip, spec.host_if
+                ));
+            }
+            Ok(())
+        })
+    })
+    .await
+}
+
+/// Links up, addresses and routes on both sides. Every step replaces, so it also repairs.
+async fn configure(host: &Handle, pod: &Handle, spec: &LinkSpec) -> Result<PodNetwork, Error> {
+    let hl = link_by_name(host, &spec.host_if)
+        .await?
+        .ok_or_else(|| Error::Internal(format!("{} vanished", spec.host_if)))?;
+    let pl = link_by_name(pod, &spec.pod_if)
+        .await?
+        .ok_or_else(|| Error::Internal(format!("{} vanished", spec.pod_if)))?;
+    let (hi, pi) = (hl.header.index, pl.header.index);
+    let ctx = |what: &str| {
+        format!(
+            "{what} ({} / {}:{})",
+            spec.host_if,
+            spec.pod_netns.display(),
+            spec.pod_if
+        )
+    };
+
+    // Links must be up before routes through them are accepted.
+    host.link()
+        .set(LinkUnspec::new_with_index(hi).up().build())
+        .execute()
+        .await
+        .map_err(|e| Error::netlink(ctx("setting node side up"), e))?;
+    pod.link()
+        .set(LinkUnspec::new_with_index(pi).up().build())
+        .execute()
+        .await
+        .map_err(|e| Error::netlink(ctx("setting pod side up"), e))?;
+
+    host.address()
+        .add(hi, IpAddr::V4(spec.gateway), 32)
+        .replace()
+        .execute()
+        .await
+        .map_err(|e| Error::netlink(ctx("adding the gateway address"), e))?;
+    let to_pod = RouteMessageBuilder::<Ipv4Addr>::new()
+        .destination_prefix(spec.ip, 32)
+        .output_interface(hi)
+        .scope(RouteScope::Link)
+        .build();
+    host.route()
+        .add(to_pod)
+        .replace()
+        .execute()
+        .await
+        .map_err(|e| Error::netlink(ctx("adding the node route to the pod"), e))?;
+
+    pod.address()
+        .add(pi, IpAddr::V4(spec.ip), 32)
+        .replace()
+        .execute()
+        .await
+        .map_err(|e| Error::netlink(ctx("adding the pod address"), e))?;
+    let to_gw = RouteMessageBuilder::<Ipv4Addr>::new()
+        .destination_prefix(spec.gateway, 32)
+        .output_interface(pi)
+        .scope(RouteScope::Link)
+        .build();
+    pod.route()
+        .add(to_gw)
+        .replace()
+        .execute()
+        .await
+        .map_err(|e| Error::netlink(ctx("adding the pod route to the gateway"), e))?;
+    let default = RouteMessageBuilder::<Ipv4Addr>::new()
+        .gateway(spec.gateway)
+        .output_interface(pi)
+        .build();
+    pod.route()
+        .add(default)
+        .replace()
+        .execute()
+        .await
+        .map_err(|e| Error::netlink(ctx("adding the pod default route"), e))?;
+
+    Ok(PodNetwork {
+        host_if: spec.host_if.clone(),
+        host_mac: mac(&hl),
+        pod_if: spec.pod_if.clone(),
+        pod_mac: mac(&pl),
+        sandbox: spec.pod_netns.display().to_string(),
+        ip: spec.ip,
+        gateway: spec.gateway,
+    })
+}
+
+/// Runs `f` on a fresh thread and awaits its result without blocking the caller's runtime.
+async fn on_thread<T: Send + 'static>(
+    name: &str,
+    f: impl FnOnce() -> Result<T, Error> + Send + 'static,
+) -> Result<T, Error> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            let _ = tx.send(f());
+        })
+        .map_err(|e| Error::Internal(format!("spawning a netns worker: {e}")))?;
+    rx.await
+        .map_err(|_| Error::Internal("netns worker panicked".into()))?
+}
+
+fn block_on<T>(f: impl Future<Output = Result<T, Error>>) -> Result<T, Error> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .map_err(|e| Error::Internal(format!("netns worker runtime: {e}")))?
+        .block_on(f)
+}
+
+fn open_netns(path: &Path) -> Result<File, Error> {
+    File::open(path).map_err(|e| Error::Netns {
+        path: path.into(),
+        reason: format!("cannot open: {e}"),
+    })
+}
+
+/// Moves the current thread into the namespace `file` refers to.
+fn enter(file: &File, path: &Path) -> Result<(), Error> {
+    // SAFETY: plain syscall on a descriptor we own; it changes only this thread's network
+    // namespace, and this thread is dedicated to one operation.
+    let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+    if rc != 0 {
+        return Err(Error::Netns {
+            path: path.into(),
+            reason: format!("setns: {}", std::io::Error::last_os_error()),
+        });
+    }
+    Ok(())
+}
+
+/// A netlink socket in the thread's current namespace, driven by the thread's runtime.
+fn connect() -> Result<Handle, Error> {
+    let (conn, handle, _) = rtnetlink::new_connection()
+        .map_err(|e| Error::Internal(format!("opening a netlink socket: {e}")))?;
+    tokio::spawn(conn);
+    Ok(handle)
+}
+
+fn connect_both(
+    host_netns: Option<&Path>,
+    pod_ns: &File,
+    pod_path: &Path,
+) -> Result<(Handle, Handle), Error> {
+    if let Some(ns) = host_netns {
+        enter(&open_netns(ns)?, ns)?;
+    }
+    let host = connect()?;
+    enter(pod_ns, pod_path)?;
+    let pod = connect()?;
+    Ok((host, pod))
+}
+
+fn is_errno(e: &rtnetlink::Error, errno: i32) -> bool {
+    matches!(e, rtnetlink::Error::NetlinkError(m) if m.raw_code() == -errno)
+}
+
+async fn link_by_name(h: &Handle, name: &str) -> Result<Option<LinkMessage>, Error> {
+    let stream = h.link().get().match_name(name.to_string()).execute();
+    futures::pin_mut!(stream);
+    match stream.try_next().await {
+        Ok(link) => Ok(link),
+        Err(e) if is_errno(&e, libc::ENODEV) => Ok(None),
+        Err(e) => Err(Error::netlink(format!("looking up interface {name}"), e)),
+    }
+}
+
+async fn del_link(h: &Handle, index: u32, name: &str) -> Result<bool, Error> {
+    match h.link().del(index).execute().await {
+        Ok(()) => Ok(true),
+        // Gone in between (its peer's namespace was destroyed): what we wanted.
+        Err(e) if is_errno(&e, libc::ENODEV) => Ok(false),
+        Err(e) => Err(Error::netlink(format!("deleting interface {name}"), e)),
+    }
+}
+
+async fn has_address(h: &Handle, index: u32, ip: Ipv4Addr) -> Result<bool, Error> {
+    let stream = h.address().get().set_link_index_filter(index).execute();
+    let addrs: Vec<_> = stream
+        .try_collect()
+        .await
+        .map_err(|e| Error::netlink("listing addresses", e))?;
+    Ok(addrs.iter().any(|a| {
+        a.header.index == index
+            && a.header.prefix_len == 32
+            && a.attributes
+                .iter()
+                .any(|attr| matches!(attr, AddressAttribute::Address(IpAddr::V4(x)) if *x == ip))
+    }))
+}
+
+async fn routes(h: &Handle) -> Result<Vec<RouteMessage>, Error> {
+    let stream = h
+        .route()
+        .get(RouteMessageBuilder::<Ipv4Addr>::new().build())
+        .execute();
+    stream
+        .try_collect()
+        .await
+        .map_err(|e| Error::netlink("listing routes", e))
+}
+
+fn route_is(r: &RouteMessage, dst: Ipv4Addr, len: u8, gw: Option<Ipv4Addr>, oif: u32) -> bool {
+    let attr_dst = r.attributes.iter().find_map(|a| match a {
+        RouteAttribute::Destination(RouteAddress::Inet(d)) => Some(*d),
+        _ => None,
+    });
+    let attr_gw = r.attributes.iter().find_map(|a| match a {
+        RouteAttribute::Gateway(RouteAddress::Inet(g)) => Some(*g),
+        _ => None,
+    });
+    let attr_oif = r.attributes.iter().find_map(|a| match a {
+        RouteAttribute::Oif(i) => Some(*i),
+        _ => None,
+    });
+    r.header.destination_prefix_length == len
+        && attr_dst.unwrap_or(Ipv4Addr::UNSPECIFIED) == dst
+        && attr_gw == gw
+        && attr_oif == Some(oif)
+}
+
+fn peer_index(link: &LinkMessage) -> Option<u32> {
+    link.attributes.iter().find_map(|a| match a {
+        LinkAttribute::Link(i) => Some(*i),
+        _ => None,
+    })
+}
+
+fn is_up(link: &LinkMessage) -> bool {
+    link.header.flags.contains(LinkFlags::Up)
+}
+
+fn mac(link: &LinkMessage) -> String {
+    link.attributes
+        .iter()
+        .find_map(|a| match a {
+            LinkAttribute::Address(bytes) => Some(
+                bytes
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect::<Vec<_>>()
+                    .join(":"),
+            ),
+            _ => None,
+        })
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_if_names_are_short_stable_and_distinct() {
+        let a = host_if_name("abc", "eth0");
+        assert!(a.len() <= 15, "{a}");
+        assert_eq!(a, host_if_name("abc", "eth0"));
+        assert_ne!(a, host_if_name("abc", "eth1"));
+        assert_ne!(a, host_if_name("abd", "eth0"));
+        // Separator: ("ab","ceth0") and ("abc","eth0") must not collide.
+        assert_ne!(host_if_name("ab", "ceth0"), a);
+    }
+}

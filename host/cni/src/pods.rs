@@ -1,0 +1,186 @@
+//! What the daemon needs from the host: whether a pod is in the watch cache yet, and where
+//! to report a pod's addresses. Simple implementations for tests and embedded mode.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::net::IpAddr;
+use std::pin::Pin;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A pod as the host's watch cache knows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodInfo {
+    pub namespace: String,
+    pub name: String,
+    pub uid: Option<String>,
+}
+
+/// The host's watch cache, as seen by ADD.
+pub trait PodDirectory: Send + Sync {
+    /// Resolves as soon as the pod is known, or with `None` once `timeout` has passed.
+    fn wait_for_pod<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Option<PodInfo>>;
+}
+
+/// Where a pod's addresses go the moment its network exists (the node-local model).
+pub trait PodNetworkSink: Send + Sync {
+    fn pod_network_added(&self, namespace: &str, name: &str, ips: &[IpAddr]);
+    fn pod_network_removed(&self, namespace: &str, name: &str);
+}
+
+/// A pod cache fed by whoever watches (the host's pod watcher, a test).
+#[derive(Default)]
+pub struct PodCache {
+    pods: Mutex<BTreeMap<(String, String), PodInfo>>,
+    changed: Notify,
+}
+
+impl PodCache {
+    pub fn new() -> PodCache {
+        PodCache::default()
+    }
+
+    pub fn insert(&self, pod: PodInfo) {
+        self.lock()
+            .insert((pod.namespace.clone(), pod.name.clone()), pod);
+        self.changed.notify_waiters();
+    }
+
+    pub fn remove(&self, namespace: &str, name: &str) -> Option<PodInfo> {
+        self.lock()
+            .remove(&(namespace.to_string(), name.to_string()))
+    }
+
+    pub fn get(&self, namespace: &str, name: &str) -> Option<PodInfo> {
+        self.lock()
+            .get(&(namespace.to_string(), name.to_string()))
+            .cloned()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<(String, String), PodInfo>> {
+        self.pods.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl PodDirectory for PodCache {
+    fn wait_for_pod<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Option<PodInfo>> {
+        Box::pin(async move {
+            let deadline = tokio::time::Instant::now() + timeout;
+            loop {
+                // Register for the wake-up before looking, so an insert in between is not missed.
+                let notified = self.changed.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                if let Some(pod) = self.get(namespace, name) {
+                    return Some(pod);
+                }
+                if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                    return None;
+                }
+            }
+        })
+    }
+}
+
+/// A directory that knows every pod at once: for runtimes without a watch (embedded mode
+/// on a bare node, benchmarks).
+pub struct AnyPod;
+
+impl PodDirectory for AnyPod {
+    fn wait_for_pod<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+        _timeout: Duration,
+    ) -> BoxFuture<'a, Option<PodInfo>> {
+        Box::pin(async move {
+            Some(PodInfo {
+                namespace: namespace.into(),
+                name: name.into(),
+                uid: None,
+            })
+        })
+    }
+}
+
+/// A sink that keeps the current addresses of every pod (readable by tests and by an
+/// embedded host that polls it).
+#[derive(Default)]
+pub struct PodNetworks {
+    ips: Mutex<BTreeMap<(String, String), Vec<IpAddr>>>,
+}
+
+impl PodNetworks {
+    pub fn new() -> PodNetworks {
+        PodNetworks::default()
+    }
+
+    pub fn get(&self, namespace: &str, name: &str) -> Option<Vec<IpAddr>> {
+        self.lock()
+            .get(&(namespace.to_string(), name.to_string()))
+            .cloned()
+    }
+
+    pub fn snapshot(&self) -> BTreeMap<(String, String), Vec<IpAddr>> {
+        self.lock().clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<(String, String), Vec<IpAddr>>> {
+        self.ips.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl PodNetworkSink for PodNetworks {
+    fn pod_network_added(&self, namespace: &str, name: &str, ips: &[IpAddr]) {
+        self.lock()
+            .insert((namespace.into(), name.into()), ips.to_vec());
+    }
+
+    fn pod_network_removed(&self, namespace: &str, name: &str) {
+        self.lock()
+            .remove(&(namespace.to_string(), name.to_string()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[tokio::test]
+    async fn wait_resolves_on_insert_and_times_out() {
+        let cache = Arc::new(PodCache::new());
+        let c = cache.clone();
+        let waiter =
+            tokio::spawn(async move { c.wait_for_pod("ns", "p", Duration::from_secs(5)).await });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        cache.insert(PodInfo {
+            namespace: "ns".into(),
+            name: "p".into(),
+            uid: Some("u".into()),
+        });
+        assert_eq!(waiter.await.unwrap().unwrap().uid.as_deref(), Some("u"));
+        let started = std::time::Instant::now();
+        assert!(
+            cache
+                .wait_for_pod("ns", "other", Duration::from_millis(100))
+                .await
+                .is_none()
+        );
+        assert!(started.elapsed() >= Duration::from_millis(100));
+    }
+}

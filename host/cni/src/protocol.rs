@@ -1,0 +1,226 @@
+//! What travels over the unix socket, the network configuration we accept, and the spec's
+//! result object in each supported version.
+
+use std::net::Ipv4Addr;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use crate::error::Error;
+
+/// CNI spec versions this plugin speaks (CHECK exists from 0.4.0 on).
+pub const SUPPORTED_VERSIONS: &[&str] = &["0.3.0", "0.3.1", "0.4.0", "1.0.0"];
+
+/// Default daemon socket, used when the network configuration names none.
+pub const DEFAULT_SOCKET: &str = "/run/wasmplane/cni.sock";
+
+/// The CNI commands the daemon serves (VERSION is answered by the plugin alone).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum Command {
+    Add,
+    Del,
+    Check,
+}
+
+impl Command {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Command::Add => "ADD",
+            Command::Del => "DEL",
+            Command::Check => "CHECK",
+        }
+    }
+}
+
+/// One plugin invocation: the CNI environment plus the network configuration from stdin,
+/// passed through unchanged (the plugin does not interpret it beyond finding the socket).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CniRequest {
+    pub command: Command,
+    pub container_id: String,
+    /// Empty when the runtime gave none (allowed for DEL).
+    #[serde(default)]
+    pub netns: String,
+    pub if_name: String,
+    /// `CNI_ARGS`, e.g. `IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=web-0`.
+    #[serde(default)]
+    pub args: String,
+    #[serde(default)]
+    pub path: String,
+    pub config: Value,
+}
+
+/// The parts of the network configuration the daemon reads.
+#[derive(Clone, Debug)]
+pub struct NetConf {
+    pub cni_version: String,
+    pub name: String,
+    pub prev_result: Option<Value>,
+}
+
+impl NetConf {
+    pub fn parse(config: &Value) -> Result<NetConf, Error> {
+        let obj = config
+            .as_object()
+            .ok_or_else(|| Error::Decode("network configuration is not a JSON object".into()))?;
+        let cni_version = match obj.get("cniVersion") {
+            Some(Value::String(v)) => v.clone(),
+            Some(other) => {
+                return Err(Error::InvalidConfig(format!(
+                    "cniVersion must be a string, got {other}"
+                )));
+            }
+            None => return Err(Error::InvalidConfig("cniVersion is missing".into())),
+        };
+        if !SUPPORTED_VERSIONS.contains(&cni_version.as_str()) {
+            return Err(Error::IncompatibleVersion(cni_version));
+        }
+        let name = match obj.get("name") {
+            Some(Value::String(n)) if !n.is_empty() => n.clone(),
+            _ => return Err(Error::InvalidConfig("name is missing or empty".into())),
+        };
+        Ok(NetConf {
+            cni_version,
+            name,
+            prev_result: obj.get("prevResult").cloned(),
+        })
+    }
+}
+
+/// The Kubernetes pod named in `CNI_ARGS`, when the runtime passed one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodRef {
+    pub namespace: String,
+    pub name: String,
+}
+
+/// Reads `K8S_POD_NAMESPACE` and `K8S_POD_NAME` from `CNI_ARGS` (`;`-separated `K=V`).
+pub fn parse_pod_args(args: &str) -> Result<Option<PodRef>, Error> {
+    let (mut namespace, mut name) = (None, None);
+    for pair in args.split(';').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').ok_or_else(|| {
+            Error::InvalidEnv(format!("CNI_ARGS entry {pair:?} is not KEY=VALUE"))
+        })?;
+        match k {
+            "K8S_POD_NAMESPACE" => namespace = Some(v.to_string()),
+            "K8S_POD_NAME" => name = Some(v.to_string()),
+            _ => {}
+        }
+    }
+    match (namespace, name) {
+        (Some(namespace), Some(name)) if !namespace.is_empty() && !name.is_empty() => {
+            Ok(Some(PodRef { namespace, name }))
+        }
+        (None, None) => Ok(None),
+        _ => Err(Error::InvalidEnv(
+            "CNI_ARGS has only one of K8S_POD_NAMESPACE and K8S_POD_NAME".into(),
+        )),
+    }
+}
+
+/// A pod's network as ADD left it: what goes into the spec's result.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodNetwork {
+    pub host_if: String,
+    pub host_mac: String,
+    pub pod_if: String,
+    pub pod_mac: String,
+    pub sandbox: String,
+    pub ip: Ipv4Addr,
+    pub gateway: Ipv4Addr,
+}
+
+impl PodNetwork {
+    /// The spec's ADD result in `cni_version` (0.3.x/0.4.0 carry `version` per IP).
+    pub fn to_result(&self, cni_version: &str) -> Value {
+        let mut ip = json!({
+            "address": format!("{}/32", self.ip),
+            "gateway": self.gateway.to_string(),
+            "interface": 1,
+        });
+        if cni_version != "1.0.0" {
+            ip["version"] = json!("4");
+        }
+        json!({
+            "cniVersion": cni_version,
+            "interfaces": [
+                {"name": self.host_if, "mac": self.host_mac},
+                {"name": self.pod_if, "mac": self.pod_mac, "sandbox": self.sandbox},
+            ],
+            "ips": [ip],
+            "routes": [
+                {"dst": format!("{}/32", self.gateway)},
+                {"dst": "0.0.0.0/0", "gw": self.gateway.to_string()},
+            ],
+            "dns": {},
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pod_args() {
+        let p = parse_pod_args("IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=web-0;K8S_POD_INFRA_CONTAINER_ID=abc").unwrap();
+        assert_eq!(
+            p,
+            Some(PodRef {
+                namespace: "shop".into(),
+                name: "web-0".into()
+            })
+        );
+        assert_eq!(parse_pod_args("").unwrap(), None);
+        assert_eq!(
+            parse_pod_args("K8S_POD_NAME=x").unwrap_err().code(),
+            crate::code::INVALID_ENV
+        );
+        assert_eq!(
+            parse_pod_args("garbage").unwrap_err().code(),
+            crate::code::INVALID_ENV
+        );
+    }
+
+    #[test]
+    fn netconf_versions() {
+        assert!(NetConf::parse(&json!({"cniVersion": "0.4.0", "name": "k8s"})).is_ok());
+        assert_eq!(
+            NetConf::parse(&json!({"cniVersion": "2.0.0", "name": "k8s"}))
+                .unwrap_err()
+                .code(),
+            1
+        );
+        assert_eq!(
+            NetConf::parse(&json!({"name": "k8s"})).unwrap_err().code(),
+            7
+        );
+        assert_eq!(
+            NetConf::parse(&json!({"cniVersion": "1.0.0"}))
+                .unwrap_err()
+                .code(),
+            7
+        );
+    }
+
+    #[test]
+    fn result_versions() {
+        let n = PodNetwork {
+            host_if: "wp1".into(),
+            host_mac: "aa".into(),
+            pod_if: "eth0".into(),
+            pod_mac: "bb".into(),
+            sandbox: "/run/netns/x".into(),
+            ip: "10.244.0.5".parse().unwrap(),
+            gateway: "10.244.0.1".parse().unwrap(),
+        };
+        let v1 = n.to_result("1.0.0");
+        assert_eq!(v1["cniVersion"], "1.0.0");
+        assert!(v1["ips"][0].get("version").is_none());
+        assert_eq!(v1["ips"][0]["address"], "10.244.0.5/32");
+        assert_eq!(v1["interfaces"][1]["sandbox"], "/run/netns/x");
+        assert_eq!(n.to_result("0.4.0")["ips"][0]["version"], "4");
+    }
+}
