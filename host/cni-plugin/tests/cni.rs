@@ -1,0 +1,409 @@
+//! The real `wasmplane-cni` binary against the daemon, with namespaces standing in for the
+//! node and its pods (root only; skipped loudly otherwise). Addresses: 10.244.x.x only.
+
+mod support;
+
+use std::collections::HashSet;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+use support::{Netns, Node, icmp_echo, run_plugin, tcp_ask, tcp_server, unique};
+use wasmplane_cni::AnyPod;
+
+const ECHO: Duration = Duration::from_secs(2);
+
+#[test]
+fn add_gives_working_network_and_del_frees_it() {
+    require_root!();
+    let node = Node::new("10.244.11.0/24");
+    let (a, b) = (Netns::new(unique("-a")), Netns::new(unique("-b")));
+    node.know_pod("test", "a");
+    node.know_pod("test", "b");
+
+    let ra = node.cni("ADD", "ctr-a", &a.path(), "a");
+    assert!(ra.ok, "{ra:?}");
+    let rb = node.cni("ADD", "ctr-b", &b.path(), "b");
+    assert!(rb.ok, "{rb:?}");
+    let (ip_a, ip_b) = (ra.ip(), rb.ip());
+    assert_ne!(ip_a, ip_b);
+    for ip in [ip_a, ip_b] {
+        assert!(
+            node.cidr.contains(&ip) && ip != Ipv4Addr::new(10, 244, 11, 1),
+            "{ip} not a pod address of {}",
+            node.cidr
+        );
+    }
+    // The spec's result: version, both interfaces with the sandbox on the pod side, the IP
+    // pointing at that interface with the gateway, and a default route.
+    let r = &ra.json;
+    assert_eq!(r["cniVersion"], "1.0.0");
+    assert_eq!(r["interfaces"][1]["name"], "eth0");
+    assert_eq!(r["interfaces"][1]["sandbox"], a.path());
+    assert_eq!(
+        r["interfaces"][0]["name"],
+        wasmplane_cni::host_if_name("ctr-a", "eth0")
+    );
+    assert_eq!(r["ips"][0]["interface"], 1);
+    assert_eq!(r["ips"][0]["gateway"], "10.244.11.1");
+    assert!(
+        r["routes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|rt| rt["dst"] == "0.0.0.0/0" && rt["gw"] == "10.244.11.1"),
+        "{r}"
+    );
+    assert!(r["interfaces"][1]["mac"].as_str().unwrap().len() == 17);
+    // The pod's address reached the host's model at once.
+    assert_eq!(node.sink.get("test", "a"), Some(vec![ip_a.into()]));
+    // The kernel agrees.
+    assert!(
+        a.exec(&["ip", "-o", "addr", "show", "dev", "eth0"])
+            .contains(&format!("{ip_a}/32"))
+    );
+
+    // Traffic: node -> pod (ICMP, TCP), pod -> pod (ICMP, TCP), pod -> gateway.
+    let node_path = node.ns.path();
+    assert!(
+        icmp_echo(&node_path, ip_a, ECHO),
+        "node cannot ping pod a {ip_a}"
+    );
+    assert!(
+        icmp_echo(&a.path(), ip_b, ECHO),
+        "pod a cannot ping pod b {ip_b}"
+    );
+    assert!(
+        icmp_echo(&b.path(), Ipv4Addr::new(10, 244, 11, 1), ECHO),
+        "pod b cannot ping its gateway"
+    );
+    let server = tcp_server(&b.path(), 8080, "b");
+    assert_eq!(
+        tcp_ask(&node_path, SocketAddr::from((ip_b, 8080))).unwrap(),
+        "b saw 10.244.11.1"
+    );
+    assert_eq!(
+        tcp_ask(&a.path(), SocketAddr::from((ip_b, 8080))).unwrap(),
+        format!("b saw {ip_a}")
+    );
+    drop(server);
+
+    // DEL removes both ends and the address; a new pod does not get the address at once,
+    // but it is free (not in the allocations any more).
+    let host_if = wasmplane_cni::host_if_name("ctr-a", "eth0");
+    let del = node.cni("DEL", "ctr-a", &a.path(), "a");
+    assert!(del.ok && del.json.is_null(), "{del:?}");
+    assert!(
+        !node.ns.try_exec(&["ip", "link", "show", &host_if]),
+        "{host_if} still on the node"
+    );
+    assert!(
+        !a.try_exec(&["ip", "link", "show", "eth0"]),
+        "eth0 still in pod a"
+    );
+    assert!(
+        !icmp_echo(&node_path, ip_a, Duration::from_millis(300)),
+        "{ip_a} still answers"
+    );
+    let daemon = node.daemon.as_ref().unwrap();
+    assert!(
+        daemon.ipam().all().iter().all(|x| x.ip != ip_a),
+        "{ip_a} still allocated"
+    );
+    assert_eq!(node.sink.get("test", "a"), None);
+    assert!(node.sink.get("test", "b").is_some());
+    // DEL again, and DEL with the namespace gone: both fine (idempotent).
+    assert!(node.cni("DEL", "ctr-a", &a.path(), "a").ok);
+    let b_path = b.path();
+    drop(b);
+    let del_b = node.cni("DEL", "ctr-b", &b_path, "b");
+    assert!(del_b.ok, "{del_b:?}");
+    assert!(daemon.ipam().all().is_empty(), "{:?}", daemon.ipam().all());
+    assert!(node.host_links().is_empty(), "{:?}", node.host_links());
+}
+
+#[test]
+fn repeated_add_is_idempotent_and_check_detects_a_deleted_interface() {
+    require_root!();
+    let node = Node::new("10.244.12.0/24");
+    let pod = Netns::new(unique("-p"));
+    node.know_pod("test", "p");
+
+    let first = node.cni("ADD", "ctr", &pod.path(), "p");
+    assert!(first.ok, "{first:?}");
+    // The runtime must not repeat ADD without DEL; if it does, it gets the same answer and
+    // nothing is allocated or created twice.
+    let second = node.cni("ADD", "ctr", &pod.path(), "p");
+    assert!(second.ok, "{second:?}");
+    assert_eq!(second.ip(), first.ip());
+    assert_eq!(
+        second.json["interfaces"][1]["mac"],
+        first.json["interfaces"][1]["mac"]
+    );
+    assert_eq!(node.daemon.as_ref().unwrap().ipam().all().len(), 1);
+    assert_eq!(node.host_links().len(), 1);
+
+    let check = node.cni_with("CHECK", "ctr", &pod.path(), "p", &{
+        let mut c = node.config("1.0.0");
+        c["prevResult"] = first.json.clone();
+        c
+    });
+    assert!(check.ok && check.json.is_null(), "{check:?}");
+
+    // Someone deletes the pod's interface: CHECK says so, with our code and a readable text.
+    pod.exec(&["ip", "link", "del", "eth0"]);
+    let check = node.cni("CHECK", "ctr", &pod.path(), "p");
+    assert!(!check.ok);
+    assert_eq!(check.code(), 105, "{check:?}");
+    let details = check.json["details"].as_str().unwrap();
+    assert!(details.contains("missing"), "{details}");
+    assert_eq!(check.json["cniVersion"], "1.0.0");
+
+    // The address is still the container's (only DEL frees it), and ADD repairs.
+    let again = node.cni("ADD", "ctr", &pod.path(), "p");
+    assert!(again.ok, "{again:?}");
+    assert_eq!(again.ip(), first.ip());
+    assert!(node.cni("CHECK", "ctr", &pod.path(), "p").ok);
+    assert!(icmp_echo(&node.ns.path(), again.ip(), ECHO));
+
+    // A route removed behind our back is caught too.
+    pod.exec(&["ip", "route", "del", "default"]);
+    let check = node.cni("CHECK", "ctr", &pod.path(), "p");
+    assert_eq!(check.code(), 105, "{check:?}");
+    assert!(
+        check.json["details"]
+            .as_str()
+            .unwrap()
+            .contains("default route"),
+        "{check:?}"
+    );
+
+    // CHECK of a container never added.
+    let unknown = node.cni("CHECK", "nope", &pod.path(), "p");
+    assert_eq!(unknown.code(), 106, "{unknown:?}");
+}
+
+#[test]
+fn restart_keeps_allocations() {
+    require_root!();
+    let mut node = Node::new("10.244.13.0/24");
+    let pods: Vec<Netns> = (0..3)
+        .map(|i| Netns::new(unique(&format!("-r{i}"))))
+        .collect();
+    for i in 0..3 {
+        node.know_pod("test", &format!("r{i}"));
+    }
+    let a = node.cni("ADD", "ctr-0", &pods[0].path(), "r0");
+    let b = node.cni("ADD", "ctr-1", &pods[1].path(), "r1");
+    assert!(a.ok && b.ok, "{a:?} {b:?}");
+
+    node.restart();
+    let daemon = node.daemon.as_ref().unwrap();
+    let recovered: HashSet<Ipv4Addr> = daemon.ipam().all().iter().map(|x| x.ip).collect();
+    assert_eq!(recovered, HashSet::from([a.ip(), b.ip()]));
+
+    // A new container after the restart gets a different address; the old ones still check.
+    let c = node.cni("ADD", "ctr-2", &pods[2].path(), "r2");
+    assert!(c.ok, "{c:?}");
+    assert!(
+        c.ip() != a.ip() && c.ip() != b.ip(),
+        "{} handed out twice",
+        c.ip()
+    );
+    assert!(node.cni("CHECK", "ctr-0", &pods[0].path(), "r0").ok);
+    // A repeated ADD after the restart still returns the recovered address.
+    assert_eq!(node.cni("ADD", "ctr-1", &pods[1].path(), "r1").ip(), b.ip());
+    // DEL after the restart frees the recovered address.
+    assert!(node.cni("DEL", "ctr-0", &pods[0].path(), "r0").ok);
+    node.restart();
+    let left: HashSet<Ipv4Addr> = node
+        .daemon
+        .as_ref()
+        .unwrap()
+        .ipam()
+        .all()
+        .iter()
+        .map(|x| x.ip)
+        .collect();
+    assert_eq!(left, HashSet::from([b.ip(), c.ip()]));
+    assert!(icmp_echo(&node.ns.path(), c.ip(), ECHO));
+}
+
+#[test]
+fn add_waits_for_the_pod_cache_then_asks_to_try_again() {
+    require_root!();
+    let mut node = Node::new("10.244.14.0/24");
+    node.wait = Duration::from_millis(300);
+    node.restart();
+    let pod = Netns::new(unique("-w"));
+
+    // Never known: code 11 after the bounded wait, nothing allocated or created.
+    let r = node.cni("ADD", "ctr", &pod.path(), "late");
+    assert!(!r.ok);
+    assert_eq!(r.code(), 11, "{r:?}");
+    assert!(
+        r.json["details"].as_str().unwrap().contains("test/late"),
+        "{r:?}"
+    );
+    assert!(r.elapsed >= Duration::from_millis(300), "{:?}", r.elapsed);
+    assert!(node.daemon.as_ref().unwrap().ipam().all().is_empty());
+    assert!(node.host_links().is_empty());
+
+    // Known while ADD waits: ADD goes on as soon as the watch delivers it.
+    node.wait = Duration::from_secs(10);
+    node.restart();
+    let cache = node.pods.clone();
+    let feeder = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(400));
+        cache.insert(wasmplane_cni::PodInfo {
+            namespace: "test".into(),
+            name: "late".into(),
+            uid: Some("uid-1".into()),
+        });
+    });
+    let r = node.cni("ADD", "ctr", &pod.path(), "late");
+    feeder.join().unwrap();
+    assert!(r.ok, "{r:?}");
+    assert!(
+        r.elapsed >= Duration::from_millis(400) && r.elapsed < Duration::from_secs(5),
+        "{:?}",
+        r.elapsed
+    );
+}
+
+#[test]
+fn hundred_concurrent_adds_get_distinct_addresses() {
+    require_root!();
+    let mut node = Node::new("10.244.15.0/24");
+    node.stop();
+    node.start_with(Arc::new(AnyPod));
+    let pods: Vec<Netns> = (0..100)
+        .map(|i| Netns::new(unique(&format!("-c{i}"))))
+        .collect();
+    let replies: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = pods
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let node = &node;
+                s.spawn(move || node.cni("ADD", &format!("ctr-{i}"), &p.path(), &format!("c{i}")))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let failed: Vec<_> = replies.iter().filter(|r| !r.ok).collect();
+    assert!(
+        failed.is_empty(),
+        "{} failed, first: {:?}",
+        failed.len(),
+        failed.first()
+    );
+    let ips: HashSet<Ipv4Addr> = replies.iter().map(|r| r.ip()).collect();
+    assert_eq!(ips.len(), 100, "addresses handed out twice");
+    assert_eq!(node.host_links().len(), 100);
+    assert_eq!(node.daemon.as_ref().unwrap().ipam().all().len(), 100);
+    // Spot-check that the last one is reachable.
+    assert!(icmp_echo(&node.ns.path(), replies[99].ip(), ECHO));
+}
+
+#[test]
+fn errors_carry_cni_codes_and_versions() {
+    require_root!();
+    let node = Node::new("10.244.16.0/24");
+    let pod = Netns::new(unique("-e"));
+    node.know_pod("test", "e");
+    let cfg = node.config("1.0.0");
+
+    let version = run_plugin(support::PLUGIN, &[("CNI_COMMAND", "VERSION")], &cfg, None);
+    assert!(version.ok);
+    let supported = version.json["supportedVersions"].as_array().unwrap();
+    assert!(
+        supported.contains(&json!("1.0.0")) && supported.contains(&json!("0.4.0")),
+        "{version:?}"
+    );
+
+    // Missing CNI_IFNAME: 4, naming the variable.
+    let r = run_plugin(
+        support::PLUGIN,
+        &[
+            ("CNI_COMMAND", "ADD"),
+            ("CNI_CONTAINERID", "x"),
+            ("CNI_NETNS", &pod.path()),
+        ],
+        &cfg,
+        None,
+    );
+    assert_eq!(r.code(), 4, "{r:?}");
+    assert!(r.json["details"].as_str().unwrap().contains("CNI_IFNAME"));
+    // Unknown version: 1. Bad JSON: 6 (sent as a JSON string, which is not an object: 7
+    // from the plugin's cniVersion check).
+    assert_eq!(
+        node.cni_with(
+            "ADD",
+            "x",
+            &pod.path(),
+            "e",
+            &json!({"cniVersion": "9.9.9", "name": "n", "daemonSocket": node.socket()})
+        )
+        .code(),
+        1
+    );
+    assert_eq!(
+        node.cni_with("ADD", "x", &pod.path(), "e", &json!("not a config"))
+            .code(),
+        7
+    );
+    // Missing name: the daemon's validation (7), in the config's version.
+    let r = node.cni_with(
+        "ADD",
+        "x",
+        &pod.path(),
+        "e",
+        &json!({"cniVersion": "0.4.0", "daemonSocket": node.socket()}),
+    );
+    assert_eq!(
+        (r.code(), r.json["cniVersion"].as_str()),
+        (7, Some("0.4.0")),
+        "{r:?}"
+    );
+    // Pod namespace that does not exist: ours (102), and nothing stays allocated.
+    let r = node.cni("ADD", "x", "/var/run/netns/wpcni-does-not-exist", "e");
+    assert_eq!(r.code(), 102, "{r:?}");
+    assert!(node.daemon.as_ref().unwrap().ipam().all().is_empty());
+    // Daemon not there: 11 (try again later), with the socket named.
+    let r = node.cni_with(
+        "ADD",
+        "x",
+        &pod.path(),
+        "e",
+        &json!({"cniVersion": "1.0.0", "name": "n", "daemonSocket": "/nonexistent/cni.sock"}),
+    );
+    assert_eq!(r.code(), 11, "{r:?}");
+    assert!(
+        r.json["msg"]
+            .as_str()
+            .unwrap()
+            .contains("/nonexistent/cni.sock")
+    );
+
+    // A 0.4.0 configuration gets a 0.4.0 result (with the per-IP version field).
+    let r = node.cni_with("ADD", "v4", &pod.path(), "e", &node.config("0.4.0"));
+    assert!(r.ok, "{r:?}");
+    assert_eq!(r.json["cniVersion"], "0.4.0");
+    assert_eq!(r.json["ips"][0]["version"], "4");
+    // The same container ID again on an interface that is taken by it: handled (same IP).
+    assert_eq!(
+        node.cni_with("ADD", "v4", &pod.path(), "e", &node.config("0.4.0"))
+            .ip(),
+        r.ip()
+    );
+    // Another container asking for the same interface name in that namespace: refused.
+    let clash = node.cni("ADD", "other", &pod.path(), "e");
+    assert_eq!(clash.code(), 104, "{clash:?}");
+    assert_eq!(
+        node.daemon.as_ref().unwrap().ipam().all().len(),
+        1,
+        "the refused ADD released its address"
+    );
+}
