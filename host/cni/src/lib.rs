@@ -81,7 +81,7 @@ impl DaemonConfig {
 /// The daemon: configuration, allocator, and the host's two hooks.
 pub struct CniDaemon {
     config: DaemonConfig,
-    ipam: Ipam,
+    ipam: Arc<Ipam>,
     pods: Arc<dyn PodDirectory>,
     sink: Arc<dyn PodNetworkSink>,
     /// One operation at a time per (container, interface): a DEL racing an ADD retry must
@@ -96,7 +96,7 @@ impl CniDaemon {
         pods: Arc<dyn PodDirectory>,
         sink: Arc<dyn PodNetworkSink>,
     ) -> Result<Arc<CniDaemon>, Error> {
-        let ipam = Ipam::open(&config.state_dir, config.pod_cidr)?;
+        let ipam = Arc::new(Ipam::open(&config.state_dir, config.pod_cidr)?);
         Ok(Arc::new(CniDaemon {
             config,
             ipam,
@@ -204,12 +204,22 @@ impl CniDaemon {
                 });
             }
         }
-        let (alloc, new) = self.ipam.allocate(
-            &req.container_id,
-            &req.if_name,
-            pod.as_ref()
-                .map(|p| (p.namespace.as_str(), p.name.as_str())),
-        )?;
+        let (ipam, ctr, ifn, owner) = (
+            self.ipam.clone(),
+            req.container_id.clone(),
+            req.if_name.clone(),
+            pod.clone(),
+        );
+        let (alloc, new) = blocking(move || {
+            ipam.allocate(
+                &ctr,
+                &ifn,
+                owner
+                    .as_ref()
+                    .map(|p| (p.namespace.as_str(), p.name.as_str())),
+            )
+        })
+        .await?;
         let spec = self.link_spec(req, alloc.ip);
         match link::setup(spec).await {
             Ok(net) => {
@@ -223,7 +233,12 @@ impl CniDaemon {
                 if new {
                     // Nothing of this ADD is left in the kernel (setup undoes itself), so the
                     // address goes back too; a retry starts clean.
-                    if let Err(release) = self.ipam.release(&req.container_id, &req.if_name) {
+                    let (ipam, ctr, ifn) = (
+                        self.ipam.clone(),
+                        req.container_id.clone(),
+                        req.if_name.clone(),
+                    );
+                    if let Err(release) = blocking(move || ipam.release(&ctr, &ifn)).await {
                         tracing::error!(error = %release, ip = %alloc.ip, "releasing the address of a failed ADD");
                     }
                 }
@@ -235,7 +250,12 @@ impl CniDaemon {
     async fn del(&self, req: &CniRequest) -> Result<(), Error> {
         let host_if = host_if_name(&req.container_id, &req.if_name);
         let removed = link::teardown(self.config.host_netns.clone(), host_if.clone()).await?;
-        let released = self.ipam.release(&req.container_id, &req.if_name)?;
+        let (ipam, ctr, ifn) = (
+            self.ipam.clone(),
+            req.container_id.clone(),
+            req.if_name.clone(),
+        );
+        let released = blocking(move || ipam.release(&ctr, &ifn)).await?;
         tracing::debug!(%host_if, removed, released = ?released.as_ref().map(|a| a.ip), "DEL");
         let pod = match &released {
             Some(Allocation {
@@ -325,6 +345,15 @@ fn bind(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
     // Only root (the runtime calling the plugin) may drive pod networking.
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
     Ok(listener)
+}
+
+/// Runs file I/O (IPAM persistence, with its fsyncs) off the async workers.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, Error> + Send + 'static,
+) -> Result<T, Error> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Internal(format!("IPAM task: {e}")))?
 }
 
 fn validate_env(req: &CniRequest) -> Result<(), Error> {
