@@ -58,6 +58,29 @@ fn add_gives_working_network_and_del_frees_it() {
     assert!(r["interfaces"][1]["mac"].as_str().unwrap().len() == 17);
     // The pod's address reached the host's model at once.
     assert_eq!(node.sink.get("test", "a"), Some(vec![ip_a.into()]));
+    // The daemon's own view, over its socket.
+    let (status, body) = support::http_get(&node.socket(), "/healthz");
+    assert!(status.contains("200") && body == "ok", "{status} {body}");
+    let (status, body) = support::http_get(&node.socket(), "/v1/allocations");
+    let allocs: serde_json::Value =
+        serde_json::from_str(&body).unwrap_or_else(|e| panic!("{status} {body}: {e}"));
+    assert_eq!(allocs["gateway"], "10.244.11.1");
+    let listed: HashSet<String> = allocs["allocations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            format!(
+                "{} {}",
+                a["containerId"].as_str().unwrap(),
+                a["ip"].as_str().unwrap()
+            )
+        })
+        .collect();
+    assert_eq!(
+        listed,
+        HashSet::from([format!("ctr-a {ip_a}"), format!("ctr-b {ip_b}")])
+    );
     // The kernel agrees.
     assert!(
         a.exec(&["ip", "-o", "addr", "show", "dev", "eth0"])

@@ -140,11 +140,13 @@ impl CniDaemon {
         })
     }
 
-    /// `GET /healthz` and `POST /v1/cni` (body: [`CniRequest`]).
+    /// `GET /healthz`, `POST /v1/cni` (body: [`CniRequest`]) and `GET /v1/allocations`
+    /// (the pod CIDR, gateway and every allocation: for debugging a node).
     pub fn router(self: &Arc<Self>) -> Router {
         Router::new()
             .route("/healthz", get(|| async { "ok" }))
             .route("/v1/cni", post(cni_handler))
+            .route("/v1/allocations", get(allocations_handler))
             .with_state(self.clone())
     }
 
@@ -191,12 +193,7 @@ impl CniDaemon {
         let pod = parse_pod_args(&req.args)?;
         if let Some(p) = &pod {
             let timeout = self.config.pod_wait_timeout;
-            if self
-                .pods
-                .wait_for_pod(&p.namespace, &p.name, timeout)
-                .await
-                .is_none()
-            {
+            if self.pods.wait_for_pod(p, timeout).await.is_none() {
                 return Err(Error::PodNotInCache {
                     namespace: p.namespace.clone(),
                     name: p.name.clone(),
@@ -265,6 +262,7 @@ impl CniDaemon {
             }) => Some(PodRef {
                 namespace: ns.clone(),
                 name: name.clone(),
+                uid: None,
             }),
             _ => parse_pod_args(&req.args).ok().flatten(),
         };
@@ -386,6 +384,14 @@ fn version_of(config: &Value) -> String {
         .filter(|v| SUPPORTED_VERSIONS.contains(v))
         .unwrap_or("1.0.0")
         .to_string()
+}
+
+async fn allocations_handler(State(daemon): State<Arc<CniDaemon>>) -> axum::Json<Value> {
+    axum::Json(serde_json::json!({
+        "podCIDR": daemon.ipam.cidr().to_string(),
+        "gateway": daemon.ipam.gateway().to_string(),
+        "allocations": daemon.ipam.all(),
+    }))
 }
 
 async fn cni_handler(State(daemon): State<Arc<CniDaemon>>, body: Bytes) -> Response {

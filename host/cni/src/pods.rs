@@ -10,6 +10,8 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
+use crate::protocol::PodRef;
+
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// A pod as the host's watch cache knows it.
@@ -22,11 +24,12 @@ pub struct PodInfo {
 
 /// The host's watch cache, as seen by ADD.
 pub trait PodDirectory: Send + Sync {
-    /// Resolves as soon as the pod is known, or with `None` once `timeout` has passed.
+    /// Resolves as soon as the pod is known (with `pod.uid` when that is given: a pod
+    /// recreated under the same name is not the one the runtime asks for until the watch
+    /// has delivered it), or with `None` once `timeout` has passed.
     fn wait_for_pod<'a>(
         &'a self,
-        namespace: &'a str,
-        name: &'a str,
+        pod: &'a PodRef,
         timeout: Duration,
     ) -> BoxFuture<'a, Option<PodInfo>>;
 }
@@ -74,8 +77,7 @@ impl PodCache {
 impl PodDirectory for PodCache {
     fn wait_for_pod<'a>(
         &'a self,
-        namespace: &'a str,
-        name: &'a str,
+        pod: &'a PodRef,
         timeout: Duration,
     ) -> BoxFuture<'a, Option<PodInfo>> {
         Box::pin(async move {
@@ -85,8 +87,10 @@ impl PodDirectory for PodCache {
                 let notified = self.changed.notified();
                 tokio::pin!(notified);
                 notified.as_mut().enable();
-                if let Some(pod) = self.get(namespace, name) {
-                    return Some(pod);
+                if let Some(found) = self.get(&pod.namespace, &pod.name) {
+                    if pod.uid.is_none() || found.uid.is_none() || pod.uid == found.uid {
+                        return Some(found);
+                    }
                 }
                 if tokio::time::timeout_at(deadline, notified).await.is_err() {
                     return None;
@@ -103,15 +107,14 @@ pub struct AnyPod;
 impl PodDirectory for AnyPod {
     fn wait_for_pod<'a>(
         &'a self,
-        namespace: &'a str,
-        name: &'a str,
+        pod: &'a PodRef,
         _timeout: Duration,
     ) -> BoxFuture<'a, Option<PodInfo>> {
         Box::pin(async move {
             Some(PodInfo {
-                namespace: namespace.into(),
-                name: name.into(),
-                uid: None,
+                namespace: pod.namespace.clone(),
+                name: pod.name.clone(),
+                uid: pod.uid.clone(),
             })
         })
     }
@@ -165,8 +168,20 @@ mod tests {
     async fn wait_resolves_on_insert_and_times_out() {
         let cache = Arc::new(PodCache::new());
         let c = cache.clone();
-        let waiter =
-            tokio::spawn(async move { c.wait_for_pod("ns", "p", Duration::from_secs(5)).await });
+        let want = |name: &str, uid: Option<&str>| PodRef {
+            namespace: "ns".into(),
+            name: name.into(),
+            uid: uid.map(Into::into),
+        };
+        let p = want("p", Some("u"));
+        let waiter = tokio::spawn(async move { c.wait_for_pod(&p, Duration::from_secs(5)).await });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // The old incarnation (another uid) does not satisfy the wait.
+        cache.insert(PodInfo {
+            namespace: "ns".into(),
+            name: "p".into(),
+            uid: Some("old".into()),
+        });
         tokio::time::sleep(Duration::from_millis(50)).await;
         cache.insert(PodInfo {
             namespace: "ns".into(),
@@ -177,7 +192,7 @@ mod tests {
         let started = std::time::Instant::now();
         assert!(
             cache
-                .wait_for_pod("ns", "other", Duration::from_millis(100))
+                .wait_for_pod(&want("other", None), Duration::from_millis(100))
                 .await
                 .is_none()
         );

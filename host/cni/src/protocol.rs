@@ -94,11 +94,14 @@ impl NetConf {
 pub struct PodRef {
     pub namespace: String,
     pub name: String,
+    /// `K8S_POD_UID` (kubelet passes it): tells a recreated pod from the one it replaces.
+    pub uid: Option<String>,
 }
 
-/// Reads `K8S_POD_NAMESPACE` and `K8S_POD_NAME` from `CNI_ARGS` (`;`-separated `K=V`).
+/// Reads `K8S_POD_NAMESPACE`, `K8S_POD_NAME` and `K8S_POD_UID` from `CNI_ARGS`
+/// (`;`-separated `K=V`).
 pub fn parse_pod_args(args: &str) -> Result<Option<PodRef>, Error> {
-    let (mut namespace, mut name) = (None, None);
+    let (mut namespace, mut name, mut uid) = (None, None, None);
     for pair in args.split(';').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').ok_or_else(|| {
             Error::InvalidEnv(format!("CNI_ARGS entry {pair:?} is not KEY=VALUE"))
@@ -106,12 +109,17 @@ pub fn parse_pod_args(args: &str) -> Result<Option<PodRef>, Error> {
         match k {
             "K8S_POD_NAMESPACE" => namespace = Some(v.to_string()),
             "K8S_POD_NAME" => name = Some(v.to_string()),
+            "K8S_POD_UID" if !v.is_empty() => uid = Some(v.to_string()),
             _ => {}
         }
     }
     match (namespace, name) {
         (Some(namespace), Some(name)) if !namespace.is_empty() && !name.is_empty() => {
-            Ok(Some(PodRef { namespace, name }))
+            Ok(Some(PodRef {
+                namespace,
+                name,
+                uid,
+            }))
         }
         (None, None) => Ok(None),
         _ => Err(Error::InvalidEnv(
@@ -165,12 +173,13 @@ mod tests {
 
     #[test]
     fn pod_args() {
-        let p = parse_pod_args("IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=web-0;K8S_POD_INFRA_CONTAINER_ID=abc").unwrap();
+        let p = parse_pod_args("IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=web-0;K8S_POD_INFRA_CONTAINER_ID=abc;K8S_POD_UID=u1").unwrap();
         assert_eq!(
             p,
             Some(PodRef {
                 namespace: "shop".into(),
-                name: "web-0".into()
+                name: "web-0".into(),
+                uid: Some("u1".into()),
             })
         );
         assert_eq!(parse_pod_args("").unwrap(), None);

@@ -325,6 +325,23 @@ fn spawn_and_wait(mut cmd: Command, config: &Value) -> Reply {
     }
 }
 
+/// `GET path` on the daemon's socket with a hand-written request; status line and body.
+pub fn http_get(socket: &std::path::Path, path: &str) -> (String, String) {
+    let mut s = std::os::unix::net::UnixStream::connect(socket).expect("connecting to the daemon");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: wasmplane\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").expect("HTTP response");
+    (
+        head.lines().next().unwrap_or_default().to_string(),
+        body.to_string(),
+    )
+}
+
 /// A node namespace with the CNI daemon running in-process, its node side in that namespace.
 pub struct Node {
     pub cidr: ipnet::Ipv4Net,
