@@ -302,12 +302,12 @@ pub fn run_plugin(
 fn spawn_and_wait(mut cmd: Command, config: &Value) -> Reply {
     let started = Instant::now();
     let mut child = cmd.spawn().expect("spawning plugin");
-    child
+    // A plugin may exit without reading stdin (VERSION): a broken pipe here is fine.
+    let _ = child
         .stdin
         .take()
         .unwrap()
-        .write_all(config.to_string().as_bytes())
-        .unwrap();
+        .write_all(config.to_string().as_bytes());
     let out = child.wait_with_output().unwrap();
     let elapsed = started.elapsed();
     let stdout = String::from_utf8_lossy(&out.stdout);
