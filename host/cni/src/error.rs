@@ -57,6 +57,11 @@ pub enum Error {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("allocation state in {path} is corrupt: {reason}")]
     CorruptState { path: PathBuf, reason: String },
     #[error("no free IPv4 address left in the node's pod CIDR {cidr} ({allocated} allocated)")]
@@ -104,7 +109,7 @@ impl Error {
             Error::InterfaceExists { .. } => code::INTERFACE_EXISTS,
             Error::CheckFailed(_) => code::CHECK_FAILED,
             Error::UnknownContainer { .. } => code::UNKNOWN_CONTAINER,
-            Error::Internal(_) => code::INTERNAL,
+            Error::Io { .. } | Error::Internal(_) => code::INTERNAL,
         }
     }
 
@@ -123,7 +128,7 @@ impl Error {
             Error::InterfaceExists { .. } => "interface already exists in pod",
             Error::CheckFailed(_) => "pod network check failed",
             Error::UnknownContainer { .. } => "container not known to wasmplane",
-            Error::Internal(_) => "wasmplane CNI internal error",
+            Error::Io { .. } | Error::Internal(_) => "wasmplane CNI internal error",
         }
     }
 

@@ -63,6 +63,9 @@ pub struct DaemonConfig {
     pub host_netns: Option<PathBuf>,
     /// MTU of both veth ends; `None`: the kernel default.
     pub mtu: Option<u32>,
+    /// Turn on IPv4 forwarding in the node namespace at start: pods reach each other and
+    /// the world through the node's routing (as the reference bridge plugin's isGateway).
+    pub enable_ip_forward: bool,
 }
 
 impl DaemonConfig {
@@ -74,6 +77,7 @@ impl DaemonConfig {
             pod_wait_timeout: Duration::from_secs(10),
             host_netns: None,
             mtu: None,
+            enable_ip_forward: true,
         }
     }
 }
@@ -117,8 +121,11 @@ impl CniDaemon {
     /// Binds the socket (replacing a stale one) and serves until the handle is shut down.
     /// Must run inside a tokio runtime.
     pub async fn spawn(self: Arc<Self>) -> Result<DaemonHandle, Error> {
+        if self.config.enable_ip_forward {
+            link::enable_ip_forward(self.config.host_netns.clone()).await?;
+        }
         let path = self.config.socket_path.clone();
-        let listener = bind(&path).map_err(|source| Error::State {
+        let listener = bind(&path).map_err(|source| Error::Io {
             path: path.clone(),
             source,
         })?;

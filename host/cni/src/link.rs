@@ -99,6 +99,27 @@ pub(crate) async fn setup(spec: LinkSpec) -> Result<PodNetwork, Error> {
     .await
 }
 
+/// Sets `net.ipv4.ip_forward=1` in the node namespace. (`/proc/sys/net` resolves to the
+/// namespace of the thread that opens the file, so this too runs on a thread inside it.)
+pub(crate) async fn enable_ip_forward(host_netns: Option<PathBuf>) -> Result<(), Error> {
+    on_thread("wpcni-sysctl", move || {
+        if let Some(ns) = &host_netns {
+            enter(&open_netns(ns)?, ns)?;
+        }
+        let path = Path::new("/proc/sys/net/ipv4/ip_forward");
+        if std::fs::read_to_string(path).is_ok_and(|v| v.trim() == "1") {
+            return Ok(());
+        }
+        std::fs::write(path, b"1").map_err(|source| Error::Io {
+            path: path.into(),
+            source,
+        })?;
+        tracing::info!("enabled net.ipv4.ip_forward for pod traffic");
+        Ok(())
+    })
+    .await
+}
+
 /// Removes the pod's interface (both ends, and with them their routes). `Ok(false)` when
 /// there was nothing to remove: DEL is idempotent.
 pub(crate) async fn teardown(host_netns: Option<PathBuf>, host_if: String) -> Result<bool, Error> {

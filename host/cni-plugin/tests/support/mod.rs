@@ -360,8 +360,11 @@ impl Node {
     pub fn new(cidr: &str) -> Node {
         let ns = Netns::new(unique("-node"));
         ns.exec(&["ip", "link", "set", "lo", "up"]);
-        // Pod-to-pod traffic is routed by the node.
-        ns.exec(&["sysctl", "-qw", "net.ipv4.ip_forward=1"]);
+        // Forwarding stays off here: the daemon must turn it on (pod-to-pod traffic tests it).
+        assert_eq!(
+            ns.exec(&["sysctl", "-n", "net.ipv4.ip_forward"]).trim(),
+            "0"
+        );
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
