@@ -63,7 +63,7 @@ fn row(name: &'static str, command: &'static str, replies: &[Reply], wall: Durat
     latencies.sort();
     let ips: HashSet<Ipv4Addr> = replies
         .iter()
-        .filter(|r| r.ok && command == "ADD")
+        .filter(|r| r.ok && command.starts_with("ADD"))
         .map(|r| r.ip())
         .collect();
     if let Some(bad) = replies.iter().find(|r| !r.ok) {
@@ -79,40 +79,49 @@ fn row(name: &'static str, command: &'static str, replies: &[Reply], wall: Durat
     }
 }
 
+/// Pods sent one at a time after the concurrent burst: the unloaded latency.
+const SEQUENTIAL: usize = 20;
+
+/// Concurrent ADDs then DELs over pods `0..n`, then one at a time over `n..n+SEQUENTIAL`.
+fn measure(name: &'static str, n: usize, invoke: impl Fn(&str, usize) -> Reply + Sync) -> Vec<Row> {
+    let (adds, add_wall) = concurrently(n, |i| invoke("ADD", i));
+    let (dels, del_wall) = concurrently(n, |i| invoke("DEL", i));
+    let started = Instant::now();
+    let seq_adds: Vec<Reply> = (n..n + SEQUENTIAL).map(|i| invoke("ADD", i)).collect();
+    let seq_add_wall = started.elapsed();
+    let started = Instant::now();
+    let seq_dels: Vec<Reply> = (n..n + SEQUENTIAL).map(|i| invoke("DEL", i)).collect();
+    let seq_del_wall = started.elapsed();
+    vec![
+        row(name, "ADD", &adds, add_wall),
+        row(name, "DEL", &dels, del_wall),
+        row(name, "ADD 1x", &seq_adds, seq_add_wall),
+        row(name, "DEL 1x", &seq_dels, seq_del_wall),
+    ]
+}
+
 fn ours(n: usize) -> Vec<Row> {
     let mut node = Node::new("10.244.20.0/24");
     node.stop();
     // Benchmarks have no watch: every pod is known.
     node.start_with(Arc::new(wasmplane_cni::AnyPod));
-    let pods: Vec<Netns> = (0..n)
+    let pods: Vec<Netns> = (0..n + SEQUENTIAL)
         .map(|i| Netns::new(unique(&format!("-b{i}"))))
         .collect();
-    let (adds, add_wall) = concurrently(n, |i| {
+    measure("wasmplane-cni + daemon", n, |command, i| {
         node.cni(
-            "ADD",
+            command,
             &format!("bench-{i}"),
             &pods[i].path(),
             &format!("b{i}"),
         )
-    });
-    let (dels, del_wall) = concurrently(n, |i| {
-        node.cni(
-            "DEL",
-            &format!("bench-{i}"),
-            &pods[i].path(),
-            &format!("b{i}"),
-        )
-    });
-    vec![
-        row("wasmplane-cni + daemon", "ADD", &adds, add_wall),
-        row("wasmplane-cni + daemon", "DEL", &dels, del_wall),
-    ]
+    })
 }
 
 fn reference(n: usize) -> Vec<Row> {
     let node = Netns::new(unique("-refnode"));
     node.exec(&["ip", "link", "set", "lo", "up"]);
-    let pods: Vec<Netns> = (0..n)
+    let pods: Vec<Netns> = (0..n + SEQUENTIAL)
         .map(|i| Netns::new(unique(&format!("-rb{i}"))))
         .collect();
     let dir = tempfile::tempdir().unwrap();
@@ -127,7 +136,7 @@ fn reference(n: usize) -> Vec<Row> {
     });
     let bridge = format!("{REFERENCE_DIR}/bridge");
     let node_path = node.path();
-    let invoke = |command: &str, i: usize| {
+    measure("bridge + host-local (ref)", n, |command, i| {
         let (ctr, netns) = (format!("ref-{i}"), pods[i].path());
         let env = [
             ("CNI_COMMAND", command),
@@ -138,13 +147,7 @@ fn reference(n: usize) -> Vec<Row> {
         ];
         // The plugin runs in the node namespace, as a runtime on that node would run it.
         run_plugin(&bridge, &env, &config, Some(&node_path))
-    };
-    let (adds, add_wall) = concurrently(n, |i| invoke("ADD", i));
-    let (dels, del_wall) = concurrently(n, |i| invoke("DEL", i));
-    vec![
-        row("bridge + host-local (ref)", "ADD", &adds, add_wall),
-        row("bridge + host-local (ref)", "DEL", &dels, del_wall),
-    ]
+    })
 }
 
 fn main() {
@@ -165,22 +168,22 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(100);
     println!(
-        "{n} concurrent CNI invocations, each pod in a fresh network namespace; latency = plugin spawn to exit\n"
+        "{n} concurrent CNI invocations, then {SEQUENTIAL} one at a time (\"1x\"); each pod in a fresh network namespace; latency = plugin spawn to exit\n"
     );
     let mut rows = ours(n);
     rows.extend(reference(n));
     println!(
-        "{:<28} {:<4} {:>5} {:>6} {:>10} {:>10} {:>10} {:>10}",
+        "{:<28} {:<6} {:>7} {:>6} {:>10} {:>10} {:>10} {:>10}",
         "plugin", "cmd", "ok", "IPs", "p50", "p99", "max", "wall"
     );
     for r in &rows {
-        let ips = if r.command == "ADD" {
+        let ips = if r.command.starts_with("ADD") {
             r.distinct_ips.to_string()
         } else {
             "-".into()
         };
         println!(
-            "{:<28} {:<4} {:>5} {:>6} {:>10} {:>10} {:>10} {:>10}",
+            "{:<28} {:<6} {:>7} {:>6} {:>10} {:>10} {:>10} {:>10}",
             r.name,
             r.command,
             format!("{}/{}", r.ok, r.latencies.len()),

@@ -6,7 +6,21 @@
 //! only translates, so it starts in a millisecond and holds no Kubernetes credentials.
 //!
 //! Network configuration keys read here: `cniVersion`, `daemonSocket` (default
-//! `/run/wasmplane/cni.sock`), `daemonTimeoutSeconds` (default 60).
+//! `/run/wasmplane/cni.sock`), `daemonTimeoutSeconds` (default 60). A node's
+//! `/etc/cni/net.d/10-wasmplane.conflist`, with the binary installed as
+//! `/opt/cni/bin/wasmplane-cni`:
+//!
+//! ```json
+//! {"cniVersion": "1.0.0", "name": "wasmplane", "plugins": [
+//!   {"type": "wasmplane-cni", "daemonSocket": "/run/wasmplane/cni.sock"},
+//!   {"type": "portmap", "capabilities": {"portMappings": true}}
+//! ]}
+//! ```
+//!
+//! Exit status 0 and the result on stdout, or 1 and `{"cniVersion","code","msg","details"}`
+//! on stdout (and a line on stderr). Codes: the spec's (1 version, 4 environment, 5 stdin,
+//! 6 decode, 7 configuration, 11 try again later: daemon unreachable or pod not yet in the
+//! watch cache) and the daemon's own from 100 (see `wasmplane_cni::code`).
 
 use std::io::{Read as _, Write as _};
 use std::os::unix::net::UnixStream;

@@ -413,7 +413,21 @@ async fn cni_handler(State(daemon): State<Arc<CniDaemon>>, body: Bytes) -> Respo
             return error_response(&version, &Error::Decode(e.to_string()));
         }
     };
-    let result = daemon.handle(&req).await;
+    // Run to completion even if the plugin gives up and disconnects: a half-done ADD
+    // (address persisted, veth made, per-container lock released early) must not race
+    // the DEL or retry that follows.
+    let req = Arc::new(req);
+    let task = tokio::spawn({
+        let req = req.clone();
+        async move { daemon.handle(&req).await }
+    });
+    let result = match task.await {
+        Ok(r) => r,
+        Err(e) => Err((
+            version_of(&req.config),
+            Error::Internal(format!("CNI task failed: {e}")),
+        )),
+    };
     let elapsed_ms = started.elapsed().as_secs_f64() * 1000.0;
     let pod = req
         .args

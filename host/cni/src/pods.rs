@@ -87,10 +87,10 @@ impl PodDirectory for PodCache {
                 let notified = self.changed.notified();
                 tokio::pin!(notified);
                 notified.as_mut().enable();
-                if let Some(found) = self.get(&pod.namespace, &pod.name) {
-                    if pod.uid.is_none() || found.uid.is_none() || pod.uid == found.uid {
-                        return Some(found);
-                    }
+                if let Some(found) = self.get(&pod.namespace, &pod.name)
+                    && (pod.uid.is_none() || found.uid.is_none() || pod.uid == found.uid)
+                {
+                    return Some(found);
                 }
                 if tokio::time::timeout_at(deadline, notified).await.is_err() {
                     return None;
