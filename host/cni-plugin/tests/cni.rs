@@ -251,6 +251,40 @@ fn restart_keeps_allocations() {
         .collect();
     assert_eq!(left, HashSet::from([b.ip(), c.ip()]));
     assert!(icmp_echo(&node.ns.path(), c.ip(), ECHO));
+
+    // A pod whose namespace went away while the daemon was down (no DEL came): its veth
+    // went with it, so the restart releases its address; the live ones stay.
+    node.stop();
+    let mut pods = pods;
+    drop(pods.remove(1)); // ctr-1's namespace
+    // The kernel dismantles a namespace (and its veth pair) asynchronously.
+    let gone = wasmplane_cni::host_if_name("ctr-1", "eth0");
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while node.host_links().contains(&gone) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{gone} outlived its namespace"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(node.sink.get("test", "r1").is_some());
+    node.start();
+    let left: HashSet<Ipv4Addr> = node
+        .daemon
+        .as_ref()
+        .unwrap()
+        .ipam()
+        .all()
+        .iter()
+        .map(|x| x.ip)
+        .collect();
+    assert_eq!(left, HashSet::from([c.ip()]));
+    assert_eq!(
+        node.sink.get("test", "r1"),
+        None,
+        "the host's model is told too"
+    );
+    assert!(node.cni("CHECK", "ctr-2", &pods[1].path(), "r2").ok);
 }
 
 #[test]

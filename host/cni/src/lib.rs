@@ -124,6 +124,7 @@ impl CniDaemon {
         if self.config.enable_ip_forward {
             link::enable_ip_forward(self.config.host_netns.clone()).await?;
         }
+        self.release_stale().await?;
         let path = self.config.socket_path.clone();
         let listener = bind(&path).map_err(|source| Error::Io {
             path: path.clone(),
@@ -145,6 +146,30 @@ impl CniDaemon {
             task,
             socket_path: path,
         })
+    }
+
+    /// Releases allocations whose node-side interface is gone: their pod's namespace was
+    /// destroyed (which takes the veth pair with it) while no DEL reached us, e.g. the
+    /// daemon was down. Run before serving, so no ADD is between allocation and veth.
+    async fn release_stale(&self) -> Result<(), Error> {
+        let allocations = self.ipam.all();
+        if allocations.is_empty() {
+            return Ok(());
+        }
+        let present = link::link_names(self.config.host_netns.clone()).await?;
+        for a in allocations {
+            let host_if = host_if_name(&a.container_id, &a.if_name);
+            if present.contains(&host_if) {
+                continue;
+            }
+            tracing::warn!(ip = %a.ip, container = %a.container_id, %host_if, "releasing the address of a pod whose interface is gone");
+            let (ipam, ctr, ifn) = (self.ipam.clone(), a.container_id.clone(), a.if_name.clone());
+            blocking(move || ipam.release(&ctr, &ifn)).await?;
+            if let (Some(ns), Some(name)) = (&a.pod_namespace, &a.pod_name) {
+                self.sink.pod_network_removed(ns, name);
+            }
+        }
+        Ok(())
     }
 
     /// `GET /healthz`, `POST /v1/cni` (body: [`CniRequest`]) and `GET /v1/allocations`

@@ -120,6 +120,36 @@ pub(crate) async fn enable_ip_forward(host_netns: Option<PathBuf>) -> Result<(),
     .await
 }
 
+/// The names of every interface in the node namespace.
+pub(crate) async fn link_names(
+    host_netns: Option<PathBuf>,
+) -> Result<std::collections::HashSet<String>, Error> {
+    on_thread("wpcni-links", move || {
+        block_on(async {
+            if let Some(ns) = &host_netns {
+                enter(&open_netns(ns)?, ns)?;
+            }
+            let host = connect()?;
+            let links: Vec<LinkMessage> = host
+                .link()
+                .get()
+                .execute()
+                .try_collect()
+                .await
+                .map_err(|e| Error::netlink("listing interfaces", e))?;
+            Ok(links
+                .iter()
+                .flat_map(|l| l.attributes.iter())
+                .filter_map(|a| match a {
+                    LinkAttribute::IfName(n) => Some(n.clone()),
+                    _ => None,
+                })
+                .collect())
+        })
+    })
+    .await
+}
+
 /// Removes the pod's interface (both ends, and with them their routes). `Ok(false)` when
 /// there was nothing to remove: DEL is idempotent.
 pub(crate) async fn teardown(host_netns: Option<PathBuf>, host_if: String) -> Result<bool, Error> {
