@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs what building and testing wasmplane needs on a fresh Debian machine (as root):
-# the wasm32-wasip2 Rust target for the guests, nftables and iproute2 for the dataplane
-# tests, protoc and etcd for the kvstore. Quick when everything is already there.
+# the wasm32-wasip2 Rust target for the guests, nftables, iproute2 and conntrack for the dataplane
+# tests, protoc (with the well-known .proto files) and etcd for the kvstore, the reference
+# CNI plugins for the CNI benchmark. Quick when everything is already there.
 set -euo pipefail
-packages=(build-essential pkg-config protobuf-compiler nftables iproute2 etcd-server)
+packages=(build-essential pkg-config protobuf-compiler libprotobuf-dev nftables iproute2 etcd-server conntrack containernetworking-plugins)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
