@@ -166,7 +166,7 @@ impl CniDaemon {
             let (ipam, ctr, ifn) = (self.ipam.clone(), a.container_id.clone(), a.if_name.clone());
             blocking(move || ipam.release(&ctr, &ifn)).await?;
             if let (Some(ns), Some(name)) = (&a.pod_namespace, &a.pod_name) {
-                self.sink.pod_network_removed(ns, name);
+                self.sink.pod_network_removed(ns, name, &[IpAddr::V4(a.ip)]);
             }
         }
         Ok(())
@@ -286,20 +286,15 @@ impl CniDaemon {
         );
         let released = blocking(move || ipam.release(&ctr, &ifn)).await?;
         tracing::debug!(%host_if, removed, released = ?released.as_ref().map(|a| a.ip), "DEL");
-        let pod = match &released {
-            Some(Allocation {
-                pod_namespace: Some(ns),
-                pod_name: Some(name),
-                ..
-            }) => Some(PodRef {
-                namespace: ns.clone(),
-                name: name.clone(),
-                uid: None,
-            }),
-            _ => parse_pod_args(&req.args).ok().flatten(),
-        };
-        if let Some(p) = pod {
-            self.sink.pod_network_removed(&p.namespace, &p.name);
+        // Only what this DEL released leaves the model (nothing, for a repeated DEL).
+        if let Some(Allocation {
+            ip,
+            pod_namespace: Some(ns),
+            pod_name: Some(name),
+            ..
+        }) = &released
+        {
+            self.sink.pod_network_removed(ns, name, &[IpAddr::V4(*ip)]);
         }
         Ok(())
     }

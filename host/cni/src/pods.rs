@@ -36,8 +36,12 @@ pub trait PodDirectory: Send + Sync {
 
 /// Where a pod's addresses go the moment its network exists (the node-local model).
 pub trait PodNetworkSink: Send + Sync {
+    /// The pod's interface exists with these addresses (also called again for a repeated ADD).
     fn pod_network_added(&self, namespace: &str, name: &str, ips: &[IpAddr]);
-    fn pod_network_removed(&self, namespace: &str, name: &str);
+    /// These addresses of the pod were released. A pod recreated under the same name may
+    /// have been added (with other addresses) before the old sandbox's DEL arrives: an
+    /// implementation forgets the pod only if it still has these addresses.
+    fn pod_network_removed(&self, namespace: &str, name: &str, ips: &[IpAddr]);
 }
 
 /// A pod cache fed by whoever watches (the host's pod watcher, a test).
@@ -153,15 +157,34 @@ impl PodNetworkSink for PodNetworks {
             .insert((namespace.into(), name.into()), ips.to_vec());
     }
 
-    fn pod_network_removed(&self, namespace: &str, name: &str) {
-        self.lock()
-            .remove(&(namespace.to_string(), name.to_string()));
+    fn pod_network_removed(&self, namespace: &str, name: &str, ips: &[IpAddr]) {
+        let mut map = self.lock();
+        let key = (namespace.to_string(), name.to_string());
+        if map
+            .get(&key)
+            .is_some_and(|current| current.as_slice() == ips)
+        {
+            map.remove(&key);
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn late_removal_of_a_predecessor_keeps_the_new_pod() {
+        let sink = PodNetworks::new();
+        let (old, new): (IpAddr, IpAddr) =
+            ("10.244.0.2".parse().unwrap(), "10.244.0.3".parse().unwrap());
+        sink.pod_network_added("ns", "web-0", &[old]);
+        sink.pod_network_added("ns", "web-0", &[new]); // recreated before the old DEL
+        sink.pod_network_removed("ns", "web-0", &[old]);
+        assert_eq!(sink.get("ns", "web-0"), Some(vec![new]));
+        sink.pod_network_removed("ns", "web-0", &[new]);
+        assert_eq!(sink.get("ns", "web-0"), None);
+    }
     use std::sync::Arc;
 
     #[tokio::test]
