@@ -1,1 +1,39 @@
-//! Operator duties (placeholder, being written).
+//! Cluster-wide duties of wasmplane (issue 7).
+//!
+//! - [`leader`]: leader election on a Kubernetes Lease, and running duties only
+//!   while leading ([`Leadership::run_while_leading`]); [`Leadership::always`]
+//!   for embedded mode.
+//! - [`nodes`]: the node registry (agent side): a cluster-wide node ID per node,
+//!   allocated by compare-and-create, and the node's addresses and pod CIDRs
+//!   published under a lease.
+//! - [`routes`]: routes to other nodes' pod CIDRs via their node IPs, programmed
+//!   with rtnetlink from the registry and marked with our own route protocol.
+//! - [`heartbeat`]: the leader's heartbeat key and the staleness check agents
+//!   use for `/readyz`.
+//! - [`policystatus`]: per-node policy status written by agents, aggregated by
+//!   the leader into one rate-limited write per policy.
+//! - [`services`]: Services annotated for sharing, synced into the kvstore
+//!   under this cluster's prefix, stale entries cleaned on every relist.
+
+pub mod error;
+pub mod heartbeat;
+pub mod leader;
+pub mod nodes;
+pub mod policystatus;
+pub mod routes;
+pub mod services;
+
+pub use error::{Error, Result};
+pub use heartbeat::{
+    HEARTBEAT_KEY, Heartbeat, HeartbeatMonitor, heartbeat_is_stale, write_heartbeats,
+};
+pub use leader::{LeaderElectionConfig, LeaderElector, Leadership};
+pub use nodes::{NodeInfo, NodeRegistry, NodeRegistryConfig, allocate_node_id, release_node_id};
+pub use policystatus::{
+    AggregatorConfig, NodePolicyStatus, NodeStatusWriter, PolicyRef, PolicyStatusAggregator,
+    PolicySummary, read_summary,
+};
+pub use routes::{
+    DEFAULT_ROUTE_PROTOCOL, RouteConfig, RoutePlanner, RouteSync, RouteSyncReport, desired_routes,
+};
+pub use services::{SHARED_SERVICE_ANNOTATION, ServiceSyncConfig, SharedService, sync_services};
