@@ -49,6 +49,10 @@ pub enum Error {
     #[error("node ID allocation for {node:?} failed: {reason}")]
     NodeIdAllocation { node: String, reason: String },
 
+    /// The GC decider (guest) gave no answer; nothing was deleted.
+    #[error("GC decider: {0}")]
+    Gc(String),
+
     /// A background worker ended unexpectedly.
     #[error("internal error: {0}")]
     Internal(String),

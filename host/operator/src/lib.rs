@@ -14,8 +14,11 @@
 //!   the leader into one rate-limited write per policy.
 //! - [`services`]: Services annotated for sharing, synced into the kvstore
 //!   under this cluster's prefix, stale entries cleaned on every relist.
+//! - [`gc`]: the GC duty: candidates from the kvstore, a decider (the GC
+//!   guest) naming what to delete, deletions of offered keys only, rate-limited.
 
 pub mod error;
+pub mod gc;
 pub mod heartbeat;
 pub mod leader;
 pub mod nodes;
@@ -24,6 +27,10 @@ pub mod routes;
 pub mod services;
 
 pub use error::{Error, Result};
+pub use gc::{
+    CandidateKind, DeciderError, GarbageCollector, GcCandidate, GcConfig, GcDecider, GcReport,
+    LOCKS_PREFIX,
+};
 pub use heartbeat::{
     HEARTBEAT_KEY, Heartbeat, HeartbeatMonitor, heartbeat_is_stale, write_heartbeats,
 };
