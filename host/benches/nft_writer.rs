@@ -126,10 +126,10 @@ fn main() {
         drop(reference_ns);
 
         let ns = Netns::new(format!("wpbench{}-writer", std::process::id()));
-        let mut dataplane = Dataplane::new(Box::new(NftCommand { command: ns.nft_command() }));
+        let mut dataplane = Dataplane::new(Box::new(NftCommand::new(ns.nft_command(), Vec::new())));
         let (result, full) = timed(|| dataplane.full_sync(Some(objects.clone())));
         result.expect("writer full sync");
-        let mut lister = NftCommand { command: ns.nft_command() };
+        let mut lister = NftCommand::new(ns.nft_command(), Vec::new());
         let (listed, list) = timed(|| lister.list_objects().unwrap());
         assert!(listed.0.len() > n, "listing found {} chains", listed.0.len());
         let (result, reconcile) = timed(|| dataplane.full_sync(None));

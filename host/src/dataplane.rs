@@ -6,6 +6,15 @@
 //! same as one plain `nft -f`; incremental changes pay for nft's cache fill (a dump of every
 //! chain), ≤ 0.3 s up to 10k services, 5.8 s at 50k; a netlink `Kernel` is the way past that.
 //!
+//! UDP/SCTP conntrack cleanup (kube-proxy's): after a transaction that took DNAT targets away
+//! from a service address or node port, the conntrack entries of flows DNATed to them are
+//! deleted, so long-lived clients move on at once (see [`nft::conntrack_cleanup`]). Through
+//! Debian's `conntrack` tool, not a netlink crate: kube-proxy ran exactly that for years, it
+//! runs in the node's network namespace the same way `nft` does (a command prefix), and the
+//! Rust ctnetlink crates here are either dump-only (`conntrack`) or too young to rely on
+//! (`netlink-packet-netfilter` gained deletes in late 2025). Cleanups are rare (an endpoint
+//! of a UDP service goes) and cost one short process each.
+//!
 //! Costs this module keeps proportional to the change: an incremental sync edits the applied
 //! map and the map-key owner index in place (no copy of the table per sync), and a full sync
 //! finds stale chains with hashed lookups (a scan per listed chain took 60 s at 10k).
@@ -17,7 +26,7 @@ use std::sync::Arc;
 
 use wasmplane_model::ObjectKey;
 
-use crate::nft::{self, ObjectRules};
+use crate::nft::{self, ConntrackFilter, ObjectRules};
 
 #[derive(Debug, thiserror::Error)]
 pub enum WriteError {
@@ -25,11 +34,15 @@ pub enum WriteError {
     Spawn(std::io::Error),
     #[error("nft rejected the transaction: {0}")]
     Rejected(String),
+    #[error("conntrack {args}: {reason}")]
+    Conntrack { args: String, reason: String },
 }
 
 /// Where transactions go.
 pub trait Kernel: Send {
     fn apply(&mut self, transaction: &str) -> Result<(), WriteError>;
+    /// Deletes the conntrack entries each filter matches; returns how many went.
+    fn clear_conntrack(&mut self, filters: &[ConntrackFilter]) -> Result<usize, WriteError>;
     /// Chains and sets of our table currently in the kernel (for reconciliation).
     fn list_objects(&mut self) -> Result<(Vec<String>, Vec<String>), WriteError>;
     /// Whether our table is already in the kernel (rules of a previous run).
@@ -43,16 +56,28 @@ pub trait Kernel: Send {
 #[derive(Default)]
 pub struct Recorder {
     pub transactions: Vec<String>,
+    /// Conntrack deletions that would run, as `conntrack` arguments.
+    pub conntrack_deletions: Vec<String>,
+}
+
+/// Only the recent past is interesting; keep memory bounded.
+fn push_bounded(log: &mut Vec<String>, entry: String) {
+    if log.len() >= 64 {
+        log.remove(0);
+    }
+    log.push(entry);
 }
 
 impl Kernel for Recorder {
     fn apply(&mut self, transaction: &str) -> Result<(), WriteError> {
-        // Only the recent past is interesting; keep memory bounded.
-        if self.transactions.len() >= 64 {
-            self.transactions.remove(0);
-        }
-        self.transactions.push(transaction.to_string());
+        push_bounded(&mut self.transactions, transaction.to_string());
         Ok(())
+    }
+    fn clear_conntrack(&mut self, filters: &[ConntrackFilter]) -> Result<usize, WriteError> {
+        for f in filters {
+            push_bounded(&mut self.conntrack_deletions, f.args().join(" "));
+        }
+        Ok(0)
     }
     fn list_objects(&mut self) -> Result<(Vec<String>, Vec<String>), WriteError> {
         Ok((Vec::new(), Vec::new()))
@@ -62,13 +87,29 @@ impl Kernel for Recorder {
     }
 }
 
-/// Writes through `nft -f -` (see `nft.rs` for why text).
+/// Writes through `nft -f -` (see `nft.rs` for why text), cleans conntrack through
+/// `conntrack -D`.
 pub struct NftCommand {
     /// The command that runs nft, e.g. `["nft"]` or `["ip", "netns", "exec", "node", "nft"]`.
     pub command: Vec<String>,
+    /// The command that runs conntrack, in the same network namespace as `command`.
+    pub conntrack: Vec<String>,
 }
 
 impl NftCommand {
+    /// `conntrack` empty: the nft command with `conntrack` as its program, so that both run
+    /// in the same network namespace (`ip netns exec node nft` → `ip netns exec node conntrack`).
+    pub fn new(command: Vec<String>, mut conntrack: Vec<String>) -> NftCommand {
+        if conntrack.is_empty() {
+            conntrack = command.clone();
+            match conntrack.last_mut() {
+                Some(program) if program.rsplit('/').next() == Some("nft") => *program = "conntrack".into(),
+                _ => conntrack = vec!["conntrack".into()],
+            }
+        }
+        NftCommand { command, conntrack }
+    }
+
     fn nft(&self) -> Command {
         let mut cmd = Command::new(&self.command[0]);
         cmd.args(&self.command[1..]);
@@ -112,6 +153,30 @@ impl Kernel for NftCommand {
         } else {
             Err(WriteError::Rejected(String::from_utf8_lossy(&output.stderr).chars().take(4096).collect()))
         }
+    }
+
+    fn clear_conntrack(&mut self, filters: &[ConntrackFilter]) -> Result<usize, WriteError> {
+        let mut deleted = 0;
+        for filter in filters {
+            let args = filter.args();
+            let failed = |reason: String| WriteError::Conntrack { args: args.join(" "), reason };
+            let output = Command::new(&self.conntrack[0])
+                .args(&self.conntrack[1..])
+                .args(&args)
+                .stdin(Stdio::null())
+                .output()
+                .map_err(|e| failed(e.to_string()))?;
+            // "N flow entries have been deleted." on stderr; with N = 0 the exit status is 1.
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            let count = stderr
+                .split_once(" flow entries have been deleted")
+                .and_then(|(before, _)| before.rsplit(' ').next()?.parse::<usize>().ok());
+            match count {
+                Some(n) => deleted += n,
+                None => return Err(failed(stderr.chars().take(1024).collect())),
+            }
+        }
+        Ok(deleted)
     }
 
     fn list_objects(&mut self) -> Result<(Vec<String>, Vec<String>), WriteError> {
@@ -161,6 +226,8 @@ pub struct Dataplane {
     /// Rules of a previous run are in the kernel and we have not been given state yet.
     held: bool,
     pub last_transaction: String,
+    /// The last non-empty conntrack cleanup (filters), for inspection.
+    pub last_conntrack_cleanup: Vec<ConntrackFilter>,
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -168,6 +235,8 @@ pub struct SyncStats {
     pub full: bool,
     pub objects: usize,
     pub statements: usize,
+    /// Conntrack deletions (filters) run after the transaction.
+    pub conntrack_filters: usize,
 }
 
 impl Dataplane {
@@ -184,6 +253,7 @@ impl Dataplane {
             in_sync: false,
             held,
             last_transaction: String::new(),
+            last_conntrack_cleanup: Vec::new(),
         }
     }
 
@@ -266,9 +336,30 @@ impl Dataplane {
             self.keep_pending(wanted);
             return Err(e);
         }
+        let cleanup: Vec<ConntrackFilter> = olds
+            .iter()
+            .flat_map(|(key, old)| nft::conntrack_cleanup(old.as_deref().unwrap_or(&empty), next.get(key).map_or(&empty, |r| r)))
+            .collect();
+        let conntrack_filters = self.clean_conntrack(cleanup);
         self.last_transaction = transaction;
         self.applied = next;
-        Ok(SyncStats { full: false, objects, statements })
+        Ok(SyncStats { full: false, objects, statements, conntrack_filters })
+    }
+
+    /// Runs a conntrack cleanup after a transaction went in. A failure is logged, not
+    /// returned: the rules are in, and the flows only keep their old endpoint until their
+    /// entries time out.
+    fn clean_conntrack(&mut self, filters: Vec<ConntrackFilter>) -> usize {
+        if filters.is_empty() {
+            return 0;
+        }
+        match self.kernel.clear_conntrack(&filters) {
+            Ok(deleted) => tracing::debug!(filters = filters.len(), deleted, "deleted conntrack entries of endpoints that went away"),
+            Err(e) => tracing::warn!("conntrack cleanup failed, the flows move once their entries time out: {e}"),
+        }
+        let n = filters.len();
+        self.last_conntrack_cleanup = filters;
+        n
     }
 
     /// Puts `rules` (or nothing) in place of `key` in `objects`, keeping `element_owner` in
@@ -327,7 +418,7 @@ impl Dataplane {
         if self.held {
             let objects = next.len();
             self.keep_pending(next);
-            return Ok(SyncStats { full: true, objects, statements: 0 });
+            return Ok(SyncStats { full: true, objects, statements: 0, conntrack_filters: 0 });
         }
         self.write_full(next)
     }
@@ -365,7 +456,20 @@ impl Dataplane {
             self.keep_pending(next);
             return Err(e);
         }
-        let stats = SyncStats { full: true, objects: next.len(), statements: transaction.lines().count() };
+        // What the kernel had from us (`applied`) against what it has now, for the objects
+        // that changed (a hot swap, a sync after a failed write).
+        let empty = ObjectRules::default();
+        let cleanup: Vec<ConntrackFilter> = self
+            .applied
+            .iter()
+            .filter_map(|(key, old)| match next.get(key) {
+                Some(new) if Arc::ptr_eq(new, old) || new == old => None,
+                new => Some(nft::conntrack_cleanup(old, new.map_or(&empty, |n| n))),
+            })
+            .flatten()
+            .collect();
+        let conntrack_filters = self.clean_conntrack(cleanup);
+        let stats = SyncStats { full: true, objects: next.len(), statements: transaction.lines().count(), conntrack_filters };
         self.last_transaction = transaction;
         self.in_sync = true;
         self.commit(next);
@@ -412,6 +516,7 @@ mod tests {
         applied: Arc<Mutex<Vec<String>>>,
         refuse: Arc<Mutex<bool>>,
         has_table: bool,
+        conntrack: Arc<Mutex<Vec<ConntrackFilter>>>,
     }
 
     impl Kernel for Fake {
@@ -421,6 +526,10 @@ mod tests {
             }
             self.applied.lock().unwrap().push(transaction.to_string());
             Ok(())
+        }
+        fn clear_conntrack(&mut self, filters: &[ConntrackFilter]) -> Result<usize, WriteError> {
+            self.conntrack.lock().unwrap().extend(filters.iter().cloned());
+            Ok(filters.len())
         }
         fn list_objects(&mut self) -> Result<(Vec<String>, Vec<String>), WriteError> {
             Ok((Vec::new(), Vec::new()))

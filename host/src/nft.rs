@@ -34,6 +34,8 @@
 //! Shape (kube-proxy's nftables mode): static base chains and named verdict maps owned by
 //! the host; per service, chains under the service's own prefix and elements in the maps.
 
+pub mod policy;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::net::IpAddr;
@@ -57,21 +59,35 @@ pub struct InvalidOutput {
     pub reason: String,
 }
 
-/// A named map of the host's table that guests add elements to.
+/// Key shape of a host map or set guests add elements to.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum KeyShape {
+    /// address . protocol . port
+    AddressProtocolPort,
+    /// protocol . port
+    ProtocolPort,
+    /// address (a set: elements carry no verdict)
+    Address,
+}
+
+/// A named map (or set) of the host's table that guests add elements to.
 struct HostMap {
     name: &'static str,
     v6_name: Option<&'static str>,
-    /// Key shape: true = address . protocol . port, false = protocol . port.
-    with_address: bool,
+    key: KeyShape,
     /// No-endpoint maps only hold reject/drop; the others only goto/jump a guest chain.
     terminal: bool,
 }
 
 const SERVICE_MAPS: &[HostMap] = &[
-    HostMap { name: "service-ips", v6_name: Some("service-ips6"), with_address: true, terminal: false },
-    HostMap { name: "service-nodeports", v6_name: None, with_address: false, terminal: false },
-    HostMap { name: "no-endpoint-services", v6_name: Some("no-endpoint-services6"), with_address: true, terminal: true },
-    HostMap { name: "no-endpoint-nodeports", v6_name: None, with_address: false, terminal: true },
+    HostMap { name: "service-ips", v6_name: Some("service-ips6"), key: KeyShape::AddressProtocolPort, terminal: false },
+    HostMap { name: "service-nodeports", v6_name: None, key: KeyShape::ProtocolPort, terminal: false },
+    HostMap { name: "no-endpoint-services", v6_name: Some("no-endpoint-services6"), key: KeyShape::AddressProtocolPort, terminal: true },
+    HostMap { name: "no-endpoint-nodeports", v6_name: None, key: KeyShape::ProtocolPort, terminal: true },
+    // The service's cluster IPs (verdict `none`): new connections to one of them that no
+    // service port DNATed are rejected (kube-proxy's `cluster-ips` set), instead of being
+    // routed on towards wherever the service CIDR leads.
+    HostMap { name: "cluster-ips", v6_name: Some("cluster-ips6"), key: KeyShape::Address, terminal: false },
 ];
 
 /// The chain prefix a service's objects must live under.
@@ -79,14 +95,28 @@ pub fn service_prefix(key: &ObjectKey) -> String {
     format!("svc/{}/{}", key.namespace, key.name)
 }
 
+/// A named set of one object: its declaration and its elements apart, so that a change of
+/// elements only (peer pod IPs of a policy) is written as element deltas.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct SetRules {
+    /// Rendered declaration body without elements (`type ipv4_addr; flags dynamic;`).
+    pub declaration: String,
+    /// Rendered elements.
+    pub elements: BTreeSet<String>,
+    /// Elements may expire by themselves (a timeout set): their deletion must not depend on
+    /// their still being there.
+    #[serde(skip)]
+    pub expires: bool,
+}
+
 /// What one object (service) has in the dataplane, validated and rendered.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct ObjectRules {
     /// Chain name → rendered rules.
     pub chains: BTreeMap<String, Vec<String>>,
-    /// Set name → rendered declaration body.
-    pub sets: BTreeMap<String, String>,
-    /// (map, rendered key) → rendered verdict.
+    /// Set name → declaration and elements.
+    pub sets: BTreeMap<String, SetRules>,
+    /// (map or host set, rendered key) → rendered verdict (empty for a set element).
     #[serde(serialize_with = "elements_as_list")]
     pub elements: BTreeMap<(String, String), String>,
     pub warnings: Vec<String>,
@@ -280,23 +310,20 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
             return v.fail(format!("set {:?} declared twice", set.name));
         }
         let ty = if set.family == wit::AddressFamily::Ipv4 { "ipv4_addr" } else { "ipv6_addr" };
-        let mut body = format!("type {ty}; flags dynamic");
+        let mut declaration = format!("type {ty}; flags dynamic");
         if let Some(t) = set.timeout_seconds {
-            write!(body, ",timeout; timeout {t}s").unwrap();
+            write!(declaration, ",timeout; timeout {t}s").unwrap();
         }
-        body.push(';');
-        if !set.elements.is_empty() {
-            let mut elems = Vec::new();
-            for e in &set.elements {
-                let addr = v.address(e)?;
-                if (set.family == wit::AddressFamily::Ipv4) != addr.is_ipv4() {
-                    return v.fail(format!("set {:?}: element {e} has the wrong address family", set.name));
-                }
-                elems.push(addr.to_string());
+        declaration.push(';');
+        let mut elements = BTreeSet::new();
+        for e in &set.elements {
+            let addr = v.address(e)?;
+            if (set.family == wit::AddressFamily::Ipv4) != addr.is_ipv4() {
+                return v.fail(format!("set {:?}: element {e} has the wrong address family", set.name));
             }
-            write!(body, " elements = {{ {} }};", elems.join(", ")).unwrap();
+            elements.insert(addr.to_string());
         }
-        rules.sets.insert(set.name.clone(), body);
+        rules.sets.insert(set.name.clone(), SetRules { declaration, elements, expires: set.timeout_seconds.is_some() });
     }
     for chain in &out.chains {
         let rendered = chain.rules.iter().map(|r| v.rule(r)).collect::<Result<Vec<_>, _>>()?;
@@ -306,30 +333,50 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
         let Some(map) = SERVICE_MAPS.iter().find(|m| m.name == element.map_name) else {
             return v.fail(format!("unknown map {:?} (known: {})", element.map_name, SERVICE_MAPS.iter().map(|m| m.name).collect::<Vec<_>>().join(", ")));
         };
-        let (target_map, key) = match (map.with_address, element.key.as_slice()) {
-            (true, [wit::KeyPart::Address(a), wit::KeyPart::Protocol(p), wit::KeyPart::Port(port)]) => {
+        let by_family = |addr: &IpAddr| if addr.is_ipv4() { map.name } else { map.v6_name.unwrap_or(map.name) };
+        let (target_map, key) = match (map.key, element.key.as_slice()) {
+            (KeyShape::AddressProtocolPort, [wit::KeyPart::Address(a), wit::KeyPart::Protocol(p), wit::KeyPart::Port(port)]) => {
                 let addr = v.address(a)?;
-                let name = if addr.is_ipv4() { map.name } else { map.v6_name.unwrap_or(map.name) };
-                (name, format!("{addr} . {} . {port}", protocol(*p)))
+                (by_family(&addr), format!("{addr} . {} . {port}", protocol(*p)))
             }
-            (false, [wit::KeyPart::Protocol(p), wit::KeyPart::Port(port)]) => (map.name, format!("{} . {port}", protocol(*p))),
+            (KeyShape::ProtocolPort, [wit::KeyPart::Protocol(p), wit::KeyPart::Port(port)]) => (map.name, format!("{} . {port}", protocol(*p))),
+            (KeyShape::Address, [wit::KeyPart::Address(a)]) => {
+                let addr = v.address(a)?;
+                (by_family(&addr), addr.to_string())
+            }
             _ => return v.fail(format!("map {:?}: key {:?} has the wrong shape", map.name, element.key)),
         };
-        let verdict = match (&element.verdict, map.terminal) {
-            (wit::Verdict::Reject, true) => "goto reject-chain".to_string(),
-            (wit::Verdict::Drop, true) => "drop".to_string(),
-            (wit::Verdict::Jump(_) | wit::Verdict::Goto(_), false) => v.verdict(&element.verdict)?,
-            (other, _) => return v.fail(format!("map {:?} cannot hold verdict {other:?}", map.name)),
+        let verdict = match (&element.verdict, map.terminal, map.key) {
+            (wit::Verdict::None, false, KeyShape::Address) => String::new(),
+            (wit::Verdict::Reject, true, _) => "goto reject-chain".to_string(),
+            (wit::Verdict::Drop, true, _) => "drop".to_string(),
+            (wit::Verdict::Jump(_) | wit::Verdict::Goto(_), false, KeyShape::AddressProtocolPort | KeyShape::ProtocolPort) => v.verdict(&element.verdict)?,
+            (other, _, _) => return v.fail(format!("map {:?} cannot hold verdict {other:?}", map.name)),
         };
         if rules.elements.insert((target_map.to_string(), key.clone()), verdict).is_some() {
             return v.fail(format!("map {target_map:?}: key {key} given twice"));
         }
+    }
+    // A guest may only call addresses cluster IPs that it already serves as service
+    // addresses: declaring one rejects every other port of it, which must not reach beyond
+    // what the object owns (say, the node's own address).
+    let service_addresses: BTreeSet<&str> = rules
+        .elements
+        .keys()
+        .filter(|(map, _)| matches!(map.as_str(), "service-ips" | "service-ips6" | "no-endpoint-services" | "no-endpoint-services6"))
+        .filter_map(|(_, key)| key.split(" . ").next())
+        .collect();
+    if let Some((_, ip)) =
+        rules.elements.keys().find(|(map, ip)| matches!(map.as_str(), "cluster-ips" | "cluster-ips6") && !service_addresses.contains(ip.as_str()))
+    {
+        return v.fail(format!("cluster IP {ip} is not the address of any of this object's service ports"));
     }
     Ok(rules)
 }
 
 const HOST_MAPS: [&str; 6] =
     ["service-ips", "service-ips6", "service-nodeports", "no-endpoint-services", "no-endpoint-services6", "no-endpoint-nodeports"];
+const HOST_SETS: [(&str, &str); 2] = [("cluster-ips", "ipv4_addr"), ("cluster-ips6", "ipv6_addr")];
 
 /// The host's static part of the table: maps, base chains and their fixed rules.
 /// `flush_first`: empty the table (rules and map elements) after declaring everything and
@@ -347,21 +394,39 @@ pub fn skeleton(out: &mut String, flush_first: bool) {
     ] {
         writeln!(out, "add map {t} {name} {{ type {ty} : verdict; }}").unwrap();
     }
+    for (name, ty) in HOST_SETS {
+        writeln!(out, "add set {t} {name} {{ type {ty}; }}").unwrap();
+    }
+    // Node ports are served on every local address but loopback, in both families (the map
+    // keys are protocol . port, family-independent).
+    const NODE_PORTS: &str = "fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @service-nodeports";
+    const NODE_PORTS6: &str = "fib daddr type local ip6 daddr != ::1 meta l4proto . th dport vmap @service-nodeports";
+    const NO_ENDPOINT_NODE_PORTS: &str = "fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @no-endpoint-nodeports";
+    const NO_ENDPOINT_NODE_PORTS6: &str = "fib daddr type local ip6 daddr != ::1 meta l4proto . th dport vmap @no-endpoint-nodeports";
     let base: &[(&str, &str, &[&str])] = &[
         ("nat-prerouting", "type nat hook prerouting priority dstnat; policy accept;", &["jump services"]),
         ("nat-output", "type nat hook output priority -100; policy accept;", &["jump services"]),
         ("nat-postrouting", "type nat hook postrouting priority srcnat; policy accept;", &["jump masquerading"]),
         // Before DNAT (priority dstnat-10), so destinations are still the service addresses.
         ("filter-input", "type filter hook input priority -110; policy accept;", &["ct state new jump endpoints-check"]),
-        ("filter-forward", "type filter hook forward priority -110; policy accept;", &["ct state new jump endpoints-check"]),
+        // Forwarded packets were DNATed at prerouting already: one still addressed to a
+        // cluster IP matched no service port of it.
+        (
+            "filter-forward",
+            "type filter hook forward priority -110; policy accept;",
+            &["ct state new jump endpoints-check", "ct state new jump cluster-ips-check"],
+        ),
         ("filter-output", "type filter hook output priority -110; policy accept;", &["ct state new jump endpoints-check"]),
+        // Local traffic is DNATed in the output hook (priority -100): check after it.
+        ("filter-output-post-dnat", "type filter hook output priority -90; policy accept;", &["ct state new jump cluster-ips-check"]),
         (
             "services",
             "",
             &[
                 "ip daddr . meta l4proto . th dport vmap @service-ips",
                 "ip6 daddr . meta l4proto . th dport vmap @service-ips6",
-                "fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @service-nodeports",
+                NODE_PORTS,
+                NODE_PORTS6,
             ],
         ),
         (
@@ -370,9 +435,11 @@ pub fn skeleton(out: &mut String, flush_first: bool) {
             &[
                 "ip daddr . meta l4proto . th dport vmap @no-endpoint-services",
                 "ip6 daddr . meta l4proto . th dport vmap @no-endpoint-services6",
-                "fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @no-endpoint-nodeports",
+                NO_ENDPOINT_NODE_PORTS,
+                NO_ENDPOINT_NODE_PORTS6,
             ],
         ),
+        ("cluster-ips-check", "", &["ip daddr @cluster-ips reject", "ip6 daddr @cluster-ips6 reject"]),
         ("mark-for-masquerade", "", &["meta mark set meta mark | 0x4000"]),
         (
             "masquerading",
@@ -399,6 +466,9 @@ pub fn skeleton(out: &mut String, flush_first: bool) {
         for map in HOST_MAPS {
             writeln!(out, "flush map {t} {map}").unwrap();
         }
+        for (set, _) in HOST_SETS {
+            writeln!(out, "flush set {t} {set}").unwrap();
+        }
     }
     for (name, _, rules) in base {
         writeln!(out, "flush chain {t} {name}").unwrap();
@@ -413,10 +483,18 @@ pub fn is_static_chain(name: &str) -> bool {
     !name.starts_with("svc/")
 }
 
+fn add_set(out: &mut String, name: &str, set: &SetRules) {
+    write!(out, "add set {FAMILY} {TABLE} {name} {{ {}", set.declaration).unwrap();
+    if !set.elements.is_empty() {
+        write!(out, " elements = {{ {} }};", set.elements.iter().map(String::as_str).collect::<Vec<_>>().join(", ")).unwrap();
+    }
+    out.push_str(" }\n");
+}
+
 fn add_object(out: &mut String, rules: &ObjectRules) {
     let t = format!("{FAMILY} {TABLE}");
-    for (name, body) in &rules.sets {
-        writeln!(out, "add set {t} {name} {{ {body} }}").unwrap();
+    for (name, set) in &rules.sets {
+        add_set(out, name, set);
     }
     for name in rules.chains.keys() {
         writeln!(out, "add chain {t} {name}").unwrap();
@@ -428,9 +506,14 @@ fn add_object(out: &mut String, rules: &ObjectRules) {
     }
 }
 
+/// Map elements (`key : verdict`) and host set elements (no verdict).
 fn add_elements<'a>(out: &mut String, elements: impl Iterator<Item = (&'a (String, String), &'a String)>) {
     for ((map, key), verdict) in elements {
-        writeln!(out, "add element {FAMILY} {TABLE} {map} {{ {key} : {verdict} }}").unwrap();
+        if verdict.is_empty() {
+            writeln!(out, "add element {FAMILY} {TABLE} {map} {{ {key} }}").unwrap();
+        } else {
+            writeln!(out, "add element {FAMILY} {TABLE} {map} {{ {key} : {verdict} }}").unwrap();
+        }
     }
 }
 
@@ -462,6 +545,11 @@ pub fn full_transaction<'a>(
 /// The statements that turn `old` into `new` for one object, in an order the kernel accepts
 /// within one transaction: drop elements, flush old chains, delete what went away, then
 /// declare and fill the new objects, then add elements.
+///
+/// A set whose declaration is unchanged keeps existing: only the difference of its elements
+/// is written (`add`/`delete element`), and the chains using it are left alone. Only a set
+/// whose declaration changed (or that went away) is deleted, after flushing the object's
+/// chains (their rules may reference it).
 pub fn object_delta(old: &ObjectRules, new: &ObjectRules, out: &mut String) {
     let t = format!("{FAMILY} {TABLE}");
     for (k @ (map, key), verdict) in &old.elements {
@@ -469,11 +557,34 @@ pub fn object_delta(old: &ObjectRules, new: &ObjectRules, out: &mut String) {
             writeln!(out, "delete element {t} {map} {{ {key} }}").unwrap();
         }
     }
+    // Sets kept as they are declared: element deltas only.
+    let kept_sets: Vec<(&String, &SetRules, &SetRules)> = old
+        .sets
+        .iter()
+        .filter_map(|(name, o)| new.sets.get(name).filter(|n| n.declaration == o.declaration).map(|n| (name, o, n)))
+        .collect();
+    for (name, o, n) in &kept_sets {
+        let gone: Vec<&str> = o.elements.difference(&n.elements).map(String::as_str).collect();
+        if gone.is_empty() {
+            continue;
+        }
+        let gone = gone.join(", ");
+        if o.expires {
+            // The element may have timed out already, and deleting a missing element fails
+            // the whole transaction: (re-)adding it first makes the delete always valid.
+            writeln!(out, "add element {t} {name} {{ {gone} }}").unwrap();
+        }
+        writeln!(out, "delete element {t} {name} {{ {gone} }}").unwrap();
+    }
     let changed_chains: Vec<&String> =
         old.chains.iter().filter(|(name, rules)| new.chains.get(*name) != Some(*rules)).map(|(n, _)| n).collect();
-    let changed_sets: Vec<&String> =
-        old.sets.iter().filter(|(name, body)| new.sets.get(*name) != Some(*body)).map(|(n, _)| n).collect();
-    // A changed set is referenced by rules that must be flushed before it can go.
+    let changed_sets: Vec<&String> = old
+        .sets
+        .iter()
+        .filter(|(name, set)| new.sets.get(*name).is_none_or(|n| n.declaration != set.declaration))
+        .map(|(n, _)| n)
+        .collect();
+    // A set that goes is referenced by rules that must be flushed before it can go.
     let touching_sets = !changed_sets.is_empty();
     for name in old.chains.keys() {
         if touching_sets || changed_chains.contains(&name) {
@@ -486,9 +597,15 @@ pub fn object_delta(old: &ObjectRules, new: &ObjectRules, out: &mut String) {
     for name in &changed_sets {
         writeln!(out, "delete set {t} {name}").unwrap();
     }
-    for (name, body) in &new.sets {
-        if old.sets.get(name) != Some(body) {
-            writeln!(out, "add set {t} {name} {{ {body} }}").unwrap();
+    for (name, set) in &new.sets {
+        if old.sets.get(name).is_none_or(|o| o.declaration != set.declaration) {
+            add_set(out, name, set);
+        }
+    }
+    for (name, o, n) in &kept_sets {
+        let added: Vec<&str> = n.elements.difference(&o.elements).map(String::as_str).collect();
+        if !added.is_empty() {
+            writeln!(out, "add element {t} {name} {{ {} }}", added.join(", ")).unwrap();
         }
     }
     let rewrite: Vec<(&String, &Vec<String>)> = new
@@ -505,6 +622,136 @@ pub fn object_delta(old: &ObjectRules, new: &ObjectRules, out: &mut String) {
         }
     }
     add_elements(out, new.elements.iter().filter(|(k, v)| old.elements.get(*k) != Some(*v)));
+}
+
+/// One conntrack deletion (`conntrack -D` filter): flows of a protocol to a service address
+/// (any address for a node port) and port, those DNATed to `endpoint` or all of them.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub struct ConntrackFilter {
+    pub protocol: &'static str,
+    pub ipv6: bool,
+    /// The original destination (a service address); `None`: a node port, on any address.
+    pub destination: Option<IpAddr>,
+    pub port: u16,
+    /// The DNAT target the flows went to (address, port); `None`: every flow.
+    pub endpoint: Option<(IpAddr, u16)>,
+}
+
+impl ConntrackFilter {
+    /// The arguments of `conntrack` that delete these flows.
+    pub fn args(&self) -> Vec<String> {
+        let mut args: Vec<String> =
+            ["-D", "-f", if self.ipv6 { "ipv6" } else { "ipv4" }, "-p", self.protocol].map(String::from).to_vec();
+        if let Some(d) = self.destination {
+            args.extend(["--orig-dst".into(), d.to_string()]);
+        }
+        args.extend(["--orig-port-dst".into(), self.port.to_string()]);
+        if let Some((addr, port)) = self.endpoint {
+            args.extend(["--reply-src".into(), addr.to_string(), "--reply-port-src".into(), port.to_string()]);
+        }
+        args
+    }
+}
+
+/// A service address (or node port: no address) with protocol and port, as map keys say it.
+type Frontend = (&'static str, Option<IpAddr>, u16);
+
+/// Protocols whose flows are cleaned up: connectionless ones keep their conntrack entry (and
+/// so their old DNAT target) as long as packets flow; TCP is left alone, like kube-proxy.
+fn cleaned_protocol(name: &str) -> Option<&'static str> {
+    match name {
+        "udp" => Some("udp"),
+        "sctp" => Some("sctp"),
+        _ => None,
+    }
+}
+
+/// Parses a rendered map key of a service map (`addr . proto . port` or `proto . port`).
+fn frontend(key: &str) -> Option<Frontend> {
+    let parts: Vec<&str> = key.split(" . ").collect();
+    match parts.as_slice() {
+        [addr, proto, port] => Some((cleaned_protocol(proto)?, Some(addr.parse().ok()?), port.parse().ok()?)),
+        [proto, port] => Some((cleaned_protocol(proto)?, None, port.parse().ok()?)),
+        _ => None,
+    }
+}
+
+/// The words of a rendered rule outside quoted strings (comments, log prefixes).
+fn words(rule: &str) -> Vec<&str> {
+    rule.split('"').step_by(2).flat_map(str::split_whitespace).collect()
+}
+
+/// Every DNAT target reachable from `chain` through goto/jump within the object.
+fn dnat_targets<'a>(rules: &'a ObjectRules, chain: &'a str, seen: &mut BTreeSet<&'a str>, found: &mut BTreeSet<(IpAddr, u16)>) {
+    if !seen.insert(chain) {
+        return;
+    }
+    let Some(chain_rules) = rules.chains.get(chain) else { return };
+    for rule in chain_rules {
+        let words = words(rule);
+        for pair in words.windows(2) {
+            match pair {
+                ["goto" | "jump", next] => dnat_targets(rules, next, seen, found),
+                ["to", target] if words.contains(&"dnat") => {
+                    if let Ok(sa) = target.parse::<std::net::SocketAddr>() {
+                        found.insert((sa.ip(), sa.port()));
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+/// UDP/SCTP frontends of an object, with the endpoints each one DNATs to (empty: no
+/// endpoints, the frontend is in a no-endpoint map).
+fn frontends(rules: &ObjectRules) -> BTreeMap<Frontend, BTreeSet<(IpAddr, u16)>> {
+    let mut out: BTreeMap<Frontend, BTreeSet<(IpAddr, u16)>> = BTreeMap::new();
+    for ((map, key), verdict) in &rules.elements {
+        let routed = matches!(map.as_str(), "service-ips" | "service-ips6" | "service-nodeports");
+        let unrouted = matches!(map.as_str(), "no-endpoint-services" | "no-endpoint-services6" | "no-endpoint-nodeports");
+        if !(routed || unrouted) {
+            continue;
+        }
+        let Some(front) = frontend(key) else { continue };
+        let targets = out.entry(front).or_default();
+        if let Some(chain) = verdict.strip_prefix("goto ").or_else(|| verdict.strip_prefix("jump ")) {
+            dnat_targets(rules, chain, &mut BTreeSet::new(), targets);
+        }
+    }
+    out
+}
+
+/// The conntrack entries to delete when an object goes from `old` to `new` (kube-proxy's
+/// UDP conntrack cleanup), from the DNAT targets its rules had and lost:
+/// - flows of a UDP/SCTP service address or node port DNATed to an endpoint it no longer
+///   reaches, so a long-lived client (a DNS resolver) moves to a live endpoint at once
+///   instead of talking to nothing until its entry times out;
+/// - every flow of a UDP/SCTP service address or node port that had no endpoints and has
+///   some now (entries made while it was rejected or dropped must not linger).
+pub fn conntrack_cleanup(old: &ObjectRules, new: &ObjectRules) -> Vec<ConntrackFilter> {
+    let (before, after) = (frontends(old), frontends(new));
+    let none = BTreeSet::new();
+    let mut filters = Vec::new();
+    for (&(protocol, destination, port), had) in &before {
+        let has = after.get(&(protocol, destination, port)).unwrap_or(&none);
+        for &(addr, endpoint_port) in had.difference(has) {
+            filters.push(ConntrackFilter { protocol, ipv6: addr.is_ipv6(), destination, port, endpoint: Some((addr, endpoint_port)) });
+        }
+        if had.is_empty() && !has.is_empty() {
+            // A node port has no address of its own: clean up the families it now serves.
+            let families: BTreeSet<bool> = match destination {
+                Some(d) => [d.is_ipv6()].into(),
+                None => has.iter().map(|(a, _)| a.is_ipv6()).collect(),
+            };
+            for ipv6 in families {
+                filters.push(ConntrackFilter { protocol, ipv6, destination, port, endpoint: None });
+            }
+        }
+    }
+    filters.sort();
+    filters.dedup();
+    filters
 }
 
 #[cfg(test)]

@@ -335,6 +335,13 @@ async fn a_service_without_endpoints_rejects_fast() {
     assert_backends("TCP once an endpoint is ready", &tcp_many(&client, addr("10.96.0.40", 80), 5), &["a"]);
     assert_backends("UDP once an endpoint is ready", &udp_many(&client, addr("10.96.0.40", 80), 5), &["a"]);
     assert_backends("node port once an endpoint is ready", &tcp_many(&topo.external.name, addr(NODE_EXTERNAL_IP, 30040), 5), &["a"]);
+    // A port the service does not have: the cluster IP is ours, so the connection is refused
+    // at once (kube-proxy's `cluster-ips` set) rather than routed on to time out.
+    for (what, ns) in [("pod", &client), ("node", &topo.node.name)] {
+        let started = Instant::now();
+        let tcp = in_ns(ns, || tcp_ask(addr("10.96.0.40", 81), TIMEOUT));
+        assert_refused_fast(&format!("TCP {what} → cluster IP, unknown port"), tcp, started, *ns == topo.node.name);
+    }
 
     // Not ready (and not serving) is as good as none.
     empty.endpoints = vec![Endpoint { ip: POD_A.into(), node: NODE, ready: false, serving: false, terminating: false }];
@@ -604,13 +611,10 @@ async fn sctp_services_load_and_dnat() {
 }
 
 /// kube-proxy deletes the conntrack entries of UDP flows whose endpoint went away, so a
-/// long-lived UDP client (a DNS resolver) moves to a live endpoint at once. The host does not
-/// do that yet: conntrack entries can only be deleted through ctnetlink (no `conntrack` tool
-/// here, and nft cannot delete them), and the host runs nft inside the node namespace through
-/// a command, not in-process. Until then such a flow keeps going to the removed endpoint
-/// until its conntrack entry times out (120 s for an assured UDP flow).
+/// long-lived UDP client (a DNS resolver) moves to a live endpoint at once instead of sending
+/// into the void until its entry times out (120 s for an assured UDP flow). The host does the
+/// same through `conntrack -D` in the node namespace after the transaction.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "not implemented yet: UDP conntrack cleanup for removed endpoints"]
 async fn a_udp_flow_to_a_removed_endpoint_moves_to_a_live_one() {
     require_root!();
     let mut topo = Topology::new("udpct");

@@ -9,7 +9,8 @@
 //!   service: those load quadratically);
 //! - one *endpoint chain* per endpoint masquerades hairpin traffic and DNATs.
 //!
-//! Services without usable endpoints get `no-endpoint-*` elements that reject.
+//! Services without usable endpoints get `no-endpoint-*` elements that reject. Cluster IPs go
+//! into the host's `cluster-ips` set: other ports of them are rejected.
 
 use std::collections::BTreeMap;
 
@@ -201,6 +202,18 @@ pub fn translate(
     let primary_family = cluster_ips[0].as_str();
     for port in &service.ports {
         translate_port(node, chain_prefix, service, port, slices, primary_family, &cluster_ips, &mut ruleset);
+    }
+    if !service.ports.is_empty() {
+        // The host rejects new connections to these addresses on ports no service port
+        // handles (kube-proxy's `cluster-ips` set), so they fail at once instead of being
+        // routed on. External and load-balancer IPs are not ours to close.
+        for ip in &cluster_ips {
+            ruleset.map_elements.push(MapElement {
+                map_name: "cluster-ips".into(),
+                key: vec![KeyPart::Address(ip.to_string())],
+                verdict: Verdict::None,
+            });
+        }
     }
     Ok(ruleset)
 }

@@ -53,8 +53,10 @@ fn cluster_ip_picks_uniformly_among_ready_endpoints() {
     assert!(matches!(svc_chain.rules[0].verdict, Verdict::Masquerade));
     assert_eq!(svc_chain.rules[1].matches, vec![RuleMatch::Random((2, 0))]);
     assert!(svc_chain.rules[2].matches.is_empty());
-    assert_eq!(r.map_elements.len(), 1);
+    assert_eq!(r.map_elements.len(), 2);
     assert_eq!(r.map_elements[0].map_name, "service-ips");
+    // The cluster IP itself, for the host's reject of ports the service does not define.
+    assert_eq!(r.map_elements[1], MapElement { map_name: "cluster-ips".into(), key: vec![KeyPart::Address("10.96.0.20".into())], verdict: Verdict::None });
 }
 
 #[test]
@@ -118,7 +120,7 @@ fn internal_local_policy_uses_local_endpoints_and_drops_without_them() {
     assert_eq!(dnat_targets(&r), vec!["10.244.0.11:8080"]);
     let remote_only = slice(vec![endpoint("10.244.1.11", true, false, false)]);
     let r = translate(&ctx(), "svc/shop/web", &svc, &[remote_only]).unwrap();
-    assert_eq!(r.map_elements.len(), 1);
+    assert_eq!(r.map_elements.len(), 2);
     assert_eq!(r.map_elements[0].map_name, "no-endpoint-services");
     assert_eq!(r.map_elements[0].verdict, Verdict::Drop, "endpoints elsewhere: drop, not reject");
     let r = translate(&ctx(), "svc/shop/web", &svc, &[]).unwrap();

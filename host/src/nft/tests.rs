@@ -82,3 +82,191 @@ fn delta_touches_only_what_changed_in_a_valid_order() {
     object_delta(&new, &new, &mut nothing);
     assert!(nothing.is_empty());
 }
+
+#[test]
+fn skeleton_serves_node_ports_on_both_families_and_rejects_unknown_cluster_ip_ports() {
+    let mut text = String::new();
+    skeleton(&mut text, true);
+    for family_rule in [
+        "add rule inet wasmplane services fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @service-nodeports",
+        "add rule inet wasmplane services fib daddr type local ip6 daddr != ::1 meta l4proto . th dport vmap @service-nodeports",
+        "add rule inet wasmplane endpoints-check fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @no-endpoint-nodeports",
+        "add rule inet wasmplane endpoints-check fib daddr type local ip6 daddr != ::1 meta l4proto . th dport vmap @no-endpoint-nodeports",
+        "add set inet wasmplane cluster-ips { type ipv4_addr; }",
+        "add set inet wasmplane cluster-ips6 { type ipv6_addr; }",
+        "flush set inet wasmplane cluster-ips\n",
+        "add rule inet wasmplane cluster-ips-check ip daddr @cluster-ips reject",
+        "add rule inet wasmplane cluster-ips-check ip6 daddr @cluster-ips6 reject",
+        // After DNAT: forwarded packets were translated at prerouting, local ones at output -100.
+        "add chain inet wasmplane filter-output-post-dnat { type filter hook output priority -90; policy accept; }",
+        "add rule inet wasmplane filter-output-post-dnat ct state new jump cluster-ips-check",
+        "add rule inet wasmplane filter-forward ct state new jump cluster-ips-check",
+    ] {
+        assert!(text.lines().any(|l| l == family_rule.trim_end()), "missing {family_rule:?} in\n{text}");
+    }
+    // The check comes after the no-endpoint check (which rejects or drops on its own terms).
+    let pos = |needle: &str| text.find(needle).unwrap();
+    assert!(pos("filter-forward ct state new jump endpoints-check") < pos("filter-forward ct state new jump cluster-ips-check"));
+    assert!(!text.contains("filter-input ct state new jump cluster-ips-check"), "input is not routed on");
+}
+
+fn cluster_ip(ip: &str) -> MapElement {
+    MapElement { map_name: "cluster-ips".into(), key: vec![KeyPart::Address(ip.into())], verdict: Verdict::None }
+}
+
+#[test]
+fn cluster_ips_go_to_the_host_set_only_for_addresses_the_object_serves() {
+    let chain = "svc/shop/web/tcp/http";
+    let out = ruleset(vec![dnat_chain(chain, "10.244.0.11")], vec![element("service-ips", "10.96.0.20", Verdict::Goto(chain.into())), cluster_ip("10.96.0.20")]);
+    let rules = validate_service_output(&key(), &out).unwrap();
+    assert_eq!(rules.elements[&("cluster-ips".to_string(), "10.96.0.20".to_string())], "");
+    let text = full_transaction([&rules].into_iter(), &[], &[]);
+    assert!(text.contains("add element inet wasmplane cluster-ips { 10.96.0.20 }\n"), "{text}");
+    let mut delta = String::new();
+    object_delta(&rules, &ObjectRules::default(), &mut delta);
+    assert!(delta.contains("delete element inet wasmplane cluster-ips { 10.96.0.20 }\n"), "{delta}");
+
+    // A service without endpoints still owns its address; IPv6 goes to the v6 set.
+    let out = ruleset(vec![], vec![element("no-endpoint-services", "fd00:96::20", Verdict::Reject), cluster_ip("fd00:96::20")]);
+    let rules = validate_service_output(&key(), &out).unwrap();
+    assert!(rules.elements.contains_key(&("cluster-ips6".to_string(), "fd00:96::20".to_string())));
+
+    // Claiming an address it does not serve (the node's), or with a verdict, is refused.
+    for (bad, expected) in [
+        (vec![element("service-ips", "10.96.0.20", Verdict::Goto(chain.into())), cluster_ip("192.168.0.1")], "not the address of any"),
+        (
+            vec![
+                element("service-ips", "10.96.0.20", Verdict::Goto(chain.into())),
+                MapElement { map_name: "cluster-ips".into(), key: vec![KeyPart::Address("10.96.0.20".into())], verdict: Verdict::Drop },
+            ],
+            "cannot hold",
+        ),
+        (vec![element("cluster-ips", "10.96.0.20", Verdict::None)], "wrong shape"),
+    ] {
+        let err = validate_service_output(&key(), &ruleset(vec![dnat_chain(chain, "10.244.0.11")], bad)).unwrap_err();
+        assert!(err.reason.contains(expected), "{expected:?} not in {:?}", err.reason);
+    }
+}
+
+fn with_set(elements: &[&str], timeout: Option<u32>) -> ObjectRules {
+    let chain = Chain {
+        name: "svc/shop/web/from-peers".into(),
+        rules: vec![Rule { matches: vec![RuleMatch::SourceInSet("svc/shop/web/peers".into())], statements: vec![], verdict: Verdict::Accept, comment: None }],
+    };
+    let set = SetDeclaration { name: "svc/shop/web/peers".into(), family: AddressFamily::Ipv4, timeout_seconds: timeout, elements: elements.iter().map(|e| e.to_string()).collect() };
+    validate_service_output(&key(), &Ruleset { chains: vec![chain], sets: vec![set], map_elements: vec![], warnings: vec![] }).unwrap()
+}
+
+#[test]
+fn set_elements_change_as_element_deltas() {
+    let old = with_set(&["10.244.0.1", "10.244.0.2"], None);
+    let new = with_set(&["10.244.0.2", "10.244.0.3"], None);
+    let mut out = String::new();
+    object_delta(&old, &new, &mut out);
+    assert_eq!(
+        out,
+        "delete element inet wasmplane svc/shop/web/peers { 10.244.0.1 }\n\
+         add element inet wasmplane svc/shop/web/peers { 10.244.0.3 }\n",
+        "only the difference, the set and the chains using it stay"
+    );
+    // Elements of a set whose elements can expire: re-added before the delete, so a delete
+    // of one that timed out cannot fail the transaction.
+    let (old, new) = (with_set(&["10.244.0.1", "10.244.0.2"], Some(60)), with_set(&["10.244.0.2"], Some(60)));
+    let mut out = String::new();
+    object_delta(&old, &new, &mut out);
+    assert_eq!(
+        out,
+        "add element inet wasmplane svc/shop/web/peers { 10.244.0.1 }\n\
+         delete element inet wasmplane svc/shop/web/peers { 10.244.0.1 }\n"
+    );
+    // A changed declaration replaces the set: chains flushed first, the set declared anew
+    // with its elements, the chains refilled.
+    let old = with_set(&["10.244.0.1"], None);
+    let new = with_set(&["10.244.0.1"], Some(30));
+    let mut out = String::new();
+    object_delta(&old, &new, &mut out);
+    let lines: Vec<&str> = out.lines().collect();
+    let pos = |needle: &str| lines.iter().position(|l| l.starts_with(needle)).unwrap_or_else(|| panic!("{needle} missing in {out}"));
+    assert!(pos("flush chain inet wasmplane svc/shop/web/from-peers") < pos("delete set inet wasmplane svc/shop/web/peers"));
+    assert!(pos("delete set") < pos("add set inet wasmplane svc/shop/web/peers { type ipv4_addr; flags dynamic,timeout; timeout 30s; elements = { 10.244.0.1 }; }"));
+    assert!(pos("add set") < pos("add rule inet wasmplane svc/shop/web/from-peers ip saddr @svc/shop/web/peers accept"));
+    // The full document declares the set with its elements in one statement.
+    let text = full_transaction([&new].into_iter(), &[], &[]);
+    assert!(text.contains("add set inet wasmplane svc/shop/web/peers { type ipv4_addr; flags dynamic,timeout; timeout 30s; elements = { 10.244.0.1 }; }"), "{text}");
+}
+
+/// A UDP service like the default translator makes it: cluster IP and node port, one chain
+/// per endpoint, the pick cascade in the service chain, the external chain going to it.
+fn udp_service(protocol: Protocol, endpoints: &[&str]) -> ObjectRules {
+    let p = match protocol {
+        Protocol::Tcp => "tcp",
+        Protocol::Udp => "udp",
+        Protocol::Sctp => "sctp",
+    };
+    let svc = format!("svc/shop/web/{p}/dns");
+    let mut chains = Vec::new();
+    let mut pick = Vec::new();
+    for ep in endpoints {
+        let name = format!("{svc}/ep/{ep}/8053");
+        chains.push(Chain {
+            name: name.clone(),
+            rules: vec![Rule { matches: vec![RuleMatch::Protocol(protocol)], statements: vec![RuleStatement::Dnat(DnatTarget { address: ep.to_string(), port: 8053 })], verdict: Verdict::None, comment: Some("dnat to an endpoint: goto nowhere".into()) }],
+        });
+        pick.push(Rule { matches: vec![], statements: vec![], verdict: Verdict::Goto(name), comment: None });
+    }
+    let mut elements = Vec::new();
+    let service_key = |ip: &str| vec![KeyPart::Address(ip.into()), KeyPart::Protocol(protocol), KeyPart::Port(53)];
+    let node_port = vec![KeyPart::Protocol(protocol), KeyPart::Port(30053)];
+    if endpoints.is_empty() {
+        elements.push(MapElement { map_name: "no-endpoint-services".into(), key: service_key("10.96.0.53"), verdict: Verdict::Reject });
+        elements.push(MapElement { map_name: "no-endpoint-nodeports".into(), key: node_port, verdict: Verdict::Reject });
+    } else {
+        chains.push(Chain { name: format!("{svc}/external"), rules: vec![Rule { matches: vec![], statements: vec![], verdict: Verdict::Goto(svc.clone()), comment: None }] });
+        chains.push(Chain { name: svc.clone(), rules: pick });
+        elements.push(MapElement { map_name: "service-ips".into(), key: service_key("10.96.0.53"), verdict: Verdict::Goto(svc.clone()) });
+        elements.push(MapElement { map_name: "service-nodeports".into(), key: node_port, verdict: Verdict::Goto(format!("{svc}/external")) });
+    }
+    validate_service_output(&key(), &Ruleset { chains, sets: vec![], map_elements: elements, warnings: vec![] }).unwrap()
+}
+
+#[test]
+fn conntrack_cleanup_follows_the_dnat_targets_a_service_lost() {
+    let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+    let lost = |ep: &str, destination: Option<&str>, port: u16| ConntrackFilter {
+        protocol: "udp",
+        ipv6: false,
+        destination: destination.map(ip),
+        port,
+        endpoint: Some((ip(ep), 8053)),
+    };
+    // Order is not part of the contract.
+    let sorted = |mut filters: Vec<ConntrackFilter>| {
+        filters.sort_by_key(|f| f.args());
+        filters
+    };
+    let two = udp_service(Protocol::Udp, &["10.244.0.11", "10.244.0.12"]);
+    let one = udp_service(Protocol::Udp, &["10.244.0.11"]);
+    // An endpoint goes: its flows through the cluster IP and through the node port.
+    assert_eq!(sorted(conntrack_cleanup(&two, &one)), sorted(vec![lost("10.244.0.12", Some("10.96.0.53"), 53), lost("10.244.0.12", None, 30053)]));
+    assert_eq!(
+        lost("10.244.0.12", Some("10.96.0.53"), 53).args().join(" "),
+        "-D -f ipv4 -p udp --orig-dst 10.96.0.53 --orig-port-dst 53 --reply-src 10.244.0.12 --reply-port-src 8053"
+    );
+    // Nothing lost, nothing cleaned: scale-up, an unchanged service.
+    assert!(conntrack_cleanup(&one, &two).is_empty());
+    assert!(conntrack_cleanup(&two, &two).is_empty());
+    // The service goes: every flow of it.
+    assert_eq!(sorted(conntrack_cleanup(&one, &ObjectRules::default())), sorted(vec![lost("10.244.0.11", Some("10.96.0.53"), 53), lost("10.244.0.11", None, 30053)]));
+    // From no endpoints to some: every flow of its addresses (made while it rejected).
+    let none = udp_service(Protocol::Udp, &[]);
+    let all = |destination: Option<&str>, port| ConntrackFilter { protocol: "udp", ipv6: false, destination: destination.map(ip), port, endpoint: None };
+    assert_eq!(sorted(conntrack_cleanup(&none, &one)), sorted(vec![all(Some("10.96.0.53"), 53), all(None, 30053)]));
+    assert_eq!(all(None, 30053).args().join(" "), "-D -f ipv4 -p udp --orig-port-dst 30053");
+    // ... and when they go to none, the lost endpoint's flows.
+    assert_eq!(sorted(conntrack_cleanup(&one, &none)), sorted(vec![lost("10.244.0.11", Some("10.96.0.53"), 53), lost("10.244.0.11", None, 30053)]));
+    // SCTP like UDP; TCP is left alone (like kube-proxy).
+    let sctp = conntrack_cleanup(&udp_service(Protocol::Sctp, &["10.244.0.11", "10.244.0.12"]), &udp_service(Protocol::Sctp, &["10.244.0.11"]));
+    assert_eq!(sctp.len(), 2);
+    assert!(sctp.iter().all(|f| f.protocol == "sctp"));
+    assert!(conntrack_cleanup(&udp_service(Protocol::Tcp, &["10.244.0.11", "10.244.0.12"]), &udp_service(Protocol::Tcp, &["10.244.0.11"])).is_empty());
+}
