@@ -18,6 +18,7 @@ struct Guest {
 
 const SHIPPED: &[Guest] = &[
     Guest { constant: "SERVICE_TRANSLATOR", package: "wasmplane-guest-service-translator", features: &[] },
+    Guest { constant: "GC", package: "wasmplane-guest-gc", features: &[] },
 ];
 
 const EXAMPLES: &[Guest] =
@@ -27,6 +28,7 @@ const TEST_PROGRAMS: &[Guest] = &[
     Guest { constant: "LOOP_FOREVER", package: "wasmplane-test-guests", features: &["loop-forever"] },
     Guest { constant: "ALLOCATE_FOREVER", package: "wasmplane-test-guests", features: &["allocate-forever"] },
     Guest { constant: "TRAP", package: "wasmplane-test-guests", features: &["trap"] },
+    Guest { constant: "TRAP_ON_LABEL", package: "wasmplane-test-guests", features: &["trap-on-label"] },
     Guest { constant: "INVALID_OUTPUT", package: "wasmplane-test-guests", features: &["invalid-output"] },
     Guest { constant: "WRONG_WORLD", package: "wasmplane-test-guests", features: &["wrong-world"] },
 ];

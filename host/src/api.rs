@@ -16,10 +16,13 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::json;
-use sha2::{Digest, Sha256};
 use wasmplane_runtime::{GuestKind, LoadError};
 
+use crate::auth::{AuthError, Identity};
 use crate::controller::{Controller, HostError};
+use crate::module_store::StoreError;
+use crate::modules::Modules;
+use crate::registry::RegistryError;
 use crate::metrics::Metrics;
 
 #[derive(Clone)]
@@ -29,6 +32,10 @@ pub struct ApiState {
     pub token: Arc<String>,
     pub ready: Arc<AtomicBool>,
     pub max_module_bytes: usize,
+    pub modules: Arc<Modules>,
+    /// Static token and, if configured, Kubernetes TokenReview + SubjectAccessReview.
+    pub auth: Arc<crate::auth::Auth>,
+    pub audit: Arc<crate::audit::Audit>,
 }
 
 pub struct ApiError(StatusCode, String);
@@ -48,7 +55,13 @@ impl From<HostError> for ApiError {
             HostError::Load(LoadError::TooLarge { .. }) => StatusCode::PAYLOAD_TOO_LARGE,
             HostError::Load(LoadError::NotWasm | LoadError::CoreModule) => StatusCode::BAD_REQUEST,
             HostError::Load(_) | HostError::ActivationFailed { .. } => StatusCode::UNPROCESSABLE_ENTITY,
-            HostError::Write(_) | HostError::Storage(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            HostError::Admission(_) => StatusCode::FORBIDDEN,
+            HostError::Store(StoreError::Kv(wasmplane_kvstore::KvError::Unavailable(_))) => StatusCode::SERVICE_UNAVAILABLE,
+            HostError::Store(StoreError::Contended(_)) => StatusCode::CONFLICT,
+            HostError::Store(StoreError::Refused(RegistryError::NotFound(_))) => StatusCode::NOT_FOUND,
+            HostError::Store(StoreError::Refused(RegistryError::Conflict(_))) => StatusCode::CONFLICT,
+            HostError::Store(StoreError::Refused(RegistryError::BadRequest(_))) => StatusCode::BAD_REQUEST,
+            HostError::Write(_) | HostError::Storage(_) | HostError::Store(_) | HostError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         };
         ApiError(status, e.to_string())
     }
@@ -81,19 +94,16 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/modules/{name}", get(get_module).put(upload_module).delete(delete_module))
         .route("/v1/modules/{name}/activate", post(activate_module))
         .route("/v1/modules/{name}/rollback", post(rollback_module))
+        .route("/v1/modules/{name}/shadow", post(start_shadow).delete(stop_shadow))
+        .route("/v1/modules/{name}/shadow-diff", get(shadow_diff))
+        .route("/v1/modules/{name}/promote", post(promote_shadow))
         .route("/v1/state", get(node_state))
         .route("/v1/dataplane", get(dataplane))
         .layer(DefaultBodyLimit::max(max_body))
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
+        // Outermost: sees every answer, refused authentication included.
+        .layer(middleware::from_fn_with_state(state.clone(), crate::audit::audit_layer))
         .with_state(state)
-}
-
-fn bearer_matches(headers: &HeaderMap, token: &str) -> bool {
-    let Some(given) = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")) else {
-        return false;
-    };
-    // Compare digests so the time taken says nothing about the token.
-    Sha256::digest(given.trim().as_bytes()) == Sha256::digest(token.as_bytes())
 }
 
 async fn authenticate(State(state): State<ApiState>, ConnectInfo(peer): ConnectInfo<SocketAddr>, request: Request, next: Next) -> Response {
@@ -101,13 +111,33 @@ async fn authenticate(State(state): State<ApiState>, ConnectInfo(peer): ConnectI
     let open_probe = matches!(path, "/healthz" | "/readyz");
     let read_only = matches!(*request.method(), Method::GET | Method::HEAD);
     let needs_token = !open_probe && (!read_only || !peer.ip().is_loopback());
-    if needs_token && !bearer_matches(request.headers(), &state.token) {
-        let why = if request.headers().contains_key(header::AUTHORIZATION) { "invalid bearer token" } else { "missing bearer token" };
-        let mut response = ApiError(StatusCode::UNAUTHORIZED, format!("{why}: this call needs `Authorization: Bearer <token>`")).into_response();
-        response.headers_mut().insert(header::WWW_AUTHENTICATE, "Bearer".parse().expect("static header"));
-        return response;
+    if !needs_token {
+        return next.run(request).await;
     }
-    next.run(request).await
+    match state.auth.check(request.headers(), !read_only).await {
+        Ok(identity) => {
+            let mut response = next.run(request).await;
+            // For the audit layer outside this one.
+            response.extensions_mut().insert(identity);
+            response
+        }
+        Err(e) => {
+            let status = match &e {
+                AuthError::Missing | AuthError::Invalid | AuthError::Rejected { .. } => StatusCode::UNAUTHORIZED,
+                AuthError::Forbidden { .. } => StatusCode::FORBIDDEN,
+                AuthError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            };
+            tracing::debug!(%peer, "refused: {e}");
+            let mut response = ApiError(status, e.to_string()).into_response();
+            if status == StatusCode::UNAUTHORIZED {
+                response.headers_mut().insert(header::WWW_AUTHENTICATE, "Bearer".parse().expect("static header"));
+            }
+            if let Some(user) = e.user() {
+                response.extensions_mut().insert(Identity { user: user.to_string(), method: "kubernetes" });
+            }
+            response
+        }
+    }
 }
 
 async fn readyz(State(state): State<ApiState>) -> impl IntoResponse {
@@ -132,6 +162,8 @@ async fn get_module(State(state): State<ApiState>, Path(name): Path<String>) -> 
 struct UploadQuery {
     kind: Option<String>,
     activate: Option<bool>,
+    /// Run the new version in shadow instead of activating it.
+    shadow: Option<bool>,
 }
 
 async fn upload_module(State(state): State<ApiState>, Path(name): Path<String>, Query(q): Query<UploadQuery>, headers: HeaderMap, body: Bytes) -> ApiResult<Response> {
@@ -145,12 +177,21 @@ async fn upload_module(State(state): State<ApiState>, Path(name): Path<String>, 
     if body.is_empty() {
         return Err(ApiError(StatusCode::BAD_REQUEST, "empty body: send the component bytes".into()));
     }
-    let activate = q.activate.unwrap_or(true);
-    let metrics = state.metrics.clone();
-    let result = with_controller(&state, move |c| c.upload(&name, kind, &body, activate)).await;
+    let shadow = q.shadow.unwrap_or(false);
+    let activate = q.activate.unwrap_or(!shadow);
+    if shadow && activate {
+        return Err(ApiError(StatusCode::BAD_REQUEST, "a version is either activated or run in shadow, not both".into()));
+    }
+    let signature = headers.get("x-wasmplane-signature").and_then(|v| v.to_str().ok()).map(str::to_string);
+    let result = state.modules.upload(&name, kind, body, activate, signature.as_deref()).await;
     let label = if result.is_ok() { "accepted" } else { "refused" };
-    metrics.module_uploads.get_or_create(&crate::metrics::ResultLabels { result: label.into() }).inc();
-    Ok((StatusCode::CREATED, Json(result?)).into_response())
+    state.metrics.module_uploads.get_or_create(&crate::metrics::ResultLabels { result: label.into() }).inc();
+    let outcome = result?;
+    if shadow {
+        state.modules.start_shadow(&name, Some(outcome.version)).await?;
+        return Ok((StatusCode::CREATED, Json(json!({ "name": outcome.name, "version": outcome.version, "digest": outcome.digest, "kind": outcome.kind, "active": false, "shadow": true }))).into_response());
+    }
+    Ok((StatusCode::CREATED, Json(outcome)).into_response())
 }
 
 #[derive(Deserialize)]
@@ -159,19 +200,37 @@ struct ActivateQuery {
 }
 
 async fn activate_module(State(state): State<ApiState>, Path(name): Path<String>, Query(q): Query<ActivateQuery>) -> ApiResult<Response> {
-    let module = name.clone();
-    let version = with_controller(&state, move |c| c.activate(&module, q.version)).await?;
+    let version = state.modules.activate(&name, q.version).await?;
     Ok(Json(json!({ "name": name, "active_version": version })).into_response())
 }
 
 async fn rollback_module(State(state): State<ApiState>, Path(name): Path<String>) -> ApiResult<Response> {
-    let module = name.clone();
-    let version = with_controller(&state, move |c| c.rollback(&module)).await?;
+    let version = state.modules.rollback(&name).await?;
+    Ok(Json(json!({ "name": name, "active_version": version })).into_response())
+}
+
+async fn start_shadow(State(state): State<ApiState>, Path(name): Path<String>, Query(q): Query<ActivateQuery>) -> ApiResult<Response> {
+    let version = state.modules.start_shadow(&name, q.version).await?;
+    Ok(Json(json!({ "name": name, "shadow_version": version })).into_response())
+}
+
+async fn stop_shadow(State(state): State<ApiState>, Path(name): Path<String>) -> ApiResult<Response> {
+    state.modules.stop_shadow(&name).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn shadow_diff(State(state): State<ApiState>, Path(name): Path<String>) -> ApiResult<Response> {
+    let diff = with_controller(&state, move |c| c.shadow_diff(&name)).await?;
+    Ok(Json(diff).into_response())
+}
+
+async fn promote_shadow(State(state): State<ApiState>, Path(name): Path<String>) -> ApiResult<Response> {
+    let version = state.modules.promote(&name).await?;
     Ok(Json(json!({ "name": name, "active_version": version })).into_response())
 }
 
 async fn delete_module(State(state): State<ApiState>, Path(name): Path<String>) -> ApiResult<Response> {
-    with_controller(&state, move |c| c.delete(&name)).await?;
+    state.modules.delete(&name).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 

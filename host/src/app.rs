@@ -14,6 +14,8 @@ use crate::api::{ApiState, router};
 use crate::controller::{Controller, ControllerConfig};
 use crate::dataplane::{Kernel, NftCommand, Recorder};
 use crate::metrics::Metrics;
+use crate::module_store::ModuleStore;
+use crate::modules::Modules;
 use wasmplane_sources::kube::{SourceEvent, WATCHED_KINDS, WatchStatus};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -49,12 +51,54 @@ impl KubernetesSource {
     }
 }
 
+/// Where hosts share state (modules today; node registry and status with the operator).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KvstoreConfig {
+    /// In this process: persisted in `data_dir/kvstore.redb`, in memory without a data dir.
+    Embedded,
+    /// An etcd cluster (v3 API), by client URLs.
+    Etcd(Vec<String>),
+}
+
+impl KvstoreConfig {
+    /// `embedded`, or `etcd://host:port[,host:port…]` / `http://…` endpoint lists.
+    pub fn parse(text: &str) -> Result<KvstoreConfig, String> {
+        if text == "embedded" {
+            return Ok(KvstoreConfig::Embedded);
+        }
+        let endpoints = text.strip_prefix("etcd://").map(|rest| rest.split(',').map(|e| format!("http://{e}")).collect::<Vec<_>>()).unwrap_or_else(|| text.split(',').map(str::to_string).collect());
+        if endpoints.iter().any(|e| !(e.starts_with("http://") || e.starts_with("https://")) || e.len() < "http://x".len()) {
+            return Err(format!("kvstore {text:?}: expected `embedded` or `etcd://host:port[,host:port...]`"));
+        }
+        Ok(KvstoreConfig::Etcd(endpoints))
+    }
+
+    pub async fn open(&self, data_dir: Option<&std::path::Path>) -> anyhow::Result<Arc<dyn wasmplane_kvstore::KvStore>> {
+        Ok(match self {
+            KvstoreConfig::Embedded => match data_dir {
+                Some(dir) => {
+                    let path = dir.join("kvstore.redb");
+                    Arc::new(wasmplane_kvstore::EmbeddedStore::open(wasmplane_kvstore::EmbeddedConfig::persistent(&path)).await.with_context(|| format!("opening the embedded kvstore {}", path.display()))?)
+                }
+                None => Arc::new(wasmplane_kvstore::EmbeddedStore::in_memory()),
+            },
+            KvstoreConfig::Etcd(endpoints) => Arc::new(
+                wasmplane_kvstore::EtcdStore::connect(wasmplane_kvstore::EtcdConfig::new(endpoints.clone())).await.with_context(|| format!("connecting to etcd at {}", endpoints.join(",")))?,
+            ),
+        })
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct HostConfig {
+    /// Where modules (and later cluster-wide state) are shared with other hosts.
+    pub kvstore: KvstoreConfig,
     pub listen: SocketAddr,
     pub manifests: Option<PathBuf>,
     /// Watch a Kubernetes API server (takes precedence over `manifests`).
     pub kubernetes: Option<KubernetesSource>,
+    /// Serve the CNI daemon (none: not served).
+    pub cni: Option<crate::cni::CniConfig>,
     /// Where the gRPC node-local model stream listens (none: not served).
     pub grpc_listen: Option<SocketAddr>,
     /// How often the events/revisions stats line is logged.
@@ -66,19 +110,35 @@ pub struct HostConfig {
     pub token: Option<String>,
     pub limits: Limits,
     pub max_module_bytes: usize,
+    /// Crashes of the module in force tolerated per window before it is rolled back.
+    pub crash_budget: crate::controller::CrashBudget,
     pub reconcile_interval: Duration,
     pub manifest_poll: Duration,
     /// How nft is run in `nftables` mode (tests point it into a network namespace).
     pub nft_command: Vec<String>,
+    /// How conntrack is run in `nftables` mode (UDP/SCTP flow cleanup), in the same network
+    /// namespace as `nft_command`. Empty: `nft_command` with `conntrack` in place of `nft`.
+    pub conntrack_command: Vec<String>,
+    /// Public keys (files) of which one must have signed every upload; empty: unsigned
+    /// uploads are accepted.
+    pub trusted_keys: Vec<PathBuf>,
+    /// YAML grants of capabilities per module; none: every known capability to every module.
+    pub grants: Option<PathBuf>,
+    /// Serve the REST API over TLS with this certificate and key (PEM).
+    pub tls: Option<crate::auth::TlsFiles>,
+    /// Accept Kubernetes bearer tokens (TokenReview + SubjectAccessReview) beside the static token.
+    pub kubernetes_auth: Option<crate::auth::KubernetesAuthConfig>,
 }
 
 impl Default for HostConfig {
     fn default() -> Self {
         HostConfig {
+            kvstore: KvstoreConfig::Embedded,
             listen: "127.0.0.1:8080".parse().expect("static address"),
             manifests: None,
             kubernetes: None,
             grpc_listen: None,
+            cni: None,
             stats_interval: Duration::from_secs(60),
             data_dir: None,
             node_name: "node-a".into(),
@@ -87,9 +147,15 @@ impl Default for HostConfig {
             token: None,
             limits: Limits::default(),
             max_module_bytes: 16 << 20,
+            crash_budget: Default::default(),
             reconcile_interval: Duration::from_secs(60),
             manifest_poll: Duration::from_secs(1),
             nft_command: vec!["nft".into()],
+            conntrack_command: Vec::new(),
+            trusted_keys: Vec::new(),
+            grants: None,
+            tls: None,
+            kubernetes_auth: None,
         }
     }
 }
@@ -101,8 +167,11 @@ pub struct RunningHost {
     pub metrics: Arc<Metrics>,
     pub ready: Arc<AtomicBool>,
     pub watch_status: Option<Arc<WatchStatus>>,
+    pub modules: Arc<Modules>,
     /// Where the gRPC model stream listens, if it is served.
     pub grpc_addr: Option<SocketAddr>,
+    /// Whether the REST API is served over TLS (`https://` in [`RunningHost::url`]).
+    pub tls: bool,
     model_feed: Option<wasmplane_grpc::ModelFeed>,
     shutdown: Option<oneshot::Sender<()>>,
     server: tokio::task::JoinHandle<()>,
@@ -111,7 +180,7 @@ pub struct RunningHost {
 
 impl RunningHost {
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        format!("{}://{}", if self.tls { "https" } else { "http" }, self.addr)
     }
 
     pub async fn stop(mut self) {
@@ -157,17 +226,31 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating data dir {}", dir.display()))?;
     }
     let token = resolve_token(&config)?;
-    let metrics = Arc::new(Metrics::new());
+    // Configuration errors first, before anything is opened or bound.
+    let admission = crate::admission::Admission::from_files(&config.trusted_keys, config.grants.as_deref()).context("loading trusted keys and grants")?;
+    if admission.requires_signatures() {
+        tracing::info!(keys = config.trusted_keys.len(), "uploads must be signed by a trusted key");
+    }
+    let tls_config = config.tls.as_ref().map(crate::auth::server_config).transpose()?;
+    let auth = match &config.kubernetes_auth {
+        Some(k) => crate::auth::Auth::with_kubernetes(&token, k.clone()).await.context("setting up Kubernetes authentication")?,
+        None => crate::auth::Auth::static_token(&token),
+    };
+    let mut metrics = Metrics::new();
+    let audit_failures = prometheus_client::metrics::counter::Counter::default();
+    metrics.registry.register("audit_write_failures", "Audit records that could not be written to the kvstore", audit_failures.clone());
+    let metrics = Arc::new(metrics);
     let cache = config.data_dir.as_ref().map(|d| d.join("compiled"));
     let runtime = Arc::new(Runtime::new(config.limits.clone(), cache)?);
     let kernel: Box<dyn Kernel> = match config.dataplane {
         DataplaneMode::Record => Box::new(Recorder::default()),
-        DataplaneMode::Nftables => Box::new(NftCommand { command: config.nft_command.clone() }),
+        DataplaneMode::Nftables => Box::new(NftCommand::new(config.nft_command.clone(), config.conntrack_command.clone())),
     };
     let controller_config = ControllerConfig {
         node_name: config.node_name.clone(),
         cluster_cidrs: config.cluster_cidrs.clone(),
         max_module_bytes: config.max_module_bytes,
+        crash_budget: config.crash_budget,
     };
     let data_dir = config.data_dir.clone();
     let controller = {
@@ -175,6 +258,10 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         tokio::task::spawn_blocking(move || Controller::new(runtime, metrics, kernel, data_dir.as_deref(), controller_config)).await??
     };
     let controller = Arc::new(Mutex::new(controller));
+    let kv = config.kvstore.open(config.data_dir.as_deref()).await?;
+    let modules = Arc::new(Modules::new(ModuleStore::new(kv), controller.clone(), Arc::new(admission)));
+    // Modules in force cluster-wide are in force here before any source state is applied.
+    let index_revision = modules.sync_now().await.context("loading the module index from the kvstore")?;
     let ready = Arc::new(AtomicBool::new(config.manifests.is_none() && config.kubernetes.is_none()));
     let mut loops = Vec::new();
     let mut watch_status = None;
@@ -224,6 +311,15 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         model_feed = Some(feed);
     }
 
+    loops.push(tokio::spawn(modules.clone().follow(index_revision)));
+    if let Some(cni) = config.cni.clone() {
+        loops.push(tokio::spawn(crate::cni::run(cni, config.data_dir.clone(), controller.clone())));
+    }
+    {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        controller.lock().unwrap_or_else(|p| p.into_inner()).set_rollback_sink(tx);
+        loops.push(tokio::spawn(modules.clone().handle_rollbacks(rx)));
+    }
     loops.push(tokio::spawn(log_stats(metrics.clone(), config.stats_interval)));
 
     {
@@ -249,22 +345,36 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         token: Arc::new(token.clone()),
         ready: ready.clone(),
         max_module_bytes: config.max_module_bytes,
+        modules: modules.clone(),
+        auth: Arc::new(auth),
+        audit: Arc::new(crate::audit::Audit::new(modules.store().kv().clone(), config.node_name.clone(), audit_failures)),
     };
     let listener = tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;
     let addr = listener.local_addr()?;
     let (shutdown_tx, shutdown_rx) = oneshot::channel::<()>();
     let app = router(state).into_make_service_with_connect_info::<SocketAddr>();
-    let server = tokio::spawn(async move {
-        let result = axum::serve(listener, app)
-            .with_graceful_shutdown(async {
-                let _ = shutdown_rx.await;
+    let shutdown = async {
+        let _ = shutdown_rx.await;
+    };
+    let tls = tls_config.is_some();
+    let server = match tls_config {
+        Some(tls_config) => {
+            use axum::serve::ListenerExt as _;
+            // tap_io: axum's ConnectInfo<SocketAddr> is implemented for tapped listeners.
+            let listener = crate::auth::TlsListener::new(listener, tls_config)?.tap_io(|_| {});
+            tokio::spawn(async move {
+                if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown).await {
+                    tracing::error!("REST API server failed: {e}");
+                }
             })
-            .await;
-        if let Err(e) = result {
-            tracing::error!("REST API server failed: {e}");
         }
-    });
-    Ok(RunningHost { addr, token, controller, metrics, ready, watch_status, grpc_addr, model_feed, shutdown: Some(shutdown_tx), server, loops })
+        None => tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown).await {
+                tracing::error!("REST API server failed: {e}");
+            }
+        }),
+    };
+    Ok(RunningHost { addr, token, controller, metrics, ready, watch_status, modules, grpc_addr, tls, model_feed, shutdown: Some(shutdown_tx), server, loops })
 }
 
 /// Publishes every model revision to gRPC watchers.

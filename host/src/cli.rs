@@ -44,6 +44,16 @@ pub struct RunArgs {
     /// or in-cluster service account).
     #[arg(long, conflicts_with = "kubeconfig")]
     pub kubernetes: bool,
+    /// Where hosts share modules: `embedded` (in this process, kept in the data dir) or
+    /// `etcd://host:port[,host:port...]`.
+    #[arg(long, env = "WASMPLANE_KVSTORE", default_value = "embedded", value_parser = crate::app::KvstoreConfig::parse)]
+    pub kvstore: crate::app::KvstoreConfig,
+    /// Serve the CNI daemon for the `wasmplane-cni` plugin on this unix socket (off when unset).
+    #[arg(long, env = "WASMPLANE_CNI_SOCKET")]
+    pub cni_socket: Option<PathBuf>,
+    /// This node's pod CIDR for CNI address allocation (default: from this node's Node object).
+    #[arg(long, env = "WASMPLANE_POD_CIDR", requires = "cni_socket")]
+    pub pod_cidr: Option<ipnet::Ipv4Net>,
     /// gRPC listen address of the node-local model stream (off when unset).
     #[arg(long, env = "WASMPLANE_GRPC_LISTEN")]
     pub grpc_listen: Option<SocketAddr>,
@@ -74,6 +84,45 @@ pub struct RunArgs {
     /// Seconds between full reconciles of the dataplane.
     #[arg(long, default_value_t = 60)]
     pub reconcile_seconds: u64,
+    /// Require every upload to be signed by one of these ed25519 public keys (repeatable;
+    /// a file holds one key: 64 hex characters or SPKI PEM). None: signatures not required.
+    #[arg(long = "trusted-key", env = "WASMPLANE_TRUSTED_KEYS", value_delimiter = ',')]
+    pub trusted_keys: Vec<PathBuf>,
+    /// YAML map of module name (or "*") to the capabilities it may import (`log`,
+    /// `lookups`). Without it every module is granted every capability.
+    #[arg(long, env = "WASMPLANE_GRANTS")]
+    pub grants: Option<PathBuf>,
+    /// Serve the REST API over TLS with this certificate chain (PEM).
+    #[arg(long, env = "WASMPLANE_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The TLS private key (PEM: PKCS#8, RSA or SEC1).
+    #[arg(long, env = "WASMPLANE_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Also accept Kubernetes bearer tokens: checked by TokenReview, authorized by
+    /// SubjectAccessReview (API server from --kubeconfig, else found as kubectl would).
+    #[arg(long, env = "WASMPLANE_KUBERNETES_AUTH")]
+    pub kubernetes_auth: bool,
+    /// SubjectAccessReview verb for mutating calls (reads ask `get`).
+    #[arg(long, default_value = "update")]
+    pub auth_verb: String,
+    /// SubjectAccessReview API group.
+    #[arg(long, default_value = "wasmplane.io")]
+    pub auth_group: String,
+    /// SubjectAccessReview resource.
+    #[arg(long, default_value = "modules")]
+    pub auth_resource: String,
+    /// SubjectAccessReview namespace (default: cluster-wide).
+    #[arg(long)]
+    pub auth_namespace: Option<String>,
+    /// Seconds a TokenReview/SubjectAccessReview answer is reused for the same token.
+    #[arg(long, default_value_t = 10)]
+    pub auth_cache_seconds: u64,
+    /// Crashes (trap, limit, invalid output) of the module in force tolerated within
+    /// `--crash-window-seconds` before it is rolled back to its last good version.
+    #[arg(long, default_value_t = 5)]
+    pub crash_budget: usize,
+    #[arg(long, default_value_t = 60)]
+    pub crash_window_seconds: u64,
 }
 
 #[derive(clap::Args, Debug)]
@@ -115,6 +164,51 @@ pub enum ModuleCommand {
     Rollback { name: String },
     /// Delete a module (its kind falls back to the builtin if it was in force).
     Rm { name: String },
+    /// Sign a component with an ed25519 private key: writes FILE.sig, which `push` sends.
+    Sign {
+        /// Private key: PKCS#8 PEM (as `keygen` or `openssl genpkey -algorithm ed25519`
+        /// write) or the 32-byte seed as 64 hex characters.
+        #[arg(long)]
+        key: PathBuf,
+        file: PathBuf,
+    },
+    /// Make an ed25519 key pair: OUT (private, PKCS#8 PEM, mode 0600) and OUT.pub (SPKI
+    /// PEM, for the host's --trusted-key).
+    Keygen { out: PathBuf },
+}
+
+/// `FILE.wasm` → `FILE.wasm.sig`.
+pub fn signature_path(file: &std::path::Path) -> PathBuf {
+    let mut path = file.as_os_str().to_owned();
+    path.push(".sig");
+    PathBuf::from(path)
+}
+
+/// `module sign` and `module keygen`: local, no API call. False for the other commands.
+fn local_command(command: &ModuleCommand) -> anyhow::Result<bool> {
+    match command {
+        ModuleCommand::Sign { key, file } => {
+            let key = crate::admission::read_private_key(key)?;
+            let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+            let out = signature_path(file);
+            std::fs::write(&out, format!("{}\n", crate::admission::sign(&key, &bytes))).with_context(|| format!("writing {}", out.display()))?;
+            println!("{} signed ({}): {}", file.display(), wasmplane_runtime::LoadedModule::digest_of(&bytes), out.display());
+            Ok(true)
+        }
+        ModuleCommand::Keygen { out } => {
+            use std::io::Write as _;
+            use std::os::unix::fs::OpenOptionsExt as _;
+            let (private, public) = crate::admission::generate_key_pair().context("generating a key pair")?;
+            let public_path = PathBuf::from(format!("{}.pub", out.display()));
+            // create_new: never overwrite a key someone may still rely on.
+            let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(out).with_context(|| format!("creating {}", out.display()))?;
+            file.write_all(private.as_bytes())?;
+            std::fs::OpenOptions::new().write(true).create_new(true).open(&public_path).with_context(|| format!("creating {}", public_path.display()))?.write_all(public.as_bytes())?;
+            println!("private key: {}\npublic key:  {} (give it to the host with --trusted-key)", out.display(), public_path.display());
+            Ok(true)
+        }
+        _ => Ok(false),
+    }
 }
 
 impl RunArgs {
@@ -128,7 +222,9 @@ impl RunArgs {
             memory_bytes: self.guest_memory_mib << 20,
             ..Default::default()
         };
+        let kubeconfig = self.kubeconfig.clone();
         Ok(HostConfig {
+            kvstore: self.kvstore,
             listen: self.listen,
             manifests: self.manifests,
             kubernetes: match (self.kubeconfig, self.kubernetes) {
@@ -137,6 +233,7 @@ impl RunArgs {
                 (None, false) => None,
             },
             grpc_listen: self.grpc_listen,
+            cni: self.cni_socket.map(|socket| crate::cni::CniConfig { socket, pod_cidr: self.pod_cidr, state_dir: None, pod_wait: Duration::from_secs(10) }),
             data_dir: Some(self.data_dir),
             node_name: self.node_name,
             cluster_cidrs: self.cluster_cidrs,
@@ -145,6 +242,24 @@ impl RunArgs {
             limits,
             max_module_bytes: self.max_module_bytes,
             reconcile_interval: Duration::from_secs(self.reconcile_seconds.max(1)),
+            trusted_keys: self.trusted_keys,
+            grants: self.grants,
+            tls: match (self.tls_cert, self.tls_key) {
+                (Some(cert), Some(key)) => Some(crate::auth::TlsFiles { cert, key }),
+                _ => None,
+            },
+            kubernetes_auth: self.kubernetes_auth.then(|| crate::auth::KubernetesAuthConfig {
+                verb: self.auth_verb,
+                group: self.auth_group,
+                resource: self.auth_resource,
+                namespace: self.auth_namespace,
+                cache_ttl: Duration::from_secs(self.auth_cache_seconds),
+                ..crate::auth::KubernetesAuthConfig::new(match &kubeconfig {
+                    Some(path) => crate::app::KubernetesSource::Kubeconfig(path.clone()),
+                    None => crate::app::KubernetesSource::Infer,
+                })
+            }),
+            crash_budget: crate::controller::CrashBudget { max_crashes: self.crash_budget, window: Duration::from_secs(self.crash_window_seconds.max(1)) },
             ..Default::default()
         })
     }
@@ -164,7 +279,16 @@ impl ApiArgs {
 
 /// Runs one `wasmplane module …` command and prints the API's answer.
 pub async fn module_command(api: ApiArgs, command: ModuleCommand) -> anyhow::Result<()> {
-    let client = reqwest::Client::new();
+    if local_command(&command)? {
+        return Ok(());
+    }
+    let mut builder = reqwest::Client::builder();
+    // A host serving TLS with a private CA: WASMPLANE_CA_CERT names the CA (PEM).
+    if let Some(ca) = std::env::var_os("WASMPLANE_CA_CERT") {
+        let pem = crate::auth::read_pem(std::path::Path::new(&ca))?;
+        builder = builder.add_root_certificate(reqwest::Certificate::from_pem(&pem).context("WASMPLANE_CA_CERT is not a PEM certificate")?);
+    }
+    let client = builder.build().context("building the HTTP client")?;
     let base = api.api.trim_end_matches('/').to_string();
     let token = api.token()?;
     let with_auth = |rb: reqwest::RequestBuilder| match &token {
@@ -174,7 +298,13 @@ pub async fn module_command(api: ApiArgs, command: ModuleCommand) -> anyhow::Res
     let request = match &command {
         ModuleCommand::Push { name, file, kind, no_activate } => {
             let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
-            client.put(format!("{base}/v1/modules/{name}")).query(&[("kind", kind.as_str()), ("activate", if *no_activate { "false" } else { "true" })]).body(bytes)
+            let rb = client.put(format!("{base}/v1/modules/{name}")).query(&[("kind", kind.as_str()), ("activate", if *no_activate { "false" } else { "true" })]).body(bytes);
+            // The signature `module sign` wrote beside the file, if any.
+            match std::fs::read_to_string(signature_path(file)) {
+                Ok(signature) => rb.header("x-wasmplane-signature", signature.trim()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => rb,
+                Err(e) => return Err(e).with_context(|| format!("reading {}", signature_path(file).display())),
+            }
         }
         ModuleCommand::Ls => client.get(format!("{base}/v1/modules")),
         ModuleCommand::Get { name } => client.get(format!("{base}/v1/modules/{name}")),
@@ -187,6 +317,7 @@ pub async fn module_command(api: ApiArgs, command: ModuleCommand) -> anyhow::Res
         }
         ModuleCommand::Rollback { name } => client.post(format!("{base}/v1/modules/{name}/rollback")),
         ModuleCommand::Rm { name } => client.delete(format!("{base}/v1/modules/{name}")),
+        ModuleCommand::Sign { .. } | ModuleCommand::Keygen { .. } => unreachable!("handled by local_command"),
     };
     let response = with_auth(request).send().await.with_context(|| format!("calling {base}"))?;
     let status = response.status();

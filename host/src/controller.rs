@@ -9,16 +9,16 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use serde::Serialize;
-use wasmplane_model::state::{ClusterObject, ModelUpdate, ServiceView, Touched};
+use wasmplane_model::state::{ClusterEvent, ClusterObject, ModelUpdate, ServiceView, Touched};
 use wasmplane_model::{ClusterState, NodeLocalModel, ObjectKey};
 use wasmplane_sources::kube::SourceEvent;
-use wasmplane_runtime::{GuestKind, LoadError, LoadedModule, NoLookups, Runtime, TranslatorSession};
+use wasmplane_runtime::{CallError, GuestKind, LoadError, LoadedModule, ModuleInfo, NoLookups, Runtime, TranslatorSession};
 
 use crate::dataplane::{Dataplane, Kernel, WriteError};
 use crate::metrics::Metrics;
 use crate::nft::{self, ObjectRules};
-use crate::registry::{ModuleRecord, Registry, valid_module_name};
+use crate::shadow::ShadowRun;
+use crate::registry::{ModuleRecord, Registry, RegistryError, SharedIndex, valid_module_name};
 
 /// The builtin service translator's module name.
 pub const BUILTIN_SERVICE_TRANSLATOR: &str = "default-service-translator";
@@ -39,6 +39,22 @@ pub enum HostError {
     Write(#[from] WriteError),
     #[error("storage: {0}")]
     Storage(#[from] std::io::Error),
+    #[error("module store: {0}")]
+    Store(#[from] crate::module_store::StoreError),
+    #[error("upload refused: {0}")]
+    Admission(#[from] crate::admission::AdmissionError),
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl From<RegistryError> for HostError {
+    fn from(e: RegistryError) -> Self {
+        match e {
+            RegistryError::NotFound(m) => HostError::NotFound(m),
+            RegistryError::Conflict(m) => HostError::Conflict(m),
+            RegistryError::BadRequest(m) => HostError::BadRequest(m),
+        }
+    }
 }
 
 struct ActiveTranslator {
@@ -57,6 +73,7 @@ pub struct ControllerConfig {
     pub node_name: String,
     pub cluster_cidrs: Vec<String>,
     pub max_module_bytes: usize,
+    pub crash_budget: CrashBudget,
 }
 
 pub struct Controller {
@@ -71,27 +88,72 @@ pub struct Controller {
     service_errors: BTreeMap<ObjectKey, String>,
     max_module_bytes: usize,
     observers: Vec<Box<dyn ModelObserver>>,
+    crash_budget: CrashBudget,
+    /// Crashes of the translator in force within the budget's window.
+    recent_crashes: std::collections::VecDeque<Instant>,
+    /// Asked once per activation; cleared when another version is put in force.
+    rollback_requested: bool,
+    rollback_sink: Option<tokio::sync::mpsc::UnboundedSender<RollbackRequest>>,
+    /// A translator version running beside the one in force, output never written.
+    shadow: Option<ShadowRun>,
+    /// Pod addresses the CNI daemon assigned, used until the API server reports them.
+    cni_ips: BTreeMap<ObjectKey, Vec<String>>,
 }
 
-#[derive(Debug, Serialize)]
-pub struct UploadOutcome {
-    pub name: String,
-    pub version: u32,
-    pub digest: String,
+/// Why a guest call gave no rules.
+#[derive(Debug, Clone)]
+enum CallFailure {
+    /// The guest broke the rules (trap, limit, invalid output): counts against its crash budget.
+    Crash(String),
+    /// The guest declined this object with its own error: its decision, not a crash.
+    Declined(String),
+}
+
+impl CallFailure {
+    fn message(&self) -> &str {
+        match self {
+            CallFailure::Crash(m) | CallFailure::Declined(m) => m,
+        }
+    }
+}
+
+fn translate_one(session: &mut TranslatorSession, model: &NodeLocalModel, key: &ObjectKey, view: &ServiceView) -> Result<ObjectRules, CallFailure> {
+    let out = session.translate(&model.context, &nft::service_prefix(key), view).map_err(|e| match e {
+        CallError::Guest(_) => CallFailure::Declined(e.to_string()),
+        other => CallFailure::Crash(other.to_string()),
+    })?;
+    nft::validate_service_output(key, &out).map_err(|e| CallFailure::Crash(e.to_string()))
+}
+
+/// How many crashes of the module in force are tolerated within a window before it is
+/// rolled back to its last good version.
+#[derive(Clone, Copy, Debug)]
+pub struct CrashBudget {
+    pub max_crashes: usize,
+    pub window: std::time::Duration,
+}
+
+impl Default for CrashBudget {
+    fn default() -> Self {
+        CrashBudget { max_crashes: 5, window: std::time::Duration::from_secs(60) }
+    }
+}
+
+/// The module in force ran out of its crash budget: the module layer rolls it back
+/// cluster-wide (see `modules.rs`).
+#[derive(Debug, Clone)]
+pub struct RollbackRequest {
     pub kind: GuestKind,
-    pub active: bool,
-}
-
-fn translate_one(session: &mut TranslatorSession, model: &NodeLocalModel, key: &ObjectKey, view: &ServiceView) -> Result<ObjectRules, String> {
-    let out = session.translate(&model.context, &nft::service_prefix(key), view).map_err(|e| e.to_string())?;
-    nft::validate_service_output(key, &out).map_err(|e| e.to_string())
+    pub module: String,
+    pub version: u32,
+    pub reason: String,
 }
 
 impl Controller {
     pub fn new(runtime: Arc<Runtime>, metrics: Arc<Metrics>, kernel: Box<dyn Kernel>, data_dir: Option<&Path>, config: ControllerConfig) -> Result<Controller, HostError> {
         let mut registry = Registry::open(data_dir)?;
         let builtin = runtime.load(BUILTIN_SERVICE_TRANSLATOR, wasmplane_guest_artifacts::SERVICE_TRANSLATOR, Some(GuestKind::ServiceTranslator), usize::MAX)?;
-        registry.add_builtin(BUILTIN_SERVICE_TRANSLATOR, GuestKind::ServiceTranslator, &builtin.info);
+        registry.add_builtin(BUILTIN_SERVICE_TRANSLATOR, GuestKind::ServiceTranslator, &builtin.info, wasmplane_guest_artifacts::SERVICE_TRANSLATOR);
         let mut controller = Controller {
             runtime,
             metrics,
@@ -103,22 +165,15 @@ impl Controller {
             service_errors: BTreeMap::new(),
             max_module_bytes: config.max_module_bytes,
             observers: Vec::new(),
+            crash_budget: config.crash_budget,
+            recent_crashes: Default::default(),
+            rollback_requested: false,
+            rollback_sink: None,
+            shadow: None,
+            cni_ips: BTreeMap::new(),
         };
-        // The module that was in force before a restart, else the builtin.
-        let wanted = controller.registry.in_force(GuestKind::ServiceTranslator).map(str::to_string);
-        let restored = wanted.and_then(|name| {
-            let version = controller.registry.get(&name)?.active_version?;
-            match controller.activate_version(&name, version, false) {
-                Ok(()) => Some(()),
-                Err(e) => {
-                    tracing::error!(module = %name, "could not restore the module in force, using the builtin: {e}");
-                    None
-                }
-            }
-        });
-        if restored.is_none() {
-            controller.activate_version(BUILTIN_SERVICE_TRANSLATOR, 1, true)?;
-        }
+        // The builtin until the shared module index (kvstore) says otherwise.
+        controller.activate_version(BUILTIN_SERVICE_TRANSLATOR, 1)?;
         Ok(controller)
     }
 
@@ -135,11 +190,11 @@ impl Controller {
     }
 
     pub fn modules(&self) -> Vec<ModuleRecord> {
-        self.registry.list().cloned().collect()
+        self.registry.list()
     }
 
     pub fn module(&self, name: &str) -> Option<ModuleRecord> {
-        self.registry.get(name).cloned()
+        self.registry.get(name)
     }
 
     pub fn in_force(&self, kind: GuestKind) -> Option<String> {
@@ -147,8 +202,9 @@ impl Controller {
     }
 
     /// A relist or manifest reload: the whole state, applied as its difference.
-    pub fn replace_objects(&mut self, objects: Vec<ClusterObject>) -> Result<(), HostError> {
+    pub fn replace_objects(&mut self, mut objects: Vec<ClusterObject>) -> Result<(), HostError> {
         self.metrics.events.inc_by(objects.len() as u64);
+        objects.iter_mut().for_each(|o| self.fill_pod_ips(o));
         let node = self.model.node_name().to_string();
         let touched = self.cluster.replace_all(objects, &node);
         let update = self.model.update(&self.cluster, &touched);
@@ -175,18 +231,63 @@ impl Controller {
             match event {
                 SourceEvent::Events(events) => {
                     self.metrics.events.inc_by(events.len() as u64);
-                    for event in events {
+                    for mut event in events {
+                        if let ClusterEvent::Upsert(object) = &mut event {
+                            self.fill_pod_ips(object);
+                        }
                         touched.merge(self.cluster.apply(event, &node));
                     }
                 }
-                SourceEvent::Relisted { kind, objects, unconvertible } => {
+                SourceEvent::Relisted { kind, mut objects, unconvertible } => {
                     self.metrics.events.inc_by(objects.len() as u64);
+                    objects.iter_mut().for_each(|o| self.fill_pod_ips(o));
                     touched.merge(self.cluster.replace_kind(kind, objects, &unconvertible, &node));
                 }
             }
         }
         let update = self.model.update(&self.cluster, &touched);
         self.run_update(update)
+    }
+
+    /// The CNI daemon gave a pod these addresses (`Some`), or released `released` (`None`):
+    /// the model has them at once, not only when the kubelet reports them.
+    pub fn set_pod_network(&mut self, key: &ObjectKey, ips: Option<Vec<String>>, released: &[String]) -> Result<(), HostError> {
+        match &ips {
+            Some(ips) => {
+                self.cni_ips.insert(key.clone(), ips.clone());
+            }
+            // A recreated pod may have new addresses already: forget only the released ones.
+            None if self.cni_ips.get(key).is_some_and(|current| current.iter().all(|ip| released.contains(ip))) => {
+                self.cni_ips.remove(key);
+            }
+            None => return Ok(()),
+        }
+        let Some(pod) = self.cluster.pods.get(key) else { return Ok(()) };
+        let mut pod = (**pod).clone();
+        match ips {
+            Some(ips) if pod.ips != ips => pod.ips = ips,
+            None if pod.ips.iter().any(|ip| released.contains(ip)) => pod.ips.clear(),
+            _ => return Ok(()),
+        }
+        let node = self.model.node_name().to_string();
+        let touched = self.cluster.apply(ClusterEvent::Upsert(ClusterObject::Pod(pod)), &node);
+        let update = self.model.update(&self.cluster, &touched);
+        self.run_update(update)
+    }
+
+    /// A pod the API server reports without addresses yet keeps the ones the CNI daemon gave it.
+    fn fill_pod_ips(&self, object: &mut ClusterObject) {
+        if let ClusterObject::Pod(pod) = object
+            && pod.ips.is_empty()
+            && let Some(ips) = self.cni_ips.get(&pod.key())
+        {
+            pod.ips = ips.clone();
+        }
+    }
+
+    /// Where crash-budget rollbacks are asked for.
+    pub fn set_rollback_sink(&mut self, sink: tokio::sync::mpsc::UnboundedSender<RollbackRequest>) {
+        self.rollback_sink = Some(sink);
     }
 
     pub fn add_observer(&mut self, observer: Box<dyn ModelObserver>) {
@@ -216,6 +317,10 @@ impl Controller {
         } else {
             update.changed.into_iter().map(|c| (c.key, c.view)).collect()
         };
+        if let Some(mut shadow) = self.shadow.take() {
+            self.run_shadow(&mut shadow, &changed);
+            self.shadow = Some(shadow);
+        }
         let mut changes = Vec::with_capacity(changed.len());
         for (key, view) in changed {
             match view {
@@ -245,21 +350,49 @@ impl Controller {
         self.metrics.guest_call_seconds.observe(started.elapsed().as_secs_f64());
         let outcome = match &result {
             Ok(_) => "ok",
-            Err(e) if e.starts_with("invalid guest output") => "invalid",
-            Err(_) => "error",
+            Err(CallFailure::Crash(e)) if e.starts_with("invalid guest output") => "invalid",
+            Err(CallFailure::Crash(_)) => "crash",
+            Err(CallFailure::Declined(_)) => "error",
         };
         if outcome == "invalid" {
             self.metrics.invalid_outputs.inc();
         }
         self.metrics.guest_call(&active.name, "service-translator", outcome);
-        let name = active.name.clone();
-        if let Some(record) = self.registry.get_mut(&name) {
-            record.calls += 1;
+        let (name, version) = (active.name.clone(), active.version);
+        self.registry.count_calls(&name, 1);
+        match result {
+            Ok(rules) => Ok(rules),
+            Err(failure) => {
+                self.registry.mark_failed(&name, failure.message());
+                if let CallFailure::Crash(reason) = &failure {
+                    self.count_crash(&name, version, reason);
+                }
+                Err(failure.message().to_string())
+            }
         }
-        if let Err(e) = &result {
-            self.registry.mark_failed(&name, e);
+    }
+
+    /// Counts a crash of the module in force; past the budget, asks for its rollback once.
+    fn count_crash(&mut self, name: &str, version: u32, reason: &str) {
+        let now = Instant::now();
+        let window = self.crash_budget.window;
+        self.recent_crashes.push_back(now);
+        while self.recent_crashes.front().is_some_and(|t| now.duration_since(*t) > window) {
+            self.recent_crashes.pop_front();
         }
-        result
+        if self.recent_crashes.len() <= self.crash_budget.max_crashes || self.rollback_requested {
+            return;
+        }
+        self.rollback_requested = true;
+        let reason = format!("{} crashes within {:?} (budget {}), last: {reason}", self.recent_crashes.len(), window, self.crash_budget.max_crashes);
+        tracing::error!(module = name, version, "crash budget exhausted, rolling back: {reason}");
+        self.metrics.auto_rollbacks.get_or_create(&crate::metrics::ModuleLabels { module: name.to_string() }).inc();
+        match &self.rollback_sink {
+            Some(sink) => {
+                let _ = sink.send(RollbackRequest { kind: GuestKind::ServiceTranslator, module: name.to_string(), version, reason });
+            }
+            None => tracing::warn!(module = name, "no rollback handler is wired; the module stays in force"),
+        }
     }
 
     fn sync(&mut self, changes: Vec<(ObjectKey, Option<ObjectRules>)>) -> Result<(), HostError> {
@@ -286,24 +419,21 @@ impl Controller {
     }
 
     fn load(&self, name: &str, version: u32) -> Result<LoadedModule, HostError> {
-        let record = self.registry.get(name).ok_or_else(|| HostError::NotFound(format!("no module named {name:?}")))?;
-        let entry = record.version(version).ok_or_else(|| HostError::NotFound(format!("module {name:?} has no version {version}")))?;
-        let bytes = if record.builtin {
-            wasmplane_guest_artifacts::SERVICE_TRANSLATOR.to_vec()
-        } else {
-            self.registry.read_blob(&entry.digest)?
-        };
-        Ok(self.runtime.load(name, &bytes, Some(record.kind), usize::MAX)?)
+        let kind = self.registry.kind_of(name).ok_or_else(|| HostError::NotFound(format!("no module named {name:?}")))?;
+        let bytes = self.registry.module_bytes(name, version)?;
+        Ok(self.runtime.load(name, &bytes, Some(kind), usize::MAX)?)
     }
 
     /// Hot swap: run `name@version` over the whole current state; only if every service
     /// translates does it replace the module in force, in one full transaction.
-    fn activate_version(&mut self, name: &str, version: u32, push_history: bool) -> Result<(), HostError> {
-        let module = self.load(name, version)?;
+    fn activate_version(&mut self, name: &str, version: u32) -> Result<(), HostError> {
         let failed = |this: &mut Self, reason: String| {
             this.registry.mark_failed(name, &reason);
-            let _ = this.registry.save();
             HostError::ActivationFailed { module: format!("{name}@{version}"), reason }
+        };
+        let module = match self.load(name, version) {
+            Ok(module) => module,
+            Err(e) => return Err(failed(self, e.to_string())),
         };
         let Some(mut session) = module.translator(Arc::new(NoLookups)) else {
             return Err(failed(self, format!("{} modules cannot be activated yet", module.info.kind)));
@@ -314,82 +444,137 @@ impl Controller {
                 Ok(rules) => {
                     outputs.insert(key.clone(), rules);
                 }
-                Err(reason) => {
+                Err(failure) => {
                     self.metrics.guest_call(name, "service-translator", "error");
-                    return Err(failed(self, format!("service {key}: {reason}")));
+                    return Err(failed(self, format!("service {key}: {}", failure.message())));
                 }
             }
         }
-        if let Some(record) = self.registry.get_mut(name) {
-            record.calls += outputs.len() as u64;
-        }
+        self.registry.count_calls(name, outputs.len() as u64);
         self.dataplane.full_sync(Some(outputs))?;
         self.service_errors.clear();
         self.translator = Some(ActiveTranslator { name: name.to_string(), version, session });
-        self.registry.mark_active(name, version, push_history);
-        self.registry.save()?;
+        self.registry.mark_active(GuestKind::ServiceTranslator, name, version);
+        self.recent_crashes.clear();
+        self.rollback_requested = false;
         tracing::info!(module = name, version, "service translator in force");
         Ok(())
     }
 
-    pub fn upload(&mut self, name: &str, kind: GuestKind, bytes: &[u8], activate: bool) -> Result<UploadOutcome, HostError> {
+    /// Checks an upload before it is stored: a valid name that is not a builtin's, the
+    /// same kind as earlier versions, and a component that compiles and implements `kind`.
+    pub fn check_upload(&self, name: &str, kind: GuestKind, bytes: &[u8]) -> Result<ModuleInfo, HostError> {
         if !valid_module_name(name) {
             return Err(HostError::BadRequest(format!("module name {name:?} must be a DNS label (a-z, 0-9, '-', at most 63)")));
         }
-        if let Some(existing) = self.registry.get(name) {
-            if existing.builtin {
-                return Err(HostError::Conflict(format!("{name:?} is a builtin module; upload under another name")));
+        if self.registry.is_builtin(name) {
+            return Err(HostError::Conflict(format!("{name:?} is a builtin module; upload under another name")));
+        }
+        if let Some(existing) = self.registry.kind_of(name)
+            && existing != kind
+        {
+            return Err(HostError::Conflict(format!("module {name:?} is a {existing} module, not {kind}")));
+        }
+        Ok(self.runtime.load(name, bytes, Some(kind), self.max_module_bytes)?.info)
+    }
+
+    pub fn has_blob(&self, digest: &str) -> bool {
+        self.registry.has_blob(digest)
+    }
+
+    pub fn cache_blob(&mut self, digest: &str, bytes: &[u8]) -> Result<(), HostError> {
+        Ok(self.registry.cache_blob(digest, bytes)?)
+    }
+
+    pub fn builtin_kind(&self, name: &str) -> Option<GuestKind> {
+        self.registry.is_builtin(name).then(|| self.registry.kind_of(name)).flatten()
+    }
+
+    /// Takes a new shared module index: puts in force on this node what it names for each
+    /// runnable kind (the builtin where it names none). `strict`: if an activation fails,
+    /// the previous index stays and the error is returned (a change made here is refused
+    /// before it is published); otherwise the node keeps its module in force and reports
+    /// the failure in the module's status (a change made elsewhere that fails on this
+    /// node's state).
+    pub fn apply_shared(&mut self, index: SharedIndex, strict: bool) -> Result<(), HostError> {
+        let previous = self.registry.shared().clone();
+        self.registry.set_shared(index);
+        let kind = GuestKind::ServiceTranslator;
+        let wanted = self.registry.wanted(kind);
+        let active = self.registry.active(kind).map(|(n, v)| (n.to_string(), v));
+        if let Some((name, version)) = wanted
+            && active.as_ref() != Some(&(name.clone(), version))
+            && let Err(e) = self.activate_version(&name, version)
+        {
+            if strict {
+                self.registry.set_shared(previous);
+                return Err(e);
             }
-            if existing.kind != kind {
-                return Err(HostError::Conflict(format!("module {name:?} is a {} module, not {kind}", existing.kind)));
+            tracing::error!(module = %name, version, "the module the cluster put in force failed on this node; keeping {active:?}: {e}");
+        }
+        let wanted_shadow = self.registry.shared().shadow.get(&kind).map(|s| (s.module.clone(), s.version));
+        let running_shadow = self.shadow.as_ref().map(|s| (s.name.clone(), s.version));
+        if wanted_shadow != running_shadow {
+            self.shadow = None;
+            if let Some((name, version)) = wanted_shadow
+                && let Err(e) = self.start_shadow(&name, version)
+            {
+                if strict {
+                    self.registry.set_shared(previous);
+                    return Err(e);
+                }
+                tracing::error!(module = %name, version, "could not start the shadow run on this node: {e}");
             }
         }
-        let module = self.runtime.load(name, bytes, Some(kind), self.max_module_bytes)?;
-        let version = self.registry.add_version(name, kind, &module.info, bytes)?;
-        self.registry.save()?;
-        let digest = module.info.digest.clone();
-        if activate {
-            self.activate_version(name, version, true)?;
-        }
-        Ok(UploadOutcome { name: name.into(), version, digest, kind, active: activate })
-    }
-
-    pub fn activate(&mut self, name: &str, version: Option<u32>) -> Result<u32, HostError> {
-        let record = self.registry.get(name).ok_or_else(|| HostError::NotFound(format!("no module named {name:?}")))?;
-        let version = version.or(record.versions.last().map(|v| v.version)).ok_or_else(|| HostError::NotFound(format!("module {name:?} has no versions")))?;
-        self.activate_version(name, version, true)?;
-        Ok(version)
-    }
-
-    /// Re-activates the version that was in force before the current one.
-    pub fn rollback(&mut self, name: &str) -> Result<u32, HostError> {
-        let record = self.registry.get(name).ok_or_else(|| HostError::NotFound(format!("no module named {name:?}")))?;
-        let history = &record.activation_history;
-        if history.len() < 2 {
-            return Err(HostError::Conflict(format!("module {name:?} has no earlier activated version to roll back to")));
-        }
-        let previous = history[history.len() - 2];
-        self.activate_version(name, previous, false)?;
-        if let Some(record) = self.registry.get_mut(name) {
-            record.activation_history.pop();
-        }
-        self.registry.save()?;
-        Ok(previous)
-    }
-
-    pub fn delete(&mut self, name: &str) -> Result<(), HostError> {
-        let record = self.registry.get(name).ok_or_else(|| HostError::NotFound(format!("no module named {name:?}")))?;
-        if record.builtin {
-            return Err(HostError::Conflict(format!("{name:?} is a builtin module and cannot be deleted")));
-        }
-        let was_in_force = self.registry.in_force(record.kind) == Some(name);
-        if was_in_force {
-            // Fall back to the builtin before the module disappears, so rules never lapse.
-            self.activate_version(BUILTIN_SERVICE_TRANSLATOR, 1, true)?;
-        }
-        self.registry.remove(name);
-        self.registry.save()?;
         Ok(())
+    }
+
+    /// Loads `name@version` and runs it over every service, keeping its output aside.
+    fn start_shadow(&mut self, name: &str, version: u32) -> Result<(), HostError> {
+        let module = self.load(name, version)?;
+        let session = module
+            .translator(Arc::new(NoLookups))
+            .ok_or_else(|| HostError::BadRequest(format!("{} modules cannot run in shadow yet", module.info.kind)))?;
+        let mut shadow = ShadowRun { name: name.to_string(), version, session, outputs: BTreeMap::new(), errors: BTreeMap::new(), calls: 0 };
+        let all: Vec<_> = self.model.services.iter().map(|(k, v)| (k.clone(), Some(v.clone()))).collect();
+        self.run_shadow(&mut shadow, &all);
+        tracing::info!(module = name, version, services = shadow.outputs.len(), failed = shadow.errors.len(), "shadow run started");
+        self.shadow = Some(shadow);
+        Ok(())
+    }
+
+    fn run_shadow(&self, shadow: &mut ShadowRun, changed: &[(ObjectKey, Option<Arc<ServiceView>>)]) {
+        for (key, view) in changed {
+            match view {
+                None => {
+                    shadow.outputs.remove(key);
+                    shadow.errors.remove(key);
+                }
+                Some(view) => {
+                    shadow.calls += 1;
+                    let result = translate_one(&mut shadow.session, &self.model, key, view);
+                    self.metrics.guest_call(&shadow.name, "service-translator-shadow", if result.is_ok() { "ok" } else { "error" });
+                    match result {
+                        Ok(rules) => {
+                            shadow.errors.remove(key);
+                            shadow.outputs.insert(key.clone(), rules);
+                        }
+                        Err(failure) => {
+                            shadow.outputs.remove(key);
+                            shadow.errors.insert(key.clone(), failure.message().to_string());
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// What promoting `name`'s shadow would change in this node's dataplane.
+    pub fn shadow_diff(&self, name: &str) -> Result<crate::shadow::ShadowDiff, HostError> {
+        match &self.shadow {
+            Some(shadow) if shadow.name == name => Ok(crate::shadow::diff(shadow, self.dataplane.applied())),
+            _ => Err(HostError::NotFound(format!("module {name:?} runs no shadow on this node"))),
+        }
     }
 
     pub fn is_active(&self, name: &str) -> bool {

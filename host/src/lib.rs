@@ -2,14 +2,23 @@
 //!
 //! - [`controller`]: runs guests on what changed, keeps the last good output;
 //! - [`nft`] / [`dataplane`]: validation of guest output, nftables transactions;
-//! - [`registry`]: uploaded modules, versions, status;
+//! - [`registry`]: uploaded modules, versions, status; [`module_store`]: the same in the
+//!   kvstore, shared by every host; [`modules`]: module operations across the cluster;
 //! - [`api`]: the REST API; [`app`]: wiring; [`cli`]: the command line.
 
+pub mod admission;
 pub mod api;
 pub mod app;
+pub mod audit;
+pub mod auth;
 pub mod cli;
+pub mod cni;
 pub mod controller;
 pub mod dataplane;
 pub mod metrics;
+pub mod module_store;
+pub mod modules;
 pub mod nft;
+pub mod policy;
 pub mod registry;
+pub mod shadow;

@@ -15,6 +15,11 @@ pub struct GuestLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModuleLabels {
+    pub module: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabels {
     pub result: String,
 }
@@ -32,6 +37,7 @@ pub struct Metrics {
     pub services: Gauge,
     pub policies: Gauge,
     pub local_pods: Gauge,
+    pub auto_rollbacks: Family<ModuleLabels, Counter>,
 }
 
 impl Metrics {
@@ -49,6 +55,7 @@ impl Metrics {
             services: Gauge::default(),
             policies: Gauge::default(),
             local_pods: Gauge::default(),
+            auto_rollbacks: Family::default(),
             registry: Registry::default(),
         };
         registry.register("model_events", "Cluster events received by the model", m.events.clone());
@@ -62,6 +69,7 @@ impl Metrics {
         registry.register("model_services", "Services in the node-local model", m.services.clone());
         registry.register("model_policies", "Network policies that select pods on this node", m.policies.clone());
         registry.register("model_local_pods", "Pods on this node", m.local_pods.clone());
+        registry.register("module_auto_rollbacks", "Modules rolled back after exhausting their crash budget", m.auto_rollbacks.clone());
         Metrics { registry, ..m }
     }
 

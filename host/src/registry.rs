@@ -1,8 +1,15 @@
-//! The module registry: every uploaded module with its versions, which one is in force per
-//! guest kind, and per-module status. Persisted in the data directory (component bytes by
-//! digest plus an index), so a restart keeps modules.
+//! The module registry, in two halves:
+//!
+//! - [`SharedIndex`]: the cluster-wide truth, stored in the kvstore (see `module_store`):
+//!   every uploaded module, its versions (by content digest), which version is active, the
+//!   activation history rollback walks, and which module is in force per guest kind. Every
+//!   change to it is a pure transform here, published with compare-and-swap, so two hosts
+//!   changing modules at once never lose each other's change.
+//! - [`Registry`]: one node's view: the shared index it last applied, its own status per
+//!   module (a module can fail on one node's state and not on another's), the builtins
+//!   shipped in this binary, and a cache of component bytes by digest.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -27,10 +34,11 @@ pub enum ModuleStatus {
     Inactive,
     /// In force for its kind.
     Active,
-    /// Its last activation or call failed; see `last_error`.
+    /// Its last activation or call failed on this node; see `last_error`.
     Failed,
 }
 
+/// One module as the REST API shows it: the shared record plus this node's status.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ModuleRecord {
     pub name: String,
@@ -47,6 +55,12 @@ pub struct ModuleRecord {
     pub calls: u64,
     #[serde(default)]
     pub failures: u64,
+    /// Set when the host rolled this module back after it crashed too often.
+    #[serde(default)]
+    pub auto_rollback: Option<AutoRollback>,
+    /// The version running in shadow, if any.
+    #[serde(default)]
+    pub shadow_version: Option<u32>,
 }
 
 impl ModuleRecord {
@@ -55,18 +69,73 @@ impl ModuleRecord {
     }
 }
 
-#[derive(Debug, Default, Serialize, Deserialize)]
-struct Index {
-    modules: BTreeMap<String, ModuleRecord>,
-    in_force: BTreeMap<GuestKind, String>,
+/// A rollback the host did on its own, after the module exhausted its crash budget.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct AutoRollback {
+    pub from_version: u32,
+    /// The version put back in force; `None`: the builtin.
+    pub to_version: Option<u32>,
+    pub reason: String,
+    /// Unix seconds.
+    pub at: u64,
 }
 
-pub struct Registry {
-    dir: Option<PathBuf>,
-    index: Index,
+/// A module in the shared index.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SharedModule {
+    pub kind: GuestKind,
+    pub versions: Vec<ModuleVersion>,
+    pub active_version: Option<u32>,
+    pub activation_history: Vec<u32>,
+    #[serde(default)]
+    pub auto_rollback: Option<AutoRollback>,
 }
 
-/// Module names are DNS labels: they appear in URLs, metrics and logs.
+impl SharedModule {
+    pub fn version(&self, version: u32) -> Option<&ModuleVersion> {
+        self.versions.iter().find(|v| v.version == version)
+    }
+}
+
+/// Why a change to the shared index was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegistryError {
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("{0}")]
+    BadRequest(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RollbackOutcome {
+    /// The version is no longer in force: nothing to do.
+    Stale,
+    ToVersion(u32),
+    ToBuiltin,
+}
+
+/// A module version running in shadow: on live state, output never written.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ShadowRef {
+    pub module: String,
+    pub version: u32,
+}
+
+/// The cluster-wide module index. Builtins are not in it: every host has them, and a kind
+/// with no entry in `in_force` runs its builtin.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SharedIndex {
+    pub modules: BTreeMap<String, SharedModule>,
+    /// The module in force per kind, if not the builtin.
+    pub in_force: BTreeMap<GuestKind, String>,
+    /// At most one shadow per kind.
+    #[serde(default)]
+    pub shadow: BTreeMap<GuestKind, ShadowRef>,
+}
+
+/// Module names are DNS labels: they appear in URLs, metrics, logs and kvstore keys.
 pub fn valid_module_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 63
@@ -79,103 +148,35 @@ fn now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
-impl Registry {
-    /// Opens (or starts) the registry in `dir/modules`; `None` keeps it in memory.
-    pub fn open(dir: Option<&Path>) -> std::io::Result<Registry> {
-        let dir = dir.map(|d| d.join("modules"));
-        let mut index = Index::default();
-        if let Some(dir) = &dir {
-            std::fs::create_dir_all(dir.join("blobs"))?;
-            match std::fs::read(dir.join("index.json")) {
-                Ok(bytes) => {
-                    index = serde_json::from_slice(&bytes)
-                        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("modules/index.json: {e}")))?
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(e),
-            }
-        }
-        // Builtins come from the binary, never from disk.
-        index.modules.retain(|_, m| !m.builtin);
-        Ok(Registry { dir, index })
-    }
+fn not_found(name: &str) -> RegistryError {
+    RegistryError::NotFound(format!("no module named {name:?}"))
+}
 
-    pub fn add_builtin(&mut self, name: &str, kind: GuestKind, info: &ModuleInfo) {
-        self.index.modules.insert(
-            name.to_string(),
-            ModuleRecord {
-                name: name.to_string(),
-                kind,
-                builtin: true,
-                versions: vec![ModuleVersion {
-                    version: 1,
-                    digest: info.digest.clone(),
-                    size: info.size,
-                    wit_version: info.wit_version.clone(),
-                    imports: info.imports.clone(),
-                    uploaded_at: now(),
-                }],
-                active_version: None,
-                activation_history: vec![],
-                status: ModuleStatus::Inactive,
-                last_error: None,
-                calls: 0,
-                failures: 0,
-            },
-        );
-    }
-
-    pub fn get(&self, name: &str) -> Option<&ModuleRecord> {
-        self.index.modules.get(name)
-    }
-
-    pub fn get_mut(&mut self, name: &str) -> Option<&mut ModuleRecord> {
-        self.index.modules.get_mut(name)
-    }
-
-    pub fn list(&self) -> impl Iterator<Item = &ModuleRecord> {
-        self.index.modules.values()
-    }
-
-    pub fn in_force(&self, kind: GuestKind) -> Option<&str> {
-        self.index.in_force.get(&kind).map(String::as_str)
-    }
-
-    fn blob_path(&self, digest: &str) -> Option<PathBuf> {
-        self.dir.as_ref().map(|d| d.join("blobs").join(format!("{}.wasm", digest.trim_start_matches("sha256:"))))
-    }
-
-    pub fn read_blob(&self, digest: &str) -> std::io::Result<Vec<u8>> {
-        match self.blob_path(digest) {
-            Some(p) => std::fs::read(p),
-            None => Err(std::io::Error::new(std::io::ErrorKind::NotFound, "in-memory registry keeps no bytes")),
-        }
+impl SharedIndex {
+    /// The `(module, version)` in force for `kind`, `None` meaning the builtin.
+    pub fn in_force(&self, kind: GuestKind) -> Option<(&str, u32)> {
+        let name = self.in_force.get(&kind)?;
+        let version = self.modules.get(name)?.active_version?;
+        Some((name.as_str(), version))
     }
 
     /// Records a new version (or returns the existing one with the same digest).
-    pub fn add_version(&mut self, name: &str, kind: GuestKind, info: &ModuleInfo, bytes: &[u8]) -> std::io::Result<u32> {
-        if let Some(path) = self.blob_path(&info.digest)
-            && !path.exists()
-        {
-            write_atomically(&path, bytes)?;
-        }
-        let record = self.index.modules.entry(name.to_string()).or_insert_with(|| ModuleRecord {
-            name: name.to_string(),
+    pub fn add_version(&mut self, name: &str, kind: GuestKind, info: &ModuleInfo) -> Result<u32, RegistryError> {
+        let module = self.modules.entry(name.to_string()).or_insert_with(|| SharedModule {
             kind,
-            builtin: false,
             versions: vec![],
             active_version: None,
             activation_history: vec![],
-            status: ModuleStatus::Inactive,
-            last_error: None,
-            calls: 0,
-            failures: 0,
+            auto_rollback: None,
         });
-        if let Some(existing) = record.versions.iter().find(|v| v.digest == info.digest) {
+        if module.kind != kind {
+            return Err(RegistryError::Conflict(format!("module {name:?} is a {} module, not {kind}", module.kind)));
+        }
+        if let Some(existing) = module.versions.iter().find(|v| v.digest == info.digest) {
             return Ok(existing.version);
         }
-        let version = record.versions.last().map_or(1, |v| v.version + 1);
-        record.versions.push(ModuleVersion {
+        let version = module.versions.last().map_or(1, |v| v.version + 1);
+        module.versions.push(ModuleVersion {
             version,
             digest: info.digest.clone(),
             size: info.size,
@@ -186,49 +187,340 @@ impl Registry {
         Ok(version)
     }
 
-    /// `name@version` is now in force for its kind; whatever was in force before is not.
-    pub fn mark_active(&mut self, name: &str, version: u32, push_history: bool) {
-        let Some(kind) = self.index.modules.get(name).map(|m| m.kind) else { return };
-        if let Some(previous) = self.index.in_force.insert(kind, name.to_string())
-            && previous != name
-            && let Some(prev) = self.index.modules.get_mut(&previous)
-        {
-            prev.active_version = None;
-            if prev.status == ModuleStatus::Active {
-                prev.status = ModuleStatus::Inactive;
+    /// Puts `name@version` in force for its kind (latest version if `None`).
+    pub fn activate(&mut self, name: &str, version: Option<u32>) -> Result<u32, RegistryError> {
+        let module = self.modules.get(name).ok_or_else(|| not_found(name))?;
+        let version = match version {
+            Some(v) => module.version(v).map(|v| v.version).ok_or_else(|| RegistryError::NotFound(format!("module {name:?} has no version {v}")))?,
+            None => module.versions.last().map(|v| v.version).ok_or_else(|| RegistryError::NotFound(format!("module {name:?} has no versions")))?,
+        };
+        self.set_in_force(name, version);
+        let module = self.modules.get_mut(name).expect("checked above");
+        module.activation_history.push(version);
+        Ok(version)
+    }
+
+    /// Re-activates the version that was in force before the current one.
+    pub fn rollback(&mut self, name: &str) -> Result<u32, RegistryError> {
+        let module = self.modules.get(name).ok_or_else(|| not_found(name))?;
+        let history = &module.activation_history;
+        if history.len() < 2 {
+            return Err(RegistryError::Conflict(format!("module {name:?} has no earlier activated version to roll back to")));
+        }
+        let previous = history[history.len() - 2];
+        self.set_in_force(name, previous);
+        self.modules.get_mut(name).expect("checked above").activation_history.pop();
+        Ok(previous)
+    }
+
+    /// Takes `name@version` out of force after it crashed too often: back to the last
+    /// version before it in the activation history, else to the builtin.
+    pub fn auto_rollback(&mut self, name: &str, version: u32, reason: &str) -> RollbackOutcome {
+        let Some(module) = self.modules.get(name) else { return RollbackOutcome::Stale };
+        if self.in_force(module.kind) != Some((name, version)) {
+            return RollbackOutcome::Stale;
+        }
+        let kind = module.kind;
+        let previous = module.activation_history.iter().rev().copied().find(|v| *v != version);
+        let module = self.modules.get_mut(name).expect("checked above");
+        module.auto_rollback = Some(AutoRollback { from_version: version, to_version: previous, reason: reason.to_string(), at: now() });
+        match previous {
+            Some(good) => {
+                while module.activation_history.last().is_some_and(|v| *v != good) {
+                    module.activation_history.pop();
+                }
+                self.set_in_force(name, good);
+                RollbackOutcome::ToVersion(good)
+            }
+            None => {
+                self.activate_builtin(kind);
+                RollbackOutcome::ToBuiltin
             }
         }
-        let record = self.index.modules.get_mut(name).expect("checked above");
-        record.active_version = Some(version);
-        record.status = ModuleStatus::Active;
-        record.last_error = None;
-        if push_history {
-            record.activation_history.push(version);
+    }
+
+    /// Deletes a module; if it was in force, its kind falls back to the builtin.
+    pub fn remove(&mut self, name: &str) -> Result<(), RegistryError> {
+        let module = self.modules.remove(name).ok_or_else(|| not_found(name))?;
+        if self.in_force.get(&module.kind).map(String::as_str) == Some(name) {
+            self.in_force.remove(&module.kind);
         }
+        if self.shadow.get(&module.kind).is_some_and(|s| s.module == name) {
+            self.shadow.remove(&module.kind);
+        }
+        Ok(())
+    }
+
+    /// Runs `name@version` (latest if `None`) in shadow, replacing any shadow of its kind.
+    pub fn start_shadow(&mut self, name: &str, version: Option<u32>) -> Result<u32, RegistryError> {
+        let module = self.modules.get(name).ok_or_else(|| not_found(name))?;
+        let version = match version {
+            Some(v) => module.version(v).map(|v| v.version).ok_or_else(|| RegistryError::NotFound(format!("module {name:?} has no version {v}")))?,
+            None => module.versions.last().map(|v| v.version).ok_or_else(|| RegistryError::NotFound(format!("module {name:?} has no versions")))?,
+        };
+        if self.in_force(module.kind) == Some((name, version)) {
+            return Err(RegistryError::Conflict(format!("{name}@{version} is already in force; shadow another version")));
+        }
+        self.shadow.insert(module.kind, ShadowRef { module: name.to_string(), version });
+        Ok(version)
+    }
+
+    /// The shadow of `name`, if it runs one.
+    pub fn shadow_of(&self, name: &str) -> Option<&ShadowRef> {
+        let kind = self.modules.get(name)?.kind;
+        self.shadow.get(&kind).filter(|s| s.module == name)
+    }
+
+    pub fn stop_shadow(&mut self, name: &str) -> Result<(), RegistryError> {
+        let kind = self.modules.get(name).ok_or_else(|| not_found(name))?.kind;
+        match self.shadow.get(&kind) {
+            Some(s) if s.module == name => {
+                self.shadow.remove(&kind);
+                Ok(())
+            }
+            _ => Err(RegistryError::NotFound(format!("module {name:?} runs no shadow"))),
+        }
+    }
+
+    /// Puts the shadowed version in force and ends the shadow.
+    pub fn promote_shadow(&mut self, name: &str) -> Result<u32, RegistryError> {
+        let version = self.shadow_of(name).map(|s| s.version).ok_or_else(|| RegistryError::NotFound(format!("module {name:?} runs no shadow to promote")))?;
+        self.stop_shadow(name)?;
+        self.activate(name, Some(version))
+    }
+
+    /// The builtin of `kind` is back in force.
+    pub fn activate_builtin(&mut self, kind: GuestKind) {
+        if let Some(previous) = self.in_force.remove(&kind)
+            && let Some(module) = self.modules.get_mut(&previous)
+        {
+            module.active_version = None;
+        }
+    }
+
+    fn set_in_force(&mut self, name: &str, version: u32) {
+        let kind = self.modules[name].kind;
+        if let Some(previous) = self.in_force.insert(kind, name.to_string())
+            && previous != name
+            && let Some(module) = self.modules.get_mut(&previous)
+        {
+            module.active_version = None;
+        }
+        self.modules.get_mut(name).expect("caller checked").active_version = Some(version);
+    }
+
+    /// Digests of every version of every module: what the blob store must keep.
+    pub fn digests(&self) -> impl Iterator<Item = &str> {
+        self.modules.values().flat_map(|m| m.versions.iter().map(|v| v.digest.as_str()))
+    }
+}
+
+/// What this node knows of one module beyond the shared index.
+#[derive(Clone, Debug, Default)]
+struct LocalStatus {
+    failed: bool,
+    last_error: Option<String>,
+    calls: u64,
+    failures: u64,
+}
+
+/// A builtin module: shipped in the binary, present on every host.
+struct Builtin {
+    kind: GuestKind,
+    version: ModuleVersion,
+    bytes: &'static [u8],
+}
+
+/// One node's view of the modules.
+pub struct Registry {
+    shared: SharedIndex,
+    builtins: BTreeMap<String, Builtin>,
+    local: HashMap<String, LocalStatus>,
+    /// What is in force on this node per kind; can differ from `shared` when activating
+    /// the shared choice failed here.
+    active: BTreeMap<GuestKind, (String, u32)>,
+    blobs: BlobCache,
+}
+
+/// Component bytes by digest: on disk under the data dir, else in memory.
+enum BlobCache {
+    Disk(PathBuf),
+    Memory(HashMap<String, Vec<u8>>),
+}
+
+impl Registry {
+    /// `dir`: the data dir (blobs are cached in `dir/modules/blobs`); `None` keeps them in memory.
+    pub fn open(dir: Option<&Path>) -> std::io::Result<Registry> {
+        let blobs = match dir {
+            Some(dir) => {
+                let blobs = dir.join("modules").join("blobs");
+                std::fs::create_dir_all(&blobs)?;
+                BlobCache::Disk(blobs)
+            }
+            None => BlobCache::Memory(HashMap::new()),
+        };
+        Ok(Registry { shared: SharedIndex::default(), builtins: BTreeMap::new(), local: HashMap::new(), active: BTreeMap::new(), blobs })
+    }
+
+    pub fn add_builtin(&mut self, name: &str, kind: GuestKind, info: &ModuleInfo, bytes: &'static [u8]) {
+        let version = ModuleVersion {
+            version: 1,
+            digest: info.digest.clone(),
+            size: info.size,
+            wit_version: info.wit_version.clone(),
+            imports: info.imports.clone(),
+            uploaded_at: now(),
+        };
+        self.builtins.insert(name.to_string(), Builtin { kind, version, bytes });
+    }
+
+    /// The builtin module of `kind`, if this binary ships one.
+    pub fn builtin_of(&self, kind: GuestKind) -> Option<&str> {
+        self.builtins.iter().find(|(_, b)| b.kind == kind).map(|(name, _)| name.as_str())
+    }
+
+    pub fn is_builtin(&self, name: &str) -> bool {
+        self.builtins.contains_key(name)
+    }
+
+    pub fn shared(&self) -> &SharedIndex {
+        &self.shared
+    }
+
+    pub fn set_shared(&mut self, shared: SharedIndex) {
+        self.local.retain(|name, _| shared.modules.contains_key(name) || self.builtins.contains_key(name));
+        self.shared = shared;
+    }
+
+    /// The kind of a module (shared or builtin).
+    pub fn kind_of(&self, name: &str) -> Option<GuestKind> {
+        self.builtins.get(name).map(|b| b.kind).or_else(|| self.shared.modules.get(name).map(|m| m.kind))
+    }
+
+    /// The digest of `name@version`, if it exists.
+    pub fn digest_of(&self, name: &str, version: u32) -> Option<&str> {
+        if let Some(b) = self.builtins.get(name) {
+            return (version == 1).then_some(b.version.digest.as_str());
+        }
+        self.shared.modules.get(name)?.version(version).map(|v| v.digest.as_str())
+    }
+
+    /// What should be in force for `kind` according to the shared index.
+    pub fn wanted(&self, kind: GuestKind) -> Option<(String, u32)> {
+        match self.shared.in_force(kind) {
+            Some((name, version)) => Some((name.to_string(), version)),
+            None => self.builtin_of(kind).map(|name| (name.to_string(), 1)),
+        }
+    }
+
+    /// What is in force on this node for `kind`.
+    pub fn active(&self, kind: GuestKind) -> Option<(&str, u32)> {
+        self.active.get(&kind).map(|(n, v)| (n.as_str(), *v))
+    }
+
+    pub fn in_force(&self, kind: GuestKind) -> Option<&str> {
+        self.active(kind).map(|(n, _)| n)
+    }
+
+    pub fn mark_active(&mut self, kind: GuestKind, name: &str, version: u32) {
+        self.active.insert(kind, (name.to_string(), version));
+        let status = self.local.entry(name.to_string()).or_default();
+        status.failed = false;
+        status.last_error = None;
     }
 
     pub fn mark_failed(&mut self, name: &str, error: &str) {
-        if let Some(record) = self.index.modules.get_mut(name) {
-            record.failures += 1;
-            record.last_error = Some(error.to_string());
-            if record.active_version.is_none() {
-                record.status = ModuleStatus::Failed;
+        let status = self.local.entry(name.to_string()).or_default();
+        status.failures += 1;
+        status.failed = true;
+        status.last_error = Some(error.to_string());
+    }
+
+    pub fn count_calls(&mut self, name: &str, calls: u64) {
+        self.local.entry(name.to_string()).or_default().calls += calls;
+    }
+
+    /// A module as the API shows it.
+    pub fn get(&self, name: &str) -> Option<ModuleRecord> {
+        let local = self.local.get(name).cloned().unwrap_or_default();
+        let active_here = self.active.values().find(|(n, _)| n == name).map(|(_, v)| *v);
+        let (kind, builtin, versions, history, auto_rollback) = match self.builtins.get(name) {
+            Some(b) => (b.kind, true, vec![b.version.clone()], active_here.into_iter().collect(), None),
+            None => {
+                let m = self.shared.modules.get(name)?;
+                (m.kind, false, m.versions.clone(), m.activation_history.clone(), m.auto_rollback.clone())
+            }
+        };
+        let status = if active_here.is_some() {
+            ModuleStatus::Active
+        } else if local.failed {
+            ModuleStatus::Failed
+        } else {
+            ModuleStatus::Inactive
+        };
+        Some(ModuleRecord {
+            name: name.to_string(),
+            kind,
+            builtin,
+            versions,
+            active_version: active_here,
+            activation_history: history,
+            status,
+            last_error: local.last_error,
+            calls: local.calls,
+            failures: local.failures,
+            auto_rollback,
+            shadow_version: self.shared.shadow_of(name).map(|s| s.version),
+        })
+    }
+
+    pub fn list(&self) -> Vec<ModuleRecord> {
+        let mut names: Vec<&String> = self.builtins.keys().chain(self.shared.modules.keys()).collect();
+        names.sort();
+        names.dedup();
+        names.into_iter().filter_map(|n| self.get(n)).collect()
+    }
+
+    fn blob_path(dir: &Path, digest: &str) -> PathBuf {
+        dir.join(format!("{}.wasm", digest.trim_start_matches("sha256:")))
+    }
+
+    pub fn has_blob(&self, digest: &str) -> bool {
+        match &self.blobs {
+            BlobCache::Disk(dir) => Self::blob_path(dir, digest).exists(),
+            BlobCache::Memory(map) => map.contains_key(digest),
+        }
+    }
+
+    /// Keeps component bytes (fetched from the kvstore or uploaded here) for loading.
+    pub fn cache_blob(&mut self, digest: &str, bytes: &[u8]) -> std::io::Result<()> {
+        match &mut self.blobs {
+            BlobCache::Disk(dir) => {
+                let path = Self::blob_path(dir, digest);
+                if !path.exists() {
+                    write_atomically(&path, bytes)?;
+                }
+            }
+            BlobCache::Memory(map) => {
+                map.entry(digest.to_string()).or_insert_with(|| bytes.to_vec());
             }
         }
+        Ok(())
     }
 
-    pub fn remove(&mut self, name: &str) -> Option<ModuleRecord> {
-        let record = self.index.modules.remove(name)?;
-        if self.index.in_force.get(&record.kind).map(String::as_str) == Some(name) {
-            self.index.in_force.remove(&record.kind);
+    /// The bytes of `name@version`.
+    pub fn module_bytes(&self, name: &str, version: u32) -> std::io::Result<Vec<u8>> {
+        if let Some(b) = self.builtins.get(name) {
+            return Ok(b.bytes.to_vec());
         }
-        Some(record)
-    }
-
-    pub fn save(&self) -> std::io::Result<()> {
-        let Some(dir) = &self.dir else { return Ok(()) };
-        let bytes = serde_json::to_vec_pretty(&self.index).map_err(std::io::Error::other)?;
-        write_atomically(&dir.join("index.json"), &bytes)
+        let not_here = || std::io::Error::new(std::io::ErrorKind::NotFound, format!("{name}@{version} is not in the registry"));
+        let digest = self.digest_of(name, version).ok_or_else(not_here)?;
+        match &self.blobs {
+            BlobCache::Disk(dir) => std::fs::read(Self::blob_path(dir, digest)),
+            BlobCache::Memory(map) => map.get(digest).cloned().ok_or_else(|| {
+                std::io::Error::new(std::io::ErrorKind::NotFound, format!("the bytes of {name}@{version} ({digest}) have not been fetched"))
+            }),
+        }
     }
 }
 
@@ -236,4 +528,81 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, bytes)?;
     std::fs::rename(tmp, path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(digest: &str) -> ModuleInfo {
+        ModuleInfo { digest: digest.into(), size: 10, wit_version: "1.0.0".into(), imports: vec![], kind: GuestKind::ServiceTranslator }
+    }
+
+    #[test]
+    fn versions_are_content_addressed() {
+        let mut index = SharedIndex::default();
+        assert_eq!(index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:a")), Ok(1));
+        assert_eq!(index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:b")), Ok(2));
+        assert_eq!(index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:a")), Ok(1), "same bytes, same version");
+        assert!(matches!(index.add_version("m", GuestKind::Gc, &info("sha256:c")), Err(RegistryError::Conflict(_))));
+    }
+
+    #[test]
+    fn activation_rollback_and_removal_move_what_is_in_force() {
+        let mut index = SharedIndex::default();
+        index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:a")).unwrap();
+        index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:b")).unwrap();
+        index.add_version("n", GuestKind::ServiceTranslator, &info("sha256:c")).unwrap();
+        assert_eq!(index.in_force(GuestKind::ServiceTranslator), None, "builtin until something is activated");
+        assert!(matches!(index.rollback("m"), Err(RegistryError::Conflict(_))));
+        assert_eq!(index.activate("m", Some(1)), Ok(1));
+        assert_eq!(index.activate("m", None), Ok(2));
+        assert_eq!(index.in_force(GuestKind::ServiceTranslator), Some(("m", 2)));
+        assert_eq!(index.rollback("m"), Ok(1));
+        assert_eq!(index.in_force(GuestKind::ServiceTranslator), Some(("m", 1)));
+        index.activate("n", None).unwrap();
+        assert_eq!(index.modules["m"].active_version, None, "one module in force per kind");
+        assert_eq!(index.in_force(GuestKind::ServiceTranslator), Some(("n", 1)));
+        index.remove("n").unwrap();
+        assert_eq!(index.in_force(GuestKind::ServiceTranslator), None);
+        assert!(matches!(index.activate("m", Some(9)), Err(RegistryError::NotFound(_))));
+    }
+
+    #[test]
+    fn auto_rollback_returns_to_the_last_other_version_or_the_builtin() {
+        let mut index = SharedIndex::default();
+        for d in ["sha256:a", "sha256:b"] {
+            index.add_version("m", GuestKind::ServiceTranslator, &info(d)).unwrap();
+        }
+        index.activate("m", Some(1)).unwrap();
+        index.activate("m", Some(2)).unwrap();
+        index.activate("m", Some(2)).unwrap();
+        assert_eq!(index.auto_rollback("m", 1, "stale"), RollbackOutcome::Stale, "v1 is not in force");
+        assert_eq!(index.auto_rollback("m", 2, "crashed"), RollbackOutcome::ToVersion(1));
+        assert_eq!(index.in_force(GuestKind::ServiceTranslator), Some(("m", 1)));
+        assert_eq!(index.modules["m"].activation_history, vec![1]);
+        assert_eq!(index.modules["m"].auto_rollback.as_ref().unwrap().reason, "crashed");
+        assert_eq!(index.auto_rollback("m", 1, "crashed again"), RollbackOutcome::ToBuiltin, "nothing before v1");
+        assert_eq!(index.in_force(GuestKind::ServiceTranslator), None);
+    }
+
+    #[test]
+    fn registry_reports_local_status_over_the_shared_index() {
+        let mut registry = Registry::open(None).unwrap();
+        registry.add_builtin("builtin", GuestKind::ServiceTranslator, &info("sha256:z"), b"\0asm");
+        let mut index = SharedIndex::default();
+        index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:a")).unwrap();
+        index.activate("m", None).unwrap();
+        registry.set_shared(index);
+        assert_eq!(registry.wanted(GuestKind::ServiceTranslator), Some(("m".into(), 1)));
+        registry.mark_active(GuestKind::ServiceTranslator, "builtin", 1);
+        registry.mark_failed("m", "boom");
+        let m = registry.get("m").unwrap();
+        assert_eq!((m.status, m.active_version, m.last_error.as_deref()), (ModuleStatus::Failed, None, Some("boom")));
+        assert_eq!(registry.get("builtin").unwrap().status, ModuleStatus::Active);
+        assert!(registry.module_bytes("m", 1).is_err(), "bytes not fetched yet");
+        registry.cache_blob("sha256:a", b"bytes").unwrap();
+        assert_eq!(registry.module_bytes("m", 1).unwrap(), b"bytes");
+        assert_eq!(registry.list().iter().map(|m| m.name.as_str()).collect::<Vec<_>>(), ["builtin", "m"]);
+    }
 }

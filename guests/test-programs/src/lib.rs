@@ -24,6 +24,15 @@ mod translator {
             }
             #[cfg(feature = "trap")]
             panic!("this guest always traps");
+            // trap-on-label: well behaved (no rules) until a service carries the label, so it
+            // activates fine and fails later: what a crash budget is for.
+            #[cfg(feature = "trap-on-label")]
+            {
+                if _svc.labels.iter().any(|l| l.key == "wasmplane.io/crash") {
+                    panic!("crash label on {}/{}", _svc.namespace, _svc.name);
+                }
+                return Ok(Ruleset { chains: vec![], sets: vec![], map_elements: vec![], warnings: vec![] });
+            }
             // invalid-output: a chain outside the namespace the host gave this service.
             Ok(Ruleset {
                 chains: vec![Chain { name: "evil/elsewhere".into(), rules: vec![] }],

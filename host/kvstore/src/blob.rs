@@ -82,12 +82,15 @@ pub async fn put_blob(store: &dyn KvStore, prefix: &str, data: &[u8]) -> Result<
         size: data.len(),
         limit: CHUNK_SIZE * u32::MAX as usize,
     })?;
-    futures::stream::iter(chunks.into_iter().enumerate())
-        .map(|(i, chunk)| {
-            let key = chunk_key(prefix, &digest, i as u32);
-            let value = Bytes::copy_from_slice(chunk);
-            async move { store.put(&key, value, None).await }
-        })
+    // Owned keys and values before the stream: a closure taking borrowed chunks makes the
+    // future not `Send` for every lifetime (rustc #64552), which axum handlers need.
+    let writes: Vec<(String, Bytes)> = chunks
+        .into_iter()
+        .enumerate()
+        .map(|(i, chunk)| (chunk_key(prefix, &digest, i as u32), Bytes::copy_from_slice(chunk)))
+        .collect();
+    futures::stream::iter(writes)
+        .map(|(key, value)| async move { store.put(&key, value, None).await })
         .buffer_unordered(PARALLEL_CHUNKS)
         .try_collect::<Vec<_>>()
         .await?;

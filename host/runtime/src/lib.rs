@@ -15,8 +15,10 @@
 
 mod bindings;
 mod convert;
+pub mod gc;
 mod host;
 mod loader;
+pub mod policy;
 
 use std::path::PathBuf;
 use std::sync::Arc;

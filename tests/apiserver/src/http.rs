@@ -81,6 +81,7 @@ pub(crate) struct Shared {
     pub requests: Mutex<RequestStats>,
     pub bookmark_interval: Duration,
     pub addr: SocketAddr,
+    pub reviews: Mutex<crate::reviews::Reviews>,
 }
 
 /// Lock ignoring poison: a panicking test thread must not turn every later request into
@@ -120,6 +121,13 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
 async fn handle(State(shared): State<Arc<Shared>>, request: Request) -> Response {
     let method = request.method().clone();
     let uri = request.uri().clone();
+    if method == Method::POST && matches!(uri.path(), crate::reviews::TOKEN_REVIEWS | crate::reviews::SUBJECT_ACCESS_REVIEWS) {
+        let body = match axum::body::to_bytes(request.into_body(), 1 << 20).await {
+            Ok(body) => body,
+            Err(e) => return (StatusCode::BAD_REQUEST, e.to_string()).into_response(),
+        };
+        return crate::reviews::answer(&mut lock(&shared.reviews), uri.path(), &body);
+    }
     let response = dispatch(&shared, request)
         .await
         .unwrap_or_else(IntoResponse::into_response);

@@ -66,6 +66,7 @@ mod error;
 mod http;
 mod patch;
 mod resource;
+mod reviews;
 mod selector;
 mod store;
 
@@ -142,6 +143,7 @@ impl Builder {
             requests: Mutex::new(Default::default()),
             bookmark_interval: self.bookmark_interval,
             addr,
+            reviews: Mutex::new(Default::default()),
         });
         let (shutdown, stopped) = oneshot::channel::<()>();
         let app = http::router(shared.clone());
@@ -471,6 +473,21 @@ impl TestApiServer {
             .get(&(verb, key.to_string()))
             .copied()
             .unwrap_or(0)
+    }
+
+    /// TokenReview: `token` authenticates as `user` in `groups` (unknown tokens do not).
+    pub fn add_token(&self, token: &str, user: &str, groups: &[&str]) {
+        lock(&self.shared.reviews).tokens.insert(token.into(), (user.into(), groups.iter().map(|g| g.to_string()).collect()));
+    }
+
+    /// SubjectAccessReview: `user` may `verb` `resource` in API `group` (everything else is denied).
+    pub fn allow(&self, user: &str, verb: &str, group: &str, resource: &str) {
+        lock(&self.shared.reviews).allowed.insert((user.into(), verb.into(), group.into(), resource.into()));
+    }
+
+    /// Reviews answered so far: (TokenReviews, SubjectAccessReviews).
+    pub fn review_counts(&self) -> (u64, u64) {
+        lock(&self.shared.reviews).counts
     }
 
     /// All counters, keyed by verb and resource name (`services`, `leases.coordination.k8s.io`).

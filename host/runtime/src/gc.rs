@@ -1,0 +1,227 @@
+//! Garbage-collection guest sessions (issue 7): the host offers candidates, the
+//! guest's `collect` names the keys to delete.
+//!
+//! A GC module is validated exactly like any other ([`Runtime::load`] with
+//! [`GuestKind::Gc`]: header, world, version, granted imports, linking), then
+//! instantiated through its own bindings. Calls run under the runtime's
+//! [`Limits`]: the epoch deadline, the memory limiter, and an output cap (keys
+//! named count as objects, their bytes as output bytes). What the guest names
+//! is only a proposal: the caller deletes nothing it did not offer.
+
+use std::sync::Arc;
+
+use wasmtime::component::{Component, InstancePre};
+use wasmtime::{Store, Trap};
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+
+use crate::host::{GuestState, NoLookups};
+use crate::{CallError, EPOCH_TICK, GuestKind, Limits, LoadError, ModuleInfo, Runtime};
+
+mod bindings {
+    wasmtime::component::bindgen!({
+        path: "../../wit",
+        world: "garbage-collection",
+        // The log capability is the one every guest kind shares (already in the linker).
+        with: {
+            "wasmplane:dataplane/log@1.0.0": crate::bindings::service::wasmplane::dataplane::log,
+        },
+    });
+}
+
+use bindings::{GarbageCollection, GarbageCollectionPre};
+pub use bindings::exports::wasmplane::dataplane::gc::{Candidate, CandidateKind};
+
+/// Bytes of guest stderr kept for error messages (panic messages land there).
+const STDERR_CAPTURE: usize = 4096;
+
+/// A validated, compiled GC component ready to instantiate.
+pub struct GcModule {
+    pub info: ModuleInfo,
+    name: Arc<str>,
+    pre: GarbageCollectionPre<GuestState>,
+    engine: wasmtime::Engine,
+    limits: Limits,
+}
+
+impl Runtime {
+    /// Validates and compiles a GC component.
+    pub fn load_gc(&self, name: &str, bytes: &[u8], max_size: usize) -> Result<GcModule, LoadError> {
+        // The shared loader does every check; it may not run GC guests itself
+        // (`KindNotRunnable`), which only means the checks passed.
+        let info = match self.load(name, bytes, Some(GuestKind::Gc), max_size) {
+            Ok(loaded) => loaded.info,
+            Err(LoadError::KindNotRunnable(GuestKind::Gc)) => ModuleInfo {
+                digest: crate::loader::digest(bytes),
+                kind: GuestKind::Gc,
+                wit_version: crate::loader::WIT_VERSION.into(),
+                size: bytes.len(),
+                imports: Vec::new(),
+            },
+            Err(e) => return Err(e),
+        };
+        let component = Component::new(&self.engine, bytes).map_err(|e| LoadError::Compile(format!("{e:#}")))?;
+        let pre: InstancePre<GuestState> =
+            self.linker.instantiate_pre(&component).map_err(|e| LoadError::Link(format!("{e:#}")))?;
+        let pre = GarbageCollectionPre::new(pre).map_err(|e| LoadError::Link(format!("{e:#}")))?;
+        Ok(GcModule { info, name: Arc::from(name), pre, engine: self.engine.clone(), limits: self.limits.clone() })
+    }
+}
+
+impl GcModule {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// A session calling `collect`.
+    pub fn session(&self) -> GcSession {
+        GcSession {
+            pre: self.pre.clone(),
+            engine: self.engine.clone(),
+            limits: self.limits.clone(),
+            name: self.name.clone(),
+            live: None,
+        }
+    }
+}
+
+struct LiveInstance {
+    store: Store<GuestState>,
+    bindings: GarbageCollection,
+    stderr: MemoryOutputPipe,
+}
+
+/// Runs `collect` on one instance, reused until a call fails (a trapped
+/// instance cannot be entered again).
+pub struct GcSession {
+    pre: GarbageCollectionPre<GuestState>,
+    engine: wasmtime::Engine,
+    limits: Limits,
+    name: Arc<str>,
+    live: Option<LiveInstance>,
+}
+
+impl GcSession {
+    fn deadline_ticks(&self) -> u64 {
+        self.limits.call_timeout.as_nanos().div_ceil(EPOCH_TICK.as_nanos()).max(1) as u64
+    }
+
+    fn instantiate(&mut self) -> Result<&mut LiveInstance, CallError> {
+        if self.live.is_none() {
+            let stderr = MemoryOutputPipe::new(STDERR_CAPTURE);
+            // GC guests import no lookups: nothing to query.
+            let state = GuestState::new(
+                self.name.clone(),
+                self.limits.memory_bytes,
+                self.limits.table_elements,
+                Arc::new(NoLookups),
+                stderr.clone(),
+            );
+            let mut store = Store::new(&self.engine, state);
+            store.limiter(|s| &mut s.limiter);
+            store.set_epoch_deadline(self.deadline_ticks());
+            store.epoch_deadline_trap();
+            let bindings = self.pre.instantiate(&mut store).map_err(|e| CallError::Instantiate(format!("{e:#}")))?;
+            self.live = Some(LiveInstance { store, bindings, stderr });
+        }
+        Ok(self.live.as_mut().expect("just instantiated"))
+    }
+
+    /// Asks the guest which of `candidates` to delete. On any error the
+    /// instance is dropped and nothing is named.
+    pub fn collect(&mut self, candidates: &[Candidate]) -> Result<Vec<String>, CallError> {
+        let limits = self.limits.clone();
+        let ticks = self.deadline_ticks();
+        let live = self.instantiate()?;
+        live.store.set_epoch_deadline(ticks);
+        let result = live.bindings.wasmplane_dataplane_gc().call_collect(&mut live.store, candidates);
+        let outcome = match result {
+            Ok(keys) => {
+                let bytes: usize = keys.iter().map(String::len).sum();
+                if keys.len() > limits.max_output_objects || bytes > limits.max_output_bytes {
+                    Err(CallError::OutputTooLarge(format!(
+                        "{} keys / {bytes} bytes (limits {} / {})",
+                        keys.len(),
+                        limits.max_output_objects,
+                        limits.max_output_bytes
+                    )))
+                } else {
+                    Ok(keys)
+                }
+            }
+            Err(e) => Err(classify(e, live, &limits)),
+        };
+        if outcome.is_err() {
+            self.live = None;
+        }
+        outcome
+    }
+}
+
+fn classify(error: wasmtime::Error, live: &LiveInstance, limits: &Limits) -> CallError {
+    if live.store.data().limiter.memory_exceeded {
+        return CallError::MemoryLimit(limits.memory_bytes);
+    }
+    if error.downcast_ref::<Trap>() == Some(&Trap::Interrupt) {
+        return CallError::Timeout(limits.call_timeout);
+    }
+    let stderr = String::from_utf8_lossy(&live.stderr.contents()).trim().to_string();
+    let root = format!("{error:#}");
+    let root = root.lines().next().unwrap_or_default().to_string();
+    if stderr.is_empty() { CallError::Trap(root) } else { CallError::Trap(format!("{root}; guest stderr: {stderr}")) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn candidate(key: &str, kind: CandidateKind, age_seconds: u64, owner_exists: bool) -> Candidate {
+        Candidate { key: key.into(), kind, age_seconds, owner_exists }
+    }
+
+    fn offered() -> Vec<Candidate> {
+        vec![
+            candidate("/ids/1", CandidateKind::StaleNode, 7200, true),
+            candidate("/ids/2", CandidateKind::StaleNode, 7200, false),
+            candidate("/ids/3", CandidateKind::StaleNode, 60, false),
+            candidate("/status/a", CandidateKind::PolicyStatus, 120, false),
+            candidate("/status/b", CandidateKind::NodeStatus, 120, false),
+            candidate("/locks/x", CandidateKind::Lock, 0, false),
+            candidate("/locks/y", CandidateKind::Lock, 10, true),
+        ]
+    }
+
+    #[test]
+    fn the_shipped_gc_guest_names_what_its_policy_says() {
+        let runtime = Runtime::new(Limits::default(), None).unwrap();
+        let module = runtime.load_gc("gc", wasmplane_guest_artifacts::GC, 8 << 20).expect("the default GC guest loads");
+        assert_eq!(module.info.kind, GuestKind::Gc);
+        let mut session = module.session();
+        let named = session.collect(&offered()).expect("collect");
+        assert_eq!(named, vec!["/ids/2", "/status/a", "/locks/x"]);
+        // The instance is reused and answers the same.
+        assert_eq!(session.collect(&offered()).unwrap(), named);
+        assert_eq!(session.collect(&[]).unwrap(), Vec::<String>::new());
+    }
+
+    #[test]
+    fn output_over_the_limit_is_refused_and_the_session_recovers() {
+        let limits = Limits { max_output_objects: 2, ..Limits::default() };
+        let runtime = Runtime::new(limits, None).unwrap();
+        let module = runtime.load_gc("gc", wasmplane_guest_artifacts::GC, 8 << 20).unwrap();
+        let mut session = module.session();
+        assert!(matches!(session.collect(&offered()), Err(CallError::OutputTooLarge(_))));
+        let small = &offered()[..2];
+        assert_eq!(session.collect(small).unwrap(), vec!["/ids/2"]);
+    }
+
+    #[test]
+    fn another_kind_is_not_loaded_as_gc() {
+        let runtime = Runtime::new(Limits::default(), None).unwrap();
+        let err = runtime.load_gc("st", wasmplane_guest_artifacts::SERVICE_TRANSLATOR, 8 << 20).err().expect("refused");
+        assert!(
+            matches!(err, LoadError::KindMismatch { declared: GuestKind::Gc, found: GuestKind::ServiceTranslator }),
+            "{err:?}"
+        );
+        assert!(matches!(runtime.load_gc("junk", b"not wasm at all", 1 << 20), Err(LoadError::NotWasm)));
+    }
+}

@@ -1,0 +1,150 @@
+//! The host side of the CNI split: the daemon (`wasmplane_cni`) answers the thin plugin
+//! from this host's watch cache, and the addresses it hands out reach the node-local model
+//! at once, before the kubelet reports them through the API server.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use wasmplane_cni::{BoxFuture, PodDirectory, PodInfo, PodNetworkSink, PodRef};
+use wasmplane_model::ObjectKey;
+
+use crate::controller::{Controller, ModelObserver};
+
+/// Where the CNI daemon listens and keeps its allocations.
+#[derive(Clone, Debug)]
+pub struct CniConfig {
+    pub socket: PathBuf,
+    /// This node's pod CIDR; when unset, the first IPv4 pod CIDR of this node's Node object.
+    pub pod_cidr: Option<ipnet::Ipv4Net>,
+    /// Allocation state (default: `<data-dir>/cni`).
+    pub state_dir: Option<PathBuf>,
+    /// How long an ADD waits for its pod to reach the watch cache.
+    pub pod_wait: Duration,
+}
+
+/// Wakes pod lookups on every model revision.
+struct RevisionSignal(tokio::sync::watch::Sender<u64>);
+
+impl ModelObserver for RevisionSignal {
+    fn model_changed(&self, model: &wasmplane_model::NodeLocalModel, _update: &wasmplane_model::state::ModelUpdate) {
+        self.0.send_replace(model.revision);
+    }
+}
+
+/// The watch cache, as the CNI daemon sees it: a pod is there once the cluster state has it.
+pub struct ModelPods {
+    controller: Weak<Mutex<Controller>>,
+    revisions: tokio::sync::watch::Receiver<u64>,
+}
+
+impl ModelPods {
+    pub fn new(controller: &Arc<Mutex<Controller>>) -> ModelPods {
+        let (tx, revisions) = tokio::sync::watch::channel(0);
+        controller.lock().unwrap_or_else(|p| p.into_inner()).add_observer(Box::new(RevisionSignal(tx)));
+        ModelPods { controller: Arc::downgrade(controller), revisions }
+    }
+
+    fn lookup(&self, pod: &PodRef) -> Option<PodInfo> {
+        let controller = self.controller.upgrade()?;
+        let controller = controller.lock().unwrap_or_else(|p| p.into_inner());
+        controller.cluster().pods.get(&ObjectKey::new(&pod.namespace, &pod.name))?;
+        // The model keeps no UIDs: a pod of that name is the one asked for.
+        Some(PodInfo { namespace: pod.namespace.clone(), name: pod.name.clone(), uid: pod.uid.clone() })
+    }
+}
+
+impl PodDirectory for ModelPods {
+    fn wait_for_pod<'a>(&'a self, pod: &'a PodRef, timeout: Duration) -> BoxFuture<'a, Option<PodInfo>> {
+        Box::pin(async move {
+            let deadline = Instant::now() + timeout;
+            let mut revisions = self.revisions.clone();
+            loop {
+                if let Some(found) = self.lookup(pod) {
+                    return Some(found);
+                }
+                let left = deadline.checked_duration_since(Instant::now())?;
+                // A revision may carry the pod; re-check at least every 100 ms regardless.
+                let _ = tokio::time::timeout(left.min(Duration::from_millis(100)), revisions.changed()).await;
+            }
+        })
+    }
+}
+
+/// Addresses from the daemon into the model.
+pub struct ModelPodNetworks {
+    controller: Weak<Mutex<Controller>>,
+}
+
+impl ModelPodNetworks {
+    pub fn new(controller: &Arc<Mutex<Controller>>) -> ModelPodNetworks {
+        ModelPodNetworks { controller: Arc::downgrade(controller) }
+    }
+
+    fn update(&self, namespace: &str, name: &str, ips: Option<&[IpAddr]>, released: &[IpAddr]) {
+        let Some(controller) = self.controller.upgrade() else { return };
+        let key = ObjectKey::new(namespace, name);
+        let ips = ips.map(|ips| ips.iter().map(IpAddr::to_string).collect::<Vec<_>>());
+        let released: Vec<String> = released.iter().map(IpAddr::to_string).collect();
+        // Guest calls are synchronous: off the async runtime.
+        tokio::task::spawn_blocking(move || {
+            let mut controller = controller.lock().unwrap_or_else(|p| p.into_inner());
+            if let Err(e) = controller.set_pod_network(&key, ips, &released) {
+                tracing::error!(pod = %key, "applying the pod's addresses: {e}");
+            }
+        });
+    }
+}
+
+impl PodNetworkSink for ModelPodNetworks {
+    fn pod_network_added(&self, namespace: &str, name: &str, ips: &[IpAddr]) {
+        self.update(namespace, name, Some(ips), &[]);
+    }
+
+    fn pod_network_removed(&self, namespace: &str, name: &str, ips: &[IpAddr]) {
+        self.update(namespace, name, None, ips);
+    }
+}
+
+/// Starts the daemon once the pod CIDR is known (from the flag, or from this node's Node
+/// object when the watch delivers it).
+pub async fn run(config: CniConfig, data_dir: Option<PathBuf>, controller: Arc<Mutex<Controller>>) {
+    let pod_cidr = match config.pod_cidr {
+        Some(cidr) => cidr,
+        None => loop {
+            let known = {
+                let c = controller.lock().unwrap_or_else(|p| p.into_inner());
+                c.model().context.pod_cidrs.iter().find_map(|c| c.parse::<ipnet::Ipv4Net>().ok())
+            };
+            if let Some(cidr) = known {
+                break cidr;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        },
+    };
+    let state_dir = config
+        .state_dir
+        .clone()
+        .or_else(|| data_dir.map(|d| d.join("cni")))
+        .unwrap_or_else(|| PathBuf::from("/var/lib/wasmplane/cni"));
+    let mut daemon_config = wasmplane_cni::DaemonConfig::new(pod_cidr, state_dir);
+    daemon_config.socket_path = config.socket.clone();
+    daemon_config.pod_wait_timeout = config.pod_wait;
+    let daemon = match wasmplane_cni::CniDaemon::new(daemon_config, Arc::new(ModelPods::new(&controller)), Arc::new(ModelPodNetworks::new(&controller))) {
+        Ok(daemon) => daemon,
+        Err(e) => {
+            tracing::error!("starting the CNI daemon: {e}");
+            return;
+        }
+    };
+    match daemon.spawn().await {
+        Ok(handle) => {
+            tracing::info!(socket = %config.socket.display(), %pod_cidr, "CNI daemon serving");
+            // Serve until the host stops this task.
+            let _handle = handle;
+            std::future::pending::<()>().await;
+        }
+        Err(e) => tracing::error!("starting the CNI daemon: {e}"),
+    }
+}

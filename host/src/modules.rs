@@ -1,0 +1,203 @@
+//! Module operations across the cluster: the REST API's upload, activate, rollback and
+//! delete, and every host's reaction to the shared index changing.
+//!
+//! A change is a transform of the [`SharedIndex`]: read it, transform it, apply the result
+//! on this host first (an activation that fails here is refused before anyone else sees
+//! it), then publish it with compare-and-swap; on a conflict, start over from the newer
+//! index. Every host, the publisher included, applies what the watch delivers; one async
+//! lock orders local publishes and watched revisions, so a host never goes back to an
+//! older index.
+
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use serde::Serialize;
+use wasmplane_kvstore::Revision;
+use wasmplane_runtime::GuestKind;
+
+use crate::admission::Admission;
+use crate::controller::{Controller, HostError, RollbackRequest};
+use crate::module_store::{MAX_CAS_ATTEMPTS, ModuleStore, StoreError};
+use crate::registry::{RegistryError, RollbackOutcome, SharedIndex};
+
+#[derive(Debug, Serialize)]
+pub struct UploadOutcome {
+    pub name: String,
+    pub version: u32,
+    pub digest: String,
+    pub kind: GuestKind,
+    pub active: bool,
+}
+
+pub struct Modules {
+    store: ModuleStore,
+    controller: Arc<Mutex<Controller>>,
+    admission: Arc<Admission>,
+    /// The index revision this host has applied; held across a publish.
+    applied: tokio::sync::Mutex<Revision>,
+}
+
+async fn blocking<T: Send + 'static>(
+    controller: &Arc<Mutex<Controller>>,
+    op: impl FnOnce(&mut Controller) -> Result<T, HostError> + Send + 'static,
+) -> Result<T, HostError> {
+    let controller = controller.clone();
+    tokio::task::spawn_blocking(move || op(&mut controller.lock().unwrap_or_else(|p| p.into_inner())))
+        .await
+        .map_err(|e| HostError::Internal(format!("controller task failed: {e}")))?
+}
+
+impl Modules {
+    pub fn new(store: ModuleStore, controller: Arc<Mutex<Controller>>, admission: Arc<Admission>) -> Modules {
+        Modules { store, controller, admission, applied: tokio::sync::Mutex::new(0) }
+    }
+
+    pub fn store(&self) -> &ModuleStore {
+        &self.store
+    }
+
+    /// Applies the index as it is in the kvstore now; returns its revision (to watch from).
+    pub async fn sync_now(&self) -> Result<Revision, HostError> {
+        let mut applied = self.applied.lock().await;
+        let (index, revision) = self.store.load().await?;
+        self.apply(index, false).await?;
+        *applied = revision;
+        Ok(revision)
+    }
+
+    /// Follows the shared index for as long as the host runs.
+    pub async fn follow(self: Arc<Self>, from: Revision) {
+        let this = self.clone();
+        self.store
+            .watch(from, move |index, revision| {
+                let this = this.clone();
+                async move {
+                    let mut applied = this.applied.lock().await;
+                    if revision <= *applied {
+                        return;
+                    }
+                    if let Err(e) = this.apply(index, false).await {
+                        tracing::error!(revision, "applying the module index: {e}");
+                    }
+                    *applied = revision;
+                }
+            })
+            .await
+    }
+
+    /// Makes sure this host has the bytes of every module the index puts in force, then
+    /// applies it. `strict`: an activation failing here fails the call and leaves the
+    /// previous index applied.
+    async fn apply(&self, index: SharedIndex, strict: bool) -> Result<(), HostError> {
+        let wanted = GuestKind::ALL.into_iter().filter_map(|kind| index.in_force(kind)).chain(index.shadow.values().map(|s| (s.module.as_str(), s.version)));
+        let digests: Vec<String> = wanted.filter_map(|(name, version)| Some(index.modules.get(name)?.version(version)?.digest.clone())).collect();
+        for digest in digests {
+            let cached = {
+                let digest = digest.clone();
+                blocking(&self.controller, move |c| Ok(c.has_blob(&digest))).await?
+            };
+            if !cached {
+                let bytes = self.store.get_blob(&digest).await?;
+                blocking(&self.controller, move |c| c.cache_blob(&digest, &bytes)).await?;
+            }
+        }
+        blocking(&self.controller, move |c| c.apply_shared(index, strict)).await
+    }
+
+    /// Read-transform-apply-publish, retried on conflict.
+    async fn update<T: Send + 'static>(&self, transform: impl Fn(&mut SharedIndex) -> Result<T, RegistryError>) -> Result<T, HostError> {
+        let mut applied = self.applied.lock().await;
+        for _ in 0..MAX_CAS_ATTEMPTS {
+            let (index, revision) = self.store.load().await?;
+            let mut changed = index.clone();
+            let outcome = transform(&mut changed)?;
+            if changed == index {
+                return Ok(outcome);
+            }
+            self.apply(changed.clone(), true).await?;
+            if let Some(published) = self.store.publish(revision, &changed).await? {
+                *applied = published;
+                return Ok(outcome);
+            }
+            tracing::debug!("module index changed concurrently; retrying on the newer one");
+        }
+        Err(StoreError::Contended(MAX_CAS_ATTEMPTS).into())
+    }
+
+    /// `signature`: what came with the upload, checked by the host's [`Admission`] policy.
+    pub async fn upload(&self, name: &str, kind: GuestKind, bytes: Bytes, activate: bool, signature: Option<&str>) -> Result<UploadOutcome, HostError> {
+        let info = {
+            let (name, bytes) = (name.to_string(), bytes.clone());
+            blocking(&self.controller, move |c| c.check_upload(&name, kind, &bytes)).await?
+        };
+        self.admission.admit(name, &info, &bytes, signature)?;
+        // Bytes first: an index naming a version must always find its blob.
+        self.store.put_blob(&info.digest, &bytes).await?;
+        {
+            let (digest, bytes) = (info.digest.clone(), bytes.clone());
+            blocking(&self.controller, move |c| c.cache_blob(&digest, &bytes)).await?;
+        }
+        // Recorded first, activated second: a version that fails to activate stays listed
+        // (with its failure in the status) and can be activated later.
+        let version = self.update(|index| index.add_version(name, kind, &info)).await?;
+        if activate {
+            self.update(|index| index.activate(name, Some(version))).await?;
+        }
+        Ok(UploadOutcome { name: name.to_string(), version, digest: info.digest, kind, active: activate })
+    }
+
+    pub async fn activate(&self, name: &str, version: Option<u32>) -> Result<u32, HostError> {
+        if let Some(kind) = self.builtin_kind(name).await? {
+            return self
+                .update(|index| {
+                    index.activate_builtin(kind);
+                    Ok(1)
+                })
+                .await;
+        }
+        self.update(|index| index.activate(name, version)).await
+    }
+
+    pub async fn rollback(&self, name: &str) -> Result<u32, HostError> {
+        self.update(|index| index.rollback(name)).await
+    }
+
+    pub async fn delete(&self, name: &str) -> Result<(), HostError> {
+        if self.builtin_kind(name).await?.is_some() {
+            return Err(HostError::Conflict(format!("{name:?} is a builtin module and cannot be deleted")));
+        }
+        self.update(|index| index.remove(name)).await
+    }
+
+    /// Runs `name@version` (latest if `None`) in shadow on every host.
+    pub async fn start_shadow(&self, name: &str, version: Option<u32>) -> Result<u32, HostError> {
+        self.update(|index| index.start_shadow(name, version)).await
+    }
+
+    pub async fn stop_shadow(&self, name: &str) -> Result<(), HostError> {
+        self.update(|index| index.stop_shadow(name)).await
+    }
+
+    /// Puts the shadowed version in force everywhere.
+    pub async fn promote(&self, name: &str) -> Result<u32, HostError> {
+        self.update(|index| index.promote_shadow(name)).await
+    }
+
+    /// Carries out the rollbacks the controller asks for when a module exhausts its crash
+    /// budget: cluster-wide, through the index, so every host stops running it.
+    pub async fn handle_rollbacks(self: Arc<Self>, mut requests: tokio::sync::mpsc::UnboundedReceiver<RollbackRequest>) {
+        while let Some(request) = requests.recv().await {
+            let RollbackRequest { module, version, reason, .. } = request;
+            match self.update(|index| Ok(index.auto_rollback(&module, version, &reason))).await {
+                Ok(RollbackOutcome::Stale) => tracing::info!(module, version, "crash-budget rollback not needed: no longer in force"),
+                Ok(outcome) => tracing::warn!(module, version, ?outcome, "rolled back after exhausting the crash budget: {reason}"),
+                Err(e) => tracing::error!(module, version, "crash-budget rollback failed: {e}"),
+            }
+        }
+    }
+
+    async fn builtin_kind(&self, name: &str) -> Result<Option<GuestKind>, HostError> {
+        let name = name.to_string();
+        blocking(&self.controller, move |c| Ok(c.builtin_kind(&name))).await
+    }
+}

@@ -1,0 +1,1 @@
+//! Network-policy controller (issue 6): filled in by the policy work.

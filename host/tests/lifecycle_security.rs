@@ -1,0 +1,374 @@
+//! Issue 9's security features through the HTTP API of a real host: module signatures,
+//! capability grants, the audit log in the kvstore, TLS, and Kubernetes TokenReview +
+//! SubjectAccessReview authentication (against the test API server).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde_json::Value;
+use wasmplane::admission;
+use wasmplane::app::{HostConfig, KubernetesSource, RunningHost, start};
+use wasmplane::audit::AuditRecord;
+use wasmplane::auth::{KubernetesAuthConfig, TlsFiles};
+use wasmplane_guest_artifacts as artifacts;
+use wasmplane_runtime::Limits;
+
+const TOKEN: &str = "test-token-0123456789abcdef";
+
+const MANIFESTS: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: { name: web, namespace: shop }
+spec:
+  clusterIP: 10.96.0.20
+  ports: [{ name: http, port: 80, targetPort: 8080, protocol: TCP }]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: { name: web-abc, namespace: shop, labels: { kubernetes.io/service-name: web } }
+addressType: IPv4
+ports: [{ name: http, port: 8080, protocol: TCP }]
+endpoints:
+  - { addresses: [10.244.0.11], conditions: { ready: true }, nodeName: node-a }
+"#;
+
+fn base_config(dir: &Path) -> HostConfig {
+    std::fs::create_dir_all(dir.join("manifests")).unwrap();
+    std::fs::write(dir.join("manifests/shop.yaml"), MANIFESTS).unwrap();
+    HostConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        manifests: Some(dir.join("manifests")),
+        data_dir: Some(dir.join("data")),
+        token: Some(TOKEN.into()),
+        limits: Limits { call_timeout: Duration::from_millis(500), memory_bytes: 32 << 20, max_instances: 16, ..Default::default() },
+        max_module_bytes: 4 << 20,
+        manifest_poll: Duration::from_millis(50),
+        ..Default::default()
+    }
+}
+
+fn plain_client() -> reqwest::Client {
+    reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap()
+}
+
+async fn upload(client: &reqwest::Client, host: &RunningHost, name: &str, bytes: &[u8], token: Option<&str>, signature: Option<&str>) -> (StatusCode, Value) {
+    let mut rb = client.put(format!("{}/v1/modules/{name}?kind=service-translator", host.url())).body(bytes.to_vec());
+    if let Some(t) = token {
+        rb = rb.bearer_auth(t);
+    }
+    if let Some(s) = signature {
+        rb = rb.header("X-Wasmplane-Signature", s);
+    }
+    let r = rb.send().await.unwrap();
+    let status = r.status();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+fn error_of(body: &Value) -> String {
+    body["error"].as_str().unwrap_or_default().to_string()
+}
+
+async fn module_names(client: &reqwest::Client, host: &RunningHost) -> Vec<String> {
+    let modules: Value = client.get(format!("{}/v1/modules", host.url())).send().await.unwrap().json().await.unwrap();
+    modules["modules"].as_array().unwrap().iter().map(|m| m["name"].as_str().unwrap().to_string()).collect()
+}
+
+/// Appends a custom section: still a valid component, different bytes (a tampered upload
+/// that passes every structural check and must be caught by the signature alone).
+fn tampered(bytes: &[u8]) -> Vec<u8> {
+    let name = b"tampered";
+    let payload = b"evil";
+    let mut out = bytes.to_vec();
+    out.push(0); // custom section id
+    out.push((1 + name.len() + payload.len()) as u8);
+    out.push(name.len() as u8);
+    out.extend_from_slice(name);
+    out.extend_from_slice(payload);
+    out
+}
+
+async fn audit_records(host: &RunningHost) -> Vec<(String, AuditRecord)> {
+    let listing = host.modules.store().kv().list_prefix("/wasmplane/audit/").await.unwrap();
+    listing.items.iter().map(|kv| (kv.key.clone(), serde_json::from_slice(&kv.value).unwrap())).collect()
+}
+
+fn write_key_pair(dir: &Path, name: &str) -> (PathBuf, PathBuf) {
+    let (private, public) = admission::generate_key_pair().unwrap();
+    let (private_path, public_path) = (dir.join(name), dir.join(format!("{name}.pub")));
+    std::fs::write(&private_path, private).unwrap();
+    std::fs::write(&public_path, public).unwrap();
+    (private_path, public_path)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signed_unsigned_wrongly_signed_and_tampered_uploads() {
+    let dir = tempfile::tempdir().unwrap();
+    let (trusted_private, trusted_public) = write_key_pair(dir.path(), "trusted");
+    let (other_private, _) = write_key_pair(dir.path(), "other");
+    let host = start(HostConfig { trusted_keys: vec![trusted_public], ..base_config(dir.path()) }).await.unwrap();
+    let client = plain_client();
+    let trusted = admission::read_private_key(&trusted_private).unwrap();
+    let other = admission::read_private_key(&other_private).unwrap();
+    let module = artifacts::examples::PORT_FILTER_TRANSLATOR;
+    let good = admission::sign(&trusted, module);
+
+    let cases: Vec<(&str, Vec<u8>, Option<String>, &str)> = vec![
+        ("unsigned", module.to_vec(), None, "is not signed"),
+        ("wrongly-signed", module.to_vec(), Some(admission::sign(&other, module)), "does not verify with any of the 1 trusted key(s)"),
+        ("tampered", tampered(module), Some(good.clone()), "does not verify"),
+        ("garbled", module.to_vec(), Some("not-a-signature".into()), "not a base64-encoded 64-byte ed25519 signature"),
+    ];
+    for (name, bytes, signature, message) in cases {
+        let (status, body) = upload(&client, &host, name, &bytes, Some(TOKEN), signature.as_deref()).await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{name}: {body}");
+        assert!(error_of(&body).contains(message), "{name}: {message:?} not in {body}");
+    }
+    // The tampered bytes are a valid component: only the signature refused them.
+    let (status, body) = upload(&client, &host, "tampered", &tampered(module), Some(TOKEN), Some(&admission::sign(&trusted, &tampered(module)))).await;
+    assert_eq!(status, StatusCode::CREATED, "the tampered bytes, signed, are a valid module: {body}");
+    let r = client.delete(format!("{}/v1/modules/tampered", host.url())).bearer_auth(TOKEN).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::NO_CONTENT);
+    assert_eq!(module_names(&client, &host).await, vec!["default-service-translator"], "nothing refused was stored");
+
+    let (status, body) = upload(&client, &host, "port-filter", module, Some(TOKEN), Some(&good)).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    assert_eq!(body["digest"], wasmplane_runtime::LoadedModule::digest_of(module));
+    host.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_makes_keys_signs_and_pushes_the_signature() {
+    use wasmplane::cli::{ApiArgs, ModuleCommand, module_command};
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("release-key");
+    module_command(ApiArgs { api: "http://unused".into(), token: None, token_file: None }, ModuleCommand::Keygen { out: key.clone() }).await.unwrap();
+    let public = dir.path().join("release-key.pub");
+    assert!(std::fs::read_to_string(&public).unwrap().contains("BEGIN PUBLIC KEY"));
+    let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&key).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o600, "the private key is private");
+    let again = module_command(ApiArgs { api: "http://unused".into(), token: None, token_file: None }, ModuleCommand::Keygen { out: key.clone() }).await;
+    assert!(again.is_err(), "keygen never overwrites a key");
+
+    let host = start(HostConfig { trusted_keys: vec![public], ..base_config(dir.path()) }).await.unwrap();
+    let api = || ApiArgs { api: host.url(), token: Some(TOKEN.into()), token_file: None };
+    let file = dir.path().join("port_filter.wasm");
+    std::fs::write(&file, artifacts::examples::PORT_FILTER_TRANSLATOR).unwrap();
+    let push = || ModuleCommand::Push { name: "cli-filter".into(), file: file.clone(), kind: "service-translator".into(), no_activate: false };
+    let refused = module_command(api(), push()).await.unwrap_err().to_string();
+    assert!(refused.contains("403") && refused.contains("is not signed"), "{refused}");
+    module_command(api(), ModuleCommand::Sign { key: key.clone(), file: file.clone() }).await.unwrap();
+    assert!(dir.path().join("port_filter.wasm.sig").exists());
+    module_command(api(), push()).await.unwrap();
+    let (_, module) = {
+        let r = plain_client().get(format!("{}/v1/modules/cli-filter", host.url())).send().await.unwrap();
+        (r.status(), r.json::<Value>().await.unwrap())
+    };
+    assert_eq!(module["status"], "active", "{module}");
+    host.stop().await;
+}
+
+/// The capability interfaces (`log`, `lookups`) a component imports, as the loader sees them.
+fn capabilities_of(bytes: &[u8]) -> Vec<String> {
+    let runtime = wasmplane_runtime::Runtime::new(Limits::default(), None).unwrap();
+    let loaded = runtime.load("probe", bytes, None, 16 << 20).unwrap();
+    loaded
+        .info
+        .imports
+        .iter()
+        .filter_map(|i| i.strip_prefix("wasmplane:dataplane/"))
+        .map(|i| i.split('@').next().unwrap().to_string())
+        .filter(|i| admission::CAPABILITIES.contains(&i.as_str()))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ungranted_imports_are_refused_at_upload() {
+    let dir = tempfile::tempdir().unwrap();
+    let example = artifacts::examples::PORT_FILTER_TRANSLATOR;
+    let example_caps = capabilities_of(example);
+    assert!(example_caps.contains(&"log".to_string()), "the example logs: {example_caps:?}");
+    // `trusted` gets everything, `*` nothing, `almost` everything the example imports but one.
+    let missing = example_caps[0].clone();
+    let almost: Vec<&String> = example_caps.iter().filter(|c| **c != missing).collect();
+    let grants = format!("trusted: [log, lookups]\n\"*\": []\nalmost: {almost:?}\n");
+    std::fs::write(dir.path().join("grants.yaml"), grants).unwrap();
+    let host = start(HostConfig { grants: Some(dir.path().join("grants.yaml")), ..base_config(dir.path()) }).await.unwrap();
+    let client = plain_client();
+
+    let (status, body) = upload(&client, &host, "stingy", example, Some(TOKEN), None).await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    let error = error_of(&body);
+    assert!(error.contains("wasmplane:dataplane/") && error.contains("is not granted") && error.contains("granted: nothing"), "{error}");
+    let (status, body) = upload(&client, &host, "almost", example, Some(TOKEN), None).await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    assert!(error_of(&body).contains(&format!("wasmplane:dataplane/{missing}@")), "the refusal names the interface: {body}");
+
+    // The builtin translator's bytes, uploaded under a name granted nothing.
+    let builtin_caps = capabilities_of(artifacts::SERVICE_TRANSLATOR);
+    let (status, body) = upload(&client, &host, "stingy", artifacts::SERVICE_TRANSLATOR, Some(TOKEN), None).await;
+    if builtin_caps.is_empty() {
+        assert_eq!(status, StatusCode::CREATED, "imports no capability: {body}");
+    } else {
+        assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+        assert!(error_of(&body).contains(&format!("wasmplane:dataplane/{}@", builtin_caps[0])), "{body}");
+    }
+
+    let (status, body) = upload(&client, &host, "trusted", example, Some(TOKEN), None).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    host.stop().await;
+
+    // A grants file naming an unknown capability stops the host at start.
+    std::fs::write(dir.path().join("typo.yaml"), "\"*\": [logs]\n").unwrap();
+    let refused = start(HostConfig { grants: Some(dir.path().join("typo.yaml")), ..base_config(dir.path()) }).await.err().expect("bad grants must not start");
+    assert!(format!("{refused:#}").contains("unknown capability \"logs\""), "{refused:#}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutating_calls_are_audited_in_the_kvstore() {
+    let dir = tempfile::tempdir().unwrap();
+    let host = start(base_config(dir.path())).await.unwrap();
+    let client = plain_client();
+    let module = artifacts::examples::PORT_FILTER_TRANSLATOR;
+
+    let (status, _) = upload(&client, &host, "sneaky", module, None, None).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let (status, body) = upload(&client, &host, "port-filter", module, Some(TOKEN), None).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    let (status, _) = upload(&client, &host, "broken", b"not wasm at all", Some(TOKEN), None).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let r = client.post(format!("{}/v1/modules/port-filter/rollback", host.url())).bearer_auth(TOKEN).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::CONFLICT);
+    let r = client.delete(format!("{}/v1/modules/port-filter", host.url())).bearer_auth(TOKEN).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::NO_CONTENT);
+    // Reads are not audited.
+    let _ = client.get(format!("{}/v1/modules", host.url())).send().await.unwrap();
+
+    let records = audit_records(&host).await;
+    let summary: Vec<(String, String, String, u16)> = records.iter().map(|(_, r)| (r.user.clone(), r.method.clone(), r.path.clone(), r.status)).collect();
+    assert_eq!(
+        summary,
+        vec![
+            ("anonymous".into(), "PUT".into(), "/v1/modules/sneaky?kind=service-translator".into(), 401),
+            ("static-token".into(), "PUT".into(), "/v1/modules/port-filter?kind=service-translator".into(), 201),
+            ("static-token".into(), "PUT".into(), "/v1/modules/broken?kind=service-translator".into(), 400),
+            ("static-token".into(), "POST".into(), "/v1/modules/port-filter/rollback".into(), 409),
+            ("static-token".into(), "DELETE".into(), "/v1/modules/port-filter".into(), 204),
+        ],
+        "in order of time"
+    );
+    let (key, accepted) = &records[1];
+    assert_eq!(accepted.digest.as_deref(), Some(body["digest"].as_str().unwrap()), "the upload's digest");
+    assert_eq!(accepted.digest.as_deref(), Some(wasmplane_runtime::LoadedModule::digest_of(module).as_str()));
+    assert_eq!(records[2].1.digest.as_deref(), Some(wasmplane_runtime::LoadedModule::digest_of(b"not wasm at all").as_str()));
+    assert_eq!(records[0].1.digest, None, "refused before the body was read");
+    assert_eq!(records[4].1.digest, None);
+    assert_eq!(accepted.auth, "token");
+    assert_eq!(accepted.node, "node-a");
+    assert!(accepted.peer.starts_with("127.0.0.1:"), "{accepted:?}");
+    assert_eq!(*key, format!("/wasmplane/audit/node-a/{:020}", accepted.time_unix_nanos));
+    assert!(records.windows(2).all(|w| w[0].1.time_unix_nanos < w[1].1.time_unix_nanos));
+    let metrics = client.get(format!("{}/metrics", host.url())).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("wasmplane_audit_write_failures_total 0"), "{metrics}");
+    host.stop().await;
+}
+
+/// A self-signed certificate for 127.0.0.1 and localhost, written as PEM files.
+fn self_signed(dir: &Path) -> (TlsFiles, reqwest::Certificate) {
+    let rcgen::CertifiedKey { cert, signing_key } = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string(), "localhost".to_string()]).unwrap();
+    let files = TlsFiles { cert: dir.join("tls.crt"), key: dir.join("tls.key") };
+    std::fs::write(&files.cert, cert.pem()).unwrap();
+    std::fs::write(&files.key, signing_key.serialize_pem()).unwrap();
+    (files, reqwest::Certificate::from_pem(cert.pem().as_bytes()).unwrap())
+}
+
+fn trusting_client(ca: &reqwest::Certificate) -> reqwest::Client {
+    reqwest::Client::builder().tls_built_in_root_certs(false).add_root_certificate(ca.clone()).pool_max_idle_per_host(0).build().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_serves_only_tls_and_token_checks_hold_over_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (files, ca) = self_signed(dir.path());
+    let host = start(HostConfig { tls: Some(files), ..base_config(dir.path()) }).await.unwrap();
+    assert!(host.url().starts_with("https://127.0.0.1:"), "{}", host.url());
+    let client = trusting_client(&ca);
+    let r = client.get(format!("{}/healthz", host.url())).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+
+    // Plain HTTP to the TLS port, and TLS without trusting the certificate, both fail.
+    let plain = plain_client().get(format!("http://{}/healthz", host.addr)).send().await;
+    assert!(plain.is_err() || !plain.as_ref().unwrap().status().is_success(), "plain HTTP must not be served: {plain:?}");
+    let untrusting = reqwest::Client::builder().tls_built_in_root_certs(false).build().unwrap();
+    let err = untrusting.get(format!("{}/healthz", host.url())).send().await.expect_err("an untrusted certificate must fail");
+    assert!(err.is_connect(), "{err:?}");
+
+    let module = artifacts::examples::PORT_FILTER_TRANSLATOR;
+    let (status, body) = upload(&client, &host, "port-filter", module, None, None).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED, "{body}");
+    assert!(error_of(&body).contains("missing bearer token"), "{body}");
+    let (status, body) = upload(&client, &host, "port-filter", module, Some("wrong-token-wrong-token"), None).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED, "{body}");
+    assert!(error_of(&body).contains("invalid bearer token"), "{body}");
+    let (status, body) = upload(&client, &host, "port-filter", module, Some(TOKEN), None).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    // The peer address still reaches the API over TLS (loopback reads need no token).
+    let r = client.get(format!("{}/v1/modules/port-filter", host.url())).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let records = audit_records(&host).await;
+    assert_eq!(records.iter().map(|(_, r)| r.status).collect::<Vec<_>>(), vec![401, 401, 201]);
+    assert!(records.iter().all(|(_, r)| r.peer.starts_with("127.0.0.1:")), "{records:?}");
+    host.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubernetes_tokens_are_reviewed_and_authorized_over_tls() {
+    let apiserver = wasmplane_test_apiserver::TestApiServer::start().await;
+    apiserver.add_token("alice-token", "alice", &["devs"]);
+    apiserver.add_token("bob-token", "bob", &["devs"]);
+    apiserver.allow("alice", "update", "wasmplane.io", "modules");
+    let dir = tempfile::tempdir().unwrap();
+    let (files, ca) = self_signed(dir.path());
+    let kubernetes_auth = KubernetesAuthConfig { cache_ttl: Duration::from_secs(60), ..KubernetesAuthConfig::new(KubernetesSource::Url(apiserver.url())) };
+    let host = start(HostConfig { tls: Some(files), kubernetes_auth: Some(kubernetes_auth), ..base_config(dir.path()) }).await.unwrap();
+    let client = trusting_client(&ca);
+    let module = artifacts::examples::PORT_FILTER_TRANSLATOR;
+
+    let (status, body) = upload(&client, &host, "by-alice", module, Some("alice-token"), None).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    assert_eq!(apiserver.review_counts(), (1, 1));
+    let r = client.post(format!("{}/v1/modules/by-alice/activate", host.url())).bearer_auth("alice-token").send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(apiserver.review_counts(), (1, 1), "the answer for alice's token is cached");
+
+    let (status, body) = upload(&client, &host, "by-bob", module, Some("bob-token"), None).await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    assert!(error_of(&body).contains("user \"bob\" may not update modules.wasmplane.io"), "{body}");
+    let (status, body) = upload(&client, &host, "by-mallory", module, Some("mallory-token"), None).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED, "{body}");
+    assert!(error_of(&body).contains("rejected by the Kubernetes TokenReview"), "{body}");
+    let (status, body) = upload(&client, &host, "by-nobody", module, None, None).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED, "{body}");
+    // The static token keeps working beside Kubernetes tokens, without a review.
+    let before = apiserver.review_counts();
+    let (status, body) = upload(&client, &host, "by-operator", module, Some(TOKEN), None).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    assert_eq!(apiserver.review_counts(), before);
+
+    let names = module_names(&client, &host).await;
+    assert!(names.contains(&"by-alice".to_string()) && !names.contains(&"by-bob".to_string()) && !names.contains(&"by-mallory".to_string()), "{names:?}");
+    let records = audit_records(&host).await;
+    let who: Vec<(String, String, u16)> = records.iter().map(|(_, r)| (r.user.clone(), r.auth.clone(), r.status)).collect();
+    assert_eq!(
+        who,
+        vec![
+            ("alice".into(), "kubernetes".into(), 201),
+            ("alice".into(), "kubernetes".into(), 200),
+            ("bob".into(), "kubernetes".into(), 403),
+            ("anonymous".into(), "none".into(), 401),
+            ("anonymous".into(), "none".into(), 401),
+            ("static-token".into(), "token".into(), 201),
+        ]
+    );
+    host.stop().await;
+}

@@ -1,0 +1,200 @@
+//! Module lifecycle through the HTTP API: shadow runs with their exact dataplane diff and
+//! promotion, and automatic rollback after a module exhausts its crash budget.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use serde_json::Value;
+use wasmplane::app::{HostConfig, RunningHost, start};
+use wasmplane::controller::CrashBudget;
+use wasmplane_guest_artifacts as artifacts;
+
+const TOKEN: &str = "lifecycle-token-0123456789abcdef";
+
+const MANIFESTS: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: { name: web, namespace: shop }
+spec:
+  clusterIP: 10.96.0.20
+  ports: [{ name: http, port: 80, targetPort: 8080, protocol: TCP }]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: { name: web-abc, namespace: shop, labels: { kubernetes.io/service-name: web } }
+addressType: IPv4
+ports: [{ name: http, port: 8080, protocol: TCP }]
+endpoints:
+  - { addresses: [10.244.0.11], conditions: { ready: true }, nodeName: node-a }
+---
+apiVersion: v1
+kind: Service
+metadata: { name: api, namespace: shop, labels: { wasmplane.io/expose: "true" } }
+spec:
+  clusterIP: 10.96.0.21
+  ports: [{ name: https, port: 443, targetPort: 8443, protocol: TCP }]
+"#;
+
+struct Host {
+    host: RunningHost,
+    client: reqwest::Client,
+    dir: tempfile::TempDir,
+}
+
+impl Host {
+    async fn start(crash_budget: CrashBudget) -> Host {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("manifests")).unwrap();
+        std::fs::write(dir.path().join("manifests/shop.yaml"), MANIFESTS).unwrap();
+        let host = start(HostConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            manifests: Some(dir.path().join("manifests")),
+            data_dir: Some(dir.path().join("data")),
+            token: Some(TOKEN.into()),
+            manifest_poll: Duration::from_millis(50),
+            crash_budget,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let h = Host { host, client: reqwest::Client::new(), dir };
+        h.wait_for("initial sync", |dp| dp["objects"].get("shop/web").is_some()).await;
+        h
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.host.url())
+    }
+
+    async fn get(&self, path: &str) -> (StatusCode, Value) {
+        let r = self.client.get(self.url(path)).send().await.unwrap();
+        (r.status(), r.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn send(&self, method: reqwest::Method, path: &str, body: Option<&[u8]>) -> (StatusCode, Value) {
+        let mut request = self.client.request(method, self.url(path)).bearer_auth(TOKEN);
+        if let Some(body) = body {
+            request = request.body(body.to_vec());
+        }
+        let r = request.send().await.unwrap();
+        (r.status(), r.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn dataplane(&self) -> Value {
+        self.get("/v1/dataplane?format=json").await.1
+    }
+
+    async fn wait_for(&self, what: &str, done: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let dp = self.dataplane().await;
+            if done(&dp) {
+                return dp;
+            }
+            assert!(Instant::now() < deadline, "timed out waiting for {what}; dataplane: {dp}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+fn chains_of(dp: &Value, object: &str) -> Vec<String> {
+    dp["objects"][object]["chains"].as_object().map(|c| c.keys().cloned().collect()).unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shadow_run_shows_the_exact_diff_and_promotion_applies_it() {
+    let h = Host::start(CrashBudget::default()).await;
+    let before = h.dataplane().await;
+    let web_chains = chains_of(&before, "shop/web");
+    assert!(!web_chains.is_empty());
+
+    // The example filter, in shadow: it would drop every unlabelled service (web).
+    let (status, body) = h.send(reqwest::Method::PUT, "/v1/modules/port-filter?kind=service-translator&shadow=true", Some(artifacts::examples::PORT_FILTER_TRANSLATOR)).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    assert_eq!(body["shadow"], true);
+    assert_eq!(h.dataplane().await, before, "a shadow never writes");
+    let (_, module) = h.get("/v1/modules/port-filter").await;
+    assert_eq!((module["shadow_version"].as_u64(), module["status"].as_str()), (Some(1), Some("inactive")), "{module}");
+
+    let (status, diff) = h.get("/v1/modules/port-filter/shadow-diff").await;
+    assert_eq!(status, StatusCode::OK, "{diff}");
+    let web = &diff["objects"]["shop/web"];
+    let mut removed: Vec<String> = web["chains_removed"].as_array().unwrap().iter().map(|c| c.as_str().unwrap().to_string()).collect();
+    removed.sort();
+    let mut expected = web_chains.clone();
+    expected.sort();
+    assert_eq!(removed, expected, "every chain of web goes: {diff}");
+    let applied_elements = before["objects"]["shop/web"]["elements"].as_array().unwrap();
+    assert_eq!(web["elements_removed"].as_array().unwrap(), applied_elements, "and exactly its map elements: {diff}");
+    assert!(web["chains_added"].as_array().unwrap().is_empty());
+
+    // The diff follows live state: a new unlabelled service appears in it.
+    std::fs::write(
+        h.dir.path().join("manifests/more.yaml"),
+        "apiVersion: v1\nkind: Service\nmetadata: { name: cart, namespace: shop }\nspec:\n  clusterIP: 10.96.0.30\n  ports: [{ port: 9000 }]\n",
+    )
+    .unwrap();
+    h.wait_for("cart", |dp| dp["objects"].get("shop/cart").is_some()).await;
+    let live = h.dataplane().await;
+    let (_, diff) = h.get("/v1/modules/port-filter/shadow-diff").await;
+    assert!(diff["objects"].get("shop/cart").is_some(), "{diff}");
+
+    // Promote: what is applied now is what the diff said.
+    let (status, body) = h.send(reqwest::Method::POST, "/v1/modules/port-filter/promote", None).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let after = h.wait_for("promotion", |dp| dp["translator"] == "port-filter@1").await;
+    assert!(chains_of(&after, "shop/web").is_empty(), "{after}");
+    assert!(chains_of(&after, "shop/cart").is_empty(), "{after}");
+    // Exact: for every object, applied after = applied before − removed + added.
+    for object in ["shop/web", "shop/api", "shop/cart"] {
+        let d = &diff["objects"][object];
+        let names = |v: &Value| -> BTreeSet<String> { v.as_array().map(|a| a.iter().map(|x| x.as_str().unwrap().to_string()).collect()).unwrap_or_default() };
+        let mut expected: BTreeSet<String> = chains_of(&live, object).into_iter().collect();
+        expected.retain(|c| !names(&d["chains_removed"]).contains(c));
+        expected.extend(names(&d["chains_added"]));
+        assert_eq!(chains_of(&after, object).into_iter().collect::<BTreeSet<_>>(), expected, "{object}: {diff}");
+        let elements = |v: &Value| -> BTreeSet<String> { v.as_array().map(|a| a.iter().map(|e| e.to_string()).collect()).unwrap_or_default() };
+        let mut expected = elements(&live["objects"][object]["elements"]);
+        expected.retain(|e| !elements(&d["elements_removed"]).contains(e));
+        expected.extend(elements(&d["elements_added"]));
+        assert_eq!(elements(&after["objects"][object]["elements"]), expected, "{object}: {diff}");
+    }
+    let (status, _) = h.get("/v1/modules/port-filter/shadow-diff").await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "the shadow ended with the promotion");
+    h.host.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_module_that_keeps_crashing_is_rolled_back_to_its_last_good_version() {
+    let h = Host::start(CrashBudget { max_crashes: 3, window: Duration::from_secs(60) }).await;
+    // v1: the default translation; v2: fine until a service carries the crash label.
+    let upload = |bytes: &'static [u8]| h.send(reqwest::Method::PUT, "/v1/modules/flaky?kind=service-translator", Some(bytes));
+    assert_eq!(upload(artifacts::SERVICE_TRANSLATOR).await.0, StatusCode::CREATED);
+    let (status, body) = upload(artifacts::test_programs::TRAP_ON_LABEL).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    h.wait_for("v2 in force", |dp| dp["translator"] == "flaky@2").await;
+
+    // Five labelled services: five traps in one sync, over the budget of three.
+    let crashing: String = (0..5)
+        .map(|i| format!("apiVersion: v1\nkind: Service\nmetadata: {{ name: boom{i}, namespace: shop, labels: {{ wasmplane.io/crash: \"yes\" }} }}\nspec:\n  clusterIP: 10.96.1.{i}\n  ports: [{{ port: 80 }}]\n---\n"))
+        .collect();
+    std::fs::write(h.dir.path().join("manifests/crash.yaml"), crashing).unwrap();
+
+    let dp = h.wait_for("the rollback", |dp| dp["translator"] == "flaky@1").await;
+    // Version 1 serves again, including the services version 2 crashed on.
+    // (They have no endpoints: their rules are the reject elements.)
+    for i in 0..5 {
+        let elements = dp["objects"][format!("shop/boom{i}")]["elements"].to_string();
+        assert!(elements.contains(&format!("10.96.1.{i} . tcp . 80")) && elements.contains("no-endpoint-services"), "boom{i}: {dp}");
+    }
+    assert!(!chains_of(&dp, "shop/web").is_empty(), "{dp}");
+    let (_, module) = h.get("/v1/modules/flaky").await;
+    let rollback = &module["auto_rollback"];
+    assert_eq!((rollback["from_version"].as_u64(), rollback["to_version"].as_u64()), (Some(2), Some(1)), "{module}");
+    assert!(rollback["reason"].as_str().unwrap().contains("crash label"), "{module}");
+    assert_eq!(module["active_version"], 1);
+    let metrics = h.client.get(h.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("wasmplane_module_auto_rollbacks_total{module=\"flaky\"} 1"), "{metrics}");
+    h.host.stop().await;
+}
