@@ -66,6 +66,7 @@ pub mod types {
 pub mod builders;
 pub mod cidr;
 pub mod log;
+pub mod lookups;
 pub mod selector;
 
 pub use builders::RuleBuilder;
