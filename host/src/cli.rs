@@ -233,7 +233,7 @@ impl RunArgs {
                 (None, false) => None,
             },
             grpc_listen: self.grpc_listen,
-            cni: self.cni_socket.map(|socket| crate::cni::CniConfig { socket, pod_cidr: self.pod_cidr, state_dir: None, pod_wait: Duration::from_secs(10) }),
+            cni: self.cni_socket.map(|socket| crate::cni::CniConfig { socket, pod_cidr: self.pod_cidr, state_dir: None, pod_wait: Duration::from_secs(10), node_netns: None }),
             data_dir: Some(self.data_dir),
             node_name: self.node_name,
             cluster_cidrs: self.cluster_cidrs,

@@ -22,6 +22,9 @@ pub struct CniConfig {
     pub state_dir: Option<PathBuf>,
     /// How long an ADD waits for its pod to reach the watch cache.
     pub pod_wait: Duration,
+    /// The network namespace of the node side; `None` (production): the host's own. Tests
+    /// point it at a namespace standing in for the node.
+    pub node_netns: Option<PathBuf>,
 }
 
 /// Wakes pod lookups on every model revision.
@@ -131,6 +134,7 @@ pub async fn run(config: CniConfig, data_dir: Option<PathBuf>, controller: Arc<M
     let mut daemon_config = wasmplane_cni::DaemonConfig::new(pod_cidr, state_dir);
     daemon_config.socket_path = config.socket.clone();
     daemon_config.pod_wait_timeout = config.pod_wait;
+    daemon_config.host_netns = config.node_netns.clone();
     let daemon = match wasmplane_cni::CniDaemon::new(daemon_config, Arc::new(ModelPods::new(&controller)), Arc::new(ModelPodNetworks::new(&controller))) {
         Ok(daemon) => daemon,
         Err(e) => {

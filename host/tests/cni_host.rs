@@ -1,0 +1,104 @@
+//! The CNI split through the whole host: the daemon answers from the host's watch cache
+//! (the manifest source here), waits for a pod the cache does not have yet, and the address
+//! it hands out is in the node-local model at once; DEL takes it out again. The plugin binary
+//! and the daemon alone are tested in `host/cni-plugin/tests`; this speaks the plugin's one
+//! request over the host's socket.
+
+mod support;
+
+use std::io::{Read as _, Write as _};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use support::cluster::{Cluster, start_host, wait_for};
+use support::netns::{Netns, is_root};
+use wasmplane::app::DataplaneMode;
+use wasmplane::cni::CniConfig;
+use wasmplane_model::ObjectKey;
+
+/// One request as `wasmplane-cni` sends it: HTTP/1.1 POST /v1/cni over the unix socket.
+fn cni(socket: &Path, command: &str, container: &str, netns: &str, pod: &str) -> (u16, Value) {
+    let body = json!({
+        "command": command,
+        "containerId": container,
+        "netns": netns,
+        "ifName": "eth0",
+        "args": format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={pod};K8S_POD_UID=uid-{pod}"),
+        "config": { "cniVersion": "1.0.0", "name": "wasmplane", "type": "wasmplane-cni" },
+    })
+    .to_string();
+    let mut stream = UnixStream::connect(socket).unwrap_or_else(|e| panic!("connecting to {}: {e}", socket.display()));
+    write!(stream, "POST /v1/cni HTTP/1.1\r\nHost: cni\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw).unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").expect("an HTTP response");
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).expect("a status code");
+    (status, serde_json::from_str(body.trim()).unwrap_or(Value::Null))
+}
+
+fn pod_yaml(name: &str) -> String {
+    format!("apiVersion: v1\nkind: Pod\nmetadata: {{ name: {name}, namespace: default, uid: uid-{name}, labels: {{ app: web }} }}\nspec: {{ nodeName: node-a, containers: [{{ name: c, image: x }}] }}\nstatus: {{ phase: Pending }}\n")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_added_pod_is_in_the_model_at_once_and_del_takes_it_out() {
+    if !is_root() {
+        eprintln!("\n!!!!!!!! SKIPPED {}: needs root (network namespaces, veth) !!!!!!!!\n", module_path!());
+        return;
+    }
+    let tag = std::process::id();
+    let node = Netns::new(format!("cnih-node-{tag}"));
+    let pod_ns = Netns::new(format!("cnih-pod-{tag}"));
+    let cluster = Cluster::new();
+    let socket = cluster.data_dir().parent().unwrap().join("cni.sock");
+    let mut config = cluster.config(Vec::new());
+    config.dataplane = DataplaneMode::Record;
+    // No pod CIDR given: the daemon takes node-a's from its Node object in the watch cache.
+    config.cni = Some(CniConfig {
+        socket: socket.clone(),
+        pod_cidr: None,
+        state_dir: None,
+        pod_wait: Duration::from_secs(3),
+        node_netns: Some(format!("/var/run/netns/{}", node.name).into()),
+    });
+    let host = start_host(config).await;
+    wait_for("the CNI socket", Duration::from_secs(10), || socket.exists(), |up| *up);
+
+    // ADD before the pod is in the cache: it waits, and succeeds once the pod arrives.
+    let pod_netns = format!("/var/run/netns/{}", pod_ns.name);
+    let add = {
+        let (socket, pod_netns) = (socket.clone(), pod_netns.clone());
+        std::thread::spawn(move || cni(&socket, "ADD", "c-web-1", &pod_netns, "web-1"))
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    std::fs::write(cluster.manifests().join("pod.yaml"), pod_yaml("web-1")).unwrap();
+    let (status, result) = add.join().unwrap();
+    assert_eq!(status, 200, "{result}");
+    let address = result["ips"][0]["address"].as_str().expect("an address").to_string();
+    let ip = address.split('/').next().unwrap().to_string();
+    assert!(ip.starts_with("10.244.0."), "from node-a's pod CIDR 10.244.0.0/24: {result}");
+    assert!(pod_ns.exec(&["ip", "-4", "-o", "addr", "show", "dev", "eth0"]).contains(&ip), "the interface has the address");
+
+    // In the model at once: the manifest never reports an address.
+    let key = ObjectKey::new("default", "web-1");
+    let pod_ips = || host.controller.lock().unwrap().cluster().pods.get(&key).map(|p| p.ips.clone()).unwrap_or_default();
+    wait_for("the pod's address in the model", Duration::from_secs(5), pod_ips, |ips| ips == &vec![ip.clone()]);
+    // A manifest change that still reports no address keeps the one the daemon gave.
+    std::fs::write(cluster.manifests().join("pod.yaml"), pod_yaml("web-1").replace("app: web", "app: web2")).unwrap();
+    wait_for("the relabelled pod", Duration::from_secs(5), || host.controller.lock().unwrap().cluster().pods.get(&key).map(|p| p.labels.clone()), |l| {
+        l.as_ref().is_some_and(|l| l.get("app").map(String::as_str) == Some("web2"))
+    });
+    assert_eq!(pod_ips(), vec![ip.clone()], "the address survives a pod update without one");
+
+    // A pod that never arrives: the ADD fails after the wait, with a CNI error.
+    let (status, error) = cni(&socket, "ADD", "c-ghost", &pod_netns, "ghost");
+    assert_ne!(status, 200);
+    assert!(error["code"].as_u64().is_some() && error["msg"].as_str().is_some(), "a CNI error object: {error}");
+
+    let (status, body) = cni(&socket, "DEL", "c-web-1", &pod_netns, "web-1");
+    assert!((200..300).contains(&status), "{body}");
+    wait_for("the address gone from the model", Duration::from_secs(5), pod_ips, |ips| ips.is_empty());
+    host.stop().await;
+}
