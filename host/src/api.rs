@@ -33,6 +33,7 @@ pub struct ApiState {
     pub ready: Arc<AtomicBool>,
     pub max_module_bytes: usize,
     pub modules: Arc<Modules>,
+    pub agent: Option<Arc<crate::agent::Agent>>,
     /// Static token and, if configured, Kubernetes TokenReview + SubjectAccessReview.
     pub auth: Arc<crate::auth::Auth>,
     pub audit: Arc<crate::audit::Audit>,
@@ -98,6 +99,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/modules/{name}/shadow-diff", get(shadow_diff))
         .route("/v1/modules/{name}/promote", post(promote_shadow))
         .route("/v1/state", get(node_state))
+        .route("/v1/cluster/nodes", get(cluster_nodes))
         .route("/v1/dataplane", get(dataplane))
         .layer(DefaultBodyLimit::max(max_body))
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
@@ -141,7 +143,36 @@ async fn authenticate(State(state): State<ApiState>, ConnectInfo(peer): ConnectI
 }
 
 async fn readyz(State(state): State<ApiState>) -> impl IntoResponse {
-    if state.ready.load(Ordering::Relaxed) { (StatusCode::OK, "ready\n") } else { (StatusCode::SERVICE_UNAVAILABLE, "not ready: initial sync pending\n") }
+    if !state.ready.load(Ordering::Relaxed) {
+        return (StatusCode::SERVICE_UNAVAILABLE, "not ready: initial sync pending\n".to_string());
+    }
+    match state.agent.as_ref().and_then(|a| a.unready_reason()) {
+        Some(reason) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {reason}\n")),
+        None => (StatusCode::OK, "ready\n".to_string()),
+    }
+}
+
+/// This node's registration and what the agent knows of the others.
+async fn cluster_nodes(State(state): State<ApiState>) -> ApiResult<Response> {
+    let Some(agent) = &state.agent else {
+        return Err(ApiError(StatusCode::NOT_FOUND, "this host does not register in the kvstore".into()));
+    };
+    let routes = agent.routes.as_ref().map(|r| {
+        let report = r.report();
+        json!({
+            "applied": report.applied.iter().map(|(cidr, via)| json!({ "cidr": cidr.to_string(), "via": via.to_string() })).collect::<Vec<_>>(),
+            "errors": report.errors,
+            "reconciles": report.reconciles,
+        })
+    });
+    Ok(Json(json!({
+        "node": agent.registry.name(),
+        "node_id": agent.registry.node_id(),
+        "nodes": agent.registry.nodes(),
+        "routes": routes,
+        "heartbeat_age_seconds": agent.heartbeat.as_ref().and_then(|h| h.age()).map(|a| a.as_secs()),
+    }))
+    .into_response())
 }
 
 async fn metrics(State(state): State<ApiState>) -> impl IntoResponse {

@@ -99,6 +99,8 @@ pub struct HostConfig {
     pub kubernetes: Option<KubernetesSource>,
     /// Serve the CNI daemon (none: not served).
     pub cni: Option<crate::cni::CniConfig>,
+    /// Register this node in the kvstore, program routes, follow the heartbeat (none: not).
+    pub agent: Option<crate::agent::AgentConfig>,
     /// Where the gRPC node-local model stream listens (none: not served).
     pub grpc_listen: Option<SocketAddr>,
     /// How often the events/revisions stats line is logged.
@@ -128,6 +130,8 @@ pub struct HostConfig {
     pub tls: Option<crate::auth::TlsFiles>,
     /// Accept Kubernetes bearer tokens (TokenReview + SubjectAccessReview) beside the static token.
     pub kubernetes_auth: Option<crate::auth::KubernetesAuthConfig>,
+    /// Record every model revision's translator inputs and outputs to this file (`record.rs`).
+    pub record: Option<PathBuf>,
 }
 
 impl Default for HostConfig {
@@ -139,6 +143,7 @@ impl Default for HostConfig {
             kubernetes: None,
             grpc_listen: None,
             cni: None,
+            agent: Some(crate::agent::AgentConfig::default()),
             stats_interval: Duration::from_secs(60),
             data_dir: None,
             node_name: "node-a".into(),
@@ -156,6 +161,7 @@ impl Default for HostConfig {
             grants: None,
             tls: None,
             kubernetes_auth: None,
+            record: None,
         }
     }
 }
@@ -168,6 +174,8 @@ pub struct RunningHost {
     pub ready: Arc<AtomicBool>,
     pub watch_status: Option<Arc<WatchStatus>>,
     pub modules: Arc<Modules>,
+    /// This node's registration, routes and heartbeat follower (when configured).
+    pub agent: Option<Arc<crate::agent::Agent>>,
     /// Where the gRPC model stream listens, if it is served.
     pub grpc_addr: Option<SocketAddr>,
     /// Whether the REST API is served over TLS (`https://` in [`RunningHost::url`]).
@@ -258,6 +266,12 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         tokio::task::spawn_blocking(move || Controller::new(runtime, metrics, kernel, data_dir.as_deref(), controller_config)).await??
     };
     let controller = Arc::new(Mutex::new(controller));
+    if let Some(path) = &config.record {
+        // Before any source runs: the first recorded revision holds the whole initial state.
+        let mut c = controller.lock().unwrap_or_else(|p| p.into_inner());
+        let recorder = crate::record::ChangeRecorder::create(path, c.model()).context("starting the recording (--record)")?;
+        c.add_observer(Box::new(recorder));
+    }
     let kv = config.kvstore.open(config.data_dir.as_deref()).await?;
     let modules = Arc::new(Modules::new(ModuleStore::new(kv), controller.clone(), Arc::new(admission)));
     // Modules in force cluster-wide are in force here before any source state is applied.
@@ -312,6 +326,10 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
     }
 
     loops.push(tokio::spawn(modules.clone().follow(index_revision)));
+    let agent = match config.agent.clone() {
+        Some(agent_config) => Some(Arc::new(crate::agent::Agent::start(modules.store().kv().clone(), &controller, agent_config).await.context("registering this node in the kvstore")?)),
+        None => None,
+    };
     if let Some(cni) = config.cni.clone() {
         loops.push(tokio::spawn(crate::cni::run(cni, config.data_dir.clone(), controller.clone())));
     }
@@ -346,6 +364,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         ready: ready.clone(),
         max_module_bytes: config.max_module_bytes,
         modules: modules.clone(),
+        agent: agent.clone(),
         auth: Arc::new(auth),
         audit: Arc::new(crate::audit::Audit::new(modules.store().kv().clone(), config.node_name.clone(), audit_failures)),
     };
@@ -374,7 +393,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
             }
         }),
     };
-    Ok(RunningHost { addr, token, controller, metrics, ready, watch_status, modules, grpc_addr, tls, model_feed, shutdown: Some(shutdown_tx), server, loops })
+    Ok(RunningHost { addr, token, controller, metrics, ready, watch_status, modules, agent, grpc_addr, tls, model_feed, shutdown: Some(shutdown_tx), server, loops })
 }
 
 /// Publishes every model revision to gRPC watchers.

@@ -27,6 +27,8 @@ pub enum Command {
         #[command(subcommand)]
         command: ModuleCommand,
     },
+    /// Run a service translator offline over a recording (`run --record`) and print its outputs.
+    Replay(crate::replay::ReplayArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -57,6 +59,10 @@ pub struct RunArgs {
     /// gRPC listen address of the node-local model stream (off when unset).
     #[arg(long, env = "WASMPLANE_GRPC_LISTEN")]
     pub grpc_listen: Option<SocketAddr>,
+    /// Record the translator's inputs and outputs of every model revision to this file
+    /// (JSON lines; `wasmplane replay FILE` runs a module over it).
+    #[arg(long, env = "WASMPLANE_RECORD")]
+    pub record: Option<PathBuf>,
     /// Where modules, compiled code and the API token are kept.
     #[arg(long, env = "WASMPLANE_DATA_DIR", default_value = "/var/lib/wasmplane")]
     pub data_dir: PathBuf,
@@ -123,6 +129,14 @@ pub struct RunArgs {
     pub crash_budget: usize,
     #[arg(long, default_value_t = 60)]
     pub crash_window_seconds: u64,
+    /// Program routes to other nodes' pod CIDRs (via their registered node IPs) in this
+    /// host's namespace.
+    #[arg(long, env = "WASMPLANE_NODE_ROUTES")]
+    pub node_routes: bool,
+    /// `/readyz` fails when the operator's kvstore heartbeat is older than this many seconds
+    /// (0: not followed; the operator writes it every minute).
+    #[arg(long, default_value_t = 0)]
+    pub heartbeat_max_age_seconds: u64,
 }
 
 #[derive(clap::Args, Debug)]
@@ -233,6 +247,7 @@ impl RunArgs {
                 (None, false) => None,
             },
             grpc_listen: self.grpc_listen,
+            record: self.record,
             cni: self.cni_socket.map(|socket| crate::cni::CniConfig { socket, pod_cidr: self.pod_cidr, state_dir: None, pod_wait: Duration::from_secs(10), node_netns: None }),
             data_dir: Some(self.data_dir),
             node_name: self.node_name,
@@ -260,6 +275,11 @@ impl RunArgs {
                 })
             }),
             crash_budget: crate::controller::CrashBudget { max_crashes: self.crash_budget, window: Duration::from_secs(self.crash_window_seconds.max(1)) },
+            agent: Some(crate::agent::AgentConfig {
+                routes: self.node_routes,
+                heartbeat_max_age: (self.heartbeat_max_age_seconds > 0).then(|| Duration::from_secs(self.heartbeat_max_age_seconds)),
+                ..Default::default()
+            }),
             ..Default::default()
         })
     }

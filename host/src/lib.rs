@@ -7,6 +7,7 @@
 //! - [`api`]: the REST API; [`app`]: wiring; [`cli`]: the command line.
 
 pub mod admission;
+pub mod agent;
 pub mod api;
 pub mod app;
 pub mod audit;
@@ -20,5 +21,7 @@ pub mod module_store;
 pub mod modules;
 pub mod nft;
 pub mod policy;
+pub mod record;
 pub mod registry;
+pub mod replay;
 pub mod shadow;

@@ -1,0 +1,126 @@
+//! The agent's part of the cluster (issue 7): register this node in the kvstore (cluster-wide
+//! node ID, node addresses and pod CIDRs under a lease), program routes to the other nodes'
+//! pod CIDRs, and follow the operator's heartbeat so `/readyz` says when the kvstore side of
+//! the cluster has gone quiet. The duties themselves live in `wasmplane-operator`; this wires
+//! them to the host's model.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ipnet::IpNet;
+use wasmplane_kvstore::KvStore;
+use wasmplane_model::state::NodeContext;
+use wasmplane_operator::{HEARTBEAT_KEY, HeartbeatMonitor, NodeRegistry, NodeRegistryConfig, RouteConfig, RouteSync};
+
+use crate::controller::{Controller, ModelObserver};
+
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    /// Program routes to other nodes' pod CIDRs (off on a developer machine: they would go
+    /// into its own routing table).
+    pub routes: bool,
+    /// Where routes go; `None`: the host's own namespace. Tests point it elsewhere.
+    pub route_netns: Option<PathBuf>,
+    /// The operator's heartbeat older than this makes `/readyz` fail; `None`: not followed.
+    pub heartbeat_max_age: Option<Duration>,
+    pub registry: NodeRegistryConfig,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        AgentConfig { routes: false, route_netns: None, heartbeat_max_age: None, registry: NodeRegistryConfig::default() }
+    }
+}
+
+/// The agent duties of one running host. Dropping it stops route programming (routes stay)
+/// and the heartbeat follower.
+pub struct Agent {
+    pub registry: Arc<NodeRegistry>,
+    pub routes: Option<RouteSync>,
+    pub heartbeat: Option<HeartbeatMonitor>,
+    publisher: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.publisher.abort();
+    }
+}
+
+/// Node addresses and pod CIDRs as the registry wants them (unparsable entries skipped:
+/// the model keeps them as the API server wrote them).
+fn addresses_of(context: &NodeContext) -> (Vec<IpAddr>, Vec<IpNet>) {
+    (context.node_ips.iter().filter_map(|ip| ip.parse().ok()).collect(), context.pod_cidrs.iter().filter_map(|c| c.parse().ok()).collect())
+}
+
+/// Passes this node's context on when a model revision changes it.
+struct ContextSignal(tokio::sync::watch::Sender<NodeContext>);
+
+impl ModelObserver for ContextSignal {
+    fn model_changed(&self, model: &wasmplane_model::NodeLocalModel, _update: &wasmplane_model::state::ModelUpdate) {
+        self.0.send_if_modified(|current| {
+            if *current == model.context {
+                return false;
+            }
+            *current = model.context.clone();
+            true
+        });
+    }
+}
+
+impl Agent {
+    /// Registers this node (allocating its ID on first start, keeping it after), then keeps
+    /// its published addresses in step with its Node object.
+    pub async fn start(kv: Arc<dyn KvStore>, controller: &Arc<Mutex<Controller>>, config: AgentConfig) -> anyhow::Result<Agent> {
+        let (tx, mut contexts) = {
+            let mut c = controller.lock().unwrap_or_else(|p| p.into_inner());
+            let (tx, rx) = tokio::sync::watch::channel(c.model().context.clone());
+            c.add_observer(Box::new(ContextSignal(tx.clone())));
+            (tx, rx)
+        };
+        drop(tx);
+        let context = contexts.borrow_and_update().clone();
+        let (node_ips, pod_cidrs) = addresses_of(&context);
+        let registry = Arc::new(NodeRegistry::join(kv.clone(), config.registry.clone(), &context.node_name, node_ips, pod_cidrs).await?);
+        tracing::info!(node = %context.node_name, id = registry.node_id(), "registered in the kvstore");
+        let publisher = {
+            let registry = registry.clone();
+            tokio::spawn(async move {
+                while contexts.changed().await.is_ok() {
+                    let (node_ips, pod_cidrs) = addresses_of(&contexts.borrow_and_update());
+                    let local = registry.local();
+                    if local.node_ips == node_ips && local.pod_cidrs == pod_cidrs {
+                        continue;
+                    }
+                    if let Err(e) = registry.update(node_ips, pod_cidrs).await {
+                        tracing::warn!("publishing this node's addresses: {e}");
+                    }
+                }
+            })
+        };
+        let routes = if config.routes {
+            Some(RouteSync::start(registry.clone(), RouteConfig { netns: config.route_netns.clone(), ..RouteConfig::default() }).await?)
+        } else {
+            None
+        };
+        let heartbeat = match config.heartbeat_max_age {
+            Some(max_age) => Some(HeartbeatMonitor::start(kv, HEARTBEAT_KEY, max_age).await?),
+            None => None,
+        };
+        Ok(Agent { registry, routes, heartbeat, publisher })
+    }
+
+    /// Why this agent is not ready, if it is not: the operator's heartbeat is stale.
+    pub fn unready_reason(&self) -> Option<String> {
+        let heartbeat = self.heartbeat.as_ref()?;
+        if !heartbeat.is_stale() {
+            return None;
+        }
+        Some(match heartbeat.age() {
+            Some(age) => format!("kvstore unhealthy: the operator's heartbeat is {}s old", age.as_secs()),
+            None => "kvstore unhealthy: no operator heartbeat seen".to_string(),
+        })
+    }
+}

@@ -1,0 +1,150 @@
+//! The agent's cluster duties through the whole host, on a real etcd: each host registers
+//! its node (IDs 1 and 2, kept across a restart), programs a route to the other node's pod
+//! CIDR in its own network namespace (made by the test), drops it when that node's lease
+//! runs out, and reports the kvstore unhealthy in `/readyz` while the operator's heartbeat
+//! is stale.
+
+mod support;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde_json::Value;
+use support::cluster::wait_for;
+use support::netns::{Netns, is_root};
+use wasmplane::agent::AgentConfig;
+use wasmplane::app::{HostConfig, KvstoreConfig, RunningHost, start};
+use wasmplane_operator::{HEARTBEAT_KEY, NodeRegistryConfig, write_heartbeats};
+use wasmplane_test_etcd::Etcd;
+
+const NODES: &str = "\
+apiVersion: v1
+kind: Node
+metadata: { name: node-a }
+spec: { podCIDR: 10.244.0.0/24, podCIDRs: [10.244.0.0/24] }
+status: { addresses: [{ type: InternalIP, address: 192.168.77.1 }] }
+---
+apiVersion: v1
+kind: Node
+metadata: { name: node-b }
+spec: { podCIDR: 10.244.1.0/24, podCIDRs: [10.244.1.0/24] }
+status: { addresses: [{ type: InternalIP, address: 192.168.77.3 }] }
+";
+
+async fn host(dir: &Path, node: &str, etcd: &Etcd, netns: &Netns, heartbeat_max_age: Option<Duration>) -> RunningHost {
+    let manifests = dir.join(format!("{node}-manifests"));
+    std::fs::create_dir_all(&manifests).unwrap();
+    std::fs::write(manifests.join("nodes.yaml"), NODES).unwrap();
+    start(HostConfig {
+        kvstore: KvstoreConfig::Etcd(vec![etcd.endpoint()]),
+        listen: "127.0.0.1:0".parse().unwrap(),
+        manifests: Some(manifests),
+        data_dir: Some(dir.join(format!("{node}-data"))),
+        node_name: node.into(),
+        token: Some("agent-test-token-0123456789".into()),
+        manifest_poll: Duration::from_millis(50),
+        agent: Some(AgentConfig {
+            routes: true,
+            route_netns: Some(format!("/var/run/netns/{}", netns.name).into()),
+            heartbeat_max_age,
+            // A node that stops renewing is gone within seconds (production: 15 s).
+            registry: NodeRegistryConfig { lease_ttl: Duration::from_secs(2), ..Default::default() },
+        }),
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+}
+
+async fn nodes_view(host: &RunningHost) -> Value {
+    reqwest::get(format!("{}/v1/cluster/nodes", host.url())).await.unwrap().json().await.unwrap()
+}
+
+fn routes_in(ns: &Netns) -> String {
+    ns.exec(&["ip", "-4", "route", "show"])
+}
+
+/// Polls an async probe until `cond` holds (10 s).
+async fn eventually<T: std::fmt::Debug, F: std::future::Future<Output = T>>(what: &str, mut probe: impl FnMut() -> F, cond: impl Fn(&T) -> bool) -> T {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let value = probe().await;
+        if cond(&value) {
+            return value;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{what}: last seen {value:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_register_route_to_each_other_and_forget_a_node_that_leaves() {
+    if !is_root() {
+        eprintln!("\n!!!!!!!! SKIPPED {}: needs root (network namespaces, routes) !!!!!!!!\n", module_path!());
+        return;
+    }
+    let etcd = Etcd::start().await.expect("etcd-server must be installed (scripts/setup.sh)");
+    let dir = tempfile::tempdir().unwrap();
+    // Two node namespaces on one link: each can reach the other's node IP, the gateway of
+    // the route to its pods.
+    let tag = std::process::id();
+    let (ns_a, ns_b) = (Netns::new(format!("agent-a-{tag}")), Netns::new(format!("agent-b-{tag}")));
+    let (veth_a, veth_b) = (format!("ag{tag}a"), format!("ag{tag}b"));
+    support::netns::run(&["ip", "link", "add", &veth_a, "netns", &ns_a.name, "type", "veth", "peer", "name", &veth_b, "netns", &ns_b.name]);
+    for (ns, dev, ip) in [(&ns_a, &veth_a, "192.168.77.1/24"), (&ns_b, &veth_b, "192.168.77.3/24")] {
+        ns.exec(&["ip", "addr", "add", ip, "dev", dev]);
+        ns.exec(&["ip", "link", "set", dev, "up"]);
+    }
+
+    let a = host(dir.path(), "node-a", &etcd, &ns_a, None).await;
+    let b = host(dir.path(), "node-b", &etcd, &ns_b, None).await;
+    let a_view = nodes_view(&a).await;
+    let b_view = nodes_view(&b).await;
+    assert_eq!((a_view["node_id"].as_u64(), b_view["node_id"].as_u64()), (Some(1), Some(2)), "first free positive integers: {a_view} {b_view}");
+
+    // Each routes the other's pod CIDR via the other's node IP, once the manifests
+    // published the addresses.
+    wait_for("node-a's route to node-b's pods", Duration::from_secs(10), || routes_in(&ns_a), |r| r.contains("10.244.1.0/24 via 192.168.77.3"));
+    wait_for("node-b's route to node-a's pods", Duration::from_secs(10), || routes_in(&ns_b), |r| r.contains("10.244.0.0/24 via 192.168.77.1"));
+    assert!(!routes_in(&ns_a).contains("10.244.0.0/24 via"), "a node never routes its own pod CIDR away");
+    let view = eventually("node-a's view of node-b", || nodes_view(&a), |v| v["nodes"]["node-b"]["podCidrs"][0] == "10.244.1.0/24").await;
+    assert_eq!(view["routes"]["applied"][0]["cidr"], "10.244.1.0/24", "{view}");
+
+    // node-b stops (its lease is no longer renewed): node-a's route to it goes.
+    b.stop().await;
+    wait_for("node-a's route to node-b removed", Duration::from_secs(15), || routes_in(&ns_a), |r| !r.contains("10.244.1.0/24"));
+
+    // node-b comes back: same ID (kept in the kvstore under its name), route back.
+    let b = host(dir.path(), "node-b", &etcd, &ns_b, None).await;
+    assert_eq!(nodes_view(&b).await["node_id"].as_u64(), Some(2));
+    wait_for("node-a's route to node-b again", Duration::from_secs(10), || routes_in(&ns_a), |r| r.contains("10.244.1.0/24 via 192.168.77.3"));
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_reports_the_kvstore_unhealthy_while_the_heartbeat_is_stale() {
+    if !is_root() {
+        eprintln!("\n!!!!!!!! SKIPPED {}: needs root (network namespaces) !!!!!!!!\n", module_path!());
+        return;
+    }
+    let etcd = Etcd::start().await.expect("etcd-server must be installed (scripts/setup.sh)");
+    let dir = tempfile::tempdir().unwrap();
+    let ns = Netns::new(format!("agent-hb-{}", std::process::id()));
+    let host = host(dir.path(), "node-a", &etcd, &ns, Some(Duration::from_secs(2))).await;
+    let readyz = || async { reqwest::get(format!("{}/readyz", host.url())).await.map(|r| async { (r.status(), r.text().await.unwrap()) }).unwrap().await };
+    let (status, body) = eventually("unready without an operator", readyz, |(s, _)| *s == StatusCode::SERVICE_UNAVAILABLE).await;
+    assert!(body.contains("heartbeat"), "{status}: {body}");
+
+    // An operator's heartbeat (the operator crate's own writer) makes it ready.
+    let kv: Arc<dyn wasmplane_kvstore::KvStore> = KvstoreConfig::Etcd(vec![etcd.endpoint()]).open(None).await.unwrap();
+    let writer = tokio::spawn(write_heartbeats(kv, HEARTBEAT_KEY.into(), "operator-0".into(), Duration::from_millis(500)));
+    eventually("ready with a fresh heartbeat", readyz, |(s, _)| *s == StatusCode::OK).await;
+    // The operator stops: stale again after the max age.
+    writer.abort();
+    let (_, body) = eventually("unready once the heartbeat is stale", readyz, |(s, _)| *s == StatusCode::SERVICE_UNAVAILABLE).await;
+    assert!(body.contains("heartbeat is"), "{body}");
+    host.stop().await;
+}
