@@ -67,6 +67,9 @@ struct ActiveTranslator {
 /// reader taking that lock sees a model consistent with what it was told).
 pub trait ModelObserver: Send {
     fn model_changed(&self, model: &NodeLocalModel, update: &ModelUpdate);
+    /// Then what the translator in force made of that revision's services: new rules (`None`:
+    /// deleted) in `changes`, a failure in `errors` (the recorder in `record.rs` keeps both).
+    fn translated(&self, _translator: Option<(&str, u32)>, _changes: &[(ObjectKey, Option<ObjectRules>)], _errors: &BTreeMap<ObjectKey, String>) {}
 }
 
 pub struct ControllerConfig {
@@ -340,6 +343,8 @@ impl Controller {
                 },
             }
         }
+        let translator = self.translator.as_ref().map(|t| (t.name.as_str(), t.version));
+        self.observers.iter().for_each(|o| o.translated(translator, &changes, &self.service_errors));
         self.sync(changes)
     }
 

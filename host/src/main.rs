@@ -24,5 +24,6 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Module { api, command } => wasmplane::cli::module_command(api, command).await,
+        Command::Replay(args) => wasmplane::replay::command(args),
     }
 }

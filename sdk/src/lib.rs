@@ -20,6 +20,7 @@
 //! also compile natively, so guest logic can be unit-tested with `cargo test`.
 
 pub mod service {
+    #[cfg(target_arch = "wasm32")]
     wit_bindgen::generate!({
         path: "../wit",
         world: "service-translation",
@@ -27,6 +28,17 @@ pub mod service {
         export_macro_name: "export_service_translator",
         default_bindings_module: "wasmplane_sdk::service",
         additional_derives: [PartialEq, Eq, Hash],
+    });
+    // Natively the types are also serde: `testing` reads recordings in the host's shape.
+    // (Not in Wasm builds: guests carry no serde code they never use.)
+    #[cfg(not(target_arch = "wasm32"))]
+    wit_bindgen::generate!({
+        path: "../wit",
+        world: "service-translation",
+        pub_export_macro: true,
+        export_macro_name: "export_service_translator",
+        default_bindings_module: "wasmplane_sdk::service",
+        additional_derives: [PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize],
     });
 }
 
@@ -68,6 +80,9 @@ pub mod cidr;
 pub mod log;
 pub mod lookups;
 pub mod selector;
+/// Replaying host recordings through native guest code (`cargo test`).
+#[cfg(not(target_arch = "wasm32"))]
+pub mod testing;
 
 pub use builders::RuleBuilder;
 pub use cidr::Cidr;

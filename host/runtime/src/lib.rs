@@ -14,7 +14,7 @@
 //! network or stdio, and clocks that stand still, unless a module is granted more.
 
 mod bindings;
-mod convert;
+pub mod convert;
 pub mod gc;
 mod host;
 mod loader;

@@ -1,0 +1,257 @@
+//! Replaying a recording (`record.rs`) through a service translator, offline.
+//!
+//! The module runs in the real runtime under the same limits as live (epoch deadline,
+//! memory cap, output cap) and its output goes through the same validation and rendering,
+//! so what `wasmplane replay` prints is what the host would have applied, with no cluster
+//! and no kernel. Where the recording holds the live outputs, each revision says whether
+//! the replayed ones are the same.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use serde::Serialize;
+use wasmplane_runtime::{CallError, GuestKind, Limits, LoadError, NoLookups, Runtime, RuntimeError, TranslatorSession};
+
+use crate::controller::BUILTIN_SERVICE_TRANSLATOR;
+use crate::nft::{self, ObjectRules};
+use crate::record::{Outcome, RecordError, RecordingReader, RevisionRecord};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error(transparent)]
+    Recording(#[from] RecordError),
+    #[error("reading module {path}: {source}")]
+    ReadModule { path: PathBuf, source: std::io::Error },
+    #[error("module {name}: {source}")]
+    Load { name: String, source: LoadError },
+    #[error("module {name} is a {kind} module; replay runs service translators")]
+    NotATranslator { name: String, kind: GuestKind },
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    #[error("writing the output: {0}")]
+    Output(#[from] std::io::Error),
+}
+
+/// One service translator session over recorded inputs.
+pub struct Replayer {
+    name: String,
+    session: TranslatorSession,
+}
+
+/// One revision as replayed.
+#[derive(Clone, Debug)]
+pub struct Replayed {
+    pub revision: u64,
+    /// Per service (`namespace/name`): validated rules, or why there are none.
+    pub outputs: BTreeMap<String, Result<ObjectRules, String>>,
+    pub deleted: Vec<String>,
+    /// The translator that produced the recorded outputs, if any were recorded.
+    pub recorded_translator: Option<String>,
+    /// Services whose replayed outcome differs from the recorded one (`None`: no outputs
+    /// recorded, nothing to compare).
+    pub differing: Option<Vec<String>>,
+}
+
+impl Replayed {
+    pub fn outcomes(&self) -> BTreeMap<String, Outcome> {
+        self.outputs.iter().map(|(k, r)| (k.clone(), Outcome::of(r))).collect()
+    }
+
+    pub fn matches_recording(&self) -> Option<bool> {
+        self.differing.as_ref().map(Vec::is_empty)
+    }
+}
+
+impl Replayer {
+    /// `module`: a component's name and bytes; `None`: the builtin default translator.
+    pub fn new(runtime: &Runtime, module: Option<(&str, &[u8])>) -> Result<Replayer, ReplayError> {
+        let (name, bytes) = module.unwrap_or((BUILTIN_SERVICE_TRANSLATOR, wasmplane_guest_artifacts::SERVICE_TRANSLATOR));
+        // Loaded like an upload (kind, world, imports checked); the size cap is the upload's concern.
+        let loaded = runtime.load(name, bytes, Some(GuestKind::ServiceTranslator), usize::MAX).map_err(|source| ReplayError::Load { name: name.into(), source })?;
+        let kind = loaded.info.kind;
+        // Service translators get no lookups live either (controller.rs).
+        let session = loaded.translator(Arc::new(NoLookups)).ok_or_else(|| ReplayError::NotATranslator { name: name.into(), kind })?;
+        tracing::info!(module = name, digest = %loaded.info.digest, "replaying with");
+        Ok(Replayer { name: name.to_string(), session })
+    }
+
+    /// Reads the module at `path` (named by its file stem); `None`: the builtin.
+    pub fn from_file(runtime: &Runtime, path: Option<&Path>) -> Result<Replayer, ReplayError> {
+        let Some(path) = path else { return Replayer::new(runtime, None) };
+        let bytes = std::fs::read(path).map_err(|source| ReplayError::ReadModule { path: path.to_path_buf(), source })?;
+        let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "module".into());
+        Replayer::new(runtime, Some((&name, &bytes)))
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Runs the translator on every service input of `record`, validating like live.
+    pub fn revision(&mut self, record: &RevisionRecord) -> Replayed {
+        let mut outputs = BTreeMap::new();
+        for input in &record.services {
+            let key = input.object_key();
+            // Same calls, same error texts as Controller::translate_one.
+            let result = self
+                .session
+                .translate_wit(&record.context, &input.prefix, &input.service, &input.slices)
+                .map_err(|e: CallError| e.to_string())
+                .and_then(|out| nft::validate_service_output(&key, &out).map_err(|e| e.to_string()));
+            if let Err(e) = &result {
+                tracing::debug!(revision = record.revision, service = %key, "replayed call failed: {e}");
+            }
+            outputs.insert(input.key.clone(), result);
+        }
+        let differing = record.outputs.as_ref().map(|recorded| {
+            let mut differing: Vec<String> = outputs.iter().filter(|(k, r)| recorded.get(*k) != Some(&Outcome::of(r))).map(|(k, _)| k.clone()).collect();
+            differing.extend(recorded.keys().filter(|k| !outputs.contains_key(*k)).cloned());
+            differing
+        });
+        Replayed { revision: record.revision, outputs, deleted: record.deleted.clone(), recorded_translator: record.translator.clone(), differing }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum OutputFormat {
+    /// Per revision: the nftables statements that create each service's objects.
+    #[default]
+    Text,
+    /// One JSON object per revision per line.
+    Json,
+}
+
+/// Totals of one replay.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ReplaySummary {
+    pub revisions: usize,
+    pub calls: usize,
+    pub errors: usize,
+    /// Revisions that had recorded outputs to compare with.
+    pub compared: usize,
+    /// Of those, revisions where the replayed outputs differ.
+    pub differing: usize,
+}
+
+/// The JSON line of one revision.
+#[derive(Serialize)]
+struct JsonLine<'a> {
+    revision: u64,
+    translator: &'a str,
+    outputs: BTreeMap<String, Outcome>,
+    deleted: &'a [String],
+    recorded_translator: Option<&'a str>,
+    matches_recording: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    differing: Option<&'a [String]>,
+}
+
+fn write_text(out: &mut dyn Write, translator: &str, r: &Replayed) -> std::io::Result<()> {
+    let comparison = match (&r.differing, &r.recorded_translator) {
+        (None, _) => String::new(),
+        (Some(d), Some(t)) if d.is_empty() => format!("; same as recorded live ({t})"),
+        (Some(d), t) => format!("; differs from recorded live ({}): {}", t.as_deref().unwrap_or("?"), d.join(", ")),
+    };
+    writeln!(out, "# revision {} ({translator}): {} services, {} deleted{comparison}", r.revision, r.outputs.len(), r.deleted.len())?;
+    for (key, result) in &r.outputs {
+        match result {
+            Ok(rules) => {
+                writeln!(out, "## {key}")?;
+                // The statements that create this object from nothing, as the writer renders them.
+                let mut text = String::new();
+                nft::object_delta(&ObjectRules::default(), rules, &mut text);
+                out.write_all(text.as_bytes())?;
+                for w in &rules.warnings {
+                    writeln!(out, "# warning: {w}")?;
+                }
+            }
+            Err(e) => writeln!(out, "## {key}: error (its last good rules stay): {e}")?,
+        }
+    }
+    for key in &r.deleted {
+        writeln!(out, "## {key}: deleted")?;
+    }
+    Ok(())
+}
+
+/// Replays every revision of `reader` and prints each in `format`.
+pub fn replay<R: BufRead>(reader: RecordingReader<R>, replayer: &mut Replayer, format: OutputFormat, out: &mut dyn Write) -> Result<ReplaySummary, ReplayError> {
+    let mut summary = ReplaySummary::default();
+    for record in reader {
+        let record = record?;
+        let replayed = replayer.revision(&record);
+        summary.revisions += 1;
+        summary.calls += replayed.outputs.len();
+        summary.errors += replayed.outputs.values().filter(|r| r.is_err()).count();
+        if let Some(matches) = replayed.matches_recording() {
+            summary.compared += 1;
+            summary.differing += usize::from(!matches);
+        }
+        match format {
+            OutputFormat::Json => {
+                let line = JsonLine {
+                    revision: replayed.revision,
+                    translator: replayer.name(),
+                    outputs: replayed.outcomes(),
+                    deleted: &replayed.deleted,
+                    recorded_translator: replayed.recorded_translator.as_deref(),
+                    matches_recording: replayed.matches_recording(),
+                    differing: replayed.differing.as_deref(),
+                };
+                serde_json::to_writer(&mut *out, &line).map_err(std::io::Error::from)?;
+                out.write_all(b"\n")?;
+            }
+            OutputFormat::Text => write_text(out, replayer.name(), &replayed)?,
+        }
+    }
+    out.flush()?;
+    Ok(summary)
+}
+
+/// `wasmplane replay`.
+#[derive(clap::Args, Debug)]
+pub struct ReplayArgs {
+    /// A recording written by `wasmplane run --record FILE`.
+    pub file: PathBuf,
+    /// The service translator component to run (default: the builtin translator).
+    #[arg(long)]
+    pub module: Option<PathBuf>,
+    #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
+    pub format: OutputFormat,
+    /// Fail if any revision's output differs from the one recorded live.
+    #[arg(long)]
+    pub check: bool,
+    /// Per-call time limit of the guest, in milliseconds (as `run`).
+    #[arg(long, default_value_t = 500)]
+    pub guest_timeout_ms: u64,
+    /// Linear-memory limit of the guest, in MiB (as `run`).
+    #[arg(long, default_value_t = 64)]
+    pub guest_memory_mib: usize,
+}
+
+/// Runs `wasmplane replay`: outputs on stdout, the summary on stderr.
+pub fn command(args: ReplayArgs) -> anyhow::Result<()> {
+    // Header checked before the engine starts: a wrong file fails at once.
+    let reader = RecordingReader::open(&args.file)?;
+    let limits = Limits { call_timeout: Duration::from_millis(args.guest_timeout_ms), memory_bytes: args.guest_memory_mib << 20, ..Default::default() };
+    let runtime = Runtime::new(limits, None).context("starting the Wasm runtime")?;
+    let mut replayer = Replayer::from_file(&runtime, args.module.as_deref())?;
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::new(stdout.lock());
+    let summary = replay(reader, &mut replayer, args.format, &mut out)?;
+    eprintln!(
+        "replayed {} revisions ({} calls, {} errors) with {}; {} of {} compared revisions differ from the recording",
+        summary.revisions,
+        summary.calls,
+        summary.errors,
+        replayer.name(),
+        summary.differing,
+        summary.compared
+    );
+    anyhow::ensure!(!args.check || summary.differing == 0, "{} revisions differ from the recorded live output", summary.differing);
+    Ok(())
+}
