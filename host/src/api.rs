@@ -34,6 +34,7 @@ pub struct ApiState {
     pub max_module_bytes: usize,
     pub modules: Arc<Modules>,
     pub agent: Option<Arc<crate::agent::Agent>>,
+    pub operator: Option<Arc<crate::operator_role::OperatorRole>>,
     /// Static token and, if configured, Kubernetes TokenReview + SubjectAccessReview.
     pub auth: Arc<crate::auth::Auth>,
     pub audit: Arc<crate::audit::Audit>,
@@ -100,6 +101,8 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/modules/{name}/promote", post(promote_shadow))
         .route("/v1/state", get(node_state))
         .route("/v1/cluster/nodes", get(cluster_nodes))
+        .route("/v1/operator", get(operator_state))
+        .route("/v1/policies/{namespace}/{name}/status", get(policy_status))
         .route("/v1/dataplane", get(dataplane))
         .layer(DefaultBodyLimit::max(max_body))
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
@@ -149,6 +152,25 @@ async fn readyz(State(state): State<ApiState>) -> impl IntoResponse {
     match state.agent.as_ref().and_then(|a| a.unready_reason()) {
         Some(reason) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {reason}\n")),
         None => (StatusCode::OK, "ready\n".to_string()),
+    }
+}
+
+/// Whether this host runs the operator role and leads.
+async fn operator_state(State(state): State<ApiState>) -> ApiResult<Response> {
+    let Some(operator) = &state.operator else {
+        return Err(ApiError(StatusCode::NOT_FOUND, "this host does not run the operator role".into()));
+    };
+    Ok(Json(json!({ "leader": operator.is_leader() })).into_response())
+}
+
+/// A policy's realization status over every node, as the operator aggregates it.
+async fn policy_status(State(state): State<ApiState>, Path((namespace, name)): Path<(String, String)>) -> ApiResult<Response> {
+    let Some(operator) = &state.operator else {
+        return Err(ApiError(StatusCode::NOT_FOUND, "policy status is aggregated by the operator role (--role operator)".into()));
+    };
+    match operator.policy_status(&namespace, &name) {
+        Some(summary) => Ok(Json(summary).into_response()),
+        None => Err(ApiError(StatusCode::NOT_FOUND, format!("no status reported for policy {namespace}/{name}"))),
     }
 }
 

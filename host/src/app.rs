@@ -101,6 +101,9 @@ pub struct HostConfig {
     pub cni: Option<crate::cni::CniConfig>,
     /// Register this node in the kvstore, program routes, follow the heartbeat (none: not).
     pub agent: Option<crate::agent::AgentConfig>,
+    /// Run the operator role (cluster-wide duties, leader-elected) instead of the agent's:
+    /// no node registration, no CNI, and the dataplane only rendered.
+    pub operator: Option<crate::operator_role::OperatorRoleConfig>,
     /// Where the gRPC node-local model stream listens (none: not served).
     pub grpc_listen: Option<SocketAddr>,
     /// How often the events/revisions stats line is logged.
@@ -144,6 +147,7 @@ impl Default for HostConfig {
             grpc_listen: None,
             cni: None,
             agent: Some(crate::agent::AgentConfig::default()),
+            operator: None,
             stats_interval: Duration::from_secs(60),
             data_dir: None,
             node_name: "node-a".into(),
@@ -176,6 +180,8 @@ pub struct RunningHost {
     pub modules: Arc<Modules>,
     /// This node's registration, routes and heartbeat follower (when configured).
     pub agent: Option<Arc<crate::agent::Agent>>,
+    /// The operator role's duties (with `--role operator`).
+    pub operator: Option<Arc<crate::operator_role::OperatorRole>>,
     /// Where the gRPC model stream listens, if it is served.
     pub grpc_addr: Option<SocketAddr>,
     /// Whether the REST API is served over TLS (`https://` in [`RunningHost::url`]).
@@ -250,7 +256,10 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
     let metrics = Arc::new(metrics);
     let cache = config.data_dir.as_ref().map(|d| d.join("compiled"));
     let runtime = Arc::new(Runtime::new(config.limits.clone(), cache)?);
-    let kernel: Box<dyn Kernel> = match config.dataplane {
+    let operator_role = config.operator.is_some();
+    // The operator keeps a model (for its REST API) but never writes a node's kernel.
+    let dataplane = if operator_role { DataplaneMode::Record } else { config.dataplane };
+    let kernel: Box<dyn Kernel> = match dataplane {
         DataplaneMode::Record => Box::new(Recorder::default()),
         DataplaneMode::Nftables => Box::new(NftCommand::new(config.nft_command.clone(), config.conntrack_command.clone())),
     };
@@ -326,11 +335,22 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
     }
 
     loops.push(tokio::spawn(modules.clone().follow(index_revision)));
-    let agent = match config.agent.clone() {
+    let agent = match config.agent.clone().filter(|_| !operator_role) {
         Some(agent_config) => Some(Arc::new(crate::agent::Agent::start(modules.store().kv().clone(), &controller, agent_config).await.context("registering this node in the kvstore")?)),
         None => None,
     };
-    if let Some(cni) = config.cni.clone() {
+    let operator = match config.operator.clone() {
+        Some(operator_config) => {
+            let client = match &config.kubernetes {
+                Some(source) => Some(source.client().await?),
+                None => None,
+            };
+            let role = crate::operator_role::OperatorRole::start(modules.store().kv().clone(), client, runtime.clone(), config.max_module_bytes, operator_config).await?;
+            Some(Arc::new(role))
+        }
+        None => None,
+    };
+    if let Some(cni) = config.cni.clone().filter(|_| !operator_role) {
         loops.push(tokio::spawn(crate::cni::run(cni, config.data_dir.clone(), controller.clone())));
     }
     {
@@ -365,6 +385,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         max_module_bytes: config.max_module_bytes,
         modules: modules.clone(),
         agent: agent.clone(),
+        operator: operator.clone(),
         auth: Arc::new(auth),
         audit: Arc::new(crate::audit::Audit::new(modules.store().kv().clone(), config.node_name.clone(), audit_failures)),
     };
@@ -393,7 +414,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
             }
         }),
     };
-    Ok(RunningHost { addr, token, controller, metrics, ready, watch_status, modules, agent, grpc_addr, tls, model_feed, shutdown: Some(shutdown_tx), server, loops })
+    Ok(RunningHost { addr, token, controller, metrics, ready, watch_status, modules, agent, operator, grpc_addr, tls, model_feed, shutdown: Some(shutdown_tx), server, loops })
 }
 
 /// Publishes every model revision to gRPC watchers.

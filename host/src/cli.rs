@@ -137,6 +137,32 @@ pub struct RunArgs {
     /// (0: not followed; the operator writes it every minute).
     #[arg(long, default_value_t = 0)]
     pub heartbeat_max_age_seconds: u64,
+    /// `agent` (every node: dataplane, CNI, node registration) or `operator` (cluster-wide
+    /// duties, one leader among replicas by a coordination.k8s.io Lease; embedded: this
+    /// process leads).
+    #[arg(long, value_enum, default_value = "agent")]
+    pub role: Role,
+    /// This replica's identity in the Lease.
+    #[arg(long, env = "POD_NAME", default_value = "wasmplane-operator")]
+    pub identity: String,
+    /// Namespace of the leader-election Lease.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "kube-system")]
+    pub lease_namespace: String,
+    /// Sync Services annotated `wasmplane.io/shared` to the kvstore under this cluster name.
+    #[arg(long, env = "WASMPLANE_CLUSTER_NAME")]
+    pub cluster_name: Option<String>,
+    /// Seconds between GC cycles (operator).
+    #[arg(long, default_value_t = 60)]
+    pub gc_interval_seconds: u64,
+    /// Most kvstore deletions per second GC makes (operator).
+    #[arg(long, default_value_t = 10.0)]
+    pub gc_deletes_per_second: f64,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Agent,
+    Operator,
 }
 
 #[derive(clap::Args, Debug)]
@@ -275,6 +301,14 @@ impl RunArgs {
                 })
             }),
             crash_budget: crate::controller::CrashBudget { max_crashes: self.crash_budget, window: Duration::from_secs(self.crash_window_seconds.max(1)) },
+            operator: (self.role == Role::Operator).then(|| crate::operator_role::OperatorRoleConfig {
+                identity: self.identity.clone(),
+                lease_namespace: self.lease_namespace.clone(),
+                cluster_name: self.cluster_name.clone(),
+                gc_interval: Duration::from_secs(self.gc_interval_seconds.max(1)),
+                gc_deletes_per_second: self.gc_deletes_per_second,
+                ..Default::default()
+            }),
             agent: Some(crate::agent::AgentConfig {
                 routes: self.node_routes,
                 heartbeat_max_age: (self.heartbeat_max_age_seconds > 0).then(|| Duration::from_secs(self.heartbeat_max_age_seconds)),

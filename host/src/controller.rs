@@ -480,6 +480,10 @@ impl Controller {
         {
             return Err(HostError::Conflict(format!("module {name:?} is a {existing} module, not {kind}")));
         }
+        if kind == GuestKind::Gc {
+            // GC guests run in the operator (its own bindings); the checks are the same.
+            return Ok(self.runtime.load_gc(name, bytes, self.max_module_bytes)?.info);
+        }
         Ok(self.runtime.load(name, bytes, Some(kind), self.max_module_bytes)?.info)
     }
 

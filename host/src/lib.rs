@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod module_store;
 pub mod modules;
 pub mod nft;
+pub mod operator_role;
 pub mod policy;
 pub mod record;
 pub mod registry;

@@ -1,0 +1,177 @@
+//! `wasmplane run --role operator`: the cluster-wide duties of `wasmplane-operator` (heartbeat,
+//! policy-status aggregation, service sync, GC) run by the replica that holds the Kubernetes
+//! Lease; in embedded mode the single process leads. GC decisions come from the GC guest in
+//! force cluster-wide (an uploaded module of kind `gc`, else the builtin), which names what
+//! to delete among the candidates it is offered.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use wasmplane_kvstore::KvStore;
+use wasmplane_operator::{
+    CandidateKind, DeciderError, GarbageCollector, GcCandidate, GcConfig, GcDecider, HEARTBEAT_KEY, LeaderElectionConfig, LeaderElector, Leadership, Operator, OperatorConfig,
+    PolicySummary, ServiceSyncConfig, write_heartbeats,
+};
+use wasmplane_runtime::gc::{Candidate, CandidateKind as WitKind, GcSession};
+use wasmplane_runtime::{GuestKind, Runtime};
+
+use crate::module_store::ModuleStore;
+
+/// Name of the builtin GC guest.
+pub const BUILTIN_GC: &str = "default-gc";
+
+#[derive(Clone, Debug)]
+pub struct OperatorRoleConfig {
+    /// This replica's identity in the Lease (the pod name in-cluster).
+    pub identity: String,
+    pub lease_namespace: String,
+    pub lease_name: String,
+    pub lease_duration: Duration,
+    pub heartbeat_interval: Duration,
+    /// Sync Services annotated for sharing under this cluster name (none: not synced).
+    pub cluster_name: Option<String>,
+    pub gc_interval: Duration,
+    pub gc_deletes_per_second: f64,
+}
+
+impl Default for OperatorRoleConfig {
+    fn default() -> Self {
+        OperatorRoleConfig {
+            identity: "wasmplane-operator".into(),
+            lease_namespace: "kube-system".into(),
+            lease_name: "wasmplane-operator".into(),
+            lease_duration: Duration::from_secs(15),
+            heartbeat_interval: Duration::from_secs(60),
+            cluster_name: None,
+            gc_interval: Duration::from_secs(60),
+            gc_deletes_per_second: 10.0,
+        }
+    }
+}
+
+/// The GC guest as the collector's decider. Before each decision it makes sure it runs the
+/// module the shared index has in force for `gc` (uploads reach the operator like any host).
+struct WasmGcDecider {
+    runtime: Arc<Runtime>,
+    store: ModuleStore,
+    handle: tokio::runtime::Handle,
+    /// Digest (or the builtin's name) of the module the session runs.
+    current: Option<(String, GcSession)>,
+    max_module_bytes: usize,
+}
+
+impl WasmGcDecider {
+    /// The (name, digest, bytes) to run: the uploaded module in force, else the builtin.
+    fn wanted(&self) -> Result<(String, String, Option<bytes::Bytes>), DeciderError> {
+        let store = self.store.clone();
+        // Called on a blocking thread (the collector calls deciders off the async workers).
+        let (index, _) = self.handle.block_on(store.load()).map_err(|e| DeciderError(format!("reading the module index: {e}")))?;
+        let Some((name, version)) = index.in_force(GuestKind::Gc) else {
+            return Ok((BUILTIN_GC.into(), BUILTIN_GC.into(), None));
+        };
+        let digest = index.modules.get(name).and_then(|m| m.version(version)).map(|v| v.digest.clone()).ok_or_else(|| DeciderError(format!("module {name}@{version} is in force but not in the index")))?;
+        if self.current.as_ref().is_some_and(|(d, _)| *d == digest) {
+            return Ok((name.to_string(), digest, None));
+        }
+        let bytes = self.handle.block_on(self.store.get_blob(&digest)).map_err(|e| DeciderError(format!("fetching {name}@{version}: {e}")))?;
+        Ok((format!("{name}@{version}"), digest, Some(bytes)))
+    }
+
+    fn session(&mut self) -> Result<&mut GcSession, DeciderError> {
+        let (name, digest, bytes) = self.wanted()?;
+        if self.current.as_ref().is_none_or(|(d, _)| *d != digest) {
+            let bytes: &[u8] = bytes.as_deref().unwrap_or(wasmplane_guest_artifacts::GC);
+            let module = self.runtime.load_gc(&name, bytes, self.max_module_bytes).map_err(|e| DeciderError(format!("loading GC module {name}: {e}")))?;
+            tracing::info!(module = %name, "GC decisions by this module");
+            self.current = Some((digest, module.session()));
+        }
+        Ok(&mut self.current.as_mut().expect("just set").1)
+    }
+}
+
+fn wit_kind(kind: CandidateKind) -> WitKind {
+    match kind {
+        CandidateKind::StaleNode => WitKind::StaleNode,
+        CandidateKind::NodeStatus => WitKind::NodeStatus,
+        CandidateKind::PolicyStatus => WitKind::PolicyStatus,
+        CandidateKind::ServiceSync => WitKind::ServiceSync,
+        CandidateKind::Lock => WitKind::Lock,
+        CandidateKind::ModuleVersion => WitKind::ModuleVersion,
+    }
+}
+
+impl GcDecider for WasmGcDecider {
+    fn collect(&mut self, candidates: &[GcCandidate]) -> Result<Vec<String>, DeciderError> {
+        let offered: Vec<Candidate> =
+            candidates.iter().map(|c| Candidate { key: c.key.clone(), kind: wit_kind(c.kind), age_seconds: c.age.as_secs(), owner_exists: c.owner_exists }).collect();
+        let result = self.session()?.collect(&offered);
+        result.map_err(|e| {
+            // A failed instance is not reused; a broken module is tried again next cycle.
+            DeciderError(format!("GC guest: {e}"))
+        })
+    }
+}
+
+/// The running operator role; dropping it stops every duty.
+pub struct OperatorRole {
+    operator: Option<Operator>,
+    _elector: Option<LeaderElector>,
+    leadership: Leadership,
+    embedded: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for OperatorRole {
+    fn drop(&mut self) {
+        for task in &self.embedded {
+            task.abort();
+        }
+    }
+}
+
+impl OperatorRole {
+    /// `client`: the API server (leader election on a Lease, status writes, service sync);
+    /// none (embedded): this process leads, and runs the heartbeat and GC only.
+    pub async fn start(kv: Arc<dyn KvStore>, client: Option<kube::Client>, runtime: Arc<Runtime>, max_module_bytes: usize, config: OperatorRoleConfig) -> anyhow::Result<OperatorRole> {
+        let decider: Arc<Mutex<dyn GcDecider>> = Arc::new(Mutex::new(WasmGcDecider {
+            runtime,
+            store: ModuleStore::new(kv.clone()),
+            handle: tokio::runtime::Handle::current(),
+            current: None,
+            max_module_bytes,
+        }));
+        let gc = GcConfig { interval: config.gc_interval, deletes_per_second: config.gc_deletes_per_second, service_sync: config.cluster_name.clone().map(ServiceSyncConfig::new), ..GcConfig::default() };
+        match client {
+            Some(client) => {
+                let election = LeaderElectionConfig::new(&config.lease_namespace, &config.lease_name, &config.identity).with_lease_duration(config.lease_duration);
+                let elector = LeaderElector::start(client.clone(), election).context("starting leader election")?;
+                let leadership = elector.leadership();
+                let operator_config = OperatorConfig {
+                    heartbeat_interval: config.heartbeat_interval,
+                    service_sync: config.cluster_name.clone().map(ServiceSyncConfig::new),
+                    gc,
+                    ..OperatorConfig::new(config.identity.clone())
+                };
+                let operator = Operator::start(kv, client, leadership.clone(), Some(decider), operator_config).await.context("starting the operator duties")?;
+                Ok(OperatorRole { operator: Some(operator), _elector: Some(elector), leadership, embedded: Vec::new() })
+            }
+            None => {
+                let mut collector = GarbageCollector::new(kv.clone(), None, decider, gc).context("configuring GC")?;
+                let embedded = vec![
+                    tokio::spawn(write_heartbeats(kv, HEARTBEAT_KEY.into(), config.identity.clone(), config.heartbeat_interval)),
+                    tokio::spawn(async move { collector.run().await }),
+                ];
+                Ok(OperatorRole { operator: None, _elector: None, leadership: Leadership::always(), embedded })
+            }
+        }
+    }
+
+    pub fn is_leader(&self) -> bool {
+        self.leadership.is_leader()
+    }
+
+    /// A policy's status aggregated over every node (`None`: unknown, or embedded mode).
+    pub fn policy_status(&self, namespace: &str, name: &str) -> Option<PolicySummary> {
+        self.operator.as_ref()?.policy_status(namespace, name)
+    }
+}

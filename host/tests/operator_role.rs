@@ -1,0 +1,114 @@
+//! `--role operator` through the whole host: embedded, the process leads and runs the
+//! heartbeat and GC decided by the builtin GC guest (Wasm); against the test API server and
+//! a real etcd, two replicas elect one leader on a Lease and the other takes over when the
+//! leader stops.
+
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde_json::Value;
+use wasmplane::app::{HostConfig, KubernetesSource, KvstoreConfig, RunningHost, start};
+use wasmplane::operator_role::OperatorRoleConfig;
+use wasmplane_kvstore::{Bytes, KvStore};
+use wasmplane_operator::{HEARTBEAT_KEY, LOCKS_PREFIX};
+use wasmplane_test_apiserver::TestApiServer;
+use wasmplane_test_etcd::Etcd;
+
+async fn eventually<T: std::fmt::Debug, F: std::future::Future<Output = T>>(what: &str, timeout: Duration, mut probe: impl FnMut() -> F, cond: impl Fn(&T) -> bool) -> T {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let value = probe().await;
+        if cond(&value) {
+            return value;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{what}: last seen {value:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn operator_state(host: &RunningHost) -> Value {
+    reqwest::get(format!("{}/v1/operator", host.url())).await.unwrap().json().await.unwrap()
+}
+
+fn fast(identity: &str) -> OperatorRoleConfig {
+    OperatorRoleConfig {
+        identity: identity.into(),
+        lease_duration: Duration::from_secs(2),
+        heartbeat_interval: Duration::from_millis(200),
+        gc_interval: Duration::from_millis(200),
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embedded_operator_leads_writes_the_heartbeat_and_collects_what_the_gc_guest_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let host = start(HostConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        data_dir: Some(dir.path().into()),
+        token: Some("operator-test-token-0123456789".into()),
+        operator: Some(fast("solo")),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    assert_eq!(operator_state(&host).await["leader"], true);
+    // The operator role registers no node: it is not one.
+    let (status, _) = (reqwest::get(format!("{}/v1/cluster/nodes", host.url())).await.unwrap().status(), ());
+    assert_eq!(status, StatusCode::NOT_FOUND);
+
+    let kv = host.modules.store().kv().clone();
+    let _ = eventually("the heartbeat", Duration::from_secs(5), || kv.get(HEARTBEAT_KEY), |hb| hb.as_ref().is_ok_and(|v| v.as_ref().is_some_and(|v| String::from_utf8_lossy(&v.value).contains("solo")))).await;
+
+    // Two locks: one whose holder is no registered node and which has no lease (the guest
+    // names it at once), one held under a live lease (kept).
+    let orphan = format!("{LOCKS_PREFIX}orphaned");
+    let held = format!("{LOCKS_PREFIX}held");
+    kv.put(&orphan, Bytes::from_static(b"node-that-is-gone"), None).await.unwrap();
+    let lease = kv.grant_lease(Duration::from_secs(60)).await.unwrap();
+    kv.put(&held, Bytes::from_static(b"node-that-is-gone"), Some(lease.id)).await.unwrap();
+    let _ = eventually("the orphaned lock collected", Duration::from_secs(5), || kv.get(&orphan), |v| matches!(v, Ok(None))).await;
+    assert!(kv.get(&held).await.unwrap().is_some(), "a lock under a live lease is never named");
+    host.stop().await;
+}
+
+async fn replica(dir: &std::path::Path, identity: &str, server: &TestApiServer, etcd: &Etcd) -> RunningHost {
+    start(HostConfig {
+        kvstore: KvstoreConfig::Etcd(vec![etcd.endpoint()]),
+        kubernetes: Some(KubernetesSource::Url(server.url())),
+        listen: "127.0.0.1:0".parse().unwrap(),
+        data_dir: Some(dir.join(identity)),
+        token: Some("operator-test-token-0123456789".into()),
+        operator: Some(fast(identity)),
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_elect_one_leader_and_the_other_takes_over() {
+    let etcd = Etcd::start().await.expect("etcd-server must be installed (scripts/setup.sh)");
+    let server = TestApiServer::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let a = replica(dir.path(), "operator-a", &server, &etcd).await;
+    let b = replica(dir.path(), "operator-b", &server, &etcd).await;
+    let leaders = || async { (operator_state(&a).await["leader"] == true, operator_state(&b).await["leader"] == true) };
+    let (a_leads, b_leads) = eventually("one leader", Duration::from_secs(10), leaders, |(a, b)| a != b).await;
+    // Exactly one, and it stays one for a while (no flapping, never both).
+    for _ in 0..10 {
+        assert_eq!(leaders().await, (a_leads, b_leads), "leadership changed without a reason");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (leader, follower) = if a_leads { (a, b) } else { (b, a) };
+    let follower_identity = if a_leads { "operator-b" } else { "operator-a" };
+    leader.stop().await;
+    // The follower takes over within about one lease duration (2 s) and writes the heartbeat.
+    eventually("the follower leads", Duration::from_secs(8), || operator_state(&follower), |s| s["leader"] == true).await;
+    let kv: std::sync::Arc<dyn KvStore> = KvstoreConfig::Etcd(vec![etcd.endpoint()]).open(None).await.unwrap();
+    let _ = eventually("the new leader's heartbeat", Duration::from_secs(5), || kv.get(HEARTBEAT_KEY), |hb| {
+        hb.as_ref().is_ok_and(|v| v.as_ref().is_some_and(|v| String::from_utf8_lossy(&v.value).contains(follower_identity)))
+    })
+    .await;
+    follower.stop().await;
+}
