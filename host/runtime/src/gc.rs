@@ -28,8 +28,8 @@ mod bindings {
     });
 }
 
-use bindings::{GarbageCollection, GarbageCollectionPre};
 pub use bindings::exports::wasmplane::dataplane::gc::{Candidate, CandidateKind};
+use bindings::{GarbageCollection, GarbageCollectionPre};
 
 /// Bytes of guest stderr kept for error messages (panic messages land there).
 const STDERR_CAPTURE: usize = 4096;
@@ -45,7 +45,12 @@ pub struct GcModule {
 
 impl Runtime {
     /// Validates and compiles a GC component.
-    pub fn load_gc(&self, name: &str, bytes: &[u8], max_size: usize) -> Result<GcModule, LoadError> {
+    pub fn load_gc(
+        &self,
+        name: &str,
+        bytes: &[u8],
+        max_size: usize,
+    ) -> Result<GcModule, LoadError> {
         // The shared loader does every check; it may not run GC guests itself
         // (`KindNotRunnable`), which only means the checks passed.
         let info = match self.load(name, bytes, Some(GuestKind::Gc), max_size) {
@@ -59,11 +64,20 @@ impl Runtime {
             },
             Err(e) => return Err(e),
         };
-        let component = Component::new(&self.engine, bytes).map_err(|e| LoadError::Compile(format!("{e:#}")))?;
-        let pre: InstancePre<GuestState> =
-            self.linker.instantiate_pre(&component).map_err(|e| LoadError::Link(format!("{e:#}")))?;
+        let component = Component::new(&self.engine, bytes)
+            .map_err(|e| LoadError::Compile(format!("{e:#}")))?;
+        let pre: InstancePre<GuestState> = self
+            .linker
+            .instantiate_pre(&component)
+            .map_err(|e| LoadError::Link(format!("{e:#}")))?;
         let pre = GarbageCollectionPre::new(pre).map_err(|e| LoadError::Link(format!("{e:#}")))?;
-        Ok(GcModule { info, name: Arc::from(name), pre, engine: self.engine.clone(), limits: self.limits.clone() })
+        Ok(GcModule {
+            info,
+            name: Arc::from(name),
+            pre,
+            engine: self.engine.clone(),
+            limits: self.limits.clone(),
+        })
     }
 }
 
@@ -102,7 +116,11 @@ pub struct GcSession {
 
 impl GcSession {
     fn deadline_ticks(&self) -> u64 {
-        self.limits.call_timeout.as_nanos().div_ceil(EPOCH_TICK.as_nanos()).max(1) as u64
+        self.limits
+            .call_timeout
+            .as_nanos()
+            .div_ceil(EPOCH_TICK.as_nanos())
+            .max(1) as u64
     }
 
     fn instantiate(&mut self) -> Result<&mut LiveInstance, CallError> {
@@ -120,8 +138,15 @@ impl GcSession {
             store.limiter(|s| &mut s.limiter);
             store.set_epoch_deadline(self.deadline_ticks());
             store.epoch_deadline_trap();
-            let bindings = self.pre.instantiate(&mut store).map_err(|e| CallError::Instantiate(format!("{e:#}")))?;
-            self.live = Some(LiveInstance { store, bindings, stderr });
+            let bindings = self
+                .pre
+                .instantiate(&mut store)
+                .map_err(|e| CallError::Instantiate(format!("{e:#}")))?;
+            self.live = Some(LiveInstance {
+                store,
+                bindings,
+                stderr,
+            });
         }
         Ok(self.live.as_mut().expect("just instantiated"))
     }
@@ -133,7 +158,10 @@ impl GcSession {
         let ticks = self.deadline_ticks();
         let live = self.instantiate()?;
         live.store.set_epoch_deadline(ticks);
-        let result = live.bindings.wasmplane_dataplane_gc().call_collect(&mut live.store, candidates);
+        let result = live
+            .bindings
+            .wasmplane_dataplane_gc()
+            .call_collect(&mut live.store, candidates);
         let outcome = match result {
             Ok(keys) => {
                 let bytes: usize = keys.iter().map(String::len).sum();
@@ -164,18 +192,34 @@ fn classify(error: wasmtime::Error, live: &LiveInstance, limits: &Limits) -> Cal
     if error.downcast_ref::<Trap>() == Some(&Trap::Interrupt) {
         return CallError::Timeout(limits.call_timeout);
     }
-    let stderr = String::from_utf8_lossy(&live.stderr.contents()).trim().to_string();
+    let stderr = String::from_utf8_lossy(&live.stderr.contents())
+        .trim()
+        .to_string();
     let root = format!("{error:#}");
     let root = root.lines().next().unwrap_or_default().to_string();
-    if stderr.is_empty() { CallError::Trap(root) } else { CallError::Trap(format!("{root}; guest stderr: {stderr}")) }
+    if stderr.is_empty() {
+        CallError::Trap(root)
+    } else {
+        CallError::Trap(format!("{root}; guest stderr: {stderr}"))
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn candidate(key: &str, kind: CandidateKind, age_seconds: u64, owner_exists: bool) -> Candidate {
-        Candidate { key: key.into(), kind, age_seconds, owner_exists }
+    fn candidate(
+        key: &str,
+        kind: CandidateKind,
+        age_seconds: u64,
+        owner_exists: bool,
+    ) -> Candidate {
+        Candidate {
+            key: key.into(),
+            kind,
+            age_seconds,
+            owner_exists,
+        }
     }
 
     fn offered() -> Vec<Candidate> {
@@ -193,7 +237,9 @@ mod tests {
     #[test]
     fn the_shipped_gc_guest_names_what_its_policy_says() {
         let runtime = Runtime::new(Limits::default(), None).unwrap();
-        let module = runtime.load_gc("gc", wasmplane_guest_artifacts::GC, 8 << 20).expect("the default GC guest loads");
+        let module = runtime
+            .load_gc("gc", wasmplane_guest_artifacts::GC, 8 << 20)
+            .expect("the default GC guest loads");
         assert_eq!(module.info.kind, GuestKind::Gc);
         let mut session = module.session();
         let named = session.collect(&offered()).expect("collect");
@@ -205,11 +251,19 @@ mod tests {
 
     #[test]
     fn output_over_the_limit_is_refused_and_the_session_recovers() {
-        let limits = Limits { max_output_objects: 2, ..Limits::default() };
+        let limits = Limits {
+            max_output_objects: 2,
+            ..Limits::default()
+        };
         let runtime = Runtime::new(limits, None).unwrap();
-        let module = runtime.load_gc("gc", wasmplane_guest_artifacts::GC, 8 << 20).unwrap();
+        let module = runtime
+            .load_gc("gc", wasmplane_guest_artifacts::GC, 8 << 20)
+            .unwrap();
         let mut session = module.session();
-        assert!(matches!(session.collect(&offered()), Err(CallError::OutputTooLarge(_))));
+        assert!(matches!(
+            session.collect(&offered()),
+            Err(CallError::OutputTooLarge(_))
+        ));
         let small = &offered()[..2];
         assert_eq!(session.collect(small).unwrap(), vec!["/ids/2"]);
     }
@@ -217,11 +271,23 @@ mod tests {
     #[test]
     fn another_kind_is_not_loaded_as_gc() {
         let runtime = Runtime::new(Limits::default(), None).unwrap();
-        let err = runtime.load_gc("st", wasmplane_guest_artifacts::SERVICE_TRANSLATOR, 8 << 20).err().expect("refused");
+        let err = runtime
+            .load_gc("st", wasmplane_guest_artifacts::SERVICE_TRANSLATOR, 8 << 20)
+            .err()
+            .expect("refused");
         assert!(
-            matches!(err, LoadError::KindMismatch { declared: GuestKind::Gc, found: GuestKind::ServiceTranslator }),
+            matches!(
+                err,
+                LoadError::KindMismatch {
+                    declared: GuestKind::Gc,
+                    found: GuestKind::ServiceTranslator
+                }
+            ),
             "{err:?}"
         );
-        assert!(matches!(runtime.load_gc("junk", b"not wasm at all", 1 << 20), Err(LoadError::NotWasm)));
+        assert!(matches!(
+            runtime.load_gc("junk", b"not wasm at all", 1 << 20),
+            Err(LoadError::NotWasm)
+        ));
     }
 }
