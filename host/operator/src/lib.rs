@@ -14,6 +14,8 @@
 //!   the leader into one rate-limited write per policy.
 //! - [`services`]: Services annotated for sharing, synced into the kvstore
 //!   under this cluster's prefix, stale entries cleaned on every relist.
+//! - [`operator`]: the operator role in one call ([`Operator::start`]): every
+//!   duty above that the leader runs.
 //! - [`gc`]: the GC duty: candidates from the kvstore, a decider (the GC
 //!   guest) naming what to delete, deletions of offered keys only, rate-limited.
 
@@ -22,6 +24,7 @@ pub mod gc;
 pub mod heartbeat;
 pub mod leader;
 pub mod nodes;
+pub mod operator;
 pub mod policystatus;
 pub mod routes;
 pub mod services;
@@ -36,6 +39,7 @@ pub use heartbeat::{
 };
 pub use leader::{LeaderElectionConfig, LeaderElector, Leadership};
 pub use nodes::{NodeInfo, NodeRegistry, NodeRegistryConfig, allocate_node_id, release_node_id};
+pub use operator::{Operator, OperatorConfig};
 pub use policystatus::{
     AggregatorConfig, NodePolicyStatus, NodeStatusWriter, PolicyRef, PolicyStatusAggregator,
     PolicySummary, read_summary,
