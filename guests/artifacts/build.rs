@@ -19,6 +19,7 @@ struct Guest {
 const SHIPPED: &[Guest] = &[
     Guest { constant: "SERVICE_TRANSLATOR", package: "wasmplane-guest-service-translator", features: &[] },
     Guest { constant: "GC", package: "wasmplane-guest-gc", features: &[] },
+    Guest { constant: "NETWORK_POLICY", package: "wasmplane-guest-network-policy", features: &[] },
 ];
 
 const EXAMPLES: &[Guest] =

@@ -1,1 +1,467 @@
-//! Network-policy guest sessions (issue 6): filled in by the policy work.
+//! Network-policy guest sessions (issue 6): one policy in, its filter objects out.
+//!
+//! A policy module is validated exactly like every other ([`Runtime::load`] with
+//! [`GuestKind::NetworkPolicy`]: header, world, version, granted imports, linking) and then
+//! instantiated through the `network-policy-enforcement` bindings below. Those bindings reuse
+//! the service world's types, `log` and `lookups` (bindgen `with:`), so a policy guest's
+//! imports are served by the host implementations already in the runtime's linker
+//! (`host.rs`) and its rulesets are the very type the nftables writer takes.
+//!
+//! Calls run under the runtime's [`Limits`]: epoch deadline, memory limiter, output cap. A
+//! guest error (the guest declined the policy) keeps the instance; anything else drops it.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, RwLock};
+
+use wasmtime::component::{Component, InstancePre};
+use wasmtime::{Store, Trap};
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+
+use wasmplane_model as m;
+use wasmplane_model::state::{NodeContext, PolicyView};
+
+use crate::host::{GuestState, Lookups};
+use crate::{CallError, EPOCH_TICK, GuestKind, Limits, LoadError, ModuleInfo, Runtime, convert, wit};
+
+mod bindings {
+    wasmtime::component::bindgen!({
+        path: "../../wit",
+        world: "network-policy-enforcement",
+        // Shared with the service world: one set of types (with their serde derive), one
+        // implementation of each capability in the linker.
+        with: {
+            "wasmplane:dataplane/types@1.0.0": crate::bindings::service::wasmplane::dataplane::types,
+            "wasmplane:dataplane/log@1.0.0": crate::bindings::service::wasmplane::dataplane::log,
+            "wasmplane:dataplane/lookups@1.0.0": crate::bindings::service::wasmplane::dataplane::lookups,
+        },
+    });
+}
+
+use bindings::{NetworkPolicyEnforcement, NetworkPolicyEnforcementPre};
+
+/// Bytes of guest stderr kept for error messages (panic messages land there).
+const STDERR_CAPTURE: usize = 4096;
+
+/// A validated, compiled network-policy component ready to instantiate.
+pub struct PolicyModule {
+    pub info: ModuleInfo,
+    name: Arc<str>,
+    pre: NetworkPolicyEnforcementPre<GuestState>,
+    engine: wasmtime::Engine,
+    limits: Limits,
+}
+
+impl Runtime {
+    /// Validates and compiles a network-policy component.
+    pub fn load_policy(&self, name: &str, bytes: &[u8], max_size: usize) -> Result<PolicyModule, LoadError> {
+        // The shared loader does every check; that it cannot run policy guests itself
+        // (`KindNotRunnable`) only means the checks passed.
+        let info = match self.load(name, bytes, Some(GuestKind::NetworkPolicy), max_size) {
+            Ok(loaded) => loaded.info,
+            Err(LoadError::KindNotRunnable(GuestKind::NetworkPolicy)) => ModuleInfo {
+                digest: crate::loader::digest(bytes),
+                kind: GuestKind::NetworkPolicy,
+                wit_version: crate::loader::WIT_VERSION.into(),
+                size: bytes.len(),
+                imports: Vec::new(),
+            },
+            Err(e) => return Err(e),
+        };
+        let component = Component::new(&self.engine, bytes).map_err(|e| LoadError::Compile(format!("{e:#}")))?;
+        let pre: InstancePre<GuestState> = self.linker.instantiate_pre(&component).map_err(|e| LoadError::Link(format!("{e:#}")))?;
+        let pre = NetworkPolicyEnforcementPre::new(pre).map_err(|e| LoadError::Link(format!("{e:#}")))?;
+        tracing::debug!(module = name, digest = %info.digest, "network-policy module loaded");
+        Ok(PolicyModule { info, name: Arc::from(name), pre, engine: self.engine.clone(), limits: self.limits.clone() })
+    }
+}
+
+impl PolicyModule {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// A session calling `compile`; `lookups` answers the guest's `lookups` imports.
+    pub fn session(&self, lookups: Arc<dyn Lookups>) -> PolicySession {
+        PolicySession {
+            pre: self.pre.clone(),
+            engine: self.engine.clone(),
+            limits: self.limits.clone(),
+            name: self.name.clone(),
+            lookups,
+            live: None,
+        }
+    }
+}
+
+struct LiveInstance {
+    store: Store<GuestState>,
+    bindings: NetworkPolicyEnforcement,
+    stderr: MemoryOutputPipe,
+}
+
+/// Runs `compile` on one instance, reused across calls until a call fails (a trapped
+/// instance cannot be entered again, so the next call gets a fresh one).
+pub struct PolicySession {
+    pre: NetworkPolicyEnforcementPre<GuestState>,
+    engine: wasmtime::Engine,
+    limits: Limits,
+    name: Arc<str>,
+    lookups: Arc<dyn Lookups>,
+    live: Option<LiveInstance>,
+}
+
+impl PolicySession {
+    fn deadline_ticks(&self) -> u64 {
+        self.limits.call_timeout.as_nanos().div_ceil(EPOCH_TICK.as_nanos()).max(1) as u64
+    }
+
+    fn instantiate(&mut self) -> Result<&mut LiveInstance, CallError> {
+        if self.live.is_none() {
+            let stderr = MemoryOutputPipe::new(STDERR_CAPTURE);
+            let state = GuestState::new(
+                self.name.clone(),
+                self.limits.memory_bytes,
+                self.limits.table_elements,
+                self.lookups.clone(),
+                stderr.clone(),
+            );
+            let mut store = Store::new(&self.engine, state);
+            store.limiter(|s| &mut s.limiter);
+            store.set_epoch_deadline(self.deadline_ticks());
+            store.epoch_deadline_trap();
+            let bindings = self.pre.instantiate(&mut store).map_err(|e| CallError::Instantiate(format!("{e:#}")))?;
+            self.live = Some(LiveInstance { store, bindings, stderr });
+        }
+        Ok(self.live.as_mut().expect("just instantiated"))
+    }
+
+    /// Compiles the policy of `view` for the local pods it selects.
+    pub fn compile(&mut self, context: &NodeContext, chain_prefix: &str, view: &PolicyView) -> Result<wit::Ruleset, CallError> {
+        let ctx = convert::node_context(context);
+        let policy = network_policy(&view.policy);
+        let local: Vec<wit::Pod> = view.local_pods.iter().map(|p| convert::pod(p)).collect();
+        self.compile_wit(&ctx, chain_prefix, &policy, &local)
+    }
+
+    /// Like [`compile`](Self::compile) with inputs already in WIT form.
+    pub fn compile_wit(
+        &mut self,
+        ctx: &wit::NodeContext,
+        chain_prefix: &str,
+        policy: &wit::NetworkPolicy,
+        local_pods: &[wit::Pod],
+    ) -> Result<wit::Ruleset, CallError> {
+        let limits = self.limits.clone();
+        let ticks = self.deadline_ticks();
+        let live = self.instantiate()?;
+        live.store.set_epoch_deadline(ticks);
+        let result =
+            live.bindings.wasmplane_dataplane_network_policy().call_compile(&mut live.store, ctx, chain_prefix, policy, local_pods);
+        let outcome = match result {
+            Ok(Ok(ruleset)) => check_output_size(&ruleset, &limits).map(|_| ruleset),
+            Ok(Err(guest_error)) => Err(CallError::Guest(guest_error.message.chars().take(1024).collect())),
+            Err(e) => Err(classify(e, live, &limits)),
+        };
+        if matches!(outcome, Err(ref e) if !matches!(e, CallError::Guest(_))) {
+            self.live = None;
+        }
+        outcome
+    }
+}
+
+fn check_output_size(r: &wit::Ruleset, limits: &Limits) -> Result<(), CallError> {
+    let (objects, bytes) = crate::loader::output_cost(r);
+    if objects > limits.max_output_objects || bytes > limits.max_output_bytes {
+        return Err(CallError::OutputTooLarge(format!(
+            "{objects} objects / {bytes} bytes (limits {} / {})",
+            limits.max_output_objects, limits.max_output_bytes
+        )));
+    }
+    Ok(())
+}
+
+fn classify(error: wasmtime::Error, live: &LiveInstance, limits: &Limits) -> CallError {
+    if live.store.data().limiter.memory_exceeded {
+        return CallError::MemoryLimit(limits.memory_bytes);
+    }
+    if error.downcast_ref::<Trap>() == Some(&Trap::Interrupt) {
+        return CallError::Timeout(limits.call_timeout);
+    }
+    let stderr = String::from_utf8_lossy(&live.stderr.contents()).trim().to_string();
+    let root = format!("{error:#}");
+    let root = root.lines().next().unwrap_or_default().to_string();
+    if stderr.is_empty() { CallError::Trap(root) } else { CallError::Trap(format!("{root}; guest stderr: {stderr}")) }
+}
+
+// ---- model → WIT ----------------------------------------------------------------------------
+
+fn labels(l: &m::Labels) -> Vec<wit::Label> {
+    l.iter().map(|(k, v)| wit::Label { key: k.clone(), value: v.clone() }).collect()
+}
+
+pub fn selector(s: &m::LabelSelector) -> wit::LabelSelector {
+    wit::LabelSelector {
+        match_labels: labels(&s.match_labels),
+        match_expressions: s
+            .match_expressions
+            .iter()
+            .map(|r| wit::SelectorRequirement {
+                key: r.key.clone(),
+                operator: match r.operator {
+                    m::SelectorOperator::In => wit::SelectorOperator::In,
+                    m::SelectorOperator::NotIn => wit::SelectorOperator::NotIn,
+                    m::SelectorOperator::Exists => wit::SelectorOperator::Exists,
+                    m::SelectorOperator::DoesNotExist => wit::SelectorOperator::DoesNotExist,
+                },
+                values: r.values.clone(),
+            })
+            .collect(),
+    }
+}
+
+fn rule(r: &m::PolicyRule) -> wit::PolicyRule {
+    wit::PolicyRule {
+        ports: r
+            .ports
+            .iter()
+            .map(|p| wit::PolicyPort {
+                protocol: convert::protocol(p.protocol),
+                port: match &p.port {
+                    m::PolicyPortNumber::Any => wit::PolicyPortNumber::Any,
+                    m::PolicyPortNumber::Number(n) => wit::PolicyPortNumber::Number(*n),
+                    m::PolicyPortNumber::Name(n) => wit::PolicyPortNumber::Name(n.clone()),
+                },
+                end_port: p.end_port,
+            })
+            .collect(),
+        peers: r
+            .peers
+            .iter()
+            .map(|p| wit::PolicyPeer {
+                pod_selector: p.pod_selector.as_ref().map(selector),
+                namespace_selector: p.namespace_selector.as_ref().map(selector),
+                ip_block: p.ip_block.as_ref().map(|b| wit::IpBlock { cidr: b.cidr.clone(), except: b.except.clone() }),
+            })
+            .collect(),
+    }
+}
+
+/// A model policy as the guest sees it.
+pub fn network_policy(p: &m::NetworkPolicy) -> wit::NetworkPolicy {
+    wit::NetworkPolicy {
+        namespace: p.namespace.clone(),
+        name: p.name.clone(),
+        generation: p.generation,
+        pod_selector: selector(&p.pod_selector),
+        ingress: p.ingress.as_ref().map(|rules| rules.iter().map(rule).collect()),
+        egress: p.egress.as_ref().map(|rules| rules.iter().map(rule).collect()),
+    }
+}
+
+// ---- lookups over a set of pods ------------------------------------------------------------
+
+/// What one compile may see: the pods it may name (for a policy: its view's peer pods, plus
+/// every pod when an egress named port must be resolved on any destination) and the labels
+/// of every namespace. Swapped per call by the host, so the session (which holds the
+/// `Arc<dyn Lookups>`) never sees cluster state other than what the caller chose to give.
+#[derive(Default)]
+pub struct PodLookups {
+    snapshot: RwLock<(Vec<Arc<m::Pod>>, Arc<BTreeMap<String, m::Labels>>)>,
+}
+
+impl PodLookups {
+    pub fn new() -> Arc<PodLookups> {
+        Arc::new(PodLookups::default())
+    }
+
+    /// Replaces what the next calls see.
+    pub fn replace(&self, pods: Vec<Arc<m::Pod>>, namespaces: Arc<BTreeMap<String, m::Labels>>) {
+        *self.snapshot.write().unwrap_or_else(|e| e.into_inner()) = (pods, namespaces);
+    }
+}
+
+impl Lookups for PodLookups {
+    fn pods_matching(
+        &self,
+        namespace: Option<&str>,
+        namespace_selector: Option<&m::LabelSelector>,
+        pod_selector: &m::LabelSelector,
+    ) -> Vec<m::Pod> {
+        let guard = self.snapshot.read().unwrap_or_else(|e| e.into_inner());
+        let (pods, namespaces) = &*guard;
+        pods.iter()
+            .filter(|p| !p.host_network && namespace.is_none_or(|n| n == p.namespace) && pod_selector.matches(&p.labels))
+            // A namespace this node does not know has no labels to match.
+            .filter(|p| namespace_selector.is_none_or(|s| namespaces.get(&p.namespace).is_some_and(|l| s.matches(l))))
+            .map(|p| m::Pod::clone(p))
+            .collect()
+    }
+
+    fn namespace(&self, name: &str) -> Option<m::Namespace> {
+        let guard = self.snapshot.read().unwrap_or_else(|e| e.into_inner());
+        guard.1.get(name).map(|labels| m::Namespace { name: name.to_string(), labels: labels.clone() })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use wasmplane_model::Protocol;
+
+    fn labels(pairs: &[(&str, &str)]) -> m::Labels {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    fn sel(pairs: &[(&str, &str)]) -> m::LabelSelector {
+        m::LabelSelector { match_labels: labels(pairs), match_expressions: vec![] }
+    }
+
+    fn pod(ns: &str, name: &str, ip: &str, app: &str) -> Arc<m::Pod> {
+        Arc::new(m::Pod {
+            namespace: ns.into(),
+            name: name.into(),
+            ips: vec![ip.into()],
+            node_name: Some("node-a".into()),
+            labels: labels(&[("app", app)]),
+            ports: vec![m::ContainerPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }],
+            host_network: false,
+        })
+    }
+
+    fn namespaces() -> Arc<BTreeMap<String, m::Labels>> {
+        Arc::new(BTreeMap::from([("a".to_string(), labels(&[("team", "blue")])), ("b".to_string(), labels(&[("team", "red")]))]))
+    }
+
+    /// web in `a` accepts clients of blue namespaces on 8080; egress of web to `b` only.
+    fn view(ip_block: Option<&str>) -> PolicyView {
+        let policy = m::NetworkPolicy {
+            namespace: "a".into(),
+            name: "p".into(),
+            generation: 3,
+            pod_selector: sel(&[("app", "web")]),
+            ingress: Some(vec![m::PolicyRule {
+                ports: vec![m::PolicyPort { protocol: Protocol::Tcp, port: m::PolicyPortNumber::Number(8080), end_port: None }],
+                peers: vec![m::PolicyPeer {
+                    pod_selector: Some(sel(&[("app", "client")])),
+                    namespace_selector: Some(sel(&[("team", "blue")])),
+                    ip_block: None,
+                }],
+            }]),
+            egress: Some(vec![m::PolicyRule {
+                ports: vec![],
+                peers: vec![m::PolicyPeer {
+                    pod_selector: None,
+                    namespace_selector: ip_block.is_none().then(|| sel(&[("team", "red")])),
+                    ip_block: ip_block.map(|c| m::IpBlock { cidr: c.into(), except: vec![] }),
+                }],
+            }]),
+        };
+        PolicyView { policy, local_pods: vec![pod("a", "web-0", "10.244.1.10", "web")], peer_pods: vec![] }
+    }
+
+    fn context() -> NodeContext {
+        NodeContext { node_name: "node-a".into(), cluster_cidrs: vec!["10.244.0.0/16".into()], ..Default::default() }
+    }
+
+    fn cluster() -> Vec<Arc<m::Pod>> {
+        vec![
+            pod("a", "web-0", "10.244.1.10", "web"),
+            pod("a", "client-0", "10.244.1.12", "client"),
+            pod("b", "client-0", "10.244.2.12", "client"),
+            pod("b", "db-0", "10.244.2.11", "db"),
+        ]
+    }
+
+    fn set<'a>(r: &'a wit::Ruleset, name: &str) -> &'a wit::SetDeclaration {
+        r.sets.iter().find(|s| s.name == name).unwrap_or_else(|| panic!("no set {name} in {:?}", r.sets))
+    }
+
+    #[test]
+    fn the_shipped_policy_guest_compiles_through_host_lookups() {
+        let runtime = Runtime::new(Limits::default(), None).unwrap();
+        let module = runtime.load_policy("np", wasmplane_guest_artifacts::NETWORK_POLICY, 8 << 20).expect("the default policy guest loads");
+        assert_eq!(module.info.kind, GuestKind::NetworkPolicy);
+        let lookups = PodLookups::new();
+        lookups.replace(cluster(), namespaces());
+        let mut session = module.session(lookups.clone());
+        let out = session.compile(&context(), "pol/a/p", &view(None)).expect("compile");
+        let chains: Vec<&str> = out.chains.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(chains, vec!["pol/a/p/ingress", "pol/a/p/egress"]);
+        // The peer sets come from the host's answers to the guest's lookups.
+        assert_eq!(set(&out, "pol/a/p/ingress/0/peers/v4").elements, vec!["10.244.1.12".to_string()]);
+        assert_eq!(set(&out, "pol/a/p/egress/0/peers/v4").elements, vec!["10.244.2.11".to_string(), "10.244.2.12".to_string()]);
+        let elements: Vec<(&str, &wit::Verdict)> = out.map_elements.iter().map(|e| (e.map_name.as_str(), &e.verdict)).collect();
+        assert_eq!(
+            elements,
+            vec![
+                ("pod-ingress", &wit::Verdict::Jump("pol/a/p/ingress".into())),
+                ("pod-egress", &wit::Verdict::Jump("pol/a/p/egress".into()))
+            ]
+        );
+        // The same instance, new cluster state: b relabelled blue, its client becomes a peer.
+        let mut relabelled = (*namespaces()).clone();
+        relabelled.insert("b".into(), labels(&[("team", "blue")]));
+        lookups.replace(cluster(), Arc::new(relabelled));
+        let out = session.compile(&context(), "pol/a/p", &view(None)).unwrap();
+        assert_eq!(set(&out, "pol/a/p/ingress/0/peers/v4").elements, vec!["10.244.1.12".to_string(), "10.244.2.12".to_string()]);
+        assert!(set(&out, "pol/a/p/egress/0/peers/v4").elements.is_empty());
+    }
+
+    #[test]
+    fn a_declined_policy_is_a_guest_error_and_the_session_goes_on() {
+        let runtime = Runtime::new(Limits::default(), None).unwrap();
+        let module = runtime.load_policy("np", wasmplane_guest_artifacts::NETWORK_POLICY, 8 << 20).unwrap();
+        let mut session = module.session(PodLookups::new());
+        match session.compile(&context(), "pol/a/p", &view(Some("not-a-cidr"))) {
+            Err(CallError::Guest(message)) => assert!(message.contains("not-a-cidr") && message.contains("a/p"), "{message}"),
+            other => panic!("expected a guest error, got {other:?}"),
+        }
+        let out = session.compile(&context(), "pol/a/p", &view(Some("192.168.0.0/16"))).unwrap();
+        let egress = out.chains.iter().find(|c| c.name == "pol/a/p/egress").unwrap();
+        assert_eq!(egress.rules.len(), 1);
+        assert_eq!(
+            egress.rules[0].matches,
+            vec![wit::RuleMatch::Destination(wit::AddressMatch { cidr: "192.168.0.0/16".into(), negate: false })]
+        );
+    }
+
+    #[test]
+    fn output_over_the_limit_is_refused_and_the_session_recovers() {
+        let runtime = Runtime::new(Limits { max_output_objects: 16, ..Limits::default() }, None).unwrap();
+        let module = runtime.load_policy("np", wasmplane_guest_artifacts::NETWORK_POLICY, 8 << 20).unwrap();
+        let lookups = PodLookups::new();
+        let many: Vec<Arc<m::Pod>> = (0..20).map(|i| pod("a", &format!("c{i}"), &format!("10.244.1.{}", 100 + i), "client")).collect();
+        lookups.replace(many, namespaces());
+        let mut session = module.session(lookups.clone());
+        assert!(matches!(session.compile(&context(), "pol/a/p", &view(None)), Err(CallError::OutputTooLarge(_))));
+        lookups.replace(vec![], namespaces());
+        assert!(session.compile(&context(), "pol/a/p", &view(None)).is_ok());
+    }
+
+    #[test]
+    fn another_kind_is_not_loaded_as_a_policy_module() {
+        let runtime = Runtime::new(Limits::default(), None).unwrap();
+        let err = runtime.load_policy("st", wasmplane_guest_artifacts::SERVICE_TRANSLATOR, 8 << 20).err().expect("refused");
+        assert!(
+            matches!(err, LoadError::KindMismatch { declared: GuestKind::NetworkPolicy, found: GuestKind::ServiceTranslator }),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn lookups_follow_peer_semantics() {
+        let lookups = PodLookups::new();
+        let mut pods = cluster();
+        let mut host = m::Pod::clone(&pods[1]);
+        host.host_network = true;
+        host.name = "host-0".into();
+        pods.push(Arc::new(host));
+        lookups.replace(pods, namespaces());
+        let names = |v: Vec<m::Pod>| v.into_iter().map(|p| format!("{}/{}", p.namespace, p.name)).collect::<Vec<_>>();
+        assert_eq!(names(lookups.pods_matching(Some("a"), None, &sel(&[("app", "client")]))), vec!["a/client-0"]);
+        assert_eq!(names(lookups.pods_matching(None, Some(&sel(&[("team", "red")])), &sel(&[]))), vec!["b/client-0", "b/db-0"]);
+        assert_eq!(names(lookups.pods_matching(None, Some(&sel(&[])), &sel(&[("app", "client")]))), vec!["a/client-0", "b/client-0"]);
+        assert_eq!(lookups.namespace("b").unwrap().labels, labels(&[("team", "red")]));
+        assert!(lookups.namespace("zzz").is_none());
+    }
+}
