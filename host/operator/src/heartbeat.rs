@@ -107,16 +107,16 @@ impl HeartbeatMonitor {
             .await
             .map_err(|e| Error::kv("reading the heartbeat", e))?;
         let seen = Arc::new(Mutex::new(Seen::default()));
-        if let Some(kv) = listing.items.iter().find(|kv| kv.key == key) {
-            if let Ok(beat) = serde_json::from_slice::<Heartbeat>(&kv.value) {
-                // Before seeing a change, the written time is all we have.
-                let age = Duration::from_millis(
-                    unix_millis(SystemTime::now()).saturating_sub(beat.unix_millis),
-                );
-                let mut s = seen.lock().unwrap_or_else(PoisonError::into_inner);
-                s.at = Instant::now().checked_sub(age);
-                s.last = Some(beat);
-            }
+        if let Some(kv) = listing.items.iter().find(|kv| kv.key == key)
+            && let Ok(beat) = serde_json::from_slice::<Heartbeat>(&kv.value)
+        {
+            // Before seeing a change, the written time is all we have.
+            let age = Duration::from_millis(
+                unix_millis(SystemTime::now()).saturating_sub(beat.unix_millis),
+            );
+            let mut s = seen.lock().unwrap_or_else(PoisonError::into_inner);
+            s.at = Instant::now().checked_sub(age);
+            s.last = Some(beat);
         }
         let span = tracing::info_span!("heartbeat_monitor", key = %key);
         let task = tokio::spawn(follow(store, key, stream, seen.clone()).instrument(span));
