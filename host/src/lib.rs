@@ -17,6 +17,7 @@ pub mod cni;
 pub mod controller;
 pub mod dataplane;
 pub mod metrics;
+pub mod module_gc;
 pub mod module_store;
 pub mod modules;
 pub mod nft;

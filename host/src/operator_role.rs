@@ -113,6 +113,18 @@ impl GcDecider for WasmGcDecider {
     }
 }
 
+/// Collects module versions every `interval`, for as long as it runs (errors: next cycle).
+async fn module_gc_loop(store: ModuleStore, decider: Arc<Mutex<dyn GcDecider>>, interval: Duration, deletes_per_second: f64) {
+    let mut ticks = tokio::time::interval(interval);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        if let Err(e) = crate::module_gc::collect_module_versions(&store, &decider, deletes_per_second).await {
+            tracing::warn!("module version GC cycle failed: {e}");
+        }
+    }
+}
+
 /// The running operator role; dropping it stops every duty.
 pub struct OperatorRole {
     operator: Option<Operator>,
@@ -140,6 +152,10 @@ impl OperatorRole {
             current: None,
             max_module_bytes,
         }));
+        let module_gc = {
+            let (store, decider, interval, rate) = (ModuleStore::new(kv.clone()), decider.clone(), config.gc_interval, config.gc_deletes_per_second);
+            move || module_gc_loop(store.clone(), decider.clone(), interval, rate)
+        };
         let gc = GcConfig { interval: config.gc_interval, deletes_per_second: config.gc_deletes_per_second, service_sync: config.cluster_name.clone().map(ServiceSyncConfig::new), ..GcConfig::default() };
         match client {
             Some(client) => {
@@ -153,13 +169,18 @@ impl OperatorRole {
                     ..OperatorConfig::new(config.identity.clone())
                 };
                 let operator = Operator::start(kv, client, leadership.clone(), Some(decider), operator_config).await.context("starting the operator duties")?;
-                Ok(OperatorRole { operator: Some(operator), _elector: Some(elector), leadership, embedded: Vec::new() })
+                let module_gc = {
+                    let leadership = leadership.clone();
+                    tokio::spawn(async move { leadership.run_while_leading("module-gc", Duration::from_secs(1), module_gc).await })
+                };
+                Ok(OperatorRole { operator: Some(operator), _elector: Some(elector), leadership, embedded: vec![module_gc] })
             }
             None => {
                 let mut collector = GarbageCollector::new(kv.clone(), None, decider, gc).context("configuring GC")?;
                 let embedded = vec![
                     tokio::spawn(write_heartbeats(kv, HEARTBEAT_KEY.into(), config.identity.clone(), config.heartbeat_interval)),
                     tokio::spawn(async move { collector.run().await }),
+                    tokio::spawn(module_gc()),
                 ];
                 Ok(OperatorRole { operator: None, _elector: None, leadership: Leadership::always(), embedded })
             }

@@ -251,6 +251,32 @@ impl SharedIndex {
         Ok(())
     }
 
+    /// Whether GC must never offer `name@version`: in force, in shadow, or the newest
+    /// version (kept so version numbers only ever grow).
+    pub fn version_protected(&self, name: &str, version: u32) -> bool {
+        let Some(module) = self.modules.get(name) else { return false };
+        self.in_force(module.kind) == Some((name, version))
+            || self.shadow.get(&module.kind).is_some_and(|s| s.module == name && s.version == version)
+            || module.versions.last().is_some_and(|v| v.version == version)
+    }
+
+    /// Removes one version (GC); returns its digest. Refused for a protected version.
+    pub fn remove_version(&mut self, name: &str, version: u32) -> Result<String, RegistryError> {
+        if self.version_protected(name, version) {
+            return Err(RegistryError::Conflict(format!("{name}@{version} is in force, in shadow or the newest version")));
+        }
+        let module = self.modules.get_mut(name).ok_or_else(|| not_found(name))?;
+        let position = module.versions.iter().position(|v| v.version == version).ok_or_else(|| RegistryError::NotFound(format!("module {name:?} has no version {version}")))?;
+        let removed = module.versions.remove(position);
+        module.activation_history.retain(|v| *v != version);
+        Ok(removed.digest)
+    }
+
+    /// Whether any version of any module has this digest.
+    pub fn references(&self, digest: &str) -> bool {
+        self.modules.values().any(|m| m.versions.iter().any(|v| v.digest == digest))
+    }
+
     /// Runs `name@version` (latest if `None`) in shadow, replacing any shadow of its kind.
     pub fn start_shadow(&mut self, name: &str, version: Option<u32>) -> Result<u32, RegistryError> {
         let module = self.modules.get(name).ok_or_else(|| not_found(name))?;
