@@ -1,2 +1,211 @@
-//! End-to-end performance harness (issue 10): filled in by the performance work.
-fn main() {}
+//! End-to-end performance harness (issue 10): a synthetic cluster in the test Kubernetes API
+//! server, the whole host against it (kube's real client; nftables in a network namespace
+//! this harness creates and deletes), and one table of numbers. See BENCHMARKS.md.
+//!
+//! ```sh
+//! CARGO_TARGET_DIR=/work/target-perf cargo run -p wasmplane-perf --release -- --quick
+//! cargo run -p wasmplane-perf --release -- --sizes 1000,10000,50000
+//! cargo run -p wasmplane-perf --release -- --write-manifests DIR --services 1000   # embedded mode input
+//! ```
+//!
+//! Every size runs in a fresh worker process (this binary again, `--worker`), so peak RSS is
+//! that size's alone; the cluster (test API server, generator, churn) runs in a third
+//! process, so the host's RSS and CPU are the host's.
+
+mod apiserver;
+mod cluster;
+mod worker;
+
+use std::process::{Command, Stdio};
+
+use anyhow::Context as _;
+use serde_json::Value;
+
+const USAGE: &str = "\
+usage: wasmplane-perf [--sizes 1000,10000,50000] [--quick] [--endpoints 1.5] [--policies 0]
+                      [--seed 1] [--samples N] [--churn-rate OPS_PER_S] [--churn-seconds S]
+                      [--record] [--json FILE]
+       wasmplane-perf --write-manifests DIR [--services N] [--endpoints M] [--policies P] [--seed S]";
+
+struct Args {
+    sizes: Vec<usize>,
+    quick: bool,
+    endpoints: f64,
+    policies: usize,
+    seed: u64,
+    samples: Option<usize>,
+    churn_rate: f64,
+    churn_seconds: Option<f64>,
+    record: bool,
+    json: Option<String>,
+    services: usize,
+    write_manifests: Option<String>,
+    worker: Option<usize>,
+    apiserver: Option<usize>,
+}
+
+fn parse() -> anyhow::Result<Args> {
+    let mut a = Args {
+        sizes: vec![1000, 10_000, 50_000],
+        quick: false,
+        endpoints: 1.5,
+        policies: 0,
+        seed: 1,
+        samples: None,
+        churn_rate: 50.0,
+        churn_seconds: None,
+        record: false,
+        json: None,
+        services: 1000,
+        write_manifests: None,
+        worker: None,
+        apiserver: None,
+    };
+    let mut sizes_given = false;
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().with_context(|| format!("{flag} needs a value\n{USAGE}"));
+        match flag.as_str() {
+            "--sizes" => {
+                a.sizes = value()?.split(',').map(|s| s.trim().parse()).collect::<Result<_, _>>()?;
+                sizes_given = true;
+            }
+            "--quick" => a.quick = true,
+            "--endpoints" => a.endpoints = value()?.parse()?,
+            "--policies" => a.policies = value()?.parse()?,
+            "--seed" => a.seed = value()?.parse()?,
+            "--samples" => a.samples = Some(value()?.parse()?),
+            "--churn-rate" => a.churn_rate = value()?.parse()?,
+            "--churn-seconds" => a.churn_seconds = Some(value()?.parse()?),
+            "--record" => a.record = true,
+            "--json" => a.json = Some(value()?),
+            "--services" => a.services = value()?.parse()?,
+            "--write-manifests" => a.write_manifests = Some(value()?),
+            "--worker" => a.worker = Some(value()?.parse()?),
+            "--apiserver" => a.apiserver = Some(value()?.parse()?),
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => anyhow::bail!("unknown argument {other}\n{USAGE}"),
+        }
+    }
+    if a.quick && !sizes_given {
+        a.sizes = vec![1000, 10_000];
+    }
+    Ok(a)
+}
+
+/// Single-change samples per size: each costs one incremental `nft -f`, which at 50k is
+/// seconds (nft's cache fill), so fewer there.
+fn samples(a: &Args, services: usize) -> usize {
+    a.samples.unwrap_or(match (services, a.quick) {
+        (..=2_000, false) => 50,
+        (..=2_000, true) => 30,
+        (..=20_000, false) => 20,
+        (..=20_000, true) => 10,
+        _ => 5,
+    })
+}
+
+fn churn_seconds(a: &Args) -> f64 {
+    a.churn_seconds.unwrap_or(if a.quick { 10.0 } else { 30.0 })
+}
+
+fn main() -> anyhow::Result<()> {
+    let a = parse()?;
+    let spec = |services| cluster::Spec { services, endpoints: a.endpoints, policies: a.policies, seed: a.seed };
+    if let Some(services) = a.apiserver {
+        return apiserver::serve(spec(services));
+    }
+    if let Some(dir) = &a.write_manifests {
+        let c = cluster::Cluster::new(spec(a.services));
+        let n = cluster::write_manifests(&c, std::path::Path::new(dir))?;
+        println!("{n} objects ({} services, {} pods, {} nodes) written to {dir}; run the host as node {}", c.services(), c.pods(), c.nodes(), cluster::HOST_NODE);
+        return Ok(());
+    }
+    if let Some(services) = a.worker {
+        tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_env("WASMPLANE_PERF_LOG").unwrap_or_else(|_| "warn".into())).with_writer(std::io::stderr).init();
+        let result = worker::run_size(worker::Opts {
+            services,
+            endpoints: a.endpoints,
+            policies: a.policies,
+            seed: a.seed,
+            samples: samples(&a, services),
+            churn_rate: a.churn_rate,
+            churn_seconds: churn_seconds(&a),
+            record: a.record,
+        })?;
+        println!("RESULT {result}");
+        return Ok(());
+    }
+
+    if !a.record && !worker::is_root() {
+        eprintln!("not root: no network namespace can be made; the dataplane runs in Record mode (nothing reaches a kernel)");
+    }
+    let mut results = Vec::new();
+    for &services in &a.sizes {
+        eprintln!("== {services} services ==");
+        let mut cmd = Command::new(std::env::current_exe()?);
+        cmd.args(["--worker", &services.to_string(), "--endpoints", &a.endpoints.to_string(), "--policies", &a.policies.to_string(), "--seed", &a.seed.to_string()]);
+        cmd.args(["--samples", &samples(&a, services).to_string(), "--churn-rate", &a.churn_rate.to_string(), "--churn-seconds", &churn_seconds(&a).to_string()]);
+        if a.record {
+            cmd.arg("--record");
+        }
+        let out = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).output().context("running a worker")?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        match text.lines().find_map(|l| l.strip_prefix("RESULT ")) {
+            Some(r) => results.push(serde_json::from_str::<Value>(r)?),
+            None => eprintln!("size {services} failed ({})", out.status),
+        }
+    }
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&results)?)?;
+    }
+    println!("{}", table(&results));
+    Ok(())
+}
+
+fn f(v: &Value, key: &str) -> f64 {
+    v[key].as_f64().unwrap_or(f64::NAN)
+}
+
+fn mib(v: &Value, key: &str) -> String {
+    format!("{:.1}", f(v, key) / 1024.0)
+}
+
+/// Rows are measurements, columns sizes (Markdown).
+fn table(results: &[Value]) -> String {
+    type Row = (&'static str, Box<dyn Fn(&Value) -> String>);
+    let rows: Vec<Row> = vec![
+        ("cluster: services / pods (endpoints) / nodes", Box::new(|v| format!("{} / {} / {}", v["services"], v["pods"], v["nodes"]))),
+        ("dataplane (nft ruleset lines in the netns)", Box::new(|v| format!("{} ({})", v["mode"].as_str().unwrap_or("?"), v["ruleset_lines"]))),
+        ("initial sync: `start()` → every kind listed, one full transaction in the kernel (s)", Box::new(|v| format!("{:.2}", f(v, "initial_sync_s")))),
+        ("  host CPU / nft CPU during it (s)", Box::new(|v| format!("{:.2} / {:.2}", f(v, "initial_sync_cpu_s"), f(v, "initial_sync_nft_cpu_s")))),
+        ("  Wasm guest time: total (s), share of the sync", Box::new(|v| format!("{:.3}, {:.1}%", f(v, "initial_sync_guest_s"), 100.0 * f(v, "initial_sync_guest_s") / f(v, "initial_sync_s")))),
+        ("one endpoint change, slice write → applied in the kernel: p50 / p99 (ms)", Box::new(|v| format!("{:.1} / {:.1}", f(v, "change_p50_ms"), f(v, "change_p99_ms")))),
+        ("  samples (p99 of n<100 is the max)", Box::new(|v| format!("{}", v["change_samples"]))),
+        ("  Wasm guest share of that latency", Box::new(|v| format!("{:.2}%", 100.0 * f(v, "change_guest_share")))),
+        ("churn: ops (rate × s) / watch events", Box::new(|v| format!("{} ({}/s × {}s) / {}", v["churn_ops"], v["churn_rate_ops"], v["churn_seconds"], v["churn_events"]))),
+        ("  model revisions / events", Box::new(|v| format!("{} / {} = {:.1}%", v["churn_revisions"], v["churn_events"], 100.0 * f(v, "churn_revisions") / f(v, "churn_events")))),
+        ("  nft transactions; drained after churn end (s)", Box::new(|v| format!("{}; {:.2}{}", v["churn_syncs"], f(v, "churn_drain_s"), if v["churn_converged"] == true { "" } else { " (not converged)" }))),
+        ("  CPU s per 1,000 events: host process / nft processes", Box::new(|v| format!("{:.3} / {:.3}", f(v, "cpu_per_1k_events_s"), f(v, "nft_cpu_per_1k_events_s")))),
+        ("host RSS: steady after sync / end (MiB)", Box::new(|v| format!("{} / {}", mib(v, "rss_steady_kib"), mib(v, "rss_end_kib")))),
+        ("host peak RSS (VmHWM): after sync / end (MiB)", Box::new(|v| format!("{} / {}", mib(v, "hwm_sync_kib"), mib(v, "hwm_end_kib")))),
+    ];
+    let mut out = String::from("| measurement |");
+    for v in results {
+        out += &format!(" {} services |", v["services"]);
+    }
+    out += "\n|---|";
+    out += &"---|".repeat(results.len());
+    out += "\n";
+    for (name, cell) in &rows {
+        out += &format!("| {name} |");
+        for v in results {
+            out += &format!(" {} |", cell(v));
+        }
+        out += "\n";
+    }
+    out
+}

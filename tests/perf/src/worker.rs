@@ -1,0 +1,353 @@
+//! One size, in its own process: the cluster process (test API server) started beside, the
+//! whole host started in this process against it (kube's real client, list/watch), nftables
+//! in a network namespace made for the run, and the measurements taken. Returns one JSON
+//! object of results.
+
+use std::io::{BufRead as _, BufReader, Write as _};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use serde_json::{Value, json};
+use wasmplane::app::{DataplaneMode, HostConfig, KubernetesSource, RunningHost};
+use wasmplane::metrics::ResultLabels;
+
+use crate::cluster::{CLUSTER_CIDR, HOST_NODE};
+
+#[derive(Clone, Debug)]
+pub struct Opts {
+    pub services: usize,
+    pub endpoints: f64,
+    pub policies: usize,
+    pub seed: u64,
+    pub samples: usize,
+    pub churn_rate: f64,
+    pub churn_seconds: f64,
+    pub record: bool,
+}
+
+/// The cluster process and its command pipe.
+struct ClusterProc {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl ClusterProc {
+    fn start(o: &Opts) -> anyhow::Result<(ClusterProc, Vec<String>)> {
+        let mut child = Command::new(std::env::current_exe()?)
+            .args(["--apiserver", &o.services.to_string(), "--endpoints", &o.endpoints.to_string(), "--policies", &o.policies.to_string(), "--seed", &o.seed.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("starting the cluster process")?;
+        let mut p = ClusterProc { stdin: child.stdin.take().unwrap(), stdout: BufReader::new(child.stdout.take().unwrap()), child };
+        let ready = p.read()?;
+        anyhow::ensure!(ready.first().map(String::as_str) == Some("ready"), "cluster process: {ready:?}");
+        Ok((p, ready))
+    }
+
+    fn read(&mut self) -> anyhow::Result<Vec<String>> {
+        let mut line = String::new();
+        anyhow::ensure!(self.stdout.read_line(&mut line)? > 0, "the cluster process ended");
+        Ok(line.split_whitespace().map(str::to_string).collect())
+    }
+
+    fn call(&mut self, command: &str) -> anyhow::Result<Vec<String>> {
+        writeln!(self.stdin, "{command}")?;
+        self.stdin.flush()?;
+        let reply = self.read()?;
+        anyhow::ensure!(matches!(reply.first().map(String::as_str), Some("ok" | "done")), "{command}: {reply:?}");
+        Ok(reply)
+    }
+}
+
+impl Drop for ClusterProc {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "quit");
+        let _ = self.stdin.flush();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The network namespace the host's nft writes into; deleted on drop.
+struct Netns(String);
+
+impl Netns {
+    fn new() -> anyhow::Result<Netns> {
+        let name = format!("wpperf{}", std::process::id());
+        let _ = Command::new("ip").args(["netns", "del", &name]).output();
+        run(&["ip", "netns", "add", &name])?;
+        let ns = Netns(name);
+        run(&["ip", "netns", "exec", &ns.0, "ip", "link", "set", "lo", "up"])?;
+        Ok(ns)
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).output();
+    }
+}
+
+fn run(cmd: &[&str]) -> anyhow::Result<String> {
+    let out = Command::new(cmd[0]).args(&cmd[1..]).output().with_context(|| format!("running {cmd:?}"))?;
+    anyhow::ensure!(out.status.success(), "{cmd:?}: {}", String::from_utf8_lossy(&out.stderr));
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+pub fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("Uid:")).map(|l| l.split_whitespace().nth(1) == Some("0")))
+        .unwrap_or(false)
+}
+
+/// VmRSS and VmHWM of this process, in KiB.
+fn memory() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap_or(0);
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// CPU seconds of this process (utime+stime) and of its waited-for children (cutime+cstime:
+/// the `nft` and `conntrack` runs of the host).
+fn cpu() -> (f64, f64) {
+    static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    let ticks = *TICKS.get_or_init(|| run(&["getconf", "CLK_TCK"]).ok().and_then(|t| t.trim().parse().ok()).unwrap_or(100.0));
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the command name (which may hold spaces) start at field 3 (state).
+    let rest: Vec<f64> = stat.rsplit_once(')').map(|(_, r)| r.split_whitespace().map(|f| f.parse().unwrap_or(0.0)).collect()).unwrap_or_default();
+    let f = |n: usize| rest.get(n - 3).copied().unwrap_or(0.0) / ticks;
+    (f(14) + f(15), f(16) + f(17))
+}
+
+/// Counters the host exposes, read in-process (the same values as `/metrics`).
+#[derive(Clone, Copy, Debug, Default)]
+struct Counters {
+    events: u64,
+    revisions: u64,
+    syncs: u64,
+    statements: u64,
+    guest_seconds: f64,
+    guest_calls: u64,
+}
+
+fn counters(host: &RunningHost) -> Counters {
+    let m = &host.metrics;
+    let text = m.encode();
+    let metric = |name: &str| text.lines().find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' '))).and_then(|v| v.trim().parse::<f64>().ok()).unwrap_or(0.0);
+    Counters {
+        events: m.events.get(),
+        revisions: m.revisions.get(),
+        syncs: m.syncs.get_or_create(&ResultLabels { result: "ok".into() }).get(),
+        statements: m.sync_statements.get(),
+        guest_seconds: metric("wasmplane_guest_call_seconds_sum"),
+        guest_calls: metric("wasmplane_guest_call_seconds_count") as u64,
+    }
+}
+
+/// Waits until the host has received `events` events and finished applying them (the
+/// controller lock is free after the counter got there). False on timeout.
+async fn settle(host: &RunningHost, events: u64, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    while host.metrics.events.get() < events {
+        if Instant::now() > deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let controller = host.controller.clone();
+    tokio::task::spawn_blocking(move || drop(controller.lock().unwrap_or_else(|p| p.into_inner()))).await.is_ok()
+}
+
+/// Whether `text` holds `ip` as a whole address (not as the prefix of a longer one).
+fn has_address(text: &str, ip: &str) -> bool {
+    text.match_indices(ip).any(|(at, _)| {
+        let before = text[..at].chars().next_back();
+        let after = text[at + ip.len()..].chars().next();
+        !before.is_some_and(|c| c.is_ascii_digit() || c == '.') && !after.is_some_and(|c| c.is_ascii_digit())
+    })
+}
+
+/// Whether the service's rules the host has applied (written to the kernel and accepted)
+/// send to `ip`. None while the controller is busy.
+fn applied_has(host: &RunningHost, namespace: &str, name: &str, ip: &str) -> Option<bool> {
+    let controller = host.controller.try_lock().ok()?;
+    let key = wasmplane_model::ObjectKey::new(namespace, name);
+    Some(controller.dataplane().applied().get(&key).is_some_and(|r| {
+        r.chains.values().flatten().any(|rule| has_address(rule, ip))
+            || r.sets.values().flat_map(|s| &s.elements).any(|e| has_address(e, ip))
+            || r.elements.iter().any(|((_, k), v)| has_address(k, ip) || has_address(v, ip))
+    }))
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    // Nearest rank.
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil().max(1.0) as usize;
+    sorted[rank.min(sorted.len()) - 1]
+}
+
+pub fn run_size(o: Opts) -> anyhow::Result<Value> {
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(measure(o))
+}
+
+async fn measure(o: Opts) -> anyhow::Result<Value> {
+    let (rss_before, _) = memory();
+    let (mut cluster, ready) = ClusterProc::start(&o)?;
+    let (objects, pods, nodes, seed_seconds) = (ready[2].parse::<u64>()?, ready[3].parse::<u64>()?, ready[4].parse::<u64>()?, ready[5].parse::<f64>()?);
+    eprintln!("[{}] cluster seeded: {objects} objects ({pods} pods, {nodes} nodes) in {seed_seconds:.1} s", o.services);
+    let mode = if o.record || !is_root() { DataplaneMode::Record } else { DataplaneMode::Nftables };
+    let netns = if mode == DataplaneMode::Nftables { Some(Netns::new()?) } else { None };
+    let prefix = |tool: &str| match &netns {
+        Some(ns) => vec!["ip".to_string(), "netns".into(), "exec".into(), ns.0.clone(), tool.into()],
+        None => vec![tool.to_string()],
+    };
+    let data = tempfile::tempdir()?;
+    let config = HostConfig {
+        listen: "127.0.0.1:0".parse()?,
+        kubernetes: Some(KubernetesSource::Url(ready[1].clone())),
+        data_dir: Some(data.path().to_path_buf()),
+        node_name: HOST_NODE.into(),
+        cluster_cidrs: vec![CLUSTER_CIDR.into()],
+        dataplane: mode,
+        token: Some("perf-harness-token-0123456789".into()),
+        nft_command: prefix("nft"),
+        conntrack_command: prefix("conntrack"),
+        stats_interval: Duration::from_secs(3600),
+        reconcile_interval: Duration::from_secs(3600),
+        ..Default::default()
+    };
+
+    // Initial sync: start → every kind listed, every service translated, one full
+    // transaction accepted by the kernel.
+    let (cpu0, child_cpu0) = cpu();
+    let started = Instant::now();
+    let host = wasmplane::app::start(config).await?;
+    let deadline = Instant::now() + Duration::from_secs(3600);
+    loop {
+        if host.ready.load(std::sync::atomic::Ordering::Relaxed) {
+            let applied = host.controller.try_lock().ok().map(|c| c.dataplane().applied().len());
+            if applied.is_some_and(|n| n >= o.services) {
+                break;
+            }
+        }
+        anyhow::ensure!(Instant::now() < deadline, "initial sync did not finish within an hour");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let sync_seconds = started.elapsed().as_secs_f64();
+    let (cpu1, child_cpu1) = cpu();
+    let after_sync = counters(&host);
+    let (_, hwm_sync) = memory();
+    eprintln!("[{}] initial sync {sync_seconds:.2} s ({} events, guest {:.2} s in {} calls)", o.services, after_sync.events, after_sync.guest_seconds, after_sync.guest_calls);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (rss_steady, _) = memory();
+
+    // Single endpoint changes: one EndpointSlice write each (a new pod's address in, the
+    // oldest endpoint out), timed from just before the write to the moment the controller's
+    // applied dataplane (what the kernel accepted) has the new address for that service.
+    let mut latencies = Vec::new();
+    let (mut guest_in_changes, mut change_syncs) = (0.0, 0);
+    for n in 0..o.samples {
+        let reply = cluster.call("prepare")?;
+        let (i, ns, name, ip) = (reply[1].clone(), reply[2].clone(), reply[3].clone(), reply[4].clone());
+        // The new pod's event (one) in and applied before the measured write.
+        let expected = after_sync.events + 3 * n as u64 + 1;
+        if !settle(&host, expected, Duration::from_secs(600)).await {
+            eprintln!("[{}] warning: the pod event did not arrive ({} < {expected})", o.services, host.metrics.events.get());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let before = counters(&host);
+        let t0 = Instant::now();
+        cluster.call(&format!("change {i}"))?;
+        let limit = Duration::from_secs(900);
+        loop {
+            if applied_has(&host, &ns, &name, &ip) == Some(true) {
+                break;
+            }
+            anyhow::ensure!(t0.elapsed() < limit, "change {n} ({ns}/{name} → {ip}) not applied within {limit:?}");
+            tokio::time::sleep(Duration::from_micros(500)).await;
+        }
+        let latency = t0.elapsed().as_secs_f64();
+        let after = counters(&host);
+        guest_in_changes += after.guest_seconds - before.guest_seconds;
+        change_syncs += after.syncs - before.syncs;
+        latencies.push(latency);
+        eprintln!("[{}] change {n}: {:.1} ms", o.services, latency * 1000.0);
+        cluster.call("finish")?;
+        if !settle(&host, after_sync.events + 3 * (n as u64 + 1), Duration::from_secs(600)).await {
+            eprintln!("[{}] warning: the pod deletion did not arrive", o.services);
+        }
+    }
+    latencies.sort_by(|a, b| a.total_cmp(b));
+    let latency_total: f64 = latencies.iter().sum();
+
+    // Churn at a fixed operation rate, then until the host has taken every event in.
+    let before = counters(&host);
+    let (cpu2, child_cpu2) = cpu();
+    let reply = cluster.call(&format!("churn {} {}", o.churn_rate, o.churn_seconds))?;
+    let churn_end = Instant::now();
+    let (ops, writes): (u64, u64) = (reply[1].parse()?, reply[2].parse()?);
+    let converged = settle(&host, before.events + writes, Duration::from_secs(1800)).await;
+    let drain = churn_end.elapsed().as_secs_f64();
+    let (cpu3, child_cpu3) = cpu();
+    let after = counters(&host);
+    let churn_events = after.events - before.events;
+    eprintln!("[{}] churn: {ops} ops, {writes} writes, {churn_events} events, {} revisions, {} syncs; drained {drain:.2} s after", o.services, after.revisions - before.revisions, after.syncs - before.syncs);
+    let (rss_end, hwm_end) = memory();
+
+    let ruleset_lines = match &netns {
+        Some(ns) => run(&["ip", "netns", "exec", &ns.0, "nft", "list", "table", "inet", "wasmplane"]).map(|t| t.lines().count()).unwrap_or(0),
+        None => 0,
+    };
+    host.stop().await;
+    drop(cluster);
+    drop(netns);
+    let per_k = |cpu: f64| if churn_events > 0 { cpu / churn_events as f64 * 1000.0 } else { f64::NAN };
+    Ok(json!({
+        "services": o.services, "pods": pods, "nodes": nodes, "objects": objects, "policies": o.policies,
+        "mode": if mode == DataplaneMode::Nftables { "nftables" } else { "record" },
+        "ruleset_lines": ruleset_lines,
+        "initial_sync_s": sync_seconds,
+        "initial_sync_cpu_s": cpu1 - cpu0, "initial_sync_nft_cpu_s": child_cpu1 - child_cpu0,
+        "initial_sync_guest_s": after_sync.guest_seconds, "initial_sync_guest_calls": after_sync.guest_calls,
+        "initial_events": after_sync.events,
+        "change_samples": latencies.len(),
+        "change_p50_ms": percentile(&latencies, 50.0) * 1000.0,
+        "change_p99_ms": percentile(&latencies, 99.0) * 1000.0,
+        "change_max_ms": latencies.last().copied().unwrap_or(f64::NAN) * 1000.0,
+        "change_guest_share": if latency_total > 0.0 { guest_in_changes / latency_total } else { f64::NAN },
+        "change_syncs": change_syncs,
+        "churn_rate_ops": o.churn_rate, "churn_seconds": o.churn_seconds, "churn_ops": ops, "churn_writes": writes,
+        "churn_events": churn_events, "churn_revisions": after.revisions - before.revisions, "churn_syncs": after.syncs - before.syncs,
+        "churn_statements": after.statements - before.statements,
+        "churn_converged": converged, "churn_drain_s": drain,
+        "churn_guest_s": after.guest_seconds - before.guest_seconds,
+        "cpu_per_1k_events_s": per_k(cpu3 - cpu2), "nft_cpu_per_1k_events_s": per_k(child_cpu3 - child_cpu2),
+        "rss_before_host_kib": rss_before, "rss_steady_kib": rss_steady, "rss_end_kib": rss_end,
+        "hwm_sync_kib": hwm_sync, "hwm_end_kib": hwm_end,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn whole_addresses_only() {
+        assert!(super::has_address("dnat to 10.64.1.2:8080", "10.64.1.2"));
+        assert!(!super::has_address("dnat to 10.64.1.23:8080", "10.64.1.2"));
+        assert!(!super::has_address("dnat to 110.64.1.2:8080", "10.64.1.2"));
+    }
+}
