@@ -15,7 +15,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
-use serde_json::json;
+use serde_json::{Value, json};
+use wasmplane_model::ObjectKey;
 use wasmplane_runtime::{GuestKind, LoadError};
 
 use crate::auth::{AuthError, Identity};
@@ -102,6 +103,9 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/state", get(node_state))
         .route("/v1/cluster/nodes", get(cluster_nodes))
         .route("/v1/operator", get(operator_state))
+        .route("/v1/policies", get(list_policies))
+        .route("/v1/policies/audit", post(set_module_audit))
+        .route("/v1/policies/{namespace}/{name}/audit", post(set_policy_audit))
         .route("/v1/policies/{namespace}/{name}/status", get(policy_status))
         .route("/v1/dataplane", get(dataplane))
         .layer(DefaultBodyLimit::max(max_body))
@@ -161,6 +165,53 @@ async fn operator_state(State(state): State<ApiState>) -> ApiResult<Response> {
         return Err(ApiError(StatusCode::NOT_FOUND, "this host does not run the operator role".into()));
     };
     Ok(Json(json!({ "leader": operator.is_leader() })).into_response())
+}
+
+#[derive(Deserialize)]
+struct PoliciesQuery {
+    /// Also read the kernel's drop counters (one `nft list table`).
+    counters: Option<bool>,
+}
+
+/// The policies this node enforces: generation, audit mode, targets, errors.
+async fn list_policies(State(state): State<ApiState>, Query(query): Query<PoliciesQuery>) -> ApiResult<Response> {
+    let body = with_controller(&state, move |c| {
+        let counts = if query.counters.unwrap_or(false) { Some(c.policy_drop_counts()?) } else { None };
+        let policies: Vec<Value> = c
+            .policies()
+            .into_iter()
+            .map(|p| {
+                let mut v = serde_json::to_value(&p).unwrap_or(Value::Null);
+                if let Some(counts) = &counts {
+                    let (dropped, would_drop) = counts.get(&ObjectKey::new(&p.namespace, &p.name)).copied().unwrap_or_default();
+                    v["dropped_packets"] = json!(dropped);
+                    v["audit_would_drop_packets"] = json!(would_drop);
+                }
+                v
+            })
+            .collect();
+        Ok(json!({ "policies": policies }))
+    })
+    .await?;
+    Ok(Json(body).into_response())
+}
+
+#[derive(Deserialize)]
+struct AuditQuery {
+    enabled: bool,
+}
+
+/// Audit mode for one policy on this node: would-be drops are logged and counted, not enforced.
+async fn set_policy_audit(State(state): State<ApiState>, Path((namespace, name)): Path<(String, String)>, Query(query): Query<AuditQuery>) -> ApiResult<Response> {
+    let key = ObjectKey::new(&namespace, &name);
+    with_controller(&state, move |c| c.set_policy_audit(Some(&key), query.enabled)).await?;
+    Ok(Json(json!({ "policy": format!("{namespace}/{name}"), "audit": query.enabled })).into_response())
+}
+
+/// Audit mode for every policy on this node (the whole policy module).
+async fn set_module_audit(State(state): State<ApiState>, Query(query): Query<AuditQuery>) -> ApiResult<Response> {
+    with_controller(&state, move |c| c.set_policy_audit(None, query.enabled)).await?;
+    Ok(Json(json!({ "audit": query.enabled })).into_response())
 }
 
 /// A policy's realization status over every node, as the operator aggregates it.

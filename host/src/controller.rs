@@ -17,11 +17,14 @@ use wasmplane_runtime::{CallError, GuestKind, LoadError, LoadedModule, ModuleInf
 use crate::dataplane::{Dataplane, Kernel, WriteError};
 use crate::metrics::Metrics;
 use crate::nft::{self, ObjectRules};
+use crate::policy::PolicyController;
 use crate::shadow::ShadowRun;
 use crate::registry::{ModuleRecord, Registry, RegistryError, SharedIndex, valid_module_name};
 
 /// The builtin service translator's module name.
 pub const BUILTIN_SERVICE_TRANSLATOR: &str = "default-service-translator";
+/// The network-policy guest shipped in the host.
+pub const BUILTIN_NETWORK_POLICY: &str = "default-network-policy";
 
 #[derive(Debug, thiserror::Error)]
 pub enum HostError {
@@ -101,6 +104,8 @@ pub struct Controller {
     shadow: Option<ShadowRun>,
     /// Pod addresses the CNI daemon assigned, used until the API server reports them.
     cni_ips: BTreeMap<ObjectKey, Vec<String>>,
+    /// Network policy: the builtin policy guest on the policies each update touches.
+    policy: PolicyController,
 }
 
 /// Why a guest call gave no rules.
@@ -157,6 +162,8 @@ impl Controller {
         let mut registry = Registry::open(data_dir)?;
         let builtin = runtime.load(BUILTIN_SERVICE_TRANSLATOR, wasmplane_guest_artifacts::SERVICE_TRANSLATOR, Some(GuestKind::ServiceTranslator), usize::MAX)?;
         registry.add_builtin(BUILTIN_SERVICE_TRANSLATOR, GuestKind::ServiceTranslator, &builtin.info, wasmplane_guest_artifacts::SERVICE_TRANSLATOR);
+        let policy_module = runtime.load_policy(BUILTIN_NETWORK_POLICY, wasmplane_guest_artifacts::NETWORK_POLICY, usize::MAX)?;
+        registry.add_builtin(BUILTIN_NETWORK_POLICY, GuestKind::NetworkPolicy, &policy_module.info, wasmplane_guest_artifacts::NETWORK_POLICY);
         let mut controller = Controller {
             runtime,
             metrics,
@@ -174,7 +181,9 @@ impl Controller {
             rollback_sink: None,
             shadow: None,
             cni_ips: BTreeMap::new(),
+            policy: PolicyController::new(&policy_module),
         };
+        controller.registry.mark_active(GuestKind::NetworkPolicy, BUILTIN_NETWORK_POLICY, 1);
         // The builtin until the shared module index (kvstore) says otherwise.
         controller.activate_version(BUILTIN_SERVICE_TRANSLATOR, 1)?;
         Ok(controller)
@@ -312,6 +321,10 @@ impl Controller {
         for observer in &self.observers {
             observer.model_changed(&self.model, &update);
         }
+        let policy_changes = self.policy.apply(&self.cluster, &self.model, &update);
+        if policy_changes.compiled + policy_changes.failed > 0 {
+            tracing::debug!(compiled = policy_changes.compiled, failed = policy_changes.failed, dispatch = policy_changes.dispatch_changed, "policies recompiled");
+        }
         let changed: Vec<(ObjectKey, Option<Arc<ServiceView>>)> = if update.context_changed {
             // Every call sees the node context: all services are due.
             let mut all: Vec<_> = self.model.services.iter().map(|(k, v)| (k.clone(), Some(v.clone()))).collect();
@@ -345,7 +358,36 @@ impl Controller {
         }
         let translator = self.translator.as_ref().map(|t| (t.name.as_str(), t.version));
         self.observers.iter().for_each(|o| o.translated(translator, &changes, &self.service_errors));
+        // Policy objects after the services': their own order (see `policy.rs`) is kept.
+        changes.extend(policy_changes.changes);
         self.sync(changes)
+    }
+
+    /// Every policy: the generation enforced here, audit mode, errors (`GET /v1/policies`).
+    pub fn policies(&self) -> Vec<crate::policy::PolicyStatus> {
+        self.policy.status(&self.model)
+    }
+
+    /// Puts one policy (or, with `None`, every policy) in or out of audit mode: would-be
+    /// drops are logged and counted, not enforced.
+    pub fn set_policy_audit(&mut self, policy: Option<&ObjectKey>, audit: bool) -> Result<(), HostError> {
+        let changes = match policy {
+            Some(key) => self.policy.set_audit(key, audit),
+            None => self.policy.set_audit_all(audit),
+        };
+        self.sync(changes.changes)
+    }
+
+    /// Packets dropped (enforced) and that would have been (audit) per policy, from the
+    /// kernel's counters (one `nft list table`: on demand, it is slow at scale).
+    pub fn policy_drop_counts(&mut self) -> Result<BTreeMap<ObjectKey, (u64, u64)>, HostError> {
+        let listing = self.dataplane.list_table()?;
+        Ok(self.policy.drop_counts(&listing))
+    }
+
+    /// Which generation of each policy this node enforces.
+    pub fn policy_realization(&self) -> BTreeMap<ObjectKey, u64> {
+        self.policy.realization()
     }
 
     fn translate(&mut self, key: &ObjectKey, view: &ServiceView) -> Result<ObjectRules, String> {
@@ -456,6 +498,8 @@ impl Controller {
             }
         }
         self.registry.count_calls(name, outputs.len() as u64);
+        // A full sync replaces the whole table: the policy side's objects go in with it.
+        outputs.extend(self.policy.objects());
         self.dataplane.full_sync(Some(outputs))?;
         self.service_errors.clear();
         self.translator = Some(ActiveTranslator { name: name.to_string(), version, session });
@@ -463,6 +507,40 @@ impl Controller {
         self.recent_crashes.clear();
         self.rollback_requested = false;
         tracing::info!(module = name, version, "service translator in force");
+        Ok(())
+    }
+
+    /// Hot swap of the network-policy guest: `name@version` compiles every policy first; only
+    /// if none fails does it replace the one in force, in one full transaction.
+    fn activate_policy_module(&mut self, name: &str, version: u32) -> Result<(), HostError> {
+        let failed = |this: &mut Self, reason: String| {
+            this.registry.mark_failed(name, &reason);
+            HostError::ActivationFailed { module: format!("{name}@{version}"), reason }
+        };
+        let bytes = self.registry.module_bytes(name, version).map_err(|e| HostError::Internal(format!("reading {name}@{version}: {e}")))?;
+        let module = match self.runtime.load_policy(name, &bytes, usize::MAX) {
+            Ok(module) => module,
+            Err(e) => return Err(failed(self, e.to_string())),
+        };
+        let mut candidate = PolicyController::new(&module);
+        let compiled = candidate.recompile_all(&self.cluster, &self.model);
+        if compiled.failed > 0 {
+            let errors: Vec<String> = candidate.status(&self.model).into_iter().filter_map(|s| s.error.map(|e| format!("{}/{}: {e}", s.namespace, s.name))).take(3).collect();
+            return Err(failed(self, format!("{} of the policies failed to compile: {}", compiled.failed, errors.join("; "))));
+        }
+        let old = std::mem::replace(&mut self.policy, candidate);
+        // Everything the old module wrote goes, the new module's objects come, in one full
+        // transaction (its chains and dispatch may share names with the old ones).
+        let old_keys: std::collections::BTreeSet<ObjectKey> = old.objects().into_iter().map(|(k, _)| k).collect();
+        let mut wanted: BTreeMap<ObjectKey, ObjectRules> =
+            self.dataplane.applied().iter().filter(|(k, _)| !old_keys.contains(*k)).map(|(k, v)| (k.clone(), (**v).clone())).collect();
+        wanted.extend(self.policy.objects());
+        if let Err(e) = self.dataplane.full_sync(Some(wanted)) {
+            self.policy = old;
+            return Err(e.into());
+        }
+        self.registry.mark_active(GuestKind::NetworkPolicy, name, version);
+        tracing::info!(module = name, version, "network-policy module in force");
         Ok(())
     }
 
@@ -479,6 +557,9 @@ impl Controller {
             && existing != kind
         {
             return Err(HostError::Conflict(format!("module {name:?} is a {existing} module, not {kind}")));
+        }
+        if kind == GuestKind::NetworkPolicy {
+            return Ok(self.runtime.load_policy(name, bytes, self.max_module_bytes)?.info);
         }
         if kind == GuestKind::Gc {
             // GC guests run in the operator (its own bindings); the checks are the same.
@@ -520,6 +601,17 @@ impl Controller {
                 return Err(e);
             }
             tracing::error!(module = %name, version, "the module the cluster put in force failed on this node; keeping {active:?}: {e}");
+        }
+        let policy_kind = GuestKind::NetworkPolicy;
+        if let Some((name, version)) = self.registry.wanted(policy_kind)
+            && self.registry.active(policy_kind) != Some((name.as_str(), version))
+            && let Err(e) = self.activate_policy_module(&name, version)
+        {
+            if strict {
+                self.registry.set_shared(previous);
+                return Err(e);
+            }
+            tracing::error!(module = %name, version, "the policy module the cluster put in force failed on this node; keeping the previous one: {e}");
         }
         let wanted_shadow = self.registry.shared().shadow.get(&kind).map(|s| (s.module.clone(), s.version));
         let running_shadow = self.shadow.as_ref().map(|s| (s.name.clone(), s.version));

@@ -45,6 +45,11 @@ pub trait Kernel: Send {
     fn clear_conntrack(&mut self, filters: &[ConntrackFilter]) -> Result<usize, WriteError>;
     /// Chains and sets of our table currently in the kernel (for reconciliation).
     fn list_objects(&mut self) -> Result<(Vec<String>, Vec<String>), WriteError>;
+    /// Our whole table as `nft list table` prints it (rules with their counters); empty
+    /// where there is no kernel. Slow at scale: on demand only.
+    fn list_table(&mut self) -> Result<String, WriteError> {
+        Ok(String::new())
+    }
     /// Whether our table is already in the kernel (rules of a previous run).
     fn has_table(&mut self) -> bool {
         false
@@ -188,6 +193,14 @@ impl Kernel for NftCommand {
         Ok((chains, sets))
     }
 
+    fn list_table(&mut self) -> Result<String, WriteError> {
+        let output = self.nft().args(["list", "table", nft::FAMILY, nft::TABLE]).stderr(Stdio::piped()).output().map_err(WriteError::Spawn)?;
+        if !output.status.success() {
+            return Err(WriteError::Rejected(String::from_utf8_lossy(&output.stderr).chars().take(4096).collect()));
+        }
+        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+    }
+
     fn has_table(&mut self) -> bool {
         // `list tables` fills nft's whole cache (as slow as `list table`); a terse set
         // listing prints every table's header and no elements.
@@ -266,6 +279,11 @@ impl Dataplane {
     }
 
     /// True while the previous run's rules are kept and nothing has been written.
+    /// The kernel's listing of our table (see [`Kernel::list_table`]).
+    pub fn list_table(&mut self) -> Result<String, WriteError> {
+        self.kernel.list_table()
+    }
+
     pub fn is_held(&self) -> bool {
         self.held
     }

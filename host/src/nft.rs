@@ -476,6 +476,8 @@ pub fn skeleton(out: &mut String, flush_first: bool) {
             writeln!(out, "add rule {t} {name} {}", rule.replace("0x4000", MASQUERADE_MARK)).unwrap();
         }
     }
+    // Network policy: the pod-ingress/pod-egress maps and the filter chains that consult them.
+    policy::skeleton(out, flush_first);
 }
 
 /// Static chain names (never deleted by reconciliation).

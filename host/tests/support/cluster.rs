@@ -165,6 +165,16 @@ impl Cluster {
         std::fs::rename(&tmp, self.manifests().join(name)).unwrap();
     }
 
+    /// Creates or replaces any manifest file (pods, policies).
+    pub fn put_file(&self, name: &str, text: &str) {
+        self.write_file(name, text);
+    }
+
+    /// Removes a manifest file written with [`Cluster::put_file`].
+    pub fn remove_file(&self, name: &str) {
+        std::fs::remove_file(self.manifests().join(name)).unwrap();
+    }
+
     /// Creates or replaces one service (and its EndpointSlice).
     pub fn put(&self, svc: &Svc) {
         self.write_file(&format!("svc-{}.yaml", svc.name), &svc.yaml());
