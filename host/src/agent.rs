@@ -12,7 +12,8 @@ use std::time::Duration;
 use ipnet::IpNet;
 use wasmplane_kvstore::KvStore;
 use wasmplane_model::state::NodeContext;
-use wasmplane_operator::{HEARTBEAT_KEY, HeartbeatMonitor, NodeRegistry, NodeRegistryConfig, RouteConfig, RouteSync};
+use wasmplane_operator::policystatus::POLICY_STATUS_PREFIX;
+use wasmplane_operator::{HEARTBEAT_KEY, HeartbeatMonitor, NodePolicyStatus, NodeRegistry, NodeRegistryConfig, NodeStatusWriter, PolicyRef, RouteConfig, RouteSync};
 
 use crate::controller::{Controller, ModelObserver};
 
@@ -41,11 +42,75 @@ pub struct Agent {
     pub routes: Option<RouteSync>,
     pub heartbeat: Option<HeartbeatMonitor>,
     publisher: tokio::task::JoinHandle<()>,
+    status_writer: tokio::task::JoinHandle<()>,
 }
 
 impl Drop for Agent {
     fn drop(&mut self) {
         self.publisher.abort();
+        self.status_writer.abort();
+    }
+}
+
+/// Wakes the status writer on every model revision.
+struct RevisionSignal(tokio::sync::watch::Sender<u64>);
+
+impl ModelObserver for RevisionSignal {
+    fn model_changed(&self, model: &wasmplane_model::NodeLocalModel, _update: &wasmplane_model::state::ModelUpdate) {
+        self.0.send_replace(model.revision);
+    }
+}
+
+/// This node's realization of every policy it enforces, as the operator aggregates it:
+/// the generation whose rules are in force, or why not. Policies without a uid (from a
+/// manifest that names none) are not reported: the status key needs one.
+fn realization(controller: &Controller) -> Vec<(PolicyRef, NodePolicyStatus)> {
+    let model = controller.model();
+    controller
+        .policies()
+        .into_iter()
+        .filter_map(|p| {
+            let key = wasmplane_model::ObjectKey::new(&p.namespace, &p.name);
+            let uid = model.policies.get(&key)?.policy.uid.clone();
+            if uid.is_empty() {
+                return None;
+            }
+            let policy = PolicyRef { uid, namespace: p.namespace, name: p.name };
+            let status = match (p.error, p.enforced_generation) {
+                (None, Some(generation)) if generation == p.desired_generation => NodePolicyStatus::ok(generation as i64),
+                (Some(error), _) => NodePolicyStatus::failed(p.desired_generation as i64, error),
+                (None, _) => NodePolicyStatus::failed(p.desired_generation as i64, "not compiled yet"),
+            };
+            Some((policy, status))
+        })
+        .collect()
+}
+
+/// Writes this node's policy status after each model revision (only what changed).
+async fn write_policy_status(writer: NodeStatusWriter, controller: std::sync::Weak<Mutex<Controller>>, mut revisions: tokio::sync::watch::Receiver<u64>) {
+    let mut reported: std::collections::BTreeSet<PolicyRef> = Default::default();
+    loop {
+        let Some(strong) = controller.upgrade() else { return };
+        let now = realization(&strong.lock().unwrap_or_else(|p| p.into_inner()));
+        drop(strong);
+        let current: std::collections::BTreeSet<PolicyRef> = now.iter().map(|(p, _)| p.clone()).collect();
+        for (policy, status) in now {
+            if let Err(e) = writer.set(&policy, status).await {
+                tracing::warn!(policy = %format!("{}/{}", policy.namespace, policy.name), "writing policy status: {e}");
+                // Written again after the next revision.
+                reported.remove(&policy);
+                continue;
+            }
+            reported.insert(policy);
+        }
+        for gone in reported.difference(&current).cloned().collect::<Vec<_>>() {
+            if writer.remove(&gone).await.is_ok() {
+                reported.remove(&gone);
+            }
+        }
+        if revisions.changed().await.is_err() {
+            return;
+        }
     }
 }
 
@@ -105,11 +170,17 @@ impl Agent {
         } else {
             None
         };
+        let status_writer = {
+            let (tx, revisions) = tokio::sync::watch::channel(0);
+            controller.lock().unwrap_or_else(|p| p.into_inner()).add_observer(Box::new(RevisionSignal(tx)));
+            let writer = NodeStatusWriter::new(kv.clone(), POLICY_STATUS_PREFIX, context.node_name.clone());
+            tokio::spawn(write_policy_status(writer, Arc::downgrade(controller), revisions))
+        };
         let heartbeat = match config.heartbeat_max_age {
             Some(max_age) => Some(HeartbeatMonitor::start(kv, HEARTBEAT_KEY, max_age).await?),
             None => None,
         };
-        Ok(Agent { registry, routes, heartbeat, publisher })
+        Ok(Agent { registry, routes, heartbeat, publisher, status_writer })
     }
 
     /// Why this agent is not ready, if it is not: the operator's heartbeat is stale.

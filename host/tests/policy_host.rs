@@ -34,7 +34,7 @@ fn pods(other_app: &str) -> String {
 const POLICY: &str = "\
 apiVersion: networking.k8s.io/v1
 kind: NetworkPolicy
-metadata: { name: web-from-client, namespace: default, generation: 1 }
+metadata: { name: web-from-client, namespace: default, uid: 6f1c-uid, generation: 1 }
 spec:
   podSelector: { matchLabels: { app: web } }
   policyTypes: [Ingress]
@@ -76,6 +76,21 @@ async fn a_policy_from_the_cluster_is_enforced_audited_and_follows_labels() {
     let policy = &listed["policies"][0];
     assert_eq!((policy["name"].as_str(), policy["enforced_generation"].as_u64(), policy["audit"].as_bool()), (Some("web-from-client"), Some(1), Some(false)), "{listed}");
 
+    // This node's realization, for the operator to aggregate.
+    let status_key = format!("/wasmplane/policystatus/6f1c-uid/default/web-from-client/{NODE}");
+    let kv = host.modules.store().kv().clone();
+    let mut written = None;
+    for _ in 0..50 {
+        written = kv.get(&status_key).await.unwrap();
+        if written.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let written: Value = serde_json::from_slice(&written.expect("the node's policy status in the kvstore").value).unwrap();
+    assert_eq!(written["generation"], 1, "{written}");
+    assert!(written.get("error").is_none(), "{written}");
+
     // Audit: nothing dropped, would-be drops counted.
     let token = host.token.clone();
     let client_http = reqwest::Client::new();
@@ -98,6 +113,15 @@ async fn a_policy_from_the_cluster_is_enforced_audited_and_follows_labels() {
     // The policy goes: its rules go.
     cluster.remove_file("policy.yaml");
     wait_applied(&host, "the policy removed", |t| !t.contains("pol/default/web-from-client"));
+    let mut gone = false;
+    for _ in 0..50 {
+        gone = kv.get(&status_key).await.unwrap().is_none();
+        if gone {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(gone, "the status of a policy this node no longer has is removed");
     cluster.put_file("pods.yaml", &pods("other"));
     support::cluster::wait_for("other reaches web again", Duration::from_secs(10), || reaches(&other), |r| *r);
     host.stop().await;

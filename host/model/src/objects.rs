@@ -275,6 +275,10 @@ pub struct PolicyRule {
 pub struct NetworkPolicy {
     pub namespace: String,
     pub name: String,
+    /// `metadata.uid` (empty from a manifest without one): names the policy in the per-node
+    /// realization status, so a recreated policy is not mistaken for its predecessor.
+    #[serde(default)]
+    pub uid: String,
     pub generation: u64,
     pub pod_selector: LabelSelector,
     pub ingress: Option<Vec<PolicyRule>>,

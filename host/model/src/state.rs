@@ -726,6 +726,7 @@ mod tests {
         ClusterObject::NetworkPolicy(NetworkPolicy {
             namespace: namespace.into(),
             name: "allow-clients".into(),
+            uid: String::new(),
             generation: 1,
             pod_selector: select(&[("app", "web")]),
             ingress: Some(vec![PolicyRule {

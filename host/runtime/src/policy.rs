@@ -337,6 +337,7 @@ mod tests {
         let policy = m::NetworkPolicy {
             namespace: "a".into(),
             name: "p".into(),
+            uid: String::new(),
             generation: 3,
             pod_selector: sel(&[("app", "web")]),
             ingress: Some(vec![m::PolicyRule {

@@ -407,6 +407,7 @@ pub fn network_policy(p: &networking::NetworkPolicy) -> Result<NetworkPolicy, Co
     Ok(NetworkPolicy {
         namespace: namespace_of(m),
         name: subject.name(m)?,
+        uid: m.uid.clone().unwrap_or_default(),
         generation: m.generation.and_then(|g| u64::try_from(g).ok()).unwrap_or(0),
         // An absent podSelector is the empty selector: every pod in the namespace.
         pod_selector: spec.pod_selector.as_ref().map(|s| selector(&subject, "spec.podSelector", s)).transpose()?.unwrap_or_default(),
