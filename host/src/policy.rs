@@ -1,1 +1,569 @@
-//! Network-policy controller (issue 6): filled in by the policy work.
+//! The network-policy controller: runs the policy guest on the policies a model update
+//! touched, keeps each policy's last good output, and composes the per-pod dispatch chains
+//! (the union of every policy selecting a pod address, default deny, or audit) as dataplane
+//! objects for the same writer the services use.
+//!
+//! What a change costs: the model's indexes (`ClusterState`: pod → policies, namespace
+//! labels → policies) already narrow a model update to the policies whose view (the policy,
+//! its selected local pods, its peer pods) really changed; only those are compiled. A peer
+//! pod's label or IP change then reaches the kernel as element deltas of that policy's peer
+//! sets (its chains are equal, so `object_delta` leaves them alone), and only the dispatch
+//! chains of addresses whose set of policies changed are rewritten.
+//!
+//! Ordering within one writer transaction (`Dataplane::sync` applies objects that leave
+//! first, then the rest in the order given): a chain cannot be deleted while a dispatch
+//! chain still jumps to it, and cannot be jumped to before it exists. So the changes this
+//! controller returns are ordered: new and changed policies, then dispatch objects, then
+//! policies that went away as empty objects (tombstones), which are removed for good on
+//! the next call; a changed policy that drops a chain keeps it (empty) until then as well.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use serde::Serialize;
+use wasmplane_model::state::{ModelUpdate, PolicyView};
+use wasmplane_model::{ClusterState, Labels, NetworkPolicy, NodeLocalModel, ObjectKey, Pod, PolicyPortNumber};
+use wasmplane_runtime::policy::{PodLookups, PolicyModule, PolicySession};
+use wasmplane_runtime::{CallError, wit};
+
+use crate::nft::ObjectRules;
+use crate::nft::policy::{self as render, Direction, DispatchEntry, PolicyRules};
+
+/// Why a policy has no fresh rules (its last good ones, if any, stay applied).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize)]
+pub enum PolicyError {
+    #[error("the policy guest failed: {0}")]
+    Guest(String),
+    #[error("the policy guest declined the policy: {0}")]
+    Declined(String),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+struct Compiled {
+    generation: u64,
+    rules: PolicyRules,
+}
+
+/// One policy as `GET /v1/policies` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PolicyStatus {
+    pub namespace: String,
+    pub name: String,
+    /// The generation whose rules are enforced (or audited) on this node.
+    pub enforced_generation: Option<u64>,
+    /// The generation the model has now.
+    pub desired_generation: u64,
+    pub audit: bool,
+    /// Selected local pod addresses, per direction.
+    pub ingress_targets: usize,
+    pub egress_targets: usize,
+    pub error: Option<String>,
+    pub warnings: Vec<String>,
+}
+
+/// What one call changed, for the writer and for metrics.
+#[derive(Debug, Default)]
+pub struct PolicyChanges {
+    /// Per dataplane object: new rules, or `None` when it goes. Order matters (see above).
+    pub changes: Vec<(ObjectKey, Option<ObjectRules>)>,
+    pub compiled: usize,
+    pub failed: usize,
+    pub dispatch_changed: usize,
+}
+
+pub struct PolicyController {
+    module: String,
+    session: PolicySession,
+    lookups: Arc<PodLookups>,
+    compiled: BTreeMap<ObjectKey, Compiled>,
+    errors: BTreeMap<ObjectKey, PolicyError>,
+    /// Policies in audit mode; `audit_all`: the whole module is.
+    audit: BTreeSet<ObjectKey>,
+    audit_all: bool,
+    /// Address and direction → the policies selecting it (from their last good output).
+    by_target: BTreeMap<(Direction, IpAddr), BTreeSet<ObjectKey>>,
+    /// What each dispatch object is built from now.
+    dispatch: BTreeMap<(Direction, IpAddr), Vec<DispatchEntry>>,
+    /// Dataplane objects left empty last time, removed on the next call.
+    tombstones: BTreeSet<ObjectKey>,
+    /// Policies written with extra (emptied) chains last time, cleaned on the next call.
+    unclean: BTreeSet<ObjectKey>,
+}
+
+impl PolicyController {
+    pub fn new(module: &PolicyModule) -> PolicyController {
+        let lookups = PodLookups::new();
+        PolicyController {
+            module: module.name().to_string(),
+            session: module.session(lookups.clone()),
+            lookups,
+            compiled: BTreeMap::new(),
+            errors: BTreeMap::new(),
+            audit: BTreeSet::new(),
+            audit_all: false,
+            by_target: BTreeMap::new(),
+            dispatch: BTreeMap::new(),
+            tombstones: BTreeSet::new(),
+            unclean: BTreeSet::new(),
+        }
+    }
+
+    pub fn module(&self) -> &str {
+        &self.module
+    }
+
+    /// Runs the guest on the policies `update` names (all of them when the node context
+    /// changed) and returns the dataplane changes.
+    pub fn apply(&mut self, cluster: &ClusterState, model: &NodeLocalModel, update: &ModelUpdate) -> PolicyChanges {
+        let work: Vec<(ObjectKey, Option<Arc<PolicyView>>)> = if update.context_changed {
+            let mut keys: BTreeSet<ObjectKey> = model.policies.keys().cloned().collect();
+            keys.extend(self.compiled.keys().cloned());
+            keys.into_iter().map(|k| (k.clone(), model.policies.get(&k).cloned())).collect()
+        } else {
+            update.policies.iter().map(|c| (c.key.clone(), c.view.clone())).collect()
+        };
+        self.run(cluster, model, work)
+    }
+
+    /// Compiles every policy of the model again (a new module, a reconcile).
+    pub fn recompile_all(&mut self, cluster: &ClusterState, model: &NodeLocalModel) -> PolicyChanges {
+        let mut keys: BTreeSet<ObjectKey> = model.policies.keys().cloned().collect();
+        keys.extend(self.compiled.keys().cloned());
+        let work = keys.into_iter().map(|k| (k.clone(), model.policies.get(&k).cloned())).collect();
+        self.run(cluster, model, work)
+    }
+
+    /// Puts one policy in or out of audit mode: only dispatch chains change.
+    pub fn set_audit(&mut self, policy: &ObjectKey, audit: bool) -> PolicyChanges {
+        let changed = if audit { self.audit.insert(policy.clone()) } else { self.audit.remove(policy) };
+        let mut out = PolicyChanges::default();
+        self.take_tombstones(&mut out);
+        if changed {
+            let affected: BTreeSet<(Direction, IpAddr)> =
+                self.compiled.get(policy).map(|c| c.rules.targets.keys().copied().collect()).unwrap_or_default();
+            self.recompose(affected, &mut out);
+        }
+        out
+    }
+
+    /// The whole module in audit mode (every policy's would-be drops counted, none enforced).
+    pub fn set_audit_all(&mut self, audit: bool) -> PolicyChanges {
+        let mut out = PolicyChanges::default();
+        self.take_tombstones(&mut out);
+        if self.audit_all != audit {
+            self.audit_all = audit;
+            let all: BTreeSet<(Direction, IpAddr)> = self.by_target.keys().copied().collect();
+            self.recompose(all, &mut out);
+        }
+        out
+    }
+
+    pub fn is_audit(&self, policy: &ObjectKey) -> bool {
+        self.audit_all || self.audit.contains(policy)
+    }
+
+    /// Every dataplane object of the policy side as it should be now (for a full sync).
+    pub fn objects(&self) -> Vec<(ObjectKey, ObjectRules)> {
+        let mut out: Vec<(ObjectKey, ObjectRules)> =
+            self.compiled.iter().map(|(k, c)| (render::policy_object_key(k), c.rules.rules.clone())).collect();
+        for ((direction, addr), entries) in &self.dispatch {
+            if let Some(rules) = render::dispatch_object(*direction, addr, entries) {
+                out.push((render::dispatch_object_key(*direction, addr), rules));
+            }
+        }
+        out
+    }
+
+    /// Which generation of each policy this node enforces (for the per-node realization
+    /// status the operator aggregates).
+    pub fn realization(&self) -> BTreeMap<ObjectKey, u64> {
+        self.compiled.iter().map(|(k, c)| (k.clone(), c.generation)).collect()
+    }
+
+    pub fn status(&self, model: &NodeLocalModel) -> Vec<PolicyStatus> {
+        let mut keys: BTreeSet<&ObjectKey> = model.policies.keys().collect();
+        keys.extend(self.compiled.keys());
+        keys.extend(self.errors.keys());
+        keys.into_iter()
+            .map(|k| {
+                let compiled = self.compiled.get(k);
+                let count = |d: Direction| compiled.map_or(0, |c| c.rules.targets.keys().filter(|(dir, _)| *dir == d).count());
+                PolicyStatus {
+                    namespace: k.namespace.clone(),
+                    name: k.name.clone(),
+                    enforced_generation: compiled.map(|c| c.generation),
+                    desired_generation: model.policies.get(k).map_or(0, |v| v.policy.generation),
+                    audit: self.is_audit(k),
+                    ingress_targets: count(Direction::Ingress),
+                    egress_targets: count(Direction::Egress),
+                    error: self.errors.get(k).map(|e| e.to_string()),
+                    warnings: compiled.map(|c| c.rules.rules.warnings.clone()).unwrap_or_default(),
+                }
+            })
+            .collect()
+    }
+
+    /// Drops (enforced) and would-be drops (audit) per policy, from the dispatch chains'
+    /// counters in a `nft list table` listing. A packet no policy of a pod allowed counts
+    /// for every policy selecting that pod.
+    pub fn drop_counts(&self, listing: &str) -> BTreeMap<ObjectKey, (u64, u64)> {
+        let counters = render::final_rule_counters(listing);
+        let mut out: BTreeMap<ObjectKey, (u64, u64)> = BTreeMap::new();
+        for ((direction, addr), policies) in &self.by_target {
+            let Some((audit, packets)) = counters.get(&render::dispatch_chain(*direction, addr)) else { continue };
+            for policy in policies {
+                let entry = out.entry(policy.clone()).or_default();
+                if *audit { entry.1 += packets } else { entry.0 += packets }
+            }
+        }
+        out
+    }
+
+    fn take_tombstones(&mut self, out: &mut PolicyChanges) {
+        for key in std::mem::take(&mut self.tombstones) {
+            out.changes.push((key, None));
+        }
+    }
+
+    fn run(&mut self, cluster: &ClusterState, model: &NodeLocalModel, work: Vec<(ObjectKey, Option<Arc<PolicyView>>)>) -> PolicyChanges {
+        let mut out = PolicyChanges::default();
+        self.take_tombstones(&mut out);
+        // Policies that kept emptied chains last time get their clean rules now.
+        for key in std::mem::take(&mut self.unclean) {
+            if let Some(c) = self.compiled.get(&key)
+                && !work.iter().any(|(k, _)| *k == key)
+            {
+                out.changes.push((render::policy_object_key(&key), Some(c.rules.rules.clone())));
+            }
+        }
+        if work.is_empty() {
+            return out;
+        }
+        let namespaces: Arc<BTreeMap<String, Labels>> =
+            Arc::new(cluster.namespaces.iter().map(|(name, ns)| (name.clone(), ns.labels.clone())).collect());
+        let mut affected: BTreeSet<(Direction, IpAddr)> = BTreeSet::new();
+        let mut removed: Vec<ObjectKey> = Vec::new();
+        for (key, view) in work {
+            let old_targets: BTreeSet<(Direction, IpAddr)> =
+                self.compiled.get(&key).map(|c| c.rules.targets.keys().copied().collect()).unwrap_or_default();
+            let Some(view) = view else {
+                // The policy selects no pod here any more (or is gone): its rules go.
+                self.errors.remove(&key);
+                if self.compiled.remove(&key).is_some() {
+                    tracing::debug!(policy = %key, "network policy withdrawn from this node");
+                    self.untarget(&key, &old_targets);
+                    affected.extend(old_targets);
+                    removed.push(key);
+                }
+                continue;
+            };
+            match self.compile(cluster, model, &key, &view, namespaces.clone()) {
+                Ok(rules) => {
+                    out.compiled += 1;
+                    self.errors.remove(&key);
+                    let new_targets: BTreeSet<(Direction, IpAddr)> = rules.targets.keys().copied().collect();
+                    let dropped_chains: Vec<String> = self
+                        .compiled
+                        .get(&key)
+                        .map(|c| c.rules.rules.chains.keys().filter(|n| !rules.rules.chains.contains_key(*n)).cloned().collect())
+                        .unwrap_or_default();
+                    let unchanged = self.compiled.get(&key).is_some_and(|c| c.rules == rules);
+                    if !unchanged {
+                        let mut written = rules.rules.clone();
+                        if !dropped_chains.is_empty() {
+                            // Dispatch chains may still jump to them until later in this
+                            // transaction: keep them, empty, until the next call.
+                            for chain in dropped_chains {
+                                written.chains.insert(chain, Vec::new());
+                            }
+                            self.unclean.insert(key.clone());
+                        }
+                        out.changes.push((render::policy_object_key(&key), Some(written)));
+                    }
+                    self.untarget(&key, &old_targets);
+                    for t in &new_targets {
+                        self.by_target.entry(*t).or_default().insert(key.clone());
+                    }
+                    affected.extend(old_targets.symmetric_difference(&new_targets).copied());
+                    // A target whose chain name changed needs its dispatch rewritten too.
+                    if let Some(old) = self.compiled.get(&key) {
+                        affected.extend(new_targets.iter().filter(|t| old.rules.targets.get(t) != rules.targets.get(t)).copied());
+                    }
+                    self.compiled.insert(key.clone(), Compiled { generation: view.policy.generation, rules });
+                }
+                Err(e) => {
+                    // The last good rules (if any) stay; the error is visible in status.
+                    out.failed += 1;
+                    tracing::warn!(policy = %key, module = %self.module, "network policy not compiled, last good rules stay: {e}");
+                    self.errors.insert(key.clone(), e);
+                }
+            }
+        }
+        self.recompose(affected, &mut out);
+        for key in removed {
+            let object = render::policy_object_key(&key);
+            out.changes.push((object.clone(), Some(ObjectRules::default())));
+            self.tombstones.insert(object);
+        }
+        out
+    }
+
+    fn untarget(&mut self, key: &ObjectKey, targets: &BTreeSet<(Direction, IpAddr)>) {
+        for t in targets {
+            if let Some(set) = self.by_target.get_mut(t) {
+                set.remove(key);
+                if set.is_empty() {
+                    self.by_target.remove(t);
+                }
+            }
+        }
+    }
+
+    /// Rebuilds the dispatch objects of `affected` addresses whose entries changed.
+    fn recompose(&mut self, affected: BTreeSet<(Direction, IpAddr)>, out: &mut PolicyChanges) {
+        for target @ (direction, addr) in affected {
+            let mut entries: Vec<DispatchEntry> = self
+                .by_target
+                .get(&target)
+                .into_iter()
+                .flatten()
+                .filter_map(|k| {
+                    let chain = self.compiled.get(k)?.rules.targets.get(&target)?.clone();
+                    Some(DispatchEntry { chain, audit: self.is_audit(k) })
+                })
+                .collect();
+            entries.sort();
+            if self.dispatch.get(&target).map_or(entries.is_empty(), |old| *old == entries) {
+                continue;
+            }
+            out.dispatch_changed += 1;
+            let rules = render::dispatch_object(direction, &addr, &entries);
+            if entries.is_empty() {
+                self.dispatch.remove(&target);
+            } else {
+                self.dispatch.insert(target, entries);
+            }
+            out.changes.push((render::dispatch_object_key(direction, &addr), rules));
+        }
+    }
+
+    fn compile(
+        &mut self,
+        cluster: &ClusterState,
+        model: &NodeLocalModel,
+        key: &ObjectKey,
+        view: &PolicyView,
+        namespaces: Arc<BTreeMap<String, Labels>>,
+    ) -> Result<PolicyRules, PolicyError> {
+        // The guest sees the pods the view says matter, and every pod only when a named
+        // egress port with no peers must be resolved on any destination.
+        let mut pods: Vec<Arc<Pod>> = view.peer_pods.iter().chain(view.local_pods.iter()).cloned().collect();
+        if resolves_on_every_pod(&view.policy) {
+            pods = cluster.pods.values().cloned().collect();
+        }
+        self.lookups.replace(pods, namespaces);
+        let prefix = render::policy_prefix(key);
+        let started = std::time::Instant::now();
+        let result = self.session.compile(&model.context, &prefix, view);
+        tracing::debug!(policy = %key, elapsed_us = started.elapsed().as_micros() as u64, "policy guest call");
+        let out: wit::Ruleset = result.map_err(|e| match e {
+            CallError::Guest(m) => PolicyError::Declined(m),
+            other => PolicyError::Guest(other.to_string()),
+        })?;
+        let local: BTreeSet<IpAddr> = view.local_pods.iter().flat_map(|p| p.ips.iter()).filter_map(|ip| ip.parse().ok()).collect();
+        render::validate_policy_output(key, &out, &local).map_err(|e| PolicyError::Invalid(e.to_string()))
+    }
+}
+
+/// Whether a policy has an egress rule with a named port and no peers (any destination).
+fn resolves_on_every_pod(policy: &NetworkPolicy) -> bool {
+    policy.egress.iter().flatten().any(|r| r.peers.is_empty() && r.ports.iter().any(|p| matches!(p.port, PolicyPortNumber::Name(_))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use wasmplane_model::state::{ClusterEvent, ClusterObject};
+    use wasmplane_model::{LabelSelector, Namespace, PolicyPeer, PolicyPort, PolicyRule, Protocol};
+    use wasmplane_runtime::{Limits, Runtime};
+
+    fn labels(pairs: &[(&str, &str)]) -> Labels {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    fn sel(pairs: &[(&str, &str)]) -> LabelSelector {
+        LabelSelector { match_labels: labels(pairs), match_expressions: vec![] }
+    }
+
+    fn pod(ns: &str, name: &str, ip: &str, app: &str) -> ClusterObject {
+        ClusterObject::Pod(Pod {
+            namespace: ns.into(),
+            name: name.into(),
+            ips: vec![ip.into()],
+            node_name: Some("node-a".into()),
+            labels: labels(&[("app", app)]),
+            ports: vec![],
+            host_network: false,
+        })
+    }
+
+    /// `name` in `a`: pods `app=<target>` accept TCP 80 from `app=client` pods.
+    fn policy(name: &str, target: &str, generation: u64) -> ClusterObject {
+        ClusterObject::NetworkPolicy(NetworkPolicy {
+            namespace: "a".into(),
+            name: name.into(),
+            uid: String::new(),
+            generation,
+            pod_selector: sel(&[("app", target)]),
+            ingress: Some(vec![PolicyRule {
+                ports: vec![PolicyPort { protocol: Protocol::Tcp, port: PolicyPortNumber::Number(80), end_port: None }],
+                peers: vec![PolicyPeer { pod_selector: Some(sel(&[("app", "client")])), namespace_selector: None, ip_block: None }],
+            }]),
+            egress: None,
+        })
+    }
+
+    struct World {
+        cluster: ClusterState,
+        model: NodeLocalModel,
+        controller: PolicyController,
+        _runtime: Runtime,
+    }
+
+    impl World {
+        fn new() -> World {
+            let runtime = Runtime::new(Limits::default(), None).unwrap();
+            let module = runtime.load_policy("default-network-policy", wasmplane_guest_artifacts::NETWORK_POLICY, 8 << 20).unwrap();
+            let mut w = World {
+                cluster: ClusterState::new(),
+                model: NodeLocalModel::new("node-a", vec!["10.244.0.0/16".into()]),
+                controller: PolicyController::new(&module),
+                _runtime: runtime,
+            };
+            w.apply(ClusterObject::Namespace(Namespace { name: "a".into(), labels: labels(&[("team", "blue")]) }));
+            w.apply(pod("a", "web-0", "10.244.1.10", "web"));
+            w.apply(pod("a", "client-0", "10.244.1.12", "client"));
+            w
+        }
+
+        fn apply(&mut self, object: ClusterObject) -> PolicyChanges {
+            let touched = self.cluster.apply(ClusterEvent::Upsert(object), "node-a");
+            let update = self.model.update(&self.cluster, &touched);
+            self.controller.apply(&self.cluster, &self.model, &update)
+        }
+
+        fn delete_policy(&mut self, name: &str) -> PolicyChanges {
+            let touched = self
+                .cluster
+                .apply(ClusterEvent::Delete(wasmplane_model::state::ObjectKind::NetworkPolicy, ObjectKey::new("a", name)), "node-a");
+            let update = self.model.update(&self.cluster, &touched);
+            self.controller.apply(&self.cluster, &self.model, &update)
+        }
+    }
+
+    fn keys(c: &PolicyChanges) -> Vec<(String, bool)> {
+        c.changes.iter().map(|(k, r)| (k.to_string(), r.as_ref().is_some_and(|r| !r.chains.is_empty()))).collect()
+    }
+
+    #[test]
+    fn a_policy_compiles_into_its_object_and_a_dispatch_chain() {
+        let mut w = World::new();
+        let c = w.apply(policy("p", "web", 1));
+        assert_eq!(c.compiled, 1);
+        assert_eq!(
+            keys(&c),
+            vec![("networkpolicy:a/p".to_string(), true), ("networkpolicy-dispatch:/10.244.1.10/ingress".to_string(), true)],
+            "the policy before the dispatch chain jumping to it"
+        );
+        let dispatch = c.changes[1].1.as_ref().unwrap();
+        assert_eq!(dispatch.chains["polpod/10.244.1.10/ingress"], vec!["jump pol/a/p/ingress", "counter drop comment \"deny\""]);
+        assert_eq!(w.controller.realization(), BTreeMap::from([(ObjectKey::new("a", "p"), 1)]));
+    }
+
+    #[test]
+    fn a_peer_label_change_recompiles_one_policy_and_changes_set_elements_only() {
+        let mut w = World::new();
+        w.apply(policy("p", "web", 1));
+        w.apply(policy("other", "db", 1));
+        let before = w.controller.objects();
+        // A second client appears: a peer of p; `other` selects no pod here (no db), so it
+        // is not in the model and does not run.
+        let c = w.apply(pod("a", "client-1", "10.244.1.13", "client"));
+        assert_eq!(c.compiled, 1, "only the policy whose peers changed runs");
+        assert_eq!(c.dispatch_changed, 0);
+        assert_eq!(c.changes.len(), 1);
+        let (key, Some(rules)) = &c.changes[0] else { panic!("{:?}", c.changes) };
+        assert_eq!(key.to_string(), "networkpolicy:a/p");
+        let old = &before.iter().find(|(k, _)| k == key).unwrap().1;
+        assert_eq!(old.chains, rules.chains, "chains untouched");
+        assert_eq!(rules.sets["pol/a/p/ingress/0/peers/v4"].elements.len(), 2);
+        // An unrelated pod: nothing runs.
+        let c = w.apply(pod("a", "batch-0", "10.244.1.20", "batch"));
+        assert_eq!((c.compiled, c.changes.len()), (0, 0));
+    }
+
+    #[test]
+    fn policies_on_one_pod_combine_and_removal_is_ordered_after_the_dispatch_change() {
+        let mut w = World::new();
+        w.apply(policy("p", "web", 1));
+        let c = w.apply(policy("q", "web", 1));
+        let dispatch = c.changes.iter().find_map(|(k, r)| k.namespace.starts_with("networkpolicy-dispatch").then_some(r)).unwrap();
+        assert_eq!(
+            dispatch.as_ref().unwrap().chains["polpod/10.244.1.10/ingress"],
+            vec!["jump pol/a/p/ingress", "jump pol/a/q/ingress", "counter drop comment \"deny\""]
+        );
+        let c = w.delete_policy("q");
+        assert_eq!(
+            keys(&c),
+            vec![("networkpolicy-dispatch:/10.244.1.10/ingress".to_string(), true), ("networkpolicy:a/q".to_string(), false)]
+        );
+        // The tombstone goes for good on the next call.
+        let c = w.apply(pod("a", "batch-0", "10.244.1.20", "batch"));
+        assert_eq!(c.changes.len(), 1);
+        assert!(c.changes[0].1.is_none() && c.changes[0].0.to_string() == "networkpolicy:a/q");
+        // The last policy going: the dispatch object goes too (the pod is open again).
+        let c = w.delete_policy("p");
+        assert_eq!(
+            keys(&c),
+            vec![("networkpolicy-dispatch:/10.244.1.10/ingress".to_string(), false), ("networkpolicy:a/p".to_string(), false)]
+        );
+        assert!(c.changes[0].1.is_none());
+    }
+
+    #[test]
+    fn audit_mode_changes_dispatch_only_and_counts_would_be_drops() {
+        let mut w = World::new();
+        w.apply(policy("p", "web", 1));
+        let c = w.controller.set_audit(&ObjectKey::new("a", "p"), true);
+        assert_eq!(c.changes.len(), 1);
+        let chain = &c.changes[0].1.as_ref().unwrap().chains["polpod/10.244.1.10/ingress"];
+        assert!(chain.last().unwrap().ends_with("accept comment \"audit\""), "{chain:?}");
+        let listing = "chain polpod/10.244.1.10/ingress {\n jump pol/a/p/ingress\n counter packets 4 bytes 240 log prefix \"x\" accept comment \"audit\"\n}\n";
+        assert_eq!(w.controller.drop_counts(listing), BTreeMap::from([(ObjectKey::new("a", "p"), (0, 4))]));
+        let status = w.controller.status(&w.model);
+        assert!(status[0].audit && status[0].enforced_generation == Some(1) && status[0].ingress_targets == 1);
+        assert!(w.controller.set_audit(&ObjectKey::new("a", "p"), true).changes.is_empty(), "no change, nothing written");
+    }
+
+    #[test]
+    fn a_declined_policy_keeps_its_last_good_rules() {
+        let mut w = World::new();
+        w.apply(policy("p", "web", 1));
+        let ClusterObject::NetworkPolicy(mut bad) = policy("p", "web", 2) else { unreachable!() };
+        bad.ingress.as_mut().unwrap()[0].peers[0] = PolicyPeer {
+            pod_selector: None,
+            namespace_selector: None,
+            ip_block: Some(wasmplane_model::IpBlock { cidr: "nonsense".into(), except: vec![] }),
+        };
+        let c = w.apply(ClusterObject::NetworkPolicy(bad));
+        assert_eq!((c.failed, c.changes.len()), (1, 0));
+        let status = w.controller.status(&w.model);
+        assert_eq!((status[0].enforced_generation, status[0].desired_generation), (Some(1), 2));
+        assert!(status[0].error.as_deref().unwrap().contains("nonsense"), "{status:?}");
+        let c = w.apply(policy("p", "web", 3));
+        assert_eq!(c.compiled, 1);
+        assert!(w.controller.status(&w.model)[0].error.is_none());
+    }
+}

@@ -1,1 +1,445 @@
-//! Validation and rendering of network-policy output (issue 6): filled in by the policy work.
+//! The nftables side of network policy: validating a policy guest's output, composing the
+//! per-pod dispatch chains, and the host's static part (maps and base chains).
+//!
+//! Shape, in the same `inet wasmplane` table and through the same [`ObjectRules`] /
+//! `object_delta` writer as services:
+//!
+//! ```text
+//! forward hook, priority 0   policy-egress:  ct established,related accept; ip saddr vmap @pod-egress
+//! input hook,   priority 0   policy-egress-local: the same, for pod → node traffic
+//! forward hook, priority 10  policy-ingress: ct established,related accept; ip daddr vmap @pod-ingress
+//!   @pod-egress / @pod-ingress (and …6): pod address → goto polpod/<addr>/<direction>
+//!   polpod/<addr>/<direction>: jump pol/<ns>/<policy>/<direction> for every policy selecting
+//!                              the pod, then `counter drop` (or, audit: log + count + accept)
+//!   pol/<ns>/<policy>/…:       the guest's chains: accept what the policy allows, else return
+//! ```
+//!
+//! Egress and ingress are separate base chains because `accept` ends only the base chain it
+//! is reached from: a packet an egress policy accepts must still meet the destination's
+//! ingress policies. Peer pods live in the policy's named sets, so a peer appearing or
+//! changing its address is an element delta (`object_delta` keeps sets whose declaration is
+//! unchanged and writes only element differences).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::net::IpAddr;
+
+use serde::Serialize;
+use wasmplane_model::ObjectKey;
+use wasmplane_runtime::wit;
+
+use super::{FAMILY, InvalidOutput, ObjectRules, TABLE, Validator};
+
+/// Prefix of every policy's objects: `pol/<namespace>/<name>`.
+pub const POLICY_PREFIX: &str = "pol";
+/// Prefix of the host-built per-pod dispatch chains: `polpod/<address>/<direction>`.
+pub const DISPATCH_PREFIX: &str = "polpod";
+/// Limits on one policy's output beyond the runtime's output cap.
+const MAX_CHAINS: usize = 64;
+const MAX_SETS: usize = 4096;
+const MAX_SET_ELEMENTS: usize = 65_536;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Direction {
+    Ingress,
+    Egress,
+}
+
+impl Direction {
+    pub fn name(self) -> &'static str {
+        match self {
+            Direction::Ingress => "ingress",
+            Direction::Egress => "egress",
+        }
+    }
+    /// The host map of this direction for an address family.
+    pub fn map(self, v6: bool) -> &'static str {
+        match (self, v6) {
+            (Direction::Ingress, false) => "pod-ingress",
+            (Direction::Ingress, true) => "pod-ingress6",
+            (Direction::Egress, false) => "pod-egress",
+            (Direction::Egress, true) => "pod-egress6",
+        }
+    }
+    fn from_map(name: &str) -> Option<Direction> {
+        match name {
+            "pod-ingress" => Some(Direction::Ingress),
+            "pod-egress" => Some(Direction::Egress),
+            _ => None,
+        }
+    }
+}
+
+/// The chain prefix a policy's objects must live under.
+pub fn policy_prefix(key: &ObjectKey) -> String {
+    format!("{POLICY_PREFIX}/{}/{}", key.namespace, key.name)
+}
+
+/// Whether a chain or set name is one the policy side manages (not static, may go stale).
+pub fn is_policy_object(name: &str) -> bool {
+    name.starts_with("pol/") || name.starts_with("polpod/")
+}
+
+/// The dataplane key of a policy's objects. Namespaces cannot contain `:`, so these never
+/// collide with a service's key in the writer's one map of objects.
+pub fn policy_object_key(key: &ObjectKey) -> ObjectKey {
+    ObjectKey::new(format!("networkpolicy:{}", key.namespace), &key.name)
+}
+
+/// The dataplane key of one pod address's dispatch chain in one direction.
+pub fn dispatch_object_key(direction: Direction, addr: &IpAddr) -> ObjectKey {
+    ObjectKey::new("networkpolicy-dispatch:", format!("{addr}/{}", direction.name()))
+}
+
+/// A dispatch chain's name: IPv6 colons are not identifier characters, dashes are.
+pub fn dispatch_chain(direction: Direction, addr: &IpAddr) -> String {
+    format!("{DISPATCH_PREFIX}/{}/{}", addr.to_string().replace(':', "-"), direction.name())
+}
+
+/// One policy's validated output: its chains and sets (no map elements: the host composes
+/// those), and which of its chains each selected local pod address jumps to.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PolicyRules {
+    pub rules: ObjectRules,
+    pub targets: BTreeMap<(Direction, IpAddr), String>,
+}
+
+/// Validates and renders one policy's output. `local_addresses`: the addresses of the local
+/// pods the policy selects, the only ones its map elements may name (a guest cannot take
+/// over another pod's traffic). Chains may only accept, return or fall through (a drop in
+/// one policy would cut what another allows: policies combine as a union), and may not
+/// rewrite or remember packets.
+pub fn validate_policy_output(
+    key: &ObjectKey,
+    out: &wit::Ruleset,
+    local_addresses: &BTreeSet<IpAddr>,
+) -> Result<PolicyRules, InvalidOutput> {
+    let object = format!("networkpolicy {key}");
+    let prefix = policy_prefix(key);
+    let fail = |reason: String| Err(InvalidOutput { object: object.clone(), reason });
+    if out.chains.len() > MAX_CHAINS {
+        return fail(format!("{} chains (limit {MAX_CHAINS})", out.chains.len()));
+    }
+    if out.sets.len() > MAX_SETS {
+        return fail(format!("{} sets (limit {MAX_SETS})", out.sets.len()));
+    }
+    if let Some(set) = out.sets.iter().find(|s| s.elements.len() > MAX_SET_ELEMENTS) {
+        return fail(format!("set {:?} has {} elements (limit {MAX_SET_ELEMENTS})", set.name, set.elements.len()));
+    }
+    if let Some(set) = out.sets.iter().find(|s| s.timeout_seconds.is_some()) {
+        return fail(format!("set {:?}: policy sets hold peers, they do not expire", set.name));
+    }
+    for chain in &out.chains {
+        for rule in &chain.rules {
+            match &rule.verdict {
+                wit::Verdict::None | wit::Verdict::Accept | wit::Verdict::Return | wit::Verdict::Jump(_) | wit::Verdict::Goto(_) => {}
+                other => return fail(format!("chain {:?}: verdict {other:?} (policy chains accept or fall through)", chain.name)),
+            }
+            if let Some(s) = rule.statements.iter().find(|s| !matches!(s, wit::RuleStatement::Counter | wit::RuleStatement::Log(_))) {
+                return fail(format!("chain {:?}: statement {s:?} is not allowed in a policy", chain.name));
+            }
+        }
+    }
+    // Everything else (names under the prefix, addresses, references) as for services:
+    // render chains and sets through the shared validator, without the map elements.
+    let without_elements =
+        wit::Ruleset { chains: out.chains.clone(), sets: out.sets.clone(), map_elements: vec![], warnings: out.warnings.clone() };
+    let rules = validate_rendered(&object, &prefix, &without_elements)?;
+    let mut targets = BTreeMap::new();
+    for element in &out.map_elements {
+        let Some(direction) = Direction::from_map(&element.map_name) else {
+            return fail(format!("unknown map {:?} (known: pod-ingress, pod-egress)", element.map_name));
+        };
+        let [wit::KeyPart::Address(a)] = element.key.as_slice() else {
+            return fail(format!("map {:?}: key {:?} is not one address", element.map_name, element.key));
+        };
+        let Ok(addr) = a.parse::<IpAddr>() else { return fail(format!("{a:?} is not an IP address")) };
+        if !local_addresses.contains(&addr) {
+            return fail(format!("map {:?}: {addr} is not a local pod this policy selects", element.map_name));
+        }
+        let (wit::Verdict::Jump(chain) | wit::Verdict::Goto(chain)) = &element.verdict else {
+            return fail(format!("map {:?}: verdict {:?} (must jump to one of the policy's chains)", element.map_name, element.verdict));
+        };
+        if !rules.chains.contains_key(chain) {
+            return fail(format!("map {:?}: target chain {chain:?} is not declared by this policy", element.map_name));
+        }
+        if targets.insert((direction, addr), chain.clone()).is_some() {
+            return fail(format!("map {:?}: {addr} given twice", element.map_name));
+        }
+    }
+    Ok(PolicyRules { rules, targets })
+}
+
+fn validate_rendered(object: &str, prefix: &str, out: &wit::Ruleset) -> Result<ObjectRules, InvalidOutput> {
+    let mut v = Validator { object, prefix, chains: BTreeSet::new(), sets: BTreeMap::new() };
+    for chain in &out.chains {
+        v.own_name("chain", &chain.name)?;
+        if !v.chains.insert(&chain.name) {
+            return v.fail(format!("chain {:?} declared twice", chain.name));
+        }
+        if chain.rules.len() > super::MAX_RULES_PER_CHAIN {
+            return v.fail(format!("chain {:?} has {} rules (limit {})", chain.name, chain.rules.len(), super::MAX_RULES_PER_CHAIN));
+        }
+    }
+    let mut rules =
+        ObjectRules { warnings: out.warnings.iter().take(32).map(|w| w.chars().take(256).collect()).collect(), ..Default::default() };
+    for set in &out.sets {
+        v.own_name("set", &set.name)?;
+        if v.sets.insert(&set.name, set.family).is_some() || v.chains.contains(set.name.as_str()) {
+            return v.fail(format!("set {:?} declared twice", set.name));
+        }
+        let ty = if set.family == wit::AddressFamily::Ipv4 { "ipv4_addr" } else { "ipv6_addr" };
+        let mut elements = BTreeSet::new();
+        for e in &set.elements {
+            let addr = v.address(e)?;
+            if (set.family == wit::AddressFamily::Ipv4) != addr.is_ipv4() {
+                return v.fail(format!("set {:?}: element {e} has the wrong address family", set.name));
+            }
+            elements.insert(addr.to_string());
+        }
+        rules.sets.insert(set.name.clone(), super::SetRules { declaration: format!("type {ty};"), elements, expires: false });
+    }
+    for chain in &out.chains {
+        let rendered = chain.rules.iter().map(|r| v.rule(r)).collect::<Result<Vec<_>, _>>()?;
+        rules.chains.insert(chain.name.clone(), rendered);
+    }
+    Ok(rules)
+}
+
+/// One policy selecting a pod address in one direction, as the dispatch chain sees it.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct DispatchEntry {
+    /// The policy's chain for this address and direction.
+    pub chain: String,
+    pub audit: bool,
+}
+
+/// Log prefix of audit-mode would-be drops (the kernel log line starts with it).
+pub const AUDIT_LOG_PREFIX: &str = "wasmplane-policy-audit";
+
+/// The dispatch object of one pod address in one direction: the chain that applies the
+/// union of every policy selecting it, and the map element pointing the address at it.
+/// `entries` empty: no policy selects the address (the object goes away; traffic passes).
+///
+/// Enforcing policies decide: their chains are jumped to, then the rest is dropped (and
+/// counted). When only audit-mode policies select the address, their chains are tried the
+/// same way, but what none allows is counted, logged and accepted: the would-be drops.
+/// (With an enforcing policy present, an audit policy changes nothing: its would-be drops
+/// are dropped anyway, its allowances are not granted.)
+pub fn dispatch_object(direction: Direction, addr: &IpAddr, entries: &[DispatchEntry]) -> Option<ObjectRules> {
+    if entries.is_empty() {
+        return None;
+    }
+    let chain = dispatch_chain(direction, addr);
+    let enforcing: BTreeSet<&str> = entries.iter().filter(|e| !e.audit).map(|e| e.chain.as_str()).collect();
+    let mut rules: Vec<String> = Vec::new();
+    if enforcing.is_empty() {
+        let audited: BTreeSet<&str> = entries.iter().map(|e| e.chain.as_str()).collect();
+        rules.extend(audited.iter().map(|c| format!("jump {c}")));
+        rules.push(format!("counter log prefix \"{AUDIT_LOG_PREFIX} {} {addr}: \" accept comment \"audit\"", direction.name()));
+    } else {
+        rules.extend(enforcing.iter().map(|c| format!("jump {c}")));
+        rules.push("counter drop comment \"deny\"".to_string());
+    }
+    let mut object = ObjectRules::default();
+    object.elements.insert((direction.map(addr.is_ipv6()).to_string(), addr.to_string()), format!("goto {chain}"));
+    object.chains.insert(chain, rules);
+    Some(object)
+}
+
+/// The host maps of the policy side.
+pub const POLICY_MAPS: [(&str, &str); 4] =
+    [("pod-ingress", "ipv4_addr"), ("pod-ingress6", "ipv6_addr"), ("pod-egress", "ipv4_addr"), ("pod-egress6", "ipv6_addr")];
+
+/// The policy side's static part of the table (maps and base chains), for `nft::skeleton`
+/// to include. `flush_first`: also empty the maps (a full sync refills them in the same
+/// transaction; `flush table` does not empty maps).
+pub fn skeleton(out: &mut String, flush_first: bool) {
+    let t = format!("{FAMILY} {TABLE}");
+    for (name, ty) in POLICY_MAPS {
+        writeln!(out, "add map {t} {name} {{ type {ty} : verdict; }}").unwrap();
+    }
+    let established = "ct state established,related accept";
+    let base: [(&str, &str, [&str; 3]); 3] = [
+        (
+            "policy-egress",
+            "type filter hook forward priority 0; policy accept;",
+            [established, "ip saddr vmap @pod-egress", "ip6 saddr vmap @pod-egress6"],
+        ),
+        // Pod → node: egress policies govern it as well (ipBlock of the node's address).
+        (
+            "policy-egress-local",
+            "type filter hook input priority 0; policy accept;",
+            [established, "ip saddr vmap @pod-egress", "ip6 saddr vmap @pod-egress6"],
+        ),
+        (
+            "policy-ingress",
+            "type filter hook forward priority 10; policy accept;",
+            [established, "ip daddr vmap @pod-ingress", "ip6 daddr vmap @pod-ingress6"],
+        ),
+    ];
+    for (name, hook, _) in &base {
+        writeln!(out, "add chain {t} {name} {{ {hook} }}").unwrap();
+    }
+    if flush_first {
+        for (map, _) in POLICY_MAPS {
+            writeln!(out, "flush map {t} {map}").unwrap();
+        }
+    }
+    for (name, _, rules) in &base {
+        writeln!(out, "flush chain {t} {name}").unwrap();
+        for rule in rules {
+            writeln!(out, "add rule {t} {name} {rule}").unwrap();
+        }
+    }
+}
+
+/// Counters of the dispatch chains' final rules in a `nft list table` listing: per
+/// dispatch chain, the packets dropped (`deny`) or, in audit mode, that would have been.
+pub fn final_rule_counters(listing: &str) -> BTreeMap<String, (bool, u64)> {
+    let mut out = BTreeMap::new();
+    let mut chain: Option<String> = None;
+    for line in listing.lines().map(str::trim) {
+        if let Some(rest) = line.strip_prefix("chain ") {
+            let name = rest.trim_end_matches(" {").trim_matches('"');
+            chain = name.starts_with(&format!("{DISPATCH_PREFIX}/")).then(|| name.to_string());
+            continue;
+        }
+        let Some(name) = &chain else { continue };
+        let audit = line.ends_with("comment \"audit\"");
+        if !(audit || line.ends_with("comment \"deny\"")) {
+            continue;
+        }
+        let words: Vec<&str> = line.split_whitespace().collect();
+        if let Some(packets) = words.windows(2).find(|w| w[0] == "packets").and_then(|w| w[1].parse::<u64>().ok()) {
+            out.insert(name.clone(), (audit, packets));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key() -> ObjectKey {
+        ObjectKey::new("a", "p")
+    }
+
+    fn addr(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    fn accept(matches: Vec<wit::RuleMatch>) -> wit::Rule {
+        wit::Rule { matches, statements: vec![], verdict: wit::Verdict::Accept, comment: None }
+    }
+
+    fn output() -> wit::Ruleset {
+        wit::Ruleset {
+            chains: vec![wit::Chain {
+                name: "pol/a/p/ingress".into(),
+                rules: vec![accept(vec![
+                    wit::RuleMatch::SourceInSet("pol/a/p/ingress/0/peers/v4".into()),
+                    wit::RuleMatch::Protocol(wit::Protocol::Tcp),
+                    wit::RuleMatch::DestinationPortRange((8000, 8010)),
+                ])],
+            }],
+            sets: vec![wit::SetDeclaration {
+                name: "pol/a/p/ingress/0/peers/v4".into(),
+                family: wit::AddressFamily::Ipv4,
+                timeout_seconds: None,
+                elements: vec!["10.244.1.12".into()],
+            }],
+            map_elements: vec![wit::MapElement {
+                map_name: "pod-ingress".into(),
+                key: vec![wit::KeyPart::Address("10.244.1.10".into())],
+                verdict: wit::Verdict::Jump("pol/a/p/ingress".into()),
+            }],
+            warnings: vec![],
+        }
+    }
+
+    fn local() -> BTreeSet<IpAddr> {
+        [addr("10.244.1.10")].into()
+    }
+
+    #[test]
+    fn valid_output_renders_chains_sets_and_targets() {
+        let p = validate_policy_output(&key(), &output(), &local()).unwrap();
+        assert_eq!(
+            p.rules.chains["pol/a/p/ingress"],
+            vec!["ip saddr @pol/a/p/ingress/0/peers/v4 meta l4proto tcp th dport 8000-8010 accept"]
+        );
+        let set = &p.rules.sets["pol/a/p/ingress/0/peers/v4"];
+        assert_eq!(set.declaration, "type ipv4_addr;");
+        assert_eq!(set.elements, BTreeSet::from(["10.244.1.12".to_string()]));
+        assert!(p.rules.elements.is_empty(), "map elements are composed by the host");
+        assert_eq!(p.targets, BTreeMap::from([((Direction::Ingress, addr("10.244.1.10")), "pol/a/p/ingress".to_string())]));
+    }
+
+    #[test]
+    fn output_beyond_the_policy_is_refused() {
+        let refused = |f: &dyn Fn(&mut wit::Ruleset), why: &str| {
+            let mut out = output();
+            f(&mut out);
+            let err = validate_policy_output(&key(), &out, &local()).expect_err(why);
+            assert!(err.to_string().contains("networkpolicy a/p"), "{err}");
+            err.reason
+        };
+        let r = refused(&|o| o.map_elements[0].key = vec![wit::KeyPart::Address("10.244.9.9".into())], "another pod's address");
+        assert!(r.contains("not a local pod"), "{r}");
+        let r = refused(&|o| o.chains[0].name = "svc/a/web/x".into(), "a chain outside the prefix");
+        assert!(r.contains("outside"), "{r}");
+        let r = refused(&|o| o.chains[0].rules[0].verdict = wit::Verdict::Drop, "a drop");
+        assert!(r.contains("Drop"), "{r}");
+        refused(
+            &|o| o.chains[0].rules[0].statements.push(wit::RuleStatement::Dnat(wit::DnatTarget { address: "1.1.1.1".into(), port: 1 })),
+            "dnat",
+        );
+        refused(&|o| o.map_elements[0].map_name = "service-ips".into(), "a service map");
+        refused(&|o| o.map_elements[0].verdict = wit::Verdict::Accept, "accept in the map");
+        refused(&|o| o.map_elements[0].verdict = wit::Verdict::Jump("pol/a/p/other".into()), "undeclared target");
+        refused(&|o| o.sets[0].elements.push("fd00::1".into()), "wrong family");
+        refused(&|o| o.sets[0].timeout_seconds = Some(5), "expiring set");
+        refused(&|o| o.chains[0].rules[0].matches.push(wit::RuleMatch::SourceInSet("pol/a/p/nope".into())), "undeclared set");
+        refused(
+            &|o| o.chains.extend((0..MAX_CHAINS).map(|i| wit::Chain { name: format!("pol/a/p/c{i}"), rules: vec![] })),
+            "too many chains",
+        );
+        // A policy named like another's prefix: `pol/a/p` does not own `pol/a/pq`.
+        refused(&|o| o.chains[0].name = "pol/a/pq/ingress".into(), "a sibling's prefix");
+    }
+
+    #[test]
+    fn dispatch_is_the_union_of_enforcing_policies_then_drop() {
+        let a = addr("10.244.1.10");
+        let entries = vec![
+            DispatchEntry { chain: "pol/a/q/ingress".into(), audit: false },
+            DispatchEntry { chain: "pol/a/p/ingress".into(), audit: false },
+            DispatchEntry { chain: "pol/a/r/ingress".into(), audit: true },
+        ];
+        let o = dispatch_object(Direction::Ingress, &a, &entries).unwrap();
+        assert_eq!(
+            o.chains["polpod/10.244.1.10/ingress"],
+            vec!["jump pol/a/p/ingress", "jump pol/a/q/ingress", "counter drop comment \"deny\""]
+        );
+        assert_eq!(o.elements[&("pod-ingress".to_string(), "10.244.1.10".to_string())], "goto polpod/10.244.1.10/ingress");
+        let audit_only = dispatch_object(Direction::Egress, &addr("fd00::a"), &entries[2..]).unwrap();
+        let chain = &audit_only.chains["polpod/fd00--a/egress"];
+        assert_eq!(chain[0], "jump pol/a/r/ingress");
+        assert!(chain[1].starts_with("counter log prefix") && chain[1].ends_with("accept comment \"audit\""), "{chain:?}");
+        assert!(audit_only.elements.contains_key(&("pod-egress6".to_string(), "fd00::a".to_string())));
+        assert!(dispatch_object(Direction::Egress, &a, &[]).is_none());
+    }
+
+    #[test]
+    fn counters_are_read_from_a_listing() {
+        let listing = "table inet wasmplane {\n\tchain polpod/10.244.1.10/ingress {\n\t\tjump pol/a/p/ingress\n\t\tcounter packets 7 bytes 420 drop comment \"deny\"\n\t}\n\tchain polpod/10.244.1.11/egress {\n\t\tcounter packets 2 bytes 120 log prefix \"wasmplane-policy-audit egress 10.244.1.11: \" accept comment \"audit\"\n\t}\n\tchain svc/x {\n\t\tcounter packets 9 bytes 1 drop comment \"deny\"\n\t}\n}\n";
+        let c = final_rule_counters(listing);
+        assert_eq!(
+            c,
+            BTreeMap::from([("polpod/10.244.1.10/ingress".to_string(), (false, 7)), ("polpod/10.244.1.11/egress".to_string(), (true, 2))])
+        );
+    }
+}
