@@ -230,11 +230,15 @@ impl PolicyController {
     fn run(&mut self, cluster: &ClusterState, model: &NodeLocalModel, work: Vec<(ObjectKey, Option<Arc<PolicyView>>)>) -> PolicyChanges {
         let mut out = PolicyChanges::default();
         self.take_tombstones(&mut out);
-        // Policies that kept emptied chains last time get their clean rules now.
+        // Policies that kept emptied chains last time get their clean rules now (no dispatch
+        // chain jumps to those any more). One compiled again below is written whatever
+        // its output: pushing it here too would put its deletions before this call's
+        // dispatch changes (the writer handles an object at its first mention).
+        let mut force_write: BTreeSet<ObjectKey> = BTreeSet::new();
         for key in std::mem::take(&mut self.unclean) {
-            if let Some(c) = self.compiled.get(&key)
-                && !work.iter().any(|(k, _)| *k == key)
-            {
+            if work.iter().any(|(k, _)| *k == key) {
+                force_write.insert(key);
+            } else if let Some(c) = self.compiled.get(&key) {
                 out.changes.push((render::policy_object_key(&key), Some(c.rules.rules.clone())));
             }
         }
@@ -270,7 +274,7 @@ impl PolicyController {
                         .map(|c| c.rules.rules.chains.keys().filter(|n| !rules.rules.chains.contains_key(*n)).cloned().collect())
                         .unwrap_or_default();
                     let unchanged = self.compiled.get(&key).is_some_and(|c| c.rules == rules);
-                    if !unchanged {
+                    if !unchanged || force_write.contains(&key) {
                         let mut written = rules.rules.clone();
                         if !dropped_chains.is_empty() {
                             // Dispatch chains may still jump to them until later in this
@@ -298,6 +302,9 @@ impl PolicyController {
                     out.failed += 1;
                     tracing::warn!(policy = %key, module = %self.module, "network policy not compiled, last good rules stay: {e}");
                     self.errors.insert(key.clone(), e);
+                    if force_write.contains(&key) {
+                        self.unclean.insert(key.clone());
+                    }
                 }
             }
         }
@@ -530,6 +537,27 @@ mod tests {
             vec![("networkpolicy-dispatch:/10.244.1.10/ingress".to_string(), false), ("networkpolicy:a/p".to_string(), false)]
         );
         assert!(c.changes[0].1.is_none());
+    }
+
+    #[test]
+    fn a_dropped_chain_stays_empty_until_no_dispatch_chain_jumps_to_it() {
+        let mut w = World::new();
+        w.apply(policy("p", "web", 1));
+        // policyTypes Ingress → Egress: the ingress chain goes, the pod's ingress dispatch too.
+        let ClusterObject::NetworkPolicy(mut egress) = policy("p", "web", 2) else { unreachable!() };
+        egress.egress = egress.ingress.take();
+        egress.egress.as_mut().unwrap()[0].peers.clear();
+        let c = w.apply(ClusterObject::NetworkPolicy(egress.clone()));
+        let object = c.changes[0].1.as_ref().unwrap();
+        assert_eq!(c.changes[0].0.to_string(), "networkpolicy:a/p", "the policy first: its new chain is jumped to");
+        assert_eq!(object.chains["pol/a/p/ingress"], Vec::<String>::new(), "kept, empty, while the old dispatch may jump to it");
+        assert!(object.chains.contains_key("pol/a/p/egress"));
+        // Compiled again with the same output: written anyway, clean.
+        egress.generation = 3;
+        let c = w.apply(ClusterObject::NetworkPolicy(egress));
+        let object = c.changes.iter().find(|(k, _)| k.to_string() == "networkpolicy:a/p").unwrap().1.as_ref().unwrap();
+        assert!(!object.chains.contains_key("pol/a/p/ingress"), "{:?}", object.chains.keys());
+        assert!(w.controller.objects().iter().all(|(_, r)| !r.chains.contains_key("pol/a/p/ingress")));
     }
 
     #[test]
