@@ -8,6 +8,7 @@
 //! - `change <service-index>` → `ok`: the EndpointSlice write (new endpoint in, oldest out)
 //! - `finish` → `ok`: the replaced endpoint's pod deleted
 //! - `churn <ops-per-second> <seconds>` → `done <ops> <writes>`
+//! - `noop <ops-per-second> <seconds>` → `done <ops> <writes>`: pod label changes only
 //! - `quit`
 
 use std::io::{BufRead as _, Write as _};
@@ -81,13 +82,19 @@ pub fn serve(spec: Spec) -> anyhow::Result<()> {
                 pending = None;
                 writeln!(out, "ok")?;
             }
-            ["churn", rate, seconds] => {
+            [verb @ ("churn" | "noop"), rate, seconds] => {
                 let (rate, seconds): (f64, f64) = (rate.parse()?, seconds.parse()?);
                 let interval = Duration::from_secs_f64(1.0 / rate);
                 let start = Instant::now();
                 let (mut ops, mut writes) = (0u64, 0usize);
                 while start.elapsed().as_secs_f64() < seconds {
-                    writes += apply(&server, cluster.churn_op())?;
+                    let op = if *verb == "churn" {
+                        cluster.churn_op()
+                    } else {
+                        let i = cluster.pick();
+                        cluster.label_change(i)
+                    };
+                    writes += apply(&server, op)?;
                     ops += 1;
                     // Paced against the start, so slow writes do not lower the rate.
                     let next = interval * ops as u32;

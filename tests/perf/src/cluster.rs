@@ -335,14 +335,17 @@ impl Cluster {
                 w.extend(self.replace_finish(gone));
                 w
             }
-            _ => {
-                let svc = &mut self.services[i];
-                svc.label_version += 1;
-                let k = self.rng.below(self.services[i].endpoints.len());
-                let pod = self.services[i].endpoints[k].clone();
-                vec![Write::Put(Kind::Pod, self.pod_obj(i, &pod))]
-            }
+            _ => self.label_change(i),
         }
+    }
+
+    /// A label change on one pod of service `i` that no service or policy selects on (the
+    /// pod's `version` label): an event that should change nothing.
+    pub fn label_change(&mut self, i: usize) -> Vec<Write> {
+        self.services[i].label_version += 1;
+        let k = self.rng.below(self.services[i].endpoints.len());
+        let pod = self.services[i].endpoints[k].clone();
+        vec![Write::Put(Kind::Pod, self.pod_obj(i, &pod))]
     }
 }
 

@@ -12,6 +12,8 @@
 //! that size's alone; the cluster (test API server, generator, churn) runs in a third
 //! process, so the host's RSS and CPU are the host's.
 
+#![recursion_limit = "256"]
+
 mod apiserver;
 mod cluster;
 mod worker;
@@ -190,6 +192,7 @@ fn table(results: &[Value]) -> String {
         ("  model revisions / events", Box::new(|v| format!("{} / {} = {:.1}%", v["churn_revisions"], v["churn_events"], 100.0 * f(v, "churn_revisions") / f(v, "churn_events")))),
         ("  nft transactions; drained after churn end (s)", Box::new(|v| format!("{}; {:.2}{}", v["churn_syncs"], f(v, "churn_drain_s"), if v["churn_converged"] == true { "" } else { " (not converged)" }))),
         ("  CPU s per 1,000 events: host process / nft processes", Box::new(|v| format!("{:.3} / {:.3}", f(v, "cpu_per_1k_events_s"), f(v, "nft_cpu_per_1k_events_s")))),
+        ("no-op events (pod label changes nothing selects, same rate): revisions / events; transactions", Box::new(|v| format!("{} / {} = {:.1}%; {}", v["noop_revisions"], v["noop_events"], 100.0 * f(v, "noop_revisions") / f(v, "noop_events"), v["noop_syncs"]))),
         ("host RSS: steady after sync / end (MiB)", Box::new(|v| format!("{} / {}", mib(v, "rss_steady_kib"), mib(v, "rss_end_kib")))),
         ("host peak RSS (VmHWM): after sync / end (MiB)", Box::new(|v| format!("{} / {}", mib(v, "hwm_sync_kib"), mib(v, "hwm_end_kib")))),
     ];

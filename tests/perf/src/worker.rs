@@ -307,6 +307,16 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
     let after = counters(&host);
     let churn_events = after.events - before.events;
     eprintln!("[{}] churn: {ops} ops, {writes} writes, {churn_events} events, {} revisions, {} syncs; drained {drain:.2} s after", o.services, after.revisions - before.revisions, after.syncs - before.syncs);
+
+    // Events that should change nothing: pod label changes no service or policy selects on,
+    // at the same rate, for a third of the churn time.
+    let before_noop = counters(&host);
+    let noop_seconds = (o.churn_seconds / 3.0).max(1.0);
+    let reply = cluster.call(&format!("noop {} {noop_seconds}", o.churn_rate))?;
+    let noop_writes: u64 = reply[2].parse()?;
+    let noop_converged = settle(&host, before_noop.events + noop_writes, Duration::from_secs(600)).await;
+    let after_noop = counters(&host);
+    eprintln!("[{}] no-op events: {} events, {} revisions, {} syncs", o.services, after_noop.events - before_noop.events, after_noop.revisions - before_noop.revisions, after_noop.syncs - before_noop.syncs);
     let (rss_end, hwm_end) = memory();
 
     let ruleset_lines = match &netns {
@@ -336,6 +346,8 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
         "churn_statements": after.statements - before.statements,
         "churn_converged": converged, "churn_drain_s": drain,
         "churn_guest_s": after.guest_seconds - before.guest_seconds,
+        "noop_seconds": noop_seconds, "noop_events": after_noop.events - before_noop.events, "noop_revisions": after_noop.revisions - before_noop.revisions,
+        "noop_syncs": after_noop.syncs - before_noop.syncs, "noop_converged": noop_converged,
         "cpu_per_1k_events_s": per_k(cpu3 - cpu2), "nft_cpu_per_1k_events_s": per_k(child_cpu3 - child_cpu2),
         "rss_before_host_kib": rss_before, "rss_steady_kib": rss_steady, "rss_end_kib": rss_end,
         "hwm_sync_kib": hwm_sync, "hwm_end_kib": hwm_end,
