@@ -515,3 +515,87 @@ fn audit_mode_counts_would_be_drops_without_enforcing() {
     let (dropped, _) = node.controller.drop_counts(&node.topology.table()).get(&key).copied().unwrap_or_default();
     assert!(dropped > 0, "enforced drops are counted");
 }
+
+/// Scale, measured (not asserted beyond sanity): `cargo test -p wasmplane --test
+/// policy_traffic -- --ignored --nocapture`. 5k pods in 50 namespaces over 50 nodes (100 on
+/// this one), N policies each selecting one app in its namespace and allowing another app
+/// from half the namespaces (namespace selector) on one port: full compile + write, then one
+/// pod label change (a remote peer; a local target) to enforcement, with rules written.
+#[test]
+#[ignore]
+fn scale_policies_over_5k_pods() {
+    require_root!();
+    for policies in [1_000usize, 10_000] {
+        let topology = Topology::new("npsc");
+        let runtime = Runtime::new(Limits::default(), None).unwrap();
+        let module = runtime.load_policy("default-network-policy", wasmplane_guest_artifacts::NETWORK_POLICY, 8 << 20).unwrap();
+        let mut controller = PolicyController::new(&module);
+        let mut dataplane = Dataplane::new(Box::new(NftCommand::new(topology.nft_command(), vec![])));
+        dataplane.full_sync(Some(BTreeMap::new())).unwrap();
+        let mut cluster = ClusterState::new();
+        let mut model = NodeLocalModel::new("node-a", vec!["10.244.0.0/16".into()]);
+        // This node's pods (every 50th) spread over every namespace and app.
+        let app_of = |i: usize| (i / 50 + i) % 10;
+        let pod_at = |i: usize, app: usize| Pod {
+            namespace: format!("ns{}", (i / 50) % 50),
+            name: format!("pod{i}"),
+            ips: vec![format!("10.244.{}.{}", i / 250, i % 250 + 1)],
+            node_name: Some(format!("node-{}", if i % 50 == 0 { "a".to_string() } else { (i % 50).to_string() })),
+            labels: labels(&[("app", &format!("app{app}"))]),
+            ports: vec![],
+            host_network: false,
+        };
+        let mut objects: Vec<ClusterObject> = (0..50)
+            .map(|n| {
+                ClusterObject::Namespace(Namespace {
+                    name: format!("ns{n}"),
+                    labels: labels(&[("team", if n % 2 == 0 { "even" } else { "odd" })]),
+                })
+            })
+            .collect();
+        objects.extend((0..5000).map(|i| ClusterObject::Pod(pod_at(i, app_of(i)))));
+        objects.extend((0..policies).map(|p| {
+            ClusterObject::NetworkPolicy(policy(
+                &format!("ns{}", p % 50),
+                &format!("pol{p}"),
+                sel(&[("app", &format!("app{}", p % 10))]),
+                Some(vec![rule(
+                    vec![port(Protocol::Tcp, PolicyPortNumber::Number(8000 + (p % 100) as u16), None)],
+                    vec![peer(Some(sel(&[("app", &format!("app{}", (p + 1) % 10))])), Some(sel(&[("team", "even")])))],
+                )]),
+                None,
+            ))
+        }));
+        let started = std::time::Instant::now();
+        let touched = cluster.replace_all(objects, "node-a");
+        let update = model.update(&cluster, &touched);
+        let modelled = started.elapsed();
+        let changes = controller.apply(&cluster, &model, &update);
+        let compiled_in = started.elapsed() - modelled;
+        let (compiled, objects) = (changes.compiled, changes.changes.len());
+        let stats = dataplane.sync(changes.changes).unwrap();
+        let total = started.elapsed();
+        eprintln!(
+            "{policies} policies / 5000 pods: model {modelled:?}, {compiled} policies compiled (local targets) in {compiled_in:?}, {objects} objects, {} statements written, total {total:?}",
+            stats.statements
+        );
+        assert!(compiled > 0 && stats.statements > 0);
+
+        // Pod 1: remote, app1 in ns0 (even), a peer of the local policies selecting app0;
+        // it becomes app2. Pod 50: local, app1 in ns1; it becomes app3.
+        for (what, i, app) in [("remote peer pod relabelled", 1usize, 2usize), ("local target pod relabelled", 50, 3)] {
+            assert_ne!(app_of(i), app);
+            let started = std::time::Instant::now();
+            let touched = cluster.apply(ClusterEvent::Upsert(ClusterObject::Pod(pod_at(i, app))), "node-a");
+            let update = model.update(&cluster, &touched);
+            let changes = controller.apply(&cluster, &model, &update);
+            let (compiled, objects) = (changes.compiled, changes.changes.len());
+            let stats = dataplane.sync(changes.changes).unwrap();
+            eprintln!(
+                "  {what}: {compiled} policies compiled, {objects} objects, {} statements written, enforced after {:?}",
+                stats.statements,
+                started.elapsed()
+            );
+        }
+    }
+}
