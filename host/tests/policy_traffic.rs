@@ -481,6 +481,58 @@ fn egress_ip_blocks_named_ports_and_port_ranges() {
 }
 
 #[test]
+fn a_policy_changing_type_and_targets_in_place() {
+    require_root!();
+    let mut node = Node::new("npfl");
+    // a.web: ingress denied.
+    let mut flip = policy("a", "flip", sel(&[("app", "web")]), Some(vec![]), None);
+    node.set_policies(vec![flip.clone()]);
+    let ingress_denied = [
+        "-11 111 111",
+        ".-1 111 111",
+        ".1- 111 111",
+        ".11 -11 111",
+        ".11 1-1 111",
+        ".11 11- 111",
+        ".11 111 -11",
+        ".11 111 1-1",
+        ".11 111 11-",
+    ];
+    node.assert_matrix("a.web ingress denied", ingress_denied, ingress_denied);
+    // The same policy becomes Egress-only (its ingress chain goes while a dispatch chain
+    // still jumped to it) and selects a.db too: one update, written in one transaction.
+    flip.generation = 2;
+    flip.ingress = None;
+    flip.egress = Some(vec![]);
+    flip.pod_selector = LabelSelector {
+        match_labels: Labels::new(),
+        match_expressions: vec![SelectorRequirement {
+            key: "app".into(),
+            operator: SelectorOperator::In,
+            values: vec!["web".into(), "db".into()],
+        }],
+    };
+    node.upsert(ClusterObject::NetworkPolicy(flip));
+    let egress_denied = [
+        "-.. ... ...",
+        ".-. ... ...",
+        "11- 111 111",
+        "111 -11 111",
+        "111 1-1 111",
+        "111 11- 111",
+        "111 111 -11",
+        "111 111 1-1",
+        "111 111 11-",
+    ];
+    node.assert_matrix("a.web and a.db egress denied", egress_denied, egress_denied);
+    // The emptied ingress chain is gone after the next change.
+    assert!(node.topology.table().contains("pol/a/flip/ingress"), "kept, empty, for one transaction");
+    node.upsert(namespace("c", "red"));
+    let table = node.topology.table();
+    assert!(!table.contains("pol/a/flip/ingress") && table.contains("pol/a/flip/egress"), "{table}");
+}
+
+#[test]
 fn audit_mode_counts_would_be_drops_without_enforcing() {
     require_root!();
     let mut node = Node::new("npau");
