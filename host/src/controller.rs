@@ -446,7 +446,10 @@ impl Controller {
         if changes.is_empty() {
             return Ok(());
         }
-        match self.dataplane.sync(changes) {
+        let started = Instant::now();
+        let result = self.dataplane.sync(changes);
+        self.metrics.dataplane_sync_seconds.observe(started.elapsed().as_secs_f64());
+        match result {
             Ok(stats) => {
                 self.metrics.syncs.get_or_create(&crate::metrics::ResultLabels { result: "ok".into() }).inc();
                 self.metrics.sync_statements.inc_by(stats.statements as u64);

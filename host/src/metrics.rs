@@ -30,6 +30,8 @@ pub struct Metrics {
     pub revisions: Counter,
     pub guest_calls: Family<GuestLabels, Counter>,
     pub guest_call_seconds: Histogram,
+    /// One dataplane transaction, guest calls excluded (nft's share of a change).
+    pub dataplane_sync_seconds: Histogram,
     pub invalid_outputs: Counter,
     pub syncs: Family<ResultLabels, Counter>,
     pub sync_statements: Counter,
@@ -48,6 +50,7 @@ impl Metrics {
             revisions: Counter::default(),
             guest_calls: Family::default(),
             guest_call_seconds: Histogram::new(exponential_buckets(0.000_01, 4.0, 10)),
+            dataplane_sync_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
             invalid_outputs: Counter::default(),
             syncs: Family::default(),
             sync_statements: Counter::default(),
@@ -62,6 +65,7 @@ impl Metrics {
         registry.register("model_revisions", "Node-local model revisions produced", m.revisions.clone());
         registry.register("guest_calls", "Guest calls by module and result", m.guest_calls.clone());
         registry.register("guest_call_seconds", "Duration of one guest call", m.guest_call_seconds.clone());
+        registry.register("dataplane_sync_seconds", "Duration of one incremental dataplane transaction", m.dataplane_sync_seconds.clone());
         registry.register("guest_invalid_outputs", "Guest outputs rejected by validation", m.invalid_outputs.clone());
         registry.register("dataplane_syncs", "Dataplane transactions by result", m.syncs.clone());
         registry.register("dataplane_statements", "nftables statements written", m.sync_statements.clone());
