@@ -466,7 +466,7 @@ impl Dataplane {
             let sets: HashSet<&str> = next.values().flat_map(|r| r.sets.keys().map(String::as_str)).collect();
             let stale_chains: Vec<String> =
                 kernel_chains.into_iter().filter(|c| !nft::is_static_chain(c) && !chains.contains(c.as_str())).collect();
-            let stale_sets: Vec<String> = kernel_sets.into_iter().filter(|s| s.starts_with("svc/") && !sets.contains(s.as_str())).collect();
+            let stale_sets: Vec<String> = kernel_sets.into_iter().filter(|s| (s.starts_with("svc/") || nft::policy::is_policy_object(s)) && !sets.contains(s.as_str())).collect();
             (stale_chains, stale_sets)
         };
         let transaction = nft::full_transaction(next.values().map(|r| &**r), &stale_chains, &stale_sets);

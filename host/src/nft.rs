@@ -482,7 +482,7 @@ pub fn skeleton(out: &mut String, flush_first: bool) {
 
 /// Static chain names (never deleted by reconciliation).
 pub fn is_static_chain(name: &str) -> bool {
-    !name.starts_with("svc/")
+    !name.starts_with("svc/") && !policy::is_policy_object(name)
 }
 
 fn add_set(out: &mut String, name: &str, set: &SetRules) {

@@ -124,5 +124,9 @@ async fn a_policy_from_the_cluster_is_enforced_audited_and_follows_labels() {
     assert!(gone, "the status of a policy this node no longer has is removed");
     cluster.put_file("pods.yaml", &pods("other"));
     support::cluster::wait_for("other reaches web again", Duration::from_secs(10), || reaches(&other), |r| *r);
+    // After a full reconcile nothing of the policy is left in the kernel.
+    host.controller.lock().unwrap().reconcile().unwrap();
+    let chains = topo.nft(&["list", "chains", "inet"]).unwrap();
+    assert!(!chains.contains("pol/default/web-from-client") && !chains.contains("polpod/"), "{chains}");
     host.stop().await;
 }
