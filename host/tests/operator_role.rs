@@ -100,12 +100,29 @@ async fn two_replicas_elect_one_leader_and_the_other_takes_over() {
         assert_eq!(leaders().await, (a_leads, b_leads), "leadership changed without a reason");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // Two agents' realization of one policy, aggregated by the leader and served by it.
+    let mut np = k8s_openapi::api::networking::v1::NetworkPolicy::default();
+    np.metadata.name = Some("web".into());
+    np.metadata.namespace = Some("shop".into());
+    let uid = server.create(&np).unwrap().metadata.uid.unwrap();
+    let kv: std::sync::Arc<dyn KvStore> = KvstoreConfig::Etcd(vec![etcd.endpoint()]).open(None).await.unwrap();
+    for (node, status) in [("node-1", r#"{"generation":1}"#), ("node-2", r#"{"generation":1,"error":"guest trapped"}"#)] {
+        kv.put(&format!("/wasmplane/policystatus/{uid}/shop/web/{node}"), Bytes::copy_from_slice(status.as_bytes()), None).await.unwrap();
+    }
+    let leader_host = if a_leads { &a } else { &b };
+    let summary = eventually("the leader's summary", Duration::from_secs(10), || async {
+        let r = reqwest::get(format!("{}/v1/policies/shop/web/status", leader_host.url())).await.unwrap();
+        if r.status() == StatusCode::OK { r.json::<Value>().await.unwrap() } else { Value::Null }
+    }, |s| !s.is_null())
+    .await;
+    let text = summary.to_string();
+    assert!(text.contains("node-2") && text.contains("guest trapped"), "the failing node is named: {summary}");
+
     let (leader, follower) = if a_leads { (a, b) } else { (b, a) };
     let follower_identity = if a_leads { "operator-b" } else { "operator-a" };
     leader.stop().await;
     // The follower takes over within about one lease duration (2 s) and writes the heartbeat.
     eventually("the follower leads", Duration::from_secs(8), || operator_state(&follower), |s| s["leader"] == true).await;
-    let kv: std::sync::Arc<dyn KvStore> = KvstoreConfig::Etcd(vec![etcd.endpoint()]).open(None).await.unwrap();
     let _ = eventually("the new leader's heartbeat", Duration::from_secs(5), || kv.get(HEARTBEAT_KEY), |hb| {
         hb.as_ref().is_ok_and(|v| v.as_ref().is_some_and(|v| String::from_utf8_lossy(&v.value).contains(follower_identity)))
     })
