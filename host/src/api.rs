@@ -176,7 +176,12 @@ struct PoliciesQuery {
 /// The policies this node enforces: generation, audit mode, targets, errors.
 async fn list_policies(State(state): State<ApiState>, Query(query): Query<PoliciesQuery>) -> ApiResult<Response> {
     let body = with_controller(&state, move |c| {
-        let counts = if query.counters.unwrap_or(false) { Some(c.policy_drop_counts()?) } else { None };
+        let counts = if query.counters.unwrap_or(false) {
+            c.refresh_policy_metrics(true)?;
+            Some(c.policy_drop_counts()?)
+        } else {
+            None
+        };
         let policies: Vec<Value> = c
             .policies()
             .into_iter()
@@ -249,6 +254,9 @@ async fn cluster_nodes(State(state): State<ApiState>) -> ApiResult<Response> {
 }
 
 async fn metrics(State(state): State<ApiState>) -> impl IntoResponse {
+    // Audit-mode gauges are cheap: fresh at every scrape (the packet counts are read by
+    // the periodic task, or by `GET /v1/policies?counters=true`).
+    let _ = with_controller(&state, |c| c.refresh_policy_metrics(false)).await;
     ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], state.metrics.encode())
 }
 

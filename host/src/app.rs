@@ -369,7 +369,18 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
             loop {
                 ticker.tick().await;
                 let controller = controller.clone();
-                let result = tokio::task::spawn_blocking(move || controller.lock().unwrap_or_else(|p| p.into_inner()).reconcile()).await;
+                let result = tokio::task::spawn_blocking(move || {
+                    let mut controller = controller.lock().unwrap_or_else(|p| p.into_inner());
+                    // Would-be drops of audited policies reach /metrics once per interval
+                    // (reading the counters lists the whole table: only when asked for).
+                    if controller.any_policy_audited()
+                        && let Err(e) = controller.refresh_policy_metrics(true)
+                    {
+                        tracing::warn!("reading policy counters: {e}");
+                    }
+                    controller.reconcile()
+                })
+                .await;
                 if let Ok(Err(e)) = result {
                     tracing::error!("periodic reconcile failed: {e}");
                 }

@@ -385,6 +385,32 @@ impl Controller {
         Ok(self.policy.drop_counts(&listing))
     }
 
+    /// Puts each policy's audit mode, and with `counters` its drops and would-be drops (one
+    /// `nft list table`), into the metrics.
+    pub fn refresh_policy_metrics(&mut self, counters: bool) -> Result<(), HostError> {
+        use crate::metrics::{PolicyLabels, PolicyPacketLabels};
+        self.metrics.policy_audit.clear();
+        for p in self.policy.status(&self.model) {
+            self.metrics.policy_audit.get_or_create(&PolicyLabels { namespace: p.namespace.clone(), name: p.name.clone() }).set(i64::from(p.audit));
+        }
+        if counters {
+            let counts = self.policy_drop_counts()?;
+            self.metrics.policy_packets.clear();
+            for (key, (dropped, would_drop)) in counts {
+                for (verdict, packets) in [("dropped", dropped), ("would_drop", would_drop)] {
+                    let labels = PolicyPacketLabels { namespace: key.namespace.clone(), name: key.name.clone(), verdict: verdict.into() };
+                    self.metrics.policy_packets.get_or_create(&labels).set(packets as i64);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether any policy is in audit mode here (then the counters are worth reading).
+    pub fn any_policy_audited(&self) -> bool {
+        self.policy.status(&self.model).iter().any(|p| p.audit)
+    }
+
     /// Which generation of each policy this node enforces.
     pub fn policy_realization(&self) -> BTreeMap<ObjectKey, u64> {
         self.policy.realization()

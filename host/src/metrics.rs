@@ -20,6 +20,20 @@ pub struct ModuleLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PolicyLabels {
+    pub namespace: String,
+    pub name: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PolicyPacketLabels {
+    pub namespace: String,
+    pub name: String,
+    /// `dropped` (enforced) or `would_drop` (audit mode).
+    pub verdict: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabels {
     pub result: String,
 }
@@ -40,6 +54,10 @@ pub struct Metrics {
     pub policies: Gauge,
     pub local_pods: Gauge,
     pub auto_rollbacks: Family<ModuleLabels, Counter>,
+    /// 1 while a policy is in audit mode on this node.
+    pub policy_audit: Family<PolicyLabels, Gauge>,
+    /// Packets a policy dropped or would have dropped, as of the last read of the kernel's counters.
+    pub policy_packets: Family<PolicyPacketLabels, Gauge>,
 }
 
 impl Metrics {
@@ -59,6 +77,8 @@ impl Metrics {
             policies: Gauge::default(),
             local_pods: Gauge::default(),
             auto_rollbacks: Family::default(),
+            policy_audit: Family::default(),
+            policy_packets: Family::default(),
             registry: Registry::default(),
         };
         registry.register("model_events", "Cluster events received by the model", m.events.clone());
@@ -74,6 +94,8 @@ impl Metrics {
         registry.register("model_policies", "Network policies that select pods on this node", m.policies.clone());
         registry.register("model_local_pods", "Pods on this node", m.local_pods.clone());
         registry.register("module_auto_rollbacks", "Modules rolled back after exhausting their crash budget", m.auto_rollbacks.clone());
+        registry.register("policy_audit_mode", "1 while the policy is in audit mode on this node (would-be drops counted, not enforced)", m.policy_audit.clone());
+        registry.register("policy_packets", "Packets the policy dropped, or in audit mode would have dropped (last read of the kernel's counters)", m.policy_packets.clone());
         Metrics { registry, ..m }
     }
 

@@ -100,6 +100,13 @@ async fn a_policy_from_the_cluster_is_enforced_audited_and_follows_labels() {
     let counted = policies(&host, "?counters=true").await;
     assert!(counted["policies"][0]["audit_would_drop_packets"].as_u64().unwrap_or(0) > 0, "would-be drops are counted: {counted}");
     assert_eq!(counted["policies"][0]["audit"], true);
+    let metrics = reqwest::get(format!("{}/metrics", host.url())).await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("wasmplane_policy_audit_mode{namespace=\"default\",name=\"web-from-client\"} 1"), "{metrics}");
+    let would_drop = metrics
+        .lines()
+        .find(|l| l.starts_with("wasmplane_policy_packets{") && l.contains("web-from-client") && l.contains("would_drop"))
+        .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok());
+    assert!(would_drop.is_some_and(|n| n > 0), "would-be drops in /metrics: {metrics}");
     let unauthenticated = client_http.post(format!("{}/v1/policies/audit?enabled=true", host.url())).send().await.unwrap();
     assert_eq!(unauthenticated.status(), StatusCode::UNAUTHORIZED, "audit changes need the token");
     assert_eq!(audit(false).await.unwrap().status(), StatusCode::OK);
