@@ -493,7 +493,8 @@ fn add_set(out: &mut String, name: &str, set: &SetRules) {
     out.push_str(" }\n");
 }
 
-fn add_object(out: &mut String, rules: &ObjectRules) {
+/// An object's sets and (empty) chains.
+fn declare_object(out: &mut String, rules: &ObjectRules) {
     let t = format!("{FAMILY} {TABLE}");
     for (name, set) in &rules.sets {
         add_set(out, name, set);
@@ -501,6 +502,11 @@ fn add_object(out: &mut String, rules: &ObjectRules) {
     for name in rules.chains.keys() {
         writeln!(out, "add chain {t} {name}").unwrap();
     }
+}
+
+/// An object's rules (its chains and every chain they jump to must be declared).
+fn fill_object(out: &mut String, rules: &ObjectRules) {
+    let t = format!("{FAMILY} {TABLE}");
     for (name, chain) in &rules.chains {
         for rule in chain {
             writeln!(out, "add rule {t} {name} {rule}").unwrap();
@@ -529,8 +535,13 @@ pub fn full_transaction<'a>(
     let mut out = String::new();
     // One atomic batch: flushing and refilling leaves no window without rules.
     skeleton(&mut out, true);
+    // Every object's chains before any rule: one object's rules may jump to another's
+    // (a pod's policy dispatch chain to each policy's chain).
     for rules in objects.clone() {
-        add_object(&mut out, rules);
+        declare_object(&mut out, rules);
+    }
+    for rules in objects.clone() {
+        fill_object(&mut out, rules);
     }
     for rules in objects {
         add_elements(&mut out, rules.elements.iter());

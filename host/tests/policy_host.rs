@@ -72,6 +72,10 @@ async fn a_policy_from_the_cluster_is_enforced_audited_and_follows_labels() {
     wait_applied(&host, "the policy", |t| t.contains(&format!("{WEB} : jump")) || t.contains(&format!("{WEB} : goto")));
     assert!(reaches(&client), "client is allowed");
     assert!(!reaches(&other), "other is not: default deny for the selected pod");
+    // A full reconcile rewrites the policy side too (dispatch chains jump to policy chains
+    // of other objects: all declared before any rule).
+    host.controller.lock().unwrap().reconcile().expect("a full sync with policies in force");
+    assert!(reaches(&client) && !reaches(&other), "the same after a full reconcile");
     let listed = policies(&host, "").await;
     let policy = &listed["policies"][0];
     assert_eq!((policy["name"].as_str(), policy["enforced_generation"].as_u64(), policy["audit"].as_bool()), (Some("web-from-client"), Some(1), Some(false)), "{listed}");

@@ -270,3 +270,17 @@ fn conntrack_cleanup_follows_the_dnat_targets_a_service_lost() {
     assert!(sctp.iter().all(|f| f.protocol == "sctp"));
     assert!(conntrack_cleanup(&udp_service(Protocol::Tcp, &["10.244.0.11", "10.244.0.12"]), &udp_service(Protocol::Tcp, &["10.244.0.11"])).is_empty());
 }
+
+#[test]
+fn a_full_transaction_declares_every_chain_before_any_rule_jumps() {
+    // Object "a" sorts first and jumps to a chain of object "b" (as a pod's dispatch chain
+    // jumps to each policy's chain): "b"'s chain must exist before "a"'s rule.
+    let mut a = ObjectRules::default();
+    a.chains.insert("polpod/10.244.0.1/ingress".into(), vec!["jump pol/ns/p/ingress".into()]);
+    let mut b = ObjectRules::default();
+    b.chains.insert("pol/ns/p/ingress".into(), vec!["ip saddr 10.244.0.2 accept".into()]);
+    let text = full_transaction([&a, &b].into_iter(), &[], &[]);
+    let declared = text.find("add chain inet wasmplane pol/ns/p/ingress").expect("declared");
+    let jumped = text.find("jump pol/ns/p/ingress").expect("the jump");
+    assert!(declared < jumped, "{text}");
+}
