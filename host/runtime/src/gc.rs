@@ -11,11 +11,11 @@
 use std::sync::Arc;
 
 use wasmtime::component::{Component, InstancePre};
-use wasmtime::{Store, Trap};
+use wasmtime::Store;
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 
-use crate::host::{GuestState, NoLookups};
-use crate::{CallError, EPOCH_TICK, GuestKind, Limits, LoadError, ModuleInfo, Runtime};
+use crate::host::{GuestState, NoLookups, classify, deadline_ticks, new_store};
+use crate::{CallError, GuestKind, Limits, LoadError, ModuleInfo, Runtime};
 
 mod bindings {
     wasmtime::component::bindgen!({
@@ -31,8 +31,6 @@ mod bindings {
 pub use bindings::exports::wasmplane::dataplane::gc::{Candidate, CandidateKind};
 use bindings::{GarbageCollection, GarbageCollectionPre};
 
-/// Bytes of guest stderr kept for error messages (panic messages land there).
-const STDERR_CAPTURE: usize = 4096;
 
 /// A validated, compiled GC component ready to instantiate.
 pub struct GcModule {
@@ -115,29 +113,11 @@ pub struct GcSession {
 }
 
 impl GcSession {
-    fn deadline_ticks(&self) -> u64 {
-        self.limits
-            .call_timeout
-            .as_nanos()
-            .div_ceil(EPOCH_TICK.as_nanos())
-            .max(1) as u64
-    }
 
     fn instantiate(&mut self) -> Result<&mut LiveInstance, CallError> {
         if self.live.is_none() {
-            let stderr = MemoryOutputPipe::new(STDERR_CAPTURE);
             // GC guests import no lookups: nothing to query.
-            let state = GuestState::new(
-                self.name.clone(),
-                self.limits.memory_bytes,
-                self.limits.table_elements,
-                Arc::new(NoLookups),
-                stderr.clone(),
-            );
-            let mut store = Store::new(&self.engine, state);
-            store.limiter(|s| &mut s.limiter);
-            store.set_epoch_deadline(self.deadline_ticks());
-            store.epoch_deadline_trap();
+            let (mut store, stderr) = new_store(&self.engine, self.name.clone(), &self.limits, Arc::new(NoLookups));
             let bindings = self
                 .pre
                 .instantiate(&mut store)
@@ -155,7 +135,7 @@ impl GcSession {
     /// instance is dropped and nothing is named.
     pub fn collect(&mut self, candidates: &[Candidate]) -> Result<Vec<String>, CallError> {
         let limits = self.limits.clone();
-        let ticks = self.deadline_ticks();
+        let ticks = deadline_ticks(&limits);
         let live = self.instantiate()?;
         live.store.set_epoch_deadline(ticks);
         let result = live
@@ -176,7 +156,7 @@ impl GcSession {
                     Ok(keys)
                 }
             }
-            Err(e) => Err(classify(e, live, &limits)),
+            Err(e) => Err(classify(e, &live.store, &live.stderr, &limits)),
         };
         if outcome.is_err() {
             self.live = None;
@@ -185,24 +165,6 @@ impl GcSession {
     }
 }
 
-fn classify(error: wasmtime::Error, live: &LiveInstance, limits: &Limits) -> CallError {
-    if live.store.data().limiter.memory_exceeded {
-        return CallError::MemoryLimit(limits.memory_bytes);
-    }
-    if error.downcast_ref::<Trap>() == Some(&Trap::Interrupt) {
-        return CallError::Timeout(limits.call_timeout);
-    }
-    let stderr = String::from_utf8_lossy(&live.stderr.contents())
-        .trim()
-        .to_string();
-    let root = format!("{error:#}");
-    let root = root.lines().next().unwrap_or_default().to_string();
-    if stderr.is_empty() {
-        CallError::Trap(root)
-    } else {
-        CallError::Trap(format!("{root}; guest stderr: {stderr}"))
-    }
-}
 
 #[cfg(test)]
 mod tests {

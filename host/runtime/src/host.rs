@@ -174,3 +174,49 @@ pub(crate) fn linker(engine: &Engine) -> wasmtime::Result<Linker<GuestState>> {
     ServiceTranslation::add_to_linker::<_, HasSelf<_>>(&mut linker, |state| state)?;
     Ok(linker)
 }
+
+/// Bytes of guest stderr kept for error messages (panic messages land there).
+const STDERR_CAPTURE: usize = 4096;
+
+/// A call's time limit in whole epoch ticks.
+pub(crate) fn deadline_ticks(limits: &crate::Limits) -> u64 {
+    limits.call_timeout.as_nanos().div_ceil(crate::EPOCH_TICK.as_nanos()).max(1) as u64
+}
+
+/// A store for one guest instance of any kind: memory limiter, epoch deadline that traps,
+/// and the guest's captured stderr.
+pub(crate) fn new_store(
+    engine: &Engine,
+    name: Arc<str>,
+    limits: &crate::Limits,
+    lookups: Arc<dyn Lookups>,
+) -> (wasmtime::Store<GuestState>, wasmtime_wasi::p2::pipe::MemoryOutputPipe) {
+    let stderr = wasmtime_wasi::p2::pipe::MemoryOutputPipe::new(STDERR_CAPTURE);
+    let state = GuestState::new(name, limits.memory_bytes, limits.table_elements, lookups, stderr.clone());
+    let mut store = wasmtime::Store::new(engine, state);
+    store.limiter(|s| &mut s.limiter);
+    store.set_epoch_deadline(deadline_ticks(limits));
+    store.epoch_deadline_trap();
+    (store, stderr)
+}
+
+/// Why a guest call failed: its memory limit, its time limit, or a trap (with what the guest
+/// wrote to stderr, e.g. a panic message).
+pub(crate) fn classify(
+    error: wasmtime::Error,
+    store: &wasmtime::Store<GuestState>,
+    stderr: &wasmtime_wasi::p2::pipe::MemoryOutputPipe,
+    limits: &crate::Limits,
+) -> crate::CallError {
+    use crate::CallError;
+    if store.data().limiter.memory_exceeded {
+        return CallError::MemoryLimit(limits.memory_bytes);
+    }
+    if error.downcast_ref::<wasmtime::Trap>() == Some(&wasmtime::Trap::Interrupt) {
+        return CallError::Timeout(limits.call_timeout);
+    }
+    let stderr = String::from_utf8_lossy(&stderr.contents()).trim().to_string();
+    let root = format!("{error:#}");
+    let root = root.lines().next().unwrap_or_default().to_string();
+    if stderr.is_empty() { CallError::Trap(root) } else { CallError::Trap(format!("{root}; guest stderr: {stderr}")) }
+}

@@ -9,12 +9,12 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use wasmtime::component::types::ComponentItem;
 use wasmtime::component::{Component, InstancePre};
-use wasmtime::{Store, Trap};
+use wasmtime::Store;
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 
 use crate::bindings::service::{ServiceTranslation, ServiceTranslationPre};
-use crate::host::{GuestState, Lookups};
-use crate::{CallError, EPOCH_TICK, Limits, Runtime, convert, wit};
+use crate::host::{GuestState, Lookups, classify, deadline_ticks, new_store};
+use crate::{CallError, Limits, Runtime, convert, wit};
 use wasmplane_model::state::{NodeContext, ServiceView};
 
 /// The WIT package every guest world belongs to.
@@ -23,8 +23,6 @@ pub const WIT_PACKAGE: &str = "wasmplane:dataplane";
 pub const WIT_VERSION: &str = "1.0.0";
 const WIT_MAJOR: &str = "1.";
 
-/// Bytes of guest stderr kept for error messages (panic messages land there).
-const STDERR_CAPTURE: usize = 4096;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -265,17 +263,7 @@ pub struct TranslatorSession {
 impl TranslatorSession {
     fn instantiate(&mut self) -> Result<&mut LiveInstance, CallError> {
         if self.live.is_none() {
-            let stderr = MemoryOutputPipe::new(STDERR_CAPTURE);
-            let state = GuestState::new(
-                self.name.clone(),
-                self.limits.memory_bytes,
-                self.limits.table_elements,
-                self.lookups.clone(),
-                stderr.clone(),
-            );
-            let mut store = Store::new(&self.engine, state);
-            store.limiter(|s| &mut s.limiter);
-            self.arm_deadline(&mut store);
+            let (mut store, stderr) = new_store(&self.engine, self.name.clone(), &self.limits, self.lookups.clone());
             let bindings = self.pre.instantiate(&mut store).map_err(|e| CallError::Instantiate(format!("{e:#}")))?;
             self.live = Some(LiveInstance { store, bindings, stderr });
         }
@@ -285,12 +273,6 @@ impl TranslatorSession {
     /// Instantiates now rather than on the first call (benchmarks, warm-up).
     pub fn instantiate_now(&mut self) -> Result<(), CallError> {
         self.instantiate().map(|_| ())
-    }
-
-    fn arm_deadline(&self, store: &mut Store<GuestState>) {
-        let ticks = self.limits.call_timeout.as_nanos().div_ceil(EPOCH_TICK.as_nanos()).max(1) as u64;
-        store.set_epoch_deadline(ticks);
-        store.epoch_deadline_trap();
     }
 
     /// Translates one service. On any error the instance is dropped.
@@ -310,7 +292,7 @@ impl TranslatorSession {
         slices: &[wit::EndpointSlice],
     ) -> Result<wit::Ruleset, CallError> {
         let limits = self.limits.clone();
-        let ticks = limits.call_timeout.as_nanos().div_ceil(EPOCH_TICK.as_nanos()).max(1) as u64;
+        let ticks = deadline_ticks(&limits);
         let live = self.instantiate()?;
         live.store.set_epoch_deadline(ticks);
         let result = live.bindings.wasmplane_dataplane_service_translator().call_translate(
@@ -323,7 +305,7 @@ impl TranslatorSession {
         let outcome = match result {
             Ok(Ok(ruleset)) => check_output_size(&ruleset, &limits).map(|_| ruleset),
             Ok(Err(guest_error)) => Err(CallError::Guest(guest_error.message.chars().take(1024).collect())),
-            Err(e) => Err(classify(e, live, &limits)),
+            Err(e) => Err(classify(e, &live.store, &live.stderr, &limits)),
         };
         if matches!(outcome, Err(ref e) if !matches!(e, CallError::Guest(_))) {
             self.live = None;
@@ -332,18 +314,6 @@ impl TranslatorSession {
     }
 }
 
-fn classify(error: wasmtime::Error, live: &LiveInstance, limits: &Limits) -> CallError {
-    if live.store.data().limiter.memory_exceeded {
-        return CallError::MemoryLimit(limits.memory_bytes);
-    }
-    if error.downcast_ref::<Trap>() == Some(&Trap::Interrupt) {
-        return CallError::Timeout(limits.call_timeout);
-    }
-    let stderr = String::from_utf8_lossy(&live.stderr.contents()).trim().to_string();
-    let root = format!("{error:#}");
-    let root = root.lines().next().unwrap_or_default().to_string();
-    if stderr.is_empty() { CallError::Trap(root) } else { CallError::Trap(format!("{root}; guest stderr: {stderr}")) }
-}
 
 /// Counts the objects and string bytes a call returned.
 pub fn output_cost(r: &wit::Ruleset) -> (usize, usize) {

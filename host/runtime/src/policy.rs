@@ -14,14 +14,14 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 
 use wasmtime::component::{Component, InstancePre};
-use wasmtime::{Store, Trap};
+use wasmtime::Store;
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 
 use wasmplane_model as m;
 use wasmplane_model::state::{NodeContext, PolicyView};
 
-use crate::host::{GuestState, Lookups};
-use crate::{CallError, EPOCH_TICK, GuestKind, Limits, LoadError, ModuleInfo, Runtime, convert, wit};
+use crate::host::{GuestState, Lookups, classify, deadline_ticks, new_store};
+use crate::{CallError, GuestKind, Limits, LoadError, ModuleInfo, Runtime, convert, wit};
 
 mod bindings {
     wasmtime::component::bindgen!({
@@ -39,8 +39,6 @@ mod bindings {
 
 use bindings::{NetworkPolicyEnforcement, NetworkPolicyEnforcementPre};
 
-/// Bytes of guest stderr kept for error messages (panic messages land there).
-const STDERR_CAPTURE: usize = 4096;
 
 /// A validated, compiled network-policy component ready to instantiate.
 pub struct PolicyModule {
@@ -111,24 +109,10 @@ pub struct PolicySession {
 }
 
 impl PolicySession {
-    fn deadline_ticks(&self) -> u64 {
-        self.limits.call_timeout.as_nanos().div_ceil(EPOCH_TICK.as_nanos()).max(1) as u64
-    }
 
     fn instantiate(&mut self) -> Result<&mut LiveInstance, CallError> {
         if self.live.is_none() {
-            let stderr = MemoryOutputPipe::new(STDERR_CAPTURE);
-            let state = GuestState::new(
-                self.name.clone(),
-                self.limits.memory_bytes,
-                self.limits.table_elements,
-                self.lookups.clone(),
-                stderr.clone(),
-            );
-            let mut store = Store::new(&self.engine, state);
-            store.limiter(|s| &mut s.limiter);
-            store.set_epoch_deadline(self.deadline_ticks());
-            store.epoch_deadline_trap();
+            let (mut store, stderr) = new_store(&self.engine, self.name.clone(), &self.limits, self.lookups.clone());
             let bindings = self.pre.instantiate(&mut store).map_err(|e| CallError::Instantiate(format!("{e:#}")))?;
             self.live = Some(LiveInstance { store, bindings, stderr });
         }
@@ -152,7 +136,7 @@ impl PolicySession {
         local_pods: &[wit::Pod],
     ) -> Result<wit::Ruleset, CallError> {
         let limits = self.limits.clone();
-        let ticks = self.deadline_ticks();
+        let ticks = deadline_ticks(&limits);
         let live = self.instantiate()?;
         live.store.set_epoch_deadline(ticks);
         let result =
@@ -160,7 +144,7 @@ impl PolicySession {
         let outcome = match result {
             Ok(Ok(ruleset)) => check_output_size(&ruleset, &limits).map(|_| ruleset),
             Ok(Err(guest_error)) => Err(CallError::Guest(guest_error.message.chars().take(1024).collect())),
-            Err(e) => Err(classify(e, live, &limits)),
+            Err(e) => Err(classify(e, &live.store, &live.stderr, &limits)),
         };
         if matches!(outcome, Err(ref e) if !matches!(e, CallError::Guest(_))) {
             self.live = None;
@@ -180,18 +164,6 @@ fn check_output_size(r: &wit::Ruleset, limits: &Limits) -> Result<(), CallError>
     Ok(())
 }
 
-fn classify(error: wasmtime::Error, live: &LiveInstance, limits: &Limits) -> CallError {
-    if live.store.data().limiter.memory_exceeded {
-        return CallError::MemoryLimit(limits.memory_bytes);
-    }
-    if error.downcast_ref::<Trap>() == Some(&Trap::Interrupt) {
-        return CallError::Timeout(limits.call_timeout);
-    }
-    let stderr = String::from_utf8_lossy(&live.stderr.contents()).trim().to_string();
-    let root = format!("{error:#}");
-    let root = root.lines().next().unwrap_or_default().to_string();
-    if stderr.is_empty() { CallError::Trap(root) } else { CallError::Trap(format!("{root}; guest stderr: {stderr}")) }
-}
 
 // ---- model → WIT ----------------------------------------------------------------------------
 
