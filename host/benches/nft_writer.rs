@@ -8,7 +8,8 @@
 //! - list table: `nft list table` (what every full sync reads to find stale chains/sets);
 //! - reconcile: a periodic full reconcile over the loaded table (list + flush/refill);
 //! - one-service change: one endpoint of one service replaced, `Dataplane::sync` → kernel
-//!   (median of 5, the incremental transaction only).
+//!   (median of 5, the incremental transaction only), as the host writes it (a netlink
+//!   batch, `nft::netlink`), and the same kind of transaction through `nft -f` beside it.
 //!
 //! `cargo bench -p wasmplane --bench nft_writer` (needs root; sizes from
 //! `WASMPLANE_BENCH_SIZES`, default `1000,10000`).
@@ -18,7 +19,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use wasmplane::dataplane::{Dataplane, Kernel as _, NftCommand};
+use wasmplane::dataplane::{Dataplane, Kernel as _, NetlinkNft, NftCommand};
 use wasmplane::nft::{self, ObjectRules};
 use wasmplane_model::state::{LocalEndpoint, LocalSlice, NodeContext, ServiceView};
 use wasmplane_model::*;
@@ -110,9 +111,9 @@ fn main() {
     let mut session = module.translator(Arc::new(NoLookups)).unwrap();
     let ctx = NodeContext { node_name: "node-0".into(), cluster_cidrs: vec!["10.244.0.0/16".into()], ..Default::default() };
 
-    println!("nftables writer, `nft -f` text through `ip netns exec`, each size in a fresh namespace\n");
-    println!("| services | statements | render | `nft -f` (reference) | writer full sync | list table | reconcile | one-service change (median of 5) | change / full load |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("nftables writer: full syncs as `nft -f` text through `ip netns exec`, changes as netlink batches; each size in a fresh namespace\n");
+    println!("| services | statements | render | `nft -f` (reference) | writer full sync | list table | reconcile | one-service change, netlink (median of 5) | same change through `nft -f` | netlink change / full load |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for n in sizes {
         let objects: BTreeMap<ObjectKey, ObjectRules> = (0..n).map(|i| rules(&mut session, &ctx, &view(i, 0))).collect();
         let (document, render) = timed(|| nft::full_transaction(objects.values(), &[], &[]));
@@ -126,7 +127,9 @@ fn main() {
         drop(reference_ns);
 
         let ns = Netns::new(format!("wpbench{}-writer", std::process::id()));
-        let mut dataplane = Dataplane::new(Box::new(NftCommand::new(ns.nft_command(), Vec::new())));
+        let netns = NetlinkNft::netns_of_command(&ns.nft_command());
+        let kernel = NetlinkNft::open(NftCommand::new(ns.nft_command(), Vec::new()), netns.as_deref()).expect("netlink socket");
+        let mut dataplane = Dataplane::new(Box::new(kernel));
         let (result, full) = timed(|| dataplane.full_sync(Some(objects.clone())));
         result.expect("writer full sync");
         let mut lister = NftCommand::new(ns.nft_command(), Vec::new());
@@ -136,26 +139,43 @@ fn main() {
         result.expect("reconcile");
 
         let mut changes = Vec::new();
+        let mut text_changes = Vec::new();
         for k in 0..5 {
             let i = k * n / 5 + 7;
             let mut v = view(i, 0);
             // One endpoint replaced: one endpoint chain goes, one comes, the service chain changes.
             v.slices[0].endpoints[2].addresses = vec![format!("10.250.{}.{}", k, i % 250 + 1)];
             let (key, r) = rules(&mut session, &ctx, &v);
-            let (stats, t) = timed(|| dataplane.sync(vec![(key, Some(r))]).expect("incremental sync"));
+            let (stats, t) = timed(|| dataplane.sync(vec![(key.clone(), Some(r))]).expect("incremental sync"));
             assert!(!stats.full && stats.statements > 0);
             changes.push(t);
+
+            // The same kind of change through `nft -f`, then undone (untimed), so the
+            // writer's view and the kernel stay equal.
+            let applied = dataplane.applied()[&key].clone();
+            v.slices[0].endpoints[1].addresses = vec![format!("10.251.{}.{}", k, i % 250 + 1)];
+            let (_, other) = rules(&mut session, &ctx, &v);
+            let (mut forward, mut back) = (String::new(), String::new());
+            nft::object_delta(&applied, &other, &mut forward);
+            nft::object_delta(&other, &applied, &mut back);
+            let (result, t) = timed(|| lister.apply(&forward));
+            result.expect("change through nft -f");
+            text_changes.push(t);
+            lister.apply(&back).expect("undoing the nft -f change");
         }
         changes.sort();
+        text_changes.sort();
         let change = changes[changes.len() / 2];
+        let text_change = text_changes[text_changes.len() / 2];
         println!(
-            "| {n} | {statements} | {} | {} | {} | {} | {} | {} | {:.3} |",
+            "| {n} | {statements} | {} | {} | {} | {} | {} | {} | {} | {:.4} |",
             fmt(render),
             fmt(reference),
             fmt(full),
             fmt(list),
             fmt(reconcile),
             fmt(change),
+            fmt(text_change),
             change.as_secs_f64() / reference.as_secs_f64()
         );
     }

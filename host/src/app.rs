@@ -12,7 +12,7 @@ use wasmplane_runtime::{Limits, Runtime};
 
 use crate::api::{ApiState, router};
 use crate::controller::{Controller, ControllerConfig};
-use crate::dataplane::{Kernel, NftCommand, Recorder};
+use crate::dataplane::{Kernel, NetlinkNft, NftCommand, Recorder};
 use crate::metrics::Metrics;
 use crate::module_store::ModuleStore;
 use crate::modules::Modules;
@@ -124,6 +124,9 @@ pub struct HostConfig {
     /// How conntrack is run in `nftables` mode (UDP/SCTP flow cleanup), in the same network
     /// namespace as `nft_command`. Empty: `nft_command` with `conntrack` in place of `nft`.
     pub conntrack_command: Vec<String>,
+    /// Send incremental transactions as netlink batches (`nft::netlink`) in the namespace
+    /// `nft_command` runs in; false: every transaction through `nft -f`.
+    pub nft_netlink: bool,
     /// Public keys (files) of which one must have signed every upload; empty: unsigned
     /// uploads are accepted.
     pub trusted_keys: Vec<PathBuf>,
@@ -161,6 +164,7 @@ impl Default for HostConfig {
             manifest_poll: Duration::from_secs(1),
             nft_command: vec!["nft".into()],
             conntrack_command: Vec::new(),
+            nft_netlink: true,
             trusted_keys: Vec::new(),
             grants: None,
             tls: None,
@@ -261,7 +265,15 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
     let dataplane = if operator_role { DataplaneMode::Record } else { config.dataplane };
     let kernel: Box<dyn Kernel> = match dataplane {
         DataplaneMode::Record => Box::new(Recorder::default()),
-        DataplaneMode::Nftables => Box::new(NftCommand::new(config.nft_command.clone(), config.conntrack_command.clone())),
+        DataplaneMode::Nftables => {
+            let text = NftCommand::new(config.nft_command.clone(), config.conntrack_command.clone());
+            if config.nft_netlink {
+                let netns = NetlinkNft::netns_of_command(&config.nft_command);
+                Box::new(NetlinkNft::open(text, netns.as_deref()).with_context(|| format!("opening the nf_tables netlink socket in {}", netns.as_ref().map_or("this network namespace".into(), |p| p.display().to_string())))?)
+            } else {
+                Box::new(text)
+            }
+        }
     };
     let controller_config = ControllerConfig {
         node_name: config.node_name.clone(),

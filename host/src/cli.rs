@@ -90,6 +90,10 @@ pub struct RunArgs {
     /// Seconds between full reconciles of the dataplane.
     #[arg(long, default_value_t = 60)]
     pub reconcile_seconds: u64,
+    /// Write incremental changes with `nft -f` too, instead of netlink batches (full syncs
+    /// always go through `nft -f`).
+    #[arg(long)]
+    pub nft_text_only: bool,
     /// Require every upload to be signed by one of these ed25519 public keys (repeatable;
     /// a file holds one key: 64 hex characters or SPKI PEM). None: signatures not required.
     #[arg(long = "trusted-key", env = "WASMPLANE_TRUSTED_KEYS", value_delimiter = ',')]
@@ -283,6 +287,7 @@ impl RunArgs {
             limits,
             max_module_bytes: self.max_module_bytes,
             reconcile_interval: Duration::from_secs(self.reconcile_seconds.max(1)),
+            nft_netlink: !self.nft_text_only,
             trusted_keys: self.trusted_keys,
             grants: self.grants,
             tls: match (self.tls_cert, self.tls_key) {

@@ -479,6 +479,9 @@ impl Controller {
             Ok(stats) => {
                 self.metrics.syncs.get_or_create(&crate::metrics::ResultLabels { result: "ok".into() }).inc();
                 self.metrics.sync_statements.inc_by(stats.statements as u64);
+                if !stats.path.is_empty() {
+                    self.metrics.dataplane_transactions.get_or_create(&crate::metrics::PathLabels { path: stats.path.into() }).inc();
+                }
                 Ok(())
             }
             Err(e) => {

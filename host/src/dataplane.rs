@@ -55,6 +55,11 @@ pub trait Kernel: Send {
         false
     }
     fn mode(&self) -> &'static str;
+    /// How the last transaction went to the kernel: `netlink`, `nft` (a `nft -f` process)
+    /// or `record`.
+    fn last_path(&self) -> &'static str {
+        self.mode()
+    }
 }
 
 /// Recording mode: renders what would be applied, for hosts without privileges.
@@ -214,6 +219,199 @@ impl Kernel for NftCommand {
     fn mode(&self) -> &'static str {
         "nftables"
     }
+
+    fn last_path(&self) -> &'static str {
+        "nft"
+    }
+}
+
+/// The nftables writer with incremental transactions sent as netlink batches
+/// ([`nft::netlink`]: no `nft` process, no cache fill) and everything else (full syncs,
+/// listings, statements the encoder does not cover, conntrack) through [`NftCommand`].
+/// One transaction always goes through one of the two, whole, so it stays atomic.
+pub struct NetlinkNft {
+    text: NftCommand,
+    socket: netlink_sys::Socket,
+    seq: u32,
+    /// Transactions sent as netlink batches, and those that went through `nft -f`.
+    pub netlink_transactions: u64,
+    pub text_transactions: u64,
+    last_path: &'static str,
+}
+
+/// Largest batch sent on the socket (the socket's send buffer is raised to it); bigger
+/// transactions go through `nft -f`, which splits them itself.
+const MAX_BATCH_BYTES: usize = 8 << 20;
+
+impl NetlinkNft {
+    /// Opens the socket in `netns` (a `/run/netns/NAME` path; `None`: this process's
+    /// namespace), where `text` must run nft too.
+    pub fn open(text: NftCommand, netns: Option<&std::path::Path>) -> std::io::Result<NetlinkNft> {
+        let open = || -> std::io::Result<netlink_sys::Socket> {
+            let mut socket = netlink_sys::Socket::new(netlink_sys::protocols::NETLINK_NETFILTER)?;
+            socket.bind_auto()?;
+            socket.set_cap_ack(true)?;
+            Ok(socket)
+        };
+        let socket = match netns {
+            None => open()?,
+            // A socket belongs to the namespace it was created in: create it on a thread
+            // that entered the namespace (and then ends, so no other work runs there).
+            Some(path) => {
+                let file = std::fs::File::open(path)?;
+                std::thread::scope(|scope| {
+                    scope
+                        .spawn(|| {
+                            use std::os::fd::AsRawFd as _;
+                            // SAFETY: setns on this thread only, with a valid namespace fd.
+                            if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                                return Err(std::io::Error::last_os_error());
+                            }
+                            open()
+                        })
+                        .join()
+                        .unwrap_or_else(|_| Err(std::io::Error::other("namespace thread panicked")))
+                })?
+            }
+        };
+        {
+            use std::os::fd::AsRawFd as _;
+            let size = MAX_BATCH_BYTES as libc::c_int;
+            let set = |option| {
+                // SAFETY: a valid socket and an int option value.
+                unsafe {
+                    libc::setsockopt(socket.as_raw_fd(), libc::SOL_SOCKET, option, (&size as *const libc::c_int).cast(), size_of::<libc::c_int>() as u32)
+                }
+            };
+            // FORCE needs CAP_NET_ADMIN (which writing nftables needs anyway); else the
+            // sysctl's cap applies and big batches fall back to nft.
+            if set(libc::SO_SNDBUFFORCE) != 0 {
+                set(libc::SO_SNDBUF);
+            }
+        }
+        Ok(NetlinkNft { text, socket, seq: 1, netlink_transactions: 0, text_transactions: 0, last_path: "nft" })
+    }
+
+    /// The network namespace `ip netns exec NAME …` runs in, for commands of that form.
+    pub fn netns_of_command(command: &[String]) -> Option<std::path::PathBuf> {
+        match command {
+            [ip, netns, exec, name, ..] if ip.rsplit('/').next() == Some("ip") && netns == "netns" && exec == "exec" => {
+                Some(std::path::Path::new("/run/netns").join(name))
+            }
+            _ => None,
+        }
+    }
+
+    /// Sends a batch; the kernel has processed it when `send` returns, so what is queued
+    /// then are its errors (none: it went in).
+    fn send_batch(&mut self, transaction: &str, batch: nft::netlink::Batch) -> Result<(), WriteError> {
+        self.drain();
+        let sent = self.socket.send(&batch.bytes, 0).map_err(WriteError::Spawn)?;
+        if sent != batch.bytes.len() {
+            return Err(WriteError::Rejected(format!("netlink batch truncated: {sent} of {} bytes sent", batch.bytes.len())));
+        }
+        let errors = self.drain();
+        if errors.is_empty() {
+            return Ok(());
+        }
+        let lines: Vec<&str> = transaction.lines().collect();
+        let described: Vec<String> = errors
+            .iter()
+            .take(8)
+            .map(|(seq, errno)| {
+                let what = batch
+                    .messages
+                    .iter()
+                    .find(|(s, _)| s == seq)
+                    .and_then(|(_, line)| lines.get(*line))
+                    .map_or_else(|| "the transaction".to_string(), |l| format!("{l:?}"));
+                format!("{what}: {}", std::io::Error::from_raw_os_error(*errno))
+            })
+            .collect();
+        Err(WriteError::Rejected(described.join("; ")))
+    }
+
+    /// Reads what the socket has queued without waiting: (sequence number, errno) of every
+    /// error message; a lost message (receive buffer overrun) counts as an error.
+    fn drain(&mut self) -> Vec<(u32, i32)> {
+        let mut errors = Vec::new();
+        loop {
+            let mut buf: Vec<u8> = Vec::with_capacity(64 * 1024);
+            match self.socket.recv(&mut buf, libc::MSG_DONTWAIT) {
+                Ok(0) => break,
+                Ok(_) => {
+                    let mut offset = 0;
+                    while offset + 16 <= buf.len() {
+                        let len = u32::from_ne_bytes(buf[offset..offset + 4].try_into().unwrap()) as usize;
+                        let msg_type = u16::from_ne_bytes(buf[offset + 4..offset + 6].try_into().unwrap());
+                        let seq = u32::from_ne_bytes(buf[offset + 8..offset + 12].try_into().unwrap());
+                        // NLMSG_ERROR: an errno (negative), zero for an acknowledgement.
+                        if msg_type == 2 && offset + 20 <= buf.len() {
+                            let code = i32::from_ne_bytes(buf[offset + 16..offset + 20].try_into().unwrap());
+                            if code != 0 {
+                                errors.push((seq, -code));
+                            }
+                        }
+                        if len < 16 {
+                            break;
+                        }
+                        offset += (len + 3) & !3;
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => {
+                    errors.push((0, e.raw_os_error().unwrap_or(libc::EIO)));
+                    break;
+                }
+            }
+        }
+        errors
+    }
+}
+
+impl Kernel for NetlinkNft {
+    fn apply(&mut self, transaction: &str) -> Result<(), WriteError> {
+        match nft::netlink::encode_transaction(transaction, self.seq) {
+            Ok(batch) if batch.bytes.len() <= MAX_BATCH_BYTES => {
+                self.seq = self.seq.wrapping_add(batch.messages.len() as u32 + 2);
+                self.netlink_transactions += 1;
+                self.last_path = "netlink";
+                self.send_batch(transaction, batch)
+            }
+            outcome => {
+                if let Err(unsupported) = outcome {
+                    tracing::trace!("transaction through nft -f: {unsupported}");
+                }
+                self.text_transactions += 1;
+                self.last_path = "nft";
+                self.text.apply(transaction)
+            }
+        }
+    }
+
+    fn clear_conntrack(&mut self, filters: &[ConntrackFilter]) -> Result<usize, WriteError> {
+        self.text.clear_conntrack(filters)
+    }
+
+    fn list_objects(&mut self) -> Result<(Vec<String>, Vec<String>), WriteError> {
+        self.text.list_objects()
+    }
+
+    fn list_table(&mut self) -> Result<String, WriteError> {
+        self.text.list_table()
+    }
+
+    fn has_table(&mut self) -> bool {
+        self.text.has_table()
+    }
+
+    fn mode(&self) -> &'static str {
+        "nftables"
+    }
+
+    fn last_path(&self) -> &'static str {
+        self.last_path
+    }
 }
 
 /// What is applied, per object, and the map keys each object owns.
@@ -250,6 +448,9 @@ pub struct SyncStats {
     pub statements: usize,
     /// Conntrack deletions (filters) run after the transaction.
     pub conntrack_filters: usize,
+    /// How the transaction reached the kernel (see [`Kernel::last_path`]); empty when
+    /// nothing was written.
+    pub path: &'static str,
 }
 
 impl Dataplane {
@@ -330,13 +531,9 @@ impl Dataplane {
         }
         let empty = ObjectRules::default();
         let mut transaction = String::new();
-        // Objects leaving first, so elements and names they free can be reused by others.
-        olds.sort_by_key(|(k, _)| next.contains_key(k));
-        for (key, old) in &olds {
-            let old = old.as_deref().unwrap_or(&empty);
-            let new = next.get(key).map_or(&empty, |r| r);
-            nft::object_delta(old, new, &mut transaction);
-        }
+        let pairs: Vec<(&ObjectRules, &ObjectRules)> =
+            olds.iter().map(|(key, old)| (old.as_deref().unwrap_or(&empty), next.get(key).map_or(&empty, |r| &**r))).collect();
+        nft::objects_delta(&pairs, &mut transaction);
         let statements = transaction.lines().count();
         let objects = olds.len();
         if statements > 0
@@ -361,7 +558,8 @@ impl Dataplane {
         let conntrack_filters = self.clean_conntrack(cleanup);
         self.last_transaction = transaction;
         self.applied = next;
-        Ok(SyncStats { full: false, objects, statements, conntrack_filters })
+        let path = if statements > 0 { self.kernel.last_path() } else { "" };
+        Ok(SyncStats { full: false, objects, statements, conntrack_filters, path })
     }
 
     /// Runs a conntrack cleanup after a transaction went in. A failure is logged, not
@@ -436,7 +634,7 @@ impl Dataplane {
         if self.held {
             let objects = next.len();
             self.keep_pending(next);
-            return Ok(SyncStats { full: true, objects, statements: 0, conntrack_filters: 0 });
+            return Ok(SyncStats { full: true, objects, statements: 0, conntrack_filters: 0, path: "" });
         }
         self.write_full(next)
     }
@@ -487,7 +685,7 @@ impl Dataplane {
             .flatten()
             .collect();
         let conntrack_filters = self.clean_conntrack(cleanup);
-        let stats = SyncStats { full: true, objects: next.len(), statements: transaction.lines().count(), conntrack_filters };
+        let stats = SyncStats { full: true, objects: next.len(), statements: transaction.lines().count(), conntrack_filters, path: self.kernel.last_path() };
         self.last_transaction = transaction;
         self.in_sync = true;
         self.commit(next);

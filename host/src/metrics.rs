@@ -38,6 +38,12 @@ pub struct ResultLabels {
     pub result: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PathLabels {
+    /// `netlink` (a batch on the host's socket), `nft` (an `nft -f` process) or `record`.
+    pub path: String,
+}
+
 pub struct Metrics {
     pub registry: Registry,
     pub events: Counter,
@@ -49,6 +55,8 @@ pub struct Metrics {
     pub invalid_outputs: Counter,
     pub syncs: Family<ResultLabels, Counter>,
     pub sync_statements: Counter,
+    /// Incremental dataplane transactions by how they reached the kernel.
+    pub dataplane_transactions: Family<PathLabels, Counter>,
     pub module_uploads: Family<ResultLabels, Counter>,
     pub services: Gauge,
     pub policies: Gauge,
@@ -72,6 +80,7 @@ impl Metrics {
             invalid_outputs: Counter::default(),
             syncs: Family::default(),
             sync_statements: Counter::default(),
+            dataplane_transactions: Family::default(),
             module_uploads: Family::default(),
             services: Gauge::default(),
             policies: Gauge::default(),
@@ -85,6 +94,7 @@ impl Metrics {
         registry.register("model_revisions", "Node-local model revisions produced", m.revisions.clone());
         registry.register("guest_calls", "Guest calls by module and result", m.guest_calls.clone());
         registry.register("guest_call_seconds", "Duration of one guest call", m.guest_call_seconds.clone());
+        registry.register("dataplane_transactions", "Incremental dataplane transactions by path (netlink batch, nft process, record)", m.dataplane_transactions.clone());
         registry.register("dataplane_sync_seconds", "Duration of one incremental dataplane transaction", m.dataplane_sync_seconds.clone());
         registry.register("guest_invalid_outputs", "Guest outputs rejected by validation", m.invalid_outputs.clone());
         registry.register("dataplane_syncs", "Dataplane transactions by result", m.syncs.clone());

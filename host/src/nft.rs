@@ -34,6 +34,7 @@
 //! Shape (kube-proxy's nftables mode): static base chains and named verdict maps owned by
 //! the host; per service, chains under the service's own prefix and elements in the maps.
 
+pub mod netlink;
 pub mod policy;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -555,86 +556,114 @@ pub fn full_transaction<'a>(
     out
 }
 
-/// The statements that turn `old` into `new` for one object, in an order the kernel accepts
-/// within one transaction: drop elements, flush old chains, delete what went away, then
-/// declare and fill the new objects, then add elements.
+/// The statements that turn `old` into `new` for one object (see [`objects_delta`]).
+pub fn object_delta(old: &ObjectRules, new: &ObjectRules, out: &mut String) {
+    objects_delta(&[(old, new)], out);
+}
+
+/// What changes between an object's old and new rules.
+struct ObjectChange<'a> {
+    old: &'a ObjectRules,
+    new: &'a ObjectRules,
+    /// Sets kept as they are declared: element deltas only.
+    kept_sets: Vec<(&'a String, &'a SetRules, &'a SetRules)>,
+    /// Sets that go or whose declaration changed.
+    changed_sets: Vec<&'a String>,
+    /// Old chains to flush.
+    flushed: Vec<&'a String>,
+    /// New chains to (re)write.
+    rewrite: Vec<(&'a String, &'a Vec<String>)>,
+}
+
+impl<'a> ObjectChange<'a> {
+    fn new(old: &'a ObjectRules, new: &'a ObjectRules) -> Self {
+        let kept_sets = old
+            .sets
+            .iter()
+            .filter_map(|(name, o)| new.sets.get(name).filter(|n| n.declaration == o.declaration).map(|n| (name, o, n)))
+            .collect();
+        let changed_sets: Vec<&String> =
+            old.sets.iter().filter(|(name, set)| new.sets.get(*name).is_none_or(|n| n.declaration != set.declaration)).map(|(n, _)| n).collect();
+        // A set that goes is referenced by rules that must be flushed before it can go.
+        let touching_sets = !changed_sets.is_empty();
+        let flushed = old.chains.iter().filter(|(name, rules)| touching_sets || new.chains.get(*name) != Some(*rules)).map(|(n, _)| n).collect();
+        let rewrite = new.chains.iter().filter(|(name, rules)| touching_sets || old.chains.get(*name) != Some(*rules)).collect();
+        ObjectChange { old, new, kept_sets, changed_sets, flushed, rewrite }
+    }
+}
+
+/// The statements that turn each `old` into its `new`, in an order the kernel accepts
+/// within one transaction whatever the objects reference of each other (a pod's policy
+/// dispatch chain jumps to policy chains): every object's elements dropped and chains
+/// flushed, then what went away deleted, then new sets and chains declared, then rules,
+/// then elements added.
 ///
 /// A set whose declaration is unchanged keeps existing: only the difference of its elements
 /// is written (`add`/`delete element`), and the chains using it are left alone. Only a set
 /// whose declaration changed (or that went away) is deleted, after flushing the object's
 /// chains (their rules may reference it).
-pub fn object_delta(old: &ObjectRules, new: &ObjectRules, out: &mut String) {
+pub fn objects_delta(pairs: &[(&ObjectRules, &ObjectRules)], out: &mut String) {
     let t = format!("{FAMILY} {TABLE}");
-    for (k @ (map, key), verdict) in &old.elements {
-        if new.elements.get(k) != Some(verdict) {
-            writeln!(out, "delete element {t} {map} {{ {key} }}").unwrap();
+    let changes: Vec<ObjectChange> = pairs.iter().map(|(old, new)| ObjectChange::new(old, new)).collect();
+    for c in &changes {
+        for (k @ (map, key), verdict) in &c.old.elements {
+            if c.new.elements.get(k) != Some(verdict) {
+                writeln!(out, "delete element {t} {map} {{ {key} }}").unwrap();
+            }
+        }
+        for (name, o, n) in &c.kept_sets {
+            let gone: Vec<&str> = o.elements.difference(&n.elements).map(String::as_str).collect();
+            if gone.is_empty() {
+                continue;
+            }
+            let gone = gone.join(", ");
+            if o.expires {
+                // The element may have timed out already, and deleting a missing element fails
+                // the whole transaction: (re-)adding it first makes the delete always valid.
+                writeln!(out, "add element {t} {name} {{ {gone} }}").unwrap();
+            }
+            writeln!(out, "delete element {t} {name} {{ {gone} }}").unwrap();
         }
     }
-    // Sets kept as they are declared: element deltas only.
-    let kept_sets: Vec<(&String, &SetRules, &SetRules)> = old
-        .sets
-        .iter()
-        .filter_map(|(name, o)| new.sets.get(name).filter(|n| n.declaration == o.declaration).map(|n| (name, o, n)))
-        .collect();
-    for (name, o, n) in &kept_sets {
-        let gone: Vec<&str> = o.elements.difference(&n.elements).map(String::as_str).collect();
-        if gone.is_empty() {
-            continue;
-        }
-        let gone = gone.join(", ");
-        if o.expires {
-            // The element may have timed out already, and deleting a missing element fails
-            // the whole transaction: (re-)adding it first makes the delete always valid.
-            writeln!(out, "add element {t} {name} {{ {gone} }}").unwrap();
-        }
-        writeln!(out, "delete element {t} {name} {{ {gone} }}").unwrap();
-    }
-    let changed_chains: Vec<&String> =
-        old.chains.iter().filter(|(name, rules)| new.chains.get(*name) != Some(*rules)).map(|(n, _)| n).collect();
-    let changed_sets: Vec<&String> = old
-        .sets
-        .iter()
-        .filter(|(name, set)| new.sets.get(*name).is_none_or(|n| n.declaration != set.declaration))
-        .map(|(n, _)| n)
-        .collect();
-    // A set that goes is referenced by rules that must be flushed before it can go.
-    let touching_sets = !changed_sets.is_empty();
-    for name in old.chains.keys() {
-        if touching_sets || changed_chains.contains(&name) {
+    for c in &changes {
+        for name in &c.flushed {
             writeln!(out, "flush chain {t} {name}").unwrap();
         }
     }
-    for name in old.chains.keys().filter(|n| !new.chains.contains_key(*n)) {
-        writeln!(out, "delete chain {t} {name}").unwrap();
-    }
-    for name in &changed_sets {
-        writeln!(out, "delete set {t} {name}").unwrap();
-    }
-    for (name, set) in &new.sets {
-        if old.sets.get(name).is_none_or(|o| o.declaration != set.declaration) {
-            add_set(out, name, set);
+    for c in &changes {
+        for name in c.old.chains.keys().filter(|n| !c.new.chains.contains_key(*n)) {
+            writeln!(out, "delete chain {t} {name}").unwrap();
+        }
+        for name in &c.changed_sets {
+            writeln!(out, "delete set {t} {name}").unwrap();
         }
     }
-    for (name, o, n) in &kept_sets {
-        let added: Vec<&str> = n.elements.difference(&o.elements).map(String::as_str).collect();
-        if !added.is_empty() {
-            writeln!(out, "add element {t} {name} {{ {} }}", added.join(", ")).unwrap();
+    for c in &changes {
+        for (name, set) in &c.new.sets {
+            if c.old.sets.get(name).is_none_or(|o| o.declaration != set.declaration) {
+                add_set(out, name, set);
+            }
+        }
+        for (name, o, n) in &c.kept_sets {
+            let added: Vec<&str> = n.elements.difference(&o.elements).map(String::as_str).collect();
+            if !added.is_empty() {
+                writeln!(out, "add element {t} {name} {{ {} }}", added.join(", ")).unwrap();
+            }
+        }
+        for (name, _) in &c.rewrite {
+            writeln!(out, "add chain {t} {name}").unwrap();
         }
     }
-    let rewrite: Vec<(&String, &Vec<String>)> = new
-        .chains
-        .iter()
-        .filter(|(name, rules)| touching_sets || old.chains.get(*name) != Some(*rules))
-        .collect();
-    for (name, _) in &rewrite {
-        writeln!(out, "add chain {t} {name}").unwrap();
-    }
-    for (name, rules) in &rewrite {
-        for rule in *rules {
-            writeln!(out, "add rule {t} {name} {rule}").unwrap();
+    for c in &changes {
+        for (name, rules) in &c.rewrite {
+            for rule in *rules {
+                writeln!(out, "add rule {t} {name} {rule}").unwrap();
+            }
         }
     }
-    add_elements(out, new.elements.iter().filter(|(k, v)| old.elements.get(*k) != Some(*v)));
+    for c in &changes {
+        add_elements(out, c.new.elements.iter().filter(|(k, v)| c.old.elements.get(*k) != Some(*v)));
+    }
 }
 
 /// One conntrack deletion (`conntrack -D` filter): flows of a protocol to a service address

@@ -83,6 +83,9 @@ async fn transactions_apply_to_the_kernel_and_reconcile_repairs_drift() {
     let table = wait_for("scale-down", &|t| !t.contains("10.244.0.12"));
     assert!(table.contains("numgen random mod 2 0 goto svc/shop/web/tcp/http/ep/10.244.0.11/8080"), "{table}");
     assert!(!table.contains("chain svc/shop/web/tcp/http/ep/10.244.0.12/8080"), "{table}");
+    // Incremental changes go in as netlink batches (no nft process; see nft/netlink.rs).
+    let metrics = reqwest::get(format!("{}/metrics", host.url())).await.unwrap().text().await.unwrap();
+    assert!(metrics.lines().any(|l| l.starts_with("wasmplane_dataplane_transactions_total{path=\"netlink\"} ") && !l.ends_with(" 0")), "{metrics}");
 
     // Drift: someone deletes one of our chains; the reconcile puts it back.
     let rendered = host.controller.lock().unwrap().dataplane().render();

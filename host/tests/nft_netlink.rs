@@ -1,0 +1,204 @@
+//! The netlink writer of incremental transactions against `nft -f`: the same transactions
+//! applied in two network namespaces, one through each, must leave tables that `nft list`
+//! prints identically, step after step; a failing transaction must fail whole, naming the
+//! statement, and leave the table as it was.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use support::netns::{Netns, is_root, unique_prefix};
+use wasmplane::dataplane::{Kernel, NetlinkNft, NftCommand};
+use wasmplane::nft::{self, ObjectRules, SetRules};
+
+fn ns_command(ns: &Netns) -> Vec<String> {
+    ["ip", "netns", "exec", &ns.name, "nft"].map(String::from).to_vec()
+}
+
+fn object(chains: &[(&str, &[&str])], sets: &[(&str, &str, &[&str], bool)], elements: &[(&str, &str, &str)]) -> ObjectRules {
+    ObjectRules {
+        chains: chains.iter().map(|(n, rules)| (n.to_string(), rules.iter().map(|r| r.to_string()).collect())).collect(),
+        sets: sets
+            .iter()
+            .map(|(n, decl, elements, expires)| {
+                (n.to_string(), SetRules { declaration: decl.to_string(), elements: elements.iter().map(|e| e.to_string()).collect(), expires: *expires })
+            })
+            .collect(),
+        elements: elements.iter().map(|(m, k, v)| ((m.to_string(), k.to_string()), v.to_string())).collect(),
+        warnings: Vec::new(),
+    }
+}
+
+const AFFINITY: &str = "type ipv4_addr; flags dynamic,timeout; timeout 10800s;";
+
+/// A ClusterIP + NodePort service with affinity and `endpoints` (one chain each).
+fn service_a(endpoints: &[&str]) -> ObjectRules {
+    let n = endpoints.len();
+    let dispatch: Vec<String> = std::iter::once("ip saddr != 10.244.0.0/16 ip daddr 10.96.0.1 meta l4proto tcp th dport 80 jump mark-for-masquerade".to_string())
+        .chain(endpoints.iter().map(|ip| format!("ip saddr @svc/ns/a/ep/{ip}/affinity goto svc/ns/a/ep/{ip}")))
+        .chain(endpoints.iter().enumerate().map(|(i, ip)| format!("numgen random mod {n} == {i} goto svc/ns/a/ep/{ip}")))
+        .collect();
+    let mut rules = ObjectRules::default();
+    rules.chains.insert("svc/ns/a".into(), dispatch);
+    for ip in endpoints {
+        rules.chains.insert(
+            format!("svc/ns/a/ep/{ip}"),
+            vec![
+                format!("ip saddr {ip} jump mark-for-masquerade"),
+                format!("update @svc/ns/a/ep/{ip}/affinity {{ ip saddr timeout 10800s }}"),
+                format!("meta l4proto tcp dnat ip to {ip}:8080"),
+            ],
+        );
+        rules.sets.insert(format!("svc/ns/a/ep/{ip}/affinity"), SetRules { declaration: AFFINITY.into(), elements: BTreeSet::new(), expires: true });
+    }
+    rules.elements.insert(("service-ips".into(), "10.96.0.1 . tcp . 80".into()), "goto svc/ns/a".into());
+    rules.elements.insert(("service-nodeports".into(), "tcp . 30080".into()), "goto svc/ns/a".into());
+    rules.elements.insert(("cluster-ips".into(), "10.96.0.1".into()), String::new());
+    rules
+}
+
+/// Every other word of the rule vocabulary, IPv6 and the no-endpoint maps.
+fn service_b(port: u16) -> ObjectRules {
+    object(
+        &[
+            (
+                "svc/ns/b",
+                &[
+                    "ip6 daddr fd00::/64 th dport 30000-30100 counter return",
+                    "fib daddr type local th dport 30081 goto svc/ns/b/ep",
+                    "ct state established,related accept",
+                    "ip saddr 10.244.16.0/20 log prefix \"wp test: \" drop comment \"hello world\"",
+                    "ip6 saddr fd00:10::/28 reject",
+                    "ip daddr 10.96.0.2 reject",
+                    "meta l4proto sctp reject",
+                    "ip saddr 0.0.0.0/0 accept",
+                ],
+            ),
+            ("svc/ns/b/ep", &[&format!("meta l4proto udp dnat ip6 to [fd00::5]:{port}"), "meta l4proto tcp dnat ip to 10.244.2.7:53"]),
+        ],
+        &[],
+        &[
+            ("service-ips6", "fd00::2 . udp . 53", "goto svc/ns/b"),
+            ("no-endpoint-services", "10.96.0.9 . udp . 53", "goto reject-chain"),
+            ("no-endpoint-nodeports", "sctp . 30090", "drop"),
+        ],
+    )
+}
+
+fn policy(peers: &[&str]) -> ObjectRules {
+    object(
+        &[("pol/ns/p/in", &["ip saddr @pol/ns/p/peers meta l4proto tcp th dport 80 accept", "ip saddr 10.0.0.0/8 accept"])],
+        &[("pol/ns/p/peers", "type ipv4_addr;", peers, false)],
+        &[],
+    )
+}
+
+fn dispatch() -> ObjectRules {
+    object(
+        &[("polpod/10.244.0.5/ingress", &["jump pol/ns/p/in", "counter log prefix \"wasmplane-policy-audit ingress 10.244.0.5: \" accept comment \"audit\""])],
+        &[],
+        &[("pod-ingress", "10.244.0.5", "goto polpod/10.244.0.5/ingress")],
+    )
+}
+
+/// Objects by key. The dispatch object "d" sorts before the policy "p" its chain jumps to:
+/// the delta must not depend on the order objects come in.
+type State = BTreeMap<&'static str, ObjectRules>;
+
+fn delta(old: &State, new: &State) -> String {
+    let empty = ObjectRules::default();
+    let keys: BTreeSet<&&str> = old.keys().chain(new.keys()).collect();
+    let pairs: Vec<(&ObjectRules, &ObjectRules)> = keys.into_iter().map(|k| (old.get(*k).unwrap_or(&empty), new.get(*k).unwrap_or(&empty))).collect();
+    let mut out = String::new();
+    nft::objects_delta(&pairs, &mut out);
+    out
+}
+
+#[test]
+fn netlink_batches_leave_the_table_nft_would() {
+    if !is_root() {
+        eprintln!("\n!!! SKIPPED netlink writer test: needs root (network namespaces, nftables) !!!\n");
+        return;
+    }
+    let text_ns = Netns::new(unique_prefix("nl-text"));
+    let netlink_ns = Netns::new(unique_prefix("nl-batch"));
+    let mut text = NftCommand::new(ns_command(&text_ns), vec![]);
+    let mut netlink = NetlinkNft::open(NftCommand::new(ns_command(&netlink_ns), vec![]), NetlinkNft::netns_of_command(&ns_command(&netlink_ns)).as_deref())
+        .expect("opening the netlink socket in the namespace");
+    let listing = |ns: &Netns| ns.exec(&["nft", "list", "table", "inet", "wasmplane"]);
+
+    let mut state: State = BTreeMap::new();
+    state.insert("a", service_a(&["10.244.1.5", "10.244.1.6"]));
+    state.insert("b", service_b(53));
+    state.insert("p", policy(&["10.244.0.7", "10.244.0.8"]));
+    state.insert("d", dispatch());
+    let full = nft::full_transaction(state.values(), &[], &[]);
+    text.apply(&full).unwrap();
+    netlink.apply(&full).unwrap();
+    assert_eq!(netlink.text_transactions, 1, "a full transaction goes through nft -f");
+    assert_eq!(listing(&text_ns), listing(&netlink_ns));
+
+    let mut steps: Vec<(&str, State)> = Vec::new();
+    let mut next = state.clone();
+    next.insert("a", service_a(&["10.244.1.6", "10.244.1.9", "10.244.1.10"]));
+    steps.push(("endpoints replaced (chains, sets of kept endpoints kept)", next.clone()));
+    next.insert("p", policy(&["10.244.0.8", "10.244.0.9", "10.244.0.10"]));
+    steps.push(("policy peers changed: set element deltas", next.clone()));
+    next.insert("b", service_b(5353));
+    steps.push(("one rule of an endpoint chain changed", next.clone()));
+    next.remove("b");
+    next.remove("d");
+    steps.push(("a service and a dispatch object removed", next.clone()));
+    next.insert("b", service_b(53));
+    next.insert("d", dispatch());
+    steps.push(("both back", next.clone()));
+    next.insert("a", service_a(&["10.244.1.6"]));
+    steps.push(("scaled to one endpoint", next.clone()));
+    next.remove("p");
+    next.remove("d");
+    steps.push(("the policy and its dispatch removed (a set with elements deleted)", next.clone()));
+    next.insert("p", policy(&["10.244.0.7", "10.244.0.11"]));
+    next.insert("d", dispatch());
+    steps.push(("the policy back (a set created with elements)", next.clone()));
+
+    let mut current = state;
+    for (what, wanted) in steps {
+        let transaction = delta(&current, &wanted);
+        assert!(!transaction.is_empty(), "{what}: no change rendered");
+        let before = netlink.netlink_transactions;
+        text.apply(&transaction).unwrap_or_else(|e| panic!("{what}: nft -f refused {e}:\n{transaction}"));
+        netlink.apply(&transaction).unwrap_or_else(|e| panic!("{what}: the netlink batch was refused: {e}:\n{transaction}"));
+        assert_eq!(netlink.netlink_transactions, before + 1, "{what}: not sent as netlink:\n{transaction}");
+        assert_eq!(listing(&text_ns), listing(&netlink_ns), "{what}: the tables differ after\n{transaction}");
+        current = wanted;
+    }
+    let table = listing(&netlink_ns);
+    assert!(table.contains("numgen random mod 1 0 goto svc/ns/a/ep/10.244.1.6"), "{table}");
+    assert!(table.contains("10.96.0.1 . tcp . 80 : goto svc/ns/a"), "{table}");
+    assert!(table.contains("elements = { 10.244.0.7, 10.244.0.11 }"), "{table}");
+
+    // An interval set (not encoded: nft computes interval elements): the transaction goes through nft.
+    let mut changed = current.clone();
+    let mut p = policy(&["10.244.0.8"]);
+    p.sets.get_mut("pol/ns/p/peers").unwrap().declaration = "type ipv4_addr; flags interval;".into();
+    changed.insert("p", p);
+    let transaction = delta(&current, &changed);
+    let (netlink_before, text_before) = (netlink.netlink_transactions, netlink.text_transactions);
+    text.apply(&transaction).unwrap();
+    netlink.apply(&transaction).unwrap();
+    assert_eq!((netlink.netlink_transactions, netlink.text_transactions), (netlink_before, text_before + 1));
+    assert_eq!(listing(&text_ns), listing(&netlink_ns));
+
+    // A batch the kernel refuses (an element that is not there) fails whole and says which
+    // statement failed; what went before it in the batch is not applied.
+    let before = listing(&netlink_ns);
+    let bad = "add chain inet wasmplane svc/ns/new\n\
+               add rule inet wasmplane svc/ns/new accept\n\
+               delete element inet wasmplane service-ips { 10.96.9.9 . tcp . 80 }\n";
+    let err = netlink.apply(bad).expect_err("deleting a missing element must fail").to_string();
+    assert!(err.contains("delete element inet wasmplane service-ips") && err.contains("No such file or directory"), "{err}");
+    assert_eq!(listing(&netlink_ns), before, "a failed batch changed the table");
+    // The socket is usable afterwards.
+    netlink.apply("add chain inet wasmplane svc/ns/new\n").unwrap();
+    assert!(listing(&netlink_ns).contains("chain svc/ns/new {"));
+}
