@@ -1,10 +1,11 @@
 //! The service dataplane writer: what is applied per object, and how changes reach the
 //! kernel (or, in recording mode, a buffer) as one transaction per sync.
 //!
-//! Why `nft -f` text and where it stops scaling: see the measurements at the top of
-//! `nft.rs` (`benches/nft_writer.rs`). In short: full syncs are kernel-bound and cost the
-//! same as one plain `nft -f`; incremental changes pay for nft's cache fill (a dump of every
-//! chain), ≤ 0.3 s up to 10k services, 5.8 s at 50k; a netlink `Kernel` is the way past that.
+//! Kernels: [`NftCommand`] (`nft -f` text), [`NetlinkNft`] (incremental transactions as
+//! netlink batches, the rest through `nft -f`; the host's default) and [`Recorder`]. Why
+//! both: see the measurements at the top of `nft.rs` (`benches/nft_writer.rs`). In short:
+//! full syncs are kernel-bound and cost the same as one plain `nft -f`; incremental changes
+//! through `nft -f` pay for nft's cache fill (a dump of every chain), 5.8 s at 50k services.
 //!
 //! UDP/SCTP conntrack cleanup (kube-proxy's): after a transaction that took DNAT targets away
 //! from a service address or node port, the conntrack entries of flows DNATed to them are

@@ -101,8 +101,18 @@ pub async fn collect_module_versions(store: &ModuleStore, decider: &Arc<Mutex<dy
             // Bytes shared with another version (the same component uploaded twice) stay.
             let (index, _) = store.load().await?;
             if !index.references(&digest) {
+                // Kept in memory until the index is read again: an upload of the same bytes
+                // may publish a version naming them meanwhile (see `ModuleStore::ensure_blob`).
+                let bytes = store.get_blob(&digest).await.ok();
                 blob::delete_blob(store.kv().as_ref(), BLOB_PREFIX, digest.trim_start_matches("sha256:")).await.map_err(StoreError::from)?;
-                report.blobs_deleted.push(digest);
+                let (index, _) = store.load().await?;
+                match bytes {
+                    Some(bytes) if index.references(&digest) => {
+                        store.ensure_blob(&digest, &bytes).await?;
+                        tracing::info!(%digest, "blob named again by a concurrent upload: restored");
+                    }
+                    _ => report.blobs_deleted.push(digest),
+                }
             }
         }
     }

@@ -80,6 +80,22 @@ impl ModuleStore {
         Ok(())
     }
 
+    /// Makes sure the whole blob is there: reads it back and, if it is missing, partial or
+    /// wrong, deletes what is left and writes it again. For the two sides of the race
+    /// between an upload of bytes another version already has (its `put_blob` is skipped)
+    /// and the module GC deleting that blob: the upload checks after publishing its
+    /// version, the GC restores when it sees a reference after deleting, so whichever looks
+    /// last repairs what the other did.
+    pub async fn ensure_blob(&self, digest: &str, bytes: &[u8]) -> Result<bool, StoreError> {
+        if self.get_blob(digest).await.is_ok() {
+            return Ok(false);
+        }
+        blob::delete_blob(self.kv.as_ref(), BLOB_PREFIX, blob_digest(digest)).await?;
+        self.put_blob(digest, bytes).await?;
+        tracing::warn!(digest, "module blob was missing or incomplete after a concurrent GC; written again");
+        Ok(true)
+    }
+
     /// The bytes of a blob, checked against their digest.
     pub async fn get_blob(&self, digest: &str) -> Result<Bytes, StoreError> {
         let bytes = blob::get_blob(self.kv.as_ref(), BLOB_PREFIX, blob_digest(digest)).await?;

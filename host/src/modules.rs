@@ -140,6 +140,9 @@ impl Modules {
         // Recorded first, activated second: a version that fails to activate stays listed
         // (with its failure in the status) and can be activated later.
         let version = self.update(|index| index.add_version(name, kind, &info)).await?;
+        // The blob may have been deleted by the module GC between our `put_blob` (skipped
+        // when the bytes were already stored for an older version) and the publish.
+        self.store.ensure_blob(&info.digest, &bytes).await?;
         if activate {
             self.update(|index| index.activate(name, Some(version))).await?;
         }

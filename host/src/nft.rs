@@ -4,10 +4,14 @@
 //! Guests never produce text: they return typed objects, which are validated here and
 //! rendered from a fixed vocabulary, so nothing a guest says can inject syntax.
 //!
-//! ## Kernel interface: `nft -f` text, chosen by measurement (`benches/nft_writer.rs`)
+//! ## Kernel interface, chosen by measurement (`benches/nft_writer.rs`)
+//!
+//! Full syncs, reconciles and recording: `nft -f` text. Incremental changes: one netlink
+//! batch on a socket the host keeps open ([`netlink`], through `dataplane::NetlinkNft`).
 //!
 //! This machine, nft 1.0.6, kernel 6.x, 3 endpoints per service, the default translator's
-//! rules (15 statements per service), each size in a fresh network namespace:
+//! rules (15 statements per service), each size in a fresh network namespace, `nft -f` only
+//! (before the netlink path existed):
 //!
 //! | services | one `nft -f` of the full text | writer full sync | periodic reconcile | one-service change |
 //! |---|---|---|---|---|
@@ -19,17 +23,11 @@
 //!   the same text costs (rendering is ~1% of it), one text document is applied atomically,
 //!   and the same text is what recording mode shows. Netlink would not make them cheaper.
 //! - Incremental changes through `nft -f` cost what the *table* costs, not the change:
-//!   before evaluating any `add rule`, `add`/`delete element` or `delete chain`, nft 1.0.6
-//!   fills its cache by dumping every chain of the table from the kernel, and that dump is
-//!   superlinear (0.3 s at 10k services, ~3 s at 50k, for a one-statement transaction;
-//!   `add chain` and `flush chain` are free). So a one-service change is ≤ 0.3 s up to ~10k
-//!   services, but 5.8 s at 50k.
-//!
-//! Conclusion: text for full syncs, reconciles and recording; up to ~10k services text for
-//! incremental changes too. Meeting "a one-service change costs the same at 50k as at 1k"
-//! needs an in-process netlink writer that sends only the batch (no cache dump) for the
-//! incremental path: `dataplane::Kernel::apply` is the seam, the rendered statements map
-//! 1:1 onto nftnl expressions.
+//!   before evaluating any `add rule` or `add`/`delete element`, nft 1.0.6 fills its cache
+//!   by dumping every chain of the table from the kernel, and that dump is superlinear
+//!   (0.3 s at 10k services, ~3 s at 50k, for a one-statement transaction). The kernel
+//!   needs none of it (names are resolved inside the batch), so the incremental path sends
+//!   the batch itself: see the bench's netlink column and BENCHMARKS.md for the numbers.
 //!
 //! Shape (kube-proxy's nftables mode): static base chains and named verdict maps owned by
 //! the host; per service, chains under the service's own prefix and elements in the maps.

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use wasmplane::app::KvstoreConfig;
 use wasmplane::module_gc::{candidate_key, candidates, collect_module_versions};
-use wasmplane::module_store::ModuleStore;
+use wasmplane::module_store::{BLOB_PREFIX, ModuleStore};
 use wasmplane::registry::SharedIndex;
 use wasmplane_kvstore::blob;
 use wasmplane_operator::{DeciderError, GcCandidate, GcDecider};
@@ -78,4 +78,31 @@ async fn only_unused_versions_are_offered_and_only_named_ones_go() {
         assert_eq!(&store.get_blob(&info(kept).digest).await.unwrap()[..], &kept[..]);
     }
     assert_eq!(report.blobs_deleted, vec![info(&bytes[0]).digest]);
+}
+
+/// The race between the module GC deleting a blob and an upload of the same bytes (whose
+/// `put_blob` is skipped while the blob exists): both sides end with `ensure_blob`, which
+/// repairs a blob that is missing or half deleted (manifest without chunks).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blob_deleted_or_half_deleted_under_an_upload_is_written_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = ModuleStore::new(KvstoreConfig::Embedded.open(Some(dir.path())).await.unwrap());
+    let bytes = b"component shared by two versions".to_vec();
+    let digest = info(&bytes).digest;
+    store.put_blob(&digest, &bytes).await.unwrap();
+    assert!(!store.ensure_blob(&digest, &bytes).await.unwrap(), "an intact blob is left alone");
+
+    // GC deleted it after the upload's put_blob was skipped.
+    blob::delete_blob(store.kv().as_ref(), BLOB_PREFIX, digest.trim_start_matches("sha256:")).await.unwrap();
+    assert!(store.get_blob(&digest).await.is_err());
+    assert!(store.ensure_blob(&digest, &bytes).await.unwrap());
+    assert_eq!(&store.get_blob(&digest).await.unwrap()[..], &bytes[..]);
+
+    // Half deleted: the manifest is there (so `put_blob` would skip), the chunks are not.
+    let manifest = blob::manifest_key(BLOB_PREFIX, digest.trim_start_matches("sha256:"));
+    store.kv().delete_prefix(&format!("{manifest}/")).await.unwrap();
+    assert!(store.kv().get(&manifest).await.unwrap().is_some());
+    assert!(store.get_blob(&digest).await.is_err());
+    assert!(store.ensure_blob(&digest, &bytes).await.unwrap());
+    assert_eq!(&store.get_blob(&digest).await.unwrap()[..], &bytes[..]);
 }
