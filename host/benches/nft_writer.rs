@@ -92,7 +92,13 @@ fn timed<T>(f: impl FnOnce() -> T) -> (T, Duration) {
 }
 
 fn fmt(d: Duration) -> String {
-    if d < Duration::from_secs(1) { format!("{:.1} ms", d.as_secs_f64() * 1e3) } else { format!("{:.2} s", d.as_secs_f64()) }
+    if d < Duration::from_millis(1) {
+        format!("{} µs", d.as_micros())
+    } else if d < Duration::from_secs(1) {
+        format!("{:.1} ms", d.as_secs_f64() * 1e3)
+    } else {
+        format!("{:.2} s", d.as_secs_f64())
+    }
 }
 
 fn main() {
@@ -114,6 +120,7 @@ fn main() {
     println!("nftables writer: full syncs as `nft -f` text through `ip netns exec`, changes as netlink batches; each size in a fresh namespace\n");
     println!("| services | statements | render | `nft -f` (reference) | writer full sync | list table | reconcile | one-service change, netlink (median of 5) | same change through `nft -f` | netlink change / full load |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
+    let mut batch_kinds = Vec::new();
     for n in sizes {
         let objects: BTreeMap<ObjectKey, ObjectRules> = (0..n).map(|i| rules(&mut session, &ctx, &view(i, 0))).collect();
         let (document, render) = timed(|| nft::full_transaction(objects.values(), &[], &[]));
@@ -163,6 +170,38 @@ fn main() {
             text_changes.push(t);
             lister.apply(&back).expect("undoing the nft -f change");
         }
+        // What one netlink batch costs by kind: the kernel validates the whole jump graph
+        // (every rule reachable from a base chain) when a batch adds anything with a
+        // `validate` operation (a jump or goto, dnat, reject, a verdict map element...).
+        let mut probe = NetlinkNft::open(NftCommand::new(ns.nft_command(), Vec::new()), netns.as_deref()).expect("netlink socket");
+        let median = |mut v: Vec<Duration>| {
+            v.sort();
+            v[v.len() / 2]
+        };
+        let mut timed_batch = |add: String, undo: String| {
+            let (result, t) = timed(|| probe.apply(&add));
+            result.expect("probe batch");
+            probe.apply(&undo).expect("undoing the probe batch");
+            t
+        };
+        let element = median((0..5).map(|k| timed_batch(format!("add element inet wasmplane cluster-ips {{ 10.252.0.{} }}\n", k + 1), format!("delete element inet wasmplane cluster-ips {{ 10.252.0.{} }}\n", k + 1))).collect());
+        let plain_rule = median(
+            (0..5)
+                .map(|k| timed_batch(format!("add chain inet wasmplane svc/probe/{k}\nadd rule inet wasmplane svc/probe/{k} counter\n"), format!("delete chain inet wasmplane svc/probe/{k}\n")))
+                .collect(),
+        );
+        let verdict_element = median(
+            (0..5)
+                .map(|k| {
+                    timed_batch(
+                        format!("add element inet wasmplane service-ips {{ 10.252.1.{} . tcp . 80 : goto reject-chain }}\n", k + 1),
+                        format!("delete element inet wasmplane service-ips {{ 10.252.1.{} . tcp . 80 }}\n", k + 1),
+                    )
+                })
+                .collect(),
+        );
+        batch_kinds.push((n, element, plain_rule, verdict_element));
+
         changes.sort();
         text_changes.sort();
         let change = changes[changes.len() / 2];
@@ -178,5 +217,11 @@ fn main() {
             fmt(text_change),
             change.as_secs_f64() / reference.as_secs_f64()
         );
+    }
+    println!("\nOne netlink batch by kind (median of 5): the kernel's commit validates the whole jump graph after anything with a jump, goto, dnat, reject or verdict element\n");
+    println!("| services | set element, no verdict | new chain + `counter` rule | map element `goto` |");
+    println!("|---|---|---|---|");
+    for (n, element, plain_rule, verdict_element) in batch_kinds {
+        println!("| {n} | {} | {} | {} |", fmt(element), fmt(plain_rule), fmt(verdict_element));
     }
 }

@@ -376,10 +376,15 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         let controller = controller.clone();
         let interval = config.reconcile_interval;
         loops.push(tokio::spawn(async move {
-            let mut ticker = tokio::time::interval(interval);
-            ticker.tick().await;
+            // A full reconcile holds the controller (changes wait) for as long as the kernel
+            // takes to reload the table: 0.5 s at 1k services, 34 s at 50k. So the pause
+            // after one that took over a second is the configured interval or 100× what it
+            // took, whichever is longer: reconciles stay ≤ 1% of the time (kube-proxy's
+            // nftables mode does a full sync once an hour).
+            let mut pause = interval;
             loop {
-                ticker.tick().await;
+                tokio::time::sleep(pause).await;
+                let started = std::time::Instant::now();
                 let controller = controller.clone();
                 let result = tokio::task::spawn_blocking(move || {
                     let mut controller = controller.lock().unwrap_or_else(|p| p.into_inner());
@@ -395,6 +400,11 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
                 .await;
                 if let Ok(Err(e)) = result {
                     tracing::error!("periodic reconcile failed: {e}");
+                }
+                let took = started.elapsed();
+                pause = if took > Duration::from_secs(1) { interval.max(took * 100) } else { interval };
+                if pause > interval {
+                    tracing::debug!(?took, next_in = ?pause, "periodic reconcile");
                 }
             }
         }));

@@ -87,7 +87,8 @@ pub struct RunArgs {
     /// Linear-memory limit of a guest, in MiB.
     #[arg(long, default_value_t = 64)]
     pub guest_memory_mib: usize,
-    /// Seconds between full reconciles of the dataplane.
+    /// Seconds between full reconciles of the dataplane (after one that took over a second,
+    /// at least 100× its duration, so big tables are reconciled less often).
     #[arg(long, default_value_t = 60)]
     pub reconcile_seconds: u64,
     /// Write incremental changes with `nft -f` too, instead of netlink batches (full syncs
