@@ -71,12 +71,30 @@ pub struct Recorder {
     pub conntrack_deletions: Vec<String>,
 }
 
-/// Only the recent past is interesting; keep memory bounded.
+/// Only the recent past is interesting; keep memory bounded: at most 64 entries and
+/// [`KEPT_TEXT_BYTES`] of them (a full transaction is ~80 MB at 50k services).
 fn push_bounded(log: &mut Vec<String>, entry: String) {
-    if log.len() >= 64 {
-        log.remove(0);
+    log.push(kept_text(entry));
+    let mut total: usize = log.iter().map(String::len).sum();
+    while log.len() > 64 || (total > KEPT_TEXT_BYTES && log.len() > 1) {
+        total -= log.remove(0).len();
     }
-    log.push(entry);
+}
+
+/// How much transaction text is kept for inspection.
+const KEPT_TEXT_BYTES: usize = 4 << 20;
+
+/// `text`, or its beginning and how much was left out when it is longer than
+/// [`KEPT_TEXT_BYTES`].
+fn kept_text(mut text: String) -> String {
+    if text.len() > KEPT_TEXT_BYTES {
+        let cut = text.floor_char_boundary(KEPT_TEXT_BYTES);
+        let left_out = text.len() - cut;
+        text.truncate(cut);
+        text.push_str(&format!("\n# … {left_out} more bytes not kept\n"));
+        text.shrink_to_fit();
+    }
+    text
 }
 
 impl Kernel for Recorder {
@@ -437,6 +455,7 @@ pub struct Dataplane {
     in_sync: bool,
     /// Rules of a previous run are in the kernel and we have not been given state yet.
     held: bool,
+    /// The last transaction written (its first [`KEPT_TEXT_BYTES`]).
     pub last_transaction: String,
     /// The last non-empty conntrack cleanup (filters), for inspection.
     pub last_conntrack_cleanup: Vec<ConntrackFilter>,
@@ -557,7 +576,7 @@ impl Dataplane {
             .flat_map(|(key, old)| nft::conntrack_cleanup(old.as_deref().unwrap_or(&empty), next.get(key).map_or(&empty, |r| r)))
             .collect();
         let conntrack_filters = self.clean_conntrack(cleanup);
-        self.last_transaction = transaction;
+        self.last_transaction = kept_text(transaction);
         self.applied = next;
         let path = if statements > 0 { self.kernel.last_path() } else { "" };
         Ok(SyncStats { full: false, objects, statements, conntrack_filters, path })
@@ -687,9 +706,12 @@ impl Dataplane {
             .collect();
         let conntrack_filters = self.clean_conntrack(cleanup);
         let stats = SyncStats { full: true, objects: next.len(), statements: transaction.lines().count(), conntrack_filters, path: self.kernel.last_path() };
-        self.last_transaction = transaction;
+        self.last_transaction = kept_text(transaction);
         self.in_sync = true;
         self.commit(next);
+        // A full sync's transient text and listings are large (tens of MB at 50k services)
+        // and leave glibc's heap fragmented: hand what is free back to the kernel.
+        crate::memory::release_free_memory();
         Ok(stats)
     }
 
@@ -837,5 +859,23 @@ mod tests {
         assert_eq!(dp.applied()[&key("b")].elements.len(), 1);
         let last = fake.applied.lock().unwrap().last().unwrap().clone();
         assert!(last.contains("add element inet wasmplane service-ips { 10.96.0.1 . tcp . 80 : goto svc/default/b }"), "{last}");
+    }
+
+    #[test]
+    fn kept_transaction_text_is_bounded() {
+        let big = "add rule inet wasmplane c accept\n".repeat(KEPT_TEXT_BYTES / 10);
+        let kept = kept_text(big.clone());
+        assert!(kept.len() < KEPT_TEXT_BYTES + 100 && kept.ends_with("more bytes not kept\n"), "{}", &kept[kept.len() - 80..]);
+        assert!(big.starts_with(kept.split("\n# …").next().unwrap()));
+        let mut recorder = Recorder::default();
+        for _ in 0..3 {
+            recorder.apply(&big).unwrap();
+        }
+        assert!(recorder.transactions.iter().map(String::len).sum::<usize>() <= KEPT_TEXT_BYTES + 100, "the log keeps at most ~{KEPT_TEXT_BYTES} bytes");
+        for i in 0..100 {
+            recorder.apply(&format!("add chain inet wasmplane c{i}\n")).unwrap();
+        }
+        assert_eq!(recorder.transactions.len(), 64);
+        assert_eq!(recorder.transactions.last().unwrap(), "add chain inet wasmplane c99\n");
     }
 }

@@ -16,6 +16,7 @@ pub mod cli;
 pub mod cni;
 pub mod controller;
 pub mod dataplane;
+pub mod memory;
 pub mod metrics;
 pub mod module_gc;
 pub mod module_store;

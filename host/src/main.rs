@@ -3,8 +3,13 @@ use clap::Parser as _;
 use tracing_subscriber::EnvFilter;
 use wasmplane::cli::{Cli, Command};
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
+    // Before the runtime starts any thread.
+    wasmplane::memory::limit_malloc_arenas();
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the tokio runtime")?.block_on(run())
+}
+
+async fn run() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
         .with_writer(std::io::stderr)

@@ -201,6 +201,8 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 }
 
 pub fn run_size(o: Opts) -> anyhow::Result<Value> {
+    // As the `wasmplane` binary does before its runtime starts.
+    wasmplane::memory::limit_malloc_arenas();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(measure(o))
 }
