@@ -12,39 +12,16 @@ use std::time::Duration;
 
 use reqwest::StatusCode;
 use serde_json::Value;
-use support::cluster::wait_for;
+use support::cluster::{NODES_YAML, eventually, wait_for};
 use support::netns::{Netns, is_root};
+use support::rest::node_config;
 use wasmplane::agent::AgentConfig;
 use wasmplane::app::{HostConfig, KvstoreConfig, RunningHost, start};
 use wasmplane_operator::{HEARTBEAT_KEY, NodeRegistryConfig, write_heartbeats};
 use wasmplane_test_etcd::Etcd;
 
-const NODES: &str = "\
-apiVersion: v1
-kind: Node
-metadata: { name: node-a }
-spec: { podCIDR: 10.244.0.0/24, podCIDRs: [10.244.0.0/24] }
-status: { addresses: [{ type: InternalIP, address: 192.168.77.1 }] }
----
-apiVersion: v1
-kind: Node
-metadata: { name: node-b }
-spec: { podCIDR: 10.244.1.0/24, podCIDRs: [10.244.1.0/24] }
-status: { addresses: [{ type: InternalIP, address: 192.168.77.3 }] }
-";
-
 async fn host(dir: &Path, node: &str, etcd: &Etcd, netns: &Netns, heartbeat_max_age: Option<Duration>) -> RunningHost {
-    let manifests = dir.join(format!("{node}-manifests"));
-    std::fs::create_dir_all(&manifests).unwrap();
-    std::fs::write(manifests.join("nodes.yaml"), NODES).unwrap();
     start(HostConfig {
-        kvstore: KvstoreConfig::Etcd(vec![etcd.endpoint()]),
-        listen: "127.0.0.1:0".parse().unwrap(),
-        manifests: Some(manifests),
-        data_dir: Some(dir.join(format!("{node}-data"))),
-        node_name: node.into(),
-        token: Some("agent-test-token-0123456789".into()),
-        manifest_poll: Duration::from_millis(50),
         agent: Some(AgentConfig {
             routes: true,
             route_netns: Some(format!("/var/run/netns/{}", netns.name).into()),
@@ -52,7 +29,7 @@ async fn host(dir: &Path, node: &str, etcd: &Etcd, netns: &Netns, heartbeat_max_
             // A node that stops renewing is gone within seconds (production: 15 s).
             registry: NodeRegistryConfig { lease_ttl: Duration::from_secs(2), ..Default::default() },
         }),
-        ..Default::default()
+        ..node_config(dir, node, etcd, "agent-test-token-0123456789", "nodes.yaml", NODES_YAML)
     })
     .await
     .unwrap()
@@ -64,19 +41,6 @@ async fn nodes_view(host: &RunningHost) -> Value {
 
 fn routes_in(ns: &Netns) -> String {
     ns.exec(&["ip", "-4", "route", "show"])
-}
-
-/// Polls an async probe until `cond` holds (10 s).
-async fn eventually<T: std::fmt::Debug, F: std::future::Future<Output = T>>(what: &str, mut probe: impl FnMut() -> F, cond: impl Fn(&T) -> bool) -> T {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let value = probe().await;
-        if cond(&value) {
-            return value;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "{what}: last seen {value:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -109,7 +73,7 @@ async fn nodes_register_route_to_each_other_and_forget_a_node_that_leaves() {
     wait_for("node-a's route to node-b's pods", Duration::from_secs(10), || routes_in(&ns_a), |r| r.contains("10.244.1.0/24 via 192.168.77.3"));
     wait_for("node-b's route to node-a's pods", Duration::from_secs(10), || routes_in(&ns_b), |r| r.contains("10.244.0.0/24 via 192.168.77.1"));
     assert!(!routes_in(&ns_a).contains("10.244.0.0/24 via"), "a node never routes its own pod CIDR away");
-    let view = eventually("node-a's view of node-b", || nodes_view(&a), |v| v["nodes"]["node-b"]["podCidrs"][0] == "10.244.1.0/24").await;
+    let view = eventually("node-a's view of node-b", Duration::from_secs(10), || nodes_view(&a), |v| v["nodes"]["node-b"]["podCidrs"][0] == "10.244.1.0/24").await;
     assert_eq!(view["routes"]["applied"][0]["cidr"], "10.244.1.0/24", "{view}");
 
     // node-b stops (its lease is no longer renewed): node-a's route to it goes.
@@ -135,16 +99,16 @@ async fn readyz_reports_the_kvstore_unhealthy_while_the_heartbeat_is_stale() {
     let ns = Netns::new(format!("agent-hb-{}", std::process::id()));
     let host = host(dir.path(), "node-a", &etcd, &ns, Some(Duration::from_secs(2))).await;
     let readyz = || async { reqwest::get(format!("{}/readyz", host.url())).await.map(|r| async { (r.status(), r.text().await.unwrap()) }).unwrap().await };
-    let (status, body) = eventually("unready without an operator", readyz, |(s, _)| *s == StatusCode::SERVICE_UNAVAILABLE).await;
+    let (status, body) = eventually("unready without an operator", Duration::from_secs(10), readyz, |(s, _)| *s == StatusCode::SERVICE_UNAVAILABLE).await;
     assert!(body.contains("heartbeat"), "{status}: {body}");
 
     // An operator's heartbeat (the operator crate's own writer) makes it ready.
     let kv: Arc<dyn wasmplane_kvstore::KvStore> = KvstoreConfig::Etcd(vec![etcd.endpoint()]).open(None).await.unwrap();
     let writer = tokio::spawn(write_heartbeats(kv, HEARTBEAT_KEY.into(), "operator-0".into(), Duration::from_millis(500)));
-    eventually("ready with a fresh heartbeat", readyz, |(s, _)| *s == StatusCode::OK).await;
+    eventually("ready with a fresh heartbeat", Duration::from_secs(10), readyz, |(s, _)| *s == StatusCode::OK).await;
     // The operator stops: stale again after the max age.
     writer.abort();
-    let (_, body) = eventually("unready once the heartbeat is stale", readyz, |(s, _)| *s == StatusCode::SERVICE_UNAVAILABLE).await;
+    let (_, body) = eventually("unready once the heartbeat is stale", Duration::from_secs(10), readyz, |(s, _)| *s == StatusCode::SERVICE_UNAVAILABLE).await;
     assert!(body.contains("heartbeat is"), "{body}");
     host.stop().await;
 }

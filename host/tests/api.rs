@@ -1,52 +1,28 @@
 //! The REST API end to end: a real host on loopback, driven over HTTP.
 
+mod support;
+
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
 use serde_json::Value;
+use support::rest::{API_SERVICE, SHOP_NAMESPACE, WEB_SERVICE, documents, endpoint_slice, error_of, json_answer, limited_config, upload_request, write_manifest};
 use wasmplane::app::{HostConfig, RunningHost, start};
 use wasmplane_guest_artifacts as artifacts;
-use wasmplane_runtime::Limits;
 
 const TOKEN: &str = "test-token-0123456789abcdef";
 
-const MANIFESTS: &str = r#"
-apiVersion: v1
-kind: Namespace
-metadata: { name: shop }
----
-apiVersion: v1
-kind: Service
-metadata: { name: web, namespace: shop }
-spec:
-  clusterIP: 10.96.0.20
-  ports: [{ name: http, port: 80, targetPort: 8080, protocol: TCP }]
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: { name: web-abc, namespace: shop, labels: { kubernetes.io/service-name: web } }
-addressType: IPv4
-ports: [{ name: http, port: 8080, protocol: TCP }]
-endpoints:
-  - { addresses: [10.244.0.11], conditions: { ready: true }, nodeName: node-a }
-  - { addresses: [10.244.1.11], conditions: { ready: true }, nodeName: node-b }
----
-apiVersion: v1
-kind: Service
-metadata: { name: api, namespace: shop, labels: { wasmplane.io/expose: "true" } }
-spec:
-  clusterIP: 10.96.0.21
-  ports: [{ name: https, port: 443, targetPort: 8443, protocol: TCP }]
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: { name: api-abc, namespace: shop, labels: { kubernetes.io/service-name: api } }
-addressType: IPv4
-ports: [{ name: https, port: 8443, protocol: TCP }]
-endpoints:
-  - { addresses: [10.244.0.21], conditions: { ready: true }, nodeName: node-a }
-"#;
+/// The `shop` namespace: web (two endpoints) and api (one, and labelled for the example filter).
+fn manifests() -> String {
+    documents(&[
+        SHOP_NAMESPACE,
+        WEB_SERVICE,
+        &endpoint_slice("web", "http", 8080, &[("10.244.0.11", "node-a"), ("10.244.1.11", "node-b")]),
+        API_SERVICE,
+        &endpoint_slice("api", "https", 8443, &[("10.244.0.21", "node-a")]),
+    ])
+}
 
 struct TestHost {
     host: Option<RunningHost>,
@@ -55,23 +31,13 @@ struct TestHost {
 }
 
 fn config(dir: &Path) -> HostConfig {
-    HostConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        manifests: Some(dir.join("manifests")),
-        data_dir: Some(dir.join("data")),
-        token: Some(TOKEN.into()),
-        limits: Limits { call_timeout: Duration::from_millis(200), memory_bytes: 32 << 20, max_instances: 16, ..Default::default() },
-        max_module_bytes: 4 << 20,
-        manifest_poll: Duration::from_millis(50),
-        ..Default::default()
-    }
+    limited_config(dir, TOKEN, Duration::from_millis(200))
 }
 
 impl TestHost {
     async fn start() -> TestHost {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::create_dir_all(dir.path().join("manifests")).unwrap();
-        std::fs::write(dir.path().join("manifests/shop.yaml"), MANIFESTS).unwrap();
+        write_manifest(&dir.path().join("manifests"), "shop.yaml", &manifests());
         let host = start(config(dir.path())).await.unwrap();
         // No connection reuse: a server that answers 413 before reading a large body closes
         // the connection, and a pooled client would then fail its next request.
@@ -107,38 +73,21 @@ impl TestHost {
     }
 
     async fn upload(&self, name: &str, kind: &str, bytes: &[u8]) -> (StatusCode, Value) {
-        let r = self
-            .client
-            .put(self.url(&format!("/v1/modules/{name}?kind={kind}")))
-            .bearer_auth(TOKEN)
-            .body(bytes.to_vec())
-            .send()
-            .await
-            .unwrap();
-        let status = r.status();
-        (status, r.json().await.unwrap_or(Value::Null))
+        json_answer(upload_request(&self.client, &self.url(""), name, kind, bytes).bearer_auth(TOKEN)).await
     }
 
     async fn post(&self, path: &str) -> (StatusCode, Value) {
-        let r = self.client.post(self.url(path)).bearer_auth(TOKEN).send().await.unwrap();
-        let status = r.status();
-        (status, r.json().await.unwrap_or(Value::Null))
+        json_answer(self.client.post(self.url(path)).bearer_auth(TOKEN)).await
     }
 
     async fn get_json(&self, path: &str) -> (StatusCode, Value) {
-        let r = self.client.get(self.url(path)).send().await.unwrap();
-        let status = r.status();
-        (status, r.json().await.unwrap_or(Value::Null))
+        json_answer(self.client.get(self.url(path))).await
     }
 
     async fn healthy(&self) -> bool {
         let r = self.client.get(self.url("/healthz")).send().await.unwrap();
         r.status() == StatusCode::OK
     }
-}
-
-fn error_of(body: &Value) -> String {
-    body["error"].as_str().unwrap_or_default().to_string()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,11 +2,14 @@
 //! capability grants, the audit log in the kvstore, TLS, and Kubernetes TokenReview +
 //! SubjectAccessReview authentication (against the test API server).
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use reqwest::StatusCode;
 use serde_json::Value;
+use support::rest::{WEB_SERVICE, documents, endpoint_slice, error_of, json_answer, limited_config, upload_request, write_manifest};
 use wasmplane::admission;
 use wasmplane::app::{HostConfig, KubernetesSource, RunningHost, start};
 use wasmplane::audit::AuditRecord;
@@ -16,36 +19,9 @@ use wasmplane_runtime::Limits;
 
 const TOKEN: &str = "test-token-0123456789abcdef";
 
-const MANIFESTS: &str = r#"
-apiVersion: v1
-kind: Service
-metadata: { name: web, namespace: shop }
-spec:
-  clusterIP: 10.96.0.20
-  ports: [{ name: http, port: 80, targetPort: 8080, protocol: TCP }]
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: { name: web-abc, namespace: shop, labels: { kubernetes.io/service-name: web } }
-addressType: IPv4
-ports: [{ name: http, port: 8080, protocol: TCP }]
-endpoints:
-  - { addresses: [10.244.0.11], conditions: { ready: true }, nodeName: node-a }
-"#;
-
 fn base_config(dir: &Path) -> HostConfig {
-    std::fs::create_dir_all(dir.join("manifests")).unwrap();
-    std::fs::write(dir.join("manifests/shop.yaml"), MANIFESTS).unwrap();
-    HostConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        manifests: Some(dir.join("manifests")),
-        data_dir: Some(dir.join("data")),
-        token: Some(TOKEN.into()),
-        limits: Limits { call_timeout: Duration::from_millis(500), memory_bytes: 32 << 20, max_instances: 16, ..Default::default() },
-        max_module_bytes: 4 << 20,
-        manifest_poll: Duration::from_millis(50),
-        ..Default::default()
-    }
+    write_manifest(&dir.join("manifests"), "shop.yaml", &documents(&[WEB_SERVICE, &endpoint_slice("web", "http", 8080, &[("10.244.0.11", "node-a")])]));
+    limited_config(dir, TOKEN, Duration::from_millis(500))
 }
 
 fn plain_client() -> reqwest::Client {
@@ -53,20 +29,14 @@ fn plain_client() -> reqwest::Client {
 }
 
 async fn upload(client: &reqwest::Client, host: &RunningHost, name: &str, bytes: &[u8], token: Option<&str>, signature: Option<&str>) -> (StatusCode, Value) {
-    let mut rb = client.put(format!("{}/v1/modules/{name}?kind=service-translator", host.url())).body(bytes.to_vec());
+    let mut rb = upload_request(client, &host.url(), name, "service-translator", bytes);
     if let Some(t) = token {
         rb = rb.bearer_auth(t);
     }
     if let Some(s) = signature {
         rb = rb.header("X-Wasmplane-Signature", s);
     }
-    let r = rb.send().await.unwrap();
-    let status = r.status();
-    (status, r.json().await.unwrap_or(Value::Null))
-}
-
-fn error_of(body: &Value) -> String {
-    body["error"].as_str().unwrap_or_default().to_string()
+    json_answer(rb).await
 }
 
 async fn module_names(client: &reqwest::Client, host: &RunningHost) -> Vec<String> {

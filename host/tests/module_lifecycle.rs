@@ -1,40 +1,24 @@
 //! Module lifecycle through the HTTP API: shadow runs with their exact dataplane diff and
 //! promotion, and automatic rollback after a module exhausts its crash budget.
 
+mod support;
+
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
 use serde_json::Value;
+use support::rest::{API_SERVICE, WEB_SERVICE, config, documents, endpoint_slice, json_answer, write_manifest};
 use wasmplane::app::{HostConfig, RunningHost, start};
 use wasmplane::controller::CrashBudget;
 use wasmplane_guest_artifacts as artifacts;
 
 const TOKEN: &str = "lifecycle-token-0123456789abcdef";
 
-const MANIFESTS: &str = r#"
-apiVersion: v1
-kind: Service
-metadata: { name: web, namespace: shop }
-spec:
-  clusterIP: 10.96.0.20
-  ports: [{ name: http, port: 80, targetPort: 8080, protocol: TCP }]
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: { name: web-abc, namespace: shop, labels: { kubernetes.io/service-name: web } }
-addressType: IPv4
-ports: [{ name: http, port: 8080, protocol: TCP }]
-endpoints:
-  - { addresses: [10.244.0.11], conditions: { ready: true }, nodeName: node-a }
----
-apiVersion: v1
-kind: Service
-metadata: { name: api, namespace: shop, labels: { wasmplane.io/expose: "true" } }
-spec:
-  clusterIP: 10.96.0.21
-  ports: [{ name: https, port: 443, targetPort: 8443, protocol: TCP }]
-"#;
+/// The `shop` namespace: web (one endpoint) and api (labelled for the example filter).
+fn manifests() -> String {
+    documents(&[WEB_SERVICE, &endpoint_slice("web", "http", 8080, &[("10.244.0.11", "node-a")]), API_SERVICE])
+}
 
 struct Host {
     host: RunningHost,
@@ -45,19 +29,8 @@ struct Host {
 impl Host {
     async fn start(crash_budget: CrashBudget) -> Host {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::create_dir_all(dir.path().join("manifests")).unwrap();
-        std::fs::write(dir.path().join("manifests/shop.yaml"), MANIFESTS).unwrap();
-        let host = start(HostConfig {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            manifests: Some(dir.path().join("manifests")),
-            data_dir: Some(dir.path().join("data")),
-            token: Some(TOKEN.into()),
-            manifest_poll: Duration::from_millis(50),
-            crash_budget,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+        write_manifest(&dir.path().join("manifests"), "shop.yaml", &manifests());
+        let host = start(HostConfig { crash_budget, ..config(&dir.path().join("manifests"), &dir.path().join("data"), TOKEN) }).await.unwrap();
         let h = Host { host, client: reqwest::Client::new(), dir };
         h.wait_for("initial sync", |dp| dp["objects"].get("shop/web").is_some()).await;
         h
@@ -68,8 +41,7 @@ impl Host {
     }
 
     async fn get(&self, path: &str) -> (StatusCode, Value) {
-        let r = self.client.get(self.url(path)).send().await.unwrap();
-        (r.status(), r.json().await.unwrap_or(Value::Null))
+        json_answer(self.client.get(self.url(path))).await
     }
 
     async fn send(&self, method: reqwest::Method, path: &str, body: Option<&[u8]>) -> (StatusCode, Value) {
@@ -77,8 +49,7 @@ impl Host {
         if let Some(body) = body {
             request = request.body(body.to_vec());
         }
-        let r = request.send().await.unwrap();
-        (r.status(), r.json().await.unwrap_or(Value::Null))
+        json_answer(request).await
     }
 
     async fn dataplane(&self) -> Value {

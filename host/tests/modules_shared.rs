@@ -2,49 +2,22 @@
 //! `etcd-server`, started on loopback by the harness). What one host's REST API is told,
 //! the other one does, through the watch.
 
+mod support;
+
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
 use serde_json::Value;
-use wasmplane::app::{HostConfig, KvstoreConfig, RunningHost, start};
+use support::rest::{API_SERVICE, WEB_SERVICE, documents, node_config, upload_request};
+use wasmplane::app::{RunningHost, start};
 use wasmplane_guest_artifacts as artifacts;
 use wasmplane_test_etcd::Etcd;
 
 const TOKEN: &str = "shared-modules-token-0123456789";
 
-const MANIFESTS: &str = r#"
-apiVersion: v1
-kind: Service
-metadata: { name: web, namespace: shop }
-spec:
-  clusterIP: 10.96.0.20
-  ports: [{ name: http, port: 80, targetPort: 8080, protocol: TCP }]
----
-apiVersion: v1
-kind: Service
-metadata: { name: api, namespace: shop, labels: { wasmplane.io/expose: "true" } }
-spec:
-  clusterIP: 10.96.0.21
-  ports: [{ name: https, port: 443, targetPort: 8443, protocol: TCP }]
-"#;
-
 async fn host(dir: &Path, node: &str, etcd: &Etcd) -> RunningHost {
-    let manifests = dir.join(format!("{node}-manifests"));
-    std::fs::create_dir_all(&manifests).unwrap();
-    std::fs::write(manifests.join("shop.yaml"), MANIFESTS).unwrap();
-    start(HostConfig {
-        kvstore: KvstoreConfig::Etcd(vec![etcd.endpoint()]),
-        listen: "127.0.0.1:0".parse().unwrap(),
-        manifests: Some(manifests),
-        data_dir: Some(dir.join(format!("{node}-data"))),
-        node_name: node.into(),
-        token: Some(TOKEN.into()),
-        manifest_poll: Duration::from_millis(50),
-        ..Default::default()
-    })
-    .await
-    .unwrap()
+    start(node_config(dir, node, etcd, TOKEN, "shop.yaml", &documents(&[WEB_SERVICE, API_SERVICE]))).await.unwrap()
 }
 
 async fn get_json(client: &reqwest::Client, host: &RunningHost, path: &str) -> Value {
@@ -74,13 +47,7 @@ async fn a_module_uploaded_to_one_host_is_active_on_the_other() {
     wait_for_translator(&client, &b, "default-service-translator@1").await;
 
     // Upload (and activate) through A only.
-    let r = client
-        .put(format!("{}/v1/modules/port-filter?kind=service-translator", a.url()))
-        .bearer_auth(TOKEN)
-        .body(artifacts::examples::PORT_FILTER_TRANSLATOR)
-        .send()
-        .await
-        .unwrap();
+    let r = upload_request(&client, &a.url(), "port-filter", "service-translator", artifacts::examples::PORT_FILTER_TRANSLATOR).bearer_auth(TOKEN).send().await.unwrap();
     assert_eq!(r.status(), StatusCode::CREATED, "{}", r.text().await.unwrap());
 
     // B fetched the bytes from etcd, compiled them and runs them on its own state: the
@@ -94,13 +61,7 @@ async fn a_module_uploaded_to_one_host_is_active_on_the_other() {
     assert_eq!(module["versions"].as_array().unwrap().len(), 1);
 
     // A second version uploaded to B, then a rollback asked of A: both follow each time.
-    let r = client
-        .put(format!("{}/v1/modules/port-filter?kind=service-translator", b.url()))
-        .bearer_auth(TOKEN)
-        .body(artifacts::SERVICE_TRANSLATOR)
-        .send()
-        .await
-        .unwrap();
+    let r = upload_request(&client, &b.url(), "port-filter", "service-translator", artifacts::SERVICE_TRANSLATOR).bearer_auth(TOKEN).send().await.unwrap();
     assert_eq!(r.status(), StatusCode::CREATED);
     wait_for_translator(&client, &a, "port-filter@2").await;
     let r = client.post(format!("{}/v1/modules/port-filter/rollback", a.url())).bearer_auth(TOKEN).send().await.unwrap();
@@ -124,13 +85,7 @@ async fn a_host_started_later_runs_what_the_cluster_has_in_force() {
     let dir = tempfile::tempdir().unwrap();
     let a = host(dir.path(), "node-a", &etcd).await;
     let client = reqwest::Client::new();
-    let r = client
-        .put(format!("{}/v1/modules/port-filter?kind=service-translator", a.url()))
-        .bearer_auth(TOKEN)
-        .body(artifacts::examples::PORT_FILTER_TRANSLATOR)
-        .send()
-        .await
-        .unwrap();
+    let r = upload_request(&client, &a.url(), "port-filter", "service-translator", artifacts::examples::PORT_FILTER_TRANSLATOR).bearer_auth(TOKEN).send().await.unwrap();
     assert_eq!(r.status(), StatusCode::CREATED);
     // C joins afterwards with an empty data dir: it loads the module from etcd at start.
     let c = host(dir.path(), "node-c", &etcd).await;

@@ -3,28 +3,19 @@
 //! a real etcd, two replicas elect one leader on a Lease and the other takes over when the
 //! leader stops.
 
+mod support;
+
 use std::time::Duration;
 
 use reqwest::StatusCode;
 use serde_json::Value;
+use support::cluster::eventually;
 use wasmplane::app::{HostConfig, KubernetesSource, KvstoreConfig, RunningHost, start};
 use wasmplane::operator_role::OperatorRoleConfig;
 use wasmplane_kvstore::{Bytes, KvStore};
 use wasmplane_operator::{HEARTBEAT_KEY, LOCKS_PREFIX};
 use wasmplane_test_apiserver::TestApiServer;
 use wasmplane_test_etcd::Etcd;
-
-async fn eventually<T: std::fmt::Debug, F: std::future::Future<Output = T>>(what: &str, timeout: Duration, mut probe: impl FnMut() -> F, cond: impl Fn(&T) -> bool) -> T {
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        let value = probe().await;
-        if cond(&value) {
-            return value;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "{what}: last seen {value:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 async fn operator_state(host: &RunningHost) -> Value {
     reqwest::get(format!("{}/v1/operator", host.url())).await.unwrap().json().await.unwrap()

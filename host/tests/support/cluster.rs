@@ -118,7 +118,9 @@ impl Svc {
     }
 }
 
-const CLUSTER_YAML: &str = "\
+/// The two nodes: node-a (192.168.77.1, pods 10.244.0.0/24), node-b (192.168.77.3, pods
+/// 10.244.1.0/24).
+pub const NODES_YAML: &str = "\
 apiVersion: v1
 kind: Node
 metadata: { name: node-a }
@@ -130,7 +132,9 @@ kind: Node
 metadata: { name: node-b }
 spec: { podCIDR: 10.244.1.0/24, podCIDRs: [10.244.1.0/24] }
 status: { addresses: [{ type: InternalIP, address: 192.168.77.3 }] }
----
+";
+
+const DEFAULT_NAMESPACE_YAML: &str = "\
 apiVersion: v1
 kind: Namespace
 metadata: { name: default }
@@ -146,7 +150,7 @@ impl Cluster {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join("manifests")).unwrap();
         let c = Cluster { dir };
-        c.write_file("cluster.yaml", CLUSTER_YAML);
+        c.write_file("cluster.yaml", &format!("{NODES_YAML}---\n{DEFAULT_NAMESPACE_YAML}"));
         c
     }
 
@@ -227,4 +231,17 @@ pub fn wait_for<T: std::fmt::Debug>(what: &str, timeout: Duration, mut probe: im
 #[track_caller]
 pub fn wait_applied(host: &RunningHost, what: &str, cond: impl Fn(&str) -> bool) -> String {
     wait_for(what, Duration::from_secs(10), || applied(host), |t| cond(t))
+}
+
+/// Polls an async probe until `cond` holds (panics with `what` and the last value after `timeout`).
+pub async fn eventually<T: std::fmt::Debug, F: std::future::Future<Output = T>>(what: &str, timeout: Duration, mut probe: impl FnMut() -> F, cond: impl Fn(&T) -> bool) -> T {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let value = probe().await;
+        if cond(&value) {
+            return value;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{what}: last seen {value:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }

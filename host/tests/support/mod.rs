@@ -4,4 +4,5 @@
 pub mod cluster;
 pub mod echo;
 pub mod netns;
+pub mod rest;
 pub mod sctp;
