@@ -27,7 +27,27 @@
 //!   by dumping every chain of the table from the kernel, and that dump is superlinear
 //!   (0.3 s at 10k services, ~3 s at 50k, for a one-statement transaction). The kernel
 //!   needs none of it (names are resolved inside the batch), so the incremental path sends
-//!   the batch itself: see the bench's netlink column and BENCHMARKS.md for the numbers.
+//!   the batch itself.
+//!
+//! With netlink batches (same bench, one later run, machine shared):
+//!
+//! | services | one-service change, netlink | the same through `nft -f` | batch: one set element | batch: one map element `goto` |
+//! |---|---|---|---|---|
+//! | 1k  | 7.8 ms | 49 ms  | 65 µs   | 8.9 ms |
+//! | 10k | 109 ms | 286 ms | 3.0 ms  | 73 ms  |
+//! | 50k | 516 ms | 4.68 s | 36 ms   | 524 ms |
+//!
+//! What is left grows with the table, and it is the kernel's commit (kernel 6.18, seen
+//! with `perf record -a`): a batch that adds anything carrying a jump or goto (a rule, a
+//! verdict map element) makes the commit validate the whole jump graph from every base
+//! chain (`nft_table_validate` → `nft_chain_validate`, walking the verdict maps with
+//! `nft_rhash_walk`), so it costs O(rules) whatever the batch holds; a batch of elements
+//! without verdicts (policy peers, cluster IPs) skips that and is 15× cheaper, but
+//! `nf_tables_commit` itself still spends time in proportion to the table. Upstream has
+//! incremental validation under review (netfilter-devel, 2026). On this kernel the lever
+//! left is the size of the table a commit validates: shards (several tables, each with its
+//! own base chains) would bound it, at the cost of one NAT chain per shard on a new
+//! connection's first packet.
 //!
 //! Shape (kube-proxy's nftables mode): static base chains and named verdict maps owned by
 //! the host; per service, chains under the service's own prefix and elements in the maps.
