@@ -14,7 +14,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use wasmplane::dataplane::{Dataplane, Kernel, NftCommand, Recorder};
+use wasmplane::dataplane::{Dataplane, Kernel, NetlinkNft, NftCommand, Recorder};
 use wasmplane::policy::PolicyController;
 use wasmplane_model::state::{ClusterEvent, ClusterObject};
 use wasmplane_model::*;
@@ -136,8 +136,14 @@ fn main() {
         if root {
             let ns = format!("wpbench-pol-{}-{n}", std::process::id());
             let _ = Command::new("ip").args(["netns", "add", &ns]).status();
-            let nft = vec!["ip".into(), "netns".into(), "exec".into(), ns.clone(), "nft".into()];
-            kernels.push(("nft in a netns", Box::new(NftCommand::new(nft, vec![])), Some(ns)));
+            let nft: Vec<String> = vec!["ip".into(), "netns".into(), "exec".into(), ns.clone(), "nft".into()];
+            kernels.push(("`nft -f` in a netns", Box::new(NftCommand::new(nft.clone(), vec![])), Some(ns.clone())));
+            // As the host writes: changes as netlink batches (a fresh namespace each).
+            let ns = format!("{ns}-nl");
+            let _ = Command::new("ip").args(["netns", "add", &ns]).status();
+            let nft: Vec<String> = vec!["ip".into(), "netns".into(), "exec".into(), ns.clone(), "nft".into()];
+            let netns = NetlinkNft::netns_of_command(&nft);
+            kernels.push(("netlink in a netns", Box::new(NetlinkNft::open(NftCommand::new(nft, vec![]), netns.as_deref()).expect("netlink socket")), Some(ns)));
         }
         for (what, kernel, ns) in kernels {
             let (full, compiled, statements, change, recompiled, written) = run(n, kernel, &runtime);
