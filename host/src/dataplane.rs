@@ -33,8 +33,10 @@ use crate::nft::{self, ConntrackFilter, ObjectRules};
 pub enum WriteError {
     #[error("running nft: {0}")]
     Spawn(std::io::Error),
-    #[error("nft rejected the transaction: {0}")]
+    #[error("the kernel rejected the transaction: {0}")]
     Rejected(String),
+    #[error("nf_tables netlink socket: {0}")]
+    Netlink(std::io::Error),
     #[error("conntrack {args}: {reason}")]
     Conntrack { args: String, reason: String },
 }
@@ -325,7 +327,19 @@ impl NetlinkNft {
     /// then are its errors (none: it went in).
     fn send_batch(&mut self, transaction: &str, batch: nft::netlink::Batch) -> Result<(), WriteError> {
         self.drain();
-        let sent = self.socket.send(&batch.bytes, 0).map_err(WriteError::Spawn)?;
+        let sent = match self.socket.send(&batch.bytes, 0) {
+            Ok(sent) => sent,
+            // Bigger than the socket's send buffer (its size is capped by
+            // `net.core.wmem_max` without CAP_NET_ADMIN): nothing was sent; nft splits it.
+            Err(e) if e.raw_os_error() == Some(libc::EMSGSIZE) => {
+                tracing::debug!(bytes = batch.bytes.len(), "batch too big for the socket; through nft -f");
+                self.netlink_transactions -= 1;
+                self.text_transactions += 1;
+                self.last_path = "nft";
+                return self.text.apply(transaction);
+            }
+            Err(e) => return Err(WriteError::Netlink(e)),
+        };
         if sent != batch.bytes.len() {
             return Err(WriteError::Rejected(format!("netlink batch truncated: {sent} of {} bytes sent", batch.bytes.len())));
         }
