@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const TARGET: &str = "wasm32-wasip2";
+/// The cargo profile guests are built with (root Cargo.toml).
+const PROFILE: &str = "guest";
 
 struct Guest {
     /// Constant name in the generated file.
@@ -37,7 +39,8 @@ const TEST_PROGRAMS: &[Guest] = &[
 fn main() {
     let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").unwrap());
     let workspace = manifest_dir.parent().unwrap().parent().unwrap().to_path_buf();
-    for watched in ["wit", "sdk", "guests", "examples/port-filter-translator", "Cargo.lock"] {
+    // Cargo.toml: the `guest` profile lives there.
+    for watched in ["wit", "sdk", "guests", "examples/port-filter-translator", "Cargo.lock", "Cargo.toml"] {
         println!("cargo:rerun-if-changed={}", workspace.join(watched).display());
     }
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").unwrap());
@@ -80,7 +83,8 @@ fn build(guest: &Guest, workspace: &Path, target_dir: &Path) -> PathBuf {
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.current_dir(workspace)
-        .args(["build", "--release", "--target", TARGET, "--package", guest.package])
+        // The `guest` profile (root Cargo.toml): release with opt-level 3.
+        .args(["build", "--profile", PROFILE, "--target", TARGET, "--package", guest.package])
         .arg("--target-dir")
         .arg(target_dir)
         // Flags meant for the host build must not leak into the guests' build.
@@ -98,5 +102,5 @@ fn build(guest: &Guest, workspace: &Path, target_dir: &Path) -> PathBuf {
             guest.package
         );
     }
-    target_dir.join(TARGET).join("release").join(format!("{}.wasm", guest.package.replace('-', "_")))
+    target_dir.join(TARGET).join(PROFILE).join(format!("{}.wasm", guest.package.replace('-', "_")))
 }

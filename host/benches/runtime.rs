@@ -1,14 +1,25 @@
 //! Runtime benchmark: compile, cached load, instantiate, and the default translator's
 //! per-call cost as Wasm vs the same Rust compiled natively, measured in one run.
 //!
-//! `cargo bench -p wasmplane --bench runtime`
+//! `cargo bench --workspace --bench runtime`
+//!
+//! Both sides get the same inputs and pay for the same conversion: the Wasm side converts the
+//! model to WIT types (`TranslatorSession::translate`), the native side converts it to the
+//! SDK's (identical) types, per call; chain prefixes are computed once for both. The Wasm side
+//! also pays what only it has: lowering the inputs into the guest, lifting the ruleset back
+//! out and freeing the guest's copies. The breakdown rows split that cost.
+//!
+//! `WASMPLANE_BENCH_GUEST=path.wasm` runs a component from a file instead of the embedded
+//! translator (to compare guest builds without rebuilding the host);
+//! `WASMPLANE_BENCH_SIZES=1000,10000` sets the service counts.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use wasmplane_model::state::{LocalEndpoint, LocalSlice, NodeContext, ServiceView};
 use wasmplane_model::*;
-use wasmplane_runtime::{GuestKind, Limits, NoLookups, Runtime};
+use wasmplane_runtime::{GuestKind, Limits, NoLookups, Runtime, convert};
 use wasmplane_sdk::types as sdk;
 
 fn synthetic(n: usize) -> Vec<ServiceView> {
@@ -106,8 +117,19 @@ fn best_of<T>(runs: usize, mut f: impl FnMut() -> T) -> Duration {
         .unwrap()
 }
 
+fn per_call(d: Duration, n: usize) -> String {
+    format!("{:.2} µs", d.as_secs_f64() * 1e6 / n as f64)
+}
+
 fn main() {
-    let bytes = wasmplane_guest_artifacts::SERVICE_TRANSLATOR;
+    let bytes: Cow<'static, [u8]> = match std::env::var_os("WASMPLANE_BENCH_GUEST") {
+        Some(path) => Cow::Owned(std::fs::read(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.to_string_lossy()))),
+        None => Cow::Borrowed(wasmplane_guest_artifacts::SERVICE_TRANSLATOR),
+    };
+    let sizes: Vec<usize> = std::env::var("WASMPLANE_BENCH_SIZES")
+        .map(|s| s.split(',').map(|n| n.trim().parse().expect("WASMPLANE_BENCH_SIZES: numbers")).collect())
+        .unwrap_or_else(|_| vec![1_000, 10_000]);
+    let bytes = &*bytes;
     let cache = tempfile::tempdir().unwrap();
     let limits = Limits { call_timeout: Duration::from_secs(5), ..Default::default() };
     let runtime = Runtime::new(limits.clone(), Some(cache.path().to_path_buf())).unwrap();
@@ -131,9 +153,10 @@ fn main() {
 
     let ctx = NodeContext { node_name: "node-0".into(), node_ips: vec!["192.168.0.1".into()], cluster_cidrs: vec!["10.244.0.0/16".into()], pod_cidrs: vec![], zone: None };
     let sdk_ctx = sdk::NodeContext { node_name: ctx.node_name.clone(), node_ips: ctx.node_ips.clone(), cluster_cidrs: ctx.cluster_cidrs.clone(), pod_cidrs: vec![] };
+    let mut breakdown = Vec::new();
     println!("\n| services | Wasm total | Wasm per call | native total | native per call | Wasm/native |");
     println!("|---|---|---|---|---|---|");
-    for n in [1_000usize, 10_000] {
+    for &n in &sizes {
         let views = synthetic(n);
         let prefixes: Vec<String> = views.iter().map(|v| format!("svc/{}/{}", v.service.namespace, v.service.name)).collect();
         let mut session = module.translator(Arc::new(NoLookups)).unwrap();
@@ -143,22 +166,63 @@ fn main() {
                 std::hint::black_box(session.translate(&ctx, p, v).unwrap());
             }
         });
-        let inputs: Vec<_> = views.iter().map(to_sdk).collect();
         let native = best_of(3, || {
-            for ((svc, slices), view) in inputs.iter().zip(&views) {
-                // Cloning the inputs stands in for the copy the guest boundary makes.
-                let (svc, slices) = (svc.clone(), slices.clone());
-                let p = format!("svc/{}/{}", view.service.namespace, view.service.name);
-                std::hint::black_box(wasmplane_guest_service_translator::translate(&sdk_ctx, &p, &svc, &slices).unwrap());
+            for (view, p) in views.iter().zip(&prefixes) {
+                // The same model → SDK-type conversion the Wasm side makes (model → WIT).
+                let (svc, slices) = to_sdk(view);
+                std::hint::black_box(wasmplane_guest_service_translator::translate(&sdk_ctx, p, &svc, &slices).unwrap());
             }
         });
         println!(
-            "| {n} | {:.1} ms | {:.2} µs | {:.1} ms | {:.2} µs | {:.2}× |",
+            "| {n} | {:.1} ms | {} | {:.1} ms | {} | {:.2}× |",
             wasm.as_secs_f64() * 1e3,
-            wasm.as_secs_f64() * 1e6 / n as f64,
+            per_call(wasm, n),
             native.as_secs_f64() * 1e3,
-            native.as_secs_f64() * 1e6 / n as f64,
+            per_call(native, n),
             wasm.as_secs_f64() / native.as_secs_f64()
         );
+
+        // Where the Wasm call's time goes.
+        let convert = best_of(3, || {
+            for v in &views {
+                std::hint::black_box((convert::node_context(&ctx), convert::service(&v.service), convert::slices(v)));
+            }
+        });
+        // Same inputs already converted, but an ExternalName service: the guest returns an
+        // empty ruleset at once, so this is lowering the inputs + the call + lifting nothing.
+        let inputs: Vec<_> = views
+            .iter()
+            .map(|v| {
+                let mut service = convert::service(&v.service);
+                service.service_type = wasmplane_runtime::wit::ServiceType::ExternalName;
+                (service, convert::slices(v))
+            })
+            .collect();
+        let wit_ctx = convert::node_context(&ctx);
+        let boundary = best_of(3, || {
+            for ((service, slices), p) in inputs.iter().zip(&prefixes) {
+                std::hint::black_box(session.translate_wit(&wit_ctx, p, service, slices).unwrap());
+            }
+        });
+        // The fixed cost of a call: ExternalName, no slices.
+        let empty: Vec<_> = inputs.iter().map(|(s, _)| s.clone()).collect();
+        let call = best_of(3, || {
+            for (service, p) in empty.iter().zip(&prefixes) {
+                std::hint::black_box(session.translate_wit(&wit_ctx, p, service, &[]).unwrap());
+            }
+        });
+        let output = best_of(3, || {
+            for (v, p) in views.iter().zip(&prefixes) {
+                let (svc, slices) = to_sdk(v);
+                let ruleset = wasmplane_guest_service_translator::translate(&sdk_ctx, p, &svc, &slices).unwrap();
+                std::hint::black_box(ruleset.clone());
+            }
+        });
+        breakdown.push((n, convert, boundary, call, output.saturating_sub(native)));
+    }
+    println!("\n| services | model → WIT | lowering the inputs + call + empty result (ExternalName) | fixed cost of a call (ExternalName, no slices) | native clone of the ruleset (≈ lifting it) |");
+    println!("|---|---|---|---|---|");
+    for (n, convert, boundary, call, output) in breakdown {
+        println!("| {n} | {} | {} | {} | {} |", per_call(convert, n), per_call(boundary, n), per_call(call, n), per_call(output, n));
     }
 }

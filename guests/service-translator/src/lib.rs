@@ -19,6 +19,13 @@ use wasmplane_sdk::types::*;
 use wasmplane_sdk::{Cidr, RuleBuilder};
 
 #[cfg(target_family = "wasm")]
+mod pool;
+
+#[cfg(target_family = "wasm")]
+#[global_allocator]
+static ALLOCATOR: pool::Pool = pool::Pool::new();
+
+#[cfg(target_family = "wasm")]
 mod export {
     use wasmplane_sdk::service::exports::wasmplane::dataplane::service_translator::Guest;
     use wasmplane_sdk::types::*;
