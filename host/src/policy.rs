@@ -10,12 +10,10 @@
 //! sets (its chains are equal, so `object_delta` leaves them alone), and only the dispatch
 //! chains of addresses whose set of policies changed are rewritten.
 //!
-//! Ordering within one writer transaction (`Dataplane::sync` applies objects that leave
-//! first, then the rest in the order given): a chain cannot be deleted while a dispatch
-//! chain still jumps to it, and cannot be jumped to before it exists. So the changes this
-//! controller returns are ordered: new and changed policies, then dispatch objects, then
-//! policies that went away as empty objects (tombstones), which are removed for good on
-//! the next call; a changed policy that drops a chain keeps it (empty) until then as well.
+//! Ordering is the writer's business: one sync's deltas are phased across all its objects
+//! (`nft::objects_delta`: every flush before any deletion, every chain declared before any
+//! rule), so a policy chain and the dispatch chains that jump to it can come, change or go
+//! in one transaction, in any order.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -86,10 +84,6 @@ pub struct PolicyController {
     by_target: BTreeMap<(Direction, IpAddr), BTreeSet<ObjectKey>>,
     /// What each dispatch object is built from now.
     dispatch: BTreeMap<(Direction, IpAddr), Vec<DispatchEntry>>,
-    /// Dataplane objects left empty last time, removed on the next call.
-    tombstones: BTreeSet<ObjectKey>,
-    /// Policies written with extra (emptied) chains last time, cleaned on the next call.
-    unclean: BTreeSet<ObjectKey>,
 }
 
 impl PolicyController {
@@ -105,8 +99,6 @@ impl PolicyController {
             audit_all: false,
             by_target: BTreeMap::new(),
             dispatch: BTreeMap::new(),
-            tombstones: BTreeSet::new(),
-            unclean: BTreeSet::new(),
         }
     }
 
@@ -139,7 +131,6 @@ impl PolicyController {
     pub fn set_audit(&mut self, policy: &ObjectKey, audit: bool) -> PolicyChanges {
         let changed = if audit { self.audit.insert(policy.clone()) } else { self.audit.remove(policy) };
         let mut out = PolicyChanges::default();
-        self.take_tombstones(&mut out);
         if changed {
             let affected: BTreeSet<(Direction, IpAddr)> =
                 self.compiled.get(policy).map(|c| c.rules.targets.keys().copied().collect()).unwrap_or_default();
@@ -151,7 +142,6 @@ impl PolicyController {
     /// The whole module in audit mode (every policy's would-be drops counted, none enforced).
     pub fn set_audit_all(&mut self, audit: bool) -> PolicyChanges {
         let mut out = PolicyChanges::default();
-        self.take_tombstones(&mut out);
         if self.audit_all != audit {
             self.audit_all = audit;
             let all: BTreeSet<(Direction, IpAddr)> = self.by_target.keys().copied().collect();
@@ -221,27 +211,8 @@ impl PolicyController {
         out
     }
 
-    fn take_tombstones(&mut self, out: &mut PolicyChanges) {
-        for key in std::mem::take(&mut self.tombstones) {
-            out.changes.push((key, None));
-        }
-    }
-
     fn run(&mut self, cluster: &ClusterState, model: &NodeLocalModel, work: Vec<(ObjectKey, Option<Arc<PolicyView>>)>) -> PolicyChanges {
         let mut out = PolicyChanges::default();
-        self.take_tombstones(&mut out);
-        // Policies that kept emptied chains last time get their clean rules now (no dispatch
-        // chain jumps to those any more). One compiled again below is written whatever
-        // its output: pushing it here too would put its deletions before this call's
-        // dispatch changes (the writer handles an object at its first mention).
-        let mut force_write: BTreeSet<ObjectKey> = BTreeSet::new();
-        for key in std::mem::take(&mut self.unclean) {
-            if work.iter().any(|(k, _)| *k == key) {
-                force_write.insert(key);
-            } else if let Some(c) = self.compiled.get(&key) {
-                out.changes.push((render::policy_object_key(&key), Some(c.rules.rules.clone())));
-            }
-        }
         if work.is_empty() {
             return out;
         }
@@ -268,23 +239,9 @@ impl PolicyController {
                     out.compiled += 1;
                     self.errors.remove(&key);
                     let new_targets: BTreeSet<(Direction, IpAddr)> = rules.targets.keys().copied().collect();
-                    let dropped_chains: Vec<String> = self
-                        .compiled
-                        .get(&key)
-                        .map(|c| c.rules.rules.chains.keys().filter(|n| !rules.rules.chains.contains_key(*n)).cloned().collect())
-                        .unwrap_or_default();
                     let unchanged = self.compiled.get(&key).is_some_and(|c| c.rules == rules);
-                    if !unchanged || force_write.contains(&key) {
-                        let mut written = rules.rules.clone();
-                        if !dropped_chains.is_empty() {
-                            // Dispatch chains may still jump to them until later in this
-                            // transaction: keep them, empty, until the next call.
-                            for chain in dropped_chains {
-                                written.chains.insert(chain, Vec::new());
-                            }
-                            self.unclean.insert(key.clone());
-                        }
-                        out.changes.push((render::policy_object_key(&key), Some(written)));
+                    if !unchanged {
+                        out.changes.push((render::policy_object_key(&key), Some(rules.rules.clone())));
                     }
                     self.untarget(&key, &old_targets);
                     for t in &new_targets {
@@ -302,17 +259,12 @@ impl PolicyController {
                     out.failed += 1;
                     tracing::warn!(policy = %key, module = %self.module, "network policy not compiled, last good rules stay: {e}");
                     self.errors.insert(key.clone(), e);
-                    if force_write.contains(&key) {
-                        self.unclean.insert(key.clone());
-                    }
                 }
             }
         }
         self.recompose(affected, &mut out);
         for key in removed {
-            let object = render::policy_object_key(&key);
-            out.changes.push((object.clone(), Some(ObjectRules::default())));
-            self.tombstones.insert(object);
+            out.changes.push((render::policy_object_key(&key), None));
         }
         out
     }
@@ -511,11 +463,24 @@ mod tests {
         assert_eq!((c.compiled, c.changes.len()), (0, 0));
     }
 
+    /// Feeds changes to a recording writer; the transaction it rendered.
+    fn written(writer: &mut crate::dataplane::Dataplane, c: &PolicyChanges) -> String {
+        writer.sync(c.changes.clone()).unwrap();
+        writer.last_transaction.clone()
+    }
+
+    /// Line number of `statement` in `transaction` (panics if absent).
+    fn line_of(transaction: &str, statement: &str) -> usize {
+        transaction.lines().position(|l| l == statement).unwrap_or_else(|| panic!("{statement:?} not in\n{transaction}"))
+    }
+
     #[test]
-    fn policies_on_one_pod_combine_and_removal_is_ordered_after_the_dispatch_change() {
+    fn policies_on_one_pod_combine_and_a_removed_one_goes_in_the_same_transaction() {
         let mut w = World::new();
-        w.apply(policy("p", "web", 1));
+        let mut writer = crate::dataplane::Dataplane::new(Box::new(crate::dataplane::Recorder::default()));
+        written(&mut writer, &w.apply(policy("p", "web", 1)));
         let c = w.apply(policy("q", "web", 1));
+        written(&mut writer, &c);
         let dispatch = c.changes.iter().find_map(|(k, r)| k.namespace.starts_with("networkpolicy-dispatch").then_some(r)).unwrap();
         assert_eq!(
             dispatch.as_ref().unwrap().chains["polpod/10.244.1.10/ingress"],
@@ -526,37 +491,43 @@ mod tests {
             keys(&c),
             vec![("networkpolicy-dispatch:/10.244.1.10/ingress".to_string(), true), ("networkpolicy:a/q".to_string(), false)]
         );
-        // The tombstone goes for good on the next call.
-        let c = w.apply(pod("a", "batch-0", "10.244.1.20", "batch"));
-        assert_eq!(c.changes.len(), 1);
-        assert!(c.changes[0].1.is_none() && c.changes[0].0.to_string() == "networkpolicy:a/q");
+        assert!(c.changes[1].1.is_none(), "the policy goes at once");
+        // One transaction: the dispatch chain stops jumping to q before q's chain goes.
+        let t = written(&mut writer, &c);
+        assert!(
+            line_of(&t, "flush chain inet wasmplane polpod/10.244.1.10/ingress") < line_of(&t, "delete chain inet wasmplane pol/a/q/ingress"),
+            "{t}"
+        );
+        assert!(line_of(&t, "delete chain inet wasmplane pol/a/q/ingress") < line_of(&t, "add rule inet wasmplane polpod/10.244.1.10/ingress jump pol/a/p/ingress"));
+        // Nothing is left to clean up on the next call.
+        assert!(w.apply(pod("a", "batch-0", "10.244.1.20", "batch")).changes.is_empty());
         // The last policy going: the dispatch object goes too (the pod is open again).
         let c = w.delete_policy("p");
         assert_eq!(
             keys(&c),
             vec![("networkpolicy-dispatch:/10.244.1.10/ingress".to_string(), false), ("networkpolicy:a/p".to_string(), false)]
         );
-        assert!(c.changes[0].1.is_none());
+        assert!(c.changes[0].1.is_none() && c.changes[1].1.is_none());
     }
 
     #[test]
-    fn a_dropped_chain_stays_empty_until_no_dispatch_chain_jumps_to_it() {
+    fn a_dropped_chain_goes_in_the_same_transaction_as_the_dispatch_change() {
         let mut w = World::new();
-        w.apply(policy("p", "web", 1));
+        let mut writer = crate::dataplane::Dataplane::new(Box::new(crate::dataplane::Recorder::default()));
+        written(&mut writer, &w.apply(policy("p", "web", 1)));
         // policyTypes Ingress → Egress: the ingress chain goes, the pod's ingress dispatch too.
         let ClusterObject::NetworkPolicy(mut egress) = policy("p", "web", 2) else { unreachable!() };
         egress.egress = egress.ingress.take();
         egress.egress.as_mut().unwrap()[0].peers.clear();
-        let c = w.apply(ClusterObject::NetworkPolicy(egress.clone()));
-        let object = c.changes[0].1.as_ref().unwrap();
-        assert_eq!(c.changes[0].0.to_string(), "networkpolicy:a/p", "the policy first: its new chain is jumped to");
-        assert_eq!(object.chains["pol/a/p/ingress"], Vec::<String>::new(), "kept, empty, while the old dispatch may jump to it");
-        assert!(object.chains.contains_key("pol/a/p/egress"));
-        // Compiled again with the same output: written anyway, clean.
-        egress.generation = 3;
         let c = w.apply(ClusterObject::NetworkPolicy(egress));
         let object = c.changes.iter().find(|(k, _)| k.to_string() == "networkpolicy:a/p").unwrap().1.as_ref().unwrap();
         assert!(!object.chains.contains_key("pol/a/p/ingress"), "{:?}", object.chains.keys());
+        assert!(object.chains.contains_key("pol/a/p/egress"));
+        let t = written(&mut writer, &c);
+        assert!(
+            line_of(&t, "flush chain inet wasmplane polpod/10.244.1.10/ingress") < line_of(&t, "delete chain inet wasmplane pol/a/p/ingress"),
+            "{t}"
+        );
         assert!(w.controller.objects().iter().all(|(_, r)| !r.chains.contains_key("pol/a/p/ingress")));
     }
 
