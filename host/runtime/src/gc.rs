@@ -11,10 +11,8 @@
 use std::sync::Arc;
 
 use wasmtime::component::{Component, InstancePre};
-use wasmtime::Store;
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 
-use crate::host::{GuestState, NoLookups, classify, deadline_ticks, new_store};
+use crate::host::{GuestState, LiveInstance, NoLookups, check_output_size, classify, deadline_ticks, live_instance};
 use crate::{CallError, GuestKind, Limits, LoadError, ModuleInfo, Runtime};
 
 mod bindings {
@@ -96,12 +94,6 @@ impl GcModule {
     }
 }
 
-struct LiveInstance {
-    store: Store<GuestState>,
-    bindings: GarbageCollection,
-    stderr: MemoryOutputPipe,
-}
-
 /// Runs `collect` on one instance, reused until a call fails (a trapped
 /// instance cannot be entered again).
 pub struct GcSession {
@@ -109,26 +101,15 @@ pub struct GcSession {
     engine: wasmtime::Engine,
     limits: Limits,
     name: Arc<str>,
-    live: Option<LiveInstance>,
+    live: Option<LiveInstance<GarbageCollection>>,
 }
 
 impl GcSession {
 
-    fn instantiate(&mut self) -> Result<&mut LiveInstance, CallError> {
-        if self.live.is_none() {
-            // GC guests import no lookups: nothing to query.
-            let (mut store, stderr) = new_store(&self.engine, self.name.clone(), &self.limits, Arc::new(NoLookups));
-            let bindings = self
-                .pre
-                .instantiate(&mut store)
-                .map_err(|e| CallError::Instantiate(format!("{e:#}")))?;
-            self.live = Some(LiveInstance {
-                store,
-                bindings,
-                stderr,
-            });
-        }
-        Ok(self.live.as_mut().expect("just instantiated"))
+    fn instantiate(&mut self) -> Result<&mut LiveInstance<GarbageCollection>, CallError> {
+        let pre = &self.pre;
+        // GC guests import no lookups: nothing to query.
+        live_instance(&mut self.live, &self.engine, self.name.clone(), &self.limits, Arc::new(NoLookups), |store| pre.instantiate(store))
     }
 
     /// Asks the guest which of `candidates` to delete. On any error the
@@ -145,16 +126,7 @@ impl GcSession {
         let outcome = match result {
             Ok(keys) => {
                 let bytes: usize = keys.iter().map(String::len).sum();
-                if keys.len() > limits.max_output_objects || bytes > limits.max_output_bytes {
-                    Err(CallError::OutputTooLarge(format!(
-                        "{} keys / {bytes} bytes (limits {} / {})",
-                        keys.len(),
-                        limits.max_output_objects,
-                        limits.max_output_bytes
-                    )))
-                } else {
-                    Ok(keys)
-                }
+                check_output_size(keys.len(), bytes, "keys", &limits).map(|_| keys)
             }
             Err(e) => Err(classify(e, &live.store, &live.stderr, &limits)),
         };

@@ -200,6 +200,42 @@ pub(crate) fn new_store(
     (store, stderr)
 }
 
+/// One guest instance of any kind and its store, reused across calls until a call fails.
+pub(crate) struct LiveInstance<B> {
+    pub store: wasmtime::Store<GuestState>,
+    pub bindings: B,
+    pub stderr: wasmtime_wasi::p2::pipe::MemoryOutputPipe,
+}
+
+/// The instance in `slot`, instantiated on a fresh store when there is none. Sessions empty
+/// the slot after a failed call: a trapped instance cannot be entered again.
+pub(crate) fn live_instance<'s, B>(
+    slot: &'s mut Option<LiveInstance<B>>,
+    engine: &Engine,
+    name: Arc<str>,
+    limits: &crate::Limits,
+    lookups: Arc<dyn Lookups>,
+    instantiate: impl FnOnce(&mut wasmtime::Store<GuestState>) -> wasmtime::Result<B>,
+) -> Result<&'s mut LiveInstance<B>, crate::CallError> {
+    if slot.is_none() {
+        let (mut store, stderr) = new_store(engine, name, limits, lookups);
+        let bindings = instantiate(&mut store).map_err(|e| crate::CallError::Instantiate(format!("{e:#}")))?;
+        *slot = Some(LiveInstance { store, bindings, stderr });
+    }
+    Ok(slot.as_mut().expect("just instantiated"))
+}
+
+/// A guest's output against the size limits: `objects` (counted as `unit`) and `bytes`.
+pub(crate) fn check_output_size(objects: usize, bytes: usize, unit: &str, limits: &crate::Limits) -> Result<(), crate::CallError> {
+    if objects > limits.max_output_objects || bytes > limits.max_output_bytes {
+        return Err(crate::CallError::OutputTooLarge(format!(
+            "{objects} {unit} / {bytes} bytes (limits {} / {})",
+            limits.max_output_objects, limits.max_output_bytes
+        )));
+    }
+    Ok(())
+}
+
 /// Why a guest call failed: its memory limit, its time limit, or a trap (with what the guest
 /// wrote to stderr, e.g. a panic message).
 pub(crate) fn classify(

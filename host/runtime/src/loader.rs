@@ -9,11 +9,9 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use wasmtime::component::types::ComponentItem;
 use wasmtime::component::{Component, InstancePre};
-use wasmtime::Store;
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 
 use crate::bindings::service::{ServiceTranslation, ServiceTranslationPre};
-use crate::host::{GuestState, Lookups, classify, deadline_ticks, new_store};
+use crate::host::{GuestState, LiveInstance, Lookups, check_output_size, classify, deadline_ticks, live_instance};
 use crate::{CallError, Limits, Runtime, convert, wit};
 use wasmplane_model::state::{NodeContext, ServiceView};
 
@@ -243,12 +241,6 @@ impl LoadedModule {
     }
 }
 
-struct LiveInstance {
-    store: Store<GuestState>,
-    bindings: ServiceTranslation,
-    stderr: MemoryOutputPipe,
-}
-
 /// Runs translations on one instance, reused across calls until a call fails (a trapped
 /// instance cannot be entered again, so the next call gets a fresh one).
 pub struct TranslatorSession {
@@ -257,17 +249,13 @@ pub struct TranslatorSession {
     limits: Limits,
     name: Arc<str>,
     lookups: Arc<dyn Lookups>,
-    live: Option<LiveInstance>,
+    live: Option<LiveInstance<ServiceTranslation>>,
 }
 
 impl TranslatorSession {
-    fn instantiate(&mut self) -> Result<&mut LiveInstance, CallError> {
-        if self.live.is_none() {
-            let (mut store, stderr) = new_store(&self.engine, self.name.clone(), &self.limits, self.lookups.clone());
-            let bindings = self.pre.instantiate(&mut store).map_err(|e| CallError::Instantiate(format!("{e:#}")))?;
-            self.live = Some(LiveInstance { store, bindings, stderr });
-        }
-        Ok(self.live.as_mut().expect("just instantiated"))
+    fn instantiate(&mut self) -> Result<&mut LiveInstance<ServiceTranslation>, CallError> {
+        let pre = &self.pre;
+        live_instance(&mut self.live, &self.engine, self.name.clone(), &self.limits, self.lookups.clone(), |store| pre.instantiate(store))
     }
 
     /// Instantiates now rather than on the first call (benchmarks, warm-up).
@@ -303,7 +291,7 @@ impl TranslatorSession {
             slices,
         );
         let outcome = match result {
-            Ok(Ok(ruleset)) => check_output_size(&ruleset, &limits).map(|_| ruleset),
+            Ok(Ok(ruleset)) => check_ruleset_size(&ruleset, &limits).map(|_| ruleset),
             Ok(Err(guest_error)) => Err(CallError::Guest(guest_error.message.chars().take(1024).collect())),
             Err(e) => Err(classify(e, &live.store, &live.stderr, &limits)),
         };
@@ -337,13 +325,8 @@ pub fn output_cost(r: &wit::Ruleset) -> (usize, usize) {
     (objects, bytes)
 }
 
-fn check_output_size(r: &wit::Ruleset, limits: &Limits) -> Result<(), CallError> {
+/// A ruleset (translator or policy output) against the size limits.
+pub(crate) fn check_ruleset_size(r: &wit::Ruleset, limits: &Limits) -> Result<(), CallError> {
     let (objects, bytes) = output_cost(r);
-    if objects > limits.max_output_objects || bytes > limits.max_output_bytes {
-        return Err(CallError::OutputTooLarge(format!(
-            "{objects} objects / {bytes} bytes (limits {} / {})",
-            limits.max_output_objects, limits.max_output_bytes
-        )));
-    }
-    Ok(())
+    check_output_size(objects, bytes, "objects", limits)
 }

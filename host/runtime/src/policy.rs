@@ -14,13 +14,11 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 
 use wasmtime::component::{Component, InstancePre};
-use wasmtime::Store;
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 
 use wasmplane_model as m;
 use wasmplane_model::state::{NodeContext, PolicyView};
 
-use crate::host::{GuestState, Lookups, classify, deadline_ticks, new_store};
+use crate::host::{GuestState, LiveInstance, Lookups, classify, deadline_ticks, live_instance};
 use crate::{CallError, GuestKind, Limits, LoadError, ModuleInfo, Runtime, convert, wit};
 
 mod bindings {
@@ -91,12 +89,6 @@ impl PolicyModule {
     }
 }
 
-struct LiveInstance {
-    store: Store<GuestState>,
-    bindings: NetworkPolicyEnforcement,
-    stderr: MemoryOutputPipe,
-}
-
 /// Runs `compile` on one instance, reused across calls until a call fails (a trapped
 /// instance cannot be entered again, so the next call gets a fresh one).
 pub struct PolicySession {
@@ -105,18 +97,14 @@ pub struct PolicySession {
     limits: Limits,
     name: Arc<str>,
     lookups: Arc<dyn Lookups>,
-    live: Option<LiveInstance>,
+    live: Option<LiveInstance<NetworkPolicyEnforcement>>,
 }
 
 impl PolicySession {
 
-    fn instantiate(&mut self) -> Result<&mut LiveInstance, CallError> {
-        if self.live.is_none() {
-            let (mut store, stderr) = new_store(&self.engine, self.name.clone(), &self.limits, self.lookups.clone());
-            let bindings = self.pre.instantiate(&mut store).map_err(|e| CallError::Instantiate(format!("{e:#}")))?;
-            self.live = Some(LiveInstance { store, bindings, stderr });
-        }
-        Ok(self.live.as_mut().expect("just instantiated"))
+    fn instantiate(&mut self) -> Result<&mut LiveInstance<NetworkPolicyEnforcement>, CallError> {
+        let pre = &self.pre;
+        live_instance(&mut self.live, &self.engine, self.name.clone(), &self.limits, self.lookups.clone(), |store| pre.instantiate(store))
     }
 
     /// Compiles the policy of `view` for the local pods it selects.
@@ -142,7 +130,7 @@ impl PolicySession {
         let result =
             live.bindings.wasmplane_dataplane_network_policy().call_compile(&mut live.store, ctx, chain_prefix, policy, local_pods);
         let outcome = match result {
-            Ok(Ok(ruleset)) => check_output_size(&ruleset, &limits).map(|_| ruleset),
+            Ok(Ok(ruleset)) => crate::loader::check_ruleset_size(&ruleset, &limits).map(|_| ruleset),
             Ok(Err(guest_error)) => Err(CallError::Guest(guest_error.message.chars().take(1024).collect())),
             Err(e) => Err(classify(e, &live.store, &live.stderr, &limits)),
         };
@@ -153,16 +141,6 @@ impl PolicySession {
     }
 }
 
-fn check_output_size(r: &wit::Ruleset, limits: &Limits) -> Result<(), CallError> {
-    let (objects, bytes) = crate::loader::output_cost(r);
-    if objects > limits.max_output_objects || bytes > limits.max_output_bytes {
-        return Err(CallError::OutputTooLarge(format!(
-            "{objects} objects / {bytes} bytes (limits {} / {})",
-            limits.max_output_objects, limits.max_output_bytes
-        )));
-    }
-    Ok(())
-}
 
 
 // ---- model → WIT ----------------------------------------------------------------------------
