@@ -141,6 +141,13 @@ pub struct ObjectRules {
     pub warnings: Vec<String>,
 }
 
+impl ObjectRules {
+    /// Empty rules carrying what the guest warned about (bounded: 32 warnings of 256 chars).
+    fn with_guest_warnings(warnings: &[String]) -> ObjectRules {
+        ObjectRules { warnings: warnings.iter().take(32).map(|w| w.chars().take(256).collect()).collect(), ..Default::default() }
+    }
+}
+
 fn elements_as_list<S: serde::Serializer>(elements: &BTreeMap<(String, String), String>, s: S) -> Result<S::Ok, S::Error> {
     #[derive(Serialize)]
     struct Element<'a> {
@@ -194,6 +201,25 @@ impl<'a> Validator<'a> {
 
     fn address(&self, text: &str) -> Result<IpAddr, InvalidOutput> {
         text.parse().or_else(|_| self.fail(format!("{text:?} is not an IP address")))
+    }
+
+    /// Declares an address set of this object (its own name, declared once, no chain of
+    /// that name): its nft key type and its elements, each an address of the set's family.
+    fn address_set(&mut self, set: &'a wit::SetDeclaration) -> Result<(&'static str, BTreeSet<String>), InvalidOutput> {
+        self.own_name("set", &set.name)?;
+        if self.sets.insert(&set.name, set.family).is_some() || self.chains.contains(set.name.as_str()) {
+            return self.fail(format!("set {:?} declared twice", set.name));
+        }
+        let ty = if set.family == wit::AddressFamily::Ipv4 { "ipv4_addr" } else { "ipv6_addr" };
+        let mut elements = BTreeSet::new();
+        for e in &set.elements {
+            let addr = self.address(e)?;
+            if (set.family == wit::AddressFamily::Ipv4) != addr.is_ipv4() {
+                return self.fail(format!("set {:?}: element {e} has the wrong address family", set.name));
+            }
+            elements.insert(addr.to_string());
+        }
+        Ok((ty, elements))
     }
 
     fn cidr(&self, text: &str) -> Result<(String, &'static str), InvalidOutput> {
@@ -322,26 +348,14 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
             return v.fail(format!("chain {:?} has {} rules (limit {MAX_RULES_PER_CHAIN})", chain.name, chain.rules.len()));
         }
     }
-    let mut rules = ObjectRules { warnings: out.warnings.iter().take(32).map(|w| w.chars().take(256).collect()).collect(), ..Default::default() };
+    let mut rules = ObjectRules::with_guest_warnings(&out.warnings);
     for set in &out.sets {
-        v.own_name("set", &set.name)?;
-        if v.sets.insert(&set.name, set.family).is_some() || v.chains.contains(set.name.as_str()) {
-            return v.fail(format!("set {:?} declared twice", set.name));
-        }
-        let ty = if set.family == wit::AddressFamily::Ipv4 { "ipv4_addr" } else { "ipv6_addr" };
+        let (ty, elements) = v.address_set(set)?;
         let mut declaration = format!("type {ty}; flags dynamic");
         if let Some(t) = set.timeout_seconds {
             write!(declaration, ",timeout; timeout {t}s").unwrap();
         }
         declaration.push(';');
-        let mut elements = BTreeSet::new();
-        for e in &set.elements {
-            let addr = v.address(e)?;
-            if (set.family == wit::AddressFamily::Ipv4) != addr.is_ipv4() {
-                return v.fail(format!("set {:?}: element {e} has the wrong address family", set.name));
-            }
-            elements.insert(addr.to_string());
-        }
         rules.sets.insert(set.name.clone(), SetRules { declaration, elements, expires: set.timeout_seconds.is_some() });
     }
     for chain in &out.chains {

@@ -182,22 +182,9 @@ fn validate_rendered(object: &str, prefix: &str, out: &wit::Ruleset) -> Result<O
             return v.fail(format!("chain {:?} has {} rules (limit {})", chain.name, chain.rules.len(), super::MAX_RULES_PER_CHAIN));
         }
     }
-    let mut rules =
-        ObjectRules { warnings: out.warnings.iter().take(32).map(|w| w.chars().take(256).collect()).collect(), ..Default::default() };
+    let mut rules = ObjectRules::with_guest_warnings(&out.warnings);
     for set in &out.sets {
-        v.own_name("set", &set.name)?;
-        if v.sets.insert(&set.name, set.family).is_some() || v.chains.contains(set.name.as_str()) {
-            return v.fail(format!("set {:?} declared twice", set.name));
-        }
-        let ty = if set.family == wit::AddressFamily::Ipv4 { "ipv4_addr" } else { "ipv6_addr" };
-        let mut elements = BTreeSet::new();
-        for e in &set.elements {
-            let addr = v.address(e)?;
-            if (set.family == wit::AddressFamily::Ipv4) != addr.is_ipv4() {
-                return v.fail(format!("set {:?}: element {e} has the wrong address family", set.name));
-            }
-            elements.insert(addr.to_string());
-        }
+        let (ty, elements) = v.address_set(set)?;
         rules.sets.insert(set.name.clone(), super::SetRules { declaration: format!("type {ty};"), elements, expires: false });
     }
     for chain in &out.chains {
