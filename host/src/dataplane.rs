@@ -324,28 +324,21 @@ impl NetlinkNft {
     }
 
     /// Sends a batch; the kernel has processed it when `send` returns, so what is queued
-    /// then are its errors (none: it went in).
-    fn send_batch(&mut self, transaction: &str, batch: nft::netlink::Batch) -> Result<(), WriteError> {
+    /// then are its errors (none: it went in). `None`: the batch is bigger than the socket's
+    /// send buffer (capped by `net.core.wmem_max` without CAP_NET_ADMIN) and nothing was sent.
+    fn send_batch(&mut self, transaction: &str, batch: &nft::netlink::Batch) -> Option<Result<(), WriteError>> {
         self.drain();
         let sent = match self.socket.send(&batch.bytes, 0) {
             Ok(sent) => sent,
-            // Bigger than the socket's send buffer (its size is capped by
-            // `net.core.wmem_max` without CAP_NET_ADMIN): nothing was sent; nft splits it.
-            Err(e) if e.raw_os_error() == Some(libc::EMSGSIZE) => {
-                tracing::debug!(bytes = batch.bytes.len(), "batch too big for the socket; through nft -f");
-                self.netlink_transactions -= 1;
-                self.text_transactions += 1;
-                self.last_path = "nft";
-                return self.text.apply(transaction);
-            }
-            Err(e) => return Err(WriteError::Netlink(e)),
+            Err(e) if e.raw_os_error() == Some(libc::EMSGSIZE) => return None,
+            Err(e) => return Some(Err(WriteError::Netlink(e))),
         };
         if sent != batch.bytes.len() {
-            return Err(WriteError::Rejected(format!("netlink batch truncated: {sent} of {} bytes sent", batch.bytes.len())));
+            return Some(Err(WriteError::Rejected(format!("netlink batch truncated: {sent} of {} bytes sent", batch.bytes.len()))));
         }
         let errors = self.drain();
         if errors.is_empty() {
-            return Ok(());
+            return Some(Ok(()));
         }
         let lines: Vec<&str> = transaction.lines().collect();
         let described: Vec<String> = errors
@@ -361,7 +354,7 @@ impl NetlinkNft {
                 format!("{what}: {}", std::io::Error::from_raw_os_error(*errno))
             })
             .collect();
-        Err(WriteError::Rejected(described.join("; ")))
+        Some(Err(WriteError::Rejected(described.join("; "))))
     }
 
     /// Reads what the socket has queued without waiting: (sequence number, errno) of every
@@ -407,19 +400,19 @@ impl Kernel for NetlinkNft {
         match nft::netlink::encode_transaction(transaction, self.seq) {
             Ok(batch) if batch.bytes.len() <= MAX_BATCH_BYTES => {
                 self.seq = self.seq.wrapping_add(batch.messages.len() as u32 + 2);
-                self.netlink_transactions += 1;
-                self.last_path = "netlink";
-                self.send_batch(transaction, batch)
-            }
-            outcome => {
-                if let Err(unsupported) = outcome {
-                    tracing::trace!("transaction through nft -f: {unsupported}");
+                if let Some(result) = self.send_batch(transaction, &batch) {
+                    self.netlink_transactions += 1;
+                    self.last_path = "netlink";
+                    return result;
                 }
-                self.text_transactions += 1;
-                self.last_path = "nft";
-                self.text.apply(transaction)
+                tracing::debug!(bytes = batch.bytes.len(), "batch too big for the socket; through nft -f");
             }
+            Ok(_) => {}
+            Err(unsupported) => tracing::trace!("transaction through nft -f: {unsupported}"),
         }
+        self.text_transactions += 1;
+        self.last_path = "nft";
+        self.text.apply(transaction)
     }
 
     fn clear_conntrack(&mut self, filters: &[ConntrackFilter]) -> Result<usize, WriteError> {

@@ -184,87 +184,110 @@ const CMP_LTE: u32 = 3;
 const CMP_GTE: u32 = 5;
 
 impl Expr {
+    /// `NFTA_LIST_ELEM { NFTA_EXPR_NAME, NFTA_EXPR_DATA }`.
     fn encode(&self, w: &mut Writer) {
-        let (name, body): (&str, Box<dyn FnOnce(&mut Writer) + '_>) = match self {
-            Expr::Meta { key } => ("meta", Box::new(move |w| {
+        w.nest(1, |w| {
+            w.attr_str(1, self.name());
+            w.nest(2, |w| self.encode_data(w));
+        });
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Expr::Meta { .. } => "meta",
+            Expr::Payload { .. } => "payload",
+            Expr::Cmp { .. } => "cmp",
+            Expr::Bitwise { .. } => "bitwise",
+            Expr::CtState => "ct",
+            Expr::FibDaddrType => "fib",
+            Expr::Numgen { .. } => "numgen",
+            Expr::Lookup { .. } => "lookup",
+            Expr::Dynset { .. } => "dynset",
+            Expr::Counter => "counter",
+            Expr::Log { .. } => "log",
+            Expr::Immediate { .. } | Expr::Verdict(_) => "immediate",
+            Expr::Dnat { .. } => "nat",
+            Expr::Reject { .. } => "reject",
+        }
+    }
+
+    /// The expression's attributes (`NFTA_<NAME>_*`).
+    fn encode_data(&self, w: &mut Writer) {
+        match self {
+            Expr::Meta { key } => {
                 w.attr_u32(1, NFT_REG_1);
                 w.attr_u32(2, *key);
-            })),
-            Expr::Payload { base, offset, len } => ("payload", Box::new(move |w| {
+            }
+            Expr::Payload { base, offset, len } => {
                 w.attr_u32(1, NFT_REG_1);
                 w.attr_u32(2, *base);
                 w.attr_u32(3, *offset);
                 w.attr_u32(4, *len);
-            })),
-            Expr::Cmp { op, data } => ("cmp", Box::new(move |w| {
+            }
+            Expr::Cmp { op, data } => {
                 w.attr_u32(1, NFT_REG_1);
                 w.attr_u32(2, *op);
                 w.data_value(3, data);
-            })),
-            Expr::Bitwise { len, mask } => ("bitwise", Box::new(move |w| {
+            }
+            Expr::Bitwise { len, mask } => {
                 w.attr_u32(1, NFT_REG_1);
                 w.attr_u32(2, NFT_REG_1);
                 w.attr_u32(3, *len);
                 w.data_value(4, mask);
                 w.data_value(5, &vec![0; mask.len()]);
-            })),
-            Expr::CtState => ("ct", Box::new(|w| {
+            }
+            Expr::CtState => {
                 w.attr_u32(1, NFT_REG_1);
                 w.attr_u32(2, 0); // NFT_CT_STATE
-            })),
-            Expr::FibDaddrType => ("fib", Box::new(|w| {
+            }
+            Expr::FibDaddrType => {
                 w.attr_u32(1, NFT_REG_1);
                 w.attr_u32(2, 3); // NFT_FIB_RESULT_ADDRTYPE
                 w.attr_u32(3, 1 << 1); // NFTA_FIB_F_DADDR
-            })),
-            Expr::Numgen { modulus } => ("numgen", Box::new(move |w| {
+            }
+            Expr::Numgen { modulus } => {
                 w.attr_u32(1, NFT_REG_1);
                 w.attr_u32(2, *modulus);
                 w.attr_u32(3, 1); // NFT_NG_RANDOM
                 w.attr_u32(4, 0);
-            })),
-            Expr::Lookup { set } => ("lookup", Box::new(move |w| {
+            }
+            Expr::Lookup { set } => {
                 w.attr_str(1, set);
                 w.attr_u32(2, NFT_REG_1);
-            })),
-            Expr::Dynset { set, timeout_ms } => ("dynset", Box::new(move |w| {
+            }
+            Expr::Dynset { set, timeout_ms } => {
                 w.attr_str(1, set);
                 w.attr_u32(3, 1); // NFT_DYNSET_OP_UPDATE
                 w.attr_u32(4, NFT_REG_1);
                 if let Some(ms) = timeout_ms {
                     w.attr_u64(6, *ms);
                 }
-            })),
-            Expr::Counter => ("counter", Box::new(|w| {
+            }
+            Expr::Counter => {
                 w.attr_u64(1, 0);
                 w.attr_u64(2, 0);
-            })),
-            Expr::Log { prefix } => ("log", Box::new(move |w| w.attr_str(2, prefix))),
-            Expr::Immediate { reg, data } => ("immediate", Box::new(move |w| {
+            }
+            Expr::Log { prefix } => w.attr_str(2, prefix),
+            Expr::Immediate { reg, data } => {
                 w.attr_u32(1, *reg);
                 w.data_value(2, data);
-            })),
-            Expr::Verdict(v) => ("immediate", Box::new(move |w| {
+            }
+            Expr::Verdict(v) => {
                 w.attr_u32(1, NFT_REG_VERDICT);
                 w.data_verdict(2, v);
-            })),
-            Expr::Dnat { family } => ("nat", Box::new(move |w| {
+            }
+            Expr::Dnat { family } => {
                 w.attr_u32(1, 1); // NFT_NAT_DNAT
                 w.attr_u32(2, *family);
                 w.attr_u32(3, NFT_REG_1);
                 w.attr_u32(5, NFT_REG_2);
                 w.attr_u32(7, 0x2); // NF_NAT_RANGE_PROTO_SPECIFIED
-            })),
-            Expr::Reject { kind, code } => ("reject", Box::new(move |w| {
+            }
+            Expr::Reject { kind, code } => {
                 w.attr_u32(1, *kind);
                 w.attr(2, &[*code]);
-            })),
-        };
-        w.nest(1, |w| {
-            // NFTA_LIST_ELEM { NFTA_EXPR_NAME, NFTA_EXPR_DATA }
-            w.attr_str(1, name);
-            w.nest(2, body);
-        });
+            }
+        }
     }
 }
 
