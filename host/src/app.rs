@@ -127,6 +127,8 @@ pub struct HostConfig {
     /// Send incremental transactions as netlink batches (`nft::netlink`) in the namespace
     /// `nft_command` runs in; false: every transaction through `nft -f`.
     pub nft_netlink: bool,
+    /// Services per nftables shard table (see `nft::Layout`).
+    pub nft_services_per_shard: usize,
     /// Public keys (files) of which one must have signed every upload; empty: unsigned
     /// uploads are accepted.
     pub trusted_keys: Vec<PathBuf>,
@@ -165,6 +167,7 @@ impl Default for HostConfig {
             nft_command: vec!["nft".into()],
             conntrack_command: Vec::new(),
             nft_netlink: true,
+            nft_services_per_shard: crate::nft::Layout::DEFAULT_SERVICES_PER_SHARD,
             trusted_keys: Vec::new(),
             grants: None,
             tls: None,
@@ -280,6 +283,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         cluster_cidrs: config.cluster_cidrs.clone(),
         max_module_bytes: config.max_module_bytes,
         crash_budget: config.crash_budget,
+        services_per_shard: config.nft_services_per_shard,
     };
     let data_dir = config.data_dir.clone();
     let controller = {

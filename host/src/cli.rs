@@ -95,6 +95,11 @@ pub struct RunArgs {
     /// always go through `nft -f`).
     #[arg(long)]
     pub nft_text_only: bool,
+    /// Services per nftables shard table: the next full sync spreads services over
+    /// services/N tables (a power of two, at most 64), so a change's commit validates one
+    /// shard, not every service.
+    #[arg(long, default_value_t = crate::nft::Layout::DEFAULT_SERVICES_PER_SHARD)]
+    pub nft_services_per_shard: usize,
     /// Require every upload to be signed by one of these ed25519 public keys (repeatable;
     /// a file holds one key: 64 hex characters or SPKI PEM). None: signatures not required.
     #[arg(long = "trusted-key", env = "WASMPLANE_TRUSTED_KEYS", value_delimiter = ',')]
@@ -289,6 +294,7 @@ impl RunArgs {
             max_module_bytes: self.max_module_bytes,
             reconcile_interval: Duration::from_secs(self.reconcile_seconds.max(1)),
             nft_netlink: !self.nft_text_only,
+            nft_services_per_shard: self.nft_services_per_shard,
             trusted_keys: self.trusted_keys,
             grants: self.grants,
             tls: match (self.tls_cert, self.tls_key) {

@@ -80,6 +80,8 @@ pub struct ControllerConfig {
     pub cluster_cidrs: Vec<String>,
     pub max_module_bytes: usize,
     pub crash_budget: CrashBudget,
+    /// Services per nftables shard table (see `nft::Layout`).
+    pub services_per_shard: usize,
 }
 
 pub struct Controller {
@@ -171,7 +173,7 @@ impl Controller {
             model: NodeLocalModel::new(&config.node_name, config.cluster_cidrs),
             registry,
             translator: None,
-            dataplane: Dataplane::new(kernel),
+            dataplane: Dataplane::new(kernel).with_services_per_shard(config.services_per_shard),
             service_errors: BTreeMap::new(),
             max_module_bytes: config.max_module_bytes,
             observers: Vec::new(),

@@ -27,7 +27,7 @@ use std::sync::Arc;
 
 use wasmplane_model::ObjectKey;
 
-use crate::nft::{self, ConntrackFilter, ObjectRules};
+use crate::nft::{self, ConntrackFilter, Layout, ObjectRules, Table};
 
 #[derive(Debug, thiserror::Error)]
 pub enum WriteError {
@@ -46,10 +46,11 @@ pub trait Kernel: Send {
     fn apply(&mut self, transaction: &str) -> Result<(), WriteError>;
     /// Deletes the conntrack entries each filter matches; returns how many went.
     fn clear_conntrack(&mut self, filters: &[ConntrackFilter]) -> Result<usize, WriteError>;
-    /// Chains and sets of our table currently in the kernel (for reconciliation).
-    fn list_objects(&mut self) -> Result<(Vec<String>, Vec<String>), WriteError>;
-    /// Our whole table as `nft list table` prints it (rules with their counters); empty
-    /// where there is no kernel. Slow at scale: on demand only.
+    /// Our tables, chains and sets currently in the kernel (for reconciliation).
+    fn list_objects(&mut self) -> Result<Listing, WriteError>;
+    /// The main table (network policy, the shared service checks) as `nft list table`
+    /// prints it (rules with their counters); empty where there is no kernel. Slow at
+    /// scale: on demand only.
     fn list_table(&mut self) -> Result<String, WriteError> {
         Ok(String::new())
     }
@@ -63,6 +64,14 @@ pub trait Kernel: Send {
     fn last_path(&self) -> &'static str {
         self.mode()
     }
+}
+
+/// What of ours is in the kernel: tables, and chains and sets by table.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Listing {
+    pub tables: Vec<Table>,
+    pub chains: Vec<(Table, String)>,
+    pub sets: Vec<(Table, String)>,
 }
 
 /// Recording mode: renders what would be applied, for hosts without privileges.
@@ -110,8 +119,8 @@ impl Kernel for Recorder {
         }
         Ok(0)
     }
-    fn list_objects(&mut self) -> Result<(Vec<String>, Vec<String>), WriteError> {
-        Ok((Vec::new(), Vec::new()))
+    fn list_objects(&mut self) -> Result<Listing, WriteError> {
+        Ok(Listing::default())
     }
     fn mode(&self) -> &'static str {
         "record"
@@ -147,23 +156,27 @@ impl NftCommand {
         cmd
     }
 
-    /// Names of the objects (lines starting with `kind`) inside our table in a listing.
-    fn list_ours(&self, args: &[&str], kind: &str) -> Result<Vec<String>, WriteError> {
+    /// The objects (lines starting with `kind`) inside our tables in a listing, and every
+    /// table of ours the listing shows.
+    fn list_ours(&self, args: &[&str], kind: &str) -> Result<(Vec<Table>, Vec<(Table, String)>), WriteError> {
         let output = self.nft().args(args).stderr(Stdio::piped()).output().map_err(WriteError::Spawn)?;
         if !output.status.success() {
             return Err(WriteError::Rejected(String::from_utf8_lossy(&output.stderr).chars().take(4096).collect()));
         }
-        let ours = format!("{} {}", nft::FAMILY, nft::TABLE);
-        let mut in_ours = false;
-        let mut names = Vec::new();
+        let family = format!("{} ", nft::FAMILY);
+        let mut current: Option<Table> = None;
+        let (mut tables, mut names) = (Vec::new(), Vec::new());
         for line in String::from_utf8_lossy(&output.stdout).lines().map(str::trim) {
             if let Some(table) = line.strip_prefix("table ") {
-                in_ours = table.trim_end_matches(" {") == ours;
-            } else if in_ours && let Some(rest) = line.strip_prefix(kind) {
-                names.push(rest.trim_end_matches(" {").trim_matches('"').to_string());
+                current = table.trim_end_matches(" {").strip_prefix(&family).and_then(Table::parse);
+                tables.extend(current);
+            } else if let Some(table) = current
+                && let Some(rest) = line.strip_prefix(kind)
+            {
+                names.push((table, rest.trim_end_matches(" {").trim_matches('"').to_string()));
             }
         }
-        Ok(names)
+        Ok((tables, names))
     }
 }
 
@@ -210,13 +223,14 @@ impl Kernel for NftCommand {
         Ok(deleted)
     }
 
-    fn list_objects(&mut self) -> Result<(Vec<String>, Vec<String>), WriteError> {
+    fn list_objects(&mut self) -> Result<Listing, WriteError> {
         // Not `list table`: that prints every rule and element (measured 6–9 s at 10k
         // services). Chain names alone (`list chains`, 0.3 s at 10k) and set declarations
         // without their elements (`-t list sets`, 10 ms) are all reconciliation needs.
-        let chains = self.list_ours(&["list", "chains", nft::FAMILY], "chain ")?;
-        let sets = self.list_ours(&["-t", "list", "sets", nft::FAMILY], "set ")?;
-        Ok((chains, sets))
+        // Every table has chains, so the chain listing names them all.
+        let (tables, chains) = self.list_ours(&["list", "chains", nft::FAMILY], "chain ")?;
+        let (_, sets) = self.list_ours(&["-t", "list", "sets", nft::FAMILY], "set ")?;
+        Ok(Listing { tables, chains, sets })
     }
 
     fn list_table(&mut self) -> Result<String, WriteError> {
@@ -419,7 +433,7 @@ impl Kernel for NetlinkNft {
         self.text.clear_conntrack(filters)
     }
 
-    fn list_objects(&mut self) -> Result<(Vec<String>, Vec<String>), WriteError> {
+    fn list_objects(&mut self) -> Result<Listing, WriteError> {
         self.text.list_objects()
     }
 
@@ -462,6 +476,13 @@ pub struct Dataplane {
     in_sync: bool,
     /// Rules of a previous run are in the kernel and we have not been given state yet.
     held: bool,
+    /// Where services are in the kernel (shard tables): set by each full sync, kept by
+    /// incremental ones.
+    layout: Layout,
+    /// Services to a shard the next full sync aims at.
+    services_per_shard: usize,
+    /// How many of the wanted objects are services with chains (in shards).
+    sharded: usize,
     /// The last transaction written (its first [`KEPT_TEXT_BYTES`]).
     pub last_transaction: String,
     /// The last non-empty conntrack cleanup (filters), for inspection.
@@ -493,6 +514,9 @@ impl Dataplane {
             element_owner: HashMap::new(),
             in_sync: false,
             held,
+            layout: Layout::default(),
+            services_per_shard: Layout::DEFAULT_SERVICES_PER_SHARD,
+            sharded: 0,
             last_transaction: String::new(),
             last_conntrack_cleanup: Vec::new(),
         }
@@ -500,6 +524,17 @@ impl Dataplane {
 
     pub fn mode(&self) -> &'static str {
         self.kernel.mode()
+    }
+
+    /// How many services the next full syncs put in one shard table (see [`Layout`]).
+    pub fn with_services_per_shard(mut self, per_shard: usize) -> Self {
+        self.services_per_shard = per_shard.max(1);
+        self
+    }
+
+    /// How services are laid out in the kernel now.
+    pub fn layout(&self) -> Layout {
+        self.layout
     }
 
     pub fn applied(&self) -> &BTreeMap<ObjectKey, Arc<ObjectRules>> {
@@ -538,6 +573,13 @@ impl Dataplane {
     /// This is state from a source, so it also ends a hold (see [`Dataplane`]).
     pub fn sync(&mut self, changes: Vec<(ObjectKey, Option<ObjectRules>)>) -> Result<SyncStats, WriteError> {
         self.held = false;
+        if self.in_sync && self.relayout_with(&changes) {
+            // The change is most of the table anyway (a first delivery of state after an
+            // empty start): one full sync costs the same and lays the services out for
+            // their number at once, instead of at the next reconcile.
+            tracing::debug!(objects = changes.len(), "a change of most services: written as a full sync");
+            self.in_sync = false;
+        }
         if !self.in_sync {
             let mut next = self.desired().clone();
             for (key, rules) in changes {
@@ -560,7 +602,7 @@ impl Dataplane {
         let mut transaction = String::new();
         let pairs: Vec<(&ObjectRules, &ObjectRules)> =
             olds.iter().map(|(key, old)| (old.as_deref().unwrap_or(&empty), next.get(key).map_or(&empty, |r| &**r))).collect();
-        nft::objects_delta(&pairs, &mut transaction);
+        nft::objects_delta(&pairs, &mut transaction, self.layout);
         let statements = transaction.lines().count();
         let objects = olds.len();
         if statements > 0
@@ -589,6 +631,17 @@ impl Dataplane {
         Ok(SyncStats { full: false, objects, statements, conntrack_filters, path })
     }
 
+    /// Whether `changes` touch at least half of the services after them and those need
+    /// another layout than the kernel has.
+    fn relayout_with(&self, changes: &[(ObjectKey, Option<ObjectRules>)]) -> bool {
+        // The last change of a key counts (a batch may change one object twice).
+        let latest: HashMap<&ObjectKey, &Option<ObjectRules>> = changes.iter().map(|(k, r)| (k, r)).collect();
+        let before = latest.keys().filter(|k| self.applied.get(**k).is_some_and(|r| r.is_sharded())).count();
+        let after = latest.values().filter(|r| r.as_ref().is_some_and(ObjectRules::is_sharded)).count();
+        let services = (self.sharded + after).saturating_sub(before);
+        latest.len() * 2 >= services && Layout::for_services(services, self.services_per_shard) != self.layout
+    }
+
     /// Runs a conntrack cleanup after a transaction went in. A failure is logged, not
     /// returned: the rules are in, and the flows only keep their old endpoint until their
     /// entries time out.
@@ -615,6 +668,8 @@ impl Dataplane {
         rules: Option<ObjectRules>,
     ) -> Option<Arc<ObjectRules>> {
         let old = objects.remove(&key);
+        self.sharded = self.sharded.saturating_sub(usize::from(old.as_ref().is_some_and(|o| o.is_sharded())));
+        self.sharded += usize::from(rules.as_ref().is_some_and(ObjectRules::is_sharded));
         if let Some(old) = &old {
             for k in old.elements.keys() {
                 if self.element_owner.get(k) == Some(&key) {
@@ -678,23 +733,38 @@ impl Dataplane {
     }
 
     fn write_full(&mut self, next: BTreeMap<ObjectKey, Arc<ObjectRules>>) -> Result<SyncStats, WriteError> {
-        let (kernel_chains, kernel_sets) = match self.kernel.list_objects() {
+        let listing = match self.kernel.list_objects() {
             Ok(listed) => listed,
             Err(e) => {
                 self.keep_pending(next);
                 return Err(e);
             }
         };
-        let (stale_chains, stale_sets) = {
+        let services = next.values().filter(|r| r.is_sharded()).count();
+        let layout = Layout::for_services(services, self.services_per_shard);
+        let stale = {
             // Hashed: scanning every object per listed chain took 60 s at 10k services.
             let chains: HashSet<&str> = next.values().flat_map(|r| r.chains.keys().map(String::as_str)).collect();
             let sets: HashSet<&str> = next.values().flat_map(|r| r.sets.keys().map(String::as_str)).collect();
-            let stale_chains: Vec<String> =
-                kernel_chains.into_iter().filter(|c| !nft::is_static_chain(c) && !chains.contains(c.as_str())).collect();
-            let stale_sets: Vec<String> = kernel_sets.into_iter().filter(|s| (s.starts_with("svc/") || nft::policy::is_policy_object(s)) && !sets.contains(s.as_str())).collect();
-            (stale_chains, stale_sets)
+            let tables: HashSet<Table> = layout.tables().collect();
+            // A wanted name in another table than the layout's is stale there (a service
+            // that moved shards); whole tables outside the layout go at once.
+            let wanted = |names: &HashSet<&str>, table: &Table, name: &str| names.contains(name) && layout.table_of(name) == *table;
+            nft::Stale {
+                tables: listing.tables.iter().filter(|t| !tables.contains(t)).copied().collect(),
+                chains: listing
+                    .chains
+                    .into_iter()
+                    .filter(|(t, c)| tables.contains(t) && !nft::is_static_chain(c) && !wanted(&chains, t, c))
+                    .collect(),
+                sets: listing
+                    .sets
+                    .into_iter()
+                    .filter(|(t, s)| tables.contains(t) && (s.starts_with("svc/") || nft::policy::is_policy_object(s)) && !wanted(&sets, t, s))
+                    .collect(),
+            }
         };
-        let transaction = nft::full_transaction(next.values().map(|r| &**r), &stale_chains, &stale_sets);
+        let transaction = nft::full_transaction(next.values().map(|r| &**r), &stale, layout);
         if let Err(e) = self.kernel.apply(&transaction) {
             self.keep_pending(next);
             return Err(e);
@@ -715,6 +785,10 @@ impl Dataplane {
         let stats = SyncStats { full: true, objects: next.len(), statements: transaction.lines().count(), conntrack_filters, path: self.kernel.last_path() };
         self.last_transaction = kept_text(transaction);
         self.in_sync = true;
+        if layout != self.layout {
+            tracing::info!(shards = layout.shards, services, "services laid out over new shard tables");
+        }
+        self.layout = layout;
         self.commit(next);
         // A full sync's transient text and listings are large (tens of MB at 50k services)
         // and leave glibc's heap fragmented: hand what is free back to the kernel.
@@ -735,25 +809,28 @@ impl Dataplane {
     /// Not written (held, or the kernel refused): wanted all the same, written in full next.
     fn keep_pending(&mut self, next: BTreeMap<ObjectKey, Arc<ObjectRules>>) {
         self.element_owner = Self::owners(&next);
+        self.sharded = next.values().filter(|r| r.is_sharded()).count();
         self.pending = Some(next);
         self.in_sync = false;
     }
 
     fn commit(&mut self, next: BTreeMap<ObjectKey, Arc<ObjectRules>>) {
         self.element_owner = Self::owners(&next);
+        self.sharded = next.values().filter(|r| r.is_sharded()).count();
         self.pending = None;
         self.applied = next;
     }
 
     /// The full table as it is applied now, as an `nft -f` document.
     pub fn render(&self) -> String {
-        nft::full_transaction(self.applied.values().map(|r| &**r), &[], &[])
+        nft::full_transaction(self.applied.values().map(|r| &**r), &nft::Stale::default(), self.layout)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeSet;
     use std::sync::Mutex;
 
     /// A kernel that records transactions, can refuse them, and may already hold our table.
@@ -763,6 +840,7 @@ mod tests {
         refuse: Arc<Mutex<bool>>,
         has_table: bool,
         conntrack: Arc<Mutex<Vec<ConntrackFilter>>>,
+        listing: Arc<Mutex<Listing>>,
     }
 
     impl Kernel for Fake {
@@ -777,8 +855,8 @@ mod tests {
             self.conntrack.lock().unwrap().extend(filters.iter().cloned());
             Ok(filters.len())
         }
-        fn list_objects(&mut self) -> Result<(Vec<String>, Vec<String>), WriteError> {
-            Ok((Vec::new(), Vec::new()))
+        fn list_objects(&mut self) -> Result<Listing, WriteError> {
+            Ok(self.listing.lock().unwrap().clone())
         }
         fn has_table(&mut self) -> bool {
             self.has_table
@@ -814,7 +892,87 @@ mod tests {
         assert!(stats.full && !dp.is_held());
         let written = fake.applied.lock().unwrap().clone();
         assert_eq!(written.len(), 1);
-        assert!(written[0].contains("flush table") && written[0].contains("add chain inet wasmplane svc/default/a"));
+        assert!(written[0].contains("flush table") && written[0].contains("add chain inet wasmplane-s0 svc/default/a"));
+    }
+
+    #[test]
+    fn services_spread_over_shards_and_move_when_a_full_sync_changes_the_layout() {
+        let fake = Fake::default();
+        let mut dp = Dataplane::new(Box::new(fake.clone())).with_services_per_shard(2);
+        let names: Vec<String> = (0..7).map(|i| format!("s{i}")).collect();
+        let objects: BTreeMap<ObjectKey, ObjectRules> =
+            names.iter().enumerate().map(|(i, n)| (key(n), { let mut r = rules(n, "10.244.0.1"); r.elements = [(("service-ips".into(), format!("10.96.0.{i} . tcp . 80")), format!("goto svc/default/{n}"))].into(); r })).collect();
+        dp.full_sync(Some(objects.clone())).unwrap();
+        // 7 services, 2 to a shard: 4 tables (a power of two).
+        let layout = dp.layout();
+        assert_eq!(layout.shards, 4);
+        let full = fake.applied.lock().unwrap().last().unwrap().clone();
+        for shard in 0..4 {
+            assert!(full.contains(&format!("add chain inet wasmplane-s{shard} nat-prerouting {{ type nat hook prerouting")), "{full}");
+        }
+        let used: BTreeSet<Table> = names.iter().map(|n| layout.table_of(&format!("svc/default/{n}"))).collect();
+        assert!(used.len() > 1, "7 services all hashed to one of 4 shards: {used:?}");
+        for (i, n) in names.iter().enumerate() {
+            let t = layout.table_of(&format!("svc/default/{n}"));
+            assert!(full.contains(&format!("add chain {t} svc/default/{n}\n")), "{n} in {t}");
+            assert!(full.contains(&format!("add element {t} service-ips {{ 10.96.0.{i} . tcp . 80 : goto svc/default/{n} }}")));
+        }
+        // An incremental change goes to the service's own shard, elements and chain alike.
+        let t = layout.table_of("svc/default/s3");
+        let mut changed = rules("s3", "10.244.0.9");
+        changed.elements = [(("service-ips".into(), "10.96.0.3 . tcp . 80".into()), "goto svc/default/s3".into())].into();
+        dp.sync(vec![(key("s3"), Some(changed))]).unwrap();
+        let delta = fake.applied.lock().unwrap().last().unwrap().clone();
+        assert_eq!(delta, format!("flush chain {t} svc/default/s3\nadd chain {t} svc/default/s3\nadd rule {t} svc/default/s3 meta l4proto tcp dnat ip to 10.244.0.9:80\n"));
+
+        // Down to one service: one shard; the kernel (as listed) still has the old layout.
+        let kept = objects.iter().take(1).map(|(k, v)| (k.clone(), v.clone())).collect();
+        let moved = names.iter().skip(1).map(|n| (layout.table_of(&format!("svc/default/{n}")), format!("svc/default/{n}")));
+        *fake.listing.lock().unwrap() = Listing {
+            tables: layout.tables().collect(),
+            chains: moved.chain([(Table::shard(3), "services".to_string()), (Table::shard(0), "svc/default/s0".to_string())]).collect(),
+            sets: vec![],
+        };
+        dp.full_sync(Some(kept)).unwrap();
+        assert_eq!(dp.layout().shards, 1);
+        let full = fake.applied.lock().unwrap().last().unwrap().clone();
+        for shard in 1..4 {
+            assert!(full.ends_with(&format!("delete table inet wasmplane-s{shard}\n")) || full.contains(&format!("delete table inet wasmplane-s{shard}\ndelete table")), "{full}");
+        }
+        // Stale chains of the remaining shard go by name; those of deleted tables with them.
+        let in_s0: Vec<&String> = names.iter().skip(1).filter(|n| layout.table_of(&format!("svc/default/{n}")) == Table::shard(0)).collect();
+        for n in &in_s0 {
+            assert!(full.contains(&format!("delete chain inet wasmplane-s0 svc/default/{n}\n")), "{full}");
+        }
+        assert!(!full.contains("delete chain inet wasmplane-s0 svc/default/s0\n"), "a wanted chain stays");
+        assert_eq!(full.matches("delete chain").count(), in_s0.len(), "{full}");
+    }
+
+    #[test]
+    fn a_change_of_most_services_is_laid_out_at_once_a_small_one_waits_for_the_reconcile() {
+        let fake = Fake::default();
+        let mut dp = Dataplane::new(Box::new(fake.clone())).with_services_per_shard(2);
+        dp.full_sync(Some(BTreeMap::new())).unwrap();
+        assert_eq!(dp.layout().shards, 1);
+        let service = |i: usize| {
+            let n = format!("s{i}");
+            let mut r = rules(&n, "10.244.0.1");
+            r.elements = [(("service-ips".into(), format!("10.96.0.{i} . tcp . 80")), format!("goto svc/default/{n}"))].into();
+            (key(&n), Some(r))
+        };
+        // The first delivery of state after an empty start: all of it, one full sync.
+        let stats = dp.sync((0..5).map(service).collect()).unwrap();
+        assert!(stats.full && dp.layout().shards == 4, "{stats:?} {:?}", dp.layout());
+        // A few more (9 would want 8 shards): incremental, the layout waits for a reconcile.
+        let stats = dp.sync((5..9).map(service).collect()).unwrap();
+        assert!(!stats.full && dp.layout().shards == 4, "{stats:?}");
+        let delta = fake.applied.lock().unwrap().last().unwrap().clone();
+        assert!(!delta.contains("flush table"), "{delta}");
+        dp.full_sync(None).unwrap();
+        assert_eq!(dp.layout().shards, 8);
+        // Deleting services is counted too: down to 1, the next full sync uses one shard.
+        dp.sync((1..9).map(|i| (key(&format!("s{i}")), None)).collect()).unwrap();
+        assert_eq!(dp.layout().shards, 1, "8 of 9 services went: most of the table, laid out again at once");
     }
 
     #[test]
@@ -865,7 +1023,7 @@ mod tests {
         dp.sync(vec![(key("b"), Some(rules("b", "10.244.0.2")))]).unwrap();
         assert_eq!(dp.applied()[&key("b")].elements.len(), 1);
         let last = fake.applied.lock().unwrap().last().unwrap().clone();
-        assert!(last.contains("add element inet wasmplane service-ips { 10.96.0.1 . tcp . 80 : goto svc/default/b }"), "{last}");
+        assert!(last.contains("add element inet wasmplane-s0 service-ips { 10.96.0.1 . tcp . 80 : goto svc/default/b }"), "{last}");
     }
 
     #[test]

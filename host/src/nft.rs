@@ -66,6 +66,118 @@ use wasmplane_runtime::wit;
 
 pub const FAMILY: &str = "inet";
 pub const TABLE: &str = "wasmplane";
+/// Whether `name` is one of the host's tables: the main one or a service shard.
+pub fn is_our_table(name: &str) -> bool {
+    Table::parse(name).is_some()
+}
+
+/// One of the host's tables: the main one (filter checks, masquerading, network policy) or
+/// a service shard (the NAT part of the services whose names hash to it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Table(Option<u32>);
+
+impl Table {
+    pub const MAIN: Table = Table(None);
+
+    pub fn shard(index: u32) -> Table {
+        Table(Some(index))
+    }
+
+    /// The table's name (`wasmplane`, `wasmplane-s3`).
+    pub fn name(&self) -> String {
+        match self.0 {
+            None => TABLE.to_string(),
+            Some(i) => format!("{TABLE}-s{i}"),
+        }
+    }
+
+    /// The table called `name`, if it is one of ours.
+    pub fn parse(name: &str) -> Option<Table> {
+        if name == TABLE {
+            return Some(Table::MAIN);
+        }
+        let index = name.strip_prefix(TABLE)?.strip_prefix("-s")?;
+        (!index.is_empty() && index.bytes().all(|b| b.is_ascii_digit())).then(|| index.parse().ok().map(Table::shard)).flatten()
+    }
+}
+
+/// Written as nft names it: `inet wasmplane-s3`.
+impl std::fmt::Display for Table {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            None => write!(f, "{FAMILY} {TABLE}"),
+            Some(i) => write!(f, "{FAMILY} {TABLE}-s{i}"),
+        }
+    }
+}
+
+/// How services are spread over shard tables.
+///
+/// Why shards: the kernel's commit validates the whole jump graph of a *table* after any
+/// batch that adds a jump, goto, dnat or verdict element, so a one-service change in one
+/// table of 50k services cost 374 ms in the kernel alone; in a shard of 1,000 it costs
+/// 28 ms (`tests/shard_probe`-style measurement in `benches/nft_writer.rs`). Each shard has
+/// its own NAT base chains and service maps; a new connection's first packet runs the NAT
+/// chains of the shards in turn until one DNATs it (the kernel stops at the first NAT
+/// binding), so shards stay few: one per [`Layout::DEFAULT_SERVICES_PER_SHARD`] services, a
+/// power of two, at most [`Layout::MAX_SHARDS`]. What is left of the cost at 50k is the
+/// commit's walk over every chain of the network namespace (all tables), which no layout
+/// changes.
+///
+/// The shard of a service is a hash of its name, so it is a function of the name and the
+/// shard count alone. The count changes only with a full sync (which rewrites every table
+/// in one transaction anyway), so incremental transactions always find each service where
+/// the last full sync put it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    pub shards: u32,
+}
+
+impl Default for Layout {
+    fn default() -> Layout {
+        Layout { shards: 1 }
+    }
+}
+
+/// Host maps whose elements jump to a service's chains: they live in the service's shard.
+const SHARDED_MAPS: [&str; 3] = ["service-ips", "service-ips6", "service-nodeports"];
+
+impl Layout {
+    pub const DEFAULT_SERVICES_PER_SHARD: usize = 1024;
+    pub const MAX_SHARDS: u32 = 64;
+
+    /// The layout for `services` services, `per_shard` to a shard.
+    pub fn for_services(services: usize, per_shard: usize) -> Layout {
+        let wanted = services.div_ceil(per_shard.max(1)).max(1);
+        Layout { shards: (wanted.next_power_of_two() as u32).min(Self::MAX_SHARDS) }
+    }
+
+    pub fn tables(&self) -> impl Iterator<Item = Table> {
+        std::iter::once(Table::MAIN).chain((0..self.shards).map(Table::shard))
+    }
+
+    /// The table of a chain or set: a service's (`svc/<namespace>/<name>...`) are in its
+    /// shard, everything else in the main table.
+    pub fn table_of(&self, name: &str) -> Table {
+        use std::hash::Hasher as _;
+        let Some(rest) = name.strip_prefix("svc/") else { return Table::MAIN };
+        // The object's own prefix (namespace/name): all of one service's names share it.
+        let end = rest.match_indices('/').nth(1).map_or(rest.len(), |(i, _)| i);
+        let mut hasher = fnv::FnvHasher::default();
+        hasher.write(&rest.as_bytes()[..end]);
+        Table::shard((hasher.finish() % u64::from(self.shards.max(1))) as u32)
+    }
+
+    /// The table of an element of host map `map` with `verdict`: the service maps' elements
+    /// are in the shard of the chain they jump to.
+    pub fn element_table(&self, map: &str, verdict: &str) -> Table {
+        if !SHARDED_MAPS.contains(&map) {
+            return Table::MAIN;
+        }
+        verdict.split_whitespace().nth(1).map_or(Table::MAIN, |chain| self.table_of(chain))
+    }
+}
+
 /// Packet mark bit meaning "masquerade at postrouting".
 const MASQUERADE_MARK: &str = "0x4000";
 const MAX_NAME: usize = 200;
@@ -142,6 +254,11 @@ pub struct ObjectRules {
 }
 
 impl ObjectRules {
+    /// Whether this object has service chains (and so lives partly in a shard table).
+    pub fn is_sharded(&self) -> bool {
+        self.chains.keys().next().is_some_and(|c| c.starts_with("svc/"))
+    }
+
     /// Empty rules carrying what the guest warned about (bounded: 32 warnings of 256 chars).
     fn with_guest_warnings(warnings: &[String]) -> ObjectRules {
         ObjectRules { warnings: warnings.iter().take(32).map(|w| w.chars().take(256).collect()).collect(), ..Default::default() }
@@ -407,110 +524,144 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
     Ok(rules)
 }
 
-const HOST_MAPS: [&str; 6] =
-    ["service-ips", "service-ips6", "service-nodeports", "no-endpoint-services", "no-endpoint-services6", "no-endpoint-nodeports"];
-const HOST_SETS: [(&str, &str); 2] = [("cluster-ips", "ipv4_addr"), ("cluster-ips6", "ipv6_addr")];
+/// One table's static part: maps and sets (name, type), base and helper chains (name, hook,
+/// rules).
+struct TableSkeleton<'a> {
+    maps: &'a [(&'a str, &'a str)],
+    sets: &'a [(&'a str, &'a str)],
+    chains: &'a [(&'a str, &'a str, &'a [&'a str])],
+}
 
-/// The host's static part of the table: maps, base chains and their fixed rules.
-/// `flush_first`: empty the table (rules and map elements) after declaring everything and
-/// before refilling it, all within the caller's one transaction.
-pub fn skeleton(out: &mut String, flush_first: bool) {
-    let t = format!("{FAMILY} {TABLE}");
-    writeln!(out, "add table {t}").unwrap();
-    for (name, ty) in [
-        ("service-ips", "ipv4_addr . inet_proto . inet_service"),
-        ("service-ips6", "ipv6_addr . inet_proto . inet_service"),
-        ("service-nodeports", "inet_proto . inet_service"),
-        ("no-endpoint-services", "ipv4_addr . inet_proto . inet_service"),
-        ("no-endpoint-services6", "ipv6_addr . inet_proto . inet_service"),
-        ("no-endpoint-nodeports", "inet_proto . inet_service"),
-    ] {
-        writeln!(out, "add map {t} {name} {{ type {ty} : verdict; }}").unwrap();
+impl TableSkeleton<'_> {
+    /// `flush_first`: empty the table (rules and map elements) after declaring everything and
+    /// before refilling it, within the caller's one transaction.
+    fn write(&self, out: &mut String, t: Table, flush_first: bool) {
+        writeln!(out, "add table {t}").unwrap();
+        for (name, ty) in self.maps {
+            writeln!(out, "add map {t} {name} {{ type {ty} : verdict; }}").unwrap();
+        }
+        for (name, ty) in self.sets {
+            writeln!(out, "add set {t} {name} {{ type {ty}; }}").unwrap();
+        }
+        // Declare every chain before any rule jumps to one.
+        for (name, hook, _) in self.chains {
+            if hook.is_empty() {
+                writeln!(out, "add chain {t} {name}").unwrap();
+            } else {
+                writeln!(out, "add chain {t} {name} {{ {hook} }}").unwrap();
+            }
+        }
+        if flush_first {
+            // `flush table` empties chains but not maps: their elements go explicitly.
+            writeln!(out, "flush table {t}").unwrap();
+            for (map, _) in self.maps {
+                writeln!(out, "flush map {t} {map}").unwrap();
+            }
+            for (set, _) in self.sets {
+                writeln!(out, "flush set {t} {set}").unwrap();
+            }
+        }
+        for (name, _, rules) in self.chains {
+            writeln!(out, "flush chain {t} {name}").unwrap();
+            for rule in *rules {
+                writeln!(out, "add rule {t} {name} {}", rule.replace("0x4000", MASQUERADE_MARK)).unwrap();
+            }
+        }
     }
-    for (name, ty) in HOST_SETS {
-        writeln!(out, "add set {t} {name} {{ type {ty}; }}").unwrap();
-    }
+}
+
+const MARK_FOR_MASQUERADE: (&str, &str, &[&str]) = ("mark-for-masquerade", "", &["meta mark set meta mark | 0x4000"]);
+
+/// The main table: what every service shares (no-endpoint and cluster-IP checks in the
+/// filter hooks, masquerading) and network policy.
+const MAIN_SKELETON: TableSkeleton = {
     // Node ports are served on every local address but loopback, in both families (the map
     // keys are protocol . port, family-independent).
-    const NODE_PORTS: &str = "fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @service-nodeports";
-    const NODE_PORTS6: &str = "fib daddr type local ip6 daddr != ::1 meta l4proto . th dport vmap @service-nodeports";
     const NO_ENDPOINT_NODE_PORTS: &str = "fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @no-endpoint-nodeports";
     const NO_ENDPOINT_NODE_PORTS6: &str = "fib daddr type local ip6 daddr != ::1 meta l4proto . th dport vmap @no-endpoint-nodeports";
-    let base: &[(&str, &str, &[&str])] = &[
-        ("nat-prerouting", "type nat hook prerouting priority dstnat; policy accept;", &["jump services"]),
-        ("nat-output", "type nat hook output priority -100; policy accept;", &["jump services"]),
-        ("nat-postrouting", "type nat hook postrouting priority srcnat; policy accept;", &["jump masquerading"]),
-        // Before DNAT (priority dstnat-10), so destinations are still the service addresses.
-        ("filter-input", "type filter hook input priority -110; policy accept;", &["ct state new jump endpoints-check"]),
-        // Forwarded packets were DNATed at prerouting already: one still addressed to a
-        // cluster IP matched no service port of it.
-        (
-            "filter-forward",
-            "type filter hook forward priority -110; policy accept;",
-            &["ct state new jump endpoints-check", "ct state new jump cluster-ips-check"],
-        ),
-        ("filter-output", "type filter hook output priority -110; policy accept;", &["ct state new jump endpoints-check"]),
-        // Local traffic is DNATed in the output hook (priority -100): check after it.
-        ("filter-output-post-dnat", "type filter hook output priority -90; policy accept;", &["ct state new jump cluster-ips-check"]),
-        (
-            "services",
-            "",
-            &[
-                "ip daddr . meta l4proto . th dport vmap @service-ips",
-                "ip6 daddr . meta l4proto . th dport vmap @service-ips6",
-                NODE_PORTS,
-                NODE_PORTS6,
-            ],
-        ),
-        (
-            "endpoints-check",
-            "",
-            &[
-                "ip daddr . meta l4proto . th dport vmap @no-endpoint-services",
-                "ip6 daddr . meta l4proto . th dport vmap @no-endpoint-services6",
-                NO_ENDPOINT_NODE_PORTS,
-                NO_ENDPOINT_NODE_PORTS6,
-            ],
-        ),
-        ("cluster-ips-check", "", &["ip daddr @cluster-ips reject", "ip6 daddr @cluster-ips6 reject"]),
-        ("mark-for-masquerade", "", &["meta mark set meta mark | 0x4000"]),
-        (
-            "masquerading",
-            "",
-            &[
-                "meta mark & 0x4000 == 0 return",
-                "meta mark set meta mark ^ 0x4000",
-                "masquerade fully-random",
-            ],
-        ),
-        ("reject-chain", "", &["reject"]),
-    ];
-    // Declare every chain before any rule jumps to one.
-    for (name, hook, _) in base {
-        if hook.is_empty() {
-            writeln!(out, "add chain {t} {name}").unwrap();
-        } else {
-            writeln!(out, "add chain {t} {name} {{ {hook} }}").unwrap();
-        }
+    TableSkeleton {
+        maps: &[
+            ("no-endpoint-services", "ipv4_addr . inet_proto . inet_service"),
+            ("no-endpoint-services6", "ipv6_addr . inet_proto . inet_service"),
+            ("no-endpoint-nodeports", "inet_proto . inet_service"),
+        ],
+        sets: &[("cluster-ips", "ipv4_addr"), ("cluster-ips6", "ipv6_addr")],
+        chains: &[
+            ("nat-postrouting", "type nat hook postrouting priority srcnat; policy accept;", &["jump masquerading"]),
+            // Before DNAT (priority dstnat-10), so destinations are still the service addresses.
+            ("filter-input", "type filter hook input priority -110; policy accept;", &["ct state new jump endpoints-check"]),
+            // Forwarded packets were DNATed at prerouting already: one still addressed to a
+            // cluster IP matched no service port of it.
+            (
+                "filter-forward",
+                "type filter hook forward priority -110; policy accept;",
+                &["ct state new jump endpoints-check", "ct state new jump cluster-ips-check"],
+            ),
+            ("filter-output", "type filter hook output priority -110; policy accept;", &["ct state new jump endpoints-check"]),
+            // Local traffic is DNATed in the output hook (priority -100): check after it.
+            ("filter-output-post-dnat", "type filter hook output priority -90; policy accept;", &["ct state new jump cluster-ips-check"]),
+            (
+                "endpoints-check",
+                "",
+                &[
+                    "ip daddr . meta l4proto . th dport vmap @no-endpoint-services",
+                    "ip6 daddr . meta l4proto . th dport vmap @no-endpoint-services6",
+                    NO_ENDPOINT_NODE_PORTS,
+                    NO_ENDPOINT_NODE_PORTS6,
+                ],
+            ),
+            ("cluster-ips-check", "", &["ip daddr @cluster-ips reject", "ip6 daddr @cluster-ips6 reject"]),
+            MARK_FOR_MASQUERADE,
+            (
+                "masquerading",
+                "",
+                &[
+                    "meta mark & 0x4000 == 0 return",
+                    "meta mark set meta mark ^ 0x4000",
+                    "masquerade fully-random",
+                ],
+            ),
+            ("reject-chain", "", &["reject"]),
+        ],
     }
-    if flush_first {
-        // `flush table` empties chains but not maps: their elements go explicitly.
-        writeln!(out, "flush table {t}").unwrap();
-        for map in HOST_MAPS {
-            writeln!(out, "flush map {t} {map}").unwrap();
-        }
-        for (set, _) in HOST_SETS {
-            writeln!(out, "flush set {t} {set}").unwrap();
-        }
+};
+
+/// A service shard: its NAT base chains, service maps and the services' own chains.
+const SHARD_SKELETON: TableSkeleton = {
+    const NODE_PORTS: &str = "fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @service-nodeports";
+    const NODE_PORTS6: &str = "fib daddr type local ip6 daddr != ::1 meta l4proto . th dport vmap @service-nodeports";
+    TableSkeleton {
+        maps: &[
+            ("service-ips", "ipv4_addr . inet_proto . inet_service"),
+            ("service-ips6", "ipv6_addr . inet_proto . inet_service"),
+            ("service-nodeports", "inet_proto . inet_service"),
+        ],
+        sets: &[],
+        chains: &[
+            ("nat-prerouting", "type nat hook prerouting priority dstnat; policy accept;", &["jump services"]),
+            ("nat-output", "type nat hook output priority -100; policy accept;", &["jump services"]),
+            (
+                "services",
+                "",
+                &["ip daddr . meta l4proto . th dport vmap @service-ips", "ip6 daddr . meta l4proto . th dport vmap @service-ips6", NODE_PORTS, NODE_PORTS6],
+            ),
+            // Service chains mark hairpin and off-cluster traffic here; the main table's
+            // postrouting masquerades it.
+            MARK_FOR_MASQUERADE,
+        ],
     }
-    for (name, _, rules) in base {
-        writeln!(out, "flush chain {t} {name}").unwrap();
-        for rule in *rules {
-            writeln!(out, "add rule {t} {name} {}", rule.replace("0x4000", MASQUERADE_MARK)).unwrap();
-        }
-    }
+};
+
+/// The host's static part of every table of `layout`: maps, base chains and their fixed
+/// rules. `flush_first`: empty the tables (rules and map elements) after declaring
+/// everything and before refilling them, all within the caller's one transaction.
+pub fn skeleton(out: &mut String, flush_first: bool, layout: Layout) {
+    MAIN_SKELETON.write(out, Table::MAIN, flush_first);
     // Network policy: the pod-ingress/pod-egress maps and the filter chains that consult them.
     policy::skeleton(out, flush_first);
+    for shard in 0..layout.shards {
+        SHARD_SKELETON.write(out, Table::shard(shard), flush_first);
+    }
 }
 
 /// Static chain names (never deleted by reconciliation).
@@ -518,8 +669,8 @@ pub fn is_static_chain(name: &str) -> bool {
     !name.starts_with("svc/") && !policy::is_policy_object(name)
 }
 
-fn add_set(out: &mut String, name: &str, set: &SetRules) {
-    write!(out, "add set {FAMILY} {TABLE} {name} {{ {}", set.declaration).unwrap();
+fn add_set(out: &mut String, t: Table, name: &str, set: &SetRules) {
+    write!(out, "add set {t} {name} {{ {}", set.declaration).unwrap();
     if !set.elements.is_empty() {
         write!(out, " elements = {{ {} }};", set.elements.iter().map(String::as_str).collect::<Vec<_>>().join(", ")).unwrap();
     }
@@ -527,20 +678,19 @@ fn add_set(out: &mut String, name: &str, set: &SetRules) {
 }
 
 /// An object's sets and (empty) chains.
-fn declare_object(out: &mut String, rules: &ObjectRules) {
-    let t = format!("{FAMILY} {TABLE}");
+fn declare_object(out: &mut String, rules: &ObjectRules, layout: Layout) {
     for (name, set) in &rules.sets {
-        add_set(out, name, set);
+        add_set(out, layout.table_of(name), name, set);
     }
     for name in rules.chains.keys() {
-        writeln!(out, "add chain {t} {name}").unwrap();
+        writeln!(out, "add chain {} {name}", layout.table_of(name)).unwrap();
     }
 }
 
 /// An object's rules (its chains and every chain they jump to must be declared).
-fn fill_object(out: &mut String, rules: &ObjectRules) {
-    let t = format!("{FAMILY} {TABLE}");
+fn fill_object(out: &mut String, rules: &ObjectRules, layout: Layout) {
     for (name, chain) in &rules.chains {
+        let t = layout.table_of(name);
         for rule in chain {
             writeln!(out, "add rule {t} {name} {rule}").unwrap();
         }
@@ -548,49 +698,59 @@ fn fill_object(out: &mut String, rules: &ObjectRules) {
 }
 
 /// Map elements (`key : verdict`) and host set elements (no verdict).
-fn add_elements<'a>(out: &mut String, elements: impl Iterator<Item = (&'a (String, String), &'a String)>) {
+fn add_elements<'a>(out: &mut String, elements: impl Iterator<Item = (&'a (String, String), &'a String)>, layout: Layout) {
     for ((map, key), verdict) in elements {
+        let t = layout.element_table(map, verdict);
         if verdict.is_empty() {
-            writeln!(out, "add element {FAMILY} {TABLE} {map} {{ {key} }}").unwrap();
+            writeln!(out, "add element {t} {map} {{ {key} }}").unwrap();
         } else {
-            writeln!(out, "add element {FAMILY} {TABLE} {map} {{ {key} : {verdict} }}").unwrap();
+            writeln!(out, "add element {t} {map} {{ {key} : {verdict} }}").unwrap();
         }
     }
 }
 
-/// A complete transaction: the table as `objects` describe it, whatever the kernel had.
-/// `stale_chains`/`stale_sets`: objects of ours in the kernel that are no longer wanted.
-pub fn full_transaction<'a>(
-    objects: impl Iterator<Item = &'a ObjectRules> + Clone,
-    stale_chains: &[String],
-    stale_sets: &[String],
-) -> String {
+/// What of ours is in the kernel but no longer wanted (a full sync deletes it).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Stale {
+    /// Shard tables outside the layout (services went to fewer shards).
+    pub tables: Vec<Table>,
+    pub chains: Vec<(Table, String)>,
+    pub sets: Vec<(Table, String)>,
+}
+
+/// A complete transaction: the tables as `objects` describe them, laid out by `layout`,
+/// whatever the kernel had.
+pub fn full_transaction<'a>(objects: impl Iterator<Item = &'a ObjectRules> + Clone, stale: &Stale, layout: Layout) -> String {
     let mut out = String::new();
     // One atomic batch: flushing and refilling leaves no window without rules.
-    skeleton(&mut out, true);
+    skeleton(&mut out, true, layout);
     // Every object's chains before any rule: one object's rules may jump to another's
     // (a pod's policy dispatch chain to each policy's chain).
     for rules in objects.clone() {
-        declare_object(&mut out, rules);
+        declare_object(&mut out, rules, layout);
     }
     for rules in objects.clone() {
-        fill_object(&mut out, rules);
+        fill_object(&mut out, rules, layout);
     }
     for rules in objects {
-        add_elements(&mut out, rules.elements.iter());
+        add_elements(&mut out, rules.elements.iter(), layout);
     }
-    for chain in stale_chains {
-        writeln!(out, "delete chain {FAMILY} {TABLE} {chain}").unwrap();
+    for (t, chain) in &stale.chains {
+        writeln!(out, "delete chain {t} {chain}").unwrap();
     }
-    for set in stale_sets {
-        writeln!(out, "delete set {FAMILY} {TABLE} {set}").unwrap();
+    for (t, set) in &stale.sets {
+        writeln!(out, "delete set {t} {set}").unwrap();
+    }
+    // Last: the services of a table that goes are in their new shards by now.
+    for t in &stale.tables {
+        writeln!(out, "delete table {t}").unwrap();
     }
     out
 }
 
 /// The statements that turn `old` into `new` for one object (see [`objects_delta`]).
-pub fn object_delta(old: &ObjectRules, new: &ObjectRules, out: &mut String) {
-    objects_delta(&[(old, new)], out);
+pub fn object_delta(old: &ObjectRules, new: &ObjectRules, out: &mut String, layout: Layout) {
+    objects_delta(&[(old, new)], out, layout);
 }
 
 /// What changes between an object's old and new rules.
@@ -634,13 +794,13 @@ impl<'a> ObjectChange<'a> {
 /// is written (`add`/`delete element`), and the chains using it are left alone. Only a set
 /// whose declaration changed (or that went away) is deleted, after flushing the object's
 /// chains (their rules may reference it).
-pub fn objects_delta(pairs: &[(&ObjectRules, &ObjectRules)], out: &mut String) {
-    let t = format!("{FAMILY} {TABLE}");
+pub fn objects_delta(pairs: &[(&ObjectRules, &ObjectRules)], out: &mut String, layout: Layout) {
+    let t = |name: &str| layout.table_of(name);
     let changes: Vec<ObjectChange> = pairs.iter().map(|(old, new)| ObjectChange::new(old, new)).collect();
     for c in &changes {
         for (k @ (map, key), verdict) in &c.old.elements {
             if c.new.elements.get(k) != Some(verdict) {
-                writeln!(out, "delete element {t} {map} {{ {key} }}").unwrap();
+                writeln!(out, "delete element {} {map} {{ {key} }}", layout.element_table(map, verdict)).unwrap();
             }
         }
         for (name, o, n) in &c.kept_sets {
@@ -652,49 +812,50 @@ pub fn objects_delta(pairs: &[(&ObjectRules, &ObjectRules)], out: &mut String) {
             if o.expires {
                 // The element may have timed out already, and deleting a missing element fails
                 // the whole transaction: (re-)adding it first makes the delete always valid.
-                writeln!(out, "add element {t} {name} {{ {gone} }}").unwrap();
+                writeln!(out, "add element {} {name} {{ {gone} }}", t(name)).unwrap();
             }
-            writeln!(out, "delete element {t} {name} {{ {gone} }}").unwrap();
+            writeln!(out, "delete element {} {name} {{ {gone} }}", t(name)).unwrap();
         }
     }
     for c in &changes {
         for name in &c.flushed {
-            writeln!(out, "flush chain {t} {name}").unwrap();
+            writeln!(out, "flush chain {} {name}", t(name)).unwrap();
         }
     }
     for c in &changes {
         for name in c.old.chains.keys().filter(|n| !c.new.chains.contains_key(*n)) {
-            writeln!(out, "delete chain {t} {name}").unwrap();
+            writeln!(out, "delete chain {} {name}", t(name)).unwrap();
         }
         for name in &c.changed_sets {
-            writeln!(out, "delete set {t} {name}").unwrap();
+            writeln!(out, "delete set {} {name}", t(name)).unwrap();
         }
     }
     for c in &changes {
         for (name, set) in &c.new.sets {
             if c.old.sets.get(name).is_none_or(|o| o.declaration != set.declaration) {
-                add_set(out, name, set);
+                add_set(out, t(name), name, set);
             }
         }
         for (name, o, n) in &c.kept_sets {
             let added: Vec<&str> = n.elements.difference(&o.elements).map(String::as_str).collect();
             if !added.is_empty() {
-                writeln!(out, "add element {t} {name} {{ {} }}", added.join(", ")).unwrap();
+                writeln!(out, "add element {} {name} {{ {} }}", t(name), added.join(", ")).unwrap();
             }
         }
         for (name, _) in &c.rewrite {
-            writeln!(out, "add chain {t} {name}").unwrap();
+            writeln!(out, "add chain {} {name}", t(name)).unwrap();
         }
     }
     for c in &changes {
         for (name, rules) in &c.rewrite {
+            let t = t(name);
             for rule in *rules {
                 writeln!(out, "add rule {t} {name} {rule}").unwrap();
             }
         }
     }
     for c in &changes {
-        add_elements(out, c.new.elements.iter().filter(|(k, v)| c.old.elements.get(*k) != Some(*v)));
+        add_elements(out, c.new.elements.iter().filter(|(k, v)| c.old.elements.get(*k) != Some(*v)), layout);
     }
 }
 

@@ -163,7 +163,7 @@ fn write_text(out: &mut dyn Write, translator: &str, r: &Replayed) -> std::io::R
                 writeln!(out, "## {key}")?;
                 // The statements that create this object from nothing, as the writer renders them.
                 let mut text = String::new();
-                nft::object_delta(&ObjectRules::default(), rules, &mut text);
+                nft::object_delta(&ObjectRules::default(), rules, &mut text, nft::Layout::default());
                 out.write_all(text.as_bytes())?;
                 for w in &rules.warnings {
                     writeln!(out, "# warning: {w}")?;

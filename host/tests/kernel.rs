@@ -53,6 +53,8 @@ async fn transactions_apply_to_the_kernel_and_reconcile_repairs_drift() {
         dataplane: DataplaneMode::Nftables,
         nft_command: vec!["ip".into(), "netns".into(), "exec".into(), ns.0.clone(), "nft".into()],
         manifest_poll: Duration::from_millis(50),
+        // One service to a shard: the example's services spread over several tables.
+        nft_services_per_shard: 1,
         ..Default::default()
     })
     .await
@@ -60,7 +62,7 @@ async fn transactions_apply_to_the_kernel_and_reconcile_repairs_drift() {
     let wait_for = |what: &'static str, cond: &dyn Fn(&str) -> bool| {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let table = ns.nft(&["list", "table", "inet", "wasmplane"]);
+            let table = ns.nft(&["list", "ruleset"]);
             if cond(&table) {
                 return table;
             }
@@ -87,16 +89,26 @@ async fn transactions_apply_to_the_kernel_and_reconcile_repairs_drift() {
     let metrics = reqwest::get(format!("{}/metrics", host.url())).await.unwrap().text().await.unwrap();
     assert!(metrics.lines().any(|l| l.starts_with("wasmplane_dataplane_transactions_total{path=\"netlink\"} ") && !l.ends_with(" 0")), "{metrics}");
 
+    // Services are spread over shard tables, each with its own NAT chains and maps.
+    let layout = host.controller.lock().unwrap().dataplane().layout();
+    assert!(layout.shards > 1, "{layout:?}");
+    let web = layout.table_of("svc/shop/web/tcp/http").name();
+    let table = ns.nft(&["list", "ruleset"]);
+    let shards_with_services = table.split("\ntable ").filter(|t| t.starts_with("inet wasmplane-s") && t.contains("chain svc/")).count();
+    assert!(shards_with_services > 1, "services in {shards_with_services} shard table(s):\n{table}");
+    let web_table = table.split("\ntable ").find(|t| t.starts_with(&format!("inet {web} {{"))).unwrap_or_else(|| panic!("no table {web}:\n{table}"));
+    assert!(web_table.contains("chain svc/shop/web/tcp/http {") && web_table.contains("type nat hook prerouting"), "{web_table}");
+
     // Drift: someone deletes one of our chains; the reconcile puts it back.
     let rendered = host.controller.lock().unwrap().dataplane().render();
-    let _ = Command::new("ip").args(["netns", "exec", &ns.0, "nft", "delete", "element", "inet", "wasmplane", "service-ips", "{ 10.96.0.20 . tcp . 80 }"]).status();
-    let status = Command::new("ip").args(["netns", "exec", &ns.0, "nft", "flush", "chain", "inet", "wasmplane", "svc/shop/web/tcp/http"]).status().unwrap();
+    let _ = Command::new("ip").args(["netns", "exec", &ns.0, "nft", "delete", "element", "inet", &web, "service-ips", "{ 10.96.0.20 . tcp . 80 }"]).status();
+    let status = Command::new("ip").args(["netns", "exec", &ns.0, "nft", "flush", "chain", "inet", &web, "svc/shop/web/tcp/http"]).status().unwrap();
     assert!(status.success());
-    let status = Command::new("ip").args(["netns", "exec", &ns.0, "nft", "delete", "chain", "inet", "wasmplane", "svc/shop/web/tcp/http"]).status().unwrap();
+    let status = Command::new("ip").args(["netns", "exec", &ns.0, "nft", "delete", "chain", "inet", &web, "svc/shop/web/tcp/http"]).status().unwrap();
     assert!(status.success());
-    assert!(!ns.nft(&["list", "table", "inet", "wasmplane"]).contains("chain svc/shop/web/tcp/http {"));
+    assert!(!ns.nft(&["list", "ruleset"]).contains("chain svc/shop/web/tcp/http {"));
     host.controller.lock().unwrap().reconcile().unwrap();
-    let table = ns.nft(&["list", "table", "inet", "wasmplane"]);
+    let table = ns.nft(&["list", "ruleset"]);
     assert!(table.contains("chain svc/shop/web/tcp/http {") && table.contains("10.96.0.20 . tcp . 80 : goto svc/shop/web/tcp/http"), "{table}");
     assert_eq!(host.controller.lock().unwrap().dataplane().render(), rendered);
 
@@ -109,10 +121,10 @@ async fn transactions_apply_to_the_kernel_and_reconcile_repairs_drift() {
         .await
         .unwrap();
     assert_eq!(r.status(), 201, "{}", r.text().await.unwrap());
-    let table = ns.nft(&["list", "table", "inet", "wasmplane"]);
+    let table = ns.nft(&["list", "ruleset"]);
     assert!(!table.contains("svc/shop/web"), "stale chains must be gone:\n{table}");
     assert!(table.contains("chain svc/shop/api/tcp/443 {"), "{table}");
     host.stop().await;
     // Stopping the host leaves the rules in place (no window on restart).
-    assert!(ns.nft(&["list", "table", "inet", "wasmplane"]).contains("chain svc/shop/api/tcp/443 {"));
+    assert!(ns.nft(&["list", "ruleset"]).contains("chain svc/shop/api/tcp/443 {"));
 }

@@ -29,6 +29,9 @@ fn object(chains: &[(&str, &[&str])], sets: &[(&str, &str, &[&str], bool)], elem
     }
 }
 
+/// Several shard tables, so that one transaction spans tables (services hash to shards).
+const LAYOUT: nft::Layout = nft::Layout { shards: 4 };
+
 const AFFINITY: &str = "type ipv4_addr; flags dynamic,timeout; timeout 10800s;";
 
 /// A ClusterIP + NodePort service with affinity and `endpoints` (one chain each).
@@ -110,7 +113,7 @@ fn delta(old: &State, new: &State) -> String {
     let keys: BTreeSet<&&str> = old.keys().chain(new.keys()).collect();
     let pairs: Vec<(&ObjectRules, &ObjectRules)> = keys.into_iter().map(|k| (old.get(*k).unwrap_or(&empty), new.get(*k).unwrap_or(&empty))).collect();
     let mut out = String::new();
-    nft::objects_delta(&pairs, &mut out);
+    nft::objects_delta(&pairs, &mut out, LAYOUT);
     out
 }
 
@@ -125,14 +128,14 @@ fn netlink_batches_leave_the_table_nft_would() {
     let mut text = NftCommand::new(ns_command(&text_ns), vec![]);
     let mut netlink = NetlinkNft::open(NftCommand::new(ns_command(&netlink_ns), vec![]), NetlinkNft::netns_of_command(&ns_command(&netlink_ns)).as_deref())
         .expect("opening the netlink socket in the namespace");
-    let listing = |ns: &Netns| ns.exec(&["nft", "list", "table", "inet", "wasmplane"]);
+    let listing = |ns: &Netns| ns.exec(&["nft", "list", "ruleset"]);
 
     let mut state: State = BTreeMap::new();
     state.insert("a", service_a(&["10.244.1.5", "10.244.1.6"]));
     state.insert("b", service_b(53));
     state.insert("p", policy(&["10.244.0.7", "10.244.0.8"]));
     state.insert("d", dispatch());
-    let full = nft::full_transaction(state.values(), &[], &[]);
+    let full = nft::full_transaction(state.values(), &nft::Stale::default(), LAYOUT);
     text.apply(&full).unwrap();
     netlink.apply(&full).unwrap();
     assert_eq!(netlink.text_transactions, 1, "a full transaction goes through nft -f");
@@ -192,13 +195,13 @@ fn netlink_batches_leave_the_table_nft_would() {
     // A batch the kernel refuses (an element that is not there) fails whole and says which
     // statement failed; what went before it in the batch is not applied.
     let before = listing(&netlink_ns);
-    let bad = "add chain inet wasmplane svc/ns/new\n\
-               add rule inet wasmplane svc/ns/new accept\n\
-               delete element inet wasmplane service-ips { 10.96.9.9 . tcp . 80 }\n";
+    let bad = "add chain inet wasmplane-s0 svc/ns/new\n\
+               add rule inet wasmplane-s0 svc/ns/new accept\n\
+               delete element inet wasmplane-s0 service-ips { 10.96.9.9 . tcp . 80 }\n";
     let err = netlink.apply(bad).expect_err("deleting a missing element must fail").to_string();
-    assert!(err.contains("delete element inet wasmplane service-ips") && err.contains("No such file or directory"), "{err}");
+    assert!(err.contains("delete element inet wasmplane-s0 service-ips") && err.contains("No such file or directory"), "{err}");
     assert_eq!(listing(&netlink_ns), before, "a failed batch changed the table");
     // The socket is usable afterwards.
-    netlink.apply("add chain inet wasmplane svc/ns/new\n").unwrap();
+    netlink.apply("add chain inet wasmplane-s0 svc/ns/new\n").unwrap();
     assert!(listing(&netlink_ns).contains("chain svc/ns/new {"));
 }

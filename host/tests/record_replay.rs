@@ -276,7 +276,7 @@ fn check_cli(recording: &Path, dir: &Path) {
     let (ok, text, stderr) = wasmplane(&["replay", file, "--module", module.to_str().unwrap(), "--format", "text"]);
     assert!(ok, "{stderr}");
     assert!(text.contains("# revision") && text.contains("(port-filter): 1 services, 0 deleted; same as recorded live (port-filter@1)"), "{text}");
-    assert!(text.contains("add rule inet wasmplane svc/shop/api/tcp/443") && text.contains("10.244.1.21"), "{text}");
+    assert!(text.contains("add rule inet wasmplane-s0 svc/shop/api/tcp/443") && text.contains("10.244.1.21"), "{text}");
     assert!(text.contains("## shop/db: deleted"), "{text}");
     assert!(text.contains("differs from recorded live (default-service-translator@1): shop/api, shop/db, shop/web"), "{text}");
 

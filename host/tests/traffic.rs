@@ -140,6 +140,11 @@ async fn cluster_ip_reaches_every_ready_backend_over_tcp_and_udp() {
     wait_applied(&host, "all services", |t| {
         t.contains("svc/default/web/tcp/http") && t.contains("svc/default/draining/tcp/http") && t.contains("10.96.0.13 . tcp . 80 : drop")
     });
+    // One service to a shard (the test config): the traffic below crosses several shard
+    // tables, each with its own NAT chains, and the main table's checks.
+    let table = topo.table();
+    let shards = table.split("\ntable ").filter(|t| t.starts_with("inet wasmplane-s") && t.contains("chain svc/default/")).count();
+    assert!(shards > 1, "services in {shards} shard table(s):\n{table}");
 
     let replies = tcp_many(&client, addr("10.96.0.10", 80), MANY);
     assert_backends("TCP to the cluster IP", &replies, &["a", "b", "remote"]);
@@ -475,20 +480,25 @@ async fn periodic_reconcile_repairs_hand_made_damage() {
     wait_applied(&host, "the service", |t| t.contains("svc/default/drift/tcp/http"));
     assert_backends("before any damage", &tcp_many(&client, addr("10.96.0.80", 80), MANY), &["a", "b"]);
 
-    // What is done by hand (one nft transaction), and how the repaired table looks.
-    type Damage<'a> = (&'a str, &'a str, &'a dyn Fn(&str) -> bool);
+    // What is done by hand (one nft transaction), and how the repaired tables look. The
+    // service lives in its shard table; the main table holds the shared checks.
+    let shard = host.controller.lock().unwrap().dataplane().layout().table_of("svc/default/drift");
+    type Damage = (&'static str, String, &'static dyn Fn(&str) -> bool);
     let damage: &[Damage] = &[
         (
             "one service chain deleted (its map element first, as nft insists)",
-            "delete element inet wasmplane service-ips { 10.96.0.80 . tcp . 80 }\n\
-             flush chain inet wasmplane svc/default/drift/tcp/http\n\
-             delete chain inet wasmplane svc/default/drift/tcp/http\n",
+            format!(
+                "delete element {shard} service-ips {{ 10.96.0.80 . tcp . 80 }}\n\
+                 flush chain {shard} svc/default/drift/tcp/http\n\
+                 delete chain {shard} svc/default/drift/tcp/http\n"
+            ),
             &|t| t.contains("chain svc/default/drift/tcp/http {") && t.contains("10.96.0.80 . tcp . 80 : goto svc/default/drift/tcp/http"),
         ),
-        ("a base chain flushed", "flush chain inet wasmplane nat-prerouting\n", &|t| {
-            t.contains("chain nat-prerouting {") && t.split("chain nat-prerouting {").nth(1).is_some_and(|c| c.split('}').next().unwrap().contains("jump services"))
+        ("a base chain flushed", format!("flush chain {shard} nat-prerouting\n"), &|t| {
+            t.split("chain nat-prerouting {").skip(1).all(|c| c.split('}').next().unwrap().contains("jump services"))
         }),
-        ("the whole table deleted", "delete table inet wasmplane\n", &|t| t.contains("chain svc/default/drift/tcp/http {")),
+        ("the shard table deleted", format!("delete table {shard}\n"), &|t| t.contains("chain svc/default/drift/tcp/http {")),
+        ("the main table deleted", "delete table inet wasmplane\n".into(), &|t| t.contains("table inet wasmplane {") && t.contains("chain masquerading {")),
     ];
     for (what, commands, repaired) in damage {
         // One nft transaction, so a reconcile cannot land between its statements.
@@ -560,7 +570,8 @@ async fn restarting_the_host_leaves_no_window_without_rules() {
     assert!(table.contains("10.96.0.90 . tcp . 80 : goto svc/default/always/tcp/http"), "rules right after restart:\n{table}");
     wait_applied(&host, "the new host's first sync", |t| t.contains("svc/default/always/udp/dns"));
     let first = host.controller.lock().unwrap().dataplane().last_transaction.clone();
-    assert!(first.contains("flush table inet wasmplane") && first.contains("add chain inet wasmplane svc/default/always/tcp/http"), "the first sync is one full transaction:\n{first}");
+    let shard = host.controller.lock().unwrap().dataplane().layout().table_of("svc/default/always");
+    assert!(first.contains("flush table inet wasmplane\n") && first.contains(&format!("add chain {shard} svc/default/always/tcp/http")), "the first sync is one full transaction:\n{first}");
     wait_successes("traffic after the restart", 20);
 
     stop.store(true, Ordering::SeqCst);

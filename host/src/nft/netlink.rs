@@ -25,7 +25,7 @@
 
 use std::net::IpAddr;
 
-use super::{FAMILY, TABLE};
+use super::{FAMILY, is_our_table};
 
 /// A statement outside what this encoder covers (the transaction then goes through nft).
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
@@ -591,10 +591,10 @@ fn parse_elements(body: &str) -> Result<Vec<(Vec<u8>, Option<Verdict>)>, String>
 }
 
 /// Adds (`NFT_MSG_NEWSETELEM`, with their verdicts) or deletes elements of one set or map.
-fn encode_elements(w: &mut Writer, msg: u16, seq: u32, set: &str, elements: &[(Vec<u8>, Option<Verdict>)]) {
+fn encode_elements(w: &mut Writer, msg: u16, seq: u32, table: &str, set: &str, elements: &[(Vec<u8>, Option<Verdict>)]) {
     let adding = msg == NFT_MSG_NEWSETELEM;
     let m = w.begin_message((NFNL_SUBSYS_NFTABLES << 8) | msg, if adding { NLM_F_CREATE } else { 0 }, seq, NFPROTO_INET, 0);
-    w.attr_str(1, TABLE);
+    w.attr_str(1, table);
     w.attr_str(2, set);
     w.nest(3, |w| {
         for (key, verdict) in elements {
@@ -665,7 +665,7 @@ pub struct Batch {
 /// Encodes an incremental transaction (one statement per line) as one batch, sequence
 /// numbers from `first_seq`.
 pub fn encode_transaction(text: &str, first_seq: u32) -> Result<Batch, Unsupported> {
-    let table_prefix = format!("{FAMILY} {TABLE} ");
+    let family_prefix = format!("{FAMILY} ");
     let mut w = Writer::default();
     let mut seq = first_seq;
     let mut messages = Vec::new();
@@ -681,7 +681,11 @@ pub fn encode_transaction(text: &str, first_seq: u32) -> Result<Batch, Unsupport
             .iter()
             .find_map(|verb| line.strip_prefix(verb).map(|rest| (verb.trim_end(), rest)))
             .ok_or_else(|| unsupported("statement kind".into()))?;
-        let rest = rest.strip_prefix(&table_prefix).ok_or_else(|| unsupported("another table".into()))?;
+        let (table, rest) = rest
+            .strip_prefix(&family_prefix)
+            .and_then(|rest| rest.split_once(' '))
+            .filter(|(table, _)| is_our_table(table))
+            .ok_or_else(|| unsupported("another table".into()))?;
         let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
         let tail = tail.trim();
         seq += 1;
@@ -699,7 +703,7 @@ pub fn encode_transaction(text: &str, first_seq: u32) -> Result<Batch, Unsupport
                     _ => (NFT_MSG_DELSET, 0, 2),
                 };
                 let m = w.begin_message(nft(msg), flags, seq, NFPROTO_INET, 0);
-                w.attr_str(1, TABLE);
+                w.attr_str(1, table);
                 w.attr_str(name_attr, name);
                 w.end_message(m);
             }
@@ -717,7 +721,7 @@ pub fn encode_transaction(text: &str, first_seq: u32) -> Result<Batch, Unsupport
                 };
                 let set = SetDeclaration::parse(declaration).map_err(unsupported)?;
                 let m = w.begin_message(nft(NFT_MSG_NEWSET), NLM_F_CREATE, seq, NFPROTO_INET, 0);
-                w.attr_str(1, TABLE);
+                w.attr_str(1, table);
                 w.attr_str(2, name);
                 w.attr_u32(3, set.flags);
                 w.attr_u32(4, set.key_type);
@@ -735,13 +739,13 @@ pub fn encode_transaction(text: &str, first_seq: u32) -> Result<Batch, Unsupport
                 if let Some(elements) = elements.filter(|e| !e.is_empty()) {
                     messages.push((seq, line_no));
                     seq += 1;
-                    encode_elements(&mut w, NFT_MSG_NEWSETELEM, seq, name, &elements);
+                    encode_elements(&mut w, NFT_MSG_NEWSETELEM, seq, table, name, &elements);
                 }
             }
             "add rule" => {
                 let (exprs, comment) = RuleCompiler::compile(tail).map_err(unsupported)?;
                 let m = w.begin_message(nft(NFT_MSG_NEWRULE), NLM_F_CREATE | NLM_F_APPEND, seq, NFPROTO_INET, 0);
-                w.attr_str(1, TABLE);
+                w.attr_str(1, table);
                 w.attr_str(2, name);
                 w.nest(4, |w| exprs.iter().for_each(|e| e.encode(w)));
                 if let Some(comment) = comment {
@@ -759,7 +763,7 @@ pub fn encode_transaction(text: &str, first_seq: u32) -> Result<Batch, Unsupport
                     .and_then(|b| b.strip_suffix('}'))
                     .ok_or_else(|| unsupported("elements not in braces".into()))?;
                 let elements = parse_elements(body.trim()).map_err(unsupported)?;
-                encode_elements(&mut w, if verb == "add element" { NFT_MSG_NEWSETELEM } else { NFT_MSG_DELSETELEM }, seq, name, &elements);
+                encode_elements(&mut w, if verb == "add element" { NFT_MSG_NEWSETELEM } else { NFT_MSG_DELSETELEM }, seq, table, name, &elements);
             }
         }
         messages.push((seq, line_no));

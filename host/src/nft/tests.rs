@@ -31,11 +31,11 @@ fn renders_valid_output() {
     let rules = validate_service_output(&key(), &out).unwrap();
     assert_eq!(rules.chains["svc/shop/web/tcp/http"], vec!["meta l4proto tcp dnat ip to 10.244.0.11:8080".to_string()]);
     assert_eq!(rules.elements[&("service-ips".to_string(), "10.96.0.20 . tcp . 80".to_string())], "goto svc/shop/web/tcp/http");
-    let text = full_transaction([&rules].into_iter(), &[], &[]);
-    assert!(text.contains("add element inet wasmplane service-ips { 10.96.0.20 . tcp . 80 : goto svc/shop/web/tcp/http }"));
-    let flush = text.find("flush table inet wasmplane").unwrap();
-    assert!(text.find("add map inet wasmplane service-ips ").unwrap() < flush, "maps exist before they are flushed");
-    assert!(text.find("flush map inet wasmplane service-ips\n").unwrap() > flush);
+    let text = full_transaction([&rules].into_iter(), &Stale::default(), Layout::default());
+    assert!(text.contains("add element inet wasmplane-s0 service-ips { 10.96.0.20 . tcp . 80 : goto svc/shop/web/tcp/http }"));
+    let flush = text.find("flush table inet wasmplane-s0\n").unwrap();
+    assert!(text.find("add map inet wasmplane-s0 service-ips ").unwrap() < flush, "maps exist before they are flushed");
+    assert!(text.find("flush map inet wasmplane-s0 service-ips\n").unwrap() > flush);
 }
 
 #[test]
@@ -70,26 +70,26 @@ fn delta_touches_only_what_changed_in_a_valid_order() {
     let old = validate_service_output(&key(), &ruleset(vec![dnat_chain(chain, "10.244.0.11"), dnat_chain("svc/shop/web/gone", "10.244.0.12")], vec![element("service-ips", "10.96.0.20", Verdict::Goto(chain.into()))])).unwrap();
     let new = validate_service_output(&key(), &ruleset(vec![dnat_chain(chain, "10.244.0.13")], vec![element("service-ips", "10.96.0.20", Verdict::Goto(chain.into()))])).unwrap();
     let mut out = String::new();
-    object_delta(&old, &new, &mut out);
+    object_delta(&old, &new, &mut out, Layout::default());
     let lines: Vec<&str> = out.lines().collect();
     // The unchanged element is left alone; the changed chain is flushed and refilled; the
     // removed chain is flushed before it is deleted.
     assert!(!out.contains("element"), "{out}");
     let pos = |needle: &str| lines.iter().position(|l| l.contains(needle)).unwrap_or_else(|| panic!("{needle} missing in {out}"));
-    assert!(pos("flush chain inet wasmplane svc/shop/web/gone") < pos("delete chain inet wasmplane svc/shop/web/gone"));
-    assert!(pos(&format!("flush chain inet wasmplane {chain}")) < pos("dnat ip to 10.244.0.13:8080"));
+    assert!(pos("flush chain inet wasmplane-s0 svc/shop/web/gone") < pos("delete chain inet wasmplane-s0 svc/shop/web/gone"));
+    assert!(pos(&format!("flush chain inet wasmplane-s0 {chain}")) < pos("dnat ip to 10.244.0.13:8080"));
     let mut nothing = String::new();
-    object_delta(&new, &new, &mut nothing);
+    object_delta(&new, &new, &mut nothing, Layout::default());
     assert!(nothing.is_empty());
 }
 
 #[test]
 fn skeleton_serves_node_ports_on_both_families_and_rejects_unknown_cluster_ip_ports() {
     let mut text = String::new();
-    skeleton(&mut text, true);
+    skeleton(&mut text, true, Layout::default());
     for family_rule in [
-        "add rule inet wasmplane services fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @service-nodeports",
-        "add rule inet wasmplane services fib daddr type local ip6 daddr != ::1 meta l4proto . th dport vmap @service-nodeports",
+        "add rule inet wasmplane-s0 services fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @service-nodeports",
+        "add rule inet wasmplane-s0 services fib daddr type local ip6 daddr != ::1 meta l4proto . th dport vmap @service-nodeports",
         "add rule inet wasmplane endpoints-check fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @no-endpoint-nodeports",
         "add rule inet wasmplane endpoints-check fib daddr type local ip6 daddr != ::1 meta l4proto . th dport vmap @no-endpoint-nodeports",
         "add set inet wasmplane cluster-ips { type ipv4_addr; }",
@@ -120,10 +120,10 @@ fn cluster_ips_go_to_the_host_set_only_for_addresses_the_object_serves() {
     let out = ruleset(vec![dnat_chain(chain, "10.244.0.11")], vec![element("service-ips", "10.96.0.20", Verdict::Goto(chain.into())), cluster_ip("10.96.0.20")]);
     let rules = validate_service_output(&key(), &out).unwrap();
     assert_eq!(rules.elements[&("cluster-ips".to_string(), "10.96.0.20".to_string())], "");
-    let text = full_transaction([&rules].into_iter(), &[], &[]);
+    let text = full_transaction([&rules].into_iter(), &Stale::default(), Layout::default());
     assert!(text.contains("add element inet wasmplane cluster-ips { 10.96.0.20 }\n"), "{text}");
     let mut delta = String::new();
-    object_delta(&rules, &ObjectRules::default(), &mut delta);
+    object_delta(&rules, &ObjectRules::default(), &mut delta, Layout::default());
     assert!(delta.contains("delete element inet wasmplane cluster-ips { 10.96.0.20 }\n"), "{delta}");
 
     // A service without endpoints still owns its address; IPv6 goes to the v6 set.
@@ -162,37 +162,37 @@ fn set_elements_change_as_element_deltas() {
     let old = with_set(&["10.244.0.1", "10.244.0.2"], None);
     let new = with_set(&["10.244.0.2", "10.244.0.3"], None);
     let mut out = String::new();
-    object_delta(&old, &new, &mut out);
+    object_delta(&old, &new, &mut out, Layout::default());
     assert_eq!(
         out,
-        "delete element inet wasmplane svc/shop/web/peers { 10.244.0.1 }\n\
-         add element inet wasmplane svc/shop/web/peers { 10.244.0.3 }\n",
+        "delete element inet wasmplane-s0 svc/shop/web/peers { 10.244.0.1 }\n\
+         add element inet wasmplane-s0 svc/shop/web/peers { 10.244.0.3 }\n",
         "only the difference, the set and the chains using it stay"
     );
     // Elements of a set whose elements can expire: re-added before the delete, so a delete
     // of one that timed out cannot fail the transaction.
     let (old, new) = (with_set(&["10.244.0.1", "10.244.0.2"], Some(60)), with_set(&["10.244.0.2"], Some(60)));
     let mut out = String::new();
-    object_delta(&old, &new, &mut out);
+    object_delta(&old, &new, &mut out, Layout::default());
     assert_eq!(
         out,
-        "add element inet wasmplane svc/shop/web/peers { 10.244.0.1 }\n\
-         delete element inet wasmplane svc/shop/web/peers { 10.244.0.1 }\n"
+        "add element inet wasmplane-s0 svc/shop/web/peers { 10.244.0.1 }\n\
+         delete element inet wasmplane-s0 svc/shop/web/peers { 10.244.0.1 }\n"
     );
     // A changed declaration replaces the set: chains flushed first, the set declared anew
     // with its elements, the chains refilled.
     let old = with_set(&["10.244.0.1"], None);
     let new = with_set(&["10.244.0.1"], Some(30));
     let mut out = String::new();
-    object_delta(&old, &new, &mut out);
+    object_delta(&old, &new, &mut out, Layout::default());
     let lines: Vec<&str> = out.lines().collect();
     let pos = |needle: &str| lines.iter().position(|l| l.starts_with(needle)).unwrap_or_else(|| panic!("{needle} missing in {out}"));
-    assert!(pos("flush chain inet wasmplane svc/shop/web/from-peers") < pos("delete set inet wasmplane svc/shop/web/peers"));
-    assert!(pos("delete set") < pos("add set inet wasmplane svc/shop/web/peers { type ipv4_addr; flags dynamic,timeout; timeout 30s; elements = { 10.244.0.1 }; }"));
-    assert!(pos("add set") < pos("add rule inet wasmplane svc/shop/web/from-peers ip saddr @svc/shop/web/peers accept"));
+    assert!(pos("flush chain inet wasmplane-s0 svc/shop/web/from-peers") < pos("delete set inet wasmplane-s0 svc/shop/web/peers"));
+    assert!(pos("delete set") < pos("add set inet wasmplane-s0 svc/shop/web/peers { type ipv4_addr; flags dynamic,timeout; timeout 30s; elements = { 10.244.0.1 }; }"));
+    assert!(pos("add set") < pos("add rule inet wasmplane-s0 svc/shop/web/from-peers ip saddr @svc/shop/web/peers accept"));
     // The full document declares the set with its elements in one statement.
-    let text = full_transaction([&new].into_iter(), &[], &[]);
-    assert!(text.contains("add set inet wasmplane svc/shop/web/peers { type ipv4_addr; flags dynamic,timeout; timeout 30s; elements = { 10.244.0.1 }; }"), "{text}");
+    let text = full_transaction([&new].into_iter(), &Stale::default(), Layout::default());
+    assert!(text.contains("add set inet wasmplane-s0 svc/shop/web/peers { type ipv4_addr; flags dynamic,timeout; timeout 30s; elements = { 10.244.0.1 }; }"), "{text}");
 }
 
 /// A UDP service like the default translator makes it: cluster IP and node port, one chain
@@ -279,8 +279,69 @@ fn a_full_transaction_declares_every_chain_before_any_rule_jumps() {
     a.chains.insert("polpod/10.244.0.1/ingress".into(), vec!["jump pol/ns/p/ingress".into()]);
     let mut b = ObjectRules::default();
     b.chains.insert("pol/ns/p/ingress".into(), vec!["ip saddr 10.244.0.2 accept".into()]);
-    let text = full_transaction([&a, &b].into_iter(), &[], &[]);
+    let text = full_transaction([&a, &b].into_iter(), &Stale::default(), Layout::default());
     let declared = text.find("add chain inet wasmplane pol/ns/p/ingress").expect("declared");
     let jumped = text.find("jump pol/ns/p/ingress").expect("the jump");
     assert!(declared < jumped, "{text}");
+}
+
+#[test]
+fn layouts_grow_by_powers_of_two_up_to_a_cap() {
+    assert_eq!(Layout::for_services(0, 1024).shards, 1);
+    assert_eq!(Layout::for_services(1024, 1024).shards, 1);
+    assert_eq!(Layout::for_services(1025, 1024).shards, 2);
+    assert_eq!(Layout::for_services(3000, 1024).shards, 4);
+    assert_eq!(Layout::for_services(50_000, 1024).shards, 64);
+    assert_eq!(Layout::for_services(1_000_000, 1024).shards, Layout::MAX_SHARDS);
+    assert_eq!(Layout::for_services(5, 0).shards, 8, "a per-shard count of 0 means 1");
+}
+
+#[test]
+fn a_service_keeps_all_its_names_in_one_shard_and_everything_else_in_the_main_table() {
+    let layout = Layout { shards: 16 };
+    for i in 0..50 {
+        let service = format!("svc/ns{i}/web");
+        let t = layout.table_of(&service);
+        assert_ne!(t, Table::MAIN);
+        for name in [format!("{service}/tcp/http"), format!("{service}/ep/10.244.0.1/affinity")] {
+            assert_eq!(layout.table_of(&name), t, "{name}");
+        }
+        assert_eq!(layout.element_table("service-ips", &format!("goto {service}/tcp/http")), t);
+        assert_eq!(layout.element_table("service-nodeports", &format!("goto {service}")), t);
+        // The shared checks stay in the main table.
+        assert_eq!(layout.element_table("no-endpoint-services", "goto reject-chain"), Table::MAIN);
+        assert_eq!(layout.element_table("cluster-ips", ""), Table::MAIN);
+    }
+    let used: BTreeSet<Table> = (0..200).map(|i| layout.table_of(&format!("svc/ns/s{i}"))).collect();
+    assert_eq!(used.len(), 16, "200 services cover every one of 16 shards");
+    for name in ["pol/a/p/ingress", "polpod/10.244.1.10/ingress", "services"] {
+        assert_eq!(layout.table_of(name), Table::MAIN);
+    }
+    // The same name, the same shard: the hash does not depend on the process.
+    assert_eq!(Layout { shards: 1 << 20 }.table_of("svc/default/kubernetes"), Table::shard(0x13797), "FNV-1a 64 of \"default/kubernetes\" mod 2^20");
+}
+
+#[test]
+fn table_names_parse_back_and_nothing_else_is_ours() {
+    for t in [Table::MAIN, Table::shard(0), Table::shard(63)] {
+        assert_eq!(Table::parse(&t.name()), Some(t));
+        assert_eq!(t.to_string(), format!("inet {}", t.name()));
+    }
+    for other in ["wasmplane-s", "wasmplane-x1", "wasmplane-s1a", "kube-proxy", "wasmplane2"] {
+        assert_eq!(Table::parse(other), None, "{other}");
+        assert!(!is_our_table(other));
+    }
+}
+
+#[test]
+fn a_full_transaction_declares_every_shard_and_deletes_stale_tables_last() {
+    let layout = Layout { shards: 2 };
+    let stale = Stale { tables: vec![Table::shard(5)], chains: vec![(Table::shard(1), "svc/a/b".into())], sets: vec![] };
+    let text = full_transaction(std::iter::empty(), &stale, layout);
+    for t in ["inet wasmplane", "inet wasmplane-s0", "inet wasmplane-s1"] {
+        assert!(text.contains(&format!("add table {t}\n")) && text.contains(&format!("flush table {t}\n")), "{t}");
+    }
+    assert!(text.contains("add chain inet wasmplane-s1 nat-output { type nat hook output priority -100; policy accept; }"));
+    assert!(!text.contains("add chain inet wasmplane nat-prerouting"), "the main table has no service NAT chains");
+    assert!(text.ends_with("delete chain inet wasmplane-s1 svc/a/b\ndelete table inet wasmplane-s5\n"), "{text}");
 }

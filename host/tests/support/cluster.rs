@@ -199,6 +199,8 @@ impl Cluster {
             token: Some("traffic-test-token-0123456789".into()),
             manifest_poll: Duration::from_millis(40),
             nft_command,
+            // One service to a shard: every traffic test crosses several shard tables.
+            nft_services_per_shard: 1,
             ..Default::default()
         }
     }

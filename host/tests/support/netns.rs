@@ -171,8 +171,9 @@ impl Topology {
         }
     }
 
-    /// Our table as the kernel has it (empty when it does not exist).
+    /// Our tables as the kernel has them (the main one and the service shards; the node
+    /// namespace has no others). Empty when there are none.
     pub fn table(&self) -> String {
-        self.nft(&["list", "table", "inet", "wasmplane"]).unwrap_or_default()
+        self.nft(&["list", "ruleset"]).unwrap_or_default()
     }
 }

@@ -322,7 +322,7 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
     let (rss_end, hwm_end) = memory();
 
     let ruleset_lines = match &netns {
-        Some(ns) => run(&["ip", "netns", "exec", &ns.0, "nft", "list", "table", "inet", "wasmplane"]).map(|t| t.lines().count()).unwrap_or(0),
+        Some(ns) => run(&["ip", "netns", "exec", &ns.0, "nft", "list", "ruleset"]).map(|t| t.lines().count()).unwrap_or(0),
         None => 0,
     };
     host.stop().await;
