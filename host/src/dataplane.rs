@@ -750,6 +750,8 @@ impl Dataplane {
             // A wanted name in another table than the layout's is stale there (a service
             // that moved shards); whole tables outside the layout go at once.
             let wanted = |names: &HashSet<&str>, table: &Table, name: &str| names.contains(name) && layout.table_of(name) == *table;
+            // A host before shards had the service NAT chains in the main table.
+            let unsharded_main = listing.chains.iter().any(|(t, c)| *t == Table::MAIN && c == "services");
             nft::Stale {
                 tables: listing.tables.iter().filter(|t| !tables.contains(t)).copied().collect(),
                 chains: listing
@@ -762,6 +764,7 @@ impl Dataplane {
                     .into_iter()
                     .filter(|(t, s)| tables.contains(t) && (s.starts_with("svc/") || nft::policy::is_policy_object(s)) && !wanted(&sets, t, s))
                     .collect(),
+                unsharded_main,
             }
         };
         let transaction = nft::full_transaction(next.values().map(|r| &**r), &stale, layout);

@@ -716,7 +716,18 @@ pub struct Stale {
     pub tables: Vec<Table>,
     pub chains: Vec<(Table, String)>,
     pub sets: Vec<(Table, String)>,
+    /// The main table still has the service NAT chains and maps of the one-table layout
+    /// (rules of a host before shards): they go in the same transaction.
+    pub unsharded_main: bool,
 }
+
+/// What the main table had for services before shards (see [`Stale::unsharded_main`]).
+const UNSHARDED_MAPS: [(&str, &str); 3] = [
+    ("service-ips", "ipv4_addr . inet_proto . inet_service"),
+    ("service-ips6", "ipv6_addr . inet_proto . inet_service"),
+    ("service-nodeports", "inet_proto . inet_service"),
+];
+const UNSHARDED_CHAINS: [&str; 3] = ["nat-prerouting", "nat-output", "services"];
 
 /// A complete transaction: the tables as `objects` describe them, laid out by `layout`,
 /// whatever the kernel had.
@@ -724,6 +735,14 @@ pub fn full_transaction<'a>(objects: impl Iterator<Item = &'a ObjectRules> + Clo
     let mut out = String::new();
     // One atomic batch: flushing and refilling leaves no window without rules.
     skeleton(&mut out, true, layout);
+    if stale.unsharded_main {
+        // Their elements jump to service chains that are stale in the main table now: empty
+        // the maps first (`flush table` left them), delete them after those chains.
+        for (map, ty) in UNSHARDED_MAPS {
+            writeln!(out, "add map {FAMILY} {TABLE} {map} {{ type {ty} : verdict; }}").unwrap();
+            writeln!(out, "flush map {FAMILY} {TABLE} {map}").unwrap();
+        }
+    }
     // Every object's chains before any rule: one object's rules may jump to another's
     // (a pod's policy dispatch chain to each policy's chain).
     for rules in objects.clone() {
@@ -740,6 +759,14 @@ pub fn full_transaction<'a>(objects: impl Iterator<Item = &'a ObjectRules> + Clo
     }
     for (t, set) in &stale.sets {
         writeln!(out, "delete set {t} {set}").unwrap();
+    }
+    if stale.unsharded_main {
+        for (map, _) in UNSHARDED_MAPS {
+            writeln!(out, "delete map {FAMILY} {TABLE} {map}").unwrap();
+        }
+        for chain in UNSHARDED_CHAINS {
+            writeln!(out, "delete chain {FAMILY} {TABLE} {chain}").unwrap();
+        }
     }
     // Last: the services of a table that goes are in their new shards by now.
     for t in &stale.tables {

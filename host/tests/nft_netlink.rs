@@ -8,7 +8,7 @@ mod support;
 use std::collections::{BTreeMap, BTreeSet};
 
 use support::netns::{Netns, is_root, unique_prefix};
-use wasmplane::dataplane::{Kernel, NetlinkNft, NftCommand};
+use wasmplane::dataplane::{Dataplane, Kernel, NetlinkNft, NftCommand};
 use wasmplane::nft::{self, ObjectRules, SetRules};
 
 fn ns_command(ns: &Netns) -> Vec<String> {
@@ -204,4 +204,55 @@ fn netlink_batches_leave_the_table_nft_would() {
     // The socket is usable afterwards.
     netlink.apply("add chain inet wasmplane-s0 svc/ns/new\n").unwrap();
     assert!(listing(&netlink_ns).contains("chain svc/ns/new {"));
+}
+
+/// A node upgraded from a host that kept every service in the main table: the new host's
+/// first full sync moves the services into shards and removes the old service chains, maps
+/// and NAT base chains from the main table, in one transaction.
+#[test]
+fn an_upgrade_from_one_table_moves_services_into_shards() {
+    if !is_root() {
+        eprintln!("\n!!! SKIPPED upgrade test: needs root (network namespaces, nftables) !!!\n");
+        return;
+    }
+    let ns = Netns::new(unique_prefix("nl-upgrade"));
+    // What a host before shards wrote: the service NAT part in `inet wasmplane`.
+    let t = "inet wasmplane";
+    let before = format!(
+        "add table {t}\n\
+         add map {t} service-ips {{ type ipv4_addr . inet_proto . inet_service : verdict; }}\n\
+         add map {t} service-ips6 {{ type ipv6_addr . inet_proto . inet_service : verdict; }}\n\
+         add map {t} service-nodeports {{ type inet_proto . inet_service : verdict; }}\n\
+         add chain {t} nat-prerouting {{ type nat hook prerouting priority dstnat; policy accept; }}\n\
+         add chain {t} nat-output {{ type nat hook output priority -100; policy accept; }}\n\
+         add chain {t} services\n\
+         add chain {t} svc/ns/a\n\
+         add rule {t} nat-prerouting jump services\n\
+         add rule {t} nat-output jump services\n\
+         add rule {t} services ip daddr . meta l4proto . th dport vmap @service-ips\n\
+         add rule {t} svc/ns/a meta l4proto tcp dnat ip to 10.244.1.5:8080\n\
+         add element {t} service-ips {{ 10.96.0.1 . tcp . 80 : goto svc/ns/a }}\n"
+    );
+    let mut text = NftCommand::new(ns_command(&ns), vec![]);
+    text.apply(&before).unwrap();
+    assert!(text.has_table());
+
+    let mut dataplane = Dataplane::new(Box::new(NftCommand::new(ns_command(&ns), vec![])));
+    assert!(dataplane.is_held(), "the old rules are kept until state arrives");
+    let mut service = ObjectRules::default();
+    service.chains.insert("svc/ns/a".into(), vec!["meta l4proto tcp dnat ip to 10.244.1.6:8080".into()]);
+    service.elements.insert(("service-ips".into(), "10.96.0.1 . tcp . 80".into()), "goto svc/ns/a".into());
+    let stats = dataplane.sync(vec![(wasmplane_model::ObjectKey::new("ns", "a"), Some(service))]).expect("the first full sync over the old table");
+    assert!(stats.full);
+
+    let main = ns.exec(&["nft", "list", "table", "inet", "wasmplane"]);
+    for gone in ["chain svc/ns/a", "map service-ips", "chain nat-prerouting", "chain services"] {
+        assert!(!main.contains(gone), "{gone} is still in the main table:\n{main}");
+    }
+    assert!(main.contains("chain masquerading {"), "{main}");
+    let shard = ns.exec(&["nft", "list", "table", "inet", "wasmplane-s0"]);
+    assert!(shard.contains("10.96.0.1 . tcp . 80 : goto svc/ns/a") && shard.contains("dnat ip to 10.244.1.6:8080"), "{shard}");
+    // The next full sync finds nothing of the old layout.
+    dataplane.full_sync(None).expect("a reconcile after the upgrade");
+    assert!(!dataplane.last_transaction.contains("delete map"), "{}", dataplane.last_transaction);
 }

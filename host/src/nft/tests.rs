@@ -336,7 +336,7 @@ fn table_names_parse_back_and_nothing_else_is_ours() {
 #[test]
 fn a_full_transaction_declares_every_shard_and_deletes_stale_tables_last() {
     let layout = Layout { shards: 2 };
-    let stale = Stale { tables: vec![Table::shard(5)], chains: vec![(Table::shard(1), "svc/a/b".into())], sets: vec![] };
+    let stale = Stale { tables: vec![Table::shard(5)], chains: vec![(Table::shard(1), "svc/a/b".into())], sets: vec![], unsharded_main: false };
     let text = full_transaction(std::iter::empty(), &stale, layout);
     for t in ["inet wasmplane", "inet wasmplane-s0", "inet wasmplane-s1"] {
         assert!(text.contains(&format!("add table {t}\n")) && text.contains(&format!("flush table {t}\n")), "{t}");
