@@ -97,7 +97,7 @@ pub struct RunArgs {
     pub nft_text_only: bool,
     /// Services per nftables shard table: the next full sync spreads services over
     /// services/N tables (a power of two, at most 64), so a change's commit validates one
-    /// shard, not every service.
+    /// shard, not every service. Ignored with `--nft-text-only` (one table).
     #[arg(long, default_value_t = crate::nft::Layout::DEFAULT_SERVICES_PER_SHARD)]
     pub nft_services_per_shard: usize,
     /// Require every upload to be signed by one of these ed25519 public keys (repeatable;

@@ -39,15 +39,30 @@
 //!
 //! What is left grows with the table, and it is the kernel's commit (kernel 6.18, seen
 //! with `perf record -a`): a batch that adds anything carrying a jump or goto (a rule, a
-//! verdict map element) makes the commit validate the whole jump graph from every base
-//! chain (`nft_table_validate` → `nft_chain_validate`, walking the verdict maps with
-//! `nft_rhash_walk`), so it costs O(rules) whatever the batch holds; a batch of elements
-//! without verdicts (policy peers, cluster IPs) skips that and is 15× cheaper, but
-//! `nf_tables_commit` itself still spends time in proportion to the table. Upstream has
-//! incremental validation under review (netfilter-devel, 2026). On this kernel the lever
-//! left is the size of the table a commit validates: shards (several tables, each with its
-//! own base chains) would bound it, at the cost of one NAT chain per shard on a new
-//! connection's first packet.
+//! verdict map element) makes the commit validate the whole jump graph of that *table*
+//! from its base chains (`nft_table_validate` → `nft_chain_validate`, walking the verdict
+//! maps with `nft_rhash_walk`), so it costs O(rules of the table) whatever the batch
+//! holds. Upstream has incremental validation under review (netfilter-devel, 2026).
+//!
+//! So services live in shard tables ([`Layout`]), each with its own NAT base chains, and a
+//! change's commit validates one shard. Same bench, one run, 3 endpoints per service, the
+//! host's layout (one shard per 1,024 services) against one table:
+//!
+//! | services | one-service change, shards | the same, one table | batch: map element `goto`, shards / one table | reconcile, shards / one table |
+//! |---|---|---|---|---|
+//! | 1k  | 2.6 ms (1 shard) | 2.6 ms | 2.0 ms / 1.9 ms | 0.33 s / 0.33 s |
+//! | 10k | 18.5 ms (16) | 69.5 ms | 6.0 ms / 68.1 ms | 5.0 s / 4.1 s |
+//! | 50k | 32.8 ms (64) | 327.7 ms | 33.5 ms / 315.7 ms | 39.2 s / 19.7 s |
+//!
+//! What shards do not remove: every commit walks every chain of the network namespace, in
+//! all tables (a batch of one plain set element: 28 ms at 50k services, 200k chains), so a
+//! change at 50k still costs 13× what it costs at 1k. Fewer chains per service (the
+//! default translator has one per endpoint, like kube-proxy) is the lever left there.
+//! What shards cost: a new connection's first packet runs the NAT chains of the shards in
+//! turn until one DNATs it (at most 64; not measured per packet yet), and nft 1.0.6 lists
+//! and fills its cache table by table, so the chain listing a full sync starts with took
+//! 11.8 s instead of 3.2 s at 50k, and a change through `nft -f` 9.5 s instead of 1.8 s
+//! (`--nft-text-only` therefore keeps one table).
 //!
 //! Shape (kube-proxy's nftables mode): static base chains and named verdict maps owned by
 //! the host; per service, chains under the service's own prefix and elements in the maps.
@@ -115,8 +130,8 @@ impl std::fmt::Display for Table {
 ///
 /// Why shards: the kernel's commit validates the whole jump graph of a *table* after any
 /// batch that adds a jump, goto, dnat or verdict element, so a one-service change in one
-/// table of 50k services cost 374 ms in the kernel alone; in a shard of 1,000 it costs
-/// 28 ms (`tests/shard_probe`-style measurement in `benches/nft_writer.rs`). Each shard has
+/// table of 50k services cost 374 ms in the kernel alone; with the same 50k services in 50
+/// tables of 1,000 it cost 28 ms (`benches/nft_writer.rs` measures both layouts). Each shard has
 /// its own NAT base chains and service maps; a new connection's first packet runs the NAT
 /// chains of the shards in turn until one DNATs it (the kernel stops at the first NAT
 /// binding), so shards stay few: one per [`Layout::DEFAULT_SERVICES_PER_SHARD`] services, a
