@@ -173,6 +173,14 @@ fn netlink_batches_leave_the_table_nft_would() {
         netlink.apply(&transaction).unwrap_or_else(|e| panic!("{what}: the netlink batch was refused: {e}:\n{transaction}"));
         assert_eq!(netlink.netlink_transactions, before + 1, "{what}: not sent as netlink:\n{transaction}");
         assert_eq!(listing(&text_ns), listing(&netlink_ns), "{what}: the tables differ after\n{transaction}");
+        // The writer's listing for reconciliation: one kernel dump, the same names as nft's.
+        let (mut dumped, mut listed) = (netlink.list_objects().unwrap(), text.list_objects().unwrap());
+        for l in [&mut dumped, &mut listed] {
+            l.chains.sort();
+            l.sets.sort();
+        }
+        assert_eq!(dumped, listed, "{what}: netlink and nft list different objects");
+        assert!(dumped.tables.len() >= 2 && dumped.chains.iter().any(|(_, c)| c == "svc/ns/a") && !dumped.sets.is_empty(), "{what}: {dumped:?}");
         current = wanted;
     }
     let table = listing(&netlink_ns);
