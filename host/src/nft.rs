@@ -55,8 +55,9 @@
 //! | 50k | 32.8 ms (64) | 327.7 ms | 33.5 ms / 315.7 ms | 39.2 s / 19.7 s |
 //!
 //! What shards do not remove: every commit walks every chain of the network namespace, in
-//! all tables (a batch of one plain set element: 28 ms at 50k services, 200k chains), so a
-//! change at 50k still costs 13× what it costs at 1k. Fewer chains per service (the
+//! all tables (a batch of one plain set element: 28 ms at 50k services, 200k chains; in
+//! `perf record -a` all of it is `nf_tables_commit`'s own time, the chain walk inlined),
+//! so a change at 50k still costs 13× what it costs at 1k. Fewer chains per service (the
 //! default translator has one per endpoint, like kube-proxy) is the lever left there.
 //! What shards cost: a new connection's first packet runs the NAT chains of the shards in
 //! turn until one DNATs it (at most 64; not measured per packet yet), and nft 1.0.6 lists
@@ -591,9 +592,10 @@ const MARK_FOR_MASQUERADE: (&str, &str, &[&str]) = ("mark-for-masquerade", "", &
 /// filter hooks, masquerading) and network policy.
 const MAIN_SKELETON: TableSkeleton = {
     // Node ports are served on every local address but loopback, in both families (the map
-    // keys are protocol . port, family-independent).
-    const NO_ENDPOINT_NODE_PORTS: &str = "fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @no-endpoint-nodeports";
-    const NO_ENDPOINT_NODE_PORTS6: &str = "fib daddr type local ip6 daddr != ::1 meta l4proto . th dport vmap @no-endpoint-nodeports";
+    // keys are protocol . port, family-independent). The route lookup (`fib`) runs only for
+    // packets to a port in the map (see SHARD_SKELETON).
+    const NO_ENDPOINT_NODE_PORTS: &str = "ip daddr != 127.0.0.0/8 fib daddr type local meta l4proto . th dport vmap @no-endpoint-nodeports";
+    const NO_ENDPOINT_NODE_PORTS6: &str = "ip6 daddr != ::1 fib daddr type local meta l4proto . th dport vmap @no-endpoint-nodeports";
     TableSkeleton {
         maps: &[
             ("no-endpoint-services", "ipv4_addr . inet_proto . inet_service"),
@@ -621,10 +623,10 @@ const MAIN_SKELETON: TableSkeleton = {
                 &[
                     "ip daddr . meta l4proto . th dport vmap @no-endpoint-services",
                     "ip6 daddr . meta l4proto . th dport vmap @no-endpoint-services6",
-                    NO_ENDPOINT_NODE_PORTS,
-                    NO_ENDPOINT_NODE_PORTS6,
+                    "meta l4proto . th dport @no-endpoint-nodeports jump no-endpoint-node-ports",
                 ],
             ),
+            ("no-endpoint-node-ports", "", &[NO_ENDPOINT_NODE_PORTS, NO_ENDPOINT_NODE_PORTS6]),
             ("cluster-ips-check", "", &["ip daddr @cluster-ips reject", "ip6 daddr @cluster-ips6 reject"]),
             MARK_FOR_MASQUERADE,
             (
@@ -643,8 +645,12 @@ const MAIN_SKELETON: TableSkeleton = {
 
 /// A service shard: its NAT base chains, service maps and the services' own chains.
 const SHARD_SKELETON: TableSkeleton = {
-    const NODE_PORTS: &str = "fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @service-nodeports";
-    const NODE_PORTS6: &str = "fib daddr type local ip6 daddr != ::1 meta l4proto . th dport vmap @service-nodeports";
+    // Every new connection on the node passes every shard's NAT chains (until one DNATs it),
+    // so what a shard does with a packet that is not its own must be cheap: two hash
+    // lookups, and the route lookup (`fib`, two of them per shard before) only for a port
+    // that is a node port. Measured in `benches/nat_shards.rs`.
+    const NODE_PORTS: &str = "ip daddr != 127.0.0.0/8 fib daddr type local meta l4proto . th dport vmap @service-nodeports";
+    const NODE_PORTS6: &str = "ip6 daddr != ::1 fib daddr type local meta l4proto . th dport vmap @service-nodeports";
     TableSkeleton {
         maps: &[
             ("service-ips", "ipv4_addr . inet_proto . inet_service"),
@@ -658,8 +664,13 @@ const SHARD_SKELETON: TableSkeleton = {
             (
                 "services",
                 "",
-                &["ip daddr . meta l4proto . th dport vmap @service-ips", "ip6 daddr . meta l4proto . th dport vmap @service-ips6", NODE_PORTS, NODE_PORTS6],
+                &[
+                    "ip daddr . meta l4proto . th dport vmap @service-ips",
+                    "ip6 daddr . meta l4proto . th dport vmap @service-ips6",
+                    "meta l4proto . th dport @service-nodeports jump node-ports",
+                ],
             ),
+            ("node-ports", "", &[NODE_PORTS, NODE_PORTS6]),
             // Service chains mark hairpin and off-cluster traffic here; the main table's
             // postrouting masquerades it.
             MARK_FOR_MASQUERADE,

@@ -88,10 +88,12 @@ fn skeleton_serves_node_ports_on_both_families_and_rejects_unknown_cluster_ip_po
     let mut text = String::new();
     skeleton(&mut text, true, Layout::default());
     for family_rule in [
-        "add rule inet wasmplane-s0 services fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @service-nodeports",
-        "add rule inet wasmplane-s0 services fib daddr type local ip6 daddr != ::1 meta l4proto . th dport vmap @service-nodeports",
-        "add rule inet wasmplane endpoints-check fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @no-endpoint-nodeports",
-        "add rule inet wasmplane endpoints-check fib daddr type local ip6 daddr != ::1 meta l4proto . th dport vmap @no-endpoint-nodeports",
+        "add rule inet wasmplane-s0 services meta l4proto . th dport @service-nodeports jump node-ports",
+        "add rule inet wasmplane-s0 node-ports ip daddr != 127.0.0.0/8 fib daddr type local meta l4proto . th dport vmap @service-nodeports",
+        "add rule inet wasmplane-s0 node-ports ip6 daddr != ::1 fib daddr type local meta l4proto . th dport vmap @service-nodeports",
+        "add rule inet wasmplane endpoints-check meta l4proto . th dport @no-endpoint-nodeports jump no-endpoint-node-ports",
+        "add rule inet wasmplane no-endpoint-node-ports ip daddr != 127.0.0.0/8 fib daddr type local meta l4proto . th dport vmap @no-endpoint-nodeports",
+        "add rule inet wasmplane no-endpoint-node-ports ip6 daddr != ::1 fib daddr type local meta l4proto . th dport vmap @no-endpoint-nodeports",
         "add set inet wasmplane cluster-ips { type ipv4_addr; }",
         "add set inet wasmplane cluster-ips6 { type ipv6_addr; }",
         "flush set inet wasmplane cluster-ips\n",

@@ -181,7 +181,7 @@ fn table(results: &[Value]) -> String {
     type Row = (&'static str, Box<dyn Fn(&Value) -> String>);
     let rows: Vec<Row> = vec![
         ("cluster: services / pods (endpoints) / nodes", Box::new(|v| format!("{} / {} / {}", v["services"], v["pods"], v["nodes"]))),
-        ("dataplane (nft ruleset lines in the netns)", Box::new(|v| format!("{} ({})", v["mode"].as_str().unwrap_or("?"), v["ruleset_lines"]))),
+        ("dataplane (statements of the applied ruleset, as one `nft -f` document)", Box::new(|v| format!("{} ({})", v["mode"].as_str().unwrap_or("?"), v["ruleset_lines"]))),
         ("initial sync: `start()` → every kind listed, one full transaction in the kernel (s)", Box::new(|v| format!("{:.2}", f(v, "initial_sync_s")))),
         ("  host CPU / nft CPU during it (s)", Box::new(|v| format!("{:.2} / {:.2}", f(v, "initial_sync_cpu_s"), f(v, "initial_sync_nft_cpu_s")))),
         ("  Wasm guest time: total (s), share of the sync", Box::new(|v| format!("{:.3}, {:.1}%", f(v, "initial_sync_guest_s"), 100.0 * f(v, "initial_sync_guest_s") / f(v, "initial_sync_s")))),

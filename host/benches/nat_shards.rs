@@ -1,0 +1,144 @@
+//! What service shards cost on the packet path: a new connection's first packet runs the
+//! NAT chains of every shard table in turn until one DNATs it (the kernel stops at the
+//! first NAT binding), and a connection to no service at all runs them all.
+//!
+//! In a fresh network namespace per layout, N synthetic services (one TCP port each, DNAT
+//! to a listener on 127.0.0.1:8080, service IPs routed to `lo`) are written by the host's
+//! writer, once in one table and once in shards as the host lays them out; then, from
+//! inside the namespace, M TCP connections are opened and closed one after another (each
+//! timed; median and 99th percentile):
+//! - to service IPs spread over every shard (DNAT by the nat output hook);
+//! - to 127.0.0.1:8081 directly, which no service matches (every shard's chains run).
+//!
+//! `cargo bench --workspace --bench nat_shards` (needs root; `WASMPLANE_BENCH_SERVICES`,
+//! default 10000; `WASMPLANE_BENCH_CONNECTIONS`, default 3000).
+
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd as _;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use wasmplane::dataplane::{Dataplane, NftCommand};
+use wasmplane::nft::{Layout, ObjectRules};
+use wasmplane_model::ObjectKey;
+
+struct Netns(String);
+
+impl Netns {
+    fn new(name: String) -> Netns {
+        let _ = Command::new("ip").args(["netns", "del", &name]).output();
+        assert!(Command::new("ip").args(["netns", "add", &name]).status().unwrap().success(), "ip netns add {name}");
+        Netns(name)
+    }
+    fn exec(&self, args: &[&str]) {
+        assert!(Command::new("ip").args(["netns", "exec", &self.0]).args(args).status().unwrap().success(), "{args:?}");
+    }
+    /// Runs `f` on a thread inside the namespace.
+    fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
+        let file = std::fs::File::open(format!("/run/netns/{}", self.0)).unwrap();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                // SAFETY: setns on this thread only, with a valid namespace descriptor.
+                assert_eq!(unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) }, 0, "setns");
+                f()
+            })
+            .join()
+            .unwrap()
+        })
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).output();
+    }
+}
+
+fn service_ip(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 96 + (i / 65536) as u8, (i / 256 % 256) as u8, (i % 256) as u8)
+}
+
+fn services(n: usize) -> BTreeMap<ObjectKey, ObjectRules> {
+    (0..n)
+        .map(|i| {
+            let chain = format!("svc/bench/s{i}/tcp/http");
+            let mut rules = ObjectRules::default();
+            rules.chains.insert(chain.clone(), vec!["meta l4proto tcp dnat ip to 127.0.0.1:8080".into()]);
+            rules.elements.insert(("service-ips".into(), format!("{} . tcp . 80", service_ip(i))), format!("goto {chain}"));
+            (ObjectKey::new("bench", &format!("s{i}")), rules)
+        })
+        .collect()
+}
+
+/// Opens and closes `count` connections to `targets` in turn; the median and 99th
+/// percentile of one connection's time (a median: one SYN retransmitted after a second, a
+/// port reused while its old flow lingers, would dominate a mean).
+fn connections(targets: &[SocketAddr], count: usize) -> (Duration, Duration) {
+    let mut times: Vec<Duration> = (0..count)
+        .map(|k| {
+            let started = Instant::now();
+            let stream = TcpStream::connect_timeout(&targets[k % targets.len()], Duration::from_secs(2)).unwrap_or_else(|e| panic!("connect {}: {e}", targets[k % targets.len()]));
+            drop(stream);
+            started.elapsed()
+        })
+        .collect();
+    times.sort();
+    (times[count / 2], times[count * 99 / 100])
+}
+
+fn micros((p50, p99): (Duration, Duration)) -> String {
+    format!("{:.1} / {:.1} µs", p50.as_secs_f64() * 1e6, p99.as_secs_f64() * 1e6)
+}
+
+fn main() {
+    let root = Command::new("id").arg("-u").output().map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0").unwrap_or(false);
+    if !root {
+        eprintln!("\n!!!!!!!! nat_shards bench SKIPPED: needs root (network namespaces, nftables) !!!!!!!!\n");
+        return;
+    }
+    let env = |name: &str, default: usize| std::env::var(name).map(|v| v.parse().expect(name)).unwrap_or(default);
+    let n = env("WASMPLANE_BENCH_SERVICES", 10_000);
+    let count = env("WASMPLANE_BENCH_CONNECTIONS", 3_000);
+    let objects = services(n);
+    println!("New TCP connections through the service NAT chains, {n} services, {count} connections each (one connection: open + close, p50 / p99)\n");
+    println!("| layout | to a service (DNAT) | to no service (every shard's NAT chains) |");
+    println!("|---|---|---|");
+    for per_shard in [usize::MAX, Layout::DEFAULT_SERVICES_PER_SHARD] {
+        let ns = Netns::new(format!("wpnat{}", std::process::id()));
+        ns.exec(&["ip", "link", "set", "lo", "up"]);
+        ns.exec(&["ip", "route", "add", "10.96.0.0/12", "dev", "lo"]);
+        let command = ["ip", "netns", "exec", &ns.0, "nft"].map(String::from).to_vec();
+        let mut dataplane = Dataplane::new(Box::new(NftCommand::new(command, Vec::new()))).with_services_per_shard(per_shard);
+        dataplane.full_sync(Some(objects.clone())).expect("loading the services");
+        let layout = dataplane.layout();
+        // Services from every shard, in turn.
+        let targets: Vec<SocketAddr> = (0..n).step_by((n / 256).max(1)).map(|i| SocketAddr::from((service_ip(i), 80))).collect();
+        let (to_service, to_nothing) = ns.run(|| {
+            let listeners = [8080, 8081].map(|port| TcpListener::bind(("127.0.0.1", port)).expect("listening"));
+            // Accepted connections are dropped at once (the listener's backlog keeps up).
+            let stop = std::sync::atomic::AtomicBool::new(false);
+            std::thread::scope(|s| {
+                for listener in &listeners {
+                    listener.set_nonblocking(true).unwrap();
+                    let stop = &stop;
+                    s.spawn(move || {
+                        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                            match listener.accept() {
+                                Ok(_) => {}
+                                Err(_) => std::thread::sleep(Duration::from_micros(50)),
+                            }
+                        }
+                    });
+                }
+                connections(&targets, count / 10); // warm-up
+                let to_service = connections(&targets, count);
+                let to_nothing = connections(&[SocketAddr::from(([127, 0, 0, 1], 8081))], count);
+                stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                (to_service, to_nothing)
+            })
+        });
+        let name = if layout.shards == 1 { "one table".to_string() } else { format!("{} shards", layout.shards) };
+        println!("| {name} | {} | {} |", micros(to_service), micros(to_nothing));
+    }
+}
