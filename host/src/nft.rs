@@ -59,11 +59,16 @@
 //! `perf record -a` all of it is `nf_tables_commit`'s own time, the chain walk inlined),
 //! so a change at 50k still costs 13× what it costs at 1k. Fewer chains per service (the
 //! default translator has one per endpoint, like kube-proxy) is the lever left there.
-//! What shards cost: a new connection's first packet runs the NAT chains of the shards in
-//! turn until one DNATs it (at most 64; not measured per packet yet), and nft 1.0.6 lists
-//! and fills its cache table by table, so the chain listing a full sync starts with took
-//! 11.8 s instead of 3.2 s at 50k, and a change through `nft -f` 9.5 s instead of 1.8 s
-//! (`--nft-text-only` therefore keeps one table).
+//! What shards cost:
+//! - a new connection's first packet runs the NAT chains of the shards in turn until one
+//!   DNATs it, and a connection to no service runs them all: ~0.3 µs per shard
+//!   (`benches/nat_shards.rs`, 50k services, loopback TCP connection p50: to a service
+//!   40.7 µs in one table, 55.9 µs in 64 shards; to no service 35.9 / 54.3 µs). Fewer,
+//!   bigger shards trade that against change cost (`--nft-services-per-shard`);
+//! - nft 1.0.6 fills its cache table by table: a change through `nft -f` took 9.5 s instead
+//!   of 1.8 s at 50k (`--nft-text-only` therefore keeps one table), and a full sync's
+//!   `nft -f` pays it too (the reconcile at 50k: 39 s instead of 20 s). The writer lists
+//!   chains and sets itself, with one netlink dump each.
 //!
 //! Shape (kube-proxy's nftables mode): static base chains and named verdict maps owned by
 //! the host; per service, chains under the service's own prefix and elements in the maps.
