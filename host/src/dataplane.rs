@@ -376,63 +376,32 @@ impl NetlinkNft {
     /// table, and the chain listing of 50k services in 64 shards took 11.8 s that way.
     /// `skip`: (flags attribute, bits): leave out objects whose flags have any of the bits.
     fn dump_names(&mut self, msg: u16, name_attr: u16, skip: Option<(u16, u32)>) -> Result<Vec<(String, String)>, WriteError> {
-        const NLM_F_REQUEST: u16 = 0x1;
-        const NLM_F_DUMP: u16 = 0x300;
-        const NLM_F_DUMP_INTR: u16 = 0x10;
-        const NLMSG_ERROR: u16 = 2;
-        const NLMSG_DONE: u16 = 3;
-        const NFPROTO_INET: u8 = 1;
-        let read_u16 = |b: &[u8], at: usize| u16::from_ne_bytes([b[at], b[at + 1]]);
-        let read_u32 = |b: &[u8], at: usize| u32::from_ne_bytes(b[at..at + 4].try_into().unwrap());
+        use nft::netlink::{NFTA_TABLE, dump_request, parse_dump, string_attribute, u32_attribute};
         // A dump the ruleset changed under is marked interrupted; ours is the only writer,
         // so a retry is only for someone else's `nft` at the same moment.
         for _attempt in 0..4 {
             self.drain();
             self.seq = self.seq.wrapping_add(1);
-            let seq = self.seq;
-            let mut request = Vec::with_capacity(20);
-            request.extend(20u32.to_ne_bytes());
-            request.extend(((10u16 << 8) | msg).to_ne_bytes());
-            request.extend((NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
-            request.extend(seq.to_ne_bytes());
-            request.extend(0u32.to_ne_bytes());
-            request.extend([NFPROTO_INET, 0, 0, 0]);
-            self.socket.send(&request, 0).map_err(WriteError::Netlink)?;
+            self.socket.send(&dump_request(msg, self.seq), 0).map_err(WriteError::Netlink)?;
             let (mut names, mut interrupted) = (Vec::new(), false);
-            'receive: loop {
+            loop {
                 let mut buf: Vec<u8> = Vec::with_capacity(256 * 1024);
                 self.socket.recv(&mut buf, 0).map_err(WriteError::Netlink)?;
-                let mut offset = 0;
-                while offset + 16 <= buf.len() {
-                    let len = read_u32(&buf, offset) as usize;
-                    if len < 16 || offset + len > buf.len() {
-                        break;
+                let part = parse_dump(&buf, self.seq);
+                if let Some(errno) = part.error {
+                    return Err(WriteError::Netlink(std::io::Error::from_raw_os_error(errno)));
+                }
+                interrupted |= part.interrupted;
+                for attributes in &part.objects {
+                    if skip.is_some_and(|(attribute, bits)| u32_attribute(attributes, attribute).unwrap_or(0) & bits != 0) {
+                        continue;
                     }
-                    let (kind, flags, message_seq) = (read_u16(&buf, offset + 4), read_u16(&buf, offset + 6), read_u32(&buf, offset + 8));
-                    if message_seq == seq {
-                        match kind {
-                            NLMSG_DONE => break 'receive,
-                            NLMSG_ERROR => {
-                                let code = read_u32(&buf, offset + 16) as i32;
-                                if code != 0 {
-                                    return Err(WriteError::Netlink(std::io::Error::from_raw_os_error(-code)));
-                                }
-                            }
-                            _ => {
-                                interrupted |= flags & NLM_F_DUMP_INTR != 0;
-                                // After the header (16 bytes) and nfgenmsg (4): attributes.
-                                let attributes = &buf[(offset + 20).min(offset + len)..offset + len];
-                                let skipped = skip.is_some_and(|(attribute, bits)| {
-                                    let flags = netlink_attribute(attributes, attribute).and_then(|v| Some(u32::from_be_bytes(v.get(..4)?.try_into().ok()?)));
-                                    flags.unwrap_or(0) & bits != 0
-                                });
-                                if !skipped && let (Some(table), Some(name)) = (netlink_string(attributes, 1), netlink_string(attributes, name_attr)) {
-                                    names.push((table, name));
-                                }
-                            }
-                        }
+                    if let (Some(table), Some(name)) = (string_attribute(attributes, NFTA_TABLE), string_attribute(attributes, name_attr)) {
+                        names.push((table, name));
                     }
-                    offset += (len + 3) & !3;
+                }
+                if part.done {
+                    break;
                 }
             }
             if !interrupted {
@@ -480,29 +449,6 @@ impl NetlinkNft {
     }
 }
 
-/// The value of attribute `wanted` among netlink attributes.
-fn netlink_attribute(mut attributes: &[u8], wanted: u16) -> Option<&[u8]> {
-    while attributes.len() >= 4 {
-        let len = u16::from_ne_bytes([attributes[0], attributes[1]]) as usize;
-        let kind = u16::from_ne_bytes([attributes[2], attributes[3]]) & 0x3fff;
-        if len < 4 || len > attributes.len() {
-            return None;
-        }
-        if kind == wanted {
-            return Some(&attributes[4..len]);
-        }
-        attributes = &attributes[((len + 3) & !3).min(attributes.len())..];
-    }
-    None
-}
-
-/// The string attribute `wanted` (NUL-terminated) among netlink attributes.
-fn netlink_string(attributes: &[u8], wanted: u16) -> Option<String> {
-    let value = netlink_attribute(attributes, wanted)?;
-    let end = value.iter().position(|&b| b == 0).unwrap_or(value.len());
-    std::str::from_utf8(&value[..end]).ok().map(str::to_string)
-}
-
 impl Kernel for NetlinkNft {
     fn apply(&mut self, transaction: &str) -> Result<(), WriteError> {
         match nft::netlink::encode_transaction(transaction, self.seq) {
@@ -528,18 +474,14 @@ impl Kernel for NetlinkNft {
     }
 
     fn list_objects(&mut self) -> Result<Listing, WriteError> {
-        const NFT_MSG_GETCHAIN: u16 = 4;
-        const NFT_MSG_GETSET: u16 = 10;
-        const NFTA_CHAIN_NAME: u16 = 3;
-        const NFTA_SET_NAME: u16 = 2;
+        use nft::netlink::{NFT_MSG_GETCHAIN, NFT_MSG_GETSET, NFT_SET_ANONYMOUS, NFT_SET_MAP, NFTA_CHAIN_NAME, NFTA_SET_FLAGS, NFTA_SET_NAME};
         let ours = |names: Vec<(String, String)>| -> Vec<(Table, String)> {
             names.into_iter().filter_map(|(table, name)| Some((Table::parse(&table)?, name))).collect()
         };
-        const NFTA_SET_FLAGS: u16 = 3;
         let chains = ours(self.dump_names(NFT_MSG_GETCHAIN, NFTA_CHAIN_NAME, None)?);
         // As `nft -t list sets` shows them: named sets, not anonymous ones (NFT_SET_ANONYMOUS)
         // or maps (NFT_SET_MAP).
-        let sets = ours(self.dump_names(NFT_MSG_GETSET, NFTA_SET_NAME, Some((NFTA_SET_FLAGS, 0x1 | 0x8)))?);
+        let sets = ours(self.dump_names(NFT_MSG_GETSET, NFTA_SET_NAME, Some((NFTA_SET_FLAGS, NFT_SET_ANONYMOUS | NFT_SET_MAP)))?);
         // Every table of ours has chains, so the chains name them all.
         let mut tables: Vec<Table> = chains.iter().map(|(t, _)| *t).collect();
         tables.sort();

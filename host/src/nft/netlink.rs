@@ -774,9 +774,145 @@ pub fn encode_transaction(text: &str, first_seq: u32) -> Result<Batch, Unsupport
     Ok(Batch { bytes: w.buf, messages })
 }
 
+// Listing (dumps): what the writer needs to reconcile, without nft.
+pub const NFT_MSG_GETCHAIN: u16 = 4;
+pub const NFT_MSG_GETSET: u16 = 10;
+/// The table attribute, the same number for chains and sets.
+pub const NFTA_TABLE: u16 = 1;
+pub const NFTA_CHAIN_NAME: u16 = 3;
+pub const NFTA_SET_NAME: u16 = 2;
+pub const NFTA_SET_FLAGS: u16 = 3;
+pub const NFT_SET_ANONYMOUS: u32 = 0x1;
+pub const NFT_SET_MAP: u32 = 0x8;
+const NLM_F_DUMP: u16 = 0x300;
+const NLM_F_DUMP_INTR: u16 = 0x10;
+const NLMSG_ERROR: u16 = 2;
+const NLMSG_DONE: u16 = 3;
+
+/// A request for every object of kind `msg` (`NFT_MSG_GETCHAIN`...) of the inet family.
+pub fn dump_request(msg: u16, seq: u32) -> Vec<u8> {
+    let mut w = Writer::default();
+    let m = w.begin_message((NFNL_SUBSYS_NFTABLES << 8) | msg, NLM_F_DUMP, seq, NFPROTO_INET, 0);
+    w.end_message(m);
+    w.buf
+}
+
+/// What one received buffer of a dump held (messages of other sequence numbers ignored).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct DumpPart {
+    /// Each object's attributes.
+    pub objects: Vec<Vec<u8>>,
+    /// The dump ended (`NLMSG_DONE`).
+    pub done: bool,
+    /// The ruleset changed while it was dumped: the dump may be incomplete.
+    pub interrupted: bool,
+    /// The kernel refused the dump (an errno).
+    pub error: Option<i32>,
+}
+
+/// Parses one received buffer of the dump with sequence number `seq`.
+pub fn parse_dump(buf: &[u8], seq: u32) -> DumpPart {
+    let read_u16 = |at: usize| u16::from_ne_bytes([buf[at], buf[at + 1]]);
+    let read_u32 = |at: usize| u32::from_ne_bytes(buf[at..at + 4].try_into().unwrap());
+    let mut part = DumpPart::default();
+    let mut offset = 0;
+    while offset + 16 <= buf.len() {
+        let len = read_u32(offset) as usize;
+        if len < 16 || offset + len > buf.len() {
+            break;
+        }
+        let (kind, flags, message_seq) = (read_u16(offset + 4), read_u16(offset + 6), read_u32(offset + 8));
+        if message_seq == seq {
+            match kind {
+                NLMSG_DONE => part.done = true,
+                NLMSG_ERROR if len >= 20 => {
+                    let code = read_u32(offset + 16) as i32;
+                    if code != 0 {
+                        part.error = Some(-code);
+                    }
+                }
+                NLMSG_ERROR => part.error = Some(libc::EPROTO),
+                _ => {
+                    part.interrupted |= flags & NLM_F_DUMP_INTR != 0;
+                    // After the header (16 bytes) and struct nfgenmsg (4): attributes.
+                    part.objects.push(buf[(offset + 20).min(offset + len)..offset + len].to_vec());
+                }
+            }
+        }
+        offset += (len + 3) & !3;
+    }
+    part
+}
+
+/// The value of attribute `wanted` among netlink attributes.
+pub fn attribute(mut attributes: &[u8], wanted: u16) -> Option<&[u8]> {
+    while attributes.len() >= 4 {
+        let len = u16::from_ne_bytes([attributes[0], attributes[1]]) as usize;
+        // The top bits are flags (nested, byte order), not part of the type.
+        let kind = u16::from_ne_bytes([attributes[2], attributes[3]]) & 0x3fff;
+        if len < 4 || len > attributes.len() {
+            return None;
+        }
+        if kind == wanted {
+            return Some(&attributes[4..len]);
+        }
+        attributes = &attributes[((len + 3) & !3).min(attributes.len())..];
+    }
+    None
+}
+
+/// A string attribute (NUL-terminated).
+pub fn string_attribute(attributes: &[u8], wanted: u16) -> Option<String> {
+    let value = attribute(attributes, wanted)?;
+    let end = value.iter().position(|&b| b == 0).unwrap_or(value.len());
+    std::str::from_utf8(&value[..end]).ok().map(str::to_string)
+}
+
+/// A 32-bit attribute (nf_tables sends them big endian).
+pub fn u32_attribute(attributes: &[u8], wanted: u16) -> Option<u32> {
+    Some(u32::from_be_bytes(attribute(attributes, wanted)?.get(..4)?.try_into().ok()?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dumps_parse_objects_end_and_errors_of_their_own_sequence_only() {
+        let chain = |w: &mut Writer, seq: u32, table: &str, name: &str, flags: u16| {
+            let m = w.begin_message((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWCHAIN, flags, seq, NFPROTO_INET, 0);
+            w.attr_str(NFTA_TABLE, table);
+            w.attr_u32(2, 7); // a handle between the two strings
+            w.attr_str(NFTA_CHAIN_NAME, name);
+            w.end_message(m);
+        };
+        let mut w = Writer::default();
+        chain(&mut w, 5, "wasmplane-s1", "svc/ns/a", 0);
+        chain(&mut w, 4, "other", "from-another-request", 0);
+        chain(&mut w, 5, "wasmplane", "services", NLM_F_DUMP_INTR);
+        let done = w.begin_message(NLMSG_DONE, 0, 5, 0, 0);
+        w.end_message(done);
+        let part = parse_dump(&w.buf, 5);
+        assert!(part.done && part.interrupted && part.error.is_none());
+        let names: Vec<(Option<String>, Option<String>)> =
+            part.objects.iter().map(|a| (string_attribute(a, NFTA_TABLE), string_attribute(a, NFTA_CHAIN_NAME))).collect();
+        assert_eq!(names, vec![(Some("wasmplane-s1".into()), Some("svc/ns/a".into())), (Some("wasmplane".into()), Some("services".into()))]);
+        assert_eq!(u32_attribute(&part.objects[0], 2), Some(7));
+        assert_eq!(attribute(&part.objects[0], 9), None);
+
+        // An error for our request: its errno (the message carries it negated).
+        let mut w = Writer::default();
+        let e = w.begin_message(NLMSG_ERROR, 0, 9, 0, 0);
+        w.buf.truncate(e + 16);
+        w.buf.extend((-2i32).to_ne_bytes());
+        w.end_message(e);
+        assert_eq!(parse_dump(&w.buf, 9).error, Some(2));
+        assert_eq!(parse_dump(&w.buf, 8), DumpPart::default());
+        // A request is one message: header and nfgenmsg, the dump flags set.
+        let request = dump_request(NFT_MSG_GETSET, 3);
+        assert_eq!(request.len(), 20);
+        assert_eq!(u16::from_ne_bytes([request[6], request[7]]), NLM_F_DUMP | NLM_F_REQUEST);
+    }
 
     #[test]
     fn rules_compile_like_nft() {
