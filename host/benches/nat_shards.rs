@@ -15,45 +15,14 @@
 
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd as _;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use wasmplane::dataplane::{Dataplane, NftCommand};
 use wasmplane::nft::{Layout, ObjectRules};
 use wasmplane_model::ObjectKey;
 
-struct Netns(String);
-
-impl Netns {
-    fn new(name: String) -> Netns {
-        let _ = Command::new("ip").args(["netns", "del", &name]).output();
-        assert!(Command::new("ip").args(["netns", "add", &name]).status().unwrap().success(), "ip netns add {name}");
-        Netns(name)
-    }
-    fn exec(&self, args: &[&str]) {
-        assert!(Command::new("ip").args(["netns", "exec", &self.0]).args(args).status().unwrap().success(), "{args:?}");
-    }
-    /// Runs `f` on a thread inside the namespace.
-    fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
-        let file = std::fs::File::open(format!("/run/netns/{}", self.0)).unwrap();
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                // SAFETY: setns on this thread only, with a valid namespace descriptor.
-                assert_eq!(unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) }, 0, "setns");
-                f()
-            })
-            .join()
-            .unwrap()
-        })
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).output();
-    }
-}
+mod support;
+use support::{Netns, is_root};
 
 fn service_ip(i: usize) -> Ipv4Addr {
     Ipv4Addr::new(10, 96 + (i / 65536) as u8, (i / 256 % 256) as u8, (i % 256) as u8)
@@ -92,8 +61,7 @@ fn micros((p50, p99): (Duration, Duration)) -> String {
 }
 
 fn main() {
-    let root = Command::new("id").arg("-u").output().map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0").unwrap_or(false);
-    if !root {
+    if !is_root() {
         eprintln!("\n!!!!!!!! nat_shards bench SKIPPED: needs root (network namespaces, nftables) !!!!!!!!\n");
         return;
     }
@@ -108,8 +76,7 @@ fn main() {
         let ns = Netns::new(format!("wpnat{}", std::process::id()));
         ns.exec(&["ip", "link", "set", "lo", "up"]);
         ns.exec(&["ip", "route", "add", "10.96.0.0/12", "dev", "lo"]);
-        let command = ["ip", "netns", "exec", &ns.0, "nft"].map(String::from).to_vec();
-        let mut dataplane = Dataplane::new(Box::new(NftCommand::new(command, Vec::new()))).with_services_per_shard(per_shard);
+        let mut dataplane = Dataplane::new(Box::new(NftCommand::new(ns.nft_command(), Vec::new()))).with_services_per_shard(per_shard);
         dataplane.full_sync(Some(objects.clone())).expect("loading the services");
         let layout = dataplane.layout();
         // Services from every shard, in turn.

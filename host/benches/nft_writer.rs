@@ -26,6 +26,9 @@ use wasmplane_model::state::{LocalEndpoint, LocalSlice, NodeContext, ServiceView
 use wasmplane_model::*;
 use wasmplane_runtime::{GuestKind, Limits, NoLookups, Runtime, TranslatorSession};
 
+mod support;
+use support::{Netns, is_root};
+
 fn view(i: usize, endpoint_base: usize) -> ServiceView {
     let service = Service {
         namespace: format!("ns{}", i % 50),
@@ -67,25 +70,6 @@ fn rules(session: &mut TranslatorSession, ctx: &NodeContext, view: &ServiceView)
     (key, rules)
 }
 
-struct Netns(String);
-
-impl Netns {
-    fn new(name: String) -> Netns {
-        let _ = Command::new("ip").args(["netns", "del", &name]).output();
-        assert!(Command::new("ip").args(["netns", "add", &name]).status().unwrap().success(), "ip netns add {name}");
-        Netns(name)
-    }
-    fn nft_command(&self) -> Vec<String> {
-        ["ip", "netns", "exec", &self.0, "nft"].map(String::from).to_vec()
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).output();
-    }
-}
-
 fn timed<T>(f: impl FnOnce() -> T) -> (T, Duration) {
     let t = Instant::now();
     let v = f();
@@ -103,8 +87,7 @@ fn fmt(d: Duration) -> String {
 }
 
 fn main() {
-    let root = Command::new("id").arg("-u").output().map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0").unwrap_or(false);
-    if !root {
+    if !is_root() {
         eprintln!("\n!!!!!!!! nft_writer bench SKIPPED: needs root (network namespaces, nftables) !!!!!!!!\n");
         return;
     }
