@@ -117,8 +117,10 @@ impl Table {
         if name == TABLE {
             return Some(Table::MAIN);
         }
-        let index = name.strip_prefix(TABLE)?.strip_prefix("-s")?;
-        (!index.is_empty() && index.bytes().all(|b| b.is_ascii_digit())).then(|| index.parse().ok().map(Table::shard)).flatten()
+        let index: u32 = name.strip_prefix(TABLE)?.strip_prefix("-s")?.parse().ok()?;
+        // Only the spelling we write (`-s7`, not `-s007` or `-s+7`): a table of someone else's
+        // must never be taken for ours, and deleted under another name.
+        Some(Table::shard(index)).filter(|t| t.name() == name)
     }
 }
 

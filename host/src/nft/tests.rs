@@ -329,7 +329,7 @@ fn table_names_parse_back_and_nothing_else_is_ours() {
         assert_eq!(Table::parse(&t.name()), Some(t));
         assert_eq!(t.to_string(), format!("inet {}", t.name()));
     }
-    for other in ["wasmplane-s", "wasmplane-x1", "wasmplane-s1a", "kube-proxy", "wasmplane2"] {
+    for other in ["wasmplane-s", "wasmplane-x1", "wasmplane-s1a", "kube-proxy", "wasmplane2", "wasmplane-s007", "wasmplane-s+7"] {
         assert_eq!(Table::parse(other), None, "{other}");
         assert!(!is_our_table(other));
     }
