@@ -844,7 +844,7 @@ impl Dataplane {
             tracing::info!(shards = layout.shards, services, "services laid out over new shard tables");
         }
         self.layout = layout;
-        self.commit(next);
+        self.commit(next, services);
         // A full sync's transient text and listings are large (tens of MB at 50k services)
         // and leave glibc's heap fragmented: hand what is free back to the kernel.
         crate::memory::release_free_memory();
@@ -869,9 +869,10 @@ impl Dataplane {
         self.in_sync = false;
     }
 
-    fn commit(&mut self, next: BTreeMap<ObjectKey, Arc<ObjectRules>>) {
+    /// `next` went in whole; `sharded`: how many of its objects are services in shards.
+    fn commit(&mut self, next: BTreeMap<ObjectKey, Arc<ObjectRules>>, sharded: usize) {
         self.element_owner = Self::owners(&next);
-        self.sharded = next.values().filter(|r| r.is_sharded()).count();
+        self.sharded = sharded;
         self.pending = None;
         self.applied = next;
     }

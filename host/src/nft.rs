@@ -754,12 +754,8 @@ pub struct Stale {
     pub unsharded_main: bool,
 }
 
-/// What the main table had for services before shards (see [`Stale::unsharded_main`]).
-const UNSHARDED_MAPS: [(&str, &str); 3] = [
-    ("service-ips", "ipv4_addr . inet_proto . inet_service"),
-    ("service-ips6", "ipv6_addr . inet_proto . inet_service"),
-    ("service-nodeports", "inet_proto . inet_service"),
-];
+/// The NAT chains the main table had for services before shards (see
+/// [`Stale::unsharded_main`]); its service maps were the ones each shard has now.
 const UNSHARDED_CHAINS: [&str; 3] = ["nat-prerouting", "nat-output", "services"];
 
 /// A complete transaction: the tables as `objects` describe them, laid out by `layout`,
@@ -771,9 +767,10 @@ pub fn full_transaction<'a>(objects: impl Iterator<Item = &'a ObjectRules> + Clo
     if stale.unsharded_main {
         // Their elements jump to service chains that are stale in the main table now: empty
         // the maps first (`flush table` left them), delete them after those chains.
-        for (map, ty) in UNSHARDED_MAPS {
-            writeln!(out, "add map {FAMILY} {TABLE} {map} {{ type {ty} : verdict; }}").unwrap();
-            writeln!(out, "flush map {FAMILY} {TABLE} {map}").unwrap();
+        let main = Table::MAIN;
+        for (map, ty) in SHARD_SKELETON.maps {
+            writeln!(out, "add map {main} {map} {{ type {ty} : verdict; }}").unwrap();
+            writeln!(out, "flush map {main} {map}").unwrap();
         }
     }
     // Every object's chains before any rule: one object's rules may jump to another's
@@ -794,11 +791,12 @@ pub fn full_transaction<'a>(objects: impl Iterator<Item = &'a ObjectRules> + Clo
         writeln!(out, "delete set {t} {set}").unwrap();
     }
     if stale.unsharded_main {
-        for (map, _) in UNSHARDED_MAPS {
-            writeln!(out, "delete map {FAMILY} {TABLE} {map}").unwrap();
+        let main = Table::MAIN;
+        for (map, _) in SHARD_SKELETON.maps {
+            writeln!(out, "delete map {main} {map}").unwrap();
         }
         for chain in UNSHARDED_CHAINS {
-            writeln!(out, "delete chain {FAMILY} {TABLE} {chain}").unwrap();
+            writeln!(out, "delete chain {main} {chain}").unwrap();
         }
     }
     // Last: the services of a table that goes are in their new shards by now.
