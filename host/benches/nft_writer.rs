@@ -137,7 +137,7 @@ fn main() {
             for k in 0..5 {
                 let i = k * n / 5 + 7;
                 let mut v = view(i, 0);
-                // One endpoint replaced: one endpoint chain goes, one comes, the service chain changes.
+                // One endpoint replaced: the service chain is rewritten, one hairpin pair goes, one comes.
                 v.slices[0].endpoints[2].addresses = vec![format!("10.250.{}.{}", k, i % 250 + 1)];
                 let (key, r) = rules(&mut session, &ctx, &v);
                 let (stats, t) = timed(|| dataplane.sync(vec![(key.clone(), Some(r))]).expect("incremental sync"));

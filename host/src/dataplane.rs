@@ -524,6 +524,9 @@ pub struct Dataplane {
     pending: Option<BTreeMap<ObjectKey, Arc<ObjectRules>>>,
     /// Owners of map keys in the wanted state (`pending`, else `applied`).
     element_owner: HashMap<(String, String), ObjectKey>,
+    /// Elements of shared host sets ([`nft::is_shared_set`]) in `applied`, with how many
+    /// objects want each: one is deleted when its last owner lets go.
+    shared_owners: HashMap<(String, String), usize>,
     /// False until a full sync succeeded (and after a failed write): the next sync is full.
     in_sync: bool,
     /// Rules of a previous run are in the kernel and we have not been given state yet.
@@ -539,6 +542,20 @@ pub struct Dataplane {
     pub last_transaction: String,
     /// The last non-empty conntrack cleanup (filters), for inspection.
     pub last_conntrack_cleanup: Vec<ConntrackFilter>,
+}
+
+/// Drops the map keys of `rules` that another object owns in `owners`, with a warning each.
+/// Elements of shared sets have no single owner ([`nft::is_shared_set`]).
+fn refuse_taken_keys(owners: &HashMap<(String, String), ObjectKey>, key: &ObjectKey, rules: &mut ObjectRules) {
+    let mut conflicts = Vec::new();
+    rules.elements.retain(|k, _| match owners.get(k) {
+        Some(owner) if owner != key && !nft::is_shared_set(&k.0) => {
+            conflicts.push(format!("{} {{ {} }} already belongs to {owner}", k.0, k.1));
+            false
+        }
+        _ => true,
+    });
+    rules.warnings.extend(conflicts);
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -564,6 +581,7 @@ impl Dataplane {
             applied: BTreeMap::new(),
             pending: None,
             element_owner: HashMap::new(),
+            shared_owners: HashMap::new(),
             in_sync: false,
             held,
             layout: Layout::default(),
@@ -609,15 +627,7 @@ impl Dataplane {
 
     /// Map keys another object already owns are refused (first owner wins) with a warning.
     fn claim_elements(&self, key: &ObjectKey, mut rules: ObjectRules) -> ObjectRules {
-        let mut conflicts = Vec::new();
-        rules.elements.retain(|k, _| match self.element_owner.get(k) {
-            Some(owner) if owner != key => {
-                conflicts.push(format!("{} {{ {} }} already belongs to {owner}", k.0, k.1));
-                false
-            }
-            _ => true,
-        });
-        rules.warnings.extend(conflicts);
+        refuse_taken_keys(&self.element_owner, key, &mut rules);
         rules
     }
 
@@ -655,6 +665,9 @@ impl Dataplane {
         let pairs: Vec<(&ObjectRules, &ObjectRules)> =
             olds.iter().map(|(key, old)| (old.as_deref().unwrap_or(&empty), next.get(key).map_or(&empty, |r| &**r))).collect();
         nft::objects_delta(&pairs, &mut transaction, self.layout);
+        let shared_change = self.shared_change(&olds, &next);
+        nft::shared_elements(&mut transaction, shared_change.iter().filter(|(_, (b, a))| *b > 0 && *a == 0).map(|(k, _)| k), false);
+        nft::shared_elements(&mut transaction, shared_change.iter().filter(|(_, (b, a))| *b == 0 && *a > 0).map(|(k, _)| k), true);
         let statements = transaction.lines().count();
         let objects = olds.len();
         if statements > 0
@@ -679,8 +692,35 @@ impl Dataplane {
         let conntrack_filters = self.clean_conntrack(cleanup);
         self.last_transaction = kept_text(transaction);
         self.applied = next;
+        for (k, (_, after)) in shared_change {
+            if after == 0 {
+                self.shared_owners.remove(&k);
+            } else {
+                self.shared_owners.insert(k, after);
+            }
+        }
         let path = if statements > 0 { self.kernel.last_path() } else { "" };
         Ok(SyncStats { full: false, objects, statements, conntrack_filters, path })
+    }
+
+    /// Owner counts (before, after) of the shared-set elements the changed objects had or have.
+    fn shared_change(
+        &self,
+        olds: &[(ObjectKey, Option<Arc<ObjectRules>>)],
+        next: &BTreeMap<ObjectKey, Arc<ObjectRules>>,
+    ) -> BTreeMap<(String, String), (usize, usize)> {
+        let mut change: BTreeMap<(String, String), (usize, usize)> = BTreeMap::new();
+        let shared = |rules: Option<&ObjectRules>| {
+            rules.into_iter().flat_map(|r| r.elements.keys()).filter(|(map, _)| nft::is_shared_set(map)).cloned().collect::<Vec<_>>()
+        };
+        for (key, old) in olds {
+            for (k, step) in shared(old.as_deref()).into_iter().map(|k| (k, -1)).chain(shared(next.get(key).map(|r| &**r)).into_iter().map(|k| (k, 1))) {
+                let before = self.shared_owners.get(&k).copied().unwrap_or(0);
+                let entry = change.entry(k).or_insert((before, before));
+                entry.1 = entry.1.saturating_add_signed(step);
+            }
+        }
+        change
     }
 
     /// Whether `changes` touch at least half of the services after them and those need
@@ -747,16 +787,8 @@ impl Dataplane {
                 let mut next = BTreeMap::new();
                 let mut owners: HashMap<(String, String), ObjectKey> = HashMap::new();
                 for (key, mut rules) in objects {
-                    let mut conflicts = Vec::new();
-                    rules.elements.retain(|k, _| match owners.get(k) {
-                        Some(owner) => {
-                            conflicts.push(format!("{} {{ {} }} already belongs to {owner}", k.0, k.1));
-                            false
-                        }
-                        None => true,
-                    });
-                    rules.warnings.extend(conflicts);
-                    for k in rules.elements.keys() {
+                    refuse_taken_keys(&owners, &key, &mut rules);
+                    for k in rules.elements.keys().filter(|(map, _)| !nft::is_shared_set(map)) {
                         owners.insert(k.clone(), key.clone());
                     }
                     next.insert(key, Arc::new(rules));
@@ -854,7 +886,7 @@ impl Dataplane {
     fn owners(objects: &BTreeMap<ObjectKey, Arc<ObjectRules>>) -> HashMap<(String, String), ObjectKey> {
         let mut owners = HashMap::new();
         for (key, rules) in objects {
-            for k in rules.elements.keys() {
+            for k in rules.elements.keys().filter(|(map, _)| !nft::is_shared_set(map)) {
                 owners.insert(k.clone(), key.clone());
             }
         }
@@ -872,6 +904,10 @@ impl Dataplane {
     /// `next` went in whole; `sharded`: how many of its objects are services in shards.
     fn commit(&mut self, next: BTreeMap<ObjectKey, Arc<ObjectRules>>, sharded: usize) {
         self.element_owner = Self::owners(&next);
+        self.shared_owners.clear();
+        for k in next.values().flat_map(|r| r.elements.keys()).filter(|(map, _)| nft::is_shared_set(map)) {
+            *self.shared_owners.entry(k.clone()).or_default() += 1;
+        }
         self.sharded = sharded;
         self.pending = None;
         self.applied = next;
@@ -1080,6 +1116,42 @@ mod tests {
         assert_eq!(dp.applied()[&key("b")].elements.len(), 1);
         let last = fake.applied.lock().unwrap().last().unwrap().clone();
         assert!(last.contains("add element inet wasmplane-s0 service-ips { 10.96.0.1 . tcp . 80 : goto svc/default/b }"), "{last}");
+    }
+
+    #[test]
+    fn a_shared_set_element_stays_while_any_object_wants_it() {
+        let with_hairpin = |name: &str, pods: &[&str]| {
+            let mut r = rules(name, pods[0]);
+            r.elements.clear();
+            for pod in pods {
+                r.elements.insert(("hairpin".into(), format!("{pod} . {pod}")), String::new());
+            }
+            r
+        };
+        let fake = Fake::default();
+        let mut dp = Dataplane::new(Box::new(fake.clone()));
+        let last = || fake.applied.lock().unwrap().last().unwrap().clone();
+        dp.sync(vec![(key("a"), Some(with_hairpin("a", &["10.244.0.1"])))]).unwrap();
+        assert!(last().contains("add element inet wasmplane hairpin { 10.244.0.1 . 10.244.0.1 }"), "{}", last());
+        // Another owner: neither refused (as a map key would be) nor added twice.
+        let stats = dp.sync(vec![(key("b"), Some(with_hairpin("b", &["10.244.0.1", "10.244.0.2"])))]).unwrap();
+        assert!(!stats.full);
+        assert!(dp.applied()[&key("b")].warnings.is_empty(), "{:?}", dp.applied()[&key("b")]);
+        assert!(last().contains("add element inet wasmplane hairpin { 10.244.0.2 . 10.244.0.2 }\n") && !last().contains("10.244.0.1 . "), "{}", last());
+        // The first owner goes: the pair stays for the second.
+        dp.sync(vec![(key("a"), None)]).unwrap();
+        assert!(!last().contains("hairpin"), "{}", last());
+        // The last owner lets go of one and, in the same transaction, a new object takes it.
+        dp.sync(vec![(key("b"), Some(with_hairpin("b", &["10.244.0.1"]))), (key("c"), Some(with_hairpin("c", &["10.244.0.2"])))]).unwrap();
+        assert!(!last().contains("hairpin"), "{}", last());
+        dp.sync(vec![(key("b"), None), (key("c"), None)]).unwrap();
+        assert!(last().contains("delete element inet wasmplane hairpin { 10.244.0.1 . 10.244.0.1, 10.244.0.2 . 10.244.0.2 }"), "{}", last());
+        // A full sync counts afresh from what it wrote.
+        dp.full_sync(Some([(key("d"), with_hairpin("d", &["10.244.0.3"])), (key("e"), with_hairpin("e", &["10.244.0.3"]))].into())).unwrap();
+        dp.sync(vec![(key("d"), None)]).unwrap();
+        assert!(!last().contains("hairpin"), "{}", last());
+        dp.sync(vec![(key("e"), None)]).unwrap();
+        assert!(last().contains("delete element inet wasmplane hairpin { 10.244.0.3 . 10.244.0.3 }"), "{}", last());
     }
 
     #[test]

@@ -222,6 +222,9 @@ enum KeyShape {
     ProtocolPort,
     /// address (a set: elements carry no verdict)
     Address,
+    /// One endpoint address, stored as the pair `address . address` (source and destination
+    /// after DNAT: a pod that reached itself through a service).
+    Endpoint,
 }
 
 /// A named map (or set) of the host's table that guests add elements to.
@@ -231,18 +234,38 @@ struct HostMap {
     key: KeyShape,
     /// No-endpoint maps only hold reject/drop; the others only goto/jump a guest chain.
     terminal: bool,
+    /// Many objects may add the same element (see [`is_shared_set`]); else the first owns it.
+    shared: bool,
 }
 
 const SERVICE_MAPS: &[HostMap] = &[
-    HostMap { name: "service-ips", v6_name: Some("service-ips6"), key: KeyShape::AddressProtocolPort, terminal: false },
-    HostMap { name: "service-nodeports", v6_name: None, key: KeyShape::ProtocolPort, terminal: false },
-    HostMap { name: "no-endpoint-services", v6_name: Some("no-endpoint-services6"), key: KeyShape::AddressProtocolPort, terminal: true },
-    HostMap { name: "no-endpoint-nodeports", v6_name: None, key: KeyShape::ProtocolPort, terminal: true },
+    HostMap { name: "service-ips", v6_name: Some("service-ips6"), key: KeyShape::AddressProtocolPort, terminal: false, shared: false },
+    HostMap { name: "service-nodeports", v6_name: None, key: KeyShape::ProtocolPort, terminal: false, shared: false },
+    HostMap {
+        name: "no-endpoint-services",
+        v6_name: Some("no-endpoint-services6"),
+        key: KeyShape::AddressProtocolPort,
+        terminal: true,
+        shared: false,
+    },
+    HostMap { name: "no-endpoint-nodeports", v6_name: None, key: KeyShape::ProtocolPort, terminal: true, shared: false },
     // The service's cluster IPs (verdict `none`): new connections to one of them that no
     // service port DNATed are rejected (kube-proxy's `cluster-ips` set), instead of being
     // routed on towards wherever the service CIDR leads.
-    HostMap { name: "cluster-ips", v6_name: Some("cluster-ips6"), key: KeyShape::Address, terminal: false },
+    HostMap { name: "cluster-ips", v6_name: Some("cluster-ips6"), key: KeyShape::Address, terminal: false, shared: false },
+    // Endpoints of the service (verdict `none`): a connection DNATed from one of them to
+    // itself is masqueraded at postrouting, so the pod's reply comes back through the NAT
+    // (kube-proxy's hairpin rule, which sits in each endpoint chain there). A set instead
+    // of a rule per endpoint lets a service DNAT in its own chain, without a chain per
+    // endpoint: every commit walks every chain of the network namespace (see `Layout`).
+    HostMap { name: "hairpin", v6_name: Some("hairpin6"), key: KeyShape::Endpoint, terminal: false, shared: true },
 ];
+
+/// Host sets whose elements many objects may add (a pod behind several services is a
+/// hairpin endpoint of each): an element stays while any object wants it.
+pub fn is_shared_set(map: &str) -> bool {
+    SERVICE_MAPS.iter().any(|m| m.shared && (m.name == map || m.v6_name == Some(map)))
+}
 
 /// The chain prefix a service's objects must live under.
 pub fn service_prefix(key: &ObjectKey) -> String {
@@ -517,10 +540,14 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
                 let addr = v.address(a)?;
                 (by_family(&addr), addr.to_string())
             }
+            (KeyShape::Endpoint, [wit::KeyPart::Address(a)]) => {
+                let addr = v.address(a)?;
+                (by_family(&addr), format!("{addr} . {addr}"))
+            }
             _ => return v.fail(format!("map {:?}: key {:?} has the wrong shape", map.name, element.key)),
         };
         let verdict = match (&element.verdict, map.terminal, map.key) {
-            (wit::Verdict::None, false, KeyShape::Address) => String::new(),
+            (wit::Verdict::None, false, KeyShape::Address | KeyShape::Endpoint) => String::new(),
             (wit::Verdict::Reject, true, _) => "goto reject-chain".to_string(),
             (wit::Verdict::Drop, true, _) => "drop".to_string(),
             (wit::Verdict::Jump(_) | wit::Verdict::Goto(_), false, KeyShape::AddressProtocolPort | KeyShape::ProtocolPort) => v.verdict(&element.verdict)?,
@@ -609,9 +636,23 @@ const MAIN_SKELETON: TableSkeleton = {
             ("no-endpoint-services6", "ipv6_addr . inet_proto . inet_service"),
             ("no-endpoint-nodeports", "inet_proto . inet_service"),
         ],
-        sets: &[("cluster-ips", "ipv4_addr"), ("cluster-ips6", "ipv6_addr")],
+        sets: &[
+            ("cluster-ips", "ipv4_addr"),
+            ("cluster-ips6", "ipv6_addr"),
+            ("hairpin", "ipv4_addr . ipv4_addr"),
+            ("hairpin6", "ipv6_addr . ipv6_addr"),
+        ],
         chains: &[
-            ("nat-postrouting", "type nat hook postrouting priority srcnat; policy accept;", &["jump masquerading"]),
+            (
+                "nat-postrouting",
+                "type nat hook postrouting priority srcnat; policy accept;",
+                &[
+                    // After DNAT: an endpoint that reached itself through a service.
+                    "ct status dnat ip saddr . ip daddr @hairpin jump mark-for-masquerade",
+                    "ct status dnat ip6 saddr . ip6 daddr @hairpin6 jump mark-for-masquerade",
+                    "jump masquerading",
+                ],
+            ),
             // Before DNAT (priority dstnat-10), so destinations are still the service addresses.
             ("filter-input", "type filter hook input priority -110; policy accept;", &["ct state new jump endpoints-check"]),
             // Forwarded packets were DNATed at prerouting already: one still addressed to a
@@ -742,6 +783,20 @@ fn add_elements<'a>(out: &mut String, elements: impl Iterator<Item = (&'a (Strin
     }
 }
 
+/// Adds (`add`) or deletes elements of shared host sets (see [`is_shared_set`]), one
+/// statement per set. The caller counts owners: these are elements that gained their first
+/// or lost their last.
+pub fn shared_elements<'a>(out: &mut String, elements: impl Iterator<Item = &'a (String, String)>, add: bool) {
+    let mut by_set: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for (set, key) in elements {
+        by_set.entry(set).or_default().push(key);
+    }
+    let verb = if add { "add" } else { "delete" };
+    for (set, keys) in by_set {
+        writeln!(out, "{verb} element {} {set} {{ {} }}", Table::MAIN, keys.join(", ")).unwrap();
+    }
+}
+
 /// What of ours is in the kernel but no longer wanted (a full sync deletes it).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Stale {
@@ -781,9 +836,13 @@ pub fn full_transaction<'a>(objects: impl Iterator<Item = &'a ObjectRules> + Clo
     for rules in objects.clone() {
         fill_object(&mut out, rules, layout);
     }
+    let mut shared = BTreeSet::new();
     for rules in objects {
-        add_elements(&mut out, rules.elements.iter(), layout);
+        let (many, own): (Vec<_>, Vec<_>) = rules.elements.iter().partition(|((map, _), _)| is_shared_set(map));
+        add_elements(&mut out, own.into_iter(), layout);
+        shared.extend(many.into_iter().map(|(k, _)| k));
     }
+    shared_elements(&mut out, shared.iter().copied(), true);
     for (t, chain) in &stale.chains {
         writeln!(out, "delete chain {t} {chain}").unwrap();
     }
@@ -806,9 +865,16 @@ pub fn full_transaction<'a>(objects: impl Iterator<Item = &'a ObjectRules> + Clo
     out
 }
 
-/// The statements that turn `old` into `new` for one object (see [`objects_delta`]).
+/// The statements that turn `old` into `new` for one object (see [`objects_delta`]), as if
+/// it were the only owner of its elements of shared sets (a rendering of the object alone).
 pub fn object_delta(old: &ObjectRules, new: &ObjectRules, out: &mut String, layout: Layout) {
     objects_delta(&[(old, new)], out, layout);
+    fn shared(rules: &ObjectRules) -> BTreeSet<&(String, String)> {
+        rules.elements.keys().filter(|(map, _)| is_shared_set(map)).collect()
+    }
+    let (before, after) = (shared(old), shared(new));
+    shared_elements(out, before.difference(&after).copied(), false);
+    shared_elements(out, after.difference(&before).copied(), true);
 }
 
 /// What changes between an object's old and new rules.
@@ -852,12 +918,15 @@ impl<'a> ObjectChange<'a> {
 /// is written (`add`/`delete element`), and the chains using it are left alone. Only a set
 /// whose declaration changed (or that went away) is deleted, after flushing the object's
 /// chains (their rules may reference it).
+///
+/// Elements of shared host sets are left out: whether one goes depends on the other objects,
+/// so the caller, who counts their owners, writes them ([`shared_elements`]).
 pub fn objects_delta(pairs: &[(&ObjectRules, &ObjectRules)], out: &mut String, layout: Layout) {
     let t = |name: &str| layout.table_of(name);
     let changes: Vec<ObjectChange> = pairs.iter().map(|(old, new)| ObjectChange::new(old, new)).collect();
     for c in &changes {
         for (k @ (map, key), verdict) in &c.old.elements {
-            if c.new.elements.get(k) != Some(verdict) {
+            if c.new.elements.get(k) != Some(verdict) && !is_shared_set(map) {
                 writeln!(out, "delete element {} {map} {{ {key} }}", layout.element_table(map, verdict)).unwrap();
             }
         }
@@ -913,7 +982,7 @@ pub fn objects_delta(pairs: &[(&ObjectRules, &ObjectRules)], out: &mut String, l
         }
     }
     for c in &changes {
-        add_elements(out, c.new.elements.iter().filter(|(k, v)| c.old.elements.get(*k) != Some(*v)), layout);
+        add_elements(out, c.new.elements.iter().filter(|(k, v)| c.old.elements.get(*k) != Some(*v) && !is_shared_set(&k.0)), layout);
     }
 }
 

@@ -95,9 +95,10 @@ async fn builtin_translator_renders_cluster_ip_services() {
     let t = TestHost::start().await;
     let dp = t.dataplane().await;
     // kube-proxy shape: elements in the service map jump to a per-port chain that picks
-    // among endpoints with numgen, one endpoint chain per backend doing the DNAT.
+    // among endpoints with numgen and DNATs; endpoints are in the host's hairpin set.
     assert!(dp.contains("add element inet wasmplane-s0 service-ips { 10.96.0.20 . tcp . 80 : goto svc/shop/web/tcp/http }"), "{dp}");
-    assert!(dp.contains("numgen random mod 2 == 0 goto svc/shop/web/tcp/http/ep/10.244.0.11/8080"), "{dp}");
+    assert!(dp.contains("add rule inet wasmplane-s0 svc/shop/web/tcp/http numgen random mod 2 == 0 meta l4proto tcp dnat ip to 10.244.0.11:8080"), "{dp}");
+    assert!(dp.lines().any(|l| l.starts_with("add element inet wasmplane hairpin {") && l.contains("10.244.1.11 . 10.244.1.11")), "{dp}");
     assert!(dp.contains("dnat ip to 10.244.1.11:8080"), "{dp}");
     assert!(dp.contains("ip daddr 10.96.0.20 meta l4proto tcp th dport 80 ip saddr != 10.244.0.0/16 jump mark-for-masquerade"), "{dp}");
     let (_, state) = t.get_json("/v1/state").await;

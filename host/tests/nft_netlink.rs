@@ -53,6 +53,7 @@ fn service_a(endpoints: &[&str]) -> ObjectRules {
             ],
         );
         rules.sets.insert(format!("svc/ns/a/ep/{ip}/affinity"), SetRules { declaration: AFFINITY.into(), elements: BTreeSet::new(), expires: true });
+        rules.elements.insert(("hairpin".into(), format!("{ip} . {ip}")), String::new());
     }
     rules.elements.insert(("service-ips".into(), "10.96.0.1 . tcp . 80".into()), "goto svc/ns/a".into());
     rules.elements.insert(("service-nodeports".into(), "tcp . 30080".into()), "goto svc/ns/a".into());
@@ -114,6 +115,13 @@ fn delta(old: &State, new: &State) -> String {
     let pairs: Vec<(&ObjectRules, &ObjectRules)> = keys.into_iter().map(|k| (old.get(*k).unwrap_or(&empty), new.get(*k).unwrap_or(&empty))).collect();
     let mut out = String::new();
     nft::objects_delta(&pairs, &mut out, LAYOUT);
+    // Shared-set elements, as the writer counts them: those no object had or has any more.
+    let shared = |state: &State| -> BTreeSet<(String, String)> {
+        state.values().flat_map(|r| r.elements.keys()).filter(|(set, _)| nft::is_shared_set(set)).cloned().collect()
+    };
+    let (before, after) = (shared(old), shared(new));
+    nft::shared_elements(&mut out, before.difference(&after), false);
+    nft::shared_elements(&mut out, after.difference(&before), true);
     out
 }
 
@@ -187,6 +195,7 @@ fn netlink_batches_leave_the_table_nft_would() {
     assert!(table.contains("numgen random mod 1 0 goto svc/ns/a/ep/10.244.1.6"), "{table}");
     assert!(table.contains("10.96.0.1 . tcp . 80 : goto svc/ns/a"), "{table}");
     assert!(table.contains("elements = { 10.244.0.7, 10.244.0.11 }"), "{table}");
+    assert!(table.contains("elements = { 10.244.1.6 . 10.244.1.6 }"), "hairpin pairs added and deleted: {table}");
 
     // An interval set (not encoded: nft computes interval elements): the transaction goes through nft.
     let mut changed = current.clone();

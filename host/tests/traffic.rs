@@ -280,7 +280,7 @@ async fn session_affinity_client_ip_sticks() {
     host.controller.lock().unwrap().reconcile().unwrap();
     sticky.endpoints.push(ready(POD_D, NODE));
     cluster.put(&sticky);
-    wait_applied(&host, "the fourth endpoint", |t| t.contains(&format!("ep/{POD_D}/8080")));
+    wait_applied(&host, "the fourth endpoint", |t| t.contains(&format!("dnat ip to {POD_D}:8080")));
     assert_eq!(one("client 1, TCP, after reconcile and scale-up", tcp_many(&client, addr("10.96.0.30", 80), 30)), tcp1);
     assert_eq!(one("client 1, UDP, after reconcile and scale-up", udp_many(&client, addr("10.96.0.30", 80), 30)), udp1);
 
@@ -336,7 +336,7 @@ async fn a_service_without_endpoints_rejects_fast() {
 
     empty.endpoints = vec![ready(POD_A, NODE)];
     cluster.put(&empty);
-    wait_applied(&host, "an endpoint", |t| t.contains(&format!("ep/{POD_A}/8080")));
+    wait_applied(&host, "an endpoint", |t| t.contains(&format!("dnat ip to {POD_A}:8080")));
     assert_backends("TCP once an endpoint is ready", &tcp_many(&client, addr("10.96.0.40", 80), 5), &["a"]);
     assert_backends("UDP once an endpoint is ready", &udp_many(&client, addr("10.96.0.40", 80), 5), &["a"]);
     assert_backends("node port once an endpoint is ready", &tcp_many(&topo.external.name, addr(NODE_EXTERNAL_IP, 30040), 5), &["a"]);
@@ -392,12 +392,12 @@ async fn scaling_moves_new_traffic_and_keeps_established_connections() {
 
     scaled.endpoints.push(ready("10.244.0.15", NODE));
     cluster.put(&scaled);
-    wait_applied(&host, "scale-up", |t| t.contains("ep/10.244.0.15/8080"));
+    wait_applied(&host, "scale-up", |t| t.contains("dnat ip to 10.244.0.15:8080"));
     assert_backends("after scale-up", &tcp_many(&client, addr("10.96.0.50", 80), MANY), &["a", "b", "e"]);
 
     scaled.endpoints = vec![ready(POD_A, NODE)];
     cluster.put(&scaled);
-    wait_applied(&host, "scale-down", |t| !t.contains(&format!("ep/{POD_B}/8080")) && !t.contains("ep/10.244.0.15/8080"));
+    wait_applied(&host, "scale-down", |t| !t.contains(&format!("dnat ip to {POD_B}:8080")) && !t.contains("dnat ip to 10.244.0.15:8080"));
     assert_backends("after scale-down", &tcp_many(&client, addr("10.96.0.50", 80), 30), &["a"]);
 
     // Nothing established was dropped: the untouched service's connection, and (like
@@ -448,20 +448,35 @@ async fn hairpin_traffic_is_masqueraded() {
     require_root!();
     let mut topo = Topology::new("hair");
     let pod_a = topo.add_pod(POD_A);
-    let _server = Server::start(&pod_a, "a", &[8080]);
+    let pod_b = topo.add_pod(POD_B);
+    let _server_a = Server::start(&pod_a, "a", &[8080]);
+    let _server_b = Server::start(&pod_b, "b", &[8080]);
     let cluster = Cluster::new();
-    cluster.put(&Svc::new("self", "10.96.0.70", vec![Port::new("http", "TCP", 80, 8080), Port::new("dns", "UDP", 80, 8080)], vec![ready(POD_A, NODE)]));
+    let ports = || vec![Port::new("http", "TCP", 80, 8080), Port::new("dns", "UDP", 80, 8080)];
+    cluster.put(&Svc::new("self", "10.96.0.70", ports(), vec![ready(POD_A, NODE), ready(POD_B, NODE)]));
+    // A second service in front of pod a: the hairpin pair is shared, and stays when one
+    // service stops naming it.
+    cluster.put(&Svc::new("also", "10.96.0.71", ports(), vec![ready(POD_A, NODE)]));
     let host = start_host(cluster.config(topo.nft_command())).await;
-    wait_applied(&host, "the service", |t| t.contains("svc/default/self/udp/dns"));
+    wait_applied(&host, "the services", |t| t.contains("svc/default/self/udp/dns") && t.contains("svc/default/also/udp/dns"));
 
     // The pod reaches its own service and lands on itself. Without masquerade its reply
     // would go straight back over loopback, un-NATed, and the connection would never open.
-    let replies = tcp_many(&pod_a, addr("10.96.0.70", 80), 10);
-    assert_backends("hairpin TCP", &replies, &["a"]);
-    assert_all("hairpin TCP", &replies, |r| r.peer == ip(POD_GATEWAY));
-    let replies = udp_many(&pod_a, addr("10.96.0.70", 80), 10);
-    assert_backends("hairpin UDP", &replies, &["a"]);
-    assert_all("hairpin UDP", &replies, |r| r.peer == ip(POD_GATEWAY));
+    // Landing on the other pod, it keeps its own address (only hairpin is masqueraded).
+    let check = |what: &str, replies: &[std::io::Result<Reply>]| {
+        assert_backends(what, replies, &["a", "b"]);
+        assert_all(what, replies, |r| r.peer == ip(if r.identity == "a" { POD_GATEWAY } else { POD_A }));
+    };
+    check("hairpin TCP", &tcp_many(&pod_a, addr("10.96.0.70", 80), 24));
+    check("hairpin UDP", &udp_many(&pod_a, addr("10.96.0.70", 80), 24));
+
+    cluster.remove("self");
+    wait_applied(&host, "deletion", |t| !t.contains("svc/default/self"));
+    let replies = tcp_many(&pod_a, addr("10.96.0.71", 80), 5);
+    assert_backends("hairpin through the other service", &replies, &["a"]);
+    assert_all("hairpin through the other service", &replies, |r| r.peer == ip(POD_GATEWAY));
+    let table = topo.table();
+    assert!(!table.contains("10.244.0.12 . 10.244.0.12") && table.contains("10.244.0.11 . 10.244.0.11"), "{table}");
     host.stop().await;
 }
 
@@ -654,7 +669,7 @@ async fn a_udp_flow_to_a_removed_endpoint_moves_to_a_live_one() {
     let removed = if first == "a" { POD_A } else { POD_B };
     dns.endpoints.retain(|e| e.ip != removed);
     cluster.put(&dns);
-    wait_applied(&host, "the endpoint removed", |t| !t.contains(&format!("ep/{removed}/8080")));
+    wait_applied(&host, "the endpoint removed", |t| !t.contains(&format!("dnat ip to {removed}:8080")));
     assert_ne!(ask(), first, "the flow still reaches the removed endpoint");
     host.stop().await;
 }

@@ -4,15 +4,20 @@
 //! Shape (per service port):
 //! - `service-ips` / `service-nodeports` map elements jump to the port's *service chain*
 //!   (cluster traffic) or *external chain* (NodePort, externalIPs, LoadBalancer IPs);
-//! - the service chain marks off-cluster sources for masquerade, honours session affinity,
-//!   then picks an endpoint with a cascade of `numgen` rules (no anonymous vmap per
-//!   service: those load quadratically);
-//! - one *endpoint chain* per endpoint masquerades hairpin traffic and DNATs.
+//! - the service chain marks off-cluster sources for masquerade, then picks an endpoint with
+//!   a cascade of `numgen` rules that DNAT (no anonymous vmap per service: those load
+//!   quadratically);
+//! - with session affinity, one *endpoint chain* per endpoint remembers the client and
+//!   DNATs; the service chain first sends remembered clients to theirs;
+//! - endpoints go into the host's `hairpin` set: a pod that reaches itself through the
+//!   service is masqueraded at postrouting. kube-proxy does this in an endpoint chain per
+//!   endpoint; without them a service costs one chain instead of 1 + endpoints, and every
+//!   kernel commit walks every chain of the node.
 //!
 //! Services without usable endpoints get `no-endpoint-*` elements that reject. Cluster IPs go
 //! into the host's `cluster-ips` set: other ports of them are rejected.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use wasmplane_sdk::builders::{port_map_element, protocol_name, service_map_element};
 use wasmplane_sdk::types::*;
@@ -124,13 +129,15 @@ fn address_id(address: &str) -> String {
     address.replace(':', "-")
 }
 
-/// Emits `endpoint chains` and the cascade that picks one of `backends` into `chain`.
+/// Emits the rules that pick one of a port's backends, the endpoint chains session affinity
+/// needs, and collects the backends as hairpin endpoints.
 struct PortRules<'a> {
     prefix: String,
     affinity: Option<u32>,
     protocol: Protocol,
     ruleset: &'a mut Ruleset,
     endpoint_chains: BTreeMap<String, String>,
+    hairpin: &'a mut BTreeSet<String>,
 }
 
 impl PortRules<'_> {
@@ -140,10 +147,7 @@ impl PortRules<'_> {
             return name.clone();
         }
         let name = format!("{}/ep/{}/{}", self.prefix, address_id(&backend.address), backend.port);
-        let mut rules = vec![
-            // Hairpin: a pod reaching itself through the service must see the node as source.
-            RuleBuilder::new().source(&backend.address).masquerade(),
-        ];
+        let mut rules = Vec::new();
         if let Some(timeout) = self.affinity {
             let set = format!("{name}/affinity");
             self.ruleset.sets.push(SetDeclaration {
@@ -164,22 +168,26 @@ impl PortRules<'_> {
         name
     }
 
-    /// Affinity lookups first, then a uniform pick: rule i matches with probability
-    /// 1/(n-i) among what is left, the last one always.
+    /// A uniform pick: rule i matches with probability 1/(n-i) among what is left, the last
+    /// one always. Each DNATs, or, with session affinity, goes to the endpoint's chain after
+    /// lookups that send a remembered client to its endpoint.
     fn pick_rules(&mut self, backends: &[Backend]) -> Vec<Rule> {
+        self.hairpin.extend(backends.iter().map(|b| b.address.clone()));
+        let n = backends.len() as u32;
+        let draw = |i: usize| {
+            let left = n - i as u32;
+            if left > 1 { RuleBuilder::new().random(left, 0) } else { RuleBuilder::new() }
+        };
+        if self.affinity.is_none() {
+            let protocol = self.protocol;
+            return backends.iter().enumerate().map(|(i, b)| draw(i).protocol(protocol).dnat(&b.address, b.port).build()).collect();
+        }
         let chains: Vec<String> = backends.iter().map(|b| self.endpoint_chain(b)).collect();
         let mut rules = Vec::with_capacity(chains.len() * 2);
-        if self.affinity.is_some() {
-            for chain in &chains {
-                rules.push(RuleBuilder::new().source_in_set(&format!("{chain}/affinity")).goto(chain));
-            }
+        for chain in &chains {
+            rules.push(RuleBuilder::new().source_in_set(&format!("{chain}/affinity")).goto(chain));
         }
-        let n = chains.len() as u32;
-        for (i, chain) in chains.iter().enumerate() {
-            let left = n - i as u32;
-            let rule = if left > 1 { RuleBuilder::new().random(left, 0).goto(chain) } else { RuleBuilder::new().goto(chain) };
-            rules.push(rule);
-        }
+        rules.extend(chains.iter().enumerate().map(|(i, chain)| draw(i).goto(chain)));
         rules
     }
 }
@@ -207,9 +215,14 @@ pub fn translate(
         }
     }
     let primary_family = cluster_ips[0].as_str();
+    let mut hairpin = BTreeSet::new();
     for port in &service.ports {
-        translate_port(node, chain_prefix, service, port, slices, primary_family, &cluster_ips, &mut ruleset);
+        translate_port(node, chain_prefix, service, port, slices, primary_family, &cluster_ips, &mut ruleset, &mut hairpin);
     }
+    // Many services may name the same endpoint here: the host keeps it while one does.
+    ruleset.map_elements.extend(
+        hairpin.into_iter().map(|address| MapElement { map_name: "hairpin".into(), key: vec![KeyPart::Address(address)], verdict: Verdict::None }),
+    );
     if !service.ports.is_empty() {
         // The host rejects new connections to these addresses on ports no service port
         // handles (kube-proxy's `cluster-ips` set), so they fail at once instead of being
@@ -235,6 +248,7 @@ fn translate_port(
     family_of: &str,
     cluster_ips: &[&String],
     ruleset: &mut Ruleset,
+    hairpin: &mut BTreeSet<String>,
 ) {
     let endpoints = categorize(port, slices, family_of);
     let prefix = format!("{chain_prefix}/{}", port_id(port));
@@ -255,6 +269,7 @@ fn translate_port(
         protocol: port.protocol,
         ruleset,
         endpoint_chains: BTreeMap::new(),
+        hairpin,
     };
     let cluster_cidrs: Vec<&String> = node.cluster_cidrs.iter().filter(|c| same_family(c, family_of)).collect();
 

@@ -48,15 +48,38 @@ fn cluster_ip_picks_uniformly_among_ready_endpoints() {
     let eps = slice(vec![endpoint("10.244.0.11", true, false, true), endpoint("10.244.1.11", true, false, false), endpoint("10.244.1.12", false, false, false)]);
     let r = translate(&ctx(), "svc/shop/web", &service(), &[eps]).unwrap();
     assert_eq!(dnat_targets(&r), vec!["10.244.0.11:8080", "10.244.1.11:8080"]);
-    let svc_chain = r.chains.iter().find(|c| c.name == "svc/shop/web/tcp/http").unwrap();
-    // Masquerade off-cluster sources, then 1/2 and the rest.
+    // One chain: no chain per endpoint (every kernel commit walks every chain).
+    assert_eq!(r.chains.len(), 1, "{:?}", r.chains);
+    let svc_chain = &r.chains[0];
+    assert_eq!(svc_chain.name, "svc/shop/web/tcp/http");
+    // Masquerade off-cluster sources, then 1/2 and the rest, each DNATing itself.
     assert!(matches!(svc_chain.rules[0].verdict, Verdict::Masquerade));
-    assert_eq!(svc_chain.rules[1].matches, vec![RuleMatch::Random((2, 0))]);
-    assert!(svc_chain.rules[2].matches.is_empty());
-    assert_eq!(r.map_elements.len(), 2);
+    assert_eq!(svc_chain.rules[1].matches, vec![RuleMatch::Random((2, 0)), RuleMatch::Protocol(Protocol::Tcp)]);
+    assert_eq!(svc_chain.rules[2].matches, vec![RuleMatch::Protocol(Protocol::Tcp)]);
+    assert!(svc_chain.rules[1..].iter().all(|rule| rule.verdict == Verdict::None && matches!(rule.statements[..], [RuleStatement::Dnat(_)])));
+    assert_eq!(r.map_elements.len(), 4);
     assert_eq!(r.map_elements[0].map_name, "service-ips");
     // The cluster IP itself, for the host's reject of ports the service does not define.
-    assert_eq!(r.map_elements[1], MapElement { map_name: "cluster-ips".into(), key: vec![KeyPart::Address("10.96.0.20".into())], verdict: Verdict::None });
+    let cluster_ip = MapElement { map_name: "cluster-ips".into(), key: vec![KeyPart::Address("10.96.0.20".into())], verdict: Verdict::None };
+    assert!(r.map_elements.contains(&cluster_ip), "{:?}", r.map_elements);
+    // Each endpoint once, for the host's hairpin masquerade.
+    let hairpin: Vec<&MapElement> = r.map_elements.iter().filter(|e| e.map_name == "hairpin").collect();
+    assert!(hairpin.iter().all(|e| e.verdict == Verdict::None), "{hairpin:?}");
+    assert_eq!(hairpin.iter().map(|e| e.key.clone()).collect::<Vec<_>>(), vec![
+        vec![KeyPart::Address("10.244.0.11".into())],
+        vec![KeyPart::Address("10.244.1.11".into())],
+    ]);
+}
+
+#[test]
+fn an_endpoint_behind_several_ports_is_one_hairpin_element() {
+    let mut svc = service();
+    svc.ports.push(ServicePort { name: "admin".into(), protocol: Protocol::Udp, port: 81, node_port: 0, target_port: TargetPort::Number(9090) });
+    let mut eps = slice(vec![endpoint("10.244.0.11", true, false, true)]);
+    eps.ports.push(EndpointPort { name: "admin".into(), protocol: Protocol::Udp, port: 9090 });
+    let r = translate(&ctx(), "svc/shop/web", &svc, &[eps]).unwrap();
+    assert_eq!(dnat_targets(&r), vec!["10.244.0.11:8080", "10.244.0.11:9090"]);
+    assert_eq!(r.map_elements.iter().filter(|e| e.map_name == "hairpin").count(), 1, "{:?}", r.map_elements);
 }
 
 #[test]
@@ -84,6 +107,11 @@ fn session_affinity_declares_sets_and_checks_them_first() {
     assert!(r.sets.iter().all(|s| s.timeout_seconds == Some(10800) && s.name.starts_with("svc/shop/web/")));
     let svc_chain = r.chains.iter().find(|c| c.name == "svc/shop/web/tcp/http").unwrap();
     assert!(matches!(svc_chain.rules[1].matches[0], RuleMatch::SourceInSet(_)));
+    // Remembering the client and DNATing happen only once an endpoint is picked: in its chain.
+    let endpoint_chain = r.chains.iter().find(|c| c.name == "svc/shop/web/tcp/http/ep/10.244.0.11/8080").unwrap();
+    assert!(matches!(endpoint_chain.rules[0].statements[..], [RuleStatement::AddSourceToSet(_)]));
+    assert!(matches!(endpoint_chain.rules[1].statements[..], [RuleStatement::Dnat(_)]));
+    assert_eq!(r.map_elements.iter().filter(|e| e.map_name == "hairpin").count(), 2);
 }
 
 #[test]

@@ -347,3 +347,50 @@ fn a_full_transaction_declares_every_shard_and_deletes_stale_tables_last() {
     assert!(!text.contains("add chain inet wasmplane nat-prerouting"), "the main table has no service NAT chains");
     assert!(text.ends_with("delete chain inet wasmplane-s1 svc/a/b\ndelete table inet wasmplane-s5\n"), "{text}");
 }
+
+fn hairpin(ip: &str) -> MapElement {
+    MapElement { map_name: "hairpin".into(), key: vec![KeyPart::Address(ip.into())], verdict: Verdict::None }
+}
+
+#[test]
+fn hairpin_endpoints_are_address_pairs_of_their_family_written_once_however_many_services_name_them() {
+    let web = validate_service_output(&key(), &ruleset(vec![], vec![hairpin("10.244.0.11"), hairpin("fd00::11")])).unwrap();
+    let both = |ip: &str| format!("{ip} . {ip}");
+    assert_eq!(web.elements.get(&("hairpin".to_string(), both("10.244.0.11"))).map(String::as_str), Some(""));
+    assert_eq!(web.elements.get(&("hairpin6".to_string(), both("fd00::11"))).map(String::as_str), Some(""));
+    for (bad, why) in [
+        (MapElement { verdict: Verdict::Accept, ..hairpin("10.244.0.11") }, "cannot hold verdict"),
+        (MapElement { key: vec![KeyPart::Address("10.244.0.0/24".into())], ..hairpin("") }, "not an IP address"),
+        (element("hairpin", "10.244.0.11", Verdict::None), "wrong shape"),
+    ] {
+        let err = validate_service_output(&key(), &ruleset(vec![], vec![bad])).unwrap_err();
+        assert!(err.reason.contains(why), "{err}");
+    }
+    assert!(is_shared_set("hairpin") && is_shared_set("hairpin6") && !is_shared_set("cluster-ips") && !is_shared_set("service-ips"));
+
+    // Another service with the same pod behind it: the full transaction adds the pair once.
+    let api = validate_service_output(&ObjectKey::new("shop", "api"), &ruleset(vec![], vec![hairpin("10.244.0.11"), hairpin("10.244.0.12")])).unwrap();
+    let text = full_transaction([&web, &api].into_iter(), &Stale::default(), Layout::default());
+    assert!(text.contains("add element inet wasmplane hairpin { 10.244.0.11 . 10.244.0.11, 10.244.0.12 . 10.244.0.12 }\n"), "{text}");
+    assert_eq!(text.matches("10.244.0.11 . 10.244.0.11").count(), 1, "{text}");
+    // The set is declared, emptied with the table and consulted after DNAT at postrouting.
+    for line in [
+        "add set inet wasmplane hairpin { type ipv4_addr . ipv4_addr; }",
+        "add set inet wasmplane hairpin6 { type ipv6_addr . ipv6_addr; }",
+        "flush set inet wasmplane hairpin\n",
+        "add rule inet wasmplane nat-postrouting ct status dnat ip saddr . ip daddr @hairpin jump mark-for-masquerade",
+    ] {
+        assert!(text.contains(line), "{line} missing:\n{text}");
+    }
+    let pos = |s: &str| text.find(s).unwrap();
+    assert!(pos("nat-postrouting ct status dnat ip6 saddr") < pos("nat-postrouting jump masquerading"), "marked before masquerading");
+
+    // Rendered alone (replay), an object adds and deletes its pairs itself.
+    let mut alone = String::new();
+    object_delta(&api, &ObjectRules::default(), &mut alone, Layout::default());
+    assert!(alone.contains("delete element inet wasmplane hairpin { 10.244.0.11 . 10.244.0.11, 10.244.0.12 . 10.244.0.12 }\n"), "{alone}");
+    // Among other objects, their owners decide (the writer counts them).
+    let mut among = String::new();
+    objects_delta(&[(&api, &ObjectRules::default())], &mut among, Layout::default());
+    assert!(!among.contains("hairpin"), "{among}");
+}
