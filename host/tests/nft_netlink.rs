@@ -148,6 +148,10 @@ fn netlink_batches_leave_the_table_nft_would() {
     netlink.apply(&full).unwrap();
     assert_eq!(netlink.text_transactions, 1, "a full transaction goes through nft -f");
     assert_eq!(listing(&text_ns), listing(&netlink_ns));
+    // Settling after a full transaction commits and changes nothing.
+    netlink.settle().expect("settling batch");
+    assert_eq!(listing(&text_ns), listing(&netlink_ns));
+    assert_eq!((netlink.text_transactions, netlink.netlink_transactions), (1, 0), "settling is not a transaction of ours");
 
     let mut steps: Vec<(&str, State)> = Vec::new();
     let mut next = state.clone();
