@@ -481,6 +481,37 @@ async fn hairpin_traffic_is_masqueraded() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ipv6_cluster_ip_reaches_every_backend_and_masquerades_only_hairpin() {
+    require_root!();
+    let mut topo = Topology::new("six");
+    topo.enable_ipv6();
+    let (a6, b6) = ("fd00:10:244::11", "fd00:10:244::12");
+    let pod_a = topo.add_dual_stack_pod(POD_A, a6);
+    let pod_b = topo.add_dual_stack_pod(POD_B, b6);
+    let _server_a = Server::start_dual_stack(&pod_a, "a", &[8080]);
+    let _server_b = Server::start_dual_stack(&pod_b, "b", &[8080]);
+    let cluster = Cluster::new();
+    let ports = vec![Port::new("http", "TCP", 80, 8080), Port::new("dns", "UDP", 80, 8080)];
+    cluster.put(&Svc::new("six", "fd00:96::70", ports, vec![ready(a6, NODE), ready(b6, NODE)]));
+    let host = start_host(cluster.config(topo.nft_command())).await;
+    wait_applied(&host, "the service", |t| t.contains("svc/default/six/udp/dns"));
+    let table = topo.table();
+    assert!(table.contains(&format!("{a6} . {a6}")) && table.contains("ct status dnat ip6 saddr . ip6 daddr @hairpin6"), "{table}");
+
+    // From pod a: landing on itself it sees the node's gateway address (hairpin), landing on
+    // b it keeps its own; the same from pod b the other way round.
+    for (client, me, own_address) in [(&pod_a, "a", a6), (&pod_b, "b", b6)] {
+        let check = |what: &str, replies: &[std::io::Result<Reply>]| {
+            assert_backends(what, replies, &["a", "b"]);
+            assert_all(what, replies, |r| r.peer == ip(if r.identity == me { POD_GATEWAY6 } else { own_address }));
+        };
+        check(&format!("IPv6 TCP from {me}"), &tcp_many(client, addr("fd00:96::70", 80), 24));
+        check(&format!("IPv6 UDP from {me}"), &udp_many(client, addr("fd00:96::70", 80), 24));
+    }
+    host.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn periodic_reconcile_repairs_hand_made_damage() {
     require_root!();
     let mut topo = Topology::new("drift");

@@ -110,8 +110,9 @@ impl Svc {
         format!(
             "apiVersion: v1\nkind: Service\nmetadata: {{ name: {name}, namespace: default }}\nspec:\n{spec}  ports:\n{ports}\n{status}---\n\
              apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}-abcde\n  namespace: default\n  labels: {{ kubernetes.io/service-name: {name} }}\n\
-             addressType: IPv4\nports:\n{slice_ports}\n{endpoints}\n",
+             addressType: {family}\nports:\n{slice_ports}\n{endpoints}\n",
             name = self.name,
+            family = if self.cluster_ip.contains(':') { "IPv6" } else { "IPv4" },
             ports = ports.join("\n"),
             slice_ports = slice_ports.join("\n"),
         )

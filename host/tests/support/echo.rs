@@ -64,12 +64,21 @@ pub struct Server {
 
 impl Server {
     pub fn start(ns: &str, identity: &str, ports: &[u16]) -> Server {
+        Self::start_on(ns, identity, ports, "0.0.0.0")
+    }
+
+    /// Listening on `::`: IPv6 clients (and IPv4 ones, seen as `::ffff:a.b.c.d`).
+    pub fn start_dual_stack(ns: &str, identity: &str, ports: &[u16]) -> Server {
+        Self::start_on(ns, identity, ports, "::")
+    }
+
+    fn start_on(ns: &str, identity: &str, ports: &[u16], address: &str) -> Server {
         let sockets: Vec<(u16, TcpListener, UdpSocket)> = in_ns(ns, || {
             ports
                 .iter()
                 .map(|&p| {
-                    let tcp = TcpListener::bind(("0.0.0.0", p)).unwrap_or_else(|e| panic!("tcp bind {p}: {e}"));
-                    let udp = UdpSocket::bind(("0.0.0.0", p)).unwrap_or_else(|e| panic!("udp bind {p}: {e}"));
+                    let tcp = TcpListener::bind((address, p)).unwrap_or_else(|e| panic!("tcp bind {p}: {e}"));
+                    let udp = UdpSocket::bind((address, p)).unwrap_or_else(|e| panic!("udp bind {p}: {e}"));
                     (p, tcp, udp)
                 })
                 .collect()
@@ -177,7 +186,7 @@ pub fn tcp_ask(to: SocketAddr, timeout: Duration) -> std::io::Result<Reply> {
 
 /// One UDP exchange from a fresh socket (a new flow each time): who answers?
 pub fn udp_ask(to: SocketAddr, timeout: Duration) -> std::io::Result<Reply> {
-    let socket = UdpSocket::bind("0.0.0.0:0")?;
+    let socket = UdpSocket::bind(if to.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" })?;
     socket.connect(to)?;
     socket.set_read_timeout(Some(timeout))?;
     socket.send(b"who")?;

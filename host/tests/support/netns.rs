@@ -96,6 +96,8 @@ pub fn unique_prefix(tag: &str) -> String {
 
 /// The address every pod's default gateway answers on (one /32 on each node-side veth).
 pub const POD_GATEWAY: &str = "169.254.1.1";
+/// The same for IPv6 (see [`Topology::add_dual_stack_pod`]).
+pub const POD_GATEWAY6: &str = "fd00:ffff::1";
 /// The node's address on the "external" network, and the external client's.
 pub const NODE_EXTERNAL_IP: &str = "192.168.77.1";
 pub const EXTERNAL_CLIENT_IP: &str = "192.168.77.2";
@@ -136,6 +138,31 @@ impl Topology {
         external.exec(&["ip", "link", "set", "eth0", "up"]);
         external.exec(&["ip", "route", "add", "default", "via", NODE_EXTERNAL_IP]);
         Topology { prefix, pods: Vec::new(), external, node }
+    }
+
+    /// IPv6 forwarding in the node, without duplicate address detection (addresses are
+    /// usable at once), and the IPv6 service CIDR routed like the IPv4 one. Before pods.
+    pub fn enable_ipv6(&self) {
+        for ns in [&self.node, &self.external] {
+            ns.sysctl("net.ipv6.conf.all.accept_dad", "0");
+            ns.sysctl("net.ipv6.conf.default.accept_dad", "0");
+        }
+        self.node.sysctl("net.ipv6.conf.all.forwarding", "1");
+        self.node.exec(&["ip", "-6", "route", "add", "fd00:96::/108", "dev", "svc0"]);
+    }
+
+    /// A pod with an IPv6 address `ip6` besides `ip`, its IPv6 default route through
+    /// [`POD_GATEWAY6`] on the node's veth (the address masquerade gives hairpin flows).
+    pub fn add_dual_stack_pod(&mut self, ip: &str, ip6: &str) -> String {
+        let name = self.add_pod(ip);
+        let veth = format!("vp{}", self.pods.len() - 1);
+        self.node.exec(&["ip", "-6", "addr", "add", &format!("{POD_GATEWAY6}/128"), "dev", &veth, "nodad"]);
+        self.node.exec(&["ip", "-6", "route", "add", &format!("{ip6}/128"), "dev", &veth]);
+        let pod = self.pods.last().unwrap();
+        pod.exec(&["ip", "-6", "addr", "add", &format!("{ip6}/128"), "dev", "eth0", "nodad"]);
+        pod.exec(&["ip", "-6", "route", "add", POD_GATEWAY6, "dev", "eth0"]);
+        pod.exec(&["ip", "-6", "route", "add", "default", "via", POD_GATEWAY6, "dev", "eth0"]);
+        name
     }
 
     /// A pod namespace with address `ip` (10.244.x.y), wired to the node. Returns its name.
