@@ -197,8 +197,10 @@ fn set_elements_change_as_element_deltas() {
     assert!(text.contains("add set inet wasmplane-s0 svc/shop/web/peers { type ipv4_addr; flags dynamic,timeout; timeout 30s; elements = { 10.244.0.1 }; }"), "{text}");
 }
 
-/// A UDP service like the default translator makes it: cluster IP and node port, one chain
-/// per endpoint, the pick cascade in the service chain, the external chain going to it.
+/// A UDP service in kube-proxy's shape (the default translator's with session affinity, or
+/// an uploaded one): cluster IP and node port, one chain per endpoint, the pick cascade in
+/// the service chain, the external chain going to it. Without endpoint chains (the default
+/// translator's DNAT in the service chain) the traffic test of the cleanup covers it.
 fn udp_service(protocol: Protocol, endpoints: &[&str]) -> ObjectRules {
     let p = match protocol {
         Protocol::Tcp => "tcp",
