@@ -200,7 +200,7 @@ fn set_elements_change_as_element_deltas() {
 /// A UDP service in kube-proxy's shape (the default translator's with session affinity, or
 /// an uploaded one): cluster IP and node port, one chain per endpoint, the pick cascade in
 /// the service chain, the external chain going to it. Without endpoint chains (the default
-/// translator's DNAT in the service chain) the traffic test of the cleanup covers it.
+/// translator's DNAT in the service chain): the test after this one.
 fn udp_service(protocol: Protocol, endpoints: &[&str]) -> ObjectRules {
     let p = match protocol {
         Protocol::Tcp => "tcp",
@@ -395,4 +395,34 @@ fn hairpin_endpoints_are_address_pairs_of_their_family_written_once_however_many
     let mut among = String::new();
     objects_delta(&[(&api, &ObjectRules::default())], &mut among, Layout::default());
     assert!(!among.contains("hairpin"), "{among}");
+}
+
+#[test]
+fn conntrack_cleanup_finds_dnat_targets_in_the_service_chain_itself() {
+    // The default translator's shape: the service chain DNATs, no endpoint chains.
+    let service = |endpoints: &[&str]| {
+        let n = endpoints.len() as u32;
+        let rules = endpoints
+            .iter()
+            .enumerate()
+            .map(|(i, ep)| Rule {
+                matches: if n - (i as u32) > 1 { vec![RuleMatch::Random((n - i as u32, 0)), RuleMatch::Protocol(Protocol::Udp)] } else { vec![RuleMatch::Protocol(Protocol::Udp)] },
+                statements: vec![RuleStatement::Dnat(DnatTarget { address: ep.to_string(), port: 8053 })],
+                verdict: Verdict::None,
+                comment: None,
+            })
+            .collect();
+        let svc = "svc/shop/web/udp/dns".to_string();
+        let frontend = vec![KeyPart::Address("10.96.0.53".into()), KeyPart::Protocol(Protocol::Udp), KeyPart::Port(53)];
+        let out = Ruleset {
+            chains: vec![Chain { name: svc.clone(), rules }],
+            sets: vec![],
+            map_elements: vec![MapElement { map_name: "service-ips".into(), key: frontend, verdict: Verdict::Goto(svc) }],
+            warnings: vec![],
+        };
+        validate_service_output(&key(), &out).unwrap()
+    };
+    let filters = conntrack_cleanup(&service(&["10.244.0.11", "10.244.0.12", "10.244.0.13"]), &service(&["10.244.0.11", "10.244.0.13"]));
+    let lost = ConntrackFilter { protocol: "udp", ipv6: false, destination: Some("10.96.0.53".parse().unwrap()), port: 53, endpoint: Some(("10.244.0.12".parse().unwrap(), 8053)) };
+    assert_eq!(filters, vec![lost]);
 }
