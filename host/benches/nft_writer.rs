@@ -107,7 +107,7 @@ fn main() {
     let mut batch_kinds = Vec::new();
     for n in sizes {
         let objects: BTreeMap<ObjectKey, ObjectRules> = (0..n).map(|i| rules(&mut session, &ctx, &view(i, 0))).collect();
-        let (document, render) = timed(|| nft::full_transaction(objects.values(), &nft::Stale::default(), nft::Layout::default()));
+        let (document, render) = timed(|| nft::full_transaction(objects.values(), &nft::Stale::default(), nft::Layout::default(), &[]));
         let statements = document.lines().count();
 
         let reference_ns = Netns::new(format!("wpbench{}-ref", std::process::id()));

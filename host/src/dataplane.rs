@@ -558,6 +558,8 @@ pub struct Dataplane {
     services_per_shard: usize,
     /// How many of the wanted objects are services with chains (in shards).
     sharded: usize,
+    /// The cluster's pod CIDRs, for the shards' `cluster-cidrs` sets (see `nft::skeleton`).
+    cluster_cidrs: Vec<ipnet::IpNet>,
     /// The last transaction written (its first [`KEPT_TEXT_BYTES`]).
     pub last_transaction: String,
     /// The last non-empty conntrack cleanup (filters), for inspection.
@@ -607,6 +609,7 @@ impl Dataplane {
             layout: Layout::default(),
             services_per_shard: Layout::DEFAULT_SERVICES_PER_SHARD,
             sharded: 0,
+            cluster_cidrs: Vec::new(),
             last_transaction: String::new(),
             last_conntrack_cleanup: Vec::new(),
         }
@@ -619,6 +622,22 @@ impl Dataplane {
     /// How many services the next full syncs put in one shard table (see [`Layout`]).
     pub fn with_services_per_shard(mut self, per_shard: usize) -> Self {
         self.services_per_shard = per_shard.max(1);
+        self
+    }
+
+    /// The cluster's pod CIDRs (unparsable ones are logged and left out): connections to a
+    /// `masquerade-off-cluster` frontend from outside them are masqueraded.
+    pub fn with_cluster_cidrs(mut self, cidrs: &[String]) -> Self {
+        self.cluster_cidrs = cidrs
+            .iter()
+            .filter_map(|c| match c.parse::<ipnet::IpNet>().or_else(|_| c.parse::<std::net::IpAddr>().map(ipnet::IpNet::from)) {
+                Ok(net) => Some(net),
+                Err(e) => {
+                    tracing::warn!(cidr = %c, "not a cluster CIDR, left out of the dataplane's cluster-cidrs: {e}");
+                    None
+                }
+            })
+            .collect();
         self
     }
 
@@ -871,7 +890,7 @@ impl Dataplane {
                 unsharded_main,
             }
         };
-        let transaction = nft::full_transaction(next.values().map(|r| &**r), &stale, layout);
+        let transaction = nft::full_transaction(next.values().map(|r| &**r), &stale, layout, &self.cluster_cidrs);
         if let Err(e) = self.kernel.apply(&transaction) {
             self.keep_pending(next);
             return Err(e);
@@ -940,7 +959,7 @@ impl Dataplane {
 
     /// The full table as it is applied now, as an `nft -f` document.
     pub fn render(&self) -> String {
-        nft::full_transaction(self.applied.values().map(|r| &**r), &nft::Stale::default(), self.layout)
+        nft::full_transaction(self.applied.values().map(|r| &**r), &nft::Stale::default(), self.layout, &self.cluster_cidrs)
     }
 }
 

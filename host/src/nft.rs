@@ -173,7 +173,17 @@ impl Default for Layout {
 }
 
 /// Host maps whose elements jump to a service's chains: they live in the service's shard.
-const SHARDED_MAPS: [&str; 3] = ["service-ips", "service-ips6", "service-nodeports"];
+const SHARDED_MAPS: [&str; 9] = [
+    "service-ips",
+    "service-ips6",
+    "service-nodeports",
+    "service-endpoints",
+    "service-endpoints6",
+    "masquerade-off-cluster",
+    "masquerade-off-cluster6",
+    "masquerade-always",
+    "masquerade-always6",
+];
 
 impl Layout {
     pub const DEFAULT_SERVICES_PER_SHARD: usize = 1024;
@@ -201,11 +211,15 @@ impl Layout {
         Table::shard((hasher.finish() % u64::from(self.shards.max(1))) as u32)
     }
 
-    /// The table of an element of host map `map` with `verdict`: the service maps' elements
-    /// are in the shard of the chain they jump to.
-    pub fn element_table(&self, map: &str, verdict: &str) -> Table {
+    /// The table of an element of host map `map` with `verdict`, of an object with
+    /// `service_prefix`: the service maps' elements are in the service's shard (that of the
+    /// chain they jump to, when the object is not named).
+    pub fn element_table(&self, map: &str, verdict: &str, service_prefix: Option<&str>) -> Table {
         if !SHARDED_MAPS.contains(&map) {
             return Table::MAIN;
+        }
+        if let Some(prefix) = service_prefix {
+            return self.table_of(prefix);
         }
         verdict.split_whitespace().nth(1).map_or(Table::MAIN, |chain| self.table_of(chain))
     }
@@ -235,6 +249,22 @@ enum KeyShape {
     /// One endpoint address, stored as the pair `address . address` (source and destination
     /// after DNAT: a pod that reached itself through a service).
     Endpoint,
+    /// address . protocol . port . backend address . backend port: the frontend is load
+    /// balanced over all the backends the object names for it (see `service-backends`).
+    Backend,
+}
+
+/// What the elements of a host map carry.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum MapKind {
+    /// goto/jump to a chain of the object.
+    Jump,
+    /// reject or drop only (the no-endpoint maps).
+    Terminal,
+    /// Nothing: a set.
+    Set,
+    /// Backends of a frontend, rendered by the host into its endpoint maps.
+    Backends,
 }
 
 /// A named map (or set) of the host's table that guests add elements to.
@@ -242,34 +272,52 @@ struct HostMap {
     name: &'static str,
     v6_name: Option<&'static str>,
     key: KeyShape,
-    /// No-endpoint maps only hold reject/drop; the others only goto/jump a guest chain.
-    terminal: bool,
+    kind: MapKind,
     /// Many objects may add the same element (see [`is_shared_set`]); else the first owns it.
     shared: bool,
 }
 
 const SERVICE_MAPS: &[HostMap] = &[
-    HostMap { name: "service-ips", v6_name: Some("service-ips6"), key: KeyShape::AddressProtocolPort, terminal: false, shared: false },
-    HostMap { name: "service-nodeports", v6_name: None, key: KeyShape::ProtocolPort, terminal: false, shared: false },
+    HostMap { name: "service-ips", v6_name: Some("service-ips6"), key: KeyShape::AddressProtocolPort, kind: MapKind::Jump, shared: false },
+    HostMap { name: "service-nodeports", v6_name: None, key: KeyShape::ProtocolPort, kind: MapKind::Jump, shared: false },
     HostMap {
         name: "no-endpoint-services",
         v6_name: Some("no-endpoint-services6"),
         key: KeyShape::AddressProtocolPort,
-        terminal: true,
+        kind: MapKind::Terminal,
         shared: false,
     },
-    HostMap { name: "no-endpoint-nodeports", v6_name: None, key: KeyShape::ProtocolPort, terminal: true, shared: false },
+    HostMap { name: "no-endpoint-nodeports", v6_name: None, key: KeyShape::ProtocolPort, kind: MapKind::Terminal, shared: false },
     // The service's cluster IPs (verdict `none`): new connections to one of them that no
     // service port DNATed are rejected (kube-proxy's `cluster-ips` set), instead of being
     // routed on towards wherever the service CIDR leads.
-    HostMap { name: "cluster-ips", v6_name: Some("cluster-ips6"), key: KeyShape::Address, terminal: false, shared: false },
+    HostMap { name: "cluster-ips", v6_name: Some("cluster-ips6"), key: KeyShape::Address, kind: MapKind::Set, shared: false },
     // Endpoints of the service (verdict `none`): a connection DNATed from one of them to
     // itself is masqueraded at postrouting, so the pod's reply comes back through the NAT
     // (kube-proxy's hairpin rule, which sits in each endpoint chain there). A set instead
     // of a rule per endpoint lets a service DNAT in its own chain, without a chain per
     // endpoint: every commit walks every chain of the network namespace (see `Layout`).
-    HostMap { name: "hairpin", v6_name: Some("hairpin6"), key: KeyShape::Endpoint, terminal: false, shared: true },
+    HostMap { name: "hairpin", v6_name: Some("hairpin6"), key: KeyShape::Endpoint, kind: MapKind::Set, shared: true },
+    // Load balancing as data, no chain of the object's own: each element names one backend
+    // of a frontend (verdict `none`). The host numbers a frontend's backends and writes them
+    // to the shard's `service-endpoints` map, and the frontend to `service-ips` with a goto
+    // to the shard's `pick-N` chain, which DNATs through `numgen random mod N` in that map.
+    HostMap { name: "service-backends", v6_name: None, key: KeyShape::Backend, kind: MapKind::Backends, shared: false },
+    // Frontends of the object (verdict `none`) whose new connections are masqueraded when
+    // their source is outside the cluster CIDRs, or always; checked by the `pick-N` chains.
+    HostMap {
+        name: "masquerade-off-cluster",
+        v6_name: Some("masquerade-off-cluster6"),
+        key: KeyShape::AddressProtocolPort,
+        kind: MapKind::Set,
+        shared: false,
+    },
+    HostMap { name: "masquerade-always", v6_name: Some("masquerade-always6"), key: KeyShape::AddressProtocolPort, kind: MapKind::Set, shared: false },
 ];
+
+/// Most backends one frontend can have in `service-backends` (a `pick-N` chain per count in
+/// every shard); a translator DNATs bigger ones in a chain of its own.
+pub const MAX_PICK: usize = 32;
 
 /// Host sets whose elements many objects may add (a pod behind several services is a
 /// hairpin endpoint of each): an element stays while any object wants it.
@@ -307,12 +355,17 @@ pub struct ObjectRules {
     #[serde(serialize_with = "elements_as_list")]
     pub elements: BTreeMap<(String, String), String>,
     pub warnings: Vec<String>,
+    /// A service's prefix (`svc/<namespace>/<name>`): its shard, also for its map elements.
+    #[serde(skip)]
+    pub service_prefix: Option<String>,
 }
 
 impl ObjectRules {
-    /// Whether this object has service chains (and so lives partly in a shard table).
+    /// Whether this object has service chains or elements in a shard's service maps (and so
+    /// lives partly in a shard table).
     pub fn is_sharded(&self) -> bool {
         self.chains.keys().next().is_some_and(|c| c.starts_with("svc/"))
+            || (self.service_prefix.is_some() && self.elements.keys().any(|(map, _)| SHARDED_MAPS.contains(&map.as_str())))
     }
 
     /// Empty rules carrying what the guest warned about (bounded: 32 warnings of 256 chars).
@@ -535,6 +588,9 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
         let rendered = chain.rules.iter().map(|r| v.rule(r)).collect::<Result<Vec<_>, _>>()?;
         rules.chains.insert(chain.name.clone(), rendered);
     }
+    rules.service_prefix = Some(prefix.clone());
+    // Frontend (address, protocol, port) → its backends (address, port), from `service-backends`.
+    let mut backends: BTreeMap<(IpAddr, &'static str, u16), BTreeSet<(IpAddr, u16)>> = BTreeMap::new();
     for element in &out.map_elements {
         let Some(map) = SERVICE_MAPS.iter().find(|m| m.name == element.map_name) else {
             return v.fail(format!("unknown map {:?} (known: {})", element.map_name, SERVICE_MAPS.iter().map(|m| m.name).collect::<Vec<_>>().join(", ")));
@@ -554,18 +610,50 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
                 let addr = v.address(a)?;
                 (by_family(&addr), format!("{addr} . {addr}"))
             }
+            (
+                KeyShape::Backend,
+                [wit::KeyPart::Address(a), wit::KeyPart::Protocol(p), wit::KeyPart::Port(port), wit::KeyPart::Address(b), wit::KeyPart::Port(bp)],
+            ) if element.verdict == wit::Verdict::None => {
+                let (frontend, backend) = (v.address(a)?, v.address(b)?);
+                if frontend.is_ipv4() != backend.is_ipv4() {
+                    return v.fail(format!("service-backends: backend {backend} of {frontend} is of another address family"));
+                }
+                backends.entry((frontend, protocol(*p), *port)).or_default().insert((backend, *bp));
+                continue;
+            }
             _ => return v.fail(format!("map {:?}: key {:?} has the wrong shape", map.name, element.key)),
         };
-        let verdict = match (&element.verdict, map.terminal, map.key) {
-            (wit::Verdict::None, false, KeyShape::Address | KeyShape::Endpoint) => String::new(),
-            (wit::Verdict::Reject, true, _) => "goto reject-chain".to_string(),
-            (wit::Verdict::Drop, true, _) => "drop".to_string(),
-            (wit::Verdict::Jump(_) | wit::Verdict::Goto(_), false, KeyShape::AddressProtocolPort | KeyShape::ProtocolPort) => v.verdict(&element.verdict)?,
-            (other, _, _) => return v.fail(format!("map {:?} cannot hold verdict {other:?}", map.name)),
+        let verdict = match (&element.verdict, map.kind) {
+            (wit::Verdict::None, MapKind::Set) => String::new(),
+            (wit::Verdict::Reject, MapKind::Terminal) => "goto reject-chain".to_string(),
+            (wit::Verdict::Drop, MapKind::Terminal) => "drop".to_string(),
+            (wit::Verdict::Jump(_) | wit::Verdict::Goto(_), MapKind::Jump) => v.verdict(&element.verdict)?,
+            (other, _) => return v.fail(format!("map {:?} cannot hold verdict {other:?}", map.name)),
         };
         if rules.elements.insert((target_map.to_string(), key.clone()), verdict).is_some() {
             return v.fail(format!("map {target_map:?}: key {key} given twice"));
         }
+    }
+    // Each frontend's backends, numbered in order, and the frontend sent to the `pick-N`
+    // chain that draws among N.
+    for ((frontend, proto, port), set) in &backends {
+        if set.len() > MAX_PICK {
+            return v.fail(format!("service-backends: {frontend} has {} backends (limit {MAX_PICK})", set.len()));
+        }
+        let (ips, endpoints) = if frontend.is_ipv4() { ("service-ips", "service-endpoints") } else { ("service-ips6", "service-endpoints6") };
+        let front = format!("{frontend} . {proto} . {port}");
+        for (i, (address, backend_port)) in set.iter().enumerate() {
+            rules.elements.insert((endpoints.to_string(), format!("{front} . {i}")), format!("{address} . {backend_port}"));
+        }
+        if rules.elements.insert((ips.to_string(), front.clone()), format!("goto pick-{}", set.len())).is_some() {
+            return v.fail(format!("map {ips:?}: key {front} given twice (service-backends names it too)"));
+        }
+    }
+    // Masquerading is asked for the object's own load-balanced frontends only.
+    if let Some((_, front)) = rules.elements.keys().find(|(map, front)| {
+        map.starts_with("masquerade-") && !rules.elements.contains_key(&((if map.ends_with('6') { "service-ips6" } else { "service-ips" }).to_string(), front.clone()))
+    }) {
+        return v.fail(format!("masquerade for {front}, which is not a frontend of this object in service-ips"));
     }
     // A guest may only call addresses cluster IPs that it already serves as service
     // addresses: declaring one rejects every other port of it, which must not reach beyond
@@ -588,6 +676,8 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
 /// rules).
 struct TableSkeleton<'a> {
     maps: &'a [(&'a str, &'a str)],
+    /// Data maps: (name, declaration body).
+    data_maps: &'a [(&'a str, &'a str)],
     sets: &'a [(&'a str, &'a str)],
     chains: &'a [(&'a str, &'a str, &'a [&'a str])],
 }
@@ -599,6 +689,9 @@ impl TableSkeleton<'_> {
         writeln!(out, "add table {t}").unwrap();
         for (name, ty) in self.maps {
             writeln!(out, "add map {t} {name} {{ type {ty} : verdict; }}").unwrap();
+        }
+        for (name, declaration) in self.data_maps {
+            writeln!(out, "add map {t} {name} {{ {declaration}; }}").unwrap();
         }
         for (name, ty) in self.sets {
             writeln!(out, "add set {t} {name} {{ type {ty}; }}").unwrap();
@@ -616,6 +709,13 @@ impl TableSkeleton<'_> {
             writeln!(out, "flush table {t}").unwrap();
             for (map, _) in self.maps {
                 writeln!(out, "flush map {t} {map}").unwrap();
+            }
+            // Data maps are declared anew instead of flushed: nft 1.0.6 cannot add a rule
+            // using one it read back from the kernel ("conflicting protocols specified: ip vs.
+            // th", from the value's `th dport`). `flush table` released the rules using them.
+            for (map, declaration) in self.data_maps {
+                writeln!(out, "delete map {t} {map}").unwrap();
+                writeln!(out, "add map {t} {map} {{ {declaration}; }}").unwrap();
             }
             for (set, _) in self.sets {
                 writeln!(out, "flush set {t} {set}").unwrap();
@@ -646,6 +746,7 @@ const MAIN_SKELETON: TableSkeleton = {
             ("no-endpoint-services6", "ipv6_addr . inet_proto . inet_service"),
             ("no-endpoint-nodeports", "inet_proto . inet_service"),
         ],
+        data_maps: &[],
         sets: &[
             ("cluster-ips", "ipv4_addr"),
             ("cluster-ips6", "ipv6_addr"),
@@ -715,7 +816,21 @@ const SHARD_SKELETON: TableSkeleton = {
             ("service-ips6", "ipv6_addr . inet_proto . inet_service"),
             ("service-nodeports", "inet_proto . inet_service"),
         ],
-        sets: &[],
+        // A frontend's backends by number: `pick-N` looks up `numgen random mod N` here.
+        data_maps: &[
+            ("service-endpoints", "typeof ip daddr . meta l4proto . th dport . numgen random mod 1 : ip daddr . th dport"),
+            ("service-endpoints6", "typeof ip6 daddr . meta l4proto . th dport . numgen random mod 1 : ip6 daddr . th dport"),
+        ],
+        sets: &[
+            ("masquerade-off-cluster", "ipv4_addr . inet_proto . inet_service"),
+            ("masquerade-off-cluster6", "ipv6_addr . inet_proto . inet_service"),
+            ("masquerade-always", "ipv4_addr . inet_proto . inet_service"),
+            ("masquerade-always6", "ipv6_addr . inet_proto . inet_service"),
+            // The node's cluster CIDRs (written by `skeleton`): sources inside are not
+            // masqueraded for `masquerade-off-cluster` frontends.
+            ("cluster-cidrs", "ipv4_addr; flags interval"),
+            ("cluster-cidrs6", "ipv6_addr; flags interval"),
+        ],
         chains: &[
             ("nat-prerouting", "type nat hook prerouting priority dstnat; policy accept;", &["jump services"]),
             ("nat-output", "type nat hook output priority -100; policy accept;", &["jump services"]),
@@ -729,22 +844,54 @@ const SHARD_SKELETON: TableSkeleton = {
                 ],
             ),
             ("node-ports", "", &[NODE_PORTS, NODE_PORTS6]),
-            // Service chains mark hairpin and off-cluster traffic here; the main table's
-            // postrouting masquerades it.
+            // Service chains mark off-cluster traffic here; the main table's postrouting
+            // masquerades it.
             MARK_FOR_MASQUERADE,
+            // Before a `pick-N` chain DNATs (the destination is still the frontend).
+            (
+                "masquerade-check",
+                "",
+                &[
+                    "ip daddr . meta l4proto . th dport @masquerade-off-cluster ip saddr != @cluster-cidrs jump mark-for-masquerade",
+                    "ip6 daddr . meta l4proto . th dport @masquerade-off-cluster6 ip6 saddr != @cluster-cidrs6 jump mark-for-masquerade",
+                    "ip daddr . meta l4proto . th dport @masquerade-always jump mark-for-masquerade",
+                    "ip6 daddr . meta l4proto . th dport @masquerade-always6 jump mark-for-masquerade",
+                ],
+            ),
         ],
     }
 };
 
+/// The `pick-N` chains of a shard: masquerade if asked, then DNAT to backend number
+/// `numgen random mod N` of the frontend (`service-backends`).
+fn write_pick_chains(out: &mut String, t: Table) {
+    for n in 1..=MAX_PICK {
+        writeln!(out, "add chain {t} pick-{n}").unwrap();
+        writeln!(out, "flush chain {t} pick-{n}").unwrap();
+        writeln!(out, "add rule {t} pick-{n} jump masquerade-check").unwrap();
+        writeln!(out, "add rule {t} pick-{n} dnat ip to ip daddr . meta l4proto . th dport . numgen random mod {n} map @service-endpoints").unwrap();
+        writeln!(out, "add rule {t} pick-{n} dnat ip6 to ip6 daddr . meta l4proto . th dport . numgen random mod {n} map @service-endpoints6").unwrap();
+    }
+}
+
 /// The host's static part of every table of `layout`: maps, base chains and their fixed
 /// rules. `flush_first`: empty the tables (rules and map elements) after declaring
 /// everything and before refilling them, all within the caller's one transaction.
-pub fn skeleton(out: &mut String, flush_first: bool, layout: Layout) {
+pub fn skeleton(out: &mut String, flush_first: bool, layout: Layout, cluster_cidrs: &[IpNet]) {
     MAIN_SKELETON.write(out, Table::MAIN, flush_first);
     // Network policy: the pod-ingress/pod-egress maps and the filter chains that consult them.
     policy::skeleton(out, flush_first);
     for shard in 0..layout.shards {
-        SHARD_SKELETON.write(out, Table::shard(shard), flush_first);
+        let t = Table::shard(shard);
+        SHARD_SKELETON.write(out, t, flush_first);
+        write_pick_chains(out, t);
+        for (set, v4) in [("cluster-cidrs", true), ("cluster-cidrs6", false)] {
+            writeln!(out, "flush set {t} {set}").unwrap();
+            let cidrs: Vec<String> = cluster_cidrs.iter().filter(|c| matches!(c, IpNet::V4(_)) == v4).map(|c| c.trunc().to_string()).collect();
+            if !cidrs.is_empty() {
+                writeln!(out, "add element {t} {set} {{ {} }}", cidrs.join(", ")).unwrap();
+            }
+        }
     }
 }
 
@@ -781,10 +928,11 @@ fn fill_object(out: &mut String, rules: &ObjectRules, layout: Layout) {
     }
 }
 
-/// Map elements (`key : verdict`) and host set elements (no verdict).
-fn add_elements<'a>(out: &mut String, elements: impl Iterator<Item = (&'a (String, String), &'a String)>, layout: Layout) {
+/// Map elements (`key : verdict`) and host set elements (no verdict) of an object with
+/// `service_prefix`.
+fn add_elements<'a>(out: &mut String, elements: impl Iterator<Item = (&'a (String, String), &'a String)>, layout: Layout, service_prefix: Option<&str>) {
     for ((map, key), verdict) in elements {
-        let t = layout.element_table(map, verdict);
+        let t = layout.element_table(map, verdict, service_prefix);
         if verdict.is_empty() {
             writeln!(out, "add element {t} {map} {{ {key} }}").unwrap();
         } else {
@@ -825,10 +973,10 @@ const UNSHARDED_CHAINS: [&str; 3] = ["nat-prerouting", "nat-output", "services"]
 
 /// A complete transaction: the tables as `objects` describe them, laid out by `layout`,
 /// whatever the kernel had.
-pub fn full_transaction<'a>(objects: impl Iterator<Item = &'a ObjectRules> + Clone, stale: &Stale, layout: Layout) -> String {
+pub fn full_transaction<'a>(objects: impl Iterator<Item = &'a ObjectRules> + Clone, stale: &Stale, layout: Layout, cluster_cidrs: &[IpNet]) -> String {
     let mut out = String::new();
     // One atomic batch: flushing and refilling leaves no window without rules.
-    skeleton(&mut out, true, layout);
+    skeleton(&mut out, true, layout, cluster_cidrs);
     if stale.unsharded_main {
         // Their elements jump to service chains that are stale in the main table now: empty
         // the maps first (`flush table` left them), delete them after those chains.
@@ -849,7 +997,7 @@ pub fn full_transaction<'a>(objects: impl Iterator<Item = &'a ObjectRules> + Clo
     let mut shared = BTreeSet::new();
     for rules in objects {
         let (many, own): (Vec<_>, Vec<_>) = rules.elements.iter().partition(|((map, _), _)| is_shared_set(map));
-        add_elements(&mut out, own.into_iter(), layout);
+        add_elements(&mut out, own.into_iter(), layout, rules.service_prefix.as_deref());
         shared.extend(many.into_iter().map(|(k, _)| k));
     }
     shared_elements(&mut out, shared.iter().copied(), true);
@@ -937,7 +1085,7 @@ pub fn objects_delta(pairs: &[(&ObjectRules, &ObjectRules)], out: &mut String, l
     for c in &changes {
         for (k @ (map, key), verdict) in &c.old.elements {
             if c.new.elements.get(k) != Some(verdict) && !is_shared_set(map) {
-                writeln!(out, "delete element {} {map} {{ {key} }}", layout.element_table(map, verdict)).unwrap();
+                writeln!(out, "delete element {} {map} {{ {key} }}", layout.element_table(map, verdict, c.old.service_prefix.as_deref())).unwrap();
             }
         }
         for (name, o, n) in &c.kept_sets {
@@ -992,7 +1140,12 @@ pub fn objects_delta(pairs: &[(&ObjectRules, &ObjectRules)], out: &mut String, l
         }
     }
     for c in &changes {
-        add_elements(out, c.new.elements.iter().filter(|(k, v)| c.old.elements.get(*k) != Some(*v) && !is_shared_set(&k.0)), layout);
+        add_elements(
+            out,
+            c.new.elements.iter().filter(|(k, v)| c.old.elements.get(*k) != Some(*v) && !is_shared_set(&k.0)),
+            layout,
+            c.new.service_prefix.as_deref(),
+        );
     }
 }
 
@@ -1089,6 +1242,18 @@ fn frontends(rules: &ObjectRules) -> BTreeMap<Frontend, BTreeSet<(IpAddr, u16)>>
         let targets = out.entry(front).or_default();
         if let Some(chain) = verdict.strip_prefix("goto ").or_else(|| verdict.strip_prefix("jump ")) {
             dnat_targets(rules, chain, &mut BTreeSet::new(), targets);
+        }
+    }
+    // Load balancing as data: `frontend . index : address . port` in the endpoint maps.
+    for ((map, key), value) in &rules.elements {
+        if !matches!(map.as_str(), "service-endpoints" | "service-endpoints6") {
+            continue;
+        }
+        let (Some(front), Some((address, port))) = (key.rsplit_once(" . ").and_then(|(front, _)| frontend(front)), value.split_once(" . ")) else {
+            continue;
+        };
+        if let (Ok(address), Ok(port)) = (address.parse(), port.parse()) {
+            out.entry(front).or_default().insert((address, port));
         }
     }
     out

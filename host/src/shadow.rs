@@ -155,6 +155,7 @@ mod tests {
             sets: BTreeMap::new(),
             elements: elements.iter().map(|(m, k, v)| ((m.to_string(), k.to_string()), v.to_string())).collect(),
             warnings: vec![],
+            service_prefix: None,
         }
     }
 

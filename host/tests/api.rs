@@ -94,13 +94,16 @@ impl TestHost {
 async fn builtin_translator_renders_cluster_ip_services() {
     let t = TestHost::start().await;
     let dp = t.dataplane().await;
-    // kube-proxy shape: elements in the service map jump to a per-port chain that picks
-    // among endpoints with numgen and DNATs; endpoints are in the host's hairpin set.
-    assert!(dp.contains("add element inet wasmplane-s0 service-ips { 10.96.0.20 . tcp . 80 : goto svc/shop/web/tcp/http }"), "{dp}");
-    assert!(dp.contains("add rule inet wasmplane-s0 svc/shop/web/tcp/http numgen random mod 2 == 0 meta l4proto tcp dnat ip to 10.244.0.11:8080"), "{dp}");
+    // Load balancing as data: the frontend goes to the shard's pick chain for two
+    // backends, which draws among the frontend's numbered backends; off-cluster sources are
+    // masqueraded; endpoints are in the host's hairpin set.
+    assert!(dp.contains("add element inet wasmplane-s0 service-ips { 10.96.0.20 . tcp . 80 : goto pick-2 }"), "{dp}");
+    assert!(dp.contains("add element inet wasmplane-s0 service-endpoints { 10.96.0.20 . tcp . 80 . 0 : 10.244.0.11 . 8080 }"), "{dp}");
+    assert!(dp.contains("add element inet wasmplane-s0 service-endpoints { 10.96.0.20 . tcp . 80 . 1 : 10.244.1.11 . 8080 }"), "{dp}");
+    assert!(dp.contains("add rule inet wasmplane-s0 pick-2 dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 2 map @service-endpoints"), "{dp}");
+    assert!(dp.contains("add element inet wasmplane-s0 masquerade-off-cluster { 10.96.0.20 . tcp . 80 }"), "{dp}");
+    assert!(dp.contains("add element inet wasmplane-s0 cluster-cidrs { 10.244.0.0/16 }"), "{dp}");
     assert!(dp.lines().any(|l| l.starts_with("add element inet wasmplane hairpin {") && l.contains("10.244.1.11 . 10.244.1.11")), "{dp}");
-    assert!(dp.contains("dnat ip to 10.244.1.11:8080"), "{dp}");
-    assert!(dp.contains("ip daddr 10.96.0.20 meta l4proto tcp th dport 80 ip saddr != 10.244.0.0/16 jump mark-for-masquerade"), "{dp}");
     let (_, state) = t.get_json("/v1/state").await;
     assert!(state["revision"].as_u64().unwrap() >= 1);
     let (status, modules) = t.get_json("/v1/modules").await;

@@ -71,8 +71,9 @@ async fn transactions_apply_to_the_kernel_and_reconcile_repairs_drift() {
         }
     };
     // Full sync of the example cluster: ClusterIP, affinity sets, NodePort, UDP.
-    let table = wait_for("initial sync", &|t| t.contains("chain svc/shop/web/tcp/http {"));
-    assert!(table.contains("10.96.0.20 . tcp . 80 : goto svc/shop/web/tcp/http"), "{table}");
+    let table = wait_for("initial sync", &|t| t.contains("10.96.0.20 . tcp . 80 : goto pick-3"));
+    // web as data: its three backends by number in its shard's endpoint map, no chain.
+    assert!(table.contains("10.96.0.20 . tcp . 80 . 2 : 10.244.1.11 . 8080") && !table.contains("chain svc/shop/web/"), "{table}");
     assert!(table.contains("set svc/shop/api/tcp/https/ep/10.244.0.21/8443/affinity"), "{table}");
     assert!(table.contains("10.244.0.12 . 10.244.0.12"), "hairpin endpoints: {table}");
     assert!(table.contains("tcp . 30080 : goto svc/shop/web/tcp/http") || table.contains("tcp . 30080 : goto svc/shop/checkout/tcp/http/external"), "{table}");
@@ -84,11 +85,9 @@ async fn transactions_apply_to_the_kernel_and_reconcile_repairs_drift() {
     assert_ne!(shop, scaled);
     std::fs::write(manifests.join("shop.yaml"), &scaled).unwrap();
     let table = wait_for("scale-down", &|t| !t.contains("10.244.0.12"));
-    // The service chain DNATs itself (no endpoint chains): a draw between the two left.
-    let web_chain = table.split("chain svc/shop/web/tcp/http {").nth(1).and_then(|c| c.split('}').next()).unwrap();
-    assert!(web_chain.contains("numgen random mod 2 0 meta l4proto tcp dnat ip to 10.244.0.11:8080"), "{web_chain}");
-    assert!(web_chain.contains("\n\t\tmeta l4proto tcp dnat ip to 10.244.1.11:8080"), "{web_chain}");
-    assert!(!table.contains("chain svc/shop/web/tcp/http/ep/"), "{table}");
+    // A draw between the two left: renumbered backends, the frontend to `pick-2`.
+    assert!(table.contains("10.96.0.20 . tcp . 80 : goto pick-2") && table.contains("10.96.0.20 . tcp . 80 . 1 : 10.244.1.11 . 8080"), "{table}");
+    assert!(!table.contains("10.96.0.20 . tcp . 80 . 2 "), "{table}");
     // The remaining endpoint is still a hairpin endpoint; the gone one left the set.
     assert!(table.contains("10.244.0.11 . 10.244.0.11"), "{table}");
     // Incremental changes go in as netlink batches (no nft process; see nft/netlink.rs).
@@ -100,22 +99,23 @@ async fn transactions_apply_to_the_kernel_and_reconcile_repairs_drift() {
     assert!(layout.shards > 1, "{layout:?}");
     let web = layout.table_of("svc/shop/web/tcp/http").name();
     let table = ns.nft(&["list", "ruleset"]);
-    let shards_with_services = table.split("\ntable ").filter(|t| t.starts_with("inet wasmplane-s") && t.contains("chain svc/")).count();
+    let shards_with_services = table.split("\ntable ").filter(|t| t.starts_with("inet wasmplane-s") && t.contains(" : goto ")).count();
     assert!(shards_with_services > 1, "services in {shards_with_services} shard table(s):\n{table}");
     let web_table = table.split("\ntable ").find(|t| t.starts_with(&format!("inet {web} {{"))).unwrap_or_else(|| panic!("no table {web}:\n{table}"));
-    assert!(web_table.contains("chain svc/shop/web/tcp/http {") && web_table.contains("type nat hook prerouting"), "{web_table}");
+    assert!(web_table.contains("10.96.0.20 . tcp . 80 : goto pick-2") && web_table.contains("type nat hook prerouting"), "{web_table}");
 
-    // Drift: someone deletes one of our chains; the reconcile puts it back.
+    // Drift: someone deletes one of our chains (the map elements using it first); the
+    // reconcile puts it back.
     let rendered = host.controller.lock().unwrap().dataplane().render();
     let _ = Command::new("ip").args(["netns", "exec", &ns.0, "nft", "delete", "element", "inet", &web, "service-ips", "{ 10.96.0.20 . tcp . 80 }"]).status();
-    let status = Command::new("ip").args(["netns", "exec", &ns.0, "nft", "flush", "chain", "inet", &web, "svc/shop/web/tcp/http"]).status().unwrap();
+    let status = Command::new("ip").args(["netns", "exec", &ns.0, "nft", "flush", "chain", "inet", &web, "pick-2"]).status().unwrap();
     assert!(status.success());
-    let status = Command::new("ip").args(["netns", "exec", &ns.0, "nft", "delete", "chain", "inet", &web, "svc/shop/web/tcp/http"]).status().unwrap();
-    assert!(status.success());
-    assert!(!ns.nft(&["list", "ruleset"]).contains("chain svc/shop/web/tcp/http {"));
+    let table = ns.nft(&["list", "ruleset"]);
+    assert!(!table.contains("10.96.0.20 . tcp . 80 : goto pick-2"), "{table}");
     host.controller.lock().unwrap().reconcile().unwrap();
     let table = ns.nft(&["list", "ruleset"]);
-    assert!(table.contains("chain svc/shop/web/tcp/http {") && table.contains("10.96.0.20 . tcp . 80 : goto svc/shop/web/tcp/http"), "{table}");
+    let web_table = table.split("\ntable ").find(|t| t.starts_with(&format!("inet {web} {{"))).unwrap();
+    assert!(web_table.contains("10.96.0.20 . tcp . 80 : goto pick-2") && web_table.contains("numgen random mod 2 map @service-endpoints"), "{web_table}");
     assert_eq!(host.controller.lock().unwrap().dataplane().render(), rendered);
 
     // A module swap is one transaction too: the port filter keeps only api (labelled).

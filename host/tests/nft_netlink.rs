@@ -26,6 +26,7 @@ fn object(chains: &[(&str, &[&str])], sets: &[(&str, &str, &[&str], bool)], elem
             .collect(),
         elements: elements.iter().map(|(m, k, v)| ((m.to_string(), k.to_string()), v.to_string())).collect(),
         warnings: Vec::new(),
+        service_prefix: None,
     }
 }
 
@@ -89,6 +90,22 @@ fn service_b(port: u16) -> ObjectRules {
     )
 }
 
+/// A service load balanced as data (the default translator's shape): numbered backends in
+/// its shard's endpoint map, the frontend sent to the pick chain for their count.
+fn service_c(backends: &[&str]) -> ObjectRules {
+    let mut rules = object(&[], &[], &[]);
+    rules.service_prefix = Some("svc/ns/c".into());
+    let front = "10.96.0.3 . udp . 53";
+    for (i, b) in backends.iter().enumerate() {
+        rules.elements.insert(("service-endpoints".into(), format!("{front} . {i}")), format!("{b} . 5353"));
+    }
+    rules.elements.insert(("service-ips".into(), front.into()), format!("goto pick-{}", backends.len()));
+    rules.elements.insert(("masquerade-off-cluster".into(), front.into()), String::new());
+    rules.elements.insert(("service-endpoints6".into(), "fd00::3 . tcp . 80 . 0".into()), "fd00::33 . 8080".into());
+    rules.elements.insert(("service-ips6".into(), "fd00::3 . tcp . 80".into()), "goto pick-1".into());
+    rules
+}
+
 fn policy(peers: &[&str]) -> ObjectRules {
     object(
         &[("pol/ns/p/in", &["ip saddr @pol/ns/p/peers meta l4proto tcp th dport 80 accept", "ip saddr 10.0.0.0/8 accept"])],
@@ -143,7 +160,8 @@ fn netlink_batches_leave_the_table_nft_would() {
     state.insert("b", service_b(53));
     state.insert("p", policy(&["10.244.0.7", "10.244.0.8"]));
     state.insert("d", dispatch());
-    let full = nft::full_transaction(state.values(), &nft::Stale::default(), LAYOUT);
+    state.insert("c", service_c(&["10.244.3.1", "10.244.3.2"]));
+    let full = nft::full_transaction(state.values(), &nft::Stale::default(), LAYOUT, &[]);
     text.apply(&full).unwrap();
     netlink.apply(&full).unwrap();
     assert_eq!(netlink.text_transactions, 1, "a full transaction goes through nft -f");
@@ -159,6 +177,8 @@ fn netlink_batches_leave_the_table_nft_would() {
     steps.push(("endpoints replaced (chains, sets of kept endpoints kept)", next.clone()));
     next.insert("p", policy(&["10.244.0.8", "10.244.0.9", "10.244.0.10"]));
     steps.push(("policy peers changed: set element deltas", next.clone()));
+    next.insert("c", service_c(&["10.244.3.1", "10.244.3.5", "10.244.3.9"]));
+    steps.push(("backends as data: renumbered, a third, another pick chain", next.clone()));
     next.insert("b", service_b(5353));
     steps.push(("one rule of an endpoint chain changed", next.clone()));
     next.remove("b");
@@ -200,6 +220,7 @@ fn netlink_batches_leave_the_table_nft_would() {
     assert!(table.contains("10.96.0.1 . tcp . 80 : goto svc/ns/a"), "{table}");
     assert!(table.contains("elements = { 10.244.0.7, 10.244.0.11 }"), "{table}");
     assert!(table.contains("elements = { 10.244.1.6 . 10.244.1.6 }"), "hairpin pairs added and deleted: {table}");
+    assert!(table.contains("10.96.0.3 . udp . 53 . 2 : 10.244.3.9 . 5353") && table.contains("10.96.0.3 . udp . 53 : goto pick-3"), "{table}");
 
     // An interval set (not encoded: nft computes interval elements): the transaction goes through nft.
     let mut changed = current.clone();
@@ -275,5 +296,5 @@ fn an_upgrade_from_one_table_moves_services_into_shards() {
     assert!(shard.contains("10.96.0.1 . tcp . 80 : goto svc/ns/a") && shard.contains("dnat ip to 10.244.1.6:8080"), "{shard}");
     // The next full sync finds nothing of the old layout.
     dataplane.full_sync(None).expect("a reconcile after the upgrade");
-    assert!(!dataplane.last_transaction.contains("delete map"), "{}", dataplane.last_transaction);
+    assert!(!dataplane.last_transaction.contains("delete map inet wasmplane "), "{}", dataplane.last_transaction);
 }

@@ -28,6 +28,17 @@ macro_rules! require_root {
     };
 }
 
+/// `frontend` (`address . protocol . port`) is in a service map: load balanced as data (a
+/// goto to a shard's pick chain) or by a chain of the service's own.
+fn serves(t: &str, frontend: &str) -> bool {
+    t.contains(&format!("{frontend} : goto "))
+}
+
+/// Some frontend DNATs to `backend` on port 8080 (as data, or in a service's chain).
+fn targets(t: &str, backend: &str) -> bool {
+    t.contains(&format!(": {backend} . 8080 ")) || t.contains(&format!("dnat ip to {backend}:8080"))
+}
+
 fn addr(ip: &str, port: u16) -> SocketAddr {
     SocketAddr::new(ip.parse().unwrap(), port)
 }
@@ -138,12 +149,12 @@ async fn cluster_ip_reaches_every_ready_backend_over_tcp_and_udp() {
     cluster.put(&elsewhere);
     let host = start_host(cluster.config(topo.nft_command())).await;
     wait_applied(&host, "all services", |t| {
-        t.contains("svc/default/web/tcp/http") && t.contains("svc/default/draining/tcp/http") && t.contains("10.96.0.13 . tcp . 80 : drop")
+        serves(t, "10.96.0.10 . tcp . 80") && serves(t, "10.96.0.11 . tcp . 80") && t.contains("10.96.0.13 . tcp . 80 : drop")
     });
     // One service to a shard (the test config): the traffic below crosses several shard
     // tables, each with its own NAT chains, and the main table's checks.
     let table = topo.table();
-    let shards = table.split("\ntable ").filter(|t| t.starts_with("inet wasmplane-s") && t.contains("chain svc/default/")).count();
+    let shards = table.split("\ntable ").filter(|t| t.starts_with("inet wasmplane-s") && t.contains(" : goto pick-")).count();
     assert!(shards > 1, "services in {shards} shard table(s):\n{table}");
 
     let replies = tcp_many(&client, addr("10.96.0.10", 80), MANY);
@@ -280,7 +291,7 @@ async fn session_affinity_client_ip_sticks() {
     host.controller.lock().unwrap().reconcile().unwrap();
     sticky.endpoints.push(ready(POD_D, NODE));
     cluster.put(&sticky);
-    wait_applied(&host, "the fourth endpoint", |t| t.contains(&format!("dnat ip to {POD_D}:8080")));
+    wait_applied(&host, "the fourth endpoint", |t| targets(t, POD_D));
     assert_eq!(one("client 1, TCP, after reconcile and scale-up", tcp_many(&client, addr("10.96.0.30", 80), 30)), tcp1);
     assert_eq!(one("client 1, UDP, after reconcile and scale-up", udp_many(&client, addr("10.96.0.30", 80), 30)), udp1);
 
@@ -336,7 +347,7 @@ async fn a_service_without_endpoints_rejects_fast() {
 
     empty.endpoints = vec![ready(POD_A, NODE)];
     cluster.put(&empty);
-    wait_applied(&host, "an endpoint", |t| t.contains(&format!("dnat ip to {POD_A}:8080")));
+    wait_applied(&host, "an endpoint", |t| targets(t, POD_A));
     assert_backends("TCP once an endpoint is ready", &tcp_many(&client, addr("10.96.0.40", 80), 5), &["a"]);
     assert_backends("UDP once an endpoint is ready", &udp_many(&client, addr("10.96.0.40", 80), 5), &["a"]);
     assert_backends("node port once an endpoint is ready", &tcp_many(&topo.external.name, addr(NODE_EXTERNAL_IP, 30040), 5), &["a"]);
@@ -373,7 +384,7 @@ async fn scaling_moves_new_traffic_and_keeps_established_connections() {
     cluster.put(&scaled);
     cluster.put(&steady);
     let host = start_host(cluster.config(topo.nft_command())).await;
-    wait_applied(&host, "both services", |t| t.contains("svc/default/scaled/tcp/http") && t.contains("svc/default/steady/tcp/http"));
+    wait_applied(&host, "both services", |t| serves(t, "10.96.0.50 . tcp . 80") && serves(t, "10.96.0.51 . tcp . 80"));
 
     // Established connections: one to the untouched service, and to each current backend of
     // the scaled one (one of which is about to be removed).
@@ -392,12 +403,12 @@ async fn scaling_moves_new_traffic_and_keeps_established_connections() {
 
     scaled.endpoints.push(ready("10.244.0.15", NODE));
     cluster.put(&scaled);
-    wait_applied(&host, "scale-up", |t| t.contains("dnat ip to 10.244.0.15:8080"));
+    wait_applied(&host, "scale-up", |t| targets(t, "10.244.0.15"));
     assert_backends("after scale-up", &tcp_many(&client, addr("10.96.0.50", 80), MANY), &["a", "b", "e"]);
 
     scaled.endpoints = vec![ready(POD_A, NODE)];
     cluster.put(&scaled);
-    wait_applied(&host, "scale-down", |t| !t.contains(&format!("dnat ip to {POD_B}:8080")) && !t.contains("dnat ip to 10.244.0.15:8080"));
+    wait_applied(&host, "scale-down", |t| !targets(t, POD_B) && !targets(t, "10.244.0.15"));
     assert_backends("after scale-down", &tcp_many(&client, addr("10.96.0.50", 80), 30), &["a"]);
 
     // Nothing established was dropped: the untouched service's connection, and (like
@@ -424,12 +435,12 @@ async fn deleting_a_service_removes_its_rules() {
     cluster.put(&gone);
     cluster.put(&Svc::new("kept", "10.96.0.61", vec![Port::new("http", "TCP", 80, 8080)], vec![ready(POD_A, NODE)]));
     let host = start_host(cluster.config(topo.nft_command())).await;
-    wait_applied(&host, "both services", |t| t.contains("svc/default/gone/tcp/http") && t.contains("svc/default/kept/tcp/http"));
+    wait_applied(&host, "both services", |t| serves(t, "10.96.0.60 . tcp . 80") && serves(t, "10.96.0.61 . tcp . 80"));
     assert_backends("before deletion", &tcp_many(&client, addr("10.96.0.60", 80), 3), &["a"]);
     assert_backends("node port before deletion", &tcp_many(&topo.external.name, addr(NODE_EXTERNAL_IP, 30060), 3), &["a"]);
 
     cluster.remove("gone");
-    wait_applied(&host, "deletion", |t| !t.contains("svc/default/gone"));
+    wait_applied(&host, "deletion", |t| !t.contains("svc/default/gone") && !t.contains("10.96.0.60"));
     let table = topo.table();
     for gone in ["svc/default/gone", "10.96.0.60", "30060"] {
         assert!(!table.contains(gone), "{gone} still in the kernel:\n{table}");
@@ -458,7 +469,7 @@ async fn hairpin_traffic_is_masqueraded() {
     // service stops naming it.
     cluster.put(&Svc::new("also", "10.96.0.71", ports(), vec![ready(POD_A, NODE)]));
     let host = start_host(cluster.config(topo.nft_command())).await;
-    wait_applied(&host, "the services", |t| t.contains("svc/default/self/udp/dns") && t.contains("svc/default/also/udp/dns"));
+    wait_applied(&host, "the services", |t| serves(t, "10.96.0.70 . udp . 80") && serves(t, "10.96.0.71 . udp . 80"));
 
     // The pod reaches its own service and lands on itself. Without masquerade its reply
     // would go straight back over loopback, un-NATed, and the connection would never open.
@@ -471,7 +482,7 @@ async fn hairpin_traffic_is_masqueraded() {
     check("hairpin UDP", &udp_many(&pod_a, addr("10.96.0.70", 80), 24));
 
     cluster.remove("self");
-    wait_applied(&host, "deletion", |t| !t.contains("svc/default/self"));
+    wait_applied(&host, "deletion", |t| !t.contains("10.96.0.70"));
     let replies = tcp_many(&pod_a, addr("10.96.0.71", 80), 5);
     assert_backends("hairpin through the other service", &replies, &["a"]);
     assert_all("hairpin through the other service", &replies, |r| r.peer == ip(POD_GATEWAY));
@@ -494,7 +505,7 @@ async fn ipv6_cluster_ip_reaches_every_backend_and_masquerades_only_hairpin() {
     let ports = vec![Port::new("http", "TCP", 80, 8080), Port::new("dns", "UDP", 80, 8080)];
     cluster.put(&Svc::new("six", "fd00:96::70", ports, vec![ready(a6, NODE), ready(b6, NODE)]));
     let host = start_host(cluster.config(topo.nft_command())).await;
-    wait_applied(&host, "the service", |t| t.contains("svc/default/six/udp/dns"));
+    wait_applied(&host, "the service", |t| serves(t, "fd00:96::70 . udp . 80"));
     let table = topo.table();
     assert!(table.contains(&format!("{a6} . {a6}")) && table.contains("ct status dnat ip6 saddr . ip6 daddr @hairpin6"), "{table}");
 
@@ -523,7 +534,7 @@ async fn periodic_reconcile_repairs_hand_made_damage() {
     let mut config = cluster.config(topo.nft_command());
     config.reconcile_interval = Duration::from_millis(300);
     let host = start_host(config).await;
-    wait_applied(&host, "the service", |t| t.contains("svc/default/drift/tcp/http"));
+    wait_applied(&host, "the service", |t| serves(t, "10.96.0.80 . tcp . 80"));
     assert_backends("before any damage", &tcp_many(&client, addr("10.96.0.80", 80), MANY), &["a", "b"]);
 
     // What is done by hand (one nft transaction), and how the repaired tables look. The
@@ -532,18 +543,26 @@ async fn periodic_reconcile_repairs_hand_made_damage() {
     type Damage = (&'static str, String, &'static dyn Fn(&str) -> bool);
     let damage: &[Damage] = &[
         (
-            "one service chain deleted (its map element first, as nft insists)",
+            "the service's map element and one of its backends deleted",
             format!(
                 "delete element {shard} service-ips {{ 10.96.0.80 . tcp . 80 }}\n\
-                 flush chain {shard} svc/default/drift/tcp/http\n\
-                 delete chain {shard} svc/default/drift/tcp/http\n"
+                 delete element {shard} service-endpoints {{ 10.96.0.80 . tcp . 80 . 1 }}\n"
             ),
-            &|t| t.contains("chain svc/default/drift/tcp/http {") && t.contains("10.96.0.80 . tcp . 80 : goto svc/default/drift/tcp/http"),
+            &|t| t.contains("10.96.0.80 . tcp . 80 : goto pick-2") && t.contains("10.96.0.80 . tcp . 80 . 1 : "),
+        ),
+        (
+            "the pick chain deleted (the map element first, as nft insists)",
+            format!(
+                "delete element {shard} service-ips {{ 10.96.0.80 . tcp . 80 }}\n\
+                 flush chain {shard} pick-2\n\
+                 delete chain {shard} pick-2\n"
+            ),
+            &|t| t.contains("chain pick-2 {") && t.contains("10.96.0.80 . tcp . 80 : goto pick-2"),
         ),
         ("a base chain flushed", format!("flush chain {shard} nat-prerouting\n"), &|t| {
             t.split("chain nat-prerouting {").skip(1).all(|c| c.split('}').next().unwrap().contains("jump services"))
         }),
-        ("the shard table deleted", format!("delete table {shard}\n"), &|t| t.contains("chain svc/default/drift/tcp/http {")),
+        ("the shard table deleted", format!("delete table {shard}\n"), &|t| t.contains("10.96.0.80 . tcp . 80 : goto pick-2")),
         ("the main table deleted", "delete table inet wasmplane\n".into(), &|t| t.contains("table inet wasmplane {") && t.contains("chain masquerading {")),
     ];
     for (what, commands, repaired) in damage {
@@ -572,7 +591,7 @@ async fn restarting_the_host_leaves_no_window_without_rules() {
         vec![ready(POD_A, NODE), ready(POD_B, NODE)],
     ));
     let host = start_host(cluster.config(topo.nft_command())).await;
-    wait_applied(&host, "the service", |t| t.contains("svc/default/always/udp/dns"));
+    wait_applied(&host, "the service", |t| serves(t, "10.96.0.90 . udp . 80"));
 
     // A client that never stops: fresh TCP and UDP flows back to back, every failure kept.
     let stop = Arc::new(AtomicBool::new(false));
@@ -606,18 +625,21 @@ async fn restarting_the_host_leaves_no_window_without_rules() {
     wait_successes("the client loop to run", 20);
 
     host.stop().await;
-    assert!(topo.table().contains("chain svc/default/always/tcp/http {"), "rules must stay while the host is down");
+    assert!(topo.table().contains("10.96.0.90 . tcp . 80 : goto pick-2"), "rules must stay while the host is down");
     wait_successes("traffic while the host is down", 20);
 
     let host = start_host(cluster.config(topo.nft_command())).await;
     // Before the new host has read its sources, it must not have replaced working rules
     // with its (still empty) view of the cluster.
     let table = topo.table();
-    assert!(table.contains("10.96.0.90 . tcp . 80 : goto svc/default/always/tcp/http"), "rules right after restart:\n{table}");
-    wait_applied(&host, "the new host's first sync", |t| t.contains("svc/default/always/udp/dns"));
+    assert!(table.contains("10.96.0.90 . tcp . 80 : goto pick-2"), "rules right after restart:\n{table}");
+    wait_applied(&host, "the new host's first sync", |t| serves(t, "10.96.0.90 . udp . 80"));
     let first = host.controller.lock().unwrap().dataplane().last_transaction.clone();
     let shard = host.controller.lock().unwrap().dataplane().layout().table_of("svc/default/always");
-    assert!(first.contains("flush table inet wasmplane\n") && first.contains(&format!("add chain {shard} svc/default/always/tcp/http")), "the first sync is one full transaction:\n{first}");
+    assert!(
+        first.contains("flush table inet wasmplane\n") && first.contains(&format!("add element {shard} service-ips {{ 10.96.0.90 . tcp . 80 : goto pick-2 }}")),
+        "the first sync is one full transaction:\n{first}"
+    );
     wait_successes("traffic after the restart", 20);
 
     stop.store(true, Ordering::SeqCst);
@@ -635,9 +657,9 @@ async fn sctp_services_load_and_dnat() {
     let cluster = Cluster::new();
     cluster.put(&Svc::new("assoc", "10.96.0.100", vec![Port::new("sig", "SCTP", 7777, 7070)], vec![ready(POD_A, NODE)]));
     let host = start_host(cluster.config(topo.nft_command())).await;
-    wait_applied(&host, "the SCTP service", |t| t.contains("svc/default/assoc/sctp/sig"));
+    wait_applied(&host, "the SCTP service", |t| serves(t, "10.96.0.100 . sctp . 7777"));
     let table = topo.table();
-    assert!(table.contains("10.96.0.100 . sctp . 7777 : goto svc/default/assoc/sctp/sig"), "{table}");
+    assert!(table.contains("10.96.0.100 . sctp . 7777 : goto pick-1") && table.contains("10.96.0.100 . sctp . 7777 . 0 : 10.244.0.11 . 7070"), "{table}");
 
     // No SCTP sockets on this kernel; raw sockets show the INIT arriving DNATed.
     use support::sctp::*;
@@ -682,7 +704,7 @@ async fn a_udp_flow_to_a_removed_endpoint_moves_to_a_live_one() {
     let mut dns = Svc::new("dns", "10.96.0.53", vec![Port::new("dns", "UDP", 53, 8080)], vec![ready(POD_A, NODE), ready(POD_B, NODE)]);
     cluster.put(&dns);
     let host = start_host(cluster.config(topo.nft_command())).await;
-    wait_applied(&host, "the service", |t| t.contains("svc/default/dns/udp/dns"));
+    wait_applied(&host, "the service", |t| serves(t, "10.96.0.53 . udp . 53"));
 
     let socket = in_ns(&client, || {
         let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
@@ -700,7 +722,7 @@ async fn a_udp_flow_to_a_removed_endpoint_moves_to_a_live_one() {
     let removed = if first == "a" { POD_A } else { POD_B };
     dns.endpoints.retain(|e| e.ip != removed);
     cluster.put(&dns);
-    wait_applied(&host, "the endpoint removed", |t| !t.contains(&format!("dnat ip to {removed}:8080")));
+    wait_applied(&host, "the endpoint removed", |t| !targets(t, removed));
     assert_ne!(ask(), first, "the flow still reaches the removed endpoint");
     host.stop().await;
 }

@@ -1,7 +1,15 @@
 //! The default service translator: what kube-proxy's nftables mode does, as a pure function
 //! from one Service (and its EndpointSlices) to the typed nftables objects the host writes.
 //!
-//! Shape (per service port):
+//! Shape (per service port), in the common case (no session affinity, no
+//! externalTrafficPolicy Local, at most [`MAX_BACKENDS_PER_FRONTEND`] endpoints): no chain of
+//! its own. Each frontend (cluster IP, external IP, load-balancer IP) names its backends in
+//! the host's `service-backends` map and whether it is masqueraded (`masquerade-off-cluster`,
+//! `masquerade-always`); the host's shard DNATs through a `numgen` map. A change of endpoints
+//! is then map elements only, and the kernel, which walks every chain on every commit, has
+//! no chain per service to walk. Node ports get an external chain that masquerades and picks.
+//!
+//! Otherwise (per service port):
 //! - `service-ips` / `service-nodeports` map elements jump to the port's *service chain*
 //!   (cluster traffic) or *external chain* (NodePort, externalIPs, LoadBalancer IPs);
 //! - the service chain marks off-cluster sources for masquerade, then picks an endpoint with
@@ -252,6 +260,18 @@ fn translate_port(
 ) {
     let endpoints = categorize(port, slices, family_of);
     let prefix = format!("{chain_prefix}/{}", port_id(port));
+    let has_external = !service.external_ips.is_empty()
+        || !service.load_balancer_ips.is_empty()
+        || (port.node_port != 0 && matches!(service.service_type, ServiceType::NodePort | ServiceType::LoadBalancer));
+    // Load balancing as data needs nothing decided per connection but the pick: no
+    // affinity to remember, no external Local policy (it sends cluster sources elsewhere).
+    let as_data = service.session_affinity_timeout.is_none()
+        && !(has_external && service.external_traffic_policy == TrafficPolicy::Local)
+        && endpoints.cluster.len() <= MAX_BACKENDS_PER_FRONTEND;
+    if as_data {
+        translate_port_as_data(node, &prefix, service, port, slices, cluster_ips, ruleset, hairpin);
+        return;
+    }
     let cluster_backends = if service.internal_traffic_policy == TrafficPolicy::Local {
         endpoints.local.clone()
     } else {
@@ -259,9 +279,6 @@ fn translate_port(
     };
     let external_local = service.external_traffic_policy == TrafficPolicy::Local;
     let external_backends = if external_local { &endpoints.local } else { &endpoints.cluster };
-    let has_external = !service.external_ips.is_empty()
-        || !service.load_balancer_ips.is_empty()
-        || (port.node_port != 0 && matches!(service.service_type, ServiceType::NodePort | ServiceType::LoadBalancer));
 
     let mut rules = PortRules {
         prefix: prefix.clone(),
@@ -362,6 +379,94 @@ fn translate_port(
         let map = if routed { ok_ports } else { none_ports };
         rules.ruleset.map_elements.push(port_map_element(map, port.protocol, port.node_port, external_verdict.clone()));
     }
+}
+
+/// The most backends one frontend may name in the host's `service-backends` map.
+pub const MAX_BACKENDS_PER_FRONTEND: usize = 32;
+
+/// One port as data: each frontend names its backends (of the frontend's address family)
+/// and how it is masqueraded; the host's shard chains DNAT. Node ports, which have no
+/// address of their own to key the host's maps, get an external chain that picks.
+#[allow(clippy::too_many_arguments)]
+fn translate_port_as_data(
+    node: &NodeContext,
+    prefix: &str,
+    service: &Service,
+    port: &ServicePort,
+    slices: &[EndpointSlice],
+    cluster_ips: &[&String],
+    ruleset: &mut Ruleset,
+    hairpin: &mut BTreeSet<String>,
+) {
+    let internal_local = service.internal_traffic_policy == TrafficPolicy::Local;
+    let key = |ip: &str| vec![KeyPart::Address(ip.into()), KeyPart::Protocol(port.protocol), KeyPart::Port(port.port)];
+    // A frontend with backends: one element per backend, and its masquerading.
+    let mut balance = |ruleset: &mut Ruleset, ip: &str, backends: &[Backend], masquerade: Option<&str>| {
+        for b in backends {
+            let mut k = key(ip);
+            k.extend([KeyPart::Address(b.address.clone()), KeyPart::Port(b.port)]);
+            ruleset.map_elements.push(MapElement { map_name: "service-backends".into(), key: k, verdict: Verdict::None });
+            hairpin.insert(b.address.clone());
+        }
+        if let Some(set) = masquerade {
+            ruleset.map_elements.push(MapElement { map_name: set.into(), key: key(ip), verdict: Verdict::None });
+        }
+    };
+
+    // Cluster IPs, each with the endpoints of its own family.
+    for ip in cluster_ips {
+        let endpoints = categorize(port, slices, ip);
+        let backends = if internal_local { &endpoints.local } else { &endpoints.cluster };
+        if backends.is_empty() {
+            // Like kube-proxy: no endpoints at all rejects; internalTrafficPolicy Local with
+            // endpoints only on other nodes drops (the client is not told to go elsewhere).
+            let verdict = if endpoints.cluster.is_empty() {
+                ruleset.warnings.push(format!("{}: no ready endpoints for {ip}", port_id(port)));
+                Verdict::Reject
+            } else {
+                ruleset.warnings.push(format!("{}: internalTrafficPolicy Local and no endpoint on this node for {ip}", port_id(port)));
+                Verdict::Drop
+            };
+            ruleset.map_elements.push(service_map_element("no-endpoint-services", ip, port.protocol, port.port, verdict));
+            continue;
+        }
+        // Off-cluster sources reaching a cluster IP are masqueraded so replies return.
+        let off_cluster = node.cluster_cidrs.iter().any(|c| same_family(c, ip)).then_some("masquerade-off-cluster");
+        balance(ruleset, ip, backends, off_cluster);
+    }
+
+    // External IPs and load-balancer IPs (externalTrafficPolicy Cluster): masqueraded.
+    for ip in service.external_ips.iter().chain(&service.load_balancer_ips) {
+        let endpoints = categorize(port, slices, ip);
+        if endpoints.cluster.is_empty() {
+            ruleset.map_elements.push(service_map_element("no-endpoint-services", ip, port.protocol, port.port, Verdict::Reject));
+        } else {
+            balance(ruleset, ip, &endpoints.cluster, Some("masquerade-always"));
+        }
+    }
+
+    if port.node_port == 0 || !matches!(service.service_type, ServiceType::NodePort | ServiceType::LoadBalancer) {
+        return;
+    }
+    let family_of = cluster_ips.first().map_or("", |ip| ip.as_str());
+    let backends = categorize(port, slices, family_of).cluster;
+    if backends.is_empty() {
+        ruleset.map_elements.push(port_map_element("no-endpoint-nodeports", port.protocol, port.node_port, Verdict::Reject));
+        return;
+    }
+    let external_chain = format!("{prefix}/external");
+    let mut rules = PortRules {
+        prefix: prefix.to_string(),
+        affinity: None,
+        protocol: port.protocol,
+        ruleset,
+        endpoint_chains: BTreeMap::new(),
+        hairpin,
+    };
+    let mut chain_rules = vec![RuleBuilder::new().masquerade()];
+    chain_rules.extend(rules.pick_rules(&backends));
+    rules.ruleset.chains.push(Chain { name: external_chain.clone(), rules: chain_rules });
+    rules.ruleset.map_elements.push(port_map_element("service-nodeports", port.protocol, port.node_port, Verdict::Goto(external_chain)));
 }
 
 #[cfg(test)]

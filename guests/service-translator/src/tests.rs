@@ -28,37 +28,40 @@ fn slice(endpoints: Vec<Endpoint>) -> EndpointSlice {
     EndpointSlice { name: "web-1".into(), endpoints, ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }] }
 }
 
+/// Where the service DNATs to: in its chains, or as backends in the host's map.
 fn dnat_targets(r: &Ruleset) -> Vec<String> {
-    let mut v: Vec<String> = r
-        .chains
-        .iter()
-        .flat_map(|c| &c.rules)
-        .flat_map(|rule| &rule.statements)
-        .filter_map(|s| match s {
-            RuleStatement::Dnat(t) => Some(format!("{}:{}", t.address, t.port)),
-            _ => None,
-        })
-        .collect();
+    let in_chains = r.chains.iter().flat_map(|c| &c.rules).flat_map(|rule| &rule.statements).filter_map(|s| match s {
+        RuleStatement::Dnat(t) => Some(format!("{}:{}", t.address, t.port)),
+        _ => None,
+    });
+    let as_data = r.map_elements.iter().filter(|e| e.map_name == "service-backends").filter_map(|e| match &e.key[..] {
+        [_, _, _, KeyPart::Address(a), KeyPart::Port(p)] => Some(format!("{a}:{p}")),
+        _ => None,
+    });
+    let mut v: Vec<String> = in_chains.chain(as_data).collect();
     v.sort();
+    v.dedup();
     v
+}
+
+fn elements<'a>(r: &'a Ruleset, map: &str) -> Vec<&'a [KeyPart]> {
+    r.map_elements.iter().filter(|e| e.map_name == map).map(|e| &e.key[..]).collect()
 }
 
 #[test]
 fn cluster_ip_picks_uniformly_among_ready_endpoints() {
     let eps = slice(vec![endpoint("10.244.0.11", true, false, true), endpoint("10.244.1.11", true, false, false), endpoint("10.244.1.12", false, false, false)]);
     let r = translate(&ctx(), "svc/shop/web", &service(), &[eps]).unwrap();
+    assert!(r.warnings.is_empty(), "{:?}", r.warnings);
     assert_eq!(dnat_targets(&r), vec!["10.244.0.11:8080", "10.244.1.11:8080"]);
-    // One chain: no chain per endpoint (every kernel commit walks every chain).
-    assert_eq!(r.chains.len(), 1, "{:?}", r.chains);
-    let svc_chain = &r.chains[0];
-    assert_eq!(svc_chain.name, "svc/shop/web/tcp/http");
-    // Masquerade off-cluster sources, then 1/2 and the rest, each DNATing itself.
-    assert!(matches!(svc_chain.rules[0].verdict, Verdict::Masquerade));
-    assert_eq!(svc_chain.rules[1].matches, vec![RuleMatch::Random((2, 0)), RuleMatch::Protocol(Protocol::Tcp)]);
-    assert_eq!(svc_chain.rules[2].matches, vec![RuleMatch::Protocol(Protocol::Tcp)]);
-    assert!(svc_chain.rules[1..].iter().all(|rule| rule.verdict == Verdict::None && matches!(rule.statements[..], [RuleStatement::Dnat(_)])));
-    assert_eq!(r.map_elements.len(), 4);
-    assert_eq!(r.map_elements[0].map_name, "service-ips");
+    // No chain at all (every kernel commit walks every chain): the backends as data, the
+    // host picks among them; off-cluster sources are masqueraded.
+    assert!(r.chains.is_empty(), "{:?}", r.chains);
+    let frontend = [KeyPart::Address("10.96.0.20".into()), KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(80)];
+    let backend = |ip: &str| [&frontend[..], &[KeyPart::Address(ip.into()), KeyPart::Port(8080)]].concat();
+    assert_eq!(elements(&r, "service-backends"), vec![&backend("10.244.0.11")[..], &backend("10.244.1.11")[..]]);
+    assert_eq!(elements(&r, "masquerade-off-cluster"), vec![&frontend[..]]);
+    assert!(elements(&r, "service-ips").is_empty() && elements(&r, "masquerade-always").is_empty());
     // The cluster IP itself, for the host's reject of ports the service does not define.
     let cluster_ip = MapElement { map_name: "cluster-ips".into(), key: vec![KeyPart::Address("10.96.0.20".into())], verdict: Verdict::None };
     assert!(r.map_elements.contains(&cluster_ip), "{:?}", r.map_elements);
@@ -69,6 +72,42 @@ fn cluster_ip_picks_uniformly_among_ready_endpoints() {
         vec![KeyPart::Address("10.244.0.11".into())],
         vec![KeyPart::Address("10.244.1.11".into())],
     ]);
+}
+
+#[test]
+fn more_backends_than_the_host_picks_among_get_a_chain_that_draws_and_dnats() {
+    let many: Vec<Endpoint> = (0..=MAX_BACKENDS_PER_FRONTEND).map(|i| endpoint(&format!("10.244.2.{i}"), true, false, false)).collect();
+    let r = translate(&ctx(), "svc/shop/web", &service(), &[slice(many)]).unwrap();
+    assert!(elements(&r, "service-backends").is_empty());
+    assert_eq!(r.chains.len(), 1, "one chain, no chain per endpoint");
+    let svc_chain = &r.chains[0];
+    assert_eq!(svc_chain.name, "svc/shop/web/tcp/http");
+    // Masquerade off-cluster sources, then 1/33, 1/32, ... and the rest, each DNATing.
+    assert!(matches!(svc_chain.rules[0].verdict, Verdict::Masquerade));
+    let n = MAX_BACKENDS_PER_FRONTEND as u32 + 1;
+    assert_eq!(svc_chain.rules[1].matches, vec![RuleMatch::Random((n, 0)), RuleMatch::Protocol(Protocol::Tcp)]);
+    assert_eq!(svc_chain.rules.last().unwrap().matches, vec![RuleMatch::Protocol(Protocol::Tcp)]);
+    assert!(svc_chain.rules[1..].iter().all(|rule| rule.verdict == Verdict::None && matches!(rule.statements[..], [RuleStatement::Dnat(_)])));
+    assert_eq!(dnat_targets(&r).len(), n as usize);
+    assert_eq!(elements(&r, "service-ips").len(), 1);
+}
+
+#[test]
+fn node_ports_and_external_ips_as_data_are_masqueraded() {
+    let mut svc = service();
+    svc.service_type = ServiceType::NodePort;
+    svc.ports[0].node_port = 30080;
+    svc.external_ips = vec!["203.0.113.7".into()];
+    let r = translate(&ctx(), "svc/shop/web", &svc, &[slice(vec![endpoint("10.244.0.11", true, false, true)])]).unwrap();
+    let external = [KeyPart::Address("203.0.113.7".into()), KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(80)];
+    assert_eq!(elements(&r, "masquerade-always"), vec![&external[..]]);
+    assert_eq!(elements(&r, "service-backends").len(), 2, "the cluster IP and the external IP");
+    // A node port has no address to key the host's maps: a chain that masquerades and DNATs.
+    let chain = r.chains.iter().find(|c| c.name == "svc/shop/web/tcp/http/external").unwrap();
+    assert!(matches!(chain.rules[0].verdict, Verdict::Masquerade));
+    assert!(matches!(chain.rules[1].statements[..], [RuleStatement::Dnat(_)]));
+    let node_port = r.map_elements.iter().find(|e| e.map_name == "service-nodeports").unwrap();
+    assert_eq!(node_port.verdict, Verdict::Goto(chain.name.clone()));
 }
 
 #[test]

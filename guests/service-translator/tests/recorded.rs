@@ -39,13 +39,16 @@ fn ready_recorded_endpoints_are_dnat_targets() {
     let recording = recording();
     for call in recording.replay(translate) {
         let rules = call.output.unwrap();
-        let targets: Vec<&str> = rules
-            .chains
-            .iter()
-            .flat_map(|c| &c.rules)
-            .flat_map(|r| &r.statements)
-            .filter_map(|s| if let RuleStatement::Dnat(t) = s { Some(t.address.as_str()) } else { None })
-            .collect();
+        // DNAT in a chain, or a backend in the host's map (load balancing as data).
+        let in_chains = rules.chains.iter().flat_map(|c| &c.rules).flat_map(|r| &r.statements).filter_map(|s| match s {
+            RuleStatement::Dnat(t) => Some(t.address.as_str()),
+            _ => None,
+        });
+        let as_data = rules.map_elements.iter().filter(|e| e.map_name == "service-backends").filter_map(|e| match &e.key[..] {
+            [_, _, _, KeyPart::Address(a), _] => Some(a.as_str()),
+            _ => None,
+        });
+        let targets: Vec<&str> = in_chains.chain(as_data).collect();
         for endpoint in call.input.slices.iter().flat_map(|s| &s.endpoints).filter(|e| e.ready) {
             assert!(targets.contains(&endpoint.addresses[0].as_str()), "{}: {} is no DNAT target", call.input.key, endpoint.addresses[0]);
         }

@@ -55,7 +55,7 @@ fn limits_stop_guests_with_typed_errors() {
     }
     // The runtime is fine afterwards.
     let out = call(&rt, artifacts::SERVICE_TRANSLATOR).unwrap();
-    assert!(out.chains.iter().any(|c| c.name == "svc/shop/web/tcp/http"));
+    assert!(out.map_elements.iter().any(|e| e.map_name == "service-backends"), "{out:?}");
 }
 
 #[test]
@@ -104,9 +104,10 @@ fn compiled_components_are_cached_by_content() {
 
 #[test]
 fn output_over_the_cap_is_refused() {
-    let rt = Runtime::new(Limits { max_output_objects: 3, max_instances: 4, ..Default::default() }, None).unwrap();
+    // One endpoint as data: its backend, cluster IP and hairpin elements, 3 objects.
+    let rt = Runtime::new(Limits { max_output_objects: 2, max_instances: 4, ..Default::default() }, None).unwrap();
     match call(&rt, artifacts::SERVICE_TRANSLATOR).unwrap_err() {
-        CallError::OutputTooLarge(msg) => assert!(msg.contains("limits 3"), "{msg}"),
+        CallError::OutputTooLarge(msg) => assert!(msg.contains("3 objects") && msg.contains("limits 2"), "{msg}"),
         other => panic!("expected OutputTooLarge, got {other:?}"),
     }
 }

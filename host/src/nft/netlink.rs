@@ -577,31 +577,53 @@ fn element_key(text: &str) -> Result<Vec<u8>, String> {
     Ok(key)
 }
 
-/// The elements between `{` and `}`: `key [: verdict]`, comma separated.
-fn parse_elements(body: &str) -> Result<Vec<(Vec<u8>, Option<Verdict>)>, String> {
+/// What an element maps to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum ElementValue {
+    Verdict(Verdict),
+    /// A data map's value (`address . port` in the endpoint maps).
+    Data(Vec<u8>),
+}
+
+/// The endpoint maps: keys end in a `numgen` value (a host-order u32), values are data.
+fn is_endpoint_map(set: &str) -> bool {
+    matches!(set, "service-endpoints" | "service-endpoints6")
+}
+
+/// The elements between `{` and `}` of `set`: `key [: verdict or data]`, comma separated.
+fn parse_elements(set: &str, body: &str) -> Result<Vec<(Vec<u8>, Option<ElementValue>)>, String> {
     body.split(',')
         .map(|element| {
-            let (key, verdict) = match element.split_once(" : ") {
-                Some((k, v)) => (k, Some(parse_verdict(v.trim())?)),
-                None => (element, None),
+            let (key, value) = match element.split_once(" : ") {
+                Some((k, v)) => (k.trim(), Some(v.trim())),
+                None => (element.trim(), None),
             };
-            Ok((element_key(key.trim())?, verdict))
+            if !is_endpoint_map(set) {
+                return Ok((element_key(key)?, value.map(parse_verdict).transpose()?.map(ElementValue::Verdict)));
+            }
+            // address . protocol . port . number
+            let (front, index) = key.rsplit_once(" . ").filter(|_| key.split(" . ").count() == 4).ok_or_else(|| format!("endpoint key {key:?} is not frontend . number"))?;
+            let mut bytes = element_key(front)?;
+            bytes.extend(index.trim().parse::<u32>().map_err(|_| format!("endpoint number {index:?}"))?.to_ne_bytes());
+            Ok((bytes, value.map(element_key).transpose()?.map(ElementValue::Data)))
         })
         .collect()
 }
 
 /// Adds (`NFT_MSG_NEWSETELEM`, with their verdicts) or deletes elements of one set or map.
-fn encode_elements(w: &mut Writer, msg: u16, seq: u32, table: &str, set: &str, elements: &[(Vec<u8>, Option<Verdict>)]) {
+fn encode_elements(w: &mut Writer, msg: u16, seq: u32, table: &str, set: &str, elements: &[(Vec<u8>, Option<ElementValue>)]) {
     let adding = msg == NFT_MSG_NEWSETELEM;
     let m = w.begin_message((NFNL_SUBSYS_NFTABLES << 8) | msg, if adding { NLM_F_CREATE } else { 0 }, seq, NFPROTO_INET, 0);
     w.attr_str(1, table);
     w.attr_str(2, set);
     w.nest(3, |w| {
-        for (key, verdict) in elements {
+        for (key, value) in elements {
             w.nest(1, |w| {
                 w.data_value(1, key);
-                if let (Some(v), true) = (verdict, adding) {
-                    w.data_verdict(2, v);
+                match (value, adding) {
+                    (Some(ElementValue::Verdict(v)), true) => w.data_verdict(2, v),
+                    (Some(ElementValue::Data(data)), true) => w.data_value(2, data),
+                    _ => {}
                 }
             });
         }
@@ -715,7 +737,7 @@ pub fn encode_transaction(text: &str, first_seq: u32) -> Result<Batch, Unsupport
                 let (declaration, elements) = match body.split_once("elements = {") {
                     Some((d, e)) => {
                         let e = e.trim_end().strip_suffix(';').and_then(|e| e.trim_end().strip_suffix('}')).ok_or_else(|| unsupported("elements".into()))?;
-                        (d, Some(parse_elements(e.trim()).map_err(unsupported)?))
+                        (d, Some(parse_elements(name, e.trim()).map_err(unsupported)?))
                     }
                     None => (body, None),
                 };
@@ -762,7 +784,7 @@ pub fn encode_transaction(text: &str, first_seq: u32) -> Result<Batch, Unsupport
                     .strip_prefix('{')
                     .and_then(|b| b.strip_suffix('}'))
                     .ok_or_else(|| unsupported("elements not in braces".into()))?;
-                let elements = parse_elements(body.trim()).map_err(unsupported)?;
+                let elements = parse_elements(name, body.trim()).map_err(unsupported)?;
                 encode_elements(&mut w, if verb == "add element" { NFT_MSG_NEWSETELEM } else { NFT_MSG_DELSETELEM }, seq, table, name, &elements);
             }
         }
@@ -951,10 +973,16 @@ mod tests {
         assert_eq!(element_key("udp . 30053").unwrap(), vec![17, 0, 0, 0, 0x75, 0x65, 0, 0]);
         assert_eq!(element_key("fd00::1").unwrap().len(), 16);
         assert!(element_key("80").is_err());
-        let elements = parse_elements("10.0.0.1, 10.0.0.2").unwrap();
+        let elements = parse_elements("s", "10.0.0.1, 10.0.0.2").unwrap();
         assert_eq!(elements.len(), 2);
-        let elements = parse_elements("10.96.0.1 . tcp . 80 : goto svc/a/b").unwrap();
-        assert_eq!(elements[0].1, Some(Verdict { code: NFT_GOTO, chain: Some("svc/a/b".into()) }));
+        let elements = parse_elements("service-ips", "10.96.0.1 . tcp . 80 : goto svc/a/b").unwrap();
+        assert_eq!(elements[0].1, Some(ElementValue::Verdict(Verdict { code: NFT_GOTO, chain: Some("svc/a/b".into()) })));
+        // The endpoint maps: a numgen value (host order) ends the key, the value is data.
+        let elements = parse_elements("service-endpoints", "10.96.0.1 . tcp . 80 . 2 : 10.244.0.3 . 8080").unwrap();
+        let mut key = vec![10, 96, 0, 1, 6, 0, 0, 0, 0, 80, 0, 0];
+        key.extend(2u32.to_ne_bytes());
+        assert_eq!(elements[0], (key, Some(ElementValue::Data(vec![10, 244, 0, 3, 0x1f, 0x90, 0, 0]))));
+        assert!(parse_elements("service-endpoints", "10.96.0.1 . tcp . 80 : 10.244.0.3 . 8080").is_err(), "no number");
     }
 
     #[test]

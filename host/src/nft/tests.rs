@@ -31,7 +31,7 @@ fn renders_valid_output() {
     let rules = validate_service_output(&key(), &out).unwrap();
     assert_eq!(rules.chains["svc/shop/web/tcp/http"], vec!["meta l4proto tcp dnat ip to 10.244.0.11:8080".to_string()]);
     assert_eq!(rules.elements[&("service-ips".to_string(), "10.96.0.20 . tcp . 80".to_string())], "goto svc/shop/web/tcp/http");
-    let text = full_transaction([&rules].into_iter(), &Stale::default(), Layout::default());
+    let text = full_transaction([&rules].into_iter(), &Stale::default(), Layout::default(), &[]);
     assert!(text.contains("add element inet wasmplane-s0 service-ips { 10.96.0.20 . tcp . 80 : goto svc/shop/web/tcp/http }"));
     let flush = text.find("flush table inet wasmplane-s0\n").unwrap();
     assert!(text.find("add map inet wasmplane-s0 service-ips ").unwrap() < flush, "maps exist before they are flushed");
@@ -86,7 +86,7 @@ fn delta_touches_only_what_changed_in_a_valid_order() {
 #[test]
 fn skeleton_serves_node_ports_on_both_families_and_rejects_unknown_cluster_ip_ports() {
     let mut text = String::new();
-    skeleton(&mut text, true, Layout::default());
+    skeleton(&mut text, true, Layout::default(), &[]);
     for family_rule in [
         "add rule inet wasmplane-s0 services meta l4proto . th dport @service-nodeports jump node-ports",
         "add rule inet wasmplane-s0 node-ports ip daddr != 127.0.0.0/8 fib daddr type local meta l4proto . th dport vmap @service-nodeports",
@@ -122,7 +122,7 @@ fn cluster_ips_go_to_the_host_set_only_for_addresses_the_object_serves() {
     let out = ruleset(vec![dnat_chain(chain, "10.244.0.11")], vec![element("service-ips", "10.96.0.20", Verdict::Goto(chain.into())), cluster_ip("10.96.0.20")]);
     let rules = validate_service_output(&key(), &out).unwrap();
     assert_eq!(rules.elements[&("cluster-ips".to_string(), "10.96.0.20".to_string())], "");
-    let text = full_transaction([&rules].into_iter(), &Stale::default(), Layout::default());
+    let text = full_transaction([&rules].into_iter(), &Stale::default(), Layout::default(), &[]);
     assert!(text.contains("add element inet wasmplane cluster-ips { 10.96.0.20 }\n"), "{text}");
     let mut delta = String::new();
     object_delta(&rules, &ObjectRules::default(), &mut delta, Layout::default());
@@ -193,7 +193,7 @@ fn set_elements_change_as_element_deltas() {
     assert!(pos("delete set") < pos("add set inet wasmplane-s0 svc/shop/web/peers { type ipv4_addr; flags dynamic,timeout; timeout 30s; elements = { 10.244.0.1 }; }"));
     assert!(pos("add set") < pos("add rule inet wasmplane-s0 svc/shop/web/from-peers ip saddr @svc/shop/web/peers accept"));
     // The full document declares the set with its elements in one statement.
-    let text = full_transaction([&new].into_iter(), &Stale::default(), Layout::default());
+    let text = full_transaction([&new].into_iter(), &Stale::default(), Layout::default(), &[]);
     assert!(text.contains("add set inet wasmplane-s0 svc/shop/web/peers { type ipv4_addr; flags dynamic,timeout; timeout 30s; elements = { 10.244.0.1 }; }"), "{text}");
 }
 
@@ -283,7 +283,7 @@ fn a_full_transaction_declares_every_chain_before_any_rule_jumps() {
     a.chains.insert("polpod/10.244.0.1/ingress".into(), vec!["jump pol/ns/p/ingress".into()]);
     let mut b = ObjectRules::default();
     b.chains.insert("pol/ns/p/ingress".into(), vec!["ip saddr 10.244.0.2 accept".into()]);
-    let text = full_transaction([&a, &b].into_iter(), &Stale::default(), Layout::default());
+    let text = full_transaction([&a, &b].into_iter(), &Stale::default(), Layout::default(), &[]);
     let declared = text.find("add chain inet wasmplane pol/ns/p/ingress").expect("declared");
     let jumped = text.find("jump pol/ns/p/ingress").expect("the jump");
     assert!(declared < jumped, "{text}");
@@ -310,11 +310,15 @@ fn a_service_keeps_all_its_names_in_one_shard_and_everything_else_in_the_main_ta
         for name in [format!("{service}/tcp/http"), format!("{service}/ep/10.244.0.1/affinity")] {
             assert_eq!(layout.table_of(&name), t, "{name}");
         }
-        assert_eq!(layout.element_table("service-ips", &format!("goto {service}/tcp/http")), t);
-        assert_eq!(layout.element_table("service-nodeports", &format!("goto {service}")), t);
+        assert_eq!(layout.element_table("service-ips", &format!("goto {service}/tcp/http"), None), t);
+        assert_eq!(layout.element_table("service-nodeports", &format!("goto {service}"), None), t);
         // The shared checks stay in the main table.
-        assert_eq!(layout.element_table("no-endpoint-services", "goto reject-chain"), Table::MAIN);
-        assert_eq!(layout.element_table("cluster-ips", ""), Table::MAIN);
+        assert_eq!(layout.element_table("no-endpoint-services", "goto reject-chain", None), Table::MAIN);
+        assert_eq!(layout.element_table("cluster-ips", "", None), Table::MAIN);
+        // Data elements and gotos to a shard's `pick-N` chains follow the object's name.
+        assert_eq!(layout.element_table("service-endpoints", "10.244.0.1 . 80", Some(&service)), t);
+        assert_eq!(layout.element_table("service-ips", "goto pick-3", Some(&service)), t);
+        assert_eq!(layout.element_table("hairpin", "", Some(&service)), Table::MAIN);
     }
     let used: BTreeSet<Table> = (0..200).map(|i| layout.table_of(&format!("svc/ns/s{i}"))).collect();
     assert_eq!(used.len(), 16, "200 services cover every one of 16 shards");
@@ -341,7 +345,7 @@ fn table_names_parse_back_and_nothing_else_is_ours() {
 fn a_full_transaction_declares_every_shard_and_deletes_stale_tables_last() {
     let layout = Layout { shards: 2 };
     let stale = Stale { tables: vec![Table::shard(5)], chains: vec![(Table::shard(1), "svc/a/b".into())], sets: vec![], unsharded_main: false };
-    let text = full_transaction(std::iter::empty(), &stale, layout);
+    let text = full_transaction(std::iter::empty(), &stale, layout, &[]);
     for t in ["inet wasmplane", "inet wasmplane-s0", "inet wasmplane-s1"] {
         assert!(text.contains(&format!("add table {t}\n")) && text.contains(&format!("flush table {t}\n")), "{t}");
     }
@@ -372,7 +376,7 @@ fn hairpin_endpoints_are_address_pairs_of_their_family_written_once_however_many
 
     // Another service with the same pod behind it: the full transaction adds the pair once.
     let api = validate_service_output(&ObjectKey::new("shop", "api"), &ruleset(vec![], vec![hairpin("10.244.0.11"), hairpin("10.244.0.12")])).unwrap();
-    let text = full_transaction([&web, &api].into_iter(), &Stale::default(), Layout::default());
+    let text = full_transaction([&web, &api].into_iter(), &Stale::default(), Layout::default(), &[]);
     assert!(text.contains("add element inet wasmplane hairpin { 10.244.0.11 . 10.244.0.11, 10.244.0.12 . 10.244.0.12 }\n"), "{text}");
     assert_eq!(text.matches("10.244.0.11 . 10.244.0.11").count(), 1, "{text}");
     // The set is declared, emptied with the table and consulted after DNAT at postrouting.
@@ -425,4 +429,86 @@ fn conntrack_cleanup_finds_dnat_targets_in_the_service_chain_itself() {
     let filters = conntrack_cleanup(&service(&["10.244.0.11", "10.244.0.12", "10.244.0.13"]), &service(&["10.244.0.11", "10.244.0.13"]));
     let lost = ConntrackFilter { protocol: "udp", ipv6: false, destination: Some("10.96.0.53".parse().unwrap()), port: 53, endpoint: Some(("10.244.0.12".parse().unwrap(), 8053)) };
     assert_eq!(filters, vec![lost]);
+}
+
+fn backend(frontend: &str, protocol: Protocol, port: u16, address: &str, backend_port: u16) -> MapElement {
+    MapElement {
+        map_name: "service-backends".into(),
+        key: vec![KeyPart::Address(frontend.into()), KeyPart::Protocol(protocol), KeyPart::Port(port), KeyPart::Address(address.into()), KeyPart::Port(backend_port)],
+        verdict: Verdict::None,
+    }
+}
+
+fn frontend_set(map: &str, ip: &str) -> MapElement {
+    MapElement { map_name: map.into(), key: vec![KeyPart::Address(ip.into()), KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(80)], verdict: Verdict::None }
+}
+
+#[test]
+fn backends_as_data_are_numbered_in_the_endpoint_maps_and_sent_to_the_pick_chain_of_their_count() {
+    let out = ruleset(
+        vec![],
+        vec![
+            backend("10.96.0.20", Protocol::Tcp, 80, "10.244.0.12", 8080),
+            backend("10.96.0.20", Protocol::Tcp, 80, "10.244.0.11", 8080),
+            backend("fd00:96::20", Protocol::Udp, 53, "fd00::11", 5353),
+            frontend_set("masquerade-off-cluster", "10.96.0.20"),
+            cluster_ip("10.96.0.20"),
+        ],
+    );
+    let rules = validate_service_output(&key(), &out).unwrap();
+    let get = |map: &str, k: &str| rules.elements.get(&(map.to_string(), k.to_string())).map(String::as_str);
+    assert_eq!(get("service-endpoints", "10.96.0.20 . tcp . 80 . 0"), Some("10.244.0.11 . 8080"));
+    assert_eq!(get("service-endpoints", "10.96.0.20 . tcp . 80 . 1"), Some("10.244.0.12 . 8080"));
+    assert_eq!(get("service-ips", "10.96.0.20 . tcp . 80"), Some("goto pick-2"));
+    assert_eq!(get("service-endpoints6", "fd00:96::20 . udp . 53 . 0"), Some("fd00::11 . 5353"));
+    assert_eq!(get("service-ips6", "fd00:96::20 . udp . 53"), Some("goto pick-1"));
+    assert_eq!(get("masquerade-off-cluster", "10.96.0.20 . tcp . 80"), Some(""));
+    assert!(rules.is_sharded() && rules.chains.is_empty());
+
+    // All of it in the service's shard; the shard has the pick chains and its cluster CIDRs.
+    let layout = Layout { shards: 4 };
+    let shard = layout.table_of("svc/shop/web");
+    let cidrs: Vec<IpNet> = vec!["10.244.0.0/16".parse().unwrap(), "fd00:10:244::/56".parse().unwrap()];
+    let text = full_transaction([&rules].into_iter(), &Stale::default(), layout, &cidrs);
+    for line in [
+        format!("add element {shard} service-endpoints {{ 10.96.0.20 . tcp . 80 . 1 : 10.244.0.12 . 8080 }}"),
+        format!("add element {shard} service-ips {{ 10.96.0.20 . tcp . 80 : goto pick-2 }}"),
+        format!("add element {shard} masquerade-off-cluster {{ 10.96.0.20 . tcp . 80 }}"),
+        format!("add rule {shard} pick-2 dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 2 map @service-endpoints"),
+        format!("add rule {shard} pick-{MAX_PICK} jump masquerade-check"),
+        format!("add element {shard} cluster-cidrs {{ 10.244.0.0/16 }}"),
+        format!("add element {shard} cluster-cidrs6 {{ fd00:10:244::/56 }}"),
+    ] {
+        assert!(text.contains(&line), "{line} missing");
+    }
+    assert!(!text.contains(&format!("pick-{} ", MAX_PICK + 1)));
+    // An endpoint change is element deltas only: one number's backend, no chain touched.
+    let out = ruleset(vec![], vec![backend("10.96.0.20", Protocol::Tcp, 80, "10.244.0.11", 8080), backend("10.96.0.20", Protocol::Tcp, 80, "10.244.0.13", 8080)]);
+    let next = validate_service_output(&key(), &out).unwrap();
+    let mut delta = String::new();
+    objects_delta(&[(&rules, &next)], &mut delta, layout);
+    assert!(delta.contains(&format!("delete element {shard} service-endpoints {{ 10.96.0.20 . tcp . 80 . 1 }}")), "{delta}");
+    assert!(delta.contains(&format!("add element {shard} service-endpoints {{ 10.96.0.20 . tcp . 80 . 1 : 10.244.0.13 . 8080 }}")), "{delta}");
+    assert!(!delta.contains("chain") && !delta.contains("service-ips {"), "{delta}");
+}
+
+#[test]
+fn backends_as_data_are_refused_when_they_do_not_add_up() {
+    let too_many: Vec<MapElement> = (0..=MAX_PICK).map(|i| backend("10.96.0.20", Protocol::Tcp, 80, &format!("10.244.1.{i}"), 8080)).collect();
+    for (elements, why) in [
+        (too_many, "limit"),
+        (vec![backend("10.96.0.20", Protocol::Tcp, 80, "fd00::11", 8080)], "another address family"),
+        (vec![backend("10.96.0.20", Protocol::Tcp, 80, "10.244.0.11", 8080), element("service-ips", "10.96.0.20", Verdict::Reject)], "cannot hold verdict"),
+        (vec![frontend_set("masquerade-always", "10.96.0.99")], "not a frontend of this object"),
+        (vec![MapElement { verdict: Verdict::Accept, ..backend("10.96.0.20", Protocol::Tcp, 80, "10.244.0.11", 8080) }], "wrong shape"),
+    ] {
+        let err = validate_service_output(&key(), &ruleset(vec![], elements)).unwrap_err();
+        assert!(err.reason.contains(why), "{why}: {err}");
+    }
+    // The frontend named both ways.
+    let both = ruleset(
+        vec![dnat_chain("svc/shop/web/tcp/http", "10.244.0.11")],
+        vec![backend("10.96.0.20", Protocol::Tcp, 80, "10.244.0.11", 8080), element("service-ips", "10.96.0.20", Verdict::Goto("svc/shop/web/tcp/http".into()))],
+    );
+    assert!(validate_service_output(&key(), &both).unwrap_err().reason.contains("given twice"));
 }
