@@ -107,7 +107,7 @@ fn main() {
     let mut batch_kinds = Vec::new();
     for n in sizes {
         let objects: BTreeMap<ObjectKey, ObjectRules> = (0..n).map(|i| rules(&mut session, &ctx, &view(i, 0))).collect();
-        let (document, render) = timed(|| nft::full_transaction(objects.values(), &nft::Stale::default(), nft::Layout::default(), &[]));
+        let (document, render) = timed(|| nft::full_transaction(objects.values(), &nft::Stale::default(), nft::Layout::default(), &["10.244.0.0/16".parse().unwrap()]));
         let statements = document.lines().count();
 
         let reference_ns = Netns::new(format!("wpbench{}-ref", std::process::id()));
@@ -122,13 +122,14 @@ fn main() {
             let ns = Netns::new(format!("wpbench{}-writer", std::process::id()));
             let netns = NetlinkNft::netns_of_command(&ns.nft_command());
             let kernel = NetlinkNft::open(NftCommand::new(ns.nft_command(), Vec::new()), netns.as_deref()).expect("netlink socket");
-            let mut dataplane = Dataplane::new(Box::new(kernel)).with_services_per_shard(per_shard);
+            let mut dataplane = Dataplane::new(Box::new(kernel)).with_services_per_shard(per_shard).with_cluster_cidrs(&ctx.cluster_cidrs);
             let (result, full) = timed(|| dataplane.full_sync(Some(objects.clone())));
             result.expect("writer full sync");
             let layout = dataplane.layout();
             let mut lister = NftCommand::new(ns.nft_command(), Vec::new());
             let (listed, list) = timed(|| lister.list_objects().unwrap());
-            assert!(listed.chains.len() > n, "listing found {} chains", listed.chains.len());
+            // Services are data (no chains of their own): the listing is the tables' skeletons.
+            assert!(listed.chains.len() >= nft::MAX_PICK, "listing found {} chains", listed.chains.len());
             let (result, reconcile) = timed(|| dataplane.full_sync(None));
             result.expect("reconcile");
 
@@ -137,7 +138,7 @@ fn main() {
             for k in 0..5 {
                 let i = k * n / 5 + 7;
                 let mut v = view(i, 0);
-                // One endpoint replaced: the service chain is rewritten, one hairpin pair goes, one comes.
+                // One endpoint replaced: one numbered backend changes, one hairpin pair goes, one comes.
                 v.slices[0].endpoints[2].addresses = vec![format!("10.250.{}.{}", k, i % 250 + 1)];
                 let (key, r) = rules(&mut session, &ctx, &v);
                 let (stats, t) = timed(|| dataplane.sync(vec![(key.clone(), Some(r))]).expect("incremental sync"));
