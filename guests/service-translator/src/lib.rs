@@ -267,7 +267,12 @@ fn translate_port(
     // affinity to remember, no external Local policy (it sends cluster sources elsewhere).
     let as_data = service.session_affinity_timeout.is_none()
         && !(has_external && service.external_traffic_policy == TrafficPolicy::Local)
-        && endpoints.cluster.len() <= MAX_BACKENDS_PER_FRONTEND;
+        && cluster_ips
+            .iter()
+            .copied()
+            .chain(&service.external_ips)
+            .chain(&service.load_balancer_ips)
+            .all(|ip| categorize(port, slices, ip).cluster.len() <= MAX_BACKENDS_PER_FRONTEND);
     if as_data {
         translate_port_as_data(node, &prefix, service, port, slices, cluster_ips, ruleset, hairpin);
         return;

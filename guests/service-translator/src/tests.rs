@@ -193,3 +193,28 @@ fn internal_local_policy_uses_local_endpoints_and_drops_without_them() {
     let r = translate(&ctx(), "svc/shop/web", &svc, &[]).unwrap();
     assert_eq!(r.map_elements[0].verdict, Verdict::Reject, "no endpoints at all: reject");
 }
+
+#[test]
+fn a_frontend_of_either_family_with_too_many_backends_keeps_the_port_in_a_chain() {
+    let mut svc = service();
+    svc.cluster_ips = vec!["10.96.0.20".into(), "fd00:96::20".into()];
+    let v4 = slice(vec![endpoint("10.244.0.11", true, false, true)]);
+    let mut v6 = slice((0..=MAX_BACKENDS_PER_FRONTEND).map(|i| endpoint(&format!("fd00:10:244::{i:x}"), true, false, false)).collect());
+    v6.name = "web-v6".into();
+    let r = translate(&ctx(), "svc/shop/web", &svc, &[v4.clone(), v6]).unwrap();
+    assert!(elements(&r, "service-backends").is_empty(), "the host would refuse the v6 frontend's {} backends", MAX_BACKENDS_PER_FRONTEND + 1);
+    assert!(r.chains.iter().any(|c| c.name == "svc/shop/web/tcp/http"));
+    // Within the limit, each cluster IP gets the backends of its own family.
+    let v6 = slice(vec![endpoint("fd00:10:244::11", true, false, false)]);
+    let r = translate(&ctx(), "svc/shop/web", &svc, &[v4, v6]).unwrap();
+    let backends: Vec<(String, String)> = r
+        .map_elements
+        .iter()
+        .filter(|e| e.map_name == "service-backends")
+        .filter_map(|e| match &e.key[..] {
+            [KeyPart::Address(f), _, _, KeyPart::Address(b), _] => Some((f.clone(), b.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(backends, vec![("10.96.0.20".to_string(), "10.244.0.11".to_string()), ("fd00:96::20".to_string(), "fd00:10:244::11".to_string())]);
+}
