@@ -597,7 +597,8 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
     }
     rules.service_prefix = Some(prefix.clone());
     // Frontend (address, protocol, port) → its backends (address, port), from `service-backends`.
-    let mut backends: BTreeMap<(IpAddr, &'static str, u16), BTreeSet<(IpAddr, u16)>> = BTreeMap::new();
+    type Balanced = BTreeMap<(IpAddr, &'static str, u16), BTreeSet<(IpAddr, u16)>>;
+    let mut backends = Balanced::new();
     for element in &out.map_elements {
         let Some(map) = SERVICE_MAPS.iter().find(|m| m.name == element.map_name) else {
             return v.fail(format!("unknown map {:?} (known: {})", element.map_name, SERVICE_MAPS.iter().map(|m| m.name).collect::<Vec<_>>().join(", ")));
