@@ -193,7 +193,11 @@ const SHARDED_MAPS: [&str; 9] = [
 ];
 
 impl Layout {
-    pub const DEFAULT_SERVICES_PER_SHARD: usize = 1024;
+    /// With services as data, a shard's size matters only when a change adds a verdict
+    /// element (a frontend's backend count changes), while every shard costs each new
+    /// connection ~0.3 µs: 8,192 per shard (8 at 50k) measured better than 1,024 (64) on
+    /// both (`benches/nft_writer.rs`, `benches/nat_shards.rs`; BENCHMARKS.md, fifth run).
+    pub const DEFAULT_SERVICES_PER_SHARD: usize = 8192;
     pub const MAX_SHARDS: u32 = 64;
 
     /// The layout for `services` services, `per_shard` to a shard.
