@@ -749,9 +749,7 @@ impl Dataplane {
         next: &BTreeMap<ObjectKey, Arc<ObjectRules>>,
     ) -> BTreeMap<(String, String), (usize, usize)> {
         let mut change: BTreeMap<(String, String), (usize, usize)> = BTreeMap::new();
-        let shared = |rules: Option<&ObjectRules>| {
-            rules.into_iter().flat_map(|r| r.elements.keys()).filter(|(map, _)| nft::is_shared_set(map)).cloned().collect::<Vec<_>>()
-        };
+        let shared = |rules: Option<&ObjectRules>| rules.into_iter().flat_map(ObjectRules::shared_keys).cloned().collect::<Vec<_>>();
         for (key, old) in olds {
             for (k, step) in shared(old.as_deref()).into_iter().map(|k| (k, -1)).chain(shared(next.get(key).map(|r| &**r)).into_iter().map(|k| (k, 1))) {
                 let before = self.shared_owners.get(&k).copied().unwrap_or(0);
@@ -827,7 +825,7 @@ impl Dataplane {
                 let mut owners: HashMap<(String, String), ObjectKey> = HashMap::new();
                 for (key, mut rules) in objects {
                     refuse_taken_keys(&owners, &key, &mut rules);
-                    for k in rules.elements.keys().filter(|(map, _)| !nft::is_shared_set(map)) {
+                    for k in rules.owned_keys() {
                         owners.insert(k.clone(), key.clone());
                     }
                     next.insert(key, Arc::new(rules));
@@ -930,7 +928,7 @@ impl Dataplane {
     fn owners(objects: &BTreeMap<ObjectKey, Arc<ObjectRules>>) -> HashMap<(String, String), ObjectKey> {
         let mut owners = HashMap::new();
         for (key, rules) in objects {
-            for k in rules.elements.keys().filter(|(map, _)| !nft::is_shared_set(map)) {
+            for k in rules.owned_keys() {
                 owners.insert(k.clone(), key.clone());
             }
         }
@@ -949,7 +947,7 @@ impl Dataplane {
     fn commit(&mut self, next: BTreeMap<ObjectKey, Arc<ObjectRules>>, sharded: usize) {
         self.element_owner = Self::owners(&next);
         self.shared_owners.clear();
-        for k in next.values().flat_map(|r| r.elements.keys()).filter(|(map, _)| nft::is_shared_set(map)) {
+        for k in next.values().flat_map(|r| r.shared_keys()) {
             *self.shared_owners.entry(k.clone()).or_default() += 1;
         }
         self.sharded = sharded;

@@ -379,6 +379,16 @@ impl ObjectRules {
             || (self.service_prefix.is_some() && self.elements.keys().any(|(map, _)| SHARDED_MAPS.contains(&map.as_str())))
     }
 
+    /// Its elements of shared host sets ([`is_shared_set`]): many objects may hold each.
+    pub fn shared_keys(&self) -> impl Iterator<Item = &(String, String)> {
+        self.elements.keys().filter(|(map, _)| is_shared_set(map))
+    }
+
+    /// Its elements that have one owner: all but those of shared sets.
+    pub fn owned_keys(&self) -> impl Iterator<Item = &(String, String)> {
+        self.elements.keys().filter(|(map, _)| !is_shared_set(map))
+    }
+
     /// Empty rules carrying what the guest warned about (bounded: 32 warnings of 256 chars).
     fn with_guest_warnings(warnings: &[String]) -> ObjectRules {
         ObjectRules { warnings: warnings.iter().take(32).map(|w| w.chars().take(256).collect()).collect(), ..Default::default() }
@@ -898,7 +908,10 @@ pub fn skeleton(out: &mut String, flush_first: bool, layout: Layout, cluster_cid
         SHARD_SKELETON.write(out, t, flush_first);
         write_pick_chains(out, t);
         for (set, v4) in [("cluster-cidrs", true), ("cluster-cidrs6", false)] {
-            writeln!(out, "flush set {t} {set}").unwrap();
+            if !flush_first {
+                // Else emptied with the table's sets above; interval elements cannot be re-added.
+                writeln!(out, "flush set {t} {set}").unwrap();
+            }
             let cidrs: Vec<String> = cluster_cidrs.iter().filter(|c| matches!(c, IpNet::V4(_)) == v4).map(|c| c.trunc().to_string()).collect();
             if !cidrs.is_empty() {
                 writeln!(out, "add element {t} {set} {{ {} }}", cidrs.join(", ")).unwrap();
@@ -1039,10 +1052,7 @@ pub fn full_transaction<'a>(objects: impl Iterator<Item = &'a ObjectRules> + Clo
 /// it were the only owner of its elements of shared sets (a rendering of the object alone).
 pub fn object_delta(old: &ObjectRules, new: &ObjectRules, out: &mut String, layout: Layout) {
     objects_delta(&[(old, new)], out, layout);
-    fn shared(rules: &ObjectRules) -> BTreeSet<&(String, String)> {
-        rules.elements.keys().filter(|(map, _)| is_shared_set(map)).collect()
-    }
-    let (before, after) = (shared(old), shared(new));
+    let (before, after): (BTreeSet<_>, BTreeSet<_>) = (old.shared_keys().collect(), new.shared_keys().collect());
     shared_elements(out, before.difference(&after).copied(), false);
     shared_elements(out, after.difference(&before).copied(), true);
 }

@@ -127,6 +127,23 @@ fn categorize(port: &ServicePort, slices: &[EndpointSlice], family_of: &str) -> 
     PortEndpoints { cluster, local }
 }
 
+/// A port's endpoints in each address family, categorized once per port.
+struct ByFamily {
+    v4: PortEndpoints,
+    v6: PortEndpoints,
+}
+
+impl ByFamily {
+    fn new(port: &ServicePort, slices: &[EndpointSlice]) -> ByFamily {
+        ByFamily { v4: categorize(port, slices, "0.0.0.0"), v6: categorize(port, slices, "::") }
+    }
+
+    /// The endpoints of `address`'s family.
+    fn of(&self, address: &str) -> &PortEndpoints {
+        if address.contains(':') { &self.v6 } else { &self.v4 }
+    }
+}
+
 fn port_id(port: &ServicePort) -> String {
     let name = if port.name.is_empty() { port.port.to_string() } else { port.name.clone() };
     format!("{}/{}", protocol_name(port.protocol), name)
@@ -258,7 +275,8 @@ fn translate_port(
     ruleset: &mut Ruleset,
     hairpin: &mut BTreeSet<String>,
 ) {
-    let endpoints = categorize(port, slices, family_of);
+    let by_family = ByFamily::new(port, slices);
+    let endpoints = by_family.of(family_of);
     let prefix = format!("{chain_prefix}/{}", port_id(port));
     let has_external = !service.external_ips.is_empty()
         || !service.load_balancer_ips.is_empty()
@@ -272,9 +290,9 @@ fn translate_port(
             .copied()
             .chain(&service.external_ips)
             .chain(&service.load_balancer_ips)
-            .all(|ip| categorize(port, slices, ip).cluster.len() <= MAX_BACKENDS_PER_FRONTEND);
+            .all(|ip| by_family.of(ip).cluster.len() <= MAX_BACKENDS_PER_FRONTEND);
     if as_data {
-        translate_port_as_data(node, &prefix, service, port, slices, cluster_ips, ruleset, hairpin);
+        translate_port_as_data(node, &prefix, service, port, &by_family, cluster_ips, ruleset, hairpin);
         return;
     }
     let cluster_backends = if service.internal_traffic_policy == TrafficPolicy::Local {
@@ -398,7 +416,7 @@ fn translate_port_as_data(
     prefix: &str,
     service: &Service,
     port: &ServicePort,
-    slices: &[EndpointSlice],
+    by_family: &ByFamily,
     cluster_ips: &[&String],
     ruleset: &mut Ruleset,
     hairpin: &mut BTreeSet<String>,
@@ -420,7 +438,7 @@ fn translate_port_as_data(
 
     // Cluster IPs, each with the endpoints of its own family.
     for ip in cluster_ips {
-        let endpoints = categorize(port, slices, ip);
+        let endpoints = by_family.of(ip);
         let backends = if internal_local { &endpoints.local } else { &endpoints.cluster };
         if backends.is_empty() {
             // Like kube-proxy: no endpoints at all rejects; internalTrafficPolicy Local with
@@ -442,7 +460,7 @@ fn translate_port_as_data(
 
     // External IPs and load-balancer IPs (externalTrafficPolicy Cluster): masqueraded.
     for ip in service.external_ips.iter().chain(&service.load_balancer_ips) {
-        let endpoints = categorize(port, slices, ip);
+        let endpoints = by_family.of(ip);
         if endpoints.cluster.is_empty() {
             ruleset.map_elements.push(service_map_element("no-endpoint-services", ip, port.protocol, port.port, Verdict::Reject));
         } else {
@@ -453,8 +471,7 @@ fn translate_port_as_data(
     if port.node_port == 0 || !matches!(service.service_type, ServiceType::NodePort | ServiceType::LoadBalancer) {
         return;
     }
-    let family_of = cluster_ips.first().map_or("", |ip| ip.as_str());
-    let backends = categorize(port, slices, family_of).cluster;
+    let backends = &by_family.of(cluster_ips.first().map_or("", |ip| ip.as_str())).cluster;
     if backends.is_empty() {
         ruleset.map_elements.push(port_map_element("no-endpoint-nodeports", port.protocol, port.node_port, Verdict::Reject));
         return;
@@ -469,7 +486,7 @@ fn translate_port_as_data(
         hairpin,
     };
     let mut chain_rules = vec![RuleBuilder::new().masquerade()];
-    chain_rules.extend(rules.pick_rules(&backends));
+    chain_rules.extend(rules.pick_rules(backends));
     rules.ruleset.chains.push(Chain { name: external_chain.clone(), rules: chain_rules });
     rules.ruleset.map_elements.push(port_map_element("service-nodeports", port.protocol, port.node_port, Verdict::Goto(external_chain)));
 }
