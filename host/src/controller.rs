@@ -239,6 +239,7 @@ impl Controller {
     /// A batch from the Kubernetes watchers, applied as one model update (one revision at
     /// most, however many events it holds).
     pub fn apply_source(&mut self, batch: Vec<SourceEvent>) -> Result<(), HostError> {
+        let started = Instant::now();
         let node = self.model.node_name().to_string();
         let mut touched = Touched::default();
         for event in batch {
@@ -260,7 +261,9 @@ impl Controller {
             }
         }
         let update = self.model.update(&self.cluster, &touched);
-        self.run_update(update)
+        let result = self.run_update(update);
+        self.metrics.source_apply_seconds.observe(started.elapsed().as_secs_f64());
+        result
     }
 
     /// The CNI daemon gave a pod these addresses (`Some`), or released `released` (`None`):

@@ -52,6 +52,9 @@ pub struct Metrics {
     pub guest_call_seconds: Histogram,
     /// One dataplane transaction, guest calls excluded (nft's share of a change).
     pub dataplane_sync_seconds: Histogram,
+    /// One batch of source events applied: cluster index, model update, guest calls and the
+    /// dataplane transaction (the host's share of a change, from channel to kernel).
+    pub source_apply_seconds: Histogram,
     pub invalid_outputs: Counter,
     pub syncs: Family<ResultLabels, Counter>,
     pub sync_statements: Counter,
@@ -77,6 +80,7 @@ impl Metrics {
             guest_calls: Family::default(),
             guest_call_seconds: Histogram::new(exponential_buckets(0.000_01, 4.0, 10)),
             dataplane_sync_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
+            source_apply_seconds: Histogram::new(exponential_buckets(0.000_1, 2.0, 18)),
             invalid_outputs: Counter::default(),
             syncs: Family::default(),
             sync_statements: Counter::default(),
@@ -96,6 +100,7 @@ impl Metrics {
         registry.register("guest_call_seconds", "Duration of one guest call", m.guest_call_seconds.clone());
         registry.register("dataplane_transactions", "Incremental dataplane transactions by path (netlink batch, nft process, record)", m.dataplane_transactions.clone());
         registry.register("dataplane_sync_seconds", "Duration of one incremental dataplane transaction", m.dataplane_sync_seconds.clone());
+        registry.register("source_apply_seconds", "Duration of applying one batch of cluster events: model update, guest calls and the dataplane transaction", m.source_apply_seconds.clone());
         registry.register("guest_invalid_outputs", "Guest outputs rejected by validation", m.invalid_outputs.clone());
         registry.register("dataplane_syncs", "Dataplane transactions by result", m.syncs.clone());
         registry.register("dataplane_statements", "nftables statements written", m.sync_statements.clone());

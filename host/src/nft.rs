@@ -180,12 +180,16 @@ impl Default for Layout {
 }
 
 /// Host maps whose elements jump to a service's chains: they live in the service's shard.
-const SHARDED_MAPS: [&str; 9] = [
+const SHARDED_MAPS: [&str; 13] = [
     "service-ips",
     "service-ips6",
     "service-nodeports",
     "service-endpoints",
     "service-endpoints6",
+    "nodeport-picks",
+    "nodeport-picks6",
+    "nodeport-endpoints",
+    "nodeport-endpoints6",
     "masquerade-off-cluster",
     "masquerade-off-cluster6",
     "masquerade-always",
@@ -263,6 +267,8 @@ enum KeyShape {
     /// address . protocol . port . backend address . backend port: the frontend is load
     /// balanced over all the backends the object names for it (see `service-backends`).
     Backend,
+    /// protocol . node port . backend address . backend port (see `nodeport-backends`).
+    NodePortBackend,
 }
 
 /// What the elements of a host map carry.
@@ -314,6 +320,12 @@ const SERVICE_MAPS: &[HostMap] = &[
     // to the shard's `service-endpoints` map, and the frontend to `service-ips` with a goto
     // to the shard's `pick-N` chain, which DNATs through `numgen random mod N` in that map.
     HostMap { name: "service-backends", v6_name: None, key: KeyShape::Backend, kind: MapKind::Backends, shared: false },
+    // The same for a node port (externalTrafficPolicy Cluster: always masqueraded), which has
+    // no address of its own: backends of either family, each family drawn among its own.
+    // The host numbers them into the shard's `nodeport-endpoints(6)`, the port into
+    // `nodeport-picks(6)` with a goto to `nodeport-pick-N`, and into `service-nodeports`
+    // with a goto to `nodeport-dispatch`, which picks the map of the packet's family.
+    HostMap { name: "nodeport-backends", v6_name: None, key: KeyShape::NodePortBackend, kind: MapKind::Backends, shared: false },
     // Frontends of the object (verdict `none`) whose new connections are masqueraded when
     // their source is outside the cluster CIDRs, or always; checked by the `pick-N` chains.
     HostMap {
@@ -613,6 +625,8 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
     // Frontend (address, protocol, port) → its backends (address, port), from `service-backends`.
     type Balanced = BTreeMap<(IpAddr, &'static str, u16), BTreeSet<(IpAddr, u16)>>;
     let mut backends = Balanced::new();
+    // Node port (protocol, port) → its IPv4 and IPv6 backends, from `nodeport-backends`.
+    let mut node_port_backends: BTreeMap<(&'static str, u16), (BTreeSet<(IpAddr, u16)>, BTreeSet<(IpAddr, u16)>)> = BTreeMap::new();
     for element in &out.map_elements {
         let Some(map) = SERVICE_MAPS.iter().find(|m| m.name == element.map_name) else {
             return v.fail(format!("unknown map {:?} (known: {})", element.map_name, SERVICE_MAPS.iter().map(|m| m.name).collect::<Vec<_>>().join(", ")));
@@ -643,6 +657,14 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
                 backends.entry((frontend, protocol(*p), *port)).or_default().insert((backend, *bp));
                 continue;
             }
+            (KeyShape::NodePortBackend, [wit::KeyPart::Protocol(p), wit::KeyPart::Port(port), wit::KeyPart::Address(b), wit::KeyPart::Port(bp)])
+                if element.verdict == wit::Verdict::None =>
+            {
+                let backend = v.address(b)?;
+                let families = node_port_backends.entry((protocol(*p), *port)).or_default();
+                if backend.is_ipv4() { &mut families.0 } else { &mut families.1 }.insert((backend, *bp));
+                continue;
+            }
             _ => return v.fail(format!("map {:?}: key {:?} has the wrong shape", map.name, element.key)),
         };
         let verdict = match (&element.verdict, map.kind) {
@@ -669,6 +691,25 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
         }
         if rules.elements.insert((ips.to_string(), front.clone()), format!("goto pick-{}", set.len())).is_some() {
             return v.fail(format!("map {ips:?}: key {front} given twice (service-backends names it too)"));
+        }
+    }
+    // Each node port's backends, numbered per family, and the port sent to the family's
+    // `nodeport-pick-N` through `nodeport-dispatch`.
+    for ((proto, port), (v4, v6)) in &node_port_backends {
+        let front = format!("{proto} . {port}");
+        for (set, endpoints, picks) in [(v4, "nodeport-endpoints", "nodeport-picks"), (v6, "nodeport-endpoints6", "nodeport-picks6")] {
+            if set.len() > MAX_PICK {
+                return v.fail(format!("nodeport-backends: {front} has {} backends of one family (limit {MAX_PICK})", set.len()));
+            }
+            for (i, (address, backend_port)) in set.iter().enumerate() {
+                rules.elements.insert((endpoints.to_string(), format!("{front} . {i}")), format!("{address} . {backend_port}"));
+            }
+            if !set.is_empty() {
+                rules.elements.insert((picks.to_string(), front.clone()), format!("goto nodeport-pick-{}", set.len()));
+            }
+        }
+        if rules.elements.insert(("service-nodeports".to_string(), front.clone()), "goto nodeport-dispatch".to_string()).is_some() {
+            return v.fail(format!("map \"service-nodeports\": key {front} given twice (nodeport-backends names it too)"));
         }
     }
     // Masquerading is asked for the object's own load-balanced frontends only.
@@ -837,11 +878,16 @@ const SHARD_SKELETON: TableSkeleton = {
             ("service-ips", "ipv4_addr . inet_proto . inet_service"),
             ("service-ips6", "ipv6_addr . inet_proto . inet_service"),
             ("service-nodeports", "inet_proto . inet_service"),
+            ("nodeport-picks", "inet_proto . inet_service"),
+            ("nodeport-picks6", "inet_proto . inet_service"),
         ],
-        // A frontend's backends by number: `pick-N` looks up `numgen random mod N` here.
+        // A frontend's backends by number: `pick-N` looks up `numgen random mod N` here
+        // (`nodeport-pick-N` for node ports).
         data_maps: &[
             ("service-endpoints", "typeof ip daddr . meta l4proto . th dport . numgen random mod 1 : ip daddr . th dport"),
             ("service-endpoints6", "typeof ip6 daddr . meta l4proto . th dport . numgen random mod 1 : ip6 daddr . th dport"),
+            ("nodeport-endpoints", "typeof meta l4proto . th dport . numgen random mod 1 : ip daddr . th dport"),
+            ("nodeport-endpoints6", "typeof meta l4proto . th dport . numgen random mod 1 : ip6 daddr . th dport"),
         ],
         sets: &[
             ("masquerade-off-cluster", "ipv4_addr . inet_proto . inet_service"),
@@ -866,6 +912,12 @@ const SHARD_SKELETON: TableSkeleton = {
                 ],
             ),
             ("node-ports", "", &[NODE_PORTS, NODE_PORTS6]),
+            // A node port load balanced as data: its backends of the packet's family.
+            (
+                "nodeport-dispatch",
+                "",
+                &["meta nfproto ipv4 meta l4proto . th dport vmap @nodeport-picks", "meta nfproto ipv6 meta l4proto . th dport vmap @nodeport-picks6"],
+            ),
             // Service chains mark off-cluster traffic here; the main table's postrouting
             // masquerades it.
             MARK_FOR_MASQUERADE,
@@ -885,8 +937,16 @@ const SHARD_SKELETON: TableSkeleton = {
 };
 
 /// The `pick-N` chains of a shard: masquerade if asked, then DNAT to backend number
-/// `numgen random mod N` of the frontend (`service-backends`).
+/// `numgen random mod N` of the frontend (`service-backends`); `nodeport-pick-N` the same for
+/// node ports (`nodeport-backends`), always masqueraded (externalTrafficPolicy Cluster).
 fn write_pick_chains(out: &mut String, t: Table) {
+    for n in 1..=MAX_PICK {
+        writeln!(out, "add chain {t} nodeport-pick-{n}").unwrap();
+        writeln!(out, "flush chain {t} nodeport-pick-{n}").unwrap();
+        writeln!(out, "add rule {t} nodeport-pick-{n} jump mark-for-masquerade").unwrap();
+        writeln!(out, "add rule {t} nodeport-pick-{n} meta nfproto ipv4 dnat ip to meta l4proto . th dport . numgen random mod {n} map @nodeport-endpoints").unwrap();
+        writeln!(out, "add rule {t} nodeport-pick-{n} meta nfproto ipv6 dnat ip6 to meta l4proto . th dport . numgen random mod {n} map @nodeport-endpoints6").unwrap();
+    }
     for n in 1..=MAX_PICK {
         writeln!(out, "add chain {t} pick-{n}").unwrap();
         writeln!(out, "flush chain {t} pick-{n}").unwrap();
@@ -1268,7 +1328,7 @@ fn frontends(rules: &ObjectRules) -> BTreeMap<Frontend, BTreeSet<(IpAddr, u16)>>
     }
     // Load balancing as data: `frontend . index : address . port` in the endpoint maps.
     for ((map, key), value) in &rules.elements {
-        if !matches!(map.as_str(), "service-endpoints" | "service-endpoints6") {
+        if !matches!(map.as_str(), "service-endpoints" | "service-endpoints6" | "nodeport-endpoints" | "nodeport-endpoints6") {
             continue;
         }
         let (Some(front), Some((address, port))) = (key.rsplit_once(" . ").and_then(|(front, _)| frontend(front)), value.split_once(" . ")) else {

@@ -62,6 +62,26 @@ fn service_a(endpoints: &[&str]) -> ObjectRules {
     rules
 }
 
+/// Session affinity in one chain (the default translator's shape): remembered clients back
+/// to their endpoint, then the draw; every DNAT records the client in the endpoint's set.
+fn service_e(endpoints: &[&str]) -> ObjectRules {
+    let n = endpoints.len();
+    let set = |ip: &str| format!("svc/ns/e/ep/{ip}/8080/affinity");
+    let remember = |ip: &str| format!("meta l4proto tcp update @{} {{ ip saddr timeout 10800s }} dnat ip to {ip}:8080", set(ip));
+    let chain: Vec<String> = endpoints
+        .iter()
+        .map(|ip| format!("ip saddr @{} {}", set(ip), remember(ip)))
+        .chain(endpoints.iter().enumerate().map(|(i, ip)| if n - i > 1 { format!("numgen random mod {} == 0 {}", n - i, remember(ip)) } else { remember(ip) }))
+        .collect();
+    let mut rules = ObjectRules::default();
+    rules.chains.insert("svc/ns/e/tcp/http".into(), chain);
+    for ip in endpoints {
+        rules.sets.insert(set(ip), SetRules { declaration: AFFINITY.into(), elements: BTreeSet::new(), expires: true });
+    }
+    rules.elements.insert(("service-ips".into(), "10.96.0.5 . tcp . 80".into()), "goto svc/ns/e/tcp/http".into());
+    rules
+}
+
 /// Every other word of the rule vocabulary, IPv6 and the no-endpoint maps.
 fn service_b(port: u16) -> ObjectRules {
     object(
@@ -103,6 +123,15 @@ fn service_c(backends: &[&str]) -> ObjectRules {
     rules.elements.insert(("masquerade-off-cluster".into(), front.into()), String::new());
     rules.elements.insert(("service-endpoints6".into(), "fd00::3 . tcp . 80 . 0".into()), "fd00::33 . 8080".into());
     rules.elements.insert(("service-ips6".into(), "fd00::3 . tcp . 80".into()), "goto pick-1".into());
+    // Its node port, as data too: numbered per family, dispatched by the shard.
+    let node_port = "udp . 30053";
+    for (i, b) in backends.iter().enumerate() {
+        rules.elements.insert(("nodeport-endpoints".into(), format!("{node_port} . {i}")), format!("{b} . 5353"));
+    }
+    rules.elements.insert(("nodeport-picks".into(), node_port.into()), format!("goto nodeport-pick-{}", backends.len()));
+    rules.elements.insert(("nodeport-endpoints6".into(), format!("{node_port} . 0")), "fd00::33 . 5353".into());
+    rules.elements.insert(("nodeport-picks6".into(), node_port.into()), "goto nodeport-pick-1".into());
+    rules.elements.insert(("service-nodeports".into(), node_port.into()), "goto nodeport-dispatch".into());
     rules
 }
 
@@ -161,6 +190,7 @@ fn netlink_batches_leave_the_table_nft_would() {
     state.insert("p", policy(&["10.244.0.7", "10.244.0.8"]));
     state.insert("d", dispatch());
     state.insert("c", service_c(&["10.244.3.1", "10.244.3.2"]));
+    state.insert("e", service_e(&["10.244.5.1", "10.244.5.2"]));
     let full = nft::full_transaction(state.values(), &nft::Stale::default(), LAYOUT, &[]);
     text.apply(&full).unwrap();
     netlink.apply(&full).unwrap();
@@ -179,6 +209,8 @@ fn netlink_batches_leave_the_table_nft_would() {
     steps.push(("policy peers changed: set element deltas", next.clone()));
     next.insert("c", service_c(&["10.244.3.1", "10.244.3.5", "10.244.3.9"]));
     steps.push(("backends as data: renumbered, a third, another pick chain", next.clone()));
+    next.insert("e", service_e(&["10.244.5.2", "10.244.5.3", "10.244.5.4"]));
+    steps.push(("affinity in one chain: endpoints replaced, their sets with them", next.clone()));
     next.insert("b", service_b(5353));
     steps.push(("one rule of an endpoint chain changed", next.clone()));
     next.remove("b");
@@ -221,6 +253,8 @@ fn netlink_batches_leave_the_table_nft_would() {
     assert!(table.contains("elements = { 10.244.0.7, 10.244.0.11 }"), "{table}");
     assert!(table.contains("elements = { 10.244.1.6 . 10.244.1.6 }"), "hairpin pairs added and deleted: {table}");
     assert!(table.contains("10.96.0.3 . udp . 53 . 2 : 10.244.3.9 . 5353") && table.contains("10.96.0.3 . udp . 53 : goto pick-3"), "{table}");
+    assert!(table.contains("ip saddr @svc/ns/e/ep/10.244.5.3/8080/affinity meta l4proto tcp update @svc/ns/e/ep/10.244.5.3/8080/affinity { ip saddr timeout 3h } dnat ip to 10.244.5.3:8080"), "{table}");
+    assert!(table.contains("udp . 30053 . 2 : 10.244.3.9 . 5353") && table.contains("udp . 30053 : goto nodeport-pick-3"), "{table}");
 
     // An interval set (not encoded: nft computes interval elements): the transaction goes through nft.
     let mut changed = current.clone();

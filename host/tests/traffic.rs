@@ -219,9 +219,11 @@ async fn node_port_load_balancer_ip_and_external_traffic_policy_local() {
     cluster.put(&elsewhere);
 
     let host = start_host(cluster.config(topo.nft_command())).await;
-    wait_applied(&host, "three services", |t| {
-        t.contains("svc/default/open/tcp/http/external") && t.contains("svc/default/local/tcp/http/local") && t.contains("tcp . 30082 : drop")
+    let applied = wait_applied(&host, "three services", |t| {
+        t.contains("tcp . 30080 : goto nodeport-dispatch") && t.contains("svc/default/local/tcp/http/local") && t.contains("tcp . 30082 : drop")
     });
+    // Policy Cluster is load balanced as data, the node port too: no chain of its own.
+    assert!(!applied.lines().any(|l| l.contains(" chain ") && l.contains("svc/default/open")), "open has a chain:\n{applied}");
     let ext = topo.external.name.clone();
 
     // Cluster policy: every endpoint, source masqueraded (replies must come back via us).

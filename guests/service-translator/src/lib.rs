@@ -5,9 +5,9 @@
 //! externalTrafficPolicy Local, at most [`MAX_BACKENDS_PER_FRONTEND`] endpoints): no chain of
 //! its own. Each frontend (cluster IP, external IP, load-balancer IP) names its backends in
 //! the host's `service-backends` map and whether it is masqueraded (`masquerade-off-cluster`,
-//! `masquerade-always`); the host's shard DNATs through a `numgen` map. A change of endpoints
-//! is then map elements only, and the kernel, which walks every chain on every commit, has
-//! no chain per service to walk. Node ports get an external chain that masquerades and picks.
+//! `masquerade-always`); the host's shard DNATs through a `numgen` map, and the same for a
+//! node port (`nodeport-backends`). A change of endpoints is then map elements only, and the
+//! kernel, which walks every chain on every commit, has no chain per service to walk.
 //!
 //! Otherwise (per service port):
 //! - `service-ips` / `service-nodeports` map elements jump to the port's *service chain*
@@ -15,8 +15,10 @@
 //! - the service chain marks off-cluster sources for masquerade, then picks an endpoint with
 //!   a cascade of `numgen` rules that DNAT (no anonymous vmap per service: those load
 //!   quadratically);
-//! - with session affinity, one *endpoint chain* per endpoint remembers the client and
-//!   DNATs; the service chain first sends remembered clients to theirs;
+//! - with session affinity, each endpoint has a set of the clients it served (with the
+//!   affinity timeout); the chain first sends a remembered client back to its endpoint, and
+//!   every DNAT records the client. kube-proxy has a chain per endpoint for this; here it
+//!   costs no chain;
 //! - endpoints go into the host's `hairpin` set: a pod that reaches itself through the
 //!   service is masqueraded at postrouting. kube-proxy does this in an endpoint chain per
 //!   endpoint; without them a service costs one chain instead of 1 + endpoints, and every
@@ -25,7 +27,7 @@
 //! Services without usable endpoints get `no-endpoint-*` elements that reject. Cluster IPs go
 //! into the host's `cluster-ips` set: other ports of them are rejected.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
 use wasmplane_sdk::builders::{port_map_element, protocol_name, service_map_element};
 use wasmplane_sdk::types::*;
@@ -154,48 +156,38 @@ fn address_id(address: &str) -> String {
     address.replace(':', "-")
 }
 
-/// Emits the rules that pick one of a port's backends, the endpoint chains session affinity
+/// Emits the rules that pick one of a port's backends, the client sets session affinity
 /// needs, and collects the backends as hairpin endpoints.
 struct PortRules<'a> {
     prefix: String,
     affinity: Option<u32>,
     protocol: Protocol,
     ruleset: &'a mut Ruleset,
-    endpoint_chains: BTreeMap<String, String>,
+    /// Affinity sets declared so far (a backend may be drawn from two chains of the port).
+    affinity_sets: BTreeSet<String>,
     hairpin: &'a mut BTreeSet<String>,
 }
 
 impl PortRules<'_> {
-    fn endpoint_chain(&mut self, backend: &Backend) -> String {
-        let key = format!("{}:{}", backend.address, backend.port);
-        if let Some(name) = self.endpoint_chains.get(&key) {
-            return name.clone();
-        }
-        let name = format!("{}/ep/{}/{}", self.prefix, address_id(&backend.address), backend.port);
-        let mut rules = Vec::new();
-        if let Some(timeout) = self.affinity {
-            let set = format!("{name}/affinity");
+    /// The set of clients that last reached `backend` (session affinity), declared once.
+    fn affinity_set(&mut self, backend: &Backend, timeout: u32) -> String {
+        let name = format!("{}/ep/{}/{}/affinity", self.prefix, address_id(&backend.address), backend.port);
+        if self.affinity_sets.insert(name.clone()) {
             self.ruleset.sets.push(SetDeclaration {
-                name: set.clone(),
+                name: name.clone(),
                 family: if backend.address.contains(':') { AddressFamily::Ipv6 } else { AddressFamily::Ipv4 },
                 timeout_seconds: Some(timeout),
                 elements: vec![],
             });
-            rules.push(
-                RuleBuilder::new()
-                    .statement(RuleStatement::AddSourceToSet(SetUpdate { set, timeout_seconds: Some(timeout) }))
-                    .build(),
-            );
         }
-        rules.push(RuleBuilder::new().protocol(self.protocol).dnat(&backend.address, backend.port).build());
-        self.ruleset.chains.push(Chain { name: name.clone(), rules });
-        self.endpoint_chains.insert(key, name.clone());
         name
     }
 
     /// A uniform pick: rule i matches with probability 1/(n-i) among what is left, the last
-    /// one always. Each DNATs, or, with session affinity, goes to the endpoint's chain after
-    /// lookups that send a remembered client to its endpoint.
+    /// one always; each DNATs. With session affinity, rules that send a remembered client
+    /// back to its backend come first, and every DNAT (re)records the client in the
+    /// backend's set. All in the calling chain: kube-proxy's chain per endpoint would cost
+    /// every kernel commit a walk over it (see the module doc).
     fn pick_rules(&mut self, backends: &[Backend]) -> Vec<Rule> {
         self.hairpin.extend(backends.iter().map(|b| b.address.clone()));
         let n = backends.len() as u32;
@@ -203,16 +195,19 @@ impl PortRules<'_> {
             let left = n - i as u32;
             if left > 1 { RuleBuilder::new().random(left, 0) } else { RuleBuilder::new() }
         };
-        if self.affinity.is_none() {
-            let protocol = self.protocol;
+        let protocol = self.protocol;
+        let Some(timeout) = self.affinity else {
             return backends.iter().enumerate().map(|(i, b)| draw(i).protocol(protocol).dnat(&b.address, b.port).build()).collect();
+        };
+        let sets: Vec<String> = backends.iter().map(|b| self.affinity_set(b, timeout)).collect();
+        let remember = |set: &str| RuleStatement::AddSourceToSet(SetUpdate { set: set.to_string(), timeout_seconds: Some(timeout) });
+        let mut rules = Vec::with_capacity(backends.len() * 2);
+        for (b, set) in backends.iter().zip(&sets) {
+            rules.push(RuleBuilder::new().source_in_set(set).protocol(protocol).statement(remember(set)).dnat(&b.address, b.port).build());
         }
-        let chains: Vec<String> = backends.iter().map(|b| self.endpoint_chain(b)).collect();
-        let mut rules = Vec::with_capacity(chains.len() * 2);
-        for chain in &chains {
-            rules.push(RuleBuilder::new().source_in_set(&format!("{chain}/affinity")).goto(chain));
+        for (i, (b, set)) in backends.iter().zip(&sets).enumerate() {
+            rules.push(draw(i).protocol(protocol).statement(remember(set)).dnat(&b.address, b.port).build());
         }
-        rules.extend(chains.iter().enumerate().map(|(i, chain)| draw(i).goto(chain)));
         rules
     }
 }
@@ -290,7 +285,8 @@ fn translate_port(
             .copied()
             .chain(&service.external_ips)
             .chain(&service.load_balancer_ips)
-            .all(|ip| by_family.of(ip).cluster.len() <= MAX_BACKENDS_PER_FRONTEND);
+            .all(|ip| by_family.of(ip).cluster.len() <= MAX_BACKENDS_PER_FRONTEND)
+        && [&by_family.v4, &by_family.v6].iter().all(|family| family.cluster.len() <= MAX_BACKENDS_PER_FRONTEND);
     if as_data {
         translate_port_as_data(node, &prefix, service, port, &by_family, cluster_ips, ruleset, hairpin);
         return;
@@ -308,7 +304,7 @@ fn translate_port(
         affinity: service.session_affinity_timeout,
         protocol: port.protocol,
         ruleset,
-        endpoint_chains: BTreeMap::new(),
+        affinity_sets: BTreeSet::new(),
         hairpin,
     };
     let cluster_cidrs: Vec<&String> = node.cluster_cidrs.iter().filter(|c| same_family(c, family_of)).collect();
@@ -408,8 +404,8 @@ fn translate_port(
 pub const MAX_BACKENDS_PER_FRONTEND: usize = 32;
 
 /// One port as data: each frontend names its backends (of the frontend's address family)
-/// and how it is masqueraded; the host's shard chains DNAT. Node ports, which have no
-/// address of their own to key the host's maps, get an external chain that picks.
+/// and how it is masqueraded; the host's shard chains DNAT. A node port names its backends
+/// of both families in `nodeport-backends`.
 #[allow(clippy::too_many_arguments)]
 fn translate_port_as_data(
     node: &NodeContext,
@@ -471,24 +467,20 @@ fn translate_port_as_data(
     if port.node_port == 0 || !matches!(service.service_type, ServiceType::NodePort | ServiceType::LoadBalancer) {
         return;
     }
-    let backends = &by_family.of(cluster_ips.first().map_or("", |ip| ip.as_str())).cluster;
+    // The node port: each address family over its own endpoints, always masqueraded.
+    let backends: Vec<&Backend> = by_family.v4.cluster.iter().chain(&by_family.v6.cluster).collect();
     if backends.is_empty() {
         ruleset.map_elements.push(port_map_element("no-endpoint-nodeports", port.protocol, port.node_port, Verdict::Reject));
         return;
     }
-    let external_chain = format!("{prefix}/external");
-    let mut rules = PortRules {
-        prefix: prefix.to_string(),
-        affinity: None,
-        protocol: port.protocol,
-        ruleset,
-        endpoint_chains: BTreeMap::new(),
-        hairpin,
-    };
-    let mut chain_rules = vec![RuleBuilder::new().masquerade()];
-    chain_rules.extend(rules.pick_rules(backends));
-    rules.ruleset.chains.push(Chain { name: external_chain.clone(), rules: chain_rules });
-    rules.ruleset.map_elements.push(port_map_element("service-nodeports", port.protocol, port.node_port, Verdict::Goto(external_chain)));
+    for b in backends {
+        ruleset.map_elements.push(MapElement {
+            map_name: "nodeport-backends".into(),
+            key: vec![KeyPart::Protocol(port.protocol), KeyPart::Port(port.node_port), KeyPart::Address(b.address.clone()), KeyPart::Port(b.port)],
+            verdict: Verdict::None,
+        });
+        hairpin.insert(b.address.clone());
+    }
 }
 
 #[cfg(test)]

@@ -102,12 +102,33 @@ fn node_ports_and_external_ips_as_data_are_masqueraded() {
     let external = [KeyPart::Address("203.0.113.7".into()), KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(80)];
     assert_eq!(elements(&r, "masquerade-always"), vec![&external[..]]);
     assert_eq!(elements(&r, "service-backends").len(), 2, "the cluster IP and the external IP");
-    // A node port has no address to key the host's maps: a chain that masquerades and DNATs.
-    let chain = r.chains.iter().find(|c| c.name == "svc/shop/web/tcp/http/external").unwrap();
-    assert!(matches!(chain.rules[0].verdict, Verdict::Masquerade));
-    assert!(matches!(chain.rules[1].statements[..], [RuleStatement::Dnat(_)]));
-    let node_port = r.map_elements.iter().find(|e| e.map_name == "service-nodeports").unwrap();
-    assert_eq!(node_port.verdict, Verdict::Goto(chain.name.clone()));
+    // The node port as data too: its backends in `nodeport-backends`, no chain, no element
+    // of `service-nodeports` (the host writes that one).
+    assert!(r.chains.is_empty(), "{:?}", r.chains);
+    let node_port = [KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(30080), KeyPart::Address("10.244.0.11".into()), KeyPart::Port(8080)];
+    assert_eq!(elements(&r, "nodeport-backends"), vec![&node_port[..]]);
+    assert!(elements(&r, "service-nodeports").is_empty());
+}
+
+#[test]
+fn a_dual_stack_node_port_names_the_backends_of_both_families() {
+    let mut svc = service();
+    svc.service_type = ServiceType::NodePort;
+    svc.ports[0].node_port = 30080;
+    svc.cluster_ips = vec!["10.96.0.20".into(), "fd00:96::20".into()];
+    let v4 = slice(vec![endpoint("10.244.0.11", true, false, true), endpoint("10.244.1.11", false, false, false)]);
+    let mut v6 = slice(vec![endpoint("fd00::11", true, false, true)]);
+    v6.name = "web-2".into();
+    let r = translate(&ctx(), "svc/shop/web", &svc, &[v4, v6]).unwrap();
+    let backends: Vec<String> = elements(&r, "nodeport-backends")
+        .iter()
+        .map(|k| match k {
+            [KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(30080), KeyPart::Address(a), KeyPart::Port(8080)] => a.clone(),
+            other => panic!("unexpected key {other:?}"),
+        })
+        .collect();
+    assert_eq!(backends, vec!["10.244.0.11", "fd00::11"], "ready endpoints of each family");
+    assert!(r.chains.is_empty());
 }
 
 #[test]
@@ -144,12 +165,22 @@ fn session_affinity_declares_sets_and_checks_them_first() {
     let r = translate(&ctx(), "svc/shop/web", &svc, &[slice(vec![endpoint("10.244.0.11", true, false, true), endpoint("10.244.0.12", true, false, true)])]).unwrap();
     assert_eq!(r.sets.len(), 2);
     assert!(r.sets.iter().all(|s| s.timeout_seconds == Some(10800) && s.name.starts_with("svc/shop/web/")));
-    let svc_chain = r.chains.iter().find(|c| c.name == "svc/shop/web/tcp/http").unwrap();
-    assert!(matches!(svc_chain.rules[1].matches[0], RuleMatch::SourceInSet(_)));
-    // Remembering the client and DNATing happen only once an endpoint is picked: in its chain.
-    let endpoint_chain = r.chains.iter().find(|c| c.name == "svc/shop/web/tcp/http/ep/10.244.0.11/8080").unwrap();
-    assert!(matches!(endpoint_chain.rules[0].statements[..], [RuleStatement::AddSourceToSet(_)]));
-    assert!(matches!(endpoint_chain.rules[1].statements[..], [RuleStatement::Dnat(_)]));
+    // One chain for the port, none per endpoint (every kernel commit walks every chain).
+    assert_eq!(r.chains.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(), vec!["svc/shop/web/tcp/http"]);
+    let rules = &r.chains[0].rules;
+    // After the off-cluster masquerade rule: remembered clients back to their endpoint, each
+    // recording the client again (the timeout restarts), then the draw, which records too.
+    let set = |ip: &str| format!("svc/shop/web/tcp/http/ep/{ip}/8080/affinity");
+    let (returning, drawn) = (&rules[1..3], &rules[3..5]);
+    for (rule, ip) in returning.iter().zip(["10.244.0.11", "10.244.0.12"]) {
+        assert!(matches!(&rule.matches[0], RuleMatch::SourceInSet(s) if *s == set(ip)), "{rule:?}");
+        assert!(matches!(&rule.statements[..], [RuleStatement::AddSourceToSet(u), RuleStatement::Dnat(t)] if u.set == set(ip) && u.timeout_seconds == Some(10800) && t.address == ip), "{rule:?}");
+    }
+    assert!(matches!(drawn[0].matches[0], RuleMatch::Random((2, 0))), "{:?}", drawn[0]);
+    for (rule, ip) in drawn.iter().zip(["10.244.0.11", "10.244.0.12"]) {
+        assert!(matches!(&rule.statements[..], [RuleStatement::AddSourceToSet(u), RuleStatement::Dnat(t)] if u.set == set(ip) && t.address == ip), "{rule:?}");
+    }
+    assert_eq!(rules.len(), 5);
     assert_eq!(r.map_elements.iter().filter(|e| e.map_name == "hairpin").count(), 2);
 }
 

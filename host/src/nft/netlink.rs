@@ -586,8 +586,13 @@ enum ElementValue {
 }
 
 /// The endpoint maps: keys end in a `numgen` value (a host-order u32), values are data.
-fn is_endpoint_map(set: &str) -> bool {
-    matches!(set, "service-endpoints" | "service-endpoints6")
+/// Returns how many parts their keys have (frontend parts and the number).
+fn endpoint_map_key_parts(set: &str) -> Option<usize> {
+    match set {
+        "service-endpoints" | "service-endpoints6" => Some(4),
+        "nodeport-endpoints" | "nodeport-endpoints6" => Some(3),
+        _ => None,
+    }
 }
 
 /// The elements between `{` and `}` of `set`: `key [: verdict or data]`, comma separated.
@@ -598,11 +603,11 @@ fn parse_elements(set: &str, body: &str) -> Result<Vec<(Vec<u8>, Option<ElementV
                 Some((k, v)) => (k.trim(), Some(v.trim())),
                 None => (element.trim(), None),
             };
-            if !is_endpoint_map(set) {
+            let Some(parts) = endpoint_map_key_parts(set) else {
                 return Ok((element_key(key)?, value.map(parse_verdict).transpose()?.map(ElementValue::Verdict)));
-            }
-            // address . protocol . port . number
-            let (front, index) = key.rsplit_once(" . ").filter(|_| key.split(" . ").count() == 4).ok_or_else(|| format!("endpoint key {key:?} is not frontend . number"))?;
+            };
+            // [address .] protocol . port . number
+            let (front, index) = key.rsplit_once(" . ").filter(|_| key.split(" . ").count() == parts).ok_or_else(|| format!("endpoint key {key:?} is not frontend . number"))?;
             let mut bytes = element_key(front)?;
             bytes.extend(index.trim().parse::<u32>().map_err(|_| format!("endpoint number {index:?}"))?.to_ne_bytes());
             Ok((bytes, value.map(element_key).transpose()?.map(ElementValue::Data)))
@@ -983,6 +988,12 @@ mod tests {
         key.extend(2u32.to_ne_bytes());
         assert_eq!(elements[0], (key, Some(ElementValue::Data(vec![10, 244, 0, 3, 0x1f, 0x90, 0, 0]))));
         assert!(parse_elements("service-endpoints", "10.96.0.1 . tcp . 80 : 10.244.0.3 . 8080").is_err(), "no number");
+        // A node port's: protocol . port . number.
+        let elements = parse_elements("nodeport-endpoints", "tcp . 30001 . 2 : 10.244.0.7 . 8080").unwrap();
+        let mut key = vec![6, 0, 0, 0, 0x75, 0x31, 0, 0];
+        key.extend(2u32.to_ne_bytes());
+        assert_eq!(elements[0], (key, Some(ElementValue::Data(vec![10, 244, 0, 7, 0x1f, 0x90, 0, 0]))));
+        assert!(parse_elements("nodeport-endpoints", "10.96.0.1 . tcp . 80 . 1 : 10.244.0.3 . 8080").is_err(), "a service key");
     }
 
     #[test]

@@ -512,3 +512,87 @@ fn backends_as_data_are_refused_when_they_do_not_add_up() {
     );
     assert!(validate_service_output(&key(), &both).unwrap_err().reason.contains("given twice"));
 }
+
+fn node_port_backend(port: u16, address: &str, backend_port: u16) -> MapElement {
+    MapElement {
+        map_name: "nodeport-backends".into(),
+        key: vec![KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(port), KeyPart::Address(address.into()), KeyPart::Port(backend_port)],
+        verdict: Verdict::None,
+    }
+}
+
+#[test]
+fn node_port_backends_are_numbered_per_family_and_dispatched_by_the_host() {
+    let out = ruleset(
+        vec![],
+        vec![
+            node_port_backend(30080, "10.244.0.12", 8080),
+            node_port_backend(30080, "10.244.0.11", 8080),
+            node_port_backend(30080, "fd00::11", 8080),
+            node_port_backend(30081, "10.244.0.11", 9090),
+        ],
+    );
+    let rules = validate_service_output(&key(), &out).unwrap();
+    let get = |map: &str, k: &str| rules.elements.get(&(map.to_string(), k.to_string())).map(String::as_str);
+    assert_eq!(get("nodeport-endpoints", "tcp . 30080 . 0"), Some("10.244.0.11 . 8080"));
+    assert_eq!(get("nodeport-endpoints", "tcp . 30080 . 1"), Some("10.244.0.12 . 8080"));
+    assert_eq!(get("nodeport-endpoints6", "tcp . 30080 . 0"), Some("fd00::11 . 8080"));
+    assert_eq!(get("nodeport-picks", "tcp . 30080"), Some("goto nodeport-pick-2"));
+    assert_eq!(get("nodeport-picks6", "tcp . 30080"), Some("goto nodeport-pick-1"));
+    assert_eq!(get("service-nodeports", "tcp . 30080"), Some("goto nodeport-dispatch"));
+    // An IPv4-only node port: nothing for IPv6 packets to draw from.
+    assert_eq!(get("nodeport-picks", "tcp . 30081"), Some("goto nodeport-pick-1"));
+    assert_eq!(get("nodeport-picks6", "tcp . 30081"), None);
+    assert!(rules.chains.is_empty() && rules.is_sharded());
+
+    // In the service's shard, with the static chains that dispatch and draw.
+    let layout = Layout { shards: 4 };
+    let shard = layout.table_of("svc/shop/web");
+    let text = full_transaction([&rules].into_iter(), &Stale::default(), layout, &[]);
+    for line in [
+        format!("add element {shard} nodeport-endpoints {{ tcp . 30080 . 1 : 10.244.0.12 . 8080 }}"),
+        format!("add element {shard} service-nodeports {{ tcp . 30080 : goto nodeport-dispatch }}"),
+        format!("add rule {shard} nodeport-dispatch meta nfproto ipv6 meta l4proto . th dport vmap @nodeport-picks6"),
+        format!("add rule {shard} nodeport-pick-2 jump mark-for-masquerade"),
+        format!("add rule {shard} nodeport-pick-2 meta nfproto ipv4 dnat ip to meta l4proto . th dport . numgen random mod 2 map @nodeport-endpoints"),
+    ] {
+        assert!(text.contains(&line), "{line} missing");
+    }
+
+    // A backend change is element deltas only.
+    let out = ruleset(vec![], vec![node_port_backend(30080, "10.244.0.11", 8080), node_port_backend(30080, "10.244.0.13", 8080), node_port_backend(30080, "fd00::11", 8080), node_port_backend(30081, "10.244.0.11", 9090)]);
+    let next = validate_service_output(&key(), &out).unwrap();
+    let mut delta = String::new();
+    objects_delta(&[(&rules, &next)], &mut delta, layout);
+    assert!(delta.contains(&format!("add element {shard} nodeport-endpoints {{ tcp . 30080 . 1 : 10.244.0.13 . 8080 }}")), "{delta}");
+    assert!(!delta.contains("chain") && !delta.contains("picks"), "{delta}");
+
+    // Too many of one family, and the port named both ways, are refused.
+    let too_many: Vec<MapElement> = (0..=MAX_PICK).map(|i| node_port_backend(30080, &format!("10.244.1.{i}"), 8080)).collect();
+    assert!(validate_service_output(&key(), &ruleset(vec![], too_many)).unwrap_err().reason.contains("limit"));
+    let both = ruleset(
+        vec![dnat_chain("svc/shop/web/tcp/http", "10.244.0.11")],
+        vec![
+            node_port_backend(30080, "10.244.0.11", 8080),
+            MapElement { map_name: "service-nodeports".into(), key: vec![KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(30080)], verdict: Verdict::Goto("svc/shop/web/tcp/http".into()) },
+        ],
+    );
+    assert!(validate_service_output(&key(), &both).unwrap_err().reason.contains("given twice"));
+}
+
+#[test]
+fn node_port_udp_backends_gone_clean_up_their_flows() {
+    let service = |backends: &[&str]| {
+        let elements = backends
+            .iter()
+            .map(|b| MapElement {
+                map_name: "nodeport-backends".into(),
+                key: vec![KeyPart::Protocol(Protocol::Udp), KeyPart::Port(30053), KeyPart::Address((*b).into()), KeyPart::Port(53)],
+                verdict: Verdict::None,
+            })
+            .collect();
+        validate_service_output(&key(), &ruleset(vec![], elements)).unwrap()
+    };
+    let filters = conntrack_cleanup(&service(&["10.244.0.11", "10.244.0.12"]), &service(&["10.244.0.11"]));
+    assert_eq!(filters, vec![ConntrackFilter { protocol: "udp", ipv6: false, destination: None, port: 30053, endpoint: Some(("10.244.0.12".parse().unwrap(), 53)) }]);
+}

@@ -187,6 +187,7 @@ fn table(results: &[Value]) -> String {
         ("  Wasm guest time: total (s), share of the sync", Box::new(|v| format!("{:.3}, {:.1}%", f(v, "initial_sync_guest_s"), 100.0 * f(v, "initial_sync_guest_s") / f(v, "initial_sync_s")))),
         ("one endpoint change, slice write → applied in the kernel: p50 / p99 (ms)", Box::new(|v| format!("{:.1} / {:.1}", f(v, "change_p50_ms"), f(v, "change_p99_ms")))),
         ("  samples (p99 of n<100 is the max)", Box::new(|v| format!("{}", v["change_samples"]))),
+        ("  p50 by stage: API server write / host apply (model, guests, dataplane) / dataplane transaction / guest calls (ms)", Box::new(|v| format!("{:.2} / {:.2} / {:.2} / {:.3}", f(v, "change_write_p50_ms"), f(v, "change_apply_p50_ms"), f(v, "change_dataplane_p50_ms"), f(v, "change_guest_p50_ms")))),
         ("  Wasm guest share of that latency", Box::new(|v| format!("{:.2}%", 100.0 * f(v, "change_guest_share")))),
         ("churn: ops (rate × s) / watch events", Box::new(|v| format!("{} ({}/s × {}s) / {}", v["churn_ops"], v["churn_rate_ops"], v["churn_seconds"], v["churn_events"]))),
         ("  model revisions / events", Box::new(|v| format!("{} / {} = {:.1}%", v["churn_revisions"], v["churn_events"], 100.0 * f(v, "churn_revisions") / f(v, "churn_events")))),

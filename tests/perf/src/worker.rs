@@ -140,6 +140,9 @@ struct Counters {
     statements: u64,
     guest_seconds: f64,
     guest_calls: u64,
+    /// Host time applying source batches (model, guests, dataplane) and the dataplane's part.
+    apply_seconds: f64,
+    dataplane_seconds: f64,
 }
 
 fn counters(host: &RunningHost) -> Counters {
@@ -153,6 +156,8 @@ fn counters(host: &RunningHost) -> Counters {
         statements: m.sync_statements.get(),
         guest_seconds: metric("wasmplane_guest_call_seconds_sum"),
         guest_calls: metric("wasmplane_guest_call_seconds_count") as u64,
+        apply_seconds: metric("wasmplane_source_apply_seconds_sum"),
+        dataplane_seconds: metric("wasmplane_dataplane_sync_seconds_sum"),
     }
 }
 
@@ -263,6 +268,9 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
     // applied dataplane (what the kernel accepted) has the new address for that service.
     let mut latencies = Vec::new();
     let (mut guest_in_changes, mut change_syncs) = (0.0, 0);
+    // Per change, where the time went: the API server's write (until its reply), the host's
+    // apply (model, guests, dataplane), the dataplane transaction alone, the guest calls.
+    let (mut write_times, mut apply_times, mut dataplane_times, mut guest_times) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for n in 0..o.samples {
         let reply = cluster.call("prepare")?;
         let (i, ns, name, ip) = (reply[1].clone(), reply[2].clone(), reply[3].clone(), reply[4].clone());
@@ -275,6 +283,7 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
         let before = counters(&host);
         let t0 = Instant::now();
         cluster.call(&format!("change {i}"))?;
+        let written = t0.elapsed().as_secs_f64();
         let limit = Duration::from_secs(900);
         loop {
             if applied_has(&host, &ns, &name, &ip) == Some(true) {
@@ -288,13 +297,21 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
         guest_in_changes += after.guest_seconds - before.guest_seconds;
         change_syncs += after.syncs - before.syncs;
         latencies.push(latency);
-        eprintln!("[{}] change {n}: {:.1} ms", o.services, latency * 1000.0);
+        let (apply, dataplane, guest) = (after.apply_seconds - before.apply_seconds, after.dataplane_seconds - before.dataplane_seconds, after.guest_seconds - before.guest_seconds);
+        write_times.push(written);
+        apply_times.push(apply);
+        dataplane_times.push(dataplane);
+        guest_times.push(guest);
+        let ms = |s: f64| s * 1000.0;
+        eprintln!("[{}] change {n}: {:.2} ms (write {:.2}, host apply {:.2}: dataplane {:.2}, guest {:.3})", o.services, ms(latency), ms(written), ms(apply), ms(dataplane), ms(guest));
         cluster.call("finish")?;
         if !settle(&host, after_sync.events + 3 * (n as u64 + 1), Duration::from_secs(600)).await {
             eprintln!("[{}] warning: the pod deletion did not arrive", o.services);
         }
     }
-    latencies.sort_by(|a, b| a.total_cmp(b));
+    for times in [&mut latencies, &mut write_times, &mut apply_times, &mut dataplane_times, &mut guest_times] {
+        times.sort_by(|a, b| a.total_cmp(b));
+    }
     let latency_total: f64 = latencies.iter().sum();
 
     // Churn at a fixed operation rate, then until the host has taken every event in.
@@ -341,6 +358,10 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
         "change_p50_ms": percentile(&latencies, 50.0) * 1000.0,
         "change_p99_ms": percentile(&latencies, 99.0) * 1000.0,
         "change_max_ms": latencies.last().copied().unwrap_or(f64::NAN) * 1000.0,
+        "change_write_p50_ms": percentile(&write_times, 50.0) * 1000.0,
+        "change_apply_p50_ms": percentile(&apply_times, 50.0) * 1000.0,
+        "change_dataplane_p50_ms": percentile(&dataplane_times, 50.0) * 1000.0,
+        "change_guest_p50_ms": percentile(&guest_times, 50.0) * 1000.0,
         "change_guest_share": if latency_total > 0.0 { guest_in_changes / latency_total } else { f64::NAN },
         "change_syncs": change_syncs,
         "churn_rate_ops": o.churn_rate, "churn_seconds": o.churn_seconds, "churn_ops": ops, "churn_writes": writes,
