@@ -117,6 +117,26 @@ impl ModuleStore {
         loop {
             let mut stream = match self.kv.watch_prefix(INDEX_KEY, Some(after + 1)).await {
                 Ok(stream) => stream,
+                // The history from `after` on is gone (a restarted embedded store keeps none;
+                // etcd compacts): read the index as it is now and watch from the compaction
+                // point on. Retrying from `after` would fail the same way forever.
+                Err(KvError::Compacted { compact_revision }) if compact_revision > after => {
+                    match self.load().await {
+                        Ok((index, revision)) => {
+                            tracing::info!(after, compact_revision, revision, "module index history compacted; read it anew");
+                            if revision > after {
+                                on_change(index, revision).await;
+                            }
+                            after = compact_revision.max(revision);
+                        }
+                        Err(e) => {
+                            tracing::warn!("re-reading the module index after a compaction: {e}; retrying in {delay:?}");
+                            tokio::time::sleep(delay).await;
+                            delay = (delay * 2).min(Duration::from_secs(5));
+                        }
+                    }
+                    continue;
+                }
                 Err(e) => {
                     tracing::warn!("watching the module index: {e}; retrying in {delay:?}");
                     tokio::time::sleep(delay).await;
@@ -150,5 +170,60 @@ impl ModuleStore {
             }
             tokio::time::sleep(delay).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use wasmplane_kvstore::{EmbeddedConfig, EmbeddedStore};
+
+    async fn next(rx: &mut tokio::sync::mpsc::UnboundedReceiver<(SharedIndex, Revision)>) -> (SharedIndex, Revision) {
+        tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.expect("the watch delivered nothing within 5 s").unwrap()
+    }
+
+    /// A host restarted on its data directory watches the index from where its last run
+    /// read it, but a reopened embedded store keeps no history: the watch must read the index
+    /// anew and go on from there instead of failing on the compacted revision forever.
+    #[tokio::test]
+    async fn the_index_watch_recovers_from_compacted_history() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kv.redb");
+        let index = |n: usize| {
+            let mut index = SharedIndex::default();
+            index.in_force.insert(wasmplane_runtime::GuestKind::ServiceTranslator, format!("translator-{n}"));
+            index
+        };
+        let first = {
+            let store = ModuleStore::new(Arc::new(EmbeddedStore::open(EmbeddedConfig::persistent(&path)).await.unwrap()));
+            let first = store.publish(0, &index(1)).await.unwrap().unwrap();
+            let second = store.publish(first, &index(2)).await.unwrap().unwrap();
+            store.kv().put("/unrelated", Bytes::from_static(b"x"), None).await.unwrap();
+            assert!(second > first);
+            first
+        };
+        let store = ModuleStore::new(Arc::new(EmbeddedStore::open(EmbeddedConfig::persistent(&path)).await.unwrap()));
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let watcher = {
+            let store = store.clone();
+            tokio::spawn(async move {
+                store
+                    .watch(first, move |index, revision| {
+                        let tx = tx.clone();
+                        async move {
+                            let _ = tx.send((index, revision));
+                        }
+                    })
+                    .await
+            })
+        };
+        // What changed while the history was lost: the index as it is now.
+        let (seen, revision) = next(&mut rx).await;
+        assert_eq!(seen, index(2));
+        // And later changes, through the watch.
+        let third = store.publish(revision, &index(3)).await.unwrap().unwrap();
+        let (seen, at) = next(&mut rx).await;
+        assert_eq!((seen, at), (index(3), third));
+        watcher.abort();
     }
 }
