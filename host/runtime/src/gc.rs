@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 
-use wasmtime::component::{Component, InstancePre};
+use wasmtime::component::InstancePre;
 
 use crate::host::{GuestState, LiveInstance, NoLookups, check_output_size, classify, deadline_ticks, live_instance};
 use crate::{CallError, GuestKind, Limits, LoadError, ModuleInfo, Runtime};
@@ -47,21 +47,7 @@ impl Runtime {
         bytes: &[u8],
         max_size: usize,
     ) -> Result<GcModule, LoadError> {
-        // The shared loader does every check; it may not run GC guests itself
-        // (`KindNotRunnable`), which only means the checks passed.
-        let info = match self.load(name, bytes, Some(GuestKind::Gc), max_size) {
-            Ok(loaded) => loaded.info,
-            Err(LoadError::KindNotRunnable(GuestKind::Gc)) => ModuleInfo {
-                digest: crate::loader::digest(bytes),
-                kind: GuestKind::Gc,
-                wit_version: crate::loader::WIT_VERSION.into(),
-                size: bytes.len(),
-                imports: Vec::new(),
-            },
-            Err(e) => return Err(e),
-        };
-        let component = Component::new(&self.engine, bytes)
-            .map_err(|e| LoadError::Compile(format!("{e:#}")))?;
+        let (component, info) = self.checked(bytes, Some(GuestKind::Gc), max_size)?;
         let pre: InstancePre<GuestState> = self
             .linker
             .instantiate_pre(&component)

@@ -91,6 +91,9 @@ pub enum CallError {
 /// The Wasm engine and everything shared by all modules.
 pub struct Runtime {
     engine: Engine,
+    /// The engine's configuration: compilation runs on a throwaway engine made from it (see
+    /// `loader.rs`), so the compiler's scratch state does not stay with the host.
+    config: Config,
     linker: Linker<GuestState>,
     limits: Limits,
     cache_dir: Option<PathBuf>,
@@ -134,7 +137,7 @@ impl Runtime {
                 })
                 .map_err(|e| RuntimeError::Engine(format!("starting the epoch ticker: {e}")))?;
         }
-        Ok(Runtime { engine, linker, limits, cache_dir, stop_ticker })
+        Ok(Runtime { engine, config, linker, limits, cache_dir, stop_ticker })
     }
 
     pub fn engine(&self) -> &Engine {

@@ -13,7 +13,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 
-use wasmtime::component::{Component, InstancePre};
+use wasmtime::component::InstancePre;
 
 use wasmplane_model as m;
 use wasmplane_model::state::{NodeContext, PolicyView};
@@ -50,20 +50,7 @@ pub struct PolicyModule {
 impl Runtime {
     /// Validates and compiles a network-policy component.
     pub fn load_policy(&self, name: &str, bytes: &[u8], max_size: usize) -> Result<PolicyModule, LoadError> {
-        // The shared loader does every check; that it cannot run policy guests itself
-        // (`KindNotRunnable`) only means the checks passed.
-        let info = match self.load(name, bytes, Some(GuestKind::NetworkPolicy), max_size) {
-            Ok(loaded) => loaded.info,
-            Err(LoadError::KindNotRunnable(GuestKind::NetworkPolicy)) => ModuleInfo {
-                digest: crate::loader::digest(bytes),
-                kind: GuestKind::NetworkPolicy,
-                wit_version: crate::loader::WIT_VERSION.into(),
-                size: bytes.len(),
-                imports: Vec::new(),
-            },
-            Err(e) => return Err(e),
-        };
-        let component = Component::new(&self.engine, bytes).map_err(|e| LoadError::Compile(format!("{e:#}")))?;
+        let (component, info) = self.checked(bytes, Some(GuestKind::NetworkPolicy), max_size)?;
         let pre: InstancePre<GuestState> = self.linker.instantiate_pre(&component).map_err(|e| LoadError::Link(format!("{e:#}")))?;
         let pre = NetworkPolicyEnforcementPre::new(pre).map_err(|e| LoadError::Link(format!("{e:#}")))?;
         tracing::debug!(module = name, digest = %info.digest, "network-policy module loaded");
