@@ -100,14 +100,10 @@ fn parse() -> anyhow::Result<Args> {
 
 /// Single-change samples per size: each costs one incremental `nft -f`, which at 50k is
 /// seconds (nft's cache fill), so fewer there.
-fn samples(a: &Args, services: usize) -> usize {
-    a.samples.unwrap_or(match (services, a.quick) {
-        (..=2_000, false) => 50,
-        (..=2_000, true) => 30,
-        (..=20_000, false) => 20,
-        (..=20_000, true) => 10,
-        _ => 5,
-    })
+fn samples(a: &Args) -> usize {
+    // A change costs a few milliseconds at every size now (it was half a second at 50k when
+    // fewer samples were taken there): the same count everywhere.
+    a.samples.unwrap_or(if a.quick { 20 } else { 50 })
 }
 
 fn churn_seconds(a: &Args) -> f64 {
@@ -133,7 +129,7 @@ fn main() -> anyhow::Result<()> {
             endpoints: a.endpoints,
             policies: a.policies,
             seed: a.seed,
-            samples: samples(&a, services),
+            samples: samples(&a),
             churn_rate: a.churn_rate,
             churn_seconds: churn_seconds(&a),
             record: a.record,
@@ -150,7 +146,7 @@ fn main() -> anyhow::Result<()> {
         eprintln!("== {services} services ==");
         let mut cmd = Command::new(std::env::current_exe()?);
         cmd.args(["--worker", &services.to_string(), "--endpoints", &a.endpoints.to_string(), "--policies", &a.policies.to_string(), "--seed", &a.seed.to_string()]);
-        cmd.args(["--samples", &samples(&a, services).to_string(), "--churn-rate", &a.churn_rate.to_string(), "--churn-seconds", &churn_seconds(&a).to_string()]);
+        cmd.args(["--samples", &samples(&a).to_string(), "--churn-rate", &a.churn_rate.to_string(), "--churn-seconds", &churn_seconds(&a).to_string()]);
         if a.record {
             cmd.arg("--record");
         }
