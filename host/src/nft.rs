@@ -75,6 +75,14 @@
 //! one-service change 95 µs / 108 µs / 302 µs at 1k / 10k / 50k (64 shards; 134 µs in one
 //! table), a full load of 50k 6.1 s.
 //!
+//! Node ports the same way (`nodeport-backends` → `nodeport-endpoints`, `nodeport-pick-N`),
+//! and session affinity in one chain per port (no endpoint chains): the harness's cluster,
+//! with affinity on a tenth of its services and node ports on a twentieth, had ~22,500
+//! chains at 50k for the commit to walk; now ~5,600. A change that rewrites rules (the
+//! affinity services) also makes the kernel validate the whole table, every verdict-map
+//! element included: ~4 ms at 50k against ~0.7 ms for an element-only change
+//! (BENCHMARKS.md, sixth run).
+//!
 //! What shards cost:
 //! - a new connection's first packet runs the NAT chains of the shards in turn until one
 //!   DNATs it, and a connection to no service runs them all: ~0.3 µs per shard
@@ -626,7 +634,8 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
     type Balanced = BTreeMap<(IpAddr, &'static str, u16), BTreeSet<(IpAddr, u16)>>;
     let mut backends = Balanced::new();
     // Node port (protocol, port) → its IPv4 and IPv6 backends, from `nodeport-backends`.
-    let mut node_port_backends: BTreeMap<(&'static str, u16), (BTreeSet<(IpAddr, u16)>, BTreeSet<(IpAddr, u16)>)> = BTreeMap::new();
+    type Backends = BTreeSet<(IpAddr, u16)>;
+    let mut node_port_backends: BTreeMap<(&'static str, u16), (Backends, Backends)> = BTreeMap::new();
     for element in &out.map_elements {
         let Some(map) = SERVICE_MAPS.iter().find(|m| m.name == element.map_name) else {
             return v.fail(format!("unknown map {:?} (known: {})", element.map_name, SERVICE_MAPS.iter().map(|m| m.name).collect::<Vec<_>>().join(", ")));

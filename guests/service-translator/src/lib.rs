@@ -288,7 +288,7 @@ fn translate_port(
             .all(|ip| by_family.of(ip).cluster.len() <= MAX_BACKENDS_PER_FRONTEND)
         && [&by_family.v4, &by_family.v6].iter().all(|family| family.cluster.len() <= MAX_BACKENDS_PER_FRONTEND);
     if as_data {
-        translate_port_as_data(node, &prefix, service, port, &by_family, cluster_ips, ruleset, hairpin);
+        translate_port_as_data(node, service, port, &by_family, cluster_ips, ruleset, hairpin);
         return;
     }
     let cluster_backends = if service.internal_traffic_policy == TrafficPolicy::Local {
@@ -409,7 +409,6 @@ pub const MAX_BACKENDS_PER_FRONTEND: usize = 32;
 #[allow(clippy::too_many_arguments)]
 fn translate_port_as_data(
     node: &NodeContext,
-    prefix: &str,
     service: &Service,
     port: &ServicePort,
     by_family: &ByFamily,
