@@ -186,8 +186,9 @@ impl Controller {
             policy: PolicyController::new(&policy_module),
         };
         controller.registry.mark_active(GuestKind::NetworkPolicy, BUILTIN_NETWORK_POLICY, 1);
-        // The builtin until the shared module index (kvstore) says otherwise.
-        controller.activate_version(BUILTIN_SERVICE_TRANSLATOR, 1)?;
+        // The builtin until the shared module index (kvstore) says otherwise (compiled above
+        // already: a second load would compile it again when there is no disk cache).
+        controller.activate_loaded(BUILTIN_SERVICE_TRANSLATOR, 1, builtin)?;
         Ok(controller)
     }
 
@@ -511,13 +512,20 @@ impl Controller {
     /// Hot swap: run `name@version` over the whole current state; only if every service
     /// translates does it replace the module in force, in one full transaction.
     fn activate_version(&mut self, name: &str, version: u32) -> Result<(), HostError> {
+        match self.load(name, version) {
+            Ok(module) => self.activate_loaded(name, version, module),
+            Err(e) => {
+                self.registry.mark_failed(name, &e.to_string());
+                Err(HostError::ActivationFailed { module: format!("{name}@{version}"), reason: e.to_string() })
+            }
+        }
+    }
+
+    /// [`activate_version`](Self::activate_version) with the module already compiled.
+    fn activate_loaded(&mut self, name: &str, version: u32, module: LoadedModule) -> Result<(), HostError> {
         let failed = |this: &mut Self, reason: String| {
             this.registry.mark_failed(name, &reason);
             HostError::ActivationFailed { module: format!("{name}@{version}"), reason }
-        };
-        let module = match self.load(name, version) {
-            Ok(module) => module,
-            Err(e) => return Err(failed(self, e.to_string())),
         };
         let Some(mut session) = module.translator(Arc::new(NoLookups)) else {
             return Err(failed(self, format!("{} modules cannot be activated yet", module.info.kind)));
