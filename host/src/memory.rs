@@ -18,10 +18,5 @@ pub fn limit_malloc_arenas() {
 }
 
 /// Returns free heap pages to the kernel (after a burst of large transient allocations).
-pub fn release_free_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only releases memory the allocator holds free.
-    unsafe {
-        libc::malloc_trim(0);
-    }
-}
+/// The runtime's, which calls it after each compilation.
+pub use wasmplane_runtime::release_free_memory;

@@ -600,6 +600,17 @@ impl<'a> Validator<'a> {
     }
 }
 
+/// A frontend's or node port's backends (address, port), numbered in order.
+type Backends = BTreeSet<(IpAddr, u16)>;
+
+/// Writes `backends` into endpoint map `map` as `front . number : address . port`, the
+/// numbers a `pick-N` chain draws among.
+fn number_backends(elements: &mut BTreeMap<(String, String), String>, map: &str, front: &str, backends: &Backends) {
+    for (i, (address, port)) in backends.iter().enumerate() {
+        elements.insert((map.to_string(), format!("{front} . {i}")), format!("{address} . {port}"));
+    }
+}
+
 /// Validates and renders one service's ruleset. Anything outside the service's prefix, any
 /// malformed address, dangling reference or unknown map rejects the whole output.
 pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<ObjectRules, InvalidOutput> {
@@ -630,11 +641,9 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
         rules.chains.insert(chain.name.clone(), rendered);
     }
     rules.service_prefix = Some(prefix.clone());
-    // Frontend (address, protocol, port) → its backends (address, port), from `service-backends`.
-    type Balanced = BTreeMap<(IpAddr, &'static str, u16), BTreeSet<(IpAddr, u16)>>;
-    let mut backends = Balanced::new();
+    // Frontend (address, protocol, port) → its backends, from `service-backends`.
+    let mut backends: BTreeMap<(IpAddr, &'static str, u16), Backends> = BTreeMap::new();
     // Node port (protocol, port) → its IPv4 and IPv6 backends, from `nodeport-backends`.
-    type Backends = BTreeSet<(IpAddr, u16)>;
     let mut node_port_backends: BTreeMap<(&'static str, u16), (Backends, Backends)> = BTreeMap::new();
     for element in &out.map_elements {
         let Some(map) = SERVICE_MAPS.iter().find(|m| m.name == element.map_name) else {
@@ -695,9 +704,7 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
         }
         let (ips, endpoints) = if frontend.is_ipv4() { ("service-ips", "service-endpoints") } else { ("service-ips6", "service-endpoints6") };
         let front = format!("{frontend} . {proto} . {port}");
-        for (i, (address, backend_port)) in set.iter().enumerate() {
-            rules.elements.insert((endpoints.to_string(), format!("{front} . {i}")), format!("{address} . {backend_port}"));
-        }
+        number_backends(&mut rules.elements, endpoints, &front, set);
         if rules.elements.insert((ips.to_string(), front.clone()), format!("goto pick-{}", set.len())).is_some() {
             return v.fail(format!("map {ips:?}: key {front} given twice (service-backends names it too)"));
         }
@@ -710,9 +717,7 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
             if set.len() > MAX_PICK {
                 return v.fail(format!("nodeport-backends: {front} has {} backends of one family (limit {MAX_PICK})", set.len()));
             }
-            for (i, (address, backend_port)) in set.iter().enumerate() {
-                rules.elements.insert((endpoints.to_string(), format!("{front} . {i}")), format!("{address} . {backend_port}"));
-            }
+            number_backends(&mut rules.elements, endpoints, &front, set);
             if !set.is_empty() {
                 rules.elements.insert((picks.to_string(), front.clone()), format!("goto nodeport-pick-{}", set.len()));
             }
@@ -949,19 +954,33 @@ const SHARD_SKELETON: TableSkeleton = {
 /// `numgen random mod N` of the frontend (`service-backends`); `nodeport-pick-N` the same for
 /// node ports (`nodeport-backends`), always masqueraded (externalTrafficPolicy Cluster).
 fn write_pick_chains(out: &mut String, t: Table) {
-    for n in 1..=MAX_PICK {
-        writeln!(out, "add chain {t} nodeport-pick-{n}").unwrap();
-        writeln!(out, "flush chain {t} nodeport-pick-{n}").unwrap();
-        writeln!(out, "add rule {t} nodeport-pick-{n} jump mark-for-masquerade").unwrap();
-        writeln!(out, "add rule {t} nodeport-pick-{n} meta nfproto ipv4 dnat ip to meta l4proto . th dport . numgen random mod {n} map @nodeport-endpoints").unwrap();
-        writeln!(out, "add rule {t} nodeport-pick-{n} meta nfproto ipv6 dnat ip6 to meta l4proto . th dport . numgen random mod {n} map @nodeport-endpoints6").unwrap();
-    }
-    for n in 1..=MAX_PICK {
-        writeln!(out, "add chain {t} pick-{n}").unwrap();
-        writeln!(out, "flush chain {t} pick-{n}").unwrap();
-        writeln!(out, "add rule {t} pick-{n} jump masquerade-check").unwrap();
-        writeln!(out, "add rule {t} pick-{n} dnat ip to ip daddr . meta l4proto . th dport . numgen random mod {n} map @service-endpoints").unwrap();
-        writeln!(out, "add rule {t} pick-{n} dnat ip6 to ip6 daddr . meta l4proto . th dport . numgen random mod {n} map @service-endpoints6").unwrap();
+    // Chain name prefix, its first rule, per family: the DNAT up to the number drawn, and
+    // the endpoint map it looks up.
+    type PickChain = (&'static str, &'static str, [(&'static str, &'static str); 2]);
+    const PICK_CHAINS: [PickChain; 2] = [
+        (
+            "nodeport-pick",
+            "jump mark-for-masquerade",
+            [
+                ("meta nfproto ipv4 dnat ip to meta l4proto . th dport", "nodeport-endpoints"),
+                ("meta nfproto ipv6 dnat ip6 to meta l4proto . th dport", "nodeport-endpoints6"),
+            ],
+        ),
+        (
+            "pick",
+            "jump masquerade-check",
+            [("dnat ip to ip daddr . meta l4proto . th dport", "service-endpoints"), ("dnat ip6 to ip6 daddr . meta l4proto . th dport", "service-endpoints6")],
+        ),
+    ];
+    for (prefix, first, families) in PICK_CHAINS {
+        for n in 1..=MAX_PICK {
+            writeln!(out, "add chain {t} {prefix}-{n}").unwrap();
+            writeln!(out, "flush chain {t} {prefix}-{n}").unwrap();
+            writeln!(out, "add rule {t} {prefix}-{n} {first}").unwrap();
+            for (dnat, map) in families {
+                writeln!(out, "add rule {t} {prefix}-{n} {dnat} . numgen random mod {n} map @{map}").unwrap();
+            }
+        }
     }
 }
 

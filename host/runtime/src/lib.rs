@@ -149,6 +149,16 @@ impl Runtime {
     }
 }
 
+/// Returns free heap pages to the kernel: glibc keeps what a burst of large transient
+/// allocations freed (a compilation, a full sync) otherwise.
+pub fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only releases memory the allocator holds free.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 impl Drop for Runtime {
     fn drop(&mut self) {
         self.stop_ticker.store(true, Ordering::Relaxed);

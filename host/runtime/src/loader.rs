@@ -219,19 +219,10 @@ impl Runtime {
         let compiler = wasmtime::Engine::new(&self.config).map_err(|e| LoadError::Compile(format!("{e:#}")))?;
         let code = compiler.precompile_component(bytes).map_err(|e| LoadError::Compile(format!("{e:#}")))?;
         drop(compiler);
-        release_free_memory();
+        crate::release_free_memory();
         // SAFETY: `code` was just compiled by an engine of this very configuration.
         let component = unsafe { Component::deserialize(&self.engine, &code) }.map_err(|e| LoadError::Compile(format!("{e:#}")))?;
         Ok((component, code))
-    }
-}
-
-/// Returns the heap pages the compiler freed to the kernel (glibc keeps them otherwise).
-fn release_free_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only releases memory the allocator holds free.
-    unsafe {
-        libc::malloc_trim(0);
     }
 }
 
