@@ -560,6 +560,9 @@ pub struct Dataplane {
     sharded: usize,
     /// The cluster's pod CIDRs, for the shards' `cluster-cidrs` sets (see `nft::skeleton`).
     cluster_cidrs: Vec<ipnet::IpNet>,
+    /// Session affinity's pick chains in the kernel, by shard and timeout (see
+    /// [`nft::AffinityClass`]): what the last full sync wrote.
+    affinity_classes: HashSet<(Table, nft::AffinityClass)>,
     /// The last transaction written (its first [`KEPT_TEXT_BYTES`]).
     pub last_transaction: String,
     /// The last non-empty conntrack cleanup (filters), for inspection.
@@ -610,6 +613,7 @@ impl Dataplane {
             services_per_shard: Layout::DEFAULT_SERVICES_PER_SHARD,
             sharded: 0,
             cluster_cidrs: Vec::new(),
+            affinity_classes: HashSet::new(),
             last_transaction: String::new(),
             last_conntrack_cleanup: Vec::new(),
         }
@@ -681,6 +685,10 @@ impl Dataplane {
             tracing::debug!(objects = changes.len(), "a change of most services: written as a full sync");
             self.in_sync = false;
         }
+        if self.in_sync && self.lacks_affinity_class(&changes) {
+            tracing::info!("a session affinity timeout new to its shard: written as a full sync (see nft::AffinityClass)");
+            self.in_sync = false;
+        }
         if !self.in_sync {
             let mut next = self.desired().clone();
             for (key, rules) in changes {
@@ -742,6 +750,11 @@ impl Dataplane {
         Ok(SyncStats { full: false, objects, statements, conntrack_filters, path })
     }
 
+    /// Whether `changes` go to session affinity chains that the kernel does not have.
+    fn lacks_affinity_class(&self, changes: &[(ObjectKey, Option<ObjectRules>)]) -> bool {
+        changes.iter().filter_map(|(_, rules)| rules.as_ref()).flat_map(|rules| nft::affinity_classes(rules, self.layout)).any(|c| !self.affinity_classes.contains(&c))
+    }
+
     /// Owner counts (before, after) of the shared-set elements the changed objects had or have.
     fn shared_change(
         &self,
@@ -797,6 +810,12 @@ impl Dataplane {
         rules: Option<ObjectRules>,
     ) -> Option<Arc<ObjectRules>> {
         let old = objects.remove(&key);
+        let rules = rules.map(|mut rules| {
+            if let Some(old) = &old {
+                nft::keep_affinity_slots(old, &mut rules);
+            }
+            rules
+        });
         self.sharded = self.sharded.saturating_sub(usize::from(old.as_ref().is_some_and(|o| o.is_sharded())));
         self.sharded += usize::from(rules.as_ref().is_some_and(ObjectRules::is_sharded));
         if let Some(old) = &old {
@@ -824,6 +843,9 @@ impl Dataplane {
                 let mut next = BTreeMap::new();
                 let mut owners: HashMap<(String, String), ObjectKey> = HashMap::new();
                 for (key, mut rules) in objects {
+                    if let Some(old) = self.desired().get(&key) {
+                        nft::keep_affinity_slots(old, &mut rules);
+                    }
                     refuse_taken_keys(&owners, &key, &mut rules);
                     for k in rules.owned_keys() {
                         owners.insert(k.clone(), key.clone());
@@ -863,6 +885,7 @@ impl Dataplane {
         };
         let services = next.values().filter(|r| r.is_sharded()).count();
         let layout = Layout::for_services(services, self.services_per_shard);
+        let affinity_classes: HashSet<(Table, nft::AffinityClass)> = next.values().flat_map(|r| nft::affinity_classes(r, layout)).collect();
         let stale = {
             // Hashed: scanning every object per listed chain took 60 s at 10k services.
             let chains: HashSet<&str> = next.values().flat_map(|r| r.chains.keys().map(String::as_str)).collect();
@@ -878,7 +901,12 @@ impl Dataplane {
                 chains: listing
                     .chains
                     .into_iter()
-                    .filter(|(t, c)| tables.contains(t) && !nft::is_static_chain(c) && !wanted(&chains, t, c))
+                    .filter(|(t, c)| {
+                        tables.contains(t)
+                            && !nft::is_static_chain(c)
+                            && !wanted(&chains, t, c)
+                            && !nft::AffinityClass::of_chain(c).is_some_and(|class| affinity_classes.contains(&(*t, class)))
+                    })
                     .collect(),
                 sets: listing
                     .sets
@@ -918,6 +946,7 @@ impl Dataplane {
             tracing::info!(shards = layout.shards, services, "services laid out over new shard tables");
         }
         self.layout = layout;
+        self.affinity_classes = affinity_classes;
         self.commit(next, services);
         // A full sync's transient text and listings are large (tens of MB at 50k services)
         // and leave glibc's heap fragmented: hand what is free back to the kernel.
@@ -1107,6 +1136,58 @@ mod tests {
         // Deleting services is counted too: down to 1, the next full sync uses one shard.
         dp.sync((1..9).map(|i| (key(&format!("s{i}")), None)).collect()).unwrap();
         assert_eq!(dp.layout().shards, 1, "8 of 9 services went: most of the table, laid out again at once");
+    }
+
+    /// A service with session affinity as data: `backends` numbered, the frontend sent to
+    /// the affinity pick chain of `seconds` and their count.
+    fn sticky(name: &str, ip: &str, seconds: u32, backends: &[&str]) -> ObjectRules {
+        let front = format!("{ip} . tcp . 80");
+        let mut r = ObjectRules { service_prefix: Some(format!("svc/default/{name}")), ..Default::default() };
+        for (i, b) in backends.iter().enumerate() {
+            r.elements.insert(("service-endpoints".into(), format!("{front} . {i}")), format!("{b} . 8080"));
+        }
+        let pick = nft::AffinityPick { node_port: false, seconds, backends: backends.len() };
+        r.elements.insert(("service-ips".into(), front), format!("goto {}", pick.chain()));
+        r
+    }
+
+    #[test]
+    fn a_new_affinity_timeout_is_a_full_sync_and_its_chains_go_when_no_frontend_uses_them() {
+        let fake = Fake::default();
+        let mut dp = Dataplane::new(Box::new(fake.clone()));
+        let plain: BTreeMap<ObjectKey, ObjectRules> = (0..4).map(|i| (key(&format!("s{i}")), rules(&format!("s{i}"), "10.244.0.1"))).collect();
+        dp.full_sync(Some(plain)).unwrap();
+        let last = || fake.applied.lock().unwrap().last().unwrap().clone();
+        assert!(!last().contains("affinity-600"), "no chains for a timeout nobody uses");
+
+        // The first frontend with 600 s: a full sync that writes the class's chains.
+        let stats = dp.sync(vec![(key("x"), Some(sticky("x", "10.96.1.1", 600, &["10.244.1.1", "10.244.1.2"])))]).unwrap();
+        assert!(stats.full, "{stats:?}");
+        let full = last();
+        for chain in ["affinity-600-lookup", "affinity-600-pick-1", "affinity-600-pick-2", "affinity-600-pick-32"] {
+            assert!(full.contains(&format!("add chain inet wasmplane-s0 {chain}\n")), "{chain} missing");
+        }
+        // The next one, another count of the same timeout: its elements only.
+        let stats = dp.sync(vec![(key("y"), Some(sticky("y", "10.96.1.2", 600, &["10.244.2.1", "10.244.2.2", "10.244.2.3"])))]).unwrap();
+        assert!(!stats.full, "{stats:?}");
+        let delta = last();
+        assert!(delta.contains("10.96.1.2 . tcp . 80 : goto affinity-600-pick-3") && !delta.contains("chain"), "{delta}");
+
+        // A backend of y goes, one comes: the others keep their numbers (clients are
+        // remembered by number), the newcomer takes the free one.
+        dp.sync(vec![(key("y"), Some(sticky("y", "10.96.1.2", 600, &["10.244.2.1", "10.244.2.3", "10.244.2.4"])))]).unwrap();
+        let y = dp.applied().get(&key("y")).unwrap().clone();
+        let number = |i: usize| y.elements.get(&("service-endpoints".to_string(), format!("10.96.1.2 . tcp . 80 . {i}"))).cloned();
+        assert_eq!([number(0), number(1), number(2)], [Some("10.244.2.1 . 8080".into()), Some("10.244.2.4 . 8080".into()), Some("10.244.2.3 . 8080".into())]);
+
+        // Both gone: the next full sync deletes the class's chains it finds in the kernel.
+        dp.sync(vec![(key("x"), None), (key("y"), None)]).unwrap();
+        let s0 = Table::shard(0);
+        fake.listing.lock().unwrap().chains = vec![(s0, "affinity-600-lookup".into()), (s0, "affinity-600-pick-3".into()), (s0, "pick-3".into())];
+        dp.full_sync(None).unwrap();
+        let full = last();
+        assert!(full.contains("delete chain inet wasmplane-s0 affinity-600-lookup") && full.contains("delete chain inet wasmplane-s0 affinity-600-pick-3"), "{full}");
+        assert!(!full.contains("delete chain inet wasmplane-s0 pick-3") && !full.contains("add chain inet wasmplane-s0 affinity-600"));
     }
 
     #[test]

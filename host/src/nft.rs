@@ -350,6 +350,205 @@ const SERVICE_MAPS: &[HostMap] = &[
 /// every shard); a translator DNATs bigger ones in a chain of its own.
 pub const MAX_PICK: usize = 32;
 
+/// Longest session affinity (Kubernetes' own limit for `timeoutSeconds`).
+pub const MAX_AFFINITY_SECONDS: u32 = 86_400;
+
+/// Clients a shard remembers per backend number (`affinity-slot-N` sets).
+const AFFINITY_CLIENTS_PER_SLOT: u32 = 262_144;
+
+/// `session-affinity-<seconds>` (false) or `nodeport-affinity-<seconds>` (true), with the
+/// seconds if they parse.
+fn affinity_family(map: &str) -> Option<(bool, Option<u32>)> {
+    let (node_port, seconds) = match map.strip_prefix("session-affinity-") {
+        Some(seconds) => (false, seconds),
+        None => (true, map.strip_prefix("nodeport-affinity-")?),
+    };
+    Some((node_port, seconds.parse().ok()))
+}
+
+/// Session affinity as data: the chain a frontend with affinity goes to instead of `pick-N`
+/// (`nodeport-pick-N`), one per timeout and backend count. A shard has them for every count
+/// of each timeout its frontends use ([`AffinityClass`]), so a frontend that scales changes
+/// its `goto` element only.
+///
+/// The shard's `affinity-slot-I` sets (`affinity6-slot-I`) hold `client . frontend` pairs
+/// whose client reached backend number I of that frontend. The chain sends a client found
+/// in one of them back to that backend, else draws one as `pick-N` does; both record the
+/// client with the timeout, so it restarts on each new connection (kube-proxy's `update`
+/// of the endpoint's affinity set). Backends keep their numbers across changes (see
+/// [`keep_affinity_slots`]), so clients of the backends that stay keep them.
+///
+/// Why numbers and not the backend itself: nft 1.0.6 cannot express the alternatives. A
+/// map from client to backend needs the draw's result in a set update (`map` expressions
+/// are refused as dynset data) or the connection's original port after DNAT (`ct original
+/// proto-dst` is refused in concatenations), and a chain per service is what this
+/// replaces: every commit walks every chain, and a rule change validates the whole table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct AffinityPick {
+    pub node_port: bool,
+    pub seconds: u32,
+    pub backends: usize,
+}
+
+impl AffinityPick {
+    pub fn chain(&self) -> String {
+        let kind = if self.node_port { "nodeport-affinity" } else { "affinity" };
+        format!("{kind}-{}-pick-{}", self.seconds, self.backends)
+    }
+
+    pub fn parse(chain: &str) -> Option<AffinityPick> {
+        let (node_port, rest) = match chain.strip_prefix("affinity-") {
+            Some(rest) => (false, rest),
+            None => (true, chain.strip_prefix("nodeport-affinity-")?),
+        };
+        let (seconds, backends) = rest.split_once("-pick-")?;
+        let pick = AffinityPick { node_port, seconds: seconds.parse().ok()?, backends: backends.parse().ok()? };
+        (pick.chain() == chain && (1..=MAX_AFFINITY_SECONDS).contains(&pick.seconds) && (1..=MAX_PICK).contains(&pick.backends)).then_some(pick)
+    }
+
+    /// The chain's rules: masquerading as `pick-N` does, a remembered client back to its
+    /// backend (the class's lookup chain), else a uniform draw (rule i takes 1/(N-i) of what
+    /// is left), per family, recorded.
+    fn rules(&self) -> Vec<String> {
+        let class = self.class();
+        let first = if self.node_port { "jump mark-for-masquerade" } else { "jump masquerade-check" };
+        let n = self.backends;
+        let mut rules = vec![first.to_string(), format!("jump {}", class.lookup_chain())];
+        for family in &AFFINITY_FAMILIES {
+            for i in 0..n {
+                let condition = if i + 1 < n { format!("numgen random mod {} == 0 ", n - i) } else { String::new() };
+                rules.push(class.remember_and_dnat(family, i, &condition));
+            }
+        }
+        rules
+    }
+
+    pub fn class(&self) -> AffinityClass {
+        AffinityClass { node_port: self.node_port, seconds: self.seconds }
+    }
+}
+
+/// The affinity pick chains of one timeout, for service frontends or node ports: all
+/// counts, written into a shard by full syncs only. nft 1.0.6 cannot add a rule that uses
+/// an endpoint map it reads back from the kernel ("conflicting protocols specified: ip vs.
+/// th"), the maps' rules outside the netlink encoder's vocabulary go through `nft -f`, and
+/// a full sync declares the maps anew: so the first frontend with a timeout new to its
+/// shard makes its change a full sync (see `Dataplane::sync`), and later ones, whatever
+/// their count, are elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct AffinityClass {
+    pub node_port: bool,
+    pub seconds: u32,
+}
+
+impl AffinityClass {
+    fn prefix(&self) -> String {
+        let kind = if self.node_port { "nodeport-affinity" } else { "affinity" };
+        format!("{kind}-{}", self.seconds)
+    }
+
+    /// The chain that sends a client remembered in slot I back to backend I, for every I:
+    /// one per class, shared by its pick chains. A slot beyond a frontend's count (left from
+    /// when it had more backends) finds no backend I and falls through to the draw.
+    fn lookup_chain(&self) -> String {
+        format!("{}-lookup", self.prefix())
+    }
+
+    /// The class of one of its chains (a pick or the lookup chain).
+    pub fn of_chain(chain: &str) -> Option<AffinityClass> {
+        if let Some(pick) = AffinityPick::parse(chain) {
+            return Some(pick.class());
+        }
+        let (node_port, rest) = match chain.strip_prefix("affinity-") {
+            Some(rest) => (false, rest),
+            None => (true, chain.strip_prefix("nodeport-affinity-")?),
+        };
+        let class = AffinityClass { node_port, seconds: rest.strip_suffix("-lookup")?.parse().ok()? };
+        (class.lookup_chain() == chain && (1..=MAX_AFFINITY_SECONDS).contains(&class.seconds)).then_some(class)
+    }
+
+    /// Records the client in slot `i` (restarting its timeout) and DNATs to backend `i`.
+    fn remember_and_dnat(&self, family: &(&str, &str, &str, &str), i: usize, condition: &str) -> String {
+        let (nfproto, ip, slots, suffix) = family;
+        let client = format!("{ip} saddr . {ip} daddr . meta l4proto . th dport");
+        let (frontend, endpoints) = if self.node_port { (String::new(), "nodeport-endpoints") } else { (format!("{ip} daddr . "), "service-endpoints") };
+        format!(
+            "meta nfproto {nfproto} {condition}update @{slots}-{i} {{ {client} timeout {}s }} dnat {ip} to {frontend}meta l4proto . th dport . numgen random mod 1 offset {i} map @{endpoints}{suffix}",
+            self.seconds
+        )
+    }
+
+    /// Its chains and their rules, into table `t` (after `flush table`, or new).
+    pub fn write(&self, out: &mut String, t: Table) {
+        let lookup = self.lookup_chain();
+        writeln!(out, "add chain {t} {lookup}").unwrap();
+        for family in &AFFINITY_FAMILIES {
+            let (_, ip, slots, _) = family;
+            for i in 0..MAX_PICK {
+                let found = format!("{ip} saddr . {ip} daddr . meta l4proto . th dport @{slots}-{i} ");
+                writeln!(out, "add rule {t} {lookup} {}", self.remember_and_dnat(family, i, &found)).unwrap();
+            }
+        }
+        for backends in 1..=MAX_PICK {
+            let pick = AffinityPick { node_port: self.node_port, seconds: self.seconds, backends };
+            let name = pick.chain();
+            writeln!(out, "add chain {t} {name}").unwrap();
+            for rule in pick.rules() {
+                writeln!(out, "add rule {t} {name} {rule}").unwrap();
+            }
+        }
+    }
+}
+
+/// Per family: nfproto, payload protocol, slot set prefix, endpoint map suffix.
+const AFFINITY_FAMILIES: [(&str, &str, &str, &str); 2] = [("ipv4", "ip", "affinity-slot", ""), ("ipv6", "ip6", "affinity6-slot", "6")];
+
+/// The affinity classes `rules`' elements go to, with their tables.
+pub fn affinity_classes(rules: &ObjectRules, layout: Layout) -> impl Iterator<Item = (Table, AffinityClass)> + '_ {
+    rules.elements.iter().filter_map(move |((map, _), verdict)| {
+        let pick = AffinityPick::parse(verdict.strip_prefix("goto ")?)?;
+        Some((layout.element_table(map, verdict, rules.service_prefix.as_deref()), pick.class()))
+    })
+}
+
+/// Frontend maps whose `goto` may name an affinity pick chain, and their endpoint maps.
+const AFFINITY_FRONTEND_MAPS: [(&str, &str); 4] = [
+    ("service-ips", "service-endpoints"),
+    ("service-ips6", "service-endpoints6"),
+    ("nodeport-picks", "nodeport-endpoints"),
+    ("nodeport-picks6", "nodeport-endpoints6"),
+];
+
+/// Renumbers `new`'s backends of frontends with session affinity so that each backend it
+/// shares with `old` keeps its number where it can: the shard remembers clients by number
+/// (see [`AffinityPick`]). A backend that goes leaves its number to one that comes, or to
+/// the last one (whose clients then draw again); kube-proxy keeps every remaining
+/// endpoint's clients, here all but those of the renumbered one do.
+pub fn keep_affinity_slots(old: &ObjectRules, new: &mut ObjectRules) {
+    for (picks, endpoints) in AFFINITY_FRONTEND_MAPS {
+        let fronts: Vec<String> = new
+            .elements
+            .iter()
+            .filter(|((map, _), verdict)| map == picks && verdict.strip_prefix("goto ").and_then(AffinityPick::parse).is_some())
+            .map(|((_, front), _)| front.clone())
+            .collect();
+        for front in fronts {
+            let numbered = |rules: &ObjectRules| -> Vec<String> {
+                (0..).map_while(|i| rules.elements.get(&(endpoints.to_string(), format!("{front} . {i}"))).cloned()).collect()
+            };
+            let (before, now) = (numbered(old), numbered(new));
+            let mut slots: Vec<Option<&String>> = before.iter().take(now.len()).map(|b| now.contains(b).then_some(b)).collect();
+            slots.resize(now.len(), None);
+            let kept: BTreeSet<&String> = slots.iter().flatten().copied().collect();
+            let mut newcomers = now.iter().filter(|b| !kept.contains(b));
+            let slots: Vec<&String> = slots.into_iter().map(|s| s.or_else(|| newcomers.next()).expect("one backend per number")).collect();
+            for (i, backend) in slots.into_iter().enumerate() {
+                new.elements.insert((endpoints.to_string(), format!("{front} . {i}")), backend.clone());
+            }
+        }
+    }
+}
+
 /// Host sets whose elements many objects may add (a pod behind several services is a
 /// hairpin endpoint of each): an element stays while any object wants it.
 pub fn is_shared_set(map: &str) -> bool {
@@ -645,9 +844,32 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
     let mut backends: BTreeMap<(IpAddr, &'static str, u16), Backends> = BTreeMap::new();
     // Node port (protocol, port) → its IPv4 and IPv6 backends, from `nodeport-backends`.
     let mut node_port_backends: BTreeMap<(&'static str, u16), (Backends, Backends)> = BTreeMap::new();
+    // Frontends and node ports with session affinity → its timeout in seconds.
+    let mut affinity: BTreeMap<(IpAddr, &'static str, u16), u32> = BTreeMap::new();
+    let mut node_port_affinity: BTreeMap<(&'static str, u16), u32> = BTreeMap::new();
     for element in &out.map_elements {
+        if let Some((node_port, seconds)) = affinity_family(&element.map_name) {
+            let Some(seconds) = seconds.filter(|s| (1..=MAX_AFFINITY_SECONDS).contains(s)) else {
+                return v.fail(format!("map {:?}: the timeout must be 1 to {MAX_AFFINITY_SECONDS} seconds", element.map_name));
+            };
+            let earlier = match (node_port, element.key.as_slice(), &element.verdict) {
+                (false, [wit::KeyPart::Address(a), wit::KeyPart::Protocol(p), wit::KeyPart::Port(port)], wit::Verdict::None) => {
+                    affinity.insert((v.address(a)?, protocol(*p), *port), seconds)
+                }
+                (true, [wit::KeyPart::Protocol(p), wit::KeyPart::Port(port)], wit::Verdict::None) => node_port_affinity.insert((protocol(*p), *port), seconds),
+                _ => return v.fail(format!("map {:?}: key {:?} or verdict has the wrong shape", element.map_name, element.key)),
+            };
+            if earlier.is_some() {
+                return v.fail(format!("map {:?}: session affinity of {:?} given twice", element.map_name, element.key));
+            }
+            continue;
+        }
         let Some(map) = SERVICE_MAPS.iter().find(|m| m.name == element.map_name) else {
-            return v.fail(format!("unknown map {:?} (known: {})", element.map_name, SERVICE_MAPS.iter().map(|m| m.name).collect::<Vec<_>>().join(", ")));
+            return v.fail(format!(
+                "unknown map {:?} (known: {}, session-affinity-<seconds>, nodeport-affinity-<seconds>)",
+                element.map_name,
+                SERVICE_MAPS.iter().map(|m| m.name).collect::<Vec<_>>().join(", ")
+            ));
         };
         let by_family = |addr: &IpAddr| if addr.is_ipv4() { map.name } else { map.v6_name.unwrap_or(map.name) };
         let (target_map, key) = match (map.key, element.key.as_slice()) {
@@ -705,7 +927,11 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
         let (ips, endpoints) = if frontend.is_ipv4() { ("service-ips", "service-endpoints") } else { ("service-ips6", "service-endpoints6") };
         let front = format!("{frontend} . {proto} . {port}");
         number_backends(&mut rules.elements, endpoints, &front, set);
-        if rules.elements.insert((ips.to_string(), front.clone()), format!("goto pick-{}", set.len())).is_some() {
+        let pick = match affinity.remove(&(*frontend, *proto, *port)) {
+            Some(seconds) => AffinityPick { node_port: false, seconds, backends: set.len() }.chain(),
+            None => format!("pick-{}", set.len()),
+        };
+        if rules.elements.insert((ips.to_string(), front.clone()), format!("goto {pick}")).is_some() {
             return v.fail(format!("map {ips:?}: key {front} given twice (service-backends names it too)"));
         }
     }
@@ -713,18 +939,30 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
     // `nodeport-pick-N` through `nodeport-dispatch`.
     for ((proto, port), (v4, v6)) in &node_port_backends {
         let front = format!("{proto} . {port}");
+        let seconds = node_port_affinity.remove(&(*proto, *port));
         for (set, endpoints, picks) in [(v4, "nodeport-endpoints", "nodeport-picks"), (v6, "nodeport-endpoints6", "nodeport-picks6")] {
             if set.len() > MAX_PICK {
                 return v.fail(format!("nodeport-backends: {front} has {} backends of one family (limit {MAX_PICK})", set.len()));
             }
             number_backends(&mut rules.elements, endpoints, &front, set);
             if !set.is_empty() {
-                rules.elements.insert((picks.to_string(), front.clone()), format!("goto nodeport-pick-{}", set.len()));
+                let pick = match seconds {
+                    Some(seconds) => AffinityPick { node_port: true, seconds, backends: set.len() }.chain(),
+                    None => format!("nodeport-pick-{}", set.len()),
+                };
+                rules.elements.insert((picks.to_string(), front.clone()), format!("goto {pick}"));
             }
         }
         if rules.elements.insert(("service-nodeports".to_string(), front.clone()), "goto nodeport-dispatch".to_string()).is_some() {
             return v.fail(format!("map \"service-nodeports\": key {front} given twice (nodeport-backends names it too)"));
         }
+    }
+    // Session affinity is a property of a load-balanced frontend of the same output.
+    if let Some((frontend, proto, port)) = affinity.keys().next() {
+        return v.fail(format!("session affinity for {frontend} . {proto} . {port}, which has no service-backends"));
+    }
+    if let Some((proto, port)) = node_port_affinity.keys().next() {
+        return v.fail(format!("session affinity for node port {proto} . {port}, which has no nodeport-backends"));
     }
     // Masquerading is asked for the object's own load-balanced frontends only.
     if let Some((_, front)) = rules.elements.keys().find(|(map, front)| {
@@ -995,6 +1233,17 @@ pub fn skeleton(out: &mut String, flush_first: bool, layout: Layout, cluster_cid
         let t = Table::shard(shard);
         SHARD_SKELETON.write(out, t, flush_first);
         write_pick_chains(out, t);
+        // Session affinity's memory (see `AffinityPick`): dynamic, never flushed, so clients
+        // stay remembered across full syncs.
+        for i in 0..MAX_PICK {
+            for (slots, ip) in [("affinity-slot", "ip"), ("affinity6-slot", "ip6")] {
+                writeln!(
+                    out,
+                    "add set {t} {slots}-{i} {{ typeof {ip} saddr . {ip} daddr . meta l4proto . th dport; size {AFFINITY_CLIENTS_PER_SLOT}; flags dynamic,timeout; }}"
+                )
+                .unwrap();
+            }
+        }
         for (set, v4) in [("cluster-cidrs", true), ("cluster-cidrs6", false)] {
             if !flush_first {
                 // Else emptied with the table's sets above; interval elements cannot be re-added.
@@ -1010,7 +1259,7 @@ pub fn skeleton(out: &mut String, flush_first: bool, layout: Layout, cluster_cid
 
 /// Static chain names (never deleted by reconciliation).
 pub fn is_static_chain(name: &str) -> bool {
-    !name.starts_with("svc/") && !policy::is_policy_object(name)
+    !name.starts_with("svc/") && !policy::is_policy_object(name) && AffinityClass::of_chain(name).is_none()
 }
 
 fn add_set(out: &mut String, t: Table, name: &str, set: &SetRules) {
@@ -1106,6 +1355,10 @@ pub fn full_transaction<'a>(objects: impl Iterator<Item = &'a ObjectRules> + Clo
     }
     for rules in objects.clone() {
         fill_object(&mut out, rules, layout);
+    }
+    let affinity: BTreeSet<(Table, AffinityClass)> = objects.clone().flat_map(|rules| affinity_classes(rules, layout)).collect();
+    for (t, class) in affinity {
+        class.write(&mut out, t);
     }
     let mut shared = BTreeSet::new();
     for rules in objects {

@@ -74,7 +74,10 @@ async fn transactions_apply_to_the_kernel_and_reconcile_repairs_drift() {
     let table = wait_for("initial sync", &|t| t.contains("10.96.0.20 . tcp . 80 : goto pick-3"));
     // web as data: its three backends by number in its shard's endpoint map, no chain.
     assert!(table.contains("10.96.0.20 . tcp . 80 . 2 : 10.244.1.11 . 8080") && !table.contains("chain svc/shop/web/"), "{table}");
-    assert!(table.contains("set svc/shop/api/tcp/https/ep/10.244.0.21/8443/affinity"), "{table}");
+    // api's session affinity as data: its frontend to the shard's chain for 600 s and its
+    // backend count, which remembers clients in the shard's slot sets.
+    assert!(table.contains("10.96.0.21 . tcp . 443 : goto affinity-600-pick-") && table.contains("chain affinity-600-lookup {"), "{table}");
+    assert!(table.contains("set affinity-slot-0 {") && !table.contains("chain svc/shop/api/"), "{table}");
     assert!(table.contains("10.244.0.12 . 10.244.0.12"), "hairpin endpoints: {table}");
     assert!(table.contains("tcp . 30080 : goto svc/shop/web/tcp/http") || table.contains("tcp . 30080 : goto svc/shop/checkout/tcp/http/external"), "{table}");
     assert!(table.contains("10.96.0.10 . udp . 53"), "{table}");

@@ -135,6 +135,19 @@ fn service_c(backends: &[&str]) -> ObjectRules {
     rules
 }
 
+/// Session affinity as data: numbered backends, the frontend sent to the affinity pick
+/// chain of its timeout and count (declared by the writer, see `affinity_chain`).
+fn service_f(backends: &[&str]) -> ObjectRules {
+    let mut rules = object(&[], &[], &[]);
+    rules.service_prefix = Some("svc/ns/f".into());
+    let front = "10.96.0.6 . tcp . 80";
+    for (i, b) in backends.iter().enumerate() {
+        rules.elements.insert(("service-endpoints".into(), format!("{front} . {i}")), format!("{b} . 8080"));
+    }
+    rules.elements.insert(("service-ips".into(), front.into()), format!("goto affinity-10800-pick-{}", backends.len()));
+    rules
+}
+
 fn policy(peers: &[&str]) -> ObjectRules {
     object(
         &[("pol/ns/p/in", &["ip saddr @pol/ns/p/peers meta l4proto tcp th dport 80 accept", "ip saddr 10.0.0.0/8 accept"])],
@@ -191,6 +204,7 @@ fn netlink_batches_leave_the_table_nft_would() {
     state.insert("d", dispatch());
     state.insert("c", service_c(&["10.244.3.1", "10.244.3.2"]));
     state.insert("e", service_e(&["10.244.5.1", "10.244.5.2"]));
+    state.insert("f", service_f(&["10.244.6.1", "10.244.6.2"]));
     let full = nft::full_transaction(state.values(), &nft::Stale::default(), LAYOUT, &[]);
     text.apply(&full).unwrap();
     netlink.apply(&full).unwrap();
@@ -211,6 +225,10 @@ fn netlink_batches_leave_the_table_nft_would() {
     steps.push(("backends as data: renumbered, a third, another pick chain", next.clone()));
     next.insert("e", service_e(&["10.244.5.2", "10.244.5.3", "10.244.5.4"]));
     steps.push(("affinity in one chain: endpoints replaced, their sets with them", next.clone()));
+    next.insert("f", service_f(&["10.244.6.1", "10.244.6.3"]));
+    steps.push(("affinity as data: a backend replaced, elements only", next.clone()));
+    next.insert("f", service_f(&["10.244.6.1", "10.244.6.3", "10.244.6.4"]));
+    steps.push(("affinity as data: scaled up, the goto element to the chain of 3", next.clone()));
     next.insert("b", service_b(5353));
     steps.push(("one rule of an endpoint chain changed", next.clone()));
     next.remove("b");
@@ -255,6 +273,11 @@ fn netlink_batches_leave_the_table_nft_would() {
     assert!(table.contains("10.96.0.3 . udp . 53 . 2 : 10.244.3.9 . 5353") && table.contains("10.96.0.3 . udp . 53 : goto pick-3"), "{table}");
     assert!(table.contains("ip saddr @svc/ns/e/ep/10.244.5.3/8080/affinity meta l4proto tcp update @svc/ns/e/ep/10.244.5.3/8080/affinity { ip saddr timeout 3h } dnat ip to 10.244.5.3:8080"), "{table}");
     assert!(table.contains("udp . 30053 . 2 : 10.244.3.9 . 5353") && table.contains("udp . 30053 : goto nodeport-pick-3"), "{table}");
+    assert!(table.contains("10.96.0.6 . tcp . 80 : goto affinity-10800-pick-3") && table.contains("10.96.0.6 . tcp . 80 . 2 : 10.244.6.4 . 8080"), "{table}");
+    assert!(
+        table.contains("ip saddr . ip daddr . meta l4proto . th dport @affinity-slot-2 update @affinity-slot-2 { ip saddr . ip daddr . meta l4proto . th dport timeout 3h } dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 1 offset 2 map @service-endpoints"),
+        "{table}"
+    );
 
     // An interval set (not encoded: nft computes interval elements): the transaction goes through nft.
     let mut changed = current.clone();

@@ -271,13 +271,17 @@ async fn session_affinity_client_ip_sticks() {
     let mut sticky = Svc::new(
         "sticky",
         "10.96.0.30",
-        vec![Port::new("http", "TCP", 80, 8080), Port::new("dns", "UDP", 80, 8080)],
+        vec![Port::new("http", "TCP", 80, 8080).node_port(30030), Port::new("dns", "UDP", 80, 8080)],
         vec![ready(POD_A, NODE), ready(POD_B, NODE), ready(POD_C, NODE)],
     );
+    sticky.service_type = "NodePort";
     sticky.affinity_seconds = Some(600);
     cluster.put(&sticky);
     let host = start_host(cluster.config(topo.nft_command())).await;
-    wait_applied(&host, "the sticky service", |t| t.contains("svc/default/sticky/udp/dns"));
+    // Affinity as data: no chain of the service's own, the frontends go to the shard's
+    // affinity pick chain for 600 s and 3 backends.
+    let t = wait_applied(&host, "the sticky service", |t| t.contains("10.96.0.30 . udp . 80 : goto affinity-600-pick-3"));
+    assert!(t.contains("10.96.0.30 . tcp . 80 : goto affinity-600-pick-3") && !t.contains("svc/default/sticky"), "{t}");
 
     let one = |what: &str, replies: Vec<std::io::Result<Reply>>| -> String {
         let seen = tally(what, &replies);
@@ -287,6 +291,10 @@ async fn session_affinity_client_ip_sticks() {
     let tcp1 = one("client 1, TCP", tcp_many(&client, addr("10.96.0.30", 80), 30));
     let udp1 = one("client 1, UDP", udp_many(&client, addr("10.96.0.30", 80), 30));
     one("client 2, TCP", tcp_many(&client2, addr("10.96.0.30", 80), 30));
+    // The node port remembers its clients too (chains of its own for the timeout).
+    assert!(t.contains("tcp . 30030 : goto nodeport-affinity-600-pick-3"), "{t}");
+    let ext = topo.external.name.clone();
+    one("external client, TCP node port", tcp_many(&ext, addr(NODE_EXTERNAL_IP, 30030), 30));
 
     // A full reconcile rewrites every chain in one transaction but keeps the affinity sets'
     // dynamic elements; adding an endpoint leaves existing endpoints' affinity alone.
@@ -297,15 +305,25 @@ async fn session_affinity_client_ip_sticks() {
     assert_eq!(one("client 1, TCP, after reconcile and scale-up", tcp_many(&client, addr("10.96.0.30", 80), 30)), tcp1);
     assert_eq!(one("client 1, UDP, after reconcile and scale-up", udp_many(&client, addr("10.96.0.30", 80), 30)), udp1);
 
+    // Client 1's backend goes: it is sent to another one and sticks to that.
+    let gone_ip = [(POD_A, "a"), (POD_B, "b"), (POD_C, "c"), (POD_D, "d")].into_iter().find(|(_, id)| *id == tcp1).unwrap().0;
+    sticky.endpoints.retain(|e| e.ip != gone_ip);
+    cluster.put(&sticky);
+    wait_applied(&host, "client 1's backend gone", |t| !targets(t, gone_ip));
+    let moved = one("client 1, TCP, its backend gone", tcp_many(&client, addr("10.96.0.30", 80), 30));
+    assert_ne!(moved, tcp1, "sent to the backend that left");
+
     // Switching affinity off and on again changes the service's sets (deleted, declared
     // anew) in incremental transactions the kernel must accept.
     sticky.affinity_seconds = None;
     cluster.put(&sticky);
-    wait_applied(&host, "affinity off", |t| !t.contains("/affinity"));
-    assert_backends("client 1 without affinity", &tcp_many(&client, addr("10.96.0.30", 80), MANY), &["a", "b", "c", "d"]);
+    wait_applied(&host, "affinity off", |t| t.contains("10.96.0.30 . tcp . 80 : goto pick-3"));
+    let all: Vec<&str> = ["a", "b", "c", "d"].into_iter().filter(|id| *id != tcp1).collect();
+    assert_backends("client 1 without affinity", &tcp_many(&client, addr("10.96.0.30", 80), MANY), &all);
+    // Another timeout: new to the shard, its chains come with a full sync.
     sticky.affinity_seconds = Some(30);
     cluster.put(&sticky);
-    wait_applied(&host, "affinity on", |t| t.contains("timeout 30s"));
+    wait_applied(&host, "affinity on", |t| t.contains("10.96.0.30 . tcp . 80 : goto affinity-30-pick-3"));
     one("client 1, TCP, affinity on again", tcp_many(&client, addr("10.96.0.30", 80), 30));
     host.stop().await;
 }

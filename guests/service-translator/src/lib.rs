@@ -1,15 +1,19 @@
 //! The default service translator: what kube-proxy's nftables mode does, as a pure function
 //! from one Service (and its EndpointSlices) to the typed nftables objects the host writes.
 //!
-//! Shape (per service port), in the common case (no session affinity, no
-//! externalTrafficPolicy Local, at most [`MAX_BACKENDS_PER_FRONTEND`] endpoints): no chain of
-//! its own. Each frontend (cluster IP, external IP, load-balancer IP) names its backends in
-//! the host's `service-backends` map and whether it is masqueraded (`masquerade-off-cluster`,
+//! Shape (per service port), in the common case (no externalTrafficPolicy Local with external
+//! addresses, at most [`MAX_BACKENDS_PER_FRONTEND`] endpoints per frontend): no chain of its
+//! own. Each frontend (cluster IP, external IP, load-balancer IP) names its backends in the
+//! host's `service-backends` map and whether it is masqueraded (`masquerade-off-cluster`,
 //! `masquerade-always`); the host's shard DNATs through a `numgen` map, and the same for a
-//! node port (`nodeport-backends`). A change of endpoints is then map elements only, and the
-//! kernel, which walks every chain on every commit, has no chain per service to walk.
+//! node port (`nodeport-backends`). Session affinity is data too: each such frontend is an
+//! element of the host's `session-affinity-<seconds>` map (a node port of
+//! `nodeport-affinity-<seconds>`), and the host remembers which backend each client reached.
+//! A change of endpoints is then map elements only, and the kernel, which walks every chain
+//! on every commit, has no chain per service to walk.
 //!
-//! Otherwise (per service port):
+//! Otherwise (externalTrafficPolicy Local with external addresses, or too many endpoints;
+//! per service port):
 //! - `service-ips` / `service-nodeports` map elements jump to the port's *service chain*
 //!   (cluster traffic) or *external chain* (NodePort, externalIPs, LoadBalancer IPs);
 //! - the service chain marks off-cluster sources for masquerade, then picks an endpoint with
@@ -276,10 +280,10 @@ fn translate_port(
     let has_external = !service.external_ips.is_empty()
         || !service.load_balancer_ips.is_empty()
         || (port.node_port != 0 && matches!(service.service_type, ServiceType::NodePort | ServiceType::LoadBalancer));
-    // Load balancing as data needs nothing decided per connection but the pick: no
-    // affinity to remember, no external Local policy (it sends cluster sources elsewhere).
-    let as_data = service.session_affinity_timeout.is_none()
-        && !(has_external && service.external_traffic_policy == TrafficPolicy::Local)
+    // Load balancing as data needs nothing decided per connection but the pick (and the
+    // host's affinity): no external Local policy (it sends cluster sources elsewhere), and
+    // no more backends per frontend than the host picks among.
+    let as_data = !(has_external && service.external_traffic_policy == TrafficPolicy::Local)
         && cluster_ips
             .iter()
             .copied()
@@ -403,9 +407,15 @@ fn translate_port(
 /// The most backends one frontend may name in the host's `service-backends` map.
 pub const MAX_BACKENDS_PER_FRONTEND: usize = 32;
 
+/// The longest session affinity timeout a Service may ask for (a day, as Kubernetes
+/// validates it); the host's affinity map families are named for timeouts in `1..=` this.
+pub const MAX_AFFINITY_TIMEOUT_SECONDS: u32 = 86400;
+
 /// One port as data: each frontend names its backends (of the frontend's address family)
 /// and how it is masqueraded; the host's shard chains DNAT. A node port names its backends
-/// of both families in `nodeport-backends`.
+/// of both families in `nodeport-backends`. With session affinity, each frontend with
+/// backends is also an element of `session-affinity-<seconds>` (a node port of
+/// `nodeport-affinity-<seconds>`): the host sends a client back to the backend it reached.
 #[allow(clippy::too_many_arguments)]
 fn translate_port_as_data(
     node: &NodeContext,
@@ -417,8 +427,10 @@ fn translate_port_as_data(
     hairpin: &mut BTreeSet<String>,
 ) {
     let internal_local = service.internal_traffic_policy == TrafficPolicy::Local;
+    // A valid Service has 1..=86400 seconds; clamped so the map name is always one the host has.
+    let affinity = service.session_affinity_timeout.map(|t| t.clamp(1, MAX_AFFINITY_TIMEOUT_SECONDS));
     let key = |ip: &str| vec![KeyPart::Address(ip.into()), KeyPart::Protocol(port.protocol), KeyPart::Port(port.port)];
-    // A frontend with backends: one element per backend, and its masquerading.
+    // A frontend with backends: one element per backend, its masquerading and its affinity.
     let mut balance = |ruleset: &mut Ruleset, ip: &str, backends: &[Backend], masquerade: Option<&str>| {
         for b in backends {
             let mut k = key(ip);
@@ -428,6 +440,9 @@ fn translate_port_as_data(
         }
         if let Some(set) = masquerade {
             ruleset.map_elements.push(MapElement { map_name: set.into(), key: key(ip), verdict: Verdict::None });
+        }
+        if let Some(t) = affinity {
+            ruleset.map_elements.push(MapElement { map_name: format!("session-affinity-{t}"), key: key(ip), verdict: Verdict::None });
         }
     };
 
@@ -479,6 +494,13 @@ fn translate_port_as_data(
             verdict: Verdict::None,
         });
         hairpin.insert(b.address.clone());
+    }
+    if let Some(t) = affinity {
+        ruleset.map_elements.push(MapElement {
+            map_name: format!("nodeport-affinity-{t}"),
+            key: vec![KeyPart::Protocol(port.protocol), KeyPart::Port(port.node_port)],
+            verdict: Verdict::None,
+        });
     }
 }
 

@@ -158,30 +158,168 @@ fn no_endpoints_rejects_and_terminating_are_a_fallback() {
     assert_eq!(dnat_targets(&r), vec!["10.244.0.12:8080"], "terminating only when nothing is ready");
 }
 
+/// Names of the maps of session affinity as data the ruleset has elements of.
+fn affinity_maps(r: &Ruleset) -> Vec<&str> {
+    let mut v: Vec<&str> = r
+        .map_elements
+        .iter()
+        .map(|e| e.map_name.as_str())
+        .filter(|m| m.starts_with("session-affinity-") || m.starts_with("nodeport-affinity-"))
+        .collect();
+    v.dedup();
+    v
+}
+
 #[test]
-fn session_affinity_declares_sets_and_checks_them_first() {
+fn session_affinity_in_a_chain_declares_sets_and_checks_them_first() {
+    // externalTrafficPolicy Local with an external IP keeps the port in chains; the chains
+    // keep the affinity themselves.
     let mut svc = service();
     svc.session_affinity_timeout = Some(10800);
-    let r = translate(&ctx(), "svc/shop/web", &svc, &[slice(vec![endpoint("10.244.0.11", true, false, true), endpoint("10.244.0.12", true, false, true)])]).unwrap();
+    svc.external_ips = vec!["203.0.113.7".into()];
+    svc.external_traffic_policy = TrafficPolicy::Local;
+    let eps = slice(vec![endpoint("10.244.0.11", true, false, true), endpoint("10.244.0.12", true, false, true)]);
+    let r = translate(&ctx(), "svc/shop/web", &svc, &[eps]).unwrap();
+    // One set per endpoint, though both the cluster chain and the local chain draw it.
     assert_eq!(r.sets.len(), 2);
     assert!(r.sets.iter().all(|s| s.timeout_seconds == Some(10800) && s.name.starts_with("svc/shop/web/")));
-    // One chain for the port, none per endpoint (every kernel commit walks every chain).
-    assert_eq!(r.chains.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(), vec!["svc/shop/web/tcp/http"]);
-    let rules = &r.chains[0].rules;
-    // After the off-cluster masquerade rule: remembered clients back to their endpoint, each
-    // recording the client again (the timeout restarts), then the draw, which records too.
+    // No chain per endpoint (every kernel commit walks every chain).
+    let names: Vec<&str> = r.chains.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(names, vec!["svc/shop/web/tcp/http", "svc/shop/web/tcp/http/local", "svc/shop/web/tcp/http/external"]);
+    // Remembered clients back to their endpoint, each recording the client again (the
+    // timeout restarts), then the draw, which records too.
     let set = |ip: &str| format!("svc/shop/web/tcp/http/ep/{ip}/8080/affinity");
-    let (returning, drawn) = (&rules[1..3], &rules[3..5]);
-    for (rule, ip) in returning.iter().zip(["10.244.0.11", "10.244.0.12"]) {
-        assert!(matches!(&rule.matches[0], RuleMatch::SourceInSet(s) if *s == set(ip)), "{rule:?}");
-        assert!(matches!(&rule.statements[..], [RuleStatement::AddSourceToSet(u), RuleStatement::Dnat(t)] if u.set == set(ip) && u.timeout_seconds == Some(10800) && t.address == ip), "{rule:?}");
-    }
-    assert!(matches!(drawn[0].matches[0], RuleMatch::Random((2, 0))), "{:?}", drawn[0]);
-    for (rule, ip) in drawn.iter().zip(["10.244.0.11", "10.244.0.12"]) {
-        assert!(matches!(&rule.statements[..], [RuleStatement::AddSourceToSet(u), RuleStatement::Dnat(t)] if u.set == set(ip) && t.address == ip), "{rule:?}");
-    }
-    assert_eq!(rules.len(), 5);
+    let check = |rules: &[Rule]| {
+        assert_eq!(rules.len(), 4, "{rules:?}");
+        let (returning, drawn) = (&rules[0..2], &rules[2..4]);
+        for (rule, ip) in returning.iter().zip(["10.244.0.11", "10.244.0.12"]) {
+            assert!(matches!(&rule.matches[0], RuleMatch::SourceInSet(s) if *s == set(ip)), "{rule:?}");
+            let [RuleStatement::AddSourceToSet(u), RuleStatement::Dnat(t)] = &rule.statements[..] else { panic!("{rule:?}") };
+            assert!(u.set == set(ip) && u.timeout_seconds == Some(10800) && t.address == ip, "{rule:?}");
+        }
+        assert!(matches!(drawn[0].matches[0], RuleMatch::Random((2, 0))), "{:?}", drawn[0]);
+        for (rule, ip) in drawn.iter().zip(["10.244.0.11", "10.244.0.12"]) {
+            let [RuleStatement::AddSourceToSet(u), RuleStatement::Dnat(t)] = &rule.statements[..] else { panic!("{rule:?}") };
+            assert!(u.set == set(ip) && t.address == ip, "{rule:?}");
+        }
+    };
+    // The cluster chain after its off-cluster masquerade rule, and the local chain.
+    assert!(matches!(r.chains[0].rules[0].verdict, Verdict::Masquerade));
+    check(&r.chains[0].rules[1..]);
+    check(&r.chains[1].rules);
     assert_eq!(r.map_elements.iter().filter(|e| e.map_name == "hairpin").count(), 2);
+    // Nothing as data: the host's affinity maps are for frontends in `service-backends`.
+    assert!(elements(&r, "service-backends").is_empty());
+    assert!(affinity_maps(&r).is_empty(), "{:?}", r.map_elements);
+}
+
+#[test]
+fn session_affinity_with_too_many_backends_stays_in_the_chain() {
+    let mut svc = service();
+    svc.session_affinity_timeout = Some(10800);
+    let many: Vec<Endpoint> = (0..=MAX_BACKENDS_PER_FRONTEND).map(|i| endpoint(&format!("10.244.2.{i}"), true, false, false)).collect();
+    let r = translate(&ctx(), "svc/shop/web", &svc, &[slice(many)]).unwrap();
+    let n = MAX_BACKENDS_PER_FRONTEND + 1;
+    assert_eq!(r.chains.len(), 1);
+    assert_eq!(r.sets.len(), n);
+    // The masquerade rule, a returning rule and a drawing rule per endpoint.
+    assert_eq!(r.chains[0].rules.len(), 1 + 2 * n);
+    assert!(elements(&r, "service-backends").is_empty() && affinity_maps(&r).is_empty());
+}
+
+#[test]
+fn session_affinity_on_cluster_ips_is_data_one_element_per_frontend() {
+    let mut svc = service();
+    svc.session_affinity_timeout = Some(10800);
+    svc.cluster_ips = vec!["10.96.0.20".into(), "fd00:96::20".into()];
+    let v4 = slice(vec![endpoint("10.244.0.11", true, false, true), endpoint("10.244.1.11", true, false, false)]);
+    let mut v6 = slice(vec![endpoint("fd00::11", true, false, true)]);
+    v6.name = "web-2".into();
+    let r = translate(&ctx(), "svc/shop/web", &svc, &[v4, v6]).unwrap();
+    assert!(r.warnings.is_empty(), "{:?}", r.warnings);
+    // No chain, no set of clients: the host remembers them.
+    assert!(r.chains.is_empty(), "{:?}", r.chains);
+    assert!(r.sets.is_empty(), "{:?}", r.sets);
+    let frontend = |ip: &str| vec![KeyPart::Address(ip.into()), KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(80)];
+    let backend = |f: &str, b: &str| [frontend(f), vec![KeyPart::Address(b.into()), KeyPart::Port(8080)]].concat();
+    assert_eq!(elements(&r, "service-backends"), vec![
+        &backend("10.96.0.20", "10.244.0.11")[..],
+        &backend("10.96.0.20", "10.244.1.11")[..],
+        &backend("fd00:96::20", "fd00::11")[..],
+    ]);
+    // Exactly one affinity element per frontend, of each family's cluster IP.
+    assert_eq!(elements(&r, "session-affinity-10800"), vec![&frontend("10.96.0.20")[..], &frontend("fd00:96::20")[..]]);
+    assert!(r.map_elements.iter().filter(|e| e.map_name == "session-affinity-10800").all(|e| e.verdict == Verdict::None));
+    assert_eq!(affinity_maps(&r), vec!["session-affinity-10800"], "no node port, no other timeout");
+    assert_eq!(r.map_elements.iter().filter(|e| e.map_name == "hairpin").count(), 3);
+}
+
+#[test]
+fn session_affinity_on_a_node_port_is_data_too() {
+    let mut svc = service();
+    svc.session_affinity_timeout = Some(10800);
+    svc.service_type = ServiceType::NodePort;
+    svc.ports[0].node_port = 30080;
+    svc.external_ips = vec!["203.0.113.7".into()];
+    let r = translate(&ctx(), "svc/shop/web", &svc, &[slice(vec![endpoint("10.244.0.11", true, false, true)])]).unwrap();
+    assert!(r.chains.is_empty() && r.sets.is_empty(), "{:?} {:?}", r.chains, r.sets);
+    let frontend = |ip: &str| vec![KeyPart::Address(ip.into()), KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(80)];
+    assert_eq!(elements(&r, "session-affinity-10800"), vec![&frontend("10.96.0.20")[..], &frontend("203.0.113.7")[..]]);
+    let node_port = [KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(30080)];
+    assert_eq!(elements(&r, "nodeport-affinity-10800"), vec![&node_port[..]]);
+    assert!(r.map_elements.iter().filter(|e| e.map_name == "nodeport-affinity-10800").all(|e| e.verdict == Verdict::None));
+    assert_eq!(elements(&r, "nodeport-backends").len(), 1);
+}
+
+#[test]
+fn frontends_without_backends_get_no_affinity_element() {
+    let mut svc = service();
+    svc.session_affinity_timeout = Some(10800);
+    svc.service_type = ServiceType::NodePort;
+    svc.ports[0].node_port = 30080;
+    svc.external_ips = vec!["203.0.113.7".into()];
+    let r = translate(&ctx(), "svc/shop/web", &svc, &[]).unwrap();
+    assert_eq!(elements(&r, "no-endpoint-services").len(), 2, "the cluster IP and the external IP reject");
+    assert_eq!(elements(&r, "no-endpoint-nodeports").len(), 1);
+    assert!(affinity_maps(&r).is_empty(), "{:?}", r.map_elements);
+
+    // Dual-stack with endpoints of one family only: the other family's cluster IP rejects,
+    // without affinity; the node port has backends, so it has its affinity.
+    svc.cluster_ips = vec!["10.96.0.20".into(), "fd00:96::20".into()];
+    svc.external_ips = vec![];
+    let r = translate(&ctx(), "svc/shop/web", &svc, &[slice(vec![endpoint("10.244.0.11", true, false, true)])]).unwrap();
+    let frontend = |ip: &str| vec![KeyPart::Address(ip.into()), KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(80)];
+    assert_eq!(elements(&r, "no-endpoint-services"), vec![&frontend("fd00:96::20")[..]]);
+    assert_eq!(elements(&r, "session-affinity-10800"), vec![&frontend("10.96.0.20")[..]]);
+    assert_eq!(elements(&r, "nodeport-affinity-10800").len(), 1);
+
+    // internalTrafficPolicy Local with endpoints only elsewhere drops, without affinity.
+    let mut svc = service();
+    svc.session_affinity_timeout = Some(10800);
+    svc.internal_traffic_policy = TrafficPolicy::Local;
+    let r = translate(&ctx(), "svc/shop/web", &svc, &[slice(vec![endpoint("10.244.1.11", true, false, false)])]).unwrap();
+    assert_eq!(r.map_elements.iter().find(|e| e.map_name == "no-endpoint-services").map(|e| &e.verdict), Some(&Verdict::Drop));
+    assert!(affinity_maps(&r).is_empty(), "{:?}", r.map_elements);
+}
+
+#[test]
+fn the_affinity_timeout_names_the_map() {
+    let mut svc = service();
+    svc.service_type = ServiceType::NodePort;
+    svc.ports[0].node_port = 30080;
+    let eps = [slice(vec![endpoint("10.244.0.11", true, false, true)])];
+    svc.session_affinity_timeout = Some(30);
+    let r = translate(&ctx(), "svc/shop/web", &svc, &eps).unwrap();
+    assert_eq!(affinity_maps(&r), vec!["session-affinity-30", "nodeport-affinity-30"]);
+    // Out of what a valid Service allows: clamped to 1..=86400 seconds.
+    svc.session_affinity_timeout = Some(0);
+    assert_eq!(affinity_maps(&translate(&ctx(), "svc/shop/web", &svc, &eps).unwrap()), vec!["session-affinity-1", "nodeport-affinity-1"]);
+    svc.session_affinity_timeout = Some(86401);
+    let r = translate(&ctx(), "svc/shop/web", &svc, &eps).unwrap();
+    assert_eq!(affinity_maps(&r), vec!["session-affinity-86400", "nodeport-affinity-86400"]);
+    // Without affinity, none.
+    svc.session_affinity_timeout = None;
+    assert!(affinity_maps(&translate(&ctx(), "svc/shop/web", &svc, &eps).unwrap()).is_empty());
 }
 
 #[test]

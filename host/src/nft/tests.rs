@@ -596,3 +596,120 @@ fn node_port_udp_backends_gone_clean_up_their_flows() {
     let filters = conntrack_cleanup(&service(&["10.244.0.11", "10.244.0.12"]), &service(&["10.244.0.11"]));
     assert_eq!(filters, vec![ConntrackFilter { protocol: "udp", ipv6: false, destination: None, port: 30053, endpoint: Some(("10.244.0.12".parse().unwrap(), 53)) }]);
 }
+
+fn affinity(seconds: u32, ip: &str) -> MapElement {
+    MapElement { map_name: format!("session-affinity-{seconds}"), ..frontend_set("", ip) }
+}
+
+fn node_port_affinity(seconds: u32, port: u16) -> MapElement {
+    MapElement { map_name: format!("nodeport-affinity-{seconds}"), key: vec![KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(port)], verdict: Verdict::None }
+}
+
+#[test]
+fn session_affinity_as_data_goes_to_the_affinity_pick_chain_of_its_timeout_and_count() {
+    let out = ruleset(
+        vec![],
+        vec![
+            backend("10.96.0.20", Protocol::Tcp, 80, "10.244.0.11", 8080),
+            backend("10.96.0.20", Protocol::Tcp, 80, "10.244.0.12", 8080),
+            affinity(10800, "10.96.0.20"),
+            node_port_backend(30080, "10.244.0.11", 8080),
+            node_port_backend(30080, "fd00::11", 8080),
+            node_port_affinity(30, 30080),
+        ],
+    );
+    let rules = validate_service_output(&key(), &out).unwrap();
+    let get = |map: &str, k: &str| rules.elements.get(&(map.to_string(), k.to_string())).map(String::as_str);
+    assert_eq!(get("service-ips", "10.96.0.20 . tcp . 80"), Some("goto affinity-10800-pick-2"));
+    assert_eq!(get("nodeport-picks", "tcp . 30080"), Some("goto nodeport-affinity-30-pick-1"));
+    assert_eq!(get("nodeport-picks6", "tcp . 30080"), Some("goto nodeport-affinity-30-pick-1"));
+    // The affinity elements themselves are not written anywhere.
+    assert!(!rules.elements.keys().any(|(map, _)| map.contains("affinity")), "{:?}", rules.elements);
+
+    let layout = Layout { shards: 4 };
+    let shard = layout.table_of("svc/shop/web");
+    let classes: BTreeSet<(Table, AffinityClass)> = affinity_classes(&rules, layout).collect();
+    assert_eq!(classes, [(shard, AffinityClass { node_port: false, seconds: 10800 }), (shard, AffinityClass { node_port: true, seconds: 30 })].into());
+    assert_eq!(AffinityPick::parse("nodeport-affinity-30-pick-1").map(|p| p.class()), Some(AffinityClass { node_port: true, seconds: 30 }));
+    let text = full_transaction([&rules].into_iter(), &Stale::default(), layout, &[]);
+    let chain = "affinity-10800-pick-2";
+    for line in [
+        format!("add rule {shard} {chain} jump masquerade-check"),
+        format!("add rule {shard} {chain} jump affinity-10800-lookup"),
+        // A remembered client back to its backend, the timeout restarted.
+        format!("add rule {shard} affinity-10800-lookup meta nfproto ipv4 ip saddr . ip daddr . meta l4proto . th dport @affinity-slot-1 update @affinity-slot-1 {{ ip saddr . ip daddr . meta l4proto . th dport timeout 10800s }} dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 1 offset 1 map @service-endpoints"),
+        // Else a draw, recorded.
+        format!("add rule {shard} {chain} meta nfproto ipv4 numgen random mod 2 == 0 update @affinity-slot-0 {{ ip saddr . ip daddr . meta l4proto . th dport timeout 10800s }} dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 1 offset 0 map @service-endpoints"),
+        format!("add rule {shard} {chain} meta nfproto ipv6 update @affinity6-slot-1 {{ ip6 saddr . ip6 daddr . meta l4proto . th dport timeout 10800s }} dnat ip6 to ip6 daddr . meta l4proto . th dport . numgen random mod 1 offset 1 map @service-endpoints6"),
+        format!("add rule {shard} nodeport-affinity-30-pick-1 jump mark-for-masquerade"),
+        format!("add rule {shard} nodeport-affinity-30-pick-1 meta nfproto ipv4 update @affinity-slot-0 {{ ip saddr . ip daddr . meta l4proto . th dport timeout 30s }} dnat ip to meta l4proto . th dport . numgen random mod 1 offset 0 map @nodeport-endpoints"),
+        // Every count of a timeout in use, so that a frontend scaling changes one element.
+        format!("add rule {shard} affinity-10800-pick-{MAX_PICK} jump masquerade-check"),
+        format!("add set {shard} affinity-slot-{} {{ typeof ip saddr . ip daddr . meta l4proto . th dport; size 262144; flags dynamic,timeout; }}", MAX_PICK - 1),
+    ] {
+        assert!(text.contains(&line), "{line} missing");
+    }
+    // The chain is declared before the element that goes to it.
+    assert!(text.find(&format!("add chain {shard} {chain}")) < text.find(&format!("add element {shard} service-ips")));
+    // Clients are remembered across full syncs: the slot sets are never flushed.
+    assert!(!text.lines().any(|l| l.starts_with("flush set") && l.contains("affinity-slot")));
+    // The chains are the host's, named for what they do, and nothing else parses as one.
+    assert!(!is_static_chain(chain) && !is_static_chain("nodeport-affinity-30-lookup") && is_static_chain("pick-2"));
+    assert_eq!(AffinityClass::of_chain("nodeport-affinity-30-lookup"), Some(AffinityClass { node_port: true, seconds: 30 }));
+    assert_eq!(AffinityClass::of_chain("affinity-30-lookups"), None);
+    for name in ["affinity-0-pick-2", "affinity-10800-pick-33", "affinity-10800-pick-02", "affinity-x-pick-2", "svc/shop/web"] {
+        assert_eq!(AffinityPick::parse(name), None, "{name}");
+    }
+}
+
+#[test]
+fn session_affinity_is_refused_when_it_does_not_add_up() {
+    let two = || vec![backend("10.96.0.20", Protocol::Tcp, 80, "10.244.0.11", 8080)];
+    for (extra, why) in [
+        (vec![affinity(0, "10.96.0.20")], "1 to 86400"),
+        (vec![affinity(86_401, "10.96.0.20")], "1 to 86400"),
+        (vec![MapElement { map_name: "session-affinity-x".into(), ..affinity(1, "10.96.0.20") }], "1 to 86400"),
+        (vec![affinity(60, "10.96.0.21")], "has no service-backends"),
+        (vec![node_port_affinity(60, 30080)], "has no nodeport-backends"),
+        (vec![affinity(60, "10.96.0.20"), affinity(70, "10.96.0.20")], "given twice"),
+        (vec![MapElement { verdict: Verdict::Accept, ..affinity(60, "10.96.0.20") }], "wrong shape"),
+    ] {
+        let mut elements = two();
+        elements.extend(extra);
+        let err = validate_service_output(&key(), &ruleset(vec![], elements)).unwrap_err();
+        assert!(err.reason.contains(why), "{why}: {err}");
+    }
+}
+
+#[test]
+fn backends_with_affinity_keep_their_numbers_across_changes() {
+    let service = |backends: &[&str]| {
+        let mut elements: Vec<MapElement> = backends.iter().map(|b| backend("10.96.0.20", Protocol::Tcp, 80, b, 8080)).collect();
+        elements.push(affinity(10800, "10.96.0.20"));
+        validate_service_output(&key(), &ruleset(vec![], elements)).unwrap()
+    };
+    let numbered = |rules: &ObjectRules| -> Vec<String> {
+        (0..).map_while(|i| rules.elements.get(&("service-endpoints".to_string(), format!("10.96.0.20 . tcp . 80 . {i}")))).map(|b| b[..11].to_string()).collect()
+    };
+    let old = service(&["10.244.0.11", "10.244.0.12", "10.244.0.13"]);
+    // .12 goes, .14 comes: .14 takes its number, .11 and .13 keep theirs (in order: .11 .13 .14).
+    let mut new = service(&["10.244.0.11", "10.244.0.13", "10.244.0.14"]);
+    keep_affinity_slots(&old, &mut new);
+    assert_eq!(numbered(&new), ["10.244.0.11", "10.244.0.14", "10.244.0.13"]);
+    // Scaled down by one: the last one takes the number of the one that left.
+    let mut fewer = service(&["10.244.0.11", "10.244.0.13"]);
+    keep_affinity_slots(&new, &mut fewer);
+    assert_eq!(numbered(&fewer), ["10.244.0.11", "10.244.0.13"]);
+    let mut fewer = service(&["10.244.0.13", "10.244.0.14"]);
+    keep_affinity_slots(&new, &mut fewer);
+    assert_eq!(numbered(&fewer), ["10.244.0.13", "10.244.0.14"]);
+    // Scaled up: the newcomer gets the next number.
+    let mut more = service(&["10.244.0.10", "10.244.0.11", "10.244.0.13", "10.244.0.14"]);
+    keep_affinity_slots(&new, &mut more);
+    assert_eq!(numbered(&more), ["10.244.0.11", "10.244.0.14", "10.244.0.13", "10.244.0.10"]);
+    // Without affinity, numbers stay in order.
+    let plain = |backends: &[&str]| validate_service_output(&key(), &ruleset(vec![], backends.iter().map(|b| backend("10.96.0.20", Protocol::Tcp, 80, b, 8080)).collect())).unwrap();
+    let mut next = plain(&["10.244.0.11", "10.244.0.13", "10.244.0.14"]);
+    keep_affinity_slots(&old, &mut next);
+    assert_eq!(numbered(&next), ["10.244.0.11", "10.244.0.13", "10.244.0.14"]);
+}
