@@ -81,7 +81,9 @@
 //! chains at 50k for the commit to walk; now ~5,600. A change that rewrites rules (the
 //! affinity services) also makes the kernel validate the whole table, every verdict-map
 //! element included: ~4 ms at 50k against ~0.7 ms for an element-only change
-//! (BENCHMARKS.md, sixth run).
+//! (BENCHMARKS.md, sixth run). Then session affinity as data too ([`AffinityPick`]): a
+//! shard has chains per affinity timeout in use, not per service, and an endpoint change of
+//! an affinity service is elements only (BENCHMARKS.md, seventh run).
 //!
 //! What shards cost:
 //! - a new connection's first packet runs the NAT chains of the shards in turn until one
@@ -408,17 +410,15 @@ impl AffinityPick {
 
     /// The chain's rules: masquerading as `pick-N` does, a remembered client back to its
     /// backend (the class's lookup chain), else a uniform draw (rule i takes 1/(N-i) of what
-    /// is left), per family, recorded.
+    /// is left) to the slot chain that records the client and DNATs.
     fn rules(&self) -> Vec<String> {
         let class = self.class();
         let first = if self.node_port { "jump mark-for-masquerade" } else { "jump masquerade-check" };
         let n = self.backends;
         let mut rules = vec![first.to_string(), format!("jump {}", class.lookup_chain())];
-        for family in &AFFINITY_FAMILIES {
-            for i in 0..n {
-                let condition = if i + 1 < n { format!("numgen random mod {} == 0 ", n - i) } else { String::new() };
-                rules.push(class.remember_and_dnat(family, i, &condition));
-            }
+        for i in 0..n {
+            let condition = if i + 1 < n { format!("numgen random mod {} == 0 ", n - i) } else { String::new() };
+            rules.push(format!("{condition}goto {}", class.slot_chain(i)));
         }
         rules
     }
@@ -454,7 +454,16 @@ impl AffinityClass {
         format!("{}-lookup", self.prefix())
     }
 
-    /// The class of one of its chains (a pick or the lookup chain).
+    /// The chain that records the client in slot `i` and DNATs to backend `i`. Only these
+    /// rules use the endpoint maps: adding an element to a data map makes the kernel check
+    /// every rule bound to the map. One run, 1k services in one shard, a batch replacing one
+    /// element: 0.021 ms; 0.054 ms with a class whose ~600 rules each used the map; 0.022 ms
+    /// with these 32.
+    fn slot_chain(&self, i: usize) -> String {
+        format!("{}-slot-{i}", self.prefix())
+    }
+
+    /// The class of one of its chains (a pick, slot or the lookup chain).
     pub fn of_chain(chain: &str) -> Option<AffinityClass> {
         if let Some(pick) = AffinityPick::parse(chain) {
             return Some(pick.class());
@@ -463,30 +472,37 @@ impl AffinityClass {
             Some(rest) => (false, rest),
             None => (true, chain.strip_prefix("nodeport-affinity-")?),
         };
-        let class = AffinityClass { node_port, seconds: rest.strip_suffix("-lookup")?.parse().ok()? };
-        (class.lookup_chain() == chain && (1..=MAX_AFFINITY_SECONDS).contains(&class.seconds)).then_some(class)
+        let (seconds, _) = rest.split_once('-')?;
+        let class = AffinityClass { node_port, seconds: seconds.parse().ok()? };
+        let ours = class.lookup_chain() == chain || (0..MAX_PICK).any(|i| class.slot_chain(i) == chain);
+        (ours && (1..=MAX_AFFINITY_SECONDS).contains(&class.seconds)).then_some(class)
     }
 
     /// Records the client in slot `i` (restarting its timeout) and DNATs to backend `i`.
-    fn remember_and_dnat(&self, family: &(&str, &str, &str, &str), i: usize, condition: &str) -> String {
+    fn remember_and_dnat(&self, family: &(&str, &str, &str, &str), i: usize) -> String {
         let (nfproto, ip, slots, suffix) = family;
         let client = format!("{ip} saddr . {ip} daddr . meta l4proto . th dport");
         let (frontend, endpoints) = if self.node_port { (String::new(), "nodeport-endpoints") } else { (format!("{ip} daddr . "), "service-endpoints") };
         format!(
-            "meta nfproto {nfproto} {condition}update @{slots}-{i} {{ {client} timeout {}s }} dnat {ip} to {frontend}meta l4proto . th dport . numgen random mod 1 offset {i} map @{endpoints}{suffix}",
+            "meta nfproto {nfproto} update @{slots}-{i} {{ {client} timeout {}s }} dnat {ip} to {frontend}meta l4proto . th dport . numgen random mod 1 offset {i} map @{endpoints}{suffix}",
             self.seconds
         )
     }
 
     /// Its chains and their rules, into table `t` (after `flush table`, or new).
     pub fn write(&self, out: &mut String, t: Table) {
+        for i in 0..MAX_PICK {
+            let slot = self.slot_chain(i);
+            writeln!(out, "add chain {t} {slot}").unwrap();
+            for family in &AFFINITY_FAMILIES {
+                writeln!(out, "add rule {t} {slot} {}", self.remember_and_dnat(family, i)).unwrap();
+            }
+        }
         let lookup = self.lookup_chain();
         writeln!(out, "add chain {t} {lookup}").unwrap();
-        for family in &AFFINITY_FAMILIES {
-            let (_, ip, slots, _) = family;
+        for (nfproto, ip, slots, _) in &AFFINITY_FAMILIES {
             for i in 0..MAX_PICK {
-                let found = format!("{ip} saddr . {ip} daddr . meta l4proto . th dport @{slots}-{i} ");
-                writeln!(out, "add rule {t} {lookup} {}", self.remember_and_dnat(family, i, &found)).unwrap();
+                writeln!(out, "add rule {t} {lookup} meta nfproto {nfproto} {ip} saddr . {ip} daddr . meta l4proto . th dport @{slots}-{i} goto {}", self.slot_chain(i)).unwrap();
             }
         }
         for backends in 1..=MAX_PICK {

@@ -275,7 +275,7 @@ fn netlink_batches_leave_the_table_nft_would() {
     assert!(table.contains("udp . 30053 . 2 : 10.244.3.9 . 5353") && table.contains("udp . 30053 : goto nodeport-pick-3"), "{table}");
     assert!(table.contains("10.96.0.6 . tcp . 80 : goto affinity-10800-pick-3") && table.contains("10.96.0.6 . tcp . 80 . 2 : 10.244.6.4 . 8080"), "{table}");
     assert!(
-        table.contains("ip saddr . ip daddr . meta l4proto . th dport @affinity-slot-2 update @affinity-slot-2 { ip saddr . ip daddr . meta l4proto . th dport timeout 3h } dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 1 offset 2 map @service-endpoints"),
+        table.contains("update @affinity-slot-2 { ip saddr . ip daddr . meta l4proto . th dport timeout 3h } dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 1 offset 2 map @service-endpoints"),
         "{table}"
     );
 

@@ -635,14 +635,17 @@ fn session_affinity_as_data_goes_to_the_affinity_pick_chain_of_its_timeout_and_c
     let chain = "affinity-10800-pick-2";
     for line in [
         format!("add rule {shard} {chain} jump masquerade-check"),
+        // A remembered client back to its backend; else a draw: backend 0 with 1/2, else 1.
         format!("add rule {shard} {chain} jump affinity-10800-lookup"),
-        // A remembered client back to its backend, the timeout restarted.
-        format!("add rule {shard} affinity-10800-lookup meta nfproto ipv4 ip saddr . ip daddr . meta l4proto . th dport @affinity-slot-1 update @affinity-slot-1 {{ ip saddr . ip daddr . meta l4proto . th dport timeout 10800s }} dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 1 offset 1 map @service-endpoints"),
-        // Else a draw, recorded.
-        format!("add rule {shard} {chain} meta nfproto ipv4 numgen random mod 2 == 0 update @affinity-slot-0 {{ ip saddr . ip daddr . meta l4proto . th dport timeout 10800s }} dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 1 offset 0 map @service-endpoints"),
-        format!("add rule {shard} {chain} meta nfproto ipv6 update @affinity6-slot-1 {{ ip6 saddr . ip6 daddr . meta l4proto . th dport timeout 10800s }} dnat ip6 to ip6 daddr . meta l4proto . th dport . numgen random mod 1 offset 1 map @service-endpoints6"),
+        format!("add rule {shard} {chain} numgen random mod 2 == 0 goto affinity-10800-slot-0"),
+        format!("add rule {shard} {chain} goto affinity-10800-slot-1"),
+        format!("add rule {shard} affinity-10800-lookup meta nfproto ipv4 ip saddr . ip daddr . meta l4proto . th dport @affinity-slot-1 goto affinity-10800-slot-1"),
+        format!("add rule {shard} affinity-10800-lookup meta nfproto ipv6 ip6 saddr . ip6 daddr . meta l4proto . th dport @affinity6-slot-31 goto affinity-10800-slot-31"),
+        // The slot chain records the client (the timeout restarts) and DNATs.
+        format!("add rule {shard} affinity-10800-slot-1 meta nfproto ipv4 update @affinity-slot-1 {{ ip saddr . ip daddr . meta l4proto . th dport timeout 10800s }} dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 1 offset 1 map @service-endpoints"),
+        format!("add rule {shard} affinity-10800-slot-0 meta nfproto ipv6 update @affinity6-slot-0 {{ ip6 saddr . ip6 daddr . meta l4proto . th dport timeout 10800s }} dnat ip6 to ip6 daddr . meta l4proto . th dport . numgen random mod 1 offset 0 map @service-endpoints6"),
         format!("add rule {shard} nodeport-affinity-30-pick-1 jump mark-for-masquerade"),
-        format!("add rule {shard} nodeport-affinity-30-pick-1 meta nfproto ipv4 update @affinity-slot-0 {{ ip saddr . ip daddr . meta l4proto . th dport timeout 30s }} dnat ip to meta l4proto . th dport . numgen random mod 1 offset 0 map @nodeport-endpoints"),
+        format!("add rule {shard} nodeport-affinity-30-slot-0 meta nfproto ipv4 update @affinity-slot-0 {{ ip saddr . ip daddr . meta l4proto . th dport timeout 30s }} dnat ip to meta l4proto . th dport . numgen random mod 1 offset 0 map @nodeport-endpoints"),
         // Every count of a timeout in use, so that a frontend scaling changes one element.
         format!("add rule {shard} affinity-10800-pick-{MAX_PICK} jump masquerade-check"),
         format!("add set {shard} affinity-slot-{} {{ typeof ip saddr . ip daddr . meta l4proto . th dport; size 262144; flags dynamic,timeout; }}", MAX_PICK - 1),
@@ -654,7 +657,9 @@ fn session_affinity_as_data_goes_to_the_affinity_pick_chain_of_its_timeout_and_c
     // Clients are remembered across full syncs: the slot sets are never flushed.
     assert!(!text.lines().any(|l| l.starts_with("flush set") && l.contains("affinity-slot")));
     // The chains are the host's, named for what they do, and nothing else parses as one.
-    assert!(!is_static_chain(chain) && !is_static_chain("nodeport-affinity-30-lookup") && is_static_chain("pick-2"));
+    assert!(!is_static_chain(chain) && !is_static_chain("nodeport-affinity-30-lookup") && !is_static_chain("affinity-30-slot-31") && is_static_chain("pick-2"));
+    assert_eq!(AffinityClass::of_chain("affinity-30-slot-31"), Some(AffinityClass { node_port: false, seconds: 30 }));
+    assert_eq!(AffinityClass::of_chain("affinity-30-slot-32"), None);
     assert_eq!(AffinityClass::of_chain("nodeport-affinity-30-lookup"), Some(AffinityClass { node_port: true, seconds: 30 }));
     assert_eq!(AffinityClass::of_chain("affinity-30-lookups"), None);
     for name in ["affinity-0-pick-2", "affinity-10800-pick-33", "affinity-10800-pick-02", "affinity-x-pick-2", "svc/shop/web"] {
