@@ -396,15 +396,11 @@ pub struct AffinityPick {
 
 impl AffinityPick {
     pub fn chain(&self) -> String {
-        let kind = if self.node_port { "nodeport-affinity" } else { "affinity" };
-        format!("{kind}-{}-pick-{}", self.seconds, self.backends)
+        format!("{}-pick-{}", self.class().prefix(), self.backends)
     }
 
     pub fn parse(chain: &str) -> Option<AffinityPick> {
-        let (node_port, rest) = match chain.strip_prefix("affinity-") {
-            Some(rest) => (false, rest),
-            None => (true, chain.strip_prefix("nodeport-affinity-")?),
-        };
+        let (node_port, rest) = AffinityClass::strip_kind(chain)?;
         let (seconds, backends) = rest.split_once("-pick-")?;
         let pick = AffinityPick { node_port, seconds: seconds.parse().ok()?, backends: backends.parse().ok()? };
         (pick.chain() == chain && (1..=MAX_AFFINITY_SECONDS).contains(&pick.seconds) && (1..=MAX_PICK).contains(&pick.backends)).then_some(pick)
@@ -444,6 +440,14 @@ pub struct AffinityClass {
 }
 
 impl AffinityClass {
+    /// Whether an affinity chain's name is a node port's, and what follows the kind.
+    fn strip_kind(chain: &str) -> Option<(bool, &str)> {
+        match chain.strip_prefix("affinity-") {
+            Some(rest) => Some((false, rest)),
+            None => Some((true, chain.strip_prefix("nodeport-affinity-")?)),
+        }
+    }
+
     fn prefix(&self) -> String {
         let kind = if self.node_port { "nodeport-affinity" } else { "affinity" };
         format!("{kind}-{}", self.seconds)
@@ -470,10 +474,7 @@ impl AffinityClass {
         if let Some(pick) = AffinityPick::parse(chain) {
             return Some(pick.class());
         }
-        let (node_port, rest) = match chain.strip_prefix("affinity-") {
-            Some(rest) => (false, rest),
-            None => (true, chain.strip_prefix("nodeport-affinity-")?),
-        };
+        let (node_port, rest) = Self::strip_kind(chain)?;
         let (seconds, _) = rest.split_once('-')?;
         let class = AffinityClass { node_port, seconds: seconds.parse().ok()? };
         let ours = class.lookup_chain() == chain || (0..MAX_PICK).any(|i| class.slot_chain(i) == chain);
