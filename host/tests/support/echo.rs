@@ -6,7 +6,7 @@
 use std::io::{BufRead as _, BufReader, Write as _};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::os::fd::{AsRawFd as _, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -184,9 +184,29 @@ pub fn tcp_ask(to: SocketAddr, timeout: Duration) -> std::io::Result<Reply> {
     conn.ask()
 }
 
+/// Source ports of UDP probes, below the kernel's ephemeral range and not reused within a
+/// run: a kernel-chosen port can repeat an earlier probe's, and conntrack then still has
+/// that flow (a policy enforced after it lets it through as established; seen once in CI).
+static NEXT_UDP_SOURCE_PORT: AtomicU16 = AtomicU16::new(0);
+const UDP_SOURCE_PORTS: std::ops::Range<u16> = 20_000..30_000;
+
+/// A UDP socket on a source port no earlier probe of this run used.
+fn fresh_udp_socket(v6: bool) -> std::io::Result<UdpSocket> {
+    let span = UDP_SOURCE_PORTS.end - UDP_SOURCE_PORTS.start;
+    for _ in 0..span {
+        let port = UDP_SOURCE_PORTS.start + NEXT_UDP_SOURCE_PORT.fetch_add(1, Ordering::Relaxed) % span;
+        let bound = if v6 { UdpSocket::bind(("::", port)) } else { UdpSocket::bind(("0.0.0.0", port)) };
+        match bound {
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => continue,
+            other => return other,
+        }
+    }
+    Err(std::io::Error::new(std::io::ErrorKind::AddrInUse, "every probe source port is in use"))
+}
+
 /// One UDP exchange from a fresh socket (a new flow each time): who answers?
 pub fn udp_ask(to: SocketAddr, timeout: Duration) -> std::io::Result<Reply> {
-    let socket = UdpSocket::bind(if to.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" })?;
+    let socket = fresh_udp_socket(to.is_ipv6())?;
     socket.connect(to)?;
     socket.set_read_timeout(Some(timeout))?;
     socket.send(b"who")?;
