@@ -58,7 +58,7 @@ fn view(i: usize, endpoint_base: usize) -> ServiceView {
         })
         .collect();
     ServiceView {
-        service,
+        service: service.into(),
         slices: vec![LocalSlice { name: format!("svc{i}-x"), endpoints, ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }] }],
     }
 }

@@ -50,7 +50,7 @@ fn synthetic(n: usize) -> Vec<ServiceView> {
                 })
                 .collect();
             ServiceView {
-                service,
+                service: service.into(),
                 slices: vec![LocalSlice { name: format!("svc{i}-x"), endpoints, ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }] }],
             }
         })

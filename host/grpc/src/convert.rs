@@ -103,7 +103,7 @@ impl From<&Service> for proto::Service {
             session_affinity: s.session_affinity_timeout.map(|timeout_seconds| proto::SessionAffinity { timeout_seconds }),
             external_traffic_policy: proto::TrafficPolicy::from(s.external_traffic_policy).into(),
             internal_traffic_policy: proto::TrafficPolicy::from(s.internal_traffic_policy).into(),
-            labels: s.labels.clone(),
+            labels: s.labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
         }
     }
 }
@@ -140,7 +140,7 @@ impl From<&LocalSlice> for proto::LocalSlice {
 
 impl From<&ServiceView> for proto::ServiceView {
     fn from(v: &ServiceView) -> Self {
-        proto::ServiceView { service: Some((&v.service).into()), slices: v.slices.iter().map(Into::into).collect() }
+        proto::ServiceView { service: Some((&*v.service).into()), slices: v.slices.iter().map(Into::into).collect() }
     }
 }
 
@@ -226,7 +226,7 @@ impl TryFrom<proto::Service> for Service {
             cluster_ips: s.cluster_ips,
             external_ips: s.external_ips,
             load_balancer_ips: s.load_balancer_ips,
-            labels: s.labels,
+            labels: s.labels.into_iter().collect(),
         })
     }
 }
@@ -267,7 +267,7 @@ impl TryFrom<proto::ServiceView> for ServiceView {
     type Error = ConversionError;
     fn try_from(v: proto::ServiceView) -> Result<Self, ConversionError> {
         Ok(ServiceView {
-            service: v.service.ok_or(ConversionError::Missing("ServiceView.service"))?.try_into()?,
+            service: Arc::new(v.service.ok_or(ConversionError::Missing("ServiceView.service"))?.try_into()?),
             slices: v.slices.into_iter().map(TryInto::try_into).collect::<Result<_, _>>()?,
         })
     }
@@ -299,7 +299,7 @@ pub(crate) mod tests_support {
                 external_traffic_policy: TrafficPolicy::Local,
                 internal_traffic_policy: TrafficPolicy::Cluster,
                 labels: Labels::from([("app".to_string(), "web".to_string()), ("tier".to_string(), "front".to_string())]),
-            },
+            }.into(),
             slices: vec![LocalSlice {
                 name: "web-abc".into(),
                 endpoints: vec![
@@ -340,8 +340,8 @@ mod tests {
         assert_eq!(ServiceView::try_from(wire).unwrap(), view);
 
         let mut plain = sample_view();
-        plain.service.session_affinity_timeout = None;
-        plain.service.service_type = ServiceType::ExternalName;
+        std::sync::Arc::make_mut(&mut plain.service).session_affinity_timeout = None;
+        std::sync::Arc::make_mut(&mut plain.service).service_type = ServiceType::ExternalName;
         assert_eq!(ServiceView::try_from(proto::ServiceView::from(&plain)).unwrap(), plain);
     }
 

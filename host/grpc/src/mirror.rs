@@ -203,7 +203,7 @@ mod tests {
 
     fn named(name: &str) -> ServiceView {
         let mut v = sample_view();
-        v.service.name = name.into();
+        std::sync::Arc::make_mut(&mut v.service).name = name.into();
         v
     }
 
@@ -225,7 +225,7 @@ mod tests {
         assert_eq!(mirror.context().node_name, "node-a");
 
         let mut changed = named("svc-3");
-        changed.service.cluster_ips = vec!["10.96.9.9".into()];
+        std::sync::Arc::make_mut(&mut changed.service).cluster_ips = vec!["10.96.9.9".into()];
         let delta = Delta {
             revision: 6,
             context: Some(NodeContext { node_name: "node-a".into(), zone: Some("z".into()), ..Default::default() }),

@@ -336,8 +336,8 @@ mod tests {
 
     fn view(name: &str, label_bytes: usize) -> Arc<ServiceView> {
         let mut v = crate::convert::tests_support::sample_view();
-        v.service.name = name.into();
-        v.service.labels.insert("blob".into(), "x".repeat(label_bytes));
+        std::sync::Arc::make_mut(&mut v.service).name = name.into();
+        std::sync::Arc::make_mut(&mut v.service).labels.insert("blob".into(), "x".repeat(label_bytes));
         Arc::new(v)
     }
 

@@ -2,6 +2,7 @@
 //! node-local model that says what changed for this node. No I/O: sources feed it events,
 //! the runtime reads views out of it.
 
+mod labels;
 pub mod objects;
 pub mod state;
 

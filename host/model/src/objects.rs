@@ -53,7 +53,7 @@ impl Protocol {
     }
 }
 
-pub type Labels = std::collections::BTreeMap<String, String>;
+pub use crate::labels::Labels;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub enum ServiceType {

@@ -89,15 +89,17 @@ impl Touched {
 /// Every object the sources reported, with the indexes the model needs.
 #[derive(Debug, Default, Clone)]
 pub struct ClusterState {
-    pub services: BTreeMap<ObjectKey, Service>,
+    /// Shared with the node-local views (`ServiceView::service`): one copy per service.
+    pub services: BTreeMap<ObjectKey, Arc<Service>>,
     pub endpoint_slices: BTreeMap<ObjectKey, EndpointSlice>,
     pub nodes: BTreeMap<String, Node>,
     pub namespaces: BTreeMap<String, Namespace>,
     /// Ordered by namespace first, so one namespace's pods are a range.
     pub pods: BTreeMap<ObjectKey, Arc<Pod>>,
     pub network_policies: BTreeMap<ObjectKey, NetworkPolicy>,
-    /// Service key → the EndpointSlices labelled with it.
-    slices_by_service: HashMap<ObjectKey, BTreeSet<ObjectKey>>,
+    /// Service key → the EndpointSlices labelled with it, sorted. A service has one or a few:
+    /// a vector holds them in ~50 bytes each, a `BTreeSet` took a ~560-byte node per service.
+    slices_by_service: HashMap<ObjectKey, Vec<ObjectKey>>,
     /// Policies with a namespace selector in some peer: the only ones a change in another
     /// namespace (pod or namespace labels) can concern. The rest are found by namespace.
     cross_namespace_policies: BTreeSet<ObjectKey>,
@@ -159,7 +161,7 @@ impl ClusterState {
             ClusterEvent::Upsert(object) => match object {
                 ClusterObject::Service(s) => {
                     touched.services.insert(s.key());
-                    self.services.insert(s.key(), s);
+                    self.services.insert(s.key(), Arc::new(s));
                 }
                 ClusterObject::EndpointSlice(slice) => {
                     let key = slice.key();
@@ -169,7 +171,10 @@ impl ClusterState {
                         touched.services.insert(old_service);
                     }
                     touched.services.insert(slice.service_key());
-                    self.slices_by_service.entry(slice.service_key()).or_default().insert(key.clone());
+                    let slices = self.slices_by_service.entry(slice.service_key()).or_default();
+                    if let Err(at) = slices.binary_search(&key) {
+                        slices.insert(at, key.clone());
+                    }
                     self.endpoint_slices.insert(key, slice);
                 }
                 ClusterObject::Node(n) => {
@@ -305,7 +310,7 @@ impl ClusterState {
 
     fn contains_equal(&self, object: &ClusterObject) -> bool {
         match object {
-            ClusterObject::Service(s) => self.services.get(&s.key()) == Some(s),
+            ClusterObject::Service(s) => self.services.get(&s.key()).map(|x| &**x) == Some(s),
             ClusterObject::EndpointSlice(s) => self.endpoint_slices.get(&s.key()) == Some(s),
             ClusterObject::Node(n) => self.nodes.get(&n.name) == Some(n),
             ClusterObject::Namespace(n) => self.namespaces.get(&n.name) == Some(n),
@@ -315,9 +320,9 @@ impl ClusterState {
     }
 
     fn unindex_slice(&mut self, service: &ObjectKey, slice: &ObjectKey) {
-        if let Some(set) = self.slices_by_service.get_mut(service) {
-            set.remove(slice);
-            if set.is_empty() {
+        if let Some(slices) = self.slices_by_service.get_mut(service) {
+            slices.retain(|k| k != slice);
+            if slices.is_empty() {
                 self.slices_by_service.remove(service);
             }
         }
@@ -357,7 +362,8 @@ pub struct LocalSlice {
 /// What a service translator needs for one service on this node.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ServiceView {
-    pub service: Service,
+    /// The cluster index's copy, shared.
+    pub service: Arc<Service>,
     pub slices: Vec<LocalSlice>,
 }
 
@@ -542,7 +548,7 @@ impl NodeLocalModel {
         Some(PolicyView { policy: policy.clone(), local_pods, peer_pods })
     }
 
-    fn view_of(&self, cluster: &ClusterState, service: &Service) -> ServiceView {
+    fn view_of(&self, cluster: &ClusterState, service: &Arc<Service>) -> ServiceView {
         let topology_zone = self.topology_zone(cluster, service);
         let mut slices: Vec<LocalSlice> = cluster
             .slices_of(&service.key())

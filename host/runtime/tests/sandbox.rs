@@ -27,7 +27,7 @@ fn view() -> ServiceView {
             external_traffic_policy: TrafficPolicy::Cluster,
             internal_traffic_policy: TrafficPolicy::Cluster,
             labels: Labels::new(),
-        },
+        }.into(),
         slices: vec![LocalSlice {
             name: "web-1".into(),
             endpoints: vec![LocalEndpoint { addresses: vec!["10.244.0.11".into()], ready: true, serving: true, terminating: false, node_name: None, zone: None, is_local: false }],
@@ -66,7 +66,7 @@ fn a_session_recovers_after_a_failed_call() {
     assert!(module.info.imports.iter().all(|i| i.starts_with("wasi:") || i.starts_with("wasmplane:dataplane/")), "{:?}", module.info.imports);
     let mut session = module.translator(Arc::new(NoLookups)).unwrap();
     let mut bad = view();
-    bad.service.cluster_ips = vec!["10.96.0.300".into()];
+    std::sync::Arc::make_mut(&mut bad.service).cluster_ips = vec!["10.96.0.300".into()];
     assert!(matches!(session.translate(&NodeContext::default(), "svc/shop/web", &bad), Err(CallError::Guest(m)) if m.contains("invalid IP")));
     assert!(session.translate(&NodeContext::default(), "svc/shop/web", &view()).is_ok());
 }
