@@ -140,6 +140,9 @@ pub struct HostConfig {
     pub kubernetes_auth: Option<crate::auth::KubernetesAuthConfig>,
     /// Record every model revision's translator inputs and outputs to this file (`record.rs`).
     pub record: Option<PathBuf>,
+    /// Compile guests in a child process with this command (the `wasmplane` binary passes
+    /// itself), so the compiler's code and memory never stay with the host; `None`: in process.
+    pub compiler: Option<wasmplane_runtime::CompilerCommand>,
 }
 
 impl Default for HostConfig {
@@ -173,6 +176,7 @@ impl Default for HostConfig {
             tls: None,
             kubernetes_auth: None,
             record: None,
+            compiler: None,
         }
     }
 }
@@ -262,7 +266,11 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
     metrics.registry.register("audit_write_failures", "Audit records that could not be written to the kvstore", audit_failures.clone());
     let metrics = Arc::new(metrics);
     let cache = config.data_dir.as_ref().map(|d| d.join("compiled"));
-    let runtime = Arc::new(Runtime::new(config.limits.clone(), cache)?);
+    let mut runtime = Runtime::new(config.limits.clone(), cache)?;
+    if let Some(command) = &config.compiler {
+        runtime = runtime.compile_in_child(command.clone());
+    }
+    let runtime = Arc::new(runtime);
     let operator_role = config.operator.is_some();
     // The operator keeps a model (for its REST API) but never writes a node's kernel.
     let dataplane = if operator_role { DataplaneMode::Record } else { config.dataplane };

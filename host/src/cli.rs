@@ -284,6 +284,8 @@ impl RunArgs {
             },
             grpc_listen: self.grpc_listen,
             record: self.record,
+            // This binary answers compile requests itself (`main.rs`).
+            compiler: Some(wasmplane_runtime::CompilerCommand::current_exe().context("locating this binary to compile guests with")?),
             cni: self.cni_socket.map(|socket| crate::cni::CniConfig { socket, pod_cidr: self.pod_cidr, state_dir: None, pod_wait: Duration::from_secs(10), node_netns: None }),
             data_dir: Some(self.data_dir),
             node_name: self.node_name,

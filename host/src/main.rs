@@ -3,10 +3,17 @@ use clap::Parser as _;
 use tracing_subscriber::EnvFilter;
 use wasmplane::cli::{Cli, Command};
 
-fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<std::process::ExitCode> {
+    // A compile request from a running host (`CompilerCommand::current_exe`): nothing else
+    // of the host starts in that process.
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some(wasmplane_runtime::compiler::COMPILE_SUBCOMMAND) {
+        return Ok(wasmplane_runtime::compiler::child_main(&args[1..]));
+    }
     // Before the runtime starts any thread.
     wasmplane::memory::limit_malloc_arenas();
-    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the tokio runtime")?.block_on(run())
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the tokio runtime")?.block_on(run())?;
+    Ok(std::process::ExitCode::SUCCESS)
 }
 
 async fn run() -> anyhow::Result<()> {

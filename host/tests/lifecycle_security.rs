@@ -342,3 +342,134 @@ async fn kubernetes_tokens_are_reviewed_and_authorized_over_tls() {
     );
     host.stop().await;
 }
+
+/// The compiled forms a runtime left in its cache directory.
+fn cached_artifacts(dir: &Path) -> Vec<Vec<u8>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|e| e == "cwasm")).collect();
+    files.sort();
+    files.iter().map(|p| std::fs::read(p).unwrap()).collect()
+}
+
+fn child_compiler(program: &str) -> wasmplane_runtime::CompilerCommand {
+    wasmplane_runtime::CompilerCommand::new(program, [wasmplane_runtime::compiler::COMPILE_SUBCOMMAND])
+}
+
+/// Guests compile in a child process of the `wasmplane` binary (so Cranelift's code and
+/// memory stay out of the host): the same artifact as compiling in process, the same errors,
+/// a clear one when the compiler cannot start, and no child at all on a cache hit.
+#[test]
+fn guests_compile_in_a_child_process_of_the_host_binary() {
+    use wasmplane_runtime::{LoadError, NoLookups, Runtime};
+    let bytes = artifacts::SERVICE_TRANSLATOR;
+    let (child_cache, local_cache) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let child = Runtime::new(Limits::default(), Some(child_cache.path().into())).unwrap().compile_in_child(child_compiler(env!("CARGO_BIN_EXE_wasmplane")));
+    let local = Runtime::new(Limits::default(), Some(local_cache.path().into())).unwrap();
+    let module = child.load("t", bytes, None, 16 << 20).unwrap();
+    local.load("t", bytes, None, 16 << 20).unwrap();
+    let (from_child, from_local) = (cached_artifacts(child_cache.path()), cached_artifacts(local_cache.path()));
+    assert_eq!(from_child.len(), 1);
+    assert!(from_child == from_local, "the child's artifact differs from the in-process one ({} / {} bytes)", from_child[0].len(), from_local[0].len());
+
+    // The child's code runs: a service with one endpoint is balanced over it.
+    let mut session = module.translator(std::sync::Arc::new(NoLookups)).unwrap();
+    let view = wasmplane_model::state::ServiceView {
+        service: wasmplane_model::Service {
+            namespace: "shop".into(),
+            name: "web".into(),
+            service_type: wasmplane_model::ServiceType::ClusterIP,
+            cluster_ips: vec!["10.96.0.10".into()],
+            external_ips: vec![],
+            load_balancer_ips: vec![],
+            ports: vec![wasmplane_model::ServicePort { name: "http".into(), protocol: wasmplane_model::Protocol::Tcp, port: 80, node_port: 0, target_port: wasmplane_model::TargetPort::Number(8080) }],
+            session_affinity_timeout: None,
+            external_traffic_policy: wasmplane_model::TrafficPolicy::Cluster,
+            internal_traffic_policy: wasmplane_model::TrafficPolicy::Cluster,
+            labels: Default::default(),
+        }.into(),
+        slices: vec![wasmplane_model::state::LocalSlice {
+            name: "web-1".into(),
+            endpoints: vec![wasmplane_model::state::LocalEndpoint {
+                addresses: vec!["10.244.0.11".into()],
+                ready: true,
+                serving: true,
+                terminating: false,
+                node_name: Some("node-a".into()),
+                zone: None,
+                is_local: true,
+            }],
+            ports: vec![wasmplane_model::EndpointPort { name: "http".into(), protocol: wasmplane_model::Protocol::Tcp, port: 8080 }],
+        }],
+    };
+    let context = wasmplane_model::state::NodeContext { node_name: "node-a".into(), node_ips: vec![], cluster_cidrs: vec!["10.244.0.0/16".into()], pod_cidrs: vec![], zone: None };
+    let ruleset = session.translate(&context, "svc/shop/web", &view).unwrap();
+    assert!(format!("{ruleset:?}").contains("10.244.0.11"), "{ruleset:?}");
+
+    // A component that does not compile: the child's message is the one the host would give.
+    let mut broken = bytes[..8].to_vec();
+    broken.extend_from_slice(&[0x01, 0xff, 0xff, 0xff, 0xff, 0x0f]);
+    let uncached = Runtime::new(Limits::default(), None).unwrap();
+    let (LoadError::Compile(in_child), LoadError::Compile(in_process)) = (
+        Runtime::new(Limits::default(), None).unwrap().compile_in_child(child_compiler(env!("CARGO_BIN_EXE_wasmplane"))).load("b", &broken, None, 16 << 20).err().unwrap(),
+        uncached.load("b", &broken, None, 16 << 20).err().unwrap(),
+    ) else {
+        panic!("both must be compile errors");
+    };
+    assert_eq!(in_child, in_process);
+
+    // A compiler that cannot start is a load error naming it; a cache hit starts none.
+    let missing = Runtime::new(Limits::default(), Some(child_cache.path().into())).unwrap().compile_in_child(child_compiler("/nonexistent/wasmplane"));
+    assert!(missing.load("t", bytes, None, 16 << 20).is_ok(), "a cached artifact needs no compiler");
+    let error = missing.load("p", artifacts::examples::PORT_FILTER_TRANSLATOR, None, 16 << 20).err().unwrap();
+    assert!(matches!(&error, LoadError::Compile(m) if m.contains("starting the compiler process /nonexistent/wasmplane")), "{error}");
+}
+
+/// `wasmplane run` (the README's main command) compiles its default guests through itself as
+/// the compiler process and serves the translated dataplane.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_host_binary_runs_with_guests_compiled_in_a_child() {
+    use tokio::io::AsyncBufReadExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    write_manifest(&dir.path().join("manifests"), "shop.yaml", &documents(&[WEB_SERVICE, &endpoint_slice("web", "http", 8080, &[("10.244.0.11", "node-a")])]));
+    let data = dir.path().join("data");
+    let mut host = tokio::process::Command::new(env!("CARGO_BIN_EXE_wasmplane"))
+        .args(["run", "--listen", "127.0.0.1:0", "--node-name", "node-a"])
+        .arg("--manifests")
+        .arg(dir.path().join("manifests"))
+        .arg("--data-dir")
+        .arg(&data)
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(host.stdout.take().unwrap()).lines();
+    let url = tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(line) = lines.next_line().await.unwrap() {
+            if let Some(rest) = line.strip_prefix("wasmplane REST API: ") {
+                return rest.split_whitespace().next().unwrap().to_string();
+            }
+        }
+        panic!("the host exited without printing its REST API");
+    })
+    .await
+    .expect("the host printed its REST API within 60 s");
+    let client = plain_client();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let dataplane = client.get(format!("{url}/v1/dataplane")).send().await.unwrap().text().await.unwrap();
+        if dataplane.contains("10.244.0.11") {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the web service was not translated: {dataplane}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(cached_artifacts(&data.join("compiled")).len() >= 2, "the default guests' compiled forms are cached");
+    // Each compile request's process is gone (waited for, not left as a zombie).
+    let pid = host.id().unwrap();
+    let children: String = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .map(|task| std::fs::read_to_string(task.unwrap().path().join("children")).unwrap_or_default())
+        .collect();
+    assert_eq!(children.trim(), "", "the host keeps no compiler process");
+    host.kill().await.unwrap();
+}

@@ -14,6 +14,7 @@
 //! network or stdio, and clocks that stand still, unless a module is granted more.
 
 mod bindings;
+pub mod compiler;
 pub mod convert;
 pub mod gc;
 mod host;
@@ -29,6 +30,7 @@ use wasmtime::component::Linker;
 use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 
 pub use bindings::service::wasmplane::dataplane::types as wit;
+pub use compiler::CompilerCommand;
 pub use host::{GuestState, Lookups, NoLookups};
 pub use loader::{GuestKind, LoadError, LoadedModule, ModuleInfo, WIT_PACKAGE, WIT_VERSION};
 
@@ -91,34 +93,39 @@ pub enum CallError {
 /// The Wasm engine and everything shared by all modules.
 pub struct Runtime {
     engine: Engine,
-    /// The engine's configuration: compilation runs on a throwaway engine made from it (see
-    /// `loader.rs`), so the compiler's scratch state does not stay with the host.
-    config: Config,
     linker: Linker<GuestState>,
     limits: Limits,
     cache_dir: Option<PathBuf>,
+    /// Compiles in a child process when set (`compiler.rs`); in this one otherwise.
+    compiler: Option<CompilerCommand>,
     stop_ticker: Arc<AtomicBool>,
+}
+
+/// The engine configuration for `limits`. Compiling and running engines must agree on it: the
+/// compiled code depends on it (bounds checks follow the memory reservation).
+pub(crate) fn engine_config(limits: &Limits) -> Config {
+    let mut pool = PoolingAllocationConfig::default();
+    pool.total_component_instances(limits.max_instances)
+        .total_core_instances(limits.max_instances * 8)
+        .total_memories(limits.max_instances * 2)
+        .total_tables(limits.max_instances * 4)
+        .max_memory_size(limits.memory_bytes)
+        .table_elements(limits.table_elements)
+        .total_stacks(limits.max_instances);
+    let mut config = Config::new();
+    config
+        .wasm_component_model(true)
+        .epoch_interruption(true)
+        .allocation_strategy(InstanceAllocationStrategy::Pooling(pool))
+        // Guests are small and short-lived: keep the per-instance reservation modest.
+        .memory_reservation(limits.memory_bytes as u64 + (64 << 20));
+    config
 }
 
 impl Runtime {
     /// `cache_dir`: where compiled components are kept between runs (`None`: no disk cache).
     pub fn new(limits: Limits, cache_dir: Option<PathBuf>) -> Result<Runtime, RuntimeError> {
-        let mut pool = PoolingAllocationConfig::default();
-        pool.total_component_instances(limits.max_instances)
-            .total_core_instances(limits.max_instances * 8)
-            .total_memories(limits.max_instances * 2)
-            .total_tables(limits.max_instances * 4)
-            .max_memory_size(limits.memory_bytes)
-            .table_elements(limits.table_elements)
-            .total_stacks(limits.max_instances);
-        let mut config = Config::new();
-        config
-            .wasm_component_model(true)
-            .epoch_interruption(true)
-            .allocation_strategy(InstanceAllocationStrategy::Pooling(pool))
-            // Guests are small and short-lived: keep the per-instance reservation modest.
-            .memory_reservation(limits.memory_bytes as u64 + (64 << 20));
-        let engine = Engine::new(&config).map_err(|e| RuntimeError::Engine(format!("{e:#}")))?;
+        let engine = Engine::new(&engine_config(&limits)).map_err(|e| RuntimeError::Engine(format!("{e:#}")))?;
         let linker = host::linker(&engine).map_err(|e| RuntimeError::Engine(format!("{e:#}")))?;
         if let Some(dir) = &cache_dir {
             std::fs::create_dir_all(dir).map_err(|e| RuntimeError::Engine(format!("creating {}: {e}", dir.display())))?;
@@ -137,7 +144,13 @@ impl Runtime {
                 })
                 .map_err(|e| RuntimeError::Engine(format!("starting the epoch ticker: {e}")))?;
         }
-        Ok(Runtime { engine, config, linker, limits, cache_dir, stop_ticker })
+        Ok(Runtime { engine, linker, limits, cache_dir, compiler: None, stop_ticker })
+    }
+
+    /// Compiles components with `command` in a child process from now on (`compiler.rs`).
+    pub fn compile_in_child(mut self, command: CompilerCommand) -> Runtime {
+        self.compiler = Some(command);
+        self
     }
 
     pub fn engine(&self) -> &Engine {

@@ -211,16 +211,25 @@ impl Runtime {
         Ok(component)
     }
 
-    /// Compiles on a throwaway engine of the same configuration and loads the result into
-    /// the host's. Cranelift keeps its scratch state (register allocator and arena buffers,
-    /// ~20 MiB after the three default guests) with the engine that compiled: on the host's
-    /// engine it stayed for the life of the process. Returns the component and its code.
+    /// Compiles in a child process (when configured) or on a throwaway engine of the same
+    /// configuration, and loads the result into the host's. Cranelift keeps its scratch state
+    /// (register allocator and arena buffers, ~20 MiB after the three default guests) with the
+    /// engine that compiled: on the host's engine it stayed for the life of the process.
+    /// Returns the component and its code.
     fn compile(&self, bytes: &[u8]) -> Result<(Component, Vec<u8>), LoadError> {
-        let compiler = wasmtime::Engine::new(&self.config).map_err(|e| LoadError::Compile(format!("{e:#}")))?;
-        let code = compiler.precompile_component(bytes).map_err(|e| LoadError::Compile(format!("{e:#}")))?;
-        drop(compiler);
-        crate::release_free_memory();
-        // SAFETY: `code` was just compiled by an engine of this very configuration.
+        let code = match &self.compiler {
+            Some(command) => command.compile(bytes, &self.limits).map_err(LoadError::Compile)?,
+            None => {
+                let compiler = wasmtime::Engine::new(&crate::engine_config(&self.limits)).map_err(|e| LoadError::Compile(format!("{e:#}")))?;
+                let code = compiler.precompile_component(bytes).map_err(|e| LoadError::Compile(format!("{e:#}")))?;
+                drop(compiler);
+                crate::release_free_memory();
+                code
+            }
+        };
+        // SAFETY: `code` was compiled from `bytes` just now by an engine of this configuration:
+        // in this process, or by the host's own binary in a child (`compiler.rs`). wasmtime
+        // checks the artifact's header against this engine and refuses a mismatch.
         let component = unsafe { Component::deserialize(&self.engine, &code) }.map_err(|e| LoadError::Compile(format!("{e:#}")))?;
         Ok((component, code))
     }

@@ -119,6 +119,20 @@ fn memory() -> (u64, u64) {
     (field("VmRSS:"), field("VmHWM:"))
 }
 
+/// Bytes of heap the process's allocations hold (glibc's `mallinfo2`: arena chunks in use
+/// plus mmapped blocks), in KiB: what of the RSS is live data rather than code, stacks or
+/// free heap pages glibc kept.
+fn heap_in_use_kib() -> u64 {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallinfo2 only reads the allocator's statistics.
+        let info = unsafe { libc::mallinfo2() };
+        ((info.uordblks + info.hblkhd) / 1024) as u64
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    0
+}
+
 /// CPU seconds of this process (utime+stime) and of its waited-for children (cutime+cstime:
 /// the `nft` and `conntrack` runs of the host).
 fn cpu() -> (f64, f64) {
@@ -236,6 +250,7 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
         conntrack_command: prefix("conntrack"),
         stats_interval: Duration::from_secs(3600),
         reconcile_interval: Duration::from_secs(3600),
+        compiler: Some(wasmplane_runtime::CompilerCommand::new(std::env::current_exe()?, [crate::COMPILE_GUEST_FLAG])),
         ..Default::default()
     };
 
@@ -262,6 +277,7 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
     eprintln!("[{}] initial sync {sync_seconds:.2} s ({} events, guest {:.2} s in {} calls)", o.services, after_sync.events, after_sync.guest_seconds, after_sync.guest_calls);
     tokio::time::sleep(Duration::from_secs(3)).await;
     let (rss_steady, _) = memory();
+    let heap_steady = heap_in_use_kib();
 
     // Single endpoint changes: one EndpointSlice write each (a new pod's address in, the
     // oldest endpoint out), timed from just before the write to the moment the controller's
@@ -372,7 +388,7 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
         "noop_seconds": noop_seconds, "noop_events": after_noop.events - before_noop.events, "noop_revisions": after_noop.revisions - before_noop.revisions,
         "noop_syncs": after_noop.syncs - before_noop.syncs, "noop_converged": noop_converged,
         "cpu_per_1k_events_s": per_k(cpu3 - cpu2), "nft_cpu_per_1k_events_s": per_k(child_cpu3 - child_cpu2),
-        "rss_before_host_kib": rss_before, "rss_steady_kib": rss_steady, "rss_end_kib": rss_end,
+        "rss_before_host_kib": rss_before, "rss_steady_kib": rss_steady, "rss_end_kib": rss_end, "heap_in_use_steady_kib": heap_steady,
         "hwm_sync_kib": hwm_sync, "hwm_end_kib": hwm_end,
     }))
 }
