@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use wasmtime::component::InstancePre;
 
+use crate::epoch::EpochTicker;
 use crate::host::{GuestState, LiveInstance, NoLookups, check_output_size, classify, deadline_ticks, live_instance};
 use crate::{CallError, GuestKind, Limits, LoadError, ModuleInfo, Runtime};
 
@@ -36,6 +37,7 @@ pub struct GcModule {
     name: Arc<str>,
     pre: GarbageCollectionPre<GuestState>,
     engine: wasmtime::Engine,
+    ticker: Arc<EpochTicker>,
     limits: Limits,
 }
 
@@ -58,6 +60,7 @@ impl Runtime {
             name: Arc::from(name),
             pre,
             engine: self.engine.clone(),
+            ticker: self.ticker.clone(),
             limits: self.limits.clone(),
         })
     }
@@ -73,6 +76,7 @@ impl GcModule {
         GcSession {
             pre: self.pre.clone(),
             engine: self.engine.clone(),
+            ticker: self.ticker.clone(),
             limits: self.limits.clone(),
             name: self.name.clone(),
             live: None,
@@ -85,6 +89,7 @@ impl GcModule {
 pub struct GcSession {
     pre: GarbageCollectionPre<GuestState>,
     engine: wasmtime::Engine,
+    ticker: Arc<EpochTicker>,
     limits: Limits,
     name: Arc<str>,
     live: Option<LiveInstance<GarbageCollection>>,
@@ -103,6 +108,8 @@ impl GcSession {
     pub fn collect(&mut self, candidates: &[Candidate]) -> Result<Vec<String>, CallError> {
         let limits = self.limits.clone();
         let ticks = deadline_ticks(&limits);
+        let ticker = self.ticker.clone();
+        let _ticking = ticker.running();
         let live = self.instantiate()?;
         live.store.set_epoch_deadline(ticks);
         let result = live

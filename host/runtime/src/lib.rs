@@ -16,6 +16,7 @@
 mod bindings;
 pub mod compiler;
 pub mod convert;
+mod epoch;
 pub mod gc;
 mod host;
 mod loader;
@@ -23,7 +24,6 @@ pub mod policy;
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use wasmtime::component::Linker;
@@ -98,7 +98,7 @@ pub struct Runtime {
     cache_dir: Option<PathBuf>,
     /// Compiles in a child process when set (`compiler.rs`); in this one otherwise.
     compiler: Option<CompilerCommand>,
-    stop_ticker: Arc<AtomicBool>,
+    ticker: Arc<epoch::EpochTicker>,
 }
 
 /// The engine configuration for `limits`. Compiling and running engines must agree on it: the
@@ -130,21 +130,14 @@ impl Runtime {
         if let Some(dir) = &cache_dir {
             std::fs::create_dir_all(dir).map_err(|e| RuntimeError::Engine(format!("creating {}: {e}", dir.display())))?;
         }
-        let stop_ticker = Arc::new(AtomicBool::new(false));
-        {
-            let engine = engine.clone();
-            let stop = stop_ticker.clone();
-            std::thread::Builder::new()
-                .name("wasm-epoch".into())
-                .spawn(move || {
-                    while !stop.load(Ordering::Relaxed) {
-                        std::thread::sleep(EPOCH_TICK);
-                        engine.increment_epoch();
-                    }
-                })
-                .map_err(|e| RuntimeError::Engine(format!("starting the epoch ticker: {e}")))?;
-        }
-        Ok(Runtime { engine, linker, limits, cache_dir, compiler: None, stop_ticker })
+        let ticker = epoch::EpochTicker::start(engine.clone()).map_err(|e| RuntimeError::Engine(format!("starting the epoch ticker: {e}")))?;
+        Ok(Runtime { engine, linker, limits, cache_dir, compiler: None, ticker })
+    }
+
+    /// How many times the epoch has advanced: it does only while guest code runs
+    /// (`epoch.rs`), about once per [`EPOCH_TICK`].
+    pub fn epoch_ticks(&self) -> u64 {
+        self.ticker.ticks()
     }
 
     /// Compiles components with `command` in a child process from now on (`compiler.rs`).
@@ -169,12 +162,6 @@ pub fn release_free_memory() {
     // SAFETY: malloc_trim only releases memory the allocator holds free.
     unsafe {
         libc::malloc_trim(0);
-    }
-}
-
-impl Drop for Runtime {
-    fn drop(&mut self) {
-        self.stop_ticker.store(true, Ordering::Relaxed);
     }
 }
 

@@ -12,6 +12,7 @@ use wasmtime::component::{Component, InstancePre};
 
 use crate::bindings::service::{ServiceTranslation, ServiceTranslationPre};
 use crate::host::{GuestState, LiveInstance, Lookups, check_output_size, classify, deadline_ticks, live_instance};
+use crate::epoch::EpochTicker;
 use crate::{CallError, Limits, Runtime, convert, wit};
 use wasmplane_model::state::{NodeContext, ServiceView};
 
@@ -99,6 +100,7 @@ pub struct LoadedModule {
     name: Arc<str>,
     runner: Runner,
     engine: wasmtime::Engine,
+    ticker: Arc<EpochTicker>,
     limits: Limits,
 }
 
@@ -137,7 +139,14 @@ impl Runtime {
             }
             other => return Err(LoadError::KindNotRunnable(other)),
         };
-        Ok(LoadedModule { info, name: Arc::from(name), runner, engine: self.engine.clone(), limits: self.limits.clone() })
+        Ok(LoadedModule {
+            info,
+            name: Arc::from(name),
+            runner,
+            engine: self.engine.clone(),
+            ticker: self.ticker.clone(),
+            limits: self.limits.clone(),
+        })
     }
 
     /// Every check a module of any kind passes (size, header, a known world of a supported
@@ -256,6 +265,7 @@ impl LoadedModule {
             Runner::ServiceTranslator(pre) => Some(TranslatorSession {
                 pre: pre.clone(),
                 engine: self.engine.clone(),
+                ticker: self.ticker.clone(),
                 limits: self.limits.clone(),
                 name: self.name.clone(),
                 lookups,
@@ -270,6 +280,7 @@ impl LoadedModule {
 pub struct TranslatorSession {
     pre: ServiceTranslationPre<GuestState>,
     engine: wasmtime::Engine,
+    ticker: Arc<EpochTicker>,
     limits: Limits,
     name: Arc<str>,
     lookups: Arc<dyn Lookups>,
@@ -284,6 +295,8 @@ impl TranslatorSession {
 
     /// Instantiates now rather than on the first call (benchmarks, warm-up).
     pub fn instantiate_now(&mut self) -> Result<(), CallError> {
+        let ticker = self.ticker.clone();
+        let _ticking = ticker.running();
         self.instantiate().map(|_| ())
     }
 
@@ -305,6 +318,8 @@ impl TranslatorSession {
     ) -> Result<wit::Ruleset, CallError> {
         let limits = self.limits.clone();
         let ticks = deadline_ticks(&limits);
+        let ticker = self.ticker.clone();
+        let _ticking = ticker.running();
         let live = self.instantiate()?;
         live.store.set_epoch_deadline(ticks);
         let result = live.bindings.wasmplane_dataplane_service_translator().call_translate(

@@ -18,6 +18,7 @@ use wasmtime::component::InstancePre;
 use wasmplane_model as m;
 use wasmplane_model::state::{NodeContext, PolicyView};
 
+use crate::epoch::EpochTicker;
 use crate::host::{GuestState, LiveInstance, Lookups, classify, deadline_ticks, live_instance};
 use crate::{CallError, GuestKind, Limits, LoadError, ModuleInfo, Runtime, convert, wit};
 
@@ -44,6 +45,7 @@ pub struct PolicyModule {
     name: Arc<str>,
     pre: NetworkPolicyEnforcementPre<GuestState>,
     engine: wasmtime::Engine,
+    ticker: Arc<EpochTicker>,
     limits: Limits,
 }
 
@@ -54,7 +56,14 @@ impl Runtime {
         let pre: InstancePre<GuestState> = self.linker.instantiate_pre(&component).map_err(|e| LoadError::Link(format!("{e:#}")))?;
         let pre = NetworkPolicyEnforcementPre::new(pre).map_err(|e| LoadError::Link(format!("{e:#}")))?;
         tracing::debug!(module = name, digest = %info.digest, "network-policy module loaded");
-        Ok(PolicyModule { info, name: Arc::from(name), pre, engine: self.engine.clone(), limits: self.limits.clone() })
+        Ok(PolicyModule {
+            info,
+            name: Arc::from(name),
+            pre,
+            engine: self.engine.clone(),
+            ticker: self.ticker.clone(),
+            limits: self.limits.clone(),
+        })
     }
 }
 
@@ -68,6 +77,7 @@ impl PolicyModule {
         PolicySession {
             pre: self.pre.clone(),
             engine: self.engine.clone(),
+            ticker: self.ticker.clone(),
             limits: self.limits.clone(),
             name: self.name.clone(),
             lookups,
@@ -81,6 +91,7 @@ impl PolicyModule {
 pub struct PolicySession {
     pre: NetworkPolicyEnforcementPre<GuestState>,
     engine: wasmtime::Engine,
+    ticker: Arc<EpochTicker>,
     limits: Limits,
     name: Arc<str>,
     lookups: Arc<dyn Lookups>,
@@ -112,6 +123,8 @@ impl PolicySession {
     ) -> Result<wit::Ruleset, CallError> {
         let limits = self.limits.clone();
         let ticks = deadline_ticks(&limits);
+        let ticker = self.ticker.clone();
+        let _ticking = ticker.running();
         let live = self.instantiate()?;
         live.store.set_epoch_deadline(ticks);
         let result =

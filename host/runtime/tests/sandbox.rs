@@ -58,6 +58,25 @@ fn limits_stop_guests_with_typed_errors() {
     assert!(out.map_elements.iter().any(|e| e.map_name == "service-backends"), "{out:?}");
 }
 
+/// The deadline clock runs only while guest code does: an idle host is not woken every 5 ms,
+/// and a looping guest is still stopped on time.
+#[test]
+fn the_epoch_advances_only_while_a_guest_runs() {
+    let rt = runtime(None);
+    let loaded = rt.load("loop", artifacts::test_programs::LOOP_FOREVER, None, usize::MAX).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(rt.epoch_ticks(), 0, "no guest has run");
+    let started = Instant::now();
+    let error = loaded.translator(Arc::new(NoLookups)).unwrap().translate(&NodeContext::default(), "svc/shop/web", &view()).unwrap_err();
+    assert_eq!(error, CallError::Timeout(Duration::from_millis(100)));
+    assert!(started.elapsed() < Duration::from_secs(2));
+    let after_call = rt.epoch_ticks();
+    assert!(after_call >= 20, "a 100 ms deadline is 20 ticks: {after_call}");
+    std::thread::sleep(Duration::from_millis(60));
+    // One tick may have been under way when the call ended.
+    assert!(rt.epoch_ticks() <= after_call + 1, "the ticker kept going: {after_call} -> {}", rt.epoch_ticks());
+}
+
 #[test]
 fn a_session_recovers_after_a_failed_call() {
     let rt = runtime(None);
