@@ -12,9 +12,8 @@ use std::sync::Arc;
 
 use wasmtime::component::InstancePre;
 
-use crate::epoch::EpochTicker;
-use crate::host::{GuestState, LiveInstance, NoLookups, check_output_size, classify, deadline_ticks, live_instance};
-use crate::{CallError, GuestKind, Limits, LoadError, ModuleInfo, Runtime};
+use crate::host::{GuestState, LiveInstance, Sandbox, NoLookups, check_output_size, classify, deadline_ticks, live_instance};
+use crate::{CallError, GuestKind, LoadError, ModuleInfo, Runtime};
 
 mod bindings {
     wasmtime::component::bindgen!({
@@ -36,9 +35,7 @@ pub struct GcModule {
     pub info: ModuleInfo,
     name: Arc<str>,
     pre: GarbageCollectionPre<GuestState>,
-    engine: wasmtime::Engine,
-    ticker: Arc<EpochTicker>,
-    limits: Limits,
+    sandbox: Sandbox,
 }
 
 impl Runtime {
@@ -59,9 +56,7 @@ impl Runtime {
             info,
             name: Arc::from(name),
             pre,
-            engine: self.engine.clone(),
-            ticker: self.ticker.clone(),
-            limits: self.limits.clone(),
+            sandbox: self.sandbox(),
         })
     }
 }
@@ -75,9 +70,7 @@ impl GcModule {
     pub fn session(&self) -> GcSession {
         GcSession {
             pre: self.pre.clone(),
-            engine: self.engine.clone(),
-            ticker: self.ticker.clone(),
-            limits: self.limits.clone(),
+            sandbox: self.sandbox.clone(),
             name: self.name.clone(),
             live: None,
         }
@@ -88,9 +81,7 @@ impl GcModule {
 /// instance cannot be entered again).
 pub struct GcSession {
     pre: GarbageCollectionPre<GuestState>,
-    engine: wasmtime::Engine,
-    ticker: Arc<EpochTicker>,
-    limits: Limits,
+    sandbox: Sandbox,
     name: Arc<str>,
     live: Option<LiveInstance<GarbageCollection>>,
 }
@@ -100,15 +91,15 @@ impl GcSession {
     fn instantiate(&mut self) -> Result<&mut LiveInstance<GarbageCollection>, CallError> {
         let pre = &self.pre;
         // GC guests import no lookups: nothing to query.
-        live_instance(&mut self.live, &self.engine, self.name.clone(), &self.limits, Arc::new(NoLookups), |store| pre.instantiate(store))
+        live_instance(&mut self.live, &self.sandbox, self.name.clone(), Arc::new(NoLookups), |store| pre.instantiate(store))
     }
 
     /// Asks the guest which of `candidates` to delete. On any error the
     /// instance is dropped and nothing is named.
     pub fn collect(&mut self, candidates: &[Candidate]) -> Result<Vec<String>, CallError> {
-        let limits = self.limits.clone();
+        let limits = self.sandbox.limits.clone();
         let ticks = deadline_ticks(&limits);
-        let ticker = self.ticker.clone();
+        let ticker = self.sandbox.ticker.clone();
         let _ticking = ticker.running();
         let live = self.instantiate()?;
         live.store.set_epoch_deadline(ticks);
@@ -134,6 +125,7 @@ impl GcSession {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Limits;
 
     fn candidate(
         key: &str,

@@ -200,6 +200,15 @@ pub(crate) fn new_store(
     (store, stderr)
 }
 
+/// What every module and session of one runtime shares: the engine, the clock behind its
+/// deadlines and the limits.
+#[derive(Clone)]
+pub(crate) struct Sandbox {
+    pub engine: Engine,
+    pub ticker: Arc<crate::epoch::EpochTicker>,
+    pub limits: crate::Limits,
+}
+
 /// One guest instance of any kind and its store, reused across calls until a call fails.
 pub(crate) struct LiveInstance<B> {
     pub store: wasmtime::Store<GuestState>,
@@ -211,14 +220,13 @@ pub(crate) struct LiveInstance<B> {
 /// the slot after a failed call: a trapped instance cannot be entered again.
 pub(crate) fn live_instance<'s, B>(
     slot: &'s mut Option<LiveInstance<B>>,
-    engine: &Engine,
+    sandbox: &Sandbox,
     name: Arc<str>,
-    limits: &crate::Limits,
     lookups: Arc<dyn Lookups>,
     instantiate: impl FnOnce(&mut wasmtime::Store<GuestState>) -> wasmtime::Result<B>,
 ) -> Result<&'s mut LiveInstance<B>, crate::CallError> {
     if slot.is_none() {
-        let (mut store, stderr) = new_store(engine, name, limits, lookups);
+        let (mut store, stderr) = new_store(&sandbox.engine, name, &sandbox.limits, lookups);
         let bindings = instantiate(&mut store).map_err(|e| crate::CallError::Instantiate(format!("{e:#}")))?;
         *slot = Some(LiveInstance { store, bindings, stderr });
     }

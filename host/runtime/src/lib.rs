@@ -146,6 +146,10 @@ impl Runtime {
         self
     }
 
+    pub(crate) fn sandbox(&self) -> host::Sandbox {
+        host::Sandbox { engine: self.engine.clone(), ticker: self.ticker.clone(), limits: self.limits.clone() }
+    }
+
     pub fn engine(&self) -> &Engine {
         &self.engine
     }

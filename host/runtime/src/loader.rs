@@ -11,8 +11,7 @@ use wasmtime::component::types::ComponentItem;
 use wasmtime::component::{Component, InstancePre};
 
 use crate::bindings::service::{ServiceTranslation, ServiceTranslationPre};
-use crate::host::{GuestState, LiveInstance, Lookups, check_output_size, classify, deadline_ticks, live_instance};
-use crate::epoch::EpochTicker;
+use crate::host::{GuestState, LiveInstance, Sandbox, Lookups, check_output_size, classify, deadline_ticks, live_instance};
 use crate::{CallError, Limits, Runtime, convert, wit};
 use wasmplane_model::state::{NodeContext, ServiceView};
 
@@ -99,9 +98,7 @@ pub struct LoadedModule {
     pub info: ModuleInfo,
     name: Arc<str>,
     runner: Runner,
-    engine: wasmtime::Engine,
-    ticker: Arc<EpochTicker>,
-    limits: Limits,
+    sandbox: Sandbox,
 }
 
 pub fn digest(bytes: &[u8]) -> String {
@@ -143,9 +140,7 @@ impl Runtime {
             info,
             name: Arc::from(name),
             runner,
-            engine: self.engine.clone(),
-            ticker: self.ticker.clone(),
-            limits: self.limits.clone(),
+            sandbox: self.sandbox(),
         })
     }
 
@@ -264,9 +259,7 @@ impl LoadedModule {
         match &self.runner {
             Runner::ServiceTranslator(pre) => Some(TranslatorSession {
                 pre: pre.clone(),
-                engine: self.engine.clone(),
-                ticker: self.ticker.clone(),
-                limits: self.limits.clone(),
+                sandbox: self.sandbox.clone(),
                 name: self.name.clone(),
                 lookups,
                 live: None,
@@ -279,9 +272,7 @@ impl LoadedModule {
 /// instance cannot be entered again, so the next call gets a fresh one).
 pub struct TranslatorSession {
     pre: ServiceTranslationPre<GuestState>,
-    engine: wasmtime::Engine,
-    ticker: Arc<EpochTicker>,
-    limits: Limits,
+    sandbox: Sandbox,
     name: Arc<str>,
     lookups: Arc<dyn Lookups>,
     live: Option<LiveInstance<ServiceTranslation>>,
@@ -290,12 +281,12 @@ pub struct TranslatorSession {
 impl TranslatorSession {
     fn instantiate(&mut self) -> Result<&mut LiveInstance<ServiceTranslation>, CallError> {
         let pre = &self.pre;
-        live_instance(&mut self.live, &self.engine, self.name.clone(), &self.limits, self.lookups.clone(), |store| pre.instantiate(store))
+        live_instance(&mut self.live, &self.sandbox, self.name.clone(), self.lookups.clone(), |store| pre.instantiate(store))
     }
 
     /// Instantiates now rather than on the first call (benchmarks, warm-up).
     pub fn instantiate_now(&mut self) -> Result<(), CallError> {
-        let ticker = self.ticker.clone();
+        let ticker = self.sandbox.ticker.clone();
         let _ticking = ticker.running();
         self.instantiate().map(|_| ())
     }
@@ -316,9 +307,9 @@ impl TranslatorSession {
         service: &wit::Service,
         slices: &[wit::EndpointSlice],
     ) -> Result<wit::Ruleset, CallError> {
-        let limits = self.limits.clone();
+        let limits = self.sandbox.limits.clone();
         let ticks = deadline_ticks(&limits);
-        let ticker = self.ticker.clone();
+        let ticker = self.sandbox.ticker.clone();
         let _ticking = ticker.running();
         let live = self.instantiate()?;
         live.store.set_epoch_deadline(ticks);

@@ -18,9 +18,8 @@ use wasmtime::component::InstancePre;
 use wasmplane_model as m;
 use wasmplane_model::state::{NodeContext, PolicyView};
 
-use crate::epoch::EpochTicker;
-use crate::host::{GuestState, LiveInstance, Lookups, classify, deadline_ticks, live_instance};
-use crate::{CallError, GuestKind, Limits, LoadError, ModuleInfo, Runtime, convert, wit};
+use crate::host::{GuestState, LiveInstance, Sandbox, Lookups, classify, deadline_ticks, live_instance};
+use crate::{CallError, GuestKind, LoadError, ModuleInfo, Runtime, convert, wit};
 
 mod bindings {
     wasmtime::component::bindgen!({
@@ -44,9 +43,7 @@ pub struct PolicyModule {
     pub info: ModuleInfo,
     name: Arc<str>,
     pre: NetworkPolicyEnforcementPre<GuestState>,
-    engine: wasmtime::Engine,
-    ticker: Arc<EpochTicker>,
-    limits: Limits,
+    sandbox: Sandbox,
 }
 
 impl Runtime {
@@ -60,9 +57,7 @@ impl Runtime {
             info,
             name: Arc::from(name),
             pre,
-            engine: self.engine.clone(),
-            ticker: self.ticker.clone(),
-            limits: self.limits.clone(),
+            sandbox: self.sandbox(),
         })
     }
 }
@@ -76,9 +71,7 @@ impl PolicyModule {
     pub fn session(&self, lookups: Arc<dyn Lookups>) -> PolicySession {
         PolicySession {
             pre: self.pre.clone(),
-            engine: self.engine.clone(),
-            ticker: self.ticker.clone(),
-            limits: self.limits.clone(),
+            sandbox: self.sandbox.clone(),
             name: self.name.clone(),
             lookups,
             live: None,
@@ -90,9 +83,7 @@ impl PolicyModule {
 /// instance cannot be entered again, so the next call gets a fresh one).
 pub struct PolicySession {
     pre: NetworkPolicyEnforcementPre<GuestState>,
-    engine: wasmtime::Engine,
-    ticker: Arc<EpochTicker>,
-    limits: Limits,
+    sandbox: Sandbox,
     name: Arc<str>,
     lookups: Arc<dyn Lookups>,
     live: Option<LiveInstance<NetworkPolicyEnforcement>>,
@@ -102,7 +93,7 @@ impl PolicySession {
 
     fn instantiate(&mut self) -> Result<&mut LiveInstance<NetworkPolicyEnforcement>, CallError> {
         let pre = &self.pre;
-        live_instance(&mut self.live, &self.engine, self.name.clone(), &self.limits, self.lookups.clone(), |store| pre.instantiate(store))
+        live_instance(&mut self.live, &self.sandbox, self.name.clone(), self.lookups.clone(), |store| pre.instantiate(store))
     }
 
     /// Compiles the policy of `view` for the local pods it selects.
@@ -121,9 +112,9 @@ impl PolicySession {
         policy: &wit::NetworkPolicy,
         local_pods: &[wit::Pod],
     ) -> Result<wit::Ruleset, CallError> {
-        let limits = self.limits.clone();
+        let limits = self.sandbox.limits.clone();
         let ticks = deadline_ticks(&limits);
-        let ticker = self.ticker.clone();
+        let ticker = self.sandbox.ticker.clone();
         let _ticking = ticker.running();
         let live = self.instantiate()?;
         live.store.set_epoch_deadline(ticks);
@@ -256,6 +247,7 @@ impl Lookups for PodLookups {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Limits;
     use wasmplane_model::Protocol;
 
     fn labels(pairs: &[(&str, &str)]) -> m::Labels {
