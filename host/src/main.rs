@@ -4,11 +4,9 @@ use tracing_subscriber::EnvFilter;
 use wasmplane::cli::{Cli, Command};
 
 fn main() -> anyhow::Result<std::process::ExitCode> {
-    // A compile request from a running host (`CompilerCommand::current_exe`): nothing else
-    // of the host starts in that process.
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.first().map(String::as_str) == Some(wasmplane_runtime::compiler::COMPILE_SUBCOMMAND) {
-        return Ok(wasmplane_runtime::compiler::child_main(&args[1..]));
+    // A compile request from a running host: nothing else of the host starts in that process.
+    if let Some(exit) = wasmplane_runtime::compiler::serve_if_compiler_process() {
+        return Ok(exit);
     }
     // Before the runtime starts any thread.
     wasmplane::memory::limit_malloc_arenas();

@@ -18,11 +18,12 @@ use std::process::{Command, Stdio};
 
 use crate::Limits;
 
-/// The first argument by which a binary recognises a compile request (see [`child_main`]).
+/// The first argument by which a binary recognises a compile request (see
+/// [`serve_if_compiler_process`]).
 pub const COMPILE_SUBCOMMAND: &str = "compile-guest";
 
 /// A program that compiles components for this host: typically the host's own binary
-/// (`std::env::current_exe()`), which must call [`child_main`] when it sees its arguments.
+/// (`std::env::current_exe()`), whose `main` calls [`serve_if_compiler_process`] first.
 #[derive(Clone, Debug)]
 pub struct CompilerCommand {
     program: PathBuf,
@@ -30,7 +31,7 @@ pub struct CompilerCommand {
 }
 
 impl CompilerCommand {
-    /// `program args…` followed by the limits, in the form [`child_main`] reads.
+    /// `program args…` followed by the limits, in the form the child reads.
     pub fn new(program: impl Into<PathBuf>, args: impl IntoIterator<Item = impl Into<OsString>>) -> CompilerCommand {
         CompilerCommand { program: program.into(), args: args.into_iter().map(Into::into).collect() }
     }
@@ -90,10 +91,16 @@ fn parse_limit_args(args: &[String]) -> Result<Limits, String> {
     Ok(limits)
 }
 
-/// The child side, for a binary's `main` when its first argument is [`COMPILE_SUBCOMMAND`]:
-/// `args` are the arguments after it. Reads a component on stdin, writes the artifact on
-/// stdout; returns the process's exit code.
-pub fn child_main(args: &[String]) -> std::process::ExitCode {
+/// The child side, first thing in a binary's `main`: when this process was started with
+/// [`COMPILE_SUBCOMMAND`] (as [`CompilerCommand::current_exe`] starts it), serves that one
+/// request (a component on stdin, the artifact on stdout) and returns the exit code to end
+/// with; `None` otherwise.
+pub fn serve_if_compiler_process() -> Option<std::process::ExitCode> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    (args.first().map(String::as_str) == Some(COMPILE_SUBCOMMAND)).then(|| child_main(&args[1..]))
+}
+
+fn child_main(args: &[String]) -> std::process::ExitCode {
     match compile_stdio(args) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(message) => {

@@ -110,14 +110,10 @@ fn churn_seconds(a: &Args) -> f64 {
     a.churn_seconds.unwrap_or(if a.quick { 10.0 } else { 30.0 })
 }
 
-/// The worker compiles guests in a child process as the `wasmplane` binary does; this is the
-/// argument by which that child knows it.
-pub const COMPILE_GUEST_FLAG: &str = "--compile-guest";
-
 fn main() -> anyhow::Result<std::process::ExitCode> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.first().map(String::as_str) == Some(COMPILE_GUEST_FLAG) {
-        return Ok(wasmplane_runtime::compiler::child_main(&args[1..]));
+    // The worker compiles guests in a child process of this binary, as `wasmplane` does.
+    if let Some(exit) = wasmplane_runtime::compiler::serve_if_compiler_process() {
+        return Ok(exit);
     }
     run()?;
     Ok(std::process::ExitCode::SUCCESS)

@@ -250,7 +250,7 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
         conntrack_command: prefix("conntrack"),
         stats_interval: Duration::from_secs(3600),
         reconcile_interval: Duration::from_secs(3600),
-        compiler: Some(wasmplane_runtime::CompilerCommand::new(std::env::current_exe()?, [crate::COMPILE_GUEST_FLAG])),
+        compiler: Some(wasmplane_runtime::CompilerCommand::current_exe()?),
         ..Default::default()
     };
 
