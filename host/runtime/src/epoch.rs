@@ -49,12 +49,13 @@ impl EpochTicker {
     }
 
     /// Keeps the epoch advancing until the guard is dropped: held around anything that runs
-    /// guest code (instantiation and calls).
-    pub(crate) fn running(&self) -> Running<'_> {
+    /// guest code (instantiation and calls). The guard holds the ticker itself, so a session
+    /// may take it and then borrow itself mutably for the call.
+    pub(crate) fn running(self: &Arc<Self>) -> Running {
         if self.shared.running.fetch_add(1, Ordering::AcqRel) == 0 {
             self.thread.unpark();
         }
-        Running(self)
+        Running(self.clone())
     }
 
     /// How many times the epoch has advanced.
@@ -71,9 +72,9 @@ impl Drop for EpochTicker {
 }
 
 /// See [`EpochTicker::running`].
-pub(crate) struct Running<'a>(&'a EpochTicker);
+pub(crate) struct Running(Arc<EpochTicker>);
 
-impl Drop for Running<'_> {
+impl Drop for Running {
     fn drop(&mut self) {
         self.0.shared.running.fetch_sub(1, Ordering::AcqRel);
     }

@@ -99,8 +99,7 @@ impl GcSession {
     pub fn collect(&mut self, candidates: &[Candidate]) -> Result<Vec<String>, CallError> {
         let limits = self.sandbox.limits.clone();
         let ticks = deadline_ticks(&limits);
-        let ticker = self.sandbox.ticker.clone();
-        let _ticking = ticker.running();
+        let _ticking = self.sandbox.ticker.running();
         let live = self.instantiate()?;
         live.store.set_epoch_deadline(ticks);
         let result = live

@@ -286,8 +286,7 @@ impl TranslatorSession {
 
     /// Instantiates now rather than on the first call (benchmarks, warm-up).
     pub fn instantiate_now(&mut self) -> Result<(), CallError> {
-        let ticker = self.sandbox.ticker.clone();
-        let _ticking = ticker.running();
+        let _ticking = self.sandbox.ticker.running();
         self.instantiate().map(|_| ())
     }
 
@@ -309,8 +308,7 @@ impl TranslatorSession {
     ) -> Result<wit::Ruleset, CallError> {
         let limits = self.sandbox.limits.clone();
         let ticks = deadline_ticks(&limits);
-        let ticker = self.sandbox.ticker.clone();
-        let _ticking = ticker.running();
+        let _ticking = self.sandbox.ticker.running();
         let live = self.instantiate()?;
         live.store.set_epoch_deadline(ticks);
         let result = live.bindings.wasmplane_dataplane_service_translator().call_translate(

@@ -114,8 +114,7 @@ impl PolicySession {
     ) -> Result<wit::Ruleset, CallError> {
         let limits = self.sandbox.limits.clone();
         let ticks = deadline_ticks(&limits);
-        let ticker = self.sandbox.ticker.clone();
-        let _ticking = ticker.running();
+        let _ticking = self.sandbox.ticker.running();
         let live = self.instantiate()?;
         live.store.set_epoch_deadline(ticks);
         let result =
