@@ -83,6 +83,13 @@ impl FromIterator<(String, String)> for Labels {
     }
 }
 
+/// Kubernetes' and protobuf's form of labels (already sorted, keys unique).
+impl From<&std::collections::BTreeMap<String, String>> for Labels {
+    fn from(map: &std::collections::BTreeMap<String, String>) -> Labels {
+        Labels(map.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+    }
+}
+
 impl<const N: usize> From<[(String, String); N]> for Labels {
     fn from(entries: [(String, String); N]) -> Labels {
         entries.into_iter().collect()
@@ -160,6 +167,7 @@ mod tests {
             assert_eq!(labels.insert(s(k), s(v)), map.insert(s(k), s(v)));
         }
         assert!(labels.iter().eq(map.iter()), "{labels:?} vs {map:?}");
+        assert_eq!(Labels::from(&map), labels);
         assert_eq!(labels.len(), 4);
         assert_eq!(labels.get("app"), Some(&s("cart")));
         assert_eq!(labels.get("apps"), None);

@@ -108,7 +108,7 @@ fn namespace_of(m: &meta::ObjectMeta) -> String {
 }
 
 fn labels(m: &meta::ObjectMeta) -> Labels {
-    m.labels.iter().flatten().map(|(k, v)| (k.clone(), v.clone())).collect()
+    m.labels.as_ref().map(Labels::from).unwrap_or_default()
 }
 
 /// Only `Local` changes behaviour; anything else routes cluster-wide.
@@ -318,7 +318,7 @@ fn selector(subject: &Subject, at: &str, s: &meta::LabelSelector) -> Result<Labe
         };
         match_expressions.push(SelectorRequirement { key: r.key.clone(), operator, values: r.values.clone().unwrap_or_default() });
     }
-    Ok(LabelSelector { match_labels: s.match_labels.iter().flatten().map(|(k, v)| (k.clone(), v.clone())).collect(), match_expressions })
+    Ok(LabelSelector { match_labels: s.match_labels.as_ref().map(Labels::from).unwrap_or_default(), match_expressions })
 }
 
 fn policy_ports(subject: &Subject, at: &str, ports: Option<&Vec<networking::NetworkPolicyPort>>) -> Result<Vec<PolicyPort>, ConvertError> {
