@@ -29,6 +29,9 @@ use wasmplane_model::ObjectKey;
 
 use crate::nft::{self, ConntrackFilter, Layout, ObjectRules, Table};
 
+mod owners;
+use owners::{ElementOwners, Objects};
+
 #[derive(Debug, thiserror::Error)]
 pub enum WriteError {
     #[error("running nft: {0}")]
@@ -543,9 +546,7 @@ pub struct Dataplane {
     /// sync or reconcile writes it in full). `Some` implies `!in_sync`.
     pending: Option<BTreeMap<ObjectKey, Arc<ObjectRules>>>,
     /// Owners of map keys in the wanted state (`pending`, else `applied`).
-    /// One `Arc` per object, shared by all its elements: a clone of the key per element was
-    /// ~100 bytes each (7 MiB at 10k services).
-    element_owner: HashMap<(String, String), Arc<ObjectKey>>,
+    element_owner: ElementOwners,
     /// Elements of shared host sets ([`nft::is_shared_set`]) in `applied`, with how many
     /// objects want each: one is deleted when its last owner lets go.
     shared_owners: HashMap<(String, String), usize>,
@@ -573,10 +574,11 @@ pub struct Dataplane {
 
 /// Drops the map keys of `rules` that another object owns in `owners`, with a warning each.
 /// Elements of shared sets have no single owner ([`nft::is_shared_set`]).
-fn refuse_taken_keys(owners: &HashMap<(String, String), Arc<ObjectKey>>, key: &ObjectKey, rules: &mut ObjectRules) {
+/// `owners` describes `objects`, which must not hold `key` itself.
+fn refuse_taken_keys(owners: &ElementOwners, objects: &Objects, key: &ObjectKey, rules: &mut ObjectRules) {
     let mut conflicts = Vec::new();
-    rules.elements.retain(|k, _| match owners.get(k) {
-        Some(owner) if **owner != *key && !nft::is_shared_set(&k.0) => {
+    rules.elements.retain(|k, _| match owners.owner(k, objects) {
+        Some(owner) if owner != key && !nft::is_shared_set(&k.0) => {
             conflicts.push(format!("{} {{ {} }} already belongs to {owner}", k.0, k.1));
             false
         }
@@ -607,7 +609,7 @@ impl Dataplane {
             kernel,
             applied: BTreeMap::new(),
             pending: None,
-            element_owner: HashMap::new(),
+            element_owner: ElementOwners::default(),
             shared_owners: HashMap::new(),
             in_sync: false,
             held,
@@ -668,12 +670,6 @@ impl Dataplane {
 
     fn desired(&self) -> &BTreeMap<ObjectKey, Arc<ObjectRules>> {
         self.pending.as_ref().unwrap_or(&self.applied)
-    }
-
-    /// Map keys another object already owns are refused (first owner wins) with a warning.
-    fn claim_elements(&self, key: &ObjectKey, mut rules: ObjectRules) -> ObjectRules {
-        refuse_taken_keys(&self.element_owner, key, &mut rules);
-        rules
     }
 
     /// Applies a set of per-object changes (`None`: the object is gone) as one transaction.
@@ -821,18 +817,12 @@ impl Dataplane {
         self.sharded = self.sharded.saturating_sub(usize::from(old.as_ref().is_some_and(|o| o.is_sharded())));
         self.sharded += usize::from(rules.as_ref().is_some_and(ObjectRules::is_sharded));
         if let Some(old) = &old {
-            for k in old.elements.keys() {
-                if self.element_owner.get(k).is_some_and(|owner| **owner == key) {
-                    self.element_owner.remove(k);
-                }
-            }
+            self.element_owner.remove_object(&key, old);
         }
-        if let Some(rules) = rules {
-            let rules = self.claim_elements(&key, rules);
-            let owner = Arc::new(key.clone());
-            for k in rules.elements.keys() {
-                self.element_owner.insert(k.clone(), owner.clone());
-            }
+        if let Some(mut rules) = rules {
+            // Map keys another object already owns are refused (first owner wins).
+            refuse_taken_keys(&self.element_owner, objects, &key, &mut rules);
+            self.element_owner.insert_object(&key, &rules);
             objects.insert(key, Arc::new(rules));
         }
         old
@@ -844,16 +834,13 @@ impl Dataplane {
         let next = match objects {
             Some(objects) => {
                 let mut next = BTreeMap::new();
-                let mut owners: HashMap<(String, String), Arc<ObjectKey>> = HashMap::new();
+                let mut owners = ElementOwners::default();
                 for (key, mut rules) in objects {
                     if let Some(old) = self.desired().get(&key) {
                         nft::keep_affinity_slots(old, &mut rules);
                     }
-                    refuse_taken_keys(&owners, &key, &mut rules);
-                    let owner = Arc::new(key.clone());
-                    for k in rules.owned_keys() {
-                        owners.insert(k.clone(), owner.clone());
-                    }
+                    refuse_taken_keys(&owners, &next, &key, &mut rules);
+                    owners.insert_object(&key, &rules);
                     next.insert(key, Arc::new(rules));
                 }
                 next
@@ -958,20 +945,9 @@ impl Dataplane {
         Ok(stats)
     }
 
-    fn owners(objects: &BTreeMap<ObjectKey, Arc<ObjectRules>>) -> HashMap<(String, String), Arc<ObjectKey>> {
-        let mut owners = HashMap::new();
-        for (key, rules) in objects {
-            let owner = Arc::new(key.clone());
-            for k in rules.owned_keys() {
-                owners.insert(k.clone(), owner.clone());
-            }
-        }
-        owners
-    }
-
     /// Not written (held, or the kernel refused): wanted all the same, written in full next.
     fn keep_pending(&mut self, next: BTreeMap<ObjectKey, Arc<ObjectRules>>) {
-        self.element_owner = Self::owners(&next);
+        self.element_owner = ElementOwners::of(&next);
         self.sharded = next.values().filter(|r| r.is_sharded()).count();
         self.pending = Some(next);
         self.in_sync = false;
@@ -979,7 +955,7 @@ impl Dataplane {
 
     /// `next` went in whole; `sharded`: how many of its objects are services in shards.
     fn commit(&mut self, next: BTreeMap<ObjectKey, Arc<ObjectRules>>, sharded: usize) {
-        self.element_owner = Self::owners(&next);
+        self.element_owner = ElementOwners::of(&next);
         self.shared_owners.clear();
         for k in next.values().flat_map(|r| r.shared_keys()) {
             *self.shared_owners.entry(k.clone()).or_default() += 1;
