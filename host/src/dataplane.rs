@@ -96,21 +96,25 @@ pub struct Recorder {
 /// Only the recent past is interesting; keep memory bounded: at most 64 entries and
 /// [`KEPT_TEXT_BYTES`] of them (a full transaction is ~80 MB at 50k services).
 fn push_bounded(log: &mut Vec<String>, entry: String) {
-    log.push(kept_text(entry));
+    log.push(kept_text(entry, KEPT_TEXT_BYTES));
     let mut total: usize = log.iter().map(String::len).sum();
     while log.len() > 64 || (total > KEPT_TEXT_BYTES && log.len() > 1) {
         total -= log.remove(0).len();
     }
 }
 
-/// How much transaction text is kept for inspection.
+/// How much transaction text a recording keeps (what it is for).
 const KEPT_TEXT_BYTES: usize = 4 << 20;
 
-/// `text`, or its beginning and how much was left out when it is longer than
-/// [`KEPT_TEXT_BYTES`].
-fn kept_text(mut text: String) -> String {
-    if text.len() > KEPT_TEXT_BYTES {
-        let cut = text.floor_char_boundary(KEPT_TEXT_BYTES);
+/// How much of the last transaction a live writer keeps, for inspection and errors: the
+/// whole of an incremental one. At 4 MiB it was the largest single allocation of a host at
+/// 10k services, kept for the life of the process.
+const LAST_TRANSACTION_BYTES: usize = 64 << 10;
+
+/// `text`, or its beginning and how much was left out when it is longer than `limit`.
+fn kept_text(mut text: String, limit: usize) -> String {
+    if text.len() > limit {
+        let cut = text.floor_char_boundary(limit);
         let left_out = text.len() - cut;
         text.truncate(cut);
         text.push_str(&format!("\n# … {left_out} more bytes not kept\n"));
@@ -566,7 +570,7 @@ pub struct Dataplane {
     /// Session affinity's pick chains in the kernel, by shard and timeout (see
     /// [`nft::AffinityClass`]): what the last full sync wrote.
     affinity_classes: HashSet<(Table, nft::AffinityClass)>,
-    /// The last transaction written (its first [`KEPT_TEXT_BYTES`]).
+    /// The last transaction written (its first [`LAST_TRANSACTION_BYTES`]).
     pub last_transaction: String,
     /// The last non-empty conntrack cleanup (filters), for inspection.
     pub last_conntrack_cleanup: Vec<ConntrackFilter>,
@@ -735,7 +739,7 @@ impl Dataplane {
             .flat_map(|(key, old)| nft::conntrack_cleanup(old.as_deref().unwrap_or(&empty), next.get(key).map_or(&empty, |r| r)))
             .collect();
         let conntrack_filters = self.clean_conntrack(cleanup);
-        self.last_transaction = kept_text(transaction);
+        self.last_transaction = kept_text(transaction, LAST_TRANSACTION_BYTES);
         self.applied = next;
         for (k, (_, after)) in shared_change {
             if after == 0 {
@@ -931,7 +935,7 @@ impl Dataplane {
             .collect();
         let conntrack_filters = self.clean_conntrack(cleanup);
         let stats = SyncStats { full: true, objects: next.len(), statements: transaction.lines().count(), conntrack_filters, path: self.kernel.last_path() };
-        self.last_transaction = kept_text(transaction);
+        self.last_transaction = kept_text(transaction, LAST_TRANSACTION_BYTES);
         self.in_sync = true;
         if layout != self.layout {
             tracing::info!(shards = layout.shards, services, "services laid out over new shard tables");
@@ -1261,7 +1265,7 @@ mod tests {
     #[test]
     fn kept_transaction_text_is_bounded() {
         let big = "add rule inet wasmplane c accept\n".repeat(KEPT_TEXT_BYTES / 10);
-        let kept = kept_text(big.clone());
+        let kept = kept_text(big.clone(), KEPT_TEXT_BYTES);
         assert!(kept.len() < KEPT_TEXT_BYTES + 100 && kept.ends_with("more bytes not kept\n"), "{}", &kept[kept.len() - 80..]);
         assert!(big.starts_with(kept.split("\n# …").next().unwrap()));
         let mut recorder = Recorder::default();
@@ -1274,5 +1278,18 @@ mod tests {
         }
         assert_eq!(recorder.transactions.len(), 64);
         assert_eq!(recorder.transactions.last().unwrap(), "add chain inet wasmplane c99\n");
+    }
+
+    #[test]
+    fn a_live_writer_keeps_the_start_of_its_last_transaction() {
+        let mut dp = Dataplane::new(Box::new(Fake::default()));
+        let objects: BTreeMap<ObjectKey, ObjectRules> = (0..2000).map(|i| (key(&format!("s{i}")), rules(&format!("s{i}"), "10.244.0.1"))).collect();
+        let stats = dp.full_sync(Some(objects)).unwrap();
+        assert!(stats.statements > 4000, "{stats:?}");
+        let kept = &dp.last_transaction;
+        assert!(kept.len() < LAST_TRANSACTION_BYTES + 100 && kept.ends_with("more bytes not kept\n"), "{} bytes", kept.len());
+        // An incremental one is kept whole.
+        dp.sync(vec![(key("s1"), None)]).unwrap();
+        assert!(dp.last_transaction.contains("svc/default/s1") && !dp.last_transaction.contains("not kept"), "{}", dp.last_transaction);
     }
 }
