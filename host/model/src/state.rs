@@ -34,6 +34,38 @@ pub enum ObjectKind {
 }
 
 impl ClusterObject {
+    /// Gives back the spare capacity of its vectors. Conversions collect through filters and
+    /// pushes, which leave room for four entries where most objects have one, and the cluster
+    /// index keeps every object for the life of the host (~1 KiB a service at 10k services).
+    pub fn shrink_to_fit(&mut self) {
+        match self {
+            ClusterObject::Service(s) => {
+                for ips in [&mut s.cluster_ips, &mut s.external_ips, &mut s.load_balancer_ips] {
+                    ips.shrink_to_fit();
+                }
+                s.ports.shrink_to_fit();
+            }
+            ClusterObject::EndpointSlice(slice) => {
+                slice.endpoints.shrink_to_fit();
+                for e in &mut slice.endpoints {
+                    e.addresses.shrink_to_fit();
+                    e.for_zones.shrink_to_fit();
+                }
+                slice.ports.shrink_to_fit();
+            }
+            ClusterObject::Node(n) => {
+                n.addresses.shrink_to_fit();
+                n.pod_cidrs.shrink_to_fit();
+            }
+            ClusterObject::Pod(p) => {
+                p.ips.shrink_to_fit();
+                p.ports.shrink_to_fit();
+            }
+            // Labels are exact already; policies are few.
+            ClusterObject::Namespace(_) | ClusterObject::NetworkPolicy(_) => {}
+        }
+    }
+
     pub fn kind(&self) -> ObjectKind {
         match self {
             ClusterObject::Service(_) => ObjectKind::Service,
@@ -155,7 +187,10 @@ impl ClusterState {
     }
 
     /// Applies one event; `node_name` is this node, whose own Node object feeds the context.
-    pub fn apply(&mut self, event: ClusterEvent, node_name: &str) -> Touched {
+    pub fn apply(&mut self, mut event: ClusterEvent, node_name: &str) -> Touched {
+        if let ClusterEvent::Upsert(object) = &mut event {
+            object.shrink_to_fit();
+        }
         let mut touched = Touched::default();
         match event {
             ClusterEvent::Upsert(object) => match object {
@@ -572,10 +607,13 @@ impl NodeLocalModel {
                     .collect();
                 // Order carries no meaning; sorting makes equal sets compare equal.
                 endpoints.sort_by(|a, b| a.addresses.cmp(&b.addresses));
+                // Filtered, so collected with spare room; views live as long as the service.
+                endpoints.shrink_to_fit();
                 LocalSlice { name: slice.name.clone(), endpoints, ports: slice.ports.clone() }
             })
             .collect();
         slices.sort_by(|a, b| a.name.cmp(&b.name));
+        slices.shrink_to_fit();
         ServiceView { service: service.clone(), slices }
     }
 
@@ -674,6 +712,36 @@ mod tests {
         assert!(u.context_changed);
         assert_eq!(model.context.node_ips, vec!["192.168.0.1".to_string()]);
         assert_eq!(model.revision, 3);
+    }
+
+    #[test]
+    fn stored_objects_and_views_keep_no_spare_capacity() {
+        let mut state = ClusterState::new();
+        let mut model = NodeLocalModel::new("node-a", vec![]);
+        // As a conversion that pushes or filters leaves them: room for more than they hold.
+        let mut web = service("web", "10.96.0.10");
+        web.cluster_ips.reserve(7);
+        web.ports.reserve(7);
+        apply(&mut state, &mut model, ClusterObject::Service(web));
+        let mut web_1 = slice("web-1", "web", &[("10.244.1.2", "node-a"), ("10.244.2.2", "node-b")]);
+        web_1.endpoints.reserve(7);
+        web_1.endpoints[0].addresses.reserve(7);
+        web_1.ports.reserve(7);
+        apply(&mut state, &mut model, ClusterObject::EndpointSlice(web_1));
+        let mut pod = Pod { namespace: "default".into(), name: "p".into(), ips: Vec::with_capacity(8), node_name: None, labels: Labels::new(), ports: Vec::with_capacity(8), host_network: false };
+        pod.ips.push("10.244.1.2".into());
+        apply(&mut state, &mut model, ClusterObject::Pod(pod));
+
+        let key = ObjectKey::new("default", "web");
+        let stored = &state.services[&key];
+        assert_eq!((stored.cluster_ips.capacity(), stored.ports.capacity()), (1, 1));
+        let stored = &state.endpoint_slices[&ObjectKey::new("default", "web-1")];
+        assert_eq!((stored.endpoints.capacity(), stored.endpoints[0].addresses.capacity(), stored.ports.capacity()), (2, 1, 1));
+        let stored = &state.pods[&ObjectKey::new("default", "p")];
+        assert_eq!((stored.ips.capacity(), stored.ports.capacity()), (1, 0));
+        // The view filters endpoints (topology) into vectors of its own.
+        let view = &model.services[&key];
+        assert_eq!((view.slices.capacity(), view.slices[0].endpoints.capacity()), (1, 2));
     }
 
     #[test]
