@@ -111,7 +111,7 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 use serde::Serialize;
-use wasmplane_model::ObjectKey;
+use wasmplane_model::{ObjectKey, VecMap};
 use wasmplane_runtime::wit;
 
 pub const FAMILY: &str = "inet";
@@ -600,9 +600,11 @@ pub struct ObjectRules {
     pub chains: BTreeMap<String, Vec<String>>,
     /// Set name → declaration and elements.
     pub sets: BTreeMap<String, SetRules>,
-    /// (map or host set, rendered key) → rendered verdict (empty for a set element).
+    /// (map or host set, rendered key) → rendered verdict (empty for a set element). A
+    /// sorted vector: a B-tree leaf was ~800 bytes a service, the largest single part of a
+    /// host's memory at 10k services. Build a large one with `collect`, not key by key.
     #[serde(serialize_with = "elements_as_list")]
-    pub elements: BTreeMap<(String, String), String>,
+    pub elements: VecMap<(String, String), String>,
     pub warnings: Vec<String>,
     /// A service's prefix (`svc/<namespace>/<name>`): its shard, also for its map elements.
     #[serde(skip)]
@@ -633,7 +635,7 @@ impl ObjectRules {
     }
 }
 
-fn elements_as_list<S: serde::Serializer>(elements: &BTreeMap<(String, String), String>, s: S) -> Result<S::Ok, S::Error> {
+fn elements_as_list<S: serde::Serializer>(elements: &VecMap<(String, String), String>, s: S) -> Result<S::Ok, S::Error> {
     #[derive(Serialize)]
     struct Element<'a> {
         map: &'a str,
@@ -859,6 +861,9 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
         rules.chains.insert(chain.name.clone(), rendered);
     }
     rules.service_prefix = Some(prefix.clone());
+    // Built as a B-tree (a guest may name thousands of elements in any order), kept as the
+    // sorted vector it collects into.
+    let mut elements: BTreeMap<(String, String), String> = BTreeMap::new();
     // Frontend (address, protocol, port) → its backends, from `service-backends`.
     let mut backends: BTreeMap<(IpAddr, &'static str, u16), Backends> = BTreeMap::new();
     // Node port (protocol, port) → its IPv4 and IPv6 backends, from `nodeport-backends`.
@@ -933,7 +938,7 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
             (wit::Verdict::Jump(_) | wit::Verdict::Goto(_), MapKind::Jump) => v.verdict(&element.verdict)?,
             (other, _) => return v.fail(format!("map {:?} cannot hold verdict {other:?}", map.name)),
         };
-        if rules.elements.insert((target_map.to_string(), key.clone()), verdict).is_some() {
+        if elements.insert((target_map.to_string(), key.clone()), verdict).is_some() {
             return v.fail(format!("map {target_map:?}: key {key} given twice"));
         }
     }
@@ -945,12 +950,12 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
         }
         let (ips, endpoints) = if frontend.is_ipv4() { ("service-ips", "service-endpoints") } else { ("service-ips6", "service-endpoints6") };
         let front = format!("{frontend} . {proto} . {port}");
-        number_backends(&mut rules.elements, endpoints, &front, set);
+        number_backends(&mut elements, endpoints, &front, set);
         let pick = match affinity.remove(&(*frontend, *proto, *port)) {
             Some(seconds) => AffinityPick { node_port: false, seconds, backends: set.len() }.chain(),
             None => format!("pick-{}", set.len()),
         };
-        if rules.elements.insert((ips.to_string(), front.clone()), format!("goto {pick}")).is_some() {
+        if elements.insert((ips.to_string(), front.clone()), format!("goto {pick}")).is_some() {
             return v.fail(format!("map {ips:?}: key {front} given twice (service-backends names it too)"));
         }
     }
@@ -963,16 +968,16 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
             if set.len() > MAX_PICK {
                 return v.fail(format!("nodeport-backends: {front} has {} backends of one family (limit {MAX_PICK})", set.len()));
             }
-            number_backends(&mut rules.elements, endpoints, &front, set);
+            number_backends(&mut elements, endpoints, &front, set);
             if !set.is_empty() {
                 let pick = match seconds {
                     Some(seconds) => AffinityPick { node_port: true, seconds, backends: set.len() }.chain(),
                     None => format!("nodeport-pick-{}", set.len()),
                 };
-                rules.elements.insert((picks.to_string(), front.clone()), format!("goto {pick}"));
+                elements.insert((picks.to_string(), front.clone()), format!("goto {pick}"));
             }
         }
-        if rules.elements.insert(("service-nodeports".to_string(), front.clone()), "goto nodeport-dispatch".to_string()).is_some() {
+        if elements.insert(("service-nodeports".to_string(), front.clone()), "goto nodeport-dispatch".to_string()).is_some() {
             return v.fail(format!("map \"service-nodeports\": key {front} given twice (nodeport-backends names it too)"));
         }
     }
@@ -984,25 +989,25 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
         return v.fail(format!("session affinity for node port {proto} . {port}, which has no nodeport-backends"));
     }
     // Masquerading is asked for the object's own load-balanced frontends only.
-    if let Some((_, front)) = rules.elements.keys().find(|(map, front)| {
-        map.starts_with("masquerade-") && !rules.elements.contains_key(&((if map.ends_with('6') { "service-ips6" } else { "service-ips" }).to_string(), front.clone()))
+    if let Some((_, front)) = elements.keys().find(|(map, front)| {
+        map.starts_with("masquerade-") && !elements.contains_key(&((if map.ends_with('6') { "service-ips6" } else { "service-ips" }).to_string(), front.clone()))
     }) {
         return v.fail(format!("masquerade for {front}, which is not a frontend of this object in service-ips"));
     }
     // A guest may only call addresses cluster IPs that it already serves as service
     // addresses: declaring one rejects every other port of it, which must not reach beyond
     // what the object owns (say, the node's own address).
-    let service_addresses: BTreeSet<&str> = rules
-        .elements
+    let service_addresses: BTreeSet<&str> = elements
         .keys()
         .filter(|(map, _)| matches!(map.as_str(), "service-ips" | "service-ips6" | "no-endpoint-services" | "no-endpoint-services6"))
         .filter_map(|(_, key)| key.split(" . ").next())
         .collect();
     if let Some((_, ip)) =
-        rules.elements.keys().find(|(map, ip)| matches!(map.as_str(), "cluster-ips" | "cluster-ips6") && !service_addresses.contains(ip.as_str()))
+        elements.keys().find(|(map, ip)| matches!(map.as_str(), "cluster-ips" | "cluster-ips6") && !service_addresses.contains(ip.as_str()))
     {
         return v.fail(format!("cluster IP {ip} is not the address of any of this object's service ports"));
     }
+    rules.elements = elements.into_iter().collect();
     Ok(rules)
 }
 

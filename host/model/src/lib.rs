@@ -3,8 +3,10 @@
 //! the runtime reads views out of it.
 
 mod labels;
+mod vec_map;
 pub mod objects;
 pub mod state;
 
 pub use objects::*;
+pub use vec_map::VecMap;
 pub use state::{ClusterEvent, ClusterObject, ClusterState, NodeLocalModel, ObjectKind, PolicyView, ServiceView};
