@@ -125,7 +125,12 @@ pub(crate) fn engine_config(limits: &Limits) -> Config {
 impl Runtime {
     /// `cache_dir`: where compiled components are kept between runs (`None`: no disk cache).
     pub fn new(limits: Limits, cache_dir: Option<PathBuf>) -> Result<Runtime, RuntimeError> {
-        let engine = Engine::new(&engine_config(&limits)).map_err(|e| RuntimeError::Engine(format!("{e:#}")))?;
+        // The host's engine only loads code compiled elsewhere (a throwaway engine or a child
+        // process, `loader.rs`), so it is built without a compiler: Cranelift's ISA and
+        // settings are never set up in the host.
+        let mut config = engine_config(&limits);
+        config.enable_compiler(false);
+        let engine = Engine::new(&config).map_err(|e| RuntimeError::Engine(format!("{e:#}")))?;
         let linker = host::linker(&engine).map_err(|e| RuntimeError::Engine(format!("{e:#}")))?;
         if let Some(dir) = &cache_dir {
             std::fs::create_dir_all(dir).map_err(|e| RuntimeError::Engine(format!("creating {}: {e}", dir.display())))?;
