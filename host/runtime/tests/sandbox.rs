@@ -137,7 +137,7 @@ fn output_over_the_cap_is_refused() {
 #[test]
 fn the_host_engine_loads_guests_but_cannot_compile() {
     let rt = runtime(None);
-    let err = wasmtime::component::Component::new(rt.engine(), artifacts::SERVICE_TRANSLATOR).err().expect("the host's engine compiled a component");
+    let err = wasmtime::component::Component::new(rt.engine(), artifacts::SERVICE_TRANSLATOR).expect_err("the host's engine compiled a component");
     assert!(format!("{err:#}").contains("not configured with a compiler"), "{err:#}");
     let rules = call(&rt, artifacts::SERVICE_TRANSLATOR).expect("a guest compiled elsewhere runs on it");
     assert!(!rules.map_elements.is_empty(), "{rules:?}");
