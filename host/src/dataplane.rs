@@ -549,7 +549,9 @@ pub struct Dataplane {
     /// What we want but have not written: while held, or after a failed write (the next
     /// sync or reconcile writes it in full). `Some` implies `!in_sync`.
     pending: Option<BTreeMap<ObjectKey, Arc<ObjectRules>>>,
-    /// Owners of map keys in the wanted state (`pending`, else `applied`).
+    /// Owners of map keys in the wanted state (`pending`, else `applied`). Every path keeps
+    /// it in step with the state it builds (`replace_object`, `full_sync`), so a full write
+    /// does not index every element again.
     element_owner: ElementOwners,
     /// Elements of shared host sets ([`nft::is_shared_set`]) in `applied`, with how many
     /// objects want each: one is deleted when its last owner lets go.
@@ -847,6 +849,7 @@ impl Dataplane {
                     owners.insert_object(&key, &rules);
                     next.insert(key, Arc::new(rules));
                 }
+                self.element_owner = owners;
                 next
             }
             None => self.desired().clone(),
@@ -951,7 +954,7 @@ impl Dataplane {
 
     /// Not written (held, or the kernel refused): wanted all the same, written in full next.
     fn keep_pending(&mut self, next: BTreeMap<ObjectKey, Arc<ObjectRules>>) {
-        self.element_owner = ElementOwners::of(&next);
+        debug_assert!(self.element_owner.describes(&next), "the element-owner index is not that of the wanted state");
         self.sharded = next.values().filter(|r| r.is_sharded()).count();
         self.pending = Some(next);
         self.in_sync = false;
@@ -959,7 +962,7 @@ impl Dataplane {
 
     /// `next` went in whole; `sharded`: how many of its objects are services in shards.
     fn commit(&mut self, next: BTreeMap<ObjectKey, Arc<ObjectRules>>, sharded: usize) {
-        self.element_owner = ElementOwners::of(&next);
+        debug_assert!(self.element_owner.describes(&next), "the element-owner index is not that of the wanted state");
         self.shared_owners.clear();
         for k in next.values().flat_map(|r| r.shared_keys()) {
             *self.shared_owners.entry(k.clone()).or_default() += 1;

@@ -34,6 +34,7 @@ pub(super) struct ElementOwners<S = RandomState> {
 
 impl<S: BuildHasher + Default> ElementOwners<S> {
     /// The index of every object of `objects`.
+    #[cfg(test)]
     pub fn of(objects: &Objects) -> Self {
         let mut owners = Self::default();
         for (key, rules) in objects {
@@ -76,6 +77,21 @@ impl<S: BuildHasher + Default> ElementOwners<S> {
     fn len(&self) -> usize {
         self.table.len()
     }
+
+    /// Whether this is the index of `objects`: each of their owned elements answers with its
+    /// object, and nothing else is indexed. For debug checks of the paths that keep it.
+    pub fn describes(&self, objects: &Objects) -> bool {
+        let mut owned = 0;
+        for (key, rules) in objects {
+            for element in rules.owned_keys() {
+                owned += 1;
+                if self.owner(element, objects) != Some(key) {
+                    return false;
+                }
+            }
+        }
+        owned == self.table.len()
+    }
 }
 
 #[cfg(test)]
@@ -107,12 +123,15 @@ mod tests {
         // Shared-set elements have no single owner.
         assert_eq!(owners.owner(&element("hairpin", "10.244.0.1"), &objects), None);
         assert_eq!(owners.len(), 2);
+        assert!(owners.describes(&objects));
 
         // Out of the state, not yet out of the index: owns nothing.
         let had = objects.remove(&a).unwrap();
         assert_eq!(owners.owner(&element("service-ips", "10.96.0.1 . tcp . 80"), &objects), None);
+        assert!(!owners.describes(&objects), "an entry of an object no longer in the state");
         owners.remove_object(&a, &had);
         assert_eq!(owners.len(), 1);
+        assert!(owners.describes(&objects));
         // Removing what another object owns removes nothing.
         owners.remove_object(&a, &objects[&b]);
         assert_eq!(owners.owner(&element("service-ips", "10.96.0.2 . tcp . 80"), &objects), Some(&b));
