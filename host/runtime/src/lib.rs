@@ -23,7 +23,6 @@ mod loader;
 pub mod policy;
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use wasmtime::component::Linker;
@@ -92,13 +91,12 @@ pub enum CallError {
 
 /// The Wasm engine and everything shared by all modules.
 pub struct Runtime {
-    engine: Engine,
+    /// The engine, its deadline clock and the limits, shared with every module and session.
+    sandbox: host::Sandbox,
     linker: Linker<GuestState>,
-    limits: Limits,
     cache_dir: Option<PathBuf>,
     /// Compiles in a child process when set (`compiler.rs`); in this one otherwise.
     compiler: Option<CompilerCommand>,
-    ticker: Arc<epoch::EpochTicker>,
 }
 
 /// The engine configuration for `limits`. Compiling and running engines must agree on it: the
@@ -136,13 +134,13 @@ impl Runtime {
             std::fs::create_dir_all(dir).map_err(|e| RuntimeError::Engine(format!("creating {}: {e}", dir.display())))?;
         }
         let ticker = epoch::EpochTicker::start(engine.clone()).map_err(|e| RuntimeError::Engine(format!("starting the epoch ticker: {e}")))?;
-        Ok(Runtime { engine, linker, limits, cache_dir, compiler: None, ticker })
+        Ok(Runtime { sandbox: host::Sandbox { engine, ticker, limits }, linker, cache_dir, compiler: None })
     }
 
     /// How many times the epoch has advanced: it does only while guest code runs
     /// (`epoch.rs`), about once per [`EPOCH_TICK`].
     pub fn epoch_ticks(&self) -> u64 {
-        self.ticker.ticks()
+        self.sandbox.ticker.ticks()
     }
 
     /// Compiles components with `command` in a child process from now on (`compiler.rs`).
@@ -152,15 +150,15 @@ impl Runtime {
     }
 
     pub(crate) fn sandbox(&self) -> host::Sandbox {
-        host::Sandbox { engine: self.engine.clone(), ticker: self.ticker.clone(), limits: self.limits.clone() }
+        self.sandbox.clone()
     }
 
     pub fn engine(&self) -> &Engine {
-        &self.engine
+        &self.sandbox.engine
     }
 
     pub fn limits(&self) -> &Limits {
-        &self.limits
+        &self.sandbox.limits
     }
 }
 

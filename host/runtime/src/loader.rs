@@ -157,7 +157,7 @@ impl Runtime {
 
         let mut found = None;
         let mut exports = Vec::new();
-        for (export, item) in ty.exports(&self.engine) {
+        for (export, item) in ty.exports(self.engine()) {
             exports.push(export.to_string());
             if let (Some((iface, version)), ComponentItem::ComponentInstance(_)) = (split_name(export), item.ty)
                 && let Some(kind) = GuestKind::parse(iface)
@@ -180,7 +180,7 @@ impl Runtime {
             return Err(LoadError::KindMismatch { declared, found: kind });
         }
         let mut imports = Vec::new();
-        for (import, _) in ty.imports(&self.engine) {
+        for (import, _) in ty.imports(self.engine()) {
             let granted = import.starts_with("wasi:")
                 || split_name(import)
                     .is_some_and(|(iface, v)| matches!(iface, "types" | "log" | "lookups") && v.starts_with(WIT_MAJOR));
@@ -198,12 +198,12 @@ impl Runtime {
             return self.compile(bytes).map(|(component, _)| component);
         };
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
-        self.engine.precompile_compatibility_hash().hash(&mut hasher);
+        self.engine().precompile_compatibility_hash().hash(&mut hasher);
         let path = dir.join(format!("{}-{:016x}.cwasm", digest.trim_start_matches("sha256:"), hasher.finish()));
         if path.exists() {
             // SAFETY: the cache directory is written only by this host (below), from components
             // it compiled itself with a compatible engine; the file name binds both.
-            match unsafe { Component::deserialize_file(&self.engine, &path) } {
+            match unsafe { Component::deserialize_file(self.engine(), &path) } {
                 Ok(component) => return Ok(component),
                 Err(e) => tracing::warn!(path = %path.display(), "discarding unusable compiled module: {e:#}"),
             }
@@ -222,9 +222,9 @@ impl Runtime {
     /// Returns the component and its code.
     fn compile(&self, bytes: &[u8]) -> Result<(Component, Vec<u8>), LoadError> {
         let code = match &self.compiler {
-            Some(command) => command.compile(bytes, &self.limits).map_err(LoadError::Compile)?,
+            Some(command) => command.compile(bytes, self.limits()).map_err(LoadError::Compile)?,
             None => {
-                let compiler = wasmtime::Engine::new(&crate::engine_config(&self.limits)).map_err(|e| LoadError::Compile(format!("{e:#}")))?;
+                let compiler = wasmtime::Engine::new(&crate::engine_config(self.limits())).map_err(|e| LoadError::Compile(format!("{e:#}")))?;
                 let code = compiler.precompile_component(bytes).map_err(|e| LoadError::Compile(format!("{e:#}")))?;
                 drop(compiler);
                 crate::release_free_memory();
@@ -234,7 +234,7 @@ impl Runtime {
         // SAFETY: `code` was compiled from `bytes` just now by an engine of this configuration:
         // in this process, or by the host's own binary in a child (`compiler.rs`). wasmtime
         // checks the artifact's header against this engine and refuses a mismatch.
-        let component = unsafe { Component::deserialize(&self.engine, &code) }.map_err(|e| LoadError::Compile(format!("{e:#}")))?;
+        let component = unsafe { Component::deserialize(self.engine(), &code) }.map_err(|e| LoadError::Compile(format!("{e:#}")))?;
         Ok((component, code))
     }
 }
