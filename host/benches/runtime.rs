@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use wasmplane_model::state::{LocalEndpoint, LocalSlice, NodeContext, ServiceView};
 use wasmplane_model::*;
-use wasmplane_runtime::{GuestKind, Limits, NoLookups, Runtime, convert};
+use wasmplane_runtime::{GuestKind, Limits, NoLookups, Runtime, convert, wit};
 use wasmplane_sdk::types as sdk;
 
 fn synthetic(n: usize) -> Vec<ServiceView> {
@@ -104,6 +104,33 @@ fn to_sdk(view: &ServiceView) -> (sdk::Service, Vec<sdk::EndpointSlice>) {
         })
         .collect();
     (service, slices)
+}
+
+/// How many times lowering these arguments calls the guest's `cabi_realloc`: wasmtime calls
+/// it once for the spilled parameter area and once for every string and every list, empty
+/// or not (`lower_string`, `lower_list`). Each is a call into the guest.
+fn lowered_allocations(ctx: &wit::NodeContext, service: &wit::Service, slices: &[wit::EndpointSlice]) -> usize {
+    let strings = |l: &[String]| 1 + l.len();
+    let params_area_and_prefix = 2;
+    let ctx = 1 + strings(&ctx.node_ips) + strings(&ctx.cluster_cidrs) + strings(&ctx.pod_cidrs);
+    let ports: usize = service.ports.iter().map(|p| 1 + usize::from(matches!(p.target_port, wit::TargetPort::Name(_)))).sum();
+    let service = 2
+        + strings(&service.cluster_ips)
+        + strings(&service.external_ips)
+        + strings(&service.load_balancer_ips)
+        + 1
+        + ports
+        + 1
+        + 2 * service.labels.len();
+    let slices = 1 + slices
+        .iter()
+        .map(|s| {
+            let endpoints: usize =
+                s.endpoints.iter().map(|e| strings(&e.addresses) + usize::from(e.node_name.is_some()) + usize::from(e.zone.is_some())).sum();
+            1 + 1 + endpoints + 1 + s.ports.len()
+        })
+        .sum::<usize>();
+    params_area_and_prefix + ctx + service + slices
 }
 
 fn best_of<T>(runs: usize, mut f: impl FnMut() -> T) -> Duration {
@@ -194,7 +221,7 @@ fn main() {
             .iter()
             .map(|v| {
                 let mut service = convert::service(&v.service);
-                service.service_type = wasmplane_runtime::wit::ServiceType::ExternalName;
+                service.service_type = wit::ServiceType::ExternalName;
                 (service, convert::slices(v))
             })
             .collect();
@@ -218,11 +245,30 @@ fn main() {
                 std::hint::black_box(ruleset.clone());
             }
         });
-        breakdown.push((n, convert, boundary, call, output.saturating_sub(native)));
+        // Per call, how many of those lowerings each of the two ExternalName runs made.
+        let with_slices = inputs.iter().map(|(s, sl)| lowered_allocations(&wit_ctx, s, sl)).sum::<usize>() as f64 / n as f64;
+        let without = empty.iter().map(|s| lowered_allocations(&wit_ctx, s, &[])).sum::<usize>() as f64 / n as f64;
+        breakdown.push((n, convert, boundary, call, output.saturating_sub(native), native, with_slices, without));
     }
     println!("\n| services | model → WIT | lowering the inputs + call + empty result (ExternalName) | fixed cost of a call (ExternalName, no slices) | native clone of the ruleset (≈ lifting it) |");
     println!("|---|---|---|---|---|");
-    for (n, convert, boundary, call, output) in breakdown {
-        println!("| {n} | {} | {} | {} | {} |", per_call(convert, n), per_call(boundary, n), per_call(call, n), per_call(output, n));
+    for (n, convert, boundary, call, output, ..) in &breakdown {
+        println!("| {n} | {} | {} | {} | {} |", per_call(*convert, *n), per_call(*boundary, *n), per_call(*call, *n), per_call(*output, *n));
+    }
+    // The two ExternalName runs differ only in the slices, so their difference over the
+    // difference in lowerings is what one lowered string or list costs (the host's copy, the
+    // call into the guest's allocator, the guest's bindings taking it over and freeing it).
+    // What is left of the fixed cost is entering and leaving the guest.
+    println!("\n| services | guest allocations per call: with slices / without | one lowered string or list | the call itself (fixed cost less its lowerings) | native call, in lowered strings or lists |");
+    println!("|---|---|---|---|---|");
+    for (n, _, boundary, call, _, native, with_slices, without) in &breakdown {
+        let per_call_us = |d: &Duration| d.as_secs_f64() * 1e6 / *n as f64;
+        let per_allocation = (per_call_us(boundary) - per_call_us(call)) / (with_slices - without);
+        println!(
+            "| {n} | {with_slices:.0} / {without:.0} | {:.0} ns | {:.2} µs | {:.0} |",
+            per_allocation * 1e3,
+            per_call_us(call) - without * per_allocation,
+            per_call_us(native) / per_allocation
+        );
     }
 }

@@ -201,6 +201,7 @@ fn table(results: &[Value]) -> String {
         ("no-op events (pod label changes nothing selects, same rate): revisions / events; transactions", Box::new(|v| format!("{} / {} = {:.1}%; {}", v["noop_revisions"], v["noop_events"], 100.0 * f(v, "noop_revisions") / f(v, "noop_events"), v["noop_syncs"]))),
         ("host RSS: steady after sync / end (MiB)", Box::new(|v| format!("{} / {}", mib(v, "rss_steady_kib"), mib(v, "rss_end_kib")))),
         ("  of the steady RSS: heap in use (glibc `mallinfo2`, MiB)", Box::new(|v| mib(v, "heap_in_use_steady_kib"))),
+        ("  of the steady RSS: anonymous / file-backed (code, read-only data) (MiB)", Box::new(|v| format!("{} / {}", mib(v, "rss_anon_steady_kib"), mib(v, "rss_file_steady_kib")))),
         ("host peak RSS (VmHWM): after sync / end (MiB)", Box::new(|v| format!("{} / {}", mib(v, "hwm_sync_kib"), mib(v, "hwm_end_kib")))),
     ];
     let mut out = String::from("| measurement |");

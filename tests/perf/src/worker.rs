@@ -112,11 +112,24 @@ pub fn is_root() -> bool {
         .unwrap_or(false)
 }
 
-/// VmRSS and VmHWM of this process, in KiB.
-fn memory() -> (u64, u64) {
+/// This process's memory from `/proc/self/status`, in KiB.
+struct Memory {
+    /// VmRSS.
+    rss: u64,
+    /// VmHWM: the peak of `rss`.
+    hwm: u64,
+    /// RssFile: resident pages of mapped files. Most are this binary's code and read-only
+    /// data; how many of them are mapped depends on the page cache and read-ahead as much as
+    /// on what the host runs (the kernel maps cached neighbours of every page it faults in).
+    file: u64,
+    /// RssAnon: heap, stacks, guests' memories and compiled code, relocated data.
+    anon: u64,
+}
+
+fn memory() -> Memory {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap_or(0);
-    (field("VmRSS:"), field("VmHWM:"))
+    Memory { rss: field("VmRSS:"), hwm: field("VmHWM:"), file: field("RssFile:"), anon: field("RssAnon:") }
 }
 
 /// Bytes of heap the process's allocations hold (glibc's `mallinfo2`: arena chunks in use
@@ -227,7 +240,7 @@ pub fn run_size(o: Opts) -> anyhow::Result<Value> {
 }
 
 async fn measure(o: Opts) -> anyhow::Result<Value> {
-    let (rss_before, _) = memory();
+    let rss_before = memory().rss;
     let (mut cluster, ready) = ClusterProc::start(&o)?;
     let (objects, pods, nodes, seed_seconds) = (ready[2].parse::<u64>()?, ready[3].parse::<u64>()?, ready[4].parse::<u64>()?, ready[5].parse::<f64>()?);
     eprintln!("[{}] cluster seeded: {objects} objects ({pods} pods, {nodes} nodes) in {seed_seconds:.1} s", o.services);
@@ -273,10 +286,10 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
     let sync_seconds = started.elapsed().as_secs_f64();
     let (cpu1, child_cpu1) = cpu();
     let after_sync = counters(&host);
-    let (_, hwm_sync) = memory();
+    let hwm_sync = memory().hwm;
     eprintln!("[{}] initial sync {sync_seconds:.2} s ({} events, guest {:.2} s in {} calls)", o.services, after_sync.events, after_sync.guest_seconds, after_sync.guest_calls);
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let (rss_steady, _) = memory();
+    let steady = memory();
     let heap_steady = heap_in_use_kib();
 
     // Single endpoint changes: one EndpointSlice write each (a new pod's address in, the
@@ -352,7 +365,7 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
     let noop_converged = settle(&host, before_noop.events + noop_writes, Duration::from_secs(600)).await;
     let after_noop = counters(&host);
     eprintln!("[{}] no-op events: {} events, {} revisions, {} syncs", o.services, after_noop.events - before_noop.events, after_noop.revisions - before_noop.revisions, after_noop.syncs - before_noop.syncs);
-    let (rss_end, hwm_end) = memory();
+    let end = memory();
 
     // The host's own rendering of what it applied (one statement a line), not `nft list
     // ruleset`: nft lists table by table, which took over 5 minutes at 50k services in 64
@@ -388,8 +401,9 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
         "noop_seconds": noop_seconds, "noop_events": after_noop.events - before_noop.events, "noop_revisions": after_noop.revisions - before_noop.revisions,
         "noop_syncs": after_noop.syncs - before_noop.syncs, "noop_converged": noop_converged,
         "cpu_per_1k_events_s": per_k(cpu3 - cpu2), "nft_cpu_per_1k_events_s": per_k(child_cpu3 - child_cpu2),
-        "rss_before_host_kib": rss_before, "rss_steady_kib": rss_steady, "rss_end_kib": rss_end, "heap_in_use_steady_kib": heap_steady,
-        "hwm_sync_kib": hwm_sync, "hwm_end_kib": hwm_end,
+        "rss_before_host_kib": rss_before, "rss_steady_kib": steady.rss, "rss_end_kib": end.rss, "heap_in_use_steady_kib": heap_steady,
+        "rss_file_steady_kib": steady.file, "rss_anon_steady_kib": steady.anon,
+        "hwm_sync_kib": hwm_sync, "hwm_end_kib": end.hwm,
     }))
 }
 
