@@ -16,6 +16,7 @@
 
 mod apiserver;
 mod cluster;
+mod symbol_order;
 mod worker;
 
 use std::process::{Command, Stdio};
@@ -27,6 +28,7 @@ const USAGE: &str = "\
 usage: wasmplane-perf [--sizes 1000,10000,50000] [--quick] [--endpoints 1.5] [--policies 0]
                       [--seed 1] [--samples N] [--churn-rate OPS_PER_S] [--churn-seconds S]
                       [--record] [--json FILE]
+       wasmplane-perf --symbol-order FILE [--sizes 1000] [...]   (functions the host ran, for lld)
        wasmplane-perf --write-manifests DIR [--services N] [--endpoints M] [--policies P] [--seed S]";
 
 struct Args {
@@ -44,6 +46,9 @@ struct Args {
     write_manifests: Option<String>,
     worker: Option<usize>,
     apiserver: Option<usize>,
+    symbol_order: Option<String>,
+    trace_code: Option<String>,
+    children_exe: Option<String>,
 }
 
 fn parse() -> anyhow::Result<Args> {
@@ -62,6 +67,9 @@ fn parse() -> anyhow::Result<Args> {
         write_manifests: None,
         worker: None,
         apiserver: None,
+        symbol_order: None,
+        trace_code: None,
+        children_exe: None,
     };
     let mut sizes_given = false;
     let mut it = std::env::args().skip(1);
@@ -85,6 +93,9 @@ fn parse() -> anyhow::Result<Args> {
             "--write-manifests" => a.write_manifests = Some(value()?),
             "--worker" => a.worker = Some(value()?.parse()?),
             "--apiserver" => a.apiserver = Some(value()?.parse()?),
+            "--symbol-order" => a.symbol_order = Some(value()?),
+            "--trace-code" => a.trace_code = Some(value()?),
+            "--children-exe" => a.children_exe = Some(value()?),
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
@@ -142,6 +153,8 @@ fn run() -> anyhow::Result<()> {
             churn_rate: a.churn_rate,
             churn_seconds: churn_seconds(&a),
             record: a.record,
+            trace_code: a.trace_code.as_ref().map(Into::into),
+            children_exe: a.children_exe.as_ref().map(Into::into),
         })?;
         println!("RESULT {result}");
         return Ok(());
@@ -150,19 +163,16 @@ fn run() -> anyhow::Result<()> {
     if !a.record && !worker::is_root() {
         eprintln!("not root: no network namespace can be made; the dataplane runs in Record mode (nothing reaches a kernel)");
     }
+    if let Some(path) = &a.symbol_order {
+        return symbol_order(&a, path);
+    }
     let mut results = Vec::new();
     for &services in &a.sizes {
         eprintln!("== {services} services ==");
-        let mut cmd = Command::new(std::env::current_exe()?);
-        cmd.args(["--worker", &services.to_string(), "--endpoints", &a.endpoints.to_string(), "--policies", &a.policies.to_string(), "--seed", &a.seed.to_string()]);
-        cmd.args(["--samples", &samples(&a).to_string(), "--churn-rate", &a.churn_rate.to_string(), "--churn-seconds", &churn_seconds(&a).to_string()]);
-        if a.record {
-            cmd.arg("--record");
-        }
+        let mut cmd = worker_command(&a, services, &std::env::current_exe()?);
         let out = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).output().context("running a worker")?;
-        let text = String::from_utf8_lossy(&out.stdout);
-        match text.lines().find_map(|l| l.strip_prefix("RESULT ")) {
-            Some(r) => results.push(serde_json::from_str::<Value>(r)?),
+        match worker_result(&out.stdout)? {
+            Some(r) => results.push(r),
             None => eprintln!("size {services} failed ({})", out.status),
         }
     }
@@ -170,6 +180,51 @@ fn run() -> anyhow::Result<()> {
         std::fs::write(path, serde_json::to_string_pretty(&results)?)?;
     }
     println!("{}", table(&results));
+    Ok(())
+}
+
+/// One worker run of `exe` at one size.
+fn worker_command(a: &Args, services: usize, exe: &std::path::Path) -> Command {
+    let mut cmd = Command::new(exe);
+    cmd.args(["--worker", &services.to_string(), "--endpoints", &a.endpoints.to_string(), "--policies", &a.policies.to_string(), "--seed", &a.seed.to_string()]);
+    cmd.args(["--samples", &samples(a).to_string(), "--churn-rate", &a.churn_rate.to_string(), "--churn-seconds", &churn_seconds(a).to_string()]);
+    if a.record {
+        cmd.arg("--record");
+    }
+    cmd
+}
+
+fn worker_result(stdout: &[u8]) -> anyhow::Result<Option<Value>> {
+    let text = String::from_utf8_lossy(stdout);
+    Ok(text.lines().find_map(|l| l.strip_prefix("RESULT ")).map(serde_json::from_str).transpose()?)
+}
+
+/// `--symbol-order FILE`: one traced worker at the first size, run from a private copy of
+/// this binary (see `symbol_order`), writes the functions the host ran to FILE.
+fn symbol_order(a: &Args, path: &str) -> anyhow::Result<()> {
+    let services = a.sizes[0];
+    anyhow::ensure!(worker::is_root(), "--symbol-order needs root (a loop device, a network namespace)");
+    let original = std::env::current_exe()?;
+    let size = std::fs::metadata(&original)?.len();
+    let volume = symbol_order::PrivateVolume::new(2 * size + (64 << 20))?;
+    let copy = volume.path().join("wasmplane-perf-traced");
+    std::fs::copy(&original, &copy).context("copying this binary")?;
+    // Written pages stay dirty in the page cache until written back, and only clean ones
+    // can be dropped.
+    std::fs::File::open(&copy)?.sync_all()?;
+    symbol_order::drop_cached_pages(&copy)?;
+    let mut cmd = worker_command(a, services, &copy);
+    cmd.args(["--trace-code", path, "--children-exe"]).arg(&original);
+    eprintln!("== {services} services, traced ==");
+    let out = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).output().context("running the traced worker")?;
+    let result = worker_result(&out.stdout)?.with_context(|| format!("the traced worker failed ({})", out.status))?;
+    println!(
+        "{path}: {} functions on {} touched code pages ({:.2} MiB); host RSS steady {} MiB while traced",
+        result["traced_functions"],
+        result["traced_code_pages"],
+        f(&result, "traced_code_pages") * 4.0 / 1024.0,
+        mib(&result, "rss_steady_kib")
+    );
     Ok(())
 }
 

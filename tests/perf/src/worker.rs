@@ -24,6 +24,11 @@ pub struct Opts {
     pub churn_rate: f64,
     pub churn_seconds: f64,
     pub record: bool,
+    /// Write the functions the host ran to this file (`crate::symbol_order`).
+    pub trace_code: Option<std::path::PathBuf>,
+    /// The binary the cluster and compiler processes run (default: this one). A traced worker
+    /// runs from a copy of the binary and starts them from the original.
+    pub children_exe: Option<std::path::PathBuf>,
 }
 
 /// The cluster process and its command pipe.
@@ -35,7 +40,7 @@ struct ClusterProc {
 
 impl ClusterProc {
     fn start(o: &Opts) -> anyhow::Result<(ClusterProc, Vec<String>)> {
-        let mut child = Command::new(std::env::current_exe()?)
+        let mut child = Command::new(children_exe(o)?)
             .args(["--apiserver", &o.services.to_string(), "--endpoints", &o.endpoints.to_string(), "--policies", &o.policies.to_string(), "--seed", &o.seed.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -99,7 +104,7 @@ impl Drop for Netns {
     }
 }
 
-fn run(cmd: &[&str]) -> anyhow::Result<String> {
+pub fn run(cmd: &[&str]) -> anyhow::Result<String> {
     let out = Command::new(cmd[0]).args(&cmd[1..]).output().with_context(|| format!("running {cmd:?}"))?;
     anyhow::ensure!(out.status.success(), "{cmd:?}: {}", String::from_utf8_lossy(&out.stderr));
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
@@ -232,11 +237,26 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[rank.min(sorted.len()) - 1]
 }
 
+fn children_exe(o: &Opts) -> std::io::Result<std::path::PathBuf> {
+    o.children_exe.clone().map_or_else(std::env::current_exe, Ok)
+}
+
 pub fn run_size(o: Opts) -> anyhow::Result<Value> {
+    if o.trace_code.is_some() {
+        crate::symbol_order::start_tracing()?;
+    }
     // As the `wasmplane` binary does before its runtime starts.
     wasmplane::memory::limit_malloc_arenas();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(measure(o))
+    let trace_code = o.trace_code.clone();
+    let mut result = runtime.block_on(measure(o))?;
+    if let Some(path) = trace_code {
+        let (functions, pages) = crate::symbol_order::touched_functions()?;
+        std::fs::write(&path, functions.iter().map(|f| format!("{f}\n")).collect::<String>())?;
+        result["traced_code_pages"] = pages.into();
+        result["traced_functions"] = functions.len().into();
+    }
+    Ok(result)
 }
 
 async fn measure(o: Opts) -> anyhow::Result<Value> {
@@ -263,7 +283,7 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
         conntrack_command: prefix("conntrack"),
         stats_interval: Duration::from_secs(3600),
         reconcile_interval: Duration::from_secs(3600),
-        compiler: Some(wasmplane_runtime::CompilerCommand::current_exe()?),
+        compiler: Some(wasmplane_runtime::CompilerCommand::new(children_exe(&o)?, [wasmplane_runtime::compiler::COMPILE_SUBCOMMAND])),
         ..Default::default()
     };
 

@@ -1,0 +1,177 @@
+//! Which functions the host really runs, as an lld symbol-ordering file (BENCHMARKS.md,
+//! tenth run).
+//!
+//! The kernel maps the cached neighbours of every code page a process faults in
+//! (fault-around), so code the host never runs, but which sits between code it does, is
+//! resident too: at 10 services 10.9 MiB of the binary's 16.8 MiB of code, of which the host
+//! touches 4.3. Linking with `-Wl,--symbol-ordering-file=FILE` places the functions named in
+//! FILE first and together.
+//!
+//! A traced worker runs from a private copy of this binary that no other process maps (its
+//! cluster and compiler processes run the original), so only its own faults bring the copy's
+//! pages into the page cache. The copy lives on a small ext4 volume of its own (a loop
+//! device) with read-ahead off: the exec's first faults would otherwise read megabytes
+//! around each page, in large folios that cannot be dropped while code on them runs. First
+//! thing, the worker drops its code's page-table entries (`MADV_DONTNEED`) and the copy's
+//! cached pages (`POSIX_FADV_DONTNEED`): from then on a code page is resident only if the
+//! worker ran (or read) something on it. At the end, the functions on resident code pages are
+//! the ones it ran, give or take their neighbours on the same 4 KiB page.
+
+use std::io::{Read as _, Seek as _, SeekFrom};
+use std::os::fd::AsRawFd as _;
+use std::path::Path;
+
+use anyhow::Context as _;
+use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
+
+/// An ext4 image mounted on a loop device with read-ahead off; unmounted (and the device
+/// freed) on drop.
+pub struct PrivateVolume {
+    mount_point: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl PrivateVolume {
+    pub fn new(bytes: u64) -> anyhow::Result<PrivateVolume> {
+        use crate::worker::run;
+        let dir = tempfile::tempdir()?;
+        let image = dir.path().join("image");
+        let mount_point = dir.path().join("mnt");
+        std::fs::create_dir(&mount_point)?;
+        std::fs::File::create(&image)?.set_len(bytes)?;
+        let (image_arg, mount_arg) = (image.to_str().context("temp path")?.to_string(), mount_point.to_str().context("temp path")?.to_string());
+        run(&["mkfs.ext4", "-q", &image_arg])?;
+        run(&["mount", "-o", "loop", &image_arg, &mount_arg])?;
+        let volume = PrivateVolume { mount_point, _dir: dir };
+        let device = run(&["findmnt", "-n", "-o", "SOURCE", &mount_arg])?;
+        let device = device.trim().strip_prefix("/dev/").context("a loop device")?;
+        std::fs::write(format!("/sys/block/{device}/queue/read_ahead_kb"), "0")?;
+        Ok(volume)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.mount_point
+    }
+}
+
+impl Drop for PrivateVolume {
+    fn drop(&mut self) {
+        // `mount -o loop` set the device to free itself on unmount.
+        if let Err(e) = crate::worker::run(&["umount", self.mount_point.to_str().unwrap_or_default()]) {
+            eprintln!("warning: unmounting {}: {e:#}", self.mount_point.display());
+        }
+    }
+}
+
+/// The executable mapping of this process's binary.
+struct CodeMapping {
+    start: u64,
+    end: u64,
+}
+
+fn code_mapping() -> anyhow::Result<CodeMapping> {
+    let exe = std::fs::read_link("/proc/self/exe")?;
+    for line in std::fs::read_to_string("/proc/self/maps")?.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        if fields.len() >= 6 && fields[1].contains('x') && Path::new(fields[5]) == exe {
+            let (start, end) = fields[0].split_once('-').context("an address range")?;
+            return Ok(CodeMapping { start: u64::from_str_radix(start, 16)?, end: u64::from_str_radix(end, 16)? });
+        }
+    }
+    anyhow::bail!("no executable mapping of {} in /proc/self/maps", exe.display())
+}
+
+fn page_size() -> u64 {
+    // SAFETY: sysconf only reads a system constant.
+    (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }) as u64
+}
+
+/// Makes code pages resident only when they are used, from now on. Call first thing.
+pub fn start_tracing() -> anyhow::Result<()> {
+    let code = code_mapping()?;
+    let (addr, len) = (code.start as *mut libc::c_void, (code.end - code.start) as usize);
+    // SAFETY: advice on this process's own code, a clean private file mapping: MADV_DONTNEED
+    // only drops its page-table entries, and the next instruction fetch faults each page back
+    // in from the file.
+    unsafe {
+        anyhow::ensure!(libc::madvise(addr, len, libc::MADV_DONTNEED) == 0, "madvise(MADV_DONTNEED): {}", std::io::Error::last_os_error());
+    }
+    drop_cached_pages(Path::new("/proc/self/exe"))
+}
+
+/// Drops a file's clean pages that no process maps from the page cache.
+pub fn drop_cached_pages(path: &Path) -> anyhow::Result<()> {
+    let file = std::fs::File::open(path)?;
+    // SAFETY: advice on an open file descriptor.
+    let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    anyhow::ensure!(rc == 0, "posix_fadvise(POSIX_FADV_DONTNEED) on {}: {}", path.display(), std::io::Error::from_raw_os_error(rc));
+    Ok(())
+}
+
+/// The mangled names of the functions on this process's resident code pages, in address
+/// order, and how many pages that was.
+pub fn touched_functions() -> anyhow::Result<(Vec<String>, usize)> {
+    let code = code_mapping()?;
+    let page = page_size();
+    let pages = ((code.end - code.start) / page) as usize;
+    let mut entries = vec![0u8; pages * 8];
+    let mut pagemap = std::fs::File::open("/proc/self/pagemap")?;
+    pagemap.seek(SeekFrom::Start(code.start / page * 8))?;
+    pagemap.read_exact(&mut entries)?;
+    // Bit 63 of an entry: the page is present.
+    let resident: Vec<u64> = entries
+        .chunks_exact(8)
+        .enumerate()
+        .filter(|(_, e)| u64::from_le_bytes((*e).try_into().unwrap()) >> 63 == 1)
+        .map(|(i, _)| i as u64 * page)
+        .collect();
+
+    let data = std::fs::read("/proc/self/exe")?;
+    let elf = object::File::parse(&*data)?;
+    // The mapping starts at the executable segment's page-aligned virtual address.
+    let text = elf
+        .segments()
+        .find(|s| matches!(s.flags(), object::SegmentFlags::Elf { p_flags } if p_flags & object::elf::PF_X != 0))
+        .context("no executable segment")?;
+    let first = text.address() & !(page - 1);
+    let pages_vaddr: Vec<u64> = resident.iter().map(|offset| first + offset).collect();
+    let mut symbols: Vec<(u64, u64, &str)> = elf
+        .symbols()
+        .filter(|s| s.kind() == object::SymbolKind::Text && s.size() > 0)
+        .filter_map(|s| Some((s.address(), s.size(), s.name().ok()?)))
+        .collect();
+    let names = functions_on_pages(&mut symbols, &pages_vaddr, page).into_iter().map(str::to_string).collect();
+    Ok((names, resident.len()))
+}
+
+/// Functions (address, size, name) with a byte on any of the pages (start addresses), each
+/// once, in address order.
+fn functions_on_pages<'a>(symbols: &mut [(u64, u64, &'a str)], pages: &[u64], page: u64) -> Vec<&'a str> {
+    symbols.sort_unstable();
+    let mut chosen = std::collections::BTreeSet::new();
+    for &start in pages {
+        // Functions do not overlap: walk back from the last one that starts on the page
+        // until one ends before it.
+        let mut i = symbols.partition_point(|s| s.0 < start + page);
+        while i > 0 && symbols[i - 1].0 + symbols[i - 1].1 > start {
+            chosen.insert(i - 1);
+            i -= 1;
+        }
+    }
+    chosen.into_iter().map(|i| symbols[i].2).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn functions_on_pages_are_those_with_a_byte_there() {
+        let mut symbols = vec![(5000, 3200, "c"), (0, 100, "a"), (100, 4900, "b"), (8200, 100, "d"), (12288, 50, "e")];
+        assert_eq!(super::functions_on_pages(&mut symbols, &[0], 4096), ["a", "b"]);
+        // b reaches into the second page; c starts on it and ends on the third.
+        assert_eq!(super::functions_on_pages(&mut symbols, &[4096], 4096), ["b", "c"]);
+        assert_eq!(super::functions_on_pages(&mut symbols, &[8192], 4096), ["c", "d"]);
+        // Nothing on the fourth page but e at its start; nothing at all past it.
+        assert_eq!(super::functions_on_pages(&mut symbols, &[12288, 16384], 4096), ["e"]);
+        assert_eq!(super::functions_on_pages(&mut symbols, &[8192, 0], 4096), ["a", "b", "c", "d"]);
+    }
+}
