@@ -35,7 +35,7 @@ fn services(n: usize) -> BTreeMap<ObjectKey, ObjectRules> {
             let mut rules = ObjectRules::default();
             rules.chains.insert(chain.clone(), vec!["meta l4proto tcp dnat ip to 127.0.0.1:8080".into()]);
             rules.elements.insert(("service-ips".into(), format!("{} . tcp . 80", service_ip(i))), format!("goto {chain}"));
-            (ObjectKey::new("bench", &format!("s{i}")), rules)
+            (ObjectKey::new("bench", format!("s{i}")), rules)
         })
         .collect()
 }

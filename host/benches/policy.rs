@@ -35,7 +35,7 @@ fn select(pairs: &[(&str, String)]) -> LabelSelector {
 
 fn pod(i: usize, app: usize) -> ClusterObject {
     // 100 pods on this node, spread over every namespace.
-    let local = (i / NAMESPACES) % NAMESPACES == 0;
+    let local = (i / NAMESPACES).is_multiple_of(NAMESPACES);
     ClusterObject::Pod(Pod {
         namespace: format!("ns{}", i % NAMESPACES),
         name: format!("pod{i}"),

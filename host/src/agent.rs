@@ -18,6 +18,7 @@ use wasmplane_operator::{HEARTBEAT_KEY, HeartbeatMonitor, NodePolicyStatus, Node
 use crate::controller::{Controller, ModelObserver};
 
 #[derive(Clone, Debug)]
+#[derive(Default)]
 pub struct AgentConfig {
     /// Program routes to other nodes' pod CIDRs (off on a developer machine: they would go
     /// into its own routing table).
@@ -29,11 +30,6 @@ pub struct AgentConfig {
     pub registry: NodeRegistryConfig,
 }
 
-impl Default for AgentConfig {
-    fn default() -> Self {
-        AgentConfig { routes: false, route_netns: None, heartbeat_max_age: None, registry: NodeRegistryConfig::default() }
-    }
-}
 
 /// The agent duties of one running host. Dropping it stops route programming (routes stay)
 /// and the heartbeat follower.

@@ -200,8 +200,11 @@ struct KubeAuth {
     client: kube::Client,
     config: KubernetesAuthConfig,
     /// (sha256 of the token, verb) → answer and when it was given.
-    cache: Mutex<HashMap<([u8; 32], String), (Result<Identity, AuthError>, Instant)>>,
+    cache: Mutex<HashMap<([u8; 32], String), CachedAnswer>>,
 }
+
+/// A review's answer and when it was given.
+type CachedAnswer = (Result<Identity, AuthError>, Instant);
 
 /// The authentication policy of the REST API.
 pub struct Auth {

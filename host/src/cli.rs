@@ -17,6 +17,8 @@ pub struct Cli {
 }
 
 #[derive(Subcommand, Debug)]
+// Parsed once per process: the size of the `run` variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum Command {
     /// Run the host.
     Run(RunArgs),

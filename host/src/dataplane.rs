@@ -81,9 +81,12 @@ pub trait Kernel: Send {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Listing {
     pub tables: Vec<Table>,
-    pub chains: Vec<(Table, String)>,
-    pub sets: Vec<(Table, String)>,
+    pub chains: Vec<TableObject>,
+    pub sets: Vec<TableObject>,
 }
+
+/// A chain or set by its table and name.
+pub type TableObject = (Table, String);
 
 /// Recording mode: renders what would be applied, for hosts without privileges.
 #[derive(Default)]
@@ -173,7 +176,7 @@ impl NftCommand {
 
     /// The objects (lines starting with `kind`) inside our tables in a listing, and every
     /// table of ours the listing shows.
-    fn list_ours(&self, args: &[&str], kind: &str) -> Result<(Vec<Table>, Vec<(Table, String)>), WriteError> {
+    fn list_ours(&self, args: &[&str], kind: &str) -> Result<(Vec<Table>, Vec<TableObject>), WriteError> {
         let output = self.nft().args(args).stderr(Stdio::piped()).output().map_err(WriteError::Spawn)?;
         if !output.status.success() {
             return Err(WriteError::Rejected(String::from_utf8_lossy(&output.stderr).chars().take(4096).collect()));
@@ -502,7 +505,7 @@ impl Kernel for NetlinkNft {
 
     fn list_objects(&mut self) -> Result<Listing, WriteError> {
         use nft::netlink::{NFT_MSG_GETCHAIN, NFT_MSG_GETSET, NFT_SET_ANONYMOUS, NFT_SET_MAP, NFTA_CHAIN_NAME, NFTA_SET_FLAGS, NFTA_SET_NAME};
-        let ours = |names: Vec<(String, String)>| -> Vec<(Table, String)> {
+        let ours = |names: Vec<(String, String)>| -> Vec<TableObject> {
             names.into_iter().filter_map(|(table, name)| Some((Table::parse(&table)?, name))).collect()
         };
         let chains = ours(self.dump_names(NFT_MSG_GETCHAIN, NFTA_CHAIN_NAME, None)?);

@@ -63,7 +63,7 @@ pub struct ShadowDiff {
     pub unchanged_objects: usize,
 }
 
-fn rules_only_in<'a>(a: &'a [String], b: &[String]) -> Vec<String> {
+fn rules_only_in(a: &[String], b: &[String]) -> Vec<String> {
     // Multiset difference: a rule given twice and kept once counts once.
     let mut remaining: BTreeMap<&str, usize> = BTreeMap::new();
     for rule in b {

@@ -112,10 +112,10 @@ impl Node {
         let mut topology = Topology::new(tag);
         let mut pods = Vec::new();
         let mut servers = Vec::new();
-        for ns in 0..3 {
-            for app in 0..3 {
+        for (ns, (namespace, _)) in NAMESPACES.iter().enumerate() {
+            for (app, app_name) in APPS.iter().enumerate() {
                 let name = topology.add_pod(&pod_ip(ns, app));
-                servers.push(Server::start(&name, &format!("{}.{}", NAMESPACES[ns].0, APPS[app]), &[TCP_PORT, UDP_PORT]));
+                servers.push(Server::start(&name, &format!("{namespace}.{app_name}"), &[TCP_PORT, UDP_PORT]));
                 pods.push(name);
             }
         }
@@ -591,7 +591,7 @@ fn scale_policies_over_5k_pods() {
             namespace: format!("ns{}", (i / 50) % 50),
             name: format!("pod{i}"),
             ips: vec![format!("10.244.{}.{}", i / 250, i % 250 + 1)],
-            node_name: Some(format!("node-{}", if i % 50 == 0 { "a".to_string() } else { (i % 50).to_string() })),
+            node_name: Some(format!("node-{}", if i.is_multiple_of(50) { "a".to_string() } else { (i % 50).to_string() })),
             labels: labels(&[("app", &format!("app{app}"))]),
             ports: vec![],
             host_network: false,

@@ -160,12 +160,12 @@ fn ingress_from_pod_selector_in_own_namespace_with_peer_set() {
     assert_eq!(r.map_elements[0].map_name, "pod-ingress");
     assert_eq!(r.map_elements[0].key, vec![KeyPart::Address(ip(&l, "a", "web"))]);
     let web = ip(&l, "a", "web");
-    assert!(can(&[r.clone()], &ip(&l, "a", "client"), &web, Protocol::Tcp, 8080));
-    assert!(!can(&[r.clone()], &ip(&l, "a", "client"), &web, Protocol::Tcp, 8081), "other port");
-    assert!(!can(&[r.clone()], &ip(&l, "a", "client"), &web, Protocol::Udp, 8080), "other protocol");
-    assert!(!can(&[r.clone()], &ip(&l, "a", "db"), &web, Protocol::Tcp, 8080), "other pod");
-    assert!(!can(&[r.clone()], &ip(&l, "b", "client"), &web, Protocol::Tcp, 8080), "same labels, other namespace");
-    assert!(can(&[r.clone()], &web, &ip(&l, "a", "db"), Protocol::Tcp, 1), "egress not restricted");
+    assert!(can(std::slice::from_ref(&r), &ip(&l, "a", "client"), &web, Protocol::Tcp, 8080));
+    assert!(!can(std::slice::from_ref(&r), &ip(&l, "a", "client"), &web, Protocol::Tcp, 8081), "other port");
+    assert!(!can(std::slice::from_ref(&r), &ip(&l, "a", "client"), &web, Protocol::Udp, 8080), "other protocol");
+    assert!(!can(std::slice::from_ref(&r), &ip(&l, "a", "db"), &web, Protocol::Tcp, 8080), "other pod");
+    assert!(!can(std::slice::from_ref(&r), &ip(&l, "b", "client"), &web, Protocol::Tcp, 8080), "same labels, other namespace");
+    assert!(can(std::slice::from_ref(&r), &web, &ip(&l, "a", "db"), Protocol::Tcp, 1), "egress not restricted");
     assert!(can(&[r], &ip(&l, "a", "client"), &ip(&l, "a", "db"), Protocol::Tcp, 1), "unselected pod open");
 }
 
@@ -177,17 +177,17 @@ fn empty_rule_lists_deny_and_policy_types_are_independent() {
     // policyTypes [Ingress] with no rules: deny all ingress, egress untouched.
     let deny_in = compile_in(&l, &policy("a", sel(&[("app", "web")]), Some(vec![]), None));
     assert!(deny_in.chains[0].rules.is_empty());
-    assert!(!can(&[deny_in.clone()], &db, &web, Protocol::Tcp, 80));
+    assert!(!can(std::slice::from_ref(&deny_in), &db, &web, Protocol::Tcp, 80));
     assert!(can(&[deny_in], &web, &db, Protocol::Tcp, 80));
     // policyTypes [Egress] with no rules: deny all egress, ingress untouched.
     let deny_out = compile_in(&l, &policy("a", sel(&[("app", "web")]), None, Some(vec![])));
     assert_eq!(deny_out.map_elements[0].map_name, "pod-egress");
-    assert!(!can(&[deny_out.clone()], &web, &db, Protocol::Udp, 53));
+    assert!(!can(std::slice::from_ref(&deny_out), &web, &db, Protocol::Udp, 53));
     assert!(can(&[deny_out], &db, &web, Protocol::Tcp, 80));
     // Both types, allow-all rules (`- {}`): everything passes.
     let all = compile_in(&l, &policy("a", PodSel::all(), Some(vec![rule(vec![], vec![])]), Some(vec![rule(vec![], vec![])])));
     assert_eq!(all.map_elements.len(), 6, "3 pods x 2 directions");
-    assert!(can(&[all.clone()], &web, &db, Protocol::Sctp, 9) && can(&[all], &ip(&l, "c", "web"), &web, Protocol::Udp, 1));
+    assert!(can(std::slice::from_ref(&all), &web, &db, Protocol::Sctp, 9) && can(&[all], &ip(&l, "c", "web"), &web, Protocol::Udp, 1));
 }
 
 struct PodSel;
@@ -206,7 +206,7 @@ fn namespace_selector_alone_and_combined_with_pod_selector() {
         &policy("a", sel(&[("app", "web")]), Some(vec![rule(vec![], vec![peer(None, Some(sel(&[("team", "blue")])))])]), None),
     );
     for (ns, app, ok) in [("a", "db", true), ("b", "client", true), ("b", "web", true), ("c", "client", false)] {
-        assert_eq!(can(&[ns_only.clone()], &ip(&l, ns, app), &web, Protocol::Tcp, 80), ok, "{ns}/{app}");
+        assert_eq!(can(std::slice::from_ref(&ns_only), &ip(&l, ns, app), &web, Protocol::Tcp, 80), ok, "{ns}/{app}");
     }
     let both = compile_in(
         &l,
@@ -218,7 +218,7 @@ fn namespace_selector_alone_and_combined_with_pod_selector() {
         ),
     );
     for (ns, app, ok) in [("a", "client", true), ("b", "client", true), ("b", "db", false), ("c", "client", false), ("a", "db", false)] {
-        assert_eq!(can(&[both.clone()], &ip(&l, ns, app), &web, Protocol::Tcp, 80), ok, "{ns}/{app}");
+        assert_eq!(can(std::slice::from_ref(&both), &ip(&l, ns, app), &web, Protocol::Tcp, 80), ok, "{ns}/{app}");
     }
     // Two separate peers are a union: clients of a, or anything in c.
     let union = compile_in(
@@ -231,7 +231,7 @@ fn namespace_selector_alone_and_combined_with_pod_selector() {
         ),
     );
     for (ns, app, ok) in [("a", "client", true), ("c", "db", true), ("b", "client", false), ("a", "db", false)] {
-        assert_eq!(can(&[union.clone()], &ip(&l, ns, app), &web, Protocol::Tcp, 80), ok, "{ns}/{app}");
+        assert_eq!(can(std::slice::from_ref(&union), &ip(&l, ns, app), &web, Protocol::Tcp, 80), ok, "{ns}/{app}");
     }
     // An empty namespace selector: every namespace.
     let every = compile_in(
@@ -258,10 +258,10 @@ fn ip_block_with_except_both_directions() {
     assert_eq!(ingress.rules[0].matches.len(), 3);
     // Sources are no selected pod (web's own egress policy would decide for those).
     for (src, ok) in [("10.244.1.99", true), ("10.244.2.11", false), ("10.244.3.10", false), ("10.244.3.11", true), ("10.1.0.1", false)] {
-        assert_eq!(can(&[r.clone()], src, &web, Protocol::Tcp, 80), ok, "from {src}");
+        assert_eq!(can(std::slice::from_ref(&r), src, &web, Protocol::Tcp, 80), ok, "from {src}");
     }
     for (dst, port, ok) in [("192.168.7.1", 443, true), ("192.168.1.1", 443, false), ("192.168.7.1", 80, false), ("8.8.8.8", 443, false)] {
-        assert_eq!(can(&[r.clone()], &web, dst, Protocol::Tcp, port), ok, "to {dst}:{port}");
+        assert_eq!(can(std::slice::from_ref(&r), &web, dst, Protocol::Tcp, port), ok, "to {dst}:{port}");
     }
     let bad = policy("a", sel(&[]), Some(vec![rule(vec![], vec![block("10.0.0.0/8", &["fd00::/64"])])]), None);
     assert!(compile(&ctx(), "pol/a/p", &bad, &[], &l).unwrap_err().message.contains("family"));
@@ -290,7 +290,7 @@ fn ports_protocols_and_end_port_ranges() {
         (Protocol::Sctp, 9000, true),
         (Protocol::Sctp, 9001, false),
     ] {
-        assert_eq!(can(&[r.clone()], &db, &web, proto, port), ok, "{proto:?}/{port}");
+        assert_eq!(can(std::slice::from_ref(&r), &db, &web, proto, port), ok, "{proto:?}/{port}");
     }
     let bad = |port, end| {
         policy("a", sel(&[]), Some(vec![rule(vec![PolicyPort { protocol: Protocol::Tcp, port, end_port: end }], vec![])]), None)
@@ -310,27 +310,27 @@ fn named_ports_resolve_on_the_destination() {
     };
     let r = compile_in(&l, &named(true));
     assert!(r.sets.is_empty(), "uniform resolution needs no destination set");
-    assert!(can(&[r.clone()], "10.9.9.9", &ip(&l, "a", "db"), Protocol::Tcp, 8080));
-    assert!(!can(&[r.clone()], "10.9.9.9", &ip(&l, "a", "db"), Protocol::Tcp, 8081));
+    assert!(can(std::slice::from_ref(&r), "10.9.9.9", &ip(&l, "a", "db"), Protocol::Tcp, 8080));
+    assert!(!can(std::slice::from_ref(&r), "10.9.9.9", &ip(&l, "a", "db"), Protocol::Tcp, 8081));
     assert!(!can(&[r], "10.9.9.9", &ip(&l, "a", "db"), Protocol::Udp, 8080), "named port has a protocol");
 
     // web in a now serves http on 9090: per-destination resolution.
     l.pods[0].ports[0].port = 9090;
     let r = compile_in(&l, &named(true));
     let (web, db) = (ip(&l, "a", "web"), ip(&l, "a", "db"));
-    assert!(can(&[r.clone()], "10.9.9.9", &web, Protocol::Tcp, 9090));
-    assert!(!can(&[r.clone()], "10.9.9.9", &web, Protocol::Tcp, 8080));
-    assert!(can(&[r.clone()], "10.9.9.9", &db, Protocol::Tcp, 8080));
+    assert!(can(std::slice::from_ref(&r), "10.9.9.9", &web, Protocol::Tcp, 9090));
+    assert!(!can(std::slice::from_ref(&r), "10.9.9.9", &web, Protocol::Tcp, 8080));
+    assert!(can(std::slice::from_ref(&r), "10.9.9.9", &db, Protocol::Tcp, 8080));
     assert!(!can(&[r], "10.9.9.9", &db, Protocol::Tcp, 9090));
 
     // Egress from clients of a to "http" anywhere: each destination's own number.
     let r = compile_in(&l, &named(false));
     let client = ip(&l, "a", "client");
-    assert!(can(&[r.clone()], &client, &web, Protocol::Tcp, 9090));
-    assert!(!can(&[r.clone()], &client, &web, Protocol::Tcp, 8080));
-    assert!(can(&[r.clone()], &client, &ip(&l, "b", "web"), Protocol::Tcp, 8081));
-    assert!(can(&[r.clone()], &client, &ip(&l, "c", "db"), Protocol::Tcp, 8082));
-    assert!(!can(&[r.clone()], &client, &ip(&l, "c", "db"), Protocol::Tcp, 8081));
+    assert!(can(std::slice::from_ref(&r), &client, &web, Protocol::Tcp, 9090));
+    assert!(!can(std::slice::from_ref(&r), &client, &web, Protocol::Tcp, 8080));
+    assert!(can(std::slice::from_ref(&r), &client, &ip(&l, "b", "web"), Protocol::Tcp, 8081));
+    assert!(can(std::slice::from_ref(&r), &client, &ip(&l, "c", "db"), Protocol::Tcp, 8082));
+    assert!(!can(std::slice::from_ref(&r), &client, &ip(&l, "c", "db"), Protocol::Tcp, 8081));
     assert!(!can(&[r], &client, "1.1.1.1", Protocol::Tcp, 8080), "no pod: the name does not resolve");
 
     // Egress named port limited to the rule's peers.
@@ -344,7 +344,7 @@ fn named_ports_resolve_on_the_destination() {
         )]),
     );
     let r = compile_in(&l, &p);
-    assert!(can(&[r.clone()], &client, &ip(&l, "c", "db"), Protocol::Udp, 53));
+    assert!(can(std::slice::from_ref(&r), &client, &ip(&l, "c", "db"), Protocol::Udp, 53));
     assert!(!can(&[r], &client, &ip(&l, "c", "web"), Protocol::Udp, 53));
 }
 

@@ -206,8 +206,11 @@ pub fn network_policy(p: &m::NetworkPolicy) -> wit::NetworkPolicy {
 /// `Arc<dyn Lookups>`) never sees cluster state other than what the caller chose to give.
 #[derive(Default)]
 pub struct PodLookups {
-    snapshot: RwLock<(Vec<Arc<m::Pod>>, Arc<BTreeMap<String, m::Labels>>)>,
+    snapshot: RwLock<PodSnapshot>,
 }
+
+/// The pods a call may see, and the labels of every namespace by name.
+type PodSnapshot = (Vec<Arc<m::Pod>>, Arc<BTreeMap<String, m::Labels>>);
 
 impl PodLookups {
     pub fn new() -> Arc<PodLookups> {

@@ -595,8 +595,11 @@ fn endpoint_map_key_parts(set: &str) -> Option<usize> {
     }
 }
 
+/// A set or map element: its key's bytes and, in a map, its value.
+type Element = (Vec<u8>, Option<ElementValue>);
+
 /// The elements between `{` and `}` of `set`: `key [: verdict or data]`, comma separated.
-fn parse_elements(set: &str, body: &str) -> Result<Vec<(Vec<u8>, Option<ElementValue>)>, String> {
+fn parse_elements(set: &str, body: &str) -> Result<Vec<Element>, String> {
     body.split(',')
         .map(|element| {
             let (key, value) = match element.split_once(" : ") {
@@ -616,7 +619,7 @@ fn parse_elements(set: &str, body: &str) -> Result<Vec<(Vec<u8>, Option<ElementV
 }
 
 /// Adds (`NFT_MSG_NEWSETELEM`, with their verdicts) or deletes elements of one set or map.
-fn encode_elements(w: &mut Writer, msg: u16, seq: u32, table: &str, set: &str, elements: &[(Vec<u8>, Option<ElementValue>)]) {
+fn encode_elements(w: &mut Writer, msg: u16, seq: u32, table: &str, set: &str, elements: &[Element]) {
     let adding = msg == NFT_MSG_NEWSETELEM;
     let m = w.begin_message((NFNL_SUBSYS_NFTABLES << 8) | msg, if adding { NLM_F_CREATE } else { 0 }, seq, NFPROTO_INET, 0);
     w.attr_str(1, table);

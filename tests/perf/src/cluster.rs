@@ -189,7 +189,7 @@ impl Cluster {
 
     fn ports(i: usize) -> Vec<(&'static str, u16, u16)> {
         let mut ports = vec![("http", 80, 8080)];
-        if i % 5 == 0 {
+        if i.is_multiple_of(5) {
             ports.push(("https", 443, 8443));
         }
         ports
@@ -198,7 +198,7 @@ impl Cluster {
     fn service_obj(&self, i: usize) -> Value {
         let s = &self.services[i];
         let ip = ipv4(u32::from(std::net::Ipv4Addr::new(10, 128, 0, 1)) + i as u32);
-        let node_port = (i % 20 == 0 && i / 20 < NODE_PORTS).then(|| 30000 + i / 20);
+        let node_port = (i.is_multiple_of(20) && i / 20 < NODE_PORTS).then(|| 30000 + i / 20);
         let ports: Vec<Value> = Self::ports(i)
             .into_iter()
             .enumerate()
