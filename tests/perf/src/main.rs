@@ -219,10 +219,9 @@ fn symbol_order(a: &Args, path: &str) -> anyhow::Result<()> {
     let out = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).output().context("running the traced worker")?;
     let result = worker_result(&out.stdout)?.with_context(|| format!("the traced worker failed ({})", out.status))?;
     println!(
-        "{path}: {} functions on {} touched code pages ({:.2} MiB); host RSS steady {} MiB while traced",
+        "{path}: {} functions on {} MiB of touched code pages; host RSS steady {} MiB while traced",
         result["traced_functions"],
-        result["traced_code_pages"],
-        f(&result, "traced_code_pages") * 4.0 / 1024.0,
+        mib(&result, "traced_code_kib"),
         mib(&result, "rss_steady_kib")
     );
     Ok(())

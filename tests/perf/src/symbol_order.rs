@@ -109,8 +109,8 @@ pub fn drop_cached_pages(path: &Path) -> anyhow::Result<()> {
 }
 
 /// The mangled names of the functions on this process's resident code pages, in address
-/// order, and how many pages that was.
-pub fn touched_functions() -> anyhow::Result<(Vec<String>, usize)> {
+/// order, and how many bytes of code pages were resident.
+pub fn touched_functions() -> anyhow::Result<(Vec<String>, u64)> {
     let code = code_mapping()?;
     let page = page_size();
     let pages = ((code.end - code.start) / page) as usize;
@@ -141,7 +141,7 @@ pub fn touched_functions() -> anyhow::Result<(Vec<String>, usize)> {
         .filter_map(|s| Some((s.address(), s.size(), s.name().ok()?)))
         .collect();
     let names = functions_on_pages(&mut symbols, &pages_vaddr, page).into_iter().map(str::to_string).collect();
-    Ok((names, resident.len()))
+    Ok((names, resident.len() as u64 * page))
 }
 
 /// Functions (address, size, name) with a byte on any of the pages (start addresses), each

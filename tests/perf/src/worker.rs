@@ -251,9 +251,9 @@ pub fn run_size(o: Opts) -> anyhow::Result<Value> {
     let trace_code = o.trace_code.clone();
     let mut result = runtime.block_on(measure(o))?;
     if let Some(path) = trace_code {
-        let (functions, pages) = crate::symbol_order::touched_functions()?;
+        let (functions, resident_bytes) = crate::symbol_order::touched_functions()?;
         std::fs::write(&path, functions.iter().map(|f| format!("{f}\n")).collect::<String>())?;
-        result["traced_code_pages"] = pages.into();
+        result["traced_code_kib"] = (resident_bytes / 1024).into();
         result["traced_functions"] = functions.len().into();
     }
     Ok(result)
