@@ -15,6 +15,7 @@
 #![recursion_limit = "256"]
 
 mod apiserver;
+mod binary;
 mod cluster;
 mod symbol_order;
 mod worker;
@@ -28,7 +29,8 @@ const USAGE: &str = "\
 usage: wasmplane-perf [--sizes 1000,10000,50000] [--quick] [--endpoints 1.5] [--policies 0]
                       [--seed 1] [--samples N] [--churn-rate OPS_PER_S] [--churn-seconds S]
                       [--record] [--json FILE]
-       wasmplane-perf --symbol-order FILE [--sizes 1000] [...]   (functions the host ran, for lld)
+       wasmplane-perf --binary target/release/wasmplane [--sizes ...] [...]   (the shipped binary's memory)
+       wasmplane-perf --symbol-order FILE [--sizes 1000] [--binary PATH] [...]   (functions the host ran, for lld)
        wasmplane-perf --write-manifests DIR [--services N] [--endpoints M] [--policies P] [--seed S]";
 
 struct Args {
@@ -49,6 +51,8 @@ struct Args {
     symbol_order: Option<String>,
     trace_code: Option<String>,
     children_exe: Option<String>,
+    binary: Option<String>,
+    warm_binary: Option<String>,
 }
 
 fn parse() -> anyhow::Result<Args> {
@@ -70,6 +74,8 @@ fn parse() -> anyhow::Result<Args> {
         symbol_order: None,
         trace_code: None,
         children_exe: None,
+        binary: None,
+        warm_binary: None,
     };
     let mut sizes_given = false;
     let mut it = std::env::args().skip(1);
@@ -96,6 +102,8 @@ fn parse() -> anyhow::Result<Args> {
             "--symbol-order" => a.symbol_order = Some(value()?),
             "--trace-code" => a.trace_code = Some(value()?),
             "--children-exe" => a.children_exe = Some(value()?),
+            "--binary" => a.binary = Some(value()?),
+            "--warm-binary" => a.warm_binary = Some(value()?),
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
@@ -144,7 +152,7 @@ fn run() -> anyhow::Result<()> {
     }
     if let Some(services) = a.worker {
         tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_env("WASMPLANE_PERF_LOG").unwrap_or_else(|_| "warn".into())).with_writer(std::io::stderr).init();
-        let result = worker::run_size(worker::Opts {
+        let opts = worker::Opts {
             services,
             endpoints: a.endpoints,
             policies: a.policies,
@@ -155,7 +163,11 @@ fn run() -> anyhow::Result<()> {
             record: a.record,
             trace_code: a.trace_code.as_ref().map(Into::into),
             children_exe: a.children_exe.as_ref().map(Into::into),
-        })?;
+        };
+        let result = match &a.binary {
+            Some(path) => binary::run_size(opts, binary::Binary { path: path.into(), warm_with: a.warm_binary.as_ref().map(Into::into) })?,
+            None => worker::run_size(opts)?,
+        };
         println!("RESULT {result}");
         return Ok(());
     }
@@ -170,6 +182,9 @@ fn run() -> anyhow::Result<()> {
     for &services in &a.sizes {
         eprintln!("== {services} services ==");
         let mut cmd = worker_command(&a, services, &std::env::current_exe()?);
+        if let Some(binary) = &a.binary {
+            cmd.args(["--binary", binary]);
+        }
         let out = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).output().context("running a worker")?;
         match worker_result(&out.stdout)? {
             Some(r) => results.push(r),
@@ -179,7 +194,7 @@ fn run() -> anyhow::Result<()> {
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&results)?)?;
     }
-    println!("{}", table(&results));
+    println!("{}", if a.binary.is_some() { binary_table(&results) } else { table(&results) });
     Ok(())
 }
 
@@ -200,21 +215,31 @@ fn worker_result(stdout: &[u8]) -> anyhow::Result<Option<Value>> {
 }
 
 /// `--symbol-order FILE`: one traced worker at the first size, run from a private copy of
-/// this binary (see `symbol_order`), writes the functions the host ran to FILE.
+/// the host's binary (see `symbol_order`), writes the functions the host ran to FILE. The
+/// host is this harness's in-process worker, or with `--binary` that binary run as a child.
 fn symbol_order(a: &Args, path: &str) -> anyhow::Result<()> {
     let services = a.sizes[0];
     anyhow::ensure!(worker::is_root(), "--symbol-order needs root (a loop device, a network namespace)");
-    let original = std::env::current_exe()?;
+    let this = std::env::current_exe()?;
+    let original = a.binary.as_ref().map_or_else(|| this.clone(), Into::into);
     let size = std::fs::metadata(&original)?.len();
     let volume = symbol_order::PrivateVolume::new(2 * size + (64 << 20))?;
-    let copy = volume.path().join("wasmplane-perf-traced");
-    std::fs::copy(&original, &copy).context("copying this binary")?;
+    let copy = volume.path().join("traced");
+    std::fs::copy(&original, &copy).with_context(|| format!("copying {}", original.display()))?;
     // Written pages stay dirty in the page cache until written back, and only clean ones
     // can be dropped.
     std::fs::File::open(&copy)?.sync_all()?;
     symbol_order::drop_cached_pages(&copy)?;
-    let mut cmd = worker_command(a, services, &copy);
-    cmd.args(["--trace-code", path, "--children-exe"]).arg(&original);
+    let mut cmd = if a.binary.is_some() {
+        let mut cmd = worker_command(a, services, &this);
+        cmd.arg("--binary").arg(&copy).arg("--warm-binary").arg(&original);
+        cmd
+    } else {
+        let mut cmd = worker_command(a, services, &copy);
+        cmd.arg("--children-exe").arg(&original);
+        cmd
+    };
+    cmd.args(["--trace-code", path]);
     eprintln!("== {services} services, traced ==");
     let out = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).output().context("running the traced worker")?;
     let result = worker_result(&out.stdout)?.with_context(|| format!("the traced worker failed ({})", out.status))?;
@@ -235,9 +260,10 @@ fn mib(v: &Value, key: &str) -> String {
     format!("{:.1}", f(v, key) / 1024.0)
 }
 
-/// Rows are measurements, columns sizes (Markdown).
+type Row = (&'static str, Box<dyn Fn(&Value) -> String>);
+
+/// The in-process worker's results: rows are measurements, columns sizes (Markdown).
 fn table(results: &[Value]) -> String {
-    type Row = (&'static str, Box<dyn Fn(&Value) -> String>);
     let rows: Vec<Row> = vec![
         ("cluster: services / pods (endpoints) / nodes", Box::new(|v| format!("{} / {} / {}", v["services"], v["pods"], v["nodes"]))),
         ("dataplane (statements of the applied ruleset, as one `nft -f` document)", Box::new(|v| format!("{} ({})", v["mode"].as_str().unwrap_or("?"), v["ruleset_lines"]))),
@@ -258,6 +284,26 @@ fn table(results: &[Value]) -> String {
         ("  of the steady RSS: anonymous / file-backed (code, read-only data) (MiB)", Box::new(|v| format!("{} / {}", mib(v, "rss_anon_steady_kib"), mib(v, "rss_file_steady_kib")))),
         ("host peak RSS (VmHWM): after sync / end (MiB)", Box::new(|v| format!("{} / {}", mib(v, "hwm_sync_kib"), mib(v, "hwm_end_kib")))),
     ];
+    render(&rows, results)
+}
+
+/// `--binary`'s results: the shipped binary's memory, read from outside.
+fn binary_table(results: &[Value]) -> String {
+    let rows: Vec<Row> = vec![
+        ("cluster: services / pods (endpoints) / nodes", Box::new(|v| format!("{} / {} / {}", v["services"], v["pods"], v["nodes"]))),
+        ("dataplane", Box::new(|v| v["mode"].as_str().unwrap_or("?").to_string())),
+        ("start → ready (initial sync applied) (s)", Box::new(|v| format!("{:.2}", f(v, "initial_sync_s")))),
+        ("RSS steady after sync / end (MiB)", Box::new(|v| format!("{} / {}", mib(v, "rss_steady_kib"), mib(v, "rss_end_kib")))),
+        ("  of the steady RSS: anonymous / file-backed (MiB)", Box::new(|v| format!("{} / {}", mib(v, "rss_anon_steady_kib"), mib(v, "rss_file_steady_kib")))),
+        ("  of the file-backed: the binary's code / read-only data (MiB)", Box::new(|v| format!("{} / {}", mib(v, "binary_code_steady_kib"), mib(v, "binary_rodata_steady_kib")))),
+        ("PSS (shared pages divided) / private: steady (MiB)", Box::new(|v| format!("{} / {}", mib(v, "pss_steady_kib"), mib(v, "private_steady_kib")))),
+        ("peak RSS (VmHWM): after sync / end (MiB)", Box::new(|v| format!("{} / {}", mib(v, "hwm_sync_kib"), mib(v, "hwm_end_kib")))),
+        ("events received in all (initial sync, changes, churn, no-op); all taken in", Box::new(|v| format!("{}, {}", v["events"], if v["converged"] == true { "yes" } else { "no" }))),
+    ];
+    render(&rows, results)
+}
+
+fn render(rows: &[Row], results: &[Value]) -> String {
     let mut out = String::from("| measurement |");
     for v in results {
         out += &format!(" {} services |", v["services"]);
@@ -265,7 +311,7 @@ fn table(results: &[Value]) -> String {
     out += "\n|---|";
     out += &"---|".repeat(results.len());
     out += "\n";
-    for (name, cell) in &rows {
+    for (name, cell) in rows {
         out += &format!("| {name} |");
         for v in results {
             out += &format!(" {} |", cell(v));

@@ -7,14 +7,17 @@
 //! touches 4.3. Linking with `-Wl,--symbol-ordering-file=FILE` places the functions named in
 //! FILE first and together.
 //!
-//! A traced worker runs from a private copy of this binary that no other process maps (its
-//! cluster and compiler processes run the original), so only its own faults bring the copy's
-//! pages into the page cache. The copy lives on a small ext4 volume of its own (a loop
+//! The traced host runs from a private copy of its binary that no other process maps, so only
+//! its own faults bring the copy's pages into the page cache: this harness's in-process
+//! worker (its cluster and compiler processes run the original), or with `--binary` the
+//! shipped `wasmplane` as a child (`crate::binary`, which compiles the guests with the
+//! original first). The copy lives on a small ext4 volume of its own (a loop
 //! device) with read-ahead off: the exec's first faults would otherwise read megabytes
 //! around each page, in large folios that cannot be dropped while code on them runs. First
-//! thing, the worker drops its code's page-table entries (`MADV_DONTNEED`) and the copy's
-//! cached pages (`POSIX_FADV_DONTNEED`): from then on a code page is resident only if the
-//! worker ran (or read) something on it. At the end, the functions on resident code pages are
+//! thing, the in-process worker drops its code's page-table entries (`MADV_DONTNEED`) and the
+//! copy's cached pages (`POSIX_FADV_DONTNEED`): from then on a code page is resident only if
+//! the worker ran (or read) something on it (a child starts with nothing of the copy cached).
+//! At the end, the functions on resident code pages are
 //! the ones it ran, give or take their neighbours on the same 4 KiB page.
 
 use std::io::{Read as _, Seek as _, SeekFrom};
@@ -63,22 +66,23 @@ impl Drop for PrivateVolume {
     }
 }
 
-/// The executable mapping of this process's binary.
+/// The executable mapping of a process's binary.
 struct CodeMapping {
     start: u64,
     end: u64,
 }
 
-fn code_mapping() -> anyhow::Result<CodeMapping> {
-    let exe = std::fs::read_link("/proc/self/exe")?;
-    for line in std::fs::read_to_string("/proc/self/maps")?.lines() {
+/// `process` is a directory under /proc: `self` or a process ID.
+fn code_mapping(process: &str) -> anyhow::Result<CodeMapping> {
+    let exe = std::fs::read_link(format!("/proc/{process}/exe"))?;
+    for line in std::fs::read_to_string(format!("/proc/{process}/maps"))?.lines() {
         let fields: Vec<&str> = line.split_whitespace().collect();
         if fields.len() >= 6 && fields[1].contains('x') && Path::new(fields[5]) == exe {
             let (start, end) = fields[0].split_once('-').context("an address range")?;
             return Ok(CodeMapping { start: u64::from_str_radix(start, 16)?, end: u64::from_str_radix(end, 16)? });
         }
     }
-    anyhow::bail!("no executable mapping of {} in /proc/self/maps", exe.display())
+    anyhow::bail!("no executable mapping of {} in /proc/{process}/maps", exe.display())
 }
 
 fn page_size() -> u64 {
@@ -88,7 +92,7 @@ fn page_size() -> u64 {
 
 /// Makes code pages resident only when they are used, from now on. Call first thing.
 pub fn start_tracing() -> anyhow::Result<()> {
-    let code = code_mapping()?;
+    let code = code_mapping("self")?;
     let (addr, len) = (code.start as *mut libc::c_void, (code.end - code.start) as usize);
     // SAFETY: advice on this process's own code, a clean private file mapping: MADV_DONTNEED
     // only drops its page-table entries, and the next instruction fetch faults each page back
@@ -108,14 +112,15 @@ pub fn drop_cached_pages(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The mangled names of the functions on this process's resident code pages, in address
-/// order, and how many bytes of code pages were resident.
-pub fn touched_functions() -> anyhow::Result<(Vec<String>, u64)> {
-    let code = code_mapping()?;
+/// The mangled names of the functions on a process's resident code pages (`process`: `self`
+/// or a process ID, which needs root), in address order, and how many bytes of code pages
+/// were resident. Reads the binary last, so that reading it cannot make pages resident first.
+pub fn touched_functions(process: &str) -> anyhow::Result<(Vec<String>, u64)> {
+    let code = code_mapping(process)?;
     let page = page_size();
     let pages = ((code.end - code.start) / page) as usize;
     let mut entries = vec![0u8; pages * 8];
-    let mut pagemap = std::fs::File::open("/proc/self/pagemap")?;
+    let mut pagemap = std::fs::File::open(format!("/proc/{process}/pagemap"))?;
     pagemap.seek(SeekFrom::Start(code.start / page * 8))?;
     pagemap.read_exact(&mut entries)?;
     // Bit 63 of an entry: the page is present.
@@ -126,7 +131,7 @@ pub fn touched_functions() -> anyhow::Result<(Vec<String>, u64)> {
         .map(|(i, _)| i as u64 * page)
         .collect();
 
-    let data = std::fs::read("/proc/self/exe")?;
+    let data = std::fs::read(format!("/proc/{process}/exe"))?;
     let elf = object::File::parse(&*data)?;
     // The mapping starts at the executable segment's page-aligned virtual address.
     let text = elf

@@ -32,14 +32,14 @@ pub struct Opts {
 }
 
 /// The cluster process and its command pipe.
-struct ClusterProc {
+pub(crate) struct ClusterProc {
     child: Child,
     stdin: ChildStdin,
     stdout: BufReader<ChildStdout>,
 }
 
 impl ClusterProc {
-    fn start(o: &Opts) -> anyhow::Result<(ClusterProc, Vec<String>)> {
+    pub(crate) fn start(o: &Opts) -> anyhow::Result<(ClusterProc, Vec<String>)> {
         let mut child = Command::new(children_exe(o)?)
             .args(["--apiserver", &o.services.to_string(), "--endpoints", &o.endpoints.to_string(), "--policies", &o.policies.to_string(), "--seed", &o.seed.to_string()])
             .stdin(Stdio::piped())
@@ -59,7 +59,7 @@ impl ClusterProc {
         Ok(line.split_whitespace().map(str::to_string).collect())
     }
 
-    fn call(&mut self, command: &str) -> anyhow::Result<Vec<String>> {
+    pub(crate) fn call(&mut self, command: &str) -> anyhow::Result<Vec<String>> {
         writeln!(self.stdin, "{command}")?;
         self.stdin.flush()?;
         let reply = self.read()?;
@@ -85,10 +85,10 @@ impl Drop for ClusterProc {
 }
 
 /// The network namespace the host's nft writes into; deleted on drop.
-struct Netns(String);
+pub(crate) struct Netns(pub String);
 
 impl Netns {
-    fn new() -> anyhow::Result<Netns> {
+    pub(crate) fn new() -> anyhow::Result<Netns> {
         let name = format!("wpperf{}", std::process::id());
         let _ = Command::new("ip").args(["netns", "del", &name]).output();
         run(&["ip", "netns", "add", &name])?;
@@ -117,22 +117,27 @@ pub fn is_root() -> bool {
         .unwrap_or(false)
 }
 
-/// This process's memory from `/proc/self/status`, in KiB.
-struct Memory {
+/// A process's memory from `/proc/PID/status`, in KiB.
+pub(crate) struct Memory {
     /// VmRSS.
-    rss: u64,
+    pub rss: u64,
     /// VmHWM: the peak of `rss`.
-    hwm: u64,
+    pub hwm: u64,
     /// RssFile: resident pages of mapped files. Most are this binary's code and read-only
     /// data; how many of them are mapped depends on the page cache and read-ahead as much as
     /// on what the host runs (the kernel maps cached neighbours of every page it faults in).
-    file: u64,
+    pub file: u64,
     /// RssAnon: heap, stacks, guests' memories and compiled code, relocated data.
-    anon: u64,
+    pub anon: u64,
 }
 
 fn memory() -> Memory {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    memory_of("self")
+}
+
+/// `process`: `self` or a process ID.
+pub(crate) fn memory_of(process: &str) -> Memory {
+    let status = std::fs::read_to_string(format!("/proc/{process}/status")).unwrap_or_default();
     let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap_or(0);
     Memory { rss: field("VmRSS:"), hwm: field("VmHWM:"), file: field("RssFile:"), anon: field("RssAnon:") }
 }
@@ -237,7 +242,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[rank.min(sorted.len()) - 1]
 }
 
-fn children_exe(o: &Opts) -> std::io::Result<std::path::PathBuf> {
+pub(crate) fn children_exe(o: &Opts) -> std::io::Result<std::path::PathBuf> {
     o.children_exe.clone().map_or_else(std::env::current_exe, Ok)
 }
 
@@ -251,7 +256,7 @@ pub fn run_size(o: Opts) -> anyhow::Result<Value> {
     let trace_code = o.trace_code.clone();
     let mut result = runtime.block_on(measure(o))?;
     if let Some(path) = trace_code {
-        let (functions, resident_bytes) = crate::symbol_order::touched_functions()?;
+        let (functions, resident_bytes) = crate::symbol_order::touched_functions("self")?;
         std::fs::write(&path, functions.iter().map(|f| format!("{f}\n")).collect::<String>())?;
         result["traced_code_kib"] = (resident_bytes / 1024).into();
         result["traced_functions"] = functions.len().into();
