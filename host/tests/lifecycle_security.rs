@@ -369,6 +369,11 @@ fn guests_compile_in_a_child_process_of_the_host_binary() {
     let (from_child, from_local) = (cached_artifacts(child_cache.path()), cached_artifacts(local_cache.path()));
     assert_eq!(from_child.len(), 1);
     assert!(from_child == from_local, "the child's artifact differs from the in-process one ({} / {} bytes)", from_child[0].len(), from_local[0].len());
+    // Loaded from the file it was just cached in, as every later start loads it: mapped
+    // (reclaimable page cache), not copied into anonymous memory.
+    let cache_file = std::fs::read_dir(child_cache.path()).unwrap().map(|e| e.unwrap().path()).find(|p| p.extension().is_some_and(|e| e == "cwasm")).unwrap();
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    assert!(maps.contains(cache_file.to_str().unwrap()), "{} is not mapped:\n{maps}", cache_file.display());
 
     // The child's code runs: a service with one endpoint is balanced over it.
     let mut session = module.translator(std::sync::Arc::new(NoLookups)).unwrap();
