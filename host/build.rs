@@ -9,7 +9,8 @@
 //!   process faults in, so with hot code spread over the binary most of its text ends up
 //!   resident. Names this build does not have are skipped: mangled names carry hashes of the
 //!   toolchain and of each crate's resolved features and dependencies, so another toolchain
-//!   or lockfile only lays the binary out less well. Regenerate the file when those change.
+//!   or lockfile only lays the binary out less well. The file's first line names the build
+//!   it was traced from, and a release build of another toolchain or lockfile warns.
 //!   `WASMPLANE_SYMBOL_ORDER=0` turns it off, `=PATH` uses another file.
 //! - **Packed relative relocations** (DT_RELR, glibc 2.36 and later): the dynamic loader
 //!   reads 0.9 MiB of `.rela.dyn` at every start, and those pages stay resident; packed,
@@ -18,7 +19,7 @@
 //! Both only where lld links by default (x86_64 Linux, Rust 1.90 and later) and no other
 //! linker is configured.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 fn main() {
     println!("cargo::rerun-if-env-changed=WASMPLANE_SYMBOL_ORDER");
@@ -39,7 +40,32 @@ fn main() {
     if order.is_file() {
         println!("cargo::rustc-link-arg-bin=wasmplane=-Wl,--symbol-ordering-file={}", order.display());
         println!("cargo::rustc-link-arg-bin=wasmplane=-Wl,--no-warn-symbol-ordering");
+        warn_if_stale(&order);
     }
+}
+
+/// Warns when the order was traced from a build by another compiler or of another lockfile
+/// (its first line, written by `wasmplane-perf --symbol-order`): lld would skip most names
+/// without a word, and the binary would lose the layout.
+fn warn_if_stale(order: &Path) {
+    let lock = Path::new(&std::env::var("CARGO_MANIFEST_DIR").unwrap_or_default()).join("../Cargo.lock");
+    println!("cargo::rerun-if-changed={}", lock.display());
+    let (Ok(text), Ok(lock)) = (std::fs::read_to_string(order), std::fs::read(&lock)) else { return };
+    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    let Some(version) = std::process::Command::new(rustc).arg("--version").output().ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()) else { return };
+    let this_build = format!("# traced from a build by {version} of Cargo.lock {:016x} (FNV-1a)", fnv1a(&lock));
+    let traced = text.lines().next().unwrap_or_default();
+    if traced != this_build {
+        println!(
+            "cargo::warning={} is from another build (its first line: {traced:?}; this build would write {this_build:?}): the binary may be laid out less well until it is regenerated (BENCHMARKS.md, \"Reproducing\")",
+            order.display()
+        );
+    }
+}
+
+/// 64-bit FNV-1a, as `wasmplane-perf` computes it (its test checks the standard vectors).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| (hash ^ u64::from(*byte)).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// Rust 1.90 made lld the default linker on x86_64-unknown-linux-gnu.

@@ -243,6 +243,8 @@ fn symbol_order(a: &Args, path: &str) -> anyhow::Result<()> {
     eprintln!("== {services} services, traced ==");
     let out = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).output().context("running the traced worker")?;
     let result = worker_result(&out.stdout)?.with_context(|| format!("the traced worker failed ({})", out.status))?;
+    let names = std::fs::read_to_string(path)?;
+    std::fs::write(path, symbol_order::provenance(&original)? + &names)?;
     println!(
         "{path}: {} functions on {} MiB of touched code pages; host RSS steady {} MiB while traced",
         result["traced_functions"],

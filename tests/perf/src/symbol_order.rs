@@ -25,7 +25,7 @@ use std::os::fd::AsRawFd as _;
 use std::path::Path;
 
 use anyhow::Context as _;
-use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
+use object::{Object as _, ObjectSection as _, ObjectSegment as _, ObjectSymbol as _};
 
 /// An ext4 image mounted on a loop device with read-ahead off; unmounted (and the device
 /// freed) on drop.
@@ -88,6 +88,29 @@ fn code_mapping(process: &str) -> anyhow::Result<CodeMapping> {
 fn page_size() -> u64 {
     // SAFETY: sysconf only reads a system constant.
     (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }) as u64
+}
+
+/// The first line of an order file: the compiler that built the traced binary (from its
+/// `.comment` section) and this checkout's `Cargo.lock`, which name the hashes in its mangled
+/// names. The release build compares it with its own and warns when they differ
+/// (`host/build.rs`); lld reads a line from `#` on as a comment.
+pub fn provenance(binary: &Path) -> anyhow::Result<String> {
+    let data = std::fs::read(binary)?;
+    let elf = object::File::parse(&*data)?;
+    let comment = elf.section_by_name(".comment").context("no .comment section")?.data()?;
+    let rustc = comment
+        .split(|b| *b == 0)
+        .filter_map(|s| std::str::from_utf8(s).ok())
+        .find_map(|s| s.strip_prefix("rustc version "))
+        .context("no rustc version in the .comment section")?;
+    let lock = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/../../Cargo.lock"))?;
+    Ok(format!("# traced from a build by rustc {rustc} of Cargo.lock {:016x} (FNV-1a)\n", fnv1a(&lock)))
+}
+
+/// 64-bit FNV-1a: stable across toolchains, unlike std's `DefaultHasher` (`host/build.rs`
+/// computes the same).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| (hash ^ u64::from(*byte)).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// Makes code pages resident only when they are used, from now on. Call first thing.
@@ -168,6 +191,14 @@ fn functions_on_pages<'a>(symbols: &mut [(u64, u64, &'a str)], pages: &[u64], pa
 
 #[cfg(test)]
 mod tests {
+    /// The published FNV-1a 64 test vectors: `host/build.rs` must compute the same.
+    #[test]
+    fn fnv1a_is_the_standard_one() {
+        assert_eq!(super::fnv1a(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(super::fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(super::fnv1a(b"foobar"), 0x8594_4171_f739_67e8);
+    }
+
     #[test]
     fn functions_on_pages_are_those_with_a_byte_there() {
         let mut symbols = vec![(5000, 3200, "c"), (0, 100, "a"), (100, 4900, "b"), (8200, 100, "d"), (12288, 50, "e")];
