@@ -153,7 +153,8 @@ fn smaps_rollup(pid: &str) -> (u64, u64) {
 }
 
 /// Resident KiB of the process's own binary, by mapping: code (`r-xp`) and read-only data
-/// (`r--p`: relocations, constants, unwind tables), from `/proc/PID/smaps`.
+/// (`r--p`: constants, unwind tables, relocations, and the relocated data made read-only
+/// after start, whose pages count as anonymous), from `/proc/PID/smaps`.
 fn binary_resident(pid: &str) -> (u64, u64) {
     let exe = std::fs::read_link(format!("/proc/{pid}/exe")).unwrap_or_default();
     let (mut code, mut rodata) = (0, 0);

@@ -297,7 +297,7 @@ fn binary_table(results: &[Value]) -> String {
         ("start → ready (initial sync applied) (s)", Box::new(|v| format!("{:.2}", f(v, "initial_sync_s")))),
         ("RSS steady after sync / end (MiB)", Box::new(|v| format!("{} / {}", mib(v, "rss_steady_kib"), mib(v, "rss_end_kib")))),
         ("  of the steady RSS: anonymous / file-backed (MiB)", Box::new(|v| format!("{} / {}", mib(v, "rss_anon_steady_kib"), mib(v, "rss_file_steady_kib")))),
-        ("  of the file-backed: the binary's code / read-only data (MiB)", Box::new(|v| format!("{} / {}", mib(v, "binary_code_steady_kib"), mib(v, "binary_rodata_steady_kib")))),
+        ("  the binary's resident code / read-only mappings (these hold ~0.7 MiB of relocated, anonymous data) (MiB)", Box::new(|v| format!("{} / {}", mib(v, "binary_code_steady_kib"), mib(v, "binary_rodata_steady_kib")))),
         ("PSS (shared pages divided) / private: steady (MiB)", Box::new(|v| format!("{} / {}", mib(v, "pss_steady_kib"), mib(v, "private_steady_kib")))),
         ("peak RSS (VmHWM): after sync / end (MiB)", Box::new(|v| format!("{} / {}", mib(v, "hwm_sync_kib"), mib(v, "hwm_end_kib")))),
         ("events received in all (initial sync, changes, churn, no-op); all taken in", Box::new(|v| format!("{}, {}", v["events"], if v["converged"] == true { "yes" } else { "no" }))),
