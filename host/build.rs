@@ -25,7 +25,12 @@ fn main() {
     println!("cargo::rerun-if-env-changed=WASMPLANE_SYMBOL_ORDER");
     let env = |name: &str| std::env::var(name).unwrap_or_default();
     let custom_linker = std::env::var_os("RUSTC_LINKER").is_some() || env("CARGO_ENCODED_RUSTFLAGS").contains("link");
-    if env("PROFILE") != "release" || env("TARGET") != "x86_64-unknown-linux-gnu" || custom_linker || !rustc_links_with_lld() {
+    if env("PROFILE") != "release" || env("TARGET") != "x86_64-unknown-linux-gnu" || custom_linker {
+        return;
+    }
+    // "rustc 1.95.0 (59807616e 2026-04-14)"; 1.90 made lld the default linker here.
+    let Some(rustc_version) = output(&std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into()), "--version") else { return };
+    if major_minor(&rustc_version).is_none_or(|v| v < (1, 90)) {
         return;
     }
     if glibc_has_relr() {
@@ -40,20 +45,18 @@ fn main() {
     if order.is_file() {
         println!("cargo::rustc-link-arg-bin=wasmplane=-Wl,--symbol-ordering-file={}", order.display());
         println!("cargo::rustc-link-arg-bin=wasmplane=-Wl,--no-warn-symbol-ordering");
-        warn_if_stale(&order);
+        warn_if_stale(&order, &rustc_version);
     }
 }
 
 /// Warns when the order was traced from a build by another compiler or of another lockfile
 /// (its first line, written by `wasmplane-perf --symbol-order`): lld would skip most names
 /// without a word, and the binary would lose the layout.
-fn warn_if_stale(order: &Path) {
+fn warn_if_stale(order: &Path, rustc_version: &str) {
     let lock = Path::new(&std::env::var("CARGO_MANIFEST_DIR").unwrap_or_default()).join("../Cargo.lock");
     println!("cargo::rerun-if-changed={}", lock.display());
     let (Ok(text), Ok(lock)) = (std::fs::read_to_string(order), std::fs::read(&lock)) else { return };
-    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
-    let Some(version) = std::process::Command::new(rustc).arg("--version").output().ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()) else { return };
-    let this_build = format!("# traced from a build by {version} of Cargo.lock {:016x} (FNV-1a)", fnv1a(&lock));
+    let this_build = format!("# traced from a build by {rustc_version} of Cargo.lock {:016x} (FNV-1a)", fnv1a(&lock));
     let traced = text.lines().next().unwrap_or_default();
     if traced != this_build {
         println!(
@@ -68,24 +71,21 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| (hash ^ u64::from(*byte)).wrapping_mul(0x0100_0000_01b3))
 }
 
-/// Rust 1.90 made lld the default linker on x86_64-unknown-linux-gnu.
-fn rustc_links_with_lld() -> bool {
-    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
-    // "rustc 1.95.0 (59807616e 2026-04-14)"
-    version_of(&rustc, "--version").is_some_and(|v| v >= (1, 90))
-}
-
 /// Whether the C library here loads packed relative relocations. The binary runs where it is
 /// built, or in the image, whose base is the build stage's.
 fn glibc_has_relr() -> bool {
     // "glibc 2.36"
-    version_of("getconf", "GNU_LIBC_VERSION").is_some_and(|v| v >= (2, 36))
+    output("getconf", "GNU_LIBC_VERSION").and_then(|v| major_minor(&v)).is_some_and(|v| v >= (2, 36))
 }
 
-/// (major, minor) from the second word of what `program arg` prints.
-fn version_of(program: &str, arg: &str) -> Option<(u32, u32)> {
+/// What `program arg` prints, trimmed.
+fn output(program: &str, arg: &str) -> Option<String> {
     let out = std::process::Command::new(program).arg(arg).output().ok()?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    let mut parts = text.split_whitespace().nth(1)?.split('.');
+    Some(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// (major, minor) from the second word of a version line.
+fn major_minor(line: &str) -> Option<(u32, u32)> {
+    let mut parts = line.split_whitespace().nth(1)?.split('.');
     Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
 }

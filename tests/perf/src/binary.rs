@@ -19,7 +19,7 @@ use anyhow::Context as _;
 use serde_json::{Value, json};
 
 use crate::cluster::{CLUSTER_CIDR, HOST_NODE};
-use crate::worker::{ClusterProc, Netns, Opts, is_root, memory_of};
+use crate::worker::{ClusterProc, Netns, Opts, is_root, kib_field, memory_of};
 
 const TOKEN: &str = "perf-harness-token-0123456789";
 
@@ -148,7 +148,7 @@ impl Drop for HostProc {
 /// holds with shared file pages divided among the processes that map them, and alone.
 fn smaps_rollup(pid: &str) -> (u64, u64) {
     let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
-    let field = |name: &str| text.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap_or(0u64);
+    let field = |name| kib_field(&text, name);
     (field("Pss:"), field("Private_Clean:") + field("Private_Dirty:"))
 }
 
@@ -241,10 +241,7 @@ async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Va
         "pss_end_kib": pss_end, "private_end_kib": private_end,
     });
     if let Some(path) = &o.trace_code {
-        let (functions, resident_bytes) = crate::symbol_order::touched_functions(&pid)?;
-        std::fs::write(path, functions.iter().map(|f| format!("{f}\n")).collect::<String>())?;
-        result["traced_code_kib"] = (resident_bytes / 1024).into();
-        result["traced_functions"] = functions.len().into();
+        crate::symbol_order::write_trace(&pid, path, &mut result)?;
     }
     host.stop()?;
     drop(cluster);

@@ -138,7 +138,7 @@ pub fn drop_cached_pages(path: &Path) -> anyhow::Result<()> {
 /// The mangled names of the functions on a process's resident code pages (`process`: `self`
 /// or a process ID, which needs root), in address order, and how many bytes of code pages
 /// were resident. Reads the binary last, so that reading it cannot make pages resident first.
-pub fn touched_functions(process: &str) -> anyhow::Result<(Vec<String>, u64)> {
+fn touched_functions(process: &str) -> anyhow::Result<(Vec<String>, u64)> {
     let code = code_mapping(process)?;
     let page = page_size();
     let pages = ((code.end - code.start) / page) as usize;
@@ -170,6 +170,16 @@ pub fn touched_functions(process: &str) -> anyhow::Result<(Vec<String>, u64)> {
         .collect();
     let names = functions_on_pages(&mut symbols, &pages_vaddr, page).into_iter().map(str::to_string).collect();
     Ok((names, resident.len() as u64 * page))
+}
+
+/// Writes the functions on a process's resident code pages to `path` (one mangled name a
+/// line) and adds how many, and on how much code, to a worker's `result`.
+pub fn write_trace(process: &str, path: &Path, result: &mut serde_json::Value) -> anyhow::Result<()> {
+    let (functions, resident_bytes) = touched_functions(process)?;
+    std::fs::write(path, functions.iter().map(|f| format!("{f}\n")).collect::<String>())?;
+    result["traced_code_kib"] = (resident_bytes / 1024).into();
+    result["traced_functions"] = functions.len().into();
+    Ok(())
 }
 
 /// Functions (address, size, name) with a byte on any of the pages (start addresses), each

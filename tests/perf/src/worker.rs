@@ -138,8 +138,14 @@ fn memory() -> Memory {
 /// `process`: `self` or a process ID.
 pub(crate) fn memory_of(process: &str) -> Memory {
     let status = std::fs::read_to_string(format!("/proc/{process}/status")).unwrap_or_default();
-    let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap_or(0);
+    let field = |name| kib_field(&status, name);
     Memory { rss: field("VmRSS:"), hwm: field("VmHWM:"), file: field("RssFile:"), anon: field("RssAnon:") }
+}
+
+/// The number on the first line of a /proc file (`status`, `smaps_rollup`) that starts with
+/// `name` (`"VmRSS:"`), in the file's unit (kB); 0 if there is none.
+pub(crate) fn kib_field(text: &str, name: &str) -> u64 {
+    text.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap_or(0)
 }
 
 /// Bytes of heap the process's allocations hold (glibc's `mallinfo2`: arena chunks in use
@@ -256,10 +262,7 @@ pub fn run_size(o: Opts) -> anyhow::Result<Value> {
     let trace_code = o.trace_code.clone();
     let mut result = runtime.block_on(measure(o))?;
     if let Some(path) = trace_code {
-        let (functions, resident_bytes) = crate::symbol_order::touched_functions("self")?;
-        std::fs::write(&path, functions.iter().map(|f| format!("{f}\n")).collect::<String>())?;
-        result["traced_code_kib"] = (resident_bytes / 1024).into();
-        result["traced_functions"] = functions.len().into();
+        crate::symbol_order::write_trace("self", &path, &mut result)?;
     }
     Ok(result)
 }
