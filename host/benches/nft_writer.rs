@@ -31,10 +31,10 @@ use support::{Netns, is_root};
 
 fn view(i: usize, endpoint_base: usize) -> ServiceView {
     let service = Service {
-        namespace: format!("ns{}", i % 50),
-        name: format!("svc{i}"),
+        namespace: format!("ns{}", i % 50).into(),
+        name: format!("svc{i}").into(),
         service_type: ServiceType::ClusterIP,
-        cluster_ips: vec![format!("10.{}.{}.{}", 96 + i / 62_500, i / 250 % 250, i % 250 + 1)],
+        cluster_ips: vec![format!("10.{}.{}.{}", 96 + i / 62_500, i / 250 % 250, i % 250 + 1).into()],
         external_ips: vec![],
         load_balancer_ips: vec![],
         ports: vec![ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: 0, target_port: TargetPort::Number(8080) }],
@@ -47,11 +47,11 @@ fn view(i: usize, endpoint_base: usize) -> ServiceView {
         .map(|e| {
             let n = endpoint_base + i * 3 + e;
             LocalEndpoint {
-                addresses: vec![format!("10.{}.{}.{}", 128 + n / 62_500, n / 250 % 250, n % 250 + 1)],
+                addresses: vec![format!("10.{}.{}.{}", 128 + n / 62_500, n / 250 % 250, n % 250 + 1).into()],
                 ready: true,
                 serving: true,
                 terminating: false,
-                node_name: Some(format!("node-{e}")),
+                node_name: Some(format!("node-{e}").into()),
                 zone: None,
                 is_local: e == 0,
             }
@@ -59,7 +59,7 @@ fn view(i: usize, endpoint_base: usize) -> ServiceView {
         .collect();
     ServiceView {
         service: service.into(),
-        slices: vec![LocalSlice { name: format!("svc{i}-x"), endpoints, ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }] }],
+        slices: vec![LocalSlice { name: format!("svc{i}-x").into(), endpoints, ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }] }],
     }
 }
 
@@ -122,7 +122,7 @@ fn main() {
             let ns = Netns::new(format!("wpbench{}-writer", std::process::id()));
             let netns = NetlinkNft::netns_of_command(&ns.nft_command());
             let kernel = NetlinkNft::open(NftCommand::new(ns.nft_command(), Vec::new()), netns.as_deref()).expect("netlink socket");
-            let mut dataplane = Dataplane::new(Box::new(kernel)).with_services_per_shard(per_shard).with_cluster_cidrs(&ctx.cluster_cidrs);
+            let mut dataplane = Dataplane::new(Box::new(kernel)).with_services_per_shard(per_shard).with_cluster_cidrs(&ctx.cluster_cidrs.to_std());
             let (result, full) = timed(|| dataplane.full_sync(Some(objects.clone())));
             result.expect("writer full sync");
             let layout = dataplane.layout();
@@ -139,7 +139,7 @@ fn main() {
                 let i = k * n / 5 + 7;
                 let mut v = view(i, 0);
                 // One endpoint replaced: one numbered backend changes, one hairpin pair goes, one comes.
-                v.slices[0].endpoints[2].addresses = vec![format!("10.250.{}.{}", k, i % 250 + 1)];
+                v.slices[0].endpoints[2].addresses = vec![format!("10.250.{}.{}", k, i % 250 + 1).into()];
                 let (key, r) = rules(&mut session, &ctx, &v);
                 let (stats, t) = timed(|| dataplane.sync(vec![(key.clone(), Some(r))]).expect("incremental sync"));
                 assert!(!stats.full && stats.statements > 0);
@@ -148,7 +148,7 @@ fn main() {
                 // The same kind of change through `nft -f`, then undone (untimed), so the
                 // writer's view and the kernel stay equal.
                 let applied = dataplane.applied()[&key].clone();
-                v.slices[0].endpoints[1].addresses = vec![format!("10.251.{}.{}", k, i % 250 + 1)];
+                v.slices[0].endpoints[1].addresses = vec![format!("10.251.{}.{}", k, i % 250 + 1).into()];
                 let (_, other) = rules(&mut session, &ctx, &v);
                 let (mut forward, mut back) = (String::new(), String::new());
                 nft::object_delta(&applied, &other, &mut forward, layout);

@@ -26,7 +26,7 @@ const APPS: usize = 20;
 const NODE: &str = "node-a";
 
 fn labels(pairs: &[(&str, String)]) -> Labels {
-    pairs.iter().map(|(k, v)| (k.to_string(), v.clone())).collect()
+    pairs.iter().map(|(k, v)| ((*k).into(), v.into())).collect()
 }
 
 fn select(pairs: &[(&str, String)]) -> LabelSelector {
@@ -37,10 +37,10 @@ fn pod(i: usize, app: usize) -> ClusterObject {
     // 100 pods on this node, spread over every namespace.
     let local = (i / NAMESPACES).is_multiple_of(NAMESPACES);
     ClusterObject::Pod(Pod {
-        namespace: format!("ns{}", i % NAMESPACES),
-        name: format!("pod{i}"),
-        ips: vec![format!("10.244.{}.{}", i / 250, i % 250 + 1)],
-        node_name: Some(if local { NODE.into() } else { format!("node-{}", i % 40 + 1) }),
+        namespace: format!("ns{}", i % NAMESPACES).into(),
+        name: format!("pod{i}").into(),
+        ips: vec![format!("10.244.{}.{}", i / 250, i % 250 + 1).into()],
+        node_name: Some(if local { NODE.into() } else { format!("node-{}", i % 40 + 1).into() }),
         labels: labels(&[("app", format!("a{app}"))]),
         ports: vec![ContainerPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }],
         host_network: false,
@@ -50,9 +50,9 @@ fn pod(i: usize, app: usize) -> ClusterObject {
 fn policy(i: usize) -> ClusterObject {
     let rule = |peers: Vec<PolicyPeer>| PolicyRule { ports: vec![PolicyPort { protocol: Protocol::Tcp, port: PolicyPortNumber::Name("http".into()), end_port: None }], peers };
     ClusterObject::NetworkPolicy(NetworkPolicy {
-        namespace: format!("ns{}", i % NAMESPACES),
-        name: format!("pol{i}"),
-        uid: format!("uid-{i}"),
+        namespace: format!("ns{}", i % NAMESPACES).into(),
+        name: format!("pol{i}").into(),
+        uid: format!("uid-{i}").into(),
         generation: 1,
         pod_selector: select(&[("app", format!("a{}", i % APPS))]),
         ingress: Some(vec![
@@ -103,7 +103,7 @@ fn run(n: usize, kernel: Box<dyn Kernel>, runtime: &Runtime) -> (Duration, usize
         dataplane: Dataplane::new(kernel),
     };
     let mut events: Vec<ClusterEvent> =
-        (0..NAMESPACES).map(|i| ClusterEvent::Upsert(ClusterObject::Namespace(Namespace { name: format!("ns{i}"), labels: labels(&[("team", format!("t{}", i % 5))]) }))).collect();
+        (0..NAMESPACES).map(|i| ClusterEvent::Upsert(ClusterObject::Namespace(Namespace { name: format!("ns{i}").into(), labels: labels(&[("team", format!("t{}", i % 5))]) }))).collect();
     events.extend((0..PODS).map(|i| ClusterEvent::Upsert(pod(i, i % APPS))));
     events.extend((0..n).map(|i| ClusterEvent::Upsert(policy(i))));
     let started = Instant::now();

@@ -26,10 +26,10 @@ fn synthetic(n: usize) -> Vec<ServiceView> {
     (0..n)
         .map(|i| {
             let service = Service {
-                namespace: format!("ns{}", i % 50),
-                name: format!("svc{i}"),
+                namespace: format!("ns{}", i % 50).into(),
+                name: format!("svc{i}").into(),
                 service_type: ServiceType::ClusterIP,
-                cluster_ips: vec![format!("10.96.{}.{}", i / 250, i % 250 + 1)],
+                cluster_ips: vec![format!("10.96.{}.{}", i / 250, i % 250 + 1).into()],
                 external_ips: vec![],
                 load_balancer_ips: vec![],
                 ports: vec![ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: 0, target_port: TargetPort::Number(8080) }],
@@ -40,18 +40,18 @@ fn synthetic(n: usize) -> Vec<ServiceView> {
             };
             let endpoints = (0..3)
                 .map(|e| LocalEndpoint {
-                    addresses: vec![format!("10.244.{}.{}", (i * 3 + e) / 250 % 250, (i * 3 + e) % 250 + 1)],
+                    addresses: vec![format!("10.244.{}.{}", (i * 3 + e) / 250 % 250, (i * 3 + e) % 250 + 1).into()],
                     ready: true,
                     serving: true,
                     terminating: false,
-                    node_name: Some(format!("node-{e}")),
+                    node_name: Some(format!("node-{e}").into()),
                     zone: None,
                     is_local: e == 0,
                 })
                 .collect();
             ServiceView {
                 service: service.into(),
-                slices: vec![LocalSlice { name: format!("svc{i}-x"), endpoints, ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }] }],
+                slices: vec![LocalSlice { name: format!("svc{i}-x").into(), endpoints, ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }] }],
             }
         })
         .collect()
@@ -66,16 +66,16 @@ fn to_sdk(view: &ServiceView) -> (sdk::Service, Vec<sdk::EndpointSlice>) {
     };
     let s = &view.service;
     let service = sdk::Service {
-        namespace: s.namespace.clone(),
-        name: s.name.clone(),
+        namespace: s.namespace.to_std(),
+        name: s.name.to_std(),
         service_type: sdk::ServiceType::ClusterIp,
-        cluster_ips: s.cluster_ips.clone(),
+        cluster_ips: s.cluster_ips.to_std(),
         external_ips: vec![],
         load_balancer_ips: vec![],
         ports: s
             .ports
             .iter()
-            .map(|p| sdk::ServicePort { name: p.name.clone(), protocol: proto(p.protocol), port: p.port, node_port: 0, target_port: sdk::TargetPort::Number(8080) })
+            .map(|p| sdk::ServicePort { name: p.name.to_std(), protocol: proto(p.protocol), port: p.port, node_port: 0, target_port: sdk::TargetPort::Number(8080) })
             .collect(),
         session_affinity_timeout: None,
         external_traffic_policy: sdk::TrafficPolicy::Cluster,
@@ -86,21 +86,21 @@ fn to_sdk(view: &ServiceView) -> (sdk::Service, Vec<sdk::EndpointSlice>) {
         .slices
         .iter()
         .map(|sl| sdk::EndpointSlice {
-            name: sl.name.clone(),
+            name: sl.name.to_std(),
             endpoints: sl
                 .endpoints
                 .iter()
                 .map(|e| sdk::Endpoint {
-                    addresses: e.addresses.clone(),
+                    addresses: e.addresses.to_std(),
                     ready: e.ready,
                     serving: e.serving,
                     terminating: e.terminating,
-                    node_name: e.node_name.clone(),
+                    node_name: e.node_name.to_std(),
                     zone: None,
                     is_local: e.is_local,
                 })
                 .collect(),
-            ports: sl.ports.iter().map(|p| sdk::EndpointPort { name: p.name.clone(), protocol: proto(p.protocol), port: p.port }).collect(),
+            ports: sl.ports.iter().map(|p| sdk::EndpointPort { name: p.name.to_std(), protocol: proto(p.protocol), port: p.port }).collect(),
         })
         .collect();
     (service, slices)
@@ -179,7 +179,7 @@ fn main() {
     println!("| instantiate (pooling allocator) | {:.1} µs |", instantiate.as_secs_f64() * 1e6);
 
     let ctx = NodeContext { node_name: "node-0".into(), node_ips: vec!["192.168.0.1".into()], cluster_cidrs: vec!["10.244.0.0/16".into()], pod_cidrs: vec![], zone: None };
-    let sdk_ctx = sdk::NodeContext { node_name: ctx.node_name.clone(), node_ips: ctx.node_ips.clone(), cluster_cidrs: ctx.cluster_cidrs.clone(), pod_cidrs: vec![] };
+    let sdk_ctx = sdk::NodeContext { node_name: ctx.node_name.to_std(), node_ips: ctx.node_ips.to_std(), cluster_cidrs: ctx.cluster_cidrs.to_std(), pod_cidrs: vec![] };
     let mut breakdown = Vec::new();
     println!("\n| services | Wasm total | Wasm per call | native total | native per call | Wasm/native |");
     println!("|---|---|---|---|---|---|");

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 use wasmplane_kvstore::KvStore;
+use wasmplane_model::ToStd;
 use wasmplane_model::state::NodeContext;
 use wasmplane_operator::policystatus::POLICY_STATUS_PREFIX;
 use wasmplane_operator::{HEARTBEAT_KEY, HeartbeatMonitor, NodePolicyStatus, NodeRegistry, NodeRegistryConfig, NodeStatusWriter, PolicyRef, RouteConfig, RouteSync};
@@ -71,7 +72,7 @@ fn realization(controller: &Controller) -> Vec<(PolicyRef, NodePolicyStatus)> {
             if uid.is_empty() {
                 return None;
             }
-            let policy = PolicyRef { uid, namespace: p.namespace, name: p.name };
+            let policy = PolicyRef { uid: uid.to_std(), namespace: p.namespace, name: p.name };
             let status = match (p.error, p.enforced_generation) {
                 (None, Some(generation)) if generation == p.desired_generation => NodePolicyStatus::ok(generation as i64),
                 (Some(error), _) => NodePolicyStatus::failed(p.desired_generation as i64, error),

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use wasmplane_model::state::{ClusterEvent, ClusterObject, ModelUpdate, ServiceView, Touched};
-use wasmplane_model::{ClusterState, NodeLocalModel, ObjectKey};
+use wasmplane_model::{ClusterState, CompactString, IntoModel, NodeLocalModel, ObjectKey, ToStd};
 use wasmplane_sources::kube::SourceEvent;
 use wasmplane_runtime::{CallError, GuestKind, LoadError, LoadedModule, ModuleInfo, NoLookups, Runtime, TranslatorSession};
 
@@ -105,7 +105,7 @@ pub struct Controller {
     /// A translator version running beside the one in force, output never written.
     shadow: Option<ShadowRun>,
     /// Pod addresses the CNI daemon assigned, used until the API server reports them.
-    cni_ips: BTreeMap<ObjectKey, Vec<String>>,
+    cni_ips: BTreeMap<ObjectKey, Vec<CompactString>>,
     /// Network policy: the builtin policy guest on the policies each update touches.
     policy: PolicyController,
 }
@@ -170,7 +170,7 @@ impl Controller {
             runtime,
             metrics,
             cluster: ClusterState::new(),
-            model: NodeLocalModel::new(&config.node_name, config.cluster_cidrs.clone()),
+            model: NodeLocalModel::new(&config.node_name, config.cluster_cidrs.clone().into_model()),
             registry,
             translator: None,
             dataplane: Dataplane::new(kernel).with_services_per_shard(config.services_per_shard).with_cluster_cidrs(&config.cluster_cidrs),
@@ -270,12 +270,13 @@ impl Controller {
     /// The CNI daemon gave a pod these addresses (`Some`), or released `released` (`None`):
     /// the model has them at once, not only when the kubelet reports them.
     pub fn set_pod_network(&mut self, key: &ObjectKey, ips: Option<Vec<String>>, released: &[String]) -> Result<(), HostError> {
+        let ips = ips.map(IntoModel::into_model);
         match &ips {
             Some(ips) => {
                 self.cni_ips.insert(key.clone(), ips.clone());
             }
             // A recreated pod may have new addresses already: forget only the released ones.
-            None if self.cni_ips.get(key).is_some_and(|current| current.iter().all(|ip| released.contains(ip))) => {
+            None if self.cni_ips.get(key).is_some_and(|current| current.iter().all(|ip| released.iter().any(|r| r == ip))) => {
                 self.cni_ips.remove(key);
             }
             None => return Ok(()),
@@ -284,7 +285,7 @@ impl Controller {
         let mut pod = (**pod).clone();
         match ips {
             Some(ips) if pod.ips != ips => pod.ips = ips,
-            None if pod.ips.iter().any(|ip| released.contains(ip)) => pod.ips.clear(),
+            None if pod.ips.iter().any(|ip| released.iter().any(|r| r == ip)) => pod.ips.clear(),
             _ => return Ok(()),
         }
         let node = self.model.node_name().to_string();
@@ -404,7 +405,7 @@ impl Controller {
             self.metrics.policy_packets.clear();
             for (key, (dropped, would_drop)) in counts {
                 for (verdict, packets) in [("dropped", dropped), ("would_drop", would_drop)] {
-                    let labels = PolicyPacketLabels { namespace: key.namespace.clone(), name: key.name.clone(), verdict: verdict.into() };
+                    let labels = PolicyPacketLabels { namespace: key.namespace.to_std(), name: key.name.to_std(), verdict: verdict.into() };
                     self.metrics.policy_packets.get_or_create(&labels).set(packets as i64);
                 }
             }

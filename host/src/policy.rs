@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use serde::Serialize;
 use wasmplane_model::state::{ModelUpdate, PolicyView};
-use wasmplane_model::{ClusterState, Labels, NetworkPolicy, NodeLocalModel, ObjectKey, Pod, PolicyPortNumber};
+use wasmplane_model::{ClusterState, CompactString, Labels, NetworkPolicy, NodeLocalModel, ObjectKey, Pod, PolicyPortNumber, ToStd};
 use wasmplane_runtime::policy::{PodLookups, PolicyModule, PolicySession};
 use wasmplane_runtime::{CallError, wit};
 
@@ -181,8 +181,8 @@ impl PolicyController {
                 let compiled = self.compiled.get(k);
                 let count = |d: Direction| compiled.map_or(0, |c| c.rules.targets.keys().filter(|(dir, _)| *dir == d).count());
                 PolicyStatus {
-                    namespace: k.namespace.clone(),
-                    name: k.name.clone(),
+                    namespace: k.namespace.to_std(),
+                    name: k.name.to_std(),
                     enforced_generation: compiled.map(|c| c.generation),
                     desired_generation: model.policies.get(k).map_or(0, |v| v.policy.generation),
                     audit: self.is_audit(k),
@@ -216,7 +216,7 @@ impl PolicyController {
         if work.is_empty() {
             return out;
         }
-        let namespaces: Arc<BTreeMap<String, Labels>> =
+        let namespaces: Arc<BTreeMap<CompactString, Labels>> =
             Arc::new(cluster.namespaces.iter().map(|(name, ns)| (name.clone(), ns.labels.clone())).collect());
         let mut affected: BTreeSet<(Direction, IpAddr)> = BTreeSet::new();
         let mut removed: Vec<ObjectKey> = Vec::new();
@@ -314,7 +314,7 @@ impl PolicyController {
         model: &NodeLocalModel,
         key: &ObjectKey,
         view: &PolicyView,
-        namespaces: Arc<BTreeMap<String, Labels>>,
+        namespaces: Arc<BTreeMap<CompactString, Labels>>,
     ) -> Result<PolicyRules, PolicyError> {
         // The guest sees the pods the view says matter, and every pod only when a named
         // egress port with no peers must be resolved on any destination.
@@ -349,7 +349,7 @@ mod tests {
     use wasmplane_runtime::{Limits, Runtime};
 
     fn labels(pairs: &[(&str, &str)]) -> Labels {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        pairs.iter().map(|&(k, v)| (k.into(), v.into())).collect()
     }
 
     fn sel(pairs: &[(&str, &str)]) -> LabelSelector {
@@ -373,7 +373,7 @@ mod tests {
         ClusterObject::NetworkPolicy(NetworkPolicy {
             namespace: "a".into(),
             name: name.into(),
-            uid: String::new(),
+            uid: Default::default(),
             generation,
             pod_selector: sel(&[("app", target)]),
             ingress: Some(vec![PolicyRule {

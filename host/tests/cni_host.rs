@@ -88,7 +88,7 @@ async fn an_added_pod_is_in_the_model_at_once_and_del_takes_it_out() {
     // A manifest change that still reports no address keeps the one the daemon gave.
     std::fs::write(cluster.manifests().join("pod.yaml"), pod_yaml("web-1").replace("app: web", "app: web2")).unwrap();
     wait_for("the relabelled pod", Duration::from_secs(5), || host.controller.lock().unwrap().cluster().pods.get(&key).map(|p| p.labels.clone()), |l| {
-        l.as_ref().is_some_and(|l| l.get("app").map(String::as_str) == Some("web2"))
+        l.as_ref().is_some_and(|l| l.get("app").map(|v| v.as_str()) == Some("web2"))
     });
     assert_eq!(pod_ips(), vec![ip.clone()], "the address survives a pod update without one");
 

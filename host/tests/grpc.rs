@@ -58,7 +58,7 @@ async fn a_grpc_sink_mirrors_the_model_through_changes() {
         m.services()
             .iter()
             .find(|(k, _)| k.name == name)
-            .map(|(_, v)| v.slices.iter().flat_map(|s| s.endpoints.iter().map(|e| e.addresses[0].clone())).collect())
+            .map(|(_, v)| v.slices.iter().flat_map(|s| s.endpoints.iter().map(|e| e.addresses[0].to_string())).collect())
             .unwrap_or_default()
     };
 

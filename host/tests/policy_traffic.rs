@@ -38,7 +38,7 @@ fn pod_ip(ns: usize, app: usize) -> String {
 }
 
 fn labels(pairs: &[(&str, &str)]) -> Labels {
-    pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    pairs.iter().map(|&(k, v)| (k.into(), v.into())).collect()
 }
 
 fn sel(pairs: &[(&str, &str)]) -> LabelSelector {
@@ -58,8 +58,8 @@ fn pod(ns: usize, app: usize) -> ClusterObject {
     let http = if APPS[app] == "db" { 8080 } else { 80 };
     ClusterObject::Pod(Pod {
         namespace: NAMESPACES[ns].0.into(),
-        name: format!("{}-0", APPS[app]),
-        ips: vec![pod_ip(ns, app)],
+        name: format!("{}-0", APPS[app]).into(),
+        ips: vec![pod_ip(ns, app).into()],
         node_name: Some("node-a".into()),
         labels: labels(&[("app", APPS[app])]),
         ports: vec![
@@ -78,7 +78,7 @@ fn block(cidr: &str, except: &[&str]) -> PolicyPeer {
     PolicyPeer {
         pod_selector: None,
         namespace_selector: None,
-        ip_block: Some(IpBlock { cidr: cidr.into(), except: except.iter().map(|s| s.to_string()).collect() }),
+        ip_block: Some(IpBlock { cidr: cidr.into(), except: except.iter().map(|&s| s.into()).collect() }),
     }
 }
 
@@ -91,7 +91,7 @@ fn rule(ports: Vec<PolicyPort>, peers: Vec<PolicyPeer>) -> PolicyRule {
 }
 
 fn policy(ns: &str, name: &str, select: LabelSelector, ingress: Option<Vec<PolicyRule>>, egress: Option<Vec<PolicyRule>>) -> NetworkPolicy {
-    NetworkPolicy { namespace: ns.into(), name: name.into(), uid: String::new(), generation: 1, pod_selector: select, ingress, egress }
+    NetworkPolicy { namespace: ns.into(), name: name.into(), uid: Default::default(), generation: 1, pod_selector: select, ingress, egress }
 }
 
 /// The cluster, the model, the guest, the controller and the writer, all real.
@@ -588,10 +588,10 @@ fn scale_policies_over_5k_pods() {
         // This node's pods (every 50th) spread over every namespace and app.
         let app_of = |i: usize| (i / 50 + i) % 10;
         let pod_at = |i: usize, app: usize| Pod {
-            namespace: format!("ns{}", (i / 50) % 50),
-            name: format!("pod{i}"),
-            ips: vec![format!("10.244.{}.{}", i / 250, i % 250 + 1)],
-            node_name: Some(format!("node-{}", if i.is_multiple_of(50) { "a".to_string() } else { (i % 50).to_string() })),
+            namespace: format!("ns{}", (i / 50) % 50).into(),
+            name: format!("pod{i}").into(),
+            ips: vec![format!("10.244.{}.{}", i / 250, i % 250 + 1).into()],
+            node_name: Some(format!("node-{}", if i.is_multiple_of(50) { "a".to_string() } else { (i % 50).to_string() }).into()),
             labels: labels(&[("app", &format!("app{app}"))]),
             ports: vec![],
             host_network: false,
@@ -599,7 +599,7 @@ fn scale_policies_over_5k_pods() {
         let mut objects: Vec<ClusterObject> = (0..50)
             .map(|n| {
                 ClusterObject::Namespace(Namespace {
-                    name: format!("ns{n}"),
+                    name: format!("ns{n}").into(),
                     labels: labels(&[("team", if n % 2 == 0 { "even" } else { "odd" })]),
                 })
             })

@@ -31,9 +31,9 @@ impl Model {
 fn service(i: u32) -> ClusterObject {
     ClusterObject::Service(Service {
         namespace: "demo".into(),
-        name: format!("svc-{i}"),
+        name: format!("svc-{i}").into(),
         service_type: ServiceType::ClusterIP,
-        cluster_ips: vec![format!("10.96.0.{i}")],
+        cluster_ips: vec![format!("10.96.0.{i}").into()],
         external_ips: vec![],
         load_balancer_ips: vec![],
         ports: vec![ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: 0, target_port: TargetPort::Number(8080) }],
@@ -47,15 +47,15 @@ fn service(i: u32) -> ClusterObject {
 fn slice(i: u32, replicas: u32) -> ClusterObject {
     ClusterObject::EndpointSlice(EndpointSlice {
         namespace: "demo".into(),
-        name: format!("svc-{i}-1"),
-        service_name: format!("svc-{i}"),
+        name: format!("svc-{i}-1").into(),
+        service_name: format!("svc-{i}").into(),
         endpoints: (0..replicas)
             .map(|r| Endpoint {
-                addresses: vec![format!("10.244.{r}.{i}")],
+                addresses: vec![format!("10.244.{r}.{i}").into()],
                 ready: true,
                 serving: true,
                 terminating: false,
-                node_name: Some(if r == 0 { NODE.to_string() } else { format!("node-{r}") }),
+                node_name: Some(if r == 0 { NODE.into() } else { format!("node-{r}").into() }),
                 zone: None,
                 for_zones: vec![],
             })

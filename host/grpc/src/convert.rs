@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use wasmplane_model::state::{LocalEndpoint, LocalSlice, NodeContext};
-use wasmplane_model::{EndpointPort, ObjectKey, Protocol, Service, ServicePort, ServiceType, ServiceView, TargetPort, TrafficPolicy};
+use wasmplane_model::{EndpointPort, IntoModel, ObjectKey, Protocol, Service, ServicePort, ServiceType, ServiceView, TargetPort, ToStd, TrafficPolicy};
 
 use crate::proto;
 
@@ -28,18 +28,18 @@ pub enum ConversionError {
 
 impl From<&ObjectKey> for proto::ObjectKey {
     fn from(k: &ObjectKey) -> Self {
-        proto::ObjectKey { namespace: k.namespace.clone(), name: k.name.clone() }
+        proto::ObjectKey { namespace: k.namespace.to_std(), name: k.name.to_std() }
     }
 }
 
 impl From<&NodeContext> for proto::NodeContext {
     fn from(c: &NodeContext) -> Self {
         proto::NodeContext {
-            node_name: c.node_name.clone(),
-            node_ips: c.node_ips.clone(),
-            cluster_cidrs: c.cluster_cidrs.clone(),
-            pod_cidrs: c.pod_cidrs.clone(),
-            zone: c.zone.clone(),
+            node_name: c.node_name.to_std(),
+            node_ips: c.node_ips.to_std(),
+            cluster_cidrs: c.cluster_cidrs.to_std(),
+            pod_cidrs: c.pod_cidrs.to_std(),
+            zone: c.zone.to_std(),
         }
     }
 }
@@ -78,13 +78,13 @@ impl From<&ServicePort> for proto::ServicePort {
     fn from(p: &ServicePort) -> Self {
         use proto::service_port::TargetPort as T;
         proto::ServicePort {
-            name: p.name.clone(),
+            name: p.name.to_std(),
             protocol: proto::Protocol::from(p.protocol).into(),
             port: p.port.into(),
             node_port: p.node_port.into(),
             target_port: Some(match &p.target_port {
                 TargetPort::Number(n) => T::TargetPortNumber((*n).into()),
-                TargetPort::Name(name) => T::TargetPortName(name.clone()),
+                TargetPort::Name(name) => T::TargetPortName(name.to_std()),
             }),
         }
     }
@@ -93,37 +93,37 @@ impl From<&ServicePort> for proto::ServicePort {
 impl From<&Service> for proto::Service {
     fn from(s: &Service) -> Self {
         proto::Service {
-            namespace: s.namespace.clone(),
-            name: s.name.clone(),
+            namespace: s.namespace.to_std(),
+            name: s.name.to_std(),
             r#type: proto::ServiceType::from(s.service_type).into(),
-            cluster_ips: s.cluster_ips.clone(),
-            external_ips: s.external_ips.clone(),
-            load_balancer_ips: s.load_balancer_ips.clone(),
+            cluster_ips: s.cluster_ips.to_std(),
+            external_ips: s.external_ips.to_std(),
+            load_balancer_ips: s.load_balancer_ips.to_std(),
             ports: s.ports.iter().map(Into::into).collect(),
             session_affinity: s.session_affinity_timeout.map(|timeout_seconds| proto::SessionAffinity { timeout_seconds }),
             external_traffic_policy: proto::TrafficPolicy::from(s.external_traffic_policy).into(),
             internal_traffic_policy: proto::TrafficPolicy::from(s.internal_traffic_policy).into(),
-            labels: s.labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            labels: s.labels.iter().map(|(k, v)| (k.to_std(), v.to_std())).collect(),
         }
     }
 }
 
 impl From<&EndpointPort> for proto::EndpointPort {
     fn from(p: &EndpointPort) -> Self {
-        proto::EndpointPort { name: p.name.clone(), protocol: proto::Protocol::from(p.protocol).into(), port: p.port.into() }
+        proto::EndpointPort { name: p.name.to_std(), protocol: proto::Protocol::from(p.protocol).into(), port: p.port.into() }
     }
 }
 
 impl From<&LocalEndpoint> for proto::LocalEndpoint {
     fn from(e: &LocalEndpoint) -> Self {
         proto::LocalEndpoint {
-            addresses: e.addresses.clone(),
+            addresses: e.addresses.to_std(),
             ready: e.ready,
             serving: e.serving,
             terminating: e.terminating,
             is_local: e.is_local,
-            node_name: e.node_name.clone(),
-            zone: e.zone.clone(),
+            node_name: e.node_name.to_std(),
+            zone: e.zone.to_std(),
         }
     }
 }
@@ -131,7 +131,7 @@ impl From<&LocalEndpoint> for proto::LocalEndpoint {
 impl From<&LocalSlice> for proto::LocalSlice {
     fn from(s: &LocalSlice) -> Self {
         proto::LocalSlice {
-            name: s.name.clone(),
+            name: s.name.to_std(),
             endpoints: s.endpoints.iter().map(Into::into).collect(),
             ports: s.ports.iter().map(Into::into).collect(),
         }
@@ -175,13 +175,13 @@ fn traffic_policy(field: &'static str, value: i32) -> Result<TrafficPolicy, Conv
 
 impl From<proto::ObjectKey> for ObjectKey {
     fn from(k: proto::ObjectKey) -> Self {
-        ObjectKey { namespace: k.namespace, name: k.name }
+        ObjectKey { namespace: k.namespace.into_model(), name: k.name.into_model() }
     }
 }
 
 impl From<proto::NodeContext> for NodeContext {
     fn from(c: proto::NodeContext) -> Self {
-        NodeContext { node_name: c.node_name, node_ips: c.node_ips, cluster_cidrs: c.cluster_cidrs, pod_cidrs: c.pod_cidrs, zone: c.zone }
+        NodeContext { node_name: c.node_name.into_model(), node_ips: c.node_ips.into_model(), cluster_cidrs: c.cluster_cidrs.into_model(), pod_cidrs: c.pod_cidrs.into_model(), zone: c.zone.into_model() }
     }
 }
 
@@ -195,10 +195,10 @@ impl TryFrom<proto::ServicePort> for ServicePort {
             node_port: port("ServicePort.node_port", p.node_port)?,
             target_port: match p.target_port {
                 Some(T::TargetPortNumber(n)) => TargetPort::Number(port("ServicePort.target_port_number", n)?),
-                Some(T::TargetPortName(name)) => TargetPort::Name(name),
+                Some(T::TargetPortName(name)) => TargetPort::Name(name.into_model()),
                 None => return Err(ConversionError::Missing("ServicePort.target_port")),
             },
-            name: p.name,
+            name: p.name.into_model(),
         })
     }
 }
@@ -221,12 +221,12 @@ impl TryFrom<proto::Service> for Service {
             internal_traffic_policy: traffic_policy("Service.internal_traffic_policy", s.internal_traffic_policy)?,
             ports: s.ports.into_iter().map(TryInto::try_into).collect::<Result<_, _>>()?,
             session_affinity_timeout: s.session_affinity.map(|a| a.timeout_seconds),
-            namespace: s.namespace,
-            name: s.name,
-            cluster_ips: s.cluster_ips,
-            external_ips: s.external_ips,
-            load_balancer_ips: s.load_balancer_ips,
-            labels: s.labels.into_iter().collect(),
+            namespace: s.namespace.into_model(),
+            name: s.name.into_model(),
+            cluster_ips: s.cluster_ips.into_model(),
+            external_ips: s.external_ips.into_model(),
+            load_balancer_ips: s.load_balancer_ips.into_model(),
+            labels: s.labels.into_iter().map(|(k, v)| (k.into(), v.into())).collect(),
         })
     }
 }
@@ -234,20 +234,20 @@ impl TryFrom<proto::Service> for Service {
 impl TryFrom<proto::EndpointPort> for EndpointPort {
     type Error = ConversionError;
     fn try_from(p: proto::EndpointPort) -> Result<Self, ConversionError> {
-        Ok(EndpointPort { protocol: protocol("EndpointPort.protocol", p.protocol)?, port: port("EndpointPort.port", p.port)?, name: p.name })
+        Ok(EndpointPort { protocol: protocol("EndpointPort.protocol", p.protocol)?, port: port("EndpointPort.port", p.port)?, name: p.name.into_model() })
     }
 }
 
 impl From<proto::LocalEndpoint> for LocalEndpoint {
     fn from(e: proto::LocalEndpoint) -> Self {
         LocalEndpoint {
-            addresses: e.addresses,
+            addresses: e.addresses.into_model(),
             ready: e.ready,
             serving: e.serving,
             terminating: e.terminating,
             is_local: e.is_local,
-            node_name: e.node_name,
-            zone: e.zone,
+            node_name: e.node_name.into_model(),
+            zone: e.zone.into_model(),
         }
     }
 }
@@ -256,7 +256,7 @@ impl TryFrom<proto::LocalSlice> for LocalSlice {
     type Error = ConversionError;
     fn try_from(s: proto::LocalSlice) -> Result<Self, ConversionError> {
         Ok(LocalSlice {
-            name: s.name,
+            name: s.name.into_model(),
             endpoints: s.endpoints.into_iter().map(Into::into).collect(),
             ports: s.ports.into_iter().map(TryInto::try_into).collect::<Result<_, _>>()?,
         })
@@ -298,7 +298,7 @@ pub(crate) mod tests_support {
                 session_affinity_timeout: Some(10800),
                 external_traffic_policy: TrafficPolicy::Local,
                 internal_traffic_policy: TrafficPolicy::Cluster,
-                labels: Labels::from([("app".to_string(), "web".to_string()), ("tier".to_string(), "front".to_string())]),
+                labels: Labels::from([("app".into(), "web".into()), ("tier".into(), "front".into())]),
             }.into(),
             slices: vec![LocalSlice {
                 name: "web-abc".into(),

@@ -337,7 +337,7 @@ mod tests {
     fn view(name: &str, label_bytes: usize) -> Arc<ServiceView> {
         let mut v = crate::convert::tests_support::sample_view();
         std::sync::Arc::make_mut(&mut v.service).name = name.into();
-        std::sync::Arc::make_mut(&mut v.service).labels.insert("blob".into(), "x".repeat(label_bytes));
+        std::sync::Arc::make_mut(&mut v.service).labels.insert("blob".into(), "x".repeat(label_bytes).into());
         Arc::new(v)
     }
 

@@ -86,7 +86,7 @@ fn feed_for(host: &Arc<Host>, capacity: usize) -> ModelFeed {
 // ---- cluster objects ----
 
 fn service(name: &str, ip: &str, blob: &str) -> ClusterObject {
-    let mut labels = Labels::from([("app".to_string(), name.to_string())]);
+    let mut labels = Labels::from([("app".into(), name.into())]);
     if !blob.is_empty() {
         labels.insert("blob".into(), blob.into());
     }
@@ -112,12 +112,12 @@ fn slice(name: &str, service: &str, endpoints: &[(&str, &str)]) -> ClusterObject
         service_name: service.into(),
         endpoints: endpoints
             .iter()
-            .map(|(ip, node)| Endpoint {
-                addresses: vec![ip.to_string()],
+            .map(|&(ip, node)| Endpoint {
+                addresses: vec![ip.into()],
                 ready: true,
                 serving: true,
                 terminating: false,
-                node_name: Some(node.to_string()),
+                node_name: Some(node.into()),
                 zone: Some("zone-a".into()),
                 for_zones: vec![],
             })
@@ -129,9 +129,9 @@ fn slice(name: &str, service: &str, endpoints: &[(&str, &str)]) -> ClusterObject
 fn node(addresses: &[&str], zone: &str) -> ClusterObject {
     ClusterObject::Node(Node {
         name: NODE.into(),
-        addresses: addresses.iter().map(|a| a.to_string()).collect(),
+        addresses: addresses.iter().map(|&a| a.into()).collect(),
         pod_cidrs: vec!["10.244.1.0/24".into()],
-        labels: Labels::from([(ZONE_LABEL.to_string(), zone.to_string())]),
+        labels: Labels::from([(ZONE_LABEL.into(), zone.into())]),
     })
 }
 

@@ -4,10 +4,11 @@
 //! namespace of the cluster (pods for policy peers), some twice (the cluster index and the
 //! node-local views): a `BTreeMap` leaf (~540 bytes) each was the largest part of them.
 
+use crate::CompactString;
 use crate::vec_map::VecMap;
 
 /// `key=value` labels, sorted by key, keys unique; serialized as a JSON map.
-pub type Labels = VecMap<String, String>;
+pub type Labels = VecMap<CompactString, CompactString>;
 
 #[cfg(test)]
 mod tests {
@@ -15,8 +16,8 @@ mod tests {
 
     use super::*;
 
-    fn s(v: &str) -> String {
-        v.to_string()
+    fn s(v: &str) -> CompactString {
+        v.into()
     }
 
     /// Every operation gives what a `BTreeMap` gives for the same steps.
@@ -38,7 +39,7 @@ mod tests {
         assert_eq!(labels.remove("tier"), None);
         assert!(labels.keys().eq(map.keys()) && labels.values().eq(map.values()));
         let collected: Labels = steps.iter().map(|(k, v)| (s(k), s(v))).collect();
-        let collected_map: BTreeMap<String, String> = steps.iter().map(|(k, v)| (s(k), s(v))).collect();
+        let collected_map: BTreeMap<CompactString, CompactString> = steps.iter().map(|(k, v)| (s(k), s(v))).collect();
         assert!(collected.iter().eq(collected_map.iter()), "the last value of a key wins: {collected:?}");
         assert_eq!(format!("{collected:?}"), format!("{collected_map:?}"));
     }

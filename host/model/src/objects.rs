@@ -4,19 +4,21 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::CompactString;
+
 /// `namespace/name`; cluster-scoped objects have an empty namespace.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct ObjectKey {
-    pub namespace: String,
-    pub name: String,
+    pub namespace: CompactString,
+    pub name: CompactString,
 }
 
 impl ObjectKey {
-    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
-        ObjectKey { namespace: namespace.into(), name: name.into() }
+    pub fn new(namespace: impl AsRef<str>, name: impl AsRef<str>) -> Self {
+        ObjectKey { namespace: namespace.as_ref().into(), name: name.as_ref().into() }
     }
-    pub fn cluster(name: impl Into<String>) -> Self {
-        ObjectKey { namespace: String::new(), name: name.into() }
+    pub fn cluster(name: impl AsRef<str>) -> Self {
+        ObjectKey { namespace: CompactString::default(), name: name.as_ref().into() }
     }
 }
 
@@ -75,12 +77,12 @@ pub enum TrafficPolicy {
 #[serde(untagged)]
 pub enum TargetPort {
     Number(u16),
-    Name(String),
+    Name(CompactString),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ServicePort {
-    pub name: String,
+    pub name: CompactString,
     pub protocol: Protocol,
     pub port: u16,
     /// 0 when none is allocated.
@@ -90,12 +92,12 @@ pub struct ServicePort {
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Service {
-    pub namespace: String,
-    pub name: String,
+    pub namespace: CompactString,
+    pub name: CompactString,
     pub service_type: ServiceType,
-    pub cluster_ips: Vec<String>,
-    pub external_ips: Vec<String>,
-    pub load_balancer_ips: Vec<String>,
+    pub cluster_ips: Vec<CompactString>,
+    pub external_ips: Vec<CompactString>,
+    pub load_balancer_ips: Vec<CompactString>,
     pub ports: Vec<ServicePort>,
     pub session_affinity_timeout: Option<u32>,
     pub external_traffic_policy: TrafficPolicy,
@@ -116,30 +118,30 @@ impl Service {
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Endpoint {
-    pub addresses: Vec<String>,
+    pub addresses: Vec<CompactString>,
     pub ready: bool,
     pub serving: bool,
     pub terminating: bool,
-    pub node_name: Option<String>,
-    pub zone: Option<String>,
+    pub node_name: Option<CompactString>,
+    pub zone: Option<CompactString>,
     /// Topology hints (`hints.forZones`): the zones this endpoint should serve.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub for_zones: Vec<String>,
+    pub for_zones: Vec<CompactString>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EndpointPort {
-    pub name: String,
+    pub name: CompactString,
     pub protocol: Protocol,
     pub port: u16,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EndpointSlice {
-    pub namespace: String,
-    pub name: String,
+    pub namespace: CompactString,
+    pub name: CompactString,
     /// From the `kubernetes.io/service-name` label.
-    pub service_name: String,
+    pub service_name: CompactString,
     pub endpoints: Vec<Endpoint>,
     pub ports: Vec<EndpointPort>,
 }
@@ -155,9 +157,9 @@ impl EndpointSlice {
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Node {
-    pub name: String,
-    pub addresses: Vec<String>,
-    pub pod_cidrs: Vec<String>,
+    pub name: CompactString,
+    pub addresses: Vec<CompactString>,
+    pub pod_cidrs: Vec<CompactString>,
     pub labels: Labels,
 }
 
@@ -166,29 +168,29 @@ pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
 
 impl Node {
     pub fn zone(&self) -> Option<&str> {
-        self.labels.get(ZONE_LABEL).map(String::as_str)
+        self.labels.get(ZONE_LABEL).map(CompactString::as_str)
     }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Namespace {
-    pub name: String,
+    pub name: CompactString,
     pub labels: Labels,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ContainerPort {
-    pub name: String,
+    pub name: CompactString,
     pub protocol: Protocol,
     pub port: u16,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Pod {
-    pub namespace: String,
-    pub name: String,
-    pub ips: Vec<String>,
-    pub node_name: Option<String>,
+    pub namespace: CompactString,
+    pub name: CompactString,
+    pub ips: Vec<CompactString>,
+    pub node_name: Option<CompactString>,
     pub labels: Labels,
     pub ports: Vec<ContainerPort>,
     pub host_network: bool,
@@ -210,9 +212,9 @@ pub enum SelectorOperator {
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SelectorRequirement {
-    pub key: String,
+    pub key: CompactString,
     pub operator: SelectorOperator,
-    pub values: Vec<String>,
+    pub values: Vec<CompactString>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -240,15 +242,15 @@ impl LabelSelector {
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct IpBlock {
-    pub cidr: String,
-    pub except: Vec<String>,
+    pub cidr: CompactString,
+    pub except: Vec<CompactString>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum PolicyPortNumber {
     Any,
     Number(u16),
-    Name(String),
+    Name(CompactString),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -273,12 +275,12 @@ pub struct PolicyRule {
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NetworkPolicy {
-    pub namespace: String,
-    pub name: String,
+    pub namespace: CompactString,
+    pub name: CompactString,
     /// `metadata.uid` (empty from a manifest without one): names the policy in the per-node
     /// realization status, so a recreated policy is not mistaken for its predecessor.
     #[serde(default)]
-    pub uid: String,
+    pub uid: CompactString,
     pub generation: u64,
     pub pod_selector: LabelSelector,
     pub ingress: Option<Vec<PolicyRule>>,

@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
+use crate::CompactString;
 use crate::objects::*;
 
 #[derive(Clone, Debug)]
@@ -124,8 +125,8 @@ pub struct ClusterState {
     /// Shared with the node-local views (`ServiceView::service`): one copy per service.
     pub services: BTreeMap<ObjectKey, Arc<Service>>,
     pub endpoint_slices: BTreeMap<ObjectKey, EndpointSlice>,
-    pub nodes: BTreeMap<String, Node>,
-    pub namespaces: BTreeMap<String, Namespace>,
+    pub nodes: BTreeMap<CompactString, Node>,
+    pub namespaces: BTreeMap<CompactString, Namespace>,
     /// Ordered by namespace first, so one namespace's pods are a range.
     pub pods: BTreeMap<ObjectKey, Arc<Pod>>,
     pub network_policies: BTreeMap<ObjectKey, NetworkPolicy>,
@@ -367,29 +368,29 @@ impl ClusterState {
 /// Facts about this node passed to every guest call.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct NodeContext {
-    pub node_name: String,
-    pub node_ips: Vec<String>,
-    pub cluster_cidrs: Vec<String>,
-    pub pod_cidrs: Vec<String>,
+    pub node_name: CompactString,
+    pub node_ips: Vec<CompactString>,
+    pub cluster_cidrs: Vec<CompactString>,
+    pub pod_cidrs: Vec<CompactString>,
     /// The node's `topology.kubernetes.io/zone`; used by the host for topology hints.
-    pub zone: Option<String>,
+    pub zone: Option<CompactString>,
 }
 
 /// An endpoint as this node sees it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct LocalEndpoint {
-    pub addresses: Vec<String>,
+    pub addresses: Vec<CompactString>,
     pub ready: bool,
     pub serving: bool,
     pub terminating: bool,
-    pub node_name: Option<String>,
-    pub zone: Option<String>,
+    pub node_name: Option<CompactString>,
+    pub zone: Option<CompactString>,
     pub is_local: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct LocalSlice {
-    pub name: String,
+    pub name: CompactString,
     pub endpoints: Vec<LocalEndpoint>,
     pub ports: Vec<EndpointPort>,
 }
@@ -448,7 +449,7 @@ pub struct NodeLocalModel {
     pub local_pods: BTreeMap<ObjectKey, Arc<Pod>>,
     /// Cluster CIDRs are configuration, not cluster state.
     #[serde(skip)]
-    configured_cluster_cidrs: Vec<String>,
+    configured_cluster_cidrs: Vec<CompactString>,
 }
 
 /// JSON maps need string keys: `namespace/name`.
@@ -489,10 +490,10 @@ fn replace_if_changed<V: PartialEq>(map: &mut BTreeMap<ObjectKey, Arc<V>>, key: 
 }
 
 impl NodeLocalModel {
-    pub fn new(node_name: &str, cluster_cidrs: Vec<String>) -> Self {
+    pub fn new(node_name: &str, cluster_cidrs: Vec<CompactString>) -> Self {
         NodeLocalModel {
             revision: 0,
-            context: NodeContext { node_name: node_name.to_string(), cluster_cidrs: cluster_cidrs.clone(), ..Default::default() },
+            context: NodeContext { node_name: node_name.into(), cluster_cidrs: cluster_cidrs.clone(), ..Default::default() },
             services: BTreeMap::new(),
             policies: BTreeMap::new(),
             local_pods: BTreeMap::new(),
@@ -550,7 +551,7 @@ impl NodeLocalModel {
             node_ips: node.map(|n| n.addresses.clone()).unwrap_or_default(),
             pod_cidrs: node.map(|n| n.pod_cidrs.clone()).unwrap_or_default(),
             cluster_cidrs: self.configured_cluster_cidrs.clone(),
-            zone: node.and_then(|n| n.zone()).map(str::to_string),
+            zone: node.and_then(|n| n.zone()).map(CompactString::from),
         }
     }
 
@@ -664,11 +665,11 @@ mod tests {
             endpoints: ips
                 .iter()
                 .map(|(ip, node)| Endpoint {
-                    addresses: vec![ip.to_string()],
+                    addresses: vec![(*ip).into()],
                     ready: true,
                     serving: true,
                     terminating: false,
-                    node_name: Some(node.to_string()),
+                    node_name: Some((*node).into()),
                     zone: None,
                     for_zones: vec![],
                 })
@@ -775,7 +776,7 @@ mod tests {
         assert_eq!(state.slices_of(&ObjectKey::new("default", "web")).count(), 0);
     }
     fn labels(pairs: &[(&str, &str)]) -> Labels {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        pairs.iter().map(|&(k, v)| (k.into(), v.into())).collect()
     }
 
     fn pod(namespace: &str, name: &str, ip: &str, node: &str, app: &str) -> ClusterObject {
@@ -783,7 +784,7 @@ mod tests {
             namespace: namespace.into(),
             name: name.into(),
             ips: vec![ip.into()],
-            node_name: Some(node.into()),
+            node_name: Some((*node).into()),
             labels: labels(&[("app", app)]),
             ports: vec![],
             host_network: false,
@@ -800,7 +801,7 @@ mod tests {
         ClusterObject::NetworkPolicy(NetworkPolicy {
             namespace: namespace.into(),
             name: "allow-clients".into(),
-            uid: String::new(),
+            uid: CompactString::default(),
             generation: 1,
             pod_selector: select(&[("app", "web")]),
             ingress: Some(vec![PolicyRule {
@@ -881,7 +882,7 @@ mod tests {
             e.for_zones = vec![zone.into()];
         }
         apply(&mut state, &mut model, ClusterObject::EndpointSlice(hinted));
-        let addresses = |model: &NodeLocalModel| -> Vec<String> {
+        let addresses = |model: &NodeLocalModel| -> Vec<CompactString> {
             model.services[&ObjectKey::new("default", "web")].slices[0].endpoints.iter().map(|e| e.addresses[0].clone()).collect()
         };
         // No zone on the node yet: hints are ignored.

@@ -5,6 +5,8 @@ use wasmplane_model::state as ms;
 
 use crate::bindings::service::wasmplane::dataplane::types as wit;
 
+use wasmplane_model::ToStd;
+
 pub fn protocol(p: m::Protocol) -> wit::Protocol {
     match p {
         m::Protocol::Tcp => wit::Protocol::Tcp,
@@ -14,7 +16,7 @@ pub fn protocol(p: m::Protocol) -> wit::Protocol {
 }
 
 fn labels(l: &m::Labels) -> Vec<wit::Label> {
-    l.iter().map(|(k, v)| wit::Label { key: k.clone(), value: v.clone() }).collect()
+    l.iter().map(|(k, v)| wit::Label { key: k.to_std(), value: v.to_std() }).collect()
 }
 
 fn policy(p: m::TrafficPolicy) -> wit::TrafficPolicy {
@@ -26,37 +28,37 @@ fn policy(p: m::TrafficPolicy) -> wit::TrafficPolicy {
 
 pub fn node_context(c: &ms::NodeContext) -> wit::NodeContext {
     wit::NodeContext {
-        node_name: c.node_name.clone(),
-        node_ips: c.node_ips.clone(),
-        cluster_cidrs: c.cluster_cidrs.clone(),
-        pod_cidrs: c.pod_cidrs.clone(),
+        node_name: c.node_name.to_std(),
+        node_ips: c.node_ips.to_std(),
+        cluster_cidrs: c.cluster_cidrs.to_std(),
+        pod_cidrs: c.pod_cidrs.to_std(),
     }
 }
 
 pub fn service(s: &m::Service) -> wit::Service {
     wit::Service {
-        namespace: s.namespace.clone(),
-        name: s.name.clone(),
+        namespace: s.namespace.to_std(),
+        name: s.name.to_std(),
         service_type: match s.service_type {
             m::ServiceType::ClusterIP => wit::ServiceType::ClusterIp,
             m::ServiceType::NodePort => wit::ServiceType::NodePort,
             m::ServiceType::LoadBalancer => wit::ServiceType::LoadBalancer,
             m::ServiceType::ExternalName => wit::ServiceType::ExternalName,
         },
-        cluster_ips: s.cluster_ips.clone(),
-        external_ips: s.external_ips.clone(),
-        load_balancer_ips: s.load_balancer_ips.clone(),
+        cluster_ips: s.cluster_ips.to_std(),
+        external_ips: s.external_ips.to_std(),
+        load_balancer_ips: s.load_balancer_ips.to_std(),
         ports: s
             .ports
             .iter()
             .map(|p| wit::ServicePort {
-                name: p.name.clone(),
+                name: p.name.to_std(),
                 protocol: protocol(p.protocol),
                 port: p.port,
                 node_port: p.node_port,
                 target_port: match &p.target_port {
                     m::TargetPort::Number(n) => wit::TargetPort::Number(*n),
-                    m::TargetPort::Name(n) => wit::TargetPort::Name(n.clone()),
+                    m::TargetPort::Name(n) => wit::TargetPort::Name(n.to_std()),
                 },
             })
             .collect(),
@@ -71,24 +73,24 @@ pub fn slices(view: &ms::ServiceView) -> Vec<wit::EndpointSlice> {
     view.slices
         .iter()
         .map(|s| wit::EndpointSlice {
-            name: s.name.clone(),
+            name: s.name.to_std(),
             endpoints: s
                 .endpoints
                 .iter()
                 .map(|e| wit::Endpoint {
-                    addresses: e.addresses.clone(),
+                    addresses: e.addresses.to_std(),
                     ready: e.ready,
                     serving: e.serving,
                     terminating: e.terminating,
-                    node_name: e.node_name.clone(),
-                    zone: e.zone.clone(),
+                    node_name: e.node_name.to_std(),
+                    zone: e.zone.to_std(),
                     is_local: e.is_local,
                 })
                 .collect(),
             ports: s
                 .ports
                 .iter()
-                .map(|p| wit::EndpointPort { name: p.name.clone(), protocol: protocol(p.protocol), port: p.port })
+                .map(|p| wit::EndpointPort { name: p.name.to_std(), protocol: protocol(p.protocol), port: p.port })
                 .collect(),
         })
         .collect()
@@ -96,39 +98,39 @@ pub fn slices(view: &ms::ServiceView) -> Vec<wit::EndpointSlice> {
 
 pub fn pod(p: &m::Pod) -> wit::Pod {
     wit::Pod {
-        namespace: p.namespace.clone(),
-        name: p.name.clone(),
-        ips: p.ips.clone(),
-        node_name: p.node_name.clone(),
+        namespace: p.namespace.to_std(),
+        name: p.name.to_std(),
+        ips: p.ips.to_std(),
+        node_name: p.node_name.to_std(),
         labels: labels(&p.labels),
         ports: p
             .ports
             .iter()
-            .map(|c| wit::ContainerPort { name: c.name.clone(), protocol: protocol(c.protocol), port: c.port })
+            .map(|c| wit::ContainerPort { name: c.name.to_std(), protocol: protocol(c.protocol), port: c.port })
             .collect(),
         host_network: p.host_network,
     }
 }
 
 pub fn namespace(n: &m::Namespace) -> wit::Namespace {
-    wit::Namespace { name: n.name.clone(), labels: labels(&n.labels) }
+    wit::Namespace { name: n.name.to_std(), labels: labels(&n.labels) }
 }
 
 pub fn selector_from_wit(s: wit::LabelSelector) -> m::LabelSelector {
     m::LabelSelector {
-        match_labels: s.match_labels.into_iter().map(|l| (l.key, l.value)).collect(),
+        match_labels: s.match_labels.into_iter().map(|l| (l.key.into(), l.value.into())).collect(),
         match_expressions: s
             .match_expressions
             .into_iter()
             .map(|r| m::SelectorRequirement {
-                key: r.key,
+                key: r.key.into(),
                 operator: match r.operator {
                     wit::SelectorOperator::In => m::SelectorOperator::In,
                     wit::SelectorOperator::NotIn => m::SelectorOperator::NotIn,
                     wit::SelectorOperator::Exists => m::SelectorOperator::Exists,
                     wit::SelectorOperator::DoesNotExist => m::SelectorOperator::DoesNotExist,
                 },
-                values: r.values,
+                values: r.values.into_iter().map(Into::into).collect(),
             })
             .collect(),
     }

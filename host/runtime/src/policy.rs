@@ -19,6 +19,7 @@ use wasmplane_model as m;
 use wasmplane_model::state::{NodeContext, PolicyView};
 
 use crate::host::{GuestState, LiveInstance, Sandbox, Lookups, classify, deadline_ticks, live_instance};
+use wasmplane_model::ToStd;
 use crate::{CallError, GuestKind, LoadError, ModuleInfo, Runtime, convert, wit};
 
 mod bindings {
@@ -136,7 +137,7 @@ impl PolicySession {
 // ---- model → WIT ----------------------------------------------------------------------------
 
 fn labels(l: &m::Labels) -> Vec<wit::Label> {
-    l.iter().map(|(k, v)| wit::Label { key: k.clone(), value: v.clone() }).collect()
+    l.iter().map(|(k, v)| wit::Label { key: k.to_std(), value: v.to_std() }).collect()
 }
 
 pub fn selector(s: &m::LabelSelector) -> wit::LabelSelector {
@@ -146,14 +147,14 @@ pub fn selector(s: &m::LabelSelector) -> wit::LabelSelector {
             .match_expressions
             .iter()
             .map(|r| wit::SelectorRequirement {
-                key: r.key.clone(),
+                key: r.key.to_std(),
                 operator: match r.operator {
                     m::SelectorOperator::In => wit::SelectorOperator::In,
                     m::SelectorOperator::NotIn => wit::SelectorOperator::NotIn,
                     m::SelectorOperator::Exists => wit::SelectorOperator::Exists,
                     m::SelectorOperator::DoesNotExist => wit::SelectorOperator::DoesNotExist,
                 },
-                values: r.values.clone(),
+                values: r.values.to_std(),
             })
             .collect(),
     }
@@ -169,7 +170,7 @@ fn rule(r: &m::PolicyRule) -> wit::PolicyRule {
                 port: match &p.port {
                     m::PolicyPortNumber::Any => wit::PolicyPortNumber::Any,
                     m::PolicyPortNumber::Number(n) => wit::PolicyPortNumber::Number(*n),
-                    m::PolicyPortNumber::Name(n) => wit::PolicyPortNumber::Name(n.clone()),
+                    m::PolicyPortNumber::Name(n) => wit::PolicyPortNumber::Name(n.to_std()),
                 },
                 end_port: p.end_port,
             })
@@ -180,7 +181,7 @@ fn rule(r: &m::PolicyRule) -> wit::PolicyRule {
             .map(|p| wit::PolicyPeer {
                 pod_selector: p.pod_selector.as_ref().map(selector),
                 namespace_selector: p.namespace_selector.as_ref().map(selector),
-                ip_block: p.ip_block.as_ref().map(|b| wit::IpBlock { cidr: b.cidr.clone(), except: b.except.clone() }),
+                ip_block: p.ip_block.as_ref().map(|b| wit::IpBlock { cidr: b.cidr.to_std(), except: b.except.to_std() }),
             })
             .collect(),
     }
@@ -189,8 +190,8 @@ fn rule(r: &m::PolicyRule) -> wit::PolicyRule {
 /// A model policy as the guest sees it.
 pub fn network_policy(p: &m::NetworkPolicy) -> wit::NetworkPolicy {
     wit::NetworkPolicy {
-        namespace: p.namespace.clone(),
-        name: p.name.clone(),
+        namespace: p.namespace.to_std(),
+        name: p.name.to_std(),
         generation: p.generation,
         pod_selector: selector(&p.pod_selector),
         ingress: p.ingress.as_ref().map(|rules| rules.iter().map(rule).collect()),
@@ -210,7 +211,7 @@ pub struct PodLookups {
 }
 
 /// The pods a call may see, and the labels of every namespace by name.
-type PodSnapshot = (Vec<Arc<m::Pod>>, Arc<BTreeMap<String, m::Labels>>);
+type PodSnapshot = (Vec<Arc<m::Pod>>, Arc<BTreeMap<m::CompactString, m::Labels>>);
 
 impl PodLookups {
     pub fn new() -> Arc<PodLookups> {
@@ -218,7 +219,7 @@ impl PodLookups {
     }
 
     /// Replaces what the next calls see.
-    pub fn replace(&self, pods: Vec<Arc<m::Pod>>, namespaces: Arc<BTreeMap<String, m::Labels>>) {
+    pub fn replace(&self, pods: Vec<Arc<m::Pod>>, namespaces: Arc<BTreeMap<m::CompactString, m::Labels>>) {
         *self.snapshot.write().unwrap_or_else(|e| e.into_inner()) = (pods, namespaces);
     }
 }
@@ -242,7 +243,7 @@ impl Lookups for PodLookups {
 
     fn namespace(&self, name: &str) -> Option<m::Namespace> {
         let guard = self.snapshot.read().unwrap_or_else(|e| e.into_inner());
-        guard.1.get(name).map(|labels| m::Namespace { name: name.to_string(), labels: labels.clone() })
+        guard.1.get(name).map(|labels| m::Namespace { name: name.into(), labels: labels.clone() })
     }
 }
 
@@ -253,7 +254,7 @@ mod tests {
     use wasmplane_model::Protocol;
 
     fn labels(pairs: &[(&str, &str)]) -> m::Labels {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        pairs.iter().map(|&(k, v)| (k.into(), v.into())).collect()
     }
 
     fn sel(pairs: &[(&str, &str)]) -> m::LabelSelector {
@@ -272,8 +273,8 @@ mod tests {
         })
     }
 
-    fn namespaces() -> Arc<BTreeMap<String, m::Labels>> {
-        Arc::new(BTreeMap::from([("a".to_string(), labels(&[("team", "blue")])), ("b".to_string(), labels(&[("team", "red")]))]))
+    fn namespaces() -> Arc<BTreeMap<m::CompactString, m::Labels>> {
+        Arc::new(BTreeMap::from([("a".into(), labels(&[("team", "blue")])), ("b".into(), labels(&[("team", "red")]))]))
     }
 
     /// web in `a` accepts clients of blue namespaces on 8080; egress of web to `b` only.
@@ -281,7 +282,7 @@ mod tests {
         let policy = m::NetworkPolicy {
             namespace: "a".into(),
             name: "p".into(),
-            uid: String::new(),
+            uid: Default::default(),
             generation: 3,
             pod_selector: sel(&[("app", "web")]),
             ingress: Some(vec![m::PolicyRule {

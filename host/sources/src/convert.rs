@@ -5,6 +5,8 @@
 //! has to know which fields were optional. Values the API server would reject are errors
 //! naming the field: a manifest directory has no API server validating it first.
 
+use std::collections::BTreeMap;
+
 use k8s_openapi::api::core::v1 as core;
 use k8s_openapi::api::discovery::v1 as discovery;
 use k8s_openapi::api::networking::v1 as networking;
@@ -81,8 +83,8 @@ impl Subject {
         ConvertError { kind: self.kind, object: self.object.clone(), problem }
     }
 
-    fn name(&self, m: &meta::ObjectMeta) -> Result<String, ConvertError> {
-        m.name.clone().filter(|n| !n.is_empty()).ok_or_else(|| self.error(Problem::MissingName))
+    fn name(&self, m: &meta::ObjectMeta) -> Result<CompactString, ConvertError> {
+        m.name.as_deref().filter(|n| !n.is_empty()).map(text).ok_or_else(|| self.error(Problem::MissingName))
     }
 
     /// A missing protocol is TCP, as in the API.
@@ -103,12 +105,25 @@ impl Subject {
 }
 
 /// Namespaced objects without a namespace live in `default`, as `kubectl apply` would put them.
-fn namespace_of(m: &meta::ObjectMeta) -> String {
-    m.namespace.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| "default".into())
+fn namespace_of(m: &meta::ObjectMeta) -> CompactString {
+    text(m.namespace.as_deref().filter(|n| !n.is_empty()).unwrap_or("default"))
+}
+
+/// The model's copy of an API object's string (inline when short; see `wasmplane_model`).
+fn text(s: &str) -> CompactString {
+    CompactString::from(s)
+}
+
+fn texts<'a>(strings: impl IntoIterator<Item = &'a String>) -> Vec<CompactString> {
+    strings.into_iter().map(|s| text(s)).collect()
+}
+
+fn label_map(labels: &BTreeMap<String, String>) -> Labels {
+    labels.iter().map(|(k, v)| (text(k), text(v))).collect()
 }
 
 fn labels(m: &meta::ObjectMeta) -> Labels {
-    m.labels.as_ref().map(Labels::from).unwrap_or_default()
+    m.labels.as_ref().map(label_map).unwrap_or_default()
 }
 
 /// Only `Local` changes behaviour; anything else routes cluster-wide.
@@ -130,8 +145,8 @@ pub fn service(s: &core::Service) -> Result<Service, ConvertError> {
     };
     // `clusterIPs` is authoritative (dual-stack); older manifests set only `clusterIP`.
     let cluster_ips = match &spec.cluster_ips {
-        Some(ips) if !ips.is_empty() => ips.clone(),
-        _ => spec.cluster_ip.iter().filter(|ip| !ip.is_empty()).cloned().collect(),
+        Some(ips) if !ips.is_empty() => texts(ips),
+        _ => texts(spec.cluster_ip.iter().filter(|ip| !ip.is_empty())),
     };
     let ports = spec
         .ports
@@ -162,14 +177,14 @@ pub fn service(s: &core::Service) -> Result<Service, ConvertError> {
         .as_ref()
         .and_then(|st| st.load_balancer.as_ref())
         .and_then(|lb| lb.ingress.as_ref())
-        .map(|ingress| ingress.iter().filter_map(|i| i.ip.clone()).collect())
+        .map(|ingress| texts(ingress.iter().filter_map(|i| i.ip.as_ref())))
         .unwrap_or_default();
     Ok(Service {
         namespace: namespace_of(m),
         name: subject.name(m)?,
         service_type,
         cluster_ips,
-        external_ips: spec.external_ips.clone().unwrap_or_default(),
+        external_ips: texts(spec.external_ips.iter().flatten()),
         load_balancer_ips,
         ports,
         session_affinity_timeout,
@@ -188,14 +203,14 @@ fn service_port(subject: &Subject, i: usize, p: &core::ServicePort) -> Result<Se
         None | Some(IntOrString::Int(0)) => TargetPort::Number(port),
         Some(IntOrString::String(name)) if name.is_empty() => TargetPort::Number(port),
         Some(IntOrString::Int(n)) => TargetPort::Number(subject.port(&format!("{at}.targetPort"), *n)?),
-        Some(IntOrString::String(name)) => TargetPort::Name(name.clone()),
+        Some(IntOrString::String(name)) => TargetPort::Name(text(name)),
     };
     let node_port = match p.node_port {
         None | Some(0) => 0,
         Some(n) => subject.port(&format!("{at}.nodePort"), n)?,
     };
     Ok(ServicePort {
-        name: p.name.clone().unwrap_or_default(),
+        name: text(p.name.as_deref().unwrap_or_default()),
         protocol: subject.protocol(&at, p.protocol.as_deref())?,
         port,
         node_port,
@@ -211,7 +226,7 @@ pub fn endpoint_slice(s: &discovery::EndpointSlice) -> Result<EndpointSlice, Con
         .as_ref()
         .and_then(|l| l.get(SERVICE_NAME_LABEL))
         .filter(|n| !n.is_empty())
-        .cloned()
+        .map(|n| text(n))
         .ok_or_else(|| subject.error(Problem::MissingServiceName))?;
     let endpoints = s
         .endpoints
@@ -221,13 +236,13 @@ pub fn endpoint_slice(s: &discovery::EndpointSlice) -> Result<EndpointSlice, Con
             // discovery/v1: a missing `ready` or `serving` means true, a missing
             // `terminating` false (kube-proxy reads them the same way).
             Endpoint {
-                addresses: e.addresses.clone(),
+                addresses: texts(&e.addresses),
                 ready: c.and_then(|c| c.ready).unwrap_or(true),
                 serving: c.and_then(|c| c.serving).unwrap_or(true),
                 terminating: c.and_then(|c| c.terminating).unwrap_or(false),
-                node_name: e.node_name.clone(),
-                zone: e.zone.clone(),
-                for_zones: e.hints.iter().flat_map(|h| h.for_zones.iter().flatten()).map(|z| z.name.clone()).collect(),
+                node_name: e.node_name.as_deref().map(text),
+                zone: e.zone.as_deref().map(text),
+                for_zones: texts(e.hints.iter().flat_map(|h| h.for_zones.iter().flatten()).map(|z| &z.name)),
             }
         })
         .collect();
@@ -238,7 +253,7 @@ pub fn endpoint_slice(s: &discovery::EndpointSlice) -> Result<EndpointSlice, Con
         let Some(number) = p.port else { continue };
         let at = format!("ports[{i}]");
         ports.push(EndpointPort {
-            name: p.name.clone().unwrap_or_default(),
+            name: text(p.name.as_deref().unwrap_or_default()),
             protocol: subject.protocol(&at, p.protocol.as_deref())?,
             port: subject.port(&format!("{at}.port"), number)?,
         });
@@ -252,15 +267,15 @@ pub fn node(n: &core::Node) -> Result<Node, ConvertError> {
     let spec = n.spec.as_ref();
     // `podCIDRs` is authoritative (dual-stack); `podCIDR` is its first entry.
     let pod_cidrs = match spec.and_then(|s| s.pod_cidrs.as_ref()) {
-        Some(cidrs) if !cidrs.is_empty() => cidrs.clone(),
-        _ => spec.and_then(|s| s.pod_cidr.clone()).filter(|c| !c.is_empty()).into_iter().collect(),
+        Some(cidrs) if !cidrs.is_empty() => texts(cidrs),
+        _ => texts(spec.and_then(|s| s.pod_cidr.as_ref()).filter(|c| !c.is_empty())),
     };
     // Only IPs: `Hostname` and `*DNS` addresses are not something traffic is addressed to.
     let addresses = n
         .status
         .as_ref()
         .and_then(|s| s.addresses.as_ref())
-        .map(|a| a.iter().filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP").map(|a| a.address.clone()).collect())
+        .map(|a| texts(a.iter().filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP").map(|a| &a.address)))
         .unwrap_or_default();
     Ok(Node { name: subject.name(m)?, addresses, pod_cidrs, labels: labels(m) })
 }
@@ -276,8 +291,8 @@ pub fn pod(p: &core::Pod) -> Result<Pod, ConvertError> {
     let status = p.status.as_ref();
     // `podIPs` is authoritative (dual-stack); `podIP` is its first entry.
     let ips = match status.and_then(|s| s.pod_ips.as_ref()) {
-        Some(ips) if !ips.is_empty() => ips.iter().map(|ip| ip.ip.clone()).collect(),
-        _ => status.and_then(|s| s.pod_ip.clone()).filter(|ip| !ip.is_empty()).into_iter().collect(),
+        Some(ips) if !ips.is_empty() => texts(ips.iter().map(|ip| &ip.ip)),
+        _ => texts(status.and_then(|s| s.pod_ip.as_ref()).filter(|ip| !ip.is_empty())),
     };
     let mut ports = Vec::new();
     if let Some(spec) = &p.spec {
@@ -285,7 +300,7 @@ pub fn pod(p: &core::Pod) -> Result<Pod, ConvertError> {
             for (i, cp) in container.ports.iter().flatten().enumerate() {
                 let at = format!("spec.containers[{c}].ports[{i}]");
                 ports.push(ContainerPort {
-                    name: cp.name.clone().unwrap_or_default(),
+                    name: text(cp.name.as_deref().unwrap_or_default()),
                     protocol: subject.protocol(&at, cp.protocol.as_deref())?,
                     port: subject.port(&format!("{at}.containerPort"), cp.container_port)?,
                 });
@@ -296,7 +311,7 @@ pub fn pod(p: &core::Pod) -> Result<Pod, ConvertError> {
         namespace: namespace_of(m),
         name: subject.name(m)?,
         ips,
-        node_name: p.spec.as_ref().and_then(|s| s.node_name.clone()).filter(|n| !n.is_empty()),
+        node_name: p.spec.as_ref().and_then(|s| s.node_name.as_deref()).filter(|n| !n.is_empty()).map(text),
         labels: labels(m),
         ports,
         host_network: p.spec.as_ref().and_then(|s| s.host_network).unwrap_or(false),
@@ -316,9 +331,9 @@ fn selector(subject: &Subject, at: &str, s: &meta::LabelSelector) -> Result<Labe
                 return Err(subject.error(Problem::UnknownSelectorOperator { at, value: other.into() }));
             }
         };
-        match_expressions.push(SelectorRequirement { key: r.key.clone(), operator, values: r.values.clone().unwrap_or_default() });
+        match_expressions.push(SelectorRequirement { key: text(&r.key), operator, values: texts(r.values.iter().flatten()) });
     }
-    Ok(LabelSelector { match_labels: s.match_labels.as_ref().map(Labels::from).unwrap_or_default(), match_expressions })
+    Ok(LabelSelector { match_labels: s.match_labels.as_ref().map(label_map).unwrap_or_default(), match_expressions })
 }
 
 fn policy_ports(subject: &Subject, at: &str, ports: Option<&Vec<networking::NetworkPolicyPort>>) -> Result<Vec<PolicyPort>, ConvertError> {
@@ -328,7 +343,7 @@ fn policy_ports(subject: &Subject, at: &str, ports: Option<&Vec<networking::Netw
         let port = match &p.port {
             None => PolicyPortNumber::Any,
             Some(IntOrString::Int(n)) => PolicyPortNumber::Number(subject.port(&format!("{at}.port"), *n)?),
-            Some(IntOrString::String(name)) => PolicyPortNumber::Name(name.clone()),
+            Some(IntOrString::String(name)) => PolicyPortNumber::Name(text(name)),
         };
         let end_port = match (p.end_port, &port) {
             (None, _) => None,
@@ -351,7 +366,7 @@ fn policy_peers(subject: &Subject, at: &str, peers: Option<&Vec<networking::Netw
                 .as_ref()
                 .map(|s| selector(subject, &format!("{at}.namespaceSelector"), s))
                 .transpose()?,
-            ip_block: peer.ip_block.as_ref().map(|b| IpBlock { cidr: b.cidr.clone(), except: b.except.clone().unwrap_or_default() }),
+            ip_block: peer.ip_block.as_ref().map(|b| IpBlock { cidr: text(&b.cidr), except: texts(b.except.iter().flatten()) }),
         });
     }
     Ok(out)
@@ -407,7 +422,7 @@ pub fn network_policy(p: &networking::NetworkPolicy) -> Result<NetworkPolicy, Co
     Ok(NetworkPolicy {
         namespace: namespace_of(m),
         name: subject.name(m)?,
-        uid: m.uid.clone().unwrap_or_default(),
+        uid: text(m.uid.as_deref().unwrap_or_default()),
         generation: m.generation.and_then(|g| u64::try_from(g).ok()).unwrap_or(0),
         // An absent podSelector is the empty selector: every pod in the namespace.
         pod_selector: spec.pod_selector.as_ref().map(|s| selector(&subject, "spec.podSelector", s)).transpose()?.unwrap_or_default(),
@@ -471,8 +486,8 @@ mod tests {
         assert_eq!(
             s.ports,
             vec![
-                ServicePort { name: String::new(), protocol: Protocol::Tcp, port: 80, node_port: 0, target_port: TargetPort::Number(80) },
-                ServicePort { name: String::new(), protocol: Protocol::Tcp, port: 81, node_port: 0, target_port: TargetPort::Number(81) },
+                ServicePort { name: Default::default(), protocol: Protocol::Tcp, port: 80, node_port: 0, target_port: TargetPort::Number(80) },
+                ServicePort { name: Default::default(), protocol: Protocol::Tcp, port: 81, node_port: 0, target_port: TargetPort::Number(81) },
             ]
         );
         assert_eq!(s.session_affinity_timeout, None);
@@ -577,7 +592,7 @@ mod tests {
         assert_eq!(
             s.ports,
             vec![
-                EndpointPort { name: String::new(), protocol: Protocol::Tcp, port: 8080 },
+                EndpointPort { name: Default::default(), protocol: Protocol::Tcp, port: 8080 },
                 EndpointPort { name: "dns".into(), protocol: Protocol::Udp, port: 53 },
             ],
             "a port without a number is skipped"
@@ -647,11 +662,11 @@ mod tests {
             vec![
                 ContainerPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 },
                 ContainerPort { name: "metrics".into(), protocol: Protocol::Tcp, port: 9090 },
-                ContainerPort { name: String::new(), protocol: Protocol::Udp, port: 53 },
+                ContainerPort { name: Default::default(), protocol: Protocol::Udp, port: 53 },
             ]
         );
         let host = pod(&k8s(json!({"metadata": {"name": "agent"}, "spec": {"hostNetwork": true, "containers": []}, "status": {"podIP": "192.168.56.10"}}))).unwrap();
-        assert_eq!((host.namespace.as_str(), host.ips.as_slice(), host.host_network), ("default", &["192.168.56.10".to_string()][..], true));
+        assert_eq!((host.namespace.as_str(), host.ips.as_slice(), host.host_network), ("default", &["192.168.56.10".into()][..], true));
         let pending = pod(&k8s(json!({"metadata": {"name": "pending"}, "spec": {"containers": []}}))).unwrap();
         assert!(pending.ips.is_empty() && pending.node_name.is_none());
         let e = pod(&k8s(json!({"metadata": {"name": "bad"}, "spec": {"containers": [{"name": "c", "ports": [{"containerPort": 80, "protocol": "tcp"}]}]}})))

@@ -457,7 +457,7 @@ spec:
             .objects
             .iter()
             .filter_map(|o| if let ClusterObject::Pod(p) = o { Some(p) } else { None })
-            .flat_map(|p| p.ips.iter().map(String::as_str))
+            .flat_map(|p| p.ips.iter().map(|s| s.as_str()))
             .collect();
         for object in &set.objects {
             if let ClusterObject::EndpointSlice(s) = object {
