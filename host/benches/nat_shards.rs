@@ -34,7 +34,7 @@ fn services(n: usize) -> BTreeMap<ObjectKey, ObjectRules> {
             let chain = format!("svc/bench/s{i}/tcp/http");
             let mut rules = ObjectRules::default();
             rules.chains.insert(chain.clone(), vec!["meta l4proto tcp dnat ip to 127.0.0.1:8080".into()]);
-            rules.elements.insert(("service-ips".into(), format!("{} . tcp . 80", service_ip(i))), format!("goto {chain}"));
+            rules.elements.insert(("service-ips".into(), wasmplane_model::format_compact!("{} . tcp . 80", service_ip(i))), wasmplane_model::format_compact!("goto {chain}"));
             (ObjectKey::new("bench", format!("s{i}")), rules)
         })
         .collect()

@@ -558,7 +558,7 @@ pub struct Dataplane {
     element_owner: ElementOwners,
     /// Elements of shared host sets ([`nft::is_shared_set`]) in `applied`, with how many
     /// objects want each: one is deleted when its last owner lets go.
-    shared_owners: HashMap<(String, String), usize>,
+    shared_owners: HashMap<nft::ElementKey, usize>,
     /// False until a full sync succeeded (and after a failed write): the next sync is full.
     in_sync: bool,
     /// Rules of a previous run are in the kernel and we have not been given state yet.
@@ -767,8 +767,8 @@ impl Dataplane {
         &self,
         olds: &[(ObjectKey, Option<Arc<ObjectRules>>)],
         next: &BTreeMap<ObjectKey, Arc<ObjectRules>>,
-    ) -> BTreeMap<(String, String), (usize, usize)> {
-        let mut change: BTreeMap<(String, String), (usize, usize)> = BTreeMap::new();
+    ) -> BTreeMap<nft::ElementKey, (usize, usize)> {
+        let mut change: BTreeMap<nft::ElementKey, (usize, usize)> = BTreeMap::new();
         let shared = |rules: Option<&ObjectRules>| rules.into_iter().flat_map(ObjectRules::shared_keys).cloned().collect::<Vec<_>>();
         for (key, old) in olds {
             for (k, step) in shared(old.as_deref()).into_iter().map(|k| (k, -1)).chain(shared(next.get(key).map(|r| &**r)).into_iter().map(|k| (k, 1))) {
@@ -985,6 +985,7 @@ impl Dataplane {
 mod tests {
     use super::*;
     use std::collections::BTreeSet;
+    use wasmplane_model::{CompactString, format_compact};
     use std::sync::Mutex;
 
     /// A kernel that records transactions, can refuse them, and may already hold our table.
@@ -1024,7 +1025,7 @@ mod tests {
         let chain = format!("svc/default/{name}");
         let mut r = ObjectRules::default();
         r.chains.insert(chain.clone(), vec![format!("meta l4proto tcp dnat ip to {ip}:80")]);
-        r.elements.insert(("service-ips".into(), "10.96.0.1 . tcp . 80".into()), format!("goto {chain}"));
+        r.elements.insert(("service-ips".into(), "10.96.0.1 . tcp . 80".into()), format_compact!("goto {chain}"));
         r
     }
 
@@ -1055,7 +1056,7 @@ mod tests {
         let mut dp = Dataplane::new(Box::new(fake.clone())).with_services_per_shard(2);
         let names: Vec<String> = (0..7).map(|i| format!("s{i}")).collect();
         let objects: BTreeMap<ObjectKey, ObjectRules> =
-            names.iter().enumerate().map(|(i, n)| (key(n), { let mut r = rules(n, "10.244.0.1"); r.elements = [(("service-ips".into(), format!("10.96.0.{i} . tcp . 80")), format!("goto svc/default/{n}"))].into(); r })).collect();
+            names.iter().enumerate().map(|(i, n)| (key(n), { let mut r = rules(n, "10.244.0.1"); r.elements = [(("service-ips".into(), format_compact!("10.96.0.{i} . tcp . 80")), format_compact!("goto svc/default/{n}"))].into(); r })).collect();
         dp.full_sync(Some(objects.clone())).unwrap();
         // 7 services, 2 to a shard: 4 tables (a power of two).
         let layout = dp.layout();
@@ -1111,7 +1112,7 @@ mod tests {
         let service = |i: usize| {
             let n = format!("s{i}");
             let mut r = rules(&n, "10.244.0.1");
-            r.elements = [(("service-ips".into(), format!("10.96.0.{i} . tcp . 80")), format!("goto svc/default/{n}"))].into();
+            r.elements = [(("service-ips".into(), format_compact!("10.96.0.{i} . tcp . 80")), format_compact!("goto svc/default/{n}"))].into();
             (key(&n), Some(r))
         };
         // The first delivery of state after an empty start: all of it, one full sync.
@@ -1135,10 +1136,10 @@ mod tests {
         let front = format!("{ip} . tcp . 80");
         let mut r = ObjectRules { service_prefix: Some(format!("svc/default/{name}")), ..Default::default() };
         for (i, b) in backends.iter().enumerate() {
-            r.elements.insert(("service-endpoints".into(), format!("{front} . {i}")), format!("{b} . 8080"));
+            r.elements.insert(("service-endpoints".into(), format_compact!("{front} . {i}")), format_compact!("{b} . 8080"));
         }
         let pick = nft::AffinityPick { node_port: false, seconds, backends: backends.len() };
-        r.elements.insert(("service-ips".into(), front), format!("goto {}", pick.chain()));
+        r.elements.insert(("service-ips".into(), front.into()), format_compact!("goto {}", pick.chain()));
         r
     }
 
@@ -1168,7 +1169,7 @@ mod tests {
         // remembered by number), the newcomer takes the free one.
         dp.sync(vec![(key("y"), Some(sticky("y", "10.96.1.2", 600, &["10.244.2.1", "10.244.2.3", "10.244.2.4"])))]).unwrap();
         let y = dp.applied().get(&key("y")).unwrap().clone();
-        let number = |i: usize| y.elements.get(&("service-endpoints".to_string(), format!("10.96.1.2 . tcp . 80 . {i}"))).cloned();
+        let number = |i: usize| y.elements.get(&("service-endpoints".into(), format_compact!("10.96.1.2 . tcp . 80 . {i}"))).cloned();
         assert_eq!([number(0), number(1), number(2)], [Some("10.244.2.1 . 8080".into()), Some("10.244.2.4 . 8080".into()), Some("10.244.2.3 . 8080".into())]);
 
         // Both gone: the next full sync deletes the class's chains it finds in the kernel.
@@ -1238,7 +1239,7 @@ mod tests {
             let mut r = rules(name, pods[0]);
             r.elements.clear();
             for pod in pods {
-                r.elements.insert(("hairpin".into(), format!("{pod} . {pod}")), String::new());
+                r.elements.insert(("hairpin".into(), format_compact!("{pod} . {pod}")), CompactString::default());
             }
             r
         };

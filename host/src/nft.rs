@@ -111,7 +111,7 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 use serde::Serialize;
-use wasmplane_model::{ObjectKey, VecMap};
+use wasmplane_model::{CompactString, ObjectKey, ToCompactString, VecMap, format_compact};
 use wasmplane_runtime::wit;
 
 pub const FAMILY: &str = "inet";
@@ -545,24 +545,24 @@ const AFFINITY_FRONTEND_MAPS: [(&str, &str); 4] = [
 /// endpoint's clients, here all but those of the renumbered one do.
 pub fn keep_affinity_slots(old: &ObjectRules, new: &mut ObjectRules) {
     for (picks, endpoints) in AFFINITY_FRONTEND_MAPS {
-        let fronts: Vec<String> = new
+        let fronts: Vec<CompactString> = new
             .elements
             .iter()
             .filter(|((map, _), verdict)| map == picks && verdict.strip_prefix("goto ").and_then(AffinityPick::parse).is_some())
             .map(|((_, front), _)| front.clone())
             .collect();
         for front in fronts {
-            let numbered = |rules: &ObjectRules| -> Vec<String> {
-                (0..).map_while(|i| rules.elements.get(&(endpoints.to_string(), format!("{front} . {i}"))).cloned()).collect()
+            let numbered = |rules: &ObjectRules| -> Vec<CompactString> {
+                (0..).map_while(|i| rules.elements.get(&((*endpoints).into(), format_compact!("{front} . {i}"))).cloned()).collect()
             };
             let (before, now) = (numbered(old), numbered(new));
-            let mut slots: Vec<Option<&String>> = before.iter().take(now.len()).map(|b| now.contains(b).then_some(b)).collect();
+            let mut slots: Vec<Option<&CompactString>> = before.iter().take(now.len()).map(|b| now.contains(b).then_some(b)).collect();
             slots.resize(now.len(), None);
-            let kept: BTreeSet<&String> = slots.iter().flatten().copied().collect();
+            let kept: BTreeSet<&CompactString> = slots.iter().flatten().copied().collect();
             let mut newcomers = now.iter().filter(|b| !kept.contains(b));
-            let slots: Vec<&String> = slots.into_iter().map(|s| s.or_else(|| newcomers.next()).expect("one backend per number")).collect();
+            let slots: Vec<&CompactString> = slots.into_iter().map(|s| s.or_else(|| newcomers.next()).expect("one backend per number")).collect();
             for (i, backend) in slots.into_iter().enumerate() {
-                new.elements.insert((endpoints.to_string(), format!("{front} . {i}")), backend.clone());
+                new.elements.insert(((*endpoints).into(), format_compact!("{front} . {i}")), backend.clone());
             }
         }
     }
@@ -593,6 +593,11 @@ pub struct SetRules {
     pub expires: bool,
 }
 
+/// A map element's key: (map or host set, rendered key). Map names, addresses and most
+/// rendered keys and verdicts fit in 24 bytes and so need no heap chunk of their own
+/// (BENCHMARKS.md, twelfth run).
+pub type ElementKey = (CompactString, CompactString);
+
 /// What one object (service) has in the dataplane, validated and rendered.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct ObjectRules {
@@ -604,7 +609,7 @@ pub struct ObjectRules {
     /// sorted vector: a B-tree leaf was ~800 bytes a service, the largest single part of a
     /// host's memory at 10k services. Build a large one with `collect`, not key by key.
     #[serde(serialize_with = "elements_as_list")]
-    pub elements: VecMap<(String, String), String>,
+    pub elements: VecMap<ElementKey, CompactString>,
     pub warnings: Vec<String>,
     /// A service's prefix (`svc/<namespace>/<name>`): its shard, also for its map elements.
     #[serde(skip)]
@@ -620,12 +625,12 @@ impl ObjectRules {
     }
 
     /// Its elements of shared host sets ([`is_shared_set`]): many objects may hold each.
-    pub fn shared_keys(&self) -> impl Iterator<Item = &(String, String)> {
+    pub fn shared_keys(&self) -> impl Iterator<Item = &ElementKey> {
         self.elements.keys().filter(|(map, _)| is_shared_set(map))
     }
 
     /// Its elements that have one owner: all but those of shared sets.
-    pub fn owned_keys(&self) -> impl Iterator<Item = &(String, String)> {
+    pub fn owned_keys(&self) -> impl Iterator<Item = &ElementKey> {
         self.elements.keys().filter(|(map, _)| !is_shared_set(map))
     }
 
@@ -635,7 +640,7 @@ impl ObjectRules {
     }
 }
 
-fn elements_as_list<S: serde::Serializer>(elements: &VecMap<(String, String), String>, s: S) -> Result<S::Ok, S::Error> {
+fn elements_as_list<S: serde::Serializer>(elements: &VecMap<ElementKey, CompactString>, s: S) -> Result<S::Ok, S::Error> {
     #[derive(Serialize)]
     struct Element<'a> {
         map: &'a str,
@@ -825,9 +830,9 @@ type Backends = BTreeSet<(IpAddr, u16)>;
 
 /// Writes `backends` into endpoint map `map` as `front . number : address . port`, the
 /// numbers a `pick-N` chain draws among.
-fn number_backends(elements: &mut BTreeMap<(String, String), String>, map: &str, front: &str, backends: &Backends) {
+fn number_backends(elements: &mut BTreeMap<ElementKey, CompactString>, map: &str, front: &str, backends: &Backends) {
     for (i, (address, port)) in backends.iter().enumerate() {
-        elements.insert((map.to_string(), format!("{front} . {i}")), format!("{address} . {port}"));
+        elements.insert((map.into(), format_compact!("{front} . {i}")), format_compact!("{address} . {port}"));
     }
 }
 
@@ -863,7 +868,7 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
     rules.service_prefix = Some(prefix.clone());
     // Built as a B-tree (a guest may name thousands of elements in any order), kept as the
     // sorted vector it collects into.
-    let mut elements: BTreeMap<(String, String), String> = BTreeMap::new();
+    let mut elements: BTreeMap<ElementKey, CompactString> = BTreeMap::new();
     // Frontend (address, protocol, port) → its backends, from `service-backends`.
     let mut backends: BTreeMap<(IpAddr, &'static str, u16), Backends> = BTreeMap::new();
     // Node port (protocol, port) → its IPv4 and IPv6 backends, from `nodeport-backends`.
@@ -899,16 +904,16 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
         let (target_map, key) = match (map.key, element.key.as_slice()) {
             (KeyShape::AddressProtocolPort, [wit::KeyPart::Address(a), wit::KeyPart::Protocol(p), wit::KeyPart::Port(port)]) => {
                 let addr = v.address(a)?;
-                (by_family(&addr), format!("{addr} . {} . {port}", protocol(*p)))
+                (by_family(&addr), format_compact!("{addr} . {} . {port}", protocol(*p)))
             }
-            (KeyShape::ProtocolPort, [wit::KeyPart::Protocol(p), wit::KeyPart::Port(port)]) => (map.name, format!("{} . {port}", protocol(*p))),
+            (KeyShape::ProtocolPort, [wit::KeyPart::Protocol(p), wit::KeyPart::Port(port)]) => (map.name, format_compact!("{} . {port}", protocol(*p))),
             (KeyShape::Address, [wit::KeyPart::Address(a)]) => {
                 let addr = v.address(a)?;
-                (by_family(&addr), addr.to_string())
+                (by_family(&addr), addr.to_compact_string())
             }
             (KeyShape::Endpoint, [wit::KeyPart::Address(a)]) => {
                 let addr = v.address(a)?;
-                (by_family(&addr), format!("{addr} . {addr}"))
+                (by_family(&addr), format_compact!("{addr} . {addr}"))
             }
             (
                 KeyShape::Backend,
@@ -932,13 +937,13 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
             _ => return v.fail(format!("map {:?}: key {:?} has the wrong shape", map.name, element.key)),
         };
         let verdict = match (&element.verdict, map.kind) {
-            (wit::Verdict::None, MapKind::Set) => String::new(),
-            (wit::Verdict::Reject, MapKind::Terminal) => "goto reject-chain".to_string(),
-            (wit::Verdict::Drop, MapKind::Terminal) => "drop".to_string(),
-            (wit::Verdict::Jump(_) | wit::Verdict::Goto(_), MapKind::Jump) => v.verdict(&element.verdict)?,
+            (wit::Verdict::None, MapKind::Set) => CompactString::default(),
+            (wit::Verdict::Reject, MapKind::Terminal) => "goto reject-chain".into(),
+            (wit::Verdict::Drop, MapKind::Terminal) => "drop".into(),
+            (wit::Verdict::Jump(_) | wit::Verdict::Goto(_), MapKind::Jump) => v.verdict(&element.verdict)?.into(),
             (other, _) => return v.fail(format!("map {:?} cannot hold verdict {other:?}", map.name)),
         };
-        if elements.insert((target_map.to_string(), key.clone()), verdict).is_some() {
+        if elements.insert((target_map.into(), key.clone()), verdict).is_some() {
             return v.fail(format!("map {target_map:?}: key {key} given twice"));
         }
     }
@@ -949,20 +954,20 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
             return v.fail(format!("service-backends: {frontend} has {} backends (limit {MAX_PICK})", set.len()));
         }
         let (ips, endpoints) = if frontend.is_ipv4() { ("service-ips", "service-endpoints") } else { ("service-ips6", "service-endpoints6") };
-        let front = format!("{frontend} . {proto} . {port}");
+        let front = format_compact!("{frontend} . {proto} . {port}");
         number_backends(&mut elements, endpoints, &front, set);
         let pick = match affinity.remove(&(*frontend, *proto, *port)) {
             Some(seconds) => AffinityPick { node_port: false, seconds, backends: set.len() }.chain(),
             None => format!("pick-{}", set.len()),
         };
-        if elements.insert((ips.to_string(), front.clone()), format!("goto {pick}")).is_some() {
+        if elements.insert((ips.into(), front.clone()), format_compact!("goto {pick}")).is_some() {
             return v.fail(format!("map {ips:?}: key {front} given twice (service-backends names it too)"));
         }
     }
     // Each node port's backends, numbered per family, and the port sent to the family's
     // `nodeport-pick-N` through `nodeport-dispatch`.
     for ((proto, port), (v4, v6)) in &node_port_backends {
-        let front = format!("{proto} . {port}");
+        let front = format_compact!("{proto} . {port}");
         let seconds = node_port_affinity.remove(&(*proto, *port));
         for (set, endpoints, picks) in [(v4, "nodeport-endpoints", "nodeport-picks"), (v6, "nodeport-endpoints6", "nodeport-picks6")] {
             if set.len() > MAX_PICK {
@@ -974,10 +979,10 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
                     Some(seconds) => AffinityPick { node_port: true, seconds, backends: set.len() }.chain(),
                     None => format!("nodeport-pick-{}", set.len()),
                 };
-                elements.insert((picks.to_string(), front.clone()), format!("goto {pick}"));
+                elements.insert((picks.into(), front.clone()), format_compact!("goto {pick}"));
             }
         }
-        if elements.insert(("service-nodeports".to_string(), front.clone()), "goto nodeport-dispatch".to_string()).is_some() {
+        if elements.insert(("service-nodeports".into(), front.clone()), "goto nodeport-dispatch".into()).is_some() {
             return v.fail(format!("map \"service-nodeports\": key {front} given twice (nodeport-backends names it too)"));
         }
     }
@@ -990,7 +995,7 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
     }
     // Masquerading is asked for the object's own load-balanced frontends only.
     if let Some((_, front)) = elements.keys().find(|(map, front)| {
-        map.starts_with("masquerade-") && !elements.contains_key(&((if map.ends_with('6') { "service-ips6" } else { "service-ips" }).to_string(), front.clone()))
+        map.starts_with("masquerade-") && !elements.contains_key(&((if map.ends_with('6') { "service-ips6" } else { "service-ips" }).into(), front.clone()))
     }) {
         return v.fail(format!("masquerade for {front}, which is not a frontend of this object in service-ips"));
     }
@@ -1316,7 +1321,7 @@ fn fill_object(out: &mut String, rules: &ObjectRules, layout: Layout) {
 
 /// Map elements (`key : verdict`) and host set elements (no verdict) of an object with
 /// `service_prefix`.
-fn add_elements<'a>(out: &mut String, elements: impl Iterator<Item = (&'a (String, String), &'a String)>, layout: Layout, service_prefix: Option<&str>) {
+fn add_elements<'a>(out: &mut String, elements: impl Iterator<Item = (&'a ElementKey, &'a CompactString)>, layout: Layout, service_prefix: Option<&str>) {
     for ((map, key), verdict) in elements {
         let t = layout.element_table(map, verdict, service_prefix);
         if verdict.is_empty() {
@@ -1330,7 +1335,7 @@ fn add_elements<'a>(out: &mut String, elements: impl Iterator<Item = (&'a (Strin
 /// Adds (`add`) or deletes elements of shared host sets (see [`is_shared_set`]), one
 /// statement per set. The caller counts owners: these are elements that gained their first
 /// or lost their last.
-pub fn shared_elements<'a>(out: &mut String, elements: impl Iterator<Item = &'a (String, String)>, add: bool) {
+pub fn shared_elements<'a>(out: &mut String, elements: impl Iterator<Item = &'a ElementKey>, add: bool) {
     let mut by_set: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
     for (set, key) in elements {
         by_set.entry(set).or_default().push(key);

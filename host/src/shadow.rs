@@ -5,10 +5,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Serialize;
-use wasmplane_model::ObjectKey;
+use wasmplane_model::{CompactString, ObjectKey};
 use wasmplane_runtime::TranslatorSession;
 
-use crate::nft::ObjectRules;
+use crate::nft::{ElementKey, ObjectRules};
 
 /// A version running in shadow on this node.
 pub struct ShadowRun {
@@ -111,7 +111,7 @@ pub fn object_diff(applied: &ObjectRules, wanted: &ObjectRules) -> ObjectDiff {
         }
     }
     diff.sets_removed = applied.sets.keys().filter(|s| !wanted.sets.contains_key(*s)).cloned().collect();
-    let element = |((map, key), verdict): (&(String, String), &String)| Element { map: map.clone(), key: key.clone(), verdict: verdict.clone() };
+    let element = |((map, key), verdict): (&ElementKey, &CompactString)| Element { map: map.to_string(), key: key.to_string(), verdict: verdict.to_string() };
     diff.elements_added = wanted.elements.iter().filter(|(k, v)| applied.elements.get(*k) != Some(*v)).map(element).collect();
     diff.elements_removed = applied.elements.iter().filter(|(k, v)| wanted.elements.get(*k) != Some(*v)).map(element).collect();
     diff
@@ -153,7 +153,7 @@ mod tests {
         ObjectRules {
             chains: chains.iter().map(|(c, r)| (c.to_string(), r.iter().map(|s| s.to_string()).collect())).collect(),
             sets: BTreeMap::new(),
-            elements: elements.iter().map(|(m, k, v)| ((m.to_string(), k.to_string()), v.to_string())).collect(),
+            elements: elements.iter().map(|(m, k, v)| (((*m).into(), (*k).into()), (*v).into())).collect(),
             warnings: vec![],
             service_prefix: None,
         }

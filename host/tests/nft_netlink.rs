@@ -9,7 +9,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use support::netns::{Netns, is_root, unique_prefix};
 use wasmplane::dataplane::{Dataplane, Kernel, NetlinkNft, NftCommand};
-use wasmplane::nft::{self, ObjectRules, SetRules};
+use wasmplane::nft::{self, ElementKey, ObjectRules, SetRules};
+use wasmplane_model::{CompactString, format_compact};
 
 fn ns_command(ns: &Netns) -> Vec<String> {
     ["ip", "netns", "exec", &ns.name, "nft"].map(String::from).to_vec()
@@ -24,7 +25,7 @@ fn object(chains: &[(&str, &[&str])], sets: &[(&str, &str, &[&str], bool)], elem
                 (n.to_string(), SetRules { declaration: decl.to_string(), elements: elements.iter().map(|e| e.to_string()).collect(), expires: *expires })
             })
             .collect(),
-        elements: elements.iter().map(|(m, k, v)| ((m.to_string(), k.to_string()), v.to_string())).collect(),
+        elements: elements.iter().map(|&(m, k, v)| ((m.into(), k.into()), v.into())).collect(),
         warnings: Vec::new(),
         service_prefix: None,
     }
@@ -54,11 +55,11 @@ fn service_a(endpoints: &[&str]) -> ObjectRules {
             ],
         );
         rules.sets.insert(format!("svc/ns/a/ep/{ip}/affinity"), SetRules { declaration: AFFINITY.into(), elements: BTreeSet::new(), expires: true });
-        rules.elements.insert(("hairpin".into(), format!("{ip} . {ip}")), String::new());
+        rules.elements.insert(("hairpin".into(), format_compact!("{ip} . {ip}")), CompactString::default());
     }
     rules.elements.insert(("service-ips".into(), "10.96.0.1 . tcp . 80".into()), "goto svc/ns/a".into());
     rules.elements.insert(("service-nodeports".into(), "tcp . 30080".into()), "goto svc/ns/a".into());
-    rules.elements.insert(("cluster-ips".into(), "10.96.0.1".into()), String::new());
+    rules.elements.insert(("cluster-ips".into(), "10.96.0.1".into()), CompactString::default());
     rules
 }
 
@@ -117,19 +118,19 @@ fn service_c(backends: &[&str]) -> ObjectRules {
     rules.service_prefix = Some("svc/ns/c".into());
     let front = "10.96.0.3 . udp . 53";
     for (i, b) in backends.iter().enumerate() {
-        rules.elements.insert(("service-endpoints".into(), format!("{front} . {i}")), format!("{b} . 5353"));
+        rules.elements.insert(("service-endpoints".into(), format_compact!("{front} . {i}")), format_compact!("{b} . 5353"));
     }
-    rules.elements.insert(("service-ips".into(), front.into()), format!("goto pick-{}", backends.len()));
-    rules.elements.insert(("masquerade-off-cluster".into(), front.into()), String::new());
+    rules.elements.insert(("service-ips".into(), front.into()), format_compact!("goto pick-{}", backends.len()));
+    rules.elements.insert(("masquerade-off-cluster".into(), front.into()), CompactString::default());
     rules.elements.insert(("service-endpoints6".into(), "fd00::3 . tcp . 80 . 0".into()), "fd00::33 . 8080".into());
     rules.elements.insert(("service-ips6".into(), "fd00::3 . tcp . 80".into()), "goto pick-1".into());
     // Its node port, as data too: numbered per family, dispatched by the shard.
     let node_port = "udp . 30053";
     for (i, b) in backends.iter().enumerate() {
-        rules.elements.insert(("nodeport-endpoints".into(), format!("{node_port} . {i}")), format!("{b} . 5353"));
+        rules.elements.insert(("nodeport-endpoints".into(), format_compact!("{node_port} . {i}")), format_compact!("{b} . 5353"));
     }
-    rules.elements.insert(("nodeport-picks".into(), node_port.into()), format!("goto nodeport-pick-{}", backends.len()));
-    rules.elements.insert(("nodeport-endpoints6".into(), format!("{node_port} . 0")), "fd00::33 . 5353".into());
+    rules.elements.insert(("nodeport-picks".into(), node_port.into()), format_compact!("goto nodeport-pick-{}", backends.len()));
+    rules.elements.insert(("nodeport-endpoints6".into(), format_compact!("{node_port} . 0")), "fd00::33 . 5353".into());
     rules.elements.insert(("nodeport-picks6".into(), node_port.into()), "goto nodeport-pick-1".into());
     rules.elements.insert(("service-nodeports".into(), node_port.into()), "goto nodeport-dispatch".into());
     rules
@@ -142,9 +143,9 @@ fn service_f(backends: &[&str]) -> ObjectRules {
     rules.service_prefix = Some("svc/ns/f".into());
     let front = "10.96.0.6 . tcp . 80";
     for (i, b) in backends.iter().enumerate() {
-        rules.elements.insert(("service-endpoints".into(), format!("{front} . {i}")), format!("{b} . 8080"));
+        rules.elements.insert(("service-endpoints".into(), format_compact!("{front} . {i}")), format_compact!("{b} . 8080"));
     }
-    rules.elements.insert(("service-ips".into(), front.into()), format!("goto affinity-10800-pick-{}", backends.len()));
+    rules.elements.insert(("service-ips".into(), front.into()), format_compact!("goto affinity-10800-pick-{}", backends.len()));
     rules
 }
 
@@ -175,7 +176,7 @@ fn delta(old: &State, new: &State) -> String {
     let mut out = String::new();
     nft::objects_delta(&pairs, &mut out, LAYOUT);
     // Shared-set elements, as the writer counts them: those no object had or has any more.
-    let shared = |state: &State| -> BTreeSet<(String, String)> {
+    let shared = |state: &State| -> BTreeSet<ElementKey> {
         state.values().flat_map(|r| r.elements.keys()).filter(|(set, _)| nft::is_shared_set(set)).cloned().collect()
     };
     let (before, after) = (shared(old), shared(new));

@@ -10,13 +10,10 @@ use std::sync::Arc;
 use hashbrown::HashTable;
 use wasmplane_model::ObjectKey;
 
-use crate::nft::ObjectRules;
+use crate::nft::{ElementKey, ObjectRules};
 
 /// A wanted state: what the index describes, and what confirms its answers.
 pub(super) type Objects = BTreeMap<ObjectKey, Arc<ObjectRules>>;
-
-/// (map or host set, rendered key), as in [`ObjectRules::elements`].
-type ElementKey = (String, String);
 
 struct Owned {
     hash: u64,
@@ -97,11 +94,12 @@ impl<S: BuildHasher + Default> ElementOwners<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use wasmplane_model::CompactString;
 
     fn rules(elements: &[(&str, &str)]) -> ObjectRules {
         let mut rules = ObjectRules::default();
         for (map, key) in elements {
-            rules.elements.insert((map.to_string(), key.to_string()), String::new());
+            rules.elements.insert(((*map).into(), (*key).into()), CompactString::default());
         }
         rules
     }

@@ -25,7 +25,7 @@ use std::fmt::Write as _;
 use std::net::IpAddr;
 
 use serde::Serialize;
-use wasmplane_model::ObjectKey;
+use wasmplane_model::{ObjectKey, ToCompactString, format_compact};
 use wasmplane_runtime::wit;
 
 use super::{FAMILY, InvalidOutput, ObjectRules, TABLE, Validator};
@@ -230,7 +230,7 @@ pub fn dispatch_object(direction: Direction, addr: &IpAddr, entries: &[DispatchE
         rules.push("counter drop comment \"deny\"".to_string());
     }
     let mut object = ObjectRules::default();
-    object.elements.insert((direction.map(addr.is_ipv6()).to_string(), addr.to_string()), format!("goto {chain}"));
+    object.elements.insert((direction.map(addr.is_ipv6()).to_compact_string(), addr.to_compact_string()), format_compact!("goto {chain}"));
     object.chains.insert(chain, rules);
     Some(object)
 }
@@ -411,12 +411,12 @@ mod tests {
             o.chains["polpod/10.244.1.10/ingress"],
             vec!["jump pol/a/p/ingress", "jump pol/a/q/ingress", "counter drop comment \"deny\""]
         );
-        assert_eq!(o.elements[&("pod-ingress".to_string(), "10.244.1.10".to_string())], "goto polpod/10.244.1.10/ingress");
+        assert_eq!(o.elements[&("pod-ingress".into(), "10.244.1.10".into())], "goto polpod/10.244.1.10/ingress");
         let audit_only = dispatch_object(Direction::Egress, &addr("fd00::a"), &entries[2..]).unwrap();
         let chain = &audit_only.chains["polpod/fd00--a/egress"];
         assert_eq!(chain[0], "jump pol/a/r/ingress");
         assert!(chain[1].starts_with("counter log prefix") && chain[1].ends_with("accept comment \"audit\""), "{chain:?}");
-        assert!(audit_only.elements.contains_key(&("pod-egress6".to_string(), "fd00::a".to_string())));
+        assert!(audit_only.elements.contains_key(&("pod-egress6".into(), "fd00::a".into())));
         assert!(dispatch_object(Direction::Egress, &a, &[]).is_none());
     }
 

@@ -30,7 +30,7 @@ fn renders_valid_output() {
     let out = ruleset(vec![dnat_chain("svc/shop/web/tcp/http", "10.244.0.11")], vec![element("service-ips", "10.96.0.20", Verdict::Goto("svc/shop/web/tcp/http".into()))]);
     let rules = validate_service_output(&key(), &out).unwrap();
     assert_eq!(rules.chains["svc/shop/web/tcp/http"], vec!["meta l4proto tcp dnat ip to 10.244.0.11:8080".to_string()]);
-    assert_eq!(rules.elements[&("service-ips".to_string(), "10.96.0.20 . tcp . 80".to_string())], "goto svc/shop/web/tcp/http");
+    assert_eq!(rules.elements[&("service-ips".into(), "10.96.0.20 . tcp . 80".into())], "goto svc/shop/web/tcp/http");
     let text = full_transaction([&rules].into_iter(), &Stale::default(), Layout::default(), &[]);
     assert!(text.contains("add element inet wasmplane-s0 service-ips { 10.96.0.20 . tcp . 80 : goto svc/shop/web/tcp/http }"));
     let flush = text.find("flush table inet wasmplane-s0\n").unwrap();
@@ -42,7 +42,7 @@ fn renders_valid_output() {
 fn ipv6_keys_go_to_the_v6_map() {
     let out = ruleset(vec![dnat_chain("svc/shop/web/tcp/http", "fd00::11")], vec![element("service-ips", "fd00:96::20", Verdict::Goto("svc/shop/web/tcp/http".into()))]);
     let rules = validate_service_output(&key(), &out).unwrap();
-    assert!(rules.elements.contains_key(&("service-ips6".to_string(), "fd00:96::20 . tcp . 80".to_string())));
+    assert!(rules.elements.contains_key(&("service-ips6".into(), "fd00:96::20 . tcp . 80".into())));
     assert_eq!(rules.chains["svc/shop/web/tcp/http"][0], "meta l4proto tcp dnat ip6 to [fd00::11]:8080");
 }
 
@@ -121,7 +121,7 @@ fn cluster_ips_go_to_the_host_set_only_for_addresses_the_object_serves() {
     let chain = "svc/shop/web/tcp/http";
     let out = ruleset(vec![dnat_chain(chain, "10.244.0.11")], vec![element("service-ips", "10.96.0.20", Verdict::Goto(chain.into())), cluster_ip("10.96.0.20")]);
     let rules = validate_service_output(&key(), &out).unwrap();
-    assert_eq!(rules.elements[&("cluster-ips".to_string(), "10.96.0.20".to_string())], "");
+    assert_eq!(rules.elements[&("cluster-ips".into(), "10.96.0.20".into())], "");
     let text = full_transaction([&rules].into_iter(), &Stale::default(), Layout::default(), &[]);
     assert!(text.contains("add element inet wasmplane cluster-ips { 10.96.0.20 }\n"), "{text}");
     let mut delta = String::new();
@@ -131,7 +131,7 @@ fn cluster_ips_go_to_the_host_set_only_for_addresses_the_object_serves() {
     // A service without endpoints still owns its address; IPv6 goes to the v6 set.
     let out = ruleset(vec![], vec![element("no-endpoint-services", "fd00:96::20", Verdict::Reject), cluster_ip("fd00:96::20")]);
     let rules = validate_service_output(&key(), &out).unwrap();
-    assert!(rules.elements.contains_key(&("cluster-ips6".to_string(), "fd00:96::20".to_string())));
+    assert!(rules.elements.contains_key(&("cluster-ips6".into(), "fd00:96::20".into())));
 
     // Claiming an address it does not serve (the node's), or with a verdict, is refused.
     for (bad, expected) in [
@@ -361,9 +361,9 @@ fn hairpin(ip: &str) -> MapElement {
 #[test]
 fn hairpin_endpoints_are_address_pairs_of_their_family_written_once_however_many_services_name_them() {
     let web = validate_service_output(&key(), &ruleset(vec![], vec![hairpin("10.244.0.11"), hairpin("fd00::11")])).unwrap();
-    let both = |ip: &str| format!("{ip} . {ip}");
-    assert_eq!(web.elements.get(&("hairpin".to_string(), both("10.244.0.11"))).map(String::as_str), Some(""));
-    assert_eq!(web.elements.get(&("hairpin6".to_string(), both("fd00::11"))).map(String::as_str), Some(""));
+    let both = |ip: &str| format_compact!("{ip} . {ip}");
+    assert_eq!(web.elements.get(&("hairpin".into(), both("10.244.0.11"))).map(CompactString::as_str), Some(""));
+    assert_eq!(web.elements.get(&("hairpin6".into(), both("fd00::11"))).map(CompactString::as_str), Some(""));
     for (bad, why) in [
         (MapElement { verdict: Verdict::Accept, ..hairpin("10.244.0.11") }, "cannot hold verdict"),
         (MapElement { key: vec![KeyPart::Address("10.244.0.0/24".into())], ..hairpin("") }, "not an IP address"),
@@ -456,7 +456,7 @@ fn backends_as_data_are_numbered_in_the_endpoint_maps_and_sent_to_the_pick_chain
         ],
     );
     let rules = validate_service_output(&key(), &out).unwrap();
-    let get = |map: &str, k: &str| rules.elements.get(&(map.to_string(), k.to_string())).map(String::as_str);
+    let get = |map: &str, k: &str| rules.elements.get(&(map.into(), k.into())).map(CompactString::as_str);
     assert_eq!(get("service-endpoints", "10.96.0.20 . tcp . 80 . 0"), Some("10.244.0.11 . 8080"));
     assert_eq!(get("service-endpoints", "10.96.0.20 . tcp . 80 . 1"), Some("10.244.0.12 . 8080"));
     assert_eq!(get("service-ips", "10.96.0.20 . tcp . 80"), Some("goto pick-2"));
@@ -533,7 +533,7 @@ fn node_port_backends_are_numbered_per_family_and_dispatched_by_the_host() {
         ],
     );
     let rules = validate_service_output(&key(), &out).unwrap();
-    let get = |map: &str, k: &str| rules.elements.get(&(map.to_string(), k.to_string())).map(String::as_str);
+    let get = |map: &str, k: &str| rules.elements.get(&(map.into(), k.into())).map(CompactString::as_str);
     assert_eq!(get("nodeport-endpoints", "tcp . 30080 . 0"), Some("10.244.0.11 . 8080"));
     assert_eq!(get("nodeport-endpoints", "tcp . 30080 . 1"), Some("10.244.0.12 . 8080"));
     assert_eq!(get("nodeport-endpoints6", "tcp . 30080 . 0"), Some("fd00::11 . 8080"));
@@ -619,7 +619,7 @@ fn session_affinity_as_data_goes_to_the_affinity_pick_chain_of_its_timeout_and_c
         ],
     );
     let rules = validate_service_output(&key(), &out).unwrap();
-    let get = |map: &str, k: &str| rules.elements.get(&(map.to_string(), k.to_string())).map(String::as_str);
+    let get = |map: &str, k: &str| rules.elements.get(&(map.into(), k.into())).map(CompactString::as_str);
     assert_eq!(get("service-ips", "10.96.0.20 . tcp . 80"), Some("goto affinity-10800-pick-2"));
     assert_eq!(get("nodeport-picks", "tcp . 30080"), Some("goto nodeport-affinity-30-pick-1"));
     assert_eq!(get("nodeport-picks6", "tcp . 30080"), Some("goto nodeport-affinity-30-pick-1"));
@@ -694,7 +694,7 @@ fn backends_with_affinity_keep_their_numbers_across_changes() {
         validate_service_output(&key(), &ruleset(vec![], elements)).unwrap()
     };
     let numbered = |rules: &ObjectRules| -> Vec<String> {
-        (0..).map_while(|i| rules.elements.get(&("service-endpoints".to_string(), format!("10.96.0.20 . tcp . 80 . {i}")))).map(|b| b[..11].to_string()).collect()
+        (0..).map_while(|i| rules.elements.get(&("service-endpoints".into(), format_compact!("10.96.0.20 . tcp . 80 . {i}")))).map(|b| b[..11].to_string()).collect()
     };
     let old = service(&["10.244.0.11", "10.244.0.12", "10.244.0.13"]);
     // .12 goes, .14 comes: .14 takes its number, .11 and .13 keep theirs (in order: .11 .13 .14).
