@@ -34,6 +34,7 @@ const TEST_PROGRAMS: &[Guest] = &[
     Guest { constant: "TRAP_ON_LABEL", package: "wasmplane-test-guests", features: &["trap-on-label"] },
     Guest { constant: "INVALID_OUTPUT", package: "wasmplane-test-guests", features: &["invalid-output"] },
     Guest { constant: "WRONG_WORLD", package: "wasmplane-test-guests", features: &["wrong-world"] },
+    Guest { constant: "TRANSLATOR_BENCH_REPEAT", package: "wasmplane-guest-service-translator", features: &["bench-repeat"] },
 ];
 
 fn main() {

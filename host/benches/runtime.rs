@@ -7,7 +7,8 @@
 //! model to WIT types (`TranslatorSession::translate`), the native side converts it to the
 //! SDK's (identical) types, per call; chain prefixes are computed once for both. The Wasm side
 //! also pays what only it has: lowering the inputs into the guest, lifting the ruleset back
-//! out and freeing the guest's copies. The breakdown rows split that cost.
+//! out and freeing the guest's copies. The breakdown rows split that cost, and the last table
+//! times the guest's own work apart from all of it (`guest_work`).
 //!
 //! `WASMPLANE_BENCH_GUEST=path.wasm` runs a component from a file instead of the embedded
 //! translator (to compare guest builds without rebuilding the host);
@@ -133,6 +134,50 @@ fn lowered_allocations(ctx: &wit::NodeContext, service: &wit::Service, slices: &
     params_area_and_prefix + ctx + service + slices
 }
 
+/// The guest's own work, with no boundary: the `bench-repeat` build of the default translator
+/// translates each service `REPEAT` times in one call instead of once, so the difference
+/// between the two runs is `REPEAT - 1` translations of inputs already in the guest, their
+/// rulesets built and freed there. Native: the same function on inputs already converted.
+/// Returns (Wasm, native) per translation.
+fn guest_work(runtime: &Runtime, ctx: &NodeContext, sdk_ctx: &sdk::NodeContext, views: &[ServiceView], prefixes: &[String]) -> (Duration, Duration) {
+    const REPEAT: u32 = 11;
+    let module = runtime
+        .load("repeat", wasmplane_guest_artifacts::test_programs::TRANSLATOR_BENCH_REPEAT, Some(GuestKind::ServiceTranslator), usize::MAX)
+        .unwrap();
+    let mut session = module.translator(Arc::new(NoLookups)).unwrap();
+    session.instantiate_now().unwrap();
+    let with_label = |repeat: u32| -> Vec<ServiceView> {
+        views
+            .iter()
+            .map(|v| {
+                let mut service = (*v.service).clone();
+                service.labels.insert(wasmplane_guest_service_translator::BENCH_REPEAT_LABEL.into(), repeat.to_compact_string());
+                ServiceView { service: service.into(), slices: v.slices.clone() }
+            })
+            .collect()
+    };
+    let mut run = |views: &[ServiceView]| {
+        best_of(3, || {
+            for (v, p) in views.iter().zip(prefixes) {
+                std::hint::black_box(session.translate(ctx, p, v).unwrap());
+            }
+        })
+    };
+    let once = run(&with_label(1));
+    let repeated = run(&with_label(REPEAT));
+    let translations = views.len() as u32 * (REPEAT - 1);
+    let wasm = repeated.saturating_sub(once) / translations;
+    let inputs: Vec<_> = views.iter().map(to_sdk).collect();
+    let native = best_of(3, || {
+        for _ in 0..REPEAT - 1 {
+            for ((svc, slices), p) in inputs.iter().zip(prefixes) {
+                std::hint::black_box(wasmplane_guest_service_translator::translate(sdk_ctx, p, svc, slices).unwrap());
+            }
+        }
+    }) / translations;
+    (wasm, native)
+}
+
 fn best_of<T>(runs: usize, mut f: impl FnMut() -> T) -> Duration {
     (0..runs)
         .map(|_| {
@@ -248,7 +293,8 @@ fn main() {
         // Per call, how many of those lowerings each of the two ExternalName runs made.
         let with_slices = inputs.iter().map(|(s, sl)| lowered_allocations(&wit_ctx, s, sl)).sum::<usize>() as f64 / n as f64;
         let without = empty.iter().map(|s| lowered_allocations(&wit_ctx, s, &[])).sum::<usize>() as f64 / n as f64;
-        breakdown.push((n, convert, boundary, call, output.saturating_sub(native), native, with_slices, without));
+        let (work_wasm, work_native) = guest_work(&runtime, &ctx, &sdk_ctx, &views, &prefixes);
+        breakdown.push((n, convert, boundary, call, output.saturating_sub(native), native, with_slices, without, work_wasm, work_native));
     }
     println!("\n| services | model → WIT | lowering the inputs + call + empty result (ExternalName) | fixed cost of a call (ExternalName, no slices) | native clone of the ruleset (≈ lifting it) |");
     println!("|---|---|---|---|---|");
@@ -261,7 +307,7 @@ fn main() {
     // What is left of the fixed cost is entering and leaving the guest.
     println!("\n| services | guest allocations per call: with slices / without | one lowered string or list | the call itself (fixed cost less its lowerings) | native call, in lowered strings or lists |");
     println!("|---|---|---|---|---|");
-    for (n, _, boundary, call, _, native, with_slices, without) in &breakdown {
+    for (n, _, boundary, call, _, native, with_slices, without, ..) in &breakdown {
         let per_call_us = |d: &Duration| d.as_secs_f64() * 1e6 / *n as f64;
         let per_allocation = (per_call_us(boundary) - per_call_us(call)) / (with_slices - without);
         println!(
@@ -269,6 +315,17 @@ fn main() {
             per_allocation * 1e3,
             per_call_us(call) - without * per_allocation,
             per_call_us(native) / per_allocation
+        );
+    }
+    // What no interface can remove: the translation itself, compiled to Wasm vs natively.
+    println!("\n| services | guest's own work per translation, Wasm (no boundary) | native | Wasm/native |");
+    println!("|---|---|---|---|");
+    for (n, .., work_wasm, work_native) in &breakdown {
+        println!(
+            "| {n} | {:.2} µs | {:.2} µs | {:.2}× |",
+            work_wasm.as_secs_f64() * 1e6,
+            work_native.as_secs_f64() * 1e6,
+            work_wasm.as_secs_f64() / work_native.as_secs_f64()
         );
     }
 }

@@ -86,8 +86,8 @@ pub struct RunArgs {
     /// Per-call time limit of a guest, in milliseconds.
     #[arg(long, default_value_t = 500)]
     pub guest_timeout_ms: u64,
-    /// Linear-memory limit of a guest, in MiB.
-    #[arg(long, default_value_t = 64)]
+    /// Linear-memory limit of a guest, in MiB (at most 4096: guests have 32-bit memories).
+    #[arg(long, default_value_t = 64, value_parser = guest_memory_mib)]
     pub guest_memory_mib: usize,
     /// Seconds between full reconciles of the dataplane (after one that took over a second,
     /// at least 100× its duration, so big tables are reconciled less often).
@@ -230,6 +230,16 @@ pub enum ModuleCommand {
 }
 
 /// `FILE.wasm` → `FILE.wasm.sig`.
+/// `--guest-memory-mib`: a 32-bit Wasm memory addresses at most 4 GiB, and the runtime reserves
+/// exactly that per memory (no bounds checks), so a larger limit could never be reached.
+pub fn guest_memory_mib(value: &str) -> Result<usize, String> {
+    match value.parse::<usize>() {
+        Ok(mib @ 1..=4096) => Ok(mib),
+        Ok(_) => Err("a guest's memory limit must be 1..=4096 MiB (guests have 32-bit memories)".into()),
+        Err(e) => Err(format!("{e}")),
+    }
+}
+
 pub fn signature_path(file: &std::path::Path) -> PathBuf {
     let mut path = file.as_os_str().to_owned();
     path.push(".sig");
@@ -400,5 +410,25 @@ pub async fn module_command(api: ApiArgs, command: ModuleCommand) -> anyhow::Res
         Ok(())
     } else {
         bail!("{status}: {pretty}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+
+    #[test]
+    fn guest_memory_limit_is_bounded_by_a_32_bit_memory() {
+        let memory = |value: &str| match Cli::try_parse_from(["wasmplane", "run", "--guest-memory-mib", value]) {
+            Ok(Cli { command: Command::Run(args) }) => Ok(args.guest_memory_mib),
+            Ok(_) => unreachable!("parsed as another command"),
+            Err(e) => Err(e.to_string()),
+        };
+        assert_eq!(memory("4096"), Ok(4096));
+        assert!(memory("4097").unwrap_err().contains("1..=4096 MiB"));
+        assert!(memory("0").is_err());
+        assert!(memory("lots").is_err());
     }
 }

@@ -229,7 +229,7 @@ pub struct ReplayArgs {
     #[arg(long, default_value_t = 500)]
     pub guest_timeout_ms: u64,
     /// Linear-memory limit of the guest, in MiB (as `run`).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = crate::cli::guest_memory_mib)]
     pub guest_memory_mib: usize,
 }
 

@@ -134,17 +134,19 @@ mod tests {
         assert!(parse_limit_args(&["max-instances=99999999999".into()]).is_err());
     }
 
-    /// Why the limits travel with the request: code compiled for another memory reservation
-    /// would assume other bounds, and wasmtime refuses to load it into the host's engine.
+    /// Why the child builds its engine with `engine_config`: code compiled for another memory
+    /// reservation assumes other bounds (it would need explicit checks), and wasmtime refuses
+    /// to load it into the host's engine.
     #[test]
     fn an_artifact_of_another_configuration_is_refused() {
-        let other = Limits { memory_bytes: 16 << 20, ..Limits::default() };
-        let code = wasmtime::Engine::new(&crate::engine_config(&other)).unwrap().precompile_component(wasmplane_guest_artifacts::GC).unwrap();
+        let mut other = crate::engine_config(&Limits::default());
+        other.memory_reservation(64 << 20);
+        let code = wasmtime::Engine::new(&other).unwrap().precompile_component(wasmplane_guest_artifacts::GC).unwrap();
         let host = wasmtime::Engine::new(&crate::engine_config(&Limits::default())).unwrap();
         // SAFETY: compiled just above; the point is that the mismatch is caught.
         let refused = unsafe { wasmtime::component::Component::deserialize(&host, &code) };
-        assert!(refused.is_err(), "an artifact compiled for a 16 MiB memory loaded into a 64 MiB engine");
-        let same = wasmtime::Engine::new(&crate::engine_config(&other)).unwrap();
+        assert!(refused.is_err(), "an artifact compiled for a 64 MiB reservation loaded into a 4 GiB one");
+        let same = wasmtime::Engine::new(&other).unwrap();
         // SAFETY: as above, same configuration.
         assert!(unsafe { wasmtime::component::Component::deserialize(&same, &code) }.is_ok());
     }

@@ -36,6 +36,10 @@ pub use loader::{GuestKind, LoadError, LoadedModule, ModuleInfo, WIT_PACKAGE, WI
 /// How often the epoch advances; deadlines are whole ticks.
 pub const EPOCH_TICK: Duration = Duration::from_millis(5);
 
+/// Address space reserved per guest memory: all a 32-bit memory can address, wasmtime's own
+/// default. `engine_config` says why.
+const GUEST_MEMORY_RESERVATION: u64 = 4 << 30;
+
 /// Per-call sandbox limits.
 #[derive(Clone, Debug)]
 pub struct Limits {
@@ -115,8 +119,12 @@ pub(crate) fn engine_config(limits: &Limits) -> Config {
         .wasm_component_model(true)
         .epoch_interruption(true)
         .allocation_strategy(InstanceAllocationStrategy::Pooling(pool))
-        // Guests are small and short-lived: keep the per-instance reservation modest.
-        .memory_reservation(limits.memory_bytes as u64 + (64 << 20));
+        // A 32-bit memory inside 4 GiB of reserved address space (plus the guard) needs no
+        // bounds check on any load or store: page faults catch what is out of bounds. That is
+        // address space, not memory: the memory limit is `max_memory_size` above. Measured
+        // (runtime bench): the default translator's own work goes from 1.3× native to
+        // 1.0×; with a reservation of the memory limit alone, every access is checked.
+        .memory_reservation(GUEST_MEMORY_RESERVATION);
     config
 }
 
