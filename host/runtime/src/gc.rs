@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use wasmtime::component::InstancePre;
 
-use crate::host::{GuestState, LiveInstance, Sandbox, NoLookups, check_output_size, classify, deadline_ticks, live_instance};
+use crate::host::{GuestSlot, GuestState, NoLookups, Sandbox, check_output_size};
 use crate::{CallError, GuestKind, LoadError, ModuleInfo, Runtime};
 
 mod bindings {
@@ -68,12 +68,8 @@ impl GcModule {
 
     /// A session calling `collect`.
     pub fn session(&self) -> GcSession {
-        GcSession {
-            pre: self.pre.clone(),
-            sandbox: self.sandbox.clone(),
-            name: self.name.clone(),
-            live: None,
-        }
+        // GC guests import no lookups: nothing to query.
+        GcSession { pre: self.pre.clone(), slot: GuestSlot::new(self.sandbox.clone(), self.name.clone(), Arc::new(NoLookups)) }
     }
 }
 
@@ -81,42 +77,22 @@ impl GcModule {
 /// instance cannot be entered again).
 pub struct GcSession {
     pre: GarbageCollectionPre<GuestState>,
-    sandbox: Sandbox,
-    name: Arc<str>,
-    live: Option<LiveInstance<GarbageCollection>>,
+    slot: GuestSlot<GarbageCollection>,
 }
 
 impl GcSession {
-
-    fn instantiate(&mut self) -> Result<&mut LiveInstance<GarbageCollection>, CallError> {
-        let pre = &self.pre;
-        // GC guests import no lookups: nothing to query.
-        live_instance(&mut self.live, &self.sandbox, self.name.clone(), Arc::new(NoLookups), |store| pre.instantiate(store))
-    }
-
     /// Asks the guest which of `candidates` to delete. On any error the
     /// instance is dropped and nothing is named.
     pub fn collect(&mut self, candidates: &[Candidate]) -> Result<Vec<String>, CallError> {
-        let limits = self.sandbox.limits.clone();
-        let ticks = deadline_ticks(&limits);
-        let _ticking = self.sandbox.ticker.running();
-        let live = self.instantiate()?;
-        live.store.set_epoch_deadline(ticks);
-        let result = live
-            .bindings
-            .wasmplane_dataplane_gc()
-            .call_collect(&mut live.store, candidates);
-        let outcome = match result {
-            Ok(keys) => {
+        let pre = &self.pre;
+        self.slot.call(
+            |store| pre.instantiate(store),
+            |bindings, store| bindings.wasmplane_dataplane_gc().call_collect(store, candidates),
+            |keys, limits| {
                 let bytes: usize = keys.iter().map(String::len).sum();
-                check_output_size(keys.len(), bytes, "keys", &limits).map(|_| keys)
-            }
-            Err(e) => Err(classify(e, &live.store, &live.stderr, &limits)),
-        };
-        if outcome.is_err() {
-            self.live = None;
-        }
-        outcome
+                check_output_size(keys.len(), bytes, "keys", limits).map(|_| keys)
+            },
+        )
     }
 }
 

@@ -209,24 +209,68 @@ pub(crate) struct Sandbox {
     pub limits: crate::Limits,
 }
 
-/// One guest instance of any kind and its store, reused across calls until a call fails.
-pub(crate) struct LiveInstance<B> {
-    pub store: wasmtime::Store<GuestState>,
-    pub bindings: B,
-    pub stderr: wasmtime_wasi::p2::pipe::MemoryOutputPipe,
+/// One guest instance of any kind and its store.
+struct LiveInstance<B> {
+    store: wasmtime::Store<GuestState>,
+    bindings: B,
+    stderr: wasmtime_wasi::p2::pipe::MemoryOutputPipe,
 }
 
-/// The instance in `slot`, instantiated on a fresh store when there is none. Sessions empty
-/// the slot after a failed call: a trapped instance cannot be entered again.
-pub(crate) fn live_instance<'s, B>(
-    slot: &'s mut Option<LiveInstance<B>>,
-    sandbox: &Sandbox,
+/// A session's guest instance, reused across calls until one fails (a trapped instance
+/// cannot be entered again, so the next call gets a fresh one), and what making one takes.
+pub(crate) struct GuestSlot<B> {
+    sandbox: Sandbox,
     name: Arc<str>,
     lookups: Arc<dyn Lookups>,
+    live: Option<LiveInstance<B>>,
+}
+
+impl<B> GuestSlot<B> {
+    pub fn new(sandbox: Sandbox, name: Arc<str>, lookups: Arc<dyn Lookups>) -> GuestSlot<B> {
+        GuestSlot { sandbox, name, lookups, live: None }
+    }
+
+    /// Instantiates now rather than on the first call (benchmarks, warm-up).
+    pub fn instantiate_now(&mut self, instantiate: impl FnOnce(&mut wasmtime::Store<GuestState>) -> wasmtime::Result<B>) -> Result<(), crate::CallError> {
+        let GuestSlot { sandbox, name, lookups, live } = self;
+        let _ticking = sandbox.ticker.running();
+        live_instance(live, sandbox, name, lookups, instantiate).map(|_| ())
+    }
+
+    /// One call under the sandbox's limits (a fresh deadline, the epoch ticking while it
+    /// runs); `accept` checks what the guest returned. Any failure but the guest's own error
+    /// ([`CallError::Guest`](crate::CallError::Guest)) drops the instance.
+    pub fn call<T, U>(
+        &mut self,
+        instantiate: impl FnOnce(&mut wasmtime::Store<GuestState>) -> wasmtime::Result<B>,
+        call: impl FnOnce(&B, &mut wasmtime::Store<GuestState>) -> wasmtime::Result<T>,
+        accept: impl FnOnce(T, &crate::Limits) -> Result<U, crate::CallError>,
+    ) -> Result<U, crate::CallError> {
+        let GuestSlot { sandbox, name, lookups, live } = self;
+        let _ticking = sandbox.ticker.running();
+        let instance = live_instance(live, sandbox, name, lookups, instantiate)?;
+        instance.store.set_epoch_deadline(deadline_ticks(&sandbox.limits));
+        let outcome = match call(&instance.bindings, &mut instance.store) {
+            Ok(value) => accept(value, &sandbox.limits),
+            Err(e) => Err(classify(e, &instance.store, &instance.stderr, &sandbox.limits)),
+        };
+        if matches!(outcome, Err(ref e) if !matches!(e, crate::CallError::Guest(_))) {
+            *live = None;
+        }
+        outcome
+    }
+}
+
+/// The instance in `slot`, instantiated on a fresh store when there is none.
+fn live_instance<'s, B>(
+    slot: &'s mut Option<LiveInstance<B>>,
+    sandbox: &Sandbox,
+    name: &Arc<str>,
+    lookups: &Arc<dyn Lookups>,
     instantiate: impl FnOnce(&mut wasmtime::Store<GuestState>) -> wasmtime::Result<B>,
 ) -> Result<&'s mut LiveInstance<B>, crate::CallError> {
     if slot.is_none() {
-        let (mut store, stderr) = new_store(&sandbox.engine, name, &sandbox.limits, lookups);
+        let (mut store, stderr) = new_store(&sandbox.engine, name.clone(), &sandbox.limits, lookups.clone());
         let bindings = instantiate(&mut store).map_err(|e| crate::CallError::Instantiate(format!("{e:#}")))?;
         *slot = Some(LiveInstance { store, bindings, stderr });
     }
@@ -246,7 +290,7 @@ pub(crate) fn check_output_size(objects: usize, bytes: usize, unit: &str, limits
 
 /// Why a guest call failed: its memory limit, its time limit, or a trap (with what the guest
 /// wrote to stderr, e.g. a panic message).
-pub(crate) fn classify(
+fn classify(
     error: wasmtime::Error,
     store: &wasmtime::Store<GuestState>,
     stderr: &wasmtime_wasi::p2::pipe::MemoryOutputPipe,

@@ -11,7 +11,7 @@ use wasmtime::component::types::ComponentItem;
 use wasmtime::component::{Component, InstancePre};
 
 use crate::bindings::service::{ServiceTranslation, ServiceTranslationPre};
-use crate::host::{GuestState, LiveInstance, Sandbox, Lookups, check_output_size, classify, deadline_ticks, live_instance};
+use crate::host::{GuestSlot, GuestState, Lookups, Sandbox, check_output_size};
 use crate::{CallError, Limits, Runtime, convert, wit};
 use wasmplane_model::state::{NodeContext, ServiceView};
 
@@ -270,13 +270,9 @@ impl LoadedModule {
     /// A session running service translations; fails if this is another kind.
     pub fn translator(&self, lookups: Arc<dyn Lookups>) -> Option<TranslatorSession> {
         match &self.runner {
-            Runner::ServiceTranslator(pre) => Some(TranslatorSession {
-                pre: pre.clone(),
-                sandbox: self.sandbox.clone(),
-                name: self.name.clone(),
-                lookups,
-                live: None,
-            }),
+            Runner::ServiceTranslator(pre) => {
+                Some(TranslatorSession { pre: pre.clone(), slot: GuestSlot::new(self.sandbox.clone(), self.name.clone(), lookups) })
+            }
         }
     }
 }
@@ -285,25 +281,17 @@ impl LoadedModule {
 /// instance cannot be entered again, so the next call gets a fresh one).
 pub struct TranslatorSession {
     pre: ServiceTranslationPre<GuestState>,
-    sandbox: Sandbox,
-    name: Arc<str>,
-    lookups: Arc<dyn Lookups>,
-    live: Option<LiveInstance<ServiceTranslation>>,
+    slot: GuestSlot<ServiceTranslation>,
 }
 
 impl TranslatorSession {
-    fn instantiate(&mut self) -> Result<&mut LiveInstance<ServiceTranslation>, CallError> {
-        let pre = &self.pre;
-        live_instance(&mut self.live, &self.sandbox, self.name.clone(), self.lookups.clone(), |store| pre.instantiate(store))
-    }
-
     /// Instantiates now rather than on the first call (benchmarks, warm-up).
     pub fn instantiate_now(&mut self) -> Result<(), CallError> {
-        let _ticking = self.sandbox.ticker.running();
-        self.instantiate().map(|_| ())
+        let pre = &self.pre;
+        self.slot.instantiate_now(|store| pre.instantiate(store))
     }
 
-    /// Translates one service. On any error the instance is dropped.
+    /// Translates one service. On any error but the guest's own the instance is dropped.
     pub fn translate(&mut self, context: &NodeContext, chain_prefix: &str, view: &ServiceView) -> Result<wit::Ruleset, CallError> {
         let ctx = convert::node_context(context);
         let service = convert::service(&view.service);
@@ -319,27 +307,12 @@ impl TranslatorSession {
         service: &wit::Service,
         slices: &[wit::EndpointSlice],
     ) -> Result<wit::Ruleset, CallError> {
-        let limits = self.sandbox.limits.clone();
-        let ticks = deadline_ticks(&limits);
-        let _ticking = self.sandbox.ticker.running();
-        let live = self.instantiate()?;
-        live.store.set_epoch_deadline(ticks);
-        let result = live.bindings.wasmplane_dataplane_service_translator().call_translate(
-            &mut live.store,
-            ctx,
-            chain_prefix,
-            service,
-            slices,
-        );
-        let outcome = match result {
-            Ok(Ok(ruleset)) => check_ruleset_size(&ruleset, &limits).map(|_| ruleset),
-            Ok(Err(guest_error)) => Err(CallError::Guest(guest_error.message.chars().take(1024).collect())),
-            Err(e) => Err(classify(e, &live.store, &live.stderr, &limits)),
-        };
-        if matches!(outcome, Err(ref e) if !matches!(e, CallError::Guest(_))) {
-            self.live = None;
-        }
-        outcome
+        let pre = &self.pre;
+        self.slot.call(
+            |store| pre.instantiate(store),
+            |bindings, store| bindings.wasmplane_dataplane_service_translator().call_translate(store, ctx, chain_prefix, service, slices),
+            accept_ruleset,
+        )
     }
 }
 
@@ -364,6 +337,15 @@ pub fn output_cost(r: &wit::Ruleset) -> (usize, usize) {
         bytes += e.map_name.len() + 8 * e.key.len() + 16;
     }
     (objects, bytes)
+}
+
+/// What a translator or policy guest returned: its ruleset within the size limits, or its
+/// own error (which keeps the instance), cut to 1 KiB.
+pub(crate) fn accept_ruleset(result: Result<wit::Ruleset, wit::GuestError>, limits: &Limits) -> Result<wit::Ruleset, CallError> {
+    match result {
+        Ok(ruleset) => check_ruleset_size(&ruleset, limits).map(|_| ruleset),
+        Err(guest_error) => Err(CallError::Guest(guest_error.message.chars().take(1024).collect())),
+    }
 }
 
 /// A ruleset (translator or policy output) against the size limits.

@@ -18,7 +18,7 @@ use wasmtime::component::InstancePre;
 use wasmplane_model as m;
 use wasmplane_model::state::{NodeContext, PolicyView};
 
-use crate::host::{GuestState, LiveInstance, Sandbox, Lookups, classify, deadline_ticks, live_instance};
+use crate::host::{GuestSlot, GuestState, Lookups, Sandbox};
 use wasmplane_model::ToStd;
 use crate::{CallError, GuestKind, LoadError, ModuleInfo, Runtime, convert, wit};
 
@@ -70,13 +70,7 @@ impl PolicyModule {
 
     /// A session calling `compile`; `lookups` answers the guest's `lookups` imports.
     pub fn session(&self, lookups: Arc<dyn Lookups>) -> PolicySession {
-        PolicySession {
-            pre: self.pre.clone(),
-            sandbox: self.sandbox.clone(),
-            name: self.name.clone(),
-            lookups,
-            live: None,
-        }
+        PolicySession { pre: self.pre.clone(), slot: GuestSlot::new(self.sandbox.clone(), self.name.clone(), lookups) }
     }
 }
 
@@ -84,19 +78,10 @@ impl PolicyModule {
 /// instance cannot be entered again, so the next call gets a fresh one).
 pub struct PolicySession {
     pre: NetworkPolicyEnforcementPre<GuestState>,
-    sandbox: Sandbox,
-    name: Arc<str>,
-    lookups: Arc<dyn Lookups>,
-    live: Option<LiveInstance<NetworkPolicyEnforcement>>,
+    slot: GuestSlot<NetworkPolicyEnforcement>,
 }
 
 impl PolicySession {
-
-    fn instantiate(&mut self) -> Result<&mut LiveInstance<NetworkPolicyEnforcement>, CallError> {
-        let pre = &self.pre;
-        live_instance(&mut self.live, &self.sandbox, self.name.clone(), self.lookups.clone(), |store| pre.instantiate(store))
-    }
-
     /// Compiles the policy of `view` for the local pods it selects.
     pub fn compile(&mut self, context: &NodeContext, chain_prefix: &str, view: &PolicyView) -> Result<wit::Ruleset, CallError> {
         let ctx = convert::node_context(context);
@@ -113,22 +98,12 @@ impl PolicySession {
         policy: &wit::NetworkPolicy,
         local_pods: &[wit::Pod],
     ) -> Result<wit::Ruleset, CallError> {
-        let limits = self.sandbox.limits.clone();
-        let ticks = deadline_ticks(&limits);
-        let _ticking = self.sandbox.ticker.running();
-        let live = self.instantiate()?;
-        live.store.set_epoch_deadline(ticks);
-        let result =
-            live.bindings.wasmplane_dataplane_network_policy().call_compile(&mut live.store, ctx, chain_prefix, policy, local_pods);
-        let outcome = match result {
-            Ok(Ok(ruleset)) => crate::loader::check_ruleset_size(&ruleset, &limits).map(|_| ruleset),
-            Ok(Err(guest_error)) => Err(CallError::Guest(guest_error.message.chars().take(1024).collect())),
-            Err(e) => Err(classify(e, &live.store, &live.stderr, &limits)),
-        };
-        if matches!(outcome, Err(ref e) if !matches!(e, CallError::Guest(_))) {
-            self.live = None;
-        }
-        outcome
+        let pre = &self.pre;
+        self.slot.call(
+            |store| pre.instantiate(store),
+            |bindings, store| bindings.wasmplane_dataplane_network_policy().call_compile(store, ctx, chain_prefix, policy, local_pods),
+            crate::loader::accept_ruleset,
+        )
     }
 }
 
