@@ -229,7 +229,6 @@ pub enum ModuleCommand {
     Keygen { out: PathBuf },
 }
 
-/// `FILE.wasm` → `FILE.wasm.sig`.
 /// `--guest-memory-mib`: a 32-bit Wasm memory addresses at most 4 GiB, and the runtime reserves
 /// exactly that per memory (no bounds checks), so a larger limit could never be reached.
 pub fn guest_memory_mib(value: &str) -> Result<usize, String> {
@@ -240,6 +239,7 @@ pub fn guest_memory_mib(value: &str) -> Result<usize, String> {
     }
 }
 
+/// `FILE.wasm` → `FILE.wasm.sig`.
 pub fn signature_path(file: &std::path::Path) -> PathBuf {
     let mut path = file.as_os_str().to_owned();
     path.push(".sig");
