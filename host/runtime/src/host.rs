@@ -179,7 +179,7 @@ pub(crate) fn linker(engine: &Engine) -> wasmtime::Result<Linker<GuestState>> {
 const STDERR_CAPTURE: usize = 4096;
 
 /// A call's time limit in whole epoch ticks.
-pub(crate) fn deadline_ticks(limits: &crate::Limits) -> u64 {
+fn deadline_ticks(limits: &crate::Limits) -> u64 {
     limits.call_timeout.as_nanos().div_ceil(crate::EPOCH_TICK.as_nanos()).max(1) as u64
 }
 

@@ -349,7 +349,7 @@ pub(crate) fn accept_ruleset(result: Result<wit::Ruleset, wit::GuestError>, limi
 }
 
 /// A ruleset (translator or policy output) against the size limits.
-pub(crate) fn check_ruleset_size(r: &wit::Ruleset, limits: &Limits) -> Result<(), CallError> {
+fn check_ruleset_size(r: &wit::Ruleset, limits: &Limits) -> Result<(), CallError> {
     let (objects, bytes) = output_cost(r);
     check_output_size(objects, bytes, "objects", limits)
 }
