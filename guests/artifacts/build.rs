@@ -35,6 +35,7 @@ const TEST_PROGRAMS: &[Guest] = &[
     Guest { constant: "INVALID_OUTPUT", package: "wasmplane-test-guests", features: &["invalid-output"] },
     Guest { constant: "WRONG_WORLD", package: "wasmplane-test-guests", features: &["wrong-world"] },
     Guest { constant: "TRANSLATOR_BENCH_REPEAT", package: "wasmplane-guest-service-translator", features: &["bench-repeat"] },
+    Guest { constant: "TRANSLATOR_BENCH_ENCODED", package: "wasmplane-guest-service-translator", features: &["bench-encoded"] },
 ];
 
 fn main() {

@@ -8,7 +8,9 @@
 //! SDK's (identical) types, per call; chain prefixes are computed once for both. The Wasm side
 //! also pays what only it has: lowering the inputs into the guest, lifting the ruleset back
 //! out and freeing the guest's copies. The breakdown rows split that cost, and the last table
-//! times the guest's own work apart from all of it (`guest_work`).
+//! times the guest's own work apart from all of it (`guest_work`). A last table times the
+//! same translation across a boundary of one serialized buffer each way instead of typed
+//! values (`serialized_boundary`): what a WIT 2.0 of that shape would cost.
 //!
 //! `WASMPLANE_BENCH_GUEST=path.wasm` runs a component from a file instead of the embedded
 //! translator (to compare guest builds without rebuilding the host);
@@ -22,6 +24,11 @@ use wasmplane_model::state::{LocalEndpoint, LocalSlice, NodeContext, ServiceView
 use wasmplane_model::*;
 use wasmplane_runtime::{GuestKind, Limits, NoLookups, Runtime, convert, wit};
 use wasmplane_sdk::types as sdk;
+
+/// The host side of `guests/service-translator/bench-encoded.wit`.
+mod encoded {
+    wasmtime::component::bindgen!({ path: "../guests/service-translator/bench-encoded.wit", world: "encoded-translation" });
+}
 
 fn synthetic(n: usize) -> Vec<ServiceView> {
     (0..n)
@@ -178,6 +185,124 @@ fn guest_work(runtime: &Runtime, ctx: &NodeContext, sdk_ctx: &sdk::NodeContext, 
     (wasm, native)
 }
 
+/// The serialized-boundary guest's store: WASI granting nothing, as the runtime's.
+struct EncodedGuestState {
+    wasi: wasmtime_wasi::WasiCtx,
+    table: wasmtime::component::ResourceTable,
+}
+
+impl wasmtime_wasi::WasiView for EncodedGuestState {
+    fn ctx(&mut self) -> wasmtime_wasi::WasiCtxView<'_> {
+        wasmtime_wasi::WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
+    }
+}
+
+/// Per call through one serialized buffer each way (`bench-encoded.wit`).
+struct SerializedBoundary {
+    /// Model → SDK types, postcard in, the Wasm call (one list lowered, the guest decodes,
+    /// translates, encodes; one list lifted), postcard out.
+    wasm: Duration,
+    /// The same round trip natively: the same conversion, encoding and decoding, no Wasm.
+    native: Duration,
+    bytes_in: usize,
+    bytes_out: usize,
+    /// The four codec steps of that round trip apart, natively (totals over all services).
+    encode_inputs: Duration,
+    decode_inputs: Duration,
+    encode_ruleset: Duration,
+    decode_ruleset: Duration,
+    /// The two decodes again into borrowed mirrors of the types (`borrowed`): strings read
+    /// in place, only lists allocated. What a zero-copy reader could approach.
+    decode_inputs_borrowed: Duration,
+    decode_ruleset_borrowed: Duration,
+}
+
+/// The `bench-encoded` build of the default translator, run on an engine of the runtime's
+/// configuration (so the same code generation) outside a `Runtime`, which only loads the
+/// known worlds. Both sides pay the model → SDK conversion, as in the typed rows.
+fn serialized_boundary(sdk_ctx: &sdk::NodeContext, views: &[ServiceView], prefixes: &[String]) -> SerializedBoundary {
+    use wasmplane_guest_service_translator::translate_encoded;
+    let engine = wasmtime::Engine::new(&wasmplane_runtime::engine_config(&Limits::default())).unwrap();
+    let component =
+        wasmtime::component::Component::new(&engine, wasmplane_guest_artifacts::test_programs::TRANSLATOR_BENCH_ENCODED).unwrap();
+    let mut linker = wasmtime::component::Linker::new(&engine);
+    wasmtime_wasi::p2::add_to_linker_sync(&mut linker).unwrap();
+    let state = EncodedGuestState { wasi: wasmtime_wasi::WasiCtx::builder().build(), table: Default::default() };
+    let mut store = wasmtime::Store::new(&engine, state);
+    // Epoch interruption is compiled in (as in the runtime); nothing advances this engine's
+    // epoch, so the deadline is never reached.
+    store.set_epoch_deadline(1);
+    let guest = encoded::EncodedTranslation::instantiate(&mut store, &component, &linker).unwrap();
+    let translator = guest.wasmplane_bench_encoded_translator();
+    let encode = |view: &ServiceView, prefix: &String| {
+        let (service, slices) = to_sdk(view);
+        postcard::to_allocvec(&(sdk_ctx, prefix, &service, &slices)).unwrap()
+    };
+    let decode = |out: &[u8]| postcard::from_bytes::<Result<sdk::Ruleset, sdk::GuestError>>(out).unwrap().unwrap();
+
+    // Both ends of the buffer agree with the typed translation.
+    let (service, slices) = to_sdk(&views[0]);
+    let typed = wasmplane_guest_service_translator::translate(sdk_ctx, &prefixes[0], &service, &slices).unwrap();
+    let input = encode(&views[0], &prefixes[0]);
+    let output = translator.call_translate(&mut store, &input).unwrap();
+    assert_eq!(decode(&output), typed, "the serialized guest's ruleset");
+    assert_eq!(decode(&translate_encoded(&input)), typed, "the native serialized ruleset");
+
+    let wasm = best_of(3, || {
+        for (v, p) in views.iter().zip(prefixes) {
+            let output = translator.call_translate(&mut store, &encode(v, p)).unwrap();
+            std::hint::black_box(decode(&output));
+        }
+    });
+    let native = best_of(3, || {
+        for (v, p) in views.iter().zip(prefixes) {
+            std::hint::black_box(decode(&translate_encoded(&encode(v, p))));
+        }
+    });
+
+    let typed_inputs: Vec<_> = views.iter().map(to_sdk).collect();
+    let encoded_inputs: Vec<_> = views.iter().zip(prefixes).map(|(v, p)| encode(v, p)).collect();
+    let results: Vec<_> = typed_inputs.iter().zip(prefixes).map(|((s, sl), p)| wasmplane_guest_service_translator::translate(sdk_ctx, p, s, sl)).collect();
+    let encoded_results: Vec<_> = results.iter().map(|r| postcard::to_allocvec(r).unwrap()).collect();
+    SerializedBoundary {
+        wasm,
+        native,
+        bytes_in: input.len(),
+        bytes_out: output.len(),
+        encode_inputs: best_of(3, || {
+            for ((service, slices), p) in typed_inputs.iter().zip(prefixes) {
+                std::hint::black_box(postcard::to_allocvec(&(sdk_ctx, p, service, slices)).unwrap());
+            }
+        }),
+        decode_inputs: best_of(3, || {
+            for input in &encoded_inputs {
+                std::hint::black_box(postcard::from_bytes::<(sdk::NodeContext, String, sdk::Service, Vec<sdk::EndpointSlice>)>(input).unwrap());
+            }
+        }),
+        encode_ruleset: best_of(3, || {
+            for result in &results {
+                std::hint::black_box(postcard::to_allocvec(result).unwrap());
+            }
+        }),
+        decode_ruleset: best_of(3, || {
+            for output in &encoded_results {
+                std::hint::black_box(decode(output));
+            }
+        }),
+        decode_inputs_borrowed: best_of(3, || {
+            for input in &encoded_inputs {
+                std::hint::black_box(postcard::from_bytes::<borrowed::Inputs>(input).unwrap());
+            }
+        }),
+        decode_ruleset_borrowed: best_of(3, || {
+            for output in &encoded_results {
+                let ruleset = postcard::from_bytes::<Result<borrowed::Ruleset, borrowed::GuestError>>(output).unwrap();
+                assert!(std::hint::black_box(ruleset).is_ok());
+            }
+        }),
+    }
+}
+
 fn best_of<T>(runs: usize, mut f: impl FnMut() -> T) -> Duration {
     (0..runs)
         .map(|_| {
@@ -294,12 +419,27 @@ fn main() {
         let with_slices = inputs.iter().map(|(s, sl)| lowered_allocations(&wit_ctx, s, sl)).sum::<usize>() as f64 / n as f64;
         let without = empty.iter().map(|s| lowered_allocations(&wit_ctx, s, &[])).sum::<usize>() as f64 / n as f64;
         let (work_wasm, work_native) = guest_work(&runtime, &ctx, &sdk_ctx, &views, &prefixes);
-        breakdown.push((n, convert, boundary, call, output.saturating_sub(native), native, with_slices, without, work_wasm, work_native));
+        let serialized = serialized_boundary(&sdk_ctx, &views, &prefixes);
+        breakdown.push(Breakdown {
+            n,
+            wasm,
+            native,
+            convert,
+            boundary,
+            call,
+            ruleset_clone: output.saturating_sub(native),
+            with_slices,
+            without,
+            work_wasm,
+            work_native,
+            serialized,
+        });
     }
     println!("\n| services | model → WIT | lowering the inputs + call + empty result (ExternalName) | fixed cost of a call (ExternalName, no slices) | native clone of the ruleset (≈ lifting it) |");
     println!("|---|---|---|---|---|");
-    for (n, convert, boundary, call, output, ..) in &breakdown {
-        println!("| {n} | {} | {} | {} | {} |", per_call(*convert, *n), per_call(*boundary, *n), per_call(*call, *n), per_call(*output, *n));
+    for b in &breakdown {
+        let n = b.n;
+        println!("| {n} | {} | {} | {} | {} |", per_call(b.convert, n), per_call(b.boundary, n), per_call(b.call, n), per_call(b.ruleset_clone, n));
     }
     // The two ExternalName runs differ only in the slices, so their difference over the
     // difference in lowerings is what one lowered string or list costs (the host's copy, the
@@ -307,25 +447,298 @@ fn main() {
     // What is left of the fixed cost is entering and leaving the guest.
     println!("\n| services | guest allocations per call: with slices / without | one lowered string or list | the call itself (fixed cost less its lowerings) | native call, in lowered strings or lists |");
     println!("|---|---|---|---|---|");
-    for (n, _, boundary, call, _, native, with_slices, without, ..) in &breakdown {
-        let per_call_us = |d: &Duration| d.as_secs_f64() * 1e6 / *n as f64;
-        let per_allocation = (per_call_us(boundary) - per_call_us(call)) / (with_slices - without);
+    for b in &breakdown {
+        let per_call_us = |d: Duration| d.as_secs_f64() * 1e6 / b.n as f64;
+        let per_allocation = (per_call_us(b.boundary) - per_call_us(b.call)) / (b.with_slices - b.without);
         println!(
-            "| {n} | {with_slices:.0} / {without:.0} | {:.0} ns | {:.2} µs | {:.0} |",
+            "| {} | {:.0} / {:.0} | {:.0} ns | {:.2} µs | {:.0} |",
+            b.n,
+            b.with_slices,
+            b.without,
             per_allocation * 1e3,
-            per_call_us(call) - without * per_allocation,
-            per_call_us(native) / per_allocation
+            per_call_us(b.call) - b.without * per_allocation,
+            per_call_us(b.native) / per_allocation
         );
     }
     // What no interface can remove: the translation itself, compiled to Wasm vs natively.
     println!("\n| services | guest's own work per translation, Wasm (no boundary) | native | Wasm/native |");
     println!("|---|---|---|---|");
-    for (n, .., work_wasm, work_native) in &breakdown {
+    for b in &breakdown {
         println!(
-            "| {n} | {:.2} µs | {:.2} µs | {:.2}× |",
-            work_wasm.as_secs_f64() * 1e6,
-            work_native.as_secs_f64() * 1e6,
-            work_wasm.as_secs_f64() / work_native.as_secs_f64()
+            "| {} | {:.2} µs | {:.2} µs | {:.2}× |",
+            b.n,
+            b.work_wasm.as_secs_f64() * 1e6,
+            b.work_native.as_secs_f64() * 1e6,
+            b.work_wasm.as_secs_f64() / b.work_native.as_secs_f64()
         );
+    }
+    // The same translation behind one serialized buffer each way (a WIT 2.0 of that shape),
+    // against the typed call and the native call of the first table.
+    println!(
+        "\n| services | buffer in / out | typed Wasm per call | serialized Wasm per call | serialized, natively | native per call | serialized Wasm/native |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for b in &breakdown {
+        let s = &b.serialized;
+        println!(
+            "| {} | {} / {} B | {} | {} | {} | {} | {:.2}× |",
+            b.n,
+            s.bytes_in,
+            s.bytes_out,
+            per_call(b.wasm, b.n),
+            per_call(s.wasm, b.n),
+            per_call(s.native, b.n),
+            per_call(b.native, b.n),
+            s.wasm.as_secs_f64() / b.native.as_secs_f64()
+        );
+    }
+    // Where the serialized round trip's time goes, and what reading both buffers in place
+    // (borrowed strings) would leave: the serialized Wasm call with its two decodes replaced
+    // by the borrowed ones (the guest's code runs at native speed, table above).
+    println!(
+        "\n| services | natively: encode inputs | decode inputs (borrowed) | encode ruleset | decode ruleset (borrowed) | serialized Wasm, both buffers read in place (estimate) | estimate/native |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for b in &breakdown {
+        let s = &b.serialized;
+        let in_place = s.wasm + s.decode_inputs_borrowed + s.decode_ruleset_borrowed - s.decode_inputs - s.decode_ruleset;
+        println!(
+            "| {} | {} | {} ({}) | {} | {} ({}) | {} | {:.2}× |",
+            b.n,
+            per_call(s.encode_inputs, b.n),
+            per_call(s.decode_inputs, b.n),
+            per_call(s.decode_inputs_borrowed, b.n),
+            per_call(s.encode_ruleset, b.n),
+            per_call(s.decode_ruleset, b.n),
+            per_call(s.decode_ruleset_borrowed, b.n),
+            per_call(in_place, b.n),
+            in_place.as_secs_f64() / b.native.as_secs_f64()
+        );
+    }
+}
+
+/// Per service count, where a call's time goes (per-call times are totals over `n` calls).
+struct Breakdown {
+    n: usize,
+    wasm: Duration,
+    native: Duration,
+    convert: Duration,
+    /// Lowering the inputs + the call + an empty result (ExternalName).
+    boundary: Duration,
+    /// ExternalName without slices: the fixed cost of a call.
+    call: Duration,
+    /// A native clone of the ruleset (≈ lifting it).
+    ruleset_clone: Duration,
+    /// Guest allocations per call with slices / without.
+    with_slices: f64,
+    without: f64,
+    /// The guest's own work per translation (not a total).
+    work_wasm: Duration,
+    work_native: Duration,
+    serialized: SerializedBoundary,
+}
+
+/// Borrowed mirrors of the SDK's types, field for field and variant for variant (postcard
+/// encodes by position): the same buffers decoded with every string read in place. Only the
+/// serialized-boundary estimate uses them.
+mod borrowed {
+    // Decoded only, to time the decoding: nothing reads a field.
+    #![allow(dead_code)]
+    use serde::Deserialize;
+    use wasmplane_sdk::types::{AddressFamily, Protocol, ServiceType, TrafficPolicy};
+
+    pub type Inputs<'a> = (NodeContext<'a>, &'a str, Service<'a>, Vec<EndpointSlice<'a>>);
+
+    #[derive(Deserialize)]
+    pub struct NodeContext<'a> {
+        pub node_name: &'a str,
+        #[serde(borrow)]
+        pub node_ips: Vec<&'a str>,
+        #[serde(borrow)]
+        pub cluster_cidrs: Vec<&'a str>,
+        #[serde(borrow)]
+        pub pod_cidrs: Vec<&'a str>,
+    }
+
+    #[derive(Deserialize)]
+    pub struct Label<'a> {
+        pub key: &'a str,
+        pub value: &'a str,
+    }
+
+    #[derive(Deserialize)]
+    pub enum TargetPort<'a> {
+        Number(u16),
+        Name(&'a str),
+    }
+
+    #[derive(Deserialize)]
+    pub struct ServicePort<'a> {
+        pub name: &'a str,
+        pub protocol: Protocol,
+        pub port: u16,
+        pub node_port: u16,
+        #[serde(borrow)]
+        pub target_port: TargetPort<'a>,
+    }
+
+    #[derive(Deserialize)]
+    pub struct Service<'a> {
+        pub namespace: &'a str,
+        pub name: &'a str,
+        pub service_type: ServiceType,
+        #[serde(borrow)]
+        pub cluster_ips: Vec<&'a str>,
+        #[serde(borrow)]
+        pub external_ips: Vec<&'a str>,
+        #[serde(borrow)]
+        pub load_balancer_ips: Vec<&'a str>,
+        #[serde(borrow)]
+        pub ports: Vec<ServicePort<'a>>,
+        pub session_affinity_timeout: Option<u32>,
+        pub external_traffic_policy: TrafficPolicy,
+        pub internal_traffic_policy: TrafficPolicy,
+        #[serde(borrow)]
+        pub labels: Vec<Label<'a>>,
+    }
+
+    #[derive(Deserialize)]
+    pub struct Endpoint<'a> {
+        #[serde(borrow)]
+        pub addresses: Vec<&'a str>,
+        pub ready: bool,
+        pub serving: bool,
+        pub terminating: bool,
+        pub node_name: Option<&'a str>,
+        pub zone: Option<&'a str>,
+        pub is_local: bool,
+    }
+
+    #[derive(Deserialize)]
+    pub struct EndpointPort<'a> {
+        pub name: &'a str,
+        pub protocol: Protocol,
+        pub port: u16,
+    }
+
+    #[derive(Deserialize)]
+    pub struct EndpointSlice<'a> {
+        pub name: &'a str,
+        #[serde(borrow)]
+        pub endpoints: Vec<Endpoint<'a>>,
+        #[serde(borrow)]
+        pub ports: Vec<EndpointPort<'a>>,
+    }
+
+    #[derive(Deserialize)]
+    pub struct AddressMatch<'a> {
+        pub cidr: &'a str,
+        pub negate: bool,
+    }
+
+    #[derive(Deserialize)]
+    pub enum RuleMatch<'a> {
+        Source(#[serde(borrow)] AddressMatch<'a>),
+        Destination(#[serde(borrow)] AddressMatch<'a>),
+        Protocol(Protocol),
+        DestinationPort(u16),
+        DestinationPortRange((u16, u16)),
+        SourceInSet(&'a str),
+        DestinationInSet(&'a str),
+        DestinationIsLocal,
+        ConnectionEstablished,
+        Random((u32, u32)),
+    }
+
+    #[derive(Deserialize)]
+    pub struct DnatTarget<'a> {
+        pub address: &'a str,
+        pub port: u16,
+    }
+
+    #[derive(Deserialize)]
+    pub struct SetUpdate<'a> {
+        pub set: &'a str,
+        pub timeout_seconds: Option<u32>,
+    }
+
+    #[derive(Deserialize)]
+    pub enum RuleStatement<'a> {
+        Counter,
+        Dnat(#[serde(borrow)] DnatTarget<'a>),
+        AddSourceToSet(#[serde(borrow)] SetUpdate<'a>),
+        Log(&'a str),
+    }
+
+    #[derive(Deserialize)]
+    pub enum Verdict<'a> {
+        None,
+        Accept,
+        Drop,
+        Reject,
+        Jump(&'a str),
+        Goto(&'a str),
+        Return,
+        Masquerade,
+    }
+
+    #[derive(Deserialize)]
+    pub struct Rule<'a> {
+        #[serde(borrow)]
+        pub matches: Vec<RuleMatch<'a>>,
+        #[serde(borrow)]
+        pub statements: Vec<RuleStatement<'a>>,
+        #[serde(borrow)]
+        pub verdict: Verdict<'a>,
+        pub comment: Option<&'a str>,
+    }
+
+    #[derive(Deserialize)]
+    pub struct Chain<'a> {
+        pub name: &'a str,
+        #[serde(borrow)]
+        pub rules: Vec<Rule<'a>>,
+    }
+
+    #[derive(Deserialize)]
+    pub struct SetDeclaration<'a> {
+        pub name: &'a str,
+        pub family: AddressFamily,
+        pub timeout_seconds: Option<u32>,
+        #[serde(borrow)]
+        pub elements: Vec<&'a str>,
+    }
+
+    #[derive(Deserialize)]
+    pub enum KeyPart<'a> {
+        Address(&'a str),
+        Protocol(Protocol),
+        Port(u16),
+    }
+
+    #[derive(Deserialize)]
+    pub struct MapElement<'a> {
+        pub map_name: &'a str,
+        #[serde(borrow)]
+        pub key: Vec<KeyPart<'a>>,
+        #[serde(borrow)]
+        pub verdict: Verdict<'a>,
+    }
+
+    #[derive(Deserialize)]
+    pub struct Ruleset<'a> {
+        #[serde(borrow)]
+        pub chains: Vec<Chain<'a>>,
+        #[serde(borrow)]
+        pub sets: Vec<SetDeclaration<'a>>,
+        #[serde(borrow)]
+        pub map_elements: Vec<MapElement<'a>>,
+        #[serde(borrow)]
+        pub warnings: Vec<&'a str>,
+    }
+
+    #[derive(Deserialize)]
+    pub struct GuestError<'a> {
+        pub message: &'a str,
     }
 }

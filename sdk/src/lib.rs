@@ -20,7 +20,7 @@
 //! also compile natively, so guest logic can be unit-tested with `cargo test`.
 
 pub mod service {
-    #[cfg(target_arch = "wasm32")]
+    #[cfg(all(target_arch = "wasm32", not(feature = "serde")))]
     wit_bindgen::generate!({
         path: "../wit",
         world: "service-translation",
@@ -30,8 +30,9 @@ pub mod service {
         additional_derives: [PartialEq, Eq, Hash],
     });
     // Natively the types are also serde: `testing` reads recordings in the host's shape.
-    // (Not in Wasm builds: guests carry no serde code they never use.)
-    #[cfg(not(target_arch = "wasm32"))]
+    // (Not in Wasm builds unless feature `serde` asks: guests carry no serde code they never
+    // use.)
+    #[cfg(any(not(target_arch = "wasm32"), feature = "serde"))]
     wit_bindgen::generate!({
         path: "../wit",
         world: "service-translation",

@@ -44,7 +44,7 @@ mod pool;
 #[global_allocator]
 static ALLOCATOR: pool::Pool = pool::Pool::new();
 
-#[cfg(target_family = "wasm")]
+#[cfg(all(target_family = "wasm", not(feature = "bench-encoded")))]
 mod export {
     use wasmplane_sdk::service::exports::wasmplane::dataplane::service_translator::Guest;
     use wasmplane_sdk::types::*;
@@ -67,6 +67,33 @@ mod export {
     }
 
     wasmplane_sdk::export_service_translator!(DefaultTranslator);
+}
+
+#[cfg(all(target_family = "wasm", feature = "bench-encoded"))]
+mod export_encoded {
+    wit_bindgen::generate!({ path: "bench-encoded.wit", world: "encoded-translation" });
+
+    struct EncodedTranslator;
+
+    impl exports::wasmplane::bench::encoded_translator::Guest for EncodedTranslator {
+        fn translate(input: Vec<u8>) -> Vec<u8> {
+            super::translate_encoded(&input)
+        }
+    }
+
+    export!(EncodedTranslator);
+}
+
+/// The runtime bench's serialized boundary (feature `bench-encoded`, never shipped): decodes
+/// the inputs from one postcard buffer, translates, encodes the result into another. The
+/// bench runs it both in Wasm (`bench-encoded.wit`) and natively.
+#[cfg(feature = "bench-encoded")]
+pub fn translate_encoded(input: &[u8]) -> Vec<u8> {
+    let result = match postcard::from_bytes::<(NodeContext, String, Service, Vec<EndpointSlice>)>(input) {
+        Ok((node, prefix, service, slices)) => translate(&node, &prefix, &service, &slices),
+        Err(e) => Err(GuestError { message: format!("decoding the input: {e}") }),
+    };
+    postcard::to_allocvec(&result).expect("serializing into a Vec cannot fail")
 }
 
 /// The runtime bench's build (feature `bench-repeat`, never shipped) translates a service

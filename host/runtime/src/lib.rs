@@ -104,8 +104,10 @@ pub struct Runtime {
 }
 
 /// The engine configuration for `limits`. Compiling and running engines must agree on it: the
-/// compiled code depends on it (bounds checks follow the memory reservation).
-pub(crate) fn engine_config(limits: &Limits) -> Config {
+/// compiled code depends on it (bounds checks follow the memory reservation). Public for
+/// what must run a component exactly as the host would outside a [`Runtime`] (the runtime
+/// bench's serialized-boundary guest).
+pub fn engine_config(limits: &Limits) -> Config {
     let mut pool = PoolingAllocationConfig::default();
     pool.total_component_instances(limits.max_instances)
         .total_core_instances(limits.max_instances * 8)
