@@ -8,7 +8,8 @@
 //! SDK's (identical) types, per call; chain prefixes are computed once for both. The Wasm side
 //! also pays what only it has: lowering the inputs into the guest, lifting the ruleset back
 //! out and freeing the guest's copies. The breakdown rows split that cost, and the last table
-//! times the guest's own work apart from all of it (`guest_work`). A last table times the
+//! times the guest's own work apart from all of it (`guest_work`). One table times single
+//! calls after idling, as one change in the host makes them (`isolated_calls`). A last table times the
 //! same translation across a boundary of one serialized buffer each way instead of typed
 //! values (`serialized_boundary`): what a WIT 2.0 of that shape would cost.
 //!
@@ -303,6 +304,37 @@ fn serialized_boundary(sdk_ctx: &sdk::NodeContext, views: &[ServiceView], prefix
     }
 }
 
+/// One call at a time after 20 ms idle, as one change arrives in the host (the hot loops
+/// above keep code and data in the caches): the median and p90 over 100 calls, Wasm
+/// (`TranslatorSession::translate`) and native (model → SDK types + translate).
+fn isolated_calls(session: &mut wasmplane_runtime::TranslatorSession, ctx: &NodeContext, sdk_ctx: &sdk::NodeContext, views: &[ServiceView], prefixes: &[String]) -> Isolated {
+    const CALLS: usize = 100;
+    let idle = Duration::from_millis(20);
+    let (mut wasm, mut native) = (Vec::with_capacity(CALLS), Vec::with_capacity(CALLS));
+    for (view, prefix) in views.iter().zip(prefixes).take(CALLS) {
+        std::thread::sleep(idle);
+        let t = Instant::now();
+        std::hint::black_box(session.translate(ctx, prefix, view).unwrap());
+        wasm.push(t.elapsed());
+        std::thread::sleep(idle);
+        let t = Instant::now();
+        let (service, slices) = to_sdk(view);
+        std::hint::black_box(wasmplane_guest_service_translator::translate(sdk_ctx, prefix, &service, &slices).unwrap());
+        native.push(t.elapsed());
+    }
+    wasm.sort();
+    native.sort();
+    let p = |v: &[Duration], q: usize| v[(v.len() * q / 100).min(v.len() - 1)];
+    Isolated { wasm_p50: p(&wasm, 50), wasm_p90: p(&wasm, 90), native_p50: p(&native, 50), native_p90: p(&native, 90) }
+}
+
+struct Isolated {
+    wasm_p50: Duration,
+    wasm_p90: Duration,
+    native_p50: Duration,
+    native_p90: Duration,
+}
+
 fn best_of<T>(runs: usize, mut f: impl FnMut() -> T) -> Duration {
     (0..runs)
         .map(|_| {
@@ -420,6 +452,7 @@ fn main() {
         let without = empty.iter().map(|s| lowered_allocations(&wit_ctx, s, &[])).sum::<usize>() as f64 / n as f64;
         let (work_wasm, work_native) = guest_work(&runtime, &ctx, &sdk_ctx, &views, &prefixes);
         let serialized = serialized_boundary(&sdk_ctx, &views, &prefixes);
+        let isolated = isolated_calls(&mut session, &ctx, &sdk_ctx, &views, &prefixes);
         breakdown.push(Breakdown {
             n,
             wasm,
@@ -433,6 +466,7 @@ fn main() {
             work_wasm,
             work_native,
             serialized,
+            isolated,
         });
     }
     println!("\n| services | model → WIT | lowering the inputs + call + empty result (ExternalName) | fixed cost of a call (ExternalName, no slices) | native clone of the ruleset (≈ lifting it) |");
@@ -492,6 +526,22 @@ fn main() {
             s.wasm.as_secs_f64() / b.native.as_secs_f64()
         );
     }
+    // What one change in the host pays: a single call with cold caches.
+    println!("\n| services | one call after 20 ms idle, Wasm: p50 / p90 | native: p50 / p90 | Wasm/native (p50) |");
+    println!("|---|---|---|---|");
+    for b in &breakdown {
+        let i = &b.isolated;
+        let us = |d: Duration| d.as_secs_f64() * 1e6;
+        println!(
+            "| {} | {:.1} / {:.1} µs | {:.1} / {:.1} µs | {:.2}× |",
+            b.n,
+            us(i.wasm_p50),
+            us(i.wasm_p90),
+            us(i.native_p50),
+            us(i.native_p90),
+            i.wasm_p50.as_secs_f64() / i.native_p50.as_secs_f64()
+        );
+    }
     // Where the serialized round trip's time goes, and what reading both buffers in place
     // (borrowed strings) would leave: the serialized Wasm call with its two decodes replaced
     // by the borrowed ones (the guest's code runs at native speed, table above).
@@ -536,6 +586,7 @@ struct Breakdown {
     work_wasm: Duration,
     work_native: Duration,
     serialized: SerializedBoundary,
+    isolated: Isolated,
 }
 
 /// Borrowed mirrors of the SDK's types, field for field and variant for variant (postcard
