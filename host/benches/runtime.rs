@@ -7,10 +7,10 @@
 //! model to WIT types (`TranslatorSession::translate`), the native side converts it to the
 //! SDK's (identical) types, per call; chain prefixes are computed once for both. The Wasm side
 //! also pays what only it has: lowering the inputs into the guest, lifting the ruleset back
-//! out and freeing the guest's copies. The breakdown rows split that cost, and the last table
-//! times the guest's own work apart from all of it (`guest_work`). One table times single
-//! calls after idling, as one change in the host makes them (`isolated_calls`). A last table times the
-//! same translation across a boundary of one serialized buffer each way instead of typed
+//! out and freeing the guest's copies. The breakdown rows split that cost, and a table times
+//! the guest's own work apart from all of it (`guest_work`). Another times single calls
+//! after idling, as one change in the host makes them (`isolated_calls`). The last ones time
+//! the same translation across a boundary of one serialized buffer each way instead of typed
 //! values (`serialized_boundary`): what a WIT 2.0 of that shape would cost.
 //!
 //! `WASMPLANE_BENCH_GUEST=path.wasm` runs a component from a file instead of the embedded
