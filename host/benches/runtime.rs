@@ -222,7 +222,7 @@ struct SerializedBoundary {
 /// configuration (so the same code generation) outside a `Runtime`, which only loads the
 /// known worlds. Both sides pay the model → SDK conversion, as in the typed rows.
 fn serialized_boundary(sdk_ctx: &sdk::NodeContext, views: &[ServiceView], prefixes: &[String]) -> SerializedBoundary {
-    use wasmplane_guest_service_translator::translate_encoded;
+    use wasmplane_guest_service_translator::{EncodedInputs, decode_output, encode_inputs, translate_encoded};
     let engine = wasmtime::Engine::new(&wasmplane_runtime::engine_config(&Limits::default())).unwrap();
     let component =
         wasmtime::component::Component::new(&engine, wasmplane_guest_artifacts::test_programs::TRANSLATOR_BENCH_ENCODED).unwrap();
@@ -237,9 +237,9 @@ fn serialized_boundary(sdk_ctx: &sdk::NodeContext, views: &[ServiceView], prefix
     let translator = guest.wasmplane_bench_encoded_translator();
     let encode = |view: &ServiceView, prefix: &String| {
         let (service, slices) = to_sdk(view);
-        postcard::to_allocvec(&(sdk_ctx, prefix, &service, &slices)).unwrap()
+        encode_inputs(sdk_ctx, prefix, &service, &slices)
     };
-    let decode = |out: &[u8]| postcard::from_bytes::<Result<sdk::Ruleset, sdk::GuestError>>(out).unwrap().unwrap();
+    let decode = |out: &[u8]| decode_output(out).unwrap().unwrap();
 
     // Both ends of the buffer agree with the typed translation.
     let (service, slices) = to_sdk(&views[0]);
@@ -272,12 +272,12 @@ fn serialized_boundary(sdk_ctx: &sdk::NodeContext, views: &[ServiceView], prefix
         bytes_out: output.len(),
         encode_inputs: best_of(3, || {
             for ((service, slices), p) in typed_inputs.iter().zip(prefixes) {
-                std::hint::black_box(postcard::to_allocvec(&(sdk_ctx, p, service, slices)).unwrap());
+                std::hint::black_box(encode_inputs(sdk_ctx, p, service, slices));
             }
         }),
         decode_inputs: best_of(3, || {
             for input in &encoded_inputs {
-                std::hint::black_box(postcard::from_bytes::<(sdk::NodeContext, String, sdk::Service, Vec<sdk::EndpointSlice>)>(input).unwrap());
+                std::hint::black_box(postcard::from_bytes::<EncodedInputs>(input).unwrap());
             }
         }),
         encode_ruleset: best_of(3, || {

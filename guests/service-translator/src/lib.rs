@@ -89,11 +89,27 @@ mod export_encoded {
 /// bench runs it both in Wasm (`bench-encoded.wit`) and natively.
 #[cfg(feature = "bench-encoded")]
 pub fn translate_encoded(input: &[u8]) -> Vec<u8> {
-    let result = match postcard::from_bytes::<(NodeContext, String, Service, Vec<EndpointSlice>)>(input) {
+    let result = match postcard::from_bytes::<EncodedInputs>(input) {
         Ok((node, prefix, service, slices)) => translate(&node, &prefix, &service, &slices),
         Err(e) => Err(GuestError { message: format!("decoding the input: {e}") }),
     };
     postcard::to_allocvec(&result).expect("serializing into a Vec cannot fail")
+}
+
+/// What `translate_encoded` decodes its input buffer into.
+#[cfg(feature = "bench-encoded")]
+pub type EncodedInputs = (NodeContext, String, Service, Vec<EndpointSlice>);
+
+/// The input buffer of `translate_encoded`.
+#[cfg(feature = "bench-encoded")]
+pub fn encode_inputs(node: &NodeContext, chain_prefix: &str, service: &Service, slices: &[EndpointSlice]) -> Vec<u8> {
+    postcard::to_allocvec(&(node, chain_prefix, service, slices)).expect("serializing into a Vec cannot fail")
+}
+
+/// The result in an output buffer of `translate_encoded`.
+#[cfg(feature = "bench-encoded")]
+pub fn decode_output(output: &[u8]) -> Result<Result<Ruleset, GuestError>, postcard::Error> {
+    postcard::from_bytes(output)
 }
 
 /// The runtime bench's build (feature `bench-repeat`, never shipped) translates a service

@@ -394,11 +394,11 @@ fn a_frontend_of_either_family_with_too_many_backends_keeps_the_port_in_a_chain(
 #[test]
 fn the_serialized_boundary_translates_the_same_and_refuses_garbage() {
     let slices = [slice(vec![endpoint("10.244.0.11", true, false, true)])];
-    let input = postcard::to_allocvec(&(ctx(), "svc/shop/web", service(), &slices[..])).unwrap();
-    let decoded: Result<Ruleset, GuestError> = postcard::from_bytes(&translate_encoded(&input)).unwrap();
+    let input = encode_inputs(&ctx(), "svc/shop/web", &service(), &slices);
+    let decoded = decode_output(&translate_encoded(&input)).unwrap();
     assert_eq!(decoded, translate(&ctx(), "svc/shop/web", &service(), &slices));
 
-    let garbage: Result<Ruleset, GuestError> = postcard::from_bytes(&translate_encoded(&input[..input.len() / 2])).unwrap();
+    let garbage = decode_output(&translate_encoded(&input[..input.len() / 2])).unwrap();
     let message = garbage.unwrap_err().message;
     assert!(message.starts_with("decoding the input:"), "{message}");
 }
