@@ -1,11 +1,14 @@
 //! Process memory with glibc's allocator, which the host's RSS depends on more than on
 //! anything it holds (BENCHMARKS.md: up to 15 MiB between runs at 1k services).
 
-/// Caps glibc's malloc arenas at two unless `MALLOC_ARENA_MAX` says otherwise. glibc gives
-/// threads that contend their own arena (up to 8 per core) and never returns their free
-/// pages; the host's threads (tokio workers, blocking pool, Cranelift's) all allocate.
-/// Measured: 8–14 MiB less RSS at 1k services, the same change latency. Call before any
-/// thread is started.
+/// Keeps every thread in glibc's one main malloc arena unless `MALLOC_ARENA_MAX` says
+/// otherwise. glibc gives threads that contend their own arena (up to 8 per core), and each
+/// arena keeps its own partly used pages: the initial sync's transient objects (list bodies,
+/// decoded Kubernetes objects) are freed between long-lived ones in whichever arena a
+/// worker thread had. Small allocations mostly bypass the arena's lock through each thread's
+/// cache. Measured (BENCHMARKS.md, fifteenth run): two arenas instead of the default 8–14
+/// MiB less RSS at 1k services, one instead of two another 2.0 MiB at 1k and 3.7 MiB at
+/// 10k, with the same change latency and CPU per event. Call before any thread is started.
 pub fn limit_malloc_arenas() {
     if std::env::var_os("MALLOC_ARENA_MAX").is_some() {
         return;
@@ -13,10 +16,147 @@ pub fn limit_malloc_arenas() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only sets an allocator parameter.
     unsafe {
-        libc::mallopt(libc::M_ARENA_MAX, 2);
+        libc::mallopt(libc::M_ARENA_MAX, 1);
     }
 }
 
 /// Returns free heap pages to the kernel (after a burst of large transient allocations).
 /// The runtime's, which calls it after each compilation.
 pub use wasmplane_runtime::release_free_memory;
+
+/// The binary's own code and read-only data that the kernel was asked to reclaim.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct PagedOut {
+    pub mappings: usize,
+    /// What those mappings had resident before the advice, in KiB.
+    pub resident_kib: u64,
+}
+
+/// Asks the kernel to reclaim the pages of this process's own binary that are mapped from
+/// the file and hold no private copies (code and read-only data), as after start-up most of
+/// them are code that ran once: CLI parsing, the initial list and its decoding, loading the
+/// guests. What the host runs later faults back in from the page cache or the file.
+/// `MADV_PAGEOUT` only reclaims, it never discards: a mapping with any anonymous page (the
+/// relocated data, or code an uprobe has patched) is left alone. Linux ≥ 5.4.
+pub fn page_out_own_binary() -> std::io::Result<PagedOut> {
+    let exe = std::fs::read_link("/proc/self/exe")?;
+    let smaps = std::fs::read_to_string("/proc/self/smaps")?;
+    let mut paged = PagedOut::default();
+    for mapping in file_mappings_without_private_pages(&smaps, &exe.to_string_lossy()) {
+        // SAFETY: advice on a mapping of this process's own address space, taken from its
+        // smaps just now; MADV_PAGEOUT does not change the mapping's contents.
+        let rc = unsafe { libc::madvise(mapping.start as *mut libc::c_void, mapping.len, libc::MADV_PAGEOUT) };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        paged.mappings += 1;
+        paged.resident_kib += mapping.resident_kib;
+    }
+    Ok(paged)
+}
+
+#[derive(Debug, PartialEq, Eq)]
+struct Mapping {
+    start: usize,
+    len: usize,
+    resident_kib: u64,
+}
+
+/// The read-only mappings of `path` in a `/proc/PID/smaps` text whose resident pages are all
+/// the file's (no `Anonymous` ones).
+fn file_mappings_without_private_pages(smaps: &str, path: &str) -> Vec<Mapping> {
+    let mut found = Vec::new();
+    // The mapping being read: where it is, and whether it is one of the binary's read-only ones.
+    let mut current: Option<(Mapping, bool)> = None;
+    let finish = |current: Option<(Mapping, bool)>, found: &mut Vec<Mapping>| {
+        if let Some((mapping, true)) = current {
+            found.push(mapping);
+        }
+    };
+    for line in smaps.lines() {
+        let mut fields = line.split_whitespace();
+        let Some(first) = fields.next() else { continue };
+        if let Some((start, end)) = first.split_once('-').filter(|_| !first.ends_with(':')) {
+            finish(current.take(), &mut found);
+            let (Ok(start), Ok(end)) = (usize::from_str_radix(start, 16), usize::from_str_radix(end, 16)) else { continue };
+            let perms = fields.next().unwrap_or("");
+            // offset, device, inode, then the path (which may hold spaces, e.g. " (deleted)")
+            let name = line.splitn(6, char::is_whitespace).nth(5).map(str::trim_start).unwrap_or("");
+            let wanted = name == path && perms.starts_with('r') && !perms.contains('w');
+            current = Some((Mapping { start, len: end - start, resident_kib: 0 }, wanted));
+        } else if let Some((mapping, wanted)) = current.as_mut() {
+            let kib = || fields.clone().next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            match first {
+                "Rss:" => mapping.resident_kib = kib(),
+                "Anonymous:" if kib() > 0 => *wanted = false,
+                _ => {}
+            }
+        }
+    }
+    finish(current, &mut found);
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SMAPS: &str = "\
+55d0a0000000-55d0a0400000 r--p 00000000 fe:01 1234 /usr/bin/wasmplane
+Rss:                1024 kB
+Anonymous:             0 kB
+55d0a0400000-55d0a1400000 r-xp 00400000 fe:01 1234 /usr/bin/wasmplane
+Rss:                6912 kB
+Anonymous:             0 kB
+55d0a1400000-55d0a14b2000 r--p 01400000 fe:01 1234 /usr/bin/wasmplane
+Rss:                 712 kB
+Anonymous:           712 kB
+55d0a14b2000-55d0a14ba000 rw-p 014b2000 fe:01 1234 /usr/bin/wasmplane
+Rss:                  32 kB
+Anonymous:            32 kB
+7f0000000000-7f0000100000 r-xp 00000000 fe:01 99 /usr/lib/x86_64-linux-gnu/libc.so.6
+Rss:                1032 kB
+Anonymous:             0 kB
+7f0000200000-7f0000300000 r-xp 00000000 fe:01 77 /usr/bin/wasmplane-old (deleted)
+Rss:                 100 kB
+Anonymous:             0 kB
+";
+
+    /// Only the binary's read-only mappings with no private pages: not its relocated data,
+    /// not its writable data, not libc's code.
+    #[test]
+    fn picks_the_binarys_clean_read_only_mappings() {
+        let found = file_mappings_without_private_pages(SMAPS, "/usr/bin/wasmplane");
+        assert_eq!(
+            found,
+            vec![
+                Mapping { start: 0x55d0a0000000, len: 0x400000, resident_kib: 1024 },
+                Mapping { start: 0x55d0a0400000, len: 0x1000000, resident_kib: 6912 },
+            ]
+        );
+        // A binary replaced on disk while it runs is still found by the name /proc gives it.
+        let deleted = file_mappings_without_private_pages(SMAPS, "/usr/bin/wasmplane-old (deleted)");
+        assert_eq!(deleted, vec![Mapping { start: 0x7f0000200000, len: 0x100000, resident_kib: 100 }]);
+    }
+
+    /// On this process: its binary's code is resident before, and much less of it after.
+    #[test]
+    fn pages_out_this_test_binarys_code() {
+        let exe = std::fs::read_link("/proc/self/exe").unwrap();
+        let resident = || {
+            let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+            file_mappings_without_private_pages(&smaps, &exe.to_string_lossy()).iter().map(|m| m.resident_kib).sum::<u64>()
+        };
+        let before = resident();
+        let paged = match page_out_own_binary() {
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                eprintln!("SKIPPED: this kernel has no MADV_PAGEOUT (Linux < 5.4)");
+                return;
+            }
+            other => other.unwrap(),
+        };
+        let after = resident();
+        assert!(paged.mappings >= 1 && paged.resident_kib > 0, "{paged:?}");
+        assert!(before > 0 && after < before / 2, "resident code and read-only data: {before} KiB before, {after} KiB after");
+    }
+}

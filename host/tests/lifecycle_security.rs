@@ -442,11 +442,27 @@ async fn the_host_binary_runs_with_guests_compiled_in_a_child() {
         .arg(dir.path().join("manifests"))
         .arg("--data-dir")
         .arg(&data)
-        .env("RUST_LOG", "warn")
+        .env("RUST_LOG", "warn,wasmplane=info")
         .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .unwrap();
+    // The log line that says how much of its binary was resident when the host paged it out
+    // after the initial sync; the rest of the log is drained so the host never blocks on it.
+    let (paged_tx, paged_rx) = tokio::sync::oneshot::channel::<u64>();
+    let mut log = tokio::io::BufReader::new(host.stderr.take().unwrap()).lines();
+    tokio::spawn(async move {
+        let mut paged_tx = Some(paged_tx);
+        while let Ok(Some(line)) = log.next_line().await {
+            if line.contains("start-up code paged out") {
+                let kib = line.split("resident_kib=").nth(1).and_then(|v| v.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok());
+                if let (Some(kib), Some(tx)) = (kib, paged_tx.take()) {
+                    let _ = tx.send(kib);
+                }
+            }
+        }
+    });
     let mut lines = tokio::io::BufReader::new(host.stdout.take().unwrap()).lines();
     let url = tokio::time::timeout(Duration::from_secs(60), async {
         while let Some(line) = lines.next_line().await.unwrap() {
@@ -476,5 +492,27 @@ async fn the_host_binary_runs_with_guests_compiled_in_a_child() {
         .map(|task| std::fs::read_to_string(task.unwrap().path().join("children")).unwrap_or_default())
         .collect();
     assert_eq!(children.trim(), "", "the host keeps no compiler process");
+    // After the initial sync the binary's start-up code was handed back to the kernel: what
+    // is resident of it now is less than what was before.
+    let paged_kib = tokio::time::timeout(Duration::from_secs(30), paged_rx).await.expect("the host logged its page-out within 30 s").unwrap();
+    let resident_kib = binary_code_and_rodata_resident_kib(pid);
+    assert!(paged_kib > 0 && resident_kib < paged_kib / 2, "{paged_kib} KiB resident when paged out, {resident_kib} KiB now");
     host.kill().await.unwrap();
+}
+
+/// Resident KiB of a process's own binary in its read-only mappings (code and constants).
+fn binary_code_and_rodata_resident_kib(pid: u32) -> u64 {
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).unwrap();
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    let mut in_binary = false;
+    let mut kib = 0;
+    for line in smaps.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        if fields.first().is_some_and(|f| f.contains('-') && !f.ends_with(':')) {
+            in_binary = fields.len() >= 6 && std::path::Path::new(fields[5]) == exe && !fields[1].contains('w');
+        } else if let (true, ["Rss:", value, ..]) = (in_binary, fields.as_slice()) {
+            kib += value.parse::<u64>().unwrap();
+        }
+    }
+    kib
 }

@@ -62,7 +62,7 @@ struct HostProc {
 }
 
 impl HostProc {
-    fn start(binary: &Path, dir: &Path, nftables: bool) -> anyhow::Result<HostProc> {
+    fn start(binary: &Path, dir: &Path, nftables: bool, o: &Opts) -> anyhow::Result<HostProc> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let child = Command::new(binary)
             .args(["run", "--listen", &format!("127.0.0.1:{port}"), "--node-name", HOST_NODE, "--cluster-cidr", CLUSTER_CIDR])
@@ -72,7 +72,8 @@ impl HostProc {
             .arg(dir.join("data"))
             .arg("--token-file")
             .arg(dir.join("token"))
-            .args(["--dataplane", if nftables { "nftables" } else { "record" }, "--reconcile-seconds", "3600"])
+            .args(["--dataplane", if nftables { "nftables" } else { "record" }, "--reconcile-seconds", &o.reconcile_seconds.to_string()])
+            .args(if o.page_out { &[][..] } else { &["--no-page-out"][..] })
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -189,12 +190,12 @@ async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Va
     let timeout = Duration::from_secs(3600);
 
     if let Some(warm) = &binary.warm_with {
-        let mut host = HostProc::start(warm, dir.path(), nftables)?;
+        let mut host = HostProc::start(warm, dir.path(), nftables, o)?;
         host.ready(timeout).await?;
         host.stop()?;
     }
     let started = Instant::now();
-    let mut host = HostProc::start(&binary.path, dir.path(), nftables)?;
+    let mut host = HostProc::start(&binary.path, dir.path(), nftables, o)?;
     host.ready(timeout).await?;
     let sync_seconds = started.elapsed().as_secs_f64();
     let pid = host.pid();
@@ -228,6 +229,7 @@ async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Va
     let noop_converged = host.settle(events, timeout).await?;
     let end = memory_of(&pid);
     let (pss_end, private_end) = smaps_rollup(&pid);
+    let (code_end, rodata_end) = binary_resident(&pid);
 
     let mut result = json!({
         "services": o.services, "pods": pods, "nodes": nodes,
@@ -238,6 +240,8 @@ async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Va
         "pss_steady_kib": pss_steady, "private_steady_kib": private_steady,
         "binary_code_steady_kib": code_steady, "binary_rodata_steady_kib": rodata_steady,
         "hwm_sync_kib": hwm_sync, "rss_end_kib": end.rss, "hwm_end_kib": end.hwm,
+        "rss_anon_end_kib": end.anon, "rss_file_end_kib": end.file,
+        "binary_code_end_kib": code_end, "binary_rodata_end_kib": rodata_end,
         "pss_end_kib": pss_end, "private_end_kib": private_end,
     });
     if let Some(path) = &o.trace_code {

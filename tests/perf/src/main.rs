@@ -28,7 +28,7 @@ use serde_json::Value;
 const USAGE: &str = "\
 usage: wasmplane-perf [--sizes 1000,10000,50000] [--quick] [--endpoints 1.5] [--policies 0]
                       [--seed 1] [--samples N] [--churn-rate OPS_PER_S] [--churn-seconds S]
-                      [--record] [--json FILE]
+                      [--record] [--no-page-out] [--reconcile-seconds 3600] [--json FILE]
        wasmplane-perf --binary target/release/wasmplane [--sizes ...] [...]   (the shipped binary's memory)
        wasmplane-perf --symbol-order FILE [--sizes 1000] [--binary PATH] [...]   (functions the host ran, for lld)
        wasmplane-perf --write-manifests DIR [--services N] [--endpoints M] [--policies P] [--seed S]";
@@ -53,6 +53,8 @@ struct Args {
     children_exe: Option<String>,
     binary: Option<String>,
     warm_binary: Option<String>,
+    page_out: bool,
+    reconcile_seconds: u64,
 }
 
 fn parse() -> anyhow::Result<Args> {
@@ -76,6 +78,8 @@ fn parse() -> anyhow::Result<Args> {
         children_exe: None,
         binary: None,
         warm_binary: None,
+        page_out: true,
+        reconcile_seconds: 3600,
     };
     let mut sizes_given = false;
     let mut it = std::env::args().skip(1);
@@ -94,6 +98,8 @@ fn parse() -> anyhow::Result<Args> {
             "--churn-rate" => a.churn_rate = value()?.parse()?,
             "--churn-seconds" => a.churn_seconds = Some(value()?.parse()?),
             "--record" => a.record = true,
+            "--no-page-out" => a.page_out = false,
+            "--reconcile-seconds" => a.reconcile_seconds = value()?.parse()?,
             "--json" => a.json = Some(value()?),
             "--services" => a.services = value()?.parse()?,
             "--write-manifests" => a.write_manifests = Some(value()?),
@@ -163,6 +169,8 @@ fn run() -> anyhow::Result<()> {
             record: a.record,
             trace_code: a.trace_code.as_ref().map(Into::into),
             children_exe: a.children_exe.as_ref().map(Into::into),
+            page_out: a.page_out,
+            reconcile_seconds: a.reconcile_seconds,
         };
         let result = match &a.binary {
             Some(path) => binary::run_size(opts, binary::Binary { path: path.into(), warm_with: a.warm_binary.as_ref().map(Into::into) })?,
@@ -206,6 +214,10 @@ fn worker_command(a: &Args, services: usize, exe: &std::path::Path) -> Command {
     if a.record {
         cmd.arg("--record");
     }
+    if !a.page_out {
+        cmd.arg("--no-page-out");
+    }
+    cmd.args(["--reconcile-seconds", &a.reconcile_seconds.to_string()]);
     cmd
 }
 
@@ -239,7 +251,8 @@ fn symbol_order(a: &Args, path: &str) -> anyhow::Result<()> {
         cmd.arg("--children-exe").arg(&original);
         cmd
     };
-    cmd.args(["--trace-code", path]);
+    // The trace is of all the code the host runs, start-up included.
+    cmd.args(["--trace-code", path, "--no-page-out"]);
     eprintln!("== {services} services, traced ==");
     let out = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).output().context("running the traced worker")?;
     let result = worker_result(&out.stdout)?.with_context(|| format!("the traced worker failed ({})", out.status))?;
@@ -296,8 +309,8 @@ fn binary_table(results: &[Value]) -> String {
         ("dataplane", Box::new(|v| v["mode"].as_str().unwrap_or("?").to_string())),
         ("start → ready (initial sync applied) (s)", Box::new(|v| format!("{:.2}", f(v, "initial_sync_s")))),
         ("RSS steady after sync / end (MiB)", Box::new(|v| format!("{} / {}", mib(v, "rss_steady_kib"), mib(v, "rss_end_kib")))),
-        ("  of the steady RSS: anonymous / file-backed (MiB)", Box::new(|v| format!("{} / {}", mib(v, "rss_anon_steady_kib"), mib(v, "rss_file_steady_kib")))),
-        ("  the binary's resident code / read-only mappings (these hold ~0.7 MiB of relocated, anonymous data) (MiB)", Box::new(|v| format!("{} / {}", mib(v, "binary_code_steady_kib"), mib(v, "binary_rodata_steady_kib")))),
+        ("  anonymous / file-backed: steady; end (MiB)", Box::new(|v| format!("{} / {}; {} / {}", mib(v, "rss_anon_steady_kib"), mib(v, "rss_file_steady_kib"), mib(v, "rss_anon_end_kib"), mib(v, "rss_file_end_kib")))),
+        ("  the binary's resident code / read-only mappings (these hold ~0.7 MiB of relocated, anonymous data): steady; end (MiB)", Box::new(|v| format!("{} / {}; {} / {}", mib(v, "binary_code_steady_kib"), mib(v, "binary_rodata_steady_kib"), mib(v, "binary_code_end_kib"), mib(v, "binary_rodata_end_kib")))),
         ("PSS (shared pages divided) / private: steady (MiB)", Box::new(|v| format!("{} / {}", mib(v, "pss_steady_kib"), mib(v, "private_steady_kib")))),
         ("peak RSS (VmHWM): after sync / end (MiB)", Box::new(|v| format!("{} / {}", mib(v, "hwm_sync_kib"), mib(v, "hwm_end_kib")))),
         ("events received in all (initial sync, changes, churn, no-op); all taken in", Box::new(|v| format!("{}, {}", v["events"], if v["converged"] == true { "yes" } else { "no" }))),

@@ -29,6 +29,12 @@ pub struct Opts {
     /// The binary the cluster and compiler processes run (default: this one). A traced worker
     /// runs from a copy of the binary and starts them from the original.
     pub children_exe: Option<std::path::PathBuf>,
+    /// Hand the binary's start-up code back to the kernel after the initial sync, as
+    /// `wasmplane run` does (off: `--no-page-out`, to compare).
+    pub page_out: bool,
+    /// The host's full reconcile interval: an hour by default, so that no full sync falls
+    /// inside a measurement.
+    pub reconcile_seconds: u64,
 }
 
 /// The cluster process and its command pipe.
@@ -290,7 +296,7 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
         nft_command: prefix("nft"),
         conntrack_command: prefix("conntrack"),
         stats_interval: Duration::from_secs(3600),
-        reconcile_interval: Duration::from_secs(3600),
+        reconcile_interval: Duration::from_secs(o.reconcile_seconds),
         compiler: Some(wasmplane_runtime::CompilerCommand::new(children_exe(&o)?, [wasmplane_runtime::compiler::COMPILE_SUBCOMMAND])),
         ..Default::default()
     };
@@ -316,6 +322,9 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
     let after_sync = counters(&host);
     let hwm_sync = memory().hwm;
     eprintln!("[{}] initial sync {sync_seconds:.2} s ({} events, guest {:.2} s in {} calls)", o.services, after_sync.events, after_sync.guest_seconds, after_sync.guest_calls);
+    if o.page_out {
+        wasmplane::memory::page_out_own_binary().context("paging out start-up code")?;
+    }
     tokio::time::sleep(Duration::from_secs(3)).await;
     let steady = memory();
     let heap_steady = heap_in_use_kib();
