@@ -226,9 +226,13 @@ fn worker_result(stdout: &[u8]) -> anyhow::Result<Option<Value>> {
     Ok(text.lines().find_map(|l| l.strip_prefix("RESULT ")).map(serde_json::from_str).transpose()?)
 }
 
-/// `--symbol-order FILE`: one traced worker at the first size, run from a private copy of
-/// the host's binary (see `symbol_order`), writes the functions the host ran to FILE. The
-/// host is this harness's in-process worker, or with `--binary` that binary run as a child.
+/// `--symbol-order FILE`: traced workers at the first size, run from a private copy of the
+/// host's binary (see `symbol_order`), write the functions the host ran to FILE. The host is
+/// this harness's in-process worker, or with `--binary` that binary run as a child. Two runs:
+/// one keeps all the code it ran resident, the other pages it out after the initial sync as
+/// the host does, so that only what it ran afterwards is resident at the end. That code goes
+/// first in FILE, then the start-up code: what faults back in after the page-out (64 KiB
+/// around each fault) is then mostly code the host runs again.
 fn symbol_order(a: &Args, path: &str) -> anyhow::Result<()> {
     let services = a.sizes[0];
     anyhow::ensure!(worker::is_root(), "--symbol-order needs root (a loop device, a network namespace)");
@@ -241,29 +245,33 @@ fn symbol_order(a: &Args, path: &str) -> anyhow::Result<()> {
     // Written pages stay dirty in the page cache until written back, and only clean ones
     // can be dropped.
     std::fs::File::open(&copy)?.sync_all()?;
-    symbol_order::drop_cached_pages(&copy)?;
-    let mut cmd = if a.binary.is_some() {
-        let mut cmd = worker_command(a, services, &this);
-        cmd.arg("--binary").arg(&copy).arg("--warm-binary").arg(&original);
-        cmd
-    } else {
-        let mut cmd = worker_command(a, services, &copy);
-        cmd.arg("--children-exe").arg(&original);
-        cmd
-    };
-    // The trace is of all the code the host runs, start-up included.
-    cmd.args(["--trace-code", path, "--no-page-out"]);
-    eprintln!("== {services} services, traced ==");
-    let out = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).output().context("running the traced worker")?;
-    let result = worker_result(&out.stdout)?.with_context(|| format!("the traced worker failed ({})", out.status))?;
-    let names = std::fs::read_to_string(path)?;
+    let traces = tempfile::tempdir()?;
+    let mut lists = Vec::new();
+    for (name, page_out) in [("after the initial sync", true), ("in all", false)] {
+        symbol_order::drop_cached_pages(&copy)?;
+        let mut cmd = if a.binary.is_some() {
+            let mut cmd = worker_command(a, services, &this);
+            cmd.arg("--binary").arg(&copy).arg("--warm-binary").arg(&original);
+            cmd
+        } else {
+            let mut cmd = worker_command(a, services, &copy);
+            cmd.arg("--children-exe").arg(&original);
+            cmd
+        };
+        let trace = traces.path().join(format!("{}", lists.len()));
+        cmd.arg("--trace-code").arg(&trace);
+        if !page_out && a.page_out {
+            cmd.arg("--no-page-out");
+        }
+        eprintln!("== {services} services, traced: the code run {name} ==");
+        let out = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).output().context("running the traced worker")?;
+        let result = worker_result(&out.stdout)?.with_context(|| format!("the traced worker failed ({})", out.status))?;
+        println!("code run {name}: {} functions on {} MiB of touched code pages; host RSS steady {} MiB", result["traced_functions"], mib(&result, "traced_code_kib"), mib(&result, "rss_steady_kib"));
+        lists.push(std::fs::read_to_string(&trace)?);
+    }
+    let names = symbol_order::steady_first(&lists[0], &lists[1]);
     std::fs::write(path, symbol_order::provenance(&original)? + &names)?;
-    println!(
-        "{path}: {} functions on {} MiB of touched code pages; host RSS steady {} MiB while traced",
-        result["traced_functions"],
-        mib(&result, "traced_code_kib"),
-        mib(&result, "rss_steady_kib")
-    );
+    println!("{path}: {} functions", names.lines().count());
     Ok(())
 }
 

@@ -182,6 +182,13 @@ pub fn write_trace(process: &str, path: &Path, result: &mut serde_json::Value) -
     Ok(())
 }
 
+/// An order file's names: those in `after_start_up` (one per line), then those only in
+/// `in_all`, each once.
+pub fn steady_first(after_start_up: &str, in_all: &str) -> String {
+    let mut seen = std::collections::HashSet::new();
+    after_start_up.lines().chain(in_all.lines()).filter(|name| !name.is_empty() && seen.insert(*name)).map(|name| format!("{name}\n")).collect()
+}
+
 /// Functions (address, size, name) with a byte on any of the pages (start addresses), each
 /// once, in address order.
 fn functions_on_pages<'a>(symbols: &mut [(u64, u64, &'a str)], pages: &[u64], page: u64) -> Vec<&'a str> {
@@ -207,6 +214,11 @@ mod tests {
         assert_eq!(super::fnv1a(b""), 0xcbf2_9ce4_8422_2325);
         assert_eq!(super::fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
         assert_eq!(super::fnv1a(b"foobar"), 0x8594_4171_f739_67e8);
+    }
+
+    #[test]
+    fn steady_code_goes_first_and_every_name_once() {
+        assert_eq!(super::steady_first("watch\napply\n", "main\nwatch\nlist\napply\n"), "watch\napply\nmain\nlist\n");
     }
 
     #[test]
