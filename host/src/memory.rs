@@ -7,7 +7,7 @@
 /// decoded Kubernetes objects) are freed between long-lived ones in whichever arena a
 /// worker thread had. Small allocations mostly bypass the arena's lock through each thread's
 /// cache. Measured (BENCHMARKS.md, fifteenth run): two arenas instead of the default 8–14
-/// MiB less RSS at 1k services, one instead of two another 2.0 MiB at 1k and 3.7 MiB at
+/// MiB less RSS at 1k services, one instead of two another 2.0 MiB at 1k and 3–4 MiB at
 /// 10k, with the same change latency and CPU per event. Call before any thread is started.
 pub fn limit_malloc_arenas() {
     if std::env::var_os("MALLOC_ARENA_MAX").is_some() {
