@@ -271,12 +271,13 @@ impl Controller {
     /// the model has them at once, not only when the kubelet reports them.
     pub fn set_pod_network(&mut self, key: &ObjectKey, ips: Option<Vec<String>>, released: &[String]) -> Result<(), HostError> {
         let ips = ips.map(IntoModel::into_model);
+        let was_released = |ip: &_| released.iter().any(|r| r == ip);
         match &ips {
             Some(ips) => {
                 self.cni_ips.insert(key.clone(), ips.clone());
             }
             // A recreated pod may have new addresses already: forget only the released ones.
-            None if self.cni_ips.get(key).is_some_and(|current| current.iter().all(|ip| released.iter().any(|r| r == ip))) => {
+            None if self.cni_ips.get(key).is_some_and(|current| current.iter().all(was_released)) => {
                 self.cni_ips.remove(key);
             }
             None => return Ok(()),
@@ -285,7 +286,7 @@ impl Controller {
         let mut pod = (**pod).clone();
         match ips {
             Some(ips) if pod.ips != ips => pod.ips = ips,
-            None if pod.ips.iter().any(|ip| released.iter().any(|r| r == ip)) => pod.ips.clear(),
+            None if pod.ips.iter().any(was_released) => pod.ips.clear(),
             _ => return Ok(()),
         }
         let node = self.model.node_name().to_string();

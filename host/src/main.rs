@@ -51,9 +51,10 @@ async fn page_out_start_up_code(ready: std::sync::Arc<std::sync::atomic::AtomicB
     while !ready.load(std::sync::atomic::Ordering::Relaxed) {
         tokio::time::sleep(std::time::Duration::from_millis(250)).await;
     }
-    match tokio::task::spawn_blocking(wasmplane::memory::page_out_own_binary).await {
-        Ok(Ok(paged)) => tracing::info!(mappings = paged.mappings, resident_kib = paged.resident_kib, "start-up code paged out"),
-        Ok(Err(e)) => tracing::debug!("paging out start-up code: {e}"),
+    let paged = tokio::task::spawn_blocking(wasmplane::memory::page_out_own_binary).await.map_err(std::io::Error::other).and_then(|result| result);
+    match paged {
+        Ok(paged) => tracing::info!(mappings = paged.mappings, resident_kib = paged.resident_kib, "start-up code paged out"),
+        // A kernel before 5.4, or no right to advise on the file: the code just stays resident.
         Err(e) => tracing::debug!("paging out start-up code: {e}"),
     }
 }

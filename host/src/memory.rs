@@ -39,10 +39,8 @@ pub struct PagedOut {
 /// `MADV_PAGEOUT` only reclaims, it never discards: a mapping with any anonymous page (the
 /// relocated data, or code an uprobe has patched) is left alone. Linux ≥ 5.4.
 pub fn page_out_own_binary() -> std::io::Result<PagedOut> {
-    let exe = std::fs::read_link("/proc/self/exe")?;
-    let smaps = std::fs::read_to_string("/proc/self/smaps")?;
     let mut paged = PagedOut::default();
-    for mapping in file_mappings_without_private_pages(&smaps, &exe.to_string_lossy()) {
+    for mapping in binary_mappings("self")?.iter().filter(|m| !m.writable && m.anonymous_kib == 0) {
         // SAFETY: advice on a mapping of this process's own address space, taken from its
         // smaps just now; MADV_PAGEOUT does not change the mapping's contents.
         let rc = unsafe { libc::madvise(mapping.start as *mut libc::c_void, mapping.len, libc::MADV_PAGEOUT) };
@@ -55,45 +53,53 @@ pub fn page_out_own_binary() -> std::io::Result<PagedOut> {
     Ok(paged)
 }
 
-#[derive(Debug, PartialEq, Eq)]
-struct Mapping {
-    start: usize,
-    len: usize,
-    resident_kib: u64,
+/// One mapping of a process's own binary, and what of it is resident.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BinaryMapping {
+    pub start: usize,
+    pub len: usize,
+    pub executable: bool,
+    pub writable: bool,
+    pub resident_kib: u64,
+    /// Private copies among the resident pages: relocated data, written data, patched code.
+    pub anonymous_kib: u64,
 }
 
-/// The read-only mappings of `path` in a `/proc/PID/smaps` text whose resident pages are all
-/// the file's (no `Anonymous` ones).
-fn file_mappings_without_private_pages(smaps: &str, path: &str) -> Vec<Mapping> {
-    let mut found = Vec::new();
-    // The mapping being read: where it is, and whether it is one of the binary's read-only ones.
-    let mut current: Option<(Mapping, bool)> = None;
-    let finish = |current: Option<(Mapping, bool)>, found: &mut Vec<Mapping>| {
-        if let Some((mapping, true)) = current {
-            found.push(mapping);
-        }
-    };
+/// The mappings of the binary a process runs, from `/proc/<process>/smaps` (`process`: `self`
+/// or a process ID).
+pub fn binary_mappings(process: &str) -> std::io::Result<Vec<BinaryMapping>> {
+    let exe = std::fs::read_link(format!("/proc/{process}/exe"))?;
+    let smaps = std::fs::read_to_string(format!("/proc/{process}/smaps"))?;
+    Ok(mappings_of(&smaps, &exe.to_string_lossy()))
+}
+
+/// The mappings of the file at `path` in a `/proc/PID/smaps` text.
+fn mappings_of(smaps: &str, path: &str) -> Vec<BinaryMapping> {
+    let mut found: Vec<BinaryMapping> = Vec::new();
+    // Whether the mapping being read (the last one found, if so) is the file's.
+    let mut in_file = false;
     for line in smaps.lines() {
         let mut fields = line.split_whitespace();
         let Some(first) = fields.next() else { continue };
         if let Some((start, end)) = first.split_once('-').filter(|_| !first.ends_with(':')) {
-            finish(current.take(), &mut found);
-            let (Ok(start), Ok(end)) = (usize::from_str_radix(start, 16), usize::from_str_radix(end, 16)) else { continue };
             let perms = fields.next().unwrap_or("");
             // offset, device, inode, then the path (which may hold spaces, e.g. " (deleted)")
             let name = line.splitn(6, char::is_whitespace).nth(5).map(str::trim_start).unwrap_or("");
-            let wanted = name == path && perms.starts_with('r') && !perms.contains('w');
-            current = Some((Mapping { start, len: end - start, resident_kib: 0 }, wanted));
-        } else if let Some((mapping, wanted)) = current.as_mut() {
-            let kib = || fields.clone().next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            in_file = false;
+            if let (true, Ok(start), Ok(end)) = (name == path, usize::from_str_radix(start, 16), usize::from_str_radix(end, 16)) {
+                in_file = true;
+                let (executable, writable) = (perms.contains('x'), perms.contains('w'));
+                found.push(BinaryMapping { start, len: end - start, executable, writable, resident_kib: 0, anonymous_kib: 0 });
+            }
+        } else if let (true, Some(mapping)) = (in_file, found.last_mut()) {
+            let kib = fields.next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
             match first {
-                "Rss:" => mapping.resident_kib = kib(),
-                "Anonymous:" if kib() > 0 => *wanted = false,
+                "Rss:" => mapping.resident_kib = kib,
+                "Anonymous:" => mapping.anonymous_kib = kib,
                 _ => {}
             }
         }
     }
-    finish(current, &mut found);
     found
 }
 
@@ -122,31 +128,31 @@ Rss:                 100 kB
 Anonymous:             0 kB
 ";
 
-    /// Only the binary's read-only mappings with no private pages: not its relocated data,
-    /// not its writable data, not libc's code.
+    fn mapping(start: usize, len: usize, perms: &str, resident_kib: u64, anonymous_kib: u64) -> BinaryMapping {
+        BinaryMapping { start, len, executable: perms.contains('x'), writable: perms.contains('w'), resident_kib, anonymous_kib }
+    }
+
+    /// The binary's mappings and only those (not libc's), with what each has resident.
     #[test]
-    fn picks_the_binarys_clean_read_only_mappings() {
-        let found = file_mappings_without_private_pages(SMAPS, "/usr/bin/wasmplane");
+    fn reads_the_binarys_mappings() {
         assert_eq!(
-            found,
+            mappings_of(SMAPS, "/usr/bin/wasmplane"),
             vec![
-                Mapping { start: 0x55d0a0000000, len: 0x400000, resident_kib: 1024 },
-                Mapping { start: 0x55d0a0400000, len: 0x1000000, resident_kib: 6912 },
+                mapping(0x55d0a0000000, 0x400000, "r--p", 1024, 0),
+                mapping(0x55d0a0400000, 0x1000000, "r-xp", 6912, 0),
+                mapping(0x55d0a1400000, 0xb2000, "r--p", 712, 712),
+                mapping(0x55d0a14b2000, 0x8000, "rw-p", 32, 32),
             ]
         );
         // A binary replaced on disk while it runs is still found by the name /proc gives it.
-        let deleted = file_mappings_without_private_pages(SMAPS, "/usr/bin/wasmplane-old (deleted)");
-        assert_eq!(deleted, vec![Mapping { start: 0x7f0000200000, len: 0x100000, resident_kib: 100 }]);
+        let deleted = mappings_of(SMAPS, "/usr/bin/wasmplane-old (deleted)");
+        assert_eq!(deleted, vec![mapping(0x7f0000200000, 0x100000, "r-xp", 100, 0)]);
     }
 
     /// On this process: its binary's code is resident before, and much less of it after.
     #[test]
     fn pages_out_this_test_binarys_code() {
-        let exe = std::fs::read_link("/proc/self/exe").unwrap();
-        let resident = || {
-            let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
-            file_mappings_without_private_pages(&smaps, &exe.to_string_lossy()).iter().map(|m| m.resident_kib).sum::<u64>()
-        };
+        let resident = || binary_mappings("self").unwrap().iter().filter(|m| !m.writable && m.anonymous_kib == 0).map(|m| m.resident_kib).sum::<u64>();
         let before = resident();
         let paged = match page_out_own_binary() {
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {

@@ -155,26 +155,11 @@ fn smaps_rollup(pid: &str) -> (u64, u64) {
 
 /// Resident KiB of the process's own binary, by mapping: code (`r-xp`) and read-only data
 /// (`r--p`: constants, unwind tables, relocations, and the relocated data made read-only
-/// after start, whose pages count as anonymous), from `/proc/PID/smaps`.
+/// after start, whose pages count as anonymous).
 fn binary_resident(pid: &str) -> (u64, u64) {
-    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).unwrap_or_default();
-    let (mut code, mut rodata) = (0, 0);
-    let mut current: Option<&str> = None;
-    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
-    for line in text.lines() {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        if fields.first().is_some_and(|f| f.contains('-') && !f.ends_with(':')) {
-            current = (fields.len() >= 6 && Path::new(fields[5]) == exe).then_some(fields[1]);
-        } else if let (Some(perms), ["Rss:", kib, ..]) = (current, fields.as_slice()) {
-            let kib: u64 = kib.parse().unwrap_or(0);
-            match perms {
-                "r-xp" => code += kib,
-                "r--p" => rodata += kib,
-                _ => {}
-            }
-        }
-    }
-    (code, rodata)
+    let mappings = wasmplane::memory::binary_mappings(pid).unwrap_or_default();
+    let read_only = || mappings.iter().filter(|m| !m.writable);
+    (read_only().filter(|m| m.executable).map(|m| m.resident_kib).sum(), read_only().filter(|m| !m.executable).map(|m| m.resident_kib).sum())
 }
 
 async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Value> {

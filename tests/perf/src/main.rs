@@ -236,6 +236,7 @@ fn worker_result(stdout: &[u8]) -> anyhow::Result<Option<Value>> {
 fn symbol_order(a: &Args, path: &str) -> anyhow::Result<()> {
     let services = a.sizes[0];
     anyhow::ensure!(worker::is_root(), "--symbol-order needs root (a loop device, a network namespace)");
+    anyhow::ensure!(a.page_out, "--symbol-order traces with the page-out and without it by itself: drop --no-page-out");
     let this = std::env::current_exe()?;
     let original = a.binary.as_ref().map_or_else(|| this.clone(), Into::into);
     let size = std::fs::metadata(&original)?.len();
@@ -260,7 +261,7 @@ fn symbol_order(a: &Args, path: &str) -> anyhow::Result<()> {
         };
         let trace = traces.path().join(format!("{}", lists.len()));
         cmd.arg("--trace-code").arg(&trace);
-        if !page_out && a.page_out {
+        if !page_out {
             cmd.arg("--no-page-out");
         }
         eprintln!("== {services} services, traced: the code run {name} ==");

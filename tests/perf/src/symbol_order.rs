@@ -74,15 +74,9 @@ struct CodeMapping {
 
 /// `process` is a directory under /proc: `self` or a process ID.
 fn code_mapping(process: &str) -> anyhow::Result<CodeMapping> {
-    let exe = std::fs::read_link(format!("/proc/{process}/exe"))?;
-    for line in std::fs::read_to_string(format!("/proc/{process}/maps"))?.lines() {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        if fields.len() >= 6 && fields[1].contains('x') && Path::new(fields[5]) == exe {
-            let (start, end) = fields[0].split_once('-').context("an address range")?;
-            return Ok(CodeMapping { start: u64::from_str_radix(start, 16)?, end: u64::from_str_radix(end, 16)? });
-        }
-    }
-    anyhow::bail!("no executable mapping of {} in /proc/{process}/maps", exe.display())
+    let mappings = wasmplane::memory::binary_mappings(process)?;
+    let code = mappings.iter().find(|m| m.executable).with_context(|| format!("no executable mapping of its binary in /proc/{process}/smaps"))?;
+    Ok(CodeMapping { start: code.start as u64, end: (code.start + code.len) as u64 })
 }
 
 fn page_size() -> u64 {
