@@ -1,5 +1,6 @@
-//! Process memory with glibc's allocator, which the host's RSS depends on more than on
-//! anything it holds (BENCHMARKS.md: up to 15 MiB between runs at 1k services).
+//! Process memory: glibc's allocator, which the host's RSS depends on more than on
+//! anything it holds (BENCHMARKS.md: up to 15 MiB between runs at 1k services), and the
+//! pages of the host's own binary.
 
 /// Keeps every thread in glibc's one main malloc arena unless `MALLOC_ARENA_MAX` says
 /// otherwise. glibc gives threads that contend their own arena (up to 8 per core), and each
@@ -40,7 +41,7 @@ pub struct PagedOut {
 /// relocated data, or code an uprobe has patched) is left alone. Linux ≥ 5.4.
 pub fn page_out_own_binary() -> std::io::Result<PagedOut> {
     let mut paged = PagedOut::default();
-    for mapping in binary_mappings("self")?.iter().filter(|m| !m.writable && m.anonymous_kib == 0) {
+    for mapping in binary_mappings("self")?.iter().filter(|m| m.reclaimable()) {
         // SAFETY: advice on a mapping of this process's own address space, taken from its
         // smaps just now; MADV_PAGEOUT does not change the mapping's contents.
         let rc = unsafe { libc::madvise(mapping.start as *mut libc::c_void, mapping.len, libc::MADV_PAGEOUT) };
@@ -63,6 +64,13 @@ pub struct BinaryMapping {
     pub resident_kib: u64,
     /// Private copies among the resident pages: relocated data, written data, patched code.
     pub anonymous_kib: u64,
+}
+
+impl BinaryMapping {
+    /// Read-only and every resident page the file's: what `page_out_own_binary` hands back.
+    pub fn reclaimable(&self) -> bool {
+        !self.writable && self.anonymous_kib == 0
+    }
 }
 
 /// The mappings of the binary a process runs, from `/proc/<process>/smaps` (`process`: `self`
@@ -152,7 +160,7 @@ Anonymous:             0 kB
     /// On this process: its binary's code is resident before, and much less of it after.
     #[test]
     fn pages_out_this_test_binarys_code() {
-        let resident = || binary_mappings("self").unwrap().iter().filter(|m| !m.writable && m.anonymous_kib == 0).map(|m| m.resident_kib).sum::<u64>();
+        let resident = || binary_mappings("self").unwrap().iter().filter(|m| m.reclaimable()).map(|m| m.resident_kib).sum::<u64>();
         let before = resident();
         let paged = match page_out_own_binary() {
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
