@@ -25,6 +25,7 @@ use std::os::fd::AsRawFd as _;
 use std::path::Path;
 
 use anyhow::Context as _;
+use wasmplane::memory::BinaryMapping;
 use object::{Object as _, ObjectSection as _, ObjectSegment as _, ObjectSymbol as _};
 
 /// An ext4 image mounted on a loop device with read-ahead off; unmounted (and the device
@@ -66,17 +67,10 @@ impl Drop for PrivateVolume {
     }
 }
 
-/// The executable mapping of a process's binary.
-struct CodeMapping {
-    start: u64,
-    end: u64,
-}
-
-/// `process` is a directory under /proc: `self` or a process ID.
-fn code_mapping(process: &str) -> anyhow::Result<CodeMapping> {
+/// The executable mapping of a process's binary (`process`: `self` or a process ID).
+fn code_mapping(process: &str) -> anyhow::Result<BinaryMapping> {
     let mappings = wasmplane::memory::binary_mappings(process)?;
-    let code = mappings.iter().find(|m| m.executable).with_context(|| format!("no executable mapping of its binary in /proc/{process}/smaps"))?;
-    Ok(CodeMapping { start: code.start as u64, end: (code.start + code.len) as u64 })
+    mappings.into_iter().find(|m| m.executable).with_context(|| format!("no executable mapping of its binary in /proc/{process}/smaps"))
 }
 
 fn page_size() -> u64 {
@@ -110,7 +104,7 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 /// Makes code pages resident only when they are used, from now on. Call first thing.
 pub fn start_tracing() -> anyhow::Result<()> {
     let code = code_mapping("self")?;
-    let (addr, len) = (code.start as *mut libc::c_void, (code.end - code.start) as usize);
+    let (addr, len) = (code.start as *mut libc::c_void, code.len);
     // SAFETY: advice on this process's own code, a clean private file mapping: MADV_DONTNEED
     // only drops its page-table entries, and the next instruction fetch faults each page back
     // in from the file.
@@ -135,10 +129,10 @@ pub fn drop_cached_pages(path: &Path) -> anyhow::Result<()> {
 fn touched_functions(process: &str) -> anyhow::Result<(Vec<String>, u64)> {
     let code = code_mapping(process)?;
     let page = page_size();
-    let pages = ((code.end - code.start) / page) as usize;
+    let pages = code.len / page as usize;
     let mut entries = vec![0u8; pages * 8];
     let mut pagemap = std::fs::File::open(format!("/proc/{process}/pagemap"))?;
-    pagemap.seek(SeekFrom::Start(code.start / page * 8))?;
+    pagemap.seek(SeekFrom::Start(code.start as u64 / page * 8))?;
     pagemap.read_exact(&mut entries)?;
     // Bit 63 of an entry: the page is present.
     let resident: Vec<u64> = entries
