@@ -197,6 +197,8 @@ pub struct RunningHost {
     pub grpc_addr: Option<SocketAddr>,
     /// Whether the REST API is served over TLS (`https://` in [`RunningHost::url`]).
     pub tls: bool,
+    /// Where the runtime keeps the compiled guests, which it maps from there (with a data dir).
+    pub compiled_guests: Option<PathBuf>,
     model_feed: Option<wasmplane_grpc::ModelFeed>,
     shutdown: Option<oneshot::Sender<()>>,
     server: tokio::task::JoinHandle<()>,
@@ -265,8 +267,8 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
     let audit_failures = prometheus_client::metrics::counter::Counter::default();
     metrics.registry.register("audit_write_failures", "Audit records that could not be written to the kvstore", audit_failures.clone());
     let metrics = Arc::new(metrics);
-    let cache = config.data_dir.as_ref().map(|d| d.join("compiled"));
-    let mut runtime = Runtime::new(config.limits.clone(), cache)?;
+    let compiled_guests = config.data_dir.as_ref().map(|d| d.join("compiled"));
+    let mut runtime = Runtime::new(config.limits.clone(), compiled_guests.clone())?;
     if let Some(command) = &config.compiler {
         runtime = runtime.compile_in_child(command.clone());
     }
@@ -461,7 +463,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
             }
         }),
     };
-    Ok(RunningHost { addr, token, controller, metrics, ready, watch_status, modules, agent, operator, grpc_addr, tls, model_feed, shutdown: Some(shutdown_tx), server, loops })
+    Ok(RunningHost { addr, token, controller, metrics, ready, watch_status, modules, agent, operator, grpc_addr, tls, compiled_guests, model_feed, shutdown: Some(shutdown_tx), server, loops })
 }
 
 /// Publishes every model revision to gRPC watchers.

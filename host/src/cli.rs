@@ -93,9 +93,10 @@ pub struct RunArgs {
     /// at least 100× its duration, so big tables are reconciled less often).
     #[arg(long, default_value_t = 60)]
     pub reconcile_seconds: u64,
-    /// Keep the binary's code resident after the initial sync. By default the host hands it
-    /// back to the kernel then (most of it ran only at start-up); this is for tracing which
-    /// code the host runs at all.
+    /// Keep the code resident after the initial sync. By default the host hands the code and
+    /// read-only data of its binary, the compiled guests and the shared libraries back to the
+    /// kernel then (most of it ran only at start-up); this is for tracing which code the host
+    /// runs at all.
     #[arg(long)]
     pub no_page_out: bool,
     /// Write incremental changes with `nft -f` too, instead of netlink batches (full syncs

@@ -29,7 +29,7 @@ async fn run() -> anyhow::Result<()> {
             let host = wasmplane::app::start(config).await.context("starting wasmplane")?;
             println!("wasmplane REST API: {}  (try {}/v1/dataplane and {}/v1/modules)", host.url(), host.url(), host.url());
             if page_out {
-                tokio::spawn(page_out_start_up_code(host.ready.clone()));
+                tokio::spawn(page_out_start_up_code(host.ready.clone(), host.compiled_guests.clone()));
             }
             if let Some(dir) = data_dir {
                 println!("API token for mutating calls: {}", dir.join("token").display());
@@ -44,16 +44,17 @@ async fn run() -> anyhow::Result<()> {
     }
 }
 
-/// Once the initial sync is applied, hands the binary's resident code and read-only data back
-/// to the kernel: most of it ran only at start-up, and what the host still runs faults back
-/// in (BENCHMARKS.md, fifteenth run).
-async fn page_out_start_up_code(ready: std::sync::Arc<std::sync::atomic::AtomicBool>) {
+/// Once the initial sync is applied, hands the resident code and read-only data of the binary,
+/// the compiled guests and the shared libraries back to the kernel: most of it ran only at
+/// start-up, and what the host still runs faults back in (BENCHMARKS.md, fifteenth and
+/// sixteenth runs).
+async fn page_out_start_up_code(ready: std::sync::Arc<std::sync::atomic::AtomicBool>, compiled_guests: Option<std::path::PathBuf>) {
     while !ready.load(std::sync::atomic::Ordering::Relaxed) {
         tokio::time::sleep(std::time::Duration::from_millis(250)).await;
     }
-    let paged = tokio::task::spawn_blocking(wasmplane::memory::page_out_own_binary).await.map_err(std::io::Error::other).and_then(|result| result);
+    let paged = tokio::task::spawn_blocking(move || wasmplane::memory::page_out_code(compiled_guests.as_deref())).await.map_err(std::io::Error::other).and_then(|result| result);
     match paged {
-        Ok(paged) => tracing::info!(mappings = paged.mappings, resident_kib = paged.resident_kib, "start-up code paged out"),
+        Ok(paged) => tracing::info!(mappings = paged.mappings, binary_kib = paged.binary_kib, guests_kib = paged.guests_kib, libraries_kib = paged.libraries_kib, "start-up code paged out"),
         // A kernel before 5.4, or no right to advise on the file: the code just stays resident.
         Err(e) => tracing::debug!("paging out start-up code: {e}"),
     }

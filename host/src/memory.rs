@@ -1,6 +1,8 @@
 //! Process memory: glibc's allocator, which the host's RSS depends on more than on
 //! anything it holds (BENCHMARKS.md: up to 15 MiB between runs at 1k services), and the
-//! pages of the host's own binary.
+//! pages of the host's own binary and of the compiled guests.
+
+use std::path::Path;
 
 /// Keeps every thread in glibc's one main malloc arena unless `MALLOC_ARENA_MAX` says
 /// otherwise. glibc gives threads that contend their own arena (up to 8 per core), and each
@@ -25,38 +27,64 @@ pub fn limit_malloc_arenas() {
 /// The runtime's, which calls it after each compilation.
 pub use wasmplane_runtime::release_free_memory;
 
-/// The binary's own code and read-only data that the kernel was asked to reclaim.
+/// The code and read-only data that the kernel was asked to reclaim, and what of it was
+/// resident before, in KiB.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct PagedOut {
     pub mappings: usize,
-    /// What those mappings had resident before the advice, in KiB.
-    pub resident_kib: u64,
+    /// The host binary's.
+    pub binary_kib: u64,
+    /// The compiled guests' (mapped from the runtime's cache of compiled components).
+    pub guests_kib: u64,
+    /// Every other file's mapped read-only: the shared libraries (libc, libm, the loader).
+    pub libraries_kib: u64,
 }
 
-/// Asks the kernel to reclaim the pages of this process's own binary that are mapped from
-/// the file and hold no private copies (code and read-only data), as after start-up most of
-/// them are code that ran once: CLI parsing, the initial list and its decoding, loading the
-/// guests. What the host runs later faults back in from the page cache or the file.
-/// `MADV_PAGEOUT` only reclaims, it never discards: a mapping with any anonymous page (the
-/// relocated data, or code an uprobe has patched) is left alone. Linux ≥ 5.4.
-pub fn page_out_own_binary() -> std::io::Result<PagedOut> {
+/// Asks the kernel to reclaim this process's pages of every file it maps read-only without
+/// private copies (code and read-only data): its binary, the compiled guests mapped from
+/// `compiled_guests` (the runtime's cache directory), the shared libraries. After start-up
+/// most of them are code that ran once: CLI parsing, the initial list and its decoding, the
+/// dynamic loader's symbol lookups, loading the guests and their first translations. What the
+/// host runs later faults back in from the page cache or the file.
+/// - `MADV_PAGEOUT` only reclaims, it never discards: a mapping with any anonymous page (the
+///   relocated data, or code an uprobe has patched) is left alone.
+/// - The kernel skips pages that another process maps too (libc's, mostly): only what this
+///   process alone holds is handed back.
+///
+/// Linux ≥ 5.4.
+pub fn page_out_code(compiled_guests: Option<&Path>) -> std::io::Result<PagedOut> {
+    let exe = std::fs::read_link("/proc/self/exe")?.to_string_lossy().into_owned();
+    let guests = compiled_guests.and_then(|dir| dir_prefix(dir).ok());
     let mut paged = PagedOut::default();
-    for mapping in binary_mappings("self")?.iter().filter(|m| m.reclaimable()) {
+    for mapping in file_mappings("self")?.iter().filter(|m| m.reclaimable()) {
         // SAFETY: advice on a mapping of this process's own address space, taken from its
-        // smaps just now; MADV_PAGEOUT does not change the mapping's contents.
+        // smaps just now; MADV_PAGEOUT does not change the contents of whatever is mapped there.
         let rc = unsafe { libc::madvise(mapping.start as *mut libc::c_void, mapping.len, libc::MADV_PAGEOUT) };
         if rc != 0 {
-            return Err(std::io::Error::last_os_error());
+            let error = std::io::Error::last_os_error();
+            // Unmapped since smaps was read (a guest unloaded): nothing there to reclaim.
+            if error.raw_os_error() == Some(libc::ENOMEM) {
+                continue;
+            }
+            return Err(error);
         }
         paged.mappings += 1;
-        paged.resident_kib += mapping.resident_kib;
+        *(if mapping.file == exe {
+            &mut paged.binary_kib
+        } else if guests.as_ref().is_some_and(|prefix| mapping.file.starts_with(prefix)) {
+            &mut paged.guests_kib
+        } else {
+            &mut paged.libraries_kib
+        }) += mapping.resident_kib;
     }
     Ok(paged)
 }
 
-/// One mapping of a process's own binary, and what of it is resident.
+/// One mapping of a file into a process, and what of it is resident.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BinaryMapping {
+pub struct FileMapping {
+    /// The file's absolute path as /proc names it (with " (deleted)" once it is replaced).
+    pub file: String,
     pub start: usize,
     pub len: usize,
     pub executable: bool,
@@ -66,25 +94,42 @@ pub struct BinaryMapping {
     pub anonymous_kib: u64,
 }
 
-impl BinaryMapping {
-    /// Read-only and every resident page the file's: what `page_out_own_binary` hands back.
+impl FileMapping {
+    /// Read-only and every resident page the file's: what `page_out_code` hands back.
     pub fn reclaimable(&self) -> bool {
         !self.writable && self.anonymous_kib == 0
     }
 }
 
-/// The mappings of the binary a process runs, from `/proc/<process>/smaps` (`process`: `self`
-/// or a process ID).
-pub fn binary_mappings(process: &str) -> std::io::Result<Vec<BinaryMapping>> {
-    let exe = std::fs::read_link(format!("/proc/{process}/exe"))?;
-    let smaps = std::fs::read_to_string(format!("/proc/{process}/smaps"))?;
-    Ok(mappings_of(&smaps, &exe.to_string_lossy()))
+/// Every mapping of a file in a process, from `/proc/<process>/smaps` (`process`: `self` or a
+/// process ID).
+pub fn file_mappings(process: &str) -> std::io::Result<Vec<FileMapping>> {
+    Ok(mappings_of(&std::fs::read_to_string(format!("/proc/{process}/smaps"))?))
 }
 
-/// The mappings of the file at `path` in a `/proc/PID/smaps` text.
-fn mappings_of(smaps: &str, path: &str) -> Vec<BinaryMapping> {
-    let mut found: Vec<BinaryMapping> = Vec::new();
-    // Whether the mapping being read (the last one found, if so) is the file's.
+/// The mappings of the binary a process runs.
+pub fn binary_mappings(process: &str) -> std::io::Result<Vec<FileMapping>> {
+    let exe = std::fs::read_link(format!("/proc/{process}/exe"))?;
+    let exe = exe.to_string_lossy();
+    Ok(file_mappings(process)?.into_iter().filter(|m| m.file == exe).collect())
+}
+
+/// The mappings of the files in `dir` (the compiled guests, when it is the runtime's cache).
+/// None when `dir` does not exist.
+pub fn mappings_under(process: &str, dir: &Path) -> std::io::Result<Vec<FileMapping>> {
+    let Ok(prefix) = dir_prefix(dir) else { return Ok(Vec::new()) };
+    Ok(file_mappings(process)?.into_iter().filter(|m| m.file.starts_with(&prefix)).collect())
+}
+
+/// How /proc names the files in `dir`: absolute, links resolved, then a slash.
+fn dir_prefix(dir: &Path) -> std::io::Result<String> {
+    Ok(format!("{}/", dir.canonicalize()?.to_string_lossy()))
+}
+
+/// The mappings of files in a `/proc/PID/smaps` text (not the heap, stacks or anonymous ones).
+fn mappings_of(smaps: &str) -> Vec<FileMapping> {
+    let mut found: Vec<FileMapping> = Vec::new();
+    // Whether the mapping being read (the last one found, if so) is a file's.
     let mut in_file = false;
     for line in smaps.lines() {
         let mut fields = line.split_whitespace();
@@ -94,10 +139,10 @@ fn mappings_of(smaps: &str, path: &str) -> Vec<BinaryMapping> {
             // offset, device, inode, then the path (which may hold spaces, e.g. " (deleted)")
             let name = line.splitn(6, char::is_whitespace).nth(5).map(str::trim_start).unwrap_or("");
             in_file = false;
-            if let (true, Ok(start), Ok(end)) = (name == path, usize::from_str_radix(start, 16), usize::from_str_radix(end, 16)) {
+            if let (true, Ok(start), Ok(end)) = (name.starts_with('/'), usize::from_str_radix(start, 16), usize::from_str_radix(end, 16)) {
                 in_file = true;
                 let (executable, writable) = (perms.contains('x'), perms.contains('w'));
-                found.push(BinaryMapping { start, len: end - start, executable, writable, resident_kib: 0, anonymous_kib: 0 });
+                found.push(FileMapping { file: name.to_string(), start, len: end - start, executable, writable, resident_kib: 0, anonymous_kib: 0 });
             }
         } else if let (true, Some(mapping)) = (in_file, found.last_mut()) {
             let kib = fields.next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
@@ -134,43 +179,76 @@ Anonymous:             0 kB
 7f0000200000-7f0000300000 r-xp 00000000 fe:01 77 /usr/bin/wasmplane-old (deleted)
 Rss:                 100 kB
 Anonymous:             0 kB
+7f0000400000-7f0000462000 r-xp 00031000 fe:01 501 /var/lib/wasmplane/compiled/59a6-9f9f.cwasm
+Rss:                 392 kB
+Anonymous:             0 kB
+7f0000500000-7f0000502000 rw-p 00000000 00:00 0 
+Rss:                   8 kB
+Anonymous:             8 kB
+7f0000600000-7f0000700000 rw-p 00000000 00:00 0                          [heap]
+Rss:                 900 kB
+Anonymous:           900 kB
 ";
 
-    fn mapping(start: usize, len: usize, perms: &str, resident_kib: u64, anonymous_kib: u64) -> BinaryMapping {
-        BinaryMapping { start, len, executable: perms.contains('x'), writable: perms.contains('w'), resident_kib, anonymous_kib }
+    fn mapping(file: &str, start: usize, len: usize, perms: &str, resident_kib: u64, anonymous_kib: u64) -> FileMapping {
+        FileMapping { file: file.into(), start, len, executable: perms.contains('x'), writable: perms.contains('w'), resident_kib, anonymous_kib }
     }
 
-    /// The binary's mappings and only those (not libc's), with what each has resident.
+    /// Every file's mappings, named, with what each has resident; not the anonymous ones.
     #[test]
-    fn reads_the_binarys_mappings() {
+    fn reads_the_mappings_of_files() {
+        const EXE: &str = "/usr/bin/wasmplane";
         assert_eq!(
-            mappings_of(SMAPS, "/usr/bin/wasmplane"),
+            mappings_of(SMAPS),
             vec![
-                mapping(0x55d0a0000000, 0x400000, "r--p", 1024, 0),
-                mapping(0x55d0a0400000, 0x1000000, "r-xp", 6912, 0),
-                mapping(0x55d0a1400000, 0xb2000, "r--p", 712, 712),
-                mapping(0x55d0a14b2000, 0x8000, "rw-p", 32, 32),
+                mapping(EXE, 0x55d0a0000000, 0x400000, "r--p", 1024, 0),
+                mapping(EXE, 0x55d0a0400000, 0x1000000, "r-xp", 6912, 0),
+                mapping(EXE, 0x55d0a1400000, 0xb2000, "r--p", 712, 712),
+                mapping(EXE, 0x55d0a14b2000, 0x8000, "rw-p", 32, 32),
+                mapping("/usr/lib/x86_64-linux-gnu/libc.so.6", 0x7f0000000000, 0x100000, "r-xp", 1032, 0),
+                // A binary replaced on disk while it runs, by the name /proc gives it.
+                mapping("/usr/bin/wasmplane-old (deleted)", 0x7f0000200000, 0x100000, "r-xp", 100, 0),
+                mapping("/var/lib/wasmplane/compiled/59a6-9f9f.cwasm", 0x7f0000400000, 0x62000, "r-xp", 392, 0),
             ]
         );
-        // A binary replaced on disk while it runs is still found by the name /proc gives it.
-        let deleted = mappings_of(SMAPS, "/usr/bin/wasmplane-old (deleted)");
-        assert_eq!(deleted, vec![mapping(0x7f0000200000, 0x100000, "r-xp", 100, 0)]);
+        let reclaimable: Vec<u64> = mappings_of(SMAPS).iter().filter(|m| m.reclaimable()).map(|m| m.resident_kib).collect();
+        assert_eq!(reclaimable, [1024, 6912, 1032, 100, 392], "read-only and no private page");
     }
 
-    /// On this process: its binary's code is resident before, and much less of it after.
+    /// On this process: its binary's code, and a file mapped from a directory given as the
+    /// compiled guests', are resident before, and much less of them after.
     #[test]
-    fn pages_out_this_test_binarys_code() {
-        let resident = || binary_mappings("self").unwrap().iter().filter(|m| m.reclaimable()).map(|m| m.resident_kib).sum::<u64>();
-        let before = resident();
-        let paged = match page_out_own_binary() {
+    fn pages_out_this_test_binarys_code_and_a_mapped_guest() {
+        use std::io::Write as _;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("guest.cwasm");
+        let mut file = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path).unwrap();
+        file.write_all(&vec![0x5a; 1 << 20]).unwrap();
+        // Clean page cache, as the runtime leaves its compiled guests: dirty pages are kept.
+        file.sync_all().unwrap();
+        let len = 1 << 20;
+        // SAFETY: a new read-only private mapping of a file this test owns, unmapped below.
+        let guest = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_PRIVATE, std::os::fd::AsRawFd::as_raw_fd(&file), 0) };
+        assert_ne!(guest, libc::MAP_FAILED);
+        // SAFETY: reads within the mapping just made.
+        let sum: u64 = (0..len).step_by(4096).map(|at| u64::from(unsafe { *(guest as *const u8).add(at) })).sum();
+        assert_eq!(sum, 0x5a * 256);
+        let resident = |mappings: Vec<FileMapping>| mappings.iter().filter(|m| m.reclaimable()).map(|m| m.resident_kib).sum::<u64>();
+        let (binary_before, guest_before) = (resident(binary_mappings("self").unwrap()), resident(mappings_under("self", dir.path()).unwrap()));
+        let paged = match page_out_code(Some(dir.path())) {
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                 eprintln!("SKIPPED: this kernel has no MADV_PAGEOUT (Linux < 5.4)");
                 return;
             }
             other => other.unwrap(),
         };
-        let after = resident();
-        assert!(paged.mappings >= 1 && paged.resident_kib > 0, "{paged:?}");
-        assert!(before > 0 && after < before / 2, "resident code and read-only data: {before} KiB before, {after} KiB after");
+        let (binary_after, guest_after) = (resident(binary_mappings("self").unwrap()), resident(mappings_under("self", dir.path()).unwrap()));
+        // SAFETY: the mapping made above, no longer read.
+        unsafe { libc::munmap(guest, len) };
+        // libc is mapped read-only too: what the kernel reclaims of it is only what no other
+        // process maps, so only the advice is checked here.
+        assert!(paged.mappings >= 3 && paged.binary_kib > 0 && paged.guests_kib == guest_before && paged.libraries_kib > 0, "{paged:?}");
+        assert!(binary_before > 0 && binary_after < binary_before / 2, "resident code and read-only data: {binary_before} KiB before, {binary_after} KiB after");
+        assert!(guest_before == 1024 && guest_after < guest_before / 2, "the mapped guest: {guest_before} KiB before, {guest_after} KiB after");
     }
 }

@@ -448,17 +448,18 @@ async fn the_host_binary_runs_with_guests_compiled_in_a_child() {
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-    // The log line that says how much of its binary was resident when the host paged it out
-    // after the initial sync; the rest of the log is drained so the host never blocks on it.
-    let (paged_tx, paged_rx) = tokio::sync::oneshot::channel::<u64>();
+    // The log line that says how much of its binary and of the compiled guests was resident
+    // when the host paged them out after the initial sync; the rest of the log is drained so
+    // the host never blocks on it.
+    let (paged_tx, paged_rx) = tokio::sync::oneshot::channel::<(u64, u64)>();
     let mut log = tokio::io::BufReader::new(host.stderr.take().unwrap()).lines();
     tokio::spawn(async move {
         let mut paged_tx = Some(paged_tx);
         while let Ok(Some(line)) = log.next_line().await {
             if line.contains("start-up code paged out") {
-                let kib = line.split("resident_kib=").nth(1).and_then(|v| v.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok());
-                if let (Some(kib), Some(tx)) = (kib, paged_tx.take()) {
-                    let _ = tx.send(kib);
+                let kib = |field: &str| line.split(field).nth(1).and_then(|v| v.split(|c: char| !c.is_ascii_digit()).next()?.parse::<u64>().ok());
+                if let (Some(binary), Some(guests), Some(tx)) = (kib("binary_kib="), kib("guests_kib="), paged_tx.take()) {
+                    let _ = tx.send((binary, guests));
                 }
             }
         }
@@ -492,11 +493,15 @@ async fn the_host_binary_runs_with_guests_compiled_in_a_child() {
         .map(|task| std::fs::read_to_string(task.unwrap().path().join("children")).unwrap_or_default())
         .collect();
     assert_eq!(children.trim(), "", "the host keeps no compiler process");
-    // After the initial sync the binary's start-up code was handed back to the kernel: what
-    // is resident of it now is less than what was before. (Not by a set share: pages that
-    // other tests' compiler processes map from the same binary stay.)
-    let paged_kib = tokio::time::timeout(Duration::from_secs(30), paged_rx).await.expect("the host logged its page-out within 30 s").unwrap();
-    let resident_kib: u64 = wasmplane::memory::binary_mappings(&pid.to_string()).unwrap().iter().filter(|m| m.reclaimable()).map(|m| m.resident_kib).sum();
-    assert!(paged_kib > 0 && resident_kib < paged_kib, "{paged_kib} KiB resident when paged out, {resident_kib} KiB now");
+    // After the initial sync the start-up code of the binary and of the compiled guests was
+    // handed back to the kernel: what is resident of each now is less than what was before.
+    // (Not by a set share: pages that other tests' compiler processes map from the same binary
+    // stay. Only this host maps its compiled guests.)
+    let (binary_kib, guests_kib) = tokio::time::timeout(Duration::from_secs(30), paged_rx).await.expect("the host logged its page-out within 30 s").unwrap();
+    let reclaimable_kib = |mappings: Vec<wasmplane::memory::FileMapping>| mappings.iter().filter(|m| m.reclaimable()).map(|m| m.resident_kib).sum::<u64>();
+    let binary_now = reclaimable_kib(wasmplane::memory::binary_mappings(&pid.to_string()).unwrap());
+    let guests_now = reclaimable_kib(wasmplane::memory::mappings_under(&pid.to_string(), &data.join("compiled")).unwrap());
+    assert!(binary_kib > 0 && binary_now < binary_kib, "the binary: {binary_kib} KiB resident when paged out, {binary_now} KiB now");
+    assert!(guests_kib > 0 && guests_now < guests_kib / 2, "the compiled guests: {guests_kib} KiB resident when paged out, {guests_now} KiB now");
     host.kill().await.unwrap();
 }

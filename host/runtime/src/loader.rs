@@ -253,8 +253,18 @@ impl Runtime {
 }
 
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), String> {
+    use std::io::Write as _;
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, bytes).and_then(|_| std::fs::rename(&tmp, path)).map_err(|e| e.to_string())
+    // Synced before the rename: after a crash the name holds the whole file or nothing, and the
+    // pages the host then maps are clean page cache, which the kernel can reclaim when the host
+    // hands its start-up code back (the host's `memory::page_out_code`); dirty ones it keeps.
+    let write = || {
+        let mut file = std::fs::File::create(&tmp)?;
+        file.write_all(bytes)?;
+        file.sync_all()?;
+        std::fs::rename(&tmp, path)
+    };
+    write().map_err(|e| e.to_string())
 }
 
 impl LoadedModule {

@@ -162,6 +162,13 @@ fn binary_resident(pid: &str) -> (u64, u64) {
     (read_only().filter(|m| m.executable).map(|m| m.resident_kib).sum(), read_only().filter(|m| !m.executable).map(|m| m.resident_kib).sum())
 }
 
+/// Resident KiB of the compiled guests (code and read-only data), mapped from the host's
+/// cache of compiled components under its data directory.
+fn guests_resident(pid: &str, data_dir: &Path) -> u64 {
+    let mappings = wasmplane::memory::mappings_under(pid, &data_dir.join("compiled")).unwrap_or_default();
+    mappings.iter().filter(|m| !m.writable).map(|m| m.resident_kib).sum()
+}
+
 async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Value> {
     let (mut cluster, ready) = ClusterProc::start(o)?;
     let (pods, nodes) = (ready[3].parse::<u64>()?, ready[4].parse::<u64>()?);
@@ -190,6 +197,7 @@ async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Va
     let steady = memory_of(&pid);
     let (pss_steady, private_steady) = smaps_rollup(&pid);
     let (code_steady, rodata_steady) = binary_resident(&pid);
+    let guests_steady = guests_resident(&pid, &dir.path().join("data"));
 
     // The single changes, churn and no-op events of the in-process worker, each step waited
     // for by its event count.
@@ -215,6 +223,7 @@ async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Va
     let end = memory_of(&pid);
     let (pss_end, private_end) = smaps_rollup(&pid);
     let (code_end, rodata_end) = binary_resident(&pid);
+    let guests_end = guests_resident(&pid, &dir.path().join("data"));
 
     let mut result = json!({
         "services": o.services, "pods": pods, "nodes": nodes,
@@ -227,6 +236,7 @@ async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Va
         "hwm_sync_kib": hwm_sync, "rss_end_kib": end.rss, "hwm_end_kib": end.hwm,
         "rss_anon_end_kib": end.anon, "rss_file_end_kib": end.file,
         "binary_code_end_kib": code_end, "binary_rodata_end_kib": rodata_end,
+        "guests_code_steady_kib": guests_steady, "guests_code_end_kib": guests_end,
         "pss_end_kib": pss_end, "private_end_kib": private_end,
     });
     if let Some(path) = &o.trace_code {

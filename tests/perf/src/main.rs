@@ -320,6 +320,7 @@ fn binary_table(results: &[Value]) -> String {
         ("RSS steady after sync / end (MiB)", Box::new(|v| format!("{} / {}", mib(v, "rss_steady_kib"), mib(v, "rss_end_kib")))),
         ("  anonymous / file-backed: steady; end (MiB)", Box::new(|v| format!("{} / {}; {} / {}", mib(v, "rss_anon_steady_kib"), mib(v, "rss_file_steady_kib"), mib(v, "rss_anon_end_kib"), mib(v, "rss_file_end_kib")))),
         ("  the binary's resident code / read-only mappings (these hold ~0.7 MiB of relocated, anonymous data): steady; end (MiB)", Box::new(|v| format!("{} / {}; {} / {}", mib(v, "binary_code_steady_kib"), mib(v, "binary_rodata_steady_kib"), mib(v, "binary_code_end_kib"), mib(v, "binary_rodata_end_kib")))),
+        ("  the compiled guests' resident code and read-only data: steady; end (MiB)", Box::new(|v| format!("{}; {}", mib(v, "guests_code_steady_kib"), mib(v, "guests_code_end_kib")))),
         ("PSS (shared pages divided) / private: steady (MiB)", Box::new(|v| format!("{} / {}", mib(v, "pss_steady_kib"), mib(v, "private_steady_kib")))),
         ("peak RSS (VmHWM): after sync / end (MiB)", Box::new(|v| format!("{} / {}", mib(v, "hwm_sync_kib"), mib(v, "hwm_end_kib")))),
         ("events received in all (initial sync, changes, churn, no-op); all taken in", Box::new(|v| format!("{}, {}", v["events"], if v["converged"] == true { "yes" } else { "no" }))),

@@ -25,7 +25,7 @@ use std::os::fd::AsRawFd as _;
 use std::path::Path;
 
 use anyhow::Context as _;
-use wasmplane::memory::BinaryMapping;
+use wasmplane::memory::FileMapping;
 use object::{Object as _, ObjectSection as _, ObjectSegment as _, ObjectSymbol as _};
 
 /// An ext4 image mounted on a loop device with read-ahead off; unmounted (and the device
@@ -68,7 +68,7 @@ impl Drop for PrivateVolume {
 }
 
 /// The executable mapping of a process's binary (`process`: `self` or a process ID).
-fn code_mapping(process: &str) -> anyhow::Result<BinaryMapping> {
+fn code_mapping(process: &str) -> anyhow::Result<FileMapping> {
     let mappings = wasmplane::memory::binary_mappings(process)?;
     mappings.into_iter().find(|m| m.executable).with_context(|| format!("no executable mapping of its binary in /proc/{process}/smaps"))
 }

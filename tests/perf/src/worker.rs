@@ -323,7 +323,7 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
     let hwm_sync = memory().hwm;
     eprintln!("[{}] initial sync {sync_seconds:.2} s ({} events, guest {:.2} s in {} calls)", o.services, after_sync.events, after_sync.guest_seconds, after_sync.guest_calls);
     if o.page_out {
-        wasmplane::memory::page_out_own_binary().context("paging out start-up code")?;
+        wasmplane::memory::page_out_code(host.compiled_guests.as_deref()).context("paging out start-up code")?;
     }
     tokio::time::sleep(Duration::from_secs(3)).await;
     let steady = memory();
