@@ -1,6 +1,6 @@
 //! Process memory: glibc's allocator, which the host's RSS depends on more than on
 //! anything it holds (BENCHMARKS.md: up to 15 MiB between runs at 1k services), and the
-//! pages of the host's own binary and of the compiled guests.
+//! pages of the files it maps: its binary, the compiled guests, the shared libraries.
 
 use std::path::Path;
 
