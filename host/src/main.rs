@@ -9,7 +9,7 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
         return Ok(exit);
     }
     // Before the runtime starts any thread.
-    wasmplane::memory::limit_malloc_arenas();
+    wasmplane::memory::configure_malloc();
     tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the tokio runtime")?.block_on(run())?;
     Ok(std::process::ExitCode::SUCCESS)
 }

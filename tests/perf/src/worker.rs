@@ -263,7 +263,7 @@ pub fn run_size(o: Opts) -> anyhow::Result<Value> {
         crate::symbol_order::start_tracing()?;
     }
     // As the `wasmplane` binary does before its runtime starts.
-    wasmplane::memory::limit_malloc_arenas();
+    wasmplane::memory::configure_malloc();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let trace_code = o.trace_code.clone();
     let mut result = runtime.block_on(measure(o))?;
