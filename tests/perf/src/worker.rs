@@ -29,8 +29,8 @@ pub struct Opts {
     /// The binary the cluster and compiler processes run (default: this one). A traced worker
     /// runs from a copy of the binary and starts them from the original.
     pub children_exe: Option<std::path::PathBuf>,
-    /// Hand the binary's start-up code back to the kernel after the initial sync, as
-    /// `wasmplane run` does (off: `--no-page-out`, to compare).
+    /// Hand the start-up code of the binary, the compiled guests and the libraries back to the
+    /// kernel after the initial sync, as `wasmplane run` does (off: `--no-page-out`, to compare).
     pub page_out: bool,
     /// The host's full reconcile interval: an hour by default, so that no full sync falls
     /// inside a measurement.
