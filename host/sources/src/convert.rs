@@ -1,4 +1,4 @@
-//! Kubernetes API objects (k8s-openapi types) to wasmplane's model types.
+//! Kubernetes API objects (the parts [`crate::slim`] reads) to wasmplane's model types.
 //!
 //! Conversion keeps only what the dataplane needs and applies the API's defaults (no
 //! protocol means TCP, no `ready` condition means ready, ...) so that nothing downstream
@@ -8,12 +8,13 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1 as core;
-use k8s_openapi::api::discovery::v1 as discovery;
 use k8s_openapi::api::networking::v1 as networking;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1 as meta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use wasmplane_model::state::ClusterObject;
 use wasmplane_model::*;
+
+use crate::slim;
 
 /// The label that ties an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -131,7 +132,7 @@ fn traffic_policy(value: Option<&str>) -> TrafficPolicy {
     if value == Some("Local") { TrafficPolicy::Local } else { TrafficPolicy::Cluster }
 }
 
-pub fn service(s: &core::Service) -> Result<Service, ConvertError> {
+pub fn service(s: &slim::Service) -> Result<Service, ConvertError> {
     let m = &s.metadata;
     let subject = Subject::namespaced("Service", m);
     let default_spec = core::ServiceSpec::default();
@@ -218,7 +219,7 @@ fn service_port(subject: &Subject, i: usize, p: &core::ServicePort) -> Result<Se
     })
 }
 
-pub fn endpoint_slice(s: &discovery::EndpointSlice) -> Result<EndpointSlice, ConvertError> {
+pub fn endpoint_slice(s: &slim::EndpointSlice) -> Result<EndpointSlice, ConvertError> {
     let m = &s.metadata;
     let subject = Subject::namespaced("EndpointSlice", m);
     let service_name = m
@@ -261,7 +262,7 @@ pub fn endpoint_slice(s: &discovery::EndpointSlice) -> Result<EndpointSlice, Con
     Ok(EndpointSlice { namespace: namespace_of(m), name: subject.name(m)?, service_name, endpoints, ports })
 }
 
-pub fn node(n: &core::Node) -> Result<Node, ConvertError> {
+pub fn node(n: &slim::Node) -> Result<Node, ConvertError> {
     let m = &n.metadata;
     let subject = Subject::cluster("Node", m);
     let spec = n.spec.as_ref();
@@ -280,12 +281,12 @@ pub fn node(n: &core::Node) -> Result<Node, ConvertError> {
     Ok(Node { name: subject.name(m)?, addresses, pod_cidrs, labels: labels(m) })
 }
 
-pub fn namespace(n: &core::Namespace) -> Result<Namespace, ConvertError> {
+pub fn namespace(n: &slim::Namespace) -> Result<Namespace, ConvertError> {
     let m = &n.metadata;
     Ok(Namespace { name: Subject::cluster("Namespace", m).name(m)?, labels: labels(m) })
 }
 
-pub fn pod(p: &core::Pod) -> Result<Pod, ConvertError> {
+pub fn pod(p: &slim::Pod) -> Result<Pod, ConvertError> {
     let m = &p.metadata;
     let subject = Subject::namespaced("Pod", m);
     let status = p.status.as_ref();
@@ -372,7 +373,7 @@ fn policy_peers(subject: &Subject, at: &str, peers: Option<&Vec<networking::Netw
     Ok(out)
 }
 
-pub fn network_policy(p: &networking::NetworkPolicy) -> Result<NetworkPolicy, ConvertError> {
+pub fn network_policy(p: &slim::NetworkPolicy) -> Result<NetworkPolicy, ConvertError> {
     let m = &p.metadata;
     let subject = Subject::namespaced("NetworkPolicy", m);
     let default_spec = networking::NetworkPolicySpec::default();

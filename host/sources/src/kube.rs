@@ -1,4 +1,5 @@
-//! Kubernetes watchers (kube-rs): the six kinds wasmplane needs, converted to model types.
+//! Kubernetes watchers (kube-rs): the six kinds wasmplane needs, read as [`crate::slim`] types
+//! and converted to model types.
 //!
 //! Each kind runs its own `kube::runtime::watcher`, which lists, watches from the list's
 //! resourceVersion, re-watches on timeouts and relists on `410 Gone`, with backoff on errors.
@@ -11,9 +12,6 @@ use std::fmt::Debug;
 use std::sync::Mutex;
 
 use futures::{StreamExt as _, TryStreamExt as _};
-use k8s_openapi::api::core::v1 as core;
-use k8s_openapi::api::discovery::v1 as discovery;
-use k8s_openapi::api::networking::v1 as networking;
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt as _;
 use kube::{Api, Resource, ResourceExt as _};
@@ -23,6 +21,7 @@ use wasmplane_model::state::{ClusterEvent, ClusterObject, ObjectKind};
 use wasmplane_model::ObjectKey;
 
 use crate::convert::{self, ConvertError};
+use crate::slim;
 
 /// Labels that take a Service (and its EndpointSlices) away from the default proxy, as in
 /// kube-proxy: another proxy implementation owns `service-proxy-name`, and headless
@@ -73,20 +72,20 @@ pub fn spawn_watchers(client: kube::Client, tx: mpsc::Sender<SourceEvent>, statu
     let proxied = || watcher::Config::default().labels(SERVICE_LABEL_SELECTOR);
     let all = watcher::Config::default;
     vec![
-        spawn(Api::<core::Service>::all(client.clone()), proxied(), ObjectKind::Service, |s| convert::service(s).map(ClusterObject::Service), tx.clone(), status.clone()),
+        spawn(Api::<slim::Service>::all(client.clone()), proxied(), ObjectKind::Service, |s| convert::service(s).map(ClusterObject::Service), tx.clone(), status.clone()),
         spawn(
-            Api::<discovery::EndpointSlice>::all(client.clone()),
+            Api::<slim::EndpointSlice>::all(client.clone()),
             proxied(),
             ObjectKind::EndpointSlice,
             |s| convert::endpoint_slice(s).map(ClusterObject::EndpointSlice),
             tx.clone(),
             status.clone(),
         ),
-        spawn(Api::<core::Node>::all(client.clone()), all(), ObjectKind::Node, |n| convert::node(n).map(ClusterObject::Node), tx.clone(), status.clone()),
-        spawn(Api::<core::Namespace>::all(client.clone()), all(), ObjectKind::Namespace, |n| convert::namespace(n).map(ClusterObject::Namespace), tx.clone(), status.clone()),
-        spawn(Api::<core::Pod>::all(client.clone()), all(), ObjectKind::Pod, |p| convert::pod(p).map(ClusterObject::Pod), tx.clone(), status.clone()),
+        spawn(Api::<slim::Node>::all(client.clone()), all(), ObjectKind::Node, |n| convert::node(n).map(ClusterObject::Node), tx.clone(), status.clone()),
+        spawn(Api::<slim::Namespace>::all(client.clone()), all(), ObjectKind::Namespace, |n| convert::namespace(n).map(ClusterObject::Namespace), tx.clone(), status.clone()),
+        spawn(Api::<slim::Pod>::all(client.clone()), all(), ObjectKind::Pod, |p| convert::pod(p).map(ClusterObject::Pod), tx.clone(), status.clone()),
         spawn(
-            Api::<networking::NetworkPolicy>::all(client),
+            Api::<slim::NetworkPolicy>::all(client),
             all(),
             ObjectKind::NetworkPolicy,
             |p| convert::network_policy(p).map(ClusterObject::NetworkPolicy),
