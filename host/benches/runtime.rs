@@ -5,7 +5,8 @@
 //!
 //! Both sides get the same inputs and pay for the same conversion: the Wasm side converts the
 //! model to WIT types (`TranslatorSession::translate`), the native side converts it to the
-//! SDK's (identical) types, per call; chain prefixes are computed once for both. The Wasm side
+//! SDK's (identical) types with the same code (`wasmplane_runtime::native`), per call; chain
+//! prefixes are computed once for both. The Wasm side
 //! also pays what only it has: lowering the inputs into the guest, lifting the ruleset back
 //! out and freeing the guest's copies. The breakdown rows split that cost, and a table times
 //! the guest's own work apart from all of it (`guest_work`). Another times single calls
@@ -23,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use wasmplane_model::state::{LocalEndpoint, LocalSlice, NodeContext, ServiceView};
 use wasmplane_model::*;
-use wasmplane_runtime::{GuestKind, Limits, NoLookups, Runtime, convert, wit};
+use wasmplane_runtime::{GuestKind, Limits, NoLookups, Runtime, convert, native, wit};
 use wasmplane_sdk::types as sdk;
 
 /// The host side of `guests/service-translator/bench-encoded.wit`.
@@ -66,53 +67,10 @@ fn synthetic(n: usize) -> Vec<ServiceView> {
         .collect()
 }
 
-/// Model → SDK types: the native path gets the same inputs the guest sees.
+/// Model → SDK types: the native path gets the same inputs the guest sees, through the
+/// conversion the Wasm path makes (`wasmplane_runtime::native`).
 fn to_sdk(view: &ServiceView) -> (sdk::Service, Vec<sdk::EndpointSlice>) {
-    let proto = |p: Protocol| match p {
-        Protocol::Tcp => sdk::Protocol::Tcp,
-        Protocol::Udp => sdk::Protocol::Udp,
-        Protocol::Sctp => sdk::Protocol::Sctp,
-    };
-    let s = &view.service;
-    let service = sdk::Service {
-        namespace: s.namespace.to_std(),
-        name: s.name.to_std(),
-        service_type: sdk::ServiceType::ClusterIp,
-        cluster_ips: s.cluster_ips.to_std(),
-        external_ips: vec![],
-        load_balancer_ips: vec![],
-        ports: s
-            .ports
-            .iter()
-            .map(|p| sdk::ServicePort { name: p.name.to_std(), protocol: proto(p.protocol), port: p.port, node_port: 0, target_port: sdk::TargetPort::Number(8080) })
-            .collect(),
-        session_affinity_timeout: None,
-        external_traffic_policy: sdk::TrafficPolicy::Cluster,
-        internal_traffic_policy: sdk::TrafficPolicy::Cluster,
-        labels: vec![],
-    };
-    let slices = view
-        .slices
-        .iter()
-        .map(|sl| sdk::EndpointSlice {
-            name: sl.name.to_std(),
-            endpoints: sl
-                .endpoints
-                .iter()
-                .map(|e| sdk::Endpoint {
-                    addresses: e.addresses.to_std(),
-                    ready: e.ready,
-                    serving: e.serving,
-                    terminating: e.terminating,
-                    node_name: e.node_name.to_std(),
-                    zone: None,
-                    is_local: e.is_local,
-                })
-                .collect(),
-            ports: sl.ports.iter().map(|p| sdk::EndpointPort { name: p.name.to_std(), protocol: proto(p.protocol), port: p.port }).collect(),
-        })
-        .collect();
-    (service, slices)
+    (native::service(&view.service), native::slices(view))
 }
 
 /// How many times lowering these arguments calls the guest's `cabi_realloc`: wasmtime calls
@@ -381,7 +339,7 @@ fn main() {
     println!("| instantiate (pooling allocator) | {:.1} µs |", instantiate.as_secs_f64() * 1e6);
 
     let ctx = NodeContext { node_name: "node-0".into(), node_ips: vec!["192.168.0.1".into()], cluster_cidrs: vec!["10.244.0.0/16".into()], pod_cidrs: vec![], zone: None };
-    let sdk_ctx = sdk::NodeContext { node_name: ctx.node_name.to_std(), node_ips: ctx.node_ips.to_std(), cluster_cidrs: ctx.cluster_cidrs.to_std(), pod_cidrs: vec![] };
+    let sdk_ctx = native::node_context(&ctx);
     let mut breakdown = Vec::new();
     println!("\n| services | Wasm total | Wasm per call | native total | native per call | Wasm/native |");
     println!("|---|---|---|---|---|---|");
@@ -398,8 +356,7 @@ fn main() {
         let native = best_of(3, || {
             for (view, p) in views.iter().zip(&prefixes) {
                 // The same model → SDK-type conversion the Wasm side makes (model → WIT).
-                let (svc, slices) = to_sdk(view);
-                std::hint::black_box(wasmplane_guest_service_translator::translate(&sdk_ctx, p, &svc, &slices).unwrap());
+                std::hint::black_box(native::translate(&sdk_ctx, p, view).unwrap());
             }
         });
         println!(

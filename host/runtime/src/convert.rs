@@ -1,100 +1,115 @@
 //! Model types to WIT types (what is lowered into a guest) and back for selectors.
+//!
+//! The service conversions are one body for two sets of types that wit-bindgen generates from
+//! the same WIT: the host's, lowered into a guest, and the guest SDK's, which the native
+//! reference translator takes ([`crate::native`]), so both sides of a Wasm/native
+//! comparison pay for the same conversion.
 
 use wasmplane_model as m;
+use wasmplane_model::ToStd;
 use wasmplane_model::state as ms;
 
-use crate::bindings::service::wasmplane::dataplane::types as wit;
+/// Model → `$types` for what a service translator takes (`$types`: a module of the
+/// `wasmplane:dataplane/types` interface's generated types). The caller's scope names
+/// `m` (the model), `ms` (its state) and `ToStd`, as here.
+macro_rules! service_conversions {
+    ($types:path) => {
+        use $types as wit;
 
-use wasmplane_model::ToStd;
+        pub fn protocol(p: m::Protocol) -> wit::Protocol {
+            match p {
+                m::Protocol::Tcp => wit::Protocol::Tcp,
+                m::Protocol::Udp => wit::Protocol::Udp,
+                m::Protocol::Sctp => wit::Protocol::Sctp,
+            }
+        }
 
-pub fn protocol(p: m::Protocol) -> wit::Protocol {
-    match p {
-        m::Protocol::Tcp => wit::Protocol::Tcp,
-        m::Protocol::Udp => wit::Protocol::Udp,
-        m::Protocol::Sctp => wit::Protocol::Sctp,
-    }
-}
+        fn labels(l: &m::Labels) -> Vec<wit::Label> {
+            l.iter().map(|(k, v)| wit::Label { key: k.to_std(), value: v.to_std() }).collect()
+        }
 
-fn labels(l: &m::Labels) -> Vec<wit::Label> {
-    l.iter().map(|(k, v)| wit::Label { key: k.to_std(), value: v.to_std() }).collect()
-}
+        fn policy(p: m::TrafficPolicy) -> wit::TrafficPolicy {
+            match p {
+                m::TrafficPolicy::Cluster => wit::TrafficPolicy::Cluster,
+                m::TrafficPolicy::Local => wit::TrafficPolicy::Local,
+            }
+        }
 
-fn policy(p: m::TrafficPolicy) -> wit::TrafficPolicy {
-    match p {
-        m::TrafficPolicy::Cluster => wit::TrafficPolicy::Cluster,
-        m::TrafficPolicy::Local => wit::TrafficPolicy::Local,
-    }
-}
+        pub fn node_context(c: &ms::NodeContext) -> wit::NodeContext {
+            wit::NodeContext {
+                node_name: c.node_name.to_std(),
+                node_ips: c.node_ips.to_std(),
+                cluster_cidrs: c.cluster_cidrs.to_std(),
+                pod_cidrs: c.pod_cidrs.to_std(),
+            }
+        }
 
-pub fn node_context(c: &ms::NodeContext) -> wit::NodeContext {
-    wit::NodeContext {
-        node_name: c.node_name.to_std(),
-        node_ips: c.node_ips.to_std(),
-        cluster_cidrs: c.cluster_cidrs.to_std(),
-        pod_cidrs: c.pod_cidrs.to_std(),
-    }
-}
-
-pub fn service(s: &m::Service) -> wit::Service {
-    wit::Service {
-        namespace: s.namespace.to_std(),
-        name: s.name.to_std(),
-        service_type: match s.service_type {
-            m::ServiceType::ClusterIP => wit::ServiceType::ClusterIp,
-            m::ServiceType::NodePort => wit::ServiceType::NodePort,
-            m::ServiceType::LoadBalancer => wit::ServiceType::LoadBalancer,
-            m::ServiceType::ExternalName => wit::ServiceType::ExternalName,
-        },
-        cluster_ips: s.cluster_ips.to_std(),
-        external_ips: s.external_ips.to_std(),
-        load_balancer_ips: s.load_balancer_ips.to_std(),
-        ports: s
-            .ports
-            .iter()
-            .map(|p| wit::ServicePort {
-                name: p.name.to_std(),
-                protocol: protocol(p.protocol),
-                port: p.port,
-                node_port: p.node_port,
-                target_port: match &p.target_port {
-                    m::TargetPort::Number(n) => wit::TargetPort::Number(*n),
-                    m::TargetPort::Name(n) => wit::TargetPort::Name(n.to_std()),
+        pub fn service(s: &m::Service) -> wit::Service {
+            wit::Service {
+                namespace: s.namespace.to_std(),
+                name: s.name.to_std(),
+                service_type: match s.service_type {
+                    m::ServiceType::ClusterIP => wit::ServiceType::ClusterIp,
+                    m::ServiceType::NodePort => wit::ServiceType::NodePort,
+                    m::ServiceType::LoadBalancer => wit::ServiceType::LoadBalancer,
+                    m::ServiceType::ExternalName => wit::ServiceType::ExternalName,
                 },
-            })
-            .collect(),
-        session_affinity_timeout: s.session_affinity_timeout,
-        external_traffic_policy: policy(s.external_traffic_policy),
-        internal_traffic_policy: policy(s.internal_traffic_policy),
-        labels: labels(&s.labels),
-    }
-}
+                cluster_ips: s.cluster_ips.to_std(),
+                external_ips: s.external_ips.to_std(),
+                load_balancer_ips: s.load_balancer_ips.to_std(),
+                ports: s
+                    .ports
+                    .iter()
+                    .map(|p| wit::ServicePort {
+                        name: p.name.to_std(),
+                        protocol: protocol(p.protocol),
+                        port: p.port,
+                        node_port: p.node_port,
+                        target_port: match &p.target_port {
+                            m::TargetPort::Number(n) => wit::TargetPort::Number(*n),
+                            m::TargetPort::Name(n) => wit::TargetPort::Name(n.to_std()),
+                        },
+                    })
+                    .collect(),
+                session_affinity_timeout: s.session_affinity_timeout,
+                external_traffic_policy: policy(s.external_traffic_policy),
+                internal_traffic_policy: policy(s.internal_traffic_policy),
+                labels: labels(&s.labels),
+            }
+        }
 
-pub fn slices(view: &ms::ServiceView) -> Vec<wit::EndpointSlice> {
-    view.slices
-        .iter()
-        .map(|s| wit::EndpointSlice {
-            name: s.name.to_std(),
-            endpoints: s
-                .endpoints
+        pub fn slices(view: &ms::ServiceView) -> Vec<wit::EndpointSlice> {
+            view.slices
                 .iter()
-                .map(|e| wit::Endpoint {
-                    addresses: e.addresses.to_std(),
-                    ready: e.ready,
-                    serving: e.serving,
-                    terminating: e.terminating,
-                    node_name: e.node_name.to_std(),
-                    zone: e.zone.to_std(),
-                    is_local: e.is_local,
+                .map(|s| wit::EndpointSlice {
+                    name: s.name.to_std(),
+                    endpoints: s
+                        .endpoints
+                        .iter()
+                        .map(|e| wit::Endpoint {
+                            addresses: e.addresses.to_std(),
+                            ready: e.ready,
+                            serving: e.serving,
+                            terminating: e.terminating,
+                            node_name: e.node_name.to_std(),
+                            zone: e.zone.to_std(),
+                            is_local: e.is_local,
+                        })
+                        .collect(),
+                    ports: s
+                        .ports
+                        .iter()
+                        .map(|p| wit::EndpointPort { name: p.name.to_std(), protocol: protocol(p.protocol), port: p.port })
+                        .collect(),
                 })
-                .collect(),
-            ports: s
-                .ports
-                .iter()
-                .map(|p| wit::EndpointPort { name: p.name.to_std(), protocol: protocol(p.protocol), port: p.port })
-                .collect(),
-        })
-        .collect()
+                .collect()
+        }
+    };
 }
+#[cfg(feature = "native-translator")]
+pub(crate) use service_conversions;
+
+service_conversions!(crate::bindings::service::wasmplane::dataplane::types);
 
 pub fn pod(p: &m::Pod) -> wit::Pod {
     wit::Pod {

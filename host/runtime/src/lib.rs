@@ -20,6 +20,8 @@ mod epoch;
 pub mod gc;
 mod host;
 mod loader;
+#[cfg(feature = "native-translator")]
+pub mod native;
 pub mod policy;
 
 use std::path::PathBuf;

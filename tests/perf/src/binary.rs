@@ -192,6 +192,7 @@ async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Va
     let sync_seconds = started.elapsed().as_secs_f64();
     let pid = host.pid();
     let hwm_sync = memory_of(&pid).hwm;
+    let (cpu_sync, children_cpu_sync) = crate::worker::cpu_of(&pid);
     eprintln!("[{}] {} ready in {sync_seconds:.2} s", o.services, binary.path.display());
     tokio::time::sleep(Duration::from_secs(3)).await;
     let steady = memory_of(&pid);
@@ -202,6 +203,7 @@ async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Va
     // The single changes, churn and no-op events of the in-process worker, each step waited
     // for by its event count.
     let mut events = host.events().await?;
+    let events_at_sync = events;
     for _ in 0..o.samples {
         // One event each: the new pod, the slice write, the replaced pod's deletion.
         let prepared = cluster.call("prepare")?;
@@ -221,6 +223,7 @@ async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Va
     events += noop[2].parse::<u64>()?;
     let noop_converged = host.settle(events, timeout).await?;
     let end = memory_of(&pid);
+    let (cpu_end, _) = crate::worker::cpu_of(&pid);
     let (pss_end, private_end) = smaps_rollup(&pid);
     let (code_end, rodata_end) = binary_resident(&pid);
     let guests_end = guests_resident(&pid, &dir.path().join("data"));
@@ -238,6 +241,7 @@ async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Va
         "binary_code_end_kib": code_end, "binary_rodata_end_kib": rodata_end,
         "guests_code_steady_kib": guests_steady, "guests_code_end_kib": guests_end,
         "pss_end_kib": pss_end, "private_end_kib": private_end,
+        "cpu_sync_s": cpu_sync, "children_cpu_sync_s": children_cpu_sync, "cpu_after_sync_s": cpu_end - cpu_sync, "events_after_sync": events - events_at_sync,
     });
     if let Some(path) = &o.trace_code {
         crate::symbol_order::write_trace(&pid, path, &mut result)?;

@@ -46,6 +46,9 @@ pub struct Spec {
     pub endpoints: f64,
     pub policies: usize,
     pub seed: u64,
+    /// Objects with what a real cluster's objects carry besides what the host reads
+    /// (`crate::detail`).
+    pub full_objects: bool,
 }
 
 /// Which API resource a write is for (group, version, plural), and whether namespaced.
@@ -173,18 +176,27 @@ impl Cluster {
         format!("perf-node-{i}")
     }
 
-    fn namespace_obj(name: &str, i: usize) -> Value {
-        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": {"team": format!("team-{}", i % 7)}}})
+    /// `object` as the API server would send it: unless `--minimal-objects`, also what a
+    /// real cluster's objects carry that the host does not read.
+    fn detailed(&self, kind: Kind, mut object: Value) -> Value {
+        if self.spec.full_objects {
+            crate::detail::add(kind, &mut object);
+        }
+        object
     }
 
-    fn node_obj(i: usize) -> Value {
+    fn namespace_obj(&self, name: &str, i: usize) -> Value {
+        self.detailed(Kind::Namespace, json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": {"team": format!("team-{}", i % 7)}}}))
+    }
+
+    fn node_obj(&self, i: usize) -> Value {
         let cidr = format!("{}/24", ipv4(u32::from(std::net::Ipv4Addr::new(10, 64, 0, 0)) + ((i as u32) << 8)));
-        json!({
+        self.detailed(Kind::Node, json!({
             "apiVersion": "v1", "kind": "Node",
             "metadata": {"name": Self::node_name(i), "labels": {"topology.kubernetes.io/zone": format!("zone-{}", i % 3)}},
             "spec": {"podCIDR": cidr, "podCIDRs": [cidr]},
             "status": {"addresses": [{"type": "InternalIP", "address": ipv4(u32::from(std::net::Ipv4Addr::new(172, 16, 0, 1)) + i as u32)}]}
-        })
+        }))
     }
 
     fn ports(i: usize) -> Vec<(&'static str, u16, u16)> {
@@ -215,7 +227,7 @@ impl Cluster {
             spec["sessionAffinity"] = json!("ClientIP");
             spec["sessionAffinityConfig"] = json!({"clientIP": {"timeoutSeconds": 10800}});
         }
-        json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": s.name, "namespace": s.namespace, "labels": {"app": s.name}}, "spec": spec})
+        self.detailed(Kind::Service, json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": s.name, "namespace": s.namespace, "labels": {"app": s.name}}, "spec": spec}))
     }
 
     fn slice_obj(&self, i: usize) -> Value {
@@ -232,22 +244,22 @@ impl Cluster {
             })
             .collect();
         let ports: Vec<Value> = Self::ports(i).into_iter().map(|(name, _, target)| json!({"name": name, "protocol": "TCP", "port": target})).collect();
-        json!({
+        self.detailed(Kind::EndpointSlice, json!({
             "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
             "metadata": {"name": format!("{}-slice", s.name), "namespace": s.namespace, "labels": {"kubernetes.io/service-name": s.name}},
             "addressType": "IPv4", "endpoints": endpoints, "ports": ports
-        })
+        }))
     }
 
     fn pod_obj(&self, i: usize, pod: &PodRef) -> Value {
         let s = &self.services[i];
         let ports: Vec<Value> = Self::ports(i).into_iter().map(|(name, _, target)| json!({"name": name, "containerPort": target})).collect();
-        json!({
+        self.detailed(Kind::Pod, json!({
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": pod.name, "namespace": s.namespace, "labels": {"app": s.name, "version": format!("v{}", s.label_version)}},
             "spec": {"nodeName": Self::node_name(pod.node), "containers": [{"name": "main", "image": "registry.example/app:1", "ports": ports}]},
             "status": {"phase": "Running", "podIP": pod.ip, "podIPs": [{"ip": pod.ip}]}
-        })
+        }))
     }
 
     fn policy_obj(&self, j: usize) -> Value {
@@ -267,8 +279,8 @@ impl Cluster {
     /// Every object of the initial cluster, in an order an API server accepts.
     pub fn objects(&self) -> Vec<(Kind, Value)> {
         let mut out = Vec::new();
-        out.extend(self.namespaces.iter().enumerate().map(|(i, n)| (Kind::Namespace, Self::namespace_obj(n, i))));
-        out.extend((0..self.nodes).map(|i| (Kind::Node, Self::node_obj(i))));
+        out.extend(self.namespaces.iter().enumerate().map(|(i, n)| (Kind::Namespace, self.namespace_obj(n, i))));
+        out.extend((0..self.nodes).map(|i| (Kind::Node, self.node_obj(i))));
         for i in 0..self.services.len() {
             out.push((Kind::Service, self.service_obj(i)));
             for pod in &self.services[i].endpoints {
@@ -369,7 +381,7 @@ mod tests {
     use super::*;
 
     fn spec(seed: u64) -> Spec {
-        Spec { services: 300, endpoints: 1.5, policies: 5, seed }
+        Spec { services: 300, endpoints: 1.5, policies: 5, seed, full_objects: false }
     }
 
     fn run(seed: u64) -> (Vec<(Kind, Value)>, Vec<Write>) {

@@ -17,6 +17,7 @@
 mod apiserver;
 mod binary;
 mod cluster;
+mod detail;
 mod symbol_order;
 mod worker;
 
@@ -26,7 +27,7 @@ use anyhow::Context as _;
 use serde_json::Value;
 
 const USAGE: &str = "\
-usage: wasmplane-perf [--sizes 1000,10000,50000] [--quick] [--endpoints 1.5] [--policies 0]
+usage: wasmplane-perf [--sizes 1000,10000,50000] [--quick] [--endpoints 1.5] [--policies 0] [--minimal-objects]
                       [--seed 1] [--samples N] [--churn-rate OPS_PER_S] [--churn-seconds S]
                       [--record] [--no-page-out] [--reconcile-seconds 3600] [--json FILE]
        wasmplane-perf --binary target/release/wasmplane [--sizes ...] [...]   (the shipped binary's memory)
@@ -38,6 +39,7 @@ struct Args {
     quick: bool,
     endpoints: f64,
     policies: usize,
+    full_objects: bool,
     seed: u64,
     samples: Option<usize>,
     churn_rate: f64,
@@ -63,6 +65,7 @@ fn parse() -> anyhow::Result<Args> {
         quick: false,
         endpoints: 1.5,
         policies: 0,
+        full_objects: true,
         seed: 1,
         samples: None,
         churn_rate: 50.0,
@@ -93,6 +96,7 @@ fn parse() -> anyhow::Result<Args> {
             "--quick" => a.quick = true,
             "--endpoints" => a.endpoints = value()?.parse()?,
             "--policies" => a.policies = value()?.parse()?,
+            "--minimal-objects" => a.full_objects = false,
             "--seed" => a.seed = value()?.parse()?,
             "--samples" => a.samples = Some(value()?.parse()?),
             "--churn-rate" => a.churn_rate = value()?.parse()?,
@@ -146,7 +150,7 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
 
 fn run() -> anyhow::Result<()> {
     let a = parse()?;
-    let spec = |services| cluster::Spec { services, endpoints: a.endpoints, policies: a.policies, seed: a.seed };
+    let spec = |services| cluster::Spec { services, endpoints: a.endpoints, policies: a.policies, seed: a.seed, full_objects: a.full_objects };
     if let Some(services) = a.apiserver {
         return apiserver::serve(spec(services));
     }
@@ -162,6 +166,7 @@ fn run() -> anyhow::Result<()> {
             services,
             endpoints: a.endpoints,
             policies: a.policies,
+            full_objects: a.full_objects,
             seed: a.seed,
             samples: samples(&a),
             churn_rate: a.churn_rate,
@@ -213,6 +218,9 @@ fn worker_command(a: &Args, services: usize, exe: &std::path::Path) -> Command {
     cmd.args(["--samples", &samples(a).to_string(), "--churn-rate", &a.churn_rate.to_string(), "--churn-seconds", &churn_seconds(a).to_string()]);
     if a.record {
         cmd.arg("--record");
+    }
+    if !a.full_objects {
+        cmd.arg("--minimal-objects");
     }
     if !a.page_out {
         cmd.arg("--no-page-out");
@@ -294,6 +302,12 @@ fn table(results: &[Value]) -> String {
         ("initial sync: `start()` → every kind listed, one full transaction in the kernel (s)", Box::new(|v| format!("{:.2}", f(v, "initial_sync_s")))),
         ("  host CPU / child processes' CPU (nft, the guest compiler) during it (s)", Box::new(|v| format!("{:.2} / {:.2}", f(v, "initial_sync_cpu_s"), f(v, "initial_sync_nft_cpu_s")))),
         ("  Wasm guest time: total (s), share of the sync", Box::new(|v| format!("{:.3}, {:.1}%", f(v, "initial_sync_guest_s"), 100.0 * f(v, "initial_sync_guest_s") / f(v, "initial_sync_s")))),
+        ("  full load of that ruleset into an empty namespace: our writer (list, render, one transaction) / one plain `nft -f` of the same document (s)", Box::new(|v| {
+            if v["load_writer_s"].is_null() { "— (record mode)".into() } else { format!("{:.2} / {:.2} = {:.2}×", f(v, "load_writer_s"), f(v, "load_nft_f_s"), f(v, "load_writer_s") / f(v, "load_nft_f_s")) }
+        })),
+        ("default translator per call, Wasm / the same Rust native, both from the model, over this node's services (µs, best of 3 passes)", Box::new(|v| {
+            format!("{:.2} / {:.2} = {:.2}×", f(v, "translator_wasm_us"), f(v, "translator_native_us"), f(v, "translator_wasm_us") / f(v, "translator_native_us"))
+        })),
         ("one endpoint change, slice write → applied in the kernel: p50 / p99 (ms)", Box::new(|v| format!("{:.1} / {:.1}", f(v, "change_p50_ms"), f(v, "change_p99_ms")))),
         ("  samples (p99 of n<100 is the max)", Box::new(|v| format!("{}", v["change_samples"]))),
         ("  p50 by stage: API server write / host apply (model, guests, dataplane) / dataplane transaction / guest calls (ms)", Box::new(|v| format!("{:.2} / {:.2} / {:.2} / {:.3}", f(v, "change_write_p50_ms"), f(v, "change_apply_p50_ms"), f(v, "change_dataplane_p50_ms"), f(v, "change_guest_p50_ms")))),
@@ -317,6 +331,9 @@ fn binary_table(results: &[Value]) -> String {
         ("cluster: services / pods (endpoints) / nodes", Box::new(|v| format!("{} / {} / {}", v["services"], v["pods"], v["nodes"]))),
         ("dataplane", Box::new(|v| v["mode"].as_str().unwrap_or("?").to_string())),
         ("start → ready (initial sync applied) (s)", Box::new(|v| format!("{:.2}", f(v, "initial_sync_s")))),
+        ("host CPU (s): until ready (its children: nft, the guest compiler) / after, per 1,000 events", Box::new(|v| {
+            format!("{:.2} ({:.2}) / {:.3}", f(v, "cpu_sync_s"), f(v, "children_cpu_sync_s"), f(v, "cpu_after_sync_s") / f(v, "events_after_sync") * 1000.0)
+        })),
         ("RSS steady after sync / end (MiB)", Box::new(|v| format!("{} / {}", mib(v, "rss_steady_kib"), mib(v, "rss_end_kib")))),
         ("  anonymous / file-backed: steady; end (MiB)", Box::new(|v| format!("{} / {}; {} / {}", mib(v, "rss_anon_steady_kib"), mib(v, "rss_file_steady_kib"), mib(v, "rss_anon_end_kib"), mib(v, "rss_file_end_kib")))),
         ("  the binary's resident code / read-only mappings (these hold ~0.7 MiB of relocated, anonymous data): steady; end (MiB)", Box::new(|v| format!("{} / {}; {} / {}", mib(v, "binary_code_steady_kib"), mib(v, "binary_rodata_steady_kib"), mib(v, "binary_code_end_kib"), mib(v, "binary_rodata_end_kib")))),

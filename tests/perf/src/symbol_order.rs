@@ -97,7 +97,7 @@ pub fn provenance(binary: &Path) -> anyhow::Result<String> {
 
 /// 64-bit FNV-1a: stable across toolchains, unlike std's `DefaultHasher` (`host/build.rs`
 /// computes the same).
-fn fnv1a(bytes: &[u8]) -> u64 {
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| (hash ^ u64::from(*byte)).wrapping_mul(0x0100_0000_01b3))
 }
 

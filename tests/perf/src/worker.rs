@@ -19,6 +19,9 @@ pub struct Opts {
     pub services: usize,
     pub endpoints: f64,
     pub policies: usize,
+    /// Objects as a real cluster's API server sends them (`crate::detail`), not only the
+    /// fields the host reads.
+    pub full_objects: bool,
     pub seed: u64,
     pub samples: usize,
     pub churn_rate: f64,
@@ -48,6 +51,7 @@ impl ClusterProc {
     pub(crate) fn start(o: &Opts) -> anyhow::Result<(ClusterProc, Vec<String>)> {
         let mut child = Command::new(children_exe(o)?)
             .args(["--apiserver", &o.services.to_string(), "--endpoints", &o.endpoints.to_string(), "--policies", &o.policies.to_string(), "--seed", &o.seed.to_string()])
+            .args((!o.full_objects).then_some("--minimal-objects"))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -95,7 +99,11 @@ pub(crate) struct Netns(pub String);
 
 impl Netns {
     pub(crate) fn new() -> anyhow::Result<Netns> {
-        let name = format!("wpperf{}", std::process::id());
+        Netns::named(&format!("wpperf{}", std::process::id()))
+    }
+
+    fn named(name: &str) -> anyhow::Result<Netns> {
+        let name = name.to_string();
         let _ = Command::new("ip").args(["netns", "del", &name]).output();
         run(&["ip", "netns", "add", &name])?;
         let ns = Netns(name);
@@ -171,9 +179,14 @@ fn heap_in_use_kib() -> u64 {
 /// CPU seconds of this process (utime+stime) and of its waited-for children (cutime+cstime:
 /// the `nft` and `conntrack` runs of the host).
 fn cpu() -> (f64, f64) {
+    cpu_of("self")
+}
+
+/// A process's CPU seconds, its own (user + system) and its waited-for children's.
+pub(crate) fn cpu_of(pid: &str) -> (f64, f64) {
     static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
     let ticks = *TICKS.get_or_init(|| run(&["getconf", "CLK_TCK"]).ok().and_then(|t| t.trim().parse().ok()).unwrap_or(100.0));
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     // Fields after the command name (which may hold spaces) start at field 3 (state).
     let rest: Vec<f64> = stat.rsplit_once(')').map(|(_, r)| r.split_whitespace().map(|f| f.parse().unwrap_or(0.0)).collect()).unwrap_or_default();
     let f = |n: usize| rest.get(n - 3).copied().unwrap_or(0.0) / ticks;
@@ -408,6 +421,13 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
     // ruleset`: nft lists table by table, which took over 5 minutes at 50k services in 64
     // shard tables.
     let ruleset_lines = host.controller.lock().unwrap_or_else(|p| p.into_inner()).dataplane().render().lines().count();
+    // After every memory reading: both load what the host holds a second time.
+    let translator = translator_ratio(&host).context("timing the default translator")?;
+    eprintln!("[{}] default translator per call: Wasm {:.2} µs, native {:.2} µs", o.services, translator.wasm_us, translator.native_us);
+    let load = if mode == DataplaneMode::Nftables { Some(writer_vs_nft(&host).context("timing full loads")?) } else { None };
+    if let Some(l) = &load {
+        eprintln!("[{}] full load of the applied ruleset: our writer {:.2} s, one nft -f {:.2} s", o.services, l.writer_s, l.nft_f_s);
+    }
     host.stop().await;
     drop(cluster);
     drop(netns);
@@ -441,7 +461,83 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
         "rss_before_host_kib": rss_before, "rss_steady_kib": steady.rss, "rss_end_kib": end.rss, "heap_in_use_steady_kib": heap_steady,
         "rss_file_steady_kib": steady.file, "rss_anon_steady_kib": steady.anon,
         "hwm_sync_kib": hwm_sync, "hwm_end_kib": end.hwm,
+        "translator_wasm_us": translator.wasm_us, "translator_native_us": translator.native_us, "translator_services": translator.services,
+        "load_writer_s": load.as_ref().map(|l| l.writer_s), "load_nft_f_s": load.as_ref().map(|l| l.nft_f_s),
     }))
+}
+
+/// The default translator's cost per call on this cluster's services (the host's model
+/// views for this node), as Wasm in a session of its own and as the same Rust compiled
+/// natively, both with the same conversion from the model (`wasmplane_runtime::native`).
+struct TranslatorCost {
+    services: usize,
+    wasm_us: f64,
+    native_us: f64,
+}
+
+fn translator_ratio(host: &RunningHost) -> anyhow::Result<TranslatorCost> {
+    use wasmplane_runtime::{GuestKind, Limits, NoLookups, Runtime, native};
+    let (context, views) = {
+        let controller = host.controller.lock().unwrap_or_else(|p| p.into_inner());
+        let model = controller.model();
+        let views: Vec<_> = model.services.iter().map(|(key, view)| (wasmplane::nft::service_prefix(key), view.clone())).collect();
+        (model.context.clone(), views)
+    };
+    anyhow::ensure!(!views.is_empty(), "the host has no services");
+    let runtime = Runtime::new(Limits { call_timeout: Duration::from_secs(5), ..Default::default() }, None)?;
+    let module = runtime.load("translator", wasmplane_guest_artifacts::SERVICE_TRANSLATOR, Some(GuestKind::ServiceTranslator), usize::MAX)?;
+    let mut session = module.translator(std::sync::Arc::new(NoLookups)).context("the embedded translator is not a service translator")?;
+    session.instantiate_now()?;
+    let sdk_context = native::node_context(&context);
+    // Best of three passes over every service, alternating the two sides.
+    let (mut wasm, mut native_best) = (Duration::MAX, Duration::MAX);
+    for _ in 0..3 {
+        let t = Instant::now();
+        for (prefix, view) in &views {
+            std::hint::black_box(session.translate(&context, prefix, view)?);
+        }
+        wasm = wasm.min(t.elapsed());
+        let t = Instant::now();
+        for (prefix, view) in &views {
+            std::hint::black_box(native::translate(&sdk_context, prefix, view).map_err(|e| anyhow::anyhow!("native translate: {e:?}"))?);
+        }
+        native_best = native_best.min(t.elapsed());
+    }
+    let per_call = |d: Duration| d.as_secs_f64() * 1e6 / views.len() as f64;
+    Ok(TranslatorCost { services: views.len(), wasm_us: per_call(wasm), native_us: per_call(native_best) })
+}
+
+/// What the host applied, loaded into an empty network namespace by our writer (a full sync:
+/// list, render, one transaction) and, in another, by one plain `nft -f` of the same document.
+struct FullLoad {
+    writer_s: f64,
+    nft_f_s: f64,
+}
+
+fn writer_vs_nft(host: &RunningHost) -> anyhow::Result<FullLoad> {
+    use wasmplane::dataplane::{Dataplane, NetlinkNft, NftCommand};
+    let (objects, document) = {
+        let controller = host.controller.lock().unwrap_or_else(|p| p.into_inner());
+        let dataplane = controller.dataplane();
+        let objects: std::collections::BTreeMap<_, _> = dataplane.applied().iter().map(|(key, rules)| (key.clone(), (**rules).clone())).collect();
+        (objects, dataplane.render())
+    };
+    let reference = Netns::named(&format!("wpperf{}-nft", std::process::id()))?;
+    let file = tempfile::NamedTempFile::new()?;
+    std::fs::write(file.path(), &document)?;
+    let path = file.path().to_string_lossy().into_owned();
+    let t = Instant::now();
+    run(&["ip", "netns", "exec", &reference.0, "nft", "-f", &path])?;
+    let nft_f_s = t.elapsed().as_secs_f64();
+    drop(reference);
+
+    let ns = Netns::named(&format!("wpperf{}-writer", std::process::id()))?;
+    let command: Vec<String> = ["ip", "netns", "exec", &ns.0, "nft"].map(String::from).to_vec();
+    let kernel = NetlinkNft::open(NftCommand::new(command.clone(), Vec::new()), NetlinkNft::netns_of_command(&command).as_deref())?;
+    let mut dataplane = Dataplane::new(Box::new(kernel)).with_cluster_cidrs(&[CLUSTER_CIDR.to_string()]);
+    let t = Instant::now();
+    dataplane.full_sync(Some(objects))?;
+    Ok(FullLoad { writer_s: t.elapsed().as_secs_f64(), nft_f_s })
 }
 
 #[cfg(test)]
