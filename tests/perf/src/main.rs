@@ -302,8 +302,12 @@ fn table(results: &[Value]) -> String {
         ("initial sync: `start()` → every kind listed, one full transaction in the kernel (s)", Box::new(|v| format!("{:.2}", f(v, "initial_sync_s")))),
         ("  host CPU / child processes' CPU (nft, the guest compiler) during it (s)", Box::new(|v| format!("{:.2} / {:.2}", f(v, "initial_sync_cpu_s"), f(v, "initial_sync_nft_cpu_s")))),
         ("  Wasm guest time: total (s), share of the sync", Box::new(|v| format!("{:.3}, {:.1}%", f(v, "initial_sync_guest_s"), 100.0 * f(v, "initial_sync_guest_s") / f(v, "initial_sync_s")))),
-        ("  full load of that ruleset into an empty namespace: our writer (list, render, one transaction) / one plain `nft -f` of the same document (s)", Box::new(|v| {
-            if v["load_writer_s"].is_null() { "— (record mode)".into() } else { format!("{:.2} / {:.2} = {:.2}×", f(v, "load_writer_s"), f(v, "load_nft_f_s"), f(v, "load_writer_s") / f(v, "load_nft_f_s")) }
+        ("  full load of that ruleset into an empty namespace: our writer (list, render, one transaction: how it went) / one plain `nft -f` of the same document (s)", Box::new(|v| {
+            if v["load_writer_s"].is_null() {
+                "— (record mode)".into()
+            } else {
+                format!("{:.2} ({}) / {:.2} = {:.2}×", f(v, "load_writer_s"), v["load_writer_path"].as_str().unwrap_or("?"), f(v, "load_nft_f_s"), f(v, "load_writer_s") / f(v, "load_nft_f_s"))
+            }
         })),
         ("default translator per call, Wasm / the same Rust native, both from the model, over this node's services (µs, best of 3 passes)", Box::new(|v| {
             format!("{:.2} / {:.2} = {:.2}×", f(v, "translator_wasm_us"), f(v, "translator_native_us"), f(v, "translator_wasm_us") / f(v, "translator_native_us"))

@@ -426,7 +426,7 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
     eprintln!("[{}] default translator per call: Wasm {:.2} µs, native {:.2} µs", o.services, translator.wasm_us, translator.native_us);
     let load = if mode == DataplaneMode::Nftables { Some(writer_vs_nft(&host).context("timing full loads")?) } else { None };
     if let Some(l) = &load {
-        eprintln!("[{}] full load of the applied ruleset: our writer {:.2} s, one nft -f {:.2} s", o.services, l.writer_s, l.nft_f_s);
+        eprintln!("[{}] full load of the applied ruleset: our writer {:.2} s ({}), one nft -f {:.2} s", o.services, l.writer_s, l.writer_path, l.nft_f_s);
     }
     host.stop().await;
     drop(cluster);
@@ -462,7 +462,7 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
         "rss_file_steady_kib": steady.file, "rss_anon_steady_kib": steady.anon,
         "hwm_sync_kib": hwm_sync, "hwm_end_kib": end.hwm,
         "translator_wasm_us": translator.wasm_us, "translator_native_us": translator.native_us, "translator_services": translator.services,
-        "load_writer_s": load.as_ref().map(|l| l.writer_s), "load_nft_f_s": load.as_ref().map(|l| l.nft_f_s),
+        "load_writer_s": load.as_ref().map(|l| l.writer_s), "load_writer_path": load.as_ref().map(|l| l.writer_path), "load_nft_f_s": load.as_ref().map(|l| l.nft_f_s),
     }))
 }
 
@@ -511,6 +511,9 @@ fn translator_ratio(host: &RunningHost) -> anyhow::Result<TranslatorCost> {
 /// list, render, one transaction) and, in another, by one plain `nft -f` of the same document.
 struct FullLoad {
     writer_s: f64,
+    /// How the writer's transaction reached the kernel: one netlink batch, or `nft -f`
+    /// when the batch encoder does not cover a statement or the batch is too big.
+    writer_path: &'static str,
     nft_f_s: f64,
 }
 
@@ -536,8 +539,8 @@ fn writer_vs_nft(host: &RunningHost) -> anyhow::Result<FullLoad> {
     let kernel = NetlinkNft::open(NftCommand::new(command.clone(), Vec::new()), NetlinkNft::netns_of_command(&command).as_deref())?;
     let mut dataplane = Dataplane::new(Box::new(kernel)).with_cluster_cidrs(&[CLUSTER_CIDR.to_string()]);
     let t = Instant::now();
-    dataplane.full_sync(Some(objects))?;
-    Ok(FullLoad { writer_s: t.elapsed().as_secs_f64(), nft_f_s })
+    let stats = dataplane.full_sync(Some(objects))?;
+    Ok(FullLoad { writer_s: t.elapsed().as_secs_f64(), writer_path: stats.path, nft_f_s })
 }
 
 #[cfg(test)]
