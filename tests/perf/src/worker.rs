@@ -102,6 +102,11 @@ impl Netns {
         Netns::named(&format!("wpperf{}", std::process::id()))
     }
 
+    /// The command line that runs `tool` inside this namespace.
+    pub(crate) fn command(&self, tool: &str) -> Vec<String> {
+        ["ip", "netns", "exec", &self.0, tool].map(String::from).to_vec()
+    }
+
     fn named(name: &str) -> anyhow::Result<Netns> {
         let name = name.to_string();
         let _ = Command::new("ip").args(["netns", "del", &name]).output();
@@ -294,7 +299,7 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
     let mode = if o.record || !is_root() { DataplaneMode::Record } else { DataplaneMode::Nftables };
     let netns = if mode == DataplaneMode::Nftables { Some(Netns::new()?) } else { None };
     let prefix = |tool: &str| match &netns {
-        Some(ns) => vec!["ip".to_string(), "netns".into(), "exec".into(), ns.0.clone(), tool.into()],
+        Some(ns) => ns.command(tool),
         None => vec![tool.to_string()],
     };
     let data = tempfile::tempdir()?;
@@ -535,7 +540,7 @@ fn writer_vs_nft(host: &RunningHost) -> anyhow::Result<FullLoad> {
     drop(reference);
 
     let ns = Netns::named(&format!("wpperf{}-writer", std::process::id()))?;
-    let command: Vec<String> = ["ip", "netns", "exec", &ns.0, "nft"].map(String::from).to_vec();
+    let command = ns.command("nft");
     let kernel = NetlinkNft::open(NftCommand::new(command.clone(), Vec::new()), NetlinkNft::netns_of_command(&command).as_deref())?;
     let mut dataplane = Dataplane::new(Box::new(kernel)).with_cluster_cidrs(&[CLUSTER_CIDR.to_string()]);
     let t = Instant::now();
