@@ -5,6 +5,7 @@
 //! of Namespace `x`, `/api/v1/namespaces/x/pods` the pods in it) and resolving that needs
 //! the registered resource types.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, VecDeque};
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -18,6 +19,7 @@ use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::{Json, Router};
 use futures::StreamExt as _;
+use serde::Serialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -291,7 +293,7 @@ async fn dispatch(shared: &Arc<Shared>, request: Request) -> Result<Response, Ap
         (Verb::List, _) => list(shared, &target, &params, metadata_only),
         (Verb::Get, Some(name)) => {
             let object = shared.store().get(&key, ns, name)?;
-            Ok(Json(present(object, metadata_only)).into_response())
+            Ok(Json(present(&object, metadata_only)).into_response())
         }
         (Verb::Create, _) => {
             if target.rt.namespaced && ns.is_none() {
@@ -301,12 +303,12 @@ async fn dispatch(shared: &Arc<Shared>, request: Request) -> Result<Response, Ap
             }
             let object = json_body(body).await?;
             let created = shared.store().create(&key, ns, object)?;
-            Ok((StatusCode::CREATED, Json(present(created, metadata_only))).into_response())
+            Ok((StatusCode::CREATED, Json(present(&created, metadata_only))).into_response())
         }
         (Verb::Update, Some(name)) => {
             let object = json_body(body).await?;
             let updated = shared.store().update(&key, ns, name, object, scope)?;
-            Ok(Json(present(updated, metadata_only)).into_response())
+            Ok(Json(present(&updated, metadata_only)).into_response())
         }
         (Verb::Patch, Some(name)) => {
             let content_type = parts
@@ -322,7 +324,7 @@ async fn dispatch(shared: &Arc<Shared>, request: Request) -> Result<Response, Ap
             } else {
                 StatusCode::OK
             };
-            Ok((code, Json(present(object, metadata_only))).into_response())
+            Ok((code, Json(present(&object, metadata_only))).into_response())
         }
         (Verb::Delete, Some(name)) => {
             let bytes = read_body(body).await?;
@@ -340,7 +342,7 @@ async fn dispatch(shared: &Arc<Shared>, request: Request) -> Result<Response, Ap
             } else {
                 StatusCode::OK
             };
-            Ok((code, Json(present(object, metadata_only))).into_response())
+            Ok((code, Json(present(&object, metadata_only))).into_response())
         }
         (Verb::DeleteCollection, _) => {
             let filter = params.filter(ns)?;
@@ -375,15 +377,38 @@ fn wants_partial_metadata(headers: &HeaderMap) -> bool {
         .is_some_and(|accept| accept.contains("as=PartialObjectMetadata"))
 }
 
-fn present(object: Value, metadata_only: bool) -> Value {
+/// An object as the request asked for it: whole (borrowed from the store), or only its
+/// metadata.
+fn present(object: &Value, metadata_only: bool) -> Cow<'_, Value> {
     if metadata_only {
-        json!({
+        Cow::Owned(json!({
             "kind": "PartialObjectMetadata",
             "apiVersion": "meta.k8s.io/v1",
             "metadata": object.get("metadata").cloned().unwrap_or_else(|| json!({})),
-        })
+        }))
     } else {
-        object
+        Cow::Borrowed(object)
+    }
+}
+
+/// A list response, serialized straight from the store's objects (no copy of the list).
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ListBody {
+    kind: String,
+    api_version: String,
+    metadata: Value,
+    items: ListItems,
+}
+
+struct ListItems {
+    objects: Vec<Arc<Value>>,
+    metadata_only: bool,
+}
+
+impl Serialize for ListItems {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(self.objects.iter().map(|o| present(o, self.metadata_only)))
     }
 }
 
@@ -392,9 +417,9 @@ fn list_body(
     rv: u64,
     continue_token: Option<String>,
     remaining: Option<usize>,
-    items: Vec<Value>,
+    objects: Vec<Arc<Value>>,
     metadata_only: bool,
-) -> Value {
+) -> ListBody {
     let (kind, api_version) = if metadata_only {
         (
             "PartialObjectMetadataList".to_owned(),
@@ -410,12 +435,15 @@ fn list_body(
     if let Some(remaining) = remaining {
         metadata["remainingItemCount"] = json!(remaining);
     }
-    json!({
-        "kind": kind,
-        "apiVersion": api_version,
-        "metadata": metadata,
-        "items": items.into_iter().map(|o| present(o, metadata_only)).collect::<Vec<_>>(),
-    })
+    ListBody {
+        kind,
+        api_version,
+        metadata,
+        items: ListItems {
+            objects,
+            metadata_only,
+        },
+    }
 }
 
 /// LIST. `resourceVersion`/`resourceVersionMatch` are accepted and answered with the
@@ -522,7 +550,7 @@ impl WatchStream {
         let line = if self.metadata_only && matches!(event_type, "ADDED" | "MODIFIED" | "DELETED") {
             format!(
                 "{{\"type\":\"{event_type}\",\"object\":{}}}\n",
-                present(object.clone(), true)
+                present(object, true)
             )
         } else {
             format!("{{\"type\":\"{event_type}\",\"object\":{object}}}\n")
@@ -533,7 +561,7 @@ impl WatchStream {
     /// What this watcher sees of a change, given its selectors (real apiserver semantics):
     /// an object that starts matching is ADDED, one that stops matching is DELETED (as its
     /// last matching state, at the change's version), others are dropped.
-    fn translate(&self, event: &Event) -> Option<(&'static str, Value)> {
+    fn translate(&self, event: &Event) -> Option<(&'static str, Arc<Value>)> {
         let matches_now = self.filter.matches(&event.object);
         match event.event_type {
             EventType::Added => matches_now.then(|| ("ADDED", event.object.clone())),
@@ -552,12 +580,9 @@ impl WatchStream {
                     (true, true) => Some(("MODIFIED", event.object.clone())),
                     (false, true) => Some(("ADDED", event.object.clone())),
                     (true, false) => {
-                        let mut last = event
-                            .previous
-                            .clone()
-                            .unwrap_or_else(|| event.object.clone());
+                        let mut last = Value::clone(event.previous.as_deref().unwrap_or(&event.object));
                         last["metadata"]["resourceVersion"] = Value::String(event.rv.to_string());
-                        Some(("DELETED", last))
+                        Some(("DELETED", Arc::new(last)))
                     }
                     (false, false) => None,
                 }

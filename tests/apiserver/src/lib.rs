@@ -333,7 +333,7 @@ impl TestApiServer {
 
     pub fn create_value(&self, key: &ResourceKey, object: Value) -> Result<Value, ApiError> {
         let ns = object_namespace(&object);
-        self.shared.store().create(key, Some(&ns), object)
+        self.shared.store().create(key, Some(&ns), object).map(Arc::unwrap_or_clone)
     }
 
     pub fn update_value(&self, key: &ResourceKey, object: Value) -> Result<Value, ApiError> {
@@ -341,12 +341,13 @@ impl TestApiServer {
         self.shared
             .store()
             .update(key, Some(&ns), &name, object, WriteScope::Everything)
+            .map(Arc::unwrap_or_clone)
     }
 
     pub fn apply_value(&self, key: &ResourceKey, mut object: Value) -> Result<Value, ApiError> {
         let (ns, name) = (object_namespace(&object), object_name(&object)?);
         let mut store = self.shared.store();
-        match store.get(key, Some(&ns), &name) {
+        let stored = match store.get(key, Some(&ns), &name) {
             Ok(_) => {
                 if let Some(meta) = object.get_mut("metadata").and_then(Value::as_object_mut) {
                     meta.remove("resourceVersion");
@@ -355,7 +356,8 @@ impl TestApiServer {
             }
             Err(ApiError::NotFound { .. }) => store.create(key, Some(&ns), object),
             Err(e) => Err(e),
-        }
+        };
+        stored.map(Arc::unwrap_or_clone)
     }
 
     pub fn patch_value(
@@ -380,7 +382,7 @@ impl TestApiServer {
                 merge_patch,
                 WriteScope::Everything,
             )
-            .map(|(object, _)| object)
+            .map(|(object, _)| Arc::unwrap_or_clone(object))
     }
 
     pub fn delete_value(
@@ -392,15 +394,15 @@ impl TestApiServer {
         self.shared
             .store()
             .delete(key, Some(namespace), name, &Value::Null)
-            .map(|(object, _)| object)
+            .map(|(object, _)| Arc::unwrap_or_clone(object))
     }
 
     pub fn get_value(&self, key: &ResourceKey, namespace: &str, name: &str) -> Option<Value> {
-        self.shared.store().get(key, Some(namespace), name).ok()
+        self.shared.store().get(key, Some(namespace), name).ok().map(Arc::unwrap_or_clone)
     }
 
     pub fn list_values(&self, key: &ResourceKey) -> Vec<Value> {
-        self.shared.store().matching(key, &Filter::default())
+        self.shared.store().matching(key, &Filter::default()).into_iter().map(Arc::unwrap_or_clone).collect()
     }
 
     // ---- faults and protocol events ----

@@ -1,6 +1,11 @@
 //! The object store: objects as JSON per resource type, one global resourceVersion, an
 //! event history for watch resumption, and the live watch subscriptions.
 //!
+//! Objects are immutable once stored: the store, the history (as an event's object and as
+//! the next event's previous state), list snapshots and watch preludes share one `Arc` of
+//! each version instead of copies, so a large cluster is held once (at 50k services with
+//! objects as a real cluster sends them, copies took more than 24 GB).
+//!
 //! Everything lives behind one mutex, taken briefly by each operation. That single lock
 //! is what makes the protocol guarantees easy to keep: a list snapshot and its
 //! resourceVersion are consistent, and a watch registered at version V receives every
@@ -40,10 +45,10 @@ pub(crate) struct Event {
     pub resource: ResourceKey,
     pub event_type: EventType,
     /// The object after the change; for a delete, its last state at the delete's version.
-    pub object: Value,
+    pub object: Arc<Value>,
     /// The object before a modification, so a selector-filtered watcher can tell that an
     /// object started or stopped matching.
-    pub previous: Option<Value>,
+    pub previous: Option<Arc<Value>>,
 }
 
 /// What a request may see: its namespace (if any) and its selectors.
@@ -83,7 +88,7 @@ pub(crate) enum WriteScope {
 #[derive(Debug)]
 pub(crate) struct ListPage {
     pub resource_version: u64,
-    pub items: Vec<Value>,
+    pub items: Vec<Arc<Value>>,
     pub continue_token: Option<String>,
     pub remaining: Option<usize>,
 }
@@ -92,7 +97,7 @@ pub(crate) struct ListPage {
 #[derive(Debug)]
 struct Snapshot {
     resource_version: u64,
-    items: Vec<Value>,
+    items: Vec<Arc<Value>>,
 }
 
 /// Where a watch starts.
@@ -108,7 +113,7 @@ pub(crate) enum WatchFrom {
 #[derive(Debug, Clone)]
 pub(crate) struct WireEvent {
     pub event_type: &'static str,
-    pub object: Value,
+    pub object: Arc<Value>,
 }
 
 /// The start of a watch: lines to send first, then the live subscription (none when the
@@ -131,7 +136,7 @@ pub(crate) struct Store {
     /// The last resourceVersion handed out, global across kinds like an etcd revision.
     rv: u64,
     types: BTreeMap<ResourceKey, ResourceType>,
-    objects: HashMap<ResourceKey, BTreeMap<ObjectName, Value>>,
+    objects: HashMap<ResourceKey, BTreeMap<ObjectName, Arc<Value>>>,
     history: VecDeque<Arc<Event>>,
     history_limit: usize,
     /// Watches may resume from any version >= this one; older ones get 410 Expired.
@@ -283,8 +288,8 @@ impl Store {
         &mut self,
         resource: &ResourceKey,
         event_type: EventType,
-        object: Value,
-        previous: Option<Value>,
+        object: Arc<Value>,
+        previous: Option<Arc<Value>>,
     ) {
         let rv = object
             .pointer("/metadata/resourceVersion")
@@ -336,7 +341,7 @@ impl Store {
         key: &ResourceKey,
         namespace: Option<&str>,
         name: &str,
-    ) -> Result<Value, ApiError> {
+    ) -> Result<Arc<Value>, ApiError> {
         let rt = self.resource_type(key)?;
         let id = ObjectName {
             namespace: if rt.namespaced {
@@ -354,7 +359,7 @@ impl Store {
     }
 
     /// All objects of a type matching the filter, in (namespace, name) order.
-    pub fn matching(&self, key: &ResourceKey, filter: &Filter) -> Vec<Value> {
+    pub fn matching(&self, key: &ResourceKey, filter: &Filter) -> Vec<Arc<Value>> {
         self.objects
             .get(key)
             .map(|objects| {
@@ -372,7 +377,7 @@ impl Store {
         key: &ResourceKey,
         path_ns: Option<&str>,
         mut object: Value,
-    ) -> Result<Value, ApiError> {
+    ) -> Result<Arc<Value>, ApiError> {
         let rt = self.resource_type(key)?;
         if !object.is_object() {
             return Err(ApiError::BadRequest(
@@ -432,6 +437,7 @@ impl Store {
         // Deletion state cannot be created, only reached through a delete.
         meta.remove("deletionTimestamp");
         meta.remove("deletionGracePeriodSeconds");
+        let object = Arc::new(object);
         self.objects
             .entry(key.clone())
             .or_default()
@@ -449,7 +455,7 @@ impl Store {
         name: &str,
         mut object: Value,
         scope: WriteScope,
-    ) -> Result<Value, ApiError> {
+    ) -> Result<Arc<Value>, ApiError> {
         let rt = self.resource_type(key)?;
         if !object.is_object() {
             return Err(ApiError::BadRequest(
@@ -490,7 +496,7 @@ impl Store {
         match (scope, rt.status_subresource) {
             (WriteScope::Status, _) => {
                 let status = object.get("status").cloned();
-                object = old.clone();
+                object = Value::clone(&old);
                 match status {
                     Some(status) => object["status"] = status,
                     None => {
@@ -536,7 +542,7 @@ impl Store {
 
         // A write that changes nothing is not an event and keeps the version, as on a
         // real server (so idempotent re-applies do not wake every watcher).
-        if object == old {
+        if object == *old {
             return Ok(old);
         }
         if spec_part(&object) != spec_part(&old) {
@@ -549,6 +555,7 @@ impl Store {
         }
         let rv = self.next_rv();
         set_rv(&mut object, rv);
+        let object = Arc::new(object);
 
         // The last finalizer removed from an object being deleted completes the delete.
         if object.pointer("/metadata/deletionTimestamp").is_some() && !finalizers_pending(&object) {
@@ -578,7 +585,7 @@ impl Store {
         kind: PatchKind,
         patch: &Value,
         scope: WriteScope,
-    ) -> Result<(Value, bool), ApiError> {
+    ) -> Result<(Arc<Value>, bool), ApiError> {
         let rt = self.resource_type(key)?;
         let current = match self.get(key, path_ns, name) {
             Ok(current) => current,
@@ -603,7 +610,7 @@ impl Store {
         let current_rv = meta_str(&current, "resourceVersion")
             .unwrap_or_default()
             .to_owned();
-        let mut patched = current.clone();
+        let mut patched = Value::clone(&current);
         kind.apply_to(&mut patched, patch)?;
         match meta_str(&patched, "resourceVersion") {
             Some(rv) if !rv.is_empty() && rv != current_rv => {
@@ -628,20 +635,20 @@ impl Store {
         path_ns: Option<&str>,
         name: &str,
         preconditions: &Value,
-    ) -> Result<(Value, bool), ApiError> {
+    ) -> Result<(Arc<Value>, bool), ApiError> {
         let rt = self.resource_type(key)?;
-        let mut object = self.get(key, path_ns, name)?;
+        let previous = self.get(key, path_ns, name)?;
         let conflict = || ApiError::Conflict {
             resource: key.to_string(),
             name: name.to_owned(),
         };
         if let Some(uid) = preconditions.get("uid").and_then(Value::as_str)
-            && Some(uid) != meta_str(&object, "uid")
+            && Some(uid) != meta_str(&previous, "uid")
         {
             return Err(conflict());
         }
         if let Some(rv) = preconditions.get("resourceVersion").and_then(Value::as_str)
-            && Some(rv) != meta_str(&object, "resourceVersion")
+            && Some(rv) != meta_str(&previous, "resourceVersion")
         {
             return Err(conflict());
         }
@@ -653,16 +660,17 @@ impl Store {
             },
             name: name.to_owned(),
         };
-        let previous = object.clone();
+        let mut object = Value::clone(&previous);
         if finalizers_pending(&object) {
             if object.pointer("/metadata/deletionTimestamp").is_some() {
-                return Ok((object, true));
+                return Ok((previous, true));
             }
             let meta = metadata_mut(&mut object);
             meta.insert("deletionTimestamp".into(), Value::String(now_rfc3339()));
             meta.insert("deletionGracePeriodSeconds".into(), json!(0));
             let rv = self.next_rv();
             set_rv(&mut object, rv);
+            let object = Arc::new(object);
             if let Some(objects) = self.objects.get_mut(key) {
                 objects.insert(id, object.clone());
             }
@@ -675,6 +683,7 @@ impl Store {
         // The DELETED event carries the deletion's version, so watchers advance past it.
         let rv = self.next_rv();
         set_rv(&mut object, rv);
+        let object = Arc::new(object);
         self.record(key, EventType::Deleted, object.clone(), Some(previous));
         Ok((object, false))
     }
@@ -684,7 +693,7 @@ impl Store {
         &mut self,
         key: &ResourceKey,
         filter: &Filter,
-    ) -> Result<Vec<Value>, ApiError> {
+    ) -> Result<Vec<Arc<Value>>, ApiError> {
         let mut deleted = Vec::new();
         for object in self.matching(key, filter) {
             let name = meta_str(&object, "name").unwrap_or_default().to_owned();
@@ -726,7 +735,7 @@ impl Store {
             }
             None => (self.rv, None, 0, Some(self.matching(key, filter))),
         };
-        let all: &[Value] = match (&items, snapshot_id) {
+        let all: &[Arc<Value>] = match (&items, snapshot_id) {
             (Some(items), _) => items,
             (None, Some(id)) => self
                 .snapshots
@@ -794,7 +803,7 @@ impl Store {
                     let message = format!("too old resource version: {v} ({})", self.compacted_rv);
                     prelude.push(WireEvent {
                         event_type: "ERROR",
-                        object: failure_status(410, "Expired", &message),
+                        object: Arc::new(failure_status(410, "Expired", &message)),
                     });
                     return Ok(WatchStart {
                         prelude,
@@ -826,7 +835,7 @@ impl Store {
                         json!({ "k8s.io/initial-events-end": "true" });
                     prelude.push(WireEvent {
                         event_type: "BOOKMARK",
-                        object: bookmark,
+                        object: Arc::new(bookmark),
                     });
                 }
             }
@@ -908,17 +917,18 @@ mod tests {
         let mut store = Store::new(default_resources(), 100);
         let a = store.create(&svc_key(), Some("ns"), svc("a")).unwrap();
         let same = store
-            .update(&svc_key(), Some("ns"), "a", a.clone(), WriteScope::Main)
+            .update(&svc_key(), Some("ns"), "a", Value::clone(&a), WriteScope::Main)
             .unwrap();
-        assert_eq!(same, a);
-        let mut labelled = a.clone();
+        assert!(Arc::ptr_eq(&same, &a), "a write that changes nothing keeps the stored object");
+        let mut labelled = Value::clone(&a);
         labelled["metadata"]["labels"] = json!({"x": "y"});
         let labelled = store
             .update(&svc_key(), Some("ns"), "a", labelled, WriteScope::Main)
             .unwrap();
         assert_eq!(labelled["metadata"]["generation"], 1);
         assert_eq!(labelled["metadata"]["resourceVersion"], "2");
-        let mut changed = labelled.clone();
+        assert_eq!(a["metadata"]["resourceVersion"], "1", "a stored version never changes");
+        let mut changed = Value::clone(&labelled);
         changed["spec"]["ports"][0]["port"] = json!(81);
         let changed = store
             .update(&svc_key(), Some("ns"), "a", changed, WriteScope::Main)
@@ -926,7 +936,7 @@ mod tests {
         assert_eq!(changed["metadata"]["generation"], 2);
         // Stale version.
         assert!(matches!(
-            store.update(&svc_key(), Some("ns"), "a", labelled, WriteScope::Main),
+            store.update(&svc_key(), Some("ns"), "a", Value::clone(&labelled), WriteScope::Main),
             Err(ApiError::Conflict { .. })
         ));
     }
@@ -937,14 +947,14 @@ mod tests {
         let mut a = svc("a");
         a["status"] = json!({"loadBalancer": {"ingress": [{"ip": "1.2.3.4"}]}});
         let a = store.create(&svc_key(), Some("ns"), a).unwrap();
-        let mut main = a.clone();
+        let mut main = Value::clone(&a);
         main["status"] = json!({});
         main["spec"]["type"] = json!("NodePort");
         let main = store
             .update(&svc_key(), Some("ns"), "a", main, WriteScope::Main)
             .unwrap();
         assert_eq!(main["status"], a["status"], "main writes keep status");
-        let mut status = main.clone();
+        let mut status = Value::clone(&main);
         status["status"] = json!({});
         status["spec"]["type"] = json!("ClusterIP");
         let status = store
@@ -968,7 +978,7 @@ mod tests {
             .unwrap();
         assert!(pending);
         assert!(marked["metadata"]["deletionTimestamp"].is_string());
-        let mut cleared = marked.clone();
+        let mut cleared = Value::clone(&marked);
         cleared["metadata"]["finalizers"] = json!([]);
         store
             .update(&svc_key(), Some("ns"), "a", cleared, WriteScope::Main)
@@ -1014,6 +1024,39 @@ mod tests {
         );
         assert_eq!(third.resource_version, first.resource_version);
         assert!(third.continue_token.is_none());
+    }
+
+    #[test]
+    fn one_version_is_held_once() {
+        let mut store = Store::new(default_resources(), 100);
+        let created = store.create(&svc_key(), Some("ns"), svc("a")).unwrap();
+        let mut labelled = Value::clone(&created);
+        labelled["metadata"]["labels"] = json!({"x": "y"});
+        let updated = store
+            .update(&svc_key(), Some("ns"), "a", labelled, WriteScope::Main)
+            .unwrap();
+        let listed = store
+            .list(&svc_key(), &Filter::default(), None, None)
+            .unwrap();
+        assert!(Arc::ptr_eq(&listed.items[0], &updated), "a list shares the stored object");
+        let mut replay = store
+            .watch(&svc_key(), &Filter::default(), WatchFrom::Version(0), false)
+            .unwrap()
+            .events
+            .unwrap();
+        let added = replay.try_recv().unwrap();
+        let modified = replay.try_recv().unwrap();
+        assert!(Arc::ptr_eq(&added.object, &created), "the history shares the created version");
+        assert!(Arc::ptr_eq(&modified.object, &updated));
+        assert!(
+            modified.previous.as_ref().is_some_and(|p| Arc::ptr_eq(p, &created)),
+            "a modification's previous state is the version before, not a copy"
+        );
+        let prelude = store
+            .watch(&svc_key(), &Filter::default(), WatchFrom::Current, false)
+            .unwrap()
+            .prelude;
+        assert!(Arc::ptr_eq(&prelude[0].object, &updated), "a watch's initial events too");
     }
 
     #[test]
