@@ -227,6 +227,10 @@ async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Va
     let (pss_end, private_end) = smaps_rollup(&pid);
     let (code_end, rodata_end) = binary_resident(&pid);
     let guests_end = guests_resident(&pid, &dir.path().join("data"));
+    // As after the sync: what the host holds once it has been idle a while (its steady state
+    // between bursts), not in the middle of applying the last of them.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let idle = memory_of(&pid);
 
     let mut result = json!({
         "services": o.services, "pods": pods, "nodes": nodes,
@@ -238,6 +242,7 @@ async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Va
         "binary_code_steady_kib": code_steady, "binary_rodata_steady_kib": rodata_steady,
         "hwm_sync_kib": hwm_sync, "rss_end_kib": end.rss, "hwm_end_kib": end.hwm,
         "rss_anon_end_kib": end.anon, "rss_file_end_kib": end.file,
+        "rss_idle_kib": idle.rss, "rss_anon_idle_kib": idle.anon, "rss_file_idle_kib": idle.file,
         "binary_code_end_kib": code_end, "binary_rodata_end_kib": rodata_end,
         "guests_code_steady_kib": guests_steady, "guests_code_end_kib": guests_end,
         "pss_end_kib": pss_end, "private_end_kib": private_end,
