@@ -9,7 +9,8 @@
 //! job (it sees the applied dataplane without polling an API).
 //!
 //! With `trace_code` it writes the functions the child ran (`symbol_order`): the order the
-//! release build links with (`host/build.rs`).
+//! release build links with (`host/build.rs`); with `count_calls` too, those of a list it
+//! called after its start-up (`call_count`).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -199,6 +200,15 @@ async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Va
     let (pss_steady, private_steady) = smaps_rollup(&pid);
     let (code_steady, rodata_steady) = binary_resident(&pid);
     let guests_steady = guests_resident(&pid, &dir.path().join("data"));
+    // Start-up is over (the sync applied, its code paged out): what is called from here on.
+    let counting = match &o.count_calls {
+        Some(path) => {
+            let candidates = crate::call_count::read_list(path)?;
+            let counter = crate::call_count::CallCounter::start(&pid, &candidates)?;
+            Some((candidates, counter))
+        }
+        None => None,
+    };
 
     // The single changes, churn and no-op events of the in-process worker, each step waited
     // for by its event count.
@@ -248,8 +258,17 @@ async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Va
         "pss_end_kib": pss_end, "private_end_kib": private_end,
         "cpu_sync_s": cpu_sync, "children_cpu_sync_s": children_cpu_sync, "cpu_after_sync_s": cpu_end - cpu_sync, "events_after_sync": events - events_at_sync,
     });
-    if let Some(path) = &o.trace_code {
-        crate::symbol_order::write_trace(&pid, path, &mut result)?;
+    match (&o.trace_code, counting) {
+        (Some(path), Some((candidates, counter))) => {
+            let called = counter.called(&candidates)?;
+            std::fs::write(path, called.iter().map(|f| format!("{f}\n")).collect::<String>())?;
+            let (probed, unprobed) = counter.probed();
+            result["called_functions"] = called.len().into();
+            result["probed_functions"] = probed.into();
+            result["unprobed_functions"] = unprobed.into();
+        }
+        (Some(path), None) => crate::symbol_order::write_trace(&pid, path, &mut result)?,
+        (None, _) => {}
     }
     host.stop()?;
     drop(cluster);

@@ -16,6 +16,7 @@
 
 mod apiserver;
 mod binary;
+mod call_count;
 mod cluster;
 mod detail;
 mod symbol_order;
@@ -52,6 +53,7 @@ struct Args {
     apiserver: Option<usize>,
     symbol_order: Option<String>,
     trace_code: Option<String>,
+    count_calls: Option<String>,
     children_exe: Option<String>,
     binary: Option<String>,
     warm_binary: Option<String>,
@@ -78,6 +80,7 @@ fn parse() -> anyhow::Result<Args> {
         apiserver: None,
         symbol_order: None,
         trace_code: None,
+        count_calls: None,
         children_exe: None,
         binary: None,
         warm_binary: None,
@@ -111,6 +114,7 @@ fn parse() -> anyhow::Result<Args> {
             "--apiserver" => a.apiserver = Some(value()?.parse()?),
             "--symbol-order" => a.symbol_order = Some(value()?),
             "--trace-code" => a.trace_code = Some(value()?),
+            "--count-calls" => a.count_calls = Some(value()?),
             "--children-exe" => a.children_exe = Some(value()?),
             "--binary" => a.binary = Some(value()?),
             "--warm-binary" => a.warm_binary = Some(value()?),
@@ -173,6 +177,7 @@ fn run() -> anyhow::Result<()> {
             churn_seconds: churn_seconds(&a),
             record: a.record,
             trace_code: a.trace_code.as_ref().map(Into::into),
+            count_calls: a.count_calls.as_ref().map(Into::into),
             children_exe: a.children_exe.as_ref().map(Into::into),
             page_out: a.page_out,
             reconcile_seconds: a.reconcile_seconds,
@@ -238,9 +243,11 @@ fn worker_result(stdout: &[u8]) -> anyhow::Result<Option<Value>> {
 /// host's binary (see `symbol_order`), write the functions the host ran to FILE. The host is
 /// this harness's in-process worker, or with `--binary` that binary run as a child. Two runs:
 /// one keeps all the code it ran resident, the other pages it out after the initial sync as
-/// the host does, so that only what it ran afterwards is resident at the end. That code goes
-/// first in FILE, then the start-up code: what faults back in after the page-out (64 KiB
-/// around each fault) is then mostly code the host runs again.
+/// the host does, so that only what it ran afterwards is resident at the end. With `--binary`
+/// a third run counts the calls into the functions on those pages once the host is past its
+/// start-up (`call_count`): a page also holds start-up code, and laid out together they
+/// would share pages again in every later trace. That code goes first in FILE, then the
+/// start-up code: what faults back in after the page-out is then code the host runs again.
 fn symbol_order(a: &Args, path: &str) -> anyhow::Result<()> {
     let services = a.sizes[0];
     anyhow::ensure!(worker::is_root(), "--symbol-order needs root (a loop device, a network namespace)");
@@ -256,7 +263,9 @@ fn symbol_order(a: &Args, path: &str) -> anyhow::Result<()> {
     std::fs::File::open(&copy)?.sync_all()?;
     let traces = tempfile::tempdir()?;
     let mut lists = Vec::new();
-    for (name, page_out) in [("after the initial sync", true), ("in all", false)] {
+    // The third run counts the calls into the first one's functions (`--binary` only).
+    let counted = a.binary.is_some();
+    for (name, page_out, count) in [("after the initial sync", true, false), ("in all", false, false), ("after the initial sync, by calls", true, true)].into_iter().filter(|r| !r.2 || counted) {
         symbol_order::drop_cached_pages(&copy)?;
         let mut cmd = if a.binary.is_some() {
             let mut cmd = worker_command(a, services, &this);
@@ -269,16 +278,26 @@ fn symbol_order(a: &Args, path: &str) -> anyhow::Result<()> {
         };
         let trace = traces.path().join(format!("{}", lists.len()));
         cmd.arg("--trace-code").arg(&trace);
+        if count {
+            cmd.arg("--count-calls").arg(traces.path().join("0"));
+        }
         if !page_out {
             cmd.arg("--no-page-out");
         }
         eprintln!("== {services} services, traced: the code run {name} ==");
         let out = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).output().context("running the traced worker")?;
         let result = worker_result(&out.stdout)?.with_context(|| format!("the traced worker failed ({})", out.status))?;
-        println!("code run {name}: {} functions on {} MiB of touched code pages; host RSS steady {} MiB", result["traced_functions"], mib(&result, "traced_code_kib"), mib(&result, "rss_steady_kib"));
+        if count {
+            println!("code run {name}: {} of {} functions called ({} could not be probed, kept)", result["called_functions"], result["probed_functions"], result["unprobed_functions"]);
+        } else {
+            println!("code run {name}: {} functions on {} MiB of touched code pages; host RSS steady {} MiB", result["traced_functions"], mib(&result, "traced_code_kib"), mib(&result, "rss_steady_kib"));
+        }
         lists.push(std::fs::read_to_string(&trace)?);
     }
-    let names = symbol_order::steady_first(&lists[0], &lists[1]);
+    // With calls counted, the code run after the sync is what the host called, not every
+    // function on the pages it touched: start-up code on those pages goes with the rest.
+    let after_sync = lists.get(2).unwrap_or(&lists[0]);
+    let names = symbol_order::steady_first(after_sync, &lists[1]);
     std::fs::write(path, symbol_order::provenance(&original)? + &names)?;
     println!("{path}: {} functions", names.lines().count());
     Ok(())

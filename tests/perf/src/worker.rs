@@ -29,6 +29,9 @@ pub struct Opts {
     pub record: bool,
     /// Write the functions the host ran to this file (`crate::symbol_order`).
     pub trace_code: Option<std::path::PathBuf>,
+    /// With `--binary` and `trace_code`: of the functions named in this file, write those the
+    /// host calls after its start-up instead (`crate::call_count`).
+    pub count_calls: Option<std::path::PathBuf>,
     /// The binary the cluster and compiler processes run (default: this one). A traced worker
     /// runs from a copy of the binary and starts them from the original.
     pub children_exe: Option<std::path::PathBuf>,

@@ -1,0 +1,183 @@
+//! Which of a list of functions a running process calls, counted by the kernel: one uprobe on
+//! each function's first instruction, hits read from tracefs' `uprobe_profile`.
+//!
+//! The page trace (`symbol_order`) names every function on a code page the host touched, so
+//! start-up code laid out among the code the host runs after its initial sync stays among it:
+//! traced again, the two share pages, and the layout never sheds it. Counting calls tells them
+//! apart at function granularity. A probe costs a trap per call (microseconds), so only the
+//! candidates from the page trace are probed, and only once the host is past its start-up.
+
+use std::collections::HashMap;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::Context as _;
+use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
+
+/// The probes' event group in tracefs.
+const GROUP: &str = "wasmplane_perf";
+
+fn tracefs() -> anyhow::Result<PathBuf> {
+    ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"]
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|p| p.join("uprobe_events").exists())
+        .context("no tracefs with uprobe_events (mount tracefs; a kernel with CONFIG_UPROBE_EVENTS)")
+}
+
+/// Where the byte at virtual address `address` is in the file, from the loadable segments'
+/// (virtual address, size, file offset).
+fn file_offset(segments: &[(u64, u64, u64)], address: u64) -> Option<u64> {
+    segments.iter().find(|(start, size, _)| (*start..start + size).contains(&address)).map(|(start, _, offset)| address - start + offset)
+}
+
+/// `uprobe_profile`'s lines (`  FILE  EVENT  HITS`, the event without its group) as hits by
+/// event.
+fn hits_by_event(profile: &str) -> HashMap<&str, u64> {
+    profile
+        .lines()
+        .filter_map(|line| {
+            let mut words = line.split_whitespace();
+            let (_file, event, hits) = (words.next()?, words.next()?, words.next()?);
+            Some((event, hits.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Probes on the candidates in one process's binary, enabled from creation until dropped.
+pub struct CallCounter {
+    tracefs: PathBuf,
+    /// Event name → function.
+    probes: Vec<(String, String)>,
+    /// Candidates that could not be probed (not in the symbol table, or an entry the kernel
+    /// refuses): counted as called, so that nothing the host runs is dropped.
+    unprobed: Vec<String>,
+}
+
+impl CallCounter {
+    /// Probes `candidates` (mangled names) in the binary process `pid` runs.
+    pub fn start(pid: &str, candidates: &[String]) -> anyhow::Result<CallCounter> {
+        let tracefs = tracefs()?;
+        let binary = std::fs::read_link(format!("/proc/{pid}/exe"))?;
+        let data = std::fs::read(&binary).with_context(|| format!("reading {}", binary.display()))?;
+        let elf = object::File::parse(&*data)?;
+        let segments: Vec<(u64, u64, u64)> = elf.segments().map(|s| (s.address(), s.size(), s.file_range().0)).collect();
+        let addresses: HashMap<&str, u64> = elf.symbols().filter(|s| s.kind() == object::SymbolKind::Text).filter_map(|s| Some((s.name().ok()?, s.address()))).collect();
+        let mut counter = CallCounter { tracefs, probes: Vec::new(), unprobed: Vec::new() };
+        // One write per probe: the kernel takes a batch until its first bad line.
+        let mut events = std::fs::OpenOptions::new().append(true).open(counter.tracefs.join("uprobe_events"))?;
+        for name in candidates {
+            let offset = addresses.get(name.as_str()).and_then(|a| file_offset(&segments, *a));
+            // Unique to this process: probes a killed run left behind do not collide.
+            let event = format!("p{}_{}", std::process::id(), counter.probes.len() + counter.unprobed.len());
+            let added = offset.is_some_and(|offset| events.write_all(format!("p:{GROUP}/{event} {}:{offset:#x}\n", binary.display()).as_bytes()).is_ok());
+            if added {
+                counter.probes.push((event, name.clone()));
+            } else {
+                counter.unprobed.push(name.clone());
+            }
+        }
+        // One by one: the kernel refuses some entries only when the probe is switched on
+        // (ENOTSUPP for an instruction it cannot single-step out of line), and a refused one
+        // would switch off the whole group.
+        let events_dir = counter.tracefs.join("events").join(GROUP);
+        let (enabled, refused): (Vec<_>, Vec<_>) = std::mem::take(&mut counter.probes).into_iter().partition(|(event, _)| std::fs::write(events_dir.join(event).join("enable"), "1").is_ok());
+        counter.probes = enabled;
+        counter.unprobed.extend(refused.iter().map(|(_, name)| name.clone()));
+        let mut removal = std::fs::OpenOptions::new().append(true).open(counter.tracefs.join("uprobe_events"))?;
+        for (event, _) in &refused {
+            let _ = removal.write_all(format!("-:{GROUP}/{event}\n").as_bytes());
+        }
+        anyhow::ensure!(!counter.probes.is_empty(), "none of {} candidates could be probed in {}", candidates.len(), binary.display());
+        Ok(counter)
+    }
+
+    /// How many candidates were probed, and how many could not be.
+    pub fn probed(&self) -> (usize, usize) {
+        (self.probes.len(), self.unprobed.len())
+    }
+
+    /// The candidates called since the probes went in, and those that could not be probed, in
+    /// the candidates' order.
+    pub fn called(&self, candidates: &[String]) -> anyhow::Result<Vec<String>> {
+        let profile = std::fs::read_to_string(self.tracefs.join("uprobe_profile"))?;
+        let hits = hits_by_event(&profile);
+        let mut called: std::collections::HashSet<&str> = self.unprobed.iter().map(String::as_str).collect();
+        called.extend(self.probes.iter().filter(|(event, _)| hits.get(event.as_str()).is_some_and(|h| *h > 0)).map(|(_, name)| name.as_str()));
+        Ok(candidates.iter().filter(|name| called.contains(name.as_str())).cloned().collect())
+    }
+}
+
+impl Drop for CallCounter {
+    fn drop(&mut self) {
+        let removed = (|| -> anyhow::Result<()> {
+            let events_dir = self.tracefs.join("events").join(GROUP);
+            let mut events = std::fs::OpenOptions::new().append(true).open(self.tracefs.join("uprobe_events"))?;
+            for (event, _) in &self.probes {
+                std::fs::write(events_dir.join(event).join("enable"), "0")?;
+                events.write_all(format!("-:{GROUP}/{event}\n").as_bytes())?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = removed {
+            eprintln!("warning: removing the call-counting probes ({GROUP} in uprobe_events): {e:#}");
+        }
+    }
+}
+
+/// The candidates' names, one per line.
+pub fn read_list(path: &Path) -> anyhow::Result<Vec<String>> {
+    Ok(std::fs::read_to_string(path)?.lines().filter(|l| !l.is_empty() && !l.starts_with('#')).map(str::to_string).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_map_to_their_segments_offset() {
+        // The second segment is text mapped at 0x40e7c0 from file offset 0x40d7c0.
+        let segments = [(0, 0x40d7b8, 0), (0x40e7c0, 0x105b8d0, 0x40d7c0)];
+        assert_eq!(file_offset(&segments, 0x4adacb), Some(0x4acacb));
+        assert_eq!(file_offset(&segments, 0x100), Some(0x100));
+        assert_eq!(file_offset(&segments, 0x40e000), None, "between the segments");
+    }
+
+    #[test]
+    fn reads_hits_by_event() {
+        let profile = "  /tmp/wasmplane                                             f0                                                          3\n  /tmp/wasmplane f1 0\n  /usr/bin/x other 7\n";
+        let hits = hits_by_event(profile);
+        assert_eq!(hits.get("f0"), Some(&3));
+        assert_eq!(hits.get("f1"), Some(&0));
+        assert_eq!(hits.get("other"), Some(&7));
+        assert_eq!(hits.len(), 3);
+    }
+
+    /// The kernel counts calls into this test binary's own function, and not into one it
+    /// does not call (root: tracefs).
+    #[test]
+    fn counts_the_calls_of_this_process() {
+        if !crate::worker::is_root() || tracefs().is_err() {
+            eprintln!("SKIPPED counts_the_calls_of_this_process: needs root and tracefs with uprobes");
+            return;
+        }
+        #[inline(never)]
+        #[unsafe(no_mangle)]
+        extern "C" fn wasmplane_perf_probed_and_called(x: u64) -> u64 {
+            std::hint::black_box(x.wrapping_mul(3))
+        }
+        #[inline(never)]
+        #[unsafe(no_mangle)]
+        extern "C" fn wasmplane_perf_probed_not_called(x: u64) -> u64 {
+            std::hint::black_box(x.wrapping_mul(5))
+        }
+        let names = ["wasmplane_perf_probed_and_called", "wasmplane_perf_probed_not_called", "no_such_function"].map(String::from).to_vec();
+        let counter = CallCounter::start(&std::process::id().to_string(), &names).unwrap();
+        assert_eq!(counter.probed(), (2, 1));
+        std::hint::black_box(wasmplane_perf_probed_and_called(std::hint::black_box(7)));
+        // Referenced so that it is linked, never called.
+        std::hint::black_box(wasmplane_perf_probed_not_called as extern "C" fn(u64) -> u64);
+        let called = counter.called(&names).unwrap();
+        assert_eq!(called, ["wasmplane_perf_probed_and_called", "no_such_function"], "the called one, and the one not probed");
+    }
+}
