@@ -85,8 +85,10 @@ fn build(guest: &Guest, workspace: &Path, target_dir: &Path) -> PathBuf {
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.current_dir(workspace)
-        // The `guest` profile (root Cargo.toml): release with opt-level 3.
-        .args(["build", "--profile", PROFILE, "--target", TARGET, "--package", guest.package])
+        // The `guest` profile (root Cargo.toml): release with opt-level 3. A cdylib only here:
+        // the default guests are plain rlibs to the host's build (linked natively into the
+        // benches), so their host builds get hashed file names that cannot collide.
+        .args(["rustc", "--crate-type", "cdylib", "--profile", PROFILE, "--target", TARGET, "--package", guest.package])
         .arg("--target-dir")
         .arg(target_dir)
         // Flags meant for the host build must not leak into the guests' build.

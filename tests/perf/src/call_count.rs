@@ -83,11 +83,8 @@ impl CallCounter {
         let events_dir = counter.tracefs.join("events").join(GROUP);
         let (enabled, refused): (Vec<_>, Vec<_>) = std::mem::take(&mut counter.probes).into_iter().partition(|(event, _)| std::fs::write(events_dir.join(event).join("enable"), "1").is_ok());
         counter.probes = enabled;
-        counter.unprobed.extend(refused.iter().map(|(_, name)| name.clone()));
-        let mut removal = std::fs::OpenOptions::new().append(true).open(counter.tracefs.join("uprobe_events"))?;
-        for (event, _) in &refused {
-            let _ = removal.write_all(format!("-:{GROUP}/{event}\n").as_bytes());
-        }
+        remove_probes(&counter.tracefs, &refused)?;
+        counter.unprobed.extend(refused.into_iter().map(|(_, name)| name));
         anyhow::ensure!(!counter.probes.is_empty(), "none of {} candidates could be probed in {}", candidates.len(), binary.display());
         Ok(counter)
     }
@@ -110,19 +107,18 @@ impl CallCounter {
 
 impl Drop for CallCounter {
     fn drop(&mut self) {
-        let removed = (|| -> anyhow::Result<()> {
-            let events_dir = self.tracefs.join("events").join(GROUP);
-            let mut events = std::fs::OpenOptions::new().append(true).open(self.tracefs.join("uprobe_events"))?;
-            for (event, _) in &self.probes {
-                std::fs::write(events_dir.join(event).join("enable"), "0")?;
-                events.write_all(format!("-:{GROUP}/{event}\n").as_bytes())?;
-            }
-            Ok(())
-        })();
+        let events_dir = self.tracefs.join("events").join(GROUP);
+        let removed = self.probes.iter().try_for_each(|(event, _)| std::fs::write(events_dir.join(event).join("enable"), "0")).and_then(|()| remove_probes(&self.tracefs, &self.probes));
         if let Err(e) = removed {
             eprintln!("warning: removing the call-counting probes ({GROUP} in uprobe_events): {e:#}");
         }
     }
+}
+
+/// Deletes probes (switched off) from `uprobe_events`.
+fn remove_probes(tracefs: &Path, probes: &[(String, String)]) -> std::io::Result<()> {
+    let mut events = std::fs::OpenOptions::new().append(true).open(tracefs.join("uprobe_events"))?;
+    probes.iter().try_for_each(|(event, _)| events.write_all(format!("-:{GROUP}/{event}\n").as_bytes()))
 }
 
 /// The candidates' names, one per line.
