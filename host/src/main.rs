@@ -10,7 +10,12 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
     }
     // Before the runtime starts any thread.
     wasmplane::memory::configure_malloc();
-    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the tokio runtime")?.block_on(run())?;
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    if let Some(workers) = wasmplane::memory::worker_threads(std::env::var_os("TOKIO_WORKER_THREADS").as_deref(), cores) {
+        runtime.worker_threads(workers);
+    }
+    runtime.enable_all().build().context("starting the tokio runtime")?.block_on(run())?;
     Ok(std::process::ExitCode::SUCCESS)
 }
 
@@ -29,7 +34,7 @@ async fn run() -> anyhow::Result<()> {
             let host = wasmplane::app::start(config).await.context("starting wasmplane")?;
             println!("wasmplane REST API: {}  (try {}/v1/dataplane and {}/v1/modules)", host.url(), host.url(), host.url());
             if page_out {
-                tokio::spawn(page_out_start_up_code(host.ready.clone(), host.compiled_guests.clone()));
+                tokio::spawn(page_out_start_up_code(host.ready.clone(), host.compiled_guests.clone(), data_dir.clone()));
             }
             if let Some(dir) = data_dir {
                 println!("API token for mutating calls: {}", dir.join("token").display());
@@ -47,14 +52,29 @@ async fn run() -> anyhow::Result<()> {
 /// Once the initial sync is applied, hands the resident code and read-only data of the binary,
 /// the compiled guests and the shared libraries back to the kernel: most of it ran only at
 /// start-up, and what the host still runs faults back in (BENCHMARKS.md, fifteenth and
-/// sixteenth runs).
-async fn page_out_start_up_code(ready: std::sync::Arc<std::sync::atomic::AtomicBool>, compiled_guests: Option<std::path::PathBuf>) {
+/// sixteenth runs). The binary's relocated data is first moved into a file in `data_dir`, so
+/// that it can be handed back too (nineteenth run).
+async fn page_out_start_up_code(ready: std::sync::Arc<std::sync::atomic::AtomicBool>, compiled_guests: Option<std::path::PathBuf>, data_dir: Option<std::path::PathBuf>) {
     while !ready.load(std::sync::atomic::Ordering::Relaxed) {
         tokio::time::sleep(std::time::Duration::from_millis(250)).await;
     }
-    let paged = tokio::task::spawn_blocking(move || wasmplane::memory::page_out_code(compiled_guests.as_deref())).await.map_err(std::io::Error::other).and_then(|result| result);
+    let paged = tokio::task::spawn_blocking(move || {
+        let relocated = match data_dir.map(|dir| wasmplane::memory::file_back_relocated_data(&dir)) {
+            Some(Ok(bytes)) => bytes / 1024,
+            // A read-only or in-memory data directory: that data just stays anonymous.
+            Some(Err(e)) => {
+                tracing::info!("the binary's relocated data stays in anonymous memory: {e}");
+                0
+            }
+            None => 0,
+        };
+        wasmplane::memory::page_out_code(compiled_guests.as_deref()).map(|paged| (paged, relocated))
+    })
+    .await
+    .map_err(std::io::Error::other)
+    .and_then(|result| result);
     match paged {
-        Ok(paged) => tracing::info!(mappings = paged.mappings, binary_kib = paged.binary_kib, guests_kib = paged.guests_kib, libraries_kib = paged.libraries_kib, "start-up code paged out"),
+        Ok((paged, relocated_kib)) => tracing::info!(mappings = paged.mappings, binary_kib = paged.binary_kib, relocated_kib, guests_kib = paged.guests_kib, libraries_kib = paged.libraries_kib, "start-up code paged out"),
         // A kernel before 5.4, or no right to advise on the file: the code just stays resident.
         Err(e) => tracing::debug!("paging out start-up code: {e}"),
     }

@@ -39,9 +39,125 @@ pub fn configure_malloc() {
     }
 }
 
+/// At most this many async worker threads unless `TOKIO_WORKER_THREADS` says otherwise.
+pub const MAX_WORKER_THREADS: usize = 4;
+
+/// How many worker threads the host's async runtime gets: one per core it may use, at most
+/// [`MAX_WORKER_THREADS`]; `None` when `TOKIO_WORKER_THREADS` is set (`tokio_worker_threads`),
+/// which tokio then reads itself. Each worker costs its stack's touched pages and its share
+/// of the allocator's thread caches, ~50 KiB at 1k services (BENCHMARKS.md, nineteenth run),
+/// and the host's work does not spread over more: model, guests and dataplane run one
+/// revision at a time, guests and the kvstore on the blocking pool. Left to tokio, a 64-core
+/// node would get 64 workers.
+pub fn worker_threads(tokio_worker_threads: Option<&std::ffi::OsStr>, cores: usize) -> Option<usize> {
+    tokio_worker_threads.is_none().then(|| cores.clamp(1, MAX_WORKER_THREADS))
+}
+
 /// Returns free heap pages to the kernel (after a burst of large transient allocations).
 /// The runtime's, which calls it after each compilation.
 pub use wasmplane_runtime::release_free_memory;
+
+/// Moves this program's relocated read-only data (`PT_GNU_RELRO`: vtables, panic locations,
+/// tables of pointers) out of anonymous memory into the page cache of a file of its own, so
+/// that [`page_out_code`] can hand it back like the code and only what the host reads faults
+/// back in. Returns how many bytes moved (0 when nothing was relocated, as in a binary that
+/// is not position-independent, or when this already ran).
+///
+/// A position-independent binary's loader writes the load address into every pointer of that
+/// data at start: ~0.7 MiB of the host's, all of it dirty private pages from then on, which
+/// a machine without swap never reclaims (BENCHMARKS.md, nineteenth run). Written to a file,
+/// the same bytes are clean pages that can be dropped and read again. Android's loader shares
+/// relocated data between processes the same way (`ANDROID_DLEXT_WRITE_RELRO`).
+/// - The file is unnamed (`O_TMPFILE`, mode 0600) in `dir`: the bytes hold this run's load
+///   address, and nothing else can open it; it goes when the process does.
+/// - `dir` must not be on tmpfs or ramfs, whose pages stay in memory (an error).
+/// - The file's pages are then dropped from the page cache, and its mapping is moved over the
+///   original in one step (`mremap`): no thread ever sees the data missing, a failure leaves
+///   it as it was, and afterwards only the pages the host reads are in memory, read back
+///   from the file one by one (`MADV_RANDOM`). (Reclaiming them once mapped would depend on
+///   which CPU's LRU batch the fresh page-cache pages still sit in.)
+pub fn file_back_relocated_data(dir: &Path) -> std::io::Result<usize> {
+    use std::io::Write as _;
+    use std::os::fd::AsRawFd as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let Some(relro) = relocated_pages() else { return Ok(0) };
+    let len = relro.end - relro.start;
+    let holds_relocations = file_mappings("self")?.iter().any(|m| {
+        !m.writable && m.anonymous_kib > 0 && m.start <= relro.start && relro.end <= m.start + m.len
+    });
+    if !holds_relocations {
+        return Ok(0);
+    }
+    refuse_memory_backed(dir)?;
+    let mut file = std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_TMPFILE | libc::O_CLOEXEC).mode(0o600).open(dir)?;
+    // SAFETY: the range is this program's RELRO segment, mapped readable for its whole life.
+    let original = unsafe { std::slice::from_raw_parts(relro.start as *const u8, len) };
+    file.write_all(original)?;
+    // Written back, so that the page cache can drop it (it does not drop dirty pages).
+    file.sync_data()?;
+    // Only advice: pages left cached are not the process's until it reads them.
+    // SAFETY: advice on the file just written.
+    unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    // SAFETY: a new private read-only mapping of the file just written, at an address the
+    // kernel picks; unmapped below unless it replaces the original.
+    let copy = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_PRIVATE, file.as_raw_fd(), 0) };
+    if copy == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    // Read page by page, as `page_out_code` has the binary's other mappings read.
+    // SAFETY: advice on the mapping just made.
+    unsafe { libc::madvise(copy, len, libc::MADV_RANDOM) };
+    // SAFETY: moves the read-only copy of the same bytes over the original range, replacing
+    // it in one step; the file stays open through the mapping.
+    let moved = unsafe { libc::mremap(copy, len, len, libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED, relro.start as *mut libc::c_void) };
+    if moved == libc::MAP_FAILED {
+        let error = std::io::Error::last_os_error();
+        // SAFETY: as above; the original is untouched when mremap fails.
+        unsafe { libc::munmap(copy, len) };
+        return Err(error);
+    }
+    Ok(len)
+}
+
+/// The page range the loader made read-only after relocating this program (its
+/// `PT_GNU_RELRO`, rounded as the loader rounds it), if it has one.
+fn relocated_pages() -> Option<std::ops::Range<usize>> {
+    /// Called by `dl_iterate_phdr` for each loaded object, this program first.
+    unsafe extern "C" fn main_program(info: *mut libc::dl_phdr_info, _size: usize, found: *mut libc::c_void) -> libc::c_int {
+        // SAFETY: the loader's description of a loaded object, valid during the callback;
+        // `found` is the `Option` passed below.
+        let (info, found) = unsafe { (&*info, &mut *(found as *mut Option<(usize, usize)>)) };
+        // SAFETY: as above: `dlpi_phnum` program headers at `dlpi_phdr`.
+        let headers = unsafe { std::slice::from_raw_parts(info.dlpi_phdr, usize::from(info.dlpi_phnum)) };
+        *found = headers.iter().find(|h| h.p_type == libc::PT_GNU_RELRO).map(|h| (info.dlpi_addr as usize + h.p_vaddr as usize, h.p_memsz as usize));
+        1
+    }
+    let mut found: Option<(usize, usize)> = None;
+    // SAFETY: the callback only reads what the loader passes and writes `found`.
+    unsafe { libc::dl_iterate_phdr(Some(main_program), &mut found as *mut _ as *mut libc::c_void) };
+    let (start, len) = found?;
+    // SAFETY: sysconf reads a constant of the system.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok()?;
+    // The loader protects whole pages from the first one down to the last whole one.
+    let range = (start & !(page - 1))..((start + len) & !(page - 1));
+    (!range.is_empty()).then_some(range)
+}
+
+/// An error when `dir` is on a file system whose pages live in memory only.
+fn refuse_memory_backed(dir: &Path) -> std::io::Result<()> {
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    const RAMFS_MAGIC: i64 = 0x8584_58f6;
+    let path = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).map_err(std::io::Error::other)?;
+    // SAFETY: statfs writes the struct it is given; the path is a valid C string.
+    let mut stat: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(path.as_ptr(), &mut stat) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if [TMPFS_MAGIC, RAMFS_MAGIC].contains(&(stat.f_type as i64)) {
+        return Err(std::io::Error::other(format!("{} is in memory (tmpfs): its pages would stay resident", dir.display())));
+    }
+    Ok(())
+}
 
 /// The code and read-only data that the kernel was asked to reclaim, and what of it was
 /// resident before, in KiB.
@@ -73,6 +189,8 @@ pub struct PagedOut {
 pub fn page_out_code(compiled_guests: Option<&Path>) -> std::io::Result<PagedOut> {
     let exe = std::fs::read_link("/proc/self/exe")?.to_string_lossy().into_owned();
     let guests = compiled_guests.and_then(|dir| dir_prefix(dir).ok());
+    // The binary's relocated data, once in a file of its own, is still the binary's.
+    let relocated = relocated_pages().unwrap_or_default();
     let mut paged = PagedOut::default();
     for mapping in file_mappings("self")?.iter().filter(|m| m.reclaimable()) {
         // SAFETY: advice on a mapping of this process's own address space, taken from its
@@ -93,7 +211,7 @@ pub fn page_out_code(compiled_guests: Option<&Path>) -> std::io::Result<PagedOut
         // SAFETY: as above; MADV_RANDOM changes how later faults read, not what is mapped.
         unsafe { libc::madvise(mapping.start as *mut libc::c_void, mapping.len, libc::MADV_RANDOM) };
         paged.mappings += 1;
-        *(if mapping.file == exe {
+        *(if mapping.file == exe || relocated.contains(&mapping.start) {
             &mut paged.binary_kib
         } else if guests.as_ref().is_some_and(|prefix| mapping.file.starts_with(prefix)) {
             &mut paged.guests_kib
@@ -254,6 +372,54 @@ Anonymous:           900 kB
         );
         let reclaimable: Vec<u64> = mappings_of(SMAPS).iter().filter(|m| m.reclaimable()).map(|m| m.resident_kib).collect();
         assert_eq!(reclaimable, [1024, 6912, 1032, 100, 392], "read-only and no private page");
+    }
+
+    #[test]
+    fn worker_threads_follow_the_cores_up_to_the_cap() {
+        assert_eq!(worker_threads(None, 1), Some(1));
+        assert_eq!(worker_threads(None, 2), Some(2));
+        assert_eq!(worker_threads(None, 64), Some(MAX_WORKER_THREADS));
+        assert_eq!(worker_threads(Some(std::ffi::OsStr::new("16")), 64), None, "tokio reads TOKIO_WORKER_THREADS itself");
+    }
+
+    /// The test binary's relocated data (it is position-independent, as the host is) moves
+    /// into a file: the same bytes through the same addresses, no anonymous page left there and
+    /// only what is read since in memory; a second call finds nothing left to move.
+    #[test]
+    fn relocated_data_moves_into_a_file() {
+        let relro = relocated_pages().expect("a position-independent test binary has relocated data");
+        let len = relro.end - relro.start;
+        // SAFETY: the program's RELRO pages, readable for its whole life.
+        let before = unsafe { std::slice::from_raw_parts(relro.start as *const u8, len) }.to_vec();
+        let in_range = || file_mappings("self").unwrap().into_iter().filter(|m| m.start < relro.end && relro.start < m.start + m.len).collect::<Vec<_>>();
+        assert!(in_range().iter().any(|m| m.anonymous_kib > 0), "relocated data is anonymous before: {:?}", in_range());
+        let resident_kib = |mappings: &[FileMapping]| mappings.iter().map(|m| m.resident_kib).sum::<u64>();
+        let resident_before = resident_kib(&in_range());
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(file_back_relocated_data(dir.path()).unwrap(), len);
+        let after = in_range();
+        assert!(!after.is_empty() && after.iter().all(|m| m.anonymous_kib == 0 && m.reclaimable() && m.file.ends_with("(deleted)")), "{after:?}");
+        // What other tests' threads read meanwhile comes back, not the rest.
+        assert!(resident_kib(&after) < resident_before / 2, "resident: {resident_before} KiB before, {} KiB after", resident_kib(&after));
+        // SAFETY: as above.
+        assert!(unsafe { std::slice::from_raw_parts(relro.start as *const u8, len) } == before.as_slice(), "the same bytes");
+        // Read through it: a call through a vtable and a panic location's file name.
+        let add_one: Box<dyn Fn(u32) -> u32> = Box::new(|x| x + 1);
+        assert_eq!(std::hint::black_box(add_one)(1), 2);
+        assert!(std::panic::Location::caller().file().ends_with("memory.rs"));
+        assert_eq!(file_back_relocated_data(dir.path()).unwrap(), 0, "already in a file");
+    }
+
+    /// A directory on tmpfs is refused (its pages never leave memory); one on disk is not.
+    #[test]
+    fn refuses_memory_backed_directories() {
+        refuse_memory_backed(tempfile::tempdir().unwrap().path()).expect("the test's temporary directory is on disk");
+        let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+        let Some(tmpfs) = mounts.lines().map(|l| l.split_whitespace().collect::<Vec<_>>()).find(|f| f.len() > 2 && f[2] == "tmpfs").map(|f| f[1].to_string()) else {
+            return eprintln!("SKIPPED: no tmpfs mounted here");
+        };
+        let error = refuse_memory_backed(Path::new(&tmpfs)).expect_err(&tmpfs);
+        assert!(error.to_string().contains("tmpfs"), "{error}");
     }
 
     /// On this process: its binary's code, and a file mapped from a directory given as the

@@ -163,6 +163,15 @@ fn binary_resident(pid: &str) -> (u64, u64) {
     (read_only().filter(|m| m.executable).map(|m| m.resident_kib).sum(), read_only().filter(|m| !m.executable).map(|m| m.resident_kib).sum())
 }
 
+/// Resident KiB of the binary's relocated data once the host has moved it into an unnamed file
+/// in its data directory (`memory::file_back_relocated_data`); before that it is among the
+/// binary's read-only mappings, as anonymous pages.
+fn relocated_resident(pid: &str, data_dir: &Path) -> u64 {
+    let compiled = data_dir.join("compiled");
+    let mappings = wasmplane::memory::mappings_under(pid, data_dir).unwrap_or_default();
+    mappings.iter().filter(|m| !m.writable && !Path::new(&m.file).starts_with(&compiled) && m.file.ends_with(" (deleted)")).map(|m| m.resident_kib).sum()
+}
+
 /// Resident KiB of the compiled guests (code and read-only data), mapped from the host's
 /// cache of compiled components under its data directory.
 fn guests_resident(pid: &str, data_dir: &Path) -> u64 {
@@ -200,6 +209,7 @@ async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Va
     let (pss_steady, private_steady) = smaps_rollup(&pid);
     let (code_steady, rodata_steady) = binary_resident(&pid);
     let guests_steady = guests_resident(&pid, &dir.path().join("data"));
+    let relocated_steady = relocated_resident(&pid, &dir.path().join("data"));
     // Start-up is over (the sync applied, its code paged out): what is called from here on.
     let counting = match &o.count_calls {
         Some(path) => {
@@ -237,6 +247,7 @@ async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Va
     let (pss_end, private_end) = smaps_rollup(&pid);
     let (code_end, rodata_end) = binary_resident(&pid);
     let guests_end = guests_resident(&pid, &dir.path().join("data"));
+    let relocated_end = relocated_resident(&pid, &dir.path().join("data"));
     // As after the sync: what the host holds once it has been idle a while (its steady state
     // between bursts), not in the middle of applying the last of them.
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -255,6 +266,7 @@ async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Va
         "rss_idle_kib": idle.rss, "rss_anon_idle_kib": idle.anon, "rss_file_idle_kib": idle.file,
         "binary_code_end_kib": code_end, "binary_rodata_end_kib": rodata_end,
         "guests_code_steady_kib": guests_steady, "guests_code_end_kib": guests_end,
+        "relocated_steady_kib": relocated_steady, "relocated_end_kib": relocated_end,
         "pss_end_kib": pss_end, "private_end_kib": private_end,
         "cpu_sync_s": cpu_sync, "children_cpu_sync_s": children_cpu_sync, "cpu_after_sync_s": cpu_end - cpu_sync, "events_after_sync": events - events_at_sync,
     });

@@ -359,7 +359,7 @@ fn binary_table(results: &[Value]) -> String {
         })),
         ("RSS 3 s after the sync / at the end of the run / 3 s after that (MiB)", Box::new(|v| format!("{} / {} / {}", mib(v, "rss_steady_kib"), mib(v, "rss_end_kib"), mib(v, "rss_idle_kib")))),
         ("  anonymous / file-backed: after the sync; end; 3 s after (MiB)", Box::new(|v| format!("{} / {}; {} / {}; {} / {}", mib(v, "rss_anon_steady_kib"), mib(v, "rss_file_steady_kib"), mib(v, "rss_anon_end_kib"), mib(v, "rss_file_end_kib"), mib(v, "rss_anon_idle_kib"), mib(v, "rss_file_idle_kib")))),
-        ("  the binary's resident code / read-only mappings (these hold ~0.7 MiB of relocated, anonymous data): steady; end (MiB)", Box::new(|v| format!("{} / {}; {} / {}", mib(v, "binary_code_steady_kib"), mib(v, "binary_rodata_steady_kib"), mib(v, "binary_code_end_kib"), mib(v, "binary_rodata_end_kib")))),
+        ("  the binary's resident code / read-only data / relocated data (in a file of its own after the sync; anonymous in the read-only mappings before): steady; end (MiB)", Box::new(|v| format!("{} / {} / {}; {} / {} / {}", mib(v, "binary_code_steady_kib"), mib(v, "binary_rodata_steady_kib"), mib(v, "relocated_steady_kib"), mib(v, "binary_code_end_kib"), mib(v, "binary_rodata_end_kib"), mib(v, "relocated_end_kib")))),
         ("  the compiled guests' resident code and read-only data: steady; end (MiB)", Box::new(|v| format!("{}; {}", mib(v, "guests_code_steady_kib"), mib(v, "guests_code_end_kib")))),
         ("PSS (shared pages divided) / private: steady (MiB)", Box::new(|v| format!("{} / {}", mib(v, "pss_steady_kib"), mib(v, "private_steady_kib")))),
         ("peak RSS (VmHWM): after sync / end (MiB)", Box::new(|v| format!("{} / {}", mib(v, "hwm_sync_kib"), mib(v, "hwm_end_kib")))),
