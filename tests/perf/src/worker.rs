@@ -537,8 +537,10 @@ fn writer_vs_nft(host: &RunningHost) -> anyhow::Result<FullLoad> {
     let file = tempfile::NamedTempFile::new()?;
     std::fs::write(file.path(), &document)?;
     let path = file.path().to_string_lossy().into_owned();
+    let mut nft_f = reference.command("nft");
+    nft_f.extend(["-f".to_string(), path]);
     let t = Instant::now();
-    run(&["ip", "netns", "exec", &reference.0, "nft", "-f", &path])?;
+    run(&nft_f.iter().map(String::as_str).collect::<Vec<_>>())?;
     let nft_f_s = t.elapsed().as_secs_f64();
     drop(reference);
 
