@@ -58,9 +58,9 @@ pub fn worker_threads(tokio_worker_threads: Option<&std::ffi::OsStr>, cores: usi
 pub use wasmplane_runtime::release_free_memory;
 
 /// Moves this program's relocated read-only data (`PT_GNU_RELRO`: vtables, panic locations,
-/// tables of pointers) out of anonymous memory into the page cache of a file of its own, so
-/// that [`page_out_code`] can hand it back like the code and only what the host reads faults
-/// back in. Returns how many bytes moved (0 when nothing was relocated, as in a binary that
+/// tables of pointers) out of anonymous memory into a file of its own, so that, like the code
+/// after [`page_out_code`], only what the host reads from then on is in memory. Returns how
+/// many bytes moved (0 when nothing was relocated, as in a binary that
 /// is not position-independent, or when this already ran).
 ///
 /// A position-independent binary's loader writes the load address into every pointer of that
@@ -145,15 +145,16 @@ fn relocated_pages() -> Option<std::ops::Range<usize>> {
 
 /// An error when `dir` is on a file system whose pages live in memory only.
 fn refuse_memory_backed(dir: &Path) -> std::io::Result<()> {
-    const TMPFS_MAGIC: i64 = 0x0102_1994;
-    const RAMFS_MAGIC: i64 = 0x8584_58f6;
+    const TMPFS_MAGIC: u32 = 0x0102_1994;
+    const RAMFS_MAGIC: u32 = 0x8584_58f6;
     let path = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).map_err(std::io::Error::other)?;
     // SAFETY: statfs writes the struct it is given; the path is a valid C string.
     let mut stat: libc::statfs = unsafe { std::mem::zeroed() };
     if unsafe { libc::statfs(path.as_ptr(), &mut stat) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    if [TMPFS_MAGIC, RAMFS_MAGIC].contains(&(stat.f_type as i64)) {
+    // The magic numbers are 32 bits; `f_type` is a signed word of the platform's size.
+    if [TMPFS_MAGIC, RAMFS_MAGIC].contains(&(stat.f_type as u32)) {
         return Err(std::io::Error::other(format!("{} is in memory (tmpfs): its pages would stay resident", dir.display())));
     }
     Ok(())
