@@ -30,8 +30,8 @@ use serde_json::Value;
 const USAGE: &str = "\
 usage: wasmplane-perf [--sizes 1000,10000,50000] [--quick] [--endpoints 1.5] [--policies 0] [--minimal-objects]
                       [--seed 1] [--samples N] [--churn-rate OPS_PER_S] [--churn-seconds S]
-                      [--record] [--no-page-out] [--reconcile-seconds 3600] [--json FILE]
-       wasmplane-perf --binary target/release/wasmplane [--sizes ...] [...]   (the shipped binary's memory)
+                      [--record] [--no-page-out] [--reconcile-seconds 3600 (with --binary: 10)] [--json FILE]
+       wasmplane-perf --binary target/release/wasmplane [--repeat N] [--sizes ...] [...]   (the shipped binary's memory)
        wasmplane-perf --symbol-order FILE [--sizes 1000] [--binary PATH] [...]   (functions the host ran, for lld)
        wasmplane-perf --write-manifests DIR [--services N] [--endpoints M] [--policies P] [--seed S]";
 
@@ -57,6 +57,9 @@ struct Args {
     children_exe: Option<String>,
     binary: Option<String>,
     warm_binary: Option<String>,
+    /// Rounds over all sizes (`--binary` only): memory differs from run to run by more than
+    /// the changes it measures (BENCHMARKS.md, nineteenth run).
+    repeat: usize,
     page_out: bool,
     reconcile_seconds: u64,
 }
@@ -84,10 +87,12 @@ fn parse() -> anyhow::Result<Args> {
         children_exe: None,
         binary: None,
         warm_binary: None,
+        repeat: 1,
         page_out: true,
         reconcile_seconds: 3600,
     };
     let mut sizes_given = false;
+    let mut reconcile_given = false;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().with_context(|| format!("{flag} needs a value\n{USAGE}"));
@@ -106,7 +111,10 @@ fn parse() -> anyhow::Result<Args> {
             "--churn-seconds" => a.churn_seconds = Some(value()?.parse()?),
             "--record" => a.record = true,
             "--no-page-out" => a.page_out = false,
-            "--reconcile-seconds" => a.reconcile_seconds = value()?.parse()?,
+            "--reconcile-seconds" => {
+                a.reconcile_seconds = value()?.parse()?;
+                reconcile_given = true;
+            }
             "--json" => a.json = Some(value()?),
             "--services" => a.services = value()?.parse()?,
             "--write-manifests" => a.write_manifests = Some(value()?),
@@ -118,6 +126,7 @@ fn parse() -> anyhow::Result<Args> {
             "--children-exe" => a.children_exe = Some(value()?),
             "--binary" => a.binary = Some(value()?),
             "--warm-binary" => a.warm_binary = Some(value()?),
+            "--repeat" => a.repeat = value()?.parse::<usize>()?.max(1),
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
@@ -127,6 +136,12 @@ fn parse() -> anyhow::Result<Args> {
     }
     if a.quick && !sizes_given {
         a.sizes = vec![1000, 10_000];
+    }
+    anyhow::ensure!(a.repeat == 1 || a.binary.is_some(), "--repeat is for --binary runs\n{USAGE}");
+    // The in-process table measures single changes, which a full reconcile would hold up;
+    // the shipped binary's memory is measured as it runs in a cluster, with reconciles.
+    if a.binary.is_some() && !reconcile_given && a.worker.is_none() {
+        a.reconcile_seconds = BINARY_RECONCILE_SECONDS;
     }
     Ok(a)
 }
@@ -197,8 +212,8 @@ fn run() -> anyhow::Result<()> {
         return symbol_order(&a, path);
     }
     let mut results = Vec::new();
-    for &services in &a.sizes {
-        eprintln!("== {services} services ==");
+    for (round, &services) in (0..a.repeat).flat_map(|round| a.sizes.iter().map(move |size| (round, size))) {
+        eprintln!("== {services} services{} ==", if a.repeat > 1 { format!(", round {} of {}", round + 1, a.repeat) } else { String::new() });
         let mut cmd = worker_command(&a, services, &std::env::current_exe()?);
         if let Some(binary) = &a.binary {
             cmd.args(["--binary", binary]);
@@ -213,6 +228,9 @@ fn run() -> anyhow::Result<()> {
         std::fs::write(path, serde_json::to_string_pretty(&results)?)?;
     }
     println!("{}", if a.binary.is_some() { binary_table(&results) } else { table(&results) });
+    if a.repeat > 1 {
+        println!("\n{}", binary_spread_table(&a.sizes, &results));
+    }
     Ok(())
 }
 
@@ -238,6 +256,15 @@ fn worker_result(stdout: &[u8]) -> anyhow::Result<Option<Value>> {
     let text = String::from_utf8_lossy(stdout);
     Ok(text.lines().find_map(|l| l.strip_prefix("RESULT ")).map(serde_json::from_str).transpose()?)
 }
+
+/// Full reconciles while the host is traced for the order file: several during the traced
+/// run, as the host's default of 60 s makes them over hours.
+const TRACED_RECONCILE_SECONDS: u64 = 5;
+
+/// Full reconciles while `--binary` measures the shipped binary: two or three in a run, so
+/// that its memory is what a host in a cluster holds (their code faults back in), without
+/// making them a large part of its CPU row.
+const BINARY_RECONCILE_SECONDS: u64 = 10;
 
 /// `--symbol-order FILE`: traced workers at the first size, run from a private copy of the
 /// host's binary (see `symbol_order`), write the functions the host ran to FILE. The host is
@@ -278,6 +305,10 @@ fn symbol_order(a: &Args, path: &str) -> anyhow::Result<()> {
         };
         let trace = traces.path().join(format!("{}", lists.len()));
         cmd.arg("--trace-code").arg(&trace);
+        // Full reconciles run all along in a cluster (the host's default is every 60 s): their
+        // code is steady code, and traced without them it would sit among the start-up code
+        // and fault back in at the first one (nineteenth run: 1.2 MiB). The later flag wins.
+        cmd.args(["--reconcile-seconds", &TRACED_RECONCILE_SECONDS.to_string()]);
         if count {
             cmd.arg("--count-calls").arg(traces.path().join("0"));
         }
@@ -368,6 +399,52 @@ fn binary_table(results: &[Value]) -> String {
     render(&rows, results)
 }
 
+/// A row of numbers: its name and how to read it from one run's result.
+type NumberRow = (&'static str, Box<dyn Fn(&Value) -> f64>);
+
+/// `--binary --repeat N`: the memory and CPU rows over the rounds, per size, as median
+/// (min–max).
+fn binary_spread_table(sizes: &[usize], results: &[Value]) -> String {
+    let kib = |key: &'static str| move |v: &Value| f(v, key) / 1024.0;
+    let rows: Vec<NumberRow> = vec![
+        ("RSS at the end of the run (MiB)", Box::new(kib("rss_end_kib"))),
+        ("RSS 3 s after the sync (MiB)", Box::new(kib("rss_steady_kib"))),
+        ("  anonymous / file-backed at the end (MiB): anonymous", Box::new(kib("rss_anon_end_kib"))),
+        ("  anonymous / file-backed at the end (MiB): file-backed", Box::new(kib("rss_file_end_kib"))),
+        ("peak RSS (MiB)", Box::new(kib("hwm_end_kib"))),
+        ("host CPU per 1,000 events after the sync (s)", Box::new(|v| f(v, "cpu_after_sync_s") / f(v, "events_after_sync") * 1000.0)),
+    ];
+    let mut out = String::from("| median (min–max) over the rounds |");
+    for services in sizes {
+        out += &format!(" {services} services |");
+    }
+    out += &format!("\n|---|{}\n", "---|".repeat(sizes.len()));
+    for (name, value) in &rows {
+        out += &format!("| {name} |");
+        for &services in sizes {
+            let mut values: Vec<f64> = results.iter().filter(|v| v["services"].as_u64() == Some(services as u64)).map(value).collect();
+            out += &match spread(&mut values) {
+                Some((median, min, max)) => format!(" {median:.2} ({min:.2}–{max:.2}), n={} |", values.len()),
+                None => " – |".to_string(),
+            };
+        }
+        out += "\n";
+    }
+    out
+}
+
+/// Median, minimum and maximum (`None` for no values).
+fn spread(values: &mut [f64]) -> Option<(f64, f64, f64)> {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    let median = match n {
+        0 => return None,
+        _ if n % 2 == 1 => values[n / 2],
+        _ => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    };
+    Some((median, values[0], values[n - 1]))
+}
+
 fn render(rows: &[Row], results: &[Value]) -> String {
     let mut out = String::from("| measurement |");
     for v in results {
@@ -384,4 +461,29 @@ fn render(rows: &[Row], results: &[Value]) -> String {
         out += "\n";
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    #[test]
+    fn spread_is_median_min_max() {
+        assert_eq!(super::spread(&mut []), None);
+        assert_eq!(super::spread(&mut [3.0, 1.0, 2.0]), Some((2.0, 1.0, 3.0)));
+        assert_eq!(super::spread(&mut [4.0, 1.0, 2.0, 3.0]), Some((2.5, 1.0, 4.0)));
+    }
+
+    /// Each size's cell holds only that size's rounds.
+    #[test]
+    fn spread_table_keeps_sizes_apart() {
+        let run = |services: u64, rss_mib: u64| {
+            json!({"services": services, "rss_end_kib": rss_mib * 1024, "rss_steady_kib": 0, "rss_anon_end_kib": 0, "rss_file_end_kib": 0, "hwm_end_kib": 0, "cpu_after_sync_s": 1.0, "events_after_sync": 2000})
+        };
+        let results = [run(10, 5), run(1000, 9), run(10, 7), run(1000, 11), run(10, 6), run(1000, 10)];
+        let table = super::binary_spread_table(&[10, 1000], &results);
+        let end_row = table.lines().find(|l| l.starts_with("| RSS at the end")).unwrap();
+        assert_eq!(end_row, "| RSS at the end of the run (MiB) | 6.00 (5.00–7.00), n=3 | 10.00 (9.00–11.00), n=3 |");
+        assert!(table.contains("| host CPU per 1,000 events after the sync (s) | 0.50 (0.50–0.50), n=3 |"), "{table}");
+    }
 }
