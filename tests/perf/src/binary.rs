@@ -163,20 +163,19 @@ fn binary_resident(pid: &str) -> (u64, u64) {
     (read_only().filter(|m| m.executable).map(|m| m.resident_kib).sum(), read_only().filter(|m| !m.executable).map(|m| m.resident_kib).sum())
 }
 
-/// Resident KiB of the binary's relocated data once the host has moved it into an unnamed file
-/// in its data directory (`memory::file_back_relocated_data`); before that it is among the
-/// binary's read-only mappings, as anonymous pages.
-fn relocated_resident(pid: &str, data_dir: &Path) -> u64 {
-    let compiled = data_dir.join("compiled");
+/// Resident KiB of the read-only mappings of files in the host's data directory: the compiled
+/// guests (code and read-only data, from its cache of compiled components in `compiled/`),
+/// and the binary's relocated data once the host has moved it into an unnamed file there
+/// (`memory::file_back_relocated_data`; before that it is among the binary's read-only
+/// mappings, as anonymous pages).
+fn data_dir_resident(pid: &str, data_dir: &Path) -> (u64, u64) {
+    // As /proc names the files: links resolved.
+    let compiled = data_dir.canonicalize().unwrap_or_else(|_| data_dir.to_path_buf()).join("compiled");
     let mappings = wasmplane::memory::mappings_under(pid, data_dir).unwrap_or_default();
-    mappings.iter().filter(|m| !m.writable && !Path::new(&m.file).starts_with(&compiled) && m.file.ends_with(" (deleted)")).map(|m| m.resident_kib).sum()
-}
-
-/// Resident KiB of the compiled guests (code and read-only data), mapped from the host's
-/// cache of compiled components under its data directory.
-fn guests_resident(pid: &str, data_dir: &Path) -> u64 {
-    let mappings = wasmplane::memory::mappings_under(pid, &data_dir.join("compiled")).unwrap_or_default();
-    mappings.iter().filter(|m| !m.writable).map(|m| m.resident_kib).sum()
+    let read_only = || mappings.iter().filter(|m| !m.writable);
+    let guests = read_only().filter(|m| Path::new(&m.file).starts_with(&compiled)).map(|m| m.resident_kib).sum();
+    let relocated = read_only().filter(|m| !Path::new(&m.file).starts_with(&compiled) && m.file.ends_with(" (deleted)")).map(|m| m.resident_kib).sum();
+    (guests, relocated)
 }
 
 async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Value> {
@@ -208,8 +207,8 @@ async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Va
     let steady = memory_of(&pid);
     let (pss_steady, private_steady) = smaps_rollup(&pid);
     let (code_steady, rodata_steady) = binary_resident(&pid);
-    let guests_steady = guests_resident(&pid, &dir.path().join("data"));
-    let relocated_steady = relocated_resident(&pid, &dir.path().join("data"));
+    let data_dir = dir.path().join("data");
+    let (guests_steady, relocated_steady) = data_dir_resident(&pid, &data_dir);
     // Start-up is over (the sync applied, its code paged out): what is called from here on.
     let counting = match &o.count_calls {
         Some(path) => {
@@ -246,8 +245,7 @@ async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Va
     let (cpu_end, _) = crate::worker::cpu_of(&pid);
     let (pss_end, private_end) = smaps_rollup(&pid);
     let (code_end, rodata_end) = binary_resident(&pid);
-    let guests_end = guests_resident(&pid, &dir.path().join("data"));
-    let relocated_end = relocated_resident(&pid, &dir.path().join("data"));
+    let (guests_end, relocated_end) = data_dir_resident(&pid, &data_dir);
     // As after the sync: what the host holds once it has been idle a while (its steady state
     // between bursts), not in the middle of applying the last of them.
     tokio::time::sleep(Duration::from_secs(3)).await;
