@@ -5,7 +5,7 @@
 //! - **The code it runs, placed first and together.** `symbol-order.txt` names the functions
 //!   a traced `wasmplane` ran (initial sync, changes, churn and scrapes against a synthetic
 //!   1k-service cluster: `wasmplane-perf --symbol-order host/symbol-order.txt --binary
-//!   target/release/wasmplane`): those it called after its start-up first (1.1 MiB of
+//!   target/x86_64-unknown-linux-gnu/release/wasmplane`): those it called after its start-up first (1.1 MiB of
 //!   code, counted per function: "Eighteenth run"), then the start-up code, which the host
 //!   pages out once the sync is applied ("Fifteenth run").
 //!   The kernel maps the cached neighbours of every code page a process faults in, so with
@@ -15,6 +15,11 @@
 //!   or lockfile only lays the binary out less well. The file's first line names the build
 //!   it was traced from, and a release build of another toolchain or lockfile warns.
 //!   `WASMPLANE_SYMBOL_ORDER=0` turns it off, `=PATH` uses another file.
+//!   The list is traced from the shipped build, which is static (`deploy/Dockerfile`:
+//!   `--target x86_64-unknown-linux-gnu`, `-C target-feature=+crt-static`), so the C
+//!   library's functions are laid out with the rest ("Twentieth run"). Naming the target
+//!   changes every crate's hash, so a build without `--target` matches few names, and one
+//!   that is not static warns.
 //! - **Packed relative relocations** (DT_RELR, glibc 2.36 and later): the dynamic loader
 //!   reads 0.9 MiB of `.rela.dyn` at every start, and those pages stay resident; packed,
 //!   they are 16 KiB.
@@ -48,6 +53,12 @@ fn main() {
     if order.is_file() {
         println!("cargo::rustc-link-arg-bin=wasmplane=-Wl,--symbol-ordering-file={}", order.display());
         println!("cargo::rustc-link-arg-bin=wasmplane=-Wl,--no-warn-symbol-ordering");
+        if !env("CARGO_CFG_TARGET_FEATURE").split(',').any(|feature| feature == "crt-static") {
+            println!(
+                "cargo::warning={} was traced from the static build: this dynamic one is laid out less well and maps the C library besides (build as deploy/Dockerfile does: RUSTFLAGS=\"-C target-feature=+crt-static\" cargo build --release --target x86_64-unknown-linux-gnu)",
+                order.display()
+            );
+        }
         warn_if_stale(&order, &rustc_version);
     }
 }

@@ -31,7 +31,7 @@ const USAGE: &str = "\
 usage: wasmplane-perf [--sizes 1000,10000,50000] [--quick] [--endpoints 1.5] [--policies 0] [--minimal-objects]
                       [--seed 1] [--samples N] [--churn-rate OPS_PER_S] [--churn-seconds S]
                       [--record] [--no-page-out] [--reconcile-seconds 3600 (with --binary: 10)] [--json FILE]
-       wasmplane-perf --binary target/release/wasmplane [--repeat N] [--sizes ...] [...]   (the shipped binary's memory)
+       wasmplane-perf --binary target/x86_64-unknown-linux-gnu/release/wasmplane [--repeat N] [--sizes ...] [...]   (the shipped binary's memory)
        wasmplane-perf --symbol-order FILE [--sizes 1000] [--binary PATH] [...]   (functions the host ran, for lld)
        wasmplane-perf --write-manifests DIR [--services N] [--endpoints M] [--policies P] [--seed S]";
 
