@@ -269,7 +269,7 @@ async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Va
         "cpu_sync_s": cpu_sync, "children_cpu_sync_s": children_cpu_sync, "cpu_after_sync_s": cpu_end - cpu_sync, "events_after_sync": events - events_at_sync,
     });
     match (&o.trace_code, counting) {
-        (Some(path), Some((candidates, counter))) => {
+        (Some(path), Some((candidates, mut counter))) => {
             let called = counter.called(&candidates)?;
             std::fs::write(path, called.iter().map(|f| format!("{f}\n")).collect::<String>())?;
             let (probed, unprobed) = counter.probed();
