@@ -34,6 +34,16 @@ fn tracefs() -> anyhow::Result<PathBuf> {
         .context("no tracefs with uprobe_events (mount tracefs; a kernel with CONFIG_UPROBE_EVENTS)")
 }
 
+/// tracefs, mounted at `/sys/kernel/tracing` first when no tracefs is (root): a fresh machine
+/// may have none mounted, and the order-file trace finds out only in its last run.
+pub fn mount_tracefs() -> anyhow::Result<PathBuf> {
+    if let Ok(path) = tracefs() {
+        return Ok(path);
+    }
+    crate::worker::run(&["mount", "-t", "tracefs", "nodev", "/sys/kernel/tracing"]).context("mounting tracefs")?;
+    tracefs()
+}
+
 /// Where the byte at virtual address `address` is in the file, from the loadable segments'
 /// (virtual address, size, file offset).
 fn file_offset(segments: &[(u64, u64, u64)], address: u64) -> Option<u64> {

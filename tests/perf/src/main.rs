@@ -279,6 +279,9 @@ fn symbol_order(a: &Args, path: &str) -> anyhow::Result<()> {
     let services = a.sizes[0];
     anyhow::ensure!(worker::is_root(), "--symbol-order needs root (a loop device, a network namespace)");
     anyhow::ensure!(a.page_out, "--symbol-order traces with the page-out and without it by itself: drop --no-page-out");
+    if a.binary.is_some() {
+        call_count::mount_tracefs()?;
+    }
     let this = std::env::current_exe()?;
     let original = a.binary.as_ref().map_or_else(|| this.clone(), Into::into);
     let size = std::fs::metadata(&original)?.len();
