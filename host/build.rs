@@ -6,8 +6,9 @@
 //!   a traced `wasmplane` ran (initial sync, changes, churn and scrapes against a synthetic
 //!   1k-service cluster: `wasmplane-perf --symbol-order host/symbol-order.txt --binary
 //!   target/x86_64-unknown-linux-gnu/release/wasmplane`): those it called after its
-//!   start-up first (1.1 MiB of code, counted per function: "Eighteenth run"), then the
-//!   start-up code, which the host pages out once the sync is applied ("Fifteenth run").
+//!   start-up first (1.3 MiB of code, counted per function: "Eighteenth run" and
+//!   "Twenty-first run"), then the start-up code, which the host pages out once the sync
+//!   is applied ("Fifteenth run").
 //!   The kernel maps the cached neighbours of every code page a process faults in, so with
 //!   hot code spread over the binary most of its text ends up resident.
 //!   Names this build does not have are skipped: mangled names carry hashes of the

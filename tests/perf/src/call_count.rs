@@ -63,7 +63,8 @@ fn hits_by_event(profile: &str) -> HashMap<&str, u64> {
         .collect()
 }
 
-/// Probes on the candidates in one process's binary, enabled from creation until dropped.
+/// Probes on the candidates in one process's binary: each enabled from creation until its
+/// first hit (or until the calls are counted), all removed when dropped.
 pub struct CallCounter {
     tracefs: PathBuf,
     /// Event name → function.
