@@ -10,6 +10,11 @@
 //! - to service IPs spread over every shard (DNAT by the nat output hook);
 //! - to 127.0.0.1:8081 directly, which no service matches (every shard's chains run).
 //!
+//! Then the same services load balanced as data (the default translator's shape), each
+//! frontend with K backends (127.0.0.1 … 127.0.0.K), in the host's layout: a frontend goes
+//! to its shard's `pick-by-count` chain, which tries the count sets in turn (see
+//! `nft::CountedKeys`), so a connection to a frontend of K backends makes K set lookups.
+//!
 //! `cargo bench --workspace --bench nat_shards` (needs root; `WASMPLANE_BENCH_SERVICES`,
 //! default 10000; `WASMPLANE_BENCH_CONNECTIONS`, default 3000).
 
@@ -18,8 +23,9 @@ use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use wasmplane::dataplane::{Dataplane, NftCommand};
-use wasmplane::nft::{Layout, ObjectRules};
+use wasmplane::nft::{self, Layout, ObjectRules};
 use wasmplane_model::ObjectKey;
+use wasmplane_runtime::wit::{KeyPart, MapElement, Protocol, Ruleset, Verdict};
 
 mod support;
 use support::{Netns, is_root};
@@ -38,6 +44,72 @@ fn services(n: usize) -> BTreeMap<ObjectKey, ObjectRules> {
             (ObjectKey::new("bench", format!("s{i}")), rules)
         })
         .collect()
+}
+
+/// `n` services load balanced as data, each over `backends` backends on port 8080, as the
+/// host validates and renders a translator's output.
+fn services_as_data(n: usize, backends: usize) -> BTreeMap<ObjectKey, ObjectRules> {
+    (0..n)
+        .map(|i| {
+            let key = ObjectKey::new("bench", format!("s{i}"));
+            let map_elements = (1..=backends)
+                .map(|b| MapElement {
+                    map_name: "service-backends".into(),
+                    key: vec![
+                        KeyPart::Address(service_ip(i).to_string()),
+                        KeyPart::Protocol(Protocol::Tcp),
+                        KeyPart::Port(80),
+                        KeyPart::Address(format!("127.0.0.{b}")),
+                        KeyPart::Port(8080),
+                    ],
+                    verdict: Verdict::None,
+                })
+                .collect();
+            let out = Ruleset { chains: vec![], sets: vec![], map_elements, warnings: vec![] };
+            let rules = nft::validate_service_output(&key, &out).expect("a valid ruleset");
+            (key, rules)
+        })
+        .collect()
+}
+
+/// Writes `objects` into a fresh network namespace with `per_shard` services to a shard,
+/// then times new connections to every 1/256th service and to a port no service has.
+fn measure(objects: &BTreeMap<ObjectKey, ObjectRules>, per_shard: usize, count: usize) -> (Layout, (Duration, Duration), (Duration, Duration)) {
+    let n = objects.len();
+    let ns = Netns::new(format!("wpnat{}", std::process::id()));
+    ns.exec(&["ip", "link", "set", "lo", "up"]);
+    ns.exec(&["ip", "route", "add", "10.96.0.0/12", "dev", "lo"]);
+    let mut dataplane = Dataplane::new(Box::new(NftCommand::new(ns.nft_command(), Vec::new()))).with_services_per_shard(per_shard);
+    dataplane.full_sync(Some(objects.clone())).expect("loading the services");
+    let layout = dataplane.layout();
+    // Services from every shard, in turn.
+    let targets: Vec<SocketAddr> = (0..n).step_by((n / 256).max(1)).map(|i| SocketAddr::from((service_ip(i), 80))).collect();
+    let (to_service, to_nothing) = ns.run(|| {
+        // Every 127.0.0.K backend on 8080; 8081 for the connections to no service.
+        let listeners = [("0.0.0.0", 8080), ("127.0.0.1", 8081)].map(|address| TcpListener::bind(address).expect("listening"));
+        // Accepted connections are dropped at once (the listener's backlog keeps up).
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            for listener in &listeners {
+                listener.set_nonblocking(true).unwrap();
+                let stop = &stop;
+                s.spawn(move || {
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        match listener.accept() {
+                            Ok(_) => {}
+                            Err(_) => std::thread::sleep(Duration::from_micros(50)),
+                        }
+                    }
+                });
+            }
+            connections(&targets, count / 10); // warm-up
+            let to_service = connections(&targets, count);
+            let to_nothing = connections(&[SocketAddr::from(([127, 0, 0, 1], 8081))], count);
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            (to_service, to_nothing)
+        })
+    });
+    (layout, to_service, to_nothing)
 }
 
 /// Opens and closes `count` connections to `targets` in turn; the median and 99th
@@ -73,39 +145,15 @@ fn main() {
     println!("| layout | to a service (DNAT) | to no service (every shard's NAT chains) |");
     println!("|---|---|---|");
     for per_shard in [usize::MAX, Layout::DEFAULT_SERVICES_PER_SHARD] {
-        let ns = Netns::new(format!("wpnat{}", std::process::id()));
-        ns.exec(&["ip", "link", "set", "lo", "up"]);
-        ns.exec(&["ip", "route", "add", "10.96.0.0/12", "dev", "lo"]);
-        let mut dataplane = Dataplane::new(Box::new(NftCommand::new(ns.nft_command(), Vec::new()))).with_services_per_shard(per_shard);
-        dataplane.full_sync(Some(objects.clone())).expect("loading the services");
-        let layout = dataplane.layout();
-        // Services from every shard, in turn.
-        let targets: Vec<SocketAddr> = (0..n).step_by((n / 256).max(1)).map(|i| SocketAddr::from((service_ip(i), 80))).collect();
-        let (to_service, to_nothing) = ns.run(|| {
-            let listeners = [8080, 8081].map(|port| TcpListener::bind(("127.0.0.1", port)).expect("listening"));
-            // Accepted connections are dropped at once (the listener's backlog keeps up).
-            let stop = std::sync::atomic::AtomicBool::new(false);
-            std::thread::scope(|s| {
-                for listener in &listeners {
-                    listener.set_nonblocking(true).unwrap();
-                    let stop = &stop;
-                    s.spawn(move || {
-                        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                            match listener.accept() {
-                                Ok(_) => {}
-                                Err(_) => std::thread::sleep(Duration::from_micros(50)),
-                            }
-                        }
-                    });
-                }
-                connections(&targets, count / 10); // warm-up
-                let to_service = connections(&targets, count);
-                let to_nothing = connections(&[SocketAddr::from(([127, 0, 0, 1], 8081))], count);
-                stop.store(true, std::sync::atomic::Ordering::Relaxed);
-                (to_service, to_nothing)
-            })
-        });
+        let (layout, to_service, to_nothing) = measure(&objects, per_shard, count);
         let name = if layout.shards == 1 { "one table".to_string() } else { format!("{} shards", layout.shards) };
         println!("| {name} | {} | {} |", micros(to_service), micros(to_nothing));
+    }
+    println!("\nLoad balanced as data, the host's layout: a frontend of K backends costs a new connection K set lookups\n");
+    println!("| backends per frontend | to a service (DNAT) | to no service |");
+    println!("|---|---|---|");
+    for backends in [1, 8, nft::MAX_PICK] {
+        let (_, to_service, to_nothing) = measure(&services_as_data(n, backends), Layout::DEFAULT_SERVICES_PER_SHARD, count);
+        println!("| {backends} | {} | {} |", micros(to_service), micros(to_nothing));
     }
 }

@@ -1130,16 +1130,17 @@ mod tests {
         assert_eq!(dp.layout().shards, 1, "8 of 9 services went: most of the table, laid out again at once");
     }
 
-    /// A service with session affinity as data: `backends` numbered, the frontend sent to
-    /// the affinity pick chain of `seconds` and their count.
+    /// A service with session affinity as data: `backends` numbered, the frontend counted
+    /// and sent to the by-count chain of `seconds`.
     fn sticky(name: &str, ip: &str, seconds: u32, backends: &[&str]) -> ObjectRules {
         let front = format!("{ip} . tcp . 80");
         let mut r = ObjectRules { service_prefix: Some(format!("svc/default/{name}")), ..Default::default() };
         for (i, b) in backends.iter().enumerate() {
             r.elements.insert(("service-endpoints".into(), format_compact!("{front} . {i}")), format_compact!("{b} . 8080"));
         }
-        let pick = nft::AffinityPick { node_port: false, seconds, backends: backends.len() };
-        r.elements.insert(("service-ips".into(), front.into()), format_compact!("goto {}", pick.chain()));
+        let class = nft::AffinityClass { node_port: false, seconds };
+        r.elements.insert((nft::CountedKeys::Frontends.set(backends.len()).into(), front.clone().into()), Default::default());
+        r.elements.insert(("service-ips".into(), front.into()), format_compact!("goto {}", class.by_count_chain(nft::CountedKeys::Frontends)));
         r
     }
 
@@ -1156,14 +1157,15 @@ mod tests {
         let stats = dp.sync(vec![(key("x"), Some(sticky("x", "10.96.1.1", 600, &["10.244.1.1", "10.244.1.2"])))]).unwrap();
         assert!(stats.full, "{stats:?}");
         let full = last();
-        for chain in ["affinity-600-lookup", "affinity-600-pick-1", "affinity-600-pick-2", "affinity-600-pick-32"] {
+        for chain in ["affinity-600-lookup", "affinity-600-pick-1", "affinity-600-pick-2", "affinity-600-pick-32", "affinity-600-pick-by-count"] {
             assert!(full.contains(&format!("add chain inet wasmplane-s0 {chain}\n")), "{chain} missing");
         }
         // The next one, another count of the same timeout: its elements only.
         let stats = dp.sync(vec![(key("y"), Some(sticky("y", "10.96.1.2", 600, &["10.244.2.1", "10.244.2.2", "10.244.2.3"])))]).unwrap();
         assert!(!stats.full, "{stats:?}");
         let delta = last();
-        assert!(delta.contains("10.96.1.2 . tcp . 80 : goto affinity-600-pick-3") && !delta.contains("chain"), "{delta}");
+        assert!(delta.contains("10.96.1.2 . tcp . 80 : goto affinity-600-pick-by-count") && !delta.contains("chain"), "{delta}");
+        assert!(delta.contains("add element inet wasmplane-s0 frontends-3 { 10.96.1.2 . tcp . 80 }"), "{delta}");
 
         // A backend of y goes, one comes: the others keep their numbers (clients are
         // remembered by number), the newcomer takes the free one.

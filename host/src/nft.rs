@@ -85,7 +85,9 @@
 //! shard has chains per affinity timeout in use, not per service, and an endpoint change of
 //! an affinity service is elements only. The harness's one change, p50: 2.2 / 2.1 / 2.2 ms
 //! at 1k / 10k / 50k, 0.23 / 0.22 / 0.32 ms of it in the kernel (BENCHMARKS.md, seventh
-//! run).
+//! run). Then a frontend's backend count as data too ([`CountedKeys`]): scaling rewrote the
+//! frontend's `goto pick-N` element, and a goto element added makes the commit validate the
+//! shard's whole table; now it moves the frontend between plain count sets.
 //!
 //! What shards cost:
 //! - a new connection's first packet runs the NAT chains of the shards in turn until one
@@ -208,6 +210,11 @@ const SHARDED_MAPS: [&str; 13] = [
     "masquerade-always6",
 ];
 
+/// Whether `map` is one of the host maps and sets whose elements live in a service's shard.
+fn is_sharded_map(map: &str) -> bool {
+    SHARDED_MAPS.contains(&map) || CountedKeys::is_count_set(map)
+}
+
 impl Layout {
     /// With services as data, a shard's size matters only when a change adds a verdict
     /// element (a frontend's backend count changes), while every shard costs each new
@@ -242,7 +249,7 @@ impl Layout {
     /// `service_prefix`: the service maps' elements are in the service's shard (that of the
     /// chain they jump to, when the object is not named).
     pub fn element_table(&self, map: &str, verdict: &str, service_prefix: Option<&str>) -> Table {
-        if !SHARDED_MAPS.contains(&map) {
+        if !is_sharded_map(map) {
             return Table::MAIN;
         }
         if let Some(prefix) = service_prefix {
@@ -329,13 +336,15 @@ const SERVICE_MAPS: &[HostMap] = &[
     HostMap { name: "hairpin", v6_name: Some("hairpin6"), key: KeyShape::Endpoint, kind: MapKind::Set, shared: true },
     // Load balancing as data, no chain of the object's own: each element names one backend
     // of a frontend (verdict `none`). The host numbers a frontend's backends and writes them
-    // to the shard's `service-endpoints` map, and the frontend to `service-ips` with a goto
-    // to the shard's `pick-N` chain, which DNATs through `numgen random mod N` in that map.
+    // to the shard's `service-endpoints` map, the frontend to its count set `frontends-N`
+    // and to `service-ips` with a goto to the shard's `pick-by-count` chain, which goes to
+    // the `pick-N` chain that DNATs through `numgen random mod N` in that map.
     HostMap { name: "service-backends", v6_name: None, key: KeyShape::Backend, kind: MapKind::Backends, shared: false },
     // The same for a node port (externalTrafficPolicy Cluster: always masqueraded), which has
     // no address of its own: backends of either family, each family drawn among its own.
     // The host numbers them into the shard's `nodeport-endpoints(6)`, the port into
-    // `nodeport-picks(6)` with a goto to `nodeport-pick-N`, and into `service-nodeports`
+    // `nodeports(6)-N` and `nodeport-picks(6)` with a goto to `nodeport-pick-by-count(6)`
+    // (which goes to `nodeport-pick-N`), and into `service-nodeports`
     // with a goto to `nodeport-dispatch`, which picks the map of the packet's family.
     HostMap { name: "nodeport-backends", v6_name: None, key: KeyShape::NodePortBackend, kind: MapKind::Backends, shared: false },
     // Frontends of the object (verdict `none`) whose new connections are masqueraded when
@@ -354,6 +363,89 @@ const SERVICE_MAPS: &[HostMap] = &[
 /// every shard); a translator DNATs bigger ones in a chain of its own.
 pub const MAX_PICK: usize = 32;
 
+/// What the count sets of a shard hold, one kind per key of a load-balanced frontend: a
+/// frontend with N backends is an element of set `<kind>-N` (`frontends-3`, `nodeports6-1`).
+///
+/// Its verdict element (`service-ips`, `nodeport-picks`) names a by-count chain instead of
+/// the pick chain of its count: `pick-by-count` tries the counts in turn, smallest first
+/// (`ip daddr . meta l4proto . th dport @frontends-N goto pick-N`), so a new connection to
+/// a frontend of N backends makes N set lookups. A frontend that scales moves from one
+/// plain set to another, and its verdict element stays. Adding a verdict element with a
+/// goto (the `goto pick-N` that scaling rewrote before) makes the kernel validate the
+/// whole table at commit, walking every element of every verdict map
+/// (`nft_table_validate`, kernel 6.18): a third of the host's CPU under churn at 10k
+/// services, growing with the shard (BENCHMARKS.md, twenty-second run). nft 1.0.6 cannot
+/// look the count up as data instead (`… map @counts vmap @picks` does not parse).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CountedKeys {
+    /// IPv4 service frontends (address . protocol . port), from `service-ips`.
+    Frontends,
+    Frontends6,
+    /// Node ports (protocol . port) by their IPv4 backends, from `nodeport-picks`.
+    NodePorts,
+    /// The same by their IPv6 backends, from `nodeport-picks6`.
+    NodePorts6,
+}
+
+impl CountedKeys {
+    const ALL: [CountedKeys; 4] = [CountedKeys::Frontends, CountedKeys::Frontends6, CountedKeys::NodePorts, CountedKeys::NodePorts6];
+
+    fn set_prefix(self) -> &'static str {
+        match self {
+            CountedKeys::Frontends => "frontends",
+            CountedKeys::Frontends6 => "frontends6",
+            CountedKeys::NodePorts => "nodeports",
+            CountedKeys::NodePorts6 => "nodeports6",
+        }
+    }
+
+    /// The set of the keys with `backends` backends.
+    pub fn set(self, backends: usize) -> String {
+        format!("{}-{backends}", self.set_prefix())
+    }
+
+    /// Whether `name` is a count set's.
+    fn is_count_set(name: &str) -> bool {
+        let Some((prefix, count)) = name.rsplit_once('-') else { return false };
+        let Some(keys) = Self::ALL.into_iter().find(|k| k.set_prefix() == prefix) else { return false };
+        count.parse().is_ok_and(|count: usize| keys.set(count) == name && (1..=MAX_PICK).contains(&count))
+    }
+
+    fn key_type(self) -> &'static str {
+        match self {
+            CountedKeys::Frontends => "ipv4_addr . inet_proto . inet_service",
+            CountedKeys::Frontends6 => "ipv6_addr . inet_proto . inet_service",
+            CountedKeys::NodePorts | CountedKeys::NodePorts6 => "inet_proto . inet_service",
+        }
+    }
+
+    /// What a packet is looked up by (a node port's family was chosen by `nodeport-dispatch`).
+    fn key_match(self) -> &'static str {
+        match self {
+            CountedKeys::Frontends => "ip daddr . meta l4proto . th dport",
+            CountedKeys::Frontends6 => "ip6 daddr . meta l4proto . th dport",
+            CountedKeys::NodePorts | CountedKeys::NodePorts6 => "meta l4proto . th dport",
+        }
+    }
+
+    /// The chain that goes to the pick chain `<pick_prefix>-N` of the count it finds a key
+    /// under (`pick-by-count`, `nodeport-affinity-30-pick-by-count6`).
+    pub fn by_count_chain(self, pick_prefix: &str) -> String {
+        let family = if matches!(self, CountedKeys::Frontends6 | CountedKeys::NodePorts6) { "6" } else { "" };
+        format!("{pick_prefix}-by-count{family}")
+    }
+
+    /// Writes [`Self::by_count_chain`] and its rules into table `t`.
+    fn write_by_count_chain(self, out: &mut String, t: Table, pick_prefix: &str) {
+        let chain = self.by_count_chain(pick_prefix);
+        writeln!(out, "add chain {t} {chain}").unwrap();
+        writeln!(out, "flush chain {t} {chain}").unwrap();
+        for n in 1..=MAX_PICK {
+            writeln!(out, "add rule {t} {chain} {} @{} goto {pick_prefix}-{n}", self.key_match(), self.set(n)).unwrap();
+        }
+    }
+}
+
 /// Longest session affinity (Kubernetes' own limit for `timeoutSeconds`).
 pub const MAX_AFFINITY_SECONDS: u32 = 86_400;
 
@@ -370,10 +462,10 @@ fn affinity_family(map: &str) -> Option<(bool, Option<u32>)> {
     Some((node_port, seconds.parse().ok()))
 }
 
-/// Session affinity as data: the chain a frontend with affinity goes to instead of `pick-N`
-/// (`nodeport-pick-N`), one per timeout and backend count. A shard has them for every count
-/// of each timeout its frontends use ([`AffinityClass`]), so a frontend that scales changes
-/// its `goto` element only.
+/// Session affinity as data: the chain a frontend with affinity draws in instead of `pick-N`
+/// (`nodeport-pick-N`), one per timeout and backend count, reached through the timeout's
+/// by-count chain ([`CountedKeys`]). A shard has them for every count of each timeout its
+/// frontends use ([`AffinityClass`]), so a frontend that scales changes its count set only.
 ///
 /// The shard's `affinity-slot-I` sets (`affinity6-slot-I`) hold `client . frontend` pairs
 /// whose client reached backend number I of that frontend. The chain sends a client found
@@ -396,7 +488,7 @@ pub struct AffinityPick {
 
 impl AffinityPick {
     pub fn chain(&self) -> String {
-        format!("{}-pick-{}", self.class().prefix(), self.backends)
+        format!("{}-{}", self.class().pick_prefix(), self.backends)
     }
 
     pub fn parse(chain: &str) -> Option<AffinityPick> {
@@ -453,6 +545,21 @@ impl AffinityClass {
         format!("{kind}-{}", self.seconds)
     }
 
+    /// Its pick chains are `<pick_prefix>-N`.
+    fn pick_prefix(&self) -> String {
+        format!("{}-pick", self.prefix())
+    }
+
+    /// The keys its frontends are counted by, per family.
+    fn counted_keys(&self) -> [CountedKeys; 2] {
+        if self.node_port { [CountedKeys::NodePorts, CountedKeys::NodePorts6] } else { [CountedKeys::Frontends, CountedKeys::Frontends6] }
+    }
+
+    /// The chain a frontend of this class and family goes to (see [`CountedKeys`]).
+    pub fn by_count_chain(&self, keys: CountedKeys) -> String {
+        keys.by_count_chain(&self.pick_prefix())
+    }
+
     /// The chain that sends a client remembered in slot I back to backend I, for every I:
     /// one per class, shared by its pick chains. A slot beyond a frontend's count (left from
     /// when it had more backends) finds no backend I and falls through to the draw.
@@ -477,7 +584,9 @@ impl AffinityClass {
         let (node_port, rest) = Self::strip_kind(chain)?;
         let (seconds, _) = rest.split_once('-')?;
         let class = AffinityClass { node_port, seconds: seconds.parse().ok()? };
-        let ours = class.lookup_chain() == chain || (0..MAX_PICK).any(|i| class.slot_chain(i) == chain);
+        let ours = class.lookup_chain() == chain
+            || (0..MAX_PICK).any(|i| class.slot_chain(i) == chain)
+            || class.counted_keys().into_iter().any(|keys| class.by_count_chain(keys) == chain);
         (ours && (1..=MAX_AFFINITY_SECONDS).contains(&class.seconds)).then_some(class)
     }
 
@@ -516,6 +625,9 @@ impl AffinityClass {
                 writeln!(out, "add rule {t} {name} {rule}").unwrap();
             }
         }
+        for keys in self.counted_keys() {
+            keys.write_by_count_chain(out, t, &self.pick_prefix());
+        }
     }
 }
 
@@ -525,8 +637,8 @@ const AFFINITY_FAMILIES: [(&str, &str, &str, &str); 2] = [("ipv4", "ip", "affini
 /// The affinity classes `rules`' elements go to, with their tables.
 pub fn affinity_classes(rules: &ObjectRules, layout: Layout) -> impl Iterator<Item = (Table, AffinityClass)> + '_ {
     rules.elements.iter().filter_map(move |((map, _), verdict)| {
-        let pick = AffinityPick::parse(verdict.strip_prefix("goto ")?)?;
-        Some((layout.element_table(map, verdict, rules.service_prefix.as_deref()), pick.class()))
+        let class = AffinityClass::of_chain(verdict.strip_prefix("goto ")?)?;
+        Some((layout.element_table(map, verdict, rules.service_prefix.as_deref()), class))
     })
 }
 
@@ -548,7 +660,7 @@ pub fn keep_affinity_slots(old: &ObjectRules, new: &mut ObjectRules) {
         let fronts: Vec<CompactString> = new
             .elements
             .iter()
-            .filter(|((map, _), verdict)| map == picks && verdict.strip_prefix("goto ").and_then(AffinityPick::parse).is_some())
+            .filter(|((map, _), verdict)| map == picks && verdict.strip_prefix("goto ").and_then(AffinityClass::of_chain).is_some())
             .map(|((_, front), _)| front.clone())
             .collect();
         for front in fronts {
@@ -621,7 +733,7 @@ impl ObjectRules {
     /// lives partly in a shard table).
     pub fn is_sharded(&self) -> bool {
         self.chains.keys().next().is_some_and(|c| c.starts_with("svc/"))
-            || (self.service_prefix.is_some() && self.elements.keys().any(|(map, _)| SHARDED_MAPS.contains(&map.as_str())))
+            || (self.service_prefix.is_some() && self.elements.keys().any(|(map, _)| is_sharded_map(map)))
     }
 
     /// Its elements of shared host sets ([`is_shared_set`]): many objects may hold each.
@@ -947,39 +1059,47 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
             return v.fail(format!("map {target_map:?}: key {key} given twice"));
         }
     }
-    // Each frontend's backends, numbered in order, and the frontend sent to the `pick-N`
-    // chain that draws among N.
+    // Each frontend's backends, numbered in order, and the frontend counted and sent to the
+    // by-count chain, which goes on to the `pick-N` chain that draws among N.
     for ((frontend, proto, port), set) in &backends {
         if set.len() > MAX_PICK {
             return v.fail(format!("service-backends: {frontend} has {} backends (limit {MAX_PICK})", set.len()));
         }
-        let (ips, endpoints) = if frontend.is_ipv4() { ("service-ips", "service-endpoints") } else { ("service-ips6", "service-endpoints6") };
+        let (ips, endpoints, keys) = if frontend.is_ipv4() {
+            ("service-ips", "service-endpoints", CountedKeys::Frontends)
+        } else {
+            ("service-ips6", "service-endpoints6", CountedKeys::Frontends6)
+        };
         let front = format_compact!("{frontend} . {proto} . {port}");
         number_backends(&mut elements, endpoints, &front, set);
-        let pick = match affinity.remove(&(*frontend, *proto, *port)) {
-            Some(seconds) => AffinityPick { node_port: false, seconds, backends: set.len() }.chain(),
-            None => format!("pick-{}", set.len()),
+        let by_count = match affinity.remove(&(*frontend, *proto, *port)) {
+            Some(seconds) => AffinityClass { node_port: false, seconds }.by_count_chain(keys),
+            None => keys.by_count_chain("pick"),
         };
-        if elements.insert((ips.into(), front.clone()), format_compact!("goto {pick}")).is_some() {
+        if elements.insert((ips.into(), front.clone()), format_compact!("goto {by_count}")).is_some() {
             return v.fail(format!("map {ips:?}: key {front} given twice (service-backends names it too)"));
         }
+        elements.insert((keys.set(set.len()).into(), front), CompactString::default());
     }
-    // Each node port's backends, numbered per family, and the port sent to the family's
-    // `nodeport-pick-N` through `nodeport-dispatch`.
+    // Each node port's backends, numbered per family, and the port counted per family and
+    // sent through `nodeport-dispatch` to the family's by-count chain.
     for ((proto, port), (v4, v6)) in &node_port_backends {
         let front = format_compact!("{proto} . {port}");
         let seconds = node_port_affinity.remove(&(*proto, *port));
-        for (set, endpoints, picks) in [(v4, "nodeport-endpoints", "nodeport-picks"), (v6, "nodeport-endpoints6", "nodeport-picks6")] {
+        for (set, endpoints, picks, keys) in
+            [(v4, "nodeport-endpoints", "nodeport-picks", CountedKeys::NodePorts), (v6, "nodeport-endpoints6", "nodeport-picks6", CountedKeys::NodePorts6)]
+        {
             if set.len() > MAX_PICK {
                 return v.fail(format!("nodeport-backends: {front} has {} backends of one family (limit {MAX_PICK})", set.len()));
             }
             number_backends(&mut elements, endpoints, &front, set);
             if !set.is_empty() {
-                let pick = match seconds {
-                    Some(seconds) => AffinityPick { node_port: true, seconds, backends: set.len() }.chain(),
-                    None => format!("nodeport-pick-{}", set.len()),
+                let by_count = match seconds {
+                    Some(seconds) => AffinityClass { node_port: true, seconds }.by_count_chain(keys),
+                    None => keys.by_count_chain("nodeport-pick"),
                 };
-                elements.insert((picks.into(), front.clone()), format_compact!("goto {pick}"));
+                elements.insert((picks.into(), front.clone()), format_compact!("goto {by_count}"));
+                elements.insert((keys.set(set.len()).into(), front.clone()), CompactString::default());
             }
         }
         if elements.insert(("service-nodeports".into(), front.clone()), "goto nodeport-dispatch".into()).is_some() {
@@ -1249,6 +1369,23 @@ fn write_pick_chains(out: &mut String, t: Table) {
             }
         }
     }
+    for keys in CountedKeys::ALL {
+        let pick_prefix = if matches!(keys, CountedKeys::NodePorts | CountedKeys::NodePorts6) { "nodeport-pick" } else { "pick" };
+        keys.write_by_count_chain(out, t, pick_prefix);
+    }
+}
+
+/// The count sets of a shard (see [`CountedKeys`]), declared, and emptied if `flush`.
+fn write_count_sets(out: &mut String, t: Table, flush: bool) {
+    for keys in CountedKeys::ALL {
+        for n in 1..=MAX_PICK {
+            let set = keys.set(n);
+            writeln!(out, "add set {t} {set} {{ type {}; }}", keys.key_type()).unwrap();
+            if flush {
+                writeln!(out, "flush set {t} {set}").unwrap();
+            }
+        }
+    }
 }
 
 /// The host's static part of every table of `layout`: maps, base chains and their fixed
@@ -1261,6 +1398,7 @@ pub fn skeleton(out: &mut String, flush_first: bool, layout: Layout, cluster_cid
     for shard in 0..layout.shards {
         let t = Table::shard(shard);
         SHARD_SKELETON.write(out, t, flush_first);
+        write_count_sets(out, t, flush_first);
         write_pick_chains(out, t);
         // Session affinity's memory (see `AffinityPick`): dynamic, never flushed, so clients
         // stay remembered across full syncs.
@@ -1390,10 +1528,21 @@ pub fn full_transaction<'a>(objects: impl Iterator<Item = &'a ObjectRules> + Clo
         class.write(&mut out, t);
     }
     let mut shared = BTreeSet::new();
+    // Count set elements, one statement per set: nft spends ~12 µs on each statement, and
+    // every load-balanced frontend has one (measured: 6,000 frontends in statements of their
+    // own added 0.07 s to a load; in one statement per set, nothing).
+    let mut counted: BTreeMap<(Table, &str), Vec<&str>> = BTreeMap::new();
     for rules in objects {
         let (many, own): (Vec<_>, Vec<_>) = rules.elements.iter().partition(|((map, _), _)| is_shared_set(map));
+        let (counts, own): (Vec<_>, Vec<_>) = own.into_iter().partition(|((map, _), _)| CountedKeys::is_count_set(map));
         add_elements(&mut out, own.into_iter(), layout, rules.service_prefix.as_deref());
+        for ((set, key), verdict) in counts {
+            counted.entry((layout.element_table(set, verdict, rules.service_prefix.as_deref()), set)).or_default().push(key);
+        }
         shared.extend(many.into_iter().map(|(k, _)| k));
+    }
+    for ((t, set), keys) in counted {
+        writeln!(out, "add element {t} {set} {{ {} }}", keys.join(", ")).unwrap();
     }
     shared_elements(&mut out, shared.iter().copied(), true);
     for (t, chain) in &stale.chains {

@@ -94,10 +94,13 @@ impl TestHost {
 async fn builtin_translator_renders_cluster_ip_services() {
     let t = TestHost::start().await;
     let dp = t.dataplane().await;
-    // Load balancing as data: the frontend goes to the shard's pick chain for two
-    // backends, which draws among the frontend's numbered backends; off-cluster sources are
-    // masqueraded; endpoints are in the host's hairpin set.
-    assert!(dp.contains("add element inet wasmplane-s0 service-ips { 10.96.0.20 . tcp . 80 : goto pick-2 }"), "{dp}");
+    // Load balancing as data: the frontend goes to the shard's by-count chain, which finds
+    // it counted as two backends and goes to the pick chain that draws among the
+    // frontend's numbered backends; off-cluster sources are masqueraded; endpoints are in
+    // the host's hairpin set.
+    assert!(dp.contains("add element inet wasmplane-s0 service-ips { 10.96.0.20 . tcp . 80 : goto pick-by-count }"), "{dp}");
+    assert!(dp.contains("add element inet wasmplane-s0 frontends-2 { 10.96.0.20 . tcp . 80 }"), "{dp}");
+    assert!(dp.contains("add rule inet wasmplane-s0 pick-by-count ip daddr . meta l4proto . th dport @frontends-2 goto pick-2"), "{dp}");
     assert!(dp.contains("add element inet wasmplane-s0 service-endpoints { 10.96.0.20 . tcp . 80 . 0 : 10.244.0.11 . 8080 }"), "{dp}");
     assert!(dp.contains("add element inet wasmplane-s0 service-endpoints { 10.96.0.20 . tcp . 80 . 1 : 10.244.1.11 . 8080 }"), "{dp}");
     assert!(dp.contains("add rule inet wasmplane-s0 pick-2 dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 2 map @service-endpoints"), "{dp}");

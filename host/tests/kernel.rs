@@ -7,6 +7,9 @@ use std::time::{Duration, Instant};
 
 use wasmplane::app::{DataplaneMode, HostConfig, start};
 
+mod support;
+use support::set_holds;
+
 const TOKEN: &str = "kernel-test-token-0123456789";
 
 struct Netns(String);
@@ -71,12 +74,12 @@ async fn transactions_apply_to_the_kernel_and_reconcile_repairs_drift() {
         }
     };
     // Full sync of the example cluster: ClusterIP, affinity sets, NodePort, UDP.
-    let table = wait_for("initial sync", &|t| t.contains("10.96.0.20 . tcp . 80 : goto pick-3"));
+    let table = wait_for("initial sync", &|t| t.contains("10.96.0.20 . tcp . 80 : goto pick-by-count") && set_holds(t, "frontends-3", "10.96.0.20 . tcp . 80"));
     // web as data: its three backends by number in its shard's endpoint map, no chain.
     assert!(table.contains("10.96.0.20 . tcp . 80 . 2 : 10.244.1.11 . 8080") && !table.contains("chain svc/shop/web/"), "{table}");
-    // api's session affinity as data: its frontend to the shard's chain for 600 s and its
-    // backend count, which remembers clients in the shard's slot sets.
-    assert!(table.contains("10.96.0.21 . tcp . 443 : goto affinity-600-pick-") && table.contains("chain affinity-600-lookup {"), "{table}");
+    // api's session affinity as data: its frontend to the shard's chain for 600 s, which
+    // goes on by its backend count and remembers clients in the shard's slot sets.
+    assert!(table.contains("10.96.0.21 . tcp . 443 : goto affinity-600-pick-by-count") && table.contains("chain affinity-600-lookup {"), "{table}");
     assert!(table.contains("set affinity-slot-0 {") && !table.contains("chain svc/shop/api/"), "{table}");
     assert!(table.contains("10.244.0.12 . 10.244.0.12"), "hairpin endpoints: {table}");
     assert!(table.contains("tcp . 30080 : goto svc/shop/web/tcp/http") || table.contains("tcp . 30080 : goto svc/shop/checkout/tcp/http/external"), "{table}");
@@ -88,8 +91,9 @@ async fn transactions_apply_to_the_kernel_and_reconcile_repairs_drift() {
     assert_ne!(shop, scaled);
     std::fs::write(manifests.join("shop.yaml"), &scaled).unwrap();
     let table = wait_for("scale-down", &|t| !t.contains("10.244.0.12"));
-    // A draw between the two left: renumbered backends, the frontend to `pick-2`.
-    assert!(table.contains("10.96.0.20 . tcp . 80 : goto pick-2") && table.contains("10.96.0.20 . tcp . 80 . 1 : 10.244.1.11 . 8080"), "{table}");
+    // A draw between the two left: renumbered backends, the frontend counted as two.
+    assert!(set_holds(&table, "frontends-2", "10.96.0.20 . tcp . 80") && !set_holds(&table, "frontends-3", "10.96.0.20 . tcp . 80"), "{table}");
+    assert!(table.contains("10.96.0.20 . tcp . 80 : goto pick-by-count") && table.contains("10.96.0.20 . tcp . 80 . 1 : 10.244.1.11 . 8080"), "{table}");
     assert!(!table.contains("10.96.0.20 . tcp . 80 . 2 "), "{table}");
     // The remaining endpoint is still a hairpin endpoint; the gone one left the set.
     assert!(table.contains("10.244.0.11 . 10.244.0.11"), "{table}");
@@ -105,20 +109,22 @@ async fn transactions_apply_to_the_kernel_and_reconcile_repairs_drift() {
     let shards_with_services = table.split("\ntable ").filter(|t| t.starts_with("inet wasmplane-s") && t.contains(" : goto ")).count();
     assert!(shards_with_services > 1, "services in {shards_with_services} shard table(s):\n{table}");
     let web_table = table.split("\ntable ").find(|t| t.starts_with(&format!("inet {web} {{"))).unwrap_or_else(|| panic!("no table {web}:\n{table}"));
-    assert!(web_table.contains("10.96.0.20 . tcp . 80 : goto pick-2") && web_table.contains("type nat hook prerouting"), "{web_table}");
+    assert!(set_holds(web_table, "frontends-2", "10.96.0.20 . tcp . 80") && web_table.contains("type nat hook prerouting"), "{web_table}");
 
-    // Drift: someone deletes one of our chains (the map elements using it first); the
-    // reconcile puts it back.
+    // Drift: someone empties two of our chains and deletes the elements that lead to them;
+    // the reconcile puts them back.
     let rendered = host.controller.lock().unwrap().dataplane().render();
-    let _ = Command::new("ip").args(["netns", "exec", &ns.0, "nft", "delete", "element", "inet", &web, "service-ips", "{ 10.96.0.20 . tcp . 80 }"]).status();
-    let status = Command::new("ip").args(["netns", "exec", &ns.0, "nft", "flush", "chain", "inet", &web, "pick-2"]).status().unwrap();
-    assert!(status.success());
+    let nft = |args: &[&str]| Command::new("ip").args(["netns", "exec", &ns.0, "nft"]).args(args).status().unwrap().success();
+    assert!(nft(&["delete", "element", "inet", &web, "service-ips", "{ 10.96.0.20 . tcp . 80 }"]));
+    assert!(nft(&["delete", "element", "inet", &web, "frontends-2", "{ 10.96.0.20 . tcp . 80 }"]));
+    assert!(nft(&["flush", "chain", "inet", &web, "pick-by-count"]) && nft(&["flush", "chain", "inet", &web, "pick-2"]));
     let table = ns.nft(&["list", "ruleset"]);
-    assert!(!table.contains("10.96.0.20 . tcp . 80 : goto pick-2"), "{table}");
+    assert!(!table.contains("10.96.0.20 . tcp . 80 : goto") && !set_holds(&table, "frontends-2", "10.96.0.20 . tcp . 80"), "{table}");
     host.controller.lock().unwrap().reconcile().unwrap();
     let table = ns.nft(&["list", "ruleset"]);
     let web_table = table.split("\ntable ").find(|t| t.starts_with(&format!("inet {web} {{"))).unwrap();
-    assert!(web_table.contains("10.96.0.20 . tcp . 80 : goto pick-2") && web_table.contains("numgen random mod 2 map @service-endpoints"), "{web_table}");
+    assert!(web_table.contains("10.96.0.20 . tcp . 80 : goto pick-by-count") && set_holds(web_table, "frontends-2", "10.96.0.20 . tcp . 80"), "{web_table}");
+    assert!(web_table.contains("@frontends-2 goto pick-2") && web_table.contains("numgen random mod 2 map @service-endpoints"), "{web_table}");
     assert_eq!(host.controller.lock().unwrap().dataplane().render(), rendered);
 
     // A module swap is one transaction too: the port filter keeps only api (labelled).

@@ -8,6 +8,7 @@ mod support;
 use std::collections::{BTreeMap, BTreeSet};
 
 use support::netns::{Netns, is_root, unique_prefix};
+use support::set_holds;
 use wasmplane::dataplane::{Dataplane, Kernel, NetlinkNft, NftCommand};
 use wasmplane::nft::{self, ElementKey, ObjectRules, SetRules};
 use wasmplane_model::{CompactString, format_compact};
@@ -112,7 +113,8 @@ fn service_b(port: u16) -> ObjectRules {
 }
 
 /// A service load balanced as data (the default translator's shape): numbered backends in
-/// its shard's endpoint map, the frontend sent to the pick chain for their count.
+/// its shard's endpoint map, the frontend counted in the count set of their number and sent
+/// to the by-count chain.
 fn service_c(backends: &[&str]) -> ObjectRules {
     let mut rules = object(&[], &[], &[]);
     rules.service_prefix = Some("svc/ns/c".into());
@@ -120,24 +122,28 @@ fn service_c(backends: &[&str]) -> ObjectRules {
     for (i, b) in backends.iter().enumerate() {
         rules.elements.insert(("service-endpoints".into(), format_compact!("{front} . {i}")), format_compact!("{b} . 5353"));
     }
-    rules.elements.insert(("service-ips".into(), front.into()), format_compact!("goto pick-{}", backends.len()));
+    rules.elements.insert(("service-ips".into(), front.into()), "goto pick-by-count".into());
+    rules.elements.insert((format_compact!("frontends-{}", backends.len()), front.into()), CompactString::default());
     rules.elements.insert(("masquerade-off-cluster".into(), front.into()), CompactString::default());
     rules.elements.insert(("service-endpoints6".into(), "fd00::3 . tcp . 80 . 0".into()), "fd00::33 . 8080".into());
-    rules.elements.insert(("service-ips6".into(), "fd00::3 . tcp . 80".into()), "goto pick-1".into());
+    rules.elements.insert(("service-ips6".into(), "fd00::3 . tcp . 80".into()), "goto pick-by-count6".into());
+    rules.elements.insert(("frontends6-1".into(), "fd00::3 . tcp . 80".into()), CompactString::default());
     // Its node port, as data too: numbered per family, dispatched by the shard.
     let node_port = "udp . 30053";
     for (i, b) in backends.iter().enumerate() {
         rules.elements.insert(("nodeport-endpoints".into(), format_compact!("{node_port} . {i}")), format_compact!("{b} . 5353"));
     }
-    rules.elements.insert(("nodeport-picks".into(), node_port.into()), format_compact!("goto nodeport-pick-{}", backends.len()));
+    rules.elements.insert(("nodeport-picks".into(), node_port.into()), "goto nodeport-pick-by-count".into());
+    rules.elements.insert((format_compact!("nodeports-{}", backends.len()), node_port.into()), CompactString::default());
     rules.elements.insert(("nodeport-endpoints6".into(), format_compact!("{node_port} . 0")), "fd00::33 . 5353".into());
-    rules.elements.insert(("nodeport-picks6".into(), node_port.into()), "goto nodeport-pick-1".into());
+    rules.elements.insert(("nodeport-picks6".into(), node_port.into()), "goto nodeport-pick-by-count6".into());
+    rules.elements.insert(("nodeports6-1".into(), node_port.into()), CompactString::default());
     rules.elements.insert(("service-nodeports".into(), node_port.into()), "goto nodeport-dispatch".into());
     rules
 }
 
-/// Session affinity as data: numbered backends, the frontend sent to the affinity pick
-/// chain of its timeout and count (declared by the writer, see `affinity_chain`).
+/// Session affinity as data: numbered backends, the frontend counted and sent to the
+/// by-count chain of its timeout (declared by the writer, see `affinity_chain`).
 fn service_f(backends: &[&str]) -> ObjectRules {
     let mut rules = object(&[], &[], &[]);
     rules.service_prefix = Some("svc/ns/f".into());
@@ -145,7 +151,8 @@ fn service_f(backends: &[&str]) -> ObjectRules {
     for (i, b) in backends.iter().enumerate() {
         rules.elements.insert(("service-endpoints".into(), format_compact!("{front} . {i}")), format_compact!("{b} . 8080"));
     }
-    rules.elements.insert(("service-ips".into(), front.into()), format_compact!("goto affinity-10800-pick-{}", backends.len()));
+    rules.elements.insert(("service-ips".into(), front.into()), "goto affinity-10800-pick-by-count".into());
+    rules.elements.insert((format_compact!("frontends-{}", backends.len()), front.into()), CompactString::default());
     rules
 }
 
@@ -271,10 +278,10 @@ fn netlink_batches_leave_the_table_nft_would() {
     assert!(table.contains("10.96.0.1 . tcp . 80 : goto svc/ns/a"), "{table}");
     assert!(table.contains("elements = { 10.244.0.7, 10.244.0.11 }"), "{table}");
     assert!(table.contains("elements = { 10.244.1.6 . 10.244.1.6 }"), "hairpin pairs added and deleted: {table}");
-    assert!(table.contains("10.96.0.3 . udp . 53 . 2 : 10.244.3.9 . 5353") && table.contains("10.96.0.3 . udp . 53 : goto pick-3"), "{table}");
+    assert!(table.contains("10.96.0.3 . udp . 53 . 2 : 10.244.3.9 . 5353") && set_holds(&table, "frontends-3", "10.96.0.3 . udp . 53"), "{table}");
     assert!(table.contains("ip saddr @svc/ns/e/ep/10.244.5.3/8080/affinity meta l4proto tcp update @svc/ns/e/ep/10.244.5.3/8080/affinity { ip saddr timeout 3h } dnat ip to 10.244.5.3:8080"), "{table}");
-    assert!(table.contains("udp . 30053 . 2 : 10.244.3.9 . 5353") && table.contains("udp . 30053 : goto nodeport-pick-3"), "{table}");
-    assert!(table.contains("10.96.0.6 . tcp . 80 : goto affinity-10800-pick-3") && table.contains("10.96.0.6 . tcp . 80 . 2 : 10.244.6.4 . 8080"), "{table}");
+    assert!(table.contains("udp . 30053 . 2 : 10.244.3.9 . 5353") && set_holds(&table, "nodeports-3", "udp . 30053"), "{table}");
+    assert!(table.contains("10.96.0.6 . tcp . 80 : goto affinity-10800-pick-by-count") && set_holds(&table, "frontends-3", "10.96.0.6 . tcp . 80") && table.contains("10.96.0.6 . tcp . 80 . 2 : 10.244.6.4 . 8080"), "{table}");
     assert!(
         table.contains("update @affinity-slot-2 { ip saddr . ip daddr . meta l4proto . th dport timeout 3h } dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 1 offset 2 map @service-endpoints"),
         "{table}"

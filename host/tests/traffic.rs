@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use support::cluster::*;
+use support::set_holds;
 use support::echo::*;
 use support::netns::*;
 
@@ -29,7 +30,7 @@ macro_rules! require_root {
 }
 
 /// `frontend` (`address . protocol . port`) is in a service map: load balanced as data (a
-/// goto to a shard's pick chain) or by a chain of the service's own.
+/// goto to a shard's by-count chain) or by a chain of the service's own.
 fn serves(t: &str, frontend: &str) -> bool {
     t.contains(&format!("{frontend} : goto "))
 }
@@ -154,7 +155,7 @@ async fn cluster_ip_reaches_every_ready_backend_over_tcp_and_udp() {
     // One service to a shard (the test config): the traffic below crosses several shard
     // tables, each with its own NAT chains, and the main table's checks.
     let table = topo.table();
-    let shards = table.split("\ntable ").filter(|t| t.starts_with("inet wasmplane-s") && t.contains(" : goto pick-")).count();
+    let shards = table.split("\ntable ").filter(|t| t.starts_with("inet wasmplane-s") && t.contains(" : goto pick-by-count")).count();
     assert!(shards > 1, "services in {shards} shard table(s):\n{table}");
 
     let replies = tcp_many(&client, addr("10.96.0.10", 80), MANY);
@@ -279,9 +280,10 @@ async fn session_affinity_client_ip_sticks() {
     cluster.put(&sticky);
     let host = start_host(cluster.config(topo.nft_command())).await;
     // Affinity as data: no chain of the service's own, the frontends go to the shard's
-    // affinity pick chain for 600 s and 3 backends.
-    let t = wait_applied(&host, "the sticky service", |t| t.contains("10.96.0.30 . udp . 80 : goto affinity-600-pick-3"));
-    assert!(t.contains("10.96.0.30 . tcp . 80 : goto affinity-600-pick-3") && !t.contains("svc/default/sticky"), "{t}");
+    // affinity chain for 600 s, counted as 3 backends.
+    let t = wait_applied(&host, "the sticky service", |t| t.contains("10.96.0.30 . udp . 80 : goto affinity-600-pick-by-count"));
+    assert!(t.contains("10.96.0.30 . tcp . 80 : goto affinity-600-pick-by-count") && !t.contains("svc/default/sticky"), "{t}");
+    assert!(set_holds(&t, "frontends-3", "10.96.0.30 . tcp . 80") && set_holds(&t, "frontends-3", "10.96.0.30 . udp . 80"), "{t}");
 
     let one = |what: &str, replies: Vec<std::io::Result<Reply>>| -> String {
         let seen = tally(what, &replies);
@@ -292,7 +294,7 @@ async fn session_affinity_client_ip_sticks() {
     let udp1 = one("client 1, UDP", udp_many(&client, addr("10.96.0.30", 80), 30));
     one("client 2, TCP", tcp_many(&client2, addr("10.96.0.30", 80), 30));
     // The node port remembers its clients too (chains of its own for the timeout).
-    assert!(t.contains("tcp . 30030 : goto nodeport-affinity-600-pick-3"), "{t}");
+    assert!(t.contains("tcp . 30030 : goto nodeport-affinity-600-pick-by-count") && set_holds(&t, "nodeports-3", "tcp . 30030"), "{t}");
     let ext = topo.external.name.clone();
     one("external client, TCP node port", tcp_many(&ext, addr(NODE_EXTERNAL_IP, 30030), 30));
 
@@ -317,13 +319,13 @@ async fn session_affinity_client_ip_sticks() {
     // anew) in incremental transactions the kernel must accept.
     sticky.affinity_seconds = None;
     cluster.put(&sticky);
-    wait_applied(&host, "affinity off", |t| t.contains("10.96.0.30 . tcp . 80 : goto pick-3"));
+    wait_applied(&host, "affinity off", |t| t.contains("10.96.0.30 . tcp . 80 : goto pick-by-count"));
     let all: Vec<&str> = ["a", "b", "c", "d"].into_iter().filter(|id| *id != tcp1).collect();
     assert_backends("client 1 without affinity", &tcp_many(&client, addr("10.96.0.30", 80), MANY), &all);
     // Another timeout: new to the shard, its chains come with a full sync.
     sticky.affinity_seconds = Some(30);
     cluster.put(&sticky);
-    wait_applied(&host, "affinity on", |t| t.contains("10.96.0.30 . tcp . 80 : goto affinity-30-pick-3"));
+    wait_applied(&host, "affinity on", |t| t.contains("10.96.0.30 . tcp . 80 : goto affinity-30-pick-by-count"));
     one("client 1, TCP, affinity on again", tcp_many(&client, addr("10.96.0.30", 80), 30));
     host.stop().await;
 }
@@ -563,26 +565,33 @@ async fn periodic_reconcile_repairs_hand_made_damage() {
     type Damage = (&'static str, String, &'static dyn Fn(&str) -> bool);
     let damage: &[Damage] = &[
         (
-            "the service's map element and one of its backends deleted",
+            "the service's map element, its count and one of its backends deleted",
             format!(
                 "delete element {shard} service-ips {{ 10.96.0.80 . tcp . 80 }}\n\
+                 delete element {shard} frontends-2 {{ 10.96.0.80 . tcp . 80 }}\n\
                  delete element {shard} service-endpoints {{ 10.96.0.80 . tcp . 80 . 1 }}\n"
             ),
-            &|t| t.contains("10.96.0.80 . tcp . 80 : goto pick-2") && t.contains("10.96.0.80 . tcp . 80 . 1 : "),
+            &|t| {
+                t.contains("10.96.0.80 . tcp . 80 : goto pick-by-count")
+                    && set_holds(t, "frontends-2", "10.96.0.80 . tcp . 80")
+                    && t.contains("10.96.0.80 . tcp . 80 . 1 : ")
+            },
         ),
         (
-            "the pick chain deleted (the map element first, as nft insists)",
+            "the by-count chain deleted (the map element first, as nft insists)",
             format!(
                 "delete element {shard} service-ips {{ 10.96.0.80 . tcp . 80 }}\n\
-                 flush chain {shard} pick-2\n\
-                 delete chain {shard} pick-2\n"
+                 flush chain {shard} pick-by-count\n\
+                 delete chain {shard} pick-by-count\n"
             ),
-            &|t| t.contains("chain pick-2 {") && t.contains("10.96.0.80 . tcp . 80 : goto pick-2"),
+            &|t| t.contains("chain pick-by-count {") && t.contains("@frontends-2 goto pick-2") && t.contains("10.96.0.80 . tcp . 80 : goto pick-by-count"),
         ),
         ("a base chain flushed", format!("flush chain {shard} nat-prerouting\n"), &|t| {
             t.split("chain nat-prerouting {").skip(1).all(|c| c.split('}').next().unwrap().contains("jump services"))
         }),
-        ("the shard table deleted", format!("delete table {shard}\n"), &|t| t.contains("10.96.0.80 . tcp . 80 : goto pick-2")),
+        ("the shard table deleted", format!("delete table {shard}\n"), &|t| {
+            t.contains("10.96.0.80 . tcp . 80 : goto pick-by-count") && set_holds(t, "frontends-2", "10.96.0.80 . tcp . 80")
+        }),
         ("the main table deleted", "delete table inet wasmplane\n".into(), &|t| t.contains("table inet wasmplane {") && t.contains("chain masquerading {")),
     ];
     for (what, commands, repaired) in damage {
@@ -645,21 +654,23 @@ async fn restarting_the_host_leaves_no_window_without_rules() {
     wait_successes("the client loop to run", 20);
 
     host.stop().await;
-    assert!(topo.table().contains("10.96.0.90 . tcp . 80 : goto pick-2"), "rules must stay while the host is down");
+    let table = topo.table();
+    assert!(table.contains("10.96.0.90 . tcp . 80 : goto pick-by-count") && set_holds(&table, "frontends-2", "10.96.0.90 . tcp . 80"), "rules must stay while the host is down");
     wait_successes("traffic while the host is down", 20);
 
     let host = start_host(cluster.config(topo.nft_command())).await;
     // Before the new host has read its sources, it must not have replaced working rules
     // with its (still empty) view of the cluster.
     let table = topo.table();
-    assert!(table.contains("10.96.0.90 . tcp . 80 : goto pick-2"), "rules right after restart:\n{table}");
+    assert!(table.contains("10.96.0.90 . tcp . 80 : goto pick-by-count") && set_holds(&table, "frontends-2", "10.96.0.90 . tcp . 80"), "rules right after restart:\n{table}");
     wait_applied(&host, "the new host's first sync", |t| serves(t, "10.96.0.90 . udp . 80"));
+    // The first sync is one full transaction: the last one written is full, and no change
+    // went in as a netlink batch (full transactions go through `nft -f`). The kept start of
+    // the transaction ends in the shards' skeletons, before the services' elements.
     let first = host.controller.lock().unwrap().dataplane().last_transaction.clone();
-    let shard = host.controller.lock().unwrap().dataplane().layout().table_of("svc/default/always");
-    assert!(
-        first.contains("flush table inet wasmplane\n") && first.contains(&format!("add element {shard} service-ips {{ 10.96.0.90 . tcp . 80 : goto pick-2 }}")),
-        "the first sync is one full transaction:\n{first}"
-    );
+    assert!(first.starts_with("add table inet wasmplane\n") && first.contains("flush table inet wasmplane\n"), "the first sync is one full transaction:\n{first}");
+    let batches = host.metrics.dataplane_transactions.get_or_create(&wasmplane::metrics::PathLabels { path: "netlink".into() }).get();
+    assert_eq!(batches, 0, "the first sync is one full transaction, not a start from nothing and changes");
     wait_successes("traffic after the restart", 20);
 
     stop.store(true, Ordering::SeqCst);
@@ -679,7 +690,7 @@ async fn sctp_services_load_and_dnat() {
     let host = start_host(cluster.config(topo.nft_command())).await;
     wait_applied(&host, "the SCTP service", |t| serves(t, "10.96.0.100 . sctp . 7777"));
     let table = topo.table();
-    assert!(table.contains("10.96.0.100 . sctp . 7777 : goto pick-1") && table.contains("10.96.0.100 . sctp . 7777 . 0 : 10.244.0.11 . 7070"), "{table}");
+    assert!(table.contains("10.96.0.100 . sctp . 7777 : goto pick-by-count") && set_holds(&table, "frontends-1", "10.96.0.100 . sctp . 7777") && table.contains("10.96.0.100 . sctp . 7777 . 0 : 10.244.0.11 . 7070"), "{table}");
 
     // No SCTP sockets on this kernel; raw sockets show the INIT arriving DNATed.
     use support::sctp::*;

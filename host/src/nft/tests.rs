@@ -315,9 +315,12 @@ fn a_service_keeps_all_its_names_in_one_shard_and_everything_else_in_the_main_ta
         // The shared checks stay in the main table.
         assert_eq!(layout.element_table("no-endpoint-services", "goto reject-chain", None), Table::MAIN);
         assert_eq!(layout.element_table("cluster-ips", "", None), Table::MAIN);
-        // Data elements and gotos to a shard's `pick-N` chains follow the object's name.
+        // Data elements, count sets and gotos to a shard's by-count chains follow the
+        // object's name.
         assert_eq!(layout.element_table("service-endpoints", "10.244.0.1 . 80", Some(&service)), t);
-        assert_eq!(layout.element_table("service-ips", "goto pick-3", Some(&service)), t);
+        assert_eq!(layout.element_table("service-ips", "goto pick-by-count", Some(&service)), t);
+        assert_eq!(layout.element_table("frontends-3", "", Some(&service)), t);
+        assert_eq!(layout.element_table("nodeports6-32", "", Some(&service)), t);
         assert_eq!(layout.element_table("hairpin", "", Some(&service)), Table::MAIN);
     }
     let used: BTreeSet<Table> = (0..200).map(|i| layout.table_of(&format!("svc/ns/s{i}"))).collect();
@@ -444,7 +447,7 @@ fn frontend_set(map: &str, ip: &str) -> MapElement {
 }
 
 #[test]
-fn backends_as_data_are_numbered_in_the_endpoint_maps_and_sent_to_the_pick_chain_of_their_count() {
+fn backends_as_data_are_numbered_in_the_endpoint_maps_and_counted_in_the_count_set_of_their_number() {
     let out = ruleset(
         vec![],
         vec![
@@ -459,9 +462,12 @@ fn backends_as_data_are_numbered_in_the_endpoint_maps_and_sent_to_the_pick_chain
     let get = |map: &str, k: &str| rules.elements.get(&(map.into(), k.into())).map(CompactString::as_str);
     assert_eq!(get("service-endpoints", "10.96.0.20 . tcp . 80 . 0"), Some("10.244.0.11 . 8080"));
     assert_eq!(get("service-endpoints", "10.96.0.20 . tcp . 80 . 1"), Some("10.244.0.12 . 8080"));
-    assert_eq!(get("service-ips", "10.96.0.20 . tcp . 80"), Some("goto pick-2"));
+    assert_eq!(get("service-ips", "10.96.0.20 . tcp . 80"), Some("goto pick-by-count"));
+    assert_eq!(get("frontends-2", "10.96.0.20 . tcp . 80"), Some(""));
     assert_eq!(get("service-endpoints6", "fd00:96::20 . udp . 53 . 0"), Some("fd00::11 . 5353"));
-    assert_eq!(get("service-ips6", "fd00:96::20 . udp . 53"), Some("goto pick-1"));
+    assert_eq!(get("service-ips6", "fd00:96::20 . udp . 53"), Some("goto pick-by-count6"));
+    assert_eq!(get("frontends6-1", "fd00:96::20 . udp . 53"), Some(""));
+    assert_eq!(rules.elements.keys().filter(|(map, _)| map.starts_with("frontends")).count(), 2, "one count per frontend");
     assert_eq!(get("masquerade-off-cluster", "10.96.0.20 . tcp . 80"), Some(""));
     assert!(rules.is_sharded() && rules.chains.is_empty());
 
@@ -472,7 +478,12 @@ fn backends_as_data_are_numbered_in_the_endpoint_maps_and_sent_to_the_pick_chain
     let text = full_transaction([&rules].into_iter(), &Stale::default(), layout, &cidrs);
     for line in [
         format!("add element {shard} service-endpoints {{ 10.96.0.20 . tcp . 80 . 1 : 10.244.0.12 . 8080 }}"),
-        format!("add element {shard} service-ips {{ 10.96.0.20 . tcp . 80 : goto pick-2 }}"),
+        format!("add element {shard} service-ips {{ 10.96.0.20 . tcp . 80 : goto pick-by-count }}"),
+        format!("add element {shard} frontends-2 {{ 10.96.0.20 . tcp . 80 }}"),
+        format!("add set {shard} frontends-{MAX_PICK} {{ type ipv4_addr . inet_proto . inet_service; }}"),
+        format!("flush set {shard} frontends6-1"),
+        format!("add rule {shard} pick-by-count ip daddr . meta l4proto . th dport @frontends-1 goto pick-1"),
+        format!("add rule {shard} pick-by-count6 ip6 daddr . meta l4proto . th dport @frontends6-{MAX_PICK} goto pick-{MAX_PICK}"),
         format!("add element {shard} masquerade-off-cluster {{ 10.96.0.20 . tcp . 80 }}"),
         format!("add rule {shard} pick-2 dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 2 map @service-endpoints"),
         format!("add rule {shard} pick-{MAX_PICK} jump masquerade-check"),
@@ -481,7 +492,10 @@ fn backends_as_data_are_numbered_in_the_endpoint_maps_and_sent_to_the_pick_chain
     ] {
         assert!(text.contains(&line), "{line} missing");
     }
-    assert!(!text.contains(&format!("pick-{} ", MAX_PICK + 1)));
+    assert!(!text.contains(&format!("pick-{} ", MAX_PICK + 1)) && !text.contains(&format!("frontends-{} ", MAX_PICK + 1)));
+    // The smallest count is tried first: a frontend of N backends costs a new connection N
+    // set lookups.
+    assert!(text.find("@frontends-1 goto pick-1\n") < text.find("@frontends-2 goto pick-2\n"));
     // An endpoint change is element deltas only: one number's backend, no chain touched.
     let out = ruleset(vec![], vec![backend("10.96.0.20", Protocol::Tcp, 80, "10.244.0.11", 8080), backend("10.96.0.20", Protocol::Tcp, 80, "10.244.0.13", 8080)]);
     let next = validate_service_output(&key(), &out).unwrap();
@@ -490,6 +504,30 @@ fn backends_as_data_are_numbered_in_the_endpoint_maps_and_sent_to_the_pick_chain
     assert!(delta.contains(&format!("delete element {shard} service-endpoints {{ 10.96.0.20 . tcp . 80 . 1 }}")), "{delta}");
     assert!(delta.contains(&format!("add element {shard} service-endpoints {{ 10.96.0.20 . tcp . 80 . 1 : 10.244.0.13 . 8080 }}")), "{delta}");
     assert!(!delta.contains("chain") && !delta.contains("service-ips {"), "{delta}");
+
+    // Scaling is element deltas of plain sets: the frontend moves from one count set to the
+    // next, and no element with a goto is written (it would make the kernel validate the
+    // whole table: see `CountedKeys`).
+    let out = ruleset(vec![], ["10.244.0.11", "10.244.0.12", "10.244.0.13"].map(|b| backend("10.96.0.20", Protocol::Tcp, 80, b, 8080)).to_vec());
+    let scaled = validate_service_output(&key(), &out).unwrap();
+    let mut delta = String::new();
+    objects_delta(&[(&next, &scaled)], &mut delta, layout);
+    assert!(delta.contains(&format!("delete element {shard} frontends-2 {{ 10.96.0.20 . tcp . 80 }}")), "{delta}");
+    assert!(delta.contains(&format!("add element {shard} frontends-3 {{ 10.96.0.20 . tcp . 80 }}")), "{delta}");
+    assert!(delta.contains(&format!("add element {shard} service-endpoints {{ 10.96.0.20 . tcp . 80 . 2 : 10.244.0.13 . 8080 }}")), "{delta}");
+    assert!(!delta.contains("goto") && !delta.contains("jump") && !delta.contains("chain"), "{delta}");
+}
+
+#[test]
+fn a_full_transaction_writes_each_count_set_in_one_statement() {
+    let service = |name: &str, ip: &str| {
+        let out = ruleset(vec![], ["10.244.0.11", "10.244.0.12"].map(|b| backend(ip, Protocol::Tcp, 80, b, 8080)).to_vec());
+        validate_service_output(&ObjectKey::new("shop", name), &out).unwrap()
+    };
+    let (web, api) = (service("web", "10.96.0.20"), service("api", "10.96.0.21"));
+    let text = full_transaction([&web, &api].into_iter(), &Stale::default(), Layout::default(), &[]);
+    let statements: Vec<&str> = text.lines().filter(|l| l.starts_with("add element inet wasmplane-s0 frontends-2 ")).collect();
+    assert_eq!(statements, ["add element inet wasmplane-s0 frontends-2 { 10.96.0.20 . tcp . 80, 10.96.0.21 . tcp . 80 }"]);
 }
 
 #[test]
@@ -537,12 +575,16 @@ fn node_port_backends_are_numbered_per_family_and_dispatched_by_the_host() {
     assert_eq!(get("nodeport-endpoints", "tcp . 30080 . 0"), Some("10.244.0.11 . 8080"));
     assert_eq!(get("nodeport-endpoints", "tcp . 30080 . 1"), Some("10.244.0.12 . 8080"));
     assert_eq!(get("nodeport-endpoints6", "tcp . 30080 . 0"), Some("fd00::11 . 8080"));
-    assert_eq!(get("nodeport-picks", "tcp . 30080"), Some("goto nodeport-pick-2"));
-    assert_eq!(get("nodeport-picks6", "tcp . 30080"), Some("goto nodeport-pick-1"));
+    assert_eq!(get("nodeport-picks", "tcp . 30080"), Some("goto nodeport-pick-by-count"));
+    assert_eq!(get("nodeports-2", "tcp . 30080"), Some(""));
+    assert_eq!(get("nodeport-picks6", "tcp . 30080"), Some("goto nodeport-pick-by-count6"));
+    assert_eq!(get("nodeports6-1", "tcp . 30080"), Some(""));
     assert_eq!(get("service-nodeports", "tcp . 30080"), Some("goto nodeport-dispatch"));
     // An IPv4-only node port: nothing for IPv6 packets to draw from.
-    assert_eq!(get("nodeport-picks", "tcp . 30081"), Some("goto nodeport-pick-1"));
+    assert_eq!(get("nodeport-picks", "tcp . 30081"), Some("goto nodeport-pick-by-count"));
+    assert_eq!(get("nodeports-1", "tcp . 30081"), Some(""));
     assert_eq!(get("nodeport-picks6", "tcp . 30081"), None);
+    assert!(!rules.elements.keys().any(|(map, key)| map.starts_with("nodeports6") && key == "tcp . 30081"));
     assert!(rules.chains.is_empty() && rules.is_sharded());
 
     // In the service's shard, with the static chains that dispatch and draw.
@@ -553,6 +595,8 @@ fn node_port_backends_are_numbered_per_family_and_dispatched_by_the_host() {
         format!("add element {shard} nodeport-endpoints {{ tcp . 30080 . 1 : 10.244.0.12 . 8080 }}"),
         format!("add element {shard} service-nodeports {{ tcp . 30080 : goto nodeport-dispatch }}"),
         format!("add rule {shard} nodeport-dispatch meta nfproto ipv6 meta l4proto . th dport vmap @nodeport-picks6"),
+        format!("add rule {shard} nodeport-pick-by-count meta l4proto . th dport @nodeports-2 goto nodeport-pick-2"),
+        format!("add rule {shard} nodeport-pick-by-count6 meta l4proto . th dport @nodeports6-1 goto nodeport-pick-1"),
         format!("add rule {shard} nodeport-pick-2 jump mark-for-masquerade"),
         format!("add rule {shard} nodeport-pick-2 meta nfproto ipv4 dnat ip to meta l4proto . th dport . numgen random mod 2 map @nodeport-endpoints"),
     ] {
@@ -606,7 +650,7 @@ fn node_port_affinity(seconds: u32, port: u16) -> MapElement {
 }
 
 #[test]
-fn session_affinity_as_data_goes_to_the_affinity_pick_chain_of_its_timeout_and_count() {
+fn session_affinity_as_data_goes_to_the_by_count_chain_of_its_timeout() {
     let out = ruleset(
         vec![],
         vec![
@@ -620,9 +664,11 @@ fn session_affinity_as_data_goes_to_the_affinity_pick_chain_of_its_timeout_and_c
     );
     let rules = validate_service_output(&key(), &out).unwrap();
     let get = |map: &str, k: &str| rules.elements.get(&(map.into(), k.into())).map(CompactString::as_str);
-    assert_eq!(get("service-ips", "10.96.0.20 . tcp . 80"), Some("goto affinity-10800-pick-2"));
-    assert_eq!(get("nodeport-picks", "tcp . 30080"), Some("goto nodeport-affinity-30-pick-1"));
-    assert_eq!(get("nodeport-picks6", "tcp . 30080"), Some("goto nodeport-affinity-30-pick-1"));
+    assert_eq!(get("service-ips", "10.96.0.20 . tcp . 80"), Some("goto affinity-10800-pick-by-count"));
+    assert_eq!(get("frontends-2", "10.96.0.20 . tcp . 80"), Some(""));
+    assert_eq!(get("nodeport-picks", "tcp . 30080"), Some("goto nodeport-affinity-30-pick-by-count"));
+    assert_eq!(get("nodeport-picks6", "tcp . 30080"), Some("goto nodeport-affinity-30-pick-by-count6"));
+    assert_eq!((get("nodeports-1", "tcp . 30080"), get("nodeports6-1", "tcp . 30080")), (Some(""), Some("")));
     // The affinity elements themselves are not written anywhere.
     assert!(!rules.elements.keys().any(|(map, _)| map.contains("affinity")), "{:?}", rules.elements);
 
@@ -646,14 +692,18 @@ fn session_affinity_as_data_goes_to_the_affinity_pick_chain_of_its_timeout_and_c
         format!("add rule {shard} affinity-10800-slot-0 meta nfproto ipv6 update @affinity6-slot-0 {{ ip6 saddr . ip6 daddr . meta l4proto . th dport timeout 10800s }} dnat ip6 to ip6 daddr . meta l4proto . th dport . numgen random mod 1 offset 0 map @service-endpoints6"),
         format!("add rule {shard} nodeport-affinity-30-pick-1 jump mark-for-masquerade"),
         format!("add rule {shard} nodeport-affinity-30-slot-0 meta nfproto ipv4 update @affinity-slot-0 {{ ip saddr . ip daddr . meta l4proto . th dport timeout 30s }} dnat ip to meta l4proto . th dport . numgen random mod 1 offset 0 map @nodeport-endpoints"),
-        // Every count of a timeout in use, so that a frontend scaling changes one element.
+        // Every count of a timeout in use, so that a frontend scaling changes its count set.
         format!("add rule {shard} affinity-10800-pick-{MAX_PICK} jump masquerade-check"),
+        format!("add rule {shard} affinity-10800-pick-by-count ip daddr . meta l4proto . th dport @frontends-2 goto affinity-10800-pick-2"),
+        format!("add rule {shard} affinity-10800-pick-by-count6 ip6 daddr . meta l4proto . th dport @frontends6-1 goto affinity-10800-pick-1"),
+        format!("add rule {shard} nodeport-affinity-30-pick-by-count6 meta l4proto . th dport @nodeports6-{MAX_PICK} goto nodeport-affinity-30-pick-{MAX_PICK}"),
         format!("add set {shard} affinity-slot-{} {{ typeof ip saddr . ip daddr . meta l4proto . th dport; size 262144; flags dynamic,timeout; }}", MAX_PICK - 1),
     ] {
         assert!(text.contains(&line), "{line} missing");
     }
-    // The chain is declared before the element that goes to it.
+    // The chains are declared before the element that goes to them.
     assert!(text.find(&format!("add chain {shard} {chain}")) < text.find(&format!("add element {shard} service-ips")));
+    assert!(text.find(&format!("add chain {shard} affinity-10800-pick-by-count\n")) < text.find(&format!("add element {shard} service-ips")));
     // Clients are remembered across full syncs: the slot sets are never flushed.
     assert!(!text.lines().any(|l| l.starts_with("flush set") && l.contains("affinity-slot")));
     // The chains are the host's, named for what they do, and nothing else parses as one.
@@ -662,6 +712,9 @@ fn session_affinity_as_data_goes_to_the_affinity_pick_chain_of_its_timeout_and_c
     assert_eq!(AffinityClass::of_chain("affinity-30-slot-32"), None);
     assert_eq!(AffinityClass::of_chain("nodeport-affinity-30-lookup"), Some(AffinityClass { node_port: true, seconds: 30 }));
     assert_eq!(AffinityClass::of_chain("affinity-30-lookups"), None);
+    assert_eq!(AffinityClass::of_chain("nodeport-affinity-30-pick-by-count6"), Some(AffinityClass { node_port: true, seconds: 30 }));
+    assert_eq!(AffinityClass::of_chain("affinity-30-pick-by-count7"), None);
+    assert!(is_static_chain("pick-by-count6") && !is_static_chain("affinity-30-pick-by-count"));
     for name in ["affinity-0-pick-2", "affinity-10800-pick-33", "affinity-10800-pick-02", "affinity-x-pick-2", "svc/shop/web"] {
         assert_eq!(AffinityPick::parse(name), None, "{name}");
     }
