@@ -217,7 +217,8 @@ fn is_sharded_map(map: &str) -> bool {
 
 impl Layout {
     /// With services as data, a shard's size matters only when a change adds a verdict
-    /// element (a frontend's backend count changes), while every shard costs each new
+    /// element (a service comes or goes, or turns affinity on or off; a frontend's backend
+    /// count is a count set's element since the twenty-second run), while every shard costs each new
     /// connection ~0.3 µs: 8,192 per shard (8 at 50k) measured better than 1,024 (64) on
     /// both (`benches/nft_writer.rs`, `benches/nat_shards.rs`; BENCHMARKS.md, fifth run).
     pub const DEFAULT_SERVICES_PER_SHARD: usize = 8192;
