@@ -429,6 +429,14 @@ impl CountedKeys {
         }
     }
 
+    /// The pick chains (`<prefix>-N`) of a key without session affinity.
+    fn pick_prefix(self) -> &'static str {
+        match self {
+            CountedKeys::Frontends | CountedKeys::Frontends6 => "pick",
+            CountedKeys::NodePorts | CountedKeys::NodePorts6 => "nodeport-pick",
+        }
+    }
+
     /// The chain that goes to the pick chain `<pick_prefix>-N` of the count it finds a key
     /// under (`pick-by-count`, `nodeport-affinity-30-pick-by-count6`).
     pub fn by_count_chain(self, pick_prefix: &str) -> String {
@@ -1075,7 +1083,7 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
         number_backends(&mut elements, endpoints, &front, set);
         let by_count = match affinity.remove(&(*frontend, *proto, *port)) {
             Some(seconds) => AffinityClass { node_port: false, seconds }.by_count_chain(keys),
-            None => keys.by_count_chain("pick"),
+            None => keys.by_count_chain(keys.pick_prefix()),
         };
         if elements.insert((ips.into(), front.clone()), format_compact!("goto {by_count}")).is_some() {
             return v.fail(format!("map {ips:?}: key {front} given twice (service-backends names it too)"));
@@ -1097,7 +1105,7 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<Ob
             if !set.is_empty() {
                 let by_count = match seconds {
                     Some(seconds) => AffinityClass { node_port: true, seconds }.by_count_chain(keys),
-                    None => keys.by_count_chain("nodeport-pick"),
+                    None => keys.by_count_chain(keys.pick_prefix()),
                 };
                 elements.insert((picks.into(), front.clone()), format_compact!("goto {by_count}"));
                 elements.insert((keys.set(set.len()).into(), front.clone()), CompactString::default());
@@ -1371,8 +1379,7 @@ fn write_pick_chains(out: &mut String, t: Table) {
         }
     }
     for keys in CountedKeys::ALL {
-        let pick_prefix = if matches!(keys, CountedKeys::NodePorts | CountedKeys::NodePorts6) { "nodeport-pick" } else { "pick" };
-        keys.write_by_count_chain(out, t, pick_prefix);
+        keys.write_by_count_chain(out, t, keys.pick_prefix());
     }
 }
 
@@ -1475,13 +1482,19 @@ fn add_elements<'a>(out: &mut String, elements: impl Iterator<Item = (&'a Elemen
 /// statement per set. The caller counts owners: these are elements that gained their first
 /// or lost their last.
 pub fn shared_elements<'a>(out: &mut String, elements: impl Iterator<Item = &'a ElementKey>, add: bool) {
-    let mut by_set: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-    for (set, key) in elements {
-        by_set.entry(set).or_default().push(key);
+    grouped_set_elements(out, elements.map(|(set, key)| (Table::MAIN, set.as_str(), key.as_str())), add);
+}
+
+/// Adds or deletes elements of plain sets (table, set, key), one statement per set: nft
+/// spends ~12 µs on each statement.
+fn grouped_set_elements<'a>(out: &mut String, elements: impl Iterator<Item = (Table, &'a str, &'a str)>, add: bool) {
+    let mut by_set: BTreeMap<(Table, &str), Vec<&str>> = BTreeMap::new();
+    for (t, set, key) in elements {
+        by_set.entry((t, set)).or_default().push(key);
     }
     let verb = if add { "add" } else { "delete" };
-    for (set, keys) in by_set {
-        writeln!(out, "{verb} element {} {set} {{ {} }}", Table::MAIN, keys.join(", ")).unwrap();
+    for ((t, set), keys) in by_set {
+        writeln!(out, "{verb} element {t} {set} {{ {} }}", keys.join(", ")).unwrap();
     }
 }
 
@@ -1529,23 +1542,26 @@ pub fn full_transaction<'a>(objects: impl Iterator<Item = &'a ObjectRules> + Clo
         class.write(&mut out, t);
     }
     let mut shared = BTreeSet::new();
-    // Count set elements, one statement per set: nft spends ~12 µs on each statement, and
-    // every load-balanced frontend has one (measured: 6,000 frontends in statements of their
-    // own added 0.07 s to a load; in one statement per set, nothing).
-    let mut counted: BTreeMap<(Table, &str), Vec<&str>> = BTreeMap::new();
+    // Every load-balanced frontend has a count set element: one statement per set (see
+    // `grouped_set_elements`; 6,000 frontends in statements of their own added 0.07 s to a
+    // load, in one statement per set nothing).
+    let mut counted = Vec::new();
     for rules in objects {
-        let (many, own): (Vec<_>, Vec<_>) = rules.elements.iter().partition(|((map, _), _)| is_shared_set(map));
-        let (counts, own): (Vec<_>, Vec<_>) = own.into_iter().partition(|((map, _), _)| CountedKeys::is_count_set(map));
-        add_elements(&mut out, own.into_iter(), layout, rules.service_prefix.as_deref());
-        for ((set, key), verdict) in counts {
-            counted.entry((layout.element_table(set, verdict, rules.service_prefix.as_deref()), set)).or_default().push(key);
+        let mut own = Vec::new();
+        for (element, verdict) in rules.elements.iter() {
+            let (map, key) = element;
+            if is_shared_set(map) {
+                shared.insert(element);
+            } else if CountedKeys::is_count_set(map) {
+                counted.push((layout.element_table(map, verdict, rules.service_prefix.as_deref()), map.as_str(), key.as_str()));
+            } else {
+                own.push((element, verdict));
+            }
         }
-        shared.extend(many.into_iter().map(|(k, _)| k));
+        add_elements(&mut out, own.into_iter(), layout, rules.service_prefix.as_deref());
     }
-    for ((t, set), keys) in counted {
-        writeln!(out, "add element {t} {set} {{ {} }}", keys.join(", ")).unwrap();
-    }
-    shared_elements(&mut out, shared.iter().copied(), true);
+    grouped_set_elements(&mut out, counted.into_iter(), true);
+    shared_elements(&mut out, shared.into_iter(), true);
     for (t, chain) in &stale.chains {
         writeln!(out, "delete chain {t} {chain}").unwrap();
     }
