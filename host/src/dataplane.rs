@@ -179,7 +179,7 @@ impl NftCommand {
     fn list_ours(&self, args: &[&str], kind: &str) -> Result<(Vec<Table>, Vec<TableObject>), WriteError> {
         let output = self.nft().args(args).stderr(Stdio::piped()).output().map_err(WriteError::Spawn)?;
         if !output.status.success() {
-            return Err(WriteError::Rejected(String::from_utf8_lossy(&output.stderr).chars().take(4096).collect()));
+            return Err(WriteError::Rejected(stderr_text(&output.stderr)));
         }
         let family = format!("{} ", nft::FAMILY);
         let mut current: Option<Table> = None;
@@ -198,6 +198,63 @@ impl NftCommand {
     }
 }
 
+/// An nft command's error output, bounded.
+fn stderr_text(stderr: &[u8]) -> String {
+    String::from_utf8_lossy(stderr).chars().take(REJECTION_CHARS).collect()
+}
+
+const REJECTION_CHARS: usize = 4096;
+
+/// nft's errors for `transaction`, each with the part of the statement it points at quoted
+/// from the transaction. nft echoes at most ~1,000 characters of the statement, then a
+/// caret line as long as the error's column: for one of a full transaction's grouped
+/// element statements (thousands of elements a line) that is the statement's head and a
+/// line of blanks, not the element the kernel refused.
+fn describe_rejection(stderr: &str, transaction: &str) -> String {
+    let mut described = Vec::new();
+    let mut lines = stderr.lines().peekable();
+    while let Some(line) = lines.next() {
+        let Some((location, message)) = line.split_once(": Error: ") else {
+            described.push(line.chars().take(300).collect::<String>());
+            continue;
+        };
+        // `/dev/stdin:LINE:FIRST-LAST`: 1-based, the columns in bytes.
+        let mut parts = location.rsplit(':');
+        let columns = parts.next().unwrap_or_default();
+        let statement = parts.next().and_then(|n| n.parse::<usize>().ok()).and_then(|n| transaction.lines().nth(n.checked_sub(1)?));
+        let (first, last) = columns.split_once('-').unwrap_or((columns, columns));
+        match (statement, first.parse::<usize>(), last.parse::<usize>()) {
+            (Some(statement), Ok(first), Ok(last)) => {
+                // The echoed statement and its caret line say nothing more.
+                while lines.peek().is_some_and(|l| !l.contains(": Error: ")) {
+                    lines.next();
+                }
+                described.push(format!("{message}: {}", quote(statement, first.saturating_sub(1), last)));
+            }
+            _ => described.push(line.to_string()),
+        }
+    }
+    described.join("\n").chars().take(REJECTION_CHARS).collect()
+}
+
+/// `statement` whole if short, else its head (up to its opening brace) and the element or
+/// part at bytes `from..to`, up to the end of that element.
+fn quote(statement: &str, from: usize, to: usize) -> String {
+    const WHOLE: usize = 300;
+    if statement.len() <= WHOLE {
+        return statement.to_string();
+    }
+    let floor = |i: usize| statement.floor_char_boundary(i.min(statement.len()));
+    let head = &statement[..floor(statement.find(" { ").map_or(80, |i| i + 3))];
+    let (from, to) = (floor(from), floor(to));
+    if to <= head.len() {
+        return format!("{head}…");
+    }
+    let rest = &statement[to..];
+    let end = floor(to + [", ", " }"].iter().filter_map(|sep| rest.find(sep)).min().unwrap_or(rest.len()).min(WHOLE));
+    format!("{head}… {} …", &statement[from.max(head.len())..end])
+}
+
 impl Kernel for NftCommand {
     fn apply(&mut self, transaction: &str) -> Result<(), WriteError> {
         let mut child = self
@@ -213,7 +270,7 @@ impl Kernel for NftCommand {
         if output.status.success() {
             Ok(())
         } else {
-            Err(WriteError::Rejected(String::from_utf8_lossy(&output.stderr).chars().take(4096).collect()))
+            Err(WriteError::Rejected(describe_rejection(&String::from_utf8_lossy(&output.stderr), transaction)))
         }
     }
 
@@ -254,7 +311,7 @@ impl Kernel for NftCommand {
     fn list_table(&mut self) -> Result<String, WriteError> {
         let output = self.nft().args(["list", "table", nft::FAMILY, nft::TABLE]).stderr(Stdio::piped()).output().map_err(WriteError::Spawn)?;
         if !output.status.success() {
-            return Err(WriteError::Rejected(String::from_utf8_lossy(&output.stderr).chars().take(4096).collect()));
+            return Err(WriteError::Rejected(stderr_text(&output.stderr)));
         }
         Ok(String::from_utf8_lossy(&output.stdout).into_owned())
     }
@@ -1070,7 +1127,7 @@ mod tests {
         for (i, n) in names.iter().enumerate() {
             let t = layout.table_of(&format!("svc/default/{n}"));
             assert!(full.contains(&format!("add chain {t} svc/default/{n}\n")), "{n} in {t}");
-            assert!(full.contains(&format!("add element {t} service-ips {{ 10.96.0.{i} . tcp . 80 : goto svc/default/{n} }}")));
+            assert!(nft::tests::has_element(&full, &t.to_string(), "service-ips", &format!("10.96.0.{i} . tcp . 80 : goto svc/default/{n}")), "{n} in {t}");
         }
         // An incremental change goes to the service's own shard, elements and chain alike.
         let t = layout.table_of("svc/default/s3");
@@ -1300,5 +1357,24 @@ mod tests {
         // An incremental one is kept whole.
         dp.sync(vec![(key("s1"), None)]).unwrap();
         assert!(dp.last_transaction.contains("svc/default/s1") && !dp.last_transaction.contains("not kept"), "{}", dp.last_transaction);
+    }
+
+    #[test]
+    fn a_rejection_quotes_the_part_of_the_statement_nft_points_at() {
+        // nft's output for line 2, as it prints it for `nft -f -`.
+        let short = "add chain inet wasmplane svc/a\nadd rule inet wasmplane svc/a jump nowhere\n";
+        let stderr = "/dev/stdin:2:36-47: Error: Could not process rule: No such file or directory\nadd rule inet wasmplane svc/a jump nowhere\n                                   ^^^^^^^^^^^^\n";
+        assert_eq!(describe_rejection(stderr, short), "Could not process rule: No such file or directory: add rule inet wasmplane svc/a jump nowhere");
+        // A long statement: its head and the element, not nft's 1,000 characters and blanks.
+        let elements: Vec<String> = (0..100).map(|i| format!("10.0.0.{i} : goto svc/a")).collect();
+        let long = format!("add table inet t\nadd element inet t m {{ {}, 10.9.9.9 : goto nope, 10.9.9.10 : goto svc/a }}\n", elements.join(", "));
+        let at = long.lines().nth(1).unwrap().find("10.9.9.9").unwrap() + 1;
+        let stderr = format!("/dev/stdin:2:{at}-{}: Error: Could not process rule: No such file or directory\n{}\n{}^^^^^^^^\n", at + 7, &long.lines().nth(1).unwrap()[..1023], " ".repeat(at - 1));
+        assert_eq!(describe_rejection(&stderr, &long), "Could not process rule: No such file or directory: add element inet t m { … 10.9.9.9 : goto nope …");
+        // Whatever nft says without a location is kept as it is.
+        assert_eq!(describe_rejection("Error: syntax error\n", short), "Error: syntax error");
+        // A location past the transaction: nft's line kept.
+        let stray = "/dev/stdin:9:1-3: Error: oops\n";
+        assert_eq!(describe_rejection(stray, short), "/dev/stdin:9:1-3: Error: oops");
     }
 }

@@ -98,15 +98,15 @@ async fn builtin_translator_renders_cluster_ip_services() {
     // it counted as two backends and goes to the pick chain that draws among the
     // frontend's numbered backends; off-cluster sources are masqueraded; endpoints are in
     // the host's hairpin set.
-    assert!(dp.contains("add element inet wasmplane-s0 service-ips { 10.96.0.20 . tcp . 80 : goto pick-by-count }"), "{dp}");
-    assert!(dp.contains("add element inet wasmplane-s0 frontends-2 { 10.96.0.20 . tcp . 80 }"), "{dp}");
+    assert!(support::set_holds(&dp, "service-ips", "10.96.0.20 . tcp . 80 : goto pick-by-count"), "{dp}");
+    assert!(support::set_holds(&dp, "frontends-2", "10.96.0.20 . tcp . 80"), "{dp}");
     assert!(dp.contains("add rule inet wasmplane-s0 pick-by-count ip daddr . meta l4proto . th dport @frontends-2 goto pick-2"), "{dp}");
-    assert!(dp.contains("add element inet wasmplane-s0 service-endpoints { 10.96.0.20 . tcp . 80 . 0 : 10.244.0.11 . 8080 }"), "{dp}");
-    assert!(dp.contains("add element inet wasmplane-s0 service-endpoints { 10.96.0.20 . tcp . 80 . 1 : 10.244.1.11 . 8080 }"), "{dp}");
+    assert!(support::set_holds(&dp, "service-endpoints", "10.96.0.20 . tcp . 80 . 0 : 10.244.0.11 . 8080"), "{dp}");
+    assert!(support::set_holds(&dp, "service-endpoints", "10.96.0.20 . tcp . 80 . 1 : 10.244.1.11 . 8080"), "{dp}");
     assert!(dp.contains("add rule inet wasmplane-s0 pick-2 dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 2 map @service-endpoints"), "{dp}");
-    assert!(dp.contains("add element inet wasmplane-s0 masquerade-off-cluster { 10.96.0.20 . tcp . 80 }"), "{dp}");
-    assert!(dp.contains("add element inet wasmplane-s0 cluster-cidrs { 10.244.0.0/16 }"), "{dp}");
-    assert!(dp.lines().any(|l| l.starts_with("add element inet wasmplane hairpin {") && l.contains("10.244.1.11 . 10.244.1.11")), "{dp}");
+    assert!(support::set_holds(&dp, "masquerade-off-cluster", "10.96.0.20 . tcp . 80"), "{dp}");
+    assert!(support::set_holds(&dp, "cluster-cidrs", "10.244.0.0/16"), "{dp}");
+    assert!(support::set_holds(&dp, "hairpin", "10.244.1.11 . 10.244.1.11"), "{dp}");
     let (_, state) = t.get_json("/v1/state").await;
     assert!(state["revision"].as_u64().unwrap() >= 1);
     let (status, modules) = t.get_json("/v1/modules").await;
@@ -232,7 +232,7 @@ spec:
 "#;
     std::fs::write(t.dir.path().join("manifests/cart.yaml"), extra).unwrap();
     // No endpoints: the service rejects instead of blackholing.
-    t.wait_until("the new service", |dp| dp.contains("no-endpoint-services { 10.96.0.30 . tcp . 9000 : goto reject-chain }")).await;
+    t.wait_until("the new service", |dp| support::set_holds(dp, "no-endpoint-services", "10.96.0.30 . tcp . 9000 : goto reject-chain")).await;
 
     let (status, _) = t.upload("port-filter", "service-translator", artifacts::examples::PORT_FILTER_TRANSLATOR).await;
     assert_eq!(status, StatusCode::CREATED);

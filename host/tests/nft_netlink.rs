@@ -363,3 +363,28 @@ fn an_upgrade_from_one_table_moves_services_into_shards() {
     dataplane.full_sync(None).expect("a reconcile after the upgrade");
     assert!(!dataplane.last_transaction.contains("delete map inet wasmplane "), "{}", dataplane.last_transaction);
 }
+
+#[test]
+fn a_refused_element_of_a_long_statement_is_quoted_in_the_error() {
+    if !is_root() {
+        eprintln!("\n!!! SKIPPED rejection test: needs root (network namespaces, nftables) !!!\n");
+        return;
+    }
+    let ns = Netns::new(unique_prefix("nl-refused"));
+    // A full transaction writes a map's elements in one statement; nft echoes only its
+    // first ~1,000 characters.
+    let good: Vec<String> = (0..300).map(|i| format!("10.96.{}.{} . tcp . 80 : goto svc/ns/a", i / 250, i % 250)).collect();
+    let t = "inet wasmplane-test";
+    let transaction = format!(
+        "add table {t}\n\
+         add chain {t} svc/ns/a\n\
+         add map {t} service-ips {{ type ipv4_addr . inet_proto . inet_service : verdict; }}\n\
+         add element {t} service-ips {{ {}, 10.96.9.9 . tcp . 80 : goto svc/ns/missing, 10.96.9.10 . tcp . 80 : goto svc/ns/a }}\n",
+        good.join(", ")
+    );
+    let error = NftCommand::new(ns_command(&ns), vec![]).apply(&transaction).expect_err("a goto to no chain").to_string();
+    assert!(error.contains("No such file or directory"), "{error}");
+    assert!(error.contains(&format!("add element {t} service-ips {{ … 10.96.9.9 . tcp . 80 : goto svc/ns/missing …")), "{error}");
+    assert!(error.len() < 1000, "{error}");
+    assert!(!ns.exec(&["nft", "list", "tables"]).contains("wasmplane-test"), "nothing of a refused transaction is applied");
+}

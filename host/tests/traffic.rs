@@ -37,7 +37,9 @@ fn serves(t: &str, frontend: &str) -> bool {
 
 /// Some frontend DNATs to `backend` on port 8080 (as data, or in a service's chain).
 fn targets(t: &str, backend: &str) -> bool {
-    t.contains(&format!(": {backend} . 8080 ")) || t.contains(&format!("dnat ip to {backend}:8080"))
+    // An endpoint map's element (`… : backend . 8080`, then ` }` or `, ` in a grouped
+    // statement) or a DNAT rule.
+    [" ", ","].iter().any(|after| t.contains(&format!(": {backend} . 8080{after}"))) || t.contains(&format!("dnat ip to {backend}:8080"))
 }
 
 fn addr(ip: &str, port: u16) -> SocketAddr {

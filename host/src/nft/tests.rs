@@ -477,20 +477,24 @@ fn backends_as_data_are_numbered_in_the_endpoint_maps_and_counted_in_the_count_s
     let cidrs: Vec<IpNet> = vec!["10.244.0.0/16".parse().unwrap(), "fd00:10:244::/56".parse().unwrap()];
     let text = full_transaction([&rules].into_iter(), &Stale::default(), layout, &cidrs);
     for line in [
-        format!("add element {shard} service-endpoints {{ 10.96.0.20 . tcp . 80 . 1 : 10.244.0.12 . 8080 }}"),
-        format!("add element {shard} service-ips {{ 10.96.0.20 . tcp . 80 : goto pick-by-count }}"),
-        format!("add element {shard} frontends-2 {{ 10.96.0.20 . tcp . 80 }}"),
         format!("add set {shard} frontends-{MAX_PICK} {{ type ipv4_addr . inet_proto . inet_service; }}"),
         format!("flush set {shard} frontends6-1"),
         format!("add rule {shard} pick-by-count ip daddr . meta l4proto . th dport @frontends-1 goto pick-1"),
         format!("add rule {shard} pick-by-count6 ip6 daddr . meta l4proto . th dport @frontends6-{MAX_PICK} goto pick-{MAX_PICK}"),
-        format!("add element {shard} masquerade-off-cluster {{ 10.96.0.20 . tcp . 80 }}"),
         format!("add rule {shard} pick-2 dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 2 map @service-endpoints"),
         format!("add rule {shard} pick-{MAX_PICK} jump masquerade-check"),
         format!("add element {shard} cluster-cidrs {{ 10.244.0.0/16 }}"),
         format!("add element {shard} cluster-cidrs6 {{ fd00:10:244::/56 }}"),
     ] {
         assert!(text.contains(&line), "{line} missing");
+    }
+    for (set, element) in [
+        ("service-endpoints", "10.96.0.20 . tcp . 80 . 1 : 10.244.0.12 . 8080"),
+        ("service-ips", "10.96.0.20 . tcp . 80 : goto pick-by-count"),
+        ("frontends-2", "10.96.0.20 . tcp . 80"),
+        ("masquerade-off-cluster", "10.96.0.20 . tcp . 80"),
+    ] {
+        assert!(has_element(&text, &shard.to_string(), set, element), "{set}: {element} missing");
     }
     assert!(!text.contains(&format!("pick-{} ", MAX_PICK + 1)) && !text.contains(&format!("frontends-{} ", MAX_PICK + 1)));
     // The smallest count is tried first: a frontend of N backends costs a new connection N
@@ -519,15 +523,32 @@ fn backends_as_data_are_numbered_in_the_endpoint_maps_and_counted_in_the_count_s
 }
 
 #[test]
-fn a_full_transaction_writes_each_count_set_in_one_statement() {
+fn a_full_transaction_writes_each_set_and_map_in_one_statement() {
     let service = |name: &str, ip: &str| {
         let out = ruleset(vec![], ["10.244.0.11", "10.244.0.12"].map(|b| backend(ip, Protocol::Tcp, 80, b, 8080)).to_vec());
         validate_service_output(&ObjectKey::new("shop", name), &out).unwrap()
     };
     let (web, api) = (service("web", "10.96.0.20"), service("api", "10.96.0.21"));
     let text = full_transaction([&web, &api].into_iter(), &Stale::default(), Layout::default(), &[]);
-    let statements: Vec<&str> = text.lines().filter(|l| l.starts_with("add element inet wasmplane-s0 frontends-2 ")).collect();
-    assert_eq!(statements, ["add element inet wasmplane-s0 frontends-2 { 10.96.0.20 . tcp . 80, 10.96.0.21 . tcp . 80 }"]);
+    let statements = |set: &str| -> Vec<&str> { text.lines().filter(|l| l.starts_with(&format!("add element inet wasmplane-s0 {set} "))).collect() };
+    assert_eq!(statements("frontends-2"), ["add element inet wasmplane-s0 frontends-2 { 10.96.0.20 . tcp . 80, 10.96.0.21 . tcp . 80 }"]);
+    assert_eq!(
+        statements("service-ips"),
+        ["add element inet wasmplane-s0 service-ips { 10.96.0.20 . tcp . 80 : goto pick-by-count, 10.96.0.21 . tcp . 80 : goto pick-by-count }"]
+    );
+    let endpoints = statements("service-endpoints");
+    assert_eq!(endpoints.len(), 1, "{endpoints:?}");
+    for ip in ["10.96.0.20", "10.96.0.21"] {
+        for (n, backend) in [(0, "10.244.0.11"), (1, "10.244.0.12")] {
+            assert!(has_element(&text, "inet wasmplane-s0", "service-endpoints", &format!("{ip} . tcp . 80 . {n} : {backend} . 8080")), "{ip} #{n}: {endpoints:?}");
+        }
+    }
+}
+
+/// Whether a statement `add element {table} {set} { … }` of `text` holds `element`.
+pub(crate) fn has_element(text: &str, table: &str, set: &str, element: &str) -> bool {
+    let opening = format!("add element {table} {set} {{ ");
+    text.lines().filter_map(|l| l.strip_prefix(&opening)?.strip_suffix(" }")).any(|body| body.split(", ").any(|e| e == element))
 }
 
 #[test]
@@ -592,8 +613,6 @@ fn node_port_backends_are_numbered_per_family_and_dispatched_by_the_host() {
     let shard = layout.table_of("svc/shop/web");
     let text = full_transaction([&rules].into_iter(), &Stale::default(), layout, &[]);
     for line in [
-        format!("add element {shard} nodeport-endpoints {{ tcp . 30080 . 1 : 10.244.0.12 . 8080 }}"),
-        format!("add element {shard} service-nodeports {{ tcp . 30080 : goto nodeport-dispatch }}"),
         format!("add rule {shard} nodeport-dispatch meta nfproto ipv6 meta l4proto . th dport vmap @nodeport-picks6"),
         format!("add rule {shard} nodeport-pick-by-count meta l4proto . th dport @nodeports-2 goto nodeport-pick-2"),
         format!("add rule {shard} nodeport-pick-by-count6 meta l4proto . th dport @nodeports6-1 goto nodeport-pick-1"),
@@ -602,6 +621,8 @@ fn node_port_backends_are_numbered_per_family_and_dispatched_by_the_host() {
     ] {
         assert!(text.contains(&line), "{line} missing");
     }
+    assert!(has_element(&text, &shard.to_string(), "nodeport-endpoints", "tcp . 30080 . 1 : 10.244.0.12 . 8080"));
+    assert!(has_element(&text, &shard.to_string(), "service-nodeports", "tcp . 30080 : goto nodeport-dispatch"));
 
     // A backend change is element deltas only.
     let out = ruleset(vec![], vec![node_port_backend(30080, "10.244.0.11", 8080), node_port_backend(30080, "10.244.0.13", 8080), node_port_backend(30080, "fd00::11", 8080), node_port_backend(30081, "10.244.0.11", 9090)]);
