@@ -226,7 +226,7 @@ fn describe_rejection(stderr: &str, transaction: &str) -> String {
         match (statement, first.parse::<usize>(), last.parse::<usize>()) {
             (Some(statement), Ok(first), Ok(last)) => {
                 // The echoed statement and its caret line say nothing more.
-                while lines.peek().is_some_and(|l| !l.contains(": Error: ")) {
+                while lines.peek().is_some_and(|l| !l.contains("Error: ")) {
                     lines.next();
                 }
                 described.push(format!("{message}: {}", quote(statement, first.saturating_sub(1), last)));
@@ -1371,8 +1371,10 @@ mod tests {
         let at = long.lines().nth(1).unwrap().find("10.9.9.9").unwrap() + 1;
         let stderr = format!("/dev/stdin:2:{at}-{}: Error: Could not process rule: No such file or directory\n{}\n{}^^^^^^^^\n", at + 7, &long.lines().nth(1).unwrap()[..1023], " ".repeat(at - 1));
         assert_eq!(describe_rejection(&stderr, &long), "Could not process rule: No such file or directory: add element inet t m { … 10.9.9.9 : goto nope …");
-        // Whatever nft says without a location is kept as it is.
+        // Whatever nft says without a location is kept as it is, after a located error too.
         assert_eq!(describe_rejection("Error: syntax error\n", short), "Error: syntax error");
+        let both = format!("{stderr}Error: another\n");
+        assert!(describe_rejection(&both, &long).ends_with("10.9.9.9 : goto nope …\nError: another"));
         // A location past the transaction: nft's line kept.
         let stray = "/dev/stdin:9:1-3: Error: oops\n";
         assert_eq!(describe_rejection(stray, short), "/dev/stdin:9:1-3: Error: oops");
