@@ -408,8 +408,12 @@ impl CountedKeys {
     /// Whether `name` is a count set's.
     fn is_count_set(name: &str) -> bool {
         let Some((prefix, count)) = name.rsplit_once('-') else { return false };
-        let Some(keys) = Self::ALL.into_iter().find(|k| k.set_prefix() == prefix) else { return false };
-        count.parse().is_ok_and(|count: usize| keys.set(count) == name && (1..=MAX_PICK).contains(&count))
+        if !Self::ALL.into_iter().any(|k| k.set_prefix() == prefix) {
+            return false;
+        }
+        // Spelled as `set` spells it: digits only, no leading zero (`frontends-01` is no count set).
+        let canonical = count.bytes().all(|b| b.is_ascii_digit()) && !count.starts_with('0');
+        canonical && count.parse().is_ok_and(|count: usize| (1..=MAX_PICK).contains(&count))
     }
 
     fn key_type(self) -> &'static str {

@@ -322,6 +322,10 @@ fn a_service_keeps_all_its_names_in_one_shard_and_everything_else_in_the_main_ta
         assert_eq!(layout.element_table("frontends-3", "", Some(&service)), t);
         assert_eq!(layout.element_table("nodeports6-32", "", Some(&service)), t);
         assert_eq!(layout.element_table("hairpin", "", Some(&service)), Table::MAIN);
+        // Only the names `CountedKeys::set` spells are count sets.
+        for name in ["frontends-01".to_string(), "frontends-+3".into(), "frontends-0".into(), "frontends-".into(), "backends-3".into(), format!("frontends-{}", MAX_PICK + 1)] {
+            assert_eq!(layout.element_table(&name, "", Some(&service)), Table::MAIN, "{name}");
+        }
     }
     let used: BTreeSet<Table> = (0..200).map(|i| layout.table_of(&format!("svc/ns/s{i}"))).collect();
     assert_eq!(used.len(), 16, "200 services cover every one of 16 shards");
