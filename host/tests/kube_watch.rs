@@ -13,6 +13,16 @@ use wasmplane_test_apiserver::{TestApiServer, Verb};
 
 const TOKEN: &str = "kube-watch-test-token-0123456789";
 
+/// Every kind the host watches, as the test API server names them.
+const KINDS: [&str; 6] = ["services", "endpointslices.discovery.k8s.io", "nodes", "namespaces", "pods", "networkpolicies.networking.k8s.io"];
+
+/// Requests for `resource`'s whole state so far: lists, and watches that stream it.
+fn state_requests(server: &TestApiServer, resource: &str) -> (usize, usize) {
+    let requests = server.requests();
+    let of = |verb: Verb| requests.iter().filter(move |r| r.verb == verb && r.resource == resource);
+    (of(Verb::List).count(), of(Verb::Watch).filter(|r| r.param("sendInitialEvents") == Some("true")).count())
+}
+
 fn object<K: DeserializeOwned>(value: Value) -> K {
     serde_json::from_value(value).expect("a valid object")
 }
@@ -166,9 +176,44 @@ async fn ready_only_after_the_initial_sync_of_every_kind() {
     assert!(state["model"]["local_pods"]["shop/web-a"].is_object());
     assert!(state["model"]["local_pods"]["shop/web-b"].is_null(), "web-b runs on node-b");
     assert_eq!(state["model"]["policies"]["shop/web-ingress"]["local_pods"][0]["name"], "web-a");
-    for kind in ["services", "endpointslices.discovery.k8s.io", "nodes", "namespaces", "pods", "networkpolicies.networking.k8s.io"] {
-        assert!(server.request_counts().iter().any(|((verb, k), n)| *verb == Verb::Watch && k == kind && *n > 0), "no watch on {kind}");
+    // Every kind's state came as a streaming list, none as a list.
+    for kind in KINDS {
+        let (lists, streams) = state_requests(&server, kind);
+        assert!(lists == 0 && streams > 0, "{kind}: {lists} lists, {streams} streaming lists");
     }
+    assert!(host.watch_status.as_ref().unwrap().snapshot().refused_streaming.is_empty());
+    host.stop().await;
+}
+
+/// A server without streaming lists (the `WatchList` feature off, or before Kubernetes 1.27)
+/// refuses the host's first request for each kind; the host lists instead and loses nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_without_streaming_lists_is_listed_instead() {
+    let server = TestApiServer::builder().watch_list(false).start().await;
+    seed(&server);
+    let dir = tempfile::tempdir().unwrap();
+    let host = start_host(&server, dir.path()).await;
+    let api = Api::new(&host);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !api.ready().await {
+        assert!(Instant::now() < deadline, "never became ready");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let state = api.state().await;
+    assert_eq!(state["revision"], 1, "the initial sync took more than one revision");
+    assert_eq!(endpoints(&state, "shop/web"), vec!["10.244.1.5", "10.244.2.5"]);
+    assert_eq!(state["model"]["policies"]["shop/web-ingress"]["local_pods"][0]["name"], "web-a");
+    for kind in KINDS {
+        let (lists, streams) = state_requests(&server, kind);
+        assert!(lists > 0 && streams == 1, "{kind}: {lists} lists, {streams} streaming lists (asked once, refused)");
+    }
+    let status = host.watch_status.as_ref().unwrap().snapshot();
+    assert_eq!(status.refused_streaming.len(), 6, "{status:?}");
+    assert_eq!(status.watch_errors, 0, "a refusal is no watch error: {status:?}");
+
+    // Watching goes on after the lists.
+    server.create(&service("late", "10.96.0.13", 80)).unwrap();
+    api.wait_state("watching", |s| s["model"]["services"]["shop/late"].is_object()).await;
     host.stop().await;
 }
 
@@ -257,8 +302,8 @@ async fn an_expired_watch_relists_and_loses_nothing() {
     let host = start_host(&server, dir.path()).await;
     let api = Api::new(&host);
     api.wait_state("initial sync", |s| !endpoints(s, "shop/web").is_empty()).await;
-    let service_lists = server.request_count::<Service>(Verb::List);
-    let slice_lists = server.request_count::<EndpointSlice>(Verb::List);
+    let service_states = state_requests(&server, "services");
+    let slice_states = state_requests(&server, "endpointslices.discovery.k8s.io");
 
     // Behind the watchers' backs: the server goes away, things change, history is compacted.
     server.set_unavailable(true);
@@ -276,8 +321,8 @@ async fn an_expired_watch_relists_and_loses_nothing() {
         })
         .await;
     assert!(state["model"]["policies"]["shop/web-ingress"].is_null(), "the policy's only local pod is gone");
-    assert!(server.request_count::<Service>(Verb::List) > service_lists, "services were not relisted");
-    assert!(server.request_count::<EndpointSlice>(Verb::List) > slice_lists, "endpoint slices were not relisted");
+    assert!(state_requests(&server, "services").1 > service_states.1, "services were not relisted");
+    assert!(state_requests(&server, "endpointslices.discovery.k8s.io").1 > slice_states.1, "endpoint slices were not relisted");
     let status = host.watch_status.as_ref().unwrap().snapshot();
     assert!(status.relists >= 2, "relists not counted: {status:?}");
 

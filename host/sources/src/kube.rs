@@ -1,8 +1,12 @@
 //! Kubernetes watchers (kube-rs): the six kinds wasmplane needs, read as [`crate::slim`] types
 //! and converted to model types.
 //!
-//! Each kind runs its own `kube::runtime::watcher`, which lists, watches from the list's
-//! resourceVersion, re-watches on timeouts and relists on `410 Gone`, with backoff on errors.
+//! Each kind runs its own `kube::runtime::watcher`, which gets the kind's state, watches from
+//! its resourceVersion, re-watches on timeouts and gets the state again on `410 Gone`, with
+//! backoff on errors. The state comes as a streaming list (a watch with `sendInitialEvents`,
+//! on by default since Kubernetes 1.32): one object per event, where a list would send pages
+//! of 500 in one body each. A server that refuses it (the `WatchList` feature off, or before
+//! 1.27) is asked with lists from then on, as client-go's `WatchListClient` falls back.
 //! A (re)list reaches the host as one [`SourceEvent::Relisted`] of the whole kind, which
 //! the cluster state applies as its difference, so a relist that changes nothing produces
 //! no revision; everything else arrives as single upserts and deletes.
@@ -48,6 +52,8 @@ pub struct WatchStatus {
 #[derive(Debug, Default, Clone, serde::Serialize)]
 pub struct WatchStatusInner {
     pub listed: BTreeSet<ObjectKind>,
+    /// Kinds whose state comes by lists: the server refused streaming lists.
+    pub refused_streaming: BTreeSet<ObjectKind>,
     pub relists: u64,
     pub watch_errors: u64,
     pub conversion_errors: u64,
@@ -111,59 +117,108 @@ where
     K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + 'static,
 {
     tokio::spawn(async move {
-        let mut relisting: Option<(Vec<ClusterObject>, Vec<ObjectKey>)> = None;
-        let stream = watcher::watcher(api, config).default_backoff();
-        let mut stream = std::pin::pin!(stream.into_stream());
-        let convert_logged = |object: &K| match convert(object) {
-            Ok(converted) => Some(converted),
-            Err(e) => {
-                tracing::warn!(?kind, object = %key_of(object), "skipping an object that cannot be used, its last good version stays: {e}");
-                status.update(|s| s.conversion_errors += 1);
-                None
-            }
-        };
-        while let Some(event) = stream.next().await {
-            let out = match event {
-                Ok(Event::Init) => {
-                    relisting = Some((Vec::new(), Vec::new()));
-                    None
-                }
-                Ok(Event::InitApply(object)) => {
-                    let (objects, unconvertible) = relisting.get_or_insert_with(Default::default);
-                    match convert_logged(&object) {
-                        Some(converted) => objects.push(converted),
-                        None => unconvertible.push(key_of(&object)),
-                    }
-                    None
-                }
-                Ok(Event::InitDone) => {
-                    let (objects, unconvertible) = relisting.take().unwrap_or_default();
-                    tracing::debug!(?kind, objects = objects.len(), "listed");
+        let mut streaming = true;
+        loop {
+            let config = if streaming { config.clone().streaming_lists() } else { config.clone() };
+            match watch(api.clone(), config, kind, convert, &tx, &status).await {
+                Ended::StreamingRefused(e) => {
+                    tracing::info!(?kind, "the API server refuses streaming lists; listing instead: {e}");
                     status.update(|s| {
-                        if !s.listed.insert(kind) {
-                            s.relists += 1;
-                        }
+                        s.refused_streaming.insert(kind);
                     });
-                    Some(SourceEvent::Relisted { kind, objects, unconvertible })
+                    streaming = false;
                 }
-                Ok(Event::Apply(object)) => convert_logged(&object).map(|o| SourceEvent::Events(vec![ClusterEvent::Upsert(o)])),
-                Ok(Event::Delete(object)) => Some(SourceEvent::Events(vec![ClusterEvent::Delete(kind, key_of(&object))])),
-                Err(e) => {
-                    // The watcher retries on its own (with backoff); a 410 is handled inside
-                    // it as a relist. Here it is only counted and reported.
-                    tracing::warn!(?kind, "watch error, retrying: {e}");
-                    status.update(|s| {
-                        s.watch_errors += 1;
-                        s.last_error = Some(format!("{kind:?}: {e}"));
-                    });
-                    None
-                }
-            };
-            if let Some(out) = out
-                && tx.send(out).await.is_err()
-            {
-                return;
+                Ended::HostGone => return,
             }
         }
     })
+}
+
+/// Why [`watch`] returned.
+enum Ended {
+    /// The host stopped listening.
+    HostGone,
+    /// The server refused the request for a streaming list as invalid (only asked for
+    /// with streaming lists).
+    StreamingRefused(kube::Error),
+}
+
+/// Whether `e` is a server's refusal of a streaming list's parameters: `422 Invalid` for
+/// `sendInitialEvents` without the `WatchList` feature, or `resourceVersionMatch` on a watch
+/// before 1.27 (400 from some proxies).
+fn refuses_streaming(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(status) if matches!(status.code, 400 | 422))
+}
+
+/// Runs one watcher for `kind` and forwards what it sees, until the host stops listening or
+/// the server refuses a streaming list.
+async fn watch<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    kind: ObjectKind,
+    convert: fn(&K) -> Result<ClusterObject, ConvertError>,
+    tx: &mpsc::Sender<SourceEvent>,
+    status: &WatchStatus,
+) -> Ended
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + 'static,
+{
+    let streaming = config.initial_list_strategy == watcher::InitialListStrategy::StreamingList;
+    let mut relisting: Option<(Vec<ClusterObject>, Vec<ObjectKey>)> = None;
+    let stream = watcher::watcher(api, config).default_backoff();
+    let mut stream = std::pin::pin!(stream.into_stream());
+    let convert_logged = |object: &K| match convert(object) {
+        Ok(converted) => Some(converted),
+        Err(e) => {
+            tracing::warn!(?kind, object = %key_of(object), "skipping an object that cannot be used, its last good version stays: {e}");
+            status.update(|s| s.conversion_errors += 1);
+            None
+        }
+    };
+    while let Some(event) = stream.next().await {
+        let out = match event {
+            Ok(Event::Init) => {
+                relisting = Some((Vec::new(), Vec::new()));
+                None
+            }
+            Ok(Event::InitApply(object)) => {
+                let (objects, unconvertible) = relisting.get_or_insert_with(Default::default);
+                match convert_logged(&object) {
+                    Some(converted) => objects.push(converted),
+                    None => unconvertible.push(key_of(&object)),
+                }
+                None
+            }
+            Ok(Event::InitDone) => {
+                let (objects, unconvertible) = relisting.take().unwrap_or_default();
+                tracing::debug!(?kind, objects = objects.len(), "listed");
+                status.update(|s| {
+                    if !s.listed.insert(kind) {
+                        s.relists += 1;
+                    }
+                });
+                Some(SourceEvent::Relisted { kind, objects, unconvertible })
+            }
+            Ok(Event::Apply(object)) => convert_logged(&object).map(|o| SourceEvent::Events(vec![ClusterEvent::Upsert(o)])),
+            Ok(Event::Delete(object)) => Some(SourceEvent::Events(vec![ClusterEvent::Delete(kind, key_of(&object))])),
+            Err(watcher::Error::WatchStartFailed(e)) if streaming && refuses_streaming(&e) => return Ended::StreamingRefused(e),
+            Err(e) => {
+                // The watcher retries on its own (with backoff); a 410 is handled inside
+                // it as a relist. Here it is only counted and reported.
+                tracing::warn!(?kind, "watch error, retrying: {e}");
+                status.update(|s| {
+                    s.watch_errors += 1;
+                    s.last_error = Some(format!("{kind:?}: {e}"));
+                });
+                None
+            }
+        };
+        if let Some(out) = out
+            && tx.send(out).await.is_err()
+        {
+            return Ended::HostGone;
+        }
+    }
+    // The watcher's stream does not end; the host is going away.
+    Ended::HostGone
 }

@@ -29,7 +29,7 @@ use crate::patch::PatchKind;
 use crate::resource::{ResourceKey, ResourceType};
 use crate::selector::{FieldSelector, LabelSelector};
 use crate::store::{
-    Event, EventType, Filter, Store, WatchFrom, WatchStart, WriteScope, bookmark_object,
+    Event, EventType, Filter, Store, WatchFrom, WatchStart, WireEvent, WriteScope, bookmark_object,
 };
 
 /// The API verbs, as counted per resource (see [`crate::TestApiServer::request_count`]).
@@ -82,6 +82,8 @@ pub(crate) struct Shared {
     pub unavailable: AtomicBool,
     pub requests: Mutex<RequestStats>,
     pub bookmark_interval: Duration,
+    /// Streaming lists allowed (the `WatchList` feature).
+    pub watch_list: bool,
     pub addr: SocketAddr,
     pub reviews: Mutex<crate::reviews::Reviews>,
 }
@@ -474,6 +476,28 @@ fn list(
     Ok(Json(body).into_response())
 }
 
+/// A watch's `sendInitialEvents` and `resourceVersionMatch` as a real server checks them
+/// (`ValidateListOptions` in apimachinery), with the `WatchList` feature `enabled` or not.
+fn check_streaming_list(params: &Params, enabled: bool) -> Result<(), ApiError> {
+    let invalid = |field: &str, why: &str| Err(ApiError::Invalid(format!("ListOptions.meta.k8s.io \"\" is invalid: {field}: Forbidden: {why}")));
+    let Some(send_initial_events) = params.get("sendInitialEvents") else {
+        return match params.get("resourceVersionMatch").filter(|m| !m.is_empty()) {
+            Some(_) => invalid("resourceVersionMatch", "resourceVersionMatch is forbidden for watch unless sendInitialEvents is provided"),
+            None => Ok(()),
+        };
+    };
+    if !enabled {
+        return invalid("sendInitialEvents", "sendInitialEvents is forbidden for watch unless the WatchList feature gate is enabled");
+    }
+    if params.get("resourceVersionMatch") != Some("NotOlderThan") {
+        return invalid("resourceVersionMatch", "sendInitialEvents requires setting resourceVersionMatch to NotOlderThan");
+    }
+    if matches!(send_initial_events, "true" | "1") && !params.flag("allowWatchBookmarks") {
+        return invalid("allowWatchBookmarks", "sendInitialEvents requires setting allowWatchBookmarks to true");
+    }
+    Ok(())
+}
+
 /// Without `timeoutSeconds` a real server picks 30 to 60 minutes; the lower bound will do.
 const DEFAULT_WATCH_TIMEOUT: Duration = Duration::from_secs(1800);
 const MAX_WATCH_TIMEOUT_SECONDS: u64 = 24 * 3600;
@@ -486,6 +510,7 @@ fn watch(
     metadata_only: bool,
 ) -> Result<Response, ApiError> {
     let filter = params.filter(target.namespace.as_deref())?;
+    check_streaming_list(params, shared.watch_list)?;
     let from = match params.get("resourceVersion").unwrap_or_default() {
         "" | "0" => WatchFrom::Current,
         v => WatchFrom::Version(
@@ -545,17 +570,36 @@ struct WatchStream {
 }
 
 impl WatchStream {
-    /// Write one event line; false when the client has gone away.
-    async fn send(&self, event_type: &str, object: &Value) -> bool {
-        let line = if self.metadata_only && matches!(event_type, "ADDED" | "MODIFIED" | "DELETED") {
+    /// One event line.
+    fn line(&self, event_type: &str, object: &Value) -> String {
+        if self.metadata_only && matches!(event_type, "ADDED" | "MODIFIED" | "DELETED") {
             format!(
                 "{{\"type\":\"{event_type}\",\"object\":{}}}\n",
                 present(object, true)
             )
         } else {
             format!("{{\"type\":\"{event_type}\",\"object\":{object}}}\n")
-        };
-        self.out.send(Bytes::from(line)).await.is_ok()
+        }
+    }
+
+    /// Write one event line; false when the client has gone away.
+    async fn send(&self, event_type: &str, object: &Value) -> bool {
+        self.out.send(Bytes::from(self.line(event_type, object))).await.is_ok()
+    }
+
+    /// Write the prelude's lines in chunks of ~64 KiB, as a real server writes what is
+    /// pending before it flushes (a streaming list's initial events are many at once); false
+    /// when the client has gone away.
+    async fn send_prelude(&self, prelude: &[WireEvent]) -> bool {
+        const CHUNK: usize = 64 << 10;
+        let mut chunk = String::new();
+        for event in prelude {
+            chunk.push_str(&self.line(event.event_type, &event.object));
+            if chunk.len() >= CHUNK && self.out.send(Bytes::from(std::mem::take(&mut chunk))).await.is_err() {
+                return false;
+            }
+        }
+        chunk.is_empty() || self.out.send(Bytes::from(chunk)).await.is_ok()
     }
 
     /// What this watcher sees of a change, given its selectors (real apiserver semantics):
@@ -625,10 +669,8 @@ impl WatchStream {
     }
 
     async fn run(mut self, start: WatchStart) {
-        for event in &start.prelude {
-            if !self.send(event.event_type, &event.object).await {
-                return;
-            }
+        if !self.send_prelude(&start.prelude).await {
+            return;
         }
         // No subscription: the prelude was the whole answer (410 Expired).
         let Some(mut events) = start.events else {

@@ -11,8 +11,11 @@
 //!   snapshot;
 //! - WATCH streams of JSON lines replayed from an event history, with selector transitions
 //!   (an object that stops matching is DELETED for that watcher), BOOKMARKs,
-//!   `timeoutSeconds`, `sendInitialEvents`, and the in-stream `410 Expired` ERROR after
-//!   compaction that makes kube relist;
+//!   `timeoutSeconds`, and the in-stream `410 Expired` ERROR after compaction that makes
+//!   kube relist;
+//! - streaming lists (`sendInitialEvents`, the `WatchList` feature, on by default since 1.32)
+//!   with the server's checks of their parameters, or refused as a server without the
+//!   feature refuses them ([`Builder::watch_list`]);
 //! - create/update/patch (merge, strategic, JSON, server-side apply)/delete with the
 //!   Status errors kube interprets (404, 409 AlreadyExists/Conflict, ...), `/status`
 //!   subresources, generation and finalizers.
@@ -100,6 +103,7 @@ pub struct Builder {
     resources: Vec<ResourceType>,
     bookmark_interval: Duration,
     history_limit: usize,
+    watch_list: bool,
 }
 
 impl Default for Builder {
@@ -109,6 +113,7 @@ impl Default for Builder {
             // A real server bookmarks about once a minute; tests want to see them quickly.
             bookmark_interval: Duration::from_secs(1),
             history_limit: 100_000,
+            watch_list: true,
         }
     }
 }
@@ -133,6 +138,14 @@ impl Builder {
         self
     }
 
+    /// Whether watches may ask for streaming lists (`sendInitialEvents`; default true, as
+    /// the `WatchList` feature since Kubernetes 1.32). Off, such a watch gets `422 Invalid`,
+    /// as from a server with the feature off.
+    pub fn watch_list(mut self, enabled: bool) -> Self {
+        self.watch_list = enabled;
+        self
+    }
+
     /// Bind 127.0.0.1 on a free port and serve.
     pub async fn try_start(self) -> std::io::Result<TestApiServer> {
         let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?;
@@ -142,6 +155,7 @@ impl Builder {
             unavailable: AtomicBool::new(false),
             requests: Mutex::new(Default::default()),
             bookmark_interval: self.bookmark_interval,
+            watch_list: self.watch_list,
             addr,
             reviews: Mutex::new(Default::default()),
         });

@@ -605,6 +605,60 @@ async fn streaming_list_sends_initial_events() {
     assert_eq!(server.request_count::<Service>(Verb::Watch), 1);
 }
 
+/// A server without the `WatchList` feature refuses kube's streaming list with `422 Invalid`
+/// (what kube reports as the watch failing to start); a list and watch still works.
+#[tokio::test]
+async fn streaming_list_refused_without_the_watch_list_feature() {
+    init_tracing();
+    let server = TestApiServer::builder().watch_list(false).start().await;
+    server.create(&service("default", "a", &[])).unwrap();
+    let mut streaming: Events<Service> = watcher(
+        Api::all(server.client()),
+        watcher::Config::default().streaming_lists(),
+    )
+    .boxed();
+    match next(&mut streaming).await {
+        Err(watcher::Error::WatchStartFailed(kube::Error::Api(status))) => {
+            assert_eq!((status.code, status.reason.as_str()), (422, "Invalid"));
+            assert!(status.message.contains("WatchList feature gate"), "{}", status.message);
+        }
+        other => panic!("expected the watch to be refused, got {other:?}"),
+    }
+    let mut listing: Events<Service> =
+        watcher(Api::all(server.client()), watcher::Config::default()).boxed();
+    assert!(matches!(next_event(&mut listing).await, Event::Init));
+    assert!(matches!(next_event(&mut listing).await, Event::InitApply(s) if s.name_any() == "a"));
+    assert!(matches!(next_event(&mut listing).await, Event::InitDone));
+}
+
+/// The parameters a real server requires of a streaming list, and forbids without one.
+#[tokio::test]
+async fn streaming_list_parameters_are_checked() {
+    let server = TestApiServer::start().await;
+    let client = server.client();
+    let watch = |query: &str| {
+        axum::http::Request::get(format!("/api/v1/services?watch=true&timeoutSeconds=1&{query}"))
+            .body(Vec::new())
+            .unwrap()
+    };
+    for (query, field) in [
+        ("sendInitialEvents=true&allowWatchBookmarks=true", "resourceVersionMatch"),
+        ("sendInitialEvents=true&resourceVersionMatch=NotOlderThan", "allowWatchBookmarks"),
+        ("resourceVersionMatch=NotOlderThan", "resourceVersionMatch"),
+    ] {
+        let err = client.request_text(watch(query)).await.unwrap_err();
+        assert!(
+            matches!(&err, kube::Error::Api(s) if s.code == 422 && s.message.contains(&format!("{field}: Forbidden"))),
+            "{query}: {err:?}"
+        );
+    }
+    let streamed = client
+        .request_text(watch("sendInitialEvents=true&allowWatchBookmarks=true&resourceVersionMatch=NotOlderThan"))
+        .await
+        .unwrap();
+    assert!(streamed.contains("k8s.io/initial-events-end"), "{streamed}");
+}
+
 #[tokio::test]
 async fn metadata_watcher_gets_partial_objects() {
     let server = TestApiServer::start().await;
