@@ -122,6 +122,14 @@ impl Api {
             .map(|v| v as u64)
             .unwrap_or_else(|| panic!("metric {name} not in /metrics"))
     }
+    /// Polls `/readyz` until it is ready; panics after 15 s.
+    async fn wait_ready(&self, when: &str) {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while !self.ready().await {
+            assert!(Instant::now() < deadline, "never became ready {when}");
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
     /// Polls `/v1/state` until `cond` holds; panics with the last state after 10 s.
     async fn wait_state(&self, what: &str, cond: impl Fn(&Value) -> bool) -> Value {
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -162,11 +170,7 @@ async fn ready_only_after_the_initial_sync_of_every_kind() {
     assert_eq!(api.state().await["revision"], 0);
 
     server.set_unavailable(false);
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while !api.ready().await {
-        assert!(Instant::now() < deadline, "never became ready after the API server came back");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    api.wait_ready("after the API server came back").await;
     // Readiness means every kind is in: nothing is still on its way, and the whole first
     // state went in as one revision (no service was ever seen without its endpoints).
     let state = api.state().await;
@@ -194,11 +198,7 @@ async fn a_server_without_streaming_lists_is_listed_instead() {
     let dir = tempfile::tempdir().unwrap();
     let host = start_host(&server, dir.path()).await;
     let api = Api::new(&host);
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while !api.ready().await {
-        assert!(Instant::now() < deadline, "never became ready");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    api.wait_ready("listing instead of streaming").await;
     let state = api.state().await;
     assert_eq!(state["revision"], 1, "the initial sync took more than one revision");
     assert_eq!(endpoints(&state, "shop/web"), vec!["10.244.1.5", "10.244.2.5"]);
