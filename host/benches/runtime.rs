@@ -35,19 +35,9 @@ mod encoded {
 fn synthetic(n: usize) -> Vec<ServiceView> {
     (0..n)
         .map(|i| {
-            let service = Service {
-                namespace: format!("ns{}", i % 50).into(),
-                name: format!("svc{i}").into(),
-                service_type: ServiceType::ClusterIP,
-                cluster_ips: vec![format!("10.96.{}.{}", i / 250, i % 250 + 1).into()],
-                external_ips: vec![],
-                load_balancer_ips: vec![],
-                ports: vec![ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: 0, target_port: TargetPort::Number(8080) }],
-                session_affinity_timeout: None,
-                external_traffic_policy: TrafficPolicy::Cluster,
-                internal_traffic_policy: TrafficPolicy::Cluster,
-                labels: Labels::new(),
-            };
+            let cluster_ip = format!("10.96.{}.{}", i / 250, i % 250 + 1);
+            let ports = vec![ServicePort::tcp("http", 80, 8080)];
+            let service = Service::cluster_ip(&format!("ns{}", i % 50), &format!("svc{i}"), &cluster_ip, ports);
             let endpoints = (0..3)
                 .map(|e| LocalEndpoint {
                     addresses: vec![format!("10.244.{}.{}", (i * 3 + e) / 250 % 250, (i * 3 + e) % 250 + 1).into()],

@@ -378,19 +378,7 @@ fn guests_compile_in_a_child_process_of_the_host_binary() {
     // The child's code runs: a service with one endpoint is balanced over it.
     let mut session = module.translator(std::sync::Arc::new(NoLookups)).unwrap();
     let view = wasmplane_model::state::ServiceView {
-        service: wasmplane_model::Service {
-            namespace: "shop".into(),
-            name: "web".into(),
-            service_type: wasmplane_model::ServiceType::ClusterIP,
-            cluster_ips: vec!["10.96.0.10".into()],
-            external_ips: vec![],
-            load_balancer_ips: vec![],
-            ports: vec![wasmplane_model::ServicePort { name: "http".into(), protocol: wasmplane_model::Protocol::Tcp, port: 80, node_port: 0, target_port: wasmplane_model::TargetPort::Number(8080) }],
-            session_affinity_timeout: None,
-            external_traffic_policy: wasmplane_model::TrafficPolicy::Cluster,
-            internal_traffic_policy: wasmplane_model::TrafficPolicy::Cluster,
-            labels: Default::default(),
-        }.into(),
+        service: wasmplane_model::Service::cluster_ip("shop", "web", "10.96.0.10", vec![wasmplane_model::ServicePort::tcp("http", 80, 8080)]).into(),
         slices: vec![wasmplane_model::state::LocalSlice {
             name: "web-1".into(),
             endpoints: vec![wasmplane_model::state::LocalEndpoint {

@@ -29,19 +29,7 @@ impl Model {
 }
 
 fn service(i: u32) -> ClusterObject {
-    ClusterObject::Service(Service {
-        namespace: "demo".into(),
-        name: format!("svc-{i}").into(),
-        service_type: ServiceType::ClusterIP,
-        cluster_ips: vec![format!("10.96.0.{i}").into()],
-        external_ips: vec![],
-        load_balancer_ips: vec![],
-        ports: vec![ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: 0, target_port: TargetPort::Number(8080) }],
-        session_affinity_timeout: None,
-        external_traffic_policy: TrafficPolicy::Cluster,
-        internal_traffic_policy: TrafficPolicy::Cluster,
-        labels: Labels::new(),
-    })
+    ClusterObject::Service(Service::cluster_ip("demo", &format!("svc-{i}"), &format!("10.96.0.{i}"), vec![ServicePort::tcp("http", 80, 8080)]))
 }
 
 fn slice(i: u32, replicas: u32) -> ClusterObject {

@@ -219,22 +219,10 @@ mod tests {
 
     #[test]
     fn snapshot_and_delta_follow_the_model() {
-        use wasmplane_model::{ClusterEvent, ClusterObject, ClusterState, Labels, Protocol, Service, ServicePort, ServiceType, TargetPort, TrafficPolicy};
+        use wasmplane_model::{ClusterEvent, ClusterObject, ClusterState, Service, ServicePort};
         let mut cluster = ClusterState::new();
         let mut model = NodeLocalModel::new("node-a", vec![]);
-        let service = Service {
-            namespace: "default".into(),
-            name: "web".into(),
-            service_type: ServiceType::ClusterIP,
-            cluster_ips: vec!["10.96.0.10".into()],
-            external_ips: vec![],
-            load_balancer_ips: vec![],
-            ports: vec![ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: 0, target_port: TargetPort::Number(8080) }],
-            session_affinity_timeout: None,
-            external_traffic_policy: TrafficPolicy::Cluster,
-            internal_traffic_policy: TrafficPolicy::Cluster,
-            labels: Labels::new(),
-        };
+        let service = Service::cluster_ip("default", "web", "10.96.0.10", vec![ServicePort::tcp("http", 80, 8080)]);
         let touched = cluster.apply(ClusterEvent::Upsert(ClusterObject::Service(service)), "node-a");
         let update = model.update(&cluster, &touched);
         let delta = Delta::from_update(&model, &update);

@@ -91,17 +91,9 @@ fn service(name: &str, ip: &str, blob: &str) -> ClusterObject {
         labels.insert("blob".into(), blob.into());
     }
     ClusterObject::Service(Service {
-        namespace: "default".into(),
-        name: name.into(),
-        service_type: ServiceType::ClusterIP,
-        cluster_ips: vec![ip.into()],
-        external_ips: vec![],
-        load_balancer_ips: vec![],
-        ports: vec![ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: 0, target_port: TargetPort::Number(8080) }],
-        session_affinity_timeout: None,
         external_traffic_policy: TrafficPolicy::Local,
-        internal_traffic_policy: TrafficPolicy::Cluster,
         labels,
+        ..Service::cluster_ip("default", name, ip, vec![ServicePort::tcp("http", 80, 8080)])
     })
 }
 

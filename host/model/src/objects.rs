@@ -90,6 +90,19 @@ pub struct ServicePort {
     pub target_port: TargetPort,
 }
 
+impl ServicePort {
+    /// A TCP port forwarded to a numbered target port, with no node port.
+    pub fn tcp(name: &str, port: u16, target_port: u16) -> ServicePort {
+        ServicePort {
+            name: name.into(),
+            protocol: Protocol::Tcp,
+            port,
+            node_port: 0,
+            target_port: TargetPort::Number(target_port),
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Service {
     pub namespace: CompactString,
@@ -106,6 +119,24 @@ pub struct Service {
 }
 
 impl Service {
+    /// A ClusterIP service with what the API server defaults for the rest: traffic
+    /// policies `Cluster`, no session affinity, no other addresses, no labels.
+    pub fn cluster_ip(namespace: &str, name: &str, cluster_ip: &str, ports: Vec<ServicePort>) -> Service {
+        Service {
+            namespace: namespace.into(),
+            name: name.into(),
+            service_type: ServiceType::ClusterIP,
+            cluster_ips: vec![cluster_ip.into()],
+            external_ips: vec![],
+            load_balancer_ips: vec![],
+            ports,
+            session_affinity_timeout: None,
+            external_traffic_policy: TrafficPolicy::Cluster,
+            internal_traffic_policy: TrafficPolicy::Cluster,
+            labels: Labels::new(),
+        }
+    }
+
     pub fn key(&self) -> ObjectKey {
         ObjectKey::new(&self.namespace, &self.name)
     }

@@ -15,19 +15,7 @@ fn runtime(cache: Option<std::path::PathBuf>) -> Runtime {
 
 fn view() -> ServiceView {
     ServiceView {
-        service: Service {
-            namespace: "shop".into(),
-            name: "web".into(),
-            service_type: ServiceType::ClusterIP,
-            cluster_ips: vec!["10.96.0.20".into()],
-            external_ips: vec![],
-            load_balancer_ips: vec![],
-            ports: vec![ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: 0, target_port: TargetPort::Number(8080) }],
-            session_affinity_timeout: None,
-            external_traffic_policy: TrafficPolicy::Cluster,
-            internal_traffic_policy: TrafficPolicy::Cluster,
-            labels: Labels::new(),
-        }.into(),
+        service: Service::cluster_ip("shop", "web", "10.96.0.20", vec![ServicePort::tcp("http", 80, 8080)]).into(),
         slices: vec![LocalSlice {
             name: "web-1".into(),
             endpoints: vec![LocalEndpoint { addresses: vec!["10.244.0.11".into()], ready: true, serving: true, terminating: false, node_name: None, zone: None, is_local: false }],
