@@ -5,9 +5,9 @@
 //! of Namespace `x`, `/api/v1/namespaces/x/pods` the pods in it) and resolving that needs
 //! the registered resource types.
 
-use std::borrow::Cow;
 use std::collections::{BTreeMap, VecDeque};
 use std::convert::Infallible;
+use std::fmt::{self, Write as _};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -20,6 +20,7 @@ use axum::response::{IntoResponse, Response};
 use axum::{Json, Router};
 use futures::StreamExt as _;
 use serde::Serialize;
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -29,7 +30,7 @@ use crate::patch::PatchKind;
 use crate::resource::{ResourceKey, ResourceType};
 use crate::selector::{FieldSelector, LabelSelector};
 use crate::store::{
-    Event, EventType, Filter, Store, WatchFrom, WatchStart, WireEvent, WriteScope, bookmark_object,
+    Event, EventType, Filter, Store, Stored, WatchFrom, WatchStart, WireEvent, WriteScope, bookmark_object,
 };
 
 /// The API verbs, as counted per resource (see [`crate::TestApiServer::request_count`]).
@@ -379,17 +380,39 @@ fn wants_partial_metadata(headers: &HeaderMap) -> bool {
         .is_some_and(|accept| accept.contains("as=PartialObjectMetadata"))
 }
 
-/// An object as the request asked for it: whole (borrowed from the store), or only its
-/// metadata.
-fn present(object: &Value, metadata_only: bool) -> Cow<'_, Value> {
+/// An object as the request asked for it: whole (its stored JSON), or only its metadata.
+fn present(object: &Stored, metadata_only: bool) -> Presented<'_> {
     if metadata_only {
-        Cow::Owned(json!({
+        Presented::Metadata(json!({
             "kind": "PartialObjectMetadata",
             "apiVersion": "meta.k8s.io/v1",
             "metadata": object.get("metadata").cloned().unwrap_or_else(|| json!({})),
         }))
     } else {
-        Cow::Borrowed(object)
+        Presented::Whole(object.json())
+    }
+}
+
+enum Presented<'a> {
+    Whole(&'a RawValue),
+    Metadata(Value),
+}
+
+impl Serialize for Presented<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Presented::Whole(json) => json.serialize(serializer),
+            Presented::Metadata(value) => value.serialize(serializer),
+        }
+    }
+}
+
+impl fmt::Display for Presented<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Presented::Whole(json) => f.write_str(json.get()),
+            Presented::Metadata(value) => fmt::Display::fmt(value, f),
+        }
     }
 }
 
@@ -404,7 +427,7 @@ struct ListBody {
 }
 
 struct ListItems {
-    objects: Vec<Arc<Value>>,
+    objects: Vec<Arc<Stored>>,
     metadata_only: bool,
 }
 
@@ -419,7 +442,7 @@ fn list_body(
     rv: u64,
     continue_token: Option<String>,
     remaining: Option<usize>,
-    objects: Vec<Arc<Value>>,
+    objects: Vec<Arc<Stored>>,
     metadata_only: bool,
 ) -> ListBody {
     let (kind, api_version) = if metadata_only {
@@ -570,21 +593,18 @@ struct WatchStream {
 }
 
 impl WatchStream {
-    /// One event line.
-    fn line(&self, event_type: &str, object: &Value) -> String {
-        if self.metadata_only && matches!(event_type, "ADDED" | "MODIFIED" | "DELETED") {
-            format!(
-                "{{\"type\":\"{event_type}\",\"object\":{}}}\n",
-                present(object, true)
-            )
-        } else {
-            format!("{{\"type\":\"{event_type}\",\"object\":{object}}}\n")
-        }
+    /// Append one event line to `out`.
+    fn write_line(&self, out: &mut String, event_type: &str, object: &Stored) {
+        let metadata_only = self.metadata_only && matches!(event_type, "ADDED" | "MODIFIED" | "DELETED");
+        // Writing to a String cannot fail.
+        let _ = writeln!(out, "{{\"type\":\"{event_type}\",\"object\":{}}}", present(object, metadata_only));
     }
 
     /// Write one event line; false when the client has gone away.
-    async fn send(&self, event_type: &str, object: &Value) -> bool {
-        self.out.send(Bytes::from(self.line(event_type, object))).await.is_ok()
+    async fn send(&self, event_type: &str, object: &Stored) -> bool {
+        let mut line = String::new();
+        self.write_line(&mut line, event_type, object);
+        self.out.send(Bytes::from(line)).await.is_ok()
     }
 
     /// Write the prelude's lines in chunks of ~64 KiB, as a real server writes what is
@@ -594,7 +614,7 @@ impl WatchStream {
         const CHUNK: usize = 64 << 10;
         let mut chunk = String::new();
         for event in prelude {
-            chunk.push_str(&self.line(event.event_type, &event.object));
+            self.write_line(&mut chunk, event.event_type, &event.object);
             if chunk.len() >= CHUNK && self.out.send(Bytes::from(std::mem::take(&mut chunk))).await.is_err() {
                 return false;
             }
@@ -605,7 +625,7 @@ impl WatchStream {
     /// What this watcher sees of a change, given its selectors (real apiserver semantics):
     /// an object that starts matching is ADDED, one that stops matching is DELETED (as its
     /// last matching state, at the change's version), others are dropped.
-    fn translate(&self, event: &Event) -> Option<(&'static str, Arc<Value>)> {
+    fn translate(&self, event: &Event) -> Option<(&'static str, Arc<Stored>)> {
         let matches_now = self.filter.matches(&event.object);
         match event.event_type {
             EventType::Added => matches_now.then(|| ("ADDED", event.object.clone())),
@@ -626,7 +646,7 @@ impl WatchStream {
                     (true, false) => {
                         let mut last = Value::clone(event.previous.as_deref().unwrap_or(&event.object));
                         last["metadata"]["resourceVersion"] = Value::String(event.rv.to_string());
-                        Some(("DELETED", Arc::new(last)))
+                        Some(("DELETED", Stored::new(last)))
                     }
                     (false, false) => None,
                 }
@@ -664,7 +684,7 @@ impl WatchStream {
             }
         }
         self.processed_rv = self.processed_rv.max(rv);
-        let object = bookmark_object(&self.rt, self.processed_rv);
+        let object = Stored::new(bookmark_object(&self.rt, self.processed_rv));
         (self.send("BOOKMARK", &object).await, open)
     }
 

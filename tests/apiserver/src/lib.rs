@@ -347,7 +347,7 @@ impl TestApiServer {
 
     pub fn create_value(&self, key: &ResourceKey, object: Value) -> Result<Value, ApiError> {
         let ns = object_namespace(&object);
-        self.shared.store().create(key, Some(&ns), object).map(Arc::unwrap_or_clone)
+        self.shared.store().create(key, Some(&ns), object).map(|stored| Value::clone(&stored))
     }
 
     pub fn update_value(&self, key: &ResourceKey, object: Value) -> Result<Value, ApiError> {
@@ -355,7 +355,7 @@ impl TestApiServer {
         self.shared
             .store()
             .update(key, Some(&ns), &name, object, WriteScope::Everything)
-            .map(Arc::unwrap_or_clone)
+            .map(|stored| Value::clone(&stored))
     }
 
     pub fn apply_value(&self, key: &ResourceKey, mut object: Value) -> Result<Value, ApiError> {
@@ -371,7 +371,7 @@ impl TestApiServer {
             Err(ApiError::NotFound { .. }) => store.create(key, Some(&ns), object),
             Err(e) => Err(e),
         };
-        stored.map(Arc::unwrap_or_clone)
+        stored.map(|stored| Value::clone(&stored))
     }
 
     pub fn patch_value(
@@ -396,7 +396,7 @@ impl TestApiServer {
                 merge_patch,
                 WriteScope::Everything,
             )
-            .map(|(object, _)| Arc::unwrap_or_clone(object))
+            .map(|(stored, _)| Value::clone(&stored))
     }
 
     pub fn delete_value(
@@ -408,15 +408,15 @@ impl TestApiServer {
         self.shared
             .store()
             .delete(key, Some(namespace), name, &Value::Null)
-            .map(|(object, _)| Arc::unwrap_or_clone(object))
+            .map(|(stored, _)| Value::clone(&stored))
     }
 
     pub fn get_value(&self, key: &ResourceKey, namespace: &str, name: &str) -> Option<Value> {
-        self.shared.store().get(key, Some(namespace), name).ok().map(Arc::unwrap_or_clone)
+        self.shared.store().get(key, Some(namespace), name).ok().map(|stored| Value::clone(&stored))
     }
 
     pub fn list_values(&self, key: &ResourceKey) -> Vec<Value> {
-        self.shared.store().matching(key, &Filter::default()).into_iter().map(Arc::unwrap_or_clone).collect()
+        self.shared.store().matching(key, &Filter::default()).into_iter().map(|stored| Value::clone(&stored)).collect()
     }
 
     // ---- faults and protocol events ----

@@ -6,6 +6,11 @@
 //! each version instead of copies, so a large cluster is held once (at 50k services with
 //! objects as a real cluster sends them, copies took more than 24 GB).
 //!
+//! Each version is serialized once, when it is stored ([`Stored`]): lists and watches
+//! write those bytes instead of serializing the object for every reader, as a real API
+//! server's watch cache does (`cachingObject`), so a benchmark's initial sync shows the
+//! client's cost rather than this server's.
+//!
 //! Everything lives behind one mutex, taken briefly by each operation. That single lock
 //! is what makes the protocol guarantees easy to keep: a list snapshot and its
 //! resourceVersion are consistent, and a watch registered at version V receives every
@@ -13,9 +18,11 @@
 //! same lock, so nothing falls into the gap between them).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::ops::Deref;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 
@@ -38,6 +45,33 @@ pub(crate) enum EventType {
     Deleted,
 }
 
+/// One stored version of an object: its value, and its JSON as written to every reader.
+#[derive(Debug)]
+pub(crate) struct Stored {
+    value: Value,
+    json: Box<RawValue>,
+}
+
+impl Stored {
+    pub fn new(value: Value) -> Arc<Stored> {
+        // A `Value` always serializes: its map keys are strings.
+        let json = serde_json::value::to_raw_value(&value).expect("a JSON value serializes");
+        Arc::new(Stored { value, json })
+    }
+
+    pub fn json(&self) -> &RawValue {
+        &self.json
+    }
+}
+
+impl Deref for Stored {
+    type Target = Value;
+
+    fn deref(&self) -> &Value {
+        &self.value
+    }
+}
+
 /// One change, as kept in the history and handed to watchers.
 #[derive(Debug)]
 pub(crate) struct Event {
@@ -45,10 +79,10 @@ pub(crate) struct Event {
     pub resource: ResourceKey,
     pub event_type: EventType,
     /// The object after the change; for a delete, its last state at the delete's version.
-    pub object: Arc<Value>,
+    pub object: Arc<Stored>,
     /// The object before a modification, so a selector-filtered watcher can tell that an
     /// object started or stopped matching.
-    pub previous: Option<Arc<Value>>,
+    pub previous: Option<Arc<Stored>>,
 }
 
 /// What a request may see: its namespace (if any) and its selectors.
@@ -88,7 +122,7 @@ pub(crate) enum WriteScope {
 #[derive(Debug)]
 pub(crate) struct ListPage {
     pub resource_version: u64,
-    pub items: Vec<Arc<Value>>,
+    pub items: Vec<Arc<Stored>>,
     pub continue_token: Option<String>,
     pub remaining: Option<usize>,
 }
@@ -97,7 +131,7 @@ pub(crate) struct ListPage {
 #[derive(Debug)]
 struct Snapshot {
     resource_version: u64,
-    items: Vec<Arc<Value>>,
+    items: Vec<Arc<Stored>>,
 }
 
 /// Where a watch starts.
@@ -113,7 +147,7 @@ pub(crate) enum WatchFrom {
 #[derive(Debug, Clone)]
 pub(crate) struct WireEvent {
     pub event_type: &'static str,
-    pub object: Arc<Value>,
+    pub object: Arc<Stored>,
 }
 
 /// The start of a watch: lines to send first, then the live subscription (none when the
@@ -136,7 +170,7 @@ pub(crate) struct Store {
     /// The last resourceVersion handed out, global across kinds like an etcd revision.
     rv: u64,
     types: BTreeMap<ResourceKey, ResourceType>,
-    objects: HashMap<ResourceKey, BTreeMap<ObjectName, Arc<Value>>>,
+    objects: HashMap<ResourceKey, BTreeMap<ObjectName, Arc<Stored>>>,
     history: VecDeque<Arc<Event>>,
     history_limit: usize,
     /// Watches may resume from any version >= this one; older ones get 410 Expired.
@@ -288,8 +322,8 @@ impl Store {
         &mut self,
         resource: &ResourceKey,
         event_type: EventType,
-        object: Arc<Value>,
-        previous: Option<Arc<Value>>,
+        object: Arc<Stored>,
+        previous: Option<Arc<Stored>>,
     ) {
         let rv = object
             .pointer("/metadata/resourceVersion")
@@ -341,7 +375,7 @@ impl Store {
         key: &ResourceKey,
         namespace: Option<&str>,
         name: &str,
-    ) -> Result<Arc<Value>, ApiError> {
+    ) -> Result<Arc<Stored>, ApiError> {
         let rt = self.resource_type(key)?;
         let id = ObjectName {
             namespace: if rt.namespaced {
@@ -359,7 +393,7 @@ impl Store {
     }
 
     /// All objects of a type matching the filter, in (namespace, name) order.
-    pub fn matching(&self, key: &ResourceKey, filter: &Filter) -> Vec<Arc<Value>> {
+    pub fn matching(&self, key: &ResourceKey, filter: &Filter) -> Vec<Arc<Stored>> {
         self.objects
             .get(key)
             .map(|objects| {
@@ -377,7 +411,7 @@ impl Store {
         key: &ResourceKey,
         path_ns: Option<&str>,
         mut object: Value,
-    ) -> Result<Arc<Value>, ApiError> {
+    ) -> Result<Arc<Stored>, ApiError> {
         let rt = self.resource_type(key)?;
         if !object.is_object() {
             return Err(ApiError::BadRequest(
@@ -437,7 +471,7 @@ impl Store {
         // Deletion state cannot be created, only reached through a delete.
         meta.remove("deletionTimestamp");
         meta.remove("deletionGracePeriodSeconds");
-        let object = Arc::new(object);
+        let object = Stored::new(object);
         self.objects
             .entry(key.clone())
             .or_default()
@@ -455,7 +489,7 @@ impl Store {
         name: &str,
         mut object: Value,
         scope: WriteScope,
-    ) -> Result<Arc<Value>, ApiError> {
+    ) -> Result<Arc<Stored>, ApiError> {
         let rt = self.resource_type(key)?;
         if !object.is_object() {
             return Err(ApiError::BadRequest(
@@ -542,7 +576,7 @@ impl Store {
 
         // A write that changes nothing is not an event and keeps the version, as on a
         // real server (so idempotent re-applies do not wake every watcher).
-        if object == *old {
+        if object == **old {
             return Ok(old);
         }
         if spec_part(&object) != spec_part(&old) {
@@ -555,7 +589,7 @@ impl Store {
         }
         let rv = self.next_rv();
         set_rv(&mut object, rv);
-        let object = Arc::new(object);
+        let object = Stored::new(object);
 
         // The last finalizer removed from an object being deleted completes the delete.
         if object.pointer("/metadata/deletionTimestamp").is_some() && !finalizers_pending(&object) {
@@ -585,7 +619,7 @@ impl Store {
         kind: PatchKind,
         patch: &Value,
         scope: WriteScope,
-    ) -> Result<(Arc<Value>, bool), ApiError> {
+    ) -> Result<(Arc<Stored>, bool), ApiError> {
         let rt = self.resource_type(key)?;
         let current = match self.get(key, path_ns, name) {
             Ok(current) => current,
@@ -635,7 +669,7 @@ impl Store {
         path_ns: Option<&str>,
         name: &str,
         preconditions: &Value,
-    ) -> Result<(Arc<Value>, bool), ApiError> {
+    ) -> Result<(Arc<Stored>, bool), ApiError> {
         let rt = self.resource_type(key)?;
         let previous = self.get(key, path_ns, name)?;
         let conflict = || ApiError::Conflict {
@@ -670,7 +704,7 @@ impl Store {
             meta.insert("deletionGracePeriodSeconds".into(), json!(0));
             let rv = self.next_rv();
             set_rv(&mut object, rv);
-            let object = Arc::new(object);
+            let object = Stored::new(object);
             if let Some(objects) = self.objects.get_mut(key) {
                 objects.insert(id, object.clone());
             }
@@ -683,7 +717,7 @@ impl Store {
         // The DELETED event carries the deletion's version, so watchers advance past it.
         let rv = self.next_rv();
         set_rv(&mut object, rv);
-        let object = Arc::new(object);
+        let object = Stored::new(object);
         self.record(key, EventType::Deleted, object.clone(), Some(previous));
         Ok((object, false))
     }
@@ -693,7 +727,7 @@ impl Store {
         &mut self,
         key: &ResourceKey,
         filter: &Filter,
-    ) -> Result<Vec<Arc<Value>>, ApiError> {
+    ) -> Result<Vec<Arc<Stored>>, ApiError> {
         let mut deleted = Vec::new();
         for object in self.matching(key, filter) {
             let name = meta_str(&object, "name").unwrap_or_default().to_owned();
@@ -735,7 +769,7 @@ impl Store {
             }
             None => (self.rv, None, 0, Some(self.matching(key, filter))),
         };
-        let all: &[Arc<Value>] = match (&items, snapshot_id) {
+        let all: &[Arc<Stored>] = match (&items, snapshot_id) {
             (Some(items), _) => items,
             (None, Some(id)) => self
                 .snapshots
@@ -803,7 +837,7 @@ impl Store {
                     let message = format!("too old resource version: {v} ({})", self.compacted_rv);
                     prelude.push(WireEvent {
                         event_type: "ERROR",
-                        object: Arc::new(failure_status(410, "Expired", &message)),
+                        object: Stored::new(failure_status(410, "Expired", &message)),
                     });
                     return Ok(WatchStart {
                         prelude,
@@ -835,7 +869,7 @@ impl Store {
                         json!({ "k8s.io/initial-events-end": "true" });
                     prelude.push(WireEvent {
                         event_type: "BOOKMARK",
-                        object: Arc::new(bookmark),
+                        object: Stored::new(bookmark),
                     });
                 }
             }
@@ -1057,6 +1091,22 @@ mod tests {
             .unwrap()
             .prelude;
         assert!(Arc::ptr_eq(&prelude[0].object, &updated), "a watch's initial events too");
+    }
+
+    #[test]
+    fn each_version_is_serialized_as_stored() {
+        let mut store = Store::new(default_resources(), 100);
+        let created = store.create(&svc_key(), Some("ns"), svc("a")).unwrap();
+        let (deleted, _) = store.delete(&svc_key(), Some("ns"), "a", &Value::Null).unwrap();
+        for stored in [&created, &deleted] {
+            let written: Value = serde_json::from_str(stored.json().get()).unwrap();
+            assert_eq!(written, ***stored, "the written JSON is the stored value, metadata included");
+        }
+        assert_ne!(
+            created.json().get(),
+            deleted.json().get(),
+            "the delete's own version is written, not the created one"
+        );
     }
 
     #[test]
