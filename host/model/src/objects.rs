@@ -351,13 +351,19 @@ impl PolicyPeer {
     /// namespace selector alone means every pod of the matching namespaces; both means the
     /// matching pods of the matching namespaces. An ipBlock selects no pod.
     pub fn selects(&self, policy_namespace: &str, pod: &Pod, namespace_labels: Option<&Labels>) -> bool {
-        if pod.host_network {
-            return false;
-        }
-        let namespace_ok = match &self.namespace_selector {
+        self.selects_namespace(policy_namespace, &pod.namespace, namespace_labels) && self.selects_in_namespace(pod)
+    }
+
+    /// Whether this peer selects pods of `namespace` (labelled `namespace_labels`) at all.
+    pub fn selects_namespace(&self, policy_namespace: &str, namespace: &str, namespace_labels: Option<&Labels>) -> bool {
+        match &self.namespace_selector {
             Some(selector) => namespace_labels.is_some_and(|labels| selector.matches(labels)),
-            None => self.pod_selector.is_some() && pod.namespace == policy_namespace,
-        };
-        namespace_ok && self.pod_selector.as_ref().is_none_or(|s| s.matches(&pod.labels))
+            None => self.pod_selector.is_some() && namespace == policy_namespace,
+        }
+    }
+
+    /// Whether this peer selects `pod`, given that it selects the pod's namespace.
+    pub fn selects_in_namespace(&self, pod: &Pod) -> bool {
+        !pod.host_network && self.pod_selector.as_ref().is_none_or(|s| s.matches(&pod.labels))
     }
 }

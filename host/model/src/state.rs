@@ -566,21 +566,21 @@ impl NodeLocalModel {
             return None;
         }
         let peers: Vec<&PolicyPeer> = policy.peers().filter(|p| p.ip_block.is_none()).collect();
-        let peer_pods: Vec<Arc<Pod>> = if peers.is_empty() {
-            Vec::new()
-        } else if peers.iter().all(|p| p.namespace_selector.is_none()) {
-            cluster.pods_in(&policy.namespace).filter(|pod| peers.iter().any(|peer| peer.selects(&policy.namespace, pod, None))).cloned().collect()
-        } else {
-            cluster
-                .pods
-                .values()
-                .filter(|pod| {
-                    let labels = cluster.namespace_labels(&pod.namespace);
-                    peers.iter().any(|peer| peer.selects(&policy.namespace, pod, labels))
-                })
-                .cloned()
-                .collect()
-        };
+        // Pods are ordered by namespace: visit only the namespaces some peer selects, each
+        // namespace's labels matched once, instead of every pod of the cluster.
+        let mut namespaces: Vec<&str> = vec![&policy.namespace];
+        if peers.iter().any(|p| p.namespace_selector.is_some()) {
+            namespaces.extend(cluster.namespaces.keys().map(|n| n.as_str()).filter(|n| *n != policy.namespace));
+            namespaces.sort_unstable();
+        }
+        let mut peer_pods: Vec<Arc<Pod>> = Vec::new();
+        for namespace in namespaces {
+            let labels = cluster.namespace_labels(namespace);
+            let selecting: Vec<&PolicyPeer> = peers.iter().copied().filter(|p| p.selects_namespace(&policy.namespace, namespace, labels)).collect();
+            if !selecting.is_empty() {
+                peer_pods.extend(cluster.pods_in(namespace).filter(|pod| selecting.iter().any(|peer| peer.selects_in_namespace(pod))).cloned());
+            }
+        }
         Some(PolicyView { policy: policy.clone(), local_pods, peer_pods })
     }
 
@@ -858,6 +858,59 @@ mod tests {
         apply(&mut state, &mut model, pod("shop", "client-2", "10.244.2.9", "node-b", "client"));
         let view = &model.policies[&ObjectKey::new("shop", "allow-clients")];
         assert_eq!(view.peer_pods.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(), vec!["client-2"]);
+    }
+
+    /// The view visits only the namespaces some peer selects; its peer pods must still be
+    /// exactly the pods the peers' definition (`PolicyPeer::selects`) selects, in key order.
+    #[test]
+    fn peer_pods_are_the_pods_some_peer_selects() {
+        let mut state = ClusterState::new();
+        let mut model = NodeLocalModel::new("node-a", vec![]);
+        let select = |pairs: &[(&str, &str)]| LabelSelector { match_labels: labels(pairs), match_expressions: vec![] };
+        let peer = |pod: Option<&[(&str, &str)]>, namespace: Option<&[(&str, &str)]>| PolicyPeer { pod_selector: pod.map(select), namespace_selector: namespace.map(select), ip_block: None };
+        let mut policy = NetworkPolicy {
+            namespace: "shop".into(),
+            name: "mixed".into(),
+            uid: CompactString::default(),
+            generation: 1,
+            pod_selector: select(&[("app", "web")]),
+            ingress: Some(vec![PolicyRule { ports: vec![], peers: vec![peer(Some(&[("app", "client")]), None), peer(None, Some(&[("team", "red")]))] }]),
+            egress: Some(vec![PolicyRule { ports: vec![], peers: vec![peer(Some(&[("app", "db")]), Some(&[("team", "blue")]))] }]),
+        };
+        // `shop` has pods but no Namespace object: only the same-namespace peer reaches it.
+        let mut objects = vec![namespace("tools", "red"), namespace("data", "blue"), namespace("misc", "green"), pod("shop", "web-1", "10.244.1.5", "node-a", "web")];
+        for (i, ns) in ["shop", "tools", "data", "misc", "nowhere"].iter().enumerate() {
+            for (j, app) in ["client", "db", "web", "batch"].iter().enumerate() {
+                objects.push(pod(ns, &format!("{app}-{i}{j}"), &format!("10.244.{i}.{}", 10 + j), "node-b", app));
+            }
+        }
+        let mut host = pod("tools", "host-net", "192.168.0.9", "node-b", "batch");
+        if let ClusterObject::Pod(p) = &mut host {
+            p.host_network = true;
+        }
+        objects.push(host);
+        for o in objects {
+            apply(&mut state, &mut model, o);
+        }
+        for round in 0..2 {
+            apply(&mut state, &mut model, ClusterObject::NetworkPolicy(policy.clone()));
+            let expected: Vec<&str> = state
+                .pods
+                .values()
+                .filter(|pod| policy.peers().any(|peer| peer.selects(&policy.namespace, pod, state.namespace_labels(&pod.namespace))))
+                .map(|p| p.name.as_str())
+                .collect();
+            let view = &model.policies[&ObjectKey::new("shop", "mixed")];
+            let got: Vec<&str> = view.peer_pods.iter().map(|p| p.name.as_str()).collect();
+            assert_eq!(got, expected, "round {round}");
+            let mut names = got.clone();
+            names.sort_unstable();
+            let want = if round == 0 { vec!["batch-13", "client-00", "client-10", "db-11", "db-21", "web-12"] } else { vec!["client-00"] };
+            assert_eq!(names, want, "round {round}");
+            // Second round: only same-namespace peers left, in a namespace with no object.
+            policy.ingress = Some(vec![PolicyRule { ports: vec![], peers: vec![peer(Some(&[("app", "client")]), None)] }]);
+            policy.egress = None;
+        }
     }
 
     #[test]
