@@ -797,6 +797,9 @@ fn protocol(p: wit::Protocol) -> &'static str {
 struct Validator<'a> {
     object: &'a str,
     prefix: &'a str,
+    /// Set names under this prefix are allowed besides the object's own (policies' shared
+    /// sets, see `policy::SHARED_SET_PREFIX`).
+    shared_sets: Option<&'a str>,
     chains: BTreeSet<&'a str>,
     sets: BTreeMap<&'a str, wit::AddressFamily>,
 }
@@ -806,10 +809,15 @@ impl<'a> Validator<'a> {
         Err(InvalidOutput { object: self.object.to_string(), reason: reason.into() })
     }
 
-    fn own_name(&self, what: &str, name: &str) -> Result<(), InvalidOutput> {
+    fn valid_name(&self, what: &str, name: &str) -> Result<(), InvalidOutput> {
         if !valid_name(name) {
             return self.fail(format!("{what} name {name:?} is not a valid identifier ([A-Za-z][A-Za-z0-9/._-]*, at most {MAX_NAME})"));
         }
+        Ok(())
+    }
+
+    fn own_name(&self, what: &str, name: &str) -> Result<(), InvalidOutput> {
+        self.valid_name(what, name)?;
         if name != self.prefix && !name.starts_with(&format!("{}/", self.prefix)) {
             return self.fail(format!("{what} {name:?} is outside this object's namespace {:?}", self.prefix));
         }
@@ -823,7 +831,10 @@ impl<'a> Validator<'a> {
     /// Declares an address set of this object (its own name, declared once, no chain of
     /// that name): its nft key type and its elements, each an address of the set's family.
     fn address_set(&mut self, set: &'a wit::SetDeclaration) -> Result<(&'static str, BTreeSet<String>), InvalidOutput> {
-        self.own_name("set", &set.name)?;
+        match self.shared_sets {
+            Some(shared) if set.name.len() > shared.len() && set.name.starts_with(shared) => self.valid_name("set", &set.name)?,
+            _ => self.own_name("set", &set.name)?,
+        }
         if self.sets.insert(&set.name, set.family).is_some() || self.chains.contains(set.name.as_str()) {
             return self.fail(format!("set {:?} declared twice", set.name));
         }
@@ -966,7 +977,7 @@ fn number_backends(elements: &mut BTreeMap<ElementKey, CompactString>, map: &str
 pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<ObjectRules, InvalidOutput> {
     let object = key.to_string();
     let prefix = service_prefix(key);
-    let mut v = Validator { object: &object, prefix: &prefix, chains: BTreeSet::new(), sets: BTreeMap::new() };
+    let mut v = Validator { object: &object, prefix: &prefix, shared_sets: None, chains: BTreeSet::new(), sets: BTreeMap::new() };
     for chain in &out.chains {
         v.own_name("chain", &chain.name)?;
         if !v.chains.insert(&chain.name) {

@@ -10,6 +10,12 @@
 //! sets (its chains are equal, so `object_delta` leaves them alone), and only the dispatch
 //! chains of addresses whose set of policies changed are rewritten.
 //!
+//! Peers many policies name alike live in *shared sets* (`render::SHARED_SET_PREFIX`, named
+//! by the guest from what selects their members): one dataplane object per set, holding the
+//! union of what its declaring policies give it, so that the kernel holds one set per
+//! distinct selection of peers instead of one per policy rule (it finds sets by name in a
+//! list: thousands make loading quadratic).
+//!
 //! Ordering is the writer's business: one sync's deltas are phased across all its objects
 //! (`nft::objects_delta`: every flush before any deletion, every chain declared before any
 //! rule), so a policy chain and the dispatch chains that jump to it can come, change or go
@@ -25,8 +31,8 @@ use wasmplane_model::{ClusterState, CompactString, Labels, NetworkPolicy, NodeLo
 use wasmplane_runtime::policy::{PodLookups, PolicyModule, PolicySession};
 use wasmplane_runtime::{CallError, wit};
 
-use crate::nft::ObjectRules;
 use crate::nft::policy::{self as render, Direction, DispatchEntry, PolicyRules};
+use crate::nft::{ObjectRules, SetRules};
 
 /// Why a policy has no fresh rules (its last good ones, if any, stay applied).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize)]
@@ -84,6 +90,10 @@ pub struct PolicyController {
     by_target: BTreeMap<(Direction, IpAddr), BTreeSet<ObjectKey>>,
     /// What each dispatch object is built from now.
     dispatch: BTreeMap<(Direction, IpAddr), Vec<DispatchEntry>>,
+    /// Shared set name → the policies declaring it (in their last good output).
+    shared_users: BTreeMap<String, BTreeSet<ObjectKey>>,
+    /// What each shared set's object holds now.
+    shared_sets: BTreeMap<String, SetRules>,
 }
 
 impl PolicyController {
@@ -99,6 +109,8 @@ impl PolicyController {
             audit_all: false,
             by_target: BTreeMap::new(),
             dispatch: BTreeMap::new(),
+            shared_users: BTreeMap::new(),
+            shared_sets: BTreeMap::new(),
         }
     }
 
@@ -163,6 +175,7 @@ impl PolicyController {
                 out.push((render::dispatch_object_key(*direction, addr), rules));
             }
         }
+        out.extend(self.shared_sets.iter().map(|(name, set)| (render::shared_set_object_key(name), render::shared_set_object(name, set))));
         out
     }
 
@@ -219,29 +232,40 @@ impl PolicyController {
         let namespaces: Arc<BTreeMap<CompactString, Labels>> =
             Arc::new(cluster.namespaces.iter().map(|(name, ns)| (name.clone(), ns.labels.clone())).collect());
         let mut affected: BTreeSet<(Direction, IpAddr)> = BTreeSet::new();
+        let mut affected_sets: BTreeSet<String> = BTreeSet::new();
         let mut removed: Vec<ObjectKey> = Vec::new();
         for (key, view) in work {
             let old_targets: BTreeSet<(Direction, IpAddr)> =
                 self.compiled.get(&key).map(|c| c.rules.targets.keys().copied().collect()).unwrap_or_default();
+            let old_shared: BTreeSet<String> = self.compiled.get(&key).map(|c| c.rules.shared.keys().cloned().collect()).unwrap_or_default();
+            // Whatever happens to the policy (compiled, failed, withdrawn), what it gives
+            // its shared sets may change.
+            affected_sets.extend(old_shared.iter().cloned());
             let Some(view) = view else {
                 // The policy selects no pod here any more (or is gone): its rules go.
                 self.errors.remove(&key);
                 if self.compiled.remove(&key).is_some() {
                     tracing::debug!(policy = %key, "network policy withdrawn from this node");
                     self.untarget(&key, &old_targets);
+                    self.unshare(&key, &old_shared);
                     affected.extend(old_targets);
                     removed.push(key);
                 }
                 continue;
             };
-            match self.compile(cluster, model, &key, &view, namespaces.clone()) {
+            match self.compile(cluster, model, &key, &view, namespaces.clone()).and_then(|rules| self.check_shared(&key, rules)) {
                 Ok(rules) => {
                     out.compiled += 1;
                     self.errors.remove(&key);
                     let new_targets: BTreeSet<(Direction, IpAddr)> = rules.targets.keys().copied().collect();
-                    let unchanged = self.compiled.get(&key).is_some_and(|c| c.rules == rules);
+                    let unchanged = self.compiled.get(&key).is_some_and(|c| c.rules.rules == rules.rules);
                     if !unchanged {
                         out.changes.push((render::policy_object_key(&key), Some(rules.rules.clone())));
+                    }
+                    self.unshare(&key, &old_shared);
+                    for name in rules.shared.keys() {
+                        self.shared_users.entry(name.clone()).or_default().insert(key.clone());
+                        affected_sets.insert(name.clone());
                     }
                     self.untarget(&key, &old_targets);
                     for t in &new_targets {
@@ -256,6 +280,7 @@ impl PolicyController {
                 }
                 Err(e) => {
                     // The last good rules (if any) stay; the error is visible in status.
+                    // (Their shared sets' elements are recomposed: see `recompose_shared`.)
                     out.failed += 1;
                     tracing::warn!(policy = %key, module = %self.module, "network policy not compiled, last good rules stay: {e}");
                     self.errors.insert(key.clone(), e);
@@ -263,10 +288,73 @@ impl PolicyController {
             }
         }
         self.recompose(affected, &mut out);
+        self.recompose_shared(affected_sets, &mut out);
         for key in removed {
             out.changes.push((render::policy_object_key(&key), None));
         }
         out
+    }
+
+    /// Refuses output declaring a shared set otherwise than the policies already using it
+    /// (one set in the kernel has one type).
+    fn check_shared(&self, key: &ObjectKey, rules: PolicyRules) -> Result<PolicyRules, PolicyError> {
+        for (name, set) in &rules.shared {
+            let other = self.shared_users.get(name).into_iter().flatten().find(|k| *k != key);
+            if let Some(other) = other
+                && let Some(theirs) = self.compiled.get(other).and_then(|c| c.rules.shared.get(name))
+                && theirs.declaration != set.declaration
+            {
+                return Err(PolicyError::Invalid(format!(
+                    "shared set {name:?} is declared as {:?}, but as {:?} by networkpolicy {other}",
+                    set.declaration, theirs.declaration
+                )));
+            }
+        }
+        Ok(rules)
+    }
+
+    fn unshare(&mut self, key: &ObjectKey, names: &BTreeSet<String>) {
+        for name in names {
+            if let Some(users) = self.shared_users.get_mut(name) {
+                users.remove(key);
+                if users.is_empty() {
+                    self.shared_users.remove(name);
+                }
+            }
+        }
+    }
+
+    /// Rebuilds the objects of `affected` shared sets whose elements changed: the union of
+    /// what their declarers give them. A policy whose last compile failed keeps its last
+    /// good rules, but its elements (perhaps stale) count only when no declarer is fresh:
+    /// a failure in one policy must not widen what another allows.
+    fn recompose_shared(&mut self, affected: BTreeSet<String>, out: &mut PolicyChanges) {
+        for name in affected {
+            let users: Vec<&ObjectKey> = self.shared_users.get(&name).into_iter().flatten().collect();
+            let fresh: Vec<&ObjectKey> = users.iter().copied().filter(|k| !self.errors.contains_key(*k)).collect();
+            let declarers = if fresh.is_empty() { users } else { fresh };
+            let mut union: Option<SetRules> = None;
+            for set in declarers.into_iter().filter_map(|k| self.compiled.get(k)?.rules.shared.get(&name)) {
+                match &mut union {
+                    Some(u) => u.elements.extend(set.elements.iter().cloned()),
+                    None => union = Some(set.clone()),
+                }
+            }
+            if self.shared_sets.get(&name) == union.as_ref() {
+                continue;
+            }
+            let key = render::shared_set_object_key(&name);
+            match union {
+                Some(set) => {
+                    out.changes.push((key, Some(render::shared_set_object(&name, &set))));
+                    self.shared_sets.insert(name, set);
+                }
+                None => {
+                    out.changes.push((key, None));
+                    self.shared_sets.remove(&name);
+                }
+            }
+        }
     }
 
     fn untarget(&mut self, key: &ObjectKey, targets: &BTreeSet<(Direction, IpAddr)>) {
@@ -422,8 +510,10 @@ mod tests {
         }
     }
 
+    /// Each change's object (shared sets as `shared set`) and whether it has chains.
     fn keys(c: &PolicyChanges) -> Vec<(String, bool)> {
-        c.changes.iter().map(|(k, r)| (k.to_string(), r.as_ref().is_some_and(|r| !r.chains.is_empty()))).collect()
+        let name = |k: &ObjectKey| if k.namespace == "networkpolicy-set:" { "shared set".to_string() } else { k.to_string() };
+        c.changes.iter().map(|(k, r)| (name(k), r.as_ref().is_some_and(|r| !r.chains.is_empty()))).collect()
     }
 
     #[test]
@@ -433,8 +523,12 @@ mod tests {
         assert_eq!(c.compiled, 1);
         assert_eq!(
             keys(&c),
-            vec![("networkpolicy:a/p".to_string(), true), ("networkpolicy-dispatch:/10.244.1.10/ingress".to_string(), true)],
-            "the policy before the dispatch chain jumping to it"
+            vec![
+                ("networkpolicy:a/p".to_string(), true),
+                ("networkpolicy-dispatch:/10.244.1.10/ingress".to_string(), true),
+                ("shared set".to_string(), false)
+            ],
+            "the policy before the dispatch chain jumping to it; its peers in a shared set"
         );
         let dispatch = c.changes[1].1.as_ref().unwrap();
         assert_eq!(dispatch.chains["polpod/10.244.1.10/ingress"], vec!["jump pol/a/p/ingress", "counter drop comment \"deny\""]);
@@ -452,12 +546,14 @@ mod tests {
         let c = w.apply(pod("a", "client-1", "10.244.1.13", "client"));
         assert_eq!(c.compiled, 1, "only the policy whose peers changed runs");
         assert_eq!(c.dispatch_changed, 0);
-        assert_eq!(c.changes.len(), 1);
+        // The policy's own object is unchanged: its peers are in a shared set's object.
+        assert_eq!(c.changes.len(), 1, "{:?}", c.changes);
         let (key, Some(rules)) = &c.changes[0] else { panic!("{:?}", c.changes) };
-        assert_eq!(key.to_string(), "networkpolicy:a/p");
+        assert!(key.to_string().starts_with("networkpolicy-set:/pol/_shared/peers/"), "{key}");
         let old = &before.iter().find(|(k, _)| k == key).unwrap().1;
-        assert_eq!(old.chains, rules.chains, "chains untouched");
-        assert_eq!(rules.sets["pol/a/p/ingress/0/peers/v4"].elements.len(), 2);
+        assert!(rules.chains.is_empty() && old.sets.keys().eq(rules.sets.keys()), "the same set, no chain");
+        let set = rules.sets.values().next().unwrap();
+        assert_eq!(set.elements, BTreeSet::from(["10.244.1.12".to_string(), "10.244.1.13".to_string()]));
         // An unrelated pod: nothing runs.
         let c = w.apply(pod("a", "batch-0", "10.244.1.20", "batch"));
         assert_eq!((c.compiled, c.changes.len()), (0, 0));
@@ -505,9 +601,13 @@ mod tests {
         let c = w.delete_policy("p");
         assert_eq!(
             keys(&c),
-            vec![("networkpolicy-dispatch:/10.244.1.10/ingress".to_string(), false), ("networkpolicy:a/p".to_string(), false)]
+            vec![
+                ("networkpolicy-dispatch:/10.244.1.10/ingress".to_string(), false),
+                ("shared set".to_string(), false),
+                ("networkpolicy:a/p".to_string(), false)
+            ]
         );
-        assert!(c.changes[0].1.is_none() && c.changes[1].1.is_none());
+        assert!(c.changes.iter().all(|(_, r)| r.is_none()));
     }
 
     #[test]
@@ -544,6 +644,66 @@ mod tests {
         let status = w.controller.status(&w.model);
         assert!(status[0].audit && status[0].enforced_generation == Some(1) && status[0].ingress_targets == 1);
         assert!(w.controller.set_audit(&ObjectKey::new("a", "p"), true).changes.is_empty(), "no change, nothing written");
+    }
+
+    /// The shared peer set's object of the controller now (the only one in these tests).
+    fn shared_set(w: &World) -> Option<(String, BTreeSet<String>)> {
+        let objects = w.controller.objects();
+        let mut sets = objects.iter().filter(|(k, _)| k.namespace == "networkpolicy-set:").map(|(_, r)| r.sets.iter().next().unwrap());
+        let found = sets.next().map(|(name, set)| (name.clone(), set.elements.clone()));
+        assert!(sets.next().is_none(), "one shared set");
+        found
+    }
+
+    #[test]
+    fn policies_with_the_same_peers_share_one_set_until_the_last_goes() {
+        let mut w = World::new();
+        w.apply(pod("a", "db-0", "10.244.1.11", "db"));
+        let mut writer = crate::dataplane::Dataplane::new(Box::new(crate::dataplane::Recorder::default()));
+        written(&mut writer, &w.apply(policy("p", "web", 1)));
+        let (name, elements) = shared_set(&w).unwrap();
+        assert_eq!(elements, BTreeSet::from(["10.244.1.12".to_string()]));
+        // q allows the same peers to another pod: its chain uses the same set, no new set.
+        let c = w.apply(policy("q", "db", 1));
+        assert!(c.changes.iter().all(|(k, _)| k.namespace != "networkpolicy-set:"), "{:?}", keys(&c));
+        let q = c.changes.iter().find(|(k, _)| k.to_string() == "networkpolicy:a/q").unwrap().1.as_ref().unwrap();
+        assert!(q.sets.is_empty() && q.chains["pol/a/q/ingress"][0].contains(&format!("@{name} ")), "{q:?}");
+        written(&mut writer, &c);
+        // A new peer: one element added to the one set, nothing else written.
+        let t = written(&mut writer, &w.apply(pod("a", "client-1", "10.244.1.13", "client")));
+        assert_eq!(t, format!("add element inet wasmplane {name} {{ 10.244.1.13 }}\n"));
+        // p goes: the set stays for q.
+        let t = written(&mut writer, &w.delete_policy("p"));
+        assert!(!t.contains("delete set"), "{t}");
+        assert_eq!(shared_set(&w).unwrap().0, name);
+        // q goes: the set goes in the same transaction, after the chain using it.
+        let t = written(&mut writer, &w.delete_policy("q"));
+        assert!(line_of(&t, "flush chain inet wasmplane pol/a/q/ingress") < line_of(&t, &format!("delete set inet wasmplane {name}")), "{t}");
+        assert!(shared_set(&w).is_none());
+    }
+
+    #[test]
+    fn a_failing_policy_does_not_widen_a_shared_set() {
+        let mut w = World::new();
+        w.apply(pod("a", "db-0", "10.244.1.11", "db"));
+        w.apply(policy("p", "web", 1));
+        w.apply(policy("q", "db", 1));
+        // q's next generation does not compile: its last good rules (client-0 a peer) stay.
+        let ClusterObject::NetworkPolicy(mut bad) = policy("q", "db", 2) else { unreachable!() };
+        bad.ingress.as_mut().unwrap()[0].peers.push(PolicyPeer {
+            pod_selector: None,
+            namespace_selector: None,
+            ip_block: Some(wasmplane_model::IpBlock { cidr: "nonsense".into(), except: vec![] }),
+        });
+        assert_eq!(w.apply(ClusterObject::NetworkPolicy(bad)).failed, 1);
+        assert_eq!(shared_set(&w).unwrap().1, BTreeSet::from(["10.244.1.12".to_string()]));
+        // client-0 stops being a client: p, compiled fresh, decides the set's elements.
+        let c = w.apply(pod("a", "client-0", "10.244.1.12", "batch"));
+        assert_eq!(c.compiled, 1);
+        assert!(shared_set(&w).unwrap().1.is_empty(), "q's stale peers left out");
+        // p gone: q alone, its last good rules, as before sets were shared.
+        w.delete_policy("p");
+        assert_eq!(shared_set(&w).unwrap().1, BTreeSet::from(["10.244.1.12".to_string()]));
     }
 
     #[test]

@@ -81,6 +81,7 @@ pub mod cidr;
 pub mod log;
 pub mod lookups;
 pub mod selector;
+pub mod shared;
 /// Replaying host recordings through native guest code (`cargo test`).
 #[cfg(not(target_arch = "wasm32"))]
 pub mod testing;

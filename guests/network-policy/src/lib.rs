@@ -8,10 +8,12 @@
 //! - one *policy chain* `<prefix>/ingress` (or `/egress`) holding one `accept` rule per
 //!   (peer match × port match) of each rule, in order. It accepts what the policy allows and
 //!   falls off its end (returns) otherwise: it never drops, so policies compose.
-//! - peer pods live in *named sets* the policy declares, one per rule and address family
-//!   (`<prefix>/ingress/<rule>/peers/v4`): a peer pod appearing, leaving or changing its IP
-//!   changes set elements only, never a chain. ipBlocks are CIDR matches in the rule, each
-//!   `except` a negated match (they are spec, not cluster state).
+//! - peer pods live in *shared named sets*, one per distinct selection of peers and address
+//!   family (`pol/_shared/peers/<hash>/v4`, named by a canonical form of the rule's
+//!   selectors: see `wasmplane_sdk::shared`): every policy allowing the same peers uses the
+//!   same set, and a peer pod appearing, leaving or changing its IP changes set elements
+//!   only, never a chain. ipBlocks are CIDR matches in the rule, each `except` a negated
+//!   match (they are spec, not cluster state).
 //! - one `pod-ingress` / `pod-egress` map element per IP of every selected pod on this node,
 //!   `jump`ing to the policy chain.
 //!
@@ -34,6 +36,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use wasmplane_sdk::lookups::Lookups;
+use wasmplane_sdk::shared::{put_str, selector_key, shared_set_name};
 use wasmplane_sdk::types::*;
 use wasmplane_sdk::{Cidr, selector};
 
@@ -159,7 +162,12 @@ pub fn compile(
             c.rule(i, rule)?;
         }
         out.chains.push(Chain { name: chain.clone(), rules: c.rules });
-        out.sets.extend(c.sets);
+        // Ingress and egress rules with the same peers share their sets too.
+        for set in c.sets {
+            if !out.sets.iter().any(|s| s.name == set.name) {
+                out.sets.push(set);
+            }
+        }
         let mut addresses = BTreeSet::new();
         for pod in &targets {
             addresses.extend(pod.ips.iter().filter(|ip| !ip.is_empty()).cloned());
@@ -202,11 +210,33 @@ enum PortClause {
 }
 
 impl DirectionCompiler<'_> {
+    /// Declares a set once (two rules with the same peers name the same shared set).
     fn declare_set(&mut self, name: String, family: Family, mut elements: Vec<String>) -> String {
-        elements.sort();
-        elements.dedup();
-        self.sets.push(SetDeclaration { name: name.clone(), family: family.wit(), timeout_seconds: None, elements });
+        if !self.sets.iter().any(|s| s.name == name) {
+            elements.sort();
+            elements.dedup();
+            self.sets.push(SetDeclaration { name: name.clone(), family: family.wit(), timeout_seconds: None, elements });
+        }
         name
+    }
+
+    /// What identifies the pods one peer selects (see `wasmplane_sdk::shared`): the scope
+    /// (this policy's namespace, or a namespace selector) and the pod selector.
+    fn peer_key(&self, peer: &PolicyPeer) -> Vec<u8> {
+        let everything = LabelSelector { match_labels: vec![], match_expressions: vec![] };
+        let mut key = Vec::new();
+        match &peer.namespace_selector {
+            None => {
+                key.push(0);
+                put_str(&mut key, &self.policy.namespace);
+            }
+            Some(namespaces) => {
+                key.push(1);
+                selector_key(namespaces, &mut key);
+            }
+        }
+        selector_key(peer.pod_selector.as_ref().unwrap_or(&everything), &mut key);
+        key
     }
 
     /// Pods (with addresses) selected by one peer's selectors.
@@ -229,6 +259,7 @@ impl DirectionCompiler<'_> {
         } else {
             let mut alternatives = Vec::new();
             let mut any_selector = false;
+            let mut peer_keys: Vec<Vec<u8>> = Vec::new();
             for peer in &rule.peers {
                 match &peer.ip_block {
                     Some(block) => {
@@ -243,17 +274,26 @@ impl DirectionCompiler<'_> {
                         }
                         any_selector = true;
                         peer_pods.extend(self.peer_pods(peer));
+                        peer_keys.push(self.peer_key(peer));
                     }
                 }
             }
             if any_selector {
+                // The set holds the union of the peers' pods: named by their keys, in any order.
+                peer_keys.sort_unstable();
+                peer_keys.dedup();
+                let mut key = Vec::new();
+                for peer in &peer_keys {
+                    key.extend_from_slice(&(peer.len() as u64).to_le_bytes());
+                    key.extend_from_slice(peer);
+                }
                 // Declared even when empty: a peer pod appearing later only adds elements.
                 let mut families = self.families.clone();
                 families.extend(peer_pods.iter().flat_map(|p| p.ips.iter()).map(|ip| Family::of(ip)));
                 let mut in_sets = Vec::new();
                 for family in families {
                     let ips = peer_pods.iter().flat_map(|p| p.ips.iter()).filter(|ip| Family::of(ip) == family).cloned().collect();
-                    let set = self.declare_set(format!("{base}/peers/{}", family.suffix()), family, ips);
+                    let set = self.declare_set(shared_set_name("peers", &key, family.suffix()), family, ips);
                     in_sets.push(vec![self.direction.peer_in_set(set)]);
                 }
                 alternatives.splice(0..0, in_sets);

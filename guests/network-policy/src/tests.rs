@@ -154,7 +154,7 @@ fn ingress_from_pod_selector_in_own_namespace_with_peer_set() {
     let r = compile_in(&l, &p);
     assert_eq!(r.chains.len(), 1);
     assert_eq!(r.chains[0].name, "pol/a/p/ingress");
-    let set = r.sets.iter().find(|s| s.name == "pol/a/p/ingress/0/peers/v4").unwrap();
+    let set = r.sets.iter().find(|s| s.name.starts_with("pol/_shared/peers/") && s.name.ends_with("/v4")).unwrap();
     assert_eq!(set.elements, vec![ip(&l, "a", "client")]);
     assert_eq!(r.map_elements.len(), 1);
     assert_eq!(r.map_elements[0].map_name, "pod-ingress");
@@ -238,7 +238,7 @@ fn namespace_selector_alone_and_combined_with_pod_selector() {
         &l,
         &policy("a", sel(&[("app", "web")]), Some(vec![rule(vec![], vec![peer(Some(sel(&[("app", "db")])), Some(sel(&[])))])]), None),
     );
-    assert_eq!(every.sets.iter().find(|s| s.name.ends_with("peers/v4")).unwrap().elements.len(), 3);
+    assert_eq!(every.sets.iter().find(|s| peer_sets(&every).contains(&s.name.as_str())).unwrap().elements.len(), 3);
 }
 
 #[test]
@@ -414,7 +414,40 @@ fn dual_stack_declares_a_set_per_family() {
     let p = policy("a", sel(&[("app", "web")]), Some(vec![rule(vec![], vec![peer(Some(sel(&[("app", "client")])), None)])]), None);
     let r = compile(&node, "pol/a/p", &p, &[l.pods[0].clone()], &l).unwrap();
     let names: Vec<&str> = r.sets.iter().map(|s| s.name.as_str()).collect();
-    assert_eq!(names, vec!["pol/a/p/ingress/0/peers/v4", "pol/a/p/ingress/0/peers/v6"]);
+    assert_eq!(names.len(), 2);
+    assert!(names[0].starts_with("pol/_shared/peers/") && names[0].ends_with("/v4"), "{names:?}");
+    assert_eq!(names[1], names[0].replace("/v4", "/v6"));
     assert_eq!(r.sets[1].elements, vec!["fd00::a:c".to_string()]);
     assert_eq!(r.sets[1].family, AddressFamily::Ipv6);
+}
+
+/// The peer set of each rule, by name (v4 only).
+fn peer_sets(r: &Ruleset) -> Vec<&str> {
+    r.sets.iter().map(|s| s.name.as_str()).filter(|n| n.starts_with("pol/_shared/peers/") && n.ends_with("/v4")).collect()
+}
+
+#[test]
+fn policies_with_the_same_peers_share_one_set() {
+    let l = cluster();
+    let clients = || peer(Some(sel(&[("app", "client")])), None);
+    let db_anywhere = || peer(Some(sel(&[("app", "db")])), Some(sel(&[])));
+    let one = compile_in(&l, &policy("a", sel(&[("app", "web")]), Some(vec![rule(vec![tcp(80)], vec![clients(), db_anywhere()])]), None));
+    // Another policy, other ports, the same peers in another order: the same set.
+    let two = compile_in(&l, &policy("a", sel(&[("app", "db")]), Some(vec![rule(vec![tcp(5432)], vec![db_anywhere(), clients()])]), None));
+    assert_eq!(peer_sets(&one).len(), 1);
+    assert_eq!(peer_sets(&one), peer_sets(&two));
+    assert_eq!(one.sets[0].elements, two.sets[0].elements);
+    // A pod selector alone means the policy's own namespace: another namespace, another set.
+    let elsewhere = compile_in(&l, &policy("b", sel(&[]), Some(vec![rule(vec![], vec![clients()])]), None));
+    let here = compile_in(&l, &policy("a", sel(&[]), Some(vec![rule(vec![], vec![clients()])]), None));
+    assert_ne!(peer_sets(&elsewhere), peer_sets(&here));
+    assert_ne!(peer_sets(&here), peer_sets(&one), "fewer peers, another set");
+    // One policy naming the same peers in two rules and both directions declares it once.
+    let both = compile_in(
+        &l,
+        &policy("a", sel(&[("app", "web")]), Some(vec![rule(vec![tcp(80)], vec![clients()]), rule(vec![tcp(81)], vec![clients()])]), Some(vec![rule(vec![], vec![clients()])])),
+    );
+    assert_eq!(peer_sets(&both), peer_sets(&here));
+    let web = ip(&l, "a", "web");
+    assert!(can(std::slice::from_ref(&both), &ip(&l, "a", "client"), &web, Protocol::Tcp, 81));
 }

@@ -32,6 +32,11 @@ use super::{FAMILY, InvalidOutput, ObjectRules, TABLE, Validator};
 
 /// Prefix of every policy's objects: `pol/<namespace>/<name>`.
 pub const POLICY_PREFIX: &str = "pol";
+/// Prefix of sets shared by every policy that declares them (`wasmplane_sdk::shared`): the
+/// policy controller keeps one object per such set, holding the union of its declarers'
+/// elements, and the policies' chains refer to it. `_` is no namespace character, so no
+/// policy's own prefix starts with it.
+pub const SHARED_SET_PREFIX: &str = "pol/_shared/";
 /// Prefix of the host-built per-pod dispatch chains: `polpod/<address>/<direction>`.
 pub const DISPATCH_PREFIX: &str = "polpod";
 /// Limits on one policy's output beyond the runtime's output cap.
@@ -97,12 +102,26 @@ pub fn dispatch_chain(direction: Direction, addr: &IpAddr) -> String {
     format!("{DISPATCH_PREFIX}/{}/{}", addr.to_string().replace(':', "-"), direction.name())
 }
 
-/// One policy's validated output: its chains and sets (no map elements: the host composes
-/// those), and which of its chains each selected local pod address jumps to.
+/// One policy's validated output: its chains and own sets (no map elements: the host
+/// composes those), the shared sets it declares (with its elements of them), and which of
+/// its chains each selected local pod address jumps to.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PolicyRules {
     pub rules: ObjectRules,
+    pub shared: BTreeMap<String, super::SetRules>,
     pub targets: BTreeMap<(Direction, IpAddr), String>,
+}
+
+/// The dataplane key of a shared set's object (see [`SHARED_SET_PREFIX`]).
+pub fn shared_set_object_key(name: &str) -> ObjectKey {
+    ObjectKey::new("networkpolicy-set:", name)
+}
+
+/// The object of a shared set: the set alone, declared with `elements`.
+pub fn shared_set_object(name: &str, set: &super::SetRules) -> ObjectRules {
+    let mut object = ObjectRules::default();
+    object.sets.insert(name.to_string(), set.clone());
+    object
 }
 
 /// Validates and renders one policy's output. `local_addresses`: the addresses of the local
@@ -145,7 +164,7 @@ pub fn validate_policy_output(
     // render chains and sets through the shared validator, without the map elements.
     let without_elements =
         wit::Ruleset { chains: out.chains.clone(), sets: out.sets.clone(), map_elements: vec![], warnings: out.warnings.clone() };
-    let rules = validate_rendered(&object, &prefix, &without_elements)?;
+    let (rules, shared) = validate_rendered(&object, &prefix, &without_elements)?;
     let mut targets = BTreeMap::new();
     for element in &out.map_elements {
         let Some(direction) = Direction::from_map(&element.map_name) else {
@@ -168,11 +187,12 @@ pub fn validate_policy_output(
             return fail(format!("map {:?}: {addr} given twice", element.map_name));
         }
     }
-    Ok(PolicyRules { rules, targets })
+    Ok(PolicyRules { rules, shared, targets })
 }
 
-fn validate_rendered(object: &str, prefix: &str, out: &wit::Ruleset) -> Result<ObjectRules, InvalidOutput> {
-    let mut v = Validator { object, prefix, chains: BTreeSet::new(), sets: BTreeMap::new() };
+/// The policy's own chains and sets, and apart from them the shared sets it declares.
+fn validate_rendered(object: &str, prefix: &str, out: &wit::Ruleset) -> Result<(ObjectRules, BTreeMap<String, super::SetRules>), InvalidOutput> {
+    let mut v = Validator { object, prefix, shared_sets: Some(SHARED_SET_PREFIX), chains: BTreeSet::new(), sets: BTreeMap::new() };
     for chain in &out.chains {
         v.own_name("chain", &chain.name)?;
         if !v.chains.insert(&chain.name) {
@@ -183,15 +203,18 @@ fn validate_rendered(object: &str, prefix: &str, out: &wit::Ruleset) -> Result<O
         }
     }
     let mut rules = ObjectRules::with_guest_warnings(&out.warnings);
+    let mut shared = BTreeMap::new();
     for set in &out.sets {
         let (ty, elements) = v.address_set(set)?;
-        rules.sets.insert(set.name.clone(), super::SetRules { declaration: format!("type {ty};"), elements, expires: false });
+        let set_rules = super::SetRules { declaration: format!("type {ty};"), elements, expires: false };
+        let sets = if set.name.starts_with(SHARED_SET_PREFIX) { &mut shared } else { &mut rules.sets };
+        sets.insert(set.name.clone(), set_rules);
     }
     for chain in &out.chains {
         let rendered = chain.rules.iter().map(|r| v.rule(r)).collect::<Result<Vec<_>, _>>()?;
         rules.chains.insert(chain.name.clone(), rendered);
     }
-    Ok(rules)
+    Ok((rules, shared))
 }
 
 /// One policy selecting a pod address in one direction, as the dispatch chain sees it.
@@ -362,7 +385,23 @@ mod tests {
         assert_eq!(set.declaration, "type ipv4_addr;");
         assert_eq!(set.elements, BTreeSet::from(["10.244.1.12".to_string()]));
         assert!(p.rules.elements.is_empty(), "map elements are composed by the host");
+        assert!(p.shared.is_empty());
         assert_eq!(p.targets, BTreeMap::from([((Direction::Ingress, addr("10.244.1.10")), "pol/a/p/ingress".to_string())]));
+    }
+
+    #[test]
+    fn shared_sets_are_kept_apart_from_the_policy_own() {
+        let mut out = output();
+        let shared = format!("{SHARED_SET_PREFIX}peers/0123abcd/v4");
+        out.sets[0].name = shared.clone();
+        out.chains[0].rules[0].matches[0] = wit::RuleMatch::SourceInSet(shared.clone());
+        let p = validate_policy_output(&key(), &out, &local()).unwrap();
+        assert!(p.rules.sets.is_empty());
+        assert_eq!(p.shared[&shared].elements, BTreeSet::from(["10.244.1.12".to_string()]));
+        assert!(p.rules.chains["pol/a/p/ingress"][0].starts_with(&format!("ip saddr @{shared} ")));
+        // The prefix alone names nothing shared: it is outside the policy's namespace.
+        out.sets[0].name = SHARED_SET_PREFIX.into();
+        assert!(validate_policy_output(&key(), &out, &local()).unwrap_err().reason.contains("outside"));
     }
 
     #[test]
