@@ -246,8 +246,8 @@ impl PolicyController {
                 self.errors.remove(&key);
                 if self.compiled.remove(&key).is_some() {
                     tracing::debug!(policy = %key, "network policy withdrawn from this node");
-                    self.untarget(&key, &old_targets);
-                    self.unshare(&key, &old_shared);
+                    remove_user(&mut self.by_target, &old_targets, &key);
+                    remove_user(&mut self.shared_users, &old_shared, &key);
                     affected.extend(old_targets);
                     removed.push(key);
                 }
@@ -262,12 +262,12 @@ impl PolicyController {
                     if !unchanged {
                         out.changes.push((render::policy_object_key(&key), Some(rules.rules.clone())));
                     }
-                    self.unshare(&key, &old_shared);
+                    remove_user(&mut self.shared_users, &old_shared, &key);
                     for name in rules.shared.keys() {
                         self.shared_users.entry(name.clone()).or_default().insert(key.clone());
                         affected_sets.insert(name.clone());
                     }
-                    self.untarget(&key, &old_targets);
+                    remove_user(&mut self.by_target, &old_targets, &key);
                     for t in &new_targets {
                         self.by_target.entry(*t).or_default().insert(key.clone());
                     }
@@ -313,17 +313,6 @@ impl PolicyController {
         Ok(rules)
     }
 
-    fn unshare(&mut self, key: &ObjectKey, names: &BTreeSet<String>) {
-        for name in names {
-            if let Some(users) = self.shared_users.get_mut(name) {
-                users.remove(key);
-                if users.is_empty() {
-                    self.shared_users.remove(name);
-                }
-            }
-        }
-    }
-
     /// Rebuilds the objects of `affected` shared sets whose elements changed: the union of
     /// what their declarers give them. A policy whose last compile failed keeps its last
     /// good rules, but its elements (perhaps stale) count only when no declarer is fresh:
@@ -352,17 +341,6 @@ impl PolicyController {
                 None => {
                     out.changes.push((key, None));
                     self.shared_sets.remove(&name);
-                }
-            }
-        }
-    }
-
-    fn untarget(&mut self, key: &ObjectKey, targets: &BTreeSet<(Direction, IpAddr)>) {
-        for t in targets {
-            if let Some(set) = self.by_target.get_mut(t) {
-                set.remove(key);
-                if set.is_empty() {
-                    self.by_target.remove(t);
                 }
             }
         }
@@ -421,6 +399,19 @@ impl PolicyController {
         })?;
         let local: BTreeSet<IpAddr> = view.local_pods.iter().flat_map(|p| p.ips.iter()).filter_map(|ip| ip.parse().ok()).collect();
         render::validate_policy_output(key, &out, &local).map_err(|e| PolicyError::Invalid(e.to_string()))
+    }
+}
+
+/// Takes `user` off the users of each of `keys` (a target address, a shared set), and the
+/// keys left with none off `users`.
+fn remove_user<K: Ord>(users: &mut BTreeMap<K, BTreeSet<ObjectKey>>, keys: &BTreeSet<K>, user: &ObjectKey) {
+    for k in keys {
+        if let Some(set) = users.get_mut(k) {
+            set.remove(user);
+            if set.is_empty() {
+                users.remove(k);
+            }
+        }
     }
 }
 
@@ -680,6 +671,19 @@ mod tests {
         let t = written(&mut writer, &w.delete_policy("q"));
         assert!(line_of(&t, "flush chain inet wasmplane pol/a/q/ingress") < line_of(&t, &format!("delete set inet wasmplane {name}")), "{t}");
         assert!(shared_set(&w).is_none());
+    }
+
+    #[test]
+    fn a_shared_set_declared_with_another_type_is_refused() {
+        let mut w = World::new();
+        w.apply(policy("p", "web", 1));
+        let (name, _) = shared_set(&w).unwrap();
+        let ipv6 = SetRules { declaration: "type ipv6_addr;".into(), ..Default::default() };
+        let rules = PolicyRules { shared: BTreeMap::from([(name.clone(), ipv6)]), ..Default::default() };
+        let err = w.controller.check_shared(&ObjectKey::new("a", "q"), rules.clone()).unwrap_err();
+        assert!(err.to_string().contains("networkpolicy a/p"), "{err}");
+        // Its only declarer may change it.
+        assert!(w.controller.check_shared(&ObjectKey::new("a", "p"), rules).is_ok());
     }
 
     #[test]
