@@ -62,8 +62,13 @@ pub fn selector_key(selector: &LabelSelector, out: &mut Vec<u8>) {
 
 /// Appends a length-prefixed string (see [`selector_key`]).
 pub fn put_str(out: &mut Vec<u8>, s: &str) {
-    put_len(out, s.len());
-    out.extend_from_slice(s.as_bytes());
+    put_bytes(out, s.as_bytes());
+}
+
+/// Appends length-prefixed bytes (a key of several parts: each part this way).
+pub fn put_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
+    put_len(out, bytes.len());
+    out.extend_from_slice(bytes);
 }
 
 fn put_len(out: &mut Vec<u8>, n: usize) {

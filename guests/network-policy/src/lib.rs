@@ -36,7 +36,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use wasmplane_sdk::lookups::Lookups;
-use wasmplane_sdk::shared::{put_str, selector_key, shared_set_name};
+use wasmplane_sdk::shared::{put_bytes, put_str, selector_key, shared_set_name};
 use wasmplane_sdk::types::*;
 use wasmplane_sdk::{Cidr, selector};
 
@@ -156,18 +156,12 @@ pub fn compile(
             targets: &targets,
             lookups,
             rules: vec![],
-            sets: vec![],
+            sets: &mut out.sets,
         };
         for (i, rule) in rules.iter().enumerate() {
             c.rule(i, rule)?;
         }
         out.chains.push(Chain { name: chain.clone(), rules: c.rules });
-        // Ingress and egress rules with the same peers share their sets too.
-        for set in c.sets {
-            if !out.sets.iter().any(|s| s.name == set.name) {
-                out.sets.push(set);
-            }
-        }
         let mut addresses = BTreeSet::new();
         for pod in &targets {
             addresses.extend(pod.ips.iter().filter(|ip| !ip.is_empty()).cloned());
@@ -195,7 +189,8 @@ struct DirectionCompiler<'a> {
     targets: &'a [&'a Pod],
     lookups: &'a dyn Lookups,
     rules: Vec<Rule>,
-    sets: Vec<SetDeclaration>,
+    /// The policy's sets, of both directions: rules with the same peers share a set.
+    sets: &'a mut Vec<SetDeclaration>,
 }
 
 /// A port clause of a rule, before it is crossed with the peers.
@@ -210,7 +205,7 @@ enum PortClause {
 }
 
 impl DirectionCompiler<'_> {
-    /// Declares a set once (two rules with the same peers name the same shared set).
+    /// Declares a set once (rules with the same peers name the same shared set).
     fn declare_set(&mut self, name: String, family: Family, mut elements: Vec<String>) -> String {
         if !self.sets.iter().any(|s| s.name == name) {
             elements.sort();
@@ -284,8 +279,7 @@ impl DirectionCompiler<'_> {
                 peer_keys.dedup();
                 let mut key = Vec::new();
                 for peer in &peer_keys {
-                    key.extend_from_slice(&(peer.len() as u64).to_le_bytes());
-                    key.extend_from_slice(peer);
+                    put_bytes(&mut key, peer);
                 }
                 // Declared even when empty: a peer pod appearing later only adds elements.
                 let mut families = self.families.clone();
