@@ -211,6 +211,15 @@ fn run() -> anyhow::Result<()> {
     if let Some(path) = &a.symbol_order {
         return symbol_order(&a, path);
     }
+    // The order file matters only to the shipped binary's memory, which `--binary` measures.
+    // (A wrapper script, say, has no compiler to read: then the check is skipped, said so.)
+    let stale_order = a.binary.as_ref().and_then(|binary| {
+        symbol_order::stale_order(std::path::Path::new(binary), std::path::Path::new(symbol_order::CHECKOUT_ORDER_FILE))
+            .unwrap_or_else(|e| Some(format!("could not check {binary} against {}: {e:#}", symbol_order::CHECKOUT_ORDER_FILE)))
+    });
+    if let Some(warning) = &stale_order {
+        eprintln!("WARNING: {warning}");
+    }
     let mut results = Vec::new();
     for (round, &services) in (0..a.repeat).flat_map(|round| a.sizes.iter().map(move |size| (round, size))) {
         eprintln!("== {services} services{} ==", if a.repeat > 1 { format!(", round {} of {}", round + 1, a.repeat) } else { String::new() });
@@ -230,6 +239,9 @@ fn run() -> anyhow::Result<()> {
     println!("{}", if a.binary.is_some() { binary_table(&results) } else { table(&results) });
     if a.repeat > 1 {
         println!("\n{}", binary_spread_table(&a.sizes, &results));
+    }
+    if let Some(warning) = &stale_order {
+        println!("\nWARNING: {warning}");
     }
     Ok(())
 }

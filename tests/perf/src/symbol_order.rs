@@ -97,6 +97,27 @@ pub fn provenance(binary: &Path) -> anyhow::Result<String> {
     Ok(format!("# traced from a build by rustc {rustc} of Cargo.lock {:016x} (FNV-1a)\n", fnv1a(&lock)))
 }
 
+/// This checkout's order file, which `host/build.rs` links the release `wasmplane` with.
+pub const CHECKOUT_ORDER_FILE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../host/symbol-order.txt");
+
+/// Why memory measured on `binary` may not be what the order file `order` gives: it was
+/// traced from another build than the one `binary`'s compiler makes of this lockfile, so
+/// functions whose mangled names changed are not laid out first (BENCHMARKS.md,
+/// twenty-seventh run: 0.28 MiB at 1k services). The build warns too, where it is easily missed.
+pub fn stale_order(binary: &Path, order: &Path) -> anyhow::Result<Option<String>> {
+    let this_build = provenance(binary)?;
+    let text = std::fs::read_to_string(order).with_context(|| format!("reading {}", order.display()))?;
+    let traced = text.lines().next().unwrap_or_default();
+    Ok((traced != this_build.trim_end()).then(|| {
+        format!(
+            "{} is from another build ({traced:?}; {} would be traced as {:?}): the binary is laid out less well than it can be, and its memory is not the figure to compare (BENCHMARKS.md, \"Reproducing\")",
+            order.display(),
+            binary.display(),
+            this_build.trim_end()
+        )
+    }))
+}
+
 /// 64-bit FNV-1a: stable across toolchains, unlike std's `DefaultHasher` (`host/build.rs`
 /// computes the same).
 pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
@@ -204,6 +225,25 @@ mod tests {
         assert_eq!(super::fnv1a(b""), 0xcbf2_9ce4_8422_2325);
         assert_eq!(super::fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
         assert_eq!(super::fnv1a(b"foobar"), 0x8594_4171_f739_67e8);
+    }
+
+    /// The check of an order file against a binary: this test's own executable, built by
+    /// rustc, with this checkout's lockfile.
+    #[test]
+    fn an_order_file_from_another_build_is_reported() {
+        let exe = std::env::current_exe().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let order = dir.path().join("order.txt");
+        let this_build = super::provenance(&exe).unwrap();
+        std::fs::write(&order, format!("{this_build}main\n")).unwrap();
+        assert_eq!(super::stale_order(&exe, &order).unwrap(), None);
+
+        let other = this_build.replace("of Cargo.lock ", "of Cargo.lock 0");
+        std::fs::write(&order, format!("{other}main\n")).unwrap();
+        let warning = super::stale_order(&exe, &order).unwrap().expect("another lockfile's order file is reported");
+        assert!(warning.contains(this_build.trim_end()), "{warning}");
+        std::fs::write(&order, "main\n").unwrap();
+        assert!(super::stale_order(&exe, &order).unwrap().is_some(), "an order file without provenance");
     }
 
     #[test]
