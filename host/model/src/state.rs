@@ -134,67 +134,132 @@ pub struct ClusterState {
     /// a vector holds them in ~50 bytes each, a `BTreeSet` took a ~560-byte node per service.
     slices_by_service: HashMap<ObjectKey, Vec<ObjectKey>>,
     /// Policies with a namespace selector in some peer: the only ones a change in another
-    /// namespace (pod or namespace labels) can concern. The rest are found by namespace.
+    /// namespace's labels can concern.
     cross_namespace_policies: BTreeSet<ObjectKey>,
-    /// The same policies by what a pod of another namespace must carry to be their peer.
-    cross_namespace_peers: PeerLabelIndex,
+    /// Every policy by what a pod must carry for the policy to select it or name it.
+    policy_index: PolicyIndex,
 }
 
-/// Cross-namespace policies by a label their namespace-selector peers require of a pod
-/// (a `matchLabels` pair of the peer's pod selector), so that a pod change checks the
-/// policies that may name it, not every one: at 10k policies that scan was half the cost
-/// of a pod label change, and a pod listed after the policies paid it too.
+/// Policies by a label a pod must carry for them to select it or name it as a peer (one
+/// `matchLabels` pair per selector: the pod must carry all of them), so that a pod change
+/// tests the few policies that may concern it. Testing every policy of the pod's namespace
+/// was most of the model's time per pod event with one policy per service, and every
+/// cross-namespace policy half of a label change's at 10k policies.
 #[derive(Debug, Default, Clone)]
-struct PeerLabelIndex {
-    /// Label key → value → policies with a peer requiring it.
-    by_label: HashMap<CompactString, HashMap<CompactString, BTreeSet<ObjectKey>>>,
-    /// Policies with a namespace-selector peer that requires no label of the pod.
+struct PolicyIndex {
+    /// Peers with a namespace selector: they may name a pod of any namespace.
+    any_namespace: LabelIndex,
+    /// By the policy's namespace: its own pod selector, and its peers without a namespace
+    /// selector.
+    by_namespace: HashMap<CompactString, LabelIndex>,
+}
+
+/// Policies by a label their selector requires, and those whose selector requires none.
+#[derive(Debug, Default, Clone)]
+struct LabelIndex {
+    /// Label key → value → policies, sorted. A value has one or a few: a vector holds them in
+    /// ~50 bytes each, where a `BTreeSet` takes a ~560-byte node per value (0.65 MiB more at
+    /// 1k policies).
+    by_label: HashMap<CompactString, HashMap<CompactString, Vec<ObjectKey>>>,
     any_pod: BTreeSet<ObjectKey>,
 }
 
-impl PeerLabelIndex {
-    /// One required label per namespace-selector peer (any one will do: the pod must carry
-    /// all), `None` for a peer that requires none.
-    fn requirements(policy: &NetworkPolicy) -> impl Iterator<Item = Option<(&CompactString, &CompactString)>> {
-        policy.peers().filter(|p| p.namespace_selector.is_some()).map(|p| p.pod_selector.as_ref().and_then(|s| s.match_labels.iter().next()))
+impl LabelIndex {
+    fn insert(&mut self, key: &ObjectKey, requirement: Option<(&CompactString, &CompactString)>) {
+        match requirement {
+            Some((k, v)) => {
+                let keys = self.by_label.entry(k.clone()).or_default().entry(v.clone()).or_default();
+                if let Err(at) = keys.binary_search(key) {
+                    keys.insert(at, key.clone());
+                }
+            }
+            None => {
+                self.any_pod.insert(key.clone());
+            }
+        }
+    }
+
+    fn remove(&mut self, key: &ObjectKey, requirement: Option<(&CompactString, &CompactString)>) {
+        let Some((k, v)) = requirement else {
+            self.any_pod.remove(key);
+            return;
+        };
+        let Some(values) = self.by_label.get_mut(k) else { return };
+        if let Some(keys) = values.get_mut(v) {
+            if let Ok(at) = keys.binary_search(key) {
+                keys.remove(at);
+            }
+            if keys.is_empty() {
+                values.remove(v);
+            }
+        }
+        if values.is_empty() {
+            self.by_label.remove(k);
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.by_label.is_empty() && self.any_pod.is_empty()
+    }
+
+    /// Every policy whose selector a pod labelled `labels` may match.
+    fn candidates<'a>(&'a self, labels: &'a Labels) -> impl Iterator<Item = &'a ObjectKey> {
+        let by_label = labels.iter().filter_map(|(k, v)| self.by_label.get(k)?.get(v)).flatten();
+        self.any_pod.iter().chain(by_label)
+    }
+}
+
+/// Where a selector of a policy looks for pods: its own namespace, or any.
+enum Scope {
+    OwnNamespace,
+    AnyNamespace,
+}
+
+impl PolicyIndex {
+    /// The policy's selectors of pods, each with where it looks and one label it requires
+    /// (`None`: it requires none). A peer that is an ipBlock selects no pod.
+    fn requirements(policy: &NetworkPolicy) -> impl Iterator<Item = (Scope, Option<(&CompactString, &CompactString)>)> {
+        fn first_pair(selector: &LabelSelector) -> Option<(&CompactString, &CompactString)> {
+            selector.match_labels.iter().next()
+        }
+        let target = (Scope::OwnNamespace, first_pair(&policy.pod_selector));
+        let peers = policy.peers().filter_map(move |peer| match (&peer.namespace_selector, &peer.pod_selector) {
+            (Some(_), pods) => Some((Scope::AnyNamespace, pods.as_ref().and_then(first_pair))),
+            (None, Some(pods)) => Some((Scope::OwnNamespace, first_pair(pods))),
+            (None, None) => None,
+        });
+        std::iter::once(target).chain(peers)
     }
 
     fn insert(&mut self, key: &ObjectKey, policy: &NetworkPolicy) {
-        for requirement in Self::requirements(policy) {
-            match requirement {
-                Some((k, v)) => {
-                    self.by_label.entry(k.clone()).or_default().entry(v.clone()).or_default().insert(key.clone());
-                }
-                None => {
-                    self.any_pod.insert(key.clone());
-                }
+        for (scope, requirement) in Self::requirements(policy) {
+            match scope {
+                Scope::AnyNamespace => self.any_namespace.insert(key, requirement),
+                Scope::OwnNamespace => self.by_namespace.entry(policy.namespace.clone()).or_default().insert(key, requirement),
             }
         }
     }
 
     fn remove(&mut self, key: &ObjectKey, policy: &NetworkPolicy) {
-        for requirement in Self::requirements(policy) {
-            let Some((k, v)) = requirement else {
-                self.any_pod.remove(key);
-                continue;
-            };
-            let Some(values) = self.by_label.get_mut(k) else { continue };
-            if let Some(keys) = values.get_mut(v) {
-                keys.remove(key);
-                if keys.is_empty() {
-                    values.remove(v);
+        for (scope, requirement) in Self::requirements(policy) {
+            match scope {
+                Scope::AnyNamespace => self.any_namespace.remove(key, requirement),
+                Scope::OwnNamespace => {
+                    if let Some(index) = self.by_namespace.get_mut(&policy.namespace) {
+                        index.remove(key, requirement);
+                        if index.is_empty() {
+                            self.by_namespace.remove(&policy.namespace);
+                        }
+                    }
                 }
-            }
-            if values.is_empty() {
-                self.by_label.remove(k);
             }
         }
     }
 
-    /// Every policy that may name a pod labelled `labels` through a namespace selector.
-    fn candidates<'a>(&'a self, labels: &'a Labels) -> impl Iterator<Item = &'a ObjectKey> {
-        let by_label = labels.iter().filter_map(|(k, v)| self.by_label.get(k)?.get(v)).flatten();
-        self.any_pod.iter().chain(by_label)
+    /// Every policy that may select `pod` or name it as a peer (some more than once).
+    fn candidates<'a>(&'a self, pod: &'a Pod) -> impl Iterator<Item = &'a ObjectKey> {
+        let own_namespace = self.by_namespace.get(&pod.namespace).into_iter().flat_map(|index| index.candidates(&pod.labels));
+        own_namespace.chain(self.any_namespace.candidates(&pod.labels))
     }
 }
 
@@ -224,14 +289,11 @@ impl ClusterState {
         self.namespaces.get(namespace).map(|n| &n.labels)
     }
 
-    /// Policies a pod (as it was, or as it is) may matter to: same-namespace policies and
-    /// the cross-namespace ones, narrowed by their selectors.
+    /// Policies a pod (as it was, or as it is) matters to: those that select it or name it.
     fn policies_involving(&self, pod: &Pod, into: &mut BTreeSet<ObjectKey>) {
         let labels = self.namespace_labels(&pod.namespace);
-        let same_namespace = in_namespace(&self.network_policies, &pod.namespace);
-        let cross = self.cross_namespace_peers.candidates(&pod.labels).filter_map(|k| self.network_policies.get_key_value(k));
-        for (key, policy) in same_namespace.chain(cross) {
-            if policy.involves(pod, labels) {
+        for key in self.policy_index.candidates(pod) {
+            if !into.contains(key) && self.network_policies.get(key).is_some_and(|policy| policy.involves(pod, labels)) {
                 into.insert(key.clone());
             }
         }
@@ -308,9 +370,9 @@ impl ClusterState {
                         self.cross_namespace_policies.remove(&key);
                     }
                     if let Some(old) = self.network_policies.get(&key) {
-                        self.cross_namespace_peers.remove(&key, old);
+                        self.policy_index.remove(&key, old);
                     }
-                    self.cross_namespace_peers.insert(&key, &p);
+                    self.policy_index.insert(&key, &p);
                     touched.policies.insert(key.clone());
                     self.network_policies.insert(key, p);
                 }
@@ -347,7 +409,7 @@ impl ClusterState {
                 ObjectKind::NetworkPolicy => {
                     if let Some(old) = self.network_policies.remove(&key) {
                         self.cross_namespace_policies.remove(&key);
-                        self.cross_namespace_peers.remove(&key, &old);
+                        self.policy_index.remove(&key, &old);
                         touched.policies.insert(key);
                     }
                 }
@@ -622,11 +684,9 @@ impl NodeLocalModel {
 
     /// `None` when the policy selects no pod on this node: it then has nothing to enforce here.
     fn policy_view(&self, cluster: &ClusterState, policy: &NetworkPolicy) -> Option<PolicyView> {
-        let local_pods: Vec<Arc<Pod>> = cluster
-            .pods_in(&policy.namespace)
-            .filter(|p| p.node_name.as_deref() == Some(self.node_name()) && policy.selects(p))
-            .cloned()
-            .collect();
+        // This node's pods, already brought up to date by `update`: a few per namespace,
+        // where the namespace may hold thousands.
+        let local_pods: Vec<Arc<Pod>> = in_namespace(&self.local_pods, &policy.namespace).map(|(_, p)| p).filter(|p| policy.selects(p)).cloned().collect();
         if local_pods.is_empty() {
             return None;
         }
@@ -886,6 +946,16 @@ mod tests {
         assert_eq!(model.policies[&key].local_pods.len(), 1);
         assert!(model.policies[&key].peer_pods.is_empty());
 
+        // A pod of this node the policy does not select, and one it selects on another node:
+        // neither is a local target.
+        apply(&mut state, &mut model, pod("shop", "db-1", "10.244.1.6", "node-a", "db"));
+        apply(&mut state, &mut model, pod("shop", "web-2", "10.244.2.6", "node-b", "web"));
+        assert_eq!(model.policies[&key].local_pods.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(), ["web-1"]);
+        for name in ["db-1", "web-2"] {
+            let touched = state.apply(ClusterEvent::Delete(ObjectKind::Pod, ObjectKey::new("shop", name)), "node-a");
+            model.update(&state, &touched);
+        }
+
         // A client in a red namespace on another node: a peer of the policy.
         let u = apply(&mut state, &mut model, pod("tools", "client-1", "10.244.2.7", "node-b", "client"));
         assert_eq!(u.policies.len(), 1);
@@ -979,7 +1049,7 @@ mod tests {
     }
 
     /// A pod change touches exactly the policies that select or name it (before or after):
-    /// the cross-namespace index only narrows the search.
+    /// the policy index only narrows the search.
     #[test]
     fn a_pod_change_touches_every_policy_naming_it_and_no_other() {
         let mut state = ClusterState::new();
@@ -993,7 +1063,7 @@ mod tests {
             vec![peer(Some(select(&[("app", "client")])), None)],
             vec![peer(Some(select(&[("app", "client")])), Some(select(&[("team", "red")])))],
             vec![peer(Some(select(&[("app", "db")])), Some(select(&[])))],
-            vec![peer(Some(tier_in), Some(select(&[])))],
+            vec![peer(Some(tier_in.clone()), Some(select(&[])))],
             vec![peer(None, Some(select(&[("team", "blue")])))],
             vec![peer(Some(select(&[("app", "web")])), None), peer(Some(select(&[("app", "client"), ("tier", "x")])), Some(select(&[])))],
         ];
@@ -1008,7 +1078,15 @@ mod tests {
                     name: format!("p{i}").into(),
                     uid: CompactString::default(),
                     generation: 1,
-                    pod_selector: select(&[("app", "web")]),
+                    // Targets by a label, and by expressions only (any pod, to the index).
+                    pod_selector: match i {
+                        1 => tier_in.clone(),
+                        4 => LabelSelector {
+                            match_labels: Labels::new(),
+                            match_expressions: vec![SelectorRequirement { key: "app".into(), operator: SelectorOperator::NotIn, values: vec!["batch".into()] }],
+                        },
+                        _ => select(&[("app", "web")]),
+                    },
                     ingress: Some(vec![PolicyRule { ports: vec![], peers: peers.clone() }]),
                     egress: None,
                 };
