@@ -816,6 +816,11 @@ impl<'a> Validator<'a> {
         Ok(())
     }
 
+    /// Whether `name` is a shared set's (under the allowed prefix, and more than it).
+    fn is_shared_set(&self, name: &str) -> bool {
+        self.shared_sets.is_some_and(|shared| name.len() > shared.len() && name.starts_with(shared))
+    }
+
     fn own_name(&self, what: &str, name: &str) -> Result<(), InvalidOutput> {
         self.valid_name(what, name)?;
         if name != self.prefix && !name.starts_with(&format!("{}/", self.prefix)) {
@@ -831,9 +836,10 @@ impl<'a> Validator<'a> {
     /// Declares an address set of this object (its own name, declared once, no chain of
     /// that name): its nft key type and its elements, each an address of the set's family.
     fn address_set(&mut self, set: &'a wit::SetDeclaration) -> Result<(&'static str, BTreeSet<String>), InvalidOutput> {
-        match self.shared_sets {
-            Some(shared) if set.name.len() > shared.len() && set.name.starts_with(shared) => self.valid_name("set", &set.name)?,
-            _ => self.own_name("set", &set.name)?,
+        if self.is_shared_set(&set.name) {
+            self.valid_name("set", &set.name)?;
+        } else {
+            self.own_name("set", &set.name)?;
         }
         if self.sets.insert(&set.name, set.family).is_some() || self.chains.contains(set.name.as_str()) {
             return self.fail(format!("set {:?} declared twice", set.name));

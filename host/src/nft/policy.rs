@@ -207,7 +207,7 @@ fn validate_rendered(object: &str, prefix: &str, out: &wit::Ruleset) -> Result<(
     for set in &out.sets {
         let (ty, elements) = v.address_set(set)?;
         let set_rules = super::SetRules { declaration: format!("type {ty};"), elements, expires: false };
-        let sets = if set.name.starts_with(SHARED_SET_PREFIX) { &mut shared } else { &mut rules.sets };
+        let sets = if v.is_shared_set(&set.name) { &mut shared } else { &mut rules.sets };
         sets.insert(set.name.clone(), set_rules);
     }
     for chain in &out.chains {
@@ -399,6 +399,8 @@ mod tests {
         assert!(p.rules.sets.is_empty());
         assert_eq!(p.shared[&shared].elements, BTreeSet::from(["10.244.1.12".to_string()]));
         assert!(p.rules.chains["pol/a/p/ingress"][0].starts_with(&format!("ip saddr @{shared} ")));
+        // The guests' SDK names shared sets under the same prefix.
+        assert_eq!(SHARED_SET_PREFIX, wasmplane_sdk::shared::SHARED_SET_PREFIX);
         // The prefix alone names nothing shared: it is outside the policy's namespace.
         out.sets[0].name = SHARED_SET_PREFIX.into();
         assert!(validate_policy_output(&key(), &out, &local()).unwrap_err().reason.contains("outside"));
