@@ -36,6 +36,7 @@ const TEST_PROGRAMS: &[Guest] = &[
     Guest { constant: "WRONG_WORLD", package: "wasmplane-test-guests", features: &["wrong-world"] },
     Guest { constant: "TRANSLATOR_BENCH_REPEAT", package: "wasmplane-guest-service-translator", features: &["bench-repeat"] },
     Guest { constant: "TRANSLATOR_BENCH_ENCODED", package: "wasmplane-guest-service-translator", features: &["bench-encoded"] },
+    Guest { constant: "TRANSLATOR_BENCH_BATCH", package: "wasmplane-guest-service-translator", features: &["bench-batch"] },
 ];
 
 fn main() {

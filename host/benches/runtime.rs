@@ -12,7 +12,8 @@
 //! the guest's own work apart from all of it (`guest_work`). Another times single calls
 //! after idling, as one change in the host makes them (`isolated_calls`). The last ones time
 //! the same translation across a boundary of one serialized buffer each way instead of typed
-//! values (`serialized_boundary`): what a WIT 2.0 of that shape would cost.
+//! values (`serialized_boundary`): what a WIT 2.0 of that shape would cost; and typed, with
+//! many services per call (`batched_boundary`).
 //!
 //! `WASMPLANE_BENCH_GUEST=path.wasm` runs a component from a file instead of the embedded
 //! translator (to compare guest builds without rebuilding the host);
@@ -30,6 +31,16 @@ use wasmplane_sdk::types as sdk;
 /// The host side of `guests/service-translator/bench-encoded.wit`.
 mod encoded {
     wasmtime::component::bindgen!({ path: "../guests/service-translator/bench-encoded.wit", world: "encoded-translation" });
+}
+
+/// The host side of `guests/service-translator/bench-batch/batch.wit`, on the runtime's WIT
+/// types.
+mod batch {
+    wasmtime::component::bindgen!({
+        path: "../guests/service-translator/bench-batch",
+        world: "batch-translation",
+        with: { "wasmplane:dataplane/types@1.0.0": wasmplane_runtime::wit },
+    });
 }
 
 fn synthetic(n: usize) -> Vec<ServiceView> {
@@ -252,6 +263,76 @@ fn serialized_boundary(sdk_ctx: &sdk::NodeContext, views: &[ServiceView], prefix
     }
 }
 
+/// Batch sizes the batched boundary is timed at: one service per call (the call shape of
+/// today's world, through the same bindings) up to a full sync's worth.
+const BATCH_SIZES: [usize; 4] = [1, 16, 256, 4096];
+
+/// The batched boundary against today's typed call and native, timed in interleaved rounds
+/// (this VM's speed drifts by 2× within a minute, so only times taken side by side compare).
+struct Batched {
+    /// Best round: every service through `TranslatorSession::translate`, one per call.
+    typed: Duration,
+    /// Best round: every service natively (model → SDK types + translate).
+    native: Duration,
+    /// (services per call, best round) through `batch.wit`: model → WIT types (the node
+    /// context once per call), lowering, the guest translating each, the results lifted.
+    batched: Vec<(usize, Duration)>,
+}
+
+/// Same engine configuration and empty WASI as the serialized boundary.
+fn batched_boundary(session: &mut wasmplane_runtime::TranslatorSession, ctx: &NodeContext, sdk_ctx: &sdk::NodeContext, views: &[ServiceView], prefixes: &[String]) -> Batched {
+    use batch::exports::wasmplane::bench_batch::batch_translator::ServiceInputs;
+    let engine = wasmtime::Engine::new(&wasmplane_runtime::engine_config(&Limits::default())).unwrap();
+    let component =
+        wasmtime::component::Component::new(&engine, wasmplane_guest_artifacts::test_programs::TRANSLATOR_BENCH_BATCH).unwrap();
+    let mut linker = wasmtime::component::Linker::new(&engine);
+    wasmtime_wasi::p2::add_to_linker_sync(&mut linker).unwrap();
+    let state = EncodedGuestState { wasi: wasmtime_wasi::WasiCtx::builder().build(), table: Default::default() };
+    let mut store = wasmtime::Store::new(&engine, state);
+    store.set_epoch_deadline(1);
+    let guest = batch::BatchTranslation::instantiate(&mut store, &component, &linker).unwrap();
+    let translator = guest.wasmplane_bench_batch_batch_translator();
+    let inputs = |views: &[ServiceView], prefixes: &[String]| -> Vec<ServiceInputs> {
+        views
+            .iter()
+            .zip(prefixes)
+            .map(|(v, p)| ServiceInputs { chain_prefix: p.clone(), service: convert::service(&v.service), slices: convert::slices(v) })
+            .collect()
+    };
+
+    // Every service's ruleset is today's call's, in order.
+    let checked = views.len().min(64);
+    let results = translator.call_translate_batch(&mut store, &convert::node_context(ctx), &inputs(&views[..checked], &prefixes[..checked])).unwrap();
+    assert_eq!(results.len(), checked, "one result per service");
+    for ((result, view), prefix) in results.into_iter().zip(views).zip(prefixes) {
+        assert_eq!(result.unwrap(), session.translate(ctx, prefix, view).unwrap(), "the batched guest's ruleset for {prefix}");
+    }
+
+    let sizes: Vec<usize> = BATCH_SIZES.iter().copied().filter(|&size| size <= views.len()).collect();
+    let mut result = Batched { typed: Duration::MAX, native: Duration::MAX, batched: sizes.iter().map(|&size| (size, Duration::MAX)).collect() };
+    for _round in 0..5 {
+        result.typed = result.typed.min(best_of(1, || {
+            for (v, p) in views.iter().zip(prefixes) {
+                std::hint::black_box(session.translate(ctx, p, v).unwrap());
+            }
+        }));
+        result.native = result.native.min(best_of(1, || {
+            for (v, p) in views.iter().zip(prefixes) {
+                std::hint::black_box(native::translate(sdk_ctx, p, v).unwrap());
+            }
+        }));
+        for (size, best) in &mut result.batched {
+            *best = (*best).min(best_of(1, || {
+                for (views, prefixes) in views.chunks(*size).zip(prefixes.chunks(*size)) {
+                    let results = translator.call_translate_batch(&mut store, &convert::node_context(ctx), &inputs(views, prefixes)).unwrap();
+                    std::hint::black_box(results);
+                }
+            }));
+        }
+    }
+    result
+}
+
 /// One call at a time after 20 ms idle, as one change arrives in the host (the hot loops
 /// above keep code and data in the caches): the median and p90 over 100 calls, Wasm
 /// (`TranslatorSession::translate`) and native (model → SDK types + translate).
@@ -400,6 +481,7 @@ fn main() {
         let (work_wasm, work_native) = guest_work(&runtime, &ctx, &sdk_ctx, &views, &prefixes);
         let serialized = serialized_boundary(&sdk_ctx, &views, &prefixes);
         let isolated = isolated_calls(&mut session, &ctx, &sdk_ctx, &views, &prefixes);
+        let batched = batched_boundary(&mut session, &ctx, &sdk_ctx, &views, &prefixes);
         breakdown.push(Breakdown {
             n,
             wasm,
@@ -414,6 +496,7 @@ fn main() {
             work_native,
             serialized,
             isolated,
+            batched,
         });
     }
     println!("\n| services | model → WIT | lowering the inputs + call + empty result (ExternalName) | fixed cost of a call (ExternalName, no slices) | native clone of the ruleset (≈ lifting it) |");
@@ -472,6 +555,26 @@ fn main() {
             per_call(b.native, b.n),
             s.wasm.as_secs_f64() / b.native.as_secs_f64()
         );
+    }
+    // Many services per call, typed (a WIT 2.0 of that shape): what batching saves of the
+    // boundary, against today's call and native timed in the same rounds. One service per
+    // call is today's call shape without the runtime's per-call work (deadline, output
+    // limits).
+    println!("\n| services | today's call (interleaved) | native (interleaved) | services per call | batched, per service | batched/native | batched/today's |");
+    println!("|---|---|---|---|---|---|---|");
+    for b in &breakdown {
+        let batched = &b.batched;
+        for &(size, total) in &batched.batched {
+            println!(
+                "| {} | {} | {} | {size} | {} | {:.2}× | {:.2} |",
+                b.n,
+                per_call(batched.typed, b.n),
+                per_call(batched.native, b.n),
+                per_call(total, b.n),
+                total.as_secs_f64() / batched.native.as_secs_f64(),
+                total.as_secs_f64() / batched.typed.as_secs_f64()
+            );
+        }
     }
     // What one change in the host pays: a single call with cold caches.
     println!("\n| services | one call after 20 ms idle, Wasm: p50 / p90 | native: p50 / p90 | Wasm/native (p50) |");
@@ -534,6 +637,7 @@ struct Breakdown {
     work_native: Duration,
     serialized: SerializedBoundary,
     isolated: Isolated,
+    batched: Batched,
 }
 
 /// Borrowed mirrors of the SDK's types, field for field and variant for variant (postcard

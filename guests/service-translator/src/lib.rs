@@ -44,7 +44,7 @@ mod pool;
 #[global_allocator]
 static ALLOCATOR: pool::Pool = pool::Pool::new();
 
-#[cfg(all(target_family = "wasm", not(feature = "bench-encoded")))]
+#[cfg(all(target_family = "wasm", not(any(feature = "bench-encoded", feature = "bench-batch"))))]
 mod export {
     use wasmplane_sdk::service::exports::wasmplane::dataplane::service_translator::Guest;
     use wasmplane_sdk::types::*;
@@ -82,6 +82,29 @@ mod export_encoded {
     }
 
     export!(EncodedTranslator);
+}
+
+#[cfg(all(target_family = "wasm", feature = "bench-batch"))]
+mod export_batch {
+    wit_bindgen::generate!({
+        path: "bench-batch",
+        world: "batch-translation",
+        // The SDK's types, so the same `translate` runs on what arrives.
+        with: { "wasmplane:dataplane/types@1.0.0": wasmplane_sdk::types },
+    });
+
+    use exports::wasmplane::bench_batch::batch_translator::{Guest, ServiceInputs};
+    use wasmplane_sdk::types::*;
+
+    struct BatchTranslator;
+
+    impl Guest for BatchTranslator {
+        fn translate_batch(node: NodeContext, services: Vec<ServiceInputs>) -> Vec<Result<Ruleset, GuestError>> {
+            services.iter().map(|s| super::translate(&node, &s.chain_prefix, &s.service, &s.slices)).collect()
+        }
+    }
+
+    export!(BatchTranslator);
 }
 
 /// The runtime bench's serialized boundary (feature `bench-encoded`, never shipped): decodes
