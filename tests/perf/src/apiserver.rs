@@ -7,6 +7,8 @@
 //!   service (written); the next `change` puts it in the slice
 //! - `change <service-index>` → `ok`: the EndpointSlice write (new endpoint in, oldest out)
 //! - `finish` → `ok`: the replaced endpoint's pod deleted
+//! - `cni-pod` → `ok <namespace> <name>`: a pod on the host's node without an address yet
+//!   (written), for a CNI ADD; `cni-pod-gone <namespace> <name>` → `ok`: deleted
 //! - `churn <ops-per-second> <seconds>` → `done <ops> <writes>`
 //! - `noop <ops-per-second> <seconds>` → `done <ops> <writes>`: pod label changes only
 //! - `quit`
@@ -80,6 +82,15 @@ pub fn serve(spec: Spec) -> anyhow::Result<()> {
                     apply(&server, cluster.replace_finish(g))?;
                 }
                 pending = None;
+                writeln!(out, "ok")?;
+            }
+            ["cni-pod"] => {
+                let (write, ns, name) = cluster.cni_pod();
+                apply(&server, vec![write])?;
+                writeln!(out, "ok {ns} {name}")?;
+            }
+            ["cni-pod-gone", ns, name] => {
+                apply(&server, vec![Cluster::cni_pod_gone(ns, name)])?;
                 writeln!(out, "ok")?;
             }
             [verb @ ("churn" | "noop"), rate, seconds] => {

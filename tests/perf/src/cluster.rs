@@ -10,6 +10,9 @@ use serde_json::{Value, json};
 pub const HOST_NODE: &str = "perf-node-0";
 /// Pod addresses: node `i` gets `10.64.0.0/10`'s `i`th /24.
 pub const CLUSTER_CIDR: &str = "10.64.0.0/10";
+/// The pod CIDR the host's CNI daemon allocates from in the harness: inside the cluster CIDR,
+/// past the last node's /24 (16,000 nodes at most), so no synthetic pod has its addresses.
+pub const CNI_POD_CIDR: &str = "10.127.255.0/24";
 /// Pods per node (kubelet's default limit is 110; 30 is a typical density).
 const PODS_PER_NODE: usize = 30;
 /// NodePorts available (30000-32767).
@@ -109,6 +112,8 @@ pub struct Cluster {
     /// Free host offsets per node's /24.
     free: Vec<Vec<u8>>,
     pod_seq: u64,
+    /// Pods made for CNI ADDs so far (their own count, so that the churn's pod names stay).
+    cni_seq: u64,
 }
 
 fn ipv4(n: u32) -> String {
@@ -122,7 +127,7 @@ impl Cluster {
         let expected_pods = (spec.services as f64 * spec.endpoints).ceil() as usize;
         let nodes = expected_pods.div_ceil(PODS_PER_NODE).clamp(2, 16_000);
         let free = (0..nodes).map(|_| (2..=254u8).rev().collect()).collect();
-        let mut cluster = Cluster { spec: spec.clone(), rng: rng.clone(), namespaces, nodes, services: Vec::new(), free, pod_seq: 0 };
+        let mut cluster = Cluster { spec: spec.clone(), rng: rng.clone(), namespaces, nodes, services: Vec::new(), free, pod_seq: 0, cni_seq: 0 };
         for i in 0..spec.services {
             let namespace = cluster.namespaces[rng.below(cluster.namespaces.len())].clone();
             let whole = spec.endpoints.floor() as usize;
@@ -323,6 +328,31 @@ impl Cluster {
         vec![Write::Delete(Kind::Pod, self.services[i].namespace.clone(), name)]
     }
 
+    /// A pod scheduled on this host's node that has no address yet, as the kubelet's CNI ADD
+    /// finds it: labelled as service `i`'s pods are, `i` one a policy selects when there are
+    /// policies. Returns the write, its namespace and name; [`Cluster::cni_pod_gone`] deletes it.
+    pub fn cni_pod(&mut self) -> (Write, String, String) {
+        self.cni_seq += 1;
+        // A generator of its own: the churn after it stays the same as in a run without CNI.
+        let mut rng = Rng::new(self.spec.seed ^ self.cni_seq.rotate_left(32));
+        let with_policy = self.spec.policies.min(self.services.len());
+        let i = rng.below(if with_policy > 0 { with_policy } else { self.services.len() });
+        let s = &self.services[i];
+        let name = format!("cni-{}-{:x}", s.name, self.cni_seq);
+        let pod = self.detailed(Kind::Pod, json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": s.namespace, "labels": {"app": s.name, "version": format!("v{}", s.label_version)}},
+            "spec": {"nodeName": HOST_NODE, "containers": [{"name": "main", "image": "registry.example/app:1"}]},
+            "status": {"phase": "Pending"}
+        }));
+        (Write::Put(Kind::Pod, pod), s.namespace.clone(), name)
+    }
+
+    /// The [`Cluster::cni_pod`] pod deleted.
+    pub fn cni_pod_gone(namespace: &str, name: &str) -> Write {
+        Write::Delete(Kind::Pod, namespace.into(), name.into())
+    }
+
     /// One churn operation, picked at random: a rolling endpoint replacement (pod created,
     /// slice updated, old pod deleted) 40%; scale up (pod, slice) 20%; scale down (slice,
     /// pod) 20%; a pod label change no service or policy cares about 20%.
@@ -398,6 +428,29 @@ mod tests {
         let other = run(8);
         assert_ne!(a.0, other.0, "another seed gives another cluster");
         assert_ne!(a.1, other.1);
+    }
+
+    /// A CNI pod is on the host's node without an address, labelled as the pods of a service
+    /// a policy targets; making them leaves the churn that follows as it was.
+    #[test]
+    fn cni_pods_are_unaddressed_local_policy_targets_and_leave_the_churn_alone() {
+        let (mut plain, mut with_cni) = (Cluster::new(spec(3)), Cluster::new(spec(3)));
+        let mut names = std::collections::BTreeSet::new();
+        for _ in 0..20 {
+            let (write, ns, name) = with_cni.cni_pod();
+            let Write::Put(Kind::Pod, pod) = write else { panic!("not a pod: {write:?}") };
+            assert_eq!(pod["spec"]["nodeName"], HOST_NODE);
+            assert!(pod["status"]["podIP"].is_null(), "{pod}");
+            let app = pod["metadata"]["labels"]["app"].as_str().unwrap();
+            let i: usize = app.strip_prefix("svc-").and_then(|i| i.parse().ok()).unwrap();
+            assert!(i < 5, "a service one of the 5 policies targets: {app}");
+            assert_eq!((pod["metadata"]["namespace"].as_str(), pod["metadata"]["name"].as_str()), (Some(ns.as_str()), Some(name.as_str())));
+            assert_eq!(ns, with_cni.services[i].namespace);
+            assert!(names.insert(name.clone()), "{name} twice");
+            assert_eq!(Cluster::cni_pod_gone(&ns, &name), Write::Delete(Kind::Pod, ns, name));
+        }
+        let churn = |c: &mut Cluster| (0..100).flat_map(|_| c.churn_op()).collect::<Vec<_>>();
+        assert_eq!(churn(&mut plain), churn(&mut with_cni));
     }
 
     #[test]

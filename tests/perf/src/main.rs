@@ -381,6 +381,18 @@ fn table(results: &[Value]) -> String {
         ("  samples (p99 of n<100 is the max)", Box::new(|v| format!("{}", v["change_samples"]))),
         ("  p50 by stage: API server write / host apply (model, guests, dataplane) / dataplane transaction / guest calls (ms)", Box::new(|v| format!("{:.2} / {:.2} / {:.2} / {:.3}", f(v, "change_write_p50_ms"), f(v, "change_apply_p50_ms"), f(v, "change_dataplane_p50_ms"), f(v, "change_guest_p50_ms")))),
         ("  Wasm guest share of that latency", Box::new(|v| format!("{:.2}%", 100.0 * f(v, "change_guest_share")))),
+        ("CNI ADD of a pod on this node through the host's daemon (the plugin's request → reply: veth, address, routes): p50 / p99 (ms)", Box::new(|v| {
+            if v["cni_samples"].is_null() { "— (record mode)".into() } else { format!("{:.1} / {:.1}", f(v, "cni_add_p50_ms"), f(v, "cni_add_p99_ms")) }
+        })),
+        ("  ADD → the pod's ingress policy in the kernel, its address from the daemon (no API server write): p50 / p99 (ms); DEL p50 (ms); pods", Box::new(|v| {
+            if v["cni_samples"].is_null() {
+                "—".into()
+            } else if v["cni_policy_p50_ms"].is_null() {
+                format!("— (no policies); {:.1}; {}", f(v, "cni_del_p50_ms"), v["cni_samples"])
+            } else {
+                format!("{:.1} / {:.1}; {:.1}; {}", f(v, "cni_policy_p50_ms"), f(v, "cni_policy_p99_ms"), f(v, "cni_del_p50_ms"), v["cni_samples"])
+            }
+        })),
         ("churn: ops (rate × s) / watch events", Box::new(|v| format!("{} ({}/s × {}s) / {}", v["churn_ops"], v["churn_rate_ops"], v["churn_seconds"], v["churn_events"]))),
         ("  model revisions / events", Box::new(|v| format!("{} / {} = {:.1}%", v["churn_revisions"], v["churn_events"], 100.0 * f(v, "churn_revisions") / f(v, "churn_events")))),
         ("  nft transactions; drained after churn end (s)", Box::new(|v| format!("{}; {:.2}{}", v["churn_syncs"], f(v, "churn_drain_s"), if v["churn_converged"] == true { "" } else { " (not converged)" }))),

@@ -12,7 +12,7 @@ use serde_json::{Value, json};
 use wasmplane::app::{DataplaneMode, HostConfig, KubernetesSource, RunningHost};
 use wasmplane::metrics::ResultLabels;
 
-use crate::cluster::{CLUSTER_CIDR, HOST_NODE};
+use crate::cluster::{CLUSTER_CIDR, CNI_POD_CIDR, HOST_NODE};
 
 #[derive(Clone, Debug)]
 pub struct Opts {
@@ -103,6 +103,11 @@ pub(crate) struct Netns(pub String);
 impl Netns {
     pub(crate) fn new() -> anyhow::Result<Netns> {
         Netns::named(&format!("wpperf{}", std::process::id()))
+    }
+
+    /// Where `ip netns` keeps it.
+    pub(crate) fn path(&self) -> String {
+        format!("/var/run/netns/{}", self.0)
     }
 
     /// The command line that runs `tool` inside this namespace.
@@ -319,8 +324,19 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
         stats_interval: Duration::from_secs(3600),
         reconcile_interval: Duration::from_secs(o.reconcile_seconds),
         compiler: Some(wasmplane_runtime::CompilerCommand::new(children_exe(&o)?, [wasmplane_runtime::compiler::COMPILE_SUBCOMMAND])),
+        // The CNI daemon, as an agent serves it, with pod veths in the host's namespace.
+        cni: netns.as_ref().map(|ns| -> anyhow::Result<_> {
+            Ok(wasmplane::cni::CniConfig {
+                socket: data.path().join("cni.sock"),
+                pod_cidr: Some(CNI_POD_CIDR.parse()?),
+                state_dir: None,
+                pod_wait: Duration::from_secs(30),
+                node_netns: Some(ns.path().into()),
+            })
+        }).transpose()?,
         ..Default::default()
     };
+    let cni_socket = config.cni.as_ref().map(|c| c.socket.clone());
 
     // Initial sync: start → every kind listed, every service translated, one full
     // transaction accepted by the kernel.
@@ -401,6 +417,11 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
     }
     let latency_total: f64 = latencies.iter().sum();
 
+    let cni = match &cni_socket {
+        Some(socket) => Some(cni_adds(&host, &mut cluster, socket, &o).await.context("CNI ADDs")?),
+        None => None,
+    };
+
     // Churn at a fixed operation rate, then until the host has taken every event in.
     let before = counters(&host);
     let (cpu2, child_cpu2) = cpu();
@@ -470,8 +491,115 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
         "rss_file_steady_kib": steady.file, "rss_anon_steady_kib": steady.anon,
         "hwm_sync_kib": hwm_sync, "hwm_end_kib": end.hwm,
         "translator_wasm_us": translator.wasm_us, "translator_native_us": translator.native_us, "translator_services": translator.services,
+        "cni_samples": cni.as_ref().map(|c| c.add.len()),
+        "cni_add_p50_ms": cni.as_ref().map(|c| percentile(&c.add, 50.0) * 1000.0),
+        "cni_add_p99_ms": cni.as_ref().map(|c| percentile(&c.add, 99.0) * 1000.0),
+        "cni_policy_p50_ms": cni.as_ref().filter(|c| !c.policy.is_empty()).map(|c| percentile(&c.policy, 50.0) * 1000.0),
+        "cni_policy_p99_ms": cni.as_ref().filter(|c| !c.policy.is_empty()).map(|c| percentile(&c.policy, 99.0) * 1000.0),
+        "cni_del_p50_ms": cni.as_ref().map(|c| percentile(&c.del, 50.0) * 1000.0),
         "load_writer_s": load.as_ref().map(|l| l.writer_s), "load_writer_path": load.as_ref().map(|l| l.writer_path), "load_nft_f_s": load.as_ref().map(|l| l.nft_f_s),
     }))
+}
+
+/// CNI ADDs and DELs through the host's daemon, in seconds, sorted.
+struct CniTimes {
+    /// ADD: the request sent → the daemon's reply (veth, address, routes in place).
+    add: Vec<f64>,
+    /// With policies: the same ADD sent → the pod's ingress policy in what the kernel accepted
+    /// (its address reaches the model from the daemon, before the API server has it).
+    policy: Vec<f64>,
+    del: Vec<f64>,
+}
+
+/// `o.samples` pods, one at a time: the cluster writes a pod on this node without an address,
+/// the host sees it, then the plugin's one request (ADD) on the daemon's socket for a network
+/// namespace of the pod's own, as the kubelet's runtime would make it; then DEL and the pod
+/// deleted. The pod is selected by a policy when there are policies (`Cluster::cni_pod`).
+async fn cni_adds(host: &RunningHost, cluster: &mut ClusterProc, socket: &std::path::Path, o: &Opts) -> anyhow::Result<CniTimes> {
+    let mut times = CniTimes { add: Vec::new(), policy: Vec::new(), del: Vec::new() };
+    for n in 0..o.samples {
+        let events = host.metrics.events.get();
+        let reply = cluster.call("cni-pod")?;
+        let (namespace, name) = (reply[1].clone(), reply[2].clone());
+        anyhow::ensure!(settle(host, events + 1, Duration::from_secs(60)).await, "the pod {namespace}/{name} did not reach the host");
+        let pod_netns = Netns::named(&format!("wpperf{}-pod{n}", std::process::id()))?;
+        let request = |command: &'static str| {
+            let (socket, netns, namespace, name) = (socket.to_path_buf(), pod_netns.path(), namespace.clone(), name.clone());
+            tokio::task::spawn_blocking(move || cni_request(&socket, command, &format!("perf-{name}"), &netns, &namespace, &name))
+        };
+        let before = counters(host);
+        let t0 = Instant::now();
+        let (status, result) = request("ADD").await??;
+        let add = t0.elapsed().as_secs_f64();
+        anyhow::ensure!(status == 200, "ADD {namespace}/{name}: {status} {result}");
+        let ip: std::net::IpAddr = result["ips"][0]["address"]
+            .as_str()
+            .and_then(|a| a.split('/').next())
+            .and_then(|a| a.parse().ok())
+            .with_context(|| format!("ADD {namespace}/{name}: no address in {result}"))?;
+        if o.policies > 0 {
+            let key = wasmplane::nft::policy::dispatch_object_key(wasmplane::nft::policy::Direction::Ingress, &ip);
+            loop {
+                if host.controller.try_lock().is_ok_and(|c| c.dataplane().applied().contains_key(&key)) {
+                    break;
+                }
+                anyhow::ensure!(t0.elapsed() < Duration::from_secs(60), "{namespace}/{name} ({ip}): its ingress policy was not applied within 60 s");
+                tokio::time::sleep(Duration::from_micros(500)).await;
+            }
+            times.policy.push(t0.elapsed().as_secs_f64());
+        }
+        times.add.push(add);
+        let after = counters(host);
+        eprintln!(
+            "[{}] CNI pod {n}: ADD {:.2} ms, its policy applied {:.2} ms (dataplane {:.2} ms, guest {:.3} ms)",
+            o.services,
+            add * 1e3,
+            times.policy.last().map_or(f64::NAN, |p| p * 1e3),
+            (after.dataplane_seconds - before.dataplane_seconds) * 1e3,
+            (after.guest_seconds - before.guest_seconds) * 1e3
+        );
+        let t = Instant::now();
+        let (status, result) = request("DEL").await??;
+        times.del.push(t.elapsed().as_secs_f64());
+        anyhow::ensure!(status == 200, "DEL {namespace}/{name}: {status} {result}");
+        let events = host.metrics.events.get();
+        cluster.call(&format!("cni-pod-gone {namespace} {name}"))?;
+        anyhow::ensure!(settle(host, events + 1, Duration::from_secs(60)).await, "the deletion of {namespace}/{name} did not reach the host");
+    }
+    for v in [&mut times.add, &mut times.policy, &mut times.del] {
+        v.sort_by(f64::total_cmp);
+    }
+    eprintln!(
+        "[{}] CNI: ADD p50 {:.2} ms, ADD → policy applied p50 {:.2} ms, DEL p50 {:.2} ms ({} pods)",
+        o.services,
+        percentile(&times.add, 50.0) * 1e3,
+        percentile(&times.policy, 50.0) * 1e3,
+        percentile(&times.del, 50.0) * 1e3,
+        times.add.len()
+    );
+    Ok(times)
+}
+
+/// One request as the `wasmplane-cni` executable sends it: HTTP/1.1 `POST /v1/cni` on the
+/// daemon's unix socket. The status and the JSON body of the reply.
+fn cni_request(socket: &std::path::Path, command: &str, container: &str, netns: &str, namespace: &str, name: &str) -> anyhow::Result<(u16, Value)> {
+    use std::io::Read as _;
+    let body = json!({
+        "command": command,
+        "containerId": container,
+        "netns": netns,
+        "ifName": "eth0",
+        "args": format!("IgnoreUnknown=1;K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={name}"),
+        "config": {"cniVersion": "1.0.0", "name": "wasmplane", "type": "wasmplane-cni"},
+    })
+    .to_string();
+    let mut stream = std::os::unix::net::UnixStream::connect(socket).with_context(|| format!("connecting to {}", socket.display()))?;
+    write!(stream, "POST /v1/cni HTTP/1.1\r\nHost: cni\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len())?;
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw)?;
+    let (head, body) = raw.split_once("\r\n\r\n").context("not an HTTP response")?;
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).context("no status code")?;
+    Ok((status, serde_json::from_str(body.trim()).unwrap_or(Value::Null)))
 }
 
 /// The default translator's cost per call on this cluster's services (the host's model
