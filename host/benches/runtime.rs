@@ -145,16 +145,33 @@ fn guest_work(runtime: &Runtime, ctx: &NodeContext, sdk_ctx: &sdk::NodeContext, 
     (wasm, native)
 }
 
-/// The serialized-boundary guest's store: WASI granting nothing, as the runtime's.
-struct EncodedGuestState {
+/// The store of a bench-only build of the default translator: WASI granting nothing, as the
+/// runtime's.
+struct BenchGuestState {
     wasi: wasmtime_wasi::WasiCtx,
     table: wasmtime::component::ResourceTable,
 }
 
-impl wasmtime_wasi::WasiView for EncodedGuestState {
+impl wasmtime_wasi::WasiView for BenchGuestState {
     fn ctx(&mut self) -> wasmtime_wasi::WasiCtxView<'_> {
         wasmtime_wasi::WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
     }
+}
+
+/// A bench-only build of the default translator (another world than the runtime loads),
+/// compiled on an engine of the runtime's configuration (`engine_config`: the same code
+/// generation, epoch checks and reservation), with its store and a linker of empty WASI.
+fn bench_guest(component: &[u8]) -> (wasmtime::Store<BenchGuestState>, wasmtime::component::Component, wasmtime::component::Linker<BenchGuestState>) {
+    let engine = wasmtime::Engine::new(&wasmplane_runtime::engine_config(&Limits::default())).unwrap();
+    let component = wasmtime::component::Component::new(&engine, component).unwrap();
+    let mut linker = wasmtime::component::Linker::new(&engine);
+    wasmtime_wasi::p2::add_to_linker_sync(&mut linker).unwrap();
+    let state = BenchGuestState { wasi: wasmtime_wasi::WasiCtx::builder().build(), table: Default::default() };
+    let mut store = wasmtime::Store::new(&engine, state);
+    // Epoch interruption is compiled in (as in the runtime); nothing advances this engine's
+    // epoch, so the deadline is never reached.
+    store.set_epoch_deadline(1);
+    (store, component, linker)
 }
 
 /// Per call through one serialized buffer each way (`bench-encoded.wit`).
@@ -177,21 +194,11 @@ struct SerializedBoundary {
     decode_ruleset_borrowed: Duration,
 }
 
-/// The `bench-encoded` build of the default translator, run on an engine of the runtime's
-/// configuration (so the same code generation) outside a `Runtime`, which only loads the
-/// known worlds. Both sides pay the model → SDK conversion, as in the typed rows.
+/// The `bench-encoded` build of the default translator, on a [`bench_guest`]. Both sides pay
+/// the model → SDK conversion, as in the typed rows.
 fn serialized_boundary(sdk_ctx: &sdk::NodeContext, views: &[ServiceView], prefixes: &[String]) -> SerializedBoundary {
     use wasmplane_guest_service_translator::{EncodedInputs, decode_output, encode_inputs, translate_encoded};
-    let engine = wasmtime::Engine::new(&wasmplane_runtime::engine_config(&Limits::default())).unwrap();
-    let component =
-        wasmtime::component::Component::new(&engine, wasmplane_guest_artifacts::test_programs::TRANSLATOR_BENCH_ENCODED).unwrap();
-    let mut linker = wasmtime::component::Linker::new(&engine);
-    wasmtime_wasi::p2::add_to_linker_sync(&mut linker).unwrap();
-    let state = EncodedGuestState { wasi: wasmtime_wasi::WasiCtx::builder().build(), table: Default::default() };
-    let mut store = wasmtime::Store::new(&engine, state);
-    // Epoch interruption is compiled in (as in the runtime); nothing advances this engine's
-    // epoch, so the deadline is never reached.
-    store.set_epoch_deadline(1);
+    let (mut store, component, linker) = bench_guest(wasmplane_guest_artifacts::test_programs::TRANSLATOR_BENCH_ENCODED);
     let guest = encoded::EncodedTranslation::instantiate(&mut store, &component, &linker).unwrap();
     let translator = guest.wasmplane_bench_encoded_translator();
     let encode = |view: &ServiceView, prefix: &String| {
@@ -279,17 +286,10 @@ struct Batched {
     batched: Vec<(usize, Duration)>,
 }
 
-/// Same engine configuration and empty WASI as the serialized boundary.
+/// On a [`bench_guest`], as the serialized boundary.
 fn batched_boundary(session: &mut wasmplane_runtime::TranslatorSession, ctx: &NodeContext, sdk_ctx: &sdk::NodeContext, views: &[ServiceView], prefixes: &[String]) -> Batched {
     use batch::exports::wasmplane::bench_batch::batch_translator::ServiceInputs;
-    let engine = wasmtime::Engine::new(&wasmplane_runtime::engine_config(&Limits::default())).unwrap();
-    let component =
-        wasmtime::component::Component::new(&engine, wasmplane_guest_artifacts::test_programs::TRANSLATOR_BENCH_BATCH).unwrap();
-    let mut linker = wasmtime::component::Linker::new(&engine);
-    wasmtime_wasi::p2::add_to_linker_sync(&mut linker).unwrap();
-    let state = EncodedGuestState { wasi: wasmtime_wasi::WasiCtx::builder().build(), table: Default::default() };
-    let mut store = wasmtime::Store::new(&engine, state);
-    store.set_epoch_deadline(1);
+    let (mut store, component, linker) = bench_guest(wasmplane_guest_artifacts::test_programs::TRANSLATOR_BENCH_BATCH);
     let guest = batch::BatchTranslation::instantiate(&mut store, &component, &linker).unwrap();
     let translator = guest.wasmplane_bench_batch_batch_translator();
     let inputs = |views: &[ServiceView], prefixes: &[String]| -> Vec<ServiceInputs> {

@@ -8,6 +8,8 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use wasmplane_cni::{BoxFuture, PodDirectory, PodInfo, PodNetworkSink, PodRef};
+/// The plugin's request, for tools that speak to this host's daemon (the perf harness).
+pub use wasmplane_cni::{CniRequest, Command as CniCommand};
 use wasmplane_model::ObjectKey;
 
 use crate::controller::{Controller, ModelObserver};

@@ -6,36 +6,22 @@
 
 mod support;
 
-use std::io::{Read as _, Write as _};
-use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
-use serde_json::{Value, json};
+use serde_json::Value;
 use support::cluster::{Cluster, start_host, wait_for};
 use support::netns::{Netns, is_root};
 use wasmplane::app::DataplaneMode;
 use wasmplane::cni::CniConfig;
+use wasmplane_cni::{CniRequest, Command};
 use wasmplane_model::ObjectKey;
 
 /// One request as `wasmplane-cni` sends it: HTTP/1.1 POST /v1/cni over the unix socket.
-fn cni(socket: &Path, command: &str, container: &str, netns: &str, pod: &str) -> (u16, Value) {
-    let body = json!({
-        "command": command,
-        "containerId": container,
-        "netns": netns,
-        "ifName": "eth0",
-        "args": format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={pod};K8S_POD_UID=uid-{pod}"),
-        "config": { "cniVersion": "1.0.0", "name": "wasmplane", "type": "wasmplane-cni" },
-    })
-    .to_string();
-    let mut stream = UnixStream::connect(socket).unwrap_or_else(|e| panic!("connecting to {}: {e}", socket.display()));
-    write!(stream, "POST /v1/cni HTTP/1.1\r\nHost: cni\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
-    let mut raw = String::new();
-    stream.read_to_string(&mut raw).unwrap();
-    let (head, body) = raw.split_once("\r\n\r\n").expect("an HTTP response");
-    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).expect("a status code");
-    (status, serde_json::from_str(body.trim()).unwrap_or(Value::Null))
+fn cni(socket: &Path, command: Command, container: &str, netns: &str, pod: &str) -> (u16, Value) {
+    CniRequest::for_pod(command, container, netns, "default", pod)
+        .send_blocking(socket)
+        .unwrap_or_else(|e| panic!("{command:?} {pod} on {}: {e}", socket.display()))
 }
 
 fn pod_yaml(name: &str) -> String {
@@ -70,7 +56,7 @@ async fn an_added_pod_is_in_the_model_at_once_and_del_takes_it_out() {
     let pod_netns = format!("/var/run/netns/{}", pod_ns.name);
     let add = {
         let (socket, pod_netns) = (socket.clone(), pod_netns.clone());
-        std::thread::spawn(move || cni(&socket, "ADD", "c-web-1", &pod_netns, "web-1"))
+        std::thread::spawn(move || cni(&socket, Command::Add, "c-web-1", &pod_netns, "web-1"))
     };
     std::thread::sleep(Duration::from_millis(500));
     std::fs::write(cluster.manifests().join("pod.yaml"), pod_yaml("web-1")).unwrap();
@@ -93,11 +79,11 @@ async fn an_added_pod_is_in_the_model_at_once_and_del_takes_it_out() {
     assert_eq!(pod_ips(), vec![ip.clone()], "the address survives a pod update without one");
 
     // A pod that never arrives: the ADD fails after the wait, with a CNI error.
-    let (status, error) = cni(&socket, "ADD", "c-ghost", &pod_netns, "ghost");
+    let (status, error) = cni(&socket, Command::Add, "c-ghost", &pod_netns, "ghost");
     assert_ne!(status, 200);
     assert!(error["code"].as_u64().is_some() && error["msg"].as_str().is_some(), "a CNI error object: {error}");
 
-    let (status, body) = cni(&socket, "DEL", "c-web-1", &pod_netns, "web-1");
+    let (status, body) = cni(&socket, Command::Del, "c-web-1", &pod_netns, "web-1");
     assert!((200..300).contains(&status), "{body}");
     wait_for("the address gone from the model", Duration::from_secs(5), pod_ips, |ips| ips.is_empty());
     host.stop().await;

@@ -52,6 +52,39 @@ pub struct CniRequest {
     pub config: Value,
 }
 
+impl CniRequest {
+    /// A request for the pod `namespace/name` with a minimal network configuration, as the
+    /// executable would pass it for `wasmplane-cni` as the only plugin.
+    pub fn for_pod(command: Command, container_id: &str, netns: &str, namespace: &str, name: &str) -> CniRequest {
+        CniRequest {
+            command,
+            container_id: container_id.into(),
+            netns: netns.into(),
+            if_name: "eth0".into(),
+            args: format!("IgnoreUnknown=1;K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={name};K8S_POD_UID=uid-{name}"),
+            path: String::new(),
+            config: json!({"cniVersion": "1.0.0", "name": "wasmplane", "type": "wasmplane-cni"}),
+        }
+    }
+
+    /// Sends this request as the `wasmplane-cni` executable does (HTTP/1.1 `POST /v1/cni` on
+    /// the daemon's unix socket) and waits for the reply: its status and JSON body (`Null`
+    /// when the body is not JSON). For tests and tools that speak to the daemon without the
+    /// executable.
+    pub fn send_blocking(&self, socket: &std::path::Path) -> std::io::Result<(u16, Value)> {
+        use std::io::{Read as _, Write as _};
+        let body = serde_json::to_string(self)?;
+        let mut stream = std::os::unix::net::UnixStream::connect(socket)?;
+        write!(stream, "POST /v1/cni HTTP/1.1\r\nHost: cni\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len())?;
+        let mut raw = String::new();
+        stream.read_to_string(&mut raw)?;
+        let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("the daemon's reply: {what}"));
+        let (head, body) = raw.split_once("\r\n\r\n").ok_or_else(|| bad("not an HTTP response"))?;
+        let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).ok_or_else(|| bad("no status code"))?;
+        Ok((status, serde_json::from_str(body.trim()).unwrap_or(Value::Null)))
+    }
+}
+
 /// The parts of the network configuration the daemon reads.
 #[derive(Clone, Debug)]
 pub struct NetConf {

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use serde_json::{Value, json};
 use wasmplane::app::{DataplaneMode, HostConfig, KubernetesSource, RunningHost};
+use wasmplane::cni::{CniCommand, CniRequest};
 use wasmplane::metrics::ResultLabels;
 
 use crate::cluster::{CLUSTER_CIDR, CNI_POD_CIDR, HOST_NODE};
@@ -523,13 +524,14 @@ async fn cni_adds(host: &RunningHost, cluster: &mut ClusterProc, socket: &std::p
         let (namespace, name) = (reply[1].clone(), reply[2].clone());
         anyhow::ensure!(settle(host, events + 1, Duration::from_secs(60)).await, "the pod {namespace}/{name} did not reach the host");
         let pod_netns = Netns::named(&format!("wpperf{}-pod{n}", std::process::id()))?;
-        let request = |command: &'static str| {
-            let (socket, netns, namespace, name) = (socket.to_path_buf(), pod_netns.path(), namespace.clone(), name.clone());
-            tokio::task::spawn_blocking(move || cni_request(&socket, command, &format!("perf-{name}"), &netns, &namespace, &name))
+        let request = |command: CniCommand| {
+            let socket = socket.to_path_buf();
+            let request = CniRequest::for_pod(command, &format!("perf-{name}"), &pod_netns.path(), &namespace, &name);
+            tokio::task::spawn_blocking(move || request.send_blocking(&socket))
         };
         let before = counters(host);
         let t0 = Instant::now();
-        let (status, result) = request("ADD").await??;
+        let (status, result) = request(CniCommand::Add).await??;
         let add = t0.elapsed().as_secs_f64();
         anyhow::ensure!(status == 200, "ADD {namespace}/{name}: {status} {result}");
         let ip: std::net::IpAddr = result["ips"][0]["address"]
@@ -559,7 +561,7 @@ async fn cni_adds(host: &RunningHost, cluster: &mut ClusterProc, socket: &std::p
             (after.guest_seconds - before.guest_seconds) * 1e3
         );
         let t = Instant::now();
-        let (status, result) = request("DEL").await??;
+        let (status, result) = request(CniCommand::Del).await??;
         times.del.push(t.elapsed().as_secs_f64());
         anyhow::ensure!(status == 200, "DEL {namespace}/{name}: {status} {result}");
         let events = host.metrics.events.get();
@@ -578,28 +580,6 @@ async fn cni_adds(host: &RunningHost, cluster: &mut ClusterProc, socket: &std::p
         times.add.len()
     );
     Ok(times)
-}
-
-/// One request as the `wasmplane-cni` executable sends it: HTTP/1.1 `POST /v1/cni` on the
-/// daemon's unix socket. The status and the JSON body of the reply.
-fn cni_request(socket: &std::path::Path, command: &str, container: &str, netns: &str, namespace: &str, name: &str) -> anyhow::Result<(u16, Value)> {
-    use std::io::Read as _;
-    let body = json!({
-        "command": command,
-        "containerId": container,
-        "netns": netns,
-        "ifName": "eth0",
-        "args": format!("IgnoreUnknown=1;K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={name}"),
-        "config": {"cniVersion": "1.0.0", "name": "wasmplane", "type": "wasmplane-cni"},
-    })
-    .to_string();
-    let mut stream = std::os::unix::net::UnixStream::connect(socket).with_context(|| format!("connecting to {}", socket.display()))?;
-    write!(stream, "POST /v1/cni HTTP/1.1\r\nHost: cni\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len())?;
-    let mut raw = String::new();
-    stream.read_to_string(&mut raw)?;
-    let (head, body) = raw.split_once("\r\n\r\n").context("not an HTTP response")?;
-    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).context("no status code")?;
-    Ok((status, serde_json::from_str(body.trim()).unwrap_or(Value::Null)))
 }
 
 /// The default translator's cost per call on this cluster's services (the host's model
