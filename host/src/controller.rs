@@ -330,6 +330,13 @@ impl Controller {
             observer.model_changed(&self.model, &update);
         }
         let policy_changes = self.policy.apply(&self.cluster, &self.model, &update);
+        for call in &policy_changes.guest_calls {
+            self.metrics.guest_call_seconds.observe(call.seconds);
+            if call.outcome == "invalid" {
+                self.metrics.invalid_outputs.inc();
+            }
+            self.metrics.guest_call(self.policy.module(), "network-policy", call.outcome);
+        }
         if policy_changes.compiled + policy_changes.failed > 0 {
             tracing::debug!(compiled = policy_changes.compiled, failed = policy_changes.failed, dispatch = policy_changes.dispatch_changed, "policies recompiled");
         }

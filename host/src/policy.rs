@@ -75,6 +75,16 @@ pub struct PolicyChanges {
     pub compiled: usize,
     pub failed: usize,
     pub dispatch_changed: usize,
+    /// Each guest call (input, call, validation), for the guest call metrics.
+    pub guest_calls: Vec<GuestCall>,
+}
+
+/// One call of the policy guest: how long, and how it ended (the translator's outcome labels:
+/// `ok`, `error` when the guest declined, `crash`, `invalid` output).
+#[derive(Debug, Clone, Copy)]
+pub struct GuestCall {
+    pub seconds: f64,
+    pub outcome: &'static str,
 }
 
 pub struct PolicyController {
@@ -253,7 +263,16 @@ impl PolicyController {
                 }
                 continue;
             };
-            match self.compile(cluster, model, &key, &view, namespaces.clone()).and_then(|rules| self.check_shared(&key, rules)) {
+            let started = std::time::Instant::now();
+            let compiled = self.compile(cluster, model, &key, &view, namespaces.clone());
+            let outcome = match &compiled {
+                Ok(_) => "ok",
+                Err(PolicyError::Declined(_)) => "error",
+                Err(PolicyError::Guest(_)) => "crash",
+                Err(PolicyError::Invalid(_)) => "invalid",
+            };
+            out.guest_calls.push(GuestCall { seconds: started.elapsed().as_secs_f64(), outcome });
+            match compiled.and_then(|rules| self.check_shared(&key, rules)) {
                 Ok(rules) => {
                     out.compiled += 1;
                     self.errors.remove(&key);
@@ -390,9 +409,7 @@ impl PolicyController {
         }
         self.lookups.replace(pods, namespaces);
         let prefix = render::policy_prefix(key);
-        let started = std::time::Instant::now();
         let result = self.session.compile(&model.context, &prefix, view);
-        tracing::debug!(policy = %key, elapsed_us = started.elapsed().as_micros() as u64, "policy guest call");
         let out: wit::Ruleset = result.map_err(|e| match e {
             CallError::Guest(m) => PolicyError::Declined(m),
             other => PolicyError::Guest(other.to_string()),

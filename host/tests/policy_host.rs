@@ -106,6 +106,12 @@ async fn a_policy_from_the_cluster_is_enforced_audited_and_follows_labels() {
     assert_eq!(counted["policies"][0]["audit"], true);
     let metrics = reqwest::get(format!("{}/metrics", host.url())).await.unwrap().text().await.unwrap();
     assert!(metrics.contains("wasmplane_policy_audit_mode{namespace=\"default\",name=\"web-from-client\"} 1"), "{metrics}");
+    // The policy guest's calls are counted with the translator's.
+    let policy_calls = metrics
+        .lines()
+        .find(|l| l.starts_with("wasmplane_guest_calls_total{") && l.contains("kind=\"network-policy\"") && l.contains("result=\"ok\""))
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
+    assert!(policy_calls.is_some_and(|n| n >= 1.0), "policy guest calls in /metrics: {metrics}");
     let would_drop = metrics
         .lines()
         .find(|l| l.starts_with("wasmplane_policy_packets{") && l.contains("web-from-client") && l.contains("would_drop"))
