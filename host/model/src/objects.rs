@@ -255,6 +255,13 @@ pub struct LabelSelector {
 }
 
 impl LabelSelector {
+    /// One label every object this selector matches carries (its first `matchLabels` pair;
+    /// `None`: it requires none), by which the model's indexes file selectors and look them up.
+    /// Filing and lookup must take the same pair, so both ask this.
+    pub fn required_label(&self) -> Option<(&CompactString, &CompactString)> {
+        self.match_labels.iter().next()
+    }
+
     /// Kubernetes semantics: every `matchLabels` pair and every expression must hold; the
     /// empty selector matches everything.
     pub fn matches(&self, labels: &Labels) -> bool {

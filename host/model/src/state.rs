@@ -235,7 +235,7 @@ fn pod_position(pods: &[Arc<Pod>], key: &ObjectKey) -> Result<usize, usize> {
 impl PeerPodIndex {
     /// The label each peer of `policy` requires a pod to carry (its key), where it has one.
     fn required_keys(policy: &NetworkPolicy) -> impl Iterator<Item = &CompactString> {
-        policy.peers().filter_map(|peer| peer.pod_selector.as_ref()?.match_labels.iter().next().map(|(key, _)| key))
+        policy.peers().filter_map(|peer| peer.pod_selector.as_ref()?.required_label().map(|(key, _)| key))
     }
 
     /// Files the keys `policy`'s peers require; a key new to the index files every pod
@@ -314,13 +314,10 @@ impl PolicyIndex {
     /// The policy's selectors of pods, each with where it looks and one label it requires
     /// (`None`: it requires none). A peer that is an ipBlock selects no pod.
     fn requirements(policy: &NetworkPolicy) -> impl Iterator<Item = (Scope, Option<(&CompactString, &CompactString)>)> {
-        fn first_pair(selector: &LabelSelector) -> Option<(&CompactString, &CompactString)> {
-            selector.match_labels.iter().next()
-        }
-        let target = (Scope::OwnNamespace, first_pair(&policy.pod_selector));
+        let target = (Scope::OwnNamespace, policy.pod_selector.required_label());
         let peers = policy.peers().filter_map(move |peer| match (&peer.namespace_selector, &peer.pod_selector) {
-            (Some(_), pods) => Some((Scope::AnyNamespace, pods.as_ref().and_then(first_pair))),
-            (None, Some(pods)) => Some((Scope::OwnNamespace, first_pair(pods))),
+            (Some(_), pods) => Some((Scope::AnyNamespace, pods.as_ref().and_then(LabelSelector::required_label))),
+            (None, Some(pods)) => Some((Scope::OwnNamespace, pods.required_label())),
             (None, None) => None,
         });
         std::iter::once(target).chain(peers)
@@ -387,7 +384,7 @@ impl ClusterState {
         // Peers requiring a label: the pods filed under it, wherever they are.
         let mut unfiled: Vec<&PolicyPeer> = Vec::new();
         for peer in peers {
-            let filed = peer.pod_selector.as_ref().and_then(|s| s.match_labels.iter().next()).and_then(|(k, v)| self.peer_pods.pods(k, v));
+            let filed = peer.pod_selector.as_ref().and_then(LabelSelector::required_label).and_then(|(k, v)| self.peer_pods.pods(k, v));
             match filed {
                 Some(pods) => found.extend(pods.iter().filter(|pod| peer.selects(&policy.namespace, pod, self.namespace_labels(&pod.namespace)))),
                 None => unfiled.push(peer),
