@@ -6,7 +6,11 @@
 //! `NodeLocalModel::update`. No guest, no kernel: what the model's indexes and views cost.
 //!
 //! `cargo bench -p wasmplane-model --bench pod_events`; sizes from `WASMPLANE_BENCH_SERVICES`
-//! (default `1000,10000`) and `WASMPLANE_BENCH_POLICIES` (default `0,1000`).
+//! (default `1000,10000`) and `WASMPLANE_BENCH_POLICIES` (default `0,1000`), and
+//! `WASMPLANE_BENCH_PEER_KEYS` (default `1`): how many different label keys the policies' peers
+//! select on. Service `s`'s pods carry `app: svc-s`, and for `K` keys also `app-{s % K}: svc-s`
+//! (`s % K` > 0), which is the key a peer naming service `s` requires: many teams' label
+//! schemes in one cluster, each key filed by the pod index.
 
 use std::time::{Duration, Instant};
 
@@ -29,6 +33,8 @@ struct Cluster {
     services: usize,
     namespaces: usize,
     nodes: usize,
+    /// Label keys the policies' peers select on.
+    peer_keys: usize,
     /// Pods made so far: names and IPs stay unique.
     made: usize,
 }
@@ -43,9 +49,20 @@ impl Cluster {
             ips: vec![format!("10.{}.{}.{}", 64 + n / 65_536, n / 256 % 256, n % 256).into()],
             // Spread over the nodes by a stride coprime to their count in practice.
             node_name: Some(format!("node-{}", n * 7_919 % self.nodes).into()),
-            labels: labels(&[("app", &format!("svc-{service}")), ("version", "v1")]),
+            labels: match self.peer_key(service) {
+                key if key == "app" => labels(&[("app", &format!("svc-{service}")), ("version", "v1")]),
+                key => labels(&[("app", &format!("svc-{service}")), (&key, &format!("svc-{service}")), ("version", "v1")]),
+            },
             ports: vec![],
             host_network: false,
+        }
+    }
+
+    /// The key a peer naming `service`'s pods requires.
+    fn peer_key(&self, service: usize) -> String {
+        match service % self.peer_keys {
+            0 => "app".into(),
+            k => format!("app-{k}"),
         }
     }
 
@@ -60,7 +77,7 @@ impl Cluster {
             ingress: Some(vec![PolicyRule {
                 ports: vec![],
                 peers: vec![PolicyPeer {
-                    pod_selector: Some(selector(&[("app", &format!("svc-{peer}"))])),
+                    pod_selector: Some(selector(&[(&self.peer_key(peer), &format!("svc-{peer}"))])),
                     namespace_selector: Some(selector(&[])),
                     ip_block: None,
                 }],
@@ -73,14 +90,15 @@ impl Cluster {
 struct Row {
     services: usize,
     policies: usize,
+    peer_keys: usize,
     load: Duration,
     per_event: Duration,
     touched_per_event: f64,
     views: usize,
 }
 
-fn run(services: usize, policies: usize) -> Row {
-    let mut cluster = Cluster { services, namespaces: (services / 100).max(1), nodes: (services * 3 / 2 / 30).max(1), made: 0 };
+fn run(services: usize, policies: usize, peer_keys: usize) -> Row {
+    let mut cluster = Cluster { services, namespaces: (services / 100).max(1), nodes: (services * 3 / 2 / 30).max(1), peer_keys, made: 0 };
     let mut state = ClusterState::new();
     let mut model = NodeLocalModel::new(NODE, vec!["10.64.0.0/10".into()]);
     let apply = |state: &mut ClusterState, model: &mut NodeLocalModel, event: ClusterEvent| {
@@ -122,7 +140,7 @@ fn run(services: usize, policies: usize) -> Row {
         best = best.min(started.elapsed());
     }
     let events = 2 * REPLACEMENTS;
-    Row { services, policies, load, per_event: best / events as u32, touched_per_event: touched as f64 / events as f64, views: model.policies.len() }
+    Row { services, policies, peer_keys, load, per_event: best / events as u32, touched_per_event: touched as f64 / events as f64, views: model.policies.len() }
 }
 
 fn sizes(var: &str, default: &str) -> Vec<usize> {
@@ -130,15 +148,16 @@ fn sizes(var: &str, default: &str) -> Vec<usize> {
 }
 
 fn main() {
-    println!("| services | policies | load, one event each (ms) | one pod event (µs, best of {PASSES} passes of {} events) | policies touched per event | policies with a view on this node |", 2 * REPLACEMENTS);
-    println!("|---|---|---|---|---|---|");
+    println!("| services | policies | peer label keys | load, one event each (ms) | one pod event (µs, best of {PASSES} passes of {} events) | policies touched per event | policies with a view on this node |", 2 * REPLACEMENTS);
+    println!("|---|---|---|---|---|---|---|");
     for services in sizes("WASMPLANE_BENCH_SERVICES", "1000,10000") {
-        for policies in sizes("WASMPLANE_BENCH_POLICIES", "0,1000") {
-            let row = run(services, policies);
+        for (policies, peer_keys) in sizes("WASMPLANE_BENCH_POLICIES", "0,1000").into_iter().flat_map(|p| sizes("WASMPLANE_BENCH_PEER_KEYS", "1").into_iter().map(move |k| (p, k.max(1)))) {
+            let row = run(services, policies, peer_keys);
             println!(
-                "| {} | {} | {:.1} | {:.2} | {:.2} | {} |",
+                "| {} | {} | {} | {:.1} | {:.2} | {:.2} | {} |",
                 row.services,
                 row.policies,
+                row.peer_keys,
                 row.load.as_secs_f64() * 1e3,
                 row.per_event.as_secs_f64() * 1e6,
                 row.touched_per_event,

@@ -272,7 +272,15 @@ impl PeerPodIndex {
 
     /// The pod `key` went from `old` to `new` (`None`: it did not exist, or is gone).
     fn update(&mut self, key: &ObjectKey, old: Option<&Arc<Pod>>, new: Option<&Arc<Pod>>) {
-        for (label, values) in &mut self.by_label {
+        // The pod's label keys, each once, not the index's: a pod carries a few labels, and
+        // the policies of a cluster may select on many keys (100 keys cost 3× a pod event).
+        if self.by_label.is_empty() {
+            return;
+        }
+        let old_keys = old.into_iter().flat_map(|p| p.labels.keys());
+        let new_only = new.into_iter().flat_map(|p| p.labels.keys()).filter(|k| !old.is_some_and(|p| p.labels.contains_key(k.as_str())));
+        for label in old_keys.chain(new_only) {
+            let Some(values) = self.by_label.get_mut(label) else { continue };
             let (before, after) = (old.and_then(|p| p.labels.get(label)), new.and_then(|p| p.labels.get(label)));
             if let Some(value) = before
                 && let Some(pods) = values.get_mut(value)
@@ -1227,6 +1235,24 @@ mod tests {
         check(&state, &model, "relabelled away");
         delete(&mut state, &mut model, ObjectKind::Pod, "data", "client-20");
         check(&state, &model, "a peer deleted");
+        // A second key, which pods gain and lose as a label of their own (not a new value).
+        apply(&mut state, &mut model, ClusterObject::NetworkPolicy(policy("gold", vec![peer(&[("tier", "gold")], Some(&[]))])));
+        let with_tier = |ip: &str, tier: Option<&str>| {
+            let ClusterObject::Pod(mut pod) = pod("data", "batch-22", ip, "node-b", "batch") else { unreachable!() };
+            if let Some(tier) = tier {
+                pod.labels.insert("tier".into(), tier.into());
+            }
+            ClusterObject::Pod(pod)
+        };
+        apply(&mut state, &mut model, with_tier("10.244.2.12", Some("gold")));
+        check(&state, &model, "a pod gains a label key a peer requires");
+        assert_eq!(model.policies[&ObjectKey::new("shop", "gold")].peer_pods.len(), 1);
+        apply(&mut state, &mut model, with_tier("10.244.2.13", Some("gold")));
+        check(&state, &model, "that pod's new address");
+        apply(&mut state, &mut model, with_tier("10.244.2.13", None));
+        check(&state, &model, "the pod loses the key");
+        assert!(model.policies[&ObjectKey::new("shop", "gold")].peer_pods.is_empty());
+        delete(&mut state, &mut model, ObjectKind::NetworkPolicy, "shop", "gold");
         delete(&mut state, &mut model, ObjectKind::NetworkPolicy, "shop", "any-client");
         apply(&mut state, &mut model, pod("tools", "db-11", "10.244.1.11", "node-b", "client"));
         check(&state, &model, "one of two policies requiring `app` gone");
