@@ -15,6 +15,12 @@ pub struct GuestLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    /// The guest's kind, as in [`GuestLabels`]: `service-translator`, `network-policy`.
+    pub kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ModuleLabels {
     pub module: String,
 }
@@ -49,7 +55,8 @@ pub struct Metrics {
     pub events: Counter,
     pub revisions: Counter,
     pub guest_calls: Family<GuestLabels, Counter>,
-    pub guest_call_seconds: Histogram,
+    /// By guest kind: a translator call and a policy compile differ in cost and in count.
+    pub guest_call_seconds: Family<KindLabels, Histogram, fn() -> Histogram>,
     /// One dataplane transaction, guest calls excluded (nft's share of a change).
     pub dataplane_sync_seconds: Histogram,
     /// One batch of source events applied: cluster index, model update, guest calls and the
@@ -78,7 +85,7 @@ impl Metrics {
             events: Counter::default(),
             revisions: Counter::default(),
             guest_calls: Family::default(),
-            guest_call_seconds: Histogram::new(exponential_buckets(0.000_01, 4.0, 10)),
+            guest_call_seconds: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.000_01, 4.0, 10))),
             dataplane_sync_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
             source_apply_seconds: Histogram::new(exponential_buckets(0.000_1, 2.0, 18)),
             invalid_outputs: Counter::default(),
@@ -97,7 +104,7 @@ impl Metrics {
         registry.register("model_events", "Cluster events received by the model", m.events.clone());
         registry.register("model_revisions", "Node-local model revisions produced", m.revisions.clone());
         registry.register("guest_calls", "Guest calls by module and result", m.guest_calls.clone());
-        registry.register("guest_call_seconds", "Duration of one guest call", m.guest_call_seconds.clone());
+        registry.register("guest_call_seconds", "Duration of one guest call, by guest kind", m.guest_call_seconds.clone());
         registry.register("dataplane_transactions", "Incremental dataplane transactions by path (netlink batch, nft process, record)", m.dataplane_transactions.clone());
         registry.register("dataplane_sync_seconds", "Duration of one incremental dataplane transaction", m.dataplane_sync_seconds.clone());
         registry.register("source_apply_seconds", "Duration of applying one batch of cluster events: model update, guest calls and the dataplane transaction", m.source_apply_seconds.clone());
@@ -124,6 +131,10 @@ impl Metrics {
         self.guest_calls
             .get_or_create(&GuestLabels { module: module.into(), kind: kind.into(), result: result.into() })
             .inc();
+    }
+
+    pub fn guest_call_time(&self, kind: &str, seconds: f64) {
+        self.guest_call_seconds.get_or_create(&KindLabels { kind: kind.into() }).observe(seconds);
     }
 }
 

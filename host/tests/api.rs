@@ -217,6 +217,10 @@ async fn misbehaving_guests_are_stopped_and_the_last_good_dataplane_stays() {
     let metrics = t.client.get(t.url("/metrics")).send().await.unwrap().text().await.unwrap();
     assert!(metrics.contains("wasmplane_model_events_total"), "{metrics}");
     assert!(metrics.contains("result=\"refused\""), "{metrics}");
+    let translator_calls_timed = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("wasmplane_guest_call_seconds_count{kind=\"service-translator\"} ")?.parse::<u64>().ok());
+    assert!(translator_calls_timed.is_some_and(|n| n > 0), "translator calls timed by kind: {metrics}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -112,6 +112,16 @@ async fn a_policy_from_the_cluster_is_enforced_audited_and_follows_labels() {
         .find(|l| l.starts_with("wasmplane_guest_calls_total{") && l.contains("kind=\"network-policy\"") && l.contains("result=\"ok\""))
         .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
     assert!(policy_calls.is_some_and(|n| n >= 1.0), "policy guest calls in /metrics: {metrics}");
+    // And timed apart from them: as many observations as calls, under the policy guest's kind.
+    let counted_calls: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("wasmplane_guest_calls_total{") && l.contains("kind=\"network-policy\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    let timed_calls = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("wasmplane_guest_call_seconds_count{kind=\"network-policy\"} ")?.parse::<f64>().ok());
+    assert_eq!(timed_calls, Some(counted_calls), "policy guest calls timed in /metrics: {metrics}");
     let would_drop = metrics
         .lines()
         .find(|l| l.starts_with("wasmplane_policy_packets{") && l.contains("web-from-client") && l.contains("would_drop"))

@@ -225,13 +225,17 @@ fn counters(host: &RunningHost) -> Counters {
     let m = &host.metrics;
     let text = m.encode();
     let metric = |name: &str| text.lines().find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' '))).and_then(|v| v.trim().parse::<f64>().ok()).unwrap_or(0.0);
+    // Every series of a labelled metric (guest calls are by kind), summed.
+    let labelled = |name: &str| -> f64 {
+        text.lines().filter_map(|l| l.strip_prefix(name)?.strip_prefix('{')?.split_once("} ")?.1.trim().parse::<f64>().ok()).sum()
+    };
     Counters {
         events: m.events.get(),
         revisions: m.revisions.get(),
         syncs: m.syncs.get_or_create(&ResultLabels { result: "ok".into() }).get(),
         statements: m.sync_statements.get(),
-        guest_seconds: metric("wasmplane_guest_call_seconds_sum"),
-        guest_calls: metric("wasmplane_guest_call_seconds_count") as u64,
+        guest_seconds: labelled("wasmplane_guest_call_seconds_sum"),
+        guest_calls: labelled("wasmplane_guest_call_seconds_count") as u64,
         apply_seconds: metric("wasmplane_source_apply_seconds_sum"),
         dataplane_seconds: metric("wasmplane_dataplane_sync_seconds_sum"),
     }
