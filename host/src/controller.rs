@@ -336,7 +336,13 @@ impl Controller {
                 self.metrics.invalid_outputs.inc();
             }
             self.metrics.guest_call(self.policy.module(), "network-policy", call.outcome);
+            // The module's own record (the API's `calls`, `failures`, `last_error`), as for
+            // the translator's calls.
+            if let Some(error) = &call.error {
+                self.registry.mark_failed(self.policy.module(), error);
+            }
         }
+        self.registry.count_calls(self.policy.module(), policy_changes.guest_calls.len() as u64);
         if policy_changes.compiled + policy_changes.failed > 0 {
             tracing::debug!(compiled = policy_changes.compiled, failed = policy_changes.failed, dispatch = policy_changes.dispatch_changed, "policies recompiled");
         }

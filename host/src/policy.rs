@@ -81,10 +81,19 @@ pub struct PolicyChanges {
 
 /// One call of the policy guest: how long, and how it ended (the translator's outcome labels:
 /// `ok`, `error` when the guest declined, `crash`, `invalid` output).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct GuestCall {
     pub seconds: f64,
     pub outcome: &'static str,
+    /// Why the call failed, for the module's status.
+    pub error: Option<String>,
+}
+
+/// `error` as a message that names its policy (a guest's own messages do; a trap does not).
+fn naming_policy(key: &ObjectKey, error: &PolicyError) -> String {
+    let message = error.to_string();
+    let name = format!("networkpolicy {key}");
+    if message.contains(&name) { message } else { format!("{name}: {message}") }
 }
 
 pub struct PolicyController {
@@ -271,7 +280,7 @@ impl PolicyController {
                 Err(PolicyError::Guest(_)) => "crash",
                 Err(PolicyError::Invalid(_)) => "invalid",
             };
-            out.guest_calls.push(GuestCall { seconds: started.elapsed().as_secs_f64(), outcome });
+            out.guest_calls.push(GuestCall { seconds: started.elapsed().as_secs_f64(), outcome, error: compiled.as_ref().err().map(|e| naming_policy(&key, e)) });
             match compiled.and_then(|rules| self.check_shared(&key, rules)) {
                 Ok(rules) => {
                     out.compiled += 1;

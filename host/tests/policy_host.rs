@@ -122,6 +122,10 @@ async fn a_policy_from_the_cluster_is_enforced_audited_and_follows_labels() {
         .lines()
         .find_map(|l| l.strip_prefix("wasmplane_guest_call_seconds_count{kind=\"network-policy\"} ")?.parse::<f64>().ok());
     assert_eq!(timed_calls, Some(counted_calls), "policy guest calls timed in /metrics: {metrics}");
+    // And in the module's own record, as the translator's are.
+    let module: Value = reqwest::get(format!("{}/v1/modules/default-network-policy", host.url())).await.unwrap().json().await.unwrap();
+    assert_eq!(module["calls"].as_f64(), Some(counted_calls), "{module}");
+    assert_eq!((module["failures"].as_u64(), &module["last_error"]), (Some(0), &Value::Null), "{module}");
     let would_drop = metrics
         .lines()
         .find(|l| l.starts_with("wasmplane_policy_packets{") && l.contains("web-from-client") && l.contains("would_drop"))
@@ -136,6 +140,23 @@ async fn a_policy_from_the_cluster_is_enforced_audited_and_follows_labels() {
     cluster.put_file("pods.yaml", &pods("client"));
     support::cluster::wait_for("other, relabelled client, reaches web", Duration::from_secs(10), || reaches(&other), |r| *r);
     assert!(reaches(&client));
+
+    // A policy the guest declines: counted against the module, named in its last error; the
+    // policy in force stays.
+    cluster.put_file("bad.yaml", &POLICY.replace("web-from-client", "bad-block").replace("podSelector: { matchLabels: { app: client } }", "ipBlock: { cidr: nonsense }"));
+    let mut module = Value::Null;
+    for _ in 0..100 {
+        module = reqwest::get(format!("{}/v1/modules/default-network-policy", host.url())).await.unwrap().json().await.unwrap();
+        if module["failures"].as_u64() > Some(0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let last_error = module["last_error"].as_str().unwrap_or_default();
+    assert!(last_error.contains("default/bad-block") && last_error.contains("nonsense"), "{module}");
+    assert_eq!(module["status"], "active", "{module}");
+    assert!(reaches(&client), "the policy in force still allows client");
+    cluster.remove_file("bad.yaml");
 
     // The policy goes: its rules go.
     cluster.remove_file("policy.yaml");
