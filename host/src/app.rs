@@ -106,6 +106,9 @@ pub struct HostConfig {
     pub operator: Option<crate::operator_role::OperatorRoleConfig>,
     /// Where the gRPC node-local model stream listens (none: not served).
     pub grpc_listen: Option<SocketAddr>,
+    /// Where load balancer health checks (`healthCheckNodePort`) are answered, on each
+    /// service's port (none: not served; `service_health.rs`). Not in the operator role.
+    pub health_check_bind: Option<std::net::IpAddr>,
     /// How often the events/revisions stats line is logged.
     pub stats_interval: Duration,
     pub data_dir: Option<PathBuf>,
@@ -153,6 +156,7 @@ impl Default for HostConfig {
             manifests: None,
             kubernetes: None,
             grpc_listen: None,
+            health_check_bind: None,
             cni: None,
             agent: Some(crate::agent::AgentConfig::default()),
             operator: None,
@@ -360,6 +364,10 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
             }
         }));
         model_feed = Some(feed);
+    }
+
+    if let Some(bind) = config.health_check_bind.filter(|_| !operator_role) {
+        loops.push(tokio::spawn(crate::service_health::serve(bind, crate::service_health::follow(&controller), ready.clone())));
     }
 
     loops.push(tokio::spawn(modules.clone().follow(index_revision)));

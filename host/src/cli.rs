@@ -61,6 +61,11 @@ pub struct RunArgs {
     /// gRPC listen address of the node-local model stream (off when unset).
     #[arg(long, env = "WASMPLANE_GRPC_LISTEN")]
     pub grpc_listen: Option<SocketAddr>,
+    /// Address the load balancer health checks of `LoadBalancer` services with
+    /// `externalTrafficPolicy: Local` are answered on, each on its `healthCheckNodePort`
+    /// (kube-proxy's), or `off`.
+    #[arg(long, env = "WASMPLANE_HEALTH_CHECK_BIND_ADDRESS", default_value = "0.0.0.0", value_parser = health_check_bind)]
+    pub health_check_bind_address: HealthCheckBind,
     /// Record the translator's inputs and outputs of every model revision to this file
     /// (JSON lines; `wasmplane replay FILE` runs a module over it).
     #[arg(long, env = "WASMPLANE_RECORD")]
@@ -245,6 +250,17 @@ pub fn guest_memory_mib(value: &str) -> Result<usize, String> {
     }
 }
 
+/// `--health-check-bind-address`: an address, or `off`.
+#[derive(Clone, Copy, Debug)]
+pub struct HealthCheckBind(pub Option<std::net::IpAddr>);
+
+pub fn health_check_bind(value: &str) -> Result<HealthCheckBind, String> {
+    match value {
+        "off" => Ok(HealthCheckBind(None)),
+        address => address.parse().map(|ip| HealthCheckBind(Some(ip))).map_err(|e| format!("{e}: an IP address, or `off`")),
+    }
+}
+
 /// `FILE.wasm` → `FILE.wasm.sig`.
 pub fn signature_path(file: &std::path::Path) -> PathBuf {
     let mut path = file.as_os_str().to_owned();
@@ -301,6 +317,7 @@ impl RunArgs {
                 (None, false) => None,
             },
             grpc_listen: self.grpc_listen,
+            health_check_bind: self.health_check_bind_address.0,
             record: self.record,
             // This binary answers compile requests itself (`main.rs`).
             compiler: Some(wasmplane_runtime::CompilerCommand::current_exe().context("locating this binary to compile guests with")?),

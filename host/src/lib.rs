@@ -27,4 +27,5 @@ pub mod policy;
 pub mod record;
 pub mod registry;
 pub mod replay;
+pub mod service_health;
 pub mod shadow;

@@ -103,6 +103,7 @@ impl From<&Service> for proto::Service {
             session_affinity: s.session_affinity_timeout.map(|timeout_seconds| proto::SessionAffinity { timeout_seconds }),
             external_traffic_policy: proto::TrafficPolicy::from(s.external_traffic_policy).into(),
             internal_traffic_policy: proto::TrafficPolicy::from(s.internal_traffic_policy).into(),
+            health_check_node_port: s.health_check_node_port.into(),
             labels: s.labels.iter().map(|(k, v)| (k.to_std(), v.to_std())).collect(),
         }
     }
@@ -219,6 +220,7 @@ impl TryFrom<proto::Service> for Service {
             service_type,
             external_traffic_policy: traffic_policy("Service.external_traffic_policy", s.external_traffic_policy)?,
             internal_traffic_policy: traffic_policy("Service.internal_traffic_policy", s.internal_traffic_policy)?,
+            health_check_node_port: port("Service.health_check_node_port", s.health_check_node_port)?,
             ports: s.ports.into_iter().map(TryInto::try_into).collect::<Result<_, _>>()?,
             session_affinity_timeout: s.session_affinity.map(|a| a.timeout_seconds),
             namespace: s.namespace.into_model(),
@@ -298,6 +300,7 @@ pub(crate) mod tests_support {
                 session_affinity_timeout: Some(10800),
                 external_traffic_policy: TrafficPolicy::Local,
                 internal_traffic_policy: TrafficPolicy::Cluster,
+                health_check_node_port: 31999,
                 labels: Labels::from([("app".into(), "web".into()), ("tier".into(), "front".into())]),
             }.into(),
             slices: vec![LocalSlice {

@@ -115,6 +115,10 @@ pub struct Service {
     pub session_affinity_timeout: Option<u32>,
     pub external_traffic_policy: TrafficPolicy,
     pub internal_traffic_policy: TrafficPolicy,
+    /// `spec.healthCheckNodePort` (0: none): where this node answers a load balancer's health
+    /// check for a `LoadBalancer` service with `externalTrafficPolicy: Local`.
+    #[serde(default)]
+    pub health_check_node_port: u16,
     pub labels: Labels,
 }
 
@@ -133,6 +137,7 @@ impl Service {
             session_affinity_timeout: None,
             external_traffic_policy: TrafficPolicy::Cluster,
             internal_traffic_policy: TrafficPolicy::Cluster,
+            health_check_node_port: 0,
             labels: Labels::new(),
         }
     }

@@ -674,6 +674,37 @@ pub struct ServiceView {
     pub slices: Vec<LocalSlice>,
 }
 
+/// A load balancer health check this node answers for a service (kube-proxy's
+/// `healthCheckNodePort` server): a load balancer sends traffic for an
+/// `externalTrafficPolicy: Local` service only to the nodes that report local endpoints.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HealthCheck {
+    pub port: u16,
+    /// Ready endpoints on this node, one per address and port, as kube-proxy counts them.
+    pub local_endpoints: usize,
+}
+
+impl ServiceView {
+    /// The health check this node answers for the service, if any: a `LoadBalancer` service
+    /// with `externalTrafficPolicy: Local` and a `healthCheckNodePort` (kube-proxy serves
+    /// exactly those; the API server allocates the port only for them).
+    pub fn health_check(&self) -> Option<HealthCheck> {
+        let s = &self.service;
+        if s.service_type != ServiceType::LoadBalancer || s.external_traffic_policy != TrafficPolicy::Local || s.health_check_node_port == 0 {
+            return None;
+        }
+        let local_endpoints: BTreeSet<(&str, u16)> = self
+            .slices
+            .iter()
+            .flat_map(|slice| {
+                let ready = slice.endpoints.iter().filter(|e| e.ready && e.is_local).filter_map(|e| e.addresses.first());
+                ready.flat_map(|address| slice.ports.iter().map(move |p| (address.as_str(), p.port)))
+            })
+            .collect();
+        Some(HealthCheck { port: s.health_check_node_port, local_endpoints: local_endpoints.len() })
+    }
+}
+
 /// One service whose view changed; `view` is `None` when it left the model.
 #[derive(Clone, Debug)]
 pub struct ServiceChange {
@@ -985,6 +1016,38 @@ mod tests {
         // The view filters endpoints (topology) into vectors of its own.
         let view = &model.services[&key];
         assert_eq!((view.slices.capacity(), view.slices[0].endpoints.capacity()), (1, 2));
+    }
+
+    #[test]
+    fn a_health_check_counts_ready_local_endpoints_per_address_and_port() {
+        let mut state = ClusterState::new();
+        let mut model = NodeLocalModel::new("node-a", vec![]);
+        let mut lb = service("web", "10.96.0.10");
+        lb.service_type = ServiceType::LoadBalancer;
+        lb.external_traffic_policy = TrafficPolicy::Local;
+        lb.health_check_node_port = 31000;
+        apply(&mut state, &mut model, ClusterObject::Service(lb.clone()));
+        let key = ObjectKey::new("default", "web");
+        assert_eq!(model.services[&key].health_check(), Some(HealthCheck { port: 31000, local_endpoints: 0 }));
+
+        let mut web_1 = slice("web-1", "web", &[("10.244.1.2", "node-a"), ("10.244.1.3", "node-a"), ("10.244.2.2", "node-b")]);
+        web_1.ports.push(EndpointPort { name: "metrics".into(), protocol: Protocol::Tcp, port: 9090 });
+        web_1.endpoints[1].ready = false;
+        web_1.endpoints[1].terminating = true;
+        apply(&mut state, &mut model, ClusterObject::EndpointSlice(web_1));
+        // The same endpoint in a second slice (as during a slice's rollover) counts once.
+        apply(&mut state, &mut model, ClusterObject::EndpointSlice(slice("web-2", "web", &[("10.244.1.2", "node-a")])));
+        // 10.244.1.2 on two ports; 10.244.1.3 is not ready, 10.244.2.2 is on another node.
+        assert_eq!(model.services[&key].health_check(), Some(HealthCheck { port: 31000, local_endpoints: 2 }));
+
+        for other in [
+            Service { external_traffic_policy: TrafficPolicy::Cluster, ..lb.clone() },
+            Service { service_type: ServiceType::NodePort, ..lb.clone() },
+            Service { health_check_node_port: 0, ..lb.clone() },
+        ] {
+            apply(&mut state, &mut model, ClusterObject::Service(other.clone()));
+            assert_eq!(model.services[&key].health_check(), None, "{other:?}");
+        }
     }
 
     #[test]

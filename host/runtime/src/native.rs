@@ -58,6 +58,7 @@ mod tests {
                 session_affinity_timeout: Some(600),
                 external_traffic_policy: m::TrafficPolicy::Local,
                 internal_traffic_policy: m::TrafficPolicy::Cluster,
+                health_check_node_port: 0,
                 labels: [("app".into(), "web".into())].into_iter().collect(),
             }
             .into(),

@@ -191,6 +191,10 @@ pub fn service(s: &slim::Service) -> Result<Service, ConvertError> {
         session_affinity_timeout,
         external_traffic_policy: traffic_policy(spec.external_traffic_policy.as_deref()),
         internal_traffic_policy: traffic_policy(spec.internal_traffic_policy.as_deref()),
+        health_check_node_port: match spec.health_check_node_port {
+            None | Some(0) => 0,
+            Some(n) => subject.port("spec.healthCheckNodePort", n)?,
+        },
         labels: labels(m),
     })
 }
@@ -494,7 +498,7 @@ mod tests {
         assert_eq!(s.session_affinity_timeout, None);
         assert_eq!(s.external_traffic_policy, TrafficPolicy::Cluster);
         assert_eq!(s.internal_traffic_policy, TrafficPolicy::Cluster);
-        assert!(s.external_ips.is_empty() && s.load_balancer_ips.is_empty() && s.labels.is_empty());
+        assert!(s.external_ips.is_empty() && s.load_balancer_ips.is_empty() && s.labels.is_empty() && s.health_check_node_port == 0);
 
         let bare = service(&k8s(json!({"metadata": {"name": "bare"}}))).unwrap();
         assert!(bare.cluster_ips.is_empty() && bare.ports.is_empty());
@@ -507,6 +511,7 @@ mod tests {
             "spec": {
                 "type": "LoadBalancer", "clusterIP": "10.96.0.30", "clusterIPs": ["10.96.0.30", "fd00::30"],
                 "externalIPs": ["203.0.113.5"], "externalTrafficPolicy": "Local", "internalTrafficPolicy": "Local",
+                "healthCheckNodePort": 31999,
                 "sessionAffinity": "ClientIP", "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 600}},
                 "ports": [
                     {"name": "http", "port": 80, "targetPort": 8080, "nodePort": 30080},
@@ -524,6 +529,7 @@ mod tests {
         assert_eq!(s.session_affinity_timeout, Some(600));
         assert_eq!(s.external_traffic_policy, TrafficPolicy::Local);
         assert_eq!(s.internal_traffic_policy, TrafficPolicy::Local);
+        assert_eq!(s.health_check_node_port, 31999);
         assert_eq!(s.labels["app"], "lb");
         assert_eq!(s.ports[0], ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: 30080, target_port: TargetPort::Number(8080) });
         assert_eq!(s.ports[1], ServicePort { name: "dns".into(), protocol: Protocol::Udp, port: 53, node_port: 30053, target_port: TargetPort::Name("dns-udp".into()) });
@@ -547,6 +553,7 @@ mod tests {
         assert_eq!(ports(json!([{"port": 70000}])), "Service shop/web: spec.ports[0].port is 70000, not a port number (1-65535)");
         assert_eq!(ports(json!([{"port": 80, "targetPort": -1}])), "Service shop/web: spec.ports[0].targetPort is -1, not a port number (1-65535)");
         assert_eq!(ports(json!([{"port": 80, "nodePort": 65536}])), "Service shop/web: spec.ports[0].nodePort is 65536, not a port number (1-65535)");
+        assert_eq!(svc(json!({"healthCheckNodePort": -5})).unwrap_err().to_string(), "Service shop/web: spec.healthCheckNodePort is -5, not a port number (1-65535)");
         let e = svc(json!({"type": "Mesh"})).unwrap_err();
         assert_eq!(e.problem, Problem::UnknownServiceType("Mesh".into()));
         assert_eq!(svc(json!({"sessionAffinity": "Cookie"})).unwrap_err().problem, Problem::UnknownSessionAffinity("Cookie".into()));

@@ -59,12 +59,13 @@ pub struct Svc {
     pub external_local: bool,
     pub internal_local: bool,
     pub load_balancer_ip: Option<&'static str>,
+    pub health_check_node_port: Option<u16>,
     pub endpoints: Vec<Endpoint>,
 }
 
 impl Svc {
     pub fn new(name: &'static str, cluster_ip: &'static str, ports: Vec<Port>, endpoints: Vec<Endpoint>) -> Svc {
-        Svc { name, cluster_ip, service_type: "ClusterIP", ports, affinity_seconds: None, external_local: false, internal_local: false, load_balancer_ip: None, endpoints }
+        Svc { name, cluster_ip, service_type: "ClusterIP", ports, affinity_seconds: None, external_local: false, internal_local: false, load_balancer_ip: None, health_check_node_port: None, endpoints }
     }
 
     pub fn yaml(&self) -> String {
@@ -86,6 +87,9 @@ impl Svc {
         }
         if self.internal_local {
             spec += "  internalTrafficPolicy: Local\n";
+        }
+        if let Some(port) = self.health_check_node_port {
+            spec += &format!("  healthCheckNodePort: {port}\n");
         }
         let mut status = String::new();
         if let Some(ip) = self.load_balancer_ip {
