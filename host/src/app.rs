@@ -109,6 +109,9 @@ pub struct HostConfig {
     /// Where load balancer health checks (`healthCheckNodePort`) are answered, on each
     /// service's port (none: not served; `service_health.rs`). Not in the operator role.
     pub health_check_bind: Option<std::net::IpAddr>,
+    /// Where the node's health is answered for load balancers (`/healthz`, `/livez`;
+    /// kube-proxy's `--healthz-bind-address`, port 10256). None: not served.
+    pub node_health_listen: Option<SocketAddr>,
     /// How often the events/revisions stats line is logged.
     pub stats_interval: Duration,
     pub data_dir: Option<PathBuf>,
@@ -157,6 +160,7 @@ impl Default for HostConfig {
             kubernetes: None,
             grpc_listen: None,
             health_check_bind: None,
+            node_health_listen: None,
             cni: None,
             agent: Some(crate::agent::AgentConfig::default()),
             operator: None,
@@ -366,8 +370,18 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         model_feed = Some(feed);
     }
 
-    if let Some(bind) = config.health_check_bind.filter(|_| !operator_role) {
-        loops.push(tokio::spawn(crate::service_health::serve(bind, crate::service_health::follow(&controller), ready.clone())));
+    if !operator_role && (config.health_check_bind.is_some() || config.node_health_listen.is_some()) {
+        let health = crate::service_health::ProxyHealth {
+            ready: ready.clone(),
+            writes: controller.lock().unwrap_or_else(|p| p.into_inner()).dataplane().health.clone(),
+            timeout: 2 * config.reconcile_interval,
+        };
+        if let Some(bind) = config.health_check_bind {
+            loops.push(tokio::spawn(crate::service_health::serve(bind, crate::service_health::follow(&controller), health.clone())));
+        }
+        if let Some(listen) = config.node_health_listen {
+            loops.push(tokio::spawn(crate::service_health::serve_node(listen, health)));
+        }
     }
 
     loops.push(tokio::spawn(modules.clone().follow(index_revision)));

@@ -66,6 +66,10 @@ pub struct RunArgs {
     /// (kube-proxy's), or `off`.
     #[arg(long, env = "WASMPLANE_HEALTH_CHECK_BIND_ADDRESS", default_value = "0.0.0.0", value_parser = health_check_bind)]
     pub health_check_bind_address: HealthCheckBind,
+    /// Address of the node's health for load balancers (`/healthz`, `/livez`; kube-proxy's
+    /// `--healthz-bind-address`), or `off`.
+    #[arg(long, env = "WASMPLANE_NODE_HEALTH_LISTEN", default_value = "0.0.0.0:10256", value_parser = node_health_listen)]
+    pub node_health_listen: NodeHealthListen,
     /// Record the translator's inputs and outputs of every model revision to this file
     /// (JSON lines; `wasmplane replay FILE` runs a module over it).
     #[arg(long, env = "WASMPLANE_RECORD")]
@@ -261,6 +265,17 @@ pub fn health_check_bind(value: &str) -> Result<HealthCheckBind, String> {
     }
 }
 
+/// `--node-health-listen`: an address and port, or `off`.
+#[derive(Clone, Copy, Debug)]
+pub struct NodeHealthListen(pub Option<SocketAddr>);
+
+pub fn node_health_listen(value: &str) -> Result<NodeHealthListen, String> {
+    match value {
+        "off" => Ok(NodeHealthListen(None)),
+        address => address.parse().map(|a| NodeHealthListen(Some(a))).map_err(|e| format!("{e}: an address and port, or `off`")),
+    }
+}
+
 /// `FILE.wasm` → `FILE.wasm.sig`.
 pub fn signature_path(file: &std::path::Path) -> PathBuf {
     let mut path = file.as_os_str().to_owned();
@@ -318,6 +333,7 @@ impl RunArgs {
             },
             grpc_listen: self.grpc_listen,
             health_check_bind: self.health_check_bind_address.0,
+            node_health_listen: self.node_health_listen.0,
             record: self.record,
             // This binary answers compile requests itself (`main.rs`).
             compiler: Some(wasmplane_runtime::CompilerCommand::current_exe().context("locating this binary to compile guests with")?),

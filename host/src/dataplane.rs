@@ -24,6 +24,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write as _;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
 
 use wasmplane_model::ObjectKey;
 
@@ -636,6 +638,48 @@ pub struct Dataplane {
     pub last_transaction: String,
     /// The last non-empty conntrack cleanup (filters), for inspection.
     pub last_conntrack_cleanup: Vec<ConntrackFilter>,
+    /// Whether writes reach the kernel, for health checks (shared: read without the lock).
+    pub health: Arc<WriteHealth>,
+}
+
+/// Whether the dataplane's writes reach the kernel: what kube-proxy's health server reports
+/// (`lastUpdated`, and unhealthy once changes have waited too long). Shared, so that health
+/// checks answer while a long full sync holds the controller.
+#[derive(Debug, Default)]
+pub struct WriteHealth {
+    /// Milliseconds since the epoch of the last write the kernel accepted (0: none yet).
+    last_written_ms: AtomicU64,
+    /// Of the first write refused since then (0: none is failing).
+    failing_since_ms: AtomicU64,
+}
+
+fn epoch_ms(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64).max(1)
+}
+
+fn from_epoch_ms(ms: u64) -> Option<SystemTime> {
+    (ms != 0).then(|| SystemTime::UNIX_EPOCH + Duration::from_millis(ms))
+}
+
+impl WriteHealth {
+    fn written(&self) {
+        self.last_written_ms.store(epoch_ms(SystemTime::now()), Ordering::Relaxed);
+        self.failing_since_ms.store(0, Ordering::Relaxed);
+    }
+
+    fn failed(&self) {
+        let _ = self.failing_since_ms.compare_exchange(0, epoch_ms(SystemTime::now()), Ordering::Relaxed, Ordering::Relaxed);
+    }
+
+    /// When the kernel last accepted a write.
+    pub fn last_written(&self) -> Option<SystemTime> {
+        from_epoch_ms(self.last_written_ms.load(Ordering::Relaxed))
+    }
+
+    /// Since when writes have been refused, with none accepted after (`None`: they are not).
+    pub fn failing_since(&self) -> Option<SystemTime> {
+        from_epoch_ms(self.failing_since_ms.load(Ordering::Relaxed))
+    }
 }
 
 /// Drops the map keys of `rules` that another object owns in `owners`, with a warning each.
@@ -686,7 +730,18 @@ impl Dataplane {
             affinity_classes: HashSet::new(),
             last_transaction: String::new(),
             last_conntrack_cleanup: Vec::new(),
+            health: Arc::default(),
         }
+    }
+
+    /// Notes a write's outcome in [`WriteHealth`] (a hold writes nothing: no outcome).
+    fn noted(&self, result: Result<SyncStats, WriteError>) -> Result<SyncStats, WriteError> {
+        match &result {
+            Ok(_) if self.held => {}
+            Ok(_) => self.health.written(),
+            Err(_) => self.health.failed(),
+        }
+        result
     }
 
     pub fn mode(&self) -> &'static str {
@@ -741,6 +796,11 @@ impl Dataplane {
     /// Applies a set of per-object changes (`None`: the object is gone) as one transaction.
     /// This is state from a source, so it also ends a hold (see [`Dataplane`]).
     pub fn sync(&mut self, changes: Vec<(ObjectKey, Option<ObjectRules>)>) -> Result<SyncStats, WriteError> {
+        let result = self.sync_changes(changes);
+        self.noted(result)
+    }
+
+    fn sync_changes(&mut self, changes: Vec<(ObjectKey, Option<ObjectRules>)>) -> Result<SyncStats, WriteError> {
         self.held = false;
         if self.in_sync && self.relayout_with(&changes) {
             // The change is most of the table anyway (a first delivery of state after an
@@ -897,6 +957,11 @@ impl Dataplane {
     /// Rewrites the whole table from what we want (periodic reconcile, first sync, hot swap).
     /// While held, `Some` only replaces what is wanted and `None` (a reconcile) does nothing.
     pub fn full_sync(&mut self, objects: Option<BTreeMap<ObjectKey, ObjectRules>>) -> Result<SyncStats, WriteError> {
+        let result = self.full_sync_of(objects);
+        self.noted(result)
+    }
+
+    fn full_sync_of(&mut self, objects: Option<BTreeMap<ObjectKey, ObjectRules>>) -> Result<SyncStats, WriteError> {
         let next = match objects {
             Some(objects) => {
                 let mut next = BTreeMap::new();
@@ -930,7 +995,8 @@ impl Dataplane {
         }
         self.held = false;
         let next = self.desired().clone();
-        self.write_full(next)
+        let result = self.write_full(next);
+        self.noted(result)
     }
 
     fn write_full(&mut self, next: BTreeMap<ObjectKey, Arc<ObjectRules>>) -> Result<SyncStats, WriteError> {
@@ -1105,6 +1171,31 @@ mod tests {
         let written = fake.applied.lock().unwrap().clone();
         assert_eq!(written.len(), 1);
         assert!(written[0].contains("flush table") && written[0].contains("add chain inet wasmplane-s0 svc/default/a"));
+    }
+
+    #[test]
+    fn write_health_follows_what_the_kernel_accepts() {
+        let fake = Fake { has_table: true, ..Default::default() };
+        let mut dp = Dataplane::new(Box::new(fake.clone()));
+        let health = dp.health.clone();
+        // Held: nothing written, nothing to report either way.
+        dp.full_sync(Some(BTreeMap::new())).unwrap();
+        assert_eq!((health.last_written(), health.failing_since()), (None, None));
+        dp.sync(vec![(key("a"), Some(rules("a", "10.244.0.1")))]).unwrap();
+        let first = health.last_written().expect("a write accepted");
+        assert_eq!(health.failing_since(), None);
+        // Refused writes: failing since the first of them, the last good write kept.
+        *fake.refuse.lock().unwrap() = true;
+        dp.sync(vec![(key("b"), Some(rules("b", "10.244.0.2")))]).unwrap_err();
+        let since = health.failing_since().expect("failing");
+        std::thread::sleep(Duration::from_millis(5));
+        dp.full_sync(None).unwrap_err();
+        assert_eq!((health.failing_since(), health.last_written()), (Some(since), Some(first)));
+        // Accepted again: healthy.
+        *fake.refuse.lock().unwrap() = false;
+        dp.full_sync(None).unwrap();
+        assert_eq!(health.failing_since(), None);
+        assert!(health.last_written().unwrap() >= first);
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! Load balancer health checks: kube-proxy's `healthCheckNodePort` servers.
+//! Load balancer health checks: kube-proxy's `healthCheckNodePort` servers, and its node
+//! health server (`/healthz`, `/livez`; kube-proxy's port 10256).
 //!
 //! A cloud load balancer in front of a `LoadBalancer` service with `externalTrafficPolicy:
 //! Local` sends traffic only to nodes that have endpoints of the service, and learns which
@@ -11,12 +12,18 @@
 //! controller keeps the desired checks by port, and [`serve`] opens and closes one listener
 //! per port as that changes. A port two services claim goes to the first by key, and a port
 //! that cannot be bound (in use) is retried every [`RETRY`].
+//!
+//! Both report the host's own health ([`ProxyHealth`]): a load balancer should also avoid a
+//! node whose dataplane has stopped following the cluster. The node server answers for
+//! `externalTrafficPolicy: Cluster` services, whose load balancers check every node there.
+//!
+//! [`ServiceView::health_check`]: wasmplane_model::ServiceView::health_check
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use axum::extract::State;
 use axum::http::{HeaderName, HeaderValue, StatusCode, header};
@@ -27,6 +34,7 @@ use wasmplane_model::state::{HealthCheck, ModelUpdate};
 use wasmplane_model::{NodeLocalModel, ObjectKey};
 
 use crate::controller::{Controller, ModelObserver};
+use crate::dataplane::WriteHealth;
 
 /// How often a port that could not be bound is tried again.
 pub const RETRY: Duration = Duration::from_secs(5);
@@ -107,18 +115,72 @@ pub fn follow(controller: &Arc<Mutex<Controller>>) -> watch::Receiver<Arc<Checks
     rx
 }
 
+/// The host's health as kube-proxy's health server reports it: healthy once the initial
+/// sync is done, and until writes have been refused for longer than `timeout` (kube-proxy:
+/// twice its sync period; here twice the reconcile interval, as a refused change waits for
+/// the next reconcile at the latest).
+#[derive(Clone)]
+pub struct ProxyHealth {
+    pub ready: Arc<AtomicBool>,
+    pub writes: Arc<WriteHealth>,
+    pub timeout: Duration,
+}
+
+impl ProxyHealth {
+    pub fn healthy(&self, now: SystemTime) -> bool {
+        self.ready.load(Ordering::Relaxed) && self.writes.failing_since().is_none_or(|since| now.duration_since(since).unwrap_or_default() < self.timeout)
+    }
+}
+
+/// RFC 3339, or empty for never.
+fn timestamp(t: Option<SystemTime>) -> String {
+    t.and_then(|t| k8s_openapi::jiff::Timestamp::try_from(t).ok()).map(|t| t.to_string()).unwrap_or_default()
+}
+
+/// The node's health (`/healthz` and `/livez`, any other path too): 200 or 503, with when
+/// the kernel last took a write. `nodeEligible` is always true: this host does not follow
+/// a node's deletion or cluster-autoscaler taints (kube-proxy's `/healthz` turns 503 then).
+async fn answer_node(State(health): State<ProxyHealth>) -> Response {
+    let now = SystemTime::now();
+    let healthy = health.healthy(now);
+    let body = serde_json::json!({
+        "lastUpdated": timestamp(health.writes.last_written()),
+        "currentTime": timestamp(Some(now)),
+        "nodeEligible": true,
+    });
+    let status = if healthy { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, [(header::CONTENT_TYPE, HeaderValue::from_static("application/json")), (header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"))], body.to_string()).into_response()
+}
+
+/// Serves the node's health on `listen` (retried every [`RETRY`] while the address is taken)
+/// until the task is aborted.
+pub async fn serve_node(listen: SocketAddr, health: ProxyHealth) {
+    let listener = loop {
+        match tokio::net::TcpListener::bind(listen).await {
+            Ok(listener) => break listener,
+            Err(e) => tracing::warn!(%listen, "cannot serve the node's health (retrying every {RETRY:?}): {e}"),
+        }
+        tokio::time::sleep(RETRY).await;
+    };
+    tracing::info!(%listen, "serving the node's health for load balancers");
+    let app = axum::Router::new().fallback(answer_node).with_state(health);
+    if let Err(e) = axum::serve(listener, app).await {
+        tracing::warn!(%listen, "node health server failed: {e}");
+    }
+}
+
 /// What a listener needs to answer.
 #[derive(Clone)]
 struct Answering {
     port: u16,
     checks: watch::Receiver<Arc<Checks>>,
-    /// The host's initial sync is done (kube-proxy's `serviceProxyHealthy`).
-    ready: Arc<AtomicBool>,
+    /// kube-proxy's `serviceProxyHealthy`.
+    health: ProxyHealth,
 }
 
 async fn answer(State(a): State<Answering>) -> Response {
     let check = a.checks.borrow().get(&a.port).cloned();
-    let healthy = a.ready.load(Ordering::Relaxed);
+    let healthy = a.health.healthy(SystemTime::now());
     let (namespace, name, count) = match &check {
         Some(c) => (c.service.namespace.as_str(), c.service.name.as_str(), c.local_endpoints),
         None => ("", "", 0),
@@ -156,7 +218,7 @@ impl Drop for Listening {
 
 /// Serves every check on `bind` until `checks` closes (the controller is gone) or the task
 /// is aborted; the servers go with it.
-pub async fn serve(bind: IpAddr, mut checks: watch::Receiver<Arc<Checks>>, ready: Arc<AtomicBool>) {
+pub async fn serve(bind: IpAddr, mut checks: watch::Receiver<Arc<Checks>>, health: ProxyHealth) {
     let mut servers: JoinSet<()> = JoinSet::new();
     let mut open: HashMap<u16, Listening> = HashMap::new();
     let mut retry = tokio::time::interval(RETRY);
@@ -179,7 +241,7 @@ pub async fn serve(bind: IpAddr, mut checks: watch::Receiver<Arc<Checks>>, ready
             };
             tracing::info!(%addr, service = %check.service, "serving the load balancer health check");
             let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-            let app = axum::Router::new().fallback(answer).with_state(Answering { port, checks: checks.clone(), ready: ready.clone() });
+            let app = axum::Router::new().fallback(answer).with_state(Answering { port, checks: checks.clone(), health: health.clone() });
             servers.spawn(async move {
                 let shutdown = async move {
                     let _ = stopped.await;

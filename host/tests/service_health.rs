@@ -83,3 +83,48 @@ async fn a_local_traffic_load_balancer_is_health_checked_by_its_local_endpoints(
     host.stop().await;
     assert!(ask(held_port).await.is_none(), "a stopped host answers no check");
 }
+
+/// The node's health (`/healthz`; kube-proxy's port 10256) and each service check's
+/// `serviceProxyHealthy` follow whether the kernel takes the host's writes: a stand-in `nft`
+/// that refuses every write while a flag file exists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_writes_make_the_node_unhealthy_until_they_are_taken_again() {
+    let cluster = Cluster::new();
+    let refuse = cluster.data_dir().with_file_name("refuse-writes");
+    let nft = cluster.data_dir().with_file_name("nft.sh");
+    // Listings print nothing (no table of ours yet); `-f -` reads the transaction.
+    std::fs::write(&nft, format!("[ -e '{}' ] && exit 1\ncat > /dev/null\nexit 0\n", refuse.display())).unwrap();
+    let (node_port, check_port) = (free_port(), free_port());
+    cluster.put(&lb("web", "10.96.0.40", check_port, vec![ready("10.244.0.11", NODE)]));
+    let config = wasmplane::app::HostConfig {
+        nft_netlink: false,
+        reconcile_interval: Duration::from_millis(300),
+        health_check_bind: Some(Ipv4Addr::LOCALHOST.into()),
+        node_health_listen: Some((Ipv4Addr::LOCALHOST, node_port).into()),
+        ..cluster.config(vec!["sh".into(), nft.display().to_string()])
+    };
+    let host = start_host(config).await;
+    let node = || async move {
+        let response = reqwest::get(format!("http://127.0.0.1:{node_port}/healthz")).await.ok()?;
+        Some((response.status().as_u16(), response.json::<Value>().await.unwrap()))
+    };
+    let (_, body) = eventually("the node healthy", Duration::from_secs(10), node, |a| a.as_ref().is_some_and(|(s, _)| *s == 200)).await.unwrap();
+    assert!(body["lastUpdated"].as_str().is_some_and(|t| t.ends_with('Z')), "{body}");
+    assert_eq!(body["nodeEligible"], true, "{body}");
+    let (status, _, body) = ask(check_port).await.unwrap();
+    assert_eq!((status, body["serviceProxyHealthy"].as_bool()), (200, Some(true)), "{body}");
+
+    // Writes refused (a change, then the reconciles): unhealthy once they have been for
+    // twice the reconcile interval; the service still has its endpoint here.
+    std::fs::write(&refuse, "").unwrap();
+    cluster.put(&lb("web", "10.96.0.40", check_port, vec![ready("10.244.0.11", NODE), ready("10.244.0.12", NODE)]));
+    eventually("the node unhealthy", Duration::from_secs(10), node, |a| a.as_ref().is_some_and(|(s, _)| *s == 503)).await;
+    let (status, _, body) = ask(check_port).await.unwrap();
+    assert_eq!((status, body["serviceProxyHealthy"].as_bool(), body["localEndpoints"].as_u64()), (503, Some(false), Some(2)), "{body}");
+
+    // Taken again at the next reconcile: healthy.
+    std::fs::remove_file(&refuse).unwrap();
+    eventually("the node healthy again", Duration::from_secs(10), node, |a| a.as_ref().is_some_and(|(s, _)| *s == 200)).await;
+    assert_eq!(ask(check_port).await.unwrap().0, 200);
+    host.stop().await;
+}
