@@ -371,10 +371,13 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
     }
 
     if !operator_role && (config.health_check_bind.is_some() || config.node_health_listen.is_some()) {
+        // Apart: a guard in the initializer below would live to its end, and `follow_node` locks too.
+        let writes = controller.lock().unwrap_or_else(|p| p.into_inner()).dataplane().health.clone();
         let health = crate::service_health::ProxyHealth {
             ready: ready.clone(),
-            writes: controller.lock().unwrap_or_else(|p| p.into_inner()).dataplane().health.clone(),
+            writes,
             timeout: 2 * config.reconcile_interval,
+            node_being_deleted: crate::service_health::follow_node(&controller),
         };
         if let Some(bind) = config.health_check_bind {
             loops.push(tokio::spawn(crate::service_health::serve(bind, crate::service_health::follow(&controller), health.clone())));

@@ -15,7 +15,8 @@
 //!
 //! Both report the host's own health ([`ProxyHealth`]): a load balancer should also avoid a
 //! node whose dataplane has stopped following the cluster. The node server answers for
-//! `externalTrafficPolicy: Cluster` services, whose load balancers check every node there.
+//! `externalTrafficPolicy: Cluster` services, whose load balancers check every node there,
+//! and its `/healthz` drains a node that is being deleted (KEP-3836).
 //!
 //! [`ServiceView::health_check`]: wasmplane_model::ServiceView::health_check
 
@@ -124,6 +125,25 @@ pub struct ProxyHealth {
     pub ready: Arc<AtomicBool>,
     pub writes: Arc<WriteHealth>,
     pub timeout: Duration,
+    /// This node is going away (see [`follow_node`]): `/healthz` drains it, `/livez` does not.
+    pub node_being_deleted: Arc<AtomicBool>,
+}
+
+/// Keeps `being_deleted` equal to the model's [`NodeLocalModel::node_being_deleted`].
+struct NodeEligibility(Arc<AtomicBool>);
+
+impl ModelObserver for NodeEligibility {
+    fn model_changed(&self, model: &NodeLocalModel, _update: &ModelUpdate) {
+        self.0.store(model.node_being_deleted, Ordering::Relaxed);
+    }
+}
+
+/// Follows the controller's model: whether this node is being deleted, now and as it changes.
+pub fn follow_node(controller: &Arc<Mutex<Controller>>) -> Arc<AtomicBool> {
+    let mut controller = controller.lock().unwrap_or_else(|p| p.into_inner());
+    let being_deleted = Arc::new(AtomicBool::new(controller.model().node_being_deleted));
+    controller.add_observer(Box::new(NodeEligibility(being_deleted.clone())));
+    being_deleted
 }
 
 impl ProxyHealth {
@@ -137,17 +157,29 @@ fn timestamp(t: Option<SystemTime>) -> String {
     t.and_then(|t| k8s_openapi::jiff::Timestamp::try_from(t).ok()).map(|t| t.to_string()).unwrap_or_default()
 }
 
-/// The node's health (`/healthz` and `/livez`, any other path too): 200 or 503, with when
-/// the kernel last took a write. `nodeEligible` is always true: this host does not follow
-/// a node's deletion or cluster-autoscaler taints (kube-proxy's `/healthz` turns 503 then).
+/// The node's health for load balancers (`/healthz`, and any other path): 200 or 503, with
+/// when the kernel last took a write; 503 too while the node is being deleted
+/// (`nodeEligible: false`), so that load balancers drain it first.
 async fn answer_node(State(health): State<ProxyHealth>) -> Response {
+    let eligible = !health.node_being_deleted.load(Ordering::Relaxed);
+    node_answer(&health, Some(eligible))
+}
+
+/// The host's liveness (`/livez`): as `/healthz`, whether or not the node is being deleted.
+async fn answer_live(State(health): State<ProxyHealth>) -> Response {
+    node_answer(&health, None)
+}
+
+fn node_answer(health: &ProxyHealth, eligible: Option<bool>) -> Response {
     let now = SystemTime::now();
-    let healthy = health.healthy(now);
-    let body = serde_json::json!({
+    let healthy = health.healthy(now) && eligible != Some(false);
+    let mut body = serde_json::json!({
         "lastUpdated": timestamp(health.writes.last_written()),
         "currentTime": timestamp(Some(now)),
-        "nodeEligible": true,
     });
+    if let Some(eligible) = eligible {
+        body["nodeEligible"] = eligible.into();
+    }
     let status = if healthy { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     (status, [(header::CONTENT_TYPE, HeaderValue::from_static("application/json")), (header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"))], body.to_string()).into_response()
 }
@@ -163,7 +195,7 @@ pub async fn serve_node(listen: SocketAddr, health: ProxyHealth) {
         tokio::time::sleep(RETRY).await;
     };
     tracing::info!(%listen, "serving the node's health for load balancers");
-    let app = axum::Router::new().fallback(answer_node).with_state(health);
+    let app = axum::Router::new().route("/livez", axum::routing::get(answer_live)).fallback(answer_node).with_state(health);
     if let Err(e) = axum::serve(listener, app).await {
         tracing::warn!(%listen, "node health server failed: {e}");
     }

@@ -126,5 +126,17 @@ async fn refused_writes_make_the_node_unhealthy_until_they_are_taken_again() {
     std::fs::remove_file(&refuse).unwrap();
     eventually("the node healthy again", Duration::from_secs(10), node, |a| a.as_ref().is_some_and(|(s, _)| *s == 200)).await;
     assert_eq!(ask(check_port).await.unwrap().0, 200);
+
+    // The cluster autoscaler marks this node for removal: load balancers drain it through
+    // /healthz, while /livez and the service's own check stay as they were.
+    let tainted = NODES_YAML.replacen("spec: { podCIDR: 10.244.0.0/24,", "spec: { taints: [{ key: ToBeDeletedByClusterAutoscaler, value: \"1700000000\", effect: NoSchedule }], podCIDR: 10.244.0.0/24,", 1);
+    assert_ne!(tainted, NODES_YAML);
+    cluster.put_file("cluster.yaml", &format!("{tainted}---\napiVersion: v1\nkind: Namespace\nmetadata: {{ name: default }}\n"));
+    let (_, body) = eventually("the node drained", Duration::from_secs(10), node, |a| a.as_ref().is_some_and(|(s, _)| *s == 503)).await.unwrap();
+    assert_eq!(body["nodeEligible"], false, "{body}");
+    let live = reqwest::get(format!("http://127.0.0.1:{node_port}/livez")).await.unwrap();
+    assert_eq!(live.status().as_u16(), 200);
+    assert!(live.json::<Value>().await.unwrap().get("nodeEligible").is_none());
+    assert_eq!(ask(check_port).await.unwrap().0, 200);
     host.stop().await;
 }

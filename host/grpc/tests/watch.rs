@@ -124,6 +124,7 @@ fn node(addresses: &[&str], zone: &str) -> ClusterObject {
         addresses: addresses.iter().map(|&a| a.into()).collect(),
         pod_cidrs: vec!["10.244.1.0/24".into()],
         labels: Labels::from([(ZONE_LABEL.into(), zone.into())]),
+        being_deleted: false,
     })
 }
 

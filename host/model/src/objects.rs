@@ -197,6 +197,10 @@ pub struct Node {
     pub addresses: Vec<CompactString>,
     pub pod_cidrs: Vec<CompactString>,
     pub labels: Labels,
+    /// The node is going away: it has a deletion timestamp, or the cluster autoscaler's
+    /// `ToBeDeletedByClusterAutoscaler` taint. Load balancers should drain it (KEP-3836).
+    #[serde(default)]
+    pub being_deleted: bool,
 }
 
 /// The well-known label that places a node in a zone.

@@ -752,6 +752,9 @@ pub struct NodeLocalModel {
     /// Cluster CIDRs are configuration, not cluster state.
     #[serde(skip)]
     configured_cluster_cidrs: Vec<CompactString>,
+    /// This node is going away ([`Node::being_deleted`]): not part of the guests' context,
+    /// so that draining a node does not translate every service again.
+    pub node_being_deleted: bool,
 }
 
 /// JSON maps need string keys: `namespace/name`.
@@ -766,11 +769,13 @@ pub struct ModelUpdate {
     pub policies: Vec<PolicyChange>,
     pub pods: Vec<PodChange>,
     pub context_changed: bool,
+    /// [`NodeLocalModel::node_being_deleted`] changed (nothing a guest sees).
+    pub node_being_deleted_changed: bool,
 }
 
 impl ModelUpdate {
     pub fn is_empty(&self) -> bool {
-        self.changed.is_empty() && self.policies.is_empty() && self.pods.is_empty() && !self.context_changed
+        self.changed.is_empty() && self.policies.is_empty() && self.pods.is_empty() && !self.context_changed && !self.node_being_deleted_changed
     }
 }
 
@@ -800,6 +805,7 @@ impl NodeLocalModel {
             policies: BTreeMap::new(),
             local_pods: BTreeMap::new(),
             configured_cluster_cidrs: cluster_cidrs,
+            node_being_deleted: false,
         }
     }
 
@@ -812,6 +818,11 @@ impl NodeLocalModel {
         let mut update = ModelUpdate::default();
         let mut services: Vec<ObjectKey> = touched.services.iter().cloned().collect();
         if touched.node_context {
+            let being_deleted = cluster.nodes.get(self.node_name()).is_some_and(|n| n.being_deleted);
+            if being_deleted != self.node_being_deleted {
+                self.node_being_deleted = being_deleted;
+                update.node_being_deleted_changed = true;
+            }
             let context = self.compute_context(cluster);
             if context != self.context {
                 // Topology hints are read against the node's zone: every view may differ.
@@ -977,15 +988,26 @@ mod tests {
         assert_eq!(model.revision, 2);
 
         // Another node's heartbeat: no revision.
-        let node_b = Node { name: "node-b".into(), addresses: vec!["192.168.0.2".into()], pod_cidrs: vec![], labels: Labels::new() };
+        let node_b = Node { name: "node-b".into(), addresses: vec!["192.168.0.2".into()], pod_cidrs: vec![], labels: Labels::new(), being_deleted: false };
         assert!(apply(&mut state, &mut model, ClusterObject::Node(node_b)).is_empty());
 
         // Our own node's addresses: a context change and a revision.
-        let node_a = Node { name: "node-a".into(), addresses: vec!["192.168.0.1".into()], pod_cidrs: vec!["10.244.1.0/24".into()], labels: Labels::new() };
-        let u = apply(&mut state, &mut model, ClusterObject::Node(node_a));
+        let node_a = Node { name: "node-a".into(), addresses: vec!["192.168.0.1".into()], pod_cidrs: vec!["10.244.1.0/24".into()], labels: Labels::new(), being_deleted: false };
+        let u = apply(&mut state, &mut model, ClusterObject::Node(node_a.clone()));
         assert!(u.context_changed);
         assert_eq!(model.context.node_ips, vec!["192.168.0.1".to_string()]);
         assert_eq!(model.revision, 3);
+
+        // Our node starts being deleted: a revision for the health checks, nothing for guests.
+        let leaving = Node { being_deleted: true, ..node_a };
+        let u = apply(&mut state, &mut model, ClusterObject::Node(leaving.clone()));
+        assert!(u.node_being_deleted_changed && !u.context_changed && u.changed.is_empty(), "{u:?}");
+        assert!(model.node_being_deleted);
+        assert_eq!(model.revision, 4);
+        assert!(apply(&mut state, &mut model, ClusterObject::Node(leaving)).is_empty());
+        let touched = state.apply(ClusterEvent::Delete(ObjectKind::Node, ObjectKey::new("", "node-a")), "node-a");
+        assert!(model.update(&state, &touched).node_being_deleted_changed);
+        assert!(!model.node_being_deleted, "no Node object says nothing, as when there never was one");
     }
 
     #[test]
@@ -1412,7 +1434,7 @@ mod tests {
         };
         // No zone on the node yet: hints are ignored.
         assert_eq!(addresses(&model).len(), 3);
-        let node = Node { name: "node-a".into(), addresses: vec![], pod_cidrs: vec![], labels: labels(&[(ZONE_LABEL, "zone-a")]) };
+        let node = Node { name: "node-a".into(), addresses: vec![], pod_cidrs: vec![], labels: labels(&[(ZONE_LABEL, "zone-a")]), being_deleted: false };
         let u = apply(&mut state, &mut model, ClusterObject::Node(node));
         assert!(u.context_changed);
         assert_eq!(u.changed.len(), 1, "a zone change re-reads every service's hints");

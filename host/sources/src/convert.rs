@@ -266,6 +266,9 @@ pub fn endpoint_slice(s: &slim::EndpointSlice) -> Result<EndpointSlice, ConvertE
     Ok(EndpointSlice { namespace: namespace_of(m), name: subject.name(m)?, service_name, endpoints, ports })
 }
 
+/// The taint the cluster autoscaler puts on a node it is about to remove.
+pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
+
 pub fn node(n: &slim::Node) -> Result<Node, ConvertError> {
     let m = &n.metadata;
     let subject = Subject::cluster("Node", m);
@@ -282,7 +285,8 @@ pub fn node(n: &slim::Node) -> Result<Node, ConvertError> {
         .and_then(|s| s.addresses.as_ref())
         .map(|a| texts(a.iter().filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP").map(|a| &a.address)))
         .unwrap_or_default();
-    Ok(Node { name: subject.name(m)?, addresses, pod_cidrs, labels: labels(m) })
+    let being_deleted = m.deletion_timestamp.is_some() || spec.and_then(|s| s.taints.as_ref()).is_some_and(|t| t.iter().any(|t| t.key == TO_BE_DELETED_TAINT));
+    Ok(Node { name: subject.name(m)?, addresses, pod_cidrs, labels: labels(m), being_deleted })
 }
 
 pub fn namespace(n: &slim::Namespace) -> Result<Namespace, ConvertError> {
@@ -632,6 +636,11 @@ mod tests {
         assert_eq!(n.addresses, vec!["192.168.56.10", "203.0.113.10"]);
         assert_eq!(n.pod_cidrs, vec!["10.244.0.0/24", "fd00:10:244::/64"]);
         assert_eq!(n.labels["topology.kubernetes.io/zone"], "zone-1");
+        assert!(!n.being_deleted);
+        let tainted = json!({"metadata": {"name": "n"}, "spec": {"taints": [{"key": "x", "effect": "NoSchedule"}, {"key": TO_BE_DELETED_TAINT, "value": "1700000000", "effect": "NoSchedule"}]}});
+        assert!(node(&k8s(tainted)).unwrap().being_deleted, "the cluster autoscaler's taint");
+        let deleting = json!({"metadata": {"name": "n", "deletionTimestamp": "2026-11-27T09:00:00Z"}, "spec": {"taints": [{"key": "x", "effect": "NoSchedule"}]}});
+        assert!(node(&k8s(deleting)).unwrap().being_deleted, "a deletion timestamp");
         let old = node(&k8s(json!({"metadata": {"name": "old"}, "spec": {"podCIDR": "10.244.9.0/24"}}))).unwrap();
         assert_eq!(old.pod_cidrs, vec!["10.244.9.0/24"]);
         assert!(old.addresses.is_empty());

@@ -34,6 +34,8 @@ fn metadata<'de, D: Deserializer<'de>>(deserializer: D) -> Result<ObjectMeta, D:
         /// The watcher resumes from the last object's version.
         resource_version: Option<String>,
         labels: Option<BTreeMap<String, String>>,
+        /// A node being deleted is drained by load balancers.
+        deletion_timestamp: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
     }
     let read = Read::deserialize(deserializer)?;
     Ok(ObjectMeta {
@@ -43,6 +45,7 @@ fn metadata<'de, D: Deserializer<'de>>(deserializer: D) -> Result<ObjectMeta, D:
         generation: read.generation,
         resource_version: read.resource_version,
         labels: read.labels,
+        deletion_timestamp: read.deletion_timestamp,
         ..ObjectMeta::default()
     })
 }
@@ -113,6 +116,13 @@ pub struct NodeSpec {
     pub pod_cidr: Option<String>,
     #[serde(rename = "podCIDRs")]
     pub pod_cidrs: Option<Vec<String>>,
+    pub taints: Option<Vec<TaintKey>>,
+}
+
+/// Of a taint only its key (the cluster autoscaler's marks a node it is removing).
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct TaintKey {
+    pub key: String,
 }
 
 /// Of a node's status (conditions, images, capacity, ...) only its addresses.
