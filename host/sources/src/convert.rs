@@ -173,12 +173,15 @@ pub fn service(s: &slim::Service) -> Result<Service, ConvertError> {
         Some(other) => return Err(subject.error(Problem::UnknownSessionAffinity(other.into()))),
     };
     // Hostname-only ingress entries (some cloud load balancers) have nothing to match on.
+    // An `ipMode: Proxy` address is the load balancer's own: it proxies to the nodes and
+    // traffic must reach it, not be short-cut on the node (kube-proxy programs no rules for
+    // it either, KEP-1860).
     let load_balancer_ips = s
         .status
         .as_ref()
         .and_then(|st| st.load_balancer.as_ref())
         .and_then(|lb| lb.ingress.as_ref())
-        .map(|ingress| texts(ingress.iter().filter_map(|i| i.ip.as_ref())))
+        .map(|ingress| texts(ingress.iter().filter(|i| i.ip_mode.as_deref() != Some("Proxy")).filter_map(|i| i.ip.as_ref())))
         .unwrap_or_default();
     Ok(Service {
         namespace: namespace_of(m),
@@ -522,14 +525,17 @@ mod tests {
                     {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": "dns-udp", "nodePort": 30053}
                 ]
             },
-            "status": {"loadBalancer": {"ingress": [{"ip": "198.51.100.7"}, {"hostname": "lb.example.com"}]}}
+            "status": {"loadBalancer": {"ingress": [
+                {"ip": "198.51.100.7"}, {"hostname": "lb.example.com"},
+                {"ip": "198.51.100.8", "ipMode": "VIP"}, {"ip": "198.51.100.9", "ipMode": "Proxy"}
+            ]}}
         })))
         .unwrap();
         assert_eq!(s.key(), ObjectKey::new("shop", "lb"));
         assert_eq!(s.service_type, ServiceType::LoadBalancer);
         assert_eq!(s.cluster_ips, vec!["10.96.0.30", "fd00::30"], "clusterIPs wins over clusterIP");
         assert_eq!(s.external_ips, vec!["203.0.113.5"]);
-        assert_eq!(s.load_balancer_ips, vec!["198.51.100.7"]);
+        assert_eq!(s.load_balancer_ips, vec!["198.51.100.7", "198.51.100.8"], "hostnames and `ipMode: Proxy` addresses left out");
         assert_eq!(s.session_affinity_timeout, Some(600));
         assert_eq!(s.external_traffic_policy, TrafficPolicy::Local);
         assert_eq!(s.internal_traffic_policy, TrafficPolicy::Local);
