@@ -342,7 +342,9 @@ impl Controller {
                 self.registry.mark_failed(self.policy.module(), error);
             }
         }
-        self.registry.count_calls(self.policy.module(), policy_changes.guest_calls.len() as u64);
+        if !policy_changes.guest_calls.is_empty() {
+            self.registry.count_calls(self.policy.module(), policy_changes.guest_calls.len() as u64);
+        }
         if policy_changes.compiled + policy_changes.failed > 0 {
             tracing::debug!(compiled = policy_changes.compiled, failed = policy_changes.failed, dispatch = policy_changes.dispatch_changed, "policies recompiled");
         }

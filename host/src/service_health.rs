@@ -129,6 +129,12 @@ pub struct ProxyHealth {
     pub node_being_deleted: Arc<AtomicBool>,
 }
 
+impl ProxyHealth {
+    pub fn healthy(&self, now: SystemTime) -> bool {
+        self.ready.load(Ordering::Relaxed) && self.writes.failing_since().is_none_or(|since| now.duration_since(since).unwrap_or_default() < self.timeout)
+    }
+}
+
 /// Keeps `being_deleted` equal to the model's [`NodeLocalModel::node_being_deleted`].
 struct NodeEligibility(Arc<AtomicBool>);
 
@@ -144,12 +150,6 @@ pub fn follow_node(controller: &Arc<Mutex<Controller>>) -> Arc<AtomicBool> {
     let being_deleted = Arc::new(AtomicBool::new(controller.model().node_being_deleted));
     controller.add_observer(Box::new(NodeEligibility(being_deleted.clone())));
     being_deleted
-}
-
-impl ProxyHealth {
-    pub fn healthy(&self, now: SystemTime) -> bool {
-        self.ready.load(Ordering::Relaxed) && self.writes.failing_since().is_none_or(|since| now.duration_since(since).unwrap_or_default() < self.timeout)
-    }
 }
 
 /// RFC 3339, or empty for never.
@@ -180,7 +180,11 @@ fn node_answer(health: &ProxyHealth, eligible: Option<bool>) -> Response {
     if let Some(eligible) = eligible {
         body["nodeEligible"] = eligible.into();
     }
-    let status = if healthy { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    json_answer(if healthy { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }, &body)
+}
+
+/// A JSON answer with the headers kube-proxy's health servers send.
+fn json_answer(status: StatusCode, body: &serde_json::Value) -> Response {
     (status, [(header::CONTENT_TYPE, HeaderValue::from_static("application/json")), (header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"))], body.to_string()).into_response()
 }
 
@@ -223,16 +227,9 @@ async fn answer(State(a): State<Answering>) -> Response {
         "localEndpoints": count,
         "serviceProxyHealthy": healthy,
     });
-    (
-        status,
-        [
-            (header::CONTENT_TYPE, HeaderValue::from_static("application/json")),
-            (header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff")),
-            (HeaderName::from_static("x-load-balancing-endpoint-weight"), HeaderValue::from(count)),
-        ],
-        body.to_string(),
-    )
-        .into_response()
+    let mut response = json_answer(status, &body);
+    response.headers_mut().insert(HeaderName::from_static("x-load-balancing-endpoint-weight"), HeaderValue::from(count));
+    response
 }
 
 /// One port's server, until its check goes.
