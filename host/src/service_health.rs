@@ -20,7 +20,7 @@
 //!
 //! [`ServiceView::health_check`]: wasmplane_model::ServiceView::health_check
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -191,11 +191,15 @@ fn json_answer(status: StatusCode, body: &serde_json::Value) -> Response {
 /// Serves the node's health on `listen` (retried every [`RETRY`] while the address is taken)
 /// until the task is aborted.
 pub async fn serve_node(listen: SocketAddr, health: ProxyHealth) {
+    // Warned once: where kube-proxy still runs, the port stays taken until it goes.
+    let mut warned = false;
     let listener = loop {
         match tokio::net::TcpListener::bind(listen).await {
             Ok(listener) => break listener,
-            Err(e) => tracing::warn!(%listen, "cannot serve the node's health (retrying every {RETRY:?}): {e}"),
+            Err(e) if !warned => tracing::warn!(%listen, "cannot serve the node's health (retrying every {RETRY:?}): {e}"),
+            Err(e) => tracing::debug!(%listen, "cannot serve the node's health yet: {e}"),
         }
+        warned = true;
         tokio::time::sleep(RETRY).await;
     };
     tracing::info!(%listen, "serving the node's health for load balancers");
@@ -250,12 +254,15 @@ impl Drop for Listening {
 pub async fn serve(bind: IpAddr, mut checks: watch::Receiver<Arc<Checks>>, health: ProxyHealth) {
     let mut servers: JoinSet<()> = JoinSet::new();
     let mut open: HashMap<u16, Listening> = HashMap::new();
+    // Ports already warned about while taken: once each, until they are served.
+    let mut warned: HashSet<u16> = HashSet::new();
     let mut retry = tokio::time::interval(RETRY);
     retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let wanted = checks.borrow_and_update().clone();
         // Dropping a `Listening` stops its server gracefully: idle keep-alive connections close.
         open.retain(|port, _| wanted.contains_key(port));
+        warned.retain(|port| wanted.contains_key(port));
         for (&port, check) in wanted.iter() {
             if open.contains_key(&port) {
                 continue;
@@ -264,10 +271,15 @@ pub async fn serve(bind: IpAddr, mut checks: watch::Receiver<Arc<Checks>>, healt
             let listener = match tokio::net::TcpListener::bind(addr).await {
                 Ok(listener) => listener,
                 Err(e) => {
-                    tracing::warn!(%addr, service = %check.service, "cannot serve the health check (retrying every {RETRY:?}): {e}");
+                    if warned.insert(port) {
+                        tracing::warn!(%addr, service = %check.service, "cannot serve the health check (retrying every {RETRY:?}): {e}");
+                    } else {
+                        tracing::debug!(%addr, service = %check.service, "cannot serve the health check yet: {e}");
+                    }
                     continue;
                 }
             };
+            warned.remove(&port);
             tracing::info!(%addr, service = %check.service, "serving the load balancer health check");
             let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
             let app = axum::Router::new().fallback(answer).with_state(Answering { port, checks: checks.clone(), health: health.clone() });
