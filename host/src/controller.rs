@@ -361,7 +361,9 @@ impl Controller {
             self.shadow = Some(shadow);
         }
         let mut changes = Vec::with_capacity(changed.len());
+        let mut firewall_changes = Vec::new();
         for (key, view) in changed {
+            firewall_changes.extend(self.firewall_change(&key, view.as_deref()));
             match view {
                 None => {
                     self.service_errors.remove(&key);
@@ -381,9 +383,25 @@ impl Controller {
         }
         let translator = self.translator.as_ref().map(|t| (t.name.as_str(), t.version));
         self.observers.iter().for_each(|o| o.translated(translator, &changes, &self.service_errors));
+        // The host's own objects after the translator's (whose are what observers record).
+        changes.extend(firewall_changes);
         // Policy objects after the services': their own order (see `policy.rs`) is kept.
         changes.extend(policy_changes.changes);
         self.sync(changes)
+    }
+
+    /// The change of a service's load balancer firewall (see [`nft::firewall_rules`]), when
+    /// its service (`None`: gone) or the node's addresses changed it. The host writes it
+    /// itself, whatever translator is in force: a guest cannot open it, and one that fails
+    /// on the service does not keep its old ranges in force.
+    fn firewall_change(&self, key: &ObjectKey, view: Option<&ServiceView>) -> Option<(ObjectKey, Option<ObjectRules>)> {
+        let wanted = view.and_then(|view| self.firewall_of(view));
+        let firewall_key = nft::firewall_object_key(key);
+        (self.dataplane.wanted(&firewall_key) != wanted.as_ref()).then_some((firewall_key, wanted))
+    }
+
+    fn firewall_of(&self, view: &ServiceView) -> Option<ObjectRules> {
+        nft::firewall_rules(&view.service.firewalled_frontends(&self.model.context.node_ips))
     }
 
     /// Every policy: the generation enforced here, audit mode, errors (`GET /v1/policies`).
@@ -560,7 +578,9 @@ impl Controller {
             }
         }
         self.registry.count_calls(name, outputs.len() as u64);
-        // A full sync replaces the whole table: the policy side's objects go in with it.
+        // A full sync replaces the whole table: the host's firewalls and the policy side's
+        // objects go in with it.
+        outputs.extend(self.model.services.iter().filter_map(|(key, view)| Some((nft::firewall_object_key(key), self.firewall_of(view)?))));
         outputs.extend(self.policy.objects());
         self.dataplane.full_sync(Some(outputs))?;
         self.service_errors.clear();

@@ -789,6 +789,11 @@ impl Dataplane {
         self.held
     }
 
+    /// What is wanted of one object (written, or to be written in full next).
+    pub fn wanted(&self, key: &ObjectKey) -> Option<&ObjectRules> {
+        self.desired().get(key).map(|rules| &**rules)
+    }
+
     fn desired(&self) -> &BTreeMap<ObjectKey, Arc<ObjectRules>> {
         self.pending.as_ref().unwrap_or(&self.applied)
     }

@@ -113,7 +113,7 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 use serde::Serialize;
-use wasmplane_model::{CompactString, ObjectKey, ToCompactString, VecMap, format_compact};
+use wasmplane_model::{CompactString, FirewalledFrontend, ObjectKey, ToCompactString, VecMap, format_compact};
 use wasmplane_runtime::wit;
 
 pub const FAMILY: &str = "inet";
@@ -693,6 +693,38 @@ pub fn keep_affinity_slots(old: &ObjectRules, new: &mut ObjectRules) {
     }
 }
 
+/// The dataplane key of a service's load balancer firewall (`spec.loadBalancerSourceRanges`):
+/// an object of the host's own beside the translator's, so that no guest can open it and a
+/// failing guest does not keep it open. Namespaces cannot contain `:`, so these never collide
+/// with a service's key.
+pub fn firewall_object_key(service: &ObjectKey) -> ObjectKey {
+    ObjectKey { namespace: format_compact!("firewall:{}", service.namespace), name: service.name.clone() }
+}
+
+/// The main table's elements that close `frontends` to all sources but their allowed ranges
+/// (kube-proxy's `firewall-ips`; checked by the `firewall-check` chain before DNAT). `None`
+/// without frontends. Data only: no chain per service (see `Layout`).
+pub fn firewall_rules(frontends: &[FirewalledFrontend]) -> Option<ObjectRules> {
+    if frontends.is_empty() {
+        return None;
+    }
+    let mut elements = Vec::new();
+    for f in frontends {
+        let v6 = if f.address.is_ipv6() { "6" } else { "" };
+        let front = format_compact!("{} . {} . {}", f.address, f.protocol.as_nft(), f.port);
+        for range in &f.allowed {
+            elements.push(((format_compact!("firewall-allowed{v6}"), format_compact!("{front} . {range}")), CompactString::default()));
+        }
+        elements.push(((format_compact!("firewall-ips{v6}"), front), CompactString::default()));
+    }
+    Some(ObjectRules { elements: elements.into_iter().collect(), ..Default::default() })
+}
+
+/// The host's interval sets with concatenated keys: an element is a range in its last part.
+pub fn is_range_set(set: &str) -> bool {
+    matches!(set, "firewall-allowed" | "firewall-allowed6")
+}
+
 /// Host sets whose elements many objects may add (a pod behind several services is a
 /// hairpin endpoint of each): an element stays while any object wants it.
 pub fn is_shared_set(map: &str) -> bool {
@@ -1246,6 +1278,12 @@ const MAIN_SKELETON: TableSkeleton = {
             ("cluster-ips6", "ipv6_addr"),
             ("hairpin", "ipv4_addr . ipv4_addr"),
             ("hairpin6", "ipv6_addr . ipv6_addr"),
+            // `spec.loadBalancerSourceRanges` (see `firewall_rules`): frontends open to some
+            // sources only, and those sources, each a range.
+            ("firewall-ips", "ipv4_addr . inet_proto . inet_service"),
+            ("firewall-ips6", "ipv6_addr . inet_proto . inet_service"),
+            ("firewall-allowed", "ipv4_addr . inet_proto . inet_service . ipv4_addr; flags interval"),
+            ("firewall-allowed6", "ipv6_addr . inet_proto . inet_service . ipv6_addr; flags interval"),
         ],
         chains: &[
             (
@@ -1259,6 +1297,7 @@ const MAIN_SKELETON: TableSkeleton = {
                 ],
             ),
             // Before DNAT (priority dstnat-10), so destinations are still the service addresses.
+            ("filter-prerouting", "type filter hook prerouting priority -110; policy accept;", &["ct state new jump firewall-check"]),
             ("filter-input", "type filter hook input priority -110; policy accept;", &["ct state new jump endpoints-check"]),
             // Forwarded packets were DNATed at prerouting already: one still addressed to a
             // cluster IP matched no service port of it.
@@ -1267,7 +1306,7 @@ const MAIN_SKELETON: TableSkeleton = {
                 "type filter hook forward priority -110; policy accept;",
                 &["ct state new jump endpoints-check", "ct state new jump cluster-ips-check"],
             ),
-            ("filter-output", "type filter hook output priority -110; policy accept;", &["ct state new jump endpoints-check"]),
+            ("filter-output", "type filter hook output priority -110; policy accept;", &["ct state new jump endpoints-check", "ct state new jump firewall-check"]),
             // Local traffic is DNATed in the output hook (priority -100): check after it.
             ("filter-output-post-dnat", "type filter hook output priority -90; policy accept;", &["ct state new jump cluster-ips-check"]),
             (
@@ -1280,6 +1319,14 @@ const MAIN_SKELETON: TableSkeleton = {
                 ],
             ),
             ("no-endpoint-node-ports", "", &[NO_ENDPOINT_NODE_PORTS, NO_ENDPOINT_NODE_PORTS6]),
+            (
+                "firewall-check",
+                "",
+                &[
+                    "ip daddr . meta l4proto . th dport @firewall-ips ip daddr . meta l4proto . th dport . ip saddr != @firewall-allowed drop",
+                    "ip6 daddr . meta l4proto . th dport @firewall-ips6 ip6 daddr . meta l4proto . th dport . ip6 saddr != @firewall-allowed6 drop",
+                ],
+            ),
             ("cluster-ips-check", "", &["ip daddr @cluster-ips reject", "ip6 daddr @cluster-ips6 reject"]),
             MARK_FOR_MASQUERADE,
             (

@@ -169,3 +169,46 @@ async fn a_module_that_keeps_crashing_is_rolled_back_to_its_last_good_version() 
     assert!(metrics.contains("wasmplane_module_auto_rollbacks_total{module=\"flaky\"} 1"), "{metrics}");
     h.host.stop().await;
 }
+
+/// A LoadBalancer service open to `ranges` only, `labels` as YAML flow mapping entries.
+fn guarded_service(ranges: &str, labels: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{ name: guarded, namespace: shop, labels: {{ {labels} }} }}\n\
+         spec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.40\n  ports: [{{ port: 443 }}]\n  loadBalancerSourceRanges: [{ranges}]\n\
+         status:\n  loadBalancer: {{ ingress: [{{ ip: 203.0.113.40 }}] }}\n"
+    )
+}
+
+/// `spec.loadBalancerSourceRanges` is enforced by the host, not by the translator: a hot
+/// swap keeps the firewall, a translator that traps on the service does not keep its old
+/// ranges in force, and the firewall goes with the service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_load_balancer_firewall_is_the_hosts_whatever_the_translator_does() {
+    let h = Host::start(CrashBudget { max_crashes: 100, window: Duration::from_secs(60) }).await;
+    let guarded = h.dir.path().join("manifests/guarded.yaml");
+    std::fs::write(&guarded, guarded_service("198.51.100.0/24", "")).unwrap();
+    let allowed = |dp: &Value| dp["objects"]["firewall:shop/guarded"]["elements"].to_string();
+    let dp = h.wait_for("the firewall", |dp| allowed(dp).contains("203.0.113.40 . tcp . 443 . 198.51.100.0/24")).await;
+    assert!(allowed(&dp).contains("firewall-ips"), "{dp}");
+    assert!(dp["objects"]["shop/guarded"]["elements"].to_string().contains("203.0.113.40 . tcp . 443"), "the translator serves the address: {dp}");
+
+    // A hot swap rewrites the whole table: the firewall goes in with it.
+    let (status, body) = h.send(reqwest::Method::PUT, "/v1/modules/flaky?kind=service-translator", Some(artifacts::test_programs::TRAP_ON_LABEL)).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    let dp = h.wait_for("the new translator in force", |dp| dp["translator"] == "flaky@1").await;
+    assert!(allowed(&dp).contains("198.51.100.0/24"), "{dp}");
+    let last_good = dp["objects"]["shop/guarded"].clone();
+
+    // The translator traps on the service from now on: its last good rules stay, and the
+    // firewall follows the new ranges all the same.
+    std::fs::write(&guarded, guarded_service("192.0.2.0/24", "wasmplane.io/crash: \"yes\"")).unwrap();
+    let dp = h.wait_for("the new ranges", |dp| allowed(dp).contains("203.0.113.40 . tcp . 443 . 192.0.2.0/24")).await;
+    assert!(!allowed(&dp).contains("198.51.100.0/24"), "{dp}");
+    let (_, module) = h.get("/v1/modules/flaky").await;
+    assert!(module["failures"].as_u64() > Some(0), "the translator did trap on it: {module}");
+    assert_eq!(dp["objects"]["shop/guarded"], last_good, "the service keeps its last good rules");
+
+    std::fs::remove_file(&guarded).unwrap();
+    h.wait_for("the firewall gone with the service", |dp| dp["objects"].get("firewall:shop/guarded").is_none() && dp["objects"].get("shop/guarded").is_none()).await;
+    h.host.stop().await;
+}

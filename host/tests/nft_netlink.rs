@@ -11,7 +11,7 @@ use support::netns::{Netns, is_root, unique_prefix};
 use support::set_holds;
 use wasmplane::dataplane::{Dataplane, Kernel, NetlinkNft, NftCommand};
 use wasmplane::nft::{self, ElementKey, ObjectRules, SetRules};
-use wasmplane_model::{CompactString, format_compact};
+use wasmplane_model::{CompactString, FirewalledFrontend, Protocol, format_compact};
 
 fn ns_command(ns: &Netns) -> Vec<String> {
     ["ip", "netns", "exec", &ns.name, "nft"].map(String::from).to_vec()
@@ -172,6 +172,20 @@ fn dispatch() -> ObjectRules {
     )
 }
 
+/// A load balancer firewall (`spec.loadBalancerSourceRanges`): interval elements with
+/// concatenated keys, which the batch sends as first and last key.
+fn firewall(ranges: &[&str]) -> ObjectRules {
+    let frontend = |address: &str, ranges: Vec<&str>| FirewalledFrontend {
+        address: address.parse().unwrap(),
+        protocol: Protocol::Tcp,
+        port: 443,
+        allowed: ranges.iter().map(|r| r.parse().unwrap()).collect(),
+    };
+    let v6: Vec<&str> = ranges.iter().copied().filter(|r| r.contains(':')).collect();
+    let v4: Vec<&str> = ranges.iter().copied().filter(|r| !r.contains(':')).collect();
+    nft::firewall_rules(&[frontend("203.0.113.10", v4), frontend("2001:db8::10", v6)]).unwrap()
+}
+
 /// Objects by key. The dispatch object "d" sorts before the policy "p" its chain jumps to:
 /// the delta must not depend on the order objects come in.
 type State = BTreeMap<&'static str, ObjectRules>;
@@ -213,6 +227,7 @@ fn netlink_batches_leave_the_table_nft_would() {
     state.insert("c", service_c(&["10.244.3.1", "10.244.3.2"]));
     state.insert("e", service_e(&["10.244.5.1", "10.244.5.2"]));
     state.insert("f", service_f(&["10.244.6.1", "10.244.6.2"]));
+    state.insert("w", firewall(&["198.51.100.0/24", "203.0.113.10/32", "2001:db8:1::/48"]));
     let full = nft::full_transaction(state.values(), &nft::Stale::default(), LAYOUT, &[]);
     text.apply(&full).unwrap();
     netlink.apply(&full).unwrap();
@@ -239,6 +254,12 @@ fn netlink_batches_leave_the_table_nft_would() {
     steps.push(("affinity as data: scaled up, the goto element to the chain of 3", next.clone()));
     next.insert("b", service_b(5353));
     steps.push(("one rule of an endpoint chain changed", next.clone()));
+    next.insert("w", firewall(&["198.51.100.0/25", "10.0.0.0/8", "2001:db8:1::/48", "2001:db8:2::1/128"]));
+    steps.push(("firewall ranges changed: interval elements deleted and added", next.clone()));
+    next.remove("w");
+    steps.push(("a firewall removed", next.clone()));
+    next.insert("w", firewall(&["192.0.2.0/24", "2001:db8::/32"]));
+    steps.push(("a firewall back", next.clone()));
     next.remove("b");
     next.remove("d");
     steps.push(("a service and a dispatch object removed", next.clone()));
@@ -278,6 +299,8 @@ fn netlink_batches_leave_the_table_nft_would() {
     assert!(table.contains("10.96.0.1 . tcp . 80 : goto svc/ns/a"), "{table}");
     assert!(table.contains("elements = { 10.244.0.7, 10.244.0.11 }"), "{table}");
     assert!(table.contains("elements = { 10.244.1.6 . 10.244.1.6 }"), "hairpin pairs added and deleted: {table}");
+    assert!(set_holds(&table, "firewall-allowed", "203.0.113.10 . tcp . 443 . 192.0.2.0/24") && set_holds(&table, "firewall-allowed6", "2001:db8::10 . tcp . 443 . 2001:db8::/32"), "{table}");
+    assert!(set_holds(&table, "firewall-ips6", "2001:db8::10 . tcp . 443") && !table.contains("198.51.100.0"), "{table}");
     assert!(table.contains("10.96.0.3 . udp . 53 . 2 : 10.244.3.9 . 5353") && set_holds(&table, "frontends-3", "10.96.0.3 . udp . 53"), "{table}");
     assert!(table.contains("ip saddr @svc/ns/e/ep/10.244.5.3/8080/affinity meta l4proto tcp update @svc/ns/e/ep/10.244.5.3/8080/affinity { ip saddr timeout 3h } dnat ip to 10.244.5.3:8080"), "{table}");
     assert!(table.contains("udp . 30053 . 2 : 10.244.3.9 . 5353") && set_holds(&table, "nodeports-3", "udp . 30053"), "{table}");

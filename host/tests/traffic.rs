@@ -262,6 +262,70 @@ async fn node_port_load_balancer_ip_and_external_traffic_policy_local() {
     host.stop().await;
 }
 
+/// `spec.loadBalancerSourceRanges`: new connections to the load balancer address from
+/// outside the ranges are dropped before DNAT, as in kube-proxy; the cluster IP and the node
+/// port stay open to all. Ranges changed and removed while the host runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_balancer_source_ranges_admit_only_their_sources() {
+    require_root!();
+    let mut topo = Topology::new("fw");
+    let pod = topo.add_pod(POD_A);
+    let client = topo.add_pod(CLIENT);
+    let _server = Server::start(&pod, "a", &[8080]);
+    topo.external.exec(&["ip", "route", "add", &format!("{LOAD_BALANCER_IP}/32"), "via", NODE_EXTERNAL_IP]);
+
+    let cluster = Cluster::new();
+    let mut guarded = Svc::new(
+        "guarded",
+        "10.96.0.30",
+        vec![Port::new("http", "TCP", 80, 8080).node_port(30090), Port::new("dns", "UDP", 80, 8080).node_port(30090)],
+        vec![ready(POD_A, NODE)],
+    );
+    guarded.service_type = "LoadBalancer";
+    guarded.load_balancer_ip = Some(LOAD_BALANCER_IP);
+    // The external network only; the second range lies inside the first (merged, not refused).
+    guarded.source_ranges = vec!["192.168.77.0/24", "192.168.77.0/25"];
+    cluster.put(&guarded);
+    let host = start_host(cluster.config(topo.nft_command())).await;
+    wait_applied(&host, "the firewall", |t| set_holds(t, "firewall-allowed", &format!("{LOAD_BALANCER_IP} . tcp . 80 . 192.168.77.0/24")));
+    let table = topo.table();
+    assert!(set_holds(&table, "firewall-ips", &format!("{LOAD_BALANCER_IP} . udp . 80")), "{table}");
+
+    let ext = topo.external.name.clone();
+    let refused = |ns: &str, to: SocketAddr, udp: bool| {
+        let result = in_ns(ns, || if udp { udp_ask(to, Duration::from_millis(300)) } else { tcp_ask(to, Duration::from_millis(300)) });
+        matches!(&result, Err(e) if matches!(e.kind(), ErrorKind::TimedOut | ErrorKind::WouldBlock))
+    };
+    let lb = addr(LOAD_BALANCER_IP, 80);
+    assert_backends("TCP from inside the ranges", &tcp_many(&ext, lb, 5), &["a"]);
+    assert_backends("UDP from inside the ranges", &udp_many(&ext, lb, 5), &["a"]);
+    assert!(refused(&client, lb, false), "TCP from a pod, outside the ranges, must be dropped");
+    assert!(refused(&client, lb, true), "UDP from a pod, outside the ranges, must be dropped");
+    // Only the load balancer address is closed (kube-proxy's scope as well).
+    assert_backends("the cluster IP from the pod", &tcp_many(&client, addr("10.96.0.30", 80), 5), &["a"]);
+    assert_backends("the node port from the pod", &tcp_many(&client, addr(NODE_EXTERNAL_IP, 30090), 5), &["a"]);
+
+    // The ranges changed while running: the pods in, the external network out.
+    guarded.source_ranges = vec!["10.244.0.0/16"];
+    cluster.put(&guarded);
+    wait_applied(&host, "the new ranges", |t| {
+        set_holds(t, "firewall-allowed", &format!("{LOAD_BALANCER_IP} . tcp . 80 . 10.244.0.0/16")) && !t.contains("192.168.77.0/24")
+    });
+    assert_backends("TCP from the pod, now inside the ranges", &tcp_many(&client, lb, 5), &["a"]);
+    assert!(refused(&ext, lb, false), "TCP from the external network, now outside the ranges, must be dropped");
+    assert_backends("the node port from outside the ranges", &tcp_many(&ext, addr(NODE_EXTERNAL_IP, 30090), 5), &["a"]);
+
+    // No ranges: open to every source again, and nothing of the firewall is left.
+    guarded.source_ranges = vec![];
+    cluster.put(&guarded);
+    wait_applied(&host, "the firewall gone", |t| !t.contains("add element inet wasmplane firewall-"));
+    assert_backends("TCP from the external network, no ranges", &tcp_many(&ext, lb, 5), &["a"]);
+    assert_backends("TCP from the pod, no ranges", &tcp_many(&client, lb, 5), &["a"]);
+    let table = topo.table();
+    assert!(!set_holds(&table, "firewall-ips", &format!("{LOAD_BALANCER_IP} . tcp . 80")), "{table}");
+    host.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn session_affinity_client_ip_sticks() {
     require_root!();

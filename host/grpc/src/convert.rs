@@ -22,6 +22,8 @@ pub enum ConversionError {
     UnknownEnum { field: &'static str, value: i32 },
     #[error("{field} = {value} is not a port number")]
     PortOutOfRange { field: &'static str, value: u32 },
+    #[error("{field} = {value:?} is not a CIDR")]
+    InvalidCidr { field: &'static str, value: String },
 }
 
 // ---- model → proto ----
@@ -104,6 +106,7 @@ impl From<&Service> for proto::Service {
             external_traffic_policy: proto::TrafficPolicy::from(s.external_traffic_policy).into(),
             internal_traffic_policy: proto::TrafficPolicy::from(s.internal_traffic_policy).into(),
             health_check_node_port: s.health_check_node_port.into(),
+            load_balancer_source_ranges: s.load_balancer_source_ranges.iter().map(ToString::to_string).collect(),
             labels: s.labels.iter().map(|(k, v)| (k.to_std(), v.to_std())).collect(),
         }
     }
@@ -221,6 +224,11 @@ impl TryFrom<proto::Service> for Service {
             external_traffic_policy: traffic_policy("Service.external_traffic_policy", s.external_traffic_policy)?,
             internal_traffic_policy: traffic_policy("Service.internal_traffic_policy", s.internal_traffic_policy)?,
             health_check_node_port: port("Service.health_check_node_port", s.health_check_node_port)?,
+            load_balancer_source_ranges: s
+                .load_balancer_source_ranges
+                .into_iter()
+                .map(|range| range.parse().map_err(|_| ConversionError::InvalidCidr { field: "Service.load_balancer_source_ranges", value: range }))
+                .collect::<Result<_, _>>()?,
             ports: s.ports.into_iter().map(TryInto::try_into).collect::<Result<_, _>>()?,
             session_affinity_timeout: s.session_affinity.map(|a| a.timeout_seconds),
             namespace: s.namespace.into_model(),
@@ -301,6 +309,7 @@ pub(crate) mod tests_support {
                 external_traffic_policy: TrafficPolicy::Local,
                 internal_traffic_policy: TrafficPolicy::Cluster,
                 health_check_node_port: 31999,
+                load_balancer_source_ranges: vec!["192.0.2.0/24".parse().unwrap(), "2001:db8::/32".parse().unwrap()],
                 labels: Labels::from([("app".into(), "web".into()), ("tier".into(), "front".into())]),
             }.into(),
             slices: vec![LocalSlice {

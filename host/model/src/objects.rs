@@ -1,7 +1,9 @@
 //! Cluster objects, normalised to what wasmplane needs (not the full Kubernetes schema).
 
 use std::fmt;
+use std::net::IpAddr;
 
+use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
 use crate::CompactString;
@@ -119,7 +121,21 @@ pub struct Service {
     /// check for a `LoadBalancer` service with `externalTrafficPolicy: Local`.
     #[serde(default)]
     pub health_check_node_port: u16,
+    /// `spec.loadBalancerSourceRanges`, as networks: the only sources allowed to reach the
+    /// service through its load balancer addresses (see [`Service::firewalled_frontends`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub load_balancer_source_ranges: Vec<IpNet>,
     pub labels: Labels,
+}
+
+/// A load balancer frontend closed to all sources but some (kube-proxy's `firewall-ips`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FirewalledFrontend {
+    pub address: IpAddr,
+    pub protocol: Protocol,
+    pub port: u16,
+    /// Sources allowed, of the address's family: sorted, none overlapping another.
+    pub allowed: Vec<IpNet>,
 }
 
 impl Service {
@@ -138,6 +154,7 @@ impl Service {
             external_traffic_policy: TrafficPolicy::Cluster,
             internal_traffic_policy: TrafficPolicy::Cluster,
             health_check_node_port: 0,
+            load_balancer_source_ranges: vec![],
             labels: Labels::new(),
         }
     }
@@ -145,6 +162,40 @@ impl Service {
     pub fn key(&self) -> ObjectKey {
         ObjectKey::new(&self.namespace, &self.name)
     }
+    /// The load balancer frontends `spec.loadBalancerSourceRanges` closes to other sources,
+    /// as kube-proxy closes them: each load balancer address with each service port, open to
+    /// the ranges of the address's family only. An address with no range of its family
+    /// stays open (kube-proxy runs one proxier per family, and the other's ranges are not
+    /// its). When a range holds one of `node_ips`, the load balancer addresses themselves are
+    /// allowed as sources too: a VIP-like load balancer's address is often local to the
+    /// nodes, so the node's own requests to it loop back with the VIP as their source.
+    pub fn firewalled_frontends(&self, node_ips: &[CompactString]) -> Vec<FirewalledFrontend> {
+        if self.load_balancer_source_ranges.is_empty() {
+            return Vec::new();
+        }
+        let mut addresses: Vec<IpAddr> = self.load_balancer_ips.iter().filter_map(|ip| ip.parse().ok()).collect();
+        addresses.sort();
+        addresses.dedup();
+        let node_ips: Vec<IpAddr> = node_ips.iter().filter_map(|ip| ip.parse().ok()).collect();
+        let mut frontends = Vec::new();
+        for address in &addresses {
+            let same_family = |ip: &IpAddr| ip.is_ipv4() == address.is_ipv4();
+            let mut allowed: Vec<IpNet> = self.load_balancer_source_ranges.iter().filter(|r| same_family(&r.addr())).map(IpNet::trunc).collect();
+            if allowed.is_empty() {
+                continue;
+            }
+            if allowed.iter().any(|range| node_ips.iter().any(|ip| range.contains(ip))) {
+                allowed.extend(addresses.iter().filter(|a| same_family(a)).map(|a| IpNet::from(*a)));
+            }
+            // The kernel keeps a frontend's ranges in one interval set: none may overlap.
+            let allowed = IpNet::aggregate(&allowed);
+            for port in &self.ports {
+                frontends.push(FirewalledFrontend { address: *address, protocol: port.protocol, port: port.port, allowed: allowed.clone() });
+            }
+        }
+        frontends
+    }
+
     /// Headless and ExternalName services have nothing for the dataplane.
     pub fn is_proxied(&self) -> bool {
         self.service_type != ServiceType::ExternalName
@@ -381,5 +432,53 @@ impl PolicyPeer {
     /// Whether this peer selects `pod`, given that it selects the pod's namespace.
     pub fn selects_in_namespace(&self, pod: &Pod) -> bool {
         !pod.host_network && self.pod_selector.as_ref().is_none_or(|s| s.matches(&pod.labels))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn net(text: &str) -> IpNet {
+        text.parse().unwrap()
+    }
+
+    fn load_balancer(ips: &[&str], ranges: &[&str]) -> Service {
+        let mut s = Service::cluster_ip("shop", "web", "10.96.0.10", vec![ServicePort::tcp("http", 80, 8080), ServicePort { protocol: Protocol::Udp, ..ServicePort::tcp("dns", 53, 5353) }]);
+        s.service_type = ServiceType::LoadBalancer;
+        s.load_balancer_ips = ips.iter().map(|ip| (*ip).into()).collect();
+        s.load_balancer_source_ranges = ranges.iter().map(|r| net(r)).collect();
+        s
+    }
+
+    #[test]
+    fn source_ranges_close_each_load_balancer_port_to_the_ranges_of_its_family() {
+        let node_ips: Vec<CompactString> = vec!["192.168.77.1".into()];
+        assert!(load_balancer(&["203.0.113.10"], &[]).firewalled_frontends(&node_ips).is_empty(), "no ranges: open");
+        assert!(load_balancer(&[], &["198.51.100.0/24"]).firewalled_frontends(&node_ips).is_empty(), "no load balancer address yet");
+
+        // Host bits dropped, contained and adjacent ranges merged (one interval set: no overlaps).
+        let s = load_balancer(&["203.0.113.10", "2001:db8::10"], &["198.51.100.7/24", "198.51.100.128/25", "198.51.101.0/24", "10.0.0.0/8", "10.1.0.0/16"]);
+        let frontends = s.firewalled_frontends(&node_ips);
+        let v4_allowed = vec![net("10.0.0.0/8"), net("198.51.100.0/23")];
+        assert_eq!(
+            frontends,
+            vec![
+                FirewalledFrontend { address: "203.0.113.10".parse().unwrap(), protocol: Protocol::Tcp, port: 80, allowed: v4_allowed.clone() },
+                FirewalledFrontend { address: "203.0.113.10".parse().unwrap(), protocol: Protocol::Udp, port: 53, allowed: v4_allowed },
+            ],
+            "the IPv6 address has no IPv6 range: it stays open, as in kube-proxy"
+        );
+
+        // A range holding the node's own address lets the load balancer addresses in too.
+        let s = load_balancer(&["203.0.113.10", "203.0.113.11", "2001:db8::10"], &["192.168.0.0/16", "2001:db8:1::/48"]);
+        let frontends = s.firewalled_frontends(&node_ips);
+        assert_eq!(frontends.len(), 6);
+        assert_eq!(frontends[0].allowed, vec![net("192.168.0.0/16"), net("203.0.113.10/31")]);
+        assert_eq!(frontends[4].allowed, vec![net("2001:db8:1::/48")], "per family: no IPv6 range holds a node address");
+        let dual_stack_node = s.firewalled_frontends(&["192.168.77.1".into(), "2001:db8:1::1".into()]);
+        assert_eq!(dual_stack_node[4].allowed, vec![net("2001:db8::10/128"), net("2001:db8:1::/48")]);
+        let elsewhere = s.firewalled_frontends(&["10.0.0.1".into()]);
+        assert_eq!(elsewhere[0].allowed, vec![net("192.168.0.0/16")], "the node is outside every range");
     }
 }

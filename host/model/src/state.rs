@@ -45,6 +45,7 @@ impl ClusterObject {
                     ips.shrink_to_fit();
                 }
                 s.ports.shrink_to_fit();
+                s.load_balancer_source_ranges.shrink_to_fit();
             }
             ClusterObject::EndpointSlice(slice) => {
                 slice.endpoints.shrink_to_fit();

@@ -59,6 +59,7 @@ mod tests {
                 external_traffic_policy: m::TrafficPolicy::Local,
                 internal_traffic_policy: m::TrafficPolicy::Cluster,
                 health_check_node_port: 0,
+                load_balancer_source_ranges: vec![],
                 labels: [("app".into(), "web".into())].into_iter().collect(),
             }
             .into(),

@@ -60,6 +60,8 @@ pub enum Problem {
     UnknownSelectorOperator { at: String, value: String },
     #[error("spec.policyTypes has unknown type {0:?} (Ingress or Egress)")]
     UnknownPolicyType(String),
+    #[error("{at} is {value:?}, not a CIDR (10.0.0.0/8, 2001:db8::/32)")]
+    InvalidCidr { at: String, value: String },
     /// A port range needs a numeric start no greater than its end.
     #[error("{at}.endPort {end} needs a numeric port no greater than it")]
     InvalidEndPort { at: String, end: i32 },
@@ -198,8 +200,22 @@ pub fn service(s: &slim::Service) -> Result<Service, ConvertError> {
             None | Some(0) => 0,
             Some(n) => subject.port("spec.healthCheckNodePort", n)?,
         },
+        load_balancer_source_ranges: source_ranges(&subject, spec.load_balancer_source_ranges.iter().flatten())?,
         labels: labels(m),
     })
+}
+
+/// `spec.loadBalancerSourceRanges`, parsed as the API server parses them (surrounding
+/// spaces allowed, host bits dropped). A range it would refuse is an error: left out, the
+/// service would be open to every source.
+fn source_ranges<'a>(subject: &Subject, ranges: impl Iterator<Item = &'a String>) -> Result<Vec<ipnet::IpNet>, ConvertError> {
+    ranges
+        .enumerate()
+        .map(|(i, range)| {
+            let invalid = || subject.error(Problem::InvalidCidr { at: format!("spec.loadBalancerSourceRanges[{i}]"), value: range.clone() });
+            range.trim().parse::<ipnet::IpNet>().map(|net| net.trunc()).map_err(|_| invalid())
+        })
+        .collect()
 }
 
 fn service_port(subject: &Subject, i: usize, p: &core::ServicePort) -> Result<ServicePort, ConvertError> {
@@ -518,7 +534,7 @@ mod tests {
             "spec": {
                 "type": "LoadBalancer", "clusterIP": "10.96.0.30", "clusterIPs": ["10.96.0.30", "fd00::30"],
                 "externalIPs": ["203.0.113.5"], "externalTrafficPolicy": "Local", "internalTrafficPolicy": "Local",
-                "healthCheckNodePort": 31999,
+                "healthCheckNodePort": 31999, "loadBalancerSourceRanges": [" 198.51.100.7/24 ", "2001:db8::/32"],
                 "sessionAffinity": "ClientIP", "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 600}},
                 "ports": [
                     {"name": "http", "port": 80, "targetPort": 8080, "nodePort": 30080},
@@ -540,6 +556,8 @@ mod tests {
         assert_eq!(s.external_traffic_policy, TrafficPolicy::Local);
         assert_eq!(s.internal_traffic_policy, TrafficPolicy::Local);
         assert_eq!(s.health_check_node_port, 31999);
+        let ranges: Vec<String> = s.load_balancer_source_ranges.iter().map(ToString::to_string).collect();
+        assert_eq!(ranges, ["198.51.100.0/24", "2001:db8::/32"], "spaces trimmed, host bits dropped");
         assert_eq!(s.labels["app"], "lb");
         assert_eq!(s.ports[0], ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: 30080, target_port: TargetPort::Number(8080) });
         assert_eq!(s.ports[1], ServicePort { name: "dns".into(), protocol: Protocol::Udp, port: 53, node_port: 30053, target_port: TargetPort::Name("dns-udp".into()) });
@@ -564,6 +582,10 @@ mod tests {
         assert_eq!(ports(json!([{"port": 80, "targetPort": -1}])), "Service shop/web: spec.ports[0].targetPort is -1, not a port number (1-65535)");
         assert_eq!(ports(json!([{"port": 80, "nodePort": 65536}])), "Service shop/web: spec.ports[0].nodePort is 65536, not a port number (1-65535)");
         assert_eq!(svc(json!({"healthCheckNodePort": -5})).unwrap_err().to_string(), "Service shop/web: spec.healthCheckNodePort is -5, not a port number (1-65535)");
+        assert_eq!(
+            svc(json!({"loadBalancerSourceRanges": ["10.0.0.0/8", "office"]})).unwrap_err().to_string(),
+            "Service shop/web: spec.loadBalancerSourceRanges[1] is \"office\", not a CIDR (10.0.0.0/8, 2001:db8::/32)"
+        );
         let e = svc(json!({"type": "Mesh"})).unwrap_err();
         assert_eq!(e.problem, Problem::UnknownServiceType("Mesh".into()));
         assert_eq!(svc(json!({"sessionAffinity": "Cookie"})).unwrap_err().problem, Problem::UnknownSessionAffinity("Cookie".into()));

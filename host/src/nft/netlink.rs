@@ -10,10 +10,9 @@
 //! commit, which is not constant either (see `nft.rs`).
 //!
 //! Scope: exactly the statements [`super::object_delta`] renders (add/flush/delete chain,
-//! add rule in the guest rule vocabulary, add/delete element, add/delete set of addresses).
-//! Anything else (the skeleton, interval sets, a rule outside the vocabulary) is
-//! [`Unsupported`], and the
-//! caller sends the whole transaction through `nft -f` instead, so one transaction is
+//! add rule in the guest rule vocabulary, add/delete element, add/delete set of addresses),
+//! and the elements of the host's firewall ranges. Anything else (the skeleton, other
+//! interval sets, a rule outside the vocabulary) is [`Unsupported`], and the caller sends the whole transaction through `nft -f` instead, so one transaction is
 //! always applied by one mechanism, atomically. Full syncs stay text: they are kernel-bound
 //! and cost the same either way (see `nft.rs`).
 //!
@@ -577,6 +576,22 @@ fn element_key(text: &str) -> Result<Vec<u8>, String> {
     Ok(key)
 }
 
+/// An element of a concatenated interval set ([`super::is_range_set`]): its first key and
+/// its last, the ranged part last (`address . protocol . port . network`). nft sends both
+/// for every element of such a set, a single address too.
+fn range_keys(text: &str) -> Result<(Vec<u8>, Vec<u8>), String> {
+    let (front, range) = text.rsplit_once(" . ").ok_or_else(|| format!("range key {text:?}"))?;
+    let mut first = element_key(front)?;
+    let mut last = first.clone();
+    let net = match range.trim().parse::<ipnet::IpNet>() {
+        Ok(net) => net,
+        Err(_) => range.trim().parse::<IpAddr>().map(ipnet::IpNet::from).map_err(|_| format!("range {range:?}"))?,
+    };
+    first.extend(ip_bytes(&net.network()));
+    last.extend(ip_bytes(&net.broadcast()));
+    Ok((first, last))
+}
+
 /// What an element maps to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum ElementValue {
@@ -595,8 +610,13 @@ fn endpoint_map_key_parts(set: &str) -> Option<usize> {
     }
 }
 
-/// A set or map element: its key's bytes and, in a map, its value.
-type Element = (Vec<u8>, Option<ElementValue>);
+/// A set or map element: its key's bytes, the last key of a range, and, in a map, its value.
+#[derive(Debug, PartialEq, Eq)]
+struct Element {
+    key: Vec<u8>,
+    key_end: Option<Vec<u8>>,
+    value: Option<ElementValue>,
+}
 
 /// The elements between `{` and `}` of `set`: `key [: verdict or data]`, comma separated.
 fn parse_elements(set: &str, body: &str) -> Result<Vec<Element>, String> {
@@ -606,14 +626,18 @@ fn parse_elements(set: &str, body: &str) -> Result<Vec<Element>, String> {
                 Some((k, v)) => (k.trim(), Some(v.trim())),
                 None => (element.trim(), None),
             };
+            if super::is_range_set(set) {
+                let (key, key_end) = range_keys(key)?;
+                return Ok(Element { key, key_end: Some(key_end), value: None });
+            }
             let Some(parts) = endpoint_map_key_parts(set) else {
-                return Ok((element_key(key)?, value.map(parse_verdict).transpose()?.map(ElementValue::Verdict)));
+                return Ok(Element { key: element_key(key)?, key_end: None, value: value.map(parse_verdict).transpose()?.map(ElementValue::Verdict) });
             };
             // [address .] protocol . port . number
             let (front, index) = key.rsplit_once(" . ").filter(|_| key.split(" . ").count() == parts).ok_or_else(|| format!("endpoint key {key:?} is not frontend . number"))?;
             let mut bytes = element_key(front)?;
             bytes.extend(index.trim().parse::<u32>().map_err(|_| format!("endpoint number {index:?}"))?.to_ne_bytes());
-            Ok((bytes, value.map(element_key).transpose()?.map(ElementValue::Data)))
+            Ok(Element { key: bytes, key_end: None, value: value.map(element_key).transpose()?.map(ElementValue::Data) })
         })
         .collect()
 }
@@ -625,9 +649,12 @@ fn encode_elements(w: &mut Writer, msg: u16, seq: u32, table: &str, set: &str, e
     w.attr_str(1, table);
     w.attr_str(2, set);
     w.nest(3, |w| {
-        for (key, value) in elements {
+        for Element { key, key_end, value } in elements {
             w.nest(1, |w| {
                 w.data_value(1, key);
+                if let Some(end) = key_end {
+                    w.data_value(10, end); // NFTA_SET_ELEM_KEY_END
+                }
                 match (value, adding) {
                     (Some(ElementValue::Verdict(v)), true) => w.data_verdict(2, v),
                     (Some(ElementValue::Data(data)), true) => w.data_value(2, data),
@@ -984,18 +1011,25 @@ mod tests {
         let elements = parse_elements("s", "10.0.0.1, 10.0.0.2").unwrap();
         assert_eq!(elements.len(), 2);
         let elements = parse_elements("service-ips", "10.96.0.1 . tcp . 80 : goto svc/a/b").unwrap();
-        assert_eq!(elements[0].1, Some(ElementValue::Verdict(Verdict { code: NFT_GOTO, chain: Some("svc/a/b".into()) })));
+        assert_eq!(elements[0].value, Some(ElementValue::Verdict(Verdict { code: NFT_GOTO, chain: Some("svc/a/b".into()) })));
         // The endpoint maps: a numgen value (host order) ends the key, the value is data.
         let elements = parse_elements("service-endpoints", "10.96.0.1 . tcp . 80 . 2 : 10.244.0.3 . 8080").unwrap();
         let mut key = vec![10, 96, 0, 1, 6, 0, 0, 0, 0, 80, 0, 0];
         key.extend(2u32.to_ne_bytes());
-        assert_eq!(elements[0], (key, Some(ElementValue::Data(vec![10, 244, 0, 3, 0x1f, 0x90, 0, 0]))));
+        assert_eq!(elements[0], Element { key, key_end: None, value: Some(ElementValue::Data(vec![10, 244, 0, 3, 0x1f, 0x90, 0, 0])) });
         assert!(parse_elements("service-endpoints", "10.96.0.1 . tcp . 80 : 10.244.0.3 . 8080").is_err(), "no number");
         // A node port's: protocol . port . number.
         let elements = parse_elements("nodeport-endpoints", "tcp . 30001 . 2 : 10.244.0.7 . 8080").unwrap();
         let mut key = vec![6, 0, 0, 0, 0x75, 0x31, 0, 0];
         key.extend(2u32.to_ne_bytes());
-        assert_eq!(elements[0], (key, Some(ElementValue::Data(vec![10, 244, 0, 7, 0x1f, 0x90, 0, 0]))));
+        assert_eq!(elements[0], Element { key, key_end: None, value: Some(ElementValue::Data(vec![10, 244, 0, 7, 0x1f, 0x90, 0, 0])) });
+        // The firewall's ranges: first and last key, a single address a range of one.
+        let elements = parse_elements("firewall-allowed", "203.0.113.10 . tcp . 80 . 192.168.0.0/16, 203.0.113.10 . tcp . 80 . 203.0.113.10").unwrap();
+        let front = [203, 0, 113, 10, 6, 0, 0, 0, 0, 80, 0, 0];
+        let keys = |last: [u8; 4]| [&front[..], &last[..]].concat();
+        assert_eq!((&elements[0].key, elements[0].key_end.as_deref()), (&keys([192, 168, 0, 0]), Some(&keys([192, 168, 255, 255])[..])));
+        assert_eq!((&elements[1].key, elements[1].key_end.as_deref()), (&keys([203, 0, 113, 10]), Some(&keys([203, 0, 113, 10])[..])));
+        assert!(parse_elements("firewall-allowed", "203.0.113.10 . tcp . 80 . office").is_err());
         assert!(parse_elements("nodeport-endpoints", "10.96.0.1 . tcp . 80 . 1 : 10.244.0.3 . 8080").is_err(), "a service key");
     }
 

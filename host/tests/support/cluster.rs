@@ -60,12 +60,14 @@ pub struct Svc {
     pub internal_local: bool,
     pub load_balancer_ip: Option<&'static str>,
     pub health_check_node_port: Option<u16>,
+    /// `spec.loadBalancerSourceRanges`.
+    pub source_ranges: Vec<&'static str>,
     pub endpoints: Vec<Endpoint>,
 }
 
 impl Svc {
     pub fn new(name: &'static str, cluster_ip: &'static str, ports: Vec<Port>, endpoints: Vec<Endpoint>) -> Svc {
-        Svc { name, cluster_ip, service_type: "ClusterIP", ports, affinity_seconds: None, external_local: false, internal_local: false, load_balancer_ip: None, health_check_node_port: None, endpoints }
+        Svc { name, cluster_ip, service_type: "ClusterIP", ports, affinity_seconds: None, external_local: false, internal_local: false, load_balancer_ip: None, health_check_node_port: None, source_ranges: vec![], endpoints }
     }
 
     pub fn yaml(&self) -> String {
@@ -90,6 +92,9 @@ impl Svc {
         }
         if let Some(port) = self.health_check_node_port {
             spec += &format!("  healthCheckNodePort: {port}\n");
+        }
+        if !self.source_ranges.is_empty() {
+            spec += &format!("  loadBalancerSourceRanges: [{}]\n", self.source_ranges.join(", "));
         }
         let mut status = String::new();
         if let Some(ip) = self.load_balancer_ip {
