@@ -46,6 +46,7 @@ fn slice(i: u32, replicas: u32) -> ClusterObject {
                 node_name: Some(if r == 0 { NODE.into() } else { format!("node-{r}").into() }),
                 zone: None,
                 for_zones: vec![],
+                for_nodes: vec![],
             })
             .collect(),
         ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }],

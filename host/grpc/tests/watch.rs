@@ -112,6 +112,7 @@ fn slice(name: &str, service: &str, endpoints: &[(&str, &str)]) -> ClusterObject
                 node_name: Some(node.into()),
                 zone: Some("zone-a".into()),
                 for_zones: vec![],
+                for_nodes: vec![],
             })
             .collect(),
         ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }],

@@ -214,6 +214,10 @@ pub struct Endpoint {
     /// Topology hints (`hints.forZones`): the zones this endpoint should serve.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub for_zones: Vec<CompactString>,
+    /// Node hints (`hints.forNodes`, `trafficDistribution: PreferSameNode`): the nodes this
+    /// endpoint should serve.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub for_nodes: Vec<CompactString>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

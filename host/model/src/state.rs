@@ -52,6 +52,7 @@ impl ClusterObject {
                 for e in &mut slice.endpoints {
                     e.addresses.shrink_to_fit();
                     e.for_zones.shrink_to_fit();
+                    e.for_nodes.shrink_to_fit();
                 }
                 slice.ports.shrink_to_fit();
             }
@@ -882,7 +883,7 @@ impl NodeLocalModel {
     }
 
     fn view_of(&self, cluster: &ClusterState, service: &Arc<Service>) -> ServiceView {
-        let topology_zone = self.topology_zone(cluster, service);
+        let topology = self.topology(cluster, service);
         let mut slices: Vec<LocalSlice> = cluster
             .slices_of(&service.key())
             .map(|slice| {
@@ -890,9 +891,9 @@ impl NodeLocalModel {
                     .endpoints
                     .iter()
                     .map(|e| (e, e.node_name.as_deref() == Some(self.node_name())))
-                    // Topology hints narrow the cluster-wide endpoints to this zone's; local
+                    // Hints narrow the cluster-wide endpoints to this node's or zone's; local
                     // ones stay for externalTrafficPolicy/internalTrafficPolicy Local.
-                    .filter(|(e, is_local)| *is_local || topology_zone.is_none_or(|zone| e.for_zones.iter().any(|z| z == zone)))
+                    .filter(|(e, is_local)| *is_local || topology.is_none_or(|t| t.selects(e)))
                     .map(|(e, is_local)| LocalEndpoint {
                         addresses: e.addresses.clone(),
                         ready: e.ready,
@@ -915,22 +916,44 @@ impl NodeLocalModel {
         ServiceView { service: service.clone(), slices }
     }
 
-    /// The zone to filter by, if topology hints apply (kube-proxy's rule): the node has a
-    /// zone, every ready endpoint carries hints, and some endpoint is hinted for this zone.
-    /// Otherwise hints are ignored and every endpoint is used.
-    fn topology_zone<'a>(&'a self, cluster: &ClusterState, service: &Service) -> Option<&'a str> {
-        let zone = self.context.zone.as_deref()?;
+    /// The hints to filter by, kube-proxy's rule: node hints when every ready endpoint
+    /// carries them and some is hinted for this node (`PreferSameNode`), else zone hints when
+    /// the node has a zone, every ready endpoint carries them and some is hinted for this
+    /// zone. Otherwise hints are ignored and every endpoint is used.
+    fn topology<'a>(&'a self, cluster: &ClusterState, service: &Service) -> Option<Topology<'a>> {
         let key = service.key();
-        let mut ready = cluster.slices_of(&key).flat_map(|s| s.endpoints.iter()).filter(|e| e.ready).peekable();
-        ready.peek()?;
-        let mut any_for_zone = false;
-        for e in ready {
-            if e.for_zones.is_empty() {
-                return None;
-            }
-            any_for_zone |= e.for_zones.iter().any(|z| z == zone);
+        let zone = self.context.zone.as_deref();
+        let (mut all_node_hints, mut for_node, mut all_zone_hints, mut for_zone, mut any_ready) = (true, false, true, false, false);
+        for e in cluster.slices_of(&key).flat_map(|s| s.endpoints.iter()).filter(|e| e.ready) {
+            any_ready = true;
+            all_node_hints &= !e.for_nodes.is_empty();
+            for_node |= e.for_nodes.iter().any(|n| n == self.node_name());
+            all_zone_hints &= !e.for_zones.is_empty();
+            for_zone |= zone.is_some_and(|zone| e.for_zones.iter().any(|z| z == zone));
         }
-        any_for_zone.then_some(zone)
+        if !any_ready {
+            return None;
+        }
+        if all_node_hints && for_node {
+            return Some(Topology::Node(self.node_name()));
+        }
+        zone.filter(|_| all_zone_hints && for_zone).map(Topology::Zone)
+    }
+}
+
+/// Which endpoints hints send this node's traffic to.
+#[derive(Clone, Copy)]
+enum Topology<'a> {
+    Node(&'a str),
+    Zone(&'a str),
+}
+
+impl Topology<'_> {
+    fn selects(self, e: &Endpoint) -> bool {
+        match self {
+            Topology::Node(node) => e.for_nodes.iter().any(|n| n == node),
+            Topology::Zone(zone) => e.for_zones.iter().any(|z| z == zone),
+        }
     }
 }
 
@@ -957,6 +980,7 @@ mod tests {
                     node_name: Some((*node).into()),
                     zone: None,
                     for_zones: vec![],
+                    for_nodes: vec![],
                 })
                 .collect(),
             ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }],
@@ -1441,5 +1465,42 @@ mod tests {
         assert_eq!(u.changed.len(), 1, "a zone change re-reads every service's hints");
         // zone-a: the remote endpoint hinted for zone-a, plus the local one (for Local policies).
         assert_eq!(addresses(&model), vec!["10.244.1.2".to_string(), "10.244.2.2".to_string()]);
+    }
+
+    #[test]
+    fn node_hints_narrow_endpoints_to_this_nodes_before_zone_hints() {
+        let mut state = ClusterState::new();
+        let mut model = NodeLocalModel::new("node-a", vec![]);
+        let node = Node { name: "node-a".into(), addresses: vec![], pod_cidrs: vec![], labels: labels(&[(ZONE_LABEL, "zone-a")]), being_deleted: false };
+        apply(&mut state, &mut model, ClusterObject::Node(node));
+        apply(&mut state, &mut model, ClusterObject::Service(service("web", "10.96.0.10")));
+        // What the EndpointSlice controller writes for `trafficDistribution: PreferSameNode`:
+        // each endpoint hinted for its own node, and for its zone as a fallback.
+        let hinted = |ready_here: bool, unhinted: bool| {
+            let mut s = slice("web-1", "web", &[("10.244.1.2", "node-b"), ("10.244.2.2", "node-c"), ("10.244.3.2", "node-d")]);
+            for (e, (node, zone)) in s.endpoints.iter_mut().zip([("node-a", "zone-a"), ("node-c", "zone-a"), ("node-d", "zone-b")]) {
+                e.for_nodes = vec![node.into()];
+                e.for_zones = vec![zone.into()];
+            }
+            s.endpoints[0].ready = ready_here;
+            if unhinted {
+                s.endpoints[2].for_nodes.clear();
+            }
+            s
+        };
+        let addresses = |model: &NodeLocalModel| -> Vec<String> {
+            model.services[&ObjectKey::new("default", "web")].slices[0].endpoints.iter().map(|e| e.addresses[0].to_string()).collect()
+        };
+        apply(&mut state, &mut model, ClusterObject::EndpointSlice(hinted(true, false)));
+        assert_eq!(addresses(&model), ["10.244.1.2"], "node hints first: the endpoint hinted for this node only");
+        apply(&mut state, &mut model, ClusterObject::EndpointSlice(hinted(false, false)));
+        // (The unready one stays in the view, as in kube-proxy: readiness is the translator's.)
+        assert_eq!(addresses(&model), ["10.244.1.2", "10.244.2.2"], "no ready endpoint hinted for this node: the zone's");
+        apply(&mut state, &mut model, ClusterObject::EndpointSlice(hinted(true, true)));
+        assert_eq!(addresses(&model), ["10.244.1.2", "10.244.2.2"], "a ready endpoint without node hints: zone hints apply");
+        let mut elsewhere = hinted(true, false);
+        elsewhere.endpoints[0].for_nodes = vec!["node-b".into()];
+        apply(&mut state, &mut model, ClusterObject::EndpointSlice(elsewhere));
+        assert_eq!(addresses(&model), ["10.244.1.2", "10.244.2.2"], "no endpoint hinted for this node: zone hints apply");
     }
 }

@@ -267,6 +267,7 @@ pub fn endpoint_slice(s: &slim::EndpointSlice) -> Result<EndpointSlice, ConvertE
                 node_name: e.node_name.as_deref().map(text),
                 zone: e.zone.as_deref().map(text),
                 for_zones: texts(e.hints.iter().flat_map(|h| h.for_zones.iter().flatten()).map(|z| &z.name)),
+                for_nodes: texts(e.hints.iter().flat_map(|h| h.for_nodes.iter().flatten()).map(|n| &n.name)),
             }
         })
         .collect();
@@ -610,7 +611,8 @@ mod tests {
     fn endpoint_slice_conditions_follow_api_defaults() {
         let s = slice(json!({
             "endpoints": [
-                {"addresses": ["10.244.0.1"], "nodeName": "node-a", "zone": "zone-1"},
+                {"addresses": ["10.244.0.1"], "nodeName": "node-a", "zone": "zone-1",
+                 "hints": {"forZones": [{"name": "zone-1"}], "forNodes": [{"name": "node-a"}, {"name": "node-b"}]}},
                 {"addresses": ["10.244.0.2"], "conditions": {}},
                 {"addresses": ["10.244.0.3"], "conditions": {"ready": false}},
                 {"addresses": ["10.244.0.4"], "conditions": {"ready": false, "serving": true, "terminating": true}},
@@ -624,6 +626,8 @@ mod tests {
         assert_eq!(s.endpoints[0].node_name.as_deref(), Some("node-a"));
         assert_eq!(s.endpoints[0].zone.as_deref(), Some("zone-1"));
         assert_eq!(s.endpoints[1].node_name, None);
+        assert_eq!((s.endpoints[0].for_zones.as_slice(), s.endpoints[0].for_nodes.as_slice()), (&["zone-1".into()][..], &["node-a".into(), "node-b".into()][..]));
+        assert!(s.endpoints[1].for_zones.is_empty() && s.endpoints[1].for_nodes.is_empty());
     }
 
     #[test]
