@@ -511,7 +511,7 @@ fn model_feed_of(controller: &Arc<Mutex<Controller>>) -> wasmplane_grpc::ModelFe
     let weak = Arc::downgrade(controller);
     let source = move || match weak.upgrade() {
         Some(controller) => wasmplane_grpc::Snapshot::of(controller.lock().unwrap_or_else(|p| p.into_inner()).model()),
-        None => wasmplane_grpc::Snapshot { revision: 0, context: Default::default(), services: Vec::new() },
+        None => wasmplane_grpc::Snapshot { revision: 0, node: Default::default(), services: Vec::new() },
     };
     let feed = wasmplane_grpc::ModelFeed::new(Arc::new(source), MODEL_FEED_CAPACITY);
     controller.lock().unwrap_or_else(|p| p.into_inner()).add_observer(Box::new(FeedObserver(feed.clone())));

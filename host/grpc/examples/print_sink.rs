@@ -83,7 +83,8 @@ fn describe(response: &proto::WatchResponse, before: &Mirror) -> String {
         }
     }
     if let Some(context) = &delta.context {
-        words.push(format!("node context: ips={:?} zone={}", context.node_ips, context.zone.as_deref().unwrap_or("-")));
+        let draining = if context.being_deleted { " (being deleted: drain it)" } else { "" };
+        words.push(format!("node context: ips={:?} zone={}{draining}", context.node_ips, context.zone.as_deref().unwrap_or("-")));
     }
     if words.is_empty() {
         // The revision moved for objects this API does not stream yet (pods, policies).

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use wasmplane_model::state::{LocalEndpoint, LocalSlice, NodeContext};
 use wasmplane_model::{EndpointPort, IntoModel, ObjectKey, Protocol, Service, ServicePort, ServiceType, ServiceView, TargetPort, ToStd, TrafficPolicy};
 
+use crate::feed::NodeFacts;
 use crate::proto;
 
 /// Why a message from the wire does not fit the model's types.
@@ -34,14 +35,16 @@ impl From<&ObjectKey> for proto::ObjectKey {
     }
 }
 
-impl From<&NodeContext> for proto::NodeContext {
-    fn from(c: &NodeContext) -> Self {
+impl From<&NodeFacts> for proto::NodeContext {
+    fn from(node: &NodeFacts) -> Self {
+        let c = &node.context;
         proto::NodeContext {
             node_name: c.node_name.to_std(),
             node_ips: c.node_ips.to_std(),
             cluster_cidrs: c.cluster_cidrs.to_std(),
             pod_cidrs: c.pod_cidrs.to_std(),
             zone: c.zone.to_std(),
+            being_deleted: node.being_deleted,
         }
     }
 }
@@ -183,9 +186,10 @@ impl From<proto::ObjectKey> for ObjectKey {
     }
 }
 
-impl From<proto::NodeContext> for NodeContext {
+impl From<proto::NodeContext> for NodeFacts {
     fn from(c: proto::NodeContext) -> Self {
-        NodeContext { node_name: c.node_name.into_model(), node_ips: c.node_ips.into_model(), cluster_cidrs: c.cluster_cidrs.into_model(), pod_cidrs: c.pod_cidrs.into_model(), zone: c.zone.into_model() }
+        let context = NodeContext { node_name: c.node_name.into_model(), node_ips: c.node_ips.into_model(), cluster_cidrs: c.cluster_cidrs.into_model(), pod_cidrs: c.pod_cidrs.into_model(), zone: c.zone.into_model() };
+        NodeFacts { context, being_deleted: c.being_deleted }
     }
 }
 
@@ -366,7 +370,10 @@ mod tests {
             pod_cidrs: vec!["10.244.1.0/24".into()],
             zone: Some("zone-a".into()),
         };
-        assert_eq!(NodeContext::from(proto::NodeContext::from(&context)), context);
+        for being_deleted in [false, true] {
+            let node = NodeFacts { context: context.clone(), being_deleted };
+            assert_eq!(NodeFacts::from(proto::NodeContext::from(&node)), node);
+        }
     }
 
     #[test]

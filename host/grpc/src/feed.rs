@@ -14,18 +14,38 @@ use wasmplane_model::NodeLocalModel;
 use wasmplane_model::state::{ModelUpdate, NodeContext, ServiceChange};
 use wasmplane_model::ServiceView;
 
+/// This node as a watch sees it: the guests' context, and whether the node is being deleted
+/// (outside the guests' context: draining a node translates no service again).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeFacts {
+    pub context: NodeContext,
+    pub being_deleted: bool,
+}
+
+impl NodeFacts {
+    pub fn of(model: &NodeLocalModel) -> NodeFacts {
+        NodeFacts { context: model.context.clone(), being_deleted: model.node_being_deleted }
+    }
+}
+
+impl From<NodeContext> for NodeFacts {
+    fn from(context: NodeContext) -> Self {
+        NodeFacts { context, being_deleted: false }
+    }
+}
+
 /// The whole model at one revision, as a watch's first message (or a resync) needs it.
 #[derive(Clone, Debug)]
 pub struct Snapshot {
     pub revision: u64,
-    pub context: NodeContext,
+    pub node: NodeFacts,
     pub services: Vec<Arc<ServiceView>>,
 }
 
 impl Snapshot {
     /// The model as it is. O(services) `Arc` clones: call it under the host's model lock.
     pub fn of(model: &NodeLocalModel) -> Snapshot {
-        Snapshot { revision: model.revision, context: model.context.clone(), services: model.services.values().cloned().collect() }
+        Snapshot { revision: model.revision, node: NodeFacts::of(model), services: model.services.values().cloned().collect() }
     }
 }
 
@@ -33,8 +53,8 @@ impl Snapshot {
 #[derive(Clone, Debug)]
 pub struct Delta {
     pub revision: u64,
-    /// The new node context, if it changed at this revision.
-    pub context: Option<NodeContext>,
+    /// The node's facts, if they changed at this revision.
+    pub node: Option<NodeFacts>,
     /// Service views that changed; `view: None` is a delete.
     pub changes: Vec<ServiceChange>,
 }
@@ -46,7 +66,7 @@ impl Delta {
     pub fn from_update(model: &NodeLocalModel, update: &ModelUpdate) -> Delta {
         Delta {
             revision: model.revision,
-            context: update.context_changed.then(|| model.context.clone()),
+            node: (update.context_changed || update.node_being_deleted_changed).then(|| NodeFacts::of(model)),
             changes: update.changed.clone(),
         }
     }
@@ -201,14 +221,32 @@ mod tests {
     use super::*;
 
     fn empty(revision: u64) -> Snapshot {
-        Snapshot { revision, context: NodeContext::default(), services: vec![] }
+        Snapshot { revision, node: NodeFacts::default(), services: vec![] }
+    }
+
+    #[test]
+    fn a_delta_carries_the_node_when_it_starts_or_stops_being_deleted() {
+        use wasmplane_model::state::{ClusterState, ClusterObject, ClusterEvent};
+        use wasmplane_model::{Labels, Node};
+        let (mut cluster, mut model) = (ClusterState::new(), NodeLocalModel::new("node-a", vec![]));
+        let mut publish = |being_deleted: bool| {
+            let node = Node { name: "node-a".into(), addresses: vec!["192.168.0.1".into()], pod_cidrs: vec![], labels: Labels::new(), being_deleted };
+            let touched = cluster.apply(ClusterEvent::Upsert(ClusterObject::Node(node)), "node-a");
+            let update = model.update(&cluster, &touched);
+            Delta::from_update(&model, &update)
+        };
+        let first = publish(false).node.expect("the node's addresses arrived");
+        assert!(!first.being_deleted);
+        let draining = publish(true).node.expect("being deleted changed: the node is sent");
+        assert_eq!((draining.being_deleted, &draining.context), (true, &first.context));
+        assert!(!publish(false).node.unwrap().being_deleted);
     }
 
     #[test]
     fn publishing_without_watches_is_fine_and_counted() {
         let feed = ModelFeed::new(Arc::new(|| empty(0)), 4);
         for revision in 1..=10 {
-            feed.publish(Delta { revision, context: None, changes: vec![] });
+            feed.publish(Delta { revision, node: None, changes: vec![] });
         }
         assert_eq!(feed.subscribers(), 0);
         assert_eq!(feed.stats().published, 10);
@@ -227,7 +265,7 @@ mod tests {
         let update = model.update(&cluster, &touched);
         let delta = Delta::from_update(&model, &update);
         assert_eq!(delta.revision, 1);
-        assert!(delta.context.is_none());
+        assert!(delta.node.is_none());
         assert_eq!(delta.changes.len(), 1);
         let snapshot = Snapshot::of(&model);
         assert_eq!(snapshot.revision, 1);

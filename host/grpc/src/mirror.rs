@@ -12,6 +12,7 @@ use wasmplane_model::state::NodeContext;
 use wasmplane_model::{ObjectKey, ServiceView};
 
 use crate::convert::ConversionError;
+use crate::feed::NodeFacts;
 use crate::proto::{self, watch_response::Event};
 
 /// What one message did to the mirror.
@@ -58,7 +59,7 @@ pub enum MirrorError {
 struct Building {
     revision: u64,
     next_part: u32,
-    context: NodeContext,
+    node: NodeFacts,
     services: BTreeMap<ObjectKey, ServiceView>,
 }
 
@@ -66,7 +67,7 @@ struct Building {
 #[derive(Clone, Debug, Default)]
 pub struct Mirror {
     revision: Option<u64>,
-    context: NodeContext,
+    node: NodeFacts,
     services: BTreeMap<ObjectKey, ServiceView>,
     building: Option<Building>,
 }
@@ -82,7 +83,12 @@ impl Mirror {
     }
 
     pub fn context(&self) -> &NodeContext {
-        &self.context
+        &self.node.context
+    }
+
+    /// The node is being deleted: load balancers should drain it.
+    pub fn node_being_deleted(&self) -> bool {
+        self.node.being_deleted
     }
 
     pub fn services(&self) -> &BTreeMap<ObjectKey, ServiceView> {
@@ -106,7 +112,7 @@ impl Mirror {
         // Part 0 always starts afresh, even over an unfinished snapshot: that is the rule
         // that lets a server restart a snapshot at any time.
         let mut building = if part.part == 0 {
-            Building { revision: part.revision, next_part: 0, context: part.context.map(Into::into).unwrap_or_default(), services: BTreeMap::new() }
+            Building { revision: part.revision, next_part: 0, node: part.context.map(Into::into).unwrap_or_default(), services: BTreeMap::new() }
         } else {
             match self.building.take() {
                 Some(b) if b.revision != part.revision => {
@@ -131,7 +137,7 @@ impl Mirror {
         }
         self.building = None;
         self.revision = Some(building.revision);
-        self.context = building.context;
+        self.node = building.node;
         self.services = building.services;
         Ok(Applied::Snapshot { revision: building.revision, services: self.services.len() })
     }
@@ -166,7 +172,7 @@ impl Mirror {
             .collect();
         let applied = Applied::Delta { revision: delta.revision, upserts: upserts.len(), deletes: deletes.len(), context_changed: delta.context.is_some() };
         if let Some(context) = delta.context {
-            self.context = context.into();
+            self.node = context.into();
         }
         for key in &deletes {
             self.services.remove(key);
@@ -191,7 +197,7 @@ mod tests {
     fn snapshot_messages(revision: u64, views: &[ServiceView], part_bytes: usize) -> Vec<proto::WatchResponse> {
         let snapshot = Snapshot {
             revision,
-            context: NodeContext { node_name: "node-a".into(), ..Default::default() },
+            node: NodeContext { node_name: "node-a".into(), ..Default::default() }.into(),
             services: views.iter().cloned().map(Arc::new).collect(),
         };
         split_snapshot(&snapshot, part_bytes).into_iter().map(|p| proto::WatchResponse { event: Some(Event::Snapshot(p)) }).collect()
@@ -228,7 +234,7 @@ mod tests {
         std::sync::Arc::make_mut(&mut changed.service).cluster_ips = vec!["10.96.9.9".into()];
         let delta = Delta {
             revision: 6,
-            context: Some(NodeContext { node_name: "node-a".into(), zone: Some("z".into()), ..Default::default() }),
+            node: Some(NodeFacts { context: NodeContext { node_name: "node-a".into(), zone: Some("z".into()), ..Default::default() }, being_deleted: true }),
             changes: vec![
                 ServiceChange { key: ObjectKey::new("shop", "svc-3"), view: Some(Arc::new(changed.clone())) },
                 ServiceChange { key: ObjectKey::new("shop", "svc-4"), view: None },
@@ -238,6 +244,7 @@ mod tests {
         assert_eq!(mirror.services().len(), 19);
         assert_eq!(mirror.services()[&ObjectKey::new("shop", "svc-3")], changed);
         assert_eq!(mirror.context().zone.as_deref(), Some("z"));
+        assert!(mirror.node_being_deleted());
 
         // A fresh snapshot forgets what it does not name.
         for m in snapshot_messages(9, &views[..2], 1 << 20) {
@@ -246,12 +253,13 @@ mod tests {
         assert_eq!(mirror.revision(), Some(9));
         assert_eq!(mirror.services().len(), 2);
         assert_eq!(mirror.context().zone, None);
+        assert!(!mirror.node_being_deleted());
     }
 
     #[test]
     fn protocol_violations_are_refused_without_changing_state() {
         let mut mirror = Mirror::new();
-        let empty = |revision| Delta { revision, context: None, changes: vec![] };
+        let empty = |revision| Delta { revision, node: None, changes: vec![] };
         assert_eq!(mirror.apply(delta_message(&empty(1))), Err(MirrorError::DeltaBeforeSnapshot(1)));
         assert_eq!(mirror.apply(proto::WatchResponse { event: None }), Err(MirrorError::Empty));
         for m in snapshot_messages(3, &[named("a")], 1 << 20) {
@@ -269,7 +277,7 @@ mod tests {
         assert_eq!(mirror.revision(), Some(4));
         assert_eq!(mirror.services().len(), 1);
 
-        let mut bad = delta_message(&Delta { revision: 5, context: None, changes: vec![ServiceChange { key: ObjectKey::new("shop", "a"), view: Some(Arc::new(named("a"))) }] });
+        let mut bad = delta_message(&Delta { revision: 5, node: None, changes: vec![ServiceChange { key: ObjectKey::new("shop", "a"), view: Some(Arc::new(named("a"))) }] });
         let Some(Event::Delta(d)) = &mut bad.event else { unreachable!() };
         let Some(proto::object::Kind::Service(v)) = &mut d.upserts[0].kind else { unreachable!() };
         v.service.as_mut().unwrap().ports[0].port = 1 << 20;

@@ -293,7 +293,7 @@ async fn take_snapshot(feed: &ModelFeed, part_bytes: usize) -> Result<(u64, VecD
 pub(crate) fn split_snapshot(snapshot: &Snapshot, part_bytes: usize) -> VecDeque<proto::Snapshot> {
     let new_part = |part: u32| proto::Snapshot { revision: snapshot.revision, context: None, services: Vec::new(), part, more: true };
     let mut first = new_part(0);
-    first.context = Some((&snapshot.context).into());
+    first.context = Some((&snapshot.node).into());
     let mut size = first.encoded_len();
     let mut parts = VecDeque::new();
     let mut current = first;
@@ -324,7 +324,7 @@ pub(crate) fn delta_to_proto(delta: &Delta) -> proto::Delta {
             None => deletes.push(proto::ObjectRef { kind: Some(proto::object_ref::Kind::Service((&change.key).into())) }),
         }
     }
-    proto::Delta { revision: delta.revision, context: delta.context.as_ref().map(Into::into), upserts, deletes }
+    proto::Delta { revision: delta.revision, context: delta.node.as_ref().map(Into::into), upserts, deletes }
 }
 
 #[cfg(test)]
@@ -333,6 +333,7 @@ mod tests {
     use wasmplane_model::state::NodeContext;
 
     use super::*;
+    use crate::feed::NodeFacts;
 
     fn view(name: &str, label_bytes: usize) -> Arc<ServiceView> {
         let mut v = crate::convert::tests_support::sample_view();
@@ -343,13 +344,13 @@ mod tests {
 
     #[test]
     fn small_snapshots_are_one_part() {
-        let snapshot = Snapshot { revision: 7, context: NodeContext { node_name: "n".into(), ..Default::default() }, services: vec![view("a", 10)] };
+        let snapshot = Snapshot { revision: 7, node: NodeContext { node_name: "n".into(), ..Default::default() }.into(), services: vec![view("a", 10)] };
         let parts = split_snapshot(&snapshot, DEFAULT_SNAPSHOT_PART_BYTES);
         assert_eq!(parts.len(), 1);
         assert_eq!((parts[0].part, parts[0].more, parts[0].revision), (0, false, 7));
         assert_eq!(parts[0].context.as_ref().unwrap().node_name, "n");
 
-        let empty = Snapshot { revision: 0, context: NodeContext::default(), services: vec![] };
+        let empty = Snapshot { revision: 0, node: NodeFacts::default(), services: vec![] };
         let parts = split_snapshot(&empty, 1);
         assert_eq!(parts.len(), 1);
         assert!(!parts[0].more && parts[0].context.is_some());
@@ -358,7 +359,7 @@ mod tests {
     #[test]
     fn large_snapshots_are_split_within_the_bound() {
         let services: Vec<_> = (0..50).map(|i| view(&format!("svc-{i:02}"), 1000)).collect();
-        let snapshot = Snapshot { revision: 3, context: NodeContext::default(), services };
+        let snapshot = Snapshot { revision: 3, node: NodeFacts::default(), services };
         let parts = split_snapshot(&snapshot, 8 * 1024);
         assert!(parts.len() > 5, "{} parts", parts.len());
         for (i, part) in parts.iter().enumerate() {
@@ -372,7 +373,7 @@ mod tests {
         assert_eq!(names, (0..50).map(|i| format!("svc-{i:02}")).collect::<Vec<_>>());
 
         // A service larger than the bound still goes, alone in its part.
-        let big = Snapshot { revision: 1, context: NodeContext::default(), services: vec![view("a", 10), view("b", 20_000), view("c", 10)] };
+        let big = Snapshot { revision: 1, node: NodeFacts::default(), services: vec![view("a", 10), view("b", 20_000), view("c", 10)] };
         let parts = split_snapshot(&big, 8 * 1024);
         assert_eq!(parts.iter().map(|p| p.services.len()).collect::<Vec<_>>(), vec![1, 1, 1]);
     }

@@ -507,7 +507,7 @@ async fn closing_the_feed_ends_watches_of_a_hand_built_server() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gap_in_published_revisions_resyncs_instead_of_passing_it_on() {
     // A host bug (a revision never published) must not reach sinks as a silent gap.
-    let state = Arc::new(Mutex::new(Snapshot { revision: 1, context: NodeContext { node_name: NODE.into(), ..Default::default() }, services: vec![] }));
+    let state = Arc::new(Mutex::new(Snapshot { revision: 1, node: NodeContext { node_name: NODE.into(), ..Default::default() }.into(), services: vec![] }));
     let source = state.clone();
     let feed = ModelFeed::new(Arc::new(move || source.lock().unwrap().clone()), 16);
     let server = Server::start(feed.clone()).await;
@@ -515,15 +515,15 @@ async fn a_gap_in_published_revisions_resyncs_instead_of_passing_it_on() {
     assert!(matches!(client.read().await.event, Some(Event::Snapshot(ref s)) if s.revision == 1));
 
     state.lock().unwrap().revision = 2;
-    feed.publish(Delta { revision: 2, context: None, changes: vec![] });
+    feed.publish(Delta { revision: 2, node: None, changes: vec![] });
     assert_eq!(delta(&client.read().await).revision, 2);
 
     // Revision 3 is never published.
     state.lock().unwrap().revision = 4;
-    feed.publish(Delta { revision: 4, context: None, changes: vec![] });
+    feed.publish(Delta { revision: 4, node: None, changes: vec![] });
     assert!(matches!(client.read().await.event, Some(Event::Snapshot(ref s)) if s.revision == 4));
     state.lock().unwrap().revision = 5;
-    feed.publish(Delta { revision: 5, context: None, changes: vec![] });
+    feed.publish(Delta { revision: 5, node: None, changes: vec![] });
     assert_eq!(delta(&client.read().await).revision, 5);
     let stats = feed.stats();
     assert_eq!((stats.resyncs_gap, stats.resyncs_lagged, stats.snapshots_sent, stats.deltas_sent), (1, 0, 2, 2));
