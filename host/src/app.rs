@@ -135,6 +135,8 @@ pub struct HostConfig {
     pub nft_netlink: bool,
     /// Services per nftables shard table (see `nft::Layout`).
     pub nft_services_per_shard: usize,
+    /// Where node ports are served (kube-proxy's `--nodeport-addresses`).
+    pub node_port_addresses: crate::nft::NodePortAddresses,
     /// Public keys (files) of which one must have signed every upload; empty: unsigned
     /// uploads are accepted.
     pub trusted_keys: Vec<PathBuf>,
@@ -179,6 +181,7 @@ impl Default for HostConfig {
             conntrack_command: Vec::new(),
             nft_netlink: true,
             nft_services_per_shard: crate::nft::Layout::DEFAULT_SERVICES_PER_SHARD,
+            node_port_addresses: crate::nft::NodePortAddresses::All,
             trusted_keys: Vec::new(),
             grants: None,
             tls: None,
@@ -304,6 +307,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         // Shards pay off only for netlink batches: nft 1.0.6 fills its cache table by table,
         // so through `nft -f` a change got slower with shards (9.5 s against 1.8 s at 50k).
         services_per_shard: if config.nft_netlink { config.nft_services_per_shard } else { usize::MAX },
+        node_port_addresses: config.node_port_addresses.clone(),
     };
     let data_dir = config.data_dir.clone();
     let controller = {

@@ -117,6 +117,12 @@ pub struct RunArgs {
     /// shard, not every service. Ignored with `--nft-text-only` (one table).
     #[arg(long, default_value_t = crate::nft::Layout::DEFAULT_SERVICES_PER_SHARD)]
     pub nft_services_per_shard: usize,
+    /// Where node ports are served (kube-proxy's `--nodeport-addresses`): `all` local
+    /// addresses but loopback; `primary`, the node's first address of each family as its
+    /// Node object lists them (kube-proxy's nftables default); or CIDRs, the local addresses
+    /// inside them (read again at each reconcile).
+    #[arg(long, env = "WASMPLANE_NODEPORT_ADDRESSES", default_value = "all")]
+    pub nodeport_addresses: crate::nft::NodePortAddresses,
     /// Require every upload to be signed by one of these ed25519 public keys (repeatable;
     /// a file holds one key: 64 hex characters or SPKI PEM). None: signatures not required.
     #[arg(long = "trusted-key", env = "WASMPLANE_TRUSTED_KEYS", value_delimiter = ',')]
@@ -348,6 +354,7 @@ impl RunArgs {
             reconcile_interval: Duration::from_secs(self.reconcile_seconds.max(1)),
             nft_netlink: !self.nft_text_only,
             nft_services_per_shard: self.nft_services_per_shard,
+            node_port_addresses: self.nodeport_addresses,
             trusted_keys: self.trusted_keys,
             grants: self.grants,
             tls: match (self.tls_cert, self.tls_key) {

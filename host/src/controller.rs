@@ -82,6 +82,8 @@ pub struct ControllerConfig {
     pub crash_budget: CrashBudget,
     /// Services per nftables shard table (see `nft::Layout`).
     pub services_per_shard: usize,
+    /// Where node ports are served (`--nodeport-addresses`).
+    pub node_port_addresses: nft::NodePortAddresses,
 }
 
 pub struct Controller {
@@ -173,7 +175,10 @@ impl Controller {
             model: NodeLocalModel::new(&config.node_name, config.cluster_cidrs.clone().into_model()),
             registry,
             translator: None,
-            dataplane: Dataplane::new(kernel).with_services_per_shard(config.services_per_shard).with_cluster_cidrs(&config.cluster_cidrs),
+            dataplane: Dataplane::new(kernel)
+                .with_services_per_shard(config.services_per_shard)
+                .with_cluster_cidrs(&config.cluster_cidrs)
+                .with_node_port_addresses(config.node_port_addresses),
             service_errors: BTreeMap::new(),
             max_module_bytes: config.max_module_bytes,
             observers: Vec::new(),
@@ -356,6 +361,8 @@ impl Controller {
         } else {
             update.changed.into_iter().map(|c| (c.key, c.view)).collect()
         };
+        // Node ports may move with the node's addresses (`--nodeport-addresses primary`).
+        let node_ports_moved = update.context_changed && self.dataplane.set_node_ips(&self.model.context.node_ips);
         if let Some(mut shadow) = self.shadow.take() {
             self.run_shadow(&mut shadow, &changed);
             self.shadow = Some(shadow);
@@ -387,6 +394,10 @@ impl Controller {
         changes.extend(firewall_changes);
         // Policy objects after the services': their own order (see `policy.rs`) is kept.
         changes.extend(policy_changes.changes);
+        if node_ports_moved && changes.is_empty() {
+            // No object changed, but the tables' node port addresses did: written in full.
+            return self.reconcile();
+        }
         self.sync(changes)
     }
 

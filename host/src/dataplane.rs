@@ -22,6 +22,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write as _;
+use std::net::IpAddr;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -44,6 +45,40 @@ pub enum WriteError {
     Netlink(std::io::Error),
     #[error("conntrack {args}: {reason}")]
     Conntrack { args: String, reason: String },
+    #[error("reading the node's interface addresses: {0}")]
+    Addresses(std::io::Error),
+}
+
+/// Runs `f` in network namespace `netns` (a `/run/netns/NAME` path; `None`: this process's),
+/// on a thread that enters it and then ends, so no other work runs there. What `f` opens
+/// (a socket) stays in that namespace.
+fn in_netns<T: Send>(netns: Option<&std::path::Path>, f: impl FnOnce() -> std::io::Result<T> + Send) -> std::io::Result<T> {
+    let Some(path) = netns else { return f() };
+    let file = std::fs::File::open(path)?;
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                use std::os::fd::AsRawFd as _;
+                // SAFETY: setns on this thread only, with a valid namespace fd.
+                if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                f()
+            })
+            .join()
+            .unwrap_or_else(|_| Err(std::io::Error::other("namespace thread panicked")))
+    })
+}
+
+/// The addresses of the interfaces of network namespace `netns` (`None`: this process's).
+fn interface_addresses(netns: Option<&std::path::Path>) -> std::io::Result<Vec<IpAddr>> {
+    in_netns(netns, || {
+        let addresses = nix::ifaddrs::getifaddrs().map_err(std::io::Error::from)?;
+        Ok(addresses
+            .filter_map(|a| a.address)
+            .filter_map(|a| a.as_sockaddr_in().map(|v4| IpAddr::V4(v4.ip())).or_else(|| a.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip()))))
+            .collect())
+    })
 }
 
 /// Where transactions go.
@@ -71,6 +106,12 @@ pub trait Kernel: Send {
     fn settle(&mut self) -> Result<(), WriteError> {
         Ok(())
     }
+    /// The addresses of the node's interfaces, where this kernel writes (for
+    /// `--nodeport-addresses` networks). None known: no interface.
+    fn local_addresses(&mut self) -> Result<Vec<IpAddr>, WriteError> {
+        Ok(Vec::new())
+    }
+
     fn mode(&self) -> &'static str;
     /// How the last transaction went to the kernel: `netlink`, `nft` (a `nft -f` process)
     /// or `record`.
@@ -328,6 +369,10 @@ impl Kernel for NftCommand {
             .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).lines().any(|l| l.trim() == format!("table {} {} {{", nft::FAMILY, nft::TABLE)))
     }
 
+    fn local_addresses(&mut self) -> Result<Vec<IpAddr>, WriteError> {
+        interface_addresses(NetlinkNft::netns_of_command(&self.command).as_deref()).map_err(WriteError::Addresses)
+    }
+
     fn mode(&self) -> &'static str {
         "nftables"
     }
@@ -365,27 +410,8 @@ impl NetlinkNft {
             socket.set_cap_ack(true)?;
             Ok(socket)
         };
-        let socket = match netns {
-            None => open()?,
-            // A socket belongs to the namespace it was created in: create it on a thread
-            // that entered the namespace (and then ends, so no other work runs there).
-            Some(path) => {
-                let file = std::fs::File::open(path)?;
-                std::thread::scope(|scope| {
-                    scope
-                        .spawn(|| {
-                            use std::os::fd::AsRawFd as _;
-                            // SAFETY: setns on this thread only, with a valid namespace fd.
-                            if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                                return Err(std::io::Error::last_os_error());
-                            }
-                            open()
-                        })
-                        .join()
-                        .unwrap_or_else(|_| Err(std::io::Error::other("namespace thread panicked")))
-                })?
-            }
-        };
+        // A socket belongs to the namespace it was created in.
+        let socket = in_netns(netns, open)?;
         {
             use std::os::fd::AsRawFd as _;
             let size = MAX_BATCH_BYTES as libc::c_int;
@@ -586,6 +612,10 @@ impl Kernel for NetlinkNft {
         self.text.has_table()
     }
 
+    fn local_addresses(&mut self) -> Result<Vec<IpAddr>, WriteError> {
+        self.text.local_addresses()
+    }
+
     fn mode(&self) -> &'static str {
         "nftables"
     }
@@ -629,8 +659,13 @@ pub struct Dataplane {
     services_per_shard: usize,
     /// How many of the wanted objects are services with chains (in shards).
     sharded: usize,
-    /// The cluster's pod CIDRs, for the shards' `cluster-cidrs` sets (see `nft::skeleton`).
-    cluster_cidrs: Vec<ipnet::IpNet>,
+    /// The node's networks as the tables' static part has them (see `nft::skeleton`): the
+    /// cluster's pod CIDRs, and the addresses node ports are served on.
+    networks: nft::NodeNetworks,
+    /// Which addresses node ports are served on (`--nodeport-addresses`).
+    node_port_addresses: nft::NodePortAddresses,
+    /// The node's addresses (its Node object's), for [`nft::NodePortAddresses::Primary`].
+    node_ips: Vec<IpAddr>,
     /// Session affinity's pick chains in the kernel, by shard and timeout (see
     /// [`nft::AffinityClass`]): what the last full sync wrote.
     affinity_classes: HashSet<(Table, nft::AffinityClass)>,
@@ -726,7 +761,9 @@ impl Dataplane {
             layout: Layout::default(),
             services_per_shard: Layout::DEFAULT_SERVICES_PER_SHARD,
             sharded: 0,
-            cluster_cidrs: Vec::new(),
+            networks: nft::NodeNetworks::default(),
+            node_port_addresses: nft::NodePortAddresses::All,
+            node_ips: Vec::new(),
             affinity_classes: HashSet::new(),
             last_transaction: String::new(),
             last_conntrack_cleanup: Vec::new(),
@@ -757,7 +794,7 @@ impl Dataplane {
     /// The cluster's pod CIDRs (unparsable ones are logged and left out): connections to a
     /// `masquerade-off-cluster` frontend from outside them are masqueraded.
     pub fn with_cluster_cidrs(mut self, cidrs: &[String]) -> Self {
-        self.cluster_cidrs = cidrs
+        self.networks.cluster_cidrs = cidrs
             .iter()
             .filter_map(|c| match c.parse::<ipnet::IpNet>().or_else(|_| c.parse::<std::net::IpAddr>().map(ipnet::IpNet::from)) {
                 Ok(net) => Some(net),
@@ -768,6 +805,45 @@ impl Dataplane {
             })
             .collect();
         self
+    }
+
+    /// Which addresses node ports are served on (see [`nft::NodePortAddresses`]).
+    pub fn with_node_port_addresses(mut self, addresses: nft::NodePortAddresses) -> Self {
+        self.node_port_addresses = addresses;
+        self
+    }
+
+    /// The node's addresses changed (its Node object's). Returns whether that moves node
+    /// ports to other addresses: the next write is then a full one, which the caller must
+    /// see to even without other changes.
+    pub fn set_node_ips(&mut self, node_ips: &[impl AsRef<str>]) -> bool {
+        self.node_ips = node_ips.iter().filter_map(|ip| ip.as_ref().parse().ok()).collect();
+        if self.node_port_addresses != nft::NodePortAddresses::Primary {
+            return false;
+        }
+        let moved = self.node_port_addresses.select(&self.node_ips, &[]) != self.networks.node_port_ips;
+        if moved {
+            self.in_sync = false;
+        }
+        moved
+    }
+
+    /// The addresses node ports are to be served on now: for networks, the interfaces'
+    /// addresses are read again (at each full write, so the periodic reconcile follows
+    /// them, as kube-proxy follows them at each sync). Unreadable: the last ones stay.
+    fn node_port_ips(&mut self) -> Option<Vec<IpAddr>> {
+        let local = if self.node_port_addresses.needs_local_addresses() {
+            match self.kernel.local_addresses() {
+                Ok(local) => local,
+                Err(e) => {
+                    tracing::warn!("reading the node's addresses for --nodeport-addresses, keeping the last ones: {e}");
+                    return self.networks.node_port_ips.clone();
+                }
+            }
+        } else {
+            Vec::new()
+        };
+        self.node_port_addresses.select(&self.node_ips, &local)
     }
 
     /// How services are laid out in the kernel now.
@@ -1045,7 +1121,11 @@ impl Dataplane {
                 unsharded_main,
             }
         };
-        let transaction = nft::full_transaction(next.values().map(|r| &**r), &stale, layout, &self.cluster_cidrs);
+        let networks = nft::NodeNetworks { cluster_cidrs: self.networks.cluster_cidrs.clone(), node_port_ips: self.node_port_ips() };
+        if networks.node_port_ips != self.networks.node_port_ips {
+            tracing::info!(addresses = ?networks.node_port_ips, "node ports served on new addresses");
+        }
+        let transaction = nft::full_transaction(next.values().map(|r| &**r), &stale, layout, &networks);
         if let Err(e) = self.kernel.apply(&transaction) {
             self.keep_pending(next);
             return Err(e);
@@ -1071,6 +1151,7 @@ impl Dataplane {
         let stats = SyncStats { full: true, objects: next.len(), statements: transaction.lines().count(), conntrack_filters, path: self.kernel.last_path() };
         self.last_transaction = kept_text(transaction, LAST_TRANSACTION_BYTES);
         self.in_sync = true;
+        self.networks = networks;
         if layout != self.layout {
             tracing::info!(shards = layout.shards, services, "services laid out over new shard tables");
         }
@@ -1105,7 +1186,7 @@ impl Dataplane {
 
     /// The full table as it is applied now, as an `nft -f` document.
     pub fn render(&self) -> String {
-        nft::full_transaction(self.applied.values().map(|r| &**r), &nft::Stale::default(), self.layout, &self.cluster_cidrs)
+        nft::full_transaction(self.applied.values().map(|r| &**r), &nft::Stale::default(), self.layout, &self.networks)
     }
 }
 

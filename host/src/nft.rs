@@ -1261,11 +1261,6 @@ const MARK_FOR_MASQUERADE: (&str, &str, &[&str]) = ("mark-for-masquerade", "", &
 /// The main table: what every service shares (no-endpoint and cluster-IP checks in the
 /// filter hooks, masquerading) and network policy.
 const MAIN_SKELETON: TableSkeleton = {
-    // Node ports are served on every local address but loopback, in both families (the map
-    // keys are protocol . port, family-independent). The route lookup (`fib`) runs only for
-    // packets to a port in the map (see SHARD_SKELETON).
-    const NO_ENDPOINT_NODE_PORTS: &str = "ip daddr != 127.0.0.0/8 fib daddr type local meta l4proto . th dport vmap @no-endpoint-nodeports";
-    const NO_ENDPOINT_NODE_PORTS6: &str = "ip6 daddr != ::1 fib daddr type local meta l4proto . th dport vmap @no-endpoint-nodeports";
     TableSkeleton {
         maps: &[
             ("no-endpoint-services", "ipv4_addr . inet_proto . inet_service"),
@@ -1278,6 +1273,8 @@ const MAIN_SKELETON: TableSkeleton = {
             ("cluster-ips6", "ipv6_addr"),
             ("hairpin", "ipv4_addr . ipv4_addr"),
             ("hairpin6", "ipv6_addr . ipv6_addr"),
+            NODE_PORT_IPS,
+            NODE_PORT_IPS6,
             // `spec.loadBalancerSourceRanges` (see `firewall_rules`): frontends open to some
             // sources only, and those sources, each a range.
             ("firewall-ips", "ipv4_addr . inet_proto . inet_service"),
@@ -1318,7 +1315,8 @@ const MAIN_SKELETON: TableSkeleton = {
                     "meta l4proto . th dport @no-endpoint-nodeports jump no-endpoint-node-ports",
                 ],
             ),
-            ("no-endpoint-node-ports", "", &[NO_ENDPOINT_NODE_PORTS, NO_ENDPOINT_NODE_PORTS6]),
+            // Its rules follow `--nodeport-addresses` (see `write_node_port_rules`).
+            ("no-endpoint-node-ports", "", &[]),
             (
                 "firewall-check",
                 "",
@@ -1345,12 +1343,6 @@ const MAIN_SKELETON: TableSkeleton = {
 
 /// A service shard: its NAT base chains, service maps and the services' own chains.
 const SHARD_SKELETON: TableSkeleton = {
-    // Every new connection on the node passes every shard's NAT chains (until one DNATs it),
-    // so what a shard does with a packet that is not its own must be cheap: two hash
-    // lookups, and the route lookup (`fib`, two of them per shard before) only for a port
-    // that is a node port. Measured in `benches/nat_shards.rs`.
-    const NODE_PORTS: &str = "ip daddr != 127.0.0.0/8 fib daddr type local meta l4proto . th dport vmap @service-nodeports";
-    const NODE_PORTS6: &str = "ip6 daddr != ::1 fib daddr type local meta l4proto . th dport vmap @service-nodeports";
     TableSkeleton {
         maps: &[
             ("service-ips", "ipv4_addr . inet_proto . inet_service"),
@@ -1376,6 +1368,8 @@ const SHARD_SKELETON: TableSkeleton = {
             // masqueraded for `masquerade-off-cluster` frontends.
             ("cluster-cidrs", "ipv4_addr; flags interval"),
             ("cluster-cidrs6", "ipv6_addr; flags interval"),
+            NODE_PORT_IPS,
+            NODE_PORT_IPS6,
         ],
         chains: &[
             ("nat-prerouting", "type nat hook prerouting priority dstnat; policy accept;", &["jump services"]),
@@ -1389,7 +1383,8 @@ const SHARD_SKELETON: TableSkeleton = {
                     "meta l4proto . th dport @service-nodeports jump node-ports",
                 ],
             ),
-            ("node-ports", "", &[NODE_PORTS, NODE_PORTS6]),
+            // Its rules follow `--nodeport-addresses` (see `write_node_port_rules`).
+            ("node-ports", "", &[]),
             // A node port load balanced as data: its backends of the packet's family.
             (
                 "nodeport-dispatch",
@@ -1413,6 +1408,98 @@ const SHARD_SKELETON: TableSkeleton = {
         ],
     }
 };
+
+/// The addresses node ports are served on, when not every local address (see
+/// [`NodePortAddresses`]): in every table whose node port chains look them up.
+const NODE_PORT_IPS: (&str, &str) = ("nodeport-ips", "ipv4_addr");
+const NODE_PORT_IPS6: (&str, &str) = ("nodeport-ips6", "ipv6_addr");
+
+/// Where node ports are served (kube-proxy's `--nodeport-addresses`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum NodePortAddresses {
+    /// Every local address but loopback (kube-proxy's iptables mode without the flag).
+    #[default]
+    All,
+    /// The node's primary addresses: its first of each family as its Node object lists
+    /// them, InternalIP before ExternalIP (kube-proxy's nftables mode without the flag).
+    Primary,
+    /// The node's local addresses (its interfaces') inside these networks, loopback never.
+    Networks(Vec<IpNet>),
+}
+
+impl std::str::FromStr for NodePortAddresses {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text.trim() {
+            "all" => Ok(NodePortAddresses::All),
+            "primary" => Ok(NodePortAddresses::Primary),
+            list => list
+                .split(',')
+                .map(|cidr| cidr.trim().parse::<IpNet>().map(|net| net.trunc()).map_err(|_| format!("{cidr:?} is not a CIDR (give `all`, `primary` or CIDRs)")))
+                .collect::<Result<Vec<_>, _>>()
+                .map(NodePortAddresses::Networks),
+        }
+    }
+}
+
+impl NodePortAddresses {
+    /// The addresses node ports are served on, from the node's addresses (its Node
+    /// object's) and its interfaces' (`local`); `None`: every local address.
+    pub fn select(&self, node_ips: &[IpAddr], local: &[IpAddr]) -> Option<Vec<IpAddr>> {
+        let mut selected: Vec<IpAddr> = match self {
+            NodePortAddresses::All => return None,
+            NodePortAddresses::Primary => {
+                [true, false].into_iter().filter_map(|v4| node_ips.iter().find(|ip| ip.is_ipv4() == v4 && !ip.is_loopback()).copied()).collect()
+            }
+            NodePortAddresses::Networks(networks) => {
+                local.iter().filter(|ip| !ip.is_loopback() && networks.iter().any(|n| n.contains(*ip))).copied().collect()
+            }
+        };
+        selected.sort();
+        selected.dedup();
+        Some(selected)
+    }
+
+    /// Whether serving needs the interfaces' addresses.
+    pub fn needs_local_addresses(&self) -> bool {
+        matches!(self, NodePortAddresses::Networks(_))
+    }
+}
+
+/// What the tables' static part knows of the node's networks.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeNetworks {
+    /// The cluster's pod CIDRs, for the shards' `cluster-cidrs` sets.
+    pub cluster_cidrs: Vec<IpNet>,
+    /// The addresses node ports are served on; `None`: every local address but loopback.
+    pub node_port_ips: Option<Vec<IpAddr>>,
+}
+
+/// The rules of a node port chain (`chain`, looking the port up in `vmap`): every local
+/// address but loopback through the route lookup (`fib`), which runs only for packets to a
+/// port in the map; or the node port addresses' set. Every new connection on the node
+/// passes every shard's NAT chains until one DNATs it, so what a shard does with a packet
+/// that is not its own must be cheap (`benches/nat_shards.rs`).
+fn write_node_port_rules(out: &mut String, t: Table, chain: &str, vmap: &str, networks: &NodeNetworks, flush_first: bool) {
+    let families = [("ip", "127.0.0.0/8", NODE_PORT_IPS.0), ("ip6", "::1", NODE_PORT_IPS6.0)];
+    for (ip, loopback, set) in families {
+        match &networks.node_port_ips {
+            None => writeln!(out, "add rule {t} {chain} {ip} daddr != {loopback} fib daddr type local meta l4proto . th dport vmap @{vmap}").unwrap(),
+            Some(_) => writeln!(out, "add rule {t} {chain} {ip} daddr @{set} meta l4proto . th dport vmap @{vmap}").unwrap(),
+        }
+    }
+    for (v4, set) in [(true, NODE_PORT_IPS.0), (false, NODE_PORT_IPS6.0)] {
+        if !flush_first {
+            // Else emptied with the table's sets.
+            writeln!(out, "flush set {t} {set}").unwrap();
+        }
+        let Some(ips) = &networks.node_port_ips else { continue };
+        let ips: Vec<String> = ips.iter().filter(|ip| ip.is_ipv4() == v4).map(IpAddr::to_string).collect();
+        if !ips.is_empty() {
+            writeln!(out, "add element {t} {set} {{ {} }}", ips.join(", ")).unwrap();
+        }
+    }
+}
 
 /// The `pick-N` chains of a shard: masquerade if asked, then DNAT to backend number
 /// `numgen random mod N` of the frontend (`service-backends`); `nodeport-pick-N` the same for
@@ -1467,13 +1554,15 @@ fn write_count_sets(out: &mut String, t: Table, flush: bool) {
 /// The host's static part of every table of `layout`: maps, base chains and their fixed
 /// rules. `flush_first`: empty the tables (rules and map elements) after declaring
 /// everything and before refilling them, all within the caller's one transaction.
-pub fn skeleton(out: &mut String, flush_first: bool, layout: Layout, cluster_cidrs: &[IpNet]) {
+pub fn skeleton(out: &mut String, flush_first: bool, layout: Layout, networks: &NodeNetworks) {
     MAIN_SKELETON.write(out, Table::MAIN, flush_first);
+    write_node_port_rules(out, Table::MAIN, "no-endpoint-node-ports", "no-endpoint-nodeports", networks, flush_first);
     // Network policy: the pod-ingress/pod-egress maps and the filter chains that consult them.
     policy::skeleton(out, flush_first);
     for shard in 0..layout.shards {
         let t = Table::shard(shard);
         SHARD_SKELETON.write(out, t, flush_first);
+        write_node_port_rules(out, t, "node-ports", "service-nodeports", networks, flush_first);
         write_count_sets(out, t, flush_first);
         write_pick_chains(out, t);
         // Session affinity's memory (see `AffinityPick`): dynamic, never flushed, so clients
@@ -1492,7 +1581,7 @@ pub fn skeleton(out: &mut String, flush_first: bool, layout: Layout, cluster_cid
                 // Else emptied with the table's sets above; interval elements cannot be re-added.
                 writeln!(out, "flush set {t} {set}").unwrap();
             }
-            let cidrs: Vec<String> = cluster_cidrs.iter().filter(|c| matches!(c, IpNet::V4(_)) == v4).map(|c| c.trunc().to_string()).collect();
+            let cidrs: Vec<String> = networks.cluster_cidrs.iter().filter(|c| matches!(c, IpNet::V4(_)) == v4).map(|c| c.trunc().to_string()).collect();
             if !cidrs.is_empty() {
                 writeln!(out, "add element {t} {set} {{ {} }}", cidrs.join(", ")).unwrap();
             }
@@ -1596,10 +1685,10 @@ const UNSHARDED_CHAINS: [&str; 3] = ["nat-prerouting", "nat-output", "services"]
 
 /// A complete transaction: the tables as `objects` describe them, laid out by `layout`,
 /// whatever the kernel had.
-pub fn full_transaction<'a>(objects: impl Iterator<Item = &'a ObjectRules> + Clone, stale: &Stale, layout: Layout, cluster_cidrs: &[IpNet]) -> String {
+pub fn full_transaction<'a>(objects: impl Iterator<Item = &'a ObjectRules> + Clone, stale: &Stale, layout: Layout, networks: &NodeNetworks) -> String {
     let mut out = String::new();
     // One atomic batch: flushing and refilling leaves no window without rules.
-    skeleton(&mut out, true, layout, cluster_cidrs);
+    skeleton(&mut out, true, layout, networks);
     if stale.unsharded_main {
         // Their elements jump to service chains that are stale in the main table now: empty
         // the maps first (`flush table` left them), delete them after those chains.

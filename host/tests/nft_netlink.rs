@@ -228,7 +228,7 @@ fn netlink_batches_leave_the_table_nft_would() {
     state.insert("e", service_e(&["10.244.5.1", "10.244.5.2"]));
     state.insert("f", service_f(&["10.244.6.1", "10.244.6.2"]));
     state.insert("w", firewall(&["198.51.100.0/24", "203.0.113.10/32", "2001:db8:1::/48"]));
-    let full = nft::full_transaction(state.values(), &nft::Stale::default(), LAYOUT, &[]);
+    let full = nft::full_transaction(state.values(), &nft::Stale::default(), LAYOUT, &nft::NodeNetworks::default());
     text.apply(&full).unwrap();
     netlink.apply(&full).unwrap();
     assert_eq!(netlink.text_transactions, 1, "a full transaction goes through nft -f");

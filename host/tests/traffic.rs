@@ -16,6 +16,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use support::cluster::*;
+use wasmplane::app::HostConfig;
+use wasmplane::nft::NodePortAddresses;
 use support::set_holds;
 use support::echo::*;
 use support::netns::*;
@@ -323,6 +325,82 @@ async fn load_balancer_source_ranges_admit_only_their_sources() {
     assert_backends("TCP from the pod, no ranges", &tcp_many(&client, lb, 5), &["a"]);
     let table = topo.table();
     assert!(!set_holds(&table, "firewall-ips", &format!("{LOAD_BALANCER_IP} . tcp . 80")), "{table}");
+    host.stop().await;
+}
+
+/// The same firewall for an IPv6 load balancer address: its IPv6 ranges admit the external
+/// network and not the pods (the IPv6 sets and rule of `firewall-check`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_balancer_source_ranges_of_ipv6() {
+    require_root!();
+    const LB6: &str = "2001:db8:77::10";
+    let mut topo = Topology::new("fw6");
+    topo.enable_ipv6();
+    let a6 = "fd00:10:244::11";
+    let pod = topo.add_dual_stack_pod(POD_A, a6);
+    let client = topo.add_dual_stack_pod(CLIENT, "fd00:10:244::100");
+    let _server = Server::start_dual_stack(&pod, "a", &[8080]);
+    topo.node.exec(&["ip", "-6", "addr", "add", "fd00:77::1/64", "dev", "ext0", "nodad"]);
+    topo.external.exec(&["ip", "-6", "addr", "add", "fd00:77::2/64", "dev", "eth0", "nodad"]);
+    topo.external.exec(&["ip", "-6", "route", "add", &format!("{LB6}/128"), "via", "fd00:77::1"]);
+
+    let cluster = Cluster::new();
+    let mut guarded = Svc::new("guarded6", "fd00:96::36", vec![Port::new("http", "TCP", 80, 8080)], vec![ready(a6, NODE)]);
+    guarded.service_type = "LoadBalancer";
+    guarded.load_balancer_ip = Some(LB6);
+    // An IPv4 range besides, which an IPv6 address leaves aside.
+    guarded.source_ranges = vec!["fd00:77::/64", "10.244.0.0/16"];
+    cluster.put(&guarded);
+    let host = start_host(cluster.config(topo.nft_command())).await;
+    wait_applied(&host, "the firewall", |t| set_holds(t, "firewall-allowed6", &format!("{LB6} . tcp . 80 . fd00:77::/64")));
+    let lb = addr(LB6, 80);
+    assert_backends("IPv6 TCP from inside the ranges", &tcp_many(&topo.external.name, lb, 5), &["a"]);
+    let refused = in_ns(&client, || tcp_ask(lb, Duration::from_millis(300)));
+    assert!(matches!(&refused, Err(e) if e.kind() == ErrorKind::TimedOut || e.kind() == ErrorKind::WouldBlock), "IPv6 TCP from a pod, outside the ranges: {refused:?}");
+    host.stop().await;
+}
+
+/// `--nodeport-addresses`: node ports served on the node's primary address only (moving
+/// with the Node object), or on the local addresses inside given networks (read again at
+/// each reconcile), never on the node's other addresses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_ports_are_served_only_on_the_chosen_addresses() {
+    require_root!();
+    const SECOND_IP: &str = "192.168.77.9";
+    const THIRD_IP: &str = "192.168.77.10";
+    let mut topo = Topology::new("npa");
+    let pod = topo.add_pod(POD_A);
+    let _server = Server::start(&pod, "a", &[8080]);
+    topo.node.exec(&["ip", "addr", "add", &format!("{SECOND_IP}/24"), "dev", "ext0"]);
+    let cluster = Cluster::new();
+    let mut svc = Svc::new("np", "10.96.0.35", vec![Port::new("http", "TCP", 80, 8080).node_port(30095)], vec![ready(POD_A, NODE)]);
+    svc.service_type = "NodePort";
+    cluster.put(&svc);
+    let ext = topo.external.name.clone();
+    let serves = |ip: &str| in_ns(&ext, || tcp_ask(addr(ip, 30095), Duration::from_millis(500))).is_ok_and(|r| r.identity == "a");
+
+    let host = start_host(HostConfig { node_port_addresses: NodePortAddresses::Primary, ..cluster.config(topo.nft_command()) }).await;
+    wait_applied(&host, "the node port", |t| set_holds(t, "nodeport-ips", NODE_EXTERNAL_IP) && t.contains("tcp . 30095"));
+    assert!(serves(NODE_EXTERNAL_IP), "the node's primary address");
+    assert!(!serves(SECOND_IP), "another local address of the node");
+    // The Node object names another address: node ports follow it.
+    cluster.put_file("cluster.yaml", &NODES_YAML.replace("address: 192.168.77.1 }", &format!("address: {SECOND_IP} }}")));
+    wait_applied(&host, "the node's new address", |t| set_holds(t, "nodeport-ips", SECOND_IP));
+    assert!(serves(SECOND_IP) && !serves(NODE_EXTERNAL_IP), "the node's new primary address only");
+    host.stop().await;
+
+    // Networks: the interfaces' addresses inside them, read again at each reconcile.
+    let config = HostConfig {
+        node_port_addresses: "192.168.77.8/30".parse().unwrap(),
+        reconcile_interval: Duration::from_millis(300),
+        ..cluster.config(topo.nft_command())
+    };
+    let host = start_host(config).await;
+    wait_applied(&host, "the node port", |t| set_holds(t, "nodeport-ips", SECOND_IP) && !set_holds(t, "nodeport-ips", NODE_EXTERNAL_IP));
+    assert!(serves(SECOND_IP) && !serves(NODE_EXTERNAL_IP), "the local address inside the network only");
+    topo.node.exec(&["ip", "addr", "add", &format!("{THIRD_IP}/24"), "dev", "ext0"]);
+    wait_applied(&host, "a new local address inside the network", |t| set_holds(t, "nodeport-ips", THIRD_IP));
+    assert!(serves(THIRD_IP));
     host.stop().await;
 }
 

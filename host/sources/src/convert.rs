@@ -299,12 +299,9 @@ pub fn node(n: &slim::Node) -> Result<Node, ConvertError> {
         _ => texts(spec.and_then(|s| s.pod_cidr.as_ref()).filter(|c| !c.is_empty())),
     };
     // Only IPs: `Hostname` and `*DNS` addresses are not something traffic is addressed to.
-    let addresses = n
-        .status
-        .as_ref()
-        .and_then(|s| s.addresses.as_ref())
-        .map(|a| texts(a.iter().filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP").map(|a| &a.address)))
-        .unwrap_or_default();
+    // InternalIPs first: the first of a family is the node's primary one (kube-proxy's).
+    let listed = n.status.as_ref().and_then(|s| s.addresses.as_deref()).unwrap_or_default();
+    let addresses = texts(["InternalIP", "ExternalIP"].iter().flat_map(|kind| listed.iter().filter(move |a| a.type_ == *kind)).map(|a| &a.address));
     let being_deleted = m.deletion_timestamp.is_some() || spec.and_then(|s| s.taints.as_ref()).is_some_and(|t| t.iter().any(|t| t.key == TO_BE_DELETED_TAINT));
     Ok(Node { name: subject.name(m)?, addresses, pod_cidrs, labels: labels(m), being_deleted })
 }
@@ -658,14 +655,15 @@ mod tests {
             "metadata": {"name": "node-a", "labels": {"topology.kubernetes.io/zone": "zone-1"}},
             "spec": {"podCIDR": "10.244.0.0/24", "podCIDRs": ["10.244.0.0/24", "fd00:10:244::/64"]},
             "status": {"addresses": [
+                {"type": "ExternalIP", "address": "203.0.113.10"},
                 {"type": "InternalIP", "address": "192.168.56.10"},
                 {"type": "Hostname", "address": "node-a"},
-                {"type": "ExternalIP", "address": "203.0.113.10"}
+                {"type": "InternalIP", "address": "fd00::10"}
             ]}
         })))
         .unwrap();
         assert_eq!(n.name, "node-a");
-        assert_eq!(n.addresses, vec!["192.168.56.10", "203.0.113.10"]);
+        assert_eq!(n.addresses, vec!["192.168.56.10", "fd00::10", "203.0.113.10"], "InternalIPs first, in their order");
         assert_eq!(n.pod_cidrs, vec!["10.244.0.0/24", "fd00:10:244::/64"]);
         assert_eq!(n.labels["topology.kubernetes.io/zone"], "zone-1");
         assert!(!n.being_deleted);

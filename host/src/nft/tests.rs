@@ -31,7 +31,7 @@ fn renders_valid_output() {
     let rules = validate_service_output(&key(), &out).unwrap();
     assert_eq!(rules.chains["svc/shop/web/tcp/http"], vec!["meta l4proto tcp dnat ip to 10.244.0.11:8080".to_string()]);
     assert_eq!(rules.elements[&("service-ips".into(), "10.96.0.20 . tcp . 80".into())], "goto svc/shop/web/tcp/http");
-    let text = full_transaction([&rules].into_iter(), &Stale::default(), Layout::default(), &[]);
+    let text = full_transaction([&rules].into_iter(), &Stale::default(), Layout::default(), &NodeNetworks::default());
     assert!(text.contains("add element inet wasmplane-s0 service-ips { 10.96.0.20 . tcp . 80 : goto svc/shop/web/tcp/http }"));
     let flush = text.find("flush table inet wasmplane-s0\n").unwrap();
     assert!(text.find("add map inet wasmplane-s0 service-ips ").unwrap() < flush, "maps exist before they are flushed");
@@ -86,7 +86,7 @@ fn delta_touches_only_what_changed_in_a_valid_order() {
 #[test]
 fn skeleton_serves_node_ports_on_both_families_and_rejects_unknown_cluster_ip_ports() {
     let mut text = String::new();
-    skeleton(&mut text, true, Layout::default(), &[]);
+    skeleton(&mut text, true, Layout::default(), &NodeNetworks::default());
     for family_rule in [
         "add rule inet wasmplane-s0 services meta l4proto . th dport @service-nodeports jump node-ports",
         "add rule inet wasmplane-s0 node-ports ip daddr != 127.0.0.0/8 fib daddr type local meta l4proto . th dport vmap @service-nodeports",
@@ -112,6 +112,39 @@ fn skeleton_serves_node_ports_on_both_families_and_rejects_unknown_cluster_ip_po
     assert!(!text.contains("filter-input ct state new jump cluster-ips-check"), "input is not routed on");
 }
 
+#[test]
+fn node_ports_are_served_on_the_addresses_chosen() {
+    let ip = |s: &str| -> IpAddr { s.parse().unwrap() };
+    let node_ips = [ip("203.0.113.10"), ip("192.168.56.10"), ip("fd00::10"), ip("192.168.56.11")];
+    let local = [ip("127.0.0.1"), ip("192.168.56.10"), ip("10.0.0.5"), ip("::1"), ip("fd00::10"), ip("fd00:1::5")];
+    assert_eq!(NodePortAddresses::All.select(&node_ips, &local), None);
+    assert_eq!(NodePortAddresses::Primary.select(&node_ips, &local), Some(vec![ip("203.0.113.10"), ip("fd00::10")]), "the first of each family");
+    let networks: NodePortAddresses = "192.168.0.0/16, fd00::/64,127.0.0.0/8".parse().unwrap();
+    assert_eq!(networks.select(&node_ips, &local), Some(vec![ip("192.168.56.10"), ip("fd00::10")]), "local addresses inside, never loopback");
+    assert_eq!("primary".parse(), Ok(NodePortAddresses::Primary));
+    assert_eq!("10.0.0.1/8".parse(), Ok(NodePortAddresses::Networks(vec!["10.0.0.0/8".parse().unwrap()])));
+    assert!("10.0.0.0/8,lan".parse::<NodePortAddresses>().unwrap_err().contains("\"lan\" is not a CIDR"));
+    assert_eq!(NodePortAddresses::Primary.select(&[], &local), Some(vec![]), "no node address known: no node port");
+
+    // Chosen addresses: every table looks them up in its own set, no route lookup.
+    let networks = NodeNetworks { node_port_ips: Some(vec![ip("192.168.56.10"), ip("fd00::10")]), ..Default::default() };
+    let mut text = String::new();
+    skeleton(&mut text, true, Layout { shards: 2 }, &networks);
+    for line in [
+        "add rule inet wasmplane-s1 node-ports ip daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports",
+        "add rule inet wasmplane-s1 node-ports ip6 daddr @nodeport-ips6 meta l4proto . th dport vmap @service-nodeports",
+        "add element inet wasmplane-s1 nodeport-ips { 192.168.56.10 }",
+        "add element inet wasmplane-s0 nodeport-ips6 { fd00::10 }",
+        "add rule inet wasmplane no-endpoint-node-ports ip daddr @nodeport-ips meta l4proto . th dport vmap @no-endpoint-nodeports",
+        "add element inet wasmplane nodeport-ips { 192.168.56.10 }",
+    ] {
+        assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+    }
+    assert!(!text.contains("fib daddr type local"), "{text}");
+    let pos = |needle: &str| text.find(needle).unwrap();
+    assert!(pos("flush set inet wasmplane-s1 nodeport-ips\n") < pos("add element inet wasmplane-s1 nodeport-ips {"), "emptied before refilled");
+}
+
 fn cluster_ip(ip: &str) -> MapElement {
     MapElement { map_name: "cluster-ips".into(), key: vec![KeyPart::Address(ip.into())], verdict: Verdict::None }
 }
@@ -122,7 +155,7 @@ fn cluster_ips_go_to_the_host_set_only_for_addresses_the_object_serves() {
     let out = ruleset(vec![dnat_chain(chain, "10.244.0.11")], vec![element("service-ips", "10.96.0.20", Verdict::Goto(chain.into())), cluster_ip("10.96.0.20")]);
     let rules = validate_service_output(&key(), &out).unwrap();
     assert_eq!(rules.elements[&("cluster-ips".into(), "10.96.0.20".into())], "");
-    let text = full_transaction([&rules].into_iter(), &Stale::default(), Layout::default(), &[]);
+    let text = full_transaction([&rules].into_iter(), &Stale::default(), Layout::default(), &NodeNetworks::default());
     assert!(text.contains("add element inet wasmplane cluster-ips { 10.96.0.20 }\n"), "{text}");
     let mut delta = String::new();
     object_delta(&rules, &ObjectRules::default(), &mut delta, Layout::default());
@@ -193,7 +226,7 @@ fn set_elements_change_as_element_deltas() {
     assert!(pos("delete set") < pos("add set inet wasmplane-s0 svc/shop/web/peers { type ipv4_addr; flags dynamic,timeout; timeout 30s; elements = { 10.244.0.1 }; }"));
     assert!(pos("add set") < pos("add rule inet wasmplane-s0 svc/shop/web/from-peers ip saddr @svc/shop/web/peers accept"));
     // The full document declares the set with its elements in one statement.
-    let text = full_transaction([&new].into_iter(), &Stale::default(), Layout::default(), &[]);
+    let text = full_transaction([&new].into_iter(), &Stale::default(), Layout::default(), &NodeNetworks::default());
     assert!(text.contains("add set inet wasmplane-s0 svc/shop/web/peers { type ipv4_addr; flags dynamic,timeout; timeout 30s; elements = { 10.244.0.1 }; }"), "{text}");
 }
 
@@ -283,7 +316,7 @@ fn a_full_transaction_declares_every_chain_before_any_rule_jumps() {
     a.chains.insert("polpod/10.244.0.1/ingress".into(), vec!["jump pol/ns/p/ingress".into()]);
     let mut b = ObjectRules::default();
     b.chains.insert("pol/ns/p/ingress".into(), vec!["ip saddr 10.244.0.2 accept".into()]);
-    let text = full_transaction([&a, &b].into_iter(), &Stale::default(), Layout::default(), &[]);
+    let text = full_transaction([&a, &b].into_iter(), &Stale::default(), Layout::default(), &NodeNetworks::default());
     let declared = text.find("add chain inet wasmplane pol/ns/p/ingress").expect("declared");
     let jumped = text.find("jump pol/ns/p/ingress").expect("the jump");
     assert!(declared < jumped, "{text}");
@@ -352,7 +385,7 @@ fn table_names_parse_back_and_nothing_else_is_ours() {
 fn a_full_transaction_declares_every_shard_and_deletes_stale_tables_last() {
     let layout = Layout { shards: 2 };
     let stale = Stale { tables: vec![Table::shard(5)], chains: vec![(Table::shard(1), "svc/a/b".into())], sets: vec![], unsharded_main: false };
-    let text = full_transaction(std::iter::empty(), &stale, layout, &[]);
+    let text = full_transaction(std::iter::empty(), &stale, layout, &NodeNetworks::default());
     for t in ["inet wasmplane", "inet wasmplane-s0", "inet wasmplane-s1"] {
         assert!(text.contains(&format!("add table {t}\n")) && text.contains(&format!("flush table {t}\n")), "{t}");
     }
@@ -383,7 +416,7 @@ fn hairpin_endpoints_are_address_pairs_of_their_family_written_once_however_many
 
     // Another service with the same pod behind it: the full transaction adds the pair once.
     let api = validate_service_output(&ObjectKey::new("shop", "api"), &ruleset(vec![], vec![hairpin("10.244.0.11"), hairpin("10.244.0.12")])).unwrap();
-    let text = full_transaction([&web, &api].into_iter(), &Stale::default(), Layout::default(), &[]);
+    let text = full_transaction([&web, &api].into_iter(), &Stale::default(), Layout::default(), &NodeNetworks::default());
     assert!(text.contains("add element inet wasmplane hairpin { 10.244.0.11 . 10.244.0.11, 10.244.0.12 . 10.244.0.12 }\n"), "{text}");
     assert_eq!(text.matches("10.244.0.11 . 10.244.0.11").count(), 1, "{text}");
     // The set is declared, emptied with the table and consulted after DNAT at postrouting.
@@ -479,7 +512,7 @@ fn backends_as_data_are_numbered_in_the_endpoint_maps_and_counted_in_the_count_s
     let layout = Layout { shards: 4 };
     let shard = layout.table_of("svc/shop/web");
     let cidrs: Vec<IpNet> = vec!["10.244.0.0/16".parse().unwrap(), "fd00:10:244::/56".parse().unwrap()];
-    let text = full_transaction([&rules].into_iter(), &Stale::default(), layout, &cidrs);
+    let text = full_transaction([&rules].into_iter(), &Stale::default(), layout, &NodeNetworks { cluster_cidrs: cidrs, ..Default::default() });
     for line in [
         format!("add set {shard} frontends-{MAX_PICK} {{ type ipv4_addr . inet_proto . inet_service; }}"),
         format!("flush set {shard} frontends6-1"),
@@ -533,7 +566,7 @@ fn a_full_transaction_writes_each_set_and_map_in_one_statement() {
         validate_service_output(&ObjectKey::new("shop", name), &out).unwrap()
     };
     let (web, api) = (service("web", "10.96.0.20"), service("api", "10.96.0.21"));
-    let text = full_transaction([&web, &api].into_iter(), &Stale::default(), Layout::default(), &[]);
+    let text = full_transaction([&web, &api].into_iter(), &Stale::default(), Layout::default(), &NodeNetworks::default());
     let statements = |set: &str| -> Vec<&str> { text.lines().filter(|l| l.starts_with(&format!("add element inet wasmplane-s0 {set} "))).collect() };
     assert_eq!(statements("frontends-2"), ["add element inet wasmplane-s0 frontends-2 { 10.96.0.20 . tcp . 80, 10.96.0.21 . tcp . 80 }"]);
     assert_eq!(
@@ -615,7 +648,7 @@ fn node_port_backends_are_numbered_per_family_and_dispatched_by_the_host() {
     // In the service's shard, with the static chains that dispatch and draw.
     let layout = Layout { shards: 4 };
     let shard = layout.table_of("svc/shop/web");
-    let text = full_transaction([&rules].into_iter(), &Stale::default(), layout, &[]);
+    let text = full_transaction([&rules].into_iter(), &Stale::default(), layout, &NodeNetworks::default());
     for line in [
         format!("add rule {shard} nodeport-dispatch meta nfproto ipv6 meta l4proto . th dport vmap @nodeport-picks6"),
         format!("add rule {shard} nodeport-pick-by-count meta l4proto . th dport @nodeports-2 goto nodeport-pick-2"),
@@ -702,7 +735,7 @@ fn session_affinity_as_data_goes_to_the_by_count_chain_of_its_timeout() {
     let classes: BTreeSet<(Table, AffinityClass)> = affinity_classes(&rules, layout).collect();
     assert_eq!(classes, [(shard, AffinityClass { node_port: false, seconds: 10800 }), (shard, AffinityClass { node_port: true, seconds: 30 })].into());
     assert_eq!(AffinityPick::parse("nodeport-affinity-30-pick-1").map(|p| p.class()), Some(AffinityClass { node_port: true, seconds: 30 }));
-    let text = full_transaction([&rules].into_iter(), &Stale::default(), layout, &[]);
+    let text = full_transaction([&rules].into_iter(), &Stale::default(), layout, &NodeNetworks::default());
     let chain = "affinity-10800-pick-2";
     for line in [
         format!("add rule {shard} {chain} jump masquerade-check"),
