@@ -213,9 +213,25 @@ fn source_ranges<'a>(subject: &Subject, ranges: impl Iterator<Item = &'a String>
         .enumerate()
         .map(|(i, range)| {
             let invalid = || subject.error(Problem::InvalidCidr { at: format!("spec.loadBalancerSourceRanges[{i}]"), value: range.clone() });
-            range.trim().parse::<ipnet::IpNet>().map(|net| net.trunc()).map_err(|_| invalid())
+            cidr_sloppy(range.trim()).ok_or_else(invalid)
         })
         .collect()
+}
+
+/// A CIDR as Kubernetes parses it (`ParseCIDRSloppy`): IPv4 octets and the prefix length may
+/// carry leading zeros (decimal all the same), which objects validated before Kubernetes'
+/// stricter IP validation can still hold. Host bits are dropped.
+fn cidr_sloppy(text: &str) -> Option<ipnet::IpNet> {
+    let (address, prefix) = text.split_once('/')?;
+    let address: std::net::IpAddr = match address.parse() {
+        Ok(address) => address,
+        Err(_) if !address.contains(':') => {
+            let octets: Vec<u8> = address.split('.').map(|octet| octet.parse().ok()).collect::<Option<_>>()?;
+            <[u8; 4]>::try_from(octets).ok()?.into()
+        }
+        Err(_) => return None,
+    };
+    ipnet::IpNet::new(address, prefix.parse().ok()?).ok().map(|net| net.trunc())
 }
 
 fn service_port(subject: &Subject, i: usize, p: &core::ServicePort) -> Result<ServicePort, ConvertError> {
@@ -532,7 +548,7 @@ mod tests {
             "spec": {
                 "type": "LoadBalancer", "clusterIP": "10.96.0.30", "clusterIPs": ["10.96.0.30", "fd00::30"],
                 "externalIPs": ["203.0.113.5"], "externalTrafficPolicy": "Local", "internalTrafficPolicy": "Local",
-                "healthCheckNodePort": 31999, "loadBalancerSourceRanges": [" 198.51.100.7/24 ", "2001:db8::/32"],
+                "healthCheckNodePort": 31999, "loadBalancerSourceRanges": [" 198.51.100.7/24 ", "2001:db8::/32", "010.001.0.0/016"],
                 "sessionAffinity": "ClientIP", "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 600}},
                 "ports": [
                     {"name": "http", "port": 80, "targetPort": 8080, "nodePort": 30080},
@@ -555,7 +571,7 @@ mod tests {
         assert_eq!(s.internal_traffic_policy, TrafficPolicy::Local);
         assert_eq!(s.health_check_node_port, 31999);
         let ranges: Vec<String> = s.load_balancer_source_ranges.iter().map(ToString::to_string).collect();
-        assert_eq!(ranges, ["198.51.100.0/24", "2001:db8::/32"], "spaces trimmed, host bits dropped");
+        assert_eq!(ranges, ["198.51.100.0/24", "2001:db8::/32", "10.1.0.0/16"], "spaces trimmed, host bits dropped, leading zeros read as Kubernetes reads them");
         assert_eq!(s.labels["app"], "lb");
         assert_eq!(s.ports[0], ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: 30080, target_port: TargetPort::Number(8080) });
         assert_eq!(s.ports[1], ServicePort { name: "dns".into(), protocol: Protocol::Udp, port: 53, node_port: 30053, target_port: TargetPort::Name("dns-udp".into()) });
@@ -584,6 +600,9 @@ mod tests {
             svc(json!({"loadBalancerSourceRanges": ["10.0.0.0/8", "office"]})).unwrap_err().to_string(),
             "Service shop/web: spec.loadBalancerSourceRanges[1] is \"office\", not a CIDR (10.0.0.0/8, 2001:db8::/32)"
         );
+        for bad in ["10.0.0.0", "10.0.0/8", "10.0.0.0/33", "256.0.0.0/8", "2001:db8::/129", "10.0.0.0/-1"] {
+            assert!(svc(json!({"loadBalancerSourceRanges": [bad]})).is_err(), "{bad}");
+        }
         let e = svc(json!({"type": "Mesh"})).unwrap_err();
         assert_eq!(e.problem, Problem::UnknownServiceType("Mesh".into()));
         assert_eq!(svc(json!({"sessionAffinity": "Cookie"})).unwrap_err().problem, Problem::UnknownSessionAffinity("Cookie".into()));
