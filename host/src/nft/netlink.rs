@@ -12,8 +12,9 @@
 //! Scope: exactly the statements [`super::object_delta`] renders (add/flush/delete chain,
 //! add rule in the guest rule vocabulary, add/delete element, add/delete set of addresses),
 //! and the elements of the host's firewall ranges. Anything else (the skeleton, other
-//! interval sets, a rule outside the vocabulary) is [`Unsupported`], and the caller sends the whole transaction through `nft -f` instead, so one transaction is
-//! always applied by one mechanism, atomically. Full syncs stay text: they are kernel-bound
+//! interval sets, a rule outside the vocabulary) is [`Unsupported`], and the caller sends
+//! the whole transaction through `nft -f` instead, so one transaction is always applied by
+//! one mechanism, atomically. Full syncs stay text: they are kernel-bound
 //! and cost the same either way (see `nft.rs`).
 //!
 //! The bytecode mirrors what nft 1.0.6 generates for the same text (`nft --debug=netlink`),
