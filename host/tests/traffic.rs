@@ -264,6 +264,62 @@ async fn node_port_load_balancer_ip_and_external_traffic_policy_local() {
     host.stop().await;
 }
 
+/// `spec.externalIPs`: an external IP and a service port, reached from outside (routed to this
+/// node) or from a pod, are load balanced like the cluster IP and masqueraded;
+/// other ports of the address are not served (the address is not the node's); with `externalTrafficPolicy: Local` only this
+/// node's endpoints answer and see the client's own address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn external_ips_are_served_like_the_cluster_ip() {
+    require_root!();
+    const SHARED_IP: &str = "198.51.100.60";
+    const LOCAL_IP: &str = "198.51.100.61";
+    let mut topo = Topology::new("xip");
+    let pods: Vec<(String, &str)> = [(POD_A, "a"), (POD_B, "b"), (REMOTE_POD, "remote")].iter().map(|(ip, id)| (topo.add_pod(ip), *id)).collect();
+    let client = topo.add_pod(CLIENT);
+    let _servers: Vec<Server> = pods.iter().map(|(ns, id)| Server::start(ns, id, &[8080, 8081])).collect();
+    for external_ip in [SHARED_IP, LOCAL_IP] {
+        topo.external.exec(&["ip", "route", "add", &format!("{external_ip}/32"), "via", NODE_EXTERNAL_IP]);
+    }
+
+    let cluster = Cluster::new();
+    let endpoints = vec![ready(POD_A, NODE), ready(POD_B, NODE), ready(REMOTE_POD, OTHER_NODE)];
+    let mut shared = Svc::new("shared", "10.96.0.60", vec![Port::new("http", "TCP", 80, 8080), Port::new("dns", "UDP", 80, 8080)], endpoints.clone());
+    shared.external_ips = vec![SHARED_IP];
+    cluster.put(&shared);
+    let mut local = Svc::new("local", "10.96.0.61", vec![Port::new("http", "TCP", 80, 8080).node_port(30061)], endpoints);
+    local.service_type = "NodePort";
+    local.external_local = true;
+    local.external_ips = vec![LOCAL_IP];
+    cluster.put(&local);
+    let host = start_host(cluster.config(topo.nft_command())).await;
+    wait_applied(&host, "both services", |t| t.contains(&format!("{SHARED_IP} . udp . 80")) && t.contains(&format!("{LOCAL_IP} . tcp . 80")));
+    let ext = topo.external.name.clone();
+
+    let replies = tcp_many(&ext, addr(SHARED_IP, 80), MANY);
+    assert_backends("TCP to the external IP from outside", &replies, &["a", "b", "remote"]);
+    assert_all("TCP to the external IP from outside", &replies, |r| r.peer == ip(POD_GATEWAY));
+    assert_backends("UDP to the external IP from outside", &udp_many(&ext, addr(SHARED_IP, 80), MANY), &["a", "b", "remote"]);
+    let replies = tcp_many(&client, addr(SHARED_IP, 80), MANY);
+    assert_backends("TCP to the external IP from a pod", &replies, &["a", "b", "remote"]);
+    // Policy Cluster masquerades all traffic to external destinations, a pod's too (kube-proxy).
+    assert_all("TCP to the external IP from a pod", &replies, |r| r.peer == ip(POD_GATEWAY));
+    // Only the service's ports: the address is not this node's, so nothing else answers.
+    let other_port = in_ns(&ext, || tcp_ask(addr(SHARED_IP, 8081), Duration::from_millis(300)));
+    assert!(other_port.is_err(), "a port the service does not have must not reach a pod: {other_port:?}");
+
+    let replies = tcp_many(&ext, addr(LOCAL_IP, 80), MANY);
+    assert_backends("policy Local from outside", &replies, &["a", "b"]);
+    assert_all("policy Local from outside", &replies, |r| r.peer == ip(EXTERNAL_CLIENT_IP));
+
+    // Removed from the service: no longer served.
+    shared.external_ips = vec![];
+    cluster.put(&shared);
+    wait_applied(&host, "the external IP gone", |t| !t.contains(SHARED_IP));
+    let removed = in_ns(&ext, || tcp_ask(addr(SHARED_IP, 80), Duration::from_millis(300)));
+    assert!(removed.is_err(), "a removed external IP must not be served: {removed:?}");
+    host.stop().await;
+}
+
 /// Whether a request from inside `ns` to `to` goes unanswered (dropped, not refused).
 fn dropped(ns: &str, to: SocketAddr, udp: bool) -> bool {
     let result = in_ns(ns, || if udp { udp_ask(to, Duration::from_millis(300)) } else { tcp_ask(to, Duration::from_millis(300)) });

@@ -62,12 +62,14 @@ pub struct Svc {
     pub health_check_node_port: Option<u16>,
     /// `spec.loadBalancerSourceRanges`.
     pub source_ranges: Vec<&'static str>,
+    /// `spec.externalIPs`.
+    pub external_ips: Vec<&'static str>,
     pub endpoints: Vec<Endpoint>,
 }
 
 impl Svc {
     pub fn new(name: &'static str, cluster_ip: &'static str, ports: Vec<Port>, endpoints: Vec<Endpoint>) -> Svc {
-        Svc { name, cluster_ip, service_type: "ClusterIP", ports, affinity_seconds: None, external_local: false, internal_local: false, load_balancer_ip: None, health_check_node_port: None, source_ranges: vec![], endpoints }
+        Svc { name, cluster_ip, service_type: "ClusterIP", ports, affinity_seconds: None, external_local: false, internal_local: false, load_balancer_ip: None, health_check_node_port: None, source_ranges: vec![], external_ips: vec![], endpoints }
     }
 
     pub fn yaml(&self) -> String {
@@ -92,6 +94,9 @@ impl Svc {
         }
         if let Some(port) = self.health_check_node_port {
             spec += &format!("  healthCheckNodePort: {port}\n");
+        }
+        if !self.external_ips.is_empty() {
+            spec += &format!("  externalIPs: [{}]\n", self.external_ips.join(", "));
         }
         if !self.source_ranges.is_empty() {
             spec += &format!("  loadBalancerSourceRanges: [{}]\n", self.source_ranges.join(", "));
