@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 
 use wasmplane_model::state::{ClusterEvent, ClusterObject, ModelUpdate, ServiceView, Touched};
 use wasmplane_model::{ClusterState, CompactString, IntoModel, NodeLocalModel, ObjectKey, ToStd};
@@ -110,6 +110,12 @@ pub struct Controller {
     cni_ips: BTreeMap<ObjectKey, Vec<CompactString>>,
     /// Network policy: the builtin policy guest on the policies each update touches.
     policy: PolicyController,
+    /// Slice changes of the batch being applied, by service, with when each was triggered:
+    /// observed as network programming latency once their service's rules are written.
+    trigger_times: Vec<(ObjectKey, SystemTime)>,
+    /// Trigger times before this are not observed: the initial list holds changes made
+    /// before this host could program them (kube-proxy's `trackerStartTime`).
+    programming_since: SystemTime,
 }
 
 /// Why a guest call gave no rules.
@@ -189,6 +195,8 @@ impl Controller {
             shadow: None,
             cni_ips: BTreeMap::new(),
             policy: PolicyController::new(&policy_module),
+            trigger_times: Vec::new(),
+            programming_since: SystemTime::now(),
         };
         controller.registry.mark_active(GuestKind::NetworkPolicy, BUILTIN_NETWORK_POLICY, 1);
         // The builtin until the shared module index (kvstore) says otherwise (compiled above
@@ -225,6 +233,7 @@ impl Controller {
     pub fn replace_objects(&mut self, mut objects: Vec<ClusterObject>) -> Result<(), HostError> {
         self.metrics.events.inc_by(objects.len() as u64);
         objects.iter_mut().for_each(|o| self.fill_pod_ips(o));
+        objects.iter().for_each(|o| self.note_trigger_time(o));
         let node = self.model.node_name().to_string();
         let touched = self.cluster.replace_all(objects, &node);
         let update = self.model.update(&self.cluster, &touched);
@@ -255,6 +264,7 @@ impl Controller {
                     for mut event in events {
                         if let ClusterEvent::Upsert(object) = &mut event {
                             self.fill_pod_ips(object);
+                            self.note_trigger_time(object);
                         }
                         touched.merge(self.cluster.apply(event, &node));
                     }
@@ -262,6 +272,7 @@ impl Controller {
                 SourceEvent::Relisted { kind, mut objects, unconvertible } => {
                     self.metrics.events.inc_by(objects.len() as u64);
                     objects.iter_mut().for_each(|o| self.fill_pod_ips(o));
+                    objects.iter().for_each(|o| self.note_trigger_time(o));
                     touched.merge(self.cluster.replace_kind(kind, objects, &unconvertible, &node));
                 }
             }
@@ -310,6 +321,29 @@ impl Controller {
         }
     }
 
+    /// Notes a slice's trigger time for the network programming latency: a time this host
+    /// has not seen for the slice (a relist repeats unchanged slices), from after it started.
+    fn note_trigger_time(&mut self, object: &ClusterObject) {
+        let ClusterObject::EndpointSlice(slice) = object else { return };
+        let Some(time) = slice.trigger_time.filter(|time| *time >= self.programming_since) else { return };
+        if self.cluster.endpoint_slices.get(&slice.key()).and_then(|old| old.trigger_time) != Some(time) {
+            self.trigger_times.push((slice.service_key(), time));
+        }
+    }
+
+    /// kube-proxy's SLI: from each trigger time to now, for the services whose rules a
+    /// transaction just wrote. A change that needed no new rules, or whose translation
+    /// failed, was not programmed and is not observed. `written` is sorted.
+    fn observe_programming(&self, trigger_times: Vec<(ObjectKey, SystemTime)>, written: &[ObjectKey]) {
+        let now = SystemTime::now();
+        for (service, time) in trigger_times.into_iter().filter(|(service, _)| written.binary_search(service).is_ok()) {
+            // A trigger time ahead of this node's clock (skew) counts as no time.
+            let latency = now.duration_since(time).unwrap_or_default();
+            tracing::debug!(%service, seconds = latency.as_secs_f64(), "network programmed");
+            self.metrics.network_programming_seconds.observe(latency.as_secs_f64());
+        }
+    }
+
     /// Where crash-budget rollbacks are asked for.
     pub fn set_rollback_sink(&mut self, sink: tokio::sync::mpsc::UnboundedSender<RollbackRequest>) {
         self.rollback_sink = Some(sink);
@@ -324,6 +358,7 @@ impl Controller {
     }
 
     fn run_update(&mut self, update: ModelUpdate) -> Result<(), HostError> {
+        let trigger_times = std::mem::take(&mut self.trigger_times);
         if update.is_empty() {
             return Ok(());
         }
@@ -398,7 +433,11 @@ impl Controller {
             // No object changed, but the tables' node port addresses did: written in full.
             return self.reconcile();
         }
-        self.sync(changes)
+        let mut written: Vec<ObjectKey> = if trigger_times.is_empty() { Vec::new() } else { changes.iter().map(|(key, _)| key.clone()).collect() };
+        written.sort_unstable();
+        self.sync(changes)?;
+        self.observe_programming(trigger_times, &written);
+        Ok(())
     }
 
     /// The change of a service's load balancer firewall (see [`nft::firewall_rules`]), when

@@ -1,7 +1,7 @@
 //! The Kubernetes watchers end to end: the host's kube-rs watchers against the test API
 //! server (real list/watch HTTP protocol), read back through the host's REST API.
 
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -56,6 +56,13 @@ fn slice(name: &str, service: &str, endpoints: &[(&str, &str)]) -> EndpointSlice
         })).collect::<Vec<_>>(),
         "ports": [{"name": "http", "protocol": "TCP", "port": 8080}]
     }))
+}
+
+/// `slice` as the EndpointSlice controller writes it: with the time of the change it reflects.
+fn triggered(mut slice: EndpointSlice, time: SystemTime) -> EndpointSlice {
+    let time = k8s_openapi::jiff::Timestamp::try_from(time).unwrap().to_string();
+    slice.metadata.annotations = Some([("endpoints.kubernetes.io/last-change-trigger-time".to_string(), time)].into());
+    slice
 }
 
 fn pod(name: &str, app: &str, node: &str, ip: &str) -> Pod {
@@ -115,12 +122,22 @@ impl Api {
         self.http.get(format!("{}/readyz", self.base)).send().await.unwrap().status().is_success()
     }
     async fn metric(&self, name: &str) -> u64 {
+        self.metric_value(name).await as u64
+    }
+    async fn metric_value(&self, name: &str) -> f64 {
         let text = self.http.get(format!("{}/metrics", self.base)).send().await.unwrap().text().await.unwrap();
         text.lines()
             .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
             .and_then(|v| v.trim().parse::<f64>().ok())
-            .map(|v| v as u64)
             .unwrap_or_else(|| panic!("metric {name} not in /metrics"))
+    }
+    /// Polls the events counter until `n` more events than `since` arrived.
+    async fn wait_events(&self, since: u64, n: u64, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.metric("wasmplane_model_events_total").await < since + n {
+            assert!(Instant::now() < deadline, "{what}: events never arrived");
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
     }
     /// Polls `/readyz` until it is ready; panics after 15 s.
     async fn wait_ready(&self, when: &str) {
@@ -270,11 +287,7 @@ async fn every_kind_reaches_the_model_and_irrelevant_changes_make_no_revision() 
     let events = api.metric("wasmplane_model_events_total").await;
     server.create(&namespace("tools", "red")).unwrap();
     server.delete::<Namespace>("", "tools").unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while api.metric("wasmplane_model_events_total").await < events + 2 {
-        assert!(Instant::now() < deadline, "namespace events never arrived");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    api.wait_events(events, 2, "namespace added and deleted").await;
 
     // Changes that do not concern node-a: events counted, no revision.
     let revision = api.state().await["revision"].as_u64().unwrap();
@@ -284,11 +297,7 @@ async fn every_kind_reaches_the_model_and_irrelevant_changes_make_no_revision() 
     let mut annotated = server.get::<Service>("shop", "web").unwrap();
     annotated.metadata.annotations = Some([("note".to_string(), "irrelevant".to_string())].into());
     server.update(&annotated).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while api.metric("wasmplane_model_events_total").await < events + 3 {
-        assert!(Instant::now() < deadline, "events never arrived");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    api.wait_events(events, 3, "changes elsewhere").await;
     assert_eq!(api.state().await["revision"].as_u64().unwrap(), revision, "an irrelevant change produced a revision");
     assert!(api.metric("wasmplane_model_revisions_total").await < api.metric("wasmplane_model_events_total").await);
     host.stop().await;
@@ -329,5 +338,60 @@ async fn an_expired_watch_relists_and_loses_nothing() {
     // And the watches work again afterwards.
     server.create(&service("late", "10.96.0.13", 80)).unwrap();
     api.wait_state("watching again", |s| s["model"]["services"]["shop/late"].is_object()).await;
+    host.stop().await;
+}
+
+/// kube-proxy's network programming SLI: an EndpointSlice change is observed from its trigger
+/// time to its service's rules written, once. Changes from before the host started, and
+/// changes that need no new rules, are not observed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn network_programming_latency_runs_from_the_trigger_time_to_the_rules() {
+    const COUNT: &str = "wasmplane_network_programming_duration_seconds_count";
+    const SUM: &str = "wasmplane_network_programming_duration_seconds_sum";
+    let server = TestApiServer::start().await;
+    seed(&server);
+    let before_start = SystemTime::now() - Duration::from_secs(3600);
+    server.update(&triggered(slice("web-1", "web", &[("10.244.1.5", "node-a"), ("10.244.2.5", "node-b")]), before_start)).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let host = start_host(&server, dir.path()).await;
+    let started = SystemTime::now();
+    let api = Api::new(&host);
+    api.wait_state("initial sync", |s| endpoints(s, "shop/web").len() == 2).await;
+    assert_eq!(api.metric(COUNT).await, 0, "the initial list's changes were made before this host could program them");
+
+    // A change triggered a second and a half ago: its latency includes that time.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    server.update(&triggered(slice("web-1", "web", &[("10.244.1.5", "node-a"), ("10.244.1.6", "node-a"), ("10.244.2.5", "node-b")]), started)).unwrap();
+    api.wait_state("endpoint added", |s| endpoints(s, "shop/web").len() == 3).await;
+    let until_observed = Instant::now() + Duration::from_secs(5);
+    while api.metric(COUNT).await == 0 && Instant::now() < until_observed {
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(api.metric(COUNT).await, 1);
+    let latency = api.metric_value(SUM).await;
+    assert!((1.5..60.0).contains(&latency), "latency {latency} s does not start at the trigger time");
+
+    // A new trigger time with the same endpoints: no new rules, nothing observed.
+    let events = api.metric("wasmplane_model_events_total").await;
+    server.update(&triggered(slice("web-1", "web", &[("10.244.1.5", "node-a"), ("10.244.1.6", "node-a"), ("10.244.2.5", "node-b")]), SystemTime::now())).unwrap();
+    api.wait_events(events, 1, "annotation changed").await;
+    // A real change, triggered before the host started: programmed, not observed.
+    server.update(&triggered(slice("web-1", "web", &[("10.244.2.5", "node-b")]), before_start)).unwrap();
+    api.wait_state("endpoints removed", |s| endpoints(s, "shop/web") == ["10.244.2.5"]).await;
+    assert_eq!(api.metric(COUNT).await, 1);
+
+    // A relist repeats every slice; only the one changed behind the watch is observed.
+    server.create(&service("cart", "10.96.0.12", 80)).unwrap();
+    api.wait_state("service added", |s| s["model"]["services"]["shop/cart"].is_object()).await;
+    server.set_unavailable(true);
+    server.create(&triggered(slice("cart-1", "cart", &[("10.244.1.8", "node-a")]), SystemTime::now())).unwrap();
+    server.compact();
+    server.set_unavailable(false);
+    api.wait_state("relisted", |s| endpoints(s, "shop/cart") == ["10.244.1.8"]).await;
+    let until_observed = Instant::now() + Duration::from_secs(5);
+    while api.metric(COUNT).await == 1 && Instant::now() < until_observed {
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(api.metric(COUNT).await, 2);
     host.stop().await;
 }

@@ -212,3 +212,47 @@ async fn the_load_balancer_firewall_is_the_hosts_whatever_the_translator_does() 
     h.wait_for("the firewall gone with the service", |dp| dp["objects"].get("firewall:shop/guarded").is_none() && dp["objects"].get("shop/guarded").is_none()).await;
     h.host.stop().await;
 }
+
+/// The network programming latency counts what reached the kernel: of two services whose
+/// slices changed in one reload, the one the translator traps on keeps its last good rules
+/// and is not observed; the other is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_the_translator_fails_on_is_not_counted_as_programmed() {
+    let h = Host::start(CrashBudget { max_crashes: 100, window: Duration::from_secs(60) }).await;
+    let (status, body) = h.send(reqwest::Method::PUT, "/v1/modules/flaky?kind=service-translator", Some(artifacts::test_programs::TRAP_ON_LABEL)).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    h.wait_for("the new translator in force", |dp| dp["translator"] == "flaky@1").await;
+
+    let now = k8s_openapi::jiff::Timestamp::now();
+    let service = |name: &str, ip: &str, labels: &str| {
+        format!("apiVersion: v1\nkind: Service\nmetadata: {{ name: {name}, namespace: shop, labels: {{ {labels} }} }}\nspec:\n  clusterIP: {ip}\n  ports: [{{ name: http, port: 80 }}]\n")
+    };
+    let triggered_slice = |name: &str, ip: &str| {
+        let annotation = format!("namespace: shop, annotations: {{ endpoints.kubernetes.io/last-change-trigger-time: \"{now}\" }},");
+        endpoint_slice(name, "http", 8080, &[(ip, "node-a")]).replacen("namespace: shop,", &annotation, 1)
+    };
+    let manifests = documents(&[
+        &service("calm", "10.96.0.50", ""),
+        &triggered_slice("calm", "10.244.0.50"),
+        &service("crashy", "10.96.0.51", "wasmplane.io/crash: \"yes\""),
+        &triggered_slice("crashy", "10.244.0.51"),
+    ]);
+    std::fs::write(h.dir.path().join("manifests/triggered.yaml"), manifests).unwrap();
+    // (This translator writes no rules of its own: an object with none is its output.)
+    let dp = h.wait_for("calm's rules", |dp| dp["objects"].get("shop/calm").is_some()).await;
+    assert!(dp["objects"].get("shop/crashy").is_none(), "{dp}");
+    let (_, module) = h.get("/v1/modules/flaky").await;
+    assert!(module["failures"].as_u64() > Some(0), "the translator did trap on crashy: {module}");
+
+    let count = || async {
+        let metrics = h.client.get(h.url("/metrics")).send().await.unwrap().text().await.unwrap();
+        let line = metrics.lines().find_map(|l| l.strip_prefix("wasmplane_network_programming_duration_seconds_count ")).map(str::to_string);
+        line.unwrap_or_else(|| panic!("no programming latency in {metrics}")).parse::<u64>().unwrap()
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while count().await == 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(count().await, 1, "calm's change is programmed, crashy's is not");
+    h.host.stop().await;
+}

@@ -235,6 +235,11 @@ pub struct EndpointSlice {
     pub service_name: CompactString,
     pub endpoints: Vec<Endpoint>,
     pub ports: Vec<EndpointPort>,
+    /// When the change this version of the slice reflects happened (the EndpointSlice
+    /// controller's `endpoints.kubernetes.io/last-change-trigger-time`): where the network
+    /// programming latency of the change starts. Not part of any view.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trigger_time: Option<std::time::SystemTime>,
 }
 
 impl EndpointSlice {

@@ -984,6 +984,7 @@ mod tests {
                 })
                 .collect(),
             ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }],
+            trigger_time: None,
         }
     }
 

@@ -299,7 +299,20 @@ pub fn endpoint_slice(s: &slim::EndpointSlice) -> Result<EndpointSlice, ConvertE
             port: subject.port(&format!("{at}.port"), number)?,
         });
     }
-    Ok(EndpointSlice { namespace: namespace_of(m), name: subject.name(m)?, service_name, endpoints, ports })
+    let trigger_time = m.annotations.as_ref().and_then(|a| a.get(slim::TRIGGER_TIME_ANNOTATION)).and_then(|t| trigger_time(&subject, t));
+    Ok(EndpointSlice { namespace: namespace_of(m), name: subject.name(m)?, service_name, endpoints, ports, trigger_time })
+}
+
+/// The trigger-time annotation (RFC 3339). Only a metric starts from it: a malformed one is
+/// skipped, not an error that would keep the slice's endpoints out (kube-proxy skips it too).
+fn trigger_time(subject: &Subject, text: &str) -> Option<std::time::SystemTime> {
+    match text.parse::<k8s_openapi::jiff::Timestamp>() {
+        Ok(time) => Some(time.into()),
+        Err(e) => {
+            tracing::debug!(object = %subject.object, "ignoring annotation {}: {e}", slim::TRIGGER_TIME_ANNOTATION);
+            None
+        }
+    }
 }
 
 /// The taint the cluster autoscaler puts on a node it is about to remove.
@@ -660,6 +673,21 @@ mod tests {
         let e = slice(json!({"ports": [{"port": 80, "protocol": "ICMP"}]})).unwrap_err();
         assert_eq!(e.to_string(), "EndpointSlice shop/web-1: ports[0] has invalid protocol \"ICMP\" (TCP, UDP or SCTP)");
         assert!(matches!(slice(json!({"ports": [{"port": 0}]})).unwrap_err().problem, Problem::InvalidPort { value: 0, .. }));
+    }
+
+    #[test]
+    fn endpoint_slice_trigger_time() {
+        let annotated = |time: &str| {
+            let v = json!({"metadata": {"name": "web-1", "namespace": "shop", "labels": {SERVICE_NAME_LABEL: "web"},
+                                        "annotations": {slim::TRIGGER_TIME_ANNOTATION: time}}, "endpoints": []});
+            endpoint_slice(&k8s(v)).unwrap().trigger_time
+        };
+        let at = |secs: u64, nanos: u32| Some(std::time::UNIX_EPOCH + std::time::Duration::new(secs, nanos));
+        // The EndpointSlice controller writes RFC 3339 with nanoseconds; offsets are read too.
+        assert_eq!(annotated("2026-11-27T14:00:00.123456789Z"), at(1_795_788_000, 123_456_789));
+        assert_eq!(annotated("2026-11-27T15:00:00+01:00"), at(1_795_788_000, 0));
+        assert_eq!(annotated("yesterday"), None, "a malformed time is skipped, the slice kept");
+        assert_eq!(slice(json!({})).unwrap().trigger_time, None);
     }
 
     #[test]

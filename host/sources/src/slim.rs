@@ -6,7 +6,8 @@
 //! k8s-openapi's complete types only to drop them: no `managedFields`, annotations, container
 //! specs, probes, volumes or node images are allocated, and each kind has a small deserializer
 //! instead of k8s-openapi's (`PodSpec`'s alone is ~120 KiB of code the host ran on every pod
-//! event). Cilium's slim types and client-go's managed-fields transform do the same. Nested
+//! event). Of the annotations only those in [`READ_ANNOTATIONS`] are kept. Cilium's slim
+//! types and client-go's managed-fields transform do the same. Nested
 //! parts wasmplane reads whole (`ServiceSpec`, `NetworkPolicySpec`, `Endpoint`) are
 //! k8s-openapi's own types.
 //!
@@ -19,7 +20,16 @@ use k8s_openapi::api::core::v1 as core;
 use k8s_openapi::api::discovery::v1 as discovery;
 use k8s_openapi::api::networking::v1 as networking;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use serde::de::{DeserializeSeed, IgnoredAny, MapAccess, Visitor};
 use serde::{Deserialize, Deserializer};
+
+/// Set by the EndpointSlice controller on each slice it writes: when the change (of a pod or
+/// the service) that this version reflects happened. kube-proxy's network programming SLI
+/// starts there.
+pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+/// The annotations wasmplane reads; others (a `last-applied-configuration` can be as large as
+/// the object) are skipped while parsing.
+pub const READ_ANNOTATIONS: &[&str] = &[TRIGGER_TIME_ANNOTATION];
 
 /// The metadata fields wasmplane reads; the rest are skipped while parsing. Kept as
 /// k8s-openapi's `ObjectMeta` (what kube's `Resource` hands out), with everything else unset.
@@ -34,6 +44,8 @@ fn metadata<'de, D: Deserializer<'de>>(deserializer: D) -> Result<ObjectMeta, D:
         /// The watcher resumes from the last object's version.
         resource_version: Option<String>,
         labels: Option<BTreeMap<String, String>>,
+        #[serde(default)]
+        annotations: Option<ReadAnnotations>,
         /// A node being deleted is drained by load balancers.
         deletion_timestamp: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
     }
@@ -45,9 +57,57 @@ fn metadata<'de, D: Deserializer<'de>>(deserializer: D) -> Result<ObjectMeta, D:
         generation: read.generation,
         resource_version: read.resource_version,
         labels: read.labels,
+        annotations: read.annotations.map(|a| a.0).filter(|a| !a.is_empty()),
         deletion_timestamp: read.deletion_timestamp,
         ..ObjectMeta::default()
     })
+}
+
+/// The annotations in [`READ_ANNOTATIONS`]; the keys of the others are compared in place and
+/// their values skipped, nothing allocated for them.
+struct ReadAnnotations(BTreeMap<String, String>);
+
+impl<'de> Deserialize<'de> for ReadAnnotations {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Annotations;
+        impl<'de> Visitor<'de> for Annotations {
+            type Value = ReadAnnotations;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a map of annotations")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<ReadAnnotations, A::Error> {
+                let mut kept = BTreeMap::new();
+                while let Some(key) = map.next_key_seed(ReadKey)? {
+                    match key {
+                        Some(key) => kept.insert(key.to_string(), map.next_value::<String>()?),
+                        None => map.next_value::<IgnoredAny>().map(|_| None)?,
+                    };
+                }
+                Ok(ReadAnnotations(kept))
+            }
+        }
+        deserializer.deserialize_map(Annotations)
+    }
+}
+
+/// An annotation's key: which of [`READ_ANNOTATIONS`] it is, if any.
+struct ReadKey;
+
+impl<'de> DeserializeSeed<'de> for ReadKey {
+    type Value = Option<&'static str>;
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ReadKey {
+    type Value = Option<&'static str>;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("an annotation key")
+    }
+    fn visit_str<E: serde::de::Error>(self, key: &str) -> Result<Self::Value, E> {
+        Ok(READ_ANNOTATIONS.iter().find(|read| **read == key).copied())
+    }
 }
 
 /// Implements k8s-openapi's `Resource` and `Metadata` for a slim type with its full type's
@@ -215,6 +275,28 @@ mod tests {
         assert_eq!(<Pod as kube::Resource>::url_path(&(), Some("shop")), <core::Pod as kube::Resource>::url_path(&(), Some("shop")));
         assert_eq!(<EndpointSlice as kube::Resource>::url_path(&(), None), "/apis/discovery.k8s.io/v1/endpointslices");
         assert_eq!(<Node as kube::Resource>::url_path(&(), None), "/api/v1/nodes");
+    }
+
+    /// Of the annotations only those wasmplane reads are kept.
+    #[test]
+    fn keeps_only_the_annotations_it_reads() {
+        let slice: EndpointSlice = serde_json::from_slice(
+            br#"{"metadata": {"name": "web-1", "annotations": {
+                "kubectl.kubernetes.io/last-applied-configuration": "{\"big\": [1, 2, 3]}",
+                "endpoints.kubernetes.io/last-change-trigger-time": "2026-11-27T14:00:00.123456789Z",
+                "note": "x"}}, "endpoints": []}"#,
+        )
+        .unwrap();
+        let annotations = slice.metadata.annotations.unwrap();
+        assert_eq!(annotations.len(), 1, "{annotations:?}");
+        assert_eq!(annotations[TRIGGER_TIME_ANNOTATION], "2026-11-27T14:00:00.123456789Z");
+        // An escaped key is still compared by its text; null annotations are none.
+        let slice: EndpointSlice = serde_json::from_slice(br#"{"metadata": {"annotations": {"endpoints.kubernetes.io\/last-change-trigger-time": "t"}}}"#).unwrap();
+        assert_eq!(slice.metadata.annotations.unwrap()[TRIGGER_TIME_ANNOTATION], "t");
+        let slice: EndpointSlice = serde_json::from_value(json!({"metadata": {"annotations": null}})).unwrap();
+        assert!(slice.metadata.annotations.is_none());
+        let e = serde_json::from_value::<EndpointSlice>(json!({"metadata": {"annotations": {TRIGGER_TIME_ANNOTATION: 5}}})).unwrap_err();
+        assert!(e.to_string().contains("expected a string"), "{e}");
     }
 
     /// What is read still has to be well-formed.
