@@ -380,6 +380,9 @@ fn table(results: &[Value]) -> String {
         ("one endpoint change, slice write → applied in the kernel: p50 / p99 (ms)", Box::new(|v| format!("{:.1} / {:.1}", f(v, "change_p50_ms"), f(v, "change_p99_ms")))),
         ("  samples (p99 of n<100 is the max)", Box::new(|v| format!("{}", v["change_samples"]))),
         ("  p50 by stage: API server write / host apply (model, guests, dataplane) / dataplane transaction / guest calls (ms)", Box::new(|v| format!("{:.2} / {:.2} / {:.2} / {:.3}", f(v, "change_write_p50_ms"), f(v, "change_apply_p50_ms"), f(v, "change_dataplane_p50_ms"), f(v, "change_guest_p50_ms")))),
+        ("  the host's own SLI metric for the same changes (wasmplane_network_programming_duration_seconds, from the slice's trigger time): p50 (ms); changes observed", Box::new(|v| {
+            if v["change_sli_samples"].is_null() { "—".into() } else { format!("{:.2}; {}", f(v, "change_sli_p50_ms"), v["change_sli_samples"]) }
+        })),
         ("  Wasm guest share of that latency", Box::new(|v| format!("{:.2}%", 100.0 * f(v, "change_guest_share")))),
         ("CNI ADD of a pod on this node through the host's daemon (the plugin's request → reply: veth, address, routes): p50 / p99 (ms)", Box::new(|v| {
             if v["cni_samples"].is_null() { "— (record mode)".into() } else { format!("{:.1} / {:.1}", f(v, "cni_add_p50_ms"), f(v, "cni_add_p99_ms")) }

@@ -219,6 +219,9 @@ struct Counters {
     /// Host time applying source batches (model, guests, dataplane) and the dataplane's part.
     apply_seconds: f64,
     dataplane_seconds: f64,
+    /// The host's network programming SLI (trigger time → rules written): sum and count.
+    programming_seconds: f64,
+    programmed: u64,
 }
 
 fn counters(host: &RunningHost) -> Counters {
@@ -238,6 +241,8 @@ fn counters(host: &RunningHost) -> Counters {
         guest_calls: labelled("wasmplane_guest_call_seconds_count") as u64,
         apply_seconds: metric("wasmplane_source_apply_seconds_sum"),
         dataplane_seconds: metric("wasmplane_dataplane_sync_seconds_sum"),
+        programming_seconds: metric("wasmplane_network_programming_duration_seconds_sum"),
+        programmed: metric("wasmplane_network_programming_duration_seconds_count") as u64,
     }
 }
 
@@ -379,6 +384,9 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
     // Per change, where the time went: the API server's write (until its reply), the host's
     // apply (model, guests, dataplane), the dataplane transaction alone, the guest calls.
     let (mut write_times, mut apply_times, mut dataplane_times, mut guest_times) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    // What the host's own SLI metric said of the same change (it starts at the trigger time
+    // the harness wrote into the slice, just before the write).
+    let mut sli_times = Vec::new();
     for n in 0..o.samples {
         let reply = cluster.call("prepare")?;
         let (i, ns, name, ip) = (reply[1].clone(), reply[2].clone(), reply[3].clone(), reply[4].clone());
@@ -410,14 +418,17 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
         apply_times.push(apply);
         dataplane_times.push(dataplane);
         guest_times.push(guest);
+        let sli = (after.programmed == before.programmed + 1).then_some(after.programming_seconds - before.programming_seconds);
+        sli_times.extend(sli);
         let ms = |s: f64| s * 1000.0;
-        eprintln!("[{}] change {n}: {:.2} ms (write {:.2}, host apply {:.2}: dataplane {:.2}, guest {:.3})", o.services, ms(latency), ms(written), ms(apply), ms(dataplane), ms(guest));
+        let sli = sli.map_or("not observed".into(), |s| format!("{:.2}", ms(s)));
+        eprintln!("[{}] change {n}: {:.2} ms (write {:.2}, host apply {:.2}: dataplane {:.2}, guest {:.3}; the host's SLI {sli})", o.services, ms(latency), ms(written), ms(apply), ms(dataplane), ms(guest));
         cluster.call("finish")?;
         if !settle(&host, after_sync.events + 3 * (n as u64 + 1), Duration::from_secs(600)).await {
             eprintln!("[{}] warning: the pod deletion did not arrive", o.services);
         }
     }
-    for times in [&mut latencies, &mut write_times, &mut apply_times, &mut dataplane_times, &mut guest_times] {
+    for times in [&mut latencies, &mut write_times, &mut apply_times, &mut dataplane_times, &mut guest_times, &mut sli_times] {
         times.sort_by(|a, b| a.total_cmp(b));
     }
     let latency_total: f64 = latencies.iter().sum();
@@ -479,6 +490,8 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
         "change_p99_ms": percentile(&latencies, 99.0) * 1000.0,
         "change_max_ms": latencies.last().copied().unwrap_or(f64::NAN) * 1000.0,
         "change_write_p50_ms": percentile(&write_times, 50.0) * 1000.0,
+        "change_sli_p50_ms": percentile(&sli_times, 50.0) * 1000.0,
+        "change_sli_samples": sli_times.len(),
         "change_apply_p50_ms": percentile(&apply_times, 50.0) * 1000.0,
         "change_dataplane_p50_ms": percentile(&dataplane_times, 50.0) * 1000.0,
         "change_guest_p50_ms": percentile(&guest_times, 50.0) * 1000.0,
