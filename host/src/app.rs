@@ -408,7 +408,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         None => None,
     };
     if let Some(cni) = config.cni.clone().filter(|_| !operator_role) {
-        loops.push(tokio::spawn(crate::cni::run(cni, config.data_dir.clone(), controller.clone())));
+        loops.push(tokio::spawn(crate::cni::run(cni, config.data_dir.clone(), controller.clone(), ready.clone())));
     }
     {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();

@@ -4,6 +4,7 @@
 
 use std::net::IpAddr;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -42,13 +43,15 @@ impl ModelObserver for RevisionSignal {
 pub struct ModelPods {
     controller: Weak<Mutex<Controller>>,
     revisions: tokio::sync::watch::Receiver<u64>,
+    /// The host's readiness (`/readyz`): every watched kind listed once.
+    synced: Arc<AtomicBool>,
 }
 
 impl ModelPods {
-    pub fn new(controller: &Arc<Mutex<Controller>>) -> ModelPods {
+    pub fn new(controller: &Arc<Mutex<Controller>>, synced: Arc<AtomicBool>) -> ModelPods {
         let (tx, revisions) = tokio::sync::watch::channel(0);
         controller.lock().unwrap_or_else(|p| p.into_inner()).add_observer(Box::new(RevisionSignal(tx)));
-        ModelPods { controller: Arc::downgrade(controller), revisions }
+        ModelPods { controller: Arc::downgrade(controller), revisions, synced }
     }
 
     fn lookup(&self, pod: &PodRef) -> Option<PodInfo> {
@@ -74,6 +77,10 @@ impl PodDirectory for ModelPods {
                 let _ = tokio::time::timeout(left.min(Duration::from_millis(100)), revisions.changed()).await;
             }
         })
+    }
+
+    fn synced(&self) -> bool {
+        self.synced.load(Ordering::Relaxed)
     }
 }
 
@@ -113,8 +120,8 @@ impl PodNetworkSink for ModelPodNetworks {
 }
 
 /// Starts the daemon once the pod CIDR is known (from the flag, or from this node's Node
-/// object when the watch delivers it).
-pub async fn run(config: CniConfig, data_dir: Option<PathBuf>, controller: Arc<Mutex<Controller>>) {
+/// object when the watch delivers it). `synced`: the host's readiness, for STATUS.
+pub async fn run(config: CniConfig, data_dir: Option<PathBuf>, controller: Arc<Mutex<Controller>>, synced: Arc<AtomicBool>) {
     let pod_cidr = match config.pod_cidr {
         Some(cidr) => cidr,
         None => loop {
@@ -137,7 +144,7 @@ pub async fn run(config: CniConfig, data_dir: Option<PathBuf>, controller: Arc<M
     daemon_config.socket_path = config.socket.clone();
     daemon_config.pod_wait_timeout = config.pod_wait;
     daemon_config.host_netns = config.node_netns.clone();
-    let daemon = match wasmplane_cni::CniDaemon::new(daemon_config, Arc::new(ModelPods::new(&controller)), Arc::new(ModelPodNetworks::new(&controller))) {
+    let daemon = match wasmplane_cni::CniDaemon::new(daemon_config, Arc::new(ModelPods::new(&controller, synced)), Arc::new(ModelPodNetworks::new(&controller))) {
         Ok(daemon) => daemon,
         Err(e) => {
             tracing::error!("starting the CNI daemon: {e}");

@@ -51,6 +51,11 @@ async fn an_added_pod_is_in_the_model_at_once_and_del_takes_it_out() {
     });
     let host = start_host(config).await;
     wait_for("the CNI socket", Duration::from_secs(10), || socket.exists(), |up| *up);
+    // STATUS (CNI 1.1.0): the watch cache has synced and the pod CIDR has room.
+    let mut status = CniRequest::for_pod(Command::Status, "", "", "default", "");
+    status.config = serde_json::json!({"cniVersion": "1.1.0", "name": "wasmplane"});
+    let (code, body) = status.send_blocking(&socket).unwrap();
+    assert_eq!(code, 200, "{body}");
 
     // ADD before the pod is in the cache: it waits, and succeeds once the pod arrives.
     let pod_netns = format!("/var/run/netns/{}", pod_ns.name);

@@ -11,16 +11,19 @@
 //! `/opt/cni/bin/wasmplane-cni`:
 //!
 //! ```json
-//! {"cniVersion": "1.0.0", "name": "wasmplane", "plugins": [
+//! {"cniVersion": "1.0.0", "cniVersions": ["1.0.0", "1.1.0"], "name": "wasmplane", "plugins": [
 //!   {"type": "wasmplane-cni", "daemonSocket": "/run/wasmplane/cni.sock"},
 //!   {"type": "portmap", "capabilities": {"portMappings": true}}
 //! ]}
 //! ```
 //!
-//! Exit status 0 and the result on stdout, or 1 and `{"cniVersion","code","msg","details"}`
-//! on stdout (and a line on stderr). Codes: the spec's (1 version, 4 environment, 5 stdin,
-//! 6 decode, 7 configuration, 11 try again later: daemon unreachable or pod not yet in the
-//! watch cache) and the daemon's own from 100 (see `wasmplane_cni::code`).
+//! Commands: ADD, DEL, CHECK, VERSION, and spec 1.1.0's STATUS and GC (these two carry no
+//! container, interface or namespace). Exit status 0 and the result on stdout, or 1 and
+//! `{"cniVersion","code","msg","details"}` on stdout (and a line on stderr). Codes: the
+//! spec's (1 version, 4 environment, 5 stdin, 6 decode, 7 configuration, 11 try again
+//! later: daemon unreachable or pod not yet in the watch cache, 50 STATUS: cannot add pods
+//! now, daemon unreachable included) and the daemon's own from 100 (see
+//! `wasmplane_cni::code`).
 
 use std::io::{Read as _, Write as _};
 use std::os::unix::net::UnixStream;
@@ -28,7 +31,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-const SUPPORTED_VERSIONS: &[&str] = &["0.3.0", "0.3.1", "0.4.0", "1.0.0"];
+const SUPPORTED_VERSIONS: &[&str] = &["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
 const DEFAULT_SOCKET: &str = "/run/wasmplane/cni.sock";
 const DEFAULT_TIMEOUT_SECS: u64 = 60;
 
@@ -75,7 +78,7 @@ fn run(version: &mut String) -> Result<Option<String>, Failure> {
     let command = std::env::var("CNI_COMMAND").unwrap_or_default();
     if command == "VERSION" {
         return Ok(Some(
-            json!({"cniVersion": "1.0.0", "supportedVersions": SUPPORTED_VERSIONS}).to_string(),
+            json!({"cniVersion": "1.1.0", "supportedVersions": SUPPORTED_VERSIONS}).to_string(),
         ));
     }
     let mut stdin = Vec::new();
@@ -113,18 +116,20 @@ fn run(version: &mut String) -> Result<Option<String>, Failure> {
     let (container_id, netns, if_name) =
         (env("CNI_CONTAINERID"), env("CNI_NETNS"), env("CNI_IFNAME"));
     let mut missing = Vec::new();
-    if !matches!(command.as_str(), "ADD" | "DEL" | "CHECK") {
+    if !matches!(command.as_str(), "ADD" | "DEL" | "CHECK" | "STATUS" | "GC") {
         missing.push(format!(
-            "CNI_COMMAND ({command:?} is not ADD, DEL, CHECK or VERSION)"
+            "CNI_COMMAND ({command:?} is not ADD, DEL, CHECK, STATUS, GC or VERSION)"
         ));
     }
-    if container_id.is_empty() {
+    // STATUS and GC are about the network, not one attachment.
+    let attachment = !matches!(command.as_str(), "STATUS" | "GC");
+    if attachment && container_id.is_empty() {
         missing.push("CNI_CONTAINERID".into());
     }
-    if if_name.is_empty() {
+    if attachment && if_name.is_empty() {
         missing.push("CNI_IFNAME".into());
     }
-    if netns.is_empty() && command != "DEL" {
+    if attachment && netns.is_empty() && command != "DEL" {
         missing.push("CNI_NETNS".into());
     }
     if !missing.is_empty() {
@@ -158,9 +163,10 @@ fn run(version: &mut String) -> Result<Option<String>, Failure> {
     .to_string();
 
     let (status, reply) = post(&socket, "/v1/cni", &body, timeout).map_err(|e| {
-        // Not running (yet), restarting, or overloaded: transient from the runtime's side.
+        // Not running (yet), restarting, or overloaded: transient from the runtime's side;
+        // to STATUS, the plugin is not available.
         Failure::new(
-            11,
+            if command == "STATUS" { 50 } else { 11 },
             format!("wasmplane daemon not reachable at {socket}, try again later"),
             format!("{e}; is the wasmplane agent running on this node?"),
         )

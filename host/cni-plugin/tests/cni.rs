@@ -464,3 +464,59 @@ fn errors_carry_cni_codes_and_versions() {
         "the refused ADD released its address"
     );
 }
+
+/// CNI 1.1.0: STATUS says whether an ADD can be served; GC releases the addresses and
+/// interfaces of the attachments the runtime no longer lists, and spares young ones.
+#[test]
+fn status_and_gc_of_spec_1_1() {
+    require_root!();
+    let mut node = Node::new("10.244.17.0/24");
+    let cfg = node.config("1.1.0");
+    let version = run_plugin(support::PLUGIN, &[("CNI_COMMAND", "VERSION")], &cfg, None);
+    assert!(version.json["supportedVersions"].as_array().unwrap().contains(&json!("1.1.0")), "{version:?}");
+
+    // STATUS: no output when ready; older configurations do not have it; no daemon: 50.
+    let status = node.network("STATUS", &cfg);
+    assert!(status.ok && status.json.is_null(), "{status:?}");
+    assert_eq!(node.network("STATUS", &node.config("1.0.0")).code(), 1);
+    let mut elsewhere = cfg.clone();
+    elsewhere["daemonSocket"] = json!("/nonexistent/cni.sock");
+    assert_eq!(node.network("STATUS", &elsewhere).code(), 50);
+
+    let pods: Vec<Netns> = (0..3).map(|i| Netns::new(unique(&format!("-g{i}")))).collect();
+    let mut ips = Vec::new();
+    for (i, pod) in pods.iter().enumerate() {
+        node.know_pod("test", &format!("g{i}"));
+        let r = node.cni_with("ADD", &format!("ctr-g{i}"), &pod.path(), &format!("g{i}"), &cfg);
+        assert!(r.ok, "{r:?}");
+        assert_eq!(r.json["cniVersion"], "1.1.0");
+        ips.push(r.ip());
+    }
+
+    // GC: the runtime still has g0 (and lists one the daemon never saw); g1 and g2 go.
+    let mut gc = cfg.clone();
+    gc["cni.dev/valid-attachments"] = json!([{"containerID": "ctr-g0", "ifname": "eth0"}, {"containerID": "ghost", "ifname": "eth0"}]);
+    let r = node.network("GC", &gc);
+    assert!(r.ok && r.json.is_null(), "{r:?}");
+    let daemon = node.daemon.clone().unwrap();
+    let left: Vec<String> = daemon.ipam().all().into_iter().map(|a| a.container_id).collect();
+    assert_eq!(left, ["ctr-g0"]);
+    assert_eq!(node.host_links(), [wasmplane_cni::host_if_name("ctr-g0", "eth0")]);
+    assert_eq!(node.sink.get("test", "g1"), None, "a released address leaves the model");
+    assert_eq!(node.sink.get("test", "g0"), Some(vec![ips[0].into()]));
+    assert!(icmp_echo(&node.ns.path(), ips[0], ECHO), "the valid attachment still works");
+    // Without the runtime's list nothing is known to be valid: refused, nothing released.
+    assert_eq!(node.network("GC", &cfg).code(), 7);
+    assert_eq!(daemon.ipam().all().len(), 1);
+
+    // With a grace period, an attachment younger than it is spared even when not listed
+    // (the runtime's list may predate its ADD).
+    node.gc_grace = Duration::from_secs(3600);
+    node.restart();
+    let r = node.cni_with("ADD", "ctr-g1", &pods[1].path(), "g1", &cfg);
+    assert!(r.ok, "{r:?}");
+    gc["cni.dev/valid-attachments"] = json!([]);
+    let r = node.network("GC", &gc);
+    assert!(r.ok, "{r:?}");
+    assert_eq!(node.daemon.as_ref().unwrap().ipam().all().len(), 2, "young attachments are spared");
+}

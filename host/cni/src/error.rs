@@ -14,6 +14,8 @@ pub mod code {
     pub const DECODE: u32 = 6;
     pub const INVALID_CONFIG: u32 = 7;
     pub const TRY_AGAIN_LATER: u32 = 11;
+    /// STATUS: ADD cannot be served now (spec 1.1.0).
+    pub const NOT_AVAILABLE: u32 = 50;
     /// Writing or reading the allocation state failed.
     pub const STATE: u32 = 100;
     /// No free address left in the node's pod CIDR.
@@ -28,6 +30,8 @@ pub mod code {
     pub const CHECK_FAILED: u32 = 105;
     /// CHECK for a container the daemon never added (or already deleted).
     pub const UNKNOWN_CONTAINER: u32 = 106;
+    /// GC released what it could; some stale attachments are left.
+    pub const GC_INCOMPLETE: u32 = 107;
     /// The daemon could not be reached or answered something unreadable (plugin side).
     pub const DAEMON_UNREACHABLE: u32 = 110;
     pub const INTERNAL: u32 = 199;
@@ -89,6 +93,10 @@ pub enum Error {
         container_id: String,
         if_name: String,
     },
+    #[error("cannot add pods now: {0}")]
+    NotAvailable(String),
+    #[error("{0}")]
+    GcIncomplete(String),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -109,6 +117,8 @@ impl Error {
             Error::InterfaceExists { .. } => code::INTERFACE_EXISTS,
             Error::CheckFailed(_) => code::CHECK_FAILED,
             Error::UnknownContainer { .. } => code::UNKNOWN_CONTAINER,
+            Error::NotAvailable(_) => code::NOT_AVAILABLE,
+            Error::GcIncomplete(_) => code::GC_INCOMPLETE,
             Error::Io { .. } | Error::Internal(_) => code::INTERNAL,
         }
     }
@@ -128,6 +138,8 @@ impl Error {
             Error::InterfaceExists { .. } => "interface already exists in pod",
             Error::CheckFailed(_) => "pod network check failed",
             Error::UnknownContainer { .. } => "container not known to wasmplane",
+            Error::NotAvailable(_) => "wasmplane cannot add pods on this node now",
+            Error::GcIncomplete(_) => "some stale pod networks could not be released",
             Error::Io { .. } | Error::Internal(_) => "wasmplane CNI internal error",
         }
     }

@@ -25,6 +25,10 @@ pub struct Allocation {
     pub pod_namespace: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod_name: Option<String>,
+    /// When it was handed out (seconds since the Unix epoch; none in state from before this
+    /// was recorded): GC spares allocations younger than its grace period.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allocated_at: Option<u64>,
 }
 
 impl Allocation {
@@ -138,6 +142,12 @@ impl Ipam {
         self.lock().by_ip.values().cloned().collect()
     }
 
+    /// Whether an ADD of a new container would get an address now.
+    pub fn has_free(&self) -> bool {
+        let state = self.lock();
+        self.next_free(&state).is_some()
+    }
+
     /// Allocates an address for `(container_id, if_name)`; returns the existing one (and
     /// `false`) if that key already holds one, so a repeated ADD never takes a second.
     /// Returns once the allocation is on disk.
@@ -166,6 +176,10 @@ impl Ipam {
                 if_name: if_name.into(),
                 pod_namespace: pod.map(|p| p.0.to_string()),
                 pod_name: pod.map(|p| p.1.to_string()),
+                allocated_at: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .ok()
+                    .map(|t| t.as_secs()),
             };
             state.last = Some(ip);
             state.by_ip.insert(ip, alloc.clone());

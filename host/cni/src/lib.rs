@@ -4,7 +4,10 @@
 //! a unix socket; this crate answers it: it waits (bounded) until the pod is in the host's
 //! watch cache, allocates an address from the node's pod CIDR (persisted), creates the veth
 //! pair into the pod's network namespace with its address and routes, reports the address
-//! to the host at once, and replies with the spec's result or error object.
+//! to the host at once, and replies with the spec's result or error object. Of spec 1.1.0
+//! it answers STATUS (not available while the watch cache has not synced or the pod CIDR is
+//! full) and GC (releases the addresses and interfaces of attachments the runtime no longer
+//! has, sparing young ones).
 //!
 //! ```no_run
 //! # async fn f() -> Result<(), wasmplane_cni::Error> {
@@ -23,11 +26,11 @@ mod link;
 mod pods;
 mod protocol;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use axum::Router;
 use axum::body::Bytes;
@@ -43,8 +46,8 @@ pub use ipam::{Allocation, Ipam};
 pub use link::host_if_name;
 pub use pods::{AnyPod, BoxFuture, PodCache, PodDirectory, PodInfo, PodNetworkSink, PodNetworks};
 pub use protocol::{
-    CniRequest, Command, DEFAULT_SOCKET, NetConf, PodNetwork, PodRef, SUPPORTED_VERSIONS,
-    parse_pod_args,
+    Attachment, CniRequest, Command, DEFAULT_SOCKET, NetConf, PodNetwork, PodRef,
+    SUPPORTED_VERSIONS, parse_pod_args, version_at_least,
 };
 
 /// How the daemon runs on this node.
@@ -66,6 +69,9 @@ pub struct DaemonConfig {
     /// Turn on IPv4 forwarding in the node namespace at start: pods reach each other and
     /// the world through the node's routing (as the reference bridge plugin's isGateway).
     pub enable_ip_forward: bool,
+    /// GC keeps allocations younger than this even when the runtime does not list them: its
+    /// list may have been taken before an ADD that finished since.
+    pub gc_grace: Duration,
 }
 
 impl DaemonConfig {
@@ -78,6 +84,7 @@ impl DaemonConfig {
             host_netns: None,
             mtu: None,
             enable_ip_forward: true,
+            gc_grace: Duration::from_secs(60),
         }
     }
 }
@@ -182,7 +189,7 @@ impl CniDaemon {
             .with_state(self.clone())
     }
 
-    /// One CNI command: `Ok(Some(result))` for ADD, `Ok(None)` for DEL and CHECK. The error
+    /// One CNI command: `Ok(Some(result))` for ADD, `Ok(None)` for the others. The error
     /// carries the CNI version to reply in.
     pub async fn handle(&self, req: &CniRequest) -> Result<Option<Value>, (String, Error)> {
         let conf = NetConf::parse(&req.config).map_err(|e| (version_of(&req.config), e))?;
@@ -191,14 +198,42 @@ impl CniDaemon {
     }
 
     async fn dispatch(&self, req: &CniRequest, conf: &NetConf) -> Result<Option<Value>, Error> {
-        validate_env(req)?;
-        if req.command == Command::Check && conf.cni_version.starts_with("0.3") {
+        let since = req.command.since();
+        if !version_at_least(&conf.cni_version, since) {
             return Err(Error::IncompatibleVersion(format!(
-                "{} (CHECK needs 0.4.0 or later)",
-                conf.cni_version
+                "{} ({} needs {since} or later)",
+                conf.cni_version,
+                req.command.as_str()
             )));
         }
-        let key = format!("{}/{}", req.container_id, req.if_name);
+        match req.command {
+            Command::Status => return self.status().map(|()| None),
+            Command::Gc => return self.gc(conf).await.map(|()| None),
+            _ => {}
+        }
+        validate_env(req)?;
+        self.exclusively(&req.container_id, &req.if_name, async {
+            match req.command {
+                Command::Add => self.add(req, conf).await.map(Some),
+                Command::Del => self
+                    .remove_attachment(&req.container_id, &req.if_name)
+                    .await
+                    .map(|_| None),
+                Command::Check => self.check(req, conf).await.map(|()| None),
+                Command::Status | Command::Gc => unreachable!("answered above"),
+            }
+        })
+        .await
+    }
+
+    /// Runs `op` as the only operation on the attachment `(container_id, if_name)`.
+    async fn exclusively<T>(
+        &self,
+        container_id: &str,
+        if_name: &str,
+        op: impl std::future::Future<Output = T>,
+    ) -> T {
+        let key = format!("{container_id}/{if_name}");
         let lock = self
             .in_flight
             .lock()
@@ -207,11 +242,7 @@ impl CniDaemon {
             .or_default()
             .clone();
         let guard = lock.lock().await;
-        let result = match req.command {
-            Command::Add => self.add(req, conf).await.map(Some),
-            Command::Del => self.del(req).await.map(|()| None),
-            Command::Check => self.check(req, conf).await.map(|()| None),
-        };
+        let result = op.await;
         drop(guard);
         drop(lock);
         let mut map = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
@@ -219,6 +250,69 @@ impl CniDaemon {
             map.remove(&key);
         }
         result
+    }
+
+    /// STATUS: whether an ADD can be served now.
+    fn status(&self) -> Result<(), Error> {
+        if !self.pods.synced() {
+            return Err(Error::NotAvailable(
+                "the watch cache has not synced yet (an ADD would wait for its pod)".into(),
+            ));
+        }
+        if !self.ipam.has_free() {
+            return Err(Error::NotAvailable(format!(
+                "no free address left in the pod CIDR {}",
+                self.ipam.cidr()
+            )));
+        }
+        Ok(())
+    }
+
+    /// GC: releases every attachment the runtime no longer lists (and older than the
+    /// grace period), as a DEL would; goes on past failures and reports them together.
+    async fn gc(&self, conf: &NetConf) -> Result<(), Error> {
+        // Without the list nothing is known to be valid: releasing everything is not GC.
+        let valid = conf.valid_attachments.as_ref().ok_or_else(|| {
+            Error::InvalidConfig("GC needs cni.dev/valid-attachments".into())
+        })?;
+        let grace = self.config.gc_grace;
+        let mut failures = Vec::new();
+        let mut released = 0;
+        for stale in stale_attachments(self.ipam.all(), valid, SystemTime::now(), grace) {
+            let (ctr, ifn) = (&stale.container_id, &stale.if_name);
+            // Under the attachment's lock, looked at again: an ADD may have run meanwhile.
+            let result = self
+                .exclusively(ctr, ifn, async {
+                    let current = self.ipam.get(ctr, ifn);
+                    let still_stale = current.is_some_and(|a| {
+                        !stale_attachments(vec![a], valid, SystemTime::now(), grace).is_empty()
+                    });
+                    if still_stale {
+                        self.remove_attachment(ctr, ifn).await
+                    } else {
+                        Ok(None)
+                    }
+                })
+                .await;
+            match result {
+                Ok(Some(a)) => {
+                    tracing::info!(ip = %a.ip, container = %ctr, if_name = %ifn, "GC released a stale attachment");
+                    released += 1;
+                }
+                Ok(None) => {}
+                Err(e) => failures.push(format!("{ctr}/{ifn}: {e}")),
+            }
+        }
+        if failures.is_empty() {
+            tracing::debug!(released, valid = valid.len(), "GC");
+            Ok(())
+        } else {
+            Err(Error::GcIncomplete(format!(
+                "released {released}, failed {}: {}",
+                failures.len(),
+                failures.join("; ")
+            )))
+        }
     }
 
     async fn add(&self, req: &CniRequest, conf: &NetConf) -> Result<Value, Error> {
@@ -276,17 +370,19 @@ impl CniDaemon {
         }
     }
 
-    async fn del(&self, req: &CniRequest) -> Result<(), Error> {
-        let host_if = host_if_name(&req.container_id, &req.if_name);
+    /// DEL (and GC of a stale attachment): the node side of the veth (the pod side goes
+    /// with it) and the address. Returns the allocation it released.
+    async fn remove_attachment(
+        &self,
+        container_id: &str,
+        if_name: &str,
+    ) -> Result<Option<Allocation>, Error> {
+        let host_if = host_if_name(container_id, if_name);
         let removed = link::teardown(self.config.host_netns.clone(), host_if.clone()).await?;
-        let (ipam, ctr, ifn) = (
-            self.ipam.clone(),
-            req.container_id.clone(),
-            req.if_name.clone(),
-        );
+        let (ipam, ctr, ifn) = (self.ipam.clone(), container_id.to_string(), if_name.to_string());
         let released = blocking(move || ipam.release(&ctr, &ifn)).await?;
-        tracing::debug!(%host_if, removed, released = ?released.as_ref().map(|a| a.ip), "DEL");
-        // Only what this DEL released leaves the model (nothing, for a repeated DEL).
+        tracing::debug!(%host_if, removed, released = ?released.as_ref().map(|a| a.ip), "attachment removed");
+        // Only what this call released leaves the model (nothing, for a repeated DEL).
         if let Some(Allocation {
             ip,
             pod_namespace: Some(ns),
@@ -296,7 +392,7 @@ impl CniDaemon {
         {
             self.sink.pod_network_removed(ns, name, &[IpAddr::V4(*ip)]);
         }
-        Ok(())
+        Ok(released)
     }
 
     async fn check(&self, req: &CniRequest, conf: &NetConf) -> Result<(), Error> {
@@ -332,6 +428,29 @@ impl CniDaemon {
             mtu: self.config.mtu,
         }
     }
+}
+
+/// The allocations GC releases: of no attachment in `valid`, and older than `grace` (an ADD
+/// that finished after the runtime took its list is not stale). Allocations from before
+/// their time was recorded count as old.
+fn stale_attachments(
+    allocations: Vec<Allocation>,
+    valid: &[Attachment],
+    now: SystemTime,
+    grace: Duration,
+) -> Vec<Allocation> {
+    let valid: HashSet<(&str, &str)> = valid
+        .iter()
+        .map(|a| (a.container_id.as_str(), a.if_name.as_str()))
+        .collect();
+    let now = now
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |t| t.as_secs());
+    allocations
+        .into_iter()
+        .filter(|a| !valid.contains(&(a.container_id.as_str(), a.if_name.as_str())))
+        .filter(|a| a.allocated_at.is_none_or(|at| now.saturating_sub(at) >= grace.as_secs()))
+        .collect()
 }
 
 /// A running daemon; [`DaemonHandle::shutdown`] stops it and removes the socket.
@@ -477,4 +596,101 @@ fn error_response(version: &str, e: &Error) -> Response {
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
     (status, axum::Json(e.to_cni(version))).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use super::*;
+    use serde_json::json;
+
+    fn allocation(container_id: &str, allocated_at: Option<u64>) -> Allocation {
+        Allocation {
+            ip: Ipv4Addr::new(10, 244, 0, 9),
+            container_id: container_id.into(),
+            if_name: "eth0".into(),
+            pod_namespace: None,
+            pod_name: None,
+            allocated_at,
+        }
+    }
+
+    #[test]
+    fn gc_releases_what_the_runtime_does_not_list_and_is_not_young() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000);
+        let valid = [
+            Attachment { container_id: "kept".into(), if_name: "eth0".into() },
+            // Unknown to the daemon: no error, nothing to do.
+            Attachment { container_id: "ghost".into(), if_name: "eth0".into() },
+        ];
+        let allocations = vec![
+            allocation("kept", Some(100)),
+            allocation("gone", Some(100)),
+            allocation("young", Some(990)),
+            allocation("unrecorded", None),
+        ];
+        let stale: Vec<String> = stale_attachments(allocations, &valid, now, Duration::from_secs(60))
+            .into_iter()
+            .map(|a| a.container_id)
+            .collect();
+        assert_eq!(stale, ["gone", "unrecorded"]);
+        // Another interface of a listed container is not listed.
+        let mut other_if = allocation("kept", Some(100));
+        other_if.if_name = "net1".into();
+        assert_eq!(stale_attachments(vec![other_if], &valid, now, Duration::ZERO).len(), 1);
+    }
+
+    struct Unsynced;
+
+    impl PodDirectory for Unsynced {
+        fn wait_for_pod<'a>(&'a self, _pod: &'a PodRef, _timeout: Duration) -> BoxFuture<'a, Option<PodInfo>> {
+            Box::pin(async { None })
+        }
+        fn synced(&self) -> bool {
+            false
+        }
+    }
+
+    fn network_request(command: Command, config: Value) -> CniRequest {
+        CniRequest {
+            command,
+            container_id: String::new(),
+            netns: String::new(),
+            if_name: String::new(),
+            args: String::new(),
+            path: String::new(),
+            config,
+        }
+    }
+
+    /// STATUS and GC: spec 1.1.0 only, no attachment needed; STATUS says why ADD cannot be
+    /// served; GC without the runtime's list is refused, not taken as "nothing is valid".
+    #[tokio::test]
+    async fn status_and_gc_requests() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = DaemonConfig::new("10.244.9.0/30".parse().unwrap(), dir.path().into());
+        let sink = Arc::new(PodNetworks::new());
+        let daemon = CniDaemon::new(config.clone(), Arc::new(AnyPod), sink.clone()).unwrap();
+        let v11 = json!({"cniVersion": "1.1.0", "name": "k8s"});
+        let code = |r: Result<Option<Value>, (String, Error)>| r.err().map(|(_, e)| e.code());
+        assert_eq!(code(daemon.handle(&network_request(Command::Status, v11.clone())).await), None);
+        let v10 = json!({"cniVersion": "1.0.0", "name": "k8s"});
+        assert_eq!(code(daemon.handle(&network_request(Command::Status, v10.clone())).await), Some(code::INCOMPATIBLE_VERSION));
+        assert_eq!(code(daemon.handle(&network_request(Command::Gc, v10)).await), Some(code::INCOMPATIBLE_VERSION));
+        let no_list = daemon.handle(&network_request(Command::Gc, v11.clone())).await.unwrap_err();
+        assert_eq!((no_list.0.as_str(), no_list.1.code()), ("1.1.0", code::INVALID_CONFIG));
+
+        // A /30 has one pod address: taken, the node cannot add pods.
+        daemon.ipam().allocate("c1", "eth0", None).unwrap();
+        let full = daemon.handle(&network_request(Command::Status, v11.clone())).await.unwrap_err().1;
+        assert_eq!(full.code(), code::NOT_AVAILABLE);
+        assert!(full.to_string().contains("10.244.9.0/30"), "{full}");
+        daemon.ipam().release("c1", "eth0").unwrap();
+
+        let unsynced = CniDaemon::new(config, Arc::new(Unsynced), sink).unwrap();
+        let e = unsynced.handle(&network_request(Command::Status, v11)).await.unwrap_err().1;
+        assert_eq!(e.code(), code::NOT_AVAILABLE);
+        assert!(e.to_string().contains("watch cache"), "{e}");
+    }
 }

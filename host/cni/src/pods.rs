@@ -32,6 +32,12 @@ pub trait PodDirectory: Send + Sync {
         pod: &'a PodRef,
         timeout: Duration,
     ) -> BoxFuture<'a, Option<PodInfo>>;
+
+    /// Whether the cache has had the cluster's whole state once; before that an ADD may
+    /// wait for its pod up to its timeout (STATUS reports the plugin not available).
+    fn synced(&self) -> bool {
+        true
+    }
 }
 
 /// Where a pod's addresses go the moment its network exists (the node-local model).

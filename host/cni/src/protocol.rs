@@ -8,8 +8,15 @@ use serde_json::{Value, json};
 
 use crate::error::Error;
 
-/// CNI spec versions this plugin speaks (CHECK exists from 0.4.0 on).
-pub const SUPPORTED_VERSIONS: &[&str] = &["0.3.0", "0.3.1", "0.4.0", "1.0.0"];
+/// CNI spec versions this plugin speaks, oldest first (CHECK exists from 0.4.0 on, STATUS
+/// and GC from 1.1.0).
+pub const SUPPORTED_VERSIONS: &[&str] = &["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
+
+/// Whether `version` (a supported one) is `min` or later.
+pub fn version_at_least(version: &str, min: &str) -> bool {
+    let rank = |v: &str| SUPPORTED_VERSIONS.iter().position(|s| *s == v);
+    rank(version) >= rank(min)
+}
 
 /// Default daemon socket, used when the network configuration names none.
 pub const DEFAULT_SOCKET: &str = "/run/wasmplane/cni.sock";
@@ -21,6 +28,10 @@ pub enum Command {
     Add,
     Del,
     Check,
+    /// Whether ADD can be served now (spec 1.1.0).
+    Status,
+    /// Release what belongs to no valid attachment (spec 1.1.0).
+    Gc,
 }
 
 impl Command {
@@ -29,7 +40,24 @@ impl Command {
             Command::Add => "ADD",
             Command::Del => "DEL",
             Command::Check => "CHECK",
+            Command::Status => "STATUS",
+            Command::Gc => "GC",
         }
+    }
+
+    /// The first spec version that has this command.
+    pub fn since(self) -> &'static str {
+        match self {
+            Command::Add | Command::Del => "0.3.0",
+            Command::Check => "0.4.0",
+            Command::Status | Command::Gc => "1.1.0",
+        }
+    }
+
+    /// Whether the command is about one attachment (container and interface); STATUS and GC
+    /// are about the network.
+    pub fn has_attachment(self) -> bool {
+        !matches!(self, Command::Status | Command::Gc)
     }
 }
 
@@ -39,10 +67,13 @@ impl Command {
 #[serde(rename_all = "camelCase")]
 pub struct CniRequest {
     pub command: Command,
+    /// Empty for STATUS and GC.
+    #[serde(default)]
     pub container_id: String,
     /// Empty when the runtime gave none (allowed for DEL).
     #[serde(default)]
     pub netns: String,
+    #[serde(default)]
     pub if_name: String,
     /// `CNI_ARGS`, e.g. `IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=web-0`.
     #[serde(default)]
@@ -91,6 +122,17 @@ pub struct NetConf {
     pub cni_version: String,
     pub name: String,
     pub prev_result: Option<Value>,
+    /// GC's `cni.dev/valid-attachments`: the attachments the runtime still has.
+    pub valid_attachments: Option<Vec<Attachment>>,
+}
+
+/// One attachment to the network: the container and interface of an ADD.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Attachment {
+    #[serde(rename = "containerID")]
+    pub container_id: String,
+    #[serde(rename = "ifname")]
+    pub if_name: String,
 }
 
 impl NetConf {
@@ -114,10 +156,17 @@ impl NetConf {
             Some(Value::String(n)) if !n.is_empty() => n.clone(),
             _ => return Err(Error::InvalidConfig("name is missing or empty".into())),
         };
+        let valid_attachments = match obj.get("cni.dev/valid-attachments") {
+            None => None,
+            Some(list) => Some(Vec::<Attachment>::deserialize(list).map_err(|e| {
+                Error::InvalidConfig(format!("cni.dev/valid-attachments: {e}"))
+            })?),
+        };
         Ok(NetConf {
             cni_version,
             name,
             prev_result: obj.get("prevResult").cloned(),
+            valid_attachments,
         })
     }
 }
@@ -174,14 +223,15 @@ pub struct PodNetwork {
 }
 
 impl PodNetwork {
-    /// The spec's ADD result in `cni_version` (0.3.x/0.4.0 carry `version` per IP).
+    /// The spec's ADD result in `cni_version` (0.3.x/0.4.0 carry `version` per IP; 1.1.0's
+    /// additions are optional fields).
     pub fn to_result(&self, cni_version: &str) -> Value {
         let mut ip = json!({
             "address": format!("{}/32", self.ip),
             "gateway": self.gateway.to_string(),
             "interface": 1,
         });
-        if cni_version != "1.0.0" {
+        if cni_version.starts_with("0.") {
             ip["version"] = json!("4");
         }
         json!({
@@ -264,5 +314,23 @@ mod tests {
         assert_eq!(v1["ips"][0]["address"], "10.244.0.5/32");
         assert_eq!(v1["interfaces"][1]["sandbox"], "/run/netns/x");
         assert_eq!(n.to_result("0.4.0")["ips"][0]["version"], "4");
+        assert!(n.to_result("1.1.0")["ips"][0].get("version").is_none());
+    }
+
+    #[test]
+    fn versions_and_valid_attachments() {
+        assert!(version_at_least("1.1.0", "1.1.0") && version_at_least("1.1.0", "0.4.0"));
+        assert!(!version_at_least("1.0.0", Command::Gc.since()) && !version_at_least("0.3.1", Command::Check.since()));
+        let conf = NetConf::parse(&json!({"cniVersion": "1.1.0", "name": "k8s",
+            "cni.dev/valid-attachments": [{"containerID": "c1", "ifname": "eth0"}]}))
+        .unwrap();
+        assert_eq!(
+            conf.valid_attachments,
+            Some(vec![Attachment { container_id: "c1".into(), if_name: "eth0".into() }])
+        );
+        let e = NetConf::parse(&json!({"cniVersion": "1.1.0", "name": "k8s", "cni.dev/valid-attachments": [{"containerID": 5}]}))
+            .unwrap_err();
+        assert_eq!(e.code(), 7, "{e}");
+        assert!(e.to_string().contains("valid-attachments"), "{e}");
     }
 }

@@ -354,6 +354,8 @@ pub struct Node {
     pub pods: Arc<PodCache>,
     pub sink: Arc<PodNetworks>,
     pub wait: Duration,
+    /// The daemon's GC grace period (none unless a test sets one).
+    pub gc_grace: Duration,
     pub daemon: Option<Arc<CniDaemon>>,
     handle: Option<DaemonHandle>,
     pub rt: tokio::runtime::Runtime,
@@ -381,6 +383,7 @@ impl Node {
             pods: Arc::new(PodCache::new()),
             sink: Arc::new(PodNetworks::new()),
             wait: Duration::from_secs(5),
+            gc_grace: Duration::ZERO,
             daemon: None,
             handle: None,
             rt,
@@ -408,6 +411,7 @@ impl Node {
         config.socket_path = self.socket();
         config.host_netns = Some(self.ns.path().into());
         config.pod_wait_timeout = self.wait;
+        config.gc_grace = self.gc_grace;
         let daemon = CniDaemon::new(config, pods, self.sink.clone()).expect("daemon");
         self.handle = Some(
             self.rt
@@ -464,6 +468,17 @@ impl Node {
             ("CNI_PATH", "/usr/lib/cni"),
         ];
         run_plugin(PLUGIN, &env, config, None)
+    }
+
+    /// Runs the real plugin binary for a command about the network (STATUS, GC): no
+    /// container, interface or namespace.
+    pub fn network(&self, command: &str, config: &Value) -> Reply {
+        run_plugin(
+            PLUGIN,
+            &[("CNI_COMMAND", command), ("CNI_PATH", "/usr/lib/cni")],
+            config,
+            None,
+        )
     }
 
     /// Interfaces named `wp*` in the node namespace.
