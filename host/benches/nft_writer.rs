@@ -97,7 +97,7 @@ fn main() {
     let mut batch_kinds = Vec::new();
     for n in sizes {
         let objects: BTreeMap<ObjectKey, ObjectRules> = (0..n).map(|i| rules(&mut session, &ctx, &view(i, 0))).collect();
-        let (document, render) = timed(|| nft::full_transaction(objects.values(), &nft::Stale::default(), nft::Layout::default(), &nft::NodeNetworks { cluster_cidrs: vec!["10.244.0.0/16".parse().unwrap()], node_port_ips: None }));
+        let (document, render) = timed(|| nft::full_transaction(objects.values(), &nft::Stale::default(), nft::Layout::default(), &nft::NodeNetworks { cluster_cidrs: vec!["10.244.0.0/16".parse().unwrap()], ..Default::default() }));
         let statements = document.lines().count();
 
         let reference_ns = Netns::new(format!("wpbench{}-ref", std::process::id()));

@@ -117,6 +117,10 @@ pub struct HostConfig {
     pub data_dir: Option<PathBuf>,
     pub node_name: String,
     pub cluster_cidrs: Vec<String>,
+    /// The cluster's service CIDRs (`--service-cidr`): new connections to an address in them
+    /// that is no service's are dropped (kube-proxy's, from ServiceCIDR objects). None: not
+    /// checked.
+    pub service_cidrs: Vec<String>,
     pub dataplane: DataplaneMode,
     pub token: Option<String>,
     pub limits: Limits,
@@ -170,6 +174,7 @@ impl Default for HostConfig {
             data_dir: None,
             node_name: "node-a".into(),
             cluster_cidrs: vec!["10.244.0.0/16".into()],
+            service_cidrs: Vec::new(),
             dataplane: DataplaneMode::Record,
             token: None,
             limits: Limits::default(),
@@ -302,6 +307,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
     let controller_config = ControllerConfig {
         node_name: config.node_name.clone(),
         cluster_cidrs: config.cluster_cidrs.clone(),
+        service_cidrs: config.service_cidrs.clone(),
         max_module_bytes: config.max_module_bytes,
         crash_budget: config.crash_budget,
         // Shards pay off only for netlink batches: nft 1.0.6 fills its cache table by table,

@@ -83,6 +83,11 @@ pub struct RunArgs {
     /// Pod CIDRs of the cluster; traffic from outside them to services is masqueraded.
     #[arg(long = "cluster-cidr", env = "WASMPLANE_CLUSTER_CIDRS", value_delimiter = ',', default_value = "10.244.0.0/16")]
     pub cluster_cidrs: Vec<String>,
+    /// Service CIDRs of the cluster (the API server's `--service-cluster-ip-range`): new
+    /// connections to an address in them that is no service's are dropped, not routed
+    /// off the node. Unset: not checked.
+    #[arg(long = "service-cidr", env = "WASMPLANE_SERVICE_CIDRS", value_delimiter = ',')]
+    pub service_cidrs: Vec<String>,
     /// Render the dataplane (`record`) or write it to the kernel (`nftables`).
     #[arg(long, env = "WASMPLANE_DATAPLANE", value_enum, default_value = "record")]
     pub dataplane: DataplaneMode,
@@ -347,6 +352,7 @@ impl RunArgs {
             data_dir: Some(self.data_dir),
             node_name: self.node_name,
             cluster_cidrs: self.cluster_cidrs,
+            service_cidrs: self.service_cidrs,
             dataplane: self.dataplane,
             token,
             limits,

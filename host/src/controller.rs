@@ -78,6 +78,8 @@ pub trait ModelObserver: Send {
 pub struct ControllerConfig {
     pub node_name: String,
     pub cluster_cidrs: Vec<String>,
+    /// The cluster's service CIDRs: unallocated addresses in them are dropped.
+    pub service_cidrs: Vec<String>,
     pub max_module_bytes: usize,
     pub crash_budget: CrashBudget,
     /// Services per nftables shard table (see `nft::Layout`).
@@ -184,6 +186,7 @@ impl Controller {
             dataplane: Dataplane::new(kernel)
                 .with_services_per_shard(config.services_per_shard)
                 .with_cluster_cidrs(&config.cluster_cidrs)
+                .with_service_cidrs(&config.service_cidrs)
                 .with_node_port_addresses(config.node_port_addresses),
             service_errors: BTreeMap::new(),
             max_module_bytes: config.max_module_bytes,

@@ -794,16 +794,14 @@ impl Dataplane {
     /// The cluster's pod CIDRs (unparsable ones are logged and left out): connections to a
     /// `masquerade-off-cluster` frontend from outside them are masqueraded.
     pub fn with_cluster_cidrs(mut self, cidrs: &[String]) -> Self {
-        self.networks.cluster_cidrs = cidrs
-            .iter()
-            .filter_map(|c| match c.parse::<ipnet::IpNet>().or_else(|_| c.parse::<std::net::IpAddr>().map(ipnet::IpNet::from)) {
-                Ok(net) => Some(net),
-                Err(e) => {
-                    tracing::warn!(cidr = %c, "not a cluster CIDR, left out of the dataplane's cluster-cidrs: {e}");
-                    None
-                }
-            })
-            .collect();
+        self.networks.cluster_cidrs = parse_cidrs("cluster-cidrs", cidrs);
+        self
+    }
+
+    /// The cluster's service CIDRs (unparsable ones are logged and left out): new
+    /// connections to an address in them that is no service's are dropped.
+    pub fn with_service_cidrs(mut self, cidrs: &[String]) -> Self {
+        self.networks.service_cidrs = parse_cidrs("service-cidrs", cidrs);
         self
     }
 
@@ -1121,7 +1119,7 @@ impl Dataplane {
                 unsharded_main,
             }
         };
-        let networks = nft::NodeNetworks { cluster_cidrs: self.networks.cluster_cidrs.clone(), node_port_ips: self.node_port_ips() };
+        let networks = nft::NodeNetworks { node_port_ips: self.node_port_ips(), ..self.networks.clone() };
         if networks.node_port_ips != self.networks.node_port_ips {
             tracing::info!(addresses = ?networks.node_port_ips, "node ports served on new addresses");
         }
@@ -1188,6 +1186,21 @@ impl Dataplane {
     pub fn render(&self) -> String {
         nft::full_transaction(self.applied.values().map(|r| &**r), &nft::Stale::default(), self.layout, &self.networks)
     }
+}
+
+/// CIDRs of a flag (a bare address is its /32 or /128); unparsable ones are logged and left
+/// out of `set`.
+fn parse_cidrs(set: &str, cidrs: &[String]) -> Vec<ipnet::IpNet> {
+    cidrs
+        .iter()
+        .filter_map(|c| match c.parse::<ipnet::IpNet>().or_else(|_| c.parse::<std::net::IpAddr>().map(ipnet::IpNet::from)) {
+            Ok(net) => Some(net),
+            Err(e) => {
+                tracing::warn!(cidr = %c, "not a CIDR, left out of the dataplane's {set}: {e}");
+                None
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -1281,6 +1281,10 @@ const MAIN_SKELETON: TableSkeleton = {
             ("firewall-ips6", "ipv6_addr . inet_proto . inet_service"),
             ("firewall-allowed", "ipv4_addr . inet_proto . inet_service . ipv4_addr; flags interval"),
             ("firewall-allowed6", "ipv6_addr . inet_proto . inet_service . ipv6_addr; flags interval"),
+            // The cluster's service CIDRs (`--service-cidr`): addresses in them that are no
+            // service's are dropped in `cluster-ips-check`.
+            ("service-cidrs", "ipv4_addr; flags interval"),
+            ("service-cidrs6", "ipv6_addr; flags interval"),
         ],
         chains: &[
             (
@@ -1325,7 +1329,14 @@ const MAIN_SKELETON: TableSkeleton = {
                     "ip6 daddr . meta l4proto . th dport @firewall-ips6 ip6 daddr . meta l4proto . th dport . ip6 saddr != @firewall-allowed6 drop",
                 ],
             ),
-            ("cluster-ips-check", "", &["ip daddr @cluster-ips reject", "ip6 daddr @cluster-ips6 reject"]),
+            // kube-proxy's: a port no service of the cluster IP has is rejected; an address of
+            // a service CIDR that is no service's is dropped, instead of leaving the node by
+            // its default route.
+            (
+                "cluster-ips-check",
+                "",
+                &["ip daddr @cluster-ips reject", "ip6 daddr @cluster-ips6 reject", "ip daddr @service-cidrs drop", "ip6 daddr @service-cidrs6 drop"],
+            ),
             MARK_FOR_MASQUERADE,
             (
                 "masquerading",
@@ -1471,6 +1482,8 @@ impl NodePortAddresses {
 pub struct NodeNetworks {
     /// The cluster's pod CIDRs, for the shards' `cluster-cidrs` sets.
     pub cluster_cidrs: Vec<IpNet>,
+    /// The cluster's service CIDRs, for the main table's `service-cidrs` sets.
+    pub service_cidrs: Vec<IpNet>,
     /// The addresses node ports are served on; `None`: every local address but loopback.
     pub node_port_ips: Option<Vec<IpAddr>>,
 }
@@ -1556,6 +1569,7 @@ fn write_count_sets(out: &mut String, t: Table, flush: bool) {
 /// everything and before refilling them, all within the caller's one transaction.
 pub fn skeleton(out: &mut String, flush_first: bool, layout: Layout, networks: &NodeNetworks) {
     MAIN_SKELETON.write(out, Table::MAIN, flush_first);
+    write_cidr_sets(out, Table::MAIN, ("service-cidrs", "service-cidrs6"), &networks.service_cidrs, flush_first);
     write_node_port_rules(out, Table::MAIN, "no-endpoint-node-ports", "no-endpoint-nodeports", networks, flush_first);
     // Network policy: the pod-ingress/pod-egress maps and the filter chains that consult them.
     policy::skeleton(out, flush_first);
@@ -1576,15 +1590,20 @@ pub fn skeleton(out: &mut String, flush_first: bool, layout: Layout, networks: &
                 .unwrap();
             }
         }
-        for (set, v4) in [("cluster-cidrs", true), ("cluster-cidrs6", false)] {
-            if !flush_first {
-                // Else emptied with the table's sets above; interval elements cannot be re-added.
-                writeln!(out, "flush set {t} {set}").unwrap();
-            }
-            let cidrs: Vec<String> = networks.cluster_cidrs.iter().filter(|c| matches!(c, IpNet::V4(_)) == v4).map(|c| c.trunc().to_string()).collect();
-            if !cidrs.is_empty() {
-                writeln!(out, "add element {t} {set} {{ {} }}", cidrs.join(", ")).unwrap();
-            }
+        write_cidr_sets(out, t, ("cluster-cidrs", "cluster-cidrs6"), &networks.cluster_cidrs, flush_first);
+    }
+}
+
+/// Fills the interval sets `(v4, v6)` of table `t` with `cidrs`, each in its family's.
+fn write_cidr_sets(out: &mut String, t: Table, (v4_set, v6_set): (&str, &str), cidrs: &[IpNet], flush_first: bool) {
+    for (set, v4) in [(v4_set, true), (v6_set, false)] {
+        if !flush_first {
+            // Else emptied with the table's sets; interval elements cannot be re-added.
+            writeln!(out, "flush set {t} {set}").unwrap();
+        }
+        let cidrs: Vec<String> = cidrs.iter().filter(|c| matches!(c, IpNet::V4(_)) == v4).map(|c| c.trunc().to_string()).collect();
+        if !cidrs.is_empty() {
+            writeln!(out, "add element {t} {set} {{ {} }}", cidrs.join(", ")).unwrap();
         }
     }
 }

@@ -320,6 +320,42 @@ async fn external_ips_are_served_like_the_cluster_ip() {
     host.stop().await;
 }
 
+/// `--service-cidr`: a new connection to an address of a service CIDR that is no service's
+/// is dropped on the node (kube-proxy's "unallocated ClusterIPs"), where the node's routes
+/// would otherwise take it elsewhere; once a service has the address, it is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unallocated_service_addresses_do_not_leave_the_node() {
+    require_root!();
+    const UNALLOCATED: &str = "10.96.0.99";
+    let mut topo = Topology::new("cidr");
+    let pod = topo.add_pod(POD_A);
+    let client = topo.add_pod(CLIENT);
+    let _server = Server::start(&pod, "a", &[8080]);
+    // Something beyond the node answers for the address, as a default route may lead to.
+    topo.external.exec(&["ip", "addr", "add", &format!("{UNALLOCATED}/32"), "dev", "eth0"]);
+    topo.node.exec(&["ip", "route", "add", &format!("{UNALLOCATED}/32"), "via", EXTERNAL_CLIENT_IP]);
+    let _outside = Server::start(&topo.external.name, "outside", &[80]);
+    assert_backends("before the host runs: the connection leaves the node", &tcp_many(&client, addr(UNALLOCATED, 80), 3), &["outside"]);
+
+    let cluster = Cluster::new();
+    cluster.put(&Svc::new("web", "10.96.0.60", vec![Port::new("http", "TCP", 80, 8080)], vec![ready(POD_A, NODE)]));
+    let host = start_host(HostConfig { service_cidrs: vec!["10.96.0.0/16".into()], ..cluster.config(topo.nft_command()) }).await;
+    wait_applied(&host, "the service", |t| serves(t, "10.96.0.60 . tcp . 80"));
+    let table = topo.table();
+    assert!(set_holds(&table, "service-cidrs", "10.96.0.0/16"), "{table}");
+    assert!(dropped(&client, addr(UNALLOCATED, 80), false), "TCP from a pod to an unallocated service address must be dropped");
+    assert!(dropped(&client, addr(UNALLOCATED, 80), true), "UDP from a pod to an unallocated service address must be dropped");
+    let from_node = topo.node.run(|| tcp_ask(addr(UNALLOCATED, 80), Duration::from_millis(300)));
+    assert!(from_node.is_err(), "the node's own connection must not leave either: {from_node:?}");
+    assert_backends("a service's address", &tcp_many(&client, addr("10.96.0.60", 80), 3), &["a"]);
+
+    // A service takes the address: served from then on.
+    cluster.put(&Svc::new("taken", UNALLOCATED, vec![Port::new("http", "TCP", 80, 8080)], vec![ready(POD_A, NODE)]));
+    wait_applied(&host, "the address taken", |t| serves(t, &format!("{UNALLOCATED} . tcp . 80")));
+    assert_backends("the address once a service has it", &tcp_many(&client, addr(UNALLOCATED, 80), 3), &["a"]);
+    host.stop().await;
+}
+
 /// Whether a request from inside `ns` to `to` goes unanswered (dropped, not refused).
 fn dropped(ns: &str, to: SocketAddr, udp: bool) -> bool {
     let result = in_ns(ns, || if udp { udp_ask(to, Duration::from_millis(300)) } else { tcp_ask(to, Duration::from_millis(300)) });

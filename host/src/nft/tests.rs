@@ -512,7 +512,8 @@ fn backends_as_data_are_numbered_in_the_endpoint_maps_and_counted_in_the_count_s
     let layout = Layout { shards: 4 };
     let shard = layout.table_of("svc/shop/web");
     let cidrs: Vec<IpNet> = vec!["10.244.0.0/16".parse().unwrap(), "fd00:10:244::/56".parse().unwrap()];
-    let text = full_transaction([&rules].into_iter(), &Stale::default(), layout, &NodeNetworks { cluster_cidrs: cidrs, ..Default::default() });
+    let service_cidrs: Vec<IpNet> = vec!["10.96.0.0/12".parse().unwrap(), "fd00:96::/108".parse().unwrap()];
+    let text = full_transaction([&rules].into_iter(), &Stale::default(), layout, &NodeNetworks { cluster_cidrs: cidrs, service_cidrs, ..Default::default() });
     for line in [
         format!("add set {shard} frontends-{MAX_PICK} {{ type ipv4_addr . inet_proto . inet_service; }}"),
         format!("flush set {shard} frontends6-1"),
@@ -522,6 +523,10 @@ fn backends_as_data_are_numbered_in_the_endpoint_maps_and_counted_in_the_count_s
         format!("add rule {shard} pick-{MAX_PICK} jump masquerade-check"),
         format!("add element {shard} cluster-cidrs {{ 10.244.0.0/16 }}"),
         format!("add element {shard} cluster-cidrs6 {{ fd00:10:244::/56 }}"),
+        // The service CIDRs in the main table, where `cluster-ips-check` drops what is no
+        // service's.
+        format!("add element {} service-cidrs {{ 10.96.0.0/12 }}", Table::MAIN),
+        format!("add element {} service-cidrs6 {{ fd00:96::/108 }}", Table::MAIN),
     ] {
         assert!(text.contains(&line), "{line} missing");
     }
