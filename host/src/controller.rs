@@ -9,12 +9,12 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
-use wasmplane_model::state::{ClusterEvent, ClusterObject, ModelUpdate, ServiceView, Touched};
+use wasmplane_model::state::{ClusterEvent, ClusterObject, ModelUpdate, NoLocalEndpoints, ServiceView, Touched};
 use wasmplane_model::{ClusterState, CompactString, IntoModel, NodeLocalModel, ObjectKey, ToStd};
 use wasmplane_sources::kube::SourceEvent;
 use wasmplane_runtime::{CallError, GuestKind, LoadError, LoadedModule, ModuleInfo, NoLookups, Runtime, TranslatorSession};
 
-use crate::dataplane::{Dataplane, Kernel, WriteError};
+use crate::dataplane::{Dataplane, Kernel, SyncStats, WriteError};
 use crate::metrics::Metrics;
 use crate::nft::{self, ObjectRules};
 use crate::policy::PolicyController;
@@ -112,6 +112,9 @@ pub struct Controller {
     cni_ips: BTreeMap<ObjectKey, Vec<CompactString>>,
     /// Network policy: the builtin policy guest on the policies each update touches.
     policy: PolicyController,
+    /// Services whose `Local` traffic policies find no endpoint here (see
+    /// [`ServiceView::without_local_endpoints`]), kept per change for the gauges.
+    without_local: BTreeMap<ObjectKey, NoLocalEndpoints>,
     /// Slice changes of the batch being applied, by service, with when each was triggered:
     /// observed as network programming latency once their service's rules are written.
     trigger_times: Vec<(ObjectKey, SystemTime)>,
@@ -176,6 +179,7 @@ impl Controller {
         registry.add_builtin(BUILTIN_SERVICE_TRANSLATOR, GuestKind::ServiceTranslator, &builtin.info, wasmplane_guest_artifacts::SERVICE_TRANSLATOR);
         let policy_module = runtime.load_policy(BUILTIN_NETWORK_POLICY, wasmplane_guest_artifacts::NETWORK_POLICY, usize::MAX)?;
         registry.add_builtin(BUILTIN_NETWORK_POLICY, GuestKind::NetworkPolicy, &policy_module.info, wasmplane_guest_artifacts::NETWORK_POLICY);
+        let health = metrics.dataplane_health.clone();
         let mut controller = Controller {
             runtime,
             metrics,
@@ -187,7 +191,8 @@ impl Controller {
                 .with_services_per_shard(config.services_per_shard)
                 .with_cluster_cidrs(&config.cluster_cidrs)
                 .with_service_cidrs(&config.service_cidrs)
-                .with_node_port_addresses(config.node_port_addresses),
+                .with_node_port_addresses(config.node_port_addresses)
+                .with_health(health),
             service_errors: BTreeMap::new(),
             max_module_bytes: config.max_module_bytes,
             observers: Vec::new(),
@@ -198,6 +203,7 @@ impl Controller {
             shadow: None,
             cni_ips: BTreeMap::new(),
             policy: PolicyController::new(&policy_module),
+            without_local: BTreeMap::new(),
             trigger_times: Vec::new(),
             programming_since: SystemTime::now(),
         };
@@ -249,7 +255,9 @@ impl Controller {
     /// The sources have delivered a complete state: write it even if nothing changed.
     pub fn release_dataplane(&mut self) -> Result<(), HostError> {
         if self.dataplane.is_held() {
+            let started = Instant::now();
             self.dataplane.release()?;
+            self.metrics.dataplane_full_sync_seconds.observe(started.elapsed().as_secs_f64());
         }
         Ok(())
     }
@@ -409,6 +417,7 @@ impl Controller {
         let mut firewall_changes = Vec::new();
         for (key, view) in changed {
             firewall_changes.extend(self.firewall_change(&key, view.as_deref()));
+            self.note_local_endpoints(&key, view.as_deref());
             match view {
                 None => {
                     self.service_errors.remove(&key);
@@ -441,6 +450,29 @@ impl Controller {
         self.sync(changes)?;
         self.observe_programming(trigger_times, &written);
         Ok(())
+    }
+
+    /// Follows whether the service's `Local` traffic policies find endpoints here, and
+    /// moves the gauges by the difference (not recounted: at scale most `Local` services may
+    /// have no endpoint on a given node).
+    fn note_local_endpoints(&mut self, key: &ObjectKey, view: Option<&ServiceView>) {
+        let now = view.map(ServiceView::without_local_endpoints).unwrap_or_default();
+        let before = if now == NoLocalEndpoints::default() { self.without_local.remove(key) } else { self.without_local.insert(key.clone(), now) };
+        let before = before.unwrap_or_default();
+        for (policy, was, is) in [("internal", before.internal, now.internal), ("external", before.external, now.external)] {
+            if was != is {
+                let gauge = self.metrics.services_without_local_endpoints.get_or_create(&crate::metrics::TrafficPolicyLabels { traffic_policy: policy.into() });
+                gauge.inc_by(if is { 1 } else { -1 });
+            }
+        }
+    }
+
+    /// A full write of the tables, timed.
+    fn full_sync(&mut self, objects: Option<BTreeMap<ObjectKey, ObjectRules>>) -> Result<SyncStats, WriteError> {
+        let started = Instant::now();
+        let result = self.dataplane.full_sync(objects);
+        self.metrics.dataplane_full_sync_seconds.observe(started.elapsed().as_secs_f64());
+        result
     }
 
     /// The change of a service's load balancer firewall (see [`nft::firewall_rules`]), when
@@ -568,7 +600,13 @@ impl Controller {
         }
         let started = Instant::now();
         let result = self.dataplane.sync(changes);
-        self.metrics.dataplane_sync_seconds.observe(started.elapsed().as_secs_f64());
+        // A change the dataplane wrote in full (out of sync, or most of the table) is timed
+        // as the full write it was.
+        let seconds = started.elapsed().as_secs_f64();
+        match &result {
+            Ok(stats) if stats.full => self.metrics.dataplane_full_sync_seconds.observe(seconds),
+            _ => self.metrics.dataplane_sync_seconds.observe(seconds),
+        }
         match result {
             Ok(stats) => {
                 self.metrics.syncs.get_or_create(&crate::metrics::ResultLabels { result: "ok".into() }).inc();
@@ -587,7 +625,7 @@ impl Controller {
 
     /// Periodic full reconcile: rewrites our table from what we want, repairing drift.
     pub fn reconcile(&mut self) -> Result<(), HostError> {
-        self.dataplane.full_sync(None)?;
+        self.full_sync(None)?;
         Ok(())
     }
 
@@ -635,7 +673,7 @@ impl Controller {
         // objects go in with it.
         outputs.extend(self.model.services.iter().filter_map(|(key, view)| Some((nft::firewall_object_key(key), self.firewall_of(view)?))));
         outputs.extend(self.policy.objects());
-        self.dataplane.full_sync(Some(outputs))?;
+        self.full_sync(Some(outputs))?;
         self.service_errors.clear();
         self.translator = Some(ActiveTranslator { name: name.to_string(), version, session });
         self.registry.mark_active(GuestKind::ServiceTranslator, name, version);
@@ -670,7 +708,7 @@ impl Controller {
         let mut wanted: BTreeMap<ObjectKey, ObjectRules> =
             self.dataplane.applied().iter().filter(|(k, _)| !old_keys.contains(*k)).map(|(k, v)| (k.clone(), (**v).clone())).collect();
         wanted.extend(self.policy.objects());
-        if let Err(e) = self.dataplane.full_sync(Some(wanted)) {
+        if let Err(e) = self.full_sync(Some(wanted)) {
             self.policy = old;
             return Err(e.into());
         }

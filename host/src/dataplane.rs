@@ -805,6 +805,12 @@ impl Dataplane {
         self
     }
 
+    /// Where write health is reported (shared with the metrics' scrape).
+    pub fn with_health(mut self, health: Arc<WriteHealth>) -> Self {
+        self.health = health;
+        self
+    }
+
     /// Which addresses node ports are served on (see [`nft::NodePortAddresses`]).
     pub fn with_node_port_addresses(mut self, addresses: nft::NodePortAddresses) -> Self {
         self.node_port_addresses = addresses;

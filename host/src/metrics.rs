@@ -1,11 +1,17 @@
 //! Prometheus metrics (text exposition at `/metrics`).
 
-use prometheus_client::encoding::EncodeLabelSet;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+
+use crate::dataplane::WriteHealth;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct GuestLabels {
@@ -45,6 +51,12 @@ pub struct ResultLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TrafficPolicyLabels {
+    /// `internal` or `external`, as kube-proxy labels it.
+    pub traffic_policy: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PathLabels {
     /// `netlink` (a batch on the host's socket), `nft` (an `nft -f` process) or `record`.
     pub path: String,
@@ -59,6 +71,14 @@ pub struct Metrics {
     pub guest_call_seconds: Family<KindLabels, Histogram, fn() -> Histogram>,
     /// One dataplane transaction, guest calls excluded (nft's share of a change).
     pub dataplane_sync_seconds: Histogram,
+    /// One full write of the tables (reconcile, a new translator, a relayout): kube-proxy's
+    /// `sync_full_proxy_rules_duration_seconds`.
+    pub dataplane_full_sync_seconds: Histogram,
+    /// Whether writes reach the kernel: the dataplane's, read at each scrape for
+    /// `dataplane_last_sync_timestamp_seconds`.
+    pub dataplane_health: Arc<WriteHealth>,
+    /// Services whose `Local` traffic policy finds no endpoint on this node, by policy.
+    pub services_without_local_endpoints: Family<TrafficPolicyLabels, Gauge>,
     /// One batch of source events applied: cluster index, model update, guest calls and the
     /// dataplane transaction (the host's share of a change, from channel to kernel).
     pub source_apply_seconds: Histogram,
@@ -89,6 +109,9 @@ impl Metrics {
             guest_calls: Family::default(),
             guest_call_seconds: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.000_01, 4.0, 10))),
             dataplane_sync_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
+            dataplane_full_sync_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 17)),
+            dataplane_health: Arc::default(),
+            services_without_local_endpoints: Family::default(),
             source_apply_seconds: Histogram::new(exponential_buckets(0.000_1, 2.0, 18)),
             // The host's part is milliseconds; the rest (the EndpointSlice controller, the
             // watch) can take seconds, and the SLO is read at 30 s and beyond.
@@ -112,6 +135,13 @@ impl Metrics {
         registry.register("guest_call_seconds", "Duration of one guest call, by guest kind", m.guest_call_seconds.clone());
         registry.register("dataplane_transactions", "Incremental dataplane transactions by path (netlink batch, nft process, record)", m.dataplane_transactions.clone());
         registry.register("dataplane_sync_seconds", "Duration of one incremental dataplane transaction", m.dataplane_sync_seconds.clone());
+        registry.register("dataplane_full_sync_seconds", "Duration of one full write of the dataplane's tables", m.dataplane_full_sync_seconds.clone());
+        registry.register_collector(Box::new(WriteHealthCollector(m.dataplane_health.clone())));
+        registry.register(
+            "model_services_without_local_endpoints",
+            "Services whose Local traffic policy (internal, external) finds no endpoint on this node: that traffic is dropped here",
+            m.services_without_local_endpoints.clone(),
+        );
         registry.register("source_apply_seconds", "Duration of applying one batch of cluster events: model update, guest calls and the dataplane transaction", m.source_apply_seconds.clone());
         registry.register(
             "network_programming_duration_seconds",
@@ -151,5 +181,25 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+/// `dataplane_last_sync_timestamp_seconds` (kube-proxy's `sync_proxy_rules_last_timestamp_seconds`),
+/// read from the dataplane's write health at each scrape: an alert on its age catches a
+/// writer that stopped, which counters alone do not.
+#[derive(Debug)]
+struct WriteHealthCollector(Arc<WriteHealth>);
+
+impl Collector for WriteHealthCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let seconds = self.0.last_written().and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok()).map_or(0.0, |d| d.as_secs_f64());
+        let gauge = ConstGauge::new(seconds);
+        let metric = encoder.encode_descriptor(
+            "dataplane_last_sync_timestamp_seconds",
+            "When the kernel last accepted a dataplane write (seconds since the Unix epoch; 0: none yet)",
+            None,
+            gauge.metric_type(),
+        )?;
+        gauge.encode(metric)
     }
 }

@@ -281,3 +281,51 @@ async fn the_cli_pushes_lists_and_removes_modules() {
     let missing = module_command(api(Some(TOKEN)), ModuleCommand::Rollback { name: "cli-filter".into() }).await.unwrap_err().to_string();
     assert!(missing.contains("404"), "{missing}");
 }
+
+/// kube-proxy's operational metrics: services whose `Local` traffic policy finds no endpoint
+/// on this node (by policy), the time of the last write the kernel accepted, full writes timed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_policies_without_endpoints_and_write_times_are_in_the_metrics() {
+    let t = TestHost::start().await;
+    let metric = |text: &str, name: &str| -> f64 {
+        let line = text.lines().find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')));
+        line.unwrap_or_else(|| panic!("{name} not in /metrics:\n{text}")).trim().parse().unwrap()
+    };
+    let metrics = || async { t.client.get(t.url("/metrics")).send().await.unwrap().text().await.unwrap() };
+    let text = metrics().await;
+    let last_sync = metric(&text, "wasmplane_dataplane_last_sync_timestamp_seconds");
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    assert!((now - 60.0..=now + 1.0).contains(&last_sync), "last sync {last_sync}, now {now}");
+    assert!(metric(&text, "wasmplane_dataplane_full_sync_seconds_count") >= 1.0, "the first write is a full one");
+
+    // A NodePort service with both traffic policies Local and its only endpoint on node-b.
+    let local = |node: &str| {
+        documents(&[
+            "apiVersion: v1\nkind: Service\nmetadata: { name: local, namespace: shop }\nspec:\n  type: NodePort\n  clusterIP: 10.96.0.40\n  externalTrafficPolicy: Local\n  internalTrafficPolicy: Local\n  ports: [{ name: http, port: 80, targetPort: 8080, nodePort: 30040 }]\n",
+            &endpoint_slice("local", "http", 8080, &[("10.244.1.40", node)]),
+        ])
+    };
+    let policy = |text: &str, p: &str| metric(text, &format!("wasmplane_model_services_without_local_endpoints{{traffic_policy=\"{p}\"}}"));
+    let until = |what: &'static str, want: f64| {
+        let metrics = &metrics;
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let text = metrics().await;
+                if text.contains("traffic_policy") && policy(&text, "internal") == want && policy(&text, "external") == want {
+                    return;
+                }
+                assert!(Instant::now() < deadline, "{what}: {text}");
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+        }
+    };
+    std::fs::write(t.dir.path().join("manifests/local.yaml"), local("node-b")).unwrap();
+    until("no endpoint on node-a", 1.0).await;
+    std::fs::write(t.dir.path().join("manifests/local.yaml"), local("node-a")).unwrap();
+    until("an endpoint on node-a", 0.0).await;
+    std::fs::write(t.dir.path().join("manifests/local.yaml"), local("node-b")).unwrap();
+    until("the endpoint moved away", 1.0).await;
+    std::fs::remove_file(t.dir.path().join("manifests/local.yaml")).unwrap();
+    until("the service gone", 0.0).await;
+}

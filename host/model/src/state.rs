@@ -705,6 +705,30 @@ impl ServiceView {
             .collect();
         Some(HealthCheck { port: s.health_check_node_port, local_endpoints: local_endpoints.len() })
     }
+
+    /// Whether a `Local` traffic policy finds nothing to send to on this node (kube-proxy's
+    /// `sync_proxy_rules_no_local_endpoints_total`): internal traffic, and external traffic
+    /// of a service reachable from outside (node port, load balancer or external address).
+    /// Such traffic is dropped here. Ready local endpoints count, or serving terminating
+    /// ones when none is ready (kube-proxy's fallback).
+    pub fn without_local_endpoints(&self) -> NoLocalEndpoints {
+        let s = &self.service;
+        let internal = s.internal_traffic_policy == TrafficPolicy::Local;
+        let external = s.external_traffic_policy == TrafficPolicy::Local
+            && (matches!(s.service_type, ServiceType::NodePort | ServiceType::LoadBalancer) || !s.external_ips.is_empty());
+        if !internal && !external {
+            return NoLocalEndpoints::default();
+        }
+        let has_local = self.slices.iter().flat_map(|slice| &slice.endpoints).any(|e| e.is_local && (e.ready || e.serving));
+        NoLocalEndpoints { internal: internal && !has_local, external: external && !has_local }
+    }
+}
+
+/// See [`ServiceView::without_local_endpoints`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NoLocalEndpoints {
+    pub internal: bool,
+    pub external: bool,
 }
 
 /// One service whose view changed; `view` is `None` when it left the model.
@@ -1096,6 +1120,39 @@ mod tests {
             apply(&mut state, &mut model, ClusterObject::Service(other.clone()));
             assert_eq!(model.services[&key].health_check(), None, "{other:?}");
         }
+    }
+
+    #[test]
+    fn local_traffic_policies_without_local_endpoints() {
+        let mut state = ClusterState::new();
+        let mut model = NodeLocalModel::new("node-a", vec![]);
+        let key = ObjectKey::new("default", "web");
+        let mut web = service("web", "10.96.0.10");
+        web.internal_traffic_policy = TrafficPolicy::Local;
+        web.external_traffic_policy = TrafficPolicy::Local;
+        apply(&mut state, &mut model, ClusterObject::Service(web.clone()));
+        // A ClusterIP service has no external traffic: only the internal policy counts.
+        assert_eq!(model.services[&key].without_local_endpoints(), NoLocalEndpoints { internal: true, external: false });
+        web.service_type = ServiceType::NodePort;
+        apply(&mut state, &mut model, ClusterObject::Service(web.clone()));
+        assert_eq!(model.services[&key].without_local_endpoints(), NoLocalEndpoints { internal: true, external: true });
+
+        // Another node's endpoint does not help; a local one that is terminating but serving does.
+        let mut slice_ab = slice("web-1", "web", &[("10.244.2.2", "node-b"), ("10.244.1.2", "node-a")]);
+        slice_ab.endpoints[1].ready = false;
+        slice_ab.endpoints[1].serving = false;
+        apply(&mut state, &mut model, ClusterObject::EndpointSlice(slice_ab.clone()));
+        assert_eq!(model.services[&key].without_local_endpoints(), NoLocalEndpoints { internal: true, external: true });
+        slice_ab.endpoints[1].serving = true;
+        slice_ab.endpoints[1].terminating = true;
+        apply(&mut state, &mut model, ClusterObject::EndpointSlice(slice_ab));
+        assert_eq!(model.services[&key].without_local_endpoints(), NoLocalEndpoints::default());
+
+        // Cluster policies never count.
+        let cluster = Service { internal_traffic_policy: TrafficPolicy::Cluster, external_traffic_policy: TrafficPolicy::Cluster, ..web };
+        apply(&mut state, &mut model, ClusterObject::EndpointSlice(slice("web-1", "web", &[("10.244.2.2", "node-b")])));
+        apply(&mut state, &mut model, ClusterObject::Service(cluster));
+        assert_eq!(model.services[&key].without_local_endpoints(), NoLocalEndpoints::default());
     }
 
     #[test]
