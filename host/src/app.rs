@@ -117,9 +117,8 @@ pub struct HostConfig {
     pub data_dir: Option<PathBuf>,
     pub node_name: String,
     pub cluster_cidrs: Vec<String>,
-    /// The cluster's service CIDRs (`--service-cidr`): new connections to an address in them
-    /// that is no service's are dropped (kube-proxy's, from ServiceCIDR objects). None: not
-    /// checked.
+    /// The cluster's service CIDRs (`--service-cidr`), beside the ServiceCIDR objects':
+    /// new connections to an address in them that is no service's are dropped.
     pub service_cidrs: Vec<String>,
     pub dataplane: DataplaneMode,
     pub token: Option<String>,

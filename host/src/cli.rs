@@ -83,9 +83,9 @@ pub struct RunArgs {
     /// Pod CIDRs of the cluster; traffic from outside them to services is masqueraded.
     #[arg(long = "cluster-cidr", env = "WASMPLANE_CLUSTER_CIDRS", value_delimiter = ',', default_value = "10.244.0.0/16")]
     pub cluster_cidrs: Vec<String>,
-    /// Service CIDRs of the cluster (the API server's `--service-cluster-ip-range`): new
-    /// connections to an address in them that is no service's are dropped, not routed
-    /// off the node. Unset: not checked.
+    /// Service CIDRs of the cluster (the API server's `--service-cluster-ip-range`), beside
+    /// those of ServiceCIDR objects (Kubernetes 1.33): new connections to an address in them
+    /// that is no service's are dropped, not routed off the node.
     #[arg(long = "service-cidr", env = "WASMPLANE_SERVICE_CIDRS", value_delimiter = ',')]
     pub service_cidrs: Vec<String>,
     /// Render the dataplane (`record`) or write it to the kernel (`nftables`).

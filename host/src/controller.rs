@@ -409,6 +409,7 @@ impl Controller {
         };
         // Node ports may move with the node's addresses (`--nodeport-addresses primary`).
         let node_ports_moved = update.context_changed && self.dataplane.set_node_ips(&self.model.context.node_ips);
+        let service_cidrs_moved = update.service_cidrs_changed && self.dataplane.set_cluster_service_cidrs(&self.model.service_cidrs);
         if let Some(mut shadow) = self.shadow.take() {
             self.run_shadow(&mut shadow, &changed);
             self.shadow = Some(shadow);
@@ -441,8 +442,8 @@ impl Controller {
         changes.extend(firewall_changes);
         // Policy objects after the services': their own order (see `policy.rs`) is kept.
         changes.extend(policy_changes.changes);
-        if node_ports_moved && changes.is_empty() {
-            // No object changed, but the tables' node port addresses did: written in full.
+        if (node_ports_moved || service_cidrs_moved) && changes.is_empty() {
+            // No object changed, but the tables' static part did: written in full.
             return self.reconcile();
         }
         let mut written: Vec<ObjectKey> = if trigger_times.is_empty() { Vec::new() } else { changes.iter().map(|(key, _)| key.clone()).collect() };

@@ -662,6 +662,8 @@ pub struct Dataplane {
     /// The node's networks as the tables' static part has them (see `nft::skeleton`): the
     /// cluster's pod CIDRs, and the addresses node ports are served on.
     networks: nft::NodeNetworks,
+    /// `--service-cidr`; `networks.service_cidrs` adds the ServiceCIDR objects' to them.
+    configured_service_cidrs: Vec<ipnet::IpNet>,
     /// Which addresses node ports are served on (`--nodeport-addresses`).
     node_port_addresses: nft::NodePortAddresses,
     /// The node's addresses (its Node object's), for [`nft::NodePortAddresses::Primary`].
@@ -762,6 +764,7 @@ impl Dataplane {
             services_per_shard: Layout::DEFAULT_SERVICES_PER_SHARD,
             sharded: 0,
             networks: nft::NodeNetworks::default(),
+            configured_service_cidrs: Vec::new(),
             node_port_addresses: nft::NodePortAddresses::All,
             node_ips: Vec::new(),
             affinity_classes: HashSet::new(),
@@ -798,11 +801,28 @@ impl Dataplane {
         self
     }
 
-    /// The cluster's service CIDRs (unparsable ones are logged and left out): new
-    /// connections to an address in them that is no service's are dropped.
+    /// The cluster's service CIDRs as configured (unparsable ones are logged and left out):
+    /// new connections to an address in them that is no service's are dropped. The
+    /// ServiceCIDR objects' ranges are added to them (see [`Self::set_cluster_service_cidrs`]).
     pub fn with_service_cidrs(mut self, cidrs: &[String]) -> Self {
-        self.networks.service_cidrs = parse_cidrs("service-cidrs", cidrs);
+        self.configured_service_cidrs = parse_cidrs("service-cidrs", cidrs);
+        self.networks.service_cidrs = self.configured_service_cidrs.clone();
         self
+    }
+
+    /// The ServiceCIDR objects' ranges changed. Returns whether the tables' service CIDRs
+    /// (these and the configured ones) did: the next write is then a full one, which the
+    /// caller must make happen even when no object changed.
+    pub fn set_cluster_service_cidrs(&mut self, cidrs: &[ipnet::IpNet]) -> bool {
+        let mut all: Vec<ipnet::IpNet> = self.configured_service_cidrs.iter().chain(cidrs).copied().collect();
+        all.sort();
+        all.dedup();
+        let moved = all != self.networks.service_cidrs;
+        if moved {
+            self.networks.service_cidrs = all;
+            self.in_sync = false;
+        }
+        moved
     }
 
     /// Where write health is reported (shared with the metrics' scrape).

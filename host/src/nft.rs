@@ -1281,8 +1281,8 @@ const MAIN_SKELETON: TableSkeleton = {
             ("firewall-ips6", "ipv6_addr . inet_proto . inet_service"),
             ("firewall-allowed", "ipv4_addr . inet_proto . inet_service . ipv4_addr; flags interval"),
             ("firewall-allowed6", "ipv6_addr . inet_proto . inet_service . ipv6_addr; flags interval"),
-            // The cluster's service CIDRs (`--service-cidr`): addresses in them that are no
-            // service's are dropped in `cluster-ips-check`.
+            // The cluster's service CIDRs (ServiceCIDR objects, `--service-cidr`): addresses
+            // in them that are no service's are dropped in `cluster-ips-check`.
             ("service-cidrs", "ipv4_addr; flags interval"),
             ("service-cidrs6", "ipv6_addr; flags interval"),
         ],

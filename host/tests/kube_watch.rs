@@ -5,15 +5,17 @@ use std::time::{Duration, Instant, SystemTime};
 
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::api::networking::v1::{NetworkPolicy, ServiceCIDR};
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use wasmplane::app::{HostConfig, KubernetesSource, RunningHost, start};
-use wasmplane_test_apiserver::{TestApiServer, Verb};
+use wasmplane_test_apiserver::{ResourceType, TestApiServer, Verb};
 
 const TOKEN: &str = "kube-watch-test-token-0123456789";
 
-/// Every kind the host watches, as the test API server names them.
+/// Every kind the host watches that the test API server serves by default, as it names them
+/// (ServiceCIDRs are not: the server stands for one before Kubernetes 1.33, which the host
+/// must take as having none, else it would never be ready).
 const KINDS: [&str; 6] = ["services", "endpointslices.discovery.k8s.io", "nodes", "namespaces", "pods", "networkpolicies.networking.k8s.io"];
 
 /// Requests for `resource`'s whole state so far: lists, and watches that stream it.
@@ -393,5 +395,48 @@ async fn network_programming_latency_runs_from_the_trigger_time_to_the_rules() {
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     assert_eq!(api.metric(COUNT).await, 2);
+    host.stop().await;
+}
+
+fn service_cidr(name: &str, cidrs: &[&str]) -> ServiceCIDR {
+    object(json!({"metadata": {"name": name}, "spec": {"cidrs": cidrs}}))
+}
+
+/// The service CIDR sets as the dataplane renders them, both families.
+fn rendered_service_cidrs(host: &RunningHost) -> Vec<String> {
+    let render = host.controller.lock().unwrap().dataplane().render();
+    let mut cidrs: Vec<String> = render
+        .lines()
+        .filter(|l| l.starts_with("add element inet wasmplane service-cidrs"))
+        .filter_map(|l| l.split_once('{').and_then(|(_, rest)| rest.split_once('}')).map(|(inside, _)| inside.to_string()))
+        .flat_map(|inside| inside.split(',').map(|c| c.trim().to_string()).collect::<Vec<_>>())
+        .collect();
+    cidrs.sort();
+    cidrs
+}
+
+/// ServiceCIDR objects (Kubernetes 1.33) are watched like the other kinds and fill the
+/// dataplane's service CIDRs; the other tests' server does not serve them, and the host is
+/// ready all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn service_cidr_objects_reach_the_dataplane() {
+    let server = TestApiServer::builder().resource(ResourceType::of::<ServiceCIDR>()).start().await;
+    seed(&server);
+    server.create(&service_cidr("kubernetes", &["10.96.0.0/16"])).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let host = start_host(&server, dir.path()).await;
+    let api = Api::new(&host);
+    api.wait_ready("with ServiceCIDRs served").await;
+    api.wait_state("the initial range", |s| s["model"]["service_cidrs"] == json!(["10.96.0.0/16"])).await;
+    assert_eq!(rendered_service_cidrs(&host), ["10.96.0.0/16"]);
+    let (_, streams) = state_requests(&server, "servicecidrs.networking.k8s.io");
+    assert!(streams > 0, "ServiceCIDRs are watched as the other kinds are");
+
+    server.create(&service_cidr("secondary", &["10.100.0.0/16", "fd00:96::/108"])).unwrap();
+    api.wait_state("a second object", |s| s["model"]["service_cidrs"].as_array().is_some_and(|c| c.len() == 3)).await;
+    assert_eq!(rendered_service_cidrs(&host), ["10.100.0.0/16", "10.96.0.0/16", "fd00:96::/108"]);
+    server.delete::<ServiceCIDR>("", "kubernetes").unwrap();
+    api.wait_state("the first deleted", |s| s["model"]["service_cidrs"] == json!(["10.100.0.0/16", "fd00:96::/108"])).await;
+    assert_eq!(rendered_service_cidrs(&host), ["10.100.0.0/16", "fd00:96::/108"]);
     host.stop().await;
 }

@@ -278,6 +278,14 @@ pub struct Namespace {
     pub labels: Labels,
 }
 
+/// A range cluster IPs are allocated from (`networking.k8s.io/v1` ServiceCIDR, GA in
+/// Kubernetes 1.33): an address in one that no service has is dropped on the node.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServiceCidr {
+    pub name: CompactString,
+    pub cidrs: Vec<IpNet>,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ContainerPort {
     pub name: CompactString,

@@ -22,6 +22,7 @@ pub enum ClusterObject {
     Namespace(Namespace),
     Pod(Pod),
     NetworkPolicy(NetworkPolicy),
+    ServiceCidr(ServiceCidr),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -32,6 +33,7 @@ pub enum ObjectKind {
     Namespace,
     Pod,
     NetworkPolicy,
+    ServiceCidr,
 }
 
 impl ClusterObject {
@@ -64,8 +66,8 @@ impl ClusterObject {
                 p.ips.shrink_to_fit();
                 p.ports.shrink_to_fit();
             }
-            // Labels are exact already; policies are few.
-            ClusterObject::Namespace(_) | ClusterObject::NetworkPolicy(_) => {}
+            // Labels are exact already; policies and service CIDRs are few.
+            ClusterObject::Namespace(_) | ClusterObject::NetworkPolicy(_) | ClusterObject::ServiceCidr(_) => {}
         }
     }
 
@@ -77,6 +79,7 @@ impl ClusterObject {
             ClusterObject::Namespace(_) => ObjectKind::Namespace,
             ClusterObject::Pod(_) => ObjectKind::Pod,
             ClusterObject::NetworkPolicy(_) => ObjectKind::NetworkPolicy,
+            ClusterObject::ServiceCidr(_) => ObjectKind::ServiceCidr,
         }
     }
     pub fn key(&self) -> ObjectKey {
@@ -87,6 +90,7 @@ impl ClusterObject {
             ClusterObject::Namespace(n) => ObjectKey::cluster(&n.name),
             ClusterObject::Pod(p) => ObjectKey::new(&p.namespace, &p.name),
             ClusterObject::NetworkPolicy(p) => ObjectKey::new(&p.namespace, &p.name),
+            ClusterObject::ServiceCidr(c) => ObjectKey::cluster(&c.name),
         }
     }
 }
@@ -107,6 +111,8 @@ pub struct Touched {
     pub local_pods: BTreeSet<ObjectKey>,
     /// This node's own object changed: the node context of every call may differ.
     pub node_context: bool,
+    /// The cluster's service CIDRs may differ.
+    pub service_cidrs: bool,
 }
 
 impl Touched {
@@ -115,9 +121,10 @@ impl Touched {
         self.policies.extend(other.policies);
         self.local_pods.extend(other.local_pods);
         self.node_context |= other.node_context;
+        self.service_cidrs |= other.service_cidrs;
     }
     pub fn is_empty(&self) -> bool {
-        self.services.is_empty() && self.policies.is_empty() && self.local_pods.is_empty() && !self.node_context
+        self.services.is_empty() && self.policies.is_empty() && self.local_pods.is_empty() && !self.node_context && !self.service_cidrs
     }
 }
 
@@ -132,6 +139,7 @@ pub struct ClusterState {
     /// Ordered by namespace first, so one namespace's pods are a range.
     pub pods: BTreeMap<ObjectKey, Arc<Pod>>,
     pub network_policies: BTreeMap<ObjectKey, NetworkPolicy>,
+    pub service_cidrs: BTreeMap<CompactString, ServiceCidr>,
     /// Service key → the EndpointSlices labelled with it, sorted. A service has one or a few:
     /// a vector holds them in ~50 bytes each, a `BTreeSet` took a ~560-byte node per service.
     slices_by_service: HashMap<ObjectKey, Vec<ObjectKey>>,
@@ -520,6 +528,10 @@ impl ClusterState {
                     touched.policies.insert(key.clone());
                     self.network_policies.insert(key, p);
                 }
+                ClusterObject::ServiceCidr(c) => {
+                    touched.service_cidrs = self.service_cidrs.get(&c.name) != Some(&c);
+                    self.service_cidrs.insert(c.name.clone(), c);
+                }
             },
             ClusterEvent::Delete(kind, key) => match kind {
                 ObjectKind::Service => {
@@ -558,6 +570,9 @@ impl ClusterState {
                         self.peer_pods.unwant(&old);
                         touched.policies.insert(key);
                     }
+                }
+                ObjectKind::ServiceCidr => {
+                    touched.service_cidrs = self.service_cidrs.remove(&key.name).is_some();
                 }
             },
         }
@@ -603,6 +618,9 @@ impl ClusterState {
         if wanted(ObjectKind::NetworkPolicy) {
             existing.extend(self.network_policies.keys().map(|k| (ObjectKind::NetworkPolicy, k.clone())));
         }
+        if wanted(ObjectKind::ServiceCidr) {
+            existing.extend(self.service_cidrs.keys().map(|k| (ObjectKind::ServiceCidr, ObjectKey::cluster(k))));
+        }
         let mut touched = Touched::default();
         for (kind, key) in existing {
             if !incoming.contains_key(&(kind, key.clone())) && !keep.contains(&key) {
@@ -625,6 +643,7 @@ impl ClusterState {
             ClusterObject::Namespace(n) => self.namespaces.get(&n.name) == Some(n),
             ClusterObject::Pod(p) => self.pods.get(&p.key()).map(|x| &**x) == Some(p),
             ClusterObject::NetworkPolicy(p) => self.network_policies.get(&p.key()) == Some(p),
+            ClusterObject::ServiceCidr(c) => self.service_cidrs.get(&c.name) == Some(c),
         }
     }
 
@@ -781,6 +800,9 @@ pub struct NodeLocalModel {
     /// This node is going away ([`Node::being_deleted`]): not part of the guests' context,
     /// so that draining a node does not translate every service again.
     pub node_being_deleted: bool,
+    /// Every ServiceCIDR object's ranges, sorted and without repeats: the host drops what is
+    /// in them and no service's (not part of the guests' context either).
+    pub service_cidrs: Vec<ipnet::IpNet>,
 }
 
 /// JSON maps need string keys: `namespace/name`.
@@ -797,11 +819,13 @@ pub struct ModelUpdate {
     pub context_changed: bool,
     /// [`NodeLocalModel::node_being_deleted`] changed (nothing a guest sees).
     pub node_being_deleted_changed: bool,
+    /// [`NodeLocalModel::service_cidrs`] changed (nothing a guest sees).
+    pub service_cidrs_changed: bool,
 }
 
 impl ModelUpdate {
     pub fn is_empty(&self) -> bool {
-        self.changed.is_empty() && self.policies.is_empty() && self.pods.is_empty() && !self.context_changed && !self.node_being_deleted_changed
+        self.changed.is_empty() && self.policies.is_empty() && self.pods.is_empty() && !self.context_changed && !self.node_being_deleted_changed && !self.service_cidrs_changed
     }
 }
 
@@ -832,6 +856,7 @@ impl NodeLocalModel {
             local_pods: BTreeMap::new(),
             configured_cluster_cidrs: cluster_cidrs,
             node_being_deleted: false,
+            service_cidrs: Vec::new(),
         }
     }
 
@@ -857,6 +882,15 @@ impl NodeLocalModel {
                 }
                 self.context = context;
                 update.context_changed = true;
+            }
+        }
+        if touched.service_cidrs {
+            let mut cidrs: Vec<ipnet::IpNet> = cluster.service_cidrs.values().flat_map(|c| c.cidrs.iter().copied()).collect();
+            cidrs.sort();
+            cidrs.dedup();
+            if cidrs != self.service_cidrs {
+                self.service_cidrs = cidrs;
+                update.service_cidrs_changed = true;
             }
         }
         for key in &services {
@@ -1120,6 +1154,30 @@ mod tests {
             apply(&mut state, &mut model, ClusterObject::Service(other.clone()));
             assert_eq!(model.services[&key].health_check(), None, "{other:?}");
         }
+    }
+
+    #[test]
+    fn service_cidrs_are_the_union_of_the_objects_and_not_the_guests_business() {
+        let mut state = ClusterState::new();
+        let mut model = NodeLocalModel::new("node-a", vec![]);
+        let cidr = |name: &str, cidrs: &[&str]| ClusterObject::ServiceCidr(ServiceCidr { name: name.into(), cidrs: cidrs.iter().map(|c| c.parse().unwrap()).collect() });
+        let nets = |cidrs: &[&str]| cidrs.iter().map(|c| c.parse().unwrap()).collect::<Vec<ipnet::IpNet>>();
+        apply(&mut state, &mut model, ClusterObject::Service(service("web", "10.96.0.10")));
+        let u = apply(&mut state, &mut model, cidr("kubernetes", &["fd00:96::/108", "10.96.0.0/16"]));
+        assert!(u.service_cidrs_changed && !u.context_changed && u.changed.is_empty(), "{u:?}");
+        assert_eq!(model.service_cidrs, nets(&["10.96.0.0/16", "fd00:96::/108"]));
+        // A second range, one repeated: sorted, once each.
+        apply(&mut state, &mut model, cidr("extra", &["10.96.0.0/16", "10.100.0.0/16"]));
+        assert_eq!(model.service_cidrs, nets(&["10.96.0.0/16", "10.100.0.0/16", "fd00:96::/108"]));
+        let revision = model.revision;
+        assert!(apply(&mut state, &mut model, cidr("extra", &["10.96.0.0/16", "10.100.0.0/16"])).is_empty(), "the same object again");
+        assert_eq!(model.revision, revision);
+        // A relist without one of them deletes it.
+        let touched = state.replace_kind(ObjectKind::ServiceCidr, vec![cidr("kubernetes", &["fd00:96::/108", "10.96.0.0/16"])], &[], "node-a");
+        assert!(model.update(&state, &touched).service_cidrs_changed);
+        assert_eq!(model.service_cidrs, nets(&["10.96.0.0/16", "fd00:96::/108"]));
+        let touched = state.apply(ClusterEvent::Delete(ObjectKind::ServiceCidr, ObjectKey::cluster("kubernetes")), "node-a");
+        assert!(model.update(&state, &touched).service_cidrs_changed && model.service_cidrs.is_empty());
     }
 
     #[test]

@@ -486,6 +486,21 @@ pub fn network_policy(p: &slim::NetworkPolicy) -> Result<NetworkPolicy, ConvertE
     })
 }
 
+/// A ServiceCIDR's ranges. The API server validates them strictly (no leading zeros, no
+/// host bits); one that does not parse is an error naming it.
+pub fn service_cidr(c: &slim::ServiceCidr) -> Result<ServiceCidr, ConvertError> {
+    let m = &c.metadata;
+    let subject = Subject::cluster("ServiceCIDR", m);
+    let cidrs = c
+        .spec
+        .iter()
+        .flat_map(|s| s.cidrs.iter().flatten())
+        .enumerate()
+        .map(|(i, cidr)| cidr.parse::<ipnet::IpNet>().map_err(|_| subject.error(Problem::InvalidCidr { at: format!("spec.cidrs[{i}]"), value: cidr.clone() })))
+        .collect::<Result<_, _>>()?;
+    Ok(ServiceCidr { name: subject.name(m)?, cidrs })
+}
+
 /// Converts one manifest document (a JSON object with `apiVersion` and `kind`).
 ///
 /// `Ok(None)` for kinds wasmplane does not watch (Deployment, ConfigMap, ...), so a
@@ -500,6 +515,7 @@ pub fn object_from_json(value: serde_json::Value) -> Result<Option<ClusterObject
         ("v1", "Pod") => ClusterObject::Pod(pod(&parse("Pod", true, value)?)?),
         ("discovery.k8s.io/v1", "EndpointSlice") => ClusterObject::EndpointSlice(endpoint_slice(&parse("EndpointSlice", true, value)?)?),
         ("networking.k8s.io/v1", "NetworkPolicy") => ClusterObject::NetworkPolicy(network_policy(&parse("NetworkPolicy", true, value)?)?),
+        ("networking.k8s.io/v1", "ServiceCIDR") => ClusterObject::ServiceCidr(service_cidr(&parse("ServiceCIDR", false, value)?)?),
         _ => {
             tracing::trace!(api_version = %api_version, kind = %kind, "ignoring a kind wasmplane does not use");
             return Ok(None);
@@ -688,6 +704,18 @@ mod tests {
         assert_eq!(annotated("2026-11-27T15:00:00+01:00"), at(1_795_788_000, 0));
         assert_eq!(annotated("yesterday"), None, "a malformed time is skipped, the slice kept");
         assert_eq!(slice(json!({})).unwrap().trigger_time, None);
+    }
+
+    #[test]
+    fn service_cidrs() {
+        let c = object_from_json(json!({"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR", "metadata": {"name": "kubernetes"},
+            "spec": {"cidrs": ["10.96.0.0/12", "fd00:96::/108"]}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}}))
+        .unwrap();
+        let Some(ClusterObject::ServiceCidr(c)) = c else { panic!("{c:?}") };
+        assert_eq!((c.name.as_str(), c.cidrs), ("kubernetes", vec!["10.96.0.0/12".parse().unwrap(), "fd00:96::/108".parse().unwrap()]));
+        let e = object_from_json(json!({"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR", "metadata": {"name": "bad"}, "spec": {"cidrs": ["10.96.0.0/12", "10.300.0.0/16"]}}))
+            .unwrap_err();
+        assert_eq!(e.to_string(), "ServiceCIDR bad: spec.cidrs[1] is \"10.300.0.0/16\", not a CIDR (10.0.0.0/8, 2001:db8::/32)");
     }
 
     #[test]

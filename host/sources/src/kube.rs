@@ -1,5 +1,6 @@
-//! Kubernetes watchers (kube-rs): the six kinds wasmplane needs, read as [`crate::slim`] types
-//! and converted to model types.
+//! Kubernetes watchers (kube-rs): the kinds wasmplane needs, read as [`crate::slim`] types
+//! and converted to model types. ServiceCIDRs (Kubernetes 1.33) are optional: a server that
+//! does not serve them counts as having none, and is asked again every ten minutes.
 //!
 //! Each kind runs its own `kube::runtime::watcher`, which gets the kind's state, watches from
 //! its resourceVersion, re-watches on timeouts and gets the state again on `410 Gone`, with
@@ -14,6 +15,7 @@
 use std::collections::BTreeSet;
 use std::fmt::Debug;
 use std::sync::Mutex;
+use std::time::Duration;
 
 use futures::{StreamExt as _, TryStreamExt as _};
 use kube::runtime::watcher::{self, Event};
@@ -70,8 +72,19 @@ impl WatchStatus {
 }
 
 /// Every kind wasmplane watches.
-pub const WATCHED_KINDS: [ObjectKind; 6] =
-    [ObjectKind::Service, ObjectKind::EndpointSlice, ObjectKind::Node, ObjectKind::Namespace, ObjectKind::Pod, ObjectKind::NetworkPolicy];
+pub const WATCHED_KINDS: [ObjectKind; 7] = [
+    ObjectKind::Service,
+    ObjectKind::EndpointSlice,
+    ObjectKind::Node,
+    ObjectKind::Namespace,
+    ObjectKind::Pod,
+    ObjectKind::NetworkPolicy,
+    ObjectKind::ServiceCidr,
+];
+
+/// How long a server that does not serve an optional kind is left before it is asked again
+/// (it may have been upgraded).
+const NOT_SERVED_RETRY: Duration = Duration::from_secs(600);
 
 /// Starts one watcher per kind; they run until `tx` is closed.
 pub fn spawn_watchers(client: kube::Client, tx: mpsc::Sender<SourceEvent>, status: std::sync::Arc<WatchStatus>) -> Vec<tokio::task::JoinHandle<()>> {
@@ -91,14 +104,20 @@ pub fn spawn_watchers(client: kube::Client, tx: mpsc::Sender<SourceEvent>, statu
         spawn(Api::<slim::Namespace>::all(client.clone()), all(), ObjectKind::Namespace, |n| convert::namespace(n).map(ClusterObject::Namespace), tx.clone(), status.clone()),
         spawn(Api::<slim::Pod>::all(client.clone()), all(), ObjectKind::Pod, |p| convert::pod(p).map(ClusterObject::Pod), tx.clone(), status.clone()),
         spawn(
-            Api::<slim::NetworkPolicy>::all(client),
+            Api::<slim::NetworkPolicy>::all(client.clone()),
             all(),
             ObjectKind::NetworkPolicy,
             |p| convert::network_policy(p).map(ClusterObject::NetworkPolicy),
-            tx,
-            status,
+            tx.clone(),
+            status.clone(),
         ),
+        spawn(Api::<slim::ServiceCidr>::all(client), all(), ObjectKind::ServiceCidr, |c| convert::service_cidr(c).map(ClusterObject::ServiceCidr), tx, status),
     ]
+}
+
+/// Kinds a server may not serve (older Kubernetes): a 404 for them means none.
+fn optional(kind: ObjectKind) -> bool {
+    kind == ObjectKind::ServiceCidr
 }
 
 fn key_of<K: Resource>(object: &K) -> ObjectKey {
@@ -128,6 +147,22 @@ where
                     });
                     streaming = false;
                 }
+                Ended::NotServed(e) => {
+                    let first = !status.snapshot().listed.contains(&kind);
+                    if first {
+                        tracing::info!(?kind, "the API server does not serve this kind (before Kubernetes 1.33?): taken as none, asked again every {NOT_SERVED_RETRY:?}: {e}");
+                        if tx.send(SourceEvent::Relisted { kind, objects: Vec::new(), unconvertible: Vec::new() }).await.is_err() {
+                            return;
+                        }
+                        status.update(|s| {
+                            s.listed.insert(kind);
+                        });
+                    }
+                    tokio::select! {
+                        _ = tokio::time::sleep(NOT_SERVED_RETRY) => {}
+                        _ = tx.closed() => return,
+                    }
+                }
                 Ended::HostGone => return,
             }
         }
@@ -141,6 +176,13 @@ enum Ended {
     /// The server refused the request for a streaming list as invalid (only asked for
     /// with streaming lists).
     StreamingRefused(kube::Error),
+    /// The server does not serve this (optional) kind.
+    NotServed(kube::Error),
+}
+
+/// Whether `e` says the server has no such resource (404 on the list or watch).
+fn not_served(e: &watcher::Error) -> bool {
+    matches!(e, watcher::Error::InitialListFailed(kube::Error::Api(status)) | watcher::Error::WatchStartFailed(kube::Error::Api(status)) if status.code == 404)
 }
 
 /// Whether `e` is a server's refusal of a streaming list's parameters: `422 Invalid` for
@@ -202,6 +244,10 @@ where
             Ok(Event::Apply(object)) => convert_logged(&object).map(|o| SourceEvent::Events(vec![ClusterEvent::Upsert(o)])),
             Ok(Event::Delete(object)) => Some(SourceEvent::Events(vec![ClusterEvent::Delete(kind, key_of(&object))])),
             Err(watcher::Error::WatchStartFailed(e)) if streaming && refuses_streaming(&e) => return Ended::StreamingRefused(e),
+            Err(e) if optional(kind) && not_served(&e) => {
+                let (watcher::Error::InitialListFailed(e) | watcher::Error::WatchStartFailed(e)) = e else { unreachable!("not_served matched it") };
+                return Ended::NotServed(e);
+            }
             Err(e) => {
                 // The watcher retries on its own (with backoff); a 410 is handled inside
                 // it as a relist. Here it is only counted and reported.

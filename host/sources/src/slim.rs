@@ -231,6 +231,15 @@ pub struct PodStatus {
     pub pod_ips: Option<Vec<core::PodIP>>,
 }
 
+/// A ServiceCIDR: its ranges (`spec.cidrs`), not its status conditions.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct ServiceCidr {
+    #[serde(default, deserialize_with = "metadata")]
+    pub metadata: ObjectMeta,
+    pub spec: Option<networking::ServiceCIDRSpec>,
+}
+slim_of!(ServiceCidr, networking::ServiceCIDR);
+
 #[derive(Clone, Debug, Default, Deserialize)]
 pub struct NetworkPolicy {
     #[serde(default, deserialize_with = "metadata")]

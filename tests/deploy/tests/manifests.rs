@@ -834,6 +834,7 @@ fn expected_agent_grants() -> Grants {
     }
     put("discovery.k8s.io", "endpointslices", &read);
     put("networking.k8s.io", "networkpolicies", &read);
+    put("networking.k8s.io", "servicecidrs", &read);
     put("authentication.k8s.io", "tokenreviews", &["create"]);
     put("authorization.k8s.io", "subjectaccessreviews", &["create"]);
     g
