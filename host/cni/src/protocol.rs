@@ -53,12 +53,6 @@ impl Command {
             Command::Status | Command::Gc => "1.1.0",
         }
     }
-
-    /// Whether the command is about one attachment (container and interface); STATUS and GC
-    /// are about the network.
-    pub fn has_attachment(self) -> bool {
-        !matches!(self, Command::Status | Command::Gc)
-    }
 }
 
 /// One plugin invocation: the CNI environment plus the network configuration from stdin,

@@ -180,9 +180,9 @@ enum Ended {
     NotServed(kube::Error),
 }
 
-/// Whether `e` says the server has no such resource (404 on the list or watch).
-fn not_served(e: &watcher::Error) -> bool {
-    matches!(e, watcher::Error::InitialListFailed(kube::Error::Api(status)) | watcher::Error::WatchStartFailed(kube::Error::Api(status)) if status.code == 404)
+/// Whether `e` says the server has no such resource (404).
+fn not_found(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(status) if status.code == 404)
 }
 
 /// Whether `e` is a server's refusal of a streaming list's parameters: `422 Invalid` for
@@ -244,10 +244,7 @@ where
             Ok(Event::Apply(object)) => convert_logged(&object).map(|o| SourceEvent::Events(vec![ClusterEvent::Upsert(o)])),
             Ok(Event::Delete(object)) => Some(SourceEvent::Events(vec![ClusterEvent::Delete(kind, key_of(&object))])),
             Err(watcher::Error::WatchStartFailed(e)) if streaming && refuses_streaming(&e) => return Ended::StreamingRefused(e),
-            Err(e) if optional(kind) && not_served(&e) => {
-                let (watcher::Error::InitialListFailed(e) | watcher::Error::WatchStartFailed(e)) = e else { unreachable!("not_served matched it") };
-                return Ended::NotServed(e);
-            }
+            Err(watcher::Error::InitialListFailed(e) | watcher::Error::WatchStartFailed(e)) if optional(kind) && not_found(&e) => return Ended::NotServed(e),
             Err(e) => {
                 // The watcher retries on its own (with backoff); a 410 is handled inside
                 // it as a relist. Here it is only counted and reported.

@@ -30,7 +30,13 @@ fn apply(server: &TestApiServer, writes: Vec<Write>) -> anyhow::Result<usize> {
     let n = writes.len();
     for w in writes {
         match w {
-            Write::Put(kind, value) => {
+            Write::Put(kind, mut value) => {
+                if matches!(kind, Kind::EndpointSlice) {
+                    // As the EndpointSlice controller writes a slice: triggered now, where the
+                    // host's network programming SLI starts. Stamped here, at the write: the
+                    // generated cluster and churn stay the same for a seed.
+                    value["metadata"]["annotations"]["endpoints.kubernetes.io/last-change-trigger-time"] = serde_json::json!(k8s_openapi::jiff::Timestamp::now().to_string());
+                }
                 server.apply_value(&key(kind), value).map_err(|e| anyhow::anyhow!("writing a {kind:?}: {e}"))?;
             }
             Write::Delete(kind, ns, name) => {

@@ -315,13 +315,10 @@ impl Cluster {
         (vec![write], ip)
     }
 
-    /// The EndpointSlice change: the new pod in, the oldest out (one object written), as the
-    /// EndpointSlice controller writes it: triggered now (the host's programming SLI starts here).
+    /// The EndpointSlice change: the new pod in, the oldest out (one object written).
     pub fn replace_slice(&mut self, i: usize) -> (Vec<Write>, PodGone) {
         let old = self.services[i].endpoints.remove(0);
-        let mut slice = self.slice_obj(i);
-        slice["metadata"]["annotations"]["endpoints.kubernetes.io/last-change-trigger-time"] = json!(k8s_openapi::jiff::Timestamp::now().to_string());
-        (vec![Write::Put(Kind::EndpointSlice, slice)], PodGone(i, old.name.clone(), old))
+        (vec![Write::Put(Kind::EndpointSlice, self.slice_obj(i))], PodGone(i, old.name.clone(), old))
     }
 
     /// The old pod deleted.
