@@ -255,9 +255,7 @@ impl Controller {
     /// The sources have delivered a complete state: write it even if nothing changed.
     pub fn release_dataplane(&mut self) -> Result<(), HostError> {
         if self.dataplane.is_held() {
-            let started = Instant::now();
-            self.dataplane.release()?;
-            self.metrics.dataplane_full_sync_seconds.observe(started.elapsed().as_secs_f64());
+            self.full_write(Dataplane::release)?;
         }
         Ok(())
     }
@@ -468,10 +466,10 @@ impl Controller {
         }
     }
 
-    /// A full write of the tables, timed.
-    fn full_sync(&mut self, objects: Option<BTreeMap<ObjectKey, ObjectRules>>) -> Result<SyncStats, WriteError> {
+    /// A full write of the tables (`write`: a full sync or the release), timed.
+    fn full_write(&mut self, write: impl FnOnce(&mut Dataplane) -> Result<SyncStats, WriteError>) -> Result<SyncStats, WriteError> {
         let started = Instant::now();
-        let result = self.dataplane.full_sync(objects);
+        let result = write(&mut self.dataplane);
         self.metrics.dataplane_full_sync_seconds.observe(started.elapsed().as_secs_f64());
         result
     }
@@ -626,7 +624,7 @@ impl Controller {
 
     /// Periodic full reconcile: rewrites our table from what we want, repairing drift.
     pub fn reconcile(&mut self) -> Result<(), HostError> {
-        self.full_sync(None)?;
+        self.full_write(|dataplane| dataplane.full_sync(None))?;
         Ok(())
     }
 
@@ -674,7 +672,7 @@ impl Controller {
         // objects go in with it.
         outputs.extend(self.model.services.iter().filter_map(|(key, view)| Some((nft::firewall_object_key(key), self.firewall_of(view)?))));
         outputs.extend(self.policy.objects());
-        self.full_sync(Some(outputs))?;
+        self.full_write(|dataplane| dataplane.full_sync(Some(outputs)))?;
         self.service_errors.clear();
         self.translator = Some(ActiveTranslator { name: name.to_string(), version, session });
         self.registry.mark_active(GuestKind::ServiceTranslator, name, version);
@@ -709,7 +707,7 @@ impl Controller {
         let mut wanted: BTreeMap<ObjectKey, ObjectRules> =
             self.dataplane.applied().iter().filter(|(k, _)| !old_keys.contains(*k)).map(|(k, v)| (k.clone(), (**v).clone())).collect();
         wanted.extend(self.policy.objects());
-        if let Err(e) = self.full_sync(Some(wanted)) {
+        if let Err(e) = self.full_write(|dataplane| dataplane.full_sync(Some(wanted))) {
             self.policy = old;
             return Err(e.into());
         }

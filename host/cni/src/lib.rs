@@ -275,19 +275,18 @@ impl CniDaemon {
         let valid = conf.valid_attachments.as_ref().ok_or_else(|| {
             Error::InvalidConfig("GC needs cni.dev/valid-attachments".into())
         })?;
-        let grace = self.config.gc_grace;
+        let staleness = Staleness::new(valid, self.config.gc_grace);
         let mut failures = Vec::new();
         let mut released = 0;
-        for stale in stale_attachments(self.ipam.all(), valid, SystemTime::now(), grace) {
+        let now = SystemTime::now();
+        let stale: Vec<Allocation> = self.ipam.all().into_iter().filter(|a| staleness.of(a, now)).collect();
+        for stale in stale {
             let (ctr, ifn) = (&stale.container_id, &stale.if_name);
             // Under the attachment's lock, looked at again: an ADD may have run meanwhile.
             let result = self
                 .exclusively(ctr, ifn, async {
                     let current = self.ipam.get(ctr, ifn);
-                    let still_stale = current.is_some_and(|a| {
-                        !stale_attachments(vec![a], valid, SystemTime::now(), grace).is_empty()
-                    });
-                    if still_stale {
+                    if current.is_some_and(|a| staleness.of(&a, SystemTime::now())) {
                         self.remove_attachment(ctr, ifn).await
                     } else {
                         Ok(None)
@@ -430,27 +429,26 @@ impl CniDaemon {
     }
 }
 
-/// The allocations GC releases: of no attachment in `valid`, and older than `grace` (an ADD
-/// that finished after the runtime took its list is not stale). Allocations from before
-/// their time was recorded count as old.
-fn stale_attachments(
-    allocations: Vec<Allocation>,
-    valid: &[Attachment],
-    now: SystemTime,
+/// Which allocations GC releases: of no attachment the runtime lists, and older than the
+/// grace period (an ADD that finished after the runtime took its list is not stale).
+/// Allocations from before their time was recorded count as old.
+struct Staleness<'a> {
+    valid: HashSet<(&'a str, &'a str)>,
     grace: Duration,
-) -> Vec<Allocation> {
-    let valid: HashSet<(&str, &str)> = valid
-        .iter()
-        .map(|a| (a.container_id.as_str(), a.if_name.as_str()))
-        .collect();
-    let now = now
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |t| t.as_secs());
-    allocations
-        .into_iter()
-        .filter(|a| !valid.contains(&(a.container_id.as_str(), a.if_name.as_str())))
-        .filter(|a| a.allocated_at.is_none_or(|at| now.saturating_sub(at) >= grace.as_secs()))
-        .collect()
+}
+
+impl<'a> Staleness<'a> {
+    fn new(valid: &'a [Attachment], grace: Duration) -> Self {
+        let valid = valid.iter().map(|a| (a.container_id.as_str(), a.if_name.as_str())).collect();
+        Staleness { valid, grace }
+    }
+
+    /// Whether `a` is stale at `now`.
+    fn of(&self, a: &Allocation, now: SystemTime) -> bool {
+        let now = now.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |t| t.as_secs());
+        !self.valid.contains(&(a.container_id.as_str(), a.if_name.as_str()))
+            && a.allocated_at.is_none_or(|at| now.saturating_sub(at) >= self.grace.as_secs())
+    }
 }
 
 /// A running daemon; [`DaemonHandle::shutdown`] stops it and removes the socket.
@@ -630,15 +628,17 @@ mod tests {
             allocation("young", Some(990)),
             allocation("unrecorded", None),
         ];
-        let stale: Vec<String> = stale_attachments(allocations, &valid, now, Duration::from_secs(60))
+        let staleness = Staleness::new(&valid, Duration::from_secs(60));
+        let stale: Vec<String> = allocations
             .into_iter()
+            .filter(|a| staleness.of(a, now))
             .map(|a| a.container_id)
             .collect();
         assert_eq!(stale, ["gone", "unrecorded"]);
         // Another interface of a listed container is not listed.
         let mut other_if = allocation("kept", Some(100));
         other_if.if_name = "net1".into();
-        assert_eq!(stale_attachments(vec![other_if], &valid, now, Duration::ZERO).len(), 1);
+        assert!(Staleness::new(&valid, Duration::ZERO).of(&other_if, now));
     }
 
     struct Unsynced;
