@@ -55,9 +55,11 @@ pub struct RunArgs {
     /// Serve the CNI daemon for the `wasmplane-cni` plugin on this unix socket (off when unset).
     #[arg(long, env = "WASMPLANE_CNI_SOCKET")]
     pub cni_socket: Option<PathBuf>,
-    /// This node's pod CIDR for CNI address allocation (default: from this node's Node object).
-    #[arg(long, env = "WASMPLANE_POD_CIDR", requires = "cni_socket")]
-    pub pod_cidr: Option<ipnet::Ipv4Net>,
+    /// This node's pod CIDRs for CNI address allocation, at most one IPv4 and one IPv6, the
+    /// primary family first (comma-separated or repeated; default: from this node's Node
+    /// object's `spec.podCIDRs`).
+    #[arg(long = "pod-cidr", env = "WASMPLANE_POD_CIDR", requires = "cni_socket", value_delimiter = ',')]
+    pub pod_cidrs: Vec<ipnet::IpNet>,
     /// gRPC listen address of the node-local model stream (off when unset).
     #[arg(long, env = "WASMPLANE_GRPC_LISTEN")]
     pub grpc_listen: Option<SocketAddr>,
@@ -348,7 +350,7 @@ impl RunArgs {
             record: self.record,
             // This binary answers compile requests itself (`main.rs`).
             compiler: Some(wasmplane_runtime::CompilerCommand::current_exe().context("locating this binary to compile guests with")?),
-            cni: self.cni_socket.map(|socket| crate::cni::CniConfig { socket, pod_cidr: self.pod_cidr, state_dir: None, pod_wait: Duration::from_secs(10), node_netns: None }),
+            cni: self.cni_socket.map(|socket| crate::cni::CniConfig { socket, pod_cidrs: self.pod_cidrs, state_dir: None, pod_wait: Duration::from_secs(10), node_netns: None }),
             data_dir: Some(self.data_dir),
             node_name: self.node_name,
             cluster_cidrs: self.cluster_cidrs,

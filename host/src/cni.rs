@@ -19,8 +19,9 @@ use crate::controller::{Controller, ModelObserver};
 #[derive(Clone, Debug)]
 pub struct CniConfig {
     pub socket: PathBuf,
-    /// This node's pod CIDR; when unset, the first IPv4 pod CIDR of this node's Node object.
-    pub pod_cidr: Option<ipnet::Ipv4Net>,
+    /// This node's pod CIDRs (one per family, the primary family first); when empty, those
+    /// of this node's Node object (`spec.podCIDRs`).
+    pub pod_cidrs: Vec<ipnet::IpNet>,
     /// Allocation state (default: `<data-dir>/cni`).
     pub state_dir: Option<PathBuf>,
     /// How long an ADD waits for its pod to reach the watch cache.
@@ -119,28 +120,29 @@ impl PodNetworkSink for ModelPodNetworks {
     }
 }
 
-/// Starts the daemon once the pod CIDR is known (from the flag, or from this node's Node
+/// Starts the daemon once the pod CIDRs are known (from the flag, or from this node's Node
 /// object when the watch delivers it). `synced`: the host's readiness, for STATUS.
 pub async fn run(config: CniConfig, data_dir: Option<PathBuf>, controller: Arc<Mutex<Controller>>, synced: Arc<AtomicBool>) {
-    let pod_cidr = match config.pod_cidr {
-        Some(cidr) => cidr,
-        None => loop {
-            let known = {
+    let pod_cidrs = if config.pod_cidrs.is_empty() {
+        loop {
+            let known: Vec<ipnet::IpNet> = {
                 let c = controller.lock().unwrap_or_else(|p| p.into_inner());
-                c.model().context.pod_cidrs.iter().find_map(|c| c.parse::<ipnet::Ipv4Net>().ok())
+                c.model().context.pod_cidrs.iter().filter_map(|c| c.parse().ok()).collect()
             };
-            if let Some(cidr) = known {
-                break cidr;
+            if !known.is_empty() {
+                break known;
             }
             tokio::time::sleep(Duration::from_secs(1)).await;
-        },
+        }
+    } else {
+        config.pod_cidrs.clone()
     };
     let state_dir = config
         .state_dir
         .clone()
         .or_else(|| data_dir.map(|d| d.join("cni")))
         .unwrap_or_else(|| PathBuf::from("/var/lib/wasmplane/cni"));
-    let mut daemon_config = wasmplane_cni::DaemonConfig::new(pod_cidr, state_dir);
+    let mut daemon_config = wasmplane_cni::DaemonConfig::new(pod_cidrs.clone(), state_dir);
     daemon_config.socket_path = config.socket.clone();
     daemon_config.pod_wait_timeout = config.pod_wait;
     daemon_config.host_netns = config.node_netns.clone();
@@ -153,7 +155,7 @@ pub async fn run(config: CniConfig, data_dir: Option<PathBuf>, controller: Arc<M
     };
     match daemon.spawn().await {
         Ok(handle) => {
-            tracing::info!(socket = %config.socket.display(), %pod_cidr, "CNI daemon serving");
+            tracing::info!(socket = %config.socket.display(), ?pod_cidrs, "CNI daemon serving");
             // Serve until the host stops this task.
             let _handle = handle;
             std::future::pending::<()>().await;

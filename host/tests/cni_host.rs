@@ -1,6 +1,7 @@
 //! The CNI split through the whole host: the daemon answers from the host's watch cache
-//! (the manifest source here), waits for a pod the cache does not have yet, and the address
-//! it hands out is in the node-local model at once; DEL takes it out again. The plugin binary
+//! (the manifest source here), takes its pod CIDRs from the Node object (dual stack here),
+//! waits for a pod the cache does not have yet, and the addresses it hands out are in the
+//! node-local model at once; DEL takes them out again. The plugin binary
 //! and the daemon alone are tested in `host/cni-plugin/tests`; this speaks the plugin's one
 //! request over the host's socket.
 
@@ -10,7 +11,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use serde_json::Value;
-use support::cluster::{Cluster, start_host, wait_for};
+use support::cluster::{Cluster, NODES_YAML, start_host, wait_for};
 use support::netns::{Netns, is_root};
 use wasmplane::app::DataplaneMode;
 use wasmplane::cni::CniConfig;
@@ -39,12 +40,16 @@ async fn an_added_pod_is_in_the_model_at_once_and_del_takes_it_out() {
     let pod_ns = Netns::new(format!("cnih-pod-{tag}"));
     let cluster = Cluster::new();
     let socket = cluster.data_dir().parent().unwrap().join("cni.sock");
+    // node-a is dual-stack here: its pods get an address of each family.
+    let dual = NODES_YAML.replacen("podCIDRs: [10.244.0.0/24]", "podCIDRs: [10.244.0.0/24, \"fd00:10:244::/64\"]", 1);
+    assert_ne!(dual, NODES_YAML);
+    cluster.put_file("cluster.yaml", &format!("{dual}---\napiVersion: v1\nkind: Namespace\nmetadata: {{ name: default }}\n"));
     let mut config = cluster.config(Vec::new());
     config.dataplane = DataplaneMode::Record;
     // No pod CIDR given: the daemon takes node-a's from its Node object in the watch cache.
     config.cni = Some(CniConfig {
         socket: socket.clone(),
-        pod_cidr: None,
+        pod_cidrs: Vec::new(),
         state_dir: None,
         pod_wait: Duration::from_secs(3),
         node_netns: Some(format!("/var/run/netns/{}", node.name).into()),
@@ -67,21 +72,24 @@ async fn an_added_pod_is_in_the_model_at_once_and_del_takes_it_out() {
     std::fs::write(cluster.manifests().join("pod.yaml"), pod_yaml("web-1")).unwrap();
     let (status, result) = add.join().unwrap();
     assert_eq!(status, 200, "{result}");
-    let address = result["ips"][0]["address"].as_str().expect("an address").to_string();
-    let ip = address.split('/').next().unwrap().to_string();
+    let address = |i: usize| result["ips"][i]["address"].as_str().expect("an address").split('/').next().unwrap().to_string();
+    let (ip, ip6) = (address(0), address(1));
     assert!(ip.starts_with("10.244.0."), "from node-a's pod CIDR 10.244.0.0/24: {result}");
+    assert!(ip6.starts_with("fd00:10:244::"), "from node-a's pod CIDR fd00:10:244::/64: {result}");
     assert!(pod_ns.exec(&["ip", "-4", "-o", "addr", "show", "dev", "eth0"]).contains(&ip), "the interface has the address");
+    assert!(pod_ns.exec(&["ip", "-6", "-o", "addr", "show", "dev", "eth0"]).contains(&ip6), "the interface has the address");
+    let both = vec![ip.clone(), ip6.clone()];
 
     // In the model at once: the manifest never reports an address.
     let key = ObjectKey::new("default", "web-1");
     let pod_ips = || host.controller.lock().unwrap().cluster().pods.get(&key).map(|p| p.ips.clone()).unwrap_or_default();
-    wait_for("the pod's address in the model", Duration::from_secs(5), pod_ips, |ips| ips == &vec![ip.clone()]);
+    wait_for("the pod's addresses in the model", Duration::from_secs(5), pod_ips, |ips| ips == &both);
     // A manifest change that still reports no address keeps the one the daemon gave.
     std::fs::write(cluster.manifests().join("pod.yaml"), pod_yaml("web-1").replace("app: web", "app: web2")).unwrap();
     wait_for("the relabelled pod", Duration::from_secs(5), || host.controller.lock().unwrap().cluster().pods.get(&key).map(|p| p.labels.clone()), |l| {
         l.as_ref().is_some_and(|l| l.get("app").map(|v| v.as_str()) == Some("web2"))
     });
-    assert_eq!(pod_ips(), vec![ip.clone()], "the address survives a pod update without one");
+    assert_eq!(pod_ips(), both, "the addresses survive a pod update without them");
 
     // A pod that never arrives: the ADD fails after the wait, with a CNI error.
     let (status, error) = cni(&socket, Command::Add, "c-ghost", &pod_netns, "ghost");

@@ -4,7 +4,7 @@
 mod support;
 
 use std::collections::HashSet;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,9 +30,9 @@ fn add_gives_working_network_and_del_frees_it() {
     assert_ne!(ip_a, ip_b);
     for ip in [ip_a, ip_b] {
         assert!(
-            node.cidr.contains(&ip) && ip != Ipv4Addr::new(10, 244, 11, 1),
+            node.cidrs[0].contains(&IpAddr::V4(ip)) && ip != Ipv4Addr::new(10, 244, 11, 1),
             "{ip} not a pod address of {}",
-            node.cidr
+            node.cidrs[0]
         );
     }
     // The spec's result: version, both interfaces with the sandbox on the pod side, the IP
@@ -64,7 +64,7 @@ fn add_gives_working_network_and_del_frees_it() {
     let (status, body) = support::http_get(&node.socket(), "/v1/allocations");
     let allocs: serde_json::Value =
         serde_json::from_str(&body).unwrap_or_else(|e| panic!("{status} {body}: {e}"));
-    assert_eq!(allocs["gateway"], "10.244.11.1");
+    assert_eq!(allocs["pools"], json!([{"podCIDR": "10.244.11.0/24", "gateway": "10.244.11.1"}]));
     let listed: HashSet<String> = allocs["allocations"]
         .as_array()
         .unwrap()
@@ -131,7 +131,7 @@ fn add_gives_working_network_and_del_frees_it() {
     );
     let daemon = node.daemon.as_ref().unwrap();
     assert!(
-        daemon.ipam().all().iter().all(|x| x.ip != ip_a),
+        daemon.ipam().all().iter().all(|x| x.ips != [IpAddr::V4(ip_a)]),
         "{ip_a} still allocated"
     );
     assert_eq!(node.sink.get("test", "a"), None);
@@ -223,8 +223,8 @@ fn restart_keeps_allocations() {
 
     node.restart();
     let daemon = node.daemon.as_ref().unwrap();
-    let recovered: HashSet<Ipv4Addr> = daemon.ipam().all().iter().map(|x| x.ip).collect();
-    assert_eq!(recovered, HashSet::from([a.ip(), b.ip()]));
+    let recovered: HashSet<IpAddr> = daemon.ipam().all().iter().map(|x| x.ips[0]).collect();
+    assert_eq!(recovered, HashSet::from([a.ip().into(), b.ip().into()]));
 
     // A new container after the restart gets a different address; the old ones still check.
     let c = node.cni("ADD", "ctr-2", &pods[2].path(), "r2");
@@ -240,16 +240,16 @@ fn restart_keeps_allocations() {
     // DEL after the restart frees the recovered address.
     assert!(node.cni("DEL", "ctr-0", &pods[0].path(), "r0").ok);
     node.restart();
-    let left: HashSet<Ipv4Addr> = node
+    let left: HashSet<IpAddr> = node
         .daemon
         .as_ref()
         .unwrap()
         .ipam()
         .all()
         .iter()
-        .map(|x| x.ip)
+        .map(|x| x.ips[0])
         .collect();
-    assert_eq!(left, HashSet::from([b.ip(), c.ip()]));
+    assert_eq!(left, HashSet::from([b.ip().into(), c.ip().into()]));
     assert!(icmp_echo(&node.ns.path(), c.ip(), ECHO));
 
     // A pod whose namespace went away while the daemon was down (no DEL came): its veth
@@ -269,16 +269,16 @@ fn restart_keeps_allocations() {
     }
     assert!(node.sink.get("test", "r1").is_some());
     node.start();
-    let left: HashSet<Ipv4Addr> = node
+    let left: HashSet<IpAddr> = node
         .daemon
         .as_ref()
         .unwrap()
         .ipam()
         .all()
         .iter()
-        .map(|x| x.ip)
+        .map(|x| x.ips[0])
         .collect();
-    assert_eq!(left, HashSet::from([c.ip()]));
+    assert_eq!(left, HashSet::from([c.ip().into()]));
     assert_eq!(
         node.sink.get("test", "r1"),
         None,
@@ -519,4 +519,90 @@ fn status_and_gc_of_spec_1_1() {
     let r = node.network("GC", &gc);
     assert!(r.ok, "{r:?}");
     assert_eq!(node.daemon.as_ref().unwrap().ipam().all().len(), 2, "young attachments are spared");
+}
+
+/// A dual-stack node (IPv6 primary, as a cluster may be): every pod gets one address of
+/// each family, both work at once (no duplicate address detection to wait out) for traffic
+/// from the node, between pods (IPv6 forwarding turned on by the daemon) and to the
+/// gateway; CHECK looks at both; a restart recovers both; DEL frees both. An IPv6-only
+/// node works alone.
+#[test]
+fn dual_stack_pods_get_an_address_of_each_family() {
+    require_root!();
+    let mut node = Node::new("fd00:10:244:18::/64,10.244.18.0/24");
+    let forwarding6 = |node: &Node| node.ns.exec(&["sysctl", "-n", "net.ipv6.conf.all.forwarding"]).trim().to_string();
+    assert_eq!(forwarding6(&node), "1", "the daemon turns IPv6 forwarding on");
+    let (a, b) = (Netns::new(unique("-a")), Netns::new(unique("-b")));
+    node.know_pod("test", "a");
+    node.know_pod("test", "b");
+    let ra = node.cni("ADD", "ctr-a", &a.path(), "a");
+    assert!(ra.ok, "{ra:?}");
+    let rb = node.cni("ADD", "ctr-b", &b.path(), "b");
+    assert!(rb.ok, "{rb:?}");
+    let (ips_a, ips_b) = (ra.ips(), rb.ips());
+    let gw6: IpAddr = "fd00:10:244:18::1".parse().unwrap();
+    for ips in [&ips_a, &ips_b] {
+        assert!(ips.len() == 2 && ips[0].is_ipv6() && ips[1].is_ipv4(), "primary family first: {ips:?}");
+        assert!(node.cidrs[0].contains(&ips[0]) && ips[0] != gw6, "{ips:?}");
+        assert!(node.cidrs[1].contains(&ips[1]), "{ips:?}");
+    }
+    let r = &ra.json;
+    assert_eq!(r["ips"][0]["address"], format!("{}/128", ips_a[0]));
+    assert_eq!((r["ips"][0]["gateway"].as_str(), r["ips"][1]["gateway"].as_str()), (Some("fd00:10:244:18::1"), Some("10.244.18.1")));
+    let routes = r["routes"].as_array().unwrap();
+    assert!(routes.iter().any(|rt| rt["dst"] == "::/0" && rt["gw"] == "fd00:10:244:18::1"), "{r}");
+    assert!(routes.iter().any(|rt| rt["dst"] == "0.0.0.0/0" && rt["gw"] == "10.244.18.1"), "{r}");
+    assert_eq!(node.sink.get("test", "a"), Some(ips_a.clone()), "both addresses reach the model");
+    let pod_addrs = a.exec(&["ip", "-6", "-o", "addr", "show", "dev", "eth0"]);
+    let ours = pod_addrs.lines().find(|l| l.contains(&format!("{}/128", ips_a[0])));
+    assert!(ours.is_some_and(|l| !l.contains("tentative")), "usable at once: {pod_addrs}");
+
+    // IPv6 traffic: node -> pod, pod -> pod (forwarded by the node), pod -> gateway; IPv4 too.
+    let server_b = support::tcp_server_on(&b.path(), SocketAddr::new(IpAddr::from([0u16; 8]), 8086), "b");
+    assert_eq!(tcp_ask(&node.ns.path(), SocketAddr::new(ips_b[0], 8086)).unwrap(), format!("b saw {gw6}"));
+    assert_eq!(tcp_ask(&a.path(), SocketAddr::new(ips_b[0], 8086)).unwrap(), format!("b saw {}", ips_a[0]));
+    drop(server_b);
+    let server_node = support::tcp_server_on(&node.ns.path(), SocketAddr::new(IpAddr::from([0u16; 8]), 8087), "node");
+    assert_eq!(tcp_ask(&b.path(), SocketAddr::new(gw6, 8087)).unwrap(), format!("node saw {}", ips_b[0]));
+    drop(server_node);
+    let IpAddr::V4(b4) = ips_b[1] else { unreachable!() };
+    assert!(icmp_echo(&a.path(), b4, ECHO), "IPv4 beside IPv6: pod a cannot ping pod b {b4}");
+
+    // CHECK covers both families: the ADD's own result passes, one lacking the IPv6
+    // address does not, nor does a pod whose IPv6 default route went.
+    let mut check = node.config("1.0.0");
+    check["prevResult"] = ra.json.clone();
+    assert!(node.cni_with("CHECK", "ctr-a", &a.path(), "a", &check).ok);
+    let mut v4_only = check.clone();
+    v4_only["prevResult"]["ips"] = json!([ra.json["ips"][1]]);
+    let r = node.cni_with("CHECK", "ctr-a", &a.path(), "a", &v4_only);
+    assert!(!r.ok && r.code() == 105 && r.json["details"].as_str().unwrap().contains(&ips_a[0].to_string()), "{r:?}");
+    a.exec(&["ip", "-6", "route", "del", "default"]);
+    let r = node.cni_with("CHECK", "ctr-a", &a.path(), "a", &check);
+    assert!(!r.ok && r.code() == 105 && r.json["details"].as_str().unwrap().contains("default route"), "{r:?}");
+    // A repeated ADD repairs it, with the same addresses.
+    let again = node.cni("ADD", "ctr-a", &a.path(), "a");
+    assert_eq!(again.ips(), ips_a);
+    assert!(node.cni_with("CHECK", "ctr-a", &a.path(), "a", &check).ok);
+
+    // A restart recovers both families' addresses; DEL frees both.
+    node.restart();
+    assert_eq!(node.daemon.as_ref().unwrap().ipam().get("ctr-b", "eth0").map(|x| x.ips), Some(ips_b.clone()));
+    assert!(node.cni("DEL", "ctr-b", &b.path(), "b").ok);
+    assert_eq!(node.sink.get("test", "b"), None);
+    assert!(tcp_ask(&node.ns.path(), SocketAddr::new(ips_b[0], 8086)).is_err(), "{} still answers", ips_b[0]);
+    let left: Vec<Vec<IpAddr>> = node.daemon.as_ref().unwrap().ipam().all().into_iter().map(|x| x.ips).collect();
+    assert_eq!(left, [ips_a]);
+
+    // IPv6 only.
+    let node6 = Node::new("fd00:10:244:19::/64");
+    let c = Netns::new(unique("-c"));
+    node6.know_pod("test", "c");
+    let rc = node6.cni("ADD", "ctr-c", &c.path(), "c");
+    assert!(rc.ok, "{rc:?}");
+    let ips_c = rc.ips();
+    assert!(ips_c.len() == 1 && node6.cidrs[0].contains(&ips_c[0]), "{ips_c:?}");
+    let server_c = support::tcp_server_on(&c.path(), SocketAddr::new(IpAddr::from([0u16; 8]), 8086), "c");
+    assert_eq!(tcp_ask(&node6.ns.path(), SocketAddr::new(ips_c[0], 8086)).unwrap(), "c saw fd00:10:244:19::1");
+    drop(server_c);
 }

@@ -68,9 +68,9 @@ pub enum Error {
     },
     #[error("allocation state in {path} is corrupt: {reason}")]
     CorruptState { path: PathBuf, reason: String },
-    #[error("no free IPv4 address left in the node's pod CIDR {cidr} ({allocated} allocated)")]
+    #[error("no free address left in the node's pod CIDR {cidr} ({allocated} allocated)")]
     PoolExhausted {
-        cidr: ipnet::Ipv4Net,
+        cidr: ipnet::IpNet,
         allocated: usize,
     },
     #[error("network namespace {path}: {reason}")]

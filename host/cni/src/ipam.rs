@@ -1,56 +1,164 @@
-//! Node-local IPv4 allocation from the node's pod CIDR, persisted in one JSON file that is
-//! replaced atomically (write, fsync, rename, fsync dir) on every change, so a restart
-//! recovers exactly what was handed out.
+//! Node-local address allocation from the node's pod CIDRs (one per family: IPv4, IPv6, or
+//! both for a dual-stack node), persisted in one JSON file that is replaced atomically
+//! (write, fsync, rename) on every change, so a restart recovers exactly what was handed out
+//! and a dual-stack ADD costs one write, not one per family.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::fs::{self, File};
 use std::io::Write as _;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use ipnet::Ipv4Net;
+use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
 use crate::error::Error;
 
-/// One address handed out, keyed by container ID and interface name as the spec keys ADD.
+/// The addresses one attachment holds, keyed by container ID and interface name as the
+/// spec keys ADD.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
+#[serde(from = "StoredAllocation", into = "StoredAllocation")]
 pub struct Allocation {
-    pub ip: Ipv4Addr,
+    /// One address per pool, in the pools' order (the node's primary family first). Fewer
+    /// when the allocation predates a pool: a pod keeps what it was given.
+    pub ips: Vec<IpAddr>,
     pub container_id: String,
     pub if_name: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod_namespace: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod_name: Option<String>,
     /// When it was handed out (seconds since the Unix epoch; none in state from before this
     /// was recorded): GC spares allocations younger than its grace period.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allocated_at: Option<u64>,
 }
 
 impl Allocation {
-    fn is(&self, container_id: &str, if_name: &str) -> bool {
-        self.container_id == container_id && self.if_name == if_name
+    fn key(&self) -> (String, String) {
+        (self.container_id.clone(), self.if_name.clone())
+    }
+}
+
+/// An allocation as the state file (and `GET /v1/allocations`) holds it: `ip` is the first
+/// address, the only field state from before dual stack has, and what such a daemon reads
+/// back after a downgrade; `ips` lists them all.
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct StoredAllocation {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    ip: Option<IpAddr>,
+    #[serde(default)]
+    ips: Vec<IpAddr>,
+    container_id: String,
+    if_name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pod_namespace: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pod_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    allocated_at: Option<u64>,
+}
+
+impl From<StoredAllocation> for Allocation {
+    fn from(s: StoredAllocation) -> Allocation {
+        Allocation {
+            ips: if s.ips.is_empty() { s.ip.into_iter().collect() } else { s.ips },
+            container_id: s.container_id,
+            if_name: s.if_name,
+            pod_namespace: s.pod_namespace,
+            pod_name: s.pod_name,
+            allocated_at: s.allocated_at,
+        }
+    }
+}
+
+impl From<Allocation> for StoredAllocation {
+    fn from(a: Allocation) -> StoredAllocation {
+        StoredAllocation {
+            ip: a.ips.first().copied(),
+            ips: a.ips,
+            container_id: a.container_id,
+            if_name: a.if_name,
+            pod_namespace: a.pod_namespace,
+            pod_name: a.pod_name,
+            allocated_at: a.allocated_at,
+        }
+    }
+}
+
+/// One pod CIDR: its first address is the pods' gateway, held by the node side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pool {
+    pub cidr: IpNet,
+    pub gateway: IpAddr,
+}
+
+impl Pool {
+    fn new(cidr: IpNet) -> Result<Pool, Error> {
+        // Network, gateway and one pod (and IPv4's broadcast).
+        let longest = if cidr.addr().is_ipv4() { 30 } else { 126 };
+        if cidr.prefix_len() > longest {
+            return Err(Error::InvalidConfig(format!(
+                "pod CIDR {cidr} is too small (needs at least a /{longest})"
+            )));
+        }
+        let cidr = cidr.trunc();
+        Ok(Pool { cidr, gateway: nth_address(cidr, as_u128(cidr.network()) + 1) })
+    }
+
+    /// The first address after `last` that no one holds, wrapping around; never the
+    /// network, gateway or (IPv4) broadcast address.
+    fn free_after(&self, last: Option<IpAddr>, taken: &HashSet<IpAddr>) -> Option<IpAddr> {
+        let first = as_u128(self.gateway) + 1;
+        let end = as_u128(self.cidr.broadcast()) - u128::from(self.cidr.addr().is_ipv4());
+        if first > end {
+            return None;
+        }
+        let size = end - first + 1;
+        let start = match last.map(as_u128) {
+            Some(l) if (first..=end).contains(&l) => l - first + 1,
+            _ => 0,
+        };
+        (0..size)
+            .map(|i| nth_address(self.cidr, first + (start + i) % size))
+            .find(|ip| !taken.contains(ip))
+    }
+}
+
+fn as_u128(ip: IpAddr) -> u128 {
+    match ip {
+        IpAddr::V4(v4) => u128::from(u32::from(v4)),
+        IpAddr::V6(v6) => u128::from(v6),
+    }
+}
+
+/// The address numbered `n` in `cidr`'s family (`n` lies inside it).
+fn nth_address(cidr: IpNet, n: u128) -> IpAddr {
+    match cidr {
+        IpNet::V4(_) => IpAddr::V4(Ipv4Addr::from(n as u32)),
+        IpNet::V6(_) => IpAddr::V6(Ipv6Addr::from(n)),
     }
 }
 
 #[derive(Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
 struct StateFile {
-    /// The last address handed out: the next search starts after it, so a released address
-    /// is reused as late as possible (a stale conntrack entry or ARP cache on a peer does
-    /// not meet a new pod at once).
+    /// The last address handed out per family: the next search starts after it, so a
+    /// released address is reused as late as possible (a stale conntrack entry or neighbour
+    /// cache on a peer does not meet a new pod at once). `last` is IPv4's, as before dual
+    /// stack.
     #[serde(default)]
     last: Option<Ipv4Addr>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    last_v6: Option<Ipv6Addr>,
     #[serde(default)]
     allocations: Vec<Allocation>,
 }
 
 struct State {
-    last: Option<Ipv4Addr>,
-    by_ip: BTreeMap<Ipv4Addr, Allocation>,
+    /// Per pool, in the pools' order.
+    last: Vec<Option<IpAddr>>,
+    by_key: BTreeMap<(String, String), Allocation>,
+    taken: HashSet<IpAddr>,
     /// Bumped on every change; compared with [`Ipam::durable`].
     version: u64,
 }
@@ -58,8 +166,7 @@ struct State {
 /// The allocator. Changes are made under one lock (two callers never get the same address)
 /// and a caller returns only once its change is on disk.
 pub struct Ipam {
-    cidr: Ipv4Net,
-    gateway: Ipv4Addr,
+    pools: Vec<Pool>,
     path: PathBuf,
     state: Mutex<State>,
     /// The last state version known to be on disk; its lock is held while writing.
@@ -67,14 +174,21 @@ pub struct Ipam {
 }
 
 impl Ipam {
-    /// Opens (or creates) the state in `state_dir`, recovering earlier allocations.
-    pub fn open(state_dir: &Path, cidr: Ipv4Net) -> Result<Ipam, Error> {
-        if cidr.prefix_len() > 30 {
-            return Err(Error::InvalidConfig(format!(
-                "pod CIDR {cidr} is too small (needs at least a /30)"
-            )));
+    /// Opens (or creates) the state in `state_dir`, recovering earlier allocations. `cidrs`:
+    /// one per family, the node's primary family first (its pods' first address).
+    pub fn open(state_dir: &Path, cidrs: &[IpNet]) -> Result<Ipam, Error> {
+        let pools = cidrs.iter().map(|c| Pool::new(*c)).collect::<Result<Vec<_>, _>>()?;
+        match pools.as_slice() {
+            [] => return Err(Error::InvalidConfig("no pod CIDR".into())),
+            [a, b] if a.cidr.addr().is_ipv4() == b.cidr.addr().is_ipv4() => {
+                return Err(Error::InvalidConfig(format!(
+                    "two pod CIDRs of one family ({} and {}): at most one IPv4 and one IPv6",
+                    a.cidr, b.cidr
+                )));
+            }
+            [_] | [_, _] => {}
+            _ => return Err(Error::InvalidConfig(format!("{} pod CIDRs: at most one IPv4 and one IPv6", pools.len()))),
         }
-        let cidr = cidr.trunc();
         fs::create_dir_all(state_dir).map_err(|source| Error::State {
             path: state_dir.into(),
             source,
@@ -88,69 +202,71 @@ impl Ipam {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => StateFile::default(),
             Err(source) => return Err(Error::State { path, source }),
         };
-        let mut by_ip = BTreeMap::new();
+        let corrupt = |reason: String| Error::CorruptState { path: path.clone(), reason };
+        let (mut by_key, mut taken) = (BTreeMap::new(), HashSet::new());
         for a in file.allocations {
-            if !cidr.contains(&a.ip) {
-                // Kept anyway: the pod still has that address; it just is not ours to hand
-                // out again. Logged so a changed node CIDR is visible.
-                tracing::warn!(ip = %a.ip, container = %a.container_id, %cidr, "recovered allocation lies outside the pod CIDR");
+            if a.ips.is_empty() {
+                return Err(corrupt(format!("container {} holds no address", a.container_id)));
             }
-            if let Some(dup) = by_ip.insert(a.ip, a) {
-                return Err(Error::CorruptState {
-                    path,
-                    reason: format!(
-                        "{} allocated twice (container {})",
-                        dup.ip, dup.container_id
-                    ),
-                });
+            for ip in &a.ips {
+                if !pools.iter().any(|p| p.cidr.contains(ip)) {
+                    // Kept anyway: the pod still has that address; it just is not ours to
+                    // hand out again. Logged so a changed node CIDR is visible.
+                    tracing::warn!(%ip, container = %a.container_id, "recovered allocation lies outside the pod CIDRs");
+                }
+                if !taken.insert(*ip) {
+                    return Err(corrupt(format!("{ip} allocated twice (container {})", a.container_id)));
+                }
+            }
+            if let Some(dup) = by_key.insert(a.key(), a) {
+                return Err(corrupt(format!("container {} interface {} allocated twice", dup.container_id, dup.if_name)));
             }
         }
-        tracing::info!(path = %path.display(), %cidr, recovered = by_ip.len(), "IPAM state opened");
-        let gateway = first_host(cidr);
+        let last = pools
+            .iter()
+            .map(|p| match p.cidr {
+                IpNet::V4(_) => file.last.map(IpAddr::V4),
+                IpNet::V6(_) => file.last_v6.map(IpAddr::V6),
+            })
+            .collect();
+        let cidrs: Vec<String> = pools.iter().map(|p| p.cidr.to_string()).collect();
+        tracing::info!(path = %path.display(), ?cidrs, recovered = by_key.len(), "IPAM state opened");
         Ok(Ipam {
-            cidr,
-            gateway,
+            pools,
             path,
-            state: Mutex::new(State {
-                last: file.last,
-                by_ip,
-                version: 0,
-            }),
+            state: Mutex::new(State { last, by_key, taken, version: 0 }),
             durable: Mutex::new(0),
         })
     }
 
-    pub fn cidr(&self) -> Ipv4Net {
-        self.cidr
-    }
-
-    /// The first address of the CIDR: the pods' gateway, held by the node side.
-    pub fn gateway(&self) -> Ipv4Addr {
-        self.gateway
+    /// The pod CIDRs with their gateways, the primary family first.
+    pub fn pools(&self) -> &[Pool] {
+        &self.pools
     }
 
     /// The allocation of `(container_id, if_name)`, if any.
     pub fn get(&self, container_id: &str, if_name: &str) -> Option<Allocation> {
-        self.lock()
-            .by_ip
-            .values()
-            .find(|a| a.is(container_id, if_name))
-            .cloned()
+        self.lock().by_key.get(&(container_id.to_string(), if_name.to_string())).cloned()
     }
 
     pub fn all(&self) -> Vec<Allocation> {
-        self.lock().by_ip.values().cloned().collect()
+        self.lock().by_key.values().cloned().collect()
     }
 
-    /// Whether an ADD of a new container would get an address now.
-    pub fn has_free(&self) -> bool {
+    /// The pod CIDR with no free address left, if any: an ADD of a new container fails
+    /// then.
+    pub fn exhausted(&self) -> Option<IpNet> {
         let state = self.lock();
-        self.next_free(&state).is_some()
+        self.pools
+            .iter()
+            .zip(&state.last)
+            .find(|(pool, last)| pool.free_after(**last, &state.taken).is_none())
+            .map(|(pool, _)| pool.cidr)
     }
 
-    /// Allocates an address for `(container_id, if_name)`; returns the existing one (and
-    /// `false`) if that key already holds one, so a repeated ADD never takes a second.
-    /// Returns once the allocation is on disk.
+    /// Allocates an address of every pool for `(container_id, if_name)`; returns the
+    /// existing allocation (and `false`) if that key already holds one, so a repeated ADD
+    /// never takes a second. Returns once the allocation is on disk.
     pub fn allocate(
         &self,
         container_id: &str,
@@ -159,19 +275,23 @@ impl Ipam {
     ) -> Result<(Allocation, bool), Error> {
         let (alloc, version) = {
             let mut state = self.lock();
-            if let Some(a) = state.by_ip.values().find(|a| a.is(container_id, if_name)) {
+            let key = (container_id.to_string(), if_name.to_string());
+            if let Some(a) = state.by_key.get(&key) {
                 // Possibly not yet durable (its ADD is still flushing): wait for that too.
                 let (a, v) = (a.clone(), state.version);
                 drop(state);
                 self.flush_to(v)?;
                 return Ok((a, false));
             }
-            let ip = self.next_free(&state).ok_or(Error::PoolExhausted {
-                cidr: self.cidr,
-                allocated: state.by_ip.len(),
-            })?;
+            let mut ips = Vec::with_capacity(self.pools.len());
+            for (pool, last) in self.pools.iter().zip(&state.last) {
+                ips.push(pool.free_after(*last, &state.taken).ok_or(Error::PoolExhausted {
+                    cidr: pool.cidr,
+                    allocated: state.by_key.len(),
+                })?);
+            }
             let alloc = Allocation {
-                ip,
+                ips,
                 container_id: container_id.into(),
                 if_name: if_name.into(),
                 pod_namespace: pod.map(|p| p.0.to_string()),
@@ -181,8 +301,9 @@ impl Ipam {
                     .ok()
                     .map(|t| t.as_secs()),
             };
-            state.last = Some(ip);
-            state.by_ip.insert(ip, alloc.clone());
+            state.last = alloc.ips.iter().map(|ip| Some(*ip)).collect();
+            state.taken.extend(alloc.ips.iter().copied());
+            state.by_key.insert(key, alloc.clone());
             state.version += 1;
             (alloc, state.version)
         };
@@ -191,24 +312,19 @@ impl Ipam {
             // disk holds one allocation too many, which a restart keeps: a leak, never a
             // duplicate.)
             let mut state = self.lock();
-            state.by_ip.remove(&alloc.ip);
+            state.remove(&alloc.key());
             state.version += 1;
             return Err(e);
         }
         Ok((alloc, true))
     }
 
-    /// Releases the address of `(container_id, if_name)`; `None` if it held none. Returns
-    /// once the state on disk no longer holds it.
+    /// Releases the addresses of `(container_id, if_name)`; `None` if it held none. Returns
+    /// once the state on disk no longer holds them.
     pub fn release(&self, container_id: &str, if_name: &str) -> Result<Option<Allocation>, Error> {
         let (released, version) = {
             let mut state = self.lock();
-            let ip = state
-                .by_ip
-                .values()
-                .find(|a| a.is(container_id, if_name))
-                .map(|a| a.ip);
-            let released = ip.and_then(|ip| state.by_ip.remove(&ip));
+            let released = state.remove(&(container_id.to_string(), if_name.to_string()));
             if released.is_some() {
                 state.version += 1;
             }
@@ -232,13 +348,17 @@ impl Ipam {
         }
         let (file, snapshot) = {
             let state = self.lock();
-            (
-                StateFile {
-                    last: state.last,
-                    allocations: state.by_ip.values().cloned().collect(),
-                },
-                state.version,
-            )
+            let mut file = StateFile {
+                allocations: state.by_key.values().cloned().collect(),
+                ..StateFile::default()
+            };
+            for ip in state.last.iter().flatten() {
+                match *ip {
+                    IpAddr::V4(v4) => file.last = Some(v4),
+                    IpAddr::V6(v6) => file.last_v6 = Some(v6),
+                }
+            }
+            (file, state.version)
         };
         self.persist(&file)?;
         *durable = snapshot;
@@ -249,24 +369,6 @@ impl Ipam {
         // Nothing panics half-way through a change under this lock, so the state is
         // consistent even if some unrelated panic poisoned it.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// The first free host address after `last`, wrapping around; never the network,
-    /// gateway or broadcast address.
-    fn next_free(&self, state: &State) -> Option<Ipv4Addr> {
-        let first = u32::from(self.gateway) + 1;
-        let last = u32::from(self.cidr.broadcast()) - 1;
-        if first > last {
-            return None;
-        }
-        let size = last - first + 1;
-        let start = match state.last.map(u32::from) {
-            Some(l) if (first..=last).contains(&l) => l - first + 1,
-            _ => 0,
-        };
-        (0..size)
-            .map(|i| Ipv4Addr::from(first + (start + i) % size))
-            .find(|ip| !state.by_ip.contains_key(ip))
     }
 
     fn persist(&self, file: &StateFile) -> Result<(), Error> {
@@ -290,60 +392,67 @@ impl Ipam {
     }
 }
 
-/// The first usable address of `cidr`.
-fn first_host(cidr: Ipv4Net) -> Ipv4Addr {
-    Ipv4Addr::from(u32::from(cidr.network()) + 1)
+impl State {
+    fn remove(&mut self, key: &(String, String)) -> Option<Allocation> {
+        let released = self.by_key.remove(key)?;
+        for ip in &released.ips {
+            self.taken.remove(ip);
+        }
+        Some(released)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::HashSet;
 
-    fn cidr(s: &str) -> Ipv4Net {
+    fn cidrs(list: &[&str]) -> Vec<IpNet> {
+        list.iter().map(|s| s.parse().unwrap()).collect()
+    }
+
+    fn ip(s: &str) -> IpAddr {
         s.parse().unwrap()
     }
 
     #[test]
     fn allocates_distinct_addresses_and_skips_gateway() {
         let dir = tempfile::tempdir().unwrap();
-        let ipam = Ipam::open(dir.path(), cidr("10.244.9.0/29")).unwrap();
-        assert_eq!(ipam.gateway(), "10.244.9.1".parse::<Ipv4Addr>().unwrap());
+        let ipam = Ipam::open(dir.path(), &cidrs(&["10.244.9.0/29"])).unwrap();
+        assert_eq!(ipam.pools()[0].gateway, ip("10.244.9.1"));
         let ips: Vec<_> = (0..5)
-            .map(|i| ipam.allocate(&format!("c{i}"), "eth0", None).unwrap().0.ip)
+            .map(|i| ipam.allocate(&format!("c{i}"), "eth0", None).unwrap().0.ips[0])
             .collect();
         assert_eq!(ips.iter().collect::<HashSet<_>>().len(), 5);
-        for ip in &ips {
-            assert!(
-                *ip > Ipv4Addr::new(10, 244, 9, 1) && *ip < Ipv4Addr::new(10, 244, 9, 7),
-                "{ip}"
-            );
+        for a in &ips {
+            assert!(*a > ip("10.244.9.1") && *a < ip("10.244.9.7"), "{a}");
         }
         // /29: .2-.6 usable, all taken.
+        assert_eq!(ipam.exhausted(), Some(cidrs(&["10.244.9.0/29"])[0]));
         assert!(matches!(
             ipam.allocate("c9", "eth0", None),
             Err(Error::PoolExhausted { .. })
         ));
         // Same key again: same address, not a new one.
         let (again, new) = ipam.allocate("c0", "eth0", None).unwrap();
-        assert_eq!((again.ip, new), (ips[0], false));
+        assert_eq!((again.ips[0], new), (ips[0], false));
     }
 
     #[test]
     fn survives_reopen_and_reuses_late() {
         let dir = tempfile::tempdir().unwrap();
-        let ipam = Ipam::open(dir.path(), cidr("10.244.9.0/24")).unwrap();
+        let pool = cidrs(&["10.244.9.0/24"]);
+        let ipam = Ipam::open(dir.path(), &pool).unwrap();
         let a = ipam.allocate("a", "eth0", Some(("ns", "pa"))).unwrap().0;
         let b = ipam.allocate("b", "eth0", None).unwrap().0;
-        assert_eq!(ipam.release("a", "eth0").unwrap().unwrap().ip, a.ip);
+        assert_eq!(ipam.release("a", "eth0").unwrap().unwrap().ips, a.ips);
         assert_eq!(ipam.release("a", "eth0").unwrap(), None);
         drop(ipam);
-        let ipam = Ipam::open(dir.path(), cidr("10.244.9.0/24")).unwrap();
-        assert_eq!(ipam.get("b", "eth0").unwrap().ip, b.ip);
+        let ipam = Ipam::open(dir.path(), &pool).unwrap();
+        assert_eq!(ipam.get("b", "eth0").unwrap().ips, b.ips);
         assert!(ipam.get("a", "eth0").is_none());
         let c = ipam.allocate("c", "eth0", None).unwrap().0;
         assert!(
-            c.ip != a.ip && c.ip != b.ip,
+            c.ips != a.ips && c.ips != b.ips,
             "a released address is not reused at once: {c:?}"
         );
     }
@@ -351,20 +460,21 @@ mod tests {
     #[test]
     fn concurrent_allocations_are_distinct_and_all_durable() {
         let dir = tempfile::tempdir().unwrap();
-        let ipam = Ipam::open(dir.path(), cidr("10.244.9.0/24")).unwrap();
-        let ips: Vec<Ipv4Addr> = std::thread::scope(|s| {
+        let pool = cidrs(&["10.244.9.0/24"]);
+        let ipam = Ipam::open(dir.path(), &pool).unwrap();
+        let ips: Vec<IpAddr> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..64)
                 .map(|i| {
                     let ipam = &ipam;
-                    s.spawn(move || ipam.allocate(&format!("c{i}"), "eth0", None).unwrap().0.ip)
+                    s.spawn(move || ipam.allocate(&format!("c{i}"), "eth0", None).unwrap().0.ips[0])
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
         assert_eq!(ips.iter().collect::<HashSet<_>>().len(), 64);
         // Every caller returned only after its allocation was on disk.
-        let reopened = Ipam::open(dir.path(), cidr("10.244.9.0/24")).unwrap();
-        let on_disk: HashSet<Ipv4Addr> = reopened.all().iter().map(|a| a.ip).collect();
+        let reopened = Ipam::open(dir.path(), &pool).unwrap();
+        let on_disk: HashSet<IpAddr> = reopened.all().iter().map(|a| a.ips[0]).collect();
         assert_eq!(on_disk, ips.into_iter().collect());
     }
 
@@ -373,8 +483,80 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         fs::write(dir.path().join("allocations.json"), b"{not json").unwrap();
         assert!(matches!(
-            Ipam::open(dir.path(), cidr("10.244.9.0/24")),
+            Ipam::open(dir.path(), &cidrs(&["10.244.9.0/24"])),
             Err(Error::CorruptState { .. })
         ));
+    }
+
+    /// Dual stack: one address of each family per attachment, in the pools' order (the
+    /// primary family first), both freed by one release, each family's search going on
+    /// after its own last address across a restart.
+    #[test]
+    fn dual_stack_allocates_one_address_per_family() {
+        let dir = tempfile::tempdir().unwrap();
+        let pools = cidrs(&["fd00:10:244:9::/64", "10.244.9.0/24"]);
+        let ipam = Ipam::open(dir.path(), &pools).unwrap();
+        assert_eq!(ipam.pools()[0].gateway, ip("fd00:10:244:9::1"));
+        assert_eq!(ipam.pools()[1].gateway, ip("10.244.9.1"));
+        let a = ipam.allocate("a", "eth0", None).unwrap().0;
+        assert_eq!(a.ips, [ip("fd00:10:244:9::2"), ip("10.244.9.2")]);
+        let b = ipam.allocate("b", "eth0", None).unwrap().0;
+        assert_eq!(b.ips, [ip("fd00:10:244:9::3"), ip("10.244.9.3")]);
+        ipam.release("a", "eth0").unwrap();
+        drop(ipam);
+        let ipam = Ipam::open(dir.path(), &pools).unwrap();
+        assert_eq!(ipam.get("b", "eth0").unwrap().ips, b.ips);
+        let c = ipam.allocate("c", "eth0", None).unwrap().0;
+        assert_eq!(c.ips, [ip("fd00:10:244:9::4"), ip("10.244.9.4")], "a's addresses are not reused at once");
+        // One family full: no allocation at all (not a pod with half its addresses).
+        let dir = tempfile::tempdir().unwrap();
+        let small = Ipam::open(dir.path(), &cidrs(&["10.244.9.0/24", "fd00::/126"])).unwrap();
+        small.allocate("x", "eth0", None).unwrap();
+        small.allocate("x2", "eth0", None).unwrap();
+        assert_eq!(small.exhausted(), Some(cidrs(&["fd00::/126"])[0]));
+        let e = small.allocate("y", "eth0", None).unwrap_err();
+        assert!(e.to_string().contains("fd00::/126"), "{e}");
+        assert_eq!(small.all().len(), 2);
+    }
+
+    #[test]
+    fn pod_cidrs_are_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let refused = |list: &[&str]| match Ipam::open(dir.path(), &cidrs(list)) {
+            Err(Error::InvalidConfig(e)) => e,
+            other => panic!("{list:?}: {:?}", other.map(|_| ())),
+        };
+        assert!(refused(&[]).contains("no pod CIDR"));
+        assert!(refused(&["10.244.0.0/24", "10.245.0.0/24"]).contains("one family"));
+        assert!(refused(&["10.244.0.0/31"]).contains("/30"));
+        assert!(refused(&["fd00::/127"]).contains("/126"));
+        // A /126 has the network, the gateway and two pod addresses (no broadcast in IPv6).
+        let ipam = Ipam::open(dir.path(), &cidrs(&["fd00::/126"])).unwrap();
+        ipam.allocate("a", "eth0", None).unwrap();
+        assert_eq!(ipam.allocate("b", "eth0", None).unwrap().0.ips, [ip("fd00::3")]);
+        assert!(ipam.exhausted().is_some());
+    }
+
+    /// State written before dual stack (one `ip` per allocation, `last` an IPv4 address)
+    /// is read as it was; what is written now still carries `ip` for an older daemon.
+    #[test]
+    fn reads_and_keeps_the_single_stack_state_format() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = r#"{"last": "10.244.9.7", "allocations": [
+            {"ip": "10.244.9.7", "containerId": "old", "ifName": "eth0", "podNamespace": "ns", "podName": "p"}]}"#;
+        fs::write(dir.path().join("allocations.json"), old).unwrap();
+        let pools = cidrs(&["10.244.9.0/24", "fd00:1::/64"]);
+        let ipam = Ipam::open(dir.path(), &pools).unwrap();
+        let recovered = ipam.get("old", "eth0").unwrap();
+        assert_eq!((recovered.ips.as_slice(), recovered.allocated_at), (&[ip("10.244.9.7")][..], None));
+        let new = ipam.allocate("new", "eth0", None).unwrap().0;
+        assert_eq!(new.ips, [ip("10.244.9.8"), ip("fd00:1::2")], "the IPv4 search goes on after the old last");
+        let written: serde_json::Value =
+            serde_json::from_slice(&fs::read(dir.path().join("allocations.json")).unwrap()).unwrap();
+        assert_eq!(written["last"], "10.244.9.8");
+        assert_eq!(written["lastV6"], "fd00:1::2");
+        let new_entry = &written["allocations"][0];
+        assert_eq!((new_entry["containerId"].as_str(), new_entry["ip"].as_str()), (Some("new"), Some("10.244.9.8")));
+        assert_eq!(new_entry["ips"], serde_json::json!(["10.244.9.8", "fd00:1::2"]));
     }
 }

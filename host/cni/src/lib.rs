@@ -2,9 +2,9 @@
 //!
 //! The thin `wasmplane-cni` executable turns one CNI invocation into one `POST /v1/cni` on
 //! a unix socket; this crate answers it: it waits (bounded) until the pod is in the host's
-//! watch cache, allocates an address from the node's pod CIDR (persisted), creates the veth
-//! pair into the pod's network namespace with its address and routes, reports the address
-//! to the host at once, and replies with the spec's result or error object. Of spec 1.1.0
+//! watch cache, allocates an address from each of the node's pod CIDRs (IPv4, IPv6 or both;
+//! persisted), creates the veth pair into the pod's network namespace with its addresses
+//! and routes, reports the addresses to the host at once, and replies with the spec's result or error object. Of spec 1.1.0
 //! it answers STATUS (not available while the watch cache has not synced or the pod CIDR is
 //! full) and GC (releases the addresses and interfaces of attachments the runtime no longer
 //! has, sparing young ones).
@@ -13,7 +13,8 @@
 //! # async fn f() -> Result<(), wasmplane_cni::Error> {
 //! use std::sync::Arc;
 //! use wasmplane_cni::{CniDaemon, DaemonConfig, PodCache, PodNetworks};
-//! let config = DaemonConfig::new("10.244.1.0/24".parse().unwrap(), "/var/lib/wasmplane/cni".into());
+//! let cidrs = vec!["10.244.1.0/24".parse().unwrap(), "fd00:10:244:1::/64".parse().unwrap()];
+//! let config = DaemonConfig::new(cidrs, "/var/lib/wasmplane/cni".into());
 //! let daemon = CniDaemon::new(config, Arc::new(PodCache::new()), Arc::new(PodNetworks::new()))?;
 //! let handle = daemon.spawn().await?; // serves until...
 //! handle.shutdown().await;
@@ -27,7 +28,6 @@ mod pods;
 mod protocol;
 
 use std::collections::{HashMap, HashSet};
-use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -38,15 +38,15 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use ipnet::Ipv4Net;
+use ipnet::IpNet;
 use serde_json::Value;
 
 pub use error::{CniErrorReply, Error, code};
-pub use ipam::{Allocation, Ipam};
+pub use ipam::{Allocation, Ipam, Pool};
 pub use link::host_if_name;
 pub use pods::{AnyPod, BoxFuture, PodCache, PodDirectory, PodInfo, PodNetworkSink, PodNetworks};
 pub use protocol::{
-    Attachment, CniRequest, Command, DEFAULT_SOCKET, NetConf, PodNetwork, PodRef,
+    Attachment, CniRequest, Command, DEFAULT_SOCKET, NetConf, PodAddress, PodNetwork, PodRef,
     SUPPORTED_VERSIONS, parse_pod_args, version_at_least,
 };
 
@@ -57,8 +57,9 @@ pub struct DaemonConfig {
     pub socket_path: PathBuf,
     /// Where allocations are persisted.
     pub state_dir: PathBuf,
-    /// The node's pod CIDR (`spec.podCIDR`); its first address is the pods' gateway.
-    pub pod_cidr: Ipv4Net,
+    /// The node's pod CIDRs (`spec.podCIDRs`: one per family, the primary family first);
+    /// the first address of each is the pods' gateway of that family.
+    pub pod_cidrs: Vec<IpNet>,
     /// How long ADD waits for a pod that is not in the watch cache yet.
     pub pod_wait_timeout: Duration,
     /// The network namespace to do the node side in; `None` (production): the daemon's own.
@@ -66,8 +67,9 @@ pub struct DaemonConfig {
     pub host_netns: Option<PathBuf>,
     /// MTU of both veth ends; `None`: the kernel default.
     pub mtu: Option<u32>,
-    /// Turn on IPv4 forwarding in the node namespace at start: pods reach each other and
-    /// the world through the node's routing (as the reference bridge plugin's isGateway).
+    /// Turn on forwarding in the node namespace at start (IPv6's too with an IPv6 pod CIDR):
+    /// pods reach each other and the world through the node's routing (as the reference
+    /// bridge plugin's isGateway).
     pub enable_ip_forward: bool,
     /// GC keeps allocations younger than this even when the runtime does not list them: its
     /// list may have been taken before an ADD that finished since.
@@ -75,11 +77,11 @@ pub struct DaemonConfig {
 }
 
 impl DaemonConfig {
-    pub fn new(pod_cidr: Ipv4Net, state_dir: PathBuf) -> DaemonConfig {
+    pub fn new(pod_cidrs: Vec<IpNet>, state_dir: PathBuf) -> DaemonConfig {
         DaemonConfig {
             socket_path: DEFAULT_SOCKET.into(),
             state_dir,
-            pod_cidr,
+            pod_cidrs,
             pod_wait_timeout: Duration::from_secs(10),
             host_netns: None,
             mtu: None,
@@ -107,7 +109,7 @@ impl CniDaemon {
         pods: Arc<dyn PodDirectory>,
         sink: Arc<dyn PodNetworkSink>,
     ) -> Result<Arc<CniDaemon>, Error> {
-        let ipam = Arc::new(Ipam::open(&config.state_dir, config.pod_cidr)?);
+        let ipam = Arc::new(Ipam::open(&config.state_dir, &config.pod_cidrs)?);
         Ok(Arc::new(CniDaemon {
             config,
             ipam,
@@ -129,7 +131,8 @@ impl CniDaemon {
     /// Must run inside a tokio runtime.
     pub async fn spawn(self: Arc<Self>) -> Result<DaemonHandle, Error> {
         if self.config.enable_ip_forward {
-            link::enable_ip_forward(self.config.host_netns.clone()).await?;
+            let ipv6 = self.ipam.pools().iter().any(|p| p.cidr.addr().is_ipv6());
+            link::enable_forwarding(self.config.host_netns.clone(), ipv6).await?;
         }
         self.release_stale().await?;
         let path = self.config.socket_path.clone();
@@ -147,7 +150,8 @@ impl CniDaemon {
                 tracing::error!(error = %e, "CNI socket server failed");
             }
         });
-        tracing::info!(socket = %path.display(), cidr = %self.ipam.cidr(), gateway = %self.ipam.gateway(), "CNI daemon listening");
+        let cidrs: Vec<String> = self.ipam.pools().iter().map(|p| p.cidr.to_string()).collect();
+        tracing::info!(socket = %path.display(), ?cidrs, "CNI daemon listening");
         Ok(DaemonHandle {
             stop: Some(tx),
             task,
@@ -169,18 +173,18 @@ impl CniDaemon {
             if present.contains(&host_if) {
                 continue;
             }
-            tracing::warn!(ip = %a.ip, container = %a.container_id, %host_if, "releasing the address of a pod whose interface is gone");
+            tracing::warn!(ips = ?a.ips, container = %a.container_id, %host_if, "releasing the addresses of a pod whose interface is gone");
             let (ipam, ctr, ifn) = (self.ipam.clone(), a.container_id.clone(), a.if_name.clone());
             blocking(move || ipam.release(&ctr, &ifn)).await?;
             if let (Some(ns), Some(name)) = (&a.pod_namespace, &a.pod_name) {
-                self.sink.pod_network_removed(ns, name, &[IpAddr::V4(a.ip)]);
+                self.sink.pod_network_removed(ns, name, &a.ips);
             }
         }
         Ok(())
     }
 
     /// `GET /healthz`, `POST /v1/cni` (body: [`CniRequest`]) and `GET /v1/allocations`
-    /// (the pod CIDR, gateway and every allocation: for debugging a node).
+    /// (the pod CIDRs, their gateways and every allocation: for debugging a node).
     pub fn router(self: &Arc<Self>) -> Router {
         Router::new()
             .route("/healthz", get(|| async { "ok" }))
@@ -259,10 +263,9 @@ impl CniDaemon {
                 "the watch cache has not synced yet (an ADD would wait for its pod)".into(),
             ));
         }
-        if !self.ipam.has_free() {
+        if let Some(cidr) = self.ipam.exhausted() {
             return Err(Error::NotAvailable(format!(
-                "no free address left in the pod CIDR {}",
-                self.ipam.cidr()
+                "no free address left in the pod CIDR {cidr}"
             )));
         }
         Ok(())
@@ -295,7 +298,7 @@ impl CniDaemon {
                 .await;
             match result {
                 Ok(Some(a)) => {
-                    tracing::info!(ip = %a.ip, container = %ctr, if_name = %ifn, "GC released a stale attachment");
+                    tracing::info!(ips = ?a.ips, container = %ctr, if_name = %ifn, "GC released a stale attachment");
                     released += 1;
                 }
                 Ok(None) => {}
@@ -342,12 +345,11 @@ impl CniDaemon {
             )
         })
         .await?;
-        let spec = self.link_spec(req, alloc.ip);
+        let spec = self.link_spec(req, &alloc);
         match link::setup(spec).await {
             Ok(net) => {
                 if let Some(p) = &pod {
-                    self.sink
-                        .pod_network_added(&p.namespace, &p.name, &[IpAddr::V4(net.ip)]);
+                    self.sink.pod_network_added(&p.namespace, &p.name, &net.ips());
                 }
                 Ok(net.to_result(&conf.cni_version))
             }
@@ -361,7 +363,7 @@ impl CniDaemon {
                         req.if_name.clone(),
                     );
                     if let Err(release) = blocking(move || ipam.release(&ctr, &ifn)).await {
-                        tracing::error!(error = %release, ip = %alloc.ip, "releasing the address of a failed ADD");
+                        tracing::error!(error = %release, ips = ?alloc.ips, "releasing the addresses of a failed ADD");
                     }
                 }
                 Err(e)
@@ -380,16 +382,16 @@ impl CniDaemon {
         let removed = link::teardown(self.config.host_netns.clone(), host_if.clone()).await?;
         let (ipam, ctr, ifn) = (self.ipam.clone(), container_id.to_string(), if_name.to_string());
         let released = blocking(move || ipam.release(&ctr, &ifn)).await?;
-        tracing::debug!(%host_if, removed, released = ?released.as_ref().map(|a| a.ip), "attachment removed");
+        tracing::debug!(%host_if, removed, released = ?released.as_ref().map(|a| &a.ips), "attachment removed");
         // Only what this call released leaves the model (nothing, for a repeated DEL).
         if let Some(Allocation {
-            ip,
+            ips,
             pod_namespace: Some(ns),
             pod_name: Some(name),
             ..
         }) = &released
         {
-            self.sink.pod_network_removed(ns, name, &[IpAddr::V4(*ip)]);
+            self.sink.pod_network_removed(ns, name, ips);
         }
         Ok(released)
     }
@@ -402,30 +404,49 @@ impl CniDaemon {
                 container_id: req.container_id.clone(),
                 if_name: req.if_name.clone(),
             })?;
+        let spec = self.link_spec(req, &alloc);
         if let Some(prev) = &conf.prev_result {
-            let want = format!("{}/32", alloc.ip);
-            let listed = prev["ips"]
-                .as_array()
-                .is_some_and(|ips| ips.iter().any(|ip| ip["address"] == want.as_str()));
-            if !listed {
-                return Err(Error::CheckFailed(format!(
-                    "prevResult does not list {want}, the address wasmplane allocated"
-                )));
+            for a in &spec.addresses {
+                let want = format!("{}/{}", a.ip, a.host_prefix());
+                let listed = prev["ips"]
+                    .as_array()
+                    .is_some_and(|ips| ips.iter().any(|ip| ip["address"] == want.as_str()));
+                if !listed {
+                    return Err(Error::CheckFailed(format!(
+                        "prevResult does not list {want}, an address wasmplane allocated"
+                    )));
+                }
             }
         }
-        link::check(self.link_spec(req, alloc.ip)).await
+        link::check(spec).await
     }
 
-    fn link_spec(&self, req: &CniRequest, ip: std::net::Ipv4Addr) -> link::LinkSpec {
+    fn link_spec(&self, req: &CniRequest, alloc: &Allocation) -> link::LinkSpec {
         link::LinkSpec {
             host_netns: self.config.host_netns.clone(),
             pod_netns: PathBuf::from(&req.netns),
             host_if: host_if_name(&req.container_id, &req.if_name),
             pod_if: req.if_name.clone(),
-            ip,
-            gateway: self.ipam.gateway(),
+            addresses: self.pod_addresses(alloc),
             mtu: self.config.mtu,
         }
+    }
+
+    /// The allocation's addresses with their family's gateway. An address of a family the
+    /// node no longer has a pod CIDR of (recovered from older state) has no gateway here and
+    /// is left out.
+    fn pod_addresses(&self, alloc: &Allocation) -> Vec<PodAddress> {
+        alloc
+            .ips
+            .iter()
+            .filter_map(|ip| {
+                let pool = self.ipam.pools().iter().find(|p| p.cidr.addr().is_ipv4() == ip.is_ipv4());
+                if pool.is_none() {
+                    tracing::warn!(%ip, container = %alloc.container_id, "no pod CIDR of this address's family: left unconfigured");
+                }
+                pool.map(|p| PodAddress { ip: *ip, gateway: p.gateway })
+            })
+            .collect()
     }
 }
 
@@ -531,11 +552,13 @@ fn version_of(config: &Value) -> String {
 }
 
 async fn allocations_handler(State(daemon): State<Arc<CniDaemon>>) -> axum::Json<Value> {
-    axum::Json(serde_json::json!({
-        "podCIDR": daemon.ipam.cidr().to_string(),
-        "gateway": daemon.ipam.gateway().to_string(),
-        "allocations": daemon.ipam.all(),
-    }))
+    let pools: Vec<Value> = daemon
+        .ipam
+        .pools()
+        .iter()
+        .map(|p| serde_json::json!({"podCIDR": p.cidr.to_string(), "gateway": p.gateway.to_string()}))
+        .collect();
+    axum::Json(serde_json::json!({"pools": pools, "allocations": daemon.ipam.all()}))
 }
 
 async fn cni_handler(State(daemon): State<Arc<CniDaemon>>, body: Bytes) -> Response {
@@ -598,14 +621,12 @@ fn error_response(version: &str, e: &Error) -> Response {
 
 #[cfg(test)]
 mod tests {
-    use std::net::Ipv4Addr;
-
     use super::*;
     use serde_json::json;
 
     fn allocation(container_id: &str, allocated_at: Option<u64>) -> Allocation {
         Allocation {
-            ip: Ipv4Addr::new(10, 244, 0, 9),
+            ips: vec![std::net::IpAddr::from([10, 244, 0, 9])],
             container_id: container_id.into(),
             if_name: "eth0".into(),
             pod_namespace: None,
@@ -669,7 +690,7 @@ mod tests {
     #[tokio::test]
     async fn status_and_gc_requests() {
         let dir = tempfile::tempdir().unwrap();
-        let config = DaemonConfig::new("10.244.9.0/30".parse().unwrap(), dir.path().into());
+        let config = DaemonConfig::new(vec!["10.244.9.0/30".parse().unwrap()], dir.path().into());
         let sink = Arc::new(PodNetworks::new());
         let daemon = CniDaemon::new(config.clone(), Arc::new(AnyPod), sink.clone()).unwrap();
         let v11 = json!({"cniVersion": "1.1.0", "name": "k8s"});

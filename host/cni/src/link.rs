@@ -6,25 +6,27 @@
 //! work in one) and opens a socket there, then into the pod namespace and opens another.
 //! The thread ends with the operation, so no pooled thread is ever left in a pod namespace.
 //!
-//! Layout (the same on every node, no bridge):
+//! Layout (the same on every node, no bridge), per family (IPv6: /128, no duplicate
+//! address detection, so the addresses work at once):
 //! ```text
 //!  pod netns: <if_name> ip/32, route gw/32 scope link, default via gw
-//!  node:      <host_if> gw/32 (answers the pod's ARP for gw), route ip/32 dev <host_if>
+//!  node:      <host_if> gw/32 (answers the pod's ARP or neighbour solicitation for gw),
+//!             route ip/32 dev <host_if>
 //! ```
 
 use std::fs::File;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::os::fd::AsRawFd as _;
 use std::path::{Path, PathBuf};
 
 use futures::TryStreamExt as _;
-use rtnetlink::packet_route::address::AddressAttribute;
+use rtnetlink::packet_route::address::{AddressAttribute, AddressFlags, AddressHeaderFlags};
 use rtnetlink::packet_route::link::{InfoData, InfoVeth, LinkAttribute, LinkFlags, LinkMessage};
 use rtnetlink::packet_route::route::{RouteAddress, RouteAttribute, RouteMessage, RouteScope};
 use rtnetlink::{Handle, LinkUnspec, LinkVeth, RouteMessageBuilder};
 
 use crate::error::Error;
-use crate::protocol::PodNetwork;
+use crate::protocol::{PodAddress, PodNetwork};
 
 /// Everything one pod interface is made of.
 #[derive(Clone, Debug)]
@@ -34,8 +36,8 @@ pub(crate) struct LinkSpec {
     pub pod_netns: PathBuf,
     pub host_if: String,
     pub pod_if: String,
-    pub ip: Ipv4Addr,
-    pub gateway: Ipv4Addr,
+    /// One per family.
+    pub addresses: Vec<PodAddress>,
     pub mtu: Option<u32>,
 }
 
@@ -99,22 +101,25 @@ pub(crate) async fn setup(spec: LinkSpec) -> Result<PodNetwork, Error> {
     .await
 }
 
-/// Sets `net.ipv4.ip_forward=1` in the node namespace. (`/proc/sys/net` resolves to the
-/// namespace of the thread that opens the file, so this too runs on a thread inside it.)
-pub(crate) async fn enable_ip_forward(host_netns: Option<PathBuf>) -> Result<(), Error> {
+/// Turns on forwarding in the node namespace, IPv4's and, for a node with IPv6 pods,
+/// IPv6's. (`/proc/sys/net` resolves to the namespace of the thread that opens the file, so
+/// this too runs on a thread inside it.)
+pub(crate) async fn enable_forwarding(host_netns: Option<PathBuf>, ipv6: bool) -> Result<(), Error> {
     on_thread("wpcni-sysctl", move || {
         if let Some(ns) = &host_netns {
             enter(&open_netns(ns)?, ns)?;
         }
-        let path = Path::new("/proc/sys/net/ipv4/ip_forward");
-        if std::fs::read_to_string(path).is_ok_and(|v| v.trim() == "1") {
-            return Ok(());
+        let ipv6_path = ipv6.then_some("/proc/sys/net/ipv6/conf/all/forwarding");
+        for path in std::iter::once("/proc/sys/net/ipv4/ip_forward").chain(ipv6_path).map(Path::new) {
+            if std::fs::read_to_string(path).is_ok_and(|v| v.trim() == "1") {
+                continue;
+            }
+            std::fs::write(path, b"1").map_err(|source| Error::Io {
+                path: path.into(),
+                source,
+            })?;
+            tracing::info!(sysctl = %path.display(), "enabled forwarding for pod traffic");
         }
-        std::fs::write(path, b"1").map_err(|source| Error::Io {
-            path: path.into(),
-            source,
-        })?;
-        tracing::info!("enabled net.ipv4.ip_forward for pod traffic");
         Ok(())
     })
     .await
@@ -195,36 +200,20 @@ pub(crate) async fn check(spec: LinkSpec) -> Result<(), Error> {
                     spec.pod_netns.display()
                 ));
             }
-            if !has_address(&pod, pl.header.index, spec.ip).await? {
-                return fail(format!(
-                    "interface {} lacks address {}/32",
-                    spec.pod_if, spec.ip
-                ));
-            }
-            let pod_routes = routes(&pod).await?;
-            if !pod_routes.iter().any(|r| {
-                route_is(
-                    r,
-                    Ipv4Addr::UNSPECIFIED,
-                    0,
-                    Some(spec.gateway),
-                    pl.header.index,
-                )
-            }) {
-                return fail(format!(
-                    "default route via {} on {} is missing",
-                    spec.gateway, spec.pod_if
-                ));
-            }
-            let host_routes = routes(&host).await?;
-            if !host_routes
-                .iter()
-                .any(|r| route_is(r, spec.ip, 32, None, hl.header.index))
-            {
-                return fail(format!(
-                    "node route {}/32 dev {} is missing",
-                    spec.ip, spec.host_if
-                ));
+            for a in &spec.addresses {
+                let len = a.host_prefix();
+                if !has_address(&pod, pl.header.index, a.ip, len).await? {
+                    return fail(format!("interface {} lacks address {}/{len}", spec.pod_if, a.ip));
+                }
+                let unspecified = if a.ip.is_ipv4() { Ipv4Addr::UNSPECIFIED.into() } else { Ipv6Addr::UNSPECIFIED.into() };
+                let pod_routes = routes(&pod, a.ip).await?;
+                if !pod_routes.iter().any(|r| route_is(r, unspecified, 0, Some(a.gateway), pl.header.index)) {
+                    return fail(format!("default route via {} on {} is missing", a.gateway, spec.pod_if));
+                }
+                let host_routes = routes(&host, a.ip).await?;
+                if !host_routes.iter().any(|r| route_is(r, a.ip, len, None, hl.header.index)) {
+                    return fail(format!("node route {}/{len} dev {} is missing", a.ip, spec.host_if));
+                }
             }
             Ok(())
         })
@@ -262,51 +251,29 @@ async fn configure(host: &Handle, pod: &Handle, spec: &LinkSpec) -> Result<PodNe
         .await
         .map_err(|e| Error::netlink(ctx("setting pod side up"), e))?;
 
-    host.address()
-        .add(hi, IpAddr::V4(spec.gateway), 32)
-        .replace()
-        .execute()
-        .await
-        .map_err(|e| Error::netlink(ctx("adding the gateway address"), e))?;
-    let to_pod = RouteMessageBuilder::<Ipv4Addr>::new()
-        .destination_prefix(spec.ip, 32)
-        .output_interface(hi)
-        .scope(RouteScope::Link)
-        .build();
-    host.route()
-        .add(to_pod)
-        .replace()
-        .execute()
-        .await
-        .map_err(|e| Error::netlink(ctx("adding the node route to the pod"), e))?;
-
-    pod.address()
-        .add(pi, IpAddr::V4(spec.ip), 32)
-        .replace()
-        .execute()
-        .await
-        .map_err(|e| Error::netlink(ctx("adding the pod address"), e))?;
-    let to_gw = RouteMessageBuilder::<Ipv4Addr>::new()
-        .destination_prefix(spec.gateway, 32)
-        .output_interface(pi)
-        .scope(RouteScope::Link)
-        .build();
-    pod.route()
-        .add(to_gw)
-        .replace()
-        .execute()
-        .await
-        .map_err(|e| Error::netlink(ctx("adding the pod route to the gateway"), e))?;
-    let default = RouteMessageBuilder::<Ipv4Addr>::new()
-        .gateway(spec.gateway)
-        .output_interface(pi)
-        .build();
-    pod.route()
-        .add(default)
-        .replace()
-        .execute()
-        .await
-        .map_err(|e| Error::netlink(ctx("adding the pod default route"), e))?;
+    for a in &spec.addresses {
+        let len = a.host_prefix();
+        add_address(host, hi, a.gateway, len).await.map_err(|e| Error::netlink(ctx("adding the gateway address"), e))?;
+        host.route()
+            .add(link_route(a.ip, len, hi))
+            .replace()
+            .execute()
+            .await
+            .map_err(|e| Error::netlink(ctx("adding the node route to the pod"), e))?;
+        add_address(pod, pi, a.ip, len).await.map_err(|e| Error::netlink(ctx("adding the pod address"), e))?;
+        pod.route()
+            .add(link_route(a.gateway, len, pi))
+            .replace()
+            .execute()
+            .await
+            .map_err(|e| Error::netlink(ctx("adding the pod route to the gateway"), e))?;
+        pod.route()
+            .add(default_route(a.gateway, pi))
+            .replace()
+            .execute()
+            .await
+            .map_err(|e| Error::netlink(ctx("adding the pod default route"), e))?;
+    }
 
     Ok(PodNetwork {
         host_if: spec.host_if.clone(),
@@ -314,9 +281,44 @@ async fn configure(host: &Handle, pod: &Handle, spec: &LinkSpec) -> Result<PodNe
         pod_if: spec.pod_if.clone(),
         pod_mac: mac(&pl),
         sandbox: spec.pod_netns.display().to_string(),
-        ip: spec.ip,
-        gateway: spec.gateway,
+        addresses: spec.addresses.clone(),
     })
+}
+
+/// Adds (or keeps) `ip/len` on the interface. IPv6 addresses skip duplicate address
+/// detection: the pod's and the gateway's are ours alone on this veth, and a tentative
+/// address would leave the pod without IPv6 for a second after ADD returned.
+async fn add_address(h: &Handle, index: u32, ip: IpAddr, len: u8) -> Result<(), rtnetlink::Error> {
+    let mut req = h.address().add(index, ip, len).replace();
+    if ip.is_ipv6() {
+        let msg = req.message_mut();
+        msg.header.flags |= AddressHeaderFlags::Nodad;
+        msg.attributes.push(AddressAttribute::Flags(AddressFlags::Nodad));
+    }
+    req.execute().await
+}
+
+/// `dst/len dev <index>`, on-link (IPv4's scope link; IPv6 routes have no scope).
+fn link_route(dst: IpAddr, len: u8, index: u32) -> RouteMessage {
+    match dst {
+        IpAddr::V4(dst) => RouteMessageBuilder::<Ipv4Addr>::new()
+            .destination_prefix(dst, len)
+            .output_interface(index)
+            .scope(RouteScope::Link)
+            .build(),
+        IpAddr::V6(dst) => RouteMessageBuilder::<Ipv6Addr>::new()
+            .destination_prefix(dst, len)
+            .output_interface(index)
+            .build(),
+    }
+}
+
+/// The family's default route via `gateway` on the interface.
+fn default_route(gateway: IpAddr, index: u32) -> RouteMessage {
+    match gateway {
+        IpAddr::V4(gw) => RouteMessageBuilder::<Ipv4Addr>::new().gateway(gw).output_interface(index).build(),
+        IpAddr::V6(gw) => RouteMessageBuilder::<Ipv6Addr>::new().gateway(gw).output_interface(index).build(),
+    }
 }
 
 /// Runs `f` on a fresh thread and awaits its result without blocking the caller's runtime.
@@ -409,7 +411,7 @@ async fn del_link(h: &Handle, index: u32, name: &str) -> Result<bool, Error> {
     }
 }
 
-async fn has_address(h: &Handle, index: u32, ip: Ipv4Addr) -> Result<bool, Error> {
+async fn has_address(h: &Handle, index: u32, ip: IpAddr, len: u8) -> Result<bool, Error> {
     let stream = h.address().get().set_link_index_filter(index).execute();
     let addrs: Vec<_> = stream
         .try_collect()
@@ -417,39 +419,48 @@ async fn has_address(h: &Handle, index: u32, ip: Ipv4Addr) -> Result<bool, Error
         .map_err(|e| Error::netlink("listing addresses", e))?;
     Ok(addrs.iter().any(|a| {
         a.header.index == index
-            && a.header.prefix_len == 32
+            && a.header.prefix_len == len
             && a.attributes
                 .iter()
-                .any(|attr| matches!(attr, AddressAttribute::Address(IpAddr::V4(x)) if *x == ip))
+                .any(|attr| matches!(attr, AddressAttribute::Address(x) if *x == ip))
     }))
 }
 
-async fn routes(h: &Handle) -> Result<Vec<RouteMessage>, Error> {
-    let stream = h
-        .route()
-        .get(RouteMessageBuilder::<Ipv4Addr>::new().build())
-        .execute();
-    stream
+/// The routes of `like`'s family.
+async fn routes(h: &Handle, like: IpAddr) -> Result<Vec<RouteMessage>, Error> {
+    let query = match like {
+        IpAddr::V4(_) => RouteMessageBuilder::<Ipv4Addr>::new().build(),
+        IpAddr::V6(_) => RouteMessageBuilder::<Ipv6Addr>::new().build(),
+    };
+    h.route()
+        .get(query)
+        .execute()
         .try_collect()
         .await
         .map_err(|e| Error::netlink("listing routes", e))
 }
 
-fn route_is(r: &RouteMessage, dst: Ipv4Addr, len: u8, gw: Option<Ipv4Addr>, oif: u32) -> bool {
+fn route_is(r: &RouteMessage, dst: IpAddr, len: u8, gw: Option<IpAddr>, oif: u32) -> bool {
+    let ip = |a: &RouteAddress| match a {
+        RouteAddress::Inet(v4) => Some(IpAddr::V4(*v4)),
+        RouteAddress::Inet6(v6) => Some(IpAddr::V6(*v6)),
+        _ => None,
+    };
     let attr_dst = r.attributes.iter().find_map(|a| match a {
-        RouteAttribute::Destination(RouteAddress::Inet(d)) => Some(*d),
+        RouteAttribute::Destination(d) => ip(d),
         _ => None,
     });
     let attr_gw = r.attributes.iter().find_map(|a| match a {
-        RouteAttribute::Gateway(RouteAddress::Inet(g)) => Some(*g),
+        RouteAttribute::Gateway(g) => ip(g),
         _ => None,
     });
     let attr_oif = r.attributes.iter().find_map(|a| match a {
         RouteAttribute::Oif(i) => Some(*i),
         _ => None,
     });
+    // A default route carries no destination attribute.
     r.header.destination_prefix_length == len
-        && attr_dst.unwrap_or(Ipv4Addr::UNSPECIFIED) == dst
+        && (attr_dst == Some(dst) || (attr_dst.is_none() && len == 0))
         && attr_gw == gw
         && attr_oif == Some(oif)
 }

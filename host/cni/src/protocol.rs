@@ -1,7 +1,7 @@
 //! What travels over the unix socket, the network configuration we accept, and the spec's
 //! result object in each supported version.
 
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -204,6 +204,27 @@ pub fn parse_pod_args(args: &str) -> Result<Option<PodRef>, Error> {
     }
 }
 
+/// One address of a pod and the gateway its family routes through (the pod CIDR's first
+/// address, held by the node side).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PodAddress {
+    pub ip: IpAddr,
+    pub gateway: IpAddr,
+}
+
+impl PodAddress {
+    /// The host prefix length of the family: pod and gateway addresses are single hosts on
+    /// the veth, reached through a route, not a shared subnet.
+    pub fn host_prefix(&self) -> u8 {
+        if self.ip.is_ipv4() { 32 } else { 128 }
+    }
+
+    /// The family's default route, `0.0.0.0/0` or `::/0`.
+    pub fn default_destination(&self) -> &'static str {
+        if self.ip.is_ipv4() { "0.0.0.0/0" } else { "::/0" }
+    }
+}
+
 /// A pod's network as ADD left it: what goes into the spec's result.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PodNetwork {
@@ -212,21 +233,33 @@ pub struct PodNetwork {
     pub pod_if: String,
     pub pod_mac: String,
     pub sandbox: String,
-    pub ip: Ipv4Addr,
-    pub gateway: Ipv4Addr,
+    /// One per family, the node's primary family first (the pod's primary address).
+    pub addresses: Vec<PodAddress>,
 }
 
 impl PodNetwork {
+    /// The pod's addresses, in the result's order.
+    pub fn ips(&self) -> Vec<IpAddr> {
+        self.addresses.iter().map(|a| a.ip).collect()
+    }
+
     /// The spec's ADD result in `cni_version` (0.3.x/0.4.0 carry `version` per IP; 1.1.0's
     /// additions are optional fields).
     pub fn to_result(&self, cni_version: &str) -> Value {
-        let mut ip = json!({
-            "address": format!("{}/32", self.ip),
-            "gateway": self.gateway.to_string(),
-            "interface": 1,
-        });
-        if cni_version.starts_with("0.") {
-            ip["version"] = json!("4");
+        let mut ips = Vec::new();
+        let mut routes = Vec::new();
+        for a in &self.addresses {
+            let mut ip = json!({
+                "address": format!("{}/{}", a.ip, a.host_prefix()),
+                "gateway": a.gateway.to_string(),
+                "interface": 1,
+            });
+            if cni_version.starts_with("0.") {
+                ip["version"] = json!(if a.ip.is_ipv4() { "4" } else { "6" });
+            }
+            ips.push(ip);
+            routes.push(json!({"dst": format!("{}/{}", a.gateway, a.host_prefix())}));
+            routes.push(json!({"dst": a.default_destination(), "gw": a.gateway.to_string()}));
         }
         json!({
             "cniVersion": cni_version,
@@ -234,11 +267,8 @@ impl PodNetwork {
                 {"name": self.host_if, "mac": self.host_mac},
                 {"name": self.pod_if, "mac": self.pod_mac, "sandbox": self.sandbox},
             ],
-            "ips": [ip],
-            "routes": [
-                {"dst": format!("{}/32", self.gateway)},
-                {"dst": "0.0.0.0/0", "gw": self.gateway.to_string()},
-            ],
+            "ips": ips,
+            "routes": routes,
             "dns": {},
         })
     }
@@ -299,8 +329,10 @@ mod tests {
             pod_if: "eth0".into(),
             pod_mac: "bb".into(),
             sandbox: "/run/netns/x".into(),
-            ip: "10.244.0.5".parse().unwrap(),
-            gateway: "10.244.0.1".parse().unwrap(),
+            addresses: vec![PodAddress {
+                ip: "10.244.0.5".parse().unwrap(),
+                gateway: "10.244.0.1".parse().unwrap(),
+            }],
         };
         let v1 = n.to_result("1.0.0");
         assert_eq!(v1["cniVersion"], "1.0.0");
@@ -309,6 +341,24 @@ mod tests {
         assert_eq!(v1["interfaces"][1]["sandbox"], "/run/netns/x");
         assert_eq!(n.to_result("0.4.0")["ips"][0]["version"], "4");
         assert!(n.to_result("1.1.0")["ips"][0].get("version").is_none());
+
+        // Dual stack: each family's address, gateway and default route, in the pools' order.
+        let mut dual = n.clone();
+        dual.addresses.push(PodAddress {
+            ip: "fd00:10:244::5".parse().unwrap(),
+            gateway: "fd00:10:244::1".parse().unwrap(),
+        });
+        let r = dual.to_result("1.0.0");
+        assert_eq!(r["ips"][1]["address"], "fd00:10:244::5/128");
+        assert_eq!(r["ips"][1]["gateway"], "fd00:10:244::1");
+        assert_eq!(
+            r["routes"],
+            json!([
+                {"dst": "10.244.0.1/32"}, {"dst": "0.0.0.0/0", "gw": "10.244.0.1"},
+                {"dst": "fd00:10:244::1/128"}, {"dst": "::/0", "gw": "fd00:10:244::1"},
+            ])
+        );
+        assert_eq!(dual.to_result("0.4.0")["ips"][1]["version"], "6");
     }
 
     #[test]

@@ -338,7 +338,7 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
         cni: netns.as_ref().map(|ns| -> anyhow::Result<_> {
             Ok(wasmplane::cni::CniConfig {
                 socket: data.path().join("cni.sock"),
-                pod_cidr: Some(CNI_POD_CIDR.parse()?),
+                pod_cidrs: vec![CNI_POD_CIDR.parse()?],
                 state_dir: None,
                 pod_wait: Duration::from_secs(30),
                 node_netns: Some(ns.path().into()),

@@ -5,7 +5,7 @@
 
 use std::fs::File;
 use std::io::{Read as _, Write as _};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd as _;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -217,9 +217,12 @@ fn checksum(data: &[u8]) -> u16 {
 
 /// A TCP server inside a namespace that answers one line per connection with its name.
 pub fn tcp_server(ns_path: &str, port: u16, name: &'static str) -> std::thread::JoinHandle<()> {
-    let listener = in_ns(ns_path, || {
-        TcpListener::bind(("0.0.0.0", port)).expect("bind")
-    });
+    tcp_server_on(ns_path, SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)), name)
+}
+
+/// [`tcp_server`] on `addr` (`[::]:port` for IPv6).
+pub fn tcp_server_on(ns_path: &str, addr: SocketAddr, name: &'static str) -> std::thread::JoinHandle<()> {
+    let listener = in_ns(ns_path, || TcpListener::bind(addr).expect("bind"));
     listener.set_nonblocking(false).unwrap();
     std::thread::spawn(move || {
         // Serves a bounded number of connections, then stops (tests make only a few).
@@ -255,6 +258,16 @@ pub struct Reply {
 }
 
 impl Reply {
+    /// Every address of the result, in its order.
+    pub fn ips(&self) -> Vec<IpAddr> {
+        self.json["ips"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no ips in {}", self.json))
+            .iter()
+            .map(|ip| ip["address"].as_str().unwrap().split('/').next().unwrap().parse().unwrap())
+            .collect()
+    }
+
     pub fn ip(&self) -> Ipv4Addr {
         let addr = self.json["ips"][0]["address"]
             .as_str()
@@ -350,7 +363,8 @@ pub fn http_get(socket: &std::path::Path, path: &str) -> (String, String) {
 
 /// A node namespace with the CNI daemon running in-process, its node side in that namespace.
 pub struct Node {
-    pub cidr: ipnet::Ipv4Net,
+    /// The pod CIDRs, the primary family first.
+    pub cidrs: Vec<ipnet::IpNet>,
     pub pods: Arc<PodCache>,
     pub sink: Arc<PodNetworks>,
     pub wait: Duration,
@@ -365,7 +379,8 @@ pub struct Node {
 }
 
 impl Node {
-    pub fn new(cidr: &str) -> Node {
+    /// `cidrs`: comma-separated, the primary family first.
+    pub fn new(cidrs: &str) -> Node {
         let ns = Netns::new(unique("-node"));
         ns.exec(&["ip", "link", "set", "lo", "up"]);
         // Forwarding stays off here: the daemon must turn it on (pod-to-pod traffic tests it).
@@ -379,7 +394,7 @@ impl Node {
             .build()
             .unwrap();
         let mut node = Node {
-            cidr: cidr.parse().unwrap(),
+            cidrs: cidrs.split(',').map(|c| c.parse().unwrap()).collect(),
             pods: Arc::new(PodCache::new()),
             sink: Arc::new(PodNetworks::new()),
             wait: Duration::from_secs(5),
@@ -407,7 +422,7 @@ impl Node {
     }
 
     pub fn start_with(&mut self, pods: Arc<dyn PodDirectory>) {
-        let mut config = DaemonConfig::new(self.cidr, self.state_dir());
+        let mut config = DaemonConfig::new(self.cidrs.clone(), self.state_dir());
         config.socket_path = self.socket();
         config.host_netns = Some(self.ns.path().into());
         config.pod_wait_timeout = self.wait;
