@@ -180,17 +180,18 @@ impl Controller {
         let policy_module = runtime.load_policy(BUILTIN_NETWORK_POLICY, wasmplane_guest_artifacts::NETWORK_POLICY, usize::MAX)?;
         registry.add_builtin(BUILTIN_NETWORK_POLICY, GuestKind::NetworkPolicy, &policy_module.info, wasmplane_guest_artifacts::NETWORK_POLICY);
         let health = metrics.dataplane_health.clone();
+        let service_cidrs = crate::dataplane::parse_cidrs("service-cidrs", &config.service_cidrs);
         let mut controller = Controller {
             runtime,
             metrics,
             cluster: ClusterState::new(),
-            model: NodeLocalModel::new(&config.node_name, config.cluster_cidrs.clone().into_model()),
+            model: NodeLocalModel::new(&config.node_name, config.cluster_cidrs.clone().into_model()).with_service_cidrs(service_cidrs.clone()),
             registry,
             translator: None,
             dataplane: Dataplane::new(kernel)
                 .with_services_per_shard(config.services_per_shard)
                 .with_cluster_cidrs(&config.cluster_cidrs)
-                .with_service_cidrs(&config.service_cidrs)
+                .with_service_cidrs(service_cidrs)
                 .with_node_port_addresses(config.node_port_addresses)
                 .with_health(health),
             service_errors: BTreeMap::new(),
@@ -407,7 +408,7 @@ impl Controller {
         };
         // Node ports may move with the node's addresses (`--nodeport-addresses primary`).
         let node_ports_moved = update.context_changed && self.dataplane.set_node_ips(&self.model.context.node_ips);
-        let service_cidrs_moved = update.service_cidrs_changed && self.dataplane.set_cluster_service_cidrs(&self.model.service_cidrs);
+        let service_cidrs_moved = update.service_cidrs_changed && self.dataplane.set_service_cidrs(&self.model.service_cidrs);
         if let Some(mut shadow) = self.shadow.take() {
             self.run_shadow(&mut shadow, &changed);
             self.shadow = Some(shadow);

@@ -662,8 +662,6 @@ pub struct Dataplane {
     /// The node's networks as the tables' static part has them (see `nft::skeleton`): the
     /// cluster's pod CIDRs, and the addresses node ports are served on.
     networks: nft::NodeNetworks,
-    /// `--service-cidr`; `networks.service_cidrs` adds the ServiceCIDR objects' to them.
-    configured_service_cidrs: Vec<ipnet::IpNet>,
     /// Which addresses node ports are served on (`--nodeport-addresses`).
     node_port_addresses: nft::NodePortAddresses,
     /// The node's addresses (its Node object's), for [`nft::NodePortAddresses::Primary`].
@@ -764,7 +762,6 @@ impl Dataplane {
             services_per_shard: Layout::DEFAULT_SERVICES_PER_SHARD,
             sharded: 0,
             networks: nft::NodeNetworks::default(),
-            configured_service_cidrs: Vec::new(),
             node_port_addresses: nft::NodePortAddresses::All,
             node_ips: Vec::new(),
             affinity_classes: HashSet::new(),
@@ -801,25 +798,20 @@ impl Dataplane {
         self
     }
 
-    /// The cluster's service CIDRs as configured (unparsable ones are logged and left out):
-    /// new connections to an address in them that is no service's are dropped. The
-    /// ServiceCIDR objects' ranges are added to them (see [`Self::set_cluster_service_cidrs`]).
-    pub fn with_service_cidrs(mut self, cidrs: &[String]) -> Self {
-        self.configured_service_cidrs = parse_cidrs("service-cidrs", cidrs);
-        self.networks.service_cidrs = self.configured_service_cidrs.clone();
+    /// The cluster's service CIDRs at start (the configured ones): new connections to an
+    /// address in them that is no service's are dropped.
+    pub fn with_service_cidrs(mut self, cidrs: Vec<ipnet::IpNet>) -> Self {
+        self.networks.service_cidrs = cidrs;
         self
     }
 
-    /// The ServiceCIDR objects' ranges changed. Returns whether the tables' service CIDRs
-    /// (these and the configured ones) did: the next write is then a full one, which the
-    /// caller must make happen even when no object changed.
-    pub fn set_cluster_service_cidrs(&mut self, cidrs: &[ipnet::IpNet]) -> bool {
-        let mut all: Vec<ipnet::IpNet> = self.configured_service_cidrs.iter().chain(cidrs).copied().collect();
-        all.sort();
-        all.dedup();
-        let moved = all != self.networks.service_cidrs;
+    /// The cluster's service CIDRs (the model's: configured and ServiceCIDR objects').
+    /// Returns whether they moved: the next write is then a full one, which the caller must
+    /// make happen even when no object changed.
+    pub fn set_service_cidrs(&mut self, cidrs: &[ipnet::IpNet]) -> bool {
+        let moved = cidrs != self.networks.service_cidrs;
         if moved {
-            self.networks.service_cidrs = all;
+            self.networks.service_cidrs = cidrs.to_vec();
             self.in_sync = false;
         }
         moved
@@ -1216,7 +1208,7 @@ impl Dataplane {
 
 /// CIDRs of a flag (a bare address is its /32 or /128); unparsable ones are logged and left
 /// out of `set`.
-fn parse_cidrs(set: &str, cidrs: &[String]) -> Vec<ipnet::IpNet> {
+pub fn parse_cidrs(set: &str, cidrs: &[String]) -> Vec<ipnet::IpNet> {
     cidrs
         .iter()
         .filter_map(|c| match c.parse::<ipnet::IpNet>().or_else(|_| c.parse::<std::net::IpAddr>().map(ipnet::IpNet::from)) {

@@ -33,6 +33,7 @@ async fn a_grpc_sink_mirrors_the_model_through_changes() {
         data_dir: Some(dir.path().join("data")),
         token: Some(TOKEN.into()),
         manifest_poll: Duration::from_millis(50),
+        service_cidrs: vec!["10.96.0.0/16".into()],
         ..Default::default()
     })
     .await
@@ -71,6 +72,16 @@ async fn a_grpc_sink_mirrors_the_model_through_changes() {
     until(&mut stream, &mut mirror, "new service", |m| endpoints(m, "api") == ["10.244.1.9"]).await;
     std::fs::remove_file(manifests.join("web.yaml")).unwrap();
     until(&mut stream, &mut mirror, "deleted service", |m| !m.services().keys().any(|k| k.name == "web")).await;
+
+    // The cluster's service CIDRs (what the host drops when no service has the address):
+    // the configured one from the start, a ServiceCIDR object's added and taken away.
+    let cidrs = |m: &Mirror| m.service_cidrs().iter().map(ToString::to_string).collect::<Vec<_>>();
+    assert_eq!(cidrs(&mirror), ["10.96.0.0/16"]);
+    let service_cidr = "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16, \"fd00:96::/108\"]}\n";
+    std::fs::write(manifests.join("service-cidr.yaml"), service_cidr).unwrap();
+    until(&mut stream, &mut mirror, "the ServiceCIDR object's ranges", |m| cidrs(m) == ["10.96.0.0/16", "fd00:96::/108"]).await;
+    std::fs::remove_file(manifests.join("service-cidr.yaml")).unwrap();
+    until(&mut stream, &mut mirror, "the object's ranges gone, the configured one kept", |m| cidrs(m) == ["10.96.0.0/16"]).await;
 
     // The mirror is exactly the host's model at the same revision.
     let state: serde_json::Value = reqwest::get(format!("{}/v1/state", host.url())).await.unwrap().json().await.unwrap();

@@ -84,7 +84,7 @@ fn describe(response: &proto::WatchResponse, before: &Mirror) -> String {
     }
     if let Some(context) = &delta.context {
         let draining = if context.being_deleted { " (being deleted: drain it)" } else { "" };
-        words.push(format!("node context: ips={:?} zone={}{draining}", context.node_ips, context.zone.as_deref().unwrap_or("-")));
+        words.push(format!("node context: ips={:?} zone={} service CIDRs={:?}{draining}", context.node_ips, context.zone.as_deref().unwrap_or("-"), context.service_cidrs));
     }
     if words.is_empty() {
         // The revision moved for objects this API does not stream yet (pods, policies).

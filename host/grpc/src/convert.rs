@@ -45,6 +45,7 @@ impl From<&NodeFacts> for proto::NodeContext {
             pod_cidrs: c.pod_cidrs.to_std(),
             zone: c.zone.to_std(),
             being_deleted: node.being_deleted,
+            service_cidrs: node.service_cidrs.iter().map(ToString::to_string).collect(),
         }
     }
 }
@@ -186,10 +187,16 @@ impl From<proto::ObjectKey> for ObjectKey {
     }
 }
 
-impl From<proto::NodeContext> for NodeFacts {
-    fn from(c: proto::NodeContext) -> Self {
+impl TryFrom<proto::NodeContext> for NodeFacts {
+    type Error = ConversionError;
+    fn try_from(c: proto::NodeContext) -> Result<Self, ConversionError> {
+        let service_cidrs = c
+            .service_cidrs
+            .into_iter()
+            .map(|cidr| cidr.parse().map_err(|_| ConversionError::InvalidCidr { field: "NodeContext.service_cidrs", value: cidr }))
+            .collect::<Result<_, _>>()?;
         let context = NodeContext { node_name: c.node_name.into_model(), node_ips: c.node_ips.into_model(), cluster_cidrs: c.cluster_cidrs.into_model(), pod_cidrs: c.pod_cidrs.into_model(), zone: c.zone.into_model() };
-        NodeFacts { context, being_deleted: c.being_deleted }
+        Ok(NodeFacts { context, being_deleted: c.being_deleted, service_cidrs })
     }
 }
 
@@ -371,9 +378,12 @@ mod tests {
             zone: Some("zone-a".into()),
         };
         for being_deleted in [false, true] {
-            let node = NodeFacts { context: context.clone(), being_deleted };
-            assert_eq!(NodeFacts::from(proto::NodeContext::from(&node)), node);
+            let node = NodeFacts { context: context.clone(), being_deleted, service_cidrs: vec!["10.96.0.0/16".parse().unwrap(), "fd00:96::/112".parse().unwrap()] };
+            assert_eq!(NodeFacts::try_from(proto::NodeContext::from(&node)), Ok(node));
         }
+        let mut wire = proto::NodeContext::from(&NodeFacts::from(context));
+        wire.service_cidrs = vec!["10.96.0.0/33".into()];
+        assert_eq!(NodeFacts::try_from(wire), Err(ConversionError::InvalidCidr { field: "NodeContext.service_cidrs", value: "10.96.0.0/33".into() }));
     }
 
     #[test]

@@ -14,23 +14,25 @@ use wasmplane_model::NodeLocalModel;
 use wasmplane_model::state::{ModelUpdate, NodeContext, ServiceChange};
 use wasmplane_model::ServiceView;
 
-/// This node as a watch sees it: the guests' context, and whether the node is being deleted
-/// (outside the guests' context: draining a node translates no service again).
+/// This node as a watch sees it: the guests' context, and, outside it (neither translates
+/// any service again when it changes), whether the node is being deleted and the cluster's
+/// service CIDRs.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodeFacts {
     pub context: NodeContext,
     pub being_deleted: bool,
+    pub service_cidrs: Vec<ipnet::IpNet>,
 }
 
 impl NodeFacts {
     pub fn of(model: &NodeLocalModel) -> NodeFacts {
-        NodeFacts { context: model.context.clone(), being_deleted: model.node_being_deleted }
+        NodeFacts { context: model.context.clone(), being_deleted: model.node_being_deleted, service_cidrs: model.service_cidrs.clone() }
     }
 }
 
 impl From<NodeContext> for NodeFacts {
     fn from(context: NodeContext) -> Self {
-        NodeFacts { context, being_deleted: false }
+        NodeFacts { context, ..NodeFacts::default() }
     }
 }
 
@@ -66,7 +68,7 @@ impl Delta {
     pub fn from_update(model: &NodeLocalModel, update: &ModelUpdate) -> Delta {
         Delta {
             revision: model.revision,
-            node: (update.context_changed || update.node_being_deleted_changed).then(|| NodeFacts::of(model)),
+            node: (update.context_changed || update.node_being_deleted_changed || update.service_cidrs_changed).then(|| NodeFacts::of(model)),
             changes: update.changed.clone(),
         }
     }

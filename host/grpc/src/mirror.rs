@@ -91,6 +91,11 @@ impl Mirror {
         self.node.being_deleted
     }
 
+    /// The cluster's service CIDRs: an address in them that is no service's is dropped.
+    pub fn service_cidrs(&self) -> &[ipnet::IpNet] {
+        &self.node.service_cidrs
+    }
+
     pub fn services(&self) -> &BTreeMap<ObjectKey, ServiceView> {
         &self.services
     }
@@ -112,7 +117,7 @@ impl Mirror {
         // Part 0 always starts afresh, even over an unfinished snapshot: that is the rule
         // that lets a server restart a snapshot at any time.
         let mut building = if part.part == 0 {
-            Building { revision: part.revision, next_part: 0, node: part.context.map(Into::into).unwrap_or_default(), services: BTreeMap::new() }
+            Building { revision: part.revision, next_part: 0, node: part.context.map(NodeFacts::try_from).transpose()?.unwrap_or_default(), services: BTreeMap::new() }
         } else {
             match self.building.take() {
                 Some(b) if b.revision != part.revision => {
@@ -170,9 +175,10 @@ impl Mirror {
                 })
             })
             .collect();
-        let applied = Applied::Delta { revision: delta.revision, upserts: upserts.len(), deletes: deletes.len(), context_changed: delta.context.is_some() };
-        if let Some(context) = delta.context {
-            self.node = context.into();
+        let node = delta.context.map(NodeFacts::try_from).transpose()?;
+        let applied = Applied::Delta { revision: delta.revision, upserts: upserts.len(), deletes: deletes.len(), context_changed: node.is_some() };
+        if let Some(node) = node {
+            self.node = node;
         }
         for key in &deletes {
             self.services.remove(key);
@@ -234,7 +240,7 @@ mod tests {
         std::sync::Arc::make_mut(&mut changed.service).cluster_ips = vec!["10.96.9.9".into()];
         let delta = Delta {
             revision: 6,
-            node: Some(NodeFacts { context: NodeContext { node_name: "node-a".into(), zone: Some("z".into()), ..Default::default() }, being_deleted: true }),
+            node: Some(NodeFacts { context: NodeContext { node_name: "node-a".into(), zone: Some("z".into()), ..Default::default() }, being_deleted: true, service_cidrs: vec!["10.96.0.0/16".parse().unwrap()] }),
             changes: vec![
                 ServiceChange { key: ObjectKey::new("shop", "svc-3"), view: Some(Arc::new(changed.clone())) },
                 ServiceChange { key: ObjectKey::new("shop", "svc-4"), view: None },
@@ -245,6 +251,7 @@ mod tests {
         assert_eq!(mirror.services()[&ObjectKey::new("shop", "svc-3")], changed);
         assert_eq!(mirror.context().zone.as_deref(), Some("z"));
         assert!(mirror.node_being_deleted());
+        assert_eq!(mirror.service_cidrs(), ["10.96.0.0/16".parse::<ipnet::IpNet>().unwrap()]);
 
         // A fresh snapshot forgets what it does not name.
         for m in snapshot_messages(9, &views[..2], 1 << 20) {

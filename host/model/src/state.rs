@@ -800,9 +800,13 @@ pub struct NodeLocalModel {
     /// This node is going away ([`Node::being_deleted`]): not part of the guests' context,
     /// so that draining a node does not translate every service again.
     pub node_being_deleted: bool,
-    /// Every ServiceCIDR object's ranges, sorted and without repeats: the host drops what is
-    /// in them and no service's (not part of the guests' context either).
+    /// The configured service CIDRs and every ServiceCIDR object's ranges, sorted and
+    /// without repeats: the host drops what is in them and no service's (not part of the
+    /// guests' context either).
     pub service_cidrs: Vec<ipnet::IpNet>,
+    /// `--service-cidr`: configuration, always part of [`Self::service_cidrs`].
+    #[serde(skip)]
+    configured_service_cidrs: Vec<ipnet::IpNet>,
 }
 
 /// JSON maps need string keys: `namespace/name`.
@@ -857,7 +861,18 @@ impl NodeLocalModel {
             configured_cluster_cidrs: cluster_cidrs,
             node_being_deleted: false,
             service_cidrs: Vec::new(),
+            configured_service_cidrs: Vec::new(),
         }
+    }
+
+    /// Service CIDRs that are configuration rather than cluster state (`--service-cidr`):
+    /// the ServiceCIDR objects' ranges are added to them.
+    pub fn with_service_cidrs(mut self, mut cidrs: Vec<ipnet::IpNet>) -> Self {
+        cidrs.sort();
+        cidrs.dedup();
+        self.service_cidrs = cidrs.clone();
+        self.configured_service_cidrs = cidrs;
+        self
     }
 
     pub fn node_name(&self) -> &str {
@@ -885,7 +900,8 @@ impl NodeLocalModel {
             }
         }
         if touched.service_cidrs {
-            let mut cidrs: Vec<ipnet::IpNet> = cluster.service_cidrs.values().flat_map(|c| c.cidrs.iter().copied()).collect();
+            let objects = cluster.service_cidrs.values().flat_map(|c| c.cidrs.iter().copied());
+            let mut cidrs: Vec<ipnet::IpNet> = self.configured_service_cidrs.iter().copied().chain(objects).collect();
             cidrs.sort();
             cidrs.dedup();
             if cidrs != self.service_cidrs {
@@ -1178,6 +1194,18 @@ mod tests {
         assert_eq!(model.service_cidrs, nets(&["10.96.0.0/16", "fd00:96::/108"]));
         let touched = state.apply(ClusterEvent::Delete(ObjectKind::ServiceCidr, ObjectKey::cluster("kubernetes")), "node-a");
         assert!(model.update(&state, &touched).service_cidrs_changed && model.service_cidrs.is_empty());
+
+        // Configured ranges (`--service-cidr`) are there from the start and stay when the
+        // objects go; an object repeating one changes nothing.
+        let mut state = ClusterState::new();
+        let mut model = NodeLocalModel::new("node-a", vec![]).with_service_cidrs(nets(&["10.96.0.0/16", "10.96.0.0/16"]));
+        assert_eq!(model.service_cidrs, nets(&["10.96.0.0/16"]));
+        assert!(!apply(&mut state, &mut model, cidr("kubernetes", &["10.96.0.0/16"])).service_cidrs_changed);
+        assert!(apply(&mut state, &mut model, cidr("kubernetes", &["10.96.0.0/16", "fd00:96::/108"])).service_cidrs_changed);
+        assert_eq!(model.service_cidrs, nets(&["10.96.0.0/16", "fd00:96::/108"]));
+        let touched = state.apply(ClusterEvent::Delete(ObjectKind::ServiceCidr, ObjectKey::cluster("kubernetes")), "node-a");
+        assert!(model.update(&state, &touched).service_cidrs_changed);
+        assert_eq!(model.service_cidrs, nets(&["10.96.0.0/16"]));
     }
 
     #[test]
