@@ -223,12 +223,35 @@ pub enum ModuleCommand {
     /// Upload a component as a new version of NAME (and activate it).
     Push {
         name: String,
-        file: PathBuf,
+        /// A file (with the signature `module sign` wrote beside it, if any), or a module in
+        /// an OCI registry, `oci://REGISTRY/REPOSITORY:TAG` or `…@sha256:DIGEST` (with the
+        /// signature it was published with, if any).
+        source: String,
         #[arg(long, default_value = "service-translator")]
         kind: String,
         /// Store the version without putting it in force.
         #[arg(long)]
         no_activate: bool,
+        #[command(flatten)]
+        registry: RegistryArgs,
+    },
+    /// Push a component to an OCI registry as a Wasm artifact (with FILE.sig, if `module
+    /// sign` made one), for `module push NAME oci://…` or `module pull` on any machine.
+    Publish {
+        file: PathBuf,
+        /// `oci://REGISTRY/REPOSITORY:TAG`.
+        reference: String,
+        #[command(flatten)]
+        registry: RegistryArgs,
+    },
+    /// Fetch a component from an OCI registry into OUT (and its signature into OUT.sig).
+    Pull {
+        /// `oci://REGISTRY/REPOSITORY:TAG` or `…@sha256:DIGEST`.
+        reference: String,
+        #[arg(long, short)]
+        out: PathBuf,
+        #[command(flatten)]
+        registry: RegistryArgs,
     },
     /// List modules.
     Ls,
@@ -256,6 +279,38 @@ pub enum ModuleCommand {
     /// PEM, for the host's --trusted-key).
     Keygen { out: PathBuf },
 }
+
+/// How the CLI reaches an OCI registry.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct RegistryArgs {
+    /// Speak plain HTTP to the registry (one on this machine; never across a network).
+    #[arg(long)]
+    pub plain_http: bool,
+    /// A CA certificate (PEM) to trust for the registry besides the system's.
+    #[arg(long)]
+    pub registry_ca: Option<PathBuf>,
+    /// Registry user for basic authentication (with WASMPLANE_REGISTRY_PASSWORD).
+    #[arg(long, env = "WASMPLANE_REGISTRY_USERNAME")]
+    pub registry_username: Option<String>,
+    /// Taken from the environment only, so it shows in no process list.
+    #[arg(skip = std::env::var("WASMPLANE_REGISTRY_PASSWORD").ok())]
+    pub registry_password: Option<String>,
+}
+
+impl RegistryArgs {
+    fn connect(&self) -> anyhow::Result<crate::oci::Registry> {
+        let credentials = match (&self.registry_username, &self.registry_password) {
+            (Some(user), Some(password)) => Some((user.clone(), password.clone())),
+            (None, None) => None,
+            _ => bail!("registry credentials need both WASMPLANE_REGISTRY_USERNAME (or --registry-username) and WASMPLANE_REGISTRY_PASSWORD"),
+        };
+        Ok(crate::oci::Registry::new(&crate::oci::RegistryOptions { plain_http: self.plain_http, ca_file: self.registry_ca.clone(), credentials })?)
+    }
+}
+
+/// The largest component the CLI fetches from a registry (hosts refuse above their own cap,
+/// 16 MiB by default).
+const MAX_PULLED_BYTES: u64 = 64 << 20;
 
 /// `--guest-memory-mib`: a 32-bit Wasm memory addresses at most 4 GiB, and the runtime reserves
 /// exactly that per memory (no bounds checks), so a larger limit could never be reached.
@@ -411,9 +466,67 @@ impl ApiArgs {
     }
 }
 
+/// `module publish` and `module pull`: between this machine and a registry, no host API.
+async fn registry_command(command: &ModuleCommand) -> anyhow::Result<bool> {
+    match command {
+        ModuleCommand::Publish { file, reference, registry } => {
+            let target = registry_reference(reference)?;
+            let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+            let signature = read_signature(file)?;
+            let digest = wasmplane_runtime::LoadedModule::digest_of(&bytes);
+            let url = registry.connect()?.publish(&target, bytes, signature.as_deref()).await.with_context(|| format!("publishing to {reference}"))?;
+            println!("{} ({digest}{}) published: {url}", file.display(), if signature.is_some() { ", signed" } else { "" });
+            Ok(true)
+        }
+        ModuleCommand::Pull { reference, out, registry } => {
+            let artifact = pull(reference, registry).await?;
+            std::fs::write(out, &artifact.component).with_context(|| format!("writing {}", out.display()))?;
+            let signature_file = signature_path(out);
+            match &artifact.signature {
+                Some(signature) => std::fs::write(&signature_file, format!("{signature}\n")).with_context(|| format!("writing {}", signature_file.display()))?,
+                // A signature left from an earlier pull would be sent with these bytes.
+                None => match std::fs::remove_file(&signature_file) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e).with_context(|| format!("removing {}", signature_file.display())),
+                    _ => {}
+                },
+            }
+            println!(
+                "{reference} ({}): {} ({}{})",
+                artifact.manifest_digest,
+                out.display(),
+                wasmplane_runtime::LoadedModule::digest_of(&artifact.component),
+                if artifact.signature.is_some() { ", signature in .sig" } else { "" }
+            );
+            Ok(true)
+        }
+        _ => Ok(false),
+    }
+}
+
+fn registry_reference(reference: &str) -> anyhow::Result<oci_client::Reference> {
+    match crate::oci::reference_of(reference) {
+        Some(parsed) => Ok(parsed?),
+        None => bail!("{reference:?} is not an OCI reference: write oci://REGISTRY/REPOSITORY:TAG"),
+    }
+}
+
+async fn pull(reference: &str, registry: &RegistryArgs) -> anyhow::Result<crate::oci::Artifact> {
+    let source = registry_reference(reference)?;
+    registry.connect()?.pull(&source, MAX_PULLED_BYTES).await.with_context(|| format!("pulling {reference}"))
+}
+
+/// The signature `module sign` wrote beside `file`, if any.
+fn read_signature(file: &std::path::Path) -> anyhow::Result<Option<String>> {
+    match std::fs::read_to_string(signature_path(file)) {
+        Ok(signature) => Ok(Some(signature.trim().to_string())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("reading {}", signature_path(file).display())),
+    }
+}
+
 /// Runs one `wasmplane module …` command and prints the API's answer.
 pub async fn module_command(api: ApiArgs, command: ModuleCommand) -> anyhow::Result<()> {
-    if local_command(&command)? {
+    if local_command(&command)? || registry_command(&command).await? {
         return Ok(());
     }
     let mut builder = reqwest::Client::builder();
@@ -430,14 +543,19 @@ pub async fn module_command(api: ApiArgs, command: ModuleCommand) -> anyhow::Res
         None => rb,
     };
     let request = match &command {
-        ModuleCommand::Push { name, file, kind, no_activate } => {
-            let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+        ModuleCommand::Push { name, source, kind, no_activate, registry } => {
+            let (bytes, signature) = if crate::oci::reference_of(source).is_some() {
+                let artifact = pull(source, registry).await?;
+                eprintln!("pulled {source} ({})", artifact.manifest_digest);
+                (artifact.component, artifact.signature)
+            } else {
+                let file = std::path::Path::new(source);
+                (std::fs::read(file).with_context(|| format!("reading {}", file.display()))?, read_signature(file)?)
+            };
             let rb = client.put(format!("{base}/v1/modules/{name}")).query(&[("kind", kind.as_str()), ("activate", if *no_activate { "false" } else { "true" })]).body(bytes);
-            // The signature `module sign` wrote beside the file, if any.
-            match std::fs::read_to_string(signature_path(file)) {
-                Ok(signature) => rb.header("x-wasmplane-signature", signature.trim()),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => rb,
-                Err(e) => return Err(e).with_context(|| format!("reading {}", signature_path(file).display())),
+            match signature {
+                Some(signature) => rb.header("x-wasmplane-signature", signature),
+                None => rb,
             }
         }
         ModuleCommand::Ls => client.get(format!("{base}/v1/modules")),
@@ -451,7 +569,9 @@ pub async fn module_command(api: ApiArgs, command: ModuleCommand) -> anyhow::Res
         }
         ModuleCommand::Rollback { name } => client.post(format!("{base}/v1/modules/{name}/rollback")),
         ModuleCommand::Rm { name } => client.delete(format!("{base}/v1/modules/{name}")),
-        ModuleCommand::Sign { .. } | ModuleCommand::Keygen { .. } => unreachable!("handled by local_command"),
+        ModuleCommand::Sign { .. } | ModuleCommand::Keygen { .. } | ModuleCommand::Publish { .. } | ModuleCommand::Pull { .. } => {
+            unreachable!("answered without the host's API above")
+        }
     };
     let response = with_auth(request).send().await.with_context(|| format!("calling {base}"))?;
     let status = response.status();
@@ -484,5 +604,15 @@ mod tests {
         assert!(memory("4097").unwrap_err().contains("1..=4096 MiB"));
         assert!(memory("0").is_err());
         assert!(memory("lots").is_err());
+    }
+
+    #[test]
+    fn registry_credentials_come_in_pairs() {
+        let half = RegistryArgs { registry_username: Some("ci".into()), ..RegistryArgs::default() };
+        let e = half.connect().err().expect("a user without a password").to_string();
+        assert!(e.contains("WASMPLANE_REGISTRY_PASSWORD"), "{e}");
+        let missing_ca = RegistryArgs { registry_ca: Some("/nonexistent/ca.pem".into()), ..RegistryArgs::default() };
+        assert!(missing_ca.connect().err().expect("an unreadable CA").to_string().contains("/nonexistent/ca.pem"));
+        assert!(RegistryArgs::default().connect().is_ok());
     }
 }

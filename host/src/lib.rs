@@ -22,6 +22,7 @@ pub mod module_gc;
 pub mod module_store;
 pub mod modules;
 pub mod nft;
+pub mod oci;
 pub mod operator_role;
 pub mod policy;
 pub mod record;

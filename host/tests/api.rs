@@ -270,7 +270,7 @@ async fn the_cli_pushes_lists_and_removes_modules() {
     let file = t.dir.path().join("port_filter.wasm");
     std::fs::write(&file, artifacts::examples::PORT_FILTER_TRANSLATOR).unwrap();
     let api = |token: Option<&str>| ApiArgs { api: t.host.as_ref().unwrap().url(), token: token.map(str::to_string), token_file: None };
-    let push = || ModuleCommand::Push { name: "cli-filter".into(), file: file.clone(), kind: "service-translator".into(), no_activate: false };
+    let push = || ModuleCommand::Push { name: "cli-filter".into(), source: file.display().to_string(), kind: "service-translator".into(), no_activate: false, registry: Default::default() };
     let refused = module_command(api(None), push()).await.unwrap_err().to_string();
     assert!(refused.contains("401") && refused.contains("missing bearer token"), "{refused}");
     module_command(api(Some(TOKEN)), push()).await.unwrap();

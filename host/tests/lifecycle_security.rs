@@ -124,7 +124,7 @@ async fn the_cli_makes_keys_signs_and_pushes_the_signature() {
     let api = || ApiArgs { api: host.url(), token: Some(TOKEN.into()), token_file: None };
     let file = dir.path().join("port_filter.wasm");
     std::fs::write(&file, artifacts::examples::PORT_FILTER_TRANSLATOR).unwrap();
-    let push = || ModuleCommand::Push { name: "cli-filter".into(), file: file.clone(), kind: "service-translator".into(), no_activate: false };
+    let push = || ModuleCommand::Push { name: "cli-filter".into(), source: file.display().to_string(), kind: "service-translator".into(), no_activate: false, registry: Default::default() };
     let refused = module_command(api(), push()).await.unwrap_err().to_string();
     assert!(refused.contains("403") && refused.contains("is not signed"), "{refused}");
     module_command(api(), ModuleCommand::Sign { key: key.clone(), file: file.clone() }).await.unwrap();

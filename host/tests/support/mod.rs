@@ -5,6 +5,7 @@ pub mod cluster;
 pub mod echo;
 pub mod netns;
 pub mod rest;
+pub mod registry;
 pub mod sctp;
 
 /// Whether set `set` holds `element`, in an `nft list ruleset` listing or in the host's

@@ -1,0 +1,62 @@
+//! A real OCI registry for tests: Debian's `docker-registry` (the CNCF distribution
+//! registry), on loopback with a temporary storage directory and a free port, killed on drop.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct OciRegistry {
+    child: Child,
+    dir: tempfile::TempDir,
+    addr: String,
+}
+
+impl OciRegistry {
+    pub fn start() -> OciRegistry {
+        let binary = Path::new("/usr/bin/docker-registry");
+        assert!(binary.is_file(), "{} is missing: run scripts/setup.sh (Debian package docker-registry)", binary.display());
+        let dir = tempfile::tempdir().unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let addr = format!("127.0.0.1:{port}");
+        let config = dir.path().join("config.yml");
+        std::fs::write(
+            &config,
+            format!("version: 0.1\nlog: {{ level: warn }}\nstorage: {{ filesystem: {{ rootdirectory: {} }}, delete: {{ enabled: true }} }}\nhttp: {{ addr: \"{addr}\", secret: wasmplane-test }}\n", dir.path().join("data").display()),
+        )
+        .unwrap();
+        let log = std::fs::File::create(dir.path().join("log")).unwrap();
+        let child = Command::new(binary).arg("serve").arg(&config).stdout(log.try_clone().unwrap()).stderr(log).stdin(Stdio::null()).spawn().expect("starting docker-registry");
+        let mut registry = OciRegistry { child, dir, addr };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(&registry.addr).is_err() {
+            if let Ok(Some(status)) = registry.child.try_wait() {
+                panic!("docker-registry exited ({status}): {}", registry.log());
+            }
+            assert!(Instant::now() < deadline, "docker-registry did not listen on {}: {}", registry.addr, registry.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        registry
+    }
+
+    /// `HOST:PORT`.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// Where the registry keeps blob `sha256:…`.
+    pub fn blob_path(&self, digest: &str) -> PathBuf {
+        let hex = digest.strip_prefix("sha256:").expect("a sha256 digest");
+        self.dir.path().join(format!("data/docker/registry/v2/blobs/sha256/{}/{hex}/data", &hex[..2]))
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("log")).unwrap_or_default()
+    }
+}
+
+impl Drop for OciRegistry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
