@@ -151,3 +151,38 @@ async fn modules_travel_through_an_oci_registry_with_their_signatures() {
     let e = publish(&file, &format!("{}/modules/x:v1", registry.addr())).await.unwrap_err();
     assert!(e.to_string().contains("not an OCI reference"), "{e}");
 }
+
+/// A registry serving TLS with its own CA and letting one user in: the CLI trusts the CA
+/// it is given (`--registry-ca`) and sends basic credentials; without either it is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_private_registry_with_its_own_ca_and_basic_credentials() {
+    // bcrypt (cost 4) of PASSWORD, as `htpasswd -B` writes it.
+    const PASSWORD: &str = "wasmplane-registry-pw";
+    const BCRYPT: &str = "$2b$04$bKSA1Lo4rJLrduJIiUyTY.JiwnBKLC6TprjkFp68zyJ9/YEj4M3Be";
+    let registry = OciRegistry::start_tls_with_user("ci", BCRYPT);
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("port_filter.wasm");
+    std::fs::write(&file, artifacts::examples::PORT_FILTER_TRANSLATOR).unwrap();
+    let reference = format!("oci://{}/private/port-filter:v1", registry.addr());
+    let publish = |registry: RegistryArgs| module_command(no_api(), ModuleCommand::Publish { file: file.clone(), reference: reference.clone(), registry });
+    let trusted = |user: Option<&str>, password: Option<&str>| RegistryArgs {
+        registry_ca: Some(registry.ca_file()),
+        registry_username: user.map(Into::into),
+        registry_password: password.map(Into::into),
+        ..RegistryArgs::default()
+    };
+
+    let untrusted = publish(RegistryArgs { registry_username: Some("ci".into()), registry_password: Some(PASSWORD.into()), ..RegistryArgs::default() }).await.unwrap_err();
+    assert!(format!("{untrusted:?}").to_lowercase().contains("certificate"), "the registry's CA is not the system's: {untrusted:?}");
+    let anonymous = publish(trusted(None, None)).await.unwrap_err();
+    assert!(format!("{anonymous:?}").to_lowercase().contains("unauthorized"), "{anonymous:?}");
+    let wrong = publish(trusted(Some("ci"), Some("not-the-password"))).await.unwrap_err();
+    assert!(format!("{wrong:?}").to_lowercase().contains("unauthorized"), "{wrong:?}");
+
+    publish(trusted(Some("ci"), Some(PASSWORD))).await.unwrap();
+    let out = dir.path().join("pulled.wasm");
+    let pull = |registry: RegistryArgs| module_command(no_api(), ModuleCommand::Pull { reference: reference.clone(), out: out.clone(), registry });
+    assert!(pull(trusted(None, None)).await.is_err(), "pulls need the credentials too");
+    pull(trusted(Some("ci"), Some(PASSWORD))).await.unwrap();
+    assert_eq!(std::fs::read(&out).unwrap(), artifacts::examples::PORT_FILTER_TRANSLATOR);
+}

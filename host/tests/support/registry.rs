@@ -12,7 +12,32 @@ pub struct OciRegistry {
 }
 
 impl OciRegistry {
+    /// A plain-HTTP registry anyone may use.
     pub fn start() -> OciRegistry {
+        OciRegistry::start_with(|_| String::new())
+    }
+
+    /// A registry serving TLS (a self-signed certificate for 127.0.0.1, written to
+    /// `ca.pem` in its directory, see [`OciRegistry::ca_file`]) that lets only `user` in,
+    /// with the password whose bcrypt hash is `bcrypt`.
+    pub fn start_tls_with_user(user: &str, bcrypt: &str) -> OciRegistry {
+        OciRegistry::start_with(|dir| {
+            let rcgen::CertifiedKey { cert, signing_key } = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string()]).unwrap();
+            let (cert_file, key_file, htpasswd) = (dir.join("ca.pem"), dir.join("key.pem"), dir.join("htpasswd"));
+            std::fs::write(&cert_file, cert.pem()).unwrap();
+            std::fs::write(&key_file, signing_key.serialize_pem()).unwrap();
+            std::fs::write(&htpasswd, format!("{user}:{bcrypt}\n")).unwrap();
+            format!(
+                "  tls: {{ certificate: {}, key: {} }}\nauth: {{ htpasswd: {{ realm: wasmplane-test, path: {} }} }}\n",
+                cert_file.display(),
+                key_file.display(),
+                htpasswd.display()
+            )
+        })
+    }
+
+    /// `extra_config(dir)`: YAML appended to the config, whose last line is the `http:` map's.
+    fn start_with(extra_config: impl FnOnce(&Path) -> String) -> OciRegistry {
         let binary = Path::new("/usr/bin/docker-registry");
         assert!(binary.is_file(), "{} is missing: run scripts/setup.sh (Debian package docker-registry)", binary.display());
         let dir = tempfile::tempdir().unwrap();
@@ -21,7 +46,11 @@ impl OciRegistry {
         let config = dir.path().join("config.yml");
         std::fs::write(
             &config,
-            format!("version: 0.1\nlog: {{ level: warn }}\nstorage: {{ filesystem: {{ rootdirectory: {} }}, delete: {{ enabled: true }} }}\nhttp: {{ addr: \"{addr}\", secret: wasmplane-test }}\n", dir.path().join("data").display()),
+            format!(
+                "version: 0.1\nlog: {{ level: warn }}\nstorage: {{ filesystem: {{ rootdirectory: {} }}, delete: {{ enabled: true }} }}\nhttp:\n  addr: \"{addr}\"\n  secret: wasmplane-test\n{}",
+                dir.path().join("data").display(),
+                extra_config(dir.path())
+            ),
         )
         .unwrap();
         let log = std::fs::File::create(dir.path().join("log")).unwrap();
@@ -41,6 +70,11 @@ impl OciRegistry {
     /// `HOST:PORT`.
     pub fn addr(&self) -> &str {
         &self.addr
+    }
+
+    /// The certificate a TLS registry serves (its own CA).
+    pub fn ca_file(&self) -> PathBuf {
+        self.dir.path().join("ca.pem")
     }
 
     /// Where the registry keeps blob `sha256:…`.
