@@ -37,6 +37,11 @@ fn pod_ip(ns: usize, app: usize) -> String {
     format!("10.244.{}.{}", ns + 1, app + 10)
 }
 
+/// A dual-stack pod's IPv6 address: `fd00:10:244:{ns}::{app}` as the IPv4 one.
+fn pod_ip6(ns: usize, app: usize) -> String {
+    format!("fd00:10:244:{}::{}", ns + 1, app + 10)
+}
+
 fn labels(pairs: &[(&str, &str)]) -> Labels {
     pairs.iter().map(|&(k, v)| (k.into(), v.into())).collect()
 }
@@ -54,12 +59,16 @@ fn namespace(name: &str, team: &str) -> ClusterObject {
 }
 
 /// Pods declare named ports: web and client serve `http` on 80, db says `http` is 8080.
-fn pod(ns: usize, app: usize) -> ClusterObject {
+fn pod(ns: usize, app: usize, dual_stack: bool) -> ClusterObject {
     let http = if APPS[app] == "db" { 8080 } else { 80 };
+    let mut ips = vec![pod_ip(ns, app).into()];
+    if dual_stack {
+        ips.push(pod_ip6(ns, app).into());
+    }
     ClusterObject::Pod(Pod {
         namespace: NAMESPACES[ns].0.into(),
         name: format!("{}-0", APPS[app]).into(),
-        ips: vec![pod_ip(ns, app).into()],
+        ips,
         node_name: Some("node-a".into()),
         labels: labels(&[("app", APPS[app])]),
         ports: vec![
@@ -105,17 +114,38 @@ struct Node {
     controller: PolicyController,
     dataplane: Dataplane,
     _runtime: Runtime,
+    /// Pods have IPv6 addresses too, and matrices are probed in both families.
+    dual_stack: bool,
 }
 
 impl Node {
     fn new(tag: &str) -> Node {
+        Node::with_families(tag, false)
+    }
+
+    fn new_dual_stack(tag: &str) -> Node {
+        Node::with_families(tag, true)
+    }
+
+    fn with_families(tag: &str, dual_stack: bool) -> Node {
         let mut topology = Topology::new(tag);
+        if dual_stack {
+            topology.enable_ipv6();
+        }
         let mut pods = Vec::new();
         let mut servers = Vec::new();
         for (ns, (namespace, _)) in NAMESPACES.iter().enumerate() {
             for (app, app_name) in APPS.iter().enumerate() {
-                let name = topology.add_pod(&pod_ip(ns, app));
-                servers.push(Server::start(&name, &format!("{namespace}.{app_name}"), &[TCP_PORT, UDP_PORT]));
+                let identity = format!("{namespace}.{app_name}");
+                let name = if dual_stack {
+                    let name = topology.add_dual_stack_pod(&pod_ip(ns, app), &pod_ip6(ns, app));
+                    servers.push(Server::start_dual_stack(&name, &identity, &[TCP_PORT, UDP_PORT]));
+                    name
+                } else {
+                    let name = topology.add_pod(&pod_ip(ns, app));
+                    servers.push(Server::start(&name, &identity, &[TCP_PORT, UDP_PORT]));
+                    name
+                };
                 pods.push(name);
             }
         }
@@ -133,13 +163,14 @@ impl Node {
             controller,
             dataplane,
             _runtime: runtime,
+            dual_stack,
         };
         for (ns, team) in NAMESPACES {
             node.upsert(namespace(ns, team));
         }
         for ns in 0..3 {
             for app in 0..3 {
-                node.upsert(pod(ns, app));
+                node.upsert(pod(ns, app, dual_stack));
             }
         }
         node
@@ -171,7 +202,7 @@ impl Node {
 
     /// The reachability matrix as probed: rows sources, columns destinations, `1` reached,
     /// `.` not, `-` the pod itself (not probed: it never leaves the pod).
-    fn probe(&self, udp: bool) -> Vec<String> {
+    fn probe(&self, udp: bool, ipv6: bool) -> Vec<String> {
         let mut results: BTreeMap<(usize, usize), bool> = BTreeMap::new();
         std::thread::scope(|s| {
             let mut handles = Vec::new();
@@ -180,7 +211,8 @@ impl Node {
                     if i == j {
                         continue;
                     }
-                    let to: SocketAddr = format!("{}:{}", pod_ip(j / 3, j % 3), if udp { UDP_PORT } else { TCP_PORT }).parse().unwrap();
+                    let port = if udp { UDP_PORT } else { TCP_PORT };
+                    let to: SocketAddr = if ipv6 { format!("[{}]:{port}", pod_ip6(j / 3, j % 3)) } else { format!("{}:{port}", pod_ip(j / 3, j % 3)) }.parse().unwrap();
                     handles.push(((i, j), s.spawn(move || in_ns(src, || reach(to, udp)))));
                 }
             }
@@ -205,14 +237,24 @@ impl Node {
             .collect()
     }
 
+    /// Reachability as expected, the same in both families for a dual-stack node.
     #[track_caller]
     fn assert_matrix(&self, case: &str, tcp: [&str; 9], udp: [&str; 9]) {
+        self.assert_family(case, false, tcp, udp);
+        if self.dual_stack {
+            self.assert_family(case, true, tcp, udp);
+        }
+    }
+
+    #[track_caller]
+    fn assert_family(&self, case: &str, ipv6: bool, tcp: [&str; 9], udp: [&str; 9]) {
+        let family = if ipv6 { "IPv6" } else { "IPv4" };
         for (proto, expected, is_udp) in [("TCP 80", tcp, false), ("UDP 53", udp, true)] {
-            let got = self.probe(is_udp);
+            let got = self.probe(is_udp, ipv6);
             let expected: Vec<String> = expected.iter().map(|r| r.replace(' ', "")).collect();
             if got != expected {
                 panic!(
-                    "{case}, {proto}: reachability differs (rows: sources, columns: destinations, a.web a.db a.client b.… c.…)\nexpected:\n{}\ngot:\n{}\nrules:\n{}",
+                    "{case}, {family} {proto}: reachability differs (rows: sources, columns: destinations, a.web a.db a.client b.… c.…)\nexpected:\n{}\ngot:\n{}\nrules:\n{}",
                     expected.join("\n"),
                     got.join("\n"),
                     self.topology.table()
@@ -478,6 +520,67 @@ fn egress_ip_blocks_named_ports_and_port_ranges() {
     let mut udp = OPEN;
     udp[5] = "... ..- ...";
     node.assert_matrix("egress named port", tcp, udp);
+}
+
+/// Dual-stack pods (as the CNI daemon gives them): a policy selecting pods by labels holds
+/// for both of their addresses, and an ipBlock only for its own family.
+#[test]
+fn dual_stack_pods_are_policed_in_both_families() {
+    require_root!();
+    let mut node = Node::new_dual_stack("np6");
+    node.assert_matrix("no policies", OPEN, OPEN);
+
+    // Default deny ingress in b, and a.web reached on TCP 80 from blue clients only: the
+    // same matrices in both families.
+    node.set_policies(vec![
+        policy("b", "deny", all(), Some(vec![]), None),
+        policy(
+            "a",
+            "web-from-blue-clients",
+            sel(&[("app", "web")]),
+            Some(vec![rule(
+                vec![port(Protocol::Tcp, PolicyPortNumber::Number(80), None)],
+                vec![peer(Some(sel(&[("app", "client")])), Some(sel(&[("team", "blue")])))],
+            )]),
+            None,
+        ),
+    ]);
+    let tcp = [
+        "-11 ... 111",
+        ".-1 ... 111",
+        "11- ... 111",
+        ".11 -.. 111",
+        ".11 .-. 111",
+        "111 ..- 111",
+        ".11 ... -11",
+        ".11 ... 1-1",
+        ".11 ... 11-",
+    ];
+    let udp = [
+        "-11 ... 111",
+        ".-1 ... 111",
+        ".1- ... 111",
+        ".11 -.. 111",
+        ".11 .-. 111",
+        ".11 ..- 111",
+        ".11 ... -11",
+        ".11 ... 1-1",
+        ".11 ... 11-",
+    ];
+    node.assert_matrix("deny in b, a.web from blue clients", tcp, udp);
+
+    // a.client may send only to c's IPv6 pod network: over IPv6 it reaches c; over IPv4,
+    // which no block of the policy names, nothing. Everyone still reaches a.client.
+    node.set_policies(vec![policy("a", "client-to-c6", sel(&[("app", "client")]), None, Some(vec![rule(vec![], vec![block("fd00:10:244:3::/64", &[])])]))]);
+    let mut only_c6 = OPEN;
+    only_c6[2] = "..- ... 111";
+    let mut nothing = OPEN;
+    nothing[2] = "..- ... ...";
+    node.assert_family("egress to an IPv6 block", true, only_c6, only_c6);
+    node.assert_family("egress to an IPv6 block", false, nothing, nothing);
+
+    node.set_policies(vec![]);
+    node.assert_matrix("policies removed", OPEN, OPEN);
 }
 
 #[test]
