@@ -156,7 +156,8 @@ mod tests {
         assert_eq!((r.registry(), r.repository(), r.tag()), ("127.0.0.1:5000", "modules/port-filter", Some("v1")));
         let r = reference_of("registry://ghcr.io/org/policy@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef").unwrap().unwrap();
         assert!(r.digest().is_some());
-        assert!(matches!(reference_of("oci://UPPER/case"), Some(Err(OciError::BadReference { .. }))));
+        // Repositories are lower case.
+        assert!(matches!(reference_of("oci://127.0.0.1:5000/Modules/X"), Some(Err(OciError::BadReference { .. }))));
     }
 
     #[test]

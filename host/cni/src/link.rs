@@ -254,25 +254,10 @@ async fn configure(host: &Handle, pod: &Handle, spec: &LinkSpec) -> Result<PodNe
     for a in &spec.addresses {
         let len = a.host_prefix();
         add_address(host, hi, a.gateway, len).await.map_err(|e| Error::netlink(ctx("adding the gateway address"), e))?;
-        host.route()
-            .add(link_route(a.ip, len, hi))
-            .replace()
-            .execute()
-            .await
-            .map_err(|e| Error::netlink(ctx("adding the node route to the pod"), e))?;
+        replace_route(host, link_route(a.ip, len, hi)).await.map_err(|e| Error::netlink(ctx("adding the node route to the pod"), e))?;
         add_address(pod, pi, a.ip, len).await.map_err(|e| Error::netlink(ctx("adding the pod address"), e))?;
-        pod.route()
-            .add(link_route(a.gateway, len, pi))
-            .replace()
-            .execute()
-            .await
-            .map_err(|e| Error::netlink(ctx("adding the pod route to the gateway"), e))?;
-        pod.route()
-            .add(default_route(a.gateway, pi))
-            .replace()
-            .execute()
-            .await
-            .map_err(|e| Error::netlink(ctx("adding the pod default route"), e))?;
+        replace_route(pod, link_route(a.gateway, len, pi)).await.map_err(|e| Error::netlink(ctx("adding the pod route to the gateway"), e))?;
+        replace_route(pod, default_route(a.gateway, pi)).await.map_err(|e| Error::netlink(ctx("adding the pod default route"), e))?;
     }
 
     Ok(PodNetwork {
@@ -296,6 +281,11 @@ async fn add_address(h: &Handle, index: u32, ip: IpAddr, len: u8) -> Result<(), 
         msg.attributes.push(AddressAttribute::Flags(AddressFlags::Nodad));
     }
     req.execute().await
+}
+
+/// Adds `route`, or replaces the one to the same destination: a repeated ADD repairs.
+async fn replace_route(h: &Handle, route: RouteMessage) -> Result<(), rtnetlink::Error> {
+    h.route().add(route).replace().execute().await
 }
 
 /// `dst/len dev <index>`, on-link (IPv4's scope link; IPv6 routes have no scope).
