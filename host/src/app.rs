@@ -120,6 +120,9 @@ pub struct HostConfig {
     /// The cluster's service CIDRs (`--service-cidr`), beside the ServiceCIDR objects':
     /// new connections to an address in them that is no service's are dropped.
     pub service_cidrs: Vec<String>,
+    /// kube-proxy's `--masquerade-all`: every connection to a cluster IP leaves masqueraded,
+    /// whatever its source and the translator in force.
+    pub masquerade_all: bool,
     pub dataplane: DataplaneMode,
     pub token: Option<String>,
     pub limits: Limits,
@@ -174,6 +177,7 @@ impl Default for HostConfig {
             node_name: "node-a".into(),
             cluster_cidrs: vec!["10.244.0.0/16".into()],
             service_cidrs: Vec::new(),
+            masquerade_all: false,
             dataplane: DataplaneMode::Record,
             token: None,
             limits: Limits::default(),
@@ -307,6 +311,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         node_name: config.node_name.clone(),
         cluster_cidrs: config.cluster_cidrs.clone(),
         service_cidrs: config.service_cidrs.clone(),
+        masquerade_all: config.masquerade_all,
         max_module_bytes: config.max_module_bytes,
         crash_budget: config.crash_budget,
         // Shards pay off only for netlink batches: nft 1.0.6 fills its cache table by table,

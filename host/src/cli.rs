@@ -90,6 +90,11 @@ pub struct RunArgs {
     /// that is no service's are dropped, not routed off the node.
     #[arg(long = "service-cidr", env = "WASMPLANE_SERVICE_CIDRS", value_delimiter = ',')]
     pub service_cidrs: Vec<String>,
+    /// Masquerade every connection to a cluster IP, from pods as from anywhere else
+    /// (kube-proxy's `--masquerade-all`; by default only what leaves the cluster CIDRs for a
+    /// service, node ports and hairpin traffic is).
+    #[arg(long, env = "WASMPLANE_MASQUERADE_ALL")]
+    pub masquerade_all: bool,
     /// Render the dataplane (`record`) or write it to the kernel (`nftables`).
     #[arg(long, env = "WASMPLANE_DATAPLANE", value_enum, default_value = "record")]
     pub dataplane: DataplaneMode,
@@ -410,6 +415,7 @@ impl RunArgs {
             node_name: self.node_name,
             cluster_cidrs: self.cluster_cidrs,
             service_cidrs: self.service_cidrs,
+            masquerade_all: self.masquerade_all,
             dataplane: self.dataplane,
             token,
             limits,

@@ -80,6 +80,8 @@ pub struct ControllerConfig {
     pub cluster_cidrs: Vec<String>,
     /// The cluster's service CIDRs: unallocated addresses in them are dropped.
     pub service_cidrs: Vec<String>,
+    /// Masquerade every connection to a cluster IP (kube-proxy's `--masquerade-all`).
+    pub masquerade_all: bool,
     pub max_module_bytes: usize,
     pub crash_budget: CrashBudget,
     /// Services per nftables shard table (see `nft::Layout`).
@@ -192,6 +194,7 @@ impl Controller {
                 .with_services_per_shard(config.services_per_shard)
                 .with_cluster_cidrs(&config.cluster_cidrs)
                 .with_service_cidrs(service_cidrs)
+                .with_masquerade_all(config.masquerade_all)
                 .with_node_port_addresses(config.node_port_addresses)
                 .with_health(health),
             service_errors: BTreeMap::new(),

@@ -798,6 +798,13 @@ impl Dataplane {
         self
     }
 
+    /// Masquerade every connection to a cluster IP (kube-proxy's `--masquerade-all`): a rule
+    /// of the tables' static part, so it holds whatever the translator in force does.
+    pub fn with_masquerade_all(mut self, masquerade_all: bool) -> Self {
+        self.networks.masquerade_all = masquerade_all;
+        self
+    }
+
     /// The cluster's service CIDRs at start (the configured ones): new connections to an
     /// address in them that is no service's are dropped.
     pub fn with_service_cidrs(mut self, cidrs: Vec<ipnet::IpNet>) -> Self {

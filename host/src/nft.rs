@@ -1294,9 +1294,12 @@ const MAIN_SKELETON: TableSkeleton = {
                     // After DNAT: an endpoint that reached itself through a service.
                     "ct status dnat ip saddr . ip daddr @hairpin jump mark-for-masquerade",
                     "ct status dnat ip6 saddr . ip6 daddr @hairpin6 jump mark-for-masquerade",
+                    "jump masquerade-all",
                     "jump masquerading",
                 ],
             ),
+            // Its rules follow `--masquerade-all` (see `write_masquerade_all`).
+            ("masquerade-all", "", &[]),
             // Before DNAT (priority dstnat-10), so destinations are still the service addresses.
             ("filter-prerouting", "type filter hook prerouting priority -110; policy accept;", &["ct state new jump firewall-check"]),
             ("filter-input", "type filter hook input priority -110; policy accept;", &["ct state new jump endpoints-check"]),
@@ -1486,6 +1489,9 @@ pub struct NodeNetworks {
     pub service_cidrs: Vec<IpNet>,
     /// The addresses node ports are served on; `None`: every local address but loopback.
     pub node_port_ips: Option<Vec<IpAddr>>,
+    /// Masquerade every connection whose original destination is a cluster IP
+    /// (`--masquerade-all`).
+    pub masquerade_all: bool,
 }
 
 /// The rules of a node port chain (`chain`, looking the port up in `vmap`): every local
@@ -1511,6 +1517,15 @@ fn write_node_port_rules(out: &mut String, t: Table, chain: &str, vmap: &str, ne
         if !ips.is_empty() {
             writeln!(out, "add element {t} {set} {{ {} }}", ips.join(", ")).unwrap();
         }
+    }
+}
+
+/// kube-proxy's `--masquerade-all`: a connection DNATed from a cluster IP (the translators
+/// put every cluster IP in `cluster-ips`) is masqueraded, whoever sent it.
+fn write_masquerade_all(out: &mut String, t: Table) {
+    for ip in ["ip", "ip6"] {
+        let set = if ip == "ip" { "cluster-ips" } else { "cluster-ips6" };
+        writeln!(out, "add rule {t} masquerade-all ct status dnat ct original {ip} daddr @{set} jump mark-for-masquerade").unwrap();
     }
 }
 
@@ -1571,6 +1586,9 @@ pub fn skeleton(out: &mut String, flush_first: bool, layout: Layout, networks: &
     MAIN_SKELETON.write(out, Table::MAIN, flush_first);
     write_cidr_sets(out, Table::MAIN, ("service-cidrs", "service-cidrs6"), &networks.service_cidrs, flush_first);
     write_node_port_rules(out, Table::MAIN, "no-endpoint-node-ports", "no-endpoint-nodeports", networks, flush_first);
+    if networks.masquerade_all {
+        write_masquerade_all(out, Table::MAIN);
+    }
     // Network policy: the pod-ingress/pod-egress maps and the filter chains that consult them.
     policy::skeleton(out, flush_first);
     for shard in 0..layout.shards {

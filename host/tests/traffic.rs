@@ -750,6 +750,41 @@ async fn hairpin_traffic_is_masqueraded() {
     host.stop().await;
 }
 
+/// kube-proxy's `--masquerade-all`: a pod reaching a cluster IP arrives from the node's
+/// address on the endpoint's link (the gateway), not its own, in both families and on
+/// either endpoint; a connection straight to a pod, no service between, keeps its source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn masquerade_all_hides_every_client_of_a_cluster_ip() {
+    require_root!();
+    let mut topo = Topology::new("mall");
+    topo.enable_ipv6();
+    let (a6, b6) = ("fd00:10:244::11", "fd00:10:244::12");
+    let pod_a = topo.add_dual_stack_pod(POD_A, a6);
+    let pod_b = topo.add_dual_stack_pod(POD_B, b6);
+    let _server_a = Server::start_dual_stack(&pod_a, "a", &[8080]);
+    let _server_b = Server::start_dual_stack(&pod_b, "b", &[8080]);
+    let cluster = Cluster::new();
+    let ports = || vec![Port::new("http", "TCP", 80, 8080), Port::new("dns", "UDP", 80, 8080)];
+    cluster.put(&Svc::new("four", "10.96.0.72", ports(), vec![ready(POD_A, NODE), ready(POD_B, NODE)]));
+    cluster.put(&Svc::new("six", "fd00:96::72", ports(), vec![ready(a6, NODE), ready(b6, NODE)]));
+    let host = start_host(HostConfig { masquerade_all: true, ..cluster.config(topo.nft_command()) }).await;
+    wait_applied(&host, "the services", |t| serves(t, "10.96.0.72 . udp . 80") && serves(t, "fd00:96::72 . udp . 80"));
+    assert!(topo.table().contains("ct original ip daddr @cluster-ips"), "{}", topo.table());
+
+    for (service, gateway) in [("10.96.0.72", POD_GATEWAY), ("fd00:96::72", POD_GATEWAY6)] {
+        let check = |what: &str, replies: &[std::io::Result<Reply>]| {
+            assert_backends(what, replies, &["a", "b"]);
+            // Dual-stack servers see IPv4 clients as `::ffff:a.b.c.d`.
+            assert_all(what, replies, |r| r.peer.to_canonical() == ip(gateway));
+        };
+        check(&format!("TCP to {service}"), &tcp_many(&pod_b, addr(service, 80), 24));
+        check(&format!("UDP to {service}"), &udp_many(&pod_b, addr(service, 80), 24));
+    }
+    let direct = in_ns(&pod_b, || tcp_ask(addr(POD_A, 8080), Duration::from_secs(2))).map(|r| r.peer.to_canonical());
+    assert_eq!(direct.unwrap(), ip(POD_B), "no service, no masquerade");
+    host.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ipv6_cluster_ip_reaches_every_backend_and_masquerades_only_hairpin() {
     require_root!();
