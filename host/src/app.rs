@@ -123,6 +123,9 @@ pub struct HostConfig {
     /// kube-proxy's `--masquerade-all`: every connection to a cluster IP leaves masqueraded,
     /// whatever its source and the translator in force.
     pub masquerade_all: bool,
+    /// kube-proxy's conntrack settings, applied at start in `nftables` mode (the CLI's
+    /// default: kube-proxy's values); `None`: the node's own.
+    pub conntrack: Option<crate::conntrack_tuning::ConntrackTuning>,
     pub dataplane: DataplaneMode,
     pub token: Option<String>,
     pub limits: Limits,
@@ -178,6 +181,7 @@ impl Default for HostConfig {
             cluster_cidrs: vec!["10.244.0.0/16".into()],
             service_cidrs: Vec::new(),
             masquerade_all: false,
+            conntrack: None,
             dataplane: DataplaneMode::Record,
             token: None,
             limits: Limits::default(),
@@ -298,6 +302,23 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
     let kernel: Box<dyn Kernel> = match dataplane {
         DataplaneMode::Record => Box::new(Recorder::default()),
         DataplaneMode::Nftables => {
+            if let Some(tuning) = config.conntrack.clone() {
+                let netns = NetlinkNft::netns_of_command(&config.nft_command);
+                let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
+                // As kube-proxy: what cannot be set is logged, and the dataplane works with
+                // the node's own settings.
+                match tokio::task::spawn_blocking(move || tuning.apply(netns.as_deref(), cpus)).await? {
+                    Ok(outcomes) => {
+                        for outcome in outcomes {
+                            match outcome {
+                                crate::conntrack_tuning::Outcome::Failed { .. } => tracing::warn!(?outcome, "conntrack setting left as it is"),
+                                _ => tracing::info!(?outcome, "conntrack setting"),
+                            }
+                        }
+                    }
+                    Err(e) => tracing::warn!("conntrack settings left as they are: {e}"),
+                }
+            }
             let text = NftCommand::new(config.nft_command.clone(), config.conntrack_command.clone());
             if config.nft_netlink {
                 let netns = NetlinkNft::netns_of_command(&config.nft_command);

@@ -95,6 +95,20 @@ pub struct RunArgs {
     /// service, node ports and hairpin traffic is).
     #[arg(long, env = "WASMPLANE_MASQUERADE_ALL")]
     pub masquerade_all: bool,
+    /// Connections tracked per CPU: the node's conntrack table is raised to this times the
+    /// CPUs, at least --conntrack-min, never lowered (kube-proxy's; 0: leave it).
+    #[arg(long, default_value_t = 32768)]
+    pub conntrack_max_per_core: u64,
+    #[arg(long, default_value_t = 131072)]
+    pub conntrack_min: u64,
+    /// Idle established TCP connections are forgotten after this (kube-proxy's 24 h; the
+    /// kernel's is 5 days; 0: leave it).
+    #[arg(long, default_value_t = 86400)]
+    pub conntrack_tcp_timeout_established_seconds: u64,
+    /// Half-closed TCP connections (CLOSE_WAIT) are forgotten after this (kube-proxy's 1 h;
+    /// the kernel's is 60 s; 0: leave it).
+    #[arg(long, default_value_t = 3600)]
+    pub conntrack_tcp_timeout_close_wait_seconds: u64,
     /// Render the dataplane (`record`) or write it to the kernel (`nftables`).
     #[arg(long, env = "WASMPLANE_DATAPLANE", value_enum, default_value = "record")]
     pub dataplane: DataplaneMode,
@@ -416,6 +430,12 @@ impl RunArgs {
             cluster_cidrs: self.cluster_cidrs,
             service_cidrs: self.service_cidrs,
             masquerade_all: self.masquerade_all,
+            conntrack: Some(crate::conntrack_tuning::ConntrackTuning {
+                max_per_core: self.conntrack_max_per_core,
+                min: self.conntrack_min,
+                tcp_established_timeout: Duration::from_secs(self.conntrack_tcp_timeout_established_seconds),
+                tcp_close_wait_timeout: Duration::from_secs(self.conntrack_tcp_timeout_close_wait_seconds),
+            }),
             dataplane: self.dataplane,
             token,
             limits,

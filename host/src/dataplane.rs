@@ -52,7 +52,7 @@ pub enum WriteError {
 /// Runs `f` in network namespace `netns` (a `/run/netns/NAME` path; `None`: this process's),
 /// on a thread that enters it and then ends, so no other work runs there. What `f` opens
 /// (a socket) stays in that namespace.
-fn in_netns<T: Send>(netns: Option<&std::path::Path>, f: impl FnOnce() -> std::io::Result<T> + Send) -> std::io::Result<T> {
+pub(crate) fn in_netns<T: Send>(netns: Option<&std::path::Path>, f: impl FnOnce() -> std::io::Result<T> + Send) -> std::io::Result<T> {
     let Some(path) = netns else { return f() };
     let file = std::fs::File::open(path)?;
     std::thread::scope(|scope| {

@@ -14,6 +14,7 @@ pub mod audit;
 pub mod auth;
 pub mod cli;
 pub mod cni;
+pub mod conntrack_tuning;
 pub mod controller;
 pub mod dataplane;
 pub mod memory;

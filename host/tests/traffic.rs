@@ -750,6 +750,25 @@ async fn hairpin_traffic_is_masqueraded() {
     host.stop().await;
 }
 
+/// kube-proxy's conntrack settings, applied by the host at start in the node's namespace:
+/// a day for idle established TCP connections, an hour for half-closed ones (the kernel's
+/// 5 days and 60 s before); the table size, read-only outside the initial namespace, left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conntrack_timeouts_are_set_as_kube_proxy_sets_them() {
+    require_root!();
+    let topo = Topology::new("ctt");
+    let sysctl = |name: &str| topo.node.exec(&["sysctl", "-n", &format!("net.netfilter.{name}")]).trim().parse::<u64>().unwrap();
+    let (established, close_wait, max) = ("nf_conntrack_tcp_timeout_established", "nf_conntrack_tcp_timeout_close_wait", "nf_conntrack_max");
+    assert_eq!((sysctl(established), sysctl(close_wait)), (432000, 60), "a new namespace has the kernel's");
+    let max_before = sysctl(max);
+    let cluster = Cluster::new();
+    let tuning = wasmplane::conntrack_tuning::ConntrackTuning { max_per_core: 1 << 30, ..Default::default() };
+    let host = start_host(HostConfig { conntrack: Some(tuning), ..cluster.config(topo.nft_command()) }).await;
+    assert_eq!((sysctl(established), sysctl(close_wait)), (86400, 3600));
+    assert_eq!(sysctl(max), max_before, "only the initial namespace sets the table size");
+    host.stop().await;
+}
+
 /// kube-proxy's `--masquerade-all`: a pod reaching a cluster IP arrives from the node's
 /// address on the endpoint's link (the gateway), not its own, in both families and on
 /// either endpoint; a connection straight to a pod, no service between, keeps its source.
