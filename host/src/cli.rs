@@ -99,6 +99,7 @@ pub struct RunArgs {
     /// CPUs, at least --conntrack-min, never lowered (kube-proxy's; 0: leave it).
     #[arg(long, default_value_t = 32768)]
     pub conntrack_max_per_core: u64,
+    /// The smallest table --conntrack-max-per-core raises to.
     #[arg(long, default_value_t = 131072)]
     pub conntrack_min: u64,
     /// Idle established TCP connections are forgotten after this (kube-proxy's 24 h; the
