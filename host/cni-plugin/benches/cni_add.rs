@@ -100,15 +100,16 @@ fn measure(name: &'static str, n: usize, invoke: impl Fn(&str, usize) -> Reply +
     ]
 }
 
-fn ours(n: usize) -> Vec<Row> {
-    let mut node = Node::new("10.244.20.0/24");
+/// Our plugin and daemon on a node with `cidrs` (comma-separated: dual stack).
+fn ours(n: usize, name: &'static str, cidrs: &str) -> Vec<Row> {
+    let mut node = Node::new(cidrs);
     node.stop();
     // Benchmarks have no watch: every pod is known.
     node.start_with(Arc::new(wasmplane_cni::AnyPod));
     let pods: Vec<Netns> = (0..n + SEQUENTIAL)
         .map(|i| Netns::new(unique(&format!("-b{i}"))))
         .collect();
-    measure("wasmplane-cni + daemon", n, |command, i| {
+    measure(name, n, |command, i| {
         node.cni(
             command,
             &format!("bench-{i}"),
@@ -170,7 +171,8 @@ fn main() {
     println!(
         "{n} concurrent CNI invocations, then {SEQUENTIAL} one at a time (\"1x\"); each pod in a fresh network namespace; latency = plugin spawn to exit\n"
     );
-    let mut rows = ours(n);
+    let mut rows = ours(n, "wasmplane-cni + daemon", "10.244.20.0/24");
+    rows.extend(ours(n, "wasmplane-cni, dual stack", "10.244.22.0/24,fd00:10:244:22::/64"));
     rows.extend(reference(n));
     println!(
         "{:<28} {:<6} {:>7} {:>6} {:>10} {:>10} {:>10} {:>10}",
