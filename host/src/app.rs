@@ -448,6 +448,29 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
     }
     loops.push(tokio::spawn(log_stats(metrics.clone(), config.stats_interval)));
 
+    if dataplane == DataplaneMode::Nftables && config.node_port_addresses.needs_local_addresses() {
+        // Node ports on the interfaces' addresses inside networks: they follow an address
+        // that comes or goes at once (kube-proxy reads them at its next sync).
+        let changed = Arc::new(tokio::sync::Notify::new());
+        let weak = Arc::downgrade(&changed);
+        let netns = NetlinkNft::netns_of_command(&config.nft_command);
+        crate::dataplane::watch_interface_addresses(netns.as_deref(), move || weak.upgrade().map(|n| n.notify_one()).is_some())
+            .context("watching the node's interface addresses for --nodeport-addresses")?;
+        let controller = controller.clone();
+        loops.push(tokio::spawn(async move {
+            loop {
+                changed.notified().await;
+                // A burst (an interface coming up with several addresses) is read once.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let controller = controller.clone();
+                match tokio::task::spawn_blocking(move || controller.lock().unwrap_or_else(|p| p.into_inner()).interface_addresses_changed()).await {
+                    Ok(Ok(true)) => tracing::info!("node ports moved with the node's interface addresses"),
+                    Ok(Err(e)) => tracing::error!("writing node ports after an address change: {e}"),
+                    _ => {}
+                }
+            }
+        }));
+    }
     {
         let controller = controller.clone();
         let interval = config.reconcile_interval;

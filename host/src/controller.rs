@@ -626,6 +626,17 @@ impl Controller {
         }
     }
 
+    /// The node's interface addresses changed: with `--nodeport-addresses` networks, node
+    /// ports follow them now (one full write when they moved), not at the next reconcile.
+    /// Returns whether they moved.
+    pub fn interface_addresses_changed(&mut self) -> Result<bool, HostError> {
+        if !self.dataplane.interface_addresses_changed() {
+            return Ok(false);
+        }
+        self.reconcile()?;
+        Ok(true)
+    }
+
     /// Periodic full reconcile: rewrites our table from what we want, repairing drift.
     pub fn reconcile(&mut self) -> Result<(), HostError> {
         self.full_write(|dataplane| dataplane.full_sync(None))?;

@@ -70,6 +70,37 @@ pub(crate) fn in_netns<T: Send>(netns: Option<&std::path::Path>, f: impl FnOnce(
     })
 }
 
+/// Calls `changed` whenever an interface address of network namespace `netns` (`None`:
+/// this process's) comes or goes (rtnetlink's address groups; also after the kernel dropped
+/// such messages), on a thread of its own, until `changed` returns false.
+pub fn watch_interface_addresses(netns: Option<&std::path::Path>, mut changed: impl FnMut() -> bool + Send + 'static) -> std::io::Result<()> {
+    let socket = in_netns(netns, || {
+        let mut socket = netlink_sys::Socket::new(netlink_sys::protocols::NETLINK_ROUTE)?;
+        socket.bind_auto()?;
+        socket.add_membership(libc::RTNLGRP_IPV4_IFADDR)?;
+        socket.add_membership(libc::RTNLGRP_IPV6_IFADDR)?;
+        Ok(socket)
+    })?;
+    std::thread::Builder::new().name("wp-addresses".into()).spawn(move || {
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            match socket.recv(&mut &mut buf[..], 0) {
+                // What changed is not read: the interfaces' addresses are read again whole.
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {}
+                Err(e) => {
+                    tracing::warn!("watching the node's interface addresses stopped: {e}");
+                    return;
+                }
+            }
+            if !changed() {
+                return;
+            }
+        }
+    })?;
+    Ok(())
+}
+
 /// The addresses of the interfaces of network namespace `netns` (`None`: this process's).
 fn interface_addresses(netns: Option<&std::path::Path>) -> std::io::Result<Vec<IpAddr>> {
     in_netns(netns, || {
@@ -845,6 +876,20 @@ impl Dataplane {
             return false;
         }
         let moved = self.node_port_addresses.select(&self.node_ips, &[]) != self.networks.node_port_ips;
+        if moved {
+            self.in_sync = false;
+        }
+        moved
+    }
+
+    /// The interfaces' addresses changed (see [`watch_interface_addresses`]). Returns whether
+    /// that moves node ports to other addresses (`--nodeport-addresses` networks): the next
+    /// write is then a full one, which the caller must see to even without other changes.
+    pub fn interface_addresses_changed(&mut self) -> bool {
+        if !self.node_port_addresses.needs_local_addresses() {
+            return false;
+        }
+        let moved = self.node_port_ips() != self.networks.node_port_ips;
         if moved {
             self.in_sync = false;
         }

@@ -482,10 +482,11 @@ async fn node_ports_are_served_only_on_the_chosen_addresses() {
     assert!(serves(SECOND_IP) && !serves(NODE_EXTERNAL_IP), "the node's new primary address only");
     host.stop().await;
 
-    // Networks: the interfaces' addresses inside them, read again at each reconcile.
+    // Networks: the interfaces' addresses inside them, followed as they come and go (no
+    // reconcile in this test's time).
     let config = HostConfig {
         node_port_addresses: "192.168.77.8/30".parse().unwrap(),
-        reconcile_interval: Duration::from_millis(300),
+        reconcile_interval: Duration::from_secs(3600),
         ..cluster.config(topo.nft_command())
     };
     let host = start_host(config).await;
@@ -494,6 +495,8 @@ async fn node_ports_are_served_only_on_the_chosen_addresses() {
     topo.node.exec(&["ip", "addr", "add", &format!("{THIRD_IP}/24"), "dev", "ext0"]);
     wait_applied(&host, "a new local address inside the network", |t| set_holds(t, "nodeport-ips", THIRD_IP));
     assert!(serves(THIRD_IP));
+    topo.node.exec(&["ip", "addr", "del", &format!("{THIRD_IP}/24"), "dev", "ext0"]);
+    wait_applied(&host, "the address gone", |t| !set_holds(t, "nodeport-ips", THIRD_IP) && set_holds(t, "nodeport-ips", SECOND_IP));
     host.stop().await;
 }
 
