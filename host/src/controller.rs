@@ -339,7 +339,11 @@ impl Controller {
     fn note_trigger_time(&mut self, object: &ClusterObject) {
         let ClusterObject::EndpointSlice(slice) = object else { return };
         let Some(time) = slice.trigger_time.filter(|time| *time >= self.programming_since) else { return };
-        if self.cluster.endpoint_slices.get(&slice.key()).and_then(|old| old.trigger_time) != Some(time) {
+        // As kube-proxy's slice cache: a relist repeats the time, and an update of the
+        // annotation alone changed nothing to program (even when the same batch changes
+        // another slice of the service).
+        let old = self.cluster.endpoint_slices.get(&slice.key());
+        if !old.is_some_and(|old| old.trigger_time == Some(time) || old.same_but_trigger_time(slice)) {
             self.trigger_times.push((slice.service_key(), time));
         }
     }

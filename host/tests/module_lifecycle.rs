@@ -216,6 +216,45 @@ async fn the_load_balancer_firewall_is_the_hosts_whatever_the_translator_does() 
 /// The network programming latency counts what reached the kernel: of two services whose
 /// slices changed in one reload, the one the translator traps on keeps its last good rules
 /// and is not observed; the other is.
+/// kube-proxy's slice cache sees no change in a slice whose trigger time alone moved, so its
+/// SLI does not observe it, even when the same sync programs another slice of the service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_annotation_only_change_beside_a_real_one_is_not_observed() {
+    let h = Host::start(CrashBudget { max_crashes: 100, window: Duration::from_secs(60) }).await;
+    let manifests = |stamp: k8s_openapi::jiff::Timestamp, second_endpoint: &str| {
+        let triggered_slice = |name: &str, ip: &str| {
+            let annotation = format!("namespace: shop, annotations: {{ endpoints.kubernetes.io/last-change-trigger-time: \"{stamp}\" }},");
+            endpoint_slice("web", "http", 8080, &[(ip, "node-a")]).replacen("namespace: shop,", &annotation, 1).replacen("name: web-abc", &format!("name: web-{name}"), 1)
+        };
+        documents(&[WEB_SERVICE, &triggered_slice("a", "10.244.0.61"), &triggered_slice("b", second_endpoint)])
+    };
+    let count = || async {
+        let metrics = h.client.get(h.url("/metrics")).send().await.unwrap().text().await.unwrap();
+        let line = metrics.lines().find_map(|l| l.strip_prefix("wasmplane_network_programming_duration_seconds_count ")).map(str::to_string);
+        line.unwrap_or_else(|| panic!("no programming latency in {metrics}")).parse::<u64>().unwrap()
+    };
+    let wait_count = |want: u64| async move {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while count().await < want && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    };
+    let file = h.dir.path().join("manifests/sli.yaml");
+    std::fs::write(&file, manifests(k8s_openapi::jiff::Timestamp::now(), "10.244.0.62")).unwrap();
+    wait_count(2).await;
+    assert_eq!(count().await, 2, "both new slices were programmed");
+
+    // In one file, so in one sync: slice a's trigger time moves alone, slice b's endpoint
+    // changes. Only b's change is observed.
+    std::fs::write(&file, manifests(k8s_openapi::jiff::Timestamp::now(), "10.244.0.63")).unwrap();
+    h.wait_for("b's new endpoint", |dp| dp.to_string().contains("10.244.0.63")).await;
+    wait_count(3).await;
+    // Observations of one sync land together; give a wrongly counted one time to show.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(count().await, 3);
+    h.host.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_change_the_translator_fails_on_is_not_counted_as_programmed() {
     let h = Host::start(CrashBudget { max_crashes: 100, window: Duration::from_secs(60) }).await;

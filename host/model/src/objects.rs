@@ -249,6 +249,12 @@ impl EndpointSlice {
     pub fn service_key(&self) -> ObjectKey {
         ObjectKey::new(&self.namespace, &self.service_name)
     }
+
+    /// The same slice but for its trigger time: an update that changed only the annotation.
+    pub fn same_but_trigger_time(&self, other: &EndpointSlice) -> bool {
+        let EndpointSlice { namespace, name, service_name, endpoints, ports, trigger_time: _ } = self;
+        (namespace, name, service_name, endpoints, ports) == (&other.namespace, &other.name, &other.service_name, &other.endpoints, &other.ports)
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
