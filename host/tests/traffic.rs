@@ -753,6 +753,20 @@ async fn hairpin_traffic_is_masqueraded() {
     host.stop().await;
 }
 
+const POD_A6: &str = "fd00:10:244::11";
+const POD_B6: &str = "fd00:10:244::12";
+
+/// A node with IPv6 on and pods a and b of both families ([`POD_A`]/[`POD_A6`],
+/// [`POD_B`]/[`POD_B6`]), each serving its name on 8080; the servers stop when dropped.
+fn dual_stack_pods(tag: &str) -> (Topology, String, String, [Server; 2]) {
+    let mut topo = Topology::new(tag);
+    topo.enable_ipv6();
+    let pod_a = topo.add_dual_stack_pod(POD_A, POD_A6);
+    let pod_b = topo.add_dual_stack_pod(POD_B, POD_B6);
+    let servers = [Server::start_dual_stack(&pod_a, "a", &[8080]), Server::start_dual_stack(&pod_b, "b", &[8080])];
+    (topo, pod_a, pod_b, servers)
+}
+
 /// kube-proxy's conntrack settings, applied by the host at start in the node's namespace:
 /// a day for idle established TCP connections, an hour for half-closed ones (the kernel's
 /// 5 days and 60 s before); the table size, read-only outside the initial namespace, left.
@@ -778,13 +792,8 @@ async fn conntrack_timeouts_are_set_as_kube_proxy_sets_them() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn masquerade_all_hides_every_client_of_a_cluster_ip() {
     require_root!();
-    let mut topo = Topology::new("mall");
-    topo.enable_ipv6();
-    let (a6, b6) = ("fd00:10:244::11", "fd00:10:244::12");
-    let pod_a = topo.add_dual_stack_pod(POD_A, a6);
-    let pod_b = topo.add_dual_stack_pod(POD_B, b6);
-    let _server_a = Server::start_dual_stack(&pod_a, "a", &[8080]);
-    let _server_b = Server::start_dual_stack(&pod_b, "b", &[8080]);
+    let (topo, _pod_a, pod_b, _servers) = dual_stack_pods("mall");
+    let (a6, b6) = (POD_A6, POD_B6);
     let cluster = Cluster::new();
     let ports = || vec![Port::new("http", "TCP", 80, 8080), Port::new("dns", "UDP", 80, 8080)];
     cluster.put(&Svc::new("four", "10.96.0.72", ports(), vec![ready(POD_A, NODE), ready(POD_B, NODE)]));
@@ -810,13 +819,8 @@ async fn masquerade_all_hides_every_client_of_a_cluster_ip() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ipv6_cluster_ip_reaches_every_backend_and_masquerades_only_hairpin() {
     require_root!();
-    let mut topo = Topology::new("six");
-    topo.enable_ipv6();
-    let (a6, b6) = ("fd00:10:244::11", "fd00:10:244::12");
-    let pod_a = topo.add_dual_stack_pod(POD_A, a6);
-    let pod_b = topo.add_dual_stack_pod(POD_B, b6);
-    let _server_a = Server::start_dual_stack(&pod_a, "a", &[8080]);
-    let _server_b = Server::start_dual_stack(&pod_b, "b", &[8080]);
+    let (topo, pod_a, pod_b, _servers) = dual_stack_pods("six");
+    let (a6, b6) = (POD_A6, POD_B6);
     let cluster = Cluster::new();
     let ports = vec![Port::new("http", "TCP", 80, 8080), Port::new("dns", "UDP", 80, 8080)];
     cluster.put(&Svc::new("six", "fd00:96::70", ports, vec![ready(a6, NODE), ready(b6, NODE)]));
