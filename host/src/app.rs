@@ -454,8 +454,10 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         let changed = Arc::new(tokio::sync::Notify::new());
         let weak = Arc::downgrade(&changed);
         let netns = NetlinkNft::netns_of_command(&config.nft_command);
-        crate::dataplane::watch_interface_addresses(netns.as_deref(), move || weak.upgrade().map(|n| n.notify_one()).is_some())
-            .context("watching the node's interface addresses for --nodeport-addresses")?;
+        if let Err(e) = crate::dataplane::watch_interface_addresses(netns.as_deref(), move || weak.upgrade().map(|n| n.notify_one()).is_some()) {
+            // Not fatal: the periodic reconcile still reads them again.
+            tracing::warn!("not watching the node's interface addresses for --nodeport-addresses (they follow at each reconcile): {e}");
+        }
         let controller = controller.clone();
         loops.push(tokio::spawn(async move {
             loop {
