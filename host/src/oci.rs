@@ -10,6 +10,8 @@
 
 use std::collections::BTreeMap;
 
+use futures::TryStreamExt as _;
+
 use oci_client::client::{Certificate, CertificateEncoding, ClientConfig, ClientProtocol, Config, ImageLayer};
 use oci_client::manifest::{OciDescriptor, OciImageManifest};
 use oci_client::secrets::RegistryAuth;
@@ -34,12 +36,15 @@ pub enum OciError {
     NotAComponent { reference: String, layers: Vec<String> },
     #[error("{reference} holds {count} Wasm layers; a module artifact has exactly one")]
     SeveralComponents { reference: String, count: usize },
-    #[error("{reference}: the component is {size} bytes, more than the {max} allowed")]
+    #[error("{reference}: the component is {size} bytes, more than the {max} allowed (or its manifest declared)")]
     TooLarge { reference: String, size: i64, max: u64 },
     #[error("not a WebAssembly component (a core module or another file): {0}")]
     NotComponentBytes(String),
     #[error("registry: {0}")]
     Registry(#[from] oci_client::errors::OciDistributionError),
+    /// The blob's transfer broke off, or its bytes do not match its digest.
+    #[error("fetching the component of {reference}: {source}")]
+    Transfer { reference: String, source: std::io::Error },
     #[error("reading {path}: {source}")]
     Io { path: String, source: std::io::Error },
 }
@@ -109,8 +114,17 @@ impl Registry {
         if u64::try_from(layer.size).map_or(true, |size| size > max_bytes) {
             return Err(OciError::TooLarge { reference: reference.whole(), size: layer.size, max: max_bytes });
         }
+        // Streamed with the cap enforced as it arrives: a registry that sends more than its
+        // manifest declared is cut off, not buffered. The stream checks the digest at its end.
         let mut component = Vec::with_capacity(usize::try_from(layer.size).unwrap_or_default());
-        self.client.pull_blob(reference, layer, &mut component).await?;
+        let mut blob = self.client.pull_blob_stream(reference, layer).await?;
+        let limit = max_bytes.min(layer.size as u64);
+        while let Some(chunk) = blob.try_next().await.map_err(|e| OciError::Transfer { reference: reference.whole(), source: e })? {
+            if (component.len() + chunk.len()) as u64 > limit {
+                return Err(OciError::TooLarge { reference: reference.whole(), size: (component.len() + chunk.len()) as i64, max: limit });
+            }
+            component.extend_from_slice(&chunk);
+        }
         let signature = layer.annotations.as_ref().and_then(|a| a.get(SIGNATURE_ANNOTATION)).cloned();
         Ok(Artifact { component, signature, manifest_digest })
     }
