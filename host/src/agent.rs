@@ -14,9 +14,10 @@ use wasmplane_kvstore::KvStore;
 use wasmplane_model::ToStd;
 use wasmplane_model::state::NodeContext;
 use wasmplane_operator::policystatus::POLICY_STATUS_PREFIX;
-use wasmplane_operator::{HEARTBEAT_KEY, HeartbeatMonitor, NodePolicyStatus, NodeRegistry, NodeRegistryConfig, NodeStatusWriter, PolicyRef, RouteConfig, RouteSync};
+use wasmplane_operator::{CLUSTERS_PREFIX, HEARTBEAT_KEY, HeartbeatMonitor, NodePolicyStatus, NodeRegistry, NodeRegistryConfig, NodeStatusWriter, PolicyRef, RouteConfig, RouteSync};
 
 use crate::controller::{Controller, ModelObserver};
+use crate::service_import::ServiceImport;
 
 #[derive(Clone, Debug)]
 #[derive(Default)]
@@ -29,6 +30,9 @@ pub struct AgentConfig {
     /// The operator's heartbeat older than this makes `/readyz` fail; `None`: not followed.
     pub heartbeat_max_age: Option<Duration>,
     pub registry: NodeRegistryConfig,
+    /// This cluster's name among those sharing the kvstore (`--cluster-name`): when set,
+    /// other clusters' exported endpoints become backends of this cluster's global Services.
+    pub cluster_name: Option<String>,
 }
 
 
@@ -38,6 +42,7 @@ pub struct Agent {
     pub registry: Arc<NodeRegistry>,
     pub routes: Option<RouteSync>,
     pub heartbeat: Option<HeartbeatMonitor>,
+    pub service_import: Option<ServiceImport>,
     publisher: tokio::task::JoinHandle<()>,
     status_writer: tokio::task::JoinHandle<()>,
 }
@@ -174,10 +179,14 @@ impl Agent {
             tokio::spawn(write_policy_status(writer, Arc::downgrade(controller), revisions))
         };
         let heartbeat = match config.heartbeat_max_age {
-            Some(max_age) => Some(HeartbeatMonitor::start(kv, HEARTBEAT_KEY, max_age).await?),
+            Some(max_age) => Some(HeartbeatMonitor::start(kv.clone(), HEARTBEAT_KEY, max_age).await?),
             None => None,
         };
-        Ok(Agent { registry, routes, heartbeat, publisher, status_writer })
+        let service_import = match &config.cluster_name {
+            Some(cluster) => Some(ServiceImport::start(kv, controller, cluster, CLUSTERS_PREFIX).await?),
+            None => None,
+        };
+        Ok(Agent { registry, routes, heartbeat, service_import, publisher, status_writer })
     }
 
     /// Why this agent is not ready, if it is not: the operator's heartbeat is stale.

@@ -102,6 +102,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/modules/{name}/promote", post(promote_shadow))
         .route("/v1/state", get(node_state))
         .route("/v1/cluster/nodes", get(cluster_nodes))
+        .route("/v1/cluster/services", get(cluster_services))
         .route("/v1/operator", get(operator_state))
         .route("/v1/policies", get(list_policies))
         .route("/v1/policies/audit", post(set_module_audit))
@@ -251,6 +252,14 @@ async fn cluster_nodes(State(state): State<ApiState>) -> ApiResult<Response> {
         "heartbeat_age_seconds": agent.heartbeat.as_ref().and_then(|h| h.age()).map(|a| a.as_secs()),
     }))
     .into_response())
+}
+
+/// What other clusters export that this one imports (global services).
+async fn cluster_services(State(state): State<ApiState>) -> ApiResult<Response> {
+    let Some(import) = state.agent.as_ref().and_then(|a| a.service_import.as_ref()) else {
+        return Err(ApiError(StatusCode::NOT_FOUND, "this host imports no other cluster's services (--cluster-name)".into()));
+    };
+    Ok(Json(import.summary()).into_response())
 }
 
 async fn metrics(State(state): State<ApiState>) -> impl IntoResponse {

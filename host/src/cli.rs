@@ -208,7 +208,10 @@ pub struct RunArgs {
     /// Namespace of the leader-election Lease.
     #[arg(long, env = "POD_NAMESPACE", default_value = "kube-system")]
     pub lease_namespace: String,
-    /// Sync Services annotated `wasmplane.io/shared` to the kvstore under this cluster name.
+    /// This cluster's name among those sharing the kvstore. Operator: export Services
+    /// annotated `wasmplane.io/shared` or `wasmplane.io/global` (with their ready endpoints)
+    /// under it. Agent: other clusters' endpoints become backends of this cluster's Services
+    /// annotated `wasmplane.io/global: "true"`.
     #[arg(long, env = "WASMPLANE_CLUSTER_NAME")]
     pub cluster_name: Option<String>,
     /// Seconds between GC cycles (operator).
@@ -474,6 +477,7 @@ impl RunArgs {
             agent: Some(crate::agent::AgentConfig {
                 routes: self.node_routes,
                 heartbeat_max_age: (self.heartbeat_max_age_seconds > 0).then(|| Duration::from_secs(self.heartbeat_max_age_seconds)),
+                cluster_name: self.cluster_name.clone(),
                 ..Default::default()
             }),
             ..Default::default()

@@ -30,4 +30,5 @@ pub mod record;
 pub mod registry;
 pub mod replay;
 pub mod service_health;
+pub mod service_import;
 pub mod shadow;

@@ -1055,3 +1055,114 @@ async fn a_udp_flow_to_a_removed_endpoint_moves_to_a_live_one() {
     assert_ne!(ask(), first, "the flow still reaches the removed endpoint");
     host.stop().await;
 }
+
+/// A global Service (Cilium's clustermesh global services, `wasmplane.io/global`): the
+/// endpoints another cluster's operator exports through the shared etcd are backends here
+/// beside this cluster's own, follow that cluster's changes, and leave when the Service here
+/// stops being global. The other cluster ("east") is its own API server and the whole host in
+/// the operator role; its pod is a namespace routed from this node (clustermesh needs the pod
+/// networks routed to each other).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_global_service_balances_to_another_clusters_endpoints() {
+    use k8s_openapi::api::core::v1::Service;
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    use wasmplane::app::{KubernetesSource, KvstoreConfig};
+    use wasmplane_test_apiserver::TestApiServer;
+    use wasmplane_test_etcd::Etcd;
+
+    require_root!();
+    const EAST_POD: &str = "10.245.0.7";
+    const EAST_POD_STARTING: &str = "10.245.0.8";
+    let etcd = Etcd::start().await.expect("etcd-server must be installed (scripts/setup.sh)");
+    let east_api = TestApiServer::start().await;
+    let east_service: Service = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "web", "namespace": "default", "annotations": {"wasmplane.io/global": "true"}},
+        "spec": {"clusterIP": "10.100.0.50", "clusterIPs": ["10.100.0.50"], "ports": [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]}
+    }))
+    .unwrap();
+    let east_slice = |ready: bool| -> EndpointSlice {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "web-east1", "namespace": "default", "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+            "endpoints": [
+                {"addresses": [EAST_POD], "conditions": {"ready": ready}, "nodeName": "east-1"},
+                {"addresses": [EAST_POD_STARTING], "conditions": {"ready": false}, "nodeName": "east-1"},
+            ]
+        }))
+        .unwrap()
+    };
+    east_api.create(&east_service).unwrap();
+    east_api.create(&east_slice(true)).unwrap();
+    let east_dir = tempfile::tempdir().unwrap();
+    let east = wasmplane::app::start(HostConfig {
+        kvstore: KvstoreConfig::Etcd(vec![etcd.endpoint()]),
+        kubernetes: Some(KubernetesSource::Url(east_api.url())),
+        listen: "127.0.0.1:0".parse().unwrap(),
+        data_dir: Some(east_dir.path().into()),
+        token: Some("east-operator-token-0123456789".into()),
+        operator: Some(wasmplane::operator_role::OperatorRoleConfig { identity: "east-operator".into(), cluster_name: Some("east".into()), ..Default::default() }),
+        ..Default::default()
+    })
+    .await
+    .expect("east's operator");
+
+    let mut topo = Topology::new("glob");
+    let west_pod = topo.add_pod(POD_A);
+    let east_pod = topo.add_pod(EAST_POD);
+    let client = topo.add_pod(CLIENT);
+    let _servers = [Server::start(&west_pod, "west", &[8080]), Server::start(&east_pod, "east", &[8080])];
+    let cluster = Cluster::new();
+    let svc = Svc::new("web", "10.96.0.50", vec![Port::new("http", "TCP", 80, 8080)], vec![ready(POD_A, NODE)]);
+    let global = |yaml: String| yaml.replacen("metadata: { name: web, namespace: default }", "metadata: { name: web, namespace: default, annotations: { wasmplane.io/global: \"true\" } }", 1);
+    cluster.put_file("svc-web.yaml", &global(svc.yaml()));
+    let west = start_host(HostConfig {
+        kvstore: KvstoreConfig::Etcd(vec![etcd.endpoint()]),
+        agent: Some(wasmplane::agent::AgentConfig { cluster_name: Some("west".into()), ..Default::default() }),
+        ..cluster.config(topo.nft_command())
+    })
+    .await;
+    let to = addr("10.96.0.50", 80);
+
+    wait_applied(&west, "east's ready endpoint", |t| targets(t, EAST_POD));
+    assert_backends("both clusters' endpoints", &tcp_many(&client, to, MANY), &["east", "west"]);
+    assert!(!targets(&applied(&west), EAST_POD_STARTING), "east's endpoint that is not ready is no backend");
+    let imports: serde_json::Value = reqwest::get(format!("{}/v1/cluster/services", west.url())).await.unwrap().json().await.unwrap();
+    assert_eq!(imports, serde_json::json!({"cluster": "west", "imported": [{"cluster": "east", "namespace": "default", "name": "web", "endpoints": [EAST_POD]}]}));
+
+    // East's pod stops being ready: its endpoint leaves west's rules.
+    east_api.update(&east_slice(false)).unwrap();
+    wait_applied(&west, "east's endpoint gone", |t| !targets(t, EAST_POD));
+    assert_backends("west's alone", &tcp_many(&client, to, MANY), &["west"]);
+    east_api.update(&east_slice(true)).unwrap();
+    wait_applied(&west, "east's endpoint back", |t| targets(t, EAST_POD));
+
+    // The Service here is no longer global: east's endpoints are not its backends, though
+    // east still exports them.
+    cluster.put(&svc);
+    wait_applied(&west, "east's endpoint gone with the annotation", |t| !targets(t, EAST_POD));
+    assert_backends("west's alone, not global", &tcp_many(&client, to, MANY), &["west"]);
+
+    // Global with a cluster affinity: the preferred side alone while it has a ready endpoint.
+    let with_affinity = |affinity: &str| {
+        svc.yaml().replacen("metadata: { name: web, namespace: default }", &format!("metadata: {{ name: web, namespace: default, annotations: {{ wasmplane.io/global: \"true\", wasmplane.io/affinity: {affinity} }} }}"), 1)
+    };
+    cluster.put_file("svc-web.yaml", &with_affinity("remote"));
+    wait_applied(&west, "remote affinity", |t| targets(t, EAST_POD) && !targets(t, POD_A));
+    assert_backends("remote affinity", &tcp_many(&client, to, MANY), &["east"]);
+    cluster.put_file("svc-web.yaml", &with_affinity("local"));
+    wait_applied(&west, "local affinity", |t| targets(t, POD_A) && !targets(t, EAST_POD));
+    assert_backends("local affinity", &tcp_many(&client, to, MANY), &["west"]);
+
+    // Global again, with no endpoint of its own: east's alone serve it.
+    let empty = Svc { endpoints: vec![], ..svc.clone() };
+    cluster.put_file("svc-web.yaml", &global(empty.yaml()));
+    wait_applied(&west, "east's endpoint alone", |t| targets(t, EAST_POD) && !targets(t, POD_A));
+    assert_backends("east's alone", &tcp_many(&client, to, MANY), &["east"]);
+
+    // East deletes its Service: its operator removes the export, west's rules follow.
+    east_api.delete::<Service>("default", "web").unwrap();
+    wait_applied(&west, "east's export removed", |t| !targets(t, EAST_POD));
+    west.stop().await;
+    east.stop().await;
+}

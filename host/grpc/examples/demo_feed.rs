@@ -51,6 +51,7 @@ fn slice(i: u32, replicas: u32) -> ClusterObject {
             .collect(),
         ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }],
         trigger_time: None,
+        cluster: None,
     })
 }
 

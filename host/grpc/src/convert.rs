@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use wasmplane_model::state::{LocalEndpoint, LocalSlice, NodeContext};
-use wasmplane_model::{EndpointPort, IntoModel, ObjectKey, Protocol, Service, ServicePort, ServiceType, ServiceView, TargetPort, ToStd, TrafficPolicy};
+use wasmplane_model::{ClusterAffinity, EndpointPort, IntoModel, ObjectKey, Protocol, Service, ServicePort, ServiceType, ServiceView, TargetPort, ToStd, TrafficPolicy};
 
 use crate::feed::NodeFacts;
 use crate::proto;
@@ -71,6 +71,16 @@ impl From<ServiceType> for proto::ServiceType {
     }
 }
 
+impl From<ClusterAffinity> for proto::ClusterAffinity {
+    fn from(a: ClusterAffinity) -> Self {
+        match a {
+            ClusterAffinity::None => proto::ClusterAffinity::None,
+            ClusterAffinity::Local => proto::ClusterAffinity::Local,
+            ClusterAffinity::Remote => proto::ClusterAffinity::Remote,
+        }
+    }
+}
+
 impl From<TrafficPolicy> for proto::TrafficPolicy {
     fn from(p: TrafficPolicy) -> Self {
         match p {
@@ -111,6 +121,8 @@ impl From<&Service> for proto::Service {
             internal_traffic_policy: proto::TrafficPolicy::from(s.internal_traffic_policy).into(),
             health_check_node_port: s.health_check_node_port.into(),
             load_balancer_source_ranges: s.load_balancer_source_ranges.iter().map(ToString::to_string).collect(),
+            global: s.global,
+            cluster_affinity: proto::ClusterAffinity::from(s.cluster_affinity).into(),
             labels: s.labels.iter().map(|(k, v)| (k.to_std(), v.to_std())).collect(),
         }
     }
@@ -248,6 +260,13 @@ impl TryFrom<proto::Service> for Service {
             external_ips: s.external_ips.into_model(),
             load_balancer_ips: s.load_balancer_ips.into_model(),
             labels: s.labels.into_iter().map(|(k, v)| (k.into(), v.into())).collect(),
+            global: s.global,
+            cluster_affinity: match proto::ClusterAffinity::try_from(s.cluster_affinity) {
+                Ok(proto::ClusterAffinity::None) => ClusterAffinity::None,
+                Ok(proto::ClusterAffinity::Local) => ClusterAffinity::Local,
+                Ok(proto::ClusterAffinity::Remote) => ClusterAffinity::Remote,
+                Err(_) => return Err(ConversionError::UnknownEnum { field: "Service.cluster_affinity", value: s.cluster_affinity }),
+            },
         })
     }
 }
@@ -322,6 +341,8 @@ pub(crate) mod tests_support {
                 health_check_node_port: 31999,
                 load_balancer_source_ranges: vec!["192.0.2.0/24".parse().unwrap(), "2001:db8::/32".parse().unwrap()],
                 labels: Labels::from([("app".into(), "web".into()), ("tier".into(), "front".into())]),
+                global: true,
+                cluster_affinity: ClusterAffinity::Remote,
             }.into(),
             slices: vec![LocalSlice {
                 name: "web-abc".into(),

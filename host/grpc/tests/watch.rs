@@ -117,6 +117,7 @@ fn slice(name: &str, service: &str, endpoints: &[(&str, &str)]) -> ClusterObject
             .collect(),
         ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }],
         trigger_time: None,
+        cluster: None,
     })
 }
 

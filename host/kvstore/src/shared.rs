@@ -101,6 +101,8 @@ struct Inner {
     /// Wakes the local-key task (a local key changed or looks damaged).
     local_wakeup: Notify,
     full_rewrites: AtomicU64,
+    /// Joined by [`SharedStore::follow`]: no lease, no local keys.
+    read_only: bool,
 }
 
 #[derive(Default)]
@@ -119,6 +121,18 @@ impl SharedStore {
     /// fails if the store is unreachable) and starts following it and
     /// maintaining this node's local keys.
     pub async fn join(store: Arc<dyn KvStore>, config: SharedStoreConfig) -> Result<Self> {
+        Self::start(store, config, false).await
+    }
+
+    /// Follows the prefix without joining it: the same cache and changes as
+    /// [`SharedStore::join`], but no lease is taken and no key written (a reader
+    /// of what others publish, e.g. other clusters' services). Local-key writes
+    /// fail with [`KvError::InvalidArgument`].
+    pub async fn follow(store: Arc<dyn KvStore>, config: SharedStoreConfig) -> Result<Self> {
+        Self::start(store, config, true).await
+    }
+
+    async fn start(store: Arc<dyn KvStore>, config: SharedStoreConfig, read_only: bool) -> Result<Self> {
         let (listing, stream) = store.list_and_watch(&config.prefix).await?;
         let (changes, _) = broadcast::channel(config.change_buffer.max(1));
         let inner = Arc::new(Inner {
@@ -130,13 +144,14 @@ impl SharedStore {
             write_lock: tokio::sync::Mutex::new(()),
             local_wakeup: Notify::new(),
             full_rewrites: AtomicU64::new(0),
+            read_only,
         });
         inner.replace(listing);
         let span = tracing::info_span!("shared_store", prefix = inner.config.prefix);
-        let tasks = vec![
-            tokio::spawn(follow(inner.clone(), stream).instrument(span.clone())),
-            tokio::spawn(maintain_local(inner.clone()).instrument(span)),
-        ];
+        let mut tasks = vec![tokio::spawn(follow(inner.clone(), stream).instrument(span.clone()))];
+        if !read_only {
+            tasks.push(tokio::spawn(maintain_local(inner.clone()).instrument(span)));
+        }
         Ok(SharedStore { inner, tasks })
     }
 
@@ -166,6 +181,7 @@ impl SharedStore {
     /// recorded first, so even if writing it now fails it is written as soon as
     /// the store allows; the error only reports that this first attempt failed.
     pub async fn update_local(&self, name: &str, value: Bytes) -> Result<()> {
+        self.inner.writable()?;
         let _guard = self.inner.write_lock.lock().await;
         let lease = {
             let mut local = lock(&self.inner.local);
@@ -190,6 +206,7 @@ impl SharedStore {
 
     /// Removes a local key.
     pub async fn delete_local(&self, name: &str) -> Result<()> {
+        self.inner.writable()?;
         let _guard = self.inner.write_lock.lock().await;
         lock(&self.inner.local).desired.remove(name);
         self.inner
@@ -240,6 +257,13 @@ impl Drop for SharedStore {
 }
 
 impl Inner {
+    fn writable(&self) -> Result<()> {
+        if self.read_only {
+            return Err(KvError::InvalidArgument(format!("{} is followed read-only: no local keys", self.config.prefix)));
+        }
+        Ok(())
+    }
+
     fn key(&self, name: &str) -> String {
         format!("{}{name}", self.config.prefix)
     }

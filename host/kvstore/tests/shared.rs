@@ -105,6 +105,33 @@ async fn embedded_two_nodes_see_each_others_local_keys() {
     two_nodes_see_each_other(store.clone(), store).await;
 }
 
+/// A follower sees what the joined nodes publish and changes after, but takes no
+/// lease and writes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_reads_without_writing() {
+    init_tracing();
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::in_memory());
+    let node = SharedStore::join(store.clone(), config(Duration::from_secs(5))).await.expect("join");
+    node.update_local("a", b("1")).await.expect("write a");
+    // Written once the node's lease is granted.
+    eventually("a written", Duration::from_secs(5), || node.get("a").is_some()).await;
+    let follower = SharedStore::follow(store.clone(), config(Duration::from_secs(5))).await.expect("follow");
+    assert_eq!(follower.get("a").map(|e| e.value), Some(b("1")), "the listing reached the follower");
+    let (_, mut changes) = follower.subscribe();
+    node.update_local("b", b("2")).await.expect("write b");
+    match tokio::time::timeout(Duration::from_secs(5), changes.recv()).await {
+        Ok(Ok(SharedChange::Upsert { name, value, .. })) => assert_eq!((name.as_str(), value), ("b", b("2"))),
+        other => panic!("expected b's upsert, got {other:?}"),
+    }
+    let refused = follower.update_local("c", b("3")).await.expect_err("a follower has no local keys");
+    assert!(refused.to_string().contains("read-only"), "{refused}");
+    assert!(follower.delete_local("a").await.is_err());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(follower.lease(), None, "no lease taken");
+    let keys: Vec<String> = store.list_prefix("cluster/nodes/").await.expect("list").items.into_iter().map(|kv| kv.key).collect();
+    assert_eq!(keys, ["cluster/nodes/a", "cluster/nodes/b"], "nothing written by the follower");
+}
+
 /// After etcd was down (longer than a renewal period) and came back, the node
 /// re-writes all its local keys; the other node keeps seeing them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

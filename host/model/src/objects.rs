@@ -75,6 +75,25 @@ pub enum TrafficPolicy {
     Local,
 }
 
+/// Which cluster's endpoints a global Service prefers (`wasmplane.io/affinity`, Cilium's
+/// `service.cilium.io/affinity`): the preferred ones while any is ready, the others only then.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum ClusterAffinity {
+    /// Every cluster's endpoints alike.
+    #[default]
+    None,
+    /// This cluster's.
+    Local,
+    /// Other clusters'.
+    Remote,
+}
+
+impl ClusterAffinity {
+    fn is_none(&self) -> bool {
+        *self == ClusterAffinity::None
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum TargetPort {
@@ -126,6 +145,13 @@ pub struct Service {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub load_balancer_source_ranges: Vec<IpNet>,
     pub labels: Labels,
+    /// Annotated `wasmplane.io/global: "true"`: the endpoints other clusters export for the
+    /// same namespace and name are backends here too (Cilium's global services).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub global: bool,
+    /// A global service's preference among the clusters' endpoints.
+    #[serde(default, skip_serializing_if = "ClusterAffinity::is_none")]
+    pub cluster_affinity: ClusterAffinity,
 }
 
 /// A load balancer frontend closed to all sources but some (kube-proxy's `firewall-ips`).
@@ -156,6 +182,8 @@ impl Service {
             health_check_node_port: 0,
             load_balancer_source_ranges: vec![],
             labels: Labels::new(),
+            global: false,
+            cluster_affinity: ClusterAffinity::None,
         }
     }
 
@@ -240,6 +268,10 @@ pub struct EndpointSlice {
     /// programming latency of the change starts. Not part of any view.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trigger_time: Option<std::time::SystemTime>,
+    /// The cluster this slice was imported from (a global service's endpoints elsewhere,
+    /// read from the kvstore); `None`: this cluster's own, from its API server.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<CompactString>,
 }
 
 impl EndpointSlice {
@@ -252,8 +284,8 @@ impl EndpointSlice {
 
     /// The same slice but for its trigger time: an update that changed only the annotation.
     pub fn same_but_trigger_time(&self, other: &EndpointSlice) -> bool {
-        let EndpointSlice { namespace, name, service_name, endpoints, ports, trigger_time: _ } = self;
-        (namespace, name, service_name, endpoints, ports) == (&other.namespace, &other.name, &other.service_name, &other.endpoints, &other.ports)
+        let EndpointSlice { namespace, name, service_name, endpoints, ports, trigger_time: _, cluster } = self;
+        (namespace, name, service_name, endpoints, ports, cluster) == (&other.namespace, &other.name, &other.service_name, &other.endpoints, &other.ports, &other.cluster)
     }
 }
 

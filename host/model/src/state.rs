@@ -383,12 +383,23 @@ impl ClusterState {
         Self::default()
     }
 
+    /// The service's slices: its own, and other clusters' when the service is global; with a
+    /// cluster affinity, the preferred side's alone while it has a ready endpoint.
     pub fn slices_of(&self, service: &ObjectKey) -> impl Iterator<Item = &EndpointSlice> {
-        self.slices_by_service
-            .get(service)
-            .into_iter()
-            .flatten()
-            .filter_map(|k| self.endpoint_slices.get(k))
+        let all = || self.slices_by_service.get(service).into_iter().flatten().filter_map(|k| self.endpoint_slices.get(k));
+        let (global, affinity) = self.services.get(service).map_or((false, ClusterAffinity::None), |s| (s.global, s.cluster_affinity));
+        let prefer_remote = match affinity {
+            _ if !global => None,
+            ClusterAffinity::None => None,
+            ClusterAffinity::Local => Some(false),
+            ClusterAffinity::Remote => Some(true),
+        };
+        // Only a side that can serve is preferred; else both are used, as without affinity.
+        let only_remote = prefer_remote.filter(|remote| all().any(|s| s.cluster.is_some() == *remote && s.endpoints.iter().any(|e| e.ready)));
+        all().filter(move |slice| match only_remote {
+            Some(remote) => slice.cluster.is_some() == remote,
+            None => global || slice.cluster.is_none(),
+        })
     }
 
     pub fn pods_in<'a>(&'a self, namespace: &'a str) -> impl Iterator<Item = &'a Arc<Pod>> {
@@ -604,7 +615,8 @@ impl ClusterState {
             existing.extend(self.services.keys().map(|k| (ObjectKind::Service, k.clone())));
         }
         if wanted(ObjectKind::EndpointSlice) {
-            existing.extend(self.endpoint_slices.keys().map(|k| (ObjectKind::EndpointSlice, k.clone())));
+            // Imported slices come from the kvstore, never in a listing of this cluster's.
+            existing.extend(self.endpoint_slices.iter().filter(|(_, s)| s.cluster.is_none()).map(|(k, _)| (ObjectKind::EndpointSlice, k.clone())));
         }
         if wanted(ObjectKind::Node) {
             existing.extend(self.nodes.keys().map(|k| (ObjectKind::Node, ObjectKey::cluster(k))));
@@ -1059,12 +1071,77 @@ mod tests {
                 .collect(),
             ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }],
             trigger_time: None,
+            cluster: None,
         }
     }
 
     fn apply(state: &mut ClusterState, model: &mut NodeLocalModel, obj: ClusterObject) -> ModelUpdate {
         let touched = state.apply(ClusterEvent::Upsert(obj), "node-a");
         model.update(state, &touched)
+    }
+
+    /// Other clusters' slices are backends of a service only while it is global; a relist of
+    /// this cluster's slices keeps them.
+    #[test]
+    fn imported_slices_count_only_for_global_services() {
+        let mut state = ClusterState::new();
+        let mut model = NodeLocalModel::new("node-a", vec![]);
+        let key = ObjectKey::new("default", "web");
+        let endpoints = |model: &NodeLocalModel| -> Vec<String> {
+            model.services[&key].slices.iter().flat_map(|s| s.endpoints.iter().map(|e| e.addresses[0].to_string())).collect()
+        };
+        apply(&mut state, &mut model, ClusterObject::Service(service("web", "10.96.0.10")));
+        apply(&mut state, &mut model, ClusterObject::EndpointSlice(slice("web-1", "web", &[("10.244.1.2", "node-a")])));
+        let remote = EndpointSlice { cluster: Some("east".into()), ..slice("web@east", "web", &[("10.245.0.7", "east-1")]) };
+        let u = apply(&mut state, &mut model, ClusterObject::EndpointSlice(remote.clone()));
+        assert!(u.is_empty(), "not global: another cluster's slice changes nothing here");
+        assert_eq!(endpoints(&model), ["10.244.1.2"]);
+
+        let u = apply(&mut state, &mut model, ClusterObject::Service(Service { global: true, ..service("web", "10.96.0.10") }));
+        assert_eq!(u.changed.len(), 1);
+        assert_eq!(endpoints(&model), ["10.244.1.2", "10.245.0.7"]);
+        assert!(!model.services[&key].slices[1].endpoints[0].is_local);
+
+        // This cluster's slices relisted, the imported one not among them: it stays.
+        let touched = state.replace_kind(ObjectKind::EndpointSlice, vec![ClusterObject::EndpointSlice(slice("web-2", "web", &[("10.244.1.3", "node-a")]))], &[], "node-a");
+        model.update(&state, &touched);
+        assert_eq!(endpoints(&model), ["10.244.1.3", "10.245.0.7"]);
+
+        let touched = state.apply(ClusterEvent::Delete(ObjectKind::EndpointSlice, remote.key()), "node-a");
+        assert_eq!(model.update(&state, &touched).changed.len(), 1);
+        assert_eq!(endpoints(&model), ["10.244.1.3"]);
+    }
+
+    /// A global service's cluster affinity: the preferred side while it has a ready
+    /// endpoint, both sides when it has none.
+    #[test]
+    fn cluster_affinity_prefers_a_side_that_can_serve() {
+        let mut state = ClusterState::new();
+        let mut model = NodeLocalModel::new("node-a", vec![]);
+        let key = ObjectKey::new("default", "web");
+        let endpoints = |model: &NodeLocalModel| -> Vec<String> {
+            model.services[&key].slices.iter().flat_map(|s| s.endpoints.iter().map(|e| e.addresses[0].to_string())).collect()
+        };
+        let global = |affinity| Service { global: true, cluster_affinity: affinity, ..service("web", "10.96.0.10") };
+        apply(&mut state, &mut model, ClusterObject::Service(global(ClusterAffinity::Local)));
+        let local = slice("web-1", "web", &[("10.244.1.2", "node-a")]);
+        apply(&mut state, &mut model, ClusterObject::EndpointSlice(local.clone()));
+        apply(&mut state, &mut model, ClusterObject::EndpointSlice(EndpointSlice { cluster: Some("east".into()), ..slice("web@east.0", "web", &[("10.245.0.7", "east-1")]) }));
+        assert_eq!(endpoints(&model), ["10.244.1.2"], "local affinity, a local endpoint ready");
+        apply(&mut state, &mut model, ClusterObject::Service(global(ClusterAffinity::Remote)));
+        assert_eq!(endpoints(&model), ["10.245.0.7"], "remote affinity");
+        apply(&mut state, &mut model, ClusterObject::Service(global(ClusterAffinity::None)));
+        assert_eq!(endpoints(&model), ["10.244.1.2", "10.245.0.7"], "no affinity");
+
+        // The local endpoint stops being ready: local affinity falls back to every endpoint.
+        apply(&mut state, &mut model, ClusterObject::Service(global(ClusterAffinity::Local)));
+        let mut unready = local;
+        unready.endpoints[0].ready = false;
+        apply(&mut state, &mut model, ClusterObject::EndpointSlice(unready));
+        assert_eq!(endpoints(&model), ["10.244.1.2", "10.245.0.7"], "local affinity without a ready local endpoint");
+        // Not global: the affinity means nothing, other clusters' slices stay out.
+        apply(&mut state, &mut model, ClusterObject::Service(Service { global: false, ..global(ClusterAffinity::Remote) }));
+        assert_eq!(endpoints(&model), ["10.244.1.2"]);
     }
 
     #[test]

@@ -47,4 +47,4 @@ pub use policystatus::{
 pub use routes::{
     DEFAULT_ROUTE_PROTOCOL, RouteConfig, RoutePlanner, RouteSync, RouteSyncReport, desired_routes,
 };
-pub use services::{SHARED_SERVICE_ANNOTATION, ServiceSyncConfig, SharedService, sync_services};
+pub use services::{CLUSTERS_PREFIX, GLOBAL_SERVICE_ANNOTATION, SHARED_SERVICE_ANNOTATION, ServiceSyncConfig, SharedPort, SharedService, SharedSlice, sync_services};

@@ -1,19 +1,30 @@
 //! Service sync: Services annotated for sharing are written to the kvstore
-//! under this cluster's prefix, for other clusters to import.
+//! under this cluster's prefix, with their ready endpoints, for other clusters
+//! to import (and merge into their global Services).
 //!
-//! The leader's duty follows Services with kube's watcher. Every (re)list ends
-//! with a full reconcile against the kvstore prefix: keys for Services that
-//! are gone or no longer shared are deleted, so entries left stale while the
-//! operator was down (or while the watch was broken) are cleaned up. Between
-//! lists, events are applied one by one. Only keys under
+//! A Service is exported when annotated `wasmplane.io/shared: "true"`, or
+//! `wasmplane.io/global: "true"` without `wasmplane.io/shared: "false"`
+//! (Cilium's semantics: global implies shared unless shared is false).
+//!
+//! The leader's duty follows Services and EndpointSlices (those labelled with
+//! their Service) with two kube watchers merged into one loop, keeping per
+//! Service what each of its slices contributes. An event recomputes that one
+//! Service's value and writes it only if it changed. Nothing is written until
+//! both watchers have completed their first list: a value built from Services
+//! without their slices would wipe the endpoints other clusters use. Every
+//! (re)list of either kind replaces that kind's whole index and ends with a
+//! full reconcile against the kvstore prefix: keys for Services that are gone
+//! or no longer shared are deleted, so entries left stale while the operator
+//! was down (or while a watch was broken) are cleaned up. Only keys under
 //! `<root><cluster>/services/` are ever written or deleted, and only when
 //! their content differs.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Api;
 use kube::runtime::WatchStreamExt as _;
 use kube::runtime::watcher::{self, Event};
@@ -23,10 +34,19 @@ use wasmplane_kvstore::{Bytes, KvStore};
 
 use crate::error::{Error, Result};
 
-/// The annotation marking a Service for sharing (value `"true"`).
+/// The annotation marking a Service for sharing (value `"true"`): exported to the kvstore.
+/// `"false"` on a global Service keeps its own endpoints out of other clusters (Cilium's
+/// `service.cilium.io/shared`).
 pub const SHARED_SERVICE_ANNOTATION: &str = "wasmplane.io/shared";
+/// The annotation marking a Service global (value `"true"`, Cilium's
+/// `service.cilium.io/global`): its endpoints in every cluster that exports the same
+/// namespace and name are its backends here, and it is exported unless also annotated
+/// `wasmplane.io/shared: "false"`.
+pub const GLOBAL_SERVICE_ANNOTATION: &str = "wasmplane.io/global";
 /// Root of the per-cluster prefixes.
 pub const CLUSTERS_PREFIX: &str = "/wasmplane/clusters/";
+/// The label naming an EndpointSlice's Service (set by the EndpointSlice controller).
+const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 
 /// Where and what to sync.
 #[derive(Debug, Clone)]
@@ -34,7 +54,10 @@ pub struct ServiceSyncConfig {
     /// This cluster's name, unique among the clusters sharing the kvstore.
     pub cluster_name: String,
     pub clusters_prefix: String,
+    /// The sharing annotation ([`SHARED_SERVICE_ANNOTATION`]).
     pub annotation: String,
+    /// The global annotation ([`GLOBAL_SERVICE_ANNOTATION`]).
+    pub global_annotation: String,
 }
 
 impl ServiceSyncConfig {
@@ -43,6 +66,7 @@ impl ServiceSyncConfig {
             cluster_name: cluster_name.into(),
             clusters_prefix: CLUSTERS_PREFIX.into(),
             annotation: SHARED_SERVICE_ANNOTATION.into(),
+            global_annotation: GLOBAL_SERVICE_ANNOTATION.into(),
         }
     }
 
@@ -75,12 +99,37 @@ pub struct SharedService {
     pub name: String,
     pub cluster_ips: Vec<String>,
     pub ports: Vec<SharedPort>,
+    /// The Service's ready endpoints, one entry per EndpointSlice that has any (sorted by
+    /// slice name): what a global Service in another cluster balances to.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub endpoint_slices: Vec<SharedSlice>,
 }
 
-/// The shared form of `service`, or `None` if it is not annotated for sharing.
+/// The ready endpoints of one EndpointSlice of a shared Service.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SharedSlice {
+    /// The slice's ports (`name` is the Service port's name, empty when it has none).
+    pub ports: Vec<SharedPort>,
+    /// The first address of every endpoint that is ready (not terminating).
+    pub addresses: Vec<String>,
+}
+
+/// Whether `service` is exported: `shared: "true"`, or `global: "true"` without
+/// `shared: "false"`.
+fn is_exported(config: &ServiceSyncConfig, service: &Service) -> bool {
+    let Some(annotations) = service.metadata.annotations.as_ref() else {
+        return false;
+    };
+    let shared = annotations.get(&config.annotation).map(String::as_str);
+    let global = annotations.get(&config.global_annotation).map(String::as_str);
+    shared == Some("true") || (global == Some("true") && shared != Some("false"))
+}
+
+/// The shared form of `service` without its endpoints (the sync adds those from
+/// its EndpointSlices), or `None` if it is not exported (see the module doc).
 pub fn shared_service(config: &ServiceSyncConfig, service: &Service) -> Option<SharedService> {
-    let annotations = service.metadata.annotations.as_ref()?;
-    if annotations.get(&config.annotation).map(String::as_str) != Some("true") {
+    if !is_exported(config, service) {
         return None;
     }
     let spec = service.spec.clone().unwrap_or_default();
@@ -106,7 +155,272 @@ pub fn shared_service(config: &ServiceSyncConfig, service: &Service) -> Option<S
                 protocol: p.protocol.unwrap_or_else(|| "TCP".into()),
             })
             .collect(),
+        endpoint_slices: Vec::new(),
     })
+}
+
+/// What `slice` contributes to its Service: its ports and the first address of
+/// each ready, not terminating endpoint; `None` when it has no such endpoint or
+/// no port.
+fn shared_slice(slice: &EndpointSlice) -> Option<SharedSlice> {
+    // kube-proxy ignores FQDN slices too: a hostname is nothing to DNAT to.
+    if slice.address_type == "FQDN" {
+        return None;
+    }
+    let ports: Vec<SharedPort> = slice
+        .ports
+        .iter()
+        .flatten()
+        .filter_map(|p| {
+            Some(SharedPort {
+                name: p.name.clone().filter(|n| !n.is_empty()),
+                // A port without a number means "all ports": nothing to balance to.
+                port: p.port?,
+                protocol: p.protocol.clone().unwrap_or_else(|| "TCP".into()),
+            })
+        })
+        .collect();
+    let addresses: Vec<String> = slice
+        .endpoints
+        .iter()
+        .filter(|e| {
+            let conditions = e.conditions.as_ref();
+            // Kubernetes: a nil `ready` means ready (unknown state).
+            conditions.and_then(|c| c.ready) != Some(false)
+                && conditions.and_then(|c| c.terminating) != Some(true)
+        })
+        .filter_map(|e| e.addresses.first().cloned())
+        .collect();
+    if ports.is_empty() || addresses.is_empty() {
+        return None;
+    }
+    Some(SharedSlice { ports, addresses })
+}
+
+/// A Service's namespace and name.
+type ServiceRef = (String, String);
+
+fn service_ref(service: &Service) -> Option<ServiceRef> {
+    Some((
+        service.metadata.namespace.clone()?,
+        service.metadata.name.clone()?,
+    ))
+}
+
+/// Exported Services, as shared without endpoints.
+type ServiceIndex = BTreeMap<ServiceRef, SharedService>;
+
+/// Records `service` in `index` (or removes it when no longer exported); returns
+/// its reference.
+fn index_service(
+    config: &ServiceSyncConfig,
+    index: &mut ServiceIndex,
+    service: &Service,
+) -> Option<ServiceRef> {
+    let service_ref = service_ref(service)?;
+    match shared_service(config, service) {
+        Some(shared) => index.insert(service_ref.clone(), shared),
+        None => index.remove(&service_ref),
+    };
+    Some(service_ref)
+}
+
+/// What the EndpointSlices of every Service contribute (shared or not yet: a
+/// Service annotated later needs its slices at once).
+#[derive(Debug, Default)]
+struct SliceIndex {
+    /// `(namespace, slice name)` → the Service of a slice that contributes.
+    owners: HashMap<(String, String), String>,
+    /// Service → slice name → contribution; slice names sort the export.
+    by_service: BTreeMap<ServiceRef, BTreeMap<String, SharedSlice>>,
+}
+
+impl SliceIndex {
+    /// Records `slice`; returns the Services whose endpoints may have changed
+    /// (its Service, and the previous one if its label moved).
+    fn apply(&mut self, slice: &EndpointSlice) -> Vec<ServiceRef> {
+        let (Some(namespace), Some(name)) = (&slice.metadata.namespace, &slice.metadata.name)
+        else {
+            return Vec::new();
+        };
+        let mut touched: Vec<ServiceRef> = self.remove(namespace, name).into_iter().collect();
+        let service = slice
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|labels| labels.get(SERVICE_NAME_LABEL))
+            .filter(|s| !s.is_empty());
+        if let Some(service) = service {
+            let service_ref = (namespace.clone(), service.clone());
+            if let Some(contribution) = shared_slice(slice) {
+                self.owners
+                    .insert((namespace.clone(), name.clone()), service.clone());
+                self.by_service
+                    .entry(service_ref.clone())
+                    .or_default()
+                    .insert(name.clone(), contribution);
+            }
+            if !touched.contains(&service_ref) {
+                touched.push(service_ref);
+            }
+        }
+        touched
+    }
+
+    /// Forgets a slice; returns its Service if it contributed.
+    fn remove(&mut self, namespace: &str, name: &str) -> Option<ServiceRef> {
+        let service = self
+            .owners
+            .remove(&(namespace.to_owned(), name.to_owned()))?;
+        let service_ref = (namespace.to_owned(), service);
+        if let Some(slices) = self.by_service.get_mut(&service_ref) {
+            slices.remove(name);
+            if slices.is_empty() {
+                self.by_service.remove(&service_ref);
+            }
+        }
+        Some(service_ref)
+    }
+
+    /// The contributions to `service`, sorted by slice name.
+    fn slices(&self, service: &ServiceRef) -> Vec<SharedSlice> {
+        self.by_service
+            .get(service)
+            .map(|slices| slices.values().cloned().collect())
+            .unwrap_or_default()
+    }
+}
+
+/// The sync's picture of the cluster and of what it wrote.
+struct SyncState {
+    config: ServiceSyncConfig,
+    services: ServiceIndex,
+    slices: SliceIndex,
+    /// Whether each watcher has completed its first list: until both have,
+    /// nothing is written (the picture is half-built).
+    services_listed: bool,
+    slices_listed: bool,
+    /// The index being rebuilt by a (re)list under way, swapped in at its end.
+    services_relist: Option<ServiceIndex>,
+    slices_relist: Option<SliceIndex>,
+    /// What the kvstore holds under our prefix, as far as we know.
+    stored: BTreeMap<String, Bytes>,
+}
+
+impl SyncState {
+    fn ready(&self) -> bool {
+        self.services_listed && self.slices_listed
+    }
+
+    /// The key and value of an exported Service, with its endpoints.
+    fn encode(&self, service_ref: &ServiceRef) -> Option<(String, Bytes)> {
+        let mut shared = self.services.get(service_ref)?.clone();
+        shared.endpoint_slices = self.slices.slices(service_ref);
+        let key = self.config.key(&shared.namespace, &shared.name);
+        let value = serde_json::to_vec(&shared).expect("a shared service always encodes");
+        Some((key, Bytes::from(value)))
+    }
+
+    async fn on_service(&mut self, store: &dyn KvStore, event: Event<Service>) -> Result<()> {
+        match event {
+            Event::Init => self.services_relist = Some(ServiceIndex::new()),
+            Event::InitApply(service) => {
+                if let Some(buffer) = self.services_relist.as_mut() {
+                    index_service(&self.config, buffer, &service);
+                }
+            }
+            Event::InitDone => {
+                // Replaced whole: Services deleted while the watch was down go.
+                self.services = self.services_relist.take().unwrap_or_default();
+                if !self.services_listed {
+                    debug!("services listed");
+                }
+                self.services_listed = true;
+                self.sync_all(store).await?;
+            }
+            Event::Apply(service) => {
+                if let Some(service_ref) = index_service(&self.config, &mut self.services, &service)
+                {
+                    self.sync_one(store, &service_ref).await?;
+                }
+            }
+            Event::Delete(service) => {
+                if let Some(service_ref) = service_ref(&service) {
+                    self.services.remove(&service_ref);
+                    self.sync_one(store, &service_ref).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn on_slice(&mut self, store: &dyn KvStore, event: Event<EndpointSlice>) -> Result<()> {
+        match event {
+            Event::Init => self.slices_relist = Some(SliceIndex::default()),
+            Event::InitApply(slice) => {
+                if let Some(buffer) = self.slices_relist.as_mut() {
+                    buffer.apply(&slice);
+                }
+            }
+            Event::InitDone => {
+                // Replaced whole: slices deleted while the watch was down go.
+                self.slices = self.slices_relist.take().unwrap_or_default();
+                if !self.slices_listed {
+                    debug!("endpoint slices listed");
+                }
+                self.slices_listed = true;
+                self.sync_all(store).await?;
+            }
+            Event::Apply(slice) => {
+                for service_ref in self.slices.apply(&slice) {
+                    self.sync_one(store, &service_ref).await?;
+                }
+            }
+            Event::Delete(slice) => {
+                if let (Some(namespace), Some(name)) =
+                    (&slice.metadata.namespace, &slice.metadata.name)
+                    && let Some(service_ref) = self.slices.remove(namespace, name)
+                {
+                    self.sync_one(store, &service_ref).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes (or deletes) one Service's value, once the picture is complete.
+    async fn sync_one(&mut self, store: &dyn KvStore, service_ref: &ServiceRef) -> Result<()> {
+        if !self.ready() {
+            return Ok(());
+        }
+        match self.encode(service_ref) {
+            Some((key, value)) => put_if_changed(store, &mut self.stored, key, value).await,
+            None => {
+                let key = self.config.key(&service_ref.0, &service_ref.1);
+                delete_if_stored(store, &mut self.stored, &key).await
+            }
+        }
+    }
+
+    /// Reconciles the whole prefix, once the picture is complete.
+    async fn sync_all(&mut self, store: &dyn KvStore) -> Result<()> {
+        if !self.ready() {
+            return Ok(());
+        }
+        let desired: BTreeMap<String, Bytes> = self
+            .services
+            .keys()
+            .filter_map(|service_ref| self.encode(service_ref))
+            .collect();
+        info!(services = desired.len(), "reconciling shared services");
+        reconcile(store, &mut self.stored, desired).await
+    }
+}
+
+/// One event of either watcher (boxed: a Service is much larger than a slice).
+enum Update {
+    Service(Box<std::result::Result<Event<Service>, watcher::Error>>),
+    Slice(Box<std::result::Result<Event<EndpointSlice>, watcher::Error>>),
 }
 
 /// The leader's duty: syncs shared Services into the kvstore until an error
@@ -122,69 +436,50 @@ pub async fn sync_services(
         .list_prefix(&prefix)
         .await
         .map_err(|e| Error::kv("listing synced services", e))?;
-    // What the kvstore holds under our prefix, as far as we know.
-    let mut stored: BTreeMap<String, Bytes> = listing
-        .items
-        .into_iter()
-        .map(|kv| (kv.key, kv.value))
-        .collect();
-    let api: Api<Service> = Api::all(client);
-    let mut events = watcher::watcher(api, watcher::Config::default())
-        .default_backoff()
-        .boxed();
-    let mut relisting: Option<BTreeMap<String, Bytes>> = None;
-    while let Some(event) = events.next().await {
-        let event = match event {
-            Ok(event) => event,
-            Err(e) => {
-                // The watcher retries with backoff on its own.
-                warn!(error = %e, "service watch error");
-                continue;
-            }
-        };
-        match event {
-            Event::Init => relisting = Some(BTreeMap::new()),
-            Event::InitApply(service) => {
-                if let (Some(buffer), Some((key, value))) =
-                    (relisting.as_mut(), encode(&config, &service))
-                {
-                    buffer.insert(key, value);
-                }
-            }
-            Event::InitDone => {
-                let desired = relisting.take().unwrap_or_default();
-                reconcile(store.as_ref(), &mut stored, desired).await?;
-            }
-            Event::Apply(service) => match encode(&config, &service) {
-                Some((key, value)) => {
-                    put_if_changed(store.as_ref(), &mut stored, key, value).await?
-                }
-                None => {
-                    if let (Some(ns), Some(name)) =
-                        (&service.metadata.namespace, &service.metadata.name)
-                    {
-                        delete_if_stored(store.as_ref(), &mut stored, &config.key(ns, name))
-                            .await?;
-                    }
-                }
+    let mut state = SyncState {
+        config,
+        services: ServiceIndex::new(),
+        slices: SliceIndex::default(),
+        services_listed: false,
+        slices_listed: false,
+        services_relist: None,
+        slices_relist: None,
+        stored: listing
+            .items
+            .into_iter()
+            .map(|kv| (kv.key, kv.value))
+            .collect(),
+    };
+    let services = watcher::watcher(
+        Api::<Service>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .map(|event| Update::Service(Box::new(event)))
+    .boxed();
+    // Only slices that name their Service can contribute.
+    let slices = watcher::watcher(
+        Api::<EndpointSlice>::all(client),
+        watcher::Config::default().labels(SERVICE_NAME_LABEL),
+    )
+    .default_backoff()
+    .map(|event| Update::Slice(Box::new(event)))
+    .boxed();
+    let mut updates = futures::stream::select(services, slices);
+    while let Some(update) = updates.next().await {
+        match update {
+            Update::Service(event) => match *event {
+                Ok(event) => state.on_service(store.as_ref(), event).await?,
+                // The watchers retry with backoff on their own.
+                Err(e) => warn!(error = %e, "service watch error"),
             },
-            Event::Delete(service) => {
-                if let (Some(ns), Some(name)) =
-                    (&service.metadata.namespace, &service.metadata.name)
-                {
-                    delete_if_stored(store.as_ref(), &mut stored, &config.key(ns, name)).await?;
-                }
-            }
+            Update::Slice(event) => match *event {
+                Ok(event) => state.on_slice(store.as_ref(), event).await?,
+                Err(e) => warn!(error = %e, "endpoint slice watch error"),
+            },
         }
     }
-    Err(Error::Internal("the service watcher ended".into()))
-}
-
-fn encode(config: &ServiceSyncConfig, service: &Service) -> Option<(String, Bytes)> {
-    let shared = shared_service(config, service)?;
-    let key = config.key(&shared.namespace, &shared.name);
-    let value = serde_json::to_vec(&shared).expect("a shared service always encodes");
-    Some((key, Bytes::from(value)))
+    Err(Error::Internal("the service watchers ended".into()))
 }
 
 async fn reconcile(
@@ -240,4 +535,178 @@ async fn delete_if_stored(
     debug!(%key, "shared service removed");
     stored.remove(key);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort};
+
+    use super::*;
+
+    fn annotated(annotations: &[(&str, &str)]) -> Service {
+        let mut service = Service::default();
+        service.metadata.namespace = Some("default".into());
+        service.metadata.name = Some("web".into());
+        if !annotations.is_empty() {
+            service.metadata.annotations = Some(
+                annotations
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            );
+        }
+        service
+    }
+
+    #[test]
+    fn export_rule_follows_ciliums_shared_and_global() {
+        let config = ServiceSyncConfig::new("c1");
+        let (shared, global) = (SHARED_SERVICE_ANNOTATION, GLOBAL_SERVICE_ANNOTATION);
+        let cases: &[(&[(&str, &str)], bool)] = &[
+            (&[], false),
+            (&[(shared, "true")], true),
+            (&[(shared, "false")], false),
+            (&[(shared, "yes")], false),
+            (&[(global, "true")], true),
+            (&[(global, "false")], false),
+            (&[(global, "true"), (shared, "false")], false),
+            (&[(global, "true"), (shared, "true")], true),
+            (&[(global, "false"), (shared, "true")], true),
+            (&[(global, "true"), (shared, "")], true),
+        ];
+        for (annotations, exported) in cases {
+            let service = annotated(annotations);
+            assert_eq!(
+                shared_service(&config, &service).is_some(),
+                *exported,
+                "{annotations:?}"
+            );
+        }
+    }
+
+    fn endpoint(ip: &str, ready: Option<bool>, terminating: Option<bool>) -> Endpoint {
+        Endpoint {
+            addresses: vec![ip.into(), "fd00::1".into()],
+            conditions: Some(EndpointConditions {
+                ready,
+                terminating,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn slice(
+        name: &str,
+        service: &str,
+        ports: Vec<EndpointPort>,
+        endpoints: Vec<Endpoint>,
+    ) -> EndpointSlice {
+        let mut slice = EndpointSlice {
+            address_type: "IPv4".into(),
+            endpoints,
+            ports: Some(ports),
+            ..Default::default()
+        };
+        slice.metadata.namespace = Some("default".into());
+        slice.metadata.name = Some(name.into());
+        slice.metadata.labels = Some(BTreeMap::from([(
+            SERVICE_NAME_LABEL.to_owned(),
+            service.to_owned(),
+        )]));
+        slice
+    }
+
+    fn port(name: Option<&str>, port: Option<i32>, protocol: Option<&str>) -> EndpointPort {
+        EndpointPort {
+            name: name.map(Into::into),
+            port,
+            protocol: protocol.map(Into::into),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_slice_contributes_its_ready_endpoints_and_numbered_ports() {
+        let s = slice(
+            "web-1",
+            "web",
+            vec![
+                port(Some(""), Some(80), None),
+                port(Some("dns"), Some(53), Some("UDP")),
+                port(Some("all"), None, Some("TCP")),
+            ],
+            vec![
+                endpoint("10.0.0.1", None, None),
+                endpoint("10.0.0.2", Some(true), Some(false)),
+                endpoint("10.0.0.3", Some(false), None),
+                endpoint("10.0.0.4", Some(true), Some(true)),
+                Endpoint {
+                    addresses: vec!["10.0.0.5".into()],
+                    ..Default::default()
+                },
+            ],
+        );
+        assert_eq!(
+            shared_slice(&s),
+            Some(SharedSlice {
+                ports: vec![
+                    SharedPort {
+                        name: None,
+                        port: 80,
+                        protocol: "TCP".into()
+                    },
+                    SharedPort {
+                        name: Some("dns".into()),
+                        port: 53,
+                        protocol: "UDP".into()
+                    },
+                ],
+                addresses: vec!["10.0.0.1".into(), "10.0.0.2".into(), "10.0.0.5".into()],
+            })
+        );
+        let unready = slice(
+            "web-2",
+            "web",
+            vec![port(None, Some(80), None)],
+            vec![endpoint("10.0.0.3", Some(false), None)],
+        );
+        assert_eq!(shared_slice(&unready), None);
+        let portless = slice(
+            "web-3",
+            "web",
+            vec![port(None, None, None)],
+            vec![endpoint("10.0.0.1", None, None)],
+        );
+        assert_eq!(shared_slice(&portless), None);
+        let mut fqdn = slice(
+            "web-4",
+            "web",
+            vec![port(None, Some(80), None)],
+            vec![endpoint("db.example.com", None, None)],
+        );
+        fqdn.address_type = "FQDN".into();
+        assert_eq!(shared_slice(&fqdn), None);
+    }
+
+    #[test]
+    fn a_slice_moving_to_another_service_leaves_the_first() {
+        let mut index = SliceIndex::default();
+        let web = ("default".to_owned(), "web".to_owned());
+        let api = ("default".to_owned(), "api".to_owned());
+        let ports = || vec![port(None, Some(80), None)];
+        let ready = || vec![endpoint("10.0.0.1", None, None)];
+        assert_eq!(index.apply(&slice("s", "web", ports(), ready())), vec![web.clone()]);
+        assert_eq!(index.slices(&web).len(), 1);
+        assert_eq!(
+            index.apply(&slice("s", "api", ports(), ready())),
+            vec![web.clone(), api.clone()]
+        );
+        assert!(index.slices(&web).is_empty());
+        assert_eq!(index.slices(&api).len(), 1);
+        // No longer contributing: forgotten, its Service recomputed.
+        assert_eq!(index.apply(&slice("s", "api", ports(), vec![])), vec![api.clone()]);
+        assert!(index.slices(&api).is_empty());
+        assert_eq!(index.remove("default", "s"), None);
+    }
 }

@@ -61,6 +61,8 @@ mod tests {
                 health_check_node_port: 0,
                 load_balancer_source_ranges: vec![],
                 labels: [("app".into(), "web".into())].into_iter().collect(),
+                global: false,
+                cluster_affinity: m::ClusterAffinity::None,
             }
             .into(),
             slices: vec![LocalSlice {

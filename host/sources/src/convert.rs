@@ -185,6 +185,7 @@ pub fn service(s: &slim::Service) -> Result<Service, ConvertError> {
         .and_then(|lb| lb.ingress.as_ref())
         .map(|ingress| texts(ingress.iter().filter(|i| i.ip_mode.as_deref() != Some("Proxy")).filter_map(|i| i.ip.as_ref())))
         .unwrap_or_default();
+    let annotation = |key: &str| m.annotations.as_ref().and_then(|a| a.get(key)).map(String::as_str);
     Ok(Service {
         namespace: namespace_of(m),
         name: subject.name(m)?,
@@ -202,6 +203,17 @@ pub fn service(s: &slim::Service) -> Result<Service, ConvertError> {
         },
         load_balancer_source_ranges: source_ranges(&subject, spec.load_balancer_source_ranges.iter().flatten())?,
         labels: labels(m),
+        global: annotation(slim::GLOBAL_SERVICE_ANNOTATION) == Some("true"),
+        cluster_affinity: match annotation(slim::CLUSTER_AFFINITY_ANNOTATION) {
+            Some("local") => ClusterAffinity::Local,
+            Some("remote") => ClusterAffinity::Remote,
+            None | Some("none") => ClusterAffinity::None,
+            Some(other) => {
+                // As Cilium: an unknown value is no preference, not a broken Service.
+                tracing::warn!(object = %subject.object, value = other, "unknown {}: none", slim::CLUSTER_AFFINITY_ANNOTATION);
+                ClusterAffinity::None
+            }
+        },
     })
 }
 
@@ -300,7 +312,7 @@ pub fn endpoint_slice(s: &slim::EndpointSlice) -> Result<EndpointSlice, ConvertE
         });
     }
     let trigger_time = m.annotations.as_ref().and_then(|a| a.get(slim::TRIGGER_TIME_ANNOTATION)).and_then(|t| trigger_time(&subject, t));
-    Ok(EndpointSlice { namespace: namespace_of(m), name: subject.name(m)?, service_name, endpoints, ports, trigger_time })
+    Ok(EndpointSlice { namespace: namespace_of(m), name: subject.name(m)?, service_name, endpoints, ports, trigger_time, cluster: None })
 }
 
 /// The trigger-time annotation (RFC 3339). Only a metric starts from it: a malformed one is
@@ -565,9 +577,30 @@ mod tests {
         assert_eq!(s.external_traffic_policy, TrafficPolicy::Cluster);
         assert_eq!(s.internal_traffic_policy, TrafficPolicy::Cluster);
         assert!(s.external_ips.is_empty() && s.load_balancer_ips.is_empty() && s.labels.is_empty() && s.health_check_node_port == 0);
+        assert!(!s.global);
 
         let bare = service(&k8s(json!({"metadata": {"name": "bare"}}))).unwrap();
         assert!(bare.cluster_ips.is_empty() && bare.ports.is_empty());
+    }
+
+    /// Global only with the annotation's value `"true"`, and read through the slim parser
+    /// that drops the annotations it does not know.
+    #[test]
+    fn service_global_annotation() {
+        let annotated = |value: &str| -> Service {
+            let slim: slim::Service = serde_json::from_value(json!({"metadata": {"name": "web", "annotations": {
+                "wasmplane.io/global": value, "kubectl.kubernetes.io/last-applied-configuration": "{}"}}})).unwrap();
+            service(&slim).unwrap()
+        };
+        assert!(annotated("true").global);
+        assert!(!annotated("false").global);
+        assert!(!annotated("yes").global);
+        let affinity = |value: &str| -> ClusterAffinity {
+            let slim: slim::Service = serde_json::from_value(json!({"metadata": {"name": "web", "annotations": {
+                "wasmplane.io/global": "true", "wasmplane.io/affinity": value}}})).unwrap();
+            service(&slim).unwrap().cluster_affinity
+        };
+        assert_eq!([affinity("local"), affinity("remote"), affinity("none"), affinity("nearest")], [ClusterAffinity::Local, ClusterAffinity::Remote, ClusterAffinity::None, ClusterAffinity::None]);
     }
 
     #[test]

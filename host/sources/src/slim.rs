@@ -27,9 +27,15 @@ use serde::{Deserialize, Deserializer};
 /// the service) that this version reflects happened. kube-proxy's network programming SLI
 /// starts there.
 pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+/// On a Service, `"true"`: other clusters' endpoints of the same namespace and name are its
+/// backends too (the operator's `GLOBAL_SERVICE_ANNOTATION`, Cilium's `service.cilium.io/global`).
+pub const GLOBAL_SERVICE_ANNOTATION: &str = "wasmplane.io/global";
+/// On a global Service, `local` or `remote`: which cluster's endpoints it prefers while any is
+/// ready (Cilium's `service.cilium.io/affinity`); `none` or absent: none.
+pub const CLUSTER_AFFINITY_ANNOTATION: &str = "wasmplane.io/affinity";
 /// The annotations wasmplane reads; others (a `last-applied-configuration` can be as large as
 /// the object) are skipped while parsing.
-pub const READ_ANNOTATIONS: &[&str] = &[TRIGGER_TIME_ANNOTATION];
+pub const READ_ANNOTATIONS: &[&str] = &[TRIGGER_TIME_ANNOTATION, GLOBAL_SERVICE_ANNOTATION, CLUSTER_AFFINITY_ANNOTATION];
 
 /// The metadata fields wasmplane reads; the rest are skipped while parsing. Kept as
 /// k8s-openapi's `ObjectMeta` (what kube's `Resource` hands out), with everything else unset.

@@ -1,0 +1,352 @@
+//! Global services across clusters (Cilium's clustermesh global services): the endpoints that
+//! other clusters' operators export to the kvstore (`wasmplane_operator::services`) become
+//! slices of this cluster's Service of the same namespace and name. The model counts them
+//! only while that Service is annotated `wasmplane.io/global: "true"`, so a cluster opts in
+//! per Service on both sides: one exports it, the other balances to it.
+//!
+//! The agent follows the clusters' prefix read-only and turns each change of an export into
+//! the events it makes (an upsert or delete of the slices it contributes), applied like the
+//! API server's: the guests and the kernel see a change only when the endpoints changed. A
+//! malformed export keeps what it last contributed; an unreachable kvstore keeps everything
+//! (the shared cache follows again when it answers and applies the difference).
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::broadcast::error::RecvError;
+use wasmplane_kvstore::{KvStore, SharedChange, SharedEntry, SharedStore, SharedStoreConfig};
+use wasmplane_model::{ClusterEvent, ClusterObject, CompactString, Endpoint, EndpointPort, EndpointSlice, ObjectKind, Protocol};
+use wasmplane_operator::{SharedService, SharedSlice};
+use wasmplane_sources::kube::SourceEvent;
+
+use crate::controller::Controller;
+
+/// What one cluster's export of one service contributes here, by entry name
+/// (`<cluster>/services/<namespace>/<name>` under the clusters' prefix).
+#[derive(Debug, Default)]
+pub struct Importer {
+    own_cluster: String,
+    contributed: BTreeMap<String, Vec<EndpointSlice>>,
+}
+
+impl Importer {
+    pub fn new(own_cluster: impl Into<String>) -> Self {
+        Importer { own_cluster: own_cluster.into(), contributed: BTreeMap::new() }
+    }
+
+    /// An entry was written (`Some`) or deleted (`None`): the events that bring the model's
+    /// imported slices in line. Entries that are not another cluster's service export are
+    /// ignored; a value that does not decode keeps what the entry contributed before.
+    pub fn set(&mut self, name: &str, value: Option<&[u8]>) -> Vec<ClusterEvent> {
+        let Some((cluster, namespace, service)) = parse_entry(name) else { return Vec::new() };
+        if cluster == self.own_cluster {
+            return Vec::new();
+        }
+        let slices = match value.map(serde_json::from_slice::<SharedService>) {
+            None => Vec::new(),
+            Some(Ok(shared)) if (shared.cluster.as_str(), shared.namespace.as_str(), shared.name.as_str()) == (cluster, namespace, service) => slices_of(&shared),
+            Some(Ok(shared)) => {
+                tracing::warn!(entry = name, "a shared service's content names another ({}/{}/{}): ignored", shared.cluster, shared.namespace, shared.name);
+                return Vec::new();
+            }
+            Some(Err(e)) => {
+                tracing::warn!(entry = name, "a shared service that does not decode: its last endpoints stay: {e}");
+                return Vec::new();
+            }
+        };
+        let before = if slices.is_empty() { self.contributed.remove(name).unwrap_or_default() } else { self.contributed.insert(name.to_string(), slices.clone()).unwrap_or_default() };
+        diff(before, slices)
+    }
+
+    /// The whole prefix read again (after the follower lagged): the events for everything
+    /// that differs from what was contributed.
+    pub fn replace(&mut self, snapshot: &BTreeMap<String, SharedEntry>) -> Vec<ClusterEvent> {
+        let mut events = Vec::new();
+        let gone: Vec<String> = self.contributed.keys().filter(|name| !snapshot.contains_key(*name)).cloned().collect();
+        for name in gone {
+            events.extend(self.set(&name, None));
+        }
+        for (name, entry) in snapshot {
+            events.extend(self.set(name, Some(&entry.value)));
+        }
+        events
+    }
+
+    /// Every other cluster's export that contributes endpoints now.
+    pub fn summary(&self) -> ImportSummary {
+        let imported = self
+            .contributed
+            .values()
+            .filter_map(|slices| {
+                let first = slices.first()?;
+                Some(ImportedService {
+                    cluster: first.cluster.as_deref().unwrap_or_default().to_string(),
+                    namespace: first.namespace.to_string(),
+                    name: first.service_name.to_string(),
+                    endpoints: slices.iter().flat_map(|s| s.endpoints.iter().map(|e| e.addresses[0].to_string())).collect(),
+                })
+            })
+            .collect();
+        ImportSummary { cluster: self.own_cluster.clone(), imported }
+    }
+}
+
+/// `GET /v1/cluster/services`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ImportSummary {
+    /// This cluster's name.
+    pub cluster: String,
+    pub imported: Vec<ImportedService>,
+}
+
+/// One other cluster's export of a service, as imported here (the model uses it only where
+/// the service is global).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ImportedService {
+    pub cluster: String,
+    pub namespace: String,
+    pub name: String,
+    pub endpoints: Vec<String>,
+}
+
+/// `<cluster>/services/<namespace>/<name>`.
+fn parse_entry(name: &str) -> Option<(&str, &str, &str)> {
+    let (cluster, rest) = name.split_once("/services/")?;
+    let (namespace, service) = rest.split_once('/')?;
+    (!cluster.is_empty() && !cluster.contains('/') && !namespace.is_empty() && !service.is_empty() && !service.contains('/')).then_some((cluster, namespace, service))
+}
+
+/// The model slices of one export: one per exported slice, named `<service>@<cluster>.<n>`
+/// (`@` is not allowed in Kubernetes names, so they never collide with this cluster's).
+/// Addresses that are not IP addresses and ports without a known protocol or a port number
+/// are left out: another cluster's mistake must not reach the guests.
+fn slices_of(shared: &SharedService) -> Vec<EndpointSlice> {
+    shared
+        .endpoint_slices
+        .iter()
+        .filter_map(|slice| imported_slice(shared, slice))
+        .enumerate()
+        .map(|(n, mut slice)| {
+            slice.name = format!("{}@{}.{n}", shared.name, shared.cluster).into();
+            slice
+        })
+        .collect()
+}
+
+fn imported_slice(shared: &SharedService, slice: &SharedSlice) -> Option<EndpointSlice> {
+    let ports: Vec<EndpointPort> = slice
+        .ports
+        .iter()
+        .filter_map(|p| {
+            Some(EndpointPort { name: p.name.as_deref().unwrap_or_default().into(), protocol: Protocol::parse(&p.protocol)?, port: u16::try_from(p.port).ok().filter(|port| *port != 0)? })
+        })
+        .collect();
+    let mut endpoints: Vec<Endpoint> = slice
+        .addresses
+        .iter()
+        .filter_map(|a| a.parse::<IpAddr>().ok())
+        .map(|ip| Endpoint {
+            addresses: vec![CompactString::from(ip.to_string())],
+            ready: true,
+            serving: true,
+            terminating: false,
+            node_name: None,
+            zone: None,
+            for_zones: Vec::new(),
+            for_nodes: Vec::new(),
+        })
+        .collect();
+    if ports.is_empty() || endpoints.is_empty() {
+        return None;
+    }
+    endpoints.sort_by(|a, b| a.addresses.cmp(&b.addresses));
+    endpoints.dedup();
+    Some(EndpointSlice {
+        namespace: shared.namespace.as_str().into(),
+        name: CompactString::default(),
+        service_name: shared.name.as_str().into(),
+        endpoints,
+        ports,
+        trigger_time: None,
+        cluster: Some(shared.cluster.as_str().into()),
+    })
+}
+
+fn diff(before: Vec<EndpointSlice>, after: Vec<EndpointSlice>) -> Vec<ClusterEvent> {
+    let mut events: Vec<ClusterEvent> = before
+        .iter()
+        .filter(|old| !after.iter().any(|new| new.name == old.name))
+        .map(|old| ClusterEvent::Delete(ObjectKind::EndpointSlice, old.key()))
+        .collect();
+    events.extend(after.into_iter().filter(|new| !before.contains(new)).map(|new| ClusterEvent::Upsert(ClusterObject::EndpointSlice(new))));
+    events
+}
+
+/// Follows other clusters' exports and applies them to the model until dropped.
+pub struct ServiceImport {
+    importer: Arc<Mutex<Importer>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for ServiceImport {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl ServiceImport {
+    /// Reads the clusters' prefix (fails if the kvstore does not answer) and applies what it
+    /// holds before returning, then follows it.
+    pub async fn start(kv: Arc<dyn KvStore>, controller: &Arc<Mutex<Controller>>, own_cluster: &str, clusters_prefix: &str) -> anyhow::Result<ServiceImport> {
+        let store = Arc::new(SharedStore::follow(kv, SharedStoreConfig::new(clusters_prefix)).await?);
+        let importer = Arc::new(Mutex::new(Importer::new(own_cluster)));
+        let (snapshot, changes) = store.subscribe();
+        let events = importer.lock().unwrap_or_else(|p| p.into_inner()).replace(&snapshot);
+        apply(controller, events).await;
+        // The task owns the store: aborting it stops the follower too.
+        let task = tokio::spawn(follow(store, changes, importer.clone(), Arc::downgrade(controller)));
+        Ok(ServiceImport { importer, task })
+    }
+
+    pub fn summary(&self) -> ImportSummary {
+        self.importer.lock().unwrap_or_else(|p| p.into_inner()).summary()
+    }
+}
+
+async fn follow(store: Arc<SharedStore>, mut changes: tokio::sync::broadcast::Receiver<SharedChange>, importer: Arc<Mutex<Importer>>, controller: std::sync::Weak<Mutex<Controller>>) {
+    loop {
+        let first = changes.recv().await;
+        let mut events = Vec::new();
+        let mut next = Some(first);
+        // A burst (a relist's difference, many exports at once) is one model update.
+        while let Some(change) = next.take() {
+            let mut importer = importer.lock().unwrap_or_else(|p| p.into_inner());
+            match change {
+                Ok(SharedChange::Upsert { name, value, .. }) => events.extend(importer.set(&name, Some(&value))),
+                Ok(SharedChange::Delete { name }) => events.extend(importer.set(&name, None)),
+                Err(RecvError::Lagged(missed)) => {
+                    tracing::warn!(missed, "fell behind other clusters' services: reading them again");
+                    let (snapshot, fresh) = store.subscribe();
+                    changes = fresh;
+                    events.extend(importer.replace(&snapshot));
+                }
+                Err(RecvError::Closed) => return,
+            }
+            next = match changes.try_recv() {
+                Ok(change) => Some(Ok(change)),
+                Err(tokio::sync::broadcast::error::TryRecvError::Lagged(n)) => Some(Err(RecvError::Lagged(n))),
+                Err(_) => None,
+            };
+        }
+        let Some(controller) = controller.upgrade() else { return };
+        apply(&controller, events).await;
+    }
+}
+
+async fn apply(controller: &Arc<Mutex<Controller>>, events: Vec<ClusterEvent>) {
+    if events.is_empty() {
+        return;
+    }
+    let count = events.len();
+    let controller = controller.clone();
+    let result = tokio::task::spawn_blocking(move || controller.lock().unwrap_or_else(|p| p.into_inner()).apply_source(vec![SourceEvent::Events(events)])).await;
+    match result {
+        Ok(Ok(())) => tracing::debug!(events = count, "other clusters' endpoints applied"),
+        // The model took them; only writing failed, and the periodic reconcile retries.
+        Ok(Err(e)) => tracing::error!("applying other clusters' endpoints: {e}"),
+        Err(e) => tracing::error!("applying other clusters' endpoints: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use wasmplane_operator::SharedPort;
+
+    fn export(cluster: &str, slices: &[(&[&str], u16)]) -> Vec<u8> {
+        let shared = SharedService {
+            cluster: cluster.into(),
+            namespace: "shop".into(),
+            name: "web".into(),
+            cluster_ips: vec!["10.96.0.10".into()],
+            ports: vec![SharedPort { name: Some("http".into()), port: 80, protocol: "TCP".into() }],
+            endpoint_slices: slices
+                .iter()
+                .map(|(addresses, port)| SharedSlice { ports: vec![SharedPort { name: Some("http".into()), port: i32::from(*port), protocol: "TCP".into() }], addresses: addresses.iter().map(|a| a.to_string()).collect() })
+                .collect(),
+        };
+        serde_json::to_vec(&shared).unwrap()
+    }
+
+    fn summary(events: &[ClusterEvent]) -> Vec<String> {
+        events
+            .iter()
+            .map(|e| match e {
+                ClusterEvent::Upsert(ClusterObject::EndpointSlice(s)) => {
+                    format!("+{} {}", s.name, s.endpoints.iter().map(|e| e.addresses[0].as_str()).collect::<Vec<_>>().join(","))
+                }
+                ClusterEvent::Delete(_, key) => format!("-{}", key.name),
+                other => panic!("unexpected event {other:?}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_annotation_is_the_operators() {
+        assert_eq!(wasmplane_sources::slim::GLOBAL_SERVICE_ANNOTATION, wasmplane_operator::GLOBAL_SERVICE_ANNOTATION);
+    }
+
+    #[test]
+    fn exports_become_slices_and_only_changes_become_events() {
+        let mut importer = Importer::new("west");
+        let east = "east/services/shop/web";
+        let events = importer.set(east, Some(&export("east", &[(&["10.245.0.7", "10.245.0.8"], 8080)])));
+        assert_eq!(summary(&events), ["+web@east.0 10.245.0.7,10.245.0.8"]);
+        let ClusterEvent::Upsert(ClusterObject::EndpointSlice(slice)) = &events[0] else { unreachable!() };
+        assert_eq!((slice.namespace.as_str(), slice.service_name.as_str(), slice.cluster.as_deref()), ("shop", "web", Some("east")));
+        assert!(slice.endpoints.iter().all(|e| e.ready && e.node_name.is_none()), "never local here");
+
+        assert!(importer.set(east, Some(&export("east", &[(&["10.245.0.7", "10.245.0.8"], 8080)]))).is_empty(), "unchanged");
+        let events = importer.set(east, Some(&export("east", &[(&["10.245.0.7"], 8080), (&["10.245.1.9"], 9090)])));
+        assert_eq!(summary(&events), ["+web@east.0 10.245.0.7", "+web@east.1 10.245.1.9"]);
+        let imports = importer.summary();
+        assert_eq!((imports.cluster.as_str(), imports.imported.len()), ("west", 1));
+        let east_web = &imports.imported[0];
+        assert_eq!((east_web.cluster.as_str(), east_web.namespace.as_str(), east_web.name.as_str()), ("east", "shop", "web"));
+        assert_eq!(east_web.endpoints, ["10.245.0.7", "10.245.1.9"]);
+
+        // Our own export and keys that are no service export are not imported.
+        assert!(importer.set("west/services/shop/web", Some(&export("west", &[(&["10.244.0.5"], 8080)]))).is_empty());
+        assert!(importer.set("east/heartbeat", Some(b"1")).is_empty());
+
+        // Garbage keeps what was there; an export without endpoints, or gone, removes it.
+        assert!(importer.set(east, Some(b"{not json")).is_empty());
+        assert!(importer.set(east, Some(&export("other", &[(&["10.245.0.1"], 8080)]))).is_empty(), "content of another name");
+        assert_eq!(importer.summary().imported[0].endpoints.len(), 2);
+        assert_eq!(summary(&importer.set(east, Some(&export("east", &[])))), ["-web@east.0", "-web@east.1"]);
+        importer.set(east, Some(&export("east", &[(&["10.245.0.7"], 8080)])));
+        assert_eq!(summary(&importer.set(east, None)), ["-web@east.0"]);
+        assert!(importer.summary().imported.is_empty());
+    }
+
+    #[test]
+    fn invalid_addresses_and_ports_are_left_out() {
+        let mut importer = Importer::new("west");
+        let events = importer.set("east/services/shop/web", Some(&export("east", &[(&["10.245.0.7", "not-an-ip", "10.245.0.7"], 8080), (&["10.245.0.9"], 0)])));
+        assert_eq!(summary(&events), ["+web@east.0 10.245.0.7"]);
+    }
+
+    #[test]
+    fn a_reread_applies_the_difference() {
+        let mut importer = Importer::new("west");
+        importer.set("east/services/shop/web", Some(&export("east", &[(&["10.245.0.7"], 8080)])));
+        importer.set("north/services/shop/web", Some(&export("north", &[(&["10.246.0.7"], 8080)])));
+        let entry = |value: Vec<u8>| SharedEntry { value: value.into(), mod_revision: 1 };
+        let snapshot = BTreeMap::from([
+            ("east/services/shop/web".to_string(), entry(export("east", &[(&["10.245.0.7"], 8080)]))),
+            ("south/services/shop/web".to_string(), entry(export("south", &[(&["10.247.0.7"], 8080)]))),
+        ]);
+        assert_eq!(summary(&importer.replace(&snapshot)), ["-web@north.0", "+web@south.0 10.247.0.7"]);
+    }
+}
