@@ -433,7 +433,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
                 Some(source) => Some(source.client().await?),
                 None => None,
             };
-            let role = crate::operator_role::OperatorRole::start(modules.store().kv().clone(), client, runtime.clone(), config.max_module_bytes, operator_config).await?;
+            let role = crate::operator_role::OperatorRole::start(modules.store().kv().clone(), client, runtime.clone(), modules.clone(), config.max_module_bytes, operator_config).await?;
             Some(Arc::new(role))
         }
         None => None,

@@ -220,6 +220,13 @@ pub struct RunArgs {
     /// Most kvstore deletions per second GC makes (operator).
     #[arg(long, default_value_t = 10.0)]
     pub gc_deletes_per_second: f64,
+    /// Operator: speak plain HTTP to the registries `WasmModule` objects name (a registry
+    /// inside the cluster's network). Credentials: WASMPLANE_REGISTRY_USERNAME/PASSWORD.
+    #[arg(long)]
+    pub module_registry_plain_http: bool,
+    /// Operator: a CA certificate (PEM) to trust for those registries besides the system's.
+    #[arg(long)]
+    pub module_registry_ca: Option<PathBuf>,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -321,13 +328,17 @@ pub struct RegistryArgs {
 }
 
 impl RegistryArgs {
-    fn connect(&self) -> anyhow::Result<crate::oci::Registry> {
+    fn options(&self) -> anyhow::Result<crate::oci::RegistryOptions> {
         let credentials = match (&self.registry_username, &self.registry_password) {
             (Some(user), Some(password)) => Some((user.clone(), password.clone())),
             (None, None) => None,
             _ => bail!("registry credentials need both WASMPLANE_REGISTRY_USERNAME (or --registry-username) and WASMPLANE_REGISTRY_PASSWORD"),
         };
-        Ok(crate::oci::Registry::new(&crate::oci::RegistryOptions { plain_http: self.plain_http, ca_file: self.registry_ca.clone(), credentials })?)
+        Ok(crate::oci::RegistryOptions { plain_http: self.plain_http, ca_file: self.registry_ca.clone(), credentials })
+    }
+
+    fn connect(&self) -> anyhow::Result<crate::oci::Registry> {
+        Ok(crate::oci::Registry::new(&self.options()?)?)
     }
 }
 
@@ -407,6 +418,14 @@ impl RunArgs {
             Some(path) => Some(std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?.trim().to_string()),
             None => None,
         };
+        // The operator pulls `WasmModule` objects' components with the CLI's credentials.
+        let module_registry = RegistryArgs {
+            plain_http: self.module_registry_plain_http,
+            registry_ca: self.module_registry_ca.clone(),
+            registry_username: std::env::var("WASMPLANE_REGISTRY_USERNAME").ok(),
+            registry_password: std::env::var("WASMPLANE_REGISTRY_PASSWORD").ok(),
+        }
+        .options()?;
         let limits = wasmplane_runtime::Limits {
             call_timeout: Duration::from_millis(self.guest_timeout_ms),
             memory_bytes: self.guest_memory_mib << 20,
@@ -472,6 +491,7 @@ impl RunArgs {
                 cluster_name: self.cluster_name.clone(),
                 gc_interval: Duration::from_secs(self.gc_interval_seconds.max(1)),
                 gc_deletes_per_second: self.gc_deletes_per_second,
+                module_objects: crate::module_objects::ModuleObjectsConfig { registry: module_registry.clone(), ..Default::default() },
                 ..Default::default()
             }),
             agent: Some(crate::agent::AgentConfig {

@@ -20,6 +20,7 @@ pub mod dataplane;
 pub mod memory;
 pub mod metrics;
 pub mod module_gc;
+pub mod module_objects;
 pub mod module_store;
 pub mod modules;
 pub mod nft;

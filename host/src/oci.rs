@@ -3,8 +3,9 @@
 //! `application/vnd.wasm.config.v0+json`, one `application/wasm` layer), `module pull` and
 //! `module push NAME oci://…` fetch one (Kubewarden's and wasm-to-oci's layer type too).
 //!
-//! All of it runs in the CLI, never in the host: nodes need no registry access or
-//! credentials, and what reaches the host is an ordinary upload, admitted like any other.
+//! It runs in the CLI and, for `WasmModule` objects, in the leading operator
+//! (`module_objects`), never on nodes: they need no registry access or credentials, and what
+//! reaches the module index is an ordinary upload, admitted like any other.
 //! A signature made by `module sign` travels as an annotation of the Wasm layer, so the
 //! manifest digest covers it and `module push` sends it on for the host to verify.
 
@@ -77,7 +78,7 @@ pub fn reference_of(source: &str) -> Option<Result<Reference, OciError>> {
     Some(rest.parse::<Reference>().map_err(|e| OciError::BadReference { reference: source.into(), reason: e.to_string() }))
 }
 
-/// A registry client for the CLI.
+/// A registry client (the CLI's, the operator's).
 pub struct Registry {
     client: Client,
     auth: RegistryAuth,

@@ -16,7 +16,9 @@ use wasmplane_operator::{
 use wasmplane_runtime::gc::{Candidate, CandidateKind as WitKind, GcSession};
 use wasmplane_runtime::{GuestKind, Runtime};
 
+use crate::module_objects::ModuleObjectsConfig;
 use crate::module_store::ModuleStore;
+use crate::modules::Modules;
 
 /// Name of the builtin GC guest.
 pub const BUILTIN_GC: &str = "default-gc";
@@ -33,6 +35,8 @@ pub struct OperatorRoleConfig {
     pub cluster_name: Option<String>,
     pub gc_interval: Duration,
     pub gc_deletes_per_second: f64,
+    /// Reconcile `WasmModule` objects into the module index (with an API server).
+    pub module_objects: crate::module_objects::ModuleObjectsConfig,
 }
 
 impl Default for OperatorRoleConfig {
@@ -46,6 +50,7 @@ impl Default for OperatorRoleConfig {
             cluster_name: None,
             gc_interval: Duration::from_secs(60),
             gc_deletes_per_second: 10.0,
+            module_objects: crate::module_objects::ModuleObjectsConfig::default(),
         }
     }
 }
@@ -144,7 +149,8 @@ impl Drop for OperatorRole {
 impl OperatorRole {
     /// `client`: the API server (leader election on a Lease, status writes, service sync);
     /// none (embedded): this process leads, and runs the heartbeat and GC only.
-    pub async fn start(kv: Arc<dyn KvStore>, client: Option<kube::Client>, runtime: Arc<Runtime>, max_module_bytes: usize, config: OperatorRoleConfig) -> anyhow::Result<OperatorRole> {
+    /// `modules`: the cluster's module index, where `WasmModule` objects are uploaded.
+    pub async fn start(kv: Arc<dyn KvStore>, client: Option<kube::Client>, runtime: Arc<Runtime>, modules: Arc<Modules>, max_module_bytes: usize, config: OperatorRoleConfig) -> anyhow::Result<OperatorRole> {
         let decider: Arc<Mutex<dyn GcDecider>> = Arc::new(Mutex::new(WasmGcDecider {
             runtime,
             store: ModuleStore::new(kv.clone()),
@@ -168,12 +174,25 @@ impl OperatorRole {
                     gc,
                     ..OperatorConfig::new(config.identity.clone())
                 };
-                let operator = Operator::start(kv, client, leadership.clone(), Some(decider), operator_config).await.context("starting the operator duties")?;
+                let operator = Operator::start(kv, client.clone(), leadership.clone(), Some(decider), operator_config).await.context("starting the operator duties")?;
                 let module_gc = {
                     let leadership = leadership.clone();
                     tokio::spawn(async move { leadership.run_while_leading("module-gc", Duration::from_secs(1), module_gc).await })
                 };
-                Ok(OperatorRole { operator: Some(operator), _elector: Some(elector), leadership, embedded: vec![module_gc] })
+                let module_objects = {
+                    let leadership = leadership.clone();
+                    let objects = ModuleObjectsConfig { max_module_bytes: max_module_bytes as u64, ..config.module_objects.clone() };
+                    let duty = move || {
+                        let (client, modules, objects) = (client.clone(), modules.clone(), objects.clone());
+                        async move {
+                            if let Err(e) = crate::module_objects::run(client, modules, objects).await {
+                                tracing::warn!("WasmModule objects: {e}");
+                            }
+                        }
+                    };
+                    tokio::spawn(async move { leadership.run_while_leading("module-objects", Duration::from_secs(5), duty).await })
+                };
+                Ok(OperatorRole { operator: Some(operator), _elector: Some(elector), leadership, embedded: vec![module_gc, module_objects] })
             }
             None => {
                 let mut collector = GarbageCollector::new(kv.clone(), None, decider, gc).context("configuring GC")?;

@@ -186,3 +186,108 @@ async fn a_private_registry_with_its_own_ca_and_basic_credentials() {
     pull(trusted(Some("ci"), Some(PASSWORD))).await.unwrap();
     assert_eq!(std::fs::read(&out).unwrap(), artifacts::examples::PORT_FILTER_TRANSLATOR);
 }
+
+/// `WasmModule` objects (Kubewarden's way of declaring policies): the operator pulls the
+/// named component into the module index and in force, says so in the object's status,
+/// refuses what does not fit (status Failed, nothing stored), follows a spec change to a new
+/// version, and deletes the module with its object (finalizer). Against the test API server
+/// (the CRD's resource registered) and a real registry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wasm_module_objects_are_pulled_into_force_and_deleted_with_their_object() {
+    use wasmplane::app::KubernetesSource;
+    use wasmplane::module_objects::{FINALIZER, KIND, ModuleObjectsConfig, PLURAL};
+    use wasmplane::oci::RegistryOptions;
+    use wasmplane::operator_role::OperatorRoleConfig;
+    use wasmplane_runtime::GuestKind;
+    use wasmplane_test_apiserver::{ResourceKey, ResourceType, TestApiServer};
+
+    let _ = tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_test_writer().try_init();
+    let registry = OciRegistry::start();
+    let dir = tempfile::tempdir().unwrap();
+    let oci = |path: &str| format!("oci://{}/{path}", registry.addr());
+    let (v1, v2) = (artifacts::examples::PORT_FILTER_TRANSLATOR, artifacts::SERVICE_TRANSLATOR);
+    for (bytes, tag) in [(v1, "v1"), (v2, "v2")] {
+        let file = dir.path().join(format!("{tag}.wasm"));
+        std::fs::write(&file, bytes).unwrap();
+        publish(&file, &oci(&format!("modules/translator:{tag}"))).await.unwrap();
+    }
+
+    let server = TestApiServer::start().await;
+    server.register(ResourceType::new("wasmplane.io", "v1alpha1", PLURAL, KIND, false));
+    let key = ResourceKey::new("wasmplane.io", "v1alpha1", PLURAL);
+    let host = start(HostConfig {
+        kubernetes: Some(KubernetesSource::Url(server.url())),
+        listen: "127.0.0.1:0".parse().unwrap(),
+        data_dir: Some(dir.path().join("data")),
+        token: Some(TOKEN.into()),
+        operator: Some(OperatorRoleConfig {
+            identity: "modules-operator".into(),
+            lease_duration: Duration::from_secs(2),
+            module_objects: ModuleObjectsConfig { registry: RegistryOptions { plain_http: true, ..Default::default() }, retry: Duration::from_millis(300), resync: Duration::from_millis(300), ..Default::default() },
+            ..Default::default()
+        }),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let object = |name: &str, kind: &str, module: &str| {
+        serde_json::json!({"apiVersion": "wasmplane.io/v1alpha1", "kind": KIND, "metadata": {"name": name}, "spec": {"kind": kind, "module": module}})
+    };
+    let phase_of = |name: &'static str, phase: &'static str| {
+        let server = &server;
+        let key = &key;
+        async move {
+            support::cluster::eventually(&format!("{name} {phase}"), Duration::from_secs(20), || async { server.get_value(key, "", name) }, |o| o.as_ref().is_some_and(|o| o["status"]["phase"] == phase))
+                .await
+                .unwrap()
+        }
+    };
+    let index = || async { host.modules.store().load().await.unwrap().0 };
+
+    // Pulled, stored and in force; the status says which version and digest.
+    server.create_value(&key, object("port-filter", "service-translator", &oci("modules/translator:v1"))).unwrap();
+    let ready = phase_of("port-filter", "Ready").await;
+    let status = &ready["status"];
+    assert_eq!((status["version"].as_u64(), status["digest"].as_str(), status["observedGeneration"].as_i64()), (Some(1), Some(LoadedModule::digest_of(v1).as_str()), Some(1)), "{ready}");
+    assert!(status["manifestDigest"].as_str().is_some_and(|d| d.starts_with("sha256:")), "{ready}");
+    assert_eq!(ready["metadata"]["finalizers"], serde_json::json!([FINALIZER]));
+    let in_force = index().await;
+    assert_eq!(in_force.in_force(GuestKind::ServiceTranslator), Some(("port-filter", 1)));
+
+    // Deleted by hand: the object puts it back.
+    host.modules.delete("port-filter").await.unwrap();
+    let _ = support::cluster::eventually("the module put back", Duration::from_secs(20), index, |i| i.in_force(GuestKind::ServiceTranslator) == Some(("port-filter", 1))).await;
+
+    // What does not fit is refused with the reason, and nothing is stored.
+    server.create_value(&key, object("wrong-kind", "network-policy", &oci("modules/translator:v1"))).unwrap();
+    server.create_value(&key, object("missing", "gc", &oci("modules/translator:v9"))).unwrap();
+    let wrong = phase_of("wrong-kind", "Failed").await;
+    assert!(wrong["status"]["message"].as_str().unwrap().contains("service-translator"), "{wrong}");
+    let missing = phase_of("missing", "Failed").await;
+    assert!(missing["status"]["message"].as_str().unwrap().contains("registry"), "{missing}");
+    let after = index().await;
+    assert!(!after.modules.contains_key("wrong-kind") && !after.modules.contains_key("missing"));
+    assert_eq!(after.in_force(GuestKind::ServiceTranslator), Some(("port-filter", 1)), "the module in force stays");
+
+    // A spec change pulls the new version and puts it in force.
+    server.patch_value(&key, "", "port-filter", &serde_json::json!({"spec": {"module": oci("modules/translator:v2")}})).unwrap();
+    let _ = support::cluster::eventually("version 2 ready", Duration::from_secs(20), || async { server.get_value(&key, "", "port-filter") }, |o| {
+        o.as_ref().is_some_and(|o| o["status"]["version"] == 2 && o["status"]["phase"] == "Ready" && o["status"]["observedGeneration"] == 2)
+    })
+    .await;
+    let updated = index().await;
+    assert_eq!(updated.in_force(GuestKind::ServiceTranslator), Some(("port-filter", 2)));
+    assert_eq!(updated.modules["port-filter"].version(2).map(|v| v.digest.clone()), Some(LoadedModule::digest_of(v2)));
+
+    // Deleting the object deletes the module (the builtin is in force again), then the
+    // finalizer lets the object go.
+    server.delete_value(&key, "", "port-filter").unwrap();
+    let _ = support::cluster::eventually("the object gone", Duration::from_secs(20), || async { server.get_value(&key, "", "port-filter") }, Option::is_none).await;
+    let gone = index().await;
+    assert!(!gone.modules.contains_key("port-filter"), "{:?}", gone.modules.keys().collect::<Vec<_>>());
+    assert_eq!(gone.in_force(GuestKind::ServiceTranslator), None);
+    // A failed object never stored anything; deleting it is no error.
+    server.delete_value(&key, "", "missing").unwrap();
+    let _ = support::cluster::eventually("the failed object gone", Duration::from_secs(20), || async { server.get_value(&key, "", "missing") }, Option::is_none).await;
+    host.stop().await;
+}

@@ -222,7 +222,9 @@ pub fn json_patch(target: &mut Value, patch: &Value) -> Result<(), ApiError> {
                 patch_add(&mut doc, path, copied)?;
             }
             "test" => {
-                if doc.pointer(path) != Some(&value()?) {
+                // As the API server's JSON patch library: a missing member tests equal to
+                // null (kube's finalizer helper relies on it to add the first finalizer).
+                if doc.pointer(path).unwrap_or(&Value::Null) != &value()? {
                     return Err(invalid(format!(
                         "json patch: test operation failed at {path:?}"
                     )));
@@ -293,5 +295,11 @@ mod tests {
         );
         assert!(matches!(failed, Err(ApiError::Invalid(_))));
         assert_eq!(doc, before, "a failed patch changes nothing");
+
+        // A missing member is null to `test`, and only null.
+        json_patch(&mut doc, &json!([{"op": "test", "path": "/metadata/finalizers", "value": null}, {"op": "add", "path": "/metadata/finalizers", "value": ["f"]}])).unwrap();
+        assert_eq!(doc["metadata"]["finalizers"], json!(["f"]));
+        let missing = json_patch(&mut doc, &json!([{"op": "test", "path": "/metadata/absent", "value": []}]));
+        assert!(matches!(missing, Err(ApiError::Invalid(_))));
     }
 }

@@ -17,6 +17,7 @@ use k8s_openapi::api::core::v1::{
     ConfigMap, Container, Namespace, PodSpec, PodTemplateSpec, Service, ServiceAccount,
 };
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::api::rbac::v1::{
     ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding, RoleRef, Subject,
 };
@@ -199,6 +200,7 @@ struct Objects {
     daemon_sets: Vec<DaemonSet>,
     deployments: Vec<Deployment>,
     pod_disruption_budgets: Vec<PodDisruptionBudget>,
+    custom_resource_definitions: Vec<CustomResourceDefinition>,
     /// (kind, namespace, name) of every object, for namespace checks.
     all: Vec<(String, Option<String>, String)>,
 }
@@ -230,6 +232,9 @@ fn parse_objects(docs: &[Doc], errors: &mut Vec<String>) -> Objects {
             ("apps/v1", "Deployment") => strict(v, &what).map(|x| o.deployments.push(x)),
             ("policy/v1", "PodDisruptionBudget") => {
                 strict(v, &what).map(|x| o.pod_disruption_budgets.push(x))
+            }
+            ("apiextensions.k8s.io/v1", "CustomResourceDefinition") => {
+                strict(v, &what).map(|x| o.custom_resource_definitions.push(x))
             }
             // Notably Secret: the API token must never be part of the manifests.
             _ => Err(format!(
@@ -268,6 +273,7 @@ fn validate(docs: &[Doc], cli_flags: &BTreeSet<String>) -> Vec<String> {
     check_rbac(&o, &mut v);
     check_references(&o, &mut v);
     check_service(&o, &mut v);
+    check_crds(&o, &mut v);
     v
 }
 
@@ -341,7 +347,7 @@ fn check_namespaces(o: &Objects, v: &mut Vec<String>) {
     for (kind, namespace, name) in &o.all {
         let cluster_scoped = matches!(
             kind.as_str(),
-            "Namespace" | "ClusterRole" | "ClusterRoleBinding"
+            "Namespace" | "ClusterRole" | "ClusterRoleBinding" | "CustomResourceDefinition"
         );
         match (cluster_scoped, namespace.as_deref()) {
             (true, None) | (false, Some(NAMESPACE)) => {}
@@ -854,7 +860,68 @@ fn expected_operator_grants() -> Grants {
         ),
         ["get", "create", "update"].map(String::from).into(),
     );
+    // WasmModule objects: read, finalizer added and removed, status written.
+    g.insert(
+        (None, "wasmplane.io".into(), "wasmmodules".into()),
+        ["get", "list", "watch", "patch"].map(String::from).into(),
+    );
+    g.insert(
+        (None, "wasmplane.io".into(), "wasmmodules/status".into()),
+        ["patch"].map(String::from).into(),
+    );
     g
+}
+
+/// The WasmModule CRD is the resource the operator watches (`host/src/module_objects.rs`):
+/// group, version, plural, kind, cluster scope, a status subresource (the operator patches
+/// `/status`) and a structural schema requiring `spec.kind` and `spec.module`.
+fn check_crds(o: &Objects, v: &mut Vec<String>) {
+    let host = read_file(&workspace().join("host/src/module_objects.rs")).unwrap_or_default();
+    let constant = |name: &str| {
+        host.lines()
+            .find_map(|l| l.strip_prefix(&format!("pub const {name}: &str = \"")))
+            .and_then(|rest| rest.strip_suffix("\";"))
+            .unwrap_or_default()
+            .to_string()
+    };
+    let [crd] = o.custom_resource_definitions.as_slice() else {
+        v.push(format!("expected one CustomResourceDefinition, found {}", o.custom_resource_definitions.len()));
+        return;
+    };
+    let spec = &crd.spec;
+    let (group, plural, kind) = (constant("GROUP"), constant("PLURAL"), constant("KIND"));
+    if (spec.group.as_str(), spec.names.plural.as_str(), spec.names.kind.as_str()) != (group.as_str(), plural.as_str(), kind.as_str()) {
+        v.push(format!("CRD {}/{}/{} is not the host's {group}/{plural}/{kind}", spec.group, spec.names.plural, spec.names.kind));
+    }
+    if crd.metadata.name.as_deref() != Some(&format!("{plural}.{group}")) {
+        v.push(format!("CRD named {:?}, not {plural}.{group}", crd.metadata.name));
+    }
+    if spec.scope != "Cluster" {
+        v.push(format!("CRD scope {}, the operator watches a cluster-scoped resource", spec.scope));
+    }
+    let version = constant("VERSION");
+    match spec.versions.iter().find(|x| x.name == version) {
+        None => v.push(format!("CRD has no version {version}")),
+        Some(x) => {
+            if !(x.served && x.storage) {
+                v.push(format!("CRD version {version} is not served and stored"));
+            }
+            if x.subresources.as_ref().and_then(|s| s.status.as_ref()).is_none() {
+                v.push("CRD has no status subresource".into());
+            }
+            let required = x
+                .schema
+                .as_ref()
+                .and_then(|s| s.open_api_v3_schema.as_ref())
+                .and_then(|s| s.properties.as_ref())
+                .and_then(|p| p.get("spec"))
+                .and_then(|s| s.required.clone())
+                .unwrap_or_default();
+            if required != ["kind", "module"] {
+                v.push(format!("CRD spec requires {required:?}, not kind and module"));
+            }
+        }
+    }
 }
 
 fn check_rbac(o: &Objects, v: &mut Vec<String>) {
@@ -1316,6 +1383,28 @@ fn misspelled_field_is_caught() {
     );
     // The object is rejected whole: nothing reads the misspelled value as if it were right.
     assert_caught(violations, "no DaemonSet wasmplane-agent");
+}
+
+#[test]
+fn crd_mismatch_is_caught() {
+    assert_caught(
+        mutated("CustomResourceDefinition", "wasmmodules.wasmplane.io", |d| {
+            d["spec"]["scope"] = "Namespaced".into();
+        }),
+        "CRD scope Namespaced",
+    );
+    assert_caught(
+        mutated("CustomResourceDefinition", "wasmmodules.wasmplane.io", |d| {
+            d["spec"]["names"]["plural"] = "modules".into();
+        }),
+        "is not the host's wasmplane.io/wasmmodules/WasmModule",
+    );
+    assert_caught(
+        mutated("CustomResourceDefinition", "wasmmodules.wasmplane.io", |d| {
+            d["spec"]["versions"][0]["subresources"] = serde_json::json!({});
+        }),
+        "no status subresource",
+    );
 }
 
 #[test]
