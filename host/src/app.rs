@@ -117,6 +117,8 @@ pub struct HostConfig {
     pub data_dir: Option<PathBuf>,
     pub node_name: String,
     pub cluster_cidrs: Vec<String>,
+    /// Where local traffic comes from (`--detect-local-mode`).
+    pub local_detection: crate::controller::LocalDetection,
     /// The cluster's service CIDRs (`--service-cidr`), beside the ServiceCIDR objects':
     /// new connections to an address in them that is no service's are dropped.
     pub service_cidrs: Vec<String>,
@@ -179,6 +181,7 @@ impl Default for HostConfig {
             data_dir: None,
             node_name: "node-a".into(),
             cluster_cidrs: vec!["10.244.0.0/16".into()],
+            local_detection: crate::controller::LocalDetection::ClusterCidr,
             service_cidrs: Vec::new(),
             masquerade_all: false,
             conntrack: None,
@@ -331,6 +334,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
     let controller_config = ControllerConfig {
         node_name: config.node_name.clone(),
         cluster_cidrs: config.cluster_cidrs.clone(),
+        local_detection: config.local_detection,
         service_cidrs: config.service_cidrs.clone(),
         masquerade_all: config.masquerade_all,
         max_module_bytes: config.max_module_bytes,

@@ -85,6 +85,11 @@ pub struct RunArgs {
     /// Pod CIDRs of the cluster; traffic from outside them to services is masqueraded.
     #[arg(long = "cluster-cidr", env = "WASMPLANE_CLUSTER_CIDRS", value_delimiter = ',', default_value = "10.244.0.0/16")]
     pub cluster_cidrs: Vec<String>,
+    /// Which sources are the cluster's own (kube-proxy's `--detect-local-mode`): `ClusterCIDR`
+    /// (--cluster-cidr) or `NodeCIDR` (this node's pod CIDRs from its Node object, nothing to
+    /// configure; traffic from other nodes' pods then counts as off-cluster).
+    #[arg(long, env = "WASMPLANE_DETECT_LOCAL_MODE", value_enum, default_value = "ClusterCIDR")]
+    pub detect_local_mode: DetectLocalMode,
     /// Service CIDRs of the cluster (the API server's `--service-cluster-ip-range`), beside
     /// those of ServiceCIDR objects (Kubernetes 1.33): new connections to an address in them
     /// that is no service's are dropped, not routed off the node.
@@ -227,6 +232,15 @@ pub struct RunArgs {
     /// Operator: a CA certificate (PEM) to trust for those registries besides the system's.
     #[arg(long)]
     pub module_registry_ca: Option<PathBuf>,
+}
+
+/// `--detect-local-mode`, spelt as kube-proxy's.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DetectLocalMode {
+    #[value(name = "ClusterCIDR")]
+    ClusterCidr,
+    #[value(name = "NodeCIDR")]
+    NodeCidr,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -451,6 +465,10 @@ impl RunArgs {
             data_dir: Some(self.data_dir),
             node_name: self.node_name,
             cluster_cidrs: self.cluster_cidrs,
+            local_detection: match self.detect_local_mode {
+                DetectLocalMode::ClusterCidr => crate::controller::LocalDetection::ClusterCidr,
+                DetectLocalMode::NodeCidr => crate::controller::LocalDetection::NodeCidr,
+            },
             service_cidrs: self.service_cidrs,
             masquerade_all: self.masquerade_all,
             conntrack: Some(crate::conntrack_tuning::ConntrackTuning {
@@ -655,6 +673,19 @@ mod tests {
         assert!(memory("4097").unwrap_err().contains("1..=4096 MiB"));
         assert!(memory("0").is_err());
         assert!(memory("lots").is_err());
+    }
+
+    /// kube-proxy's spelling of `--detect-local-mode`, and where it lands.
+    #[test]
+    fn detect_local_mode_as_kube_proxy_spells_it() {
+        let mode = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run"], args].concat()) {
+            Ok(Cli { command: Command::Run(args) }) => Ok(args.into_config().unwrap().local_detection),
+            Ok(_) => unreachable!("parsed as another command"),
+            Err(e) => Err(e.to_string()),
+        };
+        assert_eq!(mode(&[]), Ok(crate::controller::LocalDetection::ClusterCidr));
+        assert_eq!(mode(&["--detect-local-mode", "NodeCIDR"]), Ok(crate::controller::LocalDetection::NodeCidr));
+        assert!(mode(&["--detect-local-mode", "InterfaceNamePrefix"]).is_err(), "not implemented, so not accepted");
     }
 
     #[test]

@@ -75,9 +75,23 @@ pub trait ModelObserver: Send {
     fn translated(&self, _translator: Option<(&str, u32)>, _changes: &[(ObjectKey, Option<ObjectRules>)], _errors: &BTreeMap<ObjectKey, String>) {}
 }
 
+/// kube-proxy's `--detect-local-mode`: which sources are this cluster's own (not masqueraded
+/// to a cluster IP, short-circuited to the cluster's endpoints for externalTrafficPolicy
+/// Local).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LocalDetection {
+    /// The configured cluster CIDRs (`--cluster-cidr`).
+    #[default]
+    ClusterCidr,
+    /// This node's pod CIDRs, from its Node object: nothing to configure.
+    NodeCidr,
+}
+
 pub struct ControllerConfig {
     pub node_name: String,
     pub cluster_cidrs: Vec<String>,
+    /// Where local traffic comes from (`--detect-local-mode`).
+    pub local_detection: LocalDetection,
     /// The cluster's service CIDRs: unallocated addresses in them are dropped.
     pub service_cidrs: Vec<String>,
     /// Masquerade every connection to a cluster IP (kube-proxy's `--masquerade-all`).
@@ -187,12 +201,16 @@ impl Controller {
             runtime,
             metrics,
             cluster: ClusterState::new(),
-            model: NodeLocalModel::new(&config.node_name, config.cluster_cidrs.clone().into_model()).with_service_cidrs(service_cidrs.clone()),
+            model: match config.local_detection {
+                LocalDetection::ClusterCidr => NodeLocalModel::new(&config.node_name, config.cluster_cidrs.clone().into_model()),
+                LocalDetection::NodeCidr => NodeLocalModel::new(&config.node_name, Vec::new()).with_node_cidr_local_detection(),
+            }
+            .with_service_cidrs(service_cidrs.clone()),
             registry,
             translator: None,
             dataplane: Dataplane::new(kernel)
                 .with_services_per_shard(config.services_per_shard)
-                .with_cluster_cidrs(&config.cluster_cidrs)
+                .with_cluster_cidrs(if config.local_detection == LocalDetection::ClusterCidr { &config.cluster_cidrs } else { &[] })
                 .with_service_cidrs(service_cidrs)
                 .with_masquerade_all(config.masquerade_all)
                 .with_node_port_addresses(config.node_port_addresses)
@@ -416,6 +434,8 @@ impl Controller {
         // Node ports may move with the node's addresses (`--nodeport-addresses primary`).
         let node_ports_moved = update.context_changed && self.dataplane.set_node_ips(&self.model.context.node_ips);
         let service_cidrs_moved = update.service_cidrs_changed && self.dataplane.set_service_cidrs(&self.model.service_cidrs);
+        // With `--detect-local-mode NodeCIDR` they follow the node's pod CIDRs.
+        let cluster_cidrs_moved = update.context_changed && self.dataplane.set_cluster_cidrs(&self.model.context.cluster_cidrs);
         if let Some(mut shadow) = self.shadow.take() {
             self.run_shadow(&mut shadow, &changed);
             self.shadow = Some(shadow);
@@ -448,7 +468,7 @@ impl Controller {
         changes.extend(firewall_changes);
         // Policy objects after the services': their own order (see `policy.rs`) is kept.
         changes.extend(policy_changes.changes);
-        if (node_ports_moved || service_cidrs_moved) && changes.is_empty() {
+        if (node_ports_moved || service_cidrs_moved || cluster_cidrs_moved) && changes.is_empty() {
             // No object changed, but the tables' static part did: written in full.
             return self.reconcile();
         }
@@ -468,8 +488,8 @@ impl Controller {
         let before = before.unwrap_or_default();
         for (policy, was, is) in [("internal", before.internal, now.internal), ("external", before.external, now.external)] {
             if was != is {
-                let gauge = self.metrics.services_without_local_endpoints.get_or_create(&crate::metrics::TrafficPolicyLabels { traffic_policy: policy.into() });
-                gauge.inc_by(if is { 1 } else { -1 });
+                let gauge = self.metrics.service_ports_without_local_endpoints.get_or_create(&crate::metrics::TrafficPolicyLabels { traffic_policy: policy.into() });
+                gauge.inc_by(is as i64 - was as i64);
             }
         }
     }

@@ -843,6 +843,19 @@ impl Dataplane {
         self
     }
 
+    /// The CIDRs local traffic comes from (the model's context: the cluster CIDRs, or the
+    /// node's pod CIDRs with `--detect-local-mode NodeCIDR`). Returns whether they moved, as
+    /// [`Dataplane::set_service_cidrs`].
+    pub fn set_cluster_cidrs(&mut self, cidrs: &[wasmplane_model::CompactString]) -> bool {
+        let cidrs = parse_cidrs("cluster-cidrs", cidrs);
+        let moved = cidrs != self.networks.cluster_cidrs;
+        if moved {
+            self.networks.cluster_cidrs = cidrs;
+            self.in_sync = false;
+        }
+        moved
+    }
+
     /// The cluster's service CIDRs (the model's: configured and ServiceCIDR objects').
     /// Returns whether they moved: the next write is then a full one, which the caller must
     /// make happen even when no object changed.
@@ -1260,9 +1273,10 @@ impl Dataplane {
 
 /// CIDRs of a flag (a bare address is its /32 or /128); unparsable ones are logged and left
 /// out of `set`.
-pub fn parse_cidrs(set: &str, cidrs: &[String]) -> Vec<ipnet::IpNet> {
+pub fn parse_cidrs<S: AsRef<str>>(set: &str, cidrs: &[S]) -> Vec<ipnet::IpNet> {
     cidrs
         .iter()
+        .map(AsRef::as_ref)
         .filter_map(|c| match c.parse::<ipnet::IpNet>().or_else(|_| c.parse::<std::net::IpAddr>().map(ipnet::IpNet::from)) {
             Ok(net) => Some(net),
             Err(e) => {

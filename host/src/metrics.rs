@@ -78,7 +78,7 @@ pub struct Metrics {
     /// `dataplane_last_sync_timestamp_seconds`.
     pub dataplane_health: Arc<WriteHealth>,
     /// Services whose `Local` traffic policy finds no endpoint on this node, by policy.
-    pub services_without_local_endpoints: Family<TrafficPolicyLabels, Gauge>,
+    pub service_ports_without_local_endpoints: Family<TrafficPolicyLabels, Gauge>,
     /// One batch of source events applied: cluster index, model update, guest calls and the
     /// dataplane transaction (the host's share of a change, from channel to kernel).
     pub source_apply_seconds: Histogram,
@@ -111,7 +111,7 @@ impl Metrics {
             dataplane_sync_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
             dataplane_full_sync_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 17)),
             dataplane_health: Arc::default(),
-            services_without_local_endpoints: Family::default(),
+            service_ports_without_local_endpoints: Family::default(),
             source_apply_seconds: Histogram::new(exponential_buckets(0.000_1, 2.0, 18)),
             // The host's part is milliseconds; the rest (the EndpointSlice controller, the
             // watch) can take seconds, and the SLO is read at 30 s and beyond.
@@ -138,9 +138,9 @@ impl Metrics {
         registry.register("dataplane_full_sync_seconds", "Duration of one full write of the dataplane's tables", m.dataplane_full_sync_seconds.clone());
         registry.register_collector(Box::new(WriteHealthCollector(m.dataplane_health.clone())));
         registry.register(
-            "model_services_without_local_endpoints",
-            "Services whose Local traffic policy (internal, external) finds no endpoint on this node: that traffic is dropped here",
-            m.services_without_local_endpoints.clone(),
+            "model_service_ports_without_local_endpoints",
+            "Service ports whose Local traffic policy (internal, external) finds no endpoint on this node: that traffic is dropped here",
+            m.service_ports_without_local_endpoints.clone(),
         );
         registry.register("source_apply_seconds", "Duration of applying one batch of cluster events: model update, guest calls and the dataplane transaction", m.source_apply_seconds.clone());
         registry.register(

@@ -282,8 +282,8 @@ async fn the_cli_pushes_lists_and_removes_modules() {
     assert!(missing.contains("404"), "{missing}");
 }
 
-/// kube-proxy's operational metrics: services whose `Local` traffic policy finds no endpoint
-/// on this node (by policy), the time of the last write the kernel accepted, full writes timed.
+/// kube-proxy's operational metrics: service ports whose `Local` traffic policy finds no
+/// endpoint on this node (by policy), the time of the last write the kernel accepted, full writes timed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn local_policies_without_endpoints_and_write_times_are_in_the_metrics() {
     let t = TestHost::start().await;
@@ -298,14 +298,16 @@ async fn local_policies_without_endpoints_and_write_times_are_in_the_metrics() {
     assert!((now - 60.0..=now + 1.0).contains(&last_sync), "last sync {last_sync}, now {now}");
     assert!(metric(&text, "wasmplane_dataplane_full_sync_seconds_count") >= 1.0, "the first write is a full one");
 
-    // A NodePort service with both traffic policies Local and its only endpoint on node-b.
+    // A NodePort service with both traffic policies Local and two ports; its only slice
+    // serves http, on `node`. Counted per port, as kube-proxy counts: metrics never has a
+    // local endpoint.
     let local = |node: &str| {
         documents(&[
-            "apiVersion: v1\nkind: Service\nmetadata: { name: local, namespace: shop }\nspec:\n  type: NodePort\n  clusterIP: 10.96.0.40\n  externalTrafficPolicy: Local\n  internalTrafficPolicy: Local\n  ports: [{ name: http, port: 80, targetPort: 8080, nodePort: 30040 }]\n",
+            "apiVersion: v1\nkind: Service\nmetadata: { name: local, namespace: shop }\nspec:\n  type: NodePort\n  clusterIP: 10.96.0.40\n  externalTrafficPolicy: Local\n  internalTrafficPolicy: Local\n  ports: [{ name: http, port: 80, targetPort: 8080, nodePort: 30040 }, { name: metrics, port: 9090, nodePort: 30041 }]\n",
             &endpoint_slice("local", "http", 8080, &[("10.244.1.40", node)]),
         ])
     };
-    let policy = |text: &str, p: &str| metric(text, &format!("wasmplane_model_services_without_local_endpoints{{traffic_policy=\"{p}\"}}"));
+    let policy = |text: &str, p: &str| metric(text, &format!("wasmplane_model_service_ports_without_local_endpoints{{traffic_policy=\"{p}\"}}"));
     let until = |what: &'static str, want: f64| {
         let metrics = &metrics;
         async move {
@@ -321,11 +323,11 @@ async fn local_policies_without_endpoints_and_write_times_are_in_the_metrics() {
         }
     };
     std::fs::write(t.dir.path().join("manifests/local.yaml"), local("node-b")).unwrap();
-    until("no endpoint on node-a", 1.0).await;
+    until("no endpoint on node-a", 2.0).await;
     std::fs::write(t.dir.path().join("manifests/local.yaml"), local("node-a")).unwrap();
-    until("an endpoint on node-a", 0.0).await;
+    until("an http endpoint on node-a", 1.0).await;
     std::fs::write(t.dir.path().join("manifests/local.yaml"), local("node-b")).unwrap();
-    until("the endpoint moved away", 1.0).await;
+    until("the endpoint moved away", 2.0).await;
     std::fs::remove_file(t.dir.path().join("manifests/local.yaml")).unwrap();
     until("the service gone", 0.0).await;
 }

@@ -1166,3 +1166,40 @@ async fn a_global_service_balances_to_another_clusters_endpoints() {
     west.stop().await;
     east.stop().await;
 }
+
+/// kube-proxy's `--detect-local-mode NodeCIDR`: the node's pod CIDR (its Node object's,
+/// node-a's 10.244.0.0/24), not a configured cluster CIDR, says which clients are local. A
+/// pod in it keeps its source to a cluster IP; a client from another node's pod CIDR
+/// (10.244.1.0/24) and one from outside are masqueraded. When the Node's pod CIDR moves,
+/// the rules follow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_cidr_local_detection_masquerades_what_is_not_this_nodes_pods() {
+    require_root!();
+    const OTHER_NODES_POD: &str = "10.244.1.50";
+    let mut topo = Topology::new("ncidr");
+    let pod_a = topo.add_pod(POD_A);
+    let client = topo.add_pod(CLIENT);
+    let other = topo.add_pod(OTHER_NODES_POD);
+    let _server = Server::start(&pod_a, "a", &[8080]);
+    let cluster = Cluster::new();
+    cluster.put(&Svc::new("web", "10.96.0.61", vec![Port::new("http", "TCP", 80, 8080)], vec![ready(POD_A, NODE)]));
+    let host = start_host(HostConfig {
+        cluster_cidrs: vec![],
+        local_detection: wasmplane::controller::LocalDetection::NodeCidr,
+        ..cluster.config(topo.nft_command())
+    })
+    .await;
+    wait_applied(&host, "the service and node-a's pod CIDR", |t| serves(t, "10.96.0.61 . tcp . 80") && t.contains("cluster-cidrs { 10.244.0.0/24 }"));
+    let to = addr("10.96.0.61", 80);
+    let peer_seen_from = |ns: &str| in_ns(ns, || tcp_ask(to, TIMEOUT)).expect("an answer").peer;
+    assert_eq!(peer_seen_from(&client), ip(CLIENT), "a pod of this node keeps its source");
+    assert_eq!(peer_seen_from(&other), ip(POD_GATEWAY), "another node's pod is masqueraded");
+    assert_eq!(peer_seen_from(&topo.external.name), ip(POD_GATEWAY), "an external client is masqueraded");
+
+    // node-a's pod CIDR becomes 10.244.1.0/24: now the other client is the local one.
+    cluster.put_file("cluster.yaml", &NODES_YAML.replacen("podCIDR: 10.244.0.0/24, podCIDRs: [10.244.0.0/24]", "podCIDR: 10.244.1.0/24, podCIDRs: [10.244.1.0/24]", 1));
+    wait_applied(&host, "the moved pod CIDR", |t| t.contains("cluster-cidrs { 10.244.1.0/24 }"));
+    assert_eq!(peer_seen_from(&other), ip(OTHER_NODES_POD));
+    assert_eq!(peer_seen_from(&client), ip(POD_GATEWAY));
+    host.stop().await;
+}

@@ -737,11 +737,12 @@ impl ServiceView {
         Some(HealthCheck { port: s.health_check_node_port, local_endpoints: local_endpoints.len() })
     }
 
-    /// Whether a `Local` traffic policy finds nothing to send to on this node (kube-proxy's
-    /// `sync_proxy_rules_no_local_endpoints_total`): internal traffic, and external traffic
-    /// of a service reachable from outside (node port, load balancer or external address).
-    /// Such traffic is dropped here. Ready local endpoints count, or serving terminating
-    /// ones when none is ready (kube-proxy's fallback).
+    /// How many of the service's ports a `Local` traffic policy finds nothing to send to on
+    /// this node (kube-proxy's `sync_proxy_rules_no_local_endpoints_total`, which counts
+    /// service ports): internal traffic, and external traffic of a service reachable from
+    /// outside (node port, load balancer or external address). Such traffic is dropped here.
+    /// A port's endpoints are those of the slices carrying its name; ready local ones
+    /// count, or serving terminating ones when none is ready (kube-proxy's fallback).
     pub fn without_local_endpoints(&self) -> NoLocalEndpoints {
         let s = &self.service;
         let internal = s.internal_traffic_policy == TrafficPolicy::Local;
@@ -750,16 +751,19 @@ impl ServiceView {
         if !internal && !external {
             return NoLocalEndpoints::default();
         }
-        let has_local = self.slices.iter().flat_map(|slice| &slice.endpoints).any(|e| e.is_local && (e.ready || e.serving));
-        NoLocalEndpoints { internal: internal && !has_local, external: external && !has_local }
+        let has_local = |port: &ServicePort| {
+            self.slices.iter().filter(|slice| slice.ports.iter().any(|p| p.name == port.name)).flat_map(|slice| &slice.endpoints).any(|e| e.is_local && (e.ready || e.serving))
+        };
+        let without = s.ports.iter().filter(|port| !has_local(port)).count();
+        NoLocalEndpoints { internal: if internal { without } else { 0 }, external: if external { without } else { 0 } }
     }
 }
 
-/// See [`ServiceView::without_local_endpoints`].
+/// See [`ServiceView::without_local_endpoints`]: service ports, per traffic policy.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NoLocalEndpoints {
-    pub internal: bool,
-    pub external: bool,
+    pub internal: usize,
+    pub external: usize,
 }
 
 /// One service whose view changed; `view` is `None` when it left the model.
@@ -809,6 +813,10 @@ pub struct NodeLocalModel {
     /// Cluster CIDRs are configuration, not cluster state.
     #[serde(skip)]
     configured_cluster_cidrs: Vec<CompactString>,
+    /// kube-proxy's `--detect-local-mode NodeCIDR`: traffic from this node's pod CIDRs is
+    /// the local traffic, and they stand for the cluster CIDRs in the guests' context.
+    #[serde(skip)]
+    local_is_node_cidrs: bool,
     /// This node is going away ([`Node::being_deleted`]): not part of the guests' context,
     /// so that draining a node does not translate every service again.
     pub node_being_deleted: bool,
@@ -871,10 +879,19 @@ impl NodeLocalModel {
             policies: BTreeMap::new(),
             local_pods: BTreeMap::new(),
             configured_cluster_cidrs: cluster_cidrs,
+            local_is_node_cidrs: false,
             node_being_deleted: false,
             service_cidrs: Vec::new(),
             configured_service_cidrs: Vec::new(),
         }
+    }
+
+    /// Local traffic is traffic from this node's pod CIDRs (its Node object's), not from
+    /// the configured cluster CIDRs (kube-proxy's `--detect-local-mode NodeCIDR`).
+    pub fn with_node_cidr_local_detection(mut self) -> Self {
+        self.local_is_node_cidrs = true;
+        self.context.cluster_cidrs = Vec::new();
+        self
     }
 
     /// Service CIDRs that are configuration rather than cluster state (`--service-cidr`):
@@ -947,11 +964,12 @@ impl NodeLocalModel {
 
     fn compute_context(&self, cluster: &ClusterState) -> NodeContext {
         let node = cluster.nodes.get(self.node_name());
+        let pod_cidrs = node.map(|n| n.pod_cidrs.clone()).unwrap_or_default();
         NodeContext {
             node_name: self.context.node_name.clone(),
             node_ips: node.map(|n| n.addresses.clone()).unwrap_or_default(),
-            pod_cidrs: node.map(|n| n.pod_cidrs.clone()).unwrap_or_default(),
-            cluster_cidrs: self.configured_cluster_cidrs.clone(),
+            cluster_cidrs: if self.local_is_node_cidrs { pod_cidrs.clone() } else { self.configured_cluster_cidrs.clone() },
+            pod_cidrs,
             zone: node.and_then(|n| n.zone()).map(CompactString::from),
         }
     }
@@ -1144,6 +1162,25 @@ mod tests {
         assert_eq!(endpoints(&model), ["10.244.1.2"]);
     }
 
+    /// `--detect-local-mode NodeCIDR`: the guests' cluster CIDRs are the node's pod CIDRs,
+    /// and follow them.
+    #[test]
+    fn node_cidr_local_detection_follows_the_node() {
+        let mut state = ClusterState::new();
+        let mut model = NodeLocalModel::new("node-a", vec![]).with_node_cidr_local_detection();
+        assert!(model.context.cluster_cidrs.is_empty());
+        let node = |cidr: &str| Node { name: "node-a".into(), addresses: vec!["192.168.0.1".into()], pod_cidrs: vec![cidr.into()], labels: Labels::new(), being_deleted: false };
+        let u = apply(&mut state, &mut model, ClusterObject::Node(node("10.244.3.0/24")));
+        assert!(u.context_changed);
+        assert_eq!(model.context.cluster_cidrs, ["10.244.3.0/24"]);
+        apply(&mut state, &mut model, ClusterObject::Node(node("10.244.4.0/24")));
+        assert_eq!(model.context.cluster_cidrs, ["10.244.4.0/24"]);
+
+        let mut configured = NodeLocalModel::new("node-a", vec!["10.244.0.0/16".into()]);
+        apply(&mut state, &mut configured, ClusterObject::Node(node("10.244.4.0/24")));
+        assert_eq!(configured.context.cluster_cidrs, ["10.244.0.0/16"], "ClusterCIDR: the configured ones");
+    }
+
     #[test]
     fn revisions_move_only_on_real_change() {
         let mut state = ClusterState::new();
@@ -1295,21 +1332,33 @@ mod tests {
         web.external_traffic_policy = TrafficPolicy::Local;
         apply(&mut state, &mut model, ClusterObject::Service(web.clone()));
         // A ClusterIP service has no external traffic: only the internal policy counts.
-        assert_eq!(model.services[&key].without_local_endpoints(), NoLocalEndpoints { internal: true, external: false });
+        assert_eq!(model.services[&key].without_local_endpoints(), NoLocalEndpoints { internal: 1, external: 0 });
         web.service_type = ServiceType::NodePort;
         apply(&mut state, &mut model, ClusterObject::Service(web.clone()));
-        assert_eq!(model.services[&key].without_local_endpoints(), NoLocalEndpoints { internal: true, external: true });
+        assert_eq!(model.services[&key].without_local_endpoints(), NoLocalEndpoints { internal: 1, external: 1 });
 
         // Another node's endpoint does not help; a local one that is terminating but serving does.
         let mut slice_ab = slice("web-1", "web", &[("10.244.2.2", "node-b"), ("10.244.1.2", "node-a")]);
         slice_ab.endpoints[1].ready = false;
         slice_ab.endpoints[1].serving = false;
         apply(&mut state, &mut model, ClusterObject::EndpointSlice(slice_ab.clone()));
-        assert_eq!(model.services[&key].without_local_endpoints(), NoLocalEndpoints { internal: true, external: true });
+        assert_eq!(model.services[&key].without_local_endpoints(), NoLocalEndpoints { internal: 1, external: 1 });
         slice_ab.endpoints[1].serving = true;
         slice_ab.endpoints[1].terminating = true;
-        apply(&mut state, &mut model, ClusterObject::EndpointSlice(slice_ab));
+        apply(&mut state, &mut model, ClusterObject::EndpointSlice(slice_ab.clone()));
         assert_eq!(model.services[&key].without_local_endpoints(), NoLocalEndpoints::default());
+
+        // Counted per port, as kube-proxy counts: a second port whose slice has no local
+        // endpoint counts alone.
+        web.ports.push(ServicePort::tcp("metrics", 9090, 9090));
+        apply(&mut state, &mut model, ClusterObject::Service(web.clone()));
+        assert_eq!(model.services[&key].without_local_endpoints(), NoLocalEndpoints { internal: 1, external: 1 }, "no slice carries the metrics port");
+        let metrics = EndpointSlice { ports: vec![EndpointPort { name: "metrics".into(), protocol: Protocol::Tcp, port: 9090 }], ..slice("web-2", "web", &[("10.244.1.3", "node-a")]) };
+        apply(&mut state, &mut model, ClusterObject::EndpointSlice(metrics));
+        assert_eq!(model.services[&key].without_local_endpoints(), NoLocalEndpoints::default());
+        slice_ab.endpoints[1].serving = false;
+        apply(&mut state, &mut model, ClusterObject::EndpointSlice(slice_ab));
+        assert_eq!(model.services[&key].without_local_endpoints(), NoLocalEndpoints { internal: 1, external: 1 }, "http alone");
 
         // Cluster policies never count.
         let cluster = Service { internal_traffic_policy: TrafficPolicy::Cluster, external_traffic_policy: TrafficPolicy::Cluster, ..web };
