@@ -17,7 +17,7 @@ use wasmplane_operator::policystatus::POLICY_STATUS_PREFIX;
 use wasmplane_operator::{CLUSTERS_PREFIX, HEARTBEAT_KEY, HeartbeatMonitor, NodePolicyStatus, NodeRegistry, NodeRegistryConfig, NodeStatusWriter, PolicyRef, RouteConfig, RouteSync};
 
 use crate::controller::{Controller, ModelObserver};
-use crate::service_import::ServiceImport;
+use crate::service_import::{Clusters, ImportSummary, ServiceImport};
 
 #[derive(Clone, Debug)]
 #[derive(Default)]
@@ -33,6 +33,9 @@ pub struct AgentConfig {
     /// This cluster's name among those sharing the kvstore (`--cluster-name`): when set,
     /// other clusters' exported endpoints become backends of this cluster's global Services.
     pub cluster_name: Option<String>,
+    /// Other clusters followed in their own etcd (`--remote-cluster NAME=ENDPOINTS`), as
+    /// Cilium's clustermesh does: (name, client URLs).
+    pub remote_clusters: Vec<(String, Vec<String>)>,
 }
 
 
@@ -42,7 +45,10 @@ pub struct Agent {
     pub registry: Arc<NodeRegistry>,
     pub routes: Option<RouteSync>,
     pub heartbeat: Option<HeartbeatMonitor>,
-    pub service_import: Option<ServiceImport>,
+    /// Other clusters' services: from this cluster's kvstore, and from each remote cluster's.
+    pub service_imports: Vec<ServiceImport>,
+    /// `--cluster-name` and the remote clusters' names, for [`Agent::imports`].
+    clusters: Option<(String, Vec<String>)>,
     publisher: tokio::task::JoinHandle<()>,
     status_writer: tokio::task::JoinHandle<()>,
 }
@@ -182,11 +188,25 @@ impl Agent {
             Some(max_age) => Some(HeartbeatMonitor::start(kv.clone(), HEARTBEAT_KEY, max_age).await?),
             None => None,
         };
-        let service_import = match &config.cluster_name {
-            Some(cluster) => Some(ServiceImport::start(kv, controller, cluster, CLUSTERS_PREFIX).await?),
-            None => None,
-        };
-        Ok(Agent { registry, routes, heartbeat, service_import, publisher, status_writer })
+        let mut service_imports = Vec::new();
+        if let Some(cluster) = &config.cluster_name {
+            // This cluster's kvstore may hold other clusters' exports too (one etcd shared);
+            // those with an etcd of their own are read there only.
+            let mut skipped = vec![cluster.clone()];
+            skipped.extend(config.remote_clusters.iter().map(|(name, _)| name.clone()));
+            service_imports.push(ServiceImport::start(kv, controller, Clusters::AllBut(skipped), CLUSTERS_PREFIX).await?);
+            for (name, endpoints) in &config.remote_clusters {
+                service_imports.push(ServiceImport::start_remote(name.clone(), endpoints.clone(), controller, CLUSTERS_PREFIX));
+            }
+        }
+        let clusters = config.cluster_name.clone().map(|name| (name, config.remote_clusters.iter().map(|(remote, _)| remote.clone()).collect()));
+        Ok(Agent { registry, routes, heartbeat, service_imports, clusters, publisher, status_writer })
+    }
+
+    /// Other clusters' endpoints imported here (`None`: no `--cluster-name`, nothing imported).
+    pub fn imports(&self) -> Option<ImportSummary> {
+        let (cluster, remote_clusters) = self.clusters.clone()?;
+        Some(ImportSummary { cluster, remote_clusters, imported: self.service_imports.iter().flat_map(ServiceImport::imported).collect() })
     }
 
     /// Why this agent is not ready, if it is not: the operator's heartbeat is stale.

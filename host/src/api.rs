@@ -256,10 +256,10 @@ async fn cluster_nodes(State(state): State<ApiState>) -> ApiResult<Response> {
 
 /// What other clusters export that this one imports (global services).
 async fn cluster_services(State(state): State<ApiState>) -> ApiResult<Response> {
-    let Some(import) = state.agent.as_ref().and_then(|a| a.service_import.as_ref()) else {
+    let Some(imports) = state.agent.as_ref().and_then(|a| a.imports()) else {
         return Err(ApiError(StatusCode::NOT_FOUND, "this host imports no other cluster's services (--cluster-name)".into()));
     };
-    Ok(Json(import.summary()).into_response())
+    Ok(Json(imports).into_response())
 }
 
 async fn metrics(State(state): State<ApiState>) -> impl IntoResponse {

@@ -219,6 +219,11 @@ pub struct RunArgs {
     /// annotated `wasmplane.io/global: "true"`.
     #[arg(long, env = "WASMPLANE_CLUSTER_NAME")]
     pub cluster_name: Option<String>,
+    /// Agent: another cluster followed in its own etcd (Cilium's clustermesh), as
+    /// `NAME=http://HOST:PORT[,http://HOST:PORT…]`; repeatable. Its exported endpoints join
+    /// this cluster's global Services. Needs --cluster-name.
+    #[arg(long = "remote-cluster", value_parser = parse_remote_cluster)]
+    pub remote_clusters: Vec<(String, Vec<String>)>,
     /// Seconds between GC cycles (operator).
     #[arg(long, default_value_t = 60)]
     pub gc_interval_seconds: u64,
@@ -232,6 +237,16 @@ pub struct RunArgs {
     /// Operator: a CA certificate (PEM) to trust for those registries besides the system's.
     #[arg(long)]
     pub module_registry_ca: Option<PathBuf>,
+}
+
+/// `--remote-cluster NAME=URL[,URL…]`.
+fn parse_remote_cluster(text: &str) -> Result<(String, Vec<String>), String> {
+    let (name, urls) = text.split_once('=').ok_or("expected NAME=http://HOST:PORT[,…]")?;
+    let urls: Vec<String> = urls.split(',').map(str::trim).filter(|u| !u.is_empty()).map(String::from).collect();
+    if name.is_empty() || name.contains('/') || urls.is_empty() {
+        return Err(format!("expected NAME=http://HOST:PORT[,…], got {text:?}"));
+    }
+    Ok((name.to_string(), urls))
 }
 
 /// `--detect-local-mode`, spelt as kube-proxy's.
@@ -432,6 +447,9 @@ impl RunArgs {
             Some(path) => Some(std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?.trim().to_string()),
             None => None,
         };
+        if !self.remote_clusters.is_empty() && self.cluster_name.is_none() {
+            bail!("--remote-cluster needs --cluster-name: this cluster's name among them");
+        }
         // The operator pulls `WasmModule` objects' components with the CLI's credentials.
         let module_registry = RegistryArgs {
             plain_http: self.module_registry_plain_http,
@@ -516,6 +534,7 @@ impl RunArgs {
                 routes: self.node_routes,
                 heartbeat_max_age: (self.heartbeat_max_age_seconds > 0).then(|| Duration::from_secs(self.heartbeat_max_age_seconds)),
                 cluster_name: self.cluster_name.clone(),
+                remote_clusters: self.remote_clusters.clone(),
                 ..Default::default()
             }),
             ..Default::default()
@@ -686,6 +705,21 @@ mod tests {
         assert_eq!(mode(&[]), Ok(crate::controller::LocalDetection::ClusterCidr));
         assert_eq!(mode(&["--detect-local-mode", "NodeCIDR"]), Ok(crate::controller::LocalDetection::NodeCidr));
         assert!(mode(&["--detect-local-mode", "InterfaceNamePrefix"]).is_err(), "not implemented, so not accepted");
+    }
+
+    #[test]
+    fn remote_clusters_need_a_name_urls_and_this_clusters_name() {
+        assert_eq!(parse_remote_cluster("east=http://10.0.0.1:2379, http://10.0.0.2:2379"), Ok(("east".into(), vec!["http://10.0.0.1:2379".into(), "http://10.0.0.2:2379".into()])));
+        assert!(parse_remote_cluster("east").is_err());
+        assert!(parse_remote_cluster("=http://x:2379").is_err());
+        assert!(parse_remote_cluster("east=").is_err());
+        let run = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run"], args].concat()) {
+            Ok(Cli { command: Command::Run(args) }) => args.into_config().map(|c| c.agent.unwrap().remote_clusters).map_err(|e| e.to_string()),
+            Ok(_) => unreachable!("parsed as another command"),
+            Err(e) => Err(e.to_string()),
+        };
+        assert!(run(&["--remote-cluster", "east=http://10.0.0.1:2379"]).unwrap_err().contains("--cluster-name"));
+        assert_eq!(run(&["--cluster-name", "west", "--remote-cluster", "east=http://10.0.0.1:2379"]).unwrap().len(), 1);
     }
 
     #[test]

@@ -15,24 +15,44 @@ use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::broadcast::error::RecvError;
-use wasmplane_kvstore::{KvStore, SharedChange, SharedEntry, SharedStore, SharedStoreConfig};
+use std::time::Duration;
+
+use wasmplane_kvstore::{EtcdConfig, EtcdStore, KvStore, SharedChange, SharedEntry, SharedStore, SharedStoreConfig};
 use wasmplane_model::{ClusterEvent, ClusterObject, CompactString, Endpoint, EndpointPort, EndpointSlice, ObjectKind, Protocol};
 use wasmplane_operator::{SharedService, SharedSlice};
 use wasmplane_sources::kube::SourceEvent;
 
 use crate::controller::Controller;
 
+/// Which clusters' exports an importer takes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Clusters {
+    /// Every cluster but these (this one, and those followed in their own kvstores).
+    AllBut(Vec<String>),
+    /// This one only (a remote cluster followed in its own kvstore).
+    Only(String),
+}
+
+impl Clusters {
+    fn takes(&self, cluster: &str) -> bool {
+        match self {
+            Clusters::AllBut(skipped) => !skipped.iter().any(|c| c == cluster),
+            Clusters::Only(only) => only == cluster,
+        }
+    }
+}
+
 /// What one cluster's export of one service contributes here, by entry name
 /// (`<cluster>/services/<namespace>/<name>` under the clusters' prefix).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Importer {
-    own_cluster: String,
+    clusters: Clusters,
     contributed: BTreeMap<String, Vec<EndpointSlice>>,
 }
 
 impl Importer {
-    pub fn new(own_cluster: impl Into<String>) -> Self {
-        Importer { own_cluster: own_cluster.into(), contributed: BTreeMap::new() }
+    pub fn new(clusters: Clusters) -> Self {
+        Importer { clusters, contributed: BTreeMap::new() }
     }
 
     /// An entry was written (`Some`) or deleted (`None`): the events that bring the model's
@@ -40,7 +60,7 @@ impl Importer {
     /// ignored; a value that does not decode keeps what the entry contributed before.
     pub fn set(&mut self, name: &str, value: Option<&[u8]>) -> Vec<ClusterEvent> {
         let Some((cluster, namespace, service)) = parse_entry(name) else { return Vec::new() };
-        if cluster == self.own_cluster {
+        if !self.clusters.takes(cluster) {
             return Vec::new();
         }
         let slices = match value.map(serde_json::from_slice::<SharedService>) {
@@ -74,9 +94,8 @@ impl Importer {
     }
 
     /// Every other cluster's export that contributes endpoints now.
-    pub fn summary(&self) -> ImportSummary {
-        let imported = self
-            .contributed
+    pub fn imported(&self) -> Vec<ImportedService> {
+        self.contributed
             .values()
             .filter_map(|slices| {
                 let first = slices.first()?;
@@ -87,8 +106,7 @@ impl Importer {
                     endpoints: slices.iter().flat_map(|s| s.endpoints.iter().map(|e| e.addresses[0].to_string())).collect(),
                 })
             })
-            .collect();
-        ImportSummary { cluster: self.own_cluster.clone(), imported }
+            .collect()
     }
 }
 
@@ -97,6 +115,8 @@ impl Importer {
 pub struct ImportSummary {
     /// This cluster's name.
     pub cluster: String,
+    /// Remote clusters followed in their own etcd.
+    pub remote_clusters: Vec<String>,
     pub imported: Vec<ImportedService>,
 }
 
@@ -183,7 +203,8 @@ fn diff(before: Vec<EndpointSlice>, after: Vec<EndpointSlice>) -> Vec<ClusterEve
     events
 }
 
-/// Follows other clusters' exports and applies them to the model until dropped.
+/// Follows other clusters' exports in one kvstore and applies them to the model until
+/// dropped.
 pub struct ServiceImport {
     importer: Arc<Mutex<Importer>>,
     task: tokio::task::JoinHandle<()>,
@@ -196,22 +217,58 @@ impl Drop for ServiceImport {
 }
 
 impl ServiceImport {
-    /// Reads the clusters' prefix (fails if the kvstore does not answer) and applies what it
+    /// Reads the clusters' prefix of `kv` (fails if it does not answer) and applies what it
     /// holds before returning, then follows it.
-    pub async fn start(kv: Arc<dyn KvStore>, controller: &Arc<Mutex<Controller>>, own_cluster: &str, clusters_prefix: &str) -> anyhow::Result<ServiceImport> {
+    pub async fn start(kv: Arc<dyn KvStore>, controller: &Arc<Mutex<Controller>>, clusters: Clusters, clusters_prefix: &str) -> anyhow::Result<ServiceImport> {
+        let importer = Arc::new(Mutex::new(Importer::new(clusters)));
         let store = Arc::new(SharedStore::follow(kv, SharedStoreConfig::new(clusters_prefix)).await?);
-        let importer = Arc::new(Mutex::new(Importer::new(own_cluster)));
-        let (snapshot, changes) = store.subscribe();
-        let events = importer.lock().unwrap_or_else(|p| p.into_inner()).replace(&snapshot);
-        apply(controller, events).await;
+        let changes = apply_snapshot(&store, &importer, controller).await;
         // The task owns the store: aborting it stops the follower too.
         let task = tokio::spawn(follow(store, changes, importer.clone(), Arc::downgrade(controller)));
         Ok(ServiceImport { importer, task })
     }
 
-    pub fn summary(&self) -> ImportSummary {
-        self.importer.lock().unwrap_or_else(|p| p.into_inner()).summary()
+    /// A remote cluster's own etcd (Cilium's clustermesh: each cluster keeps its own): its
+    /// exports alone are taken. Connected in the background, again and again until it
+    /// answers: a remote cluster that is down delays nothing here.
+    pub fn start_remote(cluster: String, endpoints: Vec<String>, controller: &Arc<Mutex<Controller>>, clusters_prefix: &str) -> ServiceImport {
+        let importer = Arc::new(Mutex::new(Importer::new(Clusters::Only(cluster.clone()))));
+        let (weak, prefix, task_importer) = (Arc::downgrade(controller), clusters_prefix.to_string(), importer.clone());
+        let task = tokio::spawn(async move {
+            let mut delay = Duration::from_millis(200);
+            let store = loop {
+                let joined = async {
+                    let kv: Arc<dyn KvStore> = Arc::new(EtcdStore::connect(EtcdConfig::new(endpoints.clone())).await?);
+                    SharedStore::follow(kv, SharedStoreConfig::new(prefix.as_str())).await
+                };
+                match joined.await {
+                    Ok(store) => break Arc::new(store),
+                    Err(e) => tracing::warn!(cluster, "remote cluster's etcd ({}) does not answer; trying again in {delay:?}: {e}", endpoints.join(",")),
+                }
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(30));
+            };
+            tracing::info!(cluster, "following the remote cluster's services");
+            let Some(controller) = weak.upgrade() else { return };
+            let changes = apply_snapshot(&store, &task_importer, &controller).await;
+            drop(controller);
+            follow(store, changes, task_importer, weak).await;
+        });
+        ServiceImport { importer, task }
     }
+
+    /// Every export this import contributes endpoints from.
+    pub fn imported(&self) -> Vec<ImportedService> {
+        self.importer.lock().unwrap_or_else(|p| p.into_inner()).imported()
+    }
+}
+
+/// Applies what the store holds now; the changes after it follow.
+async fn apply_snapshot(store: &SharedStore, importer: &Mutex<Importer>, controller: &Arc<Mutex<Controller>>) -> tokio::sync::broadcast::Receiver<SharedChange> {
+    let (snapshot, changes) = store.subscribe();
+    let events = importer.lock().unwrap_or_else(|p| p.into_inner()).replace(&snapshot);
+    apply(controller, events).await;
+    changes
 }
 
 async fn follow(store: Arc<SharedStore>, mut changes: tokio::sync::broadcast::Receiver<SharedChange>, importer: Arc<Mutex<Importer>>, controller: std::sync::Weak<Mutex<Controller>>) {
@@ -299,7 +356,7 @@ mod tests {
 
     #[test]
     fn exports_become_slices_and_only_changes_become_events() {
-        let mut importer = Importer::new("west");
+        let mut importer = Importer::new(Clusters::AllBut(vec!["west".into()]));
         let east = "east/services/shop/web";
         let events = importer.set(east, Some(&export("east", &[(&["10.245.0.7", "10.245.0.8"], 8080)])));
         assert_eq!(summary(&events), ["+web@east.0 10.245.0.7,10.245.0.8"]);
@@ -310,9 +367,9 @@ mod tests {
         assert!(importer.set(east, Some(&export("east", &[(&["10.245.0.7", "10.245.0.8"], 8080)]))).is_empty(), "unchanged");
         let events = importer.set(east, Some(&export("east", &[(&["10.245.0.7"], 8080), (&["10.245.1.9"], 9090)])));
         assert_eq!(summary(&events), ["+web@east.0 10.245.0.7", "+web@east.1 10.245.1.9"]);
-        let imports = importer.summary();
-        assert_eq!((imports.cluster.as_str(), imports.imported.len()), ("west", 1));
-        let east_web = &imports.imported[0];
+        let imports = importer.imported();
+        assert_eq!(imports.len(), 1);
+        let east_web = &imports[0];
         assert_eq!((east_web.cluster.as_str(), east_web.namespace.as_str(), east_web.name.as_str()), ("east", "shop", "web"));
         assert_eq!(east_web.endpoints, ["10.245.0.7", "10.245.1.9"]);
 
@@ -323,23 +380,35 @@ mod tests {
         // Garbage keeps what was there; an export without endpoints, or gone, removes it.
         assert!(importer.set(east, Some(b"{not json")).is_empty());
         assert!(importer.set(east, Some(&export("other", &[(&["10.245.0.1"], 8080)]))).is_empty(), "content of another name");
-        assert_eq!(importer.summary().imported[0].endpoints.len(), 2);
+        assert_eq!(importer.imported()[0].endpoints.len(), 2);
         assert_eq!(summary(&importer.set(east, Some(&export("east", &[])))), ["-web@east.0", "-web@east.1"]);
         importer.set(east, Some(&export("east", &[(&["10.245.0.7"], 8080)])));
         assert_eq!(summary(&importer.set(east, None)), ["-web@east.0"]);
-        assert!(importer.summary().imported.is_empty());
+        assert!(importer.imported().is_empty());
+    }
+
+    /// A remote cluster's own kvstore gives that cluster's exports alone; the shared one
+    /// leaves them to it.
+    #[test]
+    fn each_import_takes_its_clusters() {
+        let mut remote = Importer::new(Clusters::Only("east".into()));
+        assert!(remote.set("north/services/shop/web", Some(&export("north", &[(&["10.246.0.7"], 8080)]))).is_empty());
+        assert_eq!(remote.set("east/services/shop/web", Some(&export("east", &[(&["10.245.0.7"], 8080)]))).len(), 1);
+        let mut shared = Importer::new(Clusters::AllBut(vec!["west".into(), "east".into()]));
+        assert!(shared.set("east/services/shop/web", Some(&export("east", &[(&["10.245.0.7"], 8080)]))).is_empty());
+        assert_eq!(shared.set("north/services/shop/web", Some(&export("north", &[(&["10.246.0.7"], 8080)]))).len(), 1);
     }
 
     #[test]
     fn invalid_addresses_and_ports_are_left_out() {
-        let mut importer = Importer::new("west");
+        let mut importer = Importer::new(Clusters::AllBut(vec!["west".into()]));
         let events = importer.set("east/services/shop/web", Some(&export("east", &[(&["10.245.0.7", "not-an-ip", "10.245.0.7"], 8080), (&["10.245.0.9"], 0)])));
         assert_eq!(summary(&events), ["+web@east.0 10.245.0.7"]);
     }
 
     #[test]
     fn a_reread_applies_the_difference() {
-        let mut importer = Importer::new("west");
+        let mut importer = Importer::new(Clusters::AllBut(vec!["west".into()]));
         importer.set("east/services/shop/web", Some(&export("east", &[(&["10.245.0.7"], 8080)])));
         importer.set("north/services/shop/web", Some(&export("north", &[(&["10.246.0.7"], 8080)])));
         let entry = |value: Vec<u8>| SharedEntry { value: value.into(), mod_revision: 1 };

@@ -29,6 +29,7 @@ async fn host(dir: &Path, node: &str, etcd: &Etcd, netns: &Netns, heartbeat_max_
             // A node that stops renewing is gone within seconds (production: 15 s).
             registry: NodeRegistryConfig { lease_ttl: Duration::from_secs(2), ..Default::default() },
             cluster_name: None,
+            remote_clusters: vec![],
         }),
         ..node_config(dir, node, etcd, "agent-test-token-0123456789", "nodes.yaml", NODES_YAML)
     })

@@ -1057,11 +1057,11 @@ async fn a_udp_flow_to_a_removed_endpoint_moves_to_a_live_one() {
 }
 
 /// A global Service (Cilium's clustermesh global services, `wasmplane.io/global`): the
-/// endpoints another cluster's operator exports through the shared etcd are backends here
-/// beside this cluster's own, follow that cluster's changes, and leave when the Service here
-/// stops being global. The other cluster ("east") is its own API server and the whole host in
-/// the operator role; its pod is a namespace routed from this node (clustermesh needs the pod
-/// networks routed to each other).
+/// endpoints another cluster's operator exports to its own etcd are backends here beside this
+/// cluster's own, follow that cluster's changes, and leave when the Service here stops being
+/// global. The other cluster ("east") is its own etcd, API server and the whole host in the
+/// operator role; this one ("west") follows east's etcd (`--remote-cluster`). East's pod is a
+/// namespace routed from this node (clustermesh needs the pod networks routed to each other).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_global_service_balances_to_another_clusters_endpoints() {
     use k8s_openapi::api::core::v1::Service;
@@ -1073,7 +1073,7 @@ async fn a_global_service_balances_to_another_clusters_endpoints() {
     require_root!();
     const EAST_POD: &str = "10.245.0.7";
     const EAST_POD_STARTING: &str = "10.245.0.8";
-    let etcd = Etcd::start().await.expect("etcd-server must be installed (scripts/setup.sh)");
+    let (mut east_etcd, west_etcd) = (Etcd::start().await.expect("etcd-server must be installed (scripts/setup.sh)"), Etcd::start().await.unwrap());
     let east_api = TestApiServer::start().await;
     let east_service: Service = serde_json::from_value(serde_json::json!({
         "metadata": {"name": "web", "namespace": "default", "annotations": {"wasmplane.io/global": "true"}},
@@ -1096,7 +1096,7 @@ async fn a_global_service_balances_to_another_clusters_endpoints() {
     east_api.create(&east_slice(true)).unwrap();
     let east_dir = tempfile::tempdir().unwrap();
     let east = wasmplane::app::start(HostConfig {
-        kvstore: KvstoreConfig::Etcd(vec![etcd.endpoint()]),
+        kvstore: KvstoreConfig::Etcd(vec![east_etcd.endpoint()]),
         kubernetes: Some(KubernetesSource::Url(east_api.url())),
         listen: "127.0.0.1:0".parse().unwrap(),
         data_dir: Some(east_dir.path().into()),
@@ -1106,6 +1106,16 @@ async fn a_global_service_balances_to_another_clusters_endpoints() {
     })
     .await
     .expect("east's operator");
+
+    // East's export written, then east's etcd down: west must start without it.
+    let export_key = "/wasmplane/clusters/east/services/default/web";
+    let east_client = east_etcd.client().await.unwrap();
+    let _ = eventually("east's export", Duration::from_secs(20), || {
+        let mut client = east_client.clone();
+        async move { client.get(export_key, None).await.ok().and_then(|r| r.kvs().first().and_then(|kv| kv.value_str().ok().map(String::from))) }
+    }, |value| value.as_ref().is_some_and(|v| v.contains(EAST_POD)))
+    .await;
+    east_etcd.stop().await.unwrap();
 
     let mut topo = Topology::new("glob");
     let west_pod = topo.add_pod(POD_A);
@@ -1117,18 +1127,21 @@ async fn a_global_service_balances_to_another_clusters_endpoints() {
     let global = |yaml: String| yaml.replacen("metadata: { name: web, namespace: default }", "metadata: { name: web, namespace: default, annotations: { wasmplane.io/global: \"true\" } }", 1);
     cluster.put_file("svc-web.yaml", &global(svc.yaml()));
     let west = start_host(HostConfig {
-        kvstore: KvstoreConfig::Etcd(vec![etcd.endpoint()]),
-        agent: Some(wasmplane::agent::AgentConfig { cluster_name: Some("west".into()), ..Default::default() }),
+        kvstore: KvstoreConfig::Etcd(vec![west_etcd.endpoint()]),
+        agent: Some(wasmplane::agent::AgentConfig { cluster_name: Some("west".into()), remote_clusters: vec![("east".into(), vec![east_etcd.endpoint()])], ..Default::default() }),
         ..cluster.config(topo.nft_command())
     })
     .await;
     let to = addr("10.96.0.50", 80);
+    wait_applied(&west, "west's own endpoint", |t| targets(t, POD_A));
+    assert_backends("west's alone while east's etcd is down", &tcp_many(&client, to, MANY), &["west"]);
+    east_etcd.restart().await.unwrap();
 
     wait_applied(&west, "east's ready endpoint", |t| targets(t, EAST_POD));
     assert_backends("both clusters' endpoints", &tcp_many(&client, to, MANY), &["east", "west"]);
     assert!(!targets(&applied(&west), EAST_POD_STARTING), "east's endpoint that is not ready is no backend");
     let imports: serde_json::Value = reqwest::get(format!("{}/v1/cluster/services", west.url())).await.unwrap().json().await.unwrap();
-    assert_eq!(imports, serde_json::json!({"cluster": "west", "imported": [{"cluster": "east", "namespace": "default", "name": "web", "endpoints": [EAST_POD]}]}));
+    assert_eq!(imports, serde_json::json!({"cluster": "west", "remote_clusters": ["east"], "imported": [{"cluster": "east", "namespace": "default", "name": "web", "endpoints": [EAST_POD]}]}));
 
     // East's pod stops being ready: its endpoint leaves west's rules.
     east_api.update(&east_slice(false)).unwrap();
