@@ -1093,6 +1093,11 @@ mod tests {
         }
     }
 
+    /// The first address of every endpoint of `default/{service}`'s view, in slice order.
+    fn endpoint_addresses(model: &NodeLocalModel, service: &str) -> Vec<String> {
+        model.services[&ObjectKey::new("default", service)].slices.iter().flat_map(|s| s.endpoints.iter().map(|e| e.addresses[0].to_string())).collect()
+    }
+
     fn apply(state: &mut ClusterState, model: &mut NodeLocalModel, obj: ClusterObject) -> ModelUpdate {
         let touched = state.apply(ClusterEvent::Upsert(obj), "node-a");
         model.update(state, &touched)
@@ -1104,10 +1109,7 @@ mod tests {
     fn imported_slices_count_only_for_global_services() {
         let mut state = ClusterState::new();
         let mut model = NodeLocalModel::new("node-a", vec![]);
-        let key = ObjectKey::new("default", "web");
-        let endpoints = |model: &NodeLocalModel| -> Vec<String> {
-            model.services[&key].slices.iter().flat_map(|s| s.endpoints.iter().map(|e| e.addresses[0].to_string())).collect()
-        };
+        let endpoints = |model: &NodeLocalModel| endpoint_addresses(model, "web");
         apply(&mut state, &mut model, ClusterObject::Service(service("web", "10.96.0.10")));
         apply(&mut state, &mut model, ClusterObject::EndpointSlice(slice("web-1", "web", &[("10.244.1.2", "node-a")])));
         let remote = EndpointSlice { cluster: Some("east".into()), ..slice("web@east", "web", &[("10.245.0.7", "east-1")]) };
@@ -1118,7 +1120,7 @@ mod tests {
         let u = apply(&mut state, &mut model, ClusterObject::Service(Service { global: true, ..service("web", "10.96.0.10") }));
         assert_eq!(u.changed.len(), 1);
         assert_eq!(endpoints(&model), ["10.244.1.2", "10.245.0.7"]);
-        assert!(!model.services[&key].slices[1].endpoints[0].is_local);
+        assert!(!model.services[&ObjectKey::new("default", "web")].slices[1].endpoints[0].is_local);
 
         // This cluster's slices relisted, the imported one not among them: it stays.
         let touched = state.replace_kind(ObjectKind::EndpointSlice, vec![ClusterObject::EndpointSlice(slice("web-2", "web", &[("10.244.1.3", "node-a")]))], &[], "node-a");
@@ -1136,10 +1138,7 @@ mod tests {
     fn cluster_affinity_prefers_a_side_that_can_serve() {
         let mut state = ClusterState::new();
         let mut model = NodeLocalModel::new("node-a", vec![]);
-        let key = ObjectKey::new("default", "web");
-        let endpoints = |model: &NodeLocalModel| -> Vec<String> {
-            model.services[&key].slices.iter().flat_map(|s| s.endpoints.iter().map(|e| e.addresses[0].to_string())).collect()
-        };
+        let endpoints = |model: &NodeLocalModel| endpoint_addresses(model, "web");
         let global = |affinity| Service { global: true, cluster_affinity: affinity, ..service("web", "10.96.0.10") };
         apply(&mut state, &mut model, ClusterObject::Service(global(ClusterAffinity::Local)));
         let local = slice("web-1", "web", &[("10.244.1.2", "node-a")]);
