@@ -47,8 +47,8 @@ pub struct Agent {
     pub heartbeat: Option<HeartbeatMonitor>,
     /// Other clusters' services: from this cluster's kvstore, and from each remote cluster's.
     pub service_imports: Vec<ServiceImport>,
-    /// `--cluster-name` and the remote clusters' names, for [`Agent::imports`].
-    clusters: Option<(String, Vec<String>)>,
+    /// `--cluster-name`, for [`Agent::imports`].
+    cluster_name: Option<String>,
     publisher: tokio::task::JoinHandle<()>,
     status_writer: tokio::task::JoinHandle<()>,
 }
@@ -199,14 +199,16 @@ impl Agent {
                 service_imports.push(ServiceImport::start_remote(name.clone(), endpoints.clone(), controller, CLUSTERS_PREFIX));
             }
         }
-        let clusters = config.cluster_name.clone().map(|name| (name, config.remote_clusters.iter().map(|(remote, _)| remote.clone()).collect()));
-        Ok(Agent { registry, routes, heartbeat, service_imports, clusters, publisher, status_writer })
+        Ok(Agent { registry, routes, heartbeat, service_imports, cluster_name: config.cluster_name.clone(), publisher, status_writer })
     }
 
     /// Other clusters' endpoints imported here (`None`: no `--cluster-name`, nothing imported).
     pub fn imports(&self) -> Option<ImportSummary> {
-        let (cluster, remote_clusters) = self.clusters.clone()?;
-        Some(ImportSummary { cluster, remote_clusters, imported: self.service_imports.iter().flat_map(ServiceImport::imported).collect() })
+        Some(ImportSummary {
+            cluster: self.cluster_name.clone()?,
+            remote_clusters: self.service_imports.iter().filter_map(ServiceImport::remote).collect(),
+            imported: self.service_imports.iter().flat_map(ServiceImport::imported).collect(),
+        })
     }
 
     /// Why this agent is not ready, if it is not: the operator's heartbeat is stale.

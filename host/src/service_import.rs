@@ -12,6 +12,7 @@
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::broadcast::error::RecvError;
@@ -116,8 +117,17 @@ pub struct ImportSummary {
     /// This cluster's name.
     pub cluster: String,
     /// Remote clusters followed in their own etcd.
-    pub remote_clusters: Vec<String>,
+    pub remote_clusters: Vec<RemoteCluster>,
     pub imported: Vec<ImportedService>,
+}
+
+/// A remote cluster followed in its own etcd.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RemoteCluster {
+    pub name: String,
+    /// Its etcd answered and its exports are followed (after that, an outage keeps what was
+    /// imported while the follower reconnects); false: still trying to reach it.
+    pub connected: bool,
 }
 
 /// One other cluster's export of a service, as imported here (the model uses it only where
@@ -208,6 +218,8 @@ fn diff(before: Vec<EndpointSlice>, after: Vec<EndpointSlice>) -> Vec<ClusterEve
 pub struct ServiceImport {
     importer: Arc<Mutex<Importer>>,
     task: tokio::task::JoinHandle<()>,
+    /// The remote cluster this import follows in its own etcd, and whether it has answered.
+    remote: Option<(String, Arc<AtomicBool>)>,
 }
 
 impl Drop for ServiceImport {
@@ -225,7 +237,7 @@ impl ServiceImport {
         let changes = apply_snapshot(&store, &importer, controller).await;
         // The task owns the store: aborting it stops the follower too.
         let task = tokio::spawn(follow(store, changes, importer.clone(), Arc::downgrade(controller)));
-        Ok(ServiceImport { importer, task })
+        Ok(ServiceImport { importer, task, remote: None })
     }
 
     /// A remote cluster's own etcd (Cilium's clustermesh: each cluster keeps its own): its
@@ -234,6 +246,8 @@ impl ServiceImport {
     pub fn start_remote(cluster: String, endpoints: Vec<String>, controller: &Arc<Mutex<Controller>>, clusters_prefix: &str) -> ServiceImport {
         let importer = Arc::new(Mutex::new(Importer::new(Clusters::Only(cluster.clone()))));
         let (weak, prefix, task_importer) = (Arc::downgrade(controller), clusters_prefix.to_string(), importer.clone());
+        let connected = Arc::new(AtomicBool::new(false));
+        let (name, task_connected) = (cluster.clone(), connected.clone());
         let task = tokio::spawn(async move {
             let mut delay = Duration::from_millis(200);
             let store = loop {
@@ -249,12 +263,18 @@ impl ServiceImport {
                 delay = (delay * 2).min(Duration::from_secs(30));
             };
             tracing::info!(cluster, "following the remote cluster's services");
+            task_connected.store(true, Ordering::Relaxed);
             let Some(controller) = weak.upgrade() else { return };
             let changes = apply_snapshot(&store, &task_importer, &controller).await;
             drop(controller);
             follow(store, changes, task_importer, weak).await;
         });
-        ServiceImport { importer, task }
+        ServiceImport { importer, task, remote: Some((name, connected)) }
+    }
+
+    /// The remote cluster this import follows, if it is one.
+    pub fn remote(&self) -> Option<RemoteCluster> {
+        self.remote.as_ref().map(|(name, connected)| RemoteCluster { name: name.clone(), connected: connected.load(Ordering::Relaxed) })
     }
 
     /// Every export this import contributes endpoints from.

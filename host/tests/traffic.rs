@@ -1135,13 +1135,15 @@ async fn a_global_service_balances_to_another_clusters_endpoints() {
     let to = addr("10.96.0.50", 80);
     wait_applied(&west, "west's own endpoint", |t| targets(t, POD_A));
     assert_backends("west's alone while east's etcd is down", &tcp_many(&client, to, MANY), &["west"]);
+    let imports: serde_json::Value = reqwest::get(format!("{}/v1/cluster/services", west.url())).await.unwrap().json().await.unwrap();
+    assert_eq!(imports["remote_clusters"], serde_json::json!([{"name": "east", "connected": false}]), "{imports}");
     east_etcd.restart().await.unwrap();
 
     wait_applied(&west, "east's ready endpoint", |t| targets(t, EAST_POD));
     assert_backends("both clusters' endpoints", &tcp_many(&client, to, MANY), &["east", "west"]);
     assert!(!targets(&applied(&west), EAST_POD_STARTING), "east's endpoint that is not ready is no backend");
     let imports: serde_json::Value = reqwest::get(format!("{}/v1/cluster/services", west.url())).await.unwrap().json().await.unwrap();
-    assert_eq!(imports, serde_json::json!({"cluster": "west", "remote_clusters": ["east"], "imported": [{"cluster": "east", "namespace": "default", "name": "web", "endpoints": [EAST_POD]}]}));
+    assert_eq!(imports, serde_json::json!({"cluster": "west", "remote_clusters": [{"name": "east", "connected": true}], "imported": [{"cluster": "east", "namespace": "default", "name": "web", "endpoints": [EAST_POD]}]}));
 
     // East's pod stops being ready: its endpoint leaves west's rules.
     east_api.update(&east_slice(false)).unwrap();
