@@ -64,6 +64,11 @@ struct HostProc {
 
 impl HostProc {
     fn start(binary: &Path, dir: &Path, nftables: bool, o: &Opts) -> anyhow::Result<HostProc> {
+        // As a binary installed on a node is: on disk, its page cache clean. A copy made just
+        // before the run is dirty until written back (half a minute), and the host's page-out
+        // (MADV_PAGEOUT) cannot reclaim dirty file pages: its first runs kept ~1.1 MiB more
+        // read-only data resident than later ones (BENCHMARKS.md, thirty-fourth run).
+        std::fs::File::open(binary).and_then(|f| f.sync_all()).with_context(|| format!("writing {} back to disk", binary.display()))?;
         let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let child = Command::new(binary)
             .args(["run", "--listen", &format!("127.0.0.1:{port}"), "--node-name", HOST_NODE, "--cluster-cidr", CLUSTER_CIDR])
