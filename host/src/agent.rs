@@ -146,7 +146,8 @@ impl ModelObserver for ContextSignal {
 impl Agent {
     /// Registers this node (allocating its ID on first start, keeping it after), then keeps
     /// its published addresses in step with its Node object.
-    pub async fn start(kv: Arc<dyn KvStore>, controller: &Arc<Mutex<Controller>>, config: AgentConfig) -> anyhow::Result<Agent> {
+    /// `gauges`: where the imports of other clusters' services are counted.
+    pub async fn start(kv: Arc<dyn KvStore>, controller: &Arc<Mutex<Controller>>, config: AgentConfig, gauges: crate::metrics::ClusterMeshGauges) -> anyhow::Result<Agent> {
         let (tx, mut contexts) = {
             let mut c = controller.lock().unwrap_or_else(|p| p.into_inner());
             let (tx, rx) = tokio::sync::watch::channel(c.model().context.clone());
@@ -194,9 +195,9 @@ impl Agent {
             // those with an etcd of their own are read there only.
             let mut skipped = vec![cluster.clone()];
             skipped.extend(config.remote_clusters.iter().map(|(name, _)| name.clone()));
-            service_imports.push(ServiceImport::start(kv, controller, Clusters::AllBut(skipped), CLUSTERS_PREFIX).await?);
+            service_imports.push(ServiceImport::start(kv, controller, Clusters::AllBut(skipped), CLUSTERS_PREFIX, gauges.clone()).await?);
             for (name, endpoints) in &config.remote_clusters {
-                service_imports.push(ServiceImport::start_remote(name.clone(), endpoints.clone(), controller, CLUSTERS_PREFIX));
+                service_imports.push(ServiceImport::start_remote(name.clone(), endpoints.clone(), controller, CLUSTERS_PREFIX, gauges.clone()));
             }
         }
         Ok(Agent { registry, routes, heartbeat, service_imports, cluster_name: config.cluster_name.clone(), publisher, status_writer })

@@ -428,7 +428,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
 
     loops.push(tokio::spawn(modules.clone().follow(index_revision)));
     let agent = match config.agent.clone().filter(|_| !operator_role) {
-        Some(agent_config) => Some(Arc::new(crate::agent::Agent::start(modules.store().kv().clone(), &controller, agent_config).await.context("registering this node in the kvstore")?)),
+        Some(agent_config) => Some(Arc::new(crate::agent::Agent::start(modules.store().kv().clone(), &controller, agent_config, metrics.clustermesh.clone()).await.context("registering this node in the kvstore")?)),
         None => None,
     };
     let operator = match config.operator.clone() {

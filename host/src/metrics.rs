@@ -62,8 +62,24 @@ pub struct PathLabels {
     pub path: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ClusterLabels {
+    /// Another cluster's name (`--cluster-name` there).
+    pub cluster: String,
+}
+
+/// What other clusters' services bring here (global services).
+#[derive(Clone, Default)]
+pub struct ClusterMeshGauges {
+    /// 1 once a remote cluster's etcd answered (`--remote-cluster`), 0 while it is tried.
+    pub remote_cluster_ready: Family<ClusterLabels, Gauge>,
+    /// Endpoints imported from each other cluster.
+    pub imported_endpoints: Family<ClusterLabels, Gauge>,
+}
+
 pub struct Metrics {
     pub registry: Registry,
+    pub clustermesh: ClusterMeshGauges,
     pub events: Counter,
     pub revisions: Counter,
     pub guest_calls: Family<GuestLabels, Counter>,
@@ -127,8 +143,11 @@ impl Metrics {
             auto_rollbacks: Family::default(),
             policy_audit: Family::default(),
             policy_packets: Family::default(),
+            clustermesh: ClusterMeshGauges::default(),
             registry: Registry::default(),
         };
+        registry.register("clustermesh_remote_cluster_ready", "1 once the remote cluster's etcd answered and its services are followed, 0 while it is tried", m.clustermesh.remote_cluster_ready.clone());
+        registry.register("clustermesh_imported_endpoints", "Endpoints of other clusters' global services imported here, by cluster", m.clustermesh.imported_endpoints.clone());
         registry.register("model_events", "Cluster events received by the model", m.events.clone());
         registry.register("model_revisions", "Node-local model revisions produced", m.revisions.clone());
         registry.register("guest_calls", "Guest calls by module and result", m.guest_calls.clone());

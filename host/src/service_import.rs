@@ -24,6 +24,7 @@ use wasmplane_operator::{SharedService, SharedSlice};
 use wasmplane_sources::kube::SourceEvent;
 
 use crate::controller::Controller;
+use crate::metrics::{ClusterLabels, ClusterMeshGauges};
 
 /// Which clusters' exports an importer takes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -92,6 +93,15 @@ impl Importer {
             events.extend(self.set(name, Some(&entry.value)));
         }
         events
+    }
+
+    /// Endpoints contributed now, by cluster.
+    fn endpoints_by_cluster(&self) -> BTreeMap<String, usize> {
+        let mut counts = BTreeMap::new();
+        for slice in self.contributed.values().flatten() {
+            *counts.entry(slice.cluster.as_deref().unwrap_or_default().to_string()).or_default() += slice.endpoints.len();
+        }
+        counts
     }
 
     /// Every other cluster's export that contributes endpoints now.
@@ -231,23 +241,27 @@ impl Drop for ServiceImport {
 impl ServiceImport {
     /// Reads the clusters' prefix of `kv` (fails if it does not answer) and applies what it
     /// holds before returning, then follows it.
-    pub async fn start(kv: Arc<dyn KvStore>, controller: &Arc<Mutex<Controller>>, clusters: Clusters, clusters_prefix: &str) -> anyhow::Result<ServiceImport> {
+    pub async fn start(kv: Arc<dyn KvStore>, controller: &Arc<Mutex<Controller>>, clusters: Clusters, clusters_prefix: &str, gauges: ClusterMeshGauges) -> anyhow::Result<ServiceImport> {
         let importer = Arc::new(Mutex::new(Importer::new(clusters)));
         let store = Arc::new(SharedStore::follow(kv, SharedStoreConfig::new(clusters_prefix)).await?);
-        let changes = apply_snapshot(&store, &importer, controller).await;
+        let mut counted = Counted::new(gauges);
+        let changes = apply_snapshot(&store, &importer, controller, &mut counted).await;
         // The task owns the store: aborting it stops the follower too.
-        let task = tokio::spawn(follow(store, changes, importer.clone(), Arc::downgrade(controller)));
+        let task = tokio::spawn(follow(store, changes, importer.clone(), Arc::downgrade(controller), counted));
         Ok(ServiceImport { importer, task, remote: None })
     }
 
     /// A remote cluster's own etcd (Cilium's clustermesh: each cluster keeps its own): its
     /// exports alone are taken. Connected in the background, again and again until it
     /// answers: a remote cluster that is down delays nothing here.
-    pub fn start_remote(cluster: String, endpoints: Vec<String>, controller: &Arc<Mutex<Controller>>, clusters_prefix: &str) -> ServiceImport {
+    pub fn start_remote(cluster: String, endpoints: Vec<String>, controller: &Arc<Mutex<Controller>>, clusters_prefix: &str, gauges: ClusterMeshGauges) -> ServiceImport {
         let importer = Arc::new(Mutex::new(Importer::new(Clusters::Only(cluster.clone()))));
         let (weak, prefix, task_importer) = (Arc::downgrade(controller), clusters_prefix.to_string(), importer.clone());
         let connected = Arc::new(AtomicBool::new(false));
         let (name, task_connected) = (cluster.clone(), connected.clone());
+        let ready = gauges.remote_cluster_ready.get_or_create(&ClusterLabels { cluster: cluster.clone() }).clone();
+        ready.set(0);
+        let mut counted = Counted::new(gauges);
         let task = tokio::spawn(async move {
             let mut delay = Duration::from_millis(200);
             let store = loop {
@@ -264,10 +278,11 @@ impl ServiceImport {
             };
             tracing::info!(cluster, "following the remote cluster's services");
             task_connected.store(true, Ordering::Relaxed);
+            ready.set(1);
             let Some(controller) = weak.upgrade() else { return };
-            let changes = apply_snapshot(&store, &task_importer, &controller).await;
+            let changes = apply_snapshot(&store, &task_importer, &controller, &mut counted).await;
             drop(controller);
-            follow(store, changes, task_importer, weak).await;
+            follow(store, changes, task_importer, weak, counted).await;
         });
         ServiceImport { importer, task, remote: Some((name, connected)) }
     }
@@ -284,14 +299,43 @@ impl ServiceImport {
 }
 
 /// Applies what the store holds now; the changes after it follow.
-async fn apply_snapshot(store: &SharedStore, importer: &Mutex<Importer>, controller: &Arc<Mutex<Controller>>) -> tokio::sync::broadcast::Receiver<SharedChange> {
+async fn apply_snapshot(store: &SharedStore, importer: &Mutex<Importer>, controller: &Arc<Mutex<Controller>>, counted: &mut Counted) -> tokio::sync::broadcast::Receiver<SharedChange> {
     let (snapshot, changes) = store.subscribe();
-    let events = importer.lock().unwrap_or_else(|p| p.into_inner()).replace(&snapshot);
+    let events = {
+        let mut importer = importer.lock().unwrap_or_else(|p| p.into_inner());
+        let events = importer.replace(&snapshot);
+        counted.update(&importer);
+        events
+    };
     apply(controller, events).await;
     changes
 }
 
-async fn follow(store: Arc<SharedStore>, mut changes: tokio::sync::broadcast::Receiver<SharedChange>, importer: Arc<Mutex<Importer>>, controller: std::sync::Weak<Mutex<Controller>>) {
+/// The imported-endpoints gauges of the clusters one import takes.
+struct Counted {
+    gauges: ClusterMeshGauges,
+    /// Clusters whose gauge this import has set, so one that is gone is set to 0.
+    clusters: Vec<String>,
+}
+
+impl Counted {
+    fn new(gauges: ClusterMeshGauges) -> Self {
+        Counted { gauges, clusters: Vec::new() }
+    }
+
+    fn update(&mut self, importer: &Importer) {
+        let counts = importer.endpoints_by_cluster();
+        for gone in self.clusters.iter().filter(|c| !counts.contains_key(*c)) {
+            self.gauges.imported_endpoints.get_or_create(&ClusterLabels { cluster: gone.clone() }).set(0);
+        }
+        for (cluster, endpoints) in &counts {
+            self.gauges.imported_endpoints.get_or_create(&ClusterLabels { cluster: cluster.clone() }).set(*endpoints as i64);
+        }
+        self.clusters = counts.into_keys().collect();
+    }
+}
+
+async fn follow(store: Arc<SharedStore>, mut changes: tokio::sync::broadcast::Receiver<SharedChange>, importer: Arc<Mutex<Importer>>, controller: std::sync::Weak<Mutex<Controller>>, mut counted: Counted) {
     loop {
         let first = changes.recv().await;
         let mut events = Vec::new();
@@ -316,6 +360,7 @@ async fn follow(store: Arc<SharedStore>, mut changes: tokio::sync::broadcast::Re
                 Err(_) => None,
             };
         }
+        counted.update(&importer.lock().unwrap_or_else(|p| p.into_inner()));
         let Some(controller) = controller.upgrade() else { return };
         apply(&controller, events).await;
     }

@@ -1137,6 +1137,14 @@ async fn a_global_service_balances_to_another_clusters_endpoints() {
     assert_backends("west's alone while east's etcd is down", &tcp_many(&client, to, MANY), &["west"]);
     let imports: serde_json::Value = reqwest::get(format!("{}/v1/cluster/services", west.url())).await.unwrap().json().await.unwrap();
     assert_eq!(imports["remote_clusters"], serde_json::json!([{"name": "east", "connected": false}]), "{imports}");
+    let metric = |name: &'static str| {
+        let url = format!("{}/metrics", west.url());
+        async move {
+            let text = reqwest::get(url).await.unwrap().text().await.unwrap();
+            text.lines().find_map(|l| l.strip_prefix(&format!("wasmplane_clustermesh_{name}{{cluster=\"east\"}} ")).map(|v| v.trim().to_string()))
+        }
+    };
+    assert_eq!(metric("remote_cluster_ready").await.as_deref(), Some("0"));
     east_etcd.restart().await.unwrap();
 
     wait_applied(&west, "east's ready endpoint", |t| targets(t, EAST_POD));
@@ -1144,11 +1152,13 @@ async fn a_global_service_balances_to_another_clusters_endpoints() {
     assert!(!targets(&applied(&west), EAST_POD_STARTING), "east's endpoint that is not ready is no backend");
     let imports: serde_json::Value = reqwest::get(format!("{}/v1/cluster/services", west.url())).await.unwrap().json().await.unwrap();
     assert_eq!(imports, serde_json::json!({"cluster": "west", "remote_clusters": [{"name": "east", "connected": true}], "imported": [{"cluster": "east", "namespace": "default", "name": "web", "endpoints": [EAST_POD]}]}));
+    assert_eq!((metric("remote_cluster_ready").await.as_deref(), metric("imported_endpoints").await.as_deref()), (Some("1"), Some("1")));
 
     // East's pod stops being ready: its endpoint leaves west's rules.
     east_api.update(&east_slice(false)).unwrap();
     wait_applied(&west, "east's endpoint gone", |t| !targets(t, EAST_POD));
     assert_backends("west's alone", &tcp_many(&client, to, MANY), &["west"]);
+    assert_eq!(metric("imported_endpoints").await.as_deref(), Some("0"), "east's endpoint is not ready");
     east_api.update(&east_slice(true)).unwrap();
     wait_applied(&west, "east's endpoint back", |t| targets(t, EAST_POD));
 
