@@ -161,7 +161,26 @@ async fn reconcile(object: Arc<DynamicObject>, context: Arc<Context>) -> Result<
 
 fn error_policy(object: Arc<DynamicObject>, error: &ModuleObjectError, context: Arc<Context>) -> Action {
     tracing::warn!(module = %object.name_any(), "WasmModule: {error}");
-    Action::requeue(context.config.retry)
+    // What the object names was refused: pulling it again soon would get the same answer, and
+    // a change of the object reconciles at once anyway (a tag republished is seen at resync).
+    Action::requeue(if error.is_refusal() { context.config.resync } else { context.config.retry })
+}
+
+impl ModuleObjectError {
+    /// The spec, or the component it names, is wrong (not the registry or the API server
+    /// failing for a while).
+    fn is_refusal(&self) -> bool {
+        match self {
+            ModuleObjectError::Spec(_) => true,
+            ModuleObjectError::Upload(e) => matches!(e, HostError::BadRequest(_) | HostError::Conflict(_) | HostError::Load(_) | HostError::Admission(_)),
+            ModuleObjectError::Registry(e) => !matches!(e, OciError::Registry(_) | OciError::Transfer { .. }),
+            ModuleObjectError::Finalizer(e) => match e.as_ref() {
+                kube::runtime::finalizer::Error::ApplyFailed(e) | kube::runtime::finalizer::Error::CleanupFailed(e) => e.is_refusal(),
+                _ => false,
+            },
+            ModuleObjectError::Status(_) => false,
+        }
+    }
 }
 
 async fn apply(object: &DynamicObject, context: &Context) -> Result<Action, ModuleObjectError> {
@@ -231,6 +250,18 @@ mod tests {
         assert!(spec.active, "in force unless told otherwise");
         assert!(serde_json::from_value::<WasmModuleSpec>(serde_json::json!({"kind": "gc"})).is_err(), "a module is required");
         assert!(serde_json::from_value::<WasmModuleSpec>(serde_json::json!({"kind": "gc", "module": "oci://r/m:v1", "activ": false})).is_err(), "a misspelt field is an error, not ignored");
+    }
+
+    /// A refused object is tried again at the resync, a failing registry soon.
+    #[test]
+    fn refusals_are_told_from_outages() {
+        let spec = || ModuleObjectError::Spec("unknown kind".into());
+        assert!(spec().is_refusal());
+        assert!(ModuleObjectError::Upload(HostError::BadRequest("implements network-policy".into())).is_refusal());
+        assert!(ModuleObjectError::Registry(OciError::NotAComponent { reference: "r/m:v1".into(), layers: vec![] }).is_refusal());
+        assert!(!ModuleObjectError::Registry(OciError::Transfer { reference: "r/m:v1".into(), source: std::io::ErrorKind::ConnectionReset.into() }).is_refusal());
+        assert!(!ModuleObjectError::Upload(HostError::Internal("index contended".into())).is_refusal());
+        assert!(ModuleObjectError::Finalizer(Box::new(kube::runtime::finalizer::Error::ApplyFailed(spec()))).is_refusal());
     }
 
     #[test]
