@@ -499,14 +499,21 @@ fn bind(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    // A socket left by a previous run refuses the bind; nobody listens on it any more.
-    match std::fs::remove_file(path) {
+    // Bound and made private beside the path, then renamed over it: the socket appears
+    // listening and mode 0600 at once (a client racing the bind was refused, and one racing
+    // the chmod could connect with the umask's mode), and a socket a previous run left is
+    // replaced in the same step.
+    let mut staging = path.as_os_str().to_owned();
+    staging.push(format!(".{}.new", std::process::id()));
+    let staging = PathBuf::from(staging);
+    match std::fs::remove_file(&staging) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
         _ => {}
     }
-    let listener = tokio::net::UnixListener::bind(path)?;
+    let listener = tokio::net::UnixListener::bind(&staging)?;
     // Only root (the runtime calling the plugin) may drive pod networking.
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    std::fs::set_permissions(&staging, std::fs::Permissions::from_mode(0o600))?;
+    std::fs::rename(&staging, path)?;
     Ok(listener)
 }
 
@@ -623,6 +630,24 @@ fn error_response(version: &str, e: &Error) -> Response {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// The socket appears listening and private in one step, replacing one a previous run
+    /// left, and nothing is left beside it.
+    #[tokio::test]
+    async fn the_socket_appears_listening_and_private() {
+        use std::os::unix::fs::{FileTypeExt as _, PermissionsExt as _};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cni.sock");
+        drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+        assert!(std::os::unix::net::UnixStream::connect(&path).is_err(), "a stale socket: nobody listens");
+        let _listener = bind(&path).unwrap();
+        let meta = std::fs::metadata(&path).unwrap();
+        assert!(meta.file_type().is_socket());
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+        std::os::unix::net::UnixStream::connect(&path).expect("listening");
+        let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, ["cni.sock"]);
+    }
 
     fn allocation(container_id: &str, allocated_at: Option<u64>) -> Allocation {
         Allocation {
