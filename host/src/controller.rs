@@ -197,20 +197,22 @@ impl Controller {
         registry.add_builtin(BUILTIN_NETWORK_POLICY, GuestKind::NetworkPolicy, &policy_module.info, wasmplane_guest_artifacts::NETWORK_POLICY);
         let health = metrics.dataplane_health.clone();
         let service_cidrs = crate::dataplane::parse_cidrs("service-cidrs", &config.service_cidrs);
+        let model = match config.local_detection {
+            LocalDetection::ClusterCidr => NodeLocalModel::new(&config.node_name, config.cluster_cidrs.clone().into_model()),
+            LocalDetection::NodeCidr => NodeLocalModel::new(&config.node_name, Vec::new()).with_node_cidr_local_detection(),
+        }
+        .with_service_cidrs(service_cidrs.clone());
+        // The model's context decides which CIDRs are local; the dataplane starts from it.
+        let dataplane = Dataplane::new(kernel).with_cluster_cidrs(&model.context.cluster_cidrs);
         let mut controller = Controller {
             runtime,
             metrics,
             cluster: ClusterState::new(),
-            model: match config.local_detection {
-                LocalDetection::ClusterCidr => NodeLocalModel::new(&config.node_name, config.cluster_cidrs.clone().into_model()),
-                LocalDetection::NodeCidr => NodeLocalModel::new(&config.node_name, Vec::new()).with_node_cidr_local_detection(),
-            }
-            .with_service_cidrs(service_cidrs.clone()),
+            model,
             registry,
             translator: None,
-            dataplane: Dataplane::new(kernel)
+            dataplane: dataplane
                 .with_services_per_shard(config.services_per_shard)
-                .with_cluster_cidrs(if config.local_detection == LocalDetection::ClusterCidr { &config.cluster_cidrs } else { &[] })
                 .with_service_cidrs(service_cidrs)
                 .with_masquerade_all(config.masquerade_all)
                 .with_node_port_addresses(config.node_port_addresses)

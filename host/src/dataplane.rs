@@ -824,7 +824,7 @@ impl Dataplane {
 
     /// The cluster's pod CIDRs (unparsable ones are logged and left out): connections to a
     /// `masquerade-off-cluster` frontend from outside them are masqueraded.
-    pub fn with_cluster_cidrs(mut self, cidrs: &[String]) -> Self {
+    pub fn with_cluster_cidrs(mut self, cidrs: &[impl AsRef<str>]) -> Self {
         self.networks.cluster_cidrs = parse_cidrs("cluster-cidrs", cidrs);
         self
     }
