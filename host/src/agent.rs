@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use anyhow::Context as _;
 use ipnet::IpNet;
 use wasmplane_kvstore::KvStore;
 use wasmplane_model::ToStd;
@@ -33,9 +34,42 @@ pub struct AgentConfig {
     /// This cluster's name among those sharing the kvstore (`--cluster-name`): when set,
     /// other clusters' exported endpoints become backends of this cluster's global Services.
     pub cluster_name: Option<String>,
-    /// Other clusters followed in their own etcd (`--remote-cluster NAME=ENDPOINTS`), as
-    /// Cilium's clustermesh does: (name, client URLs).
-    pub remote_clusters: Vec<(String, Vec<String>)>,
+    /// Other clusters followed in their own etcd (`--remote-cluster`, `--clustermesh-config`),
+    /// as Cilium's clustermesh does.
+    pub remote_clusters: Vec<RemoteEtcd>,
+}
+
+/// Another cluster's etcd, followed read-only for its exported services.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteEtcd {
+    pub cluster: String,
+    pub endpoints: Vec<String>,
+    pub tls: Option<wasmplane_kvstore::EtcdTlsFiles>,
+}
+
+/// Cilium's clustermesh configuration directory: one etcd client configuration file per
+/// remote cluster, named after it (a mounted Secret, so `..data` links and dot-entries are
+/// skipped). The directory may also hold the certificates and keys those files name, so, as
+/// Cilium does, a file is a cluster's configuration when it has `endpoints:`. This cluster's
+/// own file, which a shared Secret usually holds, is skipped.
+pub fn read_clustermesh_dir(dir: &std::path::Path, own_cluster: &str) -> anyhow::Result<Vec<RemoteEtcd>> {
+    let mut remotes = Vec::new();
+    for entry in std::fs::read_dir(dir).with_context(|| format!("reading the clustermesh configuration directory {}", dir.display()))? {
+        let path = entry?.path();
+        let Some(name) = path.file_name().and_then(|n| n.to_str()) else { continue };
+        // `metadata` follows the Secret's symlinks; directories are its timestamped copies.
+        if name.starts_with('.') || name == own_cluster || !std::fs::metadata(&path).is_ok_and(|m| m.is_file()) {
+            continue;
+        }
+        let text = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+        if !text.windows(b"endpoints:".len()).any(|w| w == b"endpoints:") {
+            continue;
+        }
+        let config = wasmplane_kvstore::EtcdConfigFile::parse(&path, &text)?;
+        remotes.push(RemoteEtcd { cluster: name.to_string(), endpoints: config.endpoints, tls: config.tls });
+    }
+    remotes.sort_by(|a, b| a.cluster.cmp(&b.cluster));
+    Ok(remotes)
 }
 
 
@@ -194,10 +228,12 @@ impl Agent {
             // This cluster's kvstore may hold other clusters' exports too (one etcd shared);
             // those with an etcd of their own are read there only.
             let mut skipped = vec![cluster.clone()];
-            skipped.extend(config.remote_clusters.iter().map(|(name, _)| name.clone()));
+            skipped.extend(config.remote_clusters.iter().map(|remote| remote.cluster.clone()));
+            // Files and schemes are checked now: the follower retries only what can recover.
+            let remotes = config.remote_clusters.iter().map(|remote| Ok((remote, crate::app::etcd_config(&remote.endpoints, remote.tls.as_ref()).with_context(|| format!("remote cluster {}", remote.cluster))?))).collect::<anyhow::Result<Vec<_>>>()?;
             service_imports.push(ServiceImport::start(kv, controller, Clusters::AllBut(skipped), CLUSTERS_PREFIX, gauges.clone()).await?);
-            for (name, endpoints) in &config.remote_clusters {
-                service_imports.push(ServiceImport::start_remote(name.clone(), endpoints.clone(), controller, CLUSTERS_PREFIX, gauges.clone()));
+            for (remote, etcd) in remotes {
+                service_imports.push(ServiceImport::start_remote(remote.cluster.clone(), etcd, controller, CLUSTERS_PREFIX, gauges.clone()));
             }
         }
         Ok(Agent { registry, routes, heartbeat, service_imports, cluster_name: config.cluster_name.clone(), publisher, status_writer })

@@ -56,12 +56,17 @@ impl KubernetesSource {
 pub enum KvstoreConfig {
     /// In this process: persisted in `data_dir/kvstore.redb`, in memory without a data dir.
     Embedded,
-    /// An etcd cluster (v3 API), by client URLs.
-    Etcd(Vec<String>),
+    /// An etcd cluster (v3 API), by client URLs; `https://` ones with TLS settings.
+    Etcd { endpoints: Vec<String>, tls: Option<wasmplane_kvstore::EtcdTlsFiles> },
 }
 
 impl KvstoreConfig {
-    /// `embedded`, or `etcd://host:port[,host:port…]` / `http://…` endpoint lists.
+    /// Plain-text etcd at these client URLs.
+    pub fn etcd(endpoints: Vec<String>) -> KvstoreConfig {
+        KvstoreConfig::Etcd { endpoints, tls: None }
+    }
+
+    /// `embedded`, or `etcd://host:port[,host:port…]` / `http(s)://…` endpoint lists.
     pub fn parse(text: &str) -> Result<KvstoreConfig, String> {
         if text == "embedded" {
             return Ok(KvstoreConfig::Embedded);
@@ -70,7 +75,7 @@ impl KvstoreConfig {
         if endpoints.iter().any(|e| !(e.starts_with("http://") || e.starts_with("https://")) || e.len() < "http://x".len()) {
             return Err(format!("kvstore {text:?}: expected `embedded` or `etcd://host:port[,host:port...]`"));
         }
-        Ok(KvstoreConfig::Etcd(endpoints))
+        Ok(KvstoreConfig::etcd(endpoints))
     }
 
     pub async fn open(&self, data_dir: Option<&std::path::Path>) -> anyhow::Result<Arc<dyn wasmplane_kvstore::KvStore>> {
@@ -82,11 +87,18 @@ impl KvstoreConfig {
                 }
                 None => Arc::new(wasmplane_kvstore::EmbeddedStore::in_memory()),
             },
-            KvstoreConfig::Etcd(endpoints) => Arc::new(
-                wasmplane_kvstore::EtcdStore::connect(wasmplane_kvstore::EtcdConfig::new(endpoints.clone())).await.with_context(|| format!("connecting to etcd at {}", endpoints.join(",")))?,
-            ),
+            KvstoreConfig::Etcd { endpoints, tls } => Arc::new(wasmplane_kvstore::EtcdStore::connect(etcd_config(endpoints, tls.as_ref())?).await.with_context(|| format!("connecting to etcd at {}", endpoints.join(",")))?),
         })
     }
+}
+
+/// The etcd client's settings with the TLS files read and checked (a missing or wrong file
+/// stops the start, naming the file).
+pub fn etcd_config(endpoints: &[String], tls: Option<&wasmplane_kvstore::EtcdTlsFiles>) -> anyhow::Result<wasmplane_kvstore::EtcdConfig> {
+    let tls = tls.map(wasmplane_kvstore::EtcdTlsFiles::load).transpose().context("etcd TLS settings")?;
+    let config = wasmplane_kvstore::EtcdConfig::new(endpoints.iter().cloned()).with_tls(tls);
+    config.validate().with_context(|| format!("etcd at {}", endpoints.join(",")))?;
+    Ok(config)
 }
 
 #[derive(Clone, Debug)]

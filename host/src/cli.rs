@@ -52,6 +52,20 @@ pub struct RunArgs {
     /// `etcd://host:port[,host:port...]`.
     #[arg(long, env = "WASMPLANE_KVSTORE", default_value = "embedded", value_parser = crate::app::KvstoreConfig::parse)]
     pub kvstore: crate::app::KvstoreConfig,
+    /// The CA certificate (PEM) that signed etcd's; needed for `https://` etcd endpoints.
+    #[arg(long, env = "WASMPLANE_ETCD_TRUSTED_CA_FILE")]
+    pub etcd_trusted_ca_file: Option<PathBuf>,
+    /// A client certificate (PEM) for an etcd that asks for one (`--client-cert-auth`).
+    #[arg(long, env = "WASMPLANE_ETCD_CERT_FILE", requires_all = ["etcd_key_file", "etcd_trusted_ca_file"])]
+    pub etcd_cert_file: Option<PathBuf>,
+    /// The client certificate's private key (PEM).
+    #[arg(long, env = "WASMPLANE_ETCD_KEY_FILE", requires = "etcd_cert_file")]
+    pub etcd_key_file: Option<PathBuf>,
+    /// An etcd client configuration file instead of --kvstore and the --etcd-* files, in the
+    /// format of Cilium's `etcd.config` (`endpoints`, `trusted-ca-file`, `cert-file`,
+    /// `key-file`; relative paths from the file's directory).
+    #[arg(long, env = "WASMPLANE_ETCD_CONFIG", conflicts_with_all = ["kvstore", "etcd_trusted_ca_file", "etcd_cert_file", "etcd_key_file"])]
+    pub etcd_config: Option<PathBuf>,
     /// Serve the CNI daemon for the `wasmplane-cni` plugin on this unix socket (off when unset).
     #[arg(long, env = "WASMPLANE_CNI_SOCKET")]
     pub cni_socket: Option<PathBuf>,
@@ -221,9 +235,16 @@ pub struct RunArgs {
     pub cluster_name: Option<String>,
     /// Agent: another cluster followed in its own etcd (Cilium's clustermesh), as
     /// `NAME=http://HOST:PORT[,http://HOST:PORT…]`; repeatable. Its exported endpoints join
-    /// this cluster's global Services. Needs --cluster-name.
+    /// this cluster's global Services. `https://` ones use this host's etcd TLS files (one CA
+    /// for the mesh, as Cilium's shared clustermesh client certificate); other settings per
+    /// cluster: --clustermesh-config. Needs --cluster-name.
     #[arg(long = "remote-cluster", value_parser = parse_remote_cluster)]
     pub remote_clusters: Vec<(String, Vec<String>)>,
+    /// Agent: Cilium's clustermesh configuration directory, one etcd client configuration
+    /// file (the --etcd-config format) per remote cluster, named after it; this cluster's own
+    /// file is skipped. Needs --cluster-name.
+    #[arg(long, env = "WASMPLANE_CLUSTERMESH_CONFIG")]
+    pub clustermesh_config: Option<PathBuf>,
     /// Seconds between GC cycles (operator).
     #[arg(long, default_value_t = 60)]
     pub gc_interval_seconds: u64,
@@ -447,9 +468,11 @@ impl RunArgs {
             Some(path) => Some(std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?.trim().to_string()),
             None => None,
         };
-        if !self.remote_clusters.is_empty() && self.cluster_name.is_none() {
-            bail!("--remote-cluster needs --cluster-name: this cluster's name among them");
+        if (!self.remote_clusters.is_empty() || self.clustermesh_config.is_some()) && self.cluster_name.is_none() {
+            bail!("--remote-cluster and --clustermesh-config need --cluster-name: this cluster's name among them");
         }
+        let kvstore = self.kvstore_config()?;
+        let remote_clusters = self.remote_etcds(&kvstore)?;
         // The operator pulls `WasmModule` objects' components with the CLI's credentials.
         let module_registry = RegistryArgs {
             plain_http: self.module_registry_plain_http,
@@ -465,7 +488,7 @@ impl RunArgs {
         };
         let kubeconfig = self.kubeconfig.clone();
         Ok(HostConfig {
-            kvstore: self.kvstore,
+            kvstore,
             listen: self.listen,
             manifests: self.manifests,
             kubernetes: match (self.kubeconfig, self.kubernetes) {
@@ -534,11 +557,50 @@ impl RunArgs {
                 routes: self.node_routes,
                 heartbeat_max_age: (self.heartbeat_max_age_seconds > 0).then(|| Duration::from_secs(self.heartbeat_max_age_seconds)),
                 cluster_name: self.cluster_name.clone(),
-                remote_clusters: self.remote_clusters.clone(),
+                remote_clusters,
                 ..Default::default()
             }),
             ..Default::default()
         })
+    }
+}
+
+impl RunArgs {
+    /// `--kvstore` with the `--etcd-*` TLS files, or `--etcd-config`.
+    fn kvstore_config(&self) -> anyhow::Result<crate::app::KvstoreConfig> {
+        use crate::app::KvstoreConfig;
+        if let Some(path) = &self.etcd_config {
+            let file = wasmplane_kvstore::EtcdConfigFile::read(path)?;
+            return Ok(KvstoreConfig::Etcd { endpoints: file.endpoints, tls: file.tls });
+        }
+        let tls = self.etcd_trusted_ca_file.clone().map(|trusted_ca_file| wasmplane_kvstore::EtcdTlsFiles { trusted_ca_file, cert_file: self.etcd_cert_file.clone(), key_file: self.etcd_key_file.clone() });
+        Ok(match (&self.kvstore, tls) {
+            (KvstoreConfig::Etcd { endpoints, .. }, tls) => KvstoreConfig::Etcd { endpoints: endpoints.clone(), tls },
+            (KvstoreConfig::Embedded, Some(_)) => bail!("--etcd-trusted-ca-file is for an etcd --kvstore; the embedded one has no connection"),
+            (KvstoreConfig::Embedded, None) => KvstoreConfig::Embedded,
+        })
+    }
+
+    /// `--remote-cluster` (TLS as this host's etcd) and `--clustermesh-config`'s files.
+    fn remote_etcds(&self, kvstore: &crate::app::KvstoreConfig) -> anyhow::Result<Vec<crate::agent::RemoteEtcd>> {
+        let own_tls = match kvstore {
+            crate::app::KvstoreConfig::Etcd { tls, .. } => tls.clone(),
+            crate::app::KvstoreConfig::Embedded => None,
+        };
+        let mut remotes: Vec<_> = self
+            .remote_clusters
+            .iter()
+            .map(|(cluster, endpoints)| crate::agent::RemoteEtcd { cluster: cluster.clone(), endpoints: endpoints.clone(), tls: endpoints.iter().any(|e| e.starts_with("https://")).then(|| own_tls.clone()).flatten() })
+            .collect();
+        if let (Some(dir), Some(own)) = (&self.clustermesh_config, &self.cluster_name) {
+            remotes.extend(crate::agent::read_clustermesh_dir(dir, own)?);
+        }
+        let mut names: Vec<_> = remotes.iter().map(|r| r.cluster.as_str()).collect();
+        names.sort_unstable();
+        if let Some(twice) = names.windows(2).find(|pair| pair[0] == pair[1]) {
+            bail!("remote cluster {:?} is configured twice (--remote-cluster and --clustermesh-config)", twice[0]);
+        }
+        Ok(remotes)
     }
 }
 
@@ -719,7 +781,62 @@ mod tests {
             Err(e) => Err(e.to_string()),
         };
         assert!(run(&["--remote-cluster", "east=http://10.0.0.1:2379"]).unwrap_err().contains("--cluster-name"));
-        assert_eq!(run(&["--cluster-name", "west", "--remote-cluster", "east=http://10.0.0.1:2379"]).unwrap().len(), 1);
+        assert_eq!(run(&["--cluster-name", "west", "--remote-cluster", "east=http://10.0.0.1:2379"]).unwrap(), [crate::agent::RemoteEtcd { cluster: "east".into(), endpoints: vec!["http://10.0.0.1:2379".into()], tls: None }]);
+        // https:// remotes use this host's etcd TLS files (one CA for the mesh).
+        let tls = wasmplane_kvstore::EtcdTlsFiles { trusted_ca_file: "/ca.pem".into(), cert_file: Some("/c.pem".into()), key_file: Some("/k.pem".into()) };
+        let shared = run(&["--cluster-name", "west", "--kvstore", "https://10.0.0.9:2379", "--etcd-trusted-ca-file", "/ca.pem", "--etcd-cert-file", "/c.pem", "--etcd-key-file", "/k.pem", "--remote-cluster", "east=https://10.0.0.1:2379", "--remote-cluster", "north=http://10.0.0.3:2379"]).unwrap();
+        assert_eq!(shared.iter().map(|r| r.tls.clone()).collect::<Vec<_>>(), [Some(tls), None]);
+
+        // Cilium's clustermesh directory: one file per cluster; certificates, dot-entries
+        // and this cluster's own file are not clusters.
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, text: &str| std::fs::write(dir.path().join(name), text).unwrap();
+        write("east", "endpoints:\n- https://east.mesh:2379\ntrusted-ca-file: common-ca.crt\ncert-file: common.crt\nkey-file: common.key\n");
+        write("west", "endpoints: [https://west.mesh:2379]\n");
+        write("common-ca.crt", "-----BEGIN CERTIFICATE-----\n");
+        std::fs::create_dir(dir.path().join("..2026_11_27")).unwrap();
+        write("..data_tmp", "endpoints: [https://ignored:2379]\n");
+        let mesh = dir.path().to_str().unwrap();
+        let remotes = run(&["--cluster-name", "west", "--clustermesh-config", mesh]).unwrap();
+        assert_eq!(remotes, [crate::agent::RemoteEtcd {
+            cluster: "east".into(),
+            endpoints: vec!["https://east.mesh:2379".into()],
+            tls: Some(wasmplane_kvstore::EtcdTlsFiles { trusted_ca_file: dir.path().join("common-ca.crt"), cert_file: Some(dir.path().join("common.crt")), key_file: Some(dir.path().join("common.key")) }),
+        }]);
+        assert!(run(&["--cluster-name", "west", "--clustermesh-config", mesh, "--remote-cluster", "east=http://x:2379"]).unwrap_err().contains("\"east\" is configured twice"));
+        write("south", "endpoints: [https://south.mesh:2379]\ninsecure-skip-tls-verify: true\n");
+        let refused = run(&["--cluster-name", "west", "--clustermesh-config", mesh]).unwrap_err();
+        assert!(refused.contains("south") && refused.contains("insecure-skip-tls-verify"), "{refused}");
+    }
+
+    #[test]
+    fn etcd_tls_comes_from_flags_or_an_etcd_config_file() {
+        let kvstore = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run"], args].concat()) {
+            Ok(Cli { command: Command::Run(args) }) => args.into_config().map(|c| c.kvstore).map_err(|e| e.to_string()),
+            Ok(_) => unreachable!("parsed as another command"),
+            Err(e) => Err(e.to_string()),
+        };
+        use crate::app::KvstoreConfig;
+        let tls = |cert: Option<&str>, key: Option<&str>| Some(wasmplane_kvstore::EtcdTlsFiles { trusted_ca_file: "/ca.pem".into(), cert_file: cert.map(Into::into), key_file: key.map(Into::into) });
+        assert_eq!(kvstore(&["--kvstore", "https://10.0.0.9:2379", "--etcd-trusted-ca-file", "/ca.pem"]), Ok(KvstoreConfig::Etcd { endpoints: vec!["https://10.0.0.9:2379".into()], tls: tls(None, None) }));
+        assert_eq!(
+            kvstore(&["--kvstore", "https://10.0.0.9:2379", "--etcd-trusted-ca-file", "/ca.pem", "--etcd-cert-file", "/c.pem", "--etcd-key-file", "/k.pem"]),
+            Ok(KvstoreConfig::Etcd { endpoints: vec!["https://10.0.0.9:2379".into()], tls: tls(Some("/c.pem"), Some("/k.pem")) })
+        );
+        assert!(kvstore(&["--etcd-trusted-ca-file", "/ca.pem"]).unwrap_err().contains("embedded"));
+        assert!(kvstore(&["--kvstore", "https://a:2379", "--etcd-trusted-ca-file", "/ca.pem", "--etcd-cert-file", "/c.pem"]).is_err(), "a certificate without its key");
+        assert!(kvstore(&["--kvstore", "https://a:2379", "--etcd-cert-file", "/c.pem", "--etcd-key-file", "/k.pem"]).is_err(), "a certificate without the CA");
+
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("etcd.config");
+        std::fs::write(&file, "endpoints: [https://etcd-0:2379, https://etcd-1:2379]\ntrusted-ca-file: ca.crt\n").unwrap();
+        let file = file.to_str().unwrap();
+        assert_eq!(
+            kvstore(&["--etcd-config", file]),
+            Ok(KvstoreConfig::Etcd { endpoints: vec!["https://etcd-0:2379".into(), "https://etcd-1:2379".into()], tls: Some(wasmplane_kvstore::EtcdTlsFiles { trusted_ca_file: dir.path().join("ca.crt"), cert_file: None, key_file: None }) })
+        );
+        assert!(kvstore(&["--etcd-config", file, "--kvstore", "etcd://a:2379"]).is_err(), "two sources of endpoints");
+        assert!(kvstore(&["--etcd-config", "/nonexistent/etcd.config"]).unwrap_err().contains("/nonexistent/etcd.config"));
     }
 
     #[test]

@@ -254,7 +254,7 @@ impl ServiceImport {
     /// A remote cluster's own etcd (Cilium's clustermesh: each cluster keeps its own): its
     /// exports alone are taken. Connected in the background, again and again until it
     /// answers: a remote cluster that is down delays nothing here.
-    pub fn start_remote(cluster: String, endpoints: Vec<String>, controller: &Arc<Mutex<Controller>>, clusters_prefix: &str, gauges: ClusterMeshGauges) -> ServiceImport {
+    pub fn start_remote(cluster: String, etcd: EtcdConfig, controller: &Arc<Mutex<Controller>>, clusters_prefix: &str, gauges: ClusterMeshGauges) -> ServiceImport {
         let importer = Arc::new(Mutex::new(Importer::new(Clusters::Only(cluster.clone()))));
         let (weak, prefix, task_importer) = (Arc::downgrade(controller), clusters_prefix.to_string(), importer.clone());
         let connected = Arc::new(AtomicBool::new(false));
@@ -266,12 +266,12 @@ impl ServiceImport {
             let mut delay = Duration::from_millis(200);
             let store = loop {
                 let joined = async {
-                    let kv: Arc<dyn KvStore> = Arc::new(EtcdStore::connect(EtcdConfig::new(endpoints.clone())).await?);
+                    let kv: Arc<dyn KvStore> = Arc::new(EtcdStore::connect(etcd.clone()).await?);
                     SharedStore::follow(kv, SharedStoreConfig::new(prefix.as_str())).await
                 };
                 match joined.await {
                     Ok(store) => break Arc::new(store),
-                    Err(e) => tracing::warn!(cluster, "remote cluster's etcd ({}) does not answer; trying again in {delay:?}: {e}", endpoints.join(",")),
+                    Err(e) => tracing::warn!(cluster, "remote cluster's etcd ({}) does not answer; trying again in {delay:?}: {e}", etcd.endpoints.join(",")),
                 }
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(Duration::from_secs(30));

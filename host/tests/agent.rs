@@ -2,7 +2,8 @@
 //! its node (IDs 1 and 2, kept across a restart), programs a route to the other node's pod
 //! CIDR in its own network namespace (made by the test), drops it when that node's lease
 //! runs out, and reports the kvstore unhealthy in `/readyz` while the operator's heartbeat
-//! is stale.
+//! is stale. And the kvstore over TLS with client certificates, this cluster's etcd and a
+//! remote cluster's, each with its own CA (the only tests here that need no root).
 
 mod support;
 
@@ -15,10 +16,11 @@ use serde_json::Value;
 use support::cluster::{NODES_YAML, eventually, wait_for};
 use support::netns::{Netns, is_root};
 use support::rest::node_config;
-use wasmplane::agent::AgentConfig;
+use wasmplane::agent::{AgentConfig, RemoteEtcd};
 use wasmplane::app::{HostConfig, KvstoreConfig, RunningHost, start};
-use wasmplane_operator::{HEARTBEAT_KEY, NodeRegistryConfig, write_heartbeats};
-use wasmplane_test_etcd::Etcd;
+use wasmplane_kvstore::EtcdTlsFiles;
+use wasmplane_operator::{CLUSTERS_PREFIX, HEARTBEAT_KEY, NodeRegistryConfig, write_heartbeats};
+use wasmplane_test_etcd::{Etcd, TestPki};
 
 async fn host(dir: &Path, node: &str, etcd: &Etcd, netns: &Netns, heartbeat_max_age: Option<Duration>) -> RunningHost {
     start(HostConfig {
@@ -105,12 +107,60 @@ async fn readyz_reports_the_kvstore_unhealthy_while_the_heartbeat_is_stale() {
     assert!(body.contains("heartbeat"), "{status}: {body}");
 
     // An operator's heartbeat (the operator crate's own writer) makes it ready.
-    let kv: Arc<dyn wasmplane_kvstore::KvStore> = KvstoreConfig::Etcd(vec![etcd.endpoint()]).open(None).await.unwrap();
+    let kv: Arc<dyn wasmplane_kvstore::KvStore> = KvstoreConfig::etcd(vec![etcd.endpoint()]).open(None).await.unwrap();
     let writer = tokio::spawn(write_heartbeats(kv, HEARTBEAT_KEY.into(), "operator-0".into(), Duration::from_millis(500)));
     eventually("ready with a fresh heartbeat", Duration::from_secs(10), readyz, |(s, _)| *s == StatusCode::OK).await;
     // The operator stops: stale again after the max age.
     writer.abort();
     let (_, body) = eventually("unready once the heartbeat is stale", Duration::from_secs(10), readyz, |(s, _)| *s == StatusCode::SERVICE_UNAVAILABLE).await;
     assert!(body.contains("heartbeat is"), "{body}");
+    host.stop().await;
+}
+
+/// What an etcd started with `start_tls` asks of a client: its CA, and a certificate of it.
+fn client_tls(pki: &TestPki) -> EtcdTlsFiles {
+    EtcdTlsFiles { trusted_ca_file: pki.ca.clone(), cert_file: Some(pki.client_cert.clone()), key_file: Some(pki.client_key.clone()) }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kvstore_and_a_remote_clusters_etcd_are_reached_over_tls_with_client_certificates() {
+    let etcd = Etcd::start_tls().await.expect("etcd-server must be installed (scripts/setup.sh)");
+    let east = Etcd::start_tls().await.expect("etcd-server must be installed (scripts/setup.sh)");
+    let dir = tempfile::tempdir().unwrap();
+    let base = node_config(dir.path(), "node-a", &etcd, "agent-tls-token-0123456789", "nodes.yaml", NODES_YAML);
+    let own = KvstoreConfig::Etcd { endpoints: vec![etcd.endpoint()], tls: Some(client_tls(etcd.pki().unwrap())) };
+    let remote = |cluster: &str, tls: EtcdTlsFiles| RemoteEtcd { cluster: cluster.into(), endpoints: vec![east.endpoint()], tls: Some(tls) };
+    let config = |kvstore: KvstoreConfig| HostConfig {
+        kvstore,
+        agent: Some(AgentConfig {
+            cluster_name: Some("west".into()),
+            // "north" is east's etcd reached with this cluster's CA and certificate, which
+            // east's etcd does not trust (and whose CA does not vouch for east's server).
+            remote_clusters: vec![remote("east", client_tls(east.pki().unwrap())), remote("north", client_tls(etcd.pki().unwrap()))],
+            ..Default::default()
+        }),
+        ..base.clone()
+    };
+
+    // A TLS file that is not there stops the start, naming it.
+    let mut missing = client_tls(etcd.pki().unwrap());
+    missing.key_file = Some(dir.path().join("absent-key.pem"));
+    let refused = start(config(KvstoreConfig::Etcd { endpoints: vec![etcd.endpoint()], tls: Some(missing) })).await.err().expect("a missing key file is refused");
+    assert!(format!("{refused:#}").contains("absent-key.pem"), "{refused:#}");
+
+    let host = start(config(own.clone())).await.unwrap();
+    // The node registered itself in this cluster's etcd, over TLS.
+    assert_eq!(nodes_view(&host).await["node_id"].as_u64(), Some(1));
+    let registered = own.open(None).await.unwrap().list_prefix(wasmplane_operator::nodes::NODE_INFO_PREFIX).await.unwrap();
+    assert_eq!(registered.items.iter().map(|kv| kv.key.as_str()).collect::<Vec<_>>(), [format!("{}node-a", wasmplane_operator::nodes::NODE_INFO_PREFIX)]);
+
+    // East exports a service in its own etcd; the host follows east over TLS.
+    let export = serde_json::json!({"cluster": "east", "namespace": "default", "name": "web", "clusterIps": ["10.96.1.10"], "ports": [{"port": 80, "protocol": "TCP"}], "endpointSlices": [{"ports": [{"port": 8080, "protocol": "TCP"}], "addresses": ["10.245.0.7"]}]});
+    let east_kv = KvstoreConfig::Etcd { endpoints: vec![east.endpoint()], tls: Some(client_tls(east.pki().unwrap())) }.open(None).await.unwrap();
+    east_kv.put(&format!("{CLUSTERS_PREFIX}east/services/default/web"), export.to_string().into(), None).await.unwrap();
+    let services = || async { reqwest::get(format!("{}/v1/cluster/services", host.url())).await.unwrap().json::<Value>().await.unwrap() };
+    let view = eventually("east's export imported over TLS", Duration::from_secs(15), services, |v| v["imported"].as_array().is_some_and(|i| !i.is_empty())).await;
+    assert_eq!(view["imported"], serde_json::json!([{"cluster": "east", "namespace": "default", "name": "web", "endpoints": ["10.245.0.7"]}]), "{view}");
+    assert_eq!(view["remote_clusters"], serde_json::json!([{"name": "east", "connected": true}, {"name": "north", "connected": false}]), "north's handshake fails: {view}");
     host.stop().await;
 }

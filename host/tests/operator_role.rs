@@ -65,7 +65,7 @@ async fn embedded_operator_leads_writes_the_heartbeat_and_collects_what_the_gc_g
 
 async fn replica(dir: &std::path::Path, identity: &str, server: &TestApiServer, etcd: &Etcd) -> RunningHost {
     start(HostConfig {
-        kvstore: KvstoreConfig::Etcd(vec![etcd.endpoint()]),
+        kvstore: KvstoreConfig::etcd(vec![etcd.endpoint()]),
         kubernetes: Some(KubernetesSource::Url(server.url())),
         listen: "127.0.0.1:0".parse().unwrap(),
         data_dir: Some(dir.join(identity)),
@@ -96,7 +96,7 @@ async fn two_replicas_elect_one_leader_and_the_other_takes_over() {
     np.metadata.name = Some("web".into());
     np.metadata.namespace = Some("shop".into());
     let uid = server.create(&np).unwrap().metadata.uid.unwrap();
-    let kv: std::sync::Arc<dyn KvStore> = KvstoreConfig::Etcd(vec![etcd.endpoint()]).open(None).await.unwrap();
+    let kv: std::sync::Arc<dyn KvStore> = KvstoreConfig::etcd(vec![etcd.endpoint()]).open(None).await.unwrap();
     for (node, status) in [("node-1", r#"{"generation":1}"#), ("node-2", r#"{"generation":1,"error":"guest trapped"}"#)] {
         kv.put(&format!("/wasmplane/policystatus/{uid}/shop/web/{node}"), Bytes::copy_from_slice(status.as_bytes()), None).await.unwrap();
     }

@@ -1096,7 +1096,7 @@ async fn a_global_service_balances_to_another_clusters_endpoints() {
     east_api.create(&east_slice(true)).unwrap();
     let east_dir = tempfile::tempdir().unwrap();
     let east = wasmplane::app::start(HostConfig {
-        kvstore: KvstoreConfig::Etcd(vec![east_etcd.endpoint()]),
+        kvstore: KvstoreConfig::etcd(vec![east_etcd.endpoint()]),
         kubernetes: Some(KubernetesSource::Url(east_api.url())),
         listen: "127.0.0.1:0".parse().unwrap(),
         data_dir: Some(east_dir.path().into()),
@@ -1127,7 +1127,7 @@ async fn a_global_service_balances_to_another_clusters_endpoints() {
     let global = |yaml: String| yaml.replacen("metadata: { name: web, namespace: default }", "metadata: { name: web, namespace: default, annotations: { wasmplane.io/global: \"true\" } }", 1);
     cluster.put_file("svc-web.yaml", &global(svc.yaml()));
     let west = start_host(HostConfig {
-        kvstore: KvstoreConfig::Etcd(vec![west_etcd.endpoint()]),
+        kvstore: KvstoreConfig::etcd(vec![west_etcd.endpoint()]),
         agent: Some(wasmplane::agent::AgentConfig { cluster_name: Some("west".into()), remote_clusters: vec![("east".into(), vec![east_etcd.endpoint()])], ..Default::default() }),
         ..cluster.config(topo.nft_command())
     })

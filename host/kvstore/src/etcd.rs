@@ -49,6 +49,8 @@ pub struct EtcdConfig {
     pub watch_buffer: usize,
     /// Keys per page when listing (halved automatically if a page is too big).
     pub list_page_size: i64,
+    /// TLS for `https://` endpoints (required for them, refused for `http://` ones).
+    pub tls: Option<crate::EtcdTls>,
 }
 
 impl EtcdConfig {
@@ -64,7 +66,39 @@ impl EtcdConfig {
             retry_max: Duration::from_secs(2),
             watch_buffer: 1024,
             list_page_size: 512,
+            tls: None,
         }
+    }
+
+    pub fn with_tls(mut self, tls: Option<crate::EtcdTls>) -> Self {
+        self.tls = tls;
+        self
+    }
+
+    /// Every endpoint `https://` with TLS settings, or `http://` without: etcd-client would
+    /// otherwise fail on the first request (no CA to check the server with) or refuse the
+    /// mix with a message that does not say which setting is missing. [`EtcdStore::connect`]
+    /// checks it too; callers that connect later (and retry) check it at start.
+    pub fn validate(&self) -> Result<()> {
+        if self.endpoints.is_empty() {
+            return Err(KvError::InvalidArgument("no etcd endpoints".into()));
+        }
+        for endpoint in &self.endpoints {
+            match (endpoint.starts_with("https://"), &self.tls) {
+                (true, None) => {
+                    return Err(KvError::InvalidArgument(format!(
+                        "etcd endpoint {endpoint} is https:// but no trusted CA is configured (--etcd-trusted-ca-file or trusted-ca-file)"
+                    )));
+                }
+                (false, Some(_)) => {
+                    return Err(KvError::InvalidArgument(format!(
+                        "etcd TLS is configured but endpoint {endpoint} is not https://"
+                    )));
+                }
+                _ => {}
+            }
+        }
+        Ok(())
     }
 }
 
@@ -86,15 +120,16 @@ impl EtcdStore {
     /// Creates the client. Connections are made lazily, so this succeeds while
     /// etcd is down; requests then fail with [`KvError::Unavailable`] until it is up.
     pub async fn connect(config: EtcdConfig) -> Result<Self> {
-        if config.endpoints.is_empty() {
-            return Err(KvError::InvalidArgument("no etcd endpoints".into()));
-        }
-        let options = etcd_client::ConnectOptions::new()
+        config.validate()?;
+        let mut options = etcd_client::ConnectOptions::new()
             .with_connect_timeout(config.connect_timeout)
             .with_keep_alive(config.keep_alive_interval, config.keep_alive_timeout)
             // Without a leader a member serves stale reads and silent watches;
             // this makes it fail them so we retry elsewhere or later.
             .with_require_leader(true);
+        if let Some(tls) = &config.tls {
+            options = options.with_tls(tls.options());
+        }
         let client = etcd_client::Client::connect(&config.endpoints, Some(options))
             .await
             .map_err(map_err)?;
@@ -105,7 +140,7 @@ impl EtcdStore {
             .watch_client()
             .max_decoding_message_size(MAX_DECODING_MESSAGE_SIZE);
         let lease = client.lease_client();
-        debug!(endpoints = ?config.endpoints, "etcd client created");
+        debug!(endpoints = ?config.endpoints, tls = ?config.tls, "etcd client created");
         Ok(EtcdStore {
             inner: Arc::new(Inner {
                 client,
@@ -735,6 +770,24 @@ fn map_err(e: etcd_client::Error) -> KvError {
     }
 }
 
+/// The chain under a transport failure: tonic's own message is only "transport error",
+/// and what an operator needs is below it (say, the server's TLS alert refusing our
+/// client certificate).
+fn with_causes(message: &str, error: &dyn std::error::Error) -> String {
+    let mut text = message.to_owned();
+    let mut cause = error.source();
+    while let Some(error) = cause {
+        let line = error.to_string();
+        // Layers often repeat the message below them.
+        if !text.contains(&line) {
+            text.push_str(": ");
+            text.push_str(&line);
+        }
+        cause = error.source();
+    }
+    text
+}
+
 fn map_status(status: &tonic::Status) -> KvError {
     use tonic::Code;
     let message = status.message();
@@ -766,7 +819,7 @@ fn map_status(status: &tonic::Status) -> KvError {
         | Code::Unknown
         | Code::Aborted
         | Code::ResourceExhausted => {
-            KvError::Unavailable(format!("{:?}: {message}", status.code()))
+            KvError::Unavailable(format!("{:?}: {}", status.code(), with_causes(message, status)))
         }
         Code::InvalidArgument | Code::OutOfRange => KvError::InvalidArgument(message.to_owned()),
         code => KvError::Backend(format!("{code:?}: {message}")),

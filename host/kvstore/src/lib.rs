@@ -29,6 +29,7 @@ mod error;
 mod etcd;
 mod lease;
 mod shared;
+mod tls;
 mod view;
 
 use std::pin::Pin;
@@ -40,6 +41,7 @@ pub use error::{KvError, Result};
 pub use etcd::{EtcdConfig, EtcdStore};
 pub use lease::{LeaseKeeper, LeaseStatus};
 pub use shared::{SharedChange, SharedEntry, SharedStore, SharedStoreConfig};
+pub use tls::{EtcdConfigFile, EtcdTls, EtcdTlsError, EtcdTlsFiles};
 
 /// A store revision (etcd's `int64`). 0 means "none" (e.g. the modification
 /// revision of an absent key).

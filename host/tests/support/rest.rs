@@ -96,7 +96,7 @@ pub fn node_config(dir: &Path, node: &str, etcd: &Etcd, token: &str, file: &str,
     let manifests = dir.join(format!("{node}-manifests"));
     write_manifest(&manifests, file, yaml);
     HostConfig {
-        kvstore: KvstoreConfig::Etcd(vec![etcd.endpoint()]),
+        kvstore: KvstoreConfig::etcd(vec![etcd.endpoint()]),
         node_name: node.into(),
         ..config(&manifests, &dir.join(format!("{node}-data")), token)
     }

@@ -12,6 +12,9 @@
 //! watch-resume tests need: clients reconnect to the same address and find the same
 //! revisions.
 //!
+//! [`Etcd::start_tls`] serves clients over TLS and asks them for a certificate
+//! (`--client-cert-auth`), with a CA and certificates made for the test ([`TestPki`]).
+//!
 //! [`TcpProxy`] sits between a client and etcd and can cut every connection on
 //! demand without touching the server, so a test can make one client miss a window
 //! of history (and have it compacted) while another keeps writing.
@@ -59,6 +62,8 @@ pub enum HarnessError {
     NotRunning,
     #[error("etcd client error: {0}")]
     Client(#[from] etcd_client::Error),
+    #[error("making test certificates: {0}")]
+    Certificates(#[from] rcgen::Error),
 }
 
 /// Tests report errors with `expect`, which prints `Debug`: make that the
@@ -77,12 +82,24 @@ pub struct Etcd {
     name: String,
     client_port: u16,
     peer_port: u16,
+    /// Clients speak TLS and must present a certificate of this CA.
+    tls: Option<TestPki>,
     child: Option<Child>,
 }
 
 impl Etcd {
     /// Starts a fresh single-member cluster and waits until it serves requests.
     pub async fn start() -> Result<Self, HarnessError> {
+        Self::start_with(false).await
+    }
+
+    /// Like [`Etcd::start`], but clients must speak TLS and present a certificate
+    /// issued by [`Etcd::pki`]'s CA (`--client-cert-auth`), as a production etcd does.
+    pub async fn start_tls() -> Result<Self, HarnessError> {
+        Self::start_with(true).await
+    }
+
+    async fn start_with(tls: bool) -> Result<Self, HarnessError> {
         let binary = find_binary().ok_or(HarnessError::BinaryMissing)?;
         let dir = tempfile::Builder::new()
             .prefix("wasmplane-etcd-")
@@ -92,21 +109,32 @@ impl Etcd {
         while peer_port == client_port {
             peer_port = free_port()?;
         }
+        let tls = match tls {
+            true => Some(TestPki::generate(&dir.path().join("pki"), "etcd")?),
+            false => None,
+        };
         let mut etcd = Etcd {
             binary,
             dir,
             name: format!("wasmplane-test-{client_port}"),
             client_port,
             peer_port,
+            tls,
             child: None,
         };
         etcd.spawn_and_wait().await?;
         Ok(etcd)
     }
 
-    /// The client URL, e.g. `http://127.0.0.1:40123`.
+    /// The client URL, e.g. `http://127.0.0.1:40123` (`https://` with TLS).
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
+    }
+
+    /// The CA and certificates of a server started with [`Etcd::start_tls`].
+    pub fn pki(&self) -> Option<&TestPki> {
+        self.tls.as_ref()
     }
 
     /// The client address (for a [`TcpProxy`] in front of it).
@@ -134,7 +162,11 @@ impl Etcd {
 
     /// A fresh etcd-client connected to this server, for test set-up and assertions.
     pub async fn client(&self) -> Result<etcd_client::Client, HarnessError> {
-        Ok(etcd_client::Client::connect([self.endpoint()], None).await?)
+        let options = match &self.tls {
+            Some(pki) => Some(etcd_client::ConnectOptions::new().with_tls(pki.client_tls()?)),
+            None => None,
+        };
+        Ok(etcd_client::Client::connect([self.endpoint()], options).await?)
     }
 
     /// Graceful stop: SIGTERM, then SIGKILL if the process does not exit in time.
@@ -220,7 +252,18 @@ impl Etcd {
             .open(self.log_path())?;
         let client_url = self.endpoint();
         let peer_url = format!("http://127.0.0.1:{}", self.peer_port);
-        let child = Command::new(&self.binary)
+        let mut command = Command::new(&self.binary);
+        if let Some(pki) = &self.tls {
+            command
+                .arg("--cert-file")
+                .arg(&pki.server_cert)
+                .arg("--key-file")
+                .arg(&pki.server_key)
+                .arg("--client-cert-auth")
+                .arg("--trusted-ca-file")
+                .arg(&pki.ca);
+        }
+        let child = command
             .arg("--name")
             .arg(&self.name)
             .arg("--data-dir")
@@ -255,7 +298,7 @@ impl Etcd {
         let started = Instant::now();
         let mut last_error: String;
         // Connecting is lazy in etcd-client; requests are what tell us it is up.
-        let mut client = etcd_client::Client::connect([self.endpoint()], None).await?;
+        let mut client = self.client().await?;
         loop {
             let exited = match self.child.as_mut() {
                 Some(child) => child.try_wait()?,
@@ -350,6 +393,75 @@ fn tail(path: &Path) -> String {
         Ok(String::from_utf8_lossy(&buf).into_owned())
     };
     read().unwrap_or_else(|e| format!("(cannot read {}: {e})", path.display()))
+}
+
+/// A CA and the certificates it issued for a test, as PEM files: a server certificate
+/// for `127.0.0.1` and `localhost`, and a client certificate.
+#[derive(Debug, Clone)]
+pub struct TestPki {
+    pub ca: PathBuf,
+    pub server_cert: PathBuf,
+    pub server_key: PathBuf,
+    pub client_cert: PathBuf,
+    pub client_key: PathBuf,
+}
+
+impl TestPki {
+    /// Makes a new CA (so two calls make CAs that do not trust each other's
+    /// certificates) and writes `<name>-ca.pem`, `<name>-server{,-key}.pem` and
+    /// `<name>-client{,-key}.pem` into `dir`.
+    pub fn generate(dir: &Path, name: &str) -> Result<TestPki, HarnessError> {
+        use rcgen::{
+            BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose,
+            IsCa, KeyPair,
+        };
+        std::fs::create_dir_all(dir)?;
+        let mut ca_params = CertificateParams::new(Vec::new())?;
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params
+            .distinguished_name
+            .push(DnType::CommonName, format!("{name} test CA"));
+        let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate()?)?;
+        let issue = |sans: Vec<String>, common_name: &str, usage: ExtendedKeyUsagePurpose| {
+            let mut params = CertificateParams::new(sans)?;
+            params
+                .distinguished_name
+                .push(DnType::CommonName, common_name);
+            params.extended_key_usages = vec![usage];
+            let key = KeyPair::generate()?;
+            let cert = params.signed_by(&key, &ca)?;
+            Ok::<_, rcgen::Error>((cert.pem(), key.serialize_pem()))
+        };
+        let (server_cert, server_key) = issue(
+            vec!["127.0.0.1".into(), "localhost".into()],
+            "etcd server",
+            ExtendedKeyUsagePurpose::ServerAuth,
+        )?;
+        let (client_cert, client_key) =
+            issue(Vec::new(), "wasmplane", ExtendedKeyUsagePurpose::ClientAuth)?;
+        let write = |file: &str, pem: &str| -> io::Result<PathBuf> {
+            let path = dir.join(format!("{name}-{file}.pem"));
+            std::fs::write(&path, pem)?;
+            Ok(path)
+        };
+        Ok(TestPki {
+            ca: write("ca", &ca.pem())?,
+            server_cert: write("server", &server_cert)?,
+            server_key: write("server-key", &server_key)?,
+            client_cert: write("client", &client_cert)?,
+            client_key: write("client-key", &client_key)?,
+        })
+    }
+
+    /// etcd-client's TLS options presenting the client certificate and trusting the CA.
+    pub fn client_tls(&self) -> io::Result<etcd_client::TlsOptions> {
+        Ok(etcd_client::TlsOptions::new()
+            .ca_certificate(etcd_client::Certificate::from_pem(std::fs::read(&self.ca)?))
+            .identity(etcd_client::Identity::from_pem(
+                std::fs::read(&self.client_cert)?,
+                std::fs::read(&self.client_key)?,
+            )))
+    }
 }
 
 /// A loopback TCP forwarder whose connections can be cut on demand.
