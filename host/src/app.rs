@@ -292,7 +292,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
     }
     let token = resolve_token(&config)?;
     // Configuration errors first, before anything is opened or bound.
-    let admission = crate::admission::Admission::from_files(&config.trusted_keys, config.grants.as_deref()).context("loading trusted keys and grants")?;
+    let admission = Arc::new(crate::admission::Admission::from_files(&config.trusted_keys, config.grants.as_deref()).context("loading trusted keys and grants")?);
     if admission.requires_signatures() {
         tracing::info!(keys = config.trusted_keys.len(), "uploads must be signed by a trusted key");
     }
@@ -355,6 +355,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         // so through `nft -f` a change got slower with shards (9.5 s against 1.8 s at 50k).
         services_per_shard: if config.nft_netlink { config.nft_services_per_shard } else { usize::MAX },
         node_port_addresses: config.node_port_addresses.clone(),
+        admission: admission.clone(),
     };
     let data_dir = config.data_dir.clone();
     let controller = {
@@ -369,7 +370,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         c.add_observer(Box::new(recorder));
     }
     let kv = config.kvstore.open(config.data_dir.as_deref()).await?;
-    let modules = Arc::new(Modules::new(ModuleStore::new(kv), controller.clone(), Arc::new(admission)));
+    let modules = Arc::new(Modules::new(ModuleStore::new(kv), controller.clone(), admission.clone()));
     // Modules in force cluster-wide are in force here before any source state is applied.
     let index_revision = modules.sync_now().await.context("loading the module index from the kvstore")?;
     let ready = Arc::new(AtomicBool::new(config.manifests.is_none() && config.kubernetes.is_none()));

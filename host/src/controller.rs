@@ -102,6 +102,8 @@ pub struct ControllerConfig {
     pub services_per_shard: usize,
     /// Where node ports are served (`--nodeport-addresses`).
     pub node_port_addresses: nft::NodePortAddresses,
+    /// Signatures and grants, checked before any uploaded version runs here.
+    pub admission: Arc<crate::admission::Admission>,
 }
 
 pub struct Controller {
@@ -115,6 +117,10 @@ pub struct Controller {
     /// Last translation error per service (its last good rules stay applied).
     service_errors: BTreeMap<ObjectKey, String>,
     max_module_bytes: usize,
+    /// Checked again on every version the shared index puts in force, wherever it was
+    /// uploaded: whoever can write the kvstore (another host with laxer settings, a stolen
+    /// etcd credential) cannot run here what this host's keys and grants do not allow.
+    admission: Arc<crate::admission::Admission>,
     observers: Vec<Box<dyn ModelObserver>>,
     crash_budget: CrashBudget,
     /// Crashes of the translator in force within the budget's window.
@@ -219,6 +225,7 @@ impl Controller {
                 .with_health(health),
             service_errors: BTreeMap::new(),
             max_module_bytes: config.max_module_bytes,
+            admission: config.admission,
             observers: Vec::new(),
             crash_budget: config.crash_budget,
             recent_crashes: Default::default(),
@@ -672,7 +679,18 @@ impl Controller {
     fn load(&self, name: &str, version: u32) -> Result<LoadedModule, HostError> {
         let kind = self.registry.kind_of(name).ok_or_else(|| HostError::NotFound(format!("no module named {name:?}")))?;
         let bytes = self.registry.module_bytes(name, version)?;
-        Ok(self.runtime.load(name, &bytes, Some(kind), usize::MAX)?)
+        let module = self.runtime.load(name, &bytes, Some(kind), usize::MAX)?;
+        self.admit(name, version, &module.info, &bytes)?;
+        Ok(module)
+    }
+
+    /// This host's admission on a version about to run (the builtins ship in the binary).
+    fn admit(&self, name: &str, version: u32, info: &wasmplane_runtime::ModuleInfo, bytes: &[u8]) -> Result<(), HostError> {
+        if self.registry.is_builtin(name) {
+            return Ok(());
+        }
+        let signature = self.registry.shared().modules.get(name).and_then(|m| m.version(version)).and_then(|v| v.signature.as_deref());
+        Ok(self.admission.admit(name, info, bytes, signature)?)
     }
 
     /// Hot swap: run `name@version` over the whole current state; only if every service
@@ -735,6 +753,9 @@ impl Controller {
             Ok(module) => module,
             Err(e) => return Err(failed(self, e.to_string())),
         };
+        if let Err(e) = self.admit(name, version, &module.info, &bytes) {
+            return Err(failed(self, e.to_string()));
+        }
         let mut candidate = PolicyController::new(&module);
         let compiled = candidate.recompile_all(&self.cluster, &self.model);
         if compiled.failed > 0 {

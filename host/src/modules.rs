@@ -52,6 +52,10 @@ impl Modules {
         Modules { store, controller, admission, applied: tokio::sync::Mutex::new(0) }
     }
 
+    pub fn admission(&self) -> &Arc<Admission> {
+        &self.admission
+    }
+
     pub fn store(&self) -> &ModuleStore {
         &self.store
     }
@@ -139,7 +143,7 @@ impl Modules {
         }
         // Recorded first, activated second: a version that fails to activate stays listed
         // (with its failure in the status) and can be activated later.
-        let version = self.update(|index| index.add_version(name, kind, &info)).await?;
+        let version = self.update(|index| index.add_version(name, kind, &info, signature)).await?;
         // The blob may have been deleted by the module GC between our `put_blob` (skipped
         // when the bytes were already stored for an older version) and the publish.
         self.store.ensure_blob(&info.digest, &bytes).await?;

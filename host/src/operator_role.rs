@@ -64,30 +64,45 @@ struct WasmGcDecider {
     /// Digest (or the builtin's name) of the module the session runs.
     current: Option<(String, GcSession)>,
     max_module_bytes: usize,
+    /// This host's signatures and grants, checked on the version in force as the
+    /// controller checks translators and policies.
+    admission: Arc<crate::admission::Admission>,
+}
+
+/// An uploaded GC module's bytes, and its name and signature for this host's admission.
+struct Uploaded {
+    name: String,
+    bytes: bytes::Bytes,
+    signature: Option<String>,
 }
 
 impl WasmGcDecider {
-    /// The (name, digest, bytes) to run: the uploaded module in force, else the builtin.
-    fn wanted(&self) -> Result<(String, String, Option<bytes::Bytes>), DeciderError> {
+    /// The (`name@version`, digest, and the uploaded bytes with what admission needs) to
+    /// run: the uploaded module in force, else the builtin.
+    fn wanted(&self) -> Result<(String, String, Option<Uploaded>), DeciderError> {
         let store = self.store.clone();
         // Called on a blocking thread (the collector calls deciders off the async workers).
         let (index, _) = self.handle.block_on(store.load()).map_err(|e| DeciderError(format!("reading the module index: {e}")))?;
         let Some((name, version)) = index.in_force(GuestKind::Gc) else {
             return Ok((BUILTIN_GC.into(), BUILTIN_GC.into(), None));
         };
-        let digest = index.modules.get(name).and_then(|m| m.version(version)).map(|v| v.digest.clone()).ok_or_else(|| DeciderError(format!("module {name}@{version} is in force but not in the index")))?;
+        let record = index.modules.get(name).and_then(|m| m.version(version)).ok_or_else(|| DeciderError(format!("module {name}@{version} is in force but not in the index")))?;
+        let digest = record.digest.clone();
         if self.current.as_ref().is_some_and(|(d, _)| *d == digest) {
             return Ok((name.to_string(), digest, None));
         }
         let bytes = self.handle.block_on(self.store.get_blob(&digest)).map_err(|e| DeciderError(format!("fetching {name}@{version}: {e}")))?;
-        Ok((format!("{name}@{version}"), digest, Some(bytes)))
+        Ok((format!("{name}@{version}"), digest, Some(Uploaded { name: name.to_string(), bytes, signature: record.signature.clone() })))
     }
 
     fn session(&mut self) -> Result<&mut GcSession, DeciderError> {
-        let (name, digest, bytes) = self.wanted()?;
+        let (name, digest, uploaded) = self.wanted()?;
         if self.current.as_ref().is_none_or(|(d, _)| *d != digest) {
-            let bytes: &[u8] = bytes.as_deref().unwrap_or(wasmplane_guest_artifacts::GC);
+            let bytes: &[u8] = uploaded.as_ref().map_or(wasmplane_guest_artifacts::GC, |u| &u.bytes);
             let module = self.runtime.load_gc(&name, bytes, self.max_module_bytes).map_err(|e| DeciderError(format!("loading GC module {name}: {e}")))?;
+            if let Some(u) = &uploaded {
+                self.admission.admit(&u.name, &module.info, &u.bytes, u.signature.as_deref()).map_err(|e| DeciderError(format!("GC module {name} refused on this host: {e}")))?;
+            }
             tracing::info!(module = %name, "GC decisions by this module");
             self.current = Some((digest, module.session()));
         }
@@ -157,6 +172,7 @@ impl OperatorRole {
             handle: tokio::runtime::Handle::current(),
             current: None,
             max_module_bytes,
+            admission: modules.admission().clone(),
         }));
         let module_gc = {
             let (store, decider, interval, rate) = (ModuleStore::new(kv.clone()), decider.clone(), config.gc_interval, config.gc_deletes_per_second);

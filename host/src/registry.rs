@@ -25,6 +25,10 @@ pub struct ModuleVersion {
     pub imports: Vec<String>,
     /// Unix seconds.
     pub uploaded_at: u64,
+    /// The `module sign` signature it was uploaded with: every host checks it against its
+    /// own trusted keys before running the version, not only the host that took the upload.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signature: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -161,7 +165,9 @@ impl SharedIndex {
     }
 
     /// Records a new version (or returns the existing one with the same digest).
-    pub fn add_version(&mut self, name: &str, kind: GuestKind, info: &ModuleInfo) -> Result<u32, RegistryError> {
+    /// Records `info` as the next version of `name` (the existing one for the same bytes,
+    /// which takes `signature` if it had none).
+    pub fn add_version(&mut self, name: &str, kind: GuestKind, info: &ModuleInfo, signature: Option<&str>) -> Result<u32, RegistryError> {
         let module = self.modules.entry(name.to_string()).or_insert_with(|| SharedModule {
             kind,
             versions: vec![],
@@ -172,7 +178,10 @@ impl SharedIndex {
         if module.kind != kind {
             return Err(RegistryError::Conflict(format!("module {name:?} is a {} module, not {kind}", module.kind)));
         }
-        if let Some(existing) = module.versions.iter().find(|v| v.digest == info.digest) {
+        if let Some(existing) = module.versions.iter_mut().find(|v| v.digest == info.digest) {
+            if existing.signature.is_none() {
+                existing.signature = signature.map(str::to_string);
+            }
             return Ok(existing.version);
         }
         let version = module.versions.last().map_or(1, |v| v.version + 1);
@@ -183,6 +192,7 @@ impl SharedIndex {
             wit_version: info.wit_version.clone(),
             imports: info.imports.clone(),
             uploaded_at: now(),
+            signature: signature.map(str::to_string),
         });
         Ok(version)
     }
@@ -396,6 +406,7 @@ impl Registry {
             wit_version: info.wit_version.clone(),
             imports: info.imports.clone(),
             uploaded_at: now(),
+            signature: None,
         };
         self.builtins.insert(name.to_string(), Builtin { kind, version, bytes });
     }
@@ -567,18 +578,18 @@ mod tests {
     #[test]
     fn versions_are_content_addressed() {
         let mut index = SharedIndex::default();
-        assert_eq!(index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:a")), Ok(1));
-        assert_eq!(index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:b")), Ok(2));
-        assert_eq!(index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:a")), Ok(1), "same bytes, same version");
-        assert!(matches!(index.add_version("m", GuestKind::Gc, &info("sha256:c")), Err(RegistryError::Conflict(_))));
+        assert_eq!(index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:a"), None), Ok(1));
+        assert_eq!(index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:b"), None), Ok(2));
+        assert_eq!(index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:a"), None), Ok(1), "same bytes, same version");
+        assert!(matches!(index.add_version("m", GuestKind::Gc, &info("sha256:c"), None), Err(RegistryError::Conflict(_))));
     }
 
     #[test]
     fn activation_rollback_and_removal_move_what_is_in_force() {
         let mut index = SharedIndex::default();
-        index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:a")).unwrap();
-        index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:b")).unwrap();
-        index.add_version("n", GuestKind::ServiceTranslator, &info("sha256:c")).unwrap();
+        index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:a"), None).unwrap();
+        index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:b"), None).unwrap();
+        index.add_version("n", GuestKind::ServiceTranslator, &info("sha256:c"), None).unwrap();
         assert_eq!(index.in_force(GuestKind::ServiceTranslator), None, "builtin until something is activated");
         assert!(matches!(index.rollback("m"), Err(RegistryError::Conflict(_))));
         assert_eq!(index.activate("m", Some(1)), Ok(1));
@@ -598,7 +609,7 @@ mod tests {
     fn auto_rollback_returns_to_the_last_other_version_or_the_builtin() {
         let mut index = SharedIndex::default();
         for d in ["sha256:a", "sha256:b"] {
-            index.add_version("m", GuestKind::ServiceTranslator, &info(d)).unwrap();
+            index.add_version("m", GuestKind::ServiceTranslator, &info(d), None).unwrap();
         }
         index.activate("m", Some(1)).unwrap();
         index.activate("m", Some(2)).unwrap();
@@ -617,7 +628,7 @@ mod tests {
         let mut registry = Registry::open(None).unwrap();
         registry.add_builtin("builtin", GuestKind::ServiceTranslator, &info("sha256:z"), b"\0asm");
         let mut index = SharedIndex::default();
-        index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:a")).unwrap();
+        index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:a"), None).unwrap();
         index.activate("m", None).unwrap();
         registry.set_shared(index);
         assert_eq!(registry.wanted(GuestKind::ServiceTranslator), Some(("m".into(), 1)));

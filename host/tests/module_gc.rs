@@ -41,12 +41,12 @@ async fn only_unused_versions_are_offered_and_only_named_ones_go() {
     let mut index = SharedIndex::default();
     for b in &bytes {
         store.put_blob(&info(b).digest, b).await.unwrap();
-        index.add_version("m", GuestKind::ServiceTranslator, &info(b)).unwrap();
+        index.add_version("m", GuestKind::ServiceTranslator, &info(b), None).unwrap();
     }
     index.activate("m", Some(1)).unwrap();
     index.activate("m", Some(2)).unwrap();
-    index.add_version("other", GuestKind::ServiceTranslator, &info(&bytes[2])).unwrap();
-    index.add_version("other", GuestKind::ServiceTranslator, &info(b"other newest")).unwrap();
+    index.add_version("other", GuestKind::ServiceTranslator, &info(&bytes[2]), None).unwrap();
+    index.add_version("other", GuestKind::ServiceTranslator, &info(b"other newest"), None).unwrap();
     store.put_blob(&info(b"other newest").digest, b"other newest").await.unwrap();
     assert!(store.publish(0, &index).await.unwrap().is_some());
 

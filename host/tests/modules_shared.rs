@@ -93,3 +93,55 @@ async fn a_host_started_later_runs_what_the_cluster_has_in_force() {
     a.stop().await;
     c.stop().await;
 }
+
+/// Whoever can write the kvstore (here a host without `--trusted-key`; equally a stolen etcd
+/// credential) cannot run an unsigned module on a host that requires signatures: each host
+/// checks the signature recorded with the version against its own keys before running it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_requiring_signatures_refuses_an_unsigned_module_another_host_put_in_force() {
+    use wasmplane::admission;
+    let etcd = Etcd::start().await.expect("etcd-server must be installed (scripts/setup.sh)");
+    let dir = tempfile::tempdir().unwrap();
+    let (private, public) = admission::generate_key_pair().unwrap();
+    let (private_path, public_path) = (dir.path().join("key"), dir.path().join("key.pub"));
+    std::fs::write(&private_path, private).unwrap();
+    std::fs::write(&public_path, public).unwrap();
+    let key = admission::read_private_key(&private_path).unwrap();
+    let lax = host(dir.path(), "node-a", &etcd).await;
+    let strict = start(wasmplane::app::HostConfig { trusted_keys: vec![public_path], ..node_config(dir.path(), "node-b", &etcd, TOKEN, "shop.yaml", &documents(&[WEB_SERVICE, API_SERVICE])) }).await.unwrap();
+    let client = reqwest::Client::new();
+
+    // Unsigned, through the lax host: it runs there; the strict host keeps the builtin and
+    // says why in the module's status.
+    let r = upload_request(&client, &lax.url(), "port-filter", "service-translator", artifacts::examples::PORT_FILTER_TRANSLATOR).bearer_auth(TOKEN).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+    wait_for_translator(&client, &lax, "port-filter@1").await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let module = loop {
+        let module = get_json(&client, &strict, "/v1/modules/port-filter").await;
+        if module["status"] == "failed" {
+            break module;
+        }
+        assert!(Instant::now() < deadline, "the strict host never refused it: {module}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(module["last_error"].as_str().unwrap_or_default().contains("is not signed"), "{module}");
+    assert_eq!(get_json(&client, &strict, "/v1/dataplane?format=json").await["translator"], "default-service-translator@1");
+
+    // Signed with the trusted key, through the same lax host: both run it.
+    let bytes = artifacts::SERVICE_TRANSLATOR;
+    let r = upload_request(&client, &lax.url(), "port-filter", "service-translator", bytes).header("x-wasmplane-signature", admission::sign(&key, bytes)).bearer_auth(TOKEN).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+    wait_for_translator(&client, &strict, "port-filter@2").await;
+    wait_for_translator(&client, &lax, "port-filter@2").await;
+
+    // A signature recorded for other bytes does not carry over: rolling back to the unsigned
+    // version is refused on the strict host again, which keeps the signed one.
+    let r = client.post(format!("{}/v1/modules/port-filter/rollback", lax.url())).bearer_auth(TOKEN).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    wait_for_translator(&client, &lax, "port-filter@1").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(get_json(&client, &strict, "/v1/dataplane?format=json").await["translator"], "port-filter@2");
+    lax.stop().await;
+    strict.stop().await;
+}

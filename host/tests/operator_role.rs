@@ -120,3 +120,52 @@ async fn two_replicas_elect_one_leader_and_the_other_takes_over() {
     .await;
     follower.stop().await;
 }
+
+/// The GC guest is checked like translators and policies: where signatures are required, a
+/// GC module put in force without one (by anyone who can write the index) is not run, and
+/// nothing is collected until the version carries a trusted signature.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsigned_gc_module_in_the_index_is_not_run_where_signatures_are_required() {
+    use wasmplane::admission;
+    use wasmplane_runtime::{GuestKind, LoadedModule, ModuleInfo};
+    let dir = tempfile::tempdir().unwrap();
+    let (private, public) = admission::generate_key_pair().unwrap();
+    let (private_path, public_path) = (dir.path().join("key"), dir.path().join("key.pub"));
+    std::fs::write(&private_path, private).unwrap();
+    std::fs::write(&public_path, public).unwrap();
+    let host = start(HostConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        data_dir: Some(dir.path().join("data")),
+        token: Some("operator-test-token-0123456789".into()),
+        operator: Some(fast("solo")),
+        trusted_keys: vec![public_path],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (store, kv) = (host.modules.store(), host.modules.store().kv().clone());
+    // The builtin GC guest's own bytes under another name: it would collect the orphan.
+    let bytes = wasmplane_guest_artifacts::GC;
+    let info = ModuleInfo { digest: LoadedModule::digest_of(bytes), kind: GuestKind::Gc, wit_version: "1.0.0".into(), size: bytes.len(), imports: vec![] };
+    store.put_blob(&info.digest, bytes).await.unwrap();
+    let publish = |signature: Option<String>| {
+        let info = info.clone();
+        async move {
+            let (mut index, revision) = store.load().await.unwrap();
+            index.add_version("written-to-etcd", GuestKind::Gc, &info, signature.as_deref()).unwrap();
+            index.activate("written-to-etcd", Some(1)).unwrap();
+            assert!(store.publish(revision, &index).await.unwrap().is_some());
+        }
+    };
+    publish(None).await;
+    let orphan = format!("{LOCKS_PREFIX}orphaned");
+    kv.put(&orphan, Bytes::from_static(b"node-that-is-gone"), None).await.unwrap();
+    // Seven GC intervals: the builtin would have collected it in the first.
+    tokio::time::sleep(Duration::from_millis(1400)).await;
+    assert!(kv.get(&orphan).await.unwrap().is_some(), "an unsigned GC module decided");
+
+    let key = admission::read_private_key(&private_path).unwrap();
+    publish(Some(admission::sign(&key, bytes))).await;
+    let _ = eventually("the orphaned lock collected by the signed module", Duration::from_secs(5), || kv.get(&orphan), |v| matches!(v, Ok(None))).await;
+    host.stop().await;
+}
