@@ -120,7 +120,8 @@ async fn authenticate(State(state): State<ApiState>, ConnectInfo(peer): ConnectI
     let path = request.uri().path();
     let open_probe = matches!(path, "/healthz" | "/readyz");
     let read_only = matches!(*request.method(), Method::GET | Method::HEAD);
-    let needs_token = !open_probe && (!read_only || !peer.ip().is_loopback());
+    // The gRPC stream's rule too: an IPv4 loopback client on a dual-stack socket is loopback.
+    let needs_token = !open_probe && (!read_only || !crate::grpc_auth::is_loopback(Some(peer)));
     if !needs_token {
         return next.run(request).await;
     }

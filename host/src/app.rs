@@ -408,15 +408,21 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         }));
     }
 
+    // One policy (and one cache of Kubernetes reviews) for the REST API and the gRPC stream.
+    let auth = Arc::new(auth);
     let (mut grpc_addr, mut model_feed) = (None, None);
     if let Some(listen) = config.grpc_listen {
         let feed = model_feed_of(&controller);
         let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding the gRPC listener {listen}"))?;
-        grpc_addr = Some(listener.local_addr()?);
-        let serving = feed.clone();
+        let addr = listener.local_addr()?;
+        grpc_addr = Some(addr);
+        // The stream is the node's whole model: the REST API's rule for reads, and its TLS.
+        let serving = wasmplane_grpc::WatchService::new(feed.clone()).authorize(Arc::new(crate::grpc_auth::GrpcAuth::new(auth.clone())));
+        let grpc_tls = tls_config.as_deref().map(crate::grpc_auth::grpc_tls_config);
+        tracing::info!(%addr, tls = grpc_tls.is_some(), kubernetes_auth = config.kubernetes_auth.is_some(), "serving the node-local model over gRPC: loopback clients need no token, others a bearer token");
         loops.push(tokio::spawn(async move {
-            if let Err(e) = wasmplane_grpc::serve(serving, listener, std::future::pending()).await {
-                tracing::error!("gRPC model server failed: {e}");
+            if let Err(e) = crate::grpc_auth::serve(serving, listener, grpc_tls, std::future::pending()).await {
+                tracing::error!("gRPC model server failed: {e:#}");
             }
         }));
         model_feed = Some(feed);
@@ -537,7 +543,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         modules: modules.clone(),
         agent: agent.clone(),
         operator: operator.clone(),
-        auth: Arc::new(auth),
+        auth,
         audit: Arc::new(crate::audit::Audit::new(modules.store().kv().clone(), config.node_name.clone(), audit_failures)),
     };
     let listener = tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;

@@ -115,7 +115,7 @@ impl TlsListener {
                     Ok(accepted) => accepted,
                     Err(e) => {
                         // Out of file descriptors and the like: back off rather than spin.
-                        tracing::warn!("REST API accept failed: {e}");
+                        tracing::warn!("TLS accept failed: {e}");
                         tokio::time::sleep(Duration::from_millis(100)).await;
                         continue;
                     }

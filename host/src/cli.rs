@@ -177,7 +177,7 @@ pub struct RunArgs {
     /// `lookups`). Without it every module is granted every capability.
     #[arg(long, env = "WASMPLANE_GRANTS")]
     pub grants: Option<PathBuf>,
-    /// Serve the REST API over TLS with this certificate chain (PEM).
+    /// Serve the REST API and the gRPC stream over TLS with this certificate chain (PEM).
     #[arg(long, env = "WASMPLANE_TLS_CERT", requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,
     /// The TLS private key (PEM: PKCS#8, RSA or SEC1).

@@ -17,6 +17,7 @@ pub mod cni;
 pub mod conntrack_tuning;
 pub mod controller;
 pub mod dataplane;
+pub mod grpc_auth;
 pub mod memory;
 pub mod metrics;
 pub mod module_gc;

@@ -1,13 +1,27 @@
 //! The host's gRPC model stream, wired to the real controller: a tonic client mirrors the
-//! node-local model while manifests change, and always agrees with `/v1/state`.
+//! node-local model while manifests change, and always agrees with `/v1/state`. Secured as
+//! the REST API's reads are: TLS with the REST API's certificate, no token from loopback, a
+//! bearer token from anywhere else (a client in another network namespace, as root).
 
+mod support;
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use wasmplane::app::{HostConfig, start};
-use wasmplane_grpc::proto::WatchRequest;
+use support::netns::{Netns, is_root, run, unique_prefix};
+use tokio_rustls::rustls;
+use tonic::Code;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig};
+use wasmplane::app::{HostConfig, RunningHost, start};
+use wasmplane::auth::TlsFiles;
+use wasmplane_grpc::proto::watch_response::Event;
+use wasmplane_grpc::proto::{self, WatchRequest};
 use wasmplane_grpc::{LocalModelClient, Mirror};
 
 const TOKEN: &str = "grpc-test-token-0123456789abcdef";
+const WAIT: Duration = Duration::from_secs(10);
 
 fn service_yaml(name: &str, ip: &str, endpoints: &[&str]) -> String {
     let eps: String = endpoints
@@ -108,4 +122,179 @@ async fn a_grpc_sink_mirrors_the_model_through_changes() {
 /// The generated client's stream type, named once.
 mod tonic_stream {
     pub type Stream = tonic::Streaming<wasmplane_grpc::proto::WatchResponse>;
+}
+
+// ---- security: TLS and tokens ----
+
+/// A self-signed certificate for `names` (IP addresses and DNS names), written where the
+/// host reads it; and its PEM, for clients to trust.
+fn self_signed(dir: &Path, names: &[&str]) -> (TlsFiles, String) {
+    let rcgen::CertifiedKey { cert, signing_key } = rcgen::generate_simple_self_signed(names.iter().map(|n| n.to_string()).collect::<Vec<_>>()).unwrap();
+    let files = TlsFiles { cert: dir.join("tls.crt"), key: dir.join("tls.key") };
+    std::fs::write(&files.cert, cert.pem()).unwrap();
+    std::fs::write(&files.key, signing_key.serialize_pem()).unwrap();
+    (files, cert.pem())
+}
+
+/// A host with one service, serving gRPC on `grpc_listen`, over TLS with `tls`.
+async fn secured_host(dir: &Path, grpc_listen: SocketAddr, tls: Option<TlsFiles>) -> RunningHost {
+    let manifests = dir.join("manifests");
+    std::fs::create_dir_all(&manifests).unwrap();
+    std::fs::write(manifests.join("web.yaml"), service_yaml("web", "10.96.0.10", &["10.244.1.2"])).unwrap();
+    start(HostConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        grpc_listen: Some(grpc_listen),
+        manifests: Some(manifests),
+        data_dir: Some(dir.join("data")),
+        token: Some(TOKEN.into()),
+        manifest_poll: Duration::from_millis(50),
+        service_cidrs: vec!["10.96.0.0/16".into()],
+        tls,
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+}
+
+/// Connects (trusting `ca` for `https://`) and starts a watch, with `token` as bearer.
+async fn watch(url: &str, ca: Option<&str>, token: Option<&str>) -> Result<tonic::Streaming<proto::WatchResponse>, String> {
+    let attempt = async {
+        let mut endpoint = Channel::from_shared(url.to_string()).map_err(|e| e.to_string())?;
+        if let Some(ca) = ca {
+            endpoint = endpoint.tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca))).map_err(|e| e.to_string())?;
+        }
+        let channel = endpoint.connect().await.map_err(|e| format!("connect: {e:?}"))?;
+        let mut request = tonic::Request::new(WatchRequest {});
+        if let Some(token) = token {
+            request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+        }
+        LocalModelClient::new(channel).watch(request).await.map(tonic::Response::into_inner).map_err(|s| format!("{:?}: {}", s.code(), s.message()))
+    };
+    tokio::time::timeout(WAIT, attempt).await.unwrap_or_else(|_| Err("timed out".into()))
+}
+
+/// The first message must be the start of a snapshot holding the manifests' service.
+async fn expect_snapshot(stream: &mut tonic::Streaming<proto::WatchResponse>, who: &str) {
+    let deadline = Instant::now() + WAIT;
+    let mut mirror = Mirror::new();
+    // Until the manifests are loaded (a snapshot of the empty model may come first).
+    while !mirror.services().keys().any(|k| k.name == "web") {
+        let message = tokio::time::timeout_at(deadline.into(), stream.message()).await.unwrap_or_else(|_| panic!("{who}: no snapshot in time"));
+        let message = message.unwrap_or_else(|e| panic!("{who}: stream failed: {e}")).unwrap_or_else(|| panic!("{who}: stream ended"));
+        if mirror.revision().is_none() {
+            assert!(matches!(message.event, Some(Event::Snapshot(_))), "{who}: the first message is not a snapshot: {message:?}");
+        }
+        mirror.apply(message).unwrap_or_else(|e| panic!("{who}: {e}"));
+    }
+}
+
+/// The protocol a TLS server picks when offered both `h2` and `http/1.1`.
+async fn negotiated_alpn(addr: SocketAddr, ca_pem: &str) -> Option<Vec<u8>> {
+    use rustls_pki_types::pem::PemObject as _;
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(rustls_pki_types::CertificateDer::from_pem_slice(ca_pem.as_bytes()).unwrap()).unwrap();
+    let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let name = rustls_pki_types::ServerName::IpAddress(addr.ip().into());
+    let tls = tokio_rustls::TlsConnector::from(Arc::new(config)).connect(name, tcp).await.unwrap();
+    tls.get_ref().1.alpn_protocol().map(<[u8]>::to_vec)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_is_served_over_tls_and_loopback_needs_no_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let (files, ca) = self_signed(dir.path(), &["127.0.0.1", "localhost"]);
+    let host = secured_host(dir.path(), "127.0.0.1:0".parse().unwrap(), Some(files)).await;
+    let addr = host.grpc_addr.expect("gRPC is served");
+
+    // Over TLS, trusting the host's certificate, from loopback: no token needed (so the peer
+    // address reached the check through the TLS stream).
+    let mut stream = watch(&format!("https://{addr}"), Some(&ca), None).await.expect("a loopback TLS client may watch");
+    expect_snapshot(&mut stream, "loopback TLS client").await;
+    // A token does no harm.
+    let mut stream = watch(&format!("https://{addr}"), Some(&ca), Some(TOKEN)).await.expect("with the token too");
+    expect_snapshot(&mut stream, "loopback TLS client with the token").await;
+
+    // Plain text to the TLS port, and TLS without trusting the certificate, both fail.
+    let plain = watch(&format!("http://{addr}"), None, None).await;
+    assert!(plain.is_err(), "plain text must not be served on the TLS port");
+    let untrusting = async {
+        let endpoint = Channel::from_shared(format!("https://{addr}")).unwrap().tls_config(ClientTlsConfig::new()).unwrap();
+        endpoint.connect().await
+    };
+    assert!(tokio::time::timeout(WAIT, untrusting).await.expect("an answer in time").is_err(), "an untrusted certificate must fail");
+
+    // gRPC gets HTTP/2; the REST API on the same certificate still offers HTTP/1.1 only.
+    assert_eq!(negotiated_alpn(addr, &ca).await.as_deref(), Some(&b"h2"[..]));
+    assert_eq!(negotiated_alpn(host.addr, &ca).await.as_deref(), Some(&b"http/1.1"[..]));
+    host.stop().await;
+}
+
+/// Deletes a link on drop (its peer goes with it).
+struct Link(String);
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip").args(["link", "del", &self.0]).output();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn from_another_host_grpc_needs_the_token() {
+    if !is_root() {
+        eprintln!("\n!!!!!!!! SKIPPED {}: needs root (network namespaces, veth) !!!!!!!!\n", module_path!());
+        return;
+    }
+    // "Another host": a namespace joined to ours by a veth pair, in a /30 of its own per
+    // process (so concurrent runs do not share a subnet).
+    let subnet = (std::process::id() % 64) * 4;
+    let (ours, theirs) = (format!("10.244.250.{}", subnet + 1), format!("10.244.250.{}", subnet + 2));
+    let ns = Netns::new(unique_prefix("grpc"));
+    let link = Link(format!("wg{}", std::process::id()));
+    run(&["ip", "link", "add", &link.0, "type", "veth", "peer", "name", "eth0", "netns", &ns.name]);
+    run(&["ip", "addr", "add", &format!("{ours}/30"), "dev", &link.0]);
+    run(&["ip", "link", "set", &link.0, "up"]);
+    ns.exec(&["ip", "addr", "add", &format!("{theirs}/30"), "dev", "eth0"]);
+    ns.exec(&["ip", "link", "set", "eth0", "up"]);
+
+    for tls in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let (files, ca) = self_signed(dir.path(), &["127.0.0.1", &ours]);
+        // Only on the veth: nothing beyond this test's namespace can reach it.
+        let host = secured_host(dir.path(), SocketAddr::new(ours.parse().unwrap(), 0), tls.then_some(files)).await;
+        let addr = host.grpc_addr.expect("gRPC is served");
+        let url = format!("{}://{addr}", if tls { "https" } else { "http" });
+        let ca = tls.then_some(ca);
+        let theirs: IpAddr = theirs.parse().unwrap();
+
+        // The client runs on a thread inside the namespace, on a runtime of its own there.
+        let outcome = tokio::task::block_in_place(|| {
+            ns.run(|| {
+                let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+                runtime.block_on(async {
+                    let local = tokio::net::UdpSocket::bind("0.0.0.0:0").await.unwrap();
+                    local.connect(addr).await.unwrap();
+                    assert_eq!(local.local_addr().unwrap().ip(), theirs, "the client is not in the other namespace");
+
+                    let ca = ca.as_deref();
+                    let missing = watch(&url, ca, None).await.map(|_| ()).expect_err("no token from another host must be refused");
+                    let wrong = watch(&url, ca, Some("wrong-token-wrong-token")).await.map(|_| ()).expect_err("a wrong token must be refused");
+                    let mut stream = watch(&url, ca, Some(TOKEN)).await.unwrap_or_else(|e| panic!("the host's token must be let in: {e}"));
+                    expect_snapshot(&mut stream, "client in the other namespace").await;
+                    (missing, wrong)
+                })
+            })
+        });
+        let (missing, wrong) = outcome;
+        assert!(missing.starts_with(&format!("{:?}: missing bearer token", Code::Unauthenticated)), "tls={tls}: {missing}");
+        assert!(wrong.starts_with(&format!("{:?}: invalid bearer token", Code::Unauthenticated)), "tls={tls}: {wrong}");
+        host.stop().await;
+    }
+    drop(link);
+    drop(ns);
 }

@@ -1128,7 +1128,7 @@ async fn a_global_service_balances_to_another_clusters_endpoints() {
     cluster.put_file("svc-web.yaml", &global(svc.yaml()));
     let west = start_host(HostConfig {
         kvstore: KvstoreConfig::etcd(vec![west_etcd.endpoint()]),
-        agent: Some(wasmplane::agent::AgentConfig { cluster_name: Some("west".into()), remote_clusters: vec![("east".into(), vec![east_etcd.endpoint()])], ..Default::default() }),
+        agent: Some(wasmplane::agent::AgentConfig { cluster_name: Some("west".into()), remote_clusters: vec![wasmplane::agent::RemoteEtcd { cluster: "east".into(), endpoints: vec![east_etcd.endpoint()], tls: None }], ..Default::default() }),
         ..cluster.config(topo.nft_command())
     })
     .await;

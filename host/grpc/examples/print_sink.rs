@@ -4,29 +4,58 @@
 //! ```text
 //! cargo run -p wasmplane-grpc --example demo_feed            # a synthetic agent, or a real one
 //! cargo run -p wasmplane-grpc --example print_sink [http://127.0.0.1:50151]
+//! # a host elsewhere, served with TLS: its CA certificate, and its token from the environment
+//! WASMPLANE_TOKEN=... cargo run -p wasmplane-grpc --example print_sink https://10.0.0.5:50151 ca.crt
 //! ```
+//!
+//! A host lets loopback clients watch without a token; from anywhere else it wants
+//! `authorization: Bearer <token>`, sent here when `WASMPLANE_TOKEN` is set (an environment
+//! variable rather than an argument, so the token does not show in `ps`).
 
 use std::time::Duration;
 
+use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 use wasmplane_grpc::proto::{self, watch_response::Event};
 use wasmplane_grpc::{Applied, LocalModelClient, Mirror};
 use wasmplane_model::ObjectKey;
 
 const DEFAULT_ADDR: &str = "http://127.0.0.1:50151";
 
-#[tokio::main]
-async fn main() {
-    let addr = std::env::args().nth(1).unwrap_or_else(|| DEFAULT_ADDR.to_string());
-    tokio::select! {
-        _ = run(addr) => {}
-        _ = tokio::signal::ctrl_c() => println!("bye"),
-    }
+/// Where the host is and how to reach it.
+struct Target {
+    addr: String,
+    /// PEM of the CA that signed the host's certificate, for `https://` addresses.
+    ca: Option<Vec<u8>>,
+    /// `authorization` metadata value, `Bearer <token>`.
+    bearer: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
 }
 
-async fn run(addr: String) {
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    let addr = args.next().unwrap_or_else(|| DEFAULT_ADDR.to_string());
+    let ca = match args.next() {
+        Some(path) => Some(std::fs::read(&path).map_err(|e| format!("reading the CA certificate {path}: {e}"))?),
+        None => None,
+    };
+    let bearer = match std::env::var("WASMPLANE_TOKEN") {
+        Ok(token) if !token.trim().is_empty() => Some(format!("Bearer {}", token.trim()).parse().map_err(|_| "WASMPLANE_TOKEN is not a valid header value")?),
+        _ => None,
+    };
+    if bearer.is_some() && addr.starts_with("http://") {
+        println!("note: the token goes to {addr} in plain text; use https:// for a host elsewhere");
+    }
+    tokio::select! {
+        _ = run(Target { addr, ca, bearer }) => {}
+        _ = tokio::signal::ctrl_c() => println!("bye"),
+    }
+    Ok(())
+}
+
+async fn run(target: Target) {
     let mut backoff = Duration::from_millis(500);
     loop {
-        match watch(&addr).await {
+        match watch(&target).await {
             Ok(()) => println!("the agent ended the stream; reconnecting"),
             Err(e) => println!("{e}; reconnecting in {backoff:?}"),
         }
@@ -35,9 +64,23 @@ async fn run(addr: String) {
     }
 }
 
-async fn watch(addr: &str) -> Result<(), Box<dyn std::error::Error>> {
-    let mut client = LocalModelClient::connect(addr.to_string()).await.map_err(|e| format!("cannot connect to {addr}: {e}"))?;
-    let mut stream = client.watch(proto::WatchRequest {}).await?.into_inner();
+async fn connect(target: &Target) -> Result<Channel, Box<dyn std::error::Error>> {
+    let mut endpoint = Channel::from_shared(target.addr.clone())?;
+    if let Some(ca) = &target.ca {
+        endpoint = endpoint.tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)))?;
+    }
+    Ok(endpoint.connect().await?)
+}
+
+async fn watch(target: &Target) -> Result<(), Box<dyn std::error::Error>> {
+    let addr = &target.addr;
+    let channel = connect(target).await.map_err(|e| format!("cannot connect to {addr}: {}", with_sources(&*e)))?;
+    let mut client = LocalModelClient::new(channel);
+    let mut request = tonic::Request::new(proto::WatchRequest {});
+    if let Some(bearer) = &target.bearer {
+        request.metadata_mut().insert("authorization", bearer.clone());
+    }
+    let mut stream = client.watch(request).await?.into_inner();
     println!("watching {addr}");
     // Every reconnect starts from a snapshot, which replaces whatever we had.
     let mut mirror = Mirror::new();
@@ -61,6 +104,18 @@ async fn watch(addr: &str) -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     Ok(())
+}
+
+/// The error and its causes: tonic's own text is only "transport error", the reason (a
+/// certificate not trusted, a refused connection) is in its sources.
+fn with_sources(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    text
 }
 
 /// "+added ~updated -deleted" with names, from a delta and the state before it.

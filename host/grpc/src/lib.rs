@@ -27,6 +27,10 @@
 //! # }
 //! ```
 //!
+//! Who may watch is the embedder's call: give [`WatchService::authorize`] an [`Authorize`]
+//! hook (it sees each call's peer address and metadata); without one, anyone who reaches the
+//! port may.
+//!
 //! Sink side: [`LocalModelClient`] and [`Mirror`]; `examples/print_sink.rs` is a complete one.
 
 pub mod convert;
@@ -44,4 +48,7 @@ pub use feed::{Delta, FeedStats, ModelFeed, NodeFacts, Snapshot, SnapshotSource}
 pub use mirror::{Applied, Mirror, MirrorError};
 pub use proto::local_model_client::LocalModelClient;
 pub use proto::local_model_server::LocalModelServer;
-pub use server::{DEFAULT_SNAPSHOT_PART_BYTES, ServeError, WatchService, serve, serve_incoming, service};
+pub use server::{Authorize, DEFAULT_SNAPSHOT_PART_BYTES, ServeError, WatchService, serve, serve_incoming, service};
+/// The tonic this crate is built on, for embedders that implement [`Authorize`] or serve
+/// over their own transport without depending on tonic themselves.
+pub use tonic;

@@ -5,6 +5,10 @@
 //! its broadcast receiver while the ring moves on, and on its next read it learns that it
 //! lagged and sends a fresh snapshot. Nothing is buffered per client beyond HTTP/2's own
 //! windows, and a slow client never slows the host or the other clients.
+//!
+//! Who may watch is up to the embedder: an [`Authorize`] hook given to
+//! [`WatchService::authorize`] sees each call's peer address and headers first, and its
+//! refusal is the call's answer. Without one, every caller may watch.
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -14,12 +18,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::Stream;
+use futures::future::BoxFuture;
 use prost::Message;
 use tokio::net::TcpListener;
 use tokio::sync::broadcast::error::RecvError;
 use tokio::sync::{broadcast, watch};
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::server::Connected;
+use tonic::codegen::http::HeaderMap;
 use tonic::{Request, Response, Status};
 
 use crate::feed::{Counters, Delta, ModelFeed, Snapshot};
@@ -37,15 +43,37 @@ pub enum ServeError {
     Transport(#[from] tonic::transport::Error),
 }
 
+/// Decides whether a caller may watch the model. The stream carries every Service, endpoint,
+/// pod and policy of the node, so a host reachable from outside should set one.
+pub trait Authorize: Send + Sync + 'static {
+    /// `Ok` lets the watch start; an `Err` is returned to the caller as it is (typically
+    /// `UNAUTHENTICATED`, `PERMISSION_DENIED` or `UNAVAILABLE`). `peer` is the client's
+    /// address when the transport knows it (TCP, and TLS over TCP with tonic's connect
+    /// info); `headers` are the call's metadata, `authorization` included.
+    fn authorize<'a>(&'a self, peer: Option<SocketAddr>, headers: &'a HeaderMap) -> BoxFuture<'a, Result<(), Status>>;
+}
+
 /// The service implementation. Build it with [`WatchService::new`] (or `From<ModelFeed>`),
 /// tune it, and turn it into a server with [`WatchService::into_server`], or pass it to
 /// [`serve`].
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct WatchService {
     feed: ModelFeed,
     part_bytes: usize,
     /// A stop signal of this service only (set by [`serve`]), besides the feed's own.
     stop: Option<watch::Receiver<bool>>,
+    authorize: Option<Arc<dyn Authorize>>,
+}
+
+impl std::fmt::Debug for WatchService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WatchService")
+            .field("feed", &self.feed)
+            .field("part_bytes", &self.part_bytes)
+            .field("stop", &self.stop)
+            .field("authorize", &self.authorize.is_some())
+            .finish()
+    }
 }
 
 impl From<ModelFeed> for WatchService {
@@ -56,7 +84,14 @@ impl From<ModelFeed> for WatchService {
 
 impl WatchService {
     pub fn new(feed: ModelFeed) -> Self {
-        WatchService { feed, part_bytes: DEFAULT_SNAPSHOT_PART_BYTES, stop: None }
+        WatchService { feed, part_bytes: DEFAULT_SNAPSHOT_PART_BYTES, stop: None, authorize: None }
+    }
+
+    /// Every watch must first pass `authorize`; without it, anyone who reaches the server
+    /// may watch.
+    pub fn authorize(mut self, authorize: Arc<dyn Authorize>) -> Self {
+        self.authorize = Some(authorize);
+        self
     }
 
     /// Bound of one snapshot message's encoded size (a part always holds at least one
@@ -129,10 +164,18 @@ impl LocalModel for WatchService {
     type WatchStream = WatchStream;
 
     async fn watch(&self, request: Request<proto::WatchRequest>) -> Result<Response<WatchStream>, Status> {
+        let peer = request.remote_addr();
+        // First: a caller that may not watch learns nothing, not even that we are stopping.
+        if let Some(authorize) = &self.authorize {
+            let headers = request.metadata().clone().into_headers();
+            if let Err(status) = authorize.authorize(peer, &headers).await {
+                tracing::debug!(peer = ?peer, code = ?status.code(), "model watch refused: {}", status.message());
+                return Err(status);
+            }
+        }
         if self.feed.is_closed() || self.stop.as_ref().is_some_and(|s| *s.borrow()) {
             return Err(Status::unavailable("the model server is shutting down"));
         }
-        let peer = request.remote_addr();
         Counters::bump(&self.feed.inner.counters.watches);
         tracing::info!(peer = ?peer, "model watch started");
         let watcher = Watcher {
