@@ -15,10 +15,9 @@ use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use tokio::sync::broadcast::error::RecvError;
 use std::time::Duration;
 
-use wasmplane_kvstore::{EtcdConfig, EtcdStore, KvStore, SharedChange, SharedEntry, SharedStore, SharedStoreConfig};
+use wasmplane_kvstore::{EtcdConfig, EtcdStore, KvStore, SharedBatch, SharedBatches, SharedChange, SharedEntry, SharedStore, SharedStoreConfig};
 use wasmplane_model::{ClusterEvent, ClusterObject, CompactString, Endpoint, EndpointPort, EndpointSlice, ObjectKind, Protocol};
 use wasmplane_operator::{SharedService, SharedSlice};
 use wasmplane_sources::kube::SourceEvent;
@@ -243,11 +242,14 @@ impl ServiceImport {
     /// holds before returning, then follows it.
     pub async fn start(kv: Arc<dyn KvStore>, controller: &Arc<Mutex<Controller>>, clusters: Clusters, clusters_prefix: &str, gauges: ClusterMeshGauges) -> anyhow::Result<ServiceImport> {
         let importer = Arc::new(Mutex::new(Importer::new(clusters)));
-        let store = Arc::new(SharedStore::follow(kv, SharedStoreConfig::new(clusters_prefix)).await?);
+        let store = SharedStore::follow(kv, SharedStoreConfig::new(clusters_prefix)).await?;
         let mut counted = Counted::new(gauges);
-        let changes = apply_snapshot(&store, &importer, controller, &mut counted).await;
+        let mut batches = store.batches();
+        if let Some(first) = batches.next().await {
+            apply(controller, take(first, &importer, &mut counted)).await;
+        }
         // The task owns the store: aborting it stops the follower too.
-        let task = tokio::spawn(follow(store, changes, importer.clone(), Arc::downgrade(controller), counted));
+        let task = tokio::spawn(follow(store, batches, importer.clone(), Arc::downgrade(controller), counted));
         Ok(ServiceImport { importer, task, remote: None })
     }
 
@@ -261,7 +263,7 @@ impl ServiceImport {
         let (name, task_connected) = (cluster.clone(), connected.clone());
         let ready = gauges.remote_cluster_ready.get_or_create(&ClusterLabels { cluster: cluster.clone() }).clone();
         ready.set(0);
-        let mut counted = Counted::new(gauges);
+        let counted = Counted::new(gauges);
         let task = tokio::spawn(async move {
             let mut delay = Duration::from_millis(200);
             let store = loop {
@@ -270,7 +272,7 @@ impl ServiceImport {
                     SharedStore::follow(kv, SharedStoreConfig::new(prefix.as_str())).await
                 };
                 match joined.await {
-                    Ok(store) => break Arc::new(store),
+                    Ok(store) => break store,
                     Err(e) => tracing::warn!(cluster, "remote cluster's etcd ({}) does not answer; trying again in {delay:?}: {e}", etcd.endpoints.join(",")),
                 }
                 tokio::time::sleep(delay).await;
@@ -279,10 +281,8 @@ impl ServiceImport {
             tracing::info!(cluster, "following the remote cluster's services");
             task_connected.store(true, Ordering::Relaxed);
             ready.set(1);
-            let Some(controller) = weak.upgrade() else { return };
-            let changes = apply_snapshot(&store, &task_importer, &controller, &mut counted).await;
-            drop(controller);
-            follow(store, changes, task_importer, weak, counted).await;
+            let batches = store.batches();
+            follow(store, batches, task_importer, weak, counted).await;
         });
         ServiceImport { importer, task, remote: Some((name, connected)) }
     }
@@ -299,16 +299,21 @@ impl ServiceImport {
 }
 
 /// Applies what the store holds now; the changes after it follow.
-async fn apply_snapshot(store: &SharedStore, importer: &Mutex<Importer>, controller: &Arc<Mutex<Controller>>, counted: &mut Counted) -> tokio::sync::broadcast::Receiver<SharedChange> {
-    let (snapshot, changes) = store.subscribe();
-    let events = {
-        let mut importer = importer.lock().unwrap_or_else(|p| p.into_inner());
-        let events = importer.replace(&snapshot);
-        counted.update(&importer);
-        events
+/// The model events of one batch of exports, the gauges counted again.
+fn take(batch: SharedBatch, importer: &Mutex<Importer>, counted: &mut Counted) -> Vec<ClusterEvent> {
+    let mut importer = importer.lock().unwrap_or_else(|p| p.into_inner());
+    let events = match batch {
+        SharedBatch::Snapshot(all) => importer.replace(&all),
+        SharedBatch::Changes(changes) => changes
+            .into_iter()
+            .flat_map(|change| match change {
+                SharedChange::Upsert { name, value, .. } => importer.set(&name, Some(&value)),
+                SharedChange::Delete { name } => importer.set(&name, None),
+            })
+            .collect(),
     };
-    apply(controller, events).await;
-    changes
+    counted.update(&importer);
+    events
 }
 
 /// The imported-endpoints gauges of the clusters one import takes.
@@ -335,32 +340,12 @@ impl Counted {
     }
 }
 
-async fn follow(store: Arc<SharedStore>, mut changes: tokio::sync::broadcast::Receiver<SharedChange>, importer: Arc<Mutex<Importer>>, controller: std::sync::Weak<Mutex<Controller>>, mut counted: Counted) {
-    loop {
-        let first = changes.recv().await;
-        let mut events = Vec::new();
-        let mut next = Some(first);
-        // A burst (a relist's difference, many exports at once) is one model update.
-        while let Some(change) = next.take() {
-            let mut importer = importer.lock().unwrap_or_else(|p| p.into_inner());
-            match change {
-                Ok(SharedChange::Upsert { name, value, .. }) => events.extend(importer.set(&name, Some(&value))),
-                Ok(SharedChange::Delete { name }) => events.extend(importer.set(&name, None)),
-                Err(RecvError::Lagged(missed)) => {
-                    tracing::warn!(missed, "fell behind other clusters' services: reading them again");
-                    let (snapshot, fresh) = store.subscribe();
-                    changes = fresh;
-                    events.extend(importer.replace(&snapshot));
-                }
-                Err(RecvError::Closed) => return,
-            }
-            next = match changes.try_recv() {
-                Ok(change) => Some(Ok(change)),
-                Err(tokio::sync::broadcast::error::TryRecvError::Lagged(n)) => Some(Err(RecvError::Lagged(n))),
-                Err(_) => None,
-            };
-        }
-        counted.update(&importer.lock().unwrap_or_else(|p| p.into_inner()));
+/// Each batch (a relist's difference, many exports at once) is one model update.
+async fn follow(store: SharedStore, mut batches: SharedBatches, importer: Arc<Mutex<Importer>>, controller: std::sync::Weak<Mutex<Controller>>, mut counted: Counted) {
+    // Holds the store: the batches end when it is dropped.
+    let _store = store;
+    while let Some(batch) = batches.next().await {
+        let events = take(batch, &importer, &mut counted);
         let Some(controller) = controller.upgrade() else { return };
         apply(&controller, events).await;
     }

@@ -40,7 +40,9 @@ pub use embedded::{EmbeddedConfig, EmbeddedStore};
 pub use error::{KvError, Result};
 pub use etcd::{EtcdConfig, EtcdStore};
 pub use lease::{LeaseKeeper, LeaseStatus};
-pub use shared::{SharedChange, SharedEntry, SharedStore, SharedStoreConfig};
+pub use shared::{
+    SharedBatch, SharedBatches, SharedChange, SharedEntry, SharedStore, SharedStoreConfig,
+};
 pub use tls::{EtcdConfigFile, EtcdTls, EtcdTlsError, EtcdTlsFiles};
 
 /// A store revision (etcd's `int64`). 0 means "none" (e.g. the modification

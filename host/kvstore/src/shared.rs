@@ -82,6 +82,59 @@ pub enum SharedChange {
     },
 }
 
+/// What [`SharedBatches::next`] yields.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SharedBatch {
+    /// Every entry now: the first batch, and the next one after the follower fell behind
+    /// (what it missed is in it).
+    Snapshot(BTreeMap<String, SharedEntry>),
+    /// The changes since the previous batch, in order: every one that had arrived.
+    Changes(Vec<SharedChange>),
+}
+
+/// A follower of a [`SharedStore`] in batches ([`SharedStore::batches`]). It does not keep
+/// the store alive: once the store is dropped, [`SharedBatches::next`] ends.
+pub struct SharedBatches {
+    inner: std::sync::Weak<Inner>,
+    /// None until the first snapshot, and after falling behind.
+    changes: Option<broadcast::Receiver<SharedChange>>,
+}
+
+impl SharedBatches {
+    /// The next batch; `None` once the store is gone.
+    pub async fn next(&mut self) -> Option<SharedBatch> {
+        use broadcast::error::{RecvError, TryRecvError};
+        let Some(changes) = &mut self.changes else {
+            return self.snapshot();
+        };
+        let mut batch = match changes.recv().await {
+            Ok(change) => vec![change],
+            Err(RecvError::Lagged(missed)) => {
+                debug!(missed, "fell behind the shared store's changes: reading it whole again");
+                return self.snapshot();
+            }
+            Err(RecvError::Closed) => return None,
+        };
+        loop {
+            match changes.try_recv() {
+                Ok(change) => batch.push(change),
+                // The snapshot holds what this batch had too.
+                Err(TryRecvError::Lagged(_)) => return self.snapshot(),
+                Err(TryRecvError::Empty | TryRecvError::Closed) => {
+                    return Some(SharedBatch::Changes(batch));
+                }
+            }
+        }
+    }
+
+    fn snapshot(&mut self) -> Option<SharedBatch> {
+        let inner = self.inner.upgrade()?;
+        let cache = lock(&inner.cache);
+        self.changes = Some(inner.changes.subscribe());
+        Some(SharedBatch::Snapshot(cache.clone()))
+    }
+}
+
 /// A joined shared store. Dropping it stops its tasks (local keys then expire
 /// with the lease); [`SharedStore::close`] removes them at once.
 pub struct SharedStore {
@@ -175,6 +228,17 @@ impl SharedStore {
     ) {
         let cache = lock(&self.inner.cache);
         (cache.clone(), self.inner.changes.subscribe())
+    }
+
+    /// Follows the entries in batches: all of them first, then each burst of changes as
+    /// one batch, and all of them again after falling behind. For consumers that rebuild
+    /// something from the entries (routes, imported services), so that none of them has
+    /// to handle a lagging receiver itself.
+    pub fn batches(&self) -> SharedBatches {
+        SharedBatches {
+            inner: Arc::downgrade(&self.inner),
+            changes: None,
+        }
     }
 
     /// Sets a local key (owned by this node, attached to its lease). The value is

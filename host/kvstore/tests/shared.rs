@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use wasmplane_kvstore::{
-    Bytes, EmbeddedStore, KvStore, SharedChange, SharedStore, SharedStoreConfig,
+    Bytes, EmbeddedStore, KvStore, SharedBatch, SharedBatches, SharedChange, SharedEntry, SharedStore,
+    SharedStoreConfig,
 };
 use wasmplane_test_etcd::Etcd;
 
@@ -130,6 +131,54 @@ async fn a_follower_reads_without_writing() {
     assert_eq!(follower.lease(), None, "no lease taken");
     let keys: Vec<String> = store.list_prefix("cluster/nodes/").await.expect("list").items.into_iter().map(|kv| kv.key).collect();
     assert_eq!(keys, ["cluster/nodes/a", "cluster/nodes/b"], "nothing written by the follower");
+}
+
+/// Batches: everything first, then bursts of changes, and everything again after falling
+/// behind (what was missed is in it); the follower ends when the store is dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_start_whole_come_in_bursts_and_start_whole_again_after_a_lag() {
+    init_tracing();
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::in_memory());
+    let writer = SharedStore::join(store.clone(), config(Duration::from_secs(5))).await.expect("join");
+    writer.update_local("a", b("1")).await.expect("write a");
+    let mut follow_config = config(Duration::from_secs(5));
+    follow_config.change_buffer = 4;
+    let follower = SharedStore::follow(store.clone(), follow_config).await.expect("follow");
+    eventually("a listed", Duration::from_secs(5), || follower.get("a").is_some()).await;
+    let mut batches = follower.batches();
+    let names = |entries: &std::collections::BTreeMap<String, SharedEntry>| entries.keys().cloned().collect::<Vec<_>>();
+    match next(&mut batches).await {
+        Some(SharedBatch::Snapshot(all)) => assert_eq!(names(&all), ["a"]),
+        other => panic!("the first batch is everything: {other:?}"),
+    }
+    writer.update_local("b", b("2")).await.expect("write b");
+    writer.delete_local("a").await.expect("delete a");
+    let mut seen = Vec::new();
+    while seen.len() < 2 {
+        match next(&mut batches).await {
+            Some(SharedBatch::Changes(changes)) => seen.extend(changes),
+            other => panic!("changes expected: {other:?}"),
+        }
+    }
+    assert!(matches!(&seen[0], SharedChange::Upsert { name, .. } if name == "b"), "{seen:?}");
+    assert_eq!(seen[1], SharedChange::Delete { name: "a".into() });
+
+    // More changes than the follower's buffer while nobody reads: the next batch is
+    // everything, with all of them in it.
+    for i in 0..12 {
+        writer.update_local(&format!("k{i:02}"), b("x")).await.expect("write");
+    }
+    eventually("all written", Duration::from_secs(5), || follower.snapshot().len() == 13).await;
+    match next(&mut batches).await {
+        Some(SharedBatch::Snapshot(all)) => assert_eq!(all.len(), 13, "{:?}", names(&all)),
+        other => panic!("a lagging follower starts whole again: {other:?}"),
+    }
+    drop(follower);
+    assert_eq!(next(&mut batches).await, None, "the store is gone");
+}
+
+async fn next(batches: &mut SharedBatches) -> Option<SharedBatch> {
+    tokio::time::timeout(Duration::from_secs(5), batches.next()).await.expect("a batch in time")
 }
 
 /// After etcd was down (longer than a renewal period) and came back, the node

@@ -18,9 +18,8 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
-use tokio::sync::broadcast;
 use tracing::{debug, info, warn};
-use wasmplane_kvstore::{Bytes, KvStore, SharedChange, SharedStore, SharedStoreConfig};
+use wasmplane_kvstore::{Bytes, KvStore, SharedBatches, SharedStore, SharedStoreConfig};
 
 use crate::error::{Error, Result};
 
@@ -248,18 +247,10 @@ impl NodeRegistry {
         )
     }
 
-    /// Every node now, and the changes after that.
-    pub fn subscribe(
-        &self,
-    ) -> (
-        BTreeMap<String, NodeInfo>,
-        broadcast::Receiver<SharedChange>,
-    ) {
-        let (snapshot, changes) = self.shared.subscribe();
-        (
-            decode_all(snapshot.into_iter().map(|(k, e)| (k, e.value))),
-            changes,
-        )
+    /// Every node's entry, then the changes in batches ([`SharedStore::batches`]); decode
+    /// them with [`decode_node_info`].
+    pub fn batches(&self) -> SharedBatches {
+        self.shared.batches()
     }
 
     /// Leaves the cluster now: revokes the lease, so the info disappears at
@@ -287,7 +278,7 @@ pub fn decode_node_info(name: &str, value: &[u8]) -> Option<NodeInfo> {
     }
 }
 
-fn decode_all(entries: impl Iterator<Item = (String, Bytes)>) -> BTreeMap<String, NodeInfo> {
+pub(crate) fn decode_all(entries: impl Iterator<Item = (String, Bytes)>) -> BTreeMap<String, NodeInfo> {
     entries
         .filter_map(|(name, value)| decode_node_info(&name, &value).map(|info| (name, info)))
         .collect()

@@ -26,13 +26,13 @@ use rtnetlink::packet_route::route::{
     RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol,
 };
 use rtnetlink::{Handle, RouteMessageBuilder};
-use tokio::sync::{broadcast, oneshot, watch};
+use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tracing::{Instrument, debug, info, warn};
 
 use crate::error::{Error, Result};
-use crate::nodes::{NodeInfo, NodeRegistry, decode_node_info};
-use wasmplane_kvstore::SharedChange;
+use crate::nodes::{NodeInfo, NodeRegistry, decode_all, decode_node_info};
+use wasmplane_kvstore::{SharedBatch, SharedChange};
 
 /// The route protocol marking wasmplane's routes (`ip route show proto 149`).
 /// Unassigned in iproute2's `rt_protos`.
@@ -192,32 +192,24 @@ impl Drop for RouteSync {
 }
 
 async fn follow_registry(registry: Arc<NodeRegistry>, planner: Arc<RoutePlanner>) {
-    loop {
-        let (mut nodes, mut changes) = registry.subscribe();
-        planner.set_desired(desired_routes(&registry.local(), &nodes));
-        loop {
-            match changes.recv().await {
-                Ok(SharedChange::Upsert { name, value, .. }) => {
-                    match decode_node_info(&name, &value) {
-                        Some(info) => {
-                            nodes.insert(name, info);
-                        }
-                        None => {
-                            nodes.remove(&name);
-                        }
-                    }
+    let mut batches = registry.batches();
+    let mut nodes = BTreeMap::new();
+    while let Some(batch) = batches.next().await {
+        match batch {
+            SharedBatch::Snapshot(all) => nodes = decode_all(all.into_iter().map(|(name, entry)| (name, entry.value))),
+            SharedBatch::Changes(changes) => {
+                for change in changes {
+                    match change {
+                        SharedChange::Upsert { name, value, .. } => match decode_node_info(&name, &value) {
+                            Some(info) => nodes.insert(name, info),
+                            None => nodes.remove(&name),
+                        },
+                        SharedChange::Delete { name } => nodes.remove(&name),
+                    };
                 }
-                Ok(SharedChange::Delete { name }) => {
-                    nodes.remove(&name);
-                }
-                Err(broadcast::error::RecvError::Lagged(missed)) => {
-                    debug!(missed, "node changes lagged; taking a fresh snapshot");
-                    break;
-                }
-                Err(broadcast::error::RecvError::Closed) => return,
             }
-            planner.set_desired(desired_routes(&registry.local(), &nodes));
         }
+        planner.set_desired(desired_routes(&registry.local(), &nodes));
     }
 }
 
