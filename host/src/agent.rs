@@ -9,7 +9,6 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::Context as _;
 use ipnet::IpNet;
 use wasmplane_kvstore::KvStore;
 use wasmplane_model::ToStd;
@@ -18,6 +17,7 @@ use wasmplane_operator::policystatus::POLICY_STATUS_PREFIX;
 use wasmplane_operator::{CLUSTERS_PREFIX, HEARTBEAT_KEY, HeartbeatMonitor, NodePolicyStatus, NodeRegistry, NodeRegistryConfig, NodeStatusWriter, PolicyRef, RouteConfig, RouteSync};
 
 use crate::controller::{Controller, ModelObserver};
+use crate::clustermesh::{ClusterMeshConfig, RemoteClusters};
 use crate::service_import::{Clusters, ImportSummary, ServiceImport};
 
 #[derive(Clone, Debug)]
@@ -36,42 +36,8 @@ pub struct AgentConfig {
     pub cluster_name: Option<String>,
     /// Other clusters followed in their own etcd (`--remote-cluster`, `--clustermesh-config`),
     /// as Cilium's clustermesh does.
-    pub remote_clusters: Vec<RemoteEtcd>,
+    pub clustermesh: ClusterMeshConfig,
 }
-
-/// Another cluster's etcd, followed read-only for its exported services.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RemoteEtcd {
-    pub cluster: String,
-    pub endpoints: Vec<String>,
-    pub tls: Option<wasmplane_kvstore::EtcdTlsFiles>,
-}
-
-/// Cilium's clustermesh configuration directory: one etcd client configuration file per
-/// remote cluster, named after it (a mounted Secret, so `..data` links and dot-entries are
-/// skipped). The directory may also hold the certificates and keys those files name, so, as
-/// Cilium does, a file is a cluster's configuration when it has `endpoints:`. This cluster's
-/// own file, which a shared Secret usually holds, is skipped.
-pub fn read_clustermesh_dir(dir: &std::path::Path, own_cluster: &str) -> anyhow::Result<Vec<RemoteEtcd>> {
-    let mut remotes = Vec::new();
-    for entry in std::fs::read_dir(dir).with_context(|| format!("reading the clustermesh configuration directory {}", dir.display()))? {
-        let path = entry?.path();
-        let Some(name) = path.file_name().and_then(|n| n.to_str()) else { continue };
-        // `metadata` follows the Secret's symlinks; directories are its timestamped copies.
-        if name.starts_with('.') || name == own_cluster || !std::fs::metadata(&path).is_ok_and(|m| m.is_file()) {
-            continue;
-        }
-        let text = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
-        if !text.windows(b"endpoints:".len()).any(|w| w == b"endpoints:") {
-            continue;
-        }
-        let config = wasmplane_kvstore::EtcdConfigFile::parse(&path, &text)?;
-        remotes.push(RemoteEtcd { cluster: name.to_string(), endpoints: config.endpoints, tls: config.tls });
-    }
-    remotes.sort_by(|a, b| a.cluster.cmp(&b.cluster));
-    Ok(remotes)
-}
-
 
 /// The agent duties of one running host. Dropping it stops route programming (routes stay)
 /// and the heartbeat follower.
@@ -79,8 +45,10 @@ pub struct Agent {
     pub registry: Arc<NodeRegistry>,
     pub routes: Option<RouteSync>,
     pub heartbeat: Option<HeartbeatMonitor>,
-    /// Other clusters' services: from this cluster's kvstore, and from each remote cluster's.
-    pub service_imports: Vec<ServiceImport>,
+    /// Other clusters' services found in this cluster's kvstore.
+    pub service_import: Option<ServiceImport>,
+    /// Other clusters' services, each cluster followed in its own etcd.
+    pub remote_clusters: Option<RemoteClusters>,
     /// `--cluster-name`, for [`Agent::imports`].
     cluster_name: Option<String>,
     publisher: tokio::task::JoinHandle<()>,
@@ -223,29 +191,23 @@ impl Agent {
             Some(max_age) => Some(HeartbeatMonitor::start(kv.clone(), HEARTBEAT_KEY, max_age).await?),
             None => None,
         };
-        let mut service_imports = Vec::new();
+        let (mut service_import, mut remote_clusters) = (None, None);
         if let Some(cluster) = &config.cluster_name {
+            let remotes = RemoteClusters::start(config.clustermesh.clone(), cluster, controller, gauges.clone()).await?;
             // This cluster's kvstore may hold other clusters' exports too (one etcd shared);
             // those with an etcd of their own are read there only.
-            let mut skipped = vec![cluster.clone()];
-            skipped.extend(config.remote_clusters.iter().map(|remote| remote.cluster.clone()));
-            // Files and schemes are checked now: the follower retries only what can recover.
-            let remotes = config.remote_clusters.iter().map(|remote| Ok((remote, crate::app::etcd_config(&remote.endpoints, remote.tls.as_ref()).with_context(|| format!("remote cluster {}", remote.cluster))?))).collect::<anyhow::Result<Vec<_>>>()?;
-            service_imports.push(ServiceImport::start(kv, controller, Clusters::AllBut(skipped), CLUSTERS_PREFIX, gauges.clone()).await?);
-            for (remote, etcd) in remotes {
-                service_imports.push(ServiceImport::start_remote(remote.cluster.clone(), etcd, controller, CLUSTERS_PREFIX, gauges.clone()));
-            }
+            let skipped = std::iter::once(cluster.clone()).chain(remotes.names()).collect();
+            service_import = Some(ServiceImport::start(kv, controller, Clusters::AllBut(skipped), CLUSTERS_PREFIX, gauges.clone()).await?);
+            remote_clusters = Some(remotes);
         }
-        Ok(Agent { registry, routes, heartbeat, service_imports, cluster_name: config.cluster_name.clone(), publisher, status_writer })
+        Ok(Agent { registry, routes, heartbeat, service_import, remote_clusters, cluster_name: config.cluster_name.clone(), publisher, status_writer })
     }
 
     /// Other clusters' endpoints imported here (`None`: no `--cluster-name`, nothing imported).
     pub fn imports(&self) -> Option<ImportSummary> {
-        Some(ImportSummary {
-            cluster: self.cluster_name.clone()?,
-            remote_clusters: self.service_imports.iter().filter_map(ServiceImport::remote).collect(),
-            imported: self.service_imports.iter().flat_map(ServiceImport::imported).collect(),
-        })
+        let (remote_clusters, mut imported) = self.remote_clusters.as_ref().map(RemoteClusters::summaries).unwrap_or_default();
+        imported.extend(self.service_import.iter().flat_map(ServiceImport::imported));
+        Some(ImportSummary { cluster: self.cluster_name.clone()?, remote_clusters, imported })
     }
 
     /// Why this agent is not ready, if it is not: the operator's heartbeat is stale.

@@ -252,12 +252,19 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 10.0)]
     pub gc_deletes_per_second: f64,
     /// Operator: speak plain HTTP to the registries `WasmModule` objects name (a registry
-    /// inside the cluster's network). Credentials: WASMPLANE_REGISTRY_USERNAME/PASSWORD.
+    /// inside the cluster's network). Credentials: WASMPLANE_REGISTRY_USERNAME/PASSWORD, or
+    /// --module-registry-docker-config.
     #[arg(long)]
     pub module_registry_plain_http: bool,
     /// Operator: a CA certificate (PEM) to trust for those registries besides the system's.
     #[arg(long)]
     pub module_registry_ca: Option<PathBuf>,
+    /// Operator: Docker's config.json with credentials for those registries, per registry
+    /// (a mounted `kubernetes.io/dockerconfigjson` Secret's `.dockerconfigjson`, as
+    /// Kubewarden's --docker-config-json-path). WASMPLANE_REGISTRY_USERNAME/PASSWORD, when
+    /// set, are used for every registry instead.
+    #[arg(long, env = "WASMPLANE_MODULE_REGISTRY_DOCKER_CONFIG", value_name = "PATH")]
+    pub module_registry_docker_config: Option<PathBuf>,
 }
 
 /// `--remote-cluster NAME=URL[,URL…]`.
@@ -361,7 +368,7 @@ pub enum ModuleCommand {
 }
 
 /// How the CLI reaches an OCI registry.
-#[derive(clap::Args, Debug, Clone, Default)]
+#[derive(clap::Args, Clone, Default)]
 pub struct RegistryArgs {
     /// Speak plain HTTP to the registry (one on this machine; never across a network).
     #[arg(long)]
@@ -375,6 +382,39 @@ pub struct RegistryArgs {
     /// Taken from the environment only, so it shows in no process list.
     #[arg(skip = std::env::var("WASMPLANE_REGISTRY_PASSWORD").ok())]
     pub registry_password: Option<String>,
+    /// Docker's config.json (`docker login`'s, kwctl's): the registry's credentials from its
+    /// `auths`, `credHelpers` or `credsStore`, unless WASMPLANE_REGISTRY_USERNAME/PASSWORD
+    /// are set. Default: $DOCKER_CONFIG/config.json or ~/.docker/config.json, if it exists.
+    #[arg(long, value_name = "PATH")]
+    pub registry_docker_config: Option<PathBuf>,
+    /// That default, found when the command line is parsed: a `RegistryArgs` built in code
+    /// reads no file of the machine it runs on.
+    #[arg(skip = default_docker_config(|name| std::env::var_os(name)))]
+    pub default_docker_config: Option<PathBuf>,
+}
+
+/// The password stays out of debug output.
+impl std::fmt::Debug for RegistryArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegistryArgs")
+            .field("plain_http", &self.plain_http)
+            .field("registry_ca", &self.registry_ca)
+            .field("registry_username", &self.registry_username)
+            .field("registry_password", &self.registry_password.as_ref().map(|_| "<redacted>"))
+            .field("registry_docker_config", &self.registry_docker_config)
+            .field("default_docker_config", &self.default_docker_config)
+            .finish()
+    }
+}
+
+/// Where docker and kwctl look for their config: `$DOCKER_CONFIG/config.json`, else
+/// `~/.docker/config.json`; only a file that exists.
+fn default_docker_config(env: impl Fn(&str) -> Option<std::ffi::OsString>) -> Option<PathBuf> {
+    let dir = match env("DOCKER_CONFIG").filter(|d| !d.is_empty()) {
+        Some(dir) => PathBuf::from(dir),
+        None => PathBuf::from(env("HOME").filter(|h| !h.is_empty())?).join(".docker"),
+    };
+    Some(dir.join("config.json")).filter(|file| file.is_file())
 }
 
 impl RegistryArgs {
@@ -384,11 +424,21 @@ impl RegistryArgs {
             (None, None) => None,
             _ => bail!("registry credentials need both WASMPLANE_REGISTRY_USERNAME (or --registry-username) and WASMPLANE_REGISTRY_PASSWORD"),
         };
-        Ok(crate::oci::RegistryOptions { plain_http: self.plain_http, ca_file: self.registry_ca.clone(), credentials })
+        let docker_config = self.registry_docker_config.clone().or_else(|| self.default_docker_config.clone());
+        Ok(crate::oci::RegistryOptions { plain_http: self.plain_http, ca_file: self.registry_ca.clone(), credentials, docker_config })
     }
 
     fn connect(&self) -> anyhow::Result<crate::oci::Registry> {
-        Ok(crate::oci::Registry::new(&self.options()?)?)
+        let options = self.options()?;
+        match crate::oci::Registry::new(&options) {
+            // As docker: the default config, when unreadable, is warned about and done without;
+            // a file named by --registry-docker-config must be read.
+            Err(e @ crate::oci::OciError::DockerConfig { .. }) if self.registry_docker_config.is_none() => {
+                tracing::warn!("{e}: going on without it");
+                Ok(crate::oci::Registry::new(&crate::oci::RegistryOptions { docker_config: None, ..options })?)
+            }
+            registry => Ok(registry?),
+        }
     }
 }
 
@@ -472,15 +522,22 @@ impl RunArgs {
             bail!("--remote-cluster and --clustermesh-config need --cluster-name: this cluster's name among them");
         }
         let kvstore = self.kvstore_config()?;
-        let remote_clusters = self.remote_etcds(&kvstore)?;
-        // The operator pulls `WasmModule` objects' components with the CLI's credentials.
+        let clustermesh = self.clustermesh(&kvstore);
+        // The operator pulls `WasmModule` objects' components with the CLI's credentials, or
+        // its Docker config's (only one named: a pod has no ~/.docker of its own).
         let module_registry = RegistryArgs {
             plain_http: self.module_registry_plain_http,
             registry_ca: self.module_registry_ca.clone(),
             registry_username: std::env::var("WASMPLANE_REGISTRY_USERNAME").ok(),
             registry_password: std::env::var("WASMPLANE_REGISTRY_PASSWORD").ok(),
+            registry_docker_config: self.module_registry_docker_config.clone(),
+            default_docker_config: None,
         }
         .options()?;
+        // Checked at start, not at the first WasmModule: a wrong path or file fails the rollout.
+        if let Some(path) = &module_registry.docker_config {
+            crate::oci::DockerConfig::read(path)?;
+        }
         let limits = wasmplane_runtime::Limits {
             call_timeout: Duration::from_millis(self.guest_timeout_ms),
             memory_bytes: self.guest_memory_mib << 20,
@@ -557,7 +614,7 @@ impl RunArgs {
                 routes: self.node_routes,
                 heartbeat_max_age: (self.heartbeat_max_age_seconds > 0).then(|| Duration::from_secs(self.heartbeat_max_age_seconds)),
                 cluster_name: self.cluster_name.clone(),
-                remote_clusters,
+                clustermesh,
                 ..Default::default()
             }),
             ..Default::default()
@@ -581,26 +638,18 @@ impl RunArgs {
         })
     }
 
-    /// `--remote-cluster` (TLS as this host's etcd) and `--clustermesh-config`'s files.
-    fn remote_etcds(&self, kvstore: &crate::app::KvstoreConfig) -> anyhow::Result<Vec<crate::agent::RemoteEtcd>> {
+    /// `--remote-cluster` (TLS as this host's etcd) and `--clustermesh-config`.
+    fn clustermesh(&self, kvstore: &crate::app::KvstoreConfig) -> crate::clustermesh::ClusterMeshConfig {
         let own_tls = match kvstore {
             crate::app::KvstoreConfig::Etcd { tls, .. } => tls.clone(),
             crate::app::KvstoreConfig::Embedded => None,
         };
-        let mut remotes: Vec<_> = self
+        let remotes = self
             .remote_clusters
             .iter()
-            .map(|(cluster, endpoints)| crate::agent::RemoteEtcd { cluster: cluster.clone(), endpoints: endpoints.clone(), tls: endpoints.iter().any(|e| e.starts_with("https://")).then(|| own_tls.clone()).flatten() })
+            .map(|(cluster, endpoints)| crate::clustermesh::RemoteEtcd { cluster: cluster.clone(), endpoints: endpoints.clone(), tls: endpoints.iter().any(|e| e.starts_with("https://")).then(|| own_tls.clone()).flatten() })
             .collect();
-        if let (Some(dir), Some(own)) = (&self.clustermesh_config, &self.cluster_name) {
-            remotes.extend(crate::agent::read_clustermesh_dir(dir, own)?);
-        }
-        let mut names: Vec<_> = remotes.iter().map(|r| r.cluster.as_str()).collect();
-        names.sort_unstable();
-        if let Some(twice) = names.windows(2).find(|pair| pair[0] == pair[1]) {
-            bail!("remote cluster {:?} is configured twice (--remote-cluster and --clustermesh-config)", twice[0]);
-        }
-        Ok(remotes)
+        crate::clustermesh::ClusterMeshConfig { remotes, dir: self.clustermesh_config.clone(), poll: crate::clustermesh::ClusterMeshConfig::DEFAULT_POLL }
     }
 }
 
@@ -776,37 +825,18 @@ mod tests {
         assert!(parse_remote_cluster("=http://x:2379").is_err());
         assert!(parse_remote_cluster("east=").is_err());
         let run = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run"], args].concat()) {
-            Ok(Cli { command: Command::Run(args) }) => args.into_config().map(|c| c.agent.unwrap().remote_clusters).map_err(|e| e.to_string()),
+            Ok(Cli { command: Command::Run(args) }) => args.into_config().map(|c| c.agent.unwrap().clustermesh).map_err(|e| e.to_string()),
             Ok(_) => unreachable!("parsed as another command"),
             Err(e) => Err(e.to_string()),
         };
         assert!(run(&["--remote-cluster", "east=http://10.0.0.1:2379"]).unwrap_err().contains("--cluster-name"));
-        assert_eq!(run(&["--cluster-name", "west", "--remote-cluster", "east=http://10.0.0.1:2379"]).unwrap(), [crate::agent::RemoteEtcd { cluster: "east".into(), endpoints: vec!["http://10.0.0.1:2379".into()], tls: None }]);
+        assert!(run(&["--clustermesh-config", "/etc/mesh"]).unwrap_err().contains("--cluster-name"));
+        assert_eq!(run(&["--cluster-name", "west", "--remote-cluster", "east=http://10.0.0.1:2379"]).unwrap().remotes, [crate::clustermesh::RemoteEtcd { cluster: "east".into(), endpoints: vec!["http://10.0.0.1:2379".into()], tls: None }]);
         // https:// remotes use this host's etcd TLS files (one CA for the mesh).
         let tls = wasmplane_kvstore::EtcdTlsFiles { trusted_ca_file: "/ca.pem".into(), cert_file: Some("/c.pem".into()), key_file: Some("/k.pem".into()) };
-        let shared = run(&["--cluster-name", "west", "--kvstore", "https://10.0.0.9:2379", "--etcd-trusted-ca-file", "/ca.pem", "--etcd-cert-file", "/c.pem", "--etcd-key-file", "/k.pem", "--remote-cluster", "east=https://10.0.0.1:2379", "--remote-cluster", "north=http://10.0.0.3:2379"]).unwrap();
-        assert_eq!(shared.iter().map(|r| r.tls.clone()).collect::<Vec<_>>(), [Some(tls), None]);
-
-        // Cilium's clustermesh directory: one file per cluster; certificates, dot-entries
-        // and this cluster's own file are not clusters.
-        let dir = tempfile::tempdir().unwrap();
-        let write = |name: &str, text: &str| std::fs::write(dir.path().join(name), text).unwrap();
-        write("east", "endpoints:\n- https://east.mesh:2379\ntrusted-ca-file: common-ca.crt\ncert-file: common.crt\nkey-file: common.key\n");
-        write("west", "endpoints: [https://west.mesh:2379]\n");
-        write("common-ca.crt", "-----BEGIN CERTIFICATE-----\n");
-        std::fs::create_dir(dir.path().join("..2026_11_27")).unwrap();
-        write("..data_tmp", "endpoints: [https://ignored:2379]\n");
-        let mesh = dir.path().to_str().unwrap();
-        let remotes = run(&["--cluster-name", "west", "--clustermesh-config", mesh]).unwrap();
-        assert_eq!(remotes, [crate::agent::RemoteEtcd {
-            cluster: "east".into(),
-            endpoints: vec!["https://east.mesh:2379".into()],
-            tls: Some(wasmplane_kvstore::EtcdTlsFiles { trusted_ca_file: dir.path().join("common-ca.crt"), cert_file: Some(dir.path().join("common.crt")), key_file: Some(dir.path().join("common.key")) }),
-        }]);
-        assert!(run(&["--cluster-name", "west", "--clustermesh-config", mesh, "--remote-cluster", "east=http://x:2379"]).unwrap_err().contains("\"east\" is configured twice"));
-        write("south", "endpoints: [https://south.mesh:2379]\ninsecure-skip-tls-verify: true\n");
-        let refused = run(&["--cluster-name", "west", "--clustermesh-config", mesh]).unwrap_err();
-        assert!(refused.contains("south") && refused.contains("insecure-skip-tls-verify"), "{refused}");
+        let shared = run(&["--cluster-name", "west", "--kvstore", "https://10.0.0.9:2379", "--etcd-trusted-ca-file", "/ca.pem", "--etcd-cert-file", "/c.pem", "--etcd-key-file", "/k.pem", "--remote-cluster", "east=https://10.0.0.1:2379", "--remote-cluster", "north=http://10.0.0.3:2379", "--clustermesh-config", "/etc/mesh"]).unwrap();
+        assert_eq!(shared.remotes.iter().map(|r| r.tls.clone()).collect::<Vec<_>>(), [Some(tls), None]);
+        assert_eq!(shared.dir, Some("/etc/mesh".into()), "read by the agent, again as it changes");
     }
 
     #[test]
@@ -847,5 +877,59 @@ mod tests {
         let missing_ca = RegistryArgs { registry_ca: Some("/nonexistent/ca.pem".into()), ..RegistryArgs::default() };
         assert!(missing_ca.connect().err().expect("an unreadable CA").to_string().contains("/nonexistent/ca.pem"));
         assert!(RegistryArgs::default().connect().is_ok());
+    }
+
+    #[test]
+    fn registry_docker_config_flags_and_default() {
+        let dir = tempfile::tempdir().unwrap();
+        let (docker_dir, home) = (dir.path().join("docker"), dir.path().join("home"));
+        std::fs::create_dir_all(&docker_dir).unwrap();
+        std::fs::create_dir_all(home.join(".docker")).unwrap();
+        let env = |docker_config: Option<&PathBuf>| {
+            let (docker_config, home) = (docker_config.cloned(), home.clone());
+            move |name: &str| match name {
+                "DOCKER_CONFIG" => docker_config.clone().map(PathBuf::into_os_string),
+                "HOME" => Some(home.clone().into_os_string()),
+                _ => None,
+            }
+        };
+        // Only a file that exists; $DOCKER_CONFIG replaces ~/.docker, as in docker.
+        assert_eq!(default_docker_config(env(None)), None);
+        std::fs::write(home.join(".docker/config.json"), "{}").unwrap();
+        assert_eq!(default_docker_config(env(None)), Some(home.join(".docker/config.json")));
+        assert_eq!(default_docker_config(env(Some(&docker_dir))), None);
+        std::fs::write(docker_dir.join("config.json"), "{}").unwrap();
+        assert_eq!(default_docker_config(env(Some(&docker_dir))), Some(docker_dir.join("config.json")));
+
+        let parsed = match Cli::try_parse_from(["wasmplane", "module", "pull", "oci://r.example/m:v1", "-o", "m.wasm", "--registry-docker-config", "/etc/docker/config.json"]) {
+            Ok(Cli { command: Command::Module { command: ModuleCommand::Pull { registry, .. }, .. } }) => registry,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(parsed.registry_docker_config, Some(PathBuf::from("/etc/docker/config.json")));
+        assert_eq!(parsed.options().unwrap().docker_config, Some(PathBuf::from("/etc/docker/config.json")), "the flag before the default");
+
+        // A file named by the flag must be read; the default one, unreadable, is done without.
+        let malformed = dir.path().join("malformed.json");
+        std::fs::write(&malformed, "{").unwrap();
+        let named = RegistryArgs { registry_docker_config: Some(malformed.clone()), ..RegistryArgs::default() };
+        assert!(named.connect().err().expect("a malformed named config").to_string().contains(&malformed.display().to_string()));
+        let missing = RegistryArgs { registry_docker_config: Some("/nonexistent/config.json".into()), ..RegistryArgs::default() };
+        assert!(missing.connect().err().expect("a missing named config").to_string().contains("/nonexistent/config.json"));
+        let default = RegistryArgs { default_docker_config: Some(malformed), ..RegistryArgs::default() };
+        assert!(default.connect().is_ok());
+
+        let shown = format!("{:?}", RegistryArgs { registry_username: Some("ci".into()), registry_password: Some("registry-secret".into()), ..RegistryArgs::default() });
+        assert!(shown.contains("ci") && !shown.contains("registry-secret"), "{shown}");
+
+        // The operator's: a named file only, checked at start.
+        let operator = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run", "--role", "operator"], args].concat()) {
+            Ok(Cli { command: Command::Run(args) }) => args.into_config().map(|c| c.operator.expect("an operator").module_objects.registry.docker_config).map_err(|e| e.to_string()),
+            Ok(_) => unreachable!("parsed as another command"),
+            Err(e) => Err(e.to_string()),
+        };
+        assert_eq!(operator(&[]), Ok(None));
+        let secret = docker_dir.join("config.json");
+        assert_eq!(operator(&["--module-registry-docker-config", secret.to_str().unwrap()]), Ok(Some(secret)));
+        assert!(operator(&["--module-registry-docker-config", "/nonexistent/.dockerconfigjson"]).unwrap_err().contains("/nonexistent/.dockerconfigjson"));
     }
 }

@@ -13,6 +13,7 @@ pub mod app;
 pub mod audit;
 pub mod auth;
 pub mod cli;
+pub mod clustermesh;
 pub mod cni;
 pub mod conntrack_tuning;
 pub mod controller;

@@ -258,33 +258,37 @@ impl ServiceImport {
     /// answers: a remote cluster that is down delays nothing here.
     pub fn start_remote(cluster: String, etcd: EtcdConfig, controller: &Arc<Mutex<Controller>>, clusters_prefix: &str, gauges: ClusterMeshGauges) -> ServiceImport {
         let importer = Arc::new(Mutex::new(Importer::new(Clusters::Only(cluster.clone()))));
-        let (weak, prefix, task_importer) = (Arc::downgrade(controller), clusters_prefix.to_string(), importer.clone());
         let connected = Arc::new(AtomicBool::new(false));
-        let (name, task_connected) = (cluster.clone(), connected.clone());
-        let ready = gauges.remote_cluster_ready.get_or_create(&ClusterLabels { cluster: cluster.clone() }).clone();
-        ready.set(0);
-        let counted = Counted::new(gauges);
-        let task = tokio::spawn(async move {
-            let mut delay = Duration::from_millis(200);
-            let store = loop {
-                let joined = async {
-                    let kv: Arc<dyn KvStore> = Arc::new(EtcdStore::connect(etcd.clone()).await?);
-                    SharedStore::follow(kv, SharedStoreConfig::new(prefix.as_str())).await
-                };
-                match joined.await {
-                    Ok(store) => break store,
-                    Err(e) => tracing::warn!(cluster, "remote cluster's etcd ({}) does not answer; trying again in {delay:?}: {e}", etcd.endpoints.join(",")),
-                }
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(30));
-            };
-            tracing::info!(cluster, "following the remote cluster's services");
-            task_connected.store(true, Ordering::Relaxed);
-            ready.set(1);
-            let batches = store.batches();
-            follow(store, batches, task_importer, weak, counted).await;
-        });
-        ServiceImport { importer, task, remote: Some((name, connected)) }
+        let task = remote_task(&cluster, etcd, importer.clone(), connected.clone(), controller, clusters_prefix, gauges);
+        ServiceImport { importer, task, remote: Some((cluster, connected)) }
+    }
+
+    /// Follows the remote cluster with other settings (new endpoints or certificates). What
+    /// was imported stays until the new connection lists the exports and only the
+    /// difference is applied, as after an outage.
+    pub fn reconnect(&mut self, etcd: EtcdConfig, controller: &Arc<Mutex<Controller>>, clusters_prefix: &str, gauges: ClusterMeshGauges) {
+        let Some((cluster, connected)) = &self.remote else { return };
+        self.task.abort();
+        connected.store(false, Ordering::Relaxed);
+        self.task = remote_task(cluster, etcd, self.importer.clone(), connected.clone(), controller, clusters_prefix, gauges);
+    }
+
+    /// Stops following and takes back every endpoint this import gave the model (a remote
+    /// cluster removed from the configuration).
+    pub async fn retract(self, controller: &Arc<Mutex<Controller>>, gauges: &ClusterMeshGauges) {
+        self.task.abort();
+        let events = {
+            let mut importer = self.importer.lock().unwrap_or_else(|p| p.into_inner());
+            let events = importer.replace(&BTreeMap::new());
+            let mut counted = Counted::new(gauges.clone());
+            counted.clusters = self.remote.iter().map(|(cluster, _)| cluster.clone()).collect();
+            counted.update(&importer);
+            events
+        };
+        if let Some((cluster, _)) = &self.remote {
+            gauges.remote_cluster_ready.remove(&ClusterLabels { cluster: cluster.clone() });
+        }
+        apply(controller, events).await;
     }
 
     /// The remote cluster this import follows, if it is one.
@@ -299,6 +303,37 @@ impl ServiceImport {
 }
 
 /// Applies what the store holds now; the changes after it follow.
+/// Connects to a remote cluster's etcd (retrying in the background) and follows its exports
+/// into `importer`.
+fn remote_task(cluster: &str, etcd: EtcdConfig, importer: Arc<Mutex<Importer>>, connected: Arc<AtomicBool>, controller: &Arc<Mutex<Controller>>, clusters_prefix: &str, gauges: ClusterMeshGauges) -> tokio::task::JoinHandle<()> {
+    let (weak, prefix, cluster) = (Arc::downgrade(controller), clusters_prefix.to_string(), cluster.to_string());
+    let ready = gauges.remote_cluster_ready.get_or_create(&ClusterLabels { cluster: cluster.clone() }).clone();
+    ready.set(0);
+    let mut counted = Counted::new(gauges);
+    // This import's own cluster: a gauge it set before a reconnect is its to update.
+    counted.clusters = vec![cluster.clone()];
+    tokio::spawn(async move {
+        let mut delay = Duration::from_millis(200);
+        let store = loop {
+            let joined = async {
+                let kv: Arc<dyn KvStore> = Arc::new(EtcdStore::connect(etcd.clone()).await?);
+                SharedStore::follow(kv, SharedStoreConfig::new(prefix.as_str())).await
+            };
+            match joined.await {
+                Ok(store) => break store,
+                Err(e) => tracing::warn!(cluster, "remote cluster's etcd ({}) does not answer; trying again in {delay:?}: {e}", etcd.endpoints.join(",")),
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_secs(30));
+        };
+        tracing::info!(cluster, "following the remote cluster's services");
+        connected.store(true, Ordering::Relaxed);
+        ready.set(1);
+        let batches = store.batches();
+        follow(store, batches, importer, weak, counted).await;
+    })
+}
+
 /// The model events of one batch of exports, the gauges counted again.
 fn take(batch: SharedBatch, importer: &Mutex<Importer>, counted: &mut Counted) -> Vec<ClusterEvent> {
     let mut importer = importer.lock().unwrap_or_else(|p| p.into_inner());

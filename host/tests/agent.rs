@@ -16,7 +16,8 @@ use serde_json::Value;
 use support::cluster::{NODES_YAML, eventually, wait_for};
 use support::netns::{Netns, is_root};
 use support::rest::node_config;
-use wasmplane::agent::{AgentConfig, RemoteEtcd};
+use wasmplane::agent::AgentConfig;
+use wasmplane::clustermesh::ClusterMeshConfig;
 use wasmplane::app::{HostConfig, KvstoreConfig, RunningHost, start};
 use wasmplane_kvstore::EtcdTlsFiles;
 use wasmplane_operator::{CLUSTERS_PREFIX, HEARTBEAT_KEY, NodeRegistryConfig, write_heartbeats};
@@ -31,7 +32,7 @@ async fn host(dir: &Path, node: &str, etcd: &Etcd, netns: &Netns, heartbeat_max_
             // A node that stops renewing is gone within seconds (production: 15 s).
             registry: NodeRegistryConfig { lease_ttl: Duration::from_secs(2), ..Default::default() },
             cluster_name: None,
-            remote_clusters: vec![],
+            clustermesh: Default::default(),
         }),
         ..node_config(dir, node, etcd, "agent-test-token-0123456789", "nodes.yaml", NODES_YAML)
     })
@@ -123,27 +124,38 @@ fn client_tls(pki: &TestPki) -> EtcdTlsFiles {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_kvstore_and_a_remote_clusters_etcd_are_reached_over_tls_with_client_certificates() {
+async fn the_kvstore_and_remote_clusters_are_reached_over_tls_and_the_clustermesh_directory_is_followed() {
     let etcd = Etcd::start_tls().await.expect("etcd-server must be installed (scripts/setup.sh)");
     let east = Etcd::start_tls().await.expect("etcd-server must be installed (scripts/setup.sh)");
     let dir = tempfile::tempdir().unwrap();
+    let stranger = TestPki::generate(&dir.path().join("stranger"), "stranger").unwrap();
+    // Cilium's clustermesh directory: one file per cluster, and the files they name.
+    let mesh = dir.path().join("mesh");
+    std::fs::create_dir(&mesh).unwrap();
+    let east_pki = east.pki().unwrap();
+    let install = |client: &TestPki| {
+        std::fs::copy(&east_pki.ca, mesh.join("east-ca.crt")).unwrap();
+        std::fs::copy(&client.client_cert, mesh.join("east.crt")).unwrap();
+        std::fs::copy(&client.client_key, mesh.join("east.key")).unwrap();
+    };
+    let east_file = format!("endpoints: [{}]\ntrusted-ca-file: east-ca.crt\ncert-file: east.crt\nkey-file: east.key\n", east.endpoint());
+    // "north" is east's etcd reached with this cluster's CA and certificate, which east's
+    // etcd does not trust (and whose CA does not vouch for east's server).
+    let own_pki = etcd.pki().unwrap();
+    std::fs::write(mesh.join("north"), format!("endpoints: [{}]\ntrusted-ca-file: {}\ncert-file: {}\nkey-file: {}\n", east.endpoint(), own_pki.ca.display(), own_pki.client_cert.display(), own_pki.client_key.display())).unwrap();
+
     let base = node_config(dir.path(), "node-a", &etcd, "agent-tls-token-0123456789", "nodes.yaml", NODES_YAML);
-    let own = KvstoreConfig::Etcd { endpoints: vec![etcd.endpoint()], tls: Some(client_tls(etcd.pki().unwrap())) };
-    let remote = |cluster: &str, tls: EtcdTlsFiles| RemoteEtcd { cluster: cluster.into(), endpoints: vec![east.endpoint()], tls: Some(tls) };
+    // The Service here that east's endpoints join.
+    support::rest::write_manifest(&dir.path().join("node-a-manifests"), "web.yaml", "apiVersion: v1\nkind: Service\nmetadata: { name: web, namespace: default, annotations: { wasmplane.io/global: \"true\" } }\nspec: { clusterIP: 10.96.1.10, ports: [{ port: 80, targetPort: 8080, protocol: TCP }] }\n");
+    let own = KvstoreConfig::Etcd { endpoints: vec![etcd.endpoint()], tls: Some(client_tls(own_pki)) };
     let config = |kvstore: KvstoreConfig| HostConfig {
         kvstore,
-        agent: Some(AgentConfig {
-            cluster_name: Some("west".into()),
-            // "north" is east's etcd reached with this cluster's CA and certificate, which
-            // east's etcd does not trust (and whose CA does not vouch for east's server).
-            remote_clusters: vec![remote("east", client_tls(east.pki().unwrap())), remote("north", client_tls(etcd.pki().unwrap()))],
-            ..Default::default()
-        }),
+        agent: Some(AgentConfig { cluster_name: Some("west".into()), clustermesh: ClusterMeshConfig { dir: Some(mesh.clone()), poll: Duration::from_millis(200), ..Default::default() }, ..Default::default() }),
         ..base.clone()
     };
 
     // A TLS file that is not there stops the start, naming it.
-    let mut missing = client_tls(etcd.pki().unwrap());
+    let mut missing = client_tls(own_pki);
     missing.key_file = Some(dir.path().join("absent-key.pem"));
     let refused = start(config(KvstoreConfig::Etcd { endpoints: vec![etcd.endpoint()], tls: Some(missing) })).await.err().expect("a missing key file is refused");
     assert!(format!("{refused:#}").contains("absent-key.pem"), "{refused:#}");
@@ -154,13 +166,40 @@ async fn the_kvstore_and_a_remote_clusters_etcd_are_reached_over_tls_with_client
     let registered = own.open(None).await.unwrap().list_prefix(wasmplane_operator::nodes::NODE_INFO_PREFIX).await.unwrap();
     assert_eq!(registered.items.iter().map(|kv| kv.key.as_str()).collect::<Vec<_>>(), [format!("{}node-a", wasmplane_operator::nodes::NODE_INFO_PREFIX)]);
 
-    // East exports a service in its own etcd; the host follows east over TLS.
+    // East exports a service in its own etcd; nobody follows east yet.
     let export = serde_json::json!({"cluster": "east", "namespace": "default", "name": "web", "clusterIps": ["10.96.1.10"], "ports": [{"port": 80, "protocol": "TCP"}], "endpointSlices": [{"ports": [{"port": 8080, "protocol": "TCP"}], "addresses": ["10.245.0.7"]}]});
-    let east_kv = KvstoreConfig::Etcd { endpoints: vec![east.endpoint()], tls: Some(client_tls(east.pki().unwrap())) }.open(None).await.unwrap();
+    let east_kv = KvstoreConfig::Etcd { endpoints: vec![east.endpoint()], tls: Some(client_tls(east_pki)) }.open(None).await.unwrap();
     east_kv.put(&format!("{CLUSTERS_PREFIX}east/services/default/web"), export.to_string().into(), None).await.unwrap();
     let services = || async { reqwest::get(format!("{}/v1/cluster/services", host.url())).await.unwrap().json::<Value>().await.unwrap() };
-    let view = eventually("east's export imported over TLS", Duration::from_secs(15), services, |v| v["imported"].as_array().is_some_and(|i| !i.is_empty())).await;
-    assert_eq!(view["imported"], serde_json::json!([{"cluster": "east", "namespace": "default", "name": "web", "endpoints": ["10.245.0.7"]}]), "{view}");
-    assert_eq!(view["remote_clusters"], serde_json::json!([{"name": "east", "connected": true}, {"name": "north", "connected": false}]), "north's handshake fails: {view}");
+    let imported_from_east = serde_json::json!([{"cluster": "east", "namespace": "default", "name": "web", "endpoints": ["10.245.0.7"]}]);
+    let view = services().await;
+    assert_eq!((&view["remote_clusters"], &view["imported"]), (&serde_json::json!([{"name": "north", "connected": false}]), &serde_json::json!([])), "{view}");
+
+    // East's file appears (as a Secret's update would bring it): followed over TLS.
+    install(east_pki);
+    std::fs::write(mesh.join("east"), &east_file).unwrap();
+    let connected = |east: bool| serde_json::json!([{"name": "east", "connected": east}, {"name": "north", "connected": false}]);
+    let view = eventually("east followed once its file is there", Duration::from_secs(15), services, |v| v["imported"] == imported_from_east).await;
+    assert_eq!(view["remote_clusters"], connected(true), "north's handshake fails: {view}");
+    // The model's own count: the REST view lists imports, this is what the guests get.
+    let east_endpoints = || {
+        let controller = host.controller.lock().unwrap();
+        controller.cluster().slices_of(&wasmplane_model::ObjectKey::new("default", "web")).filter(|s| s.cluster.as_deref() == Some("east")).map(|s| s.endpoints.len()).sum::<usize>()
+    };
+    assert_eq!(east_endpoints(), 1);
+
+    // Its client certificate is rotated (to one east does not trust): reconnected, and what
+    // it had imported stays while the new connection fails, as in an outage.
+    install(&stranger);
+    let view = eventually("east reconnected with the new certificate", Duration::from_secs(15), services, |v| v["remote_clusters"] == connected(false)).await;
+    assert_eq!(view["imported"], imported_from_east, "{view}");
+    install(east_pki);
+    eventually("east connected again", Duration::from_secs(15), services, |v| v["remote_clusters"] == connected(true)).await;
+
+    // East's file goes: its endpoints go with it.
+    std::fs::remove_file(mesh.join("east")).unwrap();
+    let view = eventually("east dropped", Duration::from_secs(15), services, |v| v["imported"] == serde_json::json!([])).await;
+    assert_eq!(view["remote_clusters"], serde_json::json!([{"name": "north", "connected": false}]), "{view}");
+    assert_eq!(east_endpoints(), 0, "east's endpoints left the model with its file");
     host.stop().await;
 }

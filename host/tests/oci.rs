@@ -20,6 +20,10 @@ use wasmplane_guest_artifacts as artifacts;
 use wasmplane_runtime::LoadedModule;
 
 const TOKEN: &str = "oci-test-token-0123456789abcdef";
+/// The private registries' one user's password, and its bcrypt (cost 4) as `htpasswd -B`
+/// writes it.
+const PASSWORD: &str = "wasmplane-registry-pw";
+const BCRYPT: &str = "$2b$04$bKSA1Lo4rJLrduJIiUyTY.JiwnBKLC6TprjkFp68zyJ9/YEj4M3Be";
 
 fn plain_http() -> RegistryArgs {
     RegistryArgs { plain_http: true, ..RegistryArgs::default() }
@@ -156,9 +160,6 @@ async fn modules_travel_through_an_oci_registry_with_their_signatures() {
 /// it is given (`--registry-ca`) and sends basic credentials; without either it is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_private_registry_with_its_own_ca_and_basic_credentials() {
-    // bcrypt (cost 4) of PASSWORD, as `htpasswd -B` writes it.
-    const PASSWORD: &str = "wasmplane-registry-pw";
-    const BCRYPT: &str = "$2b$04$bKSA1Lo4rJLrduJIiUyTY.JiwnBKLC6TprjkFp68zyJ9/YEj4M3Be";
     let registry = OciRegistry::start_tls_with_user("ci", BCRYPT);
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("port_filter.wasm");
@@ -185,6 +186,59 @@ async fn a_private_registry_with_its_own_ca_and_basic_credentials() {
     assert!(pull(trusted(None, None)).await.is_err(), "pulls need the credentials too");
     pull(trusted(Some("ci"), Some(PASSWORD))).await.unwrap();
     assert_eq!(std::fs::read(&out).unwrap(), artifacts::examples::PORT_FILTER_TRANSLATOR);
+}
+
+/// Credentials from Docker's config.json (`docker login`'s, a `kubernetes.io/dockerconfigjson`
+/// Secret's), chosen by the reference's registry and nothing else: the registry's entry lets
+/// the CLI publish and the client pull; a wrong password there is refused; entries for other
+/// registries (another port of the same host among them) leave it anonymous, and refused;
+/// explicit credentials come first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn docker_config_credentials_are_the_registrys_own() {
+    use base64::Engine as _;
+    use wasmplane::oci::{Registry, RegistryOptions, reference_of};
+    let registry = OciRegistry::start_tls_with_user("ci", BCRYPT);
+    let dir = tempfile::tempdir().unwrap();
+    let module = artifacts::examples::PORT_FILTER_TRANSLATOR;
+    let file = dir.path().join("port_filter.wasm");
+    std::fs::write(&file, module).unwrap();
+    let reference = format!("oci://{}/private/port-filter:v1", registry.addr());
+    let auth = |user: &str, password: &str| base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+    let docker_config = |name: &str, auths: Value| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, serde_json::json!({"auths": auths, "HttpHeaders": {"User-Agent": "Docker-Client/27"}}).to_string()).unwrap();
+        path
+    };
+    // The registry's host on a port no registry listens on (ephemeral ports are high).
+    let other_port = "127.0.0.1:1";
+    let right = docker_config("right.json", serde_json::json!({ format!("https://{}", registry.addr()): {"auth": auth("ci", PASSWORD)}, "ghcr.io": {"auth": auth("someone", "else")} }));
+    let wrong = docker_config("wrong.json", serde_json::json!({ registry.addr(): {"username": "ci", "password": "not-the-password"} }));
+    let elsewhere = docker_config("elsewhere.json", serde_json::json!({ other_port: {"auth": auth("ci", PASSWORD)}, "https://index.docker.io/v1/": {"auth": auth("ci", PASSWORD)} }));
+    let cli = |docker_config: &Path| RegistryArgs { registry_ca: Some(registry.ca_file()), registry_docker_config: Some(docker_config.into()), ..RegistryArgs::default() };
+    let publish = |registry: RegistryArgs, tag: &str| module_command(no_api(), ModuleCommand::Publish { file: file.clone(), reference: reference.replace(":v1", &format!(":{tag}")), registry });
+    let client = |docker_config: &Path| Registry::new(&RegistryOptions { ca_file: Some(registry.ca_file()), docker_config: Some(docker_config.into()), ..RegistryOptions::default() }).unwrap();
+    let target = reference_of(&reference).unwrap().unwrap();
+    let unauthorized = |e: String| assert!(e.to_lowercase().contains("unauthorized"), "{e}");
+
+    // Only the Docker config: through the CLI to the registry, and back with the client.
+    publish(cli(&right), "v1").await.unwrap();
+    let artifact = client(&right).pull(&target, 1 << 20).await.unwrap();
+    assert_eq!(artifact.component, module);
+
+    // A wrong password for this registry: refused.
+    unauthorized(format!("{:?}", publish(cli(&wrong), "v2").await.unwrap_err()));
+    unauthorized(format!("{:?}", client(&wrong).pull(&target, 1 << 20).await.unwrap_err()));
+    // Entries for other registries only: anonymous here, refused.
+    unauthorized(format!("{:?}", publish(cli(&elsewhere), "v2").await.unwrap_err()));
+    unauthorized(format!("{:?}", client(&elsewhere).pull(&target, 1 << 20).await.unwrap_err()));
+
+    // Explicit credentials (WASMPLANE_REGISTRY_USERNAME/PASSWORD) come before the file.
+    let explicit = |docker_config: &Path, password: &str| RegistryArgs { registry_username: Some("ci".into()), registry_password: Some(password.into()), ..cli(docker_config) };
+    publish(explicit(&wrong, PASSWORD), "v2").await.unwrap();
+    unauthorized(format!("{:?}", publish(explicit(&right, "not-the-password"), "v3").await.unwrap_err()));
+    let out = dir.path().join("pulled.wasm");
+    module_command(no_api(), ModuleCommand::Pull { reference: reference.replace(":v1", ":v2"), out: out.clone(), registry: cli(&right) }).await.unwrap();
+    assert_eq!(std::fs::read(&out).unwrap(), module);
 }
 
 /// `WasmModule` objects (Kubewarden's way of declaring policies): the operator pulls the
