@@ -51,6 +51,8 @@ pub struct EtcdConfig {
     pub list_page_size: i64,
     /// TLS for `https://` endpoints (required for them, refused for `http://` ones).
     pub tls: Option<crate::EtcdTls>,
+    /// How often TLS settings loaded from files are read again (rotated certificates).
+    pub tls_reload_interval: Duration,
 }
 
 impl EtcdConfig {
@@ -67,6 +69,7 @@ impl EtcdConfig {
             watch_buffer: 1024,
             list_page_size: 512,
             tls: None,
+            tls_reload_interval: Duration::from_secs(30),
         }
     }
 
@@ -109,25 +112,29 @@ pub struct EtcdStore {
 }
 
 struct Inner {
+    /// Replaced whole when the TLS files change (a rotated client certificate): requests
+    /// and watches opened after that use the new connection; those in flight finish on the
+    /// old one, whose certificate is still valid then.
+    clients: std::sync::RwLock<Arc<Clients>>,
+    config: EtcdConfig,
+}
+
+struct Clients {
     client: etcd_client::Client,
     kv: KvClient,
     watch: WatchClient,
     lease: LeaseClient,
-    config: EtcdConfig,
 }
 
-impl EtcdStore {
-    /// Creates the client. Connections are made lazily, so this succeeds while
-    /// etcd is down; requests then fail with [`KvError::Unavailable`] until it is up.
-    pub async fn connect(config: EtcdConfig) -> Result<Self> {
-        config.validate()?;
+impl Clients {
+    async fn connect(config: &EtcdConfig, tls: Option<&crate::EtcdTls>) -> Result<Clients> {
         let mut options = etcd_client::ConnectOptions::new()
             .with_connect_timeout(config.connect_timeout)
             .with_keep_alive(config.keep_alive_interval, config.keep_alive_timeout)
             // Without a leader a member serves stale reads and silent watches;
             // this makes it fail them so we retry elsewhere or later.
             .with_require_leader(true);
-        if let Some(tls) = &config.tls {
+        if let Some(tls) = tls {
             options = options.with_tls(tls.options());
         }
         let client = etcd_client::Client::connect(&config.endpoints, Some(options))
@@ -140,26 +147,81 @@ impl EtcdStore {
             .watch_client()
             .max_decoding_message_size(MAX_DECODING_MESSAGE_SIZE);
         let lease = client.lease_client();
-        debug!(endpoints = ?config.endpoints, tls = ?config.tls, "etcd client created");
-        Ok(EtcdStore {
-            inner: Arc::new(Inner {
-                client,
-                kv,
-                watch,
-                lease,
-                config,
-            }),
+        Ok(Clients {
+            client,
+            kv,
+            watch,
+            lease,
         })
+    }
+}
+
+impl EtcdStore {
+    /// Creates the client. Connections are made lazily, so this succeeds while
+    /// etcd is down; requests then fail with [`KvError::Unavailable`] until it is up.
+    /// TLS settings read from files are read again every `tls_reload_interval` and, when
+    /// they changed, used for every connection after that.
+    pub async fn connect(config: EtcdConfig) -> Result<Self> {
+        config.validate()?;
+        let clients = Clients::connect(&config, config.tls.as_ref()).await?;
+        debug!(endpoints = ?config.endpoints, tls = ?config.tls, "etcd client created");
+        let inner = Arc::new(Inner {
+            clients: std::sync::RwLock::new(Arc::new(clients)),
+            config,
+        });
+        if let Some(tls) = &inner.config.tls
+            && tls.files.is_some()
+        {
+            tokio::spawn(reload_tls(Arc::downgrade(&inner), tls.clone()));
+        }
+        Ok(EtcdStore { inner })
     }
 
     /// The underlying `etcd-client` client, for what this interface does not
     /// cover (and for benchmarks comparing against it).
     pub fn client(&self) -> etcd_client::Client {
-        self.inner.client.clone()
+        self.inner.clients().client.clone()
+    }
+}
+
+/// Reads the TLS files again now and then; a change connects anew with them. Ends with
+/// the store. A file that cannot be read or holds no certificate (a Secret being
+/// updated) keeps the connection as it is.
+async fn reload_tls(inner: std::sync::Weak<Inner>, mut current: crate::EtcdTls) {
+    let Some(files) = current.files.clone() else { return };
+    let interval = match inner.upgrade() {
+        Some(inner) => inner.config.tls_reload_interval,
+        None => return,
+    };
+    loop {
+        tokio::time::sleep(interval).await;
+        let Some(inner) = inner.upgrade() else { return };
+        let fresh = match files.load() {
+            Ok(fresh) => fresh,
+            Err(e) => {
+                warn!("etcd TLS files not reloaded (the connection keeps the ones it has): {e}");
+                continue;
+            }
+        };
+        if fresh.same_material(&current) {
+            continue;
+        }
+        match Clients::connect(&inner.config, Some(&fresh)).await {
+            Ok(clients) => {
+                *inner.clients.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(clients);
+                info!(endpoints = ?inner.config.endpoints, "etcd TLS files changed: new connections use them");
+                current = fresh;
+            }
+            Err(e) => warn!("etcd TLS files changed but cannot be used; keeping the connection: {e}"),
+        }
     }
 }
 
 impl Inner {
+    fn clients(&self) -> Arc<Clients> {
+        self.clients.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
     /// Runs one request under the request deadline.
     async fn call<T>(
         &self,
@@ -194,7 +256,7 @@ impl Inner {
             if keys_only {
                 options = options.with_keys_only();
             }
-            let mut kv = self.kv.clone();
+            let mut kv = self.clients().kv.clone();
             let mut resp = match self
                 .call("list", kv.get(start.clone(), Some(options)))
                 .await
@@ -233,7 +295,7 @@ impl Inner {
     /// from revision 1 is cancelled with exactly that number.
     async fn probe_compact_revision(&self) -> Revision {
         let probe = async {
-            let mut client = self.watch.clone();
+            let mut client = self.clients().watch.clone();
             let mut stream = client
                 .watch(vec![0u8], Some(WatchOptions::new().with_start_revision(1)))
                 .await
@@ -256,7 +318,7 @@ impl Inner {
     }
 
     async fn txn(&self, what: &'static str, txn: Txn) -> Result<TxnResponse, RawError> {
-        let mut kv = self.kv.clone();
+        let mut kv = self.clients().kv.clone();
         self.call(what, kv.txn(txn)).await
     }
 }
@@ -268,7 +330,7 @@ impl KvStore for EtcdStore {
     }
 
     async fn get(&self, key: &str) -> Result<Option<KeyValue>> {
-        let mut kv = self.inner.kv.clone();
+        let mut kv = self.inner.clients().kv.clone();
         let mut resp = self.inner.call("get", kv.get(key, None)).await?;
         Ok(resp.take_kvs().into_iter().next().map(convert_kv))
     }
@@ -279,7 +341,7 @@ impl KvStore for EtcdStore {
         if let Some(lease) = lease {
             options = options.with_lease(lease);
         }
-        let mut kv = self.inner.kv.clone();
+        let mut kv = self.inner.clients().kv.clone();
         let resp = self
             .inner
             .call("put", kv.put(key, Vec::from(value), Some(options)))
@@ -289,7 +351,7 @@ impl KvStore for EtcdStore {
     }
 
     async fn delete(&self, key: &str) -> Result<Deleted> {
-        let mut kv = self.inner.kv.clone();
+        let mut kv = self.inner.clients().kv.clone();
         let resp = self.inner.call("delete", kv.delete(key, None)).await?;
         Ok(Deleted {
             count: resp.deleted().max(0) as u64,
@@ -298,7 +360,7 @@ impl KvStore for EtcdStore {
     }
 
     async fn delete_prefix(&self, prefix: &str) -> Result<Deleted> {
-        let mut kv = self.inner.kv.clone();
+        let mut kv = self.inner.clients().kv.clone();
         let options = DeleteOptions::new().with_range(prefix_end(prefix.as_bytes()));
         let resp = self
             .inner
@@ -351,7 +413,7 @@ impl KvStore for EtcdStore {
         let secs = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
         let secs = i64::try_from(secs.max(1))
             .map_err(|_| KvError::InvalidArgument(format!("lease TTL {ttl:?} too long")))?;
-        let mut lease = self.inner.lease.clone();
+        let mut lease = self.inner.clients().lease.clone();
         let resp = self
             .inner
             .call("grant lease", lease.grant(secs, None))
@@ -368,7 +430,7 @@ impl KvStore for EtcdStore {
     async fn keep_alive(&self, lease: LeaseId) -> Result<()> {
         // A fresh keep-alive stream per renewal: a renewal every TTL/3 is cheap,
         // and a stream that died with the connection never needs repairing.
-        let mut client = self.inner.lease.clone();
+        let mut client = self.inner.clients().lease.clone();
         let (_keeper, _stream) = self
             .inner
             .call("lease keep-alive", client.keep_alive(lease))
@@ -378,7 +440,7 @@ impl KvStore for EtcdStore {
     }
 
     async fn revoke_lease(&self, lease: LeaseId) -> Result<()> {
-        let mut client = self.inner.lease.clone();
+        let mut client = self.inner.clients().lease.clone();
         self.inner
             .call("revoke lease", client.revoke(lease))
             .await
@@ -454,7 +516,7 @@ impl KvStore for EtcdStore {
     }
 
     async fn current_revision(&self) -> Result<Revision> {
-        let mut kv = self.inner.kv.clone();
+        let mut kv = self.inner.clients().kv.clone();
         let resp = self
             .inner
             .call(
@@ -466,7 +528,7 @@ impl KvStore for EtcdStore {
     }
 
     async fn compact(&self, revision: Revision) -> Result<()> {
-        let mut kv = self.inner.kv.clone();
+        let mut kv = self.inner.clients().kv.clone();
         // Physical: when this returns, watches behind `revision` are cancelled
         // and reads below it fail, which is what callers (and tests) expect.
         let options = CompactionOptions::new().with_physical();
@@ -498,7 +560,7 @@ async fn run_watch(
             .with_range(end.clone())
             .with_start_revision(view.next_revision())
             .with_progress_notify();
-        let mut client = inner.watch.clone();
+        let mut client = inner.clients().watch.clone();
         let opened = tokio::select! {
             _ = tx.closed() => return,
             opened = inner.call("watch", client.watch(prefix.clone(), Some(options))) => opened,

@@ -39,6 +39,8 @@ pub struct EtcdTlsFiles {
 pub struct EtcdTls {
     pub(crate) ca_pem: Vec<u8>,
     pub(crate) identity: Option<(Vec<u8>, Vec<u8>)>,
+    /// Where it was read from, to read again (rotation).
+    pub(crate) files: Option<EtcdTlsFiles>,
 }
 
 /// Key material stays out of logs and panics.
@@ -78,7 +80,11 @@ impl EtcdTlsFiles {
                 });
             }
         };
-        Ok(EtcdTls { ca_pem, identity })
+        Ok(EtcdTls {
+            ca_pem,
+            identity,
+            files: Some(self.clone()),
+        })
     }
 }
 
@@ -86,6 +92,10 @@ impl EtcdTls {
     /// Whether a client certificate is presented.
     pub fn has_client_certificate(&self) -> bool {
         self.identity.is_some()
+    }
+
+    pub(crate) fn same_material(&self, other: &EtcdTls) -> bool {
+        self.ca_pem == other.ca_pem && self.identity == other.identity
     }
 
     pub(crate) fn options(&self) -> etcd_client::TlsOptions {

@@ -69,3 +69,47 @@ async fn wrong_or_missing_tls_settings_are_refused() {
         }
     }
 }
+
+/// A rotated client certificate (cert-manager renewing a Secret) is used without a restart:
+/// here rotated to one etcd does not trust, so requests fail once it is read, and back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rotated_certificate_files_are_read_again() {
+    init_tracing();
+    let etcd = Etcd::start_tls().await.expect("etcd must start (apt-get install etcd-server)");
+    let pki = etcd.pki().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let stranger = TestPki::generate(&dir.path().join("stranger"), "stranger").unwrap();
+    let (cert, key) = (dir.path().join("client.pem"), dir.path().join("client-key.pem"));
+    let install = |from: &TestPki| {
+        std::fs::copy(&from.client_cert, &cert).unwrap();
+        std::fs::copy(&from.client_key, &key).unwrap();
+    };
+    install(pki);
+    let files = EtcdTlsFiles { trusted_ca_file: pki.ca.clone(), cert_file: Some(cert.clone()), key_file: Some(key.clone()) };
+    let mut config = etcd_config(etcd.endpoint()).with_tls(Some(files.load().unwrap()));
+    config.tls_reload_interval = Duration::from_millis(100);
+    let store = EtcdStore::connect(config).await.unwrap();
+    store.put("rotation", Bytes::from_static(b"1"), None).await.unwrap();
+
+    let answers = |expected: bool| {
+        let store = store.clone();
+        async move {
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            loop {
+                if store.get("rotation").await.is_ok() == expected {
+                    return;
+                }
+                assert!(std::time::Instant::now() < deadline, "the store never {} requests", if expected { "answered" } else { "refused" });
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    install(&stranger);
+    answers(false).await;
+    install(pki);
+    answers(true).await;
+    // A half-written file (a key without its certificate yet) is not taken.
+    std::fs::write(&cert, "").unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    answers(true).await;
+}
