@@ -20,7 +20,8 @@
 //! `"*"`. Without a grants file every module gets every known capability. WASI imports are
 //! always granted: the runtime links them with an empty context (no files, sockets,
 //! environment; see the runtime's `host.rs`), and std-built guests import them even unused.
-//! The shared `types` interface holds only types and is always granted.
+//! The shared `types` interface holds only types and is always granted, and so is
+//! `settings`: a module reading its own settings reaches nothing else.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -211,7 +212,8 @@ impl Admission {
                 continue;
             }
             let capability = import.strip_prefix(PACKAGE_PREFIX).and_then(|rest| rest.split('@').next()).unwrap_or(import);
-            if capability == "types" || granted.contains(capability) {
+            // A module's own settings are no capability over anything else: always readable.
+            if capability == "types" || capability == "settings" || granted.contains(capability) {
                 continue;
             }
             let granted = if granted.is_empty() { "nothing".to_string() } else { granted.iter().cloned().collect::<Vec<_>>().join(", ") };

@@ -97,6 +97,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/modules/{name}", get(get_module).put(upload_module).delete(delete_module))
         .route("/v1/modules/{name}/activate", post(activate_module))
         .route("/v1/modules/{name}/rollback", post(rollback_module))
+        .route("/v1/modules/{name}/settings", get(module_settings).put(set_module_settings).delete(clear_module_settings))
         .route("/v1/modules/{name}/shadow", post(start_shadow).delete(stop_shadow))
         .route("/v1/modules/{name}/shadow-diff", get(shadow_diff))
         .route("/v1/modules/{name}/promote", post(promote_shadow))
@@ -324,6 +325,24 @@ struct ActivateQuery {
 async fn activate_module(State(state): State<ApiState>, Path(name): Path<String>, Query(q): Query<ActivateQuery>) -> ApiResult<Response> {
     let version = state.modules.activate(&name, q.version).await?;
     Ok(Json(json!({ "name": name, "active_version": version })).into_response())
+}
+
+/// The module's settings document (`{}` when none).
+async fn module_settings(State(state): State<ApiState>, Path(name): Path<String>) -> ApiResult<Response> {
+    let record = with_controller(&state, move |c| c.module(&name).ok_or_else(|| HostError::NotFound(format!("no module named {name:?}")))).await?;
+    Ok(Json(record.settings.unwrap_or_else(|| json!({}))).into_response())
+}
+
+/// Any JSON document; the module's guests read it through the `settings` capability.
+async fn set_module_settings(State(state): State<ApiState>, Path(name): Path<String>, body: axum::body::Bytes) -> ApiResult<Response> {
+    let settings: Value = serde_json::from_slice(&body).map_err(|e| HostError::BadRequest(format!("settings must be a JSON document: {e}")))?;
+    state.modules.set_settings(&name, Some(settings.clone())).await?;
+    Ok(Json(json!({ "name": name, "settings": settings })).into_response())
+}
+
+async fn clear_module_settings(State(state): State<ApiState>, Path(name): Path<String>) -> ApiResult<Response> {
+    state.modules.set_settings(&name, None).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
 }
 
 async fn rollback_module(State(state): State<ApiState>, Path(name): Path<String>) -> ApiResult<Response> {

@@ -679,7 +679,7 @@ impl Controller {
     fn load(&self, name: &str, version: u32) -> Result<LoadedModule, HostError> {
         let kind = self.registry.kind_of(name).ok_or_else(|| HostError::NotFound(format!("no module named {name:?}")))?;
         let bytes = self.registry.module_bytes(name, version)?;
-        let module = self.runtime.load(name, &bytes, Some(kind), usize::MAX)?;
+        let module = self.runtime.load(name, &bytes, Some(kind), usize::MAX)?.with_settings(&self.registry.settings_of(name));
         self.admit(name, version, &module.info, &bytes)?;
         Ok(module)
     }
@@ -750,7 +750,7 @@ impl Controller {
         };
         let bytes = self.registry.module_bytes(name, version).map_err(|e| HostError::Internal(format!("reading {name}@{version}: {e}")))?;
         let module = match self.runtime.load_policy(name, &bytes, usize::MAX) {
-            Ok(module) => module,
+            Ok(module) => module.with_settings(&self.registry.settings_of(name)),
             Err(e) => return Err(failed(self, e.to_string())),
         };
         if let Err(e) = self.admit(name, version, &module.info, &bytes) {
@@ -824,10 +824,9 @@ impl Controller {
         let previous = self.registry.shared().clone();
         self.registry.set_shared(index);
         let kind = GuestKind::ServiceTranslator;
-        let wanted = self.registry.wanted(kind);
         let active = self.registry.active(kind).map(|(n, v)| (n.to_string(), v));
-        if let Some((name, version)) = wanted
-            && active.as_ref() != Some(&(name.clone(), version))
+        // Another module, another version, or the same with other settings.
+        if let Some((name, version)) = self.registry.to_activate(kind)
             && let Err(e) = self.activate_version(&name, version)
         {
             if strict {
@@ -837,8 +836,7 @@ impl Controller {
             tracing::error!(module = %name, version, "the module the cluster put in force failed on this node; keeping {active:?}: {e}");
         }
         let policy_kind = GuestKind::NetworkPolicy;
-        if let Some((name, version)) = self.registry.wanted(policy_kind)
-            && self.registry.active(policy_kind) != Some((name.as_str(), version))
+        if let Some((name, version)) = self.registry.to_activate(policy_kind)
             && let Err(e) = self.activate_policy_module(&name, version)
         {
             if strict {

@@ -53,6 +53,9 @@ pub struct WasmModuleSpec {
     /// Put the pulled version in force (default); `false` stores it only.
     #[serde(default = "in_force_by_default")]
     pub active: bool,
+    /// The module's settings (its guests' `settings` capability); none: `{}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub settings: Option<serde_json::Value>,
 }
 
 fn in_force_by_default() -> bool {
@@ -193,12 +196,12 @@ async fn apply(object: &DynamicObject, context: &Context) -> Result<Action, Modu
         let reference = reference_of(&spec.module).ok_or_else(|| ModuleObjectError::Spec(format!("module {:?} is not oci://… or registry://…", spec.module)))??;
         if let Some(done) = status.as_ref().filter(|s| s.phase == "Ready" && s.observed_generation == generation) {
             // Pulled for this generation: pull again only if the index lost it meanwhile.
-            if in_index(context, &name, done, spec.active).await {
+            if in_index(context, &name, done, &spec).await {
                 return Ok(done.clone());
             }
         }
         let artifact = context.registry.pull(&reference, context.config.max_module_bytes).await?;
-        let uploaded = context.modules.upload(&name, kind, artifact.component.into(), spec.active, artifact.signature.as_deref()).await?;
+        let uploaded = context.modules.upload_with_settings(&name, kind, artifact.component.into(), spec.active, artifact.signature.as_deref(), Some(spec.settings.clone())).await?;
         tracing::info!(module = %name, version = uploaded.version, digest = %uploaded.digest, active = spec.active, "WasmModule pulled from {}", spec.module);
         Ok(WasmModuleStatus {
             observed_generation: generation,
@@ -221,12 +224,13 @@ async fn apply(object: &DynamicObject, context: &Context) -> Result<Action, Modu
     result
 }
 
-/// The index still has the status's version of `name` (in force, when it should be).
-async fn in_index(context: &Context, name: &str, status: &WasmModuleStatus, active: bool) -> bool {
+/// The index still has the status's version of `name` (in force, when it should be) and
+/// the object's settings.
+async fn in_index(context: &Context, name: &str, status: &WasmModuleStatus, spec: &WasmModuleSpec) -> bool {
     let Ok((index, _)) = context.modules.store().load().await else { return false };
     let Some(module) = index.modules.get(name) else { return false };
     let Some(version) = status.version.and_then(|v| module.version(v)) else { return false };
-    Some(&version.digest) == status.digest.as_ref() && (!active || module.active_version == Some(version.version))
+    Some(&version.digest) == status.digest.as_ref() && (!spec.active || module.active_version == Some(version.version)) && index.settings.get(name) == spec.settings.as_ref()
 }
 
 async fn cleanup(object: &DynamicObject, context: &Context) -> Result<Action, ModuleObjectError> {

@@ -130,6 +130,13 @@ impl Modules {
 
     /// `signature`: what came with the upload, checked by the host's [`Admission`] policy.
     pub async fn upload(&self, name: &str, kind: GuestKind, bytes: Bytes, activate: bool, signature: Option<&str>) -> Result<UploadOutcome, HostError> {
+        self.upload_with_settings(name, kind, bytes, activate, signature, None).await
+    }
+
+    /// [`Modules::upload`] that also sets the module's settings (`Some(None)`: clears them),
+    /// in the same change as the activation: the new version starts with them, and if it
+    /// fails with them neither is taken.
+    pub async fn upload_with_settings(&self, name: &str, kind: GuestKind, bytes: Bytes, activate: bool, signature: Option<&str>, settings: Option<Option<serde_json::Value>>) -> Result<UploadOutcome, HostError> {
         let info = {
             let (name, bytes) = (name.to_string(), bytes.clone());
             blocking(&self.controller, move |c| c.check_upload(&name, kind, &bytes)).await?
@@ -147,8 +154,14 @@ impl Modules {
         // The blob may have been deleted by the module GC between our `put_blob` (skipped
         // when the bytes were already stored for an older version) and the publish.
         self.store.ensure_blob(&info.digest, &bytes).await?;
-        if activate {
-            self.update(|index| index.activate(name, Some(version))).await?;
+        if activate || settings.is_some() {
+            self.update(|index| {
+                if let Some(settings) = &settings {
+                    index.set_settings(name, settings.clone());
+                }
+                if activate { index.activate(name, Some(version)) } else { Ok(version) }
+            })
+            .await?;
         }
         Ok(UploadOutcome { name: name.to_string(), version, digest: info.digest, kind, active: activate })
     }
@@ -163,6 +176,20 @@ impl Modules {
                 .await;
         }
         self.update(|index| index.activate(name, version)).await
+    }
+
+    /// Sets (`None`: clears) a module's settings, builtins' too. Applied here first like
+    /// any change: if the module in force fails with them, they are refused (its error
+    /// says why) and the settings in force stay.
+    pub async fn set_settings(&self, name: &str, settings: Option<serde_json::Value>) -> Result<(), HostError> {
+        if self.builtin_kind(name).await?.is_none() && !self.store.load().await?.0.modules.contains_key(name) {
+            return Err(HostError::NotFound(format!("no module named {name:?}")));
+        }
+        self.update(|index| {
+            index.set_settings(name, settings.clone());
+            Ok(())
+        })
+        .await
     }
 
     pub async fn rollback(&self, name: &str) -> Result<u32, HostError> {

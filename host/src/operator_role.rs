@@ -61,12 +61,20 @@ struct WasmGcDecider {
     runtime: Arc<Runtime>,
     store: ModuleStore,
     handle: tokio::runtime::Handle,
-    /// Digest (or the builtin's name) of the module the session runs.
+    /// Digest (or the builtin's name) and settings of the module the session runs.
     current: Option<(String, GcSession)>,
     max_module_bytes: usize,
     /// This host's signatures and grants, checked on the version in force as the
     /// controller checks translators and policies.
     admission: Arc<crate::admission::Admission>,
+}
+
+/// The GC module the index puts in force (see [`WasmGcDecider::wanted`]).
+struct Wanted {
+    identity: String,
+    name: String,
+    settings: String,
+    uploaded: Option<Uploaded>,
 }
 
 /// An uploaded GC module's bytes, and its name and signature for this host's admission.
@@ -77,34 +85,37 @@ struct Uploaded {
 }
 
 impl WasmGcDecider {
-    /// The (`name@version`, digest, and the uploaded bytes with what admission needs) to
-    /// run: the uploaded module in force, else the builtin.
-    fn wanted(&self) -> Result<(String, String, Option<Uploaded>), DeciderError> {
+    /// What to run: `name@version`, an identity of the module and its settings (digest and
+    /// settings: either changed needs a new session), the settings, and the uploaded bytes
+    /// with what admission needs (none: the builtin, or the session in use is it).
+    fn wanted(&self) -> Result<Wanted, DeciderError> {
         let store = self.store.clone();
         // Called on a blocking thread (the collector calls deciders off the async workers).
         let (index, _) = self.handle.block_on(store.load()).map_err(|e| DeciderError(format!("reading the module index: {e}")))?;
         let Some((name, version)) = index.in_force(GuestKind::Gc) else {
-            return Ok((BUILTIN_GC.into(), BUILTIN_GC.into(), None));
+            let settings = index.settings.get(BUILTIN_GC).map_or_else(|| wasmplane_runtime::NO_SETTINGS.to_string(), |v| v.to_string());
+            return Ok(Wanted { identity: format!("{BUILTIN_GC} {settings}"), name: BUILTIN_GC.into(), settings, uploaded: None });
         };
+        let settings = index.settings.get(name).map_or_else(|| wasmplane_runtime::NO_SETTINGS.to_string(), |v| v.to_string());
         let record = index.modules.get(name).and_then(|m| m.version(version)).ok_or_else(|| DeciderError(format!("module {name}@{version} is in force but not in the index")))?;
-        let digest = record.digest.clone();
-        if self.current.as_ref().is_some_and(|(d, _)| *d == digest) {
-            return Ok((name.to_string(), digest, None));
+        let identity = format!("{} {settings}", record.digest);
+        if self.current.as_ref().is_some_and(|(current, _)| *current == identity) {
+            return Ok(Wanted { identity, name: name.to_string(), settings, uploaded: None });
         }
-        let bytes = self.handle.block_on(self.store.get_blob(&digest)).map_err(|e| DeciderError(format!("fetching {name}@{version}: {e}")))?;
-        Ok((format!("{name}@{version}"), digest, Some(Uploaded { name: name.to_string(), bytes, signature: record.signature.clone() })))
+        let bytes = self.handle.block_on(self.store.get_blob(&record.digest)).map_err(|e| DeciderError(format!("fetching {name}@{version}: {e}")))?;
+        Ok(Wanted { identity, name: format!("{name}@{version}"), settings, uploaded: Some(Uploaded { name: name.to_string(), bytes, signature: record.signature.clone() }) })
     }
 
     fn session(&mut self) -> Result<&mut GcSession, DeciderError> {
-        let (name, digest, uploaded) = self.wanted()?;
-        if self.current.as_ref().is_none_or(|(d, _)| *d != digest) {
+        let Wanted { identity, name, settings, uploaded } = self.wanted()?;
+        if self.current.as_ref().is_none_or(|(current, _)| *current != identity) {
             let bytes: &[u8] = uploaded.as_ref().map_or(wasmplane_guest_artifacts::GC, |u| &u.bytes);
-            let module = self.runtime.load_gc(&name, bytes, self.max_module_bytes).map_err(|e| DeciderError(format!("loading GC module {name}: {e}")))?;
+            let module = self.runtime.load_gc(&name, bytes, self.max_module_bytes).map_err(|e| DeciderError(format!("loading GC module {name}: {e}")))?.with_settings(&settings);
             if let Some(u) = &uploaded {
                 self.admission.admit(&u.name, &module.info, &u.bytes, u.signature.as_deref()).map_err(|e| DeciderError(format!("GC module {name} refused on this host: {e}")))?;
             }
             tracing::info!(module = %name, "GC decisions by this module");
-            self.current = Some((digest, module.session()));
+            self.current = Some((identity, module.session()));
         }
         Ok(&mut self.current.as_mut().expect("just set").1)
     }

@@ -65,6 +65,9 @@ pub struct ModuleRecord {
     /// The version running in shadow, if any.
     #[serde(default)]
     pub shadow_version: Option<u32>,
+    /// The module's settings, when it has any (`PUT /v1/modules/{name}/settings`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub settings: Option<serde_json::Value>,
 }
 
 impl ModuleRecord {
@@ -137,6 +140,10 @@ pub struct SharedIndex {
     /// At most one shadow per kind.
     #[serde(default)]
     pub shadow: BTreeMap<GuestKind, ShadowRef>,
+    /// Each module's settings (the guests' `settings` capability), builtins' too; a module
+    /// without an entry reads `{}`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub settings: BTreeMap<String, serde_json::Value>,
 }
 
 /// Module names are DNS labels: they appear in URLs, metrics, logs and kvstore keys.
@@ -162,6 +169,14 @@ impl SharedIndex {
         let name = self.in_force.get(&kind)?;
         let version = self.modules.get(name)?.active_version?;
         Some((name.as_str(), version))
+    }
+
+    /// Sets (`None`: clears) a module's settings.
+    pub fn set_settings(&mut self, name: &str, settings: Option<serde_json::Value>) {
+        match settings {
+            Some(value) => self.settings.insert(name.to_string(), value),
+            None => self.settings.remove(name),
+        };
     }
 
     /// Records a new version (or returns the existing one with the same digest).
@@ -375,6 +390,8 @@ pub struct Registry {
     /// What is in force on this node per kind; can differ from `shared` when activating
     /// the shared choice failed here.
     active: BTreeMap<GuestKind, (String, u32)>,
+    /// The settings the module in force per kind was activated with.
+    active_settings: BTreeMap<GuestKind, String>,
     blobs: BlobCache,
 }
 
@@ -395,7 +412,7 @@ impl Registry {
             }
             None => BlobCache::Memory(HashMap::new()),
         };
-        Ok(Registry { shared: SharedIndex::default(), builtins: BTreeMap::new(), local: HashMap::new(), active: BTreeMap::new(), blobs })
+        Ok(Registry { shared: SharedIndex::default(), builtins: BTreeMap::new(), local: HashMap::new(), active: BTreeMap::new(), active_settings: BTreeMap::new(), blobs })
     }
 
     pub fn add_builtin(&mut self, name: &str, kind: GuestKind, info: &ModuleInfo, bytes: &'static [u8]) {
@@ -459,7 +476,23 @@ impl Registry {
         self.active(kind).map(|(n, _)| n)
     }
 
+    /// The settings document `name`'s guests read now (`{}` when none were given).
+    pub fn settings_of(&self, name: &str) -> String {
+        self.shared.settings.get(name).map_or_else(|| wasmplane_runtime::NO_SETTINGS.to_string(), |value| value.to_string())
+    }
+
+    /// Whether what is in force for `kind` is not what the index wants: another module or
+    /// version, or other settings. Returns what it wants.
+    pub fn to_activate(&self, kind: GuestKind) -> Option<(String, u32)> {
+        let (name, version) = self.wanted(kind)?;
+        let current = self.active(kind) == Some((name.as_str(), version)) && self.active_settings.get(&kind).is_some_and(|s| *s == self.settings_of(&name));
+        (!current).then_some((name, version))
+    }
+
+    /// `name@version` is in force for `kind`, with the module's settings as they are now
+    /// (read at its activation, from the same index).
     pub fn mark_active(&mut self, kind: GuestKind, name: &str, version: u32) {
+        self.active_settings.insert(kind, self.settings_of(name));
         self.active.insert(kind, (name.to_string(), version));
         let status = self.local.entry(name.to_string()).or_default();
         status.failed = false;
@@ -508,6 +541,7 @@ impl Registry {
             failures: local.failures,
             auto_rollback,
             shadow_version: self.shared.shadow_of(name).map(|s| s.version),
+            settings: self.shared.settings.get(name).cloned(),
         })
     }
 

@@ -145,3 +145,69 @@ async fn a_host_requiring_signatures_refuses_an_unsigned_module_another_host_put
     lax.stop().await;
     strict.stop().await;
 }
+
+/// Module settings (Kubewarden's policy settings): one document per module, set through
+/// any host, read by the module's guests on every host; settings its guest refuses are
+/// refused and the ones in force stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn module_settings_reach_every_hosts_guests_and_bad_ones_are_refused() {
+    let etcd = Etcd::start().await.expect("etcd-server must be installed (scripts/setup.sh)");
+    let dir = tempfile::tempdir().unwrap();
+    let web = WEB_SERVICE.replace("metadata: { name: web, namespace: shop }", "metadata: { name: web, namespace: shop, labels: { tier: front } }");
+    let node = |name: &'static str| start(node_config(dir.path(), name, &etcd, TOKEN, "shop.yaml", &documents(&[&web, API_SERVICE])));
+    let (a, b) = (node("node-a").await.unwrap(), node("node-b").await.unwrap());
+    let client = reqwest::Client::new();
+    let r = upload_request(&client, &a.url(), "port-filter", "service-translator", artifacts::examples::PORT_FILTER_TRANSLATOR).bearer_auth(TOKEN).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+    // Which services a host exposes (the example warns about the others), once it is
+    // `expected`.
+    let wait_exposed = |host: &RunningHost, expected: &'static [&'static str]| {
+        let (client, url) = (client.clone(), host.url());
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let dp: Value = client.get(format!("{url}/v1/dataplane?format=json")).send().await.unwrap().json().await.unwrap();
+                let objects = dp["objects"].as_object().cloned().unwrap_or_default();
+                let mut names: Vec<String> = objects.iter().filter(|(_, o)| !o["warnings"].to_string().contains("not exposed")).map(|(k, _)| k.clone()).collect();
+                names.sort();
+                if dp["translator"] == "port-filter@1" && names == expected {
+                    return;
+                }
+                assert!(Instant::now() < deadline, "{url} exposes {names:?}, not {expected:?}: {dp}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    wait_exposed(&b, &["shop/api"]).await;
+
+    // Settings through A: B's guests read them too.
+    let settings = serde_json::json!({"label": "tier", "value": "front"});
+    let put = |host: &RunningHost, body: String| client.put(format!("{}/v1/modules/port-filter/settings", host.url())).bearer_auth(TOKEN).body(body).send();
+    let r = put(&a, settings.to_string()).await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK, "{}", r.text().await.unwrap());
+    wait_exposed(&a, &["shop/web"]).await;
+    wait_exposed(&b, &["shop/web"]).await;
+    assert_eq!(get_json(&client, &b, "/v1/modules/port-filter/settings").await, settings);
+    assert_eq!(get_json(&client, &b, "/v1/modules/port-filter").await["settings"], settings);
+
+    // Settings the guest refuses: 422 naming the mistake; those in force stay, everywhere.
+    let r = put(&b, r#"{"lable": "tier"}"#.into()).await.unwrap();
+    assert_eq!(r.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(r.text().await.unwrap().contains("lable"));
+    assert_eq!(get_json(&client, &a, "/v1/modules/port-filter/settings").await, settings);
+    // Not JSON, no token, no such module.
+    assert_eq!(put(&a, "label: tier".into()).await.unwrap().status(), StatusCode::BAD_REQUEST);
+    let r = client.put(format!("{}/v1/modules/port-filter/settings", a.url())).body("{}").send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    let r = client.put(format!("{}/v1/modules/nothing/settings", a.url())).bearer_auth(TOKEN).body("{}").send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::NOT_FOUND);
+    wait_exposed(&b, &["shop/web"]).await;
+
+    // Cleared: the guest's default again.
+    let r = client.delete(format!("{}/v1/modules/port-filter/settings", b.url())).bearer_auth(TOKEN).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::NO_CONTENT);
+    wait_exposed(&a, &["shop/api"]).await;
+    assert_eq!(get_json(&client, &a, "/v1/modules/port-filter/settings").await, serde_json::json!({}));
+    a.stop().await;
+    b.stop().await;
+}

@@ -312,6 +312,25 @@ async fn wasm_module_objects_are_pulled_into_force_and_deleted_with_their_object
     host.modules.delete("port-filter").await.unwrap();
     let _ = support::cluster::eventually("the module put back", Duration::from_secs(20), index, |i| i.in_force(GuestKind::ServiceTranslator) == Some(("port-filter", 1))).await;
 
+    // Settings in the spec become the module's, with the version in force; settings changed
+    // by hand are put back; settings the guest refuses fail the object and change nothing.
+    let settings = serde_json::json!({"label": "tier", "value": "front"});
+    server.patch_value(&key, "", "port-filter", &serde_json::json!({"spec": {"settings": settings}})).unwrap();
+    let _ = support::cluster::eventually("the settings taken", Duration::from_secs(20), index, |i| i.settings.get("port-filter") == Some(&settings)).await;
+    host.modules.set_settings("port-filter", None).await.unwrap();
+    let _ = support::cluster::eventually("the settings put back", Duration::from_secs(20), index, |i| i.settings.get("port-filter") == Some(&settings)).await;
+    // The guest checks its settings when it translates: give it a Service to translate.
+    let service = serde_json::json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "shop"}, "spec": {"clusterIP": "10.96.0.20", "ports": [{"port": 80, "protocol": "TCP"}]}});
+    server.create_value(&ResourceKey::new("", "v1", "services"), service).unwrap();
+    // A merge patch: the old keys nulled, one the guest does not know.
+    server.patch_value(&key, "", "port-filter", &serde_json::json!({"spec": {"settings": {"lable": "tier", "label": null, "value": null}}})).unwrap();
+    let refused = phase_of("port-filter", "Failed").await;
+    assert!(refused["status"]["message"].as_str().unwrap().contains("lable"), "{refused}");
+    assert_eq!(index().await.settings.get("port-filter"), Some(&settings), "the settings in force stay");
+    server.patch_value(&key, "", "port-filter", &serde_json::json!({"spec": {"settings": null}})).unwrap();
+    let _ = support::cluster::eventually("the settings cleared", Duration::from_secs(20), index, |i| !i.settings.contains_key("port-filter")).await;
+    phase_of("port-filter", "Ready").await;
+
     // What does not fit is refused with the reason, and nothing is stored.
     server.create_value(&key, object("wrong-kind", "network-policy", &oci("modules/translator:v1"))).unwrap();
     server.create_value(&key, object("missing", "gc", &oci("modules/translator:v9"))).unwrap();
@@ -326,7 +345,7 @@ async fn wasm_module_objects_are_pulled_into_force_and_deleted_with_their_object
     // A spec change pulls the new version and puts it in force.
     server.patch_value(&key, "", "port-filter", &serde_json::json!({"spec": {"module": oci("modules/translator:v2")}})).unwrap();
     let _ = support::cluster::eventually("version 2 ready", Duration::from_secs(20), || async { server.get_value(&key, "", "port-filter") }, |o| {
-        o.as_ref().is_some_and(|o| o["status"]["version"] == 2 && o["status"]["phase"] == "Ready" && o["status"]["observedGeneration"] == 2)
+        o.as_ref().is_some_and(|o| o["status"]["version"] == 2 && o["status"]["phase"] == "Ready" && o["status"]["observedGeneration"] == o["metadata"]["generation"])
     })
     .await;
     let updated = index().await;

@@ -54,6 +54,7 @@ pub mod policy {
             "wasmplane:dataplane/types@1.0.0": crate::service::wasmplane::dataplane::types,
             "wasmplane:dataplane/log@1.0.0": crate::service::wasmplane::dataplane::log,
             "wasmplane:dataplane/lookups@1.0.0": crate::service::wasmplane::dataplane::lookups,
+            "wasmplane:dataplane/settings@1.0.0": crate::service::wasmplane::dataplane::settings,
         },
     });
 }
@@ -66,7 +67,8 @@ pub mod gc {
         export_macro_name: "export_gc",
         default_bindings_module: "wasmplane_sdk::gc",
         with: {
-                        "wasmplane:dataplane/log@1.0.0": crate::service::wasmplane::dataplane::log,
+            "wasmplane:dataplane/log@1.0.0": crate::service::wasmplane::dataplane::log,
+            "wasmplane:dataplane/settings@1.0.0": crate::service::wasmplane::dataplane::settings,
         },
     });
 }
@@ -81,6 +83,7 @@ pub mod cidr;
 pub mod log;
 pub mod lookups;
 pub mod selector;
+pub mod settings;
 pub mod shared;
 /// Replaying host recordings through native guest code (`cargo test`).
 #[cfg(not(target_arch = "wasm32"))]

@@ -4,6 +4,9 @@
 //! a site policy ("nothing reaches a service unless its owners opted in") that kube-proxy
 //! cannot express. Each exposed port gets a chain that picks an endpoint uniformly.
 //!
+//! Settings (`PUT /v1/modules/port-filter/settings`): `{"label": "team", "value": "edge"}`
+//! exposes the services labelled `team=edge` instead; anything else in them is refused.
+//!
 //! Build: `cargo build --release --target wasm32-wasip2 -p port-filter-translator`
 //! Upload: `wasmplane module push port-filter target/wasm32-wasip2/release/port_filter_translator.wasm --kind service-translator`
 
@@ -13,11 +16,37 @@ use wasmplane_sdk::RuleBuilder;
 
 pub const EXPOSE_LABEL: &str = "wasmplane.io/expose";
 
-pub fn translate(prefix: &str, service: &Service, slices: &[EndpointSlice]) -> Ruleset {
+/// Which label exposes a service.
+#[derive(Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    #[serde(default = "default_label")]
+    pub label: String,
+    #[serde(default = "default_value")]
+    pub value: String,
+}
+
+fn default_label() -> String {
+    EXPOSE_LABEL.to_string()
+}
+
+fn default_value() -> String {
+    "true".to_string()
+}
+
+impl Settings {
+    /// The module's settings document; a mistake is an error naming it, so the host refuses
+    /// the settings instead of running with a filter nobody asked for.
+    pub fn parse(document: &str) -> Result<Settings, String> {
+        serde_json::from_str(document).map_err(|e| format!("port-filter settings: {e}"))
+    }
+}
+
+pub fn translate(prefix: &str, service: &Service, slices: &[EndpointSlice], settings: &Settings) -> Ruleset {
     let mut out = Ruleset { chains: vec![], sets: vec![], map_elements: vec![], warnings: vec![] };
-    let exposed = service.labels.iter().any(|l| l.key == EXPOSE_LABEL && l.value == "true");
+    let exposed = service.labels.iter().any(|l| l.key == settings.label && l.value == settings.value);
     if !exposed {
-        out.warnings.push(format!("not exposed: label {EXPOSE_LABEL}=true is missing"));
+        out.warnings.push(format!("not exposed: label {}={} is missing", settings.label, settings.value));
         return out;
     }
     for port in service.ports.iter().filter(|p| p.protocol == Protocol::Tcp) {
@@ -61,9 +90,23 @@ mod export {
     impl Guest for PortFilter {
         fn translate(_node: NodeContext, prefix: String, svc: Service, slices: Vec<EndpointSlice>) -> Result<Ruleset, GuestError> {
             wasmplane_sdk::log::debug(&format!("port-filter: {}/{}", svc.namespace, svc.name));
-            Ok(super::translate(&prefix, &svc, &slices))
+            let settings = super::Settings::parse(&wasmplane_sdk::settings::raw()).map_err(|message| GuestError { message })?;
+            Ok(super::translate(&prefix, &svc, &slices, &settings))
         }
     }
 
     wasmplane_sdk::export_service_translator!(PortFilter);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_default_to_the_expose_label_and_refuse_what_they_do_not_know() {
+        assert_eq!(Settings::parse("{}"), Ok(Settings { label: EXPOSE_LABEL.into(), value: "true".into() }));
+        assert_eq!(Settings::parse(r#"{"label": "team", "value": "edge"}"#), Ok(Settings { label: "team".into(), value: "edge".into() }));
+        assert!(Settings::parse(r#"{"lable": "team"}"#).unwrap_err().contains("lable"));
+        assert!(Settings::parse(r#"{"label": 5}"#).is_err());
+    }
 }

@@ -22,6 +22,7 @@ mod bindings {
         // The log capability is the one every guest kind shares (already in the linker).
         with: {
             "wasmplane:dataplane/log@1.0.0": crate::bindings::service::wasmplane::dataplane::log,
+            "wasmplane:dataplane/settings@1.0.0": crate::bindings::service::wasmplane::dataplane::settings,
         },
     });
 }
@@ -36,6 +37,7 @@ pub struct GcModule {
     name: Arc<str>,
     pre: GarbageCollectionPre<GuestState>,
     sandbox: Sandbox,
+    settings: Arc<str>,
 }
 
 impl Runtime {
@@ -57,6 +59,7 @@ impl Runtime {
             name: Arc::from(name),
             pre,
             sandbox: self.sandbox(),
+            settings: Arc::from(crate::host::NO_SETTINGS),
         })
     }
 }
@@ -66,10 +69,17 @@ impl GcModule {
         &self.name
     }
 
+    /// The settings its guests read (a JSON document; `{}` until set).
+    pub fn with_settings(mut self, settings: &str) -> Self {
+        self.settings = Arc::from(settings);
+        self
+    }
+
     /// A session calling `collect`.
     pub fn session(&self) -> GcSession {
         // GC guests import no lookups: nothing to query.
-        GcSession { pre: self.pre.clone(), slot: GuestSlot::new(self.sandbox.clone(), self.name.clone(), Arc::new(NoLookups)) }
+        let capabilities = crate::host::Capabilities { lookups: Arc::new(NoLookups), settings: self.settings.clone() };
+        GcSession { pre: self.pre.clone(), slot: GuestSlot::new(self.sandbox.clone(), self.name.clone(), capabilities) }
     }
 }
 

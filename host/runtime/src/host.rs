@@ -1,7 +1,7 @@
 //! The store state of a guest and the capabilities the host links for it.
 //!
-//! Each capability is one WIT interface with its host implementation here: `log` (tracing)
-//! and `lookups` (read-only queries of the node-local model). WASI is linked only so that
+//! Each capability is one WIT interface with its host implementation here: `log` (tracing),
+//! `lookups` (read-only queries of the node-local model) and `settings` (the module's own). WASI is linked only so that
 //! guests built with Rust's std instantiate; its context grants nothing.
 
 use std::sync::Arc;
@@ -12,7 +12,7 @@ use wasmtime::{Engine, ResourceLimiter};
 use wasmtime_wasi::{Deterministic, HostMonotonicClock, HostWallClock, WasiCtx, WasiCtxView, WasiView};
 
 use crate::bindings::service::ServiceTranslation;
-use crate::bindings::service::wasmplane::dataplane::{log, lookups, types as wit};
+use crate::bindings::service::wasmplane::dataplane::{log, lookups, settings, types as wit};
 use crate::convert;
 
 /// Read-only queries a guest granted `lookups` may make of the node-local model.
@@ -70,6 +70,7 @@ pub struct GuestState {
     pub(crate) limiter: GuestLimiter,
     module: Arc<str>,
     lookups: Arc<dyn Lookups>,
+    settings: Arc<str>,
 }
 
 impl GuestState {
@@ -77,7 +78,7 @@ impl GuestState {
         module: Arc<str>,
         memory_bytes: usize,
         table_elements: usize,
-        lookups: Arc<dyn Lookups>,
+        capabilities: &Capabilities,
         stderr: wasmtime_wasi::p2::pipe::MemoryOutputPipe,
     ) -> Self {
         GuestState {
@@ -85,10 +86,22 @@ impl GuestState {
             table: ResourceTable::new(),
             limiter: GuestLimiter { memory_bytes, table_elements, memory_exceeded: false },
             module,
-            lookups,
+            lookups: capabilities.lookups.clone(),
+            settings: capabilities.settings.clone(),
         }
     }
 }
+
+/// What a session's guest instances are given besides their input: the model to look up
+/// and the module's settings.
+#[derive(Clone)]
+pub(crate) struct Capabilities {
+    pub lookups: Arc<dyn Lookups>,
+    pub settings: Arc<str>,
+}
+
+/// Settings of a module none were given for.
+pub const NO_SETTINGS: &str = "{}";
 
 /// A clock that stands still at the epoch: guests are pure functions of their input.
 struct FrozenClock;
@@ -166,6 +179,12 @@ impl lookups::Host for GuestState {
     }
 }
 
+impl settings::Host for GuestState {
+    fn get(&mut self) -> String {
+        self.settings.to_string()
+    }
+}
+
 impl wit::Host for GuestState {}
 
 pub(crate) fn linker(engine: &Engine) -> wasmtime::Result<Linker<GuestState>> {
@@ -189,10 +208,10 @@ pub(crate) fn new_store(
     engine: &Engine,
     name: Arc<str>,
     limits: &crate::Limits,
-    lookups: Arc<dyn Lookups>,
+    capabilities: &Capabilities,
 ) -> (wasmtime::Store<GuestState>, wasmtime_wasi::p2::pipe::MemoryOutputPipe) {
     let stderr = wasmtime_wasi::p2::pipe::MemoryOutputPipe::new(STDERR_CAPTURE);
-    let state = GuestState::new(name, limits.memory_bytes, limits.table_elements, lookups, stderr.clone());
+    let state = GuestState::new(name, limits.memory_bytes, limits.table_elements, capabilities, stderr.clone());
     let mut store = wasmtime::Store::new(engine, state);
     store.limiter(|s| &mut s.limiter);
     store.set_epoch_deadline(deadline_ticks(limits));
@@ -221,20 +240,20 @@ struct LiveInstance<B> {
 pub(crate) struct GuestSlot<B> {
     sandbox: Sandbox,
     name: Arc<str>,
-    lookups: Arc<dyn Lookups>,
+    capabilities: Capabilities,
     live: Option<LiveInstance<B>>,
 }
 
 impl<B> GuestSlot<B> {
-    pub fn new(sandbox: Sandbox, name: Arc<str>, lookups: Arc<dyn Lookups>) -> GuestSlot<B> {
-        GuestSlot { sandbox, name, lookups, live: None }
+    pub fn new(sandbox: Sandbox, name: Arc<str>, capabilities: Capabilities) -> GuestSlot<B> {
+        GuestSlot { sandbox, name, capabilities, live: None }
     }
 
     /// Instantiates now rather than on the first call (benchmarks, warm-up).
     pub fn instantiate_now(&mut self, instantiate: impl FnOnce(&mut wasmtime::Store<GuestState>) -> wasmtime::Result<B>) -> Result<(), crate::CallError> {
-        let GuestSlot { sandbox, name, lookups, live } = self;
+        let GuestSlot { sandbox, name, capabilities, live } = self;
         let _ticking = sandbox.ticker.running();
-        live_instance(live, sandbox, name, lookups, instantiate).map(|_| ())
+        live_instance(live, sandbox, name, capabilities, instantiate).map(|_| ())
     }
 
     /// One call under the sandbox's limits (a fresh deadline, the epoch ticking while it
@@ -246,9 +265,9 @@ impl<B> GuestSlot<B> {
         call: impl FnOnce(&B, &mut wasmtime::Store<GuestState>) -> wasmtime::Result<T>,
         accept: impl FnOnce(T, &crate::Limits) -> Result<U, crate::CallError>,
     ) -> Result<U, crate::CallError> {
-        let GuestSlot { sandbox, name, lookups, live } = self;
+        let GuestSlot { sandbox, name, capabilities, live } = self;
         let _ticking = sandbox.ticker.running();
-        let instance = live_instance(live, sandbox, name, lookups, instantiate)?;
+        let instance = live_instance(live, sandbox, name, capabilities, instantiate)?;
         instance.store.set_epoch_deadline(deadline_ticks(&sandbox.limits));
         let outcome = match call(&instance.bindings, &mut instance.store) {
             Ok(value) => accept(value, &sandbox.limits),
@@ -266,11 +285,11 @@ fn live_instance<'s, B>(
     slot: &'s mut Option<LiveInstance<B>>,
     sandbox: &Sandbox,
     name: &Arc<str>,
-    lookups: &Arc<dyn Lookups>,
+    capabilities: &Capabilities,
     instantiate: impl FnOnce(&mut wasmtime::Store<GuestState>) -> wasmtime::Result<B>,
 ) -> Result<&'s mut LiveInstance<B>, crate::CallError> {
     if slot.is_none() {
-        let (mut store, stderr) = new_store(&sandbox.engine, name.clone(), &sandbox.limits, lookups.clone());
+        let (mut store, stderr) = new_store(&sandbox.engine, name.clone(), &sandbox.limits, capabilities);
         let bindings = instantiate(&mut store).map_err(|e| crate::CallError::Instantiate(format!("{e:#}")))?;
         *slot = Some(LiveInstance { store, bindings, stderr });
     }

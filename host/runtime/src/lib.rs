@@ -32,7 +32,7 @@ use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConf
 
 pub use bindings::service::wasmplane::dataplane::types as wit;
 pub use compiler::CompilerCommand;
-pub use host::{GuestState, Lookups, NoLookups};
+pub use host::{GuestState, Lookups, NO_SETTINGS, NoLookups};
 pub use loader::{GuestKind, LoadError, LoadedModule, ModuleInfo, WIT_PACKAGE, WIT_VERSION};
 
 /// How often the epoch advances; deadlines are whole ticks.

@@ -99,6 +99,8 @@ pub struct LoadedModule {
     name: Arc<str>,
     runner: Runner,
     sandbox: Sandbox,
+    /// What its sessions' guests read through the `settings` capability.
+    settings: Arc<str>,
 }
 
 pub fn digest(bytes: &[u8]) -> String {
@@ -141,6 +143,7 @@ impl Runtime {
             name: Arc::from(name),
             runner,
             sandbox: self.sandbox(),
+            settings: Arc::from(crate::host::NO_SETTINGS),
         })
     }
 
@@ -183,7 +186,7 @@ impl Runtime {
         for (import, _) in ty.imports(self.engine()) {
             let granted = import.starts_with("wasi:")
                 || split_name(import)
-                    .is_some_and(|(iface, v)| matches!(iface, "types" | "log" | "lookups") && v.starts_with(WIT_MAJOR));
+                    .is_some_and(|(iface, v)| matches!(iface, "types" | "log" | "lookups" | "settings") && v.starts_with(WIT_MAJOR));
             if !granted {
                 return Err(LoadError::ForbiddenImport(import.to_string()));
             }
@@ -277,12 +280,17 @@ impl LoadedModule {
         &self.name
     }
 
+    /// The settings its guests read (a JSON document; `{}` until set).
+    pub fn with_settings(mut self, settings: &str) -> Self {
+        self.settings = Arc::from(settings);
+        self
+    }
+
     /// A session running service translations; fails if this is another kind.
     pub fn translator(&self, lookups: Arc<dyn Lookups>) -> Option<TranslatorSession> {
+        let capabilities = crate::host::Capabilities { lookups, settings: self.settings.clone() };
         match &self.runner {
-            Runner::ServiceTranslator(pre) => {
-                Some(TranslatorSession { pre: pre.clone(), slot: GuestSlot::new(self.sandbox.clone(), self.name.clone(), lookups) })
-            }
+            Runner::ServiceTranslator(pre) => Some(TranslatorSession { pre: pre.clone(), slot: GuestSlot::new(self.sandbox.clone(), self.name.clone(), capabilities) }),
         }
     }
 }

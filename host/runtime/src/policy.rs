@@ -32,6 +32,7 @@ mod bindings {
             "wasmplane:dataplane/types@1.0.0": crate::bindings::service::wasmplane::dataplane::types,
             "wasmplane:dataplane/log@1.0.0": crate::bindings::service::wasmplane::dataplane::log,
             "wasmplane:dataplane/lookups@1.0.0": crate::bindings::service::wasmplane::dataplane::lookups,
+            "wasmplane:dataplane/settings@1.0.0": crate::bindings::service::wasmplane::dataplane::settings,
         },
     });
 }
@@ -45,6 +46,7 @@ pub struct PolicyModule {
     name: Arc<str>,
     pre: NetworkPolicyEnforcementPre<GuestState>,
     sandbox: Sandbox,
+    settings: Arc<str>,
 }
 
 impl Runtime {
@@ -59,6 +61,7 @@ impl Runtime {
             name: Arc::from(name),
             pre,
             sandbox: self.sandbox(),
+            settings: Arc::from(crate::host::NO_SETTINGS),
         })
     }
 }
@@ -68,9 +71,16 @@ impl PolicyModule {
         &self.name
     }
 
+    /// The settings its guests read (a JSON document; `{}` until set).
+    pub fn with_settings(mut self, settings: &str) -> Self {
+        self.settings = Arc::from(settings);
+        self
+    }
+
     /// A session calling `compile`; `lookups` answers the guest's `lookups` imports.
     pub fn session(&self, lookups: Arc<dyn Lookups>) -> PolicySession {
-        PolicySession { pre: self.pre.clone(), slot: GuestSlot::new(self.sandbox.clone(), self.name.clone(), lookups) }
+        let capabilities = crate::host::Capabilities { lookups, settings: self.settings.clone() };
+        PolicySession { pre: self.pre.clone(), slot: GuestSlot::new(self.sandbox.clone(), self.name.clone(), capabilities) }
     }
 }
 
@@ -243,7 +253,7 @@ mod tests {
             ips: vec![ip.into()],
             node_name: Some("node-a".into()),
             labels: labels(&[("app", app)]),
-            ports: vec![m::ContainerPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }],
+            ports: vec![m::ContainerPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080, host_port: None, host_ip: None }],
             host_network: false,
         })
     }
