@@ -350,6 +350,14 @@ pub enum ModuleCommand {
         #[arg(long)]
         version: Option<u32>,
     },
+    /// Show a module's settings, or set them from FILE (JSON or YAML), or clear them.
+    Settings {
+        name: String,
+        /// The settings document; `-` reads standard input.
+        file: Option<PathBuf>,
+        #[arg(long, conflicts_with = "file")]
+        clear: bool,
+    },
     /// Go back to the version in force before the current one.
     Rollback { name: String },
     /// Delete a module (its kind falls back to the builtin if it was in force).
@@ -665,6 +673,19 @@ impl ApiArgs {
     }
 }
 
+/// A settings file (JSON, or YAML as most Kubernetes configuration is written) as the JSON
+/// the API takes.
+fn settings_document(file: &std::path::Path) -> anyhow::Result<String> {
+    let text = if file == std::path::Path::new("-") {
+        std::io::read_to_string(std::io::stdin()).context("reading settings from standard input")?
+    } else {
+        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?
+    };
+    // YAML is a superset of JSON: one parser takes both.
+    let value: serde_json::Value = serde_yaml::from_str(&text).with_context(|| format!("{} is neither JSON nor YAML", file.display()))?;
+    Ok(value.to_string())
+}
+
 /// `module publish` and `module pull`: between this machine and a registry, no host API.
 async fn registry_command(command: &ModuleCommand) -> anyhow::Result<bool> {
     match command {
@@ -766,6 +787,9 @@ pub async fn module_command(api: ApiArgs, command: ModuleCommand) -> anyhow::Res
                 None => rb,
             }
         }
+        ModuleCommand::Settings { name, clear: true, .. } => client.delete(format!("{base}/v1/modules/{name}/settings")),
+        ModuleCommand::Settings { name, file: Some(file), .. } => client.put(format!("{base}/v1/modules/{name}/settings")).body(settings_document(file)?),
+        ModuleCommand::Settings { name, file: None, .. } => client.get(format!("{base}/v1/modules/{name}/settings")),
         ModuleCommand::Rollback { name } => client.post(format!("{base}/v1/modules/{name}/rollback")),
         ModuleCommand::Rm { name } => client.delete(format!("{base}/v1/modules/{name}")),
         ModuleCommand::Sign { .. } | ModuleCommand::Keygen { .. } | ModuleCommand::Publish { .. } | ModuleCommand::Pull { .. } => {

@@ -180,11 +180,13 @@ async fn module_settings_reach_every_hosts_guests_and_bad_ones_are_refused() {
     };
     wait_exposed(&b, &["shop/api"]).await;
 
-    // Settings through A: B's guests read them too.
+    // Settings through A (with the CLI, from YAML): B's guests read them too.
     let settings = serde_json::json!({"label": "tier", "value": "front"});
     let put = |host: &RunningHost, body: String| client.put(format!("{}/v1/modules/port-filter/settings", host.url())).bearer_auth(TOKEN).body(body).send();
-    let r = put(&a, settings.to_string()).await.unwrap();
-    assert_eq!(r.status(), StatusCode::OK, "{}", r.text().await.unwrap());
+    let file = dir.path().join("settings.yaml");
+    std::fs::write(&file, "label: tier\nvalue: front\n").unwrap();
+    let api = wasmplane::cli::ApiArgs { api: a.url(), token: Some(TOKEN.into()), token_file: None };
+    wasmplane::cli::module_command(api, wasmplane::cli::ModuleCommand::Settings { name: "port-filter".into(), file: Some(file), clear: false }).await.unwrap();
     wait_exposed(&a, &["shop/web"]).await;
     wait_exposed(&b, &["shop/web"]).await;
     assert_eq!(get_json(&client, &b, "/v1/modules/port-filter/settings").await, settings);
