@@ -56,14 +56,15 @@ impl KubernetesSource {
 pub enum KvstoreConfig {
     /// In this process: persisted in `data_dir/kvstore.redb`, in memory without a data dir.
     Embedded,
-    /// An etcd cluster (v3 API), by client URLs; `https://` ones with TLS settings.
-    Etcd { endpoints: Vec<String>, tls: Option<wasmplane_kvstore::EtcdTlsFiles> },
+    /// An etcd cluster (v3 API), by client URLs; `https://` ones with TLS settings; as an
+    /// etcd user, when etcd's authentication is on.
+    Etcd { endpoints: Vec<String>, tls: Option<wasmplane_kvstore::EtcdTlsFiles>, user: Option<wasmplane_kvstore::EtcdUser> },
 }
 
 impl KvstoreConfig {
     /// Plain-text etcd at these client URLs.
     pub fn etcd(endpoints: Vec<String>) -> KvstoreConfig {
-        KvstoreConfig::Etcd { endpoints, tls: None }
+        KvstoreConfig::Etcd { endpoints, tls: None, user: None }
     }
 
     /// `embedded`, or `etcd://host:port[,host:port…]` / `http(s)://…` endpoint lists.
@@ -87,16 +88,16 @@ impl KvstoreConfig {
                 }
                 None => Arc::new(wasmplane_kvstore::EmbeddedStore::in_memory()),
             },
-            KvstoreConfig::Etcd { endpoints, tls } => Arc::new(wasmplane_kvstore::EtcdStore::connect(etcd_config(endpoints, tls.as_ref())?).await.with_context(|| format!("connecting to etcd at {}", endpoints.join(",")))?),
+            KvstoreConfig::Etcd { endpoints, tls, user } => Arc::new(wasmplane_kvstore::EtcdStore::connect(etcd_config(endpoints, tls.as_ref(), user.clone())?).await.with_context(|| format!("connecting to etcd at {}", endpoints.join(",")))?),
         })
     }
 }
 
 /// The etcd client's settings with the TLS files read and checked (a missing or wrong file
 /// stops the start, naming the file).
-pub fn etcd_config(endpoints: &[String], tls: Option<&wasmplane_kvstore::EtcdTlsFiles>) -> anyhow::Result<wasmplane_kvstore::EtcdConfig> {
+pub fn etcd_config(endpoints: &[String], tls: Option<&wasmplane_kvstore::EtcdTlsFiles>, user: Option<wasmplane_kvstore::EtcdUser>) -> anyhow::Result<wasmplane_kvstore::EtcdConfig> {
     let tls = tls.map(wasmplane_kvstore::EtcdTlsFiles::load).transpose().context("etcd TLS settings")?;
-    let config = wasmplane_kvstore::EtcdConfig::new(endpoints.iter().cloned()).with_tls(tls);
+    let config = wasmplane_kvstore::EtcdConfig::new(endpoints.iter().cloned()).with_tls(tls).with_user(user);
     config.validate().with_context(|| format!("etcd at {}", endpoints.join(",")))?;
     Ok(config)
 }

@@ -61,10 +61,14 @@ pub struct RunArgs {
     /// The client certificate's private key (PEM).
     #[arg(long, env = "WASMPLANE_ETCD_KEY_FILE", requires = "etcd_cert_file")]
     pub etcd_key_file: Option<PathBuf>,
+    /// An etcd user, when etcd's authentication is on (its password: WASMPLANE_ETCD_PASSWORD,
+    /// from the environment only). Use it over TLS.
+    #[arg(long, env = "WASMPLANE_ETCD_USERNAME")]
+    pub etcd_username: Option<String>,
     /// An etcd client configuration file instead of --kvstore and the --etcd-* files, in the
     /// format of Cilium's `etcd.config` (`endpoints`, `trusted-ca-file`, `cert-file`,
     /// `key-file`; relative paths from the file's directory).
-    #[arg(long, env = "WASMPLANE_ETCD_CONFIG", conflicts_with_all = ["kvstore", "etcd_trusted_ca_file", "etcd_cert_file", "etcd_key_file"])]
+    #[arg(long, env = "WASMPLANE_ETCD_CONFIG", conflicts_with_all = ["kvstore", "etcd_trusted_ca_file", "etcd_cert_file", "etcd_key_file", "etcd_username"])]
     pub etcd_config: Option<PathBuf>,
     /// Serve the CNI daemon for the `wasmplane-cni` plugin on this unix socket (off when unset).
     #[arg(long, env = "WASMPLANE_CNI_SOCKET")]
@@ -636,14 +640,21 @@ impl RunArgs {
         use crate::app::KvstoreConfig;
         if let Some(path) = &self.etcd_config {
             let file = wasmplane_kvstore::EtcdConfigFile::read(path)?;
-            return Ok(KvstoreConfig::Etcd { endpoints: file.endpoints, tls: file.tls });
+            return Ok(KvstoreConfig::Etcd { endpoints: file.endpoints, tls: file.tls, user: file.user });
         }
         let tls = self.etcd_trusted_ca_file.clone().map(|trusted_ca_file| wasmplane_kvstore::EtcdTlsFiles { trusted_ca_file, cert_file: self.etcd_cert_file.clone(), key_file: self.etcd_key_file.clone() });
         Ok(match (&self.kvstore, tls) {
-            (KvstoreConfig::Etcd { endpoints, .. }, tls) => KvstoreConfig::Etcd { endpoints: endpoints.clone(), tls },
+            (KvstoreConfig::Etcd { endpoints, .. }, tls) => KvstoreConfig::Etcd { endpoints: endpoints.clone(), tls, user: self.etcd_user()? },
             (KvstoreConfig::Embedded, Some(_)) => bail!("--etcd-trusted-ca-file is for an etcd --kvstore; the embedded one has no connection"),
             (KvstoreConfig::Embedded, None) => KvstoreConfig::Embedded,
         })
+    }
+
+    /// `--etcd-username` with WASMPLANE_ETCD_PASSWORD.
+    fn etcd_user(&self) -> anyhow::Result<Option<wasmplane_kvstore::EtcdUser>> {
+        let Some(name) = self.etcd_username.clone() else { return Ok(None) };
+        let password = std::env::var("WASMPLANE_ETCD_PASSWORD").map_err(|_| anyhow::anyhow!("--etcd-username needs WASMPLANE_ETCD_PASSWORD in the environment"))?;
+        Ok(Some(wasmplane_kvstore::EtcdUser { name, password }))
     }
 
     /// `--remote-cluster` (TLS as this host's etcd) and `--clustermesh-config`.
@@ -655,7 +666,7 @@ impl RunArgs {
         let remotes = self
             .remote_clusters
             .iter()
-            .map(|(cluster, endpoints)| crate::clustermesh::RemoteEtcd { cluster: cluster.clone(), endpoints: endpoints.clone(), tls: endpoints.iter().any(|e| e.starts_with("https://")).then(|| own_tls.clone()).flatten() })
+            .map(|(cluster, endpoints)| crate::clustermesh::RemoteEtcd { cluster: cluster.clone(), endpoints: endpoints.clone(), tls: endpoints.iter().any(|e| e.starts_with("https://")).then(|| own_tls.clone()).flatten(), user: None })
             .collect();
         crate::clustermesh::ClusterMeshConfig { remotes, dir: self.clustermesh_config.clone(), poll: crate::clustermesh::ClusterMeshConfig::DEFAULT_POLL }
     }
@@ -855,7 +866,7 @@ mod tests {
         };
         assert!(run(&["--remote-cluster", "east=http://10.0.0.1:2379"]).unwrap_err().contains("--cluster-name"));
         assert!(run(&["--clustermesh-config", "/etc/mesh"]).unwrap_err().contains("--cluster-name"));
-        assert_eq!(run(&["--cluster-name", "west", "--remote-cluster", "east=http://10.0.0.1:2379"]).unwrap().remotes, [crate::clustermesh::RemoteEtcd { cluster: "east".into(), endpoints: vec!["http://10.0.0.1:2379".into()], tls: None }]);
+        assert_eq!(run(&["--cluster-name", "west", "--remote-cluster", "east=http://10.0.0.1:2379"]).unwrap().remotes, [crate::clustermesh::RemoteEtcd { cluster: "east".into(), endpoints: vec!["http://10.0.0.1:2379".into()], tls: None, user: None }]);
         // https:// remotes use this host's etcd TLS files (one CA for the mesh).
         let tls = wasmplane_kvstore::EtcdTlsFiles { trusted_ca_file: "/ca.pem".into(), cert_file: Some("/c.pem".into()), key_file: Some("/k.pem".into()) };
         let shared = run(&["--cluster-name", "west", "--kvstore", "https://10.0.0.9:2379", "--etcd-trusted-ca-file", "/ca.pem", "--etcd-cert-file", "/c.pem", "--etcd-key-file", "/k.pem", "--remote-cluster", "east=https://10.0.0.1:2379", "--remote-cluster", "north=http://10.0.0.3:2379", "--clustermesh-config", "/etc/mesh"]).unwrap();
@@ -872,10 +883,10 @@ mod tests {
         };
         use crate::app::KvstoreConfig;
         let tls = |cert: Option<&str>, key: Option<&str>| Some(wasmplane_kvstore::EtcdTlsFiles { trusted_ca_file: "/ca.pem".into(), cert_file: cert.map(Into::into), key_file: key.map(Into::into) });
-        assert_eq!(kvstore(&["--kvstore", "https://10.0.0.9:2379", "--etcd-trusted-ca-file", "/ca.pem"]), Ok(KvstoreConfig::Etcd { endpoints: vec!["https://10.0.0.9:2379".into()], tls: tls(None, None) }));
+        assert_eq!(kvstore(&["--kvstore", "https://10.0.0.9:2379", "--etcd-trusted-ca-file", "/ca.pem"]), Ok(KvstoreConfig::Etcd { endpoints: vec!["https://10.0.0.9:2379".into()], tls: tls(None, None), user: None }));
         assert_eq!(
             kvstore(&["--kvstore", "https://10.0.0.9:2379", "--etcd-trusted-ca-file", "/ca.pem", "--etcd-cert-file", "/c.pem", "--etcd-key-file", "/k.pem"]),
-            Ok(KvstoreConfig::Etcd { endpoints: vec!["https://10.0.0.9:2379".into()], tls: tls(Some("/c.pem"), Some("/k.pem")) })
+            Ok(KvstoreConfig::Etcd { endpoints: vec!["https://10.0.0.9:2379".into()], tls: tls(Some("/c.pem"), Some("/k.pem")), user: None })
         );
         assert!(kvstore(&["--etcd-trusted-ca-file", "/ca.pem"]).unwrap_err().contains("embedded"));
         assert!(kvstore(&["--kvstore", "https://a:2379", "--etcd-trusted-ca-file", "/ca.pem", "--etcd-cert-file", "/c.pem"]).is_err(), "a certificate without its key");
@@ -887,10 +898,19 @@ mod tests {
         let file = file.to_str().unwrap();
         assert_eq!(
             kvstore(&["--etcd-config", file]),
-            Ok(KvstoreConfig::Etcd { endpoints: vec!["https://etcd-0:2379".into(), "https://etcd-1:2379".into()], tls: Some(wasmplane_kvstore::EtcdTlsFiles { trusted_ca_file: dir.path().join("ca.crt"), cert_file: None, key_file: None }) })
+            Ok(KvstoreConfig::Etcd { endpoints: vec!["https://etcd-0:2379".into(), "https://etcd-1:2379".into()], tls: Some(wasmplane_kvstore::EtcdTlsFiles { trusted_ca_file: dir.path().join("ca.crt"), cert_file: None, key_file: None }), user: None })
         );
         assert!(kvstore(&["--etcd-config", file, "--kvstore", "etcd://a:2379"]).is_err(), "two sources of endpoints");
         assert!(kvstore(&["--etcd-config", "/nonexistent/etcd.config"]).unwrap_err().contains("/nonexistent/etcd.config"));
+        // The password from the environment only (the test environment has none).
+        if std::env::var_os("WASMPLANE_ETCD_PASSWORD").is_none() {
+            assert!(kvstore(&["--kvstore", "https://a:2379", "--etcd-trusted-ca-file", "/ca.pem", "--etcd-username", "agent"]).unwrap_err().contains("WASMPLANE_ETCD_PASSWORD"));
+        }
+        std::fs::write(dir.path().join("user.config"), "endpoints: [https://etcd-0:2379]\ntrusted-ca-file: ca.crt\nusername: agent\npassword: pw\n").unwrap();
+        match kvstore(&["--etcd-config", dir.path().join("user.config").to_str().unwrap()]) {
+            Ok(KvstoreConfig::Etcd { user, .. }) => assert_eq!(user, Some(wasmplane_kvstore::EtcdUser { name: "agent".into(), password: "pw".into() })),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

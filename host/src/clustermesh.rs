@@ -24,6 +24,8 @@ pub struct RemoteEtcd {
     pub cluster: String,
     pub endpoints: Vec<String>,
     pub tls: Option<wasmplane_kvstore::EtcdTlsFiles>,
+    /// An etcd user of the remote cluster (its file's `username` and `password`).
+    pub user: Option<wasmplane_kvstore::EtcdUser>,
 }
 
 /// Where the agent finds the clusters it follows.
@@ -60,7 +62,7 @@ pub fn read_clustermesh_dir(dir: &Path, own_cluster: &str) -> anyhow::Result<Vec
             continue;
         }
         let config = wasmplane_kvstore::EtcdConfigFile::parse(&path, &text)?;
-        remotes.push(RemoteEtcd { cluster: name.to_string(), endpoints: config.endpoints, tls: config.tls });
+        remotes.push(RemoteEtcd { cluster: name.to_string(), endpoints: config.endpoints, tls: config.tls, user: config.user });
     }
     remotes.sort_by(|a, b| a.cluster.cmp(&b.cluster));
     Ok(remotes)
@@ -76,7 +78,7 @@ fn wanted(config: &ClusterMeshConfig, own_cluster: &str) -> anyhow::Result<BTree
     let mut wanted = BTreeMap::new();
     for remote in remotes {
         let context = || format!("remote cluster {}", remote.cluster);
-        let etcd = crate::app::etcd_config(&remote.endpoints, remote.tls.as_ref()).with_context(context)?;
+        let etcd = crate::app::etcd_config(&remote.endpoints, remote.tls.as_ref(), remote.user.clone()).with_context(context)?;
         let fingerprint = fingerprint(&remote).with_context(context)?;
         if wanted.insert(remote.cluster.clone(), Wanted { etcd, fingerprint }).is_some() {
             anyhow::bail!("remote cluster {:?} is configured twice (--remote-cluster and --clustermesh-config)", remote.cluster);
@@ -90,12 +92,19 @@ struct Wanted {
     fingerprint: [u8; 32],
 }
 
-/// The endpoints and the bytes of every TLS file: what, changed, needs a new connection.
+/// The endpoints, the user and the bytes of every TLS file: what, changed, needs a new
+/// connection.
 fn fingerprint(remote: &RemoteEtcd) -> anyhow::Result<[u8; 32]> {
     let mut hash = Sha256::new();
     for endpoint in &remote.endpoints {
         hash.update(endpoint.as_bytes());
         hash.update([0]);
+    }
+    if let Some(user) = &remote.user {
+        for part in [&user.name, &user.password] {
+            hash.update(part.as_bytes());
+            hash.update([0]);
+        }
     }
     if let Some(tls) = &remote.tls {
         for file in std::iter::once(&tls.trusted_ca_file).chain(&tls.cert_file).chain(&tls.key_file) {
@@ -214,6 +223,7 @@ mod tests {
             cluster: "east".into(),
             endpoints: vec!["https://east.mesh:2379".into()],
             tls: Some(wasmplane_kvstore::EtcdTlsFiles { trusted_ca_file: dir.path().join("common-ca.crt"), cert_file: Some(dir.path().join("common.crt")), key_file: Some(dir.path().join("common.key")) }),
+            user: None,
         }]);
         write("south", "endpoints: [https://south.mesh:2379]\ninsecure-skip-tls-verify: true\n");
         let refused = format!("{:#}", read_clustermesh_dir(dir.path(), "west").unwrap_err());
@@ -224,7 +234,7 @@ mod tests {
     fn a_cluster_named_twice_and_a_changed_certificate_are_seen() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("east"), "endpoints: [http://10.0.0.1:2379]\n").unwrap();
-        let remote = |cluster: &str| RemoteEtcd { cluster: cluster.into(), endpoints: vec!["http://10.0.0.2:2379".into()], tls: None };
+        let remote = |cluster: &str| RemoteEtcd { cluster: cluster.into(), endpoints: vec!["http://10.0.0.2:2379".into()], tls: None, user: None };
         let config = ClusterMeshConfig { remotes: vec![remote("east")], dir: Some(dir.path().into()), poll: Duration::ZERO };
         let twice = wanted(&config, "west").err().expect("east twice").to_string();
         assert!(twice.contains("\"east\" is configured twice"), "{twice}");

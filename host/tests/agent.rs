@@ -125,7 +125,11 @@ fn client_tls(pki: &TestPki) -> EtcdTlsFiles {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_kvstore_and_remote_clusters_are_reached_over_tls_and_the_clustermesh_directory_is_followed() {
-    let etcd = Etcd::start_tls().await.expect("etcd-server must be installed (scripts/setup.sh)");
+    let mut etcd = Etcd::start_tls().await.expect("etcd-server must be installed (scripts/setup.sh)");
+    // This cluster's etcd has its authentication on: the host is an etcd user allowed
+    // `/wasmplane/` only, which is all it may need.
+    etcd.enable_auth("root-pw", "agent", "agent-pw", "/wasmplane/").await.unwrap();
+    let agent_user = Some(wasmplane_kvstore::EtcdUser { name: "agent".into(), password: "agent-pw".into() });
     let east = Etcd::start_tls().await.expect("etcd-server must be installed (scripts/setup.sh)");
     let dir = tempfile::tempdir().unwrap();
     let stranger = TestPki::generate(&dir.path().join("stranger"), "stranger").unwrap();
@@ -147,7 +151,7 @@ async fn the_kvstore_and_remote_clusters_are_reached_over_tls_and_the_clustermes
     let base = node_config(dir.path(), "node-a", &etcd, "agent-tls-token-0123456789", "nodes.yaml", NODES_YAML);
     // The Service here that east's endpoints join.
     support::rest::write_manifest(&dir.path().join("node-a-manifests"), "web.yaml", "apiVersion: v1\nkind: Service\nmetadata: { name: web, namespace: default, annotations: { wasmplane.io/global: \"true\" } }\nspec: { clusterIP: 10.96.1.10, ports: [{ port: 80, targetPort: 8080, protocol: TCP }] }\n");
-    let own = KvstoreConfig::Etcd { endpoints: vec![etcd.endpoint()], tls: Some(client_tls(own_pki)) };
+    let own = KvstoreConfig::Etcd { endpoints: vec![etcd.endpoint()], tls: Some(client_tls(own_pki)), user: agent_user.clone() };
     let config = |kvstore: KvstoreConfig| HostConfig {
         kvstore,
         agent: Some(AgentConfig { cluster_name: Some("west".into()), clustermesh: ClusterMeshConfig { dir: Some(mesh.clone()), poll: Duration::from_millis(200), ..Default::default() }, ..Default::default() }),
@@ -157,7 +161,7 @@ async fn the_kvstore_and_remote_clusters_are_reached_over_tls_and_the_clustermes
     // A TLS file that is not there stops the start, naming it.
     let mut missing = client_tls(own_pki);
     missing.key_file = Some(dir.path().join("absent-key.pem"));
-    let refused = start(config(KvstoreConfig::Etcd { endpoints: vec![etcd.endpoint()], tls: Some(missing) })).await.err().expect("a missing key file is refused");
+    let refused = start(config(KvstoreConfig::Etcd { endpoints: vec![etcd.endpoint()], tls: Some(missing), user: agent_user.clone() })).await.err().expect("a missing key file is refused");
     assert!(format!("{refused:#}").contains("absent-key.pem"), "{refused:#}");
 
     let host = start(config(own.clone())).await.unwrap();
@@ -168,7 +172,7 @@ async fn the_kvstore_and_remote_clusters_are_reached_over_tls_and_the_clustermes
 
     // East exports a service in its own etcd; nobody follows east yet.
     let export = serde_json::json!({"cluster": "east", "namespace": "default", "name": "web", "clusterIps": ["10.96.1.10"], "ports": [{"port": 80, "protocol": "TCP"}], "endpointSlices": [{"ports": [{"port": 8080, "protocol": "TCP"}], "addresses": ["10.245.0.7"]}]});
-    let east_kv = KvstoreConfig::Etcd { endpoints: vec![east.endpoint()], tls: Some(client_tls(east_pki)) }.open(None).await.unwrap();
+    let east_kv = KvstoreConfig::Etcd { endpoints: vec![east.endpoint()], tls: Some(client_tls(east_pki)), user: None }.open(None).await.unwrap();
     east_kv.put(&format!("{CLUSTERS_PREFIX}east/services/default/web"), export.to_string().into(), None).await.unwrap();
     let services = || async { reqwest::get(format!("{}/v1/cluster/services", host.url())).await.unwrap().json::<Value>().await.unwrap() };
     let imported_from_east = serde_json::json!([{"cluster": "east", "namespace": "default", "name": "web", "endpoints": ["10.245.0.7"]}]);

@@ -1128,7 +1128,7 @@ async fn a_global_service_balances_to_another_clusters_endpoints() {
     cluster.put_file("svc-web.yaml", &global(svc.yaml()));
     let west = start_host(HostConfig {
         kvstore: KvstoreConfig::etcd(vec![west_etcd.endpoint()]),
-        agent: Some(wasmplane::agent::AgentConfig { cluster_name: Some("west".into()), clustermesh: wasmplane::clustermesh::ClusterMeshConfig { remotes: vec![wasmplane::clustermesh::RemoteEtcd { cluster: "east".into(), endpoints: vec![east_etcd.endpoint()], tls: None }], ..Default::default() }, ..Default::default() }),
+        agent: Some(wasmplane::agent::AgentConfig { cluster_name: Some("west".into()), clustermesh: wasmplane::clustermesh::ClusterMeshConfig { remotes: vec![wasmplane::clustermesh::RemoteEtcd { cluster: "east".into(), endpoints: vec![east_etcd.endpoint()], tls: None, user: None }], ..Default::default() }, ..Default::default() }),
         ..cluster.config(topo.nft_command())
     })
     .await;

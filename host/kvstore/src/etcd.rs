@@ -53,6 +53,9 @@ pub struct EtcdConfig {
     pub tls: Option<crate::EtcdTls>,
     /// How often TLS settings loaded from files are read again (rotated certificates).
     pub tls_reload_interval: Duration,
+    /// An etcd user to authenticate as (etcd `--auth`); none: anonymous, or the client
+    /// certificate's common name when etcd maps it to a user.
+    pub user: Option<crate::EtcdUser>,
 }
 
 impl EtcdConfig {
@@ -70,7 +73,13 @@ impl EtcdConfig {
             list_page_size: 512,
             tls: None,
             tls_reload_interval: Duration::from_secs(30),
+            user: None,
         }
+    }
+
+    pub fn with_user(mut self, user: Option<crate::EtcdUser>) -> Self {
+        self.user = user;
+        self
     }
 
     pub fn with_tls(mut self, tls: Option<crate::EtcdTls>) -> Self {
@@ -137,6 +146,11 @@ impl Clients {
         if let Some(tls) = tls {
             options = options.with_tls(tls.options());
         }
+        if let Some(user) = &config.user {
+            // etcd-client takes a token at connect (so this needs etcd up) and renews it
+            // when etcd says it is stale.
+            options = options.with_user(&user.name, &user.password);
+        }
         let client = etcd_client::Client::connect(&config.endpoints, Some(options))
             .await
             .map_err(map_err)?;
@@ -164,7 +178,7 @@ impl EtcdStore {
     pub async fn connect(config: EtcdConfig) -> Result<Self> {
         config.validate()?;
         let clients = Clients::connect(&config, config.tls.as_ref()).await?;
-        debug!(endpoints = ?config.endpoints, tls = ?config.tls, "etcd client created");
+        debug!(endpoints = ?config.endpoints, tls = ?config.tls, user = ?config.user, "etcd client created");
         let inner = Arc::new(Inner {
             clients: std::sync::RwLock::new(Arc::new(clients)),
             config,

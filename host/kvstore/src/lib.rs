@@ -43,7 +43,7 @@ pub use lease::{LeaseKeeper, LeaseStatus};
 pub use shared::{
     SharedBatch, SharedBatches, SharedChange, SharedEntry, SharedStore, SharedStoreConfig,
 };
-pub use tls::{EtcdConfigFile, EtcdTls, EtcdTlsError, EtcdTlsFiles};
+pub use tls::{EtcdConfigFile, EtcdTls, EtcdTlsError, EtcdTlsFiles, EtcdUser};
 
 /// A store revision (etcd's `int64`). 0 means "none" (e.g. the modification
 /// revision of an absent key).

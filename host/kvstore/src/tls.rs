@@ -1,4 +1,5 @@
-//! TLS to etcd: a trusted CA and, for etcd's `--client-cert-auth`, a client certificate.
+//! TLS to etcd: a trusted CA and, for etcd's `--client-cert-auth`, a client certificate;
+//! and etcd's own users (`--auth`: a user name and password).
 //!
 //! Files are read and checked once, when the store is configured, so a wrong path or a
 //! file that holds no certificate is an error at start naming the file, not a handshake
@@ -130,6 +131,20 @@ fn require_certificate(path: &Path, pem: &[u8]) -> Result<(), EtcdTlsError> {
     }
 }
 
+/// An etcd user (etcd's role-based access control): the password travels to etcd, so use it
+/// over TLS.
+#[derive(Clone, PartialEq, Eq)]
+pub struct EtcdUser {
+    pub name: String,
+    pub password: String,
+}
+
+impl std::fmt::Debug for EtcdUser {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdUser").field("name", &self.name).finish_non_exhaustive()
+    }
+}
+
 /// An etcd client configuration file, as Cilium's agents read it (`etcd.config`, and one
 /// file per remote cluster in the clustermesh directory):
 ///
@@ -148,6 +163,8 @@ fn require_certificate(path: &Path, pem: &[u8]) -> Result<(), EtcdTlsError> {
 pub struct EtcdConfigFile {
     pub endpoints: Vec<String>,
     pub tls: Option<EtcdTlsFiles>,
+    /// `username` and `password`, as etcd's own client configuration names them.
+    pub user: Option<EtcdUser>,
 }
 
 #[derive(serde::Deserialize)]
@@ -157,6 +174,8 @@ struct RawConfigFile {
     trusted_ca_file: Option<PathBuf>,
     cert_file: Option<PathBuf>,
     key_file: Option<PathBuf>,
+    username: Option<String>,
+    password: Option<String>,
 }
 
 impl EtcdConfigFile {
@@ -191,9 +210,15 @@ impl EtcdConfigFile {
             }
             None => None,
         };
+        let user = match (raw.username, raw.password) {
+            (Some(name), Some(password)) => Some(EtcdUser { name, password }),
+            (None, None) => None,
+            _ => return Err(invalid("username and password go together".into())),
+        };
         Ok(EtcdConfigFile {
             endpoints: raw.endpoints,
             tls,
+            user,
         })
     }
 }
@@ -216,7 +241,10 @@ mod tests {
             })
         );
         let plain = EtcdConfigFile::parse(Path::new("x"), b"endpoints: [http://a:2379]").unwrap();
-        assert_eq!(plain.tls, None);
+        assert_eq!((plain.tls, plain.user), (None, None));
+        let user = EtcdConfigFile::parse(Path::new("x"), b"endpoints: [https://a:2379]\ntrusted-ca-file: ca\nusername: agent\npassword: s3cret\n").unwrap();
+        assert_eq!(user.user, Some(EtcdUser { name: "agent".into(), password: "s3cret".into() }));
+        assert!(!format!("{user:?}").contains("s3cret"), "{user:?}");
     }
 
     #[test]
@@ -231,6 +259,7 @@ mod tests {
         assert!(refused("endpoints: []\n").contains("no endpoints"));
         assert!(refused("endpoints: [https://a:2379]\ncert-file: c\nkey-file: k\n").contains("need trusted-ca-file"));
         assert!(refused("trusted-ca-file: ca\n").contains("endpoints"));
+        assert!(refused("endpoints: [https://a:2379]\nusername: agent\n").contains("go together"));
     }
 
     #[test]

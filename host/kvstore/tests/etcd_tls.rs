@@ -8,7 +8,7 @@ mod support;
 use std::time::Duration;
 
 use futures::StreamExt;
-use wasmplane_kvstore::{Bytes, EtcdStore, EtcdTlsFiles, KvError, KvStore};
+use wasmplane_kvstore::{Bytes, EtcdStore, EtcdTlsFiles, EtcdUser, KvError, KvStore};
 use wasmplane_test_etcd::{Etcd, TestPki};
 
 use support::{etcd_config, init_tracing};
@@ -112,4 +112,30 @@ async fn rotated_certificate_files_are_read_again() {
     std::fs::write(&cert, "").unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
     answers(true).await;
+}
+
+/// etcd's own users (`--auth`): a user name and password, over TLS, held to the role etcd
+/// gives it; a wrong password is refused at connect, naming why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_users_authenticate_and_are_held_to_their_roles() {
+    init_tracing();
+    let mut etcd = Etcd::start_tls().await.expect("etcd must start (apt-get install etcd-server)");
+    etcd.enable_auth("root-pw", "agent", "agent-pw", "/wasmplane/").await.unwrap();
+    let pki = etcd.pki().unwrap();
+    let connect = |password: Option<&str>| {
+        let user = password.map(|password| EtcdUser { name: "agent".into(), password: password.into() });
+        EtcdStore::connect(etcd_config(etcd.endpoint()).with_tls(Some(files(pki, Some(pki)).load().unwrap())).with_user(user))
+    };
+    let store = connect(Some("agent-pw")).await.unwrap();
+    store.put("/wasmplane/x", Bytes::from_static(b"1"), None).await.unwrap();
+    assert_eq!(store.get("/wasmplane/x").await.unwrap().unwrap().value, Bytes::from_static(b"1"));
+    let outside = store.put("/elsewhere", Bytes::from_static(b"1"), None).await.unwrap_err();
+    assert!(outside.to_string().contains("permission denied"), "{outside}");
+
+    let wrong = connect(Some("not-the-password")).await.err().expect("a wrong password is refused");
+    assert!(wrong.to_string().contains("authentication failed"), "{wrong}");
+    // No user: the client certificate's name is no etcd user.
+    let anonymous = connect(None).await.unwrap();
+    let refused = anonymous.get("/wasmplane/x").await.unwrap_err();
+    assert!(refused.to_string().contains("permission denied") || refused.to_string().contains("user name"), "{refused}");
 }

@@ -84,6 +84,8 @@ pub struct Etcd {
     peer_port: u16,
     /// Clients speak TLS and must present a certificate of this CA.
     tls: Option<TestPki>,
+    /// The root user, once [`Etcd::enable_auth`] turned etcd's authentication on.
+    root: Option<(String, String)>,
     child: Option<Child>,
 }
 
@@ -120,6 +122,7 @@ impl Etcd {
             client_port,
             peer_port,
             tls,
+            root: None,
             child: None,
         };
         etcd.spawn_and_wait().await?;
@@ -162,11 +165,41 @@ impl Etcd {
 
     /// A fresh etcd-client connected to this server, for test set-up and assertions.
     pub async fn client(&self) -> Result<etcd_client::Client, HarnessError> {
-        let options = match &self.tls {
-            Some(pki) => Some(etcd_client::ConnectOptions::new().with_tls(pki.client_tls()?)),
-            None => None,
+        let mut options = etcd_client::ConnectOptions::new();
+        if let Some(pki) = &self.tls {
+            options = options.with_tls(pki.client_tls()?);
+        }
+        if let Some((user, password)) = &self.root {
+            options = options.with_user(user, password);
+        }
+        Ok(etcd_client::Client::connect([self.endpoint()], Some(options)).await?)
+    }
+
+    /// Turns etcd's authentication on (`etcdctl auth enable`) with user `root` (every
+    /// permission) and `user` (read and write under `prefix` only); from then on every
+    /// client needs a user and password, the harness's own as `root`.
+    pub async fn enable_auth(&mut self, root_password: &str, user: &str, password: &str, prefix: &str) -> Result<(), HarnessError> {
+        let mut client = self.client().await?;
+        client.user_add("root", root_password, None).await?;
+        client.user_grant_role("root", "root").await?;
+        client.role_add(user).await?;
+        let end = {
+            // The first key after every key starting with `prefix`.
+            let mut end = prefix.as_bytes().to_vec();
+            *end.last_mut().expect("a non-empty prefix") += 1;
+            end
         };
-        Ok(etcd_client::Client::connect([self.endpoint()], options).await?)
+        client
+            .role_grant_permission(
+                user,
+                etcd_client::Permission::read_write(prefix).with_range_end(end),
+            )
+            .await?;
+        client.user_add(user, password, None).await?;
+        client.user_grant_role(user, user).await?;
+        client.auth_enable().await?;
+        self.root = Some(("root".into(), root_password.into()));
+        Ok(())
     }
 
     /// Graceful stop: SIGTERM, then SIGKILL if the process does not exit in time.
