@@ -686,7 +686,7 @@ impl ApiArgs {
 
 /// A settings file (JSON, or YAML as most Kubernetes configuration is written) as the JSON
 /// the API takes.
-fn settings_document(file: &std::path::Path) -> anyhow::Result<String> {
+pub(crate) fn settings_document(file: &std::path::Path) -> anyhow::Result<String> {
     let text = if file == std::path::Path::new("-") {
         std::io::read_to_string(std::io::stdin()).context("reading settings from standard input")?
     } else {

@@ -69,9 +69,15 @@ impl Replayed {
 impl Replayer {
     /// `module`: a component's name and bytes; `None`: the builtin default translator.
     pub fn new(runtime: &Runtime, module: Option<(&str, &[u8])>) -> Result<Replayer, ReplayError> {
+        Self::with_settings(runtime, module, wasmplane_runtime::NO_SETTINGS)
+    }
+
+    /// [`Replayer::new`] with the module's settings (a JSON document), as the host would
+    /// give them: the way to try settings on a recording before setting them.
+    pub fn with_settings(runtime: &Runtime, module: Option<(&str, &[u8])>, settings: &str) -> Result<Replayer, ReplayError> {
         let (name, bytes) = module.unwrap_or((BUILTIN_SERVICE_TRANSLATOR, wasmplane_guest_artifacts::SERVICE_TRANSLATOR));
         // Loaded like an upload (kind, world, imports checked); the size cap is the upload's concern.
-        let loaded = runtime.load(name, bytes, Some(GuestKind::ServiceTranslator), usize::MAX).map_err(|source| ReplayError::Load { name: name.into(), source })?;
+        let loaded = runtime.load(name, bytes, Some(GuestKind::ServiceTranslator), usize::MAX).map_err(|source| ReplayError::Load { name: name.into(), source })?.with_settings(settings);
         let kind = loaded.info.kind;
         // Service translators get no lookups live either (controller.rs).
         let session = loaded.translator(Arc::new(NoLookups)).ok_or_else(|| ReplayError::NotATranslator { name: name.into(), kind })?;
@@ -80,11 +86,11 @@ impl Replayer {
     }
 
     /// Reads the module at `path` (named by its file stem); `None`: the builtin.
-    pub fn from_file(runtime: &Runtime, path: Option<&Path>) -> Result<Replayer, ReplayError> {
-        let Some(path) = path else { return Replayer::new(runtime, None) };
+    pub fn from_file(runtime: &Runtime, path: Option<&Path>, settings: &str) -> Result<Replayer, ReplayError> {
+        let Some(path) = path else { return Replayer::with_settings(runtime, None, settings) };
         let bytes = std::fs::read(path).map_err(|source| ReplayError::ReadModule { path: path.to_path_buf(), source })?;
         let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "module".into());
-        Replayer::new(runtime, Some((&name, &bytes)))
+        Replayer::with_settings(runtime, Some((&name, &bytes)), settings)
     }
 
     pub fn name(&self) -> &str {
@@ -231,6 +237,9 @@ pub struct ReplayArgs {
     /// Linear-memory limit of the guest, in MiB (as `run`).
     #[arg(long, default_value_t = 64, value_parser = crate::cli::guest_memory_mib)]
     pub guest_memory_mib: usize,
+    /// The module's settings (JSON or YAML), as `module settings` would set them.
+    #[arg(long)]
+    pub settings: Option<PathBuf>,
 }
 
 /// Runs `wasmplane replay`: outputs on stdout, the summary on stderr.
@@ -239,7 +248,11 @@ pub fn command(args: ReplayArgs) -> anyhow::Result<()> {
     let reader = RecordingReader::open(&args.file)?;
     let limits = Limits { call_timeout: Duration::from_millis(args.guest_timeout_ms), memory_bytes: args.guest_memory_mib << 20, ..Default::default() };
     let runtime = Runtime::new(limits, None).context("starting the Wasm runtime")?;
-    let mut replayer = Replayer::from_file(&runtime, args.module.as_deref())?;
+    let settings = match &args.settings {
+        Some(file) => crate::cli::settings_document(file)?,
+        None => wasmplane_runtime::NO_SETTINGS.to_string(),
+    };
+    let mut replayer = Replayer::from_file(&runtime, args.module.as_deref(), &settings)?;
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());
     let summary = replay(reader, &mut replayer, args.format, &mut out)?;

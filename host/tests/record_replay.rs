@@ -280,6 +280,16 @@ fn check_cli(recording: &Path, dir: &Path) {
     assert!(text.contains("## shop/db: deleted"), "{text}");
     assert!(text.contains("differs from recorded live (default-service-translator@1): shop/api, shop/db, shop/web"), "{text}");
 
+    // --settings: the module's settings tried on the recording before they are set.
+    let settings = dir.join("settings.yaml");
+    std::fs::write(&settings, "label: tier\nvalue: front\n").unwrap();
+    let (ok, json, stderr) = wasmplane(&["replay", file, "--module", module.to_str().unwrap(), "--settings", settings.to_str().unwrap(), "--format", "json"]);
+    assert!(ok, "{stderr}");
+    assert!(json.contains("not exposed: label tier=front is missing") && !json.contains("wasmplane.io/expose=true is missing"), "{json}");
+    std::fs::write(&settings, "lable: tier\n").unwrap();
+    let (_, _, stderr) = wasmplane(&["replay", file, "--module", module.to_str().unwrap(), "--settings", settings.to_str().unwrap()]);
+    assert!(stderr.contains("calls, ") && !stderr.contains(" 0 errors"), "settings the guest refuses fail its calls: {stderr}");
+
     // --check: a module whose output differs from what ran live fails the run.
     let (ok, _, stderr) = wasmplane(&["replay", file, "--check"]);
     assert!(!ok && stderr.contains("1 revisions differ from the recorded live output"), "{stderr}");
