@@ -156,7 +156,11 @@ async fn readyz(State(state): State<ApiState>) -> impl IntoResponse {
     if !state.ready.load(Ordering::Relaxed) {
         return (StatusCode::SERVICE_UNAVAILABLE, "not ready: initial sync pending\n".to_string());
     }
-    match state.agent.as_ref().and_then(|a| a.unready_reason()) {
+    if let Some(reason) = state.agent.as_ref().and_then(|a| a.unready_reason()) {
+        return (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {reason}\n"));
+    }
+    let pending = state.controller.lock().unwrap_or_else(|p| p.into_inner()).model().local_detection_pending();
+    match pending {
         Some(reason) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {reason}\n")),
         None => (StatusCode::OK, "ready\n".to_string()),
     }

@@ -331,3 +331,32 @@ async fn local_policies_without_endpoints_and_write_times_are_in_the_metrics() {
     std::fs::remove_file(t.dir.path().join("manifests/local.yaml")).unwrap();
     until("the service gone", 0.0).await;
 }
+
+/// kube-proxy waits for its Node's pod CIDR in NodeCIDR mode; here `/readyz` says the host
+/// cannot tell local traffic apart until the Node has one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_waits_for_the_nodes_pod_cidr_in_node_cidr_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    write_manifest(&dir.path().join("manifests"), "shop.yaml", &manifests());
+    let host = start(HostConfig { local_detection: wasmplane::controller::LocalDetection::NodeCidr, node_name: "node-a".into(), ..config(dir.path()) }).await.unwrap();
+    let readyz = || async { reqwest::get(format!("{}/readyz", host.url())).await.map(|r| async { (r.status(), r.text().await.unwrap()) }).unwrap().await };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (status, body) = loop {
+        let (status, body) = readyz().await;
+        if !body.contains("initial sync") {
+            break (status, body);
+        }
+        assert!(Instant::now() < deadline, "never synced: {body}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert!(body.contains("no pod CIDR yet"), "{body}");
+
+    write_manifest(&dir.path().join("manifests"), "node.yaml", "apiVersion: v1\nkind: Node\nmetadata: { name: node-a }\nspec: { podCIDR: 10.244.0.0/24, podCIDRs: [10.244.0.0/24] }\n");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while readyz().await.0 != StatusCode::OK {
+        assert!(Instant::now() < deadline, "not ready with the Node's pod CIDR: {}", readyz().await.1);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    host.stop().await;
+}

@@ -894,6 +894,13 @@ impl NodeLocalModel {
         self
     }
 
+    /// Why local traffic cannot be told apart yet, if it cannot: with NodeCIDR detection,
+    /// until this node's Node object has a pod CIDR (kube-proxy waits for it at start).
+    pub fn local_detection_pending(&self) -> Option<&'static str> {
+        (self.local_is_node_cidrs && self.context.cluster_cidrs.is_empty())
+            .then_some("--detect-local-mode NodeCIDR: this node's Node object has no pod CIDR yet, so traffic from outside the cluster to cluster IPs is not masqueraded")
+    }
+
     /// Service CIDRs that are configuration rather than cluster state (`--service-cidr`):
     /// the ServiceCIDR objects' ranges are added to them.
     pub fn with_service_cidrs(mut self, mut cidrs: Vec<ipnet::IpNet>) -> Self {
@@ -1168,12 +1175,15 @@ mod tests {
         let mut state = ClusterState::new();
         let mut model = NodeLocalModel::new("node-a", vec![]).with_node_cidr_local_detection();
         assert!(model.context.cluster_cidrs.is_empty());
+        assert!(model.local_detection_pending().is_some(), "no Node yet");
+        assert_eq!(NodeLocalModel::new("node-a", vec![]).local_detection_pending(), None, "ClusterCIDR detection waits for nothing");
         let node = |cidr: &str| Node { name: "node-a".into(), addresses: vec!["192.168.0.1".into()], pod_cidrs: vec![cidr.into()], labels: Labels::new(), being_deleted: false };
         let u = apply(&mut state, &mut model, ClusterObject::Node(node("10.244.3.0/24")));
         assert!(u.context_changed);
         assert_eq!(model.context.cluster_cidrs, ["10.244.3.0/24"]);
         apply(&mut state, &mut model, ClusterObject::Node(node("10.244.4.0/24")));
         assert_eq!(model.context.cluster_cidrs, ["10.244.4.0/24"]);
+        assert_eq!(model.local_detection_pending(), None);
 
         let mut configured = NodeLocalModel::new("node-a", vec!["10.244.0.0/16".into()]);
         apply(&mut state, &mut configured, ClusterObject::Node(node("10.244.4.0/24")));
