@@ -42,7 +42,7 @@ fn pod(i: usize, app: usize) -> ClusterObject {
         ips: vec![format!("10.244.{}.{}", i / 250, i % 250 + 1).into()],
         node_name: Some(if local { NODE.into() } else { format!("node-{}", i % 40 + 1).into() }),
         labels: labels(&[("app", format!("a{app}"))]),
-        ports: vec![ContainerPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }],
+        ports: vec![ContainerPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080, host_port: None, host_ip: None }],
         host_network: false,
     })
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
 use wasmplane_model::state::{ClusterEvent, ClusterObject, ModelUpdate, NoLocalEndpoints, ServiceView, Touched};
-use wasmplane_model::{ClusterState, CompactString, IntoModel, NodeLocalModel, ObjectKey, ToStd};
+use wasmplane_model::{ClusterState, CompactString, IntoModel, NodeLocalModel, ObjectKey, Pod, ToStd};
 use wasmplane_sources::kube::SourceEvent;
 use wasmplane_runtime::{CallError, GuestKind, LoadError, LoadedModule, ModuleInfo, NoLookups, Runtime, TranslatorSession};
 
@@ -432,6 +432,8 @@ impl Controller {
         if policy_changes.compiled + policy_changes.failed > 0 {
             tracing::debug!(compiled = policy_changes.compiled, failed = policy_changes.failed, dispatch = policy_changes.dispatch_changed, "policies recompiled");
         }
+        // This node's pods that changed: their host ports, written by the host.
+        let hostport_changes: Vec<_> = update.pods.iter().filter_map(|change| self.hostport_change(&change.key, change.pod.as_deref())).collect();
         let changed: Vec<(ObjectKey, Option<Arc<ServiceView>>)> = if update.context_changed {
             // Every call sees the node context: all services are due.
             let mut all: Vec<_> = self.model.services.iter().map(|(k, v)| (k.clone(), Some(v.clone()))).collect();
@@ -475,6 +477,7 @@ impl Controller {
         self.observers.iter().for_each(|o| o.translated(translator, &changes, &self.service_errors));
         // The host's own objects after the translator's (whose are what observers record).
         changes.extend(firewall_changes);
+        changes.extend(hostport_changes);
         // Policy objects after the services': their own order (see `policy.rs`) is kept.
         changes.extend(policy_changes.changes);
         if (node_ports_moved || service_cidrs_moved || cluster_cidrs_moved) && changes.is_empty() {
@@ -523,6 +526,16 @@ impl Controller {
 
     fn firewall_of(&self, view: &ServiceView) -> Option<ObjectRules> {
         nft::firewall_rules(&view.service.firewalled_frontends(&self.model.context.node_ips))
+    }
+
+    /// The change of a pod's host ports (see [`nft::hostport_rules`]) when the pod changed on
+    /// this node (`None`: gone or moved away). The host writes them whatever translator is
+    /// in force. The model's pods carry the addresses the CNI daemon gave before the API
+    /// server reports them (see `fill_pod_ips`), so host ports work from the CNI ADD on.
+    fn hostport_change(&self, key: &ObjectKey, pod: Option<&Pod>) -> Option<(ObjectKey, Option<ObjectRules>)> {
+        let wanted = pod.and_then(|pod| nft::hostport_rules(pod, self.model.node_name()));
+        let hostport_key = nft::hostport_object_key(key);
+        (self.dataplane.wanted(&hostport_key) != wanted.as_ref()).then_some((hostport_key, wanted))
     }
 
     /// Every policy: the generation enforced here, audit mode, errors (`GET /v1/policies`).
@@ -727,9 +740,11 @@ impl Controller {
             }
         }
         self.registry.count_calls(name, outputs.len() as u64);
-        // A full sync replaces the whole table: the host's firewalls and the policy side's
-        // objects go in with it.
+        // A full sync replaces the whole table: the host's firewalls and host ports and the
+        // policy side's objects go in with it.
         outputs.extend(self.model.services.iter().filter_map(|(key, view)| Some((nft::firewall_object_key(key), self.firewall_of(view)?))));
+        let node = self.model.node_name();
+        outputs.extend(self.model.local_pods.iter().filter_map(|(key, pod)| Some((nft::hostport_object_key(key), nft::hostport_rules(pod, node)?))));
         outputs.extend(self.policy.objects());
         self.full_write(|dataplane| dataplane.full_sync(Some(outputs)))?;
         self.service_errors.clear();

@@ -113,7 +113,7 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 use serde::Serialize;
-use wasmplane_model::{CompactString, FirewalledFrontend, ObjectKey, ToCompactString, VecMap, format_compact};
+use wasmplane_model::{CompactString, FirewalledFrontend, ObjectKey, Pod, ToCompactString, VecMap, format_compact};
 use wasmplane_runtime::wit;
 
 pub const FAMILY: &str = "inet";
@@ -720,6 +720,66 @@ pub fn firewall_rules(frontends: &[FirewalledFrontend]) -> Option<ObjectRules> {
     Some(ObjectRules { elements: elements.into_iter().collect(), ..Default::default() })
 }
 
+/// The dataplane key of a pod's host ports (`hostPort`, see [`hostport_rules`]): an object of
+/// the host's own, whatever guest is in force. Namespaces cannot contain `:`, so these never
+/// collide with a service's or a firewall's key.
+pub fn hostport_object_key(pod: &ObjectKey) -> ObjectKey {
+    ObjectKey { namespace: format_compact!("hostport:{}", pod.namespace), name: pod.name.clone() }
+}
+
+/// The main table's maps of host ports: `[node address .] protocol . port : pod address .
+/// port`, the node address of a `hostIP` (`hostports`), or none for every local address
+/// (`hostports-any`).
+const HOSTPORT_MAPS: [&str; 4] = ["hostports", "hostports6", "hostports-any", "hostports-any6"];
+
+/// Whether `map` is one of the host port maps (data maps: their values are `address . port`).
+pub fn is_hostport_map(map: &str) -> bool {
+    HOSTPORT_MAPS.contains(&map)
+}
+
+/// The main table's elements that forward a pod's host ports (`ports[].hostPort`) to it, as
+/// the CNI `portmap` plugin does, from the Pod object (Cilium's way): `hostports(6)` for a
+/// `hostIP`, `hostports-any(6)` for every local address but loopback (checked by the
+/// `hostport-dnat` chain), and the pod's hairpin pair, so that a pod reaching its own host
+/// port through the node is masqueraded (portmap's `snat`). `None` unless the pod is on
+/// `node`, not host-network, and has a host port and an address of its family. Data only:
+/// no chain per pod (see `Layout`).
+pub fn hostport_rules(pod: &Pod, node: &str) -> Option<ObjectRules> {
+    if pod.host_network || pod.node_name.as_deref() != Some(node) {
+        return None;
+    }
+    let ips: Vec<IpAddr> = pod.ips.iter().filter_map(|ip| ip.parse().ok()).collect();
+    // The pod's first address of each family, as kubelet hands portmap one per family.
+    let pod_ip = |v4: bool| ips.iter().find(|ip| ip.is_ipv4() == v4).copied();
+    let mut elements = BTreeMap::new();
+    for p in &pod.ports {
+        let Some(host_port) = p.host_port else { continue };
+        let proto = p.protocol.as_nft();
+        let host_ip: Option<IpAddr> = match &p.host_ip {
+            Some(text) => match text.parse() {
+                Ok(ip) => Some(ip),
+                Err(_) => continue,
+            },
+            None => None,
+        };
+        for v4 in [true, false] {
+            let Some(target) = pod_ip(v4) else { continue };
+            let v6 = if v4 { "" } else { "6" };
+            let (map, key) = match host_ip {
+                Some(ip) if ip.is_ipv4() != v4 => continue,
+                Some(ip) => (format_compact!("hostports{v6}"), format_compact!("{ip} . {proto} . {host_port}")),
+                None => (format_compact!("hostports-any{v6}"), format_compact!("{proto} . {host_port}")),
+            };
+            elements.insert((map, key), format_compact!("{target} . {}", p.port));
+            elements.insert((format_compact!("hairpin{v6}"), format_compact!("{target} . {target}")), CompactString::default());
+        }
+    }
+    if elements.is_empty() {
+        return None;
+    }
+    Some(ObjectRules { elements: elements.into_iter().collect(), ..Default::default() })
+}
+
 /// The host's interval sets with concatenated keys: an element is a range in its last part.
 pub fn is_range_set(set: &str) -> bool {
     matches!(set, "firewall-allowed" | "firewall-allowed6")
@@ -1204,6 +1264,9 @@ struct TableSkeleton<'a> {
     maps: &'a [(&'a str, &'a str)],
     /// Data maps: (name, declaration body).
     data_maps: &'a [(&'a str, &'a str)],
+    /// Data maps declared by `type` (name, declaration body): nft reads those back whole,
+    /// so they are flushed like the verdict maps, not declared anew.
+    typed_data_maps: &'a [(&'a str, &'a str)],
     sets: &'a [(&'a str, &'a str)],
     chains: &'a [(&'a str, &'a str, &'a [&'a str])],
 }
@@ -1216,7 +1279,7 @@ impl TableSkeleton<'_> {
         for (name, ty) in self.maps {
             writeln!(out, "add map {t} {name} {{ type {ty} : verdict; }}").unwrap();
         }
-        for (name, declaration) in self.data_maps {
+        for (name, declaration) in self.data_maps.iter().chain(self.typed_data_maps) {
             writeln!(out, "add map {t} {name} {{ {declaration}; }}").unwrap();
         }
         for (name, ty) in self.sets {
@@ -1233,7 +1296,7 @@ impl TableSkeleton<'_> {
         if flush_first {
             // `flush table` empties chains but not maps: their elements go explicitly.
             writeln!(out, "flush table {t}").unwrap();
-            for (map, _) in self.maps {
+            for (map, _) in self.maps.iter().chain(self.typed_data_maps) {
                 writeln!(out, "flush map {t} {map}").unwrap();
             }
             // Data maps are declared anew instead of flushed: nft 1.0.6 cannot add a rule
@@ -1268,6 +1331,13 @@ const MAIN_SKELETON: TableSkeleton = {
             ("no-endpoint-nodeports", "inet_proto . inet_service"),
         ],
         data_maps: &[],
+        // A pod's host ports (see `hostport_rules`), DNATed by `hostport-dnat`.
+        typed_data_maps: &[
+            ("hostports", "type ipv4_addr . inet_proto . inet_service : ipv4_addr . inet_service"),
+            ("hostports6", "type ipv6_addr . inet_proto . inet_service : ipv6_addr . inet_service"),
+            ("hostports-any", "type inet_proto . inet_service : ipv4_addr . inet_service"),
+            ("hostports-any6", "type inet_proto . inet_service : ipv6_addr . inet_service"),
+        ],
         sets: &[
             ("cluster-ips", "ipv4_addr"),
             ("cluster-ips6", "ipv6_addr"),
@@ -1300,6 +1370,25 @@ const MAIN_SKELETON: TableSkeleton = {
             ),
             // Its rules follow `--masquerade-all` (see `write_masquerade_all`).
             ("masquerade-all", "", &[]),
+            // Host ports before services: NAT chains run by priority until one DNATs (the
+            // shards' at -100), so a host port that is also a node port goes to the pod that
+            // holds it on this node (with portmap and kube-proxy, whichever chain was put
+            // first in PREROUTING). The filter chains at -110 still see the original
+            // destination.
+            ("hostport-prerouting", "type nat hook prerouting priority -105; policy accept;", &["jump hostport-dnat"]),
+            ("hostport-output", "type nat hook output priority -105; policy accept;", &["jump hostport-dnat"]),
+            // portmap's `--dst-type LOCAL`: only the node's own addresses, never loopback (a
+            // DNAT from 127.0.0.1 to a pod is not routed without `route_localnet`).
+            (
+                "hostport-dnat",
+                "",
+                &[
+                    "ip daddr . meta l4proto . th dport @hostports fib daddr type local dnat ip to ip daddr . meta l4proto . th dport map @hostports",
+                    "ip6 daddr . meta l4proto . th dport @hostports6 fib daddr type local dnat ip6 to ip6 daddr . meta l4proto . th dport map @hostports6",
+                    "ip daddr != 127.0.0.0/8 meta l4proto . th dport @hostports-any fib daddr type local dnat ip to meta l4proto . th dport map @hostports-any",
+                    "ip6 daddr != ::1 meta l4proto . th dport @hostports-any6 fib daddr type local dnat ip6 to meta l4proto . th dport map @hostports-any6",
+                ],
+            ),
             // Before DNAT (priority dstnat-10), so destinations are still the service addresses.
             ("filter-prerouting", "type filter hook prerouting priority -110; policy accept;", &["ct state new jump firewall-check"]),
             ("filter-input", "type filter hook input priority -110; policy accept;", &["ct state new jump endpoints-check"]),
@@ -1373,6 +1462,7 @@ const SHARD_SKELETON: TableSkeleton = {
             ("nodeport-endpoints", "typeof meta l4proto . th dport . numgen random mod 1 : ip daddr . th dport"),
             ("nodeport-endpoints6", "typeof meta l4proto . th dport . numgen random mod 1 : ip6 daddr . th dport"),
         ],
+        typed_data_maps: &[],
         sets: &[
             ("masquerade-off-cluster", "ipv4_addr . inet_proto . inet_service"),
             ("masquerade-off-cluster6", "ipv6_addr . inet_proto . inet_service"),
@@ -2004,12 +2094,15 @@ fn frontends(rules: &ObjectRules) -> BTreeMap<Frontend, BTreeSet<(IpAddr, u16)>>
             dnat_targets(rules, chain, &mut BTreeSet::new(), targets);
         }
     }
-    // Load balancing as data: `frontend . index : address . port` in the endpoint maps.
+    // Load balancing as data: `frontend . index : address . port` in the endpoint maps; a
+    // pod's host ports: `frontend : address . port`.
     for ((map, key), value) in &rules.elements {
-        if !matches!(map.as_str(), "service-endpoints" | "service-endpoints6" | "nodeport-endpoints" | "nodeport-endpoints6") {
-            continue;
-        }
-        let (Some(front), Some((address, port))) = (key.rsplit_once(" . ").and_then(|(front, _)| frontend(front)), value.split_once(" . ")) else {
+        let front = match map.as_str() {
+            "service-endpoints" | "service-endpoints6" | "nodeport-endpoints" | "nodeport-endpoints6" => key.rsplit_once(" . ").and_then(|(front, _)| frontend(front)),
+            map if is_hostport_map(map) => frontend(key),
+            _ => continue,
+        };
+        let (Some(front), Some((address, port))) = (front, value.split_once(" . ")) else {
             continue;
         };
         if let (Ok(address), Ok(port)) = (address.parse(), port.parse()) {
@@ -2025,11 +2118,19 @@ fn frontends(rules: &ObjectRules) -> BTreeMap<Frontend, BTreeSet<(IpAddr, u16)>>
 ///   reaches, so a long-lived client (a DNS resolver) moves to a live endpoint at once
 ///   instead of talking to nothing until its entry times out;
 /// - every flow of a UDP/SCTP service address or node port that had no endpoints and has
-///   some now (entries made while it was rejected or dropped must not linger).
+///   some now (entries made while it was rejected or dropped must not linger);
+/// - the same for a pod's host ports: flows to the pod it no longer reaches, and every flow
+///   of a new one (portmap's cleanup on ADD: they went to the node itself until now).
 pub fn conntrack_cleanup(old: &ObjectRules, new: &ObjectRules) -> Vec<ConntrackFilter> {
     let (before, after) = (frontends(old), frontends(new));
     let none = BTreeSet::new();
     let mut filters = Vec::new();
+    let host_ports = |rules: &ObjectRules| -> BTreeSet<(Frontend, bool)> {
+        rules.elements.keys().filter(|(map, _)| is_hostport_map(map)).filter_map(|(map, key)| Some((frontend(key)?, map.ends_with('6')))).collect()
+    };
+    for &((protocol, destination, port), ipv6) in host_ports(new).difference(&host_ports(old)) {
+        filters.push(ConntrackFilter { protocol, ipv6, destination, port, endpoint: None });
+    }
     for (&(protocol, destination, port), had) in &before {
         let has = after.get(&(protocol, destination, port)).unwrap_or(&none);
         for &(addr, endpoint_port) in had.difference(has) {

@@ -72,8 +72,8 @@ fn pod(ns: usize, app: usize, dual_stack: bool) -> ClusterObject {
         node_name: Some("node-a".into()),
         labels: labels(&[("app", APPS[app])]),
         ports: vec![
-            ContainerPort { name: "http".into(), protocol: Protocol::Tcp, port: http },
-            ContainerPort { name: "dns".into(), protocol: Protocol::Udp, port: 53 },
+            ContainerPort { name: "http".into(), protocol: Protocol::Tcp, port: http, host_port: None, host_ip: None },
+            ContainerPort { name: "dns".into(), protocol: Protocol::Udp, port: 53, host_port: None, host_ip: None },
         ],
         host_network: false,
     })

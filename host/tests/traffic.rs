@@ -1228,3 +1228,168 @@ async fn node_cidr_local_detection_masquerades_what_is_not_this_nodes_pods() {
     assert_eq!(peer_seen_from(&client), ip(POD_GATEWAY));
     host.stop().await;
 }
+
+/// A pod's `ports[].hostPort` manifest: `(containerPort, protocol, hostPort, hostIP)` each.
+fn hostport_pod(name: &str, node: &str, ip: Option<&str>, ports: &[(u16, &str, u16, Option<&str>)]) -> String {
+    let ports: Vec<String> = ports
+        .iter()
+        .map(|(port, protocol, host_port, host_ip)| {
+            let host_ip = host_ip.map(|ip| format!(", hostIP: {ip}")).unwrap_or_default();
+            format!("{{ containerPort: {port}, protocol: {protocol}, hostPort: {host_port}{host_ip} }}")
+        })
+        .collect();
+    let status = ip.map(|ip| format!("status: {{ phase: Running, podIP: {ip}, podIPs: [{{ ip: {ip} }}] }}\n")).unwrap_or_default();
+    format!(
+        "apiVersion: v1\nkind: Pod\nmetadata: {{ name: {name}, namespace: default }}\nspec: {{ nodeName: {node}, containers: [{{ name: c, image: x, ports: [{}] }}] }}\n{status}---\n",
+        ports.join(", ")
+    )
+}
+
+/// `hostPort` (the CNI portmap plugin's job elsewhere) from the Pod objects, written by the
+/// host whatever translator is in force: a pod's host ports on every local address of the
+/// node (TCP and UDP), one with `hostIP` on that address only, a pod reaching its own host
+/// port masqueraded, loopback not served. Host ports come before node ports (a node port
+/// that is also a pod's host port goes to that pod here), and node ports keep working beside
+/// them. The pods come after the host started (incremental netlink batches); a pod's
+/// addresses from the CNI daemon serve its host ports before the API server reports them;
+/// a translator hot swap keeps them; a deleted pod's ports refuse at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostport_forwards_node_ports_of_its_pod_and_closes_when_the_pod_goes() {
+    require_root!();
+    const SECOND_IP: &str = "192.168.77.9";
+    let mut topo = Topology::new("hostport");
+    let pod_a = topo.add_pod(POD_A);
+    let pod_b = topo.add_pod(POD_B);
+    let pod_c = topo.add_pod(POD_C);
+    let client = topo.add_pod(CLIENT);
+    let _servers = [Server::start(&pod_a, "a", &[8080]), Server::start(&pod_b, "b", &[8080]), Server::start(&pod_c, "c", &[8080])];
+    topo.node.exec(&["ip", "addr", "add", &format!("{SECOND_IP}/24"), "dev", "ext0"]);
+    let cluster = Cluster::new();
+    let mut node_port = Svc::new("np", "10.96.0.80", vec![Port::new("http", "TCP", 80, 8080).node_port(30070)], vec![ready(POD_C, NODE)]);
+    node_port.service_type = "NodePort";
+    cluster.put(&node_port);
+    let mut taken = Svc::new("taken", "10.96.0.81", vec![Port::new("http", "TCP", 80, 8080).node_port(30071)], vec![ready(POD_C, NODE)]);
+    taken.service_type = "NodePort";
+    cluster.put(&taken);
+    let host = start_host(cluster.config(topo.nft_command())).await;
+    wait_applied(&host, "the node ports", |t| t.contains("tcp . 30070 : goto nodeport-dispatch") && t.contains("tcp . 30071 : goto nodeport-dispatch"));
+    let ext = topo.external.name.clone();
+    assert_backends("the node port before any host port", &tcp_many(&ext, addr(NODE_EXTERNAL_IP, 30071), 3), &["c"]);
+
+    // Pod a: host ports on every address; pod b: on the second address only, and no address
+    // from the API server yet; a pod of another node: nothing here.
+    let pod_a_yaml = hostport_pod("a", NODE, Some(POD_A), &[(8080, "TCP", 18080, None), (8080, "UDP", 18053, Some("0.0.0.0")), (8080, "TCP", 30071, None)]);
+    let others = hostport_pod("b", NODE, None, &[(8080, "TCP", 18081, Some(SECOND_IP))]) + &hostport_pod("remote", OTHER_NODE, Some(REMOTE_POD), &[(8080, "TCP", 18082, None)]);
+    cluster.put_file("pods.yaml", &format!("{pod_a_yaml}{others}"));
+    wait_applied(&host, "pod a's host ports", |t| {
+        set_holds(t, "hostports-any", "tcp . 18080 : 10.244.0.11 . 8080") && set_holds(t, "hostports-any", "udp . 18053 : 10.244.0.11 . 8080")
+    });
+    let b = wasmplane_model::ObjectKey::new("default", "b");
+    host.controller.lock().unwrap().set_pod_network(&b, Some(vec![POD_B.to_string()]), &[]).unwrap();
+    let applied = wait_applied(&host, "pod b's host port from its CNI address", |t| set_holds(t, "hostports", &format!("{SECOND_IP} . tcp . 18081 : 10.244.0.12 . 8080")));
+    assert!(!applied.contains("18082") && !applied.contains(REMOTE_POD), "another node's pod:\n{applied}");
+    let table = topo.table();
+    assert!(set_holds(&table, "hostports-any", "tcp . 18080 : 10.244.0.11 . 8080") && set_holds(&table, "hairpin", "10.244.0.11 . 10.244.0.11"), "{table}");
+    let errors = host.metrics.syncs.get_or_create(&wasmplane::metrics::ResultLabels { result: "error".into() }).get();
+    let batches = host.metrics.dataplane_transactions.get_or_create(&wasmplane::metrics::PathLabels { path: "netlink".into() }).get();
+    assert!(errors == 0 && batches > 0, "every change written, as netlink batches: {errors} refused, {batches} batches");
+
+    // From outside, on any local address, TCP and UDP; the client keeps its address.
+    for node_ip in [NODE_EXTERNAL_IP, SECOND_IP] {
+        let replies = tcp_many(&ext, addr(node_ip, 18080), 5);
+        assert_backends(&format!("TCP host port on {node_ip}"), &replies, &["a"]);
+        assert_all("TCP host port", &replies, |r| r.port == 8080 && r.peer == ip(EXTERNAL_CLIENT_IP));
+        assert_backends(&format!("UDP host port on {node_ip}"), &udp_many(&ext, addr(node_ip, 18053), 5), &["a"]);
+    }
+    // From another pod, from the node itself, and from the pod itself (masqueraded, or its
+    // reply would go straight back to itself un-NATed).
+    let replies = tcp_many(&client, addr(NODE_EXTERNAL_IP, 18080), 5);
+    assert_backends("a pod to the host port", &replies, &["a"]);
+    assert_all("a pod to the host port", &replies, |r| r.peer == ip(CLIENT));
+    assert_backends("the node to its host port", &tcp_many(&topo.node.name, addr(NODE_EXTERNAL_IP, 18080), 5), &["a"]);
+    let replies = tcp_many(&pod_a, addr(NODE_EXTERNAL_IP, 18080), 5);
+    assert_backends("hairpin through the host port", &replies, &["a"]);
+    assert_all("hairpin through the host port", &replies, |r| r.peer == ip(POD_GATEWAY));
+    assert_backends("hairpin UDP through the host port", &udp_many(&pod_a, addr(NODE_EXTERNAL_IP, 18053), 5), &["a"]);
+    // Loopback is not served (as node ports).
+    let started = Instant::now();
+    assert_refused_fast("the host port on loopback", topo.node.run(|| tcp_ask(addr("127.0.0.1", 18080), TIMEOUT)), started, false);
+
+    // hostIP: that address only.
+    assert_backends("the host port on its hostIP", &tcp_many(&ext, addr(SECOND_IP, 18081), 5), &["b"]);
+    let started = Instant::now();
+    assert_refused_fast("the host port on another address", topo.external.run(|| tcp_ask(addr(NODE_EXTERNAL_IP, 18081), TIMEOUT)), started, false);
+    let started = Instant::now();
+    assert_refused_fast("another node's pod's host port", topo.external.run(|| tcp_ask(addr(NODE_EXTERNAL_IP, 18082), TIMEOUT)), started, false);
+
+    // Node ports beside them; one that is also pod a's host port goes to pod a on this node.
+    assert_backends("a node port beside host ports", &tcp_many(&ext, addr(NODE_EXTERNAL_IP, 30070), 5), &["c"]);
+    assert_backends("a node port that is a host port", &tcp_many(&ext, addr(NODE_EXTERNAL_IP, 30071), 5), &["a"]);
+
+    // Pod a goes: its ports close at once (nothing listens on the node), the node port is
+    // the service's again, pod b keeps its port.
+    cluster.put_file("pods.yaml", &others);
+    wait_applied(&host, "pod a's host ports gone", |t| !t.contains("10.244.0.11 . 8080") && !t.contains("10.244.0.11 . 10.244.0.11"));
+    let table = topo.table();
+    for gone in ["18080", "18053", "10.244.0.11 . 10.244.0.11"] {
+        assert!(!table.contains(gone), "{gone} still in the kernel:\n{table}");
+    }
+    let started = Instant::now();
+    assert_refused_fast("TCP host port after the pod went", topo.external.run(|| tcp_ask(addr(NODE_EXTERNAL_IP, 18080), TIMEOUT)), started, false);
+    let started = Instant::now();
+    assert_refused_fast("UDP host port after the pod went", topo.external.run(|| udp_ask(addr(NODE_EXTERNAL_IP, 18053), TIMEOUT)), started, false);
+    assert_backends("the node port after the host port went", &tcp_many(&ext, addr(NODE_EXTERNAL_IP, 30071), 5), &["c"]);
+    assert_backends("the other pod's host port", &tcp_many(&ext, addr(SECOND_IP, 18081), 3), &["b"]);
+
+    // A hot swap of the translator rewrites the whole table: the host ports go in with it.
+    let response = reqwest::Client::new()
+        .put(format!("{}/v1/modules/swapped?kind=service-translator", host.url()))
+        .bearer_auth(&host.token)
+        .body(wasmplane_guest_artifacts::test_programs::TRAP_ON_LABEL.to_vec())
+        .send()
+        .await
+        .unwrap();
+    assert!(response.status().is_success(), "upload: {}", response.text().await.unwrap_or_default());
+    let in_force = || host.controller.lock().unwrap_or_else(|p| p.into_inner()).active_translator();
+    wait_for("the swapped translator in force", Duration::from_secs(10), in_force, |t| t.as_ref().is_some_and(|(name, _)| name == "swapped"));
+    let table = topo.table();
+    assert!(set_holds(&table, "hostports", &format!("{SECOND_IP} . tcp . 18081 : 10.244.0.12 . 8080")), "{table}");
+    assert_backends("a host port after a hot swap", &tcp_many(&ext, addr(SECOND_IP, 18081), 3), &["b"]);
+    host.stop().await;
+}
+
+/// Host ports of a dual-stack pod: on the node's IPv6 address too (the pod's IPv6 address
+/// behind it), an IPv6 `hostIP` on that address only, and a pod reaching its own host port
+/// over IPv6 masqueraded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostport_of_a_dual_stack_pod_serves_ipv6_too() {
+    require_root!();
+    const NODE6: &str = "fd00:77::1";
+    let (topo, pod_a, _pod_b, _servers) = dual_stack_pods("hostport6");
+    topo.node.exec(&["ip", "-6", "addr", "add", &format!("{NODE6}/64"), "dev", "ext0", "nodad"]);
+    topo.external.exec(&["ip", "-6", "addr", "add", "fd00:77::2/64", "dev", "eth0", "nodad"]);
+    topo.external.exec(&["ip", "-6", "route", "add", "default", "via", NODE6]);
+    let cluster = Cluster::new();
+    let pod = format!(
+        "apiVersion: v1\nkind: Pod\nmetadata: {{ name: a, namespace: default }}\n\
+         spec: {{ nodeName: {NODE}, containers: [{{ name: c, image: x, ports: [{{ containerPort: 8080, hostPort: 18080 }}, {{ containerPort: 8080, hostPort: 18081, hostIP: \"{NODE6}\" }}] }}] }}\n\
+         status: {{ phase: Running, podIP: {POD_A}, podIPs: [{{ ip: {POD_A} }}, {{ ip: \"{POD_A6}\" }}] }}\n"
+    );
+    cluster.put_file("pods.yaml", &pod);
+    let host = start_host(cluster.config(topo.nft_command())).await;
+    wait_applied(&host, "pod a's host ports", |t| {
+        set_holds(t, "hostports-any6", &format!("tcp . 18080 : {POD_A6} . 8080")) && set_holds(t, "hostports6", &format!("{NODE6} . tcp . 18081 : {POD_A6} . 8080"))
+    });
+    let ext = topo.external.name.clone();
+    let replies = tcp_many(&ext, addr(NODE6, 18080), 5);
+    assert_backends("the host port on the node's IPv6 address", &replies, &["a"]);
+    assert_all("the host port on the node's IPv6 address", &replies, |r| r.peer == ip("fd00:77::2"));
+    assert_backends("the host port on the node's IPv4 address", &tcp_many(&ext, addr(NODE_EXTERNAL_IP, 18080), 5), &["a"]);
+    assert_backends("the IPv6 hostIP", &tcp_many(&ext, addr(NODE6, 18081), 5), &["a"]);
+    let started = Instant::now();
+    assert_refused_fast("the IPv6 hostIP's port on IPv4", topo.external.run(|| tcp_ask(addr(NODE_EXTERNAL_IP, 18081), TIMEOUT)), started, false);
+    let replies = tcp_many(&pod_a, addr(NODE6, 18080), 5);
+    assert_backends("IPv6 hairpin through the host port", &replies, &["a"]);
+    assert_all("IPv6 hairpin through the host port", &replies, |r| r.peer == ip(POD_GATEWAY6));
+    host.stop().await;
+}

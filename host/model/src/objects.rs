@@ -329,6 +329,14 @@ pub struct ContainerPort {
     pub name: CompactString,
     pub protocol: Protocol,
     pub port: u16,
+    /// `hostPort`: the node forwards this port of its addresses to `port` of the pod.
+    /// Defaults keep recordings and JSON from before it loading.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_port: Option<u16>,
+    /// `hostIP`: the one node address `host_port` is served on (an IP, as `IpAddr` prints it);
+    /// `None`: every address (also for an empty, `0.0.0.0` or `::` one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_ip: Option<CompactString>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -535,5 +543,17 @@ mod tests {
         assert_eq!(dual_stack_node[4].allowed, vec![net("2001:db8::10/128"), net("2001:db8:1::/48")]);
         let elsewhere = s.firewalled_frontends(&["10.0.0.1".into()]);
         assert_eq!(elsewhere[0].allowed, vec![net("192.168.0.0/16")], "the node is outside every range");
+    }
+
+    #[test]
+    fn container_ports_from_before_host_ports_still_load_and_print_as_they_did() {
+        let old = r#"{"name":"http","protocol":"TCP","port":8080}"#;
+        let port: ContainerPort = serde_json::from_str(old).unwrap();
+        assert_eq!((port.host_port, port.host_ip.as_deref()), (None, None));
+        assert_eq!(serde_json::to_string(&port).unwrap(), old);
+        let exposed = ContainerPort { host_port: Some(18080), host_ip: Some("192.168.77.1".into()), ..port };
+        let text = serde_json::to_string(&exposed).unwrap();
+        assert_eq!(text, r#"{"name":"http","protocol":"TCP","port":8080,"host_port":18080,"host_ip":"192.168.77.1"}"#);
+        assert_eq!(serde_json::from_str::<ContainerPort>(&text).unwrap(), exposed);
     }
 }

@@ -48,6 +48,8 @@ pub enum Problem {
     InvalidProtocol { at: String, value: String },
     #[error("{at} is {value}, not a port number (1-65535)")]
     InvalidPort { at: String, value: i32 },
+    #[error("{at} is {value:?}, not an IP address (192.168.0.10, 2001:db8::10)")]
+    InvalidIp { at: String, value: String },
     #[error("spec.type {0:?} is not ClusterIP, NodePort, LoadBalancer or ExternalName")]
     UnknownServiceType(String),
     #[error("spec.sessionAffinity {0:?} is not None or ClientIP")]
@@ -104,6 +106,24 @@ impl Subject {
             .ok()
             .filter(|p| *p != 0)
             .ok_or_else(|| self.error(Problem::InvalidPort { at: at.to_string(), value }))
+    }
+
+    /// A container port's `hostPort` and `hostIP` (`at` is the port's path). No host port
+    /// or 0 is none, as in the API; a host IP that is empty or unspecified (`0.0.0.0`, `::`)
+    /// means every address, and is kept only with a host port.
+    fn host_port(&self, at: &str, cp: &core::ContainerPort) -> Result<(Option<u16>, Option<CompactString>), ConvertError> {
+        let host_ip = match cp.host_ip.as_deref().filter(|ip| !ip.is_empty()) {
+            None => None,
+            Some(text) => match text.parse::<std::net::IpAddr>() {
+                Ok(ip) if ip.is_unspecified() => None,
+                Ok(ip) => Some(CompactString::from(ip.to_string())),
+                Err(_) => return Err(self.error(Problem::InvalidIp { at: format!("{at}.hostIP"), value: text.to_string() })),
+            },
+        };
+        match cp.host_port.filter(|p| *p != 0) {
+            None => Ok((None, None)),
+            Some(port) => Ok((Some(self.port(&format!("{at}.hostPort"), port)?), host_ip)),
+        }
     }
 }
 
@@ -366,10 +386,13 @@ pub fn pod(p: &slim::Pod) -> Result<Pod, ConvertError> {
         for (c, container) in spec.containers.iter().enumerate() {
             for (i, cp) in container.ports.iter().flatten().enumerate() {
                 let at = format!("spec.containers[{c}].ports[{i}]");
+                let (host_port, host_ip) = subject.host_port(&at, cp)?;
                 ports.push(ContainerPort {
                     name: text(cp.name.as_deref().unwrap_or_default()),
                     protocol: subject.protocol(&at, cp.protocol.as_deref())?,
                     port: subject.port(&format!("{at}.containerPort"), cp.container_port)?,
+                    host_port,
+                    host_ip,
                 });
             }
         }
@@ -815,9 +838,9 @@ mod tests {
         assert_eq!(
             p.ports,
             vec![
-                ContainerPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 },
-                ContainerPort { name: "metrics".into(), protocol: Protocol::Tcp, port: 9090 },
-                ContainerPort { name: Default::default(), protocol: Protocol::Udp, port: 53 },
+                ContainerPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080, host_port: None, host_ip: None },
+                ContainerPort { name: "metrics".into(), protocol: Protocol::Tcp, port: 9090, host_port: None, host_ip: None },
+                ContainerPort { name: Default::default(), protocol: Protocol::Udp, port: 53, host_port: None, host_ip: None },
             ]
         );
         let host = pod(&k8s(json!({"metadata": {"name": "agent"}, "spec": {"hostNetwork": true, "containers": []}, "status": {"podIP": "192.168.56.10"}}))).unwrap();
@@ -827,6 +850,45 @@ mod tests {
         let e = pod(&k8s(json!({"metadata": {"name": "bad"}, "spec": {"containers": [{"name": "c", "ports": [{"containerPort": 80, "protocol": "tcp"}]}]}})))
             .unwrap_err();
         assert_eq!(e.to_string(), "Pod default/bad: spec.containers[0].ports[0] has invalid protocol \"tcp\" (TCP, UDP or SCTP)");
+    }
+
+    #[test]
+    fn pod_host_ports_and_host_ips() {
+        let with_ports = |ports: Value| pod(&k8s(json!({"metadata": {"name": "ingress"}, "spec": {"containers": [{"name": "c", "ports": ports}]}})));
+        let p = with_ports(json!([
+            {"name": "http", "containerPort": 8080, "hostPort": 18080},
+            {"name": "dns", "containerPort": 53, "protocol": "UDP", "hostPort": 5353, "hostIP": "192.168.77.1"},
+            {"containerPort": 443, "hostPort": 8443, "hostIP": "2001:DB8:0::10"},
+            {"containerPort": 80, "hostPort": 18081, "hostIP": "0.0.0.0"},
+            {"containerPort": 81, "hostPort": 18082, "hostIP": "::"},
+            {"containerPort": 82, "hostPort": 18083, "hostIP": ""},
+            {"containerPort": 9090, "hostPort": 0, "hostIP": "192.168.77.1"},
+            {"containerPort": 9091}
+        ]))
+        .unwrap();
+        let host: Vec<(u16, Option<u16>, Option<&str>)> = p.ports.iter().map(|c| (c.port, c.host_port, c.host_ip.as_deref())).collect();
+        assert_eq!(
+            host,
+            vec![
+                (8080, Some(18080), None),
+                (53, Some(5353), Some("192.168.77.1")),
+                (443, Some(8443), Some("2001:db8::10")),
+                (80, Some(18081), None),
+                (81, Some(18082), None),
+                (82, Some(18083), None),
+                (9090, None, None),
+                (9091, None, None),
+            ],
+            "an unspecified or empty hostIP is every address; hostPort 0 is none, as in the API; addresses as IpAddr prints them"
+        );
+        let e = with_ports(json!([{"containerPort": 80}, {"containerPort": 8080, "hostPort": 70000}])).unwrap_err();
+        assert_eq!(e.to_string(), "Pod default/ingress: spec.containers[0].ports[1].hostPort is 70000, not a port number (1-65535)");
+        let e = with_ports(json!([{"containerPort": 8080, "hostPort": -1}])).unwrap_err();
+        assert!(matches!(e.problem, Problem::InvalidPort { value: -1, .. }), "{e}");
+        let e = with_ports(json!([{"containerPort": 8080, "hostPort": 18080, "hostIP": "node-a"}])).unwrap_err();
+        assert_eq!(e.to_string(), "Pod default/ingress: spec.containers[0].ports[0].hostIP is \"node-a\", not an IP address (192.168.0.10, 2001:db8::10)");
+        let e = with_ports(json!([{"containerPort": 8080, "hostPort": 18080, "hostIP": "192.168.77.0/24"}])).unwrap_err();
+        assert!(matches!(e.problem, Problem::InvalidIp { .. }), "{e}");
     }
 
     fn policy(spec: Value) -> Result<NetworkPolicy, ConvertError> {

@@ -11,7 +11,7 @@
 //!
 //! Scope: exactly the statements [`super::object_delta`] renders (add/flush/delete chain,
 //! add rule in the guest rule vocabulary, add/delete element, add/delete set of addresses),
-//! and the elements of the host's firewall ranges. Anything else (the skeleton, other
+//! and the elements of the host's firewall ranges and host port maps. Anything else (the skeleton, other
 //! interval sets, a rule outside the vocabulary) is [`Unsupported`], and the caller sends
 //! the whole transaction through `nft -f` instead, so one transaction is always applied by
 //! one mechanism, atomically. Full syncs stay text: they are kernel-bound
@@ -631,6 +631,14 @@ fn parse_elements(set: &str, body: &str) -> Result<Vec<Element>, String> {
                 let (key, key_end) = range_keys(key)?;
                 return Ok(Element { key, key_end: Some(key_end), value: None });
             }
+            if super::is_hostport_map(set) {
+                // `[address .] protocol . port : address . port`, both concatenations.
+                let data = value.map(element_key).transpose()?.filter(|d| d.len() == 8 || d.len() == 20);
+                if value.is_some() && data.is_none() {
+                    return Err(format!("host port target {value:?} is not address . port"));
+                }
+                return Ok(Element { key: element_key(key)?, key_end: None, value: data.map(ElementValue::Data) });
+            }
             let Some(parts) = endpoint_map_key_parts(set) else {
                 return Ok(Element { key: element_key(key)?, key_end: None, value: value.map(parse_verdict).transpose()?.map(ElementValue::Verdict) });
             };
@@ -1032,6 +1040,18 @@ mod tests {
         assert_eq!((&elements[1].key, elements[1].key_end.as_deref()), (&keys([203, 0, 113, 10]), Some(&keys([203, 0, 113, 10])[..])));
         assert!(parse_elements("firewall-allowed", "203.0.113.10 . tcp . 80 . office").is_err());
         assert!(parse_elements("nodeport-endpoints", "10.96.0.1 . tcp . 80 . 1 : 10.244.0.3 . 8080").is_err(), "a service key");
+        // Host ports: a plain concatenated key, an address . port value (data, not a verdict).
+        let elements = parse_elements("hostports", "192.168.77.1 . udp . 5353 : 10.244.0.11 . 53").unwrap();
+        let data = |address: &[u8], port: u16| [address, &port.to_be_bytes()[..], &[0, 0]].concat();
+        assert_eq!(elements[0], Element { key: vec![192, 168, 77, 1, 17, 0, 0, 0, 0x14, 0xe9, 0, 0], key_end: None, value: Some(ElementValue::Data(data(&[10, 244, 0, 11], 53))) });
+        let elements = parse_elements("hostports-any6", "tcp . 18080 : fd00::11 . 8080").unwrap();
+        let pod6: std::net::Ipv6Addr = "fd00::11".parse().unwrap();
+        assert_eq!(elements[0], Element { key: vec![6, 0, 0, 0, 0x46, 0xa0, 0, 0], key_end: None, value: Some(ElementValue::Data(data(&pod6.octets(), 8080))) });
+        // Deleting names the key only.
+        assert_eq!(parse_elements("hostports-any", "tcp . 18080").unwrap()[0].value, None);
+        for bad in ["tcp . 18080 : goto svc/a/b", "tcp . 18080 : 10.244.0.11", "tcp . 18080 : 10.244.0.11 . 8080 . 1"] {
+            assert!(parse_elements("hostports-any", bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

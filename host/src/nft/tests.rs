@@ -140,7 +140,8 @@ fn node_ports_are_served_on_the_addresses_chosen() {
     ] {
         assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
     }
-    assert!(!text.contains("fib daddr type local"), "{text}");
+    // (Host ports are served on every local address whatever node ports do, as portmap's.)
+    assert!(!text.lines().any(|l| l.contains("node-ports") && l.contains("fib daddr type local")), "{text}");
     let pos = |needle: &str| text.find(needle).unwrap();
     assert!(pos("flush set inet wasmplane-s1 nodeport-ips\n") < pos("add element inet wasmplane-s1 nodeport-ips {"), "emptied before refilled");
 }
@@ -833,4 +834,141 @@ fn backends_with_affinity_keep_their_numbers_across_changes() {
     let mut next = plain(&["10.244.0.11", "10.244.0.13", "10.244.0.14"]);
     keep_affinity_slots(&old, &mut next);
     assert_eq!(numbered(&next), ["10.244.0.11", "10.244.0.13", "10.244.0.14"]);
+}
+
+fn container_port(protocol: wasmplane_model::Protocol, port: u16, host_port: Option<u16>, host_ip: Option<&str>) -> wasmplane_model::ContainerPort {
+    wasmplane_model::ContainerPort { name: Default::default(), protocol, port, host_port, host_ip: host_ip.map(Into::into) }
+}
+
+/// A pod of node-a with `ips` and `ports`.
+fn pod_with(ips: &[&str], ports: Vec<wasmplane_model::ContainerPort>) -> wasmplane_model::Pod {
+    wasmplane_model::Pod {
+        namespace: "shop".into(),
+        name: "ingress".into(),
+        ips: ips.iter().map(|ip| (*ip).into()).collect(),
+        node_name: Some("node-a".into()),
+        labels: Default::default(),
+        ports,
+        host_network: false,
+    }
+}
+
+fn elements_of(rules: &ObjectRules) -> Vec<(&str, &str, &str)> {
+    rules.elements.iter().map(|((map, key), value)| (map.as_str(), key.as_str(), value.as_str())).collect()
+}
+
+#[test]
+fn host_ports_are_dnat_elements_per_family_of_a_host_ip_or_any_address_with_the_pods_hairpin_pair() {
+    use wasmplane_model::Protocol::{Tcp, Udp};
+    let pod = pod_with(
+        &["10.244.0.11", "fd00::11"],
+        vec![
+            container_port(Tcp, 8080, Some(18080), None),
+            container_port(Udp, 53, Some(5353), Some("192.168.77.1")),
+            container_port(Tcp, 8443, Some(443), Some("2001:db8::10")),
+            container_port(Tcp, 9090, None, None),
+        ],
+    );
+    let rules = hostport_rules(&pod, "node-a").unwrap();
+    assert_eq!(
+        elements_of(&rules),
+        vec![
+            ("hairpin", "10.244.0.11 . 10.244.0.11", ""),
+            ("hairpin6", "fd00::11 . fd00::11", ""),
+            ("hostports", "192.168.77.1 . udp . 5353", "10.244.0.11 . 53"),
+            ("hostports-any", "tcp . 18080", "10.244.0.11 . 8080"),
+            ("hostports-any6", "tcp . 18080", "fd00::11 . 8080"),
+            ("hostports6", "2001:db8::10 . tcp . 443", "fd00::11 . 8443"),
+        ],
+        "a host IP of one family forwards to the pod's address of that family only; a port without host port is not forwarded"
+    );
+    assert!(rules.chains.is_empty() && rules.sets.is_empty() && !rules.is_sharded(), "data in the main table only");
+    assert_eq!(hostport_object_key(&pod.key()), ObjectKey::new("hostport:shop", "ingress"));
+
+    // A full transaction writes them into the main table's maps; the hairpin pair is shared.
+    let text = full_transaction([&rules].into_iter(), &Stale::default(), Layout::default(), &NodeNetworks::default());
+    let main = "inet wasmplane";
+    assert!(has_element(&text, main, "hostports-any", "tcp . 18080 : 10.244.0.11 . 8080"), "{text}");
+    assert!(has_element(&text, main, "hostports-any6", "tcp . 18080 : fd00::11 . 8080"), "{text}");
+    assert!(has_element(&text, main, "hostports", "192.168.77.1 . udp . 5353 : 10.244.0.11 . 53"), "{text}");
+    assert!(has_element(&text, main, "hostports6", "2001:db8::10 . tcp . 443 : fd00::11 . 8443"), "{text}");
+    assert!(has_element(&text, main, "hairpin", "10.244.0.11 . 10.244.0.11"), "{text}");
+    assert!(is_shared_set("hairpin") && rules.shared_keys().count() == 2);
+
+    // A pod that comes and goes is element statements only, and the netlink writer takes them.
+    let mut added = String::new();
+    object_delta(&ObjectRules::default(), &rules, &mut added, Layout::default());
+    assert!(added.contains("add element inet wasmplane hostports-any { tcp . 18080 : 10.244.0.11 . 8080 }\n"), "{added}");
+    assert!(added.lines().all(|l| l.starts_with("add element inet wasmplane ")), "{added}");
+    let mut removed = String::new();
+    object_delta(&rules, &ObjectRules::default(), &mut removed, Layout::default());
+    assert!(removed.contains("delete element inet wasmplane hostports { 192.168.77.1 . udp . 5353 }\n"), "{removed}");
+    for transaction in [&added, &removed] {
+        assert!(netlink::encode_transaction(transaction, 1).is_ok(), "{transaction}");
+    }
+}
+
+#[test]
+fn host_ports_need_a_pod_on_this_node_off_the_host_network_with_an_address_of_their_family() {
+    use wasmplane_model::Protocol::Tcp;
+    let any = || vec![container_port(Tcp, 8080, Some(18080), None)];
+    let pod = pod_with(&["10.244.0.11"], any());
+    assert!(hostport_rules(&pod, "node-a").is_some());
+    assert_eq!(hostport_rules(&pod, "node-b"), None, "another node's pod");
+    assert_eq!(hostport_rules(&wasmplane_model::Pod { node_name: None, ..pod.clone() }, "node-a"), None, "a pod not scheduled");
+    assert_eq!(hostport_rules(&wasmplane_model::Pod { host_network: true, ..pod.clone() }, "node-a"), None, "the pod listens on the node itself");
+    assert_eq!(hostport_rules(&pod_with(&[], any()), "node-a"), None, "no address yet");
+    assert_eq!(hostport_rules(&pod_with(&["10.244.0.11"], vec![container_port(Tcp, 8080, None, None)]), "node-a"), None, "no host port");
+    let v6_host_ip = vec![container_port(Tcp, 8080, Some(18080), Some("2001:db8::10"))];
+    assert_eq!(hostport_rules(&pod_with(&["10.244.0.11"], v6_host_ip), "node-a"), None, "a host IP of a family the pod has no address of");
+    let v6_only = hostport_rules(&pod_with(&["fd00::11"], any()), "node-a").unwrap();
+    assert_eq!(elements_of(&v6_only), vec![("hairpin6", "fd00::11 . fd00::11", ""), ("hostports-any6", "tcp . 18080", "fd00::11 . 8080")]);
+}
+
+#[test]
+fn the_skeleton_dnats_host_ports_on_local_addresses_before_the_services() {
+    let mut text = String::new();
+    skeleton(&mut text, true, Layout::default(), &NodeNetworks::default());
+    for line in [
+        "add map inet wasmplane hostports { type ipv4_addr . inet_proto . inet_service : ipv4_addr . inet_service; }",
+        "add map inet wasmplane hostports-any6 { type inet_proto . inet_service : ipv6_addr . inet_service; }",
+        // Declared by `type`: flushed on a full sync, not declared anew (see `TableSkeleton`).
+        "flush map inet wasmplane hostports-any",
+        "add chain inet wasmplane hostport-prerouting { type nat hook prerouting priority -105; policy accept; }",
+        "add chain inet wasmplane hostport-output { type nat hook output priority -105; policy accept; }",
+        "add rule inet wasmplane hostport-prerouting jump hostport-dnat",
+        "add rule inet wasmplane hostport-output jump hostport-dnat",
+        "add rule inet wasmplane hostport-dnat ip daddr . meta l4proto . th dport @hostports fib daddr type local dnat ip to ip daddr . meta l4proto . th dport map @hostports",
+        "add rule inet wasmplane hostport-dnat ip daddr != 127.0.0.0/8 meta l4proto . th dport @hostports-any fib daddr type local dnat ip to meta l4proto . th dport map @hostports-any",
+        "add rule inet wasmplane hostport-dnat ip6 daddr != ::1 meta l4proto . th dport @hostports-any6 fib daddr type local dnat ip6 to meta l4proto . th dport map @hostports-any6",
+        // The services' NAT chains come after (a lower priority runs first).
+        "add chain inet wasmplane-s0 nat-prerouting { type nat hook prerouting priority dstnat; policy accept; }",
+        "add chain inet wasmplane-s0 nat-output { type nat hook output priority -100; policy accept; }",
+    ] {
+        assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+    }
+    assert!(!text.contains("delete map inet wasmplane "), "{text}");
+    for chain in ["hostport-prerouting", "hostport-output", "hostport-dnat"] {
+        assert!(is_static_chain(chain) && !UNSHARDED_CHAINS.contains(&chain), "{chain}");
+    }
+    assert!(HOSTPORT_MAPS.iter().all(|m| is_hostport_map(m) && !is_sharded_map(m) && !is_shared_set(m)));
+}
+
+#[test]
+fn conntrack_cleanup_of_host_ports_follows_the_pod_and_clears_a_new_udp_port() {
+    use wasmplane_model::Protocol::{Tcp, Udp};
+    let dns = |ip: &str| hostport_rules(&pod_with(&[ip], vec![container_port(Udp, 53, Some(5353), None), container_port(Tcp, 8080, Some(18080), None)]), "node-a").unwrap();
+    let none = ObjectRules::default();
+    let filter = |endpoint: Option<&str>| ConntrackFilter { protocol: "udp", ipv6: false, destination: None, port: 5353, endpoint: endpoint.map(|ip| (ip.parse().unwrap(), 53)) };
+    // Recreated with another address: flows to the old one go.
+    assert_eq!(conntrack_cleanup(&dns("10.244.0.11"), &dns("10.244.0.12")), vec![filter(Some("10.244.0.11"))]);
+    // A new host port: every UDP flow to the port, as portmap clears them on ADD; TCP is left alone.
+    assert_eq!(conntrack_cleanup(&none, &dns("10.244.0.11")), vec![filter(None)]);
+    assert_eq!(conntrack_cleanup(&dns("10.244.0.11"), &none), vec![filter(Some("10.244.0.11"))]);
+    assert_eq!(conntrack_cleanup(&dns("10.244.0.11"), &dns("10.244.0.11")), vec![]);
+    let specific = hostport_rules(&pod_with(&["10.244.0.11"], vec![container_port(Udp, 53, Some(5353), Some("192.168.77.1"))]), "node-a").unwrap();
+    assert_eq!(
+        conntrack_cleanup(&none, &specific),
+        vec![ConntrackFilter { protocol: "udp", ipv6: false, destination: Some("192.168.77.1".parse().unwrap()), port: 5353, endpoint: None }]
+    );
 }
