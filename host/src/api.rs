@@ -159,10 +159,11 @@ async fn readyz(State(state): State<ApiState>) -> impl IntoResponse {
     if let Some(reason) = state.agent.as_ref().and_then(|a| a.unready_reason()) {
         return (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {reason}\n"));
     }
-    let pending = state.controller.lock().unwrap_or_else(|p| p.into_inner()).model().local_detection_pending();
-    match pending {
-        Some(reason) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {reason}\n")),
-        None => (StatusCode::OK, "ready\n".to_string()),
+    // Off the async workers: the controller may be busy with a long write.
+    match with_controller(&state, |c| Ok(c.model().local_detection_pending())).await {
+        Ok(Some(reason)) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {reason}\n")),
+        Ok(None) => (StatusCode::OK, "ready\n".to_string()),
+        Err(ApiError(status, message)) => (status, format!("not ready: {message}\n")),
     }
 }
 

@@ -2,8 +2,8 @@
 //! with `--remote-cluster`, and those of `--clustermesh-config DIR`, a directory read again
 //! every few seconds, as Cilium's agents watch theirs: a cluster whose file appears is
 //! followed, one whose file goes is dropped with every endpoint it gave, and one whose
-//! settings or certificate files change (a rotated client certificate) is reconnected with
-//! what it had imported kept until the new connection lists.
+//! endpoints, user or certificate files change (a rotated client certificate) is reconnected
+//! with what it had imported kept until the new connection lists.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -11,7 +11,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context as _;
-use sha2::{Digest as _, Sha256};
 use wasmplane_operator::CLUSTERS_PREFIX;
 
 use crate::controller::Controller;
@@ -69,54 +68,25 @@ pub fn read_clustermesh_dir(dir: &Path, own_cluster: &str) -> anyhow::Result<Vec
 }
 
 /// Every remote cluster wanted now: the static ones and the directory's, each with its etcd
-/// settings (TLS files read and checked) and a fingerprint of everything they were made of.
-fn wanted(config: &ClusterMeshConfig, own_cluster: &str) -> anyhow::Result<BTreeMap<String, Wanted>> {
+/// settings (TLS files read and checked).
+fn wanted(config: &ClusterMeshConfig, own_cluster: &str) -> anyhow::Result<BTreeMap<String, wasmplane_kvstore::EtcdConfig>> {
     let mut remotes = config.remotes.clone();
     if let Some(dir) = &config.dir {
         remotes.extend(read_clustermesh_dir(dir, own_cluster)?);
     }
     let mut wanted = BTreeMap::new();
     for remote in remotes {
-        let context = || format!("remote cluster {}", remote.cluster);
-        let etcd = crate::app::etcd_config(&remote.endpoints, remote.tls.as_ref(), remote.user.clone()).with_context(context)?;
-        let fingerprint = fingerprint(&remote).with_context(context)?;
-        if wanted.insert(remote.cluster.clone(), Wanted { etcd, fingerprint }).is_some() {
+        let etcd = crate::app::etcd_config(&remote.endpoints, remote.tls.as_ref(), remote.user.clone()).with_context(|| format!("remote cluster {}", remote.cluster))?;
+        if wanted.insert(remote.cluster.clone(), etcd).is_some() {
             anyhow::bail!("remote cluster {:?} is configured twice (--remote-cluster and --clustermesh-config)", remote.cluster);
         }
     }
     Ok(wanted)
 }
 
-struct Wanted {
-    etcd: wasmplane_kvstore::EtcdConfig,
-    fingerprint: [u8; 32],
-}
-
-/// The endpoints, the user and the bytes of every TLS file: what, changed, needs a new
-/// connection.
-fn fingerprint(remote: &RemoteEtcd) -> anyhow::Result<[u8; 32]> {
-    let mut hash = Sha256::new();
-    for endpoint in &remote.endpoints {
-        hash.update(endpoint.as_bytes());
-        hash.update([0]);
-    }
-    if let Some(user) = &remote.user {
-        for part in [&user.name, &user.password] {
-            hash.update(part.as_bytes());
-            hash.update([0]);
-        }
-    }
-    if let Some(tls) = &remote.tls {
-        for file in std::iter::once(&tls.trusted_ca_file).chain(&tls.cert_file).chain(&tls.key_file) {
-            hash.update(std::fs::read(file).with_context(|| format!("reading {}", file.display()))?);
-            hash.update([0]);
-        }
-    }
-    Ok(hash.finalize().into())
-}
-
 struct Followed {
-    fingerprint: [u8; 32],
+    /// What it connected with: another endpoint, user or certificate needs a new connection.
+    etcd: wasmplane_kvstore::EtcdConfig,
     import: ServiceImport,
 }
 
@@ -177,23 +147,23 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// Starts, reconnects and drops imports so that `wanted` is followed. Nothing here waits
 /// while holding the map (REST reads it); only the imports dropped are awaited, after.
-async fn reconcile(followed: &Mutex<BTreeMap<String, Followed>>, mut wanted: BTreeMap<String, Wanted>, controller: &Arc<Mutex<Controller>>, gauges: &ClusterMeshGauges) {
+async fn reconcile(followed: &Mutex<BTreeMap<String, Followed>>, mut wanted: BTreeMap<String, wasmplane_kvstore::EtcdConfig>, controller: &Arc<Mutex<Controller>>, gauges: &ClusterMeshGauges) {
     let gone: Vec<Followed> = {
         let mut followed = lock(followed);
         let gone_names: Vec<String> = followed.keys().filter(|name| !wanted.contains_key(*name)).cloned().collect();
         let gone = gone_names.iter().filter_map(|name| followed.remove(name)).collect();
-        for (name, Wanted { etcd, fingerprint }) in std::mem::take(&mut wanted) {
+        for (name, etcd) in std::mem::take(&mut wanted) {
             match followed.get_mut(&name) {
-                Some(current) if current.fingerprint == fingerprint => {}
+                Some(current) if current.etcd.same_connection(&etcd) => {}
                 Some(current) => {
                     tracing::info!(cluster = name, "remote cluster's settings or certificates changed: reconnecting");
-                    current.import.reconnect(etcd, controller, CLUSTERS_PREFIX, gauges.clone());
-                    current.fingerprint = fingerprint;
+                    current.import.reconnect(etcd.clone(), controller, CLUSTERS_PREFIX, gauges.clone());
+                    current.etcd = etcd;
                 }
                 None => {
                     tracing::info!(cluster = name, endpoints = etcd.endpoints.join(","), "following a remote cluster");
-                    let import = ServiceImport::start_remote(name.clone(), etcd, controller, CLUSTERS_PREFIX, gauges.clone());
-                    followed.insert(name, Followed { fingerprint, import });
+                    let import = ServiceImport::start_remote(name.clone(), etcd.clone(), controller, CLUSTERS_PREFIX, gauges.clone());
+                    followed.insert(name, Followed { etcd, import });
                 }
             }
         }
@@ -231,21 +201,12 @@ mod tests {
     }
 
     #[test]
-    fn a_cluster_named_twice_and_a_changed_certificate_are_seen() {
+    fn a_cluster_named_twice_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("east"), "endpoints: [http://10.0.0.1:2379]\n").unwrap();
-        let remote = |cluster: &str| RemoteEtcd { cluster: cluster.into(), endpoints: vec!["http://10.0.0.2:2379".into()], tls: None, user: None };
-        let config = ClusterMeshConfig { remotes: vec![remote("east")], dir: Some(dir.path().into()), poll: Duration::ZERO };
-        let twice = wanted(&config, "west").err().expect("east twice").to_string();
+        let remote = RemoteEtcd { cluster: "east".into(), endpoints: vec!["http://10.0.0.2:2379".into()], tls: None, user: None };
+        let config = ClusterMeshConfig { remotes: vec![remote], dir: Some(dir.path().into()), poll: Duration::ZERO };
+        let twice = wanted(&config, "west").expect_err("east twice").to_string();
         assert!(twice.contains("\"east\" is configured twice"), "{twice}");
-
-        let ca = dir.path().join("ca.pem");
-        std::fs::write(&ca, "one").unwrap();
-        let tls = RemoteEtcd { tls: Some(wasmplane_kvstore::EtcdTlsFiles { trusted_ca_file: ca.clone(), cert_file: None, key_file: None }), ..remote("north") };
-        let before = fingerprint(&tls).unwrap();
-        assert_eq!(fingerprint(&tls).unwrap(), before);
-        std::fs::write(&ca, "two").unwrap();
-        assert_ne!(fingerprint(&tls).unwrap(), before, "a rotated file is a change");
-        assert_ne!(fingerprint(&remote("north")).unwrap(), fingerprint(&RemoteEtcd { endpoints: vec!["http://10.0.0.3:2379".into()], ..remote("north") }).unwrap());
     }
 }

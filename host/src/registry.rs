@@ -273,6 +273,8 @@ impl SharedIndex {
         if self.shadow.get(&module.kind).is_some_and(|s| s.module == name) {
             self.shadow.remove(&module.kind);
         }
+        // Its settings go with it: a module uploaded again under the name starts without.
+        self.settings.remove(name);
         Ok(())
     }
 
@@ -616,6 +618,12 @@ mod tests {
         assert_eq!(index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:b"), None), Ok(2));
         assert_eq!(index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:a"), None), Ok(1), "same bytes, same version");
         assert!(matches!(index.add_version("m", GuestKind::Gc, &info("sha256:c"), None), Err(RegistryError::Conflict(_))));
+        // A signature given again with the same bytes is recorded once; settings go with the module.
+        index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:a"), Some("sig")).unwrap();
+        assert_eq!(index.modules["m"].version(1).unwrap().signature.as_deref(), Some("sig"));
+        index.set_settings("m", Some(serde_json::json!({"a": 1})));
+        index.remove("m").unwrap();
+        assert!(index.settings.is_empty(), "removed with the module");
     }
 
     #[test]

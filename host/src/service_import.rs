@@ -302,7 +302,6 @@ impl ServiceImport {
     }
 }
 
-/// Applies what the store holds now; the changes after it follow.
 /// Connects to a remote cluster's etcd (retrying in the background) and follows its exports
 /// into `importer`.
 fn remote_task(cluster: &str, etcd: EtcdConfig, importer: Arc<Mutex<Importer>>, connected: Arc<AtomicBool>, controller: &Arc<Mutex<Controller>>, clusters_prefix: &str, gauges: ClusterMeshGauges) -> tokio::task::JoinHandle<()> {

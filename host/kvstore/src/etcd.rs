@@ -77,6 +77,18 @@ impl EtcdConfig {
         }
     }
 
+    /// Whether a client made with `other` would connect as one made with this: the same
+    /// endpoints, user and TLS material (what a changed configuration needs a new connection
+    /// for; timeouts aside).
+    pub fn same_connection(&self, other: &EtcdConfig) -> bool {
+        let same_tls = match (&self.tls, &other.tls) {
+            (Some(a), Some(b)) => a.same_material(b),
+            (None, None) => true,
+            _ => false,
+        };
+        self.endpoints == other.endpoints && self.user == other.user && same_tls
+    }
+
     pub fn with_user(mut self, user: Option<crate::EtcdUser>) -> Self {
         self.user = user;
         self

@@ -95,7 +95,8 @@ impl EtcdTls {
         self.identity.is_some()
     }
 
-    pub(crate) fn same_material(&self, other: &EtcdTls) -> bool {
+    /// The same CA and client certificate and key, byte for byte.
+    pub fn same_material(&self, other: &EtcdTls) -> bool {
         self.ca_pem == other.ca_pem && self.identity == other.identity
     }
 
@@ -283,6 +284,13 @@ mod tests {
         let bad_key = files(&pki.ca, Some(&pki.client_cert), Some(&pki.ca)).load().unwrap_err().to_string();
         assert!(bad_key.contains("no private key"), "{bad_key}");
         assert!(files(&pki.ca, None, None).load().is_ok());
+        // What needs a new connection: other TLS material, endpoints or user.
+        let other = wasmplane_test_etcd::TestPki::generate(dir.path(), "other").unwrap();
+        let config = |pki: &wasmplane_test_etcd::TestPki| crate::EtcdConfig::new(["https://a:2379"]).with_tls(Some(files(&pki.ca, Some(&pki.client_cert), Some(&pki.client_key)).load().unwrap()));
+        assert!(config(&pki).same_connection(&config(&pki)));
+        assert!(!config(&pki).same_connection(&config(&other)), "a rotated certificate");
+        assert!(!config(&pki).same_connection(&crate::EtcdConfig { endpoints: vec!["https://b:2379".into()], ..config(&pki) }));
+        assert!(!config(&pki).same_connection(&config(&pki).with_user(Some(EtcdUser { name: "u".into(), password: "p".into() }))));
         let half = files(&pki.ca, Some(&pki.client_cert), None).load().unwrap_err().to_string();
         assert!(half.contains("both its certificate and its key"), "{half}");
     }
