@@ -519,9 +519,13 @@ impl Controller {
     /// itself, whatever translator is in force: a guest cannot open it, and one that fails
     /// on the service does not keep its old ranges in force.
     fn firewall_change(&self, key: &ObjectKey, view: Option<&ServiceView>) -> Option<(ObjectKey, Option<ObjectRules>)> {
-        let wanted = view.and_then(|view| self.firewall_of(view));
-        let firewall_key = nft::firewall_object_key(key);
-        (self.dataplane.wanted(&firewall_key) != wanted.as_ref()).then_some((firewall_key, wanted))
+        self.host_object_change(nft::firewall_object_key(key), view.and_then(|view| self.firewall_of(view)))
+    }
+
+    /// One of the host's own objects (`key`) as a change, if `wanted` is not what the
+    /// dataplane has for it.
+    fn host_object_change(&self, key: ObjectKey, wanted: Option<ObjectRules>) -> Option<(ObjectKey, Option<ObjectRules>)> {
+        (self.dataplane.wanted(&key) != wanted.as_ref()).then_some((key, wanted))
     }
 
     fn firewall_of(&self, view: &ServiceView) -> Option<ObjectRules> {
@@ -533,9 +537,7 @@ impl Controller {
     /// in force. The model's pods carry the addresses the CNI daemon gave before the API
     /// server reports them (see `fill_pod_ips`), so host ports work from the CNI ADD on.
     fn hostport_change(&self, key: &ObjectKey, pod: Option<&Pod>) -> Option<(ObjectKey, Option<ObjectRules>)> {
-        let wanted = pod.and_then(|pod| nft::hostport_rules(pod, self.model.node_name()));
-        let hostport_key = nft::hostport_object_key(key);
-        (self.dataplane.wanted(&hostport_key) != wanted.as_ref()).then_some((hostport_key, wanted))
+        self.host_object_change(nft::hostport_object_key(key), pod.and_then(|pod| nft::hostport_rules(pod, self.model.node_name())))
     }
 
     /// Every policy: the generation enforced here, audit mode, errors (`GET /v1/policies`).
