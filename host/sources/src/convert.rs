@@ -376,8 +376,14 @@ pub fn pod(p: &slim::Pod) -> Result<Pod, ConvertError> {
     let m = &p.metadata;
     let subject = Subject::namespaced("Pod", m);
     let status = p.status.as_ref();
+    // A finished pod (a Job's, an evicted one) keeps `podIPs` in its status, but its
+    // addresses are released and may already be another pod's: it has none here, so no
+    // policy peer set, dispatch or host port follows it (Calico's and
+    // kube-network-policies' rule).
+    let finished = status.and_then(|s| s.phase).is_some_and(slim::PodPhase::is_finished);
     // `podIPs` is authoritative (dual-stack); `podIP` is its first entry.
     let ips = match status.and_then(|s| s.pod_ips.as_ref()) {
+        _ if finished => Vec::new(),
         Some(ips) if !ips.is_empty() => texts(ips.iter().map(|ip| &ip.ip)),
         _ => texts(status.and_then(|s| s.pod_ip.as_ref()).filter(|ip| !ip.is_empty())),
     };
@@ -850,6 +856,22 @@ mod tests {
         let e = pod(&k8s(json!({"metadata": {"name": "bad"}, "spec": {"containers": [{"name": "c", "ports": [{"containerPort": 80, "protocol": "tcp"}]}]}})))
             .unwrap_err();
         assert_eq!(e.to_string(), "Pod default/bad: spec.containers[0].ports[0] has invalid protocol \"tcp\" (TCP, UDP or SCTP)");
+    }
+
+    #[test]
+    fn finished_pods_have_no_addresses() {
+        let in_phase = |phase: &str| {
+            let status = json!({"phase": phase, "podIP": "10.244.0.12", "podIPs": [{"ip": "10.244.0.12"}, {"ip": "fd00::12"}]});
+            pod(&k8s(json!({"metadata": {"name": "job-1", "labels": {"app": "job"}}, "spec": {"nodeName": "node-a", "containers": []}, "status": status}))).unwrap()
+        };
+        for phase in ["Pending", "Running", "Unknown"] {
+            assert_eq!(in_phase(phase).ips, ["10.244.0.12", "fd00::12"], "{phase}");
+        }
+        for phase in ["Succeeded", "Failed"] {
+            let p = in_phase(phase);
+            assert!(p.ips.is_empty(), "{phase}: a finished pod's addresses may be another pod's");
+            assert_eq!((p.labels["app"].as_str(), p.node_name.as_deref()), ("job", Some("node-a")), "{phase}: the pod itself is kept");
+        }
     }
 
     #[test]

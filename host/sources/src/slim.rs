@@ -231,10 +231,28 @@ pub struct Container {
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct PodStatus {
+    pub phase: Option<PodPhase>,
     #[serde(rename = "podIP")]
     pub pod_ip: Option<String>,
     #[serde(rename = "podIPs")]
     pub pod_ips: Option<Vec<core::PodIP>>,
+}
+
+/// `status.phase`, as far as the host needs it: `Succeeded` and `Failed` are terminal (the
+/// pod's addresses are released).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+pub enum PodPhase {
+    Succeeded,
+    Failed,
+    /// `Pending`, `Running`, `Unknown`.
+    #[serde(other)]
+    Live,
+}
+
+impl PodPhase {
+    pub fn is_finished(self) -> bool {
+        matches!(self, PodPhase::Succeeded | PodPhase::Failed)
+    }
 }
 
 /// A ServiceCIDR: its ranges (`spec.cidrs`), not its status conditions.
