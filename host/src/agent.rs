@@ -193,7 +193,8 @@ impl Agent {
         };
         let (mut service_import, mut remote_clusters) = (None, None);
         if let Some(cluster) = &config.cluster_name {
-            let remotes = RemoteClusters::start(config.clustermesh.clone(), cluster, controller, gauges.clone()).await?;
+            let remote_nodes = routes.as_ref().map(RouteSync::remote_nodes);
+            let remotes = RemoteClusters::start(config.clustermesh.clone(), cluster, controller, gauges.clone(), remote_nodes).await?;
             // This cluster's kvstore may hold other clusters' exports too (one etcd shared);
             // those with an etcd of their own are read there only.
             let skipped = std::iter::once(cluster.clone()).chain(remotes.names()).collect();

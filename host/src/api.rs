@@ -256,6 +256,8 @@ async fn cluster_nodes(State(state): State<ApiState>) -> ApiResult<Response> {
         "node_id": agent.registry.node_id(),
         "nodes": agent.registry.nodes(),
         "routes": routes,
+        // Other clusters' nodes, followed for their routes.
+        "remote_nodes": agent.routes.as_ref().map(|r| r.remote_nodes().get()),
         "heartbeat_age_seconds": agent.heartbeat.as_ref().and_then(|h| h.age()).map(|a| a.as_secs()),
     }))
     .into_response())

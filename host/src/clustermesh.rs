@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context as _;
-use wasmplane_operator::CLUSTERS_PREFIX;
+use wasmplane_operator::{CLUSTERS_PREFIX, RemoteNodes};
 
 use crate::controller::Controller;
 use crate::metrics::ClusterMeshGauges;
@@ -107,10 +107,11 @@ impl Drop for RemoteClusters {
 impl RemoteClusters {
     /// The clusters configured now; a file that does not parse or a certificate that cannot
     /// be read stops the start. Later, such a mistake is logged and changes nothing.
-    pub async fn start(config: ClusterMeshConfig, own_cluster: &str, controller: &Arc<Mutex<Controller>>, gauges: ClusterMeshGauges) -> anyhow::Result<RemoteClusters> {
+    /// `nodes`: where the remote clusters' nodes go when this node routes to their pods.
+    pub async fn start(config: ClusterMeshConfig, own_cluster: &str, controller: &Arc<Mutex<Controller>>, gauges: ClusterMeshGauges, nodes: Option<RemoteNodes>) -> anyhow::Result<RemoteClusters> {
         let followed = Arc::new(Mutex::new(BTreeMap::new()));
         let initial = wanted(&config, own_cluster)?;
-        reconcile(&followed, initial, controller, &gauges).await;
+        reconcile(&followed, initial, controller, &gauges, nodes.as_ref()).await;
         let watcher = config.dir.is_some() || config.remotes.iter().any(|r| r.tls.is_some());
         let watcher = watcher.then(|| {
             let (followed, weak, own_cluster) = (followed.clone(), Arc::downgrade(controller), own_cluster.to_string());
@@ -120,7 +121,7 @@ impl RemoteClusters {
                     tokio::time::sleep(poll).await;
                     let Some(controller) = weak.upgrade() else { return };
                     match wanted(&config, &own_cluster) {
-                        Ok(now) => reconcile(&followed, now, &controller, &gauges).await,
+                        Ok(now) => reconcile(&followed, now, &controller, &gauges, nodes.as_ref()).await,
                         Err(e) => tracing::error!("clustermesh configuration: {e:#}; the remote clusters followed stay as they are"),
                     }
                 }
@@ -147,7 +148,7 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// Starts, reconnects and drops imports so that `wanted` is followed. Nothing here waits
 /// while holding the map (REST reads it); only the imports dropped are awaited, after.
-async fn reconcile(followed: &Mutex<BTreeMap<String, Followed>>, mut wanted: BTreeMap<String, wasmplane_kvstore::EtcdConfig>, controller: &Arc<Mutex<Controller>>, gauges: &ClusterMeshGauges) {
+async fn reconcile(followed: &Mutex<BTreeMap<String, Followed>>, mut wanted: BTreeMap<String, wasmplane_kvstore::EtcdConfig>, controller: &Arc<Mutex<Controller>>, gauges: &ClusterMeshGauges, nodes: Option<&RemoteNodes>) {
     let gone: Vec<Followed> = {
         let mut followed = lock(followed);
         let gone_names: Vec<String> = followed.keys().filter(|name| !wanted.contains_key(*name)).cloned().collect();
@@ -162,7 +163,7 @@ async fn reconcile(followed: &Mutex<BTreeMap<String, Followed>>, mut wanted: BTr
                 }
                 None => {
                     tracing::info!(cluster = name, endpoints = etcd.endpoints.join(","), "following a remote cluster");
-                    let import = ServiceImport::start_remote(name.clone(), etcd.clone(), controller, CLUSTERS_PREFIX, gauges.clone());
+                    let import = ServiceImport::start_remote(name.clone(), etcd.clone(), controller, CLUSTERS_PREFIX, gauges.clone(), nodes.cloned());
                     followed.insert(name, Followed { etcd, import });
                 }
             }

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use wasmplane_kvstore::{EtcdConfig, EtcdStore, KvStore, SharedBatch, SharedBatches, SharedChange, SharedEntry, SharedStore, SharedStoreConfig};
 use wasmplane_model::{ClusterEvent, ClusterObject, CompactString, Endpoint, EndpointPort, EndpointSlice, ObjectKind, Protocol};
-use wasmplane_operator::{SharedService, SharedSlice};
+use wasmplane_operator::{NODE_INFO_PREFIX, RemoteNodes, SharedService, SharedSlice, follow_cluster_nodes};
 use wasmplane_sources::kube::SourceEvent;
 
 use crate::controller::Controller;
@@ -229,6 +229,8 @@ pub struct ServiceImport {
     task: tokio::task::JoinHandle<()>,
     /// The remote cluster this import follows in its own etcd, and whether it has answered.
     remote: Option<(String, Arc<AtomicBool>)>,
+    /// Where the remote cluster's nodes go, when this node routes to them.
+    nodes: Option<RemoteNodes>,
 }
 
 impl Drop for ServiceImport {
@@ -250,17 +252,18 @@ impl ServiceImport {
         }
         // The task owns the store: aborting it stops the follower too.
         let task = tokio::spawn(follow(store, batches, importer.clone(), Arc::downgrade(controller), counted));
-        Ok(ServiceImport { importer, task, remote: None })
+        Ok(ServiceImport { importer, task, remote: None, nodes: None })
     }
 
     /// A remote cluster's own etcd (Cilium's clustermesh: each cluster keeps its own): its
-    /// exports alone are taken. Connected in the background, again and again until it
-    /// answers: a remote cluster that is down delays nothing here.
-    pub fn start_remote(cluster: String, etcd: EtcdConfig, controller: &Arc<Mutex<Controller>>, clusters_prefix: &str, gauges: ClusterMeshGauges) -> ServiceImport {
+    /// exports alone are taken, and its node registry into `nodes` when given (this node
+    /// routes to the remote nodes' pod CIDRs). Connected in the background, again and again
+    /// until it answers: a remote cluster that is down delays nothing here.
+    pub fn start_remote(cluster: String, etcd: EtcdConfig, controller: &Arc<Mutex<Controller>>, clusters_prefix: &str, gauges: ClusterMeshGauges, nodes: Option<RemoteNodes>) -> ServiceImport {
         let importer = Arc::new(Mutex::new(Importer::new(Clusters::Only(cluster.clone()))));
         let connected = Arc::new(AtomicBool::new(false));
-        let task = remote_task(&cluster, etcd, importer.clone(), connected.clone(), controller, clusters_prefix, gauges);
-        ServiceImport { importer, task, remote: Some((cluster, connected)) }
+        let task = remote_task(&cluster, etcd, importer.clone(), connected.clone(), controller, clusters_prefix, gauges, nodes.clone());
+        ServiceImport { importer, task, remote: Some((cluster, connected)), nodes }
     }
 
     /// Follows the remote cluster with other settings (new endpoints or certificates). What
@@ -270,7 +273,7 @@ impl ServiceImport {
         let Some((cluster, connected)) = &self.remote else { return };
         self.task.abort();
         connected.store(false, Ordering::Relaxed);
-        self.task = remote_task(cluster, etcd, self.importer.clone(), connected.clone(), controller, clusters_prefix, gauges);
+        self.task = remote_task(cluster, etcd, self.importer.clone(), connected.clone(), controller, clusters_prefix, gauges, self.nodes.clone());
     }
 
     /// Stops following and takes back every endpoint this import gave the model (a remote
@@ -287,6 +290,9 @@ impl ServiceImport {
         };
         if let Some((cluster, _)) = &self.remote {
             gauges.remote_cluster_ready.remove(&ClusterLabels { cluster: cluster.clone() });
+            if let Some(nodes) = &self.nodes {
+                nodes.remove(cluster);
+            }
         }
         apply(controller, events).await;
     }
@@ -303,8 +309,9 @@ impl ServiceImport {
 }
 
 /// Connects to a remote cluster's etcd (retrying in the background) and follows its exports
-/// into `importer`.
-fn remote_task(cluster: &str, etcd: EtcdConfig, importer: Arc<Mutex<Importer>>, connected: Arc<AtomicBool>, controller: &Arc<Mutex<Controller>>, clusters_prefix: &str, gauges: ClusterMeshGauges) -> tokio::task::JoinHandle<()> {
+/// into `importer`, and its nodes into `nodes` when given.
+#[allow(clippy::too_many_arguments)]
+fn remote_task(cluster: &str, etcd: EtcdConfig, importer: Arc<Mutex<Importer>>, connected: Arc<AtomicBool>, controller: &Arc<Mutex<Controller>>, clusters_prefix: &str, gauges: ClusterMeshGauges, nodes: Option<RemoteNodes>) -> tokio::task::JoinHandle<()> {
     let (weak, prefix, cluster) = (Arc::downgrade(controller), clusters_prefix.to_string(), cluster.to_string());
     let ready = gauges.remote_cluster_ready.get_or_create(&ClusterLabels { cluster: cluster.clone() }).clone();
     ready.set(0);
@@ -313,13 +320,14 @@ fn remote_task(cluster: &str, etcd: EtcdConfig, importer: Arc<Mutex<Importer>>, 
     counted.clusters = vec![cluster.clone()];
     tokio::spawn(async move {
         let mut delay = Duration::from_millis(200);
-        let store = loop {
+        let (kv, store) = loop {
             let joined = async {
                 let kv: Arc<dyn KvStore> = Arc::new(EtcdStore::connect(etcd.clone()).await?);
-                SharedStore::follow(kv, SharedStoreConfig::new(prefix.as_str())).await
+                let store = SharedStore::follow(kv.clone(), SharedStoreConfig::new(prefix.as_str())).await?;
+                Ok::<_, wasmplane_kvstore::KvError>((kv, store))
             };
             match joined.await {
-                Ok(store) => break store,
+                Ok(joined) => break joined,
                 Err(e) => tracing::warn!(cluster, "remote cluster's etcd ({}) does not answer; trying again in {delay:?}: {e}", etcd.endpoints.join(",")),
             }
             tokio::time::sleep(delay).await;
@@ -329,7 +337,15 @@ fn remote_task(cluster: &str, etcd: EtcdConfig, importer: Arc<Mutex<Importer>>, 
         connected.store(true, Ordering::Relaxed);
         ready.set(1);
         let batches = store.batches();
-        follow(store, batches, importer, weak, counted).await;
+        let services = follow(store, batches, importer, weak, counted);
+        let Some(nodes) = nodes else { return services.await };
+        // One connection for both; the task's abort (reconnect, retract) ends both.
+        let routed = async {
+            if let Err(e) = follow_cluster_nodes(kv, NODE_INFO_PREFIX, cluster.clone(), nodes).await {
+                tracing::warn!(cluster, "the remote cluster's nodes are not followed (no routes to its pods): {e}");
+            }
+        };
+        tokio::join!(services, routed);
     })
 }
 

@@ -207,3 +207,70 @@ async fn the_kvstore_and_remote_clusters_are_reached_over_tls_and_the_clustermes
     assert_eq!(east_endpoints(), 0, "east's endpoints left the model with its file");
     host.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_clusters_nodes_are_routed_while_their_cluster_is_followed() {
+    if !is_root() {
+        eprintln!("\n!!!!!!!! SKIPPED {}: needs root (network namespaces, routes) !!!!!!!!\n", module_path!());
+        return;
+    }
+    let (etcd, east) = (Etcd::start().await.expect("etcd-server must be installed (scripts/setup.sh)"), Etcd::start().await.unwrap());
+    let dir = tempfile::tempdir().unwrap();
+    // West's node-a and a node of east on one link (native routing between the clusters).
+    let tag = std::process::id();
+    let (ns_a, ns_e) = (Netns::new(format!("mesh-a-{tag}")), Netns::new(format!("mesh-e-{tag}")));
+    let (veth_a, veth_e) = (format!("mr{tag}a"), format!("mr{tag}e"));
+    support::netns::run(&["ip", "link", "add", &veth_a, "netns", &ns_a.name, "type", "veth", "peer", "name", &veth_e, "netns", &ns_e.name]);
+    for (ns, dev, ip) in [(&ns_a, &veth_a, "192.168.78.1/24"), (&ns_e, &veth_e, "192.168.78.5/24")] {
+        ns.exec(&["ip", "addr", "add", ip, "dev", dev]);
+        ns.exec(&["ip", "link", "set", dev, "up"]);
+    }
+    let mesh = dir.path().join("mesh");
+    std::fs::create_dir(&mesh).unwrap();
+    let host = start(HostConfig {
+        agent: Some(AgentConfig {
+            routes: true,
+            route_netns: Some(format!("/var/run/netns/{}", ns_a.name).into()),
+            cluster_name: Some("west".into()),
+            clustermesh: ClusterMeshConfig { dir: Some(mesh.clone()), poll: Duration::from_millis(200), ..Default::default() },
+            ..Default::default()
+        }),
+        ..node_config(dir.path(), "node-a", &etcd, "agent-mesh-token-0123456789", "nodes.yaml", NODES_YAML)
+    })
+    .await
+    .unwrap();
+
+    // East's node registers in east's own etcd, as east's agent does (the same name as a
+    // node of west: clusters name their nodes independently).
+    let east_kv = KvstoreConfig::etcd(vec![east.endpoint()]).open(None).await.unwrap();
+    let lease = NodeRegistryConfig { lease_ttl: Duration::from_secs(2), ..Default::default() };
+    let east_node = wasmplane_operator::NodeRegistry::join(east_kv.clone(), lease.clone(), "node-a", vec!["192.168.78.5".parse().unwrap()], vec!["10.244.8.0/24".parse().unwrap()]).await.unwrap();
+    std::thread::sleep(Duration::from_millis(600));
+    assert!(!routes_in(&ns_a).contains("10.244.8.0/24"), "east is not followed yet");
+
+    // East's clustermesh file appears: its node's pod CIDR is routed via its node IP.
+    std::fs::write(mesh.join("east"), format!("endpoints: [{}]\n", east.endpoint())).unwrap();
+    wait_for("a route to east's pods", Duration::from_secs(15), || routes_in(&ns_a), |r| r.contains("10.244.8.0/24 via 192.168.78.5"));
+    let view = nodes_view(&host).await;
+    assert_eq!(view["remote_nodes"]["east"]["node-a"]["podCidrs"], serde_json::json!(["10.244.8.0/24"]), "{view}");
+
+    // The node's pod CIDR changes: the route follows. A node of east overlapping west's own
+    // pod CIDRs (10.244.0.0/24 is node-a's) is not routed away.
+    east_node.update(vec!["192.168.78.5".parse().unwrap()], vec!["10.244.9.0/24".parse().unwrap()]).await.unwrap();
+    let overlapping = wasmplane_operator::NodeRegistry::join(east_kv.clone(), lease.clone(), "node-o", vec!["192.168.78.6".parse().unwrap()], vec!["10.244.0.0/25".parse().unwrap()]).await.unwrap();
+    wait_for("the route follows east's node", Duration::from_secs(15), || routes_in(&ns_a), |r| r.contains("10.244.9.0/24 via 192.168.78.5") && !r.contains("10.244.8.0/24"));
+    eventually("west sees east's second node", Duration::from_secs(10), || nodes_view(&host), |v| !v["remote_nodes"]["east"]["node-o"].is_null()).await;
+    assert!(!routes_in(&ns_a).contains("10.244.0.0/25"), "{}", routes_in(&ns_a));
+    overlapping.leave().await.unwrap();
+
+    // East's node leaves its cluster: the route goes. It comes back; then east's file goes,
+    // and with it the routes to east's pods, though the node is still registered there.
+    east_node.leave().await.unwrap();
+    wait_for("the route to east's node removed", Duration::from_secs(15), || routes_in(&ns_a), |r| !r.contains("10.244.9.0/24"));
+    let _east_node = wasmplane_operator::NodeRegistry::join(east_kv.clone(), lease, "node-a", vec!["192.168.78.5".parse().unwrap()], vec!["10.244.9.0/24".parse().unwrap()]).await.unwrap();
+    wait_for("the route back", Duration::from_secs(15), || routes_in(&ns_a), |r| r.contains("10.244.9.0/24 via 192.168.78.5"));
+    std::fs::remove_file(mesh.join("east")).unwrap();
+    wait_for("east's routes gone with its file", Duration::from_secs(15), || routes_in(&ns_a), |r| !r.contains("10.244.9.0/24"));
+    assert_eq!(nodes_view(&host).await["remote_nodes"], serde_json::json!({}));
+    host.stop().await;
+}

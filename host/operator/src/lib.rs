@@ -38,13 +38,14 @@ pub use heartbeat::{
     HEARTBEAT_KEY, Heartbeat, HeartbeatMonitor, heartbeat_is_stale, write_heartbeats,
 };
 pub use leader::{LeaderElectionConfig, LeaderElector, Leadership};
-pub use nodes::{NodeInfo, NodeRegistry, NodeRegistryConfig, allocate_node_id, release_node_id};
+pub use nodes::{NODE_INFO_PREFIX, NodeInfo, NodeRegistry, NodeRegistryConfig, allocate_node_id, release_node_id};
 pub use operator::{Operator, OperatorConfig};
 pub use policystatus::{
     AggregatorConfig, NodePolicyStatus, NodeStatusWriter, PolicyRef, PolicyStatusAggregator,
     PolicySummary, read_summary,
 };
 pub use routes::{
-    DEFAULT_ROUTE_PROTOCOL, RouteConfig, RoutePlanner, RouteSync, RouteSyncReport, desired_routes,
+    DEFAULT_ROUTE_PROTOCOL, RemoteNodeSet, RemoteNodes, RouteConfig, RoutePlanner, RouteSync, RouteSyncReport,
+    desired_routes, follow_cluster_nodes,
 };
 pub use services::{CLUSTERS_PREFIX, GLOBAL_SERVICE_ANNOTATION, SHARED_SERVICE_ANNOTATION, ServiceSyncConfig, SharedPort, SharedService, SharedSlice, sync_services};

@@ -32,7 +32,7 @@ use tracing::{Instrument, debug, info, warn};
 
 use crate::error::{Error, Result};
 use crate::nodes::{NodeInfo, NodeRegistry, decode_all, decode_node_info};
-use wasmplane_kvstore::{SharedBatch, SharedChange};
+use wasmplane_kvstore::{KvStore, SharedBatch, SharedChange, SharedStore, SharedStoreConfig};
 
 /// The route protocol marking wasmplane's routes (`ip route show proto 149`).
 /// Unassigned in iproute2's `rt_protos`.
@@ -64,19 +64,55 @@ impl Default for RouteConfig {
 /// Destination CIDR → gateway.
 pub type RouteSet = BTreeMap<IpNet, IpAddr>;
 
+/// Other clusters' nodes (Cilium's clustermesh with native routing and
+/// `auto-direct-node-routes`): cluster name → node name → its info.
+pub type RemoteNodeSet = BTreeMap<String, BTreeMap<String, NodeInfo>>;
+
 /// The routes `local` needs: each other node's pod CIDRs via its first node IP of
-/// the same family. A CIDR claimed twice goes to the node with the lower ID; one
-/// equal to or overlapping a local pod CIDR is never routed away.
-pub fn desired_routes(local: &NodeInfo, nodes: &BTreeMap<String, NodeInfo>) -> RouteSet {
-    let own = &local.pod_cidrs;
-    let mut by_id: Vec<&NodeInfo> = nodes.values().filter(|n| n.name != local.name).collect();
-    by_id.sort_by_key(|n| (n.id, n.name.clone()));
+/// the same family, this cluster's nodes first, then each remote cluster's in
+/// name order. A CIDR claimed twice goes to the node with the lower ID; one
+/// equal to or overlapping a local pod CIDR is never routed away, nor is a
+/// remote cluster's that overlaps a CIDR already routed (clusters of a mesh must
+/// have disjoint pod CIDRs: the first one keeps it).
+pub fn desired_routes(
+    local: &NodeInfo,
+    nodes: &BTreeMap<String, NodeInfo>,
+    remote: &RemoteNodeSet,
+) -> RouteSet {
     let mut routes = RouteSet::new();
+    add_cluster_routes(&mut routes, local, nodes, None);
+    for (cluster, nodes) in remote {
+        add_cluster_routes(&mut routes, local, nodes, Some(cluster));
+    }
+    routes
+}
+
+/// Adds one cluster's routes (`cluster`: a remote one) to `routes`.
+fn add_cluster_routes(
+    routes: &mut RouteSet,
+    local: &NodeInfo,
+    nodes: &BTreeMap<String, NodeInfo>,
+    cluster: Option<&str>,
+) {
+    let own = &local.pod_cidrs;
+    // This cluster's nodes are others only by name; a remote one may reuse it.
+    let mut by_id: Vec<&NodeInfo> = nodes
+        .values()
+        .filter(|n| cluster.is_some() || n.name != local.name)
+        .collect();
+    by_id.sort_by_key(|n| (n.id, n.name.clone()));
+    let remote_routes = cluster.map(|_| routes.clone());
     for node in by_id {
         for cidr in &node.pod_cidrs {
             let cidr = cidr.trunc();
             if own.iter().any(|o| o.contains(&cidr) || cidr.contains(o)) {
-                warn!(node = %node.name, %cidr, "pod CIDR overlaps this node's own; not routed");
+                warn!(cluster, node = %node.name, %cidr, "pod CIDR overlaps this node's own; not routed");
+                continue;
+            }
+            // Against the routes of the clusters before this one only: within a
+            // cluster, a CIDR claimed twice is the rule below.
+            if let Some((taken, via)) = remote_routes.iter().flatten().find(|(r, _)| r.contains(&cidr) || cidr.contains(*r)) {
+                warn!(cluster, node = %node.name, %cidr, overlaps = %taken, %via, "pod CIDR overlaps another cluster's; not routed");
                 continue;
             }
             let gateway = node
@@ -84,17 +120,16 @@ pub fn desired_routes(local: &NodeInfo, nodes: &BTreeMap<String, NodeInfo>) -> R
                 .iter()
                 .find(|ip| ip.is_ipv4() == cidr.addr().is_ipv4());
             let Some(gateway) = gateway else {
-                warn!(node = %node.name, %cidr, "no node IP of the CIDR's family; not routed");
+                warn!(cluster, node = %node.name, %cidr, "no node IP of the CIDR's family; not routed");
                 continue;
             };
             if let Some(previous) = routes.get(&cidr) {
-                warn!(node = %node.name, %cidr, via = %previous, "pod CIDR claimed twice; keeping the lower node ID's");
+                warn!(cluster, node = %node.name, %cidr, via = %previous, "pod CIDR claimed twice; keeping the lower node ID's");
                 continue;
             }
             routes.insert(cidr, *gateway);
         }
     }
-    routes
 }
 
 /// What the last reconcile did.
@@ -160,10 +195,11 @@ impl RoutePlanner {
     }
 }
 
-/// Keeps this node's routes in line with the node registry. Dropping it stops
-/// following (routes stay).
+/// Keeps this node's routes in line with the node registry and the remote
+/// clusters' nodes it is given. Dropping it stops following (routes stay).
 pub struct RouteSync {
     planner: Arc<RoutePlanner>,
+    remote: RemoteNodes,
     follower: JoinHandle<()>,
 }
 
@@ -171,9 +207,21 @@ impl RouteSync {
     /// Starts the route worker and follows `registry`.
     pub async fn start(registry: Arc<NodeRegistry>, config: RouteConfig) -> Result<Self> {
         let planner = Arc::new(RoutePlanner::start(config).await?);
+        let (remote_tx, remote_rx) = watch::channel(RemoteNodeSet::new());
         let span = tracing::info_span!("route_sync", node = %registry.name());
-        let follower = tokio::spawn(follow_registry(registry, planner.clone()).instrument(span));
-        Ok(RouteSync { planner, follower })
+        let follower = tokio::spawn(
+            follow_registry(registry, remote_rx, planner.clone()).instrument(span),
+        );
+        Ok(RouteSync {
+            planner,
+            remote: RemoteNodes(Arc::new(remote_tx)),
+            follower,
+        })
+    }
+
+    /// Where other clusters' nodes are given (see [`follow_cluster_nodes`]).
+    pub fn remote_nodes(&self) -> RemoteNodes {
+        self.remote.clone()
     }
 
     pub fn report(&self) -> RouteSyncReport {
@@ -191,25 +239,94 @@ impl Drop for RouteSync {
     }
 }
 
-async fn follow_registry(registry: Arc<NodeRegistry>, planner: Arc<RoutePlanner>) {
-    let mut batches = registry.batches();
+/// The remote clusters' nodes routed to, each cluster's replaced whole. Cheap
+/// to clone: every remote cluster's follower holds one.
+#[derive(Clone)]
+pub struct RemoteNodes(Arc<watch::Sender<RemoteNodeSet>>);
+
+impl RemoteNodes {
+    /// `cluster`'s nodes now.
+    pub fn set(&self, cluster: &str, nodes: BTreeMap<String, NodeInfo>) {
+        self.0.send_if_modified(|all| {
+            let changed = all.get(cluster) != Some(&nodes);
+            all.insert(cluster.to_string(), nodes);
+            changed
+        });
+    }
+
+    /// Forgets `cluster` (no longer followed): its routes go.
+    pub fn remove(&self, cluster: &str) {
+        self.0.send_if_modified(|all| all.remove(cluster).is_some());
+    }
+
+    /// Every remote cluster's nodes (for the API's view).
+    pub fn get(&self) -> RemoteNodeSet {
+        self.0.borrow().clone()
+    }
+}
+
+/// Follows the node registry of another cluster's kvstore (`store`: its etcd)
+/// into `remote` under `cluster`, until the store's batches end. Its nodes are
+/// kept through an outage (the store relists), as this cluster's are.
+pub async fn follow_cluster_nodes(
+    store: Arc<dyn KvStore>,
+    info_prefix: &str,
+    cluster: String,
+    remote: RemoteNodes,
+) -> Result<()> {
+    let shared = SharedStore::follow(store, SharedStoreConfig::new(info_prefix))
+        .await
+        .map_err(|e| Error::kv(format!("following cluster {cluster}'s nodes"), e))?;
+    let mut batches = shared.batches();
     let mut nodes = BTreeMap::new();
     while let Some(batch) = batches.next().await {
-        match batch {
-            SharedBatch::Snapshot(all) => nodes = decode_all(all.into_iter().map(|(name, entry)| (name, entry.value))),
-            SharedBatch::Changes(changes) => {
-                for change in changes {
-                    match change {
-                        SharedChange::Upsert { name, value, .. } => match decode_node_info(&name, &value) {
-                            Some(info) => nodes.insert(name, info),
-                            None => nodes.remove(&name),
-                        },
-                        SharedChange::Delete { name } => nodes.remove(&name),
-                    };
-                }
+        apply_batch(&mut nodes, batch);
+        remote.set(&cluster, nodes.clone());
+    }
+    Ok(())
+}
+
+/// One batch of a node registry's entries applied to `nodes`.
+fn apply_batch(nodes: &mut BTreeMap<String, NodeInfo>, batch: SharedBatch) {
+    match batch {
+        SharedBatch::Snapshot(all) => {
+            *nodes = decode_all(all.into_iter().map(|(name, entry)| (name, entry.value)));
+        }
+        SharedBatch::Changes(changes) => {
+            for change in changes {
+                match change {
+                    SharedChange::Upsert { name, value, .. } => match decode_node_info(&name, &value) {
+                        Some(info) => nodes.insert(name, info),
+                        None => nodes.remove(&name),
+                    },
+                    SharedChange::Delete { name } => nodes.remove(&name),
+                };
             }
         }
-        planner.set_desired(desired_routes(&registry.local(), &nodes));
+    }
+}
+
+async fn follow_registry(
+    registry: Arc<NodeRegistry>,
+    mut remote: watch::Receiver<RemoteNodeSet>,
+    planner: Arc<RoutePlanner>,
+) {
+    let mut batches = registry.batches();
+    let mut nodes = BTreeMap::new();
+    // Nothing is planned before this cluster's registry has been read once.
+    let Some(first) = batches.next().await else { return };
+    apply_batch(&mut nodes, first);
+    loop {
+        let routes = desired_routes(&registry.local(), &nodes, &remote.borrow_and_update());
+        planner.set_desired(routes);
+        tokio::select! {
+            batch = batches.next() => match batch {
+                Some(batch) => apply_batch(&mut nodes, batch),
+                None => return,
+            },
+            // The sender lives in the RouteSync that owns this task.
+            Ok(()) = remote.changed() => {}
+        }
     }
 }
 
@@ -473,7 +590,7 @@ mod tests {
         .into_iter()
         .map(|n| (n.name.clone(), n))
         .collect();
-        let routes = desired_routes(&me, &nodes);
+        let routes = desired_routes(&me, &nodes, &RemoteNodeSet::new());
         let expected: RouteSet = [
             ("10.244.2.0/24", "192.168.1.2"),
             ("fd10:2::/64", "fd00::2"),
@@ -483,5 +600,54 @@ mod tests {
         .map(|(c, g)| (c.parse().unwrap(), g.parse().unwrap()))
         .collect();
         assert_eq!(routes, expected);
+    }
+
+    #[test]
+    fn remote_clusters_nodes_are_routed_after_this_clusters_without_overlaps() {
+        let me = node("a", 1, &["192.168.1.1"], &["10.244.1.0/24"]);
+        let nodes: BTreeMap<String, NodeInfo> = [
+            me.clone(),
+            node("b", 2, &["192.168.1.2"], &["10.244.2.0/24"]),
+        ]
+        .into_iter()
+        .map(|n| (n.name.clone(), n))
+        .collect();
+        let cluster = |list: Vec<NodeInfo>| -> BTreeMap<String, NodeInfo> {
+            list.into_iter().map(|n| (n.name.clone(), n)).collect()
+        };
+        let remote: RemoteNodeSet = [
+            (
+                "east".to_string(),
+                cluster(vec![
+                    // Another cluster's node may have a local node's name (and ID).
+                    node("a", 1, &["192.168.2.1"], &["10.245.1.0/24", "fd10:e1::/64"]),
+                    // Inside this cluster's node b's CIDR: not routed away from b.
+                    node("x", 2, &["192.168.2.2"], &["10.244.2.128/25"]),
+                ]),
+            ),
+            (
+                "north".to_string(),
+                cluster(vec![
+                    // Overlaps east's: east (first by name) keeps it.
+                    node("n1", 1, &["192.168.3.1"], &["10.245.0.0/16"]),
+                    node("n2", 2, &["192.168.3.2", "fd00::32"], &["10.246.2.0/24", "fd10:32::/64"]),
+                    // Overlaps this node's own.
+                    node("n3", 3, &["192.168.3.3"], &["10.244.1.64/26"]),
+                ]),
+            ),
+        ]
+        .into_iter()
+        .collect();
+        let routes = desired_routes(&me, &nodes, &remote);
+        let expected: RouteSet = [
+            ("10.244.2.0/24", "192.168.1.2"),
+            ("10.245.1.0/24", "192.168.2.1"),
+            ("10.246.2.0/24", "192.168.3.2"),
+            ("fd10:32::/64", "fd00::32"),
+        ]
+        .into_iter()
+        .map(|(c, g)| (c.parse().unwrap(), g.parse().unwrap()))
+        .collect();
+        assert_eq!(routes, expected, "east's fd10:e1::/64 has no IPv6 node IP");
     }
 }
