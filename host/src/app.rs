@@ -168,6 +168,8 @@ pub struct HostConfig {
     pub grants: Option<PathBuf>,
     /// Serve the REST API over TLS with this certificate and key (PEM).
     pub tls: Option<crate::auth::TlsFiles>,
+    /// How often the TLS files are read again (rotated certificates).
+    pub tls_reload_interval: Duration,
     /// Accept Kubernetes bearer tokens (TokenReview + SubjectAccessReview) beside the static token.
     pub kubernetes_auth: Option<crate::auth::KubernetesAuthConfig>,
     /// Record every model revision's translator inputs and outputs to this file (`record.rs`).
@@ -213,6 +215,7 @@ impl Default for HostConfig {
             trusted_keys: Vec::new(),
             grants: None,
             tls: None,
+            tls_reload_interval: crate::auth::DEFAULT_TLS_RELOAD_INTERVAL,
             kubernetes_auth: None,
             record: None,
             compiler: None,
@@ -297,7 +300,8 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
     if admission.requires_signatures() {
         tracing::info!(keys = config.trusted_keys.len(), "uploads must be signed by a trusted key");
     }
-    let tls_config = config.tls.as_ref().map(crate::auth::server_config).transpose()?;
+    let tls_cert = config.tls.as_ref().map(crate::auth::ReloadingCert::load).transpose()?;
+    let tls_config = tls_cert.as_ref().map(crate::auth::server_config).transpose()?;
     let auth = match &config.kubernetes_auth {
         Some(k) => crate::auth::Auth::with_kubernetes(&token, k.clone()).await.context("setting up Kubernetes authentication")?,
         None => crate::auth::Auth::static_token(&token),
@@ -377,6 +381,9 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
     let ready = Arc::new(AtomicBool::new(config.manifests.is_none() && config.kubernetes.is_none()));
     let mut loops = Vec::new();
     let mut watch_status = None;
+    if let Some(cert) = &tls_cert {
+        loops.push(tokio::spawn(crate::auth::reload_tls(Arc::downgrade(cert), config.tls_reload_interval)));
+    }
 
     if let Some(source) = &config.kubernetes {
         let client = source.client().await?;

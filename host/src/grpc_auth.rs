@@ -60,7 +60,8 @@ pub fn status_of(error: &AuthError) -> Status {
 }
 
 /// The REST API's TLS configuration with the ALPN gRPC needs: HTTP/2 only (the REST one
-/// offers HTTP/1.1 only, and a gRPC client that finds no `h2` gives up).
+/// offers HTTP/1.1 only, and a gRPC client that finds no `h2` gives up). The copy shares
+/// the REST one's certificate resolver, so a reloaded certificate is served on both.
 pub fn grpc_tls_config(rest: &rustls::ServerConfig) -> Arc<rustls::ServerConfig> {
     let mut config = rest.clone();
     config.alpn_protocols = vec![b"h2".to_vec()];
