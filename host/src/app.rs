@@ -421,6 +421,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
     let (mut grpc_addr, mut model_feed) = (None, None);
     if let Some(listen) = config.grpc_listen {
         let feed = model_feed_of(&controller);
+        metrics.export_model_feed(feed.clone());
         let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding the gRPC listener {listen}"))?;
         let addr = listener.local_addr()?;
         grpc_addr = Some(addr);

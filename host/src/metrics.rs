@@ -1,15 +1,19 @@
 //! Prometheus metrics (text exposition at `/metrics`).
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::SystemTime;
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
-use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+
+use wasmplane_grpc::ModelFeed;
+use wasmplane_grpc::tonic::Code;
 
 use crate::dataplane::WriteHealth;
 
@@ -114,6 +118,8 @@ pub struct Metrics {
     pub policy_audit: Family<PolicyLabels, Gauge>,
     /// Packets a policy dropped or would have dropped, as of the last read of the kernel's counters.
     pub policy_packets: Family<PolicyPacketLabels, Gauge>,
+    /// The gRPC model stream's feed, once it is served: its counters are read at each scrape.
+    model_feed: Arc<OnceLock<ModelFeed>>,
 }
 
 impl Metrics {
@@ -144,6 +150,7 @@ impl Metrics {
             policy_audit: Family::default(),
             policy_packets: Family::default(),
             clustermesh: ClusterMeshGauges::default(),
+            model_feed: Arc::default(),
             registry: Registry::default(),
         };
         registry.register("clustermesh_remote_cluster_ready", "1 once the remote cluster's etcd answered and its services are followed, 0 while it is tried", m.clustermesh.remote_cluster_ready.clone());
@@ -177,7 +184,16 @@ impl Metrics {
         registry.register("module_auto_rollbacks", "Modules rolled back after exhausting their crash budget", m.auto_rollbacks.clone());
         registry.register("policy_audit_mode", "1 while the policy is in audit mode on this node (would-be drops counted, not enforced)", m.policy_audit.clone());
         registry.register("policy_packets", "Packets the policy dropped, or in audit mode would have dropped (last read of the kernel's counters)", m.policy_packets.clone());
+        registry.register_collector(Box::new(ModelFeedCollector(m.model_feed.clone())));
         Metrics { registry, ..m }
+    }
+
+    /// Exports the gRPC model stream's counters (`grpc_*`) from now on. The host has one
+    /// feed; a second one is ignored (with a warning) rather than mixed into the first's.
+    pub fn export_model_feed(&self, feed: ModelFeed) {
+        if self.model_feed.set(feed).is_err() {
+            tracing::warn!("a second gRPC model feed is not exported to /metrics");
+        }
     }
 
     pub fn encode(&self) -> String {
@@ -220,5 +236,138 @@ impl Collector for WriteHealthCollector {
             gauge.metric_type(),
         )?;
         gauge.encode(metric)
+    }
+}
+
+/// The gRPC model stream's counters, read from its feed at each scrape (the feed counts with
+/// atomics of its own; copying them into registered metrics would only add a lag). Nothing
+/// while the stream is not served.
+#[derive(Debug)]
+struct ModelFeedCollector(Arc<OnceLock<ModelFeed>>);
+
+impl ModelFeedCollector {
+    /// Always exported, at 0 until one happens, so that rates and alerts work from the start:
+    /// the codes the host's policy refuses with, and the one of a shutdown.
+    const EXPECTED_REFUSALS: [Code; 3] = [Code::Unauthenticated, Code::PermissionDenied, Code::Unavailable];
+}
+
+impl Collector for ModelFeedCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(feed) = self.0.get() else { return Ok(()) };
+        let stats = feed.stats();
+        let subscribers = ConstGauge::new(stats.subscribers);
+        subscribers.encode(encoder.encode_descriptor("grpc_subscribers", "gRPC model watches streaming now", None, subscribers.metric_type())?)?;
+        for (name, help, value) in [
+            ("grpc_watches", "gRPC model watches started (refused ones not included)", stats.watches),
+            ("grpc_revisions_published", "Model revisions published to the gRPC stream", stats.published),
+            ("grpc_snapshots_sent", "Complete model snapshots sent over gRPC: each watch's first, and resyncs", stats.snapshots_sent),
+            ("grpc_deltas_sent", "Model deltas sent over gRPC, over all watches", stats.deltas_sent),
+        ] {
+            let counter = ConstCounter::new(value);
+            counter.encode(encoder.encode_descriptor(name, help, None, counter.metric_type())?)?;
+        }
+
+        let mut resyncs = encoder.encode_descriptor(
+            "grpc_resyncs",
+            "Snapshots resent to a gRPC watch, by reason: lagged (the client read too slowly), gap (revisions published out of order, a host bug)",
+            None,
+            MetricType::Counter,
+        )?;
+        for (reason, value) in [("lagged", stats.resyncs_lagged), ("gap", stats.resyncs_gap)] {
+            ConstCounter::new(value).encode(resyncs.encode_family(&[("reason", reason)])?)?;
+        }
+
+        let mut refused = encoder.encode_descriptor(
+            "grpc_watches_refused",
+            "gRPC model watches refused before they started, by status code (unauthenticated, permission_denied: the caller; unavailable: shutting down or the authorizer unreachable)",
+            None,
+            MetricType::Counter,
+        )?;
+        let unexpected = stats.refused.iter().filter(|(code, _)| !Self::EXPECTED_REFUSALS.contains(code));
+        for (code, value) in Self::EXPECTED_REFUSALS.into_iter().map(|code| (code, stats.refused.get(code))).chain(unexpected) {
+            ConstCounter::new(value).encode(refused.encode_family(&[("code", status_code_label(code))])?)?;
+        }
+        Ok(())
+    }
+}
+
+/// gRPC's canonical name of `code`, in lower case (`permission_denied`), as a label value.
+fn status_code_label(code: Code) -> &'static str {
+    match code {
+        Code::Ok => "ok",
+        Code::Cancelled => "cancelled",
+        Code::Unknown => "unknown",
+        Code::InvalidArgument => "invalid_argument",
+        Code::DeadlineExceeded => "deadline_exceeded",
+        Code::NotFound => "not_found",
+        Code::AlreadyExists => "already_exists",
+        Code::PermissionDenied => "permission_denied",
+        Code::ResourceExhausted => "resource_exhausted",
+        Code::FailedPrecondition => "failed_precondition",
+        Code::Aborted => "aborted",
+        Code::OutOfRange => "out_of_range",
+        Code::Unimplemented => "unimplemented",
+        Code::Internal => "internal",
+        Code::Unavailable => "unavailable",
+        Code::DataLoss => "data_loss",
+        Code::Unauthenticated => "unauthenticated",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use wasmplane_grpc::proto::local_model_server::LocalModel as _;
+    use wasmplane_grpc::{Delta, ModelFeed, NodeFacts, Snapshot, WatchService, proto, tonic};
+
+    use super::*;
+
+    /// The value of the sample `series` (name and labels) in `text`.
+    fn sample(text: &str, series: &str) -> Option<f64> {
+        text.lines().find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    #[tokio::test]
+    async fn the_model_feed_is_read_at_each_scrape_once_exported() {
+        let metrics = Metrics::new();
+        assert!(!metrics.encode().contains("grpc_"), "no feed, no gRPC metrics:\n{}", metrics.encode());
+
+        let feed = ModelFeed::new(Arc::new(|| Snapshot { revision: 0, node: NodeFacts::default(), services: vec![] }), 4);
+        metrics.export_model_feed(feed.clone());
+        let text = metrics.encode();
+        assert!(text.contains("# HELP wasmplane_grpc_watches_refused gRPC model watches refused"), "{text}");
+        assert!(text.contains("# TYPE wasmplane_grpc_subscribers gauge"), "{text}");
+        for series in [
+            "wasmplane_grpc_subscribers",
+            "wasmplane_grpc_watches_total",
+            "wasmplane_grpc_revisions_published_total",
+            "wasmplane_grpc_snapshots_sent_total",
+            "wasmplane_grpc_deltas_sent_total",
+            "wasmplane_grpc_resyncs_total{reason=\"lagged\"}",
+            "wasmplane_grpc_resyncs_total{reason=\"gap\"}",
+            "wasmplane_grpc_watches_refused_total{code=\"unauthenticated\"}",
+            "wasmplane_grpc_watches_refused_total{code=\"permission_denied\"}",
+            "wasmplane_grpc_watches_refused_total{code=\"unavailable\"}",
+        ] {
+            assert_eq!(sample(&text, series), Some(0.0), "{series} at 0 from the start:\n{text}");
+        }
+
+        // Counted by the feed, seen at the next scrape without anything copying them.
+        for revision in 1..=3 {
+            feed.publish(Delta { revision, node: None, changes: vec![] });
+        }
+        feed.close();
+        let refused = WatchService::new(feed.clone()).watch(tonic::Request::new(proto::WatchRequest {})).await.map(drop).expect_err("a closed feed refuses");
+        assert_eq!(refused.code(), Code::Unavailable);
+        let text = metrics.encode();
+        assert_eq!(sample(&text, "wasmplane_grpc_revisions_published_total"), Some(3.0), "{text}");
+        assert_eq!(sample(&text, "wasmplane_grpc_watches_refused_total{code=\"unavailable\"}"), Some(1.0), "{text}");
+        assert_eq!(sample(&text, "wasmplane_grpc_watches_total"), Some(0.0), "{text}");
+    }
+
+    #[test]
+    fn status_codes_are_labelled_by_their_grpc_names() {
+        assert_eq!(status_code_label(Code::PermissionDenied), "permission_denied");
+        assert_eq!(status_code_label(Code::Unauthenticated), "unauthenticated");
+        assert_eq!(status_code_label(Code::DeadlineExceeded), "deadline_exceeded");
     }
 }

@@ -298,3 +298,68 @@ async fn from_another_host_grpc_needs_the_token() {
     drop(link);
     drop(ns);
 }
+
+/// The value of the sample `series` (name and labels) in the host's `/metrics`.
+fn sample(metrics: &str, series: &str) -> Option<f64> {
+    metrics.lines().find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_and_served_watches_are_in_the_metrics() {
+    if !is_root() {
+        eprintln!("\n!!!!!!!! SKIPPED {}: needs root (network namespaces, veth) !!!!!!!!\n", module_path!());
+        return;
+    }
+    // Another host, as in `from_another_host_grpc_needs_the_token`, on a subnet and link of
+    // its own so the two tests can run at once.
+    let subnet = (std::process::id() % 64) * 4;
+    let (ours, theirs) = (format!("10.244.251.{}", subnet + 1), format!("10.244.251.{}", subnet + 2));
+    let ns = Netns::new(unique_prefix("grpcm"));
+    let link = Link(format!("wm{}", std::process::id()));
+    run(&["ip", "link", "add", &link.0, "type", "veth", "peer", "name", "eth0", "netns", &ns.name]);
+    run(&["ip", "addr", "add", &format!("{ours}/30"), "dev", &link.0]);
+    run(&["ip", "link", "set", &link.0, "up"]);
+    ns.exec(&["ip", "addr", "add", &format!("{theirs}/30"), "dev", "eth0"]);
+    ns.exec(&["ip", "link", "set", "eth0", "up"]);
+
+    let dir = tempfile::tempdir().unwrap();
+    let host = secured_host(dir.path(), SocketAddr::new(ours.parse().unwrap(), 0), None).await;
+    let url = format!("http://{}", host.grpc_addr.expect("gRPC is served"));
+    let scrape = || async { reqwest::get(format!("{}/metrics", host.url())).await.unwrap().error_for_status().unwrap().text().await.unwrap() };
+    let before = scrape().await;
+    assert_eq!(sample(&before, "wasmplane_grpc_watches_refused_total{code=\"unauthenticated\"}"), Some(0.0), "{before}");
+
+    let refused = tokio::task::block_in_place(|| {
+        ns.run(|| {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            runtime.block_on(watch(&url, None, None)).map(|_| ())
+        })
+    });
+    let refused = refused.expect_err("no token from another host must be refused");
+    assert!(refused.starts_with(&format!("{:?}:", Code::Unauthenticated)), "{refused}");
+
+    let mut stream = watch(&url, None, Some(TOKEN)).await.unwrap_or_else(|e| panic!("the host's token must be let in: {e}"));
+    expect_snapshot(&mut stream, "client with the token").await;
+    let serving = scrape().await;
+    for (series, at_least) in [("wasmplane_grpc_watches_total", 1.0), ("wasmplane_grpc_snapshots_sent_total", 1.0), ("wasmplane_grpc_subscribers", 1.0), ("wasmplane_grpc_revisions_published_total", 1.0)] {
+        let value = sample(&serving, series).unwrap_or_else(|| panic!("{series} not in /metrics:\n{serving}"));
+        assert!(value >= at_least, "{series} is {value}:\n{serving}");
+    }
+    assert_eq!(sample(&serving, "wasmplane_grpc_watches_refused_total{code=\"unauthenticated\"}"), Some(1.0), "{serving}");
+    assert_eq!(sample(&serving, "wasmplane_grpc_watches_refused_total{code=\"permission_denied\"}"), Some(0.0), "{serving}");
+
+    // The server notices the client went away (a reset stream) and drops the watch.
+    drop(stream);
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let after = scrape().await;
+        if sample(&after, "wasmplane_grpc_subscribers") == Some(0.0) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the dropped watch is still counted:\n{after}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    host.stop().await;
+    drop(link);
+    drop(ns);
+}

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use tokio::sync::{broadcast, watch};
+use tonic::Code;
 use wasmplane_model::NodeLocalModel;
 use wasmplane_model::state::{ModelUpdate, NodeContext, ServiceChange};
 use wasmplane_model::ServiceView;
@@ -111,6 +112,44 @@ pub struct FeedStats {
     /// Snapshots sent because the published revisions had a gap or went out of order: a bug
     /// in the host's publishing, made harmless by the resync but worth alerting on.
     pub resyncs_gap: u64,
+    /// Watches refused before they started (not in `watches`).
+    pub refused: RefusedWatches,
+}
+
+/// gRPC's status codes: `Ok` (0) to `Unauthenticated` (16).
+const STATUS_CODES: usize = 17;
+
+/// Where a refusal with `code` is counted. A code beyond gRPC's (none exists today) counts
+/// as `Unknown`, which is also what [`Code::from_i32`] makes of it.
+fn code_slot(code: Code) -> usize {
+    usize::try_from(i32::from(code)).ok().filter(|&slot| slot < STATUS_CODES).unwrap_or(Code::Unknown as usize)
+}
+
+/// Watches refused before they started, by the status code they were answered with: the
+/// [`crate::Authorize`] hook's refusals (`Unauthenticated`, `PermissionDenied`, ...) and
+/// `Unavailable` for calls that came while the feed or server was shutting down.
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+pub struct RefusedWatches([u64; STATUS_CODES]);
+
+impl RefusedWatches {
+    pub fn get(&self, code: Code) -> u64 {
+        self.0[code_slot(code)]
+    }
+
+    pub fn total(&self) -> u64 {
+        self.0.iter().sum()
+    }
+
+    /// The codes refused at least once, with their counts, in code order.
+    pub fn iter(&self) -> impl Iterator<Item = (Code, u64)> + '_ {
+        self.0.iter().enumerate().filter(|(_, count)| **count > 0).map(|(slot, count)| (Code::from_i32(slot as i32), *count))
+    }
+}
+
+impl std::fmt::Debug for RefusedWatches {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map().entries(self.iter()).finish()
+    }
 }
 
 #[derive(Default)]
@@ -121,11 +160,16 @@ pub(crate) struct Counters {
     pub(crate) deltas_sent: AtomicU64,
     pub(crate) resyncs_lagged: AtomicU64,
     pub(crate) resyncs_gap: AtomicU64,
+    refused: [AtomicU64; STATUS_CODES],
 }
 
 impl Counters {
     pub(crate) fn bump(counter: &AtomicU64) {
         counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn refused(&self, code: Code) {
+        Counters::bump(&self.refused[code_slot(code)]);
     }
 }
 
@@ -202,6 +246,7 @@ impl ModelFeed {
             deltas_sent: get(&c.deltas_sent),
             resyncs_lagged: get(&c.resyncs_lagged),
             resyncs_gap: get(&c.resyncs_gap),
+            refused: RefusedWatches(std::array::from_fn(|slot| get(&c.refused[slot]))),
         }
     }
 

@@ -44,7 +44,7 @@ pub mod proto {
 }
 
 pub use convert::ConversionError;
-pub use feed::{Delta, FeedStats, ModelFeed, NodeFacts, Snapshot, SnapshotSource};
+pub use feed::{Delta, FeedStats, ModelFeed, NodeFacts, RefusedWatches, Snapshot, SnapshotSource};
 pub use mirror::{Applied, Mirror, MirrorError};
 pub use proto::local_model_client::LocalModelClient;
 pub use proto::local_model_server::LocalModelServer;

@@ -26,7 +26,7 @@ use tokio::sync::{broadcast, watch};
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::server::Connected;
 use tonic::codegen::http::HeaderMap;
-use tonic::{Request, Response, Status};
+use tonic::{Code, Request, Response, Status};
 
 use crate::feed::{Counters, Delta, ModelFeed, Snapshot};
 use crate::proto::local_model_server::{LocalModel, LocalModelServer};
@@ -170,10 +170,12 @@ impl LocalModel for WatchService {
             let headers = request.metadata().clone().into_headers();
             if let Err(status) = authorize.authorize(peer, &headers).await {
                 tracing::debug!(peer = ?peer, code = ?status.code(), "model watch refused: {}", status.message());
+                self.feed.inner.counters.refused(status.code());
                 return Err(status);
             }
         }
         if self.feed.is_closed() || self.stop.as_ref().is_some_and(|s| *s.borrow()) {
+            self.feed.inner.counters.refused(Code::Unavailable);
             return Err(Status::unavailable("the model server is shutting down"));
         }
         Counters::bump(&self.feed.inner.counters.watches);
@@ -383,6 +385,47 @@ mod tests {
         std::sync::Arc::make_mut(&mut v.service).name = name.into();
         std::sync::Arc::make_mut(&mut v.service).labels.insert("blob".into(), "x".repeat(label_bytes).into());
         Arc::new(v)
+    }
+
+    /// Refuses every caller with `code`.
+    struct Refuse(Code);
+
+    impl Authorize for Refuse {
+        fn authorize<'a>(&'a self, _peer: Option<SocketAddr>, _headers: &'a HeaderMap) -> BoxFuture<'a, Result<(), Status>> {
+            Box::pin(async move { Err(Status::new(self.0, "refused")) })
+        }
+    }
+
+    async fn call(service: &WatchService) -> Result<(), Code> {
+        service.watch(Request::new(proto::WatchRequest {})).await.map(drop).map_err(|status| status.code())
+    }
+
+    #[tokio::test]
+    async fn refused_watches_are_counted_by_code() {
+        let feed = ModelFeed::new(Arc::new(|| Snapshot { revision: 0, node: NodeFacts::default(), services: vec![] }), 4);
+        let unauthenticated = WatchService::new(feed.clone()).authorize(Arc::new(Refuse(Code::Unauthenticated)));
+        let forbidden = WatchService::new(feed.clone()).authorize(Arc::new(Refuse(Code::PermissionDenied)));
+        let open = WatchService::new(feed.clone());
+        for _ in 0..2 {
+            assert_eq!(call(&unauthenticated).await, Err(Code::Unauthenticated));
+        }
+        assert_eq!(call(&forbidden).await, Err(Code::PermissionDenied));
+        assert_eq!(call(&open).await, Ok(()), "an open service lets the watch start");
+
+        let stats = feed.stats();
+        assert_eq!(stats.watches, 1, "{stats:?}");
+        assert_eq!((stats.refused.get(Code::Unauthenticated), stats.refused.get(Code::PermissionDenied), stats.refused.get(Code::Unavailable)), (2, 1, 0));
+        assert_eq!(stats.refused.total(), 3);
+        assert_eq!(stats.refused.iter().collect::<Vec<_>>(), vec![(Code::PermissionDenied, 1), (Code::Unauthenticated, 2)]);
+        assert_eq!(format!("{:?}", stats.refused), "{PermissionDenied: 1, Unauthenticated: 2}");
+
+        // A closed feed refuses with `Unavailable`, but the hook answers first: a caller it
+        // refuses learns nothing of the shutdown, and is counted under the hook's code.
+        feed.close();
+        assert_eq!(call(&open).await, Err(Code::Unavailable));
+        assert_eq!(call(&unauthenticated).await, Err(Code::Unauthenticated));
+        let stats = feed.stats();
+        assert_eq!((stats.refused.get(Code::Unavailable), stats.refused.get(Code::Unauthenticated), stats.watches), (1, 3, 1), "{stats:?}");
     }
 
     #[test]

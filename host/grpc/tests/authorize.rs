@@ -103,6 +103,8 @@ async fn a_refused_caller_gets_the_refusal_and_no_snapshot() {
         let stats = feed.stats();
         assert_eq!((stats.watches, stats.subscribers, stats.snapshots_sent), (0, 0, 0), "{stats:?}");
         assert_eq!(taken.load(Ordering::Relaxed), 0);
+        // But both refusals were, under the code they were answered with.
+        assert_eq!((stats.refused.get(code), stats.refused.total()), (2, 2), "{stats:?}");
         let seen = authorize.seen();
         assert_eq!(seen.iter().map(|(_, token)| token.clone()).collect::<Vec<_>>(), vec![None, Some("Bearer wrong-token".to_string())]);
 
