@@ -17,8 +17,8 @@ use wasmplane_operator::policystatus::POLICY_STATUS_PREFIX;
 use wasmplane_operator::{CLUSTERS_PREFIX, HEARTBEAT_KEY, HeartbeatMonitor, NodePolicyStatus, NodeRegistry, NodeRegistryConfig, NodeStatusWriter, PolicyRef, RouteConfig, RouteSync};
 
 use crate::controller::{Controller, ModelObserver};
-use crate::clustermesh::{ClusterMeshConfig, RemoteClusters};
-use crate::service_import::{Clusters, ImportSummary, ServiceImport};
+use crate::clustermesh::{ClusterMeshConfig, Following, RemoteClusters};
+use crate::service_import::{Clusters, ImportSummary, RemoteImport, ServiceImport};
 
 #[derive(Clone, Debug)]
 #[derive(Default)]
@@ -193,8 +193,9 @@ impl Agent {
         };
         let (mut service_import, mut remote_clusters) = (None, None);
         if let Some(cluster) = &config.cluster_name {
-            let remote_nodes = routes.as_ref().map(RouteSync::remote_nodes);
-            let remotes = RemoteClusters::start(config.clustermesh.clone(), cluster, controller, gauges.clone(), remote_nodes).await?;
+            let (weak, remote_gauges, nodes) = (Arc::downgrade(controller), gauges.clone(), routes.as_ref().map(RouteSync::remote_nodes));
+            let import = move |name: &str, etcd| Box::new(RemoteImport::start(name, etcd, weak.clone(), remote_gauges.clone(), nodes.clone())) as Box<dyn Following>;
+            let remotes = RemoteClusters::start(config.clustermesh.clone(), cluster, Box::new(import)).await?;
             // This cluster's kvstore may hold other clusters' exports too (one etcd shared);
             // those with an etcd of their own are read there only.
             let skipped = std::iter::once(cluster.clone()).chain(remotes.names()).collect();

@@ -249,6 +249,13 @@ pub struct RunArgs {
     /// file is skipped. Needs --cluster-name.
     #[arg(long, env = "WASMPLANE_CLUSTERMESH_CONFIG")]
     pub clustermesh_config: Option<PathBuf>,
+    /// Operator: write EndpointSlices for the remote clusters' endpoints of this cluster's
+    /// global Services (headless ones, or any annotated
+    /// `wasmplane.io/global-sync-endpoint-slices: "true"`), so that DNS answers with them
+    /// (Cilium's clustermesh EndpointSlice synchronization). The remote clusters are those of
+    /// --remote-cluster and --clustermesh-config. Needs --cluster-name.
+    #[arg(long)]
+    pub clustermesh_sync_endpoint_slices: bool,
     /// Seconds between GC cycles (operator).
     #[arg(long, default_value_t = 60)]
     pub gc_interval_seconds: u64,
@@ -533,6 +540,9 @@ impl RunArgs {
         if (!self.remote_clusters.is_empty() || self.clustermesh_config.is_some()) && self.cluster_name.is_none() {
             bail!("--remote-cluster and --clustermesh-config need --cluster-name: this cluster's name among them");
         }
+        if self.clustermesh_sync_endpoint_slices && (self.role != Role::Operator || self.cluster_name.is_none()) {
+            bail!("--clustermesh-sync-endpoint-slices is the operator's (--role operator) and needs --cluster-name");
+        }
         let kvstore = self.kvstore_config()?;
         let clustermesh = self.clustermesh(&kvstore);
         // The operator pulls `WasmModule` objects' components with the CLI's credentials, or
@@ -620,6 +630,7 @@ impl RunArgs {
                 gc_interval: Duration::from_secs(self.gc_interval_seconds.max(1)),
                 gc_deletes_per_second: self.gc_deletes_per_second,
                 module_objects: crate::module_objects::ModuleObjectsConfig { registry: module_registry.clone(), ..Default::default() },
+                mesh_slices: self.clustermesh_sync_endpoint_slices.then(|| clustermesh.clone()),
                 ..Default::default()
             }),
             agent: Some(crate::agent::AgentConfig {
@@ -851,6 +862,20 @@ mod tests {
         assert_eq!(mode(&[]), Ok(crate::controller::LocalDetection::ClusterCidr));
         assert_eq!(mode(&["--detect-local-mode", "NodeCIDR"]), Ok(crate::controller::LocalDetection::NodeCidr));
         assert!(mode(&["--detect-local-mode", "InterfaceNamePrefix"]).is_err(), "not implemented, so not accepted");
+    }
+
+    #[test]
+    fn mesh_endpoint_slices_are_the_operators_and_follow_its_remote_clusters() {
+        let run = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run"], args].concat()) {
+            Ok(Cli { command: Command::Run(args) }) => args.into_config().map(|c| c.operator.and_then(|o| o.mesh_slices)).map_err(|e| e.to_string()),
+            Ok(_) => unreachable!("parsed as another command"),
+            Err(e) => Err(e.to_string()),
+        };
+        assert!(run(&["--clustermesh-sync-endpoint-slices", "--cluster-name", "west"]).unwrap_err().contains("--role operator"), "an agent writes no slices");
+        assert!(run(&["--clustermesh-sync-endpoint-slices", "--role", "operator"]).unwrap_err().contains("--cluster-name"));
+        assert_eq!(run(&["--role", "operator", "--cluster-name", "west", "--remote-cluster", "east=http://10.0.0.1:2379"]).unwrap().map(|m| m.remotes.len()), None, "off unless asked");
+        let mesh = run(&["--role", "operator", "--cluster-name", "west", "--remote-cluster", "east=http://10.0.0.1:2379", "--clustermesh-sync-endpoint-slices"]).unwrap().expect("mesh slices");
+        assert_eq!(mesh.remotes.iter().map(|r| r.cluster.as_str()).collect::<Vec<_>>(), ["east"]);
     }
 
     #[test]

@@ -10,12 +10,14 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::Context as _;
-use wasmplane_operator::{CLUSTERS_PREFIX, RemoteNodes};
+use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::controller::Controller;
-use crate::metrics::ClusterMeshGauges;
-use crate::service_import::{ImportedService, RemoteCluster, ServiceImport};
+use anyhow::Context as _;
+use futures::future::BoxFuture;
+use wasmplane_kvstore::{EtcdConfig, EtcdStore, KvError, KvStore, SharedStore, SharedStoreConfig};
+use wasmplane_operator::{CLUSTERS_PREFIX, RemoteExports, cluster_exports_prefix, follow_cluster_exports};
+
+use crate::service_import::{ImportedService, RemoteCluster};
 
 /// Another cluster's etcd, followed read-only for its exported services.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -69,7 +71,7 @@ pub fn read_clustermesh_dir(dir: &Path, own_cluster: &str) -> anyhow::Result<Vec
 
 /// Every remote cluster wanted now: the static ones and the directory's, each with its etcd
 /// settings (TLS files read and checked).
-fn wanted(config: &ClusterMeshConfig, own_cluster: &str) -> anyhow::Result<BTreeMap<String, wasmplane_kvstore::EtcdConfig>> {
+fn wanted(config: &ClusterMeshConfig, own_cluster: &str) -> anyhow::Result<BTreeMap<String, EtcdConfig>> {
     let mut remotes = config.remotes.clone();
     if let Some(dir) = &config.dir {
         remotes.extend(read_clustermesh_dir(dir, own_cluster)?);
@@ -84,10 +86,101 @@ fn wanted(config: &ClusterMeshConfig, own_cluster: &str) -> anyhow::Result<BTree
     Ok(wanted)
 }
 
+/// What a host does with one remote cluster it follows: an agent imports its services (and
+/// its nodes, for routes), the operator its exports (for EndpointSlices). What it took stays
+/// through a reconnect and is taken back by `retract`.
+pub trait Following: Send {
+    /// Follows the cluster with other settings (endpoints, user, certificates).
+    fn reconnect(&mut self, etcd: EtcdConfig);
+    /// Stops following and takes back what the cluster gave.
+    fn retract(self: Box<Self>) -> BoxFuture<'static, ()>;
+    /// The cluster and whether its etcd has answered.
+    fn status(&self) -> RemoteCluster;
+    /// The exports it gives this host's model.
+    fn imported(&self) -> Vec<ImportedService> {
+        Vec::new()
+    }
+}
+
+/// Starts following a cluster: its name and its etcd settings.
+pub type StartFollowing = Box<dyn Fn(&str, EtcdConfig) -> Box<dyn Following> + Send + Sync>;
+
 struct Followed {
     /// What it connected with: another endpoint, user or certificate needs a new connection.
-    etcd: wasmplane_kvstore::EtcdConfig,
-    import: ServiceImport,
+    etcd: EtcdConfig,
+    following: Box<dyn Following>,
+}
+
+/// Connects to a remote cluster's etcd and `join`s what is followed there, again and again
+/// (backing off to 30 s) until both answer: a remote cluster that is down delays nothing.
+/// `connected` is set once they have.
+pub async fn connect_until_answered<T, F: Future<Output = Result<T, KvError>>>(cluster: &str, etcd: &EtcdConfig, connected: &AtomicBool, join: impl Fn(Arc<dyn KvStore>) -> F) -> T {
+    let mut delay = Duration::from_millis(200);
+    loop {
+        let joined = async {
+            let kv: Arc<dyn KvStore> = Arc::new(EtcdStore::connect(etcd.clone()).await?);
+            join(kv).await
+        };
+        match joined.await {
+            Ok(joined) => {
+                connected.store(true, Ordering::Relaxed);
+                return joined;
+            }
+            Err(e) => tracing::warn!(cluster, "remote cluster's etcd ({}) does not answer; trying again in {delay:?}: {e}", etcd.endpoints.join(",")),
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_secs(30));
+    }
+}
+
+/// The operator's following of a remote cluster: its exports, for the mesh EndpointSlices.
+pub struct ExportFollowing {
+    cluster: String,
+    exports: RemoteExports,
+    connected: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ExportFollowing {
+    pub fn start(cluster: &str, etcd: EtcdConfig, exports: RemoteExports) -> ExportFollowing {
+        let connected = Arc::new(AtomicBool::new(false));
+        let task = Self::task(cluster, etcd, &exports, &connected);
+        ExportFollowing { cluster: cluster.to_string(), exports, connected, task }
+    }
+
+    fn task(cluster: &str, etcd: EtcdConfig, exports: &RemoteExports, connected: &Arc<AtomicBool>) -> tokio::task::JoinHandle<()> {
+        let (cluster, exports, connected) = (cluster.to_string(), exports.clone(), connected.clone());
+        tokio::spawn(async move {
+            let prefix = cluster_exports_prefix(CLUSTERS_PREFIX, &cluster);
+            let shared = connect_until_answered(&cluster, &etcd, &connected, |kv| SharedStore::follow(kv, SharedStoreConfig::new(prefix.as_str()))).await;
+            tracing::info!(cluster, "following the remote cluster's exports");
+            follow_cluster_exports(shared, cluster, exports).await;
+        })
+    }
+}
+
+impl Drop for ExportFollowing {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Following for ExportFollowing {
+    fn reconnect(&mut self, etcd: EtcdConfig) {
+        self.task.abort();
+        self.connected.store(false, Ordering::Relaxed);
+        self.task = Self::task(&self.cluster, etcd, &self.exports, &self.connected);
+    }
+
+    fn retract(self: Box<Self>) -> BoxFuture<'static, ()> {
+        self.task.abort();
+        self.exports.remove(&self.cluster);
+        Box::pin(async {})
+    }
+
+    fn status(&self) -> RemoteCluster {
+        RemoteCluster { name: self.cluster.clone(), connected: self.connected.load(Ordering::Relaxed) }
+    }
 }
 
 /// The remote clusters followed now, kept in step with the configuration.
@@ -105,23 +198,22 @@ impl Drop for RemoteClusters {
 }
 
 impl RemoteClusters {
-    /// The clusters configured now; a file that does not parse or a certificate that cannot
-    /// be read stops the start. Later, such a mistake is logged and changes nothing.
-    /// `nodes`: where the remote clusters' nodes go when this node routes to their pods.
-    pub async fn start(config: ClusterMeshConfig, own_cluster: &str, controller: &Arc<Mutex<Controller>>, gauges: ClusterMeshGauges, nodes: Option<RemoteNodes>) -> anyhow::Result<RemoteClusters> {
+    /// The clusters configured now, each followed by what `start` makes; a file that does not
+    /// parse or a certificate that cannot be read stops the start. Later, such a mistake is
+    /// logged and changes nothing.
+    pub async fn start(config: ClusterMeshConfig, own_cluster: &str, start: StartFollowing) -> anyhow::Result<RemoteClusters> {
         let followed = Arc::new(Mutex::new(BTreeMap::new()));
         let initial = wanted(&config, own_cluster)?;
-        reconcile(&followed, initial, controller, &gauges, nodes.as_ref()).await;
+        reconcile(&followed, initial, &start).await;
         let watcher = config.dir.is_some() || config.remotes.iter().any(|r| r.tls.is_some());
         let watcher = watcher.then(|| {
-            let (followed, weak, own_cluster) = (followed.clone(), Arc::downgrade(controller), own_cluster.to_string());
+            let (followed, own_cluster) = (followed.clone(), own_cluster.to_string());
             tokio::spawn(async move {
                 let poll = if config.poll.is_zero() { ClusterMeshConfig::DEFAULT_POLL } else { config.poll };
                 loop {
                     tokio::time::sleep(poll).await;
-                    let Some(controller) = weak.upgrade() else { return };
                     match wanted(&config, &own_cluster) {
-                        Ok(now) => reconcile(&followed, now, &controller, &gauges, nodes.as_ref()).await,
+                        Ok(now) => reconcile(&followed, now, &start).await,
                         Err(e) => tracing::error!("clustermesh configuration: {e:#}; the remote clusters followed stay as they are"),
                     }
                 }
@@ -138,7 +230,7 @@ impl RemoteClusters {
     /// Each cluster followed and whether it answered, and what they give.
     pub fn summaries(&self) -> (Vec<RemoteCluster>, Vec<ImportedService>) {
         let followed = lock(&self.followed);
-        (followed.values().filter_map(|f| f.import.remote()).collect(), followed.values().flat_map(|f| f.import.imported()).collect())
+        (followed.values().map(|f| f.following.status()).collect(), followed.values().flat_map(|f| f.following.imported()).collect())
     }
 }
 
@@ -146,33 +238,33 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Starts, reconnects and drops imports so that `wanted` is followed. Nothing here waits
-/// while holding the map (REST reads it); only the imports dropped are awaited, after.
-async fn reconcile(followed: &Mutex<BTreeMap<String, Followed>>, mut wanted: BTreeMap<String, wasmplane_kvstore::EtcdConfig>, controller: &Arc<Mutex<Controller>>, gauges: &ClusterMeshGauges, nodes: Option<&RemoteNodes>) {
-    let gone: Vec<Followed> = {
+/// Starts, reconnects and drops followings so that `wanted` is followed. Nothing here waits
+/// while holding the map (REST reads it); only the followings dropped are awaited, after.
+async fn reconcile(followed: &Mutex<BTreeMap<String, Followed>>, mut wanted: BTreeMap<String, EtcdConfig>, start: &StartFollowing) {
+    let gone: Vec<(String, Followed)> = {
         let mut followed = lock(followed);
         let gone_names: Vec<String> = followed.keys().filter(|name| !wanted.contains_key(*name)).cloned().collect();
-        let gone = gone_names.iter().filter_map(|name| followed.remove(name)).collect();
+        let gone = gone_names.into_iter().filter_map(|name| followed.remove(&name).map(|f| (name, f))).collect();
         for (name, etcd) in std::mem::take(&mut wanted) {
             match followed.get_mut(&name) {
                 Some(current) if current.etcd.same_connection(&etcd) => {}
                 Some(current) => {
                     tracing::info!(cluster = name, "remote cluster's settings or certificates changed: reconnecting");
-                    current.import.reconnect(etcd.clone(), controller, CLUSTERS_PREFIX, gauges.clone());
+                    current.following.reconnect(etcd.clone());
                     current.etcd = etcd;
                 }
                 None => {
                     tracing::info!(cluster = name, endpoints = etcd.endpoints.join(","), "following a remote cluster");
-                    let import = ServiceImport::start_remote(name.clone(), etcd.clone(), controller, CLUSTERS_PREFIX, gauges.clone(), nodes.cloned());
-                    followed.insert(name, Followed { etcd, import });
+                    let following = start(&name, etcd.clone());
+                    followed.insert(name, Followed { etcd, following });
                 }
             }
         }
         gone
     };
-    for old in gone {
-        tracing::info!(cluster = old.import.remote().map(|r| r.name).unwrap_or_default(), "remote cluster no longer configured: its endpoints go");
-        old.import.retract(controller, gauges).await;
+    for (cluster, old) in gone {
+        tracing::info!(cluster, "remote cluster no longer configured: what it gave goes");
+        old.following.retract().await;
     }
 }
 
@@ -199,6 +291,12 @@ mod tests {
         write("south", "endpoints: [https://south.mesh:2379]\ninsecure-skip-tls-verify: true\n");
         let refused = format!("{:#}", read_clustermesh_dir(dir.path(), "west").unwrap_err());
         assert!(refused.contains("south") && refused.contains("insecure-skip-tls-verify"), "{refused}");
+    }
+
+    #[test]
+    fn agents_do_not_watch_the_operators_mesh_slices() {
+        let skipped = format!("{}!={}", wasmplane_operator::meshslices::MANAGED_BY_LABEL, wasmplane_operator::MESH_SLICE_CONTROLLER);
+        assert!(wasmplane_sources::kube::SLICE_LABEL_SELECTOR.split(',').any(|term| term == skipped), "{skipped}");
     }
 
     #[test]

@@ -11,11 +11,12 @@ use anyhow::Context as _;
 use wasmplane_kvstore::KvStore;
 use wasmplane_operator::{
     CandidateKind, DeciderError, GarbageCollector, GcCandidate, GcConfig, GcDecider, HEARTBEAT_KEY, LeaderElectionConfig, LeaderElector, Leadership, Operator, OperatorConfig,
-    PolicySummary, ServiceSyncConfig, write_heartbeats,
+    MeshSliceConfig, PolicySummary, RemoteExports, ServiceSyncConfig, write_heartbeats,
 };
 use wasmplane_runtime::gc::{Candidate, CandidateKind as WitKind, GcSession};
 use wasmplane_runtime::{GuestKind, Runtime};
 
+use crate::clustermesh::{ExportFollowing, Following, RemoteClusters};
 use crate::module_objects::ModuleObjectsConfig;
 use crate::module_store::ModuleStore;
 use crate::modules::Modules;
@@ -37,6 +38,9 @@ pub struct OperatorRoleConfig {
     pub gc_deletes_per_second: f64,
     /// Reconcile `WasmModule` objects into the module index (with an API server).
     pub module_objects: crate::module_objects::ModuleObjectsConfig,
+    /// The remote clusters whose endpoints of global Services get EndpointSlices here
+    /// (`None`: none are written). Needs `cluster_name` and an API server.
+    pub mesh_slices: Option<crate::clustermesh::ClusterMeshConfig>,
 }
 
 impl Default for OperatorRoleConfig {
@@ -51,6 +55,7 @@ impl Default for OperatorRoleConfig {
             gc_interval: Duration::from_secs(60),
             gc_deletes_per_second: 10.0,
             module_objects: crate::module_objects::ModuleObjectsConfig::default(),
+            mesh_slices: None,
         }
     }
 }
@@ -159,6 +164,9 @@ async fn module_gc_loop(store: ModuleStore, decider: Arc<Mutex<dyn GcDecider>>, 
 /// The running operator role; dropping it stops every duty.
 pub struct OperatorRole {
     operator: Option<Operator>,
+    /// The remote clusters followed for the mesh EndpointSlices (by every replica: a new
+    /// leader has their exports at hand).
+    _remote_clusters: Option<crate::clustermesh::RemoteClusters>,
     _elector: Option<LeaderElector>,
     leadership: Leadership,
     embedded: Vec<tokio::task::JoinHandle<()>>,
@@ -195,9 +203,17 @@ impl OperatorRole {
                 let election = LeaderElectionConfig::new(&config.lease_namespace, &config.lease_name, &config.identity).with_lease_duration(config.lease_duration);
                 let elector = LeaderElector::start(client.clone(), election).context("starting leader election")?;
                 let leadership = elector.leadership();
+                let (mut remote_clusters, mut mesh_slices) = (None, None);
+                if let (Some(mesh), Some(cluster)) = (&config.mesh_slices, &config.cluster_name) {
+                    let (exports, received) = RemoteExports::new();
+                    let follow = move |name: &str, etcd| Box::new(ExportFollowing::start(name, etcd, exports.clone())) as Box<dyn Following>;
+                    remote_clusters = Some(RemoteClusters::start(mesh.clone(), cluster, Box::new(follow)).await?);
+                    mesh_slices = Some(MeshSliceConfig::new(received));
+                }
                 let operator_config = OperatorConfig {
                     heartbeat_interval: config.heartbeat_interval,
                     service_sync: config.cluster_name.clone().map(ServiceSyncConfig::new),
+                    mesh_slices,
                     gc,
                     ..OperatorConfig::new(config.identity.clone())
                 };
@@ -219,7 +235,7 @@ impl OperatorRole {
                     };
                     tokio::spawn(async move { leadership.run_while_leading("module-objects", Duration::from_secs(5), duty).await })
                 };
-                Ok(OperatorRole { operator: Some(operator), _elector: Some(elector), leadership, embedded: vec![module_gc, module_objects] })
+                Ok(OperatorRole { operator: Some(operator), _remote_clusters: remote_clusters, _elector: Some(elector), leadership, embedded: vec![module_gc, module_objects] })
             }
             None => {
                 let mut collector = GarbageCollector::new(kv.clone(), None, decider, gc).context("configuring GC")?;
@@ -228,7 +244,7 @@ impl OperatorRole {
                     tokio::spawn(async move { collector.run().await }),
                     tokio::spawn(module_gc()),
                 ];
-                Ok(OperatorRole { operator: None, _elector: None, leadership: Leadership::always(), embedded })
+                Ok(OperatorRole { operator: None, _remote_clusters: None, _elector: None, leadership: Leadership::always(), embedded })
             }
         }
     }

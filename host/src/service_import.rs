@@ -13,15 +13,16 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
-use std::time::Duration;
 
-use wasmplane_kvstore::{EtcdConfig, EtcdStore, KvStore, SharedBatch, SharedBatches, SharedChange, SharedEntry, SharedStore, SharedStoreConfig};
+use wasmplane_kvstore::{EtcdConfig, KvStore, SharedBatch, SharedBatches, SharedChange, SharedEntry, SharedStore, SharedStoreConfig};
 use wasmplane_model::{ClusterEvent, ClusterObject, CompactString, Endpoint, EndpointPort, EndpointSlice, ObjectKind, Protocol};
-use wasmplane_operator::{NODE_INFO_PREFIX, RemoteNodes, SharedService, SharedSlice, follow_cluster_nodes};
+use wasmplane_operator::{CLUSTERS_PREFIX, NODE_INFO_PREFIX, RemoteNodes, SharedService, SharedSlice, follow_cluster_nodes};
 use wasmplane_sources::kube::SourceEvent;
+use futures::future::BoxFuture;
 
+use crate::clustermesh::Following;
 use crate::controller::Controller;
 use crate::metrics::{ClusterLabels, ClusterMeshGauges};
 
@@ -222,15 +223,11 @@ fn diff(before: Vec<EndpointSlice>, after: Vec<EndpointSlice>) -> Vec<ClusterEve
     events
 }
 
-/// Follows other clusters' exports in one kvstore and applies them to the model until
-/// dropped.
+/// Follows other clusters' exports in this cluster's kvstore and applies them to the model
+/// until dropped.
 pub struct ServiceImport {
     importer: Arc<Mutex<Importer>>,
     task: tokio::task::JoinHandle<()>,
-    /// The remote cluster this import follows in its own etcd, and whether it has answered.
-    remote: Option<(String, Arc<AtomicBool>)>,
-    /// Where the remote cluster's nodes go, when this node routes to them.
-    nodes: Option<RemoteNodes>,
 }
 
 impl Drop for ServiceImport {
@@ -252,54 +249,7 @@ impl ServiceImport {
         }
         // The task owns the store: aborting it stops the follower too.
         let task = tokio::spawn(follow(store, batches, importer.clone(), Arc::downgrade(controller), counted));
-        Ok(ServiceImport { importer, task, remote: None, nodes: None })
-    }
-
-    /// A remote cluster's own etcd (Cilium's clustermesh: each cluster keeps its own): its
-    /// exports alone are taken, and its node registry into `nodes` when given (this node
-    /// routes to the remote nodes' pod CIDRs). Connected in the background, again and again
-    /// until it answers: a remote cluster that is down delays nothing here.
-    pub fn start_remote(cluster: String, etcd: EtcdConfig, controller: &Arc<Mutex<Controller>>, clusters_prefix: &str, gauges: ClusterMeshGauges, nodes: Option<RemoteNodes>) -> ServiceImport {
-        let importer = Arc::new(Mutex::new(Importer::new(Clusters::Only(cluster.clone()))));
-        let connected = Arc::new(AtomicBool::new(false));
-        let task = remote_task(&cluster, etcd, importer.clone(), connected.clone(), controller, clusters_prefix, gauges, nodes.clone());
-        ServiceImport { importer, task, remote: Some((cluster, connected)), nodes }
-    }
-
-    /// Follows the remote cluster with other settings (new endpoints or certificates). What
-    /// was imported stays until the new connection lists the exports and only the
-    /// difference is applied, as after an outage.
-    pub fn reconnect(&mut self, etcd: EtcdConfig, controller: &Arc<Mutex<Controller>>, clusters_prefix: &str, gauges: ClusterMeshGauges) {
-        let Some((cluster, connected)) = &self.remote else { return };
-        self.task.abort();
-        connected.store(false, Ordering::Relaxed);
-        self.task = remote_task(cluster, etcd, self.importer.clone(), connected.clone(), controller, clusters_prefix, gauges, self.nodes.clone());
-    }
-
-    /// Stops following and takes back every endpoint this import gave the model (a remote
-    /// cluster removed from the configuration).
-    pub async fn retract(self, controller: &Arc<Mutex<Controller>>, gauges: &ClusterMeshGauges) {
-        self.task.abort();
-        let events = {
-            let mut importer = self.importer.lock().unwrap_or_else(|p| p.into_inner());
-            let events = importer.replace(&BTreeMap::new());
-            let mut counted = Counted::new(gauges.clone());
-            counted.clusters = self.remote.iter().map(|(cluster, _)| cluster.clone()).collect();
-            counted.update(&importer);
-            events
-        };
-        if let Some((cluster, _)) = &self.remote {
-            gauges.remote_cluster_ready.remove(&ClusterLabels { cluster: cluster.clone() });
-            if let Some(nodes) = &self.nodes {
-                nodes.remove(cluster);
-            }
-        }
-        apply(controller, events).await;
-    }
-
-    /// The remote cluster this import follows, if it is one.
-    pub fn remote(&self) -> Option<RemoteCluster> {
-        self.remote.as_ref().map(|(name, connected)| RemoteCluster { name: name.clone(), connected: connected.load(Ordering::Relaxed) })
+        Ok(ServiceImport { importer, task })
     }
 
     /// Every export this import contributes endpoints from.
@@ -308,45 +258,113 @@ impl ServiceImport {
     }
 }
 
-/// Connects to a remote cluster's etcd (retrying in the background) and follows its exports
-/// into `importer`, and its nodes into `nodes` when given.
-#[allow(clippy::too_many_arguments)]
-fn remote_task(cluster: &str, etcd: EtcdConfig, importer: Arc<Mutex<Importer>>, connected: Arc<AtomicBool>, controller: &Arc<Mutex<Controller>>, clusters_prefix: &str, gauges: ClusterMeshGauges, nodes: Option<RemoteNodes>) -> tokio::task::JoinHandle<()> {
-    let (weak, prefix, cluster) = (Arc::downgrade(controller), clusters_prefix.to_string(), cluster.to_string());
-    let ready = gauges.remote_cluster_ready.get_or_create(&ClusterLabels { cluster: cluster.clone() }).clone();
-    ready.set(0);
-    let mut counted = Counted::new(gauges);
-    // This import's own cluster: a gauge it set before a reconnect is its to update.
-    counted.clusters = vec![cluster.clone()];
-    tokio::spawn(async move {
-        let mut delay = Duration::from_millis(200);
-        let (kv, store) = loop {
-            let joined = async {
-                let kv: Arc<dyn KvStore> = Arc::new(EtcdStore::connect(etcd.clone()).await?);
-                let store = SharedStore::follow(kv.clone(), SharedStoreConfig::new(prefix.as_str())).await?;
-                Ok::<_, wasmplane_kvstore::KvError>((kv, store))
-            };
-            match joined.await {
-                Ok(joined) => break joined,
-                Err(e) => tracing::warn!(cluster, "remote cluster's etcd ({}) does not answer; trying again in {delay:?}: {e}", etcd.endpoints.join(",")),
-            }
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(Duration::from_secs(30));
+/// A remote cluster followed in its own etcd (Cilium's clustermesh: each cluster keeps its
+/// own): its exports alone are imported, and its node registry goes to `nodes` when given
+/// (this node routes to the remote nodes' pod CIDRs).
+pub struct RemoteImport {
+    cluster: String,
+    importer: Arc<Mutex<Importer>>,
+    connected: Arc<AtomicBool>,
+    controller: Weak<Mutex<Controller>>,
+    gauges: ClusterMeshGauges,
+    nodes: Option<RemoteNodes>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for RemoteImport {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl RemoteImport {
+    /// Connected in the background, again and again until it answers: a remote cluster that
+    /// is down delays nothing here.
+    pub fn start(cluster: &str, etcd: EtcdConfig, controller: Weak<Mutex<Controller>>, gauges: ClusterMeshGauges, nodes: Option<RemoteNodes>) -> RemoteImport {
+        let mut import = RemoteImport {
+            cluster: cluster.to_string(),
+            importer: Arc::new(Mutex::new(Importer::new(Clusters::Only(cluster.to_string())))),
+            connected: Arc::new(AtomicBool::new(false)),
+            controller,
+            gauges,
+            nodes,
+            task: tokio::spawn(async {}),
         };
-        tracing::info!(cluster, "following the remote cluster's services");
-        connected.store(true, Ordering::Relaxed);
-        ready.set(1);
-        let batches = store.batches();
-        let services = follow(store, batches, importer, weak, counted);
-        let Some(nodes) = nodes else { return services.await };
-        // One connection for both; the task's abort (reconnect, retract) ends both.
-        let routed = async {
-            if let Err(e) = follow_cluster_nodes(kv, NODE_INFO_PREFIX, cluster.clone(), nodes).await {
-                tracing::warn!(cluster, "the remote cluster's nodes are not followed (no routes to its pods): {e}");
+        import.task = import.follow(etcd);
+        import
+    }
+
+    /// Connects to the cluster's etcd (retrying in the background) and follows its exports,
+    /// and its nodes when wanted, over that one connection.
+    fn follow(&self, etcd: EtcdConfig) -> tokio::task::JoinHandle<()> {
+        let (cluster, importer, connected, controller, nodes) = (self.cluster.clone(), self.importer.clone(), self.connected.clone(), self.controller.clone(), self.nodes.clone());
+        let ready = self.gauges.remote_cluster_ready.get_or_create(&ClusterLabels { cluster: cluster.clone() }).clone();
+        ready.set(0);
+        let mut counted = Counted::new(self.gauges.clone());
+        // This import's own cluster: a gauge it set before a reconnect is its to update.
+        counted.clusters = vec![cluster.clone()];
+        tokio::spawn(async move {
+            let routed = nodes.is_some();
+            let (services, node_registry) = crate::clustermesh::connect_until_answered(&cluster, &etcd, &connected, |kv: Arc<dyn KvStore>| async move {
+                let services = SharedStore::follow(kv.clone(), SharedStoreConfig::new(CLUSTERS_PREFIX)).await?;
+                let node_registry = if routed { Some(SharedStore::follow(kv, SharedStoreConfig::new(NODE_INFO_PREFIX)).await?) } else { None };
+                Ok((services, node_registry))
+            })
+            .await;
+            tracing::info!(cluster, "following the remote cluster's services");
+            ready.set(1);
+            let batches = services.batches();
+            let services = follow(services, batches, importer, controller, counted);
+            match (node_registry, nodes) {
+                // One connection for both; the task's abort (reconnect, retract) ends both.
+                (Some(registry), Some(nodes)) => {
+                    tokio::join!(services, follow_cluster_nodes(registry, cluster, nodes));
+                }
+                _ => services.await,
             }
+        })
+    }
+}
+
+impl Following for RemoteImport {
+    /// What was imported stays until the new connection lists the exports and only the
+    /// difference is applied, as after an outage.
+    fn reconnect(&mut self, etcd: EtcdConfig) {
+        self.task.abort();
+        self.connected.store(false, Ordering::Relaxed);
+        self.task = self.follow(etcd);
+    }
+
+    /// Takes back every endpoint this import gave the model, and the cluster's nodes.
+    fn retract(self: Box<Self>) -> BoxFuture<'static, ()> {
+        self.task.abort();
+        let events = {
+            let mut importer = self.importer.lock().unwrap_or_else(|p| p.into_inner());
+            let events = importer.replace(&BTreeMap::new());
+            let mut counted = Counted::new(self.gauges.clone());
+            counted.clusters = vec![self.cluster.clone()];
+            counted.update(&importer);
+            events
         };
-        tokio::join!(services, routed);
-    })
+        self.gauges.remote_cluster_ready.remove(&ClusterLabels { cluster: self.cluster.clone() });
+        if let Some(nodes) = &self.nodes {
+            nodes.remove(&self.cluster);
+        }
+        let controller = self.controller.clone();
+        Box::pin(async move {
+            if let Some(controller) = controller.upgrade() {
+                apply(&controller, events).await;
+            }
+        })
+    }
+
+    fn status(&self) -> RemoteCluster {
+        RemoteCluster { name: self.cluster.clone(), connected: self.connected.load(Ordering::Relaxed) }
+    }
+
+    fn imported(&self) -> Vec<ImportedService> {
+        self.importer.lock().unwrap_or_else(|p| p.into_inner()).imported()
+    }
 }
 
 /// The model events of one batch of exports, the gauges counted again.
@@ -430,7 +448,7 @@ mod tests {
             ports: vec![SharedPort { name: Some("http".into()), port: 80, protocol: "TCP".into() }],
             endpoint_slices: slices
                 .iter()
-                .map(|(addresses, port)| SharedSlice { ports: vec![SharedPort { name: Some("http".into()), port: i32::from(*port), protocol: "TCP".into() }], addresses: addresses.iter().map(|a| a.to_string()).collect() })
+                .map(|(addresses, port)| SharedSlice { ports: vec![SharedPort { name: Some("http".into()), port: i32::from(*port), protocol: "TCP".into() }], addresses: addresses.iter().map(|a| a.to_string()).collect(), hostnames: Default::default() })
                 .collect(),
         };
         serde_json::to_vec(&shared).unwrap()

@@ -260,6 +260,16 @@ async fn every_kind_reaches_the_model_and_irrelevant_changes_make_no_revision() 
     api.wait_state("endpoints removed", |s| endpoints(s, "shop/web") == ["10.244.2.5"]).await;
     server.delete::<EndpointSlice>("shop", "web-1").unwrap();
     api.wait_state("slice deleted", |s| endpoints(s, "shop/web").is_empty()).await;
+    // The operator's slice of another cluster's endpoints is not watched (agents import them
+    // from that cluster's etcd): the slice created after it arrives, it never does.
+    let mut mesh = slice("web-east-0", "web", &[("10.245.0.7", "east-node")]);
+    mesh.metadata.labels.as_mut().unwrap().insert("endpointslice.kubernetes.io/managed-by".into(), wasmplane_operator::MESH_SLICE_CONTROLLER.into());
+    server.create(&mesh).unwrap();
+    server.create(&slice("web-2", "web", &[("10.244.2.6", "node-b")])).unwrap();
+    api.wait_state("the controller's slice after the mesh slice", |s| !endpoints(s, "shop/web").is_empty()).await;
+    assert_eq!(endpoints(&api.state().await, "shop/web"), ["10.244.2.6"], "the mesh slice is not the agent's");
+    server.delete::<EndpointSlice>("shop", "web-2").unwrap();
+    api.wait_state("slice deleted", |s| endpoints(s, "shop/web").is_empty()).await;
 
     // Node: our own node's address changes the context; deleting it clears it.
     server.update(&node("node-a", "192.168.0.10", "10.244.1.0/24")).unwrap();

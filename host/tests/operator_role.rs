@@ -169,3 +169,45 @@ async fn an_unsigned_gc_module_in_the_index_is_not_run_where_signatures_are_requ
     let _ = eventually("the orphaned lock collected by the signed module", Duration::from_secs(5), || kv.get(&orphan), |v| matches!(v, Ok(None))).await;
     host.stop().await;
 }
+
+/// `--clustermesh-sync-endpoint-slices`: the leader writes EndpointSlices of a remote
+/// cluster's endpoints for this cluster's headless global Service (what DNS answers from),
+/// following the remote cluster in its own etcd.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_leader_writes_slices_of_a_remote_clusters_endpoints_for_a_headless_global_service() {
+    use k8s_openapi::api::core::v1::Service;
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    let (etcd, east) = (Etcd::start().await.expect("etcd-server must be installed (scripts/setup.sh)"), Etcd::start().await.unwrap());
+    let server = TestApiServer::start().await;
+    let service: Service = serde_json::from_value(serde_json::json!({
+        "metadata": {"namespace": "db", "name": "pg", "annotations": {"wasmplane.io/global": "true"}},
+        "spec": {"clusterIP": "None", "ports": [{"name": "sql", "port": 5432}]}
+    }))
+    .unwrap();
+    server.create(&service).unwrap();
+    let export = serde_json::json!({"cluster": "east", "namespace": "db", "name": "pg", "clusterIps": [], "ports": [{"name": "sql", "port": 5432, "protocol": "TCP"}],
+        "endpointSlices": [{"ports": [{"name": "sql", "port": 5432, "protocol": "TCP"}], "addresses": ["10.245.0.7"], "hostnames": {"10.245.0.7": "pg-0"}}]});
+    let east_kv = KvstoreConfig::etcd(vec![east.endpoint()]).open(None).await.unwrap();
+    east_kv.put(&format!("{}east/services/db/pg", wasmplane_operator::CLUSTERS_PREFIX), export.to_string().into(), None).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mesh = wasmplane::clustermesh::ClusterMeshConfig { remotes: vec![wasmplane::clustermesh::RemoteEtcd { cluster: "east".into(), endpoints: vec![east.endpoint()], tls: None, user: None }], ..Default::default() };
+    let host = start(HostConfig {
+        kvstore: KvstoreConfig::etcd(vec![etcd.endpoint()]),
+        kubernetes: Some(KubernetesSource::Url(server.url())),
+        listen: "127.0.0.1:0".parse().unwrap(),
+        data_dir: Some(dir.path().into()),
+        token: Some("operator-test-token-0123456789".into()),
+        operator: Some(OperatorRoleConfig { cluster_name: Some("west".into()), mesh_slices: Some(mesh), ..fast("operator-a") }),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let slices = || async { server.list::<EndpointSlice>().into_iter().filter(|s| wasmplane_operator::is_mesh_slice(s.metadata.labels.as_ref())).collect::<Vec<_>>() };
+    let written = eventually("east's endpoints as a slice of db/pg", Duration::from_secs(15), slices, |s| s.len() == 1).await;
+    let endpoint = &written[0].endpoints[0];
+    assert_eq!((endpoint.addresses[0].as_str(), endpoint.hostname.as_deref()), ("10.245.0.7", Some("pg-0")));
+    // East's export goes: so does the slice.
+    east_kv.delete(&format!("{}east/services/db/pg", wasmplane_operator::CLUSTERS_PREFIX)).await.unwrap();
+    eventually("the slice gone with the export", Duration::from_secs(15), slices, |s| s.is_empty()).await;
+    host.stop().await;
+}

@@ -26,6 +26,7 @@ pub mod leader;
 pub mod nodes;
 pub mod operator;
 pub mod policystatus;
+pub mod meshslices;
 pub mod routes;
 pub mod services;
 
@@ -43,6 +44,10 @@ pub use operator::{Operator, OperatorConfig};
 pub use policystatus::{
     AggregatorConfig, NodePolicyStatus, NodeStatusWriter, PolicyRef, PolicyStatusAggregator,
     PolicySummary, read_summary,
+};
+pub use meshslices::{
+    ExportSet, MESH_SLICE_CONTROLLER, MeshSliceConfig, RemoteExports, SYNC_SLICES_ANNOTATION, cluster_exports_prefix, follow_cluster_exports, is_mesh_slice,
+    sync_mesh_slices,
 };
 pub use routes::{
     DEFAULT_ROUTE_PROTOCOL, RemoteNodeSet, RemoteNodes, RouteConfig, RoutePlanner, RouteSync, RouteSyncReport,

@@ -18,6 +18,7 @@ use crate::error::Result;
 use crate::gc::{GarbageCollector, GcConfig, GcDecider};
 use crate::heartbeat::{HEARTBEAT_KEY, write_heartbeats};
 use crate::leader::Leadership;
+use crate::meshslices::{MeshSliceConfig, sync_mesh_slices};
 use crate::policystatus::{AggregatorConfig, PolicyStatusAggregator, PolicySummary};
 use crate::services::{ServiceSyncConfig, sync_services};
 
@@ -30,6 +31,8 @@ pub struct OperatorConfig {
     pub heartbeat_interval: Duration,
     /// Service sync into the kvstore; `None`: not run.
     pub service_sync: Option<ServiceSyncConfig>,
+    /// EndpointSlices for the remote clusters' endpoints of global Services.
+    pub mesh_slices: Option<MeshSliceConfig>,
     pub aggregator: AggregatorConfig,
     pub gc: GcConfig,
     /// Delay before restarting a duty that ended (an error it could not ride out).
@@ -44,6 +47,7 @@ impl OperatorConfig {
             heartbeat_key: HEARTBEAT_KEY.into(),
             heartbeat_interval: Duration::from_secs(60),
             service_sync: None,
+            mesh_slices: None,
             aggregator: AggregatorConfig::default(),
             gc: GcConfig::default(),
             restart_delay: Duration::from_secs(1),
@@ -112,6 +116,20 @@ impl Operator {
             };
             tasks.push(tokio::spawn(
                 duty.instrument(tracing::info_span!("service_sync")),
+            ));
+        }
+
+        if let Some(mesh) = config.mesh_slices.clone() {
+            let (client, leadership) = (client.clone(), leadership.clone());
+            let duty = async move {
+                leadership
+                    .run_while_leading("mesh-endpoint-slices", delay, move || {
+                        sync_mesh_slices(client.clone(), mesh.clone())
+                    })
+                    .await
+            };
+            tasks.push(tokio::spawn(
+                duty.instrument(tracing::info_span!("mesh_endpoint_slices")),
             ));
         }
 

@@ -32,7 +32,7 @@ use tracing::{Instrument, debug, info, warn};
 
 use crate::error::{Error, Result};
 use crate::nodes::{NodeInfo, NodeRegistry, decode_all, decode_node_info};
-use wasmplane_kvstore::{KvStore, SharedBatch, SharedChange, SharedStore, SharedStoreConfig};
+use wasmplane_kvstore::{SharedBatch, SharedChange, SharedStore};
 
 /// The route protocol marking wasmplane's routes (`ip route show proto 149`).
 /// Unassigned in iproute2's `rt_protos`.
@@ -265,25 +265,17 @@ impl RemoteNodes {
     }
 }
 
-/// Follows the node registry of another cluster's kvstore (`store`: its etcd)
-/// into `remote` under `cluster`, until the store's batches end. Its nodes are
-/// kept through an outage (the store relists), as this cluster's are.
-pub async fn follow_cluster_nodes(
-    store: Arc<dyn KvStore>,
-    info_prefix: &str,
-    cluster: String,
-    remote: RemoteNodes,
-) -> Result<()> {
-    let shared = SharedStore::follow(store, SharedStoreConfig::new(info_prefix))
-        .await
-        .map_err(|e| Error::kv(format!("following cluster {cluster}'s nodes"), e))?;
+/// Follows the node registry of another cluster (`shared`: its etcd's
+/// [`crate::NODE_INFO_PREFIX`], followed) into `remote` under `cluster`, until
+/// the store's batches end. Its nodes are kept through an outage (the store
+/// relists), as this cluster's are.
+pub async fn follow_cluster_nodes(shared: SharedStore, cluster: String, remote: RemoteNodes) {
     let mut batches = shared.batches();
     let mut nodes = BTreeMap::new();
     while let Some(batch) = batches.next().await {
         apply_batch(&mut nodes, batch);
         remote.set(&cluster, nodes.clone());
     }
-    Ok(())
 }
 
 /// One batch of a node registry's entries applied to `nodes`.

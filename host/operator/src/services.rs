@@ -46,7 +46,7 @@ pub const GLOBAL_SERVICE_ANNOTATION: &str = "wasmplane.io/global";
 /// Root of the per-cluster prefixes.
 pub const CLUSTERS_PREFIX: &str = "/wasmplane/clusters/";
 /// The label naming an EndpointSlice's Service (set by the EndpointSlice controller).
-const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+pub(crate) const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 
 /// Where and what to sync.
 #[derive(Debug, Clone)]
@@ -113,6 +113,10 @@ pub struct SharedSlice {
     pub ports: Vec<SharedPort>,
     /// The first address of every endpoint that is ready (not terminating).
     pub addresses: Vec<String>,
+    /// The hostnames of those that have one (a StatefulSet's pods), by address: what
+    /// another cluster's DNS needs for a headless Service (see [`crate::meshslices`]).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub hostnames: BTreeMap<String, String>,
 }
 
 /// Whether `service` is exported: `shared: "true"`, or `global: "true"` without
@@ -180,6 +184,7 @@ fn shared_slice(slice: &EndpointSlice) -> Option<SharedSlice> {
             })
         })
         .collect();
+    let mut hostnames = BTreeMap::new();
     let addresses: Vec<String> = slice
         .endpoints
         .iter()
@@ -189,12 +194,18 @@ fn shared_slice(slice: &EndpointSlice) -> Option<SharedSlice> {
             conditions.and_then(|c| c.ready) != Some(false)
                 && conditions.and_then(|c| c.terminating) != Some(true)
         })
-        .filter_map(|e| e.addresses.first().cloned())
+        .filter_map(|e| {
+            let address = e.addresses.first()?;
+            if let Some(hostname) = e.hostname.as_ref().filter(|h| !h.is_empty()) {
+                hostnames.insert(address.clone(), hostname.clone());
+            }
+            Some(address.clone())
+        })
         .collect();
     if ports.is_empty() || addresses.is_empty() {
         return None;
     }
-    Some(SharedSlice { ports, addresses })
+    Some(SharedSlice { ports, addresses, hostnames })
 }
 
 /// A Service's namespace and name.
@@ -244,10 +255,10 @@ impl SliceIndex {
             return Vec::new();
         };
         let mut touched: Vec<ServiceRef> = self.remove(namespace, name).into_iter().collect();
-        let service = slice
-            .metadata
-            .labels
-            .as_ref()
+        let labels = slice.metadata.labels.as_ref();
+        // Another cluster's endpoints (see `meshslices`): never exported back as this one's.
+        let service = labels
+            .filter(|labels| !crate::meshslices::is_mesh_slice(Some(labels)))
             .and_then(|labels| labels.get(SERVICE_NAME_LABEL))
             .filter(|s| !s.is_empty());
         if let Some(service) = service {
@@ -627,6 +638,22 @@ mod tests {
     }
 
     #[test]
+    fn another_clusters_endpoints_are_never_exported_as_this_ones() {
+        let mut index = SliceIndex::default();
+        let mut mesh = slice("web-east-0", "web", vec![port(Some("http"), Some(80), None)], vec![endpoint("10.245.0.7", None, None)]);
+        mesh.metadata.labels.as_mut().unwrap().insert(
+            crate::meshslices::MANAGED_BY_LABEL.into(),
+            crate::meshslices::MESH_SLICE_CONTROLLER.into(),
+        );
+        index.apply(&mesh);
+        let own = slice("web-abcde", "web", vec![port(Some("http"), Some(80), None)], vec![endpoint("10.244.0.7", None, None)]);
+        index.apply(&own);
+        let service = ("default".to_string(), "web".to_string());
+        let exported: Vec<Vec<String>> = index.slices(&service).into_iter().map(|s| s.addresses).collect();
+        assert_eq!(exported, [["10.244.0.7"]]);
+    }
+
+    #[test]
     fn a_slice_contributes_its_ready_endpoints_and_numbered_ports() {
         let s = slice(
             "web-1",
@@ -643,6 +670,16 @@ mod tests {
                 endpoint("10.0.0.4", Some(true), Some(true)),
                 Endpoint {
                     addresses: vec!["10.0.0.5".into()],
+                    hostname: Some("web-5".into()),
+                    ..Default::default()
+                },
+                Endpoint {
+                    addresses: vec!["10.0.0.6".into()],
+                    hostname: Some("web-6".into()),
+                    conditions: Some(EndpointConditions {
+                        ready: Some(false),
+                        ..Default::default()
+                    }),
                     ..Default::default()
                 },
             ],
@@ -663,6 +700,7 @@ mod tests {
                     },
                 ],
                 addresses: vec!["10.0.0.1".into(), "10.0.0.2".into(), "10.0.0.5".into()],
+                hostnames: BTreeMap::from([("10.0.0.5".into(), "web-5".into())]),
             })
         );
         let unready = slice(

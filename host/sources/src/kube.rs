@@ -34,6 +34,12 @@ use crate::slim;
 /// services have nothing to proxy.
 pub const SERVICE_LABEL_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
 
+/// The slices of proxied Services, except the operator's mesh slices (its
+/// `MESH_SLICE_CONTROLLER`): another cluster's endpoints, which agents import from that
+/// cluster's etcd themselves (Cilium's agents skip them alike).
+pub const SLICE_LABEL_SELECTOR: &str =
+    "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless,endpointslice.kubernetes.io/managed-by!=endpointslice-mesh-controller.wasmplane.io";
+
 /// What the watchers tell the host.
 #[derive(Debug)]
 pub enum SourceEvent {
@@ -94,7 +100,7 @@ pub fn spawn_watchers(client: kube::Client, tx: mpsc::Sender<SourceEvent>, statu
         spawn(Api::<slim::Service>::all(client.clone()), proxied(), ObjectKind::Service, |s| convert::service(s).map(ClusterObject::Service), tx.clone(), status.clone()),
         spawn(
             Api::<slim::EndpointSlice>::all(client.clone()),
-            proxied(),
+            watcher::Config::default().labels(SLICE_LABEL_SELECTOR),
             ObjectKind::EndpointSlice,
             |s| convert::endpoint_slice(s).map(ClusterObject::EndpointSlice),
             tx.clone(),

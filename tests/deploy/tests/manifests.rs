@@ -860,6 +860,10 @@ fn expected_operator_grants() -> Grants {
         ),
         ["get", "create", "update"].map(String::from).into(),
     );
+    // Slices of other clusters' endpoints (--clustermesh-sync-endpoint-slices).
+    g.get_mut(&(None, "discovery.k8s.io".into(), "endpointslices".into()))
+        .unwrap()
+        .extend(["create", "update", "delete"].map(String::from));
     // WasmModule objects: read, finalizer added and removed, status written.
     g.insert(
         (None, "wasmplane.io".into(), "wasmmodules".into()),
