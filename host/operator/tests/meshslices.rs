@@ -44,8 +44,11 @@ fn export(addresses: &[(&str, &str)]) -> String {
     .to_string()
 }
 
+/// An endpoint's address and hostname.
+type Named = (String, Option<String>);
+
 /// The mesh slices the API server holds: name → (address, hostname) of each endpoint.
-fn mesh_slices(server: &TestApiServer) -> Vec<(String, Vec<(String, Option<String>)>)> {
+fn mesh_slices(server: &TestApiServer) -> Vec<(String, Vec<Named>)> {
     let endpoints = |e: &Vec<Endpoint>| e.iter().map(|e| (e.addresses[0].clone(), e.hostname.clone())).collect();
     server.list::<EndpointSlice>().iter().filter(|s| is_mesh_slice(s.metadata.labels.as_ref())).map(|s| (s.metadata.name.clone().unwrap(), endpoints(&s.endpoints))).collect()
 }
