@@ -34,6 +34,8 @@ const TEST_PROGRAMS: &[Guest] = &[
     Guest { constant: "TRAP_ON_LABEL", package: "wasmplane-test-guests", features: &["trap-on-label"] },
     Guest { constant: "INVALID_OUTPUT", package: "wasmplane-test-guests", features: &["invalid-output"] },
     Guest { constant: "WRONG_WORLD", package: "wasmplane-test-guests", features: &["wrong-world"] },
+    Guest { constant: "TRAPPING_VALIDATOR", package: "wasmplane-test-guests", features: &["trapping-validator"] },
+    Guest { constant: "WRONG_VALIDATOR", package: "wasmplane-test-guests", features: &["wrong-validator"] },
     Guest { constant: "TRANSLATOR_BENCH_REPEAT", package: "wasmplane-guest-service-translator", features: &["bench-repeat"] },
     Guest { constant: "TRANSLATOR_BENCH_ENCODED", package: "wasmplane-guest-service-translator", features: &["bench-encoded"] },
     Guest { constant: "TRANSLATOR_BENCH_BATCH", package: "wasmplane-guest-service-translator", features: &["bench-batch"] },

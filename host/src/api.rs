@@ -57,7 +57,7 @@ impl From<HostError> for ApiError {
             HostError::Conflict(_) => StatusCode::CONFLICT,
             HostError::Load(LoadError::TooLarge { .. }) => StatusCode::PAYLOAD_TOO_LARGE,
             HostError::Load(LoadError::NotWasm | LoadError::CoreModule) => StatusCode::BAD_REQUEST,
-            HostError::Load(_) | HostError::ActivationFailed { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            HostError::Load(_) | HostError::ActivationFailed { .. } | HostError::SettingsRefused { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             HostError::Admission(_) => StatusCode::FORBIDDEN,
             HostError::Store(StoreError::Kv(wasmplane_kvstore::KvError::Unavailable(_))) => StatusCode::SERVICE_UNAVAILABLE,
             HostError::Store(StoreError::Contended(_)) => StatusCode::CONFLICT,

@@ -12,7 +12,7 @@ use std::time::{Instant, SystemTime};
 use wasmplane_model::state::{ClusterEvent, ClusterObject, ModelUpdate, NoLocalEndpoints, ServiceView, Touched};
 use wasmplane_model::{ClusterState, CompactString, IntoModel, NodeLocalModel, ObjectKey, Pod, ToStd};
 use wasmplane_sources::kube::SourceEvent;
-use wasmplane_runtime::{CallError, GuestKind, LoadError, LoadedModule, ModuleInfo, NoLookups, Runtime, TranslatorSession};
+use wasmplane_runtime::{CallError, GuestKind, LoadError, LoadedModule, ModuleInfo, NoLookups, Runtime, SettingsVerdict, TranslatorSession};
 
 use crate::dataplane::{Dataplane, Kernel, SyncStats, WriteError};
 use crate::metrics::Metrics;
@@ -38,6 +38,9 @@ pub enum HostError {
     Load(#[from] LoadError),
     #[error("activation of {module} failed, the previous module stays in force: {reason}")]
     ActivationFailed { module: String, reason: String },
+    /// The module's own validator (`settings-validation`) refused the settings.
+    #[error("settings refused by {module}: {reason}")]
+    SettingsRefused { module: String, reason: String },
     #[error("writing the dataplane: {0}")]
     Write(#[from] WriteError),
     #[error("storage: {0}")]
@@ -168,6 +171,18 @@ fn translate_one(session: &mut TranslatorSession, model: &NodeLocalModel, key: &
         other => CallFailure::Crash(other.to_string()),
     })?;
     nft::validate_service_output(key, &out).map_err(|e| CallFailure::Crash(e.to_string()))
+}
+
+/// What the host makes of a module's verdict on the settings it would run with: refused
+/// settings, or a validator that traps or breaks a limit, are refused; a module without a
+/// validator has no say here (running it on this host's state is the check).
+fn settings_verdict(module: &str, verdict: Result<SettingsVerdict, CallError>) -> Result<(), HostError> {
+    let refused = |reason| Err(HostError::SettingsRefused { module: module.to_string(), reason });
+    match verdict {
+        Ok(SettingsVerdict::Valid | SettingsVerdict::NotImplemented) => Ok(()),
+        Ok(SettingsVerdict::Invalid(reason)) => refused(reason),
+        Err(e) => refused(format!("its settings validator failed: {e}")),
+    }
 }
 
 /// How many crashes of the module in force are tolerated within a window before it is
@@ -694,8 +709,10 @@ impl Controller {
     fn load(&self, name: &str, version: u32) -> Result<LoadedModule, HostError> {
         let kind = self.registry.kind_of(name).ok_or_else(|| HostError::NotFound(format!("no module named {name:?}")))?;
         let bytes = self.registry.module_bytes(name, version)?;
-        let module = self.runtime.load(name, &bytes, Some(kind), usize::MAX)?.with_settings(&self.registry.settings_of(name));
+        let settings = self.registry.settings_of(name);
+        let module = self.runtime.load(name, &bytes, Some(kind), usize::MAX)?.with_settings(&settings);
         self.admit(name, version, &module.info, &bytes)?;
+        settings_verdict(name, module.validate_settings(&settings))?;
         Ok(module)
     }
 
@@ -766,11 +783,12 @@ impl Controller {
             HostError::ActivationFailed { module: format!("{name}@{version}"), reason }
         };
         let bytes = self.registry.module_bytes(name, version).map_err(|e| HostError::Internal(format!("reading {name}@{version}: {e}")))?;
+        let settings = self.registry.settings_of(name);
         let module = match self.runtime.load_policy(name, &bytes, usize::MAX) {
-            Ok(module) => module.with_settings(&self.registry.settings_of(name)),
+            Ok(module) => module.with_settings(&settings),
             Err(e) => return Err(failed(self, e.to_string())),
         };
-        if let Err(e) = self.admit(name, version, &module.info, &bytes) {
+        if let Err(e) = self.admit(name, version, &module.info, &bytes).and_then(|_| settings_verdict(name, module.validate_settings(&settings))) {
             return Err(failed(self, e.to_string()));
         }
         let mut candidate = PolicyController::new(&module);
@@ -817,6 +835,29 @@ impl Controller {
             return Ok(self.runtime.load_gc(name, bytes, self.max_module_bytes)?.info);
         }
         Ok(self.runtime.load(name, bytes, Some(kind), self.max_module_bytes)?.info)
+    }
+
+    /// Asks a module what it says of `settings` through its own validator (the optional
+    /// `settings-validation` export) before they are stored: no state is needed, so bad
+    /// settings are refused on a node with nothing to translate, for a module not in force
+    /// and for GC modules too. `version`: the kind, bytes and upload signature of the version
+    /// they are for; `None` for the builtin `name`. This host's admission comes first: the
+    /// validator is guest code like any other.
+    pub fn check_settings(&self, name: &str, version: Option<(GuestKind, &[u8], Option<&str>)>, settings: &str) -> Result<(), HostError> {
+        let shipped;
+        let (kind, bytes) = match version {
+            Some((kind, bytes, _)) => (kind, bytes),
+            None => {
+                let kind = self.builtin_kind(name).ok_or_else(|| HostError::NotFound(format!("no module named {name:?}")))?;
+                shipped = self.registry.module_bytes(name, 1)?;
+                (kind, shipped.as_slice())
+            }
+        };
+        let module = self.runtime.settings_check(name, bytes, Some(kind), usize::MAX)?;
+        if let Some((_, bytes, signature)) = version {
+            self.admission.admit(name, &module.info, bytes, signature)?;
+        }
+        settings_verdict(name, module.validate(settings))
     }
 
     pub fn has_blob(&self, digest: &str) -> bool {

@@ -29,6 +29,14 @@ pub struct UploadOutcome {
     pub active: bool,
 }
 
+/// The version of a module settings are checked against: its kind, bytes and the signature
+/// it was uploaded with.
+struct SettingsVersion {
+    kind: GuestKind,
+    bytes: Bytes,
+    signature: Option<String>,
+}
+
 pub struct Modules {
     store: ModuleStore,
     controller: Arc<Mutex<Controller>>,
@@ -135,13 +143,18 @@ impl Modules {
 
     /// [`Modules::upload`] that also sets the module's settings (`Some(None)`: clears them),
     /// in the same change as the activation: the new version starts with them, and if it
-    /// fails with them neither is taken.
+    /// fails with them neither is taken. Settings the new version's own validator refuses
+    /// are refused before anything is stored.
     pub async fn upload_with_settings(&self, name: &str, kind: GuestKind, bytes: Bytes, activate: bool, signature: Option<&str>, settings: Option<Option<serde_json::Value>>) -> Result<UploadOutcome, HostError> {
         let info = {
             let (name, bytes) = (name.to_string(), bytes.clone());
             blocking(&self.controller, move |c| c.check_upload(&name, kind, &bytes)).await?
         };
         self.admission.admit(name, &info, &bytes, signature)?;
+        if let Some(settings) = &settings {
+            let version = SettingsVersion { kind, bytes: bytes.clone(), signature: signature.map(str::to_string) };
+            self.check_settings(name, settings.as_ref(), Some(version)).await?;
+        }
         // Bytes first: an index naming a version must always find its blob.
         self.store.put_blob(&info.digest, &bytes).await?;
         {
@@ -178,13 +191,17 @@ impl Modules {
         self.update(|index| index.activate(name, version)).await
     }
 
-    /// Sets (`None`: clears) a module's settings, builtins' too. Applied here first like
-    /// any change: if the module in force fails with them, they are refused (its error
-    /// says why) and the settings in force stay.
+    /// Sets (`None`: clears) a module's settings, builtins' too. The module's own validator,
+    /// if it exports one, is asked first ([`Modules::check_settings`]); then the change is
+    /// applied here first like any other: if the module in force fails with them, they are
+    /// refused (its error says why) and the settings in force stay.
     pub async fn set_settings(&self, name: &str, settings: Option<serde_json::Value>) -> Result<(), HostError> {
-        if self.builtin_kind(name).await?.is_none() && !self.store.load().await?.0.modules.contains_key(name) {
+        let (index, _) = self.store.load().await?;
+        if self.builtin_kind(name).await?.is_none() && !index.modules.contains_key(name) {
             return Err(HostError::NotFound(format!("no module named {name:?}")));
         }
+        let version = self.settings_version(&index, name).await?;
+        self.check_settings(name, settings.as_ref(), version).await?;
         self.update(|index| {
             index.set_settings(name, settings.clone());
             Ok(())
@@ -228,6 +245,32 @@ impl Modules {
                 Err(e) => tracing::error!(module, version, "crash-budget rollback failed: {e}"),
             }
         }
+    }
+
+    /// Refuses `settings` (`None`: cleared, the guests read `{}`) if `version` of `name`
+    /// (`None`: the builtin) refuses them through its own validator
+    /// (`Controller::check_settings`), before the index is written.
+    async fn check_settings(&self, name: &str, settings: Option<&serde_json::Value>, version: Option<SettingsVersion>) -> Result<(), HostError> {
+        let document = settings.map_or_else(|| wasmplane_runtime::NO_SETTINGS.to_string(), |value| value.to_string());
+        let name = name.to_string();
+        blocking(&self.controller, move |c| {
+            let version = version.as_ref().map(|v| (v.kind, &v.bytes[..], v.signature.as_deref()));
+            c.check_settings(&name, version, &document)
+        })
+        .await
+    }
+
+    /// The version of the uploaded module `name` that settings set now are for: the one in
+    /// force, else the latest (what activating without a version picks); `None` for a
+    /// builtin.
+    async fn settings_version(&self, index: &SharedIndex, name: &str) -> Result<Option<SettingsVersion>, HostError> {
+        let Some(module) = index.modules.get(name) else { return Ok(None) };
+        let in_force = module.active_version.and_then(|v| module.version(v));
+        let Some(version) = in_force.or(module.versions.last()) else {
+            return Err(HostError::NotFound(format!("module {name:?} has no versions")));
+        };
+        let bytes = self.store.get_blob(&version.digest).await?;
+        Ok(Some(SettingsVersion { kind: module.kind, bytes, signature: version.signature.clone() }))
     }
 
     async fn builtin_kind(&self, name: &str) -> Result<Option<GuestKind>, HostError> {

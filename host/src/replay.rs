@@ -79,6 +79,10 @@ impl Replayer {
         // Loaded like an upload (kind, world, imports checked); the size cap is the upload's concern.
         let loaded = runtime.load(name, bytes, Some(GuestKind::ServiceTranslator), usize::MAX).map_err(|source| ReplayError::Load { name: name.into(), source })?.with_settings(settings);
         let kind = loaded.info.kind;
+        // What the host would refuse before storing them; the calls below still show what they do.
+        if let Ok(wasmplane_runtime::SettingsVerdict::Invalid(reason)) = loaded.validate_settings(settings) {
+            tracing::warn!(module = name, "the module's own validator refuses these settings: {reason}");
+        }
         // Service translators get no lookups live either (controller.rs).
         let session = loaded.translator(Arc::new(NoLookups)).ok_or_else(|| ReplayError::NotATranslator { name: name.into(), kind })?;
         tracing::info!(module = name, digest = %loaded.info.digest, "replaying with");

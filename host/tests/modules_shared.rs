@@ -213,3 +213,76 @@ async fn module_settings_reach_every_hosts_guests_and_bad_ones_are_refused() {
     a.stop().await;
     b.stop().await;
 }
+
+/// A module that exports its own settings check (`settings-validation`, the example's) is
+/// asked before anything is stored: on a host with no service at all, where running the
+/// module says nothing, bad settings are refused with its message and the old ones stay;
+/// and for a module not in force, an upload with settings, and an activation under
+/// settings the version refuses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settings_the_module_refuses_are_refused_with_nothing_to_translate() {
+    use support::rest::{SHOP_NAMESPACE, error_of, json_answer};
+    let etcd = Etcd::start().await.expect("etcd-server must be installed (scripts/setup.sh)");
+    let dir = tempfile::tempdir().unwrap();
+    let host = start(node_config(dir.path(), "node-a", &etcd, TOKEN, "empty.yaml", SHOP_NAMESPACE)).await.unwrap();
+    let client = reqwest::Client::new();
+    let settings_url = |name: &str| format!("{}/v1/modules/{name}/settings", host.url());
+    let put = |name: &str, body: &str| client.put(settings_url(name)).bearer_auth(TOKEN).body(body.to_string());
+    let r = upload_request(&client, &host.url(), "port-filter", "service-translator", artifacts::examples::PORT_FILTER_TRANSLATOR).bearer_auth(TOKEN).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED, "{}", r.text().await.unwrap());
+    assert!(host.controller.lock().unwrap().model().services.is_empty(), "the host has nothing to translate");
+
+    let good = serde_json::json!({"label": "tier", "value": "front"});
+    let (status, _) = json_answer(put("port-filter", &good.to_string())).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(get_json(&client, &host, "/v1/modules/port-filter/settings").await, good);
+    for (bad, says) in [
+        (r#"{"label": "tier", "value": "front", "port": 80}"#, "unknown field `port`"),
+        (r#"{"label": "tier", "value": 7}"#, "invalid type: integer `7`"),
+        (r#"{"label": "tier"}"#, "`label` given without `value`"),
+    ] {
+        let (status, body) = json_answer(put("port-filter", bad)).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{bad}: {body}");
+        assert!(error_of(&body).contains(says), "{bad}: {body}");
+        assert_eq!(get_json(&client, &host, "/v1/modules/port-filter/settings").await, good, "the settings in force stay");
+    }
+    let (status, _) = json_answer(client.delete(settings_url("port-filter")).bearer_auth(TOKEN)).await;
+    assert_eq!(status, StatusCode::NO_CONTENT, "{{}} is valid: the default label");
+
+    // Not in force (uploaded but not activated): its validator is asked all the same.
+    let r = client.put(format!("{}/v1/modules/idle-filter?kind=service-translator&activate=false", host.url())).bearer_auth(TOKEN).body(artifacts::examples::PORT_FILTER_TRANSLATOR.to_vec()).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+    let (status, body) = json_answer(put("idle-filter", r#"{"lable": "tier"}"#)).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert!(error_of(&body).contains("unknown field `lable`"), "{body}");
+    assert_eq!(get_json(&client, &host, "/v1/modules/idle-filter/settings").await, serde_json::json!({}));
+
+    // A validator that traps vouches for nothing: refused, saying so.
+    let r = client.put(format!("{}/v1/modules/crashy?kind=service-translator&activate=false", host.url())).bearer_auth(TOKEN).body(artifacts::test_programs::TRAPPING_VALIDATOR.to_vec()).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+    let (status, body) = json_answer(put("crashy", "{}")).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert!(error_of(&body).contains("its settings validator failed: guest trapped") && error_of(&body).contains("this validator always traps"), "{body}");
+
+    // An upload with settings its version refuses (what a WasmModule's spec does): nothing
+    // is stored, not even the version.
+    let refused = host.modules.upload_with_settings("fresh", wasmplane_runtime::GuestKind::ServiceTranslator, artifacts::examples::PORT_FILTER_TRANSLATOR.into(), true, None, Some(Some(serde_json::json!({"lable": 1})))).await;
+    assert!(refused.as_ref().is_err_and(|e| e.to_string().contains("unknown field `lable`")), "{:?}", refused.map(|o| o.version));
+    let r = client.get(format!("{}/v1/modules/fresh", host.url())).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::NOT_FOUND);
+
+    // Activation: a module without a validator takes any settings; a version of it with
+    // one that refuses them does not go in force (uploaded and activated, or activated
+    // later), and the one in force stays.
+    let r = upload_request(&client, &host.url(), "mixed", "service-translator", artifacts::SERVICE_TRANSLATOR).bearer_auth(TOKEN).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+    assert_eq!(json_answer(put("mixed", r#"{"anything": 1}"#)).await.0, StatusCode::OK);
+    let (status, body) = json_answer(upload_request(&client, &host.url(), "mixed", "service-translator", artifacts::examples::PORT_FILTER_TRANSLATOR).bearer_auth(TOKEN)).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert!(error_of(&body).contains("unknown field `anything`"), "{body}");
+    let (status, body) = json_answer(client.post(format!("{}/v1/modules/mixed/activate?version=2", host.url())).bearer_auth(TOKEN)).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert!(error_of(&body).contains("settings refused by mixed"), "{body}");
+    assert_eq!(get_json(&client, &host, "/v1/dataplane?format=json").await["translator"], "mixed@1");
+    host.stop().await;
+}

@@ -15,6 +15,9 @@
 //! wasmplane_sdk::export_service_translator!(MyTranslator);
 //! ```
 //!
+//! A guest may also check its settings itself, before the host stores them:
+//! [`export_settings_validator!`] exports a plain validation function beside the guest.
+//!
 //! Besides the bindings it offers the helpers most guests need: label-selector matching,
 //! CIDR parsing, rule builders and logging through the host. All helpers are plain Rust and
 //! also compile natively, so guest logic can be unit-tested with `cargo test`.
@@ -71,6 +74,46 @@ pub mod gc {
             "wasmplane:dataplane/settings@1.0.0": crate::service::wasmplane::dataplane::settings,
         },
     });
+}
+
+/// The optional `settings-validation` export (see [`export_settings_validator!`]).
+pub mod validation {
+    wit_bindgen::generate!({
+        path: "../wit",
+        world: "settings-validator",
+        pub_export_macro: true,
+        export_macro_name: "export_settings_validation",
+        default_bindings_module: "wasmplane_sdk::validation",
+    });
+}
+
+/// Exports a settings validator beside the guest's kind (Kubewarden's `validate_settings`):
+/// a plain `fn(&str) -> Result<(), String>` given the settings document (`{}` when none),
+/// returning why they are refused, naming the setting. The host calls it before it stores
+/// settings and before it puts a version in force with the settings it has, so bad
+/// settings are refused even where nothing is there to translate. Natively it is the plain
+/// function: unit-test it by calling it.
+///
+/// ```ignore
+/// pub fn validate_settings(settings: &str) -> Result<(), String> {
+///     Settings::parse(settings).map(|_| ())
+/// }
+/// wasmplane_sdk::export_service_translator!(MyTranslator);
+/// wasmplane_sdk::export_settings_validator!(validate_settings);
+/// ```
+#[macro_export]
+macro_rules! export_settings_validator {
+    ($validate:path) => {
+        const _: () = {
+            struct SettingsValidator;
+            impl $crate::validation::exports::wasmplane::dataplane::settings_validation::Guest for SettingsValidator {
+                fn validate(settings: ::std::string::String) -> ::std::result::Result<(), ::std::string::String> {
+                    $validate(&settings)
+                }
+            }
+            $crate::validation::export_settings_validation!(SettingsValidator with_types_in $crate::validation);
+        };
+    };
 }
 
 /// The shared WIT types (services, endpoints, rules, ...).

@@ -1,7 +1,9 @@
 //! The module's own settings (the `settings` capability): one JSON document the operator
 //! gives with the module, `{}` when none (Kubewarden's policy settings). Parse them with
 //! the JSON crate of your choice and fail calls with a [`GuestError`](crate::types::GuestError)
-//! naming a bad setting: the host then refuses the settings and keeps those in force.
+//! naming a bad setting: the host then refuses the settings and keeps those in force. Export
+//! the same check with [`export_settings_validator!`](crate::export_settings_validator) and
+//! the host refuses bad settings before it stores them, with nothing to translate needed.
 //!
 //! On a native build (unit tests of guest logic) they are what [`set_for_tests`] gave the
 //! current thread, `{}` otherwise.

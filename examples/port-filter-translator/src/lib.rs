@@ -5,7 +5,9 @@
 //! cannot express. Each exposed port gets a chain that picks an endpoint uniformly.
 //!
 //! Settings (`PUT /v1/modules/port-filter/settings`): `{"label": "team", "value": "edge"}`
-//! exposes the services labelled `team=edge` instead; anything else in them is refused.
+//! exposes the services labelled `team=edge` instead; anything else in them is refused, and
+//! so is one of the two without the other. It exports its check ([`validate_settings`]), so
+//! the host refuses bad settings before storing them, even with no service to translate.
 //!
 //! Build: `cargo build --release --target wasm32-wasip2 -p port-filter-translator`
 //! Upload: `wasmplane module push port-filter target/wasm32-wasip2/release/port_filter_translator.wasm --kind service-translator`
@@ -17,29 +19,40 @@ use wasmplane_sdk::RuleBuilder;
 pub const EXPOSE_LABEL: &str = "wasmplane.io/expose";
 
 /// Which label exposes a service.
-#[derive(Debug, PartialEq, Eq, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, PartialEq, Eq)]
 pub struct Settings {
-    #[serde(default = "default_label")]
     pub label: String,
-    #[serde(default = "default_value")]
     pub value: String,
 }
 
-fn default_label() -> String {
-    EXPOSE_LABEL.to_string()
-}
-
-fn default_value() -> String {
-    "true".to_string()
+/// The document as given: both keys or neither (the default), nothing else.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Document {
+    label: Option<String>,
+    value: Option<String>,
 }
 
 impl Settings {
     /// The module's settings document; a mistake is an error naming it, so the host refuses
     /// the settings instead of running with a filter nobody asked for.
     pub fn parse(document: &str) -> Result<Settings, String> {
-        serde_json::from_str(document).map_err(|e| format!("port-filter settings: {e}"))
+        let given: Document = serde_json::from_str(document).map_err(|e| format!("port-filter settings: {e}"))?;
+        match (given.label, given.value) {
+            (Some(label), Some(value)) => Ok(Settings { label, value }),
+            (None, None) => Ok(Settings { label: EXPOSE_LABEL.to_string(), value: "true".to_string() }),
+            // Half a filter: exposing `team=true` or `wasmplane.io/expose=edge` is never
+            // what was meant.
+            (Some(_), None) => Err("port-filter settings: `label` given without `value`".to_string()),
+            (None, Some(_)) => Err("port-filter settings: `value` given without `label`".to_string()),
+        }
     }
+}
+
+/// The module's own check of its settings (exported as `settings-validation`): the host asks
+/// it before it stores settings or puts the module in force with them.
+pub fn validate_settings(document: &str) -> Result<(), String> {
+    Settings::parse(document).map(|_| ())
 }
 
 pub fn translate(prefix: &str, service: &Service, slices: &[EndpointSlice], settings: &Settings) -> Ruleset {
@@ -96,6 +109,7 @@ mod export {
     }
 
     wasmplane_sdk::export_service_translator!(PortFilter);
+    wasmplane_sdk::export_settings_validator!(super::validate_settings);
 }
 
 #[cfg(test)]
@@ -108,5 +122,18 @@ mod tests {
         assert_eq!(Settings::parse(r#"{"label": "team", "value": "edge"}"#), Ok(Settings { label: "team".into(), value: "edge".into() }));
         assert!(Settings::parse(r#"{"lable": "team"}"#).unwrap_err().contains("lable"));
         assert!(Settings::parse(r#"{"label": 5}"#).is_err());
+    }
+
+    #[test]
+    fn the_exported_validator_refuses_missing_ill_typed_and_unknown_keys() {
+        assert_eq!(validate_settings("{}"), Ok(()));
+        assert_eq!(validate_settings(r#"{"label": "team", "value": "edge"}"#), Ok(()));
+        let refused = |document: &str| validate_settings(document).expect_err(document);
+        assert!(refused(r#"{"label": "team"}"#).contains("`value`"));
+        assert!(refused(r#"{"value": "edge"}"#).contains("`label`"));
+        assert!(refused(r#"{"label": "team", "value": true}"#).contains("invalid type: boolean"));
+        assert!(refused(r#"{"label": "team", "value": "edge", "port": 80}"#).contains("unknown field `port`"));
+        assert!(refused("[]").contains("port-filter settings"));
+        assert!(refused("null").contains("port-filter settings"));
     }
 }

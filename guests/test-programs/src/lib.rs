@@ -24,6 +24,9 @@ mod translator {
             }
             #[cfg(feature = "trap")]
             panic!("this guest always traps");
+            // The validator programs: the translator behaves, their validators do not.
+            #[cfg(any(feature = "trapping-validator", feature = "wrong-validator"))]
+            return Ok(Ruleset { chains: vec![], sets: vec![], map_elements: vec![], warnings: vec![] });
             // trap-on-label: well behaved (no rules) until a service carries the label, so it
             // activates fine and fails later: what a crash budget is for.
             #[cfg(feature = "trap-on-label")]
@@ -44,6 +47,38 @@ mod translator {
     }
 
     wasmplane_sdk::export_service_translator!(Misbehaving);
+
+    #[cfg(feature = "trapping-validator")]
+    fn validate_settings(settings: &str) -> Result<(), String> {
+        panic!("this validator always traps (settings {settings})");
+    }
+
+    #[cfg(feature = "trapping-validator")]
+    wasmplane_sdk::export_settings_validator!(validate_settings);
+}
+
+/// `settings-validation` as a careless author might export it: `validate` answers a bool.
+#[cfg(feature = "wrong-validator")]
+mod wrong_validator {
+    wit_bindgen::generate!({
+        inline: "
+            package wasmplane:dataplane@1.0.0;
+            interface settings-validation {
+                validate: func(settings: string) -> bool;
+            }
+            world wrong-validator {
+                export settings-validation;
+            }
+        ",
+    });
+
+    struct Wrong;
+    impl exports::wasmplane::dataplane::settings_validation::Guest for Wrong {
+        fn validate(_settings: String) -> bool {
+            true
+        }
+    }
+    export!(Wrong);
 }
 
 #[cfg(feature = "wrong-world")]

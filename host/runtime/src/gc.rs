@@ -10,10 +10,9 @@
 
 use std::sync::Arc;
 
-use wasmtime::component::InstancePre;
-
 use crate::host::{GuestSlot, GuestState, NoLookups, Sandbox, check_output_size};
-use crate::{CallError, GuestKind, LoadError, ModuleInfo, Runtime};
+use crate::validation::SettingsValidator;
+use crate::{CallError, GuestKind, LoadError, ModuleInfo, Runtime, SettingsVerdict};
 
 mod bindings {
     wasmtime::component::bindgen!({
@@ -38,6 +37,8 @@ pub struct GcModule {
     pre: GarbageCollectionPre<GuestState>,
     sandbox: Sandbox,
     settings: Arc<str>,
+    /// Its `settings-validation` export, if it has one.
+    validator: Option<SettingsValidator>,
 }
 
 impl Runtime {
@@ -48,18 +49,17 @@ impl Runtime {
         bytes: &[u8],
         max_size: usize,
     ) -> Result<GcModule, LoadError> {
-        let (component, info) = self.checked(bytes, Some(GuestKind::Gc), max_size)?;
-        let pre: InstancePre<GuestState> = self
-            .linker
-            .instantiate_pre(&component)
-            .map_err(|e| LoadError::Link(format!("{e:#}")))?;
+        let checked = self.checked(bytes, Some(GuestKind::Gc), max_size)?;
+        let pre = checked.instance_pre(self)?;
+        let validator = SettingsValidator::find(&pre, checked.settings_validation.as_deref());
         let pre = GarbageCollectionPre::new(pre).map_err(|e| LoadError::Link(format!("{e:#}")))?;
         Ok(GcModule {
-            info,
+            info: checked.info,
             name: Arc::from(name),
             pre,
             sandbox: self.sandbox(),
             settings: Arc::from(crate::host::NO_SETTINGS),
+            validator,
         })
     }
 }
@@ -73,6 +73,12 @@ impl GcModule {
     pub fn with_settings(mut self, settings: &str) -> Self {
         self.settings = Arc::from(settings);
         self
+    }
+
+    /// What the module's own `settings-validation` export says of `settings`; see
+    /// [`LoadedModule::validate_settings`](crate::LoadedModule::validate_settings).
+    pub fn validate_settings(&self, settings: &str) -> Result<SettingsVerdict, CallError> {
+        crate::validation::verdict(self.validator.as_ref(), &self.sandbox, &self.name, settings)
     }
 
     /// A session calling `collect`.

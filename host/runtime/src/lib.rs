@@ -10,6 +10,8 @@
 //! - output: a cap on the size of what a call returns.
 //!
 //! A guest that breaks a limit or traps is stopped with a [`CallError`]; the host stays up.
+//! A module of any kind may also export `settings-validation` (optional): its
+//! `validate_settings` says whether it accepts a settings document ([`SettingsVerdict`]).
 //! WASI is linked with an empty context: no preopened directories, environment, arguments,
 //! network or stdio, and clocks that stand still, unless a module is granted more.
 
@@ -23,6 +25,7 @@ mod loader;
 #[cfg(feature = "native-translator")]
 pub mod native;
 pub mod policy;
+mod validation;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -34,6 +37,7 @@ pub use bindings::service::wasmplane::dataplane::types as wit;
 pub use compiler::CompilerCommand;
 pub use host::{GuestState, Lookups, NO_SETTINGS, NoLookups};
 pub use loader::{GuestKind, LoadError, LoadedModule, ModuleInfo, WIT_PACKAGE, WIT_VERSION};
+pub use validation::{SETTINGS_VALIDATION, SettingsCheck, SettingsVerdict};
 
 /// How often the epoch advances; deadlines are whole ticks.
 pub const EPOCH_TICK: Duration = Duration::from_millis(5);

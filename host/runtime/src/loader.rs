@@ -12,7 +12,8 @@ use wasmtime::component::{Component, InstancePre};
 
 use crate::bindings::service::{ServiceTranslation, ServiceTranslationPre};
 use crate::host::{GuestSlot, GuestState, Lookups, Sandbox, check_output_size};
-use crate::{CallError, Limits, Runtime, convert, wit};
+use crate::validation::{SETTINGS_VALIDATION, SettingsValidator};
+use crate::{CallError, Limits, Runtime, SettingsVerdict, convert, wit};
 use wasmplane_model::state::{NodeContext, ServiceView};
 
 /// The WIT package every guest world belongs to.
@@ -76,6 +77,8 @@ pub enum LoadError {
     Link(String),
     #[error("this host cannot run {0} guests yet")]
     KindNotRunnable(GuestKind),
+    #[error("component exports {export} with a signature this host cannot call: {reason}")]
+    SettingsValidation { export: String, reason: String },
 }
 
 /// What the host learned about a module while loading it.
@@ -101,6 +104,23 @@ pub struct LoadedModule {
     sandbox: Sandbox,
     /// What its sessions' guests read through the `settings` capability.
     settings: Arc<str>,
+    /// Its `settings-validation` export, if it has one.
+    validator: Option<SettingsValidator>,
+}
+
+/// What [`Runtime::checked`] found: the compiled component, what the host reports of it,
+/// and the full name of its `settings-validation` export if it has one.
+pub(crate) struct Checked {
+    pub component: Component,
+    pub info: ModuleInfo,
+    pub settings_validation: Option<String>,
+}
+
+impl Checked {
+    /// Links the component against the host's capabilities.
+    pub fn instance_pre(&self, runtime: &Runtime) -> Result<InstancePre<GuestState>, LoadError> {
+        runtime.linker.instantiate_pre(&self.component).map_err(|e| LoadError::Link(format!("{e:#}")))
+    }
 }
 
 pub fn digest(bytes: &[u8]) -> String {
@@ -129,9 +149,10 @@ fn split_name(name: &str) -> Option<(&str, &str)> {
 impl Runtime {
     /// Validates and compiles `bytes`. `expected`: the kind the uploader declared.
     pub fn load(&self, name: &str, bytes: &[u8], expected: Option<GuestKind>, max_size: usize) -> Result<LoadedModule, LoadError> {
-        let (component, info) = self.checked(bytes, expected, max_size)?;
-        let pre: InstancePre<GuestState> =
-            self.linker.instantiate_pre(&component).map_err(|e| LoadError::Link(format!("{e:#}")))?;
+        let checked = self.checked(bytes, expected, max_size)?;
+        let pre = checked.instance_pre(self)?;
+        let validator = SettingsValidator::find(&pre, checked.settings_validation.as_deref());
+        let info = checked.info;
         let runner = match info.kind {
             GuestKind::ServiceTranslator => {
                 Runner::ServiceTranslator(ServiceTranslationPre::new(pre).map_err(|e| LoadError::Link(format!("{e:#}")))?)
@@ -144,12 +165,14 @@ impl Runtime {
             runner,
             sandbox: self.sandbox(),
             settings: Arc::from(crate::host::NO_SETTINGS),
+            validator,
         })
     }
 
     /// Every check a module of any kind passes (size, header, a known world of a supported
-    /// version, the declared kind, granted imports only) and its compiled form.
-    pub(crate) fn checked(&self, bytes: &[u8], expected: Option<GuestKind>, max_size: usize) -> Result<(Component, ModuleInfo), LoadError> {
+    /// version, the declared kind, granted imports only, an optional settings validator of
+    /// the one signature the host calls) and its compiled form.
+    pub(crate) fn checked(&self, bytes: &[u8], expected: Option<GuestKind>, max_size: usize) -> Result<Checked, LoadError> {
         if bytes.len() > max_size {
             return Err(LoadError::TooLarge { size: bytes.len(), max: max_size });
         }
@@ -159,9 +182,19 @@ impl Runtime {
         let ty = component.component_type();
 
         let mut found = None;
+        let mut settings_validation = None;
         let mut exports = Vec::new();
         for (export, item) in ty.exports(self.engine()) {
             exports.push(export.to_string());
+            if let Some((SETTINGS_VALIDATION, version)) = split_name(export) {
+                if !version.starts_with(WIT_MAJOR) {
+                    return Err(LoadError::UnsupportedVersion { found: version.to_string() });
+                }
+                crate::validation::check_export(self.engine(), &item.ty)
+                    .map_err(|reason| LoadError::SettingsValidation { export: export.to_string(), reason })?;
+                settings_validation = Some(export.to_string());
+                continue;
+            }
             if let (Some((iface, version)), ComponentItem::ComponentInstance(_)) = (split_name(export), item.ty)
                 && let Some(kind) = GuestKind::parse(iface)
             {
@@ -192,7 +225,7 @@ impl Runtime {
             }
             imports.push(import.to_string());
         }
-        Ok((component, ModuleInfo { digest, kind, wit_version: version, size: bytes.len(), imports }))
+        Ok(Checked { component, info: ModuleInfo { digest, kind, wit_version: version, size: bytes.len(), imports }, settings_validation })
     }
 
     /// Loads the machine code compiled earlier for the same bytes and engine, or compiles.
@@ -284,6 +317,13 @@ impl LoadedModule {
     pub fn with_settings(mut self, settings: &str) -> Self {
         self.settings = Arc::from(settings);
         self
+    }
+
+    /// What the module's own `settings-validation` export says of `settings` (a JSON
+    /// document), on a fresh instance under the runtime's limits; a trap or a broken limit
+    /// is an error, not a verdict.
+    pub fn validate_settings(&self, settings: &str) -> Result<SettingsVerdict, CallError> {
+        crate::validation::verdict(self.validator.as_ref(), &self.sandbox, &self.name, settings)
     }
 
     /// A session running service translations; fails if this is another kind.

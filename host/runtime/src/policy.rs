@@ -13,14 +13,13 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 
-use wasmtime::component::InstancePre;
-
 use wasmplane_model as m;
 use wasmplane_model::state::{NodeContext, PolicyView};
 
 use crate::host::{GuestSlot, GuestState, Lookups, Sandbox};
 use wasmplane_model::ToStd;
-use crate::{CallError, GuestKind, LoadError, ModuleInfo, Runtime, convert, wit};
+use crate::validation::SettingsValidator;
+use crate::{CallError, GuestKind, LoadError, ModuleInfo, Runtime, SettingsVerdict, convert, wit};
 
 mod bindings {
     wasmtime::component::bindgen!({
@@ -47,13 +46,17 @@ pub struct PolicyModule {
     pre: NetworkPolicyEnforcementPre<GuestState>,
     sandbox: Sandbox,
     settings: Arc<str>,
+    /// Its `settings-validation` export, if it has one.
+    validator: Option<SettingsValidator>,
 }
 
 impl Runtime {
     /// Validates and compiles a network-policy component.
     pub fn load_policy(&self, name: &str, bytes: &[u8], max_size: usize) -> Result<PolicyModule, LoadError> {
-        let (component, info) = self.checked(bytes, Some(GuestKind::NetworkPolicy), max_size)?;
-        let pre: InstancePre<GuestState> = self.linker.instantiate_pre(&component).map_err(|e| LoadError::Link(format!("{e:#}")))?;
+        let checked = self.checked(bytes, Some(GuestKind::NetworkPolicy), max_size)?;
+        let pre = checked.instance_pre(self)?;
+        let validator = SettingsValidator::find(&pre, checked.settings_validation.as_deref());
+        let info = checked.info;
         let pre = NetworkPolicyEnforcementPre::new(pre).map_err(|e| LoadError::Link(format!("{e:#}")))?;
         tracing::debug!(module = name, digest = %info.digest, "network-policy module loaded");
         Ok(PolicyModule {
@@ -62,6 +65,7 @@ impl Runtime {
             pre,
             sandbox: self.sandbox(),
             settings: Arc::from(crate::host::NO_SETTINGS),
+            validator,
         })
     }
 }
@@ -75,6 +79,12 @@ impl PolicyModule {
     pub fn with_settings(mut self, settings: &str) -> Self {
         self.settings = Arc::from(settings);
         self
+    }
+
+    /// What the module's own `settings-validation` export says of `settings`; see
+    /// [`LoadedModule::validate_settings`](crate::LoadedModule::validate_settings).
+    pub fn validate_settings(&self, settings: &str) -> Result<SettingsVerdict, CallError> {
+        crate::validation::verdict(self.validator.as_ref(), &self.sandbox, &self.name, settings)
     }
 
     /// A session calling `compile`; `lookups` answers the guest's `lookups` imports.
