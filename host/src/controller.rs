@@ -25,6 +25,9 @@ use crate::registry::{ModuleRecord, Registry, RegistryError, SharedIndex, valid_
 pub const BUILTIN_SERVICE_TRANSLATOR: &str = "default-service-translator";
 /// The network-policy guest shipped in the host.
 pub const BUILTIN_NETWORK_POLICY: &str = "default-network-policy";
+/// The GC guest shipped in the host: run by the operator role only, so never compiled by a
+/// controller unless its settings are checked.
+pub const BUILTIN_GC: &str = "default-gc";
 
 #[derive(Debug, thiserror::Error)]
 pub enum HostError {
@@ -849,7 +852,7 @@ impl Controller {
             Some((kind, bytes, _)) => (kind, bytes),
             None => {
                 let kind = self.builtin_kind(name).ok_or_else(|| HostError::NotFound(format!("no module named {name:?}")))?;
-                shipped = self.registry.module_bytes(name, 1)?;
+                shipped = if kind == GuestKind::Gc { wasmplane_guest_artifacts::GC.to_vec() } else { self.registry.module_bytes(name, 1)? };
                 (kind, shipped.as_slice())
             }
         };
@@ -869,6 +872,9 @@ impl Controller {
     }
 
     pub fn builtin_kind(&self, name: &str) -> Option<GuestKind> {
+        if name == BUILTIN_GC {
+            return Some(GuestKind::Gc);
+        }
         self.registry.is_builtin(name).then(|| self.registry.kind_of(name)).flatten()
     }
 
@@ -903,6 +909,11 @@ impl Controller {
             }
             tracing::error!(module = %name, version, "the policy module the cluster put in force failed on this node; keeping the previous one: {e}");
         }
+        // The operator runs the GC module, maybe elsewhere: a change made here is checked here.
+        if strict && let Err(e) = self.check_gc_in_force(&previous) {
+            self.registry.set_shared(previous);
+            return Err(e);
+        }
         let wanted_shadow = self.registry.shared().shadow.get(&kind).map(|s| (s.module.clone(), s.version));
         let running_shadow = self.shadow.as_ref().map(|s| (s.name.clone(), s.version));
         if wanted_shadow != running_shadow {
@@ -918,6 +929,19 @@ impl Controller {
             }
         }
         Ok(())
+    }
+
+    /// The uploaded GC module the index puts in force, when it or its settings changed from
+    /// `previous`: this host's admission and the module's own check of its settings.
+    fn check_gc_in_force(&self, previous: &SharedIndex) -> Result<(), HostError> {
+        let index = self.registry.shared();
+        let Some((name, version)) = index.in_force(GuestKind::Gc) else { return Ok(()) };
+        if previous.in_force(GuestKind::Gc) == Some((name, version)) && previous.settings.get(name) == index.settings.get(name) {
+            return Ok(());
+        }
+        let bytes = self.registry.module_bytes(name, version)?;
+        let signature = index.modules.get(name).and_then(|m| m.version(version)).and_then(|v| v.signature.as_deref());
+        self.check_settings(name, Some((GuestKind::Gc, &bytes, signature)), &self.registry.settings_of(name))
     }
 
     /// Loads `name@version` and runs it over every service, keeping its output aside.

@@ -22,7 +22,7 @@ use crate::module_store::ModuleStore;
 use crate::modules::Modules;
 
 /// Name of the builtin GC guest.
-pub const BUILTIN_GC: &str = "default-gc";
+pub use crate::controller::BUILTIN_GC;
 
 #[derive(Clone, Debug)]
 pub struct OperatorRoleConfig {
@@ -118,6 +118,13 @@ impl WasmGcDecider {
             let module = self.runtime.load_gc(&name, bytes, self.max_module_bytes).map_err(|e| DeciderError(format!("loading GC module {name}: {e}")))?.with_settings(&settings);
             if let Some(u) = &uploaded {
                 self.admission.admit(&u.name, &module.info, &u.bytes, u.signature.as_deref()).map_err(|e| DeciderError(format!("GC module {name} refused on this host: {e}")))?;
+            }
+            // Checked where they are set; settings that reach the index another way (written
+            // to etcd by hand, a host of an older version) are refused here too.
+            match module.validate_settings(&settings) {
+                Ok(wasmplane_runtime::SettingsVerdict::Invalid(reason)) => return Err(DeciderError(format!("GC module {name} refuses its settings: {reason}"))),
+                Err(e) => return Err(DeciderError(format!("GC module {name}: its settings validator failed: {e}"))),
+                Ok(_) => {}
             }
             tracing::info!(module = %name, "GC decisions by this module");
             self.current = Some((identity, module.session()));

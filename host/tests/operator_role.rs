@@ -211,3 +211,63 @@ async fn the_leader_writes_slices_of_a_remote_clusters_endpoints_for_a_headless_
     eventually("the slice gone with the export", Duration::from_secs(15), slices, |s| s.is_empty()).await;
     host.stop().await;
 }
+
+/// The builtin GC guest takes its grace periods from its settings, checked by its own
+/// validator where they are set; an uploaded GC module is checked with its settings where it
+/// is put in force, and settings that reach the index another way decide nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gc_settings_are_checked_where_set_and_tune_the_grace_periods() {
+    use wasmplane_runtime::{GuestKind, LoadedModule, ModuleInfo};
+    let dir = tempfile::tempdir().unwrap();
+    let token = "operator-test-token-0123456789";
+    let host = start(HostConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        data_dir: Some(dir.path().into()),
+        token: Some(token.into()),
+        operator: Some(fast("solo")),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let client = reqwest::Client::new();
+    let put_settings = |name: &str, body: &str| client.put(format!("{}/v1/modules/{name}/settings", host.url())).bearer_auth(token).header("content-type", "application/json").body(body.to_string()).send();
+    let refused = put_settings("default-gc", r#"{"graceSeconds": {"nodes": 60}}"#).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    let reason = refused.text().await.unwrap();
+    assert!(reason.contains("unknown variant `nodes`"), "the guest's reason: {reason}");
+
+    // A lock held under a live lease is kept by default; an hour-long limit cut to 1 s
+    // collects it.
+    let kv = host.modules.store().kv().clone();
+    let held = format!("{LOCKS_PREFIX}held");
+    let lease = kv.grant_lease(Duration::from_secs(60)).await.unwrap();
+    kv.put(&held, Bytes::from_static(b"node-that-is-gone"), Some(lease.id)).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1400)).await;
+    assert!(kv.get(&held).await.unwrap().is_some(), "kept under the default limit");
+    assert!(put_settings("default-gc", r#"{"lockHardLimitSeconds": 1}"#).await.unwrap().status().is_success());
+    let _ = eventually("the held lock collected past the new limit", Duration::from_secs(5), || kv.get(&held), |v| matches!(v, Ok(None))).await;
+
+    // The same guest uploaded as another module, with settings it refuses written straight
+    // into the index (as anyone who can write etcd could): activating it here is refused, and
+    // put in force the same way, it decides nothing.
+    let store = host.modules.store();
+    let bytes = wasmplane_guest_artifacts::GC;
+    let info = ModuleInfo { digest: LoadedModule::digest_of(bytes), kind: GuestKind::Gc, wit_version: "1.0.0".into(), size: bytes.len(), imports: vec![] };
+    store.put_blob(&info.digest, bytes).await.unwrap();
+    let (mut index, revision) = store.load().await.unwrap();
+    index.add_version("tuned-gc", GuestKind::Gc, &info, None).unwrap();
+    index.set_settings("tuned-gc", Some(serde_json::json!({"grace": 1})));
+    assert!(store.publish(revision, &index).await.unwrap().is_some());
+    let activated = client.post(format!("{}/v1/modules/tuned-gc/activate", host.url())).bearer_auth(token).send().await.unwrap();
+    assert_eq!(activated.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(activated.text().await.unwrap().contains("unknown field `grace`"));
+    let (mut index, revision) = store.load().await.unwrap();
+    index.activate("tuned-gc", Some(1)).unwrap();
+    assert!(store.publish(revision, &index).await.unwrap().is_some());
+    let orphan = format!("{LOCKS_PREFIX}orphaned");
+    kv.put(&orphan, Bytes::from_static(b"node-that-is-gone"), None).await.unwrap();
+    // Seven GC intervals: with settings it accepts, the guest collects it in the first.
+    tokio::time::sleep(Duration::from_millis(1400)).await;
+    assert!(kv.get(&orphan).await.unwrap().is_some(), "a GC module refusing its settings decided");
+    host.stop().await;
+}

@@ -380,7 +380,7 @@ impl GcDecider for DefaultGuest {
                 owner_exists: c.owner_exists,
             })
             .collect();
-        Ok(wasmplane_guest_gc::collect(&offered))
+        Ok(wasmplane_guest_gc::collect(&offered, &wasmplane_guest_gc::Settings::default()))
     }
 }
 

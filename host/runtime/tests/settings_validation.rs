@@ -39,8 +39,18 @@ fn modules_without_the_export_load_and_have_no_verdict() {
     assert_eq!(translator.validate_settings("{\"anything\": 1}"), Ok(SettingsVerdict::NotImplemented));
     let policy = rt.load_policy("np", artifacts::NETWORK_POLICY, usize::MAX).unwrap();
     assert_eq!(policy.validate_settings("{}"), Ok(SettingsVerdict::NotImplemented));
+}
+
+#[test]
+fn the_builtin_gc_guest_checks_its_grace_periods() {
+    let rt = runtime(Limits::default());
     let gc = rt.load_gc("gc", artifacts::GC, usize::MAX).unwrap();
-    assert_eq!(gc.validate_settings("{}"), Ok(SettingsVerdict::NotImplemented));
+    assert_eq!(gc.validate_settings("{}"), Ok(SettingsVerdict::Valid));
+    assert_eq!(gc.validate_settings(r#"{"graceSeconds": {"node-status": 900}}"#), Ok(SettingsVerdict::Valid));
+    match gc.validate_settings(r#"{"graceSeconds": {"nodes": 900}}"#) {
+        Ok(SettingsVerdict::Invalid(reason)) => assert!(reason.contains("unknown variant `nodes`"), "{reason}"),
+        other => panic!("refused, not {other:?}"),
+    }
 }
 
 #[test]
