@@ -246,7 +246,7 @@ pub async fn sync_mesh_slices(client: kube::Client, config: MeshSliceConfig) {
     })
     .boxed();
     let mut updates = futures::stream::select_all([services, slices, changed_exports, ticks]);
-    let mut state = MeshState::default();
+    let mut state = MeshState { global_annotation: config.global_annotation.clone(), ..MeshState::default() };
     while let Some(update) = updates.next().await {
         state.take(update);
         // A burst (a relist, many exports at once) is one reconcile.
@@ -262,6 +262,8 @@ pub async fn sync_mesh_slices(client: kube::Client, config: MeshSliceConfig) {
 
 #[derive(Default)]
 struct MeshState {
+    global_annotation: String,
+    /// The synchronized Services (see [`synchronized`]).
     services: BTreeMap<ServiceRef, Service>,
     slices: BTreeMap<ServiceRef, EndpointSlice>,
     services_relist: Option<BTreeMap<ServiceRef, Service>>,
@@ -274,12 +276,15 @@ fn key_of(meta: &ObjectMeta) -> Option<ServiceRef> {
     Some((meta.namespace.clone()?, meta.name.clone()?))
 }
 
-/// Applies one watch event to an index and its relist buffer; `true` once a list is done.
-fn apply_event<K: Clone>(index: &mut BTreeMap<ServiceRef, K>, relist: &mut Option<BTreeMap<ServiceRef, K>>, event: Event<K>, meta: impl Fn(&K) -> &ObjectMeta) -> bool {
+/// Applies one watch event to an index and its relist buffer, keeping only the objects
+/// `wanted` (others are dropped, as if deleted); `true` once a list is done.
+fn apply_event<K>(index: &mut BTreeMap<ServiceRef, K>, relist: &mut Option<BTreeMap<ServiceRef, K>>, event: Event<K>, meta: impl Fn(&K) -> &ObjectMeta, wanted: impl Fn(&K) -> bool) -> bool {
     match event {
         Event::Init => *relist = Some(BTreeMap::new()),
         Event::InitApply(object) => {
-            if let (Some(buffer), Some(key)) = (relist.as_mut(), key_of(meta(&object))) {
+            if let (Some(buffer), Some(key)) = (relist.as_mut(), key_of(meta(&object)))
+                && wanted(&object)
+            {
                 buffer.insert(key, object);
             }
         }
@@ -289,7 +294,11 @@ fn apply_event<K: Clone>(index: &mut BTreeMap<ServiceRef, K>, relist: &mut Optio
         }
         Event::Apply(object) => {
             if let Some(key) = key_of(meta(&object)) {
-                index.insert(key, object);
+                if wanted(&object) {
+                    index.insert(key, object);
+                } else {
+                    index.remove(&key);
+                }
             }
         }
         Event::Delete(object) => {
@@ -309,11 +318,12 @@ impl MeshState {
     fn take(&mut self, update: Update) {
         match update {
             Update::Service(event) => match *event {
-                Ok(event) => self.services_listed |= apply_event(&mut self.services, &mut self.services_relist, event, |s: &Service| &s.metadata),
+                // Only those synchronized are kept: at most a few of a large cluster's.
+                Ok(event) => self.services_listed |= apply_event(&mut self.services, &mut self.services_relist, event, |s: &Service| &s.metadata, |s| synchronized(s, &self.global_annotation)),
                 Err(e) => warn!("watching Services: {e}"),
             },
             Update::Slice(event) => match *event {
-                Ok(event) => self.slices_listed |= apply_event(&mut self.slices, &mut self.slices_relist, event, |s: &EndpointSlice| &s.metadata),
+                Ok(event) => self.slices_listed |= apply_event(&mut self.slices, &mut self.slices_relist, event, |s: &EndpointSlice| &s.metadata, |_| true),
                 Err(e) => warn!("watching mesh EndpointSlices: {e}"),
             },
             Update::Exports | Update::Resync => {}
