@@ -69,7 +69,18 @@ impl From<RegistryError> for HostError {
 struct ActiveTranslator {
     name: String,
     version: u32,
+    /// The settings its session runs with.
+    settings: Arc<str>,
     session: TranslatorSession,
+}
+
+/// The service translator in force, as observers are told of it.
+#[derive(Clone, Copy, Debug)]
+pub struct TranslatorInForce<'a> {
+    pub name: &'a str,
+    pub version: u32,
+    /// Its settings document (`{}` when none).
+    pub settings: &'a str,
 }
 
 /// Told about every model revision, in order, while the controller lock is held (so a
@@ -78,7 +89,7 @@ pub trait ModelObserver: Send {
     fn model_changed(&self, model: &NodeLocalModel, update: &ModelUpdate);
     /// Then what the translator in force made of that revision's services: new rules (`None`:
     /// deleted) in `changes`, a failure in `errors` (the recorder in `record.rs` keeps both).
-    fn translated(&self, _translator: Option<(&str, u32)>, _changes: &[(ObjectKey, Option<ObjectRules>)], _errors: &BTreeMap<ObjectKey, String>) {}
+    fn translated(&self, _translator: Option<TranslatorInForce<'_>>, _changes: &[(ObjectKey, Option<ObjectRules>)], _errors: &BTreeMap<ObjectKey, String>) {}
 }
 
 /// kube-proxy's `--detect-local-mode`: which sources are this cluster's own (not masqueraded
@@ -491,7 +502,7 @@ impl Controller {
                 },
             }
         }
-        let translator = self.translator.as_ref().map(|t| (t.name.as_str(), t.version));
+        let translator = self.translator.as_ref().map(|t| TranslatorInForce { name: &t.name, version: t.version, settings: &t.settings });
         self.observers.iter().for_each(|o| o.translated(translator, &changes, &self.service_errors));
         // The host's own objects after the translator's (whose are what observers record).
         changes.extend(firewall_changes);
@@ -749,6 +760,7 @@ impl Controller {
         let Some(mut session) = module.translator(Arc::new(NoLookups)) else {
             return Err(failed(self, format!("{} modules cannot be activated yet", module.info.kind)));
         };
+        let settings = module.settings().clone();
         let mut outputs = BTreeMap::new();
         for (key, view) in &self.model.services {
             match translate_one(&mut session, &self.model, key, view) {
@@ -770,7 +782,7 @@ impl Controller {
         outputs.extend(self.policy.objects());
         self.full_write(|dataplane| dataplane.full_sync(Some(outputs)))?;
         self.service_errors.clear();
-        self.translator = Some(ActiveTranslator { name: name.to_string(), version, session });
+        self.translator = Some(ActiveTranslator { name: name.to_string(), version, settings, session });
         self.registry.mark_active(GuestKind::ServiceTranslator, name, version);
         self.recent_crashes.clear();
         self.rollback_requested = false;

@@ -22,7 +22,7 @@ use wasmplane_model::state::ModelUpdate;
 use wasmplane_model::{NodeLocalModel, ObjectKey};
 use wasmplane_runtime::{WIT_PACKAGE, WIT_VERSION, convert, wit};
 
-use crate::controller::ModelObserver;
+use crate::controller::{ModelObserver, TranslatorInForce};
 use crate::nft::{self, ObjectRules};
 
 /// The `format` of a recording's header line.
@@ -102,6 +102,9 @@ pub struct RevisionRecord {
     /// The translator in force live (`name@version`), when outputs were recorded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub translator: Option<String>,
+    /// Its settings, when it had any (none: `{}`, and in recordings of older hosts).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub translator_settings: Option<serde_json::Value>,
     /// What the live translator produced per service (`namespace/name`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outputs: Option<BTreeMap<String, Outcome>>,
@@ -153,6 +156,7 @@ fn revision_of(model: &NodeLocalModel, update: &ModelUpdate) -> RevisionRecord {
         services,
         deleted,
         translator: None,
+        translator_settings: None,
         outputs: None,
     }
 }
@@ -230,7 +234,7 @@ impl ModelObserver for ChangeRecorder {
         }
     }
 
-    fn translated(&self, translator: Option<(&str, u32)>, changes: &[(ObjectKey, Option<ObjectRules>)], errors: &BTreeMap<ObjectKey, String>) {
+    fn translated(&self, translator: Option<TranslatorInForce<'_>>, changes: &[(ObjectKey, Option<ObjectRules>)], errors: &BTreeMap<ObjectKey, String>) {
         let mut writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
         let Some(mut record) = writer.pending.take() else { return };
         let rules: HashMap<String, &ObjectRules> = changes.iter().filter_map(|(k, r)| r.as_ref().map(|r| (k.to_string(), r))).collect();
@@ -246,7 +250,9 @@ impl ModelObserver for ChangeRecorder {
             };
             outputs.insert(input.key.clone(), outcome);
         }
-        record.translator = translator.map(|(name, version)| format!("{name}@{version}"));
+        record.translator = translator.map(|t| format!("{}@{}", t.name, t.version));
+        // Settings are JSON documents the host wrote: they parse.
+        record.translator_settings = translator.filter(|t| t.settings != wasmplane_runtime::NO_SETTINGS).and_then(|t| serde_json::from_str(t.settings).ok());
         record.outputs = Some(outputs);
         tracing::debug!(revision = record.revision, services = record.services.len(), deleted = record.deleted.len(), "revision recorded");
         writer.write_line(&record);

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use serde::Serialize;
-use wasmplane_runtime::{CallError, GuestKind, Limits, LoadError, NoLookups, Runtime, RuntimeError, TranslatorSession};
+use wasmplane_runtime::{CallError, GuestKind, Limits, LoadError, LoadedModule, NoLookups, Runtime, RuntimeError, TranslatorSession};
 
 use crate::controller::BUILTIN_SERVICE_TRANSLATOR;
 use crate::nft::{self, ObjectRules};
@@ -39,7 +39,10 @@ pub enum ReplayError {
 /// One service translator session over recorded inputs.
 pub struct Replayer {
     name: String,
+    loaded: LoadedModule,
     session: TranslatorSession,
+    /// Each revision runs with the settings recorded with it (not given by hand).
+    recorded_settings: bool,
 }
 
 /// One revision as replayed.
@@ -67,13 +70,16 @@ impl Replayed {
 }
 
 impl Replayer {
-    /// `module`: a component's name and bytes; `None`: the builtin default translator.
+    /// `module`: a component's name and bytes; `None`: the builtin default translator. Each
+    /// revision runs with the settings the live translator had when it was recorded.
     pub fn new(runtime: &Runtime, module: Option<(&str, &[u8])>) -> Result<Replayer, ReplayError> {
-        Self::with_settings(runtime, module, wasmplane_runtime::NO_SETTINGS)
+        let mut replayer = Self::with_settings(runtime, module, wasmplane_runtime::NO_SETTINGS)?;
+        replayer.recorded_settings = true;
+        Ok(replayer)
     }
 
-    /// [`Replayer::new`] with the module's settings (a JSON document), as the host would
-    /// give them: the way to try settings on a recording before setting them.
+    /// [`Replayer::new`] with the module's settings (a JSON document) for every revision, as
+    /// the host would give them: the way to try settings on a recording before setting them.
     pub fn with_settings(runtime: &Runtime, module: Option<(&str, &[u8])>, settings: &str) -> Result<Replayer, ReplayError> {
         let (name, bytes) = module.unwrap_or((BUILTIN_SERVICE_TRANSLATOR, wasmplane_guest_artifacts::SERVICE_TRANSLATOR));
         // Loaded like an upload (kind, world, imports checked); the size cap is the upload's concern.
@@ -86,15 +92,40 @@ impl Replayer {
         // Service translators get no lookups live either (controller.rs).
         let session = loaded.translator(Arc::new(NoLookups)).ok_or_else(|| ReplayError::NotATranslator { name: name.into(), kind })?;
         tracing::info!(module = name, digest = %loaded.info.digest, "replaying with");
-        Ok(Replayer { name: name.to_string(), session })
+        Ok(Replayer { name: name.to_string(), loaded, session, recorded_settings: false })
     }
 
-    /// Reads the module at `path` (named by its file stem); `None`: the builtin.
-    pub fn from_file(runtime: &Runtime, path: Option<&Path>, settings: &str) -> Result<Replayer, ReplayError> {
-        let Some(path) = path else { return Replayer::with_settings(runtime, None, settings) };
-        let bytes = std::fs::read(path).map_err(|source| ReplayError::ReadModule { path: path.to_path_buf(), source })?;
-        let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "module".into());
-        Replayer::with_settings(runtime, Some((&name, &bytes)), settings)
+    /// Reads the module at `path` (named by its file stem); `None`: the builtin. `settings`:
+    /// for every revision; `None`: those recorded with each.
+    pub fn from_file(runtime: &Runtime, path: Option<&Path>, settings: Option<&str>) -> Result<Replayer, ReplayError> {
+        let module = match path {
+            Some(path) => {
+                let bytes = std::fs::read(path).map_err(|source| ReplayError::ReadModule { path: path.to_path_buf(), source })?;
+                let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "module".into());
+                Some((name, bytes))
+            }
+            None => None,
+        };
+        let module = module.as_ref().map(|(name, bytes)| (name.as_str(), bytes.as_slice()));
+        match settings {
+            Some(settings) => Replayer::with_settings(runtime, module, settings),
+            None => Replayer::new(runtime, module),
+        }
+    }
+
+    /// Runs the next calls with the settings `record` was recorded with, when it has
+    /// outputs (the revision a late recorder starts with has none: the settings stay).
+    fn follow_settings(&mut self, record: &RevisionRecord) {
+        if !self.recorded_settings || record.translator.is_none() {
+            return;
+        }
+        let recorded = record.translator_settings.as_ref().map_or_else(|| wasmplane_runtime::NO_SETTINGS.to_string(), |s| s.to_string());
+        if **self.loaded.settings() != *recorded {
+            tracing::debug!(revision = record.revision, settings = recorded, "the recorded settings changed");
+            self.loaded.set_settings(&recorded);
+            // A translator when constructed, so it still is one.
+            self.session = self.loaded.translator(Arc::new(NoLookups)).expect("a service translator");
+        }
     }
 
     pub fn name(&self) -> &str {
@@ -103,6 +134,7 @@ impl Replayer {
 
     /// Runs the translator on every service input of `record`, validating like live.
     pub fn revision(&mut self, record: &RevisionRecord) -> Replayed {
+        self.follow_settings(record);
         let mut outputs = BTreeMap::new();
         for input in &record.services {
             let key = input.object_key();
@@ -241,7 +273,8 @@ pub struct ReplayArgs {
     /// Linear-memory limit of the guest, in MiB (as `run`).
     #[arg(long, default_value_t = 64, value_parser = crate::cli::guest_memory_mib)]
     pub guest_memory_mib: usize,
-    /// The module's settings (JSON or YAML), as `module settings` would set them.
+    /// The module's settings (JSON or YAML), as `module settings` would set them, for every
+    /// revision (default: the settings recorded with each, those the live translator had).
     #[arg(long)]
     pub settings: Option<PathBuf>,
 }
@@ -252,11 +285,8 @@ pub fn command(args: ReplayArgs) -> anyhow::Result<()> {
     let reader = RecordingReader::open(&args.file)?;
     let limits = Limits { call_timeout: Duration::from_millis(args.guest_timeout_ms), memory_bytes: args.guest_memory_mib << 20, ..Default::default() };
     let runtime = Runtime::new(limits, None).context("starting the Wasm runtime")?;
-    let settings = match &args.settings {
-        Some(file) => crate::cli::settings_document(file)?,
-        None => wasmplane_runtime::NO_SETTINGS.to_string(),
-    };
-    let mut replayer = Replayer::from_file(&runtime, args.module.as_deref(), &settings)?;
+    let settings = args.settings.as_deref().map(crate::cli::settings_document).transpose()?;
+    let mut replayer = Replayer::from_file(&runtime, args.module.as_deref(), settings.as_deref())?;
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());
     let summary = replay(reader, &mut replayer, args.format, &mut out)?;

@@ -346,3 +346,53 @@ fn the_committed_fixture_replays() {
         assert!(replayed.outputs.values().all(Result::is_ok), "revision {}: {:?}", record.revision, replayed.outputs);
     }
 }
+
+/// The settings of the translator in force are recorded with its outputs, and replay runs
+/// each revision with them unless told otherwise: a recording made with settings replays to
+/// what was applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recordings_carry_the_settings_in_force() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("manifests")).unwrap();
+    let recording = dir.path().join("recording.jsonl");
+    let host = start(HostConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        manifests: Some(dir.path().join("manifests")),
+        data_dir: Some(dir.path().join("data")),
+        token: Some(TOKEN.into()),
+        dataplane: DataplaneMode::Record,
+        manifest_poll: Duration::from_millis(40),
+        record: Some(recording.clone()),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut live = Live { host, client: reqwest::Client::new(), dir, snapshots: Vec::new() };
+    let front = |endpoint: &str| {
+        let yaml = service("front", "10.96.0.30", 80, 8080, false, Some(&[(endpoint, "node-a", true)]));
+        format!("{NODE}{}", yaml.replacen("namespace: shop }", "namespace: shop, labels: { tier: front } }", 1))
+    };
+    live.write("shop.yaml", &front("10.244.0.41"));
+    live.snapshot("initial state", |dp| dp["objects"].get("shop/front").is_some()).await;
+    let upload = live.client.put(format!("{}/v1/modules/port-filter?kind=service-translator", live.host.url())).bearer_auth(TOKEN).body(artifacts::examples::PORT_FILTER_TRANSLATOR.to_vec()).send().await.unwrap();
+    assert_eq!(upload.status(), StatusCode::CREATED);
+    let settings = live.client.put(format!("{}/v1/modules/port-filter/settings", live.host.url())).bearer_auth(TOKEN).json(&serde_json::json!({"label": "tier", "value": "front"})).send().await.unwrap();
+    assert!(settings.status().is_success(), "{}", settings.text().await.unwrap());
+    live.write("shop.yaml", &front("10.244.0.42"));
+    live.snapshot("the endpoint moved, exposed by the settings", |dp| rules_text(dp, "shop/front").contains("10.244.0.42")).await;
+    let Live { host, snapshots, .. } = live;
+    host.stop().await;
+
+    let revisions = read_all(&recording);
+    let last = revisions.last().unwrap();
+    assert_eq!((last.translator.as_deref(), last.translator_settings.clone()), (Some(PORT_FILTER), Some(serde_json::json!({"label": "tier", "value": "front"}))));
+    assert_eq!(revisions[0].translator_settings, None, "the builtin ran without settings");
+    let runtime = Runtime::new(Limits::default(), None).unwrap();
+    let module = Some(("port-filter", artifacts::examples::PORT_FILTER_TRANSLATOR));
+    let replayed = Replayer::new(&runtime, module).unwrap().revision(last);
+    assert_eq!(replayed.matches_recording(), Some(true), "with the recorded settings");
+    assert!(serde_json::to_string(&replayed.outcomes()["shop/front"]).unwrap().contains("10.244.0.42"), "exposed by the label the settings name");
+    assert_eq!(snapshots.last().unwrap().revision, last.revision);
+    let without = Replayer::with_settings(&runtime, module, "{}").unwrap().revision(last);
+    assert_eq!(without.matches_recording(), Some(false), "settings given by hand are used instead");
+}

@@ -93,6 +93,9 @@ pub struct Revision {
     /// The translator in force live (`name@version`).
     #[serde(default)]
     pub translator: Option<String>,
+    /// Its settings, when it had any.
+    #[serde(default)]
+    pub translator_settings: Option<serde_json::Value>,
     #[serde(default)]
     pub outputs: Option<BTreeMap<String, RecordedOutput>>,
 }
@@ -158,17 +161,22 @@ impl Recording {
         self.revisions.iter().flat_map(|r| r.services.iter().map(move |s| (r, s)))
     }
 
-    /// Calls `translate` (a guest's native translate function) on every recorded input.
+    /// Calls `translate` (a guest's native translate function) on every recorded input, with
+    /// [`crate::settings::raw`] answering the settings recorded with its revision (`{}` when
+    /// none were).
     pub fn replay<F>(&self, mut translate: F) -> Vec<Replayed<'_>>
     where
         F: FnMut(&NodeContext, &str, &Service, &[EndpointSlice]) -> Result<Ruleset, GuestError>,
     {
         self.inputs()
-            .map(|(revision, input)| Replayed {
-                revision,
-                input,
-                recorded: revision.outputs.as_ref().and_then(|o| o.get(&input.key)),
-                output: translate(&revision.context, &input.prefix, &input.service, &input.slices),
+            .map(|(revision, input)| {
+                crate::settings::set_for_tests(&revision.translator_settings.as_ref().map_or_else(|| "{}".to_string(), |s| s.to_string()));
+                Replayed {
+                    revision,
+                    input,
+                    recorded: revision.outputs.as_ref().and_then(|o| o.get(&input.key)),
+                    output: translate(&revision.context, &input.prefix, &input.service, &input.slices),
+                }
             })
             .collect()
     }
@@ -198,5 +206,23 @@ mod tests {
         assert_eq!(outputs["a/d"].chains(), BTreeMap::from([("svc/a/d/x".to_string(), 2)]));
         let bad = format!("{}\n{{\"revision\": \"x\"}}\n", text.lines().next().unwrap());
         assert!(matches!(Recording::parse(&bad), Err(RecordingError::BadLine { line: 2, .. })));
+    }
+
+    #[test]
+    fn each_call_reads_the_settings_recorded_with_its_revision() {
+        let service = r#"{"key":"shop/db","prefix":"svc/shop/db","service":{"namespace":"shop","name":"db","service_type":"ClusterIp","cluster_ips":["10.96.0.22"],"external_ips":[],"load_balancer_ips":[],"ports":[],"session_affinity_timeout":null,"external_traffic_policy":"Cluster","internal_traffic_policy":"Cluster","labels":[]},"slices":[]}"#;
+        let context = r#"{"node_name":"n","node_ips":[],"cluster_cidrs":[],"pod_cidrs":[]}"#;
+        let text = format!(
+            "{{\"format\":\"wasmplane-recording\",\"version\":1,\"wit\":\"wasmplane:dataplane@1.0.0\",\"host\":\"0.1.0\",\"node\":{context},\"started_unix_ms\":1}}\n\
+             {{\"revision\":2,\"context\":{context},\"services\":[{service}],\"translator\":\"t@1\",\"translator_settings\":{{\"label\":\"tier\"}}}}\n\
+             {{\"revision\":3,\"context\":{context},\"services\":[{service}],\"translator\":\"t@1\"}}\n"
+        );
+        let recording = Recording::parse(&text).unwrap();
+        let mut seen = Vec::new();
+        recording.replay(|_, _, _, _| {
+            seen.push(crate::settings::raw());
+            Err(GuestError { message: "unused".into() })
+        });
+        assert_eq!(seen, [r#"{"label":"tier"}"#, "{}"]);
     }
 }

@@ -315,8 +315,18 @@ impl LoadedModule {
 
     /// The settings its guests read (a JSON document; `{}` until set).
     pub fn with_settings(mut self, settings: &str) -> Self {
-        self.settings = Arc::from(settings);
+        self.set_settings(settings);
         self
+    }
+
+    /// [`with_settings`](Self::with_settings) in place: for sessions made after it.
+    pub fn set_settings(&mut self, settings: &str) {
+        self.settings = Arc::from(settings);
+    }
+
+    /// The settings its sessions give their guests.
+    pub fn settings(&self) -> &Arc<str> {
+        &self.settings
     }
 
     /// What the module's own `settings-validation` export says of `settings` (a JSON
