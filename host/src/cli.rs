@@ -384,6 +384,15 @@ pub enum ModuleCommand {
     /// Make an ed25519 key pair: OUT (private, PKCS#8 PEM, mode 0600) and OUT.pub (SPKI
     /// PEM, for the host's --trusted-key).
     Keygen { out: PathBuf },
+    /// Check a component as a host would, offline (Kubewarden's `kwctl inspect`): its kind,
+    /// WIT version, digest, size and imports, whether it checks its own settings, and with
+    /// --settings what it says of them (fails if it refuses them).
+    Inspect {
+        file: PathBuf,
+        /// A settings document (JSON or YAML) to put to the module's own validator.
+        #[arg(long)]
+        settings: Option<PathBuf>,
+    },
 }
 
 /// How the CLI reaches an OCI registry.
@@ -504,7 +513,36 @@ pub fn signature_path(file: &std::path::Path) -> PathBuf {
     PathBuf::from(path)
 }
 
-/// `module sign` and `module keygen`: local, no API call. False for the other commands.
+/// `module inspect`: what a host would make of `file`, and of `settings` for it.
+pub fn inspect(file: &std::path::Path, settings: Option<&std::path::Path>) -> anyhow::Result<serde_json::Value> {
+    use wasmplane_runtime::SettingsVerdict;
+    let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+    let name = file.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "module".into());
+    let runtime = wasmplane_runtime::Runtime::new(wasmplane_runtime::Limits::default(), None).context("starting the Wasm runtime")?;
+    let module = runtime.settings_check(&name, &bytes, None, usize::MAX).with_context(|| format!("{}: a host would refuse it", file.display()))?;
+    let info = &module.info;
+    let mut report = serde_json::json!({
+        "file": file.display().to_string(),
+        "kind": info.kind,
+        "witVersion": info.wit_version,
+        "digest": info.digest,
+        "size": info.size,
+        "imports": info.imports,
+        "validatesSettings": module.validates_settings(),
+        "signature": signature_path(file).exists().then(|| signature_path(file).display().to_string()),
+    });
+    if let Some(path) = settings {
+        let document = settings_document(path)?;
+        report["settings"] = match module.validate(&document).with_context(|| format!("{}: its settings validator failed", file.display()))? {
+            SettingsVerdict::Valid => serde_json::json!({ "accepted": true }),
+            SettingsVerdict::Invalid(reason) => serde_json::json!({ "refused": reason }),
+            SettingsVerdict::NotImplemented => serde_json::json!({ "unchecked": "the module does not check its settings: only running it on a host's state tells" }),
+        };
+    }
+    Ok(report)
+}
+
+/// `module sign`, `keygen` and `inspect`: local, no API call. False for the other commands.
 fn local_command(command: &ModuleCommand) -> anyhow::Result<bool> {
     match command {
         ModuleCommand::Sign { key, file } => {
@@ -525,6 +563,14 @@ fn local_command(command: &ModuleCommand) -> anyhow::Result<bool> {
             file.write_all(private.as_bytes())?;
             std::fs::OpenOptions::new().write(true).create_new(true).open(&public_path).with_context(|| format!("creating {}", public_path.display()))?.write_all(public.as_bytes())?;
             println!("private key: {}\npublic key:  {} (give it to the host with --trusted-key)", out.display(), public_path.display());
+            Ok(true)
+        }
+        ModuleCommand::Inspect { file, settings } => {
+            let report = inspect(file, settings.as_deref())?;
+            println!("{}", serde_json::to_string_pretty(&report)?);
+            if let Some(reason) = report.get("settings").and_then(|s| s.get("refused")).and_then(|r| r.as_str()) {
+                bail!("{} refuses the settings: {reason}", file.display());
+            }
             Ok(true)
         }
         _ => Ok(false),
@@ -814,7 +860,7 @@ pub async fn module_command(api: ApiArgs, command: ModuleCommand) -> anyhow::Res
         ModuleCommand::Settings { name, file: None, .. } => client.get(format!("{base}/v1/modules/{name}/settings")),
         ModuleCommand::Rollback { name } => client.post(format!("{base}/v1/modules/{name}/rollback")),
         ModuleCommand::Rm { name } => client.delete(format!("{base}/v1/modules/{name}")),
-        ModuleCommand::Sign { .. } | ModuleCommand::Keygen { .. } | ModuleCommand::Publish { .. } | ModuleCommand::Pull { .. } => {
+        ModuleCommand::Sign { .. } | ModuleCommand::Keygen { .. } | ModuleCommand::Inspect { .. } | ModuleCommand::Publish { .. } | ModuleCommand::Pull { .. } => {
             unreachable!("answered without the host's API above")
         }
     };

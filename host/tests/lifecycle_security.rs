@@ -493,3 +493,37 @@ async fn the_host_binary_runs_with_guests_compiled_in_a_child() {
     assert!(guests_kib > 0 && guests_now < guests_kib / 2, "the compiled guests: {guests_kib} KiB resident when paged out, {guests_now} KiB now");
     host.kill().await.unwrap();
 }
+
+/// `module inspect`: what a host would make of a component, offline, and what it says of
+/// settings before they are set (Kubewarden's `kwctl inspect`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_inspects_a_component_and_its_settings_offline() {
+    use wasmplane::cli::{ApiArgs, ModuleCommand, inspect, module_command};
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("port_filter.wasm");
+    std::fs::write(&file, artifacts::examples::PORT_FILTER_TRANSLATOR).unwrap();
+    let (good, bad) = (dir.path().join("good.yaml"), dir.path().join("bad.json"));
+    std::fs::write(&good, "label: tier\nvalue: front\n").unwrap();
+    std::fs::write(&bad, r#"{"lable": "tier"}"#).unwrap();
+    let report = inspect(&file, Some(&good)).unwrap();
+    assert_eq!((report["kind"].as_str(), report["witVersion"].as_str(), report["validatesSettings"].as_bool()), (Some("service-translator"), Some("1.0.0"), Some(true)), "{report}");
+    assert_eq!(report["digest"], wasmplane_runtime::LoadedModule::digest_of(artifacts::examples::PORT_FILTER_TRANSLATOR));
+    assert!(report["imports"].as_array().unwrap().iter().any(|i| i.as_str().unwrap().contains("wasmplane:dataplane/settings")), "{report}");
+    assert_eq!(report["settings"], serde_json::json!({"accepted": true}));
+    assert!(report["settings"]["refused"].is_null() && report["signature"].is_null());
+    let refused = inspect(&file, Some(&bad)).unwrap();
+    assert!(refused["settings"]["refused"].as_str().unwrap().contains("unknown field `lable`"), "{refused}");
+    // The command fails on refused settings, naming the reason.
+    let api = ApiArgs { api: "http://unused".into(), token: None, token_file: None };
+    let failed = module_command(api, ModuleCommand::Inspect { file: file.clone(), settings: Some(bad) }).await.unwrap_err().to_string();
+    assert!(failed.contains("refuses the settings") && failed.contains("lable"), "{failed}");
+    // A module that does not check its settings says so; something that is not a module is
+    // refused as a host would refuse it.
+    let builtin = dir.path().join("default.wasm");
+    std::fs::write(&builtin, artifacts::SERVICE_TRANSLATOR).unwrap();
+    let unchecked = inspect(&builtin, Some(&good)).unwrap();
+    assert_eq!((unchecked["validatesSettings"].as_bool(), unchecked["settings"]["unchecked"].is_string()), (Some(false), true), "{unchecked}");
+    let core = dir.path().join("core.wasm");
+    std::fs::write(&core, b"\0asm\x01\0\0\0").unwrap();
+    assert!(format!("{:#}", inspect(&core, None).unwrap_err()).contains("a host would refuse it"));
+}

@@ -150,6 +150,11 @@ impl crate::Runtime {
 }
 
 impl SettingsCheck {
+    /// Whether the module exports `settings-validation`.
+    pub fn validates_settings(&self) -> bool {
+        self.validator.is_some()
+    }
+
     /// What the module's own `settings-validation` export says of `settings`.
     pub fn validate(&self, settings: &str) -> Result<SettingsVerdict, CallError> {
         verdict(self.validator.as_ref(), &self.sandbox, &self.name, settings)
