@@ -262,13 +262,18 @@ impl ServiceImport {
 /// own): its exports alone are imported, and its node registry goes to `nodes` when given
 /// (this node routes to the remote nodes' pod CIDRs).
 pub struct RemoteImport {
+    remote: Remote,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// What a remote import keeps across reconnects.
+struct Remote {
     cluster: String,
     importer: Arc<Mutex<Importer>>,
     connected: Arc<AtomicBool>,
     controller: Weak<Mutex<Controller>>,
     gauges: ClusterMeshGauges,
     nodes: Option<RemoteNodes>,
-    task: tokio::task::JoinHandle<()>,
 }
 
 impl Drop for RemoteImport {
@@ -281,19 +286,20 @@ impl RemoteImport {
     /// Connected in the background, again and again until it answers: a remote cluster that
     /// is down delays nothing here.
     pub fn start(cluster: &str, etcd: EtcdConfig, controller: Weak<Mutex<Controller>>, gauges: ClusterMeshGauges, nodes: Option<RemoteNodes>) -> RemoteImport {
-        let mut import = RemoteImport {
+        let remote = Remote {
             cluster: cluster.to_string(),
             importer: Arc::new(Mutex::new(Importer::new(Clusters::Only(cluster.to_string())))),
             connected: Arc::new(AtomicBool::new(false)),
             controller,
             gauges,
             nodes,
-            task: tokio::spawn(async {}),
         };
-        import.task = import.follow(etcd);
-        import
+        let task = remote.follow(etcd);
+        RemoteImport { remote, task }
     }
+}
 
+impl Remote {
     /// Connects to the cluster's etcd (retrying in the background) and follows its exports,
     /// and its nodes when wanted, over that one connection.
     fn follow(&self, etcd: EtcdConfig) -> tokio::task::JoinHandle<()> {
@@ -331,26 +337,26 @@ impl Following for RemoteImport {
     /// difference is applied, as after an outage.
     fn reconnect(&mut self, etcd: EtcdConfig) {
         self.task.abort();
-        self.connected.store(false, Ordering::Relaxed);
-        self.task = self.follow(etcd);
+        self.remote.connected.store(false, Ordering::Relaxed);
+        self.task = self.remote.follow(etcd);
     }
 
     /// Takes back every endpoint this import gave the model, and the cluster's nodes.
     fn retract(self: Box<Self>) -> BoxFuture<'static, ()> {
         self.task.abort();
         let events = {
-            let mut importer = self.importer.lock().unwrap_or_else(|p| p.into_inner());
+            let mut importer = self.remote.importer.lock().unwrap_or_else(|p| p.into_inner());
             let events = importer.replace(&BTreeMap::new());
-            let mut counted = Counted::new(self.gauges.clone());
-            counted.clusters = vec![self.cluster.clone()];
+            let mut counted = Counted::new(self.remote.gauges.clone());
+            counted.clusters = vec![self.remote.cluster.clone()];
             counted.update(&importer);
             events
         };
-        self.gauges.remote_cluster_ready.remove(&ClusterLabels { cluster: self.cluster.clone() });
-        if let Some(nodes) = &self.nodes {
-            nodes.remove(&self.cluster);
+        self.remote.gauges.remote_cluster_ready.remove(&ClusterLabels { cluster: self.remote.cluster.clone() });
+        if let Some(nodes) = &self.remote.nodes {
+            nodes.remove(&self.remote.cluster);
         }
-        let controller = self.controller.clone();
+        let controller = self.remote.controller.clone();
         Box::pin(async move {
             if let Some(controller) = controller.upgrade() {
                 apply(&controller, events).await;
@@ -359,11 +365,11 @@ impl Following for RemoteImport {
     }
 
     fn status(&self) -> RemoteCluster {
-        RemoteCluster { name: self.cluster.clone(), connected: self.connected.load(Ordering::Relaxed) }
+        RemoteCluster { name: self.remote.cluster.clone(), connected: self.remote.connected.load(Ordering::Relaxed) }
     }
 
     fn imported(&self) -> Vec<ImportedService> {
-        self.importer.lock().unwrap_or_else(|p| p.into_inner()).imported()
+        self.remote.importer.lock().unwrap_or_else(|p| p.into_inner()).imported()
     }
 }
 
