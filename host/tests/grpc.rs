@@ -7,11 +7,9 @@ mod support;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use support::netns::{Netns, is_root, run, unique_prefix};
-use tokio_rustls::rustls;
 use tonic::Code;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 use wasmplane::app::{HostConfig, RunningHost, start};
@@ -188,22 +186,6 @@ async fn expect_snapshot(stream: &mut tonic::Streaming<proto::WatchResponse>, wh
     }
 }
 
-/// The protocol a TLS server picks when offered both `h2` and `http/1.1`.
-async fn negotiated_alpn(addr: SocketAddr, ca_pem: &str) -> Option<Vec<u8>> {
-    use rustls_pki_types::pem::PemObject as _;
-    let mut roots = rustls::RootCertStore::empty();
-    roots.add(rustls_pki_types::CertificateDer::from_pem_slice(ca_pem.as_bytes()).unwrap()).unwrap();
-    let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let name = rustls_pki_types::ServerName::IpAddress(addr.ip().into());
-    let tls = tokio_rustls::TlsConnector::from(Arc::new(config)).connect(name, tcp).await.unwrap();
-    tls.get_ref().1.alpn_protocol().map(<[u8]>::to_vec)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_is_served_over_tls_and_loopback_needs_no_token() {
@@ -230,8 +212,8 @@ async fn grpc_is_served_over_tls_and_loopback_needs_no_token() {
     assert!(tokio::time::timeout(WAIT, untrusting).await.expect("an answer in time").is_err(), "an untrusted certificate must fail");
 
     // gRPC gets HTTP/2; the REST API on the same certificate still offers HTTP/1.1 only.
-    assert_eq!(negotiated_alpn(addr, &ca).await.as_deref(), Some(&b"h2"[..]));
-    assert_eq!(negotiated_alpn(host.addr, &ca).await.as_deref(), Some(&b"http/1.1"[..]));
+    assert_eq!(support::tls::handshake(addr, &ca, &[b"h2", b"http/1.1"]).await.unwrap().as_deref(), Some(&b"h2"[..]));
+    assert_eq!(support::tls::handshake(host.addr, &ca, &[b"h2", b"http/1.1"]).await.unwrap().as_deref(), Some(&b"http/1.1"[..]));
     host.stop().await;
 }
 

@@ -95,6 +95,22 @@ fn rules_text(dp: &Value, object: &str) -> String {
     dp["objects"][object].to_string()
 }
 
+/// A host over `dir`'s manifests, recording to `recording`, its dataplane kept in memory.
+async fn recording_host(dir: &Path, recording: &Path) -> RunningHost {
+    start(HostConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        manifests: Some(dir.join("manifests")),
+        data_dir: Some(dir.join("data")),
+        token: Some(TOKEN.into()),
+        dataplane: DataplaneMode::Record,
+        manifest_poll: Duration::from_millis(40),
+        record: Some(recording.to_path_buf()),
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+}
+
 /// Runs the host over changing manifests with `--record`, uploads the example module
 /// halfway; returns the recording and what the host applied at each step.
 async fn record_live() -> (tempfile::TempDir, PathBuf, Vec<Snapshot>) {
@@ -113,18 +129,7 @@ async fn record_live() -> (tempfile::TempDir, PathBuf, Vec<Snapshot>) {
     };
     std::fs::write(dir.path().join("manifests/shop.yaml"), shop(&web, &api, true)).unwrap();
     let recording = dir.path().join("recording.jsonl");
-    let host = start(HostConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        manifests: Some(dir.path().join("manifests")),
-        data_dir: Some(dir.path().join("data")),
-        token: Some(TOKEN.into()),
-        dataplane: DataplaneMode::Record,
-        manifest_poll: Duration::from_millis(40),
-        record: Some(recording.clone()),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    let host = recording_host(dir.path(), &recording).await;
     let mut live = Live { host, client: reqwest::Client::new(), dir, snapshots: Vec::new() };
 
     live.snapshot("initial state", |dp| dp["objects"].get("shop/db").is_some()).await;
@@ -355,18 +360,7 @@ async fn recordings_carry_the_settings_in_force() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(dir.path().join("manifests")).unwrap();
     let recording = dir.path().join("recording.jsonl");
-    let host = start(HostConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        manifests: Some(dir.path().join("manifests")),
-        data_dir: Some(dir.path().join("data")),
-        token: Some(TOKEN.into()),
-        dataplane: DataplaneMode::Record,
-        manifest_poll: Duration::from_millis(40),
-        record: Some(recording.clone()),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    let host = recording_host(dir.path(), &recording).await;
     let mut live = Live { host, client: reqwest::Client::new(), dir, snapshots: Vec::new() };
     let front = |endpoint: &str| {
         let yaml = service("front", "10.96.0.30", 80, 8080, false, Some(&[(endpoint, "node-a", true)]));

@@ -3,19 +3,18 @@
 //! without a restart; files that cannot be used (garbage, a key of another certificate)
 //! leave the previous certificate served.
 
-use std::net::SocketAddr;
+mod support;
+
 use std::path::Path;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
-use rustls_pki_types::pem::PemObject as _;
-use tokio_rustls::rustls;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 use wasmplane::app::{HostConfig, RunningHost, start};
 use wasmplane::auth::TlsFiles;
 use wasmplane_grpc::LocalModelClient;
 use wasmplane_grpc::proto::WatchRequest;
+use support::tls::handshake;
 
 const TOKEN: &str = "tls-reload-test-token-0123456789";
 /// Short, so the test waits a few of them rather than the default 30 s.
@@ -86,29 +85,13 @@ async fn grpc_watch(host: &RunningHost, ca_pem: &str) -> Result<(), String> {
     tokio::time::timeout(WAIT, attempt).await.unwrap_or_else(|_| Err("timed out".into()))
 }
 
-/// A bare TLS handshake offering `alpn`, trusting only `ca_pem`.
-async fn handshake(addr: SocketAddr, ca_pem: &str, alpn: &[u8]) -> Result<(), String> {
-    let mut roots = rustls::RootCertStore::empty();
-    roots.add(rustls_pki_types::CertificateDer::from_pem_slice(ca_pem.as_bytes()).unwrap()).unwrap();
-    let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    config.alpn_protocols = vec![alpn.to_vec()];
-    let tcp = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
-    let name = rustls_pki_types::ServerName::IpAddress(addr.ip().into());
-    let connecting = tokio_rustls::TlsConnector::from(Arc::new(config)).connect(name, tcp);
-    tokio::time::timeout(WAIT, connecting).await.map_err(|_| "timed out".to_string())?.map(drop).map_err(|e| e.to_string())
-}
-
 /// Both ports serve a certificate `ca` signed: the REST API, the gRPC stream, and a bare
 /// handshake with each one's ALPN.
 async fn assert_served_by(host: &RunningHost, ca: &Issued, when: &str) {
     assert_eq!(rest_health(host, &ca.ca_pem).await, Ok(StatusCode::OK), "{when}: REST");
     grpc_watch(host, &ca.ca_pem).await.unwrap_or_else(|e| panic!("{when}: gRPC: {e}"));
-    handshake(host.addr, &ca.ca_pem, b"http/1.1").await.unwrap_or_else(|e| panic!("{when}: REST handshake: {e}"));
-    handshake(host.grpc_addr.unwrap(), &ca.ca_pem, b"h2").await.unwrap_or_else(|e| panic!("{when}: gRPC handshake: {e}"));
+    handshake(host.addr, &ca.ca_pem, &[b"http/1.1"]).await.unwrap_or_else(|e| panic!("{when}: REST handshake: {e}"));
+    handshake(host.grpc_addr.unwrap(), &ca.ca_pem, &[b"h2"]).await.unwrap_or_else(|e| panic!("{when}: gRPC handshake: {e}"));
 }
 
 /// Neither port serves a certificate `ca` signed.
@@ -116,8 +99,8 @@ async fn assert_not_served_by(host: &RunningHost, ca: &Issued, when: &str) {
     let rest = rest_health(host, &ca.ca_pem).await;
     assert!(rest.is_err(), "{when}: REST must refuse a client trusting only another CA: {rest:?}");
     assert!(grpc_watch(host, &ca.ca_pem).await.is_err(), "{when}: gRPC must refuse a client trusting only another CA");
-    assert!(handshake(host.addr, &ca.ca_pem, b"http/1.1").await.is_err(), "{when}: REST handshake");
-    assert!(handshake(host.grpc_addr.unwrap(), &ca.ca_pem, b"h2").await.is_err(), "{when}: gRPC handshake");
+    assert!(handshake(host.addr, &ca.ca_pem, &[b"http/1.1"]).await.is_err(), "{when}: REST handshake");
+    assert!(handshake(host.grpc_addr.unwrap(), &ca.ca_pem, &[b"h2"]).await.is_err(), "{when}: gRPC handshake");
 }
 
 /// Waits until a client trusting only `ca` gets through to the REST API.

@@ -7,6 +7,7 @@ pub mod netns;
 pub mod rest;
 pub mod registry;
 pub mod sctp;
+pub mod tls;
 
 /// Whether set `set` holds `element`, in an `nft list ruleset` listing or in the host's
 /// rendered transaction (`add element … {set} { … }`). A frontend load balanced as data is
