@@ -78,6 +78,12 @@ pub struct RunArgs {
     /// object's `spec.podCIDRs`).
     #[arg(long = "pod-cidr", env = "WASMPLANE_POD_CIDR", requires = "cni_socket", value_delimiter = ',')]
     pub pod_cidrs: Vec<ipnet::IpNet>,
+    /// Chain the CNI daemon after the plugin that gives pods their addresses (AWS VPC CNI,
+    /// Azure CNI, flannel...; Cilium's `cni-chaining-mode`): `wasmplane-cni` comes after it
+    /// in the conflist, takes each pod's addresses from its result, and creates, allocates
+    /// and turns on nothing (no pod CIDRs).
+    #[arg(long, env = "WASMPLANE_CNI_CHAINED", requires = "cni_socket", conflicts_with = "pod_cidrs")]
+    pub cni_chained: bool,
     /// gRPC listen address of the node-local model stream (off when unset).
     #[arg(long, env = "WASMPLANE_GRPC_LISTEN")]
     pub grpc_listen: Option<SocketAddr>,
@@ -627,7 +633,7 @@ impl RunArgs {
             record: self.record,
             // This binary answers compile requests itself (`main.rs`).
             compiler: Some(wasmplane_runtime::CompilerCommand::current_exe().context("locating this binary to compile guests with")?),
-            cni: self.cni_socket.map(|socket| crate::cni::CniConfig { socket, pod_cidrs: self.pod_cidrs, state_dir: None, pod_wait: Duration::from_secs(10), node_netns: None }),
+            cni: self.cni_socket.map(|socket| crate::cni::CniConfig { socket, pod_cidrs: self.pod_cidrs, state_dir: None, pod_wait: Duration::from_secs(10), node_netns: None, chained: self.cni_chained }),
             data_dir: Some(self.data_dir),
             node_name: self.node_name,
             cluster_cidrs: self.cluster_cidrs,
@@ -908,6 +914,23 @@ mod tests {
         assert_eq!(mode(&[]), Ok(crate::controller::LocalDetection::ClusterCidr));
         assert_eq!(mode(&["--detect-local-mode", "NodeCIDR"]), Ok(crate::controller::LocalDetection::NodeCidr));
         assert!(mode(&["--detect-local-mode", "InterfaceNamePrefix"]).is_err(), "not implemented, so not accepted");
+    }
+
+    /// `--cni-chained` reaches the host's configuration; it needs the CNI socket and takes no
+    /// pod CIDRs (the plugin before wasmplane's allocates).
+    #[test]
+    fn cni_chained_reaches_the_config() {
+        let cni = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run"], args].concat()) {
+            Ok(Cli { command: Command::Run(args) }) => args.into_config().map(|c| c.cni.map(|c| (c.socket, c.chained))).map_err(|e| e.to_string()),
+            Ok(_) => unreachable!("parsed as another command"),
+            Err(e) => Err(e.to_string()),
+        };
+        let socket = PathBuf::from("/run/wasmplane/cni.sock");
+        assert_eq!(cni(&["--cni-socket", "/run/wasmplane/cni.sock"]), Ok(Some((socket.clone(), false))));
+        assert_eq!(cni(&["--cni-socket", "/run/wasmplane/cni.sock", "--cni-chained"]), Ok(Some((socket, true))));
+        assert!(cni(&["--cni-chained"]).unwrap_err().contains("--cni-socket"));
+        let both = cni(&["--cni-socket", "/run/wasmplane/cni.sock", "--cni-chained", "--pod-cidr", "10.244.0.0/24"]).unwrap_err();
+        assert!(both.contains("--pod-cidr"), "{both}");
     }
 
     #[test]

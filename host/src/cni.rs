@@ -29,6 +29,9 @@ pub struct CniConfig {
     /// The network namespace of the node side; `None` (production): the host's own. Tests
     /// point it at a namespace standing in for the node.
     pub node_netns: Option<PathBuf>,
+    /// Chained after the plugin that gives pods their addresses (`--cni-chained`): no pod
+    /// CIDRs, nothing allocated or created.
+    pub chained: bool,
 }
 
 /// Wakes pod lookups on every model revision.
@@ -121,9 +124,13 @@ impl PodNetworkSink for ModelPodNetworks {
 }
 
 /// Starts the daemon once the pod CIDRs are known (from the flag, or from this node's Node
-/// object when the watch delivers it). `synced`: the host's readiness, for STATUS.
+/// object when the watch delivers it), at once when `chained` after the plugin that gives
+/// pods their addresses (it needs none). `synced`: the host's readiness, for STATUS.
 pub async fn run(config: CniConfig, data_dir: Option<PathBuf>, controller: Arc<Mutex<Controller>>, synced: Arc<AtomicBool>) {
-    let pod_cidrs = if config.pod_cidrs.is_empty() {
+    let chained = config.chained;
+    let pod_cidrs = if chained {
+        Vec::new()
+    } else if config.pod_cidrs.is_empty() {
         loop {
             let known: Vec<ipnet::IpNet> = {
                 let c = controller.lock().unwrap_or_else(|p| p.into_inner());
@@ -146,6 +153,7 @@ pub async fn run(config: CniConfig, data_dir: Option<PathBuf>, controller: Arc<M
     daemon_config.socket_path = config.socket.clone();
     daemon_config.pod_wait_timeout = config.pod_wait;
     daemon_config.host_netns = config.node_netns.clone();
+    daemon_config.chained = chained;
     let daemon = match wasmplane_cni::CniDaemon::new(daemon_config, Arc::new(ModelPods::new(&controller, synced)), Arc::new(ModelPodNetworks::new(&controller))) {
         Ok(daemon) => daemon,
         Err(e) => {
@@ -155,7 +163,7 @@ pub async fn run(config: CniConfig, data_dir: Option<PathBuf>, controller: Arc<M
     };
     match daemon.spawn().await {
         Ok(handle) => {
-            tracing::info!(socket = %config.socket.display(), ?pod_cidrs, "CNI daemon serving");
+            tracing::info!(socket = %config.socket.display(), ?pod_cidrs, chained, "CNI daemon serving");
             // Serve until the host stops this task.
             let _handle = handle;
             std::future::pending::<()>().await;

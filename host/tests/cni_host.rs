@@ -53,6 +53,7 @@ async fn an_added_pod_is_in_the_model_at_once_and_del_takes_it_out() {
         state_dir: None,
         pod_wait: Duration::from_secs(3),
         node_netns: Some(format!("/var/run/netns/{}", node.name).into()),
+        chained: false,
     });
     let host = start_host(config).await;
     wait_for("the CNI socket", Duration::from_secs(10), || socket.exists(), |up| *up);
@@ -97,6 +98,41 @@ async fn an_added_pod_is_in_the_model_at_once_and_del_takes_it_out() {
     assert!(error["code"].as_u64().is_some() && error["msg"].as_str().is_some(), "a CNI error object: {error}");
 
     let (status, body) = cni(&socket, Command::Del, "c-web-1", &pod_netns, "web-1");
+    assert!((200..300).contains(&status), "{body}");
+    wait_for("the address gone from the model", Duration::from_secs(5), pod_ips, |ips| ips.is_empty());
+    host.stop().await;
+}
+
+/// Chained after another CNI (`--cni-chained`): the daemon serves at once though the Node has
+/// no pod CIDR (the other plugin allocates), and the addresses of the ADD's `prevResult` are
+/// in the model at once; DEL with its `prevResult` takes them out. Nothing here touches a
+/// network namespace, so no root is needed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chained_the_daemon_takes_the_addresses_the_plugin_before_it_gave() {
+    let cluster = Cluster::new();
+    let socket = cluster.data_dir().parent().unwrap().join("cni.sock");
+    let no_cidr = NODES_YAML.replacen("spec: { podCIDR: 10.244.0.0/24, podCIDRs: [10.244.0.0/24] }", "spec: {}", 1);
+    assert_ne!(no_cidr, NODES_YAML);
+    cluster.put_file("cluster.yaml", &format!("{no_cidr}---\napiVersion: v1\nkind: Namespace\nmetadata: {{ name: default }}\n"));
+    cluster.put_file("pod.yaml", &pod_yaml("web-1"));
+    let mut config = cluster.config(Vec::new());
+    config.dataplane = DataplaneMode::Record;
+    config.cni = Some(CniConfig { socket: socket.clone(), pod_cidrs: Vec::new(), state_dir: None, pod_wait: Duration::from_secs(3), node_netns: None, chained: true });
+    let host = start_host(config).await;
+    wait_for("the CNI socket without a pod CIDR", Duration::from_secs(10), || socket.exists(), |up| *up);
+
+    let previous = serde_json::json!({"cniVersion": "1.0.0", "interfaces": [{"name": "eth0", "sandbox": "/var/run/netns/x"}], "ips": [{"address": "10.244.0.77/24", "interface": 0}]});
+    let request = |command: Command| {
+        let mut request = CniRequest::for_pod(command, "c-web-1", "/var/run/netns/x", "default", "web-1");
+        request.config["prevResult"] = previous.clone();
+        request.send_blocking(&socket).unwrap()
+    };
+    let (status, result) = request(Command::Add);
+    assert_eq!((status, &result), (200, &previous), "the other plugin's result, unchanged");
+    let key = ObjectKey::new("default", "web-1");
+    let pod_ips = || host.controller.lock().unwrap().cluster().pods.get(&key).map(|p| p.ips.clone()).unwrap_or_default();
+    wait_for("the chained pod's address in the model", Duration::from_secs(5), pod_ips, |ips| ips == &["10.244.0.77"]);
+    let (status, body) = request(Command::Del);
     assert!((200..300).contains(&status), "{body}");
     wait_for("the address gone from the model", Duration::from_secs(5), pod_ips, |ips| ips.is_empty());
     host.stop().await;

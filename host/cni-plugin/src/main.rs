@@ -17,6 +17,10 @@
 //! ]}
 //! ```
 //!
+//! With the agent chained after another CNI (`wasmplane run --cni-chained`), this plugin
+//! comes last in that CNI's conflist instead (`deploy/cni/05-wasmplane-chained.conflist`);
+//! the daemon then reads the pod's addresses from the `prevResult` passed through here.
+//!
 //! Commands: ADD, DEL, CHECK, VERSION, and spec 1.1.0's STATUS and GC (these two carry no
 //! container, interface or namespace). Exit status 0 and the result on stdout, or 1 and
 //! `{"cniVersion","code","msg","details"}` on stdout (and a line on stderr). Codes: the

@@ -131,7 +131,7 @@ fn add_gives_working_network_and_del_frees_it() {
     );
     let daemon = node.daemon.as_ref().unwrap();
     assert!(
-        daemon.ipam().all().iter().all(|x| x.ips != [IpAddr::V4(ip_a)]),
+        daemon.ipam().unwrap().all().iter().all(|x| x.ips != [IpAddr::V4(ip_a)]),
         "{ip_a} still allocated"
     );
     assert_eq!(node.sink.get("test", "a"), None);
@@ -142,7 +142,7 @@ fn add_gives_working_network_and_del_frees_it() {
     drop(b);
     let del_b = node.cni("DEL", "ctr-b", &b_path, "b");
     assert!(del_b.ok, "{del_b:?}");
-    assert!(daemon.ipam().all().is_empty(), "{:?}", daemon.ipam().all());
+    assert!(daemon.ipam().unwrap().all().is_empty(), "{:?}", daemon.ipam().unwrap().all());
     assert!(node.host_links().is_empty(), "{:?}", node.host_links());
 }
 
@@ -164,7 +164,7 @@ fn repeated_add_is_idempotent_and_check_detects_a_deleted_interface() {
         second.json["interfaces"][1]["mac"],
         first.json["interfaces"][1]["mac"]
     );
-    assert_eq!(node.daemon.as_ref().unwrap().ipam().all().len(), 1);
+    assert_eq!(node.daemon.as_ref().unwrap().ipam().unwrap().all().len(), 1);
     assert_eq!(node.host_links().len(), 1);
 
     let check = node.cni_with("CHECK", "ctr", &pod.path(), "p", &{
@@ -223,7 +223,7 @@ fn restart_keeps_allocations() {
 
     node.restart();
     let daemon = node.daemon.as_ref().unwrap();
-    let recovered: HashSet<IpAddr> = daemon.ipam().all().iter().map(|x| x.ips[0]).collect();
+    let recovered: HashSet<IpAddr> = daemon.ipam().unwrap().all().iter().map(|x| x.ips[0]).collect();
     assert_eq!(recovered, HashSet::from([a.ip().into(), b.ip().into()]));
 
     // A new container after the restart gets a different address; the old ones still check.
@@ -245,6 +245,7 @@ fn restart_keeps_allocations() {
         .as_ref()
         .unwrap()
         .ipam()
+        .unwrap()
         .all()
         .iter()
         .map(|x| x.ips[0])
@@ -274,6 +275,7 @@ fn restart_keeps_allocations() {
         .as_ref()
         .unwrap()
         .ipam()
+        .unwrap()
         .all()
         .iter()
         .map(|x| x.ips[0])
@@ -304,7 +306,7 @@ fn add_waits_for_the_pod_cache_then_asks_to_try_again() {
         "{r:?}"
     );
     assert!(r.elapsed >= Duration::from_millis(300), "{:?}", r.elapsed);
-    assert!(node.daemon.as_ref().unwrap().ipam().all().is_empty());
+    assert!(node.daemon.as_ref().unwrap().ipam().unwrap().all().is_empty());
     assert!(node.host_links().is_empty());
 
     // Known while ADD waits: ADD goes on as soon as the watch delivers it.
@@ -359,7 +361,7 @@ fn hundred_concurrent_adds_get_distinct_addresses() {
     let ips: HashSet<Ipv4Addr> = replies.iter().map(|r| r.ip()).collect();
     assert_eq!(ips.len(), 100, "addresses handed out twice");
     assert_eq!(node.host_links().len(), 100);
-    assert_eq!(node.daemon.as_ref().unwrap().ipam().all().len(), 100);
+    assert_eq!(node.daemon.as_ref().unwrap().ipam().unwrap().all().len(), 100);
     // Spot-check that the last one is reachable.
     assert!(icmp_echo(&node.ns.path(), replies[99].ip(), ECHO));
 }
@@ -427,7 +429,7 @@ fn errors_carry_cni_codes_and_versions() {
     // Pod namespace that does not exist: ours (102), and nothing stays allocated.
     let r = node.cni("ADD", "x", "/var/run/netns/wpcni-does-not-exist", "e");
     assert_eq!(r.code(), 102, "{r:?}");
-    assert!(node.daemon.as_ref().unwrap().ipam().all().is_empty());
+    assert!(node.daemon.as_ref().unwrap().ipam().unwrap().all().is_empty());
     // Daemon not there: 11 (try again later), with the socket named.
     let r = node.cni_with(
         "ADD",
@@ -459,7 +461,7 @@ fn errors_carry_cni_codes_and_versions() {
     let clash = node.cni("ADD", "other", &pod.path(), "e");
     assert_eq!(clash.code(), 104, "{clash:?}");
     assert_eq!(
-        node.daemon.as_ref().unwrap().ipam().all().len(),
+        node.daemon.as_ref().unwrap().ipam().unwrap().all().len(),
         1,
         "the refused ADD released its address"
     );
@@ -499,7 +501,7 @@ fn status_and_gc_of_spec_1_1() {
     let r = node.network("GC", &gc);
     assert!(r.ok && r.json.is_null(), "{r:?}");
     let daemon = node.daemon.clone().unwrap();
-    let left: Vec<String> = daemon.ipam().all().into_iter().map(|a| a.container_id).collect();
+    let left: Vec<String> = daemon.ipam().unwrap().all().into_iter().map(|a| a.container_id).collect();
     assert_eq!(left, ["ctr-g0"]);
     assert_eq!(node.host_links(), [wasmplane_cni::host_if_name("ctr-g0", "eth0")]);
     assert_eq!(node.sink.get("test", "g1"), None, "a released address leaves the model");
@@ -507,7 +509,7 @@ fn status_and_gc_of_spec_1_1() {
     assert!(icmp_echo(&node.ns.path(), ips[0], ECHO), "the valid attachment still works");
     // Without the runtime's list nothing is known to be valid: refused, nothing released.
     assert_eq!(node.network("GC", &cfg).code(), 7);
-    assert_eq!(daemon.ipam().all().len(), 1);
+    assert_eq!(daemon.ipam().unwrap().all().len(), 1);
 
     // With a grace period, an attachment younger than it is spared even when not listed
     // (the runtime's list may predate its ADD).
@@ -518,7 +520,7 @@ fn status_and_gc_of_spec_1_1() {
     gc["cni.dev/valid-attachments"] = json!([]);
     let r = node.network("GC", &gc);
     assert!(r.ok, "{r:?}");
-    assert_eq!(node.daemon.as_ref().unwrap().ipam().all().len(), 2, "young attachments are spared");
+    assert_eq!(node.daemon.as_ref().unwrap().ipam().unwrap().all().len(), 2, "young attachments are spared");
 }
 
 /// A dual-stack node (IPv6 primary, as a cluster may be): every pod gets one address of
@@ -587,11 +589,11 @@ fn dual_stack_pods_get_an_address_of_each_family() {
 
     // A restart recovers both families' addresses; DEL frees both.
     node.restart();
-    assert_eq!(node.daemon.as_ref().unwrap().ipam().get("ctr-b", "eth0").map(|x| x.ips), Some(ips_b.clone()));
+    assert_eq!(node.daemon.as_ref().unwrap().ipam().unwrap().get("ctr-b", "eth0").map(|x| x.ips), Some(ips_b.clone()));
     assert!(node.cni("DEL", "ctr-b", &b.path(), "b").ok);
     assert_eq!(node.sink.get("test", "b"), None);
     assert!(tcp_ask(&node.ns.path(), SocketAddr::new(ips_b[0], 8086)).is_err(), "{} still answers", ips_b[0]);
-    let left: Vec<Vec<IpAddr>> = node.daemon.as_ref().unwrap().ipam().all().into_iter().map(|x| x.ips).collect();
+    let left: Vec<Vec<IpAddr>> = node.daemon.as_ref().unwrap().ipam().unwrap().all().into_iter().map(|x| x.ips).collect();
     assert_eq!(left, [ips_a]);
 
     // IPv6 only.
@@ -605,4 +607,111 @@ fn dual_stack_pods_get_an_address_of_each_family() {
     let server_c = support::tcp_server_on(&c.path(), SocketAddr::new(IpAddr::from([0u16; 8]), 8086), "c");
     assert_eq!(tcp_ask(&node6.ns.path(), SocketAddr::new(ips_c[0], 8086)).unwrap(), "c saw fd00:10:244:19::1");
     drop(server_c);
+}
+
+/// Chained after another plugin (Cilium's generic-veth chaining), with the real plugin
+/// binary: ADD hands back the other plugin's result in the request's version and puts the
+/// pod's addresses in the model at once, creating, allocating and turning on nothing; ADD
+/// with no addresses before it is refused; CHECK and STATUS pass; DEL takes the addresses
+/// out of the model (again: fine) and leaves the other plugin's interface alone.
+#[test]
+fn chained_daemon_follows_the_previous_plugin_and_touches_nothing() {
+    require_root!();
+    let node = Node::new_chained();
+    let pod = Netns::new(unique("-ch"));
+    node.know_pod("test", "ch");
+    // The other plugin's work: a veth pair into the pod, the pod's end with its address.
+    node.ns.exec(&["ip", "link", "add", "vethch0", "type", "veth", "peer", "name", "eth0", "netns", &pod.name]);
+    pod.exec(&["ip", "addr", "add", "10.244.31.5/24", "dev", "eth0"]);
+    let links = |node: &Node, pod: &Netns| (node.ns.links(), pod.links());
+    let before = links(&node, &pod);
+    let prev = json!({
+        "cniVersion": "1.0.0",
+        "interfaces": [{"name": "eth0", "mac": "02:42:0a:f4:1f:05", "sandbox": pod.path()}],
+        "ips": [
+            {"address": "10.244.31.5/24", "gateway": "10.244.31.1", "interface": 0},
+            {"address": "fd00:10:244:31::5/64", "gateway": "fd00:10:244:31::1", "interface": 0},
+        ],
+        "routes": [{"dst": "0.0.0.0/0", "gw": "10.244.31.1"}],
+        "dns": {},
+    });
+    let mut chained = node.config("1.1.0");
+    chained["prevResult"] = prev.clone();
+
+    let add = node.cni_with("ADD", "ctr-ch", &pod.path(), "ch", &chained);
+    assert!(add.ok, "{add:?}");
+    let mut want = prev.clone();
+    want["cniVersion"] = json!("1.1.0");
+    assert_eq!(add.json, want, "the previous result, in the request's version");
+    let ips: Vec<IpAddr> = vec!["10.244.31.5".parse().unwrap(), "fd00:10:244:31::5".parse().unwrap()];
+    assert_eq!(node.sink.get("test", "ch"), Some(ips.clone()), "the addresses reach the model at once");
+    assert_eq!(links(&node, &pod), before, "no interface created on the node or in the pod");
+    let (status, body) = support::http_get(&node.socket(), "/v1/allocations");
+    let allocs: serde_json::Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{status} {body}: {e}"));
+    assert_eq!(
+        (&allocs["pools"], &allocs["allocations"], &allocs["chained"]),
+        (&json!([]), &json!([]), &json!(true)),
+        "nothing allocated: {allocs}"
+    );
+    for forwarding in ["net.ipv4.ip_forward", "net.ipv6.conf.all.forwarding"] {
+        assert_eq!(node.ns.exec(&["sysctl", "-n", forwarding]).trim(), "0", "{forwarding}: the primary plugin's to turn on");
+    }
+
+    // Not after an address-giving plugin: refused with the configuration code and why.
+    let alone = node.cni_with("ADD", "ctr-alone", &pod.path(), "ch", &node.config("1.1.0"));
+    assert!(!alone.ok);
+    assert_eq!((alone.code(), alone.json["cniVersion"].as_str()), (7, Some("1.1.0")), "{alone:?}");
+    let details = alone.json["details"].as_str().unwrap();
+    assert!(details.contains("chained") && details.contains("must come after") && details.contains("prevResult"), "{details}");
+    assert!(alone.json["msg"].as_str().unwrap().contains("chained"), "{alone:?}");
+    let mut empty = chained.clone();
+    empty["prevResult"]["ips"] = json!([]);
+    let r = node.cni_with("ADD", "ctr-alone", &pod.path(), "ch", &empty);
+    assert_eq!(r.code(), 7, "{r:?}");
+    assert!(r.json["details"].as_str().unwrap().contains("no address"), "{r:?}");
+    assert_eq!(node.sink.get("test", "ch"), Some(ips.clone()), "a refused ADD changes nothing");
+
+    // CHECK: nothing of ours to check while the pod has addresses; STATUS and GC.
+    let check = node.cni_with("CHECK", "ctr-ch", &pod.path(), "ch", &chained);
+    assert!(check.ok && check.json.is_null(), "{check:?}");
+    assert_eq!(node.cni_with("CHECK", "ctr-ch", &pod.path(), "ch", &node.config("1.1.0")).code(), 7);
+    let status = node.network("STATUS", &node.config("1.1.0"));
+    assert!(status.ok && status.json.is_null(), "{status:?}");
+    let mut gc = node.config("1.1.0");
+    gc["cni.dev/valid-attachments"] = json!([]);
+    let r = node.network("GC", &gc);
+    assert!(r.ok, "{r:?}");
+    assert_eq!(node.sink.get("test", "ch"), Some(ips.clone()), "GC has nothing of ours to release");
+
+    // DEL without the cached result: nothing to do. With it: the addresses leave the model,
+    // the other plugin's interface stays. Again: still fine.
+    let del = node.cni_with("DEL", "ctr-ch", &pod.path(), "ch", &node.config("1.1.0"));
+    assert!(del.ok, "{del:?}");
+    assert_eq!(node.sink.get("test", "ch"), Some(ips));
+    for _ in 0..2 {
+        let del = node.cni_with("DEL", "ctr-ch", &pod.path(), "ch", &chained);
+        assert!(del.ok && del.json.is_null(), "{del:?}");
+        assert_eq!(node.sink.get("test", "ch"), None);
+    }
+    assert_eq!(links(&node, &pod), before, "DEL removes no interface");
+    assert!(pod.exec(&["ip", "-o", "addr", "show", "dev", "eth0"]).contains("10.244.31.5/24"));
+}
+
+/// Not chained, a `prevResult` from a plugin before wasmplane changes nothing: the address is
+/// allocated from the node's pod CIDR and the veth created, as always.
+#[test]
+fn primary_daemon_allocates_whatever_the_prev_result() {
+    require_root!();
+    let node = Node::new("10.244.32.0/24");
+    let pod = Netns::new(unique("-pr"));
+    node.know_pod("test", "pr");
+    let mut cfg = node.config("1.0.0");
+    cfg["prevResult"] = json!({"cniVersion": "1.0.0", "ips": [{"address": "10.244.99.5/24"}]});
+    let add = node.cni_with("ADD", "ctr-pr", &pod.path(), "pr", &cfg);
+    assert!(add.ok, "{add:?}");
+    let ip = IpAddr::V4(add.ip());
+    assert!(node.cidrs[0].contains(&ip), "{ip} not from 10.244.32.0/24");
+    assert_eq!(node.sink.get("test", "pr"), Some(vec![ip]));
+    assert_eq!(node.daemon.as_ref().unwrap().ipam().unwrap().all().len(), 1);
+    assert_eq!(node.host_links(), [wasmplane_cni::host_if_name("ctr-pr", "eth0")]);
 }

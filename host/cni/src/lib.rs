@@ -9,6 +9,10 @@
 //! full) and GC (releases the addresses and interfaces of attachments the runtime no longer
 //! has, sparing young ones).
 //!
+//! Chained after another plugin ([`DaemonConfig::chained`], Cilium's generic-veth chaining),
+//! that plugin gives pods their interface and addresses: ADD reports the addresses of its
+//! `prevResult` to the host and hands that result back; nothing is allocated or created.
+//!
 //! ```no_run
 //! # async fn f() -> Result<(), wasmplane_cni::Error> {
 //! use std::sync::Arc;
@@ -74,6 +78,11 @@ pub struct DaemonConfig {
     /// GC keeps allocations younger than this even when the runtime does not list them: its
     /// list may have been taken before an ADD that finished since.
     pub gc_grace: Duration,
+    /// Chained after the plugin that gives pods their interface and addresses (AWS VPC CNI,
+    /// flannel...): the daemon learns a pod's addresses from its ADD's `prevResult` and
+    /// allocates, creates and turns on nothing; that plugin owns the node's networking.
+    /// Takes no pod CIDRs.
+    pub chained: bool,
 }
 
 impl DaemonConfig {
@@ -87,6 +96,7 @@ impl DaemonConfig {
             mtu: None,
             enable_ip_forward: true,
             gc_grace: Duration::from_secs(60),
+            chained: false,
         }
     }
 }
@@ -94,7 +104,8 @@ impl DaemonConfig {
 /// The daemon: configuration, allocator, and the host's two hooks.
 pub struct CniDaemon {
     config: DaemonConfig,
-    ipam: Arc<Ipam>,
+    /// None when chained: the other plugin allocates.
+    ipam: Option<Arc<Ipam>>,
     pods: Arc<dyn PodDirectory>,
     sink: Arc<dyn PodNetworkSink>,
     /// One operation at a time per (container, interface): a DEL racing an ADD retry must
@@ -103,13 +114,23 @@ pub struct CniDaemon {
 }
 
 impl CniDaemon {
-    /// Opens the allocation state (recovering earlier allocations).
+    /// Opens the allocation state (recovering earlier allocations); none when chained.
     pub fn new(
         config: DaemonConfig,
         pods: Arc<dyn PodDirectory>,
         sink: Arc<dyn PodNetworkSink>,
     ) -> Result<Arc<CniDaemon>, Error> {
-        let ipam = Arc::new(Ipam::open(&config.state_dir, &config.pod_cidrs)?);
+        let ipam = if config.chained {
+            if !config.pod_cidrs.is_empty() {
+                return Err(Error::InvalidConfig(format!(
+                    "pod CIDRs {:?} given to a chained daemon, which allocates nothing",
+                    config.pod_cidrs
+                )));
+            }
+            None
+        } else {
+            Some(Arc::new(Ipam::open(&config.state_dir, &config.pod_cidrs)?))
+        };
         Ok(Arc::new(CniDaemon {
             config,
             ipam,
@@ -123,15 +144,29 @@ impl CniDaemon {
         &self.config
     }
 
-    pub fn ipam(&self) -> &Ipam {
-        &self.ipam
+    /// The allocator; none when chained.
+    pub fn ipam(&self) -> Option<&Ipam> {
+        self.ipam.as_deref()
+    }
+
+    /// The pod CIDRs with their gateways; none when chained.
+    fn pools(&self) -> &[Pool] {
+        self.ipam.as_deref().map_or(&[], Ipam::pools)
+    }
+
+    /// The allocator, for the code of a daemon that is not chained.
+    fn allocator(&self) -> Result<&Arc<Ipam>, Error> {
+        self.ipam
+            .as_ref()
+            .ok_or_else(|| Error::Internal("a chained daemon has no allocator".into()))
     }
 
     /// Binds the socket (replacing a stale one) and serves until the handle is shut down.
     /// Must run inside a tokio runtime.
     pub async fn spawn(self: Arc<Self>) -> Result<DaemonHandle, Error> {
-        if self.config.enable_ip_forward {
-            let ipv6 = self.ipam.pools().iter().any(|p| p.cidr.addr().is_ipv6());
+        // Chained, the primary plugin owns the node's networking, forwarding included.
+        if self.config.enable_ip_forward && !self.config.chained {
+            let ipv6 = self.pools().iter().any(|p| p.cidr.addr().is_ipv6());
             link::enable_forwarding(self.config.host_netns.clone(), ipv6).await?;
         }
         self.release_stale().await?;
@@ -150,8 +185,8 @@ impl CniDaemon {
                 tracing::error!(error = %e, "CNI socket server failed");
             }
         });
-        let cidrs: Vec<String> = self.ipam.pools().iter().map(|p| p.cidr.to_string()).collect();
-        tracing::info!(socket = %path.display(), ?cidrs, "CNI daemon listening");
+        let cidrs: Vec<String> = self.pools().iter().map(|p| p.cidr.to_string()).collect();
+        tracing::info!(socket = %path.display(), ?cidrs, chained = self.config.chained, "CNI daemon listening");
         Ok(DaemonHandle {
             stop: Some(tx),
             task,
@@ -163,7 +198,10 @@ impl CniDaemon {
     /// destroyed (which takes the veth pair with it) while no DEL reached us, e.g. the
     /// daemon was down. Run before serving, so no ADD is between allocation and veth.
     async fn release_stale(&self) -> Result<(), Error> {
-        let allocations = self.ipam.all();
+        let Some(ipam) = &self.ipam else {
+            return Ok(());
+        };
+        let allocations = ipam.all();
         if allocations.is_empty() {
             return Ok(());
         }
@@ -174,7 +212,7 @@ impl CniDaemon {
                 continue;
             }
             tracing::warn!(ips = ?a.ips, container = %a.container_id, %host_if, "releasing the addresses of a pod whose interface is gone");
-            let (ipam, ctr, ifn) = (self.ipam.clone(), a.container_id.clone(), a.if_name.clone());
+            let (ipam, ctr, ifn) = (ipam.clone(), a.container_id.clone(), a.if_name.clone());
             blocking(move || ipam.release(&ctr, &ifn)).await?;
             if let (Some(ns), Some(name)) = (&a.pod_namespace, &a.pod_name) {
                 self.sink.pod_network_removed(ns, name, &a.ips);
@@ -184,7 +222,8 @@ impl CniDaemon {
     }
 
     /// `GET /healthz`, `POST /v1/cni` (body: [`CniRequest`]) and `GET /v1/allocations`
-    /// (the pod CIDRs, their gateways and every allocation: for debugging a node).
+    /// (the pod CIDRs, their gateways and every allocation, none when chained: for
+    /// debugging a node).
     pub fn router(self: &Arc<Self>) -> Router {
         Router::new()
             .route("/healthz", get(|| async { "ok" }))
@@ -210,19 +249,26 @@ impl CniDaemon {
                 req.command.as_str()
             )));
         }
+        let chained = self.config.chained;
         match req.command {
             Command::Status => return self.status().map(|()| None),
+            // Chained, nothing is ours to release.
+            Command::Gc if chained => return Ok(None),
             Command::Gc => return self.gc(conf).await.map(|()| None),
             _ => {}
         }
         validate_env(req)?;
         self.exclusively(&req.container_id, &req.if_name, async {
             match req.command {
+                Command::Add if chained => self.add_chained(req, conf).await.map(Some),
                 Command::Add => self.add(req, conf).await.map(Some),
+                Command::Del if chained => self.del_chained(req, conf).map(|()| None),
                 Command::Del => self
                     .remove_attachment(&req.container_id, &req.if_name)
                     .await
                     .map(|_| None),
+                // Chained, nothing of ours to check beyond what the pod stands on.
+                Command::Check if chained => conf.previous_addresses().map(|_| None),
                 Command::Check => self.check(req, conf).await.map(|()| None),
                 Command::Status | Command::Gc => unreachable!("answered above"),
             }
@@ -263,7 +309,7 @@ impl CniDaemon {
                 "the watch cache has not synced yet (an ADD would wait for its pod)".into(),
             ));
         }
-        if let Some(cidr) = self.ipam.exhausted() {
+        if let Some(cidr) = self.ipam.as_ref().and_then(|ipam| ipam.exhausted()) {
             return Err(Error::NotAvailable(format!(
                 "no free address left in the pod CIDR {cidr}"
             )));
@@ -278,17 +324,18 @@ impl CniDaemon {
         let valid = conf.valid_attachments.as_ref().ok_or_else(|| {
             Error::InvalidConfig("GC needs cni.dev/valid-attachments".into())
         })?;
+        let ipam = self.allocator()?;
         let staleness = Staleness::new(valid, self.config.gc_grace);
         let mut failures = Vec::new();
         let mut released = 0;
         let now = SystemTime::now();
-        let stale: Vec<Allocation> = self.ipam.all().into_iter().filter(|a| staleness.of(a, now)).collect();
+        let stale: Vec<Allocation> = ipam.all().into_iter().filter(|a| staleness.of(a, now)).collect();
         for stale in stale {
             let (ctr, ifn) = (&stale.container_id, &stale.if_name);
             // Under the attachment's lock, looked at again: an ADD may have run meanwhile.
             let result = self
                 .exclusively(ctr, ifn, async {
-                    let current = self.ipam.get(ctr, ifn);
+                    let current = ipam.get(ctr, ifn);
                     if current.is_some_and(|a| staleness.of(&a, SystemTime::now())) {
                         self.remove_attachment(ctr, ifn).await
                     } else {
@@ -317,7 +364,8 @@ impl CniDaemon {
         }
     }
 
-    async fn add(&self, req: &CniRequest, conf: &NetConf) -> Result<Value, Error> {
+    /// The pod named in `CNI_ARGS` (if any), once it is in the watch cache.
+    async fn pod_in_cache(&self, req: &CniRequest) -> Result<Option<PodRef>, Error> {
         let pod = parse_pod_args(&req.args)?;
         if let Some(p) = &pod {
             let timeout = self.config.pod_wait_timeout;
@@ -329,14 +377,52 @@ impl CniDaemon {
                 });
             }
         }
-        let (ipam, ctr, ifn, owner) = (
-            self.ipam.clone(),
+        Ok(pod)
+    }
+
+    /// Chained ADD: the addresses the previous plugin gave the pod go to the host, and its
+    /// result goes back unchanged but for the version (the spec's rule for a plugin that
+    /// changes nothing).
+    async fn add_chained(&self, req: &CniRequest, conf: &NetConf) -> Result<Value, Error> {
+        let ips = conf.previous_addresses()?;
+        if let Some(p) = self.pod_in_cache(req).await? {
+            self.sink.pod_network_added(&p.namespace, &p.name, &ips);
+        }
+        let mut result = conf.prev_result.clone().unwrap_or_default();
+        result["cniVersion"] = conf.cni_version.clone().into();
+        Ok(result)
+    }
+
+    /// Chained DEL: the addresses of the cached `prevResult` leave the model; the interface
+    /// is the other plugin's. Without a `prevResult` (or a readable one) nothing changes:
+    /// DEL must succeed whatever is left. A repeated DEL changes nothing either, as the sink
+    /// forgets a pod only while it has exactly these addresses.
+    fn del_chained(&self, req: &CniRequest, conf: &NetConf) -> Result<(), Error> {
+        let Some(pod) = parse_pod_args(&req.args)? else {
+            return Ok(());
+        };
+        if conf.prev_result.is_none() {
+            tracing::debug!(container = %req.container_id, namespace = %pod.namespace, pod = %pod.name, "chained DEL without prevResult: nothing to remove");
+            return Ok(());
+        }
+        match conf.previous_addresses() {
+            Ok(ips) => self.sink.pod_network_removed(&pod.namespace, &pod.name, &ips),
+            Err(e) => tracing::warn!(container = %req.container_id, namespace = %pod.namespace, pod = %pod.name, error = %e, "chained DEL: the prevResult's addresses are unreadable, the model keeps the pod's"),
+        }
+        Ok(())
+    }
+
+    async fn add(&self, req: &CniRequest, conf: &NetConf) -> Result<Value, Error> {
+        let pod = self.pod_in_cache(req).await?;
+        let ipam = self.allocator()?.clone();
+        let (allocator, ctr, ifn, owner) = (
+            ipam.clone(),
             req.container_id.clone(),
             req.if_name.clone(),
             pod.clone(),
         );
         let (alloc, new) = blocking(move || {
-            ipam.allocate(
+            allocator.allocate(
                 &ctr,
                 &ifn,
                 owner
@@ -357,11 +443,7 @@ impl CniDaemon {
                 if new {
                     // Nothing of this ADD is left in the kernel (setup undoes itself), so the
                     // address goes back too; a retry starts clean.
-                    let (ipam, ctr, ifn) = (
-                        self.ipam.clone(),
-                        req.container_id.clone(),
-                        req.if_name.clone(),
-                    );
+                    let (ctr, ifn) = (req.container_id.clone(), req.if_name.clone());
                     if let Err(release) = blocking(move || ipam.release(&ctr, &ifn)).await {
                         tracing::error!(error = %release, ips = ?alloc.ips, "releasing the addresses of a failed ADD");
                     }
@@ -379,8 +461,9 @@ impl CniDaemon {
         if_name: &str,
     ) -> Result<Option<Allocation>, Error> {
         let host_if = host_if_name(container_id, if_name);
+        let ipam = self.allocator()?.clone();
         let removed = link::teardown(self.config.host_netns.clone(), host_if.clone()).await?;
-        let (ipam, ctr, ifn) = (self.ipam.clone(), container_id.to_string(), if_name.to_string());
+        let (ctr, ifn) = (container_id.to_string(), if_name.to_string());
         let released = blocking(move || ipam.release(&ctr, &ifn)).await?;
         tracing::debug!(%host_if, removed, released = ?released.as_ref().map(|a| &a.ips), "attachment removed");
         // Only what this call released leaves the model (nothing, for a repeated DEL).
@@ -398,7 +481,7 @@ impl CniDaemon {
 
     async fn check(&self, req: &CniRequest, conf: &NetConf) -> Result<(), Error> {
         let alloc = self
-            .ipam
+            .allocator()?
             .get(&req.container_id, &req.if_name)
             .ok_or_else(|| Error::UnknownContainer {
                 container_id: req.container_id.clone(),
@@ -440,7 +523,7 @@ impl CniDaemon {
             .ips
             .iter()
             .filter_map(|ip| {
-                let pool = self.ipam.pools().iter().find(|p| p.cidr.addr().is_ipv4() == ip.is_ipv4());
+                let pool = self.pools().iter().find(|p| p.cidr.addr().is_ipv4() == ip.is_ipv4());
                 if pool.is_none() {
                     tracing::warn!(%ip, container = %alloc.container_id, "no pod CIDR of this address's family: left unconfigured");
                 }
@@ -560,12 +643,12 @@ fn version_of(config: &Value) -> String {
 
 async fn allocations_handler(State(daemon): State<Arc<CniDaemon>>) -> axum::Json<Value> {
     let pools: Vec<Value> = daemon
-        .ipam
         .pools()
         .iter()
         .map(|p| serde_json::json!({"podCIDR": p.cidr.to_string(), "gateway": p.gateway.to_string()}))
         .collect();
-    axum::Json(serde_json::json!({"pools": pools, "allocations": daemon.ipam.all()}))
+    let allocations = daemon.ipam().map(Ipam::all).unwrap_or_default();
+    axum::Json(serde_json::json!({"pools": pools, "allocations": allocations, "chained": daemon.config.chained}))
 }
 
 async fn cni_handler(State(daemon): State<Arc<CniDaemon>>, body: Bytes) -> Response {
@@ -728,15 +811,76 @@ mod tests {
         assert_eq!((no_list.0.as_str(), no_list.1.code()), ("1.1.0", code::INVALID_CONFIG));
 
         // A /30 has one pod address: taken, the node cannot add pods.
-        daemon.ipam().allocate("c1", "eth0", None).unwrap();
+        daemon.ipam().unwrap().allocate("c1", "eth0", None).unwrap();
         let full = daemon.handle(&network_request(Command::Status, v11.clone())).await.unwrap_err().1;
         assert_eq!(full.code(), code::NOT_AVAILABLE);
         assert!(full.to_string().contains("10.244.9.0/30"), "{full}");
-        daemon.ipam().release("c1", "eth0").unwrap();
+        daemon.ipam().unwrap().release("c1", "eth0").unwrap();
 
         let unsynced = CniDaemon::new(config, Arc::new(Unsynced), sink).unwrap();
         let e = unsynced.handle(&network_request(Command::Status, v11)).await.unwrap_err().1;
         assert_eq!(e.code(), code::NOT_AVAILABLE);
         assert!(e.to_string().contains("watch cache"), "{e}");
+    }
+
+    /// Chained: ADD reports the prevResult's addresses and returns it in the request's
+    /// version, with nothing allocated or persisted; without addresses it is refused; DEL
+    /// takes the addresses out of the model, repeatedly without harm; STATUS and GC have no
+    /// pools to look at. (No namespace is touched, so this runs unprivileged.)
+    #[tokio::test]
+    async fn chained_daemon_follows_the_previous_plugin() {
+        let dir = tempfile::tempdir().unwrap();
+        let state_dir = dir.path().join("state");
+        let mut config = DaemonConfig::new(Vec::new(), state_dir.clone());
+        config.chained = true;
+        let sink = Arc::new(PodNetworks::new());
+        let daemon = CniDaemon::new(config.clone(), Arc::new(AnyPod), sink.clone()).unwrap();
+        assert!(daemon.ipam().is_none());
+        let prev = json!({"cniVersion": "1.0.0", "interfaces": [{"name": "eth0", "sandbox": "/var/run/netns/p"}],
+            "ips": [{"address": "10.244.4.9/24", "gateway": "10.244.4.1", "interface": 0}, {"address": "fd00:10:244:4::9/64", "interface": 0}]});
+        let request = |command: Command, prev: Option<&Value>| {
+            let mut r = CniRequest::for_pod(command, "ctr", "/var/run/netns/p", "ns", "p");
+            r.config["cniVersion"] = json!("1.1.0");
+            if let Some(prev) = prev {
+                r.config["prevResult"] = prev.clone();
+            }
+            r
+        };
+        let result = daemon.handle(&request(Command::Add, Some(&prev))).await.unwrap().unwrap();
+        let mut want = prev.clone();
+        want["cniVersion"] = json!("1.1.0");
+        assert_eq!(result, want);
+        let ips: Vec<std::net::IpAddr> = vec!["10.244.4.9".parse().unwrap(), "fd00:10:244:4::9".parse().unwrap()];
+        assert_eq!(sink.get("ns", "p"), Some(ips));
+        assert!(!state_dir.exists(), "a chained daemon keeps no allocation state");
+        assert_eq!(daemon.handle(&request(Command::Check, Some(&prev))).await.unwrap(), None);
+
+        let refused = daemon.handle(&request(Command::Add, None)).await.unwrap_err();
+        assert_eq!((refused.0.as_str(), refused.1.code()), ("1.1.0", code::INVALID_CONFIG));
+        assert!(refused.1.to_string().contains("chained"), "{}", refused.1);
+        let no_ips = json!({"cniVersion": "1.0.0", "ips": []});
+        assert_eq!(daemon.handle(&request(Command::Check, Some(&no_ips))).await.unwrap_err().1.code(), code::INVALID_CONFIG);
+
+        let status = json!({"cniVersion": "1.1.0", "name": "k8s"});
+        assert!(daemon.handle(&network_request(Command::Status, status.clone())).await.is_ok());
+        assert!(daemon.handle(&network_request(Command::Gc, status)).await.is_ok(), "nothing to release");
+
+        // DEL without the cached result changes nothing; with it the addresses go; again: fine.
+        assert_eq!(daemon.handle(&request(Command::Del, None)).await.unwrap(), None);
+        assert!(sink.get("ns", "p").is_some());
+        for _ in 0..2 {
+            assert_eq!(daemon.handle(&request(Command::Del, Some(&prev))).await.unwrap(), None);
+            assert_eq!(sink.get("ns", "p"), None);
+        }
+
+        // STATUS waits for the watch cache as unchained.
+        let unsynced = CniDaemon::new(config.clone(), Arc::new(Unsynced), sink.clone()).unwrap();
+        let status = json!({"cniVersion": "1.1.0", "name": "k8s"});
+        assert_eq!(unsynced.handle(&network_request(Command::Status, status)).await.unwrap_err().1.code(), code::NOT_AVAILABLE);
+
+        // Pod CIDRs make no sense chained: refused, not ignored.
+        config.pod_cidrs = vec!["10.244.4.0/24".parse().unwrap()];
+        let e = CniDaemon::new(config, Arc::new(AnyPod), sink).err().expect("pod CIDRs refused");
+        assert_eq!(e.code(), code::INVALID_CONFIG);
     }
 }

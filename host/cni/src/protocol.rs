@@ -163,6 +163,37 @@ impl NetConf {
             valid_attachments,
         })
     }
+
+    /// The pod's addresses in the previous plugin's result (`ips[].address`, CIDR notation),
+    /// in its order, each once: what a chained daemon learns the pod's addresses from.
+    pub fn previous_addresses(&self) -> Result<Vec<IpAddr>, Error> {
+        let prev = self
+            .prev_result
+            .as_ref()
+            .ok_or_else(|| Error::NoPreviousAddresses("the configuration has no prevResult".into()))?;
+        let listed = prev.get("ips").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
+        if listed.is_empty() {
+            return Err(Error::NoPreviousAddresses("prevResult lists no address (ips)".into()));
+        }
+        let mut ips = Vec::with_capacity(listed.len());
+        for (i, ip) in listed.iter().enumerate() {
+            let address = ip
+                .get("address")
+                .and_then(Value::as_str)
+                .and_then(|a| a.parse::<ipnet::IpNet>().ok())
+                .ok_or_else(|| {
+                    Error::InvalidConfig(format!(
+                        "prevResult ips[{i}].address {} is not an address in CIDR notation",
+                        ip.get("address").unwrap_or(&Value::Null)
+                    ))
+                })?
+                .addr();
+            if !ips.contains(&address) {
+                ips.push(address);
+            }
+        }
+        Ok(ips)
+    }
 }
 
 /// The Kubernetes pod named in `CNI_ARGS`, when the runtime passed one.
@@ -359,6 +390,42 @@ mod tests {
             ])
         );
         assert_eq!(dual.to_result("0.4.0")["ips"][1]["version"], "6");
+    }
+
+    /// A chained daemon's addresses: every `ips[].address` of the prevResult, in order, once;
+    /// none at all (or no prevResult) is the chaining mistake, told apart from a malformed
+    /// address.
+    #[test]
+    fn previous_addresses_of_a_chained_add() {
+        let conf = |prev: Option<Value>| {
+            let mut c = json!({"cniVersion": "1.0.0", "name": "k8s"});
+            if let Some(prev) = prev {
+                c["prevResult"] = prev;
+            }
+            NetConf::parse(&c).unwrap()
+        };
+        let ips = conf(Some(json!({"cniVersion": "1.0.0", "ips": [
+            {"address": "10.244.3.7/24", "gateway": "10.244.3.1"},
+            {"address": "fd00:10:244:3::7/64"},
+            {"address": "10.244.3.7/32"},
+        ]})))
+        .previous_addresses()
+        .unwrap();
+        let want: Vec<IpAddr> = vec!["10.244.3.7".parse().unwrap(), "fd00:10:244:3::7".parse().unwrap()];
+        assert_eq!(ips, want);
+        for (prev, says) in [
+            (None, "no prevResult"),
+            (Some(json!({"cniVersion": "1.0.0", "interfaces": []})), "no address"),
+            (Some(json!({"cniVersion": "1.0.0", "ips": []})), "no address"),
+        ] {
+            let e = conf(prev).previous_addresses().unwrap_err();
+            assert!(matches!(e, Error::NoPreviousAddresses(_)) && e.code() == 7, "{e:?}");
+            assert!(e.to_string().contains(says) && e.to_string().contains("must come after"), "{e}");
+        }
+        let e = conf(Some(json!({"ips": [{"address": "10.244.3.7/24"}, {"address": "10.244.3.8"}]})))
+            .previous_addresses()
+            .unwrap_err();
+        assert!(matches!(e, Error::InvalidConfig(_)) && e.to_string().contains("ips[1]"), "{e}");
     }
 
     #[test]

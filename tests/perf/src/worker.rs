@@ -342,6 +342,7 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
                 state_dir: None,
                 pod_wait: Duration::from_secs(30),
                 node_netns: Some(ns.path().into()),
+                chained: false,
             })
         }).transpose()?,
         ..Default::default()

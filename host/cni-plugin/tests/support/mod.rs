@@ -107,6 +107,18 @@ impl Netns {
     pub fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
         in_ns(&self.path(), f)
     }
+
+    /// The names of every interface in the namespace, sorted.
+    pub fn links(&self) -> Vec<String> {
+        let mut links: Vec<String> = self
+            .exec(&["ip", "-o", "link", "show"])
+            .lines()
+            .filter_map(|l| l.split(": ").nth(1))
+            .map(|n| n.split('@').next().unwrap().to_string())
+            .collect();
+        links.sort();
+        links
+    }
 }
 
 impl Drop for Netns {
@@ -363,8 +375,10 @@ pub fn http_get(socket: &std::path::Path, path: &str) -> (String, String) {
 
 /// A node namespace with the CNI daemon running in-process, its node side in that namespace.
 pub struct Node {
-    /// The pod CIDRs, the primary family first.
+    /// The pod CIDRs, the primary family first (none when chained).
     pub cidrs: Vec<ipnet::IpNet>,
+    /// The daemon is chained after another plugin ([`Node::new_chained`]).
+    pub chained: bool,
     pub pods: Arc<PodCache>,
     pub sink: Arc<PodNetworks>,
     pub wait: Duration,
@@ -381,6 +395,16 @@ pub struct Node {
 impl Node {
     /// `cidrs`: comma-separated, the primary family first.
     pub fn new(cidrs: &str) -> Node {
+        Node::with(cidrs.split(',').map(|c| c.parse().unwrap()).collect(), false)
+    }
+
+    /// A daemon chained after another plugin: no pod CIDRs; tests hand each ADD the
+    /// `prevResult` that plugin would have made.
+    pub fn new_chained() -> Node {
+        Node::with(Vec::new(), true)
+    }
+
+    fn with(cidrs: Vec<ipnet::IpNet>, chained: bool) -> Node {
         let ns = Netns::new(unique("-node"));
         ns.exec(&["ip", "link", "set", "lo", "up"]);
         // Forwarding stays off here: the daemon must turn it on (pod-to-pod traffic tests it).
@@ -394,7 +418,8 @@ impl Node {
             .build()
             .unwrap();
         let mut node = Node {
-            cidrs: cidrs.split(',').map(|c| c.parse().unwrap()).collect(),
+            cidrs,
+            chained,
             pods: Arc::new(PodCache::new()),
             sink: Arc::new(PodNetworks::new()),
             wait: Duration::from_secs(5),
@@ -427,6 +452,7 @@ impl Node {
         config.host_netns = Some(self.ns.path().into());
         config.pod_wait_timeout = self.wait;
         config.gc_grace = self.gc_grace;
+        config.chained = self.chained;
         let daemon = CniDaemon::new(config, pods, self.sink.clone()).expect("daemon");
         self.handle = Some(
             self.rt
@@ -498,13 +524,7 @@ impl Node {
 
     /// Interfaces named `wp*` in the node namespace.
     pub fn host_links(&self) -> Vec<String> {
-        self.ns
-            .exec(&["ip", "-o", "link", "show"])
-            .lines()
-            .filter_map(|l| l.split(": ").nth(1))
-            .map(|n| n.split('@').next().unwrap().to_string())
-            .filter(|n| n.starts_with("wp"))
-            .collect()
+        self.ns.links().into_iter().filter(|n| n.starts_with("wp")).collect()
     }
 }
 
