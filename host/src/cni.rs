@@ -98,24 +98,33 @@ impl ModelPodNetworks {
         ModelPodNetworks { controller: Arc::downgrade(controller) }
     }
 
-    fn update(&self, namespace: &str, name: &str, ips: Option<&[IpAddr]>, released: &[IpAddr]) {
-        let Some(controller) = self.controller.upgrade() else { return };
+    /// Applies the change (the model, then the dataplane) off the async runtime; the
+    /// returned task ends when it is written.
+    fn update(&self, namespace: &str, name: &str, ips: Option<&[IpAddr]>, released: &[IpAddr]) -> Option<tokio::task::JoinHandle<()>> {
+        let controller = self.controller.upgrade()?;
         let key = ObjectKey::new(namespace, name);
         let ips = ips.map(|ips| ips.iter().map(IpAddr::to_string).collect::<Vec<_>>());
         let released: Vec<String> = released.iter().map(IpAddr::to_string).collect();
         // Guest calls are synchronous: off the async runtime.
-        tokio::task::spawn_blocking(move || {
+        Some(tokio::task::spawn_blocking(move || {
             let mut controller = controller.lock().unwrap_or_else(|p| p.into_inner());
             if let Err(e) = controller.set_pod_network(&key, ips, &released) {
                 tracing::error!(pod = %key, "applying the pod's addresses: {e}");
             }
-        });
+        }))
     }
 }
 
 impl PodNetworkSink for ModelPodNetworks {
-    fn pod_network_added(&self, namespace: &str, name: &str, ips: &[IpAddr]) {
-        self.update(namespace, name, Some(ips), &[]);
+    /// Done once the pod's addresses are in the model and its rules (policy dispatch, peer
+    /// sets, host ports) in the kernel: the ADD answers after that.
+    fn pod_network_added(&self, namespace: &str, name: &str, ips: &[IpAddr]) -> BoxFuture<'static, ()> {
+        let written = self.update(namespace, name, Some(ips), &[]);
+        Box::pin(async move {
+            if let Some(written) = written {
+                let _ = written.await;
+            }
+        })
     }
 
     fn pod_network_removed(&self, namespace: &str, name: &str, ips: &[IpAddr]) {

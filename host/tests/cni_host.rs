@@ -7,8 +7,10 @@
 
 mod support;
 
+use std::collections::BTreeMap;
 use std::path::Path;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use support::cluster::{Cluster, NODES_YAML, start_host, wait_for};
@@ -16,7 +18,9 @@ use support::netns::{Netns, is_root};
 use wasmplane::app::DataplaneMode;
 use wasmplane::cni::CniConfig;
 use wasmplane_cni::{CniRequest, Command};
-use wasmplane_model::ObjectKey;
+use wasmplane::controller::ModelObserver;
+use wasmplane_model::state::ModelUpdate;
+use wasmplane_model::{NodeLocalModel, ObjectKey};
 
 /// One request as `wasmplane-cni` sends it: HTTP/1.1 POST /v1/cni over the unix socket.
 fn cni(socket: &Path, command: Command, container: &str, netns: &str, pod: &str) -> (u16, Value) {
@@ -81,10 +85,11 @@ async fn an_added_pod_is_in_the_model_at_once_and_del_takes_it_out() {
     assert!(pod_ns.exec(&["ip", "-6", "-o", "addr", "show", "dev", "eth0"]).contains(&ip6), "the interface has the address");
     let both = vec![ip.clone(), ip6.clone()];
 
-    // In the model at once: the manifest never reports an address.
+    // In the model, and written, before ADD answered (the runtime starts the containers
+    // after it): the manifest never reports an address.
     let key = ObjectKey::new("default", "web-1");
     let pod_ips = || host.controller.lock().unwrap().cluster().pods.get(&key).map(|p| p.ips.clone()).unwrap_or_default();
-    wait_for("the pod's addresses in the model", Duration::from_secs(5), pod_ips, |ips| ips == &both);
+    assert_eq!(pod_ips(), both, "the pod's addresses in the model when ADD answers");
     // A manifest change that still reports no address keeps the one the daemon gave.
     std::fs::write(cluster.manifests().join("pod.yaml"), pod_yaml("web-1").replace("app: web", "app: web2")).unwrap();
     wait_for("the relabelled pod", Duration::from_secs(5), || host.controller.lock().unwrap().cluster().pods.get(&key).map(|p| p.labels.clone()), |l| {
@@ -107,6 +112,22 @@ async fn an_added_pod_is_in_the_model_at_once_and_del_takes_it_out() {
 /// no pod CIDR (the other plugin allocates), and the addresses of the ADD's `prevResult` are
 /// in the model at once; DEL with its `prevResult` takes them out. Nothing here touches a
 /// network namespace, so no root is needed.
+/// Slows every model revision down by 200 ms and notes when each local pod first had an
+/// address in one.
+struct SlowRevisions(Arc<Mutex<BTreeMap<ObjectKey, Instant>>>);
+
+impl ModelObserver for SlowRevisions {
+    fn model_changed(&self, model: &NodeLocalModel, _update: &ModelUpdate) {
+        std::thread::sleep(Duration::from_millis(200));
+        let mut written = self.0.lock().unwrap();
+        for (key, pod) in &model.local_pods {
+            if !pod.ips.is_empty() {
+                written.entry(key.clone()).or_insert_with(Instant::now);
+            }
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chained_the_daemon_takes_the_addresses_the_plugin_before_it_gave() {
     let cluster = Cluster::new();
@@ -114,26 +135,36 @@ async fn chained_the_daemon_takes_the_addresses_the_plugin_before_it_gave() {
     let no_cidr = NODES_YAML.replacen("spec: { podCIDR: 10.244.0.0/24, podCIDRs: [10.244.0.0/24] }", "spec: {}", 1);
     assert_ne!(no_cidr, NODES_YAML);
     cluster.put_file("cluster.yaml", &format!("{no_cidr}---\napiVersion: v1\nkind: Namespace\nmetadata: {{ name: default }}\n"));
-    cluster.put_file("pod.yaml", &pod_yaml("web-1"));
+    let pods: Vec<String> = (1..=5).map(|i| format!("web-{i}")).collect();
+    cluster.put_file("pods.yaml", &pods.iter().map(|p| pod_yaml(p)).collect::<Vec<_>>().join("---\n"));
     let mut config = cluster.config(Vec::new());
     config.dataplane = DataplaneMode::Record;
     config.cni = Some(CniConfig { socket: socket.clone(), pod_cidrs: Vec::new(), state_dir: None, pod_wait: Duration::from_secs(3), node_netns: None, chained: true });
     let host = start_host(config).await;
     wait_for("the CNI socket without a pod CIDR", Duration::from_secs(10), || socket.exists(), |up| *up);
+    // A slow revision (as a large dataplane write is): when each pod's address made one.
+    let written = Arc::new(Mutex::new(BTreeMap::new()));
+    host.controller.lock().unwrap().add_observer(Box::new(SlowRevisions(written.clone())));
 
-    let previous = serde_json::json!({"cniVersion": "1.0.0", "interfaces": [{"name": "eth0", "sandbox": "/var/run/netns/x"}], "ips": [{"address": "10.244.0.77/24", "interface": 0}]});
-    let request = |command: Command| {
-        let mut request = CniRequest::for_pod(command, "c-web-1", "/var/run/netns/x", "default", "web-1");
-        request.config["prevResult"] = previous.clone();
-        request.send_blocking(&socket).unwrap()
-    };
-    let (status, result) = request(Command::Add);
-    assert_eq!((status, &result), (200, &previous), "the other plugin's result, unchanged");
-    let key = ObjectKey::new("default", "web-1");
-    let pod_ips = || host.controller.lock().unwrap().cluster().pods.get(&key).map(|p| p.ips.clone()).unwrap_or_default();
-    wait_for("the chained pod's address in the model", Duration::from_secs(5), pod_ips, |ips| ips == &["10.244.0.77"]);
-    let (status, body) = request(Command::Del);
-    assert!((200..300).contains(&status), "{body}");
-    wait_for("the address gone from the model", Duration::from_secs(5), pod_ips, |ips| ips.is_empty());
+    for (i, pod) in pods.iter().enumerate() {
+        let ip = format!("10.244.0.{}", 70 + i);
+        let previous = serde_json::json!({"cniVersion": "1.0.0", "interfaces": [{"name": "eth0", "sandbox": "/var/run/netns/x"}], "ips": [{"address": format!("{ip}/24"), "interface": 0}]});
+        let request = |command: Command| {
+            let mut request = CniRequest::for_pod(command, &format!("c-{pod}"), "/var/run/netns/x", "default", pod);
+            request.config["prevResult"] = previous.clone();
+            request.send_blocking(&socket).unwrap()
+        };
+        let (status, result) = request(Command::Add);
+        let answered = Instant::now();
+        assert_eq!((status, &result), (200, &previous), "the other plugin's result, unchanged");
+        let key = ObjectKey::new("default", pod);
+        let pod_ips = || host.controller.lock().unwrap().cluster().pods.get(&key).map(|p| p.ips.clone()).unwrap_or_default();
+        assert_eq!(pod_ips(), [ip.as_str()], "{pod}'s address in the model");
+        let applied = written.lock().unwrap().get(&key).copied().expect("a revision with the address");
+        assert!(applied <= answered, "{pod}: ADD answered before its address was in force");
+        let (status, body) = request(Command::Del);
+        assert!((200..300).contains(&status), "{body}");
+        wait_for("the address gone from the model", Duration::from_secs(5), pod_ips, |ips| ips.is_empty());
+    }
     host.stop().await;
 }

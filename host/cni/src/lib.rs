@@ -386,7 +386,7 @@ impl CniDaemon {
     async fn add_chained(&self, req: &CniRequest, conf: &NetConf) -> Result<Value, Error> {
         let ips = conf.previous_addresses()?;
         if let Some(p) = self.pod_in_cache(req).await? {
-            self.sink.pod_network_added(&p.namespace, &p.name, &ips);
+            self.sink.pod_network_added(&p.namespace, &p.name, &ips).await;
         }
         let mut result = conf.prev_result.clone().unwrap_or_default();
         result["cniVersion"] = conf.cni_version.clone().into();
@@ -435,7 +435,7 @@ impl CniDaemon {
         match link::setup(spec).await {
             Ok(net) => {
                 if let Some(p) = &pod {
-                    self.sink.pod_network_added(&p.namespace, &p.name, &net.ips());
+                    self.sink.pod_network_added(&p.namespace, &p.name, &net.ips()).await;
                 }
                 Ok(net.to_result(&conf.cni_version))
             }

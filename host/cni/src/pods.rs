@@ -42,8 +42,10 @@ pub trait PodDirectory: Send + Sync {
 
 /// Where a pod's addresses go the moment its network exists (the node-local model).
 pub trait PodNetworkSink: Send + Sync {
-    /// The pod's interface exists with these addresses (also called again for a repeated ADD).
-    fn pod_network_added(&self, namespace: &str, name: &str, ips: &[IpAddr]);
+    /// The pod's interface exists with these addresses (also called again for a repeated
+    /// ADD). ADD answers once the returned future is done: the host has the pod's addresses
+    /// in force (its policy in the kernel) before the runtime starts the pod's containers.
+    fn pod_network_added(&self, namespace: &str, name: &str, ips: &[IpAddr]) -> BoxFuture<'static, ()>;
     /// These addresses of the pod were released. A pod recreated under the same name may
     /// have been added (with other addresses) before the old sandbox's DEL arrives: an
     /// implementation forgets the pod only if it still has these addresses.
@@ -158,9 +160,10 @@ impl PodNetworks {
 }
 
 impl PodNetworkSink for PodNetworks {
-    fn pod_network_added(&self, namespace: &str, name: &str, ips: &[IpAddr]) {
+    fn pod_network_added(&self, namespace: &str, name: &str, ips: &[IpAddr]) -> BoxFuture<'static, ()> {
         self.lock()
             .insert((namespace.into(), name.into()), ips.to_vec());
+        Box::pin(std::future::ready(()))
     }
 
     fn pod_network_removed(&self, namespace: &str, name: &str, ips: &[IpAddr]) {
@@ -184,8 +187,9 @@ mod tests {
         let sink = PodNetworks::new();
         let (old, new): (IpAddr, IpAddr) =
             ("10.244.0.2".parse().unwrap(), "10.244.0.3".parse().unwrap());
-        sink.pod_network_added("ns", "web-0", &[old]);
-        sink.pod_network_added("ns", "web-0", &[new]); // recreated before the old DEL
+        // This sink records at the call; its future has nothing left to wait for.
+        drop(sink.pod_network_added("ns", "web-0", &[old]));
+        drop(sink.pod_network_added("ns", "web-0", &[new])); // recreated before the old DEL
         sink.pod_network_removed("ns", "web-0", &[old]);
         assert_eq!(sink.get("ns", "web-0"), Some(vec![new]));
         sink.pod_network_removed("ns", "web-0", &[new]);
