@@ -25,6 +25,7 @@ pub mod heartbeat;
 pub mod leader;
 pub mod nodes;
 pub mod operator;
+pub mod per_cluster;
 pub mod policystatus;
 pub mod meshslices;
 pub mod routes;
@@ -41,6 +42,7 @@ pub use heartbeat::{
 pub use leader::{LeaderElectionConfig, LeaderElector, Leadership};
 pub use nodes::{NODE_INFO_PREFIX, NodeInfo, NodeRegistry, NodeRegistryConfig, allocate_node_id, release_node_id};
 pub use operator::{Operator, OperatorConfig};
+pub use per_cluster::PerCluster;
 pub use policystatus::{
     AggregatorConfig, NodePolicyStatus, NodeStatusWriter, PolicyRef, PolicyStatusAggregator,
     PolicySummary, read_summary,

@@ -12,7 +12,6 @@
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt as _;
@@ -26,6 +25,7 @@ use tokio::sync::watch;
 use tracing::{debug, info, warn};
 use wasmplane_kvstore::{SharedBatch, SharedChange, SharedStore};
 
+use crate::per_cluster::PerCluster;
 use crate::services::{SERVICE_NAME_LABEL, SharedService, SharedSlice};
 
 /// The `endpointslice.kubernetes.io/managed-by` value of the slices written here.
@@ -52,36 +52,8 @@ type ServiceRef = (String, String);
 /// Each remote cluster's exports: cluster → Service → what it exports.
 pub type ExportSet = BTreeMap<String, BTreeMap<ServiceRef, SharedService>>;
 
-/// The remote clusters' exports, each cluster's replaced whole. Cheap to clone: every remote
-/// cluster's follower holds one.
-#[derive(Clone)]
-pub struct RemoteExports(Arc<watch::Sender<ExportSet>>);
-
-impl RemoteExports {
-    pub fn new() -> (RemoteExports, watch::Receiver<ExportSet>) {
-        let (tx, rx) = watch::channel(ExportSet::new());
-        (RemoteExports(Arc::new(tx)), rx)
-    }
-
-    /// `cluster`'s exports now.
-    pub fn set(&self, cluster: &str, exports: BTreeMap<ServiceRef, SharedService>) {
-        self.0.send_if_modified(|all| {
-            let changed = all.get(cluster) != Some(&exports);
-            all.insert(cluster.to_string(), exports);
-            changed
-        });
-    }
-
-    /// Forgets `cluster` (no longer followed): its slices go.
-    pub fn remove(&self, cluster: &str) {
-        self.0.send_if_modified(|all| all.remove(cluster).is_some());
-    }
-
-    /// A receiver of every change from now on.
-    pub fn subscribe(&self) -> watch::Receiver<ExportSet> {
-        self.0.subscribe()
-    }
-}
+/// The remote clusters' exports, each cluster's replaced whole by its follower.
+pub type RemoteExports = PerCluster<BTreeMap<ServiceRef, SharedService>>;
 
 /// Where `cluster` keeps its exports in its own kvstore.
 pub fn cluster_exports_prefix(clusters_prefix: &str, cluster: &str) -> String {

@@ -31,6 +31,7 @@ use tokio::task::JoinHandle;
 use tracing::{Instrument, debug, info, warn};
 
 use crate::error::{Error, Result};
+use crate::per_cluster::PerCluster;
 use crate::nodes::{NodeInfo, NodeRegistry, decode_all, decode_node_info};
 use wasmplane_kvstore::{SharedBatch, SharedChange, SharedStore};
 
@@ -207,14 +208,14 @@ impl RouteSync {
     /// Starts the route worker and follows `registry`.
     pub async fn start(registry: Arc<NodeRegistry>, config: RouteConfig) -> Result<Self> {
         let planner = Arc::new(RoutePlanner::start(config).await?);
-        let (remote_tx, remote_rx) = watch::channel(RemoteNodeSet::new());
+        let (remote, remote_rx) = RemoteNodes::new();
         let span = tracing::info_span!("route_sync", node = %registry.name());
         let follower = tokio::spawn(
             follow_registry(registry, remote_rx, planner.clone()).instrument(span),
         );
         Ok(RouteSync {
             planner,
-            remote: RemoteNodes(Arc::new(remote_tx)),
+            remote,
             follower,
         })
     }
@@ -239,31 +240,8 @@ impl Drop for RouteSync {
     }
 }
 
-/// The remote clusters' nodes routed to, each cluster's replaced whole. Cheap
-/// to clone: every remote cluster's follower holds one.
-#[derive(Clone)]
-pub struct RemoteNodes(Arc<watch::Sender<RemoteNodeSet>>);
-
-impl RemoteNodes {
-    /// `cluster`'s nodes now.
-    pub fn set(&self, cluster: &str, nodes: BTreeMap<String, NodeInfo>) {
-        self.0.send_if_modified(|all| {
-            let changed = all.get(cluster) != Some(&nodes);
-            all.insert(cluster.to_string(), nodes);
-            changed
-        });
-    }
-
-    /// Forgets `cluster` (no longer followed): its routes go.
-    pub fn remove(&self, cluster: &str) {
-        self.0.send_if_modified(|all| all.remove(cluster).is_some());
-    }
-
-    /// Every remote cluster's nodes (for the API's view).
-    pub fn get(&self) -> RemoteNodeSet {
-        self.0.borrow().clone()
-    }
-}
+/// The remote clusters' nodes routed to, each cluster's replaced whole by its follower.
+pub type RemoteNodes = PerCluster<BTreeMap<String, NodeInfo>>;
 
 /// Follows the node registry of another cluster (`shared`: its etcd's
 /// [`crate::NODE_INFO_PREFIX`], followed) into `remote` under `cluster`, until
