@@ -65,15 +65,11 @@ impl Importer {
         if !self.clusters.takes(cluster) {
             return Vec::new();
         }
-        let slices = match value.map(serde_json::from_slice::<SharedService>) {
+        let slices = match value.map(|value| SharedService::decode_export(value, cluster, namespace, service)) {
             None => Vec::new(),
-            Some(Ok(shared)) if (shared.cluster.as_str(), shared.namespace.as_str(), shared.name.as_str()) == (cluster, namespace, service) => slices_of(&shared),
-            Some(Ok(shared)) => {
-                tracing::warn!(entry = name, "a shared service's content names another ({}/{}/{}): ignored", shared.cluster, shared.namespace, shared.name);
-                return Vec::new();
-            }
+            Some(Ok(shared)) => slices_of(&shared),
             Some(Err(e)) => {
-                tracing::warn!(entry = name, "a shared service that does not decode: its last endpoints stay: {e}");
+                tracing::warn!(entry = name, "a shared service not taken, its last endpoints stay: {e}");
                 return Vec::new();
             }
         };

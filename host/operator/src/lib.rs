@@ -55,4 +55,4 @@ pub use routes::{
     DEFAULT_ROUTE_PROTOCOL, RemoteNodeSet, RemoteNodes, RouteConfig, RoutePlanner, RouteSync, RouteSyncReport,
     desired_routes, follow_cluster_nodes,
 };
-pub use services::{CLUSTERS_PREFIX, GLOBAL_SERVICE_ANNOTATION, SHARED_SERVICE_ANNOTATION, ServiceSyncConfig, SharedPort, SharedService, SharedSlice, sync_services};
+pub use services::{CLUSTERS_PREFIX, ExportError, GLOBAL_SERVICE_ANNOTATION, SHARED_SERVICE_ANNOTATION, ServiceSyncConfig, SharedPort, SharedService, SharedSlice, sync_services};

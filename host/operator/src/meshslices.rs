@@ -66,16 +66,9 @@ pub fn cluster_exports_prefix(clusters_prefix: &str, cluster: &str) -> String {
 pub async fn follow_cluster_exports(shared: SharedStore, cluster: String, exports: RemoteExports) {
     let mut batches = shared.batches();
     let mut services = BTreeMap::new();
-    let decode = |name: &str, value: &[u8]| match serde_json::from_slice::<SharedService>(value) {
-        Ok(export) if export.cluster == cluster && name == format!("{}/{}", export.namespace, export.name) => Some(export),
-        Ok(_) => {
-            warn!(cluster, key = name, "an export naming another cluster or Service; left out");
-            None
-        }
-        Err(e) => {
-            warn!(cluster, key = name, "an export that does not decode; left out: {e}");
-            None
-        }
+    let decode = |name: &str, value: &[u8]| {
+        let (namespace, service) = name.split_once('/')?;
+        SharedService::decode_export(value, &cluster, namespace, service).inspect_err(|e| warn!(cluster, key = name, "an export left out: {e}")).ok()
     };
     while let Some(batch) = batches.next().await {
         match batch {

@@ -105,6 +105,27 @@ pub struct SharedService {
     pub endpoint_slices: Vec<SharedSlice>,
 }
 
+/// Why an export read from a kvstore is not taken.
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    #[error("does not decode: {0}")]
+    Decode(#[from] serde_json::Error),
+    #[error("its content names another ({0})")]
+    NamesAnother(String),
+}
+
+impl SharedService {
+    /// The export stored for `cluster`'s Service `namespace`/`name`, checked to be that one:
+    /// whoever reads another cluster's exports takes nothing it did not ask for.
+    pub fn decode_export(value: &[u8], cluster: &str, namespace: &str, name: &str) -> std::result::Result<SharedService, ExportError> {
+        let shared: SharedService = serde_json::from_slice(value)?;
+        if (shared.cluster.as_str(), shared.namespace.as_str(), shared.name.as_str()) != (cluster, namespace, name) {
+            return Err(ExportError::NamesAnother(format!("{}/{}/{}", shared.cluster, shared.namespace, shared.name)));
+        }
+        Ok(shared)
+    }
+}
+
 /// The ready endpoints of one EndpointSlice of a shared Service.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -635,6 +656,16 @@ mod tests {
             protocol: protocol.map(Into::into),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn an_export_is_taken_only_for_the_service_it_is_stored_for() {
+        let export = br#"{"cluster": "east", "namespace": "db", "name": "pg", "clusterIps": [], "ports": []}"#;
+        assert_eq!(SharedService::decode_export(export, "east", "db", "pg").unwrap().name, "pg");
+        let other = SharedService::decode_export(export, "east", "db", "mysql").unwrap_err();
+        assert!(matches!(other, ExportError::NamesAnother(ref named) if named == "east/db/pg"), "{other}");
+        assert!(matches!(SharedService::decode_export(export, "west", "db", "pg"), Err(ExportError::NamesAnother(_))));
+        assert!(matches!(SharedService::decode_export(b"{", "east", "db", "pg"), Err(ExportError::Decode(_))));
     }
 
     #[test]
