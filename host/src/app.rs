@@ -243,16 +243,37 @@ pub struct RunningHost {
     pub compiled_guests: Option<PathBuf>,
     model_feed: Option<wasmplane_grpc::ModelFeed>,
     shutdown: Option<oneshot::Sender<()>>,
+    /// The CNI daemon's task and what tells it to stop.
+    cni: Option<(oneshot::Sender<()>, tokio::task::JoinHandle<()>)>,
     server: tokio::task::JoinHandle<()>,
     loops: Vec<tokio::task::JoinHandle<()>>,
 }
+
+/// How long [`RunningHost::stop`] lets the CNI daemon finish the requests it took.
+const CNI_STOP_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl RunningHost {
     pub fn url(&self) -> String {
         format!("{}://{}", if self.tls { "https" } else { "http" }, self.addr)
     }
 
+    /// Stops gracefully, as on SIGTERM: the operator role hands its Lease over first (the
+    /// next leader starts at once), the CNI daemon answers the requests it took and removes
+    /// its socket, the REST API finishes the requests in flight, gRPC watchers are told the
+    /// stream ends. The dataplane stays in the kernel, as kube-proxy leaves its rules: pods
+    /// keep their traffic until the next host adopts them.
     pub async fn stop(mut self) {
+        if let Some(operator) = &self.operator {
+            operator.shutdown().await;
+        }
+        if let Some((stop, mut task)) = self.cni.take() {
+            let _ = stop.send(());
+            // An ADD may be waiting for its pod to reach the watch cache: not for long.
+            if tokio::time::timeout(CNI_STOP_TIMEOUT, &mut task).await.is_err() {
+                tracing::warn!("the CNI daemon did not finish its requests in {CNI_STOP_TIMEOUT:?}; stopping it");
+                task.abort();
+            }
+        }
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }
@@ -470,9 +491,10 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         }
         None => None,
     };
-    if let Some(cni) = config.cni.clone().filter(|_| !operator_role) {
-        loops.push(tokio::spawn(crate::cni::run(cni, config.data_dir.clone(), controller.clone(), ready.clone())));
-    }
+    let cni = config.cni.clone().filter(|_| !operator_role).map(|cni| {
+        let (stop, stopped) = oneshot::channel();
+        (stop, tokio::spawn(crate::cni::run(cni, config.data_dir.clone(), controller.clone(), ready.clone(), stopped)))
+    });
     {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         controller.lock().unwrap_or_else(|p| p.into_inner()).set_rollback_sink(tx);
@@ -580,7 +602,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
             }
         }),
     };
-    Ok(RunningHost { addr, token, controller, metrics, ready, watch_status, modules, agent, operator, grpc_addr, tls, compiled_guests, model_feed, shutdown: Some(shutdown_tx), server, loops })
+    Ok(RunningHost { addr, token, controller, metrics, ready, watch_status, modules, agent, operator, grpc_addr, tls, compiled_guests, model_feed, shutdown: Some(shutdown_tx), cni, server, loops })
 }
 
 /// Publishes every model revision to gRPC watchers.

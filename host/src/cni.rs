@@ -135,7 +135,7 @@ impl PodNetworkSink for ModelPodNetworks {
 /// Starts the daemon once the pod CIDRs are known (from the flag, or from this node's Node
 /// object when the watch delivers it), at once when `chained` after the plugin that gives
 /// pods their addresses (it needs none). `synced`: the host's readiness, for STATUS.
-pub async fn run(config: CniConfig, data_dir: Option<PathBuf>, controller: Arc<Mutex<Controller>>, synced: Arc<AtomicBool>) {
+pub async fn run(config: CniConfig, data_dir: Option<PathBuf>, controller: Arc<Mutex<Controller>>, synced: Arc<AtomicBool>, mut stop: tokio::sync::oneshot::Receiver<()>) {
     let chained = config.chained;
     let pod_cidrs = if chained {
         Vec::new()
@@ -148,7 +148,10 @@ pub async fn run(config: CniConfig, data_dir: Option<PathBuf>, controller: Arc<M
             if !known.is_empty() {
                 break known;
             }
-            tokio::time::sleep(Duration::from_secs(1)).await;
+            tokio::select! {
+                _ = &mut stop => return,
+                () = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
         }
     } else {
         config.pod_cidrs.clone()
@@ -173,9 +176,11 @@ pub async fn run(config: CniConfig, data_dir: Option<PathBuf>, controller: Arc<M
     match daemon.spawn().await {
         Ok(handle) => {
             tracing::info!(socket = %config.socket.display(), ?pod_cidrs, chained, "CNI daemon serving");
-            // Serve until the host stops this task.
-            let _handle = handle;
-            std::future::pending::<()>().await;
+            // Serve until the host stops (or drops) us; then the requests taken are answered
+            // and the socket goes, so the plugin is told at once that no daemon listens.
+            let _ = stop.await;
+            handle.shutdown().await;
+            tracing::info!("CNI daemon stopped");
         }
         Err(e) => tracing::error!("starting the CNI daemon: {e}"),
     }

@@ -39,14 +39,32 @@ async fn run() -> anyhow::Result<()> {
             if let Some(dir) = data_dir {
                 println!("API token for mutating calls: {}", dir.join("token").display());
             }
-            tokio::signal::ctrl_c().await.context("waiting for Ctrl-C")?;
-            tracing::info!("shutting down");
-            host.stop().await;
+            let signal = termination_signal().await?;
+            tracing::info!(signal, "shutting down");
+            // Inside the pod's grace period (30 s in deploy/): the kubelet kills after it.
+            if tokio::time::timeout(STOP_TIMEOUT, host.stop()).await.is_err() {
+                tracing::warn!("not stopped within {STOP_TIMEOUT:?}; exiting");
+            }
             Ok(())
         }
         Command::Module { api, command } => wasmplane::cli::module_command(api, command).await,
         Command::Replay(args) => wasmplane::replay::command(args),
     }
+}
+
+/// How long a graceful stop may take before the process exits anyway.
+const STOP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// Waits for SIGTERM (what the kubelet and systemd send to stop a process) or SIGINT (Ctrl-C),
+/// and names the one that came.
+async fn termination_signal() -> anyhow::Result<&'static str> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut terminate = signal(SignalKind::terminate()).context("handling SIGTERM")?;
+    let mut interrupt = signal(SignalKind::interrupt()).context("handling SIGINT")?;
+    Ok(tokio::select! {
+        _ = terminate.recv() => "SIGTERM",
+        _ = interrupt.recv() => "SIGINT",
+    })
 }
 
 /// Once the initial sync is applied, hands the resident code and read-only data of the binary,

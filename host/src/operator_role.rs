@@ -174,7 +174,8 @@ pub struct OperatorRole {
     /// The remote clusters followed for the mesh EndpointSlices (by every replica: a new
     /// leader has their exports at hand).
     _remote_clusters: Option<crate::clustermesh::RemoteClusters>,
-    _elector: Option<LeaderElector>,
+    /// Taken by [`OperatorRole::shutdown`], which releases its Lease.
+    elector: Mutex<Option<LeaderElector>>,
     leadership: Leadership,
     embedded: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -242,7 +243,7 @@ impl OperatorRole {
                     };
                     tokio::spawn(async move { leadership.run_while_leading("module-objects", Duration::from_secs(5), duty).await })
                 };
-                Ok(OperatorRole { operator: Some(operator), _remote_clusters: remote_clusters, _elector: Some(elector), leadership, embedded: vec![module_gc, module_objects] })
+                Ok(OperatorRole { operator: Some(operator), _remote_clusters: remote_clusters, elector: Mutex::new(Some(elector)), leadership, embedded: vec![module_gc, module_objects] })
             }
             None => {
                 let mut collector = GarbageCollector::new(kv.clone(), None, decider, gc).context("configuring GC")?;
@@ -251,8 +252,24 @@ impl OperatorRole {
                     tokio::spawn(async move { collector.run().await }),
                     tokio::spawn(module_gc()),
                 ];
-                Ok(OperatorRole { operator: None, _remote_clusters: None, _elector: None, leadership: Leadership::always(), embedded })
+                Ok(OperatorRole { operator: None, _remote_clusters: None, elector: Mutex::new(None), leadership: Leadership::always(), embedded })
             }
+        }
+    }
+
+    /// Stops campaigning and, when leading, stops the duties and releases the Lease, so that
+    /// another replica leads at once instead of when the lease expires (client-go's
+    /// `ReleaseOnCancel`, what a rolling update of the operator needs). A second call does
+    /// nothing more.
+    pub async fn shutdown(&self) {
+        let elector = self.elector.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(elector) = elector
+            && let Err(e) = elector.shutdown().await
+        {
+            tracing::warn!("releasing the leader lease: {e}");
+        }
+        for task in &self.embedded {
+            task.abort();
         }
     }
 

@@ -106,6 +106,9 @@ async fn an_added_pod_is_in_the_model_at_once_and_del_takes_it_out() {
     assert!((200..300).contains(&status), "{body}");
     wait_for("the address gone from the model", Duration::from_secs(5), pod_ips, |ips| ips.is_empty());
     host.stop().await;
+    // A stopped host's daemon takes its socket with it: the plugin is refused at once
+    // ("no daemon") instead of connecting to nothing.
+    assert!(!socket.exists(), "the CNI socket is removed when the host stops");
 }
 
 /// Chained after another CNI (`--cni-chained`): the daemon serves at once though the Node has

@@ -491,7 +491,10 @@ async fn the_host_binary_runs_with_guests_compiled_in_a_child() {
     let guests_now = reclaimable_kib(wasmplane::memory::mappings_under(&pid.to_string(), &data.join("compiled")).unwrap());
     assert!(binary_kib > 0 && binary_now < binary_kib, "the binary: {binary_kib} KiB resident when paged out, {binary_now} KiB now");
     assert!(guests_kib > 0 && guests_now < guests_kib / 2, "the compiled guests: {guests_kib} KiB resident when paged out, {guests_now} KiB now");
-    host.kill().await.unwrap();
+    // What the kubelet sends to stop a pod: the host stops gracefully and exits 0.
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap().success());
+    let status = tokio::time::timeout(Duration::from_secs(20), host.wait()).await.expect("the host exits within 20 s of SIGTERM").unwrap();
+    assert!(status.success(), "a graceful stop on SIGTERM: {status}");
 }
 
 /// `module inspect`: what a host would make of a component, offline, and what it says of

@@ -111,7 +111,14 @@ async fn two_replicas_elect_one_leader_and_the_other_takes_over() {
 
     let (leader, follower) = if a_leads { (a, b) } else { (b, a) };
     let follower_identity = if a_leads { "operator-b" } else { "operator-a" };
+    let leader_identity = if a_leads { "operator-a" } else { "operator-b" };
     leader.stop().await;
+    // The leader gave its Lease up as it stopped (a rolling update's SIGTERM): the follower
+    // need not wait for it to expire.
+    let leases = server.list::<k8s_openapi::api::coordination::v1::Lease>();
+    assert_eq!(leases.len(), 1, "one Lease: {leases:?}");
+    let holder = leases[0].spec.as_ref().and_then(|s| s.holder_identity.clone());
+    assert_ne!(holder.as_deref(), Some(leader_identity), "released on stop: {:?}", leases[0].spec);
     // The follower takes over within about one lease duration (2 s) and writes the heartbeat.
     eventually("the follower leads", Duration::from_secs(8), || operator_state(&follower), |s| s["leader"] == true).await;
     let _ = eventually("the new leader's heartbeat", Duration::from_secs(5), || kv.get(HEARTBEAT_KEY), |hb| {
