@@ -38,6 +38,10 @@ pub struct RunArgs {
     /// Address of the REST API.
     #[arg(long, env = "WASMPLANE_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
+    /// How the log is written to stderr: `text`, a line per event for people, or `json`, an
+    /// object per line for log collectors (kube-proxy's `--logging-format=json`).
+    #[arg(long, env = "WASMPLANE_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
     /// Directory of Kubernetes YAML manifests standing in for the API server (embedded mode).
     #[arg(long, env = "WASMPLANE_MANIFESTS", conflicts_with_all = ["kubeconfig", "kubernetes"])]
     pub manifests: Option<PathBuf>,
@@ -292,6 +296,14 @@ fn parse_remote_cluster(text: &str) -> Result<(String, Vec<String>), String> {
         return Err(format!("expected NAME=http://HOST:PORT[,…], got {text:?}"));
     }
     Ok((name.to_string(), urls))
+}
+
+/// `--log-format`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
 }
 
 /// `--detect-local-mode`, spelt as kube-proxy's.

@@ -1,7 +1,7 @@
 use anyhow::Context as _;
 use clap::Parser as _;
 use tracing_subscriber::EnvFilter;
-use wasmplane::cli::{Cli, Command};
+use wasmplane::cli::{Cli, Command, LogFormat};
 
 fn main() -> anyhow::Result<std::process::ExitCode> {
     // A compile request from a running host: nothing else of the host starts in that process.
@@ -19,14 +19,25 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
     Ok(std::process::ExitCode::SUCCESS)
 }
 
-async fn run() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
-        .with_writer(std::io::stderr)
+/// The log on stderr, filtered by `RUST_LOG` (default `info`).
+fn init_logging(format: LogFormat) {
+    let logs = tracing_subscriber::fmt().with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"))).with_writer(std::io::stderr);
+    match format {
         // Colours only for a terminal: log collectors (kubectl logs) would show the escapes.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
-    match Cli::parse().command {
+        LogFormat::Text => logs.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).init(),
+        // The event's fields at the top level beside `timestamp`, `level`, `target` and the
+        // innermost span, as collectors index them.
+        LogFormat::Json => logs.json().flatten_event(true).with_span_list(false).init(),
+    }
+}
+
+async fn run() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    init_logging(match &cli.command {
+        Command::Run(args) => args.log_format,
+        _ => LogFormat::Text,
+    });
+    match cli.command {
         Command::Run(args) => {
             let page_out = !args.no_page_out;
             let config = args.into_config()?;

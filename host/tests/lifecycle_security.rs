@@ -497,6 +497,51 @@ async fn the_host_binary_runs_with_guests_compiled_in_a_child() {
     assert!(status.success(), "a graceful stop on SIGTERM: {status}");
 }
 
+/// `--log-format json`: every line on stderr is one JSON object a log collector indexes
+/// (level, target, the event's fields at the top level), from start-up to the graceful stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_host_binary_logs_json_objects_when_asked() {
+    use tokio::io::AsyncBufReadExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    write_manifest(&dir.path().join("manifests"), "shop.yaml", &documents(&[WEB_SERVICE]));
+    let mut host = tokio::process::Command::new(env!("CARGO_BIN_EXE_wasmplane"))
+        .args(["run", "--listen", "127.0.0.1:0", "--node-name", "node-a", "--log-format", "json"])
+        .arg("--manifests")
+        .arg(dir.path().join("manifests"))
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut stdout = tokio::io::BufReader::new(host.stdout.take().unwrap()).lines();
+    tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(line) = stdout.next_line().await.unwrap() {
+            if line.starts_with("wasmplane REST API: ") {
+                return;
+            }
+        }
+        panic!("the host exited without printing its REST API");
+    })
+    .await
+    .expect("the host printed its REST API within 60 s");
+    let pid = host.id().unwrap().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let output = tokio::time::timeout(Duration::from_secs(20), host.wait_with_output()).await.expect("the host exits within 20 s of SIGTERM").unwrap();
+    assert!(output.status.success(), "{}", output.status);
+    let lines: Vec<serde_json::Value> = String::from_utf8(output.stderr)
+        .unwrap()
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("not a JSON object ({e}): {line}")))
+        .collect();
+    assert!(lines.len() >= 2, "{lines:?}");
+    for line in &lines {
+        assert!(line["timestamp"].is_string() && line["level"].is_string() && line["target"].is_string() && line["message"].is_string(), "{line}");
+    }
+    // The event's own fields beside the message, not nested.
+    assert!(lines.iter().any(|l| l["message"] == "shutting down" && l["signal"] == "SIGTERM"), "{lines:?}");
+}
+
 /// `module inspect`: what a host would make of a component, offline, and what it says of
 /// settings before they are set (Kubewarden's `kwctl inspect`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
