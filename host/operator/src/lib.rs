@@ -15,7 +15,8 @@
 //! - [`services`]: Services annotated for sharing, synced into the kvstore
 //!   under this cluster's prefix, stale entries cleaned on every relist.
 //! - [`operator`]: the operator role in one call ([`Operator::start`]): every
-//!   duty above that the leader runs.
+//!   duty above that the leader runs, the service sync and the mesh slice sync
+//!   on one Service watch (`servicewatch`).
 //! - [`gc`]: the GC duty: candidates from the kvstore, a decider (the GC
 //!   guest) naming what to delete, deletions of offered keys only, rate-limited.
 
@@ -30,6 +31,7 @@ pub mod policystatus;
 pub mod meshslices;
 pub mod routes;
 pub mod services;
+mod servicewatch;
 
 pub use error::{Error, Result};
 pub use gc::{

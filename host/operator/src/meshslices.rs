@@ -2,7 +2,8 @@
 //! EndpointSlice synchronization): what lets the cluster's DNS answer for a headless global
 //! Service with the pods of every cluster, StatefulSet hostnames included.
 //!
-//! The leader follows this cluster's Services, the slices it wrote (by their
+//! The leader follows this cluster's Services (from the operator's one Service watch,
+//! `servicewatch`, shared with the service sync), the slices it wrote (by their
 //! `endpointslice.kubernetes.io/managed-by` label) and the exports of the remote clusters
 //! ([`RemoteExports`], fed by [`follow_cluster_exports`]), and keeps one slice per exported
 //! slice of a remote cluster for each local Service that is global and synchronized: headless
@@ -12,6 +13,7 @@
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt as _;
@@ -23,9 +25,10 @@ use kube::runtime::WatchStreamExt as _;
 use kube::runtime::watcher::{self, Event};
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
-use wasmplane_kvstore::{SharedBatch, SharedChange, SharedStore};
+use wasmplane_kvstore::{Revision, SharedBatch, SharedChange, SharedStore};
 
 use crate::per_cluster::PerCluster;
+use crate::servicewatch::{ServiceEvent, ServiceEvents, with_own_watch};
 use crate::services::{SERVICE_NAME_LABEL, SharedService, SharedSlice};
 
 /// The `endpointslice.kubernetes.io/managed-by` value of the slices written here.
@@ -62,35 +65,78 @@ pub fn cluster_exports_prefix(clusters_prefix: &str, cluster: &str) -> String {
 
 /// Follows `cluster`'s exports (`shared`: its etcd's [`cluster_exports_prefix`], followed)
 /// into `exports`, until the store's batches end. An export that does not decode, or names
-/// another cluster or Service than its key, is left out.
+/// another cluster or Service than its key, keeps the last good one of its key (the agent's
+/// import does the same): only a delete removes an export.
 pub async fn follow_cluster_exports(shared: SharedStore, cluster: String, exports: RemoteExports) {
     let mut batches = shared.batches();
-    let mut services = BTreeMap::new();
-    let decode = |name: &str, value: &[u8]| {
-        let (namespace, service) = name.split_once('/')?;
-        SharedService::decode_export(value, &cluster, namespace, service).inspect_err(|e| warn!(cluster, key = name, "an export left out: {e}")).ok()
-    };
+    let mut followed = FollowedExports::new(cluster.clone());
     while let Some(batch) = batches.next().await {
+        followed.apply(batch);
+        exports.set(&cluster, followed.services.clone());
+    }
+}
+
+/// One remote cluster's exports as followed: the last good export of every key.
+struct FollowedExports {
+    cluster: String,
+    services: BTreeMap<ServiceRef, SharedService>,
+    /// The revision of each key's bad value last warned about: a snapshot repeating it
+    /// is not warned about again.
+    warned: BTreeMap<String, Revision>,
+}
+
+impl FollowedExports {
+    fn new(cluster: String) -> Self {
+        FollowedExports { cluster, services: BTreeMap::new(), warned: BTreeMap::new() }
+    }
+
+    fn apply(&mut self, batch: SharedBatch) {
         match batch {
             SharedBatch::Snapshot(all) => {
-                services = all.iter().filter_map(|(name, entry)| decode(name, &entry.value)).map(|s| ((s.namespace.clone(), s.name.clone()), s)).collect();
+                // Keys missing from a snapshot were deleted meanwhile.
+                self.services.retain(|(namespace, service), _| all.contains_key(&format!("{namespace}/{service}")));
+                self.warned.retain(|name, _| all.contains_key(name));
+                for (name, entry) in &all {
+                    self.upsert(name, &entry.value, entry.mod_revision);
+                }
             }
             SharedBatch::Changes(changes) => {
                 for change in changes {
-                    let (name, export) = match &change {
-                        SharedChange::Upsert { name, value, .. } => (name, decode(name, value)),
-                        SharedChange::Delete { name } => (name, None),
-                    };
-                    let Some((namespace, service)) = name.split_once('/') else { continue };
-                    let key = (namespace.to_string(), service.to_string());
-                    match export {
-                        Some(export) => services.insert(key, export),
-                        None => services.remove(&key),
-                    };
+                    match &change {
+                        SharedChange::Upsert { name, value, mod_revision } => self.upsert(name, value, *mod_revision),
+                        SharedChange::Delete { name } => {
+                            self.warned.remove(name);
+                            if let Some((namespace, service)) = name.split_once('/') {
+                                self.services.remove(&(namespace.to_string(), service.to_string()));
+                            }
+                        }
+                    }
                 }
             }
         }
-        exports.set(&cluster, services.clone());
+    }
+
+    /// Takes the value of `name` (`<namespace>/<service>`) if it is a good export of that
+    /// Service; a bad one leaves what the key had.
+    fn upsert(&mut self, name: &str, value: &[u8], revision: Revision) {
+        let Some((namespace, service)) = name.split_once('/') else { return };
+        match SharedService::decode_export(value, &self.cluster, namespace, service) {
+            Ok(export) => {
+                self.warned.remove(name);
+                self.services.insert((namespace.to_string(), service.to_string()), export);
+            }
+            Err(e) => {
+                if self.first_warning(name, revision) {
+                    let kept = self.services.contains_key(&(namespace.to_string(), service.to_string()));
+                    warn!(cluster = self.cluster, key = name, kept, "an export not taken, its last good one stays: {e}");
+                }
+            }
+        }
+    }
+
+    /// Whether the bad value of `name` at `revision` is news (one warning per revision).
+    fn first_warning(&mut self, name: &str, revision: Revision) -> bool {
+        self.warned.insert(name.to_string(), revision) != Some(revision)
     }
 }
 
@@ -145,7 +191,7 @@ fn mesh_slice(service: &Service, cluster: &str, index: usize, export: &SharedSli
 }
 
 /// Every mesh slice wanted now, by namespace and name.
-fn wanted_slices(services: &BTreeMap<ServiceRef, Service>, exports: &ExportSet, global_annotation: &str) -> BTreeMap<ServiceRef, EndpointSlice> {
+fn wanted_slices(services: &BTreeMap<ServiceRef, Arc<Service>>, exports: &ExportSet, global_annotation: &str) -> BTreeMap<ServiceRef, EndpointSlice> {
     let mut wanted = BTreeMap::new();
     for (service_ref, service) in services.iter().filter(|(_, s)| synchronized(s, global_annotation)) {
         for (cluster, exported) in exports {
@@ -186,7 +232,9 @@ impl MeshSliceConfig {
 }
 
 enum Update {
-    Service(Box<std::result::Result<Event<Service>, watcher::Error>>),
+    Service(ServiceEvent),
+    /// The Service watch stopped feeding this duty.
+    ServicesEnded,
     Slice(Box<std::result::Result<Event<EndpointSlice>, watcher::Error>>),
     Exports,
     Resync,
@@ -195,11 +243,18 @@ enum Update {
 /// The leader's duty: keeps the mesh slices in line with this cluster's Services and the
 /// remote clusters' exports (the watches retry on their own, with backoff). Nothing is written until
 /// both watches have listed once (a half-built picture would delete slices DNS serves).
-/// Run it through [`crate::Leadership::run_while_leading`].
+/// Run it through [`crate::Leadership::run_while_leading`]. This runs it on a Service watch
+/// of its own; [`crate::Operator`] runs it on the one it shares with the service sync.
 pub async fn sync_mesh_slices(client: kube::Client, config: MeshSliceConfig) {
+    with_own_watch(client.clone(), |services| sync_mesh_slices_from(client, config, services)).await
+}
+
+/// [`sync_mesh_slices`] on a subscription to a shared Service watch (which starts with the
+/// complete list, as a watcher of its own would); returns when the subscription ends.
+pub(crate) async fn sync_mesh_slices_from(client: kube::Client, config: MeshSliceConfig, services: ServiceEvents) {
     let mut exports = config.exports.clone();
     let slices_api: Api<EndpointSlice> = Api::all(client.clone());
-    let services = watcher::watcher(Api::<Service>::all(client.clone()), watcher::Config::default()).default_backoff().map(|e| Update::Service(Box::new(e))).boxed();
+    let services = services.map(Update::Service).chain(futures::stream::once(async { Update::ServicesEnded })).boxed();
     let mine = watcher::Config::default().labels(&format!("{MANAGED_BY_LABEL}={MESH_SLICE_CONTROLLER}"));
     let slices = watcher::watcher(slices_api, mine).default_backoff().map(|e| Update::Slice(Box::new(e))).boxed();
     let changed_exports = futures::stream::unfold(exports.clone(), |mut exports| async move { exports.changed().await.ok().map(|()| (Update::Exports, exports)) }).boxed();
@@ -213,10 +268,14 @@ pub async fn sync_mesh_slices(client: kube::Client, config: MeshSliceConfig) {
     let mut updates = futures::stream::select_all([services, slices, changed_exports, ticks]);
     let mut state = MeshState { global_annotation: config.global_annotation.clone(), ..MeshState::default() };
     while let Some(update) = updates.next().await {
-        state.take(update);
+        let mut following = state.take(update);
         // A burst (a relist, many exports at once) is one reconcile.
         while let Some(Some(update)) = futures::FutureExt::now_or_never(updates.next()) {
-            state.take(update);
+            following &= state.take(update);
+        }
+        if !following {
+            warn!("the Service watch ended");
+            return;
         }
         if state.ready() {
             let exports = exports.borrow_and_update().clone();
@@ -229,9 +288,9 @@ pub async fn sync_mesh_slices(client: kube::Client, config: MeshSliceConfig) {
 struct MeshState {
     global_annotation: String,
     /// The synchronized Services (see [`synchronized`]).
-    services: BTreeMap<ServiceRef, Service>,
+    services: BTreeMap<ServiceRef, Arc<Service>>,
     slices: BTreeMap<ServiceRef, EndpointSlice>,
-    services_relist: Option<BTreeMap<ServiceRef, Service>>,
+    services_relist: Option<BTreeMap<ServiceRef, Arc<Service>>>,
     slices_relist: Option<BTreeMap<ServiceRef, EndpointSlice>>,
     services_listed: bool,
     slices_listed: bool,
@@ -280,19 +339,19 @@ impl MeshState {
         self.services_listed && self.slices_listed
     }
 
-    fn take(&mut self, update: Update) {
+    /// Takes one update; `false` once the Service watch has ended.
+    fn take(&mut self, update: Update) -> bool {
         match update {
-            Update::Service(event) => match *event {
-                // Only those synchronized are kept: at most a few of a large cluster's.
-                Ok(event) => self.services_listed |= apply_event(&mut self.services, &mut self.services_relist, event, |s: &Service| &s.metadata, |s| synchronized(s, &self.global_annotation)),
-                Err(e) => warn!("watching Services: {e}"),
-            },
+            // Only those synchronized are kept: at most a few of a large cluster's.
+            Update::Service(event) => self.services_listed |= apply_event(&mut self.services, &mut self.services_relist, event, |s: &Arc<Service>| &s.metadata, |s| synchronized(s, &self.global_annotation)),
+            Update::ServicesEnded => return false,
             Update::Slice(event) => match *event {
                 Ok(event) => self.slices_listed |= apply_event(&mut self.slices, &mut self.slices_relist, event, |s: &EndpointSlice| &s.metadata, |_| true),
                 Err(e) => warn!("watching mesh EndpointSlices: {e}"),
             },
             Update::Exports | Update::Resync => {}
         }
+        true
     }
 
     /// Creates, replaces and deletes slices until the API server holds what is wanted. A
@@ -378,7 +437,7 @@ mod tests {
     #[test]
     fn headless_global_services_get_their_remote_endpoints_as_slices() {
         let global = ("wasmplane.io/global", "true");
-        let services: BTreeMap<ServiceRef, Service> = [
+        let services: BTreeMap<ServiceRef, Arc<Service>> = [
             service("pg", "None", &[global]),
             service("web", "10.96.0.10", &[global]),
             service("api", "10.96.0.11", &[global, (SYNC_SLICES_ANNOTATION, "true")]),
@@ -386,7 +445,7 @@ mod tests {
             service("local", "None", &[]),
         ]
         .into_iter()
-        .map(|s| ((s.metadata.namespace.clone().unwrap(), s.metadata.name.clone().unwrap()), s))
+        .map(|s| ((s.metadata.namespace.clone().unwrap(), s.metadata.name.clone().unwrap()), Arc::new(s)))
         .collect();
         let east: BTreeMap<ServiceRef, SharedService> = ["pg", "web", "api", "cache", "local"]
             .into_iter()
@@ -404,5 +463,47 @@ mod tests {
         assert_eq!(pg.metadata.owner_references.as_ref().unwrap()[0].uid, "uid-pg");
         let api = &wanted[&("db".to_string(), "api-east-0".to_string())];
         assert!(!api.metadata.labels.as_ref().unwrap().contains_key(HEADLESS_LABEL));
+    }
+
+    #[test]
+    fn a_bad_export_keeps_the_last_good_one_until_deleted() {
+        use wasmplane_kvstore::{Bytes, SharedEntry};
+        let good = |address: &str| Bytes::from(serde_json::to_vec(&export("east", "pg", &[address], &[])).unwrap());
+        let addresses = |followed: &FollowedExports| -> BTreeMap<String, Vec<String>> {
+            followed.services.iter().map(|((_, name), s)| (name.clone(), s.endpoint_slices[0].addresses.clone())).collect()
+        };
+        let pg = |address: &str| BTreeMap::from([("pg".to_string(), vec![address.to_string()])]);
+        let upsert = |name: &str, value: Bytes, mod_revision: Revision| SharedChange::Upsert { name: name.into(), value, mod_revision };
+        let mut followed = FollowedExports::new("east".into());
+        followed.apply(SharedBatch::Changes(vec![upsert("db/pg", good("10.245.0.7"), 2)]));
+        assert_eq!(addresses(&followed), pg("10.245.0.7"));
+
+        // Garbage, and an export naming another Service: the last good export stays.
+        let other = Bytes::from(serde_json::to_vec(&export("east", "mysql", &["10.245.0.9"], &[])).unwrap());
+        followed.apply(SharedBatch::Changes(vec![upsert("db/pg", Bytes::from_static(b"{not json"), 3), upsert("db/pg", other, 4)]));
+        assert_eq!(addresses(&followed), pg("10.245.0.7"), "a bad value deleted the last good export");
+        assert_eq!(followed.warned.get("db/pg"), Some(&4));
+        // A snapshot (the follower fell behind) with the bad value again: still kept, and
+        // no second warning for that revision.
+        let entry = |value: Bytes, mod_revision: Revision| SharedEntry { value, mod_revision };
+        followed.apply(SharedBatch::Snapshot(BTreeMap::from([("db/pg".to_string(), entry(Bytes::from_static(b"{not json"), 4))])));
+        assert_eq!(addresses(&followed), pg("10.245.0.7"), "a bad value in a snapshot deleted the last good export");
+        assert!(!followed.first_warning("db/pg", 4), "warned again about the same revision");
+        assert!(followed.first_warning("db/pg", 9));
+
+        // A good value again is taken; a real delete removes it.
+        followed.apply(SharedBatch::Changes(vec![upsert("db/pg", good("10.245.0.8"), 5)]));
+        assert_eq!(addresses(&followed), pg("10.245.0.8"));
+        assert!(followed.warned.is_empty());
+        followed.apply(SharedBatch::Changes(vec![SharedChange::Delete { name: "db/pg".into() }]));
+        assert!(followed.services.is_empty());
+
+        // A key missing from a snapshot was deleted meanwhile: gone, bad value or not.
+        followed.apply(SharedBatch::Changes(vec![upsert("db/pg", good("10.245.0.7"), 6), upsert("db/pg", Bytes::from_static(b"{"), 7)]));
+        followed.apply(SharedBatch::Snapshot(BTreeMap::new()));
+        assert!(followed.services.is_empty() && followed.warned.is_empty());
+        // A bad value with no good one before: nothing to keep.
+        followed.apply(SharedBatch::Snapshot(BTreeMap::from([("db/pg".to_string(), entry(Bytes::from_static(b"{"), 8))])));
+        assert!(followed.services.is_empty());
     }
 }

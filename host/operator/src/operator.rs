@@ -3,9 +3,14 @@
 //!
 //! [`Operator::start`] follows per-node policy status on every replica (so any
 //! replica can answer status queries) and runs, while leading, the heartbeat,
-//! the policy-status writer, the service sync (if configured) and GC (if a
-//! decider is given). Each duty is restarted after `restart_delay` if it ends,
-//! and all stop within the leader's renew deadline when leadership is lost.
+//! the policy-status writer, the service sync and the mesh slice sync (if
+//! configured) and GC (if a decider is given). Each duty is restarted after
+//! `restart_delay` if it ends, and all stop within the leader's renew deadline
+//! when leadership is lost.
+//!
+//! The service sync and the mesh slice sync follow every Service of the
+//! cluster: they share one watch (`servicewatch`), itself run while
+//! leading, so that the leader lists and watches the Services once.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -18,9 +23,10 @@ use crate::error::Result;
 use crate::gc::{GarbageCollector, GcConfig, GcDecider};
 use crate::heartbeat::{HEARTBEAT_KEY, write_heartbeats};
 use crate::leader::Leadership;
-use crate::meshslices::{MeshSliceConfig, sync_mesh_slices};
+use crate::meshslices::{MeshSliceConfig, sync_mesh_slices_from};
 use crate::policystatus::{AggregatorConfig, PolicyStatusAggregator, PolicySummary};
-use crate::services::{ServiceSyncConfig, sync_services};
+use crate::services::{ServiceSyncConfig, sync_services_from};
+use crate::servicewatch::ServiceWatch;
 
 /// What the operator role runs.
 #[derive(Debug, Clone)]
@@ -100,14 +106,34 @@ impl Operator {
             heartbeat.instrument(tracing::info_span!("heartbeat")),
         ));
 
-        if let Some(sync) = config.service_sync.clone() {
+        // The one Service watch of the duties that follow Services. Each start of a
+        // duty subscribes: it gets the watch's complete list, at once or when listed.
+        let services = (config.service_sync.is_some() || config.mesh_slices.is_some())
+            .then(ServiceWatch::default);
+        if let Some(watch) = services.clone() {
+            let (client, leadership) = (client.clone(), leadership.clone());
+            let duty = async move {
+                leadership
+                    .run_while_leading("service-watch", delay, move || {
+                        let (watch, client) = (watch.clone(), client.clone());
+                        async move { watch.run(client).await }
+                    })
+                    .await
+            };
+            tasks.push(tokio::spawn(
+                duty.instrument(tracing::info_span!("service_watch")),
+            ));
+        }
+
+        if let (Some(sync), Some(watch)) = (config.service_sync.clone(), services.clone()) {
             let (store, client, leadership) = (store.clone(), client.clone(), leadership.clone());
             let duty = async move {
                 leadership
                     .run_while_leading("service-sync", delay, move || {
                         let (store, client, sync) = (store.clone(), client.clone(), sync.clone());
+                        let services = watch.subscribe();
                         async move {
-                            if let Err(e) = sync_services(store, client, sync).await {
+                            if let Err(e) = sync_services_from(store, client, sync, services).await {
                                 warn!(error = %e, "service sync stopped");
                             }
                         }
@@ -119,12 +145,12 @@ impl Operator {
             ));
         }
 
-        if let Some(mesh) = config.mesh_slices.clone() {
+        if let (Some(mesh), Some(watch)) = (config.mesh_slices.clone(), services) {
             let (client, leadership) = (client.clone(), leadership.clone());
             let duty = async move {
                 leadership
                     .run_while_leading("mesh-endpoint-slices", delay, move || {
-                        sync_mesh_slices(client.clone(), mesh.clone())
+                        sync_mesh_slices_from(client.clone(), mesh.clone(), watch.subscribe())
                     })
                     .await
             };

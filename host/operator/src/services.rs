@@ -6,16 +6,17 @@
 //! `wasmplane.io/global: "true"` without `wasmplane.io/shared: "false"`
 //! (Cilium's semantics: global implies shared unless shared is false).
 //!
-//! The leader's duty follows Services and EndpointSlices (those labelled with
-//! their Service) with two kube watchers merged into one loop, keeping per
-//! Service what each of its slices contributes. An event recomputes that one
-//! Service's value and writes it only if it changed. Nothing is written until
-//! both watchers have completed their first list: a value built from Services
-//! without their slices would wipe the endpoints other clusters use. Every
-//! (re)list of either kind replaces that kind's whole index and ends with a
-//! full reconcile against the kvstore prefix: keys for Services that are gone
-//! or no longer shared are deleted, so entries left stale while the operator
-//! was down (or while a watch was broken) are cleaned up. Only keys under
+//! The leader's duty follows Services (from the operator's one Service watch,
+//! `servicewatch`, shared with the mesh slice sync) and EndpointSlices
+//! (those labelled with their Service, with a kube watcher of its own) in one
+//! loop, keeping per Service what each of its slices contributes. An event
+//! recomputes that one Service's value and writes it only if it changed.
+//! Nothing is written until both kinds have been listed once: a value built
+//! from Services without their slices would wipe the endpoints other clusters
+//! use. Every (re)list of either kind replaces that kind's whole index and ends
+//! with a full reconcile against the kvstore prefix: keys for Services that are
+//! gone or no longer shared are deleted, so entries left stale while the
+//! operator was down (or while a watch was broken) are cleaned up. Only keys under
 //! `<root><cluster>/services/` are ever written or deleted, and only when
 //! their content differs.
 
@@ -33,6 +34,7 @@ use tracing::{debug, info, warn};
 use wasmplane_kvstore::{Bytes, KvStore};
 
 use crate::error::{Error, Result};
+use crate::servicewatch::{ServiceEvent, ServiceEvents, with_own_watch};
 
 /// The annotation marking a Service for sharing (value `"true"`): exported to the kvstore.
 /// `"false"` on a global Service keeps its own endpoints out of other clusters (Cilium's
@@ -353,7 +355,7 @@ impl SyncState {
         Some((key, Bytes::from(value)))
     }
 
-    async fn on_service(&mut self, store: &dyn KvStore, event: Event<Service>) -> Result<()> {
+    async fn on_service(&mut self, store: &dyn KvStore, event: ServiceEvent) -> Result<()> {
         match event {
             Event::Init => self.services_relist = Some(ServiceIndex::new()),
             Event::InitApply(service) => {
@@ -449,19 +451,37 @@ impl SyncState {
     }
 }
 
-/// One event of either watcher (boxed: a Service is much larger than a slice).
+/// One event of either kind (a slice's boxed: it is much larger than the rest).
 enum Update {
-    Service(Box<std::result::Result<Event<Service>, watcher::Error>>),
+    Service(ServiceEvent),
+    /// The Service watch stopped feeding this duty.
+    ServicesEnded,
     Slice(Box<std::result::Result<Event<EndpointSlice>, watcher::Error>>),
 }
 
 /// The leader's duty: syncs shared Services into the kvstore until an error
-/// (the kvstore unreachable); the caller restarts it, which relists and
-/// reconciles. Run it through [`crate::Leadership::run_while_leading`].
+/// (the kvstore unreachable); the caller restarts it, which takes complete
+/// lists again and reconciles. Run it through [`crate::Leadership::run_while_leading`]. This
+/// runs it on a Service watch of its own; [`crate::Operator`] runs it on the
+/// one it shares with the mesh slice sync.
 pub async fn sync_services(
     store: Arc<dyn KvStore>,
     client: kube::Client,
     config: ServiceSyncConfig,
+) -> Result<()> {
+    with_own_watch(client.clone(), |services| {
+        sync_services_from(store, client, config, services)
+    })
+    .await
+}
+
+/// [`sync_services`] on a subscription to a shared Service watch: it starts with
+/// the complete list, as a watcher of its own would.
+pub(crate) async fn sync_services_from(
+    store: Arc<dyn KvStore>,
+    client: kube::Client,
+    config: ServiceSyncConfig,
+    services: ServiceEvents,
 ) -> Result<()> {
     let prefix = config.services_prefix();
     let listing = store
@@ -482,13 +502,10 @@ pub async fn sync_services(
             .map(|kv| (kv.key, kv.value))
             .collect(),
     };
-    let services = watcher::watcher(
-        Api::<Service>::all(client.clone()),
-        watcher::Config::default(),
-    )
-    .default_backoff()
-    .map(|event| Update::Service(Box::new(event)))
-    .boxed();
+    let services = services
+        .map(Update::Service)
+        .chain(futures::stream::once(async { Update::ServicesEnded }))
+        .boxed();
     // Only slices that name their Service can contribute.
     let slices = watcher::watcher(
         Api::<EndpointSlice>::all(client),
@@ -500,18 +517,16 @@ pub async fn sync_services(
     let mut updates = futures::stream::select(services, slices);
     while let Some(update) = updates.next().await {
         match update {
-            Update::Service(event) => match *event {
-                Ok(event) => state.on_service(store.as_ref(), event).await?,
-                // The watchers retry with backoff on their own.
-                Err(e) => warn!(error = %e, "service watch error"),
-            },
+            Update::Service(event) => state.on_service(store.as_ref(), event).await?,
+            Update::ServicesEnded => break,
             Update::Slice(event) => match *event {
                 Ok(event) => state.on_slice(store.as_ref(), event).await?,
+                // The watcher retries with backoff on its own.
                 Err(e) => warn!(error = %e, "endpoint slice watch error"),
             },
         }
     }
-    Err(Error::Internal("the service watchers ended".into()))
+    Err(Error::Internal("the service watch ended".into()))
 }
 
 async fn reconcile(
