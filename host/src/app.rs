@@ -138,6 +138,9 @@ pub struct HostConfig {
     /// kube-proxy's `--masquerade-all`: every connection to a cluster IP leaves masqueraded,
     /// whatever its source and the translator in force.
     pub masquerade_all: bool,
+    /// Masquerade pods' traffic out of the cluster (`--egress-masquerade`); with no
+    /// sources, this node's pod CIDRs from its Node object.
+    pub egress_masquerade: Option<crate::nft::EgressMasquerade>,
     /// kube-proxy's conntrack settings, applied at start in `nftables` mode (the CLI's
     /// default: kube-proxy's values); `None`: the node's own.
     pub conntrack: Option<crate::conntrack_tuning::ConntrackTuning>,
@@ -199,6 +202,7 @@ impl Default for HostConfig {
             local_detection: crate::controller::LocalDetection::ClusterCidr,
             service_cidrs: Vec::new(),
             masquerade_all: false,
+            egress_masquerade: None,
             conntrack: None,
             dataplane: DataplaneMode::Record,
             token: None,
@@ -375,6 +379,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         local_detection: config.local_detection,
         service_cidrs: config.service_cidrs.clone(),
         masquerade_all: config.masquerade_all,
+        egress_masquerade: config.egress_masquerade.clone(),
         max_module_bytes: config.max_module_bytes,
         crash_budget: config.crash_budget,
         // Shards pay off only for netlink batches: nft 1.0.6 fills its cache table by table,

@@ -128,6 +128,16 @@ pub struct RunArgs {
     /// service, node ports and hairpin traffic is).
     #[arg(long, env = "WASMPLANE_MASQUERADE_ALL")]
     pub masquerade_all: bool,
+    /// Masquerade what this node's pods send out of the cluster, as every CNI that routes pod
+    /// addresses does (nothing outside routes them back): `auto` is on when this host serves
+    /// the CNI and is not chained (the plugin before a chained one does its own).
+    #[arg(long, env = "WASMPLANE_EGRESS_MASQUERADE", value_enum, default_value = "auto")]
+    pub egress_masquerade: EgressMasqueradeMode,
+    /// Destinations pods reach with their own address besides the cluster CIDRs and this
+    /// node's pod CIDRs (the kubelet's and ip-masq-agent's non-masquerade CIDRs): a peered
+    /// network that routes the pod CIDRs, say.
+    #[arg(long = "non-masquerade-cidr", env = "WASMPLANE_NON_MASQUERADE_CIDRS", value_delimiter = ',')]
+    pub non_masquerade_cidrs: Vec<ipnet::IpNet>,
     /// Connections tracked per CPU: the node's conntrack table is raised to this times the
     /// CPUs, at least --conntrack-min, never lowered (kube-proxy's; 0: leave it).
     #[arg(long, default_value_t = 32768)]
@@ -296,6 +306,14 @@ fn parse_remote_cluster(text: &str) -> Result<(String, Vec<String>), String> {
         return Err(format!("expected NAME=http://HOST:PORT[,…], got {text:?}"));
     }
     Ok((name.to_string(), urls))
+}
+
+/// `--egress-masquerade`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EgressMasqueradeMode {
+    Auto,
+    On,
+    Off,
 }
 
 /// `--log-format`.
@@ -596,7 +614,27 @@ fn local_command(command: &ModuleCommand) -> anyhow::Result<bool> {
 }
 
 impl RunArgs {
+    /// What `--egress-masquerade` and `--non-masquerade-cidr` make of pod egress: the pods
+    /// keep their address inside the cluster CIDRs and what is added to them.
+    fn egress_masquerade(&self) -> anyhow::Result<Option<crate::nft::EgressMasquerade>> {
+        let on = match self.egress_masquerade {
+            EgressMasqueradeMode::On => true,
+            EgressMasqueradeMode::Off => false,
+            EgressMasqueradeMode::Auto => self.cni_socket.is_some() && !self.cni_chained,
+        };
+        if !on {
+            return Ok(None);
+        }
+        let mut keep_source = Vec::new();
+        for cidr in &self.cluster_cidrs {
+            keep_source.push(cidr.parse::<ipnet::IpNet>().with_context(|| format!("--cluster-cidr {cidr:?}"))?);
+        }
+        keep_source.extend(&self.non_masquerade_cidrs);
+        Ok(Some(crate::nft::EgressMasquerade { sources: self.pod_cidrs.clone(), keep_source }))
+    }
+
     pub fn into_config(self) -> anyhow::Result<HostConfig> {
+        let egress_masquerade = self.egress_masquerade()?;
         let token = match &self.token_file {
             Some(path) => Some(std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?.trim().to_string()),
             None => None,
@@ -647,6 +685,7 @@ impl RunArgs {
             compiler: Some(wasmplane_runtime::CompilerCommand::current_exe().context("locating this binary to compile guests with")?),
             cni: self.cni_socket.map(|socket| crate::cni::CniConfig { socket, pod_cidrs: self.pod_cidrs, state_dir: None, pod_wait: Duration::from_secs(10), node_netns: None, chained: self.cni_chained }),
             data_dir: Some(self.data_dir),
+            egress_masquerade,
             node_name: self.node_name,
             cluster_cidrs: self.cluster_cidrs,
             local_detection: match self.detect_local_mode {
@@ -916,6 +955,29 @@ mod tests {
     }
 
     /// kube-proxy's spelling of `--detect-local-mode`, and where it lands.
+    #[test]
+    fn egress_masquerade_is_on_where_this_host_routes_the_pods() {
+        let egress = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run"], args].concat()) {
+            Ok(Cli { command: Command::Run(args) }) => args.into_config().map(|c| c.egress_masquerade).map_err(|e| format!("{e:#}")),
+            Ok(_) => unreachable!("parsed as another command"),
+            Err(e) => Err(e.to_string()),
+        };
+        let net = |cidrs: &[&str]| cidrs.iter().map(|c| c.parse::<ipnet::IpNet>().unwrap()).collect::<Vec<_>>();
+        assert_eq!(egress(&[]), Ok(None), "not the CNI: the pods' own CNI masquerades");
+        let cni = ["--cni-socket", "/run/x.sock"];
+        assert_eq!(egress(&cni), Ok(Some(crate::nft::EgressMasquerade { sources: vec![], keep_source: net(&["10.244.0.0/16"]) })));
+        assert_eq!(egress(&[&cni[..], &["--cni-chained"]].concat()), Ok(None), "chained: the plugin before does its own");
+        assert_eq!(egress(&[&cni[..], &["--egress-masquerade", "off"]].concat()), Ok(None));
+        let on = egress(&["--egress-masquerade", "on", "--cni-socket", "/run/x.sock", "--pod-cidr", "10.244.3.0/24", "--cluster-cidr", "10.244.0.0/16,fd00:10:244::/56", "--non-masquerade-cidr", "192.168.0.0/16,172.16.0.0/12"]);
+        assert_eq!(
+            on,
+            Ok(Some(crate::nft::EgressMasquerade { sources: net(&["10.244.3.0/24"]), keep_source: net(&["10.244.0.0/16", "fd00:10:244::/56", "192.168.0.0/16", "172.16.0.0/12"]) }))
+        );
+        let bad = egress(&["--egress-masquerade", "on", "--cluster-cidr", "10.244.0.0/33"]).unwrap_err();
+        assert!(bad.contains("--cluster-cidr \"10.244.0.0/33\""), "{bad}");
+        assert!(egress(&["--non-masquerade-cidr", "nonsense"]).is_err());
+    }
+
     #[test]
     fn detect_local_mode_as_kube_proxy_spells_it() {
         let mode = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run"], args].concat()) {

@@ -113,6 +113,9 @@ pub struct ControllerConfig {
     pub service_cidrs: Vec<String>,
     /// Masquerade every connection to a cluster IP (kube-proxy's `--masquerade-all`).
     pub masquerade_all: bool,
+    /// Masquerade pods' traffic out of the cluster (`--egress-masquerade`); with no sources,
+    /// they are this node's pod CIDRs from its Node object.
+    pub egress_masquerade: Option<nft::EgressMasquerade>,
     pub max_module_bytes: usize,
     pub crash_budget: CrashBudget,
     /// Services per nftables shard table (see `nft::Layout`).
@@ -145,6 +148,8 @@ pub struct Controller {
     /// Asked once per activation; cleared when another version is put in force.
     rollback_requested: bool,
     rollback_sink: Option<tokio::sync::mpsc::UnboundedSender<RollbackRequest>>,
+    /// Egress masquerade is on without configured pod CIDRs: its sources follow the Node's.
+    egress_follows_node: bool,
     /// A translator version running beside the one in force, output never written.
     shadow: Option<ShadowRun>,
     /// Pod addresses the CNI daemon assigned, used until the API server reports them.
@@ -250,6 +255,7 @@ impl Controller {
                 .with_services_per_shard(config.services_per_shard)
                 .with_service_cidrs(service_cidrs)
                 .with_masquerade_all(config.masquerade_all)
+                .with_egress_masquerade(config.egress_masquerade.clone())
                 .with_node_port_addresses(config.node_port_addresses)
                 .with_health(health),
             service_errors: BTreeMap::new(),
@@ -260,6 +266,7 @@ impl Controller {
             recent_crashes: Default::default(),
             rollback_requested: false,
             rollback_sink: None,
+            egress_follows_node: config.egress_masquerade.as_ref().is_some_and(|egress| egress.sources.is_empty()),
             shadow: None,
             cni_ips: BTreeMap::new(),
             policy: PolicyController::new(&policy_module),
@@ -476,6 +483,7 @@ impl Controller {
         let service_cidrs_moved = update.service_cidrs_changed && self.dataplane.set_service_cidrs(&self.model.service_cidrs);
         // With `--detect-local-mode NodeCIDR` they follow the node's pod CIDRs.
         let cluster_cidrs_moved = update.context_changed && self.dataplane.set_cluster_cidrs(&self.model.context.cluster_cidrs);
+        let egress_sources_moved = update.context_changed && self.egress_follows_node && self.dataplane.set_egress_sources(&self.model.context.pod_cidrs);
         if let Some(mut shadow) = self.shadow.take() {
             self.run_shadow(&mut shadow, &changed);
             self.shadow = Some(shadow);
@@ -509,7 +517,7 @@ impl Controller {
         changes.extend(hostport_changes);
         // Policy objects after the services': their own order (see `policy.rs`) is kept.
         changes.extend(policy_changes.changes);
-        if (node_ports_moved || service_cidrs_moved || cluster_cidrs_moved) && changes.is_empty() {
+        if (node_ports_moved || service_cidrs_moved || cluster_cidrs_moved || egress_sources_moved) && changes.is_empty() {
             // No object changed, but the tables' static part did: written in full.
             return self.reconcile();
         }

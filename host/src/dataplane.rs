@@ -836,6 +836,25 @@ impl Dataplane {
         self
     }
 
+    /// Pod egress masquerade (`--egress-masquerade`, see [`nft::EgressMasquerade`]).
+    pub fn with_egress_masquerade(mut self, egress: Option<nft::EgressMasquerade>) -> Self {
+        self.networks.egress_masquerade = egress;
+        self
+    }
+
+    /// This node's pod CIDRs, whose egress is masqueraded (when it is on). Returns whether
+    /// they moved, as [`Dataplane::set_service_cidrs`].
+    pub fn set_egress_sources(&mut self, cidrs: &[wasmplane_model::CompactString]) -> bool {
+        let cidrs = parse_cidrs("pod-cidrs", cidrs);
+        let Some(egress) = self.networks.egress_masquerade.as_mut() else { return false };
+        let moved = cidrs != egress.sources;
+        if moved {
+            egress.sources = cidrs;
+            self.in_sync = false;
+        }
+        moved
+    }
+
     /// The cluster's service CIDRs at start (the configured ones): new connections to an
     /// address in them that is no service's are dropped.
     pub fn with_service_cidrs(mut self, cidrs: Vec<ipnet::IpNet>) -> Self {

@@ -1355,6 +1355,12 @@ const MAIN_SKELETON: TableSkeleton = {
             // in them that are no service's are dropped in `cluster-ips-check`.
             ("service-cidrs", "ipv4_addr; flags interval"),
             ("service-cidrs6", "ipv6_addr; flags interval"),
+            // Pod egress masquerade (see `EgressMasquerade`): this node's pod CIDRs, and the
+            // destinations their traffic keeps its source address to.
+            ("egress-sources", "ipv4_addr; flags interval"),
+            ("egress-sources6", "ipv6_addr; flags interval"),
+            ("egress-keep-source", "ipv4_addr; flags interval"),
+            ("egress-keep-source6", "ipv6_addr; flags interval"),
         ],
         chains: &[
             (
@@ -1365,11 +1371,14 @@ const MAIN_SKELETON: TableSkeleton = {
                     "ct status dnat ip saddr . ip daddr @hairpin jump mark-for-masquerade",
                     "ct status dnat ip6 saddr . ip6 daddr @hairpin6 jump mark-for-masquerade",
                     "jump masquerade-all",
+                    "jump egress-masquerade",
                     "jump masquerading",
                 ],
             ),
             // Its rules follow `--masquerade-all` (see `write_masquerade_all`).
             ("masquerade-all", "", &[]),
+            // Its rules follow `--egress-masquerade` (see `write_egress_masquerade`).
+            ("egress-masquerade", "", &[]),
             // Host ports before services: NAT chains run by priority until one DNATs (the
             // shards' at -100), so a host port that is also a node port goes to the pod that
             // holds it on this node (with portmap and kube-proxy, whichever chain was put
@@ -1582,6 +1591,23 @@ pub struct NodeNetworks {
     /// Masquerade every connection whose original destination is a cluster IP
     /// (`--masquerade-all`).
     pub masquerade_all: bool,
+    /// Masquerade what this node's pods send out of the cluster (`--egress-masquerade`).
+    pub egress_masquerade: Option<EgressMasquerade>,
+}
+
+/// Pod egress masquerade, what every CNI that routes pod addresses does (flannel's
+/// `ipMasq`, Calico's `natOutgoing`, Cilium's `enable-ipv4-masquerade`, ip-masq-agent): a new
+/// connection from a pod of this node to an address outside `keep_source` leaves with the
+/// node's address, as nothing outside the cluster routes pod addresses back. Inside
+/// `keep_source` (the cluster's pod network, this node's pod CIDRs, what else is configured)
+/// the pod's address stays, which network policies on the other end match.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EgressMasquerade {
+    /// This node's pod CIDRs.
+    pub sources: Vec<IpNet>,
+    /// The destinations reached with the pod's own address (ip-masq-agent's
+    /// `nonMasqueradeCIDRs`); the sources are always among them.
+    pub keep_source: Vec<IpNet>,
 }
 
 /// The rules of a node port chain (`chain`, looking the port up in `vmap`): every local
@@ -1612,6 +1638,23 @@ fn write_node_port_rules(out: &mut String, t: Table, chain: &str, vmap: &str, ne
 
 /// kube-proxy's `--masquerade-all`: a connection DNATed from a cluster IP (the translators
 /// put every cluster IP in `cluster-ips`) is masqueraded, whoever sent it.
+/// The sets and the rules of `egress-masquerade` (see [`EgressMasquerade`]); the sets stay
+/// empty and the chain without rules when it is off.
+fn write_egress_masquerade(out: &mut String, t: Table, egress: Option<&EgressMasquerade>, flush_first: bool) {
+    // Interval sets refuse overlapping elements: each is written merged.
+    let (sources, keep) = match egress {
+        Some(egress) => (IpNet::aggregate(&egress.sources), IpNet::aggregate(&egress.sources.iter().chain(&egress.keep_source).copied().collect())),
+        None => (Vec::new(), Vec::new()),
+    };
+    write_cidr_sets(out, t, ("egress-sources", "egress-sources6"), &sources, flush_first);
+    write_cidr_sets(out, t, ("egress-keep-source", "egress-keep-source6"), &keep, flush_first);
+    if egress.is_some() {
+        for (ip, v6) in [("ip", ""), ("ip6", "6")] {
+            writeln!(out, "add rule {t} egress-masquerade {ip} saddr @egress-sources{v6} {ip} daddr != @egress-keep-source{v6} jump mark-for-masquerade").unwrap();
+        }
+    }
+}
+
 fn write_masquerade_all(out: &mut String, t: Table) {
     for ip in ["ip", "ip6"] {
         let set = if ip == "ip" { "cluster-ips" } else { "cluster-ips6" };
@@ -1679,6 +1722,7 @@ pub fn skeleton(out: &mut String, flush_first: bool, layout: Layout, networks: &
     if networks.masquerade_all {
         write_masquerade_all(out, Table::MAIN);
     }
+    write_egress_masquerade(out, Table::MAIN, networks.egress_masquerade.as_ref(), flush_first);
     // Network policy: the pod-ingress/pod-egress maps and the filter chains that consult them.
     policy::skeleton(out, flush_first);
     for shard in 0..layout.shards {

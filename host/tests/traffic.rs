@@ -1393,3 +1393,54 @@ async fn hostport_of_a_dual_stack_pod_serves_ipv6_too() {
     assert_all("IPv6 hairpin through the host port", &replies, |r| r.peer == ip(POD_GATEWAY6));
     host.stop().await;
 }
+
+/// Pod egress masquerade (`--egress-masquerade`, on where this host is the pods' CNI): a new
+/// connection from a pod of this node out of the cluster leaves with the node's address (the
+/// outside routes no pod address back); one to a pod or a service keeps the pod's address,
+/// which policies on the other end match; a pod of another node's CIDR is left to its own
+/// node. The sources follow this node's Node object (its pod CIDR 10.244.0.0/24); a
+/// non-masquerade CIDR keeps the pod's address out there too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_egress_out_of_the_cluster_leaves_with_the_nodes_address() {
+    require_root!();
+    let mut topo = Topology::new("egr");
+    let server_pod = topo.add_pod(POD_A);
+    let client = topo.add_pod(CLIENT);
+    let other_nodes_pod = topo.add_pod(REMOTE_POD);
+    let _servers = [Server::start(&server_pod, "a", &[8080]), Server::start(&topo.external.name, "outside", &[8080])];
+    let cluster = Cluster::new();
+    cluster.put(&Svc::new("web", "10.96.0.10", vec![Port::new("http", "TCP", 80, 8080)], vec![ready(POD_A, NODE)]));
+    let egress = |sources: &[&str], keep: &[&str]| wasmplane::nft::EgressMasquerade {
+        sources: sources.iter().map(|c| c.parse().unwrap()).collect(),
+        keep_source: keep.iter().map(|c| c.parse().unwrap()).collect(),
+    };
+    let outside = addr(EXTERNAL_CLIENT_IP, 8080);
+    let ask = |ns: &str, to: SocketAddr, udp: bool| in_ns(ns, || if udp { udp_ask(to, Duration::from_secs(2)) } else { tcp_ask(to, Duration::from_secs(2)) }).map(|r| r.peer);
+
+    let host = start_host(HostConfig { egress_masquerade: Some(egress(&[], &[CLUSTER_CIDR])), ..cluster.config(topo.nft_command()) }).await;
+    wait_applied(&host, "the web service", |t| serves(t, "10.96.0.10 . tcp . 80"));
+    // Until the Node object's pod CIDR is in force nothing is masqueraded (the outside routes
+    // back to this test's node, so the connection works and tells the source).
+    let _ = wait_for("the pod CIDR's egress masqueraded", Duration::from_secs(10), || ask(&client, outside, false), |peer| matches!(peer, Ok(p) if *p == ip(NODE_EXTERNAL_IP)));
+    assert_eq!(ask(&client, outside, true).unwrap(), ip(NODE_EXTERNAL_IP), "UDP out of the cluster");
+    assert_eq!(ask(&client, addr(POD_A, 8080), false).unwrap(), ip(CLIENT), "to a pod: the pod's own address");
+    assert_eq!(ask(&client, addr("10.96.0.10", 80), false).unwrap(), ip(CLIENT), "to a service's pod: the pod's own address");
+    assert_eq!(ask(&other_nodes_pod, outside, false).unwrap(), ip(REMOTE_POD), "another node's pod CIDR is its node's to masquerade");
+    // From the node itself: not a pod, untouched.
+    assert_eq!(ask(&topo.node.name, outside, false).unwrap(), ip(NODE_EXTERNAL_IP));
+    host.stop().await;
+
+    // The external network is a non-masquerade CIDR (it routes the pod CIDRs): the pod's
+    // address reaches it; configured pod CIDRs need no Node object.
+    let host = start_host(HostConfig { egress_masquerade: Some(egress(&["10.244.0.0/24"], &[CLUSTER_CIDR, "192.168.77.0/24"])), ..cluster.config(topo.nft_command()) }).await;
+    let _ = wait_for("the non-masquerade CIDR in force", Duration::from_secs(10), || ask(&client, outside, false), |peer| matches!(peer, Ok(p) if *p == ip(CLIENT)));
+    assert!(topo.table().contains("192.168.77.0/24"), "{}", topo.table());
+    host.stop().await;
+
+    // Off: the rules go with a full write, the pod's address leaves as it is.
+    let host = start_host(cluster.config(topo.nft_command())).await;
+    wait_applied(&host, "the web service", |t| serves(t, "10.96.0.10 . tcp . 80"));
+    wait_for("egress masquerade off", Duration::from_secs(10), || topo.table(), |t| !t.contains("@egress-sources"));
+    assert_eq!(ask(&client, outside, false).unwrap(), ip(CLIENT));
+    host.stop().await;
+}

@@ -1120,6 +1120,8 @@ fn check_references(o: &Objects, v: &mut Vec<String>) {
                     .value_from
                     .as_ref()
                     .and_then(|f| f.config_map_key_ref.as_ref())
+                    // An optional key may be left out: the variable is then not set.
+                    && r.optional != Some(true)
                     && !config_key(&r.name, &r.key)
                 {
                     v.push(format!(
