@@ -172,7 +172,7 @@ async fn operator_state(State(state): State<ApiState>) -> ApiResult<Response> {
     let Some(operator) = &state.operator else {
         return Err(ApiError(StatusCode::NOT_FOUND, "this host does not run the operator role".into()));
     };
-    Ok(Json(json!({ "leader": operator.is_leader() })).into_response())
+    Ok(Json(json!({ "leader": operator.is_leader(), "gc": operator.gc_stats().status() })).into_response())
 }
 
 #[derive(Deserialize)]

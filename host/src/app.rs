@@ -492,6 +492,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
                 None => None,
             };
             let role = crate::operator_role::OperatorRole::start(modules.store().kv().clone(), client, runtime.clone(), modules.clone(), config.max_module_bytes, operator_config).await?;
+            metrics.export_gc(role.gc_stats().clone());
             Some(Arc::new(role))
         }
         None => None,

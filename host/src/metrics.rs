@@ -120,6 +120,8 @@ pub struct Metrics {
     pub policy_packets: Family<PolicyPacketLabels, Gauge>,
     /// The gRPC model stream's feed, once it is served: its counters are read at each scrape.
     model_feed: Arc<OnceLock<ModelFeed>>,
+    /// The operator role's GC counts (`gc_*`), once it runs here.
+    gc: Arc<OnceLock<Arc<wasmplane_operator::GcStats>>>,
 }
 
 impl Metrics {
@@ -151,6 +153,7 @@ impl Metrics {
             policy_packets: Family::default(),
             clustermesh: ClusterMeshGauges::default(),
             model_feed: Arc::default(),
+            gc: Arc::default(),
             registry: Registry::default(),
         };
         registry.register("clustermesh_remote_cluster_ready", "1 once the remote cluster's etcd answered and its services are followed, 0 while it is tried", m.clustermesh.remote_cluster_ready.clone());
@@ -185,6 +188,7 @@ impl Metrics {
         registry.register("policy_audit_mode", "1 while the policy is in audit mode on this node (would-be drops counted, not enforced)", m.policy_audit.clone());
         registry.register("policy_packets", "Packets the policy dropped, or in audit mode would have dropped (last read of the kernel's counters)", m.policy_packets.clone());
         registry.register_collector(Box::new(ModelFeedCollector(m.model_feed.clone())));
+        registry.register_collector(Box::new(GcCollector(m.gc.clone())));
         Metrics { registry, ..m }
     }
 
@@ -193,6 +197,13 @@ impl Metrics {
     pub fn export_model_feed(&self, feed: ModelFeed) {
         if self.model_feed.set(feed).is_err() {
             tracing::warn!("a second gRPC model feed is not exported to /metrics");
+        }
+    }
+
+    /// Exports the operator role's GC counts (`gc_*`) from now on (one role per host).
+    pub fn export_gc(&self, stats: Arc<wasmplane_operator::GcStats>) {
+        if self.gc.set(stats).is_err() {
+            tracing::warn!("a second GC is not exported to /metrics");
         }
     }
 
@@ -286,6 +297,32 @@ impl Collector for ModelFeedCollector {
         let unexpected = stats.refused.iter().filter(|(code, _)| !Self::EXPECTED_REFUSALS.contains(code));
         for (code, value) in Self::EXPECTED_REFUSALS.into_iter().map(|code| (code, stats.refused.get(code))).chain(unexpected) {
             ConstCounter::new(value).encode(refused.encode_family(&[("code", status_code_label(code))])?)?;
+        }
+        Ok(())
+    }
+}
+
+/// The operator role's GC (every leading term of this process), read at each scrape.
+#[derive(Debug)]
+struct GcCollector(Arc<OnceLock<Arc<wasmplane_operator::GcStats>>>);
+
+impl Collector for GcCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(stats) = self.0.get() else { return Ok(()) };
+        let status = stats.status();
+        let mut cycles = encoder.encode_descriptor("gc_cycles", "GC cycles run while leading, by result (failed: listing, the GC guest or a delete; see GET /v1/operator)", None, MetricType::Counter)?;
+        for (result, value) in [("ok", status.cycles - status.failed_cycles), ("failed", status.failed_cycles)] {
+            ConstCounter::new(value).encode(cycles.encode_family(&[("result", result)])?)?;
+        }
+        let mut deleted = encoder.encode_descriptor("gc_deleted", "Keys GC deleted, by candidate kind", None, MetricType::Counter)?;
+        for (kind, value) in &status.deleted {
+            ConstCounter::new(*value).encode(deleted.encode_family(&[("kind", kind.as_str())])?)?;
+        }
+        let offered = ConstGauge::new(status.last_offered as i64);
+        offered.encode(encoder.encode_descriptor("gc_candidates", "Candidates offered to the GC guest in the last successful cycle", None, offered.metric_type())?)?;
+        if let Some(at) = status.last_success_unix {
+            let at = ConstGauge::new(at as i64);
+            at.encode(encoder.encode_descriptor("gc_last_success_timestamp_seconds", "When the last GC cycle that did not fail ended (Unix time)", None, at.metric_type())?)?;
         }
         Ok(())
     }

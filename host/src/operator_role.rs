@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use wasmplane_kvstore::KvStore;
 use wasmplane_operator::{
-    CandidateKind, DeciderError, GarbageCollector, GcCandidate, GcConfig, GcDecider, HEARTBEAT_KEY, LeaderElectionConfig, LeaderElector, Leadership, Operator, OperatorConfig,
+    CandidateKind, DeciderError, GarbageCollector, GcCandidate, GcConfig, GcDecider, GcStats, HEARTBEAT_KEY, LeaderElectionConfig, LeaderElector, Leadership, Operator, OperatorConfig,
     MeshSliceConfig, PolicySummary, RemoteExports, ServiceSyncConfig, write_heartbeats,
 };
 use wasmplane_runtime::gc::{Candidate, CandidateKind as WitKind, GcSession};
@@ -178,6 +178,8 @@ pub struct OperatorRole {
     elector: Mutex<Option<LeaderElector>>,
     leadership: Leadership,
     embedded: Vec<tokio::task::JoinHandle<()>>,
+    /// What GC did while this process led.
+    gc_stats: Arc<GcStats>,
 }
 
 impl Drop for OperatorRole {
@@ -205,7 +207,8 @@ impl OperatorRole {
             let (store, decider, interval, rate) = (ModuleStore::new(kv.clone()), decider.clone(), config.gc_interval, config.gc_deletes_per_second);
             move || module_gc_loop(store.clone(), decider.clone(), interval, rate)
         };
-        let gc = GcConfig { interval: config.gc_interval, deletes_per_second: config.gc_deletes_per_second, service_sync: config.cluster_name.clone().map(ServiceSyncConfig::new), ..GcConfig::default() };
+        let gc_stats = Arc::new(GcStats::default());
+        let gc = GcConfig { interval: config.gc_interval, deletes_per_second: config.gc_deletes_per_second, service_sync: config.cluster_name.clone().map(ServiceSyncConfig::new), stats: gc_stats.clone(), ..GcConfig::default() };
         match client {
             Some(client) => {
                 let election = LeaderElectionConfig::new(&config.lease_namespace, &config.lease_name, &config.identity).with_lease_duration(config.lease_duration);
@@ -243,7 +246,7 @@ impl OperatorRole {
                     };
                     tokio::spawn(async move { leadership.run_while_leading("module-objects", Duration::from_secs(5), duty).await })
                 };
-                Ok(OperatorRole { operator: Some(operator), _remote_clusters: remote_clusters, elector: Mutex::new(Some(elector)), leadership, embedded: vec![module_gc, module_objects] })
+                Ok(OperatorRole { operator: Some(operator), _remote_clusters: remote_clusters, elector: Mutex::new(Some(elector)), leadership, embedded: vec![module_gc, module_objects], gc_stats })
             }
             None => {
                 let mut collector = GarbageCollector::new(kv.clone(), None, decider, gc).context("configuring GC")?;
@@ -252,7 +255,7 @@ impl OperatorRole {
                     tokio::spawn(async move { collector.run().await }),
                     tokio::spawn(module_gc()),
                 ];
-                Ok(OperatorRole { operator: None, _remote_clusters: None, elector: Mutex::new(None), leadership: Leadership::always(), embedded })
+                Ok(OperatorRole { operator: None, _remote_clusters: None, elector: Mutex::new(None), leadership: Leadership::always(), embedded, gc_stats })
             }
         }
     }
@@ -271,6 +274,11 @@ impl OperatorRole {
         for task in &self.embedded {
             task.abort();
         }
+    }
+
+    /// GC's counts over this process's leading terms (`GET /v1/operator`, `/metrics`).
+    pub fn gc_stats(&self) -> &Arc<GcStats> {
+        &self.gc_stats
     }
 
     pub fn is_leader(&self) -> bool {

@@ -276,5 +276,15 @@ async fn gc_settings_are_checked_where_set_and_tune_the_grace_periods() {
     // Seven GC intervals: with settings it accepts, the guest collects it in the first.
     tokio::time::sleep(Duration::from_millis(1400)).await;
     assert!(kv.get(&orphan).await.unwrap().is_some(), "a GC module refusing its settings decided");
+    // The operator says why GC stopped: the host refused the module's settings through its
+    // validator before the guest was asked anything (the guest's own refusal reads otherwise).
+    let gc = operator_state(&host).await["gc"].clone();
+    let error = gc["last_error"].as_str().unwrap_or_default();
+    assert!(error.contains("GC module tuned-gc@1 refuses its settings") && error.contains("unknown field `grace`"), "{gc}");
+    assert!(gc["failed_cycles"].as_u64() >= Some(1) && gc["deleted"]["lock"].as_u64() >= Some(1), "{gc}");
+    let metrics = reqwest::get(format!("{}/metrics", host.url())).await.unwrap().text().await.unwrap();
+    for line in ["wasmplane_gc_cycles_total{result=\"failed\"}", "wasmplane_gc_deleted_total{kind=\"lock\"}", "wasmplane_gc_last_success_timestamp_seconds"] {
+        assert!(metrics.contains(line), "{line} in /metrics:\n{metrics}");
+    }
     host.stop().await;
 }

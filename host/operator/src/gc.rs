@@ -58,6 +58,26 @@ pub enum CandidateKind {
     ModuleVersion,
 }
 
+impl CandidateKind {
+    /// The WIT case's name (`stale-node`), as the REST API and metric labels show it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CandidateKind::StaleNode => "stale-node",
+            CandidateKind::NodeStatus => "node-status",
+            CandidateKind::PolicyStatus => "policy-status",
+            CandidateKind::ServiceSync => "service-sync",
+            CandidateKind::Lock => "lock",
+            CandidateKind::ModuleVersion => "module-version",
+        }
+    }
+}
+
+impl serde::Serialize for CandidateKind {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
 /// One entry offered to the decider (the WIT `candidate`, plus the revision the
 /// host deletes at).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -105,6 +125,8 @@ pub struct GcConfig {
     pub locks_prefix: String,
     /// This cluster's service sync; `None`: no service-sync candidates.
     pub service_sync: Option<ServiceSyncConfig>,
+    /// Where each cycle is counted (shared by the collectors of every leading term).
+    pub stats: Arc<GcStats>,
 }
 
 impl Default for GcConfig {
@@ -119,6 +141,7 @@ impl Default for GcConfig {
             policy_status_prefix: POLICY_STATUS_PREFIX.into(),
             locks_prefix: LOCKS_PREFIX.into(),
             service_sync: None,
+            stats: Arc::default(),
         }
     }
 }
@@ -130,10 +153,68 @@ pub struct GcReport {
     pub offered: usize,
     /// Keys deleted.
     pub deleted: Vec<String>,
+    /// The kind of each key in `deleted`, in its order.
+    pub deleted_kinds: Vec<CandidateKind>,
     /// Keys the decider named that were not offered: never deleted.
     pub refused: Vec<String>,
     /// Named keys not deleted because they changed (or vanished) since offered.
     pub changed: Vec<String>,
+}
+
+/// What GC has done since this process started, every leading term together: for
+/// `GET /v1/operator` and `/metrics` (a GC that fails every cycle, a decider that refuses its
+/// settings, shows here instead of only in the log).
+#[derive(Debug, Default)]
+pub struct GcStats(Mutex<GcStatus>);
+
+/// A reading of [`GcStats`].
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct GcStatus {
+    /// Cycles run, and how many of them failed (listing, the decider, a delete).
+    pub cycles: u64,
+    pub failed_cycles: u64,
+    /// When the last cycle ended, and the last one that did not fail (Unix seconds).
+    pub last_cycle_unix: Option<u64>,
+    pub last_success_unix: Option<u64>,
+    /// Why the last cycle failed; `None` once a cycle succeeds again.
+    pub last_error: Option<String>,
+    /// Candidates offered to the decider in the last cycle that succeeded.
+    pub last_offered: usize,
+    /// Keys deleted, by kind.
+    pub deleted: BTreeMap<CandidateKind, u64>,
+    /// Keys the decider named that were not offered (never deleted).
+    pub refused: u64,
+    /// Keys named but kept because they changed since they were offered.
+    pub changed: u64,
+}
+
+impl GcStats {
+    pub fn status(&self) -> GcStatus {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    fn record(&self, cycle: std::result::Result<&GcReport, &Error>) {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let mut status = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        status.cycles += 1;
+        status.last_cycle_unix = Some(now);
+        match cycle {
+            Ok(report) => {
+                status.last_success_unix = Some(now);
+                status.last_error = None;
+                status.last_offered = report.offered;
+                for kind in &report.deleted_kinds {
+                    *status.deleted.entry(*kind).or_default() += 1;
+                }
+                status.refused += report.refused.len() as u64;
+                status.changed += report.changed.len() as u64;
+            }
+            Err(e) => {
+                status.failed_cycles += 1;
+                status.last_error = Some(e.to_string());
+            }
+        }
+    }
 }
 
 /// A token bucket: `burst` tokens, refilled at `rate` per second.
@@ -235,8 +316,14 @@ impl GarbageCollector {
     }
 
     /// One cycle: list candidates, ask the decider, delete what it named among
-    /// them at the configured rate.
+    /// them at the configured rate. Counted in [`GcConfig::stats`].
     pub async fn run_once(&mut self) -> Result<GcReport> {
+        let cycle = self.cycle().await;
+        self.config.stats.record(cycle.as_ref());
+        cycle
+    }
+
+    async fn cycle(&mut self) -> Result<GcReport> {
         let candidates = self.candidates().await?;
         let mut report = GcReport {
             offered: candidates.len(),
@@ -278,6 +365,7 @@ impl GarbageCollector {
                     debug!(key = %candidate.key, kind = ?candidate.kind, "GC deleted");
                     self.first_seen.remove(&candidate.key);
                     report.deleted.push(key);
+                    report.deleted_kinds.push(candidate.kind);
                 }
                 Err(KvError::Conflict { .. }) => {
                     debug!(key = %candidate.key, "changed since offered; kept");

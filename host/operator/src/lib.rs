@@ -36,7 +36,7 @@ mod servicewatch;
 pub use error::{Error, Result};
 pub use gc::{
     CandidateKind, DeciderError, GarbageCollector, GcCandidate, GcConfig, GcDecider, GcReport,
-    LOCKS_PREFIX,
+    GcStats, GcStatus, LOCKS_PREFIX,
 };
 pub use heartbeat::{
     HEARTBEAT_KEY, Heartbeat, HeartbeatMonitor, heartbeat_is_stale, write_heartbeats,

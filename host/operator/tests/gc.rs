@@ -15,7 +15,8 @@ use tokio::time::Instant;
 use wasmplane_kvstore::{Bytes, EtcdConfig, EtcdStore, KvStore};
 use wasmplane_operator::policystatus::POLICY_STATUS_PREFIX;
 use wasmplane_operator::{
-    CandidateKind, DeciderError, GarbageCollector, GcCandidate, GcConfig, GcDecider, LOCKS_PREFIX,
+    CandidateKind, DeciderError, GarbageCollector, GcCandidate, GcConfig, GcDecider, GcStats,
+    LOCKS_PREFIX,
     SHARED_SERVICE_ANNOTATION, ServiceSyncConfig,
 };
 use wasmplane_test_apiserver::TestApiServer;
@@ -299,11 +300,14 @@ async fn gc_rate_limit_holds_over_many_deletions_and_cycles() {
     }
     const RATE: f64 = 40.0;
     const BURST: u32 = 5;
+    // Shared by every collector below, as by the collectors of successive leading terms.
+    let stats = Arc::new(GcStats::default());
     let config = GcConfig {
         deletes_per_second: RATE,
         burst: BURST,
         max_candidates: 20,
         interval: Duration::from_millis(50),
+        stats: stats.clone(),
         ..GcConfig::default()
     };
     let mut gc = GarbageCollector::new(store.clone(), None, Arc::new(Mutex::new(All)), config)
@@ -334,15 +338,30 @@ async fn gc_rate_limit_holds_over_many_deletions_and_cycles() {
         }
     }
     put(store.as_ref(), &format!("{LOCKS_PREFIX}kept"), "gone").await;
-    let mut gc = GarbageCollector::new(
+    let mut failing = GarbageCollector::new(
         store.clone(),
         None,
         Arc::new(Mutex::new(Fails)),
-        GcConfig::default(),
+        GcConfig {
+            stats: stats.clone(),
+            ..GcConfig::default()
+        },
     )
     .unwrap();
-    assert!(gc.run_once().await.is_err());
+    assert!(failing.run_once().await.is_err());
     assert_eq!(keys(store.as_ref(), LOCKS_PREFIX).await.len(), 1);
+
+    // Every cycle counted, the failure with its reason, until a cycle succeeds again.
+    let status = stats.status();
+    assert_eq!((status.cycles, status.failed_cycles), (4, 1), "{status:?}");
+    assert_eq!(status.deleted, BTreeMap::from([(CandidateKind::Lock, 30)]));
+    assert!(status.last_error.as_deref().is_some_and(|e| e.contains("guest trapped")), "{status:?}");
+    assert!(status.last_success_unix.is_some() && status.last_cycle_unix >= status.last_success_unix);
+    assert_eq!(status.last_offered, 0, "the last successful cycle offered nothing");
+    gc.run_once().await.unwrap();
+    let status = stats.status();
+    assert_eq!((status.cycles, status.failed_cycles, status.last_error.clone()), (5, 1, None), "{status:?}");
+    assert_eq!(status.deleted[&CandidateKind::Lock], 31, "the lock the failing cycle kept");
     assert!(
         GarbageCollector::new(
             store.clone(),
