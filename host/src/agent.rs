@@ -4,6 +4,7 @@
 //! the cluster has gone quiet. The duties themselves live in `wasmplane-operator`; this wires
 //! them to the host's model.
 
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -53,12 +54,35 @@ pub struct Agent {
     cluster_name: Option<String>,
     publisher: tokio::task::JoinHandle<()>,
     status_writer: tokio::task::JoinHandle<()>,
+    /// Hands the remote clusters' pod CIDRs to pod egress masquerade (routes to them on).
+    remote_pod_cidrs: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Drop for Agent {
     fn drop(&mut self) {
         self.publisher.abort();
         self.status_writer.abort();
+        if let Some(task) = &self.remote_pod_cidrs {
+            task.abort();
+        }
+    }
+}
+
+/// Other clusters' pod CIDRs, routed to natively (`--node-routes`), are left out of pod egress
+/// masquerade: a pod reaches their pods with its own address, which their policies match (as
+/// Cilium's native-routing CIDR spans every cluster of a mesh).
+async fn keep_remote_pod_addresses(mut nodes: tokio::sync::watch::Receiver<wasmplane_operator::RemoteNodeSet>, controller: std::sync::Weak<Mutex<Controller>>) {
+    loop {
+        let cidrs: Vec<IpNet> = nodes.borrow_and_update().values().flat_map(BTreeMap::values).flat_map(|node| node.pod_cidrs.iter().copied()).collect();
+        let Some(controller) = controller.upgrade() else { return };
+        let written = tokio::task::spawn_blocking(move || controller.lock().unwrap_or_else(|p| p.into_inner()).remote_pod_cidrs_changed(cidrs)).await;
+        if let Ok(Err(e)) = written {
+            // The next reconcile writes them.
+            tracing::warn!("writing the remote clusters' pod CIDRs for egress masquerade: {e}");
+        }
+        if nodes.changed().await.is_err() {
+            return;
+        }
     }
 }
 
@@ -191,6 +215,7 @@ impl Agent {
             Some(max_age) => Some(HeartbeatMonitor::start(kv.clone(), HEARTBEAT_KEY, max_age).await?),
             None => None,
         };
+        let remote_pod_cidrs = routes.as_ref().filter(|_| config.cluster_name.is_some()).map(|routes| tokio::spawn(keep_remote_pod_addresses(routes.remote_nodes().subscribe(), Arc::downgrade(controller))));
         let (mut service_import, mut remote_clusters) = (None, None);
         if let Some(cluster) = &config.cluster_name {
             let (weak, remote_gauges, nodes) = (Arc::downgrade(controller), gauges.clone(), routes.as_ref().map(RouteSync::remote_nodes));
@@ -202,7 +227,7 @@ impl Agent {
             service_import = Some(ServiceImport::start(kv, controller, Clusters::AllBut(skipped), CLUSTERS_PREFIX, gauges.clone()).await?);
             remote_clusters = Some(remotes);
         }
-        Ok(Agent { registry, routes, heartbeat, service_import, remote_clusters, cluster_name: config.cluster_name.clone(), publisher, status_writer })
+        Ok(Agent { registry, routes, heartbeat, service_import, remote_clusters, cluster_name: config.cluster_name.clone(), publisher, status_writer, remote_pod_cidrs })
     }
 
     /// Other clusters' endpoints imported here (`None`: no `--cluster-name`, nothing imported).

@@ -630,7 +630,7 @@ impl RunArgs {
             keep_source.push(cidr.parse::<ipnet::IpNet>().with_context(|| format!("--cluster-cidr {cidr:?}"))?);
         }
         keep_source.extend(&self.non_masquerade_cidrs);
-        Ok(Some(crate::nft::EgressMasquerade { sources: self.pod_cidrs.clone(), keep_source }))
+        Ok(Some(crate::nft::EgressMasquerade { sources: self.pod_cidrs.clone(), keep_source, ..Default::default() }))
     }
 
     pub fn into_config(self) -> anyhow::Result<HostConfig> {
@@ -965,13 +965,13 @@ mod tests {
         let net = |cidrs: &[&str]| cidrs.iter().map(|c| c.parse::<ipnet::IpNet>().unwrap()).collect::<Vec<_>>();
         assert_eq!(egress(&[]), Ok(None), "not the CNI: the pods' own CNI masquerades");
         let cni = ["--cni-socket", "/run/x.sock"];
-        assert_eq!(egress(&cni), Ok(Some(crate::nft::EgressMasquerade { sources: vec![], keep_source: net(&["10.244.0.0/16"]) })));
+        assert_eq!(egress(&cni), Ok(Some(crate::nft::EgressMasquerade { sources: vec![], keep_source: net(&["10.244.0.0/16"]), ..Default::default() })));
         assert_eq!(egress(&[&cni[..], &["--cni-chained"]].concat()), Ok(None), "chained: the plugin before does its own");
         assert_eq!(egress(&[&cni[..], &["--egress-masquerade", "off"]].concat()), Ok(None));
         let on = egress(&["--egress-masquerade", "on", "--cni-socket", "/run/x.sock", "--pod-cidr", "10.244.3.0/24", "--cluster-cidr", "10.244.0.0/16,fd00:10:244::/56", "--non-masquerade-cidr", "192.168.0.0/16,172.16.0.0/12"]);
         assert_eq!(
             on,
-            Ok(Some(crate::nft::EgressMasquerade { sources: net(&["10.244.3.0/24"]), keep_source: net(&["10.244.0.0/16", "fd00:10:244::/56", "192.168.0.0/16", "172.16.0.0/12"]) }))
+            Ok(Some(crate::nft::EgressMasquerade { sources: net(&["10.244.3.0/24"]), keep_source: net(&["10.244.0.0/16", "fd00:10:244::/56", "192.168.0.0/16", "172.16.0.0/12"]), ..Default::default() }))
         );
         let bad = egress(&["--egress-masquerade", "on", "--cluster-cidr", "10.244.0.0/33"]).unwrap_err();
         assert!(bad.contains("--cluster-cidr \"10.244.0.0/33\""), "{bad}");

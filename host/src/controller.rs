@@ -723,6 +723,15 @@ impl Controller {
     }
 
     /// Periodic full reconcile: rewrites our table from what we want, repairing drift.
+    /// Other clusters' pod CIDRs, routed to natively: pods reach them with their own address
+    /// (pod egress masquerade leaves them out). Written at once when they move.
+    pub fn remote_pod_cidrs_changed(&mut self, cidrs: Vec<ipnet::IpNet>) -> Result<(), HostError> {
+        if self.dataplane.set_egress_remote_pod_cidrs(cidrs) {
+            self.reconcile()?;
+        }
+        Ok(())
+    }
+
     pub fn reconcile(&mut self) -> Result<(), HostError> {
         self.full_write(|dataplane| dataplane.full_sync(None))?;
         Ok(())

@@ -855,6 +855,20 @@ impl Dataplane {
         moved
     }
 
+    /// Other clusters' pod CIDRs, left out of pod egress masquerade (when it is on). Returns
+    /// whether they moved, as [`Dataplane::set_service_cidrs`].
+    pub fn set_egress_remote_pod_cidrs(&mut self, mut cidrs: Vec<ipnet::IpNet>) -> bool {
+        let Some(egress) = self.networks.egress_masquerade.as_mut() else { return false };
+        cidrs.sort_unstable();
+        cidrs.dedup();
+        let moved = cidrs != egress.remote_pod_cidrs;
+        if moved {
+            egress.remote_pod_cidrs = cidrs;
+            self.in_sync = false;
+        }
+        moved
+    }
+
     /// The cluster's service CIDRs at start (the configured ones): new connections to an
     /// address in them that is no service's are dropped.
     pub fn with_service_cidrs(mut self, cidrs: Vec<ipnet::IpNet>) -> Self {

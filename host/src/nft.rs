@@ -1608,6 +1608,9 @@ pub struct EgressMasquerade {
     /// The destinations reached with the pod's own address (ip-masq-agent's
     /// `nonMasqueradeCIDRs`); the sources are always among them.
     pub keep_source: Vec<IpNet>,
+    /// Other clusters' pod CIDRs, routed to natively (clustermesh with `--node-routes`,
+    /// followed): reached with the pod's own address too, which their policies match.
+    pub remote_pod_cidrs: Vec<IpNet>,
 }
 
 /// The rules of a node port chain (`chain`, looking the port up in `vmap`): every local
@@ -1643,7 +1646,10 @@ fn write_node_port_rules(out: &mut String, t: Table, chain: &str, vmap: &str, ne
 fn write_egress_masquerade(out: &mut String, t: Table, egress: Option<&EgressMasquerade>, flush_first: bool) {
     // Interval sets refuse overlapping elements: each is written merged.
     let (sources, keep) = match egress {
-        Some(egress) => (IpNet::aggregate(&egress.sources), IpNet::aggregate(&egress.sources.iter().chain(&egress.keep_source).copied().collect())),
+        Some(egress) => {
+            let keep = egress.sources.iter().chain(&egress.keep_source).chain(&egress.remote_pod_cidrs).copied().collect();
+            (IpNet::aggregate(&egress.sources), IpNet::aggregate(&keep))
+        }
         None => (Vec::new(), Vec::new()),
     };
     write_cidr_sets(out, t, ("egress-sources", "egress-sources6"), &sources, flush_first);

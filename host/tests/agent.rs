@@ -235,10 +235,23 @@ async fn remote_clusters_nodes_are_routed_while_their_cluster_is_followed() {
             clustermesh: ClusterMeshConfig { dir: Some(mesh.clone()), poll: Duration::from_millis(200), ..Default::default() },
             ..Default::default()
         }),
+        // Pod egress masquerade keeps the pod's address to east's pods (outside this
+        // cluster's CIDR here).
+        egress_masquerade: Some(wasmplane::nft::EgressMasquerade {
+            sources: vec!["10.244.0.0/24".parse().unwrap()],
+            keep_source: vec!["10.244.0.0/21".parse().unwrap()],
+            ..Default::default()
+        }),
         ..node_config(dir.path(), "node-a", &etcd, "agent-mesh-token-0123456789", "nodes.yaml", NODES_YAML)
     })
     .await
     .unwrap();
+    // The IPv4 destinations this node's pods reach with their own address.
+    let kept = || {
+        let dataplane = host.controller.lock().unwrap().dataplane().render();
+        dataplane.lines().find(|l| l.starts_with("add element ") && l.contains(" egress-keep-source {")).unwrap_or_default().to_string()
+    };
+    assert!(kept().contains("10.244.0.0/21") && !kept().contains("10.244.8.0/24"), "{}", kept());
 
     // East's node registers in east's own etcd, as east's agent does (the same name as a
     // node of west: clusters name their nodes independently).
@@ -253,6 +266,7 @@ async fn remote_clusters_nodes_are_routed_while_their_cluster_is_followed() {
     wait_for("a route to east's pods", Duration::from_secs(15), || routes_in(&ns_a), |r| r.contains("10.244.8.0/24 via 192.168.78.5"));
     let view = nodes_view(&host).await;
     assert_eq!(view["remote_nodes"]["east"]["node-a"]["podCidrs"], serde_json::json!(["10.244.8.0/24"]), "{view}");
+    wait_for("east's pod CIDR kept from egress masquerade", Duration::from_secs(5), kept, |k| k.contains("10.244.8.0/24"));
 
     // The node's pod CIDR changes: the route follows. A node of east overlapping west's own
     // pod CIDRs (10.244.0.0/24 is node-a's) is not routed away.
@@ -261,6 +275,7 @@ async fn remote_clusters_nodes_are_routed_while_their_cluster_is_followed() {
     wait_for("the route follows east's node", Duration::from_secs(15), || routes_in(&ns_a), |r| r.contains("10.244.9.0/24 via 192.168.78.5") && !r.contains("10.244.8.0/24"));
     eventually("west sees east's second node", Duration::from_secs(10), || nodes_view(&host), |v| !v["remote_nodes"]["east"]["node-o"].is_null()).await;
     assert!(!routes_in(&ns_a).contains("10.244.0.0/25"), "{}", routes_in(&ns_a));
+    wait_for("east's new pod CIDR kept", Duration::from_secs(5), kept, |k| k.contains("10.244.9.0/24") && !k.contains("10.244.8.0/24"));
     overlapping.leave().await.unwrap();
 
     // East's node leaves its cluster: the route goes. It comes back; then east's file goes,
@@ -271,6 +286,7 @@ async fn remote_clusters_nodes_are_routed_while_their_cluster_is_followed() {
     wait_for("the route back", Duration::from_secs(15), || routes_in(&ns_a), |r| r.contains("10.244.9.0/24 via 192.168.78.5"));
     std::fs::remove_file(mesh.join("east")).unwrap();
     wait_for("east's routes gone with its file", Duration::from_secs(15), || routes_in(&ns_a), |r| !r.contains("10.244.9.0/24"));
+    wait_for("east's pods masqueraded to again", Duration::from_secs(5), kept, |k| !k.contains("10.244.9.0/24"));
     assert_eq!(nodes_view(&host).await["remote_nodes"], serde_json::json!({}));
     host.stop().await;
 }

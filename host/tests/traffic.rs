@@ -1413,6 +1413,7 @@ async fn pods_egress_out_of_the_cluster_leaves_with_the_nodes_address() {
     let egress = |sources: &[&str], keep: &[&str]| wasmplane::nft::EgressMasquerade {
         sources: sources.iter().map(|c| c.parse().unwrap()).collect(),
         keep_source: keep.iter().map(|c| c.parse().unwrap()).collect(),
+        ..Default::default()
     };
     let outside = addr(EXTERNAL_CLIENT_IP, 8080);
     let ask = |ns: &str, to: SocketAddr, udp: bool| in_ns(ns, || if udp { udp_ask(to, Duration::from_secs(2)) } else { tcp_ask(to, Duration::from_secs(2)) }).map(|r| r.peer);
