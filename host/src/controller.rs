@@ -235,6 +235,8 @@ impl Controller {
         registry.add_builtin(BUILTIN_SERVICE_TRANSLATOR, GuestKind::ServiceTranslator, &builtin.info, wasmplane_guest_artifacts::SERVICE_TRANSLATOR);
         let policy_module = runtime.load_policy(BUILTIN_NETWORK_POLICY, wasmplane_guest_artifacts::NETWORK_POLICY, usize::MAX)?;
         registry.add_builtin(BUILTIN_NETWORK_POLICY, GuestKind::NetworkPolicy, &policy_module.info, wasmplane_guest_artifacts::NETWORK_POLICY);
+        // Listed and configured here, run by the operator: described, not compiled.
+        registry.add_builtin(BUILTIN_GC, GuestKind::Gc, &wasmplane_runtime::describe(wasmplane_guest_artifacts::GC)?, wasmplane_guest_artifacts::GC);
         let health = metrics.dataplane_health.clone();
         let service_cidrs = crate::dataplane::parse_cidrs("service-cidrs", &config.service_cidrs);
         let model = match config.local_detection {
@@ -881,7 +883,7 @@ impl Controller {
             Some((kind, bytes, _)) => (kind, bytes),
             None => {
                 let kind = self.builtin_kind(name).ok_or_else(|| HostError::NotFound(format!("no module named {name:?}")))?;
-                shipped = if kind == GuestKind::Gc { wasmplane_guest_artifacts::GC.to_vec() } else { self.registry.module_bytes(name, 1)? };
+                shipped = self.registry.module_bytes(name, 1)?;
                 (kind, shipped.as_slice())
             }
         };
@@ -901,9 +903,6 @@ impl Controller {
     }
 
     pub fn builtin_kind(&self, name: &str) -> Option<GuestKind> {
-        if name == BUILTIN_GC {
-            return Some(GuestKind::Gc);
-        }
         self.registry.is_builtin(name).then(|| self.registry.kind_of(name)).flatten()
     }
 

@@ -515,12 +515,21 @@ impl Registry {
     /// A module as the API shows it.
     pub fn get(&self, name: &str) -> Option<ModuleRecord> {
         let local = self.local.get(name).cloned().unwrap_or_default();
-        let active_here = self.active.values().find(|(n, _)| n == name).map(|(_, v)| *v);
-        let (kind, builtin, versions, history, auto_rollback) = match self.builtins.get(name) {
-            Some(b) => (b.kind, true, vec![b.version.clone()], active_here.into_iter().collect(), None),
+        let kind = match self.builtins.get(name) {
+            Some(b) => b.kind,
+            None => self.shared.modules.get(name)?.kind,
+        };
+        let active_here = match kind {
+            // GC runs in the operator, maybe elsewhere: in force is what the cluster's index
+            // puts in force (the builtin where it names none).
+            GuestKind::Gc => self.wanted(kind).filter(|(n, _)| n == name).map(|(_, v)| v),
+            _ => self.active.values().find(|(n, _)| n == name).map(|(_, v)| *v),
+        };
+        let (builtin, versions, history, auto_rollback) = match self.builtins.get(name) {
+            Some(b) => (true, vec![b.version.clone()], active_here.into_iter().collect(), None),
             None => {
                 let m = self.shared.modules.get(name)?;
-                (m.kind, false, m.versions.clone(), m.activation_history.clone(), m.auto_rollback.clone())
+                (false, m.versions.clone(), m.activation_history.clone(), m.auto_rollback.clone())
             }
         };
         let status = if active_here.is_some() {

@@ -185,7 +185,7 @@ async fn bad_uploads_are_refused_with_clear_errors_and_change_nothing() {
 
     let (_, modules) = t.get_json("/v1/modules").await;
     let names: Vec<&str> = modules["modules"].as_array().unwrap().iter().map(|m| m["name"].as_str().unwrap()).collect();
-    assert_eq!(names, vec!["default-network-policy", "default-service-translator"], "only the builtins");
+    assert_eq!(names, vec!["default-gc", "default-network-policy", "default-service-translator"], "only the builtins");
     assert_eq!(t.dataplane().await, before);
 }
 

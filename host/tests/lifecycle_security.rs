@@ -99,7 +99,7 @@ async fn signed_unsigned_wrongly_signed_and_tampered_uploads() {
     assert_eq!(status, StatusCode::CREATED, "the tampered bytes, signed, are a valid module: {body}");
     let r = client.delete(format!("{}/v1/modules/tampered", host.url())).bearer_auth(TOKEN).send().await.unwrap();
     assert_eq!(r.status(), StatusCode::NO_CONTENT);
-    assert_eq!(module_names(&client, &host).await, vec!["default-network-policy", "default-service-translator"], "nothing refused was stored");
+    assert_eq!(module_names(&client, &host).await, vec!["default-gc", "default-network-policy", "default-service-translator"], "nothing refused was stored");
 
     let (status, body) = upload(&client, &host, "port-filter", module, Some(TOKEN), Some(&good)).await;
     assert_eq!(status, StatusCode::CREATED, "{body}");

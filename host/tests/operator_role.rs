@@ -238,6 +238,17 @@ async fn gc_settings_are_checked_where_set_and_tune_the_grace_periods() {
     .unwrap();
     let client = reqwest::Client::new();
     let put_settings = |name: &str, body: &str| client.put(format!("{}/v1/modules/{name}/settings", host.url())).bearer_auth(token).header("content-type", "application/json").body(body.to_string()).send();
+    // The builtin GC guest is listed like the other builtins, in force (nothing else is).
+    let module = |name: &str| {
+        let url = format!("{}/v1/modules/{name}", host.url());
+        async move { reqwest::get(url).await.unwrap().json::<Value>().await.unwrap() }
+    };
+    let listed: Value = reqwest::get(format!("{}/v1/modules", host.url())).await.unwrap().json().await.unwrap();
+    let names: Vec<&str> = listed["modules"].as_array().unwrap().iter().filter_map(|m| m["name"].as_str()).collect();
+    assert!(names.contains(&"default-gc"), "{listed}");
+    let builtin = module("default-gc").await;
+    assert_eq!((builtin["kind"].as_str(), builtin["builtin"].as_bool(), builtin["status"].as_str()), (Some("gc"), Some(true), Some("active")), "{builtin}");
+    assert_eq!(builtin["versions"][0]["digest"].as_str(), Some(wasmplane_runtime::LoadedModule::digest_of(wasmplane_guest_artifacts::GC).as_str()));
     let refused = put_settings("default-gc", r#"{"graceSeconds": {"nodes": 60}}"#).await.unwrap();
     assert_eq!(refused.status(), StatusCode::UNPROCESSABLE_ENTITY);
     let reason = refused.text().await.unwrap();
@@ -271,6 +282,8 @@ async fn gc_settings_are_checked_where_set_and_tune_the_grace_periods() {
     let (mut index, revision) = store.load().await.unwrap();
     index.activate("tuned-gc", Some(1)).unwrap();
     assert!(store.publish(revision, &index).await.unwrap().is_some());
+    let _ = eventually("the uploaded GC module in force", Duration::from_secs(5), || module("tuned-gc"), |m| m["status"] == "active").await;
+    assert_eq!(module("default-gc").await["status"], "inactive");
     let orphan = format!("{LOCKS_PREFIX}orphaned");
     kv.put(&orphan, Bytes::from_static(b"node-that-is-gone"), None).await.unwrap();
     // Seven GC intervals: with settings it accepts, the guest collects it in the first.

@@ -36,7 +36,7 @@ use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConf
 pub use bindings::service::wasmplane::dataplane::types as wit;
 pub use compiler::CompilerCommand;
 pub use host::{GuestState, Lookups, NO_SETTINGS, NoLookups};
-pub use loader::{GuestKind, LoadError, LoadedModule, ModuleInfo, WIT_PACKAGE, WIT_VERSION};
+pub use loader::{GuestKind, LoadError, LoadedModule, ModuleInfo, WIT_PACKAGE, WIT_VERSION, describe};
 pub use validation::{SETTINGS_VALIDATION, SettingsCheck, SettingsVerdict};
 
 /// How often the epoch advances; deadlines are whole ticks.

@@ -146,6 +146,45 @@ fn split_name(name: &str) -> Option<(&str, &str)> {
     rest.split_once('@')
 }
 
+/// What [`Runtime::load`] would report of a component (kind, WIT version, size, imports, digest),
+/// read from its top-level import and export sections without compiling it: for a module
+/// listed where it never runs (the builtin GC guest on an agent). Checks no more than that:
+/// loading it may still fail.
+pub fn describe(bytes: &[u8]) -> Result<ModuleInfo, LoadError> {
+    check_header(bytes)?;
+    let malformed = |e: wasmparser::BinaryReaderError| LoadError::Compile(format!("reading the component: {e}"));
+    let (mut found, mut exports, mut imports) = (None, Vec::new(), Vec::new());
+    // Nested modules and components have sections of their own: only depth 0 is the component's.
+    let mut depth = 0usize;
+    for payload in wasmparser::Parser::new(0).parse_all(bytes) {
+        match payload.map_err(malformed)? {
+            wasmparser::Payload::ModuleSection { .. } | wasmparser::Payload::ComponentSection { .. } => depth += 1,
+            wasmparser::Payload::End(_) => depth = depth.saturating_sub(1),
+            wasmparser::Payload::ComponentImportSection(section) if depth == 0 => {
+                for import in section {
+                    imports.push(import.map_err(malformed)?.name.name.to_string());
+                }
+            }
+            wasmparser::Payload::ComponentExportSection(section) if depth == 0 => {
+                for export in section {
+                    let name = export.map_err(malformed)?.name.name;
+                    if let Some((iface, version)) = split_name(name)
+                        && let Some(kind) = GuestKind::parse(iface)
+                    {
+                        found = Some((kind, version.to_string()));
+                    }
+                    exports.push(name.to_string());
+                }
+            }
+            _ => {}
+        }
+    }
+    let Some((kind, wit_version)) = found else {
+        return Err(LoadError::UnknownWorld { exports, expected: GuestKind::ALL.iter().map(|k| format!("{WIT_PACKAGE}/{k}")).collect() });
+    };
+    Ok(ModuleInfo { digest: digest(bytes), kind, wit_version, size: bytes.len(), imports })
+}
+
 impl Runtime {
     /// Validates and compiles `bytes`. `expected`: the kind the uploader declared.
     pub fn load(&self, name: &str, bytes: &[u8], expected: Option<GuestKind>, max_size: usize) -> Result<LoadedModule, LoadError> {
