@@ -88,6 +88,11 @@ pub struct RunArgs {
     /// and turns on nothing (no pod CIDRs).
     #[arg(long, env = "WASMPLANE_CNI_CHAINED", requires = "cni_socket", conflicts_with = "pod_cidrs")]
     pub cni_chained: bool,
+    /// MTU of the pods' interfaces (both veth ends): 576 to 65535, at least 1280 with an IPv6
+    /// pod CIDR; 0: that of the device of the node's default route (IPv4's, else IPv6's),
+    /// read when the CNI daemon starts, as Cilium and Calico do. Ignored when chained.
+    #[arg(long, env = "WASMPLANE_CNI_MTU", requires = "cni_socket", default_value_t = 0)]
+    pub cni_mtu: u32,
     /// gRPC listen address of the node-local model stream (off when unset).
     #[arg(long, env = "WASMPLANE_GRPC_LISTEN")]
     pub grpc_listen: Option<SocketAddr>,
@@ -645,6 +650,12 @@ impl RunArgs {
         if self.clustermesh_sync_endpoint_slices && (self.role != Role::Operator || self.cluster_name.is_none()) {
             bail!("--clustermesh-sync-endpoint-slices is the operator's (--role operator) and needs --cluster-name");
         }
+        // Checked against the pod CIDRs given here; the daemon checks again against those it
+        // ends up with (the Node object's).
+        let cni_mtu = match self.cni_mtu {
+            0 => None,
+            mtu => Some(wasmplane_cni::check_mtu(mtu, &self.pod_cidrs).map(|()| mtu).context("--cni-mtu")?),
+        };
         let kvstore = self.kvstore_config()?;
         let clustermesh = self.clustermesh(&kvstore);
         // The operator pulls `WasmModule` objects' components with the CLI's credentials, or
@@ -683,7 +694,7 @@ impl RunArgs {
             record: self.record,
             // This binary answers compile requests itself (`main.rs`).
             compiler: Some(wasmplane_runtime::CompilerCommand::current_exe().context("locating this binary to compile guests with")?),
-            cni: self.cni_socket.map(|socket| crate::cni::CniConfig { socket, pod_cidrs: self.pod_cidrs, state_dir: None, pod_wait: Duration::from_secs(10), node_netns: None, chained: self.cni_chained }),
+            cni: self.cni_socket.map(|socket| crate::cni::CniConfig { socket, pod_cidrs: self.pod_cidrs, state_dir: None, pod_wait: Duration::from_secs(10), node_netns: None, chained: self.cni_chained, mtu: cni_mtu }),
             data_dir: Some(self.data_dir),
             egress_masquerade,
             node_name: self.node_name,
@@ -1005,6 +1016,36 @@ mod tests {
         assert!(cni(&["--cni-chained"]).unwrap_err().contains("--cni-socket"));
         let both = cni(&["--cni-socket", "/run/wasmplane/cni.sock", "--cni-chained", "--pod-cidr", "10.244.0.0/24"]).unwrap_err();
         assert!(both.contains("--pod-cidr"), "{both}");
+    }
+
+    /// `--cni-mtu`: 0 (the default) detects, at the daemon's start; an MTU is checked against
+    /// the families of the pod CIDRs given and passed on as is; it needs the CNI socket.
+    #[test]
+    fn cni_mtu_is_checked_and_reaches_the_config() {
+        let mtu = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run", "--cni-socket", "/run/x.sock"], args].concat()) {
+            Ok(Cli { command: Command::Run(args) }) => args.into_config().map(|c| c.cni.expect("the CNI").mtu).map_err(|e| format!("{e:#}")),
+            Ok(_) => unreachable!("parsed as another command"),
+            Err(e) => Err(e.to_string()),
+        };
+        assert_eq!(mtu(&[]), Ok(None), "detected by default");
+        assert_eq!(mtu(&["--cni-mtu", "0"]), Ok(None));
+        assert_eq!(mtu(&["--cni-mtu", "1450"]), Ok(Some(1450)));
+        assert_eq!(mtu(&["--cni-mtu", "576"]), Ok(Some(576)));
+        assert_eq!(mtu(&["--cni-mtu", "65535"]), Ok(Some(65535)));
+        assert_eq!(mtu(&["--cni-mtu", "9001", "--pod-cidr", "10.244.1.0/24,fd00:10:244:1::/64"]), Ok(Some(9001)));
+        let small = mtu(&["--cni-mtu", "575"]).unwrap_err();
+        assert!(small.contains("--cni-mtu") && small.contains("576"), "{small}");
+        let v6 = mtu(&["--cni-mtu", "1279", "--pod-cidr", "10.244.1.0/24,fd00:10:244:1::/64"]).unwrap_err();
+        assert!(v6.contains("--cni-mtu") && v6.contains("1280") && v6.contains("fd00:10:244:1::/64"), "{v6}");
+        assert_eq!(mtu(&["--cni-mtu", "1279", "--pod-cidr", "10.244.1.0/24"]), Ok(Some(1279)), "IPv4 only");
+        let big = mtu(&["--cni-mtu", "65536"]).unwrap_err();
+        assert!(big.contains("--cni-mtu") && big.contains("65535"), "{big}");
+        assert!(mtu(&["--cni-mtu", "-1"]).is_err());
+        assert!(mtu(&["--cni-mtu", "jumbo"]).is_err());
+        // Chained it is ignored (the other plugin's interfaces), not refused.
+        assert_eq!(mtu(&["--cni-chained", "--cni-mtu", "1400"]), Ok(Some(1400)));
+        let alone = Cli::try_parse_from(["wasmplane", "run", "--cni-mtu", "1400"]).expect_err("needs the socket").to_string();
+        assert!(alone.contains("--cni-socket"), "{alone}");
     }
 
     #[test]

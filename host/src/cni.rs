@@ -32,6 +32,9 @@ pub struct CniConfig {
     /// Chained after the plugin that gives pods their addresses (`--cni-chained`): no pod
     /// CIDRs, nothing allocated or created.
     pub chained: bool,
+    /// The pods' MTU (`--cni-mtu`); `None`: that of the node's default route's device,
+    /// detected when the daemon starts. Ignored when chained.
+    pub mtu: Option<u32>,
 }
 
 /// Wakes pod lookups on every model revision.
@@ -132,6 +135,22 @@ impl PodNetworkSink for ModelPodNetworks {
     }
 }
 
+/// The daemon's configuration: the host's, with the pod CIDRs it settled on.
+fn daemon_config(config: &CniConfig, pod_cidrs: Vec<ipnet::IpNet>, data_dir: Option<PathBuf>) -> wasmplane_cni::DaemonConfig {
+    let state_dir = config
+        .state_dir
+        .clone()
+        .or_else(|| data_dir.map(|d| d.join("cni")))
+        .unwrap_or_else(|| PathBuf::from("/var/lib/wasmplane/cni"));
+    let mut daemon_config = wasmplane_cni::DaemonConfig::new(pod_cidrs, state_dir);
+    daemon_config.socket_path = config.socket.clone();
+    daemon_config.pod_wait_timeout = config.pod_wait;
+    daemon_config.host_netns = config.node_netns.clone();
+    daemon_config.chained = config.chained;
+    daemon_config.mtu = config.mtu;
+    daemon_config
+}
+
 /// Starts the daemon once the pod CIDRs are known (from the flag, or from this node's Node
 /// object when the watch delivers it), at once when `chained` after the plugin that gives
 /// pods their addresses (it needs none). `synced`: the host's readiness, for STATUS.
@@ -156,16 +175,7 @@ pub async fn run(config: CniConfig, data_dir: Option<PathBuf>, controller: Arc<M
     } else {
         config.pod_cidrs.clone()
     };
-    let state_dir = config
-        .state_dir
-        .clone()
-        .or_else(|| data_dir.map(|d| d.join("cni")))
-        .unwrap_or_else(|| PathBuf::from("/var/lib/wasmplane/cni"));
-    let mut daemon_config = wasmplane_cni::DaemonConfig::new(pod_cidrs.clone(), state_dir);
-    daemon_config.socket_path = config.socket.clone();
-    daemon_config.pod_wait_timeout = config.pod_wait;
-    daemon_config.host_netns = config.node_netns.clone();
-    daemon_config.chained = chained;
+    let daemon_config = daemon_config(&config, pod_cidrs.clone(), data_dir);
     let daemon = match wasmplane_cni::CniDaemon::new(daemon_config, Arc::new(ModelPods::new(&controller, synced)), Arc::new(ModelPodNetworks::new(&controller))) {
         Ok(daemon) => daemon,
         Err(e) => {
@@ -173,9 +183,10 @@ pub async fn run(config: CniConfig, data_dir: Option<PathBuf>, controller: Arc<M
             return;
         }
     };
-    match daemon.spawn().await {
+    match daemon.clone().spawn().await {
         Ok(handle) => {
-            tracing::info!(socket = %config.socket.display(), ?pod_cidrs, chained, "CNI daemon serving");
+            let mtu = daemon.pod_mtu().map_or_else(|| "the other plugin's".to_string(), ToString::to_string);
+            tracing::info!(socket = %config.socket.display(), ?pod_cidrs, chained, %mtu, "CNI daemon serving");
             // Serve until the host stops (or drops) us; then the requests taken are answered
             // and the socket goes, so the plugin is told at once that no daemon listens.
             let _ = stop.await;
@@ -183,5 +194,32 @@ pub async fn run(config: CniConfig, data_dir: Option<PathBuf>, controller: Arc<M
             tracing::info!("CNI daemon stopped");
         }
         Err(e) => tracing::error!("starting the CNI daemon: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the host was given reaches the daemon: the MTU as given, or none to detect.
+    #[test]
+    fn the_daemon_gets_the_hosts_settings() {
+        let mut config = CniConfig {
+            socket: "/run/x.sock".into(),
+            pod_cidrs: Vec::new(),
+            state_dir: None,
+            pod_wait: Duration::from_secs(3),
+            node_netns: Some("/var/run/netns/n".into()),
+            chained: false,
+            mtu: Some(1450),
+        };
+        let cidrs = vec!["10.244.1.0/24".parse().unwrap()];
+        let d = daemon_config(&config, cidrs.clone(), Some("/data".into()));
+        assert_eq!((d.socket_path, d.state_dir, d.pod_cidrs), ("/run/x.sock".into(), "/data/cni".into(), cidrs.clone()));
+        assert_eq!((d.pod_wait_timeout, d.host_netns, d.chained, d.mtu), (Duration::from_secs(3), Some("/var/run/netns/n".into()), false, Some(1450)));
+        config.mtu = None;
+        config.chained = true;
+        let d = daemon_config(&config, Vec::new(), None);
+        assert_eq!((d.chained, d.mtu, d.state_dir), (true, None, "/var/lib/wasmplane/cni".into()));
     }
 }

@@ -58,6 +58,7 @@ async fn an_added_pod_is_in_the_model_at_once_and_del_takes_it_out() {
         pod_wait: Duration::from_secs(3),
         node_netns: Some(format!("/var/run/netns/{}", node.name).into()),
         chained: false,
+        mtu: None,
     });
     let host = start_host(config).await;
     wait_for("the CNI socket", Duration::from_secs(10), || socket.exists(), |up| *up);
@@ -142,7 +143,7 @@ async fn chained_the_daemon_takes_the_addresses_the_plugin_before_it_gave() {
     cluster.put_file("pods.yaml", &pods.iter().map(|p| pod_yaml(p)).collect::<Vec<_>>().join("---\n"));
     let mut config = cluster.config(Vec::new());
     config.dataplane = DataplaneMode::Record;
-    config.cni = Some(CniConfig { socket: socket.clone(), pod_cidrs: Vec::new(), state_dir: None, pod_wait: Duration::from_secs(3), node_netns: None, chained: true });
+    config.cni = Some(CniConfig { socket: socket.clone(), pod_cidrs: Vec::new(), state_dir: None, pod_wait: Duration::from_secs(3), node_netns: None, chained: true, mtu: None });
     let host = start_host(config).await;
     wait_for("the CNI socket without a pod CIDR", Duration::from_secs(10), || socket.exists(), |up| *up);
     // A slow revision (as a large dataplane write is): when each pod's address made one.

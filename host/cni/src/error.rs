@@ -48,6 +48,8 @@ pub enum Error {
     Decode(String),
     #[error("invalid network configuration: {0}")]
     InvalidConfig(String),
+    #[error("pod MTU {mtu} is out of range: {reason}")]
+    InvalidMtu { mtu: u32, reason: String },
     #[error(
         "wasmplane runs chained (--cni-chained) and must come after the plugin that gives pods their addresses in the conflist's plugins: {0}"
     )]
@@ -112,7 +114,7 @@ impl Error {
             Error::IncompatibleVersion(_) => code::INCOMPATIBLE_VERSION,
             Error::InvalidEnv(_) => code::INVALID_ENV,
             Error::Decode(_) => code::DECODE,
-            Error::InvalidConfig(_) | Error::NoPreviousAddresses(_) => code::INVALID_CONFIG,
+            Error::InvalidConfig(_) | Error::InvalidMtu { .. } | Error::NoPreviousAddresses(_) => code::INVALID_CONFIG,
             Error::PodNotInCache { .. } => code::TRY_AGAIN_LATER,
             Error::State { .. } | Error::CorruptState { .. } => code::STATE,
             Error::PoolExhausted { .. } => code::POOL_EXHAUSTED,
@@ -134,6 +136,7 @@ impl Error {
             Error::InvalidEnv(_) => "invalid CNI environment variables",
             Error::Decode(_) => "failed to decode request",
             Error::InvalidConfig(_) => "invalid network configuration",
+            Error::InvalidMtu { .. } => "invalid pod MTU",
             Error::NoPreviousAddresses(_) => "wasmplane is chained but no earlier plugin gave the pod addresses",
             Error::PodNotInCache { .. } => "pod not yet known to wasmplane, try again later",
             Error::State { .. } | Error::CorruptState { .. } => "wasmplane IPAM state unavailable",

@@ -4,7 +4,7 @@
 //! a unix socket; this crate answers it: it waits (bounded) until the pod is in the host's
 //! watch cache, allocates an address from each of the node's pod CIDRs (IPv4, IPv6 or both;
 //! persisted), creates the veth pair into the pod's network namespace with its addresses
-//! and routes, reports the addresses to the host at once, and replies with the spec's result or error object. Of spec 1.1.0
+//! and routes (and the MTU given, or that of the node's default route's device), reports the addresses to the host at once, and replies with the spec's result or error object. Of spec 1.1.0
 //! it answers STATUS (not available while the watch cache has not synced or the pod CIDR is
 //! full) and GC (releases the addresses and interfaces of attachments the runtime no longer
 //! has, sparing young ones).
@@ -28,12 +28,13 @@
 mod error;
 mod ipam;
 mod link;
+mod mtu;
 mod pods;
 mod protocol;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use axum::Router;
@@ -48,6 +49,7 @@ use serde_json::Value;
 pub use error::{CniErrorReply, Error, code};
 pub use ipam::{Allocation, Ipam, Pool};
 pub use link::host_if_name;
+pub use mtu::{PodMtu, check_mtu};
 pub use pods::{AnyPod, BoxFuture, PodCache, PodDirectory, PodInfo, PodNetworkSink, PodNetworks};
 pub use protocol::{
     Attachment, CniRequest, Command, DEFAULT_SOCKET, NetConf, PodAddress, PodNetwork, PodRef,
@@ -69,7 +71,9 @@ pub struct DaemonConfig {
     /// The network namespace to do the node side in; `None` (production): the daemon's own.
     /// Tests point it at a namespace standing in for the node.
     pub host_netns: Option<PathBuf>,
-    /// MTU of both veth ends; `None`: the kernel default.
+    /// MTU of both veth ends (checked by [`check_mtu`]); `None`: that of the device of the
+    /// node's default route (IPv4's, else IPv6's; the lowest metric's), read when the daemon
+    /// starts, or the kernel default when the node has none. Ignored when chained.
     pub mtu: Option<u32>,
     /// Turn on forwarding in the node namespace at start (IPv6's too with an IPv6 pod CIDR):
     /// pods reach each other and the world through the node's routing (as the reference
@@ -111,6 +115,8 @@ pub struct CniDaemon {
     /// One operation at a time per (container, interface): a DEL racing an ADD retry must
     /// not interleave with it.
     in_flight: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// The pods' MTU, settled by [`CniDaemon::spawn`]; never when chained.
+    pod_mtu: OnceLock<PodMtu>,
 }
 
 impl CniDaemon {
@@ -129,6 +135,9 @@ impl CniDaemon {
             }
             None
         } else {
+            if let Some(mtu) = config.mtu {
+                check_mtu(mtu, &config.pod_cidrs)?;
+            }
             Some(Arc::new(Ipam::open(&config.state_dir, &config.pod_cidrs)?))
         };
         Ok(Arc::new(CniDaemon {
@@ -137,11 +146,36 @@ impl CniDaemon {
             pods,
             sink,
             in_flight: Mutex::default(),
+            pod_mtu: OnceLock::new(),
         }))
     }
 
     pub fn config(&self) -> &DaemonConfig {
         &self.config
+    }
+
+    /// The pods' MTU and where it came from, once [`CniDaemon::spawn`] settled it; never
+    /// when chained (the other plugin's interfaces are not ours to size).
+    pub fn pod_mtu(&self) -> Option<&PodMtu> {
+        self.pod_mtu.get()
+    }
+
+    /// The MTU both veth ends get; `None`: the kernel default (and always when chained).
+    pub fn mtu(&self) -> Option<u32> {
+        if self.config.chained {
+            return None;
+        }
+        // Not spawned (requests handled directly): as configured, nothing detected.
+        self.pod_mtu.get().map_or(self.config.mtu, PodMtu::mtu)
+    }
+
+    /// As configured, or detected from the node's default route (once: at start).
+    async fn settle_mtu(&self) -> Result<PodMtu, Error> {
+        if let Some(mtu) = self.config.mtu {
+            return Ok(PodMtu::Configured(mtu));
+        }
+        let device = link::default_route_device(self.config.host_netns.clone()).await?;
+        Ok(PodMtu::detected(device, &self.config.pod_cidrs))
     }
 
     /// The allocator; none when chained.
@@ -169,6 +203,12 @@ impl CniDaemon {
             let ipv6 = self.pools().iter().any(|p| p.cidr.addr().is_ipv6());
             link::enable_forwarding(self.config.host_netns.clone(), ipv6).await?;
         }
+        if !self.config.chained {
+            let mtu = self.settle_mtu().await?;
+            let _ = self.pod_mtu.set(mtu);
+        } else if let Some(mtu) = self.config.mtu {
+            tracing::warn!(mtu, "chained: the pods' interfaces are the other plugin's, the MTU given is ignored");
+        }
         self.release_stale().await?;
         let path = self.config.socket_path.clone();
         let listener = bind(&path).map_err(|source| Error::Io {
@@ -186,7 +226,8 @@ impl CniDaemon {
             }
         });
         let cidrs: Vec<String> = self.pools().iter().map(|p| p.cidr.to_string()).collect();
-        tracing::info!(socket = %path.display(), ?cidrs, chained = self.config.chained, "CNI daemon listening");
+        let mtu = self.pod_mtu().map_or_else(|| "the other plugin's".to_string(), PodMtu::to_string);
+        tracing::info!(socket = %path.display(), ?cidrs, chained = self.config.chained, %mtu, "CNI daemon listening");
         Ok(DaemonHandle {
             stop: Some(tx),
             task,
@@ -222,8 +263,8 @@ impl CniDaemon {
     }
 
     /// `GET /healthz`, `POST /v1/cni` (body: [`CniRequest`]) and `GET /v1/allocations`
-    /// (the pod CIDRs, their gateways and every allocation, none when chained: for
-    /// debugging a node).
+    /// (the pod CIDRs, their gateways, every allocation and the pods' MTU, none when
+    /// chained: for debugging a node).
     pub fn router(self: &Arc<Self>) -> Router {
         Router::new()
             .route("/healthz", get(|| async { "ok" }))
@@ -511,7 +552,7 @@ impl CniDaemon {
             host_if: host_if_name(&req.container_id, &req.if_name),
             pod_if: req.if_name.clone(),
             addresses: self.pod_addresses(alloc),
-            mtu: self.config.mtu,
+            mtu: self.mtu(),
         }
     }
 
@@ -648,7 +689,7 @@ async fn allocations_handler(State(daemon): State<Arc<CniDaemon>>) -> axum::Json
         .map(|p| serde_json::json!({"podCIDR": p.cidr.to_string(), "gateway": p.gateway.to_string()}))
         .collect();
     let allocations = daemon.ipam().map(Ipam::all).unwrap_or_default();
-    axum::Json(serde_json::json!({"pools": pools, "allocations": allocations, "chained": daemon.config.chained}))
+    axum::Json(serde_json::json!({"pools": pools, "allocations": allocations, "chained": daemon.config.chained, "mtu": daemon.mtu()}))
 }
 
 async fn cni_handler(State(daemon): State<Arc<CniDaemon>>, body: Bytes) -> Response {
@@ -821,6 +862,30 @@ mod tests {
         let e = unsynced.handle(&network_request(Command::Status, v11)).await.unwrap_err().1;
         assert_eq!(e.code(), code::NOT_AVAILABLE);
         assert!(e.to_string().contains("watch cache"), "{e}");
+    }
+
+    /// A given MTU must suit the pod CIDRs' families: refused when the daemon is made, before
+    /// anything is served. Chained it is ignored, not checked.
+    #[test]
+    fn a_given_mtu_is_checked_against_the_pod_cidrs() {
+        let dir = tempfile::tempdir().unwrap();
+        let sink = Arc::new(PodNetworks::new());
+        let daemon = |cidrs: &[&str], chained: bool, mtu: u32| {
+            let mut config = DaemonConfig::new(cidrs.iter().map(|c| c.parse().unwrap()).collect(), dir.path().join("state"));
+            config.chained = chained;
+            config.mtu = Some(mtu);
+            CniDaemon::new(config, Arc::new(AnyPod), sink.clone())
+        };
+        let dual = ["10.244.9.0/24", "fd00:10:244:9::/64"];
+        let e = daemon(&dual, false, 1279).err().expect("too small for IPv6");
+        assert!(matches!(e, Error::InvalidMtu { mtu: 1279, .. }) && e.code() == code::INVALID_CONFIG, "{e:?}");
+        assert!(e.to_string().contains("1280"), "{e}");
+        assert!(matches!(daemon(&dual[..1], false, 575), Err(Error::InvalidMtu { mtu: 575, .. })));
+        assert!(matches!(daemon(&dual[..1], false, 70000), Err(Error::InvalidMtu { .. })));
+        let ok = daemon(&dual, false, 1280).unwrap();
+        assert_eq!((ok.mtu(), ok.pod_mtu()), (Some(1280), None), "as given; settled at spawn");
+        let chained = daemon(&[], true, 1).unwrap();
+        assert_eq!(chained.mtu(), None, "chained: ignored");
     }
 
     /// Chained: ADD reports the prevResult's addresses and returns it in the request's

@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use futures::TryStreamExt as _;
 use rtnetlink::packet_route::address::{AddressAttribute, AddressFlags, AddressHeaderFlags};
 use rtnetlink::packet_route::link::{InfoData, InfoVeth, LinkAttribute, LinkFlags, LinkMessage};
-use rtnetlink::packet_route::route::{RouteAddress, RouteAttribute, RouteMessage, RouteScope};
+use rtnetlink::packet_route::route::{RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteScope, RouteType};
 use rtnetlink::{Handle, LinkUnspec, LinkVeth, RouteMessageBuilder};
 
 use crate::error::Error;
@@ -155,6 +155,85 @@ pub(crate) async fn link_names(
     .await
 }
 
+/// The device the node's default route leaves by.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct RouteDevice {
+    pub name: String,
+    pub mtu: u32,
+    /// The route is IPv6's (the node has no IPv4 default route).
+    pub ipv6: bool,
+}
+
+/// The device of the node's IPv4 default route, else of its IPv6 one (what Cilium and Calico
+/// take the pods' MTU from); `None` when the node has neither.
+pub(crate) async fn default_route_device(host_netns: Option<PathBuf>) -> Result<Option<RouteDevice>, Error> {
+    on_thread("wpcni-mtu", move || {
+        block_on(async {
+            if let Some(ns) = &host_netns {
+                enter(&open_netns(ns)?, ns)?;
+            }
+            let host = connect()?;
+            for family in [IpAddr::V4(Ipv4Addr::UNSPECIFIED), IpAddr::V6(Ipv6Addr::UNSPECIFIED)] {
+                let Some(index) = default_route_oif(&routes(&host, family).await?) else {
+                    continue;
+                };
+                let stream = host.link().get().match_index(index).execute();
+                futures::pin_mut!(stream);
+                let link = match stream.try_next().await {
+                    Ok(Some(link)) => link,
+                    // Gone since the route dump: as if that route were not there.
+                    Ok(None) => continue,
+                    Err(e) if is_errno(&e, libc::ENODEV) => continue,
+                    Err(e) => return Err(Error::netlink(format!("looking up interface {index}"), e)),
+                };
+                let name = link.attributes.iter().find_map(|a| match a {
+                    LinkAttribute::IfName(n) => Some(n.clone()),
+                    _ => None,
+                });
+                let mtu = link.attributes.iter().find_map(|a| match a {
+                    LinkAttribute::Mtu(m) => Some(*m),
+                    _ => None,
+                });
+                let mtu = mtu.ok_or_else(|| Error::Internal(format!("interface {index} reports no MTU")))?;
+                return Ok(Some(RouteDevice { name: name.unwrap_or_else(|| index.to_string()), mtu, ipv6: family.is_ipv6() }));
+            }
+            Ok(None)
+        })
+    })
+    .await
+}
+
+/// Of one family's routes (a dump: every table), the output interface of the main table's
+/// default route with the lowest metric. A multipath route counts by its first next hop; one
+/// through a nexthop object names no interface here and is passed over.
+fn default_route_oif(routes: &[RouteMessage]) -> Option<u32> {
+    routes
+        .iter()
+        .filter(|r| r.header.destination_prefix_length == 0 && r.header.kind == RouteType::Unicast)
+        .filter(|r| {
+            let table = r.attributes.iter().find_map(|a| match a {
+                RouteAttribute::Table(t) => Some(*t),
+                _ => None,
+            });
+            table.unwrap_or(u32::from(r.header.table)) == u32::from(RouteHeader::RT_TABLE_MAIN)
+        })
+        .filter_map(|r| {
+            let oif = r.attributes.iter().find_map(|a| match a {
+                RouteAttribute::Oif(i) => Some(*i),
+                RouteAttribute::MultiPath(hops) => hops.first().map(|h| h.interface_index),
+                _ => None,
+            })?;
+            // No priority attribute: metric 0.
+            let metric = r.attributes.iter().find_map(|a| match a {
+                RouteAttribute::Priority(p) => Some(*p),
+                _ => None,
+            });
+            Some((metric.unwrap_or(0), oif))
+        })
+        .min_by_key(|(metric, _)| *metric)
+        .map(|(_, oif)| oif)
+}
+
 /// Removes the pod's interface (both ends, and with them their routes). `Ok(false)` when
 /// there was nothing to remove: DEL is idempotent.
 pub(crate) async fn teardown(host_netns: Option<PathBuf>, host_if: String) -> Result<bool, Error> {
@@ -239,14 +318,22 @@ async fn configure(host: &Handle, pod: &Handle, spec: &LinkSpec) -> Result<PodNe
         )
     };
 
-    // Links must be up before routes through them are accepted.
+    // Links must be up before routes through them are accepted. The MTU again: a repeated
+    // ADD after the node's MTU changed brings an existing pair in line.
+    let up = |index: u32| {
+        let link = LinkUnspec::new_with_index(index).up();
+        match spec.mtu {
+            Some(mtu) => link.mtu(mtu).build(),
+            None => link.build(),
+        }
+    };
     host.link()
-        .set(LinkUnspec::new_with_index(hi).up().build())
+        .set(up(hi))
         .execute()
         .await
         .map_err(|e| Error::netlink(ctx("setting node side up"), e))?;
     pod.link()
-        .set(LinkUnspec::new_with_index(pi).up().build())
+        .set(up(pi))
         .execute()
         .await
         .map_err(|e| Error::netlink(ctx("setting pod side up"), e))?;
@@ -267,6 +354,7 @@ async fn configure(host: &Handle, pod: &Handle, spec: &LinkSpec) -> Result<PodNe
         pod_mac: mac(&pl),
         sandbox: spec.pod_netns.display().to_string(),
         addresses: spec.addresses.clone(),
+        mtu: spec.mtu,
     })
 }
 
@@ -495,5 +583,43 @@ mod tests {
         assert_ne!(a, host_if_name("abd", "eth0"));
         // Separator: ("ab","ceth0") and ("abc","eth0") must not collide.
         assert_ne!(host_if_name("ab", "ceth0"), a);
+    }
+
+    /// The pods' MTU follows the main table's default route with the lowest metric, in
+    /// whatever order the dump lists them; other tables, other destinations and routes that
+    /// are not unicast do not count.
+    #[test]
+    fn the_default_route_with_the_lowest_metric_names_the_device() {
+        use rtnetlink::packet_route::route::RouteNextHop;
+        let gw = Ipv4Addr::new(192, 0, 2, 1);
+        let default = |oif: u32, metric: Option<u32>| {
+            let b = RouteMessageBuilder::<Ipv4Addr>::new().gateway(gw).output_interface(oif);
+            match metric {
+                Some(m) => b.priority(m).build(),
+                None => b.build(),
+            }
+        };
+        let other_table = RouteMessageBuilder::<Ipv4Addr>::new().gateway(gw).output_interface(7).table_id(100).build();
+        let other_table_attr = RouteMessageBuilder::<Ipv4Addr>::new().gateway(gw).output_interface(8).table_id(1000).build();
+        let unreachable = RouteMessageBuilder::<Ipv4Addr>::new().kind(RouteType::Unreachable).build();
+        let subnet = link_route(IpAddr::V4(Ipv4Addr::new(192, 0, 2, 0)), 24, 9);
+        let ignored = [other_table, other_table_attr, unreachable, subnet];
+        assert_eq!(default_route_oif(&ignored), None);
+
+        let routes = [&ignored[..], &[default(2, Some(600)), default(3, Some(100)), default(4, Some(1024))]].concat();
+        assert_eq!(default_route_oif(&routes), Some(3));
+        let mut reversed = routes.clone();
+        reversed.reverse();
+        assert_eq!(default_route_oif(&reversed), Some(3));
+        // No metric is metric 0.
+        assert_eq!(default_route_oif(&[default(2, Some(1)), default(5, None)]), Some(5));
+        // A multipath default route: its first next hop's interface.
+        let hop = |index: u32| {
+            let mut hop = RouteNextHop::default();
+            hop.interface_index = index;
+            hop
+        };
+        let multipath = RouteMessageBuilder::<Ipv4Addr>::new().multipath(vec![hop(6), hop(2)]).priority(10).build();
+        assert_eq!(default_route_oif(&[default(2, Some(20)), multipath]), Some(6));
     }
 }

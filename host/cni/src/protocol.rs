@@ -266,6 +266,8 @@ pub struct PodNetwork {
     pub sandbox: String,
     /// One per family, the node's primary family first (the pod's primary address).
     pub addresses: Vec<PodAddress>,
+    /// Both ends' MTU when the daemon set one; `None`: the kernel default.
+    pub mtu: Option<u32>,
 }
 
 impl PodNetwork {
@@ -274,8 +276,8 @@ impl PodNetwork {
         self.addresses.iter().map(|a| a.ip).collect()
     }
 
-    /// The spec's ADD result in `cni_version` (0.3.x/0.4.0 carry `version` per IP; 1.1.0's
-    /// additions are optional fields).
+    /// The spec's ADD result in `cni_version` (0.3.x/0.4.0 carry `version` per IP; of 1.1.0's
+    /// optional additions, the interfaces' `mtu` when one was set).
     pub fn to_result(&self, cni_version: &str) -> Value {
         let mut ips = Vec::new();
         let mut routes = Vec::new();
@@ -292,12 +294,18 @@ impl PodNetwork {
             routes.push(json!({"dst": format!("{}/{}", a.gateway, a.host_prefix())}));
             routes.push(json!({"dst": a.default_destination(), "gw": a.gateway.to_string()}));
         }
+        let mut interfaces = [
+            json!({"name": self.host_if, "mac": self.host_mac}),
+            json!({"name": self.pod_if, "mac": self.pod_mac, "sandbox": self.sandbox}),
+        ];
+        if let Some(mtu) = self.mtu.filter(|_| version_at_least(cni_version, "1.1.0")) {
+            for interface in &mut interfaces {
+                interface["mtu"] = mtu.into();
+            }
+        }
         json!({
             "cniVersion": cni_version,
-            "interfaces": [
-                {"name": self.host_if, "mac": self.host_mac},
-                {"name": self.pod_if, "mac": self.pod_mac, "sandbox": self.sandbox},
-            ],
+            "interfaces": interfaces,
             "ips": ips,
             "routes": routes,
             "dns": {},
@@ -364,6 +372,7 @@ mod tests {
                 ip: "10.244.0.5".parse().unwrap(),
                 gateway: "10.244.0.1".parse().unwrap(),
             }],
+            mtu: None,
         };
         let v1 = n.to_result("1.0.0");
         assert_eq!(v1["cniVersion"], "1.0.0");
@@ -390,6 +399,18 @@ mod tests {
             ])
         );
         assert_eq!(dual.to_result("0.4.0")["ips"][1]["version"], "6");
+
+        // The interfaces' MTU is 1.1.0's, and only there when one was set.
+        let mtu = |n: &PodNetwork, version: &str| {
+            let r = n.to_result(version);
+            [0, 1].map(|i| r["interfaces"][i].get("mtu").cloned())
+        };
+        assert_eq!(mtu(&n, "1.1.0"), [None, None], "no MTU set: the kernel default, not reported");
+        let set = PodNetwork { mtu: Some(1400), ..n.clone() };
+        assert_eq!(mtu(&set, "1.1.0"), [Some(json!(1400)), Some(json!(1400))]);
+        for older in ["1.0.0", "0.4.0", "0.3.1"] {
+            assert_eq!(mtu(&set, older), [None, None], "{older} has no interface MTU");
+        }
     }
 
     /// A chained daemon's addresses: every `ips[].address` of the prevResult, in order, once;

@@ -343,6 +343,7 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
                 pod_wait: Duration::from_secs(30),
                 node_netns: Some(ns.path().into()),
                 chained: false,
+                mtu: None,
             })
         }).transpose()?,
         ..Default::default()

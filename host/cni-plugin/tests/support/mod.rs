@@ -384,6 +384,8 @@ pub struct Node {
     pub wait: Duration,
     /// The daemon's GC grace period (none unless a test sets one).
     pub gc_grace: Duration,
+    /// The pods' MTU given to the daemon; `None`: detected from the node namespace.
+    pub mtu: Option<u32>,
     pub daemon: Option<Arc<CniDaemon>>,
     handle: Option<DaemonHandle>,
     pub rt: tokio::runtime::Runtime,
@@ -405,6 +407,18 @@ impl Node {
     }
 
     fn with(cidrs: Vec<ipnet::IpNet>, chained: bool) -> Node {
+        let mut node = Node::unstarted_with(cidrs, chained);
+        node.start();
+        node
+    }
+
+    /// [`Node::new`] without starting the daemon: the test prepares the node namespace (a
+    /// default route, say) or the configuration first, then calls [`Node::start`].
+    pub fn unstarted(cidrs: &str) -> Node {
+        Node::unstarted_with(cidrs.split(',').map(|c| c.parse().unwrap()).collect(), false)
+    }
+
+    fn unstarted_with(cidrs: Vec<ipnet::IpNet>, chained: bool) -> Node {
         let ns = Netns::new(unique("-node"));
         ns.exec(&["ip", "link", "set", "lo", "up"]);
         // Forwarding stays off here: the daemon must turn it on (pod-to-pod traffic tests it).
@@ -417,21 +431,20 @@ impl Node {
             .enable_all()
             .build()
             .unwrap();
-        let mut node = Node {
+        Node {
             cidrs,
             chained,
             pods: Arc::new(PodCache::new()),
             sink: Arc::new(PodNetworks::new()),
             wait: Duration::from_secs(5),
             gc_grace: Duration::ZERO,
+            mtu: None,
             daemon: None,
             handle: None,
             rt,
             dir: tempfile::tempdir().unwrap(),
             ns,
-        };
-        node.start();
-        node
+        }
     }
 
     pub fn socket(&self) -> PathBuf {
@@ -453,6 +466,7 @@ impl Node {
         config.pod_wait_timeout = self.wait;
         config.gc_grace = self.gc_grace;
         config.chained = self.chained;
+        config.mtu = self.mtu;
         let daemon = CniDaemon::new(config, pods, self.sink.clone()).expect("daemon");
         self.handle = Some(
             self.rt
