@@ -424,18 +424,7 @@ async fn the_host_binary_runs_with_guests_compiled_in_a_child() {
     let dir = tempfile::tempdir().unwrap();
     write_manifest(&dir.path().join("manifests"), "shop.yaml", &documents(&[WEB_SERVICE, &endpoint_slice("web", "http", 8080, &[("10.244.0.11", "node-a")])]));
     let data = dir.path().join("data");
-    let mut host = tokio::process::Command::new(env!("CARGO_BIN_EXE_wasmplane"))
-        .args(["run", "--listen", "127.0.0.1:0", "--node-name", "node-a"])
-        .arg("--manifests")
-        .arg(dir.path().join("manifests"))
-        .arg("--data-dir")
-        .arg(&data)
-        .env("RUST_LOG", "warn,wasmplane=info")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let mut host = host_binary(&dir.path().join("manifests"), &["--data-dir", data.to_str().unwrap()], "warn,wasmplane=info");
     // The log line that says how much of its binary and of the compiled guests was resident
     // when the host paged them out after the initial sync; the rest of the log is drained so
     // the host never blocks on it.
@@ -452,17 +441,7 @@ async fn the_host_binary_runs_with_guests_compiled_in_a_child() {
             }
         }
     });
-    let mut lines = tokio::io::BufReader::new(host.stdout.take().unwrap()).lines();
-    let url = tokio::time::timeout(Duration::from_secs(60), async {
-        while let Some(line) = lines.next_line().await.unwrap() {
-            if let Some(rest) = line.strip_prefix("wasmplane REST API: ") {
-                return rest.split_whitespace().next().unwrap().to_string();
-            }
-        }
-        panic!("the host exited without printing its REST API");
-    })
-    .await
-    .expect("the host printed its REST API within 60 s");
+    let url = printed_rest_api(&mut host).await;
     let client = plain_client();
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
@@ -492,41 +471,57 @@ async fn the_host_binary_runs_with_guests_compiled_in_a_child() {
     assert!(binary_kib > 0 && binary_now < binary_kib, "the binary: {binary_kib} KiB resident when paged out, {binary_now} KiB now");
     assert!(guests_kib > 0 && guests_now < guests_kib / 2, "the compiled guests: {guests_kib} KiB resident when paged out, {guests_now} KiB now");
     // What the kubelet sends to stop a pod: the host stops gracefully and exits 0.
-    assert!(std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap().success());
+    terminate(&host);
     let status = tokio::time::timeout(Duration::from_secs(20), host.wait()).await.expect("the host exits within 20 s of SIGTERM").unwrap();
     assert!(status.success(), "a graceful stop on SIGTERM: {status}");
+}
+
+/// `wasmplane run` over `manifests` with `args` besides, stdout and stderr piped, killed when
+/// dropped.
+fn host_binary(manifests: &std::path::Path, args: &[&str], rust_log: &str) -> tokio::process::Child {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_wasmplane"))
+        .args(["run", "--listen", "127.0.0.1:0", "--node-name", "node-a", "--manifests"])
+        .arg(manifests)
+        .args(args)
+        .env("RUST_LOG", rust_log)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap()
+}
+
+/// The REST API's address, from the line the host prints on stdout once it serves.
+async fn printed_rest_api(host: &mut tokio::process::Child) -> String {
+    use tokio::io::AsyncBufReadExt as _;
+    let mut lines = tokio::io::BufReader::new(host.stdout.take().unwrap()).lines();
+    tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(line) = lines.next_line().await.unwrap() {
+            if let Some(rest) = line.strip_prefix("wasmplane REST API: ") {
+                return rest.split_whitespace().next().unwrap().to_string();
+            }
+        }
+        panic!("the host exited without printing its REST API");
+    })
+    .await
+    .expect("the host printed its REST API within 60 s")
+}
+
+/// SIGTERM, as the kubelet stops a container.
+fn terminate(host: &tokio::process::Child) {
+    let pid = host.id().expect("still running").to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
 }
 
 /// `--log-format json`: every line on stderr is one JSON object a log collector indexes
 /// (level, target, the event's fields at the top level), from start-up to the graceful stop.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_host_binary_logs_json_objects_when_asked() {
-    use tokio::io::AsyncBufReadExt as _;
     let dir = tempfile::tempdir().unwrap();
     write_manifest(&dir.path().join("manifests"), "shop.yaml", &documents(&[WEB_SERVICE]));
-    let mut host = tokio::process::Command::new(env!("CARGO_BIN_EXE_wasmplane"))
-        .args(["run", "--listen", "127.0.0.1:0", "--node-name", "node-a", "--log-format", "json"])
-        .arg("--manifests")
-        .arg(dir.path().join("manifests"))
-        .env("RUST_LOG", "info")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut stdout = tokio::io::BufReader::new(host.stdout.take().unwrap()).lines();
-    tokio::time::timeout(Duration::from_secs(60), async {
-        while let Some(line) = stdout.next_line().await.unwrap() {
-            if line.starts_with("wasmplane REST API: ") {
-                return;
-            }
-        }
-        panic!("the host exited without printing its REST API");
-    })
-    .await
-    .expect("the host printed its REST API within 60 s");
-    let pid = host.id().unwrap().to_string();
-    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let mut host = host_binary(&dir.path().join("manifests"), &["--log-format", "json"], "info");
+    printed_rest_api(&mut host).await;
+    terminate(&host);
     let output = tokio::time::timeout(Duration::from_secs(20), host.wait_with_output()).await.expect("the host exits within 20 s of SIGTERM").unwrap();
     assert!(output.status.success(), "{}", output.status);
     let lines: Vec<serde_json::Value> = String::from_utf8(output.stderr)
