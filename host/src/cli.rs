@@ -31,6 +31,36 @@ pub enum Command {
     },
     /// Run a service translator offline over a recording (`run --record`) and print its outputs.
     Replay(crate::replay::ReplayArgs),
+    /// Remove what `wasmplane run` wrote to this node, as kube-proxy's `--cleanup` does: its
+    /// nftables tables (services, policy, host ports) and its routes to other nodes' pods.
+    /// Run it in the node's network namespace once the agent is stopped (uninstalling, or
+    /// moving to another proxy); pods' own interfaces stay, they go with the pods.
+    Cleanup(CleanupArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct CleanupArgs {
+    /// The CNI configuration the agent installed (`/etc/cni/net.d/10-wasmplane.conflist`),
+    /// removed too so that the runtime stops calling the plugin.
+    #[arg(long)]
+    pub cni_conf: Option<PathBuf>,
+}
+
+/// `wasmplane cleanup`: says what it removed; nothing to remove is no error.
+pub async fn cleanup(args: CleanupArgs) -> anyhow::Result<()> {
+    let mut kernel = crate::dataplane::NftCommand::new(vec!["nft".into()], Vec::new());
+    let tables = tokio::task::spawn_blocking(move || crate::dataplane::remove_tables(&mut kernel)).await?.context("removing wasmplane's nftables tables")?;
+    println!("nftables tables removed: {}", if tables.is_empty() { "none".to_string() } else { tables.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ") });
+    let routes = wasmplane_operator::remove_routes(wasmplane_operator::DEFAULT_ROUTE_PROTOCOL).await.context("removing wasmplane's routes")?;
+    println!("routes removed: {}", if routes.is_empty() { "none".to_string() } else { routes.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ") });
+    if let Some(conf) = args.cni_conf {
+        match std::fs::remove_file(&conf) {
+            Ok(()) => println!("CNI configuration removed: {}", conf.display()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => println!("CNI configuration: {} was not there", conf.display()),
+            Err(e) => return Err(e).with_context(|| format!("removing {}", conf.display())),
+        }
+    }
+    Ok(())
 }
 
 #[derive(clap::Args, Debug)]

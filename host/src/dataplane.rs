@@ -151,6 +151,17 @@ pub trait Kernel: Send {
     }
 }
 
+/// Deletes every table of ours, in one transaction (`wasmplane cleanup`, kube-proxy's
+/// `--cleanup`): services, policy and host ports go at once. Returns the tables deleted.
+pub fn remove_tables(kernel: &mut dyn Kernel) -> Result<Vec<Table>, WriteError> {
+    let tables = kernel.list_objects()?.tables;
+    if !tables.is_empty() {
+        let transaction: String = tables.iter().map(|table| format!("delete table {table}\n")).collect();
+        kernel.apply(&transaction)?;
+    }
+    Ok(tables)
+}
+
 /// What of ours is in the kernel: tables, and chains and sets by table.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Listing {

@@ -60,6 +60,7 @@ async fn run() -> anyhow::Result<()> {
         }
         Command::Module { api, command } => wasmplane::cli::module_command(api, command).await,
         Command::Replay(args) => wasmplane::replay::command(args),
+        Command::Cleanup(args) => wasmplane::cli::cleanup(args).await,
     }
 }
 

@@ -143,3 +143,71 @@ async fn transactions_apply_to_the_kernel_and_reconcile_repairs_drift() {
     // Stopping the host leaves the rules in place (no window on restart).
     assert!(ns.nft(&["list", "ruleset"]).contains("chain svc/shop/api/tcp/443 {"));
 }
+
+/// `wasmplane cleanup` (kube-proxy's `--cleanup`) run in a node's namespace after the host
+/// stopped: every table of ours and every route of our protocol go, IPv4 and IPv6, and the
+/// CNI configuration named; another table and a route of another protocol stay; a second run
+/// finds nothing and is no error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cleanup_removes_our_tables_and_routes_and_nothing_else() {
+    if !is_root() {
+        eprintln!("\n!!! SKIPPED cleanup test: needs root (network namespaces, nftables, routes) !!!\n");
+        return;
+    }
+    let ns = Netns::new(&format!("wp-cleanup-{}", std::process::id())).expect("creating a network namespace");
+    let dir = tempfile::tempdir().unwrap();
+    let manifests = dir.path().join("manifests");
+    std::fs::create_dir_all(&manifests).unwrap();
+    std::fs::copy(format!("{}/../examples/manifests/shop.yaml", env!("CARGO_MANIFEST_DIR")), manifests.join("shop.yaml")).unwrap();
+    let host = start(HostConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        manifests: Some(manifests),
+        data_dir: Some(dir.path().join("data")),
+        token: Some(TOKEN.into()),
+        dataplane: DataplaneMode::Nftables,
+        nft_command: vec!["ip".into(), "netns".into(), "exec".into(), ns.0.clone(), "nft".into()],
+        manifest_poll: Duration::from_millis(50),
+        nft_services_per_shard: 1,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !ns.nft(&["list", "tables"]).contains("wasmplane-s1") {
+        assert!(Instant::now() < deadline, "the host wrote no shards: {}", ns.nft(&["list", "tables"]));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Stopped: the rules stay (as kube-proxy's), which is what cleanup is for.
+    host.stop().await;
+    let ip = |args: &[&str]| {
+        let out = Command::new("ip").args(["netns", "exec", &ns.0, "ip"]).args(args).output().unwrap();
+        assert!(out.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    ip(&["link", "set", "lo", "up"]);
+    // Routes as the agent writes them (protocol 149), and someone else's.
+    ip(&["route", "add", "10.244.5.0/24", "dev", "lo", "proto", "149"]);
+    ip(&["-6", "route", "add", "fd00:10:244:5::/64", "dev", "lo", "proto", "149"]);
+    ip(&["route", "add", "10.244.6.0/24", "dev", "lo", "proto", "static"]);
+    ns.nft(&["add", "table", "inet", "someone-else"]);
+    let conf = dir.path().join("10-wasmplane.conflist");
+    std::fs::write(&conf, "{}").unwrap();
+
+    let cleanup = || {
+        let out = Command::new("ip").args(["netns", "exec", &ns.0, env!("CARGO_BIN_EXE_wasmplane"), "cleanup", "--cni-conf"]).arg(&conf).output().unwrap();
+        assert!(out.status.success(), "cleanup failed: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let said = cleanup();
+    assert!(said.contains("inet wasmplane,") || said.contains("inet wasmplane\n"), "{said}");
+    assert!(said.contains("inet wasmplane-s1") && said.contains("10.244.5.0/24") && said.contains("fd00:10:244:5::/64"), "{said}");
+    let tables = ns.nft(&["list", "tables"]);
+    assert_eq!(tables.trim(), "table inet someone-else", "only someone else's table stays");
+    let routes = ip(&["route", "show"]) + &ip(&["-6", "route", "show"]);
+    assert!(!routes.contains("10.244.5.0/24") && !routes.contains("fd00:10:244:5::/64"), "{routes}");
+    assert!(routes.contains("10.244.6.0/24"), "someone else's route stays: {routes}");
+    assert!(!conf.exists(), "the CNI configuration is removed");
+
+    let again = cleanup();
+    assert!(again.contains("tables removed: none") && again.contains("routes removed: none"), "{again}");
+}

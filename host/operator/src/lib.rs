@@ -54,7 +54,7 @@ pub use meshslices::{
     sync_mesh_slices,
 };
 pub use routes::{
-    DEFAULT_ROUTE_PROTOCOL, RemoteNodeSet, RemoteNodes, RouteConfig, RoutePlanner, RouteSync, RouteSyncReport,
+    DEFAULT_ROUTE_PROTOCOL, RemoteNodeSet, RemoteNodes, RouteConfig, RoutePlanner, RouteSync, RouteSyncReport, remove_routes,
     desired_routes, follow_cluster_nodes,
 };
 pub use services::{CLUSTERS_PREFIX, ExportError, GLOBAL_SERVICE_ANNOTATION, SHARED_SERVICE_ANNOTATION, ServiceSyncConfig, SharedPort, SharedService, SharedSlice, sync_services};

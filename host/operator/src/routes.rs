@@ -456,6 +456,29 @@ async fn add_route(
         .map_err(|e| Error::netlink(format!("adding route {cidr} via {gateway}"), e))
 }
 
+/// Deletes every route of `protocol` in the main table of this process's network namespace
+/// (`wasmplane cleanup`: what the route sync leaves behind when the agent is removed; routes
+/// of any other protocol are never touched). Returns the destinations removed.
+pub async fn remove_routes(protocol: u8) -> Result<Vec<IpNet>> {
+    let (connection, handle, _) = rtnetlink::new_connection().map_err(|e| Error::Internal(format!("opening a netlink socket: {e}")))?;
+    let connection = tokio::spawn(connection);
+    let mut removed = Vec::new();
+    let outcome = async {
+        for (cidr, route) in owned_routes(&handle, RouteProtocol::from(protocol)).await? {
+            match handle.route().del(route.message).execute().await {
+                Ok(()) => removed.push(cidr),
+                // Gone meanwhile.
+                Err(e) if is_errno(&e, libc::ESRCH) => {}
+                Err(e) => return Err(Error::netlink(format!("removing the route to {cidr}"), e)),
+            }
+        }
+        Ok(())
+    }
+    .await;
+    connection.abort();
+    outcome.map(|()| removed)
+}
+
 /// Our routes in the main table, IPv4 and IPv6.
 async fn owned_routes(
     handle: &Handle,
