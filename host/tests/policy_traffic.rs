@@ -583,6 +583,24 @@ fn dual_stack_pods_are_policed_in_both_families() {
     node.assert_matrix("policies removed", OPEN, OPEN);
 }
 
+/// Neighbour discovery is not pod traffic: a pod under an egress policy still resolves its
+/// gateway over IPv6 (neighbour solicitations and advertisements to the node), as ARP does
+/// for IPv4 without any rule; else every IPv6 connection it is allowed fails once its
+/// neighbour entry expires (Calico and Cilium let ICMPv6 neighbour discovery through).
+#[test]
+fn a_pod_under_an_egress_policy_keeps_resolving_its_ipv6_neighbours() {
+    require_root!();
+    let mut node = Node::new_dual_stack("npnd");
+    // a.client may send to every pod of the cluster.
+    node.set_policies(vec![policy("a", "client-to-pods", sel(&[("app", "client")]), None, Some(vec![rule(vec![], vec![peer(Some(all()), Some(all()))])]))]);
+    // Every neighbour forgotten, as expiry would have it.
+    let prefix = &node.topology.prefix;
+    for ns in std::iter::once(format!("{prefix}-node")).chain((0..9).map(|i| format!("{prefix}-p{i}"))) {
+        run(&["ip", "netns", "exec", &ns, "ip", "-6", "neigh", "flush", "all"]);
+    }
+    node.assert_family("an egress policy allowing every pod, neighbours forgotten", true, OPEN, OPEN);
+}
+
 #[test]
 fn a_policy_changing_type_and_targets_in_place() {
     require_root!();

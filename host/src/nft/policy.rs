@@ -271,22 +271,31 @@ pub fn skeleton(out: &mut String, flush_first: bool) {
         writeln!(out, "add map {t} {name} {{ type {ty} : verdict; }}").unwrap();
     }
     let established = "ct state established,related accept";
-    let base: [(&str, &str, [&str; 3]); 3] = [
+    let base: [(&str, &str, &[&str]); 3] = [
         (
             "policy-egress",
             "type filter hook forward priority 0; policy accept;",
-            [established, "ip saddr vmap @pod-egress", "ip6 saddr vmap @pod-egress6"],
+            &[established, "ip saddr vmap @pod-egress", "ip6 saddr vmap @pod-egress6"],
         ),
         // Pod → node: egress policies govern it as well (ipBlock of the node's address).
+        // Neighbour discovery is no pod traffic (ARP, its IPv4 twin, never meets a rule): a
+        // pod under an egress policy must still resolve its gateway and answer the node's
+        // solicitations, else its IPv6 fails once a neighbour entry expires (Calico and
+        // Cilium let it through as well).
         (
             "policy-egress-local",
             "type filter hook input priority 0; policy accept;",
-            [established, "ip saddr vmap @pod-egress", "ip6 saddr vmap @pod-egress6"],
+            &[
+                established,
+                "icmpv6 type { nd-router-solicit, nd-neighbor-solicit, nd-neighbor-advert } ip6 hoplimit 255 accept",
+                "ip saddr vmap @pod-egress",
+                "ip6 saddr vmap @pod-egress6",
+            ],
         ),
         (
             "policy-ingress",
             "type filter hook forward priority 10; policy accept;",
-            [established, "ip daddr vmap @pod-ingress", "ip6 daddr vmap @pod-ingress6"],
+            &[established, "ip daddr vmap @pod-ingress", "ip6 daddr vmap @pod-ingress6"],
         ),
     ];
     for (name, hook, _) in &base {
@@ -299,7 +308,7 @@ pub fn skeleton(out: &mut String, flush_first: bool) {
     }
     for (name, _, rules) in &base {
         writeln!(out, "flush chain {t} {name}").unwrap();
-        for rule in rules {
+        for rule in rules.iter() {
             writeln!(out, "add rule {t} {name} {rule}").unwrap();
         }
     }
