@@ -50,9 +50,10 @@ pub struct CleanupArgs {
 pub async fn cleanup(args: CleanupArgs) -> anyhow::Result<()> {
     let mut kernel = crate::dataplane::NftCommand::new(vec!["nft".into()], Vec::new());
     let tables = tokio::task::spawn_blocking(move || crate::dataplane::remove_tables(&mut kernel)).await?.context("removing wasmplane's nftables tables")?;
-    println!("nftables tables removed: {}", if tables.is_empty() { "none".to_string() } else { tables.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ") });
+    let listed = |removed: Vec<String>| if removed.is_empty() { "none".to_string() } else { removed.join(", ") };
+    println!("nftables tables removed: {}", listed(tables.iter().map(ToString::to_string).collect()));
     let routes = wasmplane_operator::remove_routes(wasmplane_operator::DEFAULT_ROUTE_PROTOCOL).await.context("removing wasmplane's routes")?;
-    println!("routes removed: {}", if routes.is_empty() { "none".to_string() } else { routes.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ") });
+    println!("routes removed: {}", listed(routes.iter().map(ToString::to_string).collect()));
     if let Some(conf) = args.cni_conf {
         match std::fs::remove_file(&conf) {
             Ok(()) => println!("CNI configuration removed: {}", conf.display()),

@@ -858,12 +858,7 @@ impl Dataplane {
     pub fn set_egress_sources(&mut self, cidrs: &[wasmplane_model::CompactString]) -> bool {
         let cidrs = parse_cidrs("pod-cidrs", cidrs);
         let Some(egress) = self.networks.egress_masquerade.as_mut() else { return false };
-        let moved = cidrs != egress.sources;
-        if moved {
-            egress.sources = cidrs;
-            self.in_sync = false;
-        }
-        moved
+        replace_static(&mut egress.sources, cidrs, &mut self.in_sync)
     }
 
     /// Other clusters' pod CIDRs, left out of pod egress masquerade (when it is on). Returns
@@ -872,12 +867,7 @@ impl Dataplane {
         let Some(egress) = self.networks.egress_masquerade.as_mut() else { return false };
         cidrs.sort_unstable();
         cidrs.dedup();
-        let moved = cidrs != egress.remote_pod_cidrs;
-        if moved {
-            egress.remote_pod_cidrs = cidrs;
-            self.in_sync = false;
-        }
-        moved
+        replace_static(&mut egress.remote_pod_cidrs, cidrs, &mut self.in_sync)
     }
 
     /// The cluster's service CIDRs at start (the configured ones): new connections to an
@@ -892,24 +882,14 @@ impl Dataplane {
     /// [`Dataplane::set_service_cidrs`].
     pub fn set_cluster_cidrs(&mut self, cidrs: &[wasmplane_model::CompactString]) -> bool {
         let cidrs = parse_cidrs("cluster-cidrs", cidrs);
-        let moved = cidrs != self.networks.cluster_cidrs;
-        if moved {
-            self.networks.cluster_cidrs = cidrs;
-            self.in_sync = false;
-        }
-        moved
+        replace_static(&mut self.networks.cluster_cidrs, cidrs, &mut self.in_sync)
     }
 
     /// The cluster's service CIDRs (the model's: configured and ServiceCIDR objects').
     /// Returns whether they moved: the next write is then a full one, which the caller must
     /// make happen even when no object changed.
     pub fn set_service_cidrs(&mut self, cidrs: &[ipnet::IpNet]) -> bool {
-        let moved = cidrs != self.networks.service_cidrs;
-        if moved {
-            self.networks.service_cidrs = cidrs.to_vec();
-            self.in_sync = false;
-        }
-        moved
+        replace_static(&mut self.networks.service_cidrs, cidrs.to_vec(), &mut self.in_sync)
     }
 
     /// Where write health is reported (shared with the metrics' scrape).
@@ -1313,6 +1293,17 @@ impl Dataplane {
     pub fn render(&self) -> String {
         nft::full_transaction(self.applied.values().map(|r| &**r), &nft::Stale::default(), self.layout, &self.networks)
     }
+}
+
+/// Puts `value` into `slot`, a piece of the tables' static part; if that changed it, the next
+/// write must be a full one (`in_sync` goes false). Returns whether it changed.
+fn replace_static<T: PartialEq>(slot: &mut T, value: T, in_sync: &mut bool) -> bool {
+    let moved = *slot != value;
+    if moved {
+        *slot = value;
+        *in_sync = false;
+    }
+    moved
 }
 
 /// CIDRs of a flag (a bare address is its /32 or /128); unparsable ones are logged and left

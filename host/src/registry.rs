@@ -515,10 +515,7 @@ impl Registry {
     /// A module as the API shows it.
     pub fn get(&self, name: &str) -> Option<ModuleRecord> {
         let local = self.local.get(name).cloned().unwrap_or_default();
-        let kind = match self.builtins.get(name) {
-            Some(b) => b.kind,
-            None => self.shared.modules.get(name)?.kind,
-        };
+        let kind = self.kind_of(name)?;
         let active_here = match kind {
             // GC runs in the operator, maybe elsewhere: in force is what the cluster's index
             // puts in force (the builtin where it names none).

@@ -31,6 +31,24 @@ impl Drop for Netns {
     }
 }
 
+/// A host over `manifests` writing its tables in `ns`, one service to a shard (the services
+/// spread over several tables).
+async fn host_in(ns: &Netns, manifests: &std::path::Path, dir: &std::path::Path) -> wasmplane::app::RunningHost {
+    start(HostConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        manifests: Some(manifests.into()),
+        data_dir: Some(dir.join("data")),
+        token: Some(TOKEN.into()),
+        dataplane: DataplaneMode::Nftables,
+        nft_command: vec!["ip".into(), "netns".into(), "exec".into(), ns.0.clone(), "nft".into()],
+        manifest_poll: Duration::from_millis(50),
+        nft_services_per_shard: 1,
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+}
+
 fn is_root() -> bool {
     Command::new("id").arg("-u").output().map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0").unwrap_or(false)
 }
@@ -48,20 +66,7 @@ async fn transactions_apply_to_the_kernel_and_reconcile_repairs_drift() {
     for f in ["cluster.yaml", "shop.yaml", "pods.yaml"] {
         std::fs::copy(format!("{}/../examples/manifests/{f}", env!("CARGO_MANIFEST_DIR")), manifests.join(f)).unwrap();
     }
-    let host = start(HostConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        manifests: Some(manifests.clone()),
-        data_dir: Some(dir.path().join("data")),
-        token: Some(TOKEN.into()),
-        dataplane: DataplaneMode::Nftables,
-        nft_command: vec!["ip".into(), "netns".into(), "exec".into(), ns.0.clone(), "nft".into()],
-        manifest_poll: Duration::from_millis(50),
-        // One service to a shard: the example's services spread over several tables.
-        nft_services_per_shard: 1,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    let host = host_in(&ns, &manifests, dir.path()).await;
     let wait_for = |what: &'static str, cond: &dyn Fn(&str) -> bool| {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
@@ -159,19 +164,7 @@ async fn cleanup_removes_our_tables_and_routes_and_nothing_else() {
     let manifests = dir.path().join("manifests");
     std::fs::create_dir_all(&manifests).unwrap();
     std::fs::copy(format!("{}/../examples/manifests/shop.yaml", env!("CARGO_MANIFEST_DIR")), manifests.join("shop.yaml")).unwrap();
-    let host = start(HostConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        manifests: Some(manifests),
-        data_dir: Some(dir.path().join("data")),
-        token: Some(TOKEN.into()),
-        dataplane: DataplaneMode::Nftables,
-        nft_command: vec!["ip".into(), "netns".into(), "exec".into(), ns.0.clone(), "nft".into()],
-        manifest_poll: Duration::from_millis(50),
-        nft_services_per_shard: 1,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    let host = host_in(&ns, &manifests, dir.path()).await;
     let deadline = Instant::now() + Duration::from_secs(10);
     while !ns.nft(&["list", "tables"]).contains("wasmplane-s1") {
         assert!(Instant::now() < deadline, "the host wrote no shards: {}", ns.nft(&["list", "tables"]));

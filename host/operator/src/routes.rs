@@ -416,9 +416,9 @@ async fn reconcile(
         }
     }
     for (cidr, stale) in current {
-        match handle.route().del(stale.message).execute().await {
-            Ok(()) => info!(%cidr, "route removed"),
-            Err(e) if is_errno(&e, libc::ESRCH) => {}
+        match delete_route(handle, stale.message).await {
+            Ok(true) => info!(%cidr, "route removed"),
+            Ok(false) => {}
             Err(e) => {
                 warn!(%cidr, error = %e, "stale route not removed");
                 errors.push(format!("removing {cidr}: {e}"));
@@ -465,11 +465,8 @@ pub async fn remove_routes(protocol: u8) -> Result<Vec<IpNet>> {
     let mut removed = Vec::new();
     let outcome = async {
         for (cidr, route) in owned_routes(&handle, RouteProtocol::from(protocol)).await? {
-            match handle.route().del(route.message).execute().await {
-                Ok(()) => removed.push(cidr),
-                // Gone meanwhile.
-                Err(e) if is_errno(&e, libc::ESRCH) => {}
-                Err(e) => return Err(Error::netlink(format!("removing the route to {cidr}"), e)),
+            if delete_route(&handle, route.message).await.map_err(|e| Error::netlink(format!("removing the route to {cidr}"), e))? {
+                removed.push(cidr);
             }
         }
         Ok(())
@@ -477,6 +474,15 @@ pub async fn remove_routes(protocol: u8) -> Result<Vec<IpNet>> {
     .await;
     connection.abort();
     outcome.map(|()| removed)
+}
+
+/// Deletes one route; `false` if it was gone already.
+async fn delete_route(handle: &Handle, route: RouteMessage) -> std::result::Result<bool, rtnetlink::Error> {
+    match handle.route().del(route).execute().await {
+        Ok(()) => Ok(true),
+        Err(e) if is_errno(&e, libc::ESRCH) => Ok(false),
+        Err(e) => Err(e),
+    }
 }
 
 /// Our routes in the main table, IPv4 and IPv6.
