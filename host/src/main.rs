@@ -39,18 +39,21 @@ async fn run() -> anyhow::Result<()> {
     });
     match cli.command {
         Command::Run(args) => {
+            // Before anything is printed: a SIGTERM that follows the REST API line must find
+            // the handler in place, not the default action that kills the process.
+            let mut signals = TerminationSignals::install()?;
             let page_out = !args.no_page_out;
             let config = args.into_config()?;
             let data_dir = config.data_dir.clone();
             let host = wasmplane::app::start(config).await.context("starting wasmplane")?;
-            println!("wasmplane REST API: {}  (try {}/v1/dataplane and {}/v1/modules)", host.url(), host.url(), host.url());
+            announce(format_args!("wasmplane REST API: {}  (try {}/v1/dataplane and {}/v1/modules)", host.url(), host.url(), host.url()));
             if page_out {
                 tokio::spawn(page_out_start_up_code(host.ready.clone(), host.compiled_guests.clone(), data_dir.clone()));
             }
             if let Some(dir) = data_dir {
-                println!("API token for mutating calls: {}", dir.join("token").display());
+                announce(format_args!("API token for mutating calls: {}", dir.join("token").display()));
             }
-            let signal = termination_signal().await?;
+            let signal = signals.next().await;
             tracing::info!(signal, "shutting down");
             // Inside the pod's grace period (30 s in deploy/): the kubelet kills after it.
             if tokio::time::timeout(STOP_TIMEOUT, host.stop()).await.is_err() {
@@ -64,19 +67,41 @@ async fn run() -> anyhow::Result<()> {
     }
 }
 
+/// A line for whoever started the host, on stdout. A closed stdout (the reader went away) is
+/// no reason to stop a running dataplane, as `println!` would by panicking.
+fn announce(line: std::fmt::Arguments<'_>) {
+    use std::io::Write as _;
+    if let Err(e) = writeln!(std::io::stdout(), "{line}") {
+        tracing::warn!("could not print to stdout ({e}): {line}");
+    }
+}
+
 /// How long a graceful stop may take before the process exits anyway.
 const STOP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
 
-/// Waits for SIGTERM (what the kubelet and systemd send to stop a process) or SIGINT (Ctrl-C),
-/// and names the one that came.
-async fn termination_signal() -> anyhow::Result<&'static str> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut terminate = signal(SignalKind::terminate()).context("handling SIGTERM")?;
-    let mut interrupt = signal(SignalKind::interrupt()).context("handling SIGINT")?;
-    Ok(tokio::select! {
-        _ = terminate.recv() => "SIGTERM",
-        _ = interrupt.recv() => "SIGINT",
-    })
+/// SIGTERM (what the kubelet and systemd send to stop a process) and SIGINT (Ctrl-C), caught
+/// from the moment they are installed on.
+struct TerminationSignals {
+    terminate: tokio::signal::unix::Signal,
+    interrupt: tokio::signal::unix::Signal,
+}
+
+impl TerminationSignals {
+    fn install() -> anyhow::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            terminate: signal(SignalKind::terminate()).context("handling SIGTERM")?,
+            interrupt: signal(SignalKind::interrupt()).context("handling SIGINT")?,
+        })
+    }
+
+    /// Waits for the first of them and names it.
+    async fn next(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.terminate.recv() => "SIGTERM",
+            _ = self.interrupt.recv() => "SIGINT",
+        }
+    }
 }
 
 /// Once the initial sync is applied, hands the resident code and read-only data of the binary,

@@ -491,11 +491,12 @@ fn host_binary(manifests: &std::path::Path, args: &[&str], rust_log: &str) -> to
         .unwrap()
 }
 
-/// The REST API's address, from the line the host prints on stdout once it serves.
+/// The REST API's address, from the line the host prints on stdout once it serves; the rest of
+/// stdout is drained, as a terminal or the kubelet would, so the host's later lines find a reader.
 async fn printed_rest_api(host: &mut tokio::process::Child) -> String {
     use tokio::io::AsyncBufReadExt as _;
     let mut lines = tokio::io::BufReader::new(host.stdout.take().unwrap()).lines();
-    tokio::time::timeout(Duration::from_secs(60), async {
+    let url = tokio::time::timeout(Duration::from_secs(60), async {
         while let Some(line) = lines.next_line().await.unwrap() {
             if let Some(rest) = line.strip_prefix("wasmplane REST API: ") {
                 return rest.split_whitespace().next().unwrap().to_string();
@@ -504,7 +505,9 @@ async fn printed_rest_api(host: &mut tokio::process::Child) -> String {
         panic!("the host exited without printing its REST API");
     })
     .await
-    .expect("the host printed its REST API within 60 s")
+    .expect("the host printed its REST API within 60 s");
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    url
 }
 
 /// SIGTERM, as the kubelet stops a container.
@@ -519,11 +522,12 @@ fn terminate(host: &tokio::process::Child) {
 async fn the_host_binary_logs_json_objects_when_asked() {
     let dir = tempfile::tempdir().unwrap();
     write_manifest(&dir.path().join("manifests"), "shop.yaml", &documents(&[WEB_SERVICE]));
-    let mut host = host_binary(&dir.path().join("manifests"), &["--log-format", "json"], "info");
+    let data = dir.path().join("data");
+    let mut host = host_binary(&dir.path().join("manifests"), &["--log-format", "json", "--data-dir", data.to_str().unwrap()], "info");
     printed_rest_api(&mut host).await;
     terminate(&host);
     let output = tokio::time::timeout(Duration::from_secs(20), host.wait_with_output()).await.expect("the host exits within 20 s of SIGTERM").unwrap();
-    assert!(output.status.success(), "{}", output.status);
+    assert!(output.status.success(), "{}: {}", output.status, String::from_utf8_lossy(&output.stderr));
     let lines: Vec<serde_json::Value> = String::from_utf8(output.stderr)
         .unwrap()
         .lines()
@@ -535,6 +539,45 @@ async fn the_host_binary_logs_json_objects_when_asked() {
     }
     // The event's own fields beside the message, not nested.
     assert!(lines.iter().any(|l| l["message"] == "shutting down" && l["signal"] == "SIGTERM"), "{lines:?}");
+}
+
+/// A host whose stdout reader went away (a closed terminal, a log pipe that died) keeps serving:
+/// its start-up lines are logged as not printed instead of panicking the process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_host_binary_keeps_running_when_its_stdout_is_closed() {
+    let dir = tempfile::tempdir().unwrap();
+    write_manifest(&dir.path().join("manifests"), "shop.yaml", &documents(&[WEB_SERVICE]));
+    let data = dir.path().join("data");
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let mut host = tokio::process::Command::new(env!("CARGO_BIN_EXE_wasmplane"))
+        .args(["run", "--listen", "127.0.0.1:0", "--node-name", "node-a", "--data-dir", data.to_str().unwrap(), "--manifests"])
+        .arg(dir.path().join("manifests"))
+        .env("RUST_LOG", "warn")
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    // The REST API's line, from the warning that says it could not be printed.
+    use tokio::io::AsyncBufReadExt as _;
+    let mut log = tokio::io::BufReader::new(host.stderr.take().unwrap()).lines();
+    let url = tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(line) = log.next_line().await.unwrap() {
+            if let Some((_, rest)) = line.split_once("wasmplane REST API: ") {
+                return rest.split_whitespace().next().unwrap().to_string();
+            }
+        }
+        panic!("the host exited without saying where its REST API is");
+    })
+    .await
+    .expect("the host logged its REST API within 60 s");
+    tokio::spawn(async move { while let Ok(Some(_)) = log.next_line().await {} });
+    let health = plain_client().get(format!("{url}/healthz")).send().await.unwrap();
+    assert_eq!(health.status(), StatusCode::OK);
+    terminate(&host);
+    let status = tokio::time::timeout(Duration::from_secs(20), host.wait()).await.expect("the host exits within 20 s of SIGTERM").unwrap();
+    assert!(status.success(), "{status}");
 }
 
 /// `module inspect`: what a host would make of a component, offline, and what it says of
