@@ -189,6 +189,18 @@ pub struct RunArgs {
     /// the kernel's is 60 s; 0: leave it).
     #[arg(long, default_value_t = 3600)]
     pub conntrack_tcp_timeout_close_wait_seconds: u64,
+    /// UDP flows that saw packets one way only (a DNS query) are forgotten after this
+    /// (kube-proxy's --conntrack-udp-timeout; 0: leave the kernel's 30 s).
+    #[arg(long, default_value_t = 0)]
+    pub conntrack_udp_timeout_seconds: u64,
+    /// UDP flows that saw replies are forgotten after this idle time (kube-proxy's
+    /// --conntrack-udp-timeout-stream; 0: leave the kernel's 120 s).
+    #[arg(long, default_value_t = 0)]
+    pub conntrack_udp_timeout_stream_seconds: u64,
+    /// Out-of-window TCP packets are not marked INVALID (kube-proxy's
+    /// --conntrack-tcp-be-liberal): for networks that reorder or retransmit heavily.
+    #[arg(long)]
+    pub conntrack_tcp_be_liberal: bool,
     /// Render the dataplane (`record`) or write it to the kernel (`nftables`).
     #[arg(long, env = "WASMPLANE_DATAPLANE", value_enum, default_value = "record")]
     pub dataplane: DataplaneMode,
@@ -659,6 +671,12 @@ impl RunArgs {
             EgressMasqueradeMode::Auto => self.cni_socket.is_some() && !self.cni_chained,
         };
         if !on {
+            if !self.non_masquerade_cidrs.is_empty() {
+                // Said outright, off and these CIDRs contradict each other. Left to auto, the
+                // shared ConfigMap's key may be meant for other nodes' agents: said, not fatal.
+                anyhow::ensure!(self.egress_masquerade != EgressMasqueradeMode::Off, "--non-masquerade-cidr has no use with --egress-masquerade off");
+                tracing::warn!(cidrs = ?self.non_masquerade_cidrs, "--non-masquerade-cidr unused: egress masquerade is off here (auto: this host is not the pods' CNI, or is chained)");
+            }
             return Ok(None);
         }
         let mut keep_source = Vec::new();
@@ -741,6 +759,9 @@ impl RunArgs {
                 min: self.conntrack_min,
                 tcp_established_timeout: Duration::from_secs(self.conntrack_tcp_timeout_established_seconds),
                 tcp_close_wait_timeout: Duration::from_secs(self.conntrack_tcp_timeout_close_wait_seconds),
+                udp_timeout: Duration::from_secs(self.conntrack_udp_timeout_seconds),
+                udp_stream_timeout: Duration::from_secs(self.conntrack_udp_timeout_stream_seconds),
+                tcp_be_liberal: self.conntrack_tcp_be_liberal,
             }),
             dataplane: self.dataplane,
             token,
@@ -1018,6 +1039,22 @@ mod tests {
         let bad = egress(&["--egress-masquerade", "on", "--cluster-cidr", "10.244.0.0/33"]).unwrap_err();
         assert!(bad.contains("--cluster-cidr \"10.244.0.0/33\""), "{bad}");
         assert!(egress(&["--non-masquerade-cidr", "nonsense"]).is_err());
+        let contradiction = egress(&["--egress-masquerade", "off", "--non-masquerade-cidr", "192.168.0.0/16"]).unwrap_err();
+        assert!(contradiction.contains("--non-masquerade-cidr has no use with --egress-masquerade off"), "{contradiction}");
+        assert_eq!(egress(&["--non-masquerade-cidr", "192.168.0.0/16"]), Ok(None), "auto and off here: warned, not refused");
+    }
+
+    /// kube-proxy's conntrack flags reach the settings applied at start; the UDP timeouts and
+    /// "be liberal" are left alone unless given, as kube-proxy leaves them.
+    #[test]
+    fn conntrack_flags_reach_the_tuning() {
+        let tuning = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run"], args].concat()) {
+            Ok(Cli { command: Command::Run(args) }) => args.into_config().unwrap().conntrack.unwrap(),
+            _ => unreachable!("parses as run"),
+        };
+        assert_eq!(tuning(&[]), crate::conntrack_tuning::ConntrackTuning::default());
+        let given = tuning(&["--conntrack-udp-timeout-seconds", "45", "--conntrack-udp-timeout-stream-seconds", "150", "--conntrack-tcp-be-liberal"]);
+        assert_eq!((given.udp_timeout, given.udp_stream_timeout, given.tcp_be_liberal), (Duration::from_secs(45), Duration::from_secs(150), true));
     }
 
     #[test]

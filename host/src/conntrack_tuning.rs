@@ -1,7 +1,9 @@
 //! kube-proxy's conntrack settings, applied once at start by a host that writes the kernel:
 //! a connection table big enough for the node (raised, never lowered) and TCP timeouts that
 //! forget idle established connections after a day instead of five, and half-closed ones
-//! after an hour instead of a minute (a service's long-lived idle connections survive).
+//! after an hour instead of a minute (a service's long-lived idle connections survive). UDP
+//! timeouts and TCP's "be liberal" are left as the node has them unless asked for, as
+//! kube-proxy leaves them.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -17,12 +19,28 @@ pub struct ConntrackTuning {
     pub tcp_established_timeout: Duration,
     /// `nf_conntrack_tcp_timeout_close_wait`.
     pub tcp_close_wait_timeout: Duration,
+    /// `nf_conntrack_udp_timeout`: a UDP flow that saw packets one way only (a DNS query).
+    pub udp_timeout: Duration,
+    /// `nf_conntrack_udp_timeout_stream`: a UDP flow that saw replies (QUIC, a VPN).
+    pub udp_stream_timeout: Duration,
+    /// `nf_conntrack_tcp_be_liberal`: out-of-window TCP packets are not marked INVALID, so a
+    /// dataplane that drops INVALID does not reset long connections after a retransmission
+    /// storm (kube-proxy's `--conntrack-tcp-be-liberal`). Only ever turned on.
+    pub tcp_be_liberal: bool,
 }
 
 impl Default for ConntrackTuning {
     /// kube-proxy's defaults.
     fn default() -> Self {
-        ConntrackTuning { max_per_core: 32768, min: 131072, tcp_established_timeout: Duration::from_secs(86400), tcp_close_wait_timeout: Duration::from_secs(3600) }
+        ConntrackTuning {
+            max_per_core: 32768,
+            min: 131072,
+            tcp_established_timeout: Duration::from_secs(86400),
+            tcp_close_wait_timeout: Duration::from_secs(3600),
+            udp_timeout: Duration::ZERO,
+            udp_stream_timeout: Duration::ZERO,
+            tcp_be_liberal: false,
+        }
     }
 }
 
@@ -39,6 +57,9 @@ const PROC: &str = "/proc/sys/net/netfilter";
 const MAX: &str = "nf_conntrack_max";
 const ESTABLISHED: &str = "nf_conntrack_tcp_timeout_established";
 const CLOSE_WAIT: &str = "nf_conntrack_tcp_timeout_close_wait";
+const UDP: &str = "nf_conntrack_udp_timeout";
+const UDP_STREAM: &str = "nf_conntrack_udp_timeout_stream";
+const BE_LIBERAL: &str = "nf_conntrack_tcp_be_liberal";
 
 impl ConntrackTuning {
     /// The table size wanted on a node with `cpus` CPUs; `None`: leave it.
@@ -67,11 +88,10 @@ impl ConntrackTuning {
                     })
                 }, wanted));
             }
-            for (sysctl, timeout) in [(ESTABLISHED, tuning.tcp_established_timeout), (CLOSE_WAIT, tuning.tcp_close_wait_timeout)] {
-                if !timeout.is_zero() {
-                    let wanted = timeout.as_secs();
-                    outcomes.push(settle(sysctl, |current| Ok((current == wanted).then_some("already so")), wanted));
-                }
+            let timeouts = [(ESTABLISHED, tuning.tcp_established_timeout), (CLOSE_WAIT, tuning.tcp_close_wait_timeout), (UDP, tuning.udp_timeout), (UDP_STREAM, tuning.udp_stream_timeout)];
+            let wanted = timeouts.into_iter().filter(|(_, timeout)| !timeout.is_zero()).map(|(sysctl, timeout)| (sysctl, timeout.as_secs()));
+            for (sysctl, wanted) in wanted.chain(tuning.tcp_be_liberal.then_some((BE_LIBERAL, 1))) {
+                outcomes.push(settle(sysctl, |current| Ok((current == wanted).then_some("already so")), wanted));
             }
             Ok(outcomes)
         })

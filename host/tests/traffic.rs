@@ -769,19 +769,28 @@ fn dual_stack_pods(tag: &str) -> (Topology, String, String, [Server; 2]) {
 
 /// kube-proxy's conntrack settings, applied by the host at start in the node's namespace:
 /// a day for idle established TCP connections, an hour for half-closed ones (the kernel's
-/// 5 days and 60 s before); the table size, read-only outside the initial namespace, left.
+/// 5 days and 60 s before); the UDP timeouts and TCP's "be liberal" when asked for; the table
+/// size, read-only outside the initial namespace, left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conntrack_timeouts_are_set_as_kube_proxy_sets_them() {
     require_root!();
     let topo = Topology::new("ctt");
     let sysctl = |name: &str| topo.node.exec(&["sysctl", "-n", &format!("net.netfilter.{name}")]).trim().parse::<u64>().unwrap();
     let (established, close_wait, max) = ("nf_conntrack_tcp_timeout_established", "nf_conntrack_tcp_timeout_close_wait", "nf_conntrack_max");
-    assert_eq!((sysctl(established), sysctl(close_wait)), (432000, 60), "a new namespace has the kernel's");
+    let (udp, udp_stream, be_liberal) = ("nf_conntrack_udp_timeout", "nf_conntrack_udp_timeout_stream", "nf_conntrack_tcp_be_liberal");
+    let kernels = [sysctl(established), sysctl(close_wait), sysctl(udp), sysctl(udp_stream), sysctl(be_liberal)];
+    assert_eq!(kernels, [432000, 60, 30, 120, 0], "a new namespace has the kernel's");
     let max_before = sysctl(max);
     let cluster = Cluster::new();
-    let tuning = wasmplane::conntrack_tuning::ConntrackTuning { max_per_core: 1 << 30, ..Default::default() };
+    let tuning = wasmplane::conntrack_tuning::ConntrackTuning {
+        max_per_core: 1 << 30,
+        udp_timeout: Duration::from_secs(45),
+        udp_stream_timeout: Duration::from_secs(150),
+        tcp_be_liberal: true,
+        ..Default::default()
+    };
     let host = start_host(HostConfig { conntrack: Some(tuning), ..cluster.config(topo.nft_command()) }).await;
-    assert_eq!((sysctl(established), sysctl(close_wait)), (86400, 3600));
+    assert_eq!([sysctl(established), sysctl(close_wait), sysctl(udp), sysctl(udp_stream), sysctl(be_liberal)], [86400, 3600, 45, 150, 1]);
     assert_eq!(sysctl(max), max_before, "only the initial namespace sets the table size");
     host.stop().await;
 }
