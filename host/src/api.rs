@@ -14,17 +14,17 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
-use wasmplane_model::ObjectKey;
+use wasmplane_model::{CompactString, ObjectKey, Protocol, ServiceType, ServiceView};
 use wasmplane_runtime::{GuestKind, LoadError};
 
 use crate::auth::{AuthError, Identity};
 use crate::controller::{Controller, HostError};
 use crate::module_store::StoreError;
 use crate::modules::Modules;
-use crate::registry::RegistryError;
-use crate::metrics::Metrics;
+use crate::registry::{ModuleStatus, RegistryError};
+use crate::metrics::{Metrics, ResultLabels};
 
 #[derive(Clone)]
 pub struct ApiState {
@@ -110,6 +110,9 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/policies/{namespace}/{name}/audit", post(set_policy_audit))
         .route("/v1/policies/{namespace}/{name}/status", get(policy_status))
         .route("/v1/dataplane", get(dataplane))
+        .route("/v1/status", get(status))
+        .route("/v1/services", get(list_services))
+        .route("/v1/services/{namespace}/{name}", get(service_detail))
         .layer(DefaultBodyLimit::max(max_body))
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
         // Outermost: sees every answer, refused authentication included.
@@ -152,11 +155,17 @@ async fn authenticate(State(state): State<ApiState>, ConnectInfo(peer): ConnectI
     }
 }
 
-async fn readyz(State(state): State<ApiState>) -> impl IntoResponse {
+/// Why this host is not ready before the model is asked (see [`readyz`]): the initial sync,
+/// the kvstore's health.
+fn unready_reason(state: &ApiState) -> Option<String> {
     if !state.ready.load(Ordering::Relaxed) {
-        return (StatusCode::SERVICE_UNAVAILABLE, "not ready: initial sync pending\n".to_string());
+        return Some("initial sync pending".into());
     }
-    if let Some(reason) = state.agent.as_ref().and_then(|a| a.unready_reason()) {
+    state.agent.as_ref().and_then(|a| a.unready_reason())
+}
+
+async fn readyz(State(state): State<ApiState>) -> impl IntoResponse {
+    if let Some(reason) = unready_reason(&state) {
         return (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {reason}\n"));
     }
     // Off the async workers: the controller may be busy with a long write.
@@ -417,4 +426,176 @@ async fn dataplane(State(state): State<ApiState>, Query(q): Query<DataplaneQuery
         })
     })
     .await
+}
+
+/// Unix seconds and age in seconds of `t` (`None`: never).
+fn unix_and_age(t: Option<std::time::SystemTime>) -> (Option<u64>, Option<u64>) {
+    let Some(t) = t else { return (None, None) };
+    let unix = t.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).ok();
+    (unix, Some(t.elapsed().map_or(0, |d| d.as_secs())))
+}
+
+/// This node's summary (`wasmplane status`): counts and last outcomes only, never the model
+/// or the dataplane themselves, so that it stays cheap at any number of services.
+async fn status(State(state): State<ApiState>) -> ApiResult<Response> {
+    let early_reason = unready_reason(&state);
+    let metrics = state.metrics.clone();
+    let mut summary = with_controller(&state, move |c| {
+        let model = c.model();
+        let dp = c.dataplane();
+        let not_ready_reason = early_reason.or_else(|| model.local_detection_pending().map(str::to_string));
+        let mut in_force = std::collections::BTreeMap::new();
+        let mut failed_modules = Vec::new();
+        for module in c.modules() {
+            match (module.status, module.active_version) {
+                (ModuleStatus::Active, Some(version)) => {
+                    in_force.insert(module.kind.to_string(), format!("{}@{version}", module.name));
+                }
+                (ModuleStatus::Failed, _) => failed_modules.push(json!({ "name": module.name, "kind": module.kind, "error": module.last_error })),
+                _ => {}
+            }
+        }
+        let syncs = |result: &str| metrics.syncs.get(&ResultLabels { result: result.into() }).map_or(0, |c| c.get());
+        let (last_sync, last_sync_age) = unix_and_age(dp.health.last_written());
+        let (failing_since, failing_for) = unix_and_age(dp.health.failing_since());
+        Ok(json!({
+            "ready": not_ready_reason.is_none(),
+            "not_ready_reason": not_ready_reason,
+            "node": model.node_name(),
+            "model": {
+                "revision": model.revision,
+                "services": model.services.len(),
+                "local_pods": model.local_pods.len(),
+                "policies": model.policies.len(),
+                "events_total": metrics.events.get(),
+                "revisions_total": metrics.revisions.get(),
+            },
+            "dataplane": {
+                "mode": dp.mode(),
+                "objects": dp.applied().len(),
+                // The previous run's rules are kept until this one has state to write.
+                "held": dp.is_held(),
+                "last_sync_unix_seconds": last_sync,
+                "last_sync_age_seconds": last_sync_age,
+                // Set while the kernel refuses writes (the last write failed).
+                "sync_failing_since_unix_seconds": failing_since,
+                "sync_failing_for_seconds": failing_for,
+                "syncs_ok": syncs("ok"),
+                "syncs_failed": syncs("error"),
+            },
+            "modules": in_force,
+            "failed_modules": failed_modules,
+            "service_errors": c.service_errors().len(),
+        }))
+    })
+    .await?;
+    // The operator role replaces the agent's in this host (see `app.rs`).
+    summary["role"] = json!(if state.operator.is_some() { "operator" } else { "agent" });
+    summary["leader"] = json!(state.operator.as_ref().map(|o| o.is_leader()));
+    summary["kvstore"] = json!({
+        "backend": state.modules.store().kv().backend(),
+        // Registered as a node (the agent role).
+        "node_id": state.agent.as_ref().map(|a| a.registry.node_id()),
+        "heartbeat_age_seconds": state.agent.as_ref().and_then(|a| a.heartbeat.as_ref()).and_then(|h| h.age()).map(|a| a.as_secs()),
+    });
+    Ok(Json(summary).into_response())
+}
+
+#[derive(Deserialize)]
+struct ServicesQuery {
+    namespace: Option<String>,
+}
+
+#[derive(Serialize)]
+struct ServiceList<'a> {
+    services: Vec<ServiceRow<'a>>,
+}
+
+/// One service as `GET /v1/services` lists it.
+#[derive(Serialize)]
+struct ServiceRow<'a> {
+    service: String,
+    #[serde(rename = "type")]
+    service_type: ServiceType,
+    cluster_ips: &'a [CompactString],
+    ports: Vec<PortRow<'a>>,
+    endpoints: EndpointCounts,
+    /// The last translation error (its last good rules stay applied).
+    error: Option<&'a str>,
+}
+
+#[derive(Serialize)]
+struct PortRow<'a> {
+    name: &'a str,
+    port: u16,
+    protocol: Protocol,
+    node_port: Option<u16>,
+}
+
+/// Endpoints of a service as this node's model has them (one per endpoint of each slice).
+#[derive(Serialize, Default)]
+struct EndpointCounts {
+    total: usize,
+    ready: usize,
+    /// On this node.
+    local: usize,
+    local_ready: usize,
+}
+
+fn service_row<'a>(key: &ObjectKey, view: &'a ServiceView, error: Option<&'a str>) -> ServiceRow<'a> {
+    let mut endpoints = EndpointCounts::default();
+    for endpoint in view.slices.iter().flat_map(|slice| &slice.endpoints) {
+        endpoints.total += 1;
+        endpoints.ready += usize::from(endpoint.ready);
+        endpoints.local += usize::from(endpoint.is_local);
+        endpoints.local_ready += usize::from(endpoint.is_local && endpoint.ready);
+    }
+    let service = &view.service;
+    ServiceRow {
+        service: key.to_string(),
+        service_type: service.service_type,
+        cluster_ips: &service.cluster_ips,
+        ports: service.ports.iter().map(|p| PortRow { name: &p.name, port: p.port, protocol: p.protocol, node_port: (p.node_port != 0).then_some(p.node_port) }).collect(),
+        endpoints,
+        error,
+    }
+}
+
+/// The services of this node's model, one row each (`?namespace=NS`: those of one namespace).
+async fn list_services(State(state): State<ApiState>, Query(query): Query<ServicesQuery>) -> ApiResult<Response> {
+    // Shared views taken under the lock, rows built after it.
+    let services = with_controller(&state, move |c| {
+        let errors = c.service_errors();
+        let services = &c.model().services;
+        let selected: Box<dyn Iterator<Item = (&ObjectKey, &Arc<ServiceView>)>> = match &query.namespace {
+            // Keys sort by namespace first: one namespace is one range.
+            Some(namespace) => Box::new(services.range(ObjectKey::new(namespace, "")..).take_while(|(key, _)| key.namespace == namespace.as_str())),
+            None => Box::new(services.iter()),
+        };
+        Ok(selected.map(|(key, view)| (key.clone(), view.clone(), errors.get(key).cloned())).collect::<Vec<_>>())
+    })
+    .await?;
+    let rows = services.iter().map(|(key, view, error)| service_row(key, view, error.as_deref())).collect();
+    Ok(Json(ServiceList { services: rows }).into_response())
+}
+
+/// One service: the model's view of it, the rules applied for it (and the host's firewall
+/// of its load balancer addresses), its translation error.
+async fn service_detail(State(state): State<ApiState>, Path((namespace, name)): Path<(String, String)>) -> ApiResult<Response> {
+    let key = ObjectKey::new(&namespace, &name);
+    let body = with_controller(&state, move |c| {
+        let view = c.model().services.get(&key).ok_or_else(|| HostError::NotFound(format!("no service {key} in this node's model")))?;
+        let applied = c.dataplane().applied();
+        Ok(json!({
+            "service": key.to_string(),
+            "revision": c.model().revision,
+            "translator": c.active_translator().map(|(n, v)| format!("{n}@{v}")),
+            "model": view,
+            "rules": applied.get(&key),
+            "firewall": applied.get(&crate::nft::firewall_object_key(&key)),
+            "error": c.service_errors().get(&key),
+        }))
+    })
+    .await?;
+    Ok(Json(body).into_response())
 }

@@ -36,6 +36,32 @@ pub enum Command {
     /// Run it in the node's network namespace once the agent is stopped (uninstalling, or
     /// moving to another proxy); pods' own interfaces stay, they go with the pods.
     Cleanup(CleanupArgs),
+    /// This node's host at a glance, through its REST API (`cilium status`): ready or why
+    /// not, the model's counts, the last sync, the modules in force. Exits 1 when not ready.
+    Status {
+        #[command(flatten)]
+        api: ApiArgs,
+    },
+    /// This node's services as its host sees them, through its REST API (`cilium service
+    /// list`): endpoints ready, total and local, and translation errors.
+    Service {
+        #[command(flatten)]
+        api: ApiArgs,
+        #[command(subcommand)]
+        command: ServiceCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ServiceCommand {
+    /// One line per service.
+    Ls {
+        /// Only this namespace's.
+        #[arg(long, short)]
+        namespace: Option<String>,
+    },
+    /// One service: the model's view of it, the rules applied for it, its error.
+    Get { namespace: String, name: String },
 }
 
 #[derive(clap::Args, Debug)]
@@ -850,7 +876,7 @@ impl RunArgs {
 }
 
 impl ApiArgs {
-    fn token(&self) -> anyhow::Result<Option<String>> {
+    pub(crate) fn token(&self) -> anyhow::Result<Option<String>> {
         if let Some(t) = &self.token {
             return Ok(Some(t.clone()));
         }
@@ -937,13 +963,7 @@ pub async fn module_command(api: ApiArgs, command: ModuleCommand) -> anyhow::Res
     if local_command(&command)? || registry_command(&command).await? {
         return Ok(());
     }
-    let mut builder = reqwest::Client::builder();
-    // A host serving TLS with a private CA: WASMPLANE_CA_CERT names the CA (PEM).
-    if let Some(ca) = std::env::var_os("WASMPLANE_CA_CERT") {
-        let pem = crate::auth::read_pem(std::path::Path::new(&ca))?;
-        builder = builder.add_root_certificate(reqwest::Certificate::from_pem(&pem).context("WASMPLANE_CA_CERT is not a PEM certificate")?);
-    }
-    let client = builder.build().context("building the HTTP client")?;
+    let client = crate::inspect::api_client()?;
     let base = api.api.trim_end_matches('/').to_string();
     let token = api.token()?;
     let with_auth = |rb: reqwest::RequestBuilder| match &token {

@@ -19,6 +19,7 @@ pub mod conntrack_tuning;
 pub mod controller;
 pub mod dataplane;
 pub mod grpc_auth;
+pub mod inspect;
 pub mod memory;
 pub mod metrics;
 pub mod module_gc;

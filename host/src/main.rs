@@ -1,7 +1,7 @@
 use anyhow::Context as _;
 use clap::Parser as _;
 use tracing_subscriber::EnvFilter;
-use wasmplane::cli::{Cli, Command, LogFormat};
+use wasmplane::cli::{Cli, Command, LogFormat, ServiceCommand};
 
 fn main() -> anyhow::Result<std::process::ExitCode> {
     // A compile request from a running host: nothing else of the host starts in that process.
@@ -64,6 +64,16 @@ async fn run() -> anyhow::Result<()> {
         Command::Module { api, command } => wasmplane::cli::module_command(api, command).await,
         Command::Replay(args) => wasmplane::replay::command(args),
         Command::Cleanup(args) => wasmplane::cli::cleanup(args).await,
+        Command::Status { api } => {
+            if !wasmplane::inspect::status(&api).await? {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
+        Command::Service { api, command } => match command {
+            ServiceCommand::Ls { namespace } => wasmplane::inspect::services(&api, namespace.as_deref()).await,
+            ServiceCommand::Get { namespace, name } => wasmplane::inspect::service(&api, &namespace, &name).await,
+        },
     }
 }
 

@@ -1,0 +1,316 @@
+//! Node-local inspection (`GET /v1/status`, `GET /v1/services[/{namespace}/{name}]` and the
+//! CLI's `wasmplane::inspect`) against a real host on loopback over a manifest dir.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use support::rest::{API_SERVICE, SHOP_NAMESPACE, WEB_SERVICE, documents, endpoint_slice, error_of, json_answer, limited_config, write_manifest};
+use wasmplane::app::{HostConfig, RunningHost, start};
+use wasmplane::cli::ApiArgs;
+
+const TOKEN: &str = "inspect-token-0123456789abcdef";
+
+/// `shop/web`'s endpoints: ready on this node (node-a), not ready on this node, ready on node-b.
+const WEB_SLICE: &str = "
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: { name: web-abc, namespace: shop, labels: { kubernetes.io/service-name: web } }
+addressType: IPv4
+ports: [{ name: http, port: 8080, protocol: TCP }]
+endpoints:
+  - { addresses: [10.244.0.11], conditions: { ready: true }, nodeName: node-a }
+  - { addresses: [10.244.0.12], conditions: { ready: false }, nodeName: node-a }
+  - { addresses: [10.244.1.11], conditions: { ready: true }, nodeName: node-b }
+";
+
+/// `other/edge`: a node port.
+const EDGE_SERVICE: &str = "
+apiVersion: v1
+kind: Service
+metadata: { name: edge, namespace: other }
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.30
+  ports: [{ name: http, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP }]
+";
+
+/// `other/broken`: an external IP that is a network, which the builtin translator refuses.
+const BROKEN_SERVICE: &str = "
+apiVersion: v1
+kind: Service
+metadata: { name: broken, namespace: other }
+spec:
+  clusterIP: 10.96.0.31
+  externalIPs: [192.0.2.0/24]
+  ports: [{ port: 80, protocol: TCP }]
+";
+
+/// A pod on this node, one on node-b, and a policy selecting the local one.
+const PODS_AND_POLICY: &str = "
+apiVersion: v1
+kind: Pod
+metadata: { name: web-1, namespace: default, labels: { app: web } }
+spec: { nodeName: node-a, containers: [{ name: c, image: x }] }
+status: { phase: Running, podIP: 10.244.0.41, podIPs: [{ ip: 10.244.0.41 }] }
+---
+apiVersion: v1
+kind: Pod
+metadata: { name: web-2, namespace: default, labels: { app: web } }
+spec: { nodeName: node-b, containers: [{ name: c, image: x }] }
+status: { phase: Running, podIP: 10.244.1.41, podIPs: [{ ip: 10.244.1.41 }] }
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: { name: web-ingress, namespace: default, uid: web-ingress-uid, generation: 1 }
+spec:
+  podSelector: { matchLabels: { app: web } }
+  policyTypes: [Ingress]
+  ingress: [{ from: [{ podSelector: { matchLabels: { app: client } } }] }]
+";
+
+fn manifests() -> String {
+    documents(&[
+        SHOP_NAMESPACE,
+        WEB_SERVICE,
+        WEB_SLICE,
+        API_SERVICE,
+        &endpoint_slice("api", "https", 8443, &[("10.244.1.21", "node-b")]),
+        "apiVersion: v1\nkind: Namespace\nmetadata: { name: other }\n",
+        EDGE_SERVICE,
+        BROKEN_SERVICE,
+        PODS_AND_POLICY,
+    ])
+}
+
+struct Host {
+    host: RunningHost,
+    client: reqwest::Client,
+    dir: tempfile::TempDir,
+}
+
+impl Host {
+    /// A host over [`manifests`], once its status says it is ready with all four services.
+    async fn start() -> Host {
+        let synced = |status: &Value| {
+            status["ready"] == true && status["model"]["services"] == 4 && status["model"]["local_pods"] == 1 && status["model"]["policies"] == 1 && status["service_errors"] == 1
+        };
+        Host::start_with(|config| config, synced).await
+    }
+
+    /// A host over [`manifests`] with its `config` changed, once its status is `until`.
+    async fn start_with(config: impl FnOnce(HostConfig) -> HostConfig, until: impl Fn(&Value) -> bool) -> Host {
+        let dir = tempfile::tempdir().unwrap();
+        write_manifest(&dir.path().join("manifests"), "cluster.yaml", &manifests());
+        let host = start(config(limited_config(dir.path(), TOKEN, Duration::from_millis(500)))).await.unwrap();
+        let h = Host { host, client: reqwest::Client::new(), dir };
+        h.wait_for_status("the initial sync", until).await;
+        h
+    }
+
+    async fn wait_for_status(&self, what: &str, until: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let (_, status) = self.get("/v1/status").await;
+            if until(&status) {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "timed out waiting for {what}; status: {status}");
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    async fn readyz(&self) -> (StatusCode, String) {
+        let r = self.client.get(self.url("/readyz")).send().await.unwrap();
+        (r.status(), r.text().await.unwrap())
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.host.url())
+    }
+
+    async fn get(&self, path: &str) -> (StatusCode, Value) {
+        json_answer(self.client.get(self.url(path))).await
+    }
+
+    fn api(&self) -> ApiArgs {
+        ApiArgs { api: self.host.url(), token: None, token_file: None }
+    }
+}
+
+/// The row of `service` in a `/v1/services` answer.
+fn row<'a>(list: &'a Value, service: &str) -> &'a Value {
+    list["services"].as_array().unwrap().iter().find(|s| s["service"] == service).unwrap_or_else(|| panic!("no row for {service}: {list}"))
+}
+
+fn services_of(list: &Value) -> Vec<&str> {
+    list["services"].as_array().unwrap().iter().map(|s| s["service"].as_str().unwrap()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_summarises_the_node_in_counts() {
+    let h = Host::start().await;
+    let (status, summary) = h.get("/v1/status").await;
+    assert_eq!(status, StatusCode::OK, "{summary}");
+    assert_eq!(summary["ready"], true, "{summary}");
+    assert_eq!(summary["not_ready_reason"], Value::Null, "{summary}");
+    assert_eq!(summary["node"], "node-a");
+    assert_eq!(summary["role"], "agent");
+    assert_eq!(summary["leader"], Value::Null, "no operator role here: {summary}");
+    let (_, state) = h.get("/v1/state").await;
+    assert_eq!(summary["model"]["revision"], state["revision"], "{summary}");
+    assert!(summary["model"]["revisions_total"].as_u64() >= Some(1) && summary["model"]["events_total"].as_u64() >= summary["model"]["revisions_total"].as_u64(), "{summary}");
+    // Counts, never the model itself.
+    assert_eq!(summary["model"]["services"], json!(4));
+    assert_eq!(summary["model"]["local_pods"], json!(1));
+    assert_eq!(summary["model"]["policies"], json!(1));
+    assert_eq!(summary["service_errors"], json!(1));
+    let modules = &summary["modules"];
+    assert_eq!(modules["service-translator"], "default-service-translator@1", "{summary}");
+    assert_eq!(modules["network-policy"], "default-network-policy@1", "{summary}");
+    assert_eq!(summary["failed_modules"], json!([]), "{summary}");
+    let dp = &summary["dataplane"];
+    assert_eq!(dp["mode"], "record", "{summary}");
+    let (_, dataplane) = h.get("/v1/dataplane?format=json").await;
+    assert_eq!(dp["objects"].as_u64(), Some(dataplane["objects"].as_object().unwrap().len() as u64), "{summary}");
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let last_sync = dp["last_sync_unix_seconds"].as_u64().unwrap_or_else(|| panic!("a sync was written: {summary}"));
+    assert!(now.abs_diff(last_sync) < 60, "{summary}");
+    assert!(dp["last_sync_age_seconds"].as_u64() < Some(60), "{summary}");
+    assert_eq!(dp["sync_failing_since_unix_seconds"], Value::Null, "{summary}");
+    assert_eq!(dp["syncs_failed"], json!(0), "{summary}");
+    assert_eq!(summary["kvstore"]["backend"], "embedded", "{summary}");
+    assert!(summary["kvstore"]["node_id"].is_u64(), "the agent registered this node: {summary}");
+    h.host.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn services_list_counts_endpoints_and_shows_translation_errors() {
+    let h = Host::start().await;
+    let (status, list) = h.get("/v1/services").await;
+    assert_eq!(status, StatusCode::OK, "{list}");
+    assert_eq!(services_of(&list), ["other/broken", "other/edge", "shop/api", "shop/web"], "{list}");
+    let web = row(&list, "shop/web");
+    assert_eq!(web["type"], "ClusterIP");
+    assert_eq!(web["cluster_ips"], json!(["10.96.0.20"]));
+    assert_eq!(web["ports"], json!([{ "name": "http", "port": 80, "protocol": "TCP", "node_port": null }]));
+    assert_eq!(web["endpoints"], json!({ "total": 3, "ready": 2, "local": 2, "local_ready": 1 }), "{list}");
+    assert_eq!(web["error"], Value::Null);
+    assert_eq!(row(&list, "shop/api")["endpoints"], json!({ "total": 1, "ready": 1, "local": 0, "local_ready": 0 }), "{list}");
+    let edge = row(&list, "other/edge");
+    assert_eq!((&edge["type"], &edge["ports"][0]["node_port"]), (&json!("NodePort"), &json!(30080)), "{list}");
+    // The error as the controller keeps it, the one `/v1/state` shows.
+    let (_, state) = h.get("/v1/state").await;
+    let error = state["service_errors"]["other/broken"].as_str().unwrap_or_else(|| panic!("the translator refused other/broken: {state}"));
+    assert!(error.contains("invalid IP"), "{error}");
+    assert_eq!(row(&list, "other/broken")["error"], error, "{list}");
+
+    let (_, other) = h.get("/v1/services?namespace=other").await;
+    assert_eq!(services_of(&other), ["other/broken", "other/edge"], "{other}");
+    let (_, shop) = h.get("/v1/services?namespace=shop").await;
+    assert_eq!(services_of(&shop), ["shop/api", "shop/web"], "{shop}");
+    // A namespace sorting between the others, and one that is a prefix of another.
+    let (_, none) = h.get("/v1/services?namespace=p").await;
+    assert_eq!(services_of(&none), Vec::<&str>::new(), "{none}");
+    let (_, prefix) = h.get("/v1/services?namespace=sho").await;
+    assert_eq!(services_of(&prefix), Vec::<&str>::new(), "{prefix}");
+    h.host.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_service_shows_its_model_view_applied_rules_and_error() {
+    let h = Host::start().await;
+    let (_, state) = h.get("/v1/state").await;
+    let (_, dataplane) = h.get("/v1/dataplane?format=json").await;
+
+    let (status, web) = h.get("/v1/services/shop/web").await;
+    assert_eq!(status, StatusCode::OK, "{web}");
+    assert_eq!(web["service"], "shop/web");
+    assert_eq!(web["model"], state["model"]["services"]["shop/web"], "the model's view, as /v1/state has it");
+    assert_eq!(web["rules"], dataplane["objects"]["shop/web"], "the applied object, as /v1/dataplane has it");
+    assert!(web["rules"]["elements"].to_string().contains("10.96.0.20 . tcp . 80"), "{web}");
+    assert_eq!(web["error"], Value::Null);
+    assert_eq!(web["translator"], "default-service-translator@1");
+
+    let (status, broken) = h.get("/v1/services/other/broken").await;
+    assert_eq!(status, StatusCode::OK, "{broken}");
+    assert_eq!(broken["error"], state["service_errors"]["other/broken"], "{broken}");
+    assert!(broken["error"].as_str().is_some_and(|e| e.contains("invalid IP")), "{broken}");
+    assert_eq!(broken["rules"], Value::Null, "never translated, so nothing applied: {broken}");
+
+    let (status, unknown) = h.get("/v1/services/shop/nope").await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{unknown}");
+    assert!(error_of(&unknown).contains("shop/nope"), "{unknown}");
+    h.host.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_reads_and_formats_the_running_host() {
+    let h = Host::start().await;
+    let api = h.api();
+    assert!(wasmplane::inspect::status(&api).await.unwrap(), "the host is ready");
+
+    let (_, summary) = h.get("/v1/status").await;
+    let text = wasmplane::inspect::format_status(&summary);
+    let lines: Vec<&str> = text.lines().collect();
+    for expected in [
+        "Ready:               yes",
+        "Node:                node-a",
+        "Role:                agent",
+        "Services:            4, 1 failing translation",
+        "Local pods:          1",
+        "Policies:            1",
+        "Service translator:  default-service-translator@1",
+    ] {
+        assert!(lines.contains(&expected), "{expected:?} in:\n{text}");
+    }
+
+    let (_, list) = h.get("/v1/services?namespace=shop").await;
+    let table = wasmplane::inspect::format_services(&list);
+    let rows: Vec<Vec<&str>> = table.lines().map(|l| l.split("   ").map(str::trim).filter(|c| !c.is_empty()).collect()).collect();
+    assert_eq!(rows.len(), 3, "{table}");
+    assert_eq!(rows[0], ["NAMESPACE/NAME", "TYPE", "CLUSTER-IPS", "PORTS", "ENDPOINTS", "ERROR"], "{table}");
+    assert_eq!(rows[1], ["shop/api", "ClusterIP", "10.96.0.21", "443/TCP", "1/1, local 0/0"], "{table}");
+    assert_eq!(rows[2], ["shop/web", "ClusterIP", "10.96.0.20", "80/TCP", "2/3, local 1/2"], "{table}");
+    let (_, other) = h.get("/v1/services?namespace=other").await;
+    let table = wasmplane::inspect::format_services(&other);
+    let broken = table.lines().find(|l| l.starts_with("other/broken ")).unwrap_or_else(|| panic!("{table}"));
+    assert!(broken.ends_with(other["services"][0]["error"].as_str().unwrap()), "the error in the last column: {table}");
+    assert!(table.lines().any(|l| l.starts_with("other/edge ") && l.contains(" 80:30080/TCP ")), "{table}");
+
+    wasmplane::inspect::services(&api, Some("other")).await.unwrap();
+    wasmplane::inspect::service(&api, "shop", "web").await.unwrap();
+    let missing = wasmplane::inspect::service(&api, "shop", "nope").await.unwrap_err().to_string();
+    assert!(missing.contains("404") && missing.contains("shop/nope"), "{missing}");
+    let (_, web) = h.get("/v1/services/shop/web").await;
+    let pretty = wasmplane::inspect::format_service(&web);
+    assert_eq!(serde_json::from_str::<Value>(&pretty).unwrap(), web, "the whole answer, indented");
+    assert!(pretty.lines().count() > 10, "{pretty}");
+    h.host.stop().await;
+}
+
+/// Readiness is `/readyz`'s: in NodeCIDR mode both wait for the Node's pod CIDR, with the
+/// same reason, and `wasmplane status` says so (and returns false) until then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_is_ready_exactly_when_readyz_is() {
+    let synced_without_pod_cidr = |status: &Value| status["model"]["services"] == 4 && status["not_ready_reason"].as_str().is_some_and(|r| !r.contains("initial sync"));
+    let h = Host::start_with(|config| HostConfig { local_detection: wasmplane::controller::LocalDetection::NodeCidr, ..config }, synced_without_pod_cidr).await;
+    let (_, summary) = h.get("/v1/status").await;
+    assert_eq!(summary["ready"], false, "{summary}");
+    let reason = summary["not_ready_reason"].as_str().unwrap();
+    assert!(reason.contains("no pod CIDR yet"), "{reason}");
+    assert_eq!(h.readyz().await, (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {reason}\n")));
+    let api = h.api();
+    assert!(!wasmplane::inspect::status(&api).await.unwrap(), "not ready yet");
+    let text = wasmplane::inspect::format_status(&summary);
+    assert_eq!(text.lines().next(), Some(format!("Ready:               no: {reason}").as_str()), "{text}");
+
+    write_manifest(&h.dir.path().join("manifests"), "node.yaml", "apiVersion: v1\nkind: Node\nmetadata: { name: node-a }\nspec: { podCIDR: 10.244.0.0/24, podCIDRs: [10.244.0.0/24] }\n");
+    let summary = h.wait_for_status("the Node's pod CIDR", |status| status["ready"] == true).await;
+    assert_eq!(summary["not_ready_reason"], Value::Null, "{summary}");
+    assert_eq!(h.readyz().await, (StatusCode::OK, "ready\n".to_string()));
+    assert!(wasmplane::inspect::status(&api).await.unwrap(), "ready now");
+    h.host.stop().await;
+}
