@@ -39,6 +39,8 @@ pub struct ApiState {
     /// Static token and, if configured, Kubernetes TokenReview + SubjectAccessReview.
     pub auth: Arc<crate::auth::Auth>,
     pub audit: Arc<crate::audit::Audit>,
+    /// The policy verdicts read back from the kernel, when they are (`--policy-log-group`).
+    pub policy_verdicts: Option<Arc<crate::policy_log::PolicyVerdictLog>>,
 }
 
 pub struct ApiError(StatusCode, String);
@@ -107,6 +109,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/operator", get(operator_state))
         .route("/v1/policies", get(list_policies))
         .route("/v1/policies/audit", post(set_module_audit))
+        .route("/v1/policies/verdicts", get(policy_verdicts))
         .route("/v1/policies/{namespace}/{name}/audit", post(set_policy_audit))
         .route("/v1/policies/{namespace}/{name}/status", get(policy_status))
         .route("/v1/dataplane", get(dataplane))
@@ -234,6 +237,62 @@ async fn set_policy_audit(State(state): State<ApiState>, Path((namespace, name))
 async fn set_module_audit(State(state): State<ApiState>, Query(query): Query<AuditQuery>) -> ApiResult<Response> {
     with_controller(&state, move |c| c.set_policy_audit(None, query.enabled)).await?;
     Ok(Json(json!({ "audit": query.enabled })).into_response())
+}
+
+#[derive(Deserialize)]
+struct VerdictsQuery {
+    /// `namespace/name` of a pod on this node.
+    pod: Option<String>,
+    verdict: Option<String>,
+    limit: Option<usize>,
+}
+
+/// The packets policy dropped here, or in audit mode would have, newest first: the pod (by
+/// name, from the model now), the direction, the addresses, protocol and port, and the
+/// policies selecting the pod in that direction.
+async fn policy_verdicts(State(state): State<ApiState>, Query(query): Query<VerdictsQuery>) -> ApiResult<Response> {
+    let Some(log) = state.policy_verdicts.clone() else {
+        return Err(ApiError(StatusCode::NOT_FOUND, "policy verdicts are not read on this host: it writes no kernel (--dataplane nftables), logs none (--policy-log-group 0) or could not bind the group (see its log)".into()));
+    };
+    let verdict = match query.verdict.as_deref() {
+        None => None,
+        Some("deny") => Some(crate::nft::policy::PolicyVerdict::Deny),
+        Some("audit") => Some(crate::nft::policy::PolicyVerdict::Audit),
+        Some(other) => return Err(ApiError(StatusCode::BAD_REQUEST, format!("verdict {other:?}: deny or audit"))),
+    };
+    let limit = query.limit.unwrap_or(100).min(crate::policy_log::CAPACITY);
+    let body = with_controller(&state, move |c| {
+        let pod_of: std::collections::BTreeMap<std::net::IpAddr, String> = c
+            .model()
+            .local_pods
+            .iter()
+            .flat_map(|(key, pod)| pod.ips.iter().filter_map(|ip| ip.parse().ok()).map(move |ip: std::net::IpAddr| (ip, key.to_string())))
+            .collect();
+        let wanted_addresses: Option<Vec<std::net::IpAddr>> = match &query.pod {
+            None => None,
+            Some(pod) => {
+                let addresses: Vec<std::net::IpAddr> = pod_of.iter().filter(|(_, key)| *key == pod).map(|(ip, _)| *ip).collect();
+                if addresses.is_empty() {
+                    return Err(HostError::NotFound(format!("no pod {pod} on this node")));
+                }
+                Some(addresses)
+            }
+        };
+        let events = log.recent(limit, |e| verdict.is_none_or(|v| e.verdict == v) && wanted_addresses.as_ref().is_none_or(|a| a.contains(&e.pod_address)));
+        let events: Vec<Value> = events
+            .into_iter()
+            .map(|event| {
+                let policies: Vec<String> = c.policies_selecting(event.direction, event.pod_address).iter().map(ToString::to_string).collect();
+                let mut v = serde_json::to_value(&event).unwrap_or(Value::Null);
+                v["pod"] = pod_of.get(&event.pod_address).map_or(Value::Null, |k| Value::String(k.clone()));
+                v["policies"] = json!(policies);
+                v
+            })
+            .collect();
+        Ok(json!({ "totals": log.totals(), "events": events }))
+    })
+    .await?;
+    Ok(Json(body).into_response())
 }
 
 /// A policy's realization status over every node, as the operator aggregates it.

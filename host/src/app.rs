@@ -144,6 +144,10 @@ pub struct HostConfig {
     /// kube-proxy's conntrack settings, applied at start in `nftables` mode (the CLI's
     /// default: kube-proxy's values); `None`: the node's own.
     pub conntrack: Option<crate::conntrack_tuning::ConntrackTuning>,
+    /// The NFLOG group the policy dispatch chains log their drops and audit verdicts to,
+    /// read back in `nftables` mode for `GET /v1/policies/verdicts` (`--policy-log-group`);
+    /// 0: not logged (audit verdicts go to the kernel log).
+    pub policy_log_group: u16,
     pub dataplane: DataplaneMode,
     pub token: Option<String>,
     pub limits: Limits,
@@ -204,6 +208,7 @@ impl Default for HostConfig {
             masquerade_all: false,
             egress_masquerade: None,
             conntrack: None,
+            policy_log_group: 0,
             dataplane: DataplaneMode::Record,
             token: None,
             limits: Limits::default(),
@@ -245,6 +250,8 @@ pub struct RunningHost {
     pub tls: bool,
     /// Where the runtime keeps the compiled guests, which it maps from there (with a data dir).
     pub compiled_guests: Option<PathBuf>,
+    /// The policy verdicts read back from the kernel (`--policy-log-group`, `nftables` mode).
+    pub policy_verdicts: Option<Arc<crate::policy_log::PolicyVerdictLog>>,
     model_feed: Option<wasmplane_grpc::ModelFeed>,
     shutdown: Option<oneshot::Sender<()>>,
     /// The CNI daemon's task and what tells it to stop.
@@ -373,6 +380,24 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
             }
         }
     };
+    // Read in the namespace the dataplane is written in, before any policy chain logs there.
+    let policy_verdicts = if dataplane == DataplaneMode::Nftables && config.policy_log_group != 0 {
+        let (log, group, netns) = (crate::policy_log::PolicyVerdictLog::new(), config.policy_log_group, NetlinkNft::netns_of_command(&config.nft_command));
+        let reader = std::sync::Arc::downgrade(&log);
+        match tokio::task::spawn_blocking(move || crate::policy_log::listen(netns.as_deref(), group, reader)).await? {
+            Ok(()) => {
+                metrics.export_policy_verdicts(log.clone());
+                Some(log)
+            }
+            // Policy works without it: only the API's view of the verdicts is missing.
+            Err(e) => {
+                tracing::warn!("policy verdicts are logged but not read here: {e}");
+                None
+            }
+        }
+    } else {
+        None
+    };
     let controller_config = ControllerConfig {
         node_name: config.node_name.clone(),
         cluster_cidrs: config.cluster_cidrs.clone(),
@@ -387,6 +412,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         services_per_shard: if config.nft_netlink { config.nft_services_per_shard } else { usize::MAX },
         node_port_addresses: config.node_port_addresses.clone(),
         admission: admission.clone(),
+        policy_verdict_log: (config.policy_log_group != 0).then(|| crate::nft::policy::VerdictLog::new(config.policy_log_group)),
     };
     let data_dir = config.data_dir.clone();
     let controller = {
@@ -572,6 +598,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
     }
 
     let state = ApiState {
+        policy_verdicts: policy_verdicts.clone(),
         controller: controller.clone(),
         metrics: metrics.clone(),
         token: Arc::new(token.clone()),
@@ -608,7 +635,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
             }
         }),
     };
-    Ok(RunningHost { addr, token, controller, metrics, ready, watch_status, modules, agent, operator, grpc_addr, tls, compiled_guests, model_feed, shutdown: Some(shutdown_tx), cni, server, loops })
+    Ok(RunningHost { addr, token, controller, metrics, ready, watch_status, modules, agent, operator, grpc_addr, tls, compiled_guests, policy_verdicts, model_feed, shutdown: Some(shutdown_tx), cni, server, loops })
 }
 
 /// Publishes every model revision to gRPC watchers.

@@ -227,6 +227,11 @@ pub struct RunArgs {
     /// --conntrack-tcp-be-liberal): for networks that reorder or retransmit heavily.
     #[arg(long)]
     pub conntrack_tcp_be_liberal: bool,
+    /// The NFLOG group policy drops and audit verdicts are logged to, rate-limited per pod,
+    /// and read back for `GET /v1/policies/verdicts` (0: not logged; audit verdicts then go
+    /// to the kernel log). Another NFLOG reader (ulogd) must use another group.
+    #[arg(long, env = "WASMPLANE_POLICY_LOG_GROUP", default_value_t = 1001)]
+    pub policy_log_group: u16,
     /// Render the dataplane (`record`) or write it to the kernel (`nftables`).
     #[arg(long, env = "WASMPLANE_DATAPLANE", value_enum, default_value = "record")]
     pub dataplane: DataplaneMode,
@@ -780,6 +785,7 @@ impl RunArgs {
             },
             service_cidrs: self.service_cidrs,
             masquerade_all: self.masquerade_all,
+            policy_log_group: self.policy_log_group,
             conntrack: Some(crate::conntrack_tuning::ConntrackTuning {
                 max_per_core: self.conntrack_max_per_core,
                 min: self.conntrack_min,
@@ -1062,6 +1068,16 @@ mod tests {
         let contradiction = egress(&["--egress-masquerade", "off", "--non-masquerade-cidr", "192.168.0.0/16"]).unwrap_err();
         assert!(contradiction.contains("--non-masquerade-cidr has no use with --egress-masquerade off"), "{contradiction}");
         assert_eq!(egress(&["--non-masquerade-cidr", "192.168.0.0/16"]), Ok(None), "auto and off here: warned, not refused");
+    }
+
+    /// Policy verdicts are logged to NFLOG group 1001 unless told otherwise; 0 turns it off.
+    #[test]
+    fn policy_log_group_reaches_the_config() {
+        let group = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run"], args].concat()) {
+            Ok(Cli { command: Command::Run(args) }) => args.into_config().unwrap().policy_log_group,
+            _ => unreachable!("parses as run"),
+        };
+        assert_eq!((group(&[]), group(&["--policy-log-group", "0"]), group(&["--policy-log-group", "7"])), (1001, 0, 7));
     }
 
     /// kube-proxy's conntrack flags reach the settings applied at start; the UDP timeouts and

@@ -124,6 +124,8 @@ pub struct ControllerConfig {
     pub node_port_addresses: nft::NodePortAddresses,
     /// Signatures and grants, checked before any uploaded version runs here.
     pub admission: Arc<crate::admission::Admission>,
+    /// Where policy drops and audit verdicts are logged (`--policy-log-group`; `None`: not).
+    pub policy_verdict_log: Option<nft::policy::VerdictLog>,
 }
 
 pub struct Controller {
@@ -271,7 +273,7 @@ impl Controller {
             egress_follows_node: config.egress_masquerade.as_ref().is_some_and(|egress| egress.sources.is_empty()),
             shadow: None,
             cni_ips: BTreeMap::new(),
-            policy: PolicyController::new(&policy_module),
+            policy: PolicyController::new(&policy_module).with_verdict_log(config.policy_verdict_log),
             without_local: BTreeMap::new(),
             trigger_times: Vec::new(),
             programming_since: SystemTime::now(),
@@ -584,6 +586,12 @@ impl Controller {
         self.policy.status(&self.model)
     }
 
+    /// The policies selecting a pod address in a direction, from their last good rules: those
+    /// a logged verdict of that address's dispatch chain is owed to.
+    pub fn policies_selecting(&self, direction: crate::nft::policy::Direction, addr: std::net::IpAddr) -> Vec<ObjectKey> {
+        self.policy.policies_selecting(direction, addr)
+    }
+
     /// Puts one policy (or, with `None`, every policy) in or out of audit mode: would-be
     /// drops are logged and counted, not enforced.
     pub fn set_policy_audit(&mut self, policy: Option<&ObjectKey>, audit: bool) -> Result<(), HostError> {
@@ -825,7 +833,7 @@ impl Controller {
         if let Err(e) = self.admit(name, version, &module.info, &bytes).and_then(|_| settings_verdict(name, module.validate_settings(&settings))) {
             return Err(failed(self, e.to_string()));
         }
-        let mut candidate = PolicyController::new(&module);
+        let mut candidate = PolicyController::new(&module).with_verdict_log(self.policy.verdict_log());
         let compiled = candidate.recompile_all(&self.cluster, &self.model);
         if compiled.failed > 0 {
             let errors: Vec<String> = candidate.status(&self.model).into_iter().filter_map(|s| s.error.map(|e| format!("{}/{}: {e}", s.namespace, s.name))).take(3).collect();

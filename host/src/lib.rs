@@ -30,6 +30,7 @@ pub mod nft;
 pub mod oci;
 pub mod operator_role;
 pub mod policy;
+pub mod policy_log;
 pub mod record;
 pub mod registry;
 pub mod replay;

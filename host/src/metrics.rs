@@ -122,6 +122,8 @@ pub struct Metrics {
     model_feed: Arc<OnceLock<ModelFeed>>,
     /// The operator role's GC counts (`gc_*`), once it runs here.
     gc: Arc<OnceLock<Arc<wasmplane_operator::GcStats>>>,
+    /// The policy verdict log's totals, once the host reads it.
+    policy_verdicts: Arc<OnceLock<Arc<crate::policy_log::PolicyVerdictLog>>>,
 }
 
 impl Metrics {
@@ -154,6 +156,7 @@ impl Metrics {
             clustermesh: ClusterMeshGauges::default(),
             model_feed: Arc::default(),
             gc: Arc::default(),
+            policy_verdicts: Arc::default(),
             registry: Registry::default(),
         };
         registry.register("clustermesh_remote_cluster_ready", "1 once the remote cluster's etcd answered and its services are followed, 0 while it is tried", m.clustermesh.remote_cluster_ready.clone());
@@ -189,6 +192,7 @@ impl Metrics {
         registry.register("policy_packets", "Packets the policy dropped, or in audit mode would have dropped (last read of the kernel's counters)", m.policy_packets.clone());
         registry.register_collector(Box::new(ModelFeedCollector(m.model_feed.clone())));
         registry.register_collector(Box::new(GcCollector(m.gc.clone())));
+        registry.register_collector(Box::new(PolicyVerdictCollector(m.policy_verdicts.clone())));
         Metrics { registry, ..m }
     }
 
@@ -205,6 +209,10 @@ impl Metrics {
         if self.gc.set(stats).is_err() {
             tracing::warn!("a second GC is not exported to /metrics");
         }
+    }
+
+    pub fn export_policy_verdicts(&self, log: Arc<crate::policy_log::PolicyVerdictLog>) {
+        let _ = self.policy_verdicts.set(log);
     }
 
     pub fn encode(&self) -> String {
@@ -324,6 +332,23 @@ impl Collector for GcCollector {
             let at = ConstGauge::new(at as i64);
             at.encode(encoder.encode_descriptor("gc_last_success_timestamp_seconds", "When the last GC cycle that did not fail ended (Unix time)", None, at.metric_type())?)?;
         }
+        Ok(())
+    }
+}
+
+#[derive(Debug)]
+struct PolicyVerdictCollector(Arc<OnceLock<Arc<crate::policy_log::PolicyVerdictLog>>>);
+
+impl Collector for PolicyVerdictCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(log) = self.0.get() else { return Ok(()) };
+        let totals = log.totals();
+        let mut logged = encoder.encode_descriptor("policy_verdicts_logged", "Packets the policy dispatch chains logged and the host read (rate-limited per pod and direction), by verdict (audit: would have been dropped)", None, MetricType::Counter)?;
+        for (verdict, value) in [("deny", totals.deny), ("audit", totals.audit)] {
+            ConstCounter::new(value).encode(logged.encode_family(&[("verdict", verdict)])?)?;
+        }
+        let lost = ConstCounter::new(totals.lost);
+        lost.encode(encoder.encode_descriptor("policy_verdict_log_overruns", "Times the kernel dropped policy verdict messages before the host read them", None, lost.metric_type())?)?;
         Ok(())
     }
 }

@@ -31,7 +31,7 @@ use wasmplane_model::{ClusterState, CompactString, Labels, NetworkPolicy, NodeLo
 use wasmplane_runtime::policy::{PodLookups, PolicyModule, PolicySession};
 use wasmplane_runtime::{CallError, wit};
 
-use crate::nft::policy::{self as render, Direction, DispatchEntry, PolicyRules};
+use crate::nft::policy::{self as render, Direction, DispatchEntry, PolicyRules, VerdictLog};
 use crate::nft::{ObjectRules, SetRules};
 
 /// Why a policy has no fresh rules (its last good ones, if any, stay applied).
@@ -113,6 +113,8 @@ pub struct PolicyController {
     shared_users: BTreeMap<String, BTreeSet<ObjectKey>>,
     /// What each shared set's object holds now.
     shared_sets: BTreeMap<String, SetRules>,
+    /// Where the dispatch chains log their drops and audit verdicts (`None`: not logged).
+    verdict_log: Option<VerdictLog>,
 }
 
 impl PolicyController {
@@ -130,7 +132,24 @@ impl PolicyController {
             dispatch: BTreeMap::new(),
             shared_users: BTreeMap::new(),
             shared_sets: BTreeMap::new(),
+            verdict_log: None,
         }
+    }
+
+    /// Dispatch chains that log what they drop, or would drop in audit mode, to `log`'s group.
+    pub fn with_verdict_log(mut self, log: Option<VerdictLog>) -> PolicyController {
+        self.verdict_log = log;
+        self
+    }
+
+    pub fn verdict_log(&self) -> Option<VerdictLog> {
+        self.verdict_log
+    }
+
+    /// The policies whose last good rules select `addr` in `direction`: those a verdict the
+    /// pod's dispatch chain logged is owed to.
+    pub fn policies_selecting(&self, direction: Direction, addr: IpAddr) -> Vec<ObjectKey> {
+        self.by_target.get(&(direction, addr)).map(|keys| keys.iter().cloned().collect()).unwrap_or_default()
     }
 
     pub fn module(&self) -> &str {
@@ -190,7 +209,7 @@ impl PolicyController {
         let mut out: Vec<(ObjectKey, ObjectRules)> =
             self.compiled.iter().map(|(k, c)| (render::policy_object_key(k), c.rules.rules.clone())).collect();
         for ((direction, addr), entries) in &self.dispatch {
-            if let Some(rules) = render::dispatch_object(*direction, addr, entries) {
+            if let Some(rules) = render::dispatch_object(*direction, addr, entries, self.verdict_log) {
                 out.push((render::dispatch_object_key(*direction, addr), rules));
             }
         }
@@ -392,7 +411,7 @@ impl PolicyController {
                 continue;
             }
             out.dispatch_changed += 1;
-            let rules = render::dispatch_object(direction, &addr, &entries);
+            let rules = render::dispatch_object(direction, &addr, &entries, self.verdict_log);
             if entries.is_empty() {
                 self.dispatch.remove(&target);
             } else {

@@ -47,6 +47,20 @@ fn reaches(ns: &str) -> bool {
     in_ns(ns, || tcp_ask(SocketAddr::new(WEB.parse().unwrap(), 8080), PROBE)).is_ok()
 }
 
+/// `GET /v1/policies/verdicts{query}` until `done` says so (the kernel's log reaches the host
+/// a moment after the packet).
+async fn verdicts_until(host: &wasmplane::app::RunningHost, query: &str, done: impl Fn(&Value) -> bool) -> Value {
+    let mut last = Value::Null;
+    for _ in 0..50 {
+        last = reqwest::get(format!("{}/v1/policies/verdicts{query}", host.url())).await.unwrap().json().await.unwrap();
+        if done(&last) {
+            return last;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("GET /v1/policies/verdicts{query}: not as expected within 5 s: {last}");
+}
+
 async fn policies(host: &wasmplane::app::RunningHost, query: &str) -> Value {
     reqwest::get(format!("{}/v1/policies{query}", host.url())).await.unwrap().json().await.unwrap()
 }
@@ -64,7 +78,7 @@ async fn a_policy_from_the_cluster_is_enforced_audited_and_follows_labels() {
     let _server = Server::start(&web, "web", &[8080]);
     let cluster = Cluster::new();
     cluster.put_file("pods.yaml", &pods("other"));
-    let host = start_host(cluster.config(topo.nft_command())).await;
+    let host = start_host(wasmplane::app::HostConfig { policy_log_group: 1001, ..cluster.config(topo.nft_command()) }).await;
     wait_applied(&host, "the pods", |t| !t.is_empty());
     assert!(reaches(&client) && reaches(&other), "no policy selects web: everything reaches it");
 
@@ -76,6 +90,20 @@ async fn a_policy_from_the_cluster_is_enforced_audited_and_follows_labels() {
     // of other objects: all declared before any rule).
     host.controller.lock().unwrap().reconcile().expect("a full sync with policies in force");
     assert!(reaches(&client) && !reaches(&other), "the same after a full reconcile");
+    // What was dropped, read back from the kernel's NFLOG: other's connection to web, named by
+    // pod and policy. Nothing of client's, which the policy allows.
+    let denied = verdicts_until(&host, "?pod=default/web&verdict=deny", |v| v["events"].as_array().is_some_and(|e| !e.is_empty())).await;
+    let event = &denied["events"][0];
+    assert_eq!(
+        (event["pod"].as_str(), event["direction"].as_str(), event["source"].as_str(), event["destination"].as_str(), event["protocol"].as_str(), event["destination_port"].as_u64()),
+        (Some("default/web"), Some("ingress"), Some(OTHER), Some(WEB), Some("tcp"), Some(8080)),
+        "{denied}"
+    );
+    assert_eq!(event["policies"], serde_json::json!(["default/web-from-client"]), "{denied}");
+    assert!(denied["events"].as_array().unwrap().iter().all(|e| e["source"] != CLIENT), "{denied}");
+    assert!(denied["totals"]["deny"].as_u64() >= Some(1), "{denied}");
+    let unknown = reqwest::get(format!("{}/v1/policies/verdicts?pod=default/nobody", host.url())).await.unwrap();
+    assert_eq!(unknown.status(), StatusCode::NOT_FOUND);
     let listed = policies(&host, "").await;
     let policy = &listed["policies"][0];
     assert_eq!((policy["name"].as_str(), policy["enforced_generation"].as_u64(), policy["audit"].as_bool()), (Some("web-from-client"), Some(1), Some(false)), "{listed}");
@@ -101,11 +129,14 @@ async fn a_policy_from_the_cluster_is_enforced_audited_and_follows_labels() {
     let audit = |enabled: bool| client_http.post(format!("{}/v1/policies/default/web-from-client/audit?enabled={enabled}", host.url())).bearer_auth(&token).send();
     assert_eq!(audit(true).await.unwrap().status(), StatusCode::OK);
     assert!(reaches(&other), "audit mode does not drop");
+    verdicts_until(&host, "?verdict=audit", |v| v["events"].as_array().is_some_and(|e| e.iter().any(|e| e["source"] == OTHER && e["pod"] == "default/web"))).await;
     let counted = policies(&host, "?counters=true").await;
     assert!(counted["policies"][0]["audit_would_drop_packets"].as_u64().unwrap_or(0) > 0, "would-be drops are counted: {counted}");
     assert_eq!(counted["policies"][0]["audit"], true);
     let metrics = reqwest::get(format!("{}/metrics", host.url())).await.unwrap().text().await.unwrap();
     assert!(metrics.contains("wasmplane_policy_audit_mode{namespace=\"default\",name=\"web-from-client\"} 1"), "{metrics}");
+    let logged_denies = metrics.lines().find_map(|l| l.strip_prefix("wasmplane_policy_verdicts_logged_total{verdict=\"deny\"} ")?.parse::<u64>().ok());
+    assert!(logged_denies.is_some_and(|n| n >= 1), "logged verdicts in /metrics: {metrics}");
     // The policy guest's calls are counted with the translator's.
     let policy_calls = metrics
         .lines()

@@ -688,6 +688,60 @@ fn audit_mode_counts_would_be_drops_without_enforcing() {
     assert!(dropped > 0, "enforced drops are counted");
 }
 
+/// The verdict log: what a pod's dispatch chain drops, and in audit mode would drop, reaches
+/// the host over NFLOG with the pod, the direction, the addresses, the protocol and the port;
+/// traffic no policy decides on logs nothing.
+#[test]
+fn policy_verdicts_are_logged_over_nflog_and_read_back() {
+    require_root!();
+    use wasmplane::nft::policy::{Direction, PolicyVerdict, VerdictLog};
+    use wasmplane::policy_log::{PolicyVerdictLog, VerdictEvent};
+    const GROUP: u16 = 1001;
+    let mut node = Node::new("nplog");
+    let module = node._runtime.load_policy("default-network-policy", wasmplane_guest_artifacts::NETWORK_POLICY, 8 << 20).unwrap();
+    node.controller = PolicyController::new(&module).with_verdict_log(Some(VerdictLog::new(GROUP)));
+    let log = PolicyVerdictLog::new();
+    let netns = std::path::PathBuf::from(format!("/var/run/netns/{}", node.topology.node.name));
+    wasmplane::policy_log::listen(Some(&netns), GROUP, std::sync::Arc::downgrade(&log)).unwrap();
+    // Default deny into b, egress of c.client allowed only to a: the two directions.
+    node.set_policies(vec![
+        policy("b", "deny", all(), Some(vec![]), None),
+        policy("c", "out", sel(&[("app", "client")]), None, Some(vec![rule(vec![], vec![peer(None, Some(sel(&[("team", "blue")])))])])),
+    ]);
+    let (a_web, b_db, c_client) = (pod_ip(0, 0), pod_ip(1, 1), pod_ip(2, 2));
+    let wait_for = |what: &str, wanted: &dyn Fn(&VerdictEvent) -> bool| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while log.recent(usize::MAX, wanted).is_empty() {
+            assert!(std::time::Instant::now() < deadline, "{what}: not logged; got {:?}", log.recent(10, |_| true));
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let a_web_pod = node.pods[0].clone();
+    assert!(!in_ns(&a_web_pod, || reach(format!("{b_db}:{TCP_PORT}").parse().unwrap(), false)), "a.web → b.db is denied");
+    wait_for("a.web → b.db, TCP", &|e| {
+        (e.verdict, e.direction, e.pod_address.to_string(), e.source.to_string(), e.destination.to_string(), e.protocol.as_str(), e.destination_port)
+            == (PolicyVerdict::Deny, Direction::Ingress, b_db.clone(), a_web.clone(), b_db.clone(), "tcp", Some(TCP_PORT))
+    });
+    assert!(!in_ns(&a_web_pod, || reach(format!("{b_db}:{UDP_PORT}").parse().unwrap(), true)));
+    wait_for("a.web → b.db, UDP", &|e| e.pod_address.to_string() == b_db && e.protocol == "udp" && e.destination_port == Some(UDP_PORT));
+    // Egress: c.client may reach a and b (team blue), not c.
+    let c_client_pod = node.pods[8].clone();
+    assert!(!in_ns(&c_client_pod, || reach(format!("{}:{TCP_PORT}", pod_ip(2, 0)).parse().unwrap(), false)), "c.client → c.web is denied");
+    wait_for("c.client → c.web, egress", &|e| e.verdict == PolicyVerdict::Deny && e.direction == Direction::Egress && e.pod_address.to_string() == c_client);
+    // Allowed traffic and traffic no policy selects log nothing.
+    let before = log.totals();
+    assert!(in_ns(&c_client_pod, || reach(format!("{a_web}:{TCP_PORT}").parse().unwrap(), false)), "c.client → a.web is allowed");
+    assert!(in_ns(&a_web_pod, || reach(format!("{}:{TCP_PORT}", pod_ip(0, 1)).parse().unwrap(), false)), "a is not policed");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(log.totals(), before, "nothing logged for allowed or unpoliced traffic: {:?}", log.recent(5, |_| true));
+    // Audit mode: the packet passes and is logged as a would-be drop.
+    let changes = node.controller.set_audit(&ObjectKey::new("b", "deny"), true);
+    node.dataplane.sync(changes.changes).unwrap();
+    assert!(in_ns(&a_web_pod, || reach(format!("{b_db}:{TCP_PORT}").parse().unwrap(), false)), "audited: a.web → b.db passes");
+    wait_for("a.web → b.db, audited", &|e| e.verdict == PolicyVerdict::Audit && e.pod_address.to_string() == b_db && e.source.to_string() == a_web);
+    assert_eq!(node.controller.policies_selecting(Direction::Ingress, b_db.parse().unwrap()), vec![ObjectKey::new("b", "deny")]);
+}
+
 /// Scale, measured (not asserted beyond sanity): `cargo test -p wasmplane --test
 /// policy_traffic -- --ignored --nocapture`. 5k pods in 50 namespaces over 50 nodes (100 on
 /// this one), N policies each selecting one app in its namespace and allowing another app

@@ -167,7 +167,10 @@ enum Expr {
     Lookup { set: String },
     Dynset { set: String, timeout_ms: Option<u64> },
     Counter,
-    Log { prefix: String },
+    /// `group`: to the NFLOG group (a listener reads it), else to the kernel log.
+    Log { prefix: String, group: Option<u16> },
+    /// `limit rate N/second burst M packets`: the rule stops here above the rate.
+    Limit { per_second: u64, burst: u32 },
     Immediate { reg: u32, data: Vec<u8> },
     Verdict(Verdict),
     Dnat { family: u32 },
@@ -205,6 +208,7 @@ impl Expr {
             Expr::Dynset { .. } => "dynset",
             Expr::Counter => "counter",
             Expr::Log { .. } => "log",
+            Expr::Limit { .. } => "limit",
             Expr::Immediate { .. } | Expr::Verdict(_) => "immediate",
             Expr::Dnat { .. } => "nat",
             Expr::Reject { .. } => "reject",
@@ -267,7 +271,19 @@ impl Expr {
                 w.attr_u64(1, 0);
                 w.attr_u64(2, 0);
             }
-            Expr::Log { prefix } => w.attr_str(2, prefix),
+            Expr::Log { prefix, group } => {
+                if let Some(group) = group {
+                    w.attr(1, &group.to_be_bytes()); // NFTA_LOG_GROUP
+                }
+                w.attr_str(2, prefix);
+            }
+            Expr::Limit { per_second, burst } => {
+                w.attr_u64(1, *per_second); // NFTA_LIMIT_RATE
+                w.attr_u64(2, 1); // NFTA_LIMIT_UNIT: seconds
+                w.attr_u32(3, *burst); // NFTA_LIMIT_BURST
+                w.attr_u32(4, 0); // NFTA_LIMIT_TYPE: NFT_LIMIT_PKTS
+                w.attr_u32(5, 0); // NFTA_LIMIT_FLAGS: not inverted
+            }
             Expr::Immediate { reg, data } => {
                 w.attr_u32(1, *reg);
                 w.data_value(2, data);
@@ -462,8 +478,19 @@ impl RuleCompiler {
                     i += 1;
                 }
                 "log" if word(i + 1)? == "prefix" => {
-                    c.exprs.push(Expr::Log { prefix: word(i + 2)?.to_string() });
+                    c.exprs.push(Expr::Log { prefix: word(i + 2)?.to_string(), group: None });
                     i += 3;
+                }
+                "log" if word(i + 1)? == "group" && word(i + 3)? == "prefix" => {
+                    let group: u16 = word(i + 2)?.parse().map_err(|_| "log group")?;
+                    c.exprs.push(Expr::Log { prefix: word(i + 4)?.to_string(), group: Some(group) });
+                    i += 5;
+                }
+                "limit" if word(i + 1)? == "rate" && word(i + 3)? == "burst" && word(i + 5)? == "packets" => {
+                    let per_second: u64 = word(i + 2)?.strip_suffix("/second").and_then(|r| r.parse().ok()).ok_or("limit rate")?;
+                    let burst: u32 = word(i + 4)?.parse().map_err(|_| "limit burst")?;
+                    c.exprs.push(Expr::Limit { per_second, burst });
+                    i += 6;
                 }
                 "dnat" if word(i + 2)? == "to" => {
                     let target = word(i + 3)?;

@@ -10,7 +10,8 @@
 //! forward hook, priority 10  policy-ingress: ct established,related accept; ip daddr vmap @pod-ingress
 //!   @pod-egress / @pod-ingress (and …6): pod address → goto polpod/<addr>/<direction>
 //!   polpod/<addr>/<direction>: jump pol/<ns>/<policy>/<direction> for every policy selecting
-//!                              the pod, then `counter drop` (or, audit: log + count + accept)
+//!                              the pod, then `counter drop` (or, audit: count + accept), the
+//!                              verdict logged to NFLOG first at a bounded rate (policy_log.rs)
 //!   pol/<ns>/<policy>/…:       the guest's chains: accept what the policy allows, else return
 //! ```
 //!
@@ -225,8 +226,73 @@ pub struct DispatchEntry {
     pub audit: bool,
 }
 
-/// Log prefix of audit-mode would-be drops (the kernel log line starts with it).
+/// Log prefix of audit-mode would-be drops in the kernel log, when no verdict log is kept.
 pub const AUDIT_LOG_PREFIX: &str = "wasmplane-policy-audit";
+
+/// Where the dispatch chains log the packets they drop, or in audit mode would drop: the
+/// NFLOG group the host's listener reads (`--policy-log-group`), at most `per_second`
+/// packets a second per pod address and direction (after a burst of `burst`), so a flood
+/// of denied packets costs the host a bounded number of log messages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VerdictLog {
+    pub group: u16,
+    pub per_second: u32,
+    pub burst: u32,
+}
+
+impl VerdictLog {
+    pub fn new(group: u16) -> VerdictLog {
+        VerdictLog { group, per_second: 10, burst: 20 }
+    }
+}
+
+/// First word of a verdict log prefix: `wasmplane-policy <deny|audit> <direction> <address>`.
+pub const VERDICT_LOG_PREFIX: &str = "wasmplane-policy";
+
+/// What a dispatch chain did with a packet it logged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PolicyVerdict {
+    /// Dropped: no policy selecting the pod allowed it.
+    Deny,
+    /// Accepted, but only because the policies selecting the pod are in audit mode.
+    Audit,
+}
+
+impl PolicyVerdict {
+    pub fn name(self) -> &'static str {
+        match self {
+            PolicyVerdict::Deny => "deny",
+            PolicyVerdict::Audit => "audit",
+        }
+    }
+}
+
+/// The prefix a dispatch chain logs with; [`parse_verdict_prefix`] reads it back.
+pub fn verdict_prefix(verdict: PolicyVerdict, direction: Direction, addr: &IpAddr) -> String {
+    format!("{VERDICT_LOG_PREFIX} {} {} {addr}", verdict.name(), direction.name())
+}
+
+/// What a logged packet's prefix says: which verdict, for which pod address and direction.
+/// `None` for anyone else's prefix in the same group.
+pub fn parse_verdict_prefix(prefix: &str) -> Option<(PolicyVerdict, Direction, IpAddr)> {
+    let mut words = prefix.split(' ');
+    if words.next()? != VERDICT_LOG_PREFIX {
+        return None;
+    }
+    let verdict = match words.next()? {
+        "deny" => PolicyVerdict::Deny,
+        "audit" => PolicyVerdict::Audit,
+        _ => return None,
+    };
+    let direction = match words.next()? {
+        "ingress" => Direction::Ingress,
+        "egress" => Direction::Egress,
+        _ => return None,
+    };
+    let addr = words.next()?.parse().ok()?;
+    words.next().is_none().then_some((verdict, direction, addr))
+}
 
 /// The dispatch object of one pod address in one direction: the chain that applies the
 /// union of every policy selecting it, and the map element pointing the address at it.
@@ -236,22 +302,33 @@ pub const AUDIT_LOG_PREFIX: &str = "wasmplane-policy-audit";
 /// counted). When only audit-mode policies select the address, their chains are tried the
 /// same way, but what none allows is counted, logged and accepted: the would-be drops.
 /// (With an enforcing policy present, an audit policy changes nothing: its would-be drops
-/// are dropped anyway, its allowances are not granted.)
-pub fn dispatch_object(direction: Direction, addr: &IpAddr, entries: &[DispatchEntry]) -> Option<ObjectRules> {
+/// are dropped anyway, its allowances are not granted.) With `log`, what falls through to
+/// the end is logged to its NFLOG group first, rate-limited; without, audit mode logs to the
+/// kernel log as before and drops are only counted.
+pub fn dispatch_object(direction: Direction, addr: &IpAddr, entries: &[DispatchEntry], log: Option<VerdictLog>) -> Option<ObjectRules> {
     if entries.is_empty() {
         return None;
     }
     let chain = dispatch_chain(direction, addr);
     let enforcing: BTreeSet<&str> = entries.iter().filter(|e| !e.audit).map(|e| e.chain.as_str()).collect();
-    let mut rules: Vec<String> = Vec::new();
-    if enforcing.is_empty() {
-        let audited: BTreeSet<&str> = entries.iter().map(|e| e.chain.as_str()).collect();
-        rules.extend(audited.iter().map(|c| format!("jump {c}")));
-        rules.push(format!("counter log prefix \"{AUDIT_LOG_PREFIX} {} {addr}: \" accept comment \"audit\"", direction.name()));
-    } else {
-        rules.extend(enforcing.iter().map(|c| format!("jump {c}")));
-        rules.push("counter drop comment \"deny\"".to_string());
+    let verdict = if enforcing.is_empty() { PolicyVerdict::Audit } else { PolicyVerdict::Deny };
+    let deciding: BTreeSet<&str> = if enforcing.is_empty() { entries.iter().map(|e| e.chain.as_str()).collect() } else { enforcing };
+    let mut rules: Vec<String> = deciding.iter().map(|c| format!("jump {c}")).collect();
+    if let Some(log) = log {
+        // Its own rule: above the rate, `limit` ends this rule only, and the verdict follows.
+        rules.push(format!(
+            "limit rate {}/second burst {} packets log group {} prefix \"{}\"",
+            log.per_second,
+            log.burst,
+            log.group,
+            verdict_prefix(verdict, direction, addr)
+        ));
     }
+    rules.push(match (verdict, log) {
+        (PolicyVerdict::Audit, Some(_)) => "counter accept comment \"audit\"".to_string(),
+        (PolicyVerdict::Audit, None) => format!("counter log prefix \"{AUDIT_LOG_PREFIX} {} {addr}: \" accept comment \"audit\"", direction.name()),
+        (PolicyVerdict::Deny, _) => "counter drop comment \"deny\"".to_string(),
+    });
     let mut object = ObjectRules::default();
     object.elements.insert((direction.map(addr.is_ipv6()).to_compact_string(), addr.to_compact_string()), format_compact!("goto {chain}"));
     object.chains.insert(chain, rules);
@@ -456,18 +533,44 @@ mod tests {
             DispatchEntry { chain: "pol/a/p/ingress".into(), audit: false },
             DispatchEntry { chain: "pol/a/r/ingress".into(), audit: true },
         ];
-        let o = dispatch_object(Direction::Ingress, &a, &entries).unwrap();
+        let o = dispatch_object(Direction::Ingress, &a, &entries, None).unwrap();
         assert_eq!(
             o.chains["polpod/10.244.1.10/ingress"],
             vec!["jump pol/a/p/ingress", "jump pol/a/q/ingress", "counter drop comment \"deny\""]
         );
         assert_eq!(o.elements[&("pod-ingress".into(), "10.244.1.10".into())], "goto polpod/10.244.1.10/ingress");
-        let audit_only = dispatch_object(Direction::Egress, &addr("fd00::a"), &entries[2..]).unwrap();
+        let audit_only = dispatch_object(Direction::Egress, &addr("fd00::a"), &entries[2..], None).unwrap();
         let chain = &audit_only.chains["polpod/fd00--a/egress"];
         assert_eq!(chain[0], "jump pol/a/r/ingress");
         assert!(chain[1].starts_with("counter log prefix") && chain[1].ends_with("accept comment \"audit\""), "{chain:?}");
         assert!(audit_only.elements.contains_key(&("pod-egress6".into(), "fd00::a".into())));
-        assert!(dispatch_object(Direction::Egress, &a, &[]).is_none());
+        assert!(dispatch_object(Direction::Egress, &a, &[], None).is_none());
+    }
+
+    /// With a verdict log, what falls through is logged to the group first, rate-limited, in
+    /// a rule of its own, and the prefix reads back as the verdict, direction and address.
+    #[test]
+    fn dispatch_logs_its_verdict_to_the_group_before_deciding() {
+        let log = Some(VerdictLog { group: 7, per_second: 5, burst: 9 });
+        let entries = vec![DispatchEntry { chain: "pol/a/p/ingress".into(), audit: false }, DispatchEntry { chain: "pol/a/r/ingress".into(), audit: true }];
+        let denying = dispatch_object(Direction::Ingress, &addr("10.244.1.10"), &entries, log).unwrap();
+        assert_eq!(
+            denying.chains["polpod/10.244.1.10/ingress"],
+            vec![
+                "jump pol/a/p/ingress",
+                "limit rate 5/second burst 9 packets log group 7 prefix \"wasmplane-policy deny ingress 10.244.1.10\"",
+                "counter drop comment \"deny\""
+            ]
+        );
+        let auditing = dispatch_object(Direction::Egress, &addr("fd00::a"), &entries[1..], log).unwrap();
+        let chain = &auditing.chains["polpod/fd00--a/egress"];
+        assert_eq!(chain[1], "limit rate 5/second burst 9 packets log group 7 prefix \"wasmplane-policy audit egress fd00::a\"");
+        assert_eq!(chain[2], "counter accept comment \"audit\"", "the group, not the kernel log too");
+        assert_eq!(parse_verdict_prefix("wasmplane-policy audit egress fd00::a"), Some((PolicyVerdict::Audit, Direction::Egress, addr("fd00::a"))));
+        assert_eq!(parse_verdict_prefix("wasmplane-policy deny ingress 10.244.1.10"), Some((PolicyVerdict::Deny, Direction::Ingress, addr("10.244.1.10"))));
+        for foreign in ["ulogd 1 2 3", "wasmplane-policy deny sideways 10.0.0.1", "wasmplane-policy deny ingress 10.0.0.1 extra", "wasmplane-policy-audit ingress 10.0.0.1: "] {
+            assert_eq!(parse_verdict_prefix(foreign), None, "{foreign}");
+        }
     }
 
     #[test]

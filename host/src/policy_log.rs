@@ -1,0 +1,310 @@
+//! The policy verdict log: the packets the per-pod dispatch chains drop, or in audit mode
+//! would drop, as they log them to an NFLOG group (`nft::policy::dispatch_object`), read by
+//! the host and kept as recent events (`GET /v1/policies/verdicts`): which pod, which way,
+//! from and to where, on which port. What Antrea's and OVN-Kubernetes' policy logging and
+//! Cilium's policy verdict events answer: why does this connection fail?
+//!
+//! The kernel bounds the cost: each dispatch chain logs at most a few packets a second, and
+//! only the packets' headers are copied. The events keep the pod address; the pod's name
+//! and the policies selecting it are looked up when they are read, from the model then.
+
+use std::collections::VecDeque;
+use std::net::IpAddr;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use netlink_packet_core::{NetlinkMessage, NetlinkPayload};
+use netlink_packet_netfilter::nflog::{ConfigCmd, ConfigMode, PacketNla, ULogMessage, config_request};
+use netlink_packet_netfilter::{NetfilterMessage, NetfilterMessageInner, NetfilterProtoFamily};
+use serde::Serialize;
+
+use crate::nft::policy::{Direction, PolicyVerdict, parse_verdict_prefix};
+
+/// Events kept; older ones go first.
+pub const CAPACITY: usize = 1024;
+/// Bytes of each logged packet copied to the host: an IPv6 header and a transport header's
+/// ports fit.
+const COPY_BYTES: u32 = 128;
+/// How often the reading thread looks whether the host still wants it.
+const POLL: Duration = Duration::from_secs(1);
+
+/// One logged packet.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct VerdictEvent {
+    /// When the host read it, in milliseconds since the epoch.
+    pub at_unix_ms: u64,
+    pub verdict: PolicyVerdict,
+    pub direction: Direction,
+    /// The pod whose policies decided (the destination for ingress, the source for egress).
+    pub pod_address: IpAddr,
+    pub source: IpAddr,
+    pub destination: IpAddr,
+    /// `tcp`, `udp`, `sctp`, `icmp`, `icmpv6`, or the protocol number.
+    pub protocol: String,
+    pub source_port: Option<u16>,
+    pub destination_port: Option<u16>,
+}
+
+/// The recent events and how many came, shared by the reading thread and the API.
+#[derive(Debug, Default)]
+pub struct PolicyVerdictLog {
+    events: Mutex<VecDeque<VerdictEvent>>,
+    denied: AtomicU64,
+    audited: AtomicU64,
+    /// Messages the kernel could not queue for the host (its socket buffer was full).
+    lost: AtomicU64,
+}
+
+/// How many events came since the start, by verdict, and how many were lost.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct VerdictTotals {
+    pub deny: u64,
+    pub audit: u64,
+    pub lost: u64,
+}
+
+impl PolicyVerdictLog {
+    pub fn new() -> Arc<PolicyVerdictLog> {
+        Arc::new(PolicyVerdictLog::default())
+    }
+
+    pub fn record(&self, event: VerdictEvent) {
+        match event.verdict {
+            PolicyVerdict::Deny => &self.denied,
+            PolicyVerdict::Audit => &self.audited,
+        }
+        .fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(verdict = event.verdict.name(), direction = event.direction.name(), pod = %event.pod_address, source = %event.source, destination = %event.destination, protocol = %event.protocol, port = ?event.destination_port, "policy verdict");
+        let mut events = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        if events.len() == CAPACITY {
+            events.pop_front();
+        }
+        events.push_back(event);
+    }
+
+    /// The newest events first, at most `limit`, those `keep` wants.
+    pub fn recent(&self, limit: usize, keep: impl Fn(&VerdictEvent) -> bool) -> Vec<VerdictEvent> {
+        let events = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        events.iter().rev().filter(|e| keep(e)).take(limit).cloned().collect()
+    }
+
+    pub fn totals(&self) -> VerdictTotals {
+        VerdictTotals { deny: self.denied.load(Ordering::Relaxed), audit: self.audited.load(Ordering::Relaxed), lost: self.lost.load(Ordering::Relaxed) }
+    }
+}
+
+/// Why the log could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ListenError {
+    #[error("opening the NFLOG socket: {0}")]
+    Socket(#[from] std::io::Error),
+    #[error("binding NFLOG group {group}: {reason} (another listener, such as ulogd, may hold it: choose another --policy-log-group)")]
+    Bind { group: u16, reason: String },
+}
+
+/// Binds NFLOG `group` in network namespace `netns` (`None`: this process's) and records
+/// every verdict the dispatch chains log there into `log`, on a thread of its own, until
+/// `log` is dropped.
+pub fn listen(netns: Option<&Path>, group: u16, log: Weak<PolicyVerdictLog>) -> Result<(), ListenError> {
+    let socket = crate::dataplane::in_netns(netns, || {
+        let mut socket = netlink_sys::Socket::new(netlink_sys::protocols::NETLINK_NETFILTER)?;
+        socket.bind_auto()?;
+        set_receive_timeout(&socket, POLL)?;
+        Ok(socket)
+    })?;
+    let bind = config_request(NetfilterProtoFamily::Unspec, group, vec![ConfigCmd::Bind.into(), ConfigMode::new_packet(COPY_BYTES).into()]);
+    request(&socket, &bind).map_err(|reason| ListenError::Bind { group, reason })?;
+    std::thread::Builder::new().name("wp-policy-log".into()).spawn(move || read_events(&socket, &log))?;
+    tracing::info!(group, "reading the policy verdict log");
+    Ok(())
+}
+
+/// Sends one configuration request and reads its acknowledgement.
+fn request(socket: &netlink_sys::Socket, message: &NetlinkMessage<NetfilterMessage>) -> Result<(), String> {
+    let mut buf = vec![0; message.buffer_len()];
+    message.serialize(&mut buf);
+    socket.send(&buf, 0).map_err(|e| e.to_string())?;
+    let mut answer = vec![0u8; 4096];
+    let size = socket.recv(&mut &mut answer[..], 0).map_err(|e| e.to_string())?;
+    match NetlinkMessage::<NetfilterMessage>::deserialize(&answer[..size]).map_err(|e| e.to_string())?.payload {
+        NetlinkPayload::Error(e) if e.code.is_some() => Err(e.to_io().to_string()),
+        _ => Ok(()),
+    }
+}
+
+fn set_receive_timeout(socket: &netlink_sys::Socket, timeout: Duration) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd as _;
+    let tv = libc::timeval { tv_sec: timeout.as_secs() as libc::time_t, tv_usec: timeout.subsec_micros() as libc::suseconds_t };
+    // SAFETY: a valid socket and a timeval of the size given.
+    let rc = unsafe { libc::setsockopt(socket.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVTIMEO, (&raw const tv).cast(), size_of::<libc::timeval>() as libc::socklen_t) };
+    if rc == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+}
+
+fn read_events(socket: &netlink_sys::Socket, log: &Weak<PolicyVerdictLog>) {
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let received = socket.recv(&mut &mut buf[..], 0);
+        let Some(log) = log.upgrade() else { return };
+        match received {
+            Ok(size) => {
+                for event in events_in(&buf[..size], now_unix_ms()) {
+                    log.record(event);
+                }
+            }
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted) => {}
+            // The kernel dropped messages for us: counted, and reading goes on.
+            Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {
+                log.lost.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => {
+                tracing::warn!("reading the policy verdict log stopped: {e}");
+                return;
+            }
+        }
+    }
+}
+
+fn now_unix_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The verdicts in one datagram of NFLOG messages; anyone else's prefixes and packets that
+/// do not parse are skipped.
+pub fn events_in(mut datagram: &[u8], at_unix_ms: u64) -> Vec<VerdictEvent> {
+    let mut out = Vec::new();
+    while !datagram.is_empty() {
+        let Ok(message) = NetlinkMessage::<NetfilterMessage>::deserialize(datagram) else { break };
+        let length = (message.header.length as usize).next_multiple_of(4);
+        if let NetlinkPayload::InnerMessage(NetfilterMessage { inner: NetfilterMessageInner::ULog(ULogMessage::Packet(nlas)), .. }) = &message.payload {
+            let prefix = nlas.iter().find_map(|nla| if let PacketNla::Prefix(p) = nla { p.to_str().ok() } else { None });
+            let payload = nlas.iter().find_map(|nla| if let PacketNla::Payload(p) = nla { Some(p.as_slice()) } else { None });
+            if let (Some((verdict, direction, pod_address)), Some(packet)) = (prefix.and_then(parse_verdict_prefix), payload.and_then(parse_ip_packet)) {
+                out.push(VerdictEvent { at_unix_ms, verdict, direction, pod_address, ..packet });
+            }
+        }
+        if length == 0 || length >= datagram.len() {
+            break;
+        }
+        datagram = &datagram[length..];
+    }
+    out
+}
+
+/// Addresses, protocol and ports of an IP packet's first bytes (an event with its verdict
+/// fields still to fill).
+fn parse_ip_packet(packet: &[u8]) -> Option<VerdictEvent> {
+    let (source, destination, protocol, transport): (IpAddr, IpAddr, u8, &[u8]) = match packet.first()? >> 4 {
+        4 => {
+            let header_len = usize::from(packet.first()? & 0x0f) * 4;
+            let octets = |at: usize| -> Option<[u8; 4]> { packet.get(at..at + 4)?.try_into().ok() };
+            (octets(12)?.into(), octets(16)?.into(), *packet.get(9)?, packet.get(header_len..).unwrap_or_default())
+        }
+        6 => {
+            let octets = |at: usize| -> Option<[u8; 16]> { packet.get(at..at + 16)?.try_into().ok() };
+            // Ports only right after the fixed header: extension headers are not walked.
+            (octets(8)?.into(), octets(24)?.into(), *packet.get(6)?, packet.get(40..).unwrap_or_default())
+        }
+        _ => return None,
+    };
+    let (name, ports) = match protocol {
+        6 => ("tcp", true),
+        17 => ("udp", true),
+        132 => ("sctp", true),
+        1 => ("icmp", false),
+        58 => ("icmpv6", false),
+        _ => ("", false),
+    };
+    let port = |at: usize| ports.then(|| Some(u16::from_be_bytes(transport.get(at..at + 2)?.try_into().ok()?))).flatten();
+    Some(VerdictEvent {
+        at_unix_ms: 0,
+        verdict: PolicyVerdict::Deny,
+        direction: Direction::Ingress,
+        pod_address: destination,
+        source,
+        destination,
+        protocol: if name.is_empty() { protocol.to_string() } else { name.to_string() },
+        source_port: port(0),
+        destination_port: port(2),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ipv4_tcp(source: [u8; 4], destination: [u8; 4], source_port: u16, destination_port: u16) -> Vec<u8> {
+        let mut packet = vec![0x45, 0, 0, 40, 0, 0, 0, 0, 64, 6, 0, 0];
+        packet.extend(source);
+        packet.extend(destination);
+        packet.extend(source_port.to_be_bytes());
+        packet.extend(destination_port.to_be_bytes());
+        packet.extend([0; 16]);
+        packet
+    }
+
+    /// One NFLOG packet message as the kernel sends it: prefix and payload attributes.
+    fn nflog_message(prefix: &str, payload: &[u8]) -> Vec<u8> {
+        let nla = |ty: u16, value: &[u8]| {
+            let mut out = ((4 + value.len()) as u16).to_ne_bytes().to_vec();
+            out.extend(ty.to_ne_bytes());
+            out.extend(value);
+            out.resize(out.len().next_multiple_of(4), 0);
+            out
+        };
+        let mut body = vec![libc::AF_INET as u8, 0, 0, 7]; // nfgenmsg: family, version, group (big endian)
+        let mut prefix_bytes = prefix.as_bytes().to_vec();
+        prefix_bytes.push(0);
+        body.extend(nla(libc::NFULA_PREFIX as u16, &prefix_bytes));
+        body.extend(nla(libc::NFULA_PAYLOAD as u16, payload));
+        let mut message = ((16 + body.len()) as u32).to_ne_bytes().to_vec();
+        message.extend(((libc::NFNL_SUBSYS_ULOG as u16) << 8 | libc::NFULNL_MSG_PACKET as u16).to_ne_bytes());
+        message.extend([0u8; 10]); // flags, sequence, port id
+        message.extend(body);
+        message
+    }
+
+    #[test]
+    fn verdicts_are_read_from_nflog_messages_and_foreign_ones_skipped() {
+        let mut datagram = nflog_message("wasmplane-policy deny ingress 10.244.1.10", &ipv4_tcp([10, 244, 2, 5], [10, 244, 1, 10], 40000, 8080));
+        datagram.extend(nflog_message("ulogd something else", &ipv4_tcp([1, 1, 1, 1], [2, 2, 2, 2], 1, 2)));
+        datagram.extend(nflog_message("wasmplane-policy audit egress 10.244.1.10", &ipv4_tcp([10, 244, 1, 10], [192, 0, 2, 1], 40001, 443)));
+        let events = events_in(&datagram, 5);
+        assert_eq!(events.len(), 2, "{events:?}");
+        let deny = &events[0];
+        assert_eq!((deny.verdict, deny.direction, deny.pod_address), (PolicyVerdict::Deny, Direction::Ingress, "10.244.1.10".parse().unwrap()));
+        assert_eq!((deny.source, deny.destination), ("10.244.2.5".parse().unwrap(), "10.244.1.10".parse().unwrap()));
+        assert_eq!((deny.protocol.as_str(), deny.source_port, deny.destination_port, deny.at_unix_ms), ("tcp", Some(40000), Some(8080), 5));
+        assert_eq!((events[1].verdict, events[1].direction, events[1].destination_port), (PolicyVerdict::Audit, Direction::Egress, Some(443)));
+    }
+
+    #[test]
+    fn ipv6_and_portless_packets_parse() {
+        let mut v6 = vec![0x60, 0, 0, 0, 0, 8, 17, 64];
+        v6.extend("fd00::1".parse::<std::net::Ipv6Addr>().unwrap().octets());
+        v6.extend("fd00::2".parse::<std::net::Ipv6Addr>().unwrap().octets());
+        v6.extend([0x13, 0x88, 0x00, 0x35, 0, 8, 0, 0]);
+        let event = parse_ip_packet(&v6).unwrap();
+        assert_eq!((event.source, event.destination), ("fd00::1".parse().unwrap(), "fd00::2".parse().unwrap()));
+        assert_eq!((event.protocol.as_str(), event.source_port, event.destination_port), ("udp", Some(5000), Some(53)));
+        let mut icmp = ipv4_tcp([10, 0, 0, 1], [10, 0, 0, 2], 0, 0);
+        icmp[9] = 1;
+        assert_eq!((parse_ip_packet(&icmp).unwrap().protocol.as_str(), parse_ip_packet(&icmp).unwrap().destination_port), ("icmp", None));
+        assert_eq!(parse_ip_packet(&[0x45, 0]), None, "truncated");
+    }
+
+    #[test]
+    fn the_log_keeps_the_newest_events_and_counts_all() {
+        let log = PolicyVerdictLog::new();
+        let event = parse_ip_packet(&ipv4_tcp([10, 0, 0, 1], [10, 0, 0, 2], 1, 2)).unwrap();
+        for i in 0..CAPACITY as u64 + 5 {
+            log.record(VerdictEvent { at_unix_ms: i, verdict: if i % 2 == 0 { PolicyVerdict::Deny } else { PolicyVerdict::Audit }, ..event.clone() });
+        }
+        let recent = log.recent(3, |_| true);
+        assert_eq!(recent.iter().map(|e| e.at_unix_ms).collect::<Vec<_>>(), vec![CAPACITY as u64 + 4, CAPACITY as u64 + 3, CAPACITY as u64 + 2]);
+        assert_eq!(log.recent(usize::MAX, |_| true).len(), CAPACITY);
+        assert_eq!(log.recent(2, |e| e.verdict == PolicyVerdict::Audit)[0].at_unix_ms, CAPACITY as u64 + 3);
+        assert_eq!(log.totals(), VerdictTotals { deny: 515, audit: 514, lost: 0 });
+    }
+}
