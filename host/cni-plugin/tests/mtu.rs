@@ -86,6 +86,13 @@ fn pods_get_the_mtu_of_the_nodes_default_route() {
     check["prevResult"] = ra.json.clone();
     let r = node.cni_with("CHECK", "ctr-a", &a.path(), "a", &check);
     assert!(r.ok, "{r:?}");
+    // A pod end at another MTU than ADD gave it fails CHECK, naming both.
+    a.exec(&["ip", "link", "set", "dev", "eth0", "mtu", "1300"]);
+    let r = node.cni_with("CHECK", "ctr-a", &a.path(), "a", &check);
+    let error = r.json.to_string();
+    assert!(!r.ok && error.contains("MTU 1300") && error.contains("1400"), "{r:?}");
+    a.exec(&["ip", "link", "set", "dev", "eth0", "mtu", "1400"]);
+    assert!(node.cni_with("CHECK", "ctr-a", &a.path(), "a", &check).ok);
 
     // No IPv4 default route in the main table (another table's does not count): the IPv6
     // one's device, read again at the next start.

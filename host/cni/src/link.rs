@@ -279,6 +279,15 @@ pub(crate) async fn check(spec: LinkSpec) -> Result<(), Error> {
                     spec.pod_netns.display()
                 ));
             }
+            // Both ends as ADD sized them: a pod left at another MTU black-holes large packets.
+            if let Some(mtu) = spec.mtu {
+                for (link, name) in [(&hl, format!("node-side interface {}", spec.host_if)), (&pl, format!("interface {} in {}", spec.pod_if, spec.pod_netns.display()))] {
+                    let actual = link.attributes.iter().find_map(|a| if let LinkAttribute::Mtu(m) = a { Some(*m) } else { None });
+                    if actual != Some(mtu) {
+                        return fail(format!("{name} has MTU {}, the pods' is {mtu}", actual.map_or("none".into(), |m| m.to_string())));
+                    }
+                }
+            }
             for a in &spec.addresses {
                 let len = a.host_prefix();
                 if !has_address(&pod, pl.header.index, a.ip, len).await? {
