@@ -106,7 +106,9 @@ pub enum ListenError {
 
 /// Binds NFLOG `group` in network namespace `netns` (`None`: this process's) and records
 /// every verdict the dispatch chains log there into `log`, on a thread of its own, until
-/// `log` is dropped.
+/// `log` is dropped. A group another process holds (the agent this one replaces, still
+/// stopping) is asked for again every [`BIND_RETRY`] until it is free: only opening the
+/// socket fails here.
 pub fn listen(netns: Option<&Path>, group: u16, log: Weak<PolicyVerdictLog>) -> Result<(), ListenError> {
     let socket = crate::dataplane::in_netns(netns, || {
         let mut socket = netlink_sys::Socket::new(netlink_sys::protocols::NETLINK_NETFILTER)?;
@@ -114,11 +116,34 @@ pub fn listen(netns: Option<&Path>, group: u16, log: Weak<PolicyVerdictLog>) -> 
         set_receive_timeout(&socket, POLL)?;
         Ok(socket)
     })?;
-    let bind = config_request(NetfilterProtoFamily::Unspec, group, vec![ConfigCmd::Bind.into(), ConfigMode::new_packet(COPY_BYTES).into()]);
-    request(&socket, &bind).map_err(|reason| ListenError::Bind { group, reason })?;
-    std::thread::Builder::new().name("wp-policy-log".into()).spawn(move || read_events(&socket, &log))?;
-    tracing::info!(group, "reading the policy verdict log");
+    let bound = bind(&socket, group);
+    if let Err(e) = &bound {
+        tracing::warn!("policy verdicts not read yet (retrying every {BIND_RETRY:?}): {e}");
+    }
+    std::thread::Builder::new().name("wp-policy-log".into()).spawn(move || {
+        if bound.is_err() {
+            loop {
+                std::thread::sleep(BIND_RETRY);
+                if log.strong_count() == 0 {
+                    return;
+                }
+                if bind(&socket, group).is_ok() {
+                    break;
+                }
+            }
+        }
+        tracing::info!(group, "reading the policy verdict log");
+        read_events(&socket, &log);
+    })?;
     Ok(())
+}
+
+/// How often a group held by another process is asked for again.
+pub const BIND_RETRY: Duration = Duration::from_secs(2);
+
+fn bind(socket: &netlink_sys::Socket, group: u16) -> Result<(), ListenError> {
+    let bind = config_request(NetfilterProtoFamily::Unspec, group, vec![ConfigCmd::Bind.into(), ConfigMode::new_packet(COPY_BYTES).into()]);
+    request(socket, &bind).map_err(|reason| ListenError::Bind { group, reason })
 }
 
 /// Sends one configuration request and reads its acknowledgement.

@@ -740,6 +740,20 @@ fn policy_verdicts_are_logged_over_nflog_and_read_back() {
     assert!(in_ns(&a_web_pod, || reach(format!("{b_db}:{TCP_PORT}").parse().unwrap(), false)), "audited: a.web → b.db passes");
     wait_for("a.web → b.db, audited", &|e| e.verdict == PolicyVerdict::Audit && e.pod_address.to_string() == b_db && e.source.to_string() == a_web);
     assert_eq!(node.controller.policies_selecting(Direction::Ingress, b_db.parse().unwrap()), vec![ObjectKey::new("b", "deny")]);
+    // A second reader of the same group (an agent starting while the one it replaces still
+    // stops) gets it once the first lets go, and reads from then on.
+    let successor = PolicyVerdictLog::new();
+    wasmplane::policy_log::listen(Some(&netns), GROUP, std::sync::Arc::downgrade(&successor)).unwrap();
+    assert!(in_ns(&a_web_pod, || reach(format!("{b_db}:{TCP_PORT}").parse().unwrap(), false)));
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(successor.totals(), Default::default(), "the group is the first reader's");
+    drop(log);
+    let deadline = std::time::Instant::now() + wasmplane::policy_log::BIND_RETRY * 3;
+    while successor.totals().audit == 0 {
+        assert!(std::time::Instant::now() < deadline, "the successor never read the group");
+        assert!(in_ns(&a_web_pod, || reach(format!("{b_db}:{TCP_PORT}").parse().unwrap(), false)));
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 /// Scale, measured (not asserted beyond sanity): `cargo test -p wasmplane --test
