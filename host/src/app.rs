@@ -386,7 +386,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         let reader = std::sync::Arc::downgrade(&log);
         match tokio::task::spawn_blocking(move || crate::policy_log::listen(netns.as_deref(), group, reader)).await? {
             Ok(()) => {
-                metrics.export_policy_verdicts(log.clone());
+                metrics.export_policy_verdicts(&log);
                 Some(log)
             }
             // Policy works without it: only the API's view of the verdicts is missing.

@@ -122,8 +122,9 @@ pub struct Metrics {
     model_feed: Arc<OnceLock<ModelFeed>>,
     /// The operator role's GC counts (`gc_*`), once it runs here.
     gc: Arc<OnceLock<Arc<wasmplane_operator::GcStats>>>,
-    /// The policy verdict log's totals, once the host reads it.
-    policy_verdicts: Arc<OnceLock<Arc<crate::policy_log::PolicyVerdictLog>>>,
+    /// The policy verdict log's totals, once the host reads it. Weak: the log's reading thread
+    /// ends (and lets go of its NFLOG group) when the host stops, metrics or not.
+    policy_verdicts: Arc<OnceLock<std::sync::Weak<crate::policy_log::PolicyVerdictLog>>>,
 }
 
 impl Metrics {
@@ -211,8 +212,8 @@ impl Metrics {
         }
     }
 
-    pub fn export_policy_verdicts(&self, log: Arc<crate::policy_log::PolicyVerdictLog>) {
-        let _ = self.policy_verdicts.set(log);
+    pub fn export_policy_verdicts(&self, log: &Arc<crate::policy_log::PolicyVerdictLog>) {
+        let _ = self.policy_verdicts.set(Arc::downgrade(log));
     }
 
     pub fn encode(&self) -> String {
@@ -337,11 +338,11 @@ impl Collector for GcCollector {
 }
 
 #[derive(Debug)]
-struct PolicyVerdictCollector(Arc<OnceLock<Arc<crate::policy_log::PolicyVerdictLog>>>);
+struct PolicyVerdictCollector(Arc<OnceLock<std::sync::Weak<crate::policy_log::PolicyVerdictLog>>>);
 
 impl Collector for PolicyVerdictCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let Some(log) = self.0.get() else { return Ok(()) };
+        let Some(log) = self.0.get().and_then(std::sync::Weak::upgrade) else { return Ok(()) };
         let totals = log.totals();
         let mut logged = encoder.encode_descriptor("policy_verdicts_logged", "Packets the policy dispatch chains logged and the host read (rate-limited per pod and direction), by verdict (audit: would have been dropped)", None, MetricType::Counter)?;
         for (verdict, value) in [("deny", totals.deny), ("audit", totals.audit)] {
