@@ -158,6 +158,7 @@ impl Hub {
     /// completed list also goes, whole, to those waiting for one.
     fn apply(&mut self, event: Event<Service>) {
         let Some(writer) = self.writer.as_mut() else { return };
+        let event = event.modify(slim);
         writer.apply_watcher_event(&event);
         let event = match event {
             Event::Init => {
@@ -183,6 +184,17 @@ impl Hub {
             }
         }
     }
+}
+
+/// What no duty reads goes before the Service is stored and shared: the store holds every
+/// Service of the cluster while leading, and server-side apply's field records and kubectl's
+/// copy of the last applied object are often bigger than the rest of it together.
+fn slim(service: &mut Service) {
+    service.metadata.managed_fields = None;
+    if let Some(annotations) = service.metadata.annotations.as_mut() {
+        annotations.remove("kubectl.kubernetes.io/last-applied-configuration");
+    }
+    service.status = None;
 }
 
 /// Sends the store's complete list as a watcher's list; `false` if the subscriber is gone.
@@ -236,6 +248,29 @@ mod tests {
         }
         seen.append(&mut listed);
         seen
+    }
+
+    /// Stored and shared without what no duty reads; what the duties read stays.
+    #[test]
+    fn services_are_kept_without_field_records_and_status() {
+        let mut hub = Hub::default();
+        hub.start();
+        let mut bulky = service("a", "10.0.0.1");
+        bulky.metadata.managed_fields = Some(vec![Default::default()]);
+        bulky.metadata.annotations = Some(
+            [("kubectl.kubernetes.io/last-applied-configuration", "{...}"), ("service.cilium.io/global", "true")].map(|(k, v)| (k.to_string(), v.to_string())).into(),
+        );
+        bulky.status = Some(Default::default());
+        hub.apply(Event::Init);
+        hub.apply(Event::InitApply(bulky));
+        hub.apply(Event::InitDone);
+        let mut events = hub.subscribe();
+        let Some(Event::InitApply(stored)) = std::iter::from_fn(|| events.try_recv().ok()).find(|e| matches!(e, Event::InitApply(_))) else { panic!("no list") };
+        assert_eq!(stored.metadata.managed_fields, None);
+        assert_eq!(stored.status, None);
+        let annotations: Vec<&String> = stored.metadata.annotations.as_ref().unwrap().keys().collect();
+        assert_eq!(annotations, ["service.cilium.io/global"], "duties read annotations: only kubectl's copy goes");
+        assert_eq!(stored.spec.as_ref().unwrap().cluster_ip.as_deref(), Some("10.0.0.1"));
     }
 
     #[test]
