@@ -245,6 +245,8 @@ struct VerdictsQuery {
     pod: Option<String>,
     verdict: Option<String>,
     limit: Option<usize>,
+    /// Only events logged at or after this time (ms since the epoch): what a follower polls.
+    since_unix_ms: Option<u64>,
 }
 
 /// The packets policy dropped here, or in audit mode would have, newest first: the pod (by
@@ -278,7 +280,8 @@ async fn policy_verdicts(State(state): State<ApiState>, Query(query): Query<Verd
                 Some(addresses)
             }
         };
-        let events = log.recent(limit, |e| verdict.is_none_or(|v| e.verdict == v) && wanted_addresses.as_ref().is_none_or(|a| a.contains(&e.pod_address)));
+        let since = query.since_unix_ms.unwrap_or(0);
+        let events = log.recent(limit, |e| e.at_unix_ms >= since && verdict.is_none_or(|v| e.verdict == v) && wanted_addresses.as_ref().is_none_or(|a| a.contains(&e.pod_address)));
         let events: Vec<Value> = events
             .into_iter()
             .map(|event| {

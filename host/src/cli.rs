@@ -50,6 +50,14 @@ pub enum Command {
         #[command(subcommand)]
         command: ServiceCommand,
     },
+    /// This node's network policies and the packets they drop, through its REST API
+    /// (`hubble observe --verdict DROPPED`): `ls` and `verdicts [-f]`.
+    Policy {
+        #[command(flatten)]
+        api: ApiArgs,
+        #[command(subcommand)]
+        command: crate::inspect::PolicyCommand,
+    },
 }
 
 #[derive(Subcommand, Debug)]

@@ -1,7 +1,11 @@
-//! Node-local inspection for operators (`wasmplane status`, `wasmplane service ls|get`, as
-//! `cilium status` and `cilium service list`): the host's `GET /v1/status` and
-//! `GET /v1/services` shown as text. The formatting is pure (JSON in, text out), apart from
-//! the calls.
+//! Node-local inspection for operators (`wasmplane status`, `wasmplane service ls|get`,
+//! `wasmplane policy ls|verdicts`, as `cilium status`, `cilium service list` and
+//! `hubble observe --verdict DROPPED`): the host's `GET /v1/status`, `GET /v1/services` and
+//! `GET /v1/policies[/verdicts]` shown as text. The formatting is pure (JSON in, text out),
+//! apart from the calls.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
 
 use anyhow::{Context, anyhow, bail};
 use serde_json::Value;
@@ -165,15 +169,23 @@ pub fn format_services(list: &Value) -> String {
         let kind = s["type"].as_str().unwrap_or("?").to_string();
         rows.push([service, kind, ips, ports, endpoints, s["error"].as_str().unwrap_or_default().to_string()]);
     }
-    let mut widths = [0; 6];
-    for row in &rows {
-        for (width, cell) in widths.iter_mut().zip(row) {
-            *width = (*width).max(cell.chars().count());
+    table(&rows)
+}
+
+/// Rows as columns padded to their widest cell, three spaces apart (the first row is the header).
+fn table<Row: AsRef<[String]>>(rows: &[Row]) -> String {
+    let mut widths: Vec<usize> = Vec::new();
+    for row in rows {
+        for (column, cell) in row.as_ref().iter().enumerate() {
+            if widths.len() <= column {
+                widths.push(0);
+            }
+            widths[column] = widths[column].max(cell.chars().count());
         }
     }
     let mut out = String::new();
-    for row in &rows {
-        let line: String = row.iter().zip(widths).map(|(cell, width)| format!("{cell:<width$}   ")).collect();
+    for row in rows {
+        let line: String = row.as_ref().iter().zip(&widths).map(|(cell, width)| format!("{cell:<width$}   ")).collect();
         out += line.trim_end();
         out.push('\n');
     }
@@ -185,6 +197,252 @@ pub fn format_service(detail: &Value) -> String {
     let mut text = serde_json::to_string_pretty(detail).unwrap_or_else(|_| detail.to_string());
     text.push('\n');
     text
+}
+
+/// `wasmplane policy …`: this node's network policies, through its host's REST API.
+#[derive(clap::Subcommand, Debug)]
+pub enum PolicyCommand {
+    /// One line per policy enforced (or audited) on this node: generation enforced / desired,
+    /// mode, pods selected per direction, error.
+    Ls {
+        /// Also the packets each policy dropped and, in audit mode, would have dropped (the
+        /// host reads the kernel's counters for it).
+        #[arg(long)]
+        counters: bool,
+    },
+    /// The packets policy dropped on this node, or in audit mode would have, oldest first
+    /// (`hubble observe --verdict DROPPED`): pod, direction, addresses, protocol, the
+    /// policies selecting the pod. The host keeps the last 1,024.
+    Verdicts {
+        /// Only those of this pod (on this node).
+        #[arg(long, value_name = "NS/NAME")]
+        pod: Option<String>,
+        /// Only drops (deny) or would-be drops of policies in audit mode (audit).
+        #[arg(long)]
+        verdict: Option<VerdictFilter>,
+        /// How many of the newest to show.
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+        /// Then keep printing new ones as they come (every second), until Ctrl-C.
+        #[arg(long, short)]
+        follow: bool,
+    },
+}
+
+/// A verdict to filter on, as `GET /v1/policies/verdicts?verdict=` names it.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VerdictFilter {
+    /// Dropped: no policy selecting the pod allowed it.
+    Deny,
+    /// Allowed only because the policies selecting the pod are in audit mode.
+    Audit,
+}
+
+impl VerdictFilter {
+    fn query_value(self) -> &'static str {
+        match self {
+            VerdictFilter::Deny => "deny",
+            VerdictFilter::Audit => "audit",
+        }
+    }
+}
+
+const VERDICTS_PATH: [&str; 3] = ["v1", "policies", "verdicts"];
+
+/// Runs a `wasmplane policy` command against the host of `api`.
+pub async fn policy(api: &ApiArgs, command: PolicyCommand) -> anyhow::Result<()> {
+    policy_to(api, command, &mut std::io::stdout()).await
+}
+
+/// [`policy`], printing to `out` (for tests to read what a person would see).
+pub async fn policy_to(api: &ApiArgs, command: PolicyCommand, out: &mut (impl std::io::Write + Send)) -> anyhow::Result<()> {
+    match command {
+        PolicyCommand::Ls { counters } => {
+            let query: &[(&str, &str)] = if counters { &[("counters", "true")] } else { &[] };
+            let list = get_json(api, &["v1", "policies"], query).await?;
+            write!(out, "{}", format_policies(&list, counters))?;
+            Ok(())
+        }
+        PolicyCommand::Verdicts { pod, verdict, limit, follow } => {
+            let filters: Vec<(&str, &str)> = pod.as_deref().map(|pod| ("pod", pod)).into_iter().chain(verdict.map(|v| ("verdict", v.query_value()))).collect();
+            let limit = limit.to_string();
+            // Before following: a host that reads no verdicts (404) or a pod not on this node says so here.
+            let answer = get_json(api, &VERDICTS_PATH, &with_limit(&filters, &limit)).await?;
+            if !follow {
+                write!(out, "{}", format_verdicts(&answer))?;
+                return Ok(());
+            }
+            // Registered before anything is shown, so that a Ctrl-C during a request is not lost.
+            let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).context("listening for Ctrl-C")?;
+            let mut printed = PrintedEvents::default();
+            show_new(out, &answer, &mut printed)?;
+            // Every event the host keeps from the newest printed millisecond on, so that more
+            // than `limit` in one second are not cut and what was printed is not sent again.
+            let all = crate::policy_log::CAPACITY.to_string();
+            let poll = async {
+                loop {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    let since = printed_since(&printed);
+                    let mut query = with_limit(&filters, &all);
+                    query.extend(since.as_deref().map(|since| ("since_unix_ms", since)));
+                    let answer = get_json(api, &VERDICTS_PATH, &query).await?;
+                    show_new(out, &answer, &mut printed)?;
+                }
+            };
+            tokio::select! {
+                _ = interrupt.recv() => Ok(()),
+                result = poll => result,
+            }
+        }
+    }
+}
+
+/// Prints the events of a verdicts answer not yet `printed`, oldest first.
+fn show_new(out: &mut impl std::io::Write, answer: &Value, printed: &mut PrintedEvents) -> std::io::Result<()> {
+    let (fresh, next) = new_events(events_of(answer), printed);
+    fresh.iter().try_for_each(|event| writeln!(out, "{}", format_verdict(event)))?;
+    *printed = next;
+    out.flush()
+}
+
+/// The newest millisecond `printed` has shown, as a query value (events of it may still come).
+fn printed_since(printed: &PrintedEvents) -> Option<String> {
+    printed.newest_ms.map(|ms| ms.to_string())
+}
+
+/// `filters` and a `limit`, as one query.
+fn with_limit<'a>(filters: &[(&'a str, &'a str)], limit: &'a str) -> Vec<(&'a str, &'a str)> {
+    filters.iter().copied().chain([("limit", limit)]).collect()
+}
+
+/// `GET /v1/policies[?counters=true]` as a table: NAMESPACE/NAME GENERATION (enforced/desired,
+/// `-` for none enforced) MODE TARGETS [DROPS WOULD-DROP] ERROR (the guest's warnings too).
+pub fn format_policies(list: &Value, counters: bool) -> String {
+    let mut header = vec!["NAMESPACE/NAME", "GENERATION", "MODE", "TARGETS"];
+    if counters {
+        header.extend(["DROPS", "WOULD-DROP"]);
+    }
+    header.push("ERROR");
+    let mut rows = vec![header.into_iter().map(String::from).collect::<Vec<_>>()];
+    for p in list["policies"].as_array().into_iter().flatten() {
+        let name = format!("{}/{}", p["namespace"].as_str().unwrap_or("?"), p["name"].as_str().unwrap_or("?"));
+        let enforced = if p["enforced_generation"].is_null() { "-".to_string() } else { count(&p["enforced_generation"]) };
+        let mode = match p["audit"].as_bool() {
+            Some(true) => "audit",
+            Some(false) => "enforce",
+            None => "?",
+        };
+        let targets = format!("ingress {}, egress {}", count(&p["ingress_targets"]), count(&p["egress_targets"]));
+        let mut row = vec![name, format!("{enforced}/{}", count(&p["desired_generation"])), mode.to_string(), targets];
+        if counters {
+            row.extend([count(&p["dropped_packets"]), count(&p["audit_would_drop_packets"])]);
+        }
+        let warnings = p["warnings"].as_array().into_iter().flatten().filter_map(Value::as_str).map(|w| format!("warning: {w}"));
+        row.push(p["error"].as_str().map(str::to_string).into_iter().chain(warnings).collect::<Vec<_>>().join("; "));
+        rows.push(row);
+    }
+    table(&rows)
+}
+
+/// The events of a `GET /v1/policies/verdicts` answer, newest first as the host sends them.
+fn events_of(answer: &Value) -> &[Value] {
+    answer["events"].as_array().map_or(&[], Vec::as_slice)
+}
+
+/// `HH:MM:SS.mmm` in UTC (Unix time has no leap seconds: a day is always 86,400 s).
+fn utc_clock(unix_ms: u64) -> String {
+    let ms = unix_ms % 86_400_000;
+    format!("{:02}:{:02}:{:02}.{:03}", ms / 3_600_000, ms / 60_000 % 60, ms / 1000 % 60, ms % 1000)
+}
+
+/// `address:port`, `[address]:port` for IPv6, the bare address without a port.
+fn socket_text(address: &Value, port: &Value) -> String {
+    let address = address.as_str().unwrap_or("?");
+    match port.as_u64() {
+        None => address.to_string(),
+        Some(port) if address.contains(':') => format!("[{address}]:{port}"),
+        Some(port) => format!("{address}:{port}"),
+    }
+}
+
+/// One verdict event as a line (no newline): time (UTC), verdict, direction, pod (its address
+/// when the host knows no pod there now), source -> destination, protocol, policies.
+pub fn format_verdict(event: &Value) -> String {
+    let time = event["at_unix_ms"].as_u64().map_or_else(|| "??:??:??.???".to_string(), utc_clock);
+    let verdict = event["verdict"].as_str().unwrap_or("?").to_uppercase();
+    let direction = event["direction"].as_str().unwrap_or("?");
+    let pod = event["pod"].as_str().or_else(|| event["pod_address"].as_str()).unwrap_or("?");
+    let source = socket_text(&event["source"], &event["source_port"]);
+    let destination = socket_text(&event["destination"], &event["destination_port"]);
+    let protocol = event["protocol"].as_str().unwrap_or("?");
+    let policies = joined(event["policies"].as_array().into_iter().flatten().filter_map(|p| p.as_str().map(str::to_string)));
+    format!("{time}  {verdict:<5}  {direction:<7}  {pod}  {source} -> {destination} {protocol}  policies: {policies}")
+}
+
+/// A `GET /v1/policies/verdicts` answer: its events oldest first, one line each, then the
+/// host's totals since it started.
+pub fn format_verdicts(answer: &Value) -> String {
+    let events = events_of(answer);
+    let mut out: String = events.iter().rev().map(|event| format_verdict(event) + "\n").collect();
+    let totals = &answer["totals"];
+    let lost = match totals["lost"].as_u64() {
+        Some(lost) if lost > 0 => format!(", lost {lost}"),
+        _ => String::new(),
+    };
+    out += &format!("{} shown; since the host started: deny {}, audit {}{lost}\n", events.len(), count(&totals["deny"]), count(&totals["audit"]));
+    out
+}
+
+/// What `--follow` has printed: the newest millisecond and, per event of that millisecond,
+/// how many times (several events can share a millisecond, identical ones too).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PrintedEvents {
+    newest_ms: Option<u64>,
+    at_newest: BTreeMap<String, usize>,
+}
+
+/// An event as the host logged it: without the pod's name and the policies, which the host
+/// looks up at each read and may change between two polls.
+fn event_identity(event: &Value) -> String {
+    let mut logged = event.clone();
+    if let Some(fields) = logged.as_object_mut() {
+        fields.remove("pod");
+        fields.remove("policies");
+    }
+    logged.to_string()
+}
+
+/// The events of `newest_first` (a verdicts answer) not yet `printed`, oldest first, and what
+/// is printed once they are: older than the newest printed millisecond never again, of that
+/// millisecond only the copies beyond those printed.
+pub fn new_events(newest_first: &[Value], printed: &PrintedEvents) -> (Vec<Value>, PrintedEvents) {
+    let mut fresh = Vec::new();
+    let mut next = printed.clone();
+    // Copies of each event of `next.newest_ms` in this answer so far.
+    let mut in_answer: BTreeMap<String, usize> = BTreeMap::new();
+    for event in newest_first.iter().rev() {
+        let at = event["at_unix_ms"].as_u64().unwrap_or(0);
+        let identity = event_identity(event);
+        match next.newest_ms {
+            Some(newest) if at < newest => continue,
+            Some(newest) if at == newest => {
+                let copies = in_answer.entry(identity.clone()).or_default();
+                *copies += 1;
+                let printed_copies = next.at_newest.entry(identity).or_default();
+                if *copies <= *printed_copies {
+                    continue;
+                }
+                *printed_copies += 1;
+            }
+            _ => {
+                next.newest_ms = Some(at);
+                next.at_newest = BTreeMap::from([(identity.clone(), 1)]);
+                in_answer = BTreeMap::from([(identity, 1)]);
+            }
+        }
+        fresh.push(event.clone());
+    }
+    (fresh, next)
 }
 
 #[cfg(test)]
@@ -232,5 +490,118 @@ mod tests {
         assert_eq!(lines[0], "NAMESPACE/NAME   TYPE        CLUSTER-IPS           PORTS                 ENDPOINTS        ERROR", "{text}");
         assert_eq!(lines[1], "shop/web         NodePort    10.96.0.20,fd00::20   80:30080/TCP,53/UDP   2/3, local 1/2", "{text}");
         assert_eq!(lines[2], "other/x          ClusterIP   <none>                <none>                0/0, local 0/0   invalid IP", "{text}");
+    }
+
+    #[test]
+    fn policies_table_shows_generations_mode_targets_and_errors() {
+        let list = json!({ "policies": [
+            { "namespace": "default", "name": "web-from-client", "enforced_generation": 3, "desired_generation": 4, "audit": false, "ingress_targets": 2, "egress_targets": 0, "error": null, "warnings": [] },
+            { "namespace": "shop", "name": "db", "enforced_generation": null, "desired_generation": 1, "audit": true, "ingress_targets": 0, "egress_targets": 1, "error": "port \"x\" unknown", "warnings": ["endPort ignored"] },
+        ]});
+        let text = format_policies(&list, false);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        assert_eq!(lines[0], "NAMESPACE/NAME            GENERATION   MODE      TARGETS               ERROR", "{text}");
+        assert_eq!(lines[1], "default/web-from-client   3/4          enforce   ingress 2, egress 0", "{text}");
+        assert_eq!(lines[2], "shop/db                   -/1          audit     ingress 0, egress 1   port \"x\" unknown; warning: endPort ignored", "{text}");
+        assert!(!text.contains("DROPS"), "no counters asked: {text}");
+    }
+
+    #[test]
+    fn policies_table_with_counters_has_drops_and_would_be_drops() {
+        let list = json!({ "policies": [
+            { "namespace": "default", "name": "web", "enforced_generation": 1, "desired_generation": 1, "audit": true, "ingress_targets": 1, "egress_targets": 1, "error": null, "warnings": [],
+              "dropped_packets": 0, "audit_would_drop_packets": 1234 },
+            // An answer without counters (an older host): unknown, not zero.
+            { "namespace": "default", "name": "old", "enforced_generation": 2, "desired_generation": 2, "audit": false, "ingress_targets": 0, "egress_targets": 0, "error": null, "warnings": [] },
+        ]});
+        let text = format_policies(&list, true);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[0], "NAMESPACE/NAME   GENERATION   MODE      TARGETS               DROPS   WOULD-DROP   ERROR", "{text}");
+        assert_eq!(lines[1], "default/web      1/1          audit     ingress 1, egress 1   0       1234", "{text}");
+        assert_eq!(lines[2], "default/old      2/2          enforce   ingress 0, egress 0   ?       ?", "{text}");
+        assert_eq!(format_policies(&json!({ "policies": [] }), true), "NAMESPACE/NAME   GENERATION   MODE   TARGETS   DROPS   WOULD-DROP   ERROR\n");
+    }
+
+    /// An event as the host answers it; `at` is milliseconds into 2024-05-01 UTC.
+    fn verdict_event(at: u64, verdict: &str, direction: &str, pod: Option<&str>, from: (&str, Option<u16>), to: (&str, Option<u16>), policies: &[&str]) -> Value {
+        const MAY_FIRST_2024_MS: u64 = 1_714_521_600_000;
+        let pod_address = if direction == "ingress" { to.0 } else { from.0 };
+        json!({ "at_unix_ms": MAY_FIRST_2024_MS + at, "verdict": verdict, "direction": direction, "pod_address": pod_address, "pod": pod, "source": from.0, "destination": to.0,
+                "protocol": if from.1.is_some() { "tcp" } else { "icmp" }, "source_port": from.1, "destination_port": to.1, "policies": policies })
+    }
+
+    const HMS_MS: u64 = ((13 * 60 + 4) * 60 + 5) * 1000 + 67;
+
+    #[test]
+    fn verdict_lines_have_utc_time_addresses_and_policies() {
+        let ipv4 = verdict_event(HMS_MS, "deny", "ingress", Some("default/web"), ("10.244.0.101", Some(54728)), ("10.244.0.11", Some(8080)), &["default/web-from-client"]);
+        assert_eq!(format_verdict(&ipv4), "13:04:05.067  DENY   ingress  default/web  10.244.0.101:54728 -> 10.244.0.11:8080 tcp  policies: default/web-from-client");
+        let ipv6 = verdict_event(86_399_999, "audit", "egress", Some("shop/db"), ("fd00::10", Some(40000)), ("2001:db8::1", Some(443)), &["shop/a", "shop/b"]);
+        assert_eq!(format_verdict(&ipv6), "23:59:59.999  AUDIT  egress   shop/db  [fd00::10]:40000 -> [2001:db8::1]:443 tcp  policies: shop/a,shop/b");
+        let no_ports = verdict_event(0, "deny", "egress", Some("shop/db"), ("fd00::10", None), ("2001:db8::1", None), &["shop/a"]);
+        assert_eq!(format_verdict(&no_ports), "00:00:00.000  DENY   egress   shop/db  fd00::10 -> 2001:db8::1 icmp  policies: shop/a");
+        // The pod is gone (or not known yet): its address instead, and no policy selects it now.
+        let unknown_pod = verdict_event(1, "deny", "ingress", None, ("10.0.0.1", Some(1)), ("10.244.0.99", Some(80)), &[]);
+        assert_eq!(format_verdict(&unknown_pod), "00:00:00.001  DENY   ingress  10.244.0.99  10.0.0.1:1 -> 10.244.0.99:80 tcp  policies: <none>");
+    }
+
+    #[test]
+    fn verdicts_are_shown_oldest_first_with_the_totals() {
+        let older = verdict_event(1000, "deny", "ingress", Some("default/web"), ("10.0.0.1", Some(1)), ("10.244.0.11", Some(80)), &["default/web"]);
+        let newer = verdict_event(2000, "audit", "ingress", Some("default/web"), ("10.0.0.2", Some(2)), ("10.244.0.11", Some(80)), &["default/web"]);
+        let answer = json!({ "totals": { "deny": 7, "audit": 1, "lost": 0 }, "events": [newer, older] });
+        let text = format_verdicts(&answer);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        assert!(lines[0].starts_with("00:00:01.000  DENY ") && lines[1].starts_with("00:00:02.000  AUDIT "), "{text}");
+        assert_eq!(lines[2], "2 shown; since the host started: deny 7, audit 1", "{text}");
+        let lost = json!({ "totals": { "deny": 0, "audit": 0, "lost": 3 }, "events": [] });
+        assert_eq!(format_verdicts(&lost), "0 shown; since the host started: deny 0, audit 0, lost 3\n");
+    }
+
+    #[test]
+    fn follow_prints_each_event_once_even_within_a_millisecond() {
+        let at = |ms: u64, source_port: u16| verdict_event(ms, "deny", "ingress", Some("default/web"), ("10.0.0.1", Some(source_port)), ("10.244.0.11", Some(80)), &["default/web"]);
+        let ports = |events: &[Value]| events.iter().map(|e| e["source_port"].as_u64().unwrap()).collect::<Vec<_>>();
+        // Newest first, as the host answers: 5 ms has two events.
+        let (first, printed) = new_events(&[at(5, 2), at(5, 1), at(3, 0)], &PrintedEvents::default());
+        assert_eq!(ports(&first), [0, 1, 2], "all of them, oldest first");
+        // The next poll: a third event in 5 ms, one in 6 ms, and one older than anything printed
+        // (which the host cannot have logged since, but a poll must never print twice).
+        let (second, printed) = new_events(&[at(6, 4), at(5, 3), at(5, 2), at(5, 1), at(4, 9), at(3, 0)], &printed);
+        assert_eq!(ports(&second), [3, 4], "only the new ones");
+        let (third, printed) = new_events(&[at(6, 4), at(5, 3)], &printed);
+        assert!(third.is_empty(), "{third:?}");
+        // Identical events in one millisecond (a burst of one flow): each copy once.
+        let (burst, printed) = new_events(&[at(7, 5), at(7, 5), at(6, 4)], &printed);
+        assert_eq!(ports(&burst), [5, 5]);
+        let (more, printed) = new_events(&[at(7, 5), at(7, 5), at(7, 5), at(6, 4)], &printed);
+        assert_eq!(ports(&more), [5], "the third copy only");
+        // The pod's name and the policies are looked up at each read: a change is no new event.
+        let mut renamed = at(7, 5);
+        renamed["pod"] = Value::Null;
+        renamed["policies"] = json!([]);
+        let (again, _) = new_events(&[renamed.clone(), renamed.clone(), renamed], &printed);
+        assert!(again.is_empty(), "{again:?}");
+    }
+
+    #[test]
+    fn policy_command_line_parses() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(subcommand)]
+            command: PolicyCommand,
+        }
+        use clap::{CommandFactory, Parser};
+        Cli::command().debug_assert();
+        let parsed = Cli::try_parse_from(["policy", "verdicts", "--pod", "default/web", "--verdict", "audit", "-f"]).unwrap();
+        assert!(
+            matches!(&parsed.command, PolicyCommand::Verdicts { pod: Some(pod), verdict: Some(VerdictFilter::Audit), limit: 20, follow: true } if pod == "default/web"),
+            "{:?}",
+            parsed.command
+        );
+        assert!(matches!(Cli::try_parse_from(["policy", "ls", "--counters"]).unwrap().command, PolicyCommand::Ls { counters: true }));
+        assert!(Cli::try_parse_from(["policy", "verdicts", "--verdict", "dropped"]).is_err(), "deny or audit only");
     }
 }

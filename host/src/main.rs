@@ -74,6 +74,7 @@ async fn run() -> anyhow::Result<()> {
             ServiceCommand::Ls { namespace } => wasmplane::inspect::services(&api, namespace.as_deref()).await,
             ServiceCommand::Get { namespace, name } => wasmplane::inspect::service(&api, &namespace, &name).await,
         },
+        Command::Policy { api, command } => wasmplane::inspect::policy(&api, command).await,
     }
 }
 

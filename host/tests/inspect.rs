@@ -314,3 +314,89 @@ async fn status_is_ready_exactly_when_readyz_is() {
     assert!(wasmplane::inspect::status(&api).await.unwrap(), "ready now");
     h.host.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_policy_cli_lists_policies_and_says_when_verdicts_are_not_read() {
+    use wasmplane::inspect::{PolicyCommand, VerdictFilter, format_policies, policy, policy_to};
+    let h = Host::start().await;
+    let api = h.api();
+    policy(&api, PolicyCommand::Ls { counters: false }).await.unwrap();
+    let mut shown = Vec::new();
+    policy_to(&api, PolicyCommand::Ls { counters: false }, &mut shown).await.unwrap();
+    let cells = |table: &str| -> Vec<Vec<String>> { table.lines().map(|l| l.split("   ").map(str::trim).filter(|c| !c.is_empty()).map(String::from).collect()).collect() };
+
+    let (status, list) = h.get("/v1/policies").await;
+    assert_eq!(status, StatusCode::OK, "{list}");
+    let table = format_policies(&list, false);
+    assert_eq!(cells(&table), [vec!["NAMESPACE/NAME", "GENERATION", "MODE", "TARGETS", "ERROR"], vec!["default/web-ingress", "1/1", "enforce", "ingress 1, egress 0"]], "{table}");
+    assert_eq!(String::from_utf8(shown).unwrap(), table, "what `wasmplane policy ls` prints");
+
+    // In audit mode, with the counters (a record dataplane has none: zero).
+    let audit = h.client.post(h.url("/v1/policies/default/web-ingress/audit?enabled=true")).bearer_auth(TOKEN).send().await.unwrap();
+    assert_eq!(audit.status(), StatusCode::OK);
+    let mut shown = Vec::new();
+    policy_to(&api, PolicyCommand::Ls { counters: true }, &mut shown).await.unwrap();
+    let (_, counted) = h.get("/v1/policies?counters=true").await;
+    let table = format_policies(&counted, true);
+    assert_eq!(cells(&table)[1], ["default/web-ingress", "1/1", "audit", "ingress 1, egress 0", "0", "0"], "{table}");
+    assert_eq!(String::from_utf8(shown).unwrap(), table, "what `wasmplane policy ls --counters` prints");
+
+    // A record dataplane reads no verdicts: the host's 404 and its reason, at once, also with --follow.
+    let verdicts = |follow: bool| policy(&api, PolicyCommand::Verdicts { pod: None, verdict: Some(VerdictFilter::Deny), limit: 5, follow });
+    let error = verdicts(false).await.unwrap_err().to_string();
+    assert!(error.starts_with("404") && error.contains("policy verdicts are not read on this host"), "{error}");
+    // Sooner than the first poll of a follow (a second): refused before following.
+    let followed = tokio::time::timeout(Duration::from_millis(900), verdicts(true)).await.expect("refused before following");
+    assert_eq!(followed.unwrap_err().to_string(), error);
+    h.host.stop().await;
+}
+
+/// `--follow` against a stand-in for a host that reads verdicts (a real one needs a kernel):
+/// the first request with the limit asked, then polls every second for every event kept since
+/// the newest printed, with the same filters, printing each event once, until the host answers an error, which ends the
+/// follow with its message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verdicts_follow_polls_with_the_filters_and_prints_each_event_once() {
+    use std::sync::{Arc, Mutex};
+    use wasmplane::inspect::{PolicyCommand, VerdictFilter, policy_to};
+    let event = |at_unix_ms: u64, source_port: u16| {
+        json!({ "at_unix_ms": at_unix_ms, "verdict": "audit", "direction": "ingress", "pod_address": "10.244.0.41", "pod": "default/web-1", "source": "10.0.0.1",
+                "destination": "10.244.0.41", "protocol": "tcp", "source_port": source_port, "destination_port": 80, "policies": ["default/web-ingress"] })
+    };
+    // Newest first, as the host answers; the second poll adds two events of one millisecond, the third nothing.
+    let answers = [vec![event(1_000, 1)], vec![event(2_000, 3), event(2_000, 2), event(1_000, 1)], vec![event(2_000, 3), event(2_000, 2), event(1_000, 1)]];
+    let queries: Arc<Mutex<Vec<String>>> = Arc::default();
+    let recorded = queries.clone();
+    let app = axum::Router::new().route(
+        "/v1/policies/verdicts",
+        axum::routing::get(move |uri: axum::http::Uri| async move {
+            let mut queries = recorded.lock().unwrap();
+            queries.push(uri.query().unwrap_or_default().to_string());
+            match answers.get(queries.len() - 1) {
+                Some(events) => (StatusCode::OK, axum::Json(json!({ "totals": { "deny": 0, "audit": 3, "lost": 0 }, "events": events }))),
+                None => (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({ "error": "shutting down" }))),
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let api = ApiArgs { api: format!("http://{}", listener.local_addr().unwrap()), token: None, token_file: None };
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+
+    let started = Instant::now();
+    let command = PolicyCommand::Verdicts { pod: Some("default/web-1".into()), verdict: Some(VerdictFilter::Audit), limit: 5, follow: true };
+    let mut printed = Vec::new();
+    let ended = tokio::time::timeout(Duration::from_secs(10), policy_to(&api, command, &mut printed)).await.expect("the host's error ends the follow");
+    assert_eq!(ended.unwrap_err().to_string(), "503 Service Unavailable: shutting down");
+    assert!(started.elapsed() >= Duration::from_secs(3), "a poll a second: {:?}", started.elapsed());
+    // Polls ask only for what the newest printed millisecond and later hold.
+    let asked = |since: u64| format!("pod=default%2Fweb-1&verdict=audit&limit={}&since_unix_ms={since}", wasmplane::policy_log::CAPACITY);
+    assert_eq!(*queries.lock().unwrap(), ["pod=default%2Fweb-1&verdict=audit&limit=5".to_string(), asked(1_000), asked(2_000), asked(2_000)]);
+    // Each event once, oldest first, and no totals line.
+    let printed = String::from_utf8(printed).unwrap();
+    assert_eq!(
+        printed,
+        "00:00:01.000  AUDIT  ingress  default/web-1  10.0.0.1:1 -> 10.244.0.41:80 tcp  policies: default/web-ingress\n\
+         00:00:02.000  AUDIT  ingress  default/web-1  10.0.0.1:2 -> 10.244.0.41:80 tcp  policies: default/web-ingress\n\
+         00:00:02.000  AUDIT  ingress  default/web-1  10.0.0.1:3 -> 10.244.0.41:80 tcp  policies: default/web-ingress\n"
+    );
+}

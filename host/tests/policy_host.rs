@@ -102,6 +102,12 @@ async fn a_policy_from_the_cluster_is_enforced_audited_and_follows_labels() {
     assert_eq!(event["policies"], serde_json::json!(["default/web-from-client"]), "{denied}");
     assert!(denied["events"].as_array().unwrap().iter().all(|e| e["source"] != CLIENT), "{denied}");
     assert!(denied["totals"]["deny"].as_u64() >= Some(1), "{denied}");
+    // A follower's poll: only what was logged at or after the time it gives.
+    let newest = denied["events"][0]["at_unix_ms"].as_u64().unwrap();
+    let since_newest = verdicts_until(&host, &format!("?pod=default/web&since_unix_ms={newest}"), |_| true).await;
+    assert!(since_newest["events"].as_array().is_some_and(|e| !e.is_empty() && e.iter().all(|e| e["at_unix_ms"].as_u64() >= Some(newest))), "{since_newest}");
+    let later = verdicts_until(&host, &format!("?pod=default/web&since_unix_ms={}", newest + 60_000), |_| true).await;
+    assert_eq!(later["events"], serde_json::json!([]), "{later}");
     let unknown = reqwest::get(format!("{}/v1/policies/verdicts?pod=default/nobody", host.url())).await.unwrap();
     assert_eq!(unknown.status(), StatusCode::NOT_FOUND);
     let listed = policies(&host, "").await;
