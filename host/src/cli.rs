@@ -1,11 +1,12 @@
 //! The command line: `wasmplane run` and `wasmplane module …` against the REST API.
 
+use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
 
 use crate::app::{DataplaneMode, HostConfig};
 
@@ -100,6 +101,11 @@ pub async fn cleanup(args: CleanupArgs) -> anyhow::Result<()> {
 
 #[derive(clap::Args, Debug)]
 pub struct RunArgs {
+    /// kube-proxy's configuration file (a KubeProxyConfiguration: the `config.conf` key of
+    /// its ConfigMap): the settings wasmplane has flags for are taken from it, unless given
+    /// here as flags or environment variables; those it cannot honour are logged.
+    #[arg(long, env = "WASMPLANE_KUBE_PROXY_CONFIG", value_name = "FILE")]
+    pub kube_proxy_config: Option<PathBuf>,
     /// Address of the REST API.
     #[arg(long, env = "WASMPLANE_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
@@ -383,6 +389,39 @@ pub struct RunArgs {
     /// set, are used for every registry instead.
     #[arg(long, env = "WASMPLANE_MODULE_REGISTRY_DOCKER_CONFIG", value_name = "PATH")]
     pub module_registry_docker_config: Option<PathBuf>,
+}
+
+/// The command line, with the settings of `run --kube-proxy-config FILE` in it, and what the
+/// file sets that wasmplane leaves (for the log, once it is set up). Clap's errors, `--help`
+/// and `--version` exit the process as with `Cli::parse()`.
+pub fn parse_cli() -> anyhow::Result<(Cli, Vec<String>)> {
+    let args: Vec<OsString> = std::env::args_os().collect();
+    let matches = Cli::command().get_matches_from(&args);
+    with_kube_proxy_config(Cli::command(), &args, &matches)
+}
+
+/// Parses `args` again with the kube-proxy configuration's flags right after `run`, leaving
+/// out each flag the user gave (on the command line or in its environment variable): a list
+/// flag given replaces the file's list, it is not added to it.
+fn with_kube_proxy_config(command: clap::Command, args: &[OsString], matches: &clap::ArgMatches) -> anyhow::Result<(Cli, Vec<String>)> {
+    let Some(("run", run)) = matches.subcommand() else { return Ok((Cli::from_arg_matches(matches)?, Vec::new())) };
+    let Some(file) = run.get_one::<PathBuf>("kube_proxy_config") else { return Ok((Cli::from_arg_matches(matches)?, Vec::new())) };
+    let settings = crate::kube_proxy_config::read(file)?;
+    let run_command = command.find_subcommand("run").context("no `run` command")?;
+    let given_by_user = |flag: &str| {
+        let long = flag.trim_start_matches("--").split('=').next().unwrap_or_default();
+        run_command
+            .get_arguments()
+            .find(|arg| arg.get_long() == Some(long))
+            .and_then(|arg| run.value_source(arg.get_id().as_str()))
+            .is_some_and(|source| matches!(source, clap::parser::ValueSource::CommandLine | clap::parser::ValueSource::EnvVariable))
+    };
+    let from_file: Vec<String> = settings.args.into_iter().filter(|flag| !given_by_user(flag)).collect();
+    let after_run = args.iter().skip(1).position(|arg| arg == "run").context("`run` is not on the command line")? + 2;
+    let merged = args[..after_run].iter().cloned().chain(from_file.iter().map(OsString::from)).chain(args[after_run..].iter().cloned());
+    let matches = command.try_get_matches_from(merged).with_context(|| format!("{}: its settings as `wasmplane run {}`", file.display(), from_file.join(" ")))?;
+    let warnings = settings.warnings.into_iter().map(|warning| format!("{}: {warning}", file.display())).collect();
+    Ok((Cli::from_arg_matches(&matches)?, warnings))
 }
 
 /// `--remote-cluster NAME=URL[,URL…]`.
@@ -1037,6 +1076,91 @@ mod tests {
     use clap::Parser as _;
 
     use super::*;
+
+    /// `--kube-proxy-config`'s file in a temporary directory, and the command line parsed as
+    /// `main` does (with `command`, whose environment variables a test may point elsewhere).
+    fn parse_with_kube_proxy_config(command: clap::Command, file_text: &str, args: &[&str]) -> anyhow::Result<(RunArgs, Vec<String>)> {
+        let dir = tempfile::tempdir()?;
+        let file = dir.path().join("config.conf");
+        std::fs::write(&file, file_text)?;
+        let args: Vec<OsString> = [&["wasmplane", "run", "--kube-proxy-config", file.to_str().unwrap()], args].concat().into_iter().map(OsString::from).collect();
+        let matches = command.clone().try_get_matches_from(&args)?;
+        let (cli, warnings) = with_kube_proxy_config(command, &args, &matches)?;
+        let Command::Run(run) = cli.command else { panic!("parsed as another command") };
+        // The file's name, the same in every run of the test.
+        Ok((run, warnings.into_iter().map(|w| w.replace(&file.display().to_string(), "FILE")).collect()))
+    }
+
+    const KUBE_PROXY_CONFIG: &str = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCIDR: 10.244.0.0/16,fd00:10:244::/56\n\
+        hostnameOverride: worker-1\niptables: {masqueradeAll: true, syncPeriod: 2m}\nconntrack: {maxPerCore: 0, min: 1000, tcpEstablishedTimeout: 2h, tcpCloseWaitTimeout: 30m,\
+        udpTimeout: 45s, udpStreamTimeout: 3m, tcpBeLiberal: true}\ndetectLocalMode: NodeCIDR\nnodePortAddresses: [10.0.0.0/8]\nhealthzBindAddress: 127.0.0.1:10266\n\
+        logging: {format: json}\nmetricsBindAddress: 0.0.0.0:10249\n";
+
+    /// Every flag the file maps to exists, and lands in the host's configuration.
+    #[test]
+    fn kube_proxy_config_settings_reach_the_host_config() {
+        let (run, warnings) = parse_with_kube_proxy_config(Cli::command(), KUBE_PROXY_CONFIG, &[]).unwrap();
+        assert_eq!(warnings, ["FILE: ignored: metricsBindAddress (metrics on --listen)"]);
+        assert_eq!(run.log_format, LogFormat::Json);
+        let config = run.into_config().unwrap();
+        assert_eq!(config.cluster_cidrs, ["10.244.0.0/16", "fd00:10:244::/56"]);
+        assert_eq!(config.node_name, "worker-1");
+        assert!(config.masquerade_all);
+        assert_eq!(config.local_detection, crate::controller::LocalDetection::NodeCidr);
+        assert_eq!(config.node_port_addresses, crate::nft::NodePortAddresses::Networks(vec!["10.0.0.0/8".parse().unwrap()]));
+        assert_eq!(config.node_health_listen, Some("127.0.0.1:10266".parse().unwrap()));
+        assert_eq!(config.reconcile_interval, Duration::from_secs(120));
+        assert_eq!(
+            config.conntrack,
+            Some(crate::conntrack_tuning::ConntrackTuning {
+                max_per_core: 0,
+                min: 1000,
+                tcp_established_timeout: Duration::from_secs(7200),
+                tcp_close_wait_timeout: Duration::from_secs(1800),
+                udp_timeout: Duration::from_secs(45),
+                udp_stream_timeout: Duration::from_secs(180),
+                tcp_be_liberal: true,
+            })
+        );
+    }
+
+    /// Flags on the command line win over the file, which wins over the defaults; a list flag
+    /// given replaces the file's list.
+    #[test]
+    fn the_command_line_wins_over_the_kube_proxy_config() {
+        let file = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCIDR: 10.244.0.0/16\nconntrack: {maxPerCore: 0, tcpEstablishedTimeout: 2h}\nhostnameOverride: worker-1\n";
+        let config = |args: &[&str]| parse_with_kube_proxy_config(Cli::command(), file, args).unwrap().0.into_config().unwrap();
+        let given = config(&["--cluster-cidr", "10.100.0.0/16"]);
+        assert_eq!(given.cluster_cidrs, ["10.100.0.0/16"]);
+        let conntrack = given.conntrack.unwrap();
+        assert_eq!((conntrack.max_per_core, conntrack.min, conntrack.tcp_established_timeout), (0, 131072, Duration::from_secs(7200)), "the file's, and the default");
+        assert_eq!(given.node_name, "worker-1");
+        let given = config(&["--cluster-cidr=10.100.0.0/16,fd00:100::/56", "--conntrack-max-per-core=100", "--node-name", "worker-2", "--conntrack-tcp-timeout-established-seconds", "60"]);
+        assert_eq!(given.cluster_cidrs, ["10.100.0.0/16", "fd00:100::/56"]);
+        let conntrack = given.conntrack.unwrap();
+        assert_eq!((conntrack.max_per_core, conntrack.tcp_established_timeout), (100, Duration::from_secs(60)));
+        assert_eq!(given.node_name, "worker-2");
+        assert_eq!(config(&[]).cluster_cidrs, ["10.244.0.0/16"]);
+        // An environment variable is the user's too. PATH is set in every test run: it stands in
+        // for NODE_NAME, which setting here would race with the other tests.
+        let path = std::env::var("PATH").expect("PATH is set");
+        let command = Cli::command().mut_subcommand("run", |run| run.mut_arg("node_name", |arg| arg.env("PATH")));
+        assert_eq!(parse_with_kube_proxy_config(command.clone(), file, &[]).unwrap().0.node_name, path);
+        assert_eq!(parse_with_kube_proxy_config(command, file, &["--node-name", "worker-3"]).unwrap().0.node_name, "worker-3");
+    }
+
+    #[test]
+    fn a_kube_proxy_config_that_cannot_be_used_stops_the_start() {
+        let refused = parse_with_kube_proxy_config(Cli::command(), "apiVersion: v1\nkind: ConfigMap\n", &[]).unwrap_err().to_string();
+        assert!(refused.contains("config.conf: apiVersion \"v1\", kind \"ConfigMap\""), "{refused}");
+        let refused = format!("{:#}", parse_with_kube_proxy_config(Cli::command(), "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\ndetectLocalMode: BridgeInterface\n", &["--detect-local-mode", "NodeCIDR"]).unwrap_err());
+        assert!(refused.contains("config.conf: detectLocalMode: \"BridgeInterface\" is not supported"), "even with the flag given: {refused}");
+        // Without the option nothing is read.
+        match with_kube_proxy_config(Cli::command(), &["wasmplane".into(), "run".into()], &Cli::command().get_matches_from(["wasmplane", "run"])) {
+            Ok((Cli { command: Command::Run(run) }, warnings)) => assert_eq!((run.kube_proxy_config, run.cluster_cidrs, warnings), (None, vec!["10.244.0.0/16".to_string()], vec![])),
+            other => panic!("{other:?}"),
+        }
+    }
 
     #[test]
     fn guest_memory_limit_is_bounded_by_a_32_bit_memory() {

@@ -1,7 +1,6 @@
 use anyhow::Context as _;
-use clap::Parser as _;
 use tracing_subscriber::EnvFilter;
-use wasmplane::cli::{Cli, Command, LogFormat, ServiceCommand};
+use wasmplane::cli::{Command, LogFormat, ServiceCommand};
 
 fn main() -> anyhow::Result<std::process::ExitCode> {
     // A compile request from a running host: nothing else of the host starts in that process.
@@ -32,11 +31,14 @@ fn init_logging(format: LogFormat) {
 }
 
 async fn run() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let (cli, kube_proxy_warnings) = wasmplane::cli::parse_cli()?;
     init_logging(match &cli.command {
         Command::Run(args) => args.log_format,
         _ => LogFormat::Text,
     });
+    for warning in &kube_proxy_warnings {
+        tracing::warn!("{warning}");
+    }
     match cli.command {
         Command::Run(args) => {
             // Before anything is printed: a SIGTERM that follows the REST API line must find
