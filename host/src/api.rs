@@ -552,6 +552,7 @@ async fn status(State(state): State<ApiState>) -> ApiResult<Response> {
     })
     .await?;
     // The operator role replaces the agent's in this host (see `app.rs`).
+    summary["policy_verdicts"] = json!(state.policy_verdicts.as_ref().map(|log| log.totals()));
     summary["role"] = json!(if state.operator.is_some() { "operator" } else { "agent" });
     summary["leader"] = json!(state.operator.as_ref().map(|o| o.is_leader()));
     summary["kvstore"] = json!({

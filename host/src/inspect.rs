@@ -126,7 +126,10 @@ pub fn format_status(status: &Value) -> String {
     let failing = if errors > 0 { format!(", {errors} failing translation") } else { String::new() };
     line("Services", format!("{}{failing}", count(&model["services"])));
     line("Local pods", count(&model["local_pods"]));
-    line("Policies", count(&model["policies"]));
+    // Since the host started, when it reads them (`GET /v1/policies/verdicts`).
+    let verdicts = &status["policy_verdicts"];
+    let logged = if verdicts.is_null() { String::new() } else { format!(", {} packets denied, {} audited since start", count(&verdicts["deny"]), count(&verdicts["audit"])) };
+    line("Policies", format!("{}{logged}", count(&model["policies"])));
     let dp = &status["dataplane"];
     let held = if dp["held"].as_bool() == Some(true) { ", previous run's rules held" } else { "" };
     line("Dataplane", format!("{}, {} objects{held}", dp["mode"].as_str().unwrap_or("?"), count(&dp["objects"])));
@@ -461,6 +464,7 @@ mod tests {
             "modules": { "gc": "default-gc@1", "service-translator": "flaky@2" },
             "failed_modules": [{ "name": "broken", "kind": "network-policy", "error": "trap" }],
             "service_errors": 2,
+            "policy_verdicts": { "deny": 40, "audit": 3, "lost": 0 },
         });
         let text = format_status(&status);
         let lines: Vec<&str> = text.lines().collect();
@@ -468,6 +472,7 @@ mod tests {
         assert!(lines.contains(&"Role:                operator (leader)"), "{text}");
         assert!(lines.contains(&"Kvstore:             etcd"), "{text}");
         assert!(lines.contains(&"Services:            3, 2 failing translation"), "{text}");
+        assert!(lines.contains(&"Policies:            1, 40 packets denied, 3 audited since start"), "{text}");
         assert!(lines.contains(&"Last sync:           4s ago (3 ok, 1 failed), FAILING for 9s"), "{text}");
         let translator = lines.iter().position(|l| *l == "Service translator:  flaky@2");
         let gc = lines.iter().position(|l| *l == "GC:                  default-gc@1");
