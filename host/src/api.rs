@@ -40,7 +40,8 @@ pub struct ApiState {
     pub auth: Arc<crate::auth::Auth>,
     pub audit: Arc<crate::audit::Audit>,
     /// The policy verdicts read back from the kernel, when they are (`--policy-log-group`).
-    pub policy_verdicts: Option<Arc<crate::policy_log::PolicyVerdictLog>>,
+    pub policy_verdicts: Option<Arc<crate::policy_log::PolicyVerdictLog>>,    /// The CNI daemon, where this host serves it (`--cni-socket`); empty until it serves.
+    pub cni: Option<crate::cni::ServingDaemon>,
 }
 
 pub struct ApiError(StatusCode, String);
@@ -553,6 +554,18 @@ async fn status(State(state): State<ApiState>) -> ApiResult<Response> {
     .await?;
     // The operator role replaces the agent's in this host (see `app.rs`).
     summary["policy_verdicts"] = json!(state.policy_verdicts.as_ref().map(|log| log.totals()));
+    // Configured but not serving yet: waiting for this node's pod CIDRs (or it failed to start).
+    summary["cni"] = match &state.cni {
+        None => Value::Null,
+        Some(serving) => match serving.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            Some(daemon) => {
+                let mut summary = json!(daemon.summary());
+                summary["serving"] = json!(true);
+                summary
+            }
+            None => json!({ "serving": false }),
+        },
+    };
     summary["role"] = json!(if state.operator.is_some() { "operator" } else { "agent" });
     summary["leader"] = json!(state.operator.as_ref().map(|o| o.is_leader()));
     summary["kvstore"] = json!({

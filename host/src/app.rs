@@ -523,9 +523,10 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         }
         None => None,
     };
+    let cni_daemon = crate::cni::ServingDaemon::default();
     let cni = config.cni.clone().filter(|_| !operator_role).map(|cni| {
         let (stop, stopped) = oneshot::channel();
-        (stop, tokio::spawn(crate::cni::run(cni, config.data_dir.clone(), controller.clone(), ready.clone(), stopped)))
+        (stop, tokio::spawn(crate::cni::run(cni, config.data_dir.clone(), controller.clone(), ready.clone(), cni_daemon.clone(), stopped)))
     });
     {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
@@ -599,6 +600,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
 
     let state = ApiState {
         policy_verdicts: policy_verdicts.clone(),
+        cni: cni.is_some().then(|| cni_daemon.clone()),
         controller: controller.clone(),
         metrics: metrics.clone(),
         token: Arc::new(token.clone()),

@@ -151,10 +151,20 @@ fn daemon_config(config: &CniConfig, pod_cidrs: Vec<ipnet::IpNet>, data_dir: Opt
     daemon_config
 }
 
+/// The daemon while it serves, for the host's status (`GET /v1/status`).
+pub type ServingDaemon = Arc<Mutex<Option<Arc<wasmplane_cni::CniDaemon>>>>;
+
 /// Starts the daemon once the pod CIDRs are known (from the flag, or from this node's Node
 /// object when the watch delivers it), at once when `chained` after the plugin that gives
 /// pods their addresses (it needs none). `synced`: the host's readiness, for STATUS.
-pub async fn run(config: CniConfig, data_dir: Option<PathBuf>, controller: Arc<Mutex<Controller>>, synced: Arc<AtomicBool>, mut stop: tokio::sync::oneshot::Receiver<()>) {
+pub async fn run(
+    config: CniConfig,
+    data_dir: Option<PathBuf>,
+    controller: Arc<Mutex<Controller>>,
+    synced: Arc<AtomicBool>,
+    serving: ServingDaemon,
+    mut stop: tokio::sync::oneshot::Receiver<()>,
+) {
     let chained = config.chained;
     let pod_cidrs = if chained {
         Vec::new()
@@ -187,9 +197,11 @@ pub async fn run(config: CniConfig, data_dir: Option<PathBuf>, controller: Arc<M
         Ok(handle) => {
             let mtu = daemon.pod_mtu().map_or_else(|| "the other plugin's".to_string(), ToString::to_string);
             tracing::info!(socket = %config.socket.display(), ?pod_cidrs, chained, %mtu, "CNI daemon serving");
+            *serving.lock().unwrap_or_else(|p| p.into_inner()) = Some(daemon.clone());
             // Serve until the host stops (or drops) us; then the requests taken are answered
             // and the socket goes, so the plugin is told at once that no daemon listens.
             let _ = stop.await;
+            serving.lock().unwrap_or_else(|p| p.into_inner()).take();
             handle.shutdown().await;
             tracing::info!("CNI daemon stopped");
         }

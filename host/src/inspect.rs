@@ -130,6 +130,10 @@ pub fn format_status(status: &Value) -> String {
     let verdicts = &status["policy_verdicts"];
     let logged = if verdicts.is_null() { String::new() } else { format!(", {} packets denied, {} audited since start", count(&verdicts["deny"]), count(&verdicts["audit"])) };
     line("Policies", format!("{}{logged}", count(&model["policies"])));
+    let cni = &status["cni"];
+    if !cni.is_null() {
+        line("CNI", format_cni(cni));
+    }
     let dp = &status["dataplane"];
     let held = if dp["held"].as_bool() == Some(true) { ", previous run's rules held" } else { "" };
     line("Dataplane", format!("{}, {} objects{held}", dp["mode"].as_str().unwrap_or("?"), count(&dp["objects"])));
@@ -154,6 +158,20 @@ pub fn format_status(status: &Value) -> String {
 fn joined(values: impl Iterator<Item = String>) -> String {
     let text = values.collect::<Vec<_>>().join(",");
     if text.is_empty() { "<none>".into() } else { text }
+}
+
+/// The CNI daemon in one line: serving or not, chained or our own addresses per pod CIDR,
+/// the pods' MTU.
+fn format_cni(cni: &Value) -> String {
+    if cni["serving"].as_bool() != Some(true) {
+        return "not serving yet (waiting for this node's pod CIDRs)".into();
+    }
+    if cni["chained"].as_bool() == Some(true) {
+        return "serving, chained (addresses and MTU are the other plugin's)".into();
+    }
+    let pools = cni["pools"].as_array().into_iter().flatten().map(|p| format!("{} {}/{} allocated", p["cidr"].as_str().unwrap_or("?"), count(&p["allocated"]), count(&p["capacity"])));
+    let mtu = cni["mtu"].as_u64().map_or("the kernel's default MTU".to_string(), |m| format!("MTU {m}"));
+    std::iter::once("serving".to_string()).chain(pools).chain([mtu]).collect::<Vec<_>>().join(", ")
 }
 
 /// `GET /v1/services` as a table: NAMESPACE/NAME TYPE CLUSTER-IPS PORTS ENDPOINTS ERROR.
@@ -480,6 +498,16 @@ mod tests {
         assert!(lines.contains(&"Failed module:       broken (network-policy): trap"), "{text}");
         // Every value starts in the same column.
         assert!(lines.iter().all(|l| l.get(19..21) == Some("  ") && !l[21..].starts_with(' ')), "{text}");
+    }
+
+    /// The CNI line: our addresses per pod CIDR and the MTU; chained; not serving yet.
+    #[test]
+    fn the_cni_line_says_how_full_each_pod_cidr_is() {
+        let serving = json!({ "serving": true, "chained": false, "mtu": 1400, "pools": [{ "cidr": "10.244.1.0/24", "allocated": 5, "capacity": 253 }, { "cidr": "fd00::/64", "allocated": 5, "capacity": 18446744073709551615u64 }] });
+        assert_eq!(format_cni(&serving), "serving, 10.244.1.0/24 5/253 allocated, fd00::/64 5/18446744073709551615 allocated, MTU 1400");
+        assert_eq!(format_cni(&json!({ "serving": true, "chained": false, "mtu": null, "pools": [] })), "serving, the kernel's default MTU");
+        assert_eq!(format_cni(&json!({ "serving": true, "chained": true, "mtu": null, "pools": [] })), "serving, chained (addresses and MTU are the other plugin's)");
+        assert_eq!(format_cni(&json!({ "serving": false })), "not serving yet (waiting for this node's pod CIDRs)");
     }
 
     #[test]

@@ -85,6 +85,15 @@ async fn an_added_pod_is_in_the_model_at_once_and_del_takes_it_out() {
     assert!(pod_ns.exec(&["ip", "-4", "-o", "addr", "show", "dev", "eth0"]).contains(&ip), "the interface has the address");
     assert!(pod_ns.exec(&["ip", "-6", "-o", "addr", "show", "dev", "eth0"]).contains(&ip6), "the interface has the address");
     let both = vec![ip.clone(), ip6.clone()];
+    // The host's status tells the daemon's use of each pod CIDR.
+    let cni_status = || async { reqwest::get(format!("{}/v1/status", host.url())).await.unwrap().json::<serde_json::Value>().await.unwrap()["cni"].clone() };
+    let serving = cni_status().await;
+    assert_eq!((&serving["serving"], &serving["chained"]), (&serde_json::json!(true), &serde_json::json!(false)), "{serving}");
+    assert_eq!(
+        serving["pools"],
+        serde_json::json!([{ "cidr": "10.244.0.0/24", "allocated": 1, "capacity": 253 }, { "cidr": "fd00:10:244::/64", "allocated": 1, "capacity": u64::MAX }]),
+        "{serving}"
+    );
 
     // In the model, and written, before ADD answered (the runtime starts the containers
     // after it): the manifest never reports an address.
@@ -105,7 +114,8 @@ async fn an_added_pod_is_in_the_model_at_once_and_del_takes_it_out() {
 
     let (status, body) = cni(&socket, Command::Del, "c-web-1", &pod_netns, "web-1");
     assert!((200..300).contains(&status), "{body}");
-    wait_for("the address gone from the model", Duration::from_secs(5), pod_ips, |ips| ips.is_empty());
+    wait_for("the address gone from the model", Duration::from_secs(15), pod_ips, |ips| ips.is_empty());
+    assert_eq!(cni_status().await["pools"][0]["allocated"], 0, "released by DEL (and the ghost's failed ADD kept none)");
     host.stop().await;
     // A stopped host's daemon takes its socket with it: the plugin is refused at once
     // ("no daemon") instead of connecting to nothing.

@@ -93,6 +93,14 @@ pub struct Pool {
 }
 
 impl Pool {
+    /// Pods it can address at most: all but the network address, the gateway and IPv4's
+    /// broadcast (saturating for IPv6's large prefixes).
+    pub fn capacity(&self) -> u64 {
+        let host_bits = u32::from(self.cidr.max_prefix_len() - self.cidr.prefix_len());
+        let reserved = if self.cidr.addr().is_ipv4() { 3 } else { 2 };
+        1u64.checked_shl(host_bits).map_or(u64::MAX, |size| size - reserved)
+    }
+
     fn new(cidr: IpNet) -> Result<Pool, Error> {
         // Network, gateway and one pod (and IPv4's broadcast).
         let longest = if cidr.addr().is_ipv4() { 30 } else { 126 };

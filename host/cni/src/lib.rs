@@ -178,6 +178,22 @@ impl CniDaemon {
         Ok(PodMtu::detected(device, &self.config.pod_cidrs))
     }
 
+    /// The daemon at a glance (the host's `GET /v1/status`): chained or not, the pods' MTU,
+    /// and per pod CIDR how many of its addresses are handed out.
+    pub fn summary(&self) -> DaemonSummary {
+        let allocations = self.ipam().map(Ipam::all).unwrap_or_default();
+        let pools = self
+            .pools()
+            .iter()
+            .map(|pool| PoolUsage {
+                cidr: pool.cidr.to_string(),
+                allocated: allocations.iter().filter(|a| a.ips.iter().any(|ip| pool.cidr.contains(ip))).count(),
+                capacity: pool.capacity(),
+            })
+            .collect();
+        DaemonSummary { chained: self.config.chained, mtu: self.mtu(), pools }
+    }
+
     /// The allocator; none when chained.
     pub fn ipam(&self) -> Option<&Ipam> {
         self.ipam.as_deref()
@@ -680,6 +696,23 @@ fn version_of(config: &Value) -> String {
         .filter(|v| SUPPORTED_VERSIONS.contains(v))
         .unwrap_or("1.0.0")
         .to_string()
+}
+
+/// See [`CniDaemon::summary`].
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct DaemonSummary {
+    pub chained: bool,
+    /// `None`: the kernel's default (and always when chained).
+    pub mtu: Option<u32>,
+    pub pools: Vec<PoolUsage>,
+}
+
+/// One pod CIDR: its addresses handed out, and how many pods it can address at most.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct PoolUsage {
+    pub cidr: String,
+    pub allocated: usize,
+    pub capacity: u64,
 }
 
 async fn allocations_handler(State(daemon): State<Arc<CniDaemon>>) -> axum::Json<Value> {
