@@ -266,7 +266,7 @@ async fn remote_clusters_nodes_are_routed_while_their_cluster_is_followed() {
     wait_for("a route to east's pods", Duration::from_secs(15), || routes_in(&ns_a), |r| r.contains("10.244.8.0/24 via 192.168.78.5"));
     let view = nodes_view(&host).await;
     assert_eq!(view["remote_nodes"]["east"]["node-a"]["podCidrs"], serde_json::json!(["10.244.8.0/24"]), "{view}");
-    wait_for("east's pod CIDR kept from egress masquerade", Duration::from_secs(5), kept, |k| k.contains("10.244.8.0/24"));
+    wait_for("east's pod CIDR kept from egress masquerade", Duration::from_secs(15), kept, |k| k.contains("10.244.8.0/24"));
 
     // The node's pod CIDR changes: the route follows. A node of east overlapping west's own
     // pod CIDRs (10.244.0.0/24 is node-a's) is not routed away.
@@ -275,7 +275,7 @@ async fn remote_clusters_nodes_are_routed_while_their_cluster_is_followed() {
     wait_for("the route follows east's node", Duration::from_secs(15), || routes_in(&ns_a), |r| r.contains("10.244.9.0/24 via 192.168.78.5") && !r.contains("10.244.8.0/24"));
     eventually("west sees east's second node", Duration::from_secs(10), || nodes_view(&host), |v| !v["remote_nodes"]["east"]["node-o"].is_null()).await;
     assert!(!routes_in(&ns_a).contains("10.244.0.0/25"), "{}", routes_in(&ns_a));
-    wait_for("east's new pod CIDR kept", Duration::from_secs(5), kept, |k| k.contains("10.244.9.0/24") && !k.contains("10.244.8.0/24"));
+    wait_for("east's new pod CIDR kept", Duration::from_secs(15), kept, |k| k.contains("10.244.9.0/24") && !k.contains("10.244.8.0/24"));
     overlapping.leave().await.unwrap();
 
     // East's node leaves its cluster: the route goes. It comes back; then east's file goes,
@@ -286,7 +286,7 @@ async fn remote_clusters_nodes_are_routed_while_their_cluster_is_followed() {
     wait_for("the route back", Duration::from_secs(15), || routes_in(&ns_a), |r| r.contains("10.244.9.0/24 via 192.168.78.5"));
     std::fs::remove_file(mesh.join("east")).unwrap();
     wait_for("east's routes gone with its file", Duration::from_secs(15), || routes_in(&ns_a), |r| !r.contains("10.244.9.0/24"));
-    wait_for("east's pods masqueraded to again", Duration::from_secs(5), kept, |k| !k.contains("10.244.9.0/24"));
+    wait_for("east's pods masqueraded to again", Duration::from_secs(15), kept, |k| !k.contains("10.244.9.0/24"));
     assert_eq!(nodes_view(&host).await["remote_nodes"], serde_json::json!({}));
     host.stop().await;
 }

@@ -205,7 +205,9 @@ async fn misbehaving_guests_are_stopped_and_the_last_good_dataplane_stays() {
         assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{name}: {body}");
         assert!(error_of(&body).contains(message), "{name}: {message:?} not in {body}");
         assert!(error_of(&body).contains("previous module stays in force"), "{body}");
-        assert!(started.elapsed() < Duration::from_secs(5), "{name} was not stopped promptly");
+        // The 200 ms call limit did the stopping (the error says so); the bound, which includes
+        // compiling the guest, only catches a stop far later, with room for a loaded machine.
+        assert!(started.elapsed() < Duration::from_secs(30), "{name} was not stopped promptly: {:?}", started.elapsed());
         assert!(t.healthy().await);
         let (_, module) = t.get_json(&format!("/v1/modules/{name}")).await;
         assert_eq!(module["status"], "failed", "{module}");

@@ -102,7 +102,7 @@ async fn an_added_pod_is_in_the_model_at_once_and_del_takes_it_out() {
     assert_eq!(pod_ips(), both, "the pod's addresses in the model when ADD answers");
     // A manifest change that still reports no address keeps the one the daemon gave.
     std::fs::write(cluster.manifests().join("pod.yaml"), pod_yaml("web-1").replace("app: web", "app: web2")).unwrap();
-    wait_for("the relabelled pod", Duration::from_secs(5), || host.controller.lock().unwrap().cluster().pods.get(&key).map(|p| p.labels.clone()), |l| {
+    wait_for("the relabelled pod", Duration::from_secs(15), || host.controller.lock().unwrap().cluster().pods.get(&key).map(|p| p.labels.clone()), |l| {
         l.as_ref().is_some_and(|l| l.get("app").map(|v| v.as_str()) == Some("web2"))
     });
     assert_eq!(pod_ips(), both, "the addresses survive a pod update without them");
@@ -178,7 +178,7 @@ async fn chained_the_daemon_takes_the_addresses_the_plugin_before_it_gave() {
         assert!(applied <= answered, "{pod}: ADD answered before its address was in force");
         let (status, body) = request(Command::Del);
         assert!((200..300).contains(&status), "{body}");
-        wait_for("the address gone from the model", Duration::from_secs(5), pod_ips, |ips| ips.is_empty());
+        wait_for("the address gone from the model", Duration::from_secs(15), pod_ips, |ips| ips.is_empty());
     }
     host.stop().await;
 }

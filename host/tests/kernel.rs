@@ -59,7 +59,8 @@ async fn transactions_apply_to_the_kernel_and_reconcile_repairs_drift() {
         eprintln!("\n!!! SKIPPED kernel test: needs root (network namespaces, nftables) !!!\n");
         return;
     }
-    let ns = Netns::new("wp-kernel-test").expect("creating a network namespace");
+    // Named per process: `Netns::new` deletes a namespace of that name first, another run's too.
+    let ns = Netns::new(&format!("wp-kernel-{}", std::process::id())).expect("creating a network namespace");
     let dir = tempfile::tempdir().unwrap();
     let manifests = dir.path().join("manifests");
     std::fs::create_dir_all(&manifests).unwrap();
@@ -94,7 +95,10 @@ async fn transactions_apply_to_the_kernel_and_reconcile_repairs_drift() {
     let shop = std::fs::read_to_string(manifests.join("shop.yaml")).unwrap();
     let scaled = shop.replace("  - { addresses: [10.244.0.12], conditions: { ready: true, serving: true, terminating: false }, nodeName: node-a, zone: zone-1 }\n", "");
     assert_ne!(shop, scaled);
-    std::fs::write(manifests.join("shop.yaml"), &scaled).unwrap();
+    // Written beside and renamed in: a poll that read a half-written (say empty) file would
+    // also satisfy "10.244.0.12 gone".
+    std::fs::write(dir.path().join("shop.yaml.tmp"), &scaled).unwrap();
+    std::fs::rename(dir.path().join("shop.yaml.tmp"), manifests.join("shop.yaml")).unwrap();
     let table = wait_for("scale-down", &|t| !t.contains("10.244.0.12"));
     // A draw between the two left: renumbered backends, the frontend counted as two.
     assert!(set_holds(&table, "frontends-2", "10.96.0.20 . tcp . 80") && !set_holds(&table, "frontends-3", "10.96.0.20 . tcp . 80"), "{table}");

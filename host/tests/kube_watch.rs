@@ -375,7 +375,7 @@ async fn network_programming_latency_runs_from_the_trigger_time_to_the_rules() {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     server.update(&triggered(slice("web-1", "web", &[("10.244.1.5", "node-a"), ("10.244.1.6", "node-a"), ("10.244.2.5", "node-b")]), started)).unwrap();
     api.wait_state("endpoint added", |s| endpoints(s, "shop/web").len() == 3).await;
-    let until_observed = Instant::now() + Duration::from_secs(5);
+    let until_observed = Instant::now() + Duration::from_secs(15);
     while api.metric(COUNT).await == 0 && Instant::now() < until_observed {
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
@@ -400,7 +400,7 @@ async fn network_programming_latency_runs_from_the_trigger_time_to_the_rules() {
     server.compact();
     server.set_unavailable(false);
     api.wait_state("relisted", |s| endpoints(s, "shop/cart") == ["10.244.1.8"]).await;
-    let until_observed = Instant::now() + Duration::from_secs(5);
+    let until_observed = Instant::now() + Duration::from_secs(15);
     while api.metric(COUNT).await == 1 && Instant::now() < until_observed {
         tokio::time::sleep(Duration::from_millis(25)).await;
     }

@@ -49,7 +49,7 @@ async fn embedded_operator_leads_writes_the_heartbeat_and_collects_what_the_gc_g
     assert_eq!(status, StatusCode::NOT_FOUND);
 
     let kv = host.modules.store().kv().clone();
-    let _ = eventually("the heartbeat", Duration::from_secs(5), || kv.get(HEARTBEAT_KEY), |hb| hb.as_ref().is_ok_and(|v| v.as_ref().is_some_and(|v| String::from_utf8_lossy(&v.value).contains("solo")))).await;
+    let _ = eventually("the heartbeat", Duration::from_secs(20), || kv.get(HEARTBEAT_KEY), |hb| hb.as_ref().is_ok_and(|v| v.as_ref().is_some_and(|v| String::from_utf8_lossy(&v.value).contains("solo")))).await;
 
     // Two locks: one whose holder is no registered node and which has no lease (the guest
     // names it at once), one held under a live lease (kept).
@@ -58,7 +58,7 @@ async fn embedded_operator_leads_writes_the_heartbeat_and_collects_what_the_gc_g
     kv.put(&orphan, Bytes::from_static(b"node-that-is-gone"), None).await.unwrap();
     let lease = kv.grant_lease(Duration::from_secs(60)).await.unwrap();
     kv.put(&held, Bytes::from_static(b"node-that-is-gone"), Some(lease.id)).await.unwrap();
-    let _ = eventually("the orphaned lock collected", Duration::from_secs(5), || kv.get(&orphan), |v| matches!(v, Ok(None))).await;
+    let _ = eventually("the orphaned lock collected", Duration::from_secs(20), || kv.get(&orphan), |v| matches!(v, Ok(None))).await;
     assert!(kv.get(&held).await.unwrap().is_some(), "a lock under a live lease is never named");
     host.stop().await;
 }
@@ -120,8 +120,8 @@ async fn two_replicas_elect_one_leader_and_the_other_takes_over() {
     let holder = leases[0].spec.as_ref().and_then(|s| s.holder_identity.clone());
     assert_ne!(holder.as_deref(), Some(leader_identity), "released on stop: {:?}", leases[0].spec);
     // The follower takes over within about one lease duration (2 s) and writes the heartbeat.
-    eventually("the follower leads", Duration::from_secs(8), || operator_state(&follower), |s| s["leader"] == true).await;
-    let _ = eventually("the new leader's heartbeat", Duration::from_secs(5), || kv.get(HEARTBEAT_KEY), |hb| {
+    eventually("the follower leads", Duration::from_secs(20), || operator_state(&follower), |s| s["leader"] == true).await;
+    let _ = eventually("the new leader's heartbeat", Duration::from_secs(20), || kv.get(HEARTBEAT_KEY), |hb| {
         hb.as_ref().is_ok_and(|v| v.as_ref().is_some_and(|v| String::from_utf8_lossy(&v.value).contains(follower_identity)))
     })
     .await;
@@ -173,7 +173,7 @@ async fn an_unsigned_gc_module_in_the_index_is_not_run_where_signatures_are_requ
 
     let key = admission::read_private_key(&private_path).unwrap();
     publish(Some(admission::sign(&key, bytes))).await;
-    let _ = eventually("the orphaned lock collected by the signed module", Duration::from_secs(5), || kv.get(&orphan), |v| matches!(v, Ok(None))).await;
+    let _ = eventually("the orphaned lock collected by the signed module", Duration::from_secs(20), || kv.get(&orphan), |v| matches!(v, Ok(None))).await;
     host.stop().await;
 }
 
@@ -263,7 +263,7 @@ async fn gc_settings_are_checked_where_set_and_tune_the_grace_periods() {
     tokio::time::sleep(Duration::from_millis(1400)).await;
     assert!(kv.get(&held).await.unwrap().is_some(), "kept under the default limit");
     assert!(put_settings("default-gc", r#"{"lockHardLimitSeconds": 1}"#).await.unwrap().status().is_success());
-    let _ = eventually("the held lock collected past the new limit", Duration::from_secs(5), || kv.get(&held), |v| matches!(v, Ok(None))).await;
+    let _ = eventually("the held lock collected past the new limit", Duration::from_secs(20), || kv.get(&held), |v| matches!(v, Ok(None))).await;
 
     // The same guest uploaded as another module, with settings it refuses written straight
     // into the index (as anyone who can write etcd could): activating it here is refused, and
@@ -282,7 +282,7 @@ async fn gc_settings_are_checked_where_set_and_tune_the_grace_periods() {
     let (mut index, revision) = store.load().await.unwrap();
     index.activate("tuned-gc", Some(1)).unwrap();
     assert!(store.publish(revision, &index).await.unwrap().is_some());
-    let _ = eventually("the uploaded GC module in force", Duration::from_secs(5), || module("tuned-gc"), |m| m["status"] == "active").await;
+    let _ = eventually("the uploaded GC module in force", Duration::from_secs(20), || module("tuned-gc"), |m| m["status"] == "active").await;
     assert_eq!(module("default-gc").await["status"], "inactive");
     let orphan = format!("{LOCKS_PREFIX}orphaned");
     kv.put(&orphan, Bytes::from_static(b"node-that-is-gone"), None).await.unwrap();
@@ -291,7 +291,9 @@ async fn gc_settings_are_checked_where_set_and_tune_the_grace_periods() {
     assert!(kv.get(&orphan).await.unwrap().is_some(), "a GC module refusing its settings decided");
     // The operator says why GC stopped: the host refused the module's settings through its
     // validator before the guest was asked anything (the guest's own refusal reads otherwise).
-    let gc = operator_state(&host).await["gc"].clone();
+    // Waited for, not assumed after the sleep above: a loaded machine can delay a cycle.
+    let refused = |s: &Value| s["gc"]["last_error"].as_str().is_some_and(|e| e.contains("GC module tuned-gc@1 refuses its settings"));
+    let gc = eventually("the refused settings reported", Duration::from_secs(20), || operator_state(&host), refused).await["gc"].clone();
     let error = gc["last_error"].as_str().unwrap_or_default();
     assert!(error.contains("GC module tuned-gc@1 refuses its settings") && error.contains("unknown field `grace`"), "{gc}");
     assert!(gc["failed_cycles"].as_u64() >= Some(1) && gc["deleted"]["lock"].as_u64() >= Some(1), "{gc}");

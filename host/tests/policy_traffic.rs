@@ -250,8 +250,13 @@ impl Node {
     fn assert_family(&self, case: &str, ipv6: bool, tcp: [&str; 9], udp: [&str; 9]) {
         let family = if ipv6 { "IPv6" } else { "IPv4" };
         for (proto, expected, is_udp) in [("TCP 80", tcp, false), ("UDP 53", udp, true)] {
-            let got = self.probe(is_udp, ipv6);
             let expected: Vec<String> = expected.iter().map(|r| r.replace(' ', "")).collect();
+            let mut got = self.probe(is_udp, ipv6);
+            if got != expected {
+                // 72 probes at once on a loaded machine: one answered too late reads as blocked.
+                // Probed again; a real difference shows again (a slow answer never reads as reached).
+                got = self.probe(is_udp, ipv6);
+            }
             if got != expected {
                 panic!(
                     "{case}, {family} {proto}: reachability differs (rows: sources, columns: destinations, a.web a.db a.client b.… c.…)\nexpected:\n{}\ngot:\n{}\nrules:\n{}",
@@ -710,7 +715,7 @@ fn policy_verdicts_are_logged_over_nflog_and_read_back() {
     ]);
     let (a_web, b_db, c_client) = (pod_ip(0, 0), pod_ip(1, 1), pod_ip(2, 2));
     let wait_for = |what: &str, wanted: &dyn Fn(&VerdictEvent) -> bool| {
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
         while log.recent(usize::MAX, wanted).is_empty() {
             assert!(std::time::Instant::now() < deadline, "{what}: not logged; got {:?}", log.recent(10, |_| true));
             std::thread::sleep(Duration::from_millis(50));

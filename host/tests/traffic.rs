@@ -84,14 +84,14 @@ fn assert_all(what: &str, replies: &[std::io::Result<Reply>], check: impl Fn(&Re
 /// A datagram the node itself sends is rejected in its output path: the kernel then fails
 /// the `send` itself with EPERM, which is as fast and as final.
 #[track_caller]
+/// "Fast" is the error's kind: a drop would end in a timeout (TimedOut/WouldBlock), never in
+/// "refused"; no bound on the elapsed time, which a loaded machine can stretch.
 fn assert_refused_fast(what: &str, result: std::io::Result<Reply>, started: Instant, local_sender: bool) {
-    let elapsed = started.elapsed();
     match result {
         Err(e) if e.kind() == ErrorKind::ConnectionRefused => {}
         Err(e) if local_sender && e.kind() == ErrorKind::PermissionDenied => {}
-        other => panic!("{what}: expected connection refused, got {other:?}"),
+        other => panic!("{what}: expected connection refused, got {other:?} after {:?}", started.elapsed()),
     }
-    assert!(elapsed < Duration::from_millis(500), "{what}: took {elapsed:?}, not a fast reject");
 }
 
 const POD_A: &str = "10.244.0.11";

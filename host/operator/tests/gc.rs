@@ -217,7 +217,7 @@ async fn gc_deletes_exactly_the_offered_keys_the_decider_named_at_the_configured
     // etcd saw exactly those deletions, nothing else.
     let mut seen = BTreeSet::new();
     while seen.len() < 4 {
-        let event = tokio::time::timeout(Duration::from_secs(5), deletions.next())
+        let event = tokio::time::timeout(Duration::from_secs(15), deletions.next())
             .await
             .expect("deletion events")
             .unwrap()
@@ -238,7 +238,8 @@ async fn gc_deletes_exactly_the_offered_keys_the_decider_named_at_the_configured
         took >= min_span - Duration::from_millis(20),
         "4 deletions in {took:?}, faster than {RATE}/s"
     );
-    assert!(took < min_span + Duration::from_secs(2), "took {took:?}");
+    // Not throttled far past the rate; generous, as each deletion is an etcd round trip on a loaded machine.
+    assert!(took < min_span + Duration::from_secs(10), "took {took:?}");
 
     // A key rewritten after being offered is kept, even if named.
     let offered_once = Arc::new(Mutex::new(Vec::new()));
@@ -325,7 +326,8 @@ async fn gc_rate_limit_holds_over_many_deletions_and_cycles() {
         took >= min - Duration::from_millis(20),
         "{took:?} for 30 deletions"
     );
-    assert!(took < min + Duration::from_secs(2), "{took:?}");
+    // Generous: 30 etcd round trips on a loaded machine.
+    assert!(took < min + Duration::from_secs(10), "{took:?}");
     assert!(keys(store.as_ref(), LOCKS_PREFIX).await.is_empty());
     let third = gc.run_once().await.unwrap();
     assert_eq!(third.offered, 0);

@@ -115,7 +115,7 @@ async fn two_operator_replicas_fail_over_without_running_a_duty_twice() {
     let a = replica(&etcd, &server, "replica-a", &log).await;
     let b = replica(&etcd, &server, "replica-b", &log).await;
 
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + Duration::from_secs(15);
     while !a.elector.is_leader() && !b.elector.is_leader() {
         assert!(Instant::now() < deadline, "no leader");
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -134,7 +134,7 @@ async fn two_operator_replicas_fail_over_without_running_a_duty_twice() {
     drop(leader);
     let mut identities = Vec::new();
     loop {
-        let event = tokio::time::timeout(Duration::from_secs(8), heartbeats.next())
+        let event = tokio::time::timeout(Duration::from_secs(15), heartbeats.next())
             .await
             .expect("heartbeats keep coming")
             .unwrap()
@@ -148,7 +148,8 @@ async fn two_operator_replicas_fail_over_without_running_a_duty_twice() {
     }
     let took = killed.elapsed();
     assert!(follower.elector.is_leader());
-    assert!(took < Duration::from_secs(5), "takeover took {took:?}");
+    // On expiry of the 2 s lease, not never: generous, for a loaded machine.
+    assert!(took < Duration::from_secs(10), "takeover took {took:?}");
     // Heartbeats: the old leader's, then the new one's, never interleaved.
     let first_b = identities.iter().position(|i| i == follower_name).unwrap();
     assert!(

@@ -35,7 +35,9 @@ fn limits_stop_guests_with_typed_errors() {
     let rt = runtime(None);
     let started = Instant::now();
     assert_eq!(call(&rt, artifacts::test_programs::LOOP_FOREVER).unwrap_err(), CallError::Timeout(Duration::from_millis(100)));
-    assert!(started.elapsed() < Duration::from_secs(2));
+    // The error says the 100 ms deadline stopped it; the bound (which includes compiling the
+    // guest) only catches a stop far later, with room for a loaded 2-core machine.
+    assert!(started.elapsed() < Duration::from_secs(30), "{:?}", started.elapsed());
     assert_eq!(call(&rt, artifacts::test_programs::ALLOCATE_FOREVER).unwrap_err(), CallError::MemoryLimit(16 << 20));
     match call(&rt, artifacts::test_programs::TRAP).unwrap_err() {
         CallError::Trap(msg) => assert!(msg.contains("this guest always traps"), "{msg}"),
@@ -57,7 +59,8 @@ fn the_epoch_advances_only_while_a_guest_runs() {
     let started = Instant::now();
     let error = loaded.translator(Arc::new(NoLookups)).unwrap().translate(&NodeContext::default(), "svc/shop/web", &view()).unwrap_err();
     assert_eq!(error, CallError::Timeout(Duration::from_millis(100)));
-    assert!(started.elapsed() < Duration::from_secs(2));
+    // Generous: the error already says the deadline stopped it; a loaded machine stretches time.
+    assert!(started.elapsed() < Duration::from_secs(30), "{:?}", started.elapsed());
     let after_call = rt.epoch_ticks();
     assert!(after_call >= 20, "a 100 ms deadline is 20 ticks: {after_call}");
     std::thread::sleep(Duration::from_millis(60));

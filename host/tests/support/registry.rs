@@ -37,7 +37,21 @@ impl OciRegistry {
     }
 
     /// `extra_config(dir)`: YAML appended to the config, whose last line is the `http:` map's.
-    fn start_with(extra_config: impl FnOnce(&Path) -> String) -> OciRegistry {
+    fn start_with(extra_config: impl Fn(&Path) -> String) -> OciRegistry {
+        // The port is free when picked, not held: another test's server or connection can take
+        // it before the registry binds it, which then exits at once. Then another port is tried.
+        let mut attempt = 1;
+        loop {
+            match OciRegistry::start_once(&extra_config) {
+                Ok(registry) => return registry,
+                Err(exited) if attempt < 5 && exited.contains("address already in use") => attempt += 1,
+                Err(exited) => panic!("docker-registry exited {exited}"),
+            }
+        }
+    }
+
+    /// A started registry, or how it exited (its status and log) before it listened.
+    fn start_once(extra_config: &impl Fn(&Path) -> String) -> Result<OciRegistry, String> {
         let binary = Path::new("/usr/bin/docker-registry");
         assert!(binary.is_file(), "{} is missing: run scripts/setup.sh (Debian package docker-registry)", binary.display());
         let dir = tempfile::tempdir().unwrap();
@@ -59,12 +73,12 @@ impl OciRegistry {
         let deadline = Instant::now() + Duration::from_secs(10);
         while std::net::TcpStream::connect(&registry.addr).is_err() {
             if let Ok(Some(status)) = registry.child.try_wait() {
-                panic!("docker-registry exited ({status}): {}", registry.log());
+                return Err(format!("({status}): {}", registry.log()));
             }
             assert!(Instant::now() < deadline, "docker-registry did not listen on {}: {}", registry.addr, registry.log());
             std::thread::sleep(Duration::from_millis(20));
         }
-        registry
+        Ok(registry)
     }
 
     /// `HOST:PORT`.

@@ -61,10 +61,13 @@ pub fn documents(documents: &[&str]) -> String {
     documents.join("---\n")
 }
 
-/// Writes `file` (creating the directory `dir`) with `yaml`.
+/// Writes `file` (creating the directory `dir`) with `yaml`: written beside as a dot-file (the
+/// host skips those) and renamed in, so a poll never reads half of it.
 pub fn write_manifest(dir: &Path, file: &str, yaml: &str) {
     std::fs::create_dir_all(dir).unwrap();
-    std::fs::write(dir.join(file), yaml).unwrap();
+    let tmp = dir.join(format!(".{file}.tmp"));
+    std::fs::write(&tmp, yaml).unwrap();
+    std::fs::rename(&tmp, dir.join(file)).unwrap();
 }
 
 /// A host serving its API on loopback (any free port), mutations under the static `token`,

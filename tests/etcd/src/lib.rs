@@ -102,6 +102,21 @@ impl Etcd {
     }
 
     async fn start_with(tls: bool) -> Result<Self, HarnessError> {
+        // The ports are free when picked, not held: another test's etcd, server or outgoing
+        // connection can take one before etcd binds it. etcd then exits at once; pick again.
+        let mut attempt = 1;
+        loop {
+            match Self::start_once(tls).await {
+                Err(HarnessError::Exited { log, .. }) if attempt < 5 && log.contains("address already in use") => {
+                    tracing::warn!(attempt, "a port picked for etcd was taken before etcd bound it; picking others");
+                    attempt += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn start_once(tls: bool) -> Result<Self, HarnessError> {
         let binary = find_binary().ok_or(HarnessError::BinaryMissing)?;
         let dir = tempfile::Builder::new()
             .prefix("wasmplane-etcd-")

@@ -297,8 +297,9 @@ async fn bookmarks_arrive_and_timeout_ends_the_stream() {
             .expect("stream ends")
             .unwrap();
     let elapsed = started.elapsed();
+    // Ends at timeoutSeconds (1 s), not at the 10 s above; the upper bound is generous for a loaded machine.
     assert!(
-        elapsed >= Duration::from_millis(900) && elapsed < Duration::from_secs(5),
+        elapsed >= Duration::from_millis(900) && elapsed < Duration::from_secs(8),
         "{elapsed:?}"
     );
     let bookmarks: Vec<String> = events
