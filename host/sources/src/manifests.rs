@@ -56,24 +56,26 @@ pub fn load_dir(dir: &Path) -> io::Result<ManifestSet> {
 /// system (network mounts, overlay, bind mounts) and sees ConfigMap volumes, which update
 /// by swapping a `..data` symlink that inotify watches on the files miss. Nothing is sent
 /// while the directory cannot be read, so a transient failure keeps the last good set.
+/// After the first, a change is sent once two polls in a row read it alike ([`Settling`]).
 pub async fn watch_dir(dir: PathBuf, interval: Duration, tx: mpsc::Sender<ManifestSet>) {
-    let mut last: Option<[u8; 32]> = None;
+    let mut settling = Settling::default();
     let mut last_failure: Option<String> = None;
     loop {
         let scan = {
-            let dir = dir.clone();
-            tokio::task::spawn_blocking(move || scan(&dir, last)).await
+            let (dir, settling) = (dir.clone(), settling.clone());
+            tokio::task::spawn_blocking(move || scan(&dir, &settling)).await
         };
         let failure = match scan {
-            Ok(Ok(Some((fingerprint, set)))) => {
-                tracing::debug!(dir = %dir.display(), fingerprint = %hex::encode(&fingerprint[..8]), "manifests changed");
-                if tx.send(set).await.is_err() {
-                    return;
+            Ok(Ok((fingerprint, set))) => {
+                let settled = settling.observe(fingerprint);
+                if let Some(set) = set.filter(|_| settled) {
+                    tracing::debug!(dir = %dir.display(), fingerprint = %hex::encode(&fingerprint[..8]), "manifests changed");
+                    if tx.send(set).await.is_err() {
+                        return;
+                    }
                 }
-                last = Some(fingerprint);
                 None
             }
-            Ok(Ok(None)) => None,
             Ok(Err(e)) => Some(format!("reading manifests: {e}")),
             Err(e) => Some(format!("manifest scan failed: {e}")),
         };
@@ -91,14 +93,43 @@ pub async fn watch_dir(dir: PathBuf, interval: Duration, tx: mpsc::Sender<Manife
     }
 }
 
-/// One poll: `None` when the contents still hash to `last`.
-fn scan(dir: &Path, last: Option<[u8; 32]>) -> io::Result<Option<([u8; 32], ManifestSet)>> {
+/// One poll: the contents' fingerprint, and their objects when `settling` would send them.
+fn scan(dir: &Path, settling: &Settling) -> io::Result<([u8; 32], Option<ManifestSet>)> {
     let files = read_files(dir)?;
     let print = fingerprint(&files);
-    if last == Some(print) {
-        return Ok(None);
+    Ok((print, settling.would_send(print).then(|| parse_files(&files))))
+}
+
+/// When a change of the directory is sent: the first contents at once, and after that a
+/// change only once two polls in a row read it alike. A file caught halfway through being
+/// written (an editor saving in place, `cp`) reads differently at the next poll, and a half
+/// that happens to parse would otherwise look like deleted objects for one poll interval,
+/// their rules taken out of the kernel and put back.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Settling {
+    /// What was sent last.
+    sent: Option<[u8; 32]>,
+    /// What the previous poll read, when it differed from what was sent.
+    pending: Option<[u8; 32]>,
+}
+
+impl Settling {
+    /// Whether contents with `print` would be sent now.
+    pub fn would_send(&self, print: [u8; 32]) -> bool {
+        self.sent.is_none() || (self.sent != Some(print) && self.pending == Some(print))
     }
-    Ok(Some((print, parse_files(&files))))
+
+    /// One poll's reading; true when it is to be sent.
+    pub fn observe(&mut self, print: [u8; 32]) -> bool {
+        let send = self.would_send(print);
+        if send {
+            self.sent = Some(print);
+            self.pending = None;
+        } else {
+            self.pending = (self.sent != Some(print)).then_some(print);
+        }
+        send
+    }
 }
 
 /// A manifest file read into memory, so that what is hashed is exactly what is parsed.
@@ -305,6 +336,40 @@ mod tests {
             std::fs::create_dir_all(parent).unwrap();
         }
         std::fs::write(path, text).unwrap();
+    }
+
+    /// The first contents go at once; after that, only what two polls in a row read alike:
+    /// a file caught halfway through a write (read once) is never sent.
+    #[test]
+    fn a_change_is_sent_once_two_polls_read_it_alike() {
+        let (whole, half, edited) = ([1; 32], [2; 32], [3; 32]);
+        let mut settling = Settling::default();
+        let polls = [whole, whole, half, whole, half, edited, edited, edited].map(|print| settling.observe(print));
+        assert_eq!(polls, [true, false, false, false, false, false, true, false]);
+    }
+
+    /// Through the poller: a set written and left is sent one poll after it is first read;
+    /// a half that stays for only one poll never is.
+    #[tokio::test]
+    async fn the_poller_sends_settled_contents_only() {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path(), "a.yaml", MULTI);
+        let (tx, mut rx) = mpsc::channel(8);
+        // Polls a second apart; the half is there from half a second after one poll to half a
+        // second after the next: exactly one poll reads it, with half a second to spare.
+        let interval = Duration::from_secs(1);
+        tokio::spawn(watch_dir(dir.path().to_path_buf(), interval, tx));
+        let first = rx.recv().await.unwrap();
+        assert!(!first.objects.is_empty());
+        tokio::time::sleep(interval / 2).await;
+        write(dir.path(), "a.yaml", &MULTI[..MULTI.len() / 2]);
+        tokio::time::sleep(interval).await;
+        write(dir.path(), "a.yaml", MULTI);
+        assert!(tokio::time::timeout(interval * 3, rx.recv()).await.is_err(), "the half was sent");
+        // An edit that stays is sent.
+        write(dir.path(), "b.yaml", MULTI.replace("name: ", "name: b-").as_str());
+        let edited = tokio::time::timeout(interval * 5, rx.recv()).await.expect("the edit is sent").unwrap();
+        assert_eq!(edited.files, 2);
     }
 
     fn keys(set: &ManifestSet) -> Vec<String> {
