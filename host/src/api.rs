@@ -244,7 +244,7 @@ async fn set_module_audit(State(state): State<ApiState>, Query(query): Query<Aud
 struct VerdictsQuery {
     /// `namespace/name` of a pod on this node.
     pod: Option<String>,
-    verdict: Option<String>,
+    verdict: Option<crate::nft::policy::PolicyVerdict>,
     limit: Option<usize>,
     /// Only events logged at or after this time (ms since the epoch): what a follower polls.
     since_unix_ms: Option<u64>,
@@ -257,12 +257,7 @@ async fn policy_verdicts(State(state): State<ApiState>, Query(query): Query<Verd
     let Some(log) = state.policy_verdicts.clone() else {
         return Err(ApiError(StatusCode::NOT_FOUND, "policy verdicts are not read on this host: it writes no kernel (--dataplane nftables), logs none (--policy-log-group 0) or could not bind the group (see its log)".into()));
     };
-    let verdict = match query.verdict.as_deref() {
-        None => None,
-        Some("deny") => Some(crate::nft::policy::PolicyVerdict::Deny),
-        Some("audit") => Some(crate::nft::policy::PolicyVerdict::Audit),
-        Some(other) => return Err(ApiError(StatusCode::BAD_REQUEST, format!("verdict {other:?}: deny or audit"))),
-    };
+    let verdict = query.verdict;
     let limit = query.limit.unwrap_or(100).min(crate::policy_log::CAPACITY);
     let body = with_controller(&state, move |c| {
         let pod_of: std::collections::BTreeMap<std::net::IpAddr, String> = c

@@ -250,23 +250,8 @@ pub enum PolicyCommand {
     },
 }
 
-/// A verdict to filter on, as `GET /v1/policies/verdicts?verdict=` names it.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum VerdictFilter {
-    /// Dropped: no policy selecting the pod allowed it.
-    Deny,
-    /// Allowed only because the policies selecting the pod are in audit mode.
-    Audit,
-}
-
-impl VerdictFilter {
-    fn query_value(self) -> &'static str {
-        match self {
-            VerdictFilter::Deny => "deny",
-            VerdictFilter::Audit => "audit",
-        }
-    }
-}
+/// A verdict to filter on (`deny`, `audit`), as `GET /v1/policies/verdicts?verdict=` names it.
+pub use crate::nft::policy::PolicyVerdict as VerdictFilter;
 
 const VERDICTS_PATH: [&str; 3] = ["v1", "policies", "verdicts"];
 
@@ -285,7 +270,7 @@ pub async fn policy_to(api: &ApiArgs, command: PolicyCommand, out: &mut (impl st
             Ok(())
         }
         PolicyCommand::Verdicts { pod, verdict, limit, follow } => {
-            let filters: Vec<(&str, &str)> = pod.as_deref().map(|pod| ("pod", pod)).into_iter().chain(verdict.map(|v| ("verdict", v.query_value()))).collect();
+            let filters: Vec<(&str, &str)> = pod.as_deref().map(|pod| ("pod", pod)).into_iter().chain(verdict.map(|v| ("verdict", v.name()))).collect();
             let limit = limit.to_string();
             // Before following: a host that reads no verdicts (404) or a pod not on this node says so here.
             let answer = get_json(api, &VERDICTS_PATH, &with_limit(&filters, &limit)).await?;

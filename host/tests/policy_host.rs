@@ -116,6 +116,8 @@ async fn a_policy_from_the_cluster_is_enforced_audited_and_follows_labels() {
     assert_eq!(later["events"], serde_json::json!([]), "{later}");
     let status: Value = reqwest::get(format!("{}/v1/status", host.url())).await.unwrap().json().await.unwrap();
     assert!(status["policy_verdicts"]["deny"].as_u64() >= Some(1), "the status counts them too: {status}");
+    let bad = reqwest::get(format!("{}/v1/policies/verdicts?verdict=dropped", host.url())).await.unwrap();
+    assert_eq!(bad.status(), StatusCode::BAD_REQUEST, "deny or audit only");
     let unknown = reqwest::get(format!("{}/v1/policies/verdicts?pod=default/nobody", host.url())).await.unwrap();
     assert_eq!(unknown.status(), StatusCode::NOT_FOUND);
     let listed = policies(&host, "").await;

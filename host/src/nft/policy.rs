@@ -249,8 +249,8 @@ impl VerdictLog {
 /// First word of a verdict log prefix: `wasmplane-policy <deny|audit> <direction> <address>`.
 pub const VERDICT_LOG_PREFIX: &str = "wasmplane-policy";
 
-/// What a dispatch chain did with a packet it logged.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+/// What a dispatch chain did with a packet it logged (also the API's and the CLI's filter).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum PolicyVerdict {
     /// Dropped: no policy selecting the pod allowed it.
