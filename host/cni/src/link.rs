@@ -155,6 +155,14 @@ pub(crate) async fn link_names(
     .await
 }
 
+/// The MTU a link reports.
+fn link_mtu(link: &LinkMessage) -> Option<u32> {
+    link.attributes.iter().find_map(|a| match a {
+        LinkAttribute::Mtu(m) => Some(*m),
+        _ => None,
+    })
+}
+
 /// The device the node's default route leaves by.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct RouteDevice {
@@ -190,11 +198,7 @@ pub(crate) async fn default_route_device(host_netns: Option<PathBuf>) -> Result<
                     LinkAttribute::IfName(n) => Some(n.clone()),
                     _ => None,
                 });
-                let mtu = link.attributes.iter().find_map(|a| match a {
-                    LinkAttribute::Mtu(m) => Some(*m),
-                    _ => None,
-                });
-                let mtu = mtu.ok_or_else(|| Error::Internal(format!("interface {index} reports no MTU")))?;
+                let mtu = link_mtu(&link).ok_or_else(|| Error::Internal(format!("interface {index} reports no MTU")))?;
                 return Ok(Some(RouteDevice { name: name.unwrap_or_else(|| index.to_string()), mtu, ipv6: family.is_ipv6() }));
             }
             Ok(None)
@@ -282,7 +286,7 @@ pub(crate) async fn check(spec: LinkSpec) -> Result<(), Error> {
             // Both ends as ADD sized them: a pod left at another MTU black-holes large packets.
             if let Some(mtu) = spec.mtu {
                 for (link, name) in [(&hl, format!("node-side interface {}", spec.host_if)), (&pl, format!("interface {} in {}", spec.pod_if, spec.pod_netns.display()))] {
-                    let actual = link.attributes.iter().find_map(|a| if let LinkAttribute::Mtu(m) = a { Some(*m) } else { None });
+                    let actual = link_mtu(link);
                     if actual != Some(mtu) {
                         return fail(format!("{name} has MTU {}, the pods' is {mtu}", actual.map_or("none".into(), |m| m.to_string())));
                     }
