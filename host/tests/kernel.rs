@@ -49,6 +49,21 @@ async fn host_in(ns: &Netns, manifests: &std::path::Path, dir: &std::path::Path)
     .unwrap()
 }
 
+/// A namespace `<tag>-<pid>` (`Netns::new` deletes one of that name first, another run's too),
+/// a temporary directory whose `manifests/` holds `examples` from examples/manifests, and a
+/// host writing into the namespace from them.
+async fn host_on_examples(tag: &str, examples: &[&str]) -> (Netns, tempfile::TempDir, std::path::PathBuf, wasmplane::app::RunningHost) {
+    let ns = Netns::new(&format!("{tag}-{}", std::process::id())).expect("creating a network namespace");
+    let dir = tempfile::tempdir().unwrap();
+    let manifests = dir.path().join("manifests");
+    std::fs::create_dir_all(&manifests).unwrap();
+    for f in examples {
+        std::fs::copy(format!("{}/../examples/manifests/{f}", env!("CARGO_MANIFEST_DIR")), manifests.join(f)).unwrap();
+    }
+    let host = host_in(&ns, &manifests, dir.path()).await;
+    (ns, dir, manifests, host)
+}
+
 fn is_root() -> bool {
     Command::new("id").arg("-u").output().map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0").unwrap_or(false)
 }
@@ -59,15 +74,7 @@ async fn transactions_apply_to_the_kernel_and_reconcile_repairs_drift() {
         eprintln!("\n!!! SKIPPED kernel test: needs root (network namespaces, nftables) !!!\n");
         return;
     }
-    // Named per process: `Netns::new` deletes a namespace of that name first, another run's too.
-    let ns = Netns::new(&format!("wp-kernel-{}", std::process::id())).expect("creating a network namespace");
-    let dir = tempfile::tempdir().unwrap();
-    let manifests = dir.path().join("manifests");
-    std::fs::create_dir_all(&manifests).unwrap();
-    for f in ["cluster.yaml", "shop.yaml", "pods.yaml"] {
-        std::fs::copy(format!("{}/../examples/manifests/{f}", env!("CARGO_MANIFEST_DIR")), manifests.join(f)).unwrap();
-    }
-    let host = host_in(&ns, &manifests, dir.path()).await;
+    let (ns, dir, manifests, host) = host_on_examples("wp-kernel", &["cluster.yaml", "shop.yaml", "pods.yaml"]).await;
     let wait_for = |what: &'static str, cond: &dyn Fn(&str) -> bool| {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
@@ -163,12 +170,7 @@ async fn cleanup_removes_our_tables_and_routes_and_nothing_else() {
         eprintln!("\n!!! SKIPPED cleanup test: needs root (network namespaces, nftables, routes) !!!\n");
         return;
     }
-    let ns = Netns::new(&format!("wp-cleanup-{}", std::process::id())).expect("creating a network namespace");
-    let dir = tempfile::tempdir().unwrap();
-    let manifests = dir.path().join("manifests");
-    std::fs::create_dir_all(&manifests).unwrap();
-    std::fs::copy(format!("{}/../examples/manifests/shop.yaml", env!("CARGO_MANIFEST_DIR")), manifests.join("shop.yaml")).unwrap();
-    let host = host_in(&ns, &manifests, dir.path()).await;
+    let (ns, dir, _manifests, host) = host_on_examples("wp-cleanup", &["shop.yaml"]).await;
     let deadline = Instant::now() + Duration::from_secs(10);
     while !ns.nft(&["list", "tables"]).contains("wasmplane-s1") {
         assert!(Instant::now() < deadline, "the host wrote no shards: {}", ns.nft(&["list", "tables"]));
