@@ -155,6 +155,10 @@ pub struct HostConfig {
     /// Crashes of the module in force tolerated per window before it is rolled back.
     pub crash_budget: crate::controller::CrashBudget,
     pub reconcile_interval: Duration,
+    /// Cluster changes are applied at most once per this period on average, in bursts of
+    /// two (`--min-sync-period`, kube-proxy's `minSyncPeriod`; `sync_pacer.rs`). Zero: each
+    /// batch at once.
+    pub min_sync_period: Duration,
     pub manifest_poll: Duration,
     /// How nft is run in `nftables` mode (tests point it into a network namespace).
     pub nft_command: Vec<String>,
@@ -215,6 +219,7 @@ impl Default for HostConfig {
             max_module_bytes: 16 << 20,
             crash_budget: Default::default(),
             reconcile_interval: Duration::from_secs(60),
+            min_sync_period: Duration::ZERO,
             manifest_poll: Duration::from_secs(1),
             nft_command: vec!["nft".into()],
             conntrack_command: Vec::new(),
@@ -442,7 +447,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         let status = Arc::new(WatchStatus::default());
         let (tx, rx) = tokio::sync::mpsc::channel(1024);
         loops.extend(wasmplane_sources::kube::spawn_watchers(client, tx, status.clone()));
-        loops.push(tokio::spawn(apply_watch_events(rx, controller.clone(), ready.clone())));
+        loops.push(tokio::spawn(apply_watch_events(rx, controller.clone(), ready.clone(), config.min_sync_period)));
         watch_status = Some(status);
     } else if let Some(dir) = config.manifests.clone() {
         let (tx, mut rx) = tokio::sync::mpsc::channel(4);
@@ -670,10 +675,17 @@ fn model_feed_of(controller: &Arc<Mutex<Controller>>) -> wasmplane_grpc::ModelFe
 /// Most watch events a single model update takes; bounds the lock hold time under a burst.
 const MAX_BATCH: usize = 1024;
 
+/// Most watch events a batch takes after waiting for `--min-sync-period`: what queued meanwhile
+/// goes in whole (the channel holds 1,024 more), unless a burst outruns even this.
+const MAX_PACED_BATCH: usize = 16 * MAX_BATCH;
+
 /// Feeds watcher output to the controller in batches: whatever has queued up while the
 /// previous batch was applied goes in as one model update, so a burst of events costs one
-/// revision and one dataplane transaction. Ready once every kind's first list is applied.
-async fn apply_watch_events(mut rx: tokio::sync::mpsc::Receiver<SourceEvent>, controller: Arc<Mutex<Controller>>, ready: Arc<AtomicBool>) {
+/// revision and one dataplane transaction. With `min_sync_period`, batches also wait for the
+/// pacer (`sync_pacer.rs`) and take what arrived while they waited. Ready once every kind's
+/// first list is applied.
+async fn apply_watch_events(mut rx: tokio::sync::mpsc::Receiver<SourceEvent>, controller: Arc<Mutex<Controller>>, ready: Arc<AtomicBool>, min_sync_period: Duration) {
+    let mut pacer = crate::sync_pacer::SyncPacer::new(min_sync_period, std::time::Instant::now());
     let mut listed = std::collections::BTreeSet::new();
     // Until every kind has been listed, nothing is applied: Services without their
     // EndpointSlices would be written as "no endpoints" and reject traffic for a moment.
@@ -697,7 +709,19 @@ async fn apply_watch_events(mut rx: tokio::sync::mpsc::Receiver<SourceEvent>, co
         if first_sync {
             initial.append(&mut batch);
             batch = std::mem::take(&mut initial);
+        } else {
+            let wait = pacer.delay(std::time::Instant::now());
+            if !wait.is_zero() {
+                tokio::time::sleep(wait).await;
+                while batch.len() < MAX_PACED_BATCH {
+                    match rx.try_recv() {
+                        Ok(more) => batch.push(more),
+                        Err(_) => break,
+                    }
+                }
+            }
         }
+        pacer.ran(std::time::Instant::now());
         let applying = controller.clone();
         let result = tokio::task::spawn_blocking(move || {
             let mut controller = applying.lock().unwrap_or_else(|p| p.into_inner());

@@ -265,6 +265,13 @@ pub struct RunArgs {
     /// at least 100× its duration, so big tables are reconciled less often).
     #[arg(long, default_value_t = 60)]
     pub reconcile_seconds: u64,
+    /// The shortest average interval between applying changes from the Kubernetes API (kube-proxy's
+    /// `minSyncPeriod`), as a Go duration (`1s`, `500ms`): what arrives meanwhile is applied
+    /// together; the first change after a quiet period, and one more right after it, are not
+    /// delayed. `0s` (the default) applies each batch at once, which already takes together
+    /// whatever queued while the previous one was written.
+    #[arg(long, env = "WASMPLANE_MIN_SYNC_PERIOD", default_value = "0s", value_parser = crate::kube_proxy_config::parse_go_duration)]
+    pub min_sync_period: std::time::Duration,
     /// Keep the code resident after the initial sync. By default the host hands the code and
     /// read-only data of its binary, the compiled guests and the shared libraries back to the
     /// kernel then (most of it ran only at start-up); this is for tracing which code the host
@@ -847,6 +854,7 @@ impl RunArgs {
             limits,
             max_module_bytes: self.max_module_bytes,
             reconcile_interval: Duration::from_secs(self.reconcile_seconds.max(1)),
+            min_sync_period: self.min_sync_period,
             nft_netlink: !self.nft_text_only,
             nft_services_per_shard: self.nft_services_per_shard,
             node_port_addresses: self.nodeport_addresses,
@@ -1092,7 +1100,7 @@ mod tests {
     }
 
     const KUBE_PROXY_CONFIG: &str = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCIDR: 10.244.0.0/16,fd00:10:244::/56\n\
-        hostnameOverride: worker-1\niptables: {masqueradeAll: true, syncPeriod: 2m}\nconntrack: {maxPerCore: 0, min: 1000, tcpEstablishedTimeout: 2h, tcpCloseWaitTimeout: 30m,\
+        hostnameOverride: worker-1\niptables: {masqueradeAll: true, syncPeriod: 2m, minSyncPeriod: 1500ms}\nconntrack: {maxPerCore: 0, min: 1000, tcpEstablishedTimeout: 2h, tcpCloseWaitTimeout: 30m,\
         udpTimeout: 45s, udpStreamTimeout: 3m, tcpBeLiberal: true}\ndetectLocalMode: NodeCIDR\nnodePortAddresses: [10.0.0.0/8]\nhealthzBindAddress: 127.0.0.1:10266\n\
         logging: {format: json}\nmetricsBindAddress: 0.0.0.0:10249\n";
 
@@ -1110,6 +1118,7 @@ mod tests {
         assert_eq!(config.node_port_addresses, crate::nft::NodePortAddresses::Networks(vec!["10.0.0.0/8".parse().unwrap()]));
         assert_eq!(config.node_health_listen, Some("127.0.0.1:10266".parse().unwrap()));
         assert_eq!(config.reconcile_interval, Duration::from_secs(120));
+        assert_eq!(config.min_sync_period, Duration::from_millis(1500));
         assert_eq!(
             config.conntrack,
             Some(crate::conntrack_tuning::ConntrackTuning {
@@ -1210,6 +1219,21 @@ mod tests {
             _ => unreachable!("parses as run"),
         };
         assert_eq!((group(&[]), group(&["--policy-log-group", "0"]), group(&["--policy-log-group", "7"])), (1001, 0, 7));
+    }
+
+    /// `--min-sync-period` takes a Go duration, as kube-proxy's flag; off by default.
+    #[test]
+    fn min_sync_period_reaches_the_config() {
+        let period = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run"], args].concat()) {
+            Ok(Cli { command: Command::Run(args) }) => Ok(args.into_config().unwrap().min_sync_period),
+            Ok(_) => unreachable!("parses as run"),
+            Err(e) => Err(e.to_string()),
+        };
+        assert_eq!(period(&[]), Ok(Duration::ZERO));
+        assert_eq!(period(&["--min-sync-period", "1s"]), Ok(Duration::from_secs(1)));
+        assert_eq!(period(&["--min-sync-period=250ms"]), Ok(Duration::from_millis(250)));
+        let refused = period(&["--min-sync-period", "5"]).unwrap_err();
+        assert!(refused.contains("a number without its unit"), "{refused}");
     }
 
     /// kube-proxy's conntrack flags reach the settings applied at start; the UDP timeouts and

@@ -72,6 +72,7 @@ struct KubeProxyConfiguration {
     healthz_bind_address: Option<String>,
     mode: Option<String>,
     sync_period: Option<String>,
+    min_sync_period: Option<String>,
     conntrack: Option<Conntrack>,
     iptables: Option<ModeBlock>,
     nftables: Option<ModeBlock>,
@@ -97,6 +98,7 @@ struct Conntrack {
 struct ModeBlock {
     masquerade_all: Option<bool>,
     sync_period: Option<String>,
+    min_sync_period: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -116,7 +118,7 @@ pub fn parse(yaml: &str) -> Result<KubeProxySettings, InvalidKubeProxyConfig> {
     }
     // From the text, not the value: serde_yaml's errors then name the field and the line.
     let config: KubeProxyConfiguration = serde_yaml::from_str(yaml)?;
-    let mut mapped: BTreeSet<String> = ["apiVersion", "kind", "clusterCIDR", "hostnameOverride", "masqueradeAll", "detectLocalMode", "nodePortAddresses", "healthzBindAddress", "mode", "syncPeriod", "logging.format"].map(String::from).into();
+    let mut mapped: BTreeSet<String> = ["apiVersion", "kind", "clusterCIDR", "hostnameOverride", "masqueradeAll", "detectLocalMode", "nodePortAddresses", "healthzBindAddress", "mode", "syncPeriod", "minSyncPeriod", "logging.format"].map(String::from).into();
     mapped.extend(["maxPerCore", "min", "tcpEstablishedTimeout", "tcpCloseWaitTimeout", "udpTimeout", "udpStreamTimeout", "tcpBeLiberal"].map(|field| format!("conntrack.{field}")));
     let (mut args, mut warnings) = (Vec::new(), Vec::new());
 
@@ -139,6 +141,7 @@ pub fn parse(yaml: &str) -> Result<KubeProxySettings, InvalidKubeProxyConfig> {
     };
     mapped.insert(format!("{masquerade_block}.masqueradeAll"));
     mapped.insert(format!("{sync_block}.syncPeriod"));
+    mapped.insert(format!("{sync_block}.minSyncPeriod"));
 
     let cluster_cidrs: Vec<&str> = config.cluster_cidr.as_deref().unwrap_or_default().split(',').map(str::trim).filter(|cidr| !cidr.is_empty()).collect();
     for cidr in &cluster_cidrs {
@@ -175,6 +178,19 @@ pub fn parse(yaml: &str) -> Result<KubeProxySettings, InvalidKubeProxyConfig> {
         && let Some(seconds) = whole_seconds(&field, period)?.filter(|&s| s > 0)
     {
         args.push(format!("--reconcile-seconds={seconds}"));
+    }
+
+    // As syncPeriod: the top-level field (newer configurations) unless zero, else the mode's.
+    let min_sync_period = match config.min_sync_period.as_deref() {
+        Some(period) if !period.trim().is_empty() && !parse_go_duration(period.trim()).is_ok_and(|d| d.is_zero()) => Some(("minSyncPeriod".to_string(), period)),
+        _ => block(sync_block).and_then(|b| b.min_sync_period.as_deref()).map(|period| (format!("{sync_block}.minSyncPeriod"), period)),
+    };
+    if let Some((field, period)) = min_sync_period.filter(|(_, period)| !period.trim().is_empty()) {
+        // Sub-second periods are fine here: the flag takes the same Go duration. Zero is
+        // wasmplane's default.
+        if !parse_go_duration(period.trim()).map_err(|why| malformed(&field, period, &why))?.is_zero() {
+            args.push(format!("--min-sync-period={}", period.trim()));
+        }
     }
 
     let conntrack = config.conntrack.unwrap_or_default();
@@ -408,7 +424,7 @@ fn why_ignored(path: &str, mode: &str) -> String {
         "iptables.masqueradeBit" | "nftables.masqueradeBit" => "own mark bits",
         "iptables.localhostNodePorts" => "no localhost nodeports",
         "nftables.tableName" => "own table names",
-        "minSyncPeriod" | "iptables.minSyncPeriod" | "nftables.minSyncPeriod" => "no minimum interval",
+        "iptables.minSyncPeriod" | "nftables.minSyncPeriod" | "ipvs.minSyncPeriod" => return format!("not the {} mode", if mode.is_empty() { "iptables" } else { mode }),
         _ => match top {
             "ipvs" => "no IPVS mode",
             "winkernel" | "windowsRunAsService" => "Windows only",
@@ -515,6 +531,7 @@ winkernel:
                 "--cluster-cidr=10.244.0.0/16,fd00:10:244::/56",
                 "--masquerade-all",
                 "--reconcile-seconds=30",
+                "--min-sync-period=1s",
                 "--conntrack-max-per-core=65536",
                 "--conntrack-tcp-timeout-established-seconds=7200",
                 "--conntrack-tcp-timeout-close-wait-seconds=3600",
@@ -533,7 +550,8 @@ winkernel:
         );
     }
 
-    /// kubeadm's defaults alone: nothing to carry over, nothing to report.
+    /// kubeadm's defaults alone: nothing to report, and nothing to carry over but kube-proxy's
+    /// minimum sync period (1s), which is not wasmplane's default (0s).
     #[test]
     fn zero_values_and_kube_proxy_defaults_are_no_choice() {
         let defaults = KUBEADM_CONFIG
@@ -550,7 +568,9 @@ winkernel:
             .replace("verbosity: 2", "verbosity: 0")
             .replace("metricsBindAddress: 0.0.0.0:10249", "metricsBindAddress: 127.0.0.1:10249")
             .replace("masqueradeBit: null", "masqueradeBit: 14");
-        assert_eq!(parse(&defaults).unwrap(), KubeProxySettings::default());
+        assert_eq!(parse(&defaults).unwrap(), KubeProxySettings { args: vec!["--min-sync-period=1s".into()], warnings: Vec::new() });
+        let zero = defaults.replace("minSyncPeriod: 1s", "minSyncPeriod: 0s");
+        assert_eq!(parse(&zero).unwrap(), KubeProxySettings::default());
     }
 
     #[test]
@@ -583,6 +603,25 @@ winkernel:
         let iptables = parse("apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: ipvs\nhealthzBindAddress: 10.0.0.1\nnodePortAddresses: [10.0.0.0/8, 127.0.0.0/8]\nipvs: {syncPeriod: 45s}\n").unwrap();
         assert_eq!(iptables.args, ["--nodeport-addresses=10.0.0.0/8,127.0.0.0/8", "--node-health-listen=10.0.0.1:10256", "--reconcile-seconds=45"]);
         assert_eq!(iptables.warnings, ["ignored: mode ipvs (wasmplane programs nftables)", "ignored: nodePortAddresses 127.0.0.0/8 (no loopback nodeports)"]);
+    }
+
+    /// minSyncPeriod: the top-level field unless zero, else the mode's block's; sub-second
+    /// periods kept; another mode's block is not this mode's.
+    #[test]
+    fn the_minimum_sync_period_of_the_mode() {
+        let head = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: nftables\n";
+        let settings = |rest: &str| {
+            let mut settings = parse(&format!("{head}{rest}")).unwrap();
+            settings.args.retain(|flag| flag != "--nodeport-addresses=primary");
+            settings
+        };
+        assert_eq!(settings("minSyncPeriod: 250ms\nnftables: {minSyncPeriod: 5s}\n").args, ["--min-sync-period=250ms"]);
+        assert_eq!(settings("minSyncPeriod: 0s\nnftables: {minSyncPeriod: 5s}\n").args, ["--min-sync-period=5s"]);
+        let other = settings("iptables: {minSyncPeriod: 2s}\n");
+        assert!(other.args.is_empty(), "{:?}", other.args);
+        assert_eq!(other.warnings, ["ignored: iptables.minSyncPeriod (not the nftables mode)"]);
+        let error = parse(&format!("{head}nftables: {{minSyncPeriod: 1x}}\n")).unwrap_err().to_string();
+        assert!(error.starts_with("nftables.minSyncPeriod: \"1x\""), "{error}");
     }
 
     #[test]

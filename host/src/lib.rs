@@ -38,3 +38,4 @@ pub mod replay;
 pub mod service_health;
 pub mod service_import;
 pub mod shadow;
+pub mod sync_pacer;

@@ -353,6 +353,49 @@ async fn an_expired_watch_relists_and_loses_nothing() {
     host.stop().await;
 }
 
+/// `--min-sync-period` (kube-proxy's `minSyncPeriod`): after a quiet period a burst of
+/// changes is applied as kube-proxy's bounded runner applies it, the first two at once and
+/// the rest together once the period has passed; none is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_minimum_sync_period_applies_a_burst_of_changes_together() {
+    const PERIOD: Duration = Duration::from_secs(3);
+    const BURST: usize = 8;
+    let server = TestApiServer::start().await;
+    seed(&server);
+    let dir = tempfile::tempdir().unwrap();
+    let host = start(HostConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        kubernetes: Some(KubernetesSource::Url(server.url())),
+        data_dir: Some(dir.path().to_path_buf()),
+        token: Some(TOKEN.into()),
+        node_name: "node-a".into(),
+        min_sync_period: PERIOD,
+        ..Default::default()
+    })
+    .await
+    .expect("host starts");
+    let api = Api::new(&host);
+    api.wait_state("initial sync", |s| !endpoints(s, "shop/web").is_empty()).await;
+    // The initial sync took one of the two applies a quiet period allows: let it come back.
+    tokio::time::sleep(PERIOD + Duration::from_millis(500)).await;
+
+    let revision = api.state().await["revision"].as_u64().unwrap();
+    let started = Instant::now();
+    for i in 0..BURST {
+        server.create(&service(&format!("burst-{i}"), &format!("10.96.1.{}", i + 1), 80)).unwrap();
+        tokio::time::sleep(Duration::from_millis(40)).await;
+    }
+    let first = api.wait_state("the burst's first change", |s| s["model"]["services"]["shop/burst-0"].is_object()).await;
+    assert!(first["revision"].as_u64().unwrap() > revision);
+    let state = api.wait_state("every change of the burst", |s| (0..BURST).all(|i| s["model"]["services"][format!("shop/burst-{i}")].is_object())).await;
+    let waited = started.elapsed();
+    let revisions = state["revision"].as_u64().unwrap() - revision;
+    // Eight changes 40 ms apart, each a revision of its own without the pacing.
+    assert!(revisions <= 3, "{revisions} revisions for {BURST} changes within one period");
+    assert!(waited >= PERIOD - Duration::from_millis(500), "the burst's rest was applied after {waited:?}, within the period");
+    host.stop().await;
+}
+
 /// kube-proxy's network programming SLI: an EndpointSlice change is observed from its trigger
 /// time to its service's rules written, once. Changes from before the host started, and
 /// changes that need no new rules, are not observed.
