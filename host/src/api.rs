@@ -516,6 +516,10 @@ async fn status(State(state): State<ApiState>) -> ApiResult<Response> {
         let syncs = |result: &str| metrics.syncs.get(&ResultLabels { result: result.into() }).map_or(0, |c| c.get());
         let (last_sync, last_sync_age) = unix_and_age(dp.health.last_written());
         let (failing_since, failing_for) = unix_and_age(dp.health.failing_since());
+        let last_error = dp.health.last_error().map(|(at, message)| {
+            let (at, age) = unix_and_age(Some(at));
+            json!({ "at_unix_seconds": at, "age_seconds": age, "message": message })
+        });
         Ok(json!({
             "ready": not_ready_reason.is_none(),
             "not_ready_reason": not_ready_reason,
@@ -538,8 +542,11 @@ async fn status(State(state): State<ApiState>) -> ApiResult<Response> {
                 // Set while the kernel refuses writes (the last write failed).
                 "sync_failing_since_unix_seconds": failing_since,
                 "sync_failing_for_seconds": failing_for,
+                // Every transaction, full and incremental.
                 "syncs_ok": syncs("ok"),
                 "syncs_failed": syncs("error"),
+                // Kept after writes succeed again.
+                "last_write_error": last_error,
             },
             "modules": in_force,
             "failed_modules": failed_modules,

@@ -547,12 +547,19 @@ impl Controller {
         }
     }
 
-    /// A full write of the tables (`write`: a full sync or the release), timed.
+    /// A full write of the tables (`write`: a full sync or the release), timed and counted
+    /// with the incremental ones.
     fn full_write(&mut self, write: impl FnOnce(&mut Dataplane) -> Result<SyncStats, WriteError>) -> Result<SyncStats, WriteError> {
         let started = Instant::now();
         let result = write(&mut self.dataplane);
         self.metrics.dataplane_full_sync_seconds.observe(started.elapsed().as_secs_f64());
+        self.count_sync(result.is_ok());
         result
+    }
+
+    fn count_sync(&self, ok: bool) {
+        let result = if ok { "ok" } else { "error" };
+        self.metrics.syncs.get_or_create(&crate::metrics::ResultLabels { result: result.into() }).inc();
     }
 
     /// The change of a service's load balancer firewall (see [`nft::firewall_rules`]), when
@@ -705,19 +712,16 @@ impl Controller {
             Ok(stats) if stats.full => self.metrics.dataplane_full_sync_seconds.observe(seconds),
             _ => self.metrics.dataplane_sync_seconds.observe(seconds),
         }
+        self.count_sync(result.is_ok());
         match result {
             Ok(stats) => {
-                self.metrics.syncs.get_or_create(&crate::metrics::ResultLabels { result: "ok".into() }).inc();
                 self.metrics.sync_statements.inc_by(stats.statements as u64);
                 if !stats.path.is_empty() {
                     self.metrics.dataplane_transactions.get_or_create(&crate::metrics::PathLabels { path: stats.path.into() }).inc();
                 }
                 Ok(())
             }
-            Err(e) => {
-                self.metrics.syncs.get_or_create(&crate::metrics::ResultLabels { result: "error".into() }).inc();
-                Err(e.into())
-            }
+            Err(e) => Err(e.into()),
         }
     }
 

@@ -728,6 +728,8 @@ pub struct WriteHealth {
     last_written_ms: AtomicU64,
     /// Of the first write refused since then (0: none is failing).
     failing_since_ms: AtomicU64,
+    /// The last write refused, whenever it was, and why: what an operator asks first.
+    last_error: std::sync::Mutex<Option<(SystemTime, String)>>,
 }
 
 fn epoch_ms(t: SystemTime) -> u64 {
@@ -744,8 +746,15 @@ impl WriteHealth {
         self.failing_since_ms.store(0, Ordering::Relaxed);
     }
 
-    fn failed(&self) {
-        let _ = self.failing_since_ms.compare_exchange(0, epoch_ms(SystemTime::now()), Ordering::Relaxed, Ordering::Relaxed);
+    fn failed(&self, error: &WriteError) {
+        let now = SystemTime::now();
+        let _ = self.failing_since_ms.compare_exchange(0, epoch_ms(now), Ordering::Relaxed, Ordering::Relaxed);
+        *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some((now, error.to_string()));
+    }
+
+    /// The last write the kernel refused, when and why (kept after writes succeed again).
+    pub fn last_error(&self) -> Option<(SystemTime, String)> {
+        self.last_error.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// When the kernel last accepted a write.
@@ -818,7 +827,7 @@ impl Dataplane {
         match &result {
             Ok(_) if self.held => {}
             Ok(_) => self.health.written(),
-            Err(_) => self.health.failed(),
+            Err(e) => self.health.failed(e),
         }
         result
     }
@@ -1406,14 +1415,22 @@ mod tests {
         *fake.refuse.lock().unwrap() = true;
         dp.sync(vec![(key("b"), Some(rules("b", "10.244.0.2")))]).unwrap_err();
         let since = health.failing_since().expect("failing");
+        // The same moment (`failing_since` keeps milliseconds).
+        let (first_at, _) = health.last_error().expect("a refusal noted");
+        assert!(first_at.duration_since(since).is_ok_and(|d| d < Duration::from_millis(1)));
         std::thread::sleep(Duration::from_millis(5));
-        dp.full_sync(None).unwrap_err();
+        let refused = dp.full_sync(None).unwrap_err();
         assert_eq!((health.failing_since(), health.last_written()), (Some(since), Some(first)));
-        // Accepted again: healthy.
+        // The last refusal's time and reason, not the first's.
+        let (at, why) = health.last_error().expect("a refusal noted");
+        assert!(at > since);
+        assert_eq!(why, refused.to_string());
+        // Accepted again: healthy, the last refusal still there to read.
         *fake.refuse.lock().unwrap() = false;
         dp.full_sync(None).unwrap();
         assert_eq!(health.failing_since(), None);
         assert!(health.last_written().unwrap() >= first);
+        assert_eq!(health.last_error(), Some((at, why)));
     }
 
     #[test]

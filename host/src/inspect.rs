@@ -139,6 +139,10 @@ pub fn format_status(status: &Value) -> String {
     line("Dataplane", format!("{}, {} objects{held}", dp["mode"].as_str().unwrap_or("?"), count(&dp["objects"])));
     let failing_for = if dp["sync_failing_for_seconds"].is_null() { String::new() } else { format!(", FAILING for {}s", count(&dp["sync_failing_for_seconds"])) };
     line("Last sync", format!("{} ({} ok, {} failed){failing_for}", ago(&dp["last_sync_age_seconds"]), count(&dp["syncs_ok"]), count(&dp["syncs_failed"])));
+    // Why writes fail, while they do; an old refusal is only in the JSON.
+    if let Some(error) = dp["last_write_error"]["message"].as_str().filter(|_| !dp["sync_failing_for_seconds"].is_null()) {
+        line("Last sync error", error.to_string());
+    }
     if let Some(modules) = status["modules"].as_object() {
         // The kinds this host knows in their usual order, then any other.
         const KNOWN: [&str; 3] = ["service-translator", "network-policy", "gc"];
@@ -463,7 +467,8 @@ mod tests {
             "ready": false, "not_ready_reason": "initial sync pending", "node": "node-a", "role": "operator", "leader": true,
             "kvstore": { "backend": "etcd", "node_id": null, "heartbeat_age_seconds": null },
             "model": { "revision": 7, "services": 3, "local_pods": 2, "policies": 1, "events_total": 12, "revisions_total": 7 },
-            "dataplane": { "mode": "nftables", "objects": 5, "held": false, "last_sync_age_seconds": 4, "sync_failing_for_seconds": 9, "syncs_ok": 3, "syncs_failed": 1 },
+            "dataplane": { "mode": "nftables", "objects": 5, "held": false, "last_sync_age_seconds": 4, "sync_failing_for_seconds": 9, "syncs_ok": 3, "syncs_failed": 1,
+                "last_write_error": { "at_unix_seconds": 1, "age_seconds": 2, "message": "nft: Error: Could not process rule: No such file or directory" } },
             "modules": { "gc": "default-gc@1", "service-translator": "flaky@2" },
             "failed_modules": [{ "name": "broken", "kind": "network-policy", "error": "trap" }],
             "service_errors": 2,
@@ -477,6 +482,11 @@ mod tests {
         assert!(lines.contains(&"Services:            3, 2 failing translation"), "{text}");
         assert!(lines.contains(&"Policies:            1, 40 packets denied, 3 audited since start"), "{text}");
         assert!(lines.contains(&"Last sync:           4s ago (3 ok, 1 failed), FAILING for 9s"), "{text}");
+        assert!(lines.contains(&"Last sync error:     nft: Error: Could not process rule: No such file or directory"), "{text}");
+        // Writes that succeed again: the old refusal is not a status line.
+        let mut recovered = status.clone();
+        recovered["dataplane"]["sync_failing_for_seconds"] = json!(null);
+        assert!(!format_status(&recovered).contains("Last sync error"));
         let translator = lines.iter().position(|l| *l == "Service translator:  flaky@2");
         let gc = lines.iter().position(|l| *l == "GC:                  default-gc@1");
         assert!(translator.is_some() && translator < gc, "the translator first: {text}");

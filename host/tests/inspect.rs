@@ -181,6 +181,7 @@ async fn status_summarises_the_node_in_counts() {
     assert!(dp["last_sync_age_seconds"].as_u64() < Some(60), "{summary}");
     assert_eq!(dp["sync_failing_since_unix_seconds"], Value::Null, "{summary}");
     assert_eq!(dp["syncs_failed"], json!(0), "{summary}");
+    assert_eq!(dp["last_write_error"], Value::Null, "{summary}");
     assert_eq!(summary["kvstore"]["backend"], "embedded", "{summary}");
     assert!(summary["kvstore"]["node_id"].is_u64(), "the agent registered this node: {summary}");
     h.host.stop().await;
