@@ -113,6 +113,11 @@ pub struct RunArgs {
     /// object per line for log collectors (kube-proxy's `--logging-format=json`).
     #[arg(long, env = "WASMPLANE_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
+    /// This process's `oom_score_adj` (kube-proxy's `--oom-score-adj`, its default too): under
+    /// memory pressure the kernel kills the node's networking last. Lowering it needs
+    /// CAP_SYS_RESOURCE; without it the host logs a warning and runs as it is.
+    #[arg(long, env = "WASMPLANE_OOM_SCORE_ADJ", default_value_t = -999, allow_negative_numbers = true, value_parser = clap::value_parser!(i32).range(-1000..=1000))]
+    pub oom_score_adj: i32,
     /// Directory of Kubernetes YAML manifests standing in for the API server (embedded mode).
     #[arg(long, env = "WASMPLANE_MANIFESTS", conflicts_with_all = ["kubeconfig", "kubernetes"])]
     pub manifests: Option<PathBuf>,
@@ -1234,6 +1239,21 @@ mod tests {
         assert_eq!(period(&["--min-sync-period=250ms"]), Ok(Duration::from_millis(250)));
         let refused = period(&["--min-sync-period", "5"]).unwrap_err();
         assert!(refused.contains("a number without its unit"), "{refused}");
+    }
+
+    /// `--oom-score-adj`: kube-proxy's default, negative values on the command line, the
+    /// kernel's range.
+    #[test]
+    fn oom_score_adj_defaults_to_kube_proxys() {
+        let adj = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run"], args].concat()) {
+            Ok(Cli { command: Command::Run(args) }) => Ok(args.oom_score_adj),
+            Ok(_) => unreachable!("parses as run"),
+            Err(e) => Err(e.kind()),
+        };
+        assert_eq!(adj(&[]), Ok(-999));
+        assert_eq!(adj(&["--oom-score-adj", "-500"]), Ok(-500));
+        assert_eq!(adj(&["--oom-score-adj=1000"]), Ok(1000));
+        assert_eq!(adj(&["--oom-score-adj", "-1001"]), Err(clap::error::ErrorKind::ValueValidation));
     }
 
     /// kube-proxy's conntrack flags reach the settings applied at start; the UDP timeouts and

@@ -70,6 +70,7 @@ struct KubeProxyConfiguration {
     detect_local_mode: Option<String>,
     node_port_addresses: Option<Vec<String>>,
     healthz_bind_address: Option<String>,
+    oom_score_adj: Option<i32>,
     mode: Option<String>,
     sync_period: Option<String>,
     min_sync_period: Option<String>,
@@ -118,7 +119,7 @@ pub fn parse(yaml: &str) -> Result<KubeProxySettings, InvalidKubeProxyConfig> {
     }
     // From the text, not the value: serde_yaml's errors then name the field and the line.
     let config: KubeProxyConfiguration = serde_yaml::from_str(yaml)?;
-    let mut mapped: BTreeSet<String> = ["apiVersion", "kind", "clusterCIDR", "hostnameOverride", "masqueradeAll", "detectLocalMode", "nodePortAddresses", "healthzBindAddress", "mode", "syncPeriod", "minSyncPeriod", "logging.format"].map(String::from).into();
+    let mut mapped: BTreeSet<String> = ["apiVersion", "kind", "clusterCIDR", "hostnameOverride", "masqueradeAll", "detectLocalMode", "nodePortAddresses", "healthzBindAddress", "mode", "syncPeriod", "minSyncPeriod", "oomScoreAdj", "logging.format"].map(String::from).into();
     mapped.extend(["maxPerCore", "min", "tcpEstablishedTimeout", "tcpCloseWaitTimeout", "udpTimeout", "udpStreamTimeout", "tcpBeLiberal"].map(|field| format!("conntrack.{field}")));
     let (mut args, mut warnings) = (Vec::new(), Vec::new());
 
@@ -191,6 +192,14 @@ pub fn parse(yaml: &str) -> Result<KubeProxySettings, InvalidKubeProxyConfig> {
         if !parse_go_duration(period.trim()).map_err(|why| malformed(&field, period, &why))?.is_zero() {
             args.push(format!("--min-sync-period={}", period.trim()));
         }
+    }
+
+    // kube-proxy's pointer field: `null` is its default (-999), which is wasmplane's too.
+    if let Some(adj) = config.oom_score_adj {
+        if !(-1000..=1000).contains(&adj) {
+            return Err(malformed("oomScoreAdj", &adj.to_string(), "not within -1000..=1000"));
+        }
+        args.push(format!("--oom-score-adj={adj}"));
     }
 
     let conntrack = config.conntrack.unwrap_or_default();
@@ -346,7 +355,6 @@ const KUBE_PROXY_DEFAULTS: &[(&str, &str)] = &[
     ("bindAddress", "0.0.0.0"),
     ("metricsBindAddress", "127.0.0.1:10249"),
     ("configSyncPeriod", "15m"),
-    ("oomScoreAdj", "-999"),
     ("minSyncPeriod", "1s"),
     ("iptables.minSyncPeriod", "1s"),
     ("nftables.minSyncPeriod", "1s"),
@@ -436,7 +444,6 @@ fn why_ignored(path: &str, mode: &str) -> String {
             "bindAddressHardFail" => "no bind fallback",
             "enableProfiling" => "no pprof endpoint",
             "showHiddenMetricsForVersion" => "no hidden metrics",
-            "oomScoreAdj" => "not adjusted here",
             "configSyncPeriod" => "no informer resync",
             "portRange" => "userspace mode only",
             "detectLocal" => "for unsupported modes",
@@ -622,6 +629,16 @@ winkernel:
         assert_eq!(other.warnings, ["ignored: iptables.minSyncPeriod (not the nftables mode)"]);
         let error = parse(&format!("{head}nftables: {{minSyncPeriod: 1x}}\n")).unwrap_err().to_string();
         assert!(error.starts_with("nftables.minSyncPeriod: \"1x\""), "{error}");
+    }
+
+    /// oomScoreAdj as kube-proxy takes it: `null` leaves the default, a number is given on.
+    #[test]
+    fn oom_score_adj_is_carried_over() {
+        let head = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n";
+        assert_eq!(parse(&format!("{head}oomScoreAdj: -500\n")).unwrap().args, ["--oom-score-adj=-500"]);
+        assert_eq!(parse(&format!("{head}oomScoreAdj: null\n")).unwrap(), KubeProxySettings::default());
+        let error = parse(&format!("{head}oomScoreAdj: 1001\n")).unwrap_err().to_string();
+        assert!(error.starts_with("oomScoreAdj: \"1001\""), "{error}");
     }
 
     #[test]

@@ -44,6 +44,9 @@ async fn run() -> anyhow::Result<()> {
             // Before anything is printed: a SIGTERM that follows the REST API line must find
             // the handler in place, not the default action that kills the process.
             let mut signals = TerminationSignals::install()?;
+            if let Err(e) = wasmplane::memory::set_oom_score_adj(args.oom_score_adj) {
+                tracing::warn!("could not set oom_score_adj to {} (lowering it needs CAP_SYS_RESOURCE): {e}", args.oom_score_adj);
+            }
             let page_out = !args.no_page_out;
             let config = args.into_config()?;
             let data_dir = config.data_dir.clone();

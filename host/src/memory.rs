@@ -39,6 +39,12 @@ pub fn configure_malloc() {
     }
 }
 
+/// Sets this process's `oom_score_adj` (-1000..=1000: how readily the kernel's OOM killer
+/// picks it). Children started afterwards (nft, the guest compiler) inherit it.
+pub fn set_oom_score_adj(value: i32) -> std::io::Result<()> {
+    std::fs::write("/proc/self/oom_score_adj", value.to_string())
+}
+
 /// At most this many async worker threads unless `TOKIO_WORKER_THREADS` says otherwise.
 pub const MAX_WORKER_THREADS: usize = 4;
 
