@@ -338,7 +338,7 @@ async fn cluster_services(State(state): State<ApiState>) -> ApiResult<Response> 
     Ok(Json(imports).into_response())
 }
 
-async fn metrics(State(state): State<ApiState>) -> impl IntoResponse {
+pub(crate) async fn metrics(State(state): State<ApiState>) -> impl IntoResponse {
     // Audit-mode gauges are cheap: fresh at every scrape (the packet counts are read by
     // the periodic task, or by `GET /v1/policies?counters=true`).
     let _ = with_controller(&state, |c| c.refresh_policy_metrics(false)).await;

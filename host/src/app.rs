@@ -125,6 +125,9 @@ pub struct HostConfig {
     /// Where the node's health is answered for load balancers (`/healthz`, `/livez`;
     /// kube-proxy's `--healthz-bind-address`, port 10256). None: not served.
     pub node_health_listen: Option<SocketAddr>,
+    /// Where `/metrics` is served alone, without a token (kube-proxy's
+    /// `--metrics-bind-address`; `metrics_server.rs`). None: only on the REST API.
+    pub metrics_listen: Option<SocketAddr>,
     /// How often the events/revisions stats line is logged.
     pub stats_interval: Duration,
     pub data_dir: Option<PathBuf>,
@@ -200,6 +203,7 @@ impl Default for HostConfig {
             grpc_listen: None,
             health_check_bind: None,
             node_health_listen: None,
+            metrics_listen: None,
             cni: None,
             agent: Some(crate::agent::AgentConfig::default()),
             operator: None,
@@ -251,6 +255,9 @@ pub struct RunningHost {
     pub operator: Option<Arc<crate::operator_role::OperatorRole>>,
     /// Where the gRPC model stream listens, if it is served.
     pub grpc_addr: Option<SocketAddr>,
+    /// Where `--metrics-listen` serves the metrics, once bound (`None` while its port is
+    /// taken, or when not asked for).
+    pub metrics_addr: Option<SocketAddr>,
     /// Whether the REST API is served over TLS (`https://` in [`RunningHost::url`]).
     pub tls: bool,
     /// Where the runtime keeps the compiled guests, which it maps from there (with a data dir).
@@ -617,6 +624,12 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         auth,
         audit: Arc::new(crate::audit::Audit::new(modules.store().kv().clone(), config.node_name.clone(), audit_failures)),
     };
+    let mut metrics_addr = None;
+    if let Some(listen) = config.metrics_listen {
+        let (bound, task) = crate::metrics_server::start(listen, state.clone()).await;
+        metrics_addr = bound;
+        loops.push(task);
+    }
     let listener = tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;
     let addr = listener.local_addr()?;
     let (shutdown_tx, shutdown_rx) = oneshot::channel::<()>();
@@ -642,7 +655,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
             }
         }),
     };
-    Ok(RunningHost { addr, token, controller, metrics, ready, watch_status, modules, agent, operator, grpc_addr, tls, compiled_guests, policy_verdicts, model_feed, shutdown: Some(shutdown_tx), cni, server, loops })
+    Ok(RunningHost { addr, token, controller, metrics, ready, watch_status, modules, agent, operator, grpc_addr, metrics_addr, tls, compiled_guests, policy_verdicts, model_feed, shutdown: Some(shutdown_tx), cni, server, loops })
 }
 
 /// Publishes every model revision to gRPC watchers.

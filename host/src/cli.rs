@@ -181,6 +181,12 @@ pub struct RunArgs {
     /// `--healthz-bind-address`), or `off`.
     #[arg(long, env = "WASMPLANE_NODE_HEALTH_LISTEN", default_value = "0.0.0.0:10256", value_parser = node_health_listen)]
     pub node_health_listen: NodeHealthListen,
+    /// Also serve `/metrics` alone on this address, without a token (kube-proxy's
+    /// `--metrics-bind-address`, e.g. `0.0.0.0:10249`), for scrapers that should not reach
+    /// the REST API. Unset: metrics only on the REST API (`--listen`), which asks clients
+    /// off loopback for a token.
+    #[arg(long, env = "WASMPLANE_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
     /// Record the translator's inputs and outputs of every model revision to this file
     /// (JSON lines; `wasmplane replay FILE` runs a module over it).
     #[arg(long, env = "WASMPLANE_RECORD")]
@@ -830,6 +836,7 @@ impl RunArgs {
             grpc_listen: self.grpc_listen,
             health_check_bind: self.health_check_bind_address.0,
             node_health_listen: self.node_health_listen.0,
+            metrics_listen: self.metrics_listen,
             record: self.record,
             // This binary answers compile requests itself (`main.rs`).
             compiler: Some(wasmplane_runtime::CompilerCommand::current_exe().context("locating this binary to compile guests with")?),
@@ -1113,7 +1120,8 @@ mod tests {
     #[test]
     fn kube_proxy_config_settings_reach_the_host_config() {
         let (run, warnings) = parse_with_kube_proxy_config(Cli::command(), KUBE_PROXY_CONFIG, &[]).unwrap();
-        assert_eq!(warnings, ["FILE: ignored: metricsBindAddress (metrics on --listen)"]);
+        assert_eq!(warnings, Vec::<String>::new());
+        assert_eq!(run.metrics_listen, Some("0.0.0.0:10249".parse().unwrap()));
         assert_eq!(run.log_format, LogFormat::Json);
         let config = run.into_config().unwrap();
         assert_eq!(config.cluster_cidrs, ["10.244.0.0/16", "fd00:10:244::/56"]);

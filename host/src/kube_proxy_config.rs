@@ -70,6 +70,7 @@ struct KubeProxyConfiguration {
     detect_local_mode: Option<String>,
     node_port_addresses: Option<Vec<String>>,
     healthz_bind_address: Option<String>,
+    metrics_bind_address: Option<String>,
     oom_score_adj: Option<i32>,
     mode: Option<String>,
     sync_period: Option<String>,
@@ -119,7 +120,7 @@ pub fn parse(yaml: &str) -> Result<KubeProxySettings, InvalidKubeProxyConfig> {
     }
     // From the text, not the value: serde_yaml's errors then name the field and the line.
     let config: KubeProxyConfiguration = serde_yaml::from_str(yaml)?;
-    let mut mapped: BTreeSet<String> = ["apiVersion", "kind", "clusterCIDR", "hostnameOverride", "masqueradeAll", "detectLocalMode", "nodePortAddresses", "healthzBindAddress", "mode", "syncPeriod", "minSyncPeriod", "oomScoreAdj", "logging.format"].map(String::from).into();
+    let mut mapped: BTreeSet<String> = ["apiVersion", "kind", "clusterCIDR", "hostnameOverride", "masqueradeAll", "detectLocalMode", "nodePortAddresses", "healthzBindAddress", "metricsBindAddress", "mode", "syncPeriod", "minSyncPeriod", "oomScoreAdj", "logging.format"].map(String::from).into();
     mapped.extend(["maxPerCore", "min", "tcpEstablishedTimeout", "tcpCloseWaitTimeout", "udpTimeout", "udpStreamTimeout", "tcpBeLiberal"].map(|field| format!("conntrack.{field}")));
     let (mut args, mut warnings) = (Vec::new(), Vec::new());
 
@@ -168,8 +169,15 @@ pub fn parse(yaml: &str) -> Result<KubeProxySettings, InvalidKubeProxyConfig> {
     if let Some(flag) = node_port_addresses(config.node_port_addresses.as_deref().unwrap_or_default(), mode, &mut warnings)? {
         args.push(flag);
     }
-    if let Some(flag) = node_health_listen(config.healthz_bind_address.as_deref().unwrap_or_default())? {
-        args.push(flag);
+    if let Some(listen) = bind_address("healthzBindAddress", config.healthz_bind_address.as_deref().unwrap_or_default(), 10256)? {
+        args.push(format!("--node-health-listen={listen}"));
+    }
+    // kube-proxy's default (loopback) is no choice; port 0 turns its metrics server off.
+    if let Some(listen) = bind_address("metricsBindAddress", config.metrics_bind_address.as_deref().unwrap_or_default(), 10249)?
+        && listen.port() != 0
+        && listen != std::net::SocketAddr::from(([127, 0, 0, 1], 10249))
+    {
+        args.push(format!("--metrics-listen={listen}"));
     }
     let sync_period = match config.sync_period.as_deref() {
         Some(period) if !period.is_empty() && !parse_go_duration(period).is_ok_and(|d| d.is_zero()) => Some(("syncPeriod".to_string(), period)),
@@ -270,19 +278,18 @@ fn node_port_addresses(entries: &[String], mode: &str, warnings: &mut Vec<String
     Ok(Some(format!("--nodeport-addresses={value}")))
 }
 
-/// `healthzBindAddress` as `--node-health-listen`: `IP:PORT`, or an IP alone on kube-proxy's
-/// port 10256 (older configurations had the port apart, in `healthzPort`).
-fn node_health_listen(address: &str) -> Result<Option<String>, InvalidKubeProxyConfig> {
+/// A kube-proxy bind address (`healthzBindAddress`, `metricsBindAddress`): `IP:PORT`, or an
+/// IP alone on kube-proxy's port for it (older configurations had the port apart).
+fn bind_address(field: &str, address: &str, default_port: u16) -> Result<Option<std::net::SocketAddr>, InvalidKubeProxyConfig> {
     let address = address.trim();
     if address.is_empty() {
         return Ok(None);
     }
-    let listen = match (address.parse::<std::net::SocketAddr>(), address.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>()) {
-        (Ok(listen), _) => listen,
-        (_, Ok(ip)) => std::net::SocketAddr::new(ip, 10256),
-        _ => return Err(malformed("healthzBindAddress", address, "not IP:PORT")),
-    };
-    Ok(Some(format!("--node-health-listen={listen}")))
+    match (address.parse::<std::net::SocketAddr>(), address.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>()) {
+        (Ok(listen), _) => Ok(Some(listen)),
+        (_, Ok(ip)) => Ok(Some(std::net::SocketAddr::new(ip, default_port))),
+        _ => Err(malformed(field, address, "not IP:PORT")),
+    }
 }
 
 /// A duration field in whole seconds (`None`: left empty).
@@ -353,7 +360,6 @@ pub fn parse_go_duration(text: &str) -> Result<Duration, String> {
 /// kube-proxy's defaults besides zero values: a field set to one of them is no choice to report.
 const KUBE_PROXY_DEFAULTS: &[(&str, &str)] = &[
     ("bindAddress", "0.0.0.0"),
-    ("metricsBindAddress", "127.0.0.1:10249"),
     ("configSyncPeriod", "15m"),
     ("minSyncPeriod", "1s"),
     ("iptables.minSyncPeriod", "1s"),
@@ -439,7 +445,6 @@ fn why_ignored(path: &str, mode: &str) -> String {
             "clientConnection" => "use --kubeconfig",
             "featureGates" => "no feature gates",
             "logging" => "use RUST_LOG",
-            "metricsBindAddress" => "metrics on --listen",
             "bindAddress" => "node IP from Node",
             "bindAddressHardFail" => "no bind fallback",
             "enableProfiling" => "no pprof endpoint",
@@ -537,6 +542,7 @@ winkernel:
             [
                 "--cluster-cidr=10.244.0.0/16,fd00:10:244::/56",
                 "--masquerade-all",
+                "--metrics-listen=0.0.0.0:10249",
                 "--reconcile-seconds=30",
                 "--min-sync-period=1s",
                 "--conntrack-max-per-core=65536",
@@ -552,7 +558,6 @@ winkernel:
                 "ignored: clientConnection.kubeconfig (use --kubeconfig)",
                 "ignored: ipvs.strictARP (no IPVS mode)",
                 "ignored: logging.verbosity (use RUST_LOG)",
-                "ignored: metricsBindAddress (metrics on --listen)",
             ]
         );
     }
@@ -629,6 +634,21 @@ winkernel:
         assert_eq!(other.warnings, ["ignored: iptables.minSyncPeriod (not the nftables mode)"]);
         let error = parse(&format!("{head}nftables: {{minSyncPeriod: 1x}}\n")).unwrap_err().to_string();
         assert!(error.starts_with("nftables.minSyncPeriod: \"1x\""), "{error}");
+    }
+
+    /// metricsBindAddress: an IP alone gets kube-proxy's port; port 0 (its metrics server off)
+    /// and its loopback default carry nothing over.
+    #[test]
+    fn metrics_bind_address_is_carried_over() {
+        let head = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n";
+        let args = |address: &str| parse(&format!("{head}metricsBindAddress: '{address}'\n")).map(|s| s.args);
+        assert_eq!(args("0.0.0.0").unwrap(), ["--metrics-listen=0.0.0.0:10249"]);
+        assert_eq!(args("[::]:9100").unwrap(), ["--metrics-listen=[::]:9100"]);
+        assert!(args("0.0.0.0:0").unwrap().is_empty());
+        assert!(args("127.0.0.1:10249").unwrap().is_empty());
+        assert!(args("").unwrap().is_empty());
+        let error = args("localhost:10249").unwrap_err().to_string();
+        assert!(error.starts_with("metricsBindAddress: \"localhost:10249\""), "{error}");
     }
 
     /// oomScoreAdj as kube-proxy takes it: `null` leaves the default, a number is given on.

@@ -23,6 +23,7 @@ pub mod inspect;
 pub mod kube_proxy_config;
 pub mod memory;
 pub mod metrics;
+pub mod metrics_server;
 pub mod module_gc;
 pub mod module_objects;
 pub mod module_store;

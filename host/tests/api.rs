@@ -362,3 +362,41 @@ async fn readyz_waits_for_the_nodes_pod_cidr_in_node_cidr_mode() {
     }
     host.stop().await;
 }
+
+/// `--metrics-listen` (kube-proxy's `--metrics-bind-address`): the metrics alone, on an
+/// address of their own, without a token; a port still taken (by the kube-proxy this host
+/// replaces) is asked for again until it is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_served_alone_on_a_listener_of_their_own() {
+    let client = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    write_manifest(&dir.path().join("manifests"), "shop.yaml", &manifests());
+    let host = start(HostConfig { metrics_listen: Some("127.0.0.1:0".parse().unwrap()), ..config(dir.path()) }).await.unwrap();
+    let metrics_addr = host.metrics_addr.expect("a free port is bound at start");
+    assert_ne!(metrics_addr, host.addr);
+    let answer = client.get(format!("http://{metrics_addr}/metrics")).send().await.unwrap();
+    assert_eq!(answer.status(), StatusCode::OK);
+    assert!(answer.text().await.unwrap().contains("wasmplane_model_events_total"));
+    for path in ["/v1/status", "/v1/modules", "/healthz"] {
+        assert_eq!(client.get(format!("http://{metrics_addr}{path}")).send().await.unwrap().status(), StatusCode::NOT_FOUND, "{path}");
+    }
+    host.stop().await;
+
+    let blocker = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = blocker.local_addr().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    write_manifest(&dir.path().join("manifests"), "shop.yaml", &manifests());
+    let host = start(HostConfig { metrics_listen: Some(taken), ..config(dir.path()) }).await.unwrap();
+    assert_eq!(host.metrics_addr, None, "the port is taken");
+    assert!(client.get(format!("{}/healthz", host.url())).send().await.unwrap().status().is_success(), "the host serves anyway");
+    drop(blocker);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match client.get(format!("http://{taken}/metrics")).send().await {
+            Ok(answer) if answer.status() == StatusCode::OK => break,
+            _ => assert!(Instant::now() < deadline, "metrics not served on {taken} once it was free"),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    host.stop().await;
+}
