@@ -3,7 +3,8 @@
 //! Mutating calls need `Authorization: Bearer <token>`; reads are open to loopback peers
 //! only, and need the token from anywhere else.
 
-use std::net::SocketAddr;
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -25,6 +26,8 @@ use crate::module_store::StoreError;
 use crate::modules::Modules;
 use crate::registry::{ModuleStatus, RegistryError};
 use crate::metrics::{Metrics, ResultLabels};
+use crate::nft::service_drops::ServiceDropReason;
+use crate::policy_log::{DropEvent, DropReason};
 
 #[derive(Clone)]
 pub struct ApiState {
@@ -111,6 +114,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/policies", get(list_policies))
         .route("/v1/policies/audit", post(set_module_audit))
         .route("/v1/policies/verdicts", get(policy_verdicts))
+        .route("/v1/drops", get(drops))
         .route("/v1/policies/{namespace}/{name}/audit", post(set_policy_audit))
         .route("/v1/policies/{namespace}/{name}/status", get(policy_status))
         .route("/v1/dataplane", get(dataplane))
@@ -260,35 +264,170 @@ async fn policy_verdicts(State(state): State<ApiState>, Query(query): Query<Verd
     let verdict = query.verdict;
     let limit = query.limit.unwrap_or(100).min(crate::policy_log::CAPACITY);
     let body = with_controller(&state, move |c| {
-        let pod_of: std::collections::BTreeMap<std::net::IpAddr, String> = c
-            .model()
-            .local_pods
-            .iter()
-            .flat_map(|(key, pod)| pod.ips.iter().filter_map(|ip| ip.parse().ok()).map(move |ip: std::net::IpAddr| (ip, key.to_string())))
-            .collect();
-        let wanted_addresses: Option<Vec<std::net::IpAddr>> = match &query.pod {
-            None => None,
-            Some(pod) => {
-                let addresses: Vec<std::net::IpAddr> = pod_of.iter().filter(|(_, key)| *key == pod).map(|(ip, _)| *ip).collect();
-                if addresses.is_empty() {
-                    return Err(HostError::NotFound(format!("no pod {pod} on this node")));
-                }
-                Some(addresses)
-            }
-        };
+        let pod_of = local_pods_by_address(c);
+        let wanted_addresses = addresses_of_pod(&pod_of, query.pod.as_deref())?;
         let since = query.since_unix_ms.unwrap_or(0);
-        let events = log.recent(limit, |e| e.at_unix_ms >= since && verdict.is_none_or(|v| e.verdict == v) && wanted_addresses.as_ref().is_none_or(|a| a.contains(&e.pod_address)));
+        // Policy events only: the service side's are in `GET /v1/drops`.
+        let events = log.recent(limit, |e| {
+            e.at_unix_ms >= since
+                && e.policy().is_some_and(|(v, _, pod)| verdict.is_none_or(|wanted| v == wanted) && wanted_addresses.as_ref().is_none_or(|a| a.contains(&pod)))
+        });
+        let events: Vec<Value> = events.iter().map(|event| event_json(c, &pod_of, None, event)).collect();
+        Ok(json!({ "totals": log.totals(), "events": events }))
+    })
+    .await?;
+    Ok(Json(body).into_response())
+}
+
+/// This node's pods by address (`namespace/name`), from the model now.
+fn local_pods_by_address(c: &Controller) -> BTreeMap<IpAddr, String> {
+    c.model()
+        .local_pods
+        .iter()
+        .flat_map(|(key, pod)| pod.ips.iter().filter_map(|ip| ip.parse().ok()).map(move |ip: IpAddr| (ip, key.to_string())))
+        .collect()
+}
+
+/// The addresses of `pod` (`namespace/name`) on this node, or `None` when no pod is asked
+/// for; a pod that is not here is not found.
+fn addresses_of_pod(pod_of: &BTreeMap<IpAddr, String>, pod: Option<&str>) -> Result<Option<Vec<IpAddr>>, HostError> {
+    let Some(pod) = pod else { return Ok(None) };
+    let addresses: Vec<IpAddr> = pod_of.iter().filter(|(_, key)| *key == pod).map(|(ip, _)| *ip).collect();
+    if addresses.is_empty() {
+        return Err(HostError::NotFound(format!("no pod {pod} on this node")));
+    }
+    Ok(Some(addresses))
+}
+
+/// A logged event with what is looked up when it is read: a policy event's pod (by name)
+/// and the policies selecting it in that direction; a service event's source pod and, given
+/// `frontends`, its service and port name (`null` when no service has the address now).
+fn event_json(c: &Controller, pod_of: &BTreeMap<IpAddr, String>, frontends: Option<&ServiceFrontends>, event: &DropEvent) -> Value {
+    let mut v = serde_json::to_value(event).unwrap_or(Value::Null);
+    let name_of = |addr: &IpAddr| pod_of.get(addr).map_or(Value::Null, |k| Value::String(k.clone()));
+    match event.policy() {
+        Some((_, direction, pod_address)) => {
+            let policies: Vec<String> = c.policies_selecting(direction, pod_address).iter().map(ToString::to_string).collect();
+            v["pod"] = name_of(&pod_address);
+            v["policies"] = json!(policies);
+        }
+        None => {
+            v["pod"] = name_of(&event.source);
+            if let Some(frontends) = frontends {
+                let service = frontends.resolve(event);
+                v["service"] = json!(service.map(|(key, _)| key.to_string()));
+                v["port_name"] = json!(service.and_then(|(_, port)| port));
+            }
+        }
+    }
+    v
+}
+
+/// The services of this node's model by what their drops are logged with: a frontend
+/// (cluster, external or load balancer address, protocol, port), a node port, an address
+/// alone.
+struct ServiceFrontends<'a> {
+    ports: HashMap<(IpAddr, Protocol, u16), (&'a ObjectKey, &'a str)>,
+    node_ports: HashMap<(Protocol, u16), (&'a ObjectKey, &'a str)>,
+    addresses: HashMap<IpAddr, &'a ObjectKey>,
+}
+
+impl<'a> ServiceFrontends<'a> {
+    fn of(services: &'a BTreeMap<ObjectKey, Arc<ServiceView>>) -> ServiceFrontends<'a> {
+        let mut frontends = ServiceFrontends { ports: HashMap::new(), node_ports: HashMap::new(), addresses: HashMap::new() };
+        for (key, view) in services {
+            let service = &view.service;
+            let addresses: Vec<IpAddr> =
+                service.cluster_ips.iter().chain(&service.external_ips).chain(&service.load_balancer_ips).filter_map(|ip| ip.parse().ok()).collect();
+            for port in &service.ports {
+                for address in &addresses {
+                    frontends.ports.entry((*address, port.protocol, port.port)).or_insert((key, &port.name));
+                }
+                if port.node_port != 0 {
+                    frontends.node_ports.entry((port.protocol, port.node_port)).or_insert((key, &port.name));
+                }
+            }
+            for address in addresses {
+                frontends.addresses.entry(address).or_insert(key);
+            }
+        }
+        frontends
+    }
+
+    /// The service a service drop was for, and the name of its port: by destination address
+    /// and port; else by address alone (a port none of its services has, no port name); else,
+    /// for a drop of no endpoints, by node port (the destination is the node's address).
+    fn resolve(&self, event: &DropEvent) -> Option<(&'a ObjectKey, Option<&'a str>)> {
+        let reason = event.service_reason()?;
+        let protocol = Protocol::parse(&event.protocol.to_ascii_uppercase());
+        let port = protocol.zip(event.destination_port);
+        if let Some(&(key, name)) = port.and_then(|(protocol, port)| self.ports.get(&(event.destination, protocol, port))) {
+            return Some((key, Some(name)));
+        }
+        if let Some(&key) = self.addresses.get(&event.destination) {
+            return Some((key, None));
+        }
+        let node_port_drop = matches!(reason, ServiceDropReason::NoEndpoints | ServiceDropReason::NoLocalEndpoints);
+        port.filter(|_| node_port_drop).and_then(|port| self.node_ports.get(&port)).map(|&(key, name)| (key, Some(name)))
+    }
+}
+
+#[derive(Deserialize)]
+struct DropsQuery {
+    /// `namespace/name` of a service of this node's model: the service drops of its
+    /// addresses and ports.
+    service: Option<String>,
+    /// `namespace/name` of a pod on this node: its policy verdicts and the service drops of
+    /// what it sent.
+    pod: Option<String>,
+    reason: Option<DropReason>,
+    limit: Option<usize>,
+    /// Only events logged at or after this time (ms since the epoch): what a follower polls.
+    since_unix_ms: Option<u64>,
+}
+
+/// Every logged drop, newest first (`wasmplane drops`): the policy verdicts as
+/// `GET /v1/policies/verdicts` has them, and the service side's drops and rejects with their
+/// reason, named by service and port from the model now. Each has its `kind` (`policy`,
+/// `service`) and `reason` (`deny`, `audit`, or the service's).
+async fn drops(State(state): State<ApiState>, Query(query): Query<DropsQuery>) -> ApiResult<Response> {
+    let Some(log) = state.policy_verdicts.clone() else {
+        return Err(ApiError(StatusCode::NOT_FOUND, "drops are not read on this host: it writes no kernel (--dataplane nftables), logs none (--policy-log-group 0) or could not bind the group (see its log)".into()));
+    };
+    let limit = query.limit.unwrap_or(100).min(crate::policy_log::CAPACITY);
+    let body = with_controller(&state, move |c| {
+        let pod_of = local_pods_by_address(c);
+        let pod_addresses = addresses_of_pod(&pod_of, query.pod.as_deref())?;
+        let services = &c.model().services;
+        let service = match &query.service {
+            None => None,
+            Some(text) => Some(
+                text.split_once('/')
+                    .map(|(namespace, name)| ObjectKey::new(namespace, name))
+                    .filter(|key| services.contains_key(key))
+                    .ok_or_else(|| HostError::NotFound(format!("no service {text} in this node's model")))?,
+            ),
+        };
+        let frontends = ServiceFrontends::of(services);
+        let since = query.since_unix_ms.unwrap_or(0);
+        let events = log.recent(limit, |e| {
+            // A policy event is its pod's; a service event, the sender's.
+            let pod_side = e.policy().map_or(e.source, |(_, _, pod)| pod);
+            e.at_unix_ms >= since
+                && query.reason.is_none_or(|reason| e.cause.reason() == reason)
+                && pod_addresses.as_ref().is_none_or(|a| a.contains(&pod_side))
+                && service.as_ref().is_none_or(|wanted| frontends.resolve(e).is_some_and(|(key, _)| key == wanted))
+        });
         let events: Vec<Value> = events
-            .into_iter()
+            .iter()
             .map(|event| {
-                let policies: Vec<String> = c.policies_selecting(event.direction, event.pod_address).iter().map(ToString::to_string).collect();
-                let mut v = serde_json::to_value(&event).unwrap_or(Value::Null);
-                v["pod"] = pod_of.get(&event.pod_address).map_or(Value::Null, |k| Value::String(k.clone()));
-                v["policies"] = json!(policies);
+                let mut v = event_json(c, &pod_of, Some(&frontends), event);
+                v["kind"] = json!(event.cause.kind());
+                v["reason"] = json!(event.cause.reason());
                 v
             })
             .collect();
-        Ok(json!({ "totals": log.totals(), "events": events }))
+        Ok(json!({ "totals": { "policy_verdicts": log.totals(), "service_drops": log.service_totals() }, "events": events }))
     })
     .await?;
     Ok(Json(body).into_response())
@@ -556,6 +695,7 @@ async fn status(State(state): State<ApiState>) -> ApiResult<Response> {
     .await?;
     // The operator role replaces the agent's in this host (see `app.rs`).
     summary["policy_verdicts"] = json!(state.policy_verdicts.as_ref().map(|log| log.totals()));
+    summary["service_drops"] = json!(state.policy_verdicts.as_ref().map(|log| log.service_totals()));
     // Configured but not serving yet: waiting for this node's pod CIDRs (or it failed to start).
     summary["cni"] = match &state.cni {
         None => Value::Null,

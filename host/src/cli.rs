@@ -59,6 +59,16 @@ pub enum Command {
         #[command(subcommand)]
         command: crate::inspect::PolicyCommand,
     },
+    /// Every packet this node logged as dropped, through its REST API, oldest first: policy
+    /// verdicts, and the service side's drops and rejects (no endpoints, no local endpoints,
+    /// outside the source ranges, a cluster IP's unknown port, an unallocated address) with
+    /// the service named (Cilium's "Service backend not found"). `-f` follows.
+    Drops {
+        #[command(flatten)]
+        api: ApiArgs,
+        #[command(flatten)]
+        args: crate::inspect::DropsArgs,
+    },
 }
 
 #[derive(Subcommand, Debug)]

@@ -186,12 +186,18 @@ impl CallFailure {
     }
 }
 
-fn translate_one(session: &mut TranslatorSession, model: &NodeLocalModel, key: &ObjectKey, view: &ServiceView) -> Result<ObjectRules, CallFailure> {
+/// `drops_logged`: the dataplane logs service drops, so no-endpoint drops go through its
+/// drop chain (see `nft::service_drops`).
+fn translate_one(session: &mut TranslatorSession, model: &NodeLocalModel, key: &ObjectKey, view: &ServiceView, drops_logged: bool) -> Result<ObjectRules, CallFailure> {
     let out = session.translate(&model.context, &nft::service_prefix(key), view).map_err(|e| match e {
         CallError::Guest(_) => CallFailure::Declined(e.to_string()),
         other => CallFailure::Crash(other.to_string()),
     })?;
-    nft::validate_service_output(key, &out).map_err(|e| CallFailure::Crash(e.to_string()))
+    let mut rules = nft::validate_service_output(key, &out).map_err(|e| CallFailure::Crash(e.to_string()))?;
+    if drops_logged {
+        nft::service_drops::route_drops_through_log(&mut rules);
+    }
+    Ok(rules)
 }
 
 /// What the host makes of a module's verdict on the settings it would run with: refused
@@ -261,6 +267,7 @@ impl Controller {
                 .with_masquerade_all(config.masquerade_all)
                 .with_egress_masquerade(config.egress_masquerade.clone())
                 .with_node_port_addresses(config.node_port_addresses)
+                .with_service_drop_log(config.policy_verdict_log)
                 .with_health(health),
             service_errors: BTreeMap::new(),
             max_module_bytes: config.max_module_bytes,
@@ -650,7 +657,7 @@ impl Controller {
     fn translate(&mut self, key: &ObjectKey, view: &ServiceView) -> Result<ObjectRules, String> {
         let active = self.translator.as_mut().ok_or("no service translator is active")?;
         let started = Instant::now();
-        let result = translate_one(&mut active.session, &self.model, key, view);
+        let result = translate_one(&mut active.session, &self.model, key, view, self.dataplane.logs_service_drops());
         self.metrics.guest_call_time("service-translator", started.elapsed().as_secs_f64());
         let outcome = match &result {
             Ok(_) => "ok",
@@ -794,7 +801,7 @@ impl Controller {
         let settings = module.settings().clone();
         let mut outputs = BTreeMap::new();
         for (key, view) in &self.model.services {
-            match translate_one(&mut session, &self.model, key, view) {
+            match translate_one(&mut session, &self.model, key, view, self.dataplane.logs_service_drops()) {
                 Ok(rules) => {
                     outputs.insert(key.clone(), rules);
                 }
@@ -1008,7 +1015,7 @@ impl Controller {
                 Some(view) => {
                     shadow.calls += 1;
                     let started = Instant::now();
-                    let result = translate_one(&mut shadow.session, &self.model, key, view);
+                    let result = translate_one(&mut shadow.session, &self.model, key, view, self.dataplane.logs_service_drops());
                     // Timed apart from the active translator's calls: a candidate's cost beside the one it would replace.
                     self.metrics.guest_call_time("service-translator-shadow", started.elapsed().as_secs_f64());
                     self.metrics.guest_call(&shadow.name, "service-translator-shadow", if result.is_ok() { "ok" } else { "error" });

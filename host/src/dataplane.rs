@@ -886,6 +886,19 @@ impl Dataplane {
         self
     }
 
+    /// Logs the service side's drops and rejects to `log`'s group (see
+    /// [`nft::service_drops`]). The objects written must then send their no-endpoint drops
+    /// through the drop chain ([`nft::service_drops::route_drops_through_log`]).
+    pub fn with_service_drop_log(mut self, log: Option<nft::policy::VerdictLog>) -> Self {
+        self.networks.service_drop_log = log;
+        self
+    }
+
+    /// Whether service drops are logged (see [`Dataplane::with_service_drop_log`]).
+    pub fn logs_service_drops(&self) -> bool {
+        self.networks.service_drop_log.is_some()
+    }
+
     /// The CIDRs local traffic comes from (the model's context: the cluster CIDRs, or the
     /// node's pod CIDRs with `--detect-local-mode NodeCIDR`). Returns whether they moved, as
     /// [`Dataplane::set_service_cidrs`].

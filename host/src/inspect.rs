@@ -1,7 +1,7 @@
 //! Node-local inspection for operators (`wasmplane status`, `wasmplane service ls|get`,
-//! `wasmplane policy ls|verdicts`, as `cilium status`, `cilium service list` and
-//! `hubble observe --verdict DROPPED`): the host's `GET /v1/status`, `GET /v1/services` and
-//! `GET /v1/policies[/verdicts]` shown as text. The formatting is pure (JSON in, text out),
+//! `wasmplane policy ls|verdicts`, `wasmplane drops`, as `cilium status`, `cilium service
+//! list` and `hubble observe --verdict DROPPED`): the host's `GET /v1/status`,
+//! `GET /v1/services`, `GET /v1/policies[/verdicts]` and `GET /v1/drops` shown as text. The formatting is pure (JSON in, text out),
 //! apart from the calls.
 
 use std::collections::BTreeMap;
@@ -275,42 +275,95 @@ pub async fn policy_to(api: &ApiArgs, command: PolicyCommand, out: &mut (impl st
         }
         PolicyCommand::Verdicts { pod, verdict, limit, follow } => {
             let filters: Vec<(&str, &str)> = pod.as_deref().map(|pod| ("pod", pod)).into_iter().chain(verdict.map(|v| ("verdict", v.name()))).collect();
-            let limit = limit.to_string();
-            // Before following: a host that reads no verdicts (404) or a pod not on this node says so here.
-            let answer = get_json(api, &VERDICTS_PATH, &with_limit(&filters, &limit)).await?;
-            if !follow {
-                write!(out, "{}", format_verdicts(&answer))?;
-                return Ok(());
-            }
-            // Registered before anything is shown, so that a Ctrl-C during a request is not lost.
-            let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).context("listening for Ctrl-C")?;
-            let mut printed = PrintedEvents::default();
-            show_new(out, &answer, &mut printed)?;
-            // Every event the host keeps from the newest printed millisecond on, so that more
-            // than `limit` in one second are not cut and what was printed is not sent again.
-            let all = crate::policy_log::CAPACITY.to_string();
-            let poll = async {
-                loop {
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                    let since = printed_since(&printed);
-                    let mut query = with_limit(&filters, &all);
-                    query.extend(since.as_deref().map(|since| ("since_unix_ms", since)));
-                    let answer = get_json(api, &VERDICTS_PATH, &query).await?;
-                    show_new(out, &answer, &mut printed)?;
-                }
-            };
-            tokio::select! {
-                _ = interrupt.recv() => Ok(()),
-                result = poll => result,
-            }
+            show_events(api, &VERDICTS, &filters, limit, follow, out).await
         }
     }
 }
 
-/// Prints the events of a verdicts answer not yet `printed`, oldest first.
-fn show_new(out: &mut impl std::io::Write, answer: &Value, printed: &mut PrintedEvents) -> std::io::Result<()> {
+/// Options of `wasmplane drops`.
+#[derive(clap::Args, Debug)]
+pub struct DropsArgs {
+    /// Only the drops of this service's addresses and ports (in this node's model).
+    #[arg(long, value_name = "NS/NAME")]
+    pub service: Option<String>,
+    /// Only those of this pod (on this node): its policy verdicts, the service drops of what
+    /// it sent.
+    #[arg(long, value_name = "NS/NAME")]
+    pub pod: Option<String>,
+    /// Only those of one reason: a policy's (deny, audit) or the service side's.
+    #[arg(long)]
+    pub reason: Option<DropReason>,
+    /// How many of the newest to show.
+    #[arg(long, default_value_t = 20)]
+    pub limit: usize,
+    /// Then keep printing new ones as they come (every second), until Ctrl-C.
+    #[arg(long, short)]
+    pub follow: bool,
+}
+
+pub use crate::policy_log::DropReason;
+
+/// Runs `wasmplane drops` against the host of `api`.
+pub async fn drops(api: &ApiArgs, args: DropsArgs) -> anyhow::Result<()> {
+    drops_to(api, args, &mut std::io::stdout()).await
+}
+
+/// [`drops`], printing to `out`.
+pub async fn drops_to(api: &ApiArgs, args: DropsArgs, out: &mut (impl std::io::Write + Send)) -> anyhow::Result<()> {
+    let reason = args.reason.map(|r| serde_json::to_value(r).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default());
+    let filters: Vec<(&str, &str)> =
+        [("service", args.service.as_deref()), ("pod", args.pod.as_deref()), ("reason", reason.as_deref())].into_iter().filter_map(|(k, v)| Some((k, v?))).collect();
+    show_events(api, &DROPS, &filters, args.limit, args.follow, out).await
+}
+
+/// An API path serving logged events (newest first, `limit`, `since_unix_ms`), and how its
+/// events and answers are printed.
+struct EventSource {
+    path: &'static [&'static str],
+    format_event: fn(&Value) -> String,
+    format_answer: fn(&Value) -> String,
+}
+
+const VERDICTS: EventSource = EventSource { path: &VERDICTS_PATH, format_event: format_verdict, format_answer: format_verdicts };
+const DROPS: EventSource = EventSource { path: &["v1", "drops"], format_event: format_drop, format_answer: format_drops };
+
+/// Prints the newest `limit` events of `source` that pass `filters`, oldest first; with
+/// `follow`, then the new ones every second, each once, until Ctrl-C.
+async fn show_events(api: &ApiArgs, source: &EventSource, filters: &[(&str, &str)], limit: usize, follow: bool, out: &mut (impl std::io::Write + Send)) -> anyhow::Result<()> {
+    let limit = limit.to_string();
+    // Before following: a host that reads no log (404) or a pod not on this node says so here.
+    let answer = get_json(api, source.path, &with_limit(filters, &limit)).await?;
+    if !follow {
+        write!(out, "{}", (source.format_answer)(&answer))?;
+        return Ok(());
+    }
+    // Registered before anything is shown, so that a Ctrl-C during a request is not lost.
+    let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).context("listening for Ctrl-C")?;
+    let mut printed = PrintedEvents::default();
+    show_new(out, source, &answer, &mut printed)?;
+    // Every event the host keeps from the newest printed millisecond on, so that more
+    // than `limit` in one second are not cut and what was printed is not sent again.
+    let all = crate::policy_log::CAPACITY.to_string();
+    let poll = async {
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let since = printed_since(&printed);
+            let mut query = with_limit(filters, &all);
+            query.extend(since.as_deref().map(|since| ("since_unix_ms", since)));
+            let answer = get_json(api, source.path, &query).await?;
+            show_new(out, source, &answer, &mut printed)?;
+        }
+    };
+    tokio::select! {
+        _ = interrupt.recv() => Ok(()),
+        result = poll => result,
+    }
+}
+
+/// Prints the events of an answer not yet `printed`, oldest first.
+fn show_new(out: &mut impl std::io::Write, source: &EventSource, answer: &Value, printed: &mut PrintedEvents) -> std::io::Result<()> {
     let (fresh, next) = new_events(events_of(answer), printed);
-    fresh.iter().try_for_each(|event| writeln!(out, "{}", format_verdict(event)))?;
+    fresh.iter().try_for_each(|event| writeln!(out, "{}", (source.format_event)(event)))?;
     *printed = next;
     out.flush()
 }
@@ -354,7 +407,8 @@ pub fn format_policies(list: &Value, counters: bool) -> String {
     table(&rows)
 }
 
-/// The events of a `GET /v1/policies/verdicts` answer, newest first as the host sends them.
+/// The events of a `GET /v1/policies/verdicts` or `GET /v1/drops` answer, newest first as
+/// the host sends them.
 fn events_of(answer: &Value) -> &[Value] {
     answer["events"].as_array().map_or(&[], Vec::as_slice)
 }
@@ -392,15 +446,54 @@ pub fn format_verdict(event: &Value) -> String {
 /// A `GET /v1/policies/verdicts` answer: its events oldest first, one line each, then the
 /// host's totals since it started.
 pub fn format_verdicts(answer: &Value) -> String {
-    let events = events_of(answer);
-    let mut out: String = events.iter().rev().map(|event| format_verdict(event) + "\n").collect();
+    format_events(answer, format_verdict, &policy_totals(&answer["totals"]))
+}
+
+/// One event of `GET /v1/drops` as a line: a policy's as [`format_verdict`]; the service
+/// side's as time (UTC), REJECT or DROP, `service`, the service (and port name, `<unknown>`
+/// when no service has the address now), source -> destination, protocol, reason.
+pub fn format_drop(event: &Value) -> String {
+    if event["kind"] != "service" {
+        return format_verdict(event);
+    }
+    let time = event["at_unix_ms"].as_u64().map_or_else(|| "??:??:??.???".to_string(), utc_clock);
+    let reason = event["reason"].as_str().unwrap_or("?");
+    // What the sender sees: a refused connection, or none at all.
+    let verdict = if matches!(reason, "no-endpoints" | "unknown-port") { "REJECT" } else { "DROP" };
+    let service = match (event["service"].as_str(), event["port_name"].as_str()) {
+        (None, _) => "<unknown>".to_string(),
+        (Some(service), Some(port)) if !port.is_empty() => format!("{service}:{port}"),
+        (Some(service), _) => service.to_string(),
+    };
+    let source = socket_text(&event["source"], &event["source_port"]);
+    let destination = socket_text(&event["destination"], &event["destination_port"]);
+    let protocol = event["protocol"].as_str().unwrap_or("?");
+    format!("{time}  {verdict:<5}  service  {service}  {source} -> {destination} {protocol}  reason: {reason}")
+}
+
+/// A `GET /v1/drops` answer: its events oldest first, one line each, then the host's totals
+/// since it started, policy verdicts and service drops by reason.
+pub fn format_drops(answer: &Value) -> String {
     let totals = &answer["totals"];
+    let by_reason: String = totals["service_drops"].as_object().into_iter().flatten().map(|(reason, n)| format!(", {reason} {}", count(n))).collect();
+    format_events(answer, format_drop, &(policy_totals(&totals["policy_verdicts"]) + &by_reason))
+}
+
+/// An answer's events oldest first, one line each, then `totals`.
+fn format_events(answer: &Value, format_event: fn(&Value) -> String, totals: &str) -> String {
+    let events = events_of(answer);
+    let mut out: String = events.iter().rev().map(|event| format_event(event) + "\n").collect();
+    out += &format!("{} shown; since the host started: {totals}\n", events.len());
+    out
+}
+
+/// The policy verdict totals as text (`deny N, audit N[, lost N]`).
+fn policy_totals(totals: &Value) -> String {
     let lost = match totals["lost"].as_u64() {
         Some(lost) if lost > 0 => format!(", lost {lost}"),
         _ => String::new(),
     };
-    out += &format!("{} shown; since the host started: deny {}, audit {}{lost}\n", events.len(), count(&totals["deny"]), count(&totals["audit"]));
-    out
+    format!("deny {}, audit {}{lost}", count(&totals["deny"]), count(&totals["audit"]))
 }
 
 /// What `--follow` has printed: the newest millisecond and, per event of that millisecond,
@@ -411,13 +504,14 @@ pub struct PrintedEvents {
     at_newest: BTreeMap<String, usize>,
 }
 
-/// An event as the host logged it: without the pod's name and the policies, which the host
-/// looks up at each read and may change between two polls.
+/// An event as the host logged it: without the pod's name, the policies, the service and
+/// its port name, which the host looks up at each read and may change between two polls.
 fn event_identity(event: &Value) -> String {
     let mut logged = event.clone();
     if let Some(fields) = logged.as_object_mut() {
-        fields.remove("pod");
-        fields.remove("policies");
+        for looked_up in ["pod", "policies", "service", "port_name"] {
+            fields.remove(looked_up);
+        }
     }
     logged.to_string()
 }
@@ -586,6 +680,36 @@ mod tests {
         assert_eq!(lines[2], "2 shown; since the host started: deny 7, audit 1", "{text}");
         let lost = json!({ "totals": { "deny": 0, "audit": 0, "lost": 3 }, "events": [] });
         assert_eq!(format_verdicts(&lost), "0 shown; since the host started: deny 0, audit 0, lost 3\n");
+    }
+
+    #[test]
+    fn drop_lines_show_policy_verdicts_as_before_and_service_drops_by_service_and_reason() {
+        let service_event = |at: u64, reason: &str, service: Option<&str>, port_name: Option<&str>, to: (&str, u16)| {
+            json!({ "kind": "service", "reason": reason, "at_unix_ms": at, "source": "10.244.0.100", "source_port": 40000, "destination": to.0,
+                    "destination_port": to.1, "protocol": "tcp", "pod": "default/client", "service": service, "port_name": port_name })
+        };
+        let no_endpoints = service_event(HMS_MS, "no-endpoints", Some("default/empty"), Some("http"), ("10.96.0.40", 80));
+        assert_eq!(format_drop(&no_endpoints), "13:04:05.067  REJECT  service  default/empty:http  10.244.0.100:40000 -> 10.96.0.40:80 tcp  reason: no-endpoints");
+        let unknown_port = service_event(1, "unknown-port", Some("default/web"), None, ("10.96.0.41", 81));
+        assert_eq!(format_drop(&unknown_port), "00:00:00.001  REJECT  service  default/web  10.244.0.100:40000 -> 10.96.0.41:81 tcp  reason: unknown-port");
+        let unallocated = service_event(2, "unallocated", None, None, ("10.96.0.99", 80));
+        assert_eq!(format_drop(&unallocated), "00:00:00.002  DROP   service  <unknown>  10.244.0.100:40000 -> 10.96.0.99:80 tcp  reason: unallocated");
+        let mut policy = verdict_event(3, "deny", "ingress", Some("default/web"), ("10.0.0.1", Some(1)), ("10.244.0.11", Some(80)), &["default/web"]);
+        policy["kind"] = json!("policy");
+        policy["reason"] = json!("deny");
+        assert_eq!(format_drop(&policy), format_verdict(&policy), "a policy event as `policy verdicts` prints it");
+
+        let answer = json!({ "events": [unallocated, policy, no_endpoints],
+            "totals": { "policy_verdicts": { "deny": 1, "audit": 0, "lost": 0 }, "service_drops": { "no-endpoints": 4, "unallocated": 1 } } });
+        let text = format_drops(&answer);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 4, "{text}");
+        assert!(lines[0].contains("reason: no-endpoints") && lines[2].contains("reason: unallocated"), "oldest first: {text}");
+        assert_eq!(lines[3], "3 shown; since the host started: deny 1, audit 0, no-endpoints 4, unallocated 1");
+        // What a follower compares: the looked-up service and port name are not the event.
+        let mut renamed = unknown_port.clone();
+        renamed["service"] = json!(null);
+        assert_eq!(event_identity(&renamed), event_identity(&unknown_port));
     }
 
     #[test]

@@ -80,6 +80,7 @@ async fn run() -> anyhow::Result<()> {
             ServiceCommand::Get { namespace, name } => wasmplane::inspect::service(&api, &namespace, &name).await,
         },
         Command::Policy { api, command } => wasmplane::inspect::policy(&api, command).await,
+        Command::Drops { api, args } => wasmplane::inspect::drops(&api, args).await,
     }
 }
 

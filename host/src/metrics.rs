@@ -348,6 +348,10 @@ impl Collector for PolicyVerdictCollector {
         for (verdict, value) in [("deny", totals.deny), ("audit", totals.audit)] {
             ConstCounter::new(value).encode(logged.encode_family(&[("verdict", verdict)])?)?;
         }
+        let mut dropped = encoder.encode_descriptor("service_drops_logged", "New connections the service side dropped or rejected, logged (rate-limited per node and reason) and read by the host, by reason", None, MetricType::Counter)?;
+        for (reason, value) in log.service_totals() {
+            ConstCounter::new(value).encode(dropped.encode_family(&[("reason", reason.name())])?)?;
+        }
         let lost = ConstCounter::new(totals.lost);
         lost.encode(encoder.encode_descriptor("policy_verdict_log_overruns", "Times the kernel dropped policy verdict messages before the host read them", None, lost.metric_type())?)?;
         Ok(())
@@ -425,6 +429,34 @@ mod tests {
         assert_eq!(sample(&text, "wasmplane_grpc_revisions_published_total"), Some(3.0), "{text}");
         assert_eq!(sample(&text, "wasmplane_grpc_watches_refused_total{code=\"unavailable\"}"), Some(1.0), "{text}");
         assert_eq!(sample(&text, "wasmplane_grpc_watches_total"), Some(0.0), "{text}");
+    }
+
+    #[test]
+    fn service_drops_are_counted_by_reason_beside_the_policy_verdicts() {
+        use crate::nft::service_drops::{ServiceDropReason, prefix};
+        use crate::policy_log::{DropCause, DropEvent, PolicyVerdictLog};
+        let metrics = Metrics::new();
+        let log = PolicyVerdictLog::new();
+        metrics.export_policy_verdicts(&log);
+        let event = |reason| DropEvent {
+            at_unix_ms: 1,
+            cause: DropCause::Service { reason },
+            source: "10.244.0.5".parse().unwrap(),
+            destination: "10.96.0.40".parse().unwrap(),
+            protocol: "tcp".into(),
+            source_port: Some(40000),
+            destination_port: Some(80),
+        };
+        log.record(event(ServiceDropReason::NoEndpoints));
+        log.record(event(ServiceDropReason::NoEndpoints));
+        log.record(event(ServiceDropReason::SourceRange));
+        let text = metrics.encode();
+        assert!(text.contains("# TYPE wasmplane_service_drops_logged counter"), "{text}");
+        assert_eq!(sample(&text, "wasmplane_service_drops_logged_total{reason=\"no-endpoints\"}"), Some(2.0), "{text}");
+        assert_eq!(sample(&text, "wasmplane_service_drops_logged_total{reason=\"source-range\"}"), Some(1.0), "{text}");
+        assert_eq!(sample(&text, "wasmplane_service_drops_logged_total{reason=\"unallocated\"}"), Some(0.0), "every reason from the start: {text}");
+        assert_eq!(sample(&text, "wasmplane_policy_verdicts_logged_total{verdict=\"deny\"}"), Some(0.0), "{text}");
+        assert_eq!(prefix(ServiceDropReason::NoEndpoints), "wasmplane-service no-endpoints");
     }
 
     #[test]

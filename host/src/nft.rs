@@ -106,6 +106,7 @@
 
 pub mod netlink;
 pub mod policy;
+pub mod service_drops;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -1273,8 +1274,9 @@ struct TableSkeleton<'a> {
 
 impl TableSkeleton<'_> {
     /// `flush_first`: empty the table (rules and map elements) after declaring everything and
-    /// before refilling it, within the caller's one transaction.
-    fn write(&self, out: &mut String, t: Table, flush_first: bool) {
+    /// before refilling it, within the caller's one transaction. `drop_log`: where the rules
+    /// marked [`LOG_SERVICE_DROP`] log to; `None`: they are left out.
+    fn write(&self, out: &mut String, t: Table, flush_first: bool, drop_log: Option<policy::VerdictLog>) {
         writeln!(out, "add table {t}").unwrap();
         for (name, ty) in self.maps {
             writeln!(out, "add map {t} {name} {{ type {ty} : verdict; }}").unwrap();
@@ -1313,13 +1315,25 @@ impl TableSkeleton<'_> {
         for (name, _, rules) in self.chains {
             writeln!(out, "flush chain {t} {name}").unwrap();
             for rule in *rules {
-                writeln!(out, "add rule {t} {name} {}", rule.replace("0x4000", MASQUERADE_MARK)).unwrap();
+                match rule.split_once(LOG_SERVICE_DROP) {
+                    None => writeln!(out, "add rule {t} {name} {}", rule.replace("0x4000", MASQUERADE_MARK)).unwrap(),
+                    Some((matches, reason)) => {
+                        let Some(log) = drop_log else { continue };
+                        let reason = service_drops::ServiceDropReason::from_name(reason).unwrap_or_else(|| panic!("skeleton rule {rule:?}: no such reason"));
+                        writeln!(out, "add rule {t} {name} {matches}{}", service_drops::log_statements(reason, log)).unwrap();
+                    }
+                }
             }
         }
     }
 }
 
 const MARK_FOR_MASQUERADE: (&str, &str, &[&str]) = ("mark-for-masquerade", "", &["meta mark set meta mark | 0x4000"]);
+
+/// A skeleton rule `<matches> log-service-drop <reason>` is the log rule of the drop or
+/// reject after it: `<matches> limit ... log group G prefix "wasmplane-service <reason>"`
+/// when service drops are logged, no rule when not (see `service_drops`).
+const LOG_SERVICE_DROP: &str = "log-service-drop ";
 
 /// The main table: what every service shares (no-endpoint and cluster-IP checks in the
 /// filter hooks, masquerading) and network policy.
@@ -1426,7 +1440,9 @@ const MAIN_SKELETON: TableSkeleton = {
                 "firewall-check",
                 "",
                 &[
+                    "ip daddr . meta l4proto . th dport @firewall-ips ip daddr . meta l4proto . th dport . ip saddr != @firewall-allowed log-service-drop source-range",
                     "ip daddr . meta l4proto . th dport @firewall-ips ip daddr . meta l4proto . th dport . ip saddr != @firewall-allowed drop",
+                    "ip6 daddr . meta l4proto . th dport @firewall-ips6 ip6 daddr . meta l4proto . th dport . ip6 saddr != @firewall-allowed6 log-service-drop source-range",
                     "ip6 daddr . meta l4proto . th dport @firewall-ips6 ip6 daddr . meta l4proto . th dport . ip6 saddr != @firewall-allowed6 drop",
                 ],
             ),
@@ -1436,7 +1452,16 @@ const MAIN_SKELETON: TableSkeleton = {
             (
                 "cluster-ips-check",
                 "",
-                &["ip daddr @cluster-ips reject", "ip6 daddr @cluster-ips6 reject", "ip daddr @service-cidrs drop", "ip6 daddr @service-cidrs6 drop"],
+                &[
+                    "ip daddr @cluster-ips log-service-drop unknown-port",
+                    "ip daddr @cluster-ips reject",
+                    "ip6 daddr @cluster-ips6 log-service-drop unknown-port",
+                    "ip6 daddr @cluster-ips6 reject",
+                    "ip daddr @service-cidrs log-service-drop unallocated",
+                    "ip daddr @service-cidrs drop",
+                    "ip6 daddr @service-cidrs6 log-service-drop unallocated",
+                    "ip6 daddr @service-cidrs6 drop",
+                ],
             ),
             MARK_FOR_MASQUERADE,
             (
@@ -1448,7 +1473,7 @@ const MAIN_SKELETON: TableSkeleton = {
                     "masquerade fully-random",
                 ],
             ),
-            ("reject-chain", "", &["reject"]),
+            ("reject-chain", "", &["log-service-drop no-endpoints", "reject"]),
         ],
     }
 };
@@ -1593,6 +1618,9 @@ pub struct NodeNetworks {
     pub masquerade_all: bool,
     /// Masquerade what this node's pods send out of the cluster (`--egress-masquerade`).
     pub egress_masquerade: Option<EgressMasquerade>,
+    /// Where the service side's drops and rejects are logged (the policy verdict log's
+    /// group, see `service_drops`); `None`: not, and the skeleton is as without logging.
+    pub service_drop_log: Option<policy::VerdictLog>,
 }
 
 /// Pod egress masquerade, what every CNI that routes pod addresses does (flannel's
@@ -1722,7 +1750,10 @@ fn write_count_sets(out: &mut String, t: Table, flush: bool) {
 /// rules. `flush_first`: empty the tables (rules and map elements) after declaring
 /// everything and before refilling them, all within the caller's one transaction.
 pub fn skeleton(out: &mut String, flush_first: bool, layout: Layout, networks: &NodeNetworks) {
-    MAIN_SKELETON.write(out, Table::MAIN, flush_first);
+    MAIN_SKELETON.write(out, Table::MAIN, flush_first, networks.service_drop_log);
+    if let Some(log) = networks.service_drop_log {
+        service_drops::write_drop_chain(out, Table::MAIN, log);
+    }
     write_cidr_sets(out, Table::MAIN, ("service-cidrs", "service-cidrs6"), &networks.service_cidrs, flush_first);
     write_node_port_rules(out, Table::MAIN, "no-endpoint-node-ports", "no-endpoint-nodeports", networks, flush_first);
     if networks.masquerade_all {
@@ -1733,7 +1764,7 @@ pub fn skeleton(out: &mut String, flush_first: bool, layout: Layout, networks: &
     policy::skeleton(out, flush_first);
     for shard in 0..layout.shards {
         let t = Table::shard(shard);
-        SHARD_SKELETON.write(out, t, flush_first);
+        SHARD_SKELETON.write(out, t, flush_first, None);
         write_node_port_rules(out, t, "node-ports", "service-nodeports", networks, flush_first);
         write_count_sets(out, t, flush_first);
         write_pick_chains(out, t);

@@ -4,11 +4,16 @@
 //! from and to where, on which port. What Antrea's and OVN-Kubernetes' policy logging and
 //! Cilium's policy verdict events answer: why does this connection fail?
 //!
+//! The service side's drops and rejects come to the same group (`nft::service_drops`: no
+//! endpoints, no local endpoints, outside the source ranges, a cluster IP's unknown port, an
+//! unallocated service address) and into the same events, with their reason instead of a
+//! verdict (`GET /v1/drops` shows both; the verdicts endpoint only the policy's).
+//!
 //! The kernel bounds the cost: each dispatch chain logs at most a few packets a second, and
 //! only the packets' headers are copied. The events keep the pod address; the pod's name
 //! and the policies selecting it are looked up when they are read, from the model then.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::net::IpAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,9 +23,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use netlink_packet_core::{NetlinkMessage, NetlinkPayload};
 use netlink_packet_netfilter::nflog::{ConfigCmd, ConfigMode, PacketNla, ULogMessage, config_request};
 use netlink_packet_netfilter::{NetfilterMessage, NetfilterMessageInner, NetfilterProtoFamily};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::nft::policy::{Direction, PolicyVerdict, parse_verdict_prefix};
+use crate::nft::service_drops::{self, ServiceDropReason};
 
 /// Events kept; older ones go first.
 pub const CAPACITY: usize = 1024;
@@ -32,13 +38,12 @@ const POLL: Duration = Duration::from_secs(1);
 
 /// One logged packet.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct VerdictEvent {
+pub struct DropEvent {
     /// When the host read it, in milliseconds since the epoch.
     pub at_unix_ms: u64,
-    pub verdict: PolicyVerdict,
-    pub direction: Direction,
-    /// The pod whose policies decided (the destination for ingress, the source for egress).
-    pub pod_address: IpAddr,
+    /// Who dropped it and why; its fields are the event's own (flattened).
+    #[serde(flatten)]
+    pub cause: DropCause,
     pub source: IpAddr,
     pub destination: IpAddr,
     /// `tcp`, `udp`, `sctp`, `icmp`, `icmpv6`, or the protocol number.
@@ -47,12 +52,87 @@ pub struct VerdictEvent {
     pub destination_port: Option<u16>,
 }
 
+/// Who dropped a logged packet. Untagged: a policy event has the fields
+/// `GET /v1/policies/verdicts` always showed (`verdict`, `direction`, `pod_address`), a
+/// service event a `reason`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum DropCause {
+    /// A pod's policy dispatch chain.
+    Policy {
+        verdict: PolicyVerdict,
+        direction: Direction,
+        /// The pod whose policies decided (the destination for ingress, the source for egress).
+        pod_address: IpAddr,
+    },
+    /// The service side's checks (see `nft::service_drops`).
+    Service { reason: ServiceDropReason },
+}
+
+/// Why a packet was logged, in one list (`GET /v1/drops?reason=`, `wasmplane drops
+/// --reason`): a policy's verdict or a service drop's reason.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum DropReason {
+    Deny,
+    Audit,
+    NoEndpoints,
+    NoLocalEndpoints,
+    SourceRange,
+    UnknownPort,
+    Unallocated,
+}
+
+impl DropCause {
+    pub fn reason(&self) -> DropReason {
+        match self {
+            DropCause::Policy { verdict: PolicyVerdict::Deny, .. } => DropReason::Deny,
+            DropCause::Policy { verdict: PolicyVerdict::Audit, .. } => DropReason::Audit,
+            DropCause::Service { reason } => match reason {
+                ServiceDropReason::NoEndpoints => DropReason::NoEndpoints,
+                ServiceDropReason::NoLocalEndpoints => DropReason::NoLocalEndpoints,
+                ServiceDropReason::SourceRange => DropReason::SourceRange,
+                ServiceDropReason::UnknownPort => DropReason::UnknownPort,
+                ServiceDropReason::Unallocated => DropReason::Unallocated,
+            },
+        }
+    }
+
+    /// `policy` or `service`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            DropCause::Policy { .. } => "policy",
+            DropCause::Service { .. } => "service",
+        }
+    }
+}
+
+impl DropEvent {
+    /// The verdict, direction and pod address of a policy event.
+    pub fn policy(&self) -> Option<(PolicyVerdict, Direction, IpAddr)> {
+        match self.cause {
+            DropCause::Policy { verdict, direction, pod_address } => Some((verdict, direction, pod_address)),
+            DropCause::Service { .. } => None,
+        }
+    }
+
+    /// The reason of a service event.
+    pub fn service_reason(&self) -> Option<ServiceDropReason> {
+        match self.cause {
+            DropCause::Service { reason } => Some(reason),
+            DropCause::Policy { .. } => None,
+        }
+    }
+}
+
 /// The recent events and how many came, shared by the reading thread and the API.
 #[derive(Debug, Default)]
 pub struct PolicyVerdictLog {
-    events: Mutex<VecDeque<VerdictEvent>>,
+    events: Mutex<VecDeque<DropEvent>>,
     denied: AtomicU64,
     audited: AtomicU64,
+    /// Service drops, by reason (in the order of `ServiceDropReason::ALL`).
+    service_drops: [AtomicU64; ServiceDropReason::ALL.len()],
     /// Messages the kernel could not queue for the host (its socket buffer was full).
     lost: AtomicU64,
 }
@@ -70,13 +150,21 @@ impl PolicyVerdictLog {
         Arc::new(PolicyVerdictLog::default())
     }
 
-    pub fn record(&self, event: VerdictEvent) {
-        match event.verdict {
-            PolicyVerdict::Deny => &self.denied,
-            PolicyVerdict::Audit => &self.audited,
+    pub fn record(&self, event: DropEvent) {
+        match event.cause {
+            DropCause::Policy { verdict, direction, pod_address } => {
+                match verdict {
+                    PolicyVerdict::Deny => &self.denied,
+                    PolicyVerdict::Audit => &self.audited,
+                }
+                .fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(verdict = verdict.name(), direction = direction.name(), pod = %pod_address, source = %event.source, destination = %event.destination, protocol = %event.protocol, port = ?event.destination_port, "policy verdict");
+            }
+            DropCause::Service { reason } => {
+                self.service_drops[reason as usize].fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(reason = reason.name(), source = %event.source, destination = %event.destination, protocol = %event.protocol, port = ?event.destination_port, "service drop");
+            }
         }
-        .fetch_add(1, Ordering::Relaxed);
-        tracing::debug!(verdict = event.verdict.name(), direction = event.direction.name(), pod = %event.pod_address, source = %event.source, destination = %event.destination, protocol = %event.protocol, port = ?event.destination_port, "policy verdict");
         let mut events = self.events.lock().unwrap_or_else(|p| p.into_inner());
         if events.len() == CAPACITY {
             events.pop_front();
@@ -85,13 +173,18 @@ impl PolicyVerdictLog {
     }
 
     /// The newest events first, at most `limit`, those `keep` wants.
-    pub fn recent(&self, limit: usize, keep: impl Fn(&VerdictEvent) -> bool) -> Vec<VerdictEvent> {
+    pub fn recent(&self, limit: usize, keep: impl Fn(&DropEvent) -> bool) -> Vec<DropEvent> {
         let events = self.events.lock().unwrap_or_else(|p| p.into_inner());
         events.iter().rev().filter(|e| keep(e)).take(limit).cloned().collect()
     }
 
     pub fn totals(&self) -> VerdictTotals {
         VerdictTotals { deny: self.denied.load(Ordering::Relaxed), audit: self.audited.load(Ordering::Relaxed), lost: self.lost.load(Ordering::Relaxed) }
+    }
+
+    /// Service drops since the start, by reason (every reason, zeros too).
+    pub fn service_totals(&self) -> BTreeMap<ServiceDropReason, u64> {
+        ServiceDropReason::ALL.into_iter().map(|reason| (reason, self.service_drops[reason as usize].load(Ordering::Relaxed))).collect()
     }
 }
 
@@ -195,9 +288,9 @@ fn now_unix_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
-/// The verdicts in one datagram of NFLOG messages; anyone else's prefixes and packets that
-/// do not parse are skipped.
-pub fn events_in(mut datagram: &[u8], at_unix_ms: u64) -> Vec<VerdictEvent> {
+/// The policy verdicts and service drops in one datagram of NFLOG messages; anyone else's
+/// prefixes and packets that do not parse are skipped.
+pub fn events_in(mut datagram: &[u8], at_unix_ms: u64) -> Vec<DropEvent> {
     let mut out = Vec::new();
     while !datagram.is_empty() {
         let Ok(message) = NetlinkMessage::<NetfilterMessage>::deserialize(datagram) else { break };
@@ -205,8 +298,8 @@ pub fn events_in(mut datagram: &[u8], at_unix_ms: u64) -> Vec<VerdictEvent> {
         if let NetlinkPayload::InnerMessage(NetfilterMessage { inner: NetfilterMessageInner::ULog(ULogMessage::Packet(nlas)), .. }) = &message.payload {
             let prefix = nlas.iter().find_map(|nla| if let PacketNla::Prefix(p) = nla { p.to_str().ok() } else { None });
             let payload = nlas.iter().find_map(|nla| if let PacketNla::Payload(p) = nla { Some(p.as_slice()) } else { None });
-            if let (Some((verdict, direction, pod_address)), Some(packet)) = (prefix.and_then(parse_verdict_prefix), payload.and_then(parse_ip_packet)) {
-                out.push(VerdictEvent { at_unix_ms, verdict, direction, pod_address, ..packet });
+            if let (Some(cause), Some(packet)) = (prefix.and_then(parse_cause), payload.and_then(parse_ip_packet)) {
+                out.push(DropEvent { at_unix_ms, cause, ..packet });
             }
         }
         if length == 0 || length >= datagram.len() {
@@ -217,9 +310,17 @@ pub fn events_in(mut datagram: &[u8], at_unix_ms: u64) -> Vec<VerdictEvent> {
     out
 }
 
-/// Addresses, protocol and ports of an IP packet's first bytes (an event with its verdict
-/// fields still to fill).
-fn parse_ip_packet(packet: &[u8]) -> Option<VerdictEvent> {
+/// Who dropped a logged packet, as its prefix says: a policy verdict or a service drop.
+fn parse_cause(prefix: &str) -> Option<DropCause> {
+    if let Some((verdict, direction, pod_address)) = parse_verdict_prefix(prefix) {
+        return Some(DropCause::Policy { verdict, direction, pod_address });
+    }
+    service_drops::parse_prefix(prefix).map(|reason| DropCause::Service { reason })
+}
+
+/// Addresses, protocol and ports of an IP packet's first bytes (an event with its cause
+/// still to fill).
+fn parse_ip_packet(packet: &[u8]) -> Option<DropEvent> {
     let (source, destination, protocol, transport): (IpAddr, IpAddr, u8, &[u8]) = match packet.first()? >> 4 {
         4 => {
             let header_len = usize::from(packet.first()? & 0x0f) * 4;
@@ -242,11 +343,9 @@ fn parse_ip_packet(packet: &[u8]) -> Option<VerdictEvent> {
         _ => ("", false),
     };
     let port = |at: usize| ports.then(|| Some(u16::from_be_bytes(transport.get(at..at + 2)?.try_into().ok()?))).flatten();
-    Some(VerdictEvent {
+    Some(DropEvent {
         at_unix_ms: 0,
-        verdict: PolicyVerdict::Deny,
-        direction: Direction::Ingress,
-        pod_address: destination,
+        cause: DropCause::Policy { verdict: PolicyVerdict::Deny, direction: Direction::Ingress, pod_address: destination },
         source,
         destination,
         protocol: if name.is_empty() { protocol.to_string() } else { name.to_string() },
@@ -298,10 +397,51 @@ mod tests {
         let events = events_in(&datagram, 5);
         assert_eq!(events.len(), 2, "{events:?}");
         let deny = &events[0];
-        assert_eq!((deny.verdict, deny.direction, deny.pod_address), (PolicyVerdict::Deny, Direction::Ingress, "10.244.1.10".parse().unwrap()));
+        assert_eq!(deny.policy(), Some((PolicyVerdict::Deny, Direction::Ingress, "10.244.1.10".parse().unwrap())));
         assert_eq!((deny.source, deny.destination), ("10.244.2.5".parse().unwrap(), "10.244.1.10".parse().unwrap()));
         assert_eq!((deny.protocol.as_str(), deny.source_port, deny.destination_port, deny.at_unix_ms), ("tcp", Some(40000), Some(8080), 5));
-        assert_eq!((events[1].verdict, events[1].direction, events[1].destination_port), (PolicyVerdict::Audit, Direction::Egress, Some(443)));
+        assert_eq!((events[1].policy().map(|(v, d, _)| (v, d)), events[1].destination_port), (Some((PolicyVerdict::Audit, Direction::Egress)), Some(443)));
+    }
+
+    #[test]
+    fn service_drops_are_read_with_their_reason() {
+        let mut datagram = Vec::new();
+        for reason in ServiceDropReason::ALL {
+            datagram.extend(nflog_message(&service_drops::prefix(reason), &ipv4_tcp([10, 244, 1, 10], [10, 96, 0, 40], 40000, 80)));
+        }
+        datagram.extend(nflog_message("wasmplane-service gone-away", &ipv4_tcp([10, 244, 1, 10], [10, 96, 0, 40], 40000, 80)));
+        let events = events_in(&datagram, 9);
+        let reasons: Vec<Option<ServiceDropReason>> = events.iter().map(DropEvent::service_reason).collect();
+        assert_eq!(reasons, ServiceDropReason::ALL.map(Some).to_vec(), "each reason, an unknown one skipped: {events:?}");
+        let event = &events[0];
+        assert_eq!((event.policy(), event.source.to_string(), event.destination.to_string(), event.destination_port), (None, "10.244.1.10".into(), "10.96.0.40".into(), Some(80)));
+        assert_eq!(event.cause.reason(), DropReason::NoEndpoints);
+        assert_eq!(events[3].cause.reason(), DropReason::UnknownPort);
+
+        let log = PolicyVerdictLog::new();
+        events.into_iter().chain(events_in(&nflog_message("wasmplane-service unknown-port", &ipv4_tcp([1, 1, 1, 1], [10, 96, 0, 40], 1, 81)), 10)).for_each(|e| log.record(e));
+        let totals = log.service_totals();
+        assert_eq!(totals[&ServiceDropReason::UnknownPort], 2);
+        assert_eq!(totals[&ServiceDropReason::Unallocated], 1);
+        assert_eq!(log.totals(), VerdictTotals::default(), "not counted as policy verdicts");
+        let json = serde_json::to_value(totals).unwrap();
+        assert_eq!(json, serde_json::json!({ "no-endpoints": 1, "no-local-endpoints": 1, "source-range": 1, "unknown-port": 2, "unallocated": 1 }));
+    }
+
+    #[test]
+    fn a_policy_event_has_the_fields_it_always_had_and_a_service_event_its_reason() {
+        let packet = parse_ip_packet(&ipv4_tcp([10, 0, 0, 1], [10, 0, 0, 2], 1, 2)).unwrap();
+        let policy = serde_json::to_value(DropEvent { at_unix_ms: 5, ..packet.clone() }).unwrap();
+        let fields: std::collections::BTreeSet<&str> = policy.as_object().unwrap().keys().map(String::as_str).collect();
+        assert_eq!(fields, std::collections::BTreeSet::from(["at_unix_ms", "destination", "destination_port", "direction", "pod_address", "protocol", "source", "source_port", "verdict"]), "{policy}");
+        assert_eq!((policy["verdict"].as_str(), policy["direction"].as_str(), policy["pod_address"].as_str()), (Some("deny"), Some("ingress"), Some("10.0.0.2")));
+        let service = serde_json::to_value(DropEvent { cause: DropCause::Service { reason: ServiceDropReason::NoLocalEndpoints }, ..packet }).unwrap();
+        assert_eq!(service["reason"], "no-local-endpoints", "{service}");
+        assert!(service.get("verdict").is_none() && service.get("pod_address").is_none(), "{service}");
+        for (text, reason) in [("\"deny\"", DropReason::Deny), ("\"no-endpoints\"", DropReason::NoEndpoints), ("\"source-range\"", DropReason::SourceRange)] {
+            assert_eq!(serde_json::from_str::<DropReason>(text).unwrap(), reason);
+        }
+        assert!(serde_json::from_str::<DropReason>("\"dropped\"").is_err());
     }
 
     #[test]
@@ -324,12 +464,13 @@ mod tests {
         let log = PolicyVerdictLog::new();
         let event = parse_ip_packet(&ipv4_tcp([10, 0, 0, 1], [10, 0, 0, 2], 1, 2)).unwrap();
         for i in 0..CAPACITY as u64 + 5 {
-            log.record(VerdictEvent { at_unix_ms: i, verdict: if i % 2 == 0 { PolicyVerdict::Deny } else { PolicyVerdict::Audit }, ..event.clone() });
+            let verdict = if i % 2 == 0 { PolicyVerdict::Deny } else { PolicyVerdict::Audit };
+            log.record(DropEvent { at_unix_ms: i, cause: DropCause::Policy { verdict, direction: Direction::Ingress, pod_address: event.destination }, ..event.clone() });
         }
         let recent = log.recent(3, |_| true);
         assert_eq!(recent.iter().map(|e| e.at_unix_ms).collect::<Vec<_>>(), vec![CAPACITY as u64 + 4, CAPACITY as u64 + 3, CAPACITY as u64 + 2]);
         assert_eq!(log.recent(usize::MAX, |_| true).len(), CAPACITY);
-        assert_eq!(log.recent(2, |e| e.verdict == PolicyVerdict::Audit)[0].at_unix_ms, CAPACITY as u64 + 3);
+        assert_eq!(log.recent(2, |e| e.cause.reason() == DropReason::Audit)[0].at_unix_ms, CAPACITY as u64 + 3);
         assert_eq!(log.totals(), VerdictTotals { deny: 515, audit: 514, lost: 0 });
     }
 }

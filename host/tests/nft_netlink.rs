@@ -418,3 +418,71 @@ fn a_refused_element_of_a_long_statement_is_quoted_in_the_error() {
     assert!(error.len() < 1000, "{error}");
     assert!(!ns.exec(&["nft", "list", "tables"]).contains("wasmplane-test"), "nothing of a refused transaction is applied");
 }
+
+/// Service drops logged (`nft::service_drops`): the skeleton's log rules as nft writes them,
+/// and as the batch encodes them (the rules of the reject, drop and cluster IP checks written
+/// again incrementally, and a no-endpoint drop sent to the drop chain), list the same.
+#[test]
+fn service_drop_log_rules_encode_as_nft_writes_them() {
+    if !is_root() {
+        eprintln!("\n!!! SKIPPED service drop log netlink test: needs root (network namespaces, nftables) !!!\n");
+        return;
+    }
+    let text_ns = Netns::new(unique_prefix("nl-dlog-t"));
+    let netlink_ns = Netns::new(unique_prefix("nl-dlog-b"));
+    let mut text = NftCommand::new(ns_command(&text_ns), vec![]);
+    let mut netlink = NetlinkNft::open(NftCommand::new(ns_command(&netlink_ns), vec![]), NetlinkNft::netns_of_command(&ns_command(&netlink_ns)).as_deref())
+        .expect("opening the netlink socket in the namespace");
+    let listing = |ns: &Netns| ns.exec(&["nft", "list", "ruleset"]);
+    let networks = nft::NodeNetworks { service_drop_log: Some(nft::policy::VerdictLog::new(1001)), ..Default::default() };
+
+    let mut state: State = BTreeMap::new();
+    state.insert("a", service_a(&["10.244.1.5"]));
+    let full = nft::full_transaction(state.values(), &nft::Stale::default(), LAYOUT, &networks);
+    text.apply(&full).unwrap();
+    netlink.apply(&full).unwrap();
+    let table = listing(&netlink_ns);
+    assert_eq!(listing(&text_ns), table);
+    for logged in [
+        "limit rate 10/second burst 20 packets log prefix \"wasmplane-service no-endpoints\" group 1001",
+        "limit rate 10/second burst 20 packets log prefix \"wasmplane-service no-local-endpoints\" group 1001",
+        "log prefix \"wasmplane-service source-range\" group 1001",
+        "ip daddr @cluster-ips limit rate 10/second burst 20 packets log prefix \"wasmplane-service unknown-port\" group 1001",
+        "ip6 daddr @service-cidrs6 limit rate 10/second burst 20 packets log prefix \"wasmplane-service unallocated\" group 1001",
+    ] {
+        assert!(table.contains(logged), "missing {logged:?} in\n{table}");
+    }
+
+    // A Local service without a local endpoint: its drop goes through the drop chain, as a batch.
+    let mut local = object(&[], &[], &[("no-endpoint-services", "203.0.113.7 . tcp . 80", "drop"), ("no-endpoint-nodeports", "tcp . 30007", "drop")]);
+    nft::service_drops::route_drops_through_log(&mut local);
+    let mut next = state.clone();
+    next.insert("l", local);
+    let transaction = delta(&state, &next);
+    assert!(transaction.contains(": goto drop-chain"), "{transaction}");
+    text.apply(&transaction).unwrap();
+    netlink.apply(&transaction).unwrap_or_else(|e| panic!("the batch was refused: {e}:\n{transaction}"));
+    assert_eq!(netlink.netlink_transactions, 1, "not sent as netlink:\n{transaction}");
+    assert_eq!(listing(&text_ns), listing(&netlink_ns), "after\n{transaction}");
+    assert!(listing(&netlink_ns).contains("tcp . 30007 : goto drop-chain"));
+
+    // The log rules themselves, written again through each path.
+    let mut rewrite = String::new();
+    for chain in ["reject-chain", "drop-chain", "cluster-ips-check"] {
+        let rule_prefix = format!("add rule inet wasmplane {chain} ");
+        rewrite += &format!("flush chain inet wasmplane {chain}\n");
+        full.lines().filter(|l| l.starts_with(&rule_prefix)).for_each(|l| rewrite += &format!("{l}\n"));
+    }
+    assert_eq!(rewrite.matches(" log group 1001 ").count(), 6, "{rewrite}");
+    text.apply(&rewrite).unwrap();
+    netlink.apply(&rewrite).unwrap_or_else(|e| panic!("the batch was refused: {e}:\n{rewrite}"));
+    assert_eq!(netlink.netlink_transactions, 2, "not sent as netlink:\n{rewrite}");
+    assert_eq!(listing(&text_ns), listing(&netlink_ns), "the log rules differ after\n{rewrite}");
+    assert_eq!(listing(&netlink_ns), {
+        // And nothing moved: the tables are as the full transaction left them, plus "l".
+        let check = Netns::new(unique_prefix("nl-dlog-c"));
+        let mut fresh = NftCommand::new(ns_command(&check), vec![]);
+        fresh.apply(&nft::full_transaction(next.values(), &nft::Stale::default(), LAYOUT, &networks)).unwrap();
+        listing(&check)
+    });
+}

@@ -700,7 +700,7 @@ fn audit_mode_counts_would_be_drops_without_enforcing() {
 fn policy_verdicts_are_logged_over_nflog_and_read_back() {
     require_root!();
     use wasmplane::nft::policy::{Direction, PolicyVerdict, VerdictLog};
-    use wasmplane::policy_log::{PolicyVerdictLog, VerdictEvent};
+    use wasmplane::policy_log::{DropEvent, PolicyVerdictLog};
     const GROUP: u16 = 1001;
     let mut node = Node::new("nplog");
     let module = node._runtime.load_policy("default-network-policy", wasmplane_guest_artifacts::NETWORK_POLICY, 8 << 20).unwrap();
@@ -714,7 +714,7 @@ fn policy_verdicts_are_logged_over_nflog_and_read_back() {
         policy("c", "out", sel(&[("app", "client")]), None, Some(vec![rule(vec![], vec![peer(None, Some(sel(&[("team", "blue")])))])])),
     ]);
     let (a_web, b_db, c_client) = (pod_ip(0, 0), pod_ip(1, 1), pod_ip(2, 2));
-    let wait_for = |what: &str, wanted: &dyn Fn(&VerdictEvent) -> bool| {
+    let wait_for = |what: &str, wanted: &dyn Fn(&DropEvent) -> bool| {
         let deadline = std::time::Instant::now() + Duration::from_secs(15);
         while log.recent(usize::MAX, wanted).is_empty() {
             assert!(std::time::Instant::now() < deadline, "{what}: not logged; got {:?}", log.recent(10, |_| true));
@@ -724,15 +724,15 @@ fn policy_verdicts_are_logged_over_nflog_and_read_back() {
     let a_web_pod = node.pods[0].clone();
     assert!(!in_ns(&a_web_pod, || reach(format!("{b_db}:{TCP_PORT}").parse().unwrap(), false)), "a.web → b.db is denied");
     wait_for("a.web → b.db, TCP", &|e| {
-        (e.verdict, e.direction, e.pod_address.to_string(), e.source.to_string(), e.destination.to_string(), e.protocol.as_str(), e.destination_port)
-            == (PolicyVerdict::Deny, Direction::Ingress, b_db.clone(), a_web.clone(), b_db.clone(), "tcp", Some(TCP_PORT))
+        (e.policy(), e.source.to_string(), e.destination.to_string(), e.protocol.as_str(), e.destination_port)
+            == (Some((PolicyVerdict::Deny, Direction::Ingress, b_db.parse().unwrap())), a_web.clone(), b_db.clone(), "tcp", Some(TCP_PORT))
     });
     assert!(!in_ns(&a_web_pod, || reach(format!("{b_db}:{UDP_PORT}").parse().unwrap(), true)));
-    wait_for("a.web → b.db, UDP", &|e| e.pod_address.to_string() == b_db && e.protocol == "udp" && e.destination_port == Some(UDP_PORT));
+    wait_for("a.web → b.db, UDP", &|e| e.policy().is_some_and(|(_, _, pod)| pod.to_string() == b_db) && e.protocol == "udp" && e.destination_port == Some(UDP_PORT));
     // Egress: c.client may reach a and b (team blue), not c.
     let c_client_pod = node.pods[8].clone();
     assert!(!in_ns(&c_client_pod, || reach(format!("{}:{TCP_PORT}", pod_ip(2, 0)).parse().unwrap(), false)), "c.client → c.web is denied");
-    wait_for("c.client → c.web, egress", &|e| e.verdict == PolicyVerdict::Deny && e.direction == Direction::Egress && e.pod_address.to_string() == c_client);
+    wait_for("c.client → c.web, egress", &|e| e.policy().is_some_and(|p| p == (PolicyVerdict::Deny, Direction::Egress, c_client.parse().unwrap())));
     // Allowed traffic and traffic no policy selects log nothing.
     let before = log.totals();
     assert!(in_ns(&c_client_pod, || reach(format!("{a_web}:{TCP_PORT}").parse().unwrap(), false)), "c.client → a.web is allowed");
@@ -743,7 +743,7 @@ fn policy_verdicts_are_logged_over_nflog_and_read_back() {
     let changes = node.controller.set_audit(&ObjectKey::new("b", "deny"), true);
     node.dataplane.sync(changes.changes).unwrap();
     assert!(in_ns(&a_web_pod, || reach(format!("{b_db}:{TCP_PORT}").parse().unwrap(), false)), "audited: a.web → b.db passes");
-    wait_for("a.web → b.db, audited", &|e| e.verdict == PolicyVerdict::Audit && e.pod_address.to_string() == b_db && e.source.to_string() == a_web);
+    wait_for("a.web → b.db, audited", &|e| e.policy().is_some_and(|(v, _, pod)| v == PolicyVerdict::Audit && pod.to_string() == b_db) && e.source.to_string() == a_web);
     assert_eq!(node.controller.policies_selecting(Direction::Ingress, b_db.parse().unwrap()), vec![ObjectKey::new("b", "deny")]);
     // A second reader of the same group (an agent starting while the one it replaces still
     // stops) gets it once the first lets go, and reads from then on.

@@ -52,6 +52,11 @@ impl<K, V> VecMap<K, V> {
         self.0.iter().map(|(_, v)| v)
     }
 
+    /// Entries in key order, their values to change in place (keys stay, and so the order).
+    pub fn iter_mut(&mut self) -> impl DoubleEndedIterator<Item = (&K, &mut V)> + ExactSizeIterator {
+        self.0.iter_mut().map(|(k, v)| (&*k, v))
+    }
+
     /// Keeps the entries `keep` accepts, in order.
     pub fn retain(&mut self, mut keep: impl FnMut(&K, &mut V) -> bool) {
         self.0.retain_mut(|(k, v)| keep(k, v));

@@ -972,3 +972,97 @@ fn conntrack_cleanup_of_host_ports_follows_the_pod_and_clears_a_new_udp_port() {
         vec![ConntrackFilter { protocol: "udp", ipv6: false, destination: Some("192.168.77.1".parse().unwrap()), port: 5353, endpoint: None }]
     );
 }
+
+/// The main table's rules of `chain` in a rendered transaction, in order.
+fn chain_rules<'a>(text: &'a str, chain: &str) -> Vec<&'a str> {
+    let prefix = format!("add rule inet wasmplane {chain} ");
+    text.lines().filter_map(|l| l.strip_prefix(prefix.as_str())).collect()
+}
+
+#[test]
+fn service_drops_are_logged_before_their_verdicts_when_a_group_is_given() {
+    const LOG: &str = "limit rate 10/second burst 20 packets log group 1001 prefix";
+    let networks = NodeNetworks { service_drop_log: Some(policy::VerdictLog::new(1001)), ..Default::default() };
+    let mut text = String::new();
+    skeleton(&mut text, true, Layout::default(), &networks);
+    assert_eq!(chain_rules(&text, "reject-chain"), vec![format!("{LOG} \"wasmplane-service no-endpoints\""), "reject".into()]);
+    assert_eq!(chain_rules(&text, "drop-chain"), vec![format!("{LOG} \"wasmplane-service no-local-endpoints\""), "drop".into()]);
+    assert!(text.contains("add chain inet wasmplane drop-chain\n") && is_static_chain("drop-chain"), "{text}");
+    let firewall = "ip daddr . meta l4proto . th dport @firewall-ips ip daddr . meta l4proto . th dport . ip saddr != @firewall-allowed";
+    let firewall6 = "ip6 daddr . meta l4proto . th dport @firewall-ips6 ip6 daddr . meta l4proto . th dport . ip6 saddr != @firewall-allowed6";
+    assert_eq!(
+        chain_rules(&text, "firewall-check"),
+        vec![
+            format!("{firewall} {LOG} \"wasmplane-service source-range\""),
+            format!("{firewall} drop"),
+            format!("{firewall6} {LOG} \"wasmplane-service source-range\""),
+            format!("{firewall6} drop"),
+        ]
+    );
+    assert_eq!(
+        chain_rules(&text, "cluster-ips-check"),
+        vec![
+            format!("ip daddr @cluster-ips {LOG} \"wasmplane-service unknown-port\""),
+            "ip daddr @cluster-ips reject".into(),
+            format!("ip6 daddr @cluster-ips6 {LOG} \"wasmplane-service unknown-port\""),
+            "ip6 daddr @cluster-ips6 reject".into(),
+            format!("ip daddr @service-cidrs {LOG} \"wasmplane-service unallocated\""),
+            "ip daddr @service-cidrs drop".into(),
+            format!("ip6 daddr @service-cidrs6 {LOG} \"wasmplane-service unallocated\""),
+            "ip6 daddr @service-cidrs6 drop".into(),
+        ]
+    );
+    // The verdict maps and the shards are as without logging; every reason has its rule.
+    assert_eq!(chain_rules(&text, "endpoints-check").len(), 3);
+    for reason in service_drops::ServiceDropReason::ALL {
+        assert!(text.contains(&format!("prefix \"{}\"", service_drops::prefix(reason))), "{reason:?} is not logged:\n{text}");
+    }
+    assert!(!text.lines().any(|l| l.starts_with("add rule inet wasmplane-s0") && l.contains(" log ")), "{text}");
+    assert!(!text.contains("log-service-drop"), "a marker left in:\n{text}");
+
+    // Group 0 (no log): the skeleton without a log rule or the drop chain.
+    let mut unlogged = String::new();
+    skeleton(&mut unlogged, true, Layout::default(), &NodeNetworks::default());
+    assert_eq!(chain_rules(&unlogged, "reject-chain"), vec!["reject"]);
+    assert_eq!(chain_rules(&unlogged, "cluster-ips-check"), vec!["ip daddr @cluster-ips reject", "ip6 daddr @cluster-ips6 reject", "ip daddr @service-cidrs drop", "ip6 daddr @service-cidrs6 drop"]);
+    assert_eq!(chain_rules(&unlogged, "firewall-check"), vec![format!("{firewall} drop"), format!("{firewall6} drop")]);
+    assert!(!unlogged.contains(" log ") && !unlogged.contains("drop-chain") && !unlogged.contains("log-service-drop"), "{unlogged}");
+    // Logging only adds lines: every line of the unlogged skeleton is there, in order.
+    let mut logged_lines = text.lines();
+    for line in unlogged.lines() {
+        assert!(logged_lines.any(|l| l == line), "{line:?} is missing or out of order with logging");
+    }
+}
+
+#[test]
+fn a_logging_dataplane_sends_no_endpoint_drops_through_the_drop_chain() {
+    // The builtin translator's drop: traffic policy Local without a local endpoint.
+    let out = ruleset(vec![], vec![element("no-endpoint-services", "203.0.113.7", Verdict::Drop), element("no-endpoint-services", "10.96.0.7", Verdict::Reject)]);
+    let mut rules = validate_service_output(&key(), &out).unwrap();
+    let verdicts = |rules: &ObjectRules| rules.elements.values().map(|v| v.to_string()).collect::<Vec<_>>();
+    assert_eq!(verdicts(&rules), vec!["goto reject-chain", "drop"], "unchanged without logging");
+    service_drops::route_drops_through_log(&mut rules);
+    assert_eq!(verdicts(&rules), vec!["goto reject-chain", "goto drop-chain"]);
+    assert_eq!(Layout { shards: 4 }.element_table("no-endpoint-services", "goto drop-chain", Some("svc/shop/web")), Table::MAIN);
+    let mut text = String::new();
+    object_delta(&ObjectRules::default(), &rules, &mut text, Layout::default());
+    assert!(text.contains("add element inet wasmplane no-endpoint-services { 203.0.113.7 . tcp . 80 : goto drop-chain }"), "{text}");
+    // The incremental path encodes it as a batch (no detour through nft).
+    netlink::encode_transaction(&text, 1).expect("a goto drop-chain element as netlink");
+}
+
+#[test]
+fn the_log_rules_of_the_reject_drop_and_cluster_ip_checks_encode_as_netlink() {
+    let networks = NodeNetworks { service_drop_log: Some(policy::VerdictLog::new(1001)), ..Default::default() };
+    let mut text = String::new();
+    skeleton(&mut text, true, Layout::default(), &networks);
+    // The skeleton goes through nft -f ("add table" is no statement of the batch); the rules
+    // themselves are in the batch's vocabulary but for the firewall's concatenations.
+    assert!(netlink::encode_transaction(&text, 1).is_err());
+    let chains: Vec<String> = ["reject-chain", "drop-chain", "cluster-ips-check"]
+        .iter()
+        .flat_map(|chain| chain_rules(&text, chain).into_iter().map(move |rule| format!("add rule inet wasmplane {chain} {rule}\n")))
+        .collect();
+    assert_eq!(chains.len(), 12);
+    netlink::encode_transaction(&chains.concat(), 1).expect("the log rules as netlink");
+}
