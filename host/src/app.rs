@@ -151,6 +151,8 @@ pub struct HostConfig {
     /// read back in `nftables` mode for `GET /v1/policies/verdicts` (`--policy-log-group`);
     /// 0: not logged (audit verdicts go to the kernel log).
     pub policy_log_group: u16,
+    /// Packets a second each of its log rules passes (`--policy-log-rate`).
+    pub policy_log_rate: u32,
     pub dataplane: DataplaneMode,
     pub token: Option<String>,
     pub limits: Limits,
@@ -217,6 +219,7 @@ impl Default for HostConfig {
             egress_masquerade: None,
             conntrack: None,
             policy_log_group: 0,
+            policy_log_rate: crate::nft::policy::DEFAULT_LOG_RATE,
             dataplane: DataplaneMode::Record,
             token: None,
             limits: Limits::default(),
@@ -424,7 +427,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         services_per_shard: if config.nft_netlink { config.nft_services_per_shard } else { usize::MAX },
         node_port_addresses: config.node_port_addresses.clone(),
         admission: admission.clone(),
-        policy_verdict_log: (config.policy_log_group != 0).then(|| crate::nft::policy::VerdictLog::new(config.policy_log_group)),
+        policy_verdict_log: (config.policy_log_group != 0).then(|| crate::nft::policy::VerdictLog::new(config.policy_log_group).with_rate(config.policy_log_rate)),
     };
     let data_dir = config.data_dir.clone();
     let controller = {

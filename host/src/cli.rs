@@ -267,6 +267,11 @@ pub struct RunArgs {
     /// to the kernel log). Another NFLOG reader (ulogd) must use another group.
     #[arg(long, env = "WASMPLANE_POLICY_LOG_GROUP", default_value_t = 1001)]
     pub policy_log_group: u16,
+    /// Packets a second each log rule passes to that group, after a burst of twice as many:
+    /// per pod and direction for policy verdicts, per reason for the whole node for service
+    /// drops (`GET /v1/drops`). What a flood of dropped packets costs the host is bounded by it.
+    #[arg(long, env = "WASMPLANE_POLICY_LOG_RATE", default_value_t = crate::nft::policy::DEFAULT_LOG_RATE, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub policy_log_rate: u32,
     /// Render the dataplane (`record`) or write it to the kernel (`nftables`).
     #[arg(long, env = "WASMPLANE_DATAPLANE", value_enum, default_value = "record")]
     pub dataplane: DataplaneMode,
@@ -862,6 +867,7 @@ impl RunArgs {
             service_cidrs: self.service_cidrs,
             masquerade_all: self.masquerade_all,
             policy_log_group: self.policy_log_group,
+            policy_log_rate: self.policy_log_rate,
             conntrack: Some(crate::conntrack_tuning::ConntrackTuning {
                 max_per_core: self.conntrack_max_per_core,
                 min: self.conntrack_min,
@@ -1242,6 +1248,13 @@ mod tests {
             _ => unreachable!("parses as run"),
         };
         assert_eq!((group(&[]), group(&["--policy-log-group", "0"]), group(&["--policy-log-group", "7"])), (1001, 0, 7));
+        let rate = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run"], args].concat()) {
+            Ok(Cli { command: Command::Run(args) }) => Ok(args.into_config().unwrap().policy_log_rate),
+            Ok(_) => unreachable!("parses as run"),
+            Err(e) => Err(e.kind()),
+        };
+        assert_eq!((rate(&[]), rate(&["--policy-log-rate", "50"])), (Ok(10), Ok(50)));
+        assert_eq!(rate(&["--policy-log-rate", "0"]), Err(clap::error::ErrorKind::ValueValidation));
     }
 
     /// `--min-sync-period` takes a Go duration, as kube-proxy's flag; off by default.

@@ -400,3 +400,45 @@ async fn metrics_are_served_alone_on_a_listener_of_their_own() {
     }
     host.stop().await;
 }
+
+/// `--policy-log-rate`: the rate and burst of every log rule, the service side's and the
+/// policy dispatch chains' alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_log_rate_reaches_every_log_rule() {
+    // A pod of this node (node-a) that a policy selects: its dispatch chain logs denies.
+    const POD_AND_POLICY: &str = "
+apiVersion: v1
+kind: Pod
+metadata: { name: web-1, namespace: shop, labels: { app: web } }
+spec: { nodeName: node-a, containers: [{ name: c, image: x }] }
+status: { phase: Running, podIP: 10.244.0.11, podIPs: [{ ip: 10.244.0.11 }] }
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: { name: web-ingress, namespace: shop, uid: web-ingress-uid, generation: 1 }
+spec:
+  podSelector: { matchLabels: { app: web } }
+  policyTypes: [Ingress]
+  ingress: [{ from: [{ podSelector: { matchLabels: { app: client } } }] }]
+";
+    let dir = tempfile::tempdir().unwrap();
+    write_manifest(&dir.path().join("manifests"), "shop.yaml", &documents(&[&manifests(), POD_AND_POLICY]));
+    let host = start(HostConfig { policy_log_group: 1001, policy_log_rate: 50, node_name: "node-a".into(), ..config(dir.path()) }).await.unwrap();
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let text = loop {
+        let text = client.get(format!("{}/v1/dataplane", host.url())).send().await.unwrap().text().await.unwrap();
+        if text.contains("10.96.0.20 . tcp . 80") && text.contains("wasmplane-policy deny") {
+            break text;
+        }
+        assert!(Instant::now() < deadline, "no initial sync: {text}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    };
+    let log_rules: Vec<&str> = text.lines().filter(|l| l.contains(" log group 1001 ")).collect();
+    assert!(!log_rules.is_empty(), "{text}");
+    assert!(log_rules.iter().all(|l| l.contains("limit rate 50/second burst 100 packets log group 1001")), "{log_rules:#?}");
+    for prefix in ["wasmplane-service no-endpoints", "wasmplane-policy deny ingress 10.244.0.11"] {
+        assert!(log_rules.iter().any(|l| l.contains(prefix)), "no {prefix:?} log rule: {log_rules:#?}");
+    }
+    host.stop().await;
+}

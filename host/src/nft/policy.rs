@@ -240,9 +240,17 @@ pub struct VerdictLog {
     pub burst: u32,
 }
 
+/// Packets a second each log rule passes on by default (`--policy-log-rate`).
+pub const DEFAULT_LOG_RATE: u32 = 10;
+
 impl VerdictLog {
     pub fn new(group: u16) -> VerdictLog {
-        VerdictLog { group, per_second: 10, burst: 20 }
+        VerdictLog { group, per_second: 0, burst: 0 }.with_rate(DEFAULT_LOG_RATE)
+    }
+
+    /// At most `per_second` packets a second per rule, after a burst of twice as many.
+    pub fn with_rate(self, per_second: u32) -> VerdictLog {
+        VerdictLog { per_second, burst: per_second.saturating_mul(2), ..self }
     }
 }
 
