@@ -151,6 +151,10 @@ pub fn parse(yaml: &str) -> Result<KubeProxySettings, InvalidKubeProxyConfig> {
     }
     if !cluster_cidrs.is_empty() {
         args.push(format!("--cluster-cidr={}", cluster_cidrs.join(",")));
+    } else if matches!(config.detect_local_mode.as_deref().unwrap_or_default(), "" | "ClusterCIDR") {
+        // kube-proxy then detects no traffic as local; wasmplane would take its default CIDR,
+        // which on another pod network masquerades pods' own traffic to services.
+        warnings.push(format!("clusterCIDR is empty: kube-proxy detected no local traffic, wasmplane takes --cluster-cidr (default {DEFAULT_CLUSTER_CIDR}): give the cluster's pod CIDRs"));
     }
     // As kube-proxy takes it: node names are lower case.
     let node_name = config.hostname_override.as_deref().unwrap_or_default().trim().to_lowercase();
@@ -357,6 +361,9 @@ pub fn parse_go_duration(text: &str) -> Result<Duration, String> {
     Ok(Duration::from_nanos(nanos as u64))
 }
 
+/// `--cluster-cidr`'s default (`cli.rs`), named in a warning.
+const DEFAULT_CLUSTER_CIDR: &str = "10.244.0.0/16";
+
 /// kube-proxy's defaults besides zero values: a field set to one of them is no choice to report.
 const KUBE_PROXY_DEFAULTS: &[(&str, &str)] = &[
     ("bindAddress", "0.0.0.0"),
@@ -534,6 +541,8 @@ winkernel:
   sourceVip: ""
 "#;
 
+    const EMPTY_CLUSTER_CIDR: &str = "clusterCIDR is empty: kube-proxy detected no local traffic, wasmplane takes --cluster-cidr (default 10.244.0.0/16): give the cluster's pod CIDRs";
+
     #[test]
     fn a_kubeadm_config_maps_to_flags_and_says_what_it_ignores() {
         let settings = parse(KUBEADM_CONFIG).unwrap();
@@ -562,8 +571,9 @@ winkernel:
         );
     }
 
-    /// kubeadm's defaults alone: nothing to report, and nothing to carry over but kube-proxy's
-    /// minimum sync period (1s), which is not wasmplane's default (0s).
+    /// kubeadm's defaults alone: nothing to carry over but kube-proxy's minimum sync period
+    /// (1s), which is not wasmplane's default (0s), and nothing to report but the empty
+    /// clusterCIDR.
     #[test]
     fn zero_values_and_kube_proxy_defaults_are_no_choice() {
         let defaults = KUBEADM_CONFIG
@@ -580,9 +590,13 @@ winkernel:
             .replace("verbosity: 2", "verbosity: 0")
             .replace("metricsBindAddress: 0.0.0.0:10249", "metricsBindAddress: 127.0.0.1:10249")
             .replace("masqueradeBit: null", "masqueradeBit: 14");
-        assert_eq!(parse(&defaults).unwrap(), KubeProxySettings { args: vec!["--min-sync-period=1s".into()], warnings: Vec::new() });
+        let empty_cidr = EMPTY_CLUSTER_CIDR.to_string();
+        assert_eq!(parse(&defaults).unwrap(), KubeProxySettings { args: vec!["--min-sync-period=1s".into()], warnings: vec![empty_cidr.clone()] });
         let zero = defaults.replace("minSyncPeriod: 1s", "minSyncPeriod: 0s");
-        assert_eq!(parse(&zero).unwrap(), KubeProxySettings::default());
+        assert_eq!(parse(&zero).unwrap(), KubeProxySettings { args: Vec::new(), warnings: vec![empty_cidr] });
+        // Not needed to detect local traffic by the node's CIDR: no warning.
+        let node_cidr = zero.replace("detectLocalMode: \"\"", "detectLocalMode: NodeCIDR");
+        assert_eq!(parse(&node_cidr).unwrap().warnings, Vec::<String>::new());
     }
 
     #[test]
@@ -614,7 +628,7 @@ winkernel:
         );
         let iptables = parse("apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: ipvs\nhealthzBindAddress: 10.0.0.1\nnodePortAddresses: [10.0.0.0/8, 127.0.0.0/8]\nipvs: {syncPeriod: 45s}\n").unwrap();
         assert_eq!(iptables.args, ["--nodeport-addresses=10.0.0.0/8,127.0.0.0/8", "--node-health-listen=10.0.0.1:10256", "--reconcile-seconds=45"]);
-        assert_eq!(iptables.warnings, ["ignored: mode ipvs (wasmplane programs nftables)", "ignored: nodePortAddresses 127.0.0.0/8 (no loopback nodeports)"]);
+        assert_eq!(iptables.warnings, ["ignored: mode ipvs (wasmplane programs nftables)", EMPTY_CLUSTER_CIDR, "ignored: nodePortAddresses 127.0.0.0/8 (no loopback nodeports)"]);
     }
 
     /// minSyncPeriod: the top-level field unless zero, else the mode's block's; sub-second
@@ -625,6 +639,7 @@ winkernel:
         let settings = |rest: &str| {
             let mut settings = parse(&format!("{head}{rest}")).unwrap();
             settings.args.retain(|flag| flag != "--nodeport-addresses=primary");
+            settings.warnings.retain(|w| w != EMPTY_CLUSTER_CIDR);
             settings
         };
         assert_eq!(settings("minSyncPeriod: 250ms\nnftables: {minSyncPeriod: 5s}\n").args, ["--min-sync-period=250ms"]);
@@ -656,7 +671,7 @@ winkernel:
     fn oom_score_adj_is_carried_over() {
         let head = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n";
         assert_eq!(parse(&format!("{head}oomScoreAdj: -500\n")).unwrap().args, ["--oom-score-adj=-500"]);
-        assert_eq!(parse(&format!("{head}oomScoreAdj: null\n")).unwrap(), KubeProxySettings::default());
+        assert_eq!(parse(&format!("{head}oomScoreAdj: null\n")).unwrap().args, Vec::<String>::new());
         let error = parse(&format!("{head}oomScoreAdj: 1001\n")).unwrap_err().to_string();
         assert!(error.starts_with("oomScoreAdj: \"1001\""), "{error}");
     }
@@ -717,8 +732,8 @@ winkernel:
                 file.display()
             )
         );
-        std::fs::write(&file, "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n").unwrap();
-        assert_eq!(read(&file).unwrap(), KubeProxySettings::default());
+        std::fs::write(&file, "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\ndetectLocalMode: NodeCIDR\n").unwrap();
+        assert_eq!(read(&file).unwrap().warnings, Vec::<String>::new());
         let missing = dir.path().join("missing.conf");
         assert!(read(&missing).unwrap_err().to_string().starts_with(&format!("reading {}", missing.display())));
     }
