@@ -3,7 +3,7 @@
 //! Mutating calls need `Authorization: Bearer <token>`; reads are open to loopback peers
 //! only, and need the token from anywhere else.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -17,7 +17,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
-use wasmplane_model::{CompactString, ObjectKey, Protocol, ServiceType, ServiceView};
+use wasmplane_model::{CompactString, Labels, ObjectKey, Pod, Protocol, ServiceType, ServiceView};
 use wasmplane_runtime::{GuestKind, LoadError};
 
 use crate::auth::{AuthError, Identity};
@@ -26,6 +26,7 @@ use crate::module_store::StoreError;
 use crate::modules::Modules;
 use crate::registry::{ModuleStatus, RegistryError};
 use crate::metrics::{Metrics, ResultLabels};
+use crate::nft::policy::Direction;
 use crate::nft::service_drops::ServiceDropReason;
 use crate::policy_log::{DropEvent, DropReason};
 
@@ -121,6 +122,8 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/status", get(status))
         .route("/v1/services", get(list_services))
         .route("/v1/services/{namespace}/{name}", get(service_detail))
+        .route("/v1/pods", get(list_pods))
+        .route("/v1/pods/{namespace}/{name}", get(pod_detail))
         .layer(DefaultBodyLimit::max(max_body))
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
         // Outermost: sees every answer, refused authentication included.
@@ -411,26 +414,30 @@ async fn drops(State(state): State<ApiState>, Query(query): Query<DropsQuery>) -
         let frontends = ServiceFrontends::of(services);
         let since = query.since_unix_ms.unwrap_or(0);
         let events = log.recent(limit, |e| {
-            // A policy event is its pod's; a service event, the sender's.
-            let pod_side = e.policy().map_or(e.source, |(_, _, pod)| pod);
             e.at_unix_ms >= since
                 && query.reason.is_none_or(|reason| e.cause.reason() == reason)
-                && pod_addresses.as_ref().is_none_or(|a| a.contains(&pod_side))
+                && pod_addresses.as_ref().is_none_or(|a| a.contains(&pod_side(e)))
                 && service.as_ref().is_none_or(|wanted| frontends.resolve(e).is_some_and(|(key, _)| key == wanted))
         });
-        let events: Vec<Value> = events
-            .iter()
-            .map(|event| {
-                let mut v = event_json(c, &pod_of, Some(&frontends), event);
-                v["kind"] = json!(event.cause.kind());
-                v["reason"] = json!(event.cause.reason());
-                v
-            })
-            .collect();
+        let events: Vec<Value> = events.iter().map(|event| drop_json(c, &pod_of, &frontends, event)).collect();
         Ok(json!({ "totals": { "policy_verdicts": log.totals(), "service_drops": log.service_totals() }, "events": events }))
     })
     .await?;
     Ok(Json(body).into_response())
+}
+
+/// The pod address a logged drop is filed under: a policy event's pod, a service event's
+/// sender.
+fn pod_side(event: &DropEvent) -> IpAddr {
+    event.policy().map_or(event.source, |(_, _, pod)| pod)
+}
+
+/// A logged drop as `GET /v1/drops` shows it: [`event_json`] with its `kind` and `reason`.
+fn drop_json(c: &Controller, pod_of: &BTreeMap<IpAddr, String>, frontends: &ServiceFrontends, event: &DropEvent) -> Value {
+    let mut v = event_json(c, pod_of, Some(frontends), event);
+    v["kind"] = json!(event.cause.kind());
+    v["reason"] = json!(event.cause.reason());
+    v
 }
 
 /// A policy's realization status over every node, as the operator aggregates it.
@@ -816,4 +823,256 @@ async fn service_detail(State(state): State<ApiState>, Path((namespace, name)): 
     })
     .await?;
     Ok(Json(body).into_response())
+}
+
+#[derive(Deserialize)]
+struct PodsQuery {
+    namespace: Option<String>,
+}
+
+/// How many of a pod's latest drops `GET /v1/pods/{ns}/{name}` shows.
+const POD_RECENT_DROPS: usize = 10;
+
+#[derive(Serialize)]
+struct PodList {
+    pods: Vec<PodRow>,
+}
+
+/// One pod of this node as `GET /v1/pods` lists it (`cilium endpoint list`).
+#[derive(Serialize)]
+struct PodRow {
+    namespace: CompactString,
+    name: CompactString,
+    ips: Vec<CompactString>,
+    host_network: bool,
+    /// Some policy selects it in that direction: its dispatch chain decides what passes.
+    ingress_enforced: bool,
+    egress_enforced: bool,
+    /// Some policy selecting it is in audit mode.
+    audit: bool,
+    policies: Vec<SelectingPolicy>,
+    /// What the CNI daemon handed out for it; `null` when this host hands out no addresses
+    /// (no `--cni-socket`, not serving yet, or chained after another plugin).
+    cni_allocations: Option<Vec<CniAllocation>>,
+}
+
+/// A policy selecting a pod of this node, as its last good rules do (what the pod's
+/// dispatch chains run).
+#[derive(Serialize)]
+struct SelectingPolicy {
+    name: String,
+    /// The directions it selects the pod in.
+    policy_types: BTreeSet<Direction>,
+    /// Its would-be drops are logged and counted, not dropped.
+    audit: bool,
+    /// Why its newest generation was refused (the last good rules stay enforced).
+    error: Option<String>,
+}
+
+/// One pod of this node (`cilium endpoint get`): its row, node, labels and latest drops.
+#[derive(Serialize)]
+struct PodDetail {
+    #[serde(flatten)]
+    row: PodRow,
+    node: Option<CompactString>,
+    labels: Labels,
+    /// Its latest drops, newest first, as `GET /v1/drops?pod=` has them; `null` when this
+    /// host reads no drops.
+    recent_drops: Option<Vec<Value>>,
+}
+
+/// One attachment the CNI daemon made for a pod.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+struct CniAllocation {
+    container_id: String,
+    interface: String,
+    addresses: Vec<CniAddress>,
+    allocated_at_unix_seconds: Option<u64>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+struct CniAddress {
+    ip: IpAddr,
+    /// The daemon's pod CIDR it is from; `null` when none of them holds it now (it was
+    /// handed out before they changed).
+    pod_cidr: Option<String>,
+}
+
+/// The CNI daemon's allocations by pod; `None` when this host hands out no addresses.
+fn cni_allocations(state: &ApiState) -> Option<BTreeMap<ObjectKey, Vec<CniAllocation>>> {
+    let daemon = state.cni.as_ref()?.lock().unwrap_or_else(|p| p.into_inner()).clone()?;
+    let ipam = daemon.ipam()?;
+    Some(allocations_by_pod(ipam.all(), ipam.pools()))
+}
+
+fn allocations_by_pod(allocations: Vec<wasmplane_cni::Allocation>, pools: &[wasmplane_cni::Pool]) -> BTreeMap<ObjectKey, Vec<CniAllocation>> {
+    let mut by_pod: BTreeMap<ObjectKey, Vec<CniAllocation>> = BTreeMap::new();
+    for allocation in allocations {
+        // State from before allocations named their pod cannot be told apart: left out.
+        let (Some(namespace), Some(name)) = (&allocation.pod_namespace, &allocation.pod_name) else { continue };
+        let addresses = allocation.ips.iter().map(|ip| CniAddress { ip: *ip, pod_cidr: pools.iter().find(|pool| pool.cidr.contains(ip)).map(|pool| pool.cidr.to_string()) }).collect();
+        by_pod.entry(ObjectKey::new(namespace, name)).or_default().push(CniAllocation {
+            container_id: allocation.container_id,
+            interface: allocation.if_name,
+            addresses,
+            allocated_at_unix_seconds: allocation.allocated_at,
+        });
+    }
+    by_pod
+}
+
+/// The policies as `GET /v1/policies` reports them, by key (for their audit mode and error).
+fn policy_statuses(c: &Controller) -> BTreeMap<ObjectKey, crate::policy::PolicyStatus> {
+    c.policies().into_iter().map(|p| (ObjectKey::new(&p.namespace, &p.name), p)).collect()
+}
+
+/// `pod`'s row. The policies are those of the dispatch chains of its addresses, so that
+/// "enforced" means the kernel decides, not that some policy's selector matches.
+fn pod_row(c: &Controller, statuses: &BTreeMap<ObjectKey, crate::policy::PolicyStatus>, cni: Option<&BTreeMap<ObjectKey, Vec<CniAllocation>>>, pod: &Pod) -> PodRow {
+    let mut selecting: BTreeMap<ObjectKey, BTreeSet<Direction>> = BTreeMap::new();
+    // A host-network pod's addresses are the node's, which no policy selects.
+    if !pod.host_network {
+        for ip in pod.ips.iter().filter_map(|ip| ip.parse::<IpAddr>().ok()) {
+            for direction in [Direction::Ingress, Direction::Egress] {
+                for key in c.policies_selecting(direction, ip) {
+                    selecting.entry(key).or_default().insert(direction);
+                }
+            }
+        }
+    }
+    let policies: Vec<SelectingPolicy> = selecting
+        .into_iter()
+        .map(|(key, policy_types)| {
+            let status = statuses.get(&key);
+            SelectingPolicy { name: key.to_string(), policy_types, audit: status.is_some_and(|s| s.audit), error: status.and_then(|s| s.error.clone()) }
+        })
+        .collect();
+    let enforced = |direction: Direction| policies.iter().any(|p| p.policy_types.contains(&direction));
+    PodRow {
+        namespace: pod.namespace.clone(),
+        name: pod.name.clone(),
+        ips: pod.ips.clone(),
+        host_network: pod.host_network,
+        ingress_enforced: enforced(Direction::Ingress),
+        egress_enforced: enforced(Direction::Egress),
+        audit: policies.iter().any(|p| p.audit),
+        policies,
+        cni_allocations: cni.map(|by_pod| by_pod.get(&pod.key()).cloned().unwrap_or_default()),
+    }
+}
+
+/// The pods on this node (`?namespace=NS`: of one namespace), by namespace and name, with
+/// the policies their dispatch chains run.
+async fn list_pods(State(state): State<ApiState>, Query(query): Query<PodsQuery>) -> ApiResult<Response> {
+    let cni = cni_allocations(&state);
+    let pods = with_controller(&state, move |c| {
+        let statuses = policy_statuses(c);
+        let local_pods = &c.model().local_pods;
+        let selected: Box<dyn Iterator<Item = (&ObjectKey, &Arc<Pod>)>> = match &query.namespace {
+            // Keys sort by namespace first: one namespace is one range.
+            Some(namespace) => Box::new(local_pods.range(ObjectKey::new(namespace, "")..).take_while(|(key, _)| key.namespace == namespace.as_str())),
+            None => Box::new(local_pods.iter()),
+        };
+        Ok(selected.map(|(_, pod)| pod_row(c, &statuses, cni.as_ref(), pod)).collect())
+    })
+    .await?;
+    Ok(Json(PodList { pods }).into_response())
+}
+
+/// One pod on this node: its row, labels and latest drops; any other pod is not found.
+async fn pod_detail(State(state): State<ApiState>, Path((namespace, name)): Path<(String, String)>) -> ApiResult<Response> {
+    let key = ObjectKey::new(&namespace, &name);
+    let cni = cni_allocations(&state);
+    let log = state.policy_verdicts.clone();
+    let detail = with_controller(&state, move |c| {
+        let pod = c.model().local_pods.get(&key).ok_or_else(|| not_this_nodes_pod(c, &key))?;
+        let recent_drops = log.map(|log| {
+            let addresses: Vec<IpAddr> = pod.ips.iter().filter_map(|ip| ip.parse().ok()).collect();
+            let pod_of = local_pods_by_address(c);
+            let frontends = ServiceFrontends::of(&c.model().services);
+            drops_of_pod(&log, &addresses, POD_RECENT_DROPS).iter().map(|event| drop_json(c, &pod_of, &frontends, event)).collect()
+        });
+        Ok(PodDetail { row: pod_row(c, &policy_statuses(c), cni.as_ref(), pod), node: pod.node_name.clone(), labels: pod.labels.clone(), recent_drops })
+    })
+    .await?;
+    Ok(Json(detail).into_response())
+}
+
+/// The newest `limit` drops filed under one of `addresses` (see [`pod_side`]), as
+/// `GET /v1/drops?pod=` picks them. A host-network pod's addresses are the node's: its drops
+/// are those of the node's addresses.
+fn drops_of_pod(log: &crate::policy_log::PolicyVerdictLog, addresses: &[IpAddr], limit: usize) -> Vec<DropEvent> {
+    log.recent(limit, |event| addresses.contains(&pod_side(event)))
+}
+
+/// Why `key` has no pod detail here: another node's pod, one not scheduled yet, or none.
+fn not_this_nodes_pod(c: &Controller, key: &ObjectKey) -> HostError {
+    let why = match c.cluster().pods.get(key).map(|pod| pod.node_name.as_deref()) {
+        Some(Some(node)) => format!("it is on node {node}"),
+        Some(None) => "it is not scheduled yet".to_string(),
+        None => "no such pod is known".to_string(),
+    };
+    HostError::NotFound(format!("pod {key} is not one of this node's pods ({why})"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nft::policy::PolicyVerdict;
+    use crate::nft::service_drops::ServiceDropReason;
+    use crate::policy_log::{DropCause, PolicyVerdictLog};
+
+    fn ip(text: &str) -> IpAddr {
+        text.parse().unwrap()
+    }
+
+    fn logged(at_unix_ms: u64, cause: DropCause, source: &str, destination: &str) -> DropEvent {
+        DropEvent { at_unix_ms, cause, source: ip(source), destination: ip(destination), protocol: "tcp".into(), source_port: Some(40000), destination_port: Some(80) }
+    }
+
+    /// A pod's drops: its policy verdicts (either direction) and the service drops of what it
+    /// sent; not another pod's verdicts of what it sent, nor service drops of what it was sent.
+    #[test]
+    fn a_pods_drops_are_those_drops_list_files_under_it() {
+        const POD: &str = "10.244.0.41";
+        const OTHER: &str = "10.244.0.42";
+        let policy = |direction, pod_address: &str| DropCause::Policy { verdict: PolicyVerdict::Deny, direction, pod_address: ip(pod_address) };
+        let service = DropCause::Service { reason: ServiceDropReason::NoEndpoints };
+        let log = PolicyVerdictLog::new();
+        log.record(logged(1, policy(Direction::Ingress, POD), "10.0.0.1", POD));
+        log.record(logged(2, policy(Direction::Egress, POD), POD, "192.0.2.1"));
+        log.record(logged(3, policy(Direction::Ingress, OTHER), POD, OTHER));
+        log.record(logged(4, service, POD, "10.96.0.40"));
+        log.record(logged(5, service, OTHER, POD));
+        let at = |events: Vec<DropEvent>| events.iter().map(|e| e.at_unix_ms).collect::<Vec<_>>();
+        assert_eq!(at(drops_of_pod(&log, &[ip(POD)], 10)), [4, 2, 1], "newest first");
+        assert_eq!(at(drops_of_pod(&log, &[ip(POD)], 2)), [4, 2], "the newest only");
+        assert_eq!(at(drops_of_pod(&log, &[ip("fd00::41"), ip(OTHER)], 10)), [5, 3], "any of its addresses");
+    }
+
+    /// Allocations by pod, each address with the pod CIDR it is from; unnamed ones left out.
+    #[test]
+    fn cni_allocations_name_their_pod_cidr() {
+        let pools = [wasmplane_cni::Pool { cidr: "10.244.0.0/24".parse().unwrap(), gateway: ip("10.244.0.1") }, wasmplane_cni::Pool { cidr: "fd00::/64".parse().unwrap(), gateway: ip("fd00::1") }];
+        let allocation = |container: &str, pod: Option<(&str, &str)>, ips: &[&str]| wasmplane_cni::Allocation {
+            ips: ips.iter().map(|i| ip(i)).collect(),
+            container_id: container.into(),
+            if_name: "eth0".into(),
+            pod_namespace: pod.map(|p| p.0.into()),
+            pod_name: pod.map(|p| p.1.into()),
+            allocated_at: Some(7),
+        };
+        let by_pod = allocations_by_pod(
+            vec![allocation("c1", Some(("default", "web-1")), &["10.244.0.41", "fd00::41"]), allocation("c2", None, &["10.244.0.50"]), allocation("c3", Some(("default", "old")), &["10.9.0.5"])],
+            &pools,
+        );
+        assert_eq!(by_pod.len(), 2, "{by_pod:?}");
+        let web = &by_pod[&ObjectKey::new("default", "web-1")];
+        assert_eq!(
+            serde_json::to_value(web).unwrap(),
+            json!([{ "container_id": "c1", "interface": "eth0", "allocated_at_unix_seconds": 7,
+                     "addresses": [{ "ip": "10.244.0.41", "pod_cidr": "10.244.0.0/24" }, { "ip": "fd00::41", "pod_cidr": "fd00::/64" }] }])
+        );
+        assert_eq!(by_pod[&ObjectKey::new("default", "old")][0].addresses[0].pod_cidr, None, "outside today's pod CIDRs");
+    }
 }

@@ -51,6 +51,14 @@ pub enum Command {
         #[command(subcommand)]
         command: ServiceCommand,
     },
+    /// This node's pods as its host sees them, through its REST API (`cilium endpoint
+    /// list|get`): policy enforcement per direction, the policies selecting each, its drops.
+    Pod {
+        #[command(flatten)]
+        api: ApiArgs,
+        #[command(subcommand)]
+        command: PodCommand,
+    },
     /// This node's network policies and the packets they drop, through its REST API
     /// (`hubble observe --verdict DROPPED`): `ls` and `verdicts [-f]`.
     Policy {
@@ -81,6 +89,23 @@ pub enum ServiceCommand {
     },
     /// One service: the model's view of it, the rules applied for it, its error.
     Get { namespace: String, name: String },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum PodCommand {
+    /// One line per pod on this node: addresses, ingress and egress enforced or not, the
+    /// policies selecting it.
+    Ls {
+        /// Only this namespace's.
+        #[arg(long, short)]
+        namespace: Option<String>,
+    },
+    /// One pod on this node: labels, each policy selecting it (directions, audit mode), where
+    /// the CNI daemon took its addresses from, its latest drops.
+    Get {
+        #[arg(value_name = "NS/NAME")]
+        pod: crate::inspect::PodName,
+    },
 }
 
 #[derive(clap::Args, Debug)]

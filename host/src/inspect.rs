@@ -1,7 +1,8 @@
 //! Node-local inspection for operators (`wasmplane status`, `wasmplane service ls|get`,
-//! `wasmplane policy ls|verdicts`, `wasmplane drops`, as `cilium status`, `cilium service
-//! list` and `hubble observe --verdict DROPPED`): the host's `GET /v1/status`,
-//! `GET /v1/services`, `GET /v1/policies[/verdicts]` and `GET /v1/drops` shown as text. The formatting is pure (JSON in, text out),
+//! `wasmplane pod ls|get`, `wasmplane policy ls|verdicts`, `wasmplane drops`, as `cilium
+//! status`, `cilium service list`, `cilium endpoint list|get` and `hubble observe --verdict
+//! DROPPED`): the host's `GET /v1/status`, `GET /v1/services`, `GET /v1/pods`,
+//! `GET /v1/policies[/verdicts]` and `GET /v1/drops` shown as text. The formatting is pure (JSON in, text out),
 //! apart from the calls.
 
 use std::collections::BTreeMap;
@@ -222,6 +223,111 @@ pub fn format_service(detail: &Value) -> String {
     let mut text = serde_json::to_string_pretty(detail).unwrap_or_else(|_| detail.to_string());
     text.push('\n');
     text
+}
+
+/// A pod as `namespace/name` on the command line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodName {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl std::str::FromStr for PodName {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<PodName, String> {
+        match text.split_once('/') {
+            Some((namespace, name)) if !namespace.is_empty() && !name.is_empty() && !name.contains('/') => Ok(PodName { namespace: namespace.into(), name: name.into() }),
+            _ => Err(format!("{text:?} is not NAMESPACE/NAME")),
+        }
+    }
+}
+
+/// Prints the pods on this node as a table (those of `namespace` only, if given).
+pub async fn pods(api: &ApiArgs, namespace: Option<&str>) -> anyhow::Result<()> {
+    let query: Vec<(&str, &str)> = namespace.map(|ns| ("namespace", ns)).into_iter().collect();
+    let list = get_json(api, &["v1", "pods"], &query).await?;
+    print!("{}", format_pods(&list));
+    Ok(())
+}
+
+/// Prints one pod of this node: addresses, labels, the policies selecting it, its latest drops.
+pub async fn pod(api: &ApiArgs, pod: &PodName) -> anyhow::Result<()> {
+    let detail = get_json(api, &["v1", "pods", &pod.namespace, &pod.name], &[]).await?;
+    print!("{}", format_pod(&detail));
+    Ok(())
+}
+
+/// A pod's addresses, `(host network)` after them when they are the node's.
+fn pod_ips(pod: &Value) -> String {
+    let ips = joined(pod["ips"].as_array().into_iter().flatten().filter_map(|ip| ip.as_str().map(str::to_string)));
+    if pod["host_network"].as_bool() == Some(true) { format!("{ips} (host network)") } else { ips }
+}
+
+/// How one direction of a pod is decided: `enforced` when a policy not in audit mode selects
+/// it, `audit` when only policies in audit mode do (nothing is dropped), `-` when none does.
+fn pod_direction(pod: &Value, direction: &str) -> &'static str {
+    let selecting: Vec<&Value> = pod["policies"].as_array().into_iter().flatten().filter(|p| p["policy_types"].as_array().is_some_and(|types| types.iter().any(|t| t == direction))).collect();
+    if selecting.iter().any(|p| p["audit"] != true) {
+        "enforced"
+    } else if selecting.is_empty() {
+        "-"
+    } else {
+        "audit"
+    }
+}
+
+/// A selecting policy's name, `(audit)` after it in audit mode.
+fn policy_name(policy: &Value) -> String {
+    let name = policy["name"].as_str().unwrap_or("?");
+    if policy["audit"] == true { format!("{name} (audit)") } else { name.to_string() }
+}
+
+/// `GET /v1/pods` as a table: POD IPS INGRESS EGRESS POLICIES (`cilium endpoint list`).
+pub fn format_pods(list: &Value) -> String {
+    let mut rows = vec![["POD", "IPS", "INGRESS", "EGRESS", "POLICIES"].map(String::from)];
+    for p in list["pods"].as_array().into_iter().flatten() {
+        let pod = format!("{}/{}", p["namespace"].as_str().unwrap_or("?"), p["name"].as_str().unwrap_or("?"));
+        let policies = joined(p["policies"].as_array().into_iter().flatten().map(policy_name));
+        rows.push([pod, pod_ips(p), pod_direction(p, "ingress").into(), pod_direction(p, "egress").into(), policies]);
+    }
+    table(&rows)
+}
+
+/// `GET /v1/pods/{namespace}/{name}` as aligned `key: value` lines (a `Policy` line per
+/// selecting policy), then its latest drops, oldest first (`cilium endpoint get`).
+pub fn format_pod(detail: &Value) -> String {
+    let mut lines: Vec<(String, String)> = Vec::new();
+    let mut line = |key: &str, value: String| lines.push((key.to_string(), value));
+    line("Pod", format!("{}/{}", detail["namespace"].as_str().unwrap_or("?"), detail["name"].as_str().unwrap_or("?")));
+    line("Node", detail["node"].as_str().unwrap_or("?").into());
+    line("IPs", pod_ips(detail));
+    line("Labels", joined(detail["labels"].as_object().into_iter().flatten().map(|(key, value)| format!("{key}={}", value.as_str().unwrap_or("?")))));
+    line("Ingress", pod_direction(detail, "ingress").into());
+    line("Egress", pod_direction(detail, "egress").into());
+    for policy in detail["policies"].as_array().into_iter().flatten() {
+        let types = policy["policy_types"].as_array().into_iter().flatten().filter_map(Value::as_str).collect::<Vec<_>>().join(",");
+        let mode = if policy["audit"] == true { "audit" } else { "enforce" };
+        let error = policy["error"].as_str().map(|e| format!(", newest generation refused: {e}")).unwrap_or_default();
+        line("Policy", format!("{} ({types}, {mode}{error})", policy["name"].as_str().unwrap_or("?")));
+    }
+    for allocation in detail["cni_allocations"].as_array().into_iter().flatten() {
+        let addresses = allocation["addresses"].as_array().into_iter().flatten().map(|a| format!("{} from {}", a["ip"].as_str().unwrap_or("?"), a["pod_cidr"].as_str().unwrap_or("no pod CIDR now")));
+        line("CNI", format!("{} (container {}, {})", addresses.collect::<Vec<_>>().join(", "), allocation["container_id"].as_str().unwrap_or("?"), allocation["interface"].as_str().unwrap_or("?")));
+    }
+    let drops = detail["recent_drops"].as_array();
+    line(
+        "Recent drops",
+        match drops.map(Vec::len) {
+            None => "not read on this host".into(),
+            Some(0) => "none logged".into(),
+            Some(n) => format!("{n}, oldest first:"),
+        },
+    );
+    let mut out = aligned(&lines);
+    // The host answers newest first.
+    out.extend(drops.into_iter().flatten().rev().map(|event| format_drop(event) + "\n"));
+    out
 }
 
 /// `wasmplane policy …`: this node's network policies, through its host's REST API.
@@ -736,6 +842,88 @@ mod tests {
         renamed["policies"] = json!([]);
         let (again, _) = new_events(&[renamed.clone(), renamed.clone(), renamed], &printed);
         assert!(again.is_empty(), "{again:?}");
+    }
+
+    /// A pod row as the host answers it; `policies` as (name, directions, audit).
+    fn pod_row(pod: &str, ips: &[&str], host_network: bool, policies: &[(&str, &[&str], bool)]) -> Value {
+        let (namespace, name) = pod.split_once('/').unwrap();
+        let policies: Vec<Value> = policies.iter().map(|(name, types, audit)| json!({ "name": name, "policy_types": types, "audit": audit, "error": null })).collect();
+        json!({ "namespace": namespace, "name": name, "ips": ips, "host_network": host_network, "policies": policies, "cni_allocations": null })
+    }
+
+    #[test]
+    fn pods_table_says_per_direction_enforced_audit_or_not() {
+        let list = json!({ "pods": [
+            pod_row("default/web-1", &["10.244.0.41", "fd00::41"], false, &[("default/web-ingress", &["ingress"], false), ("default/web-egress", &["egress"], true)]),
+            pod_row("default/db", &["10.244.0.42"], false, &[("default/audited", &["ingress", "egress"], true), ("default/strict", &["ingress"], false)]),
+            pod_row("kube-system/agent", &["192.168.1.10"], true, &[]),
+        ]});
+        let text = format_pods(&list);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 4, "{text}");
+        assert_eq!(lines[0], "POD                 IPS                           INGRESS    EGRESS   POLICIES", "{text}");
+        assert_eq!(lines[1], "default/web-1       10.244.0.41,fd00::41          enforced   audit    default/web-ingress,default/web-egress (audit)", "{text}");
+        // One policy enforcing a direction enforces it, whatever the audit ones.
+        assert_eq!(lines[2], "default/db          10.244.0.42                   enforced   audit    default/audited (audit),default/strict", "{text}");
+        assert_eq!(lines[3], "kube-system/agent   192.168.1.10 (host network)   -          -        <none>", "{text}");
+        assert_eq!(format_pods(&json!({ "pods": [] })), "POD   IPS   INGRESS   EGRESS   POLICIES\n");
+    }
+
+    #[test]
+    fn pod_lines_are_aligned_with_a_line_per_policy_then_the_drops_oldest_first() {
+        let mut detail = pod_row("default/web-1", &["10.244.0.41"], false, &[("default/web-ingress", &["ingress"], false), ("default/web-all", &["ingress", "egress"], true)]);
+        detail["node"] = json!("node-a");
+        detail["labels"] = json!({ "app": "web", "tier": "front" });
+        detail["policies"][1]["error"] = json!("port \"x\" unknown");
+        detail["cni_allocations"] = json!([{ "container_id": "c1", "interface": "eth0", "allocated_at_unix_seconds": 7,
+            "addresses": [{ "ip": "10.244.0.41", "pod_cidr": "10.244.0.0/24" }, { "ip": "fd00::41", "pod_cidr": null }] }]);
+        let older = verdict_event(1000, "deny", "ingress", Some("default/web-1"), ("10.0.0.1", Some(1)), ("10.244.0.41", Some(80)), &["default/web-ingress"]);
+        let newer = verdict_event(2000, "deny", "ingress", Some("default/web-1"), ("10.0.0.2", Some(2)), ("10.244.0.41", Some(80)), &["default/web-ingress"]);
+        detail["recent_drops"] = json!([newer, older]);
+        let text = format_pod(&detail);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines,
+            [
+                "Pod:           default/web-1",
+                "Node:          node-a",
+                "IPs:           10.244.0.41",
+                "Labels:        app=web,tier=front",
+                "Ingress:       enforced",
+                "Egress:        audit",
+                "Policy:        default/web-ingress (ingress, enforce)",
+                "Policy:        default/web-all (ingress,egress, audit, newest generation refused: port \"x\" unknown)",
+                "CNI:           10.244.0.41 from 10.244.0.0/24, fd00::41 from no pod CIDR now (container c1, eth0)",
+                "Recent drops:  2, oldest first:",
+                format_drop(&older).as_str(),
+                format_drop(&newer).as_str(),
+            ],
+            "{text}"
+        );
+        // A host that reads no drops, or none logged; no CNI of ours: no CNI line.
+        detail["recent_drops"] = json!(null);
+        detail["cni_allocations"] = json!(null);
+        let text = format_pod(&detail);
+        assert!(text.ends_with("Recent drops:  not read on this host\n") && !text.contains("CNI:"), "{text}");
+        detail["recent_drops"] = json!([]);
+        assert!(format_pod(&detail).ends_with("Recent drops:  none logged\n"));
+    }
+
+    #[test]
+    fn pod_command_line_takes_namespace_slash_name() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(subcommand)]
+            command: crate::cli::PodCommand,
+        }
+        use clap::{CommandFactory, Parser};
+        Cli::command().debug_assert();
+        let parsed = Cli::try_parse_from(["pod", "get", "default/web-1"]).unwrap();
+        assert!(matches!(&parsed.command, crate::cli::PodCommand::Get { pod } if *pod == PodName { namespace: "default".into(), name: "web-1".into() }), "{:?}", parsed.command);
+        assert!(matches!(Cli::try_parse_from(["pod", "ls", "-n", "shop"]).unwrap().command, crate::cli::PodCommand::Ls { namespace: Some(ns) } if ns == "shop"));
+        for wrong in ["web-1", "/web-1", "default/", "a/b/c"] {
+            assert!(Cli::try_parse_from(["pod", "get", wrong]).is_err(), "{wrong}");
+        }
     }
 
     #[test]

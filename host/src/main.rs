@@ -1,6 +1,6 @@
 use anyhow::Context as _;
 use tracing_subscriber::EnvFilter;
-use wasmplane::cli::{Command, LogFormat, ServiceCommand};
+use wasmplane::cli::{Command, LogFormat, PodCommand, ServiceCommand};
 
 fn main() -> anyhow::Result<std::process::ExitCode> {
     // A compile request from a running host: nothing else of the host starts in that process.
@@ -78,6 +78,10 @@ async fn run() -> anyhow::Result<()> {
         Command::Service { api, command } => match command {
             ServiceCommand::Ls { namespace } => wasmplane::inspect::services(&api, namespace.as_deref()).await,
             ServiceCommand::Get { namespace, name } => wasmplane::inspect::service(&api, &namespace, &name).await,
+        },
+        Command::Pod { api, command } => match command {
+            PodCommand::Ls { namespace } => wasmplane::inspect::pods(&api, namespace.as_deref()).await,
+            PodCommand::Get { pod } => wasmplane::inspect::pod(&api, &pod).await,
         },
         Command::Policy { api, command } => wasmplane::inspect::policy(&api, command).await,
         Command::Drops { api, args } => wasmplane::inspect::drops(&api, args).await,

@@ -1,5 +1,6 @@
-//! Node-local inspection (`GET /v1/status`, `GET /v1/services[/{namespace}/{name}]` and the
-//! CLI's `wasmplane::inspect`) against a real host on loopback over a manifest dir.
+//! Node-local inspection (`GET /v1/status`, `GET /v1/services[/{namespace}/{name}]`,
+//! `GET /v1/pods[/{namespace}/{name}]` and the CLI's `wasmplane::inspect`) against a real host
+//! on loopback over a manifest dir.
 
 mod support;
 
@@ -400,4 +401,140 @@ async fn verdicts_follow_polls_with_the_filters_and_prints_each_event_once() {
          00:00:02.000  AUDIT  ingress  default/web-1  10.0.0.1:2 -> 10.244.0.41:80 tcp  policies: default/web-ingress\n\
          00:00:02.000  AUDIT  ingress  default/web-1  10.0.0.1:3 -> 10.244.0.41:80 tcp  policies: default/web-ingress\n"
     );
+}
+
+/// A second pod on this node, which no policy selects.
+const CACHE_POD: &str = "
+apiVersion: v1
+kind: Pod
+metadata: { name: cache-1, namespace: shop, labels: { app: cache } }
+spec: { nodeName: node-a, containers: [{ name: c, image: x }] }
+status: { phase: Running, podIP: 10.244.0.51, podIPs: [{ ip: 10.244.0.51 }] }
+";
+
+/// An egress-only policy selecting `shop/cache-1`.
+const CACHE_EGRESS_POLICY: &str = "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: { name: cache-egress, namespace: shop, uid: cache-egress-uid, generation: 1 }
+spec:
+  podSelector: { matchLabels: { app: cache } }
+  policyTypes: [Egress]
+  egress: [{ ports: [{ port: 53, protocol: UDP }] }]
+";
+
+fn pods_of(list: &Value) -> Vec<String> {
+    list["pods"].as_array().unwrap().iter().map(|p| format!("{}/{}", p["namespace"].as_str().unwrap(), p["name"].as_str().unwrap())).collect()
+}
+
+fn pod_row<'a>(list: &'a Value, pod: &str) -> &'a Value {
+    list["pods"].as_array().unwrap().iter().find(|p| format!("{}/{}", p["namespace"].as_str().unwrap(), p["name"].as_str().unwrap()) == pod).unwrap_or_else(|| panic!("no row for {pod}: {list}"))
+}
+
+/// The enforcement flags of a pod row: ingress, egress, audit.
+fn enforcement(row: &Value) -> (Value, Value, Value) {
+    (row["ingress_enforced"].clone(), row["egress_enforced"].clone(), row["audit"].clone())
+}
+
+/// `cilium endpoint list|get`: the pods on this node only, each with the policies its
+/// dispatch chains run, per direction; another node's pod and an unknown one are not found.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_are_this_nodes_with_the_policies_enforced_on_them() {
+    let h = Host::start().await;
+    let manifests = h.dir.path().join("manifests");
+    write_manifest(&manifests, "cache.yaml", CACHE_POD);
+    h.wait_for_status("the second local pod", |status| status["model"]["local_pods"] == 2).await;
+
+    let (status, list) = h.get("/v1/pods").await;
+    assert_eq!(status, StatusCode::OK, "{list}");
+    assert_eq!(pods_of(&list), ["default/web-1", "shop/cache-1"], "this node's, not node-b's web-2: {list}");
+    let web = pod_row(&list, "default/web-1");
+    assert_eq!((&web["ips"], &web["host_network"]), (&json!(["10.244.0.41"]), &json!(false)), "{list}");
+    assert_eq!(enforcement(web), (json!(true), json!(false), json!(false)), "{list}");
+    assert_eq!(web["policies"], json!([{ "name": "default/web-ingress", "policy_types": ["ingress"], "audit": false, "error": null }]), "{list}");
+    assert_eq!(web["cni_allocations"], Value::Null, "this host hands out no addresses: {list}");
+    let cache = pod_row(&list, "shop/cache-1");
+    assert_eq!(enforcement(cache), (json!(false), json!(false), json!(false)), "{list}");
+    assert_eq!(cache["policies"], json!([]), "{list}");
+
+    let (_, default) = h.get("/v1/pods?namespace=default").await;
+    assert_eq!(pods_of(&default), ["default/web-1"], "{default}");
+    let (_, shop) = h.get("/v1/pods?namespace=shop").await;
+    assert_eq!(pods_of(&shop), ["shop/cache-1"], "{shop}");
+    let (_, prefix) = h.get("/v1/pods?namespace=sho").await;
+    assert_eq!(pods_of(&prefix), Vec::<String>::new(), "{prefix}");
+
+    let (status, detail) = h.get("/v1/pods/default/web-1").await;
+    assert_eq!(status, StatusCode::OK, "{detail}");
+    assert_eq!(detail["labels"], json!({ "app": "web" }), "{detail}");
+    assert_eq!(detail["node"], "node-a", "{detail}");
+    assert_eq!(detail["policies"], web["policies"], "{detail}");
+    assert_eq!(enforcement(&detail), enforcement(web), "{detail}");
+    assert_eq!(detail["recent_drops"], Value::Null, "a record dataplane reads no drops: {detail}");
+
+    let (status, remote) = h.get("/v1/pods/default/web-2").await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{remote}");
+    assert_eq!(error_of(&remote), "pod default/web-2 is not one of this node's pods (it is on node node-b)", "{remote}");
+    let (status, unknown) = h.get("/v1/pods/default/nope").await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{unknown}");
+    assert!(error_of(&unknown).contains("not one of this node's pods"), "{unknown}");
+
+    // An egress-only policy for the cache: its egress is enforced, its ingress still not.
+    write_manifest(&manifests, "cache-egress.yaml", CACHE_EGRESS_POLICY);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let list = loop {
+        let (_, list) = h.get("/v1/pods").await;
+        if pod_row(&list, "shop/cache-1")["egress_enforced"] == true {
+            break list;
+        }
+        assert!(Instant::now() < deadline, "egress never enforced on shop/cache-1: {list}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    };
+    let cache = pod_row(&list, "shop/cache-1");
+    assert_eq!(enforcement(cache), (json!(false), json!(true), json!(false)), "{list}");
+    assert_eq!(cache["policies"], json!([{ "name": "shop/cache-egress", "policy_types": ["egress"], "audit": false, "error": null }]), "{list}");
+    assert_eq!(enforcement(pod_row(&list, "default/web-1")), (json!(true), json!(false), json!(false)), "the other pod as it was: {list}");
+    h.host.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pod_cli_reads_and_formats_the_running_host() {
+    use wasmplane::inspect::{PodName, format_pod, format_pods};
+    let h = Host::start().await;
+    write_manifest(&h.dir.path().join("manifests"), "cache.yaml", CACHE_POD);
+    h.wait_for_status("the second local pod", |status| status["model"]["local_pods"] == 2).await;
+    let cells = |table: &str| -> Vec<Vec<String>> { table.lines().map(|l| l.split("   ").map(str::trim).filter(|c| !c.is_empty()).map(String::from).collect()).collect() };
+
+    let (_, list) = h.get("/v1/pods").await;
+    let table = format_pods(&list);
+    assert_eq!(
+        cells(&table),
+        [
+            vec!["POD", "IPS", "INGRESS", "EGRESS", "POLICIES"],
+            vec!["default/web-1", "10.244.0.41", "enforced", "-", "default/web-ingress"],
+            vec!["shop/cache-1", "10.244.0.51", "-", "-", "<none>"],
+        ],
+        "{table}"
+    );
+    let (_, detail) = h.get("/v1/pods/default/web-1").await;
+    let text = format_pod(&detail);
+    let lines: Vec<&str> = text.lines().collect();
+    for expected in ["Pod:           default/web-1", "Labels:        app=web", "Ingress:       enforced", "Egress:        -", "Policy:        default/web-ingress (ingress, enforce)", "Recent drops:  not read on this host"] {
+        assert!(lines.contains(&expected), "{expected:?} in:\n{text}");
+    }
+
+    // In audit mode nothing is dropped: the table says so.
+    let audit = h.client.post(h.url("/v1/policies/default/web-ingress/audit?enabled=true")).bearer_auth(TOKEN).send().await.unwrap();
+    assert_eq!(audit.status(), StatusCode::OK);
+    let (_, list) = h.get("/v1/pods?namespace=default").await;
+    assert_eq!(pod_row(&list, "default/web-1")["audit"], true, "{list}");
+    let table = format_pods(&list);
+    assert_eq!(cells(&table)[1], ["default/web-1", "10.244.0.41", "audit", "-", "default/web-ingress (audit)"], "{table}");
+
+    let api = h.api();
+    wasmplane::inspect::pods(&api, Some("shop")).await.unwrap();
+    wasmplane::inspect::pod(&api, &"default/web-1".parse::<PodName>().unwrap()).await.unwrap();
+    let remote = wasmplane::inspect::pod(&api, &"default/web-2".parse::<PodName>().unwrap()).await.unwrap_err().to_string();
+    assert_eq!(remote, "404 Not Found: pod default/web-2 is not one of this node's pods (it is on node node-b)");
+    h.host.stop().await;
 }
