@@ -1138,6 +1138,14 @@ mod tests {
 
     use super::*;
 
+    /// `wasmplane run ARGS…`, parsed.
+    fn run_args(args: &[&str]) -> Result<RunArgs, clap::Error> {
+        match Cli::try_parse_from([&["wasmplane", "run"], args].concat())?.command {
+            Command::Run(run) => Ok(run),
+            _ => unreachable!("parsed as another command"),
+        }
+    }
+
     /// `--kube-proxy-config`'s file in a temporary directory, and the command line parsed as
     /// `main` does (with `command`, whose environment variables a test may point elsewhere).
     fn parse_with_kube_proxy_config(command: clap::Command, file_text: &str, args: &[&str]) -> anyhow::Result<(RunArgs, Vec<String>)> {
@@ -1268,16 +1276,9 @@ mod tests {
     /// Policy verdicts are logged to NFLOG group 1001 unless told otherwise; 0 turns it off.
     #[test]
     fn policy_log_group_reaches_the_config() {
-        let group = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run"], args].concat()) {
-            Ok(Cli { command: Command::Run(args) }) => args.into_config().unwrap().policy_log_group,
-            _ => unreachable!("parses as run"),
-        };
+        let group = |args: &[&str]| run_args(args).unwrap().into_config().unwrap().policy_log_group;
         assert_eq!((group(&[]), group(&["--policy-log-group", "0"]), group(&["--policy-log-group", "7"])), (1001, 0, 7));
-        let rate = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run"], args].concat()) {
-            Ok(Cli { command: Command::Run(args) }) => Ok(args.into_config().unwrap().policy_log_rate),
-            Ok(_) => unreachable!("parses as run"),
-            Err(e) => Err(e.kind()),
-        };
+        let rate = |args: &[&str]| run_args(args).map(|run| run.into_config().unwrap().policy_log_rate).map_err(|e| e.kind());
         assert_eq!((rate(&[]), rate(&["--policy-log-rate", "50"])), (Ok(10), Ok(50)));
         assert_eq!(rate(&["--policy-log-rate", "0"]), Err(clap::error::ErrorKind::ValueValidation));
     }
@@ -1285,11 +1286,7 @@ mod tests {
     /// `--min-sync-period` takes a Go duration, as kube-proxy's flag; off by default.
     #[test]
     fn min_sync_period_reaches_the_config() {
-        let period = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run"], args].concat()) {
-            Ok(Cli { command: Command::Run(args) }) => Ok(args.into_config().unwrap().min_sync_period),
-            Ok(_) => unreachable!("parses as run"),
-            Err(e) => Err(e.to_string()),
-        };
+        let period = |args: &[&str]| run_args(args).map(|run| run.into_config().unwrap().min_sync_period).map_err(|e| e.to_string());
         assert_eq!(period(&[]), Ok(Duration::ZERO));
         assert_eq!(period(&["--min-sync-period", "1s"]), Ok(Duration::from_secs(1)));
         assert_eq!(period(&["--min-sync-period=250ms"]), Ok(Duration::from_millis(250)));
@@ -1301,11 +1298,7 @@ mod tests {
     /// kernel's range.
     #[test]
     fn oom_score_adj_defaults_to_kube_proxys() {
-        let adj = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run"], args].concat()) {
-            Ok(Cli { command: Command::Run(args) }) => Ok(args.oom_score_adj),
-            Ok(_) => unreachable!("parses as run"),
-            Err(e) => Err(e.kind()),
-        };
+        let adj = |args: &[&str]| run_args(args).map(|run| run.oom_score_adj).map_err(|e| e.kind());
         assert_eq!(adj(&[]), Ok(-999));
         assert_eq!(adj(&["--oom-score-adj", "-500"]), Ok(-500));
         assert_eq!(adj(&["--oom-score-adj=1000"]), Ok(1000));
@@ -1316,10 +1309,7 @@ mod tests {
     /// "be liberal" are left alone unless given, as kube-proxy leaves them.
     #[test]
     fn conntrack_flags_reach_the_tuning() {
-        let tuning = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run"], args].concat()) {
-            Ok(Cli { command: Command::Run(args) }) => args.into_config().unwrap().conntrack.unwrap(),
-            _ => unreachable!("parses as run"),
-        };
+        let tuning = |args: &[&str]| run_args(args).unwrap().into_config().unwrap().conntrack.unwrap();
         assert_eq!(tuning(&[]), crate::conntrack_tuning::ConntrackTuning::default());
         let given = tuning(&["--conntrack-udp-timeout-seconds", "45", "--conntrack-udp-timeout-stream-seconds", "150", "--conntrack-tcp-be-liberal"]);
         assert_eq!((given.udp_timeout, given.udp_stream_timeout, given.tcp_be_liberal), (Duration::from_secs(45), Duration::from_secs(150), true));
@@ -1327,11 +1317,7 @@ mod tests {
 
     #[test]
     fn detect_local_mode_as_kube_proxy_spells_it() {
-        let mode = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run"], args].concat()) {
-            Ok(Cli { command: Command::Run(args) }) => Ok(args.into_config().unwrap().local_detection),
-            Ok(_) => unreachable!("parsed as another command"),
-            Err(e) => Err(e.to_string()),
-        };
+        let mode = |args: &[&str]| run_args(args).map(|run| run.into_config().unwrap().local_detection).map_err(|e| e.to_string());
         assert_eq!(mode(&[]), Ok(crate::controller::LocalDetection::ClusterCidr));
         assert_eq!(mode(&["--detect-local-mode", "NodeCIDR"]), Ok(crate::controller::LocalDetection::NodeCidr));
         assert!(mode(&["--detect-local-mode", "InterfaceNamePrefix"]).is_err(), "not implemented, so not accepted");
