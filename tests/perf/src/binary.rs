@@ -79,6 +79,7 @@ impl HostProc {
             .arg("--token-file")
             .arg(dir.join("token"))
             .args(["--dataplane", if nftables { "nftables" } else { "record" }, "--reconcile-seconds", &o.reconcile_seconds.to_string()])
+            .arg(format!("--min-sync-period={}ms", o.min_sync_period.as_millis()))
             .args(if o.page_out { &[][..] } else { &["--no-page-out"][..] })
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())

@@ -42,6 +42,8 @@ pub struct Opts {
     /// The host's full reconcile interval: an hour by default, so that no full sync falls
     /// inside a measurement.
     pub reconcile_seconds: u64,
+    /// The host's `--min-sync-period` (zero: off).
+    pub min_sync_period: Duration,
 }
 
 /// The cluster process and its command pipe.
@@ -333,6 +335,7 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
         conntrack_command: prefix("conntrack"),
         stats_interval: Duration::from_secs(3600),
         reconcile_interval: Duration::from_secs(o.reconcile_seconds),
+        min_sync_period: o.min_sync_period,
         compiler: Some(wasmplane_runtime::CompilerCommand::new(children_exe(&o)?, [wasmplane_runtime::compiler::COMPILE_SUBCOMMAND])),
         // The CNI daemon, as an agent serves it, with pod veths in the host's namespace.
         cni: netns.as_ref().map(|ns| -> anyhow::Result<_> {
