@@ -416,9 +416,8 @@ pub async fn drops(api: &ApiArgs, args: DropsArgs) -> anyhow::Result<()> {
 
 /// [`drops`], printing to `out`.
 pub async fn drops_to(api: &ApiArgs, args: DropsArgs, out: &mut (impl std::io::Write + Send)) -> anyhow::Result<()> {
-    let reason = args.reason.map(|r| serde_json::to_value(r).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default());
     let filters: Vec<(&str, &str)> =
-        [("service", args.service.as_deref()), ("pod", args.pod.as_deref()), ("reason", reason.as_deref())].into_iter().filter_map(|(k, v)| Some((k, v?))).collect();
+        [("service", args.service.as_deref()), ("pod", args.pod.as_deref()), ("reason", args.reason.map(DropReason::name))].into_iter().filter_map(|(k, v)| Some((k, v?))).collect();
     show_events(api, &DROPS, &filters, args.limit, args.follow, out).await
 }
 

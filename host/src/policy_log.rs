@@ -70,31 +70,69 @@ pub enum DropCause {
 }
 
 /// Why a packet was logged, in one list (`GET /v1/drops?reason=`, `wasmplane drops
-/// --reason`): a policy's verdict or a service drop's reason.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "kebab-case")]
+/// --reason`): a policy's verdict or a service drop's reason, each by its own name
+/// (`deny`, `audit`, `no-endpoints`, ...), which serde and clap both take from it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DropReason {
-    Deny,
-    Audit,
-    NoEndpoints,
-    NoLocalEndpoints,
-    SourceRange,
-    UnknownPort,
-    Unallocated,
+    Policy(PolicyVerdict),
+    Service(ServiceDropReason),
+}
+
+impl DropReason {
+    pub const ALL: [DropReason; 2 + ServiceDropReason::ALL.len()] = {
+        let mut all = [DropReason::Policy(PolicyVerdict::Deny); 2 + ServiceDropReason::ALL.len()];
+        all[1] = DropReason::Policy(PolicyVerdict::Audit);
+        let mut i = 0;
+        while i < ServiceDropReason::ALL.len() {
+            all[2 + i] = DropReason::Service(ServiceDropReason::ALL[i]);
+            i += 1;
+        }
+        all
+    };
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DropReason::Policy(verdict) => verdict.name(),
+            DropReason::Service(reason) => reason.name(),
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<DropReason> {
+        Self::ALL.into_iter().find(|reason| reason.name() == name)
+    }
+}
+
+impl Serialize for DropReason {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.name())
+    }
+}
+
+impl<'de> Deserialize<'de> for DropReason {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let name = std::borrow::Cow::<str>::deserialize(deserializer)?;
+        DropReason::from_name(&name).ok_or_else(|| {
+            let names: Vec<&str> = DropReason::ALL.iter().map(|r| r.name()).collect();
+            serde::de::Error::custom(format!("unknown drop reason {name:?} (one of {})", names.join(", ")))
+        })
+    }
+}
+
+impl clap::ValueEnum for DropReason {
+    fn value_variants<'a>() -> &'a [Self] {
+        &Self::ALL
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        Some(clap::builder::PossibleValue::new(self.name()))
+    }
 }
 
 impl DropCause {
     pub fn reason(&self) -> DropReason {
-        match self {
-            DropCause::Policy { verdict: PolicyVerdict::Deny, .. } => DropReason::Deny,
-            DropCause::Policy { verdict: PolicyVerdict::Audit, .. } => DropReason::Audit,
-            DropCause::Service { reason } => match reason {
-                ServiceDropReason::NoEndpoints => DropReason::NoEndpoints,
-                ServiceDropReason::NoLocalEndpoints => DropReason::NoLocalEndpoints,
-                ServiceDropReason::SourceRange => DropReason::SourceRange,
-                ServiceDropReason::UnknownPort => DropReason::UnknownPort,
-                ServiceDropReason::Unallocated => DropReason::Unallocated,
-            },
+        match *self {
+            DropCause::Policy { verdict, .. } => DropReason::Policy(verdict),
+            DropCause::Service { reason } => DropReason::Service(reason),
         }
     }
 
@@ -415,8 +453,8 @@ mod tests {
         assert_eq!(reasons, ServiceDropReason::ALL.map(Some).to_vec(), "each reason, an unknown one skipped: {events:?}");
         let event = &events[0];
         assert_eq!((event.policy(), event.source.to_string(), event.destination.to_string(), event.destination_port), (None, "10.244.1.10".into(), "10.96.0.40".into(), Some(80)));
-        assert_eq!(event.cause.reason(), DropReason::NoEndpoints);
-        assert_eq!(events[3].cause.reason(), DropReason::UnknownPort);
+        assert_eq!(event.cause.reason(), DropReason::Service(ServiceDropReason::NoEndpoints));
+        assert_eq!(events[3].cause.reason(), DropReason::Service(ServiceDropReason::UnknownPort));
 
         let log = PolicyVerdictLog::new();
         events.into_iter().chain(events_in(&nflog_message("wasmplane-service unknown-port", &ipv4_tcp([1, 1, 1, 1], [10, 96, 0, 40], 1, 81)), 10)).for_each(|e| log.record(e));
@@ -438,10 +476,17 @@ mod tests {
         let service = serde_json::to_value(DropEvent { cause: DropCause::Service { reason: ServiceDropReason::NoLocalEndpoints }, ..packet }).unwrap();
         assert_eq!(service["reason"], "no-local-endpoints", "{service}");
         assert!(service.get("verdict").is_none() && service.get("pod_address").is_none(), "{service}");
-        for (text, reason) in [("\"deny\"", DropReason::Deny), ("\"no-endpoints\"", DropReason::NoEndpoints), ("\"source-range\"", DropReason::SourceRange)] {
+        for (text, reason) in [("\"deny\"", DropReason::Policy(PolicyVerdict::Deny)), ("\"no-endpoints\"", DropReason::Service(ServiceDropReason::NoEndpoints)), ("\"source-range\"", DropReason::Service(ServiceDropReason::SourceRange))] {
             assert_eq!(serde_json::from_str::<DropReason>(text).unwrap(), reason);
         }
         assert!(serde_json::from_str::<DropReason>("\"dropped\"").is_err());
+        // One name each, the same to serde and clap.
+        let names: std::collections::BTreeSet<&str> = DropReason::ALL.iter().map(|r| r.name()).collect();
+        assert_eq!(names.len(), 7, "{names:?}");
+        for reason in DropReason::ALL {
+            assert_eq!(serde_json::to_value(reason).unwrap(), reason.name());
+            assert_eq!(<DropReason as clap::ValueEnum>::from_str(reason.name(), false), Ok(reason));
+        }
     }
 
     #[test]
@@ -470,7 +515,7 @@ mod tests {
         let recent = log.recent(3, |_| true);
         assert_eq!(recent.iter().map(|e| e.at_unix_ms).collect::<Vec<_>>(), vec![CAPACITY as u64 + 4, CAPACITY as u64 + 3, CAPACITY as u64 + 2]);
         assert_eq!(log.recent(usize::MAX, |_| true).len(), CAPACITY);
-        assert_eq!(log.recent(2, |e| e.cause.reason() == DropReason::Audit)[0].at_unix_ms, CAPACITY as u64 + 3);
+        assert_eq!(log.recent(2, |e| e.cause.reason() == DropReason::Policy(PolicyVerdict::Audit))[0].at_unix_ms, CAPACITY as u64 + 3);
         assert_eq!(log.totals(), VerdictTotals { deny: 515, audit: 514, lost: 0 });
     }
 }

@@ -22,8 +22,9 @@ pub const LOG_PREFIX: &str = "wasmplane-service";
 pub const DROP_CHAIN: &str = "drop-chain";
 
 /// Why the service side dropped or rejected a new connection.
+/// Spelt by [`ServiceDropReason::name`] in the log prefix, the API and the CLI alike.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
+#[serde(into = "&'static str", try_from = "String")]
 pub enum ServiceDropReason {
     /// Rejected: the service has no usable endpoint (`reject-chain`).
     NoEndpoints,
@@ -54,6 +55,20 @@ impl ServiceDropReason {
 
     pub fn from_name(name: &str) -> Option<ServiceDropReason> {
         Self::ALL.into_iter().find(|reason| reason.name() == name)
+    }
+}
+
+impl From<ServiceDropReason> for &'static str {
+    fn from(reason: ServiceDropReason) -> &'static str {
+        reason.name()
+    }
+}
+
+impl TryFrom<String> for ServiceDropReason {
+    type Error = String;
+
+    fn try_from(name: String) -> Result<Self, String> {
+        Self::from_name(&name).ok_or_else(|| format!("unknown service drop reason {name:?}"))
     }
 }
 
@@ -110,6 +125,7 @@ mod tests {
             let prefix = prefix(reason);
             assert_eq!(parse_prefix(&prefix), Some(reason), "{prefix}");
             assert_eq!(serde_json::to_value(reason).unwrap(), serde_json::json!(reason.name()));
+            assert_eq!(serde_json::from_value::<ServiceDropReason>(serde_json::json!(reason.name())).unwrap(), reason);
         }
         assert_eq!(prefix(ServiceDropReason::NoEndpoints), "wasmplane-service no-endpoints");
         assert_eq!(parse_prefix("wasmplane-service no-local-endpoints"), Some(ServiceDropReason::NoLocalEndpoints));
