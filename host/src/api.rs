@@ -3,7 +3,7 @@
 //! Mutating calls need `Authorization: Bearer <token>`; reads are open to loopback peers
 //! only, and need the token from anywhere else.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -328,7 +328,8 @@ fn event_json(c: &Controller, pod_of: &BTreeMap<IpAddr, String>, frontends: Opti
 
 /// The services of this node's model by what their drops are logged with: a frontend
 /// (cluster, external or load balancer address, protocol, port), a node port, an address
-/// alone.
+/// alone. Only for the events a read names: it takes one pass over the services, and none
+/// when no service drop is among them.
 struct ServiceFrontends<'a> {
     ports: HashMap<(IpAddr, Protocol, u16), (&'a ObjectKey, &'a str)>,
     node_ports: HashMap<(Protocol, u16), (&'a ObjectKey, &'a str)>,
@@ -336,17 +337,38 @@ struct ServiceFrontends<'a> {
 }
 
 impl<'a> ServiceFrontends<'a> {
-    fn of(services: &'a BTreeMap<ObjectKey, Arc<ServiceView>>) -> ServiceFrontends<'a> {
+    /// What [`ServiceFrontends::resolve`] needs to answer for `events`: the services with
+    /// their destinations, and those with the node ports of their no-endpoint drops. Each
+    /// address and node port answers with the first service (by name) that has it.
+    fn of<'e>(services: &'a BTreeMap<ObjectKey, Arc<ServiceView>>, events: impl IntoIterator<Item = &'e DropEvent>) -> ServiceFrontends<'a> {
         let mut frontends = ServiceFrontends { ports: HashMap::new(), node_ports: HashMap::new(), addresses: HashMap::new() };
+        let mut destinations = HashSet::new();
+        let mut wanted_node_ports = HashSet::new();
+        for event in events {
+            let Some(reason) = event.service_reason() else { continue };
+            destinations.insert(event.destination);
+            if let (true, Some(port)) = (Self::may_be_node_port(reason), event_port(event)) {
+                wanted_node_ports.insert(port);
+            }
+        }
+        if destinations.is_empty() {
+            return frontends;
+        }
         for (key, view) in services {
             let service = &view.service;
-            let addresses: Vec<IpAddr> =
-                service.cluster_ips.iter().chain(&service.external_ips).chain(&service.load_balancer_ips).filter_map(|ip| ip.parse().ok()).collect();
+            let addresses: Vec<IpAddr> = service
+                .cluster_ips
+                .iter()
+                .chain(&service.external_ips)
+                .chain(&service.load_balancer_ips)
+                .filter_map(|ip| ip.parse().ok())
+                .filter(|ip| destinations.contains(ip))
+                .collect();
             for port in &service.ports {
                 for address in &addresses {
                     frontends.ports.entry((*address, port.protocol, port.port)).or_insert((key, &port.name));
                 }
-                if port.node_port != 0 {
+                if port.node_port != 0 && wanted_node_ports.contains(&(port.protocol, port.node_port)) {
                     frontends.node_ports.entry((port.protocol, port.node_port)).or_insert((key, &port.name));
                 }
             }
@@ -357,22 +379,31 @@ impl<'a> ServiceFrontends<'a> {
         frontends
     }
 
+    /// A drop of no endpoints may have come through a node port (the destination is then the
+    /// node's address, no service's).
+    fn may_be_node_port(reason: ServiceDropReason) -> bool {
+        matches!(reason, ServiceDropReason::NoEndpoints | ServiceDropReason::NoLocalEndpoints)
+    }
+
     /// The service a service drop was for, and the name of its port: by destination address
     /// and port; else by address alone (a port none of its services has, no port name); else,
     /// for a drop of no endpoints, by node port (the destination is the node's address).
     fn resolve(&self, event: &DropEvent) -> Option<(&'a ObjectKey, Option<&'a str>)> {
         let reason = event.service_reason()?;
-        let protocol = Protocol::parse(&event.protocol.to_ascii_uppercase());
-        let port = protocol.zip(event.destination_port);
+        let port = event_port(event);
         if let Some(&(key, name)) = port.and_then(|(protocol, port)| self.ports.get(&(event.destination, protocol, port))) {
             return Some((key, Some(name)));
         }
         if let Some(&key) = self.addresses.get(&event.destination) {
             return Some((key, None));
         }
-        let node_port_drop = matches!(reason, ServiceDropReason::NoEndpoints | ServiceDropReason::NoLocalEndpoints);
-        port.filter(|_| node_port_drop).and_then(|port| self.node_ports.get(&port)).map(|&(key, name)| (key, Some(name)))
+        port.filter(|_| Self::may_be_node_port(reason)).and_then(|port| self.node_ports.get(&port)).map(|&(key, name)| (key, Some(name)))
     }
+}
+
+/// A logged packet's protocol and destination port, when it is one services have.
+fn event_port(event: &DropEvent) -> Option<(Protocol, u16)> {
+    Protocol::parse(&event.protocol.to_ascii_uppercase()).zip(event.destination_port)
 }
 
 #[derive(Deserialize)]
@@ -411,14 +442,26 @@ async fn drops(State(state): State<ApiState>, Query(query): Query<DropsQuery>) -
                     .ok_or_else(|| HostError::NotFound(format!("no service {text} in this node's model")))?,
             ),
         };
-        let frontends = ServiceFrontends::of(services);
         let since = query.since_unix_ms.unwrap_or(0);
-        let events = log.recent(limit, |e| {
+        let keep = |e: &DropEvent| {
             e.at_unix_ms >= since
                 && query.reason.is_none_or(|reason| e.cause.reason() == reason)
                 && pod_addresses.as_ref().is_none_or(|a| a.contains(&pod_side(e)))
-                && service.as_ref().is_none_or(|wanted| frontends.resolve(e).is_some_and(|(key, _)| key == wanted))
-        });
+        };
+        // By service, which service an event is for decides: every candidate is resolved.
+        let (events, frontends) = match &service {
+            None => {
+                let events = log.recent(limit, keep);
+                let frontends = ServiceFrontends::of(services, &events);
+                (events, frontends)
+            }
+            Some(wanted) => {
+                let candidates = log.recent(crate::policy_log::CAPACITY, |e| e.service_reason().is_some() && keep(e));
+                let frontends = ServiceFrontends::of(services, &candidates);
+                let events = candidates.into_iter().filter(|e| frontends.resolve(e).is_some_and(|(key, _)| key == wanted)).take(limit).collect();
+                (events, frontends)
+            }
+        };
         let events: Vec<Value> = events.iter().map(|event| drop_json(c, &pod_of, &frontends, event)).collect();
         Ok(json!({ "totals": { "policy_verdicts": log.totals(), "service_drops": log.service_totals() }, "events": events }))
     })
@@ -989,8 +1032,9 @@ async fn pod_detail(State(state): State<ApiState>, Path((namespace, name)): Path
         let recent_drops = log.map(|log| {
             let addresses: Vec<IpAddr> = pod.ips.iter().filter_map(|ip| ip.parse().ok()).collect();
             let pod_of = local_pods_by_address(c);
-            let frontends = ServiceFrontends::of(&c.model().services);
-            drops_of_pod(&log, &addresses, POD_RECENT_DROPS).iter().map(|event| drop_json(c, &pod_of, &frontends, event)).collect()
+            let drops = drops_of_pod(&log, &addresses, POD_RECENT_DROPS);
+            let frontends = ServiceFrontends::of(&c.model().services, &drops);
+            drops.iter().map(|event| drop_json(c, &pod_of, &frontends, event)).collect()
         });
         Ok(PodDetail { row: pod_row(c, &policy_statuses(c), cni.as_ref(), pod), node: pod.node_name.clone(), labels: pod.labels.clone(), recent_drops })
     })
@@ -1048,6 +1092,52 @@ mod tests {
         assert_eq!(at(drops_of_pod(&log, &[ip(POD)], 10)), [4, 2, 1], "newest first");
         assert_eq!(at(drops_of_pod(&log, &[ip(POD)], 2)), [4, 2], "the newest only");
         assert_eq!(at(drops_of_pod(&log, &[ip("fd00::41"), ip(OTHER)], 10)), [5, 3], "any of its addresses");
+    }
+
+    /// A service drop is named by frontend, else by address, else (no endpoints) by node
+    /// port; the first service by name wins a shared address. Only the events' destinations
+    /// and node ports are indexed, none without a service drop among them.
+    #[test]
+    fn service_drops_are_named_from_only_what_their_events_need() {
+        use wasmplane_model::{Protocol, Service, ServicePort};
+        let service = |name: &str, cluster_ip: &str, ports: Vec<ServicePort>| {
+            let key = ObjectKey::new("default", name);
+            (key, Arc::new(ServiceView { service: Arc::new(Service::cluster_ip("default", name, cluster_ip, ports)), slices: Vec::new() }))
+        };
+        let node_port = ServicePort { node_port: 30080, ..ServicePort::tcp("web", 80, 8080) };
+        let services: BTreeMap<_, _> = [
+            service("b-shared", "10.96.0.10", vec![ServicePort::tcp("http", 80, 8080)]),
+            service("a-shared", "10.96.0.10", vec![ServicePort::tcp("dns", 53, 53)]),
+            service("web", "10.96.0.20", vec![node_port]),
+            service("idle", "10.96.0.30", vec![ServicePort::tcp("x", 1, 1)]),
+        ]
+        .into_iter()
+        .collect();
+        let drop = |reason, destination: &str, port: u16| DropEvent {
+            destination_port: Some(port),
+            ..logged(1, DropCause::Service { reason }, "10.244.0.5", destination)
+        };
+        let events = [
+            drop(ServiceDropReason::NoEndpoints, "10.96.0.10", 80),
+            drop(ServiceDropReason::UnknownPort, "10.96.0.10", 81),
+            drop(ServiceDropReason::NoEndpoints, "192.0.2.7", 30080),
+            drop(ServiceDropReason::Unallocated, "192.0.2.7", 30080),
+            drop(ServiceDropReason::NoEndpoints, "10.96.0.99", 80),
+        ];
+        let frontends = ServiceFrontends::of(&services, &events);
+        let named = |event: &DropEvent| frontends.resolve(event).map(|(key, port)| (key.to_string(), port.map(str::to_string)));
+        assert_eq!(named(&events[0]), Some(("default/b-shared".into(), Some("http".into()))), "by frontend");
+        assert_eq!(named(&events[1]), Some(("default/a-shared".into(), None)), "by address: the first by name");
+        assert_eq!(named(&events[2]), Some(("default/web".into(), Some("web".into()))), "by node port");
+        assert_eq!(named(&events[3]), None, "only a drop of no endpoints comes through a node port");
+        assert_eq!(named(&events[4]), None);
+        assert_eq!(frontends.addresses.len(), 1, "only the events' destinations");
+        assert!(!frontends.ports.keys().any(|(address, _, _)| *address == ip("10.96.0.30")));
+
+        let policy = logged(1, DropCause::Policy { verdict: PolicyVerdict::Deny, direction: Direction::Ingress, pod_address: ip("10.96.0.10") }, "10.0.0.1", "10.96.0.10");
+        let none = ServiceFrontends::of(&services, [&policy]);
+        assert!(none.ports.is_empty() && none.addresses.is_empty() && none.node_ports.is_empty(), "no service drop, nothing indexed");
+        assert_eq!(none.resolve(&policy), None);
     }
 
     /// Allocations by pod, each address with the pod CIDR it is from; unnamed ones left out.
