@@ -629,7 +629,8 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
     };
     let mut metrics_addr = None;
     if let Some(listen) = config.metrics_listen {
-        let (bound, task) = crate::metrics_server::start(listen, state.clone()).await;
+        let proxy_mode = controller.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).dataplane().mode();
+        let (bound, task) = crate::metrics_server::start(listen, state.clone(), proxy_mode).await;
         metrics_addr = bound;
         loops.push(task);
     }

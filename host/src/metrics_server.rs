@@ -2,11 +2,13 @@
 //! a token, as kube-proxy serves its metrics (`--metrics-bind-address`, port 10249). The REST
 //! API asks clients that are not on loopback for a token even to read; a scraper then needs
 //! one, or the whole API must be exposed where only the metrics should be. This listener
-//! answers `/metrics` and nothing else.
+//! answers `/metrics` and kube-proxy's `/proxyMode` (what writes the dataplane: `nftables`,
+//! or `record` without a kernel; scripts that check a node's proxy ask it) and nothing else.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use axum::http::header;
 use axum::routing::get;
 
 use crate::api::ApiState;
@@ -15,11 +17,14 @@ use crate::api::ApiState;
 /// holds 10249 until it goes.
 const RETRY: Duration = Duration::from_secs(5);
 
-/// Serves `/metrics` on `listen`. Returns where it listens when the port could be bound at
+/// Serves `/metrics` and `/proxyMode` (`proxy_mode`) on `listen`. Returns where it listens when the port could be bound at
 /// once; when it is taken, binding is tried again every [`RETRY`] in the background and the
 /// address is `None`. The task ends when aborted (the host's stop).
-pub async fn start(listen: SocketAddr, state: ApiState) -> (Option<SocketAddr>, tokio::task::JoinHandle<()>) {
-    let app = axum::Router::new().route("/metrics", get(crate::api::metrics)).with_state(state);
+pub async fn start(listen: SocketAddr, state: ApiState, proxy_mode: &'static str) -> (Option<SocketAddr>, tokio::task::JoinHandle<()>) {
+    let app = axum::Router::new()
+        .route("/metrics", get(crate::api::metrics))
+        .route("/proxyMode", get(move || async move { ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], proxy_mode) }))
+        .with_state(state);
     match tokio::net::TcpListener::bind(listen).await {
         Ok(listener) => {
             let addr = listener.local_addr().ok();

@@ -377,6 +377,10 @@ async fn metrics_are_served_alone_on_a_listener_of_their_own() {
     let answer = client.get(format!("http://{metrics_addr}/metrics")).send().await.unwrap();
     assert_eq!(answer.status(), StatusCode::OK);
     assert!(answer.text().await.unwrap().contains("wasmplane_model_events_total"));
+    // kube-proxy's `/proxyMode`: this test host records its dataplane instead of writing one.
+    let mode = client.get(format!("http://{metrics_addr}/proxyMode")).send().await.unwrap();
+    assert_eq!(mode.headers()["content-type"], "text/plain; charset=utf-8");
+    assert_eq!(mode.text().await.unwrap(), "record");
     for path in ["/v1/status", "/v1/modules", "/healthz"] {
         assert_eq!(client.get(format!("http://{metrics_addr}{path}")).send().await.unwrap().status(), StatusCode::NOT_FOUND, "{path}");
     }
