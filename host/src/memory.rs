@@ -40,7 +40,9 @@ pub fn configure_malloc() {
 }
 
 /// Sets this process's `oom_score_adj` (-1000..=1000: how readily the kernel's OOM killer
-/// picks it). Children started afterwards (nft, the guest compiler) inherit it.
+/// picks it). Children started afterwards inherit it (nft, as kube-proxy's iptables-restore
+/// does); the guest compiler raises its own to the first pick
+/// (`wasmplane_runtime::compiler::COMPILER_OOM_SCORE_ADJ`).
 pub fn set_oom_score_adj(value: i32) -> std::io::Result<()> {
     std::fs::write("/proc/self/oom_score_adj", value.to_string())
 }

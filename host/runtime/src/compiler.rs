@@ -51,6 +51,8 @@ impl CompilerCommand {
             .stderr(Stdio::piped())
             .spawn()
             .map_err(|e| format!("starting the compiler process {}: {e}", self.program.display()))?;
+        // Before it has the component: it compiles nothing before reading all of stdin.
+        offer_to_oom_killer(child.id());
         // The child reads all of stdin before it writes anything, so writing first cannot
         // deadlock. A child that died early shows in its status and stderr below, not here.
         if let Some(mut stdin) = child.stdin.take() {
@@ -63,6 +65,20 @@ impl CompilerCommand {
         let stderr = String::from_utf8_lossy(&out.stderr);
         let message: String = stderr.trim().chars().take(2048).collect();
         Err(if message.is_empty() { format!("the compiler process failed ({})", out.status) } else { message })
+    }
+}
+
+/// The compiler child's `oom_score_adj`: the OOM killer's first pick. It inherits the host's
+/// (kube-proxy's -999, `--oom-score-adj`), which would shield Cranelift's scratch memory for
+/// an uploaded component, whatever its size, and leave the node's pods to be killed instead.
+/// Killed, it costs one failed compile, reported as such; the modules in force stay.
+pub const COMPILER_OOM_SCORE_ADJ: i32 = 1000;
+
+/// Raises the child `pid`'s `oom_score_adj` to [`COMPILER_OOM_SCORE_ADJ`] (raising needs no
+/// privilege); a child that is gone or a system without the file is left as it is.
+fn offer_to_oom_killer(pid: u32) {
+    if let Err(e) = std::fs::write(format!("/proc/{pid}/oom_score_adj"), COMPILER_OOM_SCORE_ADJ.to_string()) {
+        tracing::debug!(pid, "cannot raise the compiler process's oom_score_adj: {e}");
     }
 }
 
@@ -132,6 +148,15 @@ mod tests {
         assert!(parse_limit_args(&["memory-bytes".into()]).unwrap_err().contains("name=value"));
         assert!(parse_limit_args(&["fuel=1".into()]).unwrap_err().contains("unknown argument fuel"));
         assert!(parse_limit_args(&["max-instances=99999999999".into()]).is_err());
+    }
+
+    /// The child is the OOM killer's first pick from before it reads the component. A
+    /// stand-in compiler reports its own score once it has read stdin.
+    #[test]
+    fn the_compiler_child_is_the_oom_killers_first_pick() {
+        let reporter = CompilerCommand::new("sh", ["-c", "cat >/dev/null; echo score $(cat /proc/self/oom_score_adj) >&2; exit 3", "sh"]);
+        let message = reporter.compile(b"component bytes", &Limits::default()).unwrap_err();
+        assert_eq!(message, format!("score {COMPILER_OOM_SCORE_ADJ}"));
     }
 
     /// Why the child builds its engine with `engine_config`: code compiled for another memory
