@@ -59,6 +59,15 @@ pub enum Command {
         #[command(subcommand)]
         command: PodCommand,
     },
+    /// The nodes this node's agent knows, through its REST API (`cilium node list`): this
+    /// cluster's registered nodes and other clusters' followed ones, their IDs, addresses and
+    /// pod CIDRs, and the route this node has to each one's pods.
+    Node {
+        #[command(flatten)]
+        api: ApiArgs,
+        #[command(subcommand)]
+        command: crate::inspect::NodeCommand,
+    },
     /// This node's network policies and the packets they drop, through its REST API
     /// (`hubble observe --verdict DROPPED`): `ls` and `verdicts [-f]`.
     Policy {
@@ -1442,6 +1451,19 @@ mod tests {
             Ok(KvstoreConfig::Etcd { user, .. }) => assert_eq!(user, Some(wasmplane_kvstore::EtcdUser { name: "agent".into(), password: "pw".into() })),
             other => panic!("{other:?}"),
         }
+    }
+
+    /// `node ls`, with the API flags on either side of the subcommand (as the others take them).
+    #[test]
+    fn node_ls_parses_with_the_api_flags() {
+        for args in [&["wasmplane", "node", "ls", "--api", "http://10.0.0.1:9463"][..], &["wasmplane", "node", "--api", "http://10.0.0.1:9463", "ls"]] {
+            match Cli::try_parse_from(args) {
+                Ok(Cli { command: Command::Node { api, command: crate::inspect::NodeCommand::Ls } }) => assert_eq!(api.api, "http://10.0.0.1:9463", "{args:?}"),
+                other => panic!("{args:?}: {other:?}"),
+            }
+        }
+        assert!(Cli::try_parse_from(["wasmplane", "node"]).is_err(), "a subcommand is needed");
+        assert!(Cli::try_parse_from(["wasmplane", "node", "ls", "node-b"]).is_err(), "ls takes no node");
     }
 
     #[test]

@@ -1,8 +1,9 @@
 //! Node-local inspection for operators (`wasmplane status`, `wasmplane service ls|get`,
-//! `wasmplane pod ls|get`, `wasmplane policy ls|verdicts`, `wasmplane drops`, as `cilium
-//! status`, `cilium service list`, `cilium endpoint list|get` and `hubble observe --verdict
-//! DROPPED`): the host's `GET /v1/status`, `GET /v1/services`, `GET /v1/pods`,
-//! `GET /v1/policies[/verdicts]` and `GET /v1/drops` shown as text. The formatting is pure (JSON in, text out),
+//! `wasmplane pod ls|get`, `wasmplane node ls`, `wasmplane policy ls|verdicts`, `wasmplane
+//! drops`, as `cilium status`, `cilium service list`, `cilium endpoint list|get`, `cilium node
+//! list` and `hubble observe --verdict DROPPED`): the host's `GET /v1/status`, `GET
+//! /v1/services`, `GET /v1/pods`, `GET /v1/cluster/nodes`, `GET /v1/policies[/verdicts]` and
+//! `GET /v1/drops` shown as text. The formatting is pure (JSON in, text out),
 //! apart from the calls.
 
 use std::collections::BTreeMap;
@@ -328,6 +329,107 @@ pub fn format_pod(detail: &Value) -> String {
     // The host answers newest first.
     out.extend(drops.into_iter().flatten().rev().map(|event| format_drop(event) + "\n"));
     out
+}
+
+/// `wasmplane node …`: the nodes this node's agent knows (this cluster's registry, and other
+/// clusters' it follows), through its host's REST API.
+#[derive(clap::Subcommand, Debug)]
+pub enum NodeCommand {
+    /// One line per node (`cilium node list`): ID, addresses, pod CIDRs, the route this node
+    /// has to its pods; then this node's route errors and the operator's heartbeat age.
+    Ls,
+}
+
+/// Runs a `wasmplane node` command against the host of `api`.
+pub async fn node(api: &ApiArgs, command: NodeCommand) -> anyhow::Result<()> {
+    node_to(api, command, &mut std::io::stdout()).await
+}
+
+/// [`node`], printing to `out` (for tests to read what a person would see).
+pub async fn node_to(api: &ApiArgs, command: NodeCommand, out: &mut (impl std::io::Write + Send)) -> anyhow::Result<()> {
+    match command {
+        NodeCommand::Ls => {
+            // A host that does not register in the kvstore answers 404 with why.
+            let answer = get_json(api, &["v1", "cluster", "nodes"], &[]).await?;
+            write!(out, "{}", format_nodes(&answer))?;
+            Ok(())
+        }
+    }
+}
+
+/// The strings of a JSON list (none for anything else).
+fn strings(list: &Value) -> impl Iterator<Item = &str> {
+    list.as_array().into_iter().flatten().filter_map(Value::as_str)
+}
+
+/// Whether two CIDRs are one network: the routes are to the network of a pod CIDR, which a
+/// node may have published with host bits set.
+fn same_network(a: &str, b: &str) -> bool {
+    match (a.parse::<ipnet::IpNet>(), b.parse::<ipnet::IpNet>()) {
+        (Ok(a), Ok(b)) => a.trunc() == b.trunc(),
+        _ => a == b,
+    }
+}
+
+/// How this node reaches `node`'s pods: `via` the gateways of the applied routes to its pod
+/// CIDRs through one of its addresses (of a CIDR two nodes claim, only one node's is routed),
+/// the CIDRs without one named; `-` when none is routed to it.
+fn node_route(node: &Value, applied: &[Value]) -> String {
+    let addresses: Vec<&str> = strings(&node["nodeIps"]).collect();
+    let (mut vias, mut unrouted) = (Vec::new(), Vec::new());
+    for cidr in strings(&node["podCidrs"]) {
+        let route = applied.iter().find(|r| r["cidr"].as_str().is_some_and(|c| same_network(c, cidr)) && r["via"].as_str().is_some_and(|via| addresses.contains(&via)));
+        match route.and_then(|r| r["via"].as_str()) {
+            Some(via) if !vias.contains(&via) => vias.push(via),
+            Some(_) => {}
+            None => unrouted.push(cidr),
+        }
+    }
+    if vias.is_empty() {
+        return "-".into();
+    }
+    let missing = if unrouted.is_empty() { String::new() } else { format!(" (none to {})", unrouted.join(",")) };
+    format!("via {}{missing}", vias.join(","))
+}
+
+/// `GET /v1/cluster/nodes` as a table (`cilium node list`): NAME ID ADDRESSES POD CIDRS ROUTE
+/// (`(this node)` for its own), CLUSTER first when other clusters' nodes are followed (`-` for
+/// this cluster's, which come first), each cluster's by name; then a line for this node's
+/// route errors and one for the operator's heartbeat age, when there are.
+pub fn format_nodes(answer: &Value) -> String {
+    let this = answer["node"].as_str();
+    let applied = answer["routes"]["applied"].as_array().map_or(&[][..], Vec::as_slice);
+    let local = answer["nodes"].as_object().into_iter().flatten().map(|(name, info)| (None, name, info));
+    let remote = answer["remote_nodes"].as_object().into_iter().flatten().flat_map(|(cluster, nodes)| nodes.as_object().into_iter().flatten().map(move |(name, info)| (Some(cluster.as_str()), name, info)));
+    let mut nodes: Vec<(Option<&str>, &String, &Value)> = local.chain(remote).collect();
+    nodes.sort_by_key(|(cluster, name, _)| (*cluster, *name));
+    let clusters = nodes.iter().any(|(cluster, _, _)| cluster.is_some());
+    let mut header = vec!["NAME", "ID", "ADDRESSES", "POD CIDRS", "ROUTE"];
+    if clusters {
+        header.insert(0, "CLUSTER");
+    }
+    let mut rows = vec![header.into_iter().map(String::from).collect::<Vec<_>>()];
+    for (cluster, name, info) in nodes {
+        let route = if cluster.is_none() && this == Some(name.as_str()) { "(this node)".to_string() } else { node_route(info, applied) };
+        let mut row = vec![name.clone(), count(&info["id"]), joined(strings(&info["nodeIps"]).map(str::to_string)), joined(strings(&info["podCidrs"]).map(str::to_string)), route];
+        if clusters {
+            row.insert(0, cluster.unwrap_or("-").to_string());
+        }
+        rows.push(row);
+    }
+    let mut lines: Vec<(String, String)> = Vec::new();
+    // `null`: this host programs no routes, so `-` says nothing about the network.
+    if answer["routes"].is_null() {
+        lines.push(("Routes".into(), "not programmed by this host (--node-routes)".into()));
+    }
+    let errors: Vec<&str> = strings(&answer["routes"]["errors"]).collect();
+    if !errors.is_empty() {
+        lines.push(("Route errors".into(), errors.join("; ")));
+    }
+    if !answer["heartbeat_age_seconds"].is_null() {
+        lines.push(("Operator heartbeat".into(), ago(&answer["heartbeat_age_seconds"])));
+    }
+    table(&rows) + &aligned(&lines)
 }
 
 /// `wasmplane policy …`: this node's network policies, through its host's REST API.
@@ -923,6 +1025,75 @@ mod tests {
         for wrong in ["web-1", "/web-1", "default/", "a/b/c"] {
             assert!(Cli::try_parse_from(["pod", "get", wrong]).is_err(), "{wrong}");
         }
+    }
+
+    /// A node's entry as the registry publishes it.
+    fn node_info(name: &str, id: u32, ips: &[&str], pod_cidrs: &[&str]) -> Value {
+        json!({ "name": name, "id": id, "nodeIps": ips, "podCidrs": pod_cidrs })
+    }
+
+    #[test]
+    fn nodes_table_marks_this_node_and_shows_the_route_to_each_others_pods() {
+        let answer = json!({
+            "node": "node-a", "node_id": 1,
+            "nodes": {
+                "node-c": node_info("node-c", 3, &["192.168.77.4"], &["10.244.2.0/24"]),
+                "node-a": node_info("node-a", 1, &["192.168.77.1"], &["10.244.0.0/24"]),
+                "node-b": node_info("node-b", 2, &["192.168.77.3", "fd00::3"], &["10.244.1.0/24", "fd10:1::/64"]),
+                // Claims node-b's CIDR with a higher ID: the route is node-b's, not its.
+                "node-d": node_info("node-d", 4, &["192.168.77.5"], &["10.244.1.0/24"]),
+            },
+            "routes": { "applied": [{ "cidr": "10.244.1.0/24", "via": "192.168.77.3" }, { "cidr": "fd10:1::/64", "via": "fd00::3" }], "errors": [], "reconciles": 3 },
+            "remote_nodes": {}, "heartbeat_age_seconds": null,
+        });
+        let text = format_nodes(&answer);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines,
+            [
+                "NAME     ID   ADDRESSES              POD CIDRS                   ROUTE",
+                "node-a   1    192.168.77.1           10.244.0.0/24               (this node)",
+                "node-b   2    192.168.77.3,fd00::3   10.244.1.0/24,fd10:1::/64   via 192.168.77.3,fd00::3",
+                "node-c   3    192.168.77.4           10.244.2.0/24               -",
+                "node-d   4    192.168.77.5           10.244.1.0/24               -",
+            ],
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn nodes_table_shows_other_clusters_nodes_route_errors_and_the_heartbeat() {
+        let mut answer = json!({
+            "node": "node-a", "node_id": 1,
+            "nodes": { "node-a": node_info("node-a", 1, &["192.168.77.1"], &["10.244.0.0/24"]), "node-b": node_info("node-b", 2, &["192.168.77.3", "fd00::3"], &["10.244.1.0/24", "fd10:1::/64"]) },
+            "routes": {
+                "applied": [{ "cidr": "10.244.1.0/24", "via": "192.168.77.3" }, { "cidr": "10.244.8.0/24", "via": "192.168.78.5" }],
+                "errors": ["fd10:1::/64 via fd00::3: Network is unreachable (os error 101)", "10.244.9.0/24 via 192.168.78.6: File exists (os error 17)"], "reconciles": 9,
+            },
+            // East names a node as this one is named; its pod CIDR published with host bits.
+            "remote_nodes": { "east": { "node-e": node_info("node-e", 2, &["192.168.78.6"], &["10.244.9.0/24"]), "node-a": node_info("node-a", 1, &["192.168.78.5"], &["10.244.8.1/24"]) } },
+            "heartbeat_age_seconds": 7,
+        });
+        let text = format_nodes(&answer);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines,
+            [
+                "CLUSTER   NAME     ID   ADDRESSES              POD CIDRS                   ROUTE",
+                "-         node-a   1    192.168.77.1           10.244.0.0/24               (this node)",
+                "-         node-b   2    192.168.77.3,fd00::3   10.244.1.0/24,fd10:1::/64   via 192.168.77.3 (none to fd10:1::/64)",
+                "east      node-a   1    192.168.78.5           10.244.8.1/24               via 192.168.78.5",
+                "east      node-e   2    192.168.78.6           10.244.9.0/24               -",
+                "Route errors:        fd10:1::/64 via fd00::3: Network is unreachable (os error 101); 10.244.9.0/24 via 192.168.78.6: File exists (os error 17)",
+                "Operator heartbeat:  7s ago",
+            ],
+            "{text}"
+        );
+        // A host that programs no routes: said, rather than a `-` that would mean no route.
+        answer["routes"] = json!(null);
+        answer["heartbeat_age_seconds"] = json!(null);
+        let text = format_nodes(&answer);
+        assert!(text.ends_with("   -\nRoutes:  not programmed by this host (--node-routes)\n") && !text.contains("heartbeat"), "{text}");
     }
 
     #[test]

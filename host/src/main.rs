@@ -83,6 +83,7 @@ async fn run() -> anyhow::Result<()> {
             PodCommand::Ls { namespace } => wasmplane::inspect::pods(&api, namespace.as_deref()).await,
             PodCommand::Get { pod } => wasmplane::inspect::pod(&api, &pod).await,
         },
+        Command::Node { api, command } => wasmplane::inspect::node(&api, command).await,
         Command::Policy { api, command } => wasmplane::inspect::policy(&api, command).await,
         Command::Drops { api, args } => wasmplane::inspect::drops(&api, args).await,
     }

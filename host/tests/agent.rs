@@ -17,8 +17,10 @@ use support::cluster::{NODES_YAML, eventually, wait_for};
 use support::netns::{Netns, is_root};
 use support::rest::node_config;
 use wasmplane::agent::AgentConfig;
+use wasmplane::cli::ApiArgs;
 use wasmplane::clustermesh::ClusterMeshConfig;
 use wasmplane::app::{HostConfig, KvstoreConfig, RunningHost, start};
+use wasmplane::inspect::NodeCommand;
 use wasmplane_kvstore::EtcdTlsFiles;
 use wasmplane_operator::{CLUSTERS_PREFIX, HEARTBEAT_KEY, NodeRegistryConfig, write_heartbeats};
 use wasmplane_test_etcd::{Etcd, TestPki};
@@ -42,6 +44,19 @@ async fn host(dir: &Path, node: &str, etcd: &Etcd, netns: &Netns, heartbeat_max_
 
 async fn nodes_view(host: &RunningHost) -> Value {
     reqwest::get(format!("{}/v1/cluster/nodes", host.url())).await.unwrap().json().await.unwrap()
+}
+
+/// What `wasmplane node ls` prints against `host`'s API.
+async fn node_ls(host: &RunningHost) -> String {
+    let api = ApiArgs { api: host.url(), token: None, token_file: None };
+    let mut shown = Vec::new();
+    wasmplane::inspect::node_to(&api, NodeCommand::Ls, &mut shown).await.unwrap();
+    String::from_utf8(shown).unwrap()
+}
+
+/// A table's lines as their cells (three spaces apart).
+fn cells(table: &str) -> Vec<Vec<&str>> {
+    table.lines().map(|l| l.split("   ").map(str::trim).filter(|c| !c.is_empty()).collect()).collect()
 }
 
 fn routes_in(ns: &Netns) -> String {
@@ -80,6 +95,17 @@ async fn nodes_register_route_to_each_other_and_forget_a_node_that_leaves() {
     assert!(!routes_in(&ns_a).contains("10.244.0.0/24 via"), "a node never routes its own pod CIDR away");
     let view = eventually("node-a's view of node-b", Duration::from_secs(10), || nodes_view(&a), |v| v["nodes"]["node-b"]["podCidrs"][0] == "10.244.1.0/24").await;
     assert_eq!(view["routes"]["applied"][0]["cidr"], "10.244.1.0/24", "{view}");
+    // `wasmplane node ls` on node-a: both nodes, node-b's pods routed via its address.
+    let table = node_ls(&a).await;
+    assert_eq!(
+        cells(&table),
+        [
+            vec!["NAME", "ID", "ADDRESSES", "POD CIDRS", "ROUTE"],
+            vec!["node-a", "1", "192.168.77.1", "10.244.0.0/24", "(this node)"],
+            vec!["node-b", "2", "192.168.77.3", "10.244.1.0/24", "via 192.168.77.3"],
+        ],
+        "{table}"
+    );
 
     // node-b stops (its lease is no longer renewed): node-a's route to it goes.
     b.stop().await;
@@ -266,6 +292,17 @@ async fn remote_clusters_nodes_are_routed_while_their_cluster_is_followed() {
     wait_for("a route to east's pods", Duration::from_secs(15), || routes_in(&ns_a), |r| r.contains("10.244.8.0/24 via 192.168.78.5"));
     let view = nodes_view(&host).await;
     assert_eq!(view["remote_nodes"]["east"]["node-a"]["podCidrs"], serde_json::json!(["10.244.8.0/24"]), "{view}");
+    // `wasmplane node ls`: east's node in its own rows, not taken for this one of its name.
+    let table = eventually("east's node routed in node ls", Duration::from_secs(10), || node_ls(&host), |t| t.contains("via 192.168.78.5")).await;
+    assert_eq!(
+        cells(&table),
+        [
+            vec!["CLUSTER", "NAME", "ID", "ADDRESSES", "POD CIDRS", "ROUTE"],
+            vec!["-", "node-a", "1", "192.168.77.1", "10.244.0.0/24", "(this node)"],
+            vec!["east", "node-a", "1", "192.168.78.5", "10.244.8.0/24", "via 192.168.78.5"],
+        ],
+        "{table}"
+    );
     wait_for("east's pod CIDR kept from egress masquerade", Duration::from_secs(15), kept, |k| k.contains("10.244.8.0/24"));
 
     // The node's pod CIDR changes: the route follows. A node of east overlapping west's own

@@ -1,5 +1,5 @@
 //! Node-local inspection (`GET /v1/status`, `GET /v1/services[/{namespace}/{name}]`,
-//! `GET /v1/pods[/{namespace}/{name}]` and the CLI's `wasmplane::inspect`) against a real host
+//! `GET /v1/pods[/{namespace}/{name}]`, `GET /v1/cluster/nodes` and the CLI's `wasmplane::inspect`) against a real host
 //! on loopback over a manifest dir.
 
 mod support;
@@ -536,5 +536,24 @@ async fn the_pod_cli_reads_and_formats_the_running_host() {
     wasmplane::inspect::pod(&api, &"default/web-1".parse::<PodName>().unwrap()).await.unwrap();
     let remote = wasmplane::inspect::pod(&api, &"default/web-2".parse::<PodName>().unwrap()).await.unwrap_err().to_string();
     assert_eq!(remote, "404 Not Found: pod default/web-2 is not one of this node's pods (it is on node node-b)");
+    h.host.stop().await;
+}
+
+/// `wasmplane node ls` on this host, which registers in its embedded kvstore and programs no
+/// routes; on a host that does not register, the host's 404 and its reason, as an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_cli_lists_this_node_or_says_the_host_does_not_register() {
+    use wasmplane::inspect::{NodeCommand, node_to};
+    let h = Host::start().await;
+    let mut shown = Vec::new();
+    node_to(&h.api(), NodeCommand::Ls, &mut shown).await.unwrap();
+    let text = String::from_utf8(shown).unwrap();
+    // No Node object in the manifests: neither addresses nor pod CIDRs published.
+    assert_eq!(text, "NAME     ID   ADDRESSES   POD CIDRS   ROUTE\nnode-a   1    <none>      <none>      (this node)\nRoutes:  not programmed by this host (--node-routes)\n");
+    h.host.stop().await;
+
+    let h = Host::start_with(|config| HostConfig { agent: None, ..config }, |status| status["ready"] == true).await;
+    let error = node_to(&h.api(), NodeCommand::Ls, &mut Vec::new()).await.unwrap_err().to_string();
+    assert_eq!(error, "404 Not Found: this host does not register in the kvstore");
     h.host.stop().await;
 }
