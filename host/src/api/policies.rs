@@ -1,0 +1,75 @@
+//! `GET /v1/policies` and the policies' audit mode and aggregated status; their verdicts
+//! (`GET /v1/policies/verdicts`) are served with the drops.
+
+use axum::Json;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use wasmplane_model::ObjectKey;
+
+use super::{ApiError, ApiResult, ApiState, with_controller};
+
+#[derive(Deserialize)]
+pub(super) struct PoliciesQuery {
+    /// Also read the kernel's drop counters (one `nft list table`).
+    counters: Option<bool>,
+}
+
+/// The policies this node enforces: generation, audit mode, targets, errors.
+pub(super) async fn list_policies(State(state): State<ApiState>, Query(query): Query<PoliciesQuery>) -> ApiResult<Response> {
+    let body = with_controller(&state, move |c| {
+        let counts = if query.counters.unwrap_or(false) {
+            c.refresh_policy_metrics(true)?;
+            Some(c.policy_drop_counts()?)
+        } else {
+            None
+        };
+        let policies: Vec<Value> = c
+            .policies()
+            .into_iter()
+            .map(|p| {
+                let mut v = serde_json::to_value(&p).unwrap_or(Value::Null);
+                if let Some(counts) = &counts {
+                    let (dropped, would_drop) = counts.get(&ObjectKey::new(&p.namespace, &p.name)).copied().unwrap_or_default();
+                    v["dropped_packets"] = json!(dropped);
+                    v["audit_would_drop_packets"] = json!(would_drop);
+                }
+                v
+            })
+            .collect();
+        Ok(json!({ "policies": policies }))
+    })
+    .await?;
+    Ok(Json(body).into_response())
+}
+
+#[derive(Deserialize)]
+pub(super) struct AuditQuery {
+    enabled: bool,
+}
+
+/// Audit mode for one policy on this node: would-be drops are logged and counted, not enforced.
+pub(super) async fn set_policy_audit(State(state): State<ApiState>, Path((namespace, name)): Path<(String, String)>, Query(query): Query<AuditQuery>) -> ApiResult<Response> {
+    let key = ObjectKey::new(&namespace, &name);
+    with_controller(&state, move |c| c.set_policy_audit(Some(&key), query.enabled)).await?;
+    Ok(Json(json!({ "policy": format!("{namespace}/{name}"), "audit": query.enabled })).into_response())
+}
+
+/// Audit mode for every policy on this node (the whole policy module).
+pub(super) async fn set_module_audit(State(state): State<ApiState>, Query(query): Query<AuditQuery>) -> ApiResult<Response> {
+    with_controller(&state, move |c| c.set_policy_audit(None, query.enabled)).await?;
+    Ok(Json(json!({ "audit": query.enabled })).into_response())
+}
+
+/// A policy's realization status over every node, as the operator aggregates it.
+pub(super) async fn policy_status(State(state): State<ApiState>, Path((namespace, name)): Path<(String, String)>) -> ApiResult<Response> {
+    let Some(operator) = &state.operator else {
+        return Err(ApiError(StatusCode::NOT_FOUND, "policy status is aggregated by the operator role (--role operator)".into()));
+    };
+    match operator.policy_status(&namespace, &name) {
+        Some(summary) => Ok(Json(summary).into_response()),
+        None => Err(ApiError(StatusCode::NOT_FOUND, format!("no status reported for policy {namespace}/{name}"))),
+    }
+}
