@@ -36,6 +36,8 @@ const TEST_PROGRAMS: &[Guest] = &[
     Guest { constant: "WRONG_WORLD", package: "wasmplane-test-guests", features: &["wrong-world"] },
     Guest { constant: "TRAPPING_VALIDATOR", package: "wasmplane-test-guests", features: &["trapping-validator"] },
     Guest { constant: "WRONG_VALIDATOR", package: "wasmplane-test-guests", features: &["wrong-validator"] },
+    Guest { constant: "TRANSLATOR_WIT_1_0", package: "wasmplane-test-guests", features: &["wit-1-0-translator"] },
+    Guest { constant: "POLICY_WIT_1_0", package: "wasmplane-test-guests", features: &["wit-1-0-policy"] },
     Guest { constant: "TRANSLATOR_BENCH_REPEAT", package: "wasmplane-guest-service-translator", features: &["bench-repeat"] },
     Guest { constant: "TRANSLATOR_BENCH_ENCODED", package: "wasmplane-guest-service-translator", features: &["bench-encoded"] },
     Guest { constant: "TRANSLATOR_BENCH_BATCH", package: "wasmplane-guest-service-translator", features: &["bench-batch"] },

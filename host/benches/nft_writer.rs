@@ -56,7 +56,7 @@ fn view(i: usize, endpoint_base: usize) -> ServiceView {
 fn rules(session: &mut TranslatorSession, ctx: &NodeContext, view: &ServiceView) -> (ObjectKey, ObjectRules) {
     let key = ObjectKey::new(&view.service.namespace, &view.service.name);
     let out = session.translate(ctx, &nft::service_prefix(&key), view).expect("translate");
-    let rules = nft::validate_service_output(&key, &out).expect("valid output");
+    let rules = nft::validate_service_output(&key, &out, &nft::PodTraffic::default()).expect("valid output");
     (key, rules)
 }
 

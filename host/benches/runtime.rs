@@ -39,7 +39,7 @@ mod batch {
     wasmtime::component::bindgen!({
         path: "../guests/service-translator/bench-batch",
         world: "batch-translation",
-        with: { "wasmplane:dataplane/types@1.0.0": wasmplane_runtime::wit },
+        with: { "wasmplane:dataplane/types@1.1.0": wasmplane_runtime::wit },
     });
 }
 

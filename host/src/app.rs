@@ -438,7 +438,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
     if let Some(path) = &config.record {
         // Before any source runs: the first recorded revision holds the whole initial state.
         let mut c = controller.lock().unwrap_or_else(|p| p.into_inner());
-        let recorder = crate::record::ChangeRecorder::create(path, c.model()).context("starting the recording (--record)")?;
+        let recorder = crate::record::ChangeRecorder::create(path, c.model(), c.dataplane().pod_traffic()).context("starting the recording (--record)")?;
         c.add_observer(Box::new(recorder));
     }
     let kv = config.kvstore.open(config.data_dir.as_deref()).await?;

@@ -92,16 +92,33 @@ pub trait ModelObserver: Send {
     fn translated(&self, _translator: Option<TranslatorInForce<'_>>, _changes: &[(ObjectKey, Option<ObjectRules>)], _errors: &BTreeMap<ObjectKey, String>) {}
 }
 
-/// kube-proxy's `--detect-local-mode`: which sources are this cluster's own (not masqueraded
-/// to a cluster IP, short-circuited to the cluster's endpoints for externalTrafficPolicy
-/// Local).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// kube-proxy's `--detect-local-mode`: which traffic comes from pods (not masqueraded to a
+/// cluster IP, short-circuited to the cluster's endpoints for externalTrafficPolicy Local).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum LocalDetection {
-    /// The configured cluster CIDRs (`--cluster-cidr`).
+    /// From the configured cluster CIDRs (`--cluster-cidr`).
     #[default]
     ClusterCidr,
-    /// This node's pod CIDRs, from its Node object: nothing to configure.
+    /// From this node's pod CIDRs, from its Node object: nothing to configure.
     NodeCidr,
+    /// In through an interface whose name starts with this (`--pod-interface-name-prefix`).
+    /// Guests built against WIT 1.0, which cannot say "pod traffic", get the configured
+    /// cluster CIDRs as in `ClusterCidr`.
+    InterfaceNamePrefix(String),
+    /// In through this bridge (`--pod-bridge-interface`); 1.0 guests as above.
+    BridgeInterface(String),
+}
+
+impl LocalDetection {
+    /// How the dataplane's rules tell pod traffic: by the `cluster-cidrs` sets (which hold
+    /// the cluster's or the node's pod CIDRs) or by interface.
+    pub fn pod_traffic(&self) -> nft::PodTraffic {
+        match self {
+            LocalDetection::ClusterCidr | LocalDetection::NodeCidr => nft::PodTraffic::SourceAddress,
+            LocalDetection::InterfaceNamePrefix(prefix) => nft::PodTraffic::InterfacePrefix(prefix.clone()),
+            LocalDetection::BridgeInterface(bridge) => nft::PodTraffic::Bridge(bridge.clone()),
+        }
+    }
 }
 
 pub struct ControllerConfig {
@@ -186,15 +203,15 @@ impl CallFailure {
     }
 }
 
-/// `drops_logged`: the dataplane logs service drops, so no-endpoint drops go through its
-/// drop chain (see `nft::service_drops`).
-fn translate_one(session: &mut TranslatorSession, model: &NodeLocalModel, key: &ObjectKey, view: &ServiceView, drops_logged: bool) -> Result<ObjectRules, CallFailure> {
+/// Rendered for `dataplane`: its `pod-traffic` detection, and its drop chain for no-endpoint
+/// drops when it logs service drops (see `nft::service_drops`).
+fn translate_one(session: &mut TranslatorSession, model: &NodeLocalModel, key: &ObjectKey, view: &ServiceView, dataplane: &Dataplane) -> Result<ObjectRules, CallFailure> {
     let out = session.translate(&model.context, &nft::service_prefix(key), view).map_err(|e| match e {
         CallError::Guest(_) => CallFailure::Declined(e.to_string()),
         other => CallFailure::Crash(other.to_string()),
     })?;
-    let mut rules = nft::validate_service_output(key, &out).map_err(|e| CallFailure::Crash(e.to_string()))?;
-    if drops_logged {
+    let mut rules = nft::validate_service_output(key, &out, dataplane.pod_traffic()).map_err(|e| CallFailure::Crash(e.to_string()))?;
+    if dataplane.logs_service_drops() {
         nft::service_drops::route_drops_through_log(&mut rules);
     }
     Ok(rules)
@@ -248,12 +265,14 @@ impl Controller {
         let health = metrics.dataplane_health.clone();
         let service_cidrs = crate::dataplane::parse_cidrs("service-cidrs", &config.service_cidrs);
         let model = match config.local_detection {
-            LocalDetection::ClusterCidr => NodeLocalModel::new(&config.node_name, config.cluster_cidrs.clone().into_model()),
             LocalDetection::NodeCidr => NodeLocalModel::new(&config.node_name, Vec::new()).with_node_cidr_local_detection(),
+            LocalDetection::ClusterCidr | LocalDetection::InterfaceNamePrefix(_) | LocalDetection::BridgeInterface(_) => {
+                NodeLocalModel::new(&config.node_name, config.cluster_cidrs.clone().into_model())
+            }
         }
         .with_service_cidrs(service_cidrs.clone());
         // The model's context decides which CIDRs are local; the dataplane starts from it.
-        let dataplane = Dataplane::new(kernel).with_cluster_cidrs(&model.context.cluster_cidrs);
+        let dataplane = Dataplane::new(kernel).with_cluster_cidrs(&model.context.cluster_cidrs).with_pod_traffic(config.local_detection.pod_traffic());
         let mut controller = Controller {
             runtime,
             metrics,
@@ -280,7 +299,7 @@ impl Controller {
             egress_follows_node: config.egress_masquerade.as_ref().is_some_and(|egress| egress.sources.is_empty()),
             shadow: None,
             cni_ips: BTreeMap::new(),
-            policy: PolicyController::new(&policy_module).with_verdict_log(config.policy_verdict_log),
+            policy: PolicyController::new(&policy_module).with_verdict_log(config.policy_verdict_log).with_pod_traffic(config.local_detection.pod_traffic()),
             without_local: BTreeMap::new(),
             trigger_times: Vec::new(),
             programming_since: SystemTime::now(),
@@ -657,7 +676,7 @@ impl Controller {
     fn translate(&mut self, key: &ObjectKey, view: &ServiceView) -> Result<ObjectRules, String> {
         let active = self.translator.as_mut().ok_or("no service translator is active")?;
         let started = Instant::now();
-        let result = translate_one(&mut active.session, &self.model, key, view, self.dataplane.logs_service_drops());
+        let result = translate_one(&mut active.session, &self.model, key, view, &self.dataplane);
         self.metrics.guest_call_time("service-translator", started.elapsed().as_secs_f64());
         let outcome = match &result {
             Ok(_) => "ok",
@@ -801,7 +820,7 @@ impl Controller {
         let settings = module.settings().clone();
         let mut outputs = BTreeMap::new();
         for (key, view) in &self.model.services {
-            match translate_one(&mut session, &self.model, key, view, self.dataplane.logs_service_drops()) {
+            match translate_one(&mut session, &self.model, key, view, &self.dataplane) {
                 Ok(rules) => {
                     outputs.insert(key.clone(), rules);
                 }
@@ -844,7 +863,7 @@ impl Controller {
         if let Err(e) = self.admit(name, version, &module.info, &bytes).and_then(|_| settings_verdict(name, module.validate_settings(&settings))) {
             return Err(failed(self, e.to_string()));
         }
-        let mut candidate = PolicyController::new(&module).with_verdict_log(self.policy.verdict_log());
+        let mut candidate = PolicyController::new(&module).with_verdict_log(self.policy.verdict_log()).with_pod_traffic(self.dataplane.pod_traffic().clone());
         let compiled = candidate.recompile_all(&self.cluster, &self.model);
         if compiled.failed > 0 {
             let errors: Vec<String> = candidate.status(&self.model).into_iter().filter_map(|s| s.error.map(|e| format!("{}/{}: {e}", s.namespace, s.name))).take(3).collect();
@@ -1015,7 +1034,7 @@ impl Controller {
                 Some(view) => {
                     shadow.calls += 1;
                     let started = Instant::now();
-                    let result = translate_one(&mut shadow.session, &self.model, key, view, self.dataplane.logs_service_drops());
+                    let result = translate_one(&mut shadow.session, &self.model, key, view, &self.dataplane);
                     // Timed apart from the active translator's calls: a candidate's cost beside the one it would replace.
                     self.metrics.guest_call_time("service-translator-shadow", started.elapsed().as_secs_f64());
                     self.metrics.guest_call(&shadow.name, "service-translator-shadow", if result.is_ok() { "ok" } else { "error" });

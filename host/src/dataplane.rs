@@ -842,6 +842,17 @@ impl Dataplane {
         self
     }
 
+    /// How pod traffic is detected (`--detect-local-mode`): the host's off-cluster masquerade
+    /// rules and every guest's `pod-traffic` match render by it.
+    pub fn with_pod_traffic(mut self, pod_traffic: nft::PodTraffic) -> Self {
+        self.networks.pod_traffic = pod_traffic;
+        self
+    }
+
+    pub fn pod_traffic(&self) -> &nft::PodTraffic {
+        &self.networks.pod_traffic
+    }
+
     /// The cluster's pod CIDRs (unparsable ones are logged and left out): connections to a
     /// `masquerade-off-cluster` frontend from outside them are masqueraded.
     pub fn with_cluster_cidrs(mut self, cidrs: &[impl AsRef<str>]) -> Self {

@@ -889,6 +889,8 @@ fn protocol(p: wit::Protocol) -> &'static str {
 
 struct Validator<'a> {
     object: &'a str,
+    /// What `pod-traffic` matches render as on this node.
+    pod_traffic: &'a PodTraffic,
     prefix: &'a str,
     /// Set names under this prefix are allowed besides the object's own (policies' shared
     /// sets, see `policy::SHARED_SET_PREFIX`).
@@ -1009,6 +1011,7 @@ impl<'a> Validator<'a> {
                     }
                     format!("numgen random mod {modulus} == {value}")
                 }
+                wit::RuleMatch::PodTraffic(m) => self.pod_traffic.render(m.family, m.negate),
             });
         }
         for s in &rule.statements {
@@ -1073,10 +1076,10 @@ fn number_backends(elements: &mut BTreeMap<ElementKey, CompactString>, map: &str
 
 /// Validates and renders one service's ruleset. Anything outside the service's prefix, any
 /// malformed address, dangling reference or unknown map rejects the whole output.
-pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset) -> Result<ObjectRules, InvalidOutput> {
+pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset, pod_traffic: &PodTraffic) -> Result<ObjectRules, InvalidOutput> {
     let object = key.to_string();
     let prefix = service_prefix(key);
-    let mut v = Validator { object: &object, prefix: &prefix, shared_sets: None, chains: BTreeSet::new(), sets: BTreeMap::new() };
+    let mut v = Validator { object: &object, pod_traffic, prefix: &prefix, shared_sets: None, chains: BTreeSet::new(), sets: BTreeMap::new() };
     for chain in &out.chains {
         v.own_name("chain", &chain.name)?;
         if !v.chains.insert(&chain.name) {
@@ -1355,6 +1358,9 @@ const MAIN_SKELETON: TableSkeleton = {
         sets: &[
             ("cluster-ips", "ipv4_addr"),
             ("cluster-ips6", "ipv6_addr"),
+            // The node's cluster CIDRs, as in the shards: policies' `pod-traffic` matches.
+            ("cluster-cidrs", "ipv4_addr; flags interval"),
+            ("cluster-cidrs6", "ipv6_addr; flags interval"),
             ("hairpin", "ipv4_addr . ipv4_addr"),
             ("hairpin6", "ipv6_addr . ipv6_addr"),
             NODE_PORT_IPS,
@@ -1537,8 +1543,8 @@ const SHARD_SKELETON: TableSkeleton = {
                 "masquerade-check",
                 "",
                 &[
-                    "ip daddr . meta l4proto . th dport @masquerade-off-cluster ip saddr != @cluster-cidrs jump mark-for-masquerade",
-                    "ip6 daddr . meta l4proto . th dport @masquerade-off-cluster6 ip6 saddr != @cluster-cidrs6 jump mark-for-masquerade",
+                    // Off-cluster sources: rendered by `write_masquerade_off_cluster`, as pod
+                    // traffic is detected on this node.
                     "ip daddr . meta l4proto . th dport @masquerade-always jump mark-for-masquerade",
                     "ip6 daddr . meta l4proto . th dport @masquerade-always6 jump mark-for-masquerade",
                 ],
@@ -1604,11 +1610,71 @@ impl NodePortAddresses {
     }
 }
 
+/// How traffic from pods is told from other traffic: kube-proxy's `--detect-local-mode`. The
+/// host's own rules (masquerading off-cluster sources) and every guest's `pod-traffic` match
+/// follow it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(tag = "by", content = "name", rename_all = "kebab-case")]
+pub enum PodTraffic {
+    /// By source address, in the `cluster-cidrs` sets: the cluster's pod CIDRs (`ClusterCIDR`)
+    /// or this node's (`NodeCIDR`), whichever the controller puts there.
+    #[default]
+    SourceAddress,
+    /// By the interface a packet comes in on, by name prefix (`InterfaceNamePrefix`: `veth`
+    /// matches `veth1a2b`).
+    InterfacePrefix(String),
+    /// By the bridge a packet comes in on (`BridgeInterface`: `cbr0`).
+    Bridge(String),
+}
+
+impl PodTraffic {
+    pub fn is_source_address(&self) -> bool {
+        *self == PodTraffic::SourceAddress
+    }
+
+    /// The longest interface name the kernel takes (`IFNAMSIZ` less its NUL).
+    pub const MAX_INTERFACE_NAME: usize = 15;
+
+    /// Why `name` cannot be the bridge (`prefix`: the interface name prefix) of this mode, or
+    /// `None` if it can: a name as the kernel could have it and nft takes quoted, a prefix one
+    /// character shorter (nft's `"prefix*"` must fit the kernel's 15 as well).
+    pub fn interface_name_problem(name: &str, prefix: bool) -> Option<String> {
+        let max = if prefix { Self::MAX_INTERFACE_NAME - 1 } else { Self::MAX_INTERFACE_NAME };
+        Some(if name.is_empty() {
+            // kube-proxy's wording.
+            "must not be empty".to_string()
+        } else if name.len() > max {
+            format!("longer than {max} characters (the kernel's interface names have at most {}{})", Self::MAX_INTERFACE_NAME, if prefix { ", the `*` included" } else { "" })
+        } else if name.contains('*') {
+            "no wildcard: a prefix matches every name it starts".to_string()
+        } else if !name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')) {
+            "only letters, digits, '-', '_' and '.' make an interface name".to_string()
+        } else {
+            return None;
+        })
+    }
+
+    /// The match for traffic from pods (`negate`: from anywhere else). `family` says which
+    /// address set to look the source up in; the interface modes match either family.
+    pub fn render(&self, family: wit::AddressFamily, negate: bool) -> String {
+        let not = if negate { "!= " } else { "" };
+        match (self, family) {
+            (PodTraffic::SourceAddress, wit::AddressFamily::Ipv4) => format!("ip saddr {not}@cluster-cidrs"),
+            (PodTraffic::SourceAddress, wit::AddressFamily::Ipv6) => format!("ip6 saddr {not}@cluster-cidrs6"),
+            (PodTraffic::InterfacePrefix(prefix), _) => format!("iifname {not}\"{prefix}*\""),
+            (PodTraffic::Bridge(bridge), _) => format!("iifname {not}\"{bridge}\""),
+        }
+    }
+}
+
 /// What the tables' static part knows of the node's networks.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodeNetworks {
-    /// The cluster's pod CIDRs, for the shards' `cluster-cidrs` sets.
+    /// The cluster's pod CIDRs, for the `cluster-cidrs` sets (each shard's and the main
+    /// table's, for services' and policies' `pod-traffic` matches).
     pub cluster_cidrs: Vec<IpNet>,
+    /// How traffic from pods is detected (`--detect-local-mode`).
+    pub pod_traffic: PodTraffic,
     /// The cluster's service CIDRs, for the main table's `service-cidrs` sets.
     pub service_cidrs: Vec<IpNet>,
     /// The addresses node ports are served on; `None`: every local address but loopback.
@@ -1755,6 +1821,8 @@ pub fn skeleton(out: &mut String, flush_first: bool, layout: Layout, networks: &
         service_drops::write_drop_chain(out, Table::MAIN, log);
     }
     write_cidr_sets(out, Table::MAIN, ("service-cidrs", "service-cidrs6"), &networks.service_cidrs, flush_first);
+    // Policies' chains are in the main table: their `pod-traffic` matches look sources up here.
+    write_cidr_sets(out, Table::MAIN, ("cluster-cidrs", "cluster-cidrs6"), &networks.cluster_cidrs, flush_first);
     write_node_port_rules(out, Table::MAIN, "no-endpoint-node-ports", "no-endpoint-nodeports", networks, flush_first);
     if networks.masquerade_all {
         write_masquerade_all(out, Table::MAIN);
@@ -1765,6 +1833,7 @@ pub fn skeleton(out: &mut String, flush_first: bool, layout: Layout, networks: &
     for shard in 0..layout.shards {
         let t = Table::shard(shard);
         SHARD_SKELETON.write(out, t, flush_first, None);
+        write_masquerade_off_cluster(out, t, &networks.pod_traffic);
         write_node_port_rules(out, t, "node-ports", "service-nodeports", networks, flush_first);
         write_count_sets(out, t, flush_first);
         write_pick_chains(out, t);
@@ -1780,6 +1849,14 @@ pub fn skeleton(out: &mut String, flush_first: bool, layout: Layout, networks: &
             }
         }
         write_cidr_sets(out, t, ("cluster-cidrs", "cluster-cidrs6"), &networks.cluster_cidrs, flush_first);
+    }
+}
+
+/// The rules of a shard's `masquerade-check` chain for `masquerade-off-cluster` frontends:
+/// what does not come from pods is masqueraded, so that replies come back through this node.
+fn write_masquerade_off_cluster(out: &mut String, t: Table, pod_traffic: &PodTraffic) {
+    for (ip, family, set) in [("ip", wit::AddressFamily::Ipv4, "masquerade-off-cluster"), ("ip6", wit::AddressFamily::Ipv6, "masquerade-off-cluster6")] {
+        writeln!(out, "add rule {t} masquerade-check {ip} daddr . meta l4proto . th dport @{set} {} jump mark-for-masquerade", pod_traffic.render(family, true)).unwrap();
     }
 }
 

@@ -115,6 +115,8 @@ pub struct PolicyController {
     shared_sets: BTreeMap<String, SetRules>,
     /// Where the dispatch chains log their drops and audit verdicts (`None`: not logged).
     verdict_log: Option<VerdictLog>,
+    /// What the guest's `pod-traffic` matches render as (`--detect-local-mode`).
+    pod_traffic: crate::nft::PodTraffic,
 }
 
 impl PolicyController {
@@ -133,7 +135,14 @@ impl PolicyController {
             shared_users: BTreeMap::new(),
             shared_sets: BTreeMap::new(),
             verdict_log: None,
+            pod_traffic: Default::default(),
         }
+    }
+
+    /// Renders the guest's `pod-traffic` matches as `pod_traffic` detects pod traffic.
+    pub fn with_pod_traffic(mut self, pod_traffic: crate::nft::PodTraffic) -> PolicyController {
+        self.pod_traffic = pod_traffic;
+        self
     }
 
     /// Dispatch chains that log what they drop, or would drop in audit mode, to `log`'s group.
@@ -443,7 +452,7 @@ impl PolicyController {
             other => PolicyError::Guest(other.to_string()),
         })?;
         let local: BTreeSet<IpAddr> = view.local_pods.iter().flat_map(|p| p.ips.iter()).filter_map(|ip| ip.parse().ok()).collect();
-        render::validate_policy_output(key, &out, &local).map_err(|e| PolicyError::Invalid(e.to_string()))
+        render::validate_policy_output(key, &out, &local, &self.pod_traffic).map_err(|e| PolicyError::Invalid(e.to_string()))
     }
 }
 

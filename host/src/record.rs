@@ -43,6 +43,10 @@ pub struct Header {
     pub host: String,
     /// The node context when recording started.
     pub node: wit::NodeContext,
+    /// How the recording node detected pod traffic (`pod-traffic` matches render by it);
+    /// absent: by source address.
+    #[serde(default, skip_serializing_if = "crate::nft::PodTraffic::is_source_address")]
+    pub pod_traffic: crate::nft::PodTraffic,
     pub started_unix_ms: u64,
 }
 
@@ -198,7 +202,7 @@ pub struct ChangeRecorder {
 impl ChangeRecorder {
     /// Creates (truncates) `path` and writes the header. Services already in `model` (a
     /// recorder attached late) are written as a first revision, without outputs.
-    pub fn create(path: &Path, model: &NodeLocalModel) -> Result<ChangeRecorder, RecordError> {
+    pub fn create(path: &Path, model: &NodeLocalModel, pod_traffic: &crate::nft::PodTraffic) -> Result<ChangeRecorder, RecordError> {
         let io = |source| RecordError::Io { path: path.to_path_buf(), source };
         let file = File::create(path).map_err(io)?;
         let mut writer = Writer { path: path.to_path_buf(), out: BufWriter::new(file), pending: None, broken: false };
@@ -208,6 +212,7 @@ impl ChangeRecorder {
             wit: format!("{WIT_PACKAGE}@{WIT_VERSION}"),
             host: env!("CARGO_PKG_VERSION").into(),
             node: convert::node_context(&model.context),
+            pod_traffic: pod_traffic.clone(),
             started_unix_ms: now_unix_ms(),
         };
         writer.write_line(&header);
@@ -347,6 +352,7 @@ mod tests {
             wit: wit.into(),
             host: "0".into(),
             node: wit::NodeContext { node_name: "n".into(), node_ips: vec![], cluster_cidrs: vec![], pod_cidrs: vec![] },
+            pod_traffic: Default::default(),
             started_unix_ms: 0,
         })
         .unwrap();

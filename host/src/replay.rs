@@ -43,6 +43,8 @@ pub struct Replayer {
     session: TranslatorSession,
     /// Each revision runs with the settings recorded with it (not given by hand).
     recorded_settings: bool,
+    /// How `pod-traffic` matches render: as on the node that recorded.
+    pod_traffic: nft::PodTraffic,
 }
 
 /// One revision as replayed.
@@ -92,7 +94,7 @@ impl Replayer {
         // Service translators get no lookups live either (controller.rs).
         let session = loaded.translator(Arc::new(NoLookups)).ok_or_else(|| ReplayError::NotATranslator { name: name.into(), kind })?;
         tracing::info!(module = name, digest = %loaded.info.digest, "replaying with");
-        Ok(Replayer { name: name.to_string(), loaded, session, recorded_settings: false })
+        Ok(Replayer { name: name.to_string(), loaded, session, recorded_settings: false, pod_traffic: Default::default() })
     }
 
     /// Reads the module at `path` (named by its file stem); `None`: the builtin. `settings`:
@@ -143,7 +145,7 @@ impl Replayer {
                 .session
                 .translate_wit(&record.context, &input.prefix, &input.service, &input.slices)
                 .map_err(|e: CallError| e.to_string())
-                .and_then(|out| nft::validate_service_output(&key, &out).map_err(|e| e.to_string()));
+                .and_then(|out| nft::validate_service_output(&key, &out, &self.pod_traffic).map_err(|e| e.to_string()));
             if let Err(e) = &result {
                 tracing::debug!(revision = record.revision, service = %key, "replayed call failed: {e}");
             }
@@ -223,6 +225,7 @@ fn write_text(out: &mut dyn Write, translator: &str, r: &Replayed) -> std::io::R
 /// Replays every revision of `reader` and prints each in `format`.
 pub fn replay<R: BufRead>(reader: RecordingReader<R>, replayer: &mut Replayer, format: OutputFormat, out: &mut dyn Write) -> Result<ReplaySummary, ReplayError> {
     let mut summary = ReplaySummary::default();
+    replayer.pod_traffic = reader.header().pod_traffic.clone();
     for record in reader {
         let record = record?;
         let replayed = replayer.revision(&record);

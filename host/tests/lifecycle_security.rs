@@ -629,7 +629,7 @@ async fn the_cli_inspects_a_component_and_its_settings_offline() {
     std::fs::write(&good, "label: tier\nvalue: front\n").unwrap();
     std::fs::write(&bad, r#"{"lable": "tier"}"#).unwrap();
     let report = inspect(&file, Some(&good)).unwrap();
-    assert_eq!((report["kind"].as_str(), report["witVersion"].as_str(), report["validatesSettings"].as_bool()), (Some("service-translator"), Some("1.0.0"), Some(true)), "{report}");
+    assert_eq!((report["kind"].as_str(), report["witVersion"].as_str(), report["validatesSettings"].as_bool()), (Some("service-translator"), Some("1.1.0"), Some(true)), "{report}");
     assert_eq!(report["digest"], wasmplane_runtime::LoadedModule::digest_of(artifacts::examples::PORT_FILTER_TRANSLATOR));
     assert!(report["imports"].as_array().unwrap().iter().any(|i| i.as_str().unwrap().contains("wasmplane:dataplane/settings")), "{report}");
     assert_eq!(report["settings"], serde_json::json!({"accepted": true}));

@@ -296,3 +296,18 @@ async fn a_change_the_translator_fails_on_is_not_counted_as_programmed() {
     assert_eq!(count().await, 1, "calm's change is programmed, crashy's is not");
     h.host.stop().await;
 }
+
+/// A translator built against WIT 1.0.0 as released (`wit/1.0.0/`) is uploaded, listed with
+/// its version and put in force like any other: its rules reach the dataplane.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_translator_built_against_wit_1_0_is_uploaded_and_runs() {
+    let h = Host::start(CrashBudget::default()).await;
+    let (status, body) = h.send(reqwest::Method::PUT, "/v1/modules/old-abi?kind=service-translator", Some(artifacts::test_programs::TRANSLATOR_WIT_1_0)).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    let (_, module) = h.get("/v1/modules/old-abi").await;
+    let versions = module["versions"].as_array().expect("versions");
+    assert_eq!(versions.last().and_then(|v| v["wit_version"].as_str()), Some("1.0.0"), "{module}");
+    let dp = h.wait_for("the 1.0 guest's rules", |dp| chains_of(dp, "shop/web").iter().any(|c| c == "svc/shop/web/80")).await;
+    let rules = dp["objects"]["shop/web"]["chains"]["svc/shop/web/80"].to_string();
+    assert!(rules.contains("ip saddr != 10.244.0.0/16 jump mark-for-masquerade") && rules.contains("dnat ip to 10.244.0.11:8080") && rules.contains("wit 1.0"), "{rules}");
+}

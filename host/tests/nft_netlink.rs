@@ -99,6 +99,14 @@ fn service_b(port: u16) -> ObjectRules {
                     "ip daddr 10.96.0.2 reject",
                     "meta l4proto sctp reject",
                     "ip saddr 0.0.0.0/0 accept",
+                    // The pod-traffic match in each mode (`nft::PodTraffic::render`), both ways.
+                    "ip saddr @cluster-cidrs th dport 30081 accept",
+                    "ip saddr != @cluster-cidrs ip daddr 10.96.0.2 jump mark-for-masquerade",
+                    "ip6 saddr != @cluster-cidrs6 ip6 daddr fd00::2 jump mark-for-masquerade",
+                    "iifname \"veth*\" accept",
+                    "iifname != \"veth*\" ip daddr 10.96.0.2 jump mark-for-masquerade",
+                    "iifname \"cbr0\" ip6 saddr @cluster-cidrs6 accept",
+                    "iifname != \"cbr0\" reject",
                 ],
             ),
             ("svc/ns/b/ep", &[&format!("meta l4proto udp dnat ip6 to [fd00::5]:{port}"), "meta l4proto tcp dnat ip to 10.244.2.7:53"]),
@@ -158,7 +166,8 @@ fn service_f(backends: &[&str]) -> ObjectRules {
 
 fn policy(peers: &[&str]) -> ObjectRules {
     object(
-        &[("pol/ns/p/in", &["ip saddr @pol/ns/p/peers meta l4proto tcp th dport 80 accept", "ip saddr 10.0.0.0/8 accept"])],
+        // Policies' pod-traffic matches look sources up in the main table's cluster-cidrs sets.
+        &[("pol/ns/p/in", &["ip saddr @pol/ns/p/peers meta l4proto tcp th dport 80 accept", "ip saddr 10.0.0.0/8 accept", "ip6 saddr != @cluster-cidrs6 accept", "iifname != \"veth*\" accept"])],
         &[("pol/ns/p/peers", "type ipv4_addr;", peers, false)],
         &[],
     )
@@ -303,6 +312,9 @@ fn netlink_batches_leave_the_table_nft_would() {
     }
     let table = listing(&netlink_ns);
     assert!(table.contains("numgen random mod 1 0 goto svc/ns/a/ep/10.244.1.6"), "{table}");
+    for pod_traffic in ["ip saddr != @cluster-cidrs ip daddr 10.96.0.2 jump", "iifname != \"veth*\" ip daddr", "iifname \"cbr0\" ip6 saddr @cluster-cidrs6 accept", "ip6 saddr != @cluster-cidrs6 accept"] {
+        assert!(table.contains(pod_traffic), "{pod_traffic:?} missing in {table}");
+    }
     assert!(table.contains("10.96.0.1 . tcp . 80 : goto svc/ns/a"), "{table}");
     assert!(table.contains("elements = { 10.244.0.7, 10.244.0.11 }"), "{table}");
     assert!(table.contains("elements = { 10.244.1.6 . 10.244.1.6 }"), "hairpin pairs added and deleted: {table}");

@@ -29,6 +29,27 @@ impl RuleBuilder {
     pub fn source_not(self, cidr: &str) -> Self {
         self.matching(RuleMatch::Source(AddressMatch { cidr: cidr.into(), negate: true }))
     }
+    /// Traffic from pods, as the host detects it (the `pod-traffic` match, since WIT 1.1.0):
+    /// what kube-proxy calls local traffic, by the node's `--detect-local-mode`. By source
+    /// address (`ClusterCIDR`, `NodeCIDR`) the host renders `ip saddr @cluster-cidrs`, or
+    /// `ip6 saddr @cluster-cidrs6` for [`AddressFamily::Ipv6`], the set holding the cluster's
+    /// pod CIDRs or this node's; by interface it renders `iifname "veth*"`
+    /// (`InterfaceNamePrefix`, the configured prefix) or `iifname "cbr0"` (`BridgeInterface`,
+    /// the configured bridge), and `family` is not used.
+    ///
+    /// Unlike matching the node context's `cluster_cidrs` with [`source`](Self::source), a
+    /// rule with it follows whichever mode the node runs, and is one rule however many CIDRs
+    /// there are. By source address an empty set makes [`not_from_pods`](Self::not_from_pods)
+    /// match every packet: a guest that wants no such rule without pod CIDRs (as kube-proxy
+    /// writes none without a detector) checks `cluster_cidrs` for one of the family.
+    pub fn from_pods(self, family: AddressFamily) -> Self {
+        self.matching(RuleMatch::PodTraffic(PodTrafficMatch { family, negate: false }))
+    }
+    /// Traffic from anywhere but pods: [`from_pods`](Self::from_pods) negated (`ip saddr !=
+    /// @cluster-cidrs`, `iifname != "veth*"`), e.g. to masquerade sources off the cluster.
+    pub fn not_from_pods(self, family: AddressFamily) -> Self {
+        self.matching(RuleMatch::PodTraffic(PodTrafficMatch { family, negate: true }))
+    }
     pub fn destination(self, cidr: &str) -> Self {
         self.matching(RuleMatch::Destination(AddressMatch { cidr: cidr.into(), negate: false }))
     }
@@ -95,5 +116,20 @@ pub fn protocol_name(p: Protocol) -> &'static str {
         Protocol::Tcp => "tcp",
         Protocol::Udp => "udp",
         Protocol::Sctp => "sctp",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pod_traffic_matches_carry_family_and_negation() {
+        let rule = RuleBuilder::new().not_from_pods(AddressFamily::Ipv6).from_pods(AddressFamily::Ipv4).masquerade();
+        assert_eq!(rule.matches, vec![
+            RuleMatch::PodTraffic(PodTrafficMatch { family: AddressFamily::Ipv6, negate: true }),
+            RuleMatch::PodTraffic(PodTrafficMatch { family: AddressFamily::Ipv4, negate: false }),
+        ]);
+        assert_eq!(rule.verdict, Verdict::Masquerade);
     }
 }

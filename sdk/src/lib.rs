@@ -21,6 +21,11 @@
 //! Besides the bindings it offers the helpers most guests need: label-selector matching,
 //! CIDR parsing, rule builders and logging through the host. All helpers are plain Rust and
 //! also compile natively, so guest logic can be unit-tested with `cargo test`.
+//!
+//! To tell traffic from pods from other traffic, match it as the node detects it
+//! ([`RuleBuilder::from_pods`], [`RuleBuilder::not_from_pods`]: the `pod-traffic` match of
+//! package 1.1.0, following kube-proxy's `--detect-local-mode`) rather than by the node
+//! context's `cluster_cidrs`, which only the source-address modes go by.
 
 pub mod service {
     #[cfg(all(target_arch = "wasm32", not(feature = "serde")))]
@@ -54,10 +59,10 @@ pub mod policy {
         export_macro_name: "export_network_policy",
         default_bindings_module: "wasmplane_sdk::policy",
         with: {
-            "wasmplane:dataplane/types@1.0.0": crate::service::wasmplane::dataplane::types,
-            "wasmplane:dataplane/log@1.0.0": crate::service::wasmplane::dataplane::log,
-            "wasmplane:dataplane/lookups@1.0.0": crate::service::wasmplane::dataplane::lookups,
-            "wasmplane:dataplane/settings@1.0.0": crate::service::wasmplane::dataplane::settings,
+            "wasmplane:dataplane/types@1.1.0": crate::service::wasmplane::dataplane::types,
+            "wasmplane:dataplane/log@1.1.0": crate::service::wasmplane::dataplane::log,
+            "wasmplane:dataplane/lookups@1.1.0": crate::service::wasmplane::dataplane::lookups,
+            "wasmplane:dataplane/settings@1.1.0": crate::service::wasmplane::dataplane::settings,
         },
     });
 }
@@ -70,8 +75,8 @@ pub mod gc {
         export_macro_name: "export_gc",
         default_bindings_module: "wasmplane_sdk::gc",
         with: {
-            "wasmplane:dataplane/log@1.0.0": crate::service::wasmplane::dataplane::log,
-            "wasmplane:dataplane/settings@1.0.0": crate::service::wasmplane::dataplane::settings,
+            "wasmplane:dataplane/log@1.1.0": crate::service::wasmplane::dataplane::log,
+            "wasmplane:dataplane/settings@1.1.0": crate::service::wasmplane::dataplane::settings,
         },
     });
 }

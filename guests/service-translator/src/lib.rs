@@ -90,7 +90,7 @@ mod export_batch {
         path: "bench-batch",
         world: "batch-translation",
         // The SDK's types, so the same `translate` runs on what arrives.
-        with: { "wasmplane:dataplane/types@1.0.0": wasmplane_sdk::types },
+        with: { "wasmplane:dataplane/types@1.1.0": wasmplane_sdk::types },
     });
 
     use exports::wasmplane::bench_batch::batch_translator::{Guest, ServiceInputs};
@@ -161,6 +161,11 @@ struct PortEndpoints {
 
 fn same_family(a: &str, b: &str) -> bool {
     a.contains(':') == b.contains(':')
+}
+
+/// The WIT family of an address or CIDR.
+fn address_family(address: &str) -> AddressFamily {
+    if address.contains(':') { AddressFamily::Ipv6 } else { AddressFamily::Ipv4 }
 }
 
 /// Ready endpoints, or, when none is ready, serving-and-terminating ones (so connections
@@ -259,7 +264,7 @@ impl PortRules<'_> {
         if self.affinity_sets.insert(name.clone()) {
             self.ruleset.sets.push(SetDeclaration {
                 name: name.clone(),
-                family: if backend.address.contains(':') { AddressFamily::Ipv6 } else { AddressFamily::Ipv4 },
+                family: address_family(&backend.address),
                 timeout_seconds: Some(timeout),
                 elements: vec![],
             });
@@ -391,7 +396,13 @@ fn translate_port(
         affinity_sets: BTreeSet::new(),
         hairpin,
     };
-    let cluster_cidrs: Vec<&String> = node.cluster_cidrs.iter().filter(|c| same_family(c, family_of)).collect();
+    // Pods are told from other sources as the host detects them (`pod-traffic`: kube-proxy's
+    // `--detect-local-mode`), in one rule however many CIDRs. Written only where the node
+    // context has a cluster CIDR of the family, as the rules per CIDR were: the host passes
+    // them in every mode (NodeCIDR: the node's pod CIDRs), and without one kube-proxy has no
+    // detector and writes no such rule, where `!= @cluster-cidrs` would match everything.
+    let pods = address_family(family_of);
+    let detects_pods = node.cluster_cidrs.iter().any(|c| same_family(c, family_of));
 
     // Cluster-IP traffic.
     let service_chain = prefix.clone();
@@ -410,18 +421,16 @@ fn translate_port(
         }
     } else {
         let mut chain_rules = Vec::new();
-        for ip in cluster_ips.iter().filter(|ip| same_family(ip, family_of)) {
-            for cidr in &cluster_cidrs {
-                // Off-cluster sources reaching a cluster IP must be masqueraded so replies return.
-                chain_rules.push(
-                    RuleBuilder::new()
-                        .destination(ip)
-                        .protocol(port.protocol)
-                        .dport(port.port)
-                        .source_not(cidr)
-                        .masquerade(),
-                );
-            }
+        for ip in cluster_ips.iter().filter(|ip| detects_pods && same_family(ip, family_of)) {
+            // Off-cluster sources reaching a cluster IP must be masqueraded so replies return.
+            chain_rules.push(
+                RuleBuilder::new()
+                    .destination(ip)
+                    .protocol(port.protocol)
+                    .dport(port.port)
+                    .not_from_pods(pods)
+                    .masquerade(),
+            );
         }
         chain_rules.extend(rules.pick_rules(&cluster_backends));
         rules.ruleset.chains.push(Chain { name: service_chain.clone(), rules: chain_rules });
@@ -450,10 +459,8 @@ fn translate_port(
         if external_local {
             // Pods using the external address are short-circuited to the cluster chain;
             // everything else keeps its source IP and goes to a node-local endpoint.
-            if !cluster_backends.is_empty() {
-                for cidr in &cluster_cidrs {
-                    chain_rules.push(RuleBuilder::new().source(cidr).goto(&service_chain));
-                }
+            if !cluster_backends.is_empty() && detects_pods {
+                chain_rules.push(RuleBuilder::new().from_pods(pods).goto(&service_chain));
             }
             let local_chain = format!("{prefix}/local");
             let pick = rules.pick_rules(external_backends);
@@ -543,7 +550,9 @@ fn translate_port_as_data(
             ruleset.map_elements.push(service_map_element("no-endpoint-services", ip, port.protocol, port.port, verdict));
             continue;
         }
-        // Off-cluster sources reaching a cluster IP are masqueraded so replies return.
+        // Off-cluster sources reaching a cluster IP are masqueraded so replies return (the
+        // host tells them as it detects pods; only with a cluster CIDR of the family, as the
+        // chain's `pod-traffic` rule in `translate_port`).
         let off_cluster = node.cluster_cidrs.iter().any(|c| same_family(c, ip)).then_some("masquerade-off-cluster");
         balance(ruleset, ip, backends, off_cluster);
     }

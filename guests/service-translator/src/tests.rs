@@ -82,14 +82,102 @@ fn more_backends_than_the_host_picks_among_get_a_chain_that_draws_and_dnats() {
     assert_eq!(r.chains.len(), 1, "one chain, no chain per endpoint");
     let svc_chain = &r.chains[0];
     assert_eq!(svc_chain.name, "svc/shop/web/tcp/http");
-    // Masquerade off-cluster sources, then 1/33, 1/32, ... and the rest, each DNATing.
-    assert!(matches!(svc_chain.rules[0].verdict, Verdict::Masquerade));
+    // Masquerade sources not from pods (as the host detects them), then 1/33, 1/32, ... and
+    // the rest, each DNATing.
+    assert_eq!(svc_chain.rules[0].verdict, Verdict::Masquerade);
+    assert_eq!(svc_chain.rules[0].matches, vec![
+        RuleMatch::Destination(AddressMatch { cidr: "10.96.0.20".into(), negate: false }),
+        RuleMatch::Protocol(Protocol::Tcp),
+        RuleMatch::DestinationPort(80),
+        pod_traffic(AddressFamily::Ipv4, true),
+    ]);
     let n = MAX_BACKENDS_PER_FRONTEND as u32 + 1;
     assert_eq!(svc_chain.rules[1].matches, vec![RuleMatch::Random((n, 0)), RuleMatch::Protocol(Protocol::Tcp)]);
     assert_eq!(svc_chain.rules.last().unwrap().matches, vec![RuleMatch::Protocol(Protocol::Tcp)]);
     assert!(svc_chain.rules[1..].iter().all(|rule| rule.verdict == Verdict::None && matches!(rule.statements[..], [RuleStatement::Dnat(_)])));
     assert_eq!(dnat_targets(&r).len(), n as usize);
     assert_eq!(elements(&r, "service-ips").len(), 1);
+}
+
+fn pod_traffic(family: AddressFamily, negate: bool) -> RuleMatch {
+    RuleMatch::PodTraffic(PodTrafficMatch { family, negate })
+}
+
+/// A port kept in chains (externalTrafficPolicy Local with an external IP) of `cluster_ip`'s family.
+fn local_external_service(cluster_ip: &str, external_ip: &str) -> Service {
+    let mut svc = service();
+    svc.cluster_ips = vec![cluster_ip.into()];
+    svc.external_ips = vec![external_ip.into()];
+    svc.external_traffic_policy = TrafficPolicy::Local;
+    svc
+}
+
+fn chain<'a>(r: &'a Ruleset, name: &str) -> &'a Chain {
+    r.chains.iter().find(|c| c.name == name).unwrap_or_else(|| panic!("no chain {name}: {:?}", r.chains))
+}
+
+#[test]
+fn pods_are_told_by_the_host_in_one_rule_however_many_cluster_cidrs() {
+    let mut node = ctx();
+    node.cluster_cidrs = vec!["10.244.0.0/16".into(), "10.245.0.0/16".into(), "fd00:10:244::/56".into()];
+    let eps = slice(vec![endpoint("10.244.0.11", true, false, true), endpoint("10.245.0.12", true, false, false)]);
+    let r = translate(&node, "svc/shop/web", &local_external_service("10.96.0.20", "203.0.113.7"), &[eps]).unwrap();
+    // The cluster chain: one masquerade of what does not come from pods (of the chain's
+    // family), before the pick; no rule per cluster CIDR.
+    let service_chain = chain(&r, "svc/shop/web/tcp/http");
+    assert_eq!(service_chain.rules.iter().filter(|rule| rule.verdict == Verdict::Masquerade).count(), 1, "{:?}", service_chain.rules);
+    assert_eq!(service_chain.rules[0].verdict, Verdict::Masquerade);
+    assert_eq!(service_chain.rules[0].matches, vec![
+        RuleMatch::Destination(AddressMatch { cidr: "10.96.0.20".into(), negate: false }),
+        RuleMatch::Protocol(Protocol::Tcp),
+        RuleMatch::DestinationPort(80),
+        pod_traffic(AddressFamily::Ipv4, true),
+    ]);
+    assert_eq!(service_chain.rules.len(), 1 + 2, "the masquerade and a rule per endpoint");
+    // The external chain: pods to the cluster chain in one rule, everything else to a local endpoint.
+    let external = chain(&r, "svc/shop/web/tcp/http/external");
+    assert_eq!(external.rules.len(), 2, "{:?}", external.rules);
+    assert_eq!(external.rules[0].matches, vec![pod_traffic(AddressFamily::Ipv4, false)]);
+    assert_eq!(external.rules[0].verdict, Verdict::Goto("svc/shop/web/tcp/http".into()));
+    assert!(external.rules[1].matches.is_empty(), "{:?}", external.rules[1]);
+    assert_eq!(external.rules[1].verdict, Verdict::Goto("svc/shop/web/tcp/http/local".into()));
+    // Nothing matches a cluster CIDR itself.
+    let matches = || r.chains.iter().flat_map(|c| &c.rules).flat_map(|rule| &rule.matches);
+    assert!(matches().all(|m| !matches!(m, RuleMatch::Source(_))), "{:?}", r.chains);
+}
+
+#[test]
+fn pod_traffic_is_of_the_chains_family_and_none_without_a_cluster_cidr_of_it() {
+    let svc = local_external_service("fd00:96::20", "2001:db8::7");
+    let eps = [slice(vec![endpoint("fd00:10:244::11", true, false, true)])];
+    // Only an IPv4 cluster CIDR: no IPv6 pod traffic is told apart, as kube-proxy without a
+    // detector (an empty `@cluster-cidrs6` would masquerade everything).
+    let r = translate(&ctx(), "svc/shop/web", &svc, &eps).unwrap();
+    let service_chain = chain(&r, "svc/shop/web/tcp/http");
+    assert!(service_chain.rules.iter().all(|rule| rule.verdict != Verdict::Masquerade), "{:?}", service_chain.rules);
+    assert_eq!(service_chain.rules.len(), 1, "the endpoint's DNAT only: {:?}", service_chain.rules);
+    let external = chain(&r, "svc/shop/web/tcp/http/external");
+    assert_eq!(external.rules.len(), 1, "{:?}", external.rules);
+    assert_eq!(external.rules[0].verdict, Verdict::Goto("svc/shop/web/tcp/http/local".into()));
+    let matches = || r.chains.iter().flat_map(|c| &c.rules).flat_map(|rule| &rule.matches);
+    assert!(matches().all(|m| !matches!(m, RuleMatch::PodTraffic(_))), "{:?}", r.chains);
+
+    // With an IPv6 cluster CIDR: IPv6 pod traffic, in both chains.
+    let mut node = ctx();
+    node.cluster_cidrs.push("fd00:10:244::/56".into());
+    let r = translate(&node, "svc/shop/web", &svc, &eps).unwrap();
+    let service_chain = chain(&r, "svc/shop/web/tcp/http");
+    assert_eq!(service_chain.rules[0].verdict, Verdict::Masquerade);
+    assert_eq!(service_chain.rules[0].matches, vec![
+        RuleMatch::Destination(AddressMatch { cidr: "fd00:96::20".into(), negate: false }),
+        RuleMatch::Protocol(Protocol::Tcp),
+        RuleMatch::DestinationPort(80),
+        pod_traffic(AddressFamily::Ipv6, true),
+    ]);
+    let external = chain(&r, "svc/shop/web/tcp/http/external");
+    assert_eq!(external.rules[0].matches, vec![pod_traffic(AddressFamily::Ipv6, false)]);
+    assert_eq!(external.rules[0].verdict, Verdict::Goto("svc/shop/web/tcp/http".into()));
+    assert_eq!(external.rules.len(), 2);
 }
 
 #[test]
@@ -203,8 +291,9 @@ fn session_affinity_in_a_chain_declares_sets_and_checks_them_first() {
             assert!(u.set == set(ip) && t.address == ip, "{rule:?}");
         }
     };
-    // The cluster chain after its off-cluster masquerade rule, and the local chain.
-    assert!(matches!(r.chains[0].rules[0].verdict, Verdict::Masquerade));
+    // The cluster chain after its masquerade of sources not from pods, and the local chain.
+    assert_eq!(r.chains[0].rules[0].verdict, Verdict::Masquerade);
+    assert_eq!(r.chains[0].rules[0].matches.last(), Some(&pod_traffic(AddressFamily::Ipv4, true)));
     check(&r.chains[0].rules[1..]);
     check(&r.chains[1].rules);
     assert_eq!(r.map_elements.iter().filter(|e| e.map_name == "hairpin").count(), 2);
@@ -335,6 +424,9 @@ fn node_port_with_local_policy_uses_only_local_endpoints() {
     assert_eq!(local.rules.len(), 1, "one local endpoint, no random pick");
     let external = r.chains.iter().find(|c| c.name == "svc/shop/web/tcp/http/external").unwrap();
     assert!(external.rules.iter().all(|rule| !matches!(rule.verdict, Verdict::Masquerade)), "source IP must be kept");
+    // Pods reaching the node port go the cluster chain's way, as the host detects them.
+    assert_eq!(external.rules[0].matches, vec![pod_traffic(AddressFamily::Ipv4, false)]);
+    assert_eq!(external.rules[0].verdict, Verdict::Goto("svc/shop/web/tcp/http".into()));
 }
 
 #[test]

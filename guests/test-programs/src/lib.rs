@@ -1,7 +1,7 @@
 //! Misbehaving guests: each feature builds one component that breaks a different rule, so
 //! the host's tests can check that nothing it breaks reaches the dataplane.
 
-#[cfg(not(feature = "wrong-world"))]
+#[cfg(not(any(feature = "wrong-world", feature = "wit-1-0-translator", feature = "wit-1-0-policy")))]
 mod translator {
     use wasmplane_sdk::service::exports::wasmplane::dataplane::service_translator::Guest;
     use wasmplane_sdk::types::*;
@@ -99,4 +99,79 @@ mod other_world {
         }
     }
     export!(Other);
+}
+
+/// A translator built against `wasmplane:dataplane@1.0.0` as released (`wit/1.0.0/`), not
+/// the SDK: a 1.0 guest must keep loading and running. It forwards each cluster IP port to
+/// the first endpoint, masquerading off-cluster sources by the node context's cluster CIDRs
+/// (1.0 has no `pod-traffic` match), and logs through the 1.0 `log` import.
+#[cfg(feature = "wit-1-0-translator")]
+mod translator_1_0 {
+    wit_bindgen::generate!({ path: "../../wit/1.0.0", world: "service-translation" });
+
+    use exports::wasmplane::dataplane::service_translator::Guest;
+    use wasmplane::dataplane::types::*;
+
+    struct Translator;
+
+    impl Guest for Translator {
+        fn translate(node: NodeContext, prefix: String, service: Service, slices: Vec<EndpointSlice>) -> Result<Ruleset, GuestError> {
+            if service.labels.iter().any(|l| l.key == "wasmplane.io/decline") {
+                return Err(GuestError { message: format!("declined {}/{}", service.namespace, service.name) });
+            }
+            wasmplane::dataplane::log::log(wasmplane::dataplane::log::Level::Debug, &format!("1.0 guest translating {}/{}", service.namespace, service.name));
+            let mut ruleset = Ruleset { chains: vec![], sets: vec![], map_elements: vec![], warnings: vec![] };
+            let Some(backend) = slices.iter().flat_map(|s| &s.endpoints).find(|e| e.ready).and_then(|e| e.addresses.first()) else {
+                ruleset.warnings.push("no ready endpoint".into());
+                return Ok(ruleset);
+            };
+            for port in &service.ports {
+                let TargetPort::Number(target) = port.target_port else { continue };
+                let chain = format!("{prefix}/{}", port.port);
+                let mut rules: Vec<Rule> = node
+                    .cluster_cidrs
+                    .iter()
+                    .map(|cidr| Rule { matches: vec![RuleMatch::Source(AddressMatch { cidr: cidr.clone(), negate: true })], statements: vec![], verdict: Verdict::Masquerade, comment: None })
+                    .collect();
+                rules.push(Rule { matches: vec![], statements: vec![RuleStatement::Dnat(DnatTarget { address: backend.clone(), port: target })], verdict: Verdict::None, comment: Some("wit 1.0".into()) });
+                for ip in &service.cluster_ips {
+                    ruleset.map_elements.push(MapElement {
+                        map_name: "service-ips".into(),
+                        key: vec![KeyPart::Address(ip.clone()), KeyPart::Protocol(port.protocol), KeyPart::Port(port.port)],
+                        verdict: Verdict::Goto(chain.clone()),
+                    });
+                }
+                ruleset.chains.push(Chain { name: chain, rules });
+            }
+            Ok(ruleset)
+        }
+    }
+
+    export!(Translator);
+}
+
+/// A network policy guest built against `wasmplane:dataplane@1.0.0` as released: accepts
+/// the first `ipBlock` of the policy's rules as a source, in one chain.
+#[cfg(feature = "wit-1-0-policy")]
+mod policy_1_0 {
+    wit_bindgen::generate!({ path: "../../wit/1.0.0", world: "network-policy-enforcement" });
+
+    use exports::wasmplane::dataplane::network_policy::Guest;
+    use wasmplane::dataplane::types::*;
+
+    struct Policy;
+
+    impl Guest for Policy {
+        fn compile(_node: NodeContext, prefix: String, policy: NetworkPolicy, local_pods: Vec<Pod>) -> Result<Ruleset, GuestError> {
+            let block = policy.ingress.iter().chain(&policy.egress).flatten().flat_map(|r| &r.peers).find_map(|p| p.ip_block.as_ref());
+            let rules = block
+                .map(|b| Rule { matches: vec![RuleMatch::Source(AddressMatch { cidr: b.cidr.clone(), negate: false })], statements: vec![RuleStatement::Counter], verdict: Verdict::Accept, comment: None })
+                .into_iter()
+                .collect();
+            let warnings = vec![format!("{} local pods", local_pods.len())];
+            Ok(Ruleset { chains: vec![Chain { name: format!("{prefix}/ingress"), rules }], sets: vec![], map_elements: vec![], warnings })
+        }
+    }
+
+    export!(Policy);
 }

@@ -26,6 +26,7 @@ mod loader;
 pub mod native;
 pub mod policy;
 mod validation;
+mod wit_1_0;
 
 use std::path::PathBuf;
 use std::time::Duration;

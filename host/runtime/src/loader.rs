@@ -13,13 +13,14 @@ use wasmtime::component::{Component, InstancePre};
 use crate::bindings::service::{ServiceTranslation, ServiceTranslationPre};
 use crate::host::{GuestSlot, GuestState, Lookups, Sandbox, check_output_size};
 use crate::validation::{SETTINGS_VALIDATION, SettingsValidator};
-use crate::{CallError, Limits, Runtime, SettingsVerdict, convert, wit};
+use crate::{CallError, Limits, Runtime, SettingsVerdict, convert, wit, wit_1_0};
 use wasmplane_model::state::{NodeContext, ServiceView};
 
 /// The WIT package every guest world belongs to.
 pub const WIT_PACKAGE: &str = "wasmplane:dataplane";
-/// The package version this host implements; guests built against any 1.x load.
-pub const WIT_VERSION: &str = "1.0.0";
+/// The package version this host implements; guests built against any 1.x load (1.0 through
+/// `wit_1_0.rs`).
+pub const WIT_VERSION: &str = "1.1.0";
 const WIT_MAJOR: &str = "1.";
 
 
@@ -94,6 +95,8 @@ pub struct ModuleInfo {
 
 enum Runner {
     ServiceTranslator(ServiceTranslationPre<GuestState>),
+    /// Built against 1.0.0 (`wit_1_0.rs`).
+    ServiceTranslator1_0(wit_1_0::Export),
 }
 
 /// A validated, compiled component ready to instantiate.
@@ -193,6 +196,10 @@ impl Runtime {
         let validator = SettingsValidator::find(&pre, checked.settings_validation.as_deref());
         let info = checked.info;
         let runner = match info.kind {
+            GuestKind::ServiceTranslator if wit_1_0::is_1_0(&info.wit_version) => {
+                let export = format!("{WIT_PACKAGE}/{}@{}", GuestKind::ServiceTranslator, info.wit_version);
+                Runner::ServiceTranslator1_0(wit_1_0::Export::find(&pre, &export, "translate").ok_or_else(|| LoadError::Link(format!("{export} exports no `translate`")))?)
+            }
             GuestKind::ServiceTranslator => {
                 Runner::ServiceTranslator(ServiceTranslationPre::new(pre).map_err(|e| LoadError::Link(format!("{e:#}")))?)
             }
@@ -378,24 +385,31 @@ impl LoadedModule {
     /// A session running service translations; fails if this is another kind.
     pub fn translator(&self, lookups: Arc<dyn Lookups>) -> Option<TranslatorSession> {
         let capabilities = crate::host::Capabilities { lookups, settings: self.settings.clone() };
-        match &self.runner {
-            Runner::ServiceTranslator(pre) => Some(TranslatorSession { pre: pre.clone(), slot: GuestSlot::new(self.sandbox.clone(), self.name.clone(), capabilities) }),
-        }
+        let (sandbox, name) = (self.sandbox.clone(), self.name.clone());
+        Some(TranslatorSession(match &self.runner {
+            Runner::ServiceTranslator(pre) => Translator::Current { pre: pre.clone(), slot: GuestSlot::new(sandbox, name, capabilities) },
+            Runner::ServiceTranslator1_0(export) => Translator::V1_0 { export: export.clone(), slot: GuestSlot::new(sandbox, name, capabilities) },
+        }))
     }
 }
 
 /// Runs translations on one instance, reused across calls until a call fails (a trapped
 /// instance cannot be entered again, so the next call gets a fresh one).
-pub struct TranslatorSession {
-    pre: ServiceTranslationPre<GuestState>,
-    slot: GuestSlot<ServiceTranslation>,
+pub struct TranslatorSession(Translator);
+
+/// A translator of this host's WIT version, or of 1.0 (`wit_1_0.rs`).
+enum Translator {
+    Current { pre: ServiceTranslationPre<GuestState>, slot: GuestSlot<ServiceTranslation> },
+    V1_0 { export: wit_1_0::Export, slot: GuestSlot<wasmtime::component::Func> },
 }
 
 impl TranslatorSession {
     /// Instantiates now rather than on the first call (benchmarks, warm-up).
     pub fn instantiate_now(&mut self) -> Result<(), CallError> {
-        let pre = &self.pre;
-        self.slot.instantiate_now(|store| pre.instantiate(store))
+        match &mut self.0 {
+            Translator::Current { pre, slot } => slot.instantiate_now(|store| pre.instantiate(store)),
+            Translator::V1_0 { export, slot } => slot.instantiate_now(|store| export.instantiate_translate(store)),
+        }
     }
 
     /// Translates one service. On any error but the guest's own the instance is dropped.
@@ -414,12 +428,18 @@ impl TranslatorSession {
         service: &wit::Service,
         slices: &[wit::EndpointSlice],
     ) -> Result<wit::Ruleset, CallError> {
-        let pre = &self.pre;
-        self.slot.call(
-            |store| pre.instantiate(store),
-            |bindings, store| bindings.wasmplane_dataplane_service_translator().call_translate(store, ctx, chain_prefix, service, slices),
-            accept_ruleset,
-        )
+        match &mut self.0 {
+            Translator::Current { pre, slot } => slot.call(
+                |store| pre.instantiate(store),
+                |bindings, store| bindings.wasmplane_dataplane_service_translator().call_translate(store, ctx, chain_prefix, service, slices),
+                accept_ruleset,
+            ),
+            Translator::V1_0 { export, slot } => slot.call(
+                |store| export.instantiate_translate(store),
+                |func, store| wit_1_0::translate(*func, store, ctx, chain_prefix, service, slices),
+                accept_ruleset,
+            ),
+        }
     }
 }
 

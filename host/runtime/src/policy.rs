@@ -28,10 +28,10 @@ mod bindings {
         // Shared with the service world: one set of types (with their serde derive), one
         // implementation of each capability in the linker.
         with: {
-            "wasmplane:dataplane/types@1.0.0": crate::bindings::service::wasmplane::dataplane::types,
-            "wasmplane:dataplane/log@1.0.0": crate::bindings::service::wasmplane::dataplane::log,
-            "wasmplane:dataplane/lookups@1.0.0": crate::bindings::service::wasmplane::dataplane::lookups,
-            "wasmplane:dataplane/settings@1.0.0": crate::bindings::service::wasmplane::dataplane::settings,
+            "wasmplane:dataplane/types@1.1.0": crate::bindings::service::wasmplane::dataplane::types,
+            "wasmplane:dataplane/log@1.1.0": crate::bindings::service::wasmplane::dataplane::log,
+            "wasmplane:dataplane/lookups@1.1.0": crate::bindings::service::wasmplane::dataplane::lookups,
+            "wasmplane:dataplane/settings@1.1.0": crate::bindings::service::wasmplane::dataplane::settings,
         },
     });
 }
@@ -43,7 +43,7 @@ use bindings::{NetworkPolicyEnforcement, NetworkPolicyEnforcementPre};
 pub struct PolicyModule {
     pub info: ModuleInfo,
     name: Arc<str>,
-    pre: NetworkPolicyEnforcementPre<GuestState>,
+    pre: PolicyPre,
     sandbox: Sandbox,
     settings: Arc<str>,
     /// Its `settings-validation` export, if it has one.
@@ -57,7 +57,12 @@ impl Runtime {
         let pre = checked.instance_pre(self)?;
         let validator = SettingsValidator::find(&pre, checked.settings_validation.as_deref());
         let info = checked.info;
-        let pre = NetworkPolicyEnforcementPre::new(pre).map_err(|e| LoadError::Link(format!("{e:#}")))?;
+        let pre = if crate::wit_1_0::is_1_0(&info.wit_version) {
+            let export = format!("{}/{}@{}", crate::WIT_PACKAGE, GuestKind::NetworkPolicy, info.wit_version);
+            PolicyPre::V1_0(crate::wit_1_0::Export::find(&pre, &export, "compile").ok_or_else(|| LoadError::Link(format!("{export} exports no `compile`")))?)
+        } else {
+            PolicyPre::Current(NetworkPolicyEnforcementPre::new(pre).map_err(|e| LoadError::Link(format!("{e:#}")))?)
+        };
         tracing::debug!(module = name, digest = %info.digest, "network-policy module loaded");
         Ok(PolicyModule {
             info,
@@ -90,16 +95,28 @@ impl PolicyModule {
     /// A session calling `compile`; `lookups` answers the guest's `lookups` imports.
     pub fn session(&self, lookups: Arc<dyn Lookups>) -> PolicySession {
         let capabilities = crate::host::Capabilities { lookups, settings: self.settings.clone() };
-        PolicySession { pre: self.pre.clone(), slot: GuestSlot::new(self.sandbox.clone(), self.name.clone(), capabilities) }
+        let (sandbox, name) = (self.sandbox.clone(), self.name.clone());
+        PolicySession(match &self.pre {
+            PolicyPre::Current(pre) => PolicyGuest::Current { pre: pre.clone(), slot: GuestSlot::new(sandbox, name, capabilities) },
+            PolicyPre::V1_0(export) => PolicyGuest::V1_0 { export: export.clone(), slot: GuestSlot::new(sandbox, name, capabilities) },
+        })
     }
+}
+
+/// A policy guest of this host's WIT version, or of 1.0 (`wit_1_0.rs`).
+enum PolicyPre {
+    Current(NetworkPolicyEnforcementPre<GuestState>),
+    V1_0(crate::wit_1_0::Export),
+}
+
+enum PolicyGuest {
+    Current { pre: NetworkPolicyEnforcementPre<GuestState>, slot: GuestSlot<NetworkPolicyEnforcement> },
+    V1_0 { export: crate::wit_1_0::Export, slot: GuestSlot<wasmtime::component::Func> },
 }
 
 /// Runs `compile` on one instance, reused across calls until a call fails (a trapped
 /// instance cannot be entered again, so the next call gets a fresh one).
-pub struct PolicySession {
-    pre: NetworkPolicyEnforcementPre<GuestState>,
-    slot: GuestSlot<NetworkPolicyEnforcement>,
-}
+pub struct PolicySession(PolicyGuest);
 
 impl PolicySession {
     /// Compiles the policy of `view` for the local pods it selects.
@@ -118,12 +135,18 @@ impl PolicySession {
         policy: &wit::NetworkPolicy,
         local_pods: &[wit::Pod],
     ) -> Result<wit::Ruleset, CallError> {
-        let pre = &self.pre;
-        self.slot.call(
-            |store| pre.instantiate(store),
-            |bindings, store| bindings.wasmplane_dataplane_network_policy().call_compile(store, ctx, chain_prefix, policy, local_pods),
-            crate::loader::accept_ruleset,
-        )
+        match &mut self.0 {
+            PolicyGuest::Current { pre, slot } => slot.call(
+                |store| pre.instantiate(store),
+                |bindings, store| bindings.wasmplane_dataplane_network_policy().call_compile(store, ctx, chain_prefix, policy, local_pods),
+                crate::loader::accept_ruleset,
+            ),
+            PolicyGuest::V1_0 { export, slot } => slot.call(
+                |store| export.instantiate_compile(store),
+                |func, store| crate::wit_1_0::compile(*func, store, ctx, chain_prefix, policy, local_pods),
+                crate::loader::accept_ruleset,
+            ),
+        }
     }
 }
 
@@ -325,6 +348,20 @@ mod tests {
             })
             .unwrap_or_else(|| panic!("{rule:?} matches no set"));
         r.sets.iter().find(|s| s.name == *name).unwrap_or_else(|| panic!("no set {name} in {:?}", r.sets))
+    }
+
+    /// A policy guest built against 1.0.0 as released (`wit/1.0.0/`) loads, and its
+    /// output comes back in this version's types.
+    #[test]
+    fn a_policy_guest_built_against_1_0_loads_and_runs() {
+        let runtime = Runtime::new(Limits::default(), None).unwrap();
+        let module = runtime.load_policy("old", wasmplane_guest_artifacts::test_programs::POLICY_WIT_1_0, 8 << 20).expect("a 1.0 policy guest loads");
+        assert_eq!(module.info.wit_version, "1.0.0");
+        let mut session = module.session(PodLookups::new());
+        let out = session.compile(&context(), "pol/a/p", &view(Some("192.0.2.0/24"))).expect("compile");
+        assert_eq!(out.chains[0].name, "pol/a/p/ingress");
+        assert!(matches!(&out.chains[0].rules[0].matches[..], [wit::RuleMatch::Source(a)] if a.cidr == "192.0.2.0/24" && !a.negate), "{out:?}");
+        assert_eq!(out.warnings, ["1 local pods"]);
     }
 
     #[test]

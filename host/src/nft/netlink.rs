@@ -164,7 +164,8 @@ enum Expr {
     CtState,
     FibDaddrType,
     Numgen { modulus: u32 },
-    Lookup { set: String },
+    /// `invert`: `!= @set` (`NFT_LOOKUP_F_INV`).
+    Lookup { set: String, invert: bool },
     Dynset { set: String, timeout_ms: Option<u64> },
     Counter,
     /// `group`: to the NFLOG group (a listener reads it), else to the kernel log.
@@ -177,6 +178,7 @@ enum Expr {
     Reject { kind: u32, code: u8 },
 }
 
+const META_IIFNAME: u32 = 6;
 const META_NFPROTO: u32 = 15;
 const META_L4PROTO: u32 = 16;
 const PAYLOAD_NETWORK: u32 = 1;
@@ -255,9 +257,13 @@ impl Expr {
                 w.attr_u32(3, 1); // NFT_NG_RANDOM
                 w.attr_u32(4, 0);
             }
-            Expr::Lookup { set } => {
+            Expr::Lookup { set, invert } => {
                 w.attr_str(1, set);
                 w.attr_u32(2, NFT_REG_1);
+                // As nft: the flags only when inverted.
+                if *invert {
+                    w.attr_u32(5, 1); // NFTA_LOOKUP_FLAGS: NFT_LOOKUP_F_INV
+                }
             }
             Expr::Dynset { set, timeout_ms } => {
                 w.attr_str(1, set);
@@ -333,6 +339,26 @@ fn ip_bytes(addr: &IpAddr) -> Vec<u8> {
     }
 }
 
+/// The bytes nft compares an interface name with: a prefix (`veth*`) by its own bytes only,
+/// a name by all of `IFNAMSIZ`, NUL padded. Names nft would escape, refuse, or read as
+/// a wildcard other than a trailing one are refused here (nft -f then decides).
+fn interface_name_bytes(value: &str) -> Result<Vec<u8>, String> {
+    const IFNAMSIZ: usize = 16;
+    let (name, prefix) = match value.strip_suffix('*') {
+        Some(name) => (name, true),
+        None => (value, false),
+    };
+    // nft takes at most IFNAMSIZ - 1 characters, the `*` included.
+    if name.is_empty() || value.len() >= IFNAMSIZ || !name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')) {
+        return Err(format!("interface name {value:?}"));
+    }
+    let mut bytes = name.as_bytes().to_vec();
+    if !prefix {
+        bytes.resize(IFNAMSIZ, 0);
+    }
+    Ok(bytes)
+}
+
 fn protocol_number(name: &str) -> Option<u8> {
     match name {
         "tcp" => Some(6),
@@ -393,11 +419,8 @@ impl RuleCompiler {
                     }
                     i += if negate { 4 } else { 3 };
                     if let Some(set) = value.strip_prefix('@') {
-                        if negate {
-                            return Err("negated set lookup".into());
-                        }
                         c.load_address(fam, direction, None)?;
-                        c.exprs.push(Expr::Lookup { set: set.to_string() });
+                        c.exprs.push(Expr::Lookup { set: set.to_string(), invert: negate });
                         continue;
                     }
                     let (addr, prefix) = match value.split_once('/') {
@@ -434,6 +457,17 @@ impl RuleCompiler {
                             c.exprs.push(Expr::Cmp { op, data: bytes });
                         }
                     }
+                }
+                "iifname" => {
+                    // `iifname ["!="] "NAME"` or `"PREFIX*"` (the pod-traffic match by interface).
+                    let mut value = word(i + 1)?;
+                    let negate = value == "!=";
+                    if negate {
+                        value = word(i + 2)?;
+                    }
+                    i += if negate { 3 } else { 2 };
+                    c.exprs.push(Expr::Meta { key: META_IIFNAME });
+                    c.exprs.push(Expr::Cmp { op: if negate { CMP_NEQ } else { CMP_EQ }, data: interface_name_bytes(value)? });
                 }
                 "meta" if word(i + 1)? == "l4proto" => {
                     let proto = protocol_number(word(i + 2)?).ok_or("unknown protocol")?;
@@ -1026,9 +1060,61 @@ mod tests {
         assert_eq!(exprs, vec![Expr::Reject { kind: 2, code: 1 }]);
     }
 
+    /// The pod-traffic matches (`nft::PodTraffic::render`), as `nft --debug=netlink` 1.0.6
+    /// shows them: a lookup inverted by its flags, no family check for an interface name, a
+    /// prefix compared by its bytes only, a name by all 16, NUL padded.
+    #[test]
+    fn pod_traffic_matches_compile_like_nft() {
+        let compiled = |rule: &str| RuleCompiler::compile(rule).unwrap_or_else(|e| panic!("{rule}: {e}")).0;
+        let accept = Expr::Verdict(Verdict { code: NF_ACCEPT, chain: None });
+        let family = |f: u8| [Expr::Meta { key: META_NFPROTO }, Expr::Cmp { op: CMP_EQ, data: vec![f] }];
+        let v4 = Expr::Payload { base: PAYLOAD_NETWORK, offset: 12, len: 4 };
+        let v6 = Expr::Payload { base: PAYLOAD_NETWORK, offset: 8, len: 16 };
+        let lookup = |set: &str, invert| Expr::Lookup { set: set.into(), invert };
+        assert_eq!(compiled("ip saddr @cluster-cidrs accept"), [&family(2)[..], &[v4.clone(), lookup("cluster-cidrs", false), accept.clone()]].concat());
+        assert_eq!(compiled("ip saddr != @cluster-cidrs accept"), [&family(2)[..], &[v4, lookup("cluster-cidrs", true), accept.clone()]].concat());
+        assert_eq!(compiled("ip6 saddr != @cluster-cidrs6 accept"), [&family(10)[..], &[v6, lookup("cluster-cidrs6", true), accept.clone()]].concat());
+        let iifname = |op, data: &[u8]| vec![Expr::Meta { key: META_IIFNAME }, Expr::Cmp { op, data: data.to_vec() }, accept.clone()];
+        assert_eq!(compiled("iifname \"veth*\" accept"), iifname(CMP_EQ, b"veth"));
+        assert_eq!(compiled("iifname != \"veth*\" accept"), iifname(CMP_NEQ, b"veth"));
+        assert_eq!(compiled("iifname \"eth*\" accept"), iifname(CMP_EQ, b"eth"));
+        let cbr0 = *b"cbr0\0\0\0\0\0\0\0\0\0\0\0\0";
+        assert_eq!(compiled("iifname \"cbr0\" accept"), iifname(CMP_EQ, &cbr0));
+        assert_eq!(compiled("iifname != \"cbr0\" accept"), iifname(CMP_NEQ, &cbr0));
+        assert_eq!(compiled("iifname \"abcdefghijklmn*\" accept")[1], Expr::Cmp { op: CMP_EQ, data: b"abcdefghijklmn".to_vec() }, "the longest prefix nft takes");
+        assert_eq!(compiled("iifname \"abcdefghijklmno\" accept")[1], Expr::Cmp { op: CMP_EQ, data: b"abcdefghijklmno\0".to_vec() }, "the longest name");
+        // A family match after an interface match still checks the family, as nft does.
+        let with_family = compiled("iifname \"veth*\" ip daddr 10.96.0.1 accept");
+        assert_eq!(with_family[2..4], family(2));
+        // On the wire: NFTA_LOOKUP_FLAGS (5) = NFT_LOOKUP_F_INV only when inverted.
+        let data = |e: &Expr| {
+            let mut w = Writer::default();
+            e.encode_data(&mut w);
+            w.buf
+        };
+        let inverted = data(&lookup("cluster-cidrs", true));
+        assert_eq!((string_attribute(&inverted, 1).as_deref(), u32_attribute(&inverted, 2), u32_attribute(&inverted, 5)), (Some("cluster-cidrs"), Some(NFT_REG_1), Some(1)));
+        assert_eq!(attribute(&data(&lookup("cluster-cidrs", false)), 5), None);
+        let meta = data(&Expr::Meta { key: META_IIFNAME });
+        assert_eq!((u32_attribute(&meta, 1), u32_attribute(&meta, 2)), (Some(NFT_REG_1), Some(6)));
+    }
+
     #[test]
     fn words_outside_the_vocabulary_are_refused() {
-        for rule in ["meta mark set meta mark | 0x4000", "ip saddr != @s accept", "ct state new accept", "dnat to 1.2.3.4", "jump"] {
+        for rule in [
+            "meta mark set meta mark | 0x4000",
+            "ct state new accept",
+            "dnat to 1.2.3.4",
+            "jump",
+            // Interface names nft refuses or reads otherwise (wildcards, escapes, too long).
+            "iifname \"*\" accept",
+            "iifname \"\" accept",
+            "iifname \"ve*th\" accept",
+            "iifname \"veth\\*\" accept",
+            "iifname \"abcdefghijklmnop\" accept",
+            "iifname \"abcdefghijklmno*\" accept",
+            "iifname !=",
+        ] {
             assert!(RuleCompiler::compile(rule).is_err(), "{rule}");
         }
         let err = encode_transaction("add table inet wasmplane\n", 1).err().unwrap();

@@ -134,6 +134,7 @@ pub fn validate_policy_output(
     key: &ObjectKey,
     out: &wit::Ruleset,
     local_addresses: &BTreeSet<IpAddr>,
+    pod_traffic: &super::PodTraffic,
 ) -> Result<PolicyRules, InvalidOutput> {
     let object = format!("networkpolicy {key}");
     let prefix = policy_prefix(key);
@@ -165,7 +166,7 @@ pub fn validate_policy_output(
     // render chains and sets through the shared validator, without the map elements.
     let without_elements =
         wit::Ruleset { chains: out.chains.clone(), sets: out.sets.clone(), map_elements: vec![], warnings: out.warnings.clone() };
-    let (rules, shared) = validate_rendered(&object, &prefix, &without_elements)?;
+    let (rules, shared) = validate_rendered(&object, &prefix, &without_elements, pod_traffic)?;
     let mut targets = BTreeMap::new();
     for element in &out.map_elements {
         let Some(direction) = Direction::from_map(&element.map_name) else {
@@ -192,8 +193,8 @@ pub fn validate_policy_output(
 }
 
 /// The policy's own chains and sets, and apart from them the shared sets it declares.
-fn validate_rendered(object: &str, prefix: &str, out: &wit::Ruleset) -> Result<(ObjectRules, BTreeMap<String, super::SetRules>), InvalidOutput> {
-    let mut v = Validator { object, prefix, shared_sets: Some(SHARED_SET_PREFIX), chains: BTreeSet::new(), sets: BTreeMap::new() };
+fn validate_rendered(object: &str, prefix: &str, out: &wit::Ruleset, pod_traffic: &super::PodTraffic) -> Result<(ObjectRules, BTreeMap<String, super::SetRules>), InvalidOutput> {
+    let mut v = Validator { object, pod_traffic, prefix, shared_sets: Some(SHARED_SET_PREFIX), chains: BTreeSet::new(), sets: BTreeMap::new() };
     for chain in &out.chains {
         v.own_name("chain", &chain.name)?;
         if !v.chains.insert(&chain.name) {
@@ -427,6 +428,11 @@ pub fn final_rule_counters(listing: &str) -> BTreeMap<String, (bool, u64)> {
 mod tests {
     use super::*;
 
+    /// Policies' rules with pod traffic detected by source address, the default.
+    fn validate_policy_output(key: &ObjectKey, out: &wit::Ruleset, local: &BTreeSet<IpAddr>) -> Result<PolicyRules, InvalidOutput> {
+        super::validate_policy_output(key, out, local, &super::super::PodTraffic::default())
+    }
+
     fn key() -> ObjectKey {
         ObjectKey::new("a", "p")
     }
@@ -578,6 +584,48 @@ mod tests {
         assert_eq!(parse_verdict_prefix("wasmplane-policy deny ingress 10.244.1.10"), Some((PolicyVerdict::Deny, Direction::Ingress, addr("10.244.1.10"))));
         for foreign in ["ulogd 1 2 3", "wasmplane-policy deny sideways 10.0.0.1", "wasmplane-policy deny ingress 10.0.0.1 extra", "wasmplane-policy-audit ingress 10.0.0.1: "] {
             assert_eq!(parse_verdict_prefix(foreign), None, "{foreign}");
+        }
+    }
+
+    /// A policy's pod-traffic match follows the node's detection mode, as a service's does;
+    /// by source address it looks the main table's sets up, where policy chains are.
+    #[test]
+    fn pod_traffic_matches_render_as_the_node_detects_pod_traffic() {
+        use super::super::PodTraffic;
+        let mut out = output();
+        let pod_traffic = |family, negate| wit::RuleMatch::PodTraffic(wit::PodTrafficMatch { family, negate });
+        out.chains[0].rules = vec![
+            accept(vec![pod_traffic(wit::AddressFamily::Ipv4, false), wit::RuleMatch::Protocol(wit::Protocol::Tcp)]),
+            accept(vec![pod_traffic(wit::AddressFamily::Ipv4, true)]),
+            accept(vec![pod_traffic(wit::AddressFamily::Ipv6, false)]),
+            accept(vec![pod_traffic(wit::AddressFamily::Ipv6, true), wit::RuleMatch::SourceInSet("pol/a/p/ingress/0/peers/v4".into())]),
+        ];
+        for (mode, wanted) in [
+            (
+                PodTraffic::SourceAddress,
+                [
+                    "ip saddr @cluster-cidrs meta l4proto tcp accept",
+                    "ip saddr != @cluster-cidrs accept",
+                    "ip6 saddr @cluster-cidrs6 accept",
+                    "ip6 saddr != @cluster-cidrs6 ip saddr @pol/a/p/ingress/0/peers/v4 accept",
+                ],
+            ),
+            (
+                PodTraffic::InterfacePrefix("veth".into()),
+                ["iifname \"veth*\" meta l4proto tcp accept", "iifname != \"veth*\" accept", "iifname \"veth*\" accept", "iifname != \"veth*\" ip saddr @pol/a/p/ingress/0/peers/v4 accept"],
+            ),
+            (
+                PodTraffic::Bridge("cbr0".into()),
+                ["iifname \"cbr0\" meta l4proto tcp accept", "iifname != \"cbr0\" accept", "iifname \"cbr0\" accept", "iifname != \"cbr0\" ip saddr @pol/a/p/ingress/0/peers/v4 accept"],
+            ),
+        ] {
+            let p = super::validate_policy_output(&key(), &out, &local(), &mode).unwrap();
+            assert_eq!(p.rules.chains["pol/a/p/ingress"], wanted, "{mode:?}");
+            // The sets looked up are the host's, not the policy's own to declare.
+            assert_eq!(p.rules.sets.keys().collect::<Vec<_>>(), ["pol/a/p/ingress/0/peers/v4"], "{mode:?}");
+            // The incremental path sends the chain as a netlink batch, not through nft -f.
+            let chain: String = wanted.iter().map(|r| format!("add rule {FAMILY} {TABLE} pol/a/p/ingress {r}\n")).collect();
+            super::super::netlink::encode_transaction(&chain, 1).unwrap_or_else(|e| panic!("{mode:?}: {e}"));
         }
     }
 

@@ -1,6 +1,11 @@
 use super::*;
 use wasmplane_runtime::wit::*;
 
+/// Services' rules with pod traffic detected by source address, the default.
+fn validate_service_output(key: &ObjectKey, out: &Ruleset) -> Result<ObjectRules, InvalidOutput> {
+    super::validate_service_output(key, out, &PodTraffic::default())
+}
+
 fn key() -> ObjectKey {
     ObjectKey::new("shop", "web")
 }
@@ -1065,4 +1070,90 @@ fn the_log_rules_of_the_reject_drop_and_cluster_ip_checks_encode_as_netlink() {
         .collect();
     assert_eq!(chains.len(), 12);
     netlink::encode_transaction(&chains.concat(), 1).expect("the log rules as netlink");
+}
+
+/// Every detection mode of pod traffic (`--detect-local-mode`), with the matches each
+/// renders for IPv4 and IPv6, from pods and not.
+fn pod_traffic_modes() -> [(PodTraffic, [&'static str; 4]); 3] {
+    [
+        (PodTraffic::SourceAddress, ["ip saddr @cluster-cidrs", "ip saddr != @cluster-cidrs", "ip6 saddr @cluster-cidrs6", "ip6 saddr != @cluster-cidrs6"]),
+        (PodTraffic::InterfacePrefix("veth".into()), ["iifname \"veth*\"", "iifname != \"veth*\"", "iifname \"veth*\"", "iifname != \"veth*\""]),
+        (PodTraffic::Bridge("cbr0".into()), ["iifname \"cbr0\"", "iifname != \"cbr0\"", "iifname \"cbr0\"", "iifname != \"cbr0\""]),
+    ]
+}
+
+fn pod_traffic(family: AddressFamily, negate: bool) -> RuleMatch {
+    RuleMatch::PodTraffic(PodTrafficMatch { family, negate })
+}
+
+#[test]
+fn pod_traffic_matches_render_as_the_node_detects_pod_traffic() {
+    let chain = "svc/shop/web/tcp/http";
+    let rule = |family, negate, verdict| Rule { matches: vec![pod_traffic(family, negate), RuleMatch::Protocol(Protocol::Tcp)], statements: vec![], verdict, comment: None };
+    let out = ruleset(
+        vec![Chain {
+            name: chain.into(),
+            rules: vec![
+                rule(AddressFamily::Ipv4, false, Verdict::Accept),
+                rule(AddressFamily::Ipv4, true, Verdict::Masquerade),
+                rule(AddressFamily::Ipv6, false, Verdict::Accept),
+                rule(AddressFamily::Ipv6, true, Verdict::Masquerade),
+            ],
+        }],
+        vec![],
+    );
+    for (mode, [v4, not_v4, v6, not_v6]) in pod_traffic_modes() {
+        let rules = super::validate_service_output(&key(), &out, &mode).unwrap();
+        assert_eq!(
+            rules.chains[chain],
+            vec![
+                format!("{v4} meta l4proto tcp accept"),
+                format!("{not_v4} meta l4proto tcp jump mark-for-masquerade"),
+                format!("{v6} meta l4proto tcp accept"),
+                format!("{not_v6} meta l4proto tcp jump mark-for-masquerade"),
+            ],
+            "{mode:?}"
+        );
+        // The incremental path sends them as a netlink batch, not through nft -f.
+        let mut text = String::new();
+        object_delta(&ObjectRules::default(), &rules, &mut text, Layout::default());
+        netlink::encode_transaction(&text, 1).unwrap_or_else(|e| panic!("{mode:?}: {e}"));
+    }
+}
+
+#[test]
+fn the_skeleton_masquerades_off_cluster_sources_as_the_node_detects_pod_traffic() {
+    let cidrs = vec!["10.244.0.0/16".parse().unwrap(), "fd00:10::/48".parse().unwrap()];
+    for (mode, [_, not_v4, _, not_v6]) in pod_traffic_modes() {
+        let networks = NodeNetworks { pod_traffic: mode.clone(), cluster_cidrs: cidrs.clone(), ..Default::default() };
+        let text = full_transaction(std::iter::empty::<&ObjectRules>(), &Stale::default(), Layout { shards: 2 }, &networks);
+        for shard in ["inet wasmplane-s0", "inet wasmplane-s1"] {
+            let prefix = format!("add rule {shard} masquerade-check ");
+            // In any order: each rule only jumps to mark-for-masquerade.
+            let mut rules: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix(prefix.as_str())).collect();
+            rules.sort();
+            let mut wanted = vec![
+                "ip daddr . meta l4proto . th dport @masquerade-always jump mark-for-masquerade".to_string(),
+                "ip6 daddr . meta l4proto . th dport @masquerade-always6 jump mark-for-masquerade".to_string(),
+                format!("ip daddr . meta l4proto . th dport @masquerade-off-cluster {not_v4} jump mark-for-masquerade"),
+                format!("ip6 daddr . meta l4proto . th dport @masquerade-off-cluster6 {not_v6} jump mark-for-masquerade"),
+            ];
+            wanted.sort();
+            assert_eq!(rules, wanted, "{mode:?} in {shard}");
+        }
+        // Interfaces are no source addresses: nothing looks the sets up by interface.
+        assert_eq!(text.contains("@cluster-cidrs"), mode.is_source_address(), "{mode:?}");
+        // Each table declares and fills the cluster-cidrs sets, the main one too (for
+        // policies' pod-traffic matches), whatever the mode.
+        for t in ["inet wasmplane", "inet wasmplane-s0", "inet wasmplane-s1"] {
+            for line in [
+                format!("add set {t} cluster-cidrs {{ type ipv4_addr; flags interval; }}"),
+                format!("add set {t} cluster-cidrs6 {{ type ipv6_addr; flags interval; }}"),
+                format!("add element {t} cluster-cidrs {{ 10.244.0.0/16 }}"),
+                format!("add element {t} cluster-cidrs6 {{ fd00:10::/48 }}"),
+            ] {
+                assert!(text.lines().any(|l| l == line), "{mode:?}: missing {line:?} in\n{text}");
+            }
+        }
+    }
 }

@@ -1,0 +1,56 @@
+//! Guests of every WIT version this host runs: the SDK's (this version) and one built against
+//! `wasmplane:dataplane@1.0.0` as released (`wit/1.0.0/`), whose output differs in type only.
+
+use std::sync::Arc;
+
+use wasmplane_guest_artifacts as artifacts;
+use wasmplane_model::state::{LocalEndpoint, LocalSlice, NodeContext, ServiceView};
+use wasmplane_model::*;
+use wasmplane_runtime::{CallError, GuestKind, Limits, NoLookups, Runtime, WIT_VERSION, wit};
+
+fn view(ready: bool) -> ServiceView {
+    ServiceView {
+        service: Service::cluster_ip("shop", "web", "10.96.0.20", vec![ServicePort::tcp("http", 80, 8080)]).into(),
+        slices: vec![LocalSlice {
+            name: "web-1".into(),
+            endpoints: vec![LocalEndpoint { addresses: vec!["10.244.0.11".into()], ready, serving: ready, terminating: false, node_name: None, zone: None, is_local: false }],
+            ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }],
+        }],
+    }
+}
+
+#[test]
+fn a_translator_built_against_1_0_loads_and_runs() {
+    let rt = Runtime::new(Limits::default(), None).unwrap();
+    let module = rt.load("old", artifacts::test_programs::TRANSLATOR_WIT_1_0, Some(GuestKind::ServiceTranslator), usize::MAX).expect("a 1.0 guest loads");
+    assert_eq!(module.info.wit_version, "1.0.0");
+    assert!(module.info.imports.iter().any(|i| i == "wasmplane:dataplane/log@1.0.0"), "{:?}", module.info.imports);
+    let mut session = module.translator(Arc::new(NoLookups)).unwrap();
+    let context = NodeContext { cluster_cidrs: vec!["10.244.0.0/16".into()], ..Default::default() };
+    let out = session.translate(&context, "svc/shop/web", &view(true)).expect("translates");
+    // Its 1.0 output, in this version's types, as it gave it.
+    assert_eq!(out.chains.len(), 1);
+    let rules = &out.chains[0].rules;
+    assert_eq!(out.chains[0].name, "svc/shop/web/80");
+    assert!(matches!(&rules[0].matches[..], [wit::RuleMatch::Source(a)] if a.cidr == "10.244.0.0/16" && a.negate), "{rules:?}");
+    assert!(matches!(rules[0].verdict, wit::Verdict::Masquerade));
+    assert!(matches!(&rules[1].statements[..], [wit::RuleStatement::Dnat(t)] if t.address == "10.244.0.11" && t.port == 8080), "{rules:?}");
+    assert_eq!(rules[1].comment.as_deref(), Some("wit 1.0"));
+    assert_eq!(out.map_elements.len(), 1);
+    assert!(matches!(&out.map_elements[0].verdict, wit::Verdict::Goto(c) if c == "svc/shop/web/80"));
+    assert_eq!(session.translate(&context, "svc/shop/web", &view(false)).unwrap().warnings, ["no ready endpoint"]);
+    // Its own error keeps the session, as for any guest.
+    let mut declined = view(true);
+    std::sync::Arc::make_mut(&mut declined.service).labels.insert("wasmplane.io/decline".into(), "yes".into());
+    assert_eq!(session.translate(&context, "svc/shop/web", &declined).unwrap_err(), CallError::Guest("declined shop/web".into()));
+    assert!(session.translate(&context, "svc/shop/web", &view(true)).is_ok());
+}
+
+#[test]
+fn the_sdks_guests_are_of_this_version() {
+    let rt = Runtime::new(Limits::default(), None).unwrap();
+    let module = rt.load("new", artifacts::SERVICE_TRANSLATOR, Some(GuestKind::ServiceTranslator), usize::MAX).unwrap();
+    assert_eq!((module.info.wit_version.as_str(), WIT_VERSION), ("1.1.0", "1.1.0"));
+    let policy = rt.load_policy("np", artifacts::NETWORK_POLICY, usize::MAX).unwrap();
+    assert_eq!(policy.info.wit_version, WIT_VERSION);
+}
