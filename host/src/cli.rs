@@ -241,14 +241,27 @@ pub struct RunArgs {
     /// This node's name (endpoints on it are local).
     #[arg(long, env = "NODE_NAME", default_value = "node-a")]
     pub node_name: String,
-    /// Pod CIDRs of the cluster; traffic from outside them to services is masqueraded.
+    /// Pod CIDRs of the cluster; with `--detect-local-mode ClusterCIDR` (the default), traffic
+    /// from outside them to services is masqueraded.
     #[arg(long = "cluster-cidr", env = "WASMPLANE_CLUSTER_CIDRS", value_delimiter = ',', default_value = "10.244.0.0/16")]
     pub cluster_cidrs: Vec<String>,
-    /// Which sources are the cluster's own (kube-proxy's `--detect-local-mode`): `ClusterCIDR`
-    /// (--cluster-cidr) or `NodeCIDR` (this node's pod CIDRs from its Node object, nothing to
-    /// configure; traffic from other nodes' pods then counts as off-cluster).
+    /// Which traffic is the cluster's pods' (kube-proxy's `--detect-local-mode`): `ClusterCIDR`
+    /// (sources in --cluster-cidr), `NodeCIDR` (sources in this node's pod CIDRs from its Node
+    /// object, nothing to configure; traffic from other nodes' pods then counts as
+    /// off-cluster), `InterfaceNamePrefix` (in through an interface named
+    /// --pod-interface-name-prefix*) or `BridgeInterface` (in through --pod-bridge-interface).
+    /// In the interface modes, guests built against WIT 1.0, which cannot say "pod traffic",
+    /// still go by --cluster-cidr.
     #[arg(long, env = "WASMPLANE_DETECT_LOCAL_MODE", value_enum, default_value = "ClusterCIDR")]
     pub detect_local_mode: DetectLocalMode,
+    /// The name prefix of the node's side of pods' interfaces (`veth`, Calico's `cali`), for
+    /// `--detect-local-mode InterfaceNamePrefix` (kube-proxy's flag).
+    #[arg(long, env = "WASMPLANE_POD_INTERFACE_NAME_PREFIX", value_name = "PREFIX")]
+    pub pod_interface_name_prefix: Option<String>,
+    /// The bridge pods' interfaces are attached to (kubenet's `cbr0`), for
+    /// `--detect-local-mode BridgeInterface` (kube-proxy's flag).
+    #[arg(long, env = "WASMPLANE_POD_BRIDGE_INTERFACE", value_name = "NAME")]
+    pub pod_bridge_interface: Option<String>,
     /// Service CIDRs of the cluster (the API server's `--service-cluster-ip-range`), beside
     /// those of ServiceCIDR objects (Kubernetes 1.33): new connections to an address in them
     /// that is no service's are dropped, not routed off the node.
@@ -524,6 +537,10 @@ pub enum DetectLocalMode {
     ClusterCidr,
     #[value(name = "NodeCIDR")]
     NodeCidr,
+    #[value(name = "InterfaceNamePrefix")]
+    InterfaceNamePrefix,
+    #[value(name = "BridgeInterface")]
+    BridgeInterface,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -832,8 +849,42 @@ impl RunArgs {
         Ok(Some(crate::nft::EgressMasquerade { sources: self.pod_cidrs.clone(), keep_source, ..Default::default() }))
     }
 
+    /// `--detect-local-mode` with its interface flag. As kube-proxy, the mode's flag must be
+    /// there and a name; the other mode's flag is not looked at (kube-proxy ignores it
+    /// silently; here it is said, in case it was meant to be used).
+    fn local_detection(&self) -> anyhow::Result<crate::controller::LocalDetection> {
+        use crate::controller::LocalDetection;
+        let (prefix, bridge) = (self.pod_interface_name_prefix.as_deref(), self.pod_bridge_interface.as_deref());
+        let name = |flag: &str, value: Option<&str>, mode: &str| -> anyhow::Result<String> {
+            let value = value.with_context(|| format!("--detect-local-mode {mode} needs --{flag}"))?;
+            match crate::nft::PodTraffic::interface_name_problem(value, flag == "pod-interface-name-prefix") {
+                Some(why) => bail!("--{flag} {value:?}: {why}"),
+                None => Ok(value.to_string()),
+            }
+        };
+        let mode = clap::ValueEnum::to_possible_value(&self.detect_local_mode).map(|v| v.get_name().to_string()).unwrap_or_default();
+        // The flag the mode reads, if any; the others are said to be unused.
+        let reads = match self.detect_local_mode {
+            DetectLocalMode::ClusterCidr | DetectLocalMode::NodeCidr => None,
+            DetectLocalMode::InterfaceNamePrefix => Some("pod-interface-name-prefix"),
+            DetectLocalMode::BridgeInterface => Some("pod-bridge-interface"),
+        };
+        for (flag, value) in [("pod-interface-name-prefix", prefix), ("pod-bridge-interface", bridge)] {
+            if let Some(value) = value.filter(|_| reads != Some(flag)) {
+                tracing::warn!(value, "--{flag} ignored: it is for another --detect-local-mode than {mode}");
+            }
+        }
+        Ok(match self.detect_local_mode {
+            DetectLocalMode::ClusterCidr => LocalDetection::ClusterCidr,
+            DetectLocalMode::NodeCidr => LocalDetection::NodeCidr,
+            DetectLocalMode::InterfaceNamePrefix => LocalDetection::InterfaceNamePrefix(name("pod-interface-name-prefix", prefix, &mode)?),
+            DetectLocalMode::BridgeInterface => LocalDetection::BridgeInterface(name("pod-bridge-interface", bridge, &mode)?),
+        })
+    }
+
     pub fn into_config(self) -> anyhow::Result<HostConfig> {
         let egress_masquerade = self.egress_masquerade()?;
+        let local_detection = self.local_detection()?;
         let token = match &self.token_file {
             Some(path) => Some(std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?.trim().to_string()),
             None => None,
@@ -894,10 +945,7 @@ impl RunArgs {
             egress_masquerade,
             node_name: self.node_name,
             cluster_cidrs: self.cluster_cidrs,
-            local_detection: match self.detect_local_mode {
-                DetectLocalMode::ClusterCidr => crate::controller::LocalDetection::ClusterCidr,
-                DetectLocalMode::NodeCidr => crate::controller::LocalDetection::NodeCidr,
-            },
+            local_detection,
             service_cidrs: self.service_cidrs,
             masquerade_all: self.masquerade_all,
             policy_log_group: self.policy_log_group,
@@ -1229,12 +1277,28 @@ mod tests {
         assert_eq!(parse_with_kube_proxy_config(command, file, &["--node-name", "worker-3"]).unwrap().0.node_name, "worker-3");
     }
 
+    /// The file's interface detectLocalMode reaches the host's configuration; a flag given
+    /// wins over the file's name or mode as over any field.
+    #[test]
+    fn kube_proxy_config_interface_local_detection_reaches_the_host_config() {
+        use crate::controller::LocalDetection;
+        let file = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCIDR: 10.244.0.0/16\ndetectLocalMode: InterfaceNamePrefix\ndetectLocal: {interfaceNamePrefix: cali}\n";
+        let detection = |args: &[&str]| parse_with_kube_proxy_config(Cli::command(), file, args).unwrap().0.into_config().unwrap().local_detection;
+        assert_eq!(detection(&[]), LocalDetection::InterfaceNamePrefix("cali".into()));
+        assert_eq!(detection(&["--pod-interface-name-prefix", "veth"]), LocalDetection::InterfaceNamePrefix("veth".into()));
+        assert_eq!(detection(&["--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", "cbr0"]), LocalDetection::BridgeInterface("cbr0".into()), "the file's prefix then unused");
+        assert_eq!(detection(&["--detect-local-mode", "NodeCIDR"]), LocalDetection::NodeCidr);
+        let bridge = file.replace("InterfaceNamePrefix\ndetectLocal: {interfaceNamePrefix: cali}", "BridgeInterface\ndetectLocal: {bridgeInterface: cbr0}");
+        assert_eq!(parse_with_kube_proxy_config(Cli::command(), &bridge, &[]).unwrap().0.into_config().unwrap().local_detection, LocalDetection::BridgeInterface("cbr0".into()));
+    }
+
     #[test]
     fn a_kube_proxy_config_that_cannot_be_used_stops_the_start() {
         let refused = parse_with_kube_proxy_config(Cli::command(), "apiVersion: v1\nkind: ConfigMap\n", &[]).unwrap_err().to_string();
         assert!(refused.contains("config.conf: apiVersion \"v1\", kind \"ConfigMap\""), "{refused}");
-        let refused = format!("{:#}", parse_with_kube_proxy_config(Cli::command(), "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\ndetectLocalMode: BridgeInterface\n", &["--detect-local-mode", "NodeCIDR"]).unwrap_err());
-        assert!(refused.contains("config.conf: detectLocalMode: \"BridgeInterface\" is not supported"), "even with the flag given: {refused}");
+        // As kube-proxy refuses it: the mode without its bridge.
+        let refused = format!("{:#}", parse_with_kube_proxy_config(Cli::command(), "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\ndetectLocalMode: BridgeInterface\n", &["--pod-bridge-interface", "cbr0"]).unwrap_err());
+        assert!(refused.contains("config.conf: detectLocal.bridgeInterface: \"\": must not be empty"), "even with the flag given: {refused}");
         // Without the option nothing is read.
         match with_kube_proxy_config(Cli::command(), &["wasmplane".into(), "run".into()], &Cli::command().get_matches_from(["wasmplane", "run"])) {
             Ok((Cli { command: Command::Run(run) }, warnings)) => assert_eq!((run.kube_proxy_config, run.cluster_cidrs, warnings), (None, vec!["10.244.0.0/16".to_string()], vec![])),
@@ -1255,7 +1319,6 @@ mod tests {
         assert!(memory("lots").is_err());
     }
 
-    /// kube-proxy's spelling of `--detect-local-mode`, and where it lands.
     #[test]
     fn egress_masquerade_is_on_where_this_host_routes_the_pods() {
         let egress = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run"], args].concat()) {
@@ -1324,12 +1387,37 @@ mod tests {
         assert_eq!((given.udp_timeout, given.udp_stream_timeout, given.tcp_be_liberal), (Duration::from_secs(45), Duration::from_secs(150), true));
     }
 
+    /// kube-proxy's spelling of `--detect-local-mode` and its interface flags, and where
+    /// they land. As kube-proxy: the interface modes need their flag, a name; the other
+    /// mode's flag is ignored (said in the log).
     #[test]
     fn detect_local_mode_as_kube_proxy_spells_it() {
-        let mode = |args: &[&str]| run_args(args).map(|run| run.into_config().unwrap().local_detection).map_err(|e| e.to_string());
-        assert_eq!(mode(&[]), Ok(crate::controller::LocalDetection::ClusterCidr));
-        assert_eq!(mode(&["--detect-local-mode", "NodeCIDR"]), Ok(crate::controller::LocalDetection::NodeCidr));
-        assert!(mode(&["--detect-local-mode", "InterfaceNamePrefix"]).is_err(), "not implemented, so not accepted");
+        use crate::controller::LocalDetection;
+        let mode = |args: &[&str]| run_args(args).map_err(|e| e.to_string()).and_then(|run| run.into_config().map(|c| c.local_detection).map_err(|e| format!("{e:#}")));
+        assert_eq!(mode(&[]), Ok(LocalDetection::ClusterCidr));
+        assert_eq!(mode(&["--detect-local-mode", "NodeCIDR"]), Ok(LocalDetection::NodeCidr));
+        assert_eq!(mode(&["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "veth"]), Ok(LocalDetection::InterfaceNamePrefix("veth".into())));
+        assert_eq!(mode(&["--detect-local-mode=BridgeInterface", "--pod-bridge-interface=cbr0"]), Ok(LocalDetection::BridgeInterface("cbr0".into())));
+        assert_eq!(mode(&["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "cali", "--pod-bridge-interface", "cbr0"]), Ok(LocalDetection::InterfaceNamePrefix("cali".into())), "the other mode's flag: ignored");
+        assert_eq!(mode(&["--pod-interface-name-prefix", "veth"]), Ok(LocalDetection::ClusterCidr), "ignored, as kube-proxy does");
+        assert_eq!(mode(&["--detect-local-mode", "InterfaceNamePrefix"]), Err("--detect-local-mode InterfaceNamePrefix needs --pod-interface-name-prefix".into()));
+        assert_eq!(mode(&["--detect-local-mode", "BridgeInterface", "--pod-interface-name-prefix", "veth"]), Err("--detect-local-mode BridgeInterface needs --pod-bridge-interface".into()));
+        assert_eq!(mode(&["--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", ""]), Err("--pod-bridge-interface \"\": must not be empty".into()));
+        assert_eq!(mode(&["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "veth*"]), Err("--pod-interface-name-prefix \"veth*\": no wildcard: a prefix matches every name it starts".into()));
+        assert_eq!(
+            mode(&["--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", "a-bridge-too-long"]),
+            Err("--pod-bridge-interface \"a-bridge-too-long\": longer than 15 characters (the kernel's interface names have at most 15)".into())
+        );
+        // A prefix is written `"prefix*"`, which must fit as well: 14 at most, 15 for a bridge.
+        assert!(mode(&["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "fifteen-chars-x"]).unwrap_err().contains("longer than 14 characters"));
+        assert!(mode(&["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "fourteen-chars"]).is_ok());
+        assert!(mode(&["--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", "fifteen-chars-x"]).is_ok());
+        assert_eq!(mode(&["--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", "cbr\"0"]), Err("--pod-bridge-interface \"cbr\\\"0\": only letters, digits, '-', '_' and '.' make an interface name".into()));
+        assert!(mode(&["--detect-local-mode", "interfacenameprefix", "--pod-interface-name-prefix", "veth"]).is_err(), "kube-proxy's spelling only");
+        let run = Cli::command().find_subcommand("run").cloned().expect("run");
+        let env = |long: &str| run.get_arguments().find(|arg| arg.get_long() == Some(long)).and_then(|arg| arg.get_env()).map(|env| env.to_string_lossy().into_owned());
+        assert_eq!(env("pod-interface-name-prefix").as_deref(), Some("WASMPLANE_POD_INTERFACE_NAME_PREFIX"));
+        assert_eq!(env("pod-bridge-interface").as_deref(), Some("WASMPLANE_POD_BRIDGE_INTERFACE"));
     }
 
     /// `--cni-chained` reaches the host's configuration; it needs the CNI socket and takes no

@@ -68,6 +68,7 @@ struct KubeProxyConfiguration {
     /// Newer configurations' place for it; older ones have it in the mode's block.
     masquerade_all: Option<bool>,
     detect_local_mode: Option<String>,
+    detect_local: Option<DetectLocal>,
     node_port_addresses: Option<Vec<String>>,
     healthz_bind_address: Option<String>,
     metrics_bind_address: Option<String>,
@@ -101,6 +102,14 @@ struct ModeBlock {
     masquerade_all: Option<bool>,
     sync_period: Option<String>,
     min_sync_period: Option<String>,
+}
+
+/// `detectLocal:`, the interface detectLocalMode's names (v1alpha1's `DetectLocalConfiguration`).
+#[derive(Deserialize, Default)]
+#[serde(default, rename_all = "camelCase")]
+struct DetectLocal {
+    bridge_interface: Option<String>,
+    interface_name_prefix: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -155,6 +164,10 @@ pub fn parse(yaml: &str) -> Result<KubeProxySettings, InvalidKubeProxyConfig> {
         // kube-proxy then detects no traffic as local; wasmplane would take its default CIDR,
         // which on another pod network masquerades pods' own traffic to services.
         warnings.push(format!("clusterCIDR is empty: kube-proxy detected no local traffic, wasmplane takes --cluster-cidr (default {DEFAULT_CLUSTER_CIDR}): give the cluster's pod CIDRs"));
+    } else if let Some(mode @ ("InterfaceNamePrefix" | "BridgeInterface")) = config.detect_local_mode.as_deref() {
+        // kube-proxy needs none then, but guests built against WIT 1.0 cannot say "pod
+        // traffic" and go by the cluster CIDRs.
+        warnings.push(format!("clusterCIDR is empty: in detectLocalMode {mode}, guests built against WIT 1.0 detect pods by --cluster-cidr (default {DEFAULT_CLUSTER_CIDR}): give the cluster's pod CIDRs if such a guest may be in force"));
     }
     // As kube-proxy takes it: node names are lower case.
     let node_name = config.hostname_override.as_deref().unwrap_or_default().trim().to_lowercase();
@@ -164,10 +177,26 @@ pub fn parse(yaml: &str) -> Result<KubeProxySettings, InvalidKubeProxyConfig> {
     if config.masquerade_all.unwrap_or(false) || block(masquerade_block).and_then(|b| b.masquerade_all).unwrap_or(false) {
         args.push("--masquerade-all".into());
     }
+    let detect_local = config.detect_local.unwrap_or_default();
     match config.detect_local_mode.as_deref().unwrap_or_default() {
         "" => {}
         mode @ ("ClusterCIDR" | "NodeCIDR") => args.push(format!("--detect-local-mode={mode}")),
-        mode @ ("BridgeInterface" | "InterfaceNamePrefix") => return Err(unsupported("detectLocalMode", mode, "wasmplane detects local traffic by ClusterCIDR or NodeCIDR")),
+        // Only the mode's own name is read, as kube-proxy reads it: the other is reported.
+        mode @ ("InterfaceNamePrefix" | "BridgeInterface") => {
+            let (field, name, flag) = match mode {
+                "InterfaceNamePrefix" => ("interfaceNamePrefix", &detect_local.interface_name_prefix, "pod-interface-name-prefix"),
+                _ => ("bridgeInterface", &detect_local.bridge_interface, "pod-bridge-interface"),
+            };
+            let field = format!("detectLocal.{field}");
+            let name = name.as_deref().unwrap_or_default();
+            // kube-proxy refuses the file without the name; wasmplane also wants one nft matches.
+            if let Some(why) = crate::nft::PodTraffic::interface_name_problem(name, mode == "InterfaceNamePrefix") {
+                return Err(malformed(&field, name, &format!("{why} (detectLocalMode {mode})")));
+            }
+            args.push(format!("--detect-local-mode={mode}"));
+            args.push(format!("--{flag}={name}"));
+            mapped.insert(field);
+        }
         mode => return Err(unsupported("detectLocalMode", mode, "not a kube-proxy mode (ClusterCIDR, NodeCIDR, BridgeInterface, InterfaceNamePrefix)")),
     }
     if let Some(flag) = node_port_addresses(config.node_port_addresses.as_deref().unwrap_or_default(), mode, &mut warnings)? {
@@ -444,6 +473,8 @@ fn why_ignored(path: &str, mode: &str) -> String {
         }
         "iptables.masqueradeBit" | "nftables.masqueradeBit" => "own mark bits",
         "iptables.localhostNodePorts" => "no localhost nodeports",
+        "detectLocal.interfaceNamePrefix" => "for detectLocalMode InterfaceNamePrefix",
+        "detectLocal.bridgeInterface" => "for detectLocalMode BridgeInterface",
         "nftables.tableName" => "own table names",
         "iptables.minSyncPeriod" | "nftables.minSyncPeriod" | "ipvs.minSyncPeriod" => return format!("not the {} mode", if mode.is_empty() { "iptables" } else { mode }),
         _ => match top {
@@ -458,7 +489,6 @@ fn why_ignored(path: &str, mode: &str) -> String {
             "showHiddenMetricsForVersion" => "no hidden metrics",
             "configSyncPeriod" => "no informer resync",
             "portRange" => "userspace mode only",
-            "detectLocal" => "for unsupported modes",
             "serviceProxyName" => "handles unlabelled Services",
             _ => "unknown field",
         },
@@ -706,17 +736,43 @@ winkernel:
     #[test]
     fn what_wasmplane_cannot_do_is_refused_naming_the_field() {
         let error = |extra: &str| parse(&format!("apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n{extra}\n")).unwrap_err().to_string();
+        assert_eq!(error("detectLocalMode: InterfaceNamePrefix"), "detectLocal.interfaceNamePrefix: \"\": must not be empty (detectLocalMode InterfaceNamePrefix)");
+        assert_eq!(error("detectLocalMode: BridgeInterface\ndetectLocal: {bridgeInterface: '', interfaceNamePrefix: veth}"), "detectLocal.bridgeInterface: \"\": must not be empty (detectLocalMode BridgeInterface)");
         assert_eq!(
-            error("detectLocalMode: InterfaceNamePrefix\ndetectLocal: {interfaceNamePrefix: veth}"),
-            "detectLocalMode: \"InterfaceNamePrefix\" is not supported: wasmplane detects local traffic by ClusterCIDR or NodeCIDR"
+            error("detectLocalMode: InterfaceNamePrefix\ndetectLocal: {interfaceNamePrefix: 'veth*'}"),
+            "detectLocal.interfaceNamePrefix: \"veth*\": no wildcard: a prefix matches every name it starts (detectLocalMode InterfaceNamePrefix)"
         );
-        assert!(error("detectLocalMode: BridgeInterface").starts_with("detectLocalMode: \"BridgeInterface\" is not supported"));
+        assert!(error("detectLocalMode: BridgeInterface\ndetectLocal: {bridgeInterface: a-bridge-too-long}").starts_with("detectLocal.bridgeInterface: \"a-bridge-too-long\": longer than"));
+        assert!(error("detectLocalMode: LocalInterface").starts_with("detectLocalMode: \"LocalInterface\" is not supported: not a kube-proxy mode"));
         assert!(error("mode: kernelspace").starts_with("mode: \"kernelspace\" is not supported"));
         assert!(error("clusterCIDR: 10.244.0.0/16,pods").starts_with("clusterCIDR: \"pods\": not a CIDR"));
         assert_eq!(error("healthzBindAddress: localhost:10256"), "healthzBindAddress: \"localhost:10256\": not IP:PORT");
         assert!(error("nodePortAddresses: [primary, 10.0.0.0/8]").starts_with("nodePortAddresses: \"primary,10.0.0.0/8\": \"primary\" is not a CIDR"));
         let typed = error("conntrack:\n  maxPerCore: lots");
         assert!(typed.contains("conntrack.maxPerCore") && typed.contains("line 4"), "{typed}");
+    }
+
+    /// The interface modes take their name from `detectLocal`, the mode's field only; the
+    /// other mode's is reported, as kube-proxy does not read it.
+    #[test]
+    fn interface_local_detection_is_carried_over() {
+        let head = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCIDR: 10.244.0.0/16\n";
+        let settings = |rest: &str| parse(&format!("{head}{rest}")).unwrap();
+        let prefix = settings("detectLocalMode: InterfaceNamePrefix\ndetectLocal: {bridgeInterface: '', interfaceNamePrefix: cali}\n");
+        assert_eq!(prefix, KubeProxySettings { args: vec!["--cluster-cidr=10.244.0.0/16".into(), "--detect-local-mode=InterfaceNamePrefix".into(), "--pod-interface-name-prefix=cali".into()], warnings: vec![] });
+        let bridge = settings("detectLocalMode: BridgeInterface\ndetectLocal: {bridgeInterface: cbr0, interfaceNamePrefix: veth}\n");
+        assert_eq!(bridge.args, ["--cluster-cidr=10.244.0.0/16", "--detect-local-mode=BridgeInterface", "--pod-bridge-interface=cbr0"]);
+        assert_eq!(bridge.warnings, ["ignored: detectLocal.interfaceNamePrefix (for detectLocalMode InterfaceNamePrefix)"]);
+        let other = settings("detectLocalMode: NodeCIDR\ndetectLocal: {bridgeInterface: cbr0}\n");
+        assert_eq!(other.args, ["--cluster-cidr=10.244.0.0/16", "--detect-local-mode=NodeCIDR"]);
+        assert_eq!(other.warnings, ["ignored: detectLocal.bridgeInterface (for detectLocalMode BridgeInterface)"]);
+        // No clusterCIDR: kube-proxy needs none in these modes, 1.0 guests do.
+        let no_cidr = parse("apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\ndetectLocalMode: BridgeInterface\ndetectLocal: {bridgeInterface: cbr0}\n").unwrap();
+        assert_eq!(no_cidr.args, ["--detect-local-mode=BridgeInterface", "--pod-bridge-interface=cbr0"]);
+        assert_eq!(
+            no_cidr.warnings,
+            ["clusterCIDR is empty: in detectLocalMode BridgeInterface, guests built against WIT 1.0 detect pods by --cluster-cidr (default 10.244.0.0/16): give the cluster's pod CIDRs if such a guest may be in force"]
+        );
     }
 
     #[test]

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use support::cluster::*;
-use wasmplane::app::HostConfig;
+use wasmplane::app::{HostConfig, RunningHost};
 use wasmplane::nft::NodePortAddresses;
 use support::set_holds;
 use support::echo::*;
@@ -1235,6 +1235,90 @@ async fn node_cidr_local_detection_masquerades_what_is_not_this_nodes_pods() {
     wait_applied(&host, "the moved pod CIDR", |t| t.contains("cluster-cidrs { 10.244.1.0/24 }"));
     assert_eq!(peer_seen_from(&other), ip(OTHER_NODES_POD));
     assert_eq!(peer_seen_from(&client), ip(POD_GATEWAY));
+    host.stop().await;
+}
+
+/// A cluster CIDR that holds none of the pods: in the interface modes of
+/// `--detect-local-mode`, only the interface they come in on can make them local.
+const NO_PODS_CIDR: &str = "10.99.0.0/16";
+
+/// The host with `local_detection` (an interface mode) and [`NO_PODS_CIDR`], serving `web`'s
+/// cluster IP 10.96.0.61 from pod a and `local`'s node port 30081 (externalTrafficPolicy
+/// Local) from pod a and the remote pod; once the rules hold the host's off-cluster
+/// masquerade as `rendered`.
+async fn start_with_interface_detection(topo: &Topology, local_detection: wasmplane::controller::LocalDetection, rendered: &str) -> (Cluster, RunningHost) {
+    let cluster = Cluster::new();
+    cluster.put(&Svc::new("web", "10.96.0.61", vec![Port::new("http", "TCP", 80, 8080)], vec![ready(POD_A, NODE)]));
+    let mut local = Svc::new("local", "10.96.0.62", vec![Port::new("http", "TCP", 80, 8080).node_port(30081)], vec![ready(POD_A, NODE), ready(REMOTE_POD, OTHER_NODE)]);
+    local.service_type = "NodePort";
+    local.external_local = true;
+    cluster.put(&local);
+    let host = start_host(HostConfig { cluster_cidrs: vec![NO_PODS_CIDR.into()], local_detection, ..cluster.config(topo.nft_command()) }).await;
+    let masquerade = format!("masquerade-check ip daddr . meta l4proto . th dport @masquerade-off-cluster {rendered} jump mark-for-masquerade");
+    let applied = wait_applied(&host, "the services", |t| serves(t, "10.96.0.61 . tcp . 80") && t.contains("svc/default/local/tcp/http/local"));
+    assert!(applied.contains(&masquerade), "no `{masquerade}` in:\n{applied}");
+    assert!(applied.contains(&format!("cluster-cidrs {{ {NO_PODS_CIDR} }}")), "the configured cluster CIDR stays (WIT 1.0 guests'):\n{applied}");
+    (cluster, host)
+}
+
+/// `local`'s node port (see [`start_with_interface_detection`]): the pod `client` is
+/// short-circuited to every endpoint with its own source (the guest's `pod-traffic` match),
+/// the external client reaches this node's only, with its own source too (policy Local).
+#[track_caller]
+fn assert_policy_local_node_port(topo: &Topology, client: &str) {
+    let replies = tcp_many(client, addr(NODE_EXTERNAL_IP, 30081), MANY);
+    assert_backends("a pod at a policy-Local node port", &replies, &["a", "remote"]);
+    assert_all("a pod at a policy-Local node port", &replies, |r| r.peer == ip(CLIENT));
+    let replies = tcp_many(&topo.external.name, addr(NODE_EXTERNAL_IP, 30081), 12);
+    assert_backends("external at a policy-Local node port", &replies, &["a"]);
+    assert_all("external at a policy-Local node port", &replies, |r| r.peer == ip(EXTERNAL_CLIENT_IP));
+}
+
+/// kube-proxy's `--detect-local-mode InterfaceNamePrefix`: what comes in on an interface
+/// named `vp…` (the node's side of every pod's veth) is the pods', whatever its source: the
+/// cluster CIDR holds none of them. A pod keeps its source to a cluster IP, and at the node
+/// port of a policy-Local service it is short-circuited to every endpoint (the guest's
+/// `pod-traffic` match); the external client, in on `ext0`, is masqueraded to the cluster IP,
+/// and reaches only this node's endpoint at that node port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn interface_name_prefix_local_detection_keeps_pods_sources() {
+    require_root!();
+    let mut topo = Topology::new("ifpfx");
+    let pod_a = topo.add_pod(POD_A);
+    let remote = topo.add_pod(REMOTE_POD);
+    let client = topo.add_pod(CLIENT);
+    let _servers = [Server::start(&pod_a, "a", &[8080]), Server::start(&remote, "remote", &[8080])];
+    let detection = wasmplane::controller::LocalDetection::InterfaceNamePrefix(POD_VETH_PREFIX.into());
+    let (_cluster, host) = start_with_interface_detection(&topo, detection, &format!("iifname != \"{POD_VETH_PREFIX}*\"")).await;
+    let peer_seen_from = |ns: &str, to: SocketAddr| in_ns(ns, || tcp_ask(to, TIMEOUT)).expect("an answer");
+    assert_eq!(peer_seen_from(&client, addr("10.96.0.61", 80)).peer, ip(CLIENT), "a pod keeps its source");
+    assert_eq!(peer_seen_from(&topo.external.name, addr("10.96.0.61", 80)).peer, ip(POD_GATEWAY), "the external client is masqueraded");
+    assert_policy_local_node_port(&topo, &client);
+    host.stop().await;
+}
+
+/// kube-proxy's `--detect-local-mode BridgeInterface`: what comes in on the pods' bridge
+/// (`cbr0`, kubenet's layout) is the pods', whatever its source; a pod on a veth of its own
+/// (`vpN`, not on the bridge) is not, nor is the external client. As the prefix mode's test
+/// otherwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bridge_interface_local_detection_keeps_bridged_pods_sources() {
+    require_root!();
+    const BRIDGE: &str = "cbr0";
+    const UNBRIDGED: &str = "10.244.0.102";
+    let mut topo = Topology::new("ifbr");
+    let pod_a = topo.add_bridged_pod(POD_A, BRIDGE);
+    let remote = topo.add_bridged_pod(REMOTE_POD, BRIDGE);
+    let client = topo.add_bridged_pod(CLIENT, BRIDGE);
+    let unbridged = topo.add_pod(UNBRIDGED);
+    let _servers = [Server::start(&pod_a, "a", &[8080]), Server::start(&remote, "remote", &[8080])];
+    let detection = wasmplane::controller::LocalDetection::BridgeInterface(BRIDGE.into());
+    let (_cluster, host) = start_with_interface_detection(&topo, detection, &format!("iifname != \"{BRIDGE}\"")).await;
+    let peer_seen_from = |ns: &str, to: SocketAddr| in_ns(ns, || tcp_ask(to, TIMEOUT)).expect("an answer");
+    assert_eq!(peer_seen_from(&client, addr("10.96.0.61", 80)).peer, ip(CLIENT), "a bridged pod keeps its source");
+    assert_eq!(peer_seen_from(&unbridged, addr("10.96.0.61", 80)).peer, ip(POD_GATEWAY), "a pod off the bridge is masqueraded");
+    assert_eq!(peer_seen_from(&topo.external.name, addr("10.96.0.61", 80)).peer, ip(POD_GATEWAY), "the external client is masqueraded");
+    assert_policy_local_node_port(&topo, &client);
     host.stop().await;
 }
 

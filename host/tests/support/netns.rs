@@ -98,6 +98,9 @@ pub fn unique_prefix(tag: &str) -> String {
 pub const POD_GATEWAY: &str = "169.254.1.1";
 /// The same for IPv6 (see [`Topology::add_dual_stack_pod`]).
 pub const POD_GATEWAY6: &str = "fd00:ffff::1";
+/// The name prefix of the node's side of every pod's veth (`vp0`, `vp1`…), which no other
+/// interface of the node has (`ext0`, `svc0`): kube-proxy's `--pod-interface-name-prefix`.
+pub const POD_VETH_PREFIX: &str = "vp";
 /// The node's address on the "external" network, and the external client's.
 pub const NODE_EXTERNAL_IP: &str = "192.168.77.1";
 pub const EXTERNAL_CLIENT_IP: &str = "192.168.77.2";
@@ -109,6 +112,7 @@ pub const LOAD_BALANCER_IP: &str = "203.0.113.10";
 ///
 /// ```text
 ///  pod ns (eth0 10.244.0.x/32, default via 169.254.1.1) ──veth── node ns (vpN, route x/32)
+///    (or, bridged: vpN a port of a bridge holding 169.254.1.1, route x/32 via the bridge)
 ///  external ns (192.168.77.2/24) ──veth── node ns (ext0 192.168.77.1/24)
 ///  node ns: ip_forward, service CIDR 10.96.0.0/12 routed to an empty bridge (no dummy links
 ///           here) so cluster IPs are routable; nftables rules are written here.
@@ -117,6 +121,8 @@ pub struct Topology {
     pub prefix: String,
     // Field order is drop order: pods and the external namespace go before the node.
     pods: Vec<Netns>,
+    /// The bridges [`Topology::add_bridged_pod`] made in the node.
+    bridges: Vec<String>,
     pub external: Netns,
     pub node: Netns,
 }
@@ -137,7 +143,7 @@ impl Topology {
         external.exec(&["ip", "addr", "add", &format!("{EXTERNAL_CLIENT_IP}/24"), "dev", "eth0"]);
         external.exec(&["ip", "link", "set", "eth0", "up"]);
         external.exec(&["ip", "route", "add", "default", "via", NODE_EXTERNAL_IP]);
-        Topology { prefix, pods: Vec::new(), external, node }
+        Topology { prefix, pods: Vec::new(), bridges: Vec::new(), external, node }
     }
 
     /// IPv6 forwarding in the node, without duplicate address detection (addresses are
@@ -155,7 +161,7 @@ impl Topology {
     /// [`POD_GATEWAY6`] on the node's veth (the address masquerade gives hairpin flows).
     pub fn add_dual_stack_pod(&mut self, ip: &str, ip6: &str) -> String {
         let name = self.add_pod(ip);
-        let veth = format!("vp{}", self.pods.len() - 1);
+        let veth = format!("{POD_VETH_PREFIX}{}", self.pods.len() - 1);
         self.node.exec(&["ip", "-6", "addr", "add", &format!("{POD_GATEWAY6}/128"), "dev", &veth, "nodad"]);
         self.node.exec(&["ip", "-6", "route", "add", &format!("{ip6}/128"), "dev", &veth]);
         let pod = self.pods.last().unwrap();
@@ -165,15 +171,42 @@ impl Topology {
         name
     }
 
-    /// A pod namespace with address `ip` (10.244.x.y), wired to the node. Returns its name.
+    /// A pod namespace with address `ip` (10.244.x.y), wired to the node: its node-side veth
+    /// is `vpN` ([`POD_VETH_PREFIX`], N the pod's index). Returns its name.
     pub fn add_pod(&mut self, ip: &str) -> String {
+        self.wire_pod(ip, None)
+    }
+
+    /// A pod as [`Topology::add_pod`] whose node-side veth is a port of bridge `bridge` (made
+    /// at its first pod, with the gateway address on it; kubenet's `cbr0`): the node sees the
+    /// pod's traffic come in on the bridge, not on the veth.
+    pub fn add_bridged_pod(&mut self, ip: &str, bridge: &str) -> String {
+        self.wire_pod(ip, Some(bridge))
+    }
+
+    fn wire_pod(&mut self, ip: &str, bridge: Option<&str>) -> String {
         let index = self.pods.len();
         let pod = Netns::new(format!("{}-p{index}", self.prefix));
-        let veth = format!("vp{index}");
+        let veth = format!("{POD_VETH_PREFIX}{index}");
         self.node.exec(&["ip", "link", "add", &veth, "type", "veth", "peer", "name", "eth0", "netns", &pod.name]);
-        self.node.exec(&["ip", "addr", "add", &format!("{POD_GATEWAY}/32"), "dev", &veth]);
+        let link = match bridge {
+            None => {
+                self.node.exec(&["ip", "addr", "add", &format!("{POD_GATEWAY}/32"), "dev", &veth]);
+                &veth
+            }
+            Some(bridge) => {
+                if !self.bridges.iter().any(|b| b == bridge) {
+                    self.node.exec(&["ip", "link", "add", bridge, "type", "bridge"]);
+                    self.node.exec(&["ip", "addr", "add", &format!("{POD_GATEWAY}/32"), "dev", bridge]);
+                    self.node.exec(&["ip", "link", "set", bridge, "up"]);
+                    self.bridges.push(bridge.to_string());
+                }
+                self.node.exec(&["ip", "link", "set", &veth, "master", bridge]);
+                bridge
+            }
+        };
         self.node.exec(&["ip", "link", "set", &veth, "up"]);
-        self.node.exec(&["ip", "route", "add", &format!("{ip}/32"), "dev", &veth]);
+        self.node.exec(&["ip", "route", "add", &format!("{ip}/32"), "dev", link]);
         pod.exec(&["ip", "addr", "add", &format!("{ip}/32"), "dev", "eth0"]);
         pod.exec(&["ip", "link", "set", "eth0", "up"]);
         pod.exec(&["ip", "route", "add", POD_GATEWAY, "dev", "eth0", "scope", "link"]);
