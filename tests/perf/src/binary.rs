@@ -252,6 +252,10 @@ async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Va
     let (pss_end, private_end) = smaps_rollup(&pid);
     let (code_end, rodata_end) = binary_resident(&pid);
     let (guests_end, relocated_end) = data_dir_resident(&pid, &data_dir);
+    if let Some(dir) = &o.smaps_dir {
+        let to = dir.join(format!("smaps-{}-{}.txt", o.services, std::process::id()));
+        std::fs::create_dir_all(dir).and_then(|()| std::fs::copy(format!("/proc/{pid}/smaps"), &to)).with_context(|| format!("copying the host's smaps to {}", to.display()))?;
+    }
     // As after the sync: what the host holds once it has been idle a while (its steady state
     // between bursts), not in the middle of applying the last of them.
     tokio::time::sleep(Duration::from_secs(3)).await;

@@ -30,7 +30,7 @@ use serde_json::Value;
 const USAGE: &str = "\
 usage: wasmplane-perf [--sizes 1000,10000,50000] [--quick] [--endpoints 1.5] [--policies 0] [--minimal-objects]
                       [--seed 1] [--samples N] [--churn-rate OPS_PER_S] [--churn-seconds S]
-                      [--record] [--no-page-out] [--reconcile-seconds 3600 (with --binary: 10)] [--min-sync-ms 0] [--json FILE]
+                      [--record] [--no-page-out] [--reconcile-seconds 3600 (with --binary: 10)] [--min-sync-ms 0] [--json FILE] [--smaps-dir DIR]
        wasmplane-perf --binary target/x86_64-unknown-linux-gnu/release/wasmplane [--repeat N] [--sizes ...] [...]   (the shipped binary's memory)
        wasmplane-perf --symbol-order FILE [--sizes 1000] [--binary PATH] [...]   (functions the host ran, for lld)
        wasmplane-perf --write-manifests DIR [--services N] [--endpoints M] [--policies P] [--seed S]";
@@ -64,6 +64,8 @@ struct Args {
     reconcile_seconds: u64,
     /// The host's `--min-sync-period`, in milliseconds (0: off, the host's default).
     min_sync_ms: u64,
+    /// With `--binary`: copy the host's `/proc/PID/smaps` here at the end of each run.
+    smaps_dir: Option<String>,
 }
 
 fn parse() -> anyhow::Result<Args> {
@@ -93,6 +95,7 @@ fn parse() -> anyhow::Result<Args> {
         page_out: true,
         reconcile_seconds: 3600,
         min_sync_ms: 0,
+        smaps_dir: None,
     };
     let mut sizes_given = false;
     let mut reconcile_given = false;
@@ -119,6 +122,7 @@ fn parse() -> anyhow::Result<Args> {
                 reconcile_given = true;
             }
             "--min-sync-ms" => a.min_sync_ms = value()?.parse()?,
+            "--smaps-dir" => a.smaps_dir = Some(value()?),
             "--json" => a.json = Some(value()?),
             "--services" => a.services = value()?.parse()?,
             "--write-manifests" => a.write_manifests = Some(value()?),
@@ -201,6 +205,7 @@ fn run() -> anyhow::Result<()> {
             page_out: a.page_out,
             reconcile_seconds: a.reconcile_seconds,
             min_sync_period: std::time::Duration::from_millis(a.min_sync_ms),
+            smaps_dir: a.smaps_dir.as_ref().map(Into::into),
         };
         let result = match &a.binary {
             Some(path) => binary::run_size(opts, binary::Binary { path: path.into(), warm_with: a.warm_binary.as_ref().map(Into::into) })?,
@@ -267,6 +272,9 @@ fn worker_command(a: &Args, services: usize, exe: &std::path::Path) -> Command {
     }
     cmd.args(["--reconcile-seconds", &a.reconcile_seconds.to_string()]);
     cmd.args(["--min-sync-ms", &a.min_sync_ms.to_string()]);
+    if let Some(dir) = &a.smaps_dir {
+        cmd.args(["--smaps-dir", dir]);
+    }
     cmd
 }
 

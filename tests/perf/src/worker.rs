@@ -44,6 +44,9 @@ pub struct Opts {
     pub reconcile_seconds: u64,
     /// The host's `--min-sync-period` (zero: off).
     pub min_sync_period: Duration,
+    /// With `--binary`: where the host's `/proc/PID/smaps` is copied at the end of each run,
+    /// to see which mappings hold its memory.
+    pub smaps_dir: Option<std::path::PathBuf>,
 }
 
 /// The cluster process and its command pipe.
