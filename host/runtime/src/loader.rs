@@ -96,7 +96,7 @@ pub struct ModuleInfo {
 enum Runner {
     ServiceTranslator(ServiceTranslationPre<GuestState>),
     /// Built against 1.0.0 (`wit_1_0.rs`).
-    ServiceTranslator1_0(wit_1_0::Export),
+    ServiceTranslator1_0(wit_1_0::Export<wit_1_0::Translate>),
 }
 
 /// A validated, compiled component ready to instantiate.
@@ -400,7 +400,7 @@ pub struct TranslatorSession(Translator);
 /// A translator of this host's WIT version, or of 1.0 (`wit_1_0.rs`).
 enum Translator {
     Current { pre: ServiceTranslationPre<GuestState>, slot: GuestSlot<ServiceTranslation> },
-    V1_0 { export: wit_1_0::Export, slot: GuestSlot<wasmtime::component::Func> },
+    V1_0 { export: wit_1_0::Export<wit_1_0::Translate>, slot: GuestSlot<wit_1_0::Checked<wit_1_0::Translate>> },
 }
 
 impl TranslatorSession {
@@ -408,7 +408,7 @@ impl TranslatorSession {
     pub fn instantiate_now(&mut self) -> Result<(), CallError> {
         match &mut self.0 {
             Translator::Current { pre, slot } => slot.instantiate_now(|store| pre.instantiate(store)),
-            Translator::V1_0 { export, slot } => slot.instantiate_now(|store| export.instantiate_translate(store)),
+            Translator::V1_0 { export, slot } => slot.instantiate_now(|store| export.instantiate(store)),
         }
     }
 
@@ -435,8 +435,8 @@ impl TranslatorSession {
                 accept_ruleset,
             ),
             Translator::V1_0 { export, slot } => slot.call(
-                |store| export.instantiate_translate(store),
-                |func, store| wit_1_0::translate(*func, store, ctx, chain_prefix, service, slices),
+                |store| export.instantiate(store),
+                |func, store| func.call(store, (ctx, chain_prefix, service, slices)),
                 accept_ruleset,
             ),
         }

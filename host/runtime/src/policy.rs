@@ -106,12 +106,12 @@ impl PolicyModule {
 /// A policy guest of this host's WIT version, or of 1.0 (`wit_1_0.rs`).
 enum PolicyPre {
     Current(NetworkPolicyEnforcementPre<GuestState>),
-    V1_0(crate::wit_1_0::Export),
+    V1_0(crate::wit_1_0::Export<crate::wit_1_0::Compile>),
 }
 
 enum PolicyGuest {
     Current { pre: NetworkPolicyEnforcementPre<GuestState>, slot: GuestSlot<NetworkPolicyEnforcement> },
-    V1_0 { export: crate::wit_1_0::Export, slot: GuestSlot<wasmtime::component::Func> },
+    V1_0 { export: crate::wit_1_0::Export<crate::wit_1_0::Compile>, slot: GuestSlot<crate::wit_1_0::Checked<crate::wit_1_0::Compile>> },
 }
 
 /// Runs `compile` on one instance, reused across calls until a call fails (a trapped
@@ -142,8 +142,8 @@ impl PolicySession {
                 crate::loader::accept_ruleset,
             ),
             PolicyGuest::V1_0 { export, slot } => slot.call(
-                |store| export.instantiate_compile(store),
-                |func, store| crate::wit_1_0::compile(*func, store, ctx, chain_prefix, policy, local_pods),
+                |store| export.instantiate(store),
+                |func, store| func.call(store, (ctx, chain_prefix, policy, local_pods)),
                 crate::loader::accept_ruleset,
             ),
         }

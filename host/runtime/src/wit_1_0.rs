@@ -10,7 +10,9 @@
 //! nothing: the linker serves a 1.0 import with the 1.1 interface (semver-compatible names,
 //! unchanged types).
 
-use wasmtime::component::{ComponentExportIndex, ComponentType, Func, InstancePre, Lift, TypedFunc};
+use std::marker::PhantomData;
+
+use wasmtime::component::{ComponentExportIndex, ComponentNamedList, ComponentType, Func, InstancePre, Lift, Lower, TypedFunc};
 
 use crate::host::GuestState;
 use crate::wit;
@@ -104,74 +106,70 @@ impl From<Ruleset> for wit::Ruleset {
 
 /// What a 1.0 guest's function returns.
 type GuestResult = (Result<Ruleset, wit::GuestError>,);
-/// `translate` as a 1.0 translator exports it.
-type TranslateFunc<'a> = TypedFunc<(&'a wit::NodeContext, &'a str, &'a wit::Service, &'a [wit::EndpointSlice]), GuestResult>;
-/// `compile` as a 1.0 policy guest exports it.
-type CompileFunc<'a> = TypedFunc<(&'a wit::NodeContext, &'a str, &'a wit::NetworkPolicy, &'a [wit::Pod]), GuestResult>;
 
-/// The function a 1.0 guest exports for its kind (`translate`, `compile`), found when the
-/// module loads.
-#[derive(Clone)]
-pub(crate) struct Export {
-    pub pre: InstancePre<GuestState>,
-    func: ComponentExportIndex,
+/// A 1.0 function's parameters, whatever they borrow from.
+pub(crate) trait Signature {
+    type Params<'a>: ComponentNamedList + Lower;
 }
 
-impl Export {
+/// `translate` as a 1.0 translator exports it.
+pub(crate) enum Translate {}
+
+impl Signature for Translate {
+    type Params<'a> = (&'a wit::NodeContext, &'a str, &'a wit::Service, &'a [wit::EndpointSlice]);
+}
+
+/// `compile` as a 1.0 policy guest exports it.
+pub(crate) enum Compile {}
+
+impl Signature for Compile {
+    type Params<'a> = (&'a wit::NodeContext, &'a str, &'a wit::NetworkPolicy, &'a [wit::Pod]);
+}
+
+/// The function a 1.0 guest exports for its kind (`translate`, `compile`: `S`), found when the
+/// module loads.
+pub(crate) struct Export<S> {
+    pre: InstancePre<GuestState>,
+    func: ComponentExportIndex,
+    signature: PhantomData<S>,
+}
+
+impl<S> Clone for Export<S> {
+    fn clone(&self) -> Self {
+        Export { pre: self.pre.clone(), func: self.func, signature: PhantomData }
+    }
+}
+
+/// One instance's function, its type checked as `S`'s.
+pub(crate) struct Checked<S> {
+    func: Func,
+    signature: PhantomData<S>,
+}
+
+impl<S: Signature> Export<S> {
     /// `function` of the interface the component exports as `interface` (its full name).
-    pub fn find(pre: &InstancePre<GuestState>, interface: &str, function: &str) -> Option<Export> {
+    pub fn find(pre: &InstancePre<GuestState>, interface: &str, function: &str) -> Option<Export<S>> {
         let component = pre.component();
         let instance = component.get_export_index(None, interface)?;
         let func = component.get_export_index(Some(&instance), function)?;
-        Some(Export { pre: pre.clone(), func })
+        Some(Export { pre: pre.clone(), func, signature: PhantomData })
     }
 
-    /// A new instance's `translate`, its type checked against 1.0's.
-    pub fn instantiate_translate(&self, store: &mut wasmtime::Store<GuestState>) -> wasmtime::Result<Func> {
-        let func = self.instantiate(store)?;
-        func.typed::<(&wit::NodeContext, &str, &wit::Service, &[wit::EndpointSlice]), GuestResult>(&*store)?;
-        Ok(func)
-    }
-
-    /// A new instance's `compile`, its type checked against 1.0's.
-    pub fn instantiate_compile(&self, store: &mut wasmtime::Store<GuestState>) -> wasmtime::Result<Func> {
-        let func = self.instantiate(store)?;
-        func.typed::<(&wit::NodeContext, &str, &wit::NetworkPolicy, &[wit::Pod]), GuestResult>(&*store)?;
-        Ok(func)
-    }
-
-    fn instantiate(&self, store: &mut wasmtime::Store<GuestState>) -> wasmtime::Result<Func> {
+    /// A new instance's function, its type checked against 1.0's.
+    pub fn instantiate(&self, store: &mut wasmtime::Store<GuestState>) -> wasmtime::Result<Checked<S>> {
         let instance = self.pre.instantiate(&mut *store)?;
-        instance.get_func(&mut *store, self.func).ok_or_else(|| wasmtime::format_err!("the component exports no function at the index it had when loaded"))
+        let func = instance.get_func(&mut *store, self.func).ok_or_else(|| wasmtime::format_err!("the component exports no function at the index it had when loaded"))?;
+        func.typed::<S::Params<'_>, GuestResult>(&*store)?;
+        Ok(Checked { func, signature: PhantomData })
     }
 }
 
-/// Calls a 1.0 `translate` that [`Export::instantiate_translate`] checked.
-pub fn translate(
-    func: Func,
-    store: &mut wasmtime::Store<GuestState>,
-    ctx: &wit::NodeContext,
-    chain_prefix: &str,
-    service: &wit::Service,
-    slices: &[wit::EndpointSlice],
-) -> wasmtime::Result<Result<wit::Ruleset, wit::GuestError>> {
-    // SAFETY: the type was checked when this instance was made (`instantiate_translate`).
-    let typed: TranslateFunc<'_> = unsafe { TypedFunc::new_unchecked(func) };
-    let (result,) = typed.call(store, (ctx, chain_prefix, service, slices))?;
-    Ok(result.map(Into::into))
-}
-
-/// Calls a 1.0 `compile` that [`Export::instantiate_compile`] checked.
-pub fn compile(
-    func: Func,
-    store: &mut wasmtime::Store<GuestState>,
-    ctx: &wit::NodeContext,
-    chain_prefix: &str,
-    policy: &wit::NetworkPolicy,
-    local_pods: &[wit::Pod],
-) -> wasmtime::Result<Result<wit::Ruleset, wit::GuestError>> {
-    // SAFETY: the type was checked when this instance was made (`instantiate_compile`).
-    let typed: CompileFunc<'_> = unsafe { TypedFunc::new_unchecked(func) };
-    let (result,) = typed.call(store, (ctx, chain_prefix, policy, local_pods))?;
-    Ok(result.map(Into::into))
+impl<S: Signature> Checked<S> {
+    /// Calls it; the ruleset comes back in today's types.
+    pub fn call(&self, store: &mut wasmtime::Store<GuestState>, params: S::Params<'_>) -> wasmtime::Result<Result<wit::Ruleset, wit::GuestError>> {
+        // SAFETY: the type was checked as `S`'s when this instance was made (`Export::instantiate`).
+        let typed: TypedFunc<S::Params<'_>, GuestResult> = unsafe { TypedFunc::new_unchecked(self.func) };
+        let (result,) = typed.call(store, params)?;
+        Ok(result.map(Into::into))
+    }
 }
