@@ -8,7 +8,7 @@
 mod support;
 
 use std::io::ErrorKind;
-use std::net::SocketAddr;
+use std::net::{SocketAddr, UdpSocket};
 use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
@@ -74,11 +74,24 @@ fn described(event: &Value) -> (&str, Option<&str>, Option<&str>, &str, Option<u
 }
 
 #[track_caller]
-fn assert_refused(what: &str, result: std::io::Result<Reply>, started: Instant) {
+fn assert_refused<T: std::fmt::Debug>(what: &str, result: std::io::Result<T>, started: Instant) {
     match result {
         Err(e) if e.kind() == ErrorKind::ConnectionRefused => {}
         other => panic!("{what}: expected connection refused, got {other:?} after {:?}", started.elapsed()),
     }
+}
+
+/// One UDP datagram from inside `ns` to `to`, from a port the kernel picks: what came back
+/// (an ICMP port unreachable reads as "connection refused") and the source port it left from.
+fn udp_probe(ns: &str, to: SocketAddr) -> (std::io::Result<usize>, u16) {
+    in_ns(ns, || {
+        let socket = UdpSocket::bind(if to.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" }).unwrap();
+        let source_port = socket.local_addr().unwrap().port();
+        socket.connect(to).unwrap();
+        socket.set_read_timeout(Some(TIMEOUT)).unwrap();
+        let answer = socket.send(b"who\n").and_then(|_| socket.recv(&mut [0u8; 512]));
+        (answer, source_port)
+    })
 }
 
 /// Whether a TCP connection from inside `ns` to `to` goes unanswered (dropped, not refused).
@@ -226,6 +239,136 @@ async fn service_drops_are_logged_with_their_reason_and_named_by_service() {
     let printed = String::from_utf8(printed).unwrap();
     assert!(printed.contains(&format!("REJECT  service  default/empty:http  {CLIENT}:")) && printed.contains(&format!(" -> {EMPTY}:80 tcp  reason: no-endpoints")), "{printed}");
     assert!(printed.lines().last().is_some_and(|l| l.contains("shown; since the host started: deny 0, audit 0") && l.contains("no-endpoints ")), "{printed}");
+    host.stop().await;
+}
+
+const POD_A6: &str = "fd00:10:244::11";
+const CLIENT6: &str = "fd00:10:244::100";
+const EMPTY6: &str = "fd00:96::40";
+const WEB6: &str = "fd00:96::41";
+/// In `fd00:96::/108`, the IPv6 service CIDR [`Topology::enable_ipv6`] routes to the node.
+const UNALLOCATED6: &str = "fd00:96::99";
+
+/// The client as a dual-stack pod of the model (its IPv6 drops are named by it too).
+const CLIENT_POD6: &str = "\
+apiVersion: v1
+kind: Pod
+metadata: { name: client, namespace: default, labels: { app: client } }
+spec: { nodeName: node-a, containers: [{ name: c, image: x }] }
+status: { phase: Running, podIP: 10.244.0.100, podIPs: [{ ip: 10.244.0.100 }, { ip: 'fd00:10:244::100' }] }
+";
+
+/// The same drops over IPv6, from a dual-stack pod: an IPv6 cluster IP without endpoints
+/// (TCP and UDP), another port of a served IPv6 cluster IP, an address of the IPv6 service
+/// CIDR that is no service's; each logged with its IPv6 addresses and named by service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ipv6_service_drops_are_logged_with_their_ipv6_addresses() {
+    if !is_root() {
+        eprintln!("\n!!!!!!!! SKIPPED {}: needs root (network namespaces, nftables) !!!!!!!!\n", module_path!());
+        return;
+    }
+    let mut topo = Topology::new("sdrop6");
+    topo.enable_ipv6();
+    let pod_a = topo.add_dual_stack_pod(POD_A, POD_A6);
+    let client = topo.add_dual_stack_pod(CLIENT, CLIENT6);
+    let _server = Server::start_dual_stack(&pod_a, "a", &[8080]);
+
+    let cluster = Cluster::new();
+    cluster.put_file("pods.yaml", CLIENT_POD6);
+    cluster.put(&Svc::new("empty6", EMPTY6, vec![Port::new("http", "TCP", 80, 8080), Port::new("dns", "UDP", 53, 8080)], vec![]));
+    cluster.put(&Svc::new("web6", WEB6, vec![Port::new("http", "TCP", 80, 8080)], vec![ready(POD_A6, NODE)]));
+    let config = HostConfig { policy_log_group: GROUP, service_cidrs: vec!["10.96.0.0/16".into(), "fd00:96::/108".into()], ..cluster.config(topo.nft_command()) };
+    let host = start_host(config).await;
+    wait_applied(&host, "the services", |t| {
+        t.contains(&format!("{EMPTY6} . tcp . 80 : goto reject-chain")) && t.contains(&format!("{EMPTY6} . udp . 53 : goto reject-chain")) && t.contains(&format!("{WEB6} . tcp . 80 : goto"))
+    });
+    let table = topo.table();
+    assert!(set_holds(&table, "service-cidrs6", "fd00:96::/108"), "{table}");
+
+    // Served IPv6 traffic logs nothing.
+    assert_backends("the served IPv6 port", &tcp_many(&client, addr(WEB6, 80), 5), &["a"]);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (_, nothing) = get(&host, "/v1/drops").await;
+    assert_eq!(nothing["events"], json!([]), "served IPv6 traffic logs no drop: {nothing}");
+
+    // No endpoints, over TCP: refused, logged with the pod's IPv6 address.
+    let started = Instant::now();
+    assert_refused("pod → an IPv6 cluster IP without endpoints", in_ns(&client, || tcp_ask(addr(EMPTY6, 80), TIMEOUT)), started);
+    let event = drop_event(&host, "?service=default/empty6", |e| e["reason"] == "no-endpoints" && e["protocol"] == "tcp").await;
+    assert_eq!(described(&event), ("no-endpoints", Some("default/empty6"), Some("http"), EMPTY6, Some(80)), "{event}");
+    assert_eq!((event["kind"].as_str(), event["source"].as_str(), event["pod"].as_str()), (Some("service"), Some(CLIENT6), Some("default/client")), "{event}");
+    assert!(event["source_port"].as_u64().is_some_and(|p| p != 0), "{event}");
+
+    // No endpoints, over UDP: the ICMPv6 port unreachable refuses it; both ports logged.
+    let started = Instant::now();
+    let (answer, source_port) = udp_probe(&client, addr(EMPTY6, 53));
+    assert_refused("UDP pod → an IPv6 cluster IP without endpoints", answer, started);
+    let event = drop_event(&host, "?service=default/empty6", |e| e["protocol"] == "udp").await;
+    assert_eq!(described(&event), ("no-endpoints", Some("default/empty6"), Some("dns"), EMPTY6, Some(53)), "{event}");
+    assert_eq!((event["source"].as_str(), event["source_port"].as_u64(), event["pod"].as_str()), (Some(CLIENT6), Some(u64::from(source_port)), Some("default/client")), "{event}");
+
+    // A port of the IPv6 cluster IP that no service has: refused, the service named.
+    let started = Instant::now();
+    assert_refused("pod → an IPv6 cluster IP's unknown port", in_ns(&client, || tcp_ask(addr(WEB6, 81), TIMEOUT)), started);
+    let event = drop_event(&host, "?reason=unknown-port", |_| true).await;
+    assert_eq!(described(&event), ("unknown-port", Some("default/web6"), None, WEB6, Some(81)), "{event}");
+    assert_eq!((event["source"].as_str(), event["protocol"].as_str()), (Some(CLIENT6), Some("tcp")), "{event}");
+
+    // An address of the IPv6 service CIDR that is no service's: dropped, no service named.
+    assert!(dropped(&client, addr(UNALLOCATED6, 80)), "an unallocated IPv6 service address is dropped");
+    let event = drop_event(&host, "?reason=unallocated", |_| true).await;
+    assert_eq!(described(&event), ("unallocated", None, None, UNALLOCATED6, Some(80)), "{event}");
+    assert_eq!((event["source"].as_str(), event["protocol"].as_str()), (Some(CLIENT6), Some("tcp")), "{event}");
+
+    // The client's drops, by pod: every one from its IPv6 address.
+    let (_, of_client) = get(&host, "/v1/drops?pod=default/client&limit=1024").await;
+    let events = of_client["events"].as_array().unwrap();
+    assert!(events.len() >= 4 && events.iter().all(|e| e["source"] == CLIENT6), "{of_client}");
+
+    // Served IPv6 traffic still logs nothing after the drops.
+    let (_, before) = get(&host, "/v1/drops?limit=1024").await;
+    assert_backends("the served IPv6 port again", &tcp_many(&client, addr(WEB6, 80), 5), &["a"]);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (_, after) = get(&host, "/v1/drops?limit=1024").await;
+    assert_eq!(after["totals"], before["totals"], "a served IPv6 connection logged a drop: {after}");
+    host.stop().await;
+}
+
+/// UDP over IPv4: a datagram to a cluster IP's UDP port of a service without endpoints is
+/// rejected (the client reads the ICMP port unreachable as "refused") and logged as UDP with
+/// both its ports; one to a UDP port the cluster IP does not have is an unknown port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_udp_reject_is_logged_with_its_protocol_and_ports() {
+    if !is_root() {
+        eprintln!("\n!!!!!!!! SKIPPED {}: needs root (network namespaces, nftables) !!!!!!!!\n", module_path!());
+        return;
+    }
+    let mut topo = Topology::new("sdropu");
+    let client = topo.add_pod(CLIENT);
+    let cluster = Cluster::new();
+    cluster.put_file("pods.yaml", CLIENT_POD);
+    cluster.put(&Svc::new("dns", EMPTY, vec![Port::new("dns", "UDP", 53, 5353)], vec![]));
+    let host = start_host(HostConfig { policy_log_group: GROUP, ..cluster.config(topo.nft_command()) }).await;
+    wait_applied(&host, "the service", |t| t.contains(&format!("{EMPTY} . udp . 53 : goto reject-chain")));
+
+    let started = Instant::now();
+    let (answer, source_port) = udp_probe(&client, addr(EMPTY, 53));
+    assert_refused("UDP pod → a service without endpoints", answer, started);
+    let event = drop_event(&host, "?service=default/dns", |e| e["reason"] == "no-endpoints").await;
+    assert_eq!(described(&event), ("no-endpoints", Some("default/dns"), Some("dns"), EMPTY, Some(53)), "{event}");
+    assert_eq!(
+        (event["kind"].as_str(), event["protocol"].as_str(), event["source"].as_str(), event["source_port"].as_u64(), event["pod"].as_str()),
+        (Some("service"), Some("udp"), Some(CLIENT), Some(u64::from(source_port)), Some("default/client")),
+        "{event}"
+    );
+
+    // The same cluster IP on a UDP port it does not have.
+    let started = Instant::now();
+    let (answer, source_port) = udp_probe(&client, addr(EMPTY, 54));
+    assert_refused("UDP pod → a cluster IP's unknown port", answer, started);
+    let event = drop_event(&host, "?reason=unknown-port", |_| true).await;
+    assert_eq!(described(&event), ("unknown-port", Some("default/dns"), None, EMPTY, Some(54)), "{event}");
+    assert_eq!((event["protocol"].as_str(), event["source_port"].as_u64()), (Some("udp"), Some(u64::from(source_port))), "{event}");
     host.stop().await;
 }
 
