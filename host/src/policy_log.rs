@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use netlink_packet_core::{NetlinkMessage, NetlinkPayload};
-use netlink_packet_netfilter::nflog::{ConfigCmd, ConfigMode, PacketNla, ULogMessage, config_request};
+use netlink_packet_netfilter::nflog::{ConfigCmd, ConfigMode, PacketNla, Timeout, ULogMessage, config_request};
 use netlink_packet_netfilter::{NetfilterMessage, NetfilterMessageInner, NetfilterProtoFamily};
 use serde::{Deserialize, Serialize};
 
@@ -35,6 +35,9 @@ pub const CAPACITY: usize = 1024;
 const COPY_BYTES: u32 = 128;
 /// How often the reading thread looks whether the host still wants it.
 const POLL: Duration = Duration::from_secs(1);
+/// How long the kernel holds logged packets before it sends them: its default, 1 s (or 100
+/// packets), is the delay a `drops -f` reader saw.
+const FLUSH_AFTER: Duration = Duration::from_millis(100);
 
 /// One logged packet.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -273,8 +276,13 @@ pub fn listen(netns: Option<&Path>, group: u16, log: Weak<PolicyVerdictLog>) -> 
 pub const BIND_RETRY: Duration = Duration::from_secs(2);
 
 fn bind(socket: &netlink_sys::Socket, group: u16) -> Result<(), ListenError> {
-    let bind = config_request(NetfilterProtoFamily::Unspec, group, vec![ConfigCmd::Bind.into(), ConfigMode::new_packet(COPY_BYTES).into()]);
-    request(socket, &bind).map_err(|reason| ListenError::Bind { group, reason })
+    request(socket, &bind_request(group)).map_err(|reason| ListenError::Bind { group, reason })
+}
+
+/// Binds `group`, copying [`COPY_BYTES`] of each packet, sent at most [`FLUSH_AFTER`] after
+/// it was logged.
+fn bind_request(group: u16) -> NetlinkMessage<NetfilterMessage> {
+    config_request(NetfilterProtoFamily::Unspec, group, vec![ConfigCmd::Bind.into(), ConfigMode::new_packet(COPY_BYTES).into(), Timeout::from(FLUSH_AFTER).into()])
 }
 
 /// Sends one configuration request and reads its acknowledgement.
@@ -487,6 +495,18 @@ mod tests {
             assert_eq!(serde_json::to_value(reason).unwrap(), reason.name());
             assert_eq!(<DropReason as clap::ValueEnum>::from_str(reason.name(), false), Ok(reason));
         }
+    }
+
+    /// The group is bound with a flush timeout of its own: the kernel's default holds logged
+    /// packets up to a second.
+    #[test]
+    fn the_group_is_bound_with_a_short_flush_timeout() {
+        use netlink_packet_netfilter::nflog::ConfigNla;
+        let NetlinkPayload::InnerMessage(NetfilterMessage { inner: NetfilterMessageInner::ULog(ULogMessage::Config(nlas)), .. }) = bind_request(1001).payload else {
+            panic!("not an NFLOG config request");
+        };
+        assert!(nlas.contains(&ConfigNla::Timeout(Timeout::from(FLUSH_AFTER))), "{nlas:?}");
+        assert!(FLUSH_AFTER < Duration::from_secs(1));
     }
 
     #[test]
