@@ -704,7 +704,7 @@ const MAX_PACED_BATCH: usize = 16 * MAX_BATCH;
 /// How long the watch streams must be quiet before the heap's free pages go back to the
 /// kernel (`malloc_trim`): applying a batch frees what it built, in pages partly used
 /// until a trim. Once per quiet spell, so that a steady stream of changes pays nothing;
-/// full syncs trim as well (`Dataplane`). BENCHMARKS.md, forty-first run: 0.3 MiB at 1k
+/// full syncs trim as well (`Dataplane`). BENCHMARKS.md, forty-first run: 0.1 MiB at 1k
 /// services once the churn is over.
 const QUIET_BEFORE_TRIM: Duration = Duration::from_secs(1);
 
