@@ -340,17 +340,17 @@ fn ip_bytes(addr: &IpAddr) -> Vec<u8> {
 }
 
 /// The bytes nft compares an interface name with: a prefix (`veth*`) by its own bytes only,
-/// a name by all of `IFNAMSIZ`, NUL padded. Names nft would escape, refuse, or read as
-/// a wildcard other than a trailing one are refused here (nft -f then decides).
+/// a name by all of `IFNAMSIZ`, NUL padded. Names the host would not render (see
+/// [`super::PodTraffic::interface_name_problem`]: those nft escapes, refuses, or reads as a
+/// wildcard other than a trailing one) are refused here (nft -f then decides).
 fn interface_name_bytes(value: &str) -> Result<Vec<u8>, String> {
     const IFNAMSIZ: usize = 16;
     let (name, prefix) = match value.strip_suffix('*') {
         Some(name) => (name, true),
         None => (value, false),
     };
-    // nft takes at most IFNAMSIZ - 1 characters, the `*` included.
-    if name.is_empty() || value.len() >= IFNAMSIZ || !name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')) {
-        return Err(format!("interface name {value:?}"));
+    if let Some(why) = super::PodTraffic::interface_name_problem(name, prefix) {
+        return Err(format!("interface name {value:?}: {why}"));
     }
     let mut bytes = name.as_bytes().to_vec();
     if !prefix {
