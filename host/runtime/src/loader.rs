@@ -18,10 +18,9 @@ use wasmplane_model::state::{NodeContext, ServiceView};
 
 /// The WIT package every guest world belongs to.
 pub const WIT_PACKAGE: &str = "wasmplane:dataplane";
-/// The package version this host implements; guests built against any 1.x load (1.0 through
-/// `wit_1_0.rs`).
+/// The package version this host implements; guests built against it or an older 1.x load
+/// (1.0 through `wit_1_0.rs`). A newer minor is refused at load ([`LoadError::NewerVersion`]).
 pub const WIT_VERSION: &str = "1.1.0";
-const WIT_MAJOR: &str = "1.";
 
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -66,12 +65,14 @@ pub enum LoadError {
     CoreModule,
     #[error("component does not compile: {0}")]
     Compile(String),
-    #[error("component implements no known wasmplane world (it exports {exports:?}; expected one of {expected:?} from {WIT_PACKAGE}@1.x)")]
+    #[error("component implements no known wasmplane world (it exports {exports:?}; expected one of {expected:?} from {WIT_PACKAGE}@{WIT_VERSION} or an older 1.x)")]
     UnknownWorld { exports: Vec<String>, expected: Vec<String> },
     #[error("component was uploaded as kind {declared} but implements {found}")]
     KindMismatch { declared: GuestKind, found: GuestKind },
     #[error("component targets {WIT_PACKAGE}@{found}, this host implements {WIT_VERSION} (major version 1)")]
     UnsupportedVersion { found: String },
+    #[error("component targets {WIT_PACKAGE}@{found}, newer than this host's {WIT_VERSION}: build it against {} or older, or upgrade the host", minor_line(WIT_VERSION))]
+    NewerVersion { found: String },
     #[error("component imports {0}, which this host does not grant")]
     ForbiddenImport(String),
     #[error("component does not link against the host: {0}")]
@@ -149,10 +150,42 @@ fn split_name(name: &str) -> Option<(&str, &str)> {
     rest.split_once('@')
 }
 
+/// `MAJOR.MINOR.PATCH`, plain digits: a pre-release or build metadata is no release to judge.
+fn parse_version(version: &str) -> Option<(u64, u64, u64)> {
+    let mut parts = version.split('.').map(|p| if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) { p.parse().ok() } else { None });
+    match (parts.next(), parts.next(), parts.next(), parts.next()) {
+        (Some(Some(major)), Some(Some(minor)), Some(Some(patch)), None) => Some((major, minor, patch)),
+        _ => None,
+    }
+}
+
+/// `1.1.0` → `1.1`: what a guest may be built against, any patch.
+fn minor_line(version: &str) -> &str {
+    version.rsplit_once('.').map_or(version, |(line, _)| line)
+}
+
+/// Whether a component may name `version` of the package (in an export or an import): this
+/// host's major, and a minor no newer than its own. A newer minor's names pass the linker's
+/// semver matching, but its types may not be this host's: it would fail at its first call.
+fn check_version(version: &str) -> Result<(), LoadError> {
+    let (major, minor, _) = parse_version(WIT_VERSION).expect("WIT_VERSION is MAJOR.MINOR.PATCH");
+    match parse_version(version) {
+        Some((m, n, _)) if m == major && n <= minor => Ok(()),
+        Some((m, _, _)) if m == major => Err(LoadError::NewerVersion { found: version.to_string() }),
+        _ => Err(LoadError::UnsupportedVersion { found: version.to_string() }),
+    }
+}
+
+/// The interfaces of the package a component may import.
+fn granted_interface(iface: &str) -> bool {
+    matches!(iface, "types" | "log" | "lookups" | "settings")
+}
+
 /// What [`Runtime::load`] would report of a component (kind, WIT version, size, imports, digest),
 /// read from its top-level import and export sections without compiling it: for a module
-/// listed where it never runs (the builtin GC guest on an agent). Checks no more than that:
-/// loading it may still fail.
+/// listed where it never runs (the builtin GC guest on an agent). Checks no more than that and
+/// the package versions it names (as loading does: its one caller lists a guest of this build,
+/// never a stored module, so a refusal hides nothing): loading it may still fail.
 pub fn describe(bytes: &[u8]) -> Result<ModuleInfo, LoadError> {
     check_header(bytes)?;
     let malformed = |e: wasmparser::BinaryReaderError| LoadError::Compile(format!("reading the component: {e}"));
@@ -171,7 +204,9 @@ pub fn describe(bytes: &[u8]) -> Result<ModuleInfo, LoadError> {
             wasmparser::Payload::ComponentExportSection(section) if depth == 0 => {
                 for export in section {
                     let name = export.map_err(malformed)?.name.name;
-                    if let Some((iface, version)) = split_name(name)
+                    if let Some((SETTINGS_VALIDATION, version)) = split_name(name) {
+                        check_version(version)?;
+                    } else if let Some((iface, version)) = split_name(name)
                         && let Some(kind) = GuestKind::parse(iface)
                     {
                         found = Some((kind, version.to_string()));
@@ -185,6 +220,10 @@ pub fn describe(bytes: &[u8]) -> Result<ModuleInfo, LoadError> {
     let Some((kind, wit_version)) = found else {
         return Err(LoadError::UnknownWorld { exports, expected: GuestKind::ALL.iter().map(|k| format!("{WIT_PACKAGE}/{k}")).collect() });
     };
+    check_version(&wit_version)?;
+    for (_, version) in imports.iter().filter_map(|i| split_name(i)).filter(|(iface, _)| granted_interface(iface)) {
+        check_version(version)?;
+    }
     Ok(ModuleInfo { digest: digest(bytes), kind, wit_version, size: bytes.len(), imports })
 }
 
@@ -233,9 +272,7 @@ impl Runtime {
         for (export, item) in ty.exports(self.engine()) {
             exports.push(export.to_string());
             if let Some((SETTINGS_VALIDATION, version)) = split_name(export) {
-                if !version.starts_with(WIT_MAJOR) {
-                    return Err(LoadError::UnsupportedVersion { found: version.to_string() });
-                }
+                check_version(version)?;
                 crate::validation::check_export(self.engine(), &item.ty)
                     .map_err(|reason| LoadError::SettingsValidation { export: export.to_string(), reason })?;
                 settings_validation = Some(export.to_string());
@@ -253,9 +290,7 @@ impl Runtime {
                 expected: GuestKind::ALL.iter().map(|k| format!("{WIT_PACKAGE}/{k}")).collect(),
             });
         };
-        if !version.starts_with(WIT_MAJOR) {
-            return Err(LoadError::UnsupportedVersion { found: version });
-        }
+        check_version(&version)?;
         if let Some(declared) = expected
             && declared != kind
         {
@@ -263,11 +298,10 @@ impl Runtime {
         }
         let mut imports = Vec::new();
         for (import, _) in ty.imports(self.engine()) {
-            let granted = import.starts_with("wasi:")
-                || split_name(import)
-                    .is_some_and(|(iface, v)| matches!(iface, "types" | "log" | "lookups" | "settings") && v.starts_with(WIT_MAJOR));
-            if !granted {
-                return Err(LoadError::ForbiddenImport(import.to_string()));
+            match split_name(import) {
+                _ if import.starts_with("wasi:") => {}
+                Some((iface, version)) if granted_interface(iface) => check_version(version)?,
+                _ => return Err(LoadError::ForbiddenImport(import.to_string())),
             }
             imports.push(import.to_string());
         }
@@ -479,4 +513,21 @@ pub(crate) fn accept_ruleset(result: Result<wit::Ruleset, wit::GuestError>, limi
 fn check_ruleset_size(r: &wit::Ruleset, limits: &Limits) -> Result<(), CallError> {
     let (objects, bytes) = output_cost(r);
     check_output_size(objects, bytes, "objects", limits)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_up_to_the_hosts_minor_are_accepted() {
+        for ok in ["1.0.0", "1.1.0", "1.1.7"] {
+            assert_eq!(check_version(ok), Ok(()), "{ok}");
+        }
+        assert_eq!(check_version("1.2.0"), Err(LoadError::NewerVersion { found: "1.2.0".into() }));
+        for refused in ["2.0.0", "0.9.0", "1.1", "1.x.0", "1.1.0-rc.1", "1.1.0+build", "1.+1.0", "", "1.1.0.0"] {
+            assert_eq!(check_version(refused), Err(LoadError::UnsupportedVersion { found: refused.into() }), "{refused}");
+        }
+        assert!(LoadError::NewerVersion { found: "1.2.0".into() }.to_string().contains("build it against 1.1 or older"));
+    }
 }

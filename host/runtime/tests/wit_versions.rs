@@ -6,7 +6,7 @@ use std::sync::Arc;
 use wasmplane_guest_artifacts as artifacts;
 use wasmplane_model::state::{LocalEndpoint, LocalSlice, NodeContext, ServiceView};
 use wasmplane_model::*;
-use wasmplane_runtime::{CallError, GuestKind, Limits, NoLookups, Runtime, WIT_VERSION, wit};
+use wasmplane_runtime::{CallError, GuestKind, LoadError, Limits, NoLookups, Runtime, WIT_VERSION, describe, wit};
 
 fn view(ready: bool) -> ServiceView {
     ServiceView {
@@ -53,4 +53,45 @@ fn the_sdks_guests_are_of_this_version() {
     assert_eq!((module.info.wit_version.as_str(), WIT_VERSION), ("1.1.0", "1.1.0"));
     let policy = rt.load_policy("np", artifacts::NETWORK_POLICY, usize::MAX).unwrap();
     assert_eq!(policy.info.wit_version, WIT_VERSION);
+}
+
+/// `bytes` with every `from` replaced by `to` (of the same length, so the binary stays valid:
+/// component import and export names are plain strings in their sections).
+fn renamed(bytes: &[u8], from: &str, to: &str) -> Vec<u8> {
+    assert_eq!(from.len(), to.len());
+    let mut out = bytes.to_vec();
+    let mut replaced = 0;
+    let mut at = 0;
+    while let Some(i) = out[at..].windows(from.len()).position(|w| w == from.as_bytes()) {
+        out[at + i..at + i + to.len()].copy_from_slice(to.as_bytes());
+        at += i + to.len();
+        replaced += 1;
+    }
+    assert!(replaced > 0, "no {from} in the component");
+    out
+}
+
+/// Its names would pass the linker's semver matching, and it would fail at its first call with
+/// a type error: it is refused at load, saying why.
+#[test]
+fn a_guest_built_against_a_newer_minor_is_refused_at_load() {
+    let rt = Runtime::new(Limits::default(), None).unwrap();
+    let newer = renamed(artifacts::test_programs::TRANSLATOR_WIT_1_0, "@1.0.0", "@1.2.0");
+    let refused = LoadError::NewerVersion { found: "1.2.0".into() };
+    assert_eq!(rt.load("newer", &newer, Some(GuestKind::ServiceTranslator), usize::MAX).err(), Some(refused.clone()));
+    assert_eq!(describe(&newer), Err(refused.clone()));
+    assert_eq!(
+        refused.to_string(),
+        "component targets wasmplane:dataplane@1.2.0, newer than this host's 1.1.0: build it against 1.1 or older, or upgrade the host"
+    );
+}
+
+#[test]
+fn a_guest_importing_a_newer_minor_is_refused_at_load() {
+    // Only its `log` import is of the newer minor; the world it exports is 1.0's.
+    let rt = Runtime::new(Limits::default(), None).unwrap();
+    let refused = LoadError::NewerVersion { found: "1.2.0".into() };
+    let import = renamed(artifacts::test_programs::TRANSLATOR_WIT_1_0, "wasmplane:dataplane/log@1.0.0", "wasmplane:dataplane/log@1.2.0");
+    assert_eq!(rt.load("newer-import", &import, Some(GuestKind::ServiceTranslator), usize::MAX).err(), Some(refused.clone()));
+    assert_eq!(describe(&import), Err(refused));
 }
