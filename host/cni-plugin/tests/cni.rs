@@ -615,7 +615,8 @@ fn dual_stack_pods_get_an_address_of_each_family() {
 /// binary: ADD hands back the other plugin's result in the request's version and puts the
 /// pod's addresses in the model at once, creating, allocating and turning on nothing; ADD
 /// with no addresses before it is refused; CHECK and STATUS pass; DEL takes the addresses
-/// out of the model (again: fine) and leaves the other plugin's interface alone.
+/// out of the model, with or without the cached result (again: fine), and leaves the other
+/// plugin's interface alone; GC takes out those of an attachment the runtime no longer lists.
 #[test]
 fn chained_daemon_follows_the_previous_plugin_and_touches_nothing() {
     require_root!();
@@ -655,6 +656,8 @@ fn chained_daemon_follows_the_previous_plugin_and_touches_nothing() {
         (&json!([]), &json!([]), &json!(true)),
         "nothing allocated: {allocs}"
     );
+    let recorded = &allocs["chainedAttachments"];
+    assert_eq!((recorded[0]["containerId"].as_str(), recorded.as_array().map(Vec::len)), (Some("ctr-ch"), Some(1)), "{allocs}");
     for forwarding in ["net.ipv4.ip_forward", "net.ipv6.conf.all.forwarding"] {
         assert_eq!(node.ns.exec(&["sysctl", "-n", forwarding]).trim(), "0", "{forwarding}: the primary plugin's to turn on");
     }
@@ -680,22 +683,33 @@ fn chained_daemon_follows_the_previous_plugin_and_touches_nothing() {
     let status = node.network("STATUS", &node.config("1.1.0"));
     assert!(status.ok && status.json.is_null(), "{status:?}");
     let mut gc = node.config("1.1.0");
-    gc["cni.dev/valid-attachments"] = json!([]);
+    gc["cni.dev/valid-attachments"] = json!([{"containerID": "ctr-ch", "ifname": "eth0"}]);
     let r = node.network("GC", &gc);
     assert!(r.ok, "{r:?}");
-    assert_eq!(node.sink.get("test", "ch"), Some(ips.clone()), "GC has nothing of ours to release");
+    assert_eq!(node.sink.get("test", "ch"), Some(ips.clone()), "GC keeps what the runtime lists");
 
-    // DEL without the cached result: nothing to do. With it: the addresses leave the model,
-    // the other plugin's interface stays. Again: still fine.
+    // DEL without the cached result: the addresses ADD reported leave the model, the other
+    // plugin's interface stays. With it, again: still fine.
     let del = node.cni_with("DEL", "ctr-ch", &pod.path(), "ch", &node.config("1.1.0"));
     assert!(del.ok, "{del:?}");
-    assert_eq!(node.sink.get("test", "ch"), Some(ips));
+    assert_eq!(node.sink.get("test", "ch"), None);
     for _ in 0..2 {
         let del = node.cni_with("DEL", "ctr-ch", &pod.path(), "ch", &chained);
         assert!(del.ok && del.json.is_null(), "{del:?}");
         assert_eq!(node.sink.get("test", "ch"), None);
     }
     assert_eq!(links(&node, &pod), before, "DEL removes no interface");
+
+    // Added again, and its DEL lost: GC takes the addresses out once the runtime no longer
+    // lists the attachment (no grace period here), and still touches no interface.
+    let add = node.cni_with("ADD", "ctr-ch2", &pod.path(), "ch", &chained);
+    assert!(add.ok, "{add:?}");
+    assert_eq!(node.sink.get("test", "ch"), Some(ips));
+    gc["cni.dev/valid-attachments"] = json!([]);
+    let r = node.network("GC", &gc);
+    assert!(r.ok, "{r:?}");
+    assert_eq!(node.sink.get("test", "ch"), None, "GC takes out what the runtime no longer lists");
+    assert_eq!(links(&node, &pod), before, "GC removes no interface");
     assert!(pod.exec(&["ip", "-o", "addr", "show", "dev", "eth0"]).contains("10.244.31.5/24"));
 }
 

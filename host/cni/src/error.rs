@@ -16,7 +16,7 @@ pub mod code {
     pub const TRY_AGAIN_LATER: u32 = 11;
     /// STATUS: ADD cannot be served now (spec 1.1.0).
     pub const NOT_AVAILABLE: u32 = 50;
-    /// Writing or reading the allocation state failed.
+    /// Writing or reading the daemon's state (allocations, chained attachments) failed.
     pub const STATE: u32 = 100;
     /// No free address left in the node's pod CIDR.
     pub const POOL_EXHAUSTED: u32 = 101;
@@ -62,7 +62,7 @@ pub enum Error {
         name: String,
         waited: Duration,
     },
-    #[error("allocation state in {path}: {source}")]
+    #[error("CNI daemon state in {path}: {source}")]
     State {
         path: PathBuf,
         source: std::io::Error,
@@ -72,7 +72,7 @@ pub enum Error {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("allocation state in {path} is corrupt: {reason}")]
+    #[error("CNI daemon state in {path} is corrupt: {reason}")]
     CorruptState { path: PathBuf, reason: String },
     #[error("no free address left in the node's pod CIDR {cidr} ({allocated} allocated)")]
     PoolExhausted {
@@ -139,7 +139,7 @@ impl Error {
             Error::InvalidMtu { .. } => "invalid pod MTU",
             Error::NoPreviousAddresses(_) => "wasmplane is chained but no earlier plugin gave the pod addresses",
             Error::PodNotInCache { .. } => "pod not yet known to wasmplane, try again later",
-            Error::State { .. } | Error::CorruptState { .. } => "wasmplane IPAM state unavailable",
+            Error::State { .. } | Error::CorruptState { .. } => "wasmplane CNI state unavailable",
             Error::PoolExhausted { .. } => "no free pod IP on this node",
             Error::Netns { .. } => "pod network namespace unusable",
             Error::Netlink { .. } => "kernel refused a network change",

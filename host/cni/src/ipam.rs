@@ -1,18 +1,17 @@
 //! Node-local address allocation from the node's pod CIDRs (one per family: IPv4, IPv6, or
-//! both for a dual-stack node), persisted in one JSON file that is replaced atomically
-//! (write, fsync, rename) on every change, so a restart recovers exactly what was handed out
-//! and a dual-stack ADD costs one write, not one per family.
+//! both for a dual-stack node), persisted in one JSON file (`allocations.json`) that is
+//! replaced atomically (write, fsync, rename) on every change, so a restart recovers exactly
+//! what was handed out and a dual-stack ADD costs one write, not one per family.
 
 use std::collections::{BTreeMap, HashSet};
-use std::fs::{self, File};
-use std::io::Write as _;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Mutex;
 
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
+use crate::durable::DurableFile;
 use crate::error::Error;
 
 /// The addresses one attachment holds, keyed by container ID and interface name as the
@@ -167,7 +166,7 @@ struct State {
     last: Vec<Option<IpAddr>>,
     by_key: BTreeMap<(String, String), Allocation>,
     taken: HashSet<IpAddr>,
-    /// Bumped on every change; compared with [`Ipam::durable`].
+    /// Bumped on every change; what [`DurableFile::flush_to`] makes durable.
     version: u64,
 }
 
@@ -175,10 +174,8 @@ struct State {
 /// and a caller returns only once its change is on disk.
 pub struct Ipam {
     pools: Vec<Pool>,
-    path: PathBuf,
+    file: DurableFile,
     state: Mutex<State>,
-    /// The last state version known to be on disk; its lock is held while writing.
-    durable: Mutex<u64>,
 }
 
 impl Ipam {
@@ -197,20 +194,9 @@ impl Ipam {
             [_] | [_, _] => {}
             _ => return Err(Error::InvalidConfig(format!("{} pod CIDRs: at most one IPv4 and one IPv6", pools.len()))),
         }
-        fs::create_dir_all(state_dir).map_err(|source| Error::State {
-            path: state_dir.into(),
-            source,
-        })?;
-        let path = state_dir.join("allocations.json");
-        let file: StateFile = match fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| Error::CorruptState {
-                path: path.clone(),
-                reason: e.to_string(),
-            })?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => StateFile::default(),
-            Err(source) => return Err(Error::State { path, source }),
-        };
-        let corrupt = |reason: String| Error::CorruptState { path: path.clone(), reason };
+        let (durable, file) = DurableFile::open::<StateFile>(state_dir, "allocations.json")?;
+        let path = durable.path();
+        let corrupt = |reason: String| Error::CorruptState { path: path.into(), reason };
         let (mut by_key, mut taken) = (BTreeMap::new(), HashSet::new());
         for a in file.allocations {
             if a.ips.is_empty() {
@@ -241,9 +227,8 @@ impl Ipam {
         tracing::info!(path = %path.display(), ?cidrs, recovered = by_key.len(), "IPAM state opened");
         Ok(Ipam {
             pools,
-            path,
+            file: durable,
             state: Mutex::new(State { last, by_key, taken, version: 0 }),
-            durable: Mutex::new(0),
         })
     }
 
@@ -346,15 +331,9 @@ impl Ipam {
         Ok(released)
     }
 
-    /// Group commit: makes every change up to `version` durable. One writer at a time; a
-    /// caller that waited while another wrote usually finds its change already on disk, so
-    /// a burst of N changes costs a few fsyncs, not N.
+    /// Makes every change up to `version` durable (see [`DurableFile::flush_to`]).
     fn flush_to(&self, version: u64) -> Result<(), Error> {
-        let mut durable = self.durable.lock().unwrap_or_else(|p| p.into_inner());
-        if *durable >= version {
-            return Ok(());
-        }
-        let (file, snapshot) = {
+        self.file.flush_to(version, || {
             let state = self.lock();
             let mut file = StateFile {
                 allocations: state.by_key.values().cloned().collect(),
@@ -367,36 +346,13 @@ impl Ipam {
                 }
             }
             (file, state.version)
-        };
-        self.persist(&file)?;
-        *durable = snapshot;
-        Ok(())
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         // Nothing panics half-way through a change under this lock, so the state is
         // consistent even if some unrelated panic poisoned it.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn persist(&self, file: &StateFile) -> Result<(), Error> {
-        let bytes = serde_json::to_vec_pretty(file)
-            .map_err(|e| Error::Internal(format!("serialising IPAM state: {e}")))?;
-        let tmp = self.path.with_extension("json.tmp");
-        let err = |source| Error::State {
-            path: self.path.clone(),
-            source,
-        };
-        let mut f = File::create(&tmp).map_err(err)?;
-        f.write_all(&bytes).map_err(err)?;
-        // Content on disk before the rename: after a crash the file is the old state or the
-        // new one, never empty or torn.
-        f.sync_all().map_err(err)?;
-        fs::rename(&tmp, &self.path).map_err(err)?;
-        // The directory is not synced: a rename lost to a power cut leaves the previous
-        // state, and every pod it lacks died with the machine anyway. A daemon restart
-        // (the case that matters) sees the rename at once. Saves a journal commit per ADD.
-        Ok(())
     }
 }
 
@@ -413,6 +369,7 @@ impl State {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs;
 
     fn cidrs(list: &[&str]) -> Vec<IpNet> {
         list.iter().map(|s| s.parse().unwrap()).collect()

@@ -12,6 +12,9 @@
 //! Chained after another plugin ([`DaemonConfig::chained`], Cilium's generic-veth chaining),
 //! that plugin gives pods their interface and addresses: ADD reports the addresses of its
 //! `prevResult` to the host and hands that result back; nothing is allocated or created.
+//! What each ADD reported is recorded (persisted beside the allocations, see [`ChainedAttachments`]), so
+//! DEL takes exactly that out of the model again, with or without a `prevResult`, and GC
+//! takes out that of attachments the runtime no longer lists (sparing young ones, as above).
 //!
 //! ```no_run
 //! # async fn f() -> Result<(), wasmplane_cni::Error> {
@@ -25,6 +28,8 @@
 //! # Ok(()) }
 //! ```
 
+mod chained;
+mod durable;
 mod error;
 mod ipam;
 mod link;
@@ -46,6 +51,7 @@ use axum::routing::{get, post};
 use ipnet::IpNet;
 use serde_json::Value;
 
+pub use chained::{CHAINED_STATE_FILE, ChainedAttachment, ChainedAttachments};
 pub use error::{CniErrorReply, Error, code};
 pub use ipam::{Allocation, Ipam, Pool};
 pub use link::host_if_name;
@@ -61,7 +67,7 @@ pub use protocol::{
 pub struct DaemonConfig {
     /// The unix socket the plugin talks to.
     pub socket_path: PathBuf,
-    /// Where allocations are persisted.
+    /// Where allocations (when chained: the attachments reported) are persisted.
     pub state_dir: PathBuf,
     /// The node's pod CIDRs (`spec.podCIDRs`: one per family, the primary family first);
     /// the first address of each is the pods' gateway of that family.
@@ -79,8 +85,9 @@ pub struct DaemonConfig {
     /// pods reach each other and the world through the node's routing (as the reference
     /// bridge plugin's isGateway).
     pub enable_ip_forward: bool,
-    /// GC keeps allocations younger than this even when the runtime does not list them: its
-    /// list may have been taken before an ADD that finished since.
+    /// GC keeps allocations (chained: reported attachments) younger than this even when the
+    /// runtime does not list them: its list may have been taken before an ADD that finished
+    /// since.
     pub gc_grace: Duration,
     /// Chained after the plugin that gives pods their interface and addresses (AWS VPC CNI,
     /// flannel...): the daemon learns a pod's addresses from its ADD's `prevResult` and
@@ -105,11 +112,14 @@ impl DaemonConfig {
     }
 }
 
-/// The daemon: configuration, allocator, and the host's two hooks.
+/// The daemon: configuration, allocator (chained: what ADDs reported), and the host's two
+/// hooks.
 pub struct CniDaemon {
     config: DaemonConfig,
     /// None when chained: the other plugin allocates.
     ipam: Option<Arc<Ipam>>,
+    /// Only when chained.
+    chained: Option<Arc<ChainedAttachments>>,
     pods: Arc<dyn PodDirectory>,
     sink: Arc<dyn PodNetworkSink>,
     /// One operation at a time per (container, interface): a DEL racing an ADD retry must
@@ -120,29 +130,31 @@ pub struct CniDaemon {
 }
 
 impl CniDaemon {
-    /// Opens the allocation state (recovering earlier allocations); none when chained.
+    /// Opens the allocation state (recovering earlier allocations); when chained, the record
+    /// of the attachments reported instead.
     pub fn new(
         config: DaemonConfig,
         pods: Arc<dyn PodDirectory>,
         sink: Arc<dyn PodNetworkSink>,
     ) -> Result<Arc<CniDaemon>, Error> {
-        let ipam = if config.chained {
+        let (ipam, chained) = if config.chained {
             if !config.pod_cidrs.is_empty() {
                 return Err(Error::InvalidConfig(format!(
                     "pod CIDRs {:?} given to a chained daemon, which allocates nothing",
                     config.pod_cidrs
                 )));
             }
-            None
+            (None, Some(Arc::new(ChainedAttachments::open(&config.state_dir)?)))
         } else {
             if let Some(mtu) = config.mtu {
                 check_mtu(mtu, &config.pod_cidrs)?;
             }
-            Some(Arc::new(Ipam::open(&config.state_dir, &config.pod_cidrs)?))
+            (Some(Arc::new(Ipam::open(&config.state_dir, &config.pod_cidrs)?)), None)
         };
         Ok(Arc::new(CniDaemon {
             config,
             ipam,
+            chained,
             pods,
             sink,
             in_flight: Mutex::default(),
@@ -179,7 +191,8 @@ impl CniDaemon {
     }
 
     /// The daemon at a glance (the host's `GET /v1/status`): chained or not, the pods' MTU,
-    /// and per pod CIDR how many of its addresses are handed out.
+    /// per pod CIDR how many of its addresses are handed out, and when chained how many
+    /// attachments' addresses it reported.
     pub fn summary(&self) -> DaemonSummary {
         let allocations = self.ipam().map(Ipam::all).unwrap_or_default();
         let pools = self
@@ -191,12 +204,25 @@ impl CniDaemon {
                 capacity: pool.capacity(),
             })
             .collect();
-        DaemonSummary { chained: self.config.chained, mtu: self.mtu(), pools }
+        let attachments = self.chained_attachments().map(ChainedAttachments::len);
+        DaemonSummary { chained: self.config.chained, mtu: self.mtu(), pools, attachments }
     }
 
     /// The allocator; none when chained.
     pub fn ipam(&self) -> Option<&Ipam> {
         self.ipam.as_deref()
+    }
+
+    /// The attachments whose addresses a chained ADD reported; none when not chained.
+    pub fn chained_attachments(&self) -> Option<&ChainedAttachments> {
+        self.chained.as_deref()
+    }
+
+    /// The chained attachments, for the code of a chained daemon.
+    fn chained_store(&self) -> Result<&Arc<ChainedAttachments>, Error> {
+        self.chained
+            .as_ref()
+            .ok_or_else(|| Error::Internal("a daemon that is not chained records no chained attachments".into()))
     }
 
     /// The pod CIDRs with their gateways; none when chained.
@@ -280,7 +306,7 @@ impl CniDaemon {
 
     /// `GET /healthz`, `POST /v1/cni` (body: [`CniRequest`]) and `GET /v1/allocations`
     /// (the pod CIDRs, their gateways, every allocation and the pods' MTU, none when
-    /// chained: for debugging a node).
+    /// chained; then the attachments reported: for debugging a node).
     pub fn router(self: &Arc<Self>) -> Router {
         Router::new()
             .route("/healthz", get(|| async { "ok" }))
@@ -309,8 +335,6 @@ impl CniDaemon {
         let chained = self.config.chained;
         match req.command {
             Command::Status => return self.status().map(|()| None),
-            // Chained, nothing is ours to release.
-            Command::Gc if chained => return Ok(None),
             Command::Gc => return self.gc(conf).await.map(|()| None),
             _ => {}
         }
@@ -319,7 +343,7 @@ impl CniDaemon {
             match req.command {
                 Command::Add if chained => self.add_chained(req, conf).await.map(Some),
                 Command::Add => self.add(req, conf).await.map(Some),
-                Command::Del if chained => self.del_chained(req, conf).map(|()| None),
+                Command::Del if chained => self.del_chained(req, conf).await.map(|()| None),
                 Command::Del => self
                     .remove_attachment(&req.container_id, &req.if_name)
                     .await
@@ -375,14 +399,34 @@ impl CniDaemon {
     }
 
     /// GC: releases every attachment the runtime no longer lists (and older than the
-    /// grace period), as a DEL would; goes on past failures and reports them together.
+    /// grace period), as a DEL would; chained, takes their reported addresses out of the
+    /// model. Goes on past failures and reports them together.
     async fn gc(&self, conf: &NetConf) -> Result<(), Error> {
         // Without the list nothing is known to be valid: releasing everything is not GC.
         let valid = conf.valid_attachments.as_ref().ok_or_else(|| {
             Error::InvalidConfig("GC needs cni.dev/valid-attachments".into())
         })?;
-        let ipam = self.allocator()?;
         let staleness = Staleness::new(valid, self.config.gc_grace);
+        let (released, failures) = if self.config.chained {
+            self.gc_chained(&staleness).await?
+        } else {
+            self.gc_allocations(&staleness).await?
+        };
+        if failures.is_empty() {
+            tracing::debug!(released, valid = valid.len(), "GC");
+            Ok(())
+        } else {
+            Err(Error::GcIncomplete(format!(
+                "released {released}, failed {}: {}",
+                failures.len(),
+                failures.join("; ")
+            )))
+        }
+    }
+
+    /// GC of the allocator: how many it released, and what failed.
+    async fn gc_allocations(&self, staleness: &Staleness<'_>) -> Result<(usize, Vec<String>), Error> {
+        let ipam = self.allocator()?;
         let mut failures = Vec::new();
         let mut released = 0;
         let now = SystemTime::now();
@@ -409,16 +453,51 @@ impl CniDaemon {
                 Err(e) => failures.push(format!("{ctr}/{ifn}: {e}")),
             }
         }
-        if failures.is_empty() {
-            tracing::debug!(released, valid = valid.len(), "GC");
-            Ok(())
-        } else {
-            Err(Error::GcIncomplete(format!(
-                "released {released}, failed {}: {}",
-                failures.len(),
-                failures.join("; ")
-            )))
+        Ok((released, failures))
+    }
+
+    /// GC of the chained attachments: the addresses of each stale one leave the model, as a
+    /// DEL would take them out. How many, and what failed.
+    async fn gc_chained(&self, staleness: &Staleness<'_>) -> Result<(usize, Vec<String>), Error> {
+        let store = self.chained_store()?;
+        let mut failures = Vec::new();
+        let mut released = 0;
+        let now = SystemTime::now();
+        let stale: Vec<ChainedAttachment> = store.all().into_iter().filter(|a| staleness.of(a, now)).collect();
+        for stale in stale {
+            let (ctr, ifn) = (&stale.container_id, &stale.if_name);
+            // Under the attachment's lock, looked at again: an ADD may have run meanwhile.
+            let result = self
+                .exclusively(ctr, ifn, async {
+                    match store.get(ctr, ifn) {
+                        Some(current) if staleness.of(&current, SystemTime::now()) => {
+                            self.forget_chained(store, current).await.map(Some)
+                        }
+                        _ => Ok(None),
+                    }
+                })
+                .await;
+            match result {
+                Ok(Some(a)) => {
+                    tracing::info!(ips = ?a.ips, container = %ctr, if_name = %ifn, namespace = %a.pod_namespace, pod = %a.pod_name, "GC took a stale chained attachment's addresses out of the model");
+                    released += 1;
+                }
+                Ok(None) => {}
+                Err(e) => failures.push(format!("{ctr}/{ifn}: {e}")),
+            }
         }
+        Ok((released, failures))
+    }
+
+    /// Takes a chained attachment's reported addresses out of the model and its record out of
+    /// the store. The model first: should the write fail, the runtime's retried DEL (or the
+    /// next GC) finds no record but has nothing left to take out; the sink forgets a pod only
+    /// while it has exactly these addresses, so doing it twice is harmless.
+    async fn forget_chained(&self, store: &Arc<ChainedAttachments>, a: ChainedAttachment) -> Result<ChainedAttachment, Error> {
+        self.sink.pod_network_removed(&a.pod_namespace, &a.pod_name, &a.ips);
+        let (store, ctr, ifn) = (store.clone(), a.container_id.clone(), a.if_name.clone());
+        blocking(move || store.remove(&ctr, &ifn)).await?;
+        Ok(a)
     }
 
     /// The pod named in `CNI_ARGS` (if any), once it is in the watch cache.
@@ -443,6 +522,22 @@ impl CniDaemon {
     async fn add_chained(&self, req: &CniRequest, conf: &NetConf) -> Result<Value, Error> {
         let ips = conf.previous_addresses()?;
         if let Some(p) = self.pod_in_cache(req).await? {
+            // Recorded before the host has them: a record without addresses in the model
+            // (the write done, the daemon gone) costs a no-op removal later; addresses
+            // without a record would stay in the model for good.
+            let record = ChainedAttachment {
+                container_id: req.container_id.clone(),
+                if_name: req.if_name.clone(),
+                pod_namespace: p.namespace.clone(),
+                pod_name: p.name.clone(),
+                ips: ips.clone(),
+                added_at: unix_seconds(SystemTime::now()),
+            };
+            let store = self.chained_store()?.clone();
+            let superseded = blocking(move || store.record(record)).await?;
+            for old in superseded {
+                tracing::debug!(container = %old.container_id, if_name = %old.if_name, namespace = %p.namespace, pod = %p.name, "chained ADD supersedes the pod's earlier attachment");
+            }
             self.sink.pod_network_added(&p.namespace, &p.name, &ips).await;
         }
         let mut result = conf.prev_result.clone().unwrap_or_default();
@@ -450,16 +545,25 @@ impl CniDaemon {
         Ok(result)
     }
 
-    /// Chained DEL: the addresses of the cached `prevResult` leave the model; the interface
-    /// is the other plugin's. Without a `prevResult` (or a readable one) nothing changes:
-    /// DEL must succeed whatever is left. A repeated DEL changes nothing either, as the sink
-    /// forgets a pod only while it has exactly these addresses.
-    fn del_chained(&self, req: &CniRequest, conf: &NetConf) -> Result<(), Error> {
-        let Some(pod) = parse_pod_args(&req.args)? else {
+    /// Chained DEL: the addresses its ADD reported leave the model (the interface is the
+    /// other plugin's), whether or not the runtime passes the cached `prevResult`. Without a
+    /// record (an attachment added by a daemon from before records were kept, or already
+    /// deleted) those of the `prevResult`; without either (or an unreadable one) nothing
+    /// changes: DEL must succeed whatever is left. A repeated DEL changes nothing either, as
+    /// the sink forgets a pod only while it has exactly these addresses.
+    async fn del_chained(&self, req: &CniRequest, conf: &NetConf) -> Result<(), Error> {
+        let pod = parse_pod_args(&req.args)?;
+        let store = self.chained_store()?;
+        if let Some(recorded) = store.get(&req.container_id, &req.if_name) {
+            let a = self.forget_chained(store, recorded).await?;
+            tracing::debug!(container = %a.container_id, if_name = %a.if_name, namespace = %a.pod_namespace, pod = %a.pod_name, ips = ?a.ips, "chained DEL took the recorded addresses out of the model");
+            return Ok(());
+        }
+        let Some(pod) = pod else {
             return Ok(());
         };
         if conf.prev_result.is_none() {
-            tracing::debug!(container = %req.container_id, namespace = %pod.namespace, pod = %pod.name, "chained DEL without prevResult: nothing to remove");
+            tracing::debug!(container = %req.container_id, namespace = %pod.namespace, pod = %pod.name, "chained DEL of an unrecorded attachment without prevResult: nothing to remove");
             return Ok(());
         }
         match conf.previous_addresses() {
@@ -590,9 +694,39 @@ impl CniDaemon {
     }
 }
 
-/// Which allocations GC releases: of no attachment the runtime lists, and older than the
-/// grace period (an ADD that finished after the runtime took its list is not stale).
-/// Allocations from before their time was recorded count as old.
+/// What GC judges: an attachment, and when its ADD recorded it.
+trait Recorded {
+    fn attachment(&self) -> (&str, &str);
+    /// Seconds since the Unix epoch; `None`: from before times were recorded.
+    fn recorded_at(&self) -> Option<u64>;
+}
+
+impl Recorded for Allocation {
+    fn attachment(&self) -> (&str, &str) {
+        (&self.container_id, &self.if_name)
+    }
+    fn recorded_at(&self) -> Option<u64> {
+        self.allocated_at
+    }
+}
+
+impl Recorded for ChainedAttachment {
+    fn attachment(&self) -> (&str, &str) {
+        (&self.container_id, &self.if_name)
+    }
+    fn recorded_at(&self) -> Option<u64> {
+        Some(self.added_at)
+    }
+}
+
+fn unix_seconds(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |t| t.as_secs())
+}
+
+/// Which allocations (chained: reported attachments) GC releases: of no attachment the
+/// runtime lists, and older than the grace period (an ADD that finished after the runtime
+/// took its list is not stale). Allocations from before their time was recorded count as
+/// old.
 struct Staleness<'a> {
     valid: HashSet<(&'a str, &'a str)>,
     grace: Duration,
@@ -605,10 +739,10 @@ impl<'a> Staleness<'a> {
     }
 
     /// Whether `a` is stale at `now`.
-    fn of(&self, a: &Allocation, now: SystemTime) -> bool {
-        let now = now.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |t| t.as_secs());
-        !self.valid.contains(&(a.container_id.as_str(), a.if_name.as_str()))
-            && a.allocated_at.is_none_or(|at| now.saturating_sub(at) >= self.grace.as_secs())
+    fn of(&self, a: &impl Recorded, now: SystemTime) -> bool {
+        let now = unix_seconds(now);
+        !self.valid.contains(&a.attachment())
+            && a.recorded_at().is_none_or(|at| now.saturating_sub(at) >= self.grace.as_secs())
     }
 }
 
@@ -657,13 +791,13 @@ fn bind(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
     Ok(listener)
 }
 
-/// Runs file I/O (IPAM persistence, with its fsyncs) off the async workers.
+/// Runs file I/O (persisting the state, with its fsyncs) off the async workers.
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, Error> + Send + 'static,
 ) -> Result<T, Error> {
     tokio::task::spawn_blocking(f)
         .await
-        .map_err(|e| Error::Internal(format!("IPAM task: {e}")))?
+        .map_err(|e| Error::Internal(format!("state task: {e}")))?
 }
 
 fn validate_env(req: &CniRequest) -> Result<(), Error> {
@@ -705,6 +839,10 @@ pub struct DaemonSummary {
     /// `None`: the kernel's default (and always when chained).
     pub mtu: Option<u32>,
     pub pools: Vec<PoolUsage>,
+    /// Chained: how many attachments' addresses it reported (and DEL or GC has not taken
+    /// out yet). Left out when not chained.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attachments: Option<usize>,
 }
 
 /// One pod CIDR: its addresses handed out, and how many pods it can address at most.
@@ -722,7 +860,11 @@ async fn allocations_handler(State(daemon): State<Arc<CniDaemon>>) -> axum::Json
         .map(|p| serde_json::json!({"podCIDR": p.cidr.to_string(), "gateway": p.gateway.to_string()}))
         .collect();
     let allocations = daemon.ipam().map(Ipam::all).unwrap_or_default();
-    axum::Json(serde_json::json!({"pools": pools, "allocations": allocations, "chained": daemon.config.chained, "mtu": daemon.mtu()}))
+    let mut reply = serde_json::json!({"pools": pools, "allocations": allocations, "chained": daemon.config.chained, "mtu": daemon.mtu()});
+    if let Some(store) = daemon.chained_attachments() {
+        reply["chainedAttachments"] = serde_json::json!(store.all());
+    }
+    axum::Json(reply)
 }
 
 async fn cni_handler(State(daemon): State<Arc<CniDaemon>>, body: Bytes) -> Response {
@@ -832,6 +974,17 @@ mod tests {
             allocation("unrecorded", None),
         ];
         let staleness = Staleness::new(&valid, Duration::from_secs(60));
+        // A chained daemon's records are judged alike.
+        let chained = |container_id: &str, added_at: u64| ChainedAttachment {
+            container_id: container_id.into(),
+            if_name: "eth0".into(),
+            pod_namespace: "ns".into(),
+            pod_name: "p".into(),
+            ips: Vec::new(),
+            added_at,
+        };
+        let stale: Vec<bool> = [chained("kept", 100), chained("gone", 100), chained("young", 990)].iter().map(|a| staleness.of(a, now)).collect();
+        assert_eq!(stale, [false, true, false]);
         let stale: Vec<String> = allocations
             .into_iter()
             .filter(|a| staleness.of(a, now))
@@ -897,6 +1050,110 @@ mod tests {
         assert!(e.to_string().contains("watch cache"), "{e}");
     }
 
+    /// A DEL or GC request for the chained attachment `(container_id, eth0)` of pod `ns/pod`,
+    /// in spec 1.1.0.
+    fn chained_request(command: Command, container_id: &str, pod: &str, prev: Option<&Value>) -> CniRequest {
+        let mut r = CniRequest::for_pod(command, container_id, "/var/run/netns/x", "ns", pod);
+        r.config["cniVersion"] = json!("1.1.0");
+        if let Some(prev) = prev {
+            r.config["prevResult"] = prev.clone();
+        }
+        r
+    }
+
+    fn prev_result(ips: &[&str]) -> Value {
+        let ips: Vec<Value> = ips.iter().map(|ip| json!({"address": ip, "interface": 0})).collect();
+        json!({"cniVersion": "1.0.0", "interfaces": [{"name": "eth0", "sandbox": "/var/run/netns/x"}], "ips": ips})
+    }
+
+    fn gc_request(valid: &[&str]) -> CniRequest {
+        let valid: Vec<Value> = valid.iter().map(|c| json!({"containerID": c, "ifname": "eth0"})).collect();
+        network_request(Command::Gc, json!({"cniVersion": "1.1.0", "name": "k8s", "cni.dev/valid-attachments": valid}))
+    }
+
+    fn chained_config(state_dir: &Path, gc_grace: Duration) -> DaemonConfig {
+        let mut config = DaemonConfig::new(Vec::new(), state_dir.into());
+        config.chained = true;
+        config.gc_grace = gc_grace;
+        config
+    }
+
+    fn ip_list(ips: &[&str]) -> Vec<std::net::IpAddr> {
+        ips.iter().map(|ip| ip.split('/').next().unwrap().parse().unwrap()).collect()
+    }
+
+    /// Chained GC (spec 1.1.0, for every plugin of the chain): the addresses an ADD reported
+    /// leave the model once the runtime no longer lists the attachment and it is older than
+    /// the grace period; listed or young ones stay. The record survives a restart of the
+    /// daemon, and a pod's new sandbox supersedes the record of its old one (whose GC would
+    /// otherwise take out the new sandbox's addresses, when they are the same).
+    #[tokio::test]
+    async fn chained_gc_takes_out_what_the_runtime_no_longer_lists() {
+        let dir = tempfile::tempdir().unwrap();
+        let sink = Arc::new(PodNetworks::new());
+        let young = CniDaemon::new(chained_config(dir.path(), Duration::from_secs(60)), Arc::new(AnyPod), sink.clone()).unwrap();
+        let (a, b) = (["10.244.4.9/24", "fd00:10:244:4::9/64"], ["10.244.4.10/24"]);
+        young.handle(&chained_request(Command::Add, "ctr-a", "a", Some(&prev_result(&a)))).await.unwrap();
+        young.handle(&chained_request(Command::Add, "ctr-b", "b", Some(&prev_result(&b)))).await.unwrap();
+        assert_eq!(young.summary().attachments, Some(2));
+        // GC needs the runtime's list, as unchained.
+        let no_list = network_request(Command::Gc, json!({"cniVersion": "1.1.0", "name": "k8s"}));
+        assert_eq!(young.handle(&no_list).await.unwrap_err().1.code(), code::INVALID_CONFIG);
+        // Unlisted but young: kept.
+        assert_eq!(young.handle(&gc_request(&[])).await.unwrap(), None);
+        assert_eq!((sink.get("ns", "a"), sink.get("ns", "b")), (Some(ip_list(&a)), Some(ip_list(&b))));
+        drop(young);
+
+        // Restarted (the same directory), now past the grace period.
+        let daemon = CniDaemon::new(chained_config(dir.path(), Duration::ZERO), Arc::new(AnyPod), sink.clone()).unwrap();
+        let recorded: Vec<_> = daemon.chained_attachments().unwrap().all().into_iter().map(|r| (r.container_id, r.pod_name, r.ips)).collect();
+        assert_eq!(recorded, [("ctr-a".into(), "a".into(), ip_list(&a)), ("ctr-b".into(), "b".into(), ip_list(&b))]);
+        assert_eq!(daemon.handle(&gc_request(&["ctr-b", "ctr-unknown"])).await.unwrap(), None);
+        assert_eq!(sink.get("ns", "a"), None, "a's addresses out of the model");
+        assert_eq!(sink.get("ns", "b"), Some(ip_list(&b)), "listed: kept");
+        assert!(daemon.chained_attachments().unwrap().get("ctr-a", "eth0").is_none(), "a's record gone");
+        assert_eq!(daemon.summary().attachments, Some(1));
+
+        // b's new sandbox got the same address; the runtime lists only that one.
+        daemon.handle(&chained_request(Command::Add, "ctr-b2", "b", Some(&prev_result(&b)))).await.unwrap();
+        assert_eq!(daemon.handle(&gc_request(&["ctr-b2"])).await.unwrap(), None);
+        assert_eq!(sink.get("ns", "b"), Some(ip_list(&b)), "the new sandbox's addresses stay");
+        let left: Vec<_> = daemon.chained_attachments().unwrap().all().into_iter().map(|r| r.container_id).collect();
+        assert_eq!(left, ["ctr-b2"]);
+        drop(daemon);
+        let reopened = ChainedAttachments::open(dir.path()).unwrap();
+        assert_eq!(reopened.all().len(), 1, "GC's removals are on disk too");
+    }
+
+    /// Chained DEL without the cached `prevResult` (or without the pod in `CNI_ARGS`) takes
+    /// out the addresses ADD reported, also after a restart; an attachment the daemon has no
+    /// record of changes nothing.
+    #[tokio::test]
+    async fn chained_del_without_prev_result_takes_out_the_recorded_addresses() {
+        let dir = tempfile::tempdir().unwrap();
+        let sink = Arc::new(PodNetworks::new());
+        let config = chained_config(dir.path(), Duration::from_secs(60));
+        let daemon = CniDaemon::new(config.clone(), Arc::new(AnyPod), sink.clone()).unwrap();
+        let (p, q) = (["10.244.4.9/24"], ["fd00:10:244:4::7/64"]);
+        daemon.handle(&chained_request(Command::Add, "ctr-p", "p", Some(&prev_result(&p)))).await.unwrap();
+        daemon.handle(&chained_request(Command::Add, "ctr-q", "q", Some(&prev_result(&q)))).await.unwrap();
+        assert_eq!(daemon.handle(&chained_request(Command::Del, "ctr-unknown", "p", None)).await.unwrap(), None);
+        assert_eq!(sink.get("ns", "p"), Some(ip_list(&p)));
+
+        assert_eq!(daemon.handle(&chained_request(Command::Del, "ctr-p", "p", None)).await.unwrap(), None);
+        assert_eq!(sink.get("ns", "p"), None);
+        assert!(daemon.chained_attachments().unwrap().get("ctr-p", "eth0").is_none());
+        drop(daemon);
+
+        let daemon = CniDaemon::new(config, Arc::new(AnyPod), sink.clone()).unwrap();
+        let mut no_pod = chained_request(Command::Del, "ctr-q", "q", None);
+        no_pod.args = String::new();
+        assert_eq!(daemon.handle(&no_pod).await.unwrap(), None);
+        assert_eq!(sink.get("ns", "q"), None, "the record names the pod");
+        assert!(daemon.chained_attachments().unwrap().is_empty());
+        assert!(ChainedAttachments::open(dir.path()).unwrap().is_empty(), "DEL's removals are on disk");
+    }
+
     /// A given MTU must suit the pod CIDRs' families: refused when the daemon is made, before
     /// anything is served. Chained it is ignored, not checked.
     #[test]
@@ -922,9 +1179,9 @@ mod tests {
     }
 
     /// Chained: ADD reports the prevResult's addresses and returns it in the request's
-    /// version, with nothing allocated or persisted; without addresses it is refused; DEL
-    /// takes the addresses out of the model, repeatedly without harm; STATUS and GC have no
-    /// pools to look at. (No namespace is touched, so this runs unprivileged.)
+    /// version, with nothing allocated (only the attachment recorded); without addresses it
+    /// is refused; DEL takes the addresses out of the model, repeatedly without harm;
+    /// STATUS has no pools to look at. (No namespace is touched, so this runs unprivileged.)
     #[tokio::test]
     async fn chained_daemon_follows_the_previous_plugin() {
         let dir = tempfile::tempdir().unwrap();
@@ -950,7 +1207,8 @@ mod tests {
         assert_eq!(result, want);
         let ips: Vec<std::net::IpAddr> = vec!["10.244.4.9".parse().unwrap(), "fd00:10:244:4::9".parse().unwrap()];
         assert_eq!(sink.get("ns", "p"), Some(ips));
-        assert!(!state_dir.exists(), "a chained daemon keeps no allocation state");
+        let names: Vec<_> = std::fs::read_dir(&state_dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, [CHAINED_STATE_FILE], "a chained daemon keeps no allocation state");
         assert_eq!(daemon.handle(&request(Command::Check, Some(&prev))).await.unwrap(), None);
 
         let refused = daemon.handle(&request(Command::Add, None)).await.unwrap_err();
@@ -960,12 +1218,9 @@ mod tests {
         assert_eq!(daemon.handle(&request(Command::Check, Some(&no_ips))).await.unwrap_err().1.code(), code::INVALID_CONFIG);
 
         let status = json!({"cniVersion": "1.1.0", "name": "k8s"});
-        assert!(daemon.handle(&network_request(Command::Status, status.clone())).await.is_ok());
-        assert!(daemon.handle(&network_request(Command::Gc, status)).await.is_ok(), "nothing to release");
+        assert!(daemon.handle(&network_request(Command::Status, status)).await.is_ok());
 
-        // DEL without the cached result changes nothing; with it the addresses go; again: fine.
-        assert_eq!(daemon.handle(&request(Command::Del, None)).await.unwrap(), None);
-        assert!(sink.get("ns", "p").is_some());
+        // DEL with the cached result: the addresses go; again: fine.
         for _ in 0..2 {
             assert_eq!(daemon.handle(&request(Command::Del, Some(&prev))).await.unwrap(), None);
             assert_eq!(sink.get("ns", "p"), None);
