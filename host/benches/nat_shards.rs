@@ -66,7 +66,7 @@ fn services_as_data(n: usize, backends: usize) -> BTreeMap<ObjectKey, ObjectRule
                 })
                 .collect();
             let out = Ruleset { chains: vec![], sets: vec![], map_elements, warnings: vec![] };
-            let rules = nft::validate_service_output(&key, &out, &nft::PodTraffic::default()).expect("a valid ruleset");
+            let rules = nft::validate_service_output(&key, &out, nft::PodDetection::new(&nft::PodTraffic::default(), &[])).expect("a valid ruleset");
             (key, rules)
         })
         .collect()

@@ -56,7 +56,8 @@ fn view(i: usize, endpoint_base: usize) -> ServiceView {
 fn rules(session: &mut TranslatorSession, ctx: &NodeContext, view: &ServiceView) -> (ObjectKey, ObjectRules) {
     let key = ObjectKey::new(&view.service.namespace, &view.service.name);
     let out = session.translate(ctx, &nft::service_prefix(&key), view).expect("translate");
-    let rules = nft::validate_service_output(&key, &out, &nft::PodTraffic::default()).expect("valid output");
+    let cluster_cidrs = wasmplane::dataplane::parse_cidrs("cluster-cidrs", &ctx.cluster_cidrs);
+    let rules = nft::validate_service_output(&key, &out, nft::PodDetection::new(&nft::PodTraffic::default(), &cluster_cidrs)).expect("valid output");
     (key, rules)
 }
 

@@ -82,7 +82,7 @@ impl Bench {
             touched.merge(self.cluster.apply(e, NODE));
         }
         let update = self.model.update(&self.cluster, &touched);
-        let changes = self.policy.apply(&self.cluster, &self.model, &update);
+        let changes = self.policy.apply(&self.cluster, &self.model, &update, self.dataplane.pod_detection());
         assert_eq!(changes.failed, 0, "compile failures");
         let compiled = changes.compiled;
         let stats = if full {

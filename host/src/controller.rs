@@ -203,14 +203,15 @@ impl CallFailure {
     }
 }
 
-/// Rendered for `dataplane`: its `pod-traffic` detection, and its drop chain for no-endpoint
-/// drops when it logs service drops (see `nft::service_drops`).
+/// Rendered for `dataplane`: its `pod-traffic` detection (by the cluster CIDRs it has now),
+/// and its drop chain for no-endpoint drops when it logs service drops (see
+/// `nft::service_drops`).
 fn translate_one(session: &mut TranslatorSession, model: &NodeLocalModel, key: &ObjectKey, view: &ServiceView, dataplane: &Dataplane) -> Result<ObjectRules, CallFailure> {
     let out = session.translate(&model.context, &nft::service_prefix(key), view).map_err(|e| match e {
         CallError::Guest(_) => CallFailure::Declined(e.to_string()),
         other => CallFailure::Crash(other.to_string()),
     })?;
-    let mut rules = nft::validate_service_output(key, &out, dataplane.pod_traffic()).map_err(|e| CallFailure::Crash(e.to_string()))?;
+    let mut rules = nft::validate_service_output(key, &out, dataplane.pod_detection()).map_err(|e| CallFailure::Crash(e.to_string()))?;
     if dataplane.logs_service_drops() {
         nft::service_drops::route_drops_through_log(&mut rules);
     }
@@ -299,7 +300,7 @@ impl Controller {
             egress_follows_node: config.egress_masquerade.as_ref().is_some_and(|egress| egress.sources.is_empty()),
             shadow: None,
             cni_ips: BTreeMap::new(),
-            policy: PolicyController::new(&policy_module).with_verdict_log(config.policy_verdict_log).with_pod_traffic(config.local_detection.pod_traffic()),
+            policy: PolicyController::new(&policy_module).with_verdict_log(config.policy_verdict_log),
             without_local: BTreeMap::new(),
             trigger_times: Vec::new(),
             programming_since: SystemTime::now(),
@@ -479,7 +480,16 @@ impl Controller {
         for observer in &self.observers {
             observer.model_changed(&self.model, &update);
         }
-        let policy_changes = self.policy.apply(&self.cluster, &self.model, &update);
+        // The tables' static part first: services' and policies' `pod-traffic` rules render
+        // by the cluster CIDRs the dataplane has (a family without one has no detector by
+        // source address), and a context change redoes every service and policy below.
+        // Node ports may move with the node's addresses (`--nodeport-addresses primary`).
+        let node_ports_moved = update.context_changed && self.dataplane.set_node_ips(&self.model.context.node_ips);
+        let service_cidrs_moved = update.service_cidrs_changed && self.dataplane.set_service_cidrs(&self.model.service_cidrs);
+        // With `--detect-local-mode NodeCIDR` they follow the node's pod CIDRs.
+        let cluster_cidrs_moved = update.context_changed && self.dataplane.set_cluster_cidrs(&self.model.context.cluster_cidrs);
+        let egress_sources_moved = update.context_changed && self.egress_follows_node && self.dataplane.set_egress_sources(&self.model.context.pod_cidrs);
+        let policy_changes = self.policy.apply(&self.cluster, &self.model, &update, self.dataplane.pod_detection());
         for call in &policy_changes.guest_calls {
             self.metrics.guest_call_time("network-policy", call.seconds);
             if call.outcome == "invalid" {
@@ -508,12 +518,6 @@ impl Controller {
         } else {
             update.changed.into_iter().map(|c| (c.key, c.view)).collect()
         };
-        // Node ports may move with the node's addresses (`--nodeport-addresses primary`).
-        let node_ports_moved = update.context_changed && self.dataplane.set_node_ips(&self.model.context.node_ips);
-        let service_cidrs_moved = update.service_cidrs_changed && self.dataplane.set_service_cidrs(&self.model.service_cidrs);
-        // With `--detect-local-mode NodeCIDR` they follow the node's pod CIDRs.
-        let cluster_cidrs_moved = update.context_changed && self.dataplane.set_cluster_cidrs(&self.model.context.cluster_cidrs);
-        let egress_sources_moved = update.context_changed && self.egress_follows_node && self.dataplane.set_egress_sources(&self.model.context.pod_cidrs);
         if let Some(mut shadow) = self.shadow.take() {
             self.run_shadow(&mut shadow, &changed);
             self.shadow = Some(shadow);
@@ -863,8 +867,8 @@ impl Controller {
         if let Err(e) = self.admit(name, version, &module.info, &bytes).and_then(|_| settings_verdict(name, module.validate_settings(&settings))) {
             return Err(failed(self, e.to_string()));
         }
-        let mut candidate = PolicyController::new(&module).with_verdict_log(self.policy.verdict_log()).with_pod_traffic(self.dataplane.pod_traffic().clone());
-        let compiled = candidate.recompile_all(&self.cluster, &self.model);
+        let mut candidate = PolicyController::new(&module).with_verdict_log(self.policy.verdict_log());
+        let compiled = candidate.recompile_all(&self.cluster, &self.model, self.dataplane.pod_detection());
         if compiled.failed > 0 {
             let errors: Vec<String> = candidate.status(&self.model).into_iter().filter_map(|s| s.error.map(|e| format!("{}/{}: {e}", s.namespace, s.name))).take(3).collect();
             return Err(failed(self, format!("{} of the policies failed to compile: {}", compiled.failed, errors.join("; "))));
@@ -1067,5 +1071,118 @@ impl Controller {
 
     pub fn active_translator(&self) -> Option<(String, u32)> {
         self.translator.as_ref().map(|t| (t.name.clone(), t.version))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// A controller of `node-a` detecting local traffic by `local_detection` (with
+    /// `--cluster-cidr` `cluster_cidrs`), whose writes are recorded, not applied.
+    fn controller(local_detection: LocalDetection, cluster_cidrs: &[&str]) -> Controller {
+        let runtime = Arc::new(Runtime::new(wasmplane_runtime::Limits::default(), None).unwrap());
+        let config = ControllerConfig {
+            node_name: "node-a".into(),
+            cluster_cidrs: cluster_cidrs.iter().map(|c| c.to_string()).collect(),
+            local_detection,
+            service_cidrs: vec![],
+            masquerade_all: false,
+            egress_masquerade: None,
+            max_module_bytes: usize::MAX,
+            crash_budget: CrashBudget::default(),
+            services_per_shard: nft::Layout::DEFAULT_SERVICES_PER_SHARD,
+            node_port_addresses: nft::NodePortAddresses::All,
+            admission: Arc::new(crate::admission::Admission::permissive()),
+            policy_verdict_log: None,
+        };
+        Controller::new(runtime, Arc::new(Metrics::new()), Box::<crate::dataplane::Recorder>::default(), None, config).unwrap()
+    }
+
+    /// `node-a` with these pod CIDRs, and an IPv6 NodePort service with externalTrafficPolicy
+    /// Local and an endpoint here: a port the default translator keeps in chains, with its
+    /// IPv6 `pod-traffic` rules.
+    fn objects(pod_cidrs: &[&str]) -> Vec<ClusterObject> {
+        let documents = [
+            json!({ "apiVersion": "v1", "kind": "Node", "metadata": { "name": "node-a" }, "spec": { "podCIDR": pod_cidrs.first(), "podCIDRs": pod_cidrs } }),
+            json!({
+                "apiVersion": "v1", "kind": "Service", "metadata": { "name": "web", "namespace": "shop" },
+                "spec": {
+                    "type": "NodePort", "clusterIP": "fd00:96::20", "clusterIPs": ["fd00:96::20"], "ipFamilies": ["IPv6"], "externalTrafficPolicy": "Local",
+                    "ports": [{ "name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP", "nodePort": 30080 }],
+                },
+            }),
+            json!({
+                "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv6",
+                "metadata": { "name": "web-abc", "namespace": "shop", "labels": { "kubernetes.io/service-name": "web" } },
+                "ports": [{ "name": "http", "port": 8080, "protocol": "TCP" }],
+                "endpoints": [{ "addresses": ["fd00:10:244:1::11"], "conditions": { "ready": true }, "nodeName": "node-a" }],
+            }),
+        ];
+        documents.into_iter().map(|d| wasmplane_sources::convert::object_from_json(d).unwrap().unwrap()).collect()
+    }
+
+    /// With NodeCIDR detection the node's pod CIDRs decide where pods are detected: the
+    /// dataplane has them before the services (and policies) are redone, so when the Node
+    /// gains its first IPv6 pod CIDR the service's IPv6 `pod-traffic` rules and the host's
+    /// IPv6 off-cluster masquerade appear in the same write, and when it loses it they go.
+    #[test]
+    fn pod_traffic_rules_follow_the_families_of_the_nodes_pod_cidrs() {
+        let mut controller = controller(LocalDetection::NodeCidr, &[]);
+        let ip6_rules = |c: &Controller| pod_traffic_rules(c, "@cluster-cidrs6");
+        let v4_check = "ip daddr . meta l4proto . th dport @masquerade-off-cluster ip saddr != @cluster-cidrs jump mark-for-masquerade";
+        let v6_check = "ip6 daddr . meta l4proto . th dport @masquerade-off-cluster6 ip6 saddr != @cluster-cidrs6 jump mark-for-masquerade";
+
+        controller.replace_objects(objects(&["10.244.1.0/24"])).unwrap();
+        assert_eq!(ip6_rules(&controller), Vec::<String>::new(), "no IPv6 pod CIDR: no IPv6 detector");
+        assert_eq!(masquerade_checks(&controller), [v4_check]);
+
+        controller.replace_objects(objects(&["10.244.1.0/24", "fd00:10:244:1::/64"])).unwrap();
+        assert_eq!(
+            ip6_rules(&controller),
+            [
+                "ip6 daddr fd00:96::20 meta l4proto tcp th dport 80 ip6 saddr != @cluster-cidrs6 jump mark-for-masquerade",
+                "ip6 saddr @cluster-cidrs6 goto svc/shop/web/tcp/http",
+            ]
+        );
+        assert_eq!(masquerade_checks(&controller), [v4_check, v6_check]);
+        assert!(controller.dataplane().render().contains("add element inet wasmplane cluster-cidrs6 { fd00:10:244:1::/64 }"));
+
+        controller.replace_objects(objects(&["10.244.1.0/24"])).unwrap();
+        assert_eq!(ip6_rules(&controller), Vec::<String>::new(), "the IPv6 pod CIDR went: so did its detector");
+        assert_eq!(masquerade_checks(&controller), [v4_check]);
+    }
+
+    /// The rules of `shop/web` that match pod traffic by `detector`, in chain order.
+    fn pod_traffic_rules(c: &Controller, detector: &str) -> Vec<String> {
+        let web = &c.dataplane().applied()[&ObjectKey::new("shop", "web")];
+        web.chains.values().flatten().filter(|rule| rule.contains(detector)).cloned().collect()
+    }
+
+    /// The host's off-cluster masquerade rules, as its tables are now.
+    fn masquerade_checks(c: &Controller) -> Vec<String> {
+        let table = c.dataplane().render();
+        table.lines().filter_map(|l| l.split_once(" masquerade-check ").map(|(_, rule)| rule.to_string())).filter(|rule| rule.contains("@masquerade-off-cluster")).collect()
+    }
+
+    /// By interface pods are detected in every family, kube-proxy's way: a dual-stack node
+    /// whose `--cluster-cidr` is IPv4 only has its IPv6 `pod-traffic` rules and IPv6
+    /// off-cluster masquerade all the same.
+    #[test]
+    fn an_interface_mode_detects_pods_in_a_family_without_a_cluster_cidr() {
+        let mut controller = controller(LocalDetection::InterfaceNamePrefix("vp".into()), &["10.244.0.0/16"]);
+        controller.replace_objects(objects(&["10.244.1.0/24", "fd00:10:244:1::/64"])).unwrap();
+        assert_eq!(
+            pod_traffic_rules(&controller, "iifname"),
+            ["ip6 daddr fd00:96::20 meta l4proto tcp th dport 80 iifname != \"vp*\" jump mark-for-masquerade", "iifname \"vp*\" goto svc/shop/web/tcp/http"]
+        );
+        assert_eq!(
+            masquerade_checks(&controller),
+            [
+                "ip daddr . meta l4proto . th dport @masquerade-off-cluster iifname != \"vp*\" jump mark-for-masquerade",
+                "ip6 daddr . meta l4proto . th dport @masquerade-off-cluster6 iifname != \"vp*\" jump mark-for-masquerade",
+            ]
+        );
     }
 }

@@ -853,6 +853,14 @@ impl Dataplane {
         &self.networks.pod_traffic
     }
 
+    /// How guests' `pod-traffic` matches render now, and in which families they can (see
+    /// [`nft::PodDetection`]): by source address, those of the cluster CIDRs it has now. A
+    /// caller that moves them ([`Dataplane::set_cluster_cidrs`]) does so before it validates
+    /// what depends on them.
+    pub fn pod_detection(&self) -> nft::PodDetection<'_> {
+        self.networks.pod_detection()
+    }
+
     /// The cluster's pod CIDRs (unparsable ones are logged and left out): connections to a
     /// `masquerade-off-cluster` frontend from outside them are masqueraded.
     pub fn with_cluster_cidrs(mut self, cidrs: &[impl AsRef<str>]) -> Self {

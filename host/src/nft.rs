@@ -889,8 +889,8 @@ fn protocol(p: wit::Protocol) -> &'static str {
 
 struct Validator<'a> {
     object: &'a str,
-    /// What `pod-traffic` matches render as on this node.
-    pod_traffic: &'a PodTraffic,
+    /// What `pod-traffic` matches render as on this node, and where it has none.
+    pods: PodDetection<'a>,
     prefix: &'a str,
     /// Set names under this prefix are allowed besides the object's own (policies' shared
     /// sets, see `policy::SHARED_SET_PREFIX`).
@@ -978,8 +978,24 @@ impl<'a> Validator<'a> {
         })
     }
 
-    fn rule(&self, rule: &wit::Rule) -> Result<String, InvalidOutput> {
+    /// A chain's rules, rendered; those the node has no pod detector for left out.
+    fn chain_rules(&self, chain: &wit::Chain) -> Result<Vec<String>, InvalidOutput> {
+        let mut rendered = Vec::with_capacity(chain.rules.len());
+        for rule in &chain.rules {
+            rendered.extend(self.rule(rule)?);
+        }
+        let omitted = chain.rules.len() - rendered.len();
+        if omitted > 0 {
+            tracing::debug!(object = self.object, chain = %chain.name, omitted, "rules matching pod traffic of a family this node detects no pods in are left out");
+        }
+        Ok(rendered)
+    }
+
+    /// One rule, rendered; `None` when it matches pod traffic of a family the node has no
+    /// pod detector for (kube-proxy writes no such rule). It is validated all the same.
+    fn rule(&self, rule: &wit::Rule) -> Result<Option<String>, InvalidOutput> {
         let mut parts: Vec<String> = Vec::new();
+        let mut undetected = false;
         for m in &rule.matches {
             parts.push(match m {
                 wit::RuleMatch::Source(a) | wit::RuleMatch::Destination(a) => {
@@ -1011,7 +1027,13 @@ impl<'a> Validator<'a> {
                     }
                     format!("numgen random mod {modulus} == {value}")
                 }
-                wit::RuleMatch::PodTraffic(m) => self.pod_traffic.render(m.family, m.negate),
+                wit::RuleMatch::PodTraffic(m) => match self.pods.render(m.family, m.negate) {
+                    Some(rendered) => rendered,
+                    None => {
+                        undetected = true;
+                        continue;
+                    }
+                },
             });
         }
         for s in &rule.statements {
@@ -1056,10 +1078,13 @@ impl<'a> Validator<'a> {
                 comment.chars().filter(|c| c.is_ascii_alphanumeric() || " -_:/.=,()".contains(*c)).take(128).collect();
             parts.push(format!("comment \"{clean}\""));
         }
+        if undetected {
+            return Ok(None);
+        }
         if parts.is_empty() {
             return self.fail("empty rule");
         }
-        Ok(parts.join(" "))
+        Ok(Some(parts.join(" ")))
     }
 }
 
@@ -1075,11 +1100,12 @@ fn number_backends(elements: &mut BTreeMap<ElementKey, CompactString>, map: &str
 }
 
 /// Validates and renders one service's ruleset. Anything outside the service's prefix, any
-/// malformed address, dangling reference or unknown map rejects the whole output.
-pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset, pod_traffic: &PodTraffic) -> Result<ObjectRules, InvalidOutput> {
+/// malformed address, dangling reference or unknown map rejects the whole output. Rules
+/// matching pod traffic where `pods` has no detector are left out (see [`PodDetection`]).
+pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset, pods: PodDetection) -> Result<ObjectRules, InvalidOutput> {
     let object = key.to_string();
     let prefix = service_prefix(key);
-    let mut v = Validator { object: &object, pod_traffic, prefix: &prefix, shared_sets: None, chains: BTreeSet::new(), sets: BTreeMap::new() };
+    let mut v = Validator { object: &object, pods, prefix: &prefix, shared_sets: None, chains: BTreeSet::new(), sets: BTreeMap::new() };
     for chain in &out.chains {
         v.own_name("chain", &chain.name)?;
         if !v.chains.insert(&chain.name) {
@@ -1100,8 +1126,7 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset, pod_traffic:
         rules.sets.insert(set.name.clone(), SetRules { declaration, elements, expires: set.timeout_seconds.is_some() });
     }
     for chain in &out.chains {
-        let rendered = chain.rules.iter().map(|r| v.rule(r)).collect::<Result<Vec<_>, _>>()?;
-        rules.chains.insert(chain.name.clone(), rendered);
+        rules.chains.insert(chain.name.clone(), v.chain_rules(chain)?);
     }
     rules.service_prefix = Some(prefix.clone());
     // Built as a B-tree (a guest may name thousands of elements in any order), kept as the
@@ -1667,11 +1692,50 @@ impl PodTraffic {
     }
 }
 
+/// Where and how this node tells traffic from pods: kube-proxy's local traffic detector.
+/// Guests' `pod-traffic` matches and the host's off-cluster masquerade render by it.
+///
+/// By source address a family has a detector only with a cluster CIDR of it: without one
+/// kube-proxy has none and writes no rule that needs it (neither "from pods" nor "not from
+/// pods"), where `!= @cluster-cidrs6` over an empty set would match everything. So a rule
+/// with a `pod-traffic` match of such a family is left out, not refused (a guest need not
+/// know the node's CIDRs). By interface every family has one.
+#[derive(Clone, Copy, Debug)]
+pub struct PodDetection<'a> {
+    pub traffic: &'a PodTraffic,
+    ipv4: bool,
+    ipv6: bool,
+}
+
+impl<'a> PodDetection<'a> {
+    /// As the node detects pods by `traffic`, with `cluster_cidrs` in its `cluster-cidrs` sets.
+    pub fn new(traffic: &'a PodTraffic, cluster_cidrs: &[IpNet]) -> PodDetection<'a> {
+        let by_address = traffic.is_source_address();
+        let has = |v4: bool| !by_address || cluster_cidrs.iter().any(|c| matches!(c, IpNet::V4(_)) == v4);
+        PodDetection { traffic, ipv4: has(true), ipv6: has(false) }
+    }
+
+    /// Whether pods can be told from other sources in `family`.
+    pub fn detects(&self, family: wit::AddressFamily) -> bool {
+        match family {
+            wit::AddressFamily::Ipv4 => self.ipv4,
+            wit::AddressFamily::Ipv6 => self.ipv6,
+        }
+    }
+
+    /// The match for traffic from pods of `family` (`negate`: from anywhere else); `None`
+    /// where the node has no detector for the family.
+    pub fn render(&self, family: wit::AddressFamily, negate: bool) -> Option<String> {
+        self.detects(family).then(|| self.traffic.render(family, negate))
+    }
+}
+
 /// What the tables' static part knows of the node's networks.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodeNetworks {
     /// The cluster's pod CIDRs, for the `cluster-cidrs` sets (each shard's and the main
-    /// table's, for services' and policies' `pod-traffic` matches).
+    /// table's, for services' and policies' `pod-traffic` matches). By source address, their
+    /// families are those pods are detected in (see [`PodDetection`]).
     pub cluster_cidrs: Vec<IpNet>,
     /// How traffic from pods is detected (`--detect-local-mode`).
     pub pod_traffic: PodTraffic,
@@ -1687,6 +1751,13 @@ pub struct NodeNetworks {
     /// Where the service side's drops and rejects are logged (the policy verdict log's
     /// group, see `service_drops`); `None`: not, and the skeleton is as without logging.
     pub service_drop_log: Option<policy::VerdictLog>,
+}
+
+impl NodeNetworks {
+    /// How pods are detected with these cluster CIDRs.
+    pub fn pod_detection(&self) -> PodDetection<'_> {
+        PodDetection::new(&self.pod_traffic, &self.cluster_cidrs)
+    }
 }
 
 /// Pod egress masquerade, what every CNI that routes pod addresses does (flannel's
@@ -1833,7 +1904,7 @@ pub fn skeleton(out: &mut String, flush_first: bool, layout: Layout, networks: &
     for shard in 0..layout.shards {
         let t = Table::shard(shard);
         SHARD_SKELETON.write(out, t, flush_first, None);
-        write_masquerade_off_cluster(out, t, &networks.pod_traffic);
+        write_masquerade_off_cluster(out, t, networks.pod_detection());
         write_node_port_rules(out, t, "node-ports", "service-nodeports", networks, flush_first);
         write_count_sets(out, t, flush_first);
         write_pick_chains(out, t);
@@ -1854,9 +1925,12 @@ pub fn skeleton(out: &mut String, flush_first: bool, layout: Layout, networks: &
 
 /// The rules of a shard's `masquerade-check` chain for `masquerade-off-cluster` frontends:
 /// what does not come from pods is masqueraded, so that replies come back through this node.
-fn write_masquerade_off_cluster(out: &mut String, t: Table, pod_traffic: &PodTraffic) {
+/// None for a family the node cannot detect pods in (kube-proxy masquerades nothing then).
+fn write_masquerade_off_cluster(out: &mut String, t: Table, pods: PodDetection) {
     for (ip, family, set) in [("ip", wit::AddressFamily::Ipv4, "masquerade-off-cluster"), ("ip6", wit::AddressFamily::Ipv6, "masquerade-off-cluster6")] {
-        writeln!(out, "add rule {t} masquerade-check {ip} daddr . meta l4proto . th dport @{set} {} jump mark-for-masquerade", pod_traffic.render(family, true)).unwrap();
+        if let Some(off_cluster) = pods.render(family, true) {
+            writeln!(out, "add rule {t} masquerade-check {ip} daddr . meta l4proto . th dport @{set} {off_cluster} jump mark-for-masquerade").unwrap();
+        }
     }
 }
 

@@ -32,7 +32,7 @@ use wasmplane_runtime::policy::{PodLookups, PolicyModule, PolicySession};
 use wasmplane_runtime::{CallError, wit};
 
 use crate::nft::policy::{self as render, Direction, DispatchEntry, PolicyRules, VerdictLog};
-use crate::nft::{ObjectRules, SetRules};
+use crate::nft::{ObjectRules, PodDetection, SetRules};
 
 /// Why a policy has no fresh rules (its last good ones, if any, stay applied).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize)]
@@ -115,8 +115,6 @@ pub struct PolicyController {
     shared_sets: BTreeMap<String, SetRules>,
     /// Where the dispatch chains log their drops and audit verdicts (`None`: not logged).
     verdict_log: Option<VerdictLog>,
-    /// What the guest's `pod-traffic` matches render as (`--detect-local-mode`).
-    pod_traffic: crate::nft::PodTraffic,
 }
 
 impl PolicyController {
@@ -135,14 +133,7 @@ impl PolicyController {
             shared_users: BTreeMap::new(),
             shared_sets: BTreeMap::new(),
             verdict_log: None,
-            pod_traffic: Default::default(),
         }
-    }
-
-    /// Renders the guest's `pod-traffic` matches as `pod_traffic` detects pod traffic.
-    pub fn with_pod_traffic(mut self, pod_traffic: crate::nft::PodTraffic) -> PolicyController {
-        self.pod_traffic = pod_traffic;
-        self
     }
 
     /// Dispatch chains that log what they drop, or would drop in audit mode, to `log`'s group.
@@ -166,8 +157,10 @@ impl PolicyController {
     }
 
     /// Runs the guest on the policies `update` names (all of them when the node context
-    /// changed) and returns the dataplane changes.
-    pub fn apply(&mut self, cluster: &ClusterState, model: &NodeLocalModel, update: &ModelUpdate) -> PolicyChanges {
+    /// changed) and returns the dataplane changes. `detection`: how the dataplane detects pod
+    /// traffic now (the guest's `pod-traffic` matches render by it), after the update: a
+    /// family that gains or loses its detector moves the context, so every policy is redone.
+    pub fn apply(&mut self, cluster: &ClusterState, model: &NodeLocalModel, update: &ModelUpdate, detection: PodDetection) -> PolicyChanges {
         let work: Vec<(ObjectKey, Option<Arc<PolicyView>>)> = if update.context_changed {
             let mut keys: BTreeSet<ObjectKey> = model.policies.keys().cloned().collect();
             keys.extend(self.compiled.keys().cloned());
@@ -175,15 +168,16 @@ impl PolicyController {
         } else {
             update.policies.iter().map(|c| (c.key.clone(), c.view.clone())).collect()
         };
-        self.run(cluster, model, work)
+        self.run(cluster, model, work, detection)
     }
 
-    /// Compiles every policy of the model again (a new module, a reconcile).
-    pub fn recompile_all(&mut self, cluster: &ClusterState, model: &NodeLocalModel) -> PolicyChanges {
+    /// Compiles every policy of the model again (a new module, a reconcile), `detection` as in
+    /// [`PolicyController::apply`].
+    pub fn recompile_all(&mut self, cluster: &ClusterState, model: &NodeLocalModel, detection: PodDetection) -> PolicyChanges {
         let mut keys: BTreeSet<ObjectKey> = model.policies.keys().cloned().collect();
         keys.extend(self.compiled.keys().cloned());
         let work = keys.into_iter().map(|k| (k.clone(), model.policies.get(&k).cloned())).collect();
-        self.run(cluster, model, work)
+        self.run(cluster, model, work, detection)
     }
 
     /// Puts one policy in or out of audit mode: only dispatch chains change.
@@ -271,7 +265,7 @@ impl PolicyController {
         out
     }
 
-    fn run(&mut self, cluster: &ClusterState, model: &NodeLocalModel, work: Vec<(ObjectKey, Option<Arc<PolicyView>>)>) -> PolicyChanges {
+    fn run(&mut self, cluster: &ClusterState, model: &NodeLocalModel, work: Vec<(ObjectKey, Option<Arc<PolicyView>>)>, detection: PodDetection) -> PolicyChanges {
         let mut out = PolicyChanges::default();
         if work.is_empty() {
             return out;
@@ -301,7 +295,7 @@ impl PolicyController {
                 continue;
             };
             let started = std::time::Instant::now();
-            let compiled = self.compile(cluster, model, &key, &view, namespaces.clone());
+            let compiled = self.compile(cluster, model, &key, &view, namespaces.clone(), detection);
             let outcome = match &compiled {
                 Ok(_) => "ok",
                 Err(PolicyError::Declined(_)) => "error",
@@ -437,6 +431,7 @@ impl PolicyController {
         key: &ObjectKey,
         view: &PolicyView,
         namespaces: Arc<BTreeMap<CompactString, Labels>>,
+        detection: PodDetection,
     ) -> Result<PolicyRules, PolicyError> {
         // The guest sees the pods the view says matter, and every pod only when a named
         // egress port with no peers must be resolved on any destination.
@@ -452,7 +447,7 @@ impl PolicyController {
             other => PolicyError::Guest(other.to_string()),
         })?;
         let local: BTreeSet<IpAddr> = view.local_pods.iter().flat_map(|p| p.ips.iter()).filter_map(|ip| ip.parse().ok()).collect();
-        render::validate_policy_output(key, &out, &local, &self.pod_traffic).map_err(|e| PolicyError::Invalid(e.to_string()))
+        render::validate_policy_output(key, &out, &local, detection).map_err(|e| PolicyError::Invalid(e.to_string()))
     }
 }
 
@@ -543,7 +538,13 @@ mod tests {
         fn apply(&mut self, object: ClusterObject) -> PolicyChanges {
             let touched = self.cluster.apply(ClusterEvent::Upsert(object), "node-a");
             let update = self.model.update(&self.cluster, &touched);
-            self.controller.apply(&self.cluster, &self.model, &update)
+            self.controller.apply(&self.cluster, &self.model, &update, Self::pods())
+        }
+
+        /// Pods detected by source address, in the model's one cluster CIDR's family.
+        fn pods() -> PodDetection<'static> {
+            static BY_SOURCE: crate::nft::PodTraffic = crate::nft::PodTraffic::SourceAddress;
+            PodDetection::new(&BY_SOURCE, &["10.244.0.0/16".parse().unwrap()])
         }
 
         fn delete_policy(&mut self, name: &str) -> PolicyChanges {
@@ -551,7 +552,7 @@ mod tests {
                 .cluster
                 .apply(ClusterEvent::Delete(wasmplane_model::state::ObjectKind::NetworkPolicy, ObjectKey::new("a", name)), "node-a");
             let update = self.model.update(&self.cluster, &touched);
-            self.controller.apply(&self.cluster, &self.model, &update)
+            self.controller.apply(&self.cluster, &self.model, &update, Self::pods())
         }
     }
 

@@ -137,6 +137,10 @@ impl Replayer {
     /// Runs the translator on every service input of `record`, validating like live.
     pub fn revision(&mut self, record: &RevisionRecord) -> Replayed {
         self.follow_settings(record);
+        // Pods detected as on the node then: by source address, in the families of the
+        // cluster CIDRs its context had (those its dataplane had, see `Controller::run_update`).
+        let cluster_cidrs = crate::dataplane::parse_cidrs("cluster-cidrs", &record.context.cluster_cidrs);
+        let pods = nft::PodDetection::new(&self.pod_traffic, &cluster_cidrs);
         let mut outputs = BTreeMap::new();
         for input in &record.services {
             let key = input.object_key();
@@ -145,7 +149,7 @@ impl Replayer {
                 .session
                 .translate_wit(&record.context, &input.prefix, &input.service, &input.slices)
                 .map_err(|e: CallError| e.to_string())
-                .and_then(|out| nft::validate_service_output(&key, &out, &self.pod_traffic).map_err(|e| e.to_string()));
+                .and_then(|out| nft::validate_service_output(&key, &out, pods).map_err(|e| e.to_string()));
             if let Err(e) = &result {
                 tracing::debug!(revision = record.revision, service = %key, "replayed call failed: {e}");
             }

@@ -179,7 +179,7 @@ impl Node {
     fn event(&mut self, event: ClusterEvent) -> usize {
         let touched = self.cluster.apply(event, "node-a");
         let update = self.model.update(&self.cluster, &touched);
-        let changes = self.controller.apply(&self.cluster, &self.model, &update);
+        let changes = self.controller.apply(&self.cluster, &self.model, &update, self.dataplane.pod_detection());
         assert_eq!(changes.failed, 0, "policy compile failures: {:?}", self.controller.status(&self.model));
         let compiled = changes.compiled;
         self.dataplane.sync(changes.changes).unwrap_or_else(|e| panic!("writing policy rules: {e}\n{}", self.dataplane.last_transaction));
@@ -815,7 +815,7 @@ fn scale_policies_over_5k_pods() {
         let touched = cluster.replace_all(objects, "node-a");
         let update = model.update(&cluster, &touched);
         let modelled = started.elapsed();
-        let changes = controller.apply(&cluster, &model, &update);
+        let changes = controller.apply(&cluster, &model, &update, dataplane.pod_detection());
         let compiled_in = started.elapsed() - modelled;
         let (compiled, objects) = (changes.compiled, changes.changes.len());
         let stats = dataplane.sync(changes.changes).unwrap();
@@ -833,7 +833,7 @@ fn scale_policies_over_5k_pods() {
             let started = std::time::Instant::now();
             let touched = cluster.apply(ClusterEvent::Upsert(ClusterObject::Pod(pod_at(i, app))), "node-a");
             let update = model.update(&cluster, &touched);
-            let changes = controller.apply(&cluster, &model, &update);
+            let changes = controller.apply(&cluster, &model, &update, dataplane.pod_detection());
             let (compiled, objects) = (changes.compiled, changes.changes.len());
             let stats = dataplane.sync(changes.changes).unwrap();
             eprintln!(

@@ -1322,6 +1322,33 @@ async fn bridge_interface_local_detection_keeps_bridged_pods_sources() {
     host.stop().await;
 }
 
+/// The interface modes detect pods in every family, as kube-proxy's do, with no cluster
+/// CIDR of it: on a dual-stack node whose `--cluster-cidr` is IPv4 only, an IPv6 client
+/// from outside (in on `ext0`) reaching an IPv6 cluster IP is masqueraded, and an IPv6 pod
+/// (behind its `vp…` veth) keeps its source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn interface_name_prefix_local_detection_masquerades_ipv6_without_an_ipv6_cluster_cidr() {
+    require_root!();
+    let (topo, _pod_a, pod_b, _servers) = dual_stack_pods("ifpfx6");
+    topo.node.exec(&["ip", "-6", "addr", "add", "fd00:77::1/64", "dev", "ext0", "nodad"]);
+    topo.external.exec(&["ip", "-6", "addr", "add", "fd00:77::2/64", "dev", "eth0", "nodad"]);
+    topo.external.exec(&["ip", "-6", "route", "add", "fd00:96::/108", "via", "fd00:77::1"]);
+    let cluster = Cluster::new();
+    // Pod a alone serves it: pod b, the client, never lands on itself (no hairpin).
+    cluster.put(&Svc::new("six", "fd00:96::63", vec![Port::new("http", "TCP", 80, 8080)], vec![ready(POD_A6, NODE)]));
+    let detection = wasmplane::controller::LocalDetection::InterfaceNamePrefix(POD_VETH_PREFIX.into());
+    let host = start_host(HostConfig { cluster_cidrs: vec![CLUSTER_CIDR.into()], local_detection: detection, ..cluster.config(topo.nft_command()) }).await;
+    let applied = wait_applied(&host, "the service", |t| serves(t, "fd00:96::63 . tcp . 80"));
+    let masquerade = format!("masquerade-check ip6 daddr . meta l4proto . th dport @masquerade-off-cluster6 iifname != \"{POD_VETH_PREFIX}*\" jump mark-for-masquerade");
+    assert!(applied.contains(&masquerade), "no `{masquerade}` in:\n{applied}");
+    assert!(set_holds(&applied, "masquerade-off-cluster6", "fd00:96::63 . tcp . 80"), "{applied}");
+    let to = addr("fd00:96::63", 80);
+    let peer_seen_from = |ns: &str| in_ns(ns, || tcp_ask(to, TIMEOUT)).expect("an answer").peer;
+    assert_eq!(peer_seen_from(&pod_b), ip(POD_B6), "an IPv6 pod keeps its source");
+    assert_eq!(peer_seen_from(&topo.external.name), ip(POD_GATEWAY6), "the IPv6 external client is masqueraded");
+    host.stop().await;
+}
+
 /// A pod's `ports[].hostPort` manifest: `(containerPort, protocol, hostPort, hostIP)` each.
 fn hostport_pod(name: &str, node: &str, ip: Option<&str>, ports: &[(u16, &str, u16, Option<&str>)]) -> String {
     let ports: Vec<String> = ports

@@ -39,14 +39,15 @@ impl RuleBuilder {
     ///
     /// Unlike matching the node context's `cluster_cidrs` with [`source`](Self::source), a
     /// rule with it follows whichever mode the node runs, and is one rule however many CIDRs
-    /// there are. By source address an empty set makes [`not_from_pods`](Self::not_from_pods)
-    /// match every packet: a guest that wants no such rule without pod CIDRs (as kube-proxy
-    /// writes none without a detector) checks `cluster_cidrs` for one of the family.
+    /// there are. Where the node cannot detect pods in `family` (by source address, with no
+    /// cluster CIDR of it) the host leaves the rule out, from pods or not, as kube-proxy
+    /// writes none without a detector: no need to check `cluster_cidrs` first.
     pub fn from_pods(self, family: AddressFamily) -> Self {
         self.matching(RuleMatch::PodTraffic(PodTrafficMatch { family, negate: false }))
     }
     /// Traffic from anywhere but pods: [`from_pods`](Self::from_pods) negated (`ip saddr !=
     /// @cluster-cidrs`, `iifname != "veth*"`), e.g. to masquerade sources off the cluster.
+    /// Left out as `from_pods` is where the node cannot detect pods in `family`.
     pub fn not_from_pods(self, family: AddressFamily) -> Self {
         self.matching(RuleMatch::PodTraffic(PodTrafficMatch { family, negate: true }))
     }

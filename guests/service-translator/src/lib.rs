@@ -301,9 +301,11 @@ impl PortRules<'_> {
     }
 }
 
-/// Translates one service into its dataplane objects.
+/// Translates one service into its dataplane objects. The node context is not needed: pods
+/// are told from other sources as the host detects them (`pod-traffic`), and the host
+/// leaves out the rules of a family it cannot detect pods in.
 pub fn translate(
-    node: &NodeContext,
+    _node: &NodeContext,
     chain_prefix: &str,
     service: &Service,
     slices: &[EndpointSlice],
@@ -326,7 +328,7 @@ pub fn translate(
     let primary_family = cluster_ips[0].as_str();
     let mut hairpin = BTreeSet::new();
     for port in &service.ports {
-        translate_port(node, chain_prefix, service, port, slices, primary_family, &cluster_ips, &mut ruleset, &mut hairpin);
+        translate_port(chain_prefix, service, port, slices, primary_family, &cluster_ips, &mut ruleset, &mut hairpin);
     }
     // Many services may name the same endpoint here: the host keeps it while one does.
     ruleset.map_elements.extend(
@@ -349,7 +351,6 @@ pub fn translate(
 
 #[allow(clippy::too_many_arguments)]
 fn translate_port(
-    node: &NodeContext,
     chain_prefix: &str,
     service: &Service,
     port: &ServicePort,
@@ -377,7 +378,7 @@ fn translate_port(
             .all(|ip| by_family.of(ip).cluster.len() <= MAX_BACKENDS_PER_FRONTEND)
         && [&by_family.v4, &by_family.v6].iter().all(|family| family.cluster.len() <= MAX_BACKENDS_PER_FRONTEND);
     if as_data {
-        translate_port_as_data(node, service, port, &by_family, cluster_ips, ruleset, hairpin);
+        translate_port_as_data(service, port, &by_family, cluster_ips, ruleset, hairpin);
         return;
     }
     let cluster_backends = if service.internal_traffic_policy == TrafficPolicy::Local {
@@ -397,12 +398,10 @@ fn translate_port(
         hairpin,
     };
     // Pods are told from other sources as the host detects them (`pod-traffic`: kube-proxy's
-    // `--detect-local-mode`), in one rule however many CIDRs. Written only where the node
-    // context has a cluster CIDR of the family, as the rules per CIDR were: the host passes
-    // them in every mode (NodeCIDR: the node's pod CIDRs), and without one kube-proxy has no
-    // detector and writes no such rule, where `!= @cluster-cidrs` would match everything.
+    // `--detect-local-mode`), in one rule however many CIDRs, of the chain's family. Where the
+    // node has no detector for it (by source address, no cluster CIDR of the family), the
+    // host leaves the rule out, as kube-proxy writes none: by interface it has one anyway.
     let pods = address_family(family_of);
-    let detects_pods = node.cluster_cidrs.iter().any(|c| same_family(c, family_of));
 
     // Cluster-IP traffic.
     let service_chain = prefix.clone();
@@ -421,7 +420,7 @@ fn translate_port(
         }
     } else {
         let mut chain_rules = Vec::new();
-        for ip in cluster_ips.iter().filter(|ip| detects_pods && same_family(ip, family_of)) {
+        for ip in cluster_ips.iter().filter(|ip| same_family(ip, family_of)) {
             // Off-cluster sources reaching a cluster IP must be masqueraded so replies return.
             chain_rules.push(
                 RuleBuilder::new()
@@ -459,7 +458,7 @@ fn translate_port(
         if external_local {
             // Pods using the external address are short-circuited to the cluster chain;
             // everything else keeps its source IP and goes to a node-local endpoint.
-            if !cluster_backends.is_empty() && detects_pods {
+            if !cluster_backends.is_empty() {
                 chain_rules.push(RuleBuilder::new().from_pods(pods).goto(&service_chain));
             }
             let local_chain = format!("{prefix}/local");
@@ -505,7 +504,6 @@ pub const MAX_AFFINITY_TIMEOUT_SECONDS: u32 = 86400;
 /// `nodeport-affinity-<seconds>`): the host sends a client back to the backend it reached.
 #[allow(clippy::too_many_arguments)]
 fn translate_port_as_data(
-    node: &NodeContext,
     service: &Service,
     port: &ServicePort,
     by_family: &ByFamily,
@@ -551,10 +549,9 @@ fn translate_port_as_data(
             continue;
         }
         // Off-cluster sources reaching a cluster IP are masqueraded so replies return (the
-        // host tells them as it detects pods; only with a cluster CIDR of the family, as the
-        // chain's `pod-traffic` rule in `translate_port`).
-        let off_cluster = node.cluster_cidrs.iter().any(|c| same_family(c, ip)).then_some("masquerade-off-cluster");
-        balance(ruleset, ip, backends, off_cluster);
+        // host tells them as it detects pods, and masquerades none in a family it cannot
+        // detect them in, as the chain's `pod-traffic` rule in `translate_port`).
+        balance(ruleset, ip, backends, Some("masquerade-off-cluster"));
     }
 
     // External IPs and load-balancer IPs (externalTrafficPolicy Cluster): masqueraded.

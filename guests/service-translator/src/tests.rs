@@ -146,26 +146,23 @@ fn pods_are_told_by_the_host_in_one_rule_however_many_cluster_cidrs() {
     assert!(matches().all(|m| !matches!(m, RuleMatch::Source(_))), "{:?}", r.chains);
 }
 
+/// The pod-traffic rules are always of the chain's family, whatever cluster CIDRs the node
+/// context has: where the node cannot detect pods in the family (by source address, no
+/// cluster CIDR of it) the host leaves them out, as kube-proxy without a detector; by
+/// interface it detects pods in every family, with no CIDR at all.
 #[test]
-fn pod_traffic_is_of_the_chains_family_and_none_without_a_cluster_cidr_of_it() {
+fn pod_traffic_is_always_of_the_chains_family() {
     let svc = local_external_service("fd00:96::20", "2001:db8::7");
     let eps = [slice(vec![endpoint("fd00:10:244::11", true, false, true)])];
-    // Only an IPv4 cluster CIDR: no IPv6 pod traffic is told apart, as kube-proxy without a
-    // detector (an empty `@cluster-cidrs6` would masquerade everything).
+    let mut dual_stack = ctx();
+    dual_stack.cluster_cidrs.push("fd00:10:244::/56".into());
+    let mut none = ctx();
+    none.cluster_cidrs.clear();
+    // Only an IPv4 cluster CIDR (an interface mode's `--cluster-cidr` on a dual-stack node),
+    // both, or none: the same IPv6 rules.
     let r = translate(&ctx(), "svc/shop/web", &svc, &eps).unwrap();
-    let service_chain = chain(&r, "svc/shop/web/tcp/http");
-    assert!(service_chain.rules.iter().all(|rule| rule.verdict != Verdict::Masquerade), "{:?}", service_chain.rules);
-    assert_eq!(service_chain.rules.len(), 1, "the endpoint's DNAT only: {:?}", service_chain.rules);
-    let external = chain(&r, "svc/shop/web/tcp/http/external");
-    assert_eq!(external.rules.len(), 1, "{:?}", external.rules);
-    assert_eq!(external.rules[0].verdict, Verdict::Goto("svc/shop/web/tcp/http/local".into()));
-    let matches = || r.chains.iter().flat_map(|c| &c.rules).flat_map(|rule| &rule.matches);
-    assert!(matches().all(|m| !matches!(m, RuleMatch::PodTraffic(_))), "{:?}", r.chains);
-
-    // With an IPv6 cluster CIDR: IPv6 pod traffic, in both chains.
-    let mut node = ctx();
-    node.cluster_cidrs.push("fd00:10:244::/56".into());
-    let r = translate(&node, "svc/shop/web", &svc, &eps).unwrap();
+    assert_eq!(translate(&dual_stack, "svc/shop/web", &svc, &eps).unwrap(), r);
+    assert_eq!(translate(&none, "svc/shop/web", &svc, &eps).unwrap(), r);
     let service_chain = chain(&r, "svc/shop/web/tcp/http");
     assert_eq!(service_chain.rules[0].verdict, Verdict::Masquerade);
     assert_eq!(service_chain.rules[0].matches, vec![
@@ -174,10 +171,31 @@ fn pod_traffic_is_of_the_chains_family_and_none_without_a_cluster_cidr_of_it() {
         RuleMatch::DestinationPort(80),
         pod_traffic(AddressFamily::Ipv6, true),
     ]);
+    assert_eq!(service_chain.rules.len(), 2, "the masquerade and the endpoint's DNAT: {:?}", service_chain.rules);
     let external = chain(&r, "svc/shop/web/tcp/http/external");
     assert_eq!(external.rules[0].matches, vec![pod_traffic(AddressFamily::Ipv6, false)]);
     assert_eq!(external.rules[0].verdict, Verdict::Goto("svc/shop/web/tcp/http".into()));
     assert_eq!(external.rules.len(), 2);
+}
+
+/// As data, every cluster IP with backends is masqueraded off the cluster, of either family
+/// and whatever the node context's cluster CIDRs (the host's `masquerade-off-cluster6` for
+/// an IPv6 one; the host masquerades none of a family it cannot detect pods in).
+#[test]
+fn cluster_ips_of_both_families_are_masqueraded_off_the_cluster() {
+    let mut svc = service();
+    svc.cluster_ips = vec!["10.96.0.20".into(), "fd00:96::20".into()];
+    let v4 = slice(vec![endpoint("10.244.0.11", true, false, true)]);
+    let mut v6 = slice(vec![endpoint("fd00:10:244::11", true, false, true)]);
+    v6.name = "web-2".into();
+    let frontend = |ip: &str| vec![KeyPart::Address(ip.into()), KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(80)];
+    let mut none = ctx();
+    none.cluster_cidrs.clear();
+    for node in [ctx(), none] {
+        let r = translate(&node, "svc/shop/web", &svc, &[v4.clone(), v6.clone()]).unwrap();
+        assert!(r.chains.is_empty(), "{:?}", r.chains);
+        assert_eq!(elements(&r, "masquerade-off-cluster"), vec![&frontend("10.96.0.20")[..], &frontend("fd00:96::20")[..]], "{:?}", node.cluster_cidrs);
+    }
 }
 
 #[test]

@@ -129,12 +129,13 @@ pub fn shared_set_object(name: &str, set: &super::SetRules) -> ObjectRules {
 /// pods the policy selects, the only ones its map elements may name (a guest cannot take
 /// over another pod's traffic). Chains may only accept, return or fall through (a drop in
 /// one policy would cut what another allows: policies combine as a union), and may not
-/// rewrite or remember packets.
+/// rewrite or remember packets. Rules matching pod traffic where `pods` has no detector
+/// are left out, as for services (see [`super::PodDetection`]).
 pub fn validate_policy_output(
     key: &ObjectKey,
     out: &wit::Ruleset,
     local_addresses: &BTreeSet<IpAddr>,
-    pod_traffic: &super::PodTraffic,
+    pods: super::PodDetection,
 ) -> Result<PolicyRules, InvalidOutput> {
     let object = format!("networkpolicy {key}");
     let prefix = policy_prefix(key);
@@ -166,7 +167,7 @@ pub fn validate_policy_output(
     // render chains and sets through the shared validator, without the map elements.
     let without_elements =
         wit::Ruleset { chains: out.chains.clone(), sets: out.sets.clone(), map_elements: vec![], warnings: out.warnings.clone() };
-    let (rules, shared) = validate_rendered(&object, &prefix, &without_elements, pod_traffic)?;
+    let (rules, shared) = validate_rendered(&object, &prefix, &without_elements, pods)?;
     let mut targets = BTreeMap::new();
     for element in &out.map_elements {
         let Some(direction) = Direction::from_map(&element.map_name) else {
@@ -193,8 +194,8 @@ pub fn validate_policy_output(
 }
 
 /// The policy's own chains and sets, and apart from them the shared sets it declares.
-fn validate_rendered(object: &str, prefix: &str, out: &wit::Ruleset, pod_traffic: &super::PodTraffic) -> Result<(ObjectRules, BTreeMap<String, super::SetRules>), InvalidOutput> {
-    let mut v = Validator { object, pod_traffic, prefix, shared_sets: Some(SHARED_SET_PREFIX), chains: BTreeSet::new(), sets: BTreeMap::new() };
+fn validate_rendered(object: &str, prefix: &str, out: &wit::Ruleset, pods: super::PodDetection) -> Result<(ObjectRules, BTreeMap<String, super::SetRules>), InvalidOutput> {
+    let mut v = Validator { object, pods, prefix, shared_sets: Some(SHARED_SET_PREFIX), chains: BTreeSet::new(), sets: BTreeMap::new() };
     for chain in &out.chains {
         v.own_name("chain", &chain.name)?;
         if !v.chains.insert(&chain.name) {
@@ -213,8 +214,7 @@ fn validate_rendered(object: &str, prefix: &str, out: &wit::Ruleset, pod_traffic
         sets.insert(set.name.clone(), set_rules);
     }
     for chain in &out.chains {
-        let rendered = chain.rules.iter().map(|r| v.rule(r)).collect::<Result<Vec<_>, _>>()?;
-        rules.chains.insert(chain.name.clone(), rendered);
+        rules.chains.insert(chain.name.clone(), v.chain_rules(chain)?);
     }
     Ok((rules, shared))
 }
@@ -428,9 +428,15 @@ pub fn final_rule_counters(listing: &str) -> BTreeMap<String, (bool, u64)> {
 mod tests {
     use super::*;
 
-    /// Policies' rules with pod traffic detected by source address, the default.
+    /// Policies' rules with pod traffic detected by source address, the default, on a
+    /// dual-stack node (a detector in each family).
     fn validate_policy_output(key: &ObjectKey, out: &wit::Ruleset, local: &BTreeSet<IpAddr>) -> Result<PolicyRules, InvalidOutput> {
-        super::validate_policy_output(key, out, local, &super::super::PodTraffic::default())
+        super::validate_policy_output(key, out, local, super::super::PodDetection::new(&super::super::PodTraffic::default(), &dual_stack()))
+    }
+
+    /// Cluster CIDRs of both families.
+    fn dual_stack() -> Vec<ipnet::IpNet> {
+        vec!["10.244.0.0/16".parse().unwrap(), "fd00:10:244::/56".parse().unwrap()]
     }
 
     fn key() -> ObjectKey {
@@ -619,7 +625,7 @@ mod tests {
                 ["iifname \"cbr0\" meta l4proto tcp accept", "iifname != \"cbr0\" accept", "iifname \"cbr0\" accept", "iifname != \"cbr0\" ip saddr @pol/a/p/ingress/0/peers/v4 accept"],
             ),
         ] {
-            let p = super::validate_policy_output(&key(), &out, &local(), &mode).unwrap();
+            let p = super::validate_policy_output(&key(), &out, &local(), super::super::PodDetection::new(&mode, &dual_stack())).unwrap();
             assert_eq!(p.rules.chains["pol/a/p/ingress"], wanted, "{mode:?}");
             // The sets looked up are the host's, not the policy's own to declare.
             assert_eq!(p.rules.sets.keys().collect::<Vec<_>>(), ["pol/a/p/ingress/0/peers/v4"], "{mode:?}");
@@ -627,6 +633,34 @@ mod tests {
             let chain: String = wanted.iter().map(|r| format!("add rule {FAMILY} {TABLE} pol/a/p/ingress {r}\n")).collect();
             super::super::netlink::encode_transaction(&chain, 1).unwrap_or_else(|e| panic!("{mode:?}: {e}"));
         }
+    }
+
+    /// By source address, a family without a cluster CIDR has no pod detector: a policy's
+    /// rules matching its pod traffic (either way) are left out, the rest of the chain stays
+    /// (kube-proxy writes no rule for a detector it does not have). By interface nothing is.
+    #[test]
+    fn pod_traffic_rules_of_a_family_without_a_detector_are_left_out() {
+        use super::super::{PodDetection, PodTraffic};
+        let mut out = output();
+        let pod_traffic = |family, negate| wit::RuleMatch::PodTraffic(wit::PodTrafficMatch { family, negate });
+        out.chains[0].rules = vec![
+            accept(vec![pod_traffic(wit::AddressFamily::Ipv4, false)]),
+            accept(vec![pod_traffic(wit::AddressFamily::Ipv6, false)]),
+            accept(vec![pod_traffic(wit::AddressFamily::Ipv6, true), wit::RuleMatch::Protocol(wit::Protocol::Tcp)]),
+            accept(vec![wit::RuleMatch::SourceInSet("pol/a/p/ingress/0/peers/v4".into())]),
+        ];
+        let v4_only: Vec<ipnet::IpNet> = vec!["10.244.0.0/16".parse().unwrap()];
+        let source = PodTraffic::SourceAddress;
+        let rendered = |pods: PodDetection<'_>| super::validate_policy_output(&key(), &out, &local(), pods).unwrap().rules.chains["pol/a/p/ingress"].clone();
+        assert_eq!(rendered(PodDetection::new(&source, &v4_only)), ["ip saddr @cluster-cidrs accept", "ip saddr @pol/a/p/ingress/0/peers/v4 accept"]);
+        assert_eq!(rendered(PodDetection::new(&source, &[])), ["ip saddr @pol/a/p/ingress/0/peers/v4 accept"]);
+        for mode in [PodTraffic::InterfacePrefix("veth".into()), PodTraffic::Bridge("cbr0".into())] {
+            assert_eq!(rendered(PodDetection::new(&mode, &v4_only)).len(), 4, "{mode:?}");
+            assert_eq!(rendered(PodDetection::new(&mode, &[])).len(), 4, "{mode:?}");
+        }
+        // Left out, not unchecked: a rule of an undetected family is validated all the same.
+        out.chains[0].rules.push(wit::Rule { matches: vec![pod_traffic(wit::AddressFamily::Ipv6, false)], statements: vec![], verdict: wit::Verdict::Jump("pol/a/p/nowhere".into()), comment: None });
+        assert!(super::validate_policy_output(&key(), &out, &local(), PodDetection::new(&source, &v4_only)).unwrap_err().reason.contains("does not declare"));
     }
 
     #[test]

@@ -1,9 +1,15 @@
 use super::*;
 use wasmplane_runtime::wit::*;
 
-/// Services' rules with pod traffic detected by source address, the default.
+/// Services' rules with pod traffic detected by source address, the default, on a
+/// dual-stack node (a detector in each family).
 fn validate_service_output(key: &ObjectKey, out: &Ruleset) -> Result<ObjectRules, InvalidOutput> {
-    super::validate_service_output(key, out, &PodTraffic::default())
+    super::validate_service_output(key, out, PodDetection::new(&PodTraffic::default(), &dual_stack()))
+}
+
+/// Cluster CIDRs of both families.
+fn dual_stack() -> Vec<IpNet> {
+    vec!["10.244.0.0/16".parse().unwrap(), "fd00:10::/48".parse().unwrap()]
 }
 
 fn key() -> ObjectKey {
@@ -1103,7 +1109,7 @@ fn pod_traffic_matches_render_as_the_node_detects_pod_traffic() {
         vec![],
     );
     for (mode, [v4, not_v4, v6, not_v6]) in pod_traffic_modes() {
-        let rules = super::validate_service_output(&key(), &out, &mode).unwrap();
+        let rules = super::validate_service_output(&key(), &out, PodDetection::new(&mode, &dual_stack())).unwrap();
         assert_eq!(
             rules.chains[chain],
             vec![
@@ -1121,9 +1127,87 @@ fn pod_traffic_matches_render_as_the_node_detects_pod_traffic() {
     }
 }
 
+/// By source address a family without a cluster CIDR has no pod detector: a rule matching
+/// its pod traffic, from pods or not, is left out whole (kube-proxy writes none, and
+/// `!= @cluster-cidrs6` over an empty set would match every packet); the chain's other rules
+/// stay. By interface every family has a detector: nothing is left out.
+#[test]
+fn pod_traffic_rules_of_a_family_without_a_detector_are_left_out() {
+    let chain = "svc/shop/web/tcp/http";
+    let rule = |family, negate, verdict| Rule { matches: vec![pod_traffic(family, negate), RuleMatch::Protocol(Protocol::Tcp)], statements: vec![], verdict, comment: None };
+    let out = ruleset(
+        vec![
+            Chain {
+                name: chain.into(),
+                rules: vec![
+                    rule(AddressFamily::Ipv4, true, Verdict::Masquerade),
+                    rule(AddressFamily::Ipv6, true, Verdict::Masquerade),
+                    rule(AddressFamily::Ipv6, false, Verdict::Goto("svc/shop/web/tcp/http/local".into())),
+                    dnat_chain(chain, "10.244.0.11").rules.remove(0),
+                ],
+            },
+            dnat_chain("svc/shop/web/tcp/http/local", "10.244.0.11"),
+        ],
+        vec![],
+    );
+    let rendered = |mode: &PodTraffic, cidrs: &[IpNet]| super::validate_service_output(&key(), &out, PodDetection::new(mode, cidrs)).unwrap().chains[chain].clone();
+    let v4_only: Vec<IpNet> = vec!["10.244.0.0/16".parse().unwrap()];
+    let v6_only: Vec<IpNet> = vec!["fd00:10::/48".parse().unwrap()];
+    let source = PodTraffic::SourceAddress;
+    assert_eq!(rendered(&source, &v4_only), ["ip saddr != @cluster-cidrs meta l4proto tcp jump mark-for-masquerade", "meta l4proto tcp dnat ip to 10.244.0.11:8080"]);
+    assert_eq!(
+        rendered(&source, &v6_only),
+        [
+            "ip6 saddr != @cluster-cidrs6 meta l4proto tcp jump mark-for-masquerade",
+            "ip6 saddr @cluster-cidrs6 meta l4proto tcp goto svc/shop/web/tcp/http/local",
+            "meta l4proto tcp dnat ip to 10.244.0.11:8080"
+        ]
+    );
+    assert_eq!(rendered(&source, &[]), ["meta l4proto tcp dnat ip to 10.244.0.11:8080"]);
+    assert_eq!(rendered(&source, &dual_stack()).len(), 4);
+    for mode in [PodTraffic::InterfacePrefix("veth".into()), PodTraffic::Bridge("cbr0".into())] {
+        for cidrs in [&v4_only[..], &v6_only, &[]] {
+            assert_eq!(rendered(&mode, cidrs).len(), 4, "{mode:?} with {cidrs:?}");
+        }
+    }
+    // Left out, not unchecked: the rule is validated all the same.
+    let mut bad = out.clone();
+    bad.chains[0].rules[1].verdict = Verdict::Goto("svc/shop/web/nowhere".into());
+    assert!(super::validate_service_output(&key(), &bad, PodDetection::new(&source, &v4_only)).unwrap_err().reason.contains("does not declare"));
+}
+
+/// The skeleton's off-cluster masquerade of a family without a pod detector (by source
+/// address, no cluster CIDR of it) is no rule: kube-proxy masquerades nothing then, where
+/// `ip6 saddr != @cluster-cidrs6` over an empty set would masquerade pods too. By
+/// interface it is there in both families, with a cluster CIDR or not.
+#[test]
+fn the_skeleton_masquerades_off_cluster_sources_only_where_pods_are_detected() {
+    let masquerade_checks = |pod_traffic: PodTraffic, cluster_cidrs: Vec<IpNet>| -> Vec<String> {
+        let networks = NodeNetworks { pod_traffic, cluster_cidrs, ..Default::default() };
+        let text = full_transaction(std::iter::empty::<&ObjectRules>(), &Stale::default(), Layout { shards: 2 }, &networks);
+        let of_shard = |shard: &str| -> Vec<String> {
+            let prefix = format!("add rule inet {shard} masquerade-check ");
+            text.lines().filter_map(|l| l.strip_prefix(prefix.as_str())).filter(|r| r.contains("@masquerade-off-cluster")).map(str::to_string).collect()
+        };
+        let rules = of_shard("wasmplane-s0");
+        assert_eq!(rules, of_shard("wasmplane-s1"), "every shard alike");
+        rules
+    };
+    let v4 = |rest: &str| format!("ip daddr . meta l4proto . th dport @masquerade-off-cluster {rest} jump mark-for-masquerade");
+    let v6 = |rest: &str| format!("ip6 daddr . meta l4proto . th dport @masquerade-off-cluster6 {rest} jump mark-for-masquerade");
+    let (v4_only, v6_only): (Vec<IpNet>, Vec<IpNet>) = (vec!["10.244.0.0/16".parse().unwrap()], vec!["fd00:10::/48".parse().unwrap()]);
+    assert_eq!(masquerade_checks(PodTraffic::SourceAddress, v4_only.clone()), [v4("ip saddr != @cluster-cidrs")]);
+    assert_eq!(masquerade_checks(PodTraffic::SourceAddress, v6_only.clone()), [v6("ip6 saddr != @cluster-cidrs6")]);
+    assert_eq!(masquerade_checks(PodTraffic::SourceAddress, vec![]), Vec::<String>::new());
+    for cidrs in [v4_only, v6_only, vec![]] {
+        assert_eq!(masquerade_checks(PodTraffic::InterfacePrefix("vp".into()), cidrs.clone()), [v4("iifname != \"vp*\""), v6("iifname != \"vp*\"")], "{cidrs:?}");
+        assert_eq!(masquerade_checks(PodTraffic::Bridge("cbr0".into()), cidrs.clone()), [v4("iifname != \"cbr0\""), v6("iifname != \"cbr0\"")], "{cidrs:?}");
+    }
+}
+
 #[test]
 fn the_skeleton_masquerades_off_cluster_sources_as_the_node_detects_pod_traffic() {
-    let cidrs = vec!["10.244.0.0/16".parse().unwrap(), "fd00:10::/48".parse().unwrap()];
+    let cidrs = dual_stack();
     for (mode, [_, not_v4, _, not_v6]) in pod_traffic_modes() {
         let networks = NodeNetworks { pod_traffic: mode.clone(), cluster_cidrs: cidrs.clone(), ..Default::default() };
         let text = full_transaction(std::iter::empty::<&ObjectRules>(), &Stale::default(), Layout { shards: 2 }, &networks);
