@@ -47,7 +47,7 @@ impl KubernetesSource {
             }
             KubernetesSource::Url(url) => kube::Config::new(url.parse().with_context(|| format!("Kubernetes API URL {url:?}"))?),
         };
-        kube::Client::try_from(config).context("building the Kubernetes client")
+        crate::kube_client::client(config).context("building the Kubernetes client")
     }
 }
 

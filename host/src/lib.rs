@@ -20,6 +20,7 @@ pub mod controller;
 pub mod dataplane;
 pub mod grpc_auth;
 pub mod inspect;
+pub mod kube_client;
 pub mod kube_proxy_config;
 pub mod memory;
 pub mod metrics;
