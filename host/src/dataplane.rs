@@ -1237,6 +1237,10 @@ impl Dataplane {
         let services = next.values().filter(|r| r.is_sharded()).count();
         let layout = Layout::for_services(services, self.services_per_shard);
         let affinity_classes: HashSet<(Table, nft::AffinityClass)> = next.values().flat_map(|r| nft::affinity_classes(r, layout)).collect();
+        let networks = nft::NodeNetworks { node_port_ips: self.node_port_ips(), ..self.networks.clone() };
+        if networks.node_port_ips != self.networks.node_port_ips {
+            tracing::info!(addresses = ?networks.node_port_ips, "node ports served on new addresses");
+        }
         let stale = {
             // Hashed: scanning every object per listed chain took 60 s at 10k services.
             let chains: HashSet<&str> = next.values().flat_map(|r| r.chains.keys().map(String::as_str)).collect();
@@ -1247,18 +1251,26 @@ impl Dataplane {
             let wanted = |names: &HashSet<&str>, table: &Table, name: &str| names.contains(name) && layout.table_of(name) == *table;
             // A host before shards had the service NAT chains in the main table.
             let unsharded_main = listing.chains.iter().any(|(t, c)| *t == Table::MAIN && c == "services");
+            // Static chains of another configuration or version (a `drop-chain` when service
+            // drops are no longer logged): what the skeleton does not write now goes.
+            let skeleton = nft::skeleton_chains(layout, &networks);
+            let mut stale_chains: Vec<TableObject> = listing
+                .chains
+                .into_iter()
+                .filter(|object| {
+                    let (t, c) = object;
+                    tables.contains(t)
+                        && if nft::is_static_chain(c) {
+                            !skeleton.contains(object)
+                        } else {
+                            !wanted(&chains, t, c) && !nft::AffinityClass::of_chain(c).is_some_and(|class| affinity_classes.contains(&(*t, class)))
+                        }
+                })
+                .collect();
+            keep_chains_elements_go_to(&mut stale_chains, &next);
             nft::Stale {
                 tables: listing.tables.iter().filter(|t| !tables.contains(t)).copied().collect(),
-                chains: listing
-                    .chains
-                    .into_iter()
-                    .filter(|(t, c)| {
-                        tables.contains(t)
-                            && !nft::is_static_chain(c)
-                            && !wanted(&chains, t, c)
-                            && !nft::AffinityClass::of_chain(c).is_some_and(|class| affinity_classes.contains(&(*t, class)))
-                    })
-                    .collect(),
+                chains: stale_chains,
                 sets: listing
                     .sets
                     .into_iter()
@@ -1267,10 +1279,6 @@ impl Dataplane {
                 unsharded_main,
             }
         };
-        let networks = nft::NodeNetworks { node_port_ips: self.node_port_ips(), ..self.networks.clone() };
-        if networks.node_port_ips != self.networks.node_port_ips {
-            tracing::info!(addresses = ?networks.node_port_ips, "node ports served on new addresses");
-        }
         let transaction = nft::full_transaction(next.values().map(|r| &**r), &stale, layout, &networks);
         if let Err(e) = self.kernel.apply(&transaction) {
             self.keep_pending(next);
@@ -1334,6 +1342,27 @@ impl Dataplane {
     pub fn render(&self) -> String {
         nft::full_transaction(self.applied.values().map(|r| &**r), &nft::Stale::default(), self.layout, &self.networks)
     }
+}
+
+/// Leaves out of `stale` the static chains a wanted element still goes to: deleting one would
+/// fail the whole full transaction. None should be (the controller sends drops to the drop
+/// chain only while the skeleton writes it); if one is, it stays, as every static chain did.
+fn keep_chains_elements_go_to(stale: &mut Vec<TableObject>, wanted: &BTreeMap<ObjectKey, Arc<ObjectRules>>) {
+    if !stale.iter().any(|(_, c)| nft::is_static_chain(c)) {
+        return;
+    }
+    let targets: HashSet<&str> = wanted
+        .values()
+        .flat_map(|r| r.elements.values())
+        .filter_map(|verdict| verdict.strip_prefix("goto ").or_else(|| verdict.strip_prefix("jump ")))
+        .collect();
+    stale.retain(|(t, c)| {
+        let kept = nft::is_static_chain(c) && targets.contains(c.as_str());
+        if kept {
+            tracing::warn!(table = %t, chain = %c, "a static chain the skeleton no longer writes is still the verdict of an element: kept");
+        }
+        !kept
+    });
 }
 
 /// Puts `value` into `slot`, a piece of the tables' static part; if that changed it, the next
@@ -1597,6 +1626,74 @@ mod tests {
         let full = last();
         assert!(full.contains("delete chain inet wasmplane-s0 affinity-600-lookup") && full.contains("delete chain inet wasmplane-s0 affinity-600-pick-3"), "{full}");
         assert!(!full.contains("delete chain inet wasmplane-s0 pick-3") && !full.contains("add chain inet wasmplane-s0 affinity-600"));
+    }
+
+    /// A Local service without a local endpoint: its no-endpoint drop, through the drop
+    /// chain when `logged` (as the controller renders it for a logging dataplane).
+    fn local_without_endpoint(logged: bool) -> ObjectRules {
+        let mut r = rules("local", "10.244.0.1");
+        r.elements.insert(("no-endpoint-nodeports".into(), "tcp . 30082".into()), "drop".into());
+        if logged {
+            nft::service_drops::route_drops_through_log(&mut r);
+        }
+        r
+    }
+
+    #[test]
+    fn a_full_sync_deletes_the_drop_chain_of_a_run_that_logged_service_drops() {
+        let log = Some(nft::policy::VerdictLog::new(1001));
+        // The kernel as a logging run left it: its drop chain among the skeleton's.
+        let listing = || Listing {
+            tables: vec![Table::MAIN, Table::shard(0)],
+            chains: [(Table::MAIN, "drop-chain"), (Table::MAIN, "reject-chain"), (Table::shard(0), "pick-3"), (Table::shard(0), "svc/default/local")]
+                .map(|(t, c)| (t, c.to_string()))
+                .into(),
+            sets: vec![],
+        };
+        let written = |log, logged_elements| {
+            let fake = Fake { has_table: true, ..Default::default() };
+            *fake.listing.lock().unwrap() = listing();
+            let mut dp = Dataplane::new(Box::new(fake.clone())).with_service_drop_log(log);
+            dp.full_sync(Some([(key("local"), local_without_endpoint(logged_elements))].into())).unwrap();
+            dp.release().unwrap();
+            fake.applied.lock().unwrap().last().unwrap().clone()
+        };
+
+        // Not logging now: the chain goes, after the elements that no longer go to it.
+        let full = written(None, false);
+        assert!(full.ends_with("delete chain inet wasmplane drop-chain\n"), "{full}");
+        assert_eq!(full.matches("delete chain").count(), 1, "the skeleton's chains and the wanted service's stay: {full}");
+        assert!(!full.contains("goto drop-chain") && full.contains("tcp . 30082 : drop"), "{full}");
+        let flushed = full.find("flush map inet wasmplane no-endpoint-nodeports\n").expect("the no-endpoint maps are rewritten");
+        assert!(flushed < full.rfind("add element").unwrap() && full.rfind("add element").unwrap() < full.find("delete chain").unwrap(), "{full}");
+
+        // Logging: the skeleton writes it, and it stays.
+        let full = written(log, true);
+        assert!(full.contains("add chain inet wasmplane drop-chain\n") && full.contains("tcp . 30082 : goto drop-chain"), "{full}");
+        assert!(!full.contains("delete chain"), "{full}");
+
+        // An element still going to it (no such rendering without logging): kept, as a
+        // delete would fail the whole transaction.
+        let full = written(None, true);
+        assert!(full.contains("tcp . 30082 : goto drop-chain") && !full.contains("delete chain"), "{full}");
+    }
+
+    #[test]
+    fn a_full_sync_deletes_the_nat_chains_of_a_main_table_before_shards_once() {
+        let fake = Fake { has_table: true, ..Default::default() };
+        *fake.listing.lock().unwrap() = Listing {
+            tables: vec![Table::MAIN],
+            chains: ["nat-prerouting", "nat-output", "services", "masquerading", "svc/default/a"].map(|c| (Table::MAIN, c.to_string())).into(),
+            sets: vec![],
+        };
+        let mut dp = Dataplane::new(Box::new(fake.clone()));
+        dp.full_sync(Some([(key("a"), rules("a", "10.244.0.1"))].into())).unwrap();
+        dp.release().unwrap();
+        let full = fake.applied.lock().unwrap().last().unwrap().clone();
+        for chain in ["nat-prerouting", "nat-output", "services", "svc/default/a"] {
+            assert_eq!(full.matches(&format!("delete chain inet wasmplane {chain}\n")).count(), 1, "{chain}: {full}");
+        }
+        assert!(!full.contains("delete chain inet wasmplane masquerading") && full.contains("delete map inet wasmplane service-ips\n"), "{full}");
     }
 
     #[test]

@@ -173,7 +173,13 @@ fn format_cni(cni: &Value) -> String {
         return "not serving yet (waiting for this node's pod CIDRs)".into();
     }
     if cni["chained"].as_bool() == Some(true) {
-        return "serving, chained (addresses and MTU are the other plugin's)".into();
+        let chained = "serving, chained (addresses and MTU are the other plugin's)";
+        // The pods it knows the addresses of; a host before the count says nothing of them.
+        return match cni["attachments"].as_u64() {
+            Some(1) => format!("{chained}, 1 attachment"),
+            Some(n) => format!("{chained}, {n} attachments"),
+            None => chained.into(),
+        };
     }
     let pools = cni["pools"].as_array().into_iter().flatten().map(|p| format!("{} {}/{} allocated", p["cidr"].as_str().unwrap_or("?"), count(&p["allocated"]), count(&p["capacity"])));
     let mtu = cni["mtu"].as_u64().map_or("the kernel's default MTU".to_string(), |m| format!("MTU {m}"));
@@ -796,13 +802,18 @@ mod tests {
         assert!(lines.iter().all(|l| l.get(19..21) == Some("  ") && !l[21..].starts_with(' ')), "{text}");
     }
 
-    /// The CNI line: our addresses per pod CIDR and the MTU; chained; not serving yet.
+    /// The CNI line: our addresses per pod CIDR and the MTU; chained, with the attachments
+    /// it reported; not serving yet.
     #[test]
     fn the_cni_line_says_how_full_each_pod_cidr_is() {
         let serving = json!({ "serving": true, "chained": false, "mtu": 1400, "pools": [{ "cidr": "10.244.1.0/24", "allocated": 5, "capacity": 253 }, { "cidr": "fd00::/64", "allocated": 5, "capacity": 18446744073709551615u64 }] });
         assert_eq!(format_cni(&serving), "serving, 10.244.1.0/24 5/253 allocated, fd00::/64 5/18446744073709551615 allocated, MTU 1400");
         assert_eq!(format_cni(&json!({ "serving": true, "chained": false, "mtu": null, "pools": [] })), "serving, the kernel's default MTU");
         assert_eq!(format_cni(&json!({ "serving": true, "chained": true, "mtu": null, "pools": [] })), "serving, chained (addresses and MTU are the other plugin's)");
+        let chained = |attachments: u64| format_cni(&json!({ "serving": true, "chained": true, "mtu": null, "pools": [], "attachments": attachments }));
+        assert_eq!(chained(12), "serving, chained (addresses and MTU are the other plugin's), 12 attachments");
+        assert_eq!(chained(1), "serving, chained (addresses and MTU are the other plugin's), 1 attachment");
+        assert_eq!(chained(0), "serving, chained (addresses and MTU are the other plugin's), 0 attachments");
         assert_eq!(format_cni(&json!({ "serving": false })), "not serving yet (waiting for this node's pod CIDRs)");
     }
 

@@ -1948,9 +1948,28 @@ fn write_cidr_sets(out: &mut String, t: Table, (v4_set, v6_set): (&str, &str), c
     }
 }
 
-/// Static chain names (never deleted by reconciliation).
+/// Static chain names: the skeleton's, never an object's. Reconciliation deletes one only
+/// when the skeleton no longer writes it (see [`skeleton_chains`]).
 pub fn is_static_chain(name: &str) -> bool {
     !name.starts_with("svc/") && !policy::is_policy_object(name) && AffinityClass::of_chain(name).is_none()
+}
+
+/// The static chains [`skeleton`] declares for `layout` and `networks`, by table. Read from
+/// what it writes, so that no second list can drift from it: a full sync deletes the other
+/// static chains it finds in the layout's tables (a `drop-chain` of a run that logged
+/// service drops, the NAT chains of a main table before shards).
+pub fn skeleton_chains(layout: Layout, networks: &NodeNetworks) -> BTreeSet<(Table, String)> {
+    let mut out = String::new();
+    skeleton(&mut out, false, layout, networks);
+    let family = format!("{FAMILY} ");
+    out.lines()
+        .filter_map(|line| {
+            let (table, rest) = line.strip_prefix("add chain ")?.strip_prefix(&family)?.split_once(' ')?;
+            // A base chain's name is followed by its hook.
+            let name = rest.split(' ').next()?;
+            Some((Table::parse(table)?, name.to_string()))
+        })
+        .collect()
 }
 
 fn add_set(out: &mut String, t: Table, name: &str, set: &SetRules) {
@@ -2031,16 +2050,17 @@ fn grouped_elements<'a>(out: &mut String, elements: impl Iterator<Item = (Table,
 pub struct Stale {
     /// Shard tables outside the layout (services went to fewer shards).
     pub tables: Vec<Table>,
+    /// Objects' chains no object wants there, and static chains the skeleton does not write
+    /// (see [`skeleton_chains`]). Deleted after every element is written: by then nothing
+    /// refers to them (`flush table` emptied every chain, the verdict maps were flushed and
+    /// refilled with wanted verdicts only).
     pub chains: Vec<(Table, String)>,
     pub sets: Vec<(Table, String)>,
-    /// The main table still has the service NAT chains and maps of the one-table layout
-    /// (rules of a host before shards): they go in the same transaction.
+    /// The main table still has the service maps of the one-table layout (rules of a host
+    /// before shards; each shard has those maps now): they go in the same transaction. Its
+    /// NAT chains of then are static chains the skeleton does not write, in `chains`.
     pub unsharded_main: bool,
 }
-
-/// The NAT chains the main table had for services before shards (see
-/// [`Stale::unsharded_main`]); its service maps were the ones each shard has now.
-const UNSHARDED_CHAINS: [&str; 3] = ["nat-prerouting", "nat-output", "services"];
 
 /// A complete transaction: the tables as `objects` describe them, laid out by `layout`,
 /// whatever the kernel had.
@@ -2096,9 +2116,6 @@ pub fn full_transaction<'a>(objects: impl Iterator<Item = &'a ObjectRules> + Clo
         let main = Table::MAIN;
         for (map, _) in SHARD_SKELETON.maps {
             writeln!(out, "delete map {main} {map}").unwrap();
-        }
-        for chain in UNSHARDED_CHAINS {
-            writeln!(out, "delete chain {main} {chain}").unwrap();
         }
     }
     // Last: the services of a table that goes are in their new shards by now.

@@ -498,3 +498,41 @@ fn service_drop_log_rules_encode_as_nft_writes_them() {
         listing(&check)
     });
 }
+
+/// A host restarted without logging service drops, over the tables of one that logged them:
+/// its first full sync deletes the drop chain (`flush table` leaves it, empty), in the same
+/// transaction that rewrites the no-endpoint elements that went to it.
+#[test]
+fn a_full_sync_without_service_drop_logging_deletes_the_drop_chain() {
+    if !is_root() {
+        eprintln!("\n!!! SKIPPED drop chain test: needs root (network namespaces, nftables) !!!\n");
+        return;
+    }
+    let ns = Netns::new(unique_prefix("nl-dchain"));
+    let key = wasmplane_model::ObjectKey::new("ns", "local");
+    let local = |logged: bool| {
+        let mut r = object(&[], &[], &[("no-endpoint-nodeports", "tcp . 30007", "drop")]);
+        if logged {
+            nft::service_drops::route_drops_through_log(&mut r);
+        }
+        r
+    };
+    let main = || ns.exec(&["nft", "list", "table", "inet", "wasmplane"]);
+
+    let mut logging =
+        Dataplane::new(Box::new(NftCommand::new(ns_command(&ns), vec![]))).with_service_drop_log(Some(nft::policy::VerdictLog::new(1001)));
+    logging.full_sync(Some([(key.clone(), local(true))].into())).expect("the logging run's full sync");
+    let table = main();
+    assert!(table.contains("chain drop-chain {") && table.contains("tcp . 30007 : goto drop-chain"), "{table}");
+
+    let mut restarted = Dataplane::new(Box::new(NftCommand::new(ns_command(&ns), vec![])));
+    assert!(restarted.is_held());
+    restarted.full_sync(Some([(key, local(false))].into())).unwrap();
+    assert!(restarted.release().expect("the full sync without logging").full);
+    let table = main();
+    assert!(!table.contains("drop-chain") && table.contains("tcp . 30007 : drop"), "{table}");
+    assert!(table.contains("chain reject-chain {"), "{table}");
+    // The next full sync has nothing of it left to delete.
+    restarted.full_sync(None).unwrap();
+    assert!(!restarted.last_transaction.contains("delete chain"), "{}", restarted.last_transaction);
+}

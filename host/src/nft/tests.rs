@@ -959,8 +959,9 @@ fn the_skeleton_dnats_host_ports_on_local_addresses_before_the_services() {
         assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
     }
     assert!(!text.contains("delete map inet wasmplane "), "{text}");
+    let written = skeleton_chains(Layout::default(), &NodeNetworks::default());
     for chain in ["hostport-prerouting", "hostport-output", "hostport-dnat"] {
-        assert!(is_static_chain(chain) && !UNSHARDED_CHAINS.contains(&chain), "{chain}");
+        assert!(is_static_chain(chain) && written.contains(&(Table::MAIN, chain.to_string())), "{chain}");
     }
     assert!(HOSTPORT_MAPS.iter().all(|m| is_hostport_map(m) && !is_sharded_map(m) && !is_shared_set(m)));
 }
@@ -1042,6 +1043,29 @@ fn service_drops_are_logged_before_their_verdicts_when_a_group_is_given() {
     let mut logged_lines = text.lines();
     for line in unlogged.lines() {
         assert!(logged_lines.any(|l| l == line), "{line:?} is missing or out of order with logging");
+    }
+}
+
+#[test]
+fn the_skeletons_chains_are_read_from_what_it_writes() {
+    let layout = Layout { shards: 2 };
+    let logged = NodeNetworks { service_drop_log: Some(policy::VerdictLog::new(1001)), ..Default::default() };
+    for networks in [NodeNetworks::default(), logged] {
+        let chains = skeleton_chains(layout, &networks);
+        let mut text = String::new();
+        skeleton(&mut text, true, layout, &networks);
+        // Every chain the skeleton writes a rule into, base chains without their hooks.
+        for line in text.lines().filter_map(|l| l.strip_prefix("add rule inet ")) {
+            let mut words = line.split(' ');
+            let (table, chain) = (Table::parse(words.next().unwrap()).unwrap(), words.next().unwrap().to_string());
+            assert!(chains.contains(&(table, chain)), "{line}");
+        }
+        for (t, chain) in [(Table::MAIN, "policy-ingress"), (Table::MAIN, "nat-postrouting"), (Table::shard(1), "nat-prerouting"), (Table::shard(1), "pick-32")] {
+            assert!(chains.contains(&(t, chain.to_string())), "{t} {chain}");
+        }
+        assert!(chains.iter().all(|(_, chain)| is_static_chain(chain)), "{chains:?}");
+        assert_eq!(chains.contains(&(Table::MAIN, "drop-chain".into())), networks.service_drop_log.is_some());
+        assert!(!chains.iter().any(|(t, _)| *t == Table::shard(2)));
     }
 }
 
