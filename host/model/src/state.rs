@@ -486,7 +486,8 @@ impl ClusterState {
                         touched.services.insert(old_service);
                     }
                     touched.services.insert(slice.service_key());
-                    let slices = self.slices_by_service.entry(slice.service_key()).or_default();
+                    // Most services have one slice: a first push would reserve four keys (192 bytes).
+                    let slices = self.slices_by_service.entry(slice.service_key()).or_insert_with(|| Vec::with_capacity(1));
                     if let Err(at) = slices.binary_search(&key) {
                         slices.insert(at, key.clone());
                     }
