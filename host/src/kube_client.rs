@@ -23,9 +23,26 @@ pub fn client(config: kube::Config) -> Result<kube::Client, kube::Error> {
         return kube::Client::try_from(config);
     }
     let mut http = HttpConnector::new();
+    if config.cluster_url.scheme_str() == Some("http") {
+        // No TLS to set up: kube's stack would load every web PKI root for a URL that needs none.
+        return with_connector(http, config);
+    }
     // The scheme is the TLS connector's to check: it takes `https` URLs too.
     http.enforce_http(false);
-    let mut connector = hyper_timeout::TimeoutConnector::new(config.rustls_https_connector_with_connector(http)?);
+    let https = config.rustls_https_connector_with_connector(http)?;
+    with_connector(https, config)
+}
+
+/// The rest of kube's stack over `connector`: timeouts, the bounded buffer, the base URI,
+/// retries, credentials and extra headers.
+fn with_connector<C>(connector: C, config: kube::Config) -> Result<kube::Client, kube::Error>
+where
+    C: tower::Service<http::Uri> + Clone + Send + Sync + 'static,
+    C::Response: hyper_util::client::legacy::connect::Connection + hyper::rt::Read + hyper::rt::Write + Send + Unpin + 'static,
+    C::Future: Send + 'static,
+    C::Error: Into<BoxError>,
+{
+    let mut connector = hyper_timeout::TimeoutConnector::new(connector);
     connector.set_connect_timeout(config.connect_timeout);
     connector.set_read_timeout(config.read_timeout);
     connector.set_write_timeout(config.write_timeout);
