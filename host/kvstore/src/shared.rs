@@ -45,7 +45,9 @@ pub struct SharedStoreConfig {
     /// Retry delays after failures.
     pub retry_min: Duration,
     pub retry_max: Duration,
-    /// Changes buffered per subscriber before it lags (and must re-snapshot).
+    /// Changes buffered per subscriber before it lags (and must re-snapshot). Every slot is
+    /// allocated up front (~90 bytes each): bursts larger than this are rare (a cluster
+    /// starting) and a lagging subscriber only reads the cache again.
     pub change_buffer: usize,
 }
 
@@ -57,7 +59,7 @@ impl SharedStoreConfig {
             sync_interval: Duration::from_secs(300),
             retry_min: Duration::from_millis(50),
             retry_max: Duration::from_secs(2),
-            change_buffer: 1024,
+            change_buffer: 256,
         }
     }
 }
