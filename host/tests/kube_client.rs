@@ -2,6 +2,8 @@
 //! a bearer token taken from a kubeconfig, and bodies and objects larger than its bounded
 //! read buffer arriving whole.
 
+mod support;
+
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -15,6 +17,7 @@ use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{ListParams, WatchEvent, WatchParams};
 use rustls_pki_types::pem::PemObject as _;
 use serde_json::json;
+use support::tls::{self, Issued};
 use tokio_rustls::rustls;
 use wasmplane::app::KubernetesSource;
 use wasmplane::kube_client::{READ_BUFFER_MAX, client};
@@ -26,24 +29,8 @@ const WAIT: Duration = Duration::from_secs(10);
 const _: () = assert!(READ_BUFFER_MAX >= 8192);
 
 /// A CA, and a server certificate for 127.0.0.1 it signed with its key.
-struct Issued {
-    ca_pem: String,
-    cert_pem: String,
-    key_pem: String,
-}
-
 fn issue(ca_name: &str) -> Issued {
-    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    ca_params.distinguished_name.push(rcgen::DnType::CommonName, ca_name);
-    ca_params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::DigitalSignature];
-    let ca = rcgen::CertifiedIssuer::self_signed(ca_params, rcgen::KeyPair::generate().unwrap()).unwrap();
-    let mut params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
-    params.distinguished_name.push(rcgen::DnType::CommonName, format!("kube-apiserver ({ca_name})"));
-    params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
-    let key = rcgen::KeyPair::generate().unwrap();
-    let cert = params.signed_by(&key, &ca).unwrap();
-    Issued { ca_pem: ca.pem(), cert_pem: cert.pem(), key_pem: key.serialize_pem() }
+    tls::issue(ca_name, &["127.0.0.1"], &format!("kube-apiserver ({ca_name})"))
 }
 
 /// What the server saw of one request.

@@ -14,32 +14,16 @@ use wasmplane::app::{HostConfig, RunningHost, start};
 use wasmplane::auth::TlsFiles;
 use wasmplane_grpc::LocalModelClient;
 use wasmplane_grpc::proto::WatchRequest;
-use support::tls::handshake;
+use support::tls::{self, Issued, handshake};
 
 const TOKEN: &str = "tls-reload-test-token-0123456789";
 /// Short, so the test waits a few of them rather than the default 30 s.
 const RELOAD_INTERVAL: Duration = Duration::from_millis(200);
 const WAIT: Duration = Duration::from_secs(10);
 
-/// A CA, and a server certificate for 127.0.0.1 it signed with its key.
-struct Issued {
-    ca_pem: String,
-    cert_pem: String,
-    key_pem: String,
-}
-
+/// A CA, and a server certificate for 127.0.0.1 and localhost it signed with its key.
 fn issue(ca_name: &str) -> Issued {
-    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    ca_params.distinguished_name.push(rcgen::DnType::CommonName, ca_name);
-    ca_params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::DigitalSignature];
-    let ca = rcgen::CertifiedIssuer::self_signed(ca_params, rcgen::KeyPair::generate().unwrap()).unwrap();
-    let mut params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).unwrap();
-    params.distinguished_name.push(rcgen::DnType::CommonName, format!("wasmplane ({ca_name})"));
-    params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
-    let key = rcgen::KeyPair::generate().unwrap();
-    let cert = params.signed_by(&key, &ca).unwrap();
-    Issued { ca_pem: ca.pem(), cert_pem: cert.pem(), key_pem: key.serialize_pem() }
+    tls::issue(ca_name, &["127.0.0.1", "localhost"], &format!("wasmplane ({ca_name})"))
 }
 
 /// Replaces a file as a Secret volume update does: the new contents appear at once.

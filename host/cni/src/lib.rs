@@ -427,66 +427,68 @@ impl CniDaemon {
     /// GC of the allocator: how many it released, and what failed.
     async fn gc_allocations(&self, staleness: &Staleness<'_>) -> Result<(usize, Vec<String>), Error> {
         let ipam = self.allocator()?;
-        let mut failures = Vec::new();
-        let mut released = 0;
-        let now = SystemTime::now();
-        let stale: Vec<Allocation> = ipam.all().into_iter().filter(|a| staleness.of(a, now)).collect();
-        for stale in stale {
-            let (ctr, ifn) = (&stale.container_id, &stale.if_name);
-            // Under the attachment's lock, looked at again: an ADD may have run meanwhile.
-            let result = self
-                .exclusively(ctr, ifn, async {
-                    let current = ipam.get(ctr, ifn);
-                    if current.is_some_and(|a| staleness.of(&a, SystemTime::now())) {
-                        self.remove_attachment(ctr, ifn).await
-                    } else {
-                        Ok(None)
-                    }
-                })
-                .await;
-            match result {
-                Ok(Some(a)) => {
-                    tracing::info!(ips = ?a.ips, container = %ctr, if_name = %ifn, "GC released a stale attachment");
-                    released += 1;
-                }
-                Ok(None) => {}
-                Err(e) => failures.push(format!("{ctr}/{ifn}: {e}")),
-            }
-        }
-        Ok((released, failures))
+        Ok(self
+            .gc_stale(
+                staleness,
+                ipam.all(),
+                |ctr, ifn| ipam.get(ctr, ifn),
+                |a| async move { self.remove_attachment(&a.container_id, &a.if_name).await },
+                |a| tracing::info!(ips = ?a.ips, container = %a.container_id, if_name = %a.if_name, "GC released a stale attachment"),
+            )
+            .await)
     }
 
     /// GC of the chained attachments: the addresses of each stale one leave the model, as a
     /// DEL would take them out. How many, and what failed.
     async fn gc_chained(&self, staleness: &Staleness<'_>) -> Result<(usize, Vec<String>), Error> {
         let store = self.chained_store()?;
+        Ok(self
+            .gc_stale(
+                staleness,
+                store.all(),
+                |ctr, ifn| store.get(ctr, ifn),
+                |a| async move { self.forget_chained(store, a).await.map(Some) },
+                |a| tracing::info!(ips = ?a.ips, container = %a.container_id, if_name = %a.if_name, namespace = %a.pod_namespace, pod = %a.pod_name, "GC took a stale chained attachment's addresses out of the model"),
+            )
+            .await)
+    }
+
+    /// Releases each record of `records` that is stale: `current` looks it up again and
+    /// `release` releases that (`None`: nothing was left to release); `released` logs what
+    /// was. How many were released, and what failed.
+    async fn gc_stale<R: Recorded, F: std::future::Future<Output = Result<Option<R>, Error>>>(
+        &self,
+        staleness: &Staleness<'_>,
+        records: Vec<R>,
+        current: impl Fn(&str, &str) -> Option<R>,
+        release: impl Fn(R) -> F,
+        released: impl Fn(&R),
+    ) -> (usize, Vec<String>) {
         let mut failures = Vec::new();
-        let mut released = 0;
+        let mut count = 0;
         let now = SystemTime::now();
-        let stale: Vec<ChainedAttachment> = store.all().into_iter().filter(|a| staleness.of(a, now)).collect();
+        let stale: Vec<R> = records.into_iter().filter(|a| staleness.of(a, now)).collect();
         for stale in stale {
-            let (ctr, ifn) = (&stale.container_id, &stale.if_name);
+            let (ctr, ifn) = stale.attachment();
             // Under the attachment's lock, looked at again: an ADD may have run meanwhile.
             let result = self
                 .exclusively(ctr, ifn, async {
-                    match store.get(ctr, ifn) {
-                        Some(current) if staleness.of(&current, SystemTime::now()) => {
-                            self.forget_chained(store, current).await.map(Some)
-                        }
+                    match current(ctr, ifn) {
+                        Some(current) if staleness.of(&current, SystemTime::now()) => release(current).await,
                         _ => Ok(None),
                     }
                 })
                 .await;
             match result {
                 Ok(Some(a)) => {
-                    tracing::info!(ips = ?a.ips, container = %ctr, if_name = %ifn, namespace = %a.pod_namespace, pod = %a.pod_name, "GC took a stale chained attachment's addresses out of the model");
-                    released += 1;
+                    released(&a);
+                    count += 1;
                 }
                 Ok(None) => {}
                 Err(e) => failures.push(format!("{ctr}/{ifn}: {e}")),
             }
         }
-        Ok((released, failures))
+        (count, failures)
     }
 
     /// Takes a chained attachment's reported addresses out of the model and its record out of

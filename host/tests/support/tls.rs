@@ -1,4 +1,5 @@
-//! A bare TLS client handshake, for tests of what the host's TLS ports serve.
+//! Certificates for tests' TLS servers, and a bare TLS client handshake, for tests of what
+//! the host's TLS ports serve.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -23,4 +24,27 @@ pub async fn handshake(addr: SocketAddr, ca_pem: &str, alpn: &[&[u8]]) -> Result
     let connecting = tokio_rustls::TlsConnector::from(Arc::new(config)).connect(name, tcp);
     let tls = tokio::time::timeout(Duration::from_secs(10), connecting).await.map_err(|_| "timed out".to_string())?.map_err(|e| e.to_string())?;
     Ok(tls.get_ref().1.alpn_protocol().map(<[u8]>::to_vec))
+}
+
+/// A CA, and a server certificate it signed with its key.
+pub struct Issued {
+    pub ca_pem: String,
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
+/// A new CA named `ca_name`, and a server certificate for `sans` named `common_name` it
+/// signed.
+pub fn issue(ca_name: &str, sans: &[&str], common_name: &str) -> Issued {
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca_params.distinguished_name.push(rcgen::DnType::CommonName, ca_name);
+    ca_params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::DigitalSignature];
+    let ca = rcgen::CertifiedIssuer::self_signed(ca_params, rcgen::KeyPair::generate().unwrap()).unwrap();
+    let mut params = rcgen::CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap();
+    params.distinguished_name.push(rcgen::DnType::CommonName, common_name);
+    params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = params.signed_by(&key, &ca).unwrap();
+    Issued { ca_pem: ca.pem(), cert_pem: cert.pem(), key_pem: key.serialize_pem() }
 }
