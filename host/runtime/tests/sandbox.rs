@@ -114,10 +114,11 @@ fn compiled_components_are_cached_by_content() {
 
 #[test]
 fn output_over_the_cap_is_refused() {
-    // One endpoint as data: its backend, cluster IP and hairpin elements, 3 objects.
+    // One endpoint as data: its backend, cluster IP, off-cluster masquerade and hairpin
+    // elements, 4 objects.
     let rt = Runtime::new(Limits { max_output_objects: 2, max_instances: 4, ..Default::default() }, None).unwrap();
     match call(&rt, artifacts::SERVICE_TRANSLATOR).unwrap_err() {
-        CallError::OutputTooLarge(msg) => assert!(msg.contains("3 objects") && msg.contains("limits 2"), "{msg}"),
+        CallError::OutputTooLarge(msg) => assert!(msg.contains("4 objects") && msg.contains("limits 2"), "{msg}"),
         other => panic!("expected OutputTooLarge, got {other:?}"),
     }
 }
