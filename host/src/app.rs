@@ -441,6 +441,9 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         let recorder = crate::record::ChangeRecorder::create(path, c.model(), c.dataplane().pod_traffic()).context("starting the recording (--record)")?;
         c.add_observer(Box::new(recorder));
     }
+    // The gRPC feed observes the model before any source can change it, so that every
+    // revision is published (and counted) and none only reaches watchers in a snapshot.
+    let feed = config.grpc_listen.map(|_| model_feed_of(&controller));
     let kv = config.kvstore.open(config.data_dir.as_deref()).await?;
     let modules = Arc::new(Modules::new(ModuleStore::new(kv), controller.clone(), admission.clone()));
     // Modules in force cluster-wide are in force here before any source state is applied.
@@ -486,8 +489,7 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
     // One policy (and one cache of Kubernetes reviews) for the REST API and the gRPC stream.
     let auth = Arc::new(auth);
     let (mut grpc_addr, mut model_feed) = (None, None);
-    if let Some(listen) = config.grpc_listen {
-        let feed = model_feed_of(&controller);
+    if let (Some(listen), Some(feed)) = (config.grpc_listen, feed) {
         metrics.export_model_feed(feed.clone());
         let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding the gRPC listener {listen}"))?;
         let addr = listener.local_addr()?;
