@@ -14,7 +14,7 @@ use std::time::Duration;
 use reqwest::StatusCode;
 use serde_json::Value;
 use support::cluster::{NODES_YAML, eventually, wait_for};
-use support::netns::{Netns, is_root};
+use support::netns::{Netns, require_root};
 use support::rest::node_config;
 use wasmplane::agent::AgentConfig;
 use wasmplane::cli::ApiArgs;
@@ -65,10 +65,7 @@ fn routes_in(ns: &Netns) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nodes_register_route_to_each_other_and_forget_a_node_that_leaves() {
-    if !is_root() {
-        eprintln!("\n!!!!!!!! SKIPPED {}: needs root (network namespaces, routes) !!!!!!!!\n", module_path!());
-        return;
-    }
+    require_root!("network namespaces, routes");
     let etcd = Etcd::start().await.expect("etcd-server must be installed (scripts/setup.sh)");
     let dir = tempfile::tempdir().unwrap();
     // Two node namespaces on one link: each can reach the other's node IP, the gateway of
@@ -121,10 +118,7 @@ async fn nodes_register_route_to_each_other_and_forget_a_node_that_leaves() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_reports_the_kvstore_unhealthy_while_the_heartbeat_is_stale() {
-    if !is_root() {
-        eprintln!("\n!!!!!!!! SKIPPED {}: needs root (network namespaces) !!!!!!!!\n", module_path!());
-        return;
-    }
+    require_root!("network namespaces");
     let etcd = Etcd::start().await.expect("etcd-server must be installed (scripts/setup.sh)");
     let dir = tempfile::tempdir().unwrap();
     let ns = Netns::new(format!("agent-hb-{}", std::process::id()));
@@ -236,10 +230,7 @@ async fn the_kvstore_and_remote_clusters_are_reached_over_tls_and_the_clustermes
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_clusters_nodes_are_routed_while_their_cluster_is_followed() {
-    if !is_root() {
-        eprintln!("\n!!!!!!!! SKIPPED {}: needs root (network namespaces, routes) !!!!!!!!\n", module_path!());
-        return;
-    }
+    require_root!("network namespaces, routes");
     let (etcd, east) = (Etcd::start().await.expect("etcd-server must be installed (scripts/setup.sh)"), Etcd::start().await.unwrap());
     let dir = tempfile::tempdir().unwrap();
     // West's node-a and a node of east on one link (native routing between the clusters).

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use support::cluster::{Cluster, NODES_YAML, start_host, wait_for};
-use support::netns::{Netns, is_root};
+use support::netns::{Netns, require_root};
 use wasmplane::app::DataplaneMode;
 use wasmplane::cni::CniConfig;
 use wasmplane_cni::{CniRequest, Command};
@@ -35,10 +35,7 @@ fn pod_yaml(name: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_added_pod_is_in_the_model_at_once_and_del_takes_it_out() {
-    if !is_root() {
-        eprintln!("\n!!!!!!!! SKIPPED {}: needs root (network namespaces, veth) !!!!!!!!\n", module_path!());
-        return;
-    }
+    require_root!("network namespaces, veth");
     let tag = std::process::id();
     let node = Netns::new(format!("cnih-node-{tag}"));
     let pod_ns = Netns::new(format!("cnih-pod-{tag}"));

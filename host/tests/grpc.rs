@@ -9,7 +9,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use support::netns::{Netns, is_root, run, unique_prefix};
+use support::netns::{Netns, require_root, run, unique_prefix};
 use tonic::Code;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 use wasmplane::app::{HostConfig, RunningHost, start};
@@ -228,10 +228,7 @@ impl Drop for Link {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn from_another_host_grpc_needs_the_token() {
-    if !is_root() {
-        eprintln!("\n!!!!!!!! SKIPPED {}: needs root (network namespaces, veth) !!!!!!!!\n", module_path!());
-        return;
-    }
+    require_root!("network namespaces, veth");
     // "Another host": a namespace joined to ours by a veth pair, in a /30 of its own per
     // process (so concurrent runs do not share a subnet).
     let subnet = (std::process::id() % 64) * 4;
@@ -288,10 +285,7 @@ fn sample(metrics: &str, series: &str) -> Option<f64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_and_served_watches_are_in_the_metrics() {
-    if !is_root() {
-        eprintln!("\n!!!!!!!! SKIPPED {}: needs root (network namespaces, veth) !!!!!!!!\n", module_path!());
-        return;
-    }
+    require_root!("network namespaces, veth");
     // Another host, as in `from_another_host_grpc_needs_the_token`, on a subnet and link of
     // its own so the two tests can run at once.
     let subnet = (std::process::id() % 64) * 4;

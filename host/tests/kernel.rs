@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use wasmplane::app::{DataplaneMode, HostConfig, start};
 
 mod support;
+use support::netns::require_root;
 use support::set_holds;
 
 const TOKEN: &str = "kernel-test-token-0123456789";
@@ -64,16 +65,9 @@ async fn host_on_examples(tag: &str, examples: &[&str]) -> (Netns, tempfile::Tem
     (ns, dir, manifests, host)
 }
 
-fn is_root() -> bool {
-    Command::new("id").arg("-u").output().map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0").unwrap_or(false)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transactions_apply_to_the_kernel_and_reconcile_repairs_drift() {
-    if !is_root() {
-        eprintln!("\n!!! SKIPPED kernel test: needs root (network namespaces, nftables) !!!\n");
-        return;
-    }
+    require_root!();
     let (ns, dir, manifests, host) = host_on_examples("wp-kernel", &["cluster.yaml", "shop.yaml", "pods.yaml"]).await;
     let wait_for = |what: &'static str, cond: &dyn Fn(&str) -> bool| {
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -166,10 +160,7 @@ async fn transactions_apply_to_the_kernel_and_reconcile_repairs_drift() {
 /// finds nothing and is no error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cleanup_removes_our_tables_and_routes_and_nothing_else() {
-    if !is_root() {
-        eprintln!("\n!!! SKIPPED cleanup test: needs root (network namespaces, nftables, routes) !!!\n");
-        return;
-    }
+    require_root!("network namespaces, nftables, routes");
     let (ns, dir, _manifests, host) = host_on_examples("wp-cleanup", &["shop.yaml"]).await;
     let deadline = Instant::now() + Duration::from_secs(10);
     while !ns.nft(&["list", "tables"]).contains("wasmplane-s1") {

@@ -7,7 +7,7 @@ mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use support::netns::{Netns, is_root, unique_prefix};
+use support::netns::{Netns, require_root, unique_prefix};
 use support::set_holds;
 use wasmplane::dataplane::{Dataplane, Kernel, NetlinkNft, NftCommand};
 use wasmplane::nft::{self, ElementKey, ObjectRules, SetRules};
@@ -224,10 +224,7 @@ fn delta(old: &State, new: &State) -> String {
 
 #[test]
 fn netlink_batches_leave_the_table_nft_would() {
-    if !is_root() {
-        eprintln!("\n!!! SKIPPED netlink writer test: needs root (network namespaces, nftables) !!!\n");
-        return;
-    }
+    require_root!();
     let text_ns = Netns::new(unique_prefix("nl-text"));
     let netlink_ns = Netns::new(unique_prefix("nl-batch"));
     let mut text = NftCommand::new(ns_command(&text_ns), vec![]);
@@ -360,10 +357,7 @@ fn netlink_batches_leave_the_table_nft_would() {
 /// and NAT base chains from the main table, in one transaction.
 #[test]
 fn an_upgrade_from_one_table_moves_services_into_shards() {
-    if !is_root() {
-        eprintln!("\n!!! SKIPPED upgrade test: needs root (network namespaces, nftables) !!!\n");
-        return;
-    }
+    require_root!();
     let ns = Netns::new(unique_prefix("nl-upgrade"));
     // What a host before shards wrote: the service NAT part in `inet wasmplane`.
     let t = "inet wasmplane";
@@ -408,10 +402,7 @@ fn an_upgrade_from_one_table_moves_services_into_shards() {
 
 #[test]
 fn a_refused_element_of_a_long_statement_is_quoted_in_the_error() {
-    if !is_root() {
-        eprintln!("\n!!! SKIPPED rejection test: needs root (network namespaces, nftables) !!!\n");
-        return;
-    }
+    require_root!();
     let ns = Netns::new(unique_prefix("nl-refused"));
     // A full transaction writes a map's elements in one statement; nft echoes only its
     // first ~1,000 characters.
@@ -436,10 +427,7 @@ fn a_refused_element_of_a_long_statement_is_quoted_in_the_error() {
 /// again incrementally, and a no-endpoint drop sent to the drop chain), list the same.
 #[test]
 fn service_drop_log_rules_encode_as_nft_writes_them() {
-    if !is_root() {
-        eprintln!("\n!!! SKIPPED service drop log netlink test: needs root (network namespaces, nftables) !!!\n");
-        return;
-    }
+    require_root!();
     let text_ns = Netns::new(unique_prefix("nl-dlog-t"));
     let netlink_ns = Netns::new(unique_prefix("nl-dlog-b"));
     let mut text = NftCommand::new(ns_command(&text_ns), vec![]);
@@ -504,10 +492,7 @@ fn service_drop_log_rules_encode_as_nft_writes_them() {
 /// transaction that rewrites the no-endpoint elements that went to it.
 #[test]
 fn a_full_sync_without_service_drop_logging_deletes_the_drop_chain() {
-    if !is_root() {
-        eprintln!("\n!!! SKIPPED drop chain test: needs root (network namespaces, nftables) !!!\n");
-        return;
-    }
+    require_root!();
     let ns = Netns::new(unique_prefix("nl-dchain"));
     let key = wasmplane_model::ObjectKey::new("ns", "local");
     let local = |logged: bool| {

@@ -73,10 +73,7 @@ async fn policies(host: &wasmplane::app::RunningHost, query: &str) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_policy_from_the_cluster_is_enforced_audited_and_follows_labels() {
-    if !is_root() {
-        eprintln!("\n!!!!!!!! SKIPPED {}: needs root (network namespaces, nftables) !!!!!!!!\n", module_path!());
-        return;
-    }
+    require_root!();
     let mut topo = Topology::new("polh");
     let web = topo.add_pod(WEB);
     let client = topo.add_pod(CLIENT);

@@ -277,14 +277,6 @@ fn reach(to: SocketAddr, udp: bool) -> bool {
     ask(PROBE_TIMEOUT) || ask(PROBE_TIMEOUT * 2)
 }
 
-macro_rules! require_root {
-    () => {
-        if !is_root() {
-            eprintln!("\n!!!!!!!! SKIPPED {}: needs root (network namespaces, nftables) !!!!!!!!\n", module_path!());
-            return;
-        }
-    };
-}
 
 const OPEN: [&str; 9] =
     ["-11 111 111", "1-1 111 111", "11- 111 111", "111 -11 111", "111 1-1 111", "111 11- 111", "111 111 -11", "111 111 1-1", "111 111 11-"];

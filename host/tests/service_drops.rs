@@ -102,10 +102,7 @@ fn dropped(ns: &str, to: SocketAddr) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn service_drops_are_logged_with_their_reason_and_named_by_service() {
-    if !is_root() {
-        eprintln!("\n!!!!!!!! SKIPPED {}: needs root (network namespaces, nftables) !!!!!!!!\n", module_path!());
-        return;
-    }
+    require_root!();
     let mut topo = Topology::new("sdrop");
     let pod_a = topo.add_pod(POD_A);
     let client = topo.add_pod(CLIENT);
@@ -263,10 +260,7 @@ status: { phase: Running, podIP: 10.244.0.100, podIPs: [{ ip: 10.244.0.100 }, { 
 /// CIDR that is no service's; each logged with its IPv6 addresses and named by service.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ipv6_service_drops_are_logged_with_their_ipv6_addresses() {
-    if !is_root() {
-        eprintln!("\n!!!!!!!! SKIPPED {}: needs root (network namespaces, nftables) !!!!!!!!\n", module_path!());
-        return;
-    }
+    require_root!();
     let mut topo = Topology::new("sdrop6");
     topo.enable_ipv6();
     let pod_a = topo.add_dual_stack_pod(POD_A, POD_A6);
@@ -339,10 +333,7 @@ async fn ipv6_service_drops_are_logged_with_their_ipv6_addresses() {
 /// both its ports; one to a UDP port the cluster IP does not have is an unknown port.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_udp_reject_is_logged_with_its_protocol_and_ports() {
-    if !is_root() {
-        eprintln!("\n!!!!!!!! SKIPPED {}: needs root (network namespaces, nftables) !!!!!!!!\n", module_path!());
-        return;
-    }
+    require_root!();
     let mut topo = Topology::new("sdropu");
     let client = topo.add_pod(CLIENT);
     let cluster = Cluster::new();
@@ -376,10 +367,7 @@ async fn a_udp_reject_is_logged_with_its_protocol_and_ports() {
 /// drops stay plain drops.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_log_group_nothing_is_logged_or_read() {
-    if !is_root() {
-        eprintln!("\n!!!!!!!! SKIPPED {}: needs root (network namespaces, nftables) !!!!!!!!\n", module_path!());
-        return;
-    }
+    require_root!();
     let topo = Topology::new("sdrop0");
     let cluster = Cluster::new();
     let mut elsewhere = Svc::new("elsewhere", "10.96.0.42", vec![Port::new("http", "TCP", 80, 8080).node_port(30082)], vec![ready(REMOTE_POD, OTHER_NODE)]);

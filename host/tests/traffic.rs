@@ -22,14 +22,6 @@ use support::set_holds;
 use support::echo::*;
 use support::netns::*;
 
-macro_rules! require_root {
-    () => {
-        if !is_root() {
-            eprintln!("\n!!!!!!!! SKIPPED {}: needs root (network namespaces, nftables) !!!!!!!!\n", module_path!());
-            return;
-        }
-    };
-}
 
 /// `frontend` (`address . protocol . port`) is in a service map: load balanced as data (a
 /// goto to a shard's by-count chain) or by a chain of the service's own.

@@ -22,6 +22,23 @@ pub fn is_root() -> bool {
     Command::new("id").arg("-u").output().map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0").unwrap_or(false)
 }
 
+/// Returns from the test, loudly, unless it runs as root; `$needs`: what for (network
+/// namespaces and nftables unless said).
+#[allow(unused_macros)]
+macro_rules! require_root {
+    () => {
+        $crate::support::netns::require_root!("network namespaces, nftables")
+    };
+    ($needs:literal) => {
+        if !$crate::support::netns::is_root() {
+            eprintln!(concat!("\n!!!!!!!! SKIPPED {}: needs root (", $needs, ") !!!!!!!!\n"), module_path!());
+            return;
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use require_root;
+
 /// Runs `cmd` (argv) and panics with its output when it fails.
 #[track_caller]
 pub fn run(cmd: &[&str]) -> String {
