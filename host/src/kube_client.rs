@@ -6,11 +6,20 @@
 //! arrives in one burst, so each kept the buffer that burst grew for good: 0.7 MiB of the
 //! host's 5.8 MiB of live heap at 1k services (heaptrack, forty-second run in BENCHMARKS.md).
 //! After the initial list a watch carries a few events at a time.
+//!
+//! kube's stack also logs each request (its `TraceLayer`, from tower-http); [`RequestLog`]
+//! does the same here without that crate in the host: each attempt at debug level in a
+//! span of its method and path, a server error at warn.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kube::client::ConfigExt;
-use tower::{BoxError, ServiceBuilder};
+use tower::{BoxError, Service, ServiceBuilder};
+use tracing::Instrument as _;
 
 /// Each connection's largest read buffer (hyper's default is ~400 KiB; 8 KiB is its least).
 /// Reads of this size keep the initial list's cost per byte where it was (BENCHMARKS.md).
@@ -55,7 +64,109 @@ where
         .option_layer(config.default_retry.then(|| tower::retry::RetryLayer::new(kube::client::retry::RetryPolicy::server_retry())))
         .option_layer(config.auth_layer()?)
         .layer(config.extra_headers_layer()?)
+        .layer_fn(RequestLog)
         .map_err(BoxError::from)
         .service(http_client);
     Ok(kube::Client::new(service, config.default_namespace))
+}
+
+/// Logs each request the client sends (each retry too: it sits below the retry layer), as
+/// kube's own stack does: at debug level with its status and duration, a server error (5xx)
+/// at warn, a failure to get an answer at debug (the watchers log what they make of it).
+/// Only the path is logged: a query can carry a continue token or a label selector's values.
+#[derive(Clone, Debug)]
+pub struct RequestLog<S>(pub S);
+
+impl<S, B, R> Service<http::Request<B>> for RequestLog<S>
+where
+    S: Service<http::Request<B>, Response = http::Response<R>>,
+    S::Future: Send + 'static,
+    S::Error: std::fmt::Display,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let span = tracing::debug_span!("kube_request", method = %request.method(), path = request.uri().path());
+        let started = std::time::Instant::now();
+        let answer = self.0.call(request);
+        Box::pin(
+            async move {
+                let answer = answer.await;
+                let elapsed_ms = started.elapsed().as_secs_f64() * 1e3;
+                match &answer {
+                    Ok(response) if response.status().is_server_error() => {
+                        tracing::warn!(status = response.status().as_u16(), elapsed_ms, "the API server answered with a server error")
+                    }
+                    Ok(response) => tracing::debug!(status = response.status().as_u16(), elapsed_ms, "answered"),
+                    Err(e) => tracing::debug!(elapsed_ms, "no answer: {e}"),
+                }
+                answer
+            }
+            .instrument(span),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::sync::{Arc, Mutex};
+
+    use tower::ServiceExt as _;
+
+    use super::*;
+
+    /// What the log writes, kept for the test to read.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Captured {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// The log lines of `requests` sent through a [`RequestLog`] over a server answering
+    /// each path's status (`/down`: no answer at all).
+    async fn logged(requests: &[&str]) -> String {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt().with_max_level(tracing::Level::DEBUG).with_ansi(false).with_writer(move || writer.clone()).finish();
+        let _guard = tracing::subscriber::set_default(subscriber);
+        let server = tower::service_fn(|request: http::Request<()>| async move {
+            let status = match request.uri().path() {
+                "/down" => return Err("connection refused".to_string()),
+                "/api/v1/pods" => 200,
+                _ => 503,
+            };
+            Ok(http::Response::builder().status(status).body(()).unwrap())
+        });
+        let mut client = RequestLog(server);
+        for uri in requests {
+            let request = http::Request::get(*uri).body(()).unwrap();
+            let _ = client.ready().await.unwrap().call(request).await;
+        }
+        String::from_utf8(captured.0.lock().unwrap().clone()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn each_request_is_logged_with_its_status_and_a_server_error_warns() {
+        let log = logged(&["/api/v1/pods?labelSelector=secret%3Dvalue", "/apis/discovery.k8s.io/v1/endpointslices", "/down"]).await;
+        let lines: Vec<&str> = log.lines().collect();
+        assert_eq!(lines.len(), 3, "{log}");
+        assert!(lines[0].contains("DEBUG") && lines[0].contains("method=GET") && lines[0].contains("path=\"/api/v1/pods\"") && lines[0].contains("status=200"), "{log}");
+        assert!(!log.contains("secret"), "the query is not logged: {log}");
+        assert!(lines[1].contains("WARN") && lines[1].contains("status=503") && lines[1].contains("endpointslices"), "{log}");
+        assert!(lines[2].contains("DEBUG") && lines[2].contains("no answer: connection refused"), "{log}");
+    }
 }

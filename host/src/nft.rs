@@ -1348,7 +1348,9 @@ impl TableSkeleton<'_> {
                     Some((matches, reason)) => {
                         let Some(log) = drop_log else { continue };
                         let reason = service_drops::ServiceDropReason::from_name(reason).unwrap_or_else(|| panic!("skeleton rule {rule:?}: no such reason"));
-                        writeln!(out, "add rule {t} {name} {matches}{}", service_drops::log_statements(reason, log)).unwrap();
+                        for rule in service_drops::log_rules(matches.trim_end(), reason, log) {
+                            writeln!(out, "add rule {t} {name} {rule}").unwrap();
+                        }
                     }
                 }
             }
@@ -1406,6 +1408,9 @@ const MAIN_SKELETON: TableSkeleton = {
             ("egress-sources6", "ipv6_addr; flags interval"),
             ("egress-keep-source", "ipv4_addr; flags interval"),
             ("egress-keep-source6", "ipv6_addr; flags interval"),
+            // Each frontend's logged drops, metered (see `service_drops`).
+            service_drops::METER_SETS[0],
+            service_drops::METER_SETS[1],
         ],
         chains: &[
             (

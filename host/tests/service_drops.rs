@@ -363,6 +363,58 @@ async fn a_udp_reject_is_logged_with_its_protocol_and_ports() {
     host.stop().await;
 }
 
+/// Each frontend's drops are logged at their own rate: a service flooded with datagrams it
+/// rejects logs at most its burst and rate, and the drops of another service between them
+/// are all logged. (With one rate for the whole node, the flood used up the log: the quiet
+/// service's drops went unlogged.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooded_service_does_not_use_up_another_services_drop_log() {
+    require_root!();
+    const QUIET: &str = "10.96.0.44";
+    let mut topo = Topology::new("sdropf");
+    let client = topo.add_pod(CLIENT);
+    // The kernel limits the ICMP errors it sends a peer (about one a second after a burst of
+    // six), which would leave most of the flood's rejects unanswered; every one is answered here.
+    topo.node.sysctl("net.ipv4.icmp_ratemask", "0");
+    let cluster = Cluster::new();
+    cluster.put_file("pods.yaml", CLIENT_POD);
+    cluster.put(&Svc::new("noisy", EMPTY, vec![Port::new("dns", "UDP", 53, 5353)], vec![]));
+    cluster.put(&Svc::new("quiet", QUIET, vec![Port::new("dns", "UDP", 53, 5353)], vec![]));
+    let host = start_host(HostConfig { policy_log_group: GROUP, ..cluster.config(topo.nft_command()) }).await;
+    wait_applied(&host, "the services", |t| {
+        t.contains(&format!("{EMPTY} . udp . 53 : goto reject-chain")) && t.contains(&format!("{QUIET} . udp . 53 : goto reject-chain"))
+    });
+
+    // 20 datagrams to the noisy service for each one to the quiet one, five times: 100 in
+    // a burst the default rate (10/s, bursts of 20) logs a fraction of.
+    const ROUNDS: usize = 5;
+    const FLOOD: usize = 20;
+    let started = Instant::now();
+    for _ in 0..ROUNDS {
+        for _ in 0..FLOOD {
+            assert_refused("UDP → the noisy service", udp_probe(&client, addr(EMPTY, 53)).0, started);
+        }
+        assert_refused("UDP → the quiet service", udp_probe(&client, addr(QUIET, 53)).0, started);
+    }
+    let flood_seconds = started.elapsed().as_secs_f64();
+    // Every quiet drop reaches the host (the kernel sends the log within 100 ms).
+    let count = |answer: &Value, service: &str| answer["events"].as_array().map_or(0, |e| e.iter().filter(|e| e["service"] == service).count());
+    let mut answer = Value::Null;
+    for _ in 0..50 {
+        answer = get(&host, "/v1/drops?limit=1024").await.1;
+        if count(&answer, "default/quiet") >= ROUNDS {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(count(&answer, "default/quiet"), ROUNDS, "every drop of the quiet service is logged beside the flood: {answer}");
+    // The noisy one is held to its own rate: its burst, plus 10 a second while it lasted.
+    let noisy = count(&answer, "default/noisy");
+    let allowed = 20 + (10.0 * (flood_seconds + 0.5)).ceil() as usize;
+    assert!((1..=allowed).contains(&noisy), "{noisy} of {} noisy drops logged in {flood_seconds:.2} s (at most {allowed}): {answer}", ROUNDS * FLOOD);
+    host.stop().await;
+}
+
 /// Without a log group the ruleset has no log rule and no drop chain: the no-endpoint maps'
 /// drops stay plain drops.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

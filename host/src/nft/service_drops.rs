@@ -5,8 +5,12 @@
 //! service fails (Cilium's "Service backend not found" drops); the host reads them with the
 //! policy verdicts (`policy_log`) and names the service when they are read.
 //!
-//! The skeleton's rules are shared by every service: each log rule's rate is the node's,
-//! not a service's, which bounds what a flood costs the host.
+//! The skeleton's rules are shared by every service, so each log rule meters its packets
+//! per frontend (destination address, protocol and port, remembered for a minute in a
+//! dynamic set of the main table): a frontend flooded with connections it drops logs at
+//! most the log's rate, and another frontend's drops are still logged beside it. A second,
+//! node-wide limit per rule ([`NODE_RATE_FACTOR`] times that) bounds what a flood across
+//! many frontends (a scan of the service CIDR) costs the host.
 
 use serde::{Deserialize, Serialize};
 use wasmplane_model::format_compact;
@@ -86,11 +90,47 @@ pub fn parse_prefix(prefix: &str) -> Option<ServiceDropReason> {
     ServiceDropReason::from_name(reason)
 }
 
-/// The statements that log a drop for `reason` (the rule's matches go before them). A rule
-/// of its own before the verdict: above the rate, `limit` ends this rule only, and the
-/// verdict still follows.
-pub fn log_statements(reason: ServiceDropReason, log: VerdictLog) -> String {
-    format!("limit rate {}/second burst {} packets log group {} prefix \"{}\"", log.per_second, log.burst, log.group, prefix(reason))
+/// The dynamic sets metering each frontend's logged drops (see the module doc): declared by
+/// the skeleton whether or not drops are logged, so that none is left behind when logging
+/// is turned off. Their size bounds the kernel memory a scan costs; a frontend that finds
+/// its set full is not logged (the node-wide limit would soon stop it anyway).
+pub const METER_SETS: [(&str, &str); 2] = [
+    ("service-drop-log", "ipv4_addr . inet_proto . inet_service; flags dynamic,timeout; timeout 60s; size 4096"),
+    ("service-drop-log6", "ipv6_addr . inet_proto . inet_service; flags dynamic,timeout; timeout 60s; size 4096"),
+];
+
+/// How many times one frontend's rate each log rule passes on for the whole node.
+pub const NODE_RATE_FACTOR: u32 = 10;
+
+/// The rules that log a drop for `reason`, each `matches` and then the metered log
+/// statements: one rule per address family `matches` leaves open (a family's meter key
+/// matches only that family's packets). Rules of their own before the verdict: above a
+/// rate, the limit ends this rule only, and the verdict still follows.
+///
+/// `matches` is a skeleton constant: empty (both families), or starting with `ip ` or
+/// `ip6 `.
+pub fn log_rules(matches: &str, reason: ServiceDropReason, log: VerdictLog) -> Vec<String> {
+    let families: &[(&str, &str)] = match matches.split_once(' ').map(|(first, _)| first) {
+        _ if matches.is_empty() => &[("ip", METER_SETS[0].0), ("ip6", METER_SETS[1].0)],
+        Some("ip") => &[("ip", METER_SETS[0].0)],
+        Some("ip6") => &[("ip6", METER_SETS[1].0)],
+        _ => panic!("service drop log rule {matches:?}: its family is not told by its first match"),
+    };
+    let separator = if matches.is_empty() { "" } else { " " };
+    families
+        .iter()
+        .map(|(family, set)| {
+            format!(
+                "{matches}{separator}update @{set} {{ {family} daddr . meta l4proto . th dport limit rate {}/second burst {} packets }} limit rate {}/second burst {} packets log group {} prefix \"{}\"",
+                log.per_second,
+                log.burst,
+                log.per_second.saturating_mul(NODE_RATE_FACTOR),
+                log.burst.saturating_mul(NODE_RATE_FACTOR),
+                log.group,
+                prefix(reason)
+            )
+        })
+        .collect()
 }
 
 /// The static chain that logs and drops what the no-endpoint maps drop (declared by the
@@ -99,7 +139,9 @@ pub(super) fn write_drop_chain(out: &mut String, t: super::Table, log: VerdictLo
     use std::fmt::Write as _;
     writeln!(out, "add chain {t} {DROP_CHAIN}").unwrap();
     writeln!(out, "flush chain {t} {DROP_CHAIN}").unwrap();
-    writeln!(out, "add rule {t} {DROP_CHAIN} {}", log_statements(ServiceDropReason::NoLocalEndpoints, log)).unwrap();
+    for rule in log_rules("", ServiceDropReason::NoLocalEndpoints, log) {
+        writeln!(out, "add rule {t} {DROP_CHAIN} {rule}").unwrap();
+    }
     writeln!(out, "add rule {t} {DROP_CHAIN} drop").unwrap();
 }
 
@@ -137,6 +179,29 @@ mod tests {
         }
         // Fits the kernel's prefix (NF_LOG_PREFIXLEN, 128 with its NUL).
         assert!(ServiceDropReason::ALL.iter().all(|r| prefix(*r).len() < 128));
+    }
+
+    #[test]
+    fn each_log_rule_meters_by_frontend_in_the_families_its_matches_leave_open() {
+        let log = VerdictLog::new(7).with_rate(5);
+        let metered = |family: &str, set: &str| {
+            format!(
+                "update @{set} {{ {family} daddr . meta l4proto . th dport limit rate 5/second burst 10 packets }} limit rate 50/second burst 100 packets log group 7 prefix \"wasmplane-service unknown-port\""
+            )
+        };
+        let reason = ServiceDropReason::UnknownPort;
+        assert_eq!(log_rules("", reason, log), vec![metered("ip", "service-drop-log"), metered("ip6", "service-drop-log6")]);
+        assert_eq!(log_rules("ip daddr @cluster-ips", reason, log), vec![format!("ip daddr @cluster-ips {}", metered("ip", "service-drop-log"))]);
+        assert_eq!(log_rules("ip6 daddr @cluster-ips6", reason, log), vec![format!("ip6 daddr @cluster-ips6 {}", metered("ip6", "service-drop-log6"))]);
+        // The sets the rules name are the ones the skeleton declares.
+        assert_eq!(METER_SETS.map(|(name, _)| name), ["service-drop-log", "service-drop-log6"]);
+        assert!(METER_SETS.iter().all(|(_, declaration)| declaration.contains("flags dynamic,timeout")));
+    }
+
+    #[test]
+    #[should_panic(expected = "its family is not told")]
+    fn a_log_rule_whose_family_is_not_its_first_match_is_refused() {
+        log_rules("meta l4proto udp", ServiceDropReason::NoEndpoints, VerdictLog::new(7));
     }
 
     #[test]

@@ -993,34 +993,45 @@ fn chain_rules<'a>(text: &'a str, chain: &str) -> Vec<&'a str> {
 
 #[test]
 fn service_drops_are_logged_before_their_verdicts_when_a_group_is_given() {
-    const LOG: &str = "limit rate 10/second burst 20 packets log group 1001 prefix";
+    // Metered per frontend (10/s each, in a dynamic set per family), at most ten times that
+    // per rule for the node.
+    let log = |family: &str, reason: &str| {
+        let set = if family == "ip" { "service-drop-log" } else { "service-drop-log6" };
+        format!(
+            "update @{set} {{ {family} daddr . meta l4proto . th dport limit rate 10/second burst 20 packets }} limit rate 100/second burst 200 packets log group 1001 prefix \"wasmplane-service {reason}\""
+        )
+    };
     let networks = NodeNetworks { service_drop_log: Some(policy::VerdictLog::new(1001)), ..Default::default() };
     let mut text = String::new();
     skeleton(&mut text, true, Layout::default(), &networks);
-    assert_eq!(chain_rules(&text, "reject-chain"), vec![format!("{LOG} \"wasmplane-service no-endpoints\""), "reject".into()]);
-    assert_eq!(chain_rules(&text, "drop-chain"), vec![format!("{LOG} \"wasmplane-service no-local-endpoints\""), "drop".into()]);
+    // Reached by goto from map elements of either family: a rule for each.
+    assert_eq!(chain_rules(&text, "reject-chain"), vec![log("ip", "no-endpoints"), log("ip6", "no-endpoints"), "reject".into()]);
+    assert_eq!(chain_rules(&text, "drop-chain"), vec![log("ip", "no-local-endpoints"), log("ip6", "no-local-endpoints"), "drop".into()]);
     assert!(text.contains("add chain inet wasmplane drop-chain\n") && is_static_chain("drop-chain"), "{text}");
+    for set in ["service-drop-log", "service-drop-log6"] {
+        assert!(text.contains(&format!("add set inet wasmplane {set} {{ type ")) && text.contains(&format!("flush set inet wasmplane {set}\n")), "{set}:\n{text}");
+    }
     let firewall = "ip daddr . meta l4proto . th dport @firewall-ips ip daddr . meta l4proto . th dport . ip saddr != @firewall-allowed";
     let firewall6 = "ip6 daddr . meta l4proto . th dport @firewall-ips6 ip6 daddr . meta l4proto . th dport . ip6 saddr != @firewall-allowed6";
     assert_eq!(
         chain_rules(&text, "firewall-check"),
         vec![
-            format!("{firewall} {LOG} \"wasmplane-service source-range\""),
+            format!("{firewall} {}", log("ip", "source-range")),
             format!("{firewall} drop"),
-            format!("{firewall6} {LOG} \"wasmplane-service source-range\""),
+            format!("{firewall6} {}", log("ip6", "source-range")),
             format!("{firewall6} drop"),
         ]
     );
     assert_eq!(
         chain_rules(&text, "cluster-ips-check"),
         vec![
-            format!("ip daddr @cluster-ips {LOG} \"wasmplane-service unknown-port\""),
+            format!("ip daddr @cluster-ips {}", log("ip", "unknown-port")),
             "ip daddr @cluster-ips reject".into(),
-            format!("ip6 daddr @cluster-ips6 {LOG} \"wasmplane-service unknown-port\""),
+            format!("ip6 daddr @cluster-ips6 {}", log("ip6", "unknown-port")),
             "ip6 daddr @cluster-ips6 reject".into(),
-            format!("ip daddr @service-cidrs {LOG} \"wasmplane-service unallocated\""),
+            format!("ip daddr @service-cidrs {}", log("ip", "unallocated")),
             "ip daddr @service-cidrs drop".into(),
-            format!("ip6 daddr @service-cidrs6 {LOG} \"wasmplane-service unallocated\""),
+            format!("ip6 daddr @service-cidrs6 {}", log("ip6", "unallocated")),
             "ip6 daddr @service-cidrs6 drop".into(),
         ]
     );
@@ -1087,19 +1098,25 @@ fn a_logging_dataplane_sends_no_endpoint_drops_through_the_drop_chain() {
 }
 
 #[test]
-fn the_log_rules_of_the_reject_drop_and_cluster_ip_checks_encode_as_netlink() {
+fn the_reject_drop_and_cluster_ip_checks_encode_as_netlink_but_for_their_metered_log_rules() {
     let networks = NodeNetworks { service_drop_log: Some(policy::VerdictLog::new(1001)), ..Default::default() };
     let mut text = String::new();
     skeleton(&mut text, true, Layout::default(), &networks);
-    // The skeleton goes through nft -f ("add table" is no statement of the batch); the rules
-    // themselves are in the batch's vocabulary but for the firewall's concatenations.
+    // The skeleton goes through nft -f ("add table" is no statement of the batch).
     assert!(netlink::encode_transaction(&text, 1).is_err());
-    let chains: Vec<String> = ["reject-chain", "drop-chain", "cluster-ips-check"]
+    let rules: Vec<String> = ["reject-chain", "drop-chain", "cluster-ips-check"]
         .iter()
         .flat_map(|chain| chain_rules(&text, chain).into_iter().map(move |rule| format!("add rule inet wasmplane {chain} {rule}\n")))
         .collect();
-    assert_eq!(chains.len(), 12);
-    netlink::encode_transaction(&chains.concat(), 1).expect("the log rules as netlink");
+    // The log rules meter per frontend (a dynset with a concatenated key and a limit inside),
+    // which only nft writes; only the skeleton, a full sync, holds them.
+    let (metered, plain): (Vec<_>, Vec<_>) = rules.into_iter().partition(|rule| rule.contains("update @service-drop-log"));
+    assert_eq!((metered.len(), plain.len()), (8, 6), "{metered:?} {plain:?}");
+    assert!(metered.iter().all(|rule| rule.contains(" log group 1001 ")), "{metered:?}");
+    netlink::encode_transaction(&plain.concat(), 1).expect("the verdicts as netlink");
+    for rule in &metered {
+        assert!(netlink::encode_transaction(rule, 1).is_err(), "{rule}");
+    }
 }
 
 /// Every detection mode of pod traffic (`--detect-local-mode`), with the matches each
