@@ -114,6 +114,10 @@ pub enum PodCommand {
     Get {
         #[arg(value_name = "NS/NAME")]
         pod: crate::inspect::PodName,
+        /// Also the kernel's counts of its dispatch chains: the new connections each
+        /// selecting policy accepted, and those dropped, per direction.
+        #[arg(long)]
+        counters: bool,
     },
 }
 

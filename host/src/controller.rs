@@ -672,6 +672,14 @@ impl Controller {
         self.policy.status(&self.model).iter().any(|p| p.audit)
     }
 
+    /// A pod's policy counts from the kernel's counters of its dispatch chains (one `nft
+    /// list chain` each, at most four); `None` where this host writes no kernel.
+    pub fn pod_policy_counts(&mut self, addresses: &[std::net::IpAddr]) -> Result<Option<crate::policy::PodPolicyCounts>, HostError> {
+        let chains = self.policy.dispatch_chains_of(addresses);
+        let Some(listing) = self.dataplane.list_chains(&chains)? else { return Ok(None) };
+        Ok(Some(self.policy.pod_counts(&listing, addresses)))
+    }
+
     /// Which generation of each policy this node enforces.
     pub fn policy_realization(&self) -> BTreeMap<ObjectKey, u64> {
         self.policy.realization()

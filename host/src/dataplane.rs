@@ -125,6 +125,12 @@ pub trait Kernel: Send {
     fn list_table(&mut self) -> Result<String, WriteError> {
         Ok(String::new())
     }
+    /// Chains of the main table as `nft list chain` prints them, one after the other (what
+    /// a pod's counters need, without listing every rule of the table); `None` where there
+    /// is no kernel. A chain that is not there is an error.
+    fn list_chains(&mut self, _chains: &[String]) -> Result<Option<String>, WriteError> {
+        Ok(None)
+    }
     /// Whether our table is already in the kernel (rules of a previous run).
     fn has_table(&mut self) -> bool {
         false
@@ -393,6 +399,20 @@ impl Kernel for NftCommand {
         Ok(Listing { tables, chains, sets })
     }
 
+    fn list_chains(&mut self, chains: &[String]) -> Result<Option<String>, WriteError> {
+        // One process a chain: `nft -f` (1.0.6) refuses `list chain` commands ("No such
+        // file or directory") where `nft list chain` lists the same chain.
+        let mut listing = String::new();
+        for chain in chains {
+            let output = self.nft().args(["list", "chain", nft::FAMILY, nft::TABLE, chain]).stderr(Stdio::piped()).output().map_err(WriteError::Spawn)?;
+            if !output.status.success() {
+                return Err(WriteError::Rejected(stderr_text(&output.stderr)));
+            }
+            listing.push_str(&String::from_utf8_lossy(&output.stdout));
+        }
+        Ok(Some(listing))
+    }
+
     fn list_table(&mut self) -> Result<String, WriteError> {
         let output = self.nft().args(["list", "table", nft::FAMILY, nft::TABLE]).stderr(Stdio::piped()).output().map_err(WriteError::Spawn)?;
         if !output.status.success() {
@@ -648,6 +668,10 @@ impl Kernel for NetlinkNft {
 
     fn list_table(&mut self) -> Result<String, WriteError> {
         self.text.list_table()
+    }
+
+    fn list_chains(&mut self, chains: &[String]) -> Result<Option<String>, WriteError> {
+        self.text.list_chains(chains)
     }
 
     fn has_table(&mut self) -> bool {
@@ -1005,6 +1029,11 @@ impl Dataplane {
     /// The kernel's listing of our table (see [`Kernel::list_table`]).
     pub fn list_table(&mut self) -> Result<String, WriteError> {
         self.kernel.list_table()
+    }
+
+    /// Some chains of the main table (see [`Kernel::list_chains`]).
+    pub fn list_chains(&mut self, chains: &[String]) -> Result<Option<String>, WriteError> {
+        self.kernel.list_chains(chains)
     }
 
     pub fn is_held(&self) -> bool {

@@ -259,8 +259,9 @@ pub async fn pods(api: &ApiArgs, namespace: Option<&str>) -> anyhow::Result<()> 
 }
 
 /// Prints one pod of this node: addresses, labels, the policies selecting it, its latest drops.
-pub async fn pod(api: &ApiArgs, pod: &PodName) -> anyhow::Result<()> {
-    let detail = get_json(api, &["v1", "pods", &pod.namespace, &pod.name], &[]).await?;
+pub async fn pod(api: &ApiArgs, pod: &PodName, counters: bool) -> anyhow::Result<()> {
+    let query: &[(&str, &str)] = if counters { &[("counters", "true")] } else { &[] };
+    let detail = get_json(api, &["v1", "pods", &pod.namespace, &pod.name], query).await?;
     print!("{}", format_pod(&detail));
     Ok(())
 }
@@ -322,6 +323,15 @@ pub fn format_pod(detail: &Value) -> String {
         let addresses = allocation["addresses"].as_array().into_iter().flatten().map(|a| format!("{} from {}", a["ip"].as_str().unwrap_or("?"), a["pod_cidr"].as_str().unwrap_or("no pod CIDR now")));
         line("CNI", format!("{} (container {}, {})", addresses.collect::<Vec<_>>().join(", "), allocation["container_id"].as_str().unwrap_or("?"), allocation["interface"].as_str().unwrap_or("?")));
     }
+    if let Some(counts) = detail.get("policy_counts") {
+        for (key, direction) in [("Ingress counts", "ingress"), ("Egress counts", "egress")] {
+            if counts.is_null() {
+                line(key, "not read on this host (it writes no kernel)".into());
+            } else if let Some(value) = counts[direction].as_object() {
+                line(key, direction_counts(value));
+            }
+        }
+    }
     let drops = detail["recent_drops"].as_array();
     line(
         "Recent drops",
@@ -335,6 +345,19 @@ pub fn format_pod(detail: &Value) -> String {
     // The host answers newest first.
     out.extend(drops.into_iter().flatten().rev().map(|event| format_drop(event) + "\n"));
     out
+}
+
+/// One direction of `policy_counts`: `POLICY accepted N, …; dropped N` (`would drop` in
+/// audit mode, when any).
+fn direction_counts(counts: &serde_json::Map<String, Value>) -> String {
+    let accepted = counts.get("policies").and_then(Value::as_array).into_iter().flatten().map(|p| format!("{} accepted {}", p["policy"].as_str().unwrap_or("?"), p["accepted"]));
+    let mut parts = vec![accepted.collect::<Vec<_>>().join(", ")];
+    parts.push(format!("dropped {}", counts.get("dropped").unwrap_or(&Value::Null)));
+    if counts.get("would_drop").and_then(Value::as_u64).is_some_and(|n| n > 0) {
+        parts.push(format!("would drop {}", counts["would_drop"]));
+    }
+    parts.retain(|p| !p.is_empty());
+    parts.join("; ")
 }
 
 /// `wasmplane node …`: the nodes this node's agent knows (this cluster's registry, and other
@@ -1019,6 +1042,18 @@ mod tests {
         assert!(text.ends_with("Recent drops:  not read on this host\n") && !text.contains("CNI:"), "{text}");
         detail["recent_drops"] = json!([]);
         assert!(format_pod(&detail).ends_with("Recent drops:  none logged\n"));
+        // With `--counters`: a line per direction a policy selects it in.
+        detail["policy_counts"] = json!({
+            "ingress": { "policies": [{ "policy": "default/web-ingress", "accepted": 7 }, { "policy": "default/web-all", "accepted": 0 }], "dropped": 3, "would_drop": 0 },
+            "egress": { "policies": [{ "policy": "default/web-all", "accepted": 2 }], "dropped": 0, "would_drop": 4 }
+        });
+        let text = format_pod(&detail);
+        assert!(text.contains("Ingress counts:  default/web-ingress accepted 7, default/web-all accepted 0; dropped 3\n"), "{text}");
+        assert!(text.contains("Egress counts:   default/web-all accepted 2; dropped 0; would drop 4\n"), "{text}");
+        detail["policy_counts"]["egress"] = json!(null);
+        assert!(!format_pod(&detail).contains("Egress counts"));
+        detail["policy_counts"] = json!(null);
+        assert!(format_pod(&detail).contains("Ingress counts:  not read on this host (it writes no kernel)\n"));
     }
 
     #[test]
@@ -1031,7 +1066,8 @@ mod tests {
         use clap::{CommandFactory, Parser};
         Cli::command().debug_assert();
         let parsed = Cli::try_parse_from(["pod", "get", "default/web-1"]).unwrap();
-        assert!(matches!(&parsed.command, crate::cli::PodCommand::Get { pod } if *pod == PodName { namespace: "default".into(), name: "web-1".into() }), "{:?}", parsed.command);
+        assert!(matches!(&parsed.command, crate::cli::PodCommand::Get { pod, counters: false } if *pod == PodName { namespace: "default".into(), name: "web-1".into() }), "{:?}", parsed.command);
+        assert!(matches!(Cli::try_parse_from(["pod", "get", "default/web-1", "--counters"]).unwrap().command, crate::cli::PodCommand::Get { counters: true, .. }));
         assert!(matches!(Cli::try_parse_from(["pod", "ls", "-n", "shop"]).unwrap().command, crate::cli::PodCommand::Ls { namespace: Some(ns) } if ns == "shop"));
         for wrong in ["web-1", "/web-1", "default/", "a/b/c"] {
             assert!(Cli::try_parse_from(["pod", "get", wrong]).is_err(), "{wrong}");

@@ -81,7 +81,7 @@ async fn run() -> anyhow::Result<()> {
         },
         Command::Pod { api, command } => match command {
             PodCommand::Ls { namespace } => wasmplane::inspect::pods(&api, namespace.as_deref()).await,
-            PodCommand::Get { pod } => wasmplane::inspect::pod(&api, &pod).await,
+            PodCommand::Get { pod, counters } => wasmplane::inspect::pod(&api, &pod, counters).await,
         },
         Command::Node { api, command } => wasmplane::inspect::node(&api, command).await,
         Command::Policy { api, command } => wasmplane::inspect::policy(&api, command).await,

@@ -34,6 +34,34 @@ use wasmplane_runtime::{CallError, wit};
 use crate::nft::policy::{self as render, Direction, DispatchEntry, PolicyRules, VerdictLog};
 use crate::nft::{ObjectRules, PodDetection, SetRules};
 
+/// A pod's policy counts (`GET /v1/pods/{ns}/{name}?counters=true`), by direction.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct PodPolicyCounts {
+    pub ingress: Option<DirectionCounts>,
+    pub egress: Option<DirectionCounts>,
+}
+
+/// New connections' packets in one direction of a pod: per policy what it accepted (first,
+/// in the dispatch chain's order), and what none accepted: dropped, or in audit mode would
+/// have been.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct DirectionCounts {
+    pub policies: Vec<PolicyAccepted>,
+    pub dropped: u64,
+    pub would_drop: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PolicyAccepted {
+    #[serde(serialize_with = "serialize_display")]
+    pub policy: ObjectKey,
+    pub accepted: u64,
+}
+
+fn serialize_display<S: serde::Serializer>(value: &impl std::fmt::Display, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.collect_str(value)
+}
+
 /// Why a policy has no fresh rules (its last good ones, if any, stay applied).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize)]
 pub enum PolicyError {
@@ -263,6 +291,45 @@ impl PolicyController {
             }
         }
         out
+    }
+
+    /// The dispatch chains of a pod's addresses (those some policy selects), to list for
+    /// [`PolicyController::pod_counts`].
+    pub fn dispatch_chains_of(&self, addresses: &[IpAddr]) -> Vec<String> {
+        addresses
+            .iter()
+            .flat_map(|addr| [Direction::Ingress, Direction::Egress].map(|direction| (direction, *addr)))
+            .filter(|target| self.dispatch.contains_key(target))
+            .map(|(direction, addr)| render::dispatch_chain(direction, &addr))
+            .collect()
+    }
+
+    /// A pod's counts per direction from its dispatch chains in `listing` (summed over its
+    /// addresses): what each policy accepted, and what was dropped or, in audit mode, would
+    /// have been (see [`render::DispatchCounts`]). A direction no policy selects the pod in
+    /// is `None`; so is one whose chains the listing lacks or a host before these counters
+    /// wrote.
+    pub fn pod_counts(&self, listing: &str, addresses: &[IpAddr]) -> PodPolicyCounts {
+        let direction_counts = |direction: Direction| {
+            let mut out: Option<DirectionCounts> = None;
+            for addr in addresses.iter().filter(|addr| self.dispatch.contains_key(&(direction, **addr))) {
+                let counts = render::dispatch_counts(listing, &render::dispatch_chain(direction, addr))?;
+                let policies = self.by_target.get(&(direction, *addr));
+                let total = out.get_or_insert_with(DirectionCounts::default);
+                for (chain, accepted) in counts.accepted {
+                    // A policy's chains are under its prefix, and nothing but its own.
+                    let policy = policies.into_iter().flatten().find(|key| chain.starts_with(&format!("{}/", render::policy_prefix(key))));
+                    let Some(policy) = policy else { continue };
+                    match total.policies.iter_mut().find(|p| &p.policy == policy) {
+                        Some(p) => p.accepted += accepted,
+                        None => total.policies.push(PolicyAccepted { policy: policy.clone(), accepted }),
+                    }
+                }
+                if counts.audit { total.would_drop += counts.final_packets } else { total.dropped += counts.final_packets }
+            }
+            out
+        };
+        PodPolicyCounts { ingress: direction_counts(Direction::Ingress), egress: direction_counts(Direction::Egress) }
     }
 
     fn run(&mut self, cluster: &ClusterState, model: &NodeLocalModel, work: Vec<(ObjectKey, Option<Arc<PolicyView>>)>, detection: PodDetection) -> PolicyChanges {
@@ -577,7 +644,7 @@ mod tests {
             "the policy before the dispatch chain jumping to it; its peers in a shared set"
         );
         let dispatch = c.changes[1].1.as_ref().unwrap();
-        assert_eq!(dispatch.chains["polpod/10.244.1.10/ingress"], vec!["jump pol/a/p/ingress", "counter drop comment \"deny\""]);
+        assert_eq!(dispatch.chains["polpod/10.244.1.10/ingress"], vec!["counter jump pol/a/p/ingress", "counter drop comment \"deny\""]);
         assert_eq!(w.controller.realization(), BTreeMap::from([(ObjectKey::new("a", "p"), 1)]));
     }
 
@@ -626,7 +693,7 @@ mod tests {
         let dispatch = c.changes.iter().find_map(|(k, r)| k.namespace.starts_with("networkpolicy-dispatch").then_some(r)).unwrap();
         assert_eq!(
             dispatch.as_ref().unwrap().chains["polpod/10.244.1.10/ingress"],
-            vec!["jump pol/a/p/ingress", "jump pol/a/q/ingress", "counter drop comment \"deny\""]
+            vec!["counter jump pol/a/p/ingress", "counter jump pol/a/q/ingress", "counter drop comment \"deny\""]
         );
         let c = w.delete_policy("q");
         assert_eq!(
@@ -640,7 +707,7 @@ mod tests {
             line_of(&t, "flush chain inet wasmplane polpod/10.244.1.10/ingress") < line_of(&t, "delete chain inet wasmplane pol/a/q/ingress"),
             "{t}"
         );
-        assert!(line_of(&t, "delete chain inet wasmplane pol/a/q/ingress") < line_of(&t, "add rule inet wasmplane polpod/10.244.1.10/ingress jump pol/a/p/ingress"));
+        assert!(line_of(&t, "delete chain inet wasmplane pol/a/q/ingress") < line_of(&t, "add rule inet wasmplane polpod/10.244.1.10/ingress counter jump pol/a/p/ingress"));
         // Nothing is left to clean up on the next call.
         assert!(w.apply(pod("a", "batch-0", "10.244.1.20", "batch")).changes.is_empty());
         // The last policy going: the dispatch object goes too (the pod is open again).
@@ -690,6 +757,27 @@ mod tests {
         let status = w.controller.status(&w.model);
         assert!(status[0].audit && status[0].enforced_generation == Some(1) && status[0].ingress_targets == 1);
         assert!(w.controller.set_audit(&ObjectKey::new("a", "p"), true).changes.is_empty(), "no change, nothing written");
+    }
+
+    /// A pod's counts name each policy its dispatch chain jumps to, from its chain alone; a
+    /// direction no policy selects it in has none.
+    #[test]
+    fn a_pods_counts_name_the_policies_of_its_dispatch_chain() {
+        let mut w = World::new();
+        w.apply(policy("p", "web", 1));
+        w.apply(policy("q", "web", 1));
+        let web: IpAddr = "10.244.1.10".parse().unwrap();
+        assert_eq!(w.controller.dispatch_chains_of(&[web, "10.244.9.9".parse().unwrap()]), vec!["polpod/10.244.1.10/ingress"]);
+        let listing = "chain polpod/10.244.1.10/ingress {\n counter packets 9 bytes 1 jump pol/a/p/ingress\n counter packets 4 bytes 1 jump pol/a/q/ingress\n counter packets 1 bytes 1 drop comment \"deny\"\n}\n";
+        let counts = w.controller.pod_counts(listing, &[web]);
+        let accepted = |key: &str, accepted: u64| PolicyAccepted { policy: ObjectKey::new("a", key), accepted };
+        assert_eq!(counts, PodPolicyCounts { ingress: Some(DirectionCounts { policies: vec![accepted("p", 5), accepted("q", 3)], dropped: 1, would_drop: 0 }), egress: None });
+        assert_eq!(
+            serde_json::to_value(&counts).unwrap(),
+            serde_json::json!({ "ingress": { "policies": [{ "policy": "a/p", "accepted": 5 }, { "policy": "a/q", "accepted": 3 }], "dropped": 1, "would_drop": 0 }, "egress": null })
+        );
+        // A listing without the chain (it went meanwhile) says nothing of that direction.
+        assert_eq!(w.controller.pod_counts("", &[web]), PodPolicyCounts::default());
     }
 
     /// The shared peer set's object of the controller now (the only one in these tests).

@@ -471,6 +471,12 @@ async fn pods_are_this_nodes_with_the_policies_enforced_on_them() {
     assert_eq!(detail["policies"], web["policies"], "{detail}");
     assert_eq!(enforcement(&detail), enforcement(web), "{detail}");
     assert_eq!(detail["recent_drops"], Value::Null, "a record dataplane reads no drops: {detail}");
+    assert!(detail.get("policy_counts").is_none(), "counts only when asked for: {detail}");
+    let (status, counted) = h.get("/v1/pods/default/web-1?counters=true").await;
+    assert_eq!(status, StatusCode::OK, "{counted}");
+    assert_eq!(counted["policy_counts"], Value::Null, "a record dataplane has no counters to read: {counted}");
+    let (status, wrong) = h.get("/v1/pods/default/web-1?counters=maybe").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{wrong}");
 
     let (status, remote) = h.get("/v1/pods/default/web-2").await;
     assert_eq!(status, StatusCode::NOT_FOUND, "{remote}");
@@ -533,8 +539,9 @@ async fn the_pod_cli_reads_and_formats_the_running_host() {
 
     let api = h.api();
     wasmplane::inspect::pods(&api, Some("shop")).await.unwrap();
-    wasmplane::inspect::pod(&api, &"default/web-1".parse::<PodName>().unwrap()).await.unwrap();
-    let remote = wasmplane::inspect::pod(&api, &"default/web-2".parse::<PodName>().unwrap()).await.unwrap_err().to_string();
+    wasmplane::inspect::pod(&api, &"default/web-1".parse::<PodName>().unwrap(), false).await.unwrap();
+    wasmplane::inspect::pod(&api, &"default/web-1".parse::<PodName>().unwrap(), true).await.unwrap();
+    let remote = wasmplane::inspect::pod(&api, &"default/web-2".parse::<PodName>().unwrap(), false).await.unwrap_err().to_string();
     assert_eq!(remote, "404 Not Found: pod default/web-2 is not one of this node's pods (it is on node node-b)");
     h.host.stop().await;
 }

@@ -176,11 +176,11 @@ fn policy(peers: &[&str]) -> ObjectRules {
 fn dispatch() -> ObjectRules {
     object(
         &[
-            ("polpod/10.244.0.5/ingress", &["jump pol/ns/p/in", "counter log prefix \"wasmplane-policy-audit ingress 10.244.0.5: \" accept comment \"audit\""]),
+            ("polpod/10.244.0.5/ingress", &["counter jump pol/ns/p/in", "counter log prefix \"wasmplane-policy-audit ingress 10.244.0.5: \" accept comment \"audit\""]),
             // The verdict log's shape: a rate-limited NFLOG rule before the verdict.
             (
                 "polpod/10.244.0.5/egress",
-                &["jump pol/ns/p/in", "limit rate 10/second burst 20 packets log group 1001 prefix \"wasmplane-policy deny egress 10.244.0.5\"", "counter drop comment \"deny\""],
+                &["counter jump pol/ns/p/in", "limit rate 10/second burst 20 packets log group 1001 prefix \"wasmplane-policy deny egress 10.244.0.5\"", "counter drop comment \"deny\""],
             ),
         ],
         &[],

@@ -685,6 +685,45 @@ fn audit_mode_counts_would_be_drops_without_enforcing() {
     assert!(dropped > 0, "enforced drops are counted");
 }
 
+/// A pod's counts credit each policy selecting it with the new connections it accepted (the
+/// first of them in the chain's order, when several would), and count what none accepted;
+/// read from the kernel's counters of its dispatch chain alone (`nft list chain`).
+#[test]
+fn a_pods_counts_credit_each_policy_with_the_connections_it_accepted() {
+    require_root!();
+    use wasmplane::policy::{DirectionCounts, PodPolicyCounts, PolicyAccepted};
+    let mut node = Node::new("npcnt");
+    // b.web: from namespace a, and from any namespace's clients (a.client matches both).
+    node.set_policies(vec![
+        policy("b", "from-a", sel(&[("app", "web")]), Some(vec![rule(vec![], vec![peer(None, Some(sel(&[("name", "a")])))])]), None),
+        policy("b", "from-clients", sel(&[("app", "web")]), Some(vec![rule(vec![], vec![peer(Some(sel(&[("app", "client")])), Some(all()))])]), None),
+    ]);
+    let web: std::net::IpAddr = pod_ip(1, 0).parse().unwrap();
+    let to_web: SocketAddr = format!("{web}:{TCP_PORT}").parse().unwrap();
+    let connect = |ns: usize, app: usize| in_ns(&node.pods[ns * 3 + app], || tcp_ask(to_web, Duration::from_secs(2)).map(|_| ()));
+    for _ in 0..3 {
+        connect(0, 0).expect("a.web → b.web (from-a)");
+    }
+    for _ in 0..2 {
+        connect(2, 2).expect("c.client → b.web (from-clients)");
+    }
+    connect(0, 2).expect("a.client → b.web (both)");
+    // Refused by both: its one SYN (the first retransmission comes after a second).
+    let denied = in_ns(&node.pods[2 * 3 + 1], || tcp_ask(to_web, Duration::from_millis(300)));
+    assert!(denied.is_err(), "c.db → b.web is allowed by neither");
+
+    let chains = node.controller.dispatch_chains_of(&[web]);
+    assert_eq!(chains, ["polpod/10.244.2.10/ingress"]);
+    let listing = node.dataplane.list_chains(&chains).expect("listing the dispatch chain").expect("a kernel");
+    let counts = node.controller.pod_counts(&listing, &[web]);
+    let accepted = |name: &str, accepted: u64| PolicyAccepted { policy: ObjectKey::new("b", name), accepted };
+    assert_eq!(
+        counts,
+        PodPolicyCounts { ingress: Some(DirectionCounts { policies: vec![accepted("from-a", 4), accepted("from-clients", 2)], dropped: 1, would_drop: 0 }), egress: None },
+        "{listing}"
+    );
+}
+
 /// The verdict log: what a pod's dispatch chain drops, and in audit mode would drop, reaches
 /// the host over NFLOG with the pod, the direction, the addresses, the protocol and the port;
 /// traffic no policy decides on logs nothing.

@@ -22,6 +22,13 @@ pub(super) struct PodsQuery {
     namespace: Option<String>,
 }
 
+#[derive(Deserialize)]
+pub(super) struct PodQuery {
+    /// Also read the kernel's counters of the pod's dispatch chains (`policy_counts`).
+    #[serde(default)]
+    counters: bool,
+}
+
 /// How many of a pod's latest drops `GET /v1/pods/{ns}/{name}` shows.
 const POD_RECENT_DROPS: usize = 10;
 
@@ -71,6 +78,11 @@ struct PodDetail {
     /// Its latest drops, newest first, as `GET /v1/drops?pod=` has them; `null` when this
     /// host reads no drops.
     recent_drops: Option<Vec<Value>>,
+    /// With `?counters=true`: per direction, the new connections each selecting policy
+    /// accepted and those dropped (`null` where this host writes no kernel); left out
+    /// otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    policy_counts: Option<Option<crate::policy::PodPolicyCounts>>,
 }
 
 /// One attachment the CNI daemon made for a pod.
@@ -172,20 +184,24 @@ pub(super) async fn list_pods(State(state): State<ApiState>, Query(query): Query
 }
 
 /// One pod on this node: its row, labels and latest drops; any other pod is not found.
-pub(super) async fn pod_detail(State(state): State<ApiState>, Path((namespace, name)): Path<(String, String)>) -> ApiResult<Response> {
+pub(super) async fn pod_detail(State(state): State<ApiState>, Path((namespace, name)): Path<(String, String)>, Query(query): Query<PodQuery>) -> ApiResult<Response> {
     let key = ObjectKey::new(&namespace, &name);
     let cni = cni_allocations(&state);
     let log = state.policy_verdicts.clone();
     let detail = with_controller(&state, move |c| {
         let pod = c.model().local_pods.get(&key).ok_or_else(|| not_this_nodes_pod(c, &key))?;
+        // A host-network pod's addresses are the node's, which no policy selects.
+        let addresses: Vec<IpAddr> = pod.ips.iter().filter_map(|ip| ip.parse().ok()).collect();
+        let policy_addresses: &[IpAddr] = if pod.host_network { &[] } else { &addresses };
         let recent_drops = log.map(|log| {
-            let addresses: Vec<IpAddr> = pod.ips.iter().filter_map(|ip| ip.parse().ok()).collect();
             let pod_of = local_pods_by_address(c);
             let drops = drops_of_pod(&log, &addresses, POD_RECENT_DROPS);
             let frontends = ServiceFrontends::of(&c.model().services, &drops);
             drops.iter().map(|event| drop_json(c, &pod_of, &frontends, event)).collect()
         });
-        Ok(PodDetail { row: pod_row(c, &policy_statuses(c), cni.as_ref(), pod), node: pod.node_name.clone(), labels: pod.labels.clone(), recent_drops })
+        let (row, node, labels) = (pod_row(c, &policy_statuses(c), cni.as_ref(), pod), pod.node_name.clone(), pod.labels.clone());
+        let policy_counts = if query.counters { Some(c.pod_policy_counts(policy_addresses)?) } else { None };
+        Ok(PodDetail { row, node, labels, recent_drops, policy_counts })
     })
     .await?;
     Ok(Json(detail).into_response())

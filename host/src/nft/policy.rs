@@ -9,7 +9,7 @@
 //! input hook,   priority 0   policy-egress-local: the same, for pod → node traffic
 //! forward hook, priority 10  policy-ingress: ct established,related accept; ip daddr vmap @pod-ingress
 //!   @pod-egress / @pod-ingress (and …6): pod address → goto polpod/<addr>/<direction>
-//!   polpod/<addr>/<direction>: jump pol/<ns>/<policy>/<direction> for every policy selecting
+//!   polpod/<addr>/<direction>: counter jump pol/<ns>/<policy>/<direction> for every policy selecting
 //!                              the pod, then `counter drop` (or, audit: count + accept), the
 //!                              verdict logged to NFLOG first at a bounded rate (policy_log.rs)
 //!   pol/<ns>/<policy>/…:       the guest's chains: accept what the policy allows, else return
@@ -322,7 +322,9 @@ pub fn dispatch_object(direction: Direction, addr: &IpAddr, entries: &[DispatchE
     let enforcing: BTreeSet<&str> = entries.iter().filter(|e| !e.audit).map(|e| e.chain.as_str()).collect();
     let verdict = if enforcing.is_empty() { PolicyVerdict::Audit } else { PolicyVerdict::Deny };
     let deciding: BTreeSet<&str> = if enforcing.is_empty() { entries.iter().map(|e| e.chain.as_str()).collect() } else { enforcing };
-    let mut rules: Vec<String> = deciding.iter().map(|c| format!("jump {c}")).collect();
+    // Counted: a packet reaching one jump and not the next was accepted by that policy
+    // ([`DispatchCounts`]), which is what a pod's per-policy counts read.
+    let mut rules: Vec<String> = deciding.iter().map(|c| format!("counter jump {c}")).collect();
     if let Some(log) = log {
         // Its own rule: above the rate, `limit` ends this rule only, and the verdict follows.
         rules.push(format!(
@@ -422,6 +424,53 @@ pub fn final_rule_counters(listing: &str) -> BTreeMap<String, (bool, u64)> {
         }
     }
     out
+}
+
+/// What one dispatch chain's counters say, from its `nft list chain` listing: each policy
+/// chain it jumps to, in order, with the packets that policy accepted, and the packets that
+/// reached the final verdict (dropped, or in audit mode would have been). Only what
+/// conntrack has not seen established reaches a dispatch chain: these count new
+/// connections' first packets (and their retransmissions), not traffic. A packet goes on to
+/// the next jump unless the chain before accepted it, so a policy is credited with what it
+/// accepted first: `union` semantics, in the chain's (name) order. Since the chain was last
+/// written (a change to the policies selecting the address rewrites it, from zero).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DispatchCounts {
+    pub accepted: Vec<(String, u64)>,
+    pub audit: bool,
+    pub final_packets: u64,
+}
+
+/// The counts of dispatch chain `chain` in `listing` (a `nft list chain` or `list table`
+/// print); `None` when the listing has no such chain or its rules carry no counters (the
+/// chain was written by a host that did not count its jumps).
+pub fn dispatch_counts(listing: &str, chain: &str) -> Option<DispatchCounts> {
+    let packets_of = |line: &str| {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        words.windows(2).find(|w| w[0] == "packets").and_then(|w| w[1].parse::<u64>().ok())
+    };
+    let mut lines = listing.lines().map(str::trim).skip_while(|line| line.strip_prefix("chain ").map(|rest| rest.trim_end_matches(" {").trim_matches('"')) != Some(chain));
+    lines.next()?;
+    let mut reached: Vec<(String, u64)> = Vec::new();
+    let mut out = DispatchCounts::default();
+    let mut ended = false;
+    for line in lines.take_while(|line| *line != "}") {
+        if let Some(target) = line.strip_prefix("jump ").or_else(|| line.rsplit_once(" jump ").map(|(_, target)| target)) {
+            reached.push((target.to_string(), packets_of(line)?));
+        } else if line.ends_with("comment \"audit\"") || line.ends_with("comment \"deny\"") {
+            out.audit = line.ends_with("comment \"audit\"");
+            out.final_packets = packets_of(line)?;
+            ended = true;
+        }
+    }
+    if !ended {
+        return None;
+    }
+    // The kernel sums each rule's per-CPU counters as it dumps them, one rule after the
+    // other: a packet in flight can be in a later count and not yet in an earlier one.
+    let next: Vec<u64> = reached.iter().skip(1).map(|(_, packets)| *packets).chain([out.final_packets]).collect();
+    out.accepted = reached.into_iter().zip(next).map(|((target, packets), after)| (target, packets.saturating_sub(after))).collect();
+    Some(out)
 }
 
 #[cfg(test)]
@@ -556,12 +605,12 @@ mod tests {
         let o = dispatch_object(Direction::Ingress, &a, &entries, None).unwrap();
         assert_eq!(
             o.chains["polpod/10.244.1.10/ingress"],
-            vec!["jump pol/a/p/ingress", "jump pol/a/q/ingress", "counter drop comment \"deny\""]
+            vec!["counter jump pol/a/p/ingress", "counter jump pol/a/q/ingress", "counter drop comment \"deny\""]
         );
         assert_eq!(o.elements[&("pod-ingress".into(), "10.244.1.10".into())], "goto polpod/10.244.1.10/ingress");
         let audit_only = dispatch_object(Direction::Egress, &addr("fd00::a"), &entries[2..], None).unwrap();
         let chain = &audit_only.chains["polpod/fd00--a/egress"];
-        assert_eq!(chain[0], "jump pol/a/r/ingress");
+        assert_eq!(chain[0], "counter jump pol/a/r/ingress");
         assert!(chain[1].starts_with("counter log prefix") && chain[1].ends_with("accept comment \"audit\""), "{chain:?}");
         assert!(audit_only.elements.contains_key(&("pod-egress6".into(), "fd00::a".into())));
         assert!(dispatch_object(Direction::Egress, &a, &[], None).is_none());
@@ -577,7 +626,7 @@ mod tests {
         assert_eq!(
             denying.chains["polpod/10.244.1.10/ingress"],
             vec![
-                "jump pol/a/p/ingress",
+                "counter jump pol/a/p/ingress",
                 "limit rate 5/second burst 9 packets log group 7 prefix \"wasmplane-policy deny ingress 10.244.1.10\"",
                 "counter drop comment \"deny\""
             ]
@@ -671,5 +720,26 @@ mod tests {
             c,
             BTreeMap::from([("polpod/10.244.1.10/ingress".to_string(), (false, 7)), ("polpod/10.244.1.11/egress".to_string(), (true, 2))])
         );
+    }
+
+    /// Each policy is credited with what reached its jump and not the next; the last with
+    /// what did not reach the final verdict. A chain of an older host (no jump counters) and
+    /// an absent one say nothing.
+    #[test]
+    fn a_dispatch_chains_counters_credit_each_policy_with_what_it_accepted() {
+        let listing = "table inet wasmplane {\n\tchain polpod/10.244.1.10/ingress {\n\t\tcounter packets 12 bytes 720 jump pol/a/p/ingress\n\t\tcounter packets 5 bytes 300 jump pol/a/q/ingress\n\t\tlimit rate 10/second burst 20 packets log group 1001 prefix \"wasmplane-policy deny ingress 10.244.1.10\"\n\t\tcounter packets 2 bytes 120 drop comment \"deny\"\n\t}\n\tchain polpod/10.244.1.11/egress {\n\t\tjump pol/a/p/egress\n\t\tcounter packets 2 bytes 120 drop comment \"deny\"\n\t}\n\tchain polpod/10.244.1.12/egress {\n\t\tcounter packets 4 bytes 240 jump pol/a/r/egress\n\t\tcounter packets 1 bytes 60 accept comment \"audit\"\n\t}\n}\n";
+        assert_eq!(
+            dispatch_counts(listing, "polpod/10.244.1.10/ingress"),
+            Some(DispatchCounts { accepted: vec![("pol/a/p/ingress".into(), 7), ("pol/a/q/ingress".into(), 3)], audit: false, final_packets: 2 })
+        );
+        assert_eq!(dispatch_counts(listing, "polpod/10.244.1.12/egress"), Some(DispatchCounts { accepted: vec![("pol/a/r/egress".into(), 3)], audit: true, final_packets: 1 }));
+        assert_eq!(dispatch_counts(listing, "polpod/10.244.1.11/egress"), None, "jumps without counters");
+        assert_eq!(dispatch_counts(listing, "polpod/10.244.1.13/egress"), None, "no such chain");
+        // What the dispatch chain is written as is what is read back.
+        let entries = [DispatchEntry { chain: "pol/a/p/ingress".into(), audit: false }];
+        let object = dispatch_object(Direction::Ingress, &addr("10.244.1.10"), &entries, Some(VerdictLog::new(1001))).unwrap();
+        let rules = &object.chains["polpod/10.244.1.10/ingress"];
+        let written = format!("chain polpod/10.244.1.10/ingress {{\n{}\n}}\n", rules.iter().map(|r| r.replace("counter ", "counter packets 3 bytes 9 ")).collect::<Vec<_>>().join("\n"));
+        assert_eq!(dispatch_counts(&written, "polpod/10.244.1.10/ingress"), Some(DispatchCounts { accepted: vec![("pol/a/p/ingress".into(), 0)], audit: false, final_packets: 3 }), "{written}");
     }
 }
