@@ -639,6 +639,27 @@ impl Controller {
         self.sync(changes.changes)
     }
 
+    /// Logs (or stops logging) the connections one policy (or, with `None`, every policy)
+    /// allows; a conflict where policy verdicts are logged nowhere.
+    pub fn set_policy_log_allowed(&mut self, policy: Option<&ObjectKey>, enabled: bool) -> Result<(), HostError> {
+        let changes = match policy {
+            Some(key) => self.policy.set_log_allowed(key, enabled),
+            None => self.policy.set_log_allowed_all(enabled),
+        }
+        .map_err(|e| HostError::Conflict(e.to_string()))?;
+        self.sync(changes.changes)
+    }
+
+    /// Whether one policy's allowed connections are logged here now.
+    pub fn policy_logs_allowed(&self, policy: &ObjectKey) -> bool {
+        self.policy.logs_allowed(policy)
+    }
+
+    /// The policy controller, for what reading its logged verdicts needs.
+    pub fn policy_controller(&self) -> &PolicyController {
+        &self.policy
+    }
+
     /// Packets dropped (enforced) and that would have been (audit) per policy, from the
     /// kernel's counters (one `nft list table`: on demand, it is slow at scale).
     pub fn policy_drop_counts(&mut self) -> Result<BTreeMap<ObjectKey, (u64, u64)>, HostError> {

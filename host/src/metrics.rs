@@ -344,8 +344,8 @@ impl Collector for PolicyVerdictCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let Some(log) = self.0.get().and_then(std::sync::Weak::upgrade) else { return Ok(()) };
         let totals = log.totals();
-        let mut logged = encoder.encode_descriptor("policy_verdicts_logged", "Packets the policy dispatch chains logged and the host read (rate-limited per pod and direction), by verdict (audit: would have been dropped)", None, MetricType::Counter)?;
-        for (verdict, value) in [("deny", totals.deny), ("audit", totals.audit)] {
+        let mut logged = encoder.encode_descriptor("policy_verdicts_logged", "Packets the policy dispatch chains logged and the host read (rate-limited per pod and direction), by verdict (audit: would have been dropped; allow: connections a policy with allow logging accepted, rate-limited per policy and direction)", None, MetricType::Counter)?;
+        for (verdict, value) in [("deny", totals.deny), ("audit", totals.audit), ("allow", totals.allow)] {
             ConstCounter::new(value).encode(logged.encode_family(&[("verdict", verdict)])?)?;
         }
         let mut dropped = encoder.encode_descriptor("service_drops_logged", "New connections the service side dropped or rejected, logged (rate-limited per node and reason) and read by the host, by reason", None, MetricType::Counter)?;

@@ -62,6 +62,19 @@ fn serialize_display<S: serde::Serializer>(value: &impl std::fmt::Display, seria
     serializer.collect_str(value)
 }
 
+/// Allow logging asked for where the dispatch chains log nowhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("allow logging has nothing to log to: this host logs no policy verdicts (--policy-log-group 0)")]
+pub struct NoVerdictLog;
+
+/// Who a logged allowed connection is owed to (see [`PolicyController::allowed_by`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct AllowedBy {
+    pub policy: Option<ObjectKey>,
+    pub direction: Option<Direction>,
+    pub pod_address: Option<IpAddr>,
+}
+
 /// Why a policy has no fresh rules (its last good ones, if any, stay applied).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize)]
 pub enum PolicyError {
@@ -88,6 +101,8 @@ pub struct PolicyStatus {
     /// The generation the model has now.
     pub desired_generation: u64,
     pub audit: bool,
+    /// The connections it allows are logged (`GET /v1/policies/verdicts?verdict=allow`).
+    pub log_allowed: bool,
     /// Selected local pod addresses, per direction.
     pub ingress_targets: usize,
     pub egress_targets: usize,
@@ -133,6 +148,9 @@ pub struct PolicyController {
     /// Policies in audit mode; `audit_all`: the whole module is.
     audit: BTreeSet<ObjectKey>,
     audit_all: bool,
+    /// Policies whose allowed connections are logged; `log_allowed_all`: every policy's are.
+    log_allowed: BTreeSet<ObjectKey>,
+    log_allowed_all: bool,
     /// Address and direction → the policies selecting it (from their last good output).
     by_target: BTreeMap<(Direction, IpAddr), BTreeSet<ObjectKey>>,
     /// What each dispatch object is built from now.
@@ -156,6 +174,8 @@ impl PolicyController {
             errors: BTreeMap::new(),
             audit: BTreeSet::new(),
             audit_all: false,
+            log_allowed: BTreeSet::new(),
+            log_allowed_all: false,
             by_target: BTreeMap::new(),
             dispatch: BTreeMap::new(),
             shared_users: BTreeMap::new(),
@@ -235,10 +255,91 @@ impl PolicyController {
         self.audit_all || self.audit.contains(policy)
     }
 
+    /// Logs (or stops logging) the connections one policy allows: only its own object is
+    /// rewritten (its accepts go to its allow chains, or back). Refused when the dispatch
+    /// chains log nowhere (`--policy-log-group 0`): there would be nothing to log to.
+    pub fn set_log_allowed(&mut self, policy: &ObjectKey, enabled: bool) -> Result<PolicyChanges, NoVerdictLog> {
+        self.verdict_log.ok_or(NoVerdictLog)?;
+        let was = self.logs_allowed(policy);
+        if enabled {
+            self.log_allowed.insert(policy.clone());
+        } else {
+            self.log_allowed.remove(policy);
+        }
+        let mut out = PolicyChanges::default();
+        if was != self.logs_allowed(policy) {
+            self.rewrite_policy_objects([policy], &mut out);
+        }
+        Ok(out)
+    }
+
+    /// Allow logging for every policy on this node; a policy on its own keeps it when this
+    /// goes off. Only the objects of policies whose logging changed are rewritten.
+    pub fn set_log_allowed_all(&mut self, enabled: bool) -> Result<PolicyChanges, NoVerdictLog> {
+        self.verdict_log.ok_or(NoVerdictLog)?;
+        let mut out = PolicyChanges::default();
+        if self.log_allowed_all != enabled {
+            self.log_allowed_all = enabled;
+            let changed: Vec<ObjectKey> = self.compiled.keys().filter(|k| !self.log_allowed.contains(*k)).cloned().collect();
+            self.rewrite_policy_objects(&changed, &mut out);
+        }
+        Ok(out)
+    }
+
+    pub fn logs_allowed(&self, policy: &ObjectKey) -> bool {
+        self.log_allowed_all || self.log_allowed.contains(policy)
+    }
+
+    /// Where a policy's allowed connections are logged, if they are.
+    fn allow_log_of(&self, policy: &ObjectKey) -> Option<VerdictLog> {
+        self.verdict_log.filter(|_| self.logs_allowed(policy))
+    }
+
+    /// The object written for a policy's rules: as validated, or with its accepts logged.
+    fn policy_object(&self, key: &ObjectKey, rules: &PolicyRules) -> ObjectRules {
+        match self.allow_log_of(key) {
+            Some(log) => render::allow_logged_object(key, rules, log),
+            None => rules.rules.clone(),
+        }
+    }
+
+    fn rewrite_policy_objects<'k>(&self, keys: impl IntoIterator<Item = &'k ObjectKey>, out: &mut PolicyChanges) {
+        for key in keys {
+            if let Some(compiled) = self.compiled.get(key) {
+                out.changes.push((render::policy_object_key(key), Some(self.policy_object(key, &compiled.rules))));
+            }
+        }
+    }
+
+    /// The policies in force here by the id their allow log names them with.
+    pub fn log_ids(&self) -> BTreeMap<render::PolicyLogId, ObjectKey> {
+        self.compiled.keys().map(|k| (render::PolicyLogId::of(k), k.clone())).collect()
+    }
+
+    /// Who an allow event is owed to: the policy (`ids`: [`PolicyController::log_ids`]), the
+    /// direction and the pod. A chain the policy's targets of both directions share logs
+    /// with no direction: it is ingress when the policy selects the destination here in
+    /// ingress, else egress when it selects the source in egress. (A connection between two
+    /// local pods such a policy selects both ways is logged by each pass and read as ingress
+    /// both times.) `None` in a field the event does not tell (its policy is gone).
+    pub fn allowed_by(&self, ids: &BTreeMap<render::PolicyLogId, ObjectKey>, direction: Option<Direction>, id: render::PolicyLogId, source: IpAddr, destination: IpAddr) -> AllowedBy {
+        let policy = ids.get(&id).cloned();
+        let selects = |d: Direction, addr: IpAddr| policy.as_ref().is_some_and(|p| self.by_target.get(&(d, addr)).is_some_and(|keys| keys.contains(p)));
+        let direction = direction.or_else(|| {
+            if selects(Direction::Ingress, destination) {
+                Some(Direction::Ingress)
+            } else {
+                selects(Direction::Egress, source).then_some(Direction::Egress)
+            }
+        });
+        let pod_address = direction.map(|d| if d == Direction::Ingress { destination } else { source });
+        AllowedBy { policy, direction, pod_address }
+    }
+
     /// Every dataplane object of the policy side as it should be now (for a full sync).
     pub fn objects(&self) -> Vec<(ObjectKey, ObjectRules)> {
         let mut out: Vec<(ObjectKey, ObjectRules)> =
-            self.compiled.iter().map(|(k, c)| (render::policy_object_key(k), c.rules.rules.clone())).collect();
+            self.compiled.iter().map(|(k, c)| (render::policy_object_key(k), self.policy_object(k, &c.rules))).collect();
         for ((direction, addr), entries) in &self.dispatch {
             if let Some(rules) = render::dispatch_object(*direction, addr, entries, self.verdict_log) {
                 out.push((render::dispatch_object_key(*direction, addr), rules));
@@ -268,6 +369,7 @@ impl PolicyController {
                     enforced_generation: compiled.map(|c| c.generation),
                     desired_generation: model.policies.get(k).map_or(0, |v| v.policy.generation),
                     audit: self.is_audit(k),
+                    log_allowed: self.logs_allowed(k),
                     ingress_targets: count(Direction::Ingress),
                     egress_targets: count(Direction::Egress),
                     error: self.errors.get(k).map(|e| e.to_string()),
@@ -375,9 +477,14 @@ impl PolicyController {
                     out.compiled += 1;
                     self.errors.remove(&key);
                     let new_targets: BTreeSet<(Direction, IpAddr)> = rules.targets.keys().copied().collect();
-                    let unchanged = self.compiled.get(&key).is_some_and(|c| c.rules.rules == rules.rules);
+                    // With allow logging the object also depends on the targets (which chain
+                    // logs which direction): the written objects are compared.
+                    let unchanged = self.compiled.get(&key).is_some_and(|c| match self.allow_log_of(&key) {
+                        Some(log) => render::allow_logged_object(&key, &c.rules, log) == render::allow_logged_object(&key, &rules, log),
+                        None => c.rules.rules == rules.rules,
+                    });
                     if !unchanged {
-                        out.changes.push((render::policy_object_key(&key), Some(rules.rules.clone())));
+                        out.changes.push((render::policy_object_key(&key), Some(self.policy_object(&key, &rules))));
                     }
                     remove_user(&mut self.shared_users, &old_shared, &key);
                     for name in rules.shared.keys() {
@@ -757,6 +864,51 @@ mod tests {
         let status = w.controller.status(&w.model);
         assert!(status[0].audit && status[0].enforced_generation == Some(1) && status[0].ingress_targets == 1);
         assert!(w.controller.set_audit(&ObjectKey::new("a", "p"), true).changes.is_empty(), "no change, nothing written");
+    }
+
+    /// Allow logging rewrites only that policy's object (its accepts go to its allow chain),
+    /// and off again gives back the object exactly as validated; refused with no verdict log.
+    #[test]
+    fn allow_logging_rewrites_only_the_policys_object_and_back() {
+        let mut w = World::new();
+        let (p, q) = (ObjectKey::new("a", "p"), ObjectKey::new("a", "q"));
+        assert_eq!(w.controller.set_log_allowed(&p, true).unwrap_err(), NoVerdictLog);
+        assert_eq!(w.controller.set_log_allowed_all(true).unwrap_err(), NoVerdictLog);
+        w.controller.verdict_log = Some(VerdictLog { group: 7, per_second: 5, burst: 9 });
+        w.apply(policy("p", "web", 1));
+        w.apply(policy("q", "web", 1));
+        let before = w.controller.objects();
+        let original = |key: &ObjectKey| before.iter().find(|(k, _)| *k == render::policy_object_key(key)).unwrap().1.clone();
+        let on = w.controller.set_log_allowed(&p, true).unwrap();
+        assert_eq!(on.changes.len(), 1, "{:?}", on.changes.iter().map(|c| &c.0).collect::<Vec<_>>());
+        assert_eq!(on.changes[0].0, render::policy_object_key(&p));
+        let logged = on.changes[0].1.clone().unwrap();
+        let allow = render::allow_chain(render::PolicyLogId::of(&p), Some(Direction::Ingress));
+        assert!(logged.chains.contains_key(&allow), "{:?}", logged.chains.keys());
+        assert!(logged.chains["pol/a/p/ingress"].iter().any(|r| r.contains(&format!("goto {allow}"))), "{logged:?}");
+        assert!(w.controller.logs_allowed(&p) && !w.controller.logs_allowed(&q));
+        assert!(w.controller.set_log_allowed(&p, true).unwrap().changes.is_empty(), "no change, nothing written");
+        assert!(w.controller.status(&w.model).iter().any(|s| s.name == "p" && s.log_allowed));
+
+        // Who an allow event is owed to: ingress at web (the policy's chain is ingress only;
+        // a chain shared by both directions is read as ingress where it selects the destination).
+        let (client, web): (IpAddr, IpAddr) = ("10.244.1.12".parse().unwrap(), "10.244.1.10".parse().unwrap());
+        let ids = w.controller.log_ids();
+        let id = render::PolicyLogId::of(&p);
+        let by = w.controller.allowed_by(&ids, None, id, client, web);
+        assert_eq!(by, AllowedBy { policy: Some(p.clone()), direction: Some(Direction::Ingress), pod_address: Some(web) });
+        assert_eq!(w.controller.allowed_by(&ids, None, id, web, client).direction, None, "it selects neither way round");
+        assert_eq!(w.controller.allowed_by(&ids, Some(Direction::Egress), id, web, client).pod_address, Some(web), "a direction given is taken");
+        assert_eq!(w.controller.allowed_by(&ids, None, render::PolicyLogId(1), client, web).policy, None, "a policy gone");
+
+        let off = w.controller.set_log_allowed(&p, false).unwrap();
+        assert_eq!(off.changes, vec![(render::policy_object_key(&p), Some(original(&p)))], "back as validated");
+        let all = w.controller.set_log_allowed_all(true).unwrap();
+        assert_eq!(all.changes.len(), 2);
+        w.controller.set_log_allowed(&q, true).unwrap();
+        let all_off = w.controller.set_log_allowed_all(false).unwrap();
+        assert_eq!(all_off.changes, vec![(render::policy_object_key(&p), Some(original(&p)))], "q keeps its own");
+        assert!(w.controller.logs_allowed(&q));
     }
 
     /// A pod's counts name each policy its dispatch chain jumps to, from its chain alone; a

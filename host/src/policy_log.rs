@@ -4,6 +4,11 @@
 //! from and to where, on which port. What Antrea's and OVN-Kubernetes' policy logging and
 //! Cilium's policy verdict events answer: why does this connection fail?
 //!
+//! Policies with allow logging on log the connections they accept to the same group (their
+//! chains' accepts go to a host chain that logs first, `nft::policy::allow_logged_object`):
+//! events of their own, with the policy's id, read by `GET /v1/policies/verdicts?verdict=allow`
+//! and not by `GET /v1/drops` (they are no drops).
+//!
 //! The service side's drops and rejects come to the same group (`nft::service_drops`: no
 //! endpoints, no local endpoints, outside the source ranges, a cluster IP's unknown port, an
 //! unallocated service address) and into the same events, with their reason instead of a
@@ -25,7 +30,7 @@ use netlink_packet_netfilter::nflog::{ConfigCmd, ConfigMode, PacketNla, Timeout,
 use netlink_packet_netfilter::{NetfilterMessage, NetfilterMessageInner, NetfilterProtoFamily};
 use serde::{Deserialize, Serialize};
 
-use crate::nft::policy::{Direction, PolicyVerdict, parse_verdict_prefix};
+use crate::nft::policy::{Direction, PolicyLogId, PolicyVerdict, parse_allow_prefix, parse_verdict_prefix};
 use crate::nft::service_drops::{self, ServiceDropReason};
 
 /// Events kept; older ones go first.
@@ -68,6 +73,9 @@ pub enum DropCause {
         /// The pod whose policies decided (the destination for ingress, the source for egress).
         pod_address: IpAddr,
     },
+    /// A policy with allow logging accepted the connection. `direction`: `None` when the
+    /// policy's chain serves both (the reader infers it, `PolicyController::allowed_by`).
+    Allow { direction: Option<Direction>, policy_id: PolicyLogId },
     /// The service side's checks (see `nft::service_drops`).
     Service { reason: ServiceDropReason },
 }
@@ -135,6 +143,7 @@ impl DropCause {
     pub fn reason(&self) -> DropReason {
         match *self {
             DropCause::Policy { verdict, .. } => DropReason::Policy(verdict),
+            DropCause::Allow { .. } => DropReason::Policy(PolicyVerdict::Allow),
             DropCause::Service { reason } => DropReason::Service(reason),
         }
     }
@@ -142,9 +151,15 @@ impl DropCause {
     /// `policy` or `service`.
     pub fn kind(&self) -> &'static str {
         match self {
-            DropCause::Policy { .. } => "policy",
+            DropCause::Policy { .. } | DropCause::Allow { .. } => "policy",
             DropCause::Service { .. } => "service",
         }
+    }
+
+    /// Whether the packet was dropped, or in audit mode would have been: every event but an
+    /// allowed connection's.
+    pub fn is_drop(&self) -> bool {
+        !matches!(self, DropCause::Allow { .. })
     }
 }
 
@@ -153,7 +168,15 @@ impl DropEvent {
     pub fn policy(&self) -> Option<(PolicyVerdict, Direction, IpAddr)> {
         match self.cause {
             DropCause::Policy { verdict, direction, pod_address } => Some((verdict, direction, pod_address)),
-            DropCause::Service { .. } => None,
+            DropCause::Allow { .. } | DropCause::Service { .. } => None,
+        }
+    }
+
+    /// The direction (if the prefix says it) and policy of an allowed connection's event.
+    pub fn allow(&self) -> Option<(Option<Direction>, PolicyLogId)> {
+        match self.cause {
+            DropCause::Allow { direction, policy_id } => Some((direction, policy_id)),
+            DropCause::Policy { .. } | DropCause::Service { .. } => None,
         }
     }
 
@@ -161,7 +184,7 @@ impl DropEvent {
     pub fn service_reason(&self) -> Option<ServiceDropReason> {
         match self.cause {
             DropCause::Service { reason } => Some(reason),
-            DropCause::Policy { .. } => None,
+            DropCause::Policy { .. } | DropCause::Allow { .. } => None,
         }
     }
 }
@@ -172,6 +195,7 @@ pub struct PolicyVerdictLog {
     events: Mutex<VecDeque<DropEvent>>,
     denied: AtomicU64,
     audited: AtomicU64,
+    allowed: AtomicU64,
     /// Service drops, by reason (in the order of `ServiceDropReason::ALL`).
     service_drops: [AtomicU64; ServiceDropReason::ALL.len()],
     /// Messages the kernel could not queue for the host (its socket buffer was full).
@@ -183,7 +207,24 @@ pub struct PolicyVerdictLog {
 pub struct VerdictTotals {
     pub deny: u64,
     pub audit: u64,
+    /// Connections policies with allow logging accepted (no drops: `GET /v1/drops` leaves
+    /// them out, see [`VerdictTotals::drops`]).
+    pub allow: u64,
     pub lost: u64,
+}
+
+/// The drops among [`VerdictTotals`]: what `GET /v1/drops` counts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct DropTotals {
+    pub deny: u64,
+    pub audit: u64,
+    pub lost: u64,
+}
+
+impl VerdictTotals {
+    pub fn drops(self) -> DropTotals {
+        DropTotals { deny: self.deny, audit: self.audit, lost: self.lost }
+    }
 }
 
 impl PolicyVerdictLog {
@@ -197,9 +238,14 @@ impl PolicyVerdictLog {
                 match verdict {
                     PolicyVerdict::Deny => &self.denied,
                     PolicyVerdict::Audit => &self.audited,
+                    PolicyVerdict::Allow => &self.allowed,
                 }
                 .fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(verdict = verdict.name(), direction = direction.name(), pod = %pod_address, source = %event.source, destination = %event.destination, protocol = %event.protocol, port = ?event.destination_port, "policy verdict");
+            }
+            DropCause::Allow { direction, policy_id } => {
+                self.allowed.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(direction = direction.map(Direction::name), policy = %policy_id, source = %event.source, destination = %event.destination, protocol = %event.protocol, port = ?event.destination_port, "connection allowed by policy");
             }
             DropCause::Service { reason } => {
                 self.service_drops[reason as usize].fetch_add(1, Ordering::Relaxed);
@@ -220,7 +266,12 @@ impl PolicyVerdictLog {
     }
 
     pub fn totals(&self) -> VerdictTotals {
-        VerdictTotals { deny: self.denied.load(Ordering::Relaxed), audit: self.audited.load(Ordering::Relaxed), lost: self.lost.load(Ordering::Relaxed) }
+        VerdictTotals {
+            deny: self.denied.load(Ordering::Relaxed),
+            audit: self.audited.load(Ordering::Relaxed),
+            allow: self.allowed.load(Ordering::Relaxed),
+            lost: self.lost.load(Ordering::Relaxed),
+        }
     }
 
     /// Service drops since the start, by reason (every reason, zeros too).
@@ -356,10 +407,14 @@ pub fn events_in(mut datagram: &[u8], at_unix_ms: u64) -> Vec<DropEvent> {
     out
 }
 
-/// Who dropped a logged packet, as its prefix says: a policy verdict or a service drop.
+/// Who logged a packet, as its prefix says: a policy verdict, a policy's allow, or a
+/// service drop.
 fn parse_cause(prefix: &str) -> Option<DropCause> {
     if let Some((verdict, direction, pod_address)) = parse_verdict_prefix(prefix) {
         return Some(DropCause::Policy { verdict, direction, pod_address });
+    }
+    if let Some((direction, policy_id)) = parse_allow_prefix(prefix) {
+        return Some(DropCause::Allow { direction, policy_id });
     }
     service_drops::parse_prefix(prefix).map(|reason| DropCause::Service { reason })
 }
@@ -536,6 +591,6 @@ mod tests {
         assert_eq!(recent.iter().map(|e| e.at_unix_ms).collect::<Vec<_>>(), vec![CAPACITY as u64 + 4, CAPACITY as u64 + 3, CAPACITY as u64 + 2]);
         assert_eq!(log.recent(usize::MAX, |_| true).len(), CAPACITY);
         assert_eq!(log.recent(2, |e| e.cause.reason() == DropReason::Policy(PolicyVerdict::Audit))[0].at_unix_ms, CAPACITY as u64 + 3);
-        assert_eq!(log.totals(), VerdictTotals { deny: 515, audit: 514, lost: 0 });
+        assert_eq!(log.totals(), VerdictTotals { deny: 515, audit: 514, allow: 0, lost: 0 });
     }
 }

@@ -15,6 +15,7 @@ use wasmplane_model::{ObjectKey, Protocol, ServiceView};
 
 use super::{ApiError, ApiResult, ApiState, with_controller};
 use crate::controller::{Controller, HostError};
+use crate::nft::policy::{Direction, PolicyVerdict};
 use crate::nft::service_drops::ServiceDropReason;
 use crate::policy_log::{DropEvent, DropReason};
 
@@ -22,15 +23,16 @@ use crate::policy_log::{DropEvent, DropReason};
 pub(super) struct VerdictsQuery {
     /// `namespace/name` of a pod on this node.
     pod: Option<String>,
-    verdict: Option<crate::nft::policy::PolicyVerdict>,
+    verdict: Option<PolicyVerdict>,
     limit: Option<usize>,
     /// Only events logged at or after this time (ms since the epoch): what a follower polls.
     since_unix_ms: Option<u64>,
 }
 
-/// The packets policy dropped here, or in audit mode would have, newest first: the pod (by
-/// name, from the model now), the direction, the addresses, protocol and port, and the
-/// policies selecting the pod in that direction.
+/// The packets policy dropped here, or in audit mode would have, and the connections
+/// policies with allow logging allowed, newest first: the pod (by name, from the model now),
+/// the direction, the addresses, protocol and port, and the policies selecting the pod in
+/// that direction (an allowed one's also the `policy` that allowed it).
 pub(super) async fn policy_verdicts(State(state): State<ApiState>, Query(query): Query<VerdictsQuery>) -> ApiResult<Response> {
     let Some(log) = state.policy_verdicts.clone() else {
         return Err(ApiError(StatusCode::NOT_FOUND, "policy verdicts are not read on this host: it writes no kernel (--dataplane nftables), logs none (--policy-log-group 0) or could not bind the group (see its log)".into()));
@@ -41,16 +43,42 @@ pub(super) async fn policy_verdicts(State(state): State<ApiState>, Query(query):
         let pod_of = local_pods_by_address(c);
         let wanted_addresses = addresses_of_pod(&pod_of, query.pod.as_deref())?;
         let since = query.since_unix_ms.unwrap_or(0);
+        let allows = AllowedBy::new(c);
         // Policy events only: the service side's are in `GET /v1/drops`.
         let events = log.recent(limit, |e| {
+            let wanted_pod = |pod: Option<IpAddr>| wanted_addresses.as_ref().is_none_or(|a| pod.is_some_and(|pod| a.contains(&pod)));
             e.at_unix_ms >= since
-                && e.policy().is_some_and(|(v, _, pod)| verdict.is_none_or(|wanted| v == wanted) && wanted_addresses.as_ref().is_none_or(|a| a.contains(&pod)))
+                && match (e.policy(), e.allow()) {
+                    (Some((v, _, pod)), _) => verdict.is_none_or(|wanted| v == wanted) && wanted_pod(Some(pod)),
+                    (None, Some(_)) => verdict.is_none_or(|wanted| wanted == PolicyVerdict::Allow) && wanted_pod(allows.of(e).and_then(|a| a.pod_address)),
+                    (None, None) => false,
+                }
         });
-        let events: Vec<Value> = events.iter().map(|event| event_json(c, &pod_of, None, event)).collect();
+        let events: Vec<Value> = events.iter().map(|event| event_json(c, &pod_of, None, &allows, event)).collect();
         Ok(json!({ "totals": log.totals(), "events": events }))
     })
     .await?;
     Ok(Json(body).into_response())
+}
+
+/// Resolves allow events to their policy, direction and pod, by the ids of the policies in
+/// force now (hashed on the first allow event a read meets, not before).
+pub(super) struct AllowedBy<'c> {
+    controller: &'c Controller,
+    ids: std::cell::OnceCell<BTreeMap<crate::nft::policy::PolicyLogId, ObjectKey>>,
+}
+
+impl<'c> AllowedBy<'c> {
+    pub(super) fn new(controller: &'c Controller) -> AllowedBy<'c> {
+        AllowedBy { controller, ids: std::cell::OnceCell::new() }
+    }
+
+    fn of(&self, event: &DropEvent) -> Option<crate::policy::AllowedBy> {
+        let (direction, id) = event.allow()?;
+        let policies = self.controller.policy_controller();
+        let ids = self.ids.get_or_init(|| policies.log_ids());
+        Some(policies.allowed_by(ids, direction, id, event.source, event.destination))
+    }
 }
 
 /// This node's pods by address (`namespace/name`), from the model now.
@@ -76,16 +104,28 @@ fn addresses_of_pod(pod_of: &BTreeMap<IpAddr, String>, pod: Option<&str>) -> Res
 /// A logged event with what is looked up when it is read: a policy event's pod (by name)
 /// and the policies selecting it in that direction; a service event's source pod and, given
 /// `frontends`, its service and port name (`null` when no service has the address now).
-fn event_json(c: &Controller, pod_of: &BTreeMap<IpAddr, String>, frontends: Option<&ServiceFrontends>, event: &DropEvent) -> Value {
+fn event_json(c: &Controller, pod_of: &BTreeMap<IpAddr, String>, frontends: Option<&ServiceFrontends>, allows: &AllowedBy, event: &DropEvent) -> Value {
     let mut v = serde_json::to_value(event).unwrap_or(Value::Null);
     let name_of = |addr: &IpAddr| pod_of.get(addr).map_or(Value::Null, |k| Value::String(k.clone()));
-    match event.policy() {
-        Some((_, direction, pod_address)) => {
-            let policies: Vec<String> = c.policies_selecting(direction, pod_address).iter().map(ToString::to_string).collect();
+    let selecting = |direction: Direction, pod_address: IpAddr| -> Vec<String> { c.policies_selecting(direction, pod_address).iter().map(ToString::to_string).collect() };
+    match (event.policy(), allows.of(event)) {
+        (Some((_, direction, pod_address)), _) => {
             v["pod"] = name_of(&pod_address);
-            v["policies"] = json!(policies);
+            v["policies"] = json!(selecting(direction, pod_address));
         }
-        None => {
+        (None, Some(allowed)) => {
+            // The fields of a policy verdict, and the policy that allowed it.
+            v["verdict"] = json!(PolicyVerdict::Allow);
+            v["direction"] = json!(allowed.direction);
+            v["pod_address"] = json!(allowed.pod_address);
+            v["pod"] = allowed.pod_address.as_ref().map_or(Value::Null, name_of);
+            v["policy"] = json!(allowed.policy.as_ref().map(ToString::to_string));
+            v["policies"] = json!(allowed.direction.zip(allowed.pod_address).map(|(d, pod)| selecting(d, pod)).unwrap_or_default());
+            if let Some(object) = v.as_object_mut() {
+                object.remove("policy_id");
+            }
+        }
+        (None, None) => {
             v["pod"] = name_of(&event.source);
             if let Some(frontends) = frontends {
                 let service = frontends.resolve(event);
@@ -214,8 +254,10 @@ pub(super) async fn drops(State(state): State<ApiState>, Query(query): Query<Dro
             ),
         };
         let since = query.since_unix_ms.unwrap_or(0);
+        // Allowed connections are no drops.
         let keep = |e: &DropEvent| {
-            e.at_unix_ms >= since
+            e.cause.is_drop()
+                && e.at_unix_ms >= since
                 && query.reason.is_none_or(|reason| e.cause.reason() == reason)
                 && pod_addresses.as_ref().is_none_or(|a| a.contains(&pod_side(e)))
         };
@@ -234,7 +276,7 @@ pub(super) async fn drops(State(state): State<ApiState>, Query(query): Query<Dro
             }
         };
         let events: Vec<Value> = events.iter().map(|event| drop_json(c, &pod_of, &frontends, event)).collect();
-        Ok(json!({ "totals": { "policy_verdicts": log.totals(), "service_drops": log.service_totals() }, "events": events }))
+        Ok(json!({ "totals": { "policy_verdicts": log.totals().drops(), "service_drops": log.service_totals() }, "events": events }))
     })
     .await?;
     Ok(Json(body).into_response())
@@ -248,7 +290,7 @@ fn pod_side(event: &DropEvent) -> IpAddr {
 
 /// A logged drop as `GET /v1/drops` shows it: [`event_json`] with its `kind` and `reason`.
 pub(super) fn drop_json(c: &Controller, pod_of: &BTreeMap<IpAddr, String>, frontends: &ServiceFrontends, event: &DropEvent) -> Value {
-    let mut v = event_json(c, pod_of, Some(frontends), event);
+    let mut v = event_json(c, pod_of, Some(frontends), &AllowedBy::new(c), event);
     v["kind"] = json!(event.cause.kind());
     v["reason"] = json!(event.cause.reason());
     v
@@ -258,14 +300,12 @@ pub(super) fn drop_json(c: &Controller, pod_of: &BTreeMap<IpAddr, String>, front
 /// `GET /v1/drops?pod=` picks them. A host-network pod's addresses are the node's: its drops
 /// are those of the node's addresses.
 pub(super) fn drops_of_pod(log: &crate::policy_log::PolicyVerdictLog, addresses: &[IpAddr], limit: usize) -> Vec<DropEvent> {
-    log.recent(limit, |event| addresses.contains(&pod_side(event)))
+    log.recent(limit, |event| event.cause.is_drop() && addresses.contains(&pod_side(event)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nft::policy::{Direction, PolicyVerdict};
-    use crate::nft::service_drops::ServiceDropReason;
     use crate::policy_log::{DropCause, PolicyVerdictLog};
 
     fn ip(text: &str) -> IpAddr {

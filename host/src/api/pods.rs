@@ -64,6 +64,8 @@ struct SelectingPolicy {
     policy_types: BTreeSet<Direction>,
     /// Its would-be drops are logged and counted, not dropped.
     audit: bool,
+    /// The connections it allows are logged.
+    log_allowed: bool,
     /// Why its newest generation was refused (the last good rules stay enforced).
     error: Option<String>,
 }
@@ -148,7 +150,13 @@ fn pod_row(c: &Controller, statuses: &BTreeMap<ObjectKey, crate::policy::PolicyS
         .into_iter()
         .map(|(key, policy_types)| {
             let status = statuses.get(&key);
-            SelectingPolicy { name: key.to_string(), policy_types, audit: status.is_some_and(|s| s.audit), error: status.and_then(|s| s.error.clone()) }
+            SelectingPolicy {
+                name: key.to_string(),
+                policy_types,
+                audit: status.is_some_and(|s| s.audit),
+                log_allowed: status.is_some_and(|s| s.log_allowed),
+                error: status.and_then(|s| s.error.clone()),
+            }
         })
         .collect();
     let enforced = |direction: Direction| policies.iter().any(|p| p.policy_types.contains(&direction));

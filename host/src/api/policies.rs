@@ -1,4 +1,4 @@
-//! `GET /v1/policies` and the policies' audit mode and aggregated status; their verdicts
+//! `GET /v1/policies` and the policies' audit mode, allow logging and aggregated status; their verdicts
 //! (`GET /v1/policies/verdicts`) are served with the drops.
 
 use axum::Json;
@@ -61,6 +61,25 @@ pub(super) async fn set_policy_audit(State(state): State<ApiState>, Path((namesp
 pub(super) async fn set_module_audit(State(state): State<ApiState>, Query(query): Query<AuditQuery>) -> ApiResult<Response> {
     with_controller(&state, move |c| c.set_policy_audit(None, query.enabled)).await?;
     Ok(Json(json!({ "audit": query.enabled })).into_response())
+}
+
+/// Allow logging for one policy on this node: the connections it accepts are logged to the
+/// verdict log (`GET /v1/policies/verdicts?verdict=allow`); 409 where none is kept.
+pub(super) async fn set_policy_log_allowed(State(state): State<ApiState>, Path((namespace, name)): Path<(String, String)>, Query(query): Query<AuditQuery>) -> ApiResult<Response> {
+    let key = ObjectKey::new(&namespace, &name);
+    // Off for one policy while on for every policy stays on: the answer says what holds.
+    let log_allowed = with_controller(&state, move |c| {
+        c.set_policy_log_allowed(Some(&key), query.enabled)?;
+        Ok(c.policy_logs_allowed(&key))
+    })
+    .await?;
+    Ok(Json(json!({ "policy": format!("{namespace}/{name}"), "log_allowed": log_allowed })).into_response())
+}
+
+/// Allow logging for every policy on this node.
+pub(super) async fn set_module_log_allowed(State(state): State<ApiState>, Query(query): Query<AuditQuery>) -> ApiResult<Response> {
+    with_controller(&state, move |c| c.set_policy_log_allowed(None, query.enabled)).await?;
+    Ok(Json(json!({ "log_allowed": query.enabled })).into_response())
 }
 
 /// A policy's realization status over every node, as the operator aggregates it.

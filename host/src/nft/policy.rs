@@ -13,6 +13,8 @@
 //!                              the pod, then `counter drop` (or, audit: count + accept), the
 //!                              verdict logged to NFLOG first at a bounded rate (policy_log.rs)
 //!   pol/<ns>/<policy>/…:       the guest's chains: accept what the policy allows, else return
+//!   polallow/<id>/<direction>: with allow logging on for the policy, where its chains' accepts
+//!                              go instead: log to NFLOG (rate-limited), then accept
 //! ```
 //!
 //! Egress and ingress are separate base chains because `accept` ends only the base chain it
@@ -40,6 +42,9 @@ pub const POLICY_PREFIX: &str = "pol";
 pub const SHARED_SET_PREFIX: &str = "pol/_shared/";
 /// Prefix of the host-built per-pod dispatch chains: `polpod/<address>/<direction>`.
 pub const DISPATCH_PREFIX: &str = "polpod";
+/// Prefix of the host-built chains logging what a policy allows:
+/// `polallow/<policy id>/<ingress|egress|any>`. Not under `pol/`: guests own those names.
+pub const ALLOW_LOG_PREFIX: &str = "polallow";
 /// Limits on one policy's output beyond the runtime's output cap.
 const MAX_CHAINS: usize = 64;
 const MAX_SETS: usize = 4096;
@@ -68,6 +73,13 @@ impl Direction {
             (Direction::Egress, true) => "pod-egress6",
         }
     }
+    fn from_name(name: &str) -> Option<Direction> {
+        match name {
+            "ingress" => Some(Direction::Ingress),
+            "egress" => Some(Direction::Egress),
+            _ => None,
+        }
+    }
     fn from_map(name: &str) -> Option<Direction> {
         match name {
             "pod-ingress" => Some(Direction::Ingress),
@@ -84,7 +96,7 @@ pub fn policy_prefix(key: &ObjectKey) -> String {
 
 /// Whether a chain or set name is one the policy side manages (not static, may go stale).
 pub fn is_policy_object(name: &str) -> bool {
-    name.starts_with("pol/") || name.starts_with("polpod/")
+    name.starts_with("pol/") || name.starts_with("polpod/") || name.starts_with("polallow/")
 }
 
 /// The dataplane key of a policy's objects. Namespaces cannot contain `:`, so these never
@@ -266,6 +278,9 @@ pub enum PolicyVerdict {
     Deny,
     /// Accepted, but only because the policies selecting the pod are in audit mode.
     Audit,
+    /// Accepted by a policy with allow logging on (the first packet of a connection: what
+    /// conntrack knows never reaches the policy chains).
+    Allow,
 }
 
 impl PolicyVerdict {
@@ -273,6 +288,7 @@ impl PolicyVerdict {
         match self {
             PolicyVerdict::Deny => "deny",
             PolicyVerdict::Audit => "audit",
+            PolicyVerdict::Allow => "allow",
         }
     }
 }
@@ -294,13 +310,141 @@ pub fn parse_verdict_prefix(prefix: &str) -> Option<(PolicyVerdict, Direction, I
         "audit" => PolicyVerdict::Audit,
         _ => return None,
     };
-    let direction = match words.next()? {
-        "ingress" => Direction::Ingress,
-        "egress" => Direction::Egress,
-        _ => return None,
-    };
+    let direction = Direction::from_name(words.next()?)?;
     let addr = words.next()?.parse().ok()?;
     words.next().is_none().then_some((verdict, direction, addr))
+}
+
+/// A policy as its allow log names it: the first 64 bits of the SHA-256 of `namespace/name`,
+/// 16 hex digits. A namespace (63) and a policy name (253) do not fit NFLOG's 127-byte
+/// prefix, and chain names have a limit of their own; the reader maps the id back from the
+/// policies in force ([`PolicyLogId::of`] of each). Stable across host versions: the
+/// kernel keeps the rules of the host that wrote them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PolicyLogId(pub u64);
+
+impl PolicyLogId {
+    pub fn of(key: &ObjectKey) -> PolicyLogId {
+        use sha2::Digest as _;
+        let digest = sha2::Sha256::new().chain_update(key.namespace.as_bytes()).chain_update(b"/").chain_update(key.name.as_bytes()).finalize();
+        PolicyLogId(u64::from_be_bytes(digest[..8].try_into().expect("a SHA-256 digest has 8 bytes")))
+    }
+
+    fn parse(text: &str) -> Option<PolicyLogId> {
+        (text.len() == 16).then(|| u64::from_str_radix(text, 16).ok()).flatten().map(PolicyLogId)
+    }
+}
+
+impl std::fmt::Display for PolicyLogId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}
+
+impl Serialize for PolicyLogId {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+/// What an allow chain's direction is written as when the policy's targets of both
+/// directions reach the chain (a guest sharing a chain between them): the reader infers it.
+const ANY_DIRECTION: &str = "any";
+
+/// The host's allow-logging chain of a policy for one direction (`None`: both reach it).
+pub fn allow_chain(id: PolicyLogId, direction: Option<Direction>) -> String {
+    format!("{ALLOW_LOG_PREFIX}/{id}/{}", direction.map_or(ANY_DIRECTION, Direction::name))
+}
+
+/// The prefix an allow chain logs with: `wasmplane-policy allow <direction|any> <id>` (at
+/// most 45 bytes, whatever the policy's name); [`parse_allow_prefix`] reads it back.
+pub fn allow_prefix(id: PolicyLogId, direction: Option<Direction>) -> String {
+    format!("{VERDICT_LOG_PREFIX} allow {} {id}", direction.map_or(ANY_DIRECTION, Direction::name))
+}
+
+/// The direction (`None`: to be inferred) and policy of an allow chain's prefix; `None` for
+/// any other prefix.
+pub fn parse_allow_prefix(prefix: &str) -> Option<(Option<Direction>, PolicyLogId)> {
+    let mut words = prefix.split(' ');
+    if words.next()? != VERDICT_LOG_PREFIX || words.next()? != "allow" {
+        return None;
+    }
+    let direction = match words.next()? {
+        ANY_DIRECTION => None,
+        name => Some(Direction::from_name(name)?),
+    };
+    let id = PolicyLogId::parse(words.next()?)?;
+    words.next().is_none().then_some((direction, id))
+}
+
+/// A rendered rule split before its comment, which `nft::Validator::rule` writes last and
+/// quoted with no quote inside: (the rule up to its verdict, ` comment "…"` or nothing).
+fn split_comment(rule: &str) -> (&str, &str) {
+    if let Some(inner) = rule.strip_suffix('"')
+        && let Some(open) = inner.rfind('"')
+        && let Some(body) = rule[..open].strip_suffix(" comment ")
+    {
+        return (body, &rule[body.len()..]);
+    }
+    (rule, "")
+}
+
+/// The chain a rendered rule's `jump` or `goto` verdict targets.
+fn verdict_target(rule: &str) -> Option<&str> {
+    let (body, _) = split_comment(rule);
+    let (before, target) = body.rsplit_once(' ')?;
+    (before.ends_with(" jump") || before.ends_with(" goto") || before == "jump" || before == "goto").then_some(target)
+}
+
+/// Which directions reach each of a policy's chains: its targets' chains, and what they jump
+/// or go to, transitively.
+fn chain_directions<'a>(rules: &'a ObjectRules, targets: &'a BTreeMap<(Direction, IpAddr), String>) -> BTreeMap<&'a str, BTreeSet<Direction>> {
+    let mut reached: BTreeMap<&str, BTreeSet<Direction>> = BTreeMap::new();
+    let mut work: Vec<(&str, Direction)> = targets.iter().map(|((direction, _), chain)| (chain.as_str(), *direction)).collect();
+    while let Some((chain, direction)) = work.pop() {
+        if !reached.entry(chain).or_default().insert(direction) {
+            continue;
+        }
+        for rule in rules.chains.get(chain).into_iter().flatten() {
+            if let Some(next) = verdict_target(rule).filter(|next| rules.chains.contains_key(*next)) {
+                work.push((next, direction));
+            }
+        }
+    }
+    reached
+}
+
+/// A policy's object with allow logging: each `accept` of its chains goes to the host's
+/// allow chain of the chain's direction instead, which logs the packet to `log`'s group (at
+/// most `log.per_second` a second per policy and direction, in a rule of its own so that
+/// above the rate the packet is still accepted) and accepts it. A chain both directions
+/// reach goes to the `any` chain, whose direction the reader infers. Everything else is the
+/// validated output as it was: only the verdicts the validator rendered change.
+pub fn allow_logged_object(key: &ObjectKey, policy: &PolicyRules, log: VerdictLog) -> ObjectRules {
+    let id = PolicyLogId::of(key);
+    let directions = chain_directions(&policy.rules, &policy.targets);
+    let mut object = policy.rules.clone();
+    let mut used: BTreeSet<Option<Direction>> = BTreeSet::new();
+    for (chain, rules) in &mut object.chains {
+        let direction = match directions.get(chain.as_str()).map(|d| d.iter().collect::<Vec<_>>()).as_deref() {
+            Some([only]) => Some(**only),
+            _ => None,
+        };
+        for rule in rules.iter_mut() {
+            let (body, comment) = split_comment(rule);
+            // The verdict is the rendered body's last word; no match or statement ends in a
+            // bare `accept` (names carry no spaces, log prefixes are quoted).
+            let Some(before) = body.strip_suffix("accept").filter(|b| b.is_empty() || b.ends_with(' ')) else { continue };
+            *rule = format!("{before}goto {}{comment}", allow_chain(id, direction));
+            used.insert(direction);
+        }
+    }
+    for direction in used {
+        let prefix = allow_prefix(id, direction);
+        let log_rule = format!("limit rate {}/second burst {} packets log group {} prefix \"{prefix}\"", log.per_second, log.burst, log.group);
+        object.chains.insert(allow_chain(id, direction), vec![log_rule, "accept".to_string()]);
+    }
+    object
 }
 
 /// The dispatch object of one pod address in one direction: the chain that applies the
@@ -320,7 +464,9 @@ pub fn dispatch_object(direction: Direction, addr: &IpAddr, entries: &[DispatchE
     }
     let chain = dispatch_chain(direction, addr);
     let enforcing: BTreeSet<&str> = entries.iter().filter(|e| !e.audit).map(|e| e.chain.as_str()).collect();
-    let verdict = if enforcing.is_empty() { PolicyVerdict::Audit } else { PolicyVerdict::Deny };
+    // A dispatch chain ends in deny or audit only (allows are the policy chains' business).
+    let audit = enforcing.is_empty();
+    let verdict = if audit { PolicyVerdict::Audit } else { PolicyVerdict::Deny };
     let deciding: BTreeSet<&str> = if enforcing.is_empty() { entries.iter().map(|e| e.chain.as_str()).collect() } else { enforcing };
     // Counted: a packet reaching one jump and not the next was accepted by that policy
     // ([`DispatchCounts`]), which is what a pod's per-policy counts read.
@@ -335,10 +481,10 @@ pub fn dispatch_object(direction: Direction, addr: &IpAddr, entries: &[DispatchE
             verdict_prefix(verdict, direction, addr)
         ));
     }
-    rules.push(match (verdict, log) {
-        (PolicyVerdict::Audit, Some(_)) => "counter accept comment \"audit\"".to_string(),
-        (PolicyVerdict::Audit, None) => format!("counter log prefix \"{AUDIT_LOG_PREFIX} {} {addr}: \" accept comment \"audit\"", direction.name()),
-        (PolicyVerdict::Deny, _) => "counter drop comment \"deny\"".to_string(),
+    rules.push(match (audit, log) {
+        (true, Some(_)) => "counter accept comment \"audit\"".to_string(),
+        (true, None) => format!("counter log prefix \"{AUDIT_LOG_PREFIX} {} {addr}: \" accept comment \"audit\"", direction.name()),
+        (false, _) => "counter drop comment \"deny\"".to_string(),
     });
     let mut object = ObjectRules::default();
     object.elements.insert((direction.map(addr.is_ipv6()).to_compact_string(), addr.to_compact_string()), format_compact!("goto {chain}"));
@@ -742,4 +888,75 @@ mod tests {
         let written = format!("chain polpod/10.244.1.10/ingress {{\n{}\n}}\n", rules.iter().map(|r| r.replace("counter ", "counter packets 3 bytes 9 ")).collect::<Vec<_>>().join("\n"));
         assert_eq!(dispatch_counts(&written, "polpod/10.244.1.10/ingress"), Some(DispatchCounts { accepted: vec![("pol/a/p/ingress".into(), 0)], audit: false, final_packets: 3 }), "{written}");
     }
+
+    fn allow_policy(chains: &[(&str, &[&str])], targets: &[(Direction, &str, &str)]) -> PolicyRules {
+        let mut rules = ObjectRules::default();
+        for (name, body) in chains {
+            rules.chains.insert(name.to_string(), body.iter().map(|r| r.to_string()).collect());
+        }
+        let targets = targets.iter().map(|(d, a, c)| ((*d, addr(a)), c.to_string())).collect();
+        PolicyRules { rules, shared: BTreeMap::new(), targets }
+    }
+
+    const LOG: VerdictLog = VerdictLog { group: 7, per_second: 5, burst: 9 };
+
+    #[test]
+    fn allow_logging_sends_each_accept_to_the_allow_chain_of_its_direction() {
+        let policy = allow_policy(
+            &[
+                ("pol/a/p/ingress", &["ip saddr @pol/a/p/peers tcp dport 80 accept comment \"from web\"", "jump pol/a/p/more", "counter"]),
+                ("pol/a/p/more", &["udp dport 53 accept"]),
+                ("pol/a/p/egress", &["ip daddr 10.0.0.1 accept"]),
+            ],
+            &[(Direction::Ingress, "10.244.0.5", "pol/a/p/ingress"), (Direction::Egress, "10.244.0.5", "pol/a/p/egress")],
+        );
+        let object = allow_logged_object(&key(), &policy, LOG);
+        let id = PolicyLogId::of(&key());
+        let (ingress, egress) = (allow_chain(id, Some(Direction::Ingress)), allow_chain(id, Some(Direction::Egress)));
+        assert_eq!(object.chains["pol/a/p/ingress"], vec![format!("ip saddr @pol/a/p/peers tcp dport 80 goto {ingress} comment \"from web\""), "jump pol/a/p/more".to_string(), "counter".to_string()]);
+        assert_eq!(object.chains["pol/a/p/more"], vec![format!("udp dport 53 goto {ingress}")], "reached from ingress only");
+        assert_eq!(object.chains["pol/a/p/egress"], vec![format!("ip daddr 10.0.0.1 goto {egress}")]);
+        assert_eq!(object.chains[&ingress], vec![format!("limit rate 5/second burst 9 packets log group 7 prefix \"{}\"", allow_prefix(id, Some(Direction::Ingress))), "accept".to_string()]);
+        assert!(object.chains[&egress][0].contains(&allow_prefix(id, Some(Direction::Egress))));
+        assert_eq!(object.chains.len(), 5, "{:?}", object.chains.keys());
+        assert!(is_policy_object(&ingress) && ingress.len() <= 64, "{ingress}");
+        assert_eq!((object.sets.clone(), object.elements.clone()), (policy.rules.sets.clone(), policy.rules.elements.clone()));
+    }
+
+    #[test]
+    fn a_chain_both_directions_reach_logs_to_the_any_chain() {
+        let policy = allow_policy(
+            &[("pol/a/p/both", &["tcp dport 443 accept"])],
+            &[(Direction::Ingress, "10.244.0.5", "pol/a/p/both"), (Direction::Egress, "10.244.0.6", "pol/a/p/both")],
+        );
+        let object = allow_logged_object(&key(), &policy, LOG);
+        let any = allow_chain(PolicyLogId::of(&key()), None);
+        assert!(any.ends_with("/any"), "{any}");
+        assert_eq!(object.chains["pol/a/p/both"], vec![format!("tcp dport 443 goto {any}")]);
+        assert_eq!(object.chains.len(), 2);
+        assert!(object.chains[&any][0].contains(&allow_prefix(PolicyLogId::of(&key()), None)));
+    }
+
+    #[test]
+    fn a_policy_without_accepts_gets_no_allow_chain() {
+        let policy = allow_policy(&[("pol/a/p/ingress", &["counter", "jump pol/a/p/x"])], &[(Direction::Ingress, "10.244.0.5", "pol/a/p/ingress")]);
+        assert_eq!(allow_logged_object(&key(), &policy, LOG), policy.rules);
+    }
+
+    #[test]
+    fn allow_prefixes_read_back() {
+        let id = PolicyLogId::of(&ObjectKey::new("a-very-long-namespace-name-indeed", "and-a-policy-name-just-as-long-as-it-can-be"));
+        for direction in [Some(Direction::Ingress), Some(Direction::Egress), None] {
+            let prefix = allow_prefix(id, direction);
+            assert!(prefix.len() < 64, "{prefix}");
+            assert_eq!(parse_allow_prefix(&prefix), Some((direction, id)), "{prefix}");
+        }
+        assert_eq!(PolicyLogId::of(&key()), PolicyLogId::of(&key()));
+        assert_ne!(PolicyLogId::of(&key()), PolicyLogId::of(&ObjectKey::new("a", "q")));
+        for bad in ["wasmplane-policy deny ingress 10.0.0.1", "wasmplane-policy allow sideways 0123456789abcdef", "wasmplane-policy allow any 0123", "wasmplane-policy allow any 0123456789abcdef extra", "other allow any 0123456789abcdef"] {
+            assert_eq!(parse_allow_prefix(bad), None, "{bad}");
+        }
+        assert_eq!(parse_verdict_prefix(&allow_prefix(id, None)), None, "an allow is no deny or audit");
+    }
 }
+
