@@ -222,3 +222,69 @@ async fn a_policy_from_the_cluster_is_enforced_audited_and_follows_labels() {
     assert!(!chains.contains("pol/default/web-from-client") && !chains.contains("polpod/"), "{chains}");
     host.stop().await;
 }
+
+/// Allow logging through the REST API, on a kernel: turned on for one policy (the token
+/// needed), client's allowed connection is logged as an allow owed to the policy, ingress, at
+/// web; other's is still a deny; `/v1/drops` lists no allows; off again, nothing more is logged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allowed_connections_are_logged_per_policy_on_request() {
+    require_root!();
+    let mut topo = Topology::new("pola");
+    let web = topo.add_pod(WEB);
+    let client = topo.add_pod(CLIENT);
+    let other = topo.add_pod(OTHER);
+    let _server = Server::start(&web, "web", &[8080]);
+    let cluster = Cluster::new();
+    cluster.put_file("pods.yaml", &pods("other"));
+    cluster.put_file("policy.yaml", POLICY);
+    let host = start_host(wasmplane::app::HostConfig { policy_log_group: 1002, ..cluster.config(topo.nft_command()) }).await;
+    wait_applied(&host, "the policy", |t| t.contains(&format!("{WEB} : jump")) || t.contains(&format!("{WEB} : goto")));
+    let http = reqwest::Client::new();
+    let url = format!("{}/v1/policies/default/web-from-client/log-allowed", host.url());
+    let unauthenticated = http.post(format!("{url}?enabled=true")).send().await.unwrap();
+    assert_eq!(unauthenticated.status(), StatusCode::UNAUTHORIZED, "allow logging needs the token");
+    let unauthenticated = http.post(format!("{}/v1/policies/log-allowed?enabled=true", host.url())).send().await.unwrap();
+    assert_eq!(unauthenticated.status(), StatusCode::UNAUTHORIZED, "for every policy too");
+    assert_eq!(policies(&host, "").await["policies"][0]["log_allowed"], false);
+    let on = http.post(format!("{url}?enabled=true")).bearer_auth(&host.token).send().await.unwrap();
+    assert_eq!(on.status(), StatusCode::OK);
+    let on: Value = on.json().await.unwrap();
+    assert_eq!(on["log_allowed"], true, "{on}");
+    assert_eq!(policies(&host, "").await["policies"][0]["log_allowed"], true);
+    wait_applied(&host, "the allow chain", |t| t.contains("polallow/"));
+
+    assert!(allowed(&client), "logging changes no verdict");
+    assert!(!reaches(&other), "other is still dropped");
+    let allows = verdicts_until(&host, "?verdict=allow", |v| v["events"].as_array().is_some_and(|e| e.iter().any(|e| e["source"] == CLIENT))).await;
+    let event = allows["events"].as_array().unwrap().iter().find(|e| e["source"] == CLIENT).unwrap();
+    assert_eq!(
+        (event["verdict"].as_str(), event["policy"].as_str(), event["direction"].as_str(), event["pod"].as_str(), event["destination_port"].as_u64()),
+        (Some("allow"), Some("default/web-from-client"), Some("ingress"), Some("default/web"), Some(8080)),
+        "{allows}"
+    );
+    assert!(allows["events"].as_array().unwrap().iter().all(|e| e["source"] != OTHER), "other's connection is no allow: {allows}");
+    assert!(allows["totals"]["allow"].as_u64() >= Some(1), "{allows}");
+    let denied = verdicts_until(&host, "?verdict=deny", |v| v["events"].as_array().is_some_and(|e| e.iter().any(|e| e["source"] == OTHER))).await;
+    assert!(denied["events"].as_array().unwrap().iter().all(|e| e["source"] != CLIENT), "{denied}");
+    let drops: Value = reqwest::get(format!("{}/v1/drops", host.url())).await.unwrap().json().await.unwrap();
+    assert!(drops["events"].as_array().is_some_and(|e| e.iter().all(|e| e["verdict"] != "allow" && e["source"] != CLIENT)), "no allows among drops: {drops}");
+
+    let off = http.post(format!("{url}?enabled=false")).bearer_auth(&host.token).send().await.unwrap();
+    assert_eq!(off.status(), StatusCode::OK);
+    wait_applied(&host, "the allow chain gone", |t| !t.contains("polallow/"));
+    let before = verdicts_until(&host, "?verdict=allow", |_| true).await["events"].as_array().unwrap().len();
+    assert!(allowed(&client));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = verdicts_until(&host, "?verdict=allow", |_| true).await["events"].as_array().unwrap().len();
+    assert_eq!(after, before, "allow logging off: no new allow events");
+    host.stop().await;
+
+    // A host logging no verdicts has nothing to log allows to.
+    let topo0 = Topology::new("pol0");
+    let cluster0 = Cluster::new();
+    cluster0.put_file("policy.yaml", POLICY);
+    let host0 = start_host(wasmplane::app::HostConfig { policy_log_group: 0, ..cluster0.config(topo0.nft_command()) }).await;
+    let refused = http.post(format!("{}/v1/policies/log-allowed?enabled=true", host0.url())).bearer_auth(&host0.token).send().await.unwrap();
+    assert_eq!(refused.status(), StatusCode::CONFLICT);
+    host0.stop().await;
+}
