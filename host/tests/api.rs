@@ -440,7 +440,14 @@ spec:
     };
     let log_rules: Vec<&str> = text.lines().filter(|l| l.contains(" log group 1001 ")).collect();
     assert!(!log_rules.is_empty(), "{text}");
-    assert!(log_rules.iter().all(|l| l.contains("limit rate 50/second burst 100 packets log group 1001")), "{log_rules:#?}");
+    // The policy side's limit is the rule's own; the service side's is each frontend's (its
+    // meter), the node as a whole held to ten times it.
+    let (service, policy): (Vec<&str>, Vec<&str>) = log_rules.iter().partition(|l| l.contains("wasmplane-service "));
+    assert!(policy.iter().all(|l| l.contains("limit rate 50/second burst 100 packets log group 1001")), "{policy:#?}");
+    assert!(
+        service.iter().all(|l| l.contains("th dport limit rate 50/second burst 100 packets }") && l.contains("limit rate 500/second burst 1000 packets log group 1001")),
+        "{service:#?}"
+    );
     for prefix in ["wasmplane-service no-endpoints", "wasmplane-policy deny ingress 10.244.0.11"] {
         assert!(log_rules.iter().any(|l| l.contains(prefix)), "no {prefix:?} log rule: {log_rules:#?}");
     }
