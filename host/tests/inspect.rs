@@ -451,7 +451,7 @@ async fn pods_are_this_nodes_with_the_policies_enforced_on_them() {
     let web = pod_row(&list, "default/web-1");
     assert_eq!((&web["ips"], &web["host_network"]), (&json!(["10.244.0.41"]), &json!(false)), "{list}");
     assert_eq!(enforcement(web), (json!(true), json!(false), json!(false)), "{list}");
-    assert_eq!(web["policies"], json!([{ "name": "default/web-ingress", "policy_types": ["ingress"], "audit": false, "error": null }]), "{list}");
+    assert_eq!(web["policies"], json!([{ "name": "default/web-ingress", "policy_types": ["ingress"], "audit": false, "log_allowed": false, "error": null }]), "{list}");
     assert_eq!(web["cni_allocations"], Value::Null, "this host hands out no addresses: {list}");
     let cache = pod_row(&list, "shop/cache-1");
     assert_eq!(enforcement(cache), (json!(false), json!(false), json!(false)), "{list}");
@@ -498,7 +498,7 @@ async fn pods_are_this_nodes_with_the_policies_enforced_on_them() {
     };
     let cache = pod_row(&list, "shop/cache-1");
     assert_eq!(enforcement(cache), (json!(false), json!(true), json!(false)), "{list}");
-    assert_eq!(cache["policies"], json!([{ "name": "shop/cache-egress", "policy_types": ["egress"], "audit": false, "error": null }]), "{list}");
+    assert_eq!(cache["policies"], json!([{ "name": "shop/cache-egress", "policy_types": ["egress"], "audit": false, "log_allowed": false, "error": null }]), "{list}");
     assert_eq!(enforcement(pod_row(&list, "default/web-1")), (json!(true), json!(false), json!(false)), "the other pod as it was: {list}");
     h.host.stop().await;
 }

@@ -221,7 +221,7 @@ async fn service_drops_are_logged_with_their_reason_and_named_by_service() {
     // The policy verdicts stay the policy's; the status and the metrics count by reason.
     let (_, verdicts) = get(&host, "/v1/policies/verdicts?limit=1024").await;
     assert_eq!(verdicts["events"], json!([]), "service drops are no policy verdicts: {verdicts}");
-    assert_eq!(verdicts["totals"], json!({ "deny": 0, "audit": 0, "lost": 0 }), "{verdicts}");
+    assert_eq!(verdicts["totals"], json!({ "deny": 0, "audit": 0, "allow": 0, "lost": 0 }), "{verdicts}");
     let (_, status) = get(&host, "/v1/status").await;
     assert!(status["service_drops"]["unknown-port"].as_u64() >= Some(1) && status["service_drops"]["no-endpoints"].as_u64() >= Some(2), "{status}");
     let metrics = reqwest::get(format!("{}/metrics", host.url())).await.unwrap().text().await.unwrap();
