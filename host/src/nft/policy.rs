@@ -548,6 +548,12 @@ pub fn skeleton(out: &mut String, flush_first: bool) {
     }
 }
 
+/// The packets of a listed rule's counter (`counter packets N bytes M`), if it has one.
+fn rule_packets(line: &str) -> Option<u64> {
+    let words: Vec<&str> = line.split_whitespace().collect();
+    words.windows(2).find(|w| w[0] == "packets").and_then(|w| w[1].parse::<u64>().ok())
+}
+
 /// Counters of the dispatch chains' final rules in a `nft list table` listing: per
 /// dispatch chain, the packets dropped (`deny`) or, in audit mode, that would have been.
 pub fn final_rule_counters(listing: &str) -> BTreeMap<String, (bool, u64)> {
@@ -564,8 +570,7 @@ pub fn final_rule_counters(listing: &str) -> BTreeMap<String, (bool, u64)> {
         if !(audit || line.ends_with("comment \"deny\"")) {
             continue;
         }
-        let words: Vec<&str> = line.split_whitespace().collect();
-        if let Some(packets) = words.windows(2).find(|w| w[0] == "packets").and_then(|w| w[1].parse::<u64>().ok()) {
+        if let Some(packets) = rule_packets(line) {
             out.insert(name.clone(), (audit, packets));
         }
     }
@@ -591,10 +596,6 @@ pub struct DispatchCounts {
 /// print); `None` when the listing has no such chain or its rules carry no counters (the
 /// chain was written by a host that did not count its jumps).
 pub fn dispatch_counts(listing: &str, chain: &str) -> Option<DispatchCounts> {
-    let packets_of = |line: &str| {
-        let words: Vec<&str> = line.split_whitespace().collect();
-        words.windows(2).find(|w| w[0] == "packets").and_then(|w| w[1].parse::<u64>().ok())
-    };
     let mut lines = listing.lines().map(str::trim).skip_while(|line| line.strip_prefix("chain ").map(|rest| rest.trim_end_matches(" {").trim_matches('"')) != Some(chain));
     lines.next()?;
     let mut reached: Vec<(String, u64)> = Vec::new();
@@ -602,10 +603,10 @@ pub fn dispatch_counts(listing: &str, chain: &str) -> Option<DispatchCounts> {
     let mut ended = false;
     for line in lines.take_while(|line| *line != "}") {
         if let Some(target) = line.strip_prefix("jump ").or_else(|| line.rsplit_once(" jump ").map(|(_, target)| target)) {
-            reached.push((target.to_string(), packets_of(line)?));
+            reached.push((target.to_string(), rule_packets(line)?));
         } else if line.ends_with("comment \"audit\"") || line.ends_with("comment \"deny\"") {
             out.audit = line.ends_with("comment \"audit\"");
-            out.final_packets = packets_of(line)?;
+            out.final_packets = rule_packets(line)?;
             ended = true;
         }
     }
