@@ -71,28 +71,49 @@ async fn policies(host: &wasmplane::app::RunningHost, query: &str) -> Value {
     reqwest::get(format!("{}/v1/policies{query}", host.url())).await.unwrap().json().await.unwrap()
 }
 
+/// Web (serving 8080), client and other, each a pod namespace of one node.
+struct ThreePods {
+    // Field order is drop order: the server stops before its namespace goes.
+    _server: Server,
+    topo: Topology,
+    client: String,
+    other: String,
+}
+
+impl ThreePods {
+    fn new(tag: &str) -> ThreePods {
+        let mut topo = Topology::new(tag);
+        let web = topo.add_pod(WEB);
+        let client = topo.add_pod(CLIENT);
+        let other = topo.add_pod(OTHER);
+        ThreePods { _server: Server::start(&web, "web", &[8080]), topo, client, other }
+    }
+}
+
+/// Whether a dataplane listing sends web's traffic to its dispatch chain.
+fn web_is_dispatched(listing: &str) -> bool {
+    listing.contains(&format!("{WEB} : jump")) || listing.contains(&format!("{WEB} : goto"))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_policy_from_the_cluster_is_enforced_audited_and_follows_labels() {
     require_root!();
-    let mut topo = Topology::new("polh");
-    let web = topo.add_pod(WEB);
-    let client = topo.add_pod(CLIENT);
-    let other = topo.add_pod(OTHER);
-    let _server = Server::start(&web, "web", &[8080]);
+    let node = ThreePods::new("polh");
+    let (topo, client, other) = (&node.topo, &node.client, &node.other);
     let cluster = Cluster::new();
     cluster.put_file("pods.yaml", &pods("other"));
     let host = start_host(wasmplane::app::HostConfig { policy_log_group: 1001, ..cluster.config(topo.nft_command()) }).await;
     wait_applied(&host, "the pods", |t| !t.is_empty());
-    assert!(allowed(&client) && allowed(&other), "no policy selects web: everything reaches it");
+    assert!(allowed(client) && allowed(other), "no policy selects web: everything reaches it");
 
     cluster.put_file("policy.yaml", POLICY);
-    wait_applied(&host, "the policy", |t| t.contains(&format!("{WEB} : jump")) || t.contains(&format!("{WEB} : goto")));
-    assert!(allowed(&client), "client is allowed");
-    assert!(!reaches(&other), "other is not: default deny for the selected pod");
+    wait_applied(&host, "the policy", web_is_dispatched);
+    assert!(allowed(client), "client is allowed");
+    assert!(!reaches(other), "other is not: default deny for the selected pod");
     // A full reconcile rewrites the policy side too (dispatch chains jump to policy chains
     // of other objects: all declared before any rule).
     host.controller.lock().unwrap().reconcile().expect("a full sync with policies in force");
-    assert!(allowed(&client) && !reaches(&other), "the same after a full reconcile");
+    assert!(allowed(client) && !reaches(other), "the same after a full reconcile");
     // What was dropped, read back from the kernel's NFLOG: other's connection to web, named by
     // pod and policy. Nothing of client's, which the policy allows.
     let denied = verdicts_until(&host, "?pod=default/web&verdict=deny", |v| v["events"].as_array().is_some_and(|e| !e.is_empty())).await;
@@ -141,7 +162,7 @@ async fn a_policy_from_the_cluster_is_enforced_audited_and_follows_labels() {
     let client_http = reqwest::Client::new();
     let audit = |enabled: bool| client_http.post(format!("{}/v1/policies/default/web-from-client/audit?enabled={enabled}", host.url())).bearer_auth(&token).send();
     assert_eq!(audit(true).await.unwrap().status(), StatusCode::OK);
-    assert!(allowed(&other), "audit mode does not drop");
+    assert!(allowed(other), "audit mode does not drop");
     verdicts_until(&host, "?verdict=audit", |v| v["events"].as_array().is_some_and(|e| e.iter().any(|e| e["source"] == OTHER && e["pod"] == "default/web"))).await;
     let counted = policies(&host, "?counters=true").await;
     assert!(counted["policies"][0]["audit_would_drop_packets"].as_u64().unwrap_or(0) > 0, "would-be drops are counted: {counted}");
@@ -178,12 +199,12 @@ async fn a_policy_from_the_cluster_is_enforced_audited_and_follows_labels() {
     let unauthenticated = client_http.post(format!("{}/v1/policies/audit?enabled=true", host.url())).send().await.unwrap();
     assert_eq!(unauthenticated.status(), StatusCode::UNAUTHORIZED, "audit changes need the token");
     assert_eq!(audit(false).await.unwrap().status(), StatusCode::OK);
-    assert!(!reaches(&other), "enforced again");
+    assert!(!reaches(other), "enforced again");
 
     // A label change flips reachability without touching the policy.
     cluster.put_file("pods.yaml", &pods("client"));
-    support::cluster::wait_for("other, relabelled client, reaches web", Duration::from_secs(10), || reaches(&other), |r| *r);
-    assert!(allowed(&client));
+    support::cluster::wait_for("other, relabelled client, reaches web", Duration::from_secs(10), || reaches(other), |r| *r);
+    assert!(allowed(client));
 
     // A policy the guest declines: counted against the module, named in its last error; the
     // policy in force stays.
@@ -199,7 +220,7 @@ async fn a_policy_from_the_cluster_is_enforced_audited_and_follows_labels() {
     let last_error = module["last_error"].as_str().unwrap_or_default();
     assert!(last_error.contains("default/bad-block") && last_error.contains("nonsense"), "{module}");
     assert_eq!(module["status"], "active", "{module}");
-    assert!(allowed(&client), "the policy in force still allows client");
+    assert!(allowed(client), "the policy in force still allows client");
     cluster.remove_file("bad.yaml");
 
     // The policy goes: its rules go.
@@ -215,7 +236,7 @@ async fn a_policy_from_the_cluster_is_enforced_audited_and_follows_labels() {
     }
     assert!(gone, "the status of a policy this node no longer has is removed");
     cluster.put_file("pods.yaml", &pods("other"));
-    support::cluster::wait_for("other reaches web again", Duration::from_secs(10), || reaches(&other), |r| *r);
+    support::cluster::wait_for("other reaches web again", Duration::from_secs(10), || reaches(other), |r| *r);
     // After a full reconcile nothing of the policy is left in the kernel.
     host.controller.lock().unwrap().reconcile().unwrap();
     let chains = topo.nft(&["list", "chains", "inet"]).unwrap();
@@ -229,16 +250,13 @@ async fn a_policy_from_the_cluster_is_enforced_audited_and_follows_labels() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allowed_connections_are_logged_per_policy_on_request() {
     require_root!();
-    let mut topo = Topology::new("pola");
-    let web = topo.add_pod(WEB);
-    let client = topo.add_pod(CLIENT);
-    let other = topo.add_pod(OTHER);
-    let _server = Server::start(&web, "web", &[8080]);
+    let node = ThreePods::new("pola");
+    let (topo, client, other) = (&node.topo, &node.client, &node.other);
     let cluster = Cluster::new();
     cluster.put_file("pods.yaml", &pods("other"));
     cluster.put_file("policy.yaml", POLICY);
     let host = start_host(wasmplane::app::HostConfig { policy_log_group: 1002, ..cluster.config(topo.nft_command()) }).await;
-    wait_applied(&host, "the policy", |t| t.contains(&format!("{WEB} : jump")) || t.contains(&format!("{WEB} : goto")));
+    wait_applied(&host, "the policy", web_is_dispatched);
     let http = reqwest::Client::new();
     let url = format!("{}/v1/policies/default/web-from-client/log-allowed", host.url());
     let unauthenticated = http.post(format!("{url}?enabled=true")).send().await.unwrap();
@@ -253,8 +271,8 @@ async fn allowed_connections_are_logged_per_policy_on_request() {
     assert_eq!(policies(&host, "").await["policies"][0]["log_allowed"], true);
     wait_applied(&host, "the allow chain", |t| t.contains("polallow/"));
 
-    assert!(allowed(&client), "logging changes no verdict");
-    assert!(!reaches(&other), "other is still dropped");
+    assert!(allowed(client), "logging changes no verdict");
+    assert!(!reaches(other), "other is still dropped");
     let allows = verdicts_until(&host, "?verdict=allow", |v| v["events"].as_array().is_some_and(|e| e.iter().any(|e| e["source"] == CLIENT))).await;
     let event = allows["events"].as_array().unwrap().iter().find(|e| e["source"] == CLIENT).unwrap();
     assert_eq!(
@@ -273,7 +291,7 @@ async fn allowed_connections_are_logged_per_policy_on_request() {
     assert_eq!(off.status(), StatusCode::OK);
     wait_applied(&host, "the allow chain gone", |t| !t.contains("polallow/"));
     let before = verdicts_until(&host, "?verdict=allow", |_| true).await["events"].as_array().unwrap().len();
-    assert!(allowed(&client));
+    assert!(allowed(client));
     tokio::time::sleep(Duration::from_millis(500)).await;
     let after = verdicts_until(&host, "?verdict=allow", |_| true).await["events"].as_array().unwrap().len();
     assert_eq!(after, before, "allow logging off: no new allow events");
