@@ -6,6 +6,7 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::{ConnectInfo, DefaultBodyLimit, Path, Query, Request, State};
@@ -96,7 +97,7 @@ async fn with_controller<T: Send + 'static>(
 }
 
 pub fn router(state: ApiState) -> Router {
-    let max_body = state.max_module_bytes + 1024;
+    let max_body = max_request_body(&state);
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
@@ -157,7 +158,11 @@ async fn authenticate(State(state): State<ApiState>, ConnectInfo(peer): ConnectI
                 AuthError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             };
             tracing::debug!(%peer, "refused: {e}");
+            let drained = drain_refused_body(request, max_request_body(&state)).await;
             let mut response = ApiError(status, e.to_string()).into_response();
+            if !drained {
+                response.headers_mut().insert(header::CONNECTION, "close".parse().expect("static header"));
+            }
             if status == StatusCode::UNAUTHORIZED {
                 response.headers_mut().insert(header::WWW_AUTHENTICATE, "Bearer".parse().expect("static header"));
             }
@@ -167,6 +172,44 @@ async fn authenticate(State(state): State<ApiState>, ConnectInfo(peer): ConnectI
             response
         }
     }
+}
+
+/// Longest the host keeps reading the body of a request it refused.
+const REFUSED_BODY_DRAIN_TIME: Duration = Duration::from_secs(10);
+
+/// The largest request body the API takes: a module at the upload limit and its framing.
+fn max_request_body(state: &ApiState) -> usize {
+    state.max_module_bytes + 1024
+}
+
+/// Reads and drops the body of a request refused before its handler read it, so the answer
+/// reaches a client that is still sending: closing a connection with unread input makes the
+/// kernel reset it, and the reset can discard the answer before the client reads it (the
+/// "lingering close" of RFC 9112 §9.6). Bounded by the API's body limit and
+/// [`REFUSED_BODY_DRAIN_TIME`]; a client that asked `Expect: 100-continue` has sent nothing
+/// and is not invited to. Whether the whole body was read (the connection can be kept).
+async fn drain_refused_body(request: Request, limit: usize) -> bool {
+    let headers = request.headers();
+    if headers.get(header::EXPECT).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue")) {
+        return false;
+    }
+    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return false;
+    }
+    let mut body = request.into_body().into_data_stream();
+    let mut read = 0usize;
+    let drain = async {
+        while let Some(chunk) = futures::StreamExt::next(&mut body).await {
+            let Ok(chunk) = chunk else { return false };
+            read += chunk.len();
+            if read > limit {
+                return false;
+            }
+        }
+        true
+    };
+    tokio::time::timeout(REFUSED_BODY_DRAIN_TIME, drain).await.unwrap_or(false)
 }
 
 /// Why this host is not ready before the model is asked (see [`readyz`]): the initial sync,

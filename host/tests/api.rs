@@ -189,6 +189,47 @@ async fn bad_uploads_are_refused_with_clear_errors_and_change_nothing() {
     assert_eq!(t.dataplane().await, before);
 }
 
+/// A refused upload is answered, not reset: the host reads (and drops) the body of a request
+/// it refuses before answering, so a client still sending it reads the 401 instead of a
+/// connection reset (RFC 9112 §9.6: closing with unread input resets the connection, and the
+/// reset can discard the answer before the client reads it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_uploads_are_answered_while_the_body_is_still_being_sent() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let t = TestHost::start().await;
+    let addr = t.url("").trim_start_matches("http://").trim_end_matches('/').to_string();
+    // Larger than the socket buffers, within the upload limit (4 MiB here), sent in two
+    // parts with a pause between them: the host answers while the second is still to come.
+    let (first, second) = (vec![0u8; 1 << 20], vec![0u8; 2 << 20]);
+    let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let head = format!("PUT /v1/modules/sneaky?kind=service-translator HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\n\r\n", first.len() + second.len());
+    tcp.write_all(head.as_bytes()).await.unwrap();
+    tcp.write_all(&first).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    tcp.write_all(&second).await.expect("the host closed the connection on an unread body");
+    let mut answer = vec![0u8; 4096];
+    let n = tcp.read(&mut answer).await.expect("the answer was lost to a connection reset");
+    let text = String::from_utf8_lossy(&answer[..n]);
+    assert!(text.starts_with("HTTP/1.1 401"), "{text}");
+    assert!(text.contains("missing bearer token"), "{text}");
+
+    // A client that waits for `100 Continue` is refused at once and not invited to send.
+    let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let head = format!("PUT /v1/modules/sneaky?kind=service-translator HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\nExpect: 100-continue\r\n\r\n", 3 << 20);
+    tcp.write_all(head.as_bytes()).await.unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(5), tcp.read(&mut answer)).await.expect("no answer without the body").unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]);
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+
+    // Through the client, many times, as the CLI uploads.
+    let url = t.url("/v1/modules/sneaky?kind=service-translator");
+    for round in 0..8 {
+        let r = t.client.put(&url).body(vec![0u8; 3 << 20]).send().await.unwrap_or_else(|e| panic!("round {round}: the refusal was not answered: {e:?}"));
+        assert_eq!(r.status(), StatusCode::UNAUTHORIZED, "round {round}");
+    }
+    assert!(t.healthy().await);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn misbehaving_guests_are_stopped_and_the_last_good_dataplane_stays() {
     let t = TestHost::start().await;
