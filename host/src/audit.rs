@@ -130,7 +130,8 @@ impl Audit {
 }
 
 /// Feeds a request body through sha256 as the handler reads it: the digest of an upload
-/// without buffering it a second time, and without reading anything before authentication.
+/// without buffering it a second time, and without reading anything before authentication
+/// (a refused request's body is read after the refusal, to be dropped, and hashed then).
 struct HashingBody {
     inner: Body,
     hasher: Option<Sha256>,
