@@ -113,7 +113,7 @@ pub enum PodCommand {
     /// the CNI daemon took its addresses from, its latest drops.
     Get {
         #[arg(value_name = "NS/NAME")]
-        pod: crate::inspect::PodName,
+        pod: crate::inspect::NamespacedName,
         /// Also the kernel's counts of its dispatch chains: the new connections each
         /// selecting policy accepted, and those dropped, per direction.
         #[arg(long)]

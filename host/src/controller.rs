@@ -650,6 +650,11 @@ impl Controller {
         self.sync(changes.changes)
     }
 
+    /// Whether a policy is in audit mode on this node (by itself or with every policy).
+    pub fn policy_audited(&self, policy: &ObjectKey) -> bool {
+        self.policy.is_audit(policy)
+    }
+
     /// Whether one policy's allowed connections are logged here now.
     pub fn policy_logs_allowed(&self, policy: &ObjectKey) -> bool {
         self.policy.logs_allowed(policy)

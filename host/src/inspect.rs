@@ -1,10 +1,11 @@
 //! Node-local inspection for operators (`wasmplane status`, `wasmplane service ls|get`,
-//! `wasmplane pod ls|get`, `wasmplane node ls`, `wasmplane policy ls|verdicts`, `wasmplane
-//! drops`, as `cilium status`, `cilium service list`, `cilium endpoint list|get`, `cilium node
-//! list` and `hubble observe --verdict DROPPED`): the host's `GET /v1/status`, `GET
-//! /v1/services`, `GET /v1/pods`, `GET /v1/cluster/nodes`, `GET /v1/policies[/verdicts]` and
-//! `GET /v1/drops` shown as text. The formatting is pure (JSON in, text out),
-//! apart from the calls.
+//! `wasmplane pod ls|get`, `wasmplane node ls`, `wasmplane policy
+//! ls|verdicts|audit|log-allowed`, `wasmplane drops`, as `cilium status`, `cilium service
+//! list`, `cilium endpoint list|get`, `cilium node list` and `hubble observe --verdict
+//! DROPPED`): the host's `GET /v1/status`, `GET /v1/services`, `GET /v1/pods`, `GET
+//! /v1/cluster/nodes`, `GET /v1/policies[/verdicts]` and `GET /v1/drops` shown as text, and
+//! the policy toggles (`POST /v1/policies[/{ns}/{name}]/audit|log-allowed`). The formatting
+//! is pure (JSON in, text out), apart from the calls.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -28,9 +29,14 @@ pub(crate) fn api_client() -> anyhow::Result<reqwest::Client> {
 /// `GET` of the API path `segments` (each escaped as one segment), as JSON; an error answer
 /// is an error with the host's message.
 async fn get_json(api: &ApiArgs, segments: &[&str], query: &[(&str, &str)]) -> anyhow::Result<Value> {
+    call_json(api, reqwest::Method::GET, segments, query).await
+}
+
+/// [`get_json`] with another method (`POST` of the policy toggles).
+async fn call_json(api: &ApiArgs, method: reqwest::Method, segments: &[&str], query: &[(&str, &str)]) -> anyhow::Result<Value> {
     let mut url = reqwest::Url::parse(&api.api).with_context(|| format!("--api {:?} is not a URL", api.api))?;
     url.path_segments_mut().map_err(|()| anyhow!("--api {:?} cannot have a path", api.api))?.pop_if_empty().extend(segments);
-    let mut request = api_client()?.get(url.clone()).query(query);
+    let mut request = api_client()?.request(method, url.clone()).query(query);
     if let Some(token) = api.token()? {
         request = request.bearer_auth(token);
     }
@@ -232,19 +238,19 @@ pub fn format_service(detail: &Value) -> String {
     text
 }
 
-/// A pod as `namespace/name` on the command line.
+/// A pod or a policy as `namespace/name` on the command line.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PodName {
+pub struct NamespacedName {
     pub namespace: String,
     pub name: String,
 }
 
-impl std::str::FromStr for PodName {
+impl std::str::FromStr for NamespacedName {
     type Err = String;
 
-    fn from_str(text: &str) -> Result<PodName, String> {
+    fn from_str(text: &str) -> Result<NamespacedName, String> {
         match text.split_once('/') {
-            Some((namespace, name)) if !namespace.is_empty() && !name.is_empty() && !name.contains('/') => Ok(PodName { namespace: namespace.into(), name: name.into() }),
+            Some((namespace, name)) if !namespace.is_empty() && !name.is_empty() && !name.contains('/') => Ok(NamespacedName { namespace: namespace.into(), name: name.into() }),
             _ => Err(format!("{text:?} is not NAMESPACE/NAME")),
         }
     }
@@ -259,7 +265,7 @@ pub async fn pods(api: &ApiArgs, namespace: Option<&str>) -> anyhow::Result<()> 
 }
 
 /// Prints one pod of this node: addresses, labels, the policies selecting it, its latest drops.
-pub async fn pod(api: &ApiArgs, pod: &PodName, counters: bool) -> anyhow::Result<()> {
+pub async fn pod(api: &ApiArgs, pod: &NamespacedName, counters: bool) -> anyhow::Result<()> {
     let query: &[(&str, &str)] = if counters { &[("counters", "true")] } else { &[] };
     let detail = get_json(api, &["v1", "pods", &pod.namespace, &pod.name], query).await?;
     print!("{}", format_pod(&detail));
@@ -479,7 +485,8 @@ pub enum PolicyCommand {
         /// Only those of this pod (on this node).
         #[arg(long, value_name = "NS/NAME")]
         pod: Option<String>,
-        /// Only drops (deny) or would-be drops of policies in audit mode (audit).
+        /// Only drops (deny), would-be drops of policies in audit mode (audit) or
+        /// connections accepted by policies with allow logging on (allow).
         #[arg(long)]
         verdict: Option<VerdictFilter>,
         /// How many of the newest to show.
@@ -489,6 +496,52 @@ pub enum PolicyCommand {
         #[arg(long, short)]
         follow: bool,
     },
+    /// Audit mode on (or `--off`) for one policy or every policy on this node: what it
+    /// would drop is accepted and logged as `audit` (Calico's staged, Cilium's audit mode).
+    Audit(PolicyToggle),
+    /// Allow logging on (or `--off`) for one policy or every policy on this node: the
+    /// connections it accepts are logged as `allow` (`policy verdicts --verdict allow`).
+    LogAllowed(PolicyToggle),
+}
+
+/// Which policies a `policy audit|log-allowed` switches, and which way.
+#[derive(clap::Args, Debug, PartialEq, Eq)]
+#[command(group(clap::ArgGroup::new("which").required(true).args(["policy", "all"])))]
+pub struct PolicyToggle {
+    /// The policy.
+    #[arg(value_name = "NS/NAME")]
+    pub policy: Option<NamespacedName>,
+    /// Every policy on this node, those that come later included.
+    #[arg(long)]
+    pub all: bool,
+    /// Switch it off instead.
+    #[arg(long)]
+    pub off: bool,
+}
+
+impl PolicyToggle {
+    /// The API path of the toggle `what` (`audit`, `log-allowed`) and the query.
+    fn request<'a>(&'a self, what: &'a str) -> (Vec<&'a str>, [(&'static str, &'static str); 1]) {
+        let mut segments = vec!["v1", "policies"];
+        if let Some(policy) = &self.policy {
+            segments.extend([policy.namespace.as_str(), policy.name.as_str()]);
+        }
+        segments.push(what);
+        (segments, [("enabled", if self.off { "false" } else { "true" })])
+    }
+}
+
+/// The line `policy audit|log-allowed` prints: what the host says now holds.
+pub fn format_toggle(what: &str, field: &str, answer: &Value) -> String {
+    let state = match answer[field].as_bool() {
+        Some(true) => "on",
+        Some(false) => "off",
+        None => "?",
+    };
+    match answer["policy"].as_str() {
+        Some(policy) => format!("{policy}: {what} {state}\n"),
+        None => format!("every policy on this node: {what} {state}\n"),
+    }
 }
 
 /// A verdict to filter on (`deny`, `audit`), as `GET /v1/policies/verdicts?verdict=` names it.
@@ -514,7 +567,19 @@ pub async fn policy_to(api: &ApiArgs, command: PolicyCommand, out: &mut (impl st
             let filters: Vec<(&str, &str)> = pod.as_deref().map(|pod| ("pod", pod)).into_iter().chain(verdict.map(|v| ("verdict", v.name()))).collect();
             show_events(api, &VERDICTS, &filters, limit, follow, out).await
         }
+        PolicyCommand::Audit(toggle) => toggle_to(api, &toggle, "audit", "audit", out).await,
+        PolicyCommand::LogAllowed(toggle) => toggle_to(api, &toggle, "log-allowed", "log_allowed", out).await,
     }
+}
+
+/// Posts `toggle` to the host's `…/<what>` and prints what holds after it (the answer's
+/// `field`): for one policy, allow logging switched off while it is on for every policy
+/// stays on, and the line says so.
+async fn toggle_to(api: &ApiArgs, toggle: &PolicyToggle, what: &str, field: &str, out: &mut (impl std::io::Write + Send)) -> anyhow::Result<()> {
+    let (segments, query) = toggle.request(what);
+    let answer = call_json(api, reqwest::Method::POST, &segments, &query).await?;
+    write!(out, "{}", format_toggle(what, field, &answer))?;
+    Ok(())
 }
 
 /// Options of `wasmplane drops`.
@@ -626,10 +691,12 @@ pub fn format_policies(list: &Value, counters: bool) -> String {
     for p in list["policies"].as_array().into_iter().flatten() {
         let name = format!("{}/{}", p["namespace"].as_str().unwrap_or("?"), p["name"].as_str().unwrap_or("?"));
         let enforced = if p["enforced_generation"].is_null() { "-".to_string() } else { count(&p["enforced_generation"]) };
-        let mode = match p["audit"].as_bool() {
-            Some(true) => "audit",
-            Some(false) => "enforce",
-            None => "?",
+        let mode = match (p["audit"].as_bool(), p["log_allowed"].as_bool() == Some(true)) {
+            (Some(true), false) => "audit",
+            (Some(true), true) => "audit, log-allowed",
+            (Some(false), false) => "enforce",
+            (Some(false), true) => "enforce, log-allowed",
+            (None, _) => "?",
         };
         let targets = format!("ingress {}, egress {}", count(&p["ingress_targets"]), count(&p["egress_targets"]));
         let mut row = vec![name, format!("{enforced}/{}", count(&p["desired_generation"])), mode.to_string(), targets];
@@ -886,6 +953,17 @@ mod tests {
         assert_eq!(format_policies(&json!({ "policies": [] }), true), "NAMESPACE/NAME   GENERATION   MODE   TARGETS   DROPS   WOULD-DROP   ERROR\n");
     }
 
+    #[test]
+    fn policies_table_says_which_log_what_they_allow() {
+        let list = json!({ "policies": [
+            { "namespace": "default", "name": "web", "enforced_generation": 1, "desired_generation": 1, "audit": false, "log_allowed": true, "ingress_targets": 1, "egress_targets": 0, "error": null, "warnings": [] },
+            { "namespace": "default", "name": "db", "enforced_generation": 1, "desired_generation": 1, "audit": true, "log_allowed": true, "ingress_targets": 1, "egress_targets": 0, "error": null, "warnings": [] },
+        ]});
+        let text = format_policies(&list, false);
+        let modes: Vec<&str> = text.lines().skip(1).map(|l| l.split("   ").map(str::trim).filter(|c| !c.is_empty()).nth(2).unwrap()).collect();
+        assert_eq!(modes, ["enforce, log-allowed", "audit, log-allowed"], "{text}");
+    }
+
     /// An event as the host answers it; `at` is milliseconds into 2024-05-01 UTC.
     fn verdict_event(at: u64, verdict: &str, direction: &str, pod: Option<&str>, from: (&str, Option<u16>), to: (&str, Option<u16>), policies: &[&str]) -> Value {
         const MAY_FIRST_2024_MS: u64 = 1_714_521_600_000;
@@ -1066,7 +1144,7 @@ mod tests {
         use clap::{CommandFactory, Parser};
         Cli::command().debug_assert();
         let parsed = Cli::try_parse_from(["pod", "get", "default/web-1"]).unwrap();
-        assert!(matches!(&parsed.command, crate::cli::PodCommand::Get { pod, counters: false } if *pod == PodName { namespace: "default".into(), name: "web-1".into() }), "{:?}", parsed.command);
+        assert!(matches!(&parsed.command, crate::cli::PodCommand::Get { pod, counters: false } if *pod == NamespacedName { namespace: "default".into(), name: "web-1".into() }), "{:?}", parsed.command);
         assert!(matches!(Cli::try_parse_from(["pod", "get", "default/web-1", "--counters"]).unwrap().command, crate::cli::PodCommand::Get { counters: true, .. }));
         assert!(matches!(Cli::try_parse_from(["pod", "ls", "-n", "shop"]).unwrap().command, crate::cli::PodCommand::Ls { namespace: Some(ns) } if ns == "shop"));
         for wrong in ["web-1", "/web-1", "default/", "a/b/c"] {
@@ -1159,6 +1237,26 @@ mod tests {
             parsed.command
         );
         assert!(matches!(Cli::try_parse_from(["policy", "ls", "--counters"]).unwrap().command, PolicyCommand::Ls { counters: true }));
-        assert!(Cli::try_parse_from(["policy", "verdicts", "--verdict", "dropped"]).is_err(), "deny or audit only");
+        assert!(Cli::try_parse_from(["policy", "verdicts", "--verdict", "dropped"]).is_err(), "deny, audit or allow only");
+        assert!(matches!(Cli::try_parse_from(["policy", "verdicts", "--verdict", "allow"]).unwrap().command, PolicyCommand::Verdicts { verdict: Some(VerdictFilter::Allow), .. }));
+
+        let one = NamespacedName { namespace: "default".into(), name: "web".into() };
+        let Cli { command: PolicyCommand::Audit(toggle) } = Cli::try_parse_from(["policy", "audit", "default/web"]).unwrap() else { panic!("not audit") };
+        assert_eq!(toggle, PolicyToggle { policy: Some(one.clone()), all: false, off: false });
+        assert_eq!(toggle.request("audit"), (vec!["v1", "policies", "default", "web", "audit"], [("enabled", "true")]));
+        let Cli { command: PolicyCommand::LogAllowed(toggle) } = Cli::try_parse_from(["policy", "log-allowed", "--all", "--off"]).unwrap() else { panic!("not log-allowed") };
+        assert_eq!(toggle, PolicyToggle { policy: None, all: true, off: true });
+        assert_eq!(toggle.request("log-allowed"), (vec!["v1", "policies", "log-allowed"], [("enabled", "false")]));
+        for wrong in [&["policy", "audit"][..], &["policy", "audit", "default/web", "--all"], &["policy", "log-allowed", "web"], &["policy", "log-allowed", "a/b/c", "--off"]] {
+            assert!(Cli::try_parse_from(wrong).is_err(), "{wrong:?}: one policy or --all");
+        }
+    }
+
+    #[test]
+    fn a_toggle_prints_what_holds_after_it() {
+        assert_eq!(format_toggle("audit", "audit", &json!({ "policy": "default/web", "audit": true })), "default/web: audit on\n");
+        assert_eq!(format_toggle("log-allowed", "log_allowed", &json!({ "log_allowed": false })), "every policy on this node: log-allowed off\n");
+        // Off for one while on for every policy: the host says it stays on.
+        assert_eq!(format_toggle("log-allowed", "log_allowed", &json!({ "policy": "shop/db", "log_allowed": true })), "shop/db: log-allowed on\n");
     }
 }

@@ -95,10 +95,12 @@ struct Host {
 impl Host {
     /// A host over [`manifests`], once its status says it is ready with all four services.
     async fn start() -> Host {
-        let synced = |status: &Value| {
-            status["ready"] == true && status["model"]["services"] == 4 && status["model"]["local_pods"] == 1 && status["model"]["policies"] == 1 && status["service_errors"] == 1
-        };
-        Host::start_with(|config| config, synced).await
+        Host::start_with(|config| config, Host::synced).await
+    }
+
+    /// The status of a host over [`manifests`] that is ready with all four services.
+    fn synced(status: &Value) -> bool {
+        status["ready"] == true && status["model"]["services"] == 4 && status["model"]["local_pods"] == 1 && status["model"]["policies"] == 1 && status["service_errors"] == 1
     }
 
     /// A host over [`manifests`] with its `config` changed, once its status is `until`.
@@ -353,6 +355,52 @@ async fn the_policy_cli_lists_policies_and_says_when_verdicts_are_not_read() {
     h.host.stop().await;
 }
 
+/// `policy audit` and `policy log-allowed` switch the host's modes with the token, say what
+/// holds after, and are refused without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_policy_cli_switches_audit_and_allow_logging() {
+    use wasmplane::inspect::{NamespacedName, PolicyCommand, PolicyToggle, policy_to};
+    // A log group to log allowed connections to (written into the rules; a record dataplane
+    // reads no verdicts back).
+    let h = Host::start_with(|config| HostConfig { policy_log_group: 1001, ..config }, Host::synced).await;
+    let api = ApiArgs { token: Some(TOKEN.into()), ..h.api() };
+    let web = || Some(NamespacedName { namespace: "default".into(), name: "web-ingress".into() });
+    let run = |command: PolicyCommand| {
+        let api = &api;
+        async move {
+            let mut shown = Vec::new();
+            policy_to(api, command, &mut shown).await.map(|()| String::from_utf8(shown).unwrap())
+        }
+    };
+    let policy_row = |list: &Value| list["policies"].as_array().unwrap().iter().find(|p| p["name"] == "web-ingress").unwrap().clone();
+
+    assert_eq!(run(PolicyCommand::LogAllowed(PolicyToggle { policy: web(), all: false, off: false })).await.unwrap(), "default/web-ingress: log-allowed on\n");
+    let (_, list) = h.get("/v1/policies").await;
+    assert_eq!((policy_row(&list)["audit"].clone(), policy_row(&list)["log_allowed"].clone()), (json!(false), json!(true)), "{list}");
+    assert!(run(PolicyCommand::Ls { counters: false }).await.unwrap().contains("enforce, log-allowed"));
+
+    assert_eq!(run(PolicyCommand::Audit(PolicyToggle { policy: None, all: true, off: false })).await.unwrap(), "every policy on this node: audit on\n");
+    let (_, list) = h.get("/v1/policies").await;
+    assert_eq!(policy_row(&list)["audit"], true, "{list}");
+    // Allow logging on for every policy, then off for one: it stays on, and the line says so.
+    run(PolicyCommand::LogAllowed(PolicyToggle { policy: None, all: true, off: false })).await.unwrap();
+    assert_eq!(run(PolicyCommand::LogAllowed(PolicyToggle { policy: web(), all: false, off: true })).await.unwrap(), "default/web-ingress: log-allowed on\n");
+    assert_eq!(run(PolicyCommand::LogAllowed(PolicyToggle { policy: None, all: true, off: true })).await.unwrap(), "every policy on this node: log-allowed off\n");
+    // Audit likewise: off for one while on for every policy stays on.
+    assert_eq!(run(PolicyCommand::Audit(PolicyToggle { policy: web(), all: false, off: true })).await.unwrap(), "default/web-ingress: audit on\n");
+    assert_eq!(run(PolicyCommand::Audit(PolicyToggle { policy: None, all: true, off: true })).await.unwrap(), "every policy on this node: audit off\n");
+    let (_, list) = h.get("/v1/policies").await;
+    assert_eq!((policy_row(&list)["audit"].clone(), policy_row(&list)["log_allowed"].clone()), (json!(false), json!(false)), "{list}");
+
+    // Without the token: the host's 401 and its reason, and nothing changes.
+    let mut shown = Vec::new();
+    let refused = policy_to(&h.api(), PolicyCommand::Audit(PolicyToggle { policy: web(), all: false, off: false }), &mut shown).await.unwrap_err().to_string();
+    assert!(refused.starts_with("401") && refused.contains("missing bearer token"), "{refused}");
+    let (_, list) = h.get("/v1/policies").await;
+    assert_eq!(policy_row(&list)["audit"], false, "{list}");
+    h.host.stop().await;
+}
+
 /// `--follow` against a stand-in for a host that reads verdicts (a real one needs a kernel):
 /// the first request with the limit asked, then polls every second for every event kept since
 /// the newest printed, with the same filters, printing each event once, until the host answers an error, which ends the
@@ -505,7 +553,7 @@ async fn pods_are_this_nodes_with_the_policies_enforced_on_them() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_pod_cli_reads_and_formats_the_running_host() {
-    use wasmplane::inspect::{PodName, format_pod, format_pods};
+    use wasmplane::inspect::{NamespacedName, format_pod, format_pods};
     let h = Host::start().await;
     write_manifest(&h.dir.path().join("manifests"), "cache.yaml", CACHE_POD);
     h.wait_for_status("the second local pod", |status| status["model"]["local_pods"] == 2).await;
@@ -539,9 +587,9 @@ async fn the_pod_cli_reads_and_formats_the_running_host() {
 
     let api = h.api();
     wasmplane::inspect::pods(&api, Some("shop")).await.unwrap();
-    wasmplane::inspect::pod(&api, &"default/web-1".parse::<PodName>().unwrap(), false).await.unwrap();
-    wasmplane::inspect::pod(&api, &"default/web-1".parse::<PodName>().unwrap(), true).await.unwrap();
-    let remote = wasmplane::inspect::pod(&api, &"default/web-2".parse::<PodName>().unwrap(), false).await.unwrap_err().to_string();
+    wasmplane::inspect::pod(&api, &"default/web-1".parse::<NamespacedName>().unwrap(), false).await.unwrap();
+    wasmplane::inspect::pod(&api, &"default/web-1".parse::<NamespacedName>().unwrap(), true).await.unwrap();
+    let remote = wasmplane::inspect::pod(&api, &"default/web-2".parse::<NamespacedName>().unwrap(), false).await.unwrap_err().to_string();
     assert_eq!(remote, "404 Not Found: pod default/web-2 is not one of this node's pods (it is on node node-b)");
     h.host.stop().await;
 }

@@ -53,8 +53,13 @@ pub(super) struct AuditQuery {
 /// Audit mode for one policy on this node: would-be drops are logged and counted, not enforced.
 pub(super) async fn set_policy_audit(State(state): State<ApiState>, Path((namespace, name)): Path<(String, String)>, Query(query): Query<AuditQuery>) -> ApiResult<Response> {
     let key = ObjectKey::new(&namespace, &name);
-    with_controller(&state, move |c| c.set_policy_audit(Some(&key), query.enabled)).await?;
-    Ok(Json(json!({ "policy": format!("{namespace}/{name}"), "audit": query.enabled })).into_response())
+    // Off for one policy while every policy is audited stays on: the answer says what holds.
+    let audit = with_controller(&state, move |c| {
+        c.set_policy_audit(Some(&key), query.enabled)?;
+        Ok(c.policy_audited(&key))
+    })
+    .await?;
+    Ok(Json(json!({ "policy": format!("{namespace}/{name}"), "audit": audit })).into_response())
 }
 
 /// Audit mode for every policy on this node (the whole policy module).
