@@ -319,9 +319,10 @@ pub struct RunArgs {
     #[arg(long, env = "WASMPLANE_POLICY_LOG_GROUP", default_value_t = 1001)]
     pub policy_log_group: u16,
     /// Packets a second each log rule passes to that group, after a burst of twice as many:
-    /// per pod and direction for policy verdicts, per frontend (address, protocol, port) for
-    /// service drops (`GET /v1/drops`), each service drop rule at most ten times that for the
-    /// node. What a flood of dropped packets costs the host is bounded by it.
+    /// per pod and direction for policy verdicts and logged allows, per frontend (address,
+    /// protocol, port) for service drops (`GET /v1/drops`); each service drop rule and each
+    /// policy's allow chain at most ten times that. What a flood of logged packets costs the
+    /// host is bounded by it.
     #[arg(long, env = "WASMPLANE_POLICY_LOG_RATE", default_value_t = crate::nft::policy::DEFAULT_LOG_RATE, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub policy_log_rate: u32,
     /// Render the dataplane (`record`) or write it to the kernel (`nftables`).

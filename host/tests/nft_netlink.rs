@@ -495,6 +495,56 @@ fn service_drop_log_rules_encode_as_nft_writes_them() {
     });
 }
 
+/// Allow logging (`nft::policy::allow_logged_object`): a policy's accepts sent to its allow
+/// chains, whose log rules meter each pod in a dynamic set (`update @set { ip daddr limit … }`),
+/// are written incrementally as one netlink batch, list as nft writes them, and go away again.
+#[test]
+fn allow_logged_policies_encode_as_netlink_with_their_per_pod_meters() {
+    require_root!();
+    let text_ns = Netns::new(unique_prefix("nl-allow-t"));
+    let netlink_ns = Netns::new(unique_prefix("nl-allow-b"));
+    let mut text = NftCommand::new(ns_command(&text_ns), vec![]);
+    let mut netlink = NetlinkNft::open(NftCommand::new(ns_command(&netlink_ns), vec![]), NetlinkNft::netns_of_command(&ns_command(&netlink_ns)).as_deref())
+        .expect("opening the netlink socket in the namespace");
+    let listing = |ns: &Netns| ns.exec(&["nft", "list", "ruleset"]);
+
+    let key = wasmplane_model::ObjectKey::new("ns", "p");
+    let pod: std::net::IpAddr = "10.244.0.5".parse().unwrap();
+    let mut egress = policy(&["10.244.0.7"]);
+    egress.chains.insert("pol/ns/p/out".into(), vec!["ip daddr 10.0.0.0/8 meta l4proto tcp th dport 443 accept".into()]);
+    let rules = nft::policy::PolicyRules {
+        rules: egress,
+        shared: BTreeMap::new(),
+        targets: [((nft::policy::Direction::Ingress, pod), "pol/ns/p/in".to_string()), ((nft::policy::Direction::Egress, pod), "pol/ns/p/out".to_string())].into(),
+    };
+    let mut state: State = BTreeMap::new();
+    state.insert("p", rules.rules.clone());
+    state.insert("d", dispatch());
+    let full = nft::full_transaction(state.values(), &nft::Stale::default(), LAYOUT, &nft::NodeNetworks::default());
+    text.apply(&full).unwrap();
+    netlink.apply(&full).unwrap();
+    assert_eq!(listing(&text_ns), listing(&netlink_ns));
+
+    let mut logged = state.clone();
+    logged.insert("p", nft::policy::allow_logged_object(&key, &rules, nft::policy::VerdictLog::new(1001)));
+    for (what, from, to) in [("allow logging on", &state, &logged), ("and off", &logged, &state)] {
+        let transaction = delta(from, to);
+        let before = netlink.netlink_transactions;
+        text.apply(&transaction).unwrap_or_else(|e| panic!("{what}: nft -f refused {e}:\n{transaction}"));
+        netlink.apply(&transaction).unwrap_or_else(|e| panic!("{what}: the batch was refused: {e}:\n{transaction}"));
+        assert_eq!(netlink.netlink_transactions, before + 1, "{what}: not sent as netlink:\n{transaction}");
+        assert_eq!(listing(&text_ns), listing(&netlink_ns), "{what}: the tables differ after\n{transaction}");
+        if what == "allow logging on" {
+            let table = listing(&netlink_ns);
+            for metered in ["update @policy-allow-log-ingress { ip daddr limit rate 10/second burst 20 packets } limit rate 100/second burst 200 packets log prefix",
+                            "update @policy-allow-log-egress6 { ip6 saddr limit rate 10/second burst 20 packets } limit rate 100/second burst 200 packets log prefix"] {
+                assert!(table.contains(metered), "missing {metered:?} in\n{table}");
+            }
+        }
+    }
+    assert!(!listing(&netlink_ns).contains("polallow/"), "the allow chains are gone");
+}
+
 /// A host restarted without logging service drops, over the tables of one that logged them:
 /// its first full sync deletes the drop chain (`flush table` leaves it, empty), in the same
 /// transaction that rewrites the no-endpoint elements that went to it.

@@ -306,3 +306,43 @@ async fn allowed_connections_are_logged_per_policy_on_request() {
     assert_eq!(refused.status(), StatusCode::CONFLICT);
     host0.stop().await;
 }
+
+/// The allow log is metered per pod: a client flooding one pod a policy selects uses up that
+/// pod's log rate, not the policy's, and the connections to another pod of the same policy
+/// are all still logged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_pods_flood_leaves_the_allow_log_to_the_policys_other_pods() {
+    require_root!();
+    let node = ThreePods::new("polm");
+    let (topo, client, other) = (&node.topo, &node.client, &node.other);
+    let _other_server = Server::start(other, "other", &[8080]);
+    let cluster = Cluster::new();
+    // "other" is app=web too: the policy selects both, and lets the client reach both.
+    cluster.put_file("pods.yaml", &pods("web"));
+    cluster.put_file("policy.yaml", POLICY);
+    // Two a second per pod after a burst of four; the policy's allow chain passes on 20 and 40.
+    let host = start_host(wasmplane::app::HostConfig { policy_log_group: 1003, policy_log_rate: 2, ..cluster.config(topo.nft_command()) }).await;
+    wait_applied(&host, "the policy on both pods", |t| web_is_dispatched(t) && t.contains(&format!("{OTHER} : goto")));
+    let on = reqwest::Client::new().post(format!("{}/v1/policies/default/web-from-client/log-allowed?enabled=true", host.url())).bearer_auth(&host.token).send().await.unwrap();
+    assert_eq!(on.status(), StatusCode::OK);
+    wait_applied(&host, "the metered allow chain", |t| t.contains("update @policy-allow-log-ingress"));
+
+    const FLOOD: usize = 20;
+    let started = std::time::Instant::now();
+    for i in 0..FLOOD {
+        assert!(allowed(client), "flood connection {i} to web");
+    }
+    let flood_seconds = started.elapsed().as_secs_f64();
+    let to_other = SocketAddr::new(OTHER.parse().unwrap(), 8080);
+    for i in 0..3 {
+        in_ns(client, || tcp_ask(to_other, Duration::from_secs(5))).unwrap_or_else(|e| panic!("connection {i} to other: {e}"));
+    }
+    let count = |v: &Value, to: &str| v["events"].as_array().map_or(0, |e| e.iter().filter(|e| e["source"] == CLIENT && e["destination"] == to).count());
+    let allows = verdicts_until(&host, "?verdict=allow&limit=1024", |v| count(v, OTHER) >= 3).await;
+    assert_eq!(count(&allows, OTHER), 3, "every connection to the quiet pod is logged: {allows}");
+    // Web's own meter: its burst and what refills while the flood lasts (and a packet's slack).
+    let bound = 4 + (2.0 * flood_seconds).ceil() as usize + 1;
+    let web = count(&allows, WEB);
+    assert!((1..=bound).contains(&web) && web < FLOOD, "web's {web} logged allows of {FLOOD} in {flood_seconds:.2} s, bound {bound}: {allows}");
+    host.stop().await;
+}

@@ -166,7 +166,9 @@ enum Expr {
     Numgen { modulus: u32 },
     /// `invert`: `!= @set` (`NFT_LOOKUP_F_INV`).
     Lookup { set: String, invert: bool },
-    Dynset { set: String, timeout_ms: Option<u64> },
+    /// `update @set { key [timeout Ns] [limit …] }`: `limit` meters each key on its own
+    /// (a stateful expression per element, as `meter` rules are).
+    Dynset { set: String, timeout_ms: Option<u64>, limit: Option<Box<Expr>> },
     Counter,
     /// `group`: to the NFLOG group (a listener reads it), else to the kernel log.
     Log { prefix: String, group: Option<u16> },
@@ -265,12 +267,19 @@ impl Expr {
                     w.attr_u32(5, 1); // NFTA_LOOKUP_FLAGS: NFT_LOOKUP_F_INV
                 }
             }
-            Expr::Dynset { set, timeout_ms } => {
+            Expr::Dynset { set, timeout_ms, limit } => {
                 w.attr_str(1, set);
                 w.attr_u32(3, 1); // NFT_DYNSET_OP_UPDATE
                 w.attr_u32(4, NFT_REG_1);
                 if let Some(ms) = timeout_ms {
                     w.attr_u64(6, *ms);
+                }
+                // NFTA_DYNSET_EXPR: one expression, its name and data without a list element.
+                if let Some(expr) = limit {
+                    w.nest(7, |w| {
+                        w.attr_str(1, expr.name());
+                        w.nest(2, |w| expr.encode_data(w));
+                    });
                 }
             }
             Expr::Counter => {
@@ -520,10 +529,8 @@ impl RuleCompiler {
                     c.exprs.push(Expr::Log { prefix: word(i + 4)?.to_string(), group: Some(group) });
                     i += 5;
                 }
-                "limit" if word(i + 1)? == "rate" && word(i + 3)? == "burst" && word(i + 5)? == "packets" => {
-                    let per_second: u64 = word(i + 2)?.strip_suffix("/second").and_then(|r| r.parse().ok()).ok_or("limit rate")?;
-                    let burst: u32 = word(i + 4)?.parse().map_err(|_| "limit burst")?;
-                    c.exprs.push(Expr::Limit { per_second, burst });
+                "limit" => {
+                    c.exprs.push(parse_limit(&words[i..])?);
                     i += 6;
                 }
                 "dnat" if word(i + 2)? == "to" => {
@@ -546,7 +553,7 @@ impl RuleCompiler {
                     i += 4;
                 }
                 "update" => {
-                    // update @SET { ip|ip6 saddr [timeout Ns] }
+                    // update @SET { ip|ip6 saddr|daddr [timeout Ns] [limit rate N/second burst M packets] }
                     let set = word(i + 1)?.strip_prefix('@').ok_or("update without @set")?.to_string();
                     if word(i + 2)? != "{" {
                         return Err("update without {".into());
@@ -560,10 +567,15 @@ impl RuleCompiler {
                         timeout_ms = Some(secs * 1000);
                         j += 2;
                     }
+                    let mut limit = None;
+                    if word(j)? == "limit" {
+                        limit = Some(Box::new(parse_limit(&words[j..])?));
+                        j += 6;
+                    }
                     if word(j)? != "}" {
                         return Err("update without }".into());
                     }
-                    c.exprs.push(Expr::Dynset { set, timeout_ms });
+                    c.exprs.push(Expr::Dynset { set, timeout_ms, limit });
                     i = j + 1;
                 }
                 "comment" => {
@@ -596,6 +608,17 @@ impl RuleCompiler {
         }
         Ok((c.exprs, comment))
     }
+}
+
+/// `limit rate N/second burst M packets` at the start of `words` (six of them).
+fn parse_limit(words: &[String]) -> Result<Expr, String> {
+    let word = |i: usize| words.get(i).map(String::as_str).ok_or_else(|| "limit ends early".to_string());
+    if word(1)? != "rate" || word(3)? != "burst" || word(5)? != "packets" {
+        return Err(format!("limit {:?}", words.iter().take(6).collect::<Vec<_>>()));
+    }
+    let per_second: u64 = word(2)?.strip_suffix("/second").and_then(|r| r.parse().ok()).ok_or("limit rate")?;
+    let burst: u32 = word(4)?.parse().map_err(|_| "limit burst")?;
+    Ok(Expr::Limit { per_second, burst })
 }
 
 fn parse_verdict(text: &str) -> Result<Verdict, String> {

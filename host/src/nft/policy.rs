@@ -14,7 +14,7 @@
 //!                              verdict logged to NFLOG first at a bounded rate (policy_log.rs)
 //!   pol/<ns>/<policy>/…:       the guest's chains: accept what the policy allows, else return
 //!   polallow/<id>/<direction>: with allow logging on for the policy, where its chains' accepts
-//!                              go instead: log to NFLOG (rate-limited), then accept
+//!                              go instead: log to NFLOG (rate-limited per pod), then accept
 //! ```
 //!
 //! Egress and ingress are separate base chains because `accept` ends only the base chain it
@@ -416,8 +416,8 @@ fn chain_directions<'a>(rules: &'a ObjectRules, targets: &'a BTreeMap<(Direction
 
 /// A policy's object with allow logging: each `accept` of its chains goes to the host's
 /// allow chain of the chain's direction instead, which logs the packet to `log`'s group (at
-/// most `log.per_second` a second per policy and direction, in a rule of its own so that
-/// above the rate the packet is still accepted) and accepts it. A chain both directions
+/// most `log.per_second` a second per pod and direction, see [`allow_log_rules`], in rules
+/// of their own so that above the rate the packet is still accepted) and accepts it. A chain both directions
 /// reach goes to the `any` chain, whose direction the reader infers. Everything else is the
 /// validated output as it was: only the verdicts the validator rendered change.
 pub fn allow_logged_object(key: &ObjectKey, policy: &PolicyRules, log: VerdictLog) -> ObjectRules {
@@ -440,11 +440,51 @@ pub fn allow_logged_object(key: &ObjectKey, policy: &PolicyRules, log: VerdictLo
         }
     }
     for direction in used {
-        let prefix = allow_prefix(id, direction);
-        let log_rule = format!("limit rate {}/second burst {} packets log group {} prefix \"{prefix}\"", log.per_second, log.burst, log.group);
-        object.chains.insert(allow_chain(id, direction), vec![log_rule, "accept".to_string()]);
+        let mut rules = allow_log_rules(direction, &allow_prefix(id, direction), log);
+        rules.push("accept".to_string());
+        object.chains.insert(allow_chain(id, direction), rules);
     }
     object
+}
+
+/// The dynamic sets metering each pod's logged allows per direction, keyed by the pod's
+/// address (destination for ingress, source for egress) and remembered for a minute:
+/// declared by the skeleton whether or not anything is logged. A pod that finds its set full
+/// is not logged (the per-chain limit would soon stop it anyway).
+pub const ALLOW_METER_SETS: [(&str, &str); 4] = [
+    ("policy-allow-log-ingress", "ipv4_addr; flags dynamic,timeout; timeout 60s; size 4096"),
+    ("policy-allow-log-ingress6", "ipv6_addr; flags dynamic,timeout; timeout 60s; size 4096"),
+    ("policy-allow-log-egress", "ipv4_addr; flags dynamic,timeout; timeout 60s; size 4096"),
+    ("policy-allow-log-egress6", "ipv6_addr; flags dynamic,timeout; timeout 60s; size 4096"),
+];
+
+/// An allow chain's log rules. Of one direction: one rule per address family, each metering
+/// the pod (so one pod's flood of connections leaves the log to the policy's other pods) and
+/// then limited to [`super::service_drops::NODE_RATE_FACTOR`] times that for the chain (a
+/// flood across many pods), as the service drop log does. Of both (`None`), where which
+/// address is the pod's is unknown: one rule limited for the chain only.
+fn allow_log_rules(direction: Option<Direction>, prefix: &str, log: VerdictLog) -> Vec<String> {
+    let log_statement = format!("log group {} prefix \"{prefix}\"", log.group);
+    let Some(direction) = direction else {
+        return vec![format!("limit rate {}/second burst {} packets {log_statement}", log.per_second, log.burst)];
+    };
+    let (sets, pod) = match direction {
+        Direction::Ingress => ((ALLOW_METER_SETS[0].0, ALLOW_METER_SETS[1].0), "daddr"),
+        Direction::Egress => ((ALLOW_METER_SETS[2].0, ALLOW_METER_SETS[3].0), "saddr"),
+    };
+    let factor = super::service_drops::NODE_RATE_FACTOR;
+    [("ip", sets.0), ("ip6", sets.1)]
+        .into_iter()
+        .map(|(family, set)| {
+            format!(
+                "update @{set} {{ {family} {pod} limit rate {}/second burst {} packets }} limit rate {}/second burst {} packets {log_statement}",
+                log.per_second,
+                log.burst,
+                log.per_second.saturating_mul(factor),
+                log.burst.saturating_mul(factor)
+            )
+        })
+        .collect()
 }
 
 /// The dispatch object of one pod address in one direction: the chain that applies the
@@ -503,6 +543,10 @@ pub fn skeleton(out: &mut String, flush_first: bool) {
     let t = format!("{FAMILY} {TABLE}");
     for (name, ty) in POLICY_MAPS {
         writeln!(out, "add map {t} {name} {{ type {ty} : verdict; }}").unwrap();
+    }
+    // Dynamic: never flushed, a full sync keeps what they count.
+    for (name, declaration) in ALLOW_METER_SETS {
+        writeln!(out, "add set {t} {name} {{ type {declaration}; }}").unwrap();
     }
     let established = "ct state established,related accept";
     let base: [(&str, &str, &[&str]); 3] = [
@@ -917,8 +961,19 @@ mod tests {
         assert_eq!(object.chains["pol/a/p/ingress"], vec![format!("ip saddr @pol/a/p/peers tcp dport 80 goto {ingress} comment \"from web\""), "jump pol/a/p/more".to_string(), "counter".to_string()]);
         assert_eq!(object.chains["pol/a/p/more"], vec![format!("udp dport 53 goto {ingress}")], "reached from ingress only");
         assert_eq!(object.chains["pol/a/p/egress"], vec![format!("ip daddr 10.0.0.1 goto {egress}")]);
-        assert_eq!(object.chains[&ingress], vec![format!("limit rate 5/second burst 9 packets log group 7 prefix \"{}\"", allow_prefix(id, Some(Direction::Ingress))), "accept".to_string()]);
-        assert!(object.chains[&egress][0].contains(&allow_prefix(id, Some(Direction::Egress))));
+        // Each family's rule meters the pod (the destination of ingress), then the chain at 10×.
+        let metered = |set: &str, key: &str, direction: Direction| {
+            format!("update @{set} {{ {key} limit rate 5/second burst 9 packets }} limit rate 50/second burst 90 packets log group 7 prefix \"{}\"", allow_prefix(id, Some(direction)))
+        };
+        assert_eq!(
+            object.chains[&ingress],
+            [metered("policy-allow-log-ingress", "ip daddr", Direction::Ingress), metered("policy-allow-log-ingress6", "ip6 daddr", Direction::Ingress), "accept".to_string()]
+        );
+        assert_eq!(
+            object.chains[&egress],
+            [metered("policy-allow-log-egress", "ip saddr", Direction::Egress), metered("policy-allow-log-egress6", "ip6 saddr", Direction::Egress), "accept".to_string()],
+            "egress meters the source"
+        );
         assert_eq!(object.chains.len(), 5, "{:?}", object.chains.keys());
         assert!(is_policy_object(&ingress) && ingress.len() <= 64, "{ingress}");
         assert_eq!((object.sets.clone(), object.elements.clone()), (policy.rules.sets.clone(), policy.rules.elements.clone()));
@@ -935,7 +990,8 @@ mod tests {
         assert!(any.ends_with("/any"), "{any}");
         assert_eq!(object.chains["pol/a/p/both"], vec![format!("tcp dport 443 goto {any}")]);
         assert_eq!(object.chains.len(), 2);
-        assert!(object.chains[&any][0].contains(&allow_prefix(PolicyLogId::of(&key()), None)));
+        // Which address is the pod's is unknown here: limited for the chain only.
+        assert_eq!(object.chains[&any], [format!("limit rate 5/second burst 9 packets log group 7 prefix \"{}\"", allow_prefix(PolicyLogId::of(&key()), None)), "accept".to_string()]);
     }
 
     #[test]
