@@ -478,13 +478,20 @@ impl PolicyController {
                     self.errors.remove(&key);
                     let new_targets: BTreeSet<(Direction, IpAddr)> = rules.targets.keys().copied().collect();
                     // With allow logging the object also depends on the targets (which chain
-                    // logs which direction): the written objects are compared.
-                    let unchanged = self.compiled.get(&key).is_some_and(|c| match self.allow_log_of(&key) {
-                        Some(log) => render::allow_logged_object(&key, &c.rules, log) == render::allow_logged_object(&key, &rules, log),
-                        None => c.rules.rules == rules.rules,
-                    });
-                    if !unchanged {
-                        out.changes.push((render::policy_object_key(&key), Some(self.policy_object(&key, &rules))));
+                    // logs which direction): the same rules and targets render the same
+                    // object, else the written objects are compared (the new one rendered once).
+                    let old = self.compiled.get(&key);
+                    let changed = match self.allow_log_of(&key) {
+                        Some(log) => {
+                            let same_inputs = old.is_some_and(|c| c.rules.rules == rules.rules && c.rules.targets == rules.targets);
+                            (!same_inputs)
+                                .then(|| render::allow_logged_object(&key, &rules, log))
+                                .filter(|object| old.is_none_or(|c| render::allow_logged_object(&key, &c.rules, log) != *object))
+                        }
+                        None => (!old.is_some_and(|c| c.rules.rules == rules.rules)).then(|| rules.rules.clone()),
+                    };
+                    if let Some(object) = changed {
+                        out.changes.push((render::policy_object_key(&key), Some(object)));
                     }
                     remove_user(&mut self.shared_users, &old_shared, &key);
                     for name in rules.shared.keys() {
@@ -889,6 +896,15 @@ mod tests {
         assert!(w.controller.logs_allowed(&p) && !w.controller.logs_allowed(&q));
         assert!(w.controller.set_log_allowed(&p, true).unwrap().changes.is_empty(), "no change, nothing written");
         assert!(w.controller.status(&w.model).iter().any(|s| s.name == "p" && s.log_allowed));
+        // Recompiled while logged: the same rules and targets write nothing; another pod
+        // selected (new targets, its chain still ingress only) renders the same object, so
+        // only the dispatch objects change.
+        let object_of = |changes: &PolicyChanges| changes.changes.iter().find(|(k, _)| *k == render::policy_object_key(&p)).map(|(_, o)| o.clone());
+        assert_eq!(object_of(&w.apply(policy("p", "web", 2))), None, "the same object is not written again");
+        let moved = w.apply(policy("p", "client", 3));
+        assert_eq!(object_of(&moved), None, "the same object, other targets: {:?}", moved.changes.iter().map(|c| &c.0).collect::<Vec<_>>());
+        assert!(moved.changes.iter().any(|(k, _)| k.name.contains("10.244.1.12")), "client's dispatch written: {:?}", moved.changes.iter().map(|c| &c.0).collect::<Vec<_>>());
+        w.apply(policy("p", "web", 4));
 
         // Who an allow event is owed to: ingress at web (the policy's chain is ingress only;
         // a chain shared by both directions is read as ingress where it selects the destination).
