@@ -32,6 +32,17 @@ fn object(chains: &[(&str, &[&str])], sets: &[(&str, &str, &[&str], bool)], elem
     }
 }
 
+/// Two namespaces named after `text_tag` and `batch_tag`, and the two writers of the same
+/// transactions: `nft -f` into the first, the netlink batch into the second.
+fn twins(text_tag: &str, batch_tag: &str) -> (Netns, Netns, NftCommand, NetlinkNft) {
+    let text_ns = Netns::new(unique_prefix(text_tag));
+    let netlink_ns = Netns::new(unique_prefix(batch_tag));
+    let text = NftCommand::new(ns_command(&text_ns), vec![]);
+    let netlink = NetlinkNft::open(NftCommand::new(ns_command(&netlink_ns), vec![]), NetlinkNft::netns_of_command(&ns_command(&netlink_ns)).as_deref())
+        .expect("opening the netlink socket in the namespace");
+    (text_ns, netlink_ns, text, netlink)
+}
+
 /// Several shard tables, so that one transaction spans tables (services hash to shards).
 const LAYOUT: nft::Layout = nft::Layout { shards: 4 };
 
@@ -225,11 +236,7 @@ fn delta(old: &State, new: &State) -> String {
 #[test]
 fn netlink_batches_leave_the_table_nft_would() {
     require_root!();
-    let text_ns = Netns::new(unique_prefix("nl-text"));
-    let netlink_ns = Netns::new(unique_prefix("nl-batch"));
-    let mut text = NftCommand::new(ns_command(&text_ns), vec![]);
-    let mut netlink = NetlinkNft::open(NftCommand::new(ns_command(&netlink_ns), vec![]), NetlinkNft::netns_of_command(&ns_command(&netlink_ns)).as_deref())
-        .expect("opening the netlink socket in the namespace");
+    let (text_ns, netlink_ns, mut text, mut netlink) = twins("nl-text", "nl-batch");
     let listing = |ns: &Netns| ns.exec(&["nft", "list", "ruleset"]);
 
     let mut state: State = BTreeMap::new();
@@ -428,11 +435,7 @@ fn a_refused_element_of_a_long_statement_is_quoted_in_the_error() {
 #[test]
 fn service_drop_log_rules_encode_as_nft_writes_them() {
     require_root!();
-    let text_ns = Netns::new(unique_prefix("nl-dlog-t"));
-    let netlink_ns = Netns::new(unique_prefix("nl-dlog-b"));
-    let mut text = NftCommand::new(ns_command(&text_ns), vec![]);
-    let mut netlink = NetlinkNft::open(NftCommand::new(ns_command(&netlink_ns), vec![]), NetlinkNft::netns_of_command(&ns_command(&netlink_ns)).as_deref())
-        .expect("opening the netlink socket in the namespace");
+    let (text_ns, netlink_ns, mut text, mut netlink) = twins("nl-dlog-t", "nl-dlog-b");
     let listing = |ns: &Netns| ns.exec(&["nft", "list", "ruleset"]);
     let networks = nft::NodeNetworks { service_drop_log: Some(nft::policy::VerdictLog::new(1001)), ..Default::default() };
 
@@ -501,11 +504,7 @@ fn service_drop_log_rules_encode_as_nft_writes_them() {
 #[test]
 fn allow_logged_policies_encode_as_netlink_with_their_per_pod_meters() {
     require_root!();
-    let text_ns = Netns::new(unique_prefix("nl-allow-t"));
-    let netlink_ns = Netns::new(unique_prefix("nl-allow-b"));
-    let mut text = NftCommand::new(ns_command(&text_ns), vec![]);
-    let mut netlink = NetlinkNft::open(NftCommand::new(ns_command(&netlink_ns), vec![]), NetlinkNft::netns_of_command(&ns_command(&netlink_ns)).as_deref())
-        .expect("opening the netlink socket in the namespace");
+    let (text_ns, netlink_ns, mut text, mut netlink) = twins("nl-allow-t", "nl-allow-b");
     let listing = |ns: &Netns| ns.exec(&["nft", "list", "ruleset"]);
 
     let key = wasmplane_model::ObjectKey::new("ns", "p");

@@ -265,7 +265,25 @@ impl VerdictLog {
     pub fn with_rate(self, per_second: u32) -> VerdictLog {
         VerdictLog { per_second, burst: per_second.saturating_mul(2), ..self }
     }
+
+    /// The statements that log a packet with `prefix`, metered per `key` (an nft expression
+    /// of the packet: `ip daddr`) in the dynamic set `set` at this rate, and then for the
+    /// whole rule at [`METERED_RULE_FACTOR`] times it; above either, the rule ends there.
+    pub fn metered_log(self, set: &str, key: &str, prefix: &str) -> String {
+        format!(
+            "update @{set} {{ {key} limit rate {}/second burst {} packets }} limit rate {}/second burst {} packets log group {} prefix \"{prefix}\"",
+            self.per_second,
+            self.burst,
+            self.per_second.saturating_mul(METERED_RULE_FACTOR),
+            self.burst.saturating_mul(METERED_RULE_FACTOR),
+            self.group
+        )
+    }
 }
+
+/// How many times one key's rate a metered log rule passes on in all
+/// ([`VerdictLog::metered_log`]): what a flood across many keys costs the host.
+pub const METERED_RULE_FACTOR: u32 = 10;
 
 /// First word of a verdict log prefix: `wasmplane-policy <deny|audit> <direction> <address>`.
 pub const VERDICT_LOG_PREFIX: &str = "wasmplane-policy";
@@ -460,31 +478,18 @@ pub const ALLOW_METER_SETS: [(&str, &str); 4] = [
 
 /// An allow chain's log rules. Of one direction: one rule per address family, each metering
 /// the pod (so one pod's flood of connections leaves the log to the policy's other pods) and
-/// then limited to [`super::service_drops::NODE_RATE_FACTOR`] times that for the chain (a
-/// flood across many pods), as the service drop log does. Of both (`None`), where which
-/// address is the pod's is unknown: one rule limited for the chain only.
+/// then limited for the chain (a flood across many pods), as the service drop log does. Of
+/// both (`None`), where which address is the pod's is unknown: one rule limited for the
+/// chain only.
 fn allow_log_rules(direction: Option<Direction>, prefix: &str, log: VerdictLog) -> Vec<String> {
-    let log_statement = format!("log group {} prefix \"{prefix}\"", log.group);
     let Some(direction) = direction else {
-        return vec![format!("limit rate {}/second burst {} packets {log_statement}", log.per_second, log.burst)];
+        return vec![format!("limit rate {}/second burst {} packets log group {} prefix \"{prefix}\"", log.per_second, log.burst, log.group)];
     };
     let (sets, pod) = match direction {
         Direction::Ingress => ((ALLOW_METER_SETS[0].0, ALLOW_METER_SETS[1].0), "daddr"),
         Direction::Egress => ((ALLOW_METER_SETS[2].0, ALLOW_METER_SETS[3].0), "saddr"),
     };
-    let factor = super::service_drops::NODE_RATE_FACTOR;
-    [("ip", sets.0), ("ip6", sets.1)]
-        .into_iter()
-        .map(|(family, set)| {
-            format!(
-                "update @{set} {{ {family} {pod} limit rate {}/second burst {} packets }} limit rate {}/second burst {} packets {log_statement}",
-                log.per_second,
-                log.burst,
-                log.per_second.saturating_mul(factor),
-                log.burst.saturating_mul(factor)
-            )
-        })
-        .collect()
+    [("ip", sets.0), ("ip6", sets.1)].into_iter().map(|(family, set)| log.metered_log(set, &format!("{family} {pod}"), prefix)).collect()
 }
 
 /// The dispatch object of one pod address in one direction: the chain that applies the

@@ -100,7 +100,7 @@ pub const METER_SETS: [(&str, &str); 2] = [
 ];
 
 /// How many times one frontend's rate each log rule passes on for the whole node.
-pub const NODE_RATE_FACTOR: u32 = 10;
+pub const NODE_RATE_FACTOR: u32 = super::policy::METERED_RULE_FACTOR;
 
 /// The rules that log a drop for `reason`, each `matches` and then the metered log
 /// statements: one rule per address family `matches` leaves open (a family's meter key
@@ -119,17 +119,7 @@ pub fn log_rules(matches: &str, reason: ServiceDropReason, log: VerdictLog) -> V
     let separator = if matches.is_empty() { "" } else { " " };
     families
         .iter()
-        .map(|(family, set)| {
-            format!(
-                "{matches}{separator}update @{set} {{ {family} daddr . meta l4proto . th dport limit rate {}/second burst {} packets }} limit rate {}/second burst {} packets log group {} prefix \"{}\"",
-                log.per_second,
-                log.burst,
-                log.per_second.saturating_mul(NODE_RATE_FACTOR),
-                log.burst.saturating_mul(NODE_RATE_FACTOR),
-                log.group,
-                prefix(reason)
-            )
-        })
+        .map(|(family, set)| format!("{matches}{separator}{}", log.metered_log(set, &format!("{family} daddr . meta l4proto . th dport"), &prefix(reason))))
         .collect()
 }
 
