@@ -129,6 +129,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/pods", get(pods::list_pods))
         .route("/v1/pods/{namespace}/{name}", get(pods::pod_detail))
         .layer(DefaultBodyLimit::max(max_body))
+        .layer(middleware::from_fn_with_state(state.clone(), refuse_oversized))
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
         // Outermost: sees every answer, refused authentication included.
         .layer(middleware::from_fn_with_state(state.clone(), crate::audit::audit_layer))
@@ -174,6 +175,33 @@ async fn authenticate(State(state): State<ApiState>, ConnectInfo(peer): ConnectI
     }
 }
 
+/// A body declared larger than the API takes is refused before a handler starts reading
+/// it, with the limit in the answer (the body limit's own refusal names none), and read to
+/// be dropped as a refused request's is when it is at most [`OVERSIZED_DRAIN_FACTOR`] times
+/// the limit. Only a client that passed authentication gets here.
+async fn refuse_oversized(State(state): State<ApiState>, request: Request, next: Next) -> Response {
+    let limit = max_request_body(&state);
+    let declared = declared_length(request.headers());
+    let Some(declared) = declared.filter(|&n| n > limit as u64) else {
+        return next.run(request).await;
+    };
+    let message = format!("a request body of {declared} bytes is larger than the upload limit of {} bytes (--max-module-bytes)", state.max_module_bytes);
+    let drained = declared <= (limit as u64).saturating_mul(OVERSIZED_DRAIN_FACTOR) && drain_refused_body(request, limit.saturating_mul(OVERSIZED_DRAIN_FACTOR as usize)).await;
+    let mut response = ApiError(StatusCode::PAYLOAD_TOO_LARGE, message).into_response();
+    if !drained {
+        response.headers_mut().insert(header::CONNECTION, "close".parse().expect("static header"));
+    }
+    response
+}
+
+/// How far past the body limit an oversized body is still read to be dropped.
+const OVERSIZED_DRAIN_FACTOR: u64 = 4;
+
+/// The `Content-Length` a request declares, if any.
+fn declared_length(headers: &HeaderMap) -> Option<u64> {
+    headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+}
+
 /// Longest the host keeps reading the body of a request it refused.
 const REFUSED_BODY_DRAIN_TIME: Duration = Duration::from_secs(10);
 
@@ -193,8 +221,7 @@ async fn drain_refused_body(request: Request, limit: usize) -> bool {
     if headers.get(header::EXPECT).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue")) {
         return false;
     }
-    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit as u64) {
+    if declared_length(headers).is_some_and(|n| n > limit as u64) {
         return false;
     }
     let mut body = request.into_body().into_data_stream();

@@ -213,6 +213,19 @@ async fn refused_uploads_are_answered_while_the_body_is_still_being_sent() {
     assert!(text.starts_with("HTTP/1.1 401"), "{text}");
     assert!(text.contains("missing bearer token"), "{text}");
 
+    // Authenticated but larger than the upload limit (4 MiB): 413, also read to the end.
+    let (first, second) = (vec![0u8; 1 << 20], vec![0u8; 4 << 20]);
+    let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let head = format!("PUT /v1/modules/huge?kind=service-translator HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {TOKEN}\r\nContent-Length: {}\r\n\r\n", first.len() + second.len());
+    tcp.write_all(head.as_bytes()).await.unwrap();
+    tcp.write_all(&first).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    tcp.write_all(&second).await.expect("the host closed the connection on an unread oversized body");
+    let n = tcp.read(&mut answer).await.expect("the 413 was lost to a connection reset");
+    let text = String::from_utf8_lossy(&answer[..n]);
+    assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+    assert!(text.contains("larger than the upload limit of 4194304 bytes"), "{text}");
+
     // A client that waits for `100 Continue` is refused at once and not invited to send.
     let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
     let head = format!("PUT /v1/modules/sneaky?kind=service-translator HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\nExpect: 100-continue\r\n\r\n", 3 << 20);
