@@ -743,7 +743,9 @@ pub fn format_verdict(event: &Value) -> String {
     let destination = socket_text(&event["destination"], &event["destination_port"]);
     let protocol = event["protocol"].as_str().unwrap_or("?");
     let policies = joined(event["policies"].as_array().into_iter().flatten().filter_map(|p| p.as_str().map(str::to_string)));
-    format!("{time}  {verdict:<5}  {direction:<7}  {pod}  {source} -> {destination} {protocol}  policies: {policies}")
+    // An allow names the policy that accepted it (`<unknown>`: it is gone from this node).
+    let allowed_by = if event["verdict"] == "allow" { format!("  allowed by: {}", event["policy"].as_str().unwrap_or("<unknown>")) } else { String::new() };
+    format!("{time}  {verdict:<5}  {direction:<7}  {pod}  {source} -> {destination} {protocol}{allowed_by}  policies: {policies}")
 }
 
 /// A `GET /v1/policies/verdicts` answer: its events oldest first, one line each, then the
@@ -796,7 +798,9 @@ fn policy_totals(totals: &Value) -> String {
         Some(lost) if lost > 0 => format!(", lost {lost}"),
         _ => String::new(),
     };
-    format!("deny {}, audit {}{lost}", count(&totals["deny"]), count(&totals["audit"]))
+    // A host without allow logging answers no `allow` total.
+    let allow = totals.get("allow").map(|n| format!(", allow {}", count(n))).unwrap_or_default();
+    format!("deny {}, audit {}{allow}{lost}", count(&totals["deny"]), count(&totals["audit"]))
 }
 
 /// What `--follow` has printed: the newest millisecond and, per event of that millisecond,
@@ -985,6 +989,12 @@ mod tests {
         // The pod is gone (or not known yet): its address instead, and no policy selects it now.
         let unknown_pod = verdict_event(1, "deny", "ingress", None, ("10.0.0.1", Some(1)), ("10.244.0.99", Some(80)), &[]);
         assert_eq!(format_verdict(&unknown_pod), "00:00:00.001  DENY   ingress  10.244.0.99  10.0.0.1:1 -> 10.244.0.99:80 tcp  policies: <none>");
+        // An allow says which policy accepted it.
+        let mut allow = verdict_event(2, "allow", "ingress", Some("default/web"), ("10.244.0.100", Some(5)), ("10.244.0.11", Some(8080)), &["default/a", "default/b"]);
+        allow["policy"] = json!("default/b");
+        assert_eq!(format_verdict(&allow), "00:00:00.002  ALLOW  ingress  default/web  10.244.0.100:5 -> 10.244.0.11:8080 tcp  allowed by: default/b  policies: default/a,default/b");
+        allow["policy"] = Value::Null;
+        assert!(format_verdict(&allow).contains("  allowed by: <unknown>  "), "{}", format_verdict(&allow));
     }
 
     #[test]
@@ -999,6 +1009,8 @@ mod tests {
         assert_eq!(lines[2], "2 shown; since the host started: deny 7, audit 1", "{text}");
         let lost = json!({ "totals": { "deny": 0, "audit": 0, "lost": 3 }, "events": [] });
         assert_eq!(format_verdicts(&lost), "0 shown; since the host started: deny 0, audit 0, lost 3\n");
+        let allows = json!({ "totals": { "deny": 1, "audit": 0, "allow": 12, "lost": 0 }, "events": [] });
+        assert_eq!(format_verdicts(&allows), "0 shown; since the host started: deny 1, audit 0, allow 12\n");
     }
 
     #[test]
