@@ -420,16 +420,29 @@ impl LoadedModule {
     pub fn translator(&self, lookups: Arc<dyn Lookups>) -> Option<TranslatorSession> {
         let capabilities = crate::host::Capabilities { lookups, settings: self.settings.clone() };
         let (sandbox, name) = (self.sandbox.clone(), self.name.clone());
-        Some(TranslatorSession(match &self.runner {
+        Some(TranslatorSession { context: None, translator: match &self.runner {
             Runner::ServiceTranslator(pre) => Translator::Current { pre: pre.clone(), slot: GuestSlot::new(sandbox, name, capabilities) },
             Runner::ServiceTranslator1_0(export) => Translator::V1_0 { export: export.clone(), slot: GuestSlot::new(sandbox, name, capabilities) },
-        }))
+        } })
     }
 }
 
 /// Runs translations on one instance, reused across calls until a call fails (a trapped
 /// instance cannot be entered again, so the next call gets a fresh one).
-pub struct TranslatorSession(Translator);
+pub struct TranslatorSession {
+    translator: Translator,
+    /// The node context of the last call, as the model has it and in WIT form: it changes
+    /// rarely, and a full sync translates every service with the same one.
+    context: Option<(NodeContext, wit::NodeContext)>,
+}
+
+/// `context` in WIT form, converted again only when it differs from the cached one.
+fn cached_context<'c>(cache: &'c mut Option<(NodeContext, wit::NodeContext)>, context: &NodeContext) -> &'c wit::NodeContext {
+    if cache.as_ref().is_none_or(|(model, _)| model != context) {
+        *cache = Some((context.clone(), convert::node_context(context)));
+    }
+    &cache.as_ref().expect("filled above").1
+}
 
 /// A translator of this host's WIT version, or of 1.0 (`wit_1_0.rs`).
 enum Translator {
@@ -440,7 +453,7 @@ enum Translator {
 impl TranslatorSession {
     /// Instantiates now rather than on the first call (benchmarks, warm-up).
     pub fn instantiate_now(&mut self) -> Result<(), CallError> {
-        match &mut self.0 {
+        match &mut self.translator {
             Translator::Current { pre, slot } => slot.instantiate_now(|store| pre.instantiate(store)),
             Translator::V1_0 { export, slot } => slot.instantiate_now(|store| export.instantiate(store)),
         }
@@ -448,10 +461,13 @@ impl TranslatorSession {
 
     /// Translates one service. On any error but the guest's own the instance is dropped.
     pub fn translate(&mut self, context: &NodeContext, chain_prefix: &str, view: &ServiceView) -> Result<wit::Ruleset, CallError> {
-        let ctx = convert::node_context(context);
         let service = convert::service(&view.service);
         let slices = convert::slices(view);
-        self.translate_wit(&ctx, chain_prefix, &service, &slices)
+        // Out of the session for the call, which borrows it whole.
+        let mut cache = self.context.take();
+        let result = self.translate_wit(cached_context(&mut cache, context), chain_prefix, &service, &slices);
+        self.context = cache;
+        result
     }
 
     /// Like [`translate`](Self::translate) with inputs already in WIT form.
@@ -462,7 +478,7 @@ impl TranslatorSession {
         service: &wit::Service,
         slices: &[wit::EndpointSlice],
     ) -> Result<wit::Ruleset, CallError> {
-        match &mut self.0 {
+        match &mut self.translator {
             Translator::Current { pre, slot } => slot.call(
                 |store| pre.instantiate(store),
                 |bindings, store| bindings.wasmplane_dataplane_service_translator().call_translate(store, ctx, chain_prefix, service, slices),
@@ -529,5 +545,25 @@ mod tests {
             assert_eq!(check_version(refused), Err(LoadError::UnsupportedVersion { found: refused.into() }), "{refused}");
         }
         assert!(LoadError::NewerVersion { found: "1.2.0".into() }.to_string().contains("build it against 1.1 or older"));
+    }
+
+    /// The WIT node context is converted once and again only when the model's changes.
+    #[test]
+    fn the_node_context_is_converted_again_only_when_it_changes() {
+        let a = NodeContext { node_name: "node-a".into(), node_ips: vec!["192.168.0.1".into()], cluster_cidrs: vec!["10.244.0.0/16".into()], ..Default::default() };
+        let mut cache = None;
+        assert_eq!(*cached_context(&mut cache, &a), convert::node_context(&a));
+        // A marked conversion in the cache: what comes back for the same context is it.
+        let marked = wit::NodeContext { node_name: "marked".into(), ..convert::node_context(&a) };
+        cache = Some((a.clone(), marked.clone()));
+        assert_eq!(*cached_context(&mut cache, &a.clone()), marked, "the same context: the cached conversion");
+        for changed in [
+            NodeContext { node_ips: vec!["192.168.0.2".into()], ..a.clone() },
+            NodeContext { cluster_cidrs: vec![], ..a.clone() },
+            NodeContext { pod_cidrs: vec!["10.244.1.0/24".into()], ..a.clone() },
+            NodeContext { node_name: "node-b".into(), ..a.clone() },
+        ] {
+            assert_eq!(*cached_context(&mut cache, &changed), convert::node_context(&changed), "{changed:?}");
+        }
     }
 }
