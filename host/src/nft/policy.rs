@@ -435,9 +435,10 @@ fn chain_directions<'a>(rules: &'a ObjectRules, targets: &'a BTreeMap<(Direction
 /// A policy's object with allow logging: each `accept` of its chains goes to the host's
 /// allow chain of the chain's direction instead, which logs the packet to `log`'s group (at
 /// most `log.per_second` a second per pod and direction, see [`allow_log_rules`], in rules
-/// of their own so that above the rate the packet is still accepted) and accepts it. A chain both directions
-/// reach goes to the `any` chain, whose direction the reader infers. Everything else is the
-/// validated output as it was: only the verdicts the validator rendered change.
+/// of their own so that above the rate the packet is still accepted) and accepts it. A
+/// chain both directions reach goes to the `any` chain, whose direction the reader infers.
+/// Everything else is the validated output as it was: only the verdicts the validator
+/// rendered change.
 pub fn allow_logged_object(key: &ObjectKey, policy: &PolicyRules, log: VerdictLog) -> ObjectRules {
     let id = PolicyLogId::of(key);
     let directions = chain_directions(&policy.rules, &policy.targets);
