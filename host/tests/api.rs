@@ -198,31 +198,27 @@ async fn refused_uploads_are_answered_while_the_body_is_still_being_sent() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let t = TestHost::start().await;
     let addr = t.url("").trim_start_matches("http://").trim_end_matches('/').to_string();
-    // Larger than the socket buffers, within the upload limit (4 MiB here), sent in two
-    // parts with a pause between them: the host answers while the second is still to come.
-    let (first, second) = (vec![0u8; 1 << 20], vec![0u8; 2 << 20]);
-    let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    let head = format!("PUT /v1/modules/sneaky?kind=service-translator HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\n\r\n", first.len() + second.len());
-    tcp.write_all(head.as_bytes()).await.unwrap();
-    tcp.write_all(&first).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    tcp.write_all(&second).await.expect("the host closed the connection on an unread body");
-    let mut answer = vec![0u8; 4096];
-    let n = tcp.read(&mut answer).await.expect("the answer was lost to a connection reset");
-    let text = String::from_utf8_lossy(&answer[..n]);
+    // Sends `head` and a body of `first` then `second` bytes, with a pause between them (the
+    // host answers while the second is still to come), and reads the answer.
+    let send_in_two_parts = |head: String, (first, second): (usize, usize)| {
+        let addr = addr.clone();
+        async move {
+            let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+            tcp.write_all(format!("{head}Host: {addr}\r\nContent-Length: {}\r\n\r\n", first + second).as_bytes()).await.unwrap();
+            tcp.write_all(&vec![0u8; first]).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            tcp.write_all(&vec![0u8; second]).await.expect("the host closed the connection on an unread body");
+            let mut answer = vec![0u8; 4096];
+            let n = tcp.read(&mut answer).await.expect("the answer was lost to a connection reset");
+            String::from_utf8_lossy(&answer[..n]).into_owned()
+        }
+    };
+    // Larger than the socket buffers, within the upload limit (4 MiB here).
+    let text = send_in_two_parts("PUT /v1/modules/sneaky?kind=service-translator HTTP/1.1\r\n".into(), (1 << 20, 2 << 20)).await;
     assert!(text.starts_with("HTTP/1.1 401"), "{text}");
     assert!(text.contains("missing bearer token"), "{text}");
-
-    // Authenticated but larger than the upload limit (4 MiB): 413, also read to the end.
-    let (first, second) = (vec![0u8; 1 << 20], vec![0u8; 4 << 20]);
-    let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    let head = format!("PUT /v1/modules/huge?kind=service-translator HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {TOKEN}\r\nContent-Length: {}\r\n\r\n", first.len() + second.len());
-    tcp.write_all(head.as_bytes()).await.unwrap();
-    tcp.write_all(&first).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    tcp.write_all(&second).await.expect("the host closed the connection on an unread oversized body");
-    let n = tcp.read(&mut answer).await.expect("the 413 was lost to a connection reset");
-    let text = String::from_utf8_lossy(&answer[..n]);
+    // Authenticated but larger than the upload limit: 413, also read to the end.
+    let text = send_in_two_parts(format!("PUT /v1/modules/huge?kind=service-translator HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\n"), (1 << 20, 4 << 20)).await;
     assert!(text.starts_with("HTTP/1.1 413"), "{text}");
     assert!(text.contains("larger than the upload limit of 4194304 bytes"), "{text}");
 
@@ -230,6 +226,7 @@ async fn refused_uploads_are_answered_while_the_body_is_still_being_sent() {
     let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
     let head = format!("PUT /v1/modules/sneaky?kind=service-translator HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\nExpect: 100-continue\r\n\r\n", 3 << 20);
     tcp.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = vec![0u8; 4096];
     let n = tokio::time::timeout(Duration::from_secs(5), tcp.read(&mut answer)).await.expect("no answer without the body").unwrap();
     let answer = String::from_utf8_lossy(&answer[..n]);
     assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
