@@ -186,7 +186,8 @@ async fn refuse_oversized(State(state): State<ApiState>, request: Request, next:
         return next.run(request).await;
     };
     let message = format!("a request body of {declared} bytes is larger than the upload limit of {} bytes (--max-module-bytes)", state.max_module_bytes);
-    let drained = declared <= (limit as u64).saturating_mul(OVERSIZED_DRAIN_FACTOR) && drain_refused_body(request, limit.saturating_mul(OVERSIZED_DRAIN_FACTOR as usize)).await;
+    // drain_refused_body leaves a body declared over its bound unread itself.
+    let drained = drain_refused_body(request, limit.saturating_mul(OVERSIZED_DRAIN_FACTOR as usize)).await;
     let mut response = ApiError(StatusCode::PAYLOAD_TOO_LARGE, message).into_response();
     if !drained {
         response.headers_mut().insert(header::CONNECTION, "close".parse().expect("static header"));
