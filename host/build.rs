@@ -38,7 +38,9 @@ fn main() {
         return;
     }
     // "rustc 1.95.0 (59807616e 2026-04-14)"; 1.90 made lld the default linker here.
-    let Some(rustc_version) = output(&std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into()), "--version") else { return };
+    let Some(rustc_version) = output(&std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into()), "--version") else {
+        return;
+    };
     if major_minor(&rustc_version).is_none_or(|v| v < (1, 90)) {
         return;
     }

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Installs what building and testing wasmplane needs on a fresh Debian machine (as root):
-# the wasm32-wasip2 Rust target for the guests, nftables, iproute2 and conntrack for the dataplane
-# tests, protoc (with the well-known .proto files) and etcd for the kvstore, the reference
-# CNI plugins for the CNI benchmark, an OCI registry (docker-registry) for the module
-# registry tests. Quick when everything is already there.
+# the wasm32-wasip2 Rust target for the guests, rustfmt for the formatting check, nftables,
+# iproute2 and conntrack for the dataplane tests, protoc (with the well-known .proto files)
+# and etcd for the kvstore, the reference CNI plugins for the CNI benchmark, an OCI registry
+# (docker-registry) for the module registry tests. Quick when everything is already there.
 set -euo pipefail
 packages=(build-essential pkg-config protobuf-compiler libprotobuf-dev nftables iproute2 etcd-server conntrack containernetworking-plugins docker-registry)
 missing=()
@@ -23,4 +23,8 @@ if ((${#missing[@]})); then
 fi
 if ! rustup target list --installed | grep -qx wasm32-wasip2; then
   rustup target add wasm32-wasip2
+fi
+# The formatting check (tests/deploy/tests/tidy.rs) runs rustfmt.
+if ! rustup component list --installed | grep -q '^rustfmt'; then
+  rustup component add rustfmt
 fi

@@ -40,7 +40,10 @@ fn services(n: usize) -> BTreeMap<ObjectKey, ObjectRules> {
             let chain = format!("svc/bench/s{i}/tcp/http");
             let mut rules = ObjectRules::default();
             rules.chains.insert(chain.clone(), vec!["meta l4proto tcp dnat ip to 127.0.0.1:8080".into()]);
-            rules.elements.insert(("service-ips".into(), wasmplane_model::format_compact!("{} . tcp . 80", service_ip(i))), wasmplane_model::format_compact!("goto {chain}"));
+            rules.elements.insert(
+                ("service-ips".into(), wasmplane_model::format_compact!("{} . tcp . 80", service_ip(i))),
+                wasmplane_model::format_compact!("goto {chain}"),
+            );
             (ObjectKey::new("bench", format!("s{i}")), rules)
         })
         .collect()
@@ -66,7 +69,9 @@ fn services_as_data(n: usize, backends: usize) -> BTreeMap<ObjectKey, ObjectRule
                 })
                 .collect();
             let out = Ruleset { chains: vec![], sets: vec![], map_elements, warnings: vec![] };
-            let rules = nft::validate_service_output(&key, &out, nft::PodDetection::new(&nft::PodTraffic::default(), &[])).expect("a valid ruleset");
+            let rules =
+                nft::validate_service_output(&key, &out, nft::PodDetection::new(&nft::PodTraffic::default(), &[]))
+                    .expect("a valid ruleset");
             (key, rules)
         })
         .collect()
@@ -79,14 +84,17 @@ fn measure(objects: &BTreeMap<ObjectKey, ObjectRules>, per_shard: usize, count: 
     let ns = Netns::new(format!("wpnat{}", std::process::id()));
     ns.exec(&["ip", "link", "set", "lo", "up"]);
     ns.exec(&["ip", "route", "add", "10.96.0.0/12", "dev", "lo"]);
-    let mut dataplane = Dataplane::new(Box::new(NftCommand::new(ns.nft_command(), Vec::new()))).with_services_per_shard(per_shard);
+    let mut dataplane =
+        Dataplane::new(Box::new(NftCommand::new(ns.nft_command(), Vec::new()))).with_services_per_shard(per_shard);
     dataplane.full_sync(Some(objects.clone())).expect("loading the services");
     let layout = dataplane.layout();
     // Services from every shard, in turn.
-    let targets: Vec<SocketAddr> = (0..n).step_by((n / 256).max(1)).map(|i| SocketAddr::from((service_ip(i), 80))).collect();
+    let targets: Vec<SocketAddr> =
+        (0..n).step_by((n / 256).max(1)).map(|i| SocketAddr::from((service_ip(i), 80))).collect();
     let (to_service, to_nothing) = ns.run(|| {
         // Every 127.0.0.K backend on 8080; 8081 for the connections to no service.
-        let listeners = [("0.0.0.0", 8080), ("127.0.0.1", 8081)].map(|address| TcpListener::bind(address).expect("listening"));
+        let listeners =
+            [("0.0.0.0", 8080), ("127.0.0.1", 8081)].map(|address| TcpListener::bind(address).expect("listening"));
         // Accepted connections are dropped at once (the listener's backlog keeps up).
         let stop = std::sync::atomic::AtomicBool::new(false);
         // Set however the scope ends: the acceptors loop until it is (a panic in the scope
@@ -171,7 +179,9 @@ fn main() {
     let n = env("WASMPLANE_BENCH_SERVICES", 10_000);
     let count = env("WASMPLANE_BENCH_CONNECTIONS", 3_000);
     let objects = services(n);
-    println!("New TCP connections through the service NAT chains, {n} services, {count} connections each (one connection: open + close, p50 / p99)\n");
+    println!(
+        "New TCP connections through the service NAT chains, {n} services, {count} connections each (one connection: open + close, p50 / p99)\n"
+    );
     println!("| layout | to a service (DNAT) | to no service (every shard's NAT chains) |");
     println!("|---|---|---|");
     for per_shard in [usize::MAX, Layout::DEFAULT_SERVICES_PER_SHARD] {
@@ -179,11 +189,14 @@ fn main() {
         let name = if layout.shards == 1 { "one table".to_string() } else { format!("{} shards", layout.shards) };
         println!("| {name} | {} | {} |", micros(&to_service), micros(&to_nothing));
     }
-    println!("\nLoad balanced as data, the host's layout: a frontend of K backends costs a new connection K set lookups\n");
+    println!(
+        "\nLoad balanced as data, the host's layout: a frontend of K backends costs a new connection K set lookups\n"
+    );
     println!("| backends per frontend | to a service (DNAT) | to no service |");
     println!("|---|---|---|");
     for backends in [1, 8, nft::MAX_PICK] {
-        let (_, to_service, to_nothing) = measure(&services_as_data(n, backends), Layout::DEFAULT_SERVICES_PER_SHARD, count);
+        let (_, to_service, to_nothing) =
+            measure(&services_as_data(n, backends), Layout::DEFAULT_SERVICES_PER_SHARD, count);
         println!("| {backends} | {} | {} |", micros(&to_service), micros(&to_nothing));
     }
 }

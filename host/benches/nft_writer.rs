@@ -49,7 +49,11 @@ fn view(i: usize, endpoint_base: usize) -> ServiceView {
         .collect();
     ServiceView {
         service: service.into(),
-        slices: vec![LocalSlice { name: format!("svc{i}-x").into(), endpoints, ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }] }],
+        slices: vec![LocalSlice {
+            name: format!("svc{i}-x").into(),
+            endpoints,
+            ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }],
+        }],
     }
 }
 
@@ -57,7 +61,9 @@ fn rules(session: &mut TranslatorSession, ctx: &NodeContext, view: &ServiceView)
     let key = ObjectKey::new(&view.service.namespace, &view.service.name);
     let out = session.translate(ctx, &nft::service_prefix(&key), view).expect("translate");
     let cluster_cidrs = wasmplane::dataplane::parse_cidrs("cluster-cidrs", &ctx.cluster_cidrs);
-    let rules = nft::validate_service_output(&key, &out, nft::PodDetection::new(&nft::PodTraffic::default(), &cluster_cidrs)).expect("valid output");
+    let rules =
+        nft::validate_service_output(&key, &out, nft::PodDetection::new(&nft::PodTraffic::default(), &cluster_cidrs))
+            .expect("valid output");
     (key, rules)
 }
 
@@ -88,23 +94,40 @@ fn main() {
         .map(|s| s.trim().parse().expect("WASMPLANE_BENCH_SIZES: comma-separated numbers"))
         .collect();
     let runtime = Runtime::new(Limits { call_timeout: Duration::from_secs(5), ..Default::default() }, None).unwrap();
-    let module = runtime.load("t", wasmplane_guest_artifacts::SERVICE_TRANSLATOR, Some(GuestKind::ServiceTranslator), usize::MAX).unwrap();
+    let module = runtime
+        .load("t", wasmplane_guest_artifacts::SERVICE_TRANSLATOR, Some(GuestKind::ServiceTranslator), usize::MAX)
+        .unwrap();
     let mut session = module.translator(Arc::new(NoLookups)).unwrap();
-    let ctx = NodeContext { node_name: "node-0".into(), cluster_cidrs: vec!["10.244.0.0/16".into()], ..Default::default() };
+    let ctx =
+        NodeContext { node_name: "node-0".into(), cluster_cidrs: vec!["10.244.0.0/16".into()], ..Default::default() };
 
-    println!("nftables writer: full syncs as `nft -f` text through `ip netns exec`, changes as netlink batches; each size and layout in a fresh namespace\n");
-    println!("| services | layout | statements | render | `nft -f` (reference, one table) | writer full sync | list chains+sets | reconcile | one-service change, netlink (median of 5) | same change through `nft -f` | netlink change / full load |");
+    println!(
+        "nftables writer: full syncs as `nft -f` text through `ip netns exec`, changes as netlink batches; each size and layout in a fresh namespace\n"
+    );
+    println!(
+        "| services | layout | statements | render | `nft -f` (reference, one table) | writer full sync | list chains+sets | reconcile | one-service change, netlink (median of 5) | same change through `nft -f` | netlink change / full load |"
+    );
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     let mut batch_kinds = Vec::new();
     for n in sizes {
-        let objects: BTreeMap<ObjectKey, ObjectRules> = (0..n).map(|i| rules(&mut session, &ctx, &view(i, 0))).collect();
-        let (document, render) = timed(|| nft::full_transaction(objects.values(), &nft::Stale::default(), nft::Layout::default(), &nft::NodeNetworks { cluster_cidrs: vec!["10.244.0.0/16".parse().unwrap()], ..Default::default() }));
+        let objects: BTreeMap<ObjectKey, ObjectRules> =
+            (0..n).map(|i| rules(&mut session, &ctx, &view(i, 0))).collect();
+        let (document, render) = timed(|| {
+            nft::full_transaction(
+                objects.values(),
+                &nft::Stale::default(),
+                nft::Layout::default(),
+                &nft::NodeNetworks { cluster_cidrs: vec!["10.244.0.0/16".parse().unwrap()], ..Default::default() },
+            )
+        });
         let statements = document.lines().count();
 
         let reference_ns = Netns::new(format!("wpbench{}-ref", std::process::id()));
         let file = tempfile::NamedTempFile::new().unwrap();
         std::fs::write(file.path(), &document).unwrap();
-        let (status, reference) = timed(|| Command::new("ip").args(["netns", "exec", &reference_ns.0, "nft", "-f"]).arg(file.path()).status().unwrap());
+        let (status, reference) = timed(|| {
+            Command::new("ip").args(["netns", "exec", &reference_ns.0, "nft", "-f"]).arg(file.path()).status().unwrap()
+        });
         assert!(status.success(), "reference load failed");
         drop(reference_ns);
 
@@ -112,8 +135,11 @@ fn main() {
         for per_shard in [nft::Layout::DEFAULT_SERVICES_PER_SHARD, usize::MAX] {
             let ns = Netns::new(format!("wpbench{}-writer", std::process::id()));
             let netns = NetlinkNft::netns_of_command(&ns.nft_command());
-            let kernel = NetlinkNft::open(NftCommand::new(ns.nft_command(), Vec::new()), netns.as_deref()).expect("netlink socket");
-            let mut dataplane = Dataplane::new(Box::new(kernel)).with_services_per_shard(per_shard).with_cluster_cidrs(&ctx.cluster_cidrs.to_std());
+            let kernel = NetlinkNft::open(NftCommand::new(ns.nft_command(), Vec::new()), netns.as_deref())
+                .expect("netlink socket");
+            let mut dataplane = Dataplane::new(Box::new(kernel))
+                .with_services_per_shard(per_shard)
+                .with_cluster_cidrs(&ctx.cluster_cidrs.to_std());
             let (result, full) = timed(|| dataplane.full_sync(Some(objects.clone())));
             result.expect("writer full sync");
             let layout = dataplane.layout();
@@ -153,7 +179,8 @@ fn main() {
             // of a table (every rule reachable from its base chains) when a batch adds
             // anything with a `validate` operation (a jump or goto, dnat, reject, a verdict
             // map element...) to it.
-            let mut probe = NetlinkNft::open(NftCommand::new(ns.nft_command(), Vec::new()), netns.as_deref()).expect("netlink socket");
+            let mut probe = NetlinkNft::open(NftCommand::new(ns.nft_command(), Vec::new()), netns.as_deref())
+                .expect("netlink socket");
             let median = |mut v: Vec<Duration>| {
                 v.sort();
                 v[v.len() / 2]
@@ -165,10 +192,26 @@ fn main() {
                 t
             };
             let shard = layout.table_of("svc/probe/probe");
-            let element = median((0..5).map(|k| timed_batch(format!("add element inet wasmplane cluster-ips {{ 10.252.0.{} }}\n", k + 1), format!("delete element inet wasmplane cluster-ips {{ 10.252.0.{} }}\n", k + 1))).collect());
+            let element = median(
+                (0..5)
+                    .map(|k| {
+                        timed_batch(
+                            format!("add element inet wasmplane cluster-ips {{ 10.252.0.{} }}\n", k + 1),
+                            format!("delete element inet wasmplane cluster-ips {{ 10.252.0.{} }}\n", k + 1),
+                        )
+                    })
+                    .collect(),
+            );
             let plain_rule = median(
                 (0..5)
-                    .map(|k| timed_batch(format!("add chain {shard} svc/probe/probe/{k}\nadd rule {shard} svc/probe/probe/{k} counter\n"), format!("delete chain {shard} svc/probe/probe/{k}\n")))
+                    .map(|k| {
+                        timed_batch(
+                            format!(
+                                "add chain {shard} svc/probe/probe/{k}\nadd rule {shard} svc/probe/probe/{k} counter\n"
+                            ),
+                            format!("delete chain {shard} svc/probe/probe/{k}\n"),
+                        )
+                    })
                     .collect(),
             );
             let verdict_element = median(
@@ -181,7 +224,8 @@ fn main() {
                     })
                     .collect(),
             );
-            let layout_name = if layout.shards == 1 { "one table".to_string() } else { format!("{} shards", layout.shards) };
+            let layout_name =
+                if layout.shards == 1 { "one table".to_string() } else { format!("{} shards", layout.shards) };
             batch_kinds.push((n, layout_name.clone(), element, plain_rule, verdict_element));
 
             changes.sort();
@@ -201,8 +245,12 @@ fn main() {
             );
         }
     }
-    println!("\nOne netlink batch by kind (median of 5): the kernel's commit validates the whole jump graph after anything with a jump, goto, dnat, reject or verdict element\n");
-    println!("| services | layout | set element, no verdict (main table) | new chain + `counter` rule (a shard) | map element `goto` (a shard) |");
+    println!(
+        "\nOne netlink batch by kind (median of 5): the kernel's commit validates the whole jump graph after anything with a jump, goto, dnat, reject or verdict element\n"
+    );
+    println!(
+        "| services | layout | set element, no verdict (main table) | new chain + `counter` rule (a shard) | map element `goto` (a shard) |"
+    );
     println!("|---|---|---|---|---|");
     for (n, layout, element, plain_rule, verdict_element) in batch_kinds {
         println!("| {n} | {layout} | {} | {} | {} |", fmt(element), fmt(plain_rule), fmt(verdict_element));

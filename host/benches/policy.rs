@@ -42,13 +42,26 @@ fn pod(i: usize, app: usize) -> ClusterObject {
         ips: vec![format!("10.244.{}.{}", i / 250, i % 250 + 1).into()],
         node_name: Some(if local { NODE.into() } else { format!("node-{}", i % 40 + 1).into() }),
         labels: labels(&[("app", format!("a{app}"))]),
-        ports: vec![ContainerPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080, host_port: None, host_ip: None }],
+        ports: vec![ContainerPort {
+            name: "http".into(),
+            protocol: Protocol::Tcp,
+            port: 8080,
+            host_port: None,
+            host_ip: None,
+        }],
         host_network: false,
     })
 }
 
 fn policy(i: usize) -> ClusterObject {
-    let rule = |peers: Vec<PolicyPeer>| PolicyRule { ports: vec![PolicyPort { protocol: Protocol::Tcp, port: PolicyPortNumber::Name("http".into()), end_port: None }], peers };
+    let rule = |peers: Vec<PolicyPeer>| PolicyRule {
+        ports: vec![PolicyPort {
+            protocol: Protocol::Tcp,
+            port: PolicyPortNumber::Name("http".into()),
+            end_port: None,
+        }],
+        peers,
+    };
     ClusterObject::NetworkPolicy(NetworkPolicy {
         namespace: format!("ns{}", i % NAMESPACES).into(),
         name: format!("pol{i}").into(),
@@ -56,7 +69,11 @@ fn policy(i: usize) -> ClusterObject {
         generation: 1,
         pod_selector: select(&[("app", format!("a{}", i % APPS))]),
         ingress: Some(vec![
-            rule(vec![PolicyPeer { pod_selector: Some(select(&[("app", format!("a{}", (i + 1) % APPS))])), namespace_selector: None, ip_block: None }]),
+            rule(vec![PolicyPeer {
+                pod_selector: Some(select(&[("app", format!("a{}", (i + 1) % APPS))])),
+                namespace_selector: None,
+                ip_block: None,
+            }]),
             rule(vec![PolicyPeer {
                 pod_selector: Some(select(&[("app", format!("a{}", (i + 3) % APPS))])),
                 namespace_selector: Some(select(&[("team", format!("t{}", i % 5))])),
@@ -102,8 +119,14 @@ fn run(n: usize, kernel: Box<dyn Kernel>, runtime: &Runtime) -> (Duration, usize
         policy: PolicyController::new(&module),
         dataplane: Dataplane::new(kernel),
     };
-    let mut events: Vec<ClusterEvent> =
-        (0..NAMESPACES).map(|i| ClusterEvent::Upsert(ClusterObject::Namespace(Namespace { name: format!("ns{i}").into(), labels: labels(&[("team", format!("t{}", i % 5))]) }))).collect();
+    let mut events: Vec<ClusterEvent> = (0..NAMESPACES)
+        .map(|i| {
+            ClusterEvent::Upsert(ClusterObject::Namespace(Namespace {
+                name: format!("ns{i}").into(),
+                labels: labels(&[("team", format!("t{}", i % 5))]),
+            }))
+        })
+        .collect();
     events.extend((0..PODS).map(|i| ClusterEvent::Upsert(pod(i, i % APPS))));
     events.extend((0..n).map(|i| ClusterEvent::Upsert(policy(i))));
     let started = Instant::now();
@@ -125,14 +148,27 @@ fn run(n: usize, kernel: Box<dyn Kernel>, runtime: &Runtime) -> (Duration, usize
 }
 
 fn main() {
-    let sizes: Vec<usize> = std::env::var("WASMPLANE_BENCH_POLICIES").ok().map(|s| s.split(',').filter_map(|n| n.trim().parse().ok()).collect()).unwrap_or_else(|| vec![1_000, 10_000]);
+    let sizes: Vec<usize> = std::env::var("WASMPLANE_BENCH_POLICIES")
+        .ok()
+        .map(|s| s.split(',').filter_map(|n| n.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![1_000, 10_000]);
     let runtime = Runtime::new(Limits { call_timeout: Duration::from_secs(5), ..Default::default() }, None).unwrap();
-    let root = Command::new("id").arg("-u").output().map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0").unwrap_or(false);
-    println!("{PODS} pods ({} on this node), {NAMESPACES} namespaces; builtin policy guest as Wasm\n", PODS / NAMESPACES);
-    println!("| policies | writer | full compile + sync | policies compiled | statements | one label change (median of 7) | policies recompiled | statements written |");
+    let root = Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false);
+    println!(
+        "{PODS} pods ({} on this node), {NAMESPACES} namespaces; builtin policy guest as Wasm\n",
+        PODS / NAMESPACES
+    );
+    println!(
+        "| policies | writer | full compile + sync | policies compiled | statements | one label change (median of 7) | policies recompiled | statements written |"
+    );
     println!("|---|---|---|---|---|---|---|---|");
     for &n in &sizes {
-        let mut kernels: Vec<(&str, Box<dyn Kernel>, Option<String>)> = vec![("render only", Box::new(Recorder::default()), None)];
+        let mut kernels: Vec<(&str, Box<dyn Kernel>, Option<String>)> =
+            vec![("render only", Box::new(Recorder::default()), None)];
         if root {
             let ns = format!("wpbench-pol-{}-{n}", std::process::id());
             let _ = Command::new("ip").args(["netns", "add", &ns]).status();
@@ -143,7 +179,11 @@ fn main() {
             let _ = Command::new("ip").args(["netns", "add", &ns]).status();
             let nft: Vec<String> = vec!["ip".into(), "netns".into(), "exec".into(), ns.clone(), "nft".into()];
             let netns = NetlinkNft::netns_of_command(&nft);
-            kernels.push(("netlink in a netns", Box::new(NetlinkNft::open(NftCommand::new(nft, vec![]), netns.as_deref()).expect("netlink socket")), Some(ns)));
+            kernels.push((
+                "netlink in a netns",
+                Box::new(NetlinkNft::open(NftCommand::new(nft, vec![]), netns.as_deref()).expect("netlink socket")),
+                Some(ns),
+            ));
         }
         for (what, kernel, ns) in kernels {
             let (full, compiled, statements, change, recompiled, written) = run(n, kernel, &runtime);

@@ -62,7 +62,11 @@ fn synthetic(n: usize) -> Vec<ServiceView> {
                 .collect();
             ServiceView {
                 service: service.into(),
-                slices: vec![LocalSlice { name: format!("svc{i}-x").into(), endpoints, ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }] }],
+                slices: vec![LocalSlice {
+                    name: format!("svc{i}-x").into(),
+                    endpoints,
+                    ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }],
+                }],
             }
         })
         .collect()
@@ -81,7 +85,8 @@ fn lowered_allocations(ctx: &wit::NodeContext, service: &wit::Service, slices: &
     let strings = |l: &[String]| 1 + l.len();
     let params_area_and_prefix = 2;
     let ctx = 1 + strings(&ctx.node_ips) + strings(&ctx.cluster_cidrs) + strings(&ctx.pod_cidrs);
-    let ports: usize = service.ports.iter().map(|p| 1 + usize::from(matches!(p.target_port, wit::TargetPort::Name(_)))).sum();
+    let ports: usize =
+        service.ports.iter().map(|p| 1 + usize::from(matches!(p.target_port, wit::TargetPort::Name(_)))).sum();
     let service = 2
         + strings(&service.cluster_ips)
         + strings(&service.external_ips)
@@ -93,8 +98,11 @@ fn lowered_allocations(ctx: &wit::NodeContext, service: &wit::Service, slices: &
     let slices = 1 + slices
         .iter()
         .map(|s| {
-            let endpoints: usize =
-                s.endpoints.iter().map(|e| strings(&e.addresses) + usize::from(e.node_name.is_some()) + usize::from(e.zone.is_some())).sum();
+            let endpoints: usize = s
+                .endpoints
+                .iter()
+                .map(|e| strings(&e.addresses) + usize::from(e.node_name.is_some()) + usize::from(e.zone.is_some()))
+                .sum();
             1 + 1 + endpoints + 1 + s.ports.len()
         })
         .sum::<usize>();
@@ -106,10 +114,21 @@ fn lowered_allocations(ctx: &wit::NodeContext, service: &wit::Service, slices: &
 /// between the two runs is `REPEAT - 1` translations of inputs already in the guest, their
 /// rulesets built and freed there. Native: the same function on inputs already converted.
 /// Returns (Wasm, native) per translation.
-fn guest_work(runtime: &Runtime, ctx: &NodeContext, sdk_ctx: &sdk::NodeContext, views: &[ServiceView], prefixes: &[String]) -> (Duration, Duration) {
+fn guest_work(
+    runtime: &Runtime,
+    ctx: &NodeContext,
+    sdk_ctx: &sdk::NodeContext,
+    views: &[ServiceView],
+    prefixes: &[String],
+) -> (Duration, Duration) {
     const REPEAT: u32 = 11;
     let module = runtime
-        .load("repeat", wasmplane_guest_artifacts::test_programs::TRANSLATOR_BENCH_REPEAT, Some(GuestKind::ServiceTranslator), usize::MAX)
+        .load(
+            "repeat",
+            wasmplane_guest_artifacts::test_programs::TRANSLATOR_BENCH_REPEAT,
+            Some(GuestKind::ServiceTranslator),
+            usize::MAX,
+        )
         .unwrap();
     let mut session = module.translator(Arc::new(NoLookups)).unwrap();
     session.instantiate_now().unwrap();
@@ -118,7 +137,9 @@ fn guest_work(runtime: &Runtime, ctx: &NodeContext, sdk_ctx: &sdk::NodeContext, 
             .iter()
             .map(|v| {
                 let mut service = (*v.service).clone();
-                service.labels.insert(wasmplane_guest_service_translator::BENCH_REPEAT_LABEL.into(), repeat.to_compact_string());
+                service
+                    .labels
+                    .insert(wasmplane_guest_service_translator::BENCH_REPEAT_LABEL.into(), repeat.to_compact_string());
                 ServiceView { service: service.into(), slices: v.slices.clone() }
             })
             .collect()
@@ -161,7 +182,9 @@ impl wasmtime_wasi::WasiView for BenchGuestState {
 /// A bench-only build of the default translator (another world than the runtime loads),
 /// compiled on an engine of the runtime's configuration (`engine_config`: the same code
 /// generation, epoch checks and reservation), with its store and a linker of empty WASI.
-fn bench_guest(component: &[u8]) -> (wasmtime::Store<BenchGuestState>, wasmtime::component::Component, wasmtime::component::Linker<BenchGuestState>) {
+fn bench_guest(
+    component: &[u8],
+) -> (wasmtime::Store<BenchGuestState>, wasmtime::component::Component, wasmtime::component::Linker<BenchGuestState>) {
     let engine = wasmtime::Engine::new(&wasmplane_runtime::engine_config(&Limits::default())).unwrap();
     let component = wasmtime::component::Component::new(&engine, component).unwrap();
     let mut linker = wasmtime::component::Linker::new(&engine);
@@ -198,7 +221,8 @@ struct SerializedBoundary {
 /// the model → SDK conversion, as in the typed rows.
 fn serialized_boundary(sdk_ctx: &sdk::NodeContext, views: &[ServiceView], prefixes: &[String]) -> SerializedBoundary {
     use wasmplane_guest_service_translator::{EncodedInputs, decode_output, encode_inputs, translate_encoded};
-    let (mut store, component, linker) = bench_guest(wasmplane_guest_artifacts::test_programs::TRANSLATOR_BENCH_ENCODED);
+    let (mut store, component, linker) =
+        bench_guest(wasmplane_guest_artifacts::test_programs::TRANSLATOR_BENCH_ENCODED);
     let guest = encoded::EncodedTranslation::instantiate(&mut store, &component, &linker).unwrap();
     let translator = guest.wasmplane_bench_encoded_translator();
     let encode = |view: &ServiceView, prefix: &String| {
@@ -229,7 +253,11 @@ fn serialized_boundary(sdk_ctx: &sdk::NodeContext, views: &[ServiceView], prefix
 
     let typed_inputs: Vec<_> = views.iter().map(to_sdk).collect();
     let encoded_inputs: Vec<_> = views.iter().zip(prefixes).map(|(v, p)| encode(v, p)).collect();
-    let results: Vec<_> = typed_inputs.iter().zip(prefixes).map(|((s, sl), p)| wasmplane_guest_service_translator::translate(sdk_ctx, p, s, sl)).collect();
+    let results: Vec<_> = typed_inputs
+        .iter()
+        .zip(prefixes)
+        .map(|((s, sl), p)| wasmplane_guest_service_translator::translate(sdk_ctx, p, s, sl))
+        .collect();
     let encoded_results: Vec<_> = results.iter().map(|r| postcard::to_allocvec(r).unwrap()).collect();
     SerializedBoundary {
         wasm,
@@ -287,7 +315,13 @@ struct Batched {
 }
 
 /// On a [`bench_guest`], as the serialized boundary.
-fn batched_boundary(session: &mut wasmplane_runtime::TranslatorSession, ctx: &NodeContext, sdk_ctx: &sdk::NodeContext, views: &[ServiceView], prefixes: &[String]) -> Batched {
+fn batched_boundary(
+    session: &mut wasmplane_runtime::TranslatorSession,
+    ctx: &NodeContext,
+    sdk_ctx: &sdk::NodeContext,
+    views: &[ServiceView],
+    prefixes: &[String],
+) -> Batched {
     use batch::exports::wasmplane::bench_batch::batch_translator::ServiceInputs;
     let (mut store, component, linker) = bench_guest(wasmplane_guest_artifacts::test_programs::TRANSLATOR_BENCH_BATCH);
     let guest = batch::BatchTranslation::instantiate(&mut store, &component, &linker).unwrap();
@@ -296,20 +330,34 @@ fn batched_boundary(session: &mut wasmplane_runtime::TranslatorSession, ctx: &No
         views
             .iter()
             .zip(prefixes)
-            .map(|(v, p)| ServiceInputs { chain_prefix: p.clone(), service: convert::service(&v.service), slices: convert::slices(v) })
+            .map(|(v, p)| ServiceInputs {
+                chain_prefix: p.clone(),
+                service: convert::service(&v.service),
+                slices: convert::slices(v),
+            })
             .collect()
     };
 
     // Every service's ruleset is today's call's, in order.
     let checked = views.len().min(64);
-    let results = translator.call_translate_batch(&mut store, &convert::node_context(ctx), &inputs(&views[..checked], &prefixes[..checked])).unwrap();
+    let results = translator
+        .call_translate_batch(&mut store, &convert::node_context(ctx), &inputs(&views[..checked], &prefixes[..checked]))
+        .unwrap();
     assert_eq!(results.len(), checked, "one result per service");
     for ((result, view), prefix) in results.into_iter().zip(views).zip(prefixes) {
-        assert_eq!(result.unwrap(), session.translate(ctx, prefix, view).unwrap(), "the batched guest's ruleset for {prefix}");
+        assert_eq!(
+            result.unwrap(),
+            session.translate(ctx, prefix, view).unwrap(),
+            "the batched guest's ruleset for {prefix}"
+        );
     }
 
     let sizes: Vec<usize> = BATCH_SIZES.iter().copied().filter(|&size| size <= views.len()).collect();
-    let mut result = Batched { typed: Duration::MAX, native: Duration::MAX, batched: sizes.iter().map(|&size| (size, Duration::MAX)).collect() };
+    let mut result = Batched {
+        typed: Duration::MAX,
+        native: Duration::MAX,
+        batched: sizes.iter().map(|&size| (size, Duration::MAX)).collect(),
+    };
     for _round in 0..5 {
         result.typed = result.typed.min(best_of(1, || {
             for (v, p) in views.iter().zip(prefixes) {
@@ -324,7 +372,9 @@ fn batched_boundary(session: &mut wasmplane_runtime::TranslatorSession, ctx: &No
         for (size, best) in &mut result.batched {
             *best = (*best).min(best_of(1, || {
                 for (views, prefixes) in views.chunks(*size).zip(prefixes.chunks(*size)) {
-                    let results = translator.call_translate_batch(&mut store, &convert::node_context(ctx), &inputs(views, prefixes)).unwrap();
+                    let results = translator
+                        .call_translate_batch(&mut store, &convert::node_context(ctx), &inputs(views, prefixes))
+                        .unwrap();
                     std::hint::black_box(results);
                 }
             }));
@@ -336,7 +386,13 @@ fn batched_boundary(session: &mut wasmplane_runtime::TranslatorSession, ctx: &No
 /// One call at a time after 20 ms idle, as one change arrives in the host (the hot loops
 /// above keep code and data in the caches): the median and p90 over 100 calls, Wasm
 /// (`TranslatorSession::translate`) and native (model → SDK types + translate).
-fn isolated_calls(session: &mut wasmplane_runtime::TranslatorSession, ctx: &NodeContext, sdk_ctx: &sdk::NodeContext, views: &[ServiceView], prefixes: &[String]) -> Isolated {
+fn isolated_calls(
+    session: &mut wasmplane_runtime::TranslatorSession,
+    ctx: &NodeContext,
+    sdk_ctx: &sdk::NodeContext,
+    views: &[ServiceView],
+    prefixes: &[String],
+) -> Isolated {
     const CALLS: usize = 100;
     let idle = Duration::from_millis(20);
     let (mut wasm, mut native) = (Vec::with_capacity(CALLS), Vec::with_capacity(CALLS));
@@ -348,7 +404,9 @@ fn isolated_calls(session: &mut wasmplane_runtime::TranslatorSession, ctx: &Node
         std::thread::sleep(idle);
         let t = Instant::now();
         let (service, slices) = to_sdk(view);
-        std::hint::black_box(wasmplane_guest_service_translator::translate(sdk_ctx, prefix, &service, &slices).unwrap());
+        std::hint::black_box(
+            wasmplane_guest_service_translator::translate(sdk_ctx, prefix, &service, &slices).unwrap(),
+        );
         native.push(t.elapsed());
     }
     wasm.sort();
@@ -381,7 +439,9 @@ fn per_call(d: Duration, n: usize) -> String {
 
 fn main() {
     let bytes: Cow<'static, [u8]> = match std::env::var_os("WASMPLANE_BENCH_GUEST") {
-        Some(path) => Cow::Owned(std::fs::read(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.to_string_lossy()))),
+        Some(path) => {
+            Cow::Owned(std::fs::read(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.to_string_lossy())))
+        }
         None => Cow::Borrowed(wasmplane_guest_artifacts::SERVICE_TRANSLATOR),
     };
     let sizes: Vec<usize> = std::env::var("WASMPLANE_BENCH_SIZES")
@@ -409,14 +469,21 @@ fn main() {
     });
     println!("| instantiate (pooling allocator) | {:.1} µs |", instantiate.as_secs_f64() * 1e6);
 
-    let ctx = NodeContext { node_name: "node-0".into(), node_ips: vec!["192.168.0.1".into()], cluster_cidrs: vec!["10.244.0.0/16".into()], pod_cidrs: vec![], zone: None };
+    let ctx = NodeContext {
+        node_name: "node-0".into(),
+        node_ips: vec!["192.168.0.1".into()],
+        cluster_cidrs: vec!["10.244.0.0/16".into()],
+        pod_cidrs: vec![],
+        zone: None,
+    };
     let sdk_ctx = native::node_context(&ctx);
     let mut breakdown = Vec::new();
     println!("\n| services | Wasm total | Wasm per call | native total | native per call | Wasm/native |");
     println!("|---|---|---|---|---|---|");
     for &n in &sizes {
         let views = synthetic(n);
-        let prefixes: Vec<String> = views.iter().map(|v| format!("svc/{}/{}", v.service.namespace, v.service.name)).collect();
+        let prefixes: Vec<String> =
+            views.iter().map(|v| format!("svc/{}/{}", v.service.namespace, v.service.name)).collect();
         let mut session = module.translator(Arc::new(NoLookups)).unwrap();
         session.instantiate_now().unwrap();
         let wasm = best_of(3, || {
@@ -476,7 +543,8 @@ fn main() {
             }
         });
         // Per call, how many of those lowerings each of the two ExternalName runs made.
-        let with_slices = inputs.iter().map(|(s, sl)| lowered_allocations(&wit_ctx, s, sl)).sum::<usize>() as f64 / n as f64;
+        let with_slices =
+            inputs.iter().map(|(s, sl)| lowered_allocations(&wit_ctx, s, sl)).sum::<usize>() as f64 / n as f64;
         let without = empty.iter().map(|s| lowered_allocations(&wit_ctx, s, &[])).sum::<usize>() as f64 / n as f64;
         let (work_wasm, work_native) = guest_work(&runtime, &ctx, &sdk_ctx, &views, &prefixes);
         let serialized = serialized_boundary(&sdk_ctx, &views, &prefixes);
@@ -499,17 +567,27 @@ fn main() {
             batched,
         });
     }
-    println!("\n| services | model → WIT | lowering the inputs + call + empty result (ExternalName) | fixed cost of a call (ExternalName, no slices) | native clone of the ruleset (≈ lifting it) |");
+    println!(
+        "\n| services | model → WIT | lowering the inputs + call + empty result (ExternalName) | fixed cost of a call (ExternalName, no slices) | native clone of the ruleset (≈ lifting it) |"
+    );
     println!("|---|---|---|---|---|");
     for b in &breakdown {
         let n = b.n;
-        println!("| {n} | {} | {} | {} | {} |", per_call(b.convert, n), per_call(b.boundary, n), per_call(b.call, n), per_call(b.ruleset_clone, n));
+        println!(
+            "| {n} | {} | {} | {} | {} |",
+            per_call(b.convert, n),
+            per_call(b.boundary, n),
+            per_call(b.call, n),
+            per_call(b.ruleset_clone, n)
+        );
     }
     // The two ExternalName runs differ only in the slices, so their difference over the
     // difference in lowerings is what one lowered string or list costs (the host's copy, the
     // call into the guest's allocator, the guest's bindings taking it over and freeing it).
     // What is left of the fixed cost is entering and leaving the guest.
-    println!("\n| services | guest allocations per call: with slices / without | one lowered string or list | the call itself (fixed cost less its lowerings) | native call, in lowered strings or lists |");
+    println!(
+        "\n| services | guest allocations per call: with slices / without | one lowered string or list | the call itself (fixed cost less its lowerings) | native call, in lowered strings or lists |"
+    );
     println!("|---|---|---|---|---|");
     for b in &breakdown {
         let per_call_us = |d: Duration| d.as_secs_f64() * 1e6 / b.n as f64;
@@ -560,7 +638,9 @@ fn main() {
     // boundary, against today's call and native timed in the same rounds. One service per
     // call is today's call shape without the runtime's per-call work (deadline, output
     // limits).
-    println!("\n| services | today's call (interleaved) | native (interleaved) | services per call | batched, per service | batched/native | batched/today's |");
+    println!(
+        "\n| services | today's call (interleaved) | native (interleaved) | services per call | batched, per service | batched/native | batched/today's |"
+    );
     println!("|---|---|---|---|---|---|---|");
     for b in &breakdown {
         let batched = &b.batched;
@@ -601,7 +681,8 @@ fn main() {
     println!("|---|---|---|---|---|---|---|");
     for b in &breakdown {
         let s = &b.serialized;
-        let in_place = s.wasm + s.decode_inputs_borrowed + s.decode_ruleset_borrowed - s.decode_inputs - s.decode_ruleset;
+        let in_place =
+            s.wasm + s.decode_inputs_borrowed + s.decode_ruleset_borrowed - s.decode_inputs - s.decode_ruleset;
         println!(
             "| {} | {} | {} ({}) | {} | {} ({}) | {} | {:.2}× |",
             b.n,

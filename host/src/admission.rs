@@ -55,7 +55,9 @@ pub enum AdmissionError {
         "the signature of module {module:?} ({digest}) does not verify with any of the {keys} trusted key(s): signed by another key, or the bytes changed after signing"
     )]
     BadSignature { module: String, digest: String, keys: usize },
-    #[error("module {module:?} imports {import}, but capability {capability:?} is not granted to it (granted: {granted})")]
+    #[error(
+        "module {module:?} imports {import}, but capability {capability:?} is not granted to it (granted: {granted})"
+    )]
     NotGranted { module: String, import: String, capability: String, granted: String },
 }
 
@@ -97,7 +99,8 @@ fn invalid(path: &Path, reason: impl std::fmt::Display) -> KeyError {
 }
 
 fn raw_key(path: &Path, text: &str) -> Result<[u8; 32], KeyError> {
-    let bytes = hex::decode(text.trim()).map_err(|e| invalid(path, format!("expected 64 hex characters or PEM: {e}")))?;
+    let bytes =
+        hex::decode(text.trim()).map_err(|e| invalid(path, format!("expected 64 hex characters or PEM: {e}")))?;
     bytes.try_into().map_err(|b: Vec<u8>| invalid(path, format!("expected a 32-byte key, found {} bytes", b.len())))
 }
 
@@ -105,16 +108,19 @@ fn raw_key(path: &Path, text: &str) -> Result<[u8; 32], KeyError> {
 pub fn read_public_key(path: &Path) -> Result<VerifyingKey, KeyError> {
     let text = read_text(path)?;
     if text.trim_start().starts_with("-----BEGIN") {
-        return VerifyingKey::from_public_key_pem(text.trim()).map_err(|e| invalid(path, format!("not an ed25519 public key PEM: {e}")));
+        return VerifyingKey::from_public_key_pem(text.trim())
+            .map_err(|e| invalid(path, format!("not an ed25519 public key PEM: {e}")));
     }
-    VerifyingKey::from_bytes(&raw_key(path, &text)?).map_err(|e| invalid(path, format!("not an ed25519 public key: {e}")))
+    VerifyingKey::from_bytes(&raw_key(path, &text)?)
+        .map_err(|e| invalid(path, format!("not an ed25519 public key: {e}")))
 }
 
 /// Reads a private key (hex seed or PKCS#8 PEM).
 pub fn read_private_key(path: &Path) -> Result<SigningKey, KeyError> {
     let text = read_text(path)?;
     if text.trim_start().starts_with("-----BEGIN") {
-        return SigningKey::from_pkcs8_pem(text.trim()).map_err(|e| invalid(path, format!("not an ed25519 private key PEM: {e}")));
+        return SigningKey::from_pkcs8_pem(text.trim())
+            .map_err(|e| invalid(path, format!("not an ed25519 private key PEM: {e}")));
     }
     Ok(SigningKey::from_bytes(&raw_key(path, &text)?))
 }
@@ -133,8 +139,9 @@ pub fn generate_key_pair() -> std::io::Result<(String, String)> {
 /// Reads a grants file: `{ "<module>" | "*": [capability, …] }`.
 pub fn read_grants(path: &Path) -> Result<BTreeMap<String, BTreeSet<String>>, KeyError> {
     let text = read_text(path)?;
-    let raw: BTreeMap<String, Option<Vec<String>>> =
-        serde_yaml::from_str(&text).map_err(|e| invalid(path, format!("expected a map of module name (or \"*\") to a list of capabilities: {e}")))?;
+    let raw: BTreeMap<String, Option<Vec<String>>> = serde_yaml::from_str(&text).map_err(|e| {
+        invalid(path, format!("expected a map of module name (or \"*\") to a list of capabilities: {e}"))
+    })?;
     let mut grants = BTreeMap::new();
     for (module, capabilities) in raw {
         let mut set = BTreeSet::new();
@@ -142,7 +149,10 @@ pub fn read_grants(path: &Path) -> Result<BTreeMap<String, BTreeSet<String>>, Ke
             // Accept the full interface name too (`wasmplane:dataplane/log`).
             let short = c.strip_prefix(PACKAGE_PREFIX).unwrap_or(&c).split('@').next().unwrap_or_default().to_string();
             if !CAPABILITIES.contains(&short.as_str()) {
-                return Err(invalid(path, format!("module {module:?}: unknown capability {c:?} (known: {})", CAPABILITIES.join(", "))));
+                return Err(invalid(
+                    path,
+                    format!("module {module:?}: unknown capability {c:?} (known: {})", CAPABILITIES.join(", ")),
+                ));
             }
             set.insert(short);
         }
@@ -182,7 +192,13 @@ impl Admission {
     }
 
     /// Checks one upload; `signature` is what came with it, if anything.
-    pub fn admit(&self, name: &str, info: &ModuleInfo, bytes: &[u8], signature: Option<&str>) -> Result<(), AdmissionError> {
+    pub fn admit(
+        &self,
+        name: &str,
+        info: &ModuleInfo,
+        bytes: &[u8],
+        signature: Option<&str>,
+    ) -> Result<(), AdmissionError> {
         self.check_signature(name, bytes, signature)?;
         self.check_imports(name, info)
     }
@@ -194,8 +210,11 @@ impl Admission {
         let Some(text) = signature.map(str::trim).filter(|s| !s.is_empty()) else {
             return Err(AdmissionError::Unsigned { module: name.to_string() });
         };
-        let raw = base64::engine::general_purpose::STANDARD.decode(text).map_err(|e| AdmissionError::MalformedSignature { reason: e.to_string() })?;
-        let signature = Signature::from_slice(&raw).map_err(|_| AdmissionError::MalformedSignature { reason: format!("{} bytes", raw.len()) })?;
+        let raw = base64::engine::general_purpose::STANDARD
+            .decode(text)
+            .map_err(|e| AdmissionError::MalformedSignature { reason: e.to_string() })?;
+        let signature = Signature::from_slice(&raw)
+            .map_err(|_| AdmissionError::MalformedSignature { reason: format!("{} bytes", raw.len()) })?;
         // Recomputed here from the bytes, not taken from anything the uploader said.
         let digest = wasmplane_runtime::LoadedModule::digest_of(bytes);
         let message = signed_message(&digest);
@@ -211,13 +230,23 @@ impl Admission {
             if import.starts_with("wasi:") {
                 continue;
             }
-            let capability = import.strip_prefix(PACKAGE_PREFIX).and_then(|rest| rest.split('@').next()).unwrap_or(import);
+            let capability =
+                import.strip_prefix(PACKAGE_PREFIX).and_then(|rest| rest.split('@').next()).unwrap_or(import);
             // A module's own settings are no capability over anything else: always readable.
             if capability == "types" || capability == "settings" || granted.contains(capability) {
                 continue;
             }
-            let granted = if granted.is_empty() { "nothing".to_string() } else { granted.iter().cloned().collect::<Vec<_>>().join(", ") };
-            return Err(AdmissionError::NotGranted { module: name.to_string(), import: import.clone(), capability: capability.to_string(), granted });
+            let granted = if granted.is_empty() {
+                "nothing".to_string()
+            } else {
+                granted.iter().cloned().collect::<Vec<_>>().join(", ")
+            };
+            return Err(AdmissionError::NotGranted {
+                module: name.to_string(),
+                import: import.clone(),
+                capability: capability.to_string(),
+                granted,
+            });
         }
         Ok(())
     }
@@ -246,16 +275,33 @@ mod tests {
         let i = info(&[], bytes);
         assert!(admission.admit("m", &i, bytes, Some(&sign(&key, bytes))).is_ok());
         assert!(matches!(admission.admit("m", &i, bytes, None), Err(AdmissionError::Unsigned { .. })));
-        assert!(matches!(admission.admit("m", &i, bytes, Some(&sign(&other, bytes))), Err(AdmissionError::BadSignature { .. })));
-        assert!(matches!(admission.admit("m", &i, b"component bytez", Some(&sign(&key, bytes))), Err(AdmissionError::BadSignature { .. })));
-        assert!(matches!(admission.admit("m", &i, bytes, Some("not base64!")), Err(AdmissionError::MalformedSignature { .. })));
+        assert!(matches!(
+            admission.admit("m", &i, bytes, Some(&sign(&other, bytes))),
+            Err(AdmissionError::BadSignature { .. })
+        ));
+        assert!(matches!(
+            admission.admit("m", &i, b"component bytez", Some(&sign(&key, bytes))),
+            Err(AdmissionError::BadSignature { .. })
+        ));
+        assert!(matches!(
+            admission.admit("m", &i, bytes, Some("not base64!")),
+            Err(AdmissionError::MalformedSignature { .. })
+        ));
     }
 
     #[test]
     fn grants_are_the_union_of_the_module_entry_and_the_wildcard() {
-        let grants = BTreeMap::from([("*".to_string(), BTreeSet::from(["log".to_string()])), ("p".to_string(), BTreeSet::from(["lookups".to_string()]))]);
+        let grants = BTreeMap::from([
+            ("*".to_string(), BTreeSet::from(["log".to_string()])),
+            ("p".to_string(), BTreeSet::from(["lookups".to_string()])),
+        ]);
         let admission = Admission::new(vec![], Some(grants));
-        let imports = ["wasi:io/streams@0.2.0", "wasmplane:dataplane/types@1.0.0", "wasmplane:dataplane/log@1.0.0", "wasmplane:dataplane/lookups@1.0.0"];
+        let imports = [
+            "wasi:io/streams@0.2.0",
+            "wasmplane:dataplane/types@1.0.0",
+            "wasmplane:dataplane/log@1.0.0",
+            "wasmplane:dataplane/lookups@1.0.0",
+        ];
         assert!(admission.admit("p", &info(&imports, b"x"), b"x", None).is_ok());
         let refused = admission.admit("q", &info(&imports, b"x"), b"x", None).unwrap_err();
         assert!(refused.to_string().contains("wasmplane:dataplane/lookups@1.0.0"), "{refused}");

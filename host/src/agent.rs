@@ -15,14 +15,16 @@ use wasmplane_kvstore::KvStore;
 use wasmplane_model::ToStd;
 use wasmplane_model::state::NodeContext;
 use wasmplane_operator::policystatus::POLICY_STATUS_PREFIX;
-use wasmplane_operator::{CLUSTERS_PREFIX, HEARTBEAT_KEY, HeartbeatMonitor, NodePolicyStatus, NodeRegistry, NodeRegistryConfig, NodeStatusWriter, PolicyRef, RouteConfig, RouteSync};
+use wasmplane_operator::{
+    CLUSTERS_PREFIX, HEARTBEAT_KEY, HeartbeatMonitor, NodePolicyStatus, NodeRegistry, NodeRegistryConfig,
+    NodeStatusWriter, PolicyRef, RouteConfig, RouteSync,
+};
 
-use crate::controller::{Controller, ModelObserver};
 use crate::clustermesh::{ClusterMeshConfig, Following, RemoteClusters};
+use crate::controller::{Controller, ModelObserver};
 use crate::service_import::{Clusters, ImportSummary, RemoteImport, ServiceImport};
 
-#[derive(Clone, Debug)]
-#[derive(Default)]
+#[derive(Clone, Debug, Default)]
 pub struct AgentConfig {
     /// Program routes to other nodes' pod CIDRs (off on a developer machine: they would go
     /// into its own routing table).
@@ -71,11 +73,22 @@ impl Drop for Agent {
 /// Other clusters' pod CIDRs, routed to natively (`--node-routes`), are left out of pod egress
 /// masquerade: a pod reaches their pods with its own address, which their policies match (as
 /// Cilium's native-routing CIDR spans every cluster of a mesh).
-async fn keep_remote_pod_addresses(mut nodes: tokio::sync::watch::Receiver<wasmplane_operator::RemoteNodeSet>, controller: std::sync::Weak<Mutex<Controller>>) {
+async fn keep_remote_pod_addresses(
+    mut nodes: tokio::sync::watch::Receiver<wasmplane_operator::RemoteNodeSet>,
+    controller: std::sync::Weak<Mutex<Controller>>,
+) {
     loop {
-        let cidrs: Vec<IpNet> = nodes.borrow_and_update().values().flat_map(BTreeMap::values).flat_map(|node| node.pod_cidrs.iter().copied()).collect();
+        let cidrs: Vec<IpNet> = nodes
+            .borrow_and_update()
+            .values()
+            .flat_map(BTreeMap::values)
+            .flat_map(|node| node.pod_cidrs.iter().copied())
+            .collect();
         let Some(controller) = controller.upgrade() else { return };
-        let written = tokio::task::spawn_blocking(move || controller.lock().unwrap_or_else(|p| p.into_inner()).remote_pod_cidrs_changed(cidrs)).await;
+        let written = tokio::task::spawn_blocking(move || {
+            controller.lock().unwrap_or_else(|p| p.into_inner()).remote_pod_cidrs_changed(cidrs)
+        })
+        .await;
         if let Ok(Err(e)) = written {
             // The next reconcile writes them.
             tracing::warn!("writing the remote clusters' pod CIDRs for egress masquerade: {e}");
@@ -111,7 +124,9 @@ fn realization(controller: &Controller) -> Vec<(PolicyRef, NodePolicyStatus)> {
             }
             let policy = PolicyRef { uid: uid.to_std(), namespace: p.namespace, name: p.name };
             let status = match (p.error, p.enforced_generation) {
-                (None, Some(generation)) if generation == p.desired_generation => NodePolicyStatus::ok(generation as i64),
+                (None, Some(generation)) if generation == p.desired_generation => {
+                    NodePolicyStatus::ok(generation as i64)
+                }
                 (Some(error), _) => NodePolicyStatus::failed(p.desired_generation as i64, error),
                 (None, _) => NodePolicyStatus::failed(p.desired_generation as i64, "not compiled yet"),
             };
@@ -121,7 +136,11 @@ fn realization(controller: &Controller) -> Vec<(PolicyRef, NodePolicyStatus)> {
 }
 
 /// Writes this node's policy status after each model revision (only what changed).
-async fn write_policy_status(writer: NodeStatusWriter, controller: std::sync::Weak<Mutex<Controller>>, mut revisions: tokio::sync::watch::Receiver<u64>) {
+async fn write_policy_status(
+    writer: NodeStatusWriter,
+    controller: std::sync::Weak<Mutex<Controller>>,
+    mut revisions: tokio::sync::watch::Receiver<u64>,
+) {
     let mut reported: std::collections::BTreeSet<PolicyRef> = Default::default();
     loop {
         let Some(strong) = controller.upgrade() else { return };
@@ -151,7 +170,10 @@ async fn write_policy_status(writer: NodeStatusWriter, controller: std::sync::We
 /// Node addresses and pod CIDRs as the registry wants them (unparsable entries skipped:
 /// the model keeps them as the API server wrote them).
 fn addresses_of(context: &NodeContext) -> (Vec<IpAddr>, Vec<IpNet>) {
-    (context.node_ips.iter().filter_map(|ip| ip.parse().ok()).collect(), context.pod_cidrs.iter().filter_map(|c| c.parse().ok()).collect())
+    (
+        context.node_ips.iter().filter_map(|ip| ip.parse().ok()).collect(),
+        context.pod_cidrs.iter().filter_map(|c| c.parse().ok()).collect(),
+    )
 }
 
 /// Passes this node's context on when a model revision changes it.
@@ -173,7 +195,12 @@ impl Agent {
     /// Registers this node (allocating its ID on first start, keeping it after), then keeps
     /// its published addresses in step with its Node object.
     /// `gauges`: where the imports of other clusters' services are counted.
-    pub async fn start(kv: Arc<dyn KvStore>, controller: &Arc<Mutex<Controller>>, config: AgentConfig, gauges: crate::metrics::ClusterMeshGauges) -> anyhow::Result<Agent> {
+    pub async fn start(
+        kv: Arc<dyn KvStore>,
+        controller: &Arc<Mutex<Controller>>,
+        config: AgentConfig,
+        gauges: crate::metrics::ClusterMeshGauges,
+    ) -> anyhow::Result<Agent> {
         let (tx, mut contexts) = {
             let mut c = controller.lock().unwrap_or_else(|p| p.into_inner());
             let (tx, rx) = tokio::sync::watch::channel(c.model().context.clone());
@@ -183,7 +210,9 @@ impl Agent {
         drop(tx);
         let context = contexts.borrow_and_update().clone();
         let (node_ips, pod_cidrs) = addresses_of(&context);
-        let registry = Arc::new(NodeRegistry::join(kv.clone(), config.registry.clone(), &context.node_name, node_ips, pod_cidrs).await?);
+        let registry = Arc::new(
+            NodeRegistry::join(kv.clone(), config.registry.clone(), &context.node_name, node_ips, pod_cidrs).await?,
+        );
         tracing::info!(node = %context.node_name, id = registry.node_id(), "registered in the kvstore");
         let publisher = {
             let registry = registry.clone();
@@ -201,7 +230,13 @@ impl Agent {
             })
         };
         let routes = if config.routes {
-            Some(RouteSync::start(registry.clone(), RouteConfig { netns: config.route_netns.clone(), ..RouteConfig::default() }).await?)
+            Some(
+                RouteSync::start(
+                    registry.clone(),
+                    RouteConfig { netns: config.route_netns.clone(), ..RouteConfig::default() },
+                )
+                .await?,
+            )
         } else {
             None
         };
@@ -215,24 +250,44 @@ impl Agent {
             Some(max_age) => Some(HeartbeatMonitor::start(kv.clone(), HEARTBEAT_KEY, max_age).await?),
             None => None,
         };
-        let remote_pod_cidrs = routes.as_ref().filter(|_| config.cluster_name.is_some()).map(|routes| tokio::spawn(keep_remote_pod_addresses(routes.remote_nodes().subscribe(), Arc::downgrade(controller))));
+        let remote_pod_cidrs = routes.as_ref().filter(|_| config.cluster_name.is_some()).map(|routes| {
+            tokio::spawn(keep_remote_pod_addresses(routes.remote_nodes().subscribe(), Arc::downgrade(controller)))
+        });
         let (mut service_import, mut remote_clusters) = (None, None);
         if let Some(cluster) = &config.cluster_name {
-            let (weak, remote_gauges, nodes) = (Arc::downgrade(controller), gauges.clone(), routes.as_ref().map(RouteSync::remote_nodes));
-            let import = move |name: &str, etcd| Box::new(RemoteImport::start(name, etcd, weak.clone(), remote_gauges.clone(), nodes.clone())) as Box<dyn Following>;
+            let (weak, remote_gauges, nodes) =
+                (Arc::downgrade(controller), gauges.clone(), routes.as_ref().map(RouteSync::remote_nodes));
+            let import = move |name: &str, etcd| {
+                Box::new(RemoteImport::start(name, etcd, weak.clone(), remote_gauges.clone(), nodes.clone()))
+                    as Box<dyn Following>
+            };
             let remotes = RemoteClusters::start(config.clustermesh.clone(), cluster, Box::new(import)).await?;
             // This cluster's kvstore may hold other clusters' exports too (one etcd shared);
             // those with an etcd of their own are read there only.
             let skipped = std::iter::once(cluster.clone()).chain(remotes.names()).collect();
-            service_import = Some(ServiceImport::start(kv, controller, Clusters::AllBut(skipped), CLUSTERS_PREFIX, gauges.clone()).await?);
+            service_import = Some(
+                ServiceImport::start(kv, controller, Clusters::AllBut(skipped), CLUSTERS_PREFIX, gauges.clone())
+                    .await?,
+            );
             remote_clusters = Some(remotes);
         }
-        Ok(Agent { registry, routes, heartbeat, service_import, remote_clusters, cluster_name: config.cluster_name.clone(), publisher, status_writer, remote_pod_cidrs })
+        Ok(Agent {
+            registry,
+            routes,
+            heartbeat,
+            service_import,
+            remote_clusters,
+            cluster_name: config.cluster_name.clone(),
+            publisher,
+            status_writer,
+            remote_pod_cidrs,
+        })
     }
 
     /// Other clusters' endpoints imported here (`None`: no `--cluster-name`, nothing imported).
     pub fn imports(&self) -> Option<ImportSummary> {
-        let (remote_clusters, mut imported) = self.remote_clusters.as_ref().map(RemoteClusters::summaries).unwrap_or_default();
+        let (remote_clusters, mut imported) =
+            self.remote_clusters.as_ref().map(RemoteClusters::summaries).unwrap_or_default();
         imported.extend(self.service_import.iter().flat_map(ServiceImport::imported));
         Some(ImportSummary { cluster: self.cluster_name.clone()?, remote_clusters, imported })
     }

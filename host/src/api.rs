@@ -21,10 +21,10 @@ use wasmplane_runtime::{GuestKind, LoadError};
 
 use crate::auth::{AuthError, Identity};
 use crate::controller::{Controller, HostError};
+use crate::metrics::Metrics;
 use crate::module_store::StoreError;
 use crate::modules::Modules;
 use crate::registry::RegistryError;
-use crate::metrics::Metrics;
 
 mod drops;
 mod pods;
@@ -46,7 +46,8 @@ pub struct ApiState {
     pub auth: Arc<crate::auth::Auth>,
     pub audit: Arc<crate::audit::Audit>,
     /// The policy verdicts read back from the kernel, when they are (`--policy-log-group`).
-    pub policy_verdicts: Option<Arc<crate::policy_log::PolicyVerdictLog>>,    /// The CNI daemon, where this host serves it (`--cni-socket`); empty until it serves.
+    pub policy_verdicts: Option<Arc<crate::policy_log::PolicyVerdictLog>>,
+    /// The CNI daemon, where this host serves it (`--cni-socket`); empty until it serves.
     pub cni: Option<crate::cni::ServingDaemon>,
 }
 
@@ -66,14 +67,20 @@ impl From<HostError> for ApiError {
             HostError::Conflict(_) => StatusCode::CONFLICT,
             HostError::Load(LoadError::TooLarge { .. }) => StatusCode::PAYLOAD_TOO_LARGE,
             HostError::Load(LoadError::NotWasm | LoadError::CoreModule) => StatusCode::BAD_REQUEST,
-            HostError::Load(_) | HostError::ActivationFailed { .. } | HostError::SettingsRefused { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            HostError::Load(_) | HostError::ActivationFailed { .. } | HostError::SettingsRefused { .. } => {
+                StatusCode::UNPROCESSABLE_ENTITY
+            }
             HostError::Admission(_) => StatusCode::FORBIDDEN,
-            HostError::Store(StoreError::Kv(wasmplane_kvstore::KvError::Unavailable(_))) => StatusCode::SERVICE_UNAVAILABLE,
+            HostError::Store(StoreError::Kv(wasmplane_kvstore::KvError::Unavailable(_))) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             HostError::Store(StoreError::Contended(_)) => StatusCode::CONFLICT,
             HostError::Store(StoreError::Refused(RegistryError::NotFound(_))) => StatusCode::NOT_FOUND,
             HostError::Store(StoreError::Refused(RegistryError::Conflict(_))) => StatusCode::CONFLICT,
             HostError::Store(StoreError::Refused(RegistryError::BadRequest(_))) => StatusCode::BAD_REQUEST,
-            HostError::Write(_) | HostError::Storage(_) | HostError::Store(_) | HostError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            HostError::Write(_) | HostError::Storage(_) | HostError::Store(_) | HostError::Internal(_) => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
         };
         ApiError(status, e.to_string())
     }
@@ -106,7 +113,10 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/modules/{name}", get(get_module).put(upload_module).delete(delete_module))
         .route("/v1/modules/{name}/activate", post(activate_module))
         .route("/v1/modules/{name}/rollback", post(rollback_module))
-        .route("/v1/modules/{name}/settings", get(module_settings).put(set_module_settings).delete(clear_module_settings))
+        .route(
+            "/v1/modules/{name}/settings",
+            get(module_settings).put(set_module_settings).delete(clear_module_settings),
+        )
         .route("/v1/modules/{name}/shadow", post(start_shadow).delete(stop_shadow))
         .route("/v1/modules/{name}/shadow-diff", get(shadow_diff))
         .route("/v1/modules/{name}/promote", post(promote_shadow))
@@ -136,7 +146,12 @@ pub fn router(state: ApiState) -> Router {
         .with_state(state)
 }
 
-async fn authenticate(State(state): State<ApiState>, ConnectInfo(peer): ConnectInfo<SocketAddr>, request: Request, next: Next) -> Response {
+async fn authenticate(
+    State(state): State<ApiState>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    request: Request,
+    next: Next,
+) -> Response {
     let path = request.uri().path();
     let open_probe = matches!(path, "/healthz" | "/readyz");
     let read_only = matches!(*request.method(), Method::GET | Method::HEAD);
@@ -185,7 +200,10 @@ async fn refuse_oversized(State(state): State<ApiState>, request: Request, next:
     let Some(declared) = declared.filter(|&n| n > limit as u64) else {
         return next.run(request).await;
     };
-    let message = format!("a request body of {declared} bytes is larger than the upload limit of {} bytes (--max-module-bytes)", state.max_module_bytes);
+    let message = format!(
+        "a request body of {declared} bytes is larger than the upload limit of {} bytes (--max-module-bytes)",
+        state.max_module_bytes
+    );
     // drain_refused_body leaves a body declared over its bound unread itself.
     let drained = drain_refused_body(request, limit.saturating_mul(OVERSIZED_DRAIN_FACTOR as usize)).await;
     let mut response = ApiError(StatusCode::PAYLOAD_TOO_LARGE, message).into_response();
@@ -297,7 +315,10 @@ async fn cluster_nodes(State(state): State<ApiState>) -> ApiResult<Response> {
 /// What other clusters export that this one imports (global services).
 async fn cluster_services(State(state): State<ApiState>) -> ApiResult<Response> {
     let Some(imports) = state.agent.as_ref().and_then(|a| a.imports()) else {
-        return Err(ApiError(StatusCode::NOT_FOUND, "this host imports no other cluster's services (--cluster-name)".into()));
+        return Err(ApiError(
+            StatusCode::NOT_FOUND,
+            "this host imports no other cluster's services (--cluster-name)".into(),
+        ));
     };
     Ok(Json(imports).into_response())
 }
@@ -315,7 +336,10 @@ async fn list_modules(State(state): State<ApiState>) -> ApiResult<Response> {
 }
 
 async fn get_module(State(state): State<ApiState>, Path(name): Path<String>) -> ApiResult<Response> {
-    let module = with_controller(&state, move |c| c.module(&name).ok_or_else(|| HostError::NotFound(format!("no module named {name:?}")))).await?;
+    let module = with_controller(&state, move |c| {
+        c.module(&name).ok_or_else(|| HostError::NotFound(format!("no module named {name:?}")))
+    })
+    .await?;
     Ok(Json(module).into_response())
 }
 
@@ -327,13 +351,26 @@ struct UploadQuery {
     shadow: Option<bool>,
 }
 
-async fn upload_module(State(state): State<ApiState>, Path(name): Path<String>, Query(q): Query<UploadQuery>, headers: HeaderMap, body: Bytes) -> ApiResult<Response> {
-    let kind_text = q.kind.or_else(|| headers.get("x-wasmplane-kind").and_then(|v| v.to_str().ok()).map(str::to_string));
+async fn upload_module(
+    State(state): State<ApiState>,
+    Path(name): Path<String>,
+    Query(q): Query<UploadQuery>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> ApiResult<Response> {
+    let kind_text =
+        q.kind.or_else(|| headers.get("x-wasmplane-kind").and_then(|v| v.to_str().ok()).map(str::to_string));
     let Some(kind_text) = kind_text else {
-        return Err(ApiError(StatusCode::BAD_REQUEST, "say which kind of guest this is: ?kind=service-translator|network-policy|gc".into()));
+        return Err(ApiError(
+            StatusCode::BAD_REQUEST,
+            "say which kind of guest this is: ?kind=service-translator|network-policy|gc".into(),
+        ));
     };
     let Some(kind) = GuestKind::parse(&kind_text) else {
-        return Err(ApiError(StatusCode::BAD_REQUEST, format!("unknown kind {kind_text:?}; known: service-translator, network-policy, gc")));
+        return Err(ApiError(
+            StatusCode::BAD_REQUEST,
+            format!("unknown kind {kind_text:?}; known: service-translator, network-policy, gc"),
+        ));
     };
     if body.is_empty() {
         return Err(ApiError(StatusCode::BAD_REQUEST, "empty body: send the component bytes".into()));
@@ -341,7 +378,10 @@ async fn upload_module(State(state): State<ApiState>, Path(name): Path<String>, 
     let shadow = q.shadow.unwrap_or(false);
     let activate = q.activate.unwrap_or(!shadow);
     if shadow && activate {
-        return Err(ApiError(StatusCode::BAD_REQUEST, "a version is either activated or run in shadow, not both".into()));
+        return Err(ApiError(
+            StatusCode::BAD_REQUEST,
+            "a version is either activated or run in shadow, not both".into(),
+        ));
     }
     let signature = headers.get("x-wasmplane-signature").and_then(|v| v.to_str().ok()).map(str::to_string);
     let result = state.modules.upload(&name, kind, body, activate, signature.as_deref()).await;
@@ -360,20 +400,32 @@ struct ActivateQuery {
     version: Option<u32>,
 }
 
-async fn activate_module(State(state): State<ApiState>, Path(name): Path<String>, Query(q): Query<ActivateQuery>) -> ApiResult<Response> {
+async fn activate_module(
+    State(state): State<ApiState>,
+    Path(name): Path<String>,
+    Query(q): Query<ActivateQuery>,
+) -> ApiResult<Response> {
     let version = state.modules.activate(&name, q.version).await?;
     Ok(Json(json!({ "name": name, "active_version": version })).into_response())
 }
 
 /// The module's settings document (`{}` when none).
 async fn module_settings(State(state): State<ApiState>, Path(name): Path<String>) -> ApiResult<Response> {
-    let record = with_controller(&state, move |c| c.module(&name).ok_or_else(|| HostError::NotFound(format!("no module named {name:?}")))).await?;
+    let record = with_controller(&state, move |c| {
+        c.module(&name).ok_or_else(|| HostError::NotFound(format!("no module named {name:?}")))
+    })
+    .await?;
     Ok(Json(record.settings.unwrap_or_else(|| json!({}))).into_response())
 }
 
 /// Any JSON document; the module's guests read it through the `settings` capability.
-async fn set_module_settings(State(state): State<ApiState>, Path(name): Path<String>, body: axum::body::Bytes) -> ApiResult<Response> {
-    let settings: Value = serde_json::from_slice(&body).map_err(|e| HostError::BadRequest(format!("settings must be a JSON document: {e}")))?;
+async fn set_module_settings(
+    State(state): State<ApiState>,
+    Path(name): Path<String>,
+    body: axum::body::Bytes,
+) -> ApiResult<Response> {
+    let settings: Value = serde_json::from_slice(&body)
+        .map_err(|e| HostError::BadRequest(format!("settings must be a JSON document: {e}")))?;
     state.modules.set_settings(&name, Some(settings.clone())).await?;
     Ok(Json(json!({ "name": name, "settings": settings })).into_response())
 }
@@ -388,7 +440,11 @@ async fn rollback_module(State(state): State<ApiState>, Path(name): Path<String>
     Ok(Json(json!({ "name": name, "active_version": version })).into_response())
 }
 
-async fn start_shadow(State(state): State<ApiState>, Path(name): Path<String>, Query(q): Query<ActivateQuery>) -> ApiResult<Response> {
+async fn start_shadow(
+    State(state): State<ApiState>,
+    Path(name): Path<String>,
+    Query(q): Query<ActivateQuery>,
+) -> ApiResult<Response> {
     let version = state.modules.start_shadow(&name, q.version).await?;
     Ok(Json(json!({ "name": name, "shadow_version": version })).into_response())
 }
@@ -435,7 +491,8 @@ async fn dataplane(State(state): State<ApiState>, Query(q): Query<DataplaneQuery
     with_controller(&state, move |c| {
         let dp = c.dataplane();
         Ok(if json_format {
-            let objects: std::collections::BTreeMap<String, _> = dp.applied().iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+            let objects: std::collections::BTreeMap<String, _> =
+                dp.applied().iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
             Json(json!({
                 "mode": dp.mode(),
                 "revision": c.model().revision,

@@ -40,12 +40,19 @@ pub enum KubernetesSource {
 impl KubernetesSource {
     pub async fn client(&self) -> anyhow::Result<kube::Client> {
         let config = match self {
-            KubernetesSource::Infer => kube::Config::infer().await.context("finding Kubernetes credentials (kubeconfig or in-cluster)")?,
-            KubernetesSource::Kubeconfig(path) => {
-                let kubeconfig = kube::config::Kubeconfig::read_from(path).with_context(|| format!("reading kubeconfig {}", path.display()))?;
-                kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await.with_context(|| format!("using kubeconfig {}", path.display()))?
+            KubernetesSource::Infer => {
+                kube::Config::infer().await.context("finding Kubernetes credentials (kubeconfig or in-cluster)")?
             }
-            KubernetesSource::Url(url) => kube::Config::new(url.parse().with_context(|| format!("Kubernetes API URL {url:?}"))?),
+            KubernetesSource::Kubeconfig(path) => {
+                let kubeconfig = kube::config::Kubeconfig::read_from(path)
+                    .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+                kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+                    .await
+                    .with_context(|| format!("using kubeconfig {}", path.display()))?
+            }
+            KubernetesSource::Url(url) => {
+                kube::Config::new(url.parse().with_context(|| format!("Kubernetes API URL {url:?}"))?)
+            }
         };
         crate::kube_client::client(config).context("building the Kubernetes client")
     }
@@ -58,7 +65,11 @@ pub enum KvstoreConfig {
     Embedded,
     /// An etcd cluster (v3 API), by client URLs; `https://` ones with TLS settings; as an
     /// etcd user, when etcd's authentication is on.
-    Etcd { endpoints: Vec<String>, tls: Option<wasmplane_kvstore::EtcdTlsFiles>, user: Option<wasmplane_kvstore::EtcdUser> },
+    Etcd {
+        endpoints: Vec<String>,
+        tls: Option<wasmplane_kvstore::EtcdTlsFiles>,
+        user: Option<wasmplane_kvstore::EtcdUser>,
+    },
 }
 
 impl KvstoreConfig {
@@ -72,30 +83,51 @@ impl KvstoreConfig {
         if text == "embedded" {
             return Ok(KvstoreConfig::Embedded);
         }
-        let endpoints = text.strip_prefix("etcd://").map(|rest| rest.split(',').map(|e| format!("http://{e}")).collect::<Vec<_>>()).unwrap_or_else(|| text.split(',').map(str::to_string).collect());
-        if endpoints.iter().any(|e| !(e.starts_with("http://") || e.starts_with("https://")) || e.len() < "http://x".len()) {
+        let endpoints = text
+            .strip_prefix("etcd://")
+            .map(|rest| rest.split(',').map(|e| format!("http://{e}")).collect::<Vec<_>>())
+            .unwrap_or_else(|| text.split(',').map(str::to_string).collect());
+        if endpoints
+            .iter()
+            .any(|e| !(e.starts_with("http://") || e.starts_with("https://")) || e.len() < "http://x".len())
+        {
             return Err(format!("kvstore {text:?}: expected `embedded` or `etcd://host:port[,host:port...]`"));
         }
         Ok(KvstoreConfig::etcd(endpoints))
     }
 
-    pub async fn open(&self, data_dir: Option<&std::path::Path>) -> anyhow::Result<Arc<dyn wasmplane_kvstore::KvStore>> {
+    pub async fn open(
+        &self,
+        data_dir: Option<&std::path::Path>,
+    ) -> anyhow::Result<Arc<dyn wasmplane_kvstore::KvStore>> {
         Ok(match self {
             KvstoreConfig::Embedded => match data_dir {
                 Some(dir) => {
                     let path = dir.join("kvstore.redb");
-                    Arc::new(wasmplane_kvstore::EmbeddedStore::open(wasmplane_kvstore::EmbeddedConfig::persistent(&path)).await.with_context(|| format!("opening the embedded kvstore {}", path.display()))?)
+                    Arc::new(
+                        wasmplane_kvstore::EmbeddedStore::open(wasmplane_kvstore::EmbeddedConfig::persistent(&path))
+                            .await
+                            .with_context(|| format!("opening the embedded kvstore {}", path.display()))?,
+                    )
                 }
                 None => Arc::new(wasmplane_kvstore::EmbeddedStore::in_memory()),
             },
-            KvstoreConfig::Etcd { endpoints, tls, user } => Arc::new(wasmplane_kvstore::EtcdStore::connect(etcd_config(endpoints, tls.as_ref(), user.clone())?).await.with_context(|| format!("connecting to etcd at {}", endpoints.join(",")))?),
+            KvstoreConfig::Etcd { endpoints, tls, user } => Arc::new(
+                wasmplane_kvstore::EtcdStore::connect(etcd_config(endpoints, tls.as_ref(), user.clone())?)
+                    .await
+                    .with_context(|| format!("connecting to etcd at {}", endpoints.join(",")))?,
+            ),
         })
     }
 }
 
 /// The etcd client's settings with the TLS files read and checked (a missing or wrong file
 /// stops the start, naming the file).
-pub fn etcd_config(endpoints: &[String], tls: Option<&wasmplane_kvstore::EtcdTlsFiles>, user: Option<wasmplane_kvstore::EtcdUser>) -> anyhow::Result<wasmplane_kvstore::EtcdConfig> {
+pub fn etcd_config(
+    endpoints: &[String],
+    tls: Option<&wasmplane_kvstore::EtcdTlsFiles>,
+    user: Option<wasmplane_kvstore::EtcdUser>,
+) -> anyhow::Result<wasmplane_kvstore::EtcdConfig> {
     let tls = tls.map(wasmplane_kvstore::EtcdTlsFiles::load).transpose().context("etcd TLS settings")?;
     let config = wasmplane_kvstore::EtcdConfig::new(endpoints.iter().cloned()).with_tls(tls).with_user(user);
     config.validate().with_context(|| format!("etcd at {}", endpoints.join(",")))?;
@@ -328,9 +360,15 @@ fn resolve_token(config: &HostConfig) -> anyhow::Result<String> {
     match std::fs::read_to_string(&path) {
         Ok(existing) if existing.trim().len() >= 16 => Ok(existing.trim().to_string()),
         _ => {
-            use std::os::unix::fs::OpenOptionsExt as _;
             use std::io::Write as _;
-            let mut file = std::fs::OpenOptions::new().create(true).write(true).truncate(true).mode(0o600).open(&path).with_context(|| format!("writing {}", path.display()))?;
+            use std::os::unix::fs::OpenOptionsExt as _;
+            let mut file = std::fs::OpenOptions::new()
+                .create(true)
+                .write(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&path)
+                .with_context(|| format!("writing {}", path.display()))?;
             file.write_all(fresh.as_bytes())?;
             Ok(fresh)
         }
@@ -343,19 +381,28 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
     }
     let token = resolve_token(&config)?;
     // Configuration errors first, before anything is opened or bound.
-    let admission = Arc::new(crate::admission::Admission::from_files(&config.trusted_keys, config.grants.as_deref()).context("loading trusted keys and grants")?);
+    let admission = Arc::new(
+        crate::admission::Admission::from_files(&config.trusted_keys, config.grants.as_deref())
+            .context("loading trusted keys and grants")?,
+    );
     if admission.requires_signatures() {
         tracing::info!(keys = config.trusted_keys.len(), "uploads must be signed by a trusted key");
     }
     let tls_cert = config.tls.as_ref().map(crate::auth::ReloadingCert::load).transpose()?;
     let tls_config = tls_cert.as_ref().map(crate::auth::server_config).transpose()?;
     let auth = match &config.kubernetes_auth {
-        Some(k) => crate::auth::Auth::with_kubernetes(&token, k.clone()).await.context("setting up Kubernetes authentication")?,
+        Some(k) => crate::auth::Auth::with_kubernetes(&token, k.clone())
+            .await
+            .context("setting up Kubernetes authentication")?,
         None => crate::auth::Auth::static_token(&token),
     };
     let mut metrics = Metrics::new();
     let audit_failures = prometheus_client::metrics::counter::Counter::default();
-    metrics.registry.register("audit_write_failures", "Audit records that could not be written to the kvstore", audit_failures.clone());
+    metrics.registry.register(
+        "audit_write_failures",
+        "Audit records that could not be written to the kvstore",
+        audit_failures.clone(),
+    );
     let metrics = Arc::new(metrics);
     let compiled_guests = config.data_dir.as_ref().map(|d| d.join("compiled"));
     let mut runtime = Runtime::new(config.limits.clone(), compiled_guests.clone())?;
@@ -378,7 +425,9 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
                     Ok(outcomes) => {
                         for outcome in outcomes {
                             match outcome {
-                                crate::conntrack_tuning::Outcome::Failed { .. } => tracing::warn!(?outcome, "conntrack setting left as it is"),
+                                crate::conntrack_tuning::Outcome::Failed { .. } => {
+                                    tracing::warn!(?outcome, "conntrack setting left as it is")
+                                }
                                 _ => tracing::info!(?outcome, "conntrack setting"),
                             }
                         }
@@ -389,7 +438,12 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
             let text = NftCommand::new(config.nft_command.clone(), config.conntrack_command.clone());
             if config.nft_netlink {
                 let netns = NetlinkNft::netns_of_command(&config.nft_command);
-                Box::new(NetlinkNft::open(text, netns.as_deref()).with_context(|| format!("opening the nf_tables netlink socket in {}", netns.as_ref().map_or("this network namespace".into(), |p| p.display().to_string())))?)
+                Box::new(NetlinkNft::open(text, netns.as_deref()).with_context(|| {
+                    format!(
+                        "opening the nf_tables netlink socket in {}",
+                        netns.as_ref().map_or("this network namespace".into(), |p| p.display().to_string())
+                    )
+                })?)
             } else {
                 Box::new(text)
             }
@@ -397,7 +451,11 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
     };
     // Read in the namespace the dataplane is written in, before any policy chain logs there.
     let policy_verdicts = if dataplane == DataplaneMode::Nftables && config.policy_log_group != 0 {
-        let (log, group, netns) = (crate::policy_log::PolicyVerdictLog::new(), config.policy_log_group, NetlinkNft::netns_of_command(&config.nft_command));
+        let (log, group, netns) = (
+            crate::policy_log::PolicyVerdictLog::new(),
+            config.policy_log_group,
+            NetlinkNft::netns_of_command(&config.nft_command),
+        );
         let reader = std::sync::Arc::downgrade(&log);
         match tokio::task::spawn_blocking(move || crate::policy_log::listen(netns.as_deref(), group, reader)).await? {
             Ok(()) => {
@@ -427,18 +485,23 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         services_per_shard: if config.nft_netlink { config.nft_services_per_shard } else { usize::MAX },
         node_port_addresses: config.node_port_addresses.clone(),
         admission: admission.clone(),
-        policy_verdict_log: (config.policy_log_group != 0).then(|| crate::nft::policy::VerdictLog::new(config.policy_log_group).with_rate(config.policy_log_rate)),
+        policy_verdict_log: (config.policy_log_group != 0)
+            .then(|| crate::nft::policy::VerdictLog::new(config.policy_log_group).with_rate(config.policy_log_rate)),
     };
     let data_dir = config.data_dir.clone();
     let controller = {
         let (runtime, metrics) = (runtime.clone(), metrics.clone());
-        tokio::task::spawn_blocking(move || Controller::new(runtime, metrics, kernel, data_dir.as_deref(), controller_config)).await??
+        tokio::task::spawn_blocking(move || {
+            Controller::new(runtime, metrics, kernel, data_dir.as_deref(), controller_config)
+        })
+        .await??
     };
     let controller = Arc::new(Mutex::new(controller));
     if let Some(path) = &config.record {
         // Before any source runs: the first recorded revision holds the whole initial state.
         let mut c = controller.lock().unwrap_or_else(|p| p.into_inner());
-        let recorder = crate::record::ChangeRecorder::create(path, c.model(), c.dataplane().pod_traffic()).context("starting the recording (--record)")?;
+        let recorder = crate::record::ChangeRecorder::create(path, c.model(), c.dataplane().pod_traffic())
+            .context("starting the recording (--record)")?;
         c.add_observer(Box::new(recorder));
     }
     // The gRPC feed observes the model before any source can change it, so that every
@@ -491,11 +554,14 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
     let (mut grpc_addr, mut model_feed) = (None, None);
     if let (Some(listen), Some(feed)) = (config.grpc_listen, feed) {
         metrics.export_model_feed(feed.clone());
-        let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding the gRPC listener {listen}"))?;
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .with_context(|| format!("binding the gRPC listener {listen}"))?;
         let addr = listener.local_addr()?;
         grpc_addr = Some(addr);
         // The stream is the node's whole model: the REST API's rule for reads, and its TLS.
-        let serving = wasmplane_grpc::WatchService::new(feed.clone()).authorize(Arc::new(crate::grpc_auth::GrpcAuth::new(auth.clone())));
+        let serving = wasmplane_grpc::WatchService::new(feed.clone())
+            .authorize(Arc::new(crate::grpc_auth::GrpcAuth::new(auth.clone())));
         let grpc_tls = tls_config.as_deref().map(crate::grpc_auth::grpc_tls_config);
         tracing::info!(%addr, tls = grpc_tls.is_some(), kubernetes_auth = config.kubernetes_auth.is_some(), "serving the node-local model over gRPC: loopback clients need no token, others a bearer token");
         loops.push(tokio::spawn(async move {
@@ -516,7 +582,11 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
             node_being_deleted: crate::service_health::follow_node(&controller),
         };
         if let Some(bind) = config.health_check_bind {
-            loops.push(tokio::spawn(crate::service_health::serve(bind, crate::service_health::follow(&controller), health.clone())));
+            loops.push(tokio::spawn(crate::service_health::serve(
+                bind,
+                crate::service_health::follow(&controller),
+                health.clone(),
+            )));
         }
         if let Some(listen) = config.node_health_listen {
             loops.push(tokio::spawn(crate::service_health::serve_node(listen, health)));
@@ -525,7 +595,16 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
 
     loops.push(tokio::spawn(modules.clone().follow(index_revision)));
     let agent = match config.agent.clone().filter(|_| !operator_role) {
-        Some(agent_config) => Some(Arc::new(crate::agent::Agent::start(modules.store().kv().clone(), &controller, agent_config, metrics.clustermesh.clone()).await.context("registering this node in the kvstore")?)),
+        Some(agent_config) => Some(Arc::new(
+            crate::agent::Agent::start(
+                modules.store().kv().clone(),
+                &controller,
+                agent_config,
+                metrics.clustermesh.clone(),
+            )
+            .await
+            .context("registering this node in the kvstore")?,
+        )),
         None => None,
     };
     let operator = match config.operator.clone() {
@@ -534,7 +613,15 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
                 Some(source) => Some(source.client().await?),
                 None => None,
             };
-            let role = crate::operator_role::OperatorRole::start(modules.store().kv().clone(), client, runtime.clone(), modules.clone(), config.max_module_bytes, operator_config).await?;
+            let role = crate::operator_role::OperatorRole::start(
+                modules.store().kv().clone(),
+                client,
+                runtime.clone(),
+                modules.clone(),
+                config.max_module_bytes,
+                operator_config,
+            )
+            .await?;
             metrics.export_gc(role.gc_stats().clone());
             Some(Arc::new(role))
         }
@@ -543,7 +630,17 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
     let cni_daemon = crate::cni::ServingDaemon::default();
     let cni = config.cni.clone().filter(|_| !operator_role).map(|cni| {
         let (stop, stopped) = oneshot::channel();
-        (stop, tokio::spawn(crate::cni::run(cni, config.data_dir.clone(), controller.clone(), ready.clone(), cni_daemon.clone(), stopped)))
+        (
+            stop,
+            tokio::spawn(crate::cni::run(
+                cni,
+                config.data_dir.clone(),
+                controller.clone(),
+                ready.clone(),
+                cni_daemon.clone(),
+                stopped,
+            )),
+        )
     });
     {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
@@ -558,9 +655,13 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         let changed = Arc::new(tokio::sync::Notify::new());
         let weak = Arc::downgrade(&changed);
         let netns = NetlinkNft::netns_of_command(&config.nft_command);
-        if let Err(e) = crate::dataplane::watch_interface_addresses(netns.as_deref(), move || weak.upgrade().map(|n| n.notify_one()).is_some()) {
+        if let Err(e) = crate::dataplane::watch_interface_addresses(netns.as_deref(), move || {
+            weak.upgrade().map(|n| n.notify_one()).is_some()
+        }) {
             // Not fatal: the periodic reconcile still reads them again.
-            tracing::warn!("not watching the node's interface addresses for --nodeport-addresses (they follow at each reconcile): {e}");
+            tracing::warn!(
+                "not watching the node's interface addresses for --nodeport-addresses (they follow at each reconcile): {e}"
+            );
         }
         let controller = controller.clone();
         loops.push(tokio::spawn(async move {
@@ -569,7 +670,11 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
                 // A burst (an interface coming up with several addresses) is read once.
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 let controller = controller.clone();
-                match tokio::task::spawn_blocking(move || controller.lock().unwrap_or_else(|p| p.into_inner()).interface_addresses_changed()).await {
+                match tokio::task::spawn_blocking(move || {
+                    controller.lock().unwrap_or_else(|p| p.into_inner()).interface_addresses_changed()
+                })
+                .await
+                {
                     Ok(Ok(true)) => tracing::info!("node ports moved with the node's interface addresses"),
                     Ok(Err(e)) => tracing::error!("writing node ports after an address change: {e}"),
                     _ => {}
@@ -627,7 +732,11 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         agent: agent.clone(),
         operator: operator.clone(),
         auth,
-        audit: Arc::new(crate::audit::Audit::new(modules.store().kv().clone(), config.node_name.clone(), audit_failures)),
+        audit: Arc::new(crate::audit::Audit::new(
+            modules.store().kv().clone(),
+            config.node_name.clone(),
+            audit_failures,
+        )),
     };
     let mut metrics_addr = None;
     if let Some(listen) = config.metrics_listen {
@@ -636,7 +745,8 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
         metrics_addr = bound;
         loops.push(task);
     }
-    let listener = tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;
+    let listener =
+        tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;
     let addr = listener.local_addr()?;
     let (shutdown_tx, shutdown_rx) = oneshot::channel::<()>();
     let app = router(state).into_make_service_with_connect_info::<SocketAddr>();
@@ -661,7 +771,27 @@ pub async fn start(config: HostConfig) -> anyhow::Result<RunningHost> {
             }
         }),
     };
-    Ok(RunningHost { addr, token, controller, metrics, ready, watch_status, modules, agent, operator, grpc_addr, metrics_addr, tls, compiled_guests, policy_verdicts, model_feed, shutdown: Some(shutdown_tx), cni, server, loops })
+    Ok(RunningHost {
+        addr,
+        token,
+        controller,
+        metrics,
+        ready,
+        watch_status,
+        modules,
+        agent,
+        operator,
+        grpc_addr,
+        metrics_addr,
+        tls,
+        compiled_guests,
+        policy_verdicts,
+        model_feed,
+        shutdown: Some(shutdown_tx),
+        cni,
+        server,
+        loops,
+    })
 }
 
 /// Publishes every model revision to gRPC watchers.
@@ -710,7 +840,12 @@ const MAX_PACED_BATCH: usize = 16 * MAX_BATCH;
 /// services once the churn is over.
 const QUIET_BEFORE_TRIM: Duration = Duration::from_secs(1);
 
-async fn apply_watch_events(mut rx: tokio::sync::mpsc::Receiver<SourceEvent>, controller: Arc<Mutex<Controller>>, ready: Arc<AtomicBool>, min_sync_period: Duration) {
+async fn apply_watch_events(
+    mut rx: tokio::sync::mpsc::Receiver<SourceEvent>,
+    controller: Arc<Mutex<Controller>>,
+    ready: Arc<AtomicBool>,
+    min_sync_period: Duration,
+) {
     let mut pacer = crate::sync_pacer::SyncPacer::new(min_sync_period, std::time::Instant::now());
     let mut listed = std::collections::BTreeSet::new();
     // Until every kind has been listed, nothing is applied: Services without their
@@ -723,7 +858,9 @@ async fn apply_watch_events(mut rx: tokio::sync::mpsc::Receiver<SourceEvent>, co
         let trim = || async {
             let _ = tokio::task::spawn_blocking(crate::memory::release_free_memory).await;
         };
-        let Some(first) = next_or_when_quiet(&mut rx, &mut trim_when_quiet, QUIET_BEFORE_TRIM, trim).await else { break };
+        let Some(first) = next_or_when_quiet(&mut rx, &mut trim_when_quiet, QUIET_BEFORE_TRIM, trim).await else {
+            break;
+        };
         let mut batch = vec![first];
         while batch.len() < MAX_BATCH {
             match rx.try_recv() {
@@ -731,7 +868,9 @@ async fn apply_watch_events(mut rx: tokio::sync::mpsc::Receiver<SourceEvent>, co
                 Err(_) => break,
             }
         }
-        listed.extend(batch.iter().filter_map(|e| if let SourceEvent::Relisted { kind, .. } = e { Some(*kind) } else { None }));
+        listed.extend(
+            batch.iter().filter_map(|e| if let SourceEvent::Relisted { kind, .. } = e { Some(*kind) } else { None }),
+        );
         let complete = WATCHED_KINDS.iter().all(|k| listed.contains(k));
         if !ready.load(Ordering::Relaxed) && !complete {
             initial.append(&mut batch);
@@ -778,7 +917,12 @@ async fn apply_watch_events(mut rx: tokio::sync::mpsc::Receiver<SourceEvent>, co
 
 /// The next message of `rx` (`None` once it is closed). While `armed`, a wait longer than
 /// `quiet` runs `when_quiet` once and disarms.
-async fn next_or_when_quiet<T, F: std::future::Future<Output = ()>>(rx: &mut tokio::sync::mpsc::Receiver<T>, armed: &mut bool, quiet: Duration, when_quiet: impl FnOnce() -> F) -> Option<T> {
+async fn next_or_when_quiet<T, F: std::future::Future<Output = ()>>(
+    rx: &mut tokio::sync::mpsc::Receiver<T>,
+    armed: &mut bool,
+    quiet: Duration,
+    when_quiet: impl FnOnce() -> F,
+) -> Option<T> {
     if *armed {
         match tokio::time::timeout(quiet, rx.recv()).await {
             Ok(next) => return next,
@@ -823,7 +967,9 @@ mod tests {
     async fn a_quiet_spell_after_a_batch_runs_the_trim_once() {
         let (tx, mut rx) = tokio::sync::mpsc::channel(4);
         let runs = std::sync::atomic::AtomicUsize::new(0);
-        let count = || async { runs.fetch_add(1, Ordering::Relaxed); };
+        let count = || async {
+            runs.fetch_add(1, Ordering::Relaxed);
+        };
         let quiet = Duration::from_millis(20);
 
         let mut armed = true;

@@ -69,7 +69,13 @@ pub struct Audit {
 impl Audit {
     /// `failures`: a counter registered in the host's metrics.
     pub fn new(kv: Arc<dyn KvStore>, node: String, failures: Counter) -> Audit {
-        Audit { kv, node, failures, last_nanos: AtomicU64::new(0), in_flight: Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT)) }
+        Audit {
+            kv,
+            node,
+            failures,
+            last_nanos: AtomicU64::new(0),
+            in_flight: Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT)),
+        }
     }
 
     pub fn failures(&self) -> u64 {
@@ -78,7 +84,10 @@ impl Audit {
 
     /// A strictly increasing timestamp, so two records never share a key.
     fn next_nanos(&self) -> u64 {
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
         let mut last = self.last_nanos.load(Ordering::Relaxed);
         loop {
             let next = now.max(last + 1);
@@ -141,7 +150,8 @@ struct HashingBody {
 impl HashingBody {
     fn finish(&mut self) {
         if let Some(hasher) = self.hasher.take() {
-            *self.out.lock().unwrap_or_else(|p| p.into_inner()) = Some(format!("sha256:{}", hex::encode(hasher.finalize())));
+            *self.out.lock().unwrap_or_else(|p| p.into_inner()) =
+                Some(format!("sha256:{}", hex::encode(hasher.finalize())));
         }
     }
 }
@@ -182,17 +192,26 @@ impl http_body::Body for HashingBody {
 /// Middleware: records every mutating call after it is answered. Outermost layer, so
 /// refused authentication is recorded too; the identity comes back in the response's
 /// extensions from the authentication layer.
-pub async fn audit_layer(State(state): State<ApiState>, ConnectInfo(peer): ConnectInfo<SocketAddr>, request: Request, next: Next) -> Response {
+pub async fn audit_layer(
+    State(state): State<ApiState>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    request: Request,
+    next: Next,
+) -> Response {
     if matches!(*request.method(), Method::GET | Method::HEAD | Method::OPTIONS) {
         return next.run(request).await;
     }
     let method = request.method().to_string();
-    let path = request.uri().path_and_query().map(|p| p.to_string()).unwrap_or_else(|| request.uri().path().to_string());
+    let path =
+        request.uri().path_and_query().map(|p| p.to_string()).unwrap_or_else(|| request.uri().path().to_string());
     let is_upload = *request.method() == Method::PUT && request.uri().path().starts_with("/v1/modules/");
     let digest = Arc::new(Mutex::new(None));
     let request = if is_upload {
         let (parts, body) = request.into_parts();
-        Request::from_parts(parts, Body::new(HashingBody { inner: body, hasher: Some(Sha256::new()), out: digest.clone() }))
+        Request::from_parts(
+            parts,
+            Body::new(HashingBody { inner: body, hasher: Some(Sha256::new()), out: digest.clone() }),
+        )
     } else {
         request
     };

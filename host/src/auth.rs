@@ -148,8 +148,10 @@ impl ResolvesServerCert for ReloadingCert {
 }
 
 fn read_files(files: &TlsFiles) -> Result<(Vec<u8>, Vec<u8>), TlsError> {
-    let cert_pem = std::fs::read(&files.cert).map_err(|e| TlsError::Cert { path: files.cert.display().to_string(), reason: e.to_string() })?;
-    let key_pem = std::fs::read(&files.key).map_err(|e| TlsError::Key { path: files.key.display().to_string(), reason: e.to_string() })?;
+    let cert_pem = std::fs::read(&files.cert)
+        .map_err(|e| TlsError::Cert { path: files.cert.display().to_string(), reason: e.to_string() })?;
+    let key_pem = std::fs::read(&files.key)
+        .map_err(|e| TlsError::Key { path: files.key.display().to_string(), reason: e.to_string() })?;
     Ok((cert_pem, key_pem))
 }
 
@@ -160,10 +162,17 @@ fn read_cert(files: &TlsFiles, provider: &CryptoProvider) -> Result<LoadedCert, 
 }
 
 /// The chain and key from PEM text, refused unless the key is the certificate's.
-fn certified_key(files: &TlsFiles, cert_pem: &[u8], key_pem: &[u8], provider: &CryptoProvider) -> Result<CertifiedKey, TlsError> {
+fn certified_key(
+    files: &TlsFiles,
+    cert_pem: &[u8],
+    key_pem: &[u8],
+    provider: &CryptoProvider,
+) -> Result<CertifiedKey, TlsError> {
     let cert_error = |reason: String| TlsError::Cert { path: files.cert.display().to_string(), reason };
     let key_error = |reason: String| TlsError::Key { path: files.key.display().to_string(), reason };
-    let certs = CertificateDer::pem_slice_iter(cert_pem).collect::<Result<Vec<_>, _>>().map_err(|e| cert_error(e.to_string()))?;
+    let certs = CertificateDer::pem_slice_iter(cert_pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| cert_error(e.to_string()))?;
     if certs.is_empty() {
         return Err(cert_error("no CERTIFICATE in the file".into()));
     }
@@ -174,7 +183,11 @@ fn certified_key(files: &TlsFiles, cert_pem: &[u8], key_pem: &[u8], provider: &C
         // ring tells the public key of every key it loads; with one that cannot, rustls
         // itself (`with_single_cert`) serves the pair unchecked too.
         Ok(()) | Err(rustls::Error::InconsistentKeys(rustls::InconsistentKeys::Unknown)) => Ok(certified),
-        Err(e @ rustls::Error::InconsistentKeys(_)) => Err(TlsError::Mismatch { cert: files.cert.display().to_string(), key: files.key.display().to_string(), reason: e.to_string() }),
+        Err(e @ rustls::Error::InconsistentKeys(_)) => Err(TlsError::Mismatch {
+            cert: files.cert.display().to_string(),
+            key: files.key.display().to_string(),
+            reason: e.to_string(),
+        }),
         // The end-entity certificate does not parse.
         Err(e) => Err(cert_error(e.to_string())),
     }
@@ -201,7 +214,9 @@ pub async fn reload_tls(cert: Weak<ReloadingCert>, interval: Duration) {
         let Some(cert) = cert.upgrade() else { return };
         let files = cert.files();
         match cert.reload() {
-            Ok(true) => tracing::info!(cert = %files.cert.display(), key = %files.key.display(), "TLS certificate files changed: new connections are served the new certificate"),
+            Ok(true) => {
+                tracing::info!(cert = %files.cert.display(), key = %files.key.display(), "TLS certificate files changed: new connections are served the new certificate")
+            }
             Ok(false) => {}
             Err(e) => tracing::warn!("TLS certificate not reloaded, still serving the previous one: {e}"),
         }
@@ -328,7 +343,11 @@ pub struct Auth {
 }
 
 fn bearer(headers: &HeaderMap) -> Option<&str> {
-    headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).map(str::trim)
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
 }
 
 impl Auth {
@@ -340,13 +359,20 @@ impl Auth {
     /// The static token plus Kubernetes reviews.
     pub async fn with_kubernetes(token: &str, config: KubernetesAuthConfig) -> anyhow::Result<Auth> {
         let client = config.source.client().await?;
-        Ok(Auth { token_digest: Sha256::digest(token.as_bytes()).into(), kube: Some(KubeAuth { client, config, cache: Mutex::new(HashMap::new()) }) })
+        Ok(Auth {
+            token_digest: Sha256::digest(token.as_bytes()).into(),
+            kube: Some(KubeAuth { client, config, cache: Mutex::new(HashMap::new()) }),
+        })
     }
 
     /// Checks the request's bearer token; `mutating` picks the SubjectAccessReview verb.
     pub async fn check(&self, headers: &HeaderMap, mutating: bool) -> Result<Identity, AuthError> {
         let Some(given) = bearer(headers) else {
-            return Err(if headers.contains_key(header::AUTHORIZATION) { AuthError::Invalid } else { AuthError::Missing });
+            return Err(if headers.contains_key(header::AUTHORIZATION) {
+                AuthError::Invalid
+            } else {
+                AuthError::Missing
+            });
         };
         // Compare digests so the time taken says nothing about the token.
         let digest: [u8; 32] = Sha256::digest(given.as_bytes()).into();
@@ -387,8 +413,14 @@ impl KubeAuth {
 
     async fn review(&self, token: &str, verb: &str) -> Result<Identity, AuthError> {
         let unavailable = |e: kube::Error| AuthError::Unavailable(e.to_string());
-        let review = TokenReview { spec: TokenReviewSpec { token: Some(token.to_string()), audiences: None }, ..Default::default() };
-        let reviewed = kube::Api::<TokenReview>::all(self.client.clone()).create(&Default::default(), &review).await.map_err(unavailable)?;
+        let review = TokenReview {
+            spec: TokenReviewSpec { token: Some(token.to_string()), audiences: None },
+            ..Default::default()
+        };
+        let reviewed = kube::Api::<TokenReview>::all(self.client.clone())
+            .create(&Default::default(), &review)
+            .await
+            .map_err(unavailable)?;
         let status = reviewed.status.unwrap_or_default();
         let user = status.user.unwrap_or_default();
         let username = user.username.clone().unwrap_or_default();
@@ -413,7 +445,10 @@ impl KubeAuth {
             },
             ..Default::default()
         };
-        let decided = kube::Api::<SubjectAccessReview>::all(self.client.clone()).create(&Default::default(), &access).await.map_err(unavailable)?;
+        let decided = kube::Api::<SubjectAccessReview>::all(self.client.clone())
+            .create(&Default::default(), &access)
+            .await
+            .map_err(unavailable)?;
         let status = decided.status.unwrap_or_default();
         if status.allowed && status.denied != Some(true) {
             return Ok(Identity { user: username, method: "kubernetes" });
@@ -442,7 +477,8 @@ mod tests {
     }
 
     fn self_signed() -> Pair {
-        let rcgen::CertifiedKey { cert, signing_key } = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string()]).unwrap();
+        let rcgen::CertifiedKey { cert, signing_key } =
+            rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string()]).unwrap();
         Pair { cert_pem: cert.pem(), key_pem: signing_key.serialize_pem(), der: cert.der().to_vec() }
     }
 
@@ -468,7 +504,10 @@ mod tests {
         let error = ReloadingCert::load(&files).expect_err("a key of another certificate");
         assert!(matches!(error, TlsError::Mismatch { .. }), "{error:?}");
         let message = error.to_string();
-        assert!(message.contains(&files.key.display().to_string()) && message.contains(&files.cert.display().to_string()), "{message}");
+        assert!(
+            message.contains(&files.key.display().to_string()) && message.contains(&files.cert.display().to_string()),
+            "{message}"
+        );
         write(&files, &a.cert_pem, &a.key_pem);
         assert_eq!(served(&ReloadingCert::load(&files).unwrap()), a.der);
     }
@@ -479,10 +518,16 @@ mod tests {
         let files = tls_files(dir.path());
         let a = self_signed();
         let error = ReloadingCert::load(&files).expect_err("no files");
-        assert!(matches!(&error, TlsError::Cert { path, .. } if *path == files.cert.display().to_string()), "{error:?}");
+        assert!(
+            matches!(&error, TlsError::Cert { path, .. } if *path == files.cert.display().to_string()),
+            "{error:?}"
+        );
         write(&files, "not a certificate", &a.key_pem);
         let error = ReloadingCert::load(&files).expect_err("no certificate in the file");
-        assert!(matches!(&error, TlsError::Cert { path, .. } if *path == files.cert.display().to_string()), "{error:?}");
+        assert!(
+            matches!(&error, TlsError::Cert { path, .. } if *path == files.cert.display().to_string()),
+            "{error:?}"
+        );
         write(&files, &a.cert_pem, "not a key");
         let error = ReloadingCert::load(&files).expect_err("no key in the file");
         assert!(matches!(&error, TlsError::Key { path, .. } if *path == files.key.display().to_string()), "{error:?}");
@@ -510,7 +555,10 @@ mod tests {
 
         write(&files, &c.cert_pem[..c.cert_pem.len() / 2], &c.key_pem);
         let error = cert.reload().expect_err("a half-written certificate");
-        assert!(matches!(&error, TlsError::Cert { path, .. } if *path == files.cert.display().to_string()), "{error:?}");
+        assert!(
+            matches!(&error, TlsError::Cert { path, .. } if *path == files.cert.display().to_string()),
+            "{error:?}"
+        );
         assert_eq!(served(&cert), b.der);
 
         std::fs::remove_file(&files.key).unwrap();
@@ -553,6 +601,9 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         drop(cert);
-        tokio::time::timeout(Duration::from_secs(5), task).await.expect("the task ends once the certificate is dropped").unwrap();
+        tokio::time::timeout(Duration::from_secs(5), task)
+            .await
+            .expect("the task ends once the certificate is dropped")
+            .unwrap();
     }
 }

@@ -11,7 +11,11 @@ use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
 use crate::app::{DataplaneMode, HostConfig};
 
 #[derive(Parser, Debug)]
-#[command(name = "wasmplane", version, about = "Kubernetes networking control plane whose decisions are Wasm components")]
+#[command(
+    name = "wasmplane",
+    version,
+    about = "Kubernetes networking control plane whose decisions are Wasm components"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -132,15 +136,21 @@ pub struct CleanupArgs {
 /// `wasmplane cleanup`: says what it removed; nothing to remove is no error.
 pub async fn cleanup(args: CleanupArgs) -> anyhow::Result<()> {
     let mut kernel = crate::dataplane::NftCommand::new(vec!["nft".into()], Vec::new());
-    let tables = tokio::task::spawn_blocking(move || crate::dataplane::remove_tables(&mut kernel)).await?.context("removing wasmplane's nftables tables")?;
+    let tables = tokio::task::spawn_blocking(move || crate::dataplane::remove_tables(&mut kernel))
+        .await?
+        .context("removing wasmplane's nftables tables")?;
     let listed = |removed: Vec<String>| if removed.is_empty() { "none".to_string() } else { removed.join(", ") };
     println!("nftables tables removed: {}", listed(tables.iter().map(ToString::to_string).collect()));
-    let routes = wasmplane_operator::remove_routes(wasmplane_operator::DEFAULT_ROUTE_PROTOCOL).await.context("removing wasmplane's routes")?;
+    let routes = wasmplane_operator::remove_routes(wasmplane_operator::DEFAULT_ROUTE_PROTOCOL)
+        .await
+        .context("removing wasmplane's routes")?;
     println!("routes removed: {}", listed(routes.iter().map(ToString::to_string).collect()));
     if let Some(conf) = args.cni_conf {
         match std::fs::remove_file(&conf) {
             Ok(()) => println!("CNI configuration removed: {}", conf.display()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => println!("CNI configuration: {} was not there", conf.display()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                println!("CNI configuration: {} was not there", conf.display())
+            }
             Err(e) => return Err(e).with_context(|| format!("removing {}", conf.display())),
         }
     }
@@ -247,7 +257,12 @@ pub struct RunArgs {
     pub node_name: String,
     /// Pod CIDRs of the cluster; with `--detect-local-mode ClusterCIDR` (the default), traffic
     /// from outside them to services is masqueraded.
-    #[arg(long = "cluster-cidr", env = "WASMPLANE_CLUSTER_CIDRS", value_delimiter = ',', default_value = "10.244.0.0/16")]
+    #[arg(
+        long = "cluster-cidr",
+        env = "WASMPLANE_CLUSTER_CIDRS",
+        value_delimiter = ',',
+        default_value = "10.244.0.0/16"
+    )]
     pub cluster_cidrs: Vec<String>,
     /// Which traffic is the cluster's pods' (kube-proxy's `--detect-local-mode`): `ClusterCIDR`
     /// (sources in --cluster-cidr), `NodeCIDR` (sources in this node's pod CIDRs from its Node
@@ -489,9 +504,15 @@ pub fn parse_cli() -> anyhow::Result<(Cli, Vec<String>)> {
 /// Parses `args` again with the kube-proxy configuration's flags right after `run`, leaving
 /// out each flag the user gave (on the command line or in its environment variable): a list
 /// flag given replaces the file's list, it is not added to it.
-fn with_kube_proxy_config(command: clap::Command, args: &[OsString], matches: &clap::ArgMatches) -> anyhow::Result<(Cli, Vec<String>)> {
+fn with_kube_proxy_config(
+    command: clap::Command,
+    args: &[OsString],
+    matches: &clap::ArgMatches,
+) -> anyhow::Result<(Cli, Vec<String>)> {
     let Some(("run", run)) = matches.subcommand() else { return Ok((Cli::from_arg_matches(matches)?, Vec::new())) };
-    let Some(file) = run.get_one::<PathBuf>("kube_proxy_config") else { return Ok((Cli::from_arg_matches(matches)?, Vec::new())) };
+    let Some(file) = run.get_one::<PathBuf>("kube_proxy_config") else {
+        return Ok((Cli::from_arg_matches(matches)?, Vec::new()));
+    };
     let settings = crate::kube_proxy_config::read(file)?;
     let run_command = command.find_subcommand("run").context("no `run` command")?;
     let given_by_user = |flag: &str| {
@@ -500,12 +521,20 @@ fn with_kube_proxy_config(command: clap::Command, args: &[OsString], matches: &c
             .get_arguments()
             .find(|arg| arg.get_long() == Some(long))
             .and_then(|arg| run.value_source(arg.get_id().as_str()))
-            .is_some_and(|source| matches!(source, clap::parser::ValueSource::CommandLine | clap::parser::ValueSource::EnvVariable))
+            .is_some_and(|source| {
+                matches!(source, clap::parser::ValueSource::CommandLine | clap::parser::ValueSource::EnvVariable)
+            })
     };
     let from_file: Vec<String> = settings.args.into_iter().filter(|flag| !given_by_user(flag)).collect();
     let after_run = args.iter().skip(1).position(|arg| arg == "run").context("`run` is not on the command line")? + 2;
-    let merged = args[..after_run].iter().cloned().chain(from_file.iter().map(OsString::from)).chain(args[after_run..].iter().cloned());
-    let matches = command.try_get_matches_from(merged).with_context(|| format!("{}: its settings as `wasmplane run {}`", file.display(), from_file.join(" ")))?;
+    let merged = args[..after_run]
+        .iter()
+        .cloned()
+        .chain(from_file.iter().map(OsString::from))
+        .chain(args[after_run..].iter().cloned());
+    let matches = command
+        .try_get_matches_from(merged)
+        .with_context(|| format!("{}: its settings as `wasmplane run {}`", file.display(), from_file.join(" ")))?;
     let warnings = settings.warnings.into_iter().map(|warning| format!("{}: {warning}", file.display())).collect();
     Ok((Cli::from_arg_matches(&matches)?, warnings))
 }
@@ -702,10 +731,17 @@ impl RegistryArgs {
         let credentials = match (&self.registry_username, &self.registry_password) {
             (Some(user), Some(password)) => Some((user.clone(), password.clone())),
             (None, None) => None,
-            _ => bail!("registry credentials need both WASMPLANE_REGISTRY_USERNAME (or --registry-username) and WASMPLANE_REGISTRY_PASSWORD"),
+            _ => bail!(
+                "registry credentials need both WASMPLANE_REGISTRY_USERNAME (or --registry-username) and WASMPLANE_REGISTRY_PASSWORD"
+            ),
         };
         let docker_config = self.registry_docker_config.clone().or_else(|| self.default_docker_config.clone());
-        Ok(crate::oci::RegistryOptions { plain_http: self.plain_http, ca_file: self.registry_ca.clone(), credentials, docker_config })
+        Ok(crate::oci::RegistryOptions {
+            plain_http: self.plain_http,
+            ca_file: self.registry_ca.clone(),
+            credentials,
+            docker_config,
+        })
     }
 
     fn connect(&self) -> anyhow::Result<crate::oci::Registry> {
@@ -743,7 +779,9 @@ pub struct HealthCheckBind(pub Option<std::net::IpAddr>);
 pub fn health_check_bind(value: &str) -> Result<HealthCheckBind, String> {
     match value {
         "off" => Ok(HealthCheckBind(None)),
-        address => address.parse().map(|ip| HealthCheckBind(Some(ip))).map_err(|e| format!("{e}: an IP address, or `off`")),
+        address => {
+            address.parse().map(|ip| HealthCheckBind(Some(ip))).map_err(|e| format!("{e}: an IP address, or `off`"))
+        }
     }
 }
 
@@ -754,7 +792,10 @@ pub struct NodeHealthListen(pub Option<SocketAddr>);
 pub fn node_health_listen(value: &str) -> Result<NodeHealthListen, String> {
     match value {
         "off" => Ok(NodeHealthListen(None)),
-        address => address.parse().map(|a| NodeHealthListen(Some(a))).map_err(|e| format!("{e}: an address and port, or `off`")),
+        address => address
+            .parse()
+            .map(|a| NodeHealthListen(Some(a)))
+            .map_err(|e| format!("{e}: an address and port, or `off`")),
     }
 }
 
@@ -770,8 +811,11 @@ pub fn inspect(file: &std::path::Path, settings: Option<&std::path::Path>) -> an
     use wasmplane_runtime::SettingsVerdict;
     let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
     let name = file.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "module".into());
-    let runtime = wasmplane_runtime::Runtime::new(wasmplane_runtime::Limits::default(), None).context("starting the Wasm runtime")?;
-    let module = runtime.settings_check(&name, &bytes, None, usize::MAX).with_context(|| format!("{}: a host would refuse it", file.display()))?;
+    let runtime = wasmplane_runtime::Runtime::new(wasmplane_runtime::Limits::default(), None)
+        .context("starting the Wasm runtime")?;
+    let module = runtime
+        .settings_check(&name, &bytes, None, usize::MAX)
+        .with_context(|| format!("{}: a host would refuse it", file.display()))?;
     let info = &module.info;
     let mut report = serde_json::json!({
         "file": file.display().to_string(),
@@ -785,10 +829,15 @@ pub fn inspect(file: &std::path::Path, settings: Option<&std::path::Path>) -> an
     });
     if let Some(path) = settings {
         let document = settings_document(path)?;
-        report["settings"] = match module.validate(&document).with_context(|| format!("{}: its settings validator failed", file.display()))? {
+        report["settings"] = match module
+            .validate(&document)
+            .with_context(|| format!("{}: its settings validator failed", file.display()))?
+        {
             SettingsVerdict::Valid => serde_json::json!({ "accepted": true }),
             SettingsVerdict::Invalid(reason) => serde_json::json!({ "refused": reason }),
-            SettingsVerdict::NotImplemented => serde_json::json!({ "unchecked": "the module does not check its settings: only running it on a host's state tells" }),
+            SettingsVerdict::NotImplemented => {
+                serde_json::json!({ "unchecked": "the module does not check its settings: only running it on a host's state tells" })
+            }
         };
     }
     Ok(report)
@@ -801,8 +850,14 @@ fn local_command(command: &ModuleCommand) -> anyhow::Result<bool> {
             let key = crate::admission::read_private_key(key)?;
             let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
             let out = signature_path(file);
-            std::fs::write(&out, format!("{}\n", crate::admission::sign(&key, &bytes))).with_context(|| format!("writing {}", out.display()))?;
-            println!("{} signed ({}): {}", file.display(), wasmplane_runtime::LoadedModule::digest_of(&bytes), out.display());
+            std::fs::write(&out, format!("{}\n", crate::admission::sign(&key, &bytes)))
+                .with_context(|| format!("writing {}", out.display()))?;
+            println!(
+                "{} signed ({}): {}",
+                file.display(),
+                wasmplane_runtime::LoadedModule::digest_of(&bytes),
+                out.display()
+            );
             Ok(true)
         }
         ModuleCommand::Keygen { out } => {
@@ -811,10 +866,24 @@ fn local_command(command: &ModuleCommand) -> anyhow::Result<bool> {
             let (private, public) = crate::admission::generate_key_pair().context("generating a key pair")?;
             let public_path = PathBuf::from(format!("{}.pub", out.display()));
             // create_new: never overwrite a key someone may still rely on.
-            let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(out).with_context(|| format!("creating {}", out.display()))?;
+            let mut file = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(out)
+                .with_context(|| format!("creating {}", out.display()))?;
             file.write_all(private.as_bytes())?;
-            std::fs::OpenOptions::new().write(true).create_new(true).open(&public_path).with_context(|| format!("creating {}", public_path.display()))?.write_all(public.as_bytes())?;
-            println!("private key: {}\npublic key:  {} (give it to the host with --trusted-key)", out.display(), public_path.display());
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&public_path)
+                .with_context(|| format!("creating {}", public_path.display()))?
+                .write_all(public.as_bytes())?;
+            println!(
+                "private key: {}\npublic key:  {} (give it to the host with --trusted-key)",
+                out.display(),
+                public_path.display()
+            );
             Ok(true)
         }
         ModuleCommand::Inspect { file, settings } => {
@@ -842,7 +911,10 @@ impl RunArgs {
             if !self.non_masquerade_cidrs.is_empty() {
                 // Said outright, off and these CIDRs contradict each other. Left to auto, the
                 // shared ConfigMap's key may be meant for other nodes' agents: said, not fatal.
-                anyhow::ensure!(self.egress_masquerade != EgressMasqueradeMode::Off, "--non-masquerade-cidr has no use with --egress-masquerade off");
+                anyhow::ensure!(
+                    self.egress_masquerade != EgressMasqueradeMode::Off,
+                    "--non-masquerade-cidr has no use with --egress-masquerade off"
+                );
                 tracing::warn!(cidrs = ?self.non_masquerade_cidrs, "--non-masquerade-cidr unused: egress masquerade is off here (auto: this host is not the pods' CNI, or is chained)");
             }
             return Ok(None);
@@ -868,7 +940,9 @@ impl RunArgs {
                 None => Ok(value.to_string()),
             }
         };
-        let mode = clap::ValueEnum::to_possible_value(&self.detect_local_mode).map(|v| v.get_name().to_string()).unwrap_or_default();
+        let mode = clap::ValueEnum::to_possible_value(&self.detect_local_mode)
+            .map(|v| v.get_name().to_string())
+            .unwrap_or_default();
         // The flag the mode reads, if any; the others are said to be unused.
         let reads = match self.detect_local_mode {
             DetectLocalMode::ClusterCidr | DetectLocalMode::NodeCidr => None,
@@ -883,8 +957,12 @@ impl RunArgs {
         Ok(match self.detect_local_mode {
             DetectLocalMode::ClusterCidr => LocalDetection::ClusterCidr,
             DetectLocalMode::NodeCidr => LocalDetection::NodeCidr,
-            DetectLocalMode::InterfaceNamePrefix => LocalDetection::InterfaceNamePrefix(name("pod-interface-name-prefix", prefix, &mode)?),
-            DetectLocalMode::BridgeInterface => LocalDetection::BridgeInterface(name("pod-bridge-interface", bridge, &mode)?),
+            DetectLocalMode::InterfaceNamePrefix => {
+                LocalDetection::InterfaceNamePrefix(name("pod-interface-name-prefix", prefix, &mode)?)
+            }
+            DetectLocalMode::BridgeInterface => {
+                LocalDetection::BridgeInterface(name("pod-bridge-interface", bridge, &mode)?)
+            }
         })
     }
 
@@ -892,7 +970,12 @@ impl RunArgs {
         let egress_masquerade = self.egress_masquerade()?;
         let local_detection = self.local_detection()?;
         let token = match &self.token_file {
-            Some(path) => Some(std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?.trim().to_string()),
+            Some(path) => Some(
+                std::fs::read_to_string(path)
+                    .with_context(|| format!("reading {}", path.display()))?
+                    .trim()
+                    .to_string(),
+            ),
             None => None,
         };
         if (!self.remote_clusters.is_empty() || self.clustermesh_config.is_some()) && self.cluster_name.is_none() {
@@ -945,8 +1028,19 @@ impl RunArgs {
             metrics_listen: self.metrics_listen,
             record: self.record,
             // This binary answers compile requests itself (`main.rs`).
-            compiler: Some(wasmplane_runtime::CompilerCommand::current_exe().context("locating this binary to compile guests with")?),
-            cni: self.cni_socket.map(|socket| crate::cni::CniConfig { socket, pod_cidrs: self.pod_cidrs, state_dir: None, pod_wait: Duration::from_secs(10), node_netns: None, chained: self.cni_chained, mtu: cni_mtu }),
+            compiler: Some(
+                wasmplane_runtime::CompilerCommand::current_exe()
+                    .context("locating this binary to compile guests with")?,
+            ),
+            cni: self.cni_socket.map(|socket| crate::cni::CniConfig {
+                socket,
+                pod_cidrs: self.pod_cidrs,
+                state_dir: None,
+                pod_wait: Duration::from_secs(10),
+                node_netns: None,
+                chained: self.cni_chained,
+                mtu: cni_mtu,
+            }),
             data_dir: Some(self.data_dir),
             egress_masquerade,
             node_name: self.node_name,
@@ -991,20 +1085,27 @@ impl RunArgs {
                     None => crate::app::KubernetesSource::Infer,
                 })
             }),
-            crash_budget: crate::controller::CrashBudget { max_crashes: self.crash_budget, window: Duration::from_secs(self.crash_window_seconds.max(1)) },
+            crash_budget: crate::controller::CrashBudget {
+                max_crashes: self.crash_budget,
+                window: Duration::from_secs(self.crash_window_seconds.max(1)),
+            },
             operator: (self.role == Role::Operator).then(|| crate::operator_role::OperatorRoleConfig {
                 identity: self.identity.clone(),
                 lease_namespace: self.lease_namespace.clone(),
                 cluster_name: self.cluster_name.clone(),
                 gc_interval: Duration::from_secs(self.gc_interval_seconds.max(1)),
                 gc_deletes_per_second: self.gc_deletes_per_second,
-                module_objects: crate::module_objects::ModuleObjectsConfig { registry: module_registry.clone(), ..Default::default() },
+                module_objects: crate::module_objects::ModuleObjectsConfig {
+                    registry: module_registry.clone(),
+                    ..Default::default()
+                },
                 mesh_slices: self.clustermesh_sync_endpoint_slices.then(|| clustermesh.clone()),
                 ..Default::default()
             }),
             agent: Some(crate::agent::AgentConfig {
                 routes: self.node_routes,
-                heartbeat_max_age: (self.heartbeat_max_age_seconds > 0).then(|| Duration::from_secs(self.heartbeat_max_age_seconds)),
+                heartbeat_max_age: (self.heartbeat_max_age_seconds > 0)
+                    .then(|| Duration::from_secs(self.heartbeat_max_age_seconds)),
                 cluster_name: self.cluster_name.clone(),
                 clustermesh,
                 ..Default::default()
@@ -1022,10 +1123,18 @@ impl RunArgs {
             let file = wasmplane_kvstore::EtcdConfigFile::read(path)?;
             return Ok(KvstoreConfig::Etcd { endpoints: file.endpoints, tls: file.tls, user: file.user });
         }
-        let tls = self.etcd_trusted_ca_file.clone().map(|trusted_ca_file| wasmplane_kvstore::EtcdTlsFiles { trusted_ca_file, cert_file: self.etcd_cert_file.clone(), key_file: self.etcd_key_file.clone() });
+        let tls = self.etcd_trusted_ca_file.clone().map(|trusted_ca_file| wasmplane_kvstore::EtcdTlsFiles {
+            trusted_ca_file,
+            cert_file: self.etcd_cert_file.clone(),
+            key_file: self.etcd_key_file.clone(),
+        });
         Ok(match (&self.kvstore, tls) {
-            (KvstoreConfig::Etcd { endpoints, .. }, tls) => KvstoreConfig::Etcd { endpoints: endpoints.clone(), tls, user: self.etcd_user()? },
-            (KvstoreConfig::Embedded, Some(_)) => bail!("--etcd-trusted-ca-file is for an etcd --kvstore; the embedded one has no connection"),
+            (KvstoreConfig::Etcd { endpoints, .. }, tls) => {
+                KvstoreConfig::Etcd { endpoints: endpoints.clone(), tls, user: self.etcd_user()? }
+            }
+            (KvstoreConfig::Embedded, Some(_)) => {
+                bail!("--etcd-trusted-ca-file is for an etcd --kvstore; the embedded one has no connection")
+            }
             (KvstoreConfig::Embedded, None) => KvstoreConfig::Embedded,
         })
     }
@@ -1033,7 +1142,8 @@ impl RunArgs {
     /// `--etcd-username` with WASMPLANE_ETCD_PASSWORD.
     fn etcd_user(&self) -> anyhow::Result<Option<wasmplane_kvstore::EtcdUser>> {
         let Some(name) = self.etcd_username.clone() else { return Ok(None) };
-        let password = std::env::var("WASMPLANE_ETCD_PASSWORD").map_err(|_| anyhow::anyhow!("--etcd-username needs WASMPLANE_ETCD_PASSWORD in the environment"))?;
+        let password = std::env::var("WASMPLANE_ETCD_PASSWORD")
+            .map_err(|_| anyhow::anyhow!("--etcd-username needs WASMPLANE_ETCD_PASSWORD in the environment"))?;
         Ok(Some(wasmplane_kvstore::EtcdUser { name, password }))
     }
 
@@ -1046,9 +1156,18 @@ impl RunArgs {
         let remotes = self
             .remote_clusters
             .iter()
-            .map(|(cluster, endpoints)| crate::clustermesh::RemoteEtcd { cluster: cluster.clone(), endpoints: endpoints.clone(), tls: endpoints.iter().any(|e| e.starts_with("https://")).then(|| own_tls.clone()).flatten(), user: None })
+            .map(|(cluster, endpoints)| crate::clustermesh::RemoteEtcd {
+                cluster: cluster.clone(),
+                endpoints: endpoints.clone(),
+                tls: endpoints.iter().any(|e| e.starts_with("https://")).then(|| own_tls.clone()).flatten(),
+                user: None,
+            })
             .collect();
-        crate::clustermesh::ClusterMeshConfig { remotes, dir: self.clustermesh_config.clone(), poll: crate::clustermesh::ClusterMeshConfig::DEFAULT_POLL }
+        crate::clustermesh::ClusterMeshConfig {
+            remotes,
+            dir: self.clustermesh_config.clone(),
+            poll: crate::clustermesh::ClusterMeshConfig::DEFAULT_POLL,
+        }
     }
 }
 
@@ -1058,7 +1177,9 @@ impl ApiArgs {
             return Ok(Some(t.clone()));
         }
         match &self.token_file {
-            Some(p) => Ok(Some(std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?.trim().to_string())),
+            Some(p) => Ok(Some(
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?.trim().to_string(),
+            )),
             None => Ok(None),
         }
     }
@@ -1073,7 +1194,8 @@ pub(crate) fn settings_document(file: &std::path::Path) -> anyhow::Result<String
         std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?
     };
     // YAML is a superset of JSON: one parser takes both.
-    let value: serde_json::Value = serde_yaml::from_str(&text).with_context(|| format!("{} is neither JSON nor YAML", file.display()))?;
+    let value: serde_json::Value =
+        serde_yaml::from_str(&text).with_context(|| format!("{} is neither JSON nor YAML", file.display()))?;
     Ok(value.to_string())
 }
 
@@ -1085,8 +1207,16 @@ async fn registry_command(command: &ModuleCommand) -> anyhow::Result<bool> {
             let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
             let signature = read_signature(file)?;
             let digest = wasmplane_runtime::LoadedModule::digest_of(&bytes);
-            let url = registry.connect()?.publish(&target, bytes, signature.as_deref()).await.with_context(|| format!("publishing to {reference}"))?;
-            println!("{} ({digest}{}) published: {url}", file.display(), if signature.is_some() { ", signed" } else { "" });
+            let url = registry
+                .connect()?
+                .publish(&target, bytes, signature.as_deref())
+                .await
+                .with_context(|| format!("publishing to {reference}"))?;
+            println!(
+                "{} ({digest}{}) published: {url}",
+                file.display(),
+                if signature.is_some() { ", signed" } else { "" }
+            );
             Ok(true)
         }
         ModuleCommand::Pull { reference, out, registry } => {
@@ -1094,10 +1224,13 @@ async fn registry_command(command: &ModuleCommand) -> anyhow::Result<bool> {
             std::fs::write(out, &artifact.component).with_context(|| format!("writing {}", out.display()))?;
             let signature_file = signature_path(out);
             match &artifact.signature {
-                Some(signature) => std::fs::write(&signature_file, format!("{signature}\n")).with_context(|| format!("writing {}", signature_file.display()))?,
+                Some(signature) => std::fs::write(&signature_file, format!("{signature}\n"))
+                    .with_context(|| format!("writing {}", signature_file.display()))?,
                 // A signature left from an earlier pull would be sent with these bytes.
                 None => match std::fs::remove_file(&signature_file) {
-                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e).with_context(|| format!("removing {}", signature_file.display())),
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                        return Err(e).with_context(|| format!("removing {}", signature_file.display()));
+                    }
                     _ => {}
                 },
             }
@@ -1157,7 +1290,10 @@ pub async fn module_command(api: ApiArgs, command: ModuleCommand) -> anyhow::Res
                 let file = std::path::Path::new(source);
                 (std::fs::read(file).with_context(|| format!("reading {}", file.display()))?, read_signature(file)?)
             };
-            let rb = client.put(format!("{base}/v1/modules/{name}")).query(&[("kind", kind.as_str()), ("activate", if *no_activate { "false" } else { "true" })]).body(bytes);
+            let rb = client
+                .put(format!("{base}/v1/modules/{name}"))
+                .query(&[("kind", kind.as_str()), ("activate", if *no_activate { "false" } else { "true" })])
+                .body(bytes);
             match signature {
                 Some(signature) => rb.header("x-wasmplane-signature", signature),
                 None => rb,
@@ -1172,19 +1308,30 @@ pub async fn module_command(api: ApiArgs, command: ModuleCommand) -> anyhow::Res
                 None => rb,
             }
         }
-        ModuleCommand::Settings { name, clear: true, .. } => client.delete(format!("{base}/v1/modules/{name}/settings")),
-        ModuleCommand::Settings { name, file: Some(file), .. } => client.put(format!("{base}/v1/modules/{name}/settings")).body(settings_document(file)?),
+        ModuleCommand::Settings { name, clear: true, .. } => {
+            client.delete(format!("{base}/v1/modules/{name}/settings"))
+        }
+        ModuleCommand::Settings { name, file: Some(file), .. } => {
+            client.put(format!("{base}/v1/modules/{name}/settings")).body(settings_document(file)?)
+        }
         ModuleCommand::Settings { name, file: None, .. } => client.get(format!("{base}/v1/modules/{name}/settings")),
         ModuleCommand::Rollback { name } => client.post(format!("{base}/v1/modules/{name}/rollback")),
         ModuleCommand::Rm { name } => client.delete(format!("{base}/v1/modules/{name}")),
-        ModuleCommand::Sign { .. } | ModuleCommand::Keygen { .. } | ModuleCommand::Inspect { .. } | ModuleCommand::Publish { .. } | ModuleCommand::Pull { .. } => {
+        ModuleCommand::Sign { .. }
+        | ModuleCommand::Keygen { .. }
+        | ModuleCommand::Inspect { .. }
+        | ModuleCommand::Publish { .. }
+        | ModuleCommand::Pull { .. } => {
             unreachable!("answered without the host's API above")
         }
     };
     let response = with_auth(request).send().await.with_context(|| format!("calling {base}"))?;
     let status = response.status();
     let text = response.text().await.unwrap_or_default();
-    let pretty = serde_json::from_str::<serde_json::Value>(&text).ok().and_then(|v| serde_json::to_string_pretty(&v).ok()).unwrap_or(text);
+    let pretty = serde_json::from_str::<serde_json::Value>(&text)
+        .ok()
+        .and_then(|v| serde_json::to_string_pretty(&v).ok())
+        .unwrap_or(text);
     if status.is_success() {
         if !pretty.is_empty() {
             println!("{pretty}");
@@ -1211,11 +1358,19 @@ mod tests {
 
     /// `--kube-proxy-config`'s file in a temporary directory, and the command line parsed as
     /// `main` does (with `command`, whose environment variables a test may point elsewhere).
-    fn parse_with_kube_proxy_config(command: clap::Command, file_text: &str, args: &[&str]) -> anyhow::Result<(RunArgs, Vec<String>)> {
+    fn parse_with_kube_proxy_config(
+        command: clap::Command,
+        file_text: &str,
+        args: &[&str],
+    ) -> anyhow::Result<(RunArgs, Vec<String>)> {
         let dir = tempfile::tempdir()?;
         let file = dir.path().join("config.conf");
         std::fs::write(&file, file_text)?;
-        let args: Vec<OsString> = [&["wasmplane", "run", "--kube-proxy-config", file.to_str().unwrap()], args].concat().into_iter().map(OsString::from).collect();
+        let args: Vec<OsString> = [&["wasmplane", "run", "--kube-proxy-config", file.to_str().unwrap()], args]
+            .concat()
+            .into_iter()
+            .map(OsString::from)
+            .collect();
         let matches = command.clone().try_get_matches_from(&args)?;
         let (cli, warnings) = with_kube_proxy_config(command, &args, &matches)?;
         let Command::Run(run) = cli.command else { panic!("parsed as another command") };
@@ -1240,7 +1395,10 @@ mod tests {
         assert_eq!(config.node_name, "worker-1");
         assert!(config.masquerade_all);
         assert_eq!(config.local_detection, crate::controller::LocalDetection::NodeCidr);
-        assert_eq!(config.node_port_addresses, crate::nft::NodePortAddresses::Networks(vec!["10.0.0.0/8".parse().unwrap()]));
+        assert_eq!(
+            config.node_port_addresses,
+            crate::nft::NodePortAddresses::Networks(vec!["10.0.0.0/8".parse().unwrap()])
+        );
         assert_eq!(config.node_health_listen, Some("127.0.0.1:10266".parse().unwrap()));
         assert_eq!(config.reconcile_interval, Duration::from_secs(120));
         assert_eq!(config.min_sync_period, Duration::from_millis(1500));
@@ -1263,13 +1421,25 @@ mod tests {
     #[test]
     fn the_command_line_wins_over_the_kube_proxy_config() {
         let file = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCIDR: 10.244.0.0/16\nconntrack: {maxPerCore: 0, tcpEstablishedTimeout: 2h}\nhostnameOverride: worker-1\n";
-        let config = |args: &[&str]| parse_with_kube_proxy_config(Cli::command(), file, args).unwrap().0.into_config().unwrap();
+        let config =
+            |args: &[&str]| parse_with_kube_proxy_config(Cli::command(), file, args).unwrap().0.into_config().unwrap();
         let given = config(&["--cluster-cidr", "10.100.0.0/16"]);
         assert_eq!(given.cluster_cidrs, ["10.100.0.0/16"]);
         let conntrack = given.conntrack.unwrap();
-        assert_eq!((conntrack.max_per_core, conntrack.min, conntrack.tcp_established_timeout), (0, 131072, Duration::from_secs(7200)), "the file's, and the default");
+        assert_eq!(
+            (conntrack.max_per_core, conntrack.min, conntrack.tcp_established_timeout),
+            (0, 131072, Duration::from_secs(7200)),
+            "the file's, and the default"
+        );
         assert_eq!(given.node_name, "worker-1");
-        let given = config(&["--cluster-cidr=10.100.0.0/16,fd00:100::/56", "--conntrack-max-per-core=100", "--node-name", "worker-2", "--conntrack-tcp-timeout-established-seconds", "60"]);
+        let given = config(&[
+            "--cluster-cidr=10.100.0.0/16,fd00:100::/56",
+            "--conntrack-max-per-core=100",
+            "--node-name",
+            "worker-2",
+            "--conntrack-tcp-timeout-established-seconds",
+            "60",
+        ]);
         assert_eq!(given.cluster_cidrs, ["10.100.0.0/16", "fd00:100::/56"]);
         let conntrack = given.conntrack.unwrap();
         assert_eq!((conntrack.max_per_core, conntrack.tcp_established_timeout), (100, Duration::from_secs(60)));
@@ -1280,7 +1450,10 @@ mod tests {
         let path = std::env::var("PATH").expect("PATH is set");
         let command = Cli::command().mut_subcommand("run", |run| run.mut_arg("node_name", |arg| arg.env("PATH")));
         assert_eq!(parse_with_kube_proxy_config(command.clone(), file, &[]).unwrap().0.node_name, path);
-        assert_eq!(parse_with_kube_proxy_config(command, file, &["--node-name", "worker-3"]).unwrap().0.node_name, "worker-3");
+        assert_eq!(
+            parse_with_kube_proxy_config(command, file, &["--node-name", "worker-3"]).unwrap().0.node_name,
+            "worker-3"
+        );
     }
 
     /// The file's interface detectLocalMode reaches the host's configuration; a flag given
@@ -1289,25 +1462,57 @@ mod tests {
     fn kube_proxy_config_interface_local_detection_reaches_the_host_config() {
         use crate::controller::LocalDetection;
         let file = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCIDR: 10.244.0.0/16\ndetectLocalMode: InterfaceNamePrefix\ndetectLocal: {interfaceNamePrefix: cali}\n";
-        let detection = |args: &[&str]| parse_with_kube_proxy_config(Cli::command(), file, args).unwrap().0.into_config().unwrap().local_detection;
+        let detection = |args: &[&str]| {
+            parse_with_kube_proxy_config(Cli::command(), file, args).unwrap().0.into_config().unwrap().local_detection
+        };
         assert_eq!(detection(&[]), LocalDetection::InterfaceNamePrefix("cali".into()));
-        assert_eq!(detection(&["--pod-interface-name-prefix", "veth"]), LocalDetection::InterfaceNamePrefix("veth".into()));
-        assert_eq!(detection(&["--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", "cbr0"]), LocalDetection::BridgeInterface("cbr0".into()), "the file's prefix then unused");
+        assert_eq!(
+            detection(&["--pod-interface-name-prefix", "veth"]),
+            LocalDetection::InterfaceNamePrefix("veth".into())
+        );
+        assert_eq!(
+            detection(&["--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", "cbr0"]),
+            LocalDetection::BridgeInterface("cbr0".into()),
+            "the file's prefix then unused"
+        );
         assert_eq!(detection(&["--detect-local-mode", "NodeCIDR"]), LocalDetection::NodeCidr);
-        let bridge = file.replace("InterfaceNamePrefix\ndetectLocal: {interfaceNamePrefix: cali}", "BridgeInterface\ndetectLocal: {bridgeInterface: cbr0}");
-        assert_eq!(parse_with_kube_proxy_config(Cli::command(), &bridge, &[]).unwrap().0.into_config().unwrap().local_detection, LocalDetection::BridgeInterface("cbr0".into()));
+        let bridge = file.replace(
+            "InterfaceNamePrefix\ndetectLocal: {interfaceNamePrefix: cali}",
+            "BridgeInterface\ndetectLocal: {bridgeInterface: cbr0}",
+        );
+        assert_eq!(
+            parse_with_kube_proxy_config(Cli::command(), &bridge, &[])
+                .unwrap()
+                .0
+                .into_config()
+                .unwrap()
+                .local_detection,
+            LocalDetection::BridgeInterface("cbr0".into())
+        );
     }
 
     #[test]
     fn a_kube_proxy_config_that_cannot_be_used_stops_the_start() {
-        let refused = parse_with_kube_proxy_config(Cli::command(), "apiVersion: v1\nkind: ConfigMap\n", &[]).unwrap_err().to_string();
+        let refused = parse_with_kube_proxy_config(Cli::command(), "apiVersion: v1\nkind: ConfigMap\n", &[])
+            .unwrap_err()
+            .to_string();
         assert!(refused.contains("config.conf: apiVersion \"v1\", kind \"ConfigMap\""), "{refused}");
         // As kube-proxy refuses it: the mode without its bridge.
         let refused = format!("{:#}", parse_with_kube_proxy_config(Cli::command(), "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\ndetectLocalMode: BridgeInterface\n", &["--pod-bridge-interface", "cbr0"]).unwrap_err());
-        assert!(refused.contains("config.conf: detectLocal.bridgeInterface: \"\": must not be empty"), "even with the flag given: {refused}");
+        assert!(
+            refused.contains("config.conf: detectLocal.bridgeInterface: \"\": must not be empty"),
+            "even with the flag given: {refused}"
+        );
         // Without the option nothing is read.
-        match with_kube_proxy_config(Cli::command(), &["wasmplane".into(), "run".into()], &Cli::command().get_matches_from(["wasmplane", "run"])) {
-            Ok((Cli { command: Command::Run(run) }, warnings)) => assert_eq!((run.kube_proxy_config, run.cluster_cidrs, warnings), (None, vec!["10.244.0.0/16".to_string()], vec![])),
+        match with_kube_proxy_config(
+            Cli::command(),
+            &["wasmplane".into(), "run".into()],
+            &Cli::command().get_matches_from(["wasmplane", "run"]),
+        ) {
+            Ok((Cli { command: Command::Run(run) }, warnings)) => assert_eq!(
+                (run.kube_proxy_config, run.cluster_cidrs, warnings),
+                (None, vec!["10.244.0.0/16".to_string()], vec![])
+            ),
             other => panic!("{other:?}"),
         }
     }
@@ -1328,35 +1533,75 @@ mod tests {
     #[test]
     fn egress_masquerade_is_on_where_this_host_routes_the_pods() {
         let egress = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run"], args].concat()) {
-            Ok(Cli { command: Command::Run(args) }) => args.into_config().map(|c| c.egress_masquerade).map_err(|e| format!("{e:#}")),
+            Ok(Cli { command: Command::Run(args) }) => {
+                args.into_config().map(|c| c.egress_masquerade).map_err(|e| format!("{e:#}"))
+            }
             Ok(_) => unreachable!("parsed as another command"),
             Err(e) => Err(e.to_string()),
         };
         let net = |cidrs: &[&str]| cidrs.iter().map(|c| c.parse::<ipnet::IpNet>().unwrap()).collect::<Vec<_>>();
         assert_eq!(egress(&[]), Ok(None), "not the CNI: the pods' own CNI masquerades");
         let cni = ["--cni-socket", "/run/x.sock"];
-        assert_eq!(egress(&cni), Ok(Some(crate::nft::EgressMasquerade { sources: vec![], keep_source: net(&["10.244.0.0/16"]), ..Default::default() })));
-        assert_eq!(egress(&[&cni[..], &["--cni-chained"]].concat()), Ok(None), "chained: the plugin before does its own");
+        assert_eq!(
+            egress(&cni),
+            Ok(Some(crate::nft::EgressMasquerade {
+                sources: vec![],
+                keep_source: net(&["10.244.0.0/16"]),
+                ..Default::default()
+            }))
+        );
+        assert_eq!(
+            egress(&[&cni[..], &["--cni-chained"]].concat()),
+            Ok(None),
+            "chained: the plugin before does its own"
+        );
         assert_eq!(egress(&[&cni[..], &["--egress-masquerade", "off"]].concat()), Ok(None));
-        let on = egress(&["--egress-masquerade", "on", "--cni-socket", "/run/x.sock", "--pod-cidr", "10.244.3.0/24", "--cluster-cidr", "10.244.0.0/16,fd00:10:244::/56", "--non-masquerade-cidr", "192.168.0.0/16,172.16.0.0/12"]);
+        let on = egress(&[
+            "--egress-masquerade",
+            "on",
+            "--cni-socket",
+            "/run/x.sock",
+            "--pod-cidr",
+            "10.244.3.0/24",
+            "--cluster-cidr",
+            "10.244.0.0/16,fd00:10:244::/56",
+            "--non-masquerade-cidr",
+            "192.168.0.0/16,172.16.0.0/12",
+        ]);
         assert_eq!(
             on,
-            Ok(Some(crate::nft::EgressMasquerade { sources: net(&["10.244.3.0/24"]), keep_source: net(&["10.244.0.0/16", "fd00:10:244::/56", "192.168.0.0/16", "172.16.0.0/12"]), ..Default::default() }))
+            Ok(Some(crate::nft::EgressMasquerade {
+                sources: net(&["10.244.3.0/24"]),
+                keep_source: net(&["10.244.0.0/16", "fd00:10:244::/56", "192.168.0.0/16", "172.16.0.0/12"]),
+                ..Default::default()
+            }))
         );
         let bad = egress(&["--egress-masquerade", "on", "--cluster-cidr", "10.244.0.0/33"]).unwrap_err();
         assert!(bad.contains("--cluster-cidr \"10.244.0.0/33\""), "{bad}");
         assert!(egress(&["--non-masquerade-cidr", "nonsense"]).is_err());
-        let contradiction = egress(&["--egress-masquerade", "off", "--non-masquerade-cidr", "192.168.0.0/16"]).unwrap_err();
-        assert!(contradiction.contains("--non-masquerade-cidr has no use with --egress-masquerade off"), "{contradiction}");
-        assert_eq!(egress(&["--non-masquerade-cidr", "192.168.0.0/16"]), Ok(None), "auto and off here: warned, not refused");
+        let contradiction =
+            egress(&["--egress-masquerade", "off", "--non-masquerade-cidr", "192.168.0.0/16"]).unwrap_err();
+        assert!(
+            contradiction.contains("--non-masquerade-cidr has no use with --egress-masquerade off"),
+            "{contradiction}"
+        );
+        assert_eq!(
+            egress(&["--non-masquerade-cidr", "192.168.0.0/16"]),
+            Ok(None),
+            "auto and off here: warned, not refused"
+        );
     }
 
     /// Policy verdicts are logged to NFLOG group 1001 unless told otherwise; 0 turns it off.
     #[test]
     fn policy_log_group_reaches_the_config() {
         let group = |args: &[&str]| run_args(args).unwrap().into_config().unwrap().policy_log_group;
-        assert_eq!((group(&[]), group(&["--policy-log-group", "0"]), group(&["--policy-log-group", "7"])), (1001, 0, 7));
-        let rate = |args: &[&str]| run_args(args).map(|run| run.into_config().unwrap().policy_log_rate).map_err(|e| e.kind());
+        assert_eq!(
+            (group(&[]), group(&["--policy-log-group", "0"]), group(&["--policy-log-group", "7"])),
+            (1001, 0, 7)
+        );
+        let rate =
+            |args: &[&str]| run_args(args).map(|run| run.into_config().unwrap().policy_log_rate).map_err(|e| e.kind());
         assert_eq!((rate(&[]), rate(&["--policy-log-rate", "50"])), (Ok(10), Ok(50)));
         assert_eq!(rate(&["--policy-log-rate", "0"]), Err(clap::error::ErrorKind::ValueValidation));
     }
@@ -1364,7 +1609,9 @@ mod tests {
     /// `--min-sync-period` takes a Go duration, as kube-proxy's flag; off by default.
     #[test]
     fn min_sync_period_reaches_the_config() {
-        let period = |args: &[&str]| run_args(args).map(|run| run.into_config().unwrap().min_sync_period).map_err(|e| e.to_string());
+        let period = |args: &[&str]| {
+            run_args(args).map(|run| run.into_config().unwrap().min_sync_period).map_err(|e| e.to_string())
+        };
         assert_eq!(period(&[]), Ok(Duration::ZERO));
         assert_eq!(period(&["--min-sync-period", "1s"]), Ok(Duration::from_secs(1)));
         assert_eq!(period(&["--min-sync-period=250ms"]), Ok(Duration::from_millis(250)));
@@ -1389,8 +1636,17 @@ mod tests {
     fn conntrack_flags_reach_the_tuning() {
         let tuning = |args: &[&str]| run_args(args).unwrap().into_config().unwrap().conntrack.unwrap();
         assert_eq!(tuning(&[]), crate::conntrack_tuning::ConntrackTuning::default());
-        let given = tuning(&["--conntrack-udp-timeout-seconds", "45", "--conntrack-udp-timeout-stream-seconds", "150", "--conntrack-tcp-be-liberal"]);
-        assert_eq!((given.udp_timeout, given.udp_stream_timeout, given.tcp_be_liberal), (Duration::from_secs(45), Duration::from_secs(150), true));
+        let given = tuning(&[
+            "--conntrack-udp-timeout-seconds",
+            "45",
+            "--conntrack-udp-timeout-stream-seconds",
+            "150",
+            "--conntrack-tcp-be-liberal",
+        ]);
+        assert_eq!(
+            (given.udp_timeout, given.udp_stream_timeout, given.tcp_be_liberal),
+            (Duration::from_secs(45), Duration::from_secs(150), true)
+        );
     }
 
     /// kube-proxy's spelling of `--detect-local-mode` and its interface flags, and where
@@ -1399,29 +1655,85 @@ mod tests {
     #[test]
     fn detect_local_mode_as_kube_proxy_spells_it() {
         use crate::controller::LocalDetection;
-        let mode = |args: &[&str]| run_args(args).map_err(|e| e.to_string()).and_then(|run| run.into_config().map(|c| c.local_detection).map_err(|e| format!("{e:#}")));
+        let mode = |args: &[&str]| {
+            run_args(args)
+                .map_err(|e| e.to_string())
+                .and_then(|run| run.into_config().map(|c| c.local_detection).map_err(|e| format!("{e:#}")))
+        };
         assert_eq!(mode(&[]), Ok(LocalDetection::ClusterCidr));
         assert_eq!(mode(&["--detect-local-mode", "NodeCIDR"]), Ok(LocalDetection::NodeCidr));
-        assert_eq!(mode(&["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "veth"]), Ok(LocalDetection::InterfaceNamePrefix("veth".into())));
-        assert_eq!(mode(&["--detect-local-mode=BridgeInterface", "--pod-bridge-interface=cbr0"]), Ok(LocalDetection::BridgeInterface("cbr0".into())));
-        assert_eq!(mode(&["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "cali", "--pod-bridge-interface", "cbr0"]), Ok(LocalDetection::InterfaceNamePrefix("cali".into())), "the other mode's flag: ignored");
-        assert_eq!(mode(&["--pod-interface-name-prefix", "veth"]), Ok(LocalDetection::ClusterCidr), "ignored, as kube-proxy does");
-        assert_eq!(mode(&["--detect-local-mode", "InterfaceNamePrefix"]), Err("--detect-local-mode InterfaceNamePrefix needs --pod-interface-name-prefix".into()));
-        assert_eq!(mode(&["--detect-local-mode", "BridgeInterface", "--pod-interface-name-prefix", "veth"]), Err("--detect-local-mode BridgeInterface needs --pod-bridge-interface".into()));
-        assert_eq!(mode(&["--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", ""]), Err("--pod-bridge-interface \"\": must not be empty".into()));
-        assert_eq!(mode(&["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "veth*"]), Err("--pod-interface-name-prefix \"veth*\": no wildcard: a prefix matches every name it starts".into()));
+        assert_eq!(
+            mode(&["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "veth"]),
+            Ok(LocalDetection::InterfaceNamePrefix("veth".into()))
+        );
+        assert_eq!(
+            mode(&["--detect-local-mode=BridgeInterface", "--pod-bridge-interface=cbr0"]),
+            Ok(LocalDetection::BridgeInterface("cbr0".into()))
+        );
+        assert_eq!(
+            mode(&[
+                "--detect-local-mode",
+                "InterfaceNamePrefix",
+                "--pod-interface-name-prefix",
+                "cali",
+                "--pod-bridge-interface",
+                "cbr0"
+            ]),
+            Ok(LocalDetection::InterfaceNamePrefix("cali".into())),
+            "the other mode's flag: ignored"
+        );
+        assert_eq!(
+            mode(&["--pod-interface-name-prefix", "veth"]),
+            Ok(LocalDetection::ClusterCidr),
+            "ignored, as kube-proxy does"
+        );
+        assert_eq!(
+            mode(&["--detect-local-mode", "InterfaceNamePrefix"]),
+            Err("--detect-local-mode InterfaceNamePrefix needs --pod-interface-name-prefix".into())
+        );
+        assert_eq!(
+            mode(&["--detect-local-mode", "BridgeInterface", "--pod-interface-name-prefix", "veth"]),
+            Err("--detect-local-mode BridgeInterface needs --pod-bridge-interface".into())
+        );
+        assert_eq!(
+            mode(&["--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", ""]),
+            Err("--pod-bridge-interface \"\": must not be empty".into())
+        );
+        assert_eq!(
+            mode(&["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "veth*"]),
+            Err("--pod-interface-name-prefix \"veth*\": no wildcard: a prefix matches every name it starts".into())
+        );
         assert_eq!(
             mode(&["--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", "a-bridge-too-long"]),
             Err("--pod-bridge-interface \"a-bridge-too-long\": longer than 15 characters (the kernel's interface names have at most 15)".into())
         );
         // A prefix is written `"prefix*"`, which must fit as well: 14 at most, 15 for a bridge.
-        assert!(mode(&["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "fifteen-chars-x"]).unwrap_err().contains("longer than 14 characters"));
-        assert!(mode(&["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "fourteen-chars"]).is_ok());
+        assert!(
+            mode(&["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "fifteen-chars-x"])
+                .unwrap_err()
+                .contains("longer than 14 characters")
+        );
+        assert!(
+            mode(&["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "fourteen-chars"])
+                .is_ok()
+        );
         assert!(mode(&["--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", "fifteen-chars-x"]).is_ok());
-        assert_eq!(mode(&["--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", "cbr\"0"]), Err("--pod-bridge-interface \"cbr\\\"0\": only letters, digits, '-', '_' and '.' make an interface name".into()));
-        assert!(mode(&["--detect-local-mode", "interfacenameprefix", "--pod-interface-name-prefix", "veth"]).is_err(), "kube-proxy's spelling only");
+        assert_eq!(
+            mode(&["--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", "cbr\"0"]),
+            Err("--pod-bridge-interface \"cbr\\\"0\": only letters, digits, '-', '_' and '.' make an interface name"
+                .into())
+        );
+        assert!(
+            mode(&["--detect-local-mode", "interfacenameprefix", "--pod-interface-name-prefix", "veth"]).is_err(),
+            "kube-proxy's spelling only"
+        );
         let run = Cli::command().find_subcommand("run").cloned().expect("run");
-        let env = |long: &str| run.get_arguments().find(|arg| arg.get_long() == Some(long)).and_then(|arg| arg.get_env()).map(|env| env.to_string_lossy().into_owned());
+        let env = |long: &str| {
+            run.get_arguments()
+                .find(|arg| arg.get_long() == Some(long))
+                .and_then(|arg| arg.get_env())
+                .map(|env| env.to_string_lossy().into_owned())
+        };
         assert_eq!(env("pod-interface-name-prefix").as_deref(), Some("WASMPLANE_POD_INTERFACE_NAME_PREFIX"));
         assert_eq!(env("pod-bridge-interface").as_deref(), Some("WASMPLANE_POD_BRIDGE_INTERFACE"));
     }
@@ -1431,7 +1743,9 @@ mod tests {
     #[test]
     fn cni_chained_reaches_the_config() {
         let cni = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run"], args].concat()) {
-            Ok(Cli { command: Command::Run(args) }) => args.into_config().map(|c| c.cni.map(|c| (c.socket, c.chained))).map_err(|e| e.to_string()),
+            Ok(Cli { command: Command::Run(args) }) => {
+                args.into_config().map(|c| c.cni.map(|c| (c.socket, c.chained))).map_err(|e| e.to_string())
+            }
             Ok(_) => unreachable!("parsed as another command"),
             Err(e) => Err(e.to_string()),
         };
@@ -1439,7 +1753,8 @@ mod tests {
         assert_eq!(cni(&["--cni-socket", "/run/wasmplane/cni.sock"]), Ok(Some((socket.clone(), false))));
         assert_eq!(cni(&["--cni-socket", "/run/wasmplane/cni.sock", "--cni-chained"]), Ok(Some((socket, true))));
         assert!(cni(&["--cni-chained"]).unwrap_err().contains("--cni-socket"));
-        let both = cni(&["--cni-socket", "/run/wasmplane/cni.sock", "--cni-chained", "--pod-cidr", "10.244.0.0/24"]).unwrap_err();
+        let both = cni(&["--cni-socket", "/run/wasmplane/cni.sock", "--cni-chained", "--pod-cidr", "10.244.0.0/24"])
+            .unwrap_err();
         assert!(both.contains("--pod-cidr"), "{both}");
     }
 
@@ -1447,8 +1762,12 @@ mod tests {
     /// the families of the pod CIDRs given and passed on as is; it needs the CNI socket.
     #[test]
     fn cni_mtu_is_checked_and_reaches_the_config() {
-        let mtu = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run", "--cni-socket", "/run/x.sock"], args].concat()) {
-            Ok(Cli { command: Command::Run(args) }) => args.into_config().map(|c| c.cni.expect("the CNI").mtu).map_err(|e| format!("{e:#}")),
+        let mtu = |args: &[&str]| match Cli::try_parse_from(
+            [&["wasmplane", "run", "--cni-socket", "/run/x.sock"], args].concat(),
+        ) {
+            Ok(Cli { command: Command::Run(args) }) => {
+                args.into_config().map(|c| c.cni.expect("the CNI").mtu).map_err(|e| format!("{e:#}"))
+            }
             Ok(_) => unreachable!("parsed as another command"),
             Err(e) => Err(e.to_string()),
         };
@@ -1469,41 +1788,102 @@ mod tests {
         assert!(mtu(&["--cni-mtu", "jumbo"]).is_err());
         // Chained it is ignored (the other plugin's interfaces), not refused.
         assert_eq!(mtu(&["--cni-chained", "--cni-mtu", "1400"]), Ok(Some(1400)));
-        let alone = Cli::try_parse_from(["wasmplane", "run", "--cni-mtu", "1400"]).expect_err("needs the socket").to_string();
+        let alone =
+            Cli::try_parse_from(["wasmplane", "run", "--cni-mtu", "1400"]).expect_err("needs the socket").to_string();
         assert!(alone.contains("--cni-socket"), "{alone}");
     }
 
     #[test]
     fn mesh_endpoint_slices_are_the_operators_and_follow_its_remote_clusters() {
         let run = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run"], args].concat()) {
-            Ok(Cli { command: Command::Run(args) }) => args.into_config().map(|c| c.operator.and_then(|o| o.mesh_slices)).map_err(|e| e.to_string()),
+            Ok(Cli { command: Command::Run(args) }) => {
+                args.into_config().map(|c| c.operator.and_then(|o| o.mesh_slices)).map_err(|e| e.to_string())
+            }
             Ok(_) => unreachable!("parsed as another command"),
             Err(e) => Err(e.to_string()),
         };
-        assert!(run(&["--clustermesh-sync-endpoint-slices", "--cluster-name", "west"]).unwrap_err().contains("--role operator"), "an agent writes no slices");
-        assert!(run(&["--clustermesh-sync-endpoint-slices", "--role", "operator"]).unwrap_err().contains("--cluster-name"));
-        assert_eq!(run(&["--role", "operator", "--cluster-name", "west", "--remote-cluster", "east=http://10.0.0.1:2379"]).unwrap().map(|m| m.remotes.len()), None, "off unless asked");
-        let mesh = run(&["--role", "operator", "--cluster-name", "west", "--remote-cluster", "east=http://10.0.0.1:2379", "--clustermesh-sync-endpoint-slices"]).unwrap().expect("mesh slices");
+        assert!(
+            run(&["--clustermesh-sync-endpoint-slices", "--cluster-name", "west"])
+                .unwrap_err()
+                .contains("--role operator"),
+            "an agent writes no slices"
+        );
+        assert!(
+            run(&["--clustermesh-sync-endpoint-slices", "--role", "operator"]).unwrap_err().contains("--cluster-name")
+        );
+        assert_eq!(
+            run(&["--role", "operator", "--cluster-name", "west", "--remote-cluster", "east=http://10.0.0.1:2379"])
+                .unwrap()
+                .map(|m| m.remotes.len()),
+            None,
+            "off unless asked"
+        );
+        let mesh = run(&[
+            "--role",
+            "operator",
+            "--cluster-name",
+            "west",
+            "--remote-cluster",
+            "east=http://10.0.0.1:2379",
+            "--clustermesh-sync-endpoint-slices",
+        ])
+        .unwrap()
+        .expect("mesh slices");
         assert_eq!(mesh.remotes.iter().map(|r| r.cluster.as_str()).collect::<Vec<_>>(), ["east"]);
     }
 
     #[test]
     fn remote_clusters_need_a_name_urls_and_this_clusters_name() {
-        assert_eq!(parse_remote_cluster("east=http://10.0.0.1:2379, http://10.0.0.2:2379"), Ok(("east".into(), vec!["http://10.0.0.1:2379".into(), "http://10.0.0.2:2379".into()])));
+        assert_eq!(
+            parse_remote_cluster("east=http://10.0.0.1:2379, http://10.0.0.2:2379"),
+            Ok(("east".into(), vec!["http://10.0.0.1:2379".into(), "http://10.0.0.2:2379".into()]))
+        );
         assert!(parse_remote_cluster("east").is_err());
         assert!(parse_remote_cluster("=http://x:2379").is_err());
         assert!(parse_remote_cluster("east=").is_err());
         let run = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run"], args].concat()) {
-            Ok(Cli { command: Command::Run(args) }) => args.into_config().map(|c| c.agent.unwrap().clustermesh).map_err(|e| e.to_string()),
+            Ok(Cli { command: Command::Run(args) }) => {
+                args.into_config().map(|c| c.agent.unwrap().clustermesh).map_err(|e| e.to_string())
+            }
             Ok(_) => unreachable!("parsed as another command"),
             Err(e) => Err(e.to_string()),
         };
         assert!(run(&["--remote-cluster", "east=http://10.0.0.1:2379"]).unwrap_err().contains("--cluster-name"));
         assert!(run(&["--clustermesh-config", "/etc/mesh"]).unwrap_err().contains("--cluster-name"));
-        assert_eq!(run(&["--cluster-name", "west", "--remote-cluster", "east=http://10.0.0.1:2379"]).unwrap().remotes, [crate::clustermesh::RemoteEtcd { cluster: "east".into(), endpoints: vec!["http://10.0.0.1:2379".into()], tls: None, user: None }]);
+        assert_eq!(
+            run(&["--cluster-name", "west", "--remote-cluster", "east=http://10.0.0.1:2379"]).unwrap().remotes,
+            [crate::clustermesh::RemoteEtcd {
+                cluster: "east".into(),
+                endpoints: vec!["http://10.0.0.1:2379".into()],
+                tls: None,
+                user: None
+            }]
+        );
         // https:// remotes use this host's etcd TLS files (one CA for the mesh).
-        let tls = wasmplane_kvstore::EtcdTlsFiles { trusted_ca_file: "/ca.pem".into(), cert_file: Some("/c.pem".into()), key_file: Some("/k.pem".into()) };
-        let shared = run(&["--cluster-name", "west", "--kvstore", "https://10.0.0.9:2379", "--etcd-trusted-ca-file", "/ca.pem", "--etcd-cert-file", "/c.pem", "--etcd-key-file", "/k.pem", "--remote-cluster", "east=https://10.0.0.1:2379", "--remote-cluster", "north=http://10.0.0.3:2379", "--clustermesh-config", "/etc/mesh"]).unwrap();
+        let tls = wasmplane_kvstore::EtcdTlsFiles {
+            trusted_ca_file: "/ca.pem".into(),
+            cert_file: Some("/c.pem".into()),
+            key_file: Some("/k.pem".into()),
+        };
+        let shared = run(&[
+            "--cluster-name",
+            "west",
+            "--kvstore",
+            "https://10.0.0.9:2379",
+            "--etcd-trusted-ca-file",
+            "/ca.pem",
+            "--etcd-cert-file",
+            "/c.pem",
+            "--etcd-key-file",
+            "/k.pem",
+            "--remote-cluster",
+            "east=https://10.0.0.1:2379",
+            "--remote-cluster",
+            "north=http://10.0.0.3:2379",
+            "--clustermesh-config",
+            "/etc/mesh",
+        ])
+        .unwrap();
         assert_eq!(shared.remotes.iter().map(|r| r.tls.clone()).collect::<Vec<_>>(), [Some(tls), None]);
         assert_eq!(shared.dir, Some("/etc/mesh".into()), "read by the agent, again as it changes");
     }
@@ -1516,33 +1896,102 @@ mod tests {
             Err(e) => Err(e.to_string()),
         };
         use crate::app::KvstoreConfig;
-        let tls = |cert: Option<&str>, key: Option<&str>| Some(wasmplane_kvstore::EtcdTlsFiles { trusted_ca_file: "/ca.pem".into(), cert_file: cert.map(Into::into), key_file: key.map(Into::into) });
-        assert_eq!(kvstore(&["--kvstore", "https://10.0.0.9:2379", "--etcd-trusted-ca-file", "/ca.pem"]), Ok(KvstoreConfig::Etcd { endpoints: vec!["https://10.0.0.9:2379".into()], tls: tls(None, None), user: None }));
+        let tls = |cert: Option<&str>, key: Option<&str>| {
+            Some(wasmplane_kvstore::EtcdTlsFiles {
+                trusted_ca_file: "/ca.pem".into(),
+                cert_file: cert.map(Into::into),
+                key_file: key.map(Into::into),
+            })
+        };
         assert_eq!(
-            kvstore(&["--kvstore", "https://10.0.0.9:2379", "--etcd-trusted-ca-file", "/ca.pem", "--etcd-cert-file", "/c.pem", "--etcd-key-file", "/k.pem"]),
-            Ok(KvstoreConfig::Etcd { endpoints: vec!["https://10.0.0.9:2379".into()], tls: tls(Some("/c.pem"), Some("/k.pem")), user: None })
+            kvstore(&["--kvstore", "https://10.0.0.9:2379", "--etcd-trusted-ca-file", "/ca.pem"]),
+            Ok(KvstoreConfig::Etcd {
+                endpoints: vec!["https://10.0.0.9:2379".into()],
+                tls: tls(None, None),
+                user: None
+            })
+        );
+        assert_eq!(
+            kvstore(&[
+                "--kvstore",
+                "https://10.0.0.9:2379",
+                "--etcd-trusted-ca-file",
+                "/ca.pem",
+                "--etcd-cert-file",
+                "/c.pem",
+                "--etcd-key-file",
+                "/k.pem"
+            ]),
+            Ok(KvstoreConfig::Etcd {
+                endpoints: vec!["https://10.0.0.9:2379".into()],
+                tls: tls(Some("/c.pem"), Some("/k.pem")),
+                user: None
+            })
         );
         assert!(kvstore(&["--etcd-trusted-ca-file", "/ca.pem"]).unwrap_err().contains("embedded"));
-        assert!(kvstore(&["--kvstore", "https://a:2379", "--etcd-trusted-ca-file", "/ca.pem", "--etcd-cert-file", "/c.pem"]).is_err(), "a certificate without its key");
-        assert!(kvstore(&["--kvstore", "https://a:2379", "--etcd-cert-file", "/c.pem", "--etcd-key-file", "/k.pem"]).is_err(), "a certificate without the CA");
+        assert!(
+            kvstore(&[
+                "--kvstore",
+                "https://a:2379",
+                "--etcd-trusted-ca-file",
+                "/ca.pem",
+                "--etcd-cert-file",
+                "/c.pem"
+            ])
+            .is_err(),
+            "a certificate without its key"
+        );
+        assert!(
+            kvstore(&["--kvstore", "https://a:2379", "--etcd-cert-file", "/c.pem", "--etcd-key-file", "/k.pem"])
+                .is_err(),
+            "a certificate without the CA"
+        );
 
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("etcd.config");
-        std::fs::write(&file, "endpoints: [https://etcd-0:2379, https://etcd-1:2379]\ntrusted-ca-file: ca.crt\n").unwrap();
+        std::fs::write(&file, "endpoints: [https://etcd-0:2379, https://etcd-1:2379]\ntrusted-ca-file: ca.crt\n")
+            .unwrap();
         let file = file.to_str().unwrap();
         assert_eq!(
             kvstore(&["--etcd-config", file]),
-            Ok(KvstoreConfig::Etcd { endpoints: vec!["https://etcd-0:2379".into(), "https://etcd-1:2379".into()], tls: Some(wasmplane_kvstore::EtcdTlsFiles { trusted_ca_file: dir.path().join("ca.crt"), cert_file: None, key_file: None }), user: None })
+            Ok(KvstoreConfig::Etcd {
+                endpoints: vec!["https://etcd-0:2379".into(), "https://etcd-1:2379".into()],
+                tls: Some(wasmplane_kvstore::EtcdTlsFiles {
+                    trusted_ca_file: dir.path().join("ca.crt"),
+                    cert_file: None,
+                    key_file: None
+                }),
+                user: None
+            })
         );
         assert!(kvstore(&["--etcd-config", file, "--kvstore", "etcd://a:2379"]).is_err(), "two sources of endpoints");
-        assert!(kvstore(&["--etcd-config", "/nonexistent/etcd.config"]).unwrap_err().contains("/nonexistent/etcd.config"));
+        assert!(
+            kvstore(&["--etcd-config", "/nonexistent/etcd.config"]).unwrap_err().contains("/nonexistent/etcd.config")
+        );
         // The password from the environment only (the test environment has none).
         if std::env::var_os("WASMPLANE_ETCD_PASSWORD").is_none() {
-            assert!(kvstore(&["--kvstore", "https://a:2379", "--etcd-trusted-ca-file", "/ca.pem", "--etcd-username", "agent"]).unwrap_err().contains("WASMPLANE_ETCD_PASSWORD"));
+            assert!(
+                kvstore(&[
+                    "--kvstore",
+                    "https://a:2379",
+                    "--etcd-trusted-ca-file",
+                    "/ca.pem",
+                    "--etcd-username",
+                    "agent"
+                ])
+                .unwrap_err()
+                .contains("WASMPLANE_ETCD_PASSWORD")
+            );
         }
-        std::fs::write(dir.path().join("user.config"), "endpoints: [https://etcd-0:2379]\ntrusted-ca-file: ca.crt\nusername: agent\npassword: pw\n").unwrap();
+        std::fs::write(
+            dir.path().join("user.config"),
+            "endpoints: [https://etcd-0:2379]\ntrusted-ca-file: ca.crt\nusername: agent\npassword: pw\n",
+        )
+        .unwrap();
         match kvstore(&["--etcd-config", dir.path().join("user.config").to_str().unwrap()]) {
-            Ok(KvstoreConfig::Etcd { user, .. }) => assert_eq!(user, Some(wasmplane_kvstore::EtcdUser { name: "agent".into(), password: "pw".into() })),
+            Ok(KvstoreConfig::Etcd { user, .. }) => {
+                assert_eq!(user, Some(wasmplane_kvstore::EtcdUser { name: "agent".into(), password: "pw".into() }))
+            }
             other => panic!("{other:?}"),
         }
     }
@@ -1550,9 +1999,14 @@ mod tests {
     /// `node ls`, with the API flags on either side of the subcommand (as the others take them).
     #[test]
     fn node_ls_parses_with_the_api_flags() {
-        for args in [&["wasmplane", "node", "ls", "--api", "http://10.0.0.1:9463"][..], &["wasmplane", "node", "--api", "http://10.0.0.1:9463", "ls"]] {
+        for args in [
+            &["wasmplane", "node", "ls", "--api", "http://10.0.0.1:9463"][..],
+            &["wasmplane", "node", "--api", "http://10.0.0.1:9463", "ls"],
+        ] {
             match Cli::try_parse_from(args) {
-                Ok(Cli { command: Command::Node { api, command: crate::inspect::NodeCommand::Ls } }) => assert_eq!(api.api, "http://10.0.0.1:9463", "{args:?}"),
+                Ok(Cli { command: Command::Node { api, command: crate::inspect::NodeCommand::Ls } }) => {
+                    assert_eq!(api.api, "http://10.0.0.1:9463", "{args:?}")
+                }
                 other => panic!("{args:?}: {other:?}"),
             }
         }
@@ -1592,35 +2046,73 @@ mod tests {
         std::fs::write(docker_dir.join("config.json"), "{}").unwrap();
         assert_eq!(default_docker_config(env(Some(&docker_dir))), Some(docker_dir.join("config.json")));
 
-        let parsed = match Cli::try_parse_from(["wasmplane", "module", "pull", "oci://r.example/m:v1", "-o", "m.wasm", "--registry-docker-config", "/etc/docker/config.json"]) {
+        let parsed = match Cli::try_parse_from([
+            "wasmplane",
+            "module",
+            "pull",
+            "oci://r.example/m:v1",
+            "-o",
+            "m.wasm",
+            "--registry-docker-config",
+            "/etc/docker/config.json",
+        ]) {
             Ok(Cli { command: Command::Module { command: ModuleCommand::Pull { registry, .. }, .. } }) => registry,
             other => panic!("{other:?}"),
         };
         assert_eq!(parsed.registry_docker_config, Some(PathBuf::from("/etc/docker/config.json")));
-        assert_eq!(parsed.options().unwrap().docker_config, Some(PathBuf::from("/etc/docker/config.json")), "the flag before the default");
+        assert_eq!(
+            parsed.options().unwrap().docker_config,
+            Some(PathBuf::from("/etc/docker/config.json")),
+            "the flag before the default"
+        );
 
         // A file named by the flag must be read; the default one, unreadable, is done without.
         let malformed = dir.path().join("malformed.json");
         std::fs::write(&malformed, "{").unwrap();
         let named = RegistryArgs { registry_docker_config: Some(malformed.clone()), ..RegistryArgs::default() };
-        assert!(named.connect().err().expect("a malformed named config").to_string().contains(&malformed.display().to_string()));
-        let missing = RegistryArgs { registry_docker_config: Some("/nonexistent/config.json".into()), ..RegistryArgs::default() };
-        assert!(missing.connect().err().expect("a missing named config").to_string().contains("/nonexistent/config.json"));
+        assert!(
+            named
+                .connect()
+                .err()
+                .expect("a malformed named config")
+                .to_string()
+                .contains(&malformed.display().to_string())
+        );
+        let missing =
+            RegistryArgs { registry_docker_config: Some("/nonexistent/config.json".into()), ..RegistryArgs::default() };
+        assert!(
+            missing.connect().err().expect("a missing named config").to_string().contains("/nonexistent/config.json")
+        );
         let default = RegistryArgs { default_docker_config: Some(malformed), ..RegistryArgs::default() };
         assert!(default.connect().is_ok());
 
-        let shown = format!("{:?}", RegistryArgs { registry_username: Some("ci".into()), registry_password: Some("registry-secret".into()), ..RegistryArgs::default() });
+        let shown = format!(
+            "{:?}",
+            RegistryArgs {
+                registry_username: Some("ci".into()),
+                registry_password: Some("registry-secret".into()),
+                ..RegistryArgs::default()
+            }
+        );
         assert!(shown.contains("ci") && !shown.contains("registry-secret"), "{shown}");
 
         // The operator's: a named file only, checked at start.
-        let operator = |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run", "--role", "operator"], args].concat()) {
-            Ok(Cli { command: Command::Run(args) }) => args.into_config().map(|c| c.operator.expect("an operator").module_objects.registry.docker_config).map_err(|e| e.to_string()),
-            Ok(_) => unreachable!("parsed as another command"),
-            Err(e) => Err(e.to_string()),
-        };
+        let operator =
+            |args: &[&str]| match Cli::try_parse_from([&["wasmplane", "run", "--role", "operator"], args].concat()) {
+                Ok(Cli { command: Command::Run(args) }) => args
+                    .into_config()
+                    .map(|c| c.operator.expect("an operator").module_objects.registry.docker_config)
+                    .map_err(|e| e.to_string()),
+                Ok(_) => unreachable!("parsed as another command"),
+                Err(e) => Err(e.to_string()),
+            };
         assert_eq!(operator(&[]), Ok(None));
         let secret = docker_dir.join("config.json");
         assert_eq!(operator(&["--module-registry-docker-config", secret.to_str().unwrap()]), Ok(Some(secret)));
-        assert!(operator(&["--module-registry-docker-config", "/nonexistent/.dockerconfigjson"]).unwrap_err().contains("/nonexistent/.dockerconfigjson"));
+        assert!(
+            operator(&["--module-registry-docker-config", "/nonexistent/.dockerconfigjson"])
+                .unwrap_err()
+                .contains("/nonexistent/.dockerconfigjson")
+        );
     }
 }

@@ -51,7 +51,9 @@ impl ClusterMeshConfig {
 /// own file, which a shared Secret usually holds, is skipped.
 pub fn read_clustermesh_dir(dir: &Path, own_cluster: &str) -> anyhow::Result<Vec<RemoteEtcd>> {
     let mut remotes = Vec::new();
-    for entry in std::fs::read_dir(dir).with_context(|| format!("reading the clustermesh configuration directory {}", dir.display()))? {
+    for entry in std::fs::read_dir(dir)
+        .with_context(|| format!("reading the clustermesh configuration directory {}", dir.display()))?
+    {
         let path = entry?.path();
         let Some(name) = path.file_name().and_then(|n| n.to_str()) else { continue };
         // `metadata` follows the Secret's symlinks; directories are its timestamped copies.
@@ -63,7 +65,12 @@ pub fn read_clustermesh_dir(dir: &Path, own_cluster: &str) -> anyhow::Result<Vec
             continue;
         }
         let config = wasmplane_kvstore::EtcdConfigFile::parse(&path, &text)?;
-        remotes.push(RemoteEtcd { cluster: name.to_string(), endpoints: config.endpoints, tls: config.tls, user: config.user });
+        remotes.push(RemoteEtcd {
+            cluster: name.to_string(),
+            endpoints: config.endpoints,
+            tls: config.tls,
+            user: config.user,
+        });
     }
     remotes.sort_by(|a, b| a.cluster.cmp(&b.cluster));
     Ok(remotes)
@@ -78,9 +85,13 @@ fn wanted(config: &ClusterMeshConfig, own_cluster: &str) -> anyhow::Result<BTree
     }
     let mut wanted = BTreeMap::new();
     for remote in remotes {
-        let etcd = crate::app::etcd_config(&remote.endpoints, remote.tls.as_ref(), remote.user.clone()).with_context(|| format!("remote cluster {}", remote.cluster))?;
+        let etcd = crate::app::etcd_config(&remote.endpoints, remote.tls.as_ref(), remote.user.clone())
+            .with_context(|| format!("remote cluster {}", remote.cluster))?;
         if wanted.insert(remote.cluster.clone(), etcd).is_some() {
-            anyhow::bail!("remote cluster {:?} is configured twice (--remote-cluster and --clustermesh-config)", remote.cluster);
+            anyhow::bail!(
+                "remote cluster {:?} is configured twice (--remote-cluster and --clustermesh-config)",
+                remote.cluster
+            );
         }
     }
     Ok(wanted)
@@ -114,7 +125,12 @@ struct Followed {
 /// Connects to a remote cluster's etcd and `join`s what is followed there, again and again
 /// (backing off to 30 s) until both answer: a remote cluster that is down delays nothing.
 /// `connected` is set once they have.
-pub async fn connect_until_answered<T, F: Future<Output = Result<T, KvError>>>(cluster: &str, etcd: &EtcdConfig, connected: &AtomicBool, join: impl Fn(Arc<dyn KvStore>) -> F) -> T {
+pub async fn connect_until_answered<T, F: Future<Output = Result<T, KvError>>>(
+    cluster: &str,
+    etcd: &EtcdConfig,
+    connected: &AtomicBool,
+    join: impl Fn(Arc<dyn KvStore>) -> F,
+) -> T {
     let mut delay = Duration::from_millis(200);
     loop {
         let joined = async {
@@ -126,7 +142,11 @@ pub async fn connect_until_answered<T, F: Future<Output = Result<T, KvError>>>(c
                 connected.store(true, Ordering::Relaxed);
                 return joined;
             }
-            Err(e) => tracing::warn!(cluster, "remote cluster's etcd ({}) does not answer; trying again in {delay:?}: {e}", etcd.endpoints.join(",")),
+            Err(e) => tracing::warn!(
+                cluster,
+                "remote cluster's etcd ({}) does not answer; trying again in {delay:?}: {e}",
+                etcd.endpoints.join(",")
+            ),
         }
         tokio::time::sleep(delay).await;
         delay = (delay * 2).min(Duration::from_secs(30));
@@ -148,11 +168,19 @@ impl ExportFollowing {
         ExportFollowing { cluster: cluster.to_string(), exports, connected, task }
     }
 
-    fn task(cluster: &str, etcd: EtcdConfig, exports: &RemoteExports, connected: &Arc<AtomicBool>) -> tokio::task::JoinHandle<()> {
+    fn task(
+        cluster: &str,
+        etcd: EtcdConfig,
+        exports: &RemoteExports,
+        connected: &Arc<AtomicBool>,
+    ) -> tokio::task::JoinHandle<()> {
         let (cluster, exports, connected) = (cluster.to_string(), exports.clone(), connected.clone());
         tokio::spawn(async move {
             let prefix = cluster_exports_prefix(CLUSTERS_PREFIX, &cluster);
-            let shared = connect_until_answered(&cluster, &etcd, &connected, |kv| SharedStore::follow(kv, SharedStoreConfig::new(prefix.as_str()))).await;
+            let shared = connect_until_answered(&cluster, &etcd, &connected, |kv| {
+                SharedStore::follow(kv, SharedStoreConfig::new(prefix.as_str()))
+            })
+            .await;
             tracing::info!(cluster, "following the remote cluster's exports");
             follow_cluster_exports(shared, cluster, exports).await;
         })
@@ -201,7 +229,11 @@ impl RemoteClusters {
     /// The clusters configured now, each followed by what `start` makes; a file that does not
     /// parse or a certificate that cannot be read stops the start. Later, such a mistake is
     /// logged and changes nothing.
-    pub async fn start(config: ClusterMeshConfig, own_cluster: &str, start: StartFollowing) -> anyhow::Result<RemoteClusters> {
+    pub async fn start(
+        config: ClusterMeshConfig,
+        own_cluster: &str,
+        start: StartFollowing,
+    ) -> anyhow::Result<RemoteClusters> {
         let followed = Arc::new(Mutex::new(BTreeMap::new()));
         let initial = wanted(&config, own_cluster)?;
         reconcile(&followed, initial, &start).await;
@@ -214,7 +246,9 @@ impl RemoteClusters {
                     tokio::time::sleep(poll).await;
                     match wanted(&config, &own_cluster) {
                         Ok(now) => reconcile(&followed, now, &start).await,
-                        Err(e) => tracing::error!("clustermesh configuration: {e:#}; the remote clusters followed stay as they are"),
+                        Err(e) => tracing::error!(
+                            "clustermesh configuration: {e:#}; the remote clusters followed stay as they are"
+                        ),
                     }
                 }
             })
@@ -230,7 +264,10 @@ impl RemoteClusters {
     /// Each cluster followed and whether it answered, and what they give.
     pub fn summaries(&self) -> (Vec<RemoteCluster>, Vec<ImportedService>) {
         let followed = lock(&self.followed);
-        (followed.values().map(|f| f.following.status()).collect(), followed.values().flat_map(|f| f.following.imported()).collect())
+        (
+            followed.values().map(|f| f.following.status()).collect(),
+            followed.values().flat_map(|f| f.following.imported()).collect(),
+        )
     }
 }
 
@@ -240,7 +277,11 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// Starts, reconnects and drops followings so that `wanted` is followed. Nothing here waits
 /// while holding the map (REST reads it); only the followings dropped are awaited, after.
-async fn reconcile(followed: &Mutex<BTreeMap<String, Followed>>, mut wanted: BTreeMap<String, EtcdConfig>, start: &StartFollowing) {
+async fn reconcile(
+    followed: &Mutex<BTreeMap<String, Followed>>,
+    mut wanted: BTreeMap<String, EtcdConfig>,
+    start: &StartFollowing,
+) {
     let gone: Vec<(String, Followed)> = {
         let mut followed = lock(followed);
         let gone_names: Vec<String> = followed.keys().filter(|name| !wanted.contains_key(*name)).cloned().collect();
@@ -276,18 +317,28 @@ mod tests {
     fn the_directory_holds_one_file_per_cluster_beside_certificates() {
         let dir = tempfile::tempdir().unwrap();
         let write = |name: &str, text: &str| std::fs::write(dir.path().join(name), text).unwrap();
-        write("east", "endpoints:\n- https://east.mesh:2379\ntrusted-ca-file: common-ca.crt\ncert-file: common.crt\nkey-file: common.key\n");
+        write(
+            "east",
+            "endpoints:\n- https://east.mesh:2379\ntrusted-ca-file: common-ca.crt\ncert-file: common.crt\nkey-file: common.key\n",
+        );
         write("west", "endpoints: [https://west.mesh:2379]\n");
         write("common-ca.crt", "-----BEGIN CERTIFICATE-----\n");
         std::fs::create_dir(dir.path().join("..2026_11_27")).unwrap();
         write("..data_tmp", "endpoints: [https://ignored:2379]\n");
         let remotes = read_clustermesh_dir(dir.path(), "west").unwrap();
-        assert_eq!(remotes, [RemoteEtcd {
-            cluster: "east".into(),
-            endpoints: vec!["https://east.mesh:2379".into()],
-            tls: Some(wasmplane_kvstore::EtcdTlsFiles { trusted_ca_file: dir.path().join("common-ca.crt"), cert_file: Some(dir.path().join("common.crt")), key_file: Some(dir.path().join("common.key")) }),
-            user: None,
-        }]);
+        assert_eq!(
+            remotes,
+            [RemoteEtcd {
+                cluster: "east".into(),
+                endpoints: vec!["https://east.mesh:2379".into()],
+                tls: Some(wasmplane_kvstore::EtcdTlsFiles {
+                    trusted_ca_file: dir.path().join("common-ca.crt"),
+                    cert_file: Some(dir.path().join("common.crt")),
+                    key_file: Some(dir.path().join("common.key"))
+                }),
+                user: None,
+            }]
+        );
         write("south", "endpoints: [https://south.mesh:2379]\ninsecure-skip-tls-verify: true\n");
         let refused = format!("{:#}", read_clustermesh_dir(dir.path(), "west").unwrap_err());
         assert!(refused.contains("south") && refused.contains("insecure-skip-tls-verify"), "{refused}");
@@ -295,7 +346,11 @@ mod tests {
 
     #[test]
     fn agents_do_not_watch_the_operators_mesh_slices() {
-        let skipped = format!("{}!={}", wasmplane_operator::meshslices::MANAGED_BY_LABEL, wasmplane_operator::MESH_SLICE_CONTROLLER);
+        let skipped = format!(
+            "{}!={}",
+            wasmplane_operator::meshslices::MANAGED_BY_LABEL,
+            wasmplane_operator::MESH_SLICE_CONTROLLER
+        );
         assert!(wasmplane_sources::kube::SLICE_LABEL_SELECTOR.split(',').any(|term| term == skipped), "{skipped}");
     }
 
@@ -303,7 +358,12 @@ mod tests {
     fn a_cluster_named_twice_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("east"), "endpoints: [http://10.0.0.1:2379]\n").unwrap();
-        let remote = RemoteEtcd { cluster: "east".into(), endpoints: vec!["http://10.0.0.2:2379".into()], tls: None, user: None };
+        let remote = RemoteEtcd {
+            cluster: "east".into(),
+            endpoints: vec!["http://10.0.0.2:2379".into()],
+            tls: None,
+            user: None,
+        };
         let config = ClusterMeshConfig { remotes: vec![remote], dir: Some(dir.path().into()), poll: Duration::ZERO };
         let twice = wanted(&config, "west").expect_err("east twice").to_string();
         assert!(twice.contains("\"east\" is configured twice"), "{twice}");

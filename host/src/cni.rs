@@ -103,7 +103,13 @@ impl ModelPodNetworks {
 
     /// Applies the change (the model, then the dataplane) off the async runtime; the
     /// returned task ends when it is written.
-    fn update(&self, namespace: &str, name: &str, ips: Option<&[IpAddr]>, released: &[IpAddr]) -> Option<tokio::task::JoinHandle<()>> {
+    fn update(
+        &self,
+        namespace: &str,
+        name: &str,
+        ips: Option<&[IpAddr]>,
+        released: &[IpAddr],
+    ) -> Option<tokio::task::JoinHandle<()>> {
         let controller = self.controller.upgrade()?;
         let key = ObjectKey::new(namespace, name);
         let ips = ips.map(|ips| ips.iter().map(IpAddr::to_string).collect::<Vec<_>>());
@@ -136,7 +142,11 @@ impl PodNetworkSink for ModelPodNetworks {
 }
 
 /// The daemon's configuration: the host's, with the pod CIDRs it settled on.
-fn daemon_config(config: &CniConfig, pod_cidrs: Vec<ipnet::IpNet>, data_dir: Option<PathBuf>) -> wasmplane_cni::DaemonConfig {
+fn daemon_config(
+    config: &CniConfig,
+    pod_cidrs: Vec<ipnet::IpNet>,
+    data_dir: Option<PathBuf>,
+) -> wasmplane_cni::DaemonConfig {
     let state_dir = config
         .state_dir
         .clone()
@@ -186,7 +196,11 @@ pub async fn run(
         config.pod_cidrs.clone()
     };
     let daemon_config = daemon_config(&config, pod_cidrs.clone(), data_dir);
-    let daemon = match wasmplane_cni::CniDaemon::new(daemon_config, Arc::new(ModelPods::new(&controller, synced)), Arc::new(ModelPodNetworks::new(&controller))) {
+    let daemon = match wasmplane_cni::CniDaemon::new(
+        daemon_config,
+        Arc::new(ModelPods::new(&controller, synced)),
+        Arc::new(ModelPodNetworks::new(&controller)),
+    ) {
         Ok(daemon) => daemon,
         Err(e) => {
             tracing::error!("starting the CNI daemon: {e}");
@@ -227,8 +241,14 @@ mod tests {
         };
         let cidrs = vec!["10.244.1.0/24".parse().unwrap()];
         let d = daemon_config(&config, cidrs.clone(), Some("/data".into()));
-        assert_eq!((d.socket_path, d.state_dir, d.pod_cidrs), ("/run/x.sock".into(), "/data/cni".into(), cidrs.clone()));
-        assert_eq!((d.pod_wait_timeout, d.host_netns, d.chained, d.mtu), (Duration::from_secs(3), Some("/var/run/netns/n".into()), false, Some(1450)));
+        assert_eq!(
+            (d.socket_path, d.state_dir, d.pod_cidrs),
+            ("/run/x.sock".into(), "/data/cni".into(), cidrs.clone())
+        );
+        assert_eq!(
+            (d.pod_wait_timeout, d.host_netns, d.chained, d.mtu),
+            (Duration::from_secs(3), Some("/var/run/netns/n".into()), false, Some(1450))
+        );
         config.mtu = None;
         config.chained = true;
         let d = daemon_config(&config, Vec::new(), None);

@@ -47,10 +47,21 @@ impl Default for ConntrackTuning {
 /// One setting the host wrote, left, or could not write.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {
-    Set { sysctl: &'static str, from: u64, to: u64 },
-    Kept { sysctl: &'static str, value: u64, why: &'static str },
+    Set {
+        sysctl: &'static str,
+        from: u64,
+        to: u64,
+    },
+    Kept {
+        sysctl: &'static str,
+        value: u64,
+        why: &'static str,
+    },
     /// The kernel refused (or the value could not be read); the node keeps its own.
-    Failed { sysctl: &'static str, error: String },
+    Failed {
+        sysctl: &'static str,
+        error: String,
+    },
 }
 
 const PROC: &str = "/proc/sys/net/netfilter";
@@ -77,19 +88,31 @@ impl ConntrackTuning {
         crate::dataplane::in_netns(netns, move || {
             let mut outcomes = Vec::new();
             if let Some(wanted) = tuning.wanted_max(cpus) {
-                outcomes.push(settle(MAX, |current| {
-                    let path = Path::new(PROC).join(MAX);
-                    Ok(if current >= wanted {
-                        Some("at least the wanted size (never lowered)")
-                    } else if read_only(&path)? {
-                        Some("read-only here (set from the initial network namespace)")
-                    } else {
-                        None
-                    })
-                }, wanted));
+                outcomes.push(settle(
+                    MAX,
+                    |current| {
+                        let path = Path::new(PROC).join(MAX);
+                        Ok(if current >= wanted {
+                            Some("at least the wanted size (never lowered)")
+                        } else if read_only(&path)? {
+                            Some("read-only here (set from the initial network namespace)")
+                        } else {
+                            None
+                        })
+                    },
+                    wanted,
+                ));
             }
-            let timeouts = [(ESTABLISHED, tuning.tcp_established_timeout), (CLOSE_WAIT, tuning.tcp_close_wait_timeout), (UDP, tuning.udp_timeout), (UDP_STREAM, tuning.udp_stream_timeout)];
-            let wanted = timeouts.into_iter().filter(|(_, timeout)| !timeout.is_zero()).map(|(sysctl, timeout)| (sysctl, timeout.as_secs()));
+            let timeouts = [
+                (ESTABLISHED, tuning.tcp_established_timeout),
+                (CLOSE_WAIT, tuning.tcp_close_wait_timeout),
+                (UDP, tuning.udp_timeout),
+                (UDP_STREAM, tuning.udp_stream_timeout),
+            ];
+            let wanted = timeouts
+                .into_iter()
+                .filter(|(_, timeout)| !timeout.is_zero())
+                .map(|(sysctl, timeout)| (sysctl, timeout.as_secs()));
             for (sysctl, wanted) in wanted.chain(tuning.tcp_be_liberal.then_some((BE_LIBERAL, 1))) {
                 outcomes.push(settle(sysctl, |current| Ok((current == wanted).then_some("already so")), wanted));
             }
@@ -99,7 +122,11 @@ impl ConntrackTuning {
 }
 
 /// Reads `sysctl`, and writes `wanted` unless `keep` (given the current value) says why not.
-fn settle(sysctl: &'static str, keep: impl FnOnce(u64) -> std::io::Result<Option<&'static str>>, wanted: u64) -> Outcome {
+fn settle(
+    sysctl: &'static str,
+    keep: impl FnOnce(u64) -> std::io::Result<Option<&'static str>>,
+    wanted: u64,
+) -> Outcome {
     let path = Path::new(PROC).join(sysctl);
     let attempt = || -> std::io::Result<Outcome> {
         let current = read(&path)?;
@@ -120,7 +147,9 @@ fn with_path(path: &Path, e: std::io::Error) -> std::io::Error {
 
 fn read(path: &PathBuf) -> std::io::Result<u64> {
     let text = std::fs::read_to_string(path).map_err(|e| with_path(path, e))?;
-    text.trim().parse().map_err(|e| with_path(path, std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{e}"))))
+    text.trim()
+        .parse()
+        .map_err(|e| with_path(path, std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{e}"))))
 }
 
 fn read_only(path: &Path) -> std::io::Result<bool> {
@@ -147,6 +176,9 @@ mod tests {
     #[test]
     fn a_setting_that_cannot_be_read_is_reported_not_fatal() {
         let outcome = settle("nf_conntrack_no_such_setting", |_| Ok(None), 1);
-        assert!(matches!(&outcome, Outcome::Failed { sysctl: "nf_conntrack_no_such_setting", error } if error.contains("nf_conntrack_no_such_setting")), "{outcome:?}");
+        assert!(
+            matches!(&outcome, Outcome::Failed { sysctl: "nf_conntrack_no_such_setting", error } if error.contains("nf_conntrack_no_such_setting")),
+            "{outcome:?}"
+        );
     }
 }

@@ -11,15 +11,17 @@ use std::time::{Instant, SystemTime};
 
 use wasmplane_model::state::{ClusterEvent, ClusterObject, ModelUpdate, NoLocalEndpoints, ServiceView, Touched};
 use wasmplane_model::{ClusterState, CompactString, IntoModel, NodeLocalModel, ObjectKey, Pod, ToStd};
+use wasmplane_runtime::{
+    CallError, GuestKind, LoadError, LoadedModule, ModuleInfo, NoLookups, Runtime, SettingsVerdict, TranslatorSession,
+};
 use wasmplane_sources::kube::SourceEvent;
-use wasmplane_runtime::{CallError, GuestKind, LoadError, LoadedModule, ModuleInfo, NoLookups, Runtime, SettingsVerdict, TranslatorSession};
 
 use crate::dataplane::{Dataplane, Kernel, SyncStats, WriteError};
 use crate::metrics::Metrics;
 use crate::nft::{self, ObjectRules};
 use crate::policy::PolicyController;
-use crate::shadow::ShadowRun;
 use crate::registry::{ModuleRecord, Registry, RegistryError, SharedIndex, valid_module_name};
+use crate::shadow::ShadowRun;
 
 /// The builtin service translator's module name.
 pub const BUILTIN_SERVICE_TRANSLATOR: &str = "default-service-translator";
@@ -89,7 +91,13 @@ pub trait ModelObserver: Send {
     fn model_changed(&self, model: &NodeLocalModel, update: &ModelUpdate);
     /// Then what the translator in force made of that revision's services: new rules (`None`:
     /// deleted) in `changes`, a failure in `errors` (the recorder in `record.rs` keeps both).
-    fn translated(&self, _translator: Option<TranslatorInForce<'_>>, _changes: &[(ObjectKey, Option<ObjectRules>)], _errors: &BTreeMap<ObjectKey, String>) {}
+    fn translated(
+        &self,
+        _translator: Option<TranslatorInForce<'_>>,
+        _changes: &[(ObjectKey, Option<ObjectRules>)],
+        _errors: &BTreeMap<ObjectKey, String>,
+    ) {
+    }
 }
 
 /// kube-proxy's `--detect-local-mode`: which traffic comes from pods (not masqueraded to a
@@ -206,12 +214,19 @@ impl CallFailure {
 /// Rendered for `dataplane`: its `pod-traffic` detection (by the cluster CIDRs it has now),
 /// and its drop chain for no-endpoint drops when it logs service drops (see
 /// `nft::service_drops`).
-fn translate_one(session: &mut TranslatorSession, model: &NodeLocalModel, key: &ObjectKey, view: &ServiceView, dataplane: &Dataplane) -> Result<ObjectRules, CallFailure> {
+fn translate_one(
+    session: &mut TranslatorSession,
+    model: &NodeLocalModel,
+    key: &ObjectKey,
+    view: &ServiceView,
+    dataplane: &Dataplane,
+) -> Result<ObjectRules, CallFailure> {
     let out = session.translate(&model.context, &nft::service_prefix(key), view).map_err(|e| match e {
         CallError::Guest(_) => CallFailure::Declined(e.to_string()),
         other => CallFailure::Crash(other.to_string()),
     })?;
-    let mut rules = nft::validate_service_output(key, &out, dataplane.pod_detection()).map_err(|e| CallFailure::Crash(e.to_string()))?;
+    let mut rules = nft::validate_service_output(key, &out, dataplane.pod_detection())
+        .map_err(|e| CallFailure::Crash(e.to_string()))?;
     if dataplane.logs_service_drops() {
         nft::service_drops::route_drops_through_log(&mut rules);
     }
@@ -255,25 +270,58 @@ pub struct RollbackRequest {
 }
 
 impl Controller {
-    pub fn new(runtime: Arc<Runtime>, metrics: Arc<Metrics>, kernel: Box<dyn Kernel>, data_dir: Option<&Path>, config: ControllerConfig) -> Result<Controller, HostError> {
+    pub fn new(
+        runtime: Arc<Runtime>,
+        metrics: Arc<Metrics>,
+        kernel: Box<dyn Kernel>,
+        data_dir: Option<&Path>,
+        config: ControllerConfig,
+    ) -> Result<Controller, HostError> {
         let mut registry = Registry::open(data_dir)?;
-        let builtin = runtime.load(BUILTIN_SERVICE_TRANSLATOR, wasmplane_guest_artifacts::SERVICE_TRANSLATOR, Some(GuestKind::ServiceTranslator), usize::MAX)?;
-        registry.add_builtin(BUILTIN_SERVICE_TRANSLATOR, GuestKind::ServiceTranslator, &builtin.info, wasmplane_guest_artifacts::SERVICE_TRANSLATOR);
-        let policy_module = runtime.load_policy(BUILTIN_NETWORK_POLICY, wasmplane_guest_artifacts::NETWORK_POLICY, usize::MAX)?;
-        registry.add_builtin(BUILTIN_NETWORK_POLICY, GuestKind::NetworkPolicy, &policy_module.info, wasmplane_guest_artifacts::NETWORK_POLICY);
+        let builtin = runtime.load(
+            BUILTIN_SERVICE_TRANSLATOR,
+            wasmplane_guest_artifacts::SERVICE_TRANSLATOR,
+            Some(GuestKind::ServiceTranslator),
+            usize::MAX,
+        )?;
+        registry.add_builtin(
+            BUILTIN_SERVICE_TRANSLATOR,
+            GuestKind::ServiceTranslator,
+            &builtin.info,
+            wasmplane_guest_artifacts::SERVICE_TRANSLATOR,
+        );
+        let policy_module =
+            runtime.load_policy(BUILTIN_NETWORK_POLICY, wasmplane_guest_artifacts::NETWORK_POLICY, usize::MAX)?;
+        registry.add_builtin(
+            BUILTIN_NETWORK_POLICY,
+            GuestKind::NetworkPolicy,
+            &policy_module.info,
+            wasmplane_guest_artifacts::NETWORK_POLICY,
+        );
         // Listed and configured here, run by the operator: described, not compiled.
-        registry.add_builtin(BUILTIN_GC, GuestKind::Gc, &wasmplane_runtime::describe(wasmplane_guest_artifacts::GC)?, wasmplane_guest_artifacts::GC);
+        registry.add_builtin(
+            BUILTIN_GC,
+            GuestKind::Gc,
+            &wasmplane_runtime::describe(wasmplane_guest_artifacts::GC)?,
+            wasmplane_guest_artifacts::GC,
+        );
         let health = metrics.dataplane_health.clone();
         let service_cidrs = crate::dataplane::parse_cidrs("service-cidrs", &config.service_cidrs);
         let model = match config.local_detection {
-            LocalDetection::NodeCidr => NodeLocalModel::new(&config.node_name, Vec::new()).with_node_cidr_local_detection(),
-            LocalDetection::ClusterCidr | LocalDetection::InterfaceNamePrefix(_) | LocalDetection::BridgeInterface(_) => {
+            LocalDetection::NodeCidr => {
+                NodeLocalModel::new(&config.node_name, Vec::new()).with_node_cidr_local_detection()
+            }
+            LocalDetection::ClusterCidr
+            | LocalDetection::InterfaceNamePrefix(_)
+            | LocalDetection::BridgeInterface(_) => {
                 NodeLocalModel::new(&config.node_name, config.cluster_cidrs.clone().into_model())
             }
         }
         .with_service_cidrs(service_cidrs.clone());
         // The model's context decides which CIDRs are local; the dataplane starts from it.
-        let dataplane = Dataplane::new(kernel).with_cluster_cidrs(&model.context.cluster_cidrs).with_pod_traffic(config.local_detection.pod_traffic());
+        let dataplane = Dataplane::new(kernel)
+            .with_cluster_cidrs(&model.context.cluster_cidrs)
+            .with_pod_traffic(config.local_detection.pod_traffic());
         let mut controller = Controller {
             runtime,
             metrics,
@@ -392,7 +440,12 @@ impl Controller {
 
     /// The CNI daemon gave a pod these addresses (`Some`), or released `released` (`None`):
     /// the model has them at once, not only when the kubelet reports them.
-    pub fn set_pod_network(&mut self, key: &ObjectKey, ips: Option<Vec<String>>, released: &[String]) -> Result<(), HostError> {
+    pub fn set_pod_network(
+        &mut self,
+        key: &ObjectKey,
+        ips: Option<Vec<String>>,
+        released: &[String],
+    ) -> Result<(), HostError> {
         let ips = ips.map(IntoModel::into_model);
         let was_released = |ip: &_| released.iter().any(|r| r == ip);
         match &ips {
@@ -485,10 +538,14 @@ impl Controller {
         // source address), and a context change redoes every service and policy below.
         // Node ports may move with the node's addresses (`--nodeport-addresses primary`).
         let node_ports_moved = update.context_changed && self.dataplane.set_node_ips(&self.model.context.node_ips);
-        let service_cidrs_moved = update.service_cidrs_changed && self.dataplane.set_service_cidrs(&self.model.service_cidrs);
+        let service_cidrs_moved =
+            update.service_cidrs_changed && self.dataplane.set_service_cidrs(&self.model.service_cidrs);
         // With `--detect-local-mode NodeCIDR` they follow the node's pod CIDRs.
-        let cluster_cidrs_moved = update.context_changed && self.dataplane.set_cluster_cidrs(&self.model.context.cluster_cidrs);
-        let egress_sources_moved = update.context_changed && self.egress_follows_node && self.dataplane.set_egress_sources(&self.model.context.pod_cidrs);
+        let cluster_cidrs_moved =
+            update.context_changed && self.dataplane.set_cluster_cidrs(&self.model.context.cluster_cidrs);
+        let egress_sources_moved = update.context_changed
+            && self.egress_follows_node
+            && self.dataplane.set_egress_sources(&self.model.context.pod_cidrs);
         let policy_changes = self.policy.apply(&self.cluster, &self.model, &update, self.dataplane.pod_detection());
         for call in &policy_changes.guest_calls {
             self.metrics.guest_call_time("network-policy", call.seconds);
@@ -506,10 +563,16 @@ impl Controller {
             self.registry.count_calls(self.policy.module(), policy_changes.guest_calls.len() as u64);
         }
         if policy_changes.compiled + policy_changes.failed > 0 {
-            tracing::debug!(compiled = policy_changes.compiled, failed = policy_changes.failed, dispatch = policy_changes.dispatch_changed, "policies recompiled");
+            tracing::debug!(
+                compiled = policy_changes.compiled,
+                failed = policy_changes.failed,
+                dispatch = policy_changes.dispatch_changed,
+                "policies recompiled"
+            );
         }
         // This node's pods that changed: their host ports, written by the host.
-        let hostport_changes: Vec<_> = update.pods.iter().filter_map(|change| self.hostport_change(&change.key, change.pod.as_deref())).collect();
+        let hostport_changes: Vec<_> =
+            update.pods.iter().filter_map(|change| self.hostport_change(&change.key, change.pod.as_deref())).collect();
         let changed: Vec<(ObjectKey, Option<Arc<ServiceView>>)> = if update.context_changed {
             // Every call sees the node context: all services are due.
             let mut all: Vec<_> = self.model.services.iter().map(|(k, v)| (k.clone(), Some(v.clone()))).collect();
@@ -544,18 +607,25 @@ impl Controller {
                 },
             }
         }
-        let translator = self.translator.as_ref().map(|t| TranslatorInForce { name: &t.name, version: t.version, settings: &t.settings });
+        let translator = self.translator.as_ref().map(|t| TranslatorInForce {
+            name: &t.name,
+            version: t.version,
+            settings: &t.settings,
+        });
         self.observers.iter().for_each(|o| o.translated(translator, &changes, &self.service_errors));
         // The host's own objects after the translator's (whose are what observers record).
         changes.extend(firewall_changes);
         changes.extend(hostport_changes);
         // Policy objects after the services': their own order (see `policy.rs`) is kept.
         changes.extend(policy_changes.changes);
-        if (node_ports_moved || service_cidrs_moved || cluster_cidrs_moved || egress_sources_moved) && changes.is_empty() {
+        if (node_ports_moved || service_cidrs_moved || cluster_cidrs_moved || egress_sources_moved)
+            && changes.is_empty()
+        {
             // No object changed, but the tables' static part did: written in full.
             return self.reconcile();
         }
-        let mut written: Vec<ObjectKey> = if trigger_times.is_empty() { Vec::new() } else { changes.iter().map(|(key, _)| key.clone()).collect() };
+        let mut written: Vec<ObjectKey> =
+            if trigger_times.is_empty() { Vec::new() } else { changes.iter().map(|(key, _)| key.clone()).collect() };
         written.sort_unstable();
         self.sync(changes)?;
         self.observe_programming(trigger_times, &written);
@@ -567,11 +637,20 @@ impl Controller {
     /// have no endpoint on a given node).
     fn note_local_endpoints(&mut self, key: &ObjectKey, view: Option<&ServiceView>) {
         let now = view.map(ServiceView::without_local_endpoints).unwrap_or_default();
-        let before = if now == NoLocalEndpoints::default() { self.without_local.remove(key) } else { self.without_local.insert(key.clone(), now) };
+        let before = if now == NoLocalEndpoints::default() {
+            self.without_local.remove(key)
+        } else {
+            self.without_local.insert(key.clone(), now)
+        };
         let before = before.unwrap_or_default();
-        for (policy, was, is) in [("internal", before.internal, now.internal), ("external", before.external, now.external)] {
+        for (policy, was, is) in
+            [("internal", before.internal, now.internal), ("external", before.external, now.external)]
+        {
             if was != is {
-                let gauge = self.metrics.service_ports_without_local_endpoints.get_or_create(&crate::metrics::TrafficPolicyLabels { traffic_policy: policy.into() });
+                let gauge = self
+                    .metrics
+                    .service_ports_without_local_endpoints
+                    .get_or_create(&crate::metrics::TrafficPolicyLabels { traffic_policy: policy.into() });
                 gauge.inc_by(is as i64 - was as i64);
             }
         }
@@ -579,7 +658,10 @@ impl Controller {
 
     /// A full write of the tables (`write`: a full sync or the release), timed and counted
     /// with the incremental ones.
-    fn full_write(&mut self, write: impl FnOnce(&mut Dataplane) -> Result<SyncStats, WriteError>) -> Result<SyncStats, WriteError> {
+    fn full_write(
+        &mut self,
+        write: impl FnOnce(&mut Dataplane) -> Result<SyncStats, WriteError>,
+    ) -> Result<SyncStats, WriteError> {
         let started = Instant::now();
         let result = write(&mut self.dataplane);
         self.metrics.dataplane_full_sync_seconds.observe(started.elapsed().as_secs_f64());
@@ -602,7 +684,11 @@ impl Controller {
 
     /// One of the host's own objects (`key`) as a change, if `wanted` is not what the
     /// dataplane has for it.
-    fn host_object_change(&self, key: ObjectKey, wanted: Option<ObjectRules>) -> Option<(ObjectKey, Option<ObjectRules>)> {
+    fn host_object_change(
+        &self,
+        key: ObjectKey,
+        wanted: Option<ObjectRules>,
+    ) -> Option<(ObjectKey, Option<ObjectRules>)> {
         (self.dataplane.wanted(&key) != wanted.as_ref()).then_some((key, wanted))
     }
 
@@ -615,7 +701,10 @@ impl Controller {
     /// in force. The model's pods carry the addresses the CNI daemon gave before the API
     /// server reports them (see `fill_pod_ips`), so host ports work from the CNI ADD on.
     fn hostport_change(&self, key: &ObjectKey, pod: Option<&Pod>) -> Option<(ObjectKey, Option<ObjectRules>)> {
-        self.host_object_change(nft::hostport_object_key(key), pod.and_then(|pod| nft::hostport_rules(pod, self.model.node_name())))
+        self.host_object_change(
+            nft::hostport_object_key(key),
+            pod.and_then(|pod| nft::hostport_rules(pod, self.model.node_name())),
+        )
     }
 
     /// Every policy: the generation enforced here, audit mode, errors (`GET /v1/policies`).
@@ -625,7 +714,11 @@ impl Controller {
 
     /// The policies selecting a pod address in a direction, from their last good rules: those
     /// a logged verdict of that address's dispatch chain is owed to.
-    pub fn policies_selecting(&self, direction: crate::nft::policy::Direction, addr: std::net::IpAddr) -> Vec<ObjectKey> {
+    pub fn policies_selecting(
+        &self,
+        direction: crate::nft::policy::Direction,
+        addr: std::net::IpAddr,
+    ) -> Vec<ObjectKey> {
         self.policy.policies_selecting(direction, addr)
     }
 
@@ -678,14 +771,21 @@ impl Controller {
         use crate::metrics::{PolicyLabels, PolicyPacketLabels};
         self.metrics.policy_audit.clear();
         for p in self.policy.status(&self.model) {
-            self.metrics.policy_audit.get_or_create(&PolicyLabels { namespace: p.namespace.clone(), name: p.name.clone() }).set(i64::from(p.audit));
+            self.metrics
+                .policy_audit
+                .get_or_create(&PolicyLabels { namespace: p.namespace.clone(), name: p.name.clone() })
+                .set(i64::from(p.audit));
         }
         if counters {
             let counts = self.policy_drop_counts()?;
             self.metrics.policy_packets.clear();
             for (key, (dropped, would_drop)) in counts {
                 for (verdict, packets) in [("dropped", dropped), ("would_drop", would_drop)] {
-                    let labels = PolicyPacketLabels { namespace: key.namespace.to_std(), name: key.name.to_std(), verdict: verdict.into() };
+                    let labels = PolicyPacketLabels {
+                        namespace: key.namespace.to_std(),
+                        name: key.name.to_std(),
+                        verdict: verdict.into(),
+                    };
                     self.metrics.policy_packets.get_or_create(&labels).set(packets as i64);
                 }
             }
@@ -700,7 +800,10 @@ impl Controller {
 
     /// A pod's policy counts from the kernel's counters of its dispatch chains (one `nft
     /// list chain` each, at most four); `None` where this host writes no kernel.
-    pub fn pod_policy_counts(&mut self, addresses: &[std::net::IpAddr]) -> Result<Option<crate::policy::PodPolicyCounts>, HostError> {
+    pub fn pod_policy_counts(
+        &mut self,
+        addresses: &[std::net::IpAddr],
+    ) -> Result<Option<crate::policy::PodPolicyCounts>, HostError> {
         let chains = self.policy.dispatch_chains_of(addresses);
         let Some(listing) = self.dataplane.list_chains(&chains)? else { return Ok(None) };
         Ok(Some(self.policy.pod_counts(&listing, addresses)))
@@ -752,12 +855,22 @@ impl Controller {
             return;
         }
         self.rollback_requested = true;
-        let reason = format!("{} crashes within {:?} (budget {}), last: {reason}", self.recent_crashes.len(), window, self.crash_budget.max_crashes);
+        let reason = format!(
+            "{} crashes within {:?} (budget {}), last: {reason}",
+            self.recent_crashes.len(),
+            window,
+            self.crash_budget.max_crashes
+        );
         tracing::error!(module = name, version, "crash budget exhausted, rolling back: {reason}");
         self.metrics.auto_rollbacks.get_or_create(&crate::metrics::ModuleLabels { module: name.to_string() }).inc();
         match &self.rollback_sink {
             Some(sink) => {
-                let _ = sink.send(RollbackRequest { kind: GuestKind::ServiceTranslator, module: name.to_string(), version, reason });
+                let _ = sink.send(RollbackRequest {
+                    kind: GuestKind::ServiceTranslator,
+                    module: name.to_string(),
+                    version,
+                    reason,
+                });
             }
             None => tracing::warn!(module = name, "no rollback handler is wired; the module stays in force"),
         }
@@ -781,7 +894,10 @@ impl Controller {
             Ok(stats) => {
                 self.metrics.sync_statements.inc_by(stats.statements as u64);
                 if !stats.path.is_empty() {
-                    self.metrics.dataplane_transactions.get_or_create(&crate::metrics::PathLabels { path: stats.path.into() }).inc();
+                    self.metrics
+                        .dataplane_transactions
+                        .get_or_create(&crate::metrics::PathLabels { path: stats.path.into() })
+                        .inc();
                 }
                 Ok(())
             }
@@ -816,7 +932,8 @@ impl Controller {
     }
 
     fn load(&self, name: &str, version: u32) -> Result<LoadedModule, HostError> {
-        let kind = self.registry.kind_of(name).ok_or_else(|| HostError::NotFound(format!("no module named {name:?}")))?;
+        let kind =
+            self.registry.kind_of(name).ok_or_else(|| HostError::NotFound(format!("no module named {name:?}")))?;
         let bytes = self.registry.module_bytes(name, version)?;
         let settings = self.registry.settings_of(name);
         let module = self.runtime.load(name, &bytes, Some(kind), usize::MAX)?.with_settings(&settings);
@@ -826,11 +943,23 @@ impl Controller {
     }
 
     /// This host's admission on a version about to run (the builtins ship in the binary).
-    fn admit(&self, name: &str, version: u32, info: &wasmplane_runtime::ModuleInfo, bytes: &[u8]) -> Result<(), HostError> {
+    fn admit(
+        &self,
+        name: &str,
+        version: u32,
+        info: &wasmplane_runtime::ModuleInfo,
+        bytes: &[u8],
+    ) -> Result<(), HostError> {
         if self.registry.is_builtin(name) {
             return Ok(());
         }
-        let signature = self.registry.shared().modules.get(name).and_then(|m| m.version(version)).and_then(|v| v.signature.as_deref());
+        let signature = self
+            .registry
+            .shared()
+            .modules
+            .get(name)
+            .and_then(|m| m.version(version))
+            .and_then(|v| v.signature.as_deref());
         Ok(self.admission.admit(name, info, bytes, signature)?)
     }
 
@@ -871,9 +1000,19 @@ impl Controller {
         self.registry.count_calls(name, outputs.len() as u64);
         // A full sync replaces the whole table: the host's firewalls and host ports and the
         // policy side's objects go in with it.
-        outputs.extend(self.model.services.iter().filter_map(|(key, view)| Some((nft::firewall_object_key(key), self.firewall_of(view)?))));
+        outputs.extend(
+            self.model
+                .services
+                .iter()
+                .filter_map(|(key, view)| Some((nft::firewall_object_key(key), self.firewall_of(view)?))),
+        );
         let node = self.model.node_name();
-        outputs.extend(self.model.local_pods.iter().filter_map(|(key, pod)| Some((nft::hostport_object_key(key), nft::hostport_rules(pod, node)?))));
+        outputs.extend(
+            self.model
+                .local_pods
+                .iter()
+                .filter_map(|(key, pod)| Some((nft::hostport_object_key(key), nft::hostport_rules(pod, node)?))),
+        );
         outputs.extend(self.policy.objects());
         self.full_write(|dataplane| dataplane.full_sync(Some(outputs)))?;
         self.service_errors.clear();
@@ -892,27 +1031,46 @@ impl Controller {
             this.registry.mark_failed(name, &reason);
             HostError::ActivationFailed { module: format!("{name}@{version}"), reason }
         };
-        let bytes = self.registry.module_bytes(name, version).map_err(|e| HostError::Internal(format!("reading {name}@{version}: {e}")))?;
+        let bytes = self
+            .registry
+            .module_bytes(name, version)
+            .map_err(|e| HostError::Internal(format!("reading {name}@{version}: {e}")))?;
         let settings = self.registry.settings_of(name);
         let module = match self.runtime.load_policy(name, &bytes, usize::MAX) {
             Ok(module) => module.with_settings(&settings),
             Err(e) => return Err(failed(self, e.to_string())),
         };
-        if let Err(e) = self.admit(name, version, &module.info, &bytes).and_then(|_| settings_verdict(name, module.validate_settings(&settings))) {
+        if let Err(e) = self
+            .admit(name, version, &module.info, &bytes)
+            .and_then(|_| settings_verdict(name, module.validate_settings(&settings)))
+        {
             return Err(failed(self, e.to_string()));
         }
         let mut candidate = PolicyController::new(&module).with_verdict_log(self.policy.verdict_log());
         let compiled = candidate.recompile_all(&self.cluster, &self.model, self.dataplane.pod_detection());
         if compiled.failed > 0 {
-            let errors: Vec<String> = candidate.status(&self.model).into_iter().filter_map(|s| s.error.map(|e| format!("{}/{}: {e}", s.namespace, s.name))).take(3).collect();
-            return Err(failed(self, format!("{} of the policies failed to compile: {}", compiled.failed, errors.join("; "))));
+            let errors: Vec<String> = candidate
+                .status(&self.model)
+                .into_iter()
+                .filter_map(|s| s.error.map(|e| format!("{}/{}: {e}", s.namespace, s.name)))
+                .take(3)
+                .collect();
+            return Err(failed(
+                self,
+                format!("{} of the policies failed to compile: {}", compiled.failed, errors.join("; ")),
+            ));
         }
         let old = std::mem::replace(&mut self.policy, candidate);
         // Everything the old module wrote goes, the new module's objects come, in one full
         // transaction (its chains and dispatch may share names with the old ones).
         let old_keys: std::collections::BTreeSet<ObjectKey> = old.objects().into_iter().map(|(k, _)| k).collect();
-        let mut wanted: BTreeMap<ObjectKey, ObjectRules> =
-            self.dataplane.applied().iter().filter(|(k, _)| !old_keys.contains(*k)).map(|(k, v)| (k.clone(), (**v).clone())).collect();
+        let mut wanted: BTreeMap<ObjectKey, ObjectRules> = self
+            .dataplane
+            .applied()
+            .iter()
+            .filter(|(k, _)| !old_keys.contains(*k))
+            .map(|(k, v)| (k.clone(), (**v).clone()))
+            .collect();
         wanted.extend(self.policy.objects());
         if let Err(e) = self.full_write(|dataplane| dataplane.full_sync(Some(wanted))) {
             self.policy = old;
@@ -927,7 +1085,9 @@ impl Controller {
     /// same kind as earlier versions, and a component that compiles and implements `kind`.
     pub fn check_upload(&self, name: &str, kind: GuestKind, bytes: &[u8]) -> Result<ModuleInfo, HostError> {
         if !valid_module_name(name) {
-            return Err(HostError::BadRequest(format!("module name {name:?} must be a DNS label (a-z, 0-9, '-', at most 63)")));
+            return Err(HostError::BadRequest(format!(
+                "module name {name:?} must be a DNS label (a-z, 0-9, '-', at most 63)"
+            )));
         }
         if self.registry.is_builtin(name) {
             return Err(HostError::Conflict(format!("{name:?} is a builtin module; upload under another name")));
@@ -953,12 +1113,18 @@ impl Controller {
     /// and for GC modules too. `version`: the kind, bytes and upload signature of the version
     /// they are for; `None` for the builtin `name`. This host's admission comes first: the
     /// validator is guest code like any other.
-    pub fn check_settings(&self, name: &str, version: Option<(GuestKind, &[u8], Option<&str>)>, settings: &str) -> Result<(), HostError> {
+    pub fn check_settings(
+        &self,
+        name: &str,
+        version: Option<(GuestKind, &[u8], Option<&str>)>,
+        settings: &str,
+    ) -> Result<(), HostError> {
         let shipped;
         let (kind, bytes) = match version {
             Some((kind, bytes, _)) => (kind, bytes),
             None => {
-                let kind = self.builtin_kind(name).ok_or_else(|| HostError::NotFound(format!("no module named {name:?}")))?;
+                let kind =
+                    self.builtin_kind(name).ok_or_else(|| HostError::NotFound(format!("no module named {name:?}")))?;
                 shipped = self.registry.module_bytes(name, 1)?;
                 (kind, shipped.as_slice())
             }
@@ -1040,7 +1206,9 @@ impl Controller {
     fn check_gc_in_force(&self, previous: &SharedIndex) -> Result<(), HostError> {
         let index = self.registry.shared();
         let Some((name, version)) = index.in_force(GuestKind::Gc) else { return Ok(()) };
-        if previous.in_force(GuestKind::Gc) == Some((name, version)) && previous.settings.get(name) == index.settings.get(name) {
+        if previous.in_force(GuestKind::Gc) == Some((name, version))
+            && previous.settings.get(name) == index.settings.get(name)
+        {
             return Ok(());
         }
         let bytes = self.registry.module_bytes(name, version)?;
@@ -1054,10 +1222,23 @@ impl Controller {
         let session = module
             .translator(Arc::new(NoLookups))
             .ok_or_else(|| HostError::BadRequest(format!("{} modules cannot run in shadow yet", module.info.kind)))?;
-        let mut shadow = ShadowRun { name: name.to_string(), version, session, outputs: BTreeMap::new(), errors: BTreeMap::new(), calls: 0 };
+        let mut shadow = ShadowRun {
+            name: name.to_string(),
+            version,
+            session,
+            outputs: BTreeMap::new(),
+            errors: BTreeMap::new(),
+            calls: 0,
+        };
         let all: Vec<_> = self.model.services.iter().map(|(k, v)| (k.clone(), Some(v.clone()))).collect();
         self.run_shadow(&mut shadow, &all);
-        tracing::info!(module = name, version, services = shadow.outputs.len(), failed = shadow.errors.len(), "shadow run started");
+        tracing::info!(
+            module = name,
+            version,
+            services = shadow.outputs.len(),
+            failed = shadow.errors.len(),
+            "shadow run started"
+        );
         self.shadow = Some(shadow);
         Ok(())
     }
@@ -1075,7 +1256,11 @@ impl Controller {
                     let result = translate_one(&mut shadow.session, &self.model, key, view, &self.dataplane);
                     // Timed apart from the active translator's calls: a candidate's cost beside the one it would replace.
                     self.metrics.guest_call_time("service-translator-shadow", started.elapsed().as_secs_f64());
-                    self.metrics.guest_call(&shadow.name, "service-translator-shadow", if result.is_ok() { "ok" } else { "error" });
+                    self.metrics.guest_call(
+                        &shadow.name,
+                        "service-translator-shadow",
+                        if result.is_ok() { "ok" } else { "error" },
+                    );
                     match result {
                         Ok(rules) => {
                             shadow.errors.remove(key);
@@ -1131,7 +1316,8 @@ mod tests {
             admission: Arc::new(crate::admission::Admission::permissive()),
             policy_verdict_log: None,
         };
-        Controller::new(runtime, Arc::new(Metrics::new()), Box::<crate::dataplane::Recorder>::default(), None, config).unwrap()
+        Controller::new(runtime, Arc::new(Metrics::new()), Box::<crate::dataplane::Recorder>::default(), None, config)
+            .unwrap()
     }
 
     /// `node-a` with these pod CIDRs, and an IPv6 NodePort service with externalTrafficPolicy
@@ -1181,7 +1367,12 @@ mod tests {
             ]
         );
         assert_eq!(masquerade_checks(&controller), [v4_check, v6_check]);
-        assert!(controller.dataplane().render().contains("add element inet wasmplane cluster-cidrs6 { fd00:10:244:1::/64 }"));
+        assert!(
+            controller
+                .dataplane()
+                .render()
+                .contains("add element inet wasmplane cluster-cidrs6 { fd00:10:244:1::/64 }")
+        );
 
         controller.replace_objects(objects(&["10.244.1.0/24"])).unwrap();
         assert_eq!(ip6_rules(&controller), Vec::<String>::new(), "the IPv6 pod CIDR went: so did its detector");
@@ -1197,7 +1388,11 @@ mod tests {
     /// The host's off-cluster masquerade rules, as its tables are now.
     fn masquerade_checks(c: &Controller) -> Vec<String> {
         let table = c.dataplane().render();
-        table.lines().filter_map(|l| l.split_once(" masquerade-check ").map(|(_, rule)| rule.to_string())).filter(|rule| rule.contains("@masquerade-off-cluster")).collect()
+        table
+            .lines()
+            .filter_map(|l| l.split_once(" masquerade-check ").map(|(_, rule)| rule.to_string()))
+            .filter(|rule| rule.contains("@masquerade-off-cluster"))
+            .collect()
     }
 
     /// By interface pods are detected in every family, kube-proxy's way: a dual-stack node
@@ -1209,7 +1404,10 @@ mod tests {
         controller.replace_objects(objects(&["10.244.1.0/24", "fd00:10:244:1::/64"])).unwrap();
         assert_eq!(
             pod_traffic_rules(&controller, "iifname"),
-            ["ip6 daddr fd00:96::20 meta l4proto tcp th dport 80 iifname != \"vp*\" jump mark-for-masquerade", "iifname \"vp*\" goto svc/shop/web/tcp/http"]
+            [
+                "ip6 daddr fd00:96::20 meta l4proto tcp th dport 80 iifname != \"vp*\" jump mark-for-masquerade",
+                "iifname \"vp*\" goto svc/shop/web/tcp/http"
+            ]
         );
         assert_eq!(
             masquerade_checks(&controller),

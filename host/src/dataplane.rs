@@ -52,7 +52,10 @@ pub enum WriteError {
 /// Runs `f` in network namespace `netns` (a `/run/netns/NAME` path; `None`: this process's),
 /// on a thread that enters it and then ends, so no other work runs there. What `f` opens
 /// (a socket) stays in that namespace.
-pub(crate) fn in_netns<T: Send>(netns: Option<&std::path::Path>, f: impl FnOnce() -> std::io::Result<T> + Send) -> std::io::Result<T> {
+pub(crate) fn in_netns<T: Send>(
+    netns: Option<&std::path::Path>,
+    f: impl FnOnce() -> std::io::Result<T> + Send,
+) -> std::io::Result<T> {
     let Some(path) = netns else { return f() };
     let file = std::fs::File::open(path)?;
     std::thread::scope(|scope| {
@@ -73,7 +76,10 @@ pub(crate) fn in_netns<T: Send>(netns: Option<&std::path::Path>, f: impl FnOnce(
 /// Calls `changed` whenever an interface address of network namespace `netns` (`None`:
 /// this process's) comes or goes (rtnetlink's address groups; also after the kernel dropped
 /// such messages), on a thread of its own, until `changed` returns false.
-pub fn watch_interface_addresses(netns: Option<&std::path::Path>, mut changed: impl FnMut() -> bool + Send + 'static) -> std::io::Result<()> {
+pub fn watch_interface_addresses(
+    netns: Option<&std::path::Path>,
+    mut changed: impl FnMut() -> bool + Send + 'static,
+) -> std::io::Result<()> {
     let socket = in_netns(netns, || {
         let mut socket = netlink_sys::Socket::new(netlink_sys::protocols::NETLINK_ROUTE)?;
         socket.bind_auto()?;
@@ -107,7 +113,11 @@ fn interface_addresses(netns: Option<&std::path::Path>) -> std::io::Result<Vec<I
         let addresses = nix::ifaddrs::getifaddrs().map_err(std::io::Error::from)?;
         Ok(addresses
             .filter_map(|a| a.address)
-            .filter_map(|a| a.as_sockaddr_in().map(|v4| IpAddr::V4(v4.ip())).or_else(|| a.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip()))))
+            .filter_map(|a| {
+                a.as_sockaddr_in()
+                    .map(|v4| IpAddr::V4(v4.ip()))
+                    .or_else(|| a.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip())))
+            })
             .collect())
     })
 }
@@ -312,7 +322,8 @@ fn describe_rejection(stderr: &str, transaction: &str) -> String {
         // `/dev/stdin:LINE:FIRST-LAST`: 1-based, the columns in bytes.
         let mut parts = location.rsplit(':');
         let columns = parts.next().unwrap_or_default();
-        let statement = parts.next().and_then(|n| n.parse::<usize>().ok()).and_then(|n| transaction.lines().nth(n.checked_sub(1)?));
+        let statement =
+            parts.next().and_then(|n| n.parse::<usize>().ok()).and_then(|n| transaction.lines().nth(n.checked_sub(1)?));
         let (first, last) = columns.split_once('-').unwrap_or((columns, columns));
         match (statement, first.parse::<usize>(), last.parse::<usize>()) {
             (Some(statement), Ok(first), Ok(last)) => {
@@ -404,7 +415,12 @@ impl Kernel for NftCommand {
         // file or directory") where `nft list chain` lists the same chain.
         let mut listing = String::new();
         for chain in chains {
-            let output = self.nft().args(["list", "chain", nft::FAMILY, nft::TABLE, chain]).stderr(Stdio::piped()).output().map_err(WriteError::Spawn)?;
+            let output = self
+                .nft()
+                .args(["list", "chain", nft::FAMILY, nft::TABLE, chain])
+                .stderr(Stdio::piped())
+                .output()
+                .map_err(WriteError::Spawn)?;
             if !output.status.success() {
                 return Err(WriteError::Rejected(stderr_text(&output.stderr)));
             }
@@ -414,7 +430,12 @@ impl Kernel for NftCommand {
     }
 
     fn list_table(&mut self) -> Result<String, WriteError> {
-        let output = self.nft().args(["list", "table", nft::FAMILY, nft::TABLE]).stderr(Stdio::piped()).output().map_err(WriteError::Spawn)?;
+        let output = self
+            .nft()
+            .args(["list", "table", nft::FAMILY, nft::TABLE])
+            .stderr(Stdio::piped())
+            .output()
+            .map_err(WriteError::Spawn)?;
         if !output.status.success() {
             return Err(WriteError::Rejected(stderr_text(&output.stderr)));
         }
@@ -424,11 +445,11 @@ impl Kernel for NftCommand {
     fn has_table(&mut self) -> bool {
         // `list tables` fills nft's whole cache (as slow as `list table`); a terse set
         // listing prints every table's header and no elements.
-        self.nft()
-            .args(["-t", "list", "sets", nft::FAMILY])
-            .stderr(Stdio::null())
-            .output()
-            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).lines().any(|l| l.trim() == format!("table {} {} {{", nft::FAMILY, nft::TABLE)))
+        self.nft().args(["-t", "list", "sets", nft::FAMILY]).stderr(Stdio::null()).output().is_ok_and(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .any(|l| l.trim() == format!("table {} {} {{", nft::FAMILY, nft::TABLE))
+        })
     }
 
     fn local_addresses(&mut self) -> Result<Vec<IpAddr>, WriteError> {
@@ -480,7 +501,13 @@ impl NetlinkNft {
             let set = |option| {
                 // SAFETY: a valid socket and an int option value.
                 unsafe {
-                    libc::setsockopt(socket.as_raw_fd(), libc::SOL_SOCKET, option, (&size as *const libc::c_int).cast(), size_of::<libc::c_int>() as u32)
+                    libc::setsockopt(
+                        socket.as_raw_fd(),
+                        libc::SOL_SOCKET,
+                        option,
+                        (&size as *const libc::c_int).cast(),
+                        size_of::<libc::c_int>() as u32,
+                    )
                 }
             };
             // FORCE needs CAP_NET_ADMIN (which writing nftables needs anyway); else the
@@ -495,7 +522,9 @@ impl NetlinkNft {
     /// The network namespace `ip netns exec NAME …` runs in, for commands of that form.
     pub fn netns_of_command(command: &[String]) -> Option<std::path::PathBuf> {
         match command {
-            [ip, netns, exec, name, ..] if ip.rsplit('/').next() == Some("ip") && netns == "netns" && exec == "exec" => {
+            [ip, netns, exec, name, ..]
+                if ip.rsplit('/').next() == Some("ip") && netns == "netns" && exec == "exec" =>
+            {
                 Some(std::path::Path::new("/run/netns").join(name))
             }
             _ => None,
@@ -513,7 +542,10 @@ impl NetlinkNft {
             Err(e) => return Some(Err(WriteError::Netlink(e))),
         };
         if sent != batch.bytes.len() {
-            return Some(Err(WriteError::Rejected(format!("netlink batch truncated: {sent} of {} bytes sent", batch.bytes.len()))));
+            return Some(Err(WriteError::Rejected(format!(
+                "netlink batch truncated: {sent} of {} bytes sent",
+                batch.bytes.len()
+            ))));
         }
         let errors = self.drain();
         if errors.is_empty() {
@@ -540,7 +572,12 @@ impl NetlinkNft {
     /// inet family, from one kernel dump. Why not `nft list`: nft 1.0.6 lists table by
     /// table, and the chain listing of 50k services in 64 shards took 11.8 s that way.
     /// `skip`: (flags attribute, bits): leave out objects whose flags have any of the bits.
-    fn dump_names(&mut self, msg: u16, name_attr: u16, skip: Option<(u16, u32)>) -> Result<Vec<(String, String)>, WriteError> {
+    fn dump_names(
+        &mut self,
+        msg: u16,
+        name_attr: u16,
+        skip: Option<(u16, u32)>,
+    ) -> Result<Vec<(String, String)>, WriteError> {
         use nft::netlink::{NFTA_TABLE, dump_request, parse_dump, string_attribute, u32_attribute};
         // A dump the ruleset changed under is marked interrupted; ours is the only writer,
         // so a retry is only for someone else's `nft` at the same moment.
@@ -558,10 +595,14 @@ impl NetlinkNft {
                 }
                 interrupted |= part.interrupted;
                 for attributes in &part.objects {
-                    if skip.is_some_and(|(attribute, bits)| u32_attribute(attributes, attribute).unwrap_or(0) & bits != 0) {
+                    if skip
+                        .is_some_and(|(attribute, bits)| u32_attribute(attributes, attribute).unwrap_or(0) & bits != 0)
+                    {
                         continue;
                     }
-                    if let (Some(table), Some(name)) = (string_attribute(attributes, NFTA_TABLE), string_attribute(attributes, name_attr)) {
+                    if let (Some(table), Some(name)) =
+                        (string_attribute(attributes, NFTA_TABLE), string_attribute(attributes, name_attr))
+                    {
                         names.push((table, name));
                     }
                 }
@@ -645,20 +686,28 @@ impl Kernel for NetlinkNft {
             "add element {main} hairpin {{ 0.0.0.0 . 0.0.0.0 }}\ndelete element {main} hairpin {{ 0.0.0.0 . 0.0.0.0 }}\n",
             main = Table::MAIN
         );
-        let batch = nft::netlink::encode_transaction(&nothing, self.seq).map_err(|e| WriteError::Rejected(e.to_string()))?;
+        let batch =
+            nft::netlink::encode_transaction(&nothing, self.seq).map_err(|e| WriteError::Rejected(e.to_string()))?;
         self.seq = self.seq.wrapping_add(batch.messages.len() as u32 + 2);
         self.send_batch(&nothing, &batch).unwrap_or_else(|| Err(WriteError::Rejected("settling batch too big".into())))
     }
 
     fn list_objects(&mut self) -> Result<Listing, WriteError> {
-        use nft::netlink::{NFT_MSG_GETCHAIN, NFT_MSG_GETSET, NFT_SET_ANONYMOUS, NFT_SET_MAP, NFTA_CHAIN_NAME, NFTA_SET_FLAGS, NFTA_SET_NAME};
+        use nft::netlink::{
+            NFT_MSG_GETCHAIN, NFT_MSG_GETSET, NFT_SET_ANONYMOUS, NFT_SET_MAP, NFTA_CHAIN_NAME, NFTA_SET_FLAGS,
+            NFTA_SET_NAME,
+        };
         let ours = |names: Vec<(String, String)>| -> Vec<TableObject> {
             names.into_iter().filter_map(|(table, name)| Some((Table::parse(&table)?, name))).collect()
         };
         let chains = ours(self.dump_names(NFT_MSG_GETCHAIN, NFTA_CHAIN_NAME, None)?);
         // As `nft -t list sets` shows them: named sets, not anonymous ones (NFT_SET_ANONYMOUS)
         // or maps (NFT_SET_MAP).
-        let sets = ours(self.dump_names(NFT_MSG_GETSET, NFTA_SET_NAME, Some((NFTA_SET_FLAGS, NFT_SET_ANONYMOUS | NFT_SET_MAP)))?);
+        let sets = ours(self.dump_names(
+            NFT_MSG_GETSET,
+            NFTA_SET_NAME,
+            Some((NFTA_SET_FLAGS, NFT_SET_ANONYMOUS | NFT_SET_MAP)),
+        )?);
         // Every table of ours has chains, so the chains name them all.
         let mut tables: Vec<Table> = chains.iter().map(|(t, _)| *t).collect();
         tables.sort();
@@ -1066,7 +1115,9 @@ impl Dataplane {
             self.in_sync = false;
         }
         if self.in_sync && self.lacks_affinity_class(&changes) {
-            tracing::info!("a session affinity timeout new to its shard: written as a full sync (see nft::AffinityClass)");
+            tracing::info!(
+                "a session affinity timeout new to its shard: written as a full sync (see nft::AffinityClass)"
+            );
             self.in_sync = false;
         }
         if !self.in_sync {
@@ -1089,12 +1140,22 @@ impl Dataplane {
         }
         let empty = ObjectRules::default();
         let mut transaction = String::new();
-        let pairs: Vec<(&ObjectRules, &ObjectRules)> =
-            olds.iter().map(|(key, old)| (old.as_deref().unwrap_or(&empty), next.get(key).map_or(&empty, |r| &**r))).collect();
+        let pairs: Vec<(&ObjectRules, &ObjectRules)> = olds
+            .iter()
+            .map(|(key, old)| (old.as_deref().unwrap_or(&empty), next.get(key).map_or(&empty, |r| &**r)))
+            .collect();
         nft::objects_delta(&pairs, &mut transaction, self.layout);
         let shared_change = self.shared_change(&olds, &next);
-        nft::shared_elements(&mut transaction, shared_change.iter().filter(|(_, (b, a))| *b > 0 && *a == 0).map(|(k, _)| k), false);
-        nft::shared_elements(&mut transaction, shared_change.iter().filter(|(_, (b, a))| *b == 0 && *a > 0).map(|(k, _)| k), true);
+        nft::shared_elements(
+            &mut transaction,
+            shared_change.iter().filter(|(_, (b, a))| *b > 0 && *a == 0).map(|(k, _)| k),
+            false,
+        );
+        nft::shared_elements(
+            &mut transaction,
+            shared_change.iter().filter(|(_, (b, a))| *b == 0 && *a > 0).map(|(k, _)| k),
+            true,
+        );
         let statements = transaction.lines().count();
         let objects = olds.len();
         if statements > 0
@@ -1114,7 +1175,9 @@ impl Dataplane {
         }
         let cleanup: Vec<ConntrackFilter> = olds
             .iter()
-            .flat_map(|(key, old)| nft::conntrack_cleanup(old.as_deref().unwrap_or(&empty), next.get(key).map_or(&empty, |r| r)))
+            .flat_map(|(key, old)| {
+                nft::conntrack_cleanup(old.as_deref().unwrap_or(&empty), next.get(key).map_or(&empty, |r| r))
+            })
             .collect();
         let conntrack_filters = self.clean_conntrack(cleanup);
         self.last_transaction = kept_text(transaction, LAST_TRANSACTION_BYTES);
@@ -1132,7 +1195,11 @@ impl Dataplane {
 
     /// Whether `changes` go to session affinity chains that the kernel does not have.
     fn lacks_affinity_class(&self, changes: &[(ObjectKey, Option<ObjectRules>)]) -> bool {
-        changes.iter().filter_map(|(_, rules)| rules.as_ref()).flat_map(|rules| nft::affinity_classes(rules, self.layout)).any(|c| !self.affinity_classes.contains(&c))
+        changes
+            .iter()
+            .filter_map(|(_, rules)| rules.as_ref())
+            .flat_map(|rules| nft::affinity_classes(rules, self.layout))
+            .any(|c| !self.affinity_classes.contains(&c))
     }
 
     /// Owner counts (before, after) of the shared-set elements the changed objects had or have.
@@ -1142,9 +1209,15 @@ impl Dataplane {
         next: &BTreeMap<ObjectKey, Arc<ObjectRules>>,
     ) -> BTreeMap<nft::ElementKey, (usize, usize)> {
         let mut change: BTreeMap<nft::ElementKey, (usize, usize)> = BTreeMap::new();
-        let shared = |rules: Option<&ObjectRules>| rules.into_iter().flat_map(ObjectRules::shared_keys).cloned().collect::<Vec<_>>();
+        let shared = |rules: Option<&ObjectRules>| {
+            rules.into_iter().flat_map(ObjectRules::shared_keys).cloned().collect::<Vec<_>>()
+        };
         for (key, old) in olds {
-            for (k, step) in shared(old.as_deref()).into_iter().map(|k| (k, -1)).chain(shared(next.get(key).map(|r| &**r)).into_iter().map(|k| (k, 1))) {
+            for (k, step) in shared(old.as_deref())
+                .into_iter()
+                .map(|k| (k, -1))
+                .chain(shared(next.get(key).map(|r| &**r)).into_iter().map(|k| (k, 1)))
+            {
                 let before = self.shared_owners.get(&k).copied().unwrap_or(0);
                 let entry = change.entry(k).or_insert((before, before));
                 entry.1 = entry.1.saturating_add_signed(step);
@@ -1172,7 +1245,11 @@ impl Dataplane {
             return 0;
         }
         match self.kernel.clear_conntrack(&filters) {
-            Ok(deleted) => tracing::debug!(filters = filters.len(), deleted, "deleted conntrack entries of endpoints that went away"),
+            Ok(deleted) => tracing::debug!(
+                filters = filters.len(),
+                deleted,
+                "deleted conntrack entries of endpoints that went away"
+            ),
             Err(e) => tracing::warn!("conntrack cleanup failed, the flows move once their entries time out: {e}"),
         }
         let n = filters.len();
@@ -1265,7 +1342,8 @@ impl Dataplane {
         };
         let services = next.values().filter(|r| r.is_sharded()).count();
         let layout = Layout::for_services(services, self.services_per_shard);
-        let affinity_classes: HashSet<(Table, nft::AffinityClass)> = next.values().flat_map(|r| nft::affinity_classes(r, layout)).collect();
+        let affinity_classes: HashSet<(Table, nft::AffinityClass)> =
+            next.values().flat_map(|r| nft::affinity_classes(r, layout)).collect();
         let networks = nft::NodeNetworks { node_port_ips: self.node_port_ips(), ..self.networks.clone() };
         if networks.node_port_ips != self.networks.node_port_ips {
             tracing::info!(addresses = ?networks.node_port_ips, "node ports served on new addresses");
@@ -1277,7 +1355,9 @@ impl Dataplane {
             let tables: HashSet<Table> = layout.tables().collect();
             // A wanted name in another table than the layout's is stale there (a service
             // that moved shards); whole tables outside the layout go at once.
-            let wanted = |names: &HashSet<&str>, table: &Table, name: &str| names.contains(name) && layout.table_of(name) == *table;
+            let wanted = |names: &HashSet<&str>, table: &Table, name: &str| {
+                names.contains(name) && layout.table_of(name) == *table
+            };
             // A host before shards had the service NAT chains in the main table.
             let unsharded_main = listing.chains.iter().any(|(t, c)| *t == Table::MAIN && c == "services");
             // Static chains of another configuration or version (a `drop-chain` when service
@@ -1292,7 +1372,9 @@ impl Dataplane {
                         && if nft::is_static_chain(c) {
                             !skeleton.contains(object)
                         } else {
-                            !wanted(&chains, t, c) && !nft::AffinityClass::of_chain(c).is_some_and(|class| affinity_classes.contains(&(*t, class)))
+                            !wanted(&chains, t, c)
+                                && !nft::AffinityClass::of_chain(c)
+                                    .is_some_and(|class| affinity_classes.contains(&(*t, class)))
                         }
                 })
                 .collect();
@@ -1303,7 +1385,11 @@ impl Dataplane {
                 sets: listing
                     .sets
                     .into_iter()
-                    .filter(|(t, s)| tables.contains(t) && (s.starts_with("svc/") || nft::policy::is_policy_object(s)) && !wanted(&sets, t, s))
+                    .filter(|(t, s)| {
+                        tables.contains(t)
+                            && (s.starts_with("svc/") || nft::policy::is_policy_object(s))
+                            && !wanted(&sets, t, s)
+                    })
                     .collect(),
                 unsharded_main,
             }
@@ -1331,7 +1417,13 @@ impl Dataplane {
             .flatten()
             .collect();
         let conntrack_filters = self.clean_conntrack(cleanup);
-        let stats = SyncStats { full: true, objects: next.len(), statements: transaction.lines().count(), conntrack_filters, path: self.kernel.last_path() };
+        let stats = SyncStats {
+            full: true,
+            objects: next.len(),
+            statements: transaction.lines().count(),
+            conntrack_filters,
+            path: self.kernel.last_path(),
+        };
         self.last_transaction = kept_text(transaction, LAST_TRANSACTION_BYTES);
         self.in_sync = true;
         self.networks = networks;
@@ -1411,11 +1503,13 @@ pub fn parse_cidrs<S: AsRef<str>>(set: &str, cidrs: &[S]) -> Vec<ipnet::IpNet> {
     cidrs
         .iter()
         .map(AsRef::as_ref)
-        .filter_map(|c| match c.parse::<ipnet::IpNet>().or_else(|_| c.parse::<std::net::IpAddr>().map(ipnet::IpNet::from)) {
-            Ok(net) => Some(net),
-            Err(e) => {
-                tracing::warn!(cidr = %c, "not a CIDR, left out of the dataplane's {set}: {e}");
-                None
+        .filter_map(|c| {
+            match c.parse::<ipnet::IpNet>().or_else(|_| c.parse::<std::net::IpAddr>().map(ipnet::IpNet::from)) {
+                Ok(net) => Some(net),
+                Err(e) => {
+                    tracing::warn!(cidr = %c, "not a CIDR, left out of the dataplane's {set}: {e}");
+                    None
+                }
             }
         })
         .collect()
@@ -1425,8 +1519,8 @@ pub fn parse_cidrs<S: AsRef<str>>(set: &str, cidrs: &[S]) -> Vec<ipnet::IpNet> {
 mod tests {
     use super::*;
     use std::collections::BTreeSet;
-    use wasmplane_model::{CompactString, format_compact};
     use std::sync::Mutex;
+    use wasmplane_model::{CompactString, format_compact};
 
     /// A kernel that records transactions, can refuse them, and may already hold our table.
     #[derive(Clone, Default)]
@@ -1528,47 +1622,85 @@ mod tests {
         let fake = Fake::default();
         let mut dp = Dataplane::new(Box::new(fake.clone())).with_services_per_shard(2);
         let names: Vec<String> = (0..7).map(|i| format!("s{i}")).collect();
-        let objects: BTreeMap<ObjectKey, ObjectRules> =
-            names.iter().enumerate().map(|(i, n)| (key(n), { let mut r = rules(n, "10.244.0.1"); r.elements = [(("service-ips".into(), format_compact!("10.96.0.{i} . tcp . 80")), format_compact!("goto svc/default/{n}"))].into(); r })).collect();
+        let objects: BTreeMap<ObjectKey, ObjectRules> = names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| {
+                (key(n), {
+                    let mut r = rules(n, "10.244.0.1");
+                    r.elements = [(
+                        ("service-ips".into(), format_compact!("10.96.0.{i} . tcp . 80")),
+                        format_compact!("goto svc/default/{n}"),
+                    )]
+                    .into();
+                    r
+                })
+            })
+            .collect();
         dp.full_sync(Some(objects.clone())).unwrap();
         // 7 services, 2 to a shard: 4 tables (a power of two).
         let layout = dp.layout();
         assert_eq!(layout.shards, 4);
         let full = fake.applied.lock().unwrap().last().unwrap().clone();
         for shard in 0..4 {
-            assert!(full.contains(&format!("add chain inet wasmplane-s{shard} nat-prerouting {{ type nat hook prerouting")), "{full}");
+            assert!(
+                full.contains(&format!("add chain inet wasmplane-s{shard} nat-prerouting {{ type nat hook prerouting")),
+                "{full}"
+            );
         }
         let used: BTreeSet<Table> = names.iter().map(|n| layout.table_of(&format!("svc/default/{n}"))).collect();
         assert!(used.len() > 1, "7 services all hashed to one of 4 shards: {used:?}");
         for (i, n) in names.iter().enumerate() {
             let t = layout.table_of(&format!("svc/default/{n}"));
             assert!(full.contains(&format!("add chain {t} svc/default/{n}\n")), "{n} in {t}");
-            assert!(nft::tests::has_element(&full, &t.to_string(), "service-ips", &format!("10.96.0.{i} . tcp . 80 : goto svc/default/{n}")), "{n} in {t}");
+            assert!(
+                nft::tests::has_element(
+                    &full,
+                    &t.to_string(),
+                    "service-ips",
+                    &format!("10.96.0.{i} . tcp . 80 : goto svc/default/{n}")
+                ),
+                "{n} in {t}"
+            );
         }
         // An incremental change goes to the service's own shard, elements and chain alike.
         let t = layout.table_of("svc/default/s3");
         let mut changed = rules("s3", "10.244.0.9");
-        changed.elements = [(("service-ips".into(), "10.96.0.3 . tcp . 80".into()), "goto svc/default/s3".into())].into();
+        changed.elements =
+            [(("service-ips".into(), "10.96.0.3 . tcp . 80".into()), "goto svc/default/s3".into())].into();
         dp.sync(vec![(key("s3"), Some(changed))]).unwrap();
         let delta = fake.applied.lock().unwrap().last().unwrap().clone();
-        assert_eq!(delta, format!("flush chain {t} svc/default/s3\nadd chain {t} svc/default/s3\nadd rule {t} svc/default/s3 meta l4proto tcp dnat ip to 10.244.0.9:80\n"));
+        assert_eq!(
+            delta,
+            format!(
+                "flush chain {t} svc/default/s3\nadd chain {t} svc/default/s3\nadd rule {t} svc/default/s3 meta l4proto tcp dnat ip to 10.244.0.9:80\n"
+            )
+        );
 
         // Down to one service: one shard; the kernel (as listed) still has the old layout.
         let kept = objects.iter().take(1).map(|(k, v)| (k.clone(), v.clone())).collect();
-        let moved = names.iter().skip(1).map(|n| (layout.table_of(&format!("svc/default/{n}")), format!("svc/default/{n}")));
+        let moved =
+            names.iter().skip(1).map(|n| (layout.table_of(&format!("svc/default/{n}")), format!("svc/default/{n}")));
         *fake.listing.lock().unwrap() = Listing {
             tables: layout.tables().collect(),
-            chains: moved.chain([(Table::shard(3), "services".to_string()), (Table::shard(0), "svc/default/s0".to_string())]).collect(),
+            chains: moved
+                .chain([(Table::shard(3), "services".to_string()), (Table::shard(0), "svc/default/s0".to_string())])
+                .collect(),
             sets: vec![],
         };
         dp.full_sync(Some(kept)).unwrap();
         assert_eq!(dp.layout().shards, 1);
         let full = fake.applied.lock().unwrap().last().unwrap().clone();
         for shard in 1..4 {
-            assert!(full.ends_with(&format!("delete table inet wasmplane-s{shard}\n")) || full.contains(&format!("delete table inet wasmplane-s{shard}\ndelete table")), "{full}");
+            assert!(
+                full.ends_with(&format!("delete table inet wasmplane-s{shard}\n"))
+                    || full.contains(&format!("delete table inet wasmplane-s{shard}\ndelete table")),
+                "{full}"
+            );
         }
         // Stale chains of the remaining shard go by name; those of deleted tables with them.
-        let in_s0: Vec<&String> = names.iter().skip(1).filter(|n| layout.table_of(&format!("svc/default/{n}")) == Table::shard(0)).collect();
+        let in_s0: Vec<&String> =
+            names.iter().skip(1).filter(|n| layout.table_of(&format!("svc/default/{n}")) == Table::shard(0)).collect();
         for n in &in_s0 {
             assert!(full.contains(&format!("delete chain inet wasmplane-s0 svc/default/{n}\n")), "{full}");
         }
@@ -1585,7 +1717,11 @@ mod tests {
         let service = |i: usize| {
             let n = format!("s{i}");
             let mut r = rules(&n, "10.244.0.1");
-            r.elements = [(("service-ips".into(), format_compact!("10.96.0.{i} . tcp . 80")), format_compact!("goto svc/default/{n}"))].into();
+            r.elements = [(
+                ("service-ips".into(), format_compact!("10.96.0.{i} . tcp . 80")),
+                format_compact!("goto svc/default/{n}"),
+            )]
+            .into();
             (key(&n), Some(r))
         };
         // The first delivery of state after an empty start: all of it, one full sync.
@@ -1609,11 +1745,16 @@ mod tests {
         let front = format!("{ip} . tcp . 80");
         let mut r = ObjectRules { service_prefix: Some(format!("svc/default/{name}")), ..Default::default() };
         for (i, b) in backends.iter().enumerate() {
-            r.elements.insert(("service-endpoints".into(), format_compact!("{front} . {i}")), format_compact!("{b} . 8080"));
+            r.elements
+                .insert(("service-endpoints".into(), format_compact!("{front} . {i}")), format_compact!("{b} . 8080"));
         }
         let class = nft::AffinityClass { node_port: false, seconds };
-        r.elements.insert((nft::CountedKeys::Frontends.set(backends.len()).into(), front.clone().into()), Default::default());
-        r.elements.insert(("service-ips".into(), front.into()), format_compact!("goto {}", class.by_count_chain(nft::CountedKeys::Frontends)));
+        r.elements
+            .insert((nft::CountedKeys::Frontends.set(backends.len()).into(), front.clone().into()), Default::default());
+        r.elements.insert(
+            ("service-ips".into(), front.into()),
+            format_compact!("goto {}", class.by_count_chain(nft::CountedKeys::Frontends)),
+        );
         r
     }
 
@@ -1621,40 +1762,67 @@ mod tests {
     fn a_new_affinity_timeout_is_a_full_sync_and_its_chains_go_when_no_frontend_uses_them() {
         let fake = Fake::default();
         let mut dp = Dataplane::new(Box::new(fake.clone()));
-        let plain: BTreeMap<ObjectKey, ObjectRules> = (0..4).map(|i| (key(&format!("s{i}")), rules(&format!("s{i}"), "10.244.0.1"))).collect();
+        let plain: BTreeMap<ObjectKey, ObjectRules> =
+            (0..4).map(|i| (key(&format!("s{i}")), rules(&format!("s{i}"), "10.244.0.1"))).collect();
         dp.full_sync(Some(plain)).unwrap();
         let last = || fake.applied.lock().unwrap().last().unwrap().clone();
         assert!(!last().contains("affinity-600"), "no chains for a timeout nobody uses");
 
         // The first frontend with 600 s: a full sync that writes the class's chains.
-        let stats = dp.sync(vec![(key("x"), Some(sticky("x", "10.96.1.1", 600, &["10.244.1.1", "10.244.1.2"])))]).unwrap();
+        let stats =
+            dp.sync(vec![(key("x"), Some(sticky("x", "10.96.1.1", 600, &["10.244.1.1", "10.244.1.2"])))]).unwrap();
         assert!(stats.full, "{stats:?}");
         let full = last();
-        for chain in ["affinity-600-lookup", "affinity-600-pick-1", "affinity-600-pick-2", "affinity-600-pick-32", "affinity-600-pick-by-count"] {
+        for chain in [
+            "affinity-600-lookup",
+            "affinity-600-pick-1",
+            "affinity-600-pick-2",
+            "affinity-600-pick-32",
+            "affinity-600-pick-by-count",
+        ] {
             assert!(full.contains(&format!("add chain inet wasmplane-s0 {chain}\n")), "{chain} missing");
         }
         // The next one, another count of the same timeout: its elements only.
-        let stats = dp.sync(vec![(key("y"), Some(sticky("y", "10.96.1.2", 600, &["10.244.2.1", "10.244.2.2", "10.244.2.3"])))]).unwrap();
+        let stats = dp
+            .sync(vec![(key("y"), Some(sticky("y", "10.96.1.2", 600, &["10.244.2.1", "10.244.2.2", "10.244.2.3"])))])
+            .unwrap();
         assert!(!stats.full, "{stats:?}");
         let delta = last();
-        assert!(delta.contains("10.96.1.2 . tcp . 80 : goto affinity-600-pick-by-count") && !delta.contains("chain"), "{delta}");
+        assert!(
+            delta.contains("10.96.1.2 . tcp . 80 : goto affinity-600-pick-by-count") && !delta.contains("chain"),
+            "{delta}"
+        );
         assert!(delta.contains("add element inet wasmplane-s0 frontends-3 { 10.96.1.2 . tcp . 80 }"), "{delta}");
 
         // A backend of y goes, one comes: the others keep their numbers (clients are
         // remembered by number), the newcomer takes the free one.
-        dp.sync(vec![(key("y"), Some(sticky("y", "10.96.1.2", 600, &["10.244.2.1", "10.244.2.3", "10.244.2.4"])))]).unwrap();
+        dp.sync(vec![(key("y"), Some(sticky("y", "10.96.1.2", 600, &["10.244.2.1", "10.244.2.3", "10.244.2.4"])))])
+            .unwrap();
         let y = dp.applied().get(&key("y")).unwrap().clone();
-        let number = |i: usize| y.elements.get(&("service-endpoints".into(), format_compact!("10.96.1.2 . tcp . 80 . {i}"))).cloned();
-        assert_eq!([number(0), number(1), number(2)], [Some("10.244.2.1 . 8080".into()), Some("10.244.2.4 . 8080".into()), Some("10.244.2.3 . 8080".into())]);
+        let number = |i: usize| {
+            y.elements.get(&("service-endpoints".into(), format_compact!("10.96.1.2 . tcp . 80 . {i}"))).cloned()
+        };
+        assert_eq!(
+            [number(0), number(1), number(2)],
+            [Some("10.244.2.1 . 8080".into()), Some("10.244.2.4 . 8080".into()), Some("10.244.2.3 . 8080".into())]
+        );
 
         // Both gone: the next full sync deletes the class's chains it finds in the kernel.
         dp.sync(vec![(key("x"), None), (key("y"), None)]).unwrap();
         let s0 = Table::shard(0);
-        fake.listing.lock().unwrap().chains = vec![(s0, "affinity-600-lookup".into()), (s0, "affinity-600-pick-3".into()), (s0, "pick-3".into())];
+        fake.listing.lock().unwrap().chains =
+            vec![(s0, "affinity-600-lookup".into()), (s0, "affinity-600-pick-3".into()), (s0, "pick-3".into())];
         dp.full_sync(None).unwrap();
         let full = last();
-        assert!(full.contains("delete chain inet wasmplane-s0 affinity-600-lookup") && full.contains("delete chain inet wasmplane-s0 affinity-600-pick-3"), "{full}");
-        assert!(!full.contains("delete chain inet wasmplane-s0 pick-3") && !full.contains("add chain inet wasmplane-s0 affinity-600"));
+        assert!(
+            full.contains("delete chain inet wasmplane-s0 affinity-600-lookup")
+                && full.contains("delete chain inet wasmplane-s0 affinity-600-pick-3"),
+            "{full}"
+        );
+        assert!(
+            !full.contains("delete chain inet wasmplane-s0 pick-3")
+                && !full.contains("add chain inet wasmplane-s0 affinity-600")
+        );
     }
 
     /// A Local service without a local endpoint: its no-endpoint drop, through the drop
@@ -1674,9 +1842,14 @@ mod tests {
         // The kernel as a logging run left it: its drop chain among the skeleton's.
         let listing = || Listing {
             tables: vec![Table::MAIN, Table::shard(0)],
-            chains: [(Table::MAIN, "drop-chain"), (Table::MAIN, "reject-chain"), (Table::shard(0), "pick-3"), (Table::shard(0), "svc/default/local")]
-                .map(|(t, c)| (t, c.to_string()))
-                .into(),
+            chains: [
+                (Table::MAIN, "drop-chain"),
+                (Table::MAIN, "reject-chain"),
+                (Table::shard(0), "pick-3"),
+                (Table::shard(0), "svc/default/local"),
+            ]
+            .map(|(t, c)| (t, c.to_string()))
+            .into(),
             sets: vec![],
         };
         let written = |log, logged_elements| {
@@ -1691,14 +1864,26 @@ mod tests {
         // Not logging now: the chain goes, after the elements that no longer go to it.
         let full = written(None, false);
         assert!(full.ends_with("delete chain inet wasmplane drop-chain\n"), "{full}");
-        assert_eq!(full.matches("delete chain").count(), 1, "the skeleton's chains and the wanted service's stay: {full}");
+        assert_eq!(
+            full.matches("delete chain").count(),
+            1,
+            "the skeleton's chains and the wanted service's stay: {full}"
+        );
         assert!(!full.contains("goto drop-chain") && full.contains("tcp . 30082 : drop"), "{full}");
-        let flushed = full.find("flush map inet wasmplane no-endpoint-nodeports\n").expect("the no-endpoint maps are rewritten");
-        assert!(flushed < full.rfind("add element").unwrap() && full.rfind("add element").unwrap() < full.find("delete chain").unwrap(), "{full}");
+        let flushed =
+            full.find("flush map inet wasmplane no-endpoint-nodeports\n").expect("the no-endpoint maps are rewritten");
+        assert!(
+            flushed < full.rfind("add element").unwrap()
+                && full.rfind("add element").unwrap() < full.find("delete chain").unwrap(),
+            "{full}"
+        );
 
         // Logging: the skeleton writes it, and it stays.
         let full = written(log, true);
-        assert!(full.contains("add chain inet wasmplane drop-chain\n") && full.contains("tcp . 30082 : goto drop-chain"), "{full}");
+        assert!(
+            full.contains("add chain inet wasmplane drop-chain\n") && full.contains("tcp . 30082 : goto drop-chain"),
+            "{full}"
+        );
         assert!(!full.contains("delete chain"), "{full}");
 
         // An element still going to it (no such rendering without logging): kept, as a
@@ -1712,7 +1897,9 @@ mod tests {
         let fake = Fake { has_table: true, ..Default::default() };
         *fake.listing.lock().unwrap() = Listing {
             tables: vec![Table::MAIN],
-            chains: ["nat-prerouting", "nat-output", "services", "masquerading", "svc/default/a"].map(|c| (Table::MAIN, c.to_string())).into(),
+            chains: ["nat-prerouting", "nat-output", "services", "masquerading", "svc/default/a"]
+                .map(|c| (Table::MAIN, c.to_string()))
+                .into(),
             sets: vec![],
         };
         let mut dp = Dataplane::new(Box::new(fake.clone()));
@@ -1722,7 +1909,11 @@ mod tests {
         for chain in ["nat-prerouting", "nat-output", "services", "svc/default/a"] {
             assert_eq!(full.matches(&format!("delete chain inet wasmplane {chain}\n")).count(), 1, "{chain}: {full}");
         }
-        assert!(!full.contains("delete chain inet wasmplane masquerading") && full.contains("delete map inet wasmplane service-ips\n"), "{full}");
+        assert!(
+            !full.contains("delete chain inet wasmplane masquerading")
+                && full.contains("delete map inet wasmplane service-ips\n"),
+            "{full}"
+        );
     }
 
     #[test]
@@ -1773,7 +1964,10 @@ mod tests {
         dp.sync(vec![(key("b"), Some(rules("b", "10.244.0.2")))]).unwrap();
         assert_eq!(dp.applied()[&key("b")].elements.len(), 1);
         let last = fake.applied.lock().unwrap().last().unwrap().clone();
-        assert!(last.contains("add element inet wasmplane-s0 service-ips { 10.96.0.1 . tcp . 80 : goto svc/default/b }"), "{last}");
+        assert!(
+            last.contains("add element inet wasmplane-s0 service-ips { 10.96.0.1 . tcp . 80 : goto svc/default/b }"),
+            "{last}"
+        );
     }
 
     #[test]
@@ -1795,17 +1989,34 @@ mod tests {
         let stats = dp.sync(vec![(key("b"), Some(with_hairpin("b", &["10.244.0.1", "10.244.0.2"])))]).unwrap();
         assert!(!stats.full);
         assert!(dp.applied()[&key("b")].warnings.is_empty(), "{:?}", dp.applied()[&key("b")]);
-        assert!(last().contains("add element inet wasmplane hairpin { 10.244.0.2 . 10.244.0.2 }\n") && !last().contains("10.244.0.1 . "), "{}", last());
+        assert!(
+            last().contains("add element inet wasmplane hairpin { 10.244.0.2 . 10.244.0.2 }\n")
+                && !last().contains("10.244.0.1 . "),
+            "{}",
+            last()
+        );
         // The first owner goes: the pair stays for the second.
         dp.sync(vec![(key("a"), None)]).unwrap();
         assert!(!last().contains("hairpin"), "{}", last());
         // The last owner lets go of one and, in the same transaction, a new object takes it.
-        dp.sync(vec![(key("b"), Some(with_hairpin("b", &["10.244.0.1"]))), (key("c"), Some(with_hairpin("c", &["10.244.0.2"])))]).unwrap();
+        dp.sync(vec![
+            (key("b"), Some(with_hairpin("b", &["10.244.0.1"]))),
+            (key("c"), Some(with_hairpin("c", &["10.244.0.2"]))),
+        ])
+        .unwrap();
         assert!(!last().contains("hairpin"), "{}", last());
         dp.sync(vec![(key("b"), None), (key("c"), None)]).unwrap();
-        assert!(last().contains("delete element inet wasmplane hairpin { 10.244.0.1 . 10.244.0.1, 10.244.0.2 . 10.244.0.2 }"), "{}", last());
+        assert!(
+            last()
+                .contains("delete element inet wasmplane hairpin { 10.244.0.1 . 10.244.0.1, 10.244.0.2 . 10.244.0.2 }"),
+            "{}",
+            last()
+        );
         // A full sync counts afresh from what it wrote.
-        dp.full_sync(Some([(key("d"), with_hairpin("d", &["10.244.0.3"])), (key("e"), with_hairpin("e", &["10.244.0.3"]))].into())).unwrap();
+        dp.full_sync(Some(
+            [(key("d"), with_hairpin("d", &["10.244.0.3"])), (key("e"), with_hairpin("e", &["10.244.0.3"]))].into(),
+        ))
+        .unwrap();
         dp.sync(vec![(key("d"), None)]).unwrap();
         assert!(!last().contains("hairpin"), "{}", last());
         dp.sync(vec![(key("e"), None)]).unwrap();
@@ -1816,13 +2027,20 @@ mod tests {
     fn kept_transaction_text_is_bounded() {
         let big = "add rule inet wasmplane c accept\n".repeat(KEPT_TEXT_BYTES / 10);
         let kept = kept_text(big.clone(), KEPT_TEXT_BYTES);
-        assert!(kept.len() < KEPT_TEXT_BYTES + 100 && kept.ends_with("more bytes not kept\n"), "{}", &kept[kept.len() - 80..]);
+        assert!(
+            kept.len() < KEPT_TEXT_BYTES + 100 && kept.ends_with("more bytes not kept\n"),
+            "{}",
+            &kept[kept.len() - 80..]
+        );
         assert!(big.starts_with(kept.split("\n# …").next().unwrap()));
         let mut recorder = Recorder::default();
         for _ in 0..3 {
             recorder.apply(&big).unwrap();
         }
-        assert!(recorder.transactions.iter().map(String::len).sum::<usize>() <= KEPT_TEXT_BYTES + 100, "the log keeps at most ~{KEPT_TEXT_BYTES} bytes");
+        assert!(
+            recorder.transactions.iter().map(String::len).sum::<usize>() <= KEPT_TEXT_BYTES + 100,
+            "the log keeps at most ~{KEPT_TEXT_BYTES} bytes"
+        );
         for i in 0..100 {
             recorder.apply(&format!("add chain inet wasmplane c{i}\n")).unwrap();
         }
@@ -1833,14 +2051,23 @@ mod tests {
     #[test]
     fn a_live_writer_keeps_the_start_of_its_last_transaction() {
         let mut dp = Dataplane::new(Box::new(Fake::default()));
-        let objects: BTreeMap<ObjectKey, ObjectRules> = (0..2000).map(|i| (key(&format!("s{i}")), rules(&format!("s{i}"), "10.244.0.1"))).collect();
+        let objects: BTreeMap<ObjectKey, ObjectRules> =
+            (0..2000).map(|i| (key(&format!("s{i}")), rules(&format!("s{i}"), "10.244.0.1"))).collect();
         let stats = dp.full_sync(Some(objects)).unwrap();
         assert!(stats.statements > 4000, "{stats:?}");
         let kept = &dp.last_transaction;
-        assert!(kept.len() < LAST_TRANSACTION_BYTES + 100 && kept.ends_with("more bytes not kept\n"), "{} bytes", kept.len());
+        assert!(
+            kept.len() < LAST_TRANSACTION_BYTES + 100 && kept.ends_with("more bytes not kept\n"),
+            "{} bytes",
+            kept.len()
+        );
         // An incremental one is kept whole.
         dp.sync(vec![(key("s1"), None)]).unwrap();
-        assert!(dp.last_transaction.contains("svc/default/s1") && !dp.last_transaction.contains("not kept"), "{}", dp.last_transaction);
+        assert!(
+            dp.last_transaction.contains("svc/default/s1") && !dp.last_transaction.contains("not kept"),
+            "{}",
+            dp.last_transaction
+        );
     }
 
     #[test]
@@ -1848,13 +2075,27 @@ mod tests {
         // nft's output for line 2, as it prints it for `nft -f -`.
         let short = "add chain inet wasmplane svc/a\nadd rule inet wasmplane svc/a jump nowhere\n";
         let stderr = "/dev/stdin:2:36-47: Error: Could not process rule: No such file or directory\nadd rule inet wasmplane svc/a jump nowhere\n                                   ^^^^^^^^^^^^\n";
-        assert_eq!(describe_rejection(stderr, short), "Could not process rule: No such file or directory: add rule inet wasmplane svc/a jump nowhere");
+        assert_eq!(
+            describe_rejection(stderr, short),
+            "Could not process rule: No such file or directory: add rule inet wasmplane svc/a jump nowhere"
+        );
         // A long statement: its head and the element, not nft's 1,000 characters and blanks.
         let elements: Vec<String> = (0..100).map(|i| format!("10.0.0.{i} : goto svc/a")).collect();
-        let long = format!("add table inet t\nadd element inet t m {{ {}, 10.9.9.9 : goto nope, 10.9.9.10 : goto svc/a }}\n", elements.join(", "));
+        let long = format!(
+            "add table inet t\nadd element inet t m {{ {}, 10.9.9.9 : goto nope, 10.9.9.10 : goto svc/a }}\n",
+            elements.join(", ")
+        );
         let at = long.lines().nth(1).unwrap().find("10.9.9.9").unwrap() + 1;
-        let stderr = format!("/dev/stdin:2:{at}-{}: Error: Could not process rule: No such file or directory\n{}\n{}^^^^^^^^\n", at + 7, &long.lines().nth(1).unwrap()[..1023], " ".repeat(at - 1));
-        assert_eq!(describe_rejection(&stderr, &long), "Could not process rule: No such file or directory: add element inet t m { … 10.9.9.9 : goto nope …");
+        let stderr = format!(
+            "/dev/stdin:2:{at}-{}: Error: Could not process rule: No such file or directory\n{}\n{}^^^^^^^^\n",
+            at + 7,
+            &long.lines().nth(1).unwrap()[..1023],
+            " ".repeat(at - 1)
+        );
+        assert_eq!(
+            describe_rejection(&stderr, &long),
+            "Could not process rule: No such file or directory: add element inet t m { … 10.9.9.9 : goto nope …"
+        );
         // Whatever nft says without a location is kept as it is, after a located error too.
         assert_eq!(describe_rejection("Error: syntax error\n", short), "Error: syntax error");
         let both = format!("{stderr}Error: another\n");

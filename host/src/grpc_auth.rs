@@ -71,7 +71,12 @@ pub fn grpc_tls_config(rest: &rustls::ServerConfig) -> Arc<rustls::ServerConfig>
 /// Serves `service` on `listener` until `shutdown`, over TLS when `tls` is set. The peer
 /// address reaches the service's authorizer either way: tonic takes it from the TCP stream
 /// inside the TLS one (its connect info for rustls streams).
-pub async fn serve(service: WatchService, listener: TcpListener, tls: Option<Arc<rustls::ServerConfig>>, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
+pub async fn serve(
+    service: WatchService,
+    listener: TcpListener,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
     match tls {
         None => wasmplane_grpc::serve_incoming(service, TcpIncoming::from(listener), shutdown).await?,
         Some(config) => {
@@ -113,7 +118,15 @@ mod tests {
             (AuthError::Missing, Code::Unauthenticated),
             (AuthError::Invalid, Code::Unauthenticated),
             (AuthError::Rejected { reason: Some("token expired".into()) }, Code::Unauthenticated),
-            (AuthError::Forbidden { user: "bob".into(), verb: "get".into(), resource: "modules.wasmplane.io".into(), reason: None }, Code::PermissionDenied),
+            (
+                AuthError::Forbidden {
+                    user: "bob".into(),
+                    verb: "get".into(),
+                    resource: "modules.wasmplane.io".into(),
+                    reason: None,
+                },
+                Code::PermissionDenied,
+            ),
             (AuthError::Unavailable("connection refused".into()), Code::Unavailable),
         ];
         for (error, code) in cases {
@@ -121,8 +134,21 @@ mod tests {
             assert_eq!(status.code(), code, "{error:?}");
             assert_eq!(status.message(), error.to_string());
         }
-        assert!(status_of(&AuthError::Rejected { reason: Some("token expired".into()) }).message().contains("token expired"));
-        assert!(status_of(&AuthError::Forbidden { user: "bob".into(), verb: "get".into(), resource: "modules.wasmplane.io".into(), reason: None }).message().contains("\"bob\" may not get"));
+        assert!(
+            status_of(&AuthError::Rejected { reason: Some("token expired".into()) })
+                .message()
+                .contains("token expired")
+        );
+        assert!(
+            status_of(&AuthError::Forbidden {
+                user: "bob".into(),
+                verb: "get".into(),
+                resource: "modules.wasmplane.io".into(),
+                reason: None
+            })
+            .message()
+            .contains("\"bob\" may not get")
+        );
     }
 
     #[test]

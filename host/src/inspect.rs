@@ -21,7 +21,9 @@ pub(crate) fn api_client() -> anyhow::Result<reqwest::Client> {
     let mut builder = reqwest::Client::builder();
     if let Some(ca) = std::env::var_os("WASMPLANE_CA_CERT") {
         let pem = crate::auth::read_pem(std::path::Path::new(&ca))?;
-        builder = builder.add_root_certificate(reqwest::Certificate::from_pem(&pem).context("WASMPLANE_CA_CERT is not a PEM certificate")?);
+        builder = builder.add_root_certificate(
+            reqwest::Certificate::from_pem(&pem).context("WASMPLANE_CA_CERT is not a PEM certificate")?,
+        );
     }
     builder.build().context("building the HTTP client")
 }
@@ -33,9 +35,17 @@ async fn get_json(api: &ApiArgs, segments: &[&str], query: &[(&str, &str)]) -> a
 }
 
 /// [`get_json`] with another method (`POST` of the policy toggles).
-async fn call_json(api: &ApiArgs, method: reqwest::Method, segments: &[&str], query: &[(&str, &str)]) -> anyhow::Result<Value> {
+async fn call_json(
+    api: &ApiArgs,
+    method: reqwest::Method,
+    segments: &[&str],
+    query: &[(&str, &str)],
+) -> anyhow::Result<Value> {
     let mut url = reqwest::Url::parse(&api.api).with_context(|| format!("--api {:?} is not a URL", api.api))?;
-    url.path_segments_mut().map_err(|()| anyhow!("--api {:?} cannot have a path", api.api))?.pop_if_empty().extend(segments);
+    url.path_segments_mut()
+        .map_err(|()| anyhow!("--api {:?} cannot have a path", api.api))?
+        .pop_if_empty()
+        .extend(segments);
     let mut request = api_client()?.request(method, url.clone()).query(query);
     if let Some(token) = api.token()? {
         request = request.bearer_auth(token);
@@ -44,7 +54,10 @@ async fn call_json(api: &ApiArgs, method: reqwest::Method, segments: &[&str], qu
     let status = response.status();
     let text = response.text().await.with_context(|| format!("reading the answer of {url}"))?;
     if !status.is_success() {
-        let message = serde_json::from_str::<Value>(&text).ok().and_then(|v| v["error"].as_str().map(str::to_string)).unwrap_or(text);
+        let message = serde_json::from_str::<Value>(&text)
+            .ok()
+            .and_then(|v| v["error"].as_str().map(str::to_string))
+            .unwrap_or(text);
         bail!("{status}: {message}");
     }
     serde_json::from_str(&text).with_context(|| format!("the answer of {url} is not JSON"))
@@ -129,14 +142,26 @@ pub fn format_status(status: &Value) -> String {
     }
     line("Kvstore", kvstore);
     let model = &status["model"];
-    line("Model", format!("revision {} ({} events, {} revisions since start)", count(&model["revision"]), count(&model["events_total"]), count(&model["revisions_total"])));
+    line(
+        "Model",
+        format!(
+            "revision {} ({} events, {} revisions since start)",
+            count(&model["revision"]),
+            count(&model["events_total"]),
+            count(&model["revisions_total"])
+        ),
+    );
     let errors = status["service_errors"].as_u64().unwrap_or(0);
     let failing = if errors > 0 { format!(", {errors} failing translation") } else { String::new() };
     line("Services", format!("{}{failing}", count(&model["services"])));
     line("Local pods", count(&model["local_pods"]));
     // Since the host started, when it reads them (`GET /v1/policies/verdicts`).
     let verdicts = &status["policy_verdicts"];
-    let logged = if verdicts.is_null() { String::new() } else { format!(", {} packets denied, {} audited since start", count(&verdicts["deny"]), count(&verdicts["audit"])) };
+    let logged = if verdicts.is_null() {
+        String::new()
+    } else {
+        format!(", {} packets denied, {} audited since start", count(&verdicts["deny"]), count(&verdicts["audit"]))
+    };
     line("Policies", format!("{}{logged}", count(&model["policies"])));
     let cni = &status["cni"];
     if !cni.is_null() {
@@ -145,10 +170,24 @@ pub fn format_status(status: &Value) -> String {
     let dp = &status["dataplane"];
     let held = if dp["held"].as_bool() == Some(true) { ", previous run's rules held" } else { "" };
     line("Dataplane", format!("{}, {} objects{held}", dp["mode"].as_str().unwrap_or("?"), count(&dp["objects"])));
-    let failing_for = if dp["sync_failing_for_seconds"].is_null() { String::new() } else { format!(", FAILING for {}s", count(&dp["sync_failing_for_seconds"])) };
-    line("Last sync", format!("{} ({} ok, {} failed){failing_for}", ago(&dp["last_sync_age_seconds"]), count(&dp["syncs_ok"]), count(&dp["syncs_failed"])));
+    let failing_for = if dp["sync_failing_for_seconds"].is_null() {
+        String::new()
+    } else {
+        format!(", FAILING for {}s", count(&dp["sync_failing_for_seconds"]))
+    };
+    line(
+        "Last sync",
+        format!(
+            "{} ({} ok, {} failed){failing_for}",
+            ago(&dp["last_sync_age_seconds"]),
+            count(&dp["syncs_ok"]),
+            count(&dp["syncs_failed"])
+        ),
+    );
     // Why writes fail, while they do; an old refusal is only in the JSON.
-    if let Some(error) = dp["last_write_error"]["message"].as_str().filter(|_| !dp["sync_failing_for_seconds"].is_null()) {
+    if let Some(error) =
+        dp["last_write_error"]["message"].as_str().filter(|_| !dp["sync_failing_for_seconds"].is_null())
+    {
         line("Last sync error", error.to_string());
     }
     if let Some(modules) = status["modules"].as_object() {
@@ -161,7 +200,10 @@ pub fn format_status(status: &Value) -> String {
     }
     for failed in status["failed_modules"].as_array().into_iter().flatten() {
         let error = failed["error"].as_str().unwrap_or("no error recorded");
-        line("Failed module", format!("{} ({}): {error}", failed["name"].as_str().unwrap_or("?"), failed["kind"].as_str().unwrap_or("?")));
+        line(
+            "Failed module",
+            format!("{} ({}): {error}", failed["name"].as_str().unwrap_or("?"), failed["kind"].as_str().unwrap_or("?")),
+        );
     }
     aligned(&lines)
 }
@@ -187,7 +229,9 @@ fn format_cni(cni: &Value) -> String {
             None => chained.into(),
         };
     }
-    let pools = cni["pools"].as_array().into_iter().flatten().map(|p| format!("{} {}/{} allocated", p["cidr"].as_str().unwrap_or("?"), count(&p["allocated"]), count(&p["capacity"])));
+    let pools = cni["pools"].as_array().into_iter().flatten().map(|p| {
+        format!("{} {}/{} allocated", p["cidr"].as_str().unwrap_or("?"), count(&p["allocated"]), count(&p["capacity"]))
+    });
     let mtu = cni["mtu"].as_u64().map_or("the kernel's default MTU".to_string(), |m| format!("MTU {m}"));
     std::iter::once("serving".to_string()).chain(pools).chain([mtu]).collect::<Vec<_>>().join(", ")
 }
@@ -196,14 +240,21 @@ fn format_cni(cni: &Value) -> String {
 pub fn format_services(list: &Value) -> String {
     let mut rows = vec![["NAMESPACE/NAME", "TYPE", "CLUSTER-IPS", "PORTS", "ENDPOINTS", "ERROR"].map(String::from)];
     for s in list["services"].as_array().into_iter().flatten() {
-        let ips = joined(s["cluster_ips"].as_array().into_iter().flatten().filter_map(|ip| ip.as_str().map(str::to_string)));
+        let ips =
+            joined(s["cluster_ips"].as_array().into_iter().flatten().filter_map(|ip| ip.as_str().map(str::to_string)));
         // kubectl's form: port[:node port]/protocol.
         let ports = joined(s["ports"].as_array().into_iter().flatten().map(|p| {
             let node_port = p["node_port"].as_u64().map(|n| format!(":{n}")).unwrap_or_default();
             format!("{}{node_port}/{}", count(&p["port"]), p["protocol"].as_str().unwrap_or("?"))
         }));
         let e = &s["endpoints"];
-        let endpoints = format!("{}/{}, local {}/{}", count(&e["ready"]), count(&e["total"]), count(&e["local_ready"]), count(&e["local"]));
+        let endpoints = format!(
+            "{}/{}, local {}/{}",
+            count(&e["ready"]),
+            count(&e["total"]),
+            count(&e["local_ready"]),
+            count(&e["local"])
+        );
         let service = s["service"].as_str().unwrap_or("?").to_string();
         let kind = s["type"].as_str().unwrap_or("?").to_string();
         rows.push([service, kind, ips, ports, endpoints, s["error"].as_str().unwrap_or_default().to_string()]);
@@ -250,7 +301,9 @@ impl std::str::FromStr for NamespacedName {
 
     fn from_str(text: &str) -> Result<NamespacedName, String> {
         match text.split_once('/') {
-            Some((namespace, name)) if !namespace.is_empty() && !name.is_empty() && !name.contains('/') => Ok(NamespacedName { namespace: namespace.into(), name: name.into() }),
+            Some((namespace, name)) if !namespace.is_empty() && !name.is_empty() && !name.contains('/') => {
+                Ok(NamespacedName { namespace: namespace.into(), name: name.into() })
+            }
             _ => Err(format!("{text:?} is not NAMESPACE/NAME")),
         }
     }
@@ -281,7 +334,12 @@ fn pod_ips(pod: &Value) -> String {
 /// How one direction of a pod is decided: `enforced` when a policy not in audit mode selects
 /// it, `audit` when only policies in audit mode do (nothing is dropped), `-` when none does.
 fn pod_direction(pod: &Value, direction: &str) -> &'static str {
-    let selecting: Vec<&Value> = pod["policies"].as_array().into_iter().flatten().filter(|p| p["policy_types"].as_array().is_some_and(|types| types.iter().any(|t| t == direction))).collect();
+    let selecting: Vec<&Value> = pod["policies"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|p| p["policy_types"].as_array().is_some_and(|types| types.iter().any(|t| t == direction)))
+        .collect();
     if selecting.iter().any(|p| p["audit"] != true) {
         "enforced"
     } else if selecting.is_empty() {
@@ -316,18 +374,43 @@ pub fn format_pod(detail: &Value) -> String {
     line("Pod", format!("{}/{}", detail["namespace"].as_str().unwrap_or("?"), detail["name"].as_str().unwrap_or("?")));
     line("Node", detail["node"].as_str().unwrap_or("?").into());
     line("IPs", pod_ips(detail));
-    line("Labels", joined(detail["labels"].as_object().into_iter().flatten().map(|(key, value)| format!("{key}={}", value.as_str().unwrap_or("?")))));
+    line(
+        "Labels",
+        joined(
+            detail["labels"]
+                .as_object()
+                .into_iter()
+                .flatten()
+                .map(|(key, value)| format!("{key}={}", value.as_str().unwrap_or("?"))),
+        ),
+    );
     line("Ingress", pod_direction(detail, "ingress").into());
     line("Egress", pod_direction(detail, "egress").into());
     for policy in detail["policies"].as_array().into_iter().flatten() {
-        let types = policy["policy_types"].as_array().into_iter().flatten().filter_map(Value::as_str).collect::<Vec<_>>().join(",");
+        let types = policy["policy_types"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .collect::<Vec<_>>()
+            .join(",");
         let mode = if policy["audit"] == true { "audit" } else { "enforce" };
         let error = policy["error"].as_str().map(|e| format!(", newest generation refused: {e}")).unwrap_or_default();
         line("Policy", format!("{} ({types}, {mode}{error})", policy["name"].as_str().unwrap_or("?")));
     }
     for allocation in detail["cni_allocations"].as_array().into_iter().flatten() {
-        let addresses = allocation["addresses"].as_array().into_iter().flatten().map(|a| format!("{} from {}", a["ip"].as_str().unwrap_or("?"), a["pod_cidr"].as_str().unwrap_or("no pod CIDR now")));
-        line("CNI", format!("{} (container {}, {})", addresses.collect::<Vec<_>>().join(", "), allocation["container_id"].as_str().unwrap_or("?"), allocation["interface"].as_str().unwrap_or("?")));
+        let addresses = allocation["addresses"].as_array().into_iter().flatten().map(|a| {
+            format!("{} from {}", a["ip"].as_str().unwrap_or("?"), a["pod_cidr"].as_str().unwrap_or("no pod CIDR now"))
+        });
+        line(
+            "CNI",
+            format!(
+                "{} (container {}, {})",
+                addresses.collect::<Vec<_>>().join(", "),
+                allocation["container_id"].as_str().unwrap_or("?"),
+                allocation["interface"].as_str().unwrap_or("?")
+            ),
+        );
     }
     if let Some(counts) = detail.get("policy_counts") {
         for (key, direction) in [("Ingress counts", "ingress"), ("Egress counts", "egress")] {
@@ -356,7 +439,12 @@ pub fn format_pod(detail: &Value) -> String {
 /// One direction of `policy_counts`: `POLICY accepted N, …; dropped N` (`would drop` in
 /// audit mode, when any).
 fn direction_counts(counts: &serde_json::Map<String, Value>) -> String {
-    let accepted = counts.get("policies").and_then(Value::as_array).into_iter().flatten().map(|p| format!("{} accepted {}", p["policy"].as_str().unwrap_or("?"), p["accepted"]));
+    let accepted = counts
+        .get("policies")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .map(|p| format!("{} accepted {}", p["policy"].as_str().unwrap_or("?"), p["accepted"]));
     let mut parts = vec![accepted.collect::<Vec<_>>().join(", ")];
     parts.push(format!("dropped {}", counts.get("dropped").unwrap_or(&Value::Null)));
     if counts.get("would_drop").and_then(Value::as_u64).is_some_and(|n| n > 0) {
@@ -381,7 +469,11 @@ pub async fn node(api: &ApiArgs, command: NodeCommand) -> anyhow::Result<()> {
 }
 
 /// [`node`], printing to `out` (for tests to read what a person would see).
-pub async fn node_to(api: &ApiArgs, command: NodeCommand, out: &mut (impl std::io::Write + Send)) -> anyhow::Result<()> {
+pub async fn node_to(
+    api: &ApiArgs,
+    command: NodeCommand,
+    out: &mut (impl std::io::Write + Send),
+) -> anyhow::Result<()> {
     match command {
         NodeCommand::Ls => {
             // A host that does not register in the kvstore answers 404 with why.
@@ -413,7 +505,10 @@ fn node_route(node: &Value, applied: &[Value]) -> String {
     let addresses: Vec<&str> = strings(&node["nodeIps"]).collect();
     let (mut vias, mut unrouted) = (Vec::new(), Vec::new());
     for cidr in strings(&node["podCidrs"]) {
-        let route = applied.iter().find(|r| r["cidr"].as_str().is_some_and(|c| same_network(c, cidr)) && r["via"].as_str().is_some_and(|via| addresses.contains(&via)));
+        let route = applied.iter().find(|r| {
+            r["cidr"].as_str().is_some_and(|c| same_network(c, cidr))
+                && r["via"].as_str().is_some_and(|via| addresses.contains(&via))
+        });
         match route.and_then(|r| r["via"].as_str()) {
             Some(via) if !vias.contains(&via) => vias.push(via),
             Some(_) => {}
@@ -435,7 +530,9 @@ pub fn format_nodes(answer: &Value) -> String {
     let this = answer["node"].as_str();
     let applied = answer["routes"]["applied"].as_array().map_or(&[][..], Vec::as_slice);
     let local = answer["nodes"].as_object().into_iter().flatten().map(|(name, info)| (None, name, info));
-    let remote = answer["remote_nodes"].as_object().into_iter().flatten().flat_map(|(cluster, nodes)| nodes.as_object().into_iter().flatten().map(move |(name, info)| (Some(cluster.as_str()), name, info)));
+    let remote = answer["remote_nodes"].as_object().into_iter().flatten().flat_map(|(cluster, nodes)| {
+        nodes.as_object().into_iter().flatten().map(move |(name, info)| (Some(cluster.as_str()), name, info))
+    });
     let mut nodes: Vec<(Option<&str>, &String, &Value)> = local.chain(remote).collect();
     nodes.sort_by_key(|(cluster, name, _)| (*cluster, *name));
     let clusters = nodes.iter().any(|(cluster, _, _)| cluster.is_some());
@@ -445,8 +542,18 @@ pub fn format_nodes(answer: &Value) -> String {
     }
     let mut rows = vec![header.into_iter().map(String::from).collect::<Vec<_>>()];
     for (cluster, name, info) in nodes {
-        let route = if cluster.is_none() && this == Some(name.as_str()) { "(this node)".to_string() } else { node_route(info, applied) };
-        let mut row = vec![name.clone(), count(&info["id"]), joined(strings(&info["nodeIps"]).map(str::to_string)), joined(strings(&info["podCidrs"]).map(str::to_string)), route];
+        let route = if cluster.is_none() && this == Some(name.as_str()) {
+            "(this node)".to_string()
+        } else {
+            node_route(info, applied)
+        };
+        let mut row = vec![
+            name.clone(),
+            count(&info["id"]),
+            joined(strings(&info["nodeIps"]).map(str::to_string)),
+            joined(strings(&info["podCidrs"]).map(str::to_string)),
+            route,
+        ];
         if clusters {
             row.insert(0, cluster.unwrap_or("-").to_string());
         }
@@ -555,7 +662,11 @@ pub async fn policy(api: &ApiArgs, command: PolicyCommand) -> anyhow::Result<()>
 }
 
 /// [`policy`], printing to `out` (for tests to read what a person would see).
-pub async fn policy_to(api: &ApiArgs, command: PolicyCommand, out: &mut (impl std::io::Write + Send)) -> anyhow::Result<()> {
+pub async fn policy_to(
+    api: &ApiArgs,
+    command: PolicyCommand,
+    out: &mut (impl std::io::Write + Send),
+) -> anyhow::Result<()> {
     match command {
         PolicyCommand::Ls { counters } => {
             let query: &[(&str, &str)] = if counters { &[("counters", "true")] } else { &[] };
@@ -564,7 +675,12 @@ pub async fn policy_to(api: &ApiArgs, command: PolicyCommand, out: &mut (impl st
             Ok(())
         }
         PolicyCommand::Verdicts { pod, verdict, limit, follow } => {
-            let filters: Vec<(&str, &str)> = pod.as_deref().map(|pod| ("pod", pod)).into_iter().chain(verdict.map(|v| ("verdict", v.name()))).collect();
+            let filters: Vec<(&str, &str)> = pod
+                .as_deref()
+                .map(|pod| ("pod", pod))
+                .into_iter()
+                .chain(verdict.map(|v| ("verdict", v.name())))
+                .collect();
             show_events(api, &VERDICTS, &filters, limit, follow, out).await
         }
         PolicyCommand::Audit(toggle) => toggle_to(api, &toggle, "audit", "audit", out).await,
@@ -575,7 +691,13 @@ pub async fn policy_to(api: &ApiArgs, command: PolicyCommand, out: &mut (impl st
 /// Posts `toggle` to the host's `…/<what>` and prints what holds after it (the answer's
 /// `field`): for one policy, allow logging switched off while it is on for every policy
 /// stays on, and the line says so.
-async fn toggle_to(api: &ApiArgs, toggle: &PolicyToggle, what: &str, field: &str, out: &mut (impl std::io::Write + Send)) -> anyhow::Result<()> {
+async fn toggle_to(
+    api: &ApiArgs,
+    toggle: &PolicyToggle,
+    what: &str,
+    field: &str,
+    out: &mut (impl std::io::Write + Send),
+) -> anyhow::Result<()> {
     let (segments, query) = toggle.request(what);
     let answer = call_json(api, reqwest::Method::POST, &segments, &query).await?;
     write!(out, "{}", format_toggle(what, field, &answer))?;
@@ -612,8 +734,14 @@ pub async fn drops(api: &ApiArgs, args: DropsArgs) -> anyhow::Result<()> {
 
 /// [`drops`], printing to `out`.
 pub async fn drops_to(api: &ApiArgs, args: DropsArgs, out: &mut (impl std::io::Write + Send)) -> anyhow::Result<()> {
-    let filters: Vec<(&str, &str)> =
-        [("service", args.service.as_deref()), ("pod", args.pod.as_deref()), ("reason", args.reason.map(DropReason::name))].into_iter().filter_map(|(k, v)| Some((k, v?))).collect();
+    let filters: Vec<(&str, &str)> = [
+        ("service", args.service.as_deref()),
+        ("pod", args.pod.as_deref()),
+        ("reason", args.reason.map(DropReason::name)),
+    ]
+    .into_iter()
+    .filter_map(|(k, v)| Some((k, v?)))
+    .collect();
     show_events(api, &DROPS, &filters, args.limit, args.follow, out).await
 }
 
@@ -625,12 +753,21 @@ struct EventSource {
     format_answer: fn(&Value) -> String,
 }
 
-const VERDICTS: EventSource = EventSource { path: &VERDICTS_PATH, format_event: format_verdict, format_answer: format_verdicts };
-const DROPS: EventSource = EventSource { path: &["v1", "drops"], format_event: format_drop, format_answer: format_drops };
+const VERDICTS: EventSource =
+    EventSource { path: &VERDICTS_PATH, format_event: format_verdict, format_answer: format_verdicts };
+const DROPS: EventSource =
+    EventSource { path: &["v1", "drops"], format_event: format_drop, format_answer: format_drops };
 
 /// Prints the newest `limit` events of `source` that pass `filters`, oldest first; with
 /// `follow`, then the new ones every second, each once, until Ctrl-C.
-async fn show_events(api: &ApiArgs, source: &EventSource, filters: &[(&str, &str)], limit: usize, follow: bool, out: &mut (impl std::io::Write + Send)) -> anyhow::Result<()> {
+async fn show_events(
+    api: &ApiArgs,
+    source: &EventSource,
+    filters: &[(&str, &str)],
+    limit: usize,
+    follow: bool,
+    out: &mut (impl std::io::Write + Send),
+) -> anyhow::Result<()> {
     let limit = limit.to_string();
     // Before following: a host that reads no log (404) or a pod not on this node says so here.
     let answer = get_json(api, source.path, &with_limit(filters, &limit)).await?;
@@ -639,7 +776,8 @@ async fn show_events(api: &ApiArgs, source: &EventSource, filters: &[(&str, &str
         return Ok(());
     }
     // Registered before anything is shown, so that a Ctrl-C during a request is not lost.
-    let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).context("listening for Ctrl-C")?;
+    let mut interrupt =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).context("listening for Ctrl-C")?;
     let mut printed = PrintedEvents::default();
     show_new(out, source, &answer, &mut printed)?;
     // Every event the host keeps from the newest printed millisecond on, so that more
@@ -662,7 +800,12 @@ async fn show_events(api: &ApiArgs, source: &EventSource, filters: &[(&str, &str
 }
 
 /// Prints the events of an answer not yet `printed`, oldest first.
-fn show_new(out: &mut impl std::io::Write, source: &EventSource, answer: &Value, printed: &mut PrintedEvents) -> std::io::Result<()> {
+fn show_new(
+    out: &mut impl std::io::Write,
+    source: &EventSource,
+    answer: &Value,
+    printed: &mut PrintedEvents,
+) -> std::io::Result<()> {
     let (fresh, next) = new_events(events_of(answer), printed);
     fresh.iter().try_for_each(|event| writeln!(out, "{}", (source.format_event)(event)))?;
     *printed = next;
@@ -690,7 +833,8 @@ pub fn format_policies(list: &Value, counters: bool) -> String {
     let mut rows = vec![header.into_iter().map(String::from).collect::<Vec<_>>()];
     for p in list["policies"].as_array().into_iter().flatten() {
         let name = format!("{}/{}", p["namespace"].as_str().unwrap_or("?"), p["name"].as_str().unwrap_or("?"));
-        let enforced = if p["enforced_generation"].is_null() { "-".to_string() } else { count(&p["enforced_generation"]) };
+        let enforced =
+            if p["enforced_generation"].is_null() { "-".to_string() } else { count(&p["enforced_generation"]) };
         let mode = match (p["audit"].as_bool(), p["log_allowed"].as_bool() == Some(true)) {
             (Some(true), false) => "audit",
             (Some(true), true) => "audit, log-allowed",
@@ -703,7 +847,8 @@ pub fn format_policies(list: &Value, counters: bool) -> String {
         if counters {
             row.extend([count(&p["dropped_packets"]), count(&p["audit_would_drop_packets"])]);
         }
-        let warnings = p["warnings"].as_array().into_iter().flatten().filter_map(Value::as_str).map(|w| format!("warning: {w}"));
+        let warnings =
+            p["warnings"].as_array().into_iter().flatten().filter_map(Value::as_str).map(|w| format!("warning: {w}"));
         row.push(p["error"].as_str().map(str::to_string).into_iter().chain(warnings).collect::<Vec<_>>().join("; "));
         rows.push(row);
     }
@@ -742,10 +887,17 @@ pub fn format_verdict(event: &Value) -> String {
     let source = socket_text(&event["source"], &event["source_port"]);
     let destination = socket_text(&event["destination"], &event["destination_port"]);
     let protocol = event["protocol"].as_str().unwrap_or("?");
-    let policies = joined(event["policies"].as_array().into_iter().flatten().filter_map(|p| p.as_str().map(str::to_string)));
+    let policies =
+        joined(event["policies"].as_array().into_iter().flatten().filter_map(|p| p.as_str().map(str::to_string)));
     // An allow names the policy that accepted it (`<unknown>`: it is gone from this node).
-    let allowed_by = if event["verdict"] == "allow" { format!("  allowed by: {}", event["policy"].as_str().unwrap_or("<unknown>")) } else { String::new() };
-    format!("{time}  {verdict:<5}  {direction:<7}  {pod}  {source} -> {destination} {protocol}{allowed_by}  policies: {policies}")
+    let allowed_by = if event["verdict"] == "allow" {
+        format!("  allowed by: {}", event["policy"].as_str().unwrap_or("<unknown>"))
+    } else {
+        String::new()
+    };
+    format!(
+        "{time}  {verdict:<5}  {direction:<7}  {pod}  {source} -> {destination} {protocol}{allowed_by}  policies: {policies}"
+    )
 }
 
 /// A `GET /v1/policies/verdicts` answer: its events oldest first, one line each, then the
@@ -780,7 +932,12 @@ pub fn format_drop(event: &Value) -> String {
 /// since it started, policy verdicts and service drops by reason.
 pub fn format_drops(answer: &Value) -> String {
     let totals = &answer["totals"];
-    let by_reason: String = totals["service_drops"].as_object().into_iter().flatten().map(|(reason, n)| format!(", {reason} {}", count(n))).collect();
+    let by_reason: String = totals["service_drops"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .map(|(reason, n)| format!(", {reason} {}", count(n)))
+        .collect();
     format_events(answer, format_drop, &(policy_totals(&totals["policy_verdicts"]) + &by_reason))
 }
 
@@ -883,7 +1040,10 @@ mod tests {
         assert!(lines.contains(&"Services:            3, 2 failing translation"), "{text}");
         assert!(lines.contains(&"Policies:            1, 40 packets denied, 3 audited since start"), "{text}");
         assert!(lines.contains(&"Last sync:           4s ago (3 ok, 1 failed), FAILING for 9s"), "{text}");
-        assert!(lines.contains(&"Last sync error:     nft: Error: Could not process rule: No such file or directory"), "{text}");
+        assert!(
+            lines.contains(&"Last sync error:     nft: Error: Could not process rule: No such file or directory"),
+            "{text}"
+        );
         // Writes that succeed again: the old refusal is not a status line.
         let mut recovered = status.clone();
         recovered["dataplane"]["sync_failing_for_seconds"] = json!(null);
@@ -901,10 +1061,23 @@ mod tests {
     #[test]
     fn the_cni_line_says_how_full_each_pod_cidr_is() {
         let serving = json!({ "serving": true, "chained": false, "mtu": 1400, "pools": [{ "cidr": "10.244.1.0/24", "allocated": 5, "capacity": 253 }, { "cidr": "fd00::/64", "allocated": 5, "capacity": 18446744073709551615u64 }] });
-        assert_eq!(format_cni(&serving), "serving, 10.244.1.0/24 5/253 allocated, fd00::/64 5/18446744073709551615 allocated, MTU 1400");
-        assert_eq!(format_cni(&json!({ "serving": true, "chained": false, "mtu": null, "pools": [] })), "serving, the kernel's default MTU");
-        assert_eq!(format_cni(&json!({ "serving": true, "chained": true, "mtu": null, "pools": [] })), "serving, chained (addresses and MTU are the other plugin's)");
-        let chained = |attachments: u64| format_cni(&json!({ "serving": true, "chained": true, "mtu": null, "pools": [], "attachments": attachments }));
+        assert_eq!(
+            format_cni(&serving),
+            "serving, 10.244.1.0/24 5/253 allocated, fd00::/64 5/18446744073709551615 allocated, MTU 1400"
+        );
+        assert_eq!(
+            format_cni(&json!({ "serving": true, "chained": false, "mtu": null, "pools": [] })),
+            "serving, the kernel's default MTU"
+        );
+        assert_eq!(
+            format_cni(&json!({ "serving": true, "chained": true, "mtu": null, "pools": [] })),
+            "serving, chained (addresses and MTU are the other plugin's)"
+        );
+        let chained = |attachments: u64| {
+            format_cni(
+                &json!({ "serving": true, "chained": true, "mtu": null, "pools": [], "attachments": attachments }),
+            )
+        };
         assert_eq!(chained(12), "serving, chained (addresses and MTU are the other plugin's), 12 attachments");
         assert_eq!(chained(1), "serving, chained (addresses and MTU are the other plugin's), 1 attachment");
         assert_eq!(chained(0), "serving, chained (addresses and MTU are the other plugin's), 0 attachments");
@@ -921,9 +1094,19 @@ mod tests {
         let text = format_services(&list);
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 3, "{text}");
-        assert_eq!(lines[0], "NAMESPACE/NAME   TYPE        CLUSTER-IPS           PORTS                 ENDPOINTS        ERROR", "{text}");
-        assert_eq!(lines[1], "shop/web         NodePort    10.96.0.20,fd00::20   80:30080/TCP,53/UDP   2/3, local 1/2", "{text}");
-        assert_eq!(lines[2], "other/x          ClusterIP   <none>                <none>                0/0, local 0/0   invalid IP", "{text}");
+        assert_eq!(
+            lines[0], "NAMESPACE/NAME   TYPE        CLUSTER-IPS           PORTS                 ENDPOINTS        ERROR",
+            "{text}"
+        );
+        assert_eq!(
+            lines[1], "shop/web         NodePort    10.96.0.20,fd00::20   80:30080/TCP,53/UDP   2/3, local 1/2",
+            "{text}"
+        );
+        assert_eq!(
+            lines[2],
+            "other/x          ClusterIP   <none>                <none>                0/0, local 0/0   invalid IP",
+            "{text}"
+        );
     }
 
     #[test]
@@ -937,7 +1120,11 @@ mod tests {
         assert_eq!(lines.len(), 3, "{text}");
         assert_eq!(lines[0], "NAMESPACE/NAME            GENERATION   MODE      TARGETS               ERROR", "{text}");
         assert_eq!(lines[1], "default/web-from-client   3/4          enforce   ingress 2, egress 0", "{text}");
-        assert_eq!(lines[2], "shop/db                   -/1          audit     ingress 0, egress 1   port \"x\" unknown; warning: endPort ignored", "{text}");
+        assert_eq!(
+            lines[2],
+            "shop/db                   -/1          audit     ingress 0, egress 1   port \"x\" unknown; warning: endPort ignored",
+            "{text}"
+        );
         assert!(!text.contains("DROPS"), "no counters asked: {text}");
     }
 
@@ -951,10 +1138,16 @@ mod tests {
         ]});
         let text = format_policies(&list, true);
         let lines: Vec<&str> = text.lines().collect();
-        assert_eq!(lines[0], "NAMESPACE/NAME   GENERATION   MODE      TARGETS               DROPS   WOULD-DROP   ERROR", "{text}");
+        assert_eq!(
+            lines[0], "NAMESPACE/NAME   GENERATION   MODE      TARGETS               DROPS   WOULD-DROP   ERROR",
+            "{text}"
+        );
         assert_eq!(lines[1], "default/web      1/1          audit     ingress 1, egress 1   0       1234", "{text}");
         assert_eq!(lines[2], "default/old      2/2          enforce   ingress 0, egress 0   ?       ?", "{text}");
-        assert_eq!(format_policies(&json!({ "policies": [] }), true), "NAMESPACE/NAME   GENERATION   MODE   TARGETS   DROPS   WOULD-DROP   ERROR\n");
+        assert_eq!(
+            format_policies(&json!({ "policies": [] }), true),
+            "NAMESPACE/NAME   GENERATION   MODE   TARGETS   DROPS   WOULD-DROP   ERROR\n"
+        );
     }
 
     #[test]
@@ -964,12 +1157,24 @@ mod tests {
             { "namespace": "default", "name": "db", "enforced_generation": 1, "desired_generation": 1, "audit": true, "log_allowed": true, "ingress_targets": 1, "egress_targets": 0, "error": null, "warnings": [] },
         ]});
         let text = format_policies(&list, false);
-        let modes: Vec<&str> = text.lines().skip(1).map(|l| l.split("   ").map(str::trim).filter(|c| !c.is_empty()).nth(2).unwrap()).collect();
+        let modes: Vec<&str> = text
+            .lines()
+            .skip(1)
+            .map(|l| l.split("   ").map(str::trim).filter(|c| !c.is_empty()).nth(2).unwrap())
+            .collect();
         assert_eq!(modes, ["enforce, log-allowed", "audit, log-allowed"], "{text}");
     }
 
     /// An event as the host answers it; `at` is milliseconds into 2024-05-01 UTC.
-    fn verdict_event(at: u64, verdict: &str, direction: &str, pod: Option<&str>, from: (&str, Option<u16>), to: (&str, Option<u16>), policies: &[&str]) -> Value {
+    fn verdict_event(
+        at: u64,
+        verdict: &str,
+        direction: &str,
+        pod: Option<&str>,
+        from: (&str, Option<u16>),
+        to: (&str, Option<u16>),
+        policies: &[&str],
+    ) -> Value {
         const MAY_FIRST_2024_MS: u64 = 1_714_521_600_000;
         let pod_address = if direction == "ingress" { to.0 } else { from.0 };
         json!({ "at_unix_ms": MAY_FIRST_2024_MS + at, "verdict": verdict, "direction": direction, "pod_address": pod_address, "pod": pod, "source": from.0, "destination": to.0,
@@ -980,27 +1185,84 @@ mod tests {
 
     #[test]
     fn verdict_lines_have_utc_time_addresses_and_policies() {
-        let ipv4 = verdict_event(HMS_MS, "deny", "ingress", Some("default/web"), ("10.244.0.101", Some(54728)), ("10.244.0.11", Some(8080)), &["default/web-from-client"]);
-        assert_eq!(format_verdict(&ipv4), "13:04:05.067  DENY   ingress  default/web  10.244.0.101:54728 -> 10.244.0.11:8080 tcp  policies: default/web-from-client");
-        let ipv6 = verdict_event(86_399_999, "audit", "egress", Some("shop/db"), ("fd00::10", Some(40000)), ("2001:db8::1", Some(443)), &["shop/a", "shop/b"]);
-        assert_eq!(format_verdict(&ipv6), "23:59:59.999  AUDIT  egress   shop/db  [fd00::10]:40000 -> [2001:db8::1]:443 tcp  policies: shop/a,shop/b");
-        let no_ports = verdict_event(0, "deny", "egress", Some("shop/db"), ("fd00::10", None), ("2001:db8::1", None), &["shop/a"]);
-        assert_eq!(format_verdict(&no_ports), "00:00:00.000  DENY   egress   shop/db  fd00::10 -> 2001:db8::1 icmp  policies: shop/a");
+        let ipv4 = verdict_event(
+            HMS_MS,
+            "deny",
+            "ingress",
+            Some("default/web"),
+            ("10.244.0.101", Some(54728)),
+            ("10.244.0.11", Some(8080)),
+            &["default/web-from-client"],
+        );
+        assert_eq!(
+            format_verdict(&ipv4),
+            "13:04:05.067  DENY   ingress  default/web  10.244.0.101:54728 -> 10.244.0.11:8080 tcp  policies: default/web-from-client"
+        );
+        let ipv6 = verdict_event(
+            86_399_999,
+            "audit",
+            "egress",
+            Some("shop/db"),
+            ("fd00::10", Some(40000)),
+            ("2001:db8::1", Some(443)),
+            &["shop/a", "shop/b"],
+        );
+        assert_eq!(
+            format_verdict(&ipv6),
+            "23:59:59.999  AUDIT  egress   shop/db  [fd00::10]:40000 -> [2001:db8::1]:443 tcp  policies: shop/a,shop/b"
+        );
+        let no_ports =
+            verdict_event(0, "deny", "egress", Some("shop/db"), ("fd00::10", None), ("2001:db8::1", None), &["shop/a"]);
+        assert_eq!(
+            format_verdict(&no_ports),
+            "00:00:00.000  DENY   egress   shop/db  fd00::10 -> 2001:db8::1 icmp  policies: shop/a"
+        );
         // The pod is gone (or not known yet): its address instead, and no policy selects it now.
-        let unknown_pod = verdict_event(1, "deny", "ingress", None, ("10.0.0.1", Some(1)), ("10.244.0.99", Some(80)), &[]);
-        assert_eq!(format_verdict(&unknown_pod), "00:00:00.001  DENY   ingress  10.244.0.99  10.0.0.1:1 -> 10.244.0.99:80 tcp  policies: <none>");
+        let unknown_pod =
+            verdict_event(1, "deny", "ingress", None, ("10.0.0.1", Some(1)), ("10.244.0.99", Some(80)), &[]);
+        assert_eq!(
+            format_verdict(&unknown_pod),
+            "00:00:00.001  DENY   ingress  10.244.0.99  10.0.0.1:1 -> 10.244.0.99:80 tcp  policies: <none>"
+        );
         // An allow says which policy accepted it.
-        let mut allow = verdict_event(2, "allow", "ingress", Some("default/web"), ("10.244.0.100", Some(5)), ("10.244.0.11", Some(8080)), &["default/a", "default/b"]);
+        let mut allow = verdict_event(
+            2,
+            "allow",
+            "ingress",
+            Some("default/web"),
+            ("10.244.0.100", Some(5)),
+            ("10.244.0.11", Some(8080)),
+            &["default/a", "default/b"],
+        );
         allow["policy"] = json!("default/b");
-        assert_eq!(format_verdict(&allow), "00:00:00.002  ALLOW  ingress  default/web  10.244.0.100:5 -> 10.244.0.11:8080 tcp  allowed by: default/b  policies: default/a,default/b");
+        assert_eq!(
+            format_verdict(&allow),
+            "00:00:00.002  ALLOW  ingress  default/web  10.244.0.100:5 -> 10.244.0.11:8080 tcp  allowed by: default/b  policies: default/a,default/b"
+        );
         allow["policy"] = Value::Null;
         assert!(format_verdict(&allow).contains("  allowed by: <unknown>  "), "{}", format_verdict(&allow));
     }
 
     #[test]
     fn verdicts_are_shown_oldest_first_with_the_totals() {
-        let older = verdict_event(1000, "deny", "ingress", Some("default/web"), ("10.0.0.1", Some(1)), ("10.244.0.11", Some(80)), &["default/web"]);
-        let newer = verdict_event(2000, "audit", "ingress", Some("default/web"), ("10.0.0.2", Some(2)), ("10.244.0.11", Some(80)), &["default/web"]);
+        let older = verdict_event(
+            1000,
+            "deny",
+            "ingress",
+            Some("default/web"),
+            ("10.0.0.1", Some(1)),
+            ("10.244.0.11", Some(80)),
+            &["default/web"],
+        );
+        let newer = verdict_event(
+            2000,
+            "audit",
+            "ingress",
+            Some("default/web"),
+            ("10.0.0.2", Some(2)),
+            ("10.244.0.11", Some(80)),
+            &["default/web"],
+        );
         let answer = json!({ "totals": { "deny": 7, "audit": 1, "lost": 0 }, "events": [newer, older] });
         let text = format_verdicts(&answer);
         let lines: Vec<&str> = text.lines().collect();
@@ -1019,13 +1281,31 @@ mod tests {
             json!({ "kind": "service", "reason": reason, "at_unix_ms": at, "source": "10.244.0.100", "source_port": 40000, "destination": to.0,
                     "destination_port": to.1, "protocol": "tcp", "pod": "default/client", "service": service, "port_name": port_name })
         };
-        let no_endpoints = service_event(HMS_MS, "no-endpoints", Some("default/empty"), Some("http"), ("10.96.0.40", 80));
-        assert_eq!(format_drop(&no_endpoints), "13:04:05.067  REJECT  service  default/empty:http  10.244.0.100:40000 -> 10.96.0.40:80 tcp  reason: no-endpoints");
+        let no_endpoints =
+            service_event(HMS_MS, "no-endpoints", Some("default/empty"), Some("http"), ("10.96.0.40", 80));
+        assert_eq!(
+            format_drop(&no_endpoints),
+            "13:04:05.067  REJECT  service  default/empty:http  10.244.0.100:40000 -> 10.96.0.40:80 tcp  reason: no-endpoints"
+        );
         let unknown_port = service_event(1, "unknown-port", Some("default/web"), None, ("10.96.0.41", 81));
-        assert_eq!(format_drop(&unknown_port), "00:00:00.001  REJECT  service  default/web  10.244.0.100:40000 -> 10.96.0.41:81 tcp  reason: unknown-port");
+        assert_eq!(
+            format_drop(&unknown_port),
+            "00:00:00.001  REJECT  service  default/web  10.244.0.100:40000 -> 10.96.0.41:81 tcp  reason: unknown-port"
+        );
         let unallocated = service_event(2, "unallocated", None, None, ("10.96.0.99", 80));
-        assert_eq!(format_drop(&unallocated), "00:00:00.002  DROP   service  <unknown>  10.244.0.100:40000 -> 10.96.0.99:80 tcp  reason: unallocated");
-        let mut policy = verdict_event(3, "deny", "ingress", Some("default/web"), ("10.0.0.1", Some(1)), ("10.244.0.11", Some(80)), &["default/web"]);
+        assert_eq!(
+            format_drop(&unallocated),
+            "00:00:00.002  DROP   service  <unknown>  10.244.0.100:40000 -> 10.96.0.99:80 tcp  reason: unallocated"
+        );
+        let mut policy = verdict_event(
+            3,
+            "deny",
+            "ingress",
+            Some("default/web"),
+            ("10.0.0.1", Some(1)),
+            ("10.244.0.11", Some(80)),
+            &["default/web"],
+        );
         policy["kind"] = json!("policy");
         policy["reason"] = json!("deny");
         assert_eq!(format_drop(&policy), format_verdict(&policy), "a policy event as `policy verdicts` prints it");
@@ -1035,7 +1315,10 @@ mod tests {
         let text = format_drops(&answer);
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 4, "{text}");
-        assert!(lines[0].contains("reason: no-endpoints") && lines[2].contains("reason: unallocated"), "oldest first: {text}");
+        assert!(
+            lines[0].contains("reason: no-endpoints") && lines[2].contains("reason: unallocated"),
+            "oldest first: {text}"
+        );
         assert_eq!(lines[3], "3 shown; since the host started: deny 1, audit 0, no-endpoints 4, unallocated 1");
         // What a follower compares: the looked-up service and port name are not the event.
         let mut renamed = unknown_port.clone();
@@ -1045,7 +1328,17 @@ mod tests {
 
     #[test]
     fn follow_prints_each_event_once_even_within_a_millisecond() {
-        let at = |ms: u64, source_port: u16| verdict_event(ms, "deny", "ingress", Some("default/web"), ("10.0.0.1", Some(source_port)), ("10.244.0.11", Some(80)), &["default/web"]);
+        let at = |ms: u64, source_port: u16| {
+            verdict_event(
+                ms,
+                "deny",
+                "ingress",
+                Some("default/web"),
+                ("10.0.0.1", Some(source_port)),
+                ("10.244.0.11", Some(80)),
+                &["default/web"],
+            )
+        };
         let ports = |events: &[Value]| events.iter().map(|e| e["source_port"].as_u64().unwrap()).collect::<Vec<_>>();
         // Newest first, as the host answers: 5 ms has two events.
         let (first, printed) = new_events(&[at(5, 2), at(5, 1), at(3, 0)], &PrintedEvents::default());
@@ -1072,7 +1365,10 @@ mod tests {
     /// A pod row as the host answers it; `policies` as (name, directions, audit).
     fn pod_row(pod: &str, ips: &[&str], host_network: bool, policies: &[(&str, &[&str], bool)]) -> Value {
         let (namespace, name) = pod.split_once('/').unwrap();
-        let policies: Vec<Value> = policies.iter().map(|(name, types, audit)| json!({ "name": name, "policy_types": types, "audit": audit, "error": null })).collect();
+        let policies: Vec<Value> = policies
+            .iter()
+            .map(|(name, types, audit)| json!({ "name": name, "policy_types": types, "audit": audit, "error": null }))
+            .collect();
         json!({ "namespace": namespace, "name": name, "ips": ips, "host_network": host_network, "policies": policies, "cni_allocations": null })
     }
 
@@ -1086,24 +1382,56 @@ mod tests {
         let text = format_pods(&list);
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 4, "{text}");
-        assert_eq!(lines[0], "POD                 IPS                           INGRESS    EGRESS   POLICIES", "{text}");
-        assert_eq!(lines[1], "default/web-1       10.244.0.41,fd00::41          enforced   audit    default/web-ingress,default/web-egress (audit)", "{text}");
+        assert_eq!(
+            lines[0], "POD                 IPS                           INGRESS    EGRESS   POLICIES",
+            "{text}"
+        );
+        assert_eq!(
+            lines[1],
+            "default/web-1       10.244.0.41,fd00::41          enforced   audit    default/web-ingress,default/web-egress (audit)",
+            "{text}"
+        );
         // One policy enforcing a direction enforces it, whatever the audit ones.
-        assert_eq!(lines[2], "default/db          10.244.0.42                   enforced   audit    default/audited (audit),default/strict", "{text}");
+        assert_eq!(
+            lines[2],
+            "default/db          10.244.0.42                   enforced   audit    default/audited (audit),default/strict",
+            "{text}"
+        );
         assert_eq!(lines[3], "kube-system/agent   192.168.1.10 (host network)   -          -        <none>", "{text}");
         assert_eq!(format_pods(&json!({ "pods": [] })), "POD   IPS   INGRESS   EGRESS   POLICIES\n");
     }
 
     #[test]
     fn pod_lines_are_aligned_with_a_line_per_policy_then_the_drops_oldest_first() {
-        let mut detail = pod_row("default/web-1", &["10.244.0.41"], false, &[("default/web-ingress", &["ingress"], false), ("default/web-all", &["ingress", "egress"], true)]);
+        let mut detail = pod_row(
+            "default/web-1",
+            &["10.244.0.41"],
+            false,
+            &[("default/web-ingress", &["ingress"], false), ("default/web-all", &["ingress", "egress"], true)],
+        );
         detail["node"] = json!("node-a");
         detail["labels"] = json!({ "app": "web", "tier": "front" });
         detail["policies"][1]["error"] = json!("port \"x\" unknown");
         detail["cni_allocations"] = json!([{ "container_id": "c1", "interface": "eth0", "allocated_at_unix_seconds": 7,
             "addresses": [{ "ip": "10.244.0.41", "pod_cidr": "10.244.0.0/24" }, { "ip": "fd00::41", "pod_cidr": null }] }]);
-        let older = verdict_event(1000, "deny", "ingress", Some("default/web-1"), ("10.0.0.1", Some(1)), ("10.244.0.41", Some(80)), &["default/web-ingress"]);
-        let newer = verdict_event(2000, "deny", "ingress", Some("default/web-1"), ("10.0.0.2", Some(2)), ("10.244.0.41", Some(80)), &["default/web-ingress"]);
+        let older = verdict_event(
+            1000,
+            "deny",
+            "ingress",
+            Some("default/web-1"),
+            ("10.0.0.1", Some(1)),
+            ("10.244.0.41", Some(80)),
+            &["default/web-ingress"],
+        );
+        let newer = verdict_event(
+            2000,
+            "deny",
+            "ingress",
+            Some("default/web-1"),
+            ("10.0.0.2", Some(2)),
+            ("10.244.0.41", Some(80)),
+            &["default/web-ingress"],
+        );
         detail["recent_drops"] = json!([newer, older]);
         let text = format_pod(&detail);
         let lines: Vec<&str> = text.lines().collect();
@@ -1138,7 +1466,10 @@ mod tests {
             "egress": { "policies": [{ "policy": "default/web-all", "accepted": 2 }], "dropped": 0, "would_drop": 4 }
         });
         let text = format_pod(&detail);
-        assert!(text.contains("Ingress counts:  default/web-ingress accepted 7, default/web-all accepted 0; dropped 3\n"), "{text}");
+        assert!(
+            text.contains("Ingress counts:  default/web-ingress accepted 7, default/web-all accepted 0; dropped 3\n"),
+            "{text}"
+        );
         assert!(text.contains("Egress counts:   default/web-all accepted 2; dropped 0; would drop 4\n"), "{text}");
         detail["policy_counts"]["egress"] = json!(null);
         assert!(!format_pod(&detail).contains("Egress counts"));
@@ -1156,9 +1487,18 @@ mod tests {
         use clap::{CommandFactory, Parser};
         Cli::command().debug_assert();
         let parsed = Cli::try_parse_from(["pod", "get", "default/web-1"]).unwrap();
-        assert!(matches!(&parsed.command, crate::cli::PodCommand::Get { pod, counters: false } if *pod == NamespacedName { namespace: "default".into(), name: "web-1".into() }), "{:?}", parsed.command);
-        assert!(matches!(Cli::try_parse_from(["pod", "get", "default/web-1", "--counters"]).unwrap().command, crate::cli::PodCommand::Get { counters: true, .. }));
-        assert!(matches!(Cli::try_parse_from(["pod", "ls", "-n", "shop"]).unwrap().command, crate::cli::PodCommand::Ls { namespace: Some(ns) } if ns == "shop"));
+        assert!(
+            matches!(&parsed.command, crate::cli::PodCommand::Get { pod, counters: false } if *pod == NamespacedName { namespace: "default".into(), name: "web-1".into() }),
+            "{:?}",
+            parsed.command
+        );
+        assert!(matches!(
+            Cli::try_parse_from(["pod", "get", "default/web-1", "--counters"]).unwrap().command,
+            crate::cli::PodCommand::Get { counters: true, .. }
+        ));
+        assert!(
+            matches!(Cli::try_parse_from(["pod", "ls", "-n", "shop"]).unwrap().command, crate::cli::PodCommand::Ls { namespace: Some(ns) } if ns == "shop")
+        );
         for wrong in ["web-1", "/web-1", "default/", "a/b/c"] {
             assert!(Cli::try_parse_from(["pod", "get", wrong]).is_err(), "{wrong}");
         }
@@ -1230,7 +1570,11 @@ mod tests {
         answer["routes"] = json!(null);
         answer["heartbeat_age_seconds"] = json!(null);
         let text = format_nodes(&answer);
-        assert!(text.ends_with("   -\nRoutes:  not programmed by this host (--node-routes)\n") && !text.contains("heartbeat"), "{text}");
+        assert!(
+            text.ends_with("   -\nRoutes:  not programmed by this host (--node-routes)\n")
+                && !text.contains("heartbeat"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -1242,33 +1586,65 @@ mod tests {
         }
         use clap::{CommandFactory, Parser};
         Cli::command().debug_assert();
-        let parsed = Cli::try_parse_from(["policy", "verdicts", "--pod", "default/web", "--verdict", "audit", "-f"]).unwrap();
+        let parsed =
+            Cli::try_parse_from(["policy", "verdicts", "--pod", "default/web", "--verdict", "audit", "-f"]).unwrap();
         assert!(
             matches!(&parsed.command, PolicyCommand::Verdicts { pod: Some(pod), verdict: Some(VerdictFilter::Audit), limit: 20, follow: true } if pod == "default/web"),
             "{:?}",
             parsed.command
         );
-        assert!(matches!(Cli::try_parse_from(["policy", "ls", "--counters"]).unwrap().command, PolicyCommand::Ls { counters: true }));
-        assert!(Cli::try_parse_from(["policy", "verdicts", "--verdict", "dropped"]).is_err(), "deny, audit or allow only");
-        assert!(matches!(Cli::try_parse_from(["policy", "verdicts", "--verdict", "allow"]).unwrap().command, PolicyCommand::Verdicts { verdict: Some(VerdictFilter::Allow), .. }));
+        assert!(matches!(
+            Cli::try_parse_from(["policy", "ls", "--counters"]).unwrap().command,
+            PolicyCommand::Ls { counters: true }
+        ));
+        assert!(
+            Cli::try_parse_from(["policy", "verdicts", "--verdict", "dropped"]).is_err(),
+            "deny, audit or allow only"
+        );
+        assert!(matches!(
+            Cli::try_parse_from(["policy", "verdicts", "--verdict", "allow"]).unwrap().command,
+            PolicyCommand::Verdicts { verdict: Some(VerdictFilter::Allow), .. }
+        ));
 
         let one = NamespacedName { namespace: "default".into(), name: "web".into() };
-        let Cli { command: PolicyCommand::Audit(toggle) } = Cli::try_parse_from(["policy", "audit", "default/web"]).unwrap() else { panic!("not audit") };
+        let Cli { command: PolicyCommand::Audit(toggle) } =
+            Cli::try_parse_from(["policy", "audit", "default/web"]).unwrap()
+        else {
+            panic!("not audit")
+        };
         assert_eq!(toggle, PolicyToggle { policy: Some(one.clone()), all: false, off: false });
         assert_eq!(toggle.request("audit"), (vec!["v1", "policies", "default", "web", "audit"], [("enabled", "true")]));
-        let Cli { command: PolicyCommand::LogAllowed(toggle) } = Cli::try_parse_from(["policy", "log-allowed", "--all", "--off"]).unwrap() else { panic!("not log-allowed") };
+        let Cli { command: PolicyCommand::LogAllowed(toggle) } =
+            Cli::try_parse_from(["policy", "log-allowed", "--all", "--off"]).unwrap()
+        else {
+            panic!("not log-allowed")
+        };
         assert_eq!(toggle, PolicyToggle { policy: None, all: true, off: true });
         assert_eq!(toggle.request("log-allowed"), (vec!["v1", "policies", "log-allowed"], [("enabled", "false")]));
-        for wrong in [&["policy", "audit"][..], &["policy", "audit", "default/web", "--all"], &["policy", "log-allowed", "web"], &["policy", "log-allowed", "a/b/c", "--off"]] {
+        for wrong in [
+            &["policy", "audit"][..],
+            &["policy", "audit", "default/web", "--all"],
+            &["policy", "log-allowed", "web"],
+            &["policy", "log-allowed", "a/b/c", "--off"],
+        ] {
             assert!(Cli::try_parse_from(wrong).is_err(), "{wrong:?}: one policy or --all");
         }
     }
 
     #[test]
     fn a_toggle_prints_what_holds_after_it() {
-        assert_eq!(format_toggle("audit", "audit", &json!({ "policy": "default/web", "audit": true })), "default/web: audit on\n");
-        assert_eq!(format_toggle("log-allowed", "log_allowed", &json!({ "log_allowed": false })), "every policy on this node: log-allowed off\n");
+        assert_eq!(
+            format_toggle("audit", "audit", &json!({ "policy": "default/web", "audit": true })),
+            "default/web: audit on\n"
+        );
+        assert_eq!(
+            format_toggle("log-allowed", "log_allowed", &json!({ "log_allowed": false })),
+            "every policy on this node: log-allowed off\n"
+        );
         // Off for one while on for every policy: the host says it stays on.
-        assert_eq!(format_toggle("log-allowed", "log_allowed", &json!({ "policy": "shop/db", "log_allowed": true })), "shop/db: log-allowed on\n");
+        assert_eq!(
+            format_toggle("log-allowed", "log_allowed", &json!({ "policy": "shop/db", "log_allowed": true })),
+            "shop/db: log-allowed on\n"
+        );
     }
 }

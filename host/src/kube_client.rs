@@ -47,7 +47,8 @@ pub fn client(config: kube::Config) -> Result<kube::Client, kube::Error> {
 fn with_connector<C>(connector: C, config: kube::Config) -> Result<kube::Client, kube::Error>
 where
     C: tower::Service<http::Uri> + Clone + Send + Sync + 'static,
-    C::Response: hyper_util::client::legacy::connect::Connection + hyper::rt::Read + hyper::rt::Write + Send + Unpin + 'static,
+    C::Response:
+        hyper_util::client::legacy::connect::Connection + hyper::rt::Read + hyper::rt::Write + Send + Unpin + 'static,
     C::Future: Send + 'static,
     C::Error: Into<BoxError>,
 {
@@ -61,7 +62,11 @@ where
         .build(connector);
     let service = ServiceBuilder::new()
         .layer(config.base_uri_layer())
-        .option_layer(config.default_retry.then(|| tower::retry::RetryLayer::new(kube::client::retry::RetryPolicy::server_retry())))
+        .option_layer(
+            config
+                .default_retry
+                .then(|| tower::retry::RetryLayer::new(kube::client::retry::RetryPolicy::server_retry())),
+        )
         .option_layer(config.auth_layer()?)
         .layer(config.extra_headers_layer()?)
         .layer_fn(RequestLog)
@@ -101,7 +106,11 @@ where
                 let elapsed_ms = started.elapsed().as_secs_f64() * 1e3;
                 match &answer {
                     Ok(response) if response.status().is_server_error() => {
-                        tracing::warn!(status = response.status().as_u16(), elapsed_ms, "the API server answered with a server error")
+                        tracing::warn!(
+                            status = response.status().as_u16(),
+                            elapsed_ms,
+                            "the API server answered with a server error"
+                        )
                     }
                     Ok(response) => tracing::debug!(status = response.status().as_u16(), elapsed_ms, "answered"),
                     Err(e) => tracing::debug!(elapsed_ms, "no answer: {e}"),
@@ -141,7 +150,11 @@ mod tests {
     async fn logged(requests: &[&str]) -> String {
         let captured = Captured::default();
         let writer = captured.clone();
-        let subscriber = tracing_subscriber::fmt().with_max_level(tracing::Level::DEBUG).with_ansi(false).with_writer(move || writer.clone()).finish();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
         let _guard = tracing::subscriber::set_default(subscriber);
         let server = tower::service_fn(|request: http::Request<()>| async move {
             let status = match request.uri().path() {
@@ -161,12 +174,23 @@ mod tests {
 
     #[tokio::test]
     async fn each_request_is_logged_with_its_status_and_a_server_error_warns() {
-        let log = logged(&["/api/v1/pods?labelSelector=secret%3Dvalue", "/apis/discovery.k8s.io/v1/endpointslices", "/down"]).await;
+        let log =
+            logged(&["/api/v1/pods?labelSelector=secret%3Dvalue", "/apis/discovery.k8s.io/v1/endpointslices", "/down"])
+                .await;
         let lines: Vec<&str> = log.lines().collect();
         assert_eq!(lines.len(), 3, "{log}");
-        assert!(lines[0].contains("DEBUG") && lines[0].contains("method=GET") && lines[0].contains("path=\"/api/v1/pods\"") && lines[0].contains("status=200"), "{log}");
+        assert!(
+            lines[0].contains("DEBUG")
+                && lines[0].contains("method=GET")
+                && lines[0].contains("path=\"/api/v1/pods\"")
+                && lines[0].contains("status=200"),
+            "{log}"
+        );
         assert!(!log.contains("secret"), "the query is not logged: {log}");
-        assert!(lines[1].contains("WARN") && lines[1].contains("status=503") && lines[1].contains("endpointslices"), "{log}");
+        assert!(
+            lines[1].contains("WARN") && lines[1].contains("status=503") && lines[1].contains("endpointslices"),
+            "{log}"
+        );
         assert!(lines[2].contains("DEBUG") && lines[2].contains("no answer: connection refused"), "{log}");
     }
 }

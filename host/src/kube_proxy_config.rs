@@ -38,7 +38,9 @@ pub enum KubeProxyConfigError {
 pub enum InvalidKubeProxyConfig {
     #[error("not a KubeProxyConfiguration: {0}")]
     Yaml(#[from] serde_yaml::Error),
-    #[error("apiVersion {api_version:?}, kind {kind:?}: expected {API_VERSION} {KIND} (the `config.conf` key of kube-proxy's ConfigMap)")]
+    #[error(
+        "apiVersion {api_version:?}, kind {kind:?}: expected {API_VERSION} {KIND} (the `config.conf` key of kube-proxy's ConfigMap)"
+    )]
     NotKubeProxyConfiguration { api_version: String, kind: String },
     #[error("{field}: {value:?} is not supported: {why}")]
     Unsupported { field: String, value: String, why: String },
@@ -51,7 +53,8 @@ pub const KIND: &str = "KubeProxyConfiguration";
 
 /// Reads and maps the file at `path`.
 pub fn read(path: &Path) -> Result<KubeProxySettings, KubeProxyConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| KubeProxyConfigError::Read { path: path.to_path_buf(), source })?;
+    let text = std::fs::read_to_string(path)
+        .map_err(|source| KubeProxyConfigError::Read { path: path.to_path_buf(), source })?;
     parse(&text).map_err(|source| KubeProxyConfigError::Invalid { path: path.to_path_buf(), source })
 }
 
@@ -129,8 +132,36 @@ pub fn parse(yaml: &str) -> Result<KubeProxySettings, InvalidKubeProxyConfig> {
     }
     // From the text, not the value: serde_yaml's errors then name the field and the line.
     let config: KubeProxyConfiguration = serde_yaml::from_str(yaml)?;
-    let mut mapped: BTreeSet<String> = ["apiVersion", "kind", "clusterCIDR", "hostnameOverride", "masqueradeAll", "detectLocalMode", "nodePortAddresses", "healthzBindAddress", "metricsBindAddress", "mode", "syncPeriod", "minSyncPeriod", "oomScoreAdj", "logging.format"].map(String::from).into();
-    mapped.extend(["maxPerCore", "min", "tcpEstablishedTimeout", "tcpCloseWaitTimeout", "udpTimeout", "udpStreamTimeout", "tcpBeLiberal"].map(|field| format!("conntrack.{field}")));
+    let mut mapped: BTreeSet<String> = [
+        "apiVersion",
+        "kind",
+        "clusterCIDR",
+        "hostnameOverride",
+        "masqueradeAll",
+        "detectLocalMode",
+        "nodePortAddresses",
+        "healthzBindAddress",
+        "metricsBindAddress",
+        "mode",
+        "syncPeriod",
+        "minSyncPeriod",
+        "oomScoreAdj",
+        "logging.format",
+    ]
+    .map(String::from)
+    .into();
+    mapped.extend(
+        [
+            "maxPerCore",
+            "min",
+            "tcpEstablishedTimeout",
+            "tcpCloseWaitTimeout",
+            "udpTimeout",
+            "udpStreamTimeout",
+            "tcpBeLiberal",
+        ]
+        .map(|field| format!("conntrack.{field}")),
+    );
     let (mut args, mut warnings) = (Vec::new(), Vec::new());
 
     let mode = config.mode.as_deref().unwrap_or_default();
@@ -154,7 +185,14 @@ pub fn parse(yaml: &str) -> Result<KubeProxySettings, InvalidKubeProxyConfig> {
     mapped.insert(format!("{sync_block}.syncPeriod"));
     mapped.insert(format!("{sync_block}.minSyncPeriod"));
 
-    let cluster_cidrs: Vec<&str> = config.cluster_cidr.as_deref().unwrap_or_default().split(',').map(str::trim).filter(|cidr| !cidr.is_empty()).collect();
+    let cluster_cidrs: Vec<&str> = config
+        .cluster_cidr
+        .as_deref()
+        .unwrap_or_default()
+        .split(',')
+        .map(str::trim)
+        .filter(|cidr| !cidr.is_empty())
+        .collect();
     for cidr in &cluster_cidrs {
         cidr.parse::<ipnet::IpNet>().map_err(|e| malformed("clusterCIDR", cidr, &format!("not a CIDR ({e})")))?;
     }
@@ -174,7 +212,8 @@ pub fn parse(yaml: &str) -> Result<KubeProxySettings, InvalidKubeProxyConfig> {
     if !node_name.is_empty() {
         args.push(format!("--node-name={node_name}"));
     }
-    if config.masquerade_all.unwrap_or(false) || block(masquerade_block).and_then(|b| b.masquerade_all).unwrap_or(false) {
+    if config.masquerade_all.unwrap_or(false) || block(masquerade_block).and_then(|b| b.masquerade_all).unwrap_or(false)
+    {
         args.push("--masquerade-all".into());
     }
     let detect_local = config.detect_local.unwrap_or_default();
@@ -184,7 +223,9 @@ pub fn parse(yaml: &str) -> Result<KubeProxySettings, InvalidKubeProxyConfig> {
         // Only the mode's own name is read, as kube-proxy reads it: the other is reported.
         mode @ ("InterfaceNamePrefix" | "BridgeInterface") => {
             let (field, name, flag) = match mode {
-                "InterfaceNamePrefix" => ("interfaceNamePrefix", &detect_local.interface_name_prefix, "pod-interface-name-prefix"),
+                "InterfaceNamePrefix" => {
+                    ("interfaceNamePrefix", &detect_local.interface_name_prefix, "pod-interface-name-prefix")
+                }
                 _ => ("bridgeInterface", &detect_local.bridge_interface, "pod-bridge-interface"),
             };
             let field = format!("detectLocal.{field}");
@@ -197,24 +238,39 @@ pub fn parse(yaml: &str) -> Result<KubeProxySettings, InvalidKubeProxyConfig> {
             args.push(format!("--{flag}={name}"));
             mapped.insert(field);
         }
-        mode => return Err(unsupported("detectLocalMode", mode, "not a kube-proxy mode (ClusterCIDR, NodeCIDR, BridgeInterface, InterfaceNamePrefix)")),
+        mode => {
+            return Err(unsupported(
+                "detectLocalMode",
+                mode,
+                "not a kube-proxy mode (ClusterCIDR, NodeCIDR, BridgeInterface, InterfaceNamePrefix)",
+            ));
+        }
     }
-    if let Some(flag) = node_port_addresses(config.node_port_addresses.as_deref().unwrap_or_default(), mode, &mut warnings)? {
+    if let Some(flag) =
+        node_port_addresses(config.node_port_addresses.as_deref().unwrap_or_default(), mode, &mut warnings)?
+    {
         args.push(flag);
     }
-    if let Some(listen) = bind_address("healthzBindAddress", config.healthz_bind_address.as_deref().unwrap_or_default(), 10256)? {
+    if let Some(listen) =
+        bind_address("healthzBindAddress", config.healthz_bind_address.as_deref().unwrap_or_default(), 10256)?
+    {
         args.push(format!("--node-health-listen={listen}"));
     }
     // kube-proxy's default (loopback) is no choice; port 0 turns its metrics server off.
-    if let Some(listen) = bind_address("metricsBindAddress", config.metrics_bind_address.as_deref().unwrap_or_default(), 10249)?
+    if let Some(listen) =
+        bind_address("metricsBindAddress", config.metrics_bind_address.as_deref().unwrap_or_default(), 10249)?
         && listen.port() != 0
         && listen != std::net::SocketAddr::from(([127, 0, 0, 1], 10249))
     {
         args.push(format!("--metrics-listen={listen}"));
     }
     let sync_period = match config.sync_period.as_deref() {
-        Some(period) if !period.is_empty() && !parse_go_duration(period).is_ok_and(|d| d.is_zero()) => Some(("syncPeriod".to_string(), period)),
-        _ => block(sync_block).and_then(|b| b.sync_period.as_deref()).map(|period| (format!("{sync_block}.syncPeriod"), period)),
+        Some(period) if !period.is_empty() && !parse_go_duration(period).is_ok_and(|d| d.is_zero()) => {
+            Some(("syncPeriod".to_string(), period))
+        }
+        _ => block(sync_block)
+            .and_then(|b| b.sync_period.as_deref())
+            .map(|period| (format!("{sync_block}.syncPeriod"), period)),
     };
     if let Some((field, period)) = sync_period
         && let Some(seconds) = whole_seconds(&field, period)?.filter(|&s| s > 0)
@@ -224,8 +280,12 @@ pub fn parse(yaml: &str) -> Result<KubeProxySettings, InvalidKubeProxyConfig> {
 
     // As syncPeriod: the top-level field (newer configurations) unless zero, else the mode's.
     let min_sync_period = match config.min_sync_period.as_deref() {
-        Some(period) if !period.trim().is_empty() && !parse_go_duration(period.trim()).is_ok_and(|d| d.is_zero()) => Some(("minSyncPeriod".to_string(), period)),
-        _ => block(sync_block).and_then(|b| b.min_sync_period.as_deref()).map(|period| (format!("{sync_block}.minSyncPeriod"), period)),
+        Some(period) if !period.trim().is_empty() && !parse_go_duration(period.trim()).is_ok_and(|d| d.is_zero()) => {
+            Some(("minSyncPeriod".to_string(), period))
+        }
+        _ => block(sync_block)
+            .and_then(|b| b.min_sync_period.as_deref())
+            .map(|period| (format!("{sync_block}.minSyncPeriod"), period)),
     };
     if let Some((field, period)) = min_sync_period.filter(|(_, period)| !period.trim().is_empty()) {
         // Sub-second periods are fine here: the flag takes the same Go duration. Zero is
@@ -255,13 +315,24 @@ pub fn parse(yaml: &str) -> Result<KubeProxySettings, InvalidKubeProxyConfig> {
         ("tcpEstablishedTimeout", &conntrack.tcp_established_timeout, "conntrack-tcp-timeout-established-seconds"),
         ("tcpCloseWaitTimeout", &conntrack.tcp_close_wait_timeout, "conntrack-tcp-timeout-close-wait-seconds"),
     ] {
-        if let Some(seconds) = value.as_deref().map(|value| whole_seconds(&format!("conntrack.{field}"), value)).transpose()?.flatten() {
+        if let Some(seconds) =
+            value.as_deref().map(|value| whole_seconds(&format!("conntrack.{field}"), value)).transpose()?.flatten()
+        {
             args.push(format!("--{flag}={seconds}"));
         }
     }
     // Plain durations: zero is the default (leave the kernel's), as it is wasmplane's.
-    for (field, value, flag) in [("udpTimeout", &conntrack.udp_timeout, "conntrack-udp-timeout-seconds"), ("udpStreamTimeout", &conntrack.udp_stream_timeout, "conntrack-udp-timeout-stream-seconds")] {
-        if let Some(seconds) = value.as_deref().map(|value| whole_seconds(&format!("conntrack.{field}"), value)).transpose()?.flatten().filter(|&s| s > 0) {
+    for (field, value, flag) in [
+        ("udpTimeout", &conntrack.udp_timeout, "conntrack-udp-timeout-seconds"),
+        ("udpStreamTimeout", &conntrack.udp_stream_timeout, "conntrack-udp-timeout-stream-seconds"),
+    ] {
+        if let Some(seconds) = value
+            .as_deref()
+            .map(|value| whole_seconds(&format!("conntrack.{field}"), value))
+            .transpose()?
+            .flatten()
+            .filter(|&s| s > 0)
+        {
             args.push(format!("--{flag}={seconds}"));
         }
     }
@@ -292,7 +363,11 @@ fn malformed(field: &str, value: &str, why: &str) -> InvalidKubeProxyConfig {
 
 /// `nodePortAddresses` as `--nodeport-addresses`: CIDRs, or `primary`; unset, what kube-proxy
 /// did in that mode (every local address, but in nftables mode the primary ones).
-fn node_port_addresses(entries: &[String], mode: &str, warnings: &mut Vec<String>) -> Result<Option<String>, InvalidKubeProxyConfig> {
+fn node_port_addresses(
+    entries: &[String],
+    mode: &str,
+    warnings: &mut Vec<String>,
+) -> Result<Option<String>, InvalidKubeProxyConfig> {
     let entries: Vec<&str> = entries.iter().map(|e| e.trim()).filter(|e| !e.is_empty()).collect();
     let value = match entries.as_slice() {
         [] if mode == "nftables" => "primary".to_string(),
@@ -301,8 +376,12 @@ fn node_port_addresses(entries: &[String], mode: &str, warnings: &mut Vec<String
         _ if entries.contains(&"all") => "all".to_string(),
         cidrs => {
             let joined = cidrs.join(",");
-            joined.parse::<crate::nft::NodePortAddresses>().map_err(|why| malformed("nodePortAddresses", &joined, &why))?;
-            if let Some(loopback) = cidrs.iter().find(|cidr| cidr.parse::<ipnet::IpNet>().is_ok_and(|net| net.network().is_loopback())) {
+            joined
+                .parse::<crate::nft::NodePortAddresses>()
+                .map_err(|why| malformed("nodePortAddresses", &joined, &why))?;
+            if let Some(loopback) =
+                cidrs.iter().find(|cidr| cidr.parse::<ipnet::IpNet>().is_ok_and(|net| net.network().is_loopback()))
+            {
                 warnings.push(format!("ignored: nodePortAddresses {loopback} (no loopback nodeports)"));
             }
             joined
@@ -313,12 +392,19 @@ fn node_port_addresses(entries: &[String], mode: &str, warnings: &mut Vec<String
 
 /// A kube-proxy bind address (`healthzBindAddress`, `metricsBindAddress`): `IP:PORT`, or an
 /// IP alone on kube-proxy's port for it (older configurations had the port apart).
-fn bind_address(field: &str, address: &str, default_port: u16) -> Result<Option<std::net::SocketAddr>, InvalidKubeProxyConfig> {
+fn bind_address(
+    field: &str,
+    address: &str,
+    default_port: u16,
+) -> Result<Option<std::net::SocketAddr>, InvalidKubeProxyConfig> {
     let address = address.trim();
     if address.is_empty() {
         return Ok(None);
     }
-    match (address.parse::<std::net::SocketAddr>(), address.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>()) {
+    match (
+        address.parse::<std::net::SocketAddr>(),
+        address.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>(),
+    ) {
         (Ok(listen), _) => Ok(Some(listen)),
         (_, Ok(ip)) => Ok(Some(std::net::SocketAddr::new(ip, default_port))),
         _ => Err(malformed(field, address, "not IP:PORT")),
@@ -380,8 +466,16 @@ pub fn parse_go_duration(text: &str) -> Result<Duration, String> {
         let whole: u128 = if whole.is_empty() { 0 } else { whole.parse().map_err(|_| too_long())? };
         // Digits past the nanosecond cannot count; 18 keep the product within u128.
         let fraction = &fraction[..fraction.len().min(18)];
-        let fraction_nanos = if fraction.is_empty() { 0 } else { fraction.parse::<u128>().expect("digits") * unit_nanos / 10u128.pow(fraction.len() as u32) };
-        nanos = whole.checked_mul(unit_nanos).and_then(|n| n.checked_add(fraction_nanos)).and_then(|n| n.checked_add(nanos)).ok_or_else(too_long)?;
+        let fraction_nanos = if fraction.is_empty() {
+            0
+        } else {
+            fraction.parse::<u128>().expect("digits") * unit_nanos / 10u128.pow(fraction.len() as u32)
+        };
+        nanos = whole
+            .checked_mul(unit_nanos)
+            .and_then(|n| n.checked_add(fraction_nanos))
+            .and_then(|n| n.checked_add(nanos))
+            .ok_or_else(too_long)?;
         if nanos > i64::MAX as u128 {
             return Err(too_long());
         }
@@ -460,7 +554,11 @@ fn is_default(path: &str, leaf: &Value) -> bool {
         _ => false,
     };
     zero || KUBE_PROXY_DEFAULTS.iter().any(|&(field, default)| {
-        field == path && scalar_text(leaf).is_some_and(|text| text == default || matches!((parse_go_duration(&text), parse_go_duration(default)), (Ok(a), Ok(b)) if a == b))
+        field == path
+            && scalar_text(leaf).is_some_and(|text| {
+                text == default
+                    || matches!((parse_go_duration(&text), parse_go_duration(default)), (Ok(a), Ok(b)) if a == b)
+            })
     })
 }
 
@@ -468,7 +566,11 @@ fn is_default(path: &str, leaf: &Value) -> bool {
 fn why_ignored(path: &str, mode: &str) -> String {
     let top = path.split('.').next().unwrap_or(path);
     let why = match path {
-        "iptables.masqueradeAll" | "nftables.masqueradeAll" | "iptables.syncPeriod" | "nftables.syncPeriod" | "ipvs.syncPeriod" => {
+        "iptables.masqueradeAll"
+        | "nftables.masqueradeAll"
+        | "iptables.syncPeriod"
+        | "nftables.syncPeriod"
+        | "ipvs.syncPeriod" => {
             return format!("not the {} mode", if mode.is_empty() { "iptables" } else { mode });
         }
         "iptables.masqueradeBit" | "nftables.masqueradeBit" => "own mark bits",
@@ -476,7 +578,9 @@ fn why_ignored(path: &str, mode: &str) -> String {
         "detectLocal.interfaceNamePrefix" => "for detectLocalMode InterfaceNamePrefix",
         "detectLocal.bridgeInterface" => "for detectLocalMode BridgeInterface",
         "nftables.tableName" => "own table names",
-        "iptables.minSyncPeriod" | "nftables.minSyncPeriod" | "ipvs.minSyncPeriod" => return format!("not the {} mode", if mode.is_empty() { "iptables" } else { mode }),
+        "iptables.minSyncPeriod" | "nftables.minSyncPeriod" | "ipvs.minSyncPeriod" => {
+            return format!("not the {} mode", if mode.is_empty() { "iptables" } else { mode });
+        }
         _ => match top {
             "ipvs" => "no IPVS mode",
             "winkernel" | "windowsRunAsService" => "Windows only",
@@ -621,7 +725,10 @@ winkernel:
             .replace("metricsBindAddress: 0.0.0.0:10249", "metricsBindAddress: 127.0.0.1:10249")
             .replace("masqueradeBit: null", "masqueradeBit: 14");
         let empty_cidr = EMPTY_CLUSTER_CIDR.to_string();
-        assert_eq!(parse(&defaults).unwrap(), KubeProxySettings { args: vec!["--min-sync-period=1s".into()], warnings: vec![empty_cidr.clone()] });
+        assert_eq!(
+            parse(&defaults).unwrap(),
+            KubeProxySettings { args: vec!["--min-sync-period=1s".into()], warnings: vec![empty_cidr.clone()] }
+        );
         let zero = defaults.replace("minSyncPeriod: 1s", "minSyncPeriod: 0s");
         assert_eq!(parse(&zero).unwrap(), KubeProxySettings { args: Vec::new(), warnings: vec![empty_cidr] });
         // Not needed to detect local traffic by the node's CIDR: no warning.
@@ -654,11 +761,30 @@ winkernel:
         );
         assert_eq!(
             settings.warnings,
-            ["ignored: nftables.masqueradeBit (own mark bits)", "ignored: iptables.masqueradeAll (not the nftables mode)", "ignored: featureGates.SomeGate (no feature gates)", "ignored: newField (unknown field)"]
+            [
+                "ignored: nftables.masqueradeBit (own mark bits)",
+                "ignored: iptables.masqueradeAll (not the nftables mode)",
+                "ignored: featureGates.SomeGate (no feature gates)",
+                "ignored: newField (unknown field)"
+            ]
         );
         let iptables = parse("apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: ipvs\nhealthzBindAddress: 10.0.0.1\nnodePortAddresses: [10.0.0.0/8, 127.0.0.0/8]\nipvs: {syncPeriod: 45s}\n").unwrap();
-        assert_eq!(iptables.args, ["--nodeport-addresses=10.0.0.0/8,127.0.0.0/8", "--node-health-listen=10.0.0.1:10256", "--reconcile-seconds=45"]);
-        assert_eq!(iptables.warnings, ["ignored: mode ipvs (wasmplane programs nftables)", EMPTY_CLUSTER_CIDR, "ignored: nodePortAddresses 127.0.0.0/8 (no loopback nodeports)"]);
+        assert_eq!(
+            iptables.args,
+            [
+                "--nodeport-addresses=10.0.0.0/8,127.0.0.0/8",
+                "--node-health-listen=10.0.0.1:10256",
+                "--reconcile-seconds=45"
+            ]
+        );
+        assert_eq!(
+            iptables.warnings,
+            [
+                "ignored: mode ipvs (wasmplane programs nftables)",
+                EMPTY_CLUSTER_CIDR,
+                "ignored: nodePortAddresses 127.0.0.0/8 (no loopback nodeports)"
+            ]
+        );
     }
 
     /// minSyncPeriod: the top-level field unless zero, else the mode's block's; sub-second
@@ -726,28 +852,59 @@ winkernel:
         }
         // As flags: whole seconds, or refused naming the field.
         assert_eq!(whole_seconds("conntrack.udpTimeout", "1m30s").unwrap(), Some(90));
-        assert_eq!(whole_seconds("conntrack.udpTimeout", "1500ms").map_err(|e| e.to_string()).unwrap_err(), "conntrack.udpTimeout: \"1500ms\": not a whole number of seconds (wasmplane's flags count seconds)");
+        assert_eq!(
+            whole_seconds("conntrack.udpTimeout", "1500ms").map_err(|e| e.to_string()).unwrap_err(),
+            "conntrack.udpTimeout: \"1500ms\": not a whole number of seconds (wasmplane's flags count seconds)"
+        );
         let config = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nconntrack: {tcpEstablishedTimeout: 500ms}\n";
-        assert!(parse(config).unwrap_err().to_string().starts_with("conntrack.tcpEstablishedTimeout: \"500ms\": not a whole number"));
-        let config = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\niptables: {syncPeriod: 1x}\n";
+        assert!(
+            parse(config)
+                .unwrap_err()
+                .to_string()
+                .starts_with("conntrack.tcpEstablishedTimeout: \"500ms\": not a whole number")
+        );
+        let config =
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\niptables: {syncPeriod: 1x}\n";
         assert!(parse(config).unwrap_err().to_string().starts_with("iptables.syncPeriod: \"1x\": an unknown unit"));
     }
 
     #[test]
     fn what_wasmplane_cannot_do_is_refused_naming_the_field() {
-        let error = |extra: &str| parse(&format!("apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n{extra}\n")).unwrap_err().to_string();
-        assert_eq!(error("detectLocalMode: InterfaceNamePrefix"), "detectLocal.interfaceNamePrefix: \"\": must not be empty (detectLocalMode InterfaceNamePrefix)");
-        assert_eq!(error("detectLocalMode: BridgeInterface\ndetectLocal: {bridgeInterface: '', interfaceNamePrefix: veth}"), "detectLocal.bridgeInterface: \"\": must not be empty (detectLocalMode BridgeInterface)");
+        let error = |extra: &str| {
+            parse(&format!("apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n{extra}\n"))
+                .unwrap_err()
+                .to_string()
+        };
+        assert_eq!(
+            error("detectLocalMode: InterfaceNamePrefix"),
+            "detectLocal.interfaceNamePrefix: \"\": must not be empty (detectLocalMode InterfaceNamePrefix)"
+        );
+        assert_eq!(
+            error("detectLocalMode: BridgeInterface\ndetectLocal: {bridgeInterface: '', interfaceNamePrefix: veth}"),
+            "detectLocal.bridgeInterface: \"\": must not be empty (detectLocalMode BridgeInterface)"
+        );
         assert_eq!(
             error("detectLocalMode: InterfaceNamePrefix\ndetectLocal: {interfaceNamePrefix: 'veth*'}"),
             "detectLocal.interfaceNamePrefix: \"veth*\": no wildcard: a prefix matches every name it starts (detectLocalMode InterfaceNamePrefix)"
         );
-        assert!(error("detectLocalMode: BridgeInterface\ndetectLocal: {bridgeInterface: a-bridge-too-long}").starts_with("detectLocal.bridgeInterface: \"a-bridge-too-long\": longer than"));
-        assert!(error("detectLocalMode: LocalInterface").starts_with("detectLocalMode: \"LocalInterface\" is not supported: not a kube-proxy mode"));
+        assert!(
+            error("detectLocalMode: BridgeInterface\ndetectLocal: {bridgeInterface: a-bridge-too-long}")
+                .starts_with("detectLocal.bridgeInterface: \"a-bridge-too-long\": longer than")
+        );
+        assert!(
+            error("detectLocalMode: LocalInterface")
+                .starts_with("detectLocalMode: \"LocalInterface\" is not supported: not a kube-proxy mode")
+        );
         assert!(error("mode: kernelspace").starts_with("mode: \"kernelspace\" is not supported"));
         assert!(error("clusterCIDR: 10.244.0.0/16,pods").starts_with("clusterCIDR: \"pods\": not a CIDR"));
-        assert_eq!(error("healthzBindAddress: localhost:10256"), "healthzBindAddress: \"localhost:10256\": not IP:PORT");
-        assert!(error("nodePortAddresses: [primary, 10.0.0.0/8]").starts_with("nodePortAddresses: \"primary,10.0.0.0/8\": \"primary\" is not a CIDR"));
+        assert_eq!(
+            error("healthzBindAddress: localhost:10256"),
+            "healthzBindAddress: \"localhost:10256\": not IP:PORT"
+        );
+        assert!(
+            error("nodePortAddresses: [primary, 10.0.0.0/8]")
+                .starts_with("nodePortAddresses: \"primary,10.0.0.0/8\": \"primary\" is not a CIDR")
+        );
         let typed = error("conntrack:\n  maxPerCore: lots");
         assert!(typed.contains("conntrack.maxPerCore") && typed.contains("line 4"), "{typed}");
     }
@@ -756,13 +913,34 @@ winkernel:
     /// other mode's is reported, as kube-proxy does not read it.
     #[test]
     fn interface_local_detection_is_carried_over() {
-        let head = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCIDR: 10.244.0.0/16\n";
+        let head =
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCIDR: 10.244.0.0/16\n";
         let settings = |rest: &str| parse(&format!("{head}{rest}")).unwrap();
-        let prefix = settings("detectLocalMode: InterfaceNamePrefix\ndetectLocal: {bridgeInterface: '', interfaceNamePrefix: cali}\n");
-        assert_eq!(prefix, KubeProxySettings { args: vec!["--cluster-cidr=10.244.0.0/16".into(), "--detect-local-mode=InterfaceNamePrefix".into(), "--pod-interface-name-prefix=cali".into()], warnings: vec![] });
-        let bridge = settings("detectLocalMode: BridgeInterface\ndetectLocal: {bridgeInterface: cbr0, interfaceNamePrefix: veth}\n");
-        assert_eq!(bridge.args, ["--cluster-cidr=10.244.0.0/16", "--detect-local-mode=BridgeInterface", "--pod-bridge-interface=cbr0"]);
-        assert_eq!(bridge.warnings, ["ignored: detectLocal.interfaceNamePrefix (for detectLocalMode InterfaceNamePrefix)"]);
+        let prefix = settings(
+            "detectLocalMode: InterfaceNamePrefix\ndetectLocal: {bridgeInterface: '', interfaceNamePrefix: cali}\n",
+        );
+        assert_eq!(
+            prefix,
+            KubeProxySettings {
+                args: vec![
+                    "--cluster-cidr=10.244.0.0/16".into(),
+                    "--detect-local-mode=InterfaceNamePrefix".into(),
+                    "--pod-interface-name-prefix=cali".into()
+                ],
+                warnings: vec![]
+            }
+        );
+        let bridge = settings(
+            "detectLocalMode: BridgeInterface\ndetectLocal: {bridgeInterface: cbr0, interfaceNamePrefix: veth}\n",
+        );
+        assert_eq!(
+            bridge.args,
+            ["--cluster-cidr=10.244.0.0/16", "--detect-local-mode=BridgeInterface", "--pod-bridge-interface=cbr0"]
+        );
+        assert_eq!(
+            bridge.warnings,
+            ["ignored: detectLocal.interfaceNamePrefix (for detectLocalMode InterfaceNamePrefix)"]
+        );
         let other = settings("detectLocalMode: NodeCIDR\ndetectLocal: {bridgeInterface: cbr0}\n");
         assert_eq!(other.args, ["--cluster-cidr=10.244.0.0/16", "--detect-local-mode=NodeCIDR"]);
         assert_eq!(other.warnings, ["ignored: detectLocal.bridgeInterface (for detectLocalMode BridgeInterface)"]);
@@ -771,7 +949,9 @@ winkernel:
         assert_eq!(no_cidr.args, ["--detect-local-mode=BridgeInterface", "--pod-bridge-interface=cbr0"]);
         assert_eq!(
             no_cidr.warnings,
-            ["clusterCIDR is empty: in detectLocalMode BridgeInterface, guests built against WIT 1.0 detect pods by --cluster-cidr (default 10.244.0.0/16): give the cluster's pod CIDRs if such a guest may be in force"]
+            [
+                "clusterCIDR is empty: in detectLocalMode BridgeInterface, guests built against WIT 1.0 detect pods by --cluster-cidr (default 10.244.0.0/16): give the cluster's pod CIDRs if such a guest may be in force"
+            ]
         );
     }
 
@@ -779,7 +959,11 @@ winkernel:
     fn another_document_is_refused_naming_the_file() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("config.conf");
-        std::fs::write(&file, "apiVersion: kubelet.config.k8s.io/v1beta1\nkind: KubeletConfiguration\nclusterDNS: [10.96.0.10]\n").unwrap();
+        std::fs::write(
+            &file,
+            "apiVersion: kubelet.config.k8s.io/v1beta1\nkind: KubeletConfiguration\nclusterDNS: [10.96.0.10]\n",
+        )
+        .unwrap();
         let refused = read(&file).unwrap_err().to_string();
         assert_eq!(
             refused,
@@ -788,7 +972,11 @@ winkernel:
                 file.display()
             )
         );
-        std::fs::write(&file, "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\ndetectLocalMode: NodeCIDR\n").unwrap();
+        std::fs::write(
+            &file,
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\ndetectLocalMode: NodeCIDR\n",
+        )
+        .unwrap();
         assert_eq!(read(&file).unwrap().warnings, Vec::<String>::new());
         let missing = dir.path().join("missing.conf");
         assert!(read(&missing).unwrap_err().to_string().starts_with(&format!("reading {}", missing.display())));

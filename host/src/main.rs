@@ -11,7 +11,8 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
     wasmplane::memory::configure_malloc();
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
-    if let Some(workers) = wasmplane::memory::worker_threads(std::env::var_os("TOKIO_WORKER_THREADS").as_deref(), cores) {
+    if let Some(workers) = wasmplane::memory::worker_threads(std::env::var_os("TOKIO_WORKER_THREADS").as_deref(), cores)
+    {
         runtime.worker_threads(workers);
     }
     runtime.enable_all().build().context("starting the tokio runtime")?.block_on(run())?;
@@ -20,7 +21,9 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
 
 /// The log on stderr, filtered by `RUST_LOG` (default `info`).
 fn init_logging(format: LogFormat) {
-    let logs = tracing_subscriber::fmt().with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"))).with_writer(std::io::stderr);
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_writer(std::io::stderr);
     match format {
         // Colours only for a terminal: log collectors (kubectl logs) would show the escapes.
         LogFormat::Text => logs.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).init(),
@@ -45,15 +48,27 @@ async fn run() -> anyhow::Result<()> {
             // the handler in place, not the default action that kills the process.
             let mut signals = TerminationSignals::install()?;
             if let Err(e) = wasmplane::memory::set_oom_score_adj(args.oom_score_adj) {
-                tracing::warn!("could not set oom_score_adj to {} (lowering it needs CAP_SYS_RESOURCE): {e}", args.oom_score_adj);
+                tracing::warn!(
+                    "could not set oom_score_adj to {} (lowering it needs CAP_SYS_RESOURCE): {e}",
+                    args.oom_score_adj
+                );
             }
             let page_out = !args.no_page_out;
             let config = args.into_config()?;
             let data_dir = config.data_dir.clone();
             let host = wasmplane::app::start(config).await.context("starting wasmplane")?;
-            announce(format_args!("wasmplane REST API: {}  (try {}/v1/dataplane and {}/v1/modules)", host.url(), host.url(), host.url()));
+            announce(format_args!(
+                "wasmplane REST API: {}  (try {}/v1/dataplane and {}/v1/modules)",
+                host.url(),
+                host.url(),
+                host.url()
+            ));
             if page_out {
-                tokio::spawn(page_out_start_up_code(host.ready.clone(), host.compiled_guests.clone(), data_dir.clone()));
+                tokio::spawn(page_out_start_up_code(
+                    host.ready.clone(),
+                    host.compiled_guests.clone(),
+                    data_dir.clone(),
+                ));
             }
             if let Some(dir) = data_dir {
                 announce(format_args!("API token for mutating calls: {}", dir.join("token").display()));
@@ -131,7 +146,11 @@ impl TerminationSignals {
 /// start-up, and what the host still runs faults back in (BENCHMARKS.md, fifteenth and
 /// sixteenth runs). The binary's relocated data is first moved into a file in `data_dir`, so
 /// that it can be handed back too (nineteenth run).
-async fn page_out_start_up_code(ready: std::sync::Arc<std::sync::atomic::AtomicBool>, compiled_guests: Option<std::path::PathBuf>, data_dir: Option<std::path::PathBuf>) {
+async fn page_out_start_up_code(
+    ready: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    compiled_guests: Option<std::path::PathBuf>,
+    data_dir: Option<std::path::PathBuf>,
+) {
     while !ready.load(std::sync::atomic::Ordering::Relaxed) {
         tokio::time::sleep(std::time::Duration::from_millis(250)).await;
     }
@@ -151,7 +170,14 @@ async fn page_out_start_up_code(ready: std::sync::Arc<std::sync::atomic::AtomicB
     .map_err(std::io::Error::other)
     .and_then(|result| result);
     match paged {
-        Ok((paged, relocated_kib)) => tracing::info!(mappings = paged.mappings, binary_kib = paged.binary_kib, relocated_kib, guests_kib = paged.guests_kib, libraries_kib = paged.libraries_kib, "start-up code paged out"),
+        Ok((paged, relocated_kib)) => tracing::info!(
+            mappings = paged.mappings,
+            binary_kib = paged.binary_kib,
+            relocated_kib,
+            guests_kib = paged.guests_kib,
+            libraries_kib = paged.libraries_kib,
+            "start-up code paged out"
+        ),
         // A kernel before 5.4, or no right to advise on the file: the code just stays resident.
         Err(e) => tracing::debug!("paging out start-up code: {e}"),
     }

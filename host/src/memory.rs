@@ -90,14 +90,19 @@ pub fn file_back_relocated_data(dir: &Path) -> std::io::Result<usize> {
     use std::os::unix::fs::OpenOptionsExt as _;
     let Some(relro) = relocated_pages() else { return Ok(0) };
     let len = relro.end - relro.start;
-    let holds_relocations = file_mappings("self")?.iter().any(|m| {
-        !m.writable && m.anonymous_kib > 0 && m.start <= relro.start && relro.end <= m.start + m.len
-    });
+    let holds_relocations = file_mappings("self")?
+        .iter()
+        .any(|m| !m.writable && m.anonymous_kib > 0 && m.start <= relro.start && relro.end <= m.start + m.len);
     if !holds_relocations {
         return Ok(0);
     }
     refuse_memory_backed(dir)?;
-    let mut file = std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_TMPFILE | libc::O_CLOEXEC).mode(0o600).open(dir)?;
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_TMPFILE | libc::O_CLOEXEC)
+        .mode(0o600)
+        .open(dir)?;
     // SAFETY: the range is this program's RELRO segment, mapped readable for its whole life.
     let original = unsafe { std::slice::from_raw_parts(relro.start as *const u8, len) };
     file.write_all(original)?;
@@ -108,7 +113,8 @@ pub fn file_back_relocated_data(dir: &Path) -> std::io::Result<usize> {
     unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
     // SAFETY: a new private read-only mapping of the file just written, at an address the
     // kernel picks; unmapped below unless it replaces the original.
-    let copy = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_PRIVATE, file.as_raw_fd(), 0) };
+    let copy =
+        unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_PRIVATE, file.as_raw_fd(), 0) };
     if copy == libc::MAP_FAILED {
         return Err(std::io::Error::last_os_error());
     }
@@ -117,7 +123,9 @@ pub fn file_back_relocated_data(dir: &Path) -> std::io::Result<usize> {
     unsafe { libc::madvise(copy, len, libc::MADV_RANDOM) };
     // SAFETY: moves the read-only copy of the same bytes over the original range, replacing
     // it in one step; the file stays open through the mapping.
-    let moved = unsafe { libc::mremap(copy, len, len, libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED, relro.start as *mut libc::c_void) };
+    let moved = unsafe {
+        libc::mremap(copy, len, len, libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED, relro.start as *mut libc::c_void)
+    };
     if moved == libc::MAP_FAILED {
         let error = std::io::Error::last_os_error();
         // SAFETY: as above; the original is untouched when mremap fails.
@@ -131,13 +139,20 @@ pub fn file_back_relocated_data(dir: &Path) -> std::io::Result<usize> {
 /// `PT_GNU_RELRO`, rounded as the loader rounds it), if it has one.
 fn relocated_pages() -> Option<std::ops::Range<usize>> {
     /// Called by `dl_iterate_phdr` for each loaded object, this program first.
-    unsafe extern "C" fn main_program(info: *mut libc::dl_phdr_info, _size: usize, found: *mut libc::c_void) -> libc::c_int {
+    unsafe extern "C" fn main_program(
+        info: *mut libc::dl_phdr_info,
+        _size: usize,
+        found: *mut libc::c_void,
+    ) -> libc::c_int {
         // SAFETY: the loader's description of a loaded object, valid during the callback;
         // `found` is the `Option` passed below.
         let (info, found) = unsafe { (&*info, &mut *(found as *mut Option<(usize, usize)>)) };
         // SAFETY: as above: `dlpi_phnum` program headers at `dlpi_phdr`.
         let headers = unsafe { std::slice::from_raw_parts(info.dlpi_phdr, usize::from(info.dlpi_phnum)) };
-        *found = headers.iter().find(|h| h.p_type == libc::PT_GNU_RELRO).map(|h| (info.dlpi_addr as usize + h.p_vaddr as usize, h.p_memsz as usize));
+        *found = headers
+            .iter()
+            .find(|h| h.p_type == libc::PT_GNU_RELRO)
+            .map(|h| (info.dlpi_addr as usize + h.p_vaddr as usize, h.p_memsz as usize));
         1
     }
     let mut found: Option<(usize, usize)> = None;
@@ -163,7 +178,10 @@ fn refuse_memory_backed(dir: &Path) -> std::io::Result<()> {
     }
     // The magic numbers are 32 bits; `f_type` is a signed word of the platform's size.
     if [TMPFS_MAGIC, RAMFS_MAGIC].contains(&(stat.f_type as u32)) {
-        return Err(std::io::Error::other(format!("{} is in memory (tmpfs): its pages would stay resident", dir.display())));
+        return Err(std::io::Error::other(format!(
+            "{} is in memory (tmpfs): its pages would stay resident",
+            dir.display()
+        )));
     }
     Ok(())
 }
@@ -290,10 +308,20 @@ fn mappings_of(smaps: &str) -> Vec<FileMapping> {
             // offset, device, inode, then the path (which may hold spaces, e.g. " (deleted)")
             let name = line.splitn(6, char::is_whitespace).nth(5).map(str::trim_start).unwrap_or("");
             in_file = false;
-            if let (true, Ok(start), Ok(end)) = (name.starts_with('/'), usize::from_str_radix(start, 16), usize::from_str_radix(end, 16)) {
+            if let (true, Ok(start), Ok(end)) =
+                (name.starts_with('/'), usize::from_str_radix(start, 16), usize::from_str_radix(end, 16))
+            {
                 in_file = true;
                 let (executable, writable) = (perms.contains('x'), perms.contains('w'));
-                found.push(FileMapping { file: name.to_string(), start, len: end - start, executable, writable, resident_kib: 0, anonymous_kib: 0 });
+                found.push(FileMapping {
+                    file: name.to_string(),
+                    start,
+                    len: end - start,
+                    executable,
+                    writable,
+                    resident_kib: 0,
+                    anonymous_kib: 0,
+                });
             }
         } else if let (true, Some(mapping)) = (in_file, found.last_mut()) {
             let kib = fields.next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
@@ -358,8 +386,23 @@ Anonymous:           900 kB
         assert!(mapped_alone(12 << 20), "after a 24 MiB block was freed, a 12 MiB one came from the heap");
     }
 
-    fn mapping(file: &str, start: usize, len: usize, perms: &str, resident_kib: u64, anonymous_kib: u64) -> FileMapping {
-        FileMapping { file: file.into(), start, len, executable: perms.contains('x'), writable: perms.contains('w'), resident_kib, anonymous_kib }
+    fn mapping(
+        file: &str,
+        start: usize,
+        len: usize,
+        perms: &str,
+        resident_kib: u64,
+        anonymous_kib: u64,
+    ) -> FileMapping {
+        FileMapping {
+            file: file.into(),
+            start,
+            len,
+            executable: perms.contains('x'),
+            writable: perms.contains('w'),
+            resident_kib,
+            anonymous_kib,
+        }
     }
 
     /// Every file's mappings, named, with what each has resident; not the anonymous ones.
@@ -379,7 +422,8 @@ Anonymous:           900 kB
                 mapping("/var/lib/wasmplane/compiled/59a6-9f9f.cwasm", 0x7f0000400000, 0x62000, "r-xp", 392, 0),
             ]
         );
-        let reclaimable: Vec<u64> = mappings_of(SMAPS).iter().filter(|m| m.reclaimable()).map(|m| m.resident_kib).collect();
+        let reclaimable: Vec<u64> =
+            mappings_of(SMAPS).iter().filter(|m| m.reclaimable()).map(|m| m.resident_kib).collect();
         assert_eq!(reclaimable, [1024, 6912, 1032, 100, 392], "read-only and no private page");
     }
 
@@ -388,7 +432,11 @@ Anonymous:           900 kB
         assert_eq!(worker_threads(None, 1), Some(1));
         assert_eq!(worker_threads(None, 2), Some(2));
         assert_eq!(worker_threads(None, 64), Some(MAX_WORKER_THREADS));
-        assert_eq!(worker_threads(Some(std::ffi::OsStr::new("16")), 64), None, "tokio reads TOKIO_WORKER_THREADS itself");
+        assert_eq!(
+            worker_threads(Some(std::ffi::OsStr::new("16")), 64),
+            None,
+            "tokio reads TOKIO_WORKER_THREADS itself"
+        );
     }
 
     /// The test binary's relocated data (it is position-independent, as the host is) moves
@@ -400,18 +448,35 @@ Anonymous:           900 kB
         let len = relro.end - relro.start;
         // SAFETY: the program's RELRO pages, readable for its whole life.
         let before = unsafe { std::slice::from_raw_parts(relro.start as *const u8, len) }.to_vec();
-        let in_range = || file_mappings("self").unwrap().into_iter().filter(|m| m.start < relro.end && relro.start < m.start + m.len).collect::<Vec<_>>();
+        let in_range = || {
+            file_mappings("self")
+                .unwrap()
+                .into_iter()
+                .filter(|m| m.start < relro.end && relro.start < m.start + m.len)
+                .collect::<Vec<_>>()
+        };
         assert!(in_range().iter().any(|m| m.anonymous_kib > 0), "relocated data is anonymous before: {:?}", in_range());
         let resident_kib = |mappings: &[FileMapping]| mappings.iter().map(|m| m.resident_kib).sum::<u64>();
         let resident_before = resident_kib(&in_range());
         let dir = tempfile::tempdir().unwrap();
         assert_eq!(file_back_relocated_data(dir.path()).unwrap(), len);
         let after = in_range();
-        assert!(!after.is_empty() && after.iter().all(|m| m.anonymous_kib == 0 && m.reclaimable() && m.file.ends_with("(deleted)")), "{after:?}");
+        assert!(
+            !after.is_empty()
+                && after.iter().all(|m| m.anonymous_kib == 0 && m.reclaimable() && m.file.ends_with("(deleted)")),
+            "{after:?}"
+        );
         // What other tests' threads read meanwhile comes back, not the rest.
-        assert!(resident_kib(&after) < resident_before / 2, "resident: {resident_before} KiB before, {} KiB after", resident_kib(&after));
+        assert!(
+            resident_kib(&after) < resident_before / 2,
+            "resident: {resident_before} KiB before, {} KiB after",
+            resident_kib(&after)
+        );
         // SAFETY: as above.
-        assert!(unsafe { std::slice::from_raw_parts(relro.start as *const u8, len) } == before.as_slice(), "the same bytes");
+        assert!(
+            unsafe { std::slice::from_raw_parts(relro.start as *const u8, len) } == before.as_slice(),
+            "the same bytes"
+        );
         // Read through it: a call through a vtable and a panic location's file name.
         let add_one: Box<dyn Fn(u32) -> u32> = Box::new(|x| x + 1);
         assert_eq!(std::hint::black_box(add_one)(1), 2);
@@ -424,7 +489,12 @@ Anonymous:           900 kB
     fn refuses_memory_backed_directories() {
         refuse_memory_backed(tempfile::tempdir().unwrap().path()).expect("the test's temporary directory is on disk");
         let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
-        let Some(tmpfs) = mounts.lines().map(|l| l.split_whitespace().collect::<Vec<_>>()).find(|f| f.len() > 2 && f[2] == "tmpfs").map(|f| f[1].to_string()) else {
+        let Some(tmpfs) = mounts
+            .lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .find(|f| f.len() > 2 && f[2] == "tmpfs")
+            .map(|f| f[1].to_string())
+        else {
             return eprintln!("SKIPPED: no tmpfs mounted here");
         };
         let error = refuse_memory_backed(Path::new(&tmpfs)).expect_err(&tmpfs);
@@ -444,13 +514,25 @@ Anonymous:           900 kB
         file.sync_all().unwrap();
         let len = 1 << 20;
         // SAFETY: a new read-only private mapping of a file this test owns, unmapped below.
-        let guest = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_PRIVATE, std::os::fd::AsRawFd::as_raw_fd(&file), 0) };
+        let guest = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE,
+                std::os::fd::AsRawFd::as_raw_fd(&file),
+                0,
+            )
+        };
         assert_ne!(guest, libc::MAP_FAILED);
         // SAFETY: reads within the mapping just made.
         let sum: u64 = (0..len).step_by(4096).map(|at| u64::from(unsafe { *(guest as *const u8).add(at) })).sum();
         assert_eq!(sum, 0x5a * 256);
-        let resident = |mappings: Vec<FileMapping>| mappings.iter().filter(|m| m.reclaimable()).map(|m| m.resident_kib).sum::<u64>();
-        let (binary_before, guest_before) = (resident(binary_mappings("self").unwrap()), resident(mappings_under("self", dir.path()).unwrap()));
+        let resident = |mappings: Vec<FileMapping>| {
+            mappings.iter().filter(|m| m.reclaimable()).map(|m| m.resident_kib).sum::<u64>()
+        };
+        let (binary_before, guest_before) =
+            (resident(binary_mappings("self").unwrap()), resident(mappings_under("self", dir.path()).unwrap()));
         let paged = match page_out_code(Some(dir.path())) {
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                 eprintln!("SKIPPED: this kernel has no MADV_PAGEOUT (Linux < 5.4)");
@@ -458,12 +540,16 @@ Anonymous:           900 kB
             }
             other => other.unwrap(),
         };
-        let (binary_after, guest_after) = (resident(binary_mappings("self").unwrap()), resident(mappings_under("self", dir.path()).unwrap()));
+        let (binary_after, guest_after) =
+            (resident(binary_mappings("self").unwrap()), resident(mappings_under("self", dir.path()).unwrap()));
         // One byte read again brings back its page, not the 64 KiB or more that read-around and
         // fault-around would map. (Evicted from the page cache first: MADV_PAGEOUT may leave a
         // large folio cached, and fault-around maps what is cached whatever the advice.)
         // SAFETY: advice on a file this test owns.
-        assert_eq!(unsafe { libc::posix_fadvise(std::os::fd::AsRawFd::as_raw_fd(&file), 0, 0, libc::POSIX_FADV_DONTNEED) }, 0);
+        assert_eq!(
+            unsafe { libc::posix_fadvise(std::os::fd::AsRawFd::as_raw_fd(&file), 0, 0, libc::POSIX_FADV_DONTNEED) },
+            0
+        );
         // SAFETY: a read within the mapping.
         assert_eq!(unsafe { std::ptr::read_volatile((guest as *const u8).add(len / 2)) }, 0x5a);
         let guest_touched = resident(mappings_under("self", dir.path()).unwrap());
@@ -471,9 +557,21 @@ Anonymous:           900 kB
         unsafe { libc::munmap(guest, len) };
         // libc is mapped read-only too: what the kernel reclaims of it is only what no other
         // process maps, so only the advice is checked here.
-        assert!(paged.mappings >= 3 && paged.binary_kib > 0 && paged.guests_kib == guest_before && paged.libraries_kib > 0, "{paged:?}");
-        assert!(binary_before > 0 && binary_after < binary_before / 2, "resident code and read-only data: {binary_before} KiB before, {binary_after} KiB after");
-        assert!(guest_before == 1024 && guest_after < guest_before / 2, "the mapped guest: {guest_before} KiB before, {guest_after} KiB after");
-        assert!(guest_touched <= guest_after + 16, "one page read after the page-out: {guest_after} KiB resident before it, {guest_touched} KiB after");
+        assert!(
+            paged.mappings >= 3 && paged.binary_kib > 0 && paged.guests_kib == guest_before && paged.libraries_kib > 0,
+            "{paged:?}"
+        );
+        assert!(
+            binary_before > 0 && binary_after < binary_before / 2,
+            "resident code and read-only data: {binary_before} KiB before, {binary_after} KiB after"
+        );
+        assert!(
+            guest_before == 1024 && guest_after < guest_before / 2,
+            "the mapped guest: {guest_before} KiB before, {guest_after} KiB after"
+        );
+        assert!(
+            guest_touched <= guest_after + 16,
+            "one page read after the page-out: {guest_after} KiB resident before it, {guest_touched} KiB after"
+        );
     }
 }

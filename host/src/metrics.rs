@@ -5,8 +5,8 @@ use std::time::SystemTime;
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
-use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
@@ -142,7 +142,9 @@ impl Metrics {
             source_apply_seconds: Histogram::new(exponential_buckets(0.000_1, 2.0, 18)),
             // The host's part is milliseconds; the rest (the EndpointSlice controller, the
             // watch) can take seconds, and the SLO is read at 30 s and beyond.
-            network_programming_seconds: Histogram::new([0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]),
+            network_programming_seconds: Histogram::new([
+                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+            ]),
             invalid_outputs: Counter::default(),
             syncs: Family::default(),
             sync_statements: Counter::default(),
@@ -160,22 +162,50 @@ impl Metrics {
             policy_verdicts: Arc::default(),
             registry: Registry::default(),
         };
-        registry.register("clustermesh_remote_cluster_ready", "1 once the remote cluster's etcd answered and its services are followed, 0 while it is tried", m.clustermesh.remote_cluster_ready.clone());
-        registry.register("clustermesh_imported_endpoints", "Endpoints of other clusters' global services imported here, by cluster", m.clustermesh.imported_endpoints.clone());
+        registry.register(
+            "clustermesh_remote_cluster_ready",
+            "1 once the remote cluster's etcd answered and its services are followed, 0 while it is tried",
+            m.clustermesh.remote_cluster_ready.clone(),
+        );
+        registry.register(
+            "clustermesh_imported_endpoints",
+            "Endpoints of other clusters' global services imported here, by cluster",
+            m.clustermesh.imported_endpoints.clone(),
+        );
         registry.register("model_events", "Cluster events received by the model", m.events.clone());
         registry.register("model_revisions", "Node-local model revisions produced", m.revisions.clone());
         registry.register("guest_calls", "Guest calls by module and result", m.guest_calls.clone());
-        registry.register("guest_call_seconds", "Duration of one guest call, by guest kind", m.guest_call_seconds.clone());
-        registry.register("dataplane_transactions", "Incremental dataplane transactions by path (netlink batch, nft process, record)", m.dataplane_transactions.clone());
-        registry.register("dataplane_sync_seconds", "Duration of one incremental dataplane transaction", m.dataplane_sync_seconds.clone());
-        registry.register("dataplane_full_sync_seconds", "Duration of one full write of the dataplane's tables", m.dataplane_full_sync_seconds.clone());
+        registry.register(
+            "guest_call_seconds",
+            "Duration of one guest call, by guest kind",
+            m.guest_call_seconds.clone(),
+        );
+        registry.register(
+            "dataplane_transactions",
+            "Incremental dataplane transactions by path (netlink batch, nft process, record)",
+            m.dataplane_transactions.clone(),
+        );
+        registry.register(
+            "dataplane_sync_seconds",
+            "Duration of one incremental dataplane transaction",
+            m.dataplane_sync_seconds.clone(),
+        );
+        registry.register(
+            "dataplane_full_sync_seconds",
+            "Duration of one full write of the dataplane's tables",
+            m.dataplane_full_sync_seconds.clone(),
+        );
         registry.register_collector(Box::new(WriteHealthCollector(m.dataplane_health.clone())));
         registry.register(
             "model_service_ports_without_local_endpoints",
             "Service ports whose Local traffic policy (internal, external) finds no endpoint on this node: that traffic is dropped here",
             m.service_ports_without_local_endpoints.clone(),
         );
-        registry.register("source_apply_seconds", "Duration of applying one batch of cluster events: model update, guest calls and the dataplane transaction", m.source_apply_seconds.clone());
+        registry.register(
+            "source_apply_seconds",
+            "Duration of applying one batch of cluster events: model update, guest calls and the dataplane transaction",
+            m.source_apply_seconds.clone(),
+        );
         registry.register(
             "network_programming_duration_seconds",
             "From the last-change-trigger-time of an EndpointSlice change to its service's rules written in the kernel (kube-proxy's network programming latency)",
@@ -188,9 +218,21 @@ impl Metrics {
         registry.register("model_services", "Services in the node-local model", m.services.clone());
         registry.register("model_policies", "Network policies that select pods on this node", m.policies.clone());
         registry.register("model_local_pods", "Pods on this node", m.local_pods.clone());
-        registry.register("module_auto_rollbacks", "Modules rolled back after exhausting their crash budget", m.auto_rollbacks.clone());
-        registry.register("policy_audit_mode", "1 while the policy is in audit mode on this node (would-be drops counted, not enforced)", m.policy_audit.clone());
-        registry.register("policy_packets", "Packets the policy dropped, or in audit mode would have dropped (last read of the kernel's counters)", m.policy_packets.clone());
+        registry.register(
+            "module_auto_rollbacks",
+            "Modules rolled back after exhausting their crash budget",
+            m.auto_rollbacks.clone(),
+        );
+        registry.register(
+            "policy_audit_mode",
+            "1 while the policy is in audit mode on this node (would-be drops counted, not enforced)",
+            m.policy_audit.clone(),
+        );
+        registry.register(
+            "policy_packets",
+            "Packets the policy dropped, or in audit mode would have dropped (last read of the kernel's counters)",
+            m.policy_packets.clone(),
+        );
         registry.register_collector(Box::new(ModelFeedCollector(m.model_feed.clone())));
         registry.register_collector(Box::new(GcCollector(m.gc.clone())));
         registry.register_collector(Box::new(PolicyVerdictCollector(m.policy_verdicts.clone())));
@@ -247,7 +289,11 @@ struct WriteHealthCollector(Arc<WriteHealth>);
 
 impl Collector for WriteHealthCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let seconds = self.0.last_written().and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok()).map_or(0.0, |d| d.as_secs_f64());
+        let seconds = self
+            .0
+            .last_written()
+            .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
+            .map_or(0.0, |d| d.as_secs_f64());
         let gauge = ConstGauge::new(seconds);
         let metric = encoder.encode_descriptor(
             "dataplane_last_sync_timestamp_seconds",
@@ -276,11 +322,20 @@ impl Collector for ModelFeedCollector {
         let Some(feed) = self.0.get() else { return Ok(()) };
         let stats = feed.stats();
         let subscribers = ConstGauge::new(stats.subscribers);
-        subscribers.encode(encoder.encode_descriptor("grpc_subscribers", "gRPC model watches streaming now", None, subscribers.metric_type())?)?;
+        subscribers.encode(encoder.encode_descriptor(
+            "grpc_subscribers",
+            "gRPC model watches streaming now",
+            None,
+            subscribers.metric_type(),
+        )?)?;
         for (name, help, value) in [
             ("grpc_watches", "gRPC model watches started (refused ones not included)", stats.watches),
             ("grpc_revisions_published", "Model revisions published to the gRPC stream", stats.published),
-            ("grpc_snapshots_sent", "Complete model snapshots sent over gRPC: each watch's first, and resyncs", stats.snapshots_sent),
+            (
+                "grpc_snapshots_sent",
+                "Complete model snapshots sent over gRPC: each watch's first, and resyncs",
+                stats.snapshots_sent,
+            ),
             ("grpc_deltas_sent", "Model deltas sent over gRPC, over all watches", stats.deltas_sent),
         ] {
             let counter = ConstCounter::new(value);
@@ -304,7 +359,9 @@ impl Collector for ModelFeedCollector {
             MetricType::Counter,
         )?;
         let unexpected = stats.refused.iter().filter(|(code, _)| !Self::EXPECTED_REFUSALS.contains(code));
-        for (code, value) in Self::EXPECTED_REFUSALS.into_iter().map(|code| (code, stats.refused.get(code))).chain(unexpected) {
+        for (code, value) in
+            Self::EXPECTED_REFUSALS.into_iter().map(|code| (code, stats.refused.get(code))).chain(unexpected)
+        {
             ConstCounter::new(value).encode(refused.encode_family(&[("code", status_code_label(code))])?)?;
         }
         Ok(())
@@ -319,19 +376,35 @@ impl Collector for GcCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let Some(stats) = self.0.get() else { return Ok(()) };
         let status = stats.status();
-        let mut cycles = encoder.encode_descriptor("gc_cycles", "GC cycles run while leading, by result (failed: listing, the GC guest or a delete; see GET /v1/operator)", None, MetricType::Counter)?;
+        let mut cycles = encoder.encode_descriptor(
+            "gc_cycles",
+            "GC cycles run while leading, by result (failed: listing, the GC guest or a delete; see GET /v1/operator)",
+            None,
+            MetricType::Counter,
+        )?;
         for (result, value) in [("ok", status.cycles - status.failed_cycles), ("failed", status.failed_cycles)] {
             ConstCounter::new(value).encode(cycles.encode_family(&[("result", result)])?)?;
         }
-        let mut deleted = encoder.encode_descriptor("gc_deleted", "Keys GC deleted, by candidate kind", None, MetricType::Counter)?;
+        let mut deleted =
+            encoder.encode_descriptor("gc_deleted", "Keys GC deleted, by candidate kind", None, MetricType::Counter)?;
         for (kind, value) in &status.deleted {
             ConstCounter::new(*value).encode(deleted.encode_family(&[("kind", kind.as_str())])?)?;
         }
         let offered = ConstGauge::new(status.last_offered as i64);
-        offered.encode(encoder.encode_descriptor("gc_candidates", "Candidates offered to the GC guest in the last successful cycle", None, offered.metric_type())?)?;
+        offered.encode(encoder.encode_descriptor(
+            "gc_candidates",
+            "Candidates offered to the GC guest in the last successful cycle",
+            None,
+            offered.metric_type(),
+        )?)?;
         if let Some(at) = status.last_success_unix {
             let at = ConstGauge::new(at as i64);
-            at.encode(encoder.encode_descriptor("gc_last_success_timestamp_seconds", "When the last GC cycle that did not fail ended (Unix time)", None, at.metric_type())?)?;
+            at.encode(encoder.encode_descriptor(
+                "gc_last_success_timestamp_seconds",
+                "When the last GC cycle that did not fail ended (Unix time)",
+                None,
+                at.metric_type(),
+            )?)?;
         }
         Ok(())
     }
@@ -353,7 +426,12 @@ impl Collector for PolicyVerdictCollector {
             ConstCounter::new(value).encode(dropped.encode_family(&[("reason", reason.name())])?)?;
         }
         let lost = ConstCounter::new(totals.lost);
-        lost.encode(encoder.encode_descriptor("policy_verdict_log_overruns", "Times the kernel dropped policy verdict messages before the host read them", None, lost.metric_type())?)?;
+        lost.encode(encoder.encode_descriptor(
+            "policy_verdict_log_overruns",
+            "Times the kernel dropped policy verdict messages before the host read them",
+            None,
+            lost.metric_type(),
+        )?)?;
         Ok(())
     }
 }
@@ -398,7 +476,8 @@ mod tests {
         let metrics = Metrics::new();
         assert!(!metrics.encode().contains("grpc_"), "no feed, no gRPC metrics:\n{}", metrics.encode());
 
-        let feed = ModelFeed::new(Arc::new(|| Snapshot { revision: 0, node: NodeFacts::default(), services: vec![] }), 4);
+        let feed =
+            ModelFeed::new(Arc::new(|| Snapshot { revision: 0, node: NodeFacts::default(), services: vec![] }), 4);
         metrics.export_model_feed(feed.clone());
         let text = metrics.encode();
         assert!(text.contains("# HELP wasmplane_grpc_watches_refused gRPC model watches refused"), "{text}");
@@ -423,7 +502,11 @@ mod tests {
             feed.publish(Delta { revision, node: None, changes: vec![] });
         }
         feed.close();
-        let refused = WatchService::new(feed.clone()).watch(tonic::Request::new(proto::WatchRequest {})).await.map(drop).expect_err("a closed feed refuses");
+        let refused = WatchService::new(feed.clone())
+            .watch(tonic::Request::new(proto::WatchRequest {}))
+            .await
+            .map(drop)
+            .expect_err("a closed feed refuses");
         assert_eq!(refused.code(), Code::Unavailable);
         let text = metrics.encode();
         assert_eq!(sample(&text, "wasmplane_grpc_revisions_published_total"), Some(3.0), "{text}");
@@ -454,7 +537,11 @@ mod tests {
         assert!(text.contains("# TYPE wasmplane_service_drops_logged counter"), "{text}");
         assert_eq!(sample(&text, "wasmplane_service_drops_logged_total{reason=\"no-endpoints\"}"), Some(2.0), "{text}");
         assert_eq!(sample(&text, "wasmplane_service_drops_logged_total{reason=\"source-range\"}"), Some(1.0), "{text}");
-        assert_eq!(sample(&text, "wasmplane_service_drops_logged_total{reason=\"unallocated\"}"), Some(0.0), "every reason from the start: {text}");
+        assert_eq!(
+            sample(&text, "wasmplane_service_drops_logged_total{reason=\"unallocated\"}"),
+            Some(0.0),
+            "every reason from the start: {text}"
+        );
         assert_eq!(sample(&text, "wasmplane_policy_verdicts_logged_total{verdict=\"deny\"}"), Some(0.0), "{text}");
         assert_eq!(prefix(ServiceDropReason::NoEndpoints), "wasmplane-service no-endpoints");
     }

@@ -20,10 +20,17 @@ const RETRY: Duration = Duration::from_secs(5);
 /// Serves `/metrics` and `/proxyMode` (`proxy_mode`) on `listen`. Returns where it listens when the port could be bound at
 /// once; when it is taken, binding is tried again every [`RETRY`] in the background and the
 /// address is `None`. The task ends when aborted (the host's stop).
-pub async fn start(listen: SocketAddr, state: ApiState, proxy_mode: &'static str) -> (Option<SocketAddr>, tokio::task::JoinHandle<()>) {
+pub async fn start(
+    listen: SocketAddr,
+    state: ApiState,
+    proxy_mode: &'static str,
+) -> (Option<SocketAddr>, tokio::task::JoinHandle<()>) {
     let app = axum::Router::new()
         .route("/metrics", get(crate::api::metrics))
-        .route("/proxyMode", get(move || async move { ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], proxy_mode) }))
+        .route(
+            "/proxyMode",
+            get(move || async move { ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], proxy_mode) }),
+        )
         .with_state(state);
     match tokio::net::TcpListener::bind(listen).await {
         Ok(listener) => {

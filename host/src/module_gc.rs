@@ -72,7 +72,11 @@ pub enum ModuleGcError {
 
 /// One cycle: offer, ask, remove what was named (one index update per version, spaced to
 /// stay under `deletes_per_second`), then drop blobs no version refers to any more.
-pub async fn collect_module_versions(store: &ModuleStore, decider: &Arc<Mutex<dyn GcDecider>>, deletes_per_second: f64) -> Result<ModuleGcReport, ModuleGcError> {
+pub async fn collect_module_versions(
+    store: &ModuleStore,
+    decider: &Arc<Mutex<dyn GcDecider>>,
+    deletes_per_second: f64,
+) -> Result<ModuleGcReport, ModuleGcError> {
     let (index, _) = store.load().await?;
     let offered = candidates(&index, unix_now());
     let mut report = ModuleGcReport { offered: offered.len(), ..Default::default() };
@@ -88,7 +92,8 @@ pub async fn collect_module_versions(store: &ModuleStore, decider: &Arc<Mutex<dy
     };
     let spacing = Duration::from_secs_f64(1.0 / deletes_per_second.max(0.001));
     for key in named {
-        let Some((name, version)) = offered.iter().any(|c| c.key == key).then(|| parse_candidate_key(&key)).flatten() else {
+        let Some((name, version)) = offered.iter().any(|c| c.key == key).then(|| parse_candidate_key(&key)).flatten()
+        else {
             tracing::warn!(%key, "the GC guest named a module version it was not offered; kept");
             report.refused.push(key);
             continue;
@@ -104,7 +109,9 @@ pub async fn collect_module_versions(store: &ModuleStore, decider: &Arc<Mutex<dy
                 // Kept in memory until the index is read again: an upload of the same bytes
                 // may publish a version naming them meanwhile (see `ModuleStore::ensure_blob`).
                 let bytes = store.get_blob(&digest).await.ok();
-                blob::delete_blob(store.kv().as_ref(), BLOB_PREFIX, digest.trim_start_matches("sha256:")).await.map_err(StoreError::from)?;
+                blob::delete_blob(store.kv().as_ref(), BLOB_PREFIX, digest.trim_start_matches("sha256:"))
+                    .await
+                    .map_err(StoreError::from)?;
                 let (index, _) = store.load().await?;
                 match bytes {
                     Some(bytes) if index.references(&digest) => {
@@ -117,7 +124,12 @@ pub async fn collect_module_versions(store: &ModuleStore, decider: &Arc<Mutex<dy
         }
     }
     if !report.removed.is_empty() {
-        tracing::info!(offered = report.offered, removed = report.removed.len(), blobs = report.blobs_deleted.len(), "module versions collected");
+        tracing::info!(
+            offered = report.offered,
+            removed = report.removed.len(),
+            blobs = report.blobs_deleted.len(),
+            "module versions collected"
+        );
     }
     Ok(report)
 }

@@ -114,7 +114,12 @@ pub struct ModuleObjectsConfig {
 
 impl Default for ModuleObjectsConfig {
     fn default() -> Self {
-        ModuleObjectsConfig { registry: RegistryOptions::default(), max_module_bytes: 16 << 20, retry: Duration::from_secs(30), resync: Duration::from_secs(300) }
+        ModuleObjectsConfig {
+            registry: RegistryOptions::default(),
+            max_module_bytes: 16 << 20,
+            retry: Duration::from_secs(30),
+            resync: Duration::from_secs(300),
+        }
     }
 }
 
@@ -134,7 +139,9 @@ pub async fn run(client: kube::Client, modules: Arc<Modules>, config: ModuleObje
         && status.code == 404
     {
         // Not an error: a cluster that declares no modules need not install the CRD.
-        tracing::info!("no WasmModule CRD (deploy/crd-wasmmodule.yaml): declarative modules off; looking again in a minute");
+        tracing::info!(
+            "no WasmModule CRD (deploy/crd-wasmmodule.yaml): declarative modules off; looking again in a minute"
+        );
         tokio::time::sleep(Duration::from_secs(60)).await;
         return Ok(());
     }
@@ -175,10 +182,15 @@ impl ModuleObjectError {
     fn is_refusal(&self) -> bool {
         match self {
             ModuleObjectError::Spec(_) => true,
-            ModuleObjectError::Upload(e) => matches!(e, HostError::BadRequest(_) | HostError::Conflict(_) | HostError::Load(_) | HostError::Admission(_)),
+            ModuleObjectError::Upload(e) => matches!(
+                e,
+                HostError::BadRequest(_) | HostError::Conflict(_) | HostError::Load(_) | HostError::Admission(_)
+            ),
             ModuleObjectError::Registry(e) => !matches!(e, OciError::Registry(_) | OciError::Transfer { .. }),
             ModuleObjectError::Finalizer(e) => match e.as_ref() {
-                kube::runtime::finalizer::Error::ApplyFailed(e) | kube::runtime::finalizer::Error::CleanupFailed(e) => e.is_refusal(),
+                kube::runtime::finalizer::Error::ApplyFailed(e) | kube::runtime::finalizer::Error::CleanupFailed(e) => {
+                    e.is_refusal()
+                }
                 _ => false,
             },
             ModuleObjectError::Status(_) => false,
@@ -189,7 +201,8 @@ impl ModuleObjectError {
 async fn apply(object: &DynamicObject, context: &Context) -> Result<Action, ModuleObjectError> {
     let name = object.name_any();
     let generation = object.meta().generation;
-    let status: Option<WasmModuleStatus> = object.data.get("status").and_then(|s| serde_json::from_value(s.clone()).ok());
+    let status: Option<WasmModuleStatus> =
+        object.data.get("status").and_then(|s| serde_json::from_value(s.clone()).ok());
     let outcome: Result<WasmModuleStatus, ModuleObjectError> = async {
         let spec: WasmModuleSpec = serde_json::from_value(object.data.get("spec").cloned().unwrap_or_default()).map_err(|e| ModuleObjectError::Spec(e.to_string()))?;
         let kind = GuestKind::parse(&spec.kind).ok_or_else(|| ModuleObjectError::Spec(format!("unknown kind {:?} (service-translator, network-policy or gc)", spec.kind)))?;
@@ -216,10 +229,22 @@ async fn apply(object: &DynamicObject, context: &Context) -> Result<Action, Modu
     let (next, result) = match outcome {
         Ok(ready) => (ready, Ok(Action::requeue(context.config.resync))),
         // What was in force stays; the status says why the object is not.
-        Err(e) => (WasmModuleStatus { observed_generation: generation, phase: "Failed".into(), message: Some(e.to_string()), ..status.clone().unwrap_or_default() }, Err(e)),
+        Err(e) => (
+            WasmModuleStatus {
+                observed_generation: generation,
+                phase: "Failed".into(),
+                message: Some(e.to_string()),
+                ..status.clone().unwrap_or_default()
+            },
+            Err(e),
+        ),
     };
     if status.as_ref() != Some(&next) {
-        context.api.patch_status(&name, &PatchParams::default(), &Patch::Merge(serde_json::json!({ "status": next }))).await.map_err(ModuleObjectError::Status)?;
+        context
+            .api
+            .patch_status(&name, &PatchParams::default(), &Patch::Merge(serde_json::json!({ "status": next })))
+            .await
+            .map_err(ModuleObjectError::Status)?;
     }
     result
 }
@@ -230,7 +255,9 @@ async fn in_index(context: &Context, name: &str, status: &WasmModuleStatus, spec
     let Ok((index, _)) = context.modules.store().load().await else { return false };
     let Some(module) = index.modules.get(name) else { return false };
     let Some(version) = status.version.and_then(|v| module.version(v)) else { return false };
-    Some(&version.digest) == status.digest.as_ref() && (!spec.active || module.active_version == Some(version.version)) && index.settings.get(name) == spec.settings.as_ref()
+    Some(&version.digest) == status.digest.as_ref()
+        && (!spec.active || module.active_version == Some(version.version))
+        && index.settings.get(name) == spec.settings.as_ref()
 }
 
 async fn cleanup(object: &DynamicObject, context: &Context) -> Result<Action, ModuleObjectError> {
@@ -250,10 +277,20 @@ mod tests {
 
     #[test]
     fn spec_defaults_and_refusals() {
-        let spec: WasmModuleSpec = serde_json::from_value(serde_json::json!({"kind": "gc", "module": "oci://r/m:v1"})).unwrap();
+        let spec: WasmModuleSpec =
+            serde_json::from_value(serde_json::json!({"kind": "gc", "module": "oci://r/m:v1"})).unwrap();
         assert!(spec.active, "in force unless told otherwise");
-        assert!(serde_json::from_value::<WasmModuleSpec>(serde_json::json!({"kind": "gc"})).is_err(), "a module is required");
-        assert!(serde_json::from_value::<WasmModuleSpec>(serde_json::json!({"kind": "gc", "module": "oci://r/m:v1", "activ": false})).is_err(), "a misspelt field is an error, not ignored");
+        assert!(
+            serde_json::from_value::<WasmModuleSpec>(serde_json::json!({"kind": "gc"})).is_err(),
+            "a module is required"
+        );
+        assert!(
+            serde_json::from_value::<WasmModuleSpec>(
+                serde_json::json!({"kind": "gc", "module": "oci://r/m:v1", "activ": false})
+            )
+            .is_err(),
+            "a misspelt field is an error, not ignored"
+        );
     }
 
     /// A refused object is tried again at the resync, a failing registry soon.
@@ -262,15 +299,29 @@ mod tests {
         let spec = || ModuleObjectError::Spec("unknown kind".into());
         assert!(spec().is_refusal());
         assert!(ModuleObjectError::Upload(HostError::BadRequest("implements network-policy".into())).is_refusal());
-        assert!(ModuleObjectError::Registry(OciError::NotAComponent { reference: "r/m:v1".into(), layers: vec![] }).is_refusal());
-        assert!(!ModuleObjectError::Registry(OciError::Transfer { reference: "r/m:v1".into(), source: std::io::ErrorKind::ConnectionReset.into() }).is_refusal());
+        assert!(
+            ModuleObjectError::Registry(OciError::NotAComponent { reference: "r/m:v1".into(), layers: vec![] })
+                .is_refusal()
+        );
+        assert!(
+            !ModuleObjectError::Registry(OciError::Transfer {
+                reference: "r/m:v1".into(),
+                source: std::io::ErrorKind::ConnectionReset.into()
+            })
+            .is_refusal()
+        );
         assert!(!ModuleObjectError::Upload(HostError::Internal("index contended".into())).is_refusal());
-        assert!(ModuleObjectError::Finalizer(Box::new(kube::runtime::finalizer::Error::ApplyFailed(spec()))).is_refusal());
+        assert!(
+            ModuleObjectError::Finalizer(Box::new(kube::runtime::finalizer::Error::ApplyFailed(spec()))).is_refusal()
+        );
     }
 
     #[test]
     fn the_resource_is_cluster_scoped_wasmmodules() {
         let resource = api_resource();
-        assert_eq!((resource.api_version.as_str(), resource.plural.as_str(), resource.kind.as_str()), ("wasmplane.io/v1alpha1", "wasmmodules", "WasmModule"));
+        assert_eq!(
+            (resource.api_version.as_str(), resource.plural.as_str(), resource.kind.as_str()),
+            ("wasmplane.io/v1alpha1", "wasmmodules", "WasmModule")
+        );
     }
 }

@@ -55,7 +55,10 @@ impl ModuleStore {
     pub async fn load(&self) -> Result<(SharedIndex, Revision), StoreError> {
         match self.kv.get(INDEX_KEY).await? {
             None => Ok((SharedIndex::default(), 0)),
-            Some(kv) => Ok((serde_json::from_slice(&kv.value).map_err(|e| StoreError::Corrupt(e.to_string()))?, kv.mod_revision)),
+            Some(kv) => Ok((
+                serde_json::from_slice(&kv.value).map_err(|e| StoreError::Corrupt(e.to_string()))?,
+                kv.mod_revision,
+            )),
         }
     }
 
@@ -123,14 +126,21 @@ impl ModuleStore {
                 Err(KvError::Compacted { compact_revision }) if compact_revision > after => {
                     match self.load().await {
                         Ok((index, revision)) => {
-                            tracing::info!(after, compact_revision, revision, "module index history compacted; read it anew");
+                            tracing::info!(
+                                after,
+                                compact_revision,
+                                revision,
+                                "module index history compacted; read it anew"
+                            );
                             if revision > after {
                                 on_change(index, revision).await;
                             }
                             after = compact_revision.max(revision);
                         }
                         Err(e) => {
-                            tracing::warn!("re-reading the module index after a compaction: {e}; retrying in {delay:?}");
+                            tracing::warn!(
+                                "re-reading the module index after a compaction: {e}; retrying in {delay:?}"
+                            );
                             tokio::time::sleep(delay).await;
                             delay = (delay * 2).min(Duration::from_secs(5));
                         }
@@ -154,7 +164,10 @@ impl ModuleStore {
                             Some(value) => match serde_json::from_slice(value) {
                                 Ok(index) => index,
                                 Err(e) => {
-                                    tracing::error!(revision = after, "ignoring a module index that is not valid JSON: {e}");
+                                    tracing::error!(
+                                        revision = after,
+                                        "ignoring a module index that is not valid JSON: {e}"
+                                    );
                                     continue;
                                 }
                             },
@@ -179,7 +192,10 @@ mod tests {
     use wasmplane_kvstore::{EmbeddedConfig, EmbeddedStore};
 
     async fn next(rx: &mut tokio::sync::mpsc::UnboundedReceiver<(SharedIndex, Revision)>) -> (SharedIndex, Revision) {
-        tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.expect("the watch delivered nothing within 5 s").unwrap()
+        tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .expect("the watch delivered nothing within 5 s")
+            .unwrap()
     }
 
     /// A host restarted on its data directory watches the index from where its last run
@@ -195,7 +211,8 @@ mod tests {
             index
         };
         let first = {
-            let store = ModuleStore::new(Arc::new(EmbeddedStore::open(EmbeddedConfig::persistent(&path)).await.unwrap()));
+            let store =
+                ModuleStore::new(Arc::new(EmbeddedStore::open(EmbeddedConfig::persistent(&path)).await.unwrap()));
             let first = store.publish(0, &index(1)).await.unwrap().unwrap();
             let second = store.publish(first, &index(2)).await.unwrap().unwrap();
             store.kv().put("/unrelated", Bytes::from_static(b"x"), None).await.unwrap();

@@ -101,8 +101,13 @@ impl Modules {
     /// applies it. `strict`: an activation failing here fails the call and leaves the
     /// previous index applied.
     async fn apply(&self, index: SharedIndex, strict: bool) -> Result<(), HostError> {
-        let wanted = GuestKind::ALL.into_iter().filter_map(|kind| index.in_force(kind)).chain(index.shadow.values().map(|s| (s.module.as_str(), s.version)));
-        let digests: Vec<String> = wanted.filter_map(|(name, version)| Some(index.modules.get(name)?.version(version)?.digest.clone())).collect();
+        let wanted = GuestKind::ALL
+            .into_iter()
+            .filter_map(|kind| index.in_force(kind))
+            .chain(index.shadow.values().map(|s| (s.module.as_str(), s.version)));
+        let digests: Vec<String> = wanted
+            .filter_map(|(name, version)| Some(index.modules.get(name)?.version(version)?.digest.clone()))
+            .collect();
         for digest in digests {
             let cached = {
                 let digest = digest.clone();
@@ -117,7 +122,10 @@ impl Modules {
     }
 
     /// Read-transform-apply-publish, retried on conflict.
-    async fn update<T: Send + 'static>(&self, transform: impl Fn(&mut SharedIndex) -> Result<T, RegistryError>) -> Result<T, HostError> {
+    async fn update<T: Send + 'static>(
+        &self,
+        transform: impl Fn(&mut SharedIndex) -> Result<T, RegistryError>,
+    ) -> Result<T, HostError> {
         let mut applied = self.applied.lock().await;
         for _ in 0..MAX_CAS_ATTEMPTS {
             let (index, revision) = self.store.load().await?;
@@ -137,7 +145,14 @@ impl Modules {
     }
 
     /// `signature`: what came with the upload, checked by the host's [`Admission`] policy.
-    pub async fn upload(&self, name: &str, kind: GuestKind, bytes: Bytes, activate: bool, signature: Option<&str>) -> Result<UploadOutcome, HostError> {
+    pub async fn upload(
+        &self,
+        name: &str,
+        kind: GuestKind,
+        bytes: Bytes,
+        activate: bool,
+        signature: Option<&str>,
+    ) -> Result<UploadOutcome, HostError> {
         self.upload_with_settings(name, kind, bytes, activate, signature, None).await
     }
 
@@ -145,7 +160,15 @@ impl Modules {
     /// in the same change as the activation: the new version starts with them, and if it
     /// fails with them neither is taken. Settings the new version's own validator refuses
     /// are refused before anything is stored.
-    pub async fn upload_with_settings(&self, name: &str, kind: GuestKind, bytes: Bytes, activate: bool, signature: Option<&str>, settings: Option<Option<serde_json::Value>>) -> Result<UploadOutcome, HostError> {
+    pub async fn upload_with_settings(
+        &self,
+        name: &str,
+        kind: GuestKind,
+        bytes: Bytes,
+        activate: bool,
+        signature: Option<&str>,
+        settings: Option<Option<serde_json::Value>>,
+    ) -> Result<UploadOutcome, HostError> {
         let info = {
             let (name, bytes) = (name.to_string(), bytes.clone());
             blocking(&self.controller, move |c| c.check_upload(&name, kind, &bytes)).await?
@@ -236,12 +259,19 @@ impl Modules {
 
     /// Carries out the rollbacks the controller asks for when a module exhausts its crash
     /// budget: cluster-wide, through the index, so every host stops running it.
-    pub async fn handle_rollbacks(self: Arc<Self>, mut requests: tokio::sync::mpsc::UnboundedReceiver<RollbackRequest>) {
+    pub async fn handle_rollbacks(
+        self: Arc<Self>,
+        mut requests: tokio::sync::mpsc::UnboundedReceiver<RollbackRequest>,
+    ) {
         while let Some(request) = requests.recv().await {
             let RollbackRequest { module, version, reason, .. } = request;
             match self.update(|index| Ok(index.auto_rollback(&module, version, &reason))).await {
-                Ok(RollbackOutcome::Stale) => tracing::info!(module, version, "crash-budget rollback not needed: no longer in force"),
-                Ok(outcome) => tracing::warn!(module, version, ?outcome, "rolled back after exhausting the crash budget: {reason}"),
+                Ok(RollbackOutcome::Stale) => {
+                    tracing::info!(module, version, "crash-budget rollback not needed: no longer in force")
+                }
+                Ok(outcome) => {
+                    tracing::warn!(module, version, ?outcome, "rolled back after exhausting the crash budget: {reason}")
+                }
                 Err(e) => tracing::error!(module, version, "crash-budget rollback failed: {e}"),
             }
         }
@@ -250,7 +280,12 @@ impl Modules {
     /// Refuses `settings` (`None`: cleared, the guests read `{}`) if `version` of `name`
     /// (`None`: the builtin) refuses them through its own validator
     /// (`Controller::check_settings`), before the index is written.
-    async fn check_settings(&self, name: &str, settings: Option<&serde_json::Value>, version: Option<SettingsVersion>) -> Result<(), HostError> {
+    async fn check_settings(
+        &self,
+        name: &str,
+        settings: Option<&serde_json::Value>,
+        version: Option<SettingsVersion>,
+    ) -> Result<(), HostError> {
         let document = settings.map_or_else(|| wasmplane_runtime::NO_SETTINGS.to_string(), |value| value.to_string());
         let name = name.to_string();
         blocking(&self.controller, move |c| {

@@ -316,8 +316,20 @@ struct HostMap {
 }
 
 const SERVICE_MAPS: &[HostMap] = &[
-    HostMap { name: "service-ips", v6_name: Some("service-ips6"), key: KeyShape::AddressProtocolPort, kind: MapKind::Jump, shared: false },
-    HostMap { name: "service-nodeports", v6_name: None, key: KeyShape::ProtocolPort, kind: MapKind::Jump, shared: false },
+    HostMap {
+        name: "service-ips",
+        v6_name: Some("service-ips6"),
+        key: KeyShape::AddressProtocolPort,
+        kind: MapKind::Jump,
+        shared: false,
+    },
+    HostMap {
+        name: "service-nodeports",
+        v6_name: None,
+        key: KeyShape::ProtocolPort,
+        kind: MapKind::Jump,
+        shared: false,
+    },
     HostMap {
         name: "no-endpoint-services",
         v6_name: Some("no-endpoint-services6"),
@@ -325,11 +337,23 @@ const SERVICE_MAPS: &[HostMap] = &[
         kind: MapKind::Terminal,
         shared: false,
     },
-    HostMap { name: "no-endpoint-nodeports", v6_name: None, key: KeyShape::ProtocolPort, kind: MapKind::Terminal, shared: false },
+    HostMap {
+        name: "no-endpoint-nodeports",
+        v6_name: None,
+        key: KeyShape::ProtocolPort,
+        kind: MapKind::Terminal,
+        shared: false,
+    },
     // The service's cluster IPs (verdict `none`): new connections to one of them that no
     // service port DNATed are rejected (kube-proxy's `cluster-ips` set), instead of being
     // routed on towards wherever the service CIDR leads.
-    HostMap { name: "cluster-ips", v6_name: Some("cluster-ips6"), key: KeyShape::Address, kind: MapKind::Set, shared: false },
+    HostMap {
+        name: "cluster-ips",
+        v6_name: Some("cluster-ips6"),
+        key: KeyShape::Address,
+        kind: MapKind::Set,
+        shared: false,
+    },
     // Endpoints of the service (verdict `none`): a connection DNATed from one of them to
     // itself is masqueraded at postrouting, so the pod's reply comes back through the NAT
     // (kube-proxy's hairpin rule, which sits in each endpoint chain there). A set instead
@@ -348,7 +372,13 @@ const SERVICE_MAPS: &[HostMap] = &[
     // `nodeports(6)-N` and `nodeport-picks(6)` with a goto to `nodeport-pick-by-count(6)`
     // (which goes to `nodeport-pick-N`), and into `service-nodeports`
     // with a goto to `nodeport-dispatch`, which picks the map of the packet's family.
-    HostMap { name: "nodeport-backends", v6_name: None, key: KeyShape::NodePortBackend, kind: MapKind::Backends, shared: false },
+    HostMap {
+        name: "nodeport-backends",
+        v6_name: None,
+        key: KeyShape::NodePortBackend,
+        kind: MapKind::Backends,
+        shared: false,
+    },
     // Frontends of the object (verdict `none`) whose new connections are masqueraded when
     // their source is outside the cluster CIDRs, or always; checked by the `pick-N` chains.
     HostMap {
@@ -358,7 +388,13 @@ const SERVICE_MAPS: &[HostMap] = &[
         kind: MapKind::Set,
         shared: false,
     },
-    HostMap { name: "masquerade-always", v6_name: Some("masquerade-always6"), key: KeyShape::AddressProtocolPort, kind: MapKind::Set, shared: false },
+    HostMap {
+        name: "masquerade-always",
+        v6_name: Some("masquerade-always6"),
+        key: KeyShape::AddressProtocolPort,
+        kind: MapKind::Set,
+        shared: false,
+    },
 ];
 
 /// Most backends one frontend can have in `service-backends` (a `pick-N` chain per count in
@@ -390,7 +426,8 @@ pub enum CountedKeys {
 }
 
 impl CountedKeys {
-    const ALL: [CountedKeys; 4] = [CountedKeys::Frontends, CountedKeys::Frontends6, CountedKeys::NodePorts, CountedKeys::NodePorts6];
+    const ALL: [CountedKeys; 4] =
+        [CountedKeys::Frontends, CountedKeys::Frontends6, CountedKeys::NodePorts, CountedKeys::NodePorts6];
 
     fn set_prefix(self) -> &'static str {
         match self {
@@ -509,7 +546,10 @@ impl AffinityPick {
         let (node_port, rest) = AffinityClass::strip_kind(chain)?;
         let (seconds, backends) = rest.split_once("-pick-")?;
         let pick = AffinityPick { node_port, seconds: seconds.parse().ok()?, backends: backends.parse().ok()? };
-        (pick.chain() == chain && (1..=MAX_AFFINITY_SECONDS).contains(&pick.seconds) && (1..=MAX_PICK).contains(&pick.backends)).then_some(pick)
+        (pick.chain() == chain
+            && (1..=MAX_AFFINITY_SECONDS).contains(&pick.seconds)
+            && (1..=MAX_PICK).contains(&pick.backends))
+        .then_some(pick)
     }
 
     /// The chain's rules: masquerading as `pick-N` does, a remembered client back to its
@@ -566,7 +606,11 @@ impl AffinityClass {
 
     /// The keys its frontends are counted by, per family.
     fn counted_keys(&self) -> [CountedKeys; 2] {
-        if self.node_port { [CountedKeys::NodePorts, CountedKeys::NodePorts6] } else { [CountedKeys::Frontends, CountedKeys::Frontends6] }
+        if self.node_port {
+            [CountedKeys::NodePorts, CountedKeys::NodePorts6]
+        } else {
+            [CountedKeys::Frontends, CountedKeys::Frontends6]
+        }
     }
 
     /// The chain a frontend of this class and family goes to (see [`CountedKeys`]).
@@ -608,7 +652,11 @@ impl AffinityClass {
     fn remember_and_dnat(&self, family: &(&str, &str, &str, &str), i: usize) -> String {
         let (nfproto, ip, slots, suffix) = family;
         let client = format!("{ip} saddr . {ip} daddr . meta l4proto . th dport");
-        let (frontend, endpoints) = if self.node_port { (String::new(), "nodeport-endpoints") } else { (format!("{ip} daddr . "), "service-endpoints") };
+        let (frontend, endpoints) = if self.node_port {
+            (String::new(), "nodeport-endpoints")
+        } else {
+            (format!("{ip} daddr . "), "service-endpoints")
+        };
         format!(
             "meta nfproto {nfproto} update @{slots}-{i} {{ {client} timeout {}s }} dnat {ip} to {frontend}meta l4proto . th dport . numgen random mod 1 offset {i} map @{endpoints}{suffix}",
             self.seconds
@@ -646,7 +694,8 @@ impl AffinityClass {
 }
 
 /// Per family: nfproto, payload protocol, slot set prefix, endpoint map suffix.
-const AFFINITY_FAMILIES: [(&str, &str, &str, &str); 2] = [("ipv4", "ip", "affinity-slot", ""), ("ipv6", "ip6", "affinity6-slot", "6")];
+const AFFINITY_FAMILIES: [(&str, &str, &str, &str); 2] =
+    [("ipv4", "ip", "affinity-slot", ""), ("ipv6", "ip6", "affinity6-slot", "6")];
 
 /// The affinity classes `rules`' elements go to, with their tables.
 pub fn affinity_classes(rules: &ObjectRules, layout: Layout) -> impl Iterator<Item = (Table, AffinityClass)> + '_ {
@@ -674,19 +723,27 @@ pub fn keep_affinity_slots(old: &ObjectRules, new: &mut ObjectRules) {
         let fronts: Vec<CompactString> = new
             .elements
             .iter()
-            .filter(|((map, _), verdict)| map == picks && verdict.strip_prefix("goto ").and_then(AffinityClass::of_chain).is_some())
+            .filter(|((map, _), verdict)| {
+                map == picks && verdict.strip_prefix("goto ").and_then(AffinityClass::of_chain).is_some()
+            })
             .map(|((_, front), _)| front.clone())
             .collect();
         for front in fronts {
             let numbered = |rules: &ObjectRules| -> Vec<CompactString> {
-                (0..).map_while(|i| rules.elements.get(&((*endpoints).into(), format_compact!("{front} . {i}"))).cloned()).collect()
+                (0..)
+                    .map_while(|i| {
+                        rules.elements.get(&((*endpoints).into(), format_compact!("{front} . {i}"))).cloned()
+                    })
+                    .collect()
             };
             let (before, now) = (numbered(old), numbered(new));
-            let mut slots: Vec<Option<&CompactString>> = before.iter().take(now.len()).map(|b| now.contains(b).then_some(b)).collect();
+            let mut slots: Vec<Option<&CompactString>> =
+                before.iter().take(now.len()).map(|b| now.contains(b).then_some(b)).collect();
             slots.resize(now.len(), None);
             let kept: BTreeSet<&CompactString> = slots.iter().flatten().copied().collect();
             let mut newcomers = now.iter().filter(|b| !kept.contains(b));
-            let slots: Vec<&CompactString> = slots.into_iter().map(|s| s.or_else(|| newcomers.next()).expect("one backend per number")).collect();
+            let slots: Vec<&CompactString> =
+                slots.into_iter().map(|s| s.or_else(|| newcomers.next()).expect("one backend per number")).collect();
             for (i, backend) in slots.into_iter().enumerate() {
                 new.elements.insert(((*endpoints).into(), format_compact!("{front} . {i}")), backend.clone());
             }
@@ -714,7 +771,10 @@ pub fn firewall_rules(frontends: &[FirewalledFrontend]) -> Option<ObjectRules> {
         let v6 = if f.address.is_ipv6() { "6" } else { "" };
         let front = format_compact!("{} . {} . {}", f.address, f.protocol.as_nft(), f.port);
         for range in &f.allowed {
-            elements.push(((format_compact!("firewall-allowed{v6}"), format_compact!("{front} . {range}")), CompactString::default()));
+            elements.push((
+                (format_compact!("firewall-allowed{v6}"), format_compact!("{front} . {range}")),
+                CompactString::default(),
+            ));
         }
         elements.push(((format_compact!("firewall-ips{v6}"), front), CompactString::default()));
     }
@@ -772,7 +832,10 @@ pub fn hostport_rules(pod: &Pod, node: &str) -> Option<ObjectRules> {
                 None => (format_compact!("hostports-any{v6}"), format_compact!("{proto} . {host_port}")),
             };
             elements.insert((map, key), format_compact!("{target} . {}", p.port));
-            elements.insert((format_compact!("hairpin{v6}"), format_compact!("{target} . {target}")), CompactString::default());
+            elements.insert(
+                (format_compact!("hairpin{v6}"), format_compact!("{target} . {target}")),
+                CompactString::default(),
+            );
         }
     }
     if elements.is_empty() {
@@ -854,11 +917,17 @@ impl ObjectRules {
 
     /// Empty rules carrying what the guest warned about (bounded: 32 warnings of 256 chars).
     fn with_guest_warnings(warnings: &[String]) -> ObjectRules {
-        ObjectRules { warnings: warnings.iter().take(32).map(|w| w.chars().take(256).collect()).collect(), ..Default::default() }
+        ObjectRules {
+            warnings: warnings.iter().take(32).map(|w| w.chars().take(256).collect()).collect(),
+            ..Default::default()
+        }
     }
 }
 
-fn elements_as_list<S: serde::Serializer>(elements: &VecMap<ElementKey, CompactString>, s: S) -> Result<S::Ok, S::Error> {
+fn elements_as_list<S: serde::Serializer>(
+    elements: &VecMap<ElementKey, CompactString>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
     #[derive(Serialize)]
     struct Element<'a> {
         map: &'a str,
@@ -906,7 +975,9 @@ impl<'a> Validator<'a> {
 
     fn valid_name(&self, what: &str, name: &str) -> Result<(), InvalidOutput> {
         if !valid_name(name) {
-            return self.fail(format!("{what} name {name:?} is not a valid identifier ([A-Za-z][A-Za-z0-9/._-]*, at most {MAX_NAME})"));
+            return self.fail(format!(
+                "{what} name {name:?} is not a valid identifier ([A-Za-z][A-Za-z0-9/._-]*, at most {MAX_NAME})"
+            ));
         }
         Ok(())
     }
@@ -1102,17 +1173,32 @@ fn number_backends(elements: &mut BTreeMap<ElementKey, CompactString>, map: &str
 /// Validates and renders one service's ruleset. Anything outside the service's prefix, any
 /// malformed address, dangling reference or unknown map rejects the whole output. Rules
 /// matching pod traffic where `pods` has no detector are left out (see [`PodDetection`]).
-pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset, pods: PodDetection) -> Result<ObjectRules, InvalidOutput> {
+pub fn validate_service_output(
+    key: &ObjectKey,
+    out: &wit::Ruleset,
+    pods: PodDetection,
+) -> Result<ObjectRules, InvalidOutput> {
     let object = key.to_string();
     let prefix = service_prefix(key);
-    let mut v = Validator { object: &object, pods, prefix: &prefix, shared_sets: None, chains: BTreeSet::new(), sets: BTreeMap::new() };
+    let mut v = Validator {
+        object: &object,
+        pods,
+        prefix: &prefix,
+        shared_sets: None,
+        chains: BTreeSet::new(),
+        sets: BTreeMap::new(),
+    };
     for chain in &out.chains {
         v.own_name("chain", &chain.name)?;
         if !v.chains.insert(&chain.name) {
             return v.fail(format!("chain {:?} declared twice", chain.name));
         }
         if chain.rules.len() > MAX_RULES_PER_CHAIN {
-            return v.fail(format!("chain {:?} has {} rules (limit {MAX_RULES_PER_CHAIN})", chain.name, chain.rules.len()));
+            return v.fail(format!(
+                "chain {:?} has {} rules (limit {MAX_RULES_PER_CHAIN})",
+                chain.name,
+                chain.rules.len()
+            ));
         }
     }
     let mut rules = ObjectRules::with_guest_warnings(&out.warnings);
@@ -1142,17 +1228,30 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset, pods: PodDet
     for element in &out.map_elements {
         if let Some((node_port, seconds)) = affinity_family(&element.map_name) {
             let Some(seconds) = seconds.filter(|s| (1..=MAX_AFFINITY_SECONDS).contains(s)) else {
-                return v.fail(format!("map {:?}: the timeout must be 1 to {MAX_AFFINITY_SECONDS} seconds", element.map_name));
+                return v.fail(format!(
+                    "map {:?}: the timeout must be 1 to {MAX_AFFINITY_SECONDS} seconds",
+                    element.map_name
+                ));
             };
             let earlier = match (node_port, element.key.as_slice(), &element.verdict) {
-                (false, [wit::KeyPart::Address(a), wit::KeyPart::Protocol(p), wit::KeyPart::Port(port)], wit::Verdict::None) => {
-                    affinity.insert((v.address(a)?, protocol(*p), *port), seconds)
+                (
+                    false,
+                    [wit::KeyPart::Address(a), wit::KeyPart::Protocol(p), wit::KeyPart::Port(port)],
+                    wit::Verdict::None,
+                ) => affinity.insert((v.address(a)?, protocol(*p), *port), seconds),
+                (true, [wit::KeyPart::Protocol(p), wit::KeyPart::Port(port)], wit::Verdict::None) => {
+                    node_port_affinity.insert((protocol(*p), *port), seconds)
                 }
-                (true, [wit::KeyPart::Protocol(p), wit::KeyPart::Port(port)], wit::Verdict::None) => node_port_affinity.insert((protocol(*p), *port), seconds),
-                _ => return v.fail(format!("map {:?}: key {:?} or verdict has the wrong shape", element.map_name, element.key)),
+                _ => {
+                    return v.fail(format!(
+                        "map {:?}: key {:?} or verdict has the wrong shape",
+                        element.map_name, element.key
+                    ));
+                }
             };
             if earlier.is_some() {
-                return v.fail(format!("map {:?}: session affinity of {:?} given twice", element.map_name, element.key));
+                return v
+                    .fail(format!("map {:?}: session affinity of {:?} given twice", element.map_name, element.key));
             }
             continue;
         }
@@ -1165,11 +1264,16 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset, pods: PodDet
         };
         let by_family = |addr: &IpAddr| if addr.is_ipv4() { map.name } else { map.v6_name.unwrap_or(map.name) };
         let (target_map, key) = match (map.key, element.key.as_slice()) {
-            (KeyShape::AddressProtocolPort, [wit::KeyPart::Address(a), wit::KeyPart::Protocol(p), wit::KeyPart::Port(port)]) => {
+            (
+                KeyShape::AddressProtocolPort,
+                [wit::KeyPart::Address(a), wit::KeyPart::Protocol(p), wit::KeyPart::Port(port)],
+            ) => {
                 let addr = v.address(a)?;
                 (by_family(&addr), format_compact!("{addr} . {} . {port}", protocol(*p)))
             }
-            (KeyShape::ProtocolPort, [wit::KeyPart::Protocol(p), wit::KeyPart::Port(port)]) => (map.name, format_compact!("{} . {port}", protocol(*p))),
+            (KeyShape::ProtocolPort, [wit::KeyPart::Protocol(p), wit::KeyPart::Port(port)]) => {
+                (map.name, format_compact!("{} . {port}", protocol(*p)))
+            }
             (KeyShape::Address, [wit::KeyPart::Address(a)]) => {
                 let addr = v.address(a)?;
                 (by_family(&addr), addr.to_compact_string())
@@ -1180,18 +1284,27 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset, pods: PodDet
             }
             (
                 KeyShape::Backend,
-                [wit::KeyPart::Address(a), wit::KeyPart::Protocol(p), wit::KeyPart::Port(port), wit::KeyPart::Address(b), wit::KeyPart::Port(bp)],
+                [
+                    wit::KeyPart::Address(a),
+                    wit::KeyPart::Protocol(p),
+                    wit::KeyPart::Port(port),
+                    wit::KeyPart::Address(b),
+                    wit::KeyPart::Port(bp),
+                ],
             ) if element.verdict == wit::Verdict::None => {
                 let (frontend, backend) = (v.address(a)?, v.address(b)?);
                 if frontend.is_ipv4() != backend.is_ipv4() {
-                    return v.fail(format!("service-backends: backend {backend} of {frontend} is of another address family"));
+                    return v.fail(format!(
+                        "service-backends: backend {backend} of {frontend} is of another address family"
+                    ));
                 }
                 backends.entry((frontend, protocol(*p), *port)).or_default().insert((backend, *bp));
                 continue;
             }
-            (KeyShape::NodePortBackend, [wit::KeyPart::Protocol(p), wit::KeyPart::Port(port), wit::KeyPart::Address(b), wit::KeyPart::Port(bp)])
-                if element.verdict == wit::Verdict::None =>
-            {
+            (
+                KeyShape::NodePortBackend,
+                [wit::KeyPart::Protocol(p), wit::KeyPart::Port(port), wit::KeyPart::Address(b), wit::KeyPart::Port(bp)],
+            ) if element.verdict == wit::Verdict::None => {
                 let backend = v.address(b)?;
                 let families = node_port_backends.entry((protocol(*p), *port)).or_default();
                 if backend.is_ipv4() { &mut families.0 } else { &mut families.1 }.insert((backend, *bp));
@@ -1237,11 +1350,15 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset, pods: PodDet
     for ((proto, port), (v4, v6)) in &node_port_backends {
         let front = format_compact!("{proto} . {port}");
         let seconds = node_port_affinity.remove(&(*proto, *port));
-        for (set, endpoints, picks, keys) in
-            [(v4, "nodeport-endpoints", "nodeport-picks", CountedKeys::NodePorts), (v6, "nodeport-endpoints6", "nodeport-picks6", CountedKeys::NodePorts6)]
-        {
+        for (set, endpoints, picks, keys) in [
+            (v4, "nodeport-endpoints", "nodeport-picks", CountedKeys::NodePorts),
+            (v6, "nodeport-endpoints6", "nodeport-picks6", CountedKeys::NodePorts6),
+        ] {
             if set.len() > MAX_PICK {
-                return v.fail(format!("nodeport-backends: {front} has {} backends of one family (limit {MAX_PICK})", set.len()));
+                return v.fail(format!(
+                    "nodeport-backends: {front} has {} backends of one family (limit {MAX_PICK})",
+                    set.len()
+                ));
             }
             number_backends(&mut elements, endpoints, &front, set);
             if !set.is_empty() {
@@ -1254,7 +1371,8 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset, pods: PodDet
             }
         }
         if elements.insert(("service-nodeports".into(), front.clone()), "goto nodeport-dispatch".into()).is_some() {
-            return v.fail(format!("map \"service-nodeports\": key {front} given twice (nodeport-backends names it too)"));
+            return v
+                .fail(format!("map \"service-nodeports\": key {front} given twice (nodeport-backends names it too)"));
         }
     }
     // Session affinity is a property of a load-balanced frontend of the same output.
@@ -1266,7 +1384,11 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset, pods: PodDet
     }
     // Masquerading is asked for the object's own load-balanced frontends only.
     if let Some((_, front)) = elements.keys().find(|(map, front)| {
-        map.starts_with("masquerade-") && !elements.contains_key(&((if map.ends_with('6') { "service-ips6" } else { "service-ips" }).into(), front.clone()))
+        map.starts_with("masquerade-")
+            && !elements.contains_key(&(
+                (if map.ends_with('6') { "service-ips6" } else { "service-ips" }).into(),
+                front.clone(),
+            ))
     }) {
         return v.fail(format!("masquerade for {front}, which is not a frontend of this object in service-ips"));
     }
@@ -1275,12 +1397,14 @@ pub fn validate_service_output(key: &ObjectKey, out: &wit::Ruleset, pods: PodDet
     // what the object owns (say, the node's own address).
     let service_addresses: BTreeSet<&str> = elements
         .keys()
-        .filter(|(map, _)| matches!(map.as_str(), "service-ips" | "service-ips6" | "no-endpoint-services" | "no-endpoint-services6"))
+        .filter(|(map, _)| {
+            matches!(map.as_str(), "service-ips" | "service-ips6" | "no-endpoint-services" | "no-endpoint-services6")
+        })
         .filter_map(|(_, key)| key.split(" . ").next())
         .collect();
-    if let Some((_, ip)) =
-        elements.keys().find(|(map, ip)| matches!(map.as_str(), "cluster-ips" | "cluster-ips6") && !service_addresses.contains(ip.as_str()))
-    {
+    if let Some((_, ip)) = elements.keys().find(|(map, ip)| {
+        matches!(map.as_str(), "cluster-ips" | "cluster-ips6") && !service_addresses.contains(ip.as_str())
+    }) {
         return v.fail(format!("cluster IP {ip} is not the address of any of this object's service ports"));
     }
     rules.elements = elements.into_iter().collect();
@@ -1347,7 +1471,8 @@ impl TableSkeleton<'_> {
                     None => writeln!(out, "add rule {t} {name} {}", rule.replace("0x4000", MASQUERADE_MARK)).unwrap(),
                     Some((matches, reason)) => {
                         let Some(log) = drop_log else { continue };
-                        let reason = service_drops::ServiceDropReason::from_name(reason).unwrap_or_else(|| panic!("skeleton rule {rule:?}: no such reason"));
+                        let reason = service_drops::ServiceDropReason::from_name(reason)
+                            .unwrap_or_else(|| panic!("skeleton rule {rule:?}: no such reason"));
                         for rule in service_drops::log_rules(matches.trim_end(), reason, log) {
                             writeln!(out, "add rule {t} {name} {rule}").unwrap();
                         }
@@ -1449,8 +1574,16 @@ const MAIN_SKELETON: TableSkeleton = {
                 ],
             ),
             // Before DNAT (priority dstnat-10), so destinations are still the service addresses.
-            ("filter-prerouting", "type filter hook prerouting priority -110; policy accept;", &["ct state new jump firewall-check"]),
-            ("filter-input", "type filter hook input priority -110; policy accept;", &["ct state new jump endpoints-check"]),
+            (
+                "filter-prerouting",
+                "type filter hook prerouting priority -110; policy accept;",
+                &["ct state new jump firewall-check"],
+            ),
+            (
+                "filter-input",
+                "type filter hook input priority -110; policy accept;",
+                &["ct state new jump endpoints-check"],
+            ),
             // Forwarded packets were DNATed at prerouting already: one still addressed to a
             // cluster IP matched no service port of it.
             (
@@ -1458,9 +1591,17 @@ const MAIN_SKELETON: TableSkeleton = {
                 "type filter hook forward priority -110; policy accept;",
                 &["ct state new jump endpoints-check", "ct state new jump cluster-ips-check"],
             ),
-            ("filter-output", "type filter hook output priority -110; policy accept;", &["ct state new jump endpoints-check", "ct state new jump firewall-check"]),
+            (
+                "filter-output",
+                "type filter hook output priority -110; policy accept;",
+                &["ct state new jump endpoints-check", "ct state new jump firewall-check"],
+            ),
             // Local traffic is DNATed in the output hook (priority -100): check after it.
-            ("filter-output-post-dnat", "type filter hook output priority -90; policy accept;", &["ct state new jump cluster-ips-check"]),
+            (
+                "filter-output-post-dnat",
+                "type filter hook output priority -90; policy accept;",
+                &["ct state new jump cluster-ips-check"],
+            ),
             (
                 "endpoints-check",
                 "",
@@ -1503,11 +1644,7 @@ const MAIN_SKELETON: TableSkeleton = {
             (
                 "masquerading",
                 "",
-                &[
-                    "meta mark & 0x4000 == 0 return",
-                    "meta mark set meta mark ^ 0x4000",
-                    "masquerade fully-random",
-                ],
+                &["meta mark & 0x4000 == 0 return", "meta mark set meta mark ^ 0x4000", "masquerade fully-random"],
             ),
             ("reject-chain", "", &["log-service-drop no-endpoints", "reject"]),
         ],
@@ -1527,8 +1664,14 @@ const SHARD_SKELETON: TableSkeleton = {
         // A frontend's backends by number: `pick-N` looks up `numgen random mod N` here
         // (`nodeport-pick-N` for node ports).
         data_maps: &[
-            ("service-endpoints", "typeof ip daddr . meta l4proto . th dport . numgen random mod 1 : ip daddr . th dport"),
-            ("service-endpoints6", "typeof ip6 daddr . meta l4proto . th dport . numgen random mod 1 : ip6 daddr . th dport"),
+            (
+                "service-endpoints",
+                "typeof ip daddr . meta l4proto . th dport . numgen random mod 1 : ip daddr . th dport",
+            ),
+            (
+                "service-endpoints6",
+                "typeof ip6 daddr . meta l4proto . th dport . numgen random mod 1 : ip6 daddr . th dport",
+            ),
             ("nodeport-endpoints", "typeof meta l4proto . th dport . numgen random mod 1 : ip daddr . th dport"),
             ("nodeport-endpoints6", "typeof meta l4proto . th dport . numgen random mod 1 : ip6 daddr . th dport"),
         ],
@@ -1563,7 +1706,10 @@ const SHARD_SKELETON: TableSkeleton = {
             (
                 "nodeport-dispatch",
                 "",
-                &["meta nfproto ipv4 meta l4proto . th dport vmap @nodeport-picks", "meta nfproto ipv6 meta l4proto . th dport vmap @nodeport-picks6"],
+                &[
+                    "meta nfproto ipv4 meta l4proto . th dport vmap @nodeport-picks",
+                    "meta nfproto ipv6 meta l4proto . th dport vmap @nodeport-picks6",
+                ],
             ),
             // Service chains mark off-cluster traffic here; the main table's postrouting
             // masquerades it.
@@ -1609,7 +1755,12 @@ impl std::str::FromStr for NodePortAddresses {
             "primary" => Ok(NodePortAddresses::Primary),
             list => list
                 .split(',')
-                .map(|cidr| cidr.trim().parse::<IpNet>().map(|net| net.trunc()).map_err(|_| format!("{cidr:?} is not a CIDR (give `all`, `primary` or CIDRs)")))
+                .map(|cidr| {
+                    cidr.trim()
+                        .parse::<IpNet>()
+                        .map(|net| net.trunc())
+                        .map_err(|_| format!("{cidr:?} is not a CIDR (give `all`, `primary` or CIDRs)"))
+                })
                 .collect::<Result<Vec<_>, _>>()
                 .map(NodePortAddresses::Networks),
         }
@@ -1622,12 +1773,15 @@ impl NodePortAddresses {
     pub fn select(&self, node_ips: &[IpAddr], local: &[IpAddr]) -> Option<Vec<IpAddr>> {
         let mut selected: Vec<IpAddr> = match self {
             NodePortAddresses::All => return None,
-            NodePortAddresses::Primary => {
-                [true, false].into_iter().filter_map(|v4| node_ips.iter().find(|ip| ip.is_ipv4() == v4 && !ip.is_loopback()).copied()).collect()
-            }
-            NodePortAddresses::Networks(networks) => {
-                local.iter().filter(|ip| !ip.is_loopback() && networks.iter().any(|n| n.contains(*ip))).copied().collect()
-            }
+            NodePortAddresses::Primary => [true, false]
+                .into_iter()
+                .filter_map(|v4| node_ips.iter().find(|ip| ip.is_ipv4() == v4 && !ip.is_loopback()).copied())
+                .collect(),
+            NodePortAddresses::Networks(networks) => local
+                .iter()
+                .filter(|ip| !ip.is_loopback() && networks.iter().any(|n| n.contains(*ip)))
+                .copied()
+                .collect(),
         };
         selected.sort();
         selected.dedup();
@@ -1674,7 +1828,11 @@ impl PodTraffic {
             // kube-proxy's wording.
             "must not be empty".to_string()
         } else if name.len() > max {
-            format!("longer than {max} characters (the kernel's interface names have at most {}{})", Self::MAX_INTERFACE_NAME, if prefix { ", the `*` included" } else { "" })
+            format!(
+                "longer than {max} characters (the kernel's interface names have at most {}{})",
+                Self::MAX_INTERFACE_NAME,
+                if prefix { ", the `*` included" } else { "" }
+            )
         } else if name.contains('*') {
             "no wildcard: a prefix matches every name it starts".to_string()
         } else if !name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')) {
@@ -1788,7 +1946,14 @@ pub struct EgressMasquerade {
 /// port in the map; or the node port addresses' set. Every new connection on the node
 /// passes every shard's NAT chains until one DNATs it, so what a shard does with a packet
 /// that is not its own must be cheap (`benches/nat_shards.rs`).
-fn write_node_port_rules(out: &mut String, t: Table, chain: &str, vmap: &str, networks: &NodeNetworks, flush_first: bool) {
+fn write_node_port_rules(
+    out: &mut String,
+    t: Table,
+    chain: &str,
+    vmap: &str,
+    networks: &NodeNetworks,
+    flush_first: bool,
+) {
     let families = [("ip", "127.0.0.0/8", NODE_PORT_IPS.0), ("ip6", "::1", NODE_PORT_IPS6.0)];
     for (ip, loopback, set) in families {
         match &networks.node_port_ips {
@@ -1817,7 +1982,8 @@ fn write_egress_masquerade(out: &mut String, t: Table, egress: Option<&EgressMas
     // Interval sets refuse overlapping elements: each is written merged.
     let (sources, keep) = match egress {
         Some(egress) => {
-            let keep = egress.sources.iter().chain(&egress.keep_source).chain(&egress.remote_pod_cidrs).copied().collect();
+            let keep =
+                egress.sources.iter().chain(&egress.keep_source).chain(&egress.remote_pod_cidrs).copied().collect();
             (IpNet::aggregate(&egress.sources), IpNet::aggregate(&keep))
         }
         None => (Vec::new(), Vec::new()),
@@ -1834,7 +2000,11 @@ fn write_egress_masquerade(out: &mut String, t: Table, egress: Option<&EgressMas
 fn write_masquerade_all(out: &mut String, t: Table) {
     for ip in ["ip", "ip6"] {
         let set = if ip == "ip" { "cluster-ips" } else { "cluster-ips6" };
-        writeln!(out, "add rule {t} masquerade-all ct status dnat ct original {ip} daddr @{set} jump mark-for-masquerade").unwrap();
+        writeln!(
+            out,
+            "add rule {t} masquerade-all ct status dnat ct original {ip} daddr @{set} jump mark-for-masquerade"
+        )
+        .unwrap();
     }
 }
 
@@ -1857,7 +2027,10 @@ fn write_pick_chains(out: &mut String, t: Table) {
         (
             "pick",
             "jump masquerade-check",
-            [("dnat ip to ip daddr . meta l4proto . th dport", "service-endpoints"), ("dnat ip6 to ip6 daddr . meta l4proto . th dport", "service-endpoints6")],
+            [
+                ("dnat ip to ip daddr . meta l4proto . th dport", "service-endpoints"),
+                ("dnat ip6 to ip6 daddr . meta l4proto . th dport", "service-endpoints6"),
+            ],
         ),
     ];
     for (prefix, first, families) in PICK_CHAINS {
@@ -1932,7 +2105,10 @@ pub fn skeleton(out: &mut String, flush_first: bool, layout: Layout, networks: &
 /// what does not come from pods is masqueraded, so that replies come back through this node.
 /// None for a family the node cannot detect pods in (kube-proxy masquerades nothing then).
 fn write_masquerade_off_cluster(out: &mut String, t: Table, pods: PodDetection) {
-    for (ip, family, set) in [("ip", wit::AddressFamily::Ipv4, "masquerade-off-cluster"), ("ip6", wit::AddressFamily::Ipv6, "masquerade-off-cluster6")] {
+    for (ip, family, set) in [
+        ("ip", wit::AddressFamily::Ipv4, "masquerade-off-cluster"),
+        ("ip6", wit::AddressFamily::Ipv6, "masquerade-off-cluster6"),
+    ] {
         if let Some(off_cluster) = pods.render(family, true) {
             writeln!(out, "add rule {t} masquerade-check {ip} daddr . meta l4proto . th dport @{set} {off_cluster} jump mark-for-masquerade").unwrap();
         }
@@ -1946,7 +2122,8 @@ fn write_cidr_sets(out: &mut String, t: Table, (v4_set, v6_set): (&str, &str), c
             // Else emptied with the table's sets; interval elements cannot be re-added.
             writeln!(out, "flush set {t} {set}").unwrap();
         }
-        let cidrs: Vec<String> = cidrs.iter().filter(|c| matches!(c, IpNet::V4(_)) == v4).map(|c| c.trunc().to_string()).collect();
+        let cidrs: Vec<String> =
+            cidrs.iter().filter(|c| matches!(c, IpNet::V4(_)) == v4).map(|c| c.trunc().to_string()).collect();
         if !cidrs.is_empty() {
             writeln!(out, "add element {t} {set} {{ {} }}", cidrs.join(", ")).unwrap();
         }
@@ -1980,7 +2157,8 @@ pub fn skeleton_chains(layout: Layout, networks: &NodeNetworks) -> BTreeSet<(Tab
 fn add_set(out: &mut String, t: Table, name: &str, set: &SetRules) {
     write!(out, "add set {t} {name} {{ {}", set.declaration).unwrap();
     if !set.elements.is_empty() {
-        write!(out, " elements = {{ {} }};", set.elements.iter().map(String::as_str).collect::<Vec<_>>().join(", ")).unwrap();
+        write!(out, " elements = {{ {} }};", set.elements.iter().map(String::as_str).collect::<Vec<_>>().join(", "))
+            .unwrap();
     }
     out.push_str(" }\n");
 }
@@ -2007,7 +2185,12 @@ fn fill_object(out: &mut String, rules: &ObjectRules, layout: Layout) {
 
 /// Map elements (`key : verdict`) and host set elements (no verdict) of an object with
 /// `service_prefix`.
-fn add_elements<'a>(out: &mut String, elements: impl Iterator<Item = (&'a ElementKey, &'a CompactString)>, layout: Layout, service_prefix: Option<&str>) {
+fn add_elements<'a>(
+    out: &mut String,
+    elements: impl Iterator<Item = (&'a ElementKey, &'a CompactString)>,
+    layout: Layout,
+    service_prefix: Option<&str>,
+) {
     for ((map, key), verdict) in elements {
         let t = layout.element_table(map, verdict, service_prefix);
         if verdict.is_empty() {
@@ -2028,7 +2211,11 @@ pub fn shared_elements<'a>(out: &mut String, elements: impl Iterator<Item = &'a 
 /// Adds or deletes elements (table, set or map, key, verdict; the verdict is empty in a
 /// plain set), one statement per set or map: nft spends ~12 µs on each statement, and a
 /// full transaction is mostly elements.
-fn grouped_elements<'a>(out: &mut String, elements: impl Iterator<Item = (Table, &'a str, &'a str, &'a str)>, add: bool) {
+fn grouped_elements<'a>(
+    out: &mut String,
+    elements: impl Iterator<Item = (Table, &'a str, &'a str, &'a str)>,
+    add: bool,
+) {
     let mut by_set: BTreeMap<(Table, &str), Vec<(&str, &str)>> = BTreeMap::new();
     for (t, set, key, verdict) in elements {
         by_set.entry((t, set)).or_default().push((key, verdict));
@@ -2069,7 +2256,12 @@ pub struct Stale {
 
 /// A complete transaction: the tables as `objects` describe them, laid out by `layout`,
 /// whatever the kernel had.
-pub fn full_transaction<'a>(objects: impl Iterator<Item = &'a ObjectRules> + Clone, stale: &Stale, layout: Layout, networks: &NodeNetworks) -> String {
+pub fn full_transaction<'a>(
+    objects: impl Iterator<Item = &'a ObjectRules> + Clone,
+    stale: &Stale,
+    layout: Layout,
+    networks: &NodeNetworks,
+) -> String {
     let mut out = String::new();
     // One atomic batch: flushing and refilling leaves no window without rules.
     skeleton(&mut out, true, layout, networks);
@@ -2090,7 +2282,8 @@ pub fn full_transaction<'a>(objects: impl Iterator<Item = &'a ObjectRules> + Clo
     for rules in objects.clone() {
         fill_object(&mut out, rules, layout);
     }
-    let affinity: BTreeSet<(Table, AffinityClass)> = objects.clone().flat_map(|rules| affinity_classes(rules, layout)).collect();
+    let affinity: BTreeSet<(Table, AffinityClass)> =
+        objects.clone().flat_map(|rules| affinity_classes(rules, layout)).collect();
     for (t, class) in affinity {
         class.write(&mut out, t);
     }
@@ -2105,7 +2298,12 @@ pub fn full_transaction<'a>(objects: impl Iterator<Item = &'a ObjectRules> + Clo
             if is_shared_set(map) {
                 shared.insert(element);
             } else {
-                own.push((layout.element_table(map, verdict, service_prefix), map.as_str(), key.as_str(), verdict.as_str()));
+                own.push((
+                    layout.element_table(map, verdict, service_prefix),
+                    map.as_str(),
+                    key.as_str(),
+                    verdict.as_str(),
+                ));
             }
         }
     }
@@ -2160,12 +2358,22 @@ impl<'a> ObjectChange<'a> {
             .iter()
             .filter_map(|(name, o)| new.sets.get(name).filter(|n| n.declaration == o.declaration).map(|n| (name, o, n)))
             .collect();
-        let changed_sets: Vec<&String> =
-            old.sets.iter().filter(|(name, set)| new.sets.get(*name).is_none_or(|n| n.declaration != set.declaration)).map(|(n, _)| n).collect();
+        let changed_sets: Vec<&String> = old
+            .sets
+            .iter()
+            .filter(|(name, set)| new.sets.get(*name).is_none_or(|n| n.declaration != set.declaration))
+            .map(|(n, _)| n)
+            .collect();
         // A set that goes is referenced by rules that must be flushed before it can go.
         let touching_sets = !changed_sets.is_empty();
-        let flushed = old.chains.iter().filter(|(name, rules)| touching_sets || new.chains.get(*name) != Some(*rules)).map(|(n, _)| n).collect();
-        let rewrite = new.chains.iter().filter(|(name, rules)| touching_sets || old.chains.get(*name) != Some(*rules)).collect();
+        let flushed = old
+            .chains
+            .iter()
+            .filter(|(name, rules)| touching_sets || new.chains.get(*name) != Some(*rules))
+            .map(|(n, _)| n)
+            .collect();
+        let rewrite =
+            new.chains.iter().filter(|(name, rules)| touching_sets || old.chains.get(*name) != Some(*rules)).collect();
         ObjectChange { old, new, kept_sets, changed_sets, flushed, rewrite }
     }
 }
@@ -2189,7 +2397,12 @@ pub fn objects_delta(pairs: &[(&ObjectRules, &ObjectRules)], out: &mut String, l
     for c in &changes {
         for (k @ (map, key), verdict) in &c.old.elements {
             if c.new.elements.get(k) != Some(verdict) && !is_shared_set(map) {
-                writeln!(out, "delete element {} {map} {{ {key} }}", layout.element_table(map, verdict, c.old.service_prefix.as_deref())).unwrap();
+                writeln!(
+                    out,
+                    "delete element {} {map} {{ {key} }}",
+                    layout.element_table(map, verdict, c.old.service_prefix.as_deref())
+                )
+                .unwrap();
             }
         }
         for (name, o, n) in &c.kept_sets {
@@ -2311,7 +2524,12 @@ fn words(rule: &str) -> Vec<&str> {
 }
 
 /// Every DNAT target reachable from `chain` through goto/jump within the object.
-fn dnat_targets<'a>(rules: &'a ObjectRules, chain: &'a str, seen: &mut BTreeSet<&'a str>, found: &mut BTreeSet<(IpAddr, u16)>) {
+fn dnat_targets<'a>(
+    rules: &'a ObjectRules,
+    chain: &'a str,
+    seen: &mut BTreeSet<&'a str>,
+    found: &mut BTreeSet<(IpAddr, u16)>,
+) {
     if !seen.insert(chain) {
         return;
     }
@@ -2338,7 +2556,8 @@ fn frontends(rules: &ObjectRules) -> BTreeMap<Frontend, BTreeSet<(IpAddr, u16)>>
     let mut out: BTreeMap<Frontend, BTreeSet<(IpAddr, u16)>> = BTreeMap::new();
     for ((map, key), verdict) in &rules.elements {
         let routed = matches!(map.as_str(), "service-ips" | "service-ips6" | "service-nodeports");
-        let unrouted = matches!(map.as_str(), "no-endpoint-services" | "no-endpoint-services6" | "no-endpoint-nodeports");
+        let unrouted =
+            matches!(map.as_str(), "no-endpoint-services" | "no-endpoint-services6" | "no-endpoint-nodeports");
         if !(routed || unrouted) {
             continue;
         }
@@ -2352,7 +2571,9 @@ fn frontends(rules: &ObjectRules) -> BTreeMap<Frontend, BTreeSet<(IpAddr, u16)>>
     // pod's host ports: `frontend : address . port`.
     for ((map, key), value) in &rules.elements {
         let front = match map.as_str() {
-            "service-endpoints" | "service-endpoints6" | "nodeport-endpoints" | "nodeport-endpoints6" => key.rsplit_once(" . ").and_then(|(front, _)| frontend(front)),
+            "service-endpoints" | "service-endpoints6" | "nodeport-endpoints" | "nodeport-endpoints6" => {
+                key.rsplit_once(" . ").and_then(|(front, _)| frontend(front))
+            }
             map if is_hostport_map(map) => frontend(key),
             _ => continue,
         };
@@ -2380,7 +2601,12 @@ pub fn conntrack_cleanup(old: &ObjectRules, new: &ObjectRules) -> Vec<ConntrackF
     let none = BTreeSet::new();
     let mut filters = Vec::new();
     let host_ports = |rules: &ObjectRules| -> BTreeSet<(Frontend, bool)> {
-        rules.elements.keys().filter(|(map, _)| is_hostport_map(map)).filter_map(|(map, key)| Some((frontend(key)?, map.ends_with('6')))).collect()
+        rules
+            .elements
+            .keys()
+            .filter(|(map, _)| is_hostport_map(map))
+            .filter_map(|(map, key)| Some((frontend(key)?, map.ends_with('6'))))
+            .collect()
     };
     for &((protocol, destination, port), ipv6) in host_ports(new).difference(&host_ports(old)) {
         filters.push(ConntrackFilter { protocol, ipv6, destination, port, endpoint: None });
@@ -2388,7 +2614,13 @@ pub fn conntrack_cleanup(old: &ObjectRules, new: &ObjectRules) -> Vec<ConntrackF
     for (&(protocol, destination, port), had) in &before {
         let has = after.get(&(protocol, destination, port)).unwrap_or(&none);
         for &(addr, endpoint_port) in had.difference(has) {
-            filters.push(ConntrackFilter { protocol, ipv6: addr.is_ipv6(), destination, port, endpoint: Some((addr, endpoint_port)) });
+            filters.push(ConntrackFilter {
+                protocol,
+                ipv6: addr.is_ipv6(),
+                destination,
+                port,
+                endpoint: Some((addr, endpoint_port)),
+            });
         }
         if had.is_empty() && !has.is_empty() {
             // A node port has no address of its own: clean up the families it now serves.

@@ -32,7 +32,8 @@ pub const WASM_LAYER: &str = "application/wasm";
 pub const WASM_CONFIG: &str = "application/vnd.wasm.config.v0+json";
 /// Layer types of other tools' Wasm artifacts that `pull` also reads (Kubewarden's policies,
 /// wasm-to-oci).
-const OTHER_WASM_LAYERS: &[&str] = &["application/vnd.wasm.content.layer.v1+wasm", "application/vnd.module.wasm.content.layer.v1+wasm"];
+const OTHER_WASM_LAYERS: &[&str] =
+    &["application/vnd.wasm.content.layer.v1+wasm", "application/vnd.module.wasm.content.layer.v1+wasm"];
 /// The annotation of the Wasm layer that carries a `module sign` signature.
 pub const SIGNATURE_ANNOTATION: &str = "dev.wasmplane.signature";
 
@@ -102,7 +103,10 @@ pub struct Artifact {
 /// when `source` names a file instead.
 pub fn reference_of(source: &str) -> Option<Result<Reference, OciError>> {
     let rest = source.strip_prefix("oci://").or_else(|| source.strip_prefix("registry://"))?;
-    Some(rest.parse::<Reference>().map_err(|e| OciError::BadReference { reference: source.into(), reason: e.to_string() }))
+    Some(
+        rest.parse::<Reference>()
+            .map_err(|e| OciError::BadReference { reference: source.into(), reason: e.to_string() }),
+    )
 }
 
 /// A registry client (the CLI's, the operator's).
@@ -120,10 +124,12 @@ impl Registry {
             ..ClientConfig::default()
         };
         if let Some(path) = &options.ca_file {
-            let data = std::fs::read(path).map_err(|source| OciError::Io { path: path.display().to_string(), source })?;
+            let data =
+                std::fs::read(path).map_err(|source| OciError::Io { path: path.display().to_string(), source })?;
             config.extra_root_certificates.push(Certificate { encoding: CertificateEncoding::Pem, data });
         }
-        let credentials = options.credentials.as_ref().map(|(user, password)| RegistryAuth::Basic(user.clone(), password.clone()));
+        let credentials =
+            options.credentials.as_ref().map(|(user, password)| RegistryAuth::Basic(user.clone(), password.clone()));
         let docker_config = options.docker_config.as_deref().map(DockerConfig::read).transpose()?;
         Ok(Registry { client: Client::new(config), credentials, docker_config })
     }
@@ -146,10 +152,19 @@ impl Registry {
     pub async fn pull(&self, reference: &Reference, max_bytes: u64) -> Result<Artifact, OciError> {
         let auth = self.auth(reference).await;
         let (manifest, manifest_digest) = self.client.pull_image_manifest(reference, &auth).await?;
-        let wasm: Vec<&OciDescriptor> = manifest.layers.iter().filter(|l| l.media_type == WASM_LAYER || OTHER_WASM_LAYERS.contains(&l.media_type.as_str())).collect();
+        let wasm: Vec<&OciDescriptor> = manifest
+            .layers
+            .iter()
+            .filter(|l| l.media_type == WASM_LAYER || OTHER_WASM_LAYERS.contains(&l.media_type.as_str()))
+            .collect();
         let layer = match wasm.as_slice() {
             [one] => *one,
-            [] => return Err(OciError::NotAComponent { reference: reference.whole(), layers: manifest.layers.iter().map(|l| l.media_type.clone()).collect() }),
+            [] => {
+                return Err(OciError::NotAComponent {
+                    reference: reference.whole(),
+                    layers: manifest.layers.iter().map(|l| l.media_type.clone()).collect(),
+                });
+            }
             several => return Err(OciError::SeveralComponents { reference: reference.whole(), count: several.len() }),
         };
         if u64::try_from(layer.size).map_or(true, |size| size > max_bytes) {
@@ -160,9 +175,15 @@ impl Registry {
         let mut component = Vec::with_capacity(usize::try_from(layer.size).unwrap_or_default());
         let mut blob = self.client.pull_blob_stream(reference, layer).await?;
         let limit = max_bytes.min(layer.size as u64);
-        while let Some(chunk) = blob.try_next().await.map_err(|e| OciError::Transfer { reference: reference.whole(), source: e })? {
+        while let Some(chunk) =
+            blob.try_next().await.map_err(|e| OciError::Transfer { reference: reference.whole(), source: e })?
+        {
             if (component.len() + chunk.len()) as u64 > limit {
-                return Err(OciError::TooLarge { reference: reference.whole(), size: (component.len() + chunk.len()) as i64, max: limit });
+                return Err(OciError::TooLarge {
+                    reference: reference.whole(),
+                    size: (component.len() + chunk.len()) as i64,
+                    max: limit,
+                });
             }
             component.extend_from_slice(&chunk);
         }
@@ -172,7 +193,12 @@ impl Registry {
 
     /// Pushes `component` (with its signature, if given) as a Wasm OCI artifact; returns the
     /// manifest's URL.
-    pub async fn publish(&self, reference: &Reference, component: Vec<u8>, signature: Option<&str>) -> Result<String, OciError> {
+    pub async fn publish(
+        &self,
+        reference: &Reference,
+        component: Vec<u8>,
+        signature: Option<&str>,
+    ) -> Result<String, OciError> {
         check_component(&component)?;
         let annotations = signature.map(|s| BTreeMap::from([(SIGNATURE_ANNOTATION.to_string(), s.trim().to_string())]));
         let layer = ImageLayer::new(component, WASM_LAYER.into(), annotations);
@@ -246,39 +272,61 @@ struct HelperAnswer {
 }
 
 /// `auth` is base64 of `user:password`; some tools leave out the padding.
-const AUTH_BASE64: base64::engine::GeneralPurpose =
-    base64::engine::GeneralPurpose::new(&base64::alphabet::STANDARD, base64::engine::GeneralPurposeConfig::new().with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent));
+const AUTH_BASE64: base64::engine::GeneralPurpose = base64::engine::GeneralPurpose::new(
+    &base64::alphabet::STANDARD,
+    base64::engine::GeneralPurposeConfig::new()
+        .with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent),
+);
 
 impl DockerConfig {
     /// Reads and checks `path`: an unreadable file, or one that is not a Docker config, is an
     /// error (credentials silently missing would look like the registry's fault).
     pub fn read(path: &Path) -> Result<DockerConfig, OciError> {
-        let text = std::fs::read(path).map_err(|e| OciError::DockerConfig { path: path.display().to_string(), reason: e.to_string() })?;
+        let text = std::fs::read(path)
+            .map_err(|e| OciError::DockerConfig { path: path.display().to_string(), reason: e.to_string() })?;
         DockerConfig::parse(path, &text)
     }
 
     fn parse(path: &Path, text: &[u8]) -> Result<DockerConfig, OciError> {
         let error = |reason: String| OciError::DockerConfig { path: path.display().to_string(), reason };
-        let file: ConfigFile = serde_json::from_slice(text).map_err(|e| error(match e.classify() {
-            // serde's message for a value of the wrong type quotes the value: it may be a secret.
-            serde_json::error::Category::Data => format!("a value of the wrong type at line {} column {}", e.line(), e.column()),
-            _ => format!("not JSON: {e}"),
-        }))?;
+        let file: ConfigFile = serde_json::from_slice(text).map_err(|e| {
+            error(match e.classify() {
+                // serde's message for a value of the wrong type quotes the value: it may be a secret.
+                serde_json::error::Category::Data => {
+                    format!("a value of the wrong type at line {} column {}", e.line(), e.column())
+                }
+                _ => format!("not JSON: {e}"),
+            })
+        })?;
         let mut auths = HashMap::new();
         for (server, entry) in file.auths.unwrap_or_default() {
             let key = registry_key(&server);
             let entry = match entry {
-                Some(entry) => AuthEntry::of(entry).map_err(|()| error(format!("the `auth` of {server:?} is not base64 of USER:PASSWORD")))?,
+                Some(entry) => AuthEntry::of(entry)
+                    .map_err(|()| error(format!("the `auth` of {server:?} is not base64 of USER:PASSWORD")))?,
                 None => AuthEntry::Empty,
             };
             // Two spellings of one registry (`docker.io`, `https://index.docker.io/v1/`): the
             // one with credentials counts.
-            if !matches!((auths.get(&key), &entry), (Some(AuthEntry::Basic(..)), _) | (Some(AuthEntry::IdentityToken), AuthEntry::Empty)) {
+            if !matches!(
+                (auths.get(&key), &entry),
+                (Some(AuthEntry::Basic(..)), _) | (Some(AuthEntry::IdentityToken), AuthEntry::Empty)
+            ) {
                 auths.insert(key, entry);
             }
         }
-        let cred_helpers = file.cred_helpers.unwrap_or_default().into_iter().map(|(server, helper)| (registry_key(&server), helper)).collect();
-        Ok(DockerConfig { path: path.to_path_buf(), auths, cred_helpers, creds_store: file.creds_store.filter(|s| !s.is_empty()) })
+        let cred_helpers = file
+            .cred_helpers
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(server, helper)| (registry_key(&server), helper))
+            .collect();
+        Ok(DockerConfig {
+            path: path.to_path_buf(),
+            auths,
+            cred_helpers,
+            creds_store: file.creds_store.filter(|s| !s.is_empty()),
+        })
     }
 
     /// The credentials for `registry` (`host[:port]`, any of Docker Hub's names): its
@@ -294,7 +342,12 @@ impl DockerConfig {
         if let Some(helper) = self.cred_helpers.get(&key).or(self.creds_store.as_ref())
             && let Some((user, secret)) = ask_helper(helper, &key, search_path).await
         {
-            tracing::debug!(registry = key, helper, user, "registry credentials from the Docker config's credential helper");
+            tracing::debug!(
+                registry = key,
+                helper,
+                user,
+                "registry credentials from the Docker config's credential helper"
+            );
             return RegistryAuth::Basic(user, secret);
         }
         match self.auths.get(&key) {
@@ -341,13 +394,23 @@ impl std::fmt::Debug for DockerConfig {
         let auths: BTreeMap<&str, &str> = self
             .auths
             .iter()
-            .map(|(registry, entry)| (registry.as_str(), match entry {
-                AuthEntry::Basic(..) => "basic",
-                AuthEntry::IdentityToken => "identitytoken",
-                AuthEntry::Empty => "none",
-            }))
+            .map(|(registry, entry)| {
+                (
+                    registry.as_str(),
+                    match entry {
+                        AuthEntry::Basic(..) => "basic",
+                        AuthEntry::IdentityToken => "identitytoken",
+                        AuthEntry::Empty => "none",
+                    },
+                )
+            })
             .collect();
-        f.debug_struct("DockerConfig").field("path", &self.path).field("auths", &auths).field("cred_helpers", &self.cred_helpers).field("creds_store", &self.creds_store).finish()
+        f.debug_struct("DockerConfig")
+            .field("path", &self.path)
+            .field("auths", &auths)
+            .field("cred_helpers", &self.cred_helpers)
+            .field("creds_store", &self.creds_store)
+            .finish()
     }
 }
 
@@ -377,13 +440,22 @@ async fn ask_helper(helper: &str, registry: &str, search_path: Option<&OsStr>) -
     let program = format!("docker-credential-{helper}");
     let Some(binary) = find_program(&program, search_path) else {
         if first_time(format!("helper {helper}")) {
-            tracing::warn!(helper, "the Docker config names credential helper {program}, which is not on PATH: its credentials are not used");
+            tracing::warn!(
+                helper,
+                "the Docker config names credential helper {program}, which is not on PATH: its credentials are not used"
+            );
         }
         return None;
     };
     let server = if registry == DOCKER_HUB { DOCKER_HUB_SERVER } else { registry };
     let asked = async {
-        let mut child = tokio::process::Command::new(&binary).arg("get").stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).kill_on_drop(true).spawn()?;
+        let mut child = tokio::process::Command::new(&binary)
+            .arg("get")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()?;
         if let Some(mut stdin) = child.stdin.take() {
             // A helper that exits without reading closes the pipe: its answer still counts.
             let _ = stdin.write_all(server.as_bytes()).await;
@@ -402,7 +474,11 @@ async fn ask_helper(helper: &str, registry: &str, search_path: Option<&OsStr>) -
         }
     };
     if !output.status.success() {
-        let message = String::from_utf8_lossy(if output.stdout.is_empty() { &output.stderr } else { &output.stdout }).trim().chars().take(200).collect::<String>();
+        let message = String::from_utf8_lossy(if output.stdout.is_empty() { &output.stderr } else { &output.stdout })
+            .trim()
+            .chars()
+            .take(200)
+            .collect::<String>();
         if message.contains("credentials not found") {
             tracing::debug!(helper, registry, "{program} has no credentials for {server}");
         } else {
@@ -414,11 +490,17 @@ async fn ask_helper(helper: &str, registry: &str, search_path: Option<&OsStr>) -
         // The helper's way of handing out an identity token, which the client cannot use.
         Ok(answer) if answer.username == "<token>" => {
             if first_time(format!("identitytoken {registry}")) {
-                tracing::warn!(helper, registry, "{program} holds an identity token for {registry}, which is not supported (only a user and password)");
+                tracing::warn!(
+                    helper,
+                    registry,
+                    "{program} holds an identity token for {registry}, which is not supported (only a user and password)"
+                );
             }
             None
         }
-        Ok(answer) if !answer.username.is_empty() && !answer.secret.is_empty() => Some((answer.username, answer.secret)),
+        Ok(answer) if !answer.username.is_empty() && !answer.secret.is_empty() => {
+            Some((answer.username, answer.secret))
+        }
         Ok(_) => None,
         Err(_) => {
             tracing::warn!(helper, registry, "{program}'s answer is not {{\"Username\", \"Secret\"}}");
@@ -433,7 +515,9 @@ fn find_program(name: &str, search_path: Option<&OsStr>) -> Option<PathBuf> {
     if name.contains('/') {
         return None;
     }
-    std::env::split_paths(search_path?).map(|dir| dir.join(name)).find(|path| std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
+    std::env::split_paths(search_path?)
+        .map(|dir| dir.join(name))
+        .find(|path| std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
 }
 
 /// A component, not a core module or another file: the header's version and layer fields
@@ -441,7 +525,9 @@ fn find_program(name: &str, search_path: Option<&OsStr>) -> Option<PathBuf> {
 fn check_component(bytes: &[u8]) -> Result<(), OciError> {
     match bytes.get(..8) {
         Some([0x00, 0x61, 0x73, 0x6d, 0x0d, 0x00, 0x01, 0x00]) => Ok(()),
-        Some([0x00, 0x61, 0x73, 0x6d, ..]) => Err(OciError::NotComponentBytes("a core Wasm module; build it as a component (wasm32-wasip2)".into())),
+        Some([0x00, 0x61, 0x73, 0x6d, ..]) => {
+            Err(OciError::NotComponentBytes("a core Wasm module; build it as a component (wasm32-wasip2)".into()))
+        }
         _ => Err(OciError::NotComponentBytes("no WebAssembly header".into())),
     }
 }
@@ -455,7 +541,11 @@ mod tests {
         assert!(reference_of("target/m.wasm").is_none());
         let r = reference_of("oci://127.0.0.1:5000/modules/port-filter:v1").unwrap().unwrap();
         assert_eq!((r.registry(), r.repository(), r.tag()), ("127.0.0.1:5000", "modules/port-filter", Some("v1")));
-        let r = reference_of("registry://ghcr.io/org/policy@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef").unwrap().unwrap();
+        let r = reference_of(
+            "registry://ghcr.io/org/policy@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+        )
+        .unwrap()
+        .unwrap();
         assert!(r.digest().is_some());
         // Repositories are lower case.
         assert!(matches!(reference_of("oci://127.0.0.1:5000/Modules/X"), Some(Err(OciError::BadReference { .. }))));
@@ -527,7 +617,11 @@ mod tests {
             assert_eq!(auth_of(&config, hub).await, basic("hubuser", "hub:pass"), "{hub}");
         }
         assert_eq!(auth_of(&config, "registry.example:5000").await, basic("ci", "p"));
-        assert_eq!(auth_of(&config, "registry.example").await, RegistryAuth::Anonymous, "another port is another registry");
+        assert_eq!(
+            auth_of(&config, "registry.example").await,
+            RegistryAuth::Anonymous,
+            "another port is another registry"
+        );
         assert_eq!(auth_of(&config, "plain.example").await, basic("u2", "p2"));
         assert_eq!(auth_of(&config, "both.example").await, basic("from-auth", "a"), "`auth` wins, as in docker");
         // An identity token cannot be used: anonymous (warned), not an error; beside a password it is not needed.
@@ -537,7 +631,9 @@ mod tests {
             assert_eq!(auth_of(&config, nothing).await, RegistryAuth::Anonymous, "{nothing}");
         }
         // Two spellings of one registry: the one with credentials counts, in either order.
-        let twice = docker_config(r#"{"auths": {"docker.io": {}, "https://index.docker.io/v1/": {"username": "a", "password": "b"}, "registry-1.docker.io": {}}}"#);
+        let twice = docker_config(
+            r#"{"auths": {"docker.io": {}, "https://index.docker.io/v1/": {"username": "a", "password": "b"}, "registry-1.docker.io": {}}}"#,
+        );
         assert_eq!(auth_of(&twice, "docker.io").await, basic("a", "b"));
         // Nothing but unknown fields: a config without credentials, not an error.
         assert_eq!(auth_of(&docker_config(r#"{"psFormat": "table"}"#), "docker.io").await, RegistryAuth::Anonymous);
@@ -547,16 +643,29 @@ mod tests {
     async fn explicit_credentials_come_before_the_docker_config() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("config.json");
-        std::fs::write(&file, r#"{"auths": {"registry.example:5000": {"username": "from-config", "password": "c"}}}"#).unwrap();
+        std::fs::write(&file, r#"{"auths": {"registry.example:5000": {"username": "from-config", "password": "c"}}}"#)
+            .unwrap();
         let reference: Reference = "registry.example:5000/modules/m:v1".parse().unwrap();
         let elsewhere: Reference = "ghcr.io/org/m:v1".parse().unwrap();
         let with = |credentials: Option<(&str, &str)>| {
-            Registry::new(&RegistryOptions { credentials: credentials.map(|(u, p)| (u.into(), p.into())), docker_config: Some(file.clone()), ..Default::default() }).unwrap()
+            Registry::new(&RegistryOptions {
+                credentials: credentials.map(|(u, p)| (u.into(), p.into())),
+                docker_config: Some(file.clone()),
+                ..Default::default()
+            })
+            .unwrap()
         };
         let explicit = with(Some(("explicit", "e")));
-        assert_eq!((explicit.auth(&reference).await, explicit.auth(&elsewhere).await), (basic("explicit", "e"), basic("explicit", "e")), "explicit credentials are every registry's");
+        assert_eq!(
+            (explicit.auth(&reference).await, explicit.auth(&elsewhere).await),
+            (basic("explicit", "e"), basic("explicit", "e")),
+            "explicit credentials are every registry's"
+        );
         let config_only = with(None);
-        assert_eq!((config_only.auth(&reference).await, config_only.auth(&elsewhere).await), (basic("from-config", "c"), RegistryAuth::Anonymous));
+        assert_eq!(
+            (config_only.auth(&reference).await, config_only.auth(&elsewhere).await),
+            (basic("from-config", "c"), RegistryAuth::Anonymous)
+        );
         let neither = Registry::new(&RegistryOptions::default()).unwrap();
         assert_eq!(neither.auth(&reference).await, RegistryAuth::Anonymous);
     }
@@ -570,7 +679,9 @@ mod tests {
                 Some(text) => std::fs::write(&file, text).unwrap(),
                 None => drop(std::fs::remove_file(&file)),
             }
-            let e = Registry::new(&RegistryOptions { docker_config: Some(file.clone()), ..Default::default() }).err().expect("an error");
+            let e = Registry::new(&RegistryOptions { docker_config: Some(file.clone()), ..Default::default() })
+                .err()
+                .expect("an error");
             assert!(matches!(e, OciError::DockerConfig { .. }), "{e:?}");
             let message = e.to_string();
             assert!(message.contains(&file.display().to_string()), "{message}");
@@ -580,7 +691,10 @@ mod tests {
         assert!(error_of(Some("{\"auths\": {")).contains("not JSON"));
         let bad_auth = error_of(Some(r#"{"auths": {"registry.example": {"auth": "not base64!!"}}}"#));
         assert!(bad_auth.contains("registry.example") && !bad_auth.contains("not base64!!"), "{bad_auth}");
-        let no_colon = error_of(Some(&format!(r#"{{"auths": {{"registry.example": {{"auth": "{}"}}}}}}"#, AUTH_BASE64.encode("just-a-user"))));
+        let no_colon = error_of(Some(&format!(
+            r#"{{"auths": {{"registry.example": {{"auth": "{}"}}}}}}"#,
+            AUTH_BASE64.encode("just-a-user")
+        )));
         assert!(no_colon.contains("USER:PASSWORD"), "{no_colon}");
         // serde would quote a string where a map belongs: it may be a secret.
         let wrong_type = error_of(Some(r#"{"auths": {"registry.example": "c2VjcmV0OnNlY3JldA=="}}"#));
@@ -593,7 +707,11 @@ mod tests {
         let file = dir.path().join("config.json");
         let auth = AUTH_BASE64.encode("config-user:config-secret");
         std::fs::write(&file, format!(r#"{{"auths": {{"registry.example": {{"auth": "{auth}"}}, "other.example": {{"username": "u", "password": "plain-secret"}}}}, "credsStore": "pass"}}"#)).unwrap();
-        let options = RegistryOptions { credentials: Some(("ci".into(), "explicit-secret".into())), docker_config: Some(file.clone()), ..Default::default() };
+        let options = RegistryOptions {
+            credentials: Some(("ci".into(), "explicit-secret".into())),
+            docker_config: Some(file.clone()),
+            ..Default::default()
+        };
         let shown = format!("{options:?} {:?}", DockerConfig::read(&file).unwrap());
         for secret in ["explicit-secret", "config-secret", "plain-secret", auth.as_str()] {
             assert!(!shown.contains(secret), "{secret} in {shown}");
@@ -624,18 +742,30 @@ mod tests {
         );
         let auth = |registry: &'static str| config.auth_with_helpers_in(registry, Some(&search_path));
         assert_eq!(auth("helped.example:5000").await, basic("u", "s"), "the helper's answer beats the file's");
-        assert_eq!(auth("index.docker.io").await, basic("hub", "hub-s"), "credsStore, asked with Docker Hub's server URL");
+        assert_eq!(
+            auth("index.docker.io").await,
+            basic("hub", "hub-s"),
+            "credsStore, asked with Docker Hub's server URL"
+        );
         assert_eq!(auth("unhelped.example").await, basic("file", "f"), "credentials not found: the file's");
         assert_eq!(auth("token.example").await, basic("file", "f"), "an identity token is no use: the file's");
         assert_eq!(auth("ghcr.io").await, RegistryAuth::Anonymous, "neither helper nor file");
         // A missing helper program: the file's entry, or anonymous.
         assert_eq!(auth("missing.example").await, RegistryAuth::Anonymous);
-        let missing_store = docker_config(r#"{"auths": {"helped.example:5000": {"username": "file", "password": "f"}}, "credsStore": "wpmissing"}"#);
-        assert_eq!(missing_store.auth_with_helpers_in("helped.example:5000", Some(&search_path)).await, basic("file", "f"));
+        let missing_store = docker_config(
+            r#"{"auths": {"helped.example:5000": {"username": "file", "password": "f"}}, "credsStore": "wpmissing"}"#,
+        );
+        assert_eq!(
+            missing_store.auth_with_helpers_in("helped.example:5000", Some(&search_path)).await,
+            basic("file", "f")
+        );
         // The same helper elsewhere on no path: not found.
         assert_eq!(config.auth_with_helpers_in("helped.example:5000", Some(OsStr::new(""))).await, basic("file", "f"));
         assert!(find_program("docker-credential-wptest", Some(&search_path)).is_some());
-        assert!(find_program("../docker-credential-wptest", Some(&search_path)).is_none(), "a helper is a name, not a path");
+        assert!(
+            find_program("../docker-credential-wptest", Some(&search_path)).is_none(),
+            "a helper is a name, not a path"
+        );
     }
 
     #[test]

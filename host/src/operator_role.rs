@@ -10,8 +10,9 @@ use std::time::Duration;
 use anyhow::Context as _;
 use wasmplane_kvstore::KvStore;
 use wasmplane_operator::{
-    CandidateKind, DeciderError, GarbageCollector, GcCandidate, GcConfig, GcDecider, GcStats, HEARTBEAT_KEY, LeaderElectionConfig, LeaderElector, Leadership, Operator, OperatorConfig,
-    MeshSliceConfig, PolicySummary, RemoteExports, ServiceSyncConfig, write_heartbeats,
+    CandidateKind, DeciderError, GarbageCollector, GcCandidate, GcConfig, GcDecider, GcStats, HEARTBEAT_KEY,
+    LeaderElectionConfig, LeaderElector, Leadership, MeshSliceConfig, Operator, OperatorConfig, PolicySummary,
+    RemoteExports, ServiceSyncConfig, write_heartbeats,
 };
 use wasmplane_runtime::gc::{Candidate, CandidateKind as WitKind, GcSession};
 use wasmplane_runtime::{GuestKind, Runtime};
@@ -96,33 +97,63 @@ impl WasmGcDecider {
     fn wanted(&self) -> Result<Wanted, DeciderError> {
         let store = self.store.clone();
         // Called on a blocking thread (the collector calls deciders off the async workers).
-        let (index, _) = self.handle.block_on(store.load()).map_err(|e| DeciderError(format!("reading the module index: {e}")))?;
+        let (index, _) =
+            self.handle.block_on(store.load()).map_err(|e| DeciderError(format!("reading the module index: {e}")))?;
         let Some((name, version)) = index.in_force(GuestKind::Gc) else {
-            let settings = index.settings.get(BUILTIN_GC).map_or_else(|| wasmplane_runtime::NO_SETTINGS.to_string(), |v| v.to_string());
-            return Ok(Wanted { identity: format!("{BUILTIN_GC} {settings}"), name: BUILTIN_GC.into(), settings, uploaded: None });
+            let settings = index
+                .settings
+                .get(BUILTIN_GC)
+                .map_or_else(|| wasmplane_runtime::NO_SETTINGS.to_string(), |v| v.to_string());
+            return Ok(Wanted {
+                identity: format!("{BUILTIN_GC} {settings}"),
+                name: BUILTIN_GC.into(),
+                settings,
+                uploaded: None,
+            });
         };
-        let settings = index.settings.get(name).map_or_else(|| wasmplane_runtime::NO_SETTINGS.to_string(), |v| v.to_string());
-        let record = index.modules.get(name).and_then(|m| m.version(version)).ok_or_else(|| DeciderError(format!("module {name}@{version} is in force but not in the index")))?;
+        let settings =
+            index.settings.get(name).map_or_else(|| wasmplane_runtime::NO_SETTINGS.to_string(), |v| v.to_string());
+        let record = index
+            .modules
+            .get(name)
+            .and_then(|m| m.version(version))
+            .ok_or_else(|| DeciderError(format!("module {name}@{version} is in force but not in the index")))?;
         let identity = format!("{} {settings}", record.digest);
         if self.current.as_ref().is_some_and(|(current, _)| *current == identity) {
             return Ok(Wanted { identity, name: name.to_string(), settings, uploaded: None });
         }
-        let bytes = self.handle.block_on(self.store.get_blob(&record.digest)).map_err(|e| DeciderError(format!("fetching {name}@{version}: {e}")))?;
-        Ok(Wanted { identity, name: format!("{name}@{version}"), settings, uploaded: Some(Uploaded { name: name.to_string(), bytes, signature: record.signature.clone() }) })
+        let bytes = self
+            .handle
+            .block_on(self.store.get_blob(&record.digest))
+            .map_err(|e| DeciderError(format!("fetching {name}@{version}: {e}")))?;
+        Ok(Wanted {
+            identity,
+            name: format!("{name}@{version}"),
+            settings,
+            uploaded: Some(Uploaded { name: name.to_string(), bytes, signature: record.signature.clone() }),
+        })
     }
 
     fn session(&mut self) -> Result<&mut GcSession, DeciderError> {
         let Wanted { identity, name, settings, uploaded } = self.wanted()?;
         if self.current.as_ref().is_none_or(|(current, _)| *current != identity) {
             let bytes: &[u8] = uploaded.as_ref().map_or(wasmplane_guest_artifacts::GC, |u| &u.bytes);
-            let module = self.runtime.load_gc(&name, bytes, self.max_module_bytes).map_err(|e| DeciderError(format!("loading GC module {name}: {e}")))?.with_settings(&settings);
+            let module = self
+                .runtime
+                .load_gc(&name, bytes, self.max_module_bytes)
+                .map_err(|e| DeciderError(format!("loading GC module {name}: {e}")))?
+                .with_settings(&settings);
             if let Some(u) = &uploaded {
-                self.admission.admit(&u.name, &module.info, &u.bytes, u.signature.as_deref()).map_err(|e| DeciderError(format!("GC module {name} refused on this host: {e}")))?;
+                self.admission
+                    .admit(&u.name, &module.info, &u.bytes, u.signature.as_deref())
+                    .map_err(|e| DeciderError(format!("GC module {name} refused on this host: {e}")))?;
             }
             // Checked where they are set; settings that reach the index another way (written
             // to etcd by hand, a host of an older version) are refused here too.
             match module.validate_settings(&settings) {
-                Ok(wasmplane_runtime::SettingsVerdict::Invalid(reason)) => return Err(DeciderError(format!("GC module {name} refuses its settings: {reason}"))),
+                Ok(wasmplane_runtime::SettingsVerdict::Invalid(reason)) => {
+                    return Err(DeciderError(format!("GC module {name} refuses its settings: {reason}")));
+                }
                 Err(e) => return Err(DeciderError(format!("GC module {name}: its settings validator failed: {e}"))),
                 Ok(_) => {}
             }
@@ -146,8 +177,15 @@ fn wit_kind(kind: CandidateKind) -> WitKind {
 
 impl GcDecider for WasmGcDecider {
     fn collect(&mut self, candidates: &[GcCandidate]) -> Result<Vec<String>, DeciderError> {
-        let offered: Vec<Candidate> =
-            candidates.iter().map(|c| Candidate { key: c.key.clone(), kind: wit_kind(c.kind), age_seconds: c.age.as_secs(), owner_exists: c.owner_exists }).collect();
+        let offered: Vec<Candidate> = candidates
+            .iter()
+            .map(|c| Candidate {
+                key: c.key.clone(),
+                kind: wit_kind(c.kind),
+                age_seconds: c.age.as_secs(),
+                owner_exists: c.owner_exists,
+            })
+            .collect();
         let result = self.session()?.collect(&offered);
         result.map_err(|e| {
             // A failed instance is not reused; a broken module is tried again next cycle.
@@ -157,7 +195,12 @@ impl GcDecider for WasmGcDecider {
 }
 
 /// Collects module versions every `interval`, for as long as it runs (errors: next cycle).
-async fn module_gc_loop(store: ModuleStore, decider: Arc<Mutex<dyn GcDecider>>, interval: Duration, deletes_per_second: f64) {
+async fn module_gc_loop(
+    store: ModuleStore,
+    decider: Arc<Mutex<dyn GcDecider>>,
+    interval: Duration,
+    deletes_per_second: f64,
+) {
     let mut ticks = tokio::time::interval(interval);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -194,7 +237,14 @@ impl OperatorRole {
     /// `client`: the API server (leader election on a Lease, status writes, service sync);
     /// none (embedded): this process leads, and runs the heartbeat and GC only.
     /// `modules`: the cluster's module index, where `WasmModule` objects are uploaded.
-    pub async fn start(kv: Arc<dyn KvStore>, client: Option<kube::Client>, runtime: Arc<Runtime>, modules: Arc<Modules>, max_module_bytes: usize, config: OperatorRoleConfig) -> anyhow::Result<OperatorRole> {
+    pub async fn start(
+        kv: Arc<dyn KvStore>,
+        client: Option<kube::Client>,
+        runtime: Arc<Runtime>,
+        modules: Arc<Modules>,
+        max_module_bytes: usize,
+        config: OperatorRoleConfig,
+    ) -> anyhow::Result<OperatorRole> {
         let decider: Arc<Mutex<dyn GcDecider>> = Arc::new(Mutex::new(WasmGcDecider {
             runtime,
             store: ModuleStore::new(kv.clone()),
@@ -204,20 +254,30 @@ impl OperatorRole {
             admission: modules.admission().clone(),
         }));
         let module_gc = {
-            let (store, decider, interval, rate) = (ModuleStore::new(kv.clone()), decider.clone(), config.gc_interval, config.gc_deletes_per_second);
+            let (store, decider, interval, rate) =
+                (ModuleStore::new(kv.clone()), decider.clone(), config.gc_interval, config.gc_deletes_per_second);
             move || module_gc_loop(store.clone(), decider.clone(), interval, rate)
         };
         let gc_stats = Arc::new(GcStats::default());
-        let gc = GcConfig { interval: config.gc_interval, deletes_per_second: config.gc_deletes_per_second, service_sync: config.cluster_name.clone().map(ServiceSyncConfig::new), stats: gc_stats.clone(), ..GcConfig::default() };
+        let gc = GcConfig {
+            interval: config.gc_interval,
+            deletes_per_second: config.gc_deletes_per_second,
+            service_sync: config.cluster_name.clone().map(ServiceSyncConfig::new),
+            stats: gc_stats.clone(),
+            ..GcConfig::default()
+        };
         match client {
             Some(client) => {
-                let election = LeaderElectionConfig::new(&config.lease_namespace, &config.lease_name, &config.identity).with_lease_duration(config.lease_duration);
+                let election = LeaderElectionConfig::new(&config.lease_namespace, &config.lease_name, &config.identity)
+                    .with_lease_duration(config.lease_duration);
                 let elector = LeaderElector::start(client.clone(), election).context("starting leader election")?;
                 let leadership = elector.leadership();
                 let (mut remote_clusters, mut mesh_slices) = (None, None);
                 if let (Some(mesh), Some(cluster)) = (&config.mesh_slices, &config.cluster_name) {
                     let (exports, received) = RemoteExports::new();
-                    let follow = move |name: &str, etcd| Box::new(ExportFollowing::start(name, etcd, exports.clone())) as Box<dyn Following>;
+                    let follow = move |name: &str, etcd| {
+                        Box::new(ExportFollowing::start(name, etcd, exports.clone())) as Box<dyn Following>
+                    };
                     remote_clusters = Some(RemoteClusters::start(mesh.clone(), cluster, Box::new(follow)).await?);
                     mesh_slices = Some(MeshSliceConfig::new(received));
                 }
@@ -228,14 +288,21 @@ impl OperatorRole {
                     gc,
                     ..OperatorConfig::new(config.identity.clone())
                 };
-                let operator = Operator::start(kv, client.clone(), leadership.clone(), Some(decider), operator_config).await.context("starting the operator duties")?;
+                let operator = Operator::start(kv, client.clone(), leadership.clone(), Some(decider), operator_config)
+                    .await
+                    .context("starting the operator duties")?;
                 let module_gc = {
                     let leadership = leadership.clone();
-                    tokio::spawn(async move { leadership.run_while_leading("module-gc", Duration::from_secs(1), module_gc).await })
+                    tokio::spawn(async move {
+                        leadership.run_while_leading("module-gc", Duration::from_secs(1), module_gc).await
+                    })
                 };
                 let module_objects = {
                     let leadership = leadership.clone();
-                    let objects = ModuleObjectsConfig { max_module_bytes: max_module_bytes as u64, ..config.module_objects.clone() };
+                    let objects = ModuleObjectsConfig {
+                        max_module_bytes: max_module_bytes as u64,
+                        ..config.module_objects.clone()
+                    };
                     let duty = move || {
                         let (client, modules, objects) = (client.clone(), modules.clone(), objects.clone());
                         async move {
@@ -244,18 +311,39 @@ impl OperatorRole {
                             }
                         }
                     };
-                    tokio::spawn(async move { leadership.run_while_leading("module-objects", Duration::from_secs(5), duty).await })
+                    tokio::spawn(async move {
+                        leadership.run_while_leading("module-objects", Duration::from_secs(5), duty).await
+                    })
                 };
-                Ok(OperatorRole { operator: Some(operator), _remote_clusters: remote_clusters, elector: Mutex::new(Some(elector)), leadership, embedded: vec![module_gc, module_objects], gc_stats })
+                Ok(OperatorRole {
+                    operator: Some(operator),
+                    _remote_clusters: remote_clusters,
+                    elector: Mutex::new(Some(elector)),
+                    leadership,
+                    embedded: vec![module_gc, module_objects],
+                    gc_stats,
+                })
             }
             None => {
                 let mut collector = GarbageCollector::new(kv.clone(), None, decider, gc).context("configuring GC")?;
                 let embedded = vec![
-                    tokio::spawn(write_heartbeats(kv, HEARTBEAT_KEY.into(), config.identity.clone(), config.heartbeat_interval)),
+                    tokio::spawn(write_heartbeats(
+                        kv,
+                        HEARTBEAT_KEY.into(),
+                        config.identity.clone(),
+                        config.heartbeat_interval,
+                    )),
                     tokio::spawn(async move { collector.run().await }),
                     tokio::spawn(module_gc()),
                 ];
-                Ok(OperatorRole { operator: None, _remote_clusters: None, elector: Mutex::new(None), leadership: Leadership::always(), embedded, gc_stats })
+                Ok(OperatorRole {
+                    operator: None,
+                    _remote_clusters: None,
+                    elector: Mutex::new(None),
+                    leadership: Leadership::always(),
+                    embedded,
+                    gc_stats,
+                })
             }
         }
     }

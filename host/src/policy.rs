@@ -27,7 +27,9 @@ use std::sync::Arc;
 
 use serde::Serialize;
 use wasmplane_model::state::{ModelUpdate, PolicyView};
-use wasmplane_model::{ClusterState, CompactString, Labels, NetworkPolicy, NodeLocalModel, ObjectKey, Pod, PolicyPortNumber, ToStd};
+use wasmplane_model::{
+    ClusterState, CompactString, Labels, NetworkPolicy, NodeLocalModel, ObjectKey, Pod, PolicyPortNumber, ToStd,
+};
 use wasmplane_runtime::policy::{PodLookups, PolicyModule, PolicySession};
 use wasmplane_runtime::{CallError, wit};
 
@@ -208,7 +210,13 @@ impl PolicyController {
     /// changed) and returns the dataplane changes. `detection`: how the dataplane detects pod
     /// traffic now (the guest's `pod-traffic` matches render by it), after the update: a
     /// family that gains or loses its detector moves the context, so every policy is redone.
-    pub fn apply(&mut self, cluster: &ClusterState, model: &NodeLocalModel, update: &ModelUpdate, detection: PodDetection) -> PolicyChanges {
+    pub fn apply(
+        &mut self,
+        cluster: &ClusterState,
+        model: &NodeLocalModel,
+        update: &ModelUpdate,
+        detection: PodDetection,
+    ) -> PolicyChanges {
         let work: Vec<(ObjectKey, Option<Arc<PolicyView>>)> = if update.context_changed {
             let mut keys: BTreeSet<ObjectKey> = model.policies.keys().cloned().collect();
             keys.extend(self.compiled.keys().cloned());
@@ -221,7 +229,12 @@ impl PolicyController {
 
     /// Compiles every policy of the model again (a new module, a reconcile), `detection` as in
     /// [`PolicyController::apply`].
-    pub fn recompile_all(&mut self, cluster: &ClusterState, model: &NodeLocalModel, detection: PodDetection) -> PolicyChanges {
+    pub fn recompile_all(
+        &mut self,
+        cluster: &ClusterState,
+        model: &NodeLocalModel,
+        detection: PodDetection,
+    ) -> PolicyChanges {
         let mut keys: BTreeSet<ObjectKey> = model.policies.keys().cloned().collect();
         keys.extend(self.compiled.keys().cloned());
         let work = keys.into_iter().map(|k| (k.clone(), model.policies.get(&k).cloned())).collect();
@@ -280,7 +293,8 @@ impl PolicyController {
         let mut out = PolicyChanges::default();
         if self.log_allowed_all != enabled {
             self.log_allowed_all = enabled;
-            let changed: Vec<ObjectKey> = self.compiled.keys().filter(|k| !self.log_allowed.contains(*k)).cloned().collect();
+            let changed: Vec<ObjectKey> =
+                self.compiled.keys().filter(|k| !self.log_allowed.contains(*k)).cloned().collect();
             self.rewrite_policy_objects(&changed, &mut out);
         }
         Ok(out)
@@ -322,9 +336,18 @@ impl PolicyController {
     /// ingress, else egress when it selects the source in egress. (A connection between two
     /// local pods such a policy selects both ways is logged by each pass and read as ingress
     /// both times.) `None` in a field the event does not tell (its policy is gone).
-    pub fn allowed_by(&self, ids: &BTreeMap<render::PolicyLogId, ObjectKey>, direction: Option<Direction>, id: render::PolicyLogId, source: IpAddr, destination: IpAddr) -> AllowedBy {
+    pub fn allowed_by(
+        &self,
+        ids: &BTreeMap<render::PolicyLogId, ObjectKey>,
+        direction: Option<Direction>,
+        id: render::PolicyLogId,
+        source: IpAddr,
+        destination: IpAddr,
+    ) -> AllowedBy {
         let policy = ids.get(&id).cloned();
-        let selects = |d: Direction, addr: IpAddr| policy.as_ref().is_some_and(|p| self.by_target.get(&(d, addr)).is_some_and(|keys| keys.contains(p)));
+        let selects = |d: Direction, addr: IpAddr| {
+            policy.as_ref().is_some_and(|p| self.by_target.get(&(d, addr)).is_some_and(|keys| keys.contains(p)))
+        };
         let direction = direction.or_else(|| {
             if selects(Direction::Ingress, destination) {
                 Some(Direction::Ingress)
@@ -338,14 +361,21 @@ impl PolicyController {
 
     /// Every dataplane object of the policy side as it should be now (for a full sync).
     pub fn objects(&self) -> Vec<(ObjectKey, ObjectRules)> {
-        let mut out: Vec<(ObjectKey, ObjectRules)> =
-            self.compiled.iter().map(|(k, c)| (render::policy_object_key(k), self.policy_object(k, &c.rules))).collect();
+        let mut out: Vec<(ObjectKey, ObjectRules)> = self
+            .compiled
+            .iter()
+            .map(|(k, c)| (render::policy_object_key(k), self.policy_object(k, &c.rules)))
+            .collect();
         for ((direction, addr), entries) in &self.dispatch {
             if let Some(rules) = render::dispatch_object(*direction, addr, entries, self.verdict_log) {
                 out.push((render::dispatch_object_key(*direction, addr), rules));
             }
         }
-        out.extend(self.shared_sets.iter().map(|(name, set)| (render::shared_set_object_key(name), render::shared_set_object(name, set))));
+        out.extend(
+            self.shared_sets
+                .iter()
+                .map(|(name, set)| (render::shared_set_object_key(name), render::shared_set_object(name, set))),
+        );
         out
     }
 
@@ -362,7 +392,8 @@ impl PolicyController {
         keys.into_iter()
             .map(|k| {
                 let compiled = self.compiled.get(k);
-                let count = |d: Direction| compiled.map_or(0, |c| c.rules.targets.keys().filter(|(dir, _)| *dir == d).count());
+                let count =
+                    |d: Direction| compiled.map_or(0, |c| c.rules.targets.keys().filter(|(dir, _)| *dir == d).count());
                 PolicyStatus {
                     namespace: k.namespace.to_std(),
                     name: k.name.to_std(),
@@ -420,21 +451,34 @@ impl PolicyController {
                 let total = out.get_or_insert_with(DirectionCounts::default);
                 for (chain, accepted) in counts.accepted {
                     // A policy's chains are under its prefix, and nothing but its own.
-                    let policy = policies.into_iter().flatten().find(|key| chain.starts_with(&format!("{}/", render::policy_prefix(key))));
+                    let policy = policies
+                        .into_iter()
+                        .flatten()
+                        .find(|key| chain.starts_with(&format!("{}/", render::policy_prefix(key))));
                     let Some(policy) = policy else { continue };
                     match total.policies.iter_mut().find(|p| &p.policy == policy) {
                         Some(p) => p.accepted += accepted,
                         None => total.policies.push(PolicyAccepted { policy: policy.clone(), accepted }),
                     }
                 }
-                if counts.audit { total.would_drop += counts.final_packets } else { total.dropped += counts.final_packets }
+                if counts.audit {
+                    total.would_drop += counts.final_packets
+                } else {
+                    total.dropped += counts.final_packets
+                }
             }
             out
         };
         PodPolicyCounts { ingress: direction_counts(Direction::Ingress), egress: direction_counts(Direction::Egress) }
     }
 
-    fn run(&mut self, cluster: &ClusterState, model: &NodeLocalModel, work: Vec<(ObjectKey, Option<Arc<PolicyView>>)>, detection: PodDetection) -> PolicyChanges {
+    fn run(
+        &mut self,
+        cluster: &ClusterState,
+        model: &NodeLocalModel,
+        work: Vec<(ObjectKey, Option<Arc<PolicyView>>)>,
+        detection: PodDetection,
+    ) -> PolicyChanges {
         let mut out = PolicyChanges::default();
         if work.is_empty() {
             return out;
@@ -447,7 +491,8 @@ impl PolicyController {
         for (key, view) in work {
             let old_targets: BTreeSet<(Direction, IpAddr)> =
                 self.compiled.get(&key).map(|c| c.rules.targets.keys().copied().collect()).unwrap_or_default();
-            let old_shared: BTreeSet<String> = self.compiled.get(&key).map(|c| c.rules.shared.keys().cloned().collect()).unwrap_or_default();
+            let old_shared: BTreeSet<String> =
+                self.compiled.get(&key).map(|c| c.rules.shared.keys().cloned().collect()).unwrap_or_default();
             // Whatever happens to the policy (compiled, failed, withdrawn), what it gives
             // its shared sets may change.
             affected_sets.extend(old_shared.iter().cloned());
@@ -471,7 +516,11 @@ impl PolicyController {
                 Err(PolicyError::Guest(_)) => "crash",
                 Err(PolicyError::Invalid(_)) => "invalid",
             };
-            out.guest_calls.push(GuestCall { seconds: started.elapsed().as_secs_f64(), outcome, error: compiled.as_ref().err().map(|e| naming_policy(&key, e)) });
+            out.guest_calls.push(GuestCall {
+                seconds: started.elapsed().as_secs_f64(),
+                outcome,
+                error: compiled.as_ref().err().map(|e| naming_policy(&key, e)),
+            });
             match compiled.and_then(|rules| self.check_shared(&key, rules)) {
                 Ok(rules) => {
                     out.compiled += 1;
@@ -483,10 +532,11 @@ impl PolicyController {
                     let old = self.compiled.get(&key);
                     let changed = match self.allow_log_of(&key) {
                         Some(log) => {
-                            let same_inputs = old.is_some_and(|c| c.rules.rules == rules.rules && c.rules.targets == rules.targets);
-                            (!same_inputs)
-                                .then(|| render::allow_logged_object(&key, &rules, log))
-                                .filter(|object| old.is_none_or(|c| render::allow_logged_object(&key, &c.rules, log) != *object))
+                            let same_inputs =
+                                old.is_some_and(|c| c.rules.rules == rules.rules && c.rules.targets == rules.targets);
+                            (!same_inputs).then(|| render::allow_logged_object(&key, &rules, log)).filter(|object| {
+                                old.is_none_or(|c| render::allow_logged_object(&key, &c.rules, log) != *object)
+                            })
                         }
                         None => (!old.is_some_and(|c| c.rules.rules == rules.rules)).then(|| rules.rules.clone()),
                     };
@@ -505,7 +555,9 @@ impl PolicyController {
                     affected.extend(old_targets.symmetric_difference(&new_targets).copied());
                     // A target whose chain name changed needs its dispatch rewritten too.
                     if let Some(old) = self.compiled.get(&key) {
-                        affected.extend(new_targets.iter().filter(|t| old.rules.targets.get(t) != rules.targets.get(t)).copied());
+                        affected.extend(
+                            new_targets.iter().filter(|t| old.rules.targets.get(t) != rules.targets.get(t)).copied(),
+                        );
                     }
                     self.compiled.insert(key.clone(), Compiled { generation: view.policy.generation, rules });
                 }
@@ -627,7 +679,8 @@ impl PolicyController {
             CallError::Guest(m) => PolicyError::Declined(m),
             other => PolicyError::Guest(other.to_string()),
         })?;
-        let local: BTreeSet<IpAddr> = view.local_pods.iter().flat_map(|p| p.ips.iter()).filter_map(|ip| ip.parse().ok()).collect();
+        let local: BTreeSet<IpAddr> =
+            view.local_pods.iter().flat_map(|p| p.ips.iter()).filter_map(|ip| ip.parse().ok()).collect();
         render::validate_policy_output(key, &out, &local, detection).map_err(|e| PolicyError::Invalid(e.to_string()))
     }
 }
@@ -647,7 +700,11 @@ fn remove_user<K: Ord>(users: &mut BTreeMap<K, BTreeSet<ObjectKey>>, keys: &BTre
 
 /// Whether a policy has an egress rule with a named port and no peers (any destination).
 fn resolves_on_every_pod(policy: &NetworkPolicy) -> bool {
-    policy.egress.iter().flatten().any(|r| r.peers.is_empty() && r.ports.iter().any(|p| matches!(p.port, PolicyPortNumber::Name(_))))
+    policy
+        .egress
+        .iter()
+        .flatten()
+        .any(|r| r.peers.is_empty() && r.ports.iter().any(|p| matches!(p.port, PolicyPortNumber::Name(_))))
 }
 
 #[cfg(test)]
@@ -687,7 +744,11 @@ mod tests {
             pod_selector: sel(&[("app", target)]),
             ingress: Some(vec![PolicyRule {
                 ports: vec![PolicyPort { protocol: Protocol::Tcp, port: PolicyPortNumber::Number(80), end_port: None }],
-                peers: vec![PolicyPeer { pod_selector: Some(sel(&[("app", "client")])), namespace_selector: None, ip_block: None }],
+                peers: vec![PolicyPeer {
+                    pod_selector: Some(sel(&[("app", "client")])),
+                    namespace_selector: None,
+                    ip_block: None,
+                }],
             }]),
             egress: None,
         })
@@ -703,7 +764,9 @@ mod tests {
     impl World {
         fn new() -> World {
             let runtime = Runtime::new(Limits::default(), None).unwrap();
-            let module = runtime.load_policy("default-network-policy", wasmplane_guest_artifacts::NETWORK_POLICY, 8 << 20).unwrap();
+            let module = runtime
+                .load_policy("default-network-policy", wasmplane_guest_artifacts::NETWORK_POLICY, 8 << 20)
+                .unwrap();
             let mut w = World {
                 cluster: ClusterState::new(),
                 model: NodeLocalModel::new("node-a", vec!["10.244.0.0/16".into()]),
@@ -729,9 +792,10 @@ mod tests {
         }
 
         fn delete_policy(&mut self, name: &str) -> PolicyChanges {
-            let touched = self
-                .cluster
-                .apply(ClusterEvent::Delete(wasmplane_model::state::ObjectKind::NetworkPolicy, ObjectKey::new("a", name)), "node-a");
+            let touched = self.cluster.apply(
+                ClusterEvent::Delete(wasmplane_model::state::ObjectKind::NetworkPolicy, ObjectKey::new("a", name)),
+                "node-a",
+            );
             let update = self.model.update(&self.cluster, &touched);
             self.controller.apply(&self.cluster, &self.model, &update, Self::pods())
         }
@@ -739,7 +803,8 @@ mod tests {
 
     /// Each change's object (shared sets as `shared set`) and whether it has chains.
     fn keys(c: &PolicyChanges) -> Vec<(String, bool)> {
-        let name = |k: &ObjectKey| if k.namespace == "networkpolicy-set:" { "shared set".to_string() } else { k.to_string() };
+        let name =
+            |k: &ObjectKey| if k.namespace == "networkpolicy-set:" { "shared set".to_string() } else { k.to_string() };
         c.changes.iter().map(|(k, r)| (name(k), r.as_ref().is_some_and(|r| !r.chains.is_empty()))).collect()
     }
 
@@ -758,7 +823,10 @@ mod tests {
             "the policy before the dispatch chain jumping to it; its peers in a shared set"
         );
         let dispatch = c.changes[1].1.as_ref().unwrap();
-        assert_eq!(dispatch.chains["polpod/10.244.1.10/ingress"], vec!["counter jump pol/a/p/ingress", "counter drop comment \"deny\""]);
+        assert_eq!(
+            dispatch.chains["polpod/10.244.1.10/ingress"],
+            vec!["counter jump pol/a/p/ingress", "counter drop comment \"deny\""]
+        );
         assert_eq!(w.controller.realization(), BTreeMap::from([(ObjectKey::new("a", "p"), 1)]));
     }
 
@@ -794,7 +862,10 @@ mod tests {
 
     /// Line number of `statement` in `transaction` (panics if absent).
     fn line_of(transaction: &str, statement: &str) -> usize {
-        transaction.lines().position(|l| l == statement).unwrap_or_else(|| panic!("{statement:?} not in\n{transaction}"))
+        transaction
+            .lines()
+            .position(|l| l == statement)
+            .unwrap_or_else(|| panic!("{statement:?} not in\n{transaction}"))
     }
 
     #[test]
@@ -804,7 +875,8 @@ mod tests {
         written(&mut writer, &w.apply(policy("p", "web", 1)));
         let c = w.apply(policy("q", "web", 1));
         written(&mut writer, &c);
-        let dispatch = c.changes.iter().find_map(|(k, r)| k.namespace.starts_with("networkpolicy-dispatch").then_some(r)).unwrap();
+        let dispatch =
+            c.changes.iter().find_map(|(k, r)| k.namespace.starts_with("networkpolicy-dispatch").then_some(r)).unwrap();
         assert_eq!(
             dispatch.as_ref().unwrap().chains["polpod/10.244.1.10/ingress"],
             vec!["counter jump pol/a/p/ingress", "counter jump pol/a/q/ingress", "counter drop comment \"deny\""]
@@ -812,16 +884,23 @@ mod tests {
         let c = w.delete_policy("q");
         assert_eq!(
             keys(&c),
-            vec![("networkpolicy-dispatch:/10.244.1.10/ingress".to_string(), true), ("networkpolicy:a/q".to_string(), false)]
+            vec![
+                ("networkpolicy-dispatch:/10.244.1.10/ingress".to_string(), true),
+                ("networkpolicy:a/q".to_string(), false)
+            ]
         );
         assert!(c.changes[1].1.is_none(), "the policy goes at once");
         // One transaction: the dispatch chain stops jumping to q before q's chain goes.
         let t = written(&mut writer, &c);
         assert!(
-            line_of(&t, "flush chain inet wasmplane polpod/10.244.1.10/ingress") < line_of(&t, "delete chain inet wasmplane pol/a/q/ingress"),
+            line_of(&t, "flush chain inet wasmplane polpod/10.244.1.10/ingress")
+                < line_of(&t, "delete chain inet wasmplane pol/a/q/ingress"),
             "{t}"
         );
-        assert!(line_of(&t, "delete chain inet wasmplane pol/a/q/ingress") < line_of(&t, "add rule inet wasmplane polpod/10.244.1.10/ingress counter jump pol/a/p/ingress"));
+        assert!(
+            line_of(&t, "delete chain inet wasmplane pol/a/q/ingress")
+                < line_of(&t, "add rule inet wasmplane polpod/10.244.1.10/ingress counter jump pol/a/p/ingress")
+        );
         // Nothing is left to clean up on the next call.
         assert!(w.apply(pod("a", "batch-0", "10.244.1.20", "batch")).changes.is_empty());
         // The last policy going: the dispatch object goes too (the pod is open again).
@@ -852,7 +931,8 @@ mod tests {
         assert!(object.chains.contains_key("pol/a/p/egress"));
         let t = written(&mut writer, &c);
         assert!(
-            line_of(&t, "flush chain inet wasmplane polpod/10.244.1.10/ingress") < line_of(&t, "delete chain inet wasmplane pol/a/p/ingress"),
+            line_of(&t, "flush chain inet wasmplane polpod/10.244.1.10/ingress")
+                < line_of(&t, "delete chain inet wasmplane pol/a/p/ingress"),
             "{t}"
         );
         assert!(w.controller.objects().iter().all(|(_, r)| !r.chains.contains_key("pol/a/p/ingress")));
@@ -870,7 +950,10 @@ mod tests {
         assert_eq!(w.controller.drop_counts(listing), BTreeMap::from([(ObjectKey::new("a", "p"), (0, 4))]));
         let status = w.controller.status(&w.model);
         assert!(status[0].audit && status[0].enforced_generation == Some(1) && status[0].ingress_targets == 1);
-        assert!(w.controller.set_audit(&ObjectKey::new("a", "p"), true).changes.is_empty(), "no change, nothing written");
+        assert!(
+            w.controller.set_audit(&ObjectKey::new("a", "p"), true).changes.is_empty(),
+            "no change, nothing written"
+        );
     }
 
     /// Allow logging rewrites only that policy's object (its accepts go to its allow chain),
@@ -885,7 +968,8 @@ mod tests {
         w.apply(policy("p", "web", 1));
         w.apply(policy("q", "web", 1));
         let before = w.controller.objects();
-        let original = |key: &ObjectKey| before.iter().find(|(k, _)| *k == render::policy_object_key(key)).unwrap().1.clone();
+        let original =
+            |key: &ObjectKey| before.iter().find(|(k, _)| *k == render::policy_object_key(key)).unwrap().1.clone();
         let on = w.controller.set_log_allowed(&p, true).unwrap();
         assert_eq!(on.changes.len(), 1, "{:?}", on.changes.iter().map(|c| &c.0).collect::<Vec<_>>());
         assert_eq!(on.changes[0].0, render::policy_object_key(&p));
@@ -899,11 +983,22 @@ mod tests {
         // Recompiled while logged: the same rules and targets write nothing; another pod
         // selected (new targets, its chain still ingress only) renders the same object, so
         // only the dispatch objects change.
-        let object_of = |changes: &PolicyChanges| changes.changes.iter().find(|(k, _)| *k == render::policy_object_key(&p)).map(|(_, o)| o.clone());
+        let object_of = |changes: &PolicyChanges| {
+            changes.changes.iter().find(|(k, _)| *k == render::policy_object_key(&p)).map(|(_, o)| o.clone())
+        };
         assert_eq!(object_of(&w.apply(policy("p", "web", 2))), None, "the same object is not written again");
         let moved = w.apply(policy("p", "client", 3));
-        assert_eq!(object_of(&moved), None, "the same object, other targets: {:?}", moved.changes.iter().map(|c| &c.0).collect::<Vec<_>>());
-        assert!(moved.changes.iter().any(|(k, _)| k.name.contains("10.244.1.12")), "client's dispatch written: {:?}", moved.changes.iter().map(|c| &c.0).collect::<Vec<_>>());
+        assert_eq!(
+            object_of(&moved),
+            None,
+            "the same object, other targets: {:?}",
+            moved.changes.iter().map(|c| &c.0).collect::<Vec<_>>()
+        );
+        assert!(
+            moved.changes.iter().any(|(k, _)| k.name.contains("10.244.1.12")),
+            "client's dispatch written: {:?}",
+            moved.changes.iter().map(|c| &c.0).collect::<Vec<_>>()
+        );
         w.apply(policy("p", "web", 4));
 
         // Who an allow event is owed to: ingress at web (the policy's chain is ingress only;
@@ -912,10 +1007,25 @@ mod tests {
         let ids = w.controller.log_ids();
         let id = render::PolicyLogId::of(&p);
         let by = w.controller.allowed_by(&ids, None, id, client, web);
-        assert_eq!(by, AllowedBy { policy: Some(p.clone()), direction: Some(Direction::Ingress), pod_address: Some(web) });
-        assert_eq!(w.controller.allowed_by(&ids, None, id, web, client).direction, None, "it selects neither way round");
-        assert_eq!(w.controller.allowed_by(&ids, Some(Direction::Egress), id, web, client).pod_address, Some(web), "a direction given is taken");
-        assert_eq!(w.controller.allowed_by(&ids, None, render::PolicyLogId(1), client, web).policy, None, "a policy gone");
+        assert_eq!(
+            by,
+            AllowedBy { policy: Some(p.clone()), direction: Some(Direction::Ingress), pod_address: Some(web) }
+        );
+        assert_eq!(
+            w.controller.allowed_by(&ids, None, id, web, client).direction,
+            None,
+            "it selects neither way round"
+        );
+        assert_eq!(
+            w.controller.allowed_by(&ids, Some(Direction::Egress), id, web, client).pod_address,
+            Some(web),
+            "a direction given is taken"
+        );
+        assert_eq!(
+            w.controller.allowed_by(&ids, None, render::PolicyLogId(1), client, web).policy,
+            None,
+            "a policy gone"
+        );
 
         let off = w.controller.set_log_allowed(&p, false).unwrap();
         assert_eq!(off.changes, vec![(render::policy_object_key(&p), Some(original(&p)))], "back as validated");
@@ -935,11 +1045,24 @@ mod tests {
         w.apply(policy("p", "web", 1));
         w.apply(policy("q", "web", 1));
         let web: IpAddr = "10.244.1.10".parse().unwrap();
-        assert_eq!(w.controller.dispatch_chains_of(&[web, "10.244.9.9".parse().unwrap()]), vec!["polpod/10.244.1.10/ingress"]);
+        assert_eq!(
+            w.controller.dispatch_chains_of(&[web, "10.244.9.9".parse().unwrap()]),
+            vec!["polpod/10.244.1.10/ingress"]
+        );
         let listing = "chain polpod/10.244.1.10/ingress {\n counter packets 9 bytes 1 jump pol/a/p/ingress\n counter packets 4 bytes 1 jump pol/a/q/ingress\n counter packets 1 bytes 1 drop comment \"deny\"\n}\n";
         let counts = w.controller.pod_counts(listing, &[web]);
         let accepted = |key: &str, accepted: u64| PolicyAccepted { policy: ObjectKey::new("a", key), accepted };
-        assert_eq!(counts, PodPolicyCounts { ingress: Some(DirectionCounts { policies: vec![accepted("p", 5), accepted("q", 3)], dropped: 1, would_drop: 0 }), egress: None });
+        assert_eq!(
+            counts,
+            PodPolicyCounts {
+                ingress: Some(DirectionCounts {
+                    policies: vec![accepted("p", 5), accepted("q", 3)],
+                    dropped: 1,
+                    would_drop: 0
+                }),
+                egress: None
+            }
+        );
         assert_eq!(
             serde_json::to_value(&counts).unwrap(),
             serde_json::json!({ "ingress": { "policies": [{ "policy": "a/p", "accepted": 5 }, { "policy": "a/q", "accepted": 3 }], "dropped": 1, "would_drop": 0 }, "egress": null })
@@ -951,7 +1074,10 @@ mod tests {
     /// The shared peer set's object of the controller now (the only one in these tests).
     fn shared_set(w: &World) -> Option<(String, BTreeSet<String>)> {
         let objects = w.controller.objects();
-        let mut sets = objects.iter().filter(|(k, _)| k.namespace == "networkpolicy-set:").map(|(_, r)| r.sets.iter().next().unwrap());
+        let mut sets = objects
+            .iter()
+            .filter(|(k, _)| k.namespace == "networkpolicy-set:")
+            .map(|(_, r)| r.sets.iter().next().unwrap());
         let found = sets.next().map(|(name, set)| (name.clone(), set.elements.clone()));
         assert!(sets.next().is_none(), "one shared set");
         found
@@ -980,7 +1106,11 @@ mod tests {
         assert_eq!(shared_set(&w).unwrap().0, name);
         // q goes: the set goes in the same transaction, after the chain using it.
         let t = written(&mut writer, &w.delete_policy("q"));
-        assert!(line_of(&t, "flush chain inet wasmplane pol/a/q/ingress") < line_of(&t, &format!("delete set inet wasmplane {name}")), "{t}");
+        assert!(
+            line_of(&t, "flush chain inet wasmplane pol/a/q/ingress")
+                < line_of(&t, &format!("delete set inet wasmplane {name}")),
+            "{t}"
+        );
         assert!(shared_set(&w).is_none());
     }
 

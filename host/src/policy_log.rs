@@ -276,7 +276,10 @@ impl PolicyVerdictLog {
 
     /// Service drops since the start, by reason (every reason, zeros too).
     pub fn service_totals(&self) -> BTreeMap<ServiceDropReason, u64> {
-        ServiceDropReason::ALL.into_iter().map(|reason| (reason, self.service_drops[reason as usize].load(Ordering::Relaxed))).collect()
+        ServiceDropReason::ALL
+            .into_iter()
+            .map(|reason| (reason, self.service_drops[reason as usize].load(Ordering::Relaxed)))
+            .collect()
     }
 }
 
@@ -285,7 +288,9 @@ impl PolicyVerdictLog {
 pub enum ListenError {
     #[error("opening the NFLOG socket: {0}")]
     Socket(#[from] std::io::Error),
-    #[error("binding NFLOG group {group}: {reason} (another listener, such as ulogd, may hold it: choose another --policy-log-group)")]
+    #[error(
+        "binding NFLOG group {group}: {reason} (another listener, such as ulogd, may hold it: choose another --policy-log-group)"
+    )]
     Bind { group: u16, reason: String },
 }
 
@@ -333,7 +338,11 @@ fn bind(socket: &netlink_sys::Socket, group: u16) -> Result<(), ListenError> {
 /// Binds `group`, copying [`COPY_BYTES`] of each packet, sent at most [`FLUSH_AFTER`] after
 /// it was logged.
 fn bind_request(group: u16) -> NetlinkMessage<NetfilterMessage> {
-    config_request(NetfilterProtoFamily::Unspec, group, vec![ConfigCmd::Bind.into(), ConfigMode::new_packet(COPY_BYTES).into(), Timeout::from(FLUSH_AFTER).into()])
+    config_request(
+        NetfilterProtoFamily::Unspec,
+        group,
+        vec![ConfigCmd::Bind.into(), ConfigMode::new_packet(COPY_BYTES).into(), Timeout::from(FLUSH_AFTER).into()],
+    )
 }
 
 /// Sends one configuration request and reads its acknowledgement.
@@ -351,9 +360,20 @@ fn request(socket: &netlink_sys::Socket, message: &NetlinkMessage<NetfilterMessa
 
 fn set_receive_timeout(socket: &netlink_sys::Socket, timeout: Duration) -> std::io::Result<()> {
     use std::os::fd::AsRawFd as _;
-    let tv = libc::timeval { tv_sec: timeout.as_secs() as libc::time_t, tv_usec: timeout.subsec_micros() as libc::suseconds_t };
+    let tv = libc::timeval {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_usec: timeout.subsec_micros() as libc::suseconds_t,
+    };
     // SAFETY: a valid socket and a timeval of the size given.
-    let rc = unsafe { libc::setsockopt(socket.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVTIMEO, (&raw const tv).cast(), size_of::<libc::timeval>() as libc::socklen_t) };
+    let rc = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            (&raw const tv).cast(),
+            size_of::<libc::timeval>() as libc::socklen_t,
+        )
+    };
     if rc == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
 }
 
@@ -368,7 +388,11 @@ fn read_events(socket: &netlink_sys::Socket, log: &Weak<PolicyVerdictLog>) {
                     log.record(event);
                 }
             }
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted
+                ) => {}
             // The kernel dropped messages for us: counted, and reading goes on.
             Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {
                 log.lost.fetch_add(1, Ordering::Relaxed);
@@ -392,9 +416,15 @@ pub fn events_in(mut datagram: &[u8], at_unix_ms: u64) -> Vec<DropEvent> {
     while !datagram.is_empty() {
         let Ok(message) = NetlinkMessage::<NetfilterMessage>::deserialize(datagram) else { break };
         let length = (message.header.length as usize).next_multiple_of(4);
-        if let NetlinkPayload::InnerMessage(NetfilterMessage { inner: NetfilterMessageInner::ULog(ULogMessage::Packet(nlas)), .. }) = &message.payload {
-            let prefix = nlas.iter().find_map(|nla| if let PacketNla::Prefix(p) = nla { p.to_str().ok() } else { None });
-            let payload = nlas.iter().find_map(|nla| if let PacketNla::Payload(p) = nla { Some(p.as_slice()) } else { None });
+        if let NetlinkPayload::InnerMessage(NetfilterMessage {
+            inner: NetfilterMessageInner::ULog(ULogMessage::Packet(nlas)),
+            ..
+        }) = &message.payload
+        {
+            let prefix =
+                nlas.iter().find_map(|nla| if let PacketNla::Prefix(p) = nla { p.to_str().ok() } else { None });
+            let payload =
+                nlas.iter().find_map(|nla| if let PacketNla::Payload(p) = nla { Some(p.as_slice()) } else { None });
             if let (Some(cause), Some(packet)) = (prefix.and_then(parse_cause), payload.and_then(parse_ip_packet)) {
                 out.push(DropEvent { at_unix_ms, cause, ..packet });
             }
@@ -443,10 +473,15 @@ fn parse_ip_packet(packet: &[u8]) -> Option<DropEvent> {
         58 => ("icmpv6", false),
         _ => ("", false),
     };
-    let port = |at: usize| ports.then(|| Some(u16::from_be_bytes(transport.get(at..at + 2)?.try_into().ok()?))).flatten();
+    let port =
+        |at: usize| ports.then(|| Some(u16::from_be_bytes(transport.get(at..at + 2)?.try_into().ok()?))).flatten();
     Some(DropEvent {
         at_unix_ms: 0,
-        cause: DropCause::Policy { verdict: PolicyVerdict::Deny, direction: Direction::Ingress, pod_address: destination },
+        cause: DropCause::Policy {
+            verdict: PolicyVerdict::Deny,
+            direction: Direction::Ingress,
+            pod_address: destination,
+        },
         source,
         destination,
         protocol: if name.is_empty() { protocol.to_string() } else { name.to_string() },
@@ -492,41 +527,75 @@ mod tests {
 
     #[test]
     fn verdicts_are_read_from_nflog_messages_and_foreign_ones_skipped() {
-        let mut datagram = nflog_message("wasmplane-policy deny ingress 10.244.1.10", &ipv4_tcp([10, 244, 2, 5], [10, 244, 1, 10], 40000, 8080));
+        let mut datagram = nflog_message(
+            "wasmplane-policy deny ingress 10.244.1.10",
+            &ipv4_tcp([10, 244, 2, 5], [10, 244, 1, 10], 40000, 8080),
+        );
         datagram.extend(nflog_message("ulogd something else", &ipv4_tcp([1, 1, 1, 1], [2, 2, 2, 2], 1, 2)));
-        datagram.extend(nflog_message("wasmplane-policy audit egress 10.244.1.10", &ipv4_tcp([10, 244, 1, 10], [192, 0, 2, 1], 40001, 443)));
+        datagram.extend(nflog_message(
+            "wasmplane-policy audit egress 10.244.1.10",
+            &ipv4_tcp([10, 244, 1, 10], [192, 0, 2, 1], 40001, 443),
+        ));
         let events = events_in(&datagram, 5);
         assert_eq!(events.len(), 2, "{events:?}");
         let deny = &events[0];
         assert_eq!(deny.policy(), Some((PolicyVerdict::Deny, Direction::Ingress, "10.244.1.10".parse().unwrap())));
         assert_eq!((deny.source, deny.destination), ("10.244.2.5".parse().unwrap(), "10.244.1.10".parse().unwrap()));
-        assert_eq!((deny.protocol.as_str(), deny.source_port, deny.destination_port, deny.at_unix_ms), ("tcp", Some(40000), Some(8080), 5));
-        assert_eq!((events[1].policy().map(|(v, d, _)| (v, d)), events[1].destination_port), (Some((PolicyVerdict::Audit, Direction::Egress)), Some(443)));
+        assert_eq!(
+            (deny.protocol.as_str(), deny.source_port, deny.destination_port, deny.at_unix_ms),
+            ("tcp", Some(40000), Some(8080), 5)
+        );
+        assert_eq!(
+            (events[1].policy().map(|(v, d, _)| (v, d)), events[1].destination_port),
+            (Some((PolicyVerdict::Audit, Direction::Egress)), Some(443))
+        );
     }
 
     #[test]
     fn service_drops_are_read_with_their_reason() {
         let mut datagram = Vec::new();
         for reason in ServiceDropReason::ALL {
-            datagram.extend(nflog_message(&service_drops::prefix(reason), &ipv4_tcp([10, 244, 1, 10], [10, 96, 0, 40], 40000, 80)));
+            datagram.extend(nflog_message(
+                &service_drops::prefix(reason),
+                &ipv4_tcp([10, 244, 1, 10], [10, 96, 0, 40], 40000, 80),
+            ));
         }
-        datagram.extend(nflog_message("wasmplane-service gone-away", &ipv4_tcp([10, 244, 1, 10], [10, 96, 0, 40], 40000, 80)));
+        datagram.extend(nflog_message(
+            "wasmplane-service gone-away",
+            &ipv4_tcp([10, 244, 1, 10], [10, 96, 0, 40], 40000, 80),
+        ));
         let events = events_in(&datagram, 9);
         let reasons: Vec<Option<ServiceDropReason>> = events.iter().map(DropEvent::service_reason).collect();
-        assert_eq!(reasons, ServiceDropReason::ALL.map(Some).to_vec(), "each reason, an unknown one skipped: {events:?}");
+        assert_eq!(
+            reasons,
+            ServiceDropReason::ALL.map(Some).to_vec(),
+            "each reason, an unknown one skipped: {events:?}"
+        );
         let event = &events[0];
-        assert_eq!((event.policy(), event.source.to_string(), event.destination.to_string(), event.destination_port), (None, "10.244.1.10".into(), "10.96.0.40".into(), Some(80)));
+        assert_eq!(
+            (event.policy(), event.source.to_string(), event.destination.to_string(), event.destination_port),
+            (None, "10.244.1.10".into(), "10.96.0.40".into(), Some(80))
+        );
         assert_eq!(event.cause.reason(), DropReason::Service(ServiceDropReason::NoEndpoints));
         assert_eq!(events[3].cause.reason(), DropReason::Service(ServiceDropReason::UnknownPort));
 
         let log = PolicyVerdictLog::new();
-        events.into_iter().chain(events_in(&nflog_message("wasmplane-service unknown-port", &ipv4_tcp([1, 1, 1, 1], [10, 96, 0, 40], 1, 81)), 10)).for_each(|e| log.record(e));
+        events
+            .into_iter()
+            .chain(events_in(
+                &nflog_message("wasmplane-service unknown-port", &ipv4_tcp([1, 1, 1, 1], [10, 96, 0, 40], 1, 81)),
+                10,
+            ))
+            .for_each(|e| log.record(e));
         let totals = log.service_totals();
         assert_eq!(totals[&ServiceDropReason::UnknownPort], 2);
         assert_eq!(totals[&ServiceDropReason::Unallocated], 1);
         assert_eq!(log.totals(), VerdictTotals::default(), "not counted as policy verdicts");
         let json = serde_json::to_value(totals).unwrap();
-        assert_eq!(json, serde_json::json!({ "no-endpoints": 1, "no-local-endpoints": 1, "source-range": 1, "unknown-port": 2, "unallocated": 1 }));
+        assert_eq!(
+            json,
+            serde_json::json!({ "no-endpoints": 1, "no-local-endpoints": 1, "source-range": 1, "unknown-port": 2, "unallocated": 1 })
+        );
     }
 
     #[test]
@@ -534,12 +603,37 @@ mod tests {
         let packet = parse_ip_packet(&ipv4_tcp([10, 0, 0, 1], [10, 0, 0, 2], 1, 2)).unwrap();
         let policy = serde_json::to_value(DropEvent { at_unix_ms: 5, ..packet.clone() }).unwrap();
         let fields: std::collections::BTreeSet<&str> = policy.as_object().unwrap().keys().map(String::as_str).collect();
-        assert_eq!(fields, std::collections::BTreeSet::from(["at_unix_ms", "destination", "destination_port", "direction", "pod_address", "protocol", "source", "source_port", "verdict"]), "{policy}");
-        assert_eq!((policy["verdict"].as_str(), policy["direction"].as_str(), policy["pod_address"].as_str()), (Some("deny"), Some("ingress"), Some("10.0.0.2")));
-        let service = serde_json::to_value(DropEvent { cause: DropCause::Service { reason: ServiceDropReason::NoLocalEndpoints }, ..packet }).unwrap();
+        assert_eq!(
+            fields,
+            std::collections::BTreeSet::from([
+                "at_unix_ms",
+                "destination",
+                "destination_port",
+                "direction",
+                "pod_address",
+                "protocol",
+                "source",
+                "source_port",
+                "verdict"
+            ]),
+            "{policy}"
+        );
+        assert_eq!(
+            (policy["verdict"].as_str(), policy["direction"].as_str(), policy["pod_address"].as_str()),
+            (Some("deny"), Some("ingress"), Some("10.0.0.2"))
+        );
+        let service = serde_json::to_value(DropEvent {
+            cause: DropCause::Service { reason: ServiceDropReason::NoLocalEndpoints },
+            ..packet
+        })
+        .unwrap();
         assert_eq!(service["reason"], "no-local-endpoints", "{service}");
         assert!(service.get("verdict").is_none() && service.get("pod_address").is_none(), "{service}");
-        for (text, reason) in [("\"deny\"", DropReason::Policy(PolicyVerdict::Deny)), ("\"no-endpoints\"", DropReason::Service(ServiceDropReason::NoEndpoints)), ("\"source-range\"", DropReason::Service(ServiceDropReason::SourceRange))] {
+        for (text, reason) in [
+            ("\"deny\"", DropReason::Policy(PolicyVerdict::Deny)),
+            ("\"no-endpoints\"", DropReason::Service(ServiceDropReason::NoEndpoints)),
+            ("\"source-range\"", DropReason::Service(ServiceDropReason::SourceRange)),
+        ] {
             assert_eq!(serde_json::from_str::<DropReason>(text).unwrap(), reason);
         }
         assert!(serde_json::from_str::<DropReason>("\"dropped\"").is_err());
@@ -557,7 +651,11 @@ mod tests {
     #[test]
     fn the_group_is_bound_with_a_short_flush_timeout() {
         use netlink_packet_netfilter::nflog::ConfigNla;
-        let NetlinkPayload::InnerMessage(NetfilterMessage { inner: NetfilterMessageInner::ULog(ULogMessage::Config(nlas)), .. }) = bind_request(1001).payload else {
+        let NetlinkPayload::InnerMessage(NetfilterMessage {
+            inner: NetfilterMessageInner::ULog(ULogMessage::Config(nlas)),
+            ..
+        }) = bind_request(1001).payload
+        else {
             panic!("not an NFLOG config request");
         };
         assert!(nlas.contains(&ConfigNla::Timeout(Timeout::from(FLUSH_AFTER))), "{nlas:?}");
@@ -575,7 +673,10 @@ mod tests {
         assert_eq!((event.protocol.as_str(), event.source_port, event.destination_port), ("udp", Some(5000), Some(53)));
         let mut icmp = ipv4_tcp([10, 0, 0, 1], [10, 0, 0, 2], 0, 0);
         icmp[9] = 1;
-        assert_eq!((parse_ip_packet(&icmp).unwrap().protocol.as_str(), parse_ip_packet(&icmp).unwrap().destination_port), ("icmp", None));
+        assert_eq!(
+            (parse_ip_packet(&icmp).unwrap().protocol.as_str(), parse_ip_packet(&icmp).unwrap().destination_port),
+            ("icmp", None)
+        );
         assert_eq!(parse_ip_packet(&[0x45, 0]), None, "truncated");
     }
 
@@ -585,12 +686,22 @@ mod tests {
         let event = parse_ip_packet(&ipv4_tcp([10, 0, 0, 1], [10, 0, 0, 2], 1, 2)).unwrap();
         for i in 0..CAPACITY as u64 + 5 {
             let verdict = if i % 2 == 0 { PolicyVerdict::Deny } else { PolicyVerdict::Audit };
-            log.record(DropEvent { at_unix_ms: i, cause: DropCause::Policy { verdict, direction: Direction::Ingress, pod_address: event.destination }, ..event.clone() });
+            log.record(DropEvent {
+                at_unix_ms: i,
+                cause: DropCause::Policy { verdict, direction: Direction::Ingress, pod_address: event.destination },
+                ..event.clone()
+            });
         }
         let recent = log.recent(3, |_| true);
-        assert_eq!(recent.iter().map(|e| e.at_unix_ms).collect::<Vec<_>>(), vec![CAPACITY as u64 + 4, CAPACITY as u64 + 3, CAPACITY as u64 + 2]);
+        assert_eq!(
+            recent.iter().map(|e| e.at_unix_ms).collect::<Vec<_>>(),
+            vec![CAPACITY as u64 + 4, CAPACITY as u64 + 3, CAPACITY as u64 + 2]
+        );
         assert_eq!(log.recent(usize::MAX, |_| true).len(), CAPACITY);
-        assert_eq!(log.recent(2, |e| e.cause.reason() == DropReason::Policy(PolicyVerdict::Audit))[0].at_unix_ms, CAPACITY as u64 + 3);
+        assert_eq!(
+            log.recent(2, |e| e.cause.reason() == DropReason::Policy(PolicyVerdict::Audit))[0].at_unix_ms,
+            CAPACITY as u64 + 3
+        );
         assert_eq!(log.totals(), VerdictTotals { deny: 515, audit: 514, allow: 0, lost: 0 });
     }
 }

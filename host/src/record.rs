@@ -135,7 +135,12 @@ fn now_unix_ms() -> u64 {
 }
 
 fn input(key: &ObjectKey, view: &wasmplane_model::state::ServiceView) -> ServiceInput {
-    ServiceInput { key: key.to_string(), prefix: nft::service_prefix(key), service: convert::service(&view.service), slices: convert::slices(view) }
+    ServiceInput {
+        key: key.to_string(),
+        prefix: nft::service_prefix(key),
+        service: convert::service(&view.service),
+        slices: convert::slices(view),
+    }
 }
 
 /// The services a revision hands the translator, exactly as `Controller::run_update` picks
@@ -179,7 +184,10 @@ impl Writer {
         if self.broken {
             return;
         }
-        let result = serde_json::to_writer(&mut self.out, value).map_err(std::io::Error::from).and_then(|_| self.out.write_all(b"\n")).and_then(|_| self.out.flush());
+        let result = serde_json::to_writer(&mut self.out, value)
+            .map_err(std::io::Error::from)
+            .and_then(|_| self.out.write_all(b"\n"))
+            .and_then(|_| self.out.flush());
         if let Err(e) = result {
             tracing::error!(path = %self.path.display(), "writing the recording failed, recording stopped: {e}");
             self.broken = true;
@@ -202,7 +210,11 @@ pub struct ChangeRecorder {
 impl ChangeRecorder {
     /// Creates (truncates) `path` and writes the header. Services already in `model` (a
     /// recorder attached late) are written as a first revision, without outputs.
-    pub fn create(path: &Path, model: &NodeLocalModel, pod_traffic: &crate::nft::PodTraffic) -> Result<ChangeRecorder, RecordError> {
+    pub fn create(
+        path: &Path,
+        model: &NodeLocalModel,
+        pod_traffic: &crate::nft::PodTraffic,
+    ) -> Result<ChangeRecorder, RecordError> {
         let io = |source| RecordError::Io { path: path.to_path_buf(), source };
         let file = File::create(path).map_err(io)?;
         let mut writer = Writer { path: path.to_path_buf(), out: BufWriter::new(file), pending: None, broken: false };
@@ -239,10 +251,16 @@ impl ModelObserver for ChangeRecorder {
         }
     }
 
-    fn translated(&self, translator: Option<TranslatorInForce<'_>>, changes: &[(ObjectKey, Option<ObjectRules>)], errors: &BTreeMap<ObjectKey, String>) {
+    fn translated(
+        &self,
+        translator: Option<TranslatorInForce<'_>>,
+        changes: &[(ObjectKey, Option<ObjectRules>)],
+        errors: &BTreeMap<ObjectKey, String>,
+    ) {
         let mut writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
         let Some(mut record) = writer.pending.take() else { return };
-        let rules: HashMap<String, &ObjectRules> = changes.iter().filter_map(|(k, r)| r.as_ref().map(|r| (k.to_string(), r))).collect();
+        let rules: HashMap<String, &ObjectRules> =
+            changes.iter().filter_map(|(k, r)| r.as_ref().map(|r| (k.to_string(), r))).collect();
         let mut outputs = BTreeMap::new();
         for input in &record.services {
             // Every changed service either has new rules or a fresh error (run_update).
@@ -257,9 +275,16 @@ impl ModelObserver for ChangeRecorder {
         }
         record.translator = translator.map(|t| format!("{}@{}", t.name, t.version));
         // Settings are JSON documents the host wrote: they parse.
-        record.translator_settings = translator.filter(|t| t.settings != wasmplane_runtime::NO_SETTINGS).and_then(|t| serde_json::from_str(t.settings).ok());
+        record.translator_settings = translator
+            .filter(|t| t.settings != wasmplane_runtime::NO_SETTINGS)
+            .and_then(|t| serde_json::from_str(t.settings).ok());
         record.outputs = Some(outputs);
-        tracing::debug!(revision = record.revision, services = record.services.len(), deleted = record.deleted.len(), "revision recorded");
+        tracing::debug!(
+            revision = record.revision,
+            services = record.services.len(),
+            deleted = record.deleted.len(),
+            "revision recorded"
+        );
         writer.write_line(&record);
     }
 }
@@ -310,13 +335,19 @@ fn parse_header(path: &Path, line: &str) -> Result<Header, RecordError> {
     if value.get("format").and_then(|f| f.as_str()) != Some(FORMAT) {
         return Err(not_ours(format!("no \"format\": \"{FORMAT}\" header")));
     }
-    let version = value.get("version").and_then(|v| v.as_u64()).ok_or_else(|| not_ours("the header has no format version".into()))?;
+    let version = value
+        .get("version")
+        .and_then(|v| v.as_u64())
+        .ok_or_else(|| not_ours("the header has no format version".into()))?;
     if version != u64::from(FORMAT_VERSION) {
         return Err(RecordError::UnsupportedVersion { path: path.to_path_buf(), found: version });
     }
     let wit = value.get("wit").and_then(|v| v.as_str()).unwrap_or_default();
     let major = |v: &str| v.split('.').next().map(str::to_string);
-    let compatible = wit.strip_prefix(WIT_PACKAGE).and_then(|rest| rest.strip_prefix('@')).is_some_and(|v| major(v) == major(WIT_VERSION));
+    let compatible = wit
+        .strip_prefix(WIT_PACKAGE)
+        .and_then(|rest| rest.strip_prefix('@'))
+        .is_some_and(|v| major(v) == major(WIT_VERSION));
     if !compatible {
         return Err(RecordError::WitMismatch { path: path.to_path_buf(), found: wit.to_string() });
     }
@@ -336,7 +367,11 @@ impl<R: BufRead> Iterator for RecordingReader<R> {
             if line.trim().is_empty() {
                 continue;
             }
-            return Some(serde_json::from_str(&line).map_err(|e| RecordError::BadLine { path: self.path.clone(), line: self.line, reason: format!("not a revision record: {e}") }));
+            return Some(serde_json::from_str(&line).map_err(|e| RecordError::BadLine {
+                path: self.path.clone(),
+                line: self.line,
+                reason: format!("not a revision record: {e}"),
+            }));
         }
     }
 }
@@ -351,7 +386,12 @@ mod tests {
             version,
             wit: wit.into(),
             host: "0".into(),
-            node: wit::NodeContext { node_name: "n".into(), node_ips: vec![], cluster_cidrs: vec![], pod_cidrs: vec![] },
+            node: wit::NodeContext {
+                node_name: "n".into(),
+                node_ips: vec![],
+                cluster_cidrs: vec![],
+                pod_cidrs: vec![],
+            },
             pod_traffic: Default::default(),
             started_unix_ms: 0,
         })

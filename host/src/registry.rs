@@ -182,7 +182,13 @@ impl SharedIndex {
     /// Records a new version (or returns the existing one with the same digest).
     /// Records `info` as the next version of `name` (the existing one for the same bytes,
     /// which takes `signature` if it had none).
-    pub fn add_version(&mut self, name: &str, kind: GuestKind, info: &ModuleInfo, signature: Option<&str>) -> Result<u32, RegistryError> {
+    pub fn add_version(
+        &mut self,
+        name: &str,
+        kind: GuestKind,
+        info: &ModuleInfo,
+        signature: Option<&str>,
+    ) -> Result<u32, RegistryError> {
         let module = self.modules.entry(name.to_string()).or_insert_with(|| SharedModule {
             kind,
             versions: vec![],
@@ -216,8 +222,15 @@ impl SharedIndex {
     pub fn activate(&mut self, name: &str, version: Option<u32>) -> Result<u32, RegistryError> {
         let module = self.modules.get(name).ok_or_else(|| not_found(name))?;
         let version = match version {
-            Some(v) => module.version(v).map(|v| v.version).ok_or_else(|| RegistryError::NotFound(format!("module {name:?} has no version {v}")))?,
-            None => module.versions.last().map(|v| v.version).ok_or_else(|| RegistryError::NotFound(format!("module {name:?} has no versions")))?,
+            Some(v) => module
+                .version(v)
+                .map(|v| v.version)
+                .ok_or_else(|| RegistryError::NotFound(format!("module {name:?} has no version {v}")))?,
+            None => module
+                .versions
+                .last()
+                .map(|v| v.version)
+                .ok_or_else(|| RegistryError::NotFound(format!("module {name:?} has no versions")))?,
         };
         self.set_in_force(name, version);
         let module = self.modules.get_mut(name).expect("checked above");
@@ -230,7 +243,9 @@ impl SharedIndex {
         let module = self.modules.get(name).ok_or_else(|| not_found(name))?;
         let history = &module.activation_history;
         if history.len() < 2 {
-            return Err(RegistryError::Conflict(format!("module {name:?} has no earlier activated version to roll back to")));
+            return Err(RegistryError::Conflict(format!(
+                "module {name:?} has no earlier activated version to roll back to"
+            )));
         }
         let previous = history[history.len() - 2];
         self.set_in_force(name, previous);
@@ -248,7 +263,8 @@ impl SharedIndex {
         let kind = module.kind;
         let previous = module.activation_history.iter().rev().copied().find(|v| *v != version);
         let module = self.modules.get_mut(name).expect("checked above");
-        module.auto_rollback = Some(AutoRollback { from_version: version, to_version: previous, reason: reason.to_string(), at: now() });
+        module.auto_rollback =
+            Some(AutoRollback { from_version: version, to_version: previous, reason: reason.to_string(), at: now() });
         match previous {
             Some(good) => {
                 while module.activation_history.last().is_some_and(|v| *v != good) {
@@ -290,10 +306,16 @@ impl SharedIndex {
     /// Removes one version (GC); returns its digest. Refused for a protected version.
     pub fn remove_version(&mut self, name: &str, version: u32) -> Result<String, RegistryError> {
         if self.version_protected(name, version) {
-            return Err(RegistryError::Conflict(format!("{name}@{version} is in force, in shadow or the newest version")));
+            return Err(RegistryError::Conflict(format!(
+                "{name}@{version} is in force, in shadow or the newest version"
+            )));
         }
         let module = self.modules.get_mut(name).ok_or_else(|| not_found(name))?;
-        let position = module.versions.iter().position(|v| v.version == version).ok_or_else(|| RegistryError::NotFound(format!("module {name:?} has no version {version}")))?;
+        let position = module
+            .versions
+            .iter()
+            .position(|v| v.version == version)
+            .ok_or_else(|| RegistryError::NotFound(format!("module {name:?} has no version {version}")))?;
         let removed = module.versions.remove(position);
         module.activation_history.retain(|v| *v != version);
         Ok(removed.digest)
@@ -308,11 +330,20 @@ impl SharedIndex {
     pub fn start_shadow(&mut self, name: &str, version: Option<u32>) -> Result<u32, RegistryError> {
         let module = self.modules.get(name).ok_or_else(|| not_found(name))?;
         let version = match version {
-            Some(v) => module.version(v).map(|v| v.version).ok_or_else(|| RegistryError::NotFound(format!("module {name:?} has no version {v}")))?,
-            None => module.versions.last().map(|v| v.version).ok_or_else(|| RegistryError::NotFound(format!("module {name:?} has no versions")))?,
+            Some(v) => module
+                .version(v)
+                .map(|v| v.version)
+                .ok_or_else(|| RegistryError::NotFound(format!("module {name:?} has no version {v}")))?,
+            None => module
+                .versions
+                .last()
+                .map(|v| v.version)
+                .ok_or_else(|| RegistryError::NotFound(format!("module {name:?} has no versions")))?,
         };
         if self.in_force(module.kind) == Some((name, version)) {
-            return Err(RegistryError::Conflict(format!("{name}@{version} is already in force; shadow another version")));
+            return Err(RegistryError::Conflict(format!(
+                "{name}@{version} is already in force; shadow another version"
+            )));
         }
         self.shadow.insert(module.kind, ShadowRef { module: name.to_string(), version });
         Ok(version)
@@ -337,7 +368,10 @@ impl SharedIndex {
 
     /// Puts the shadowed version in force and ends the shadow.
     pub fn promote_shadow(&mut self, name: &str) -> Result<u32, RegistryError> {
-        let version = self.shadow_of(name).map(|s| s.version).ok_or_else(|| RegistryError::NotFound(format!("module {name:?} runs no shadow to promote")))?;
+        let version = self
+            .shadow_of(name)
+            .map(|s| s.version)
+            .ok_or_else(|| RegistryError::NotFound(format!("module {name:?} runs no shadow to promote")))?;
         self.stop_shadow(name)?;
         self.activate(name, Some(version))
     }
@@ -414,7 +448,14 @@ impl Registry {
             }
             None => BlobCache::Memory(HashMap::new()),
         };
-        Ok(Registry { shared: SharedIndex::default(), builtins: BTreeMap::new(), local: HashMap::new(), active: BTreeMap::new(), active_settings: BTreeMap::new(), blobs })
+        Ok(Registry {
+            shared: SharedIndex::default(),
+            builtins: BTreeMap::new(),
+            local: HashMap::new(),
+            active: BTreeMap::new(),
+            active_settings: BTreeMap::new(),
+            blobs,
+        })
     }
 
     pub fn add_builtin(&mut self, name: &str, kind: GuestKind, info: &ModuleInfo, bytes: &'static [u8]) {
@@ -480,14 +521,18 @@ impl Registry {
 
     /// The settings document `name`'s guests read now (`{}` when none were given).
     pub fn settings_of(&self, name: &str) -> String {
-        self.shared.settings.get(name).map_or_else(|| wasmplane_runtime::NO_SETTINGS.to_string(), |value| value.to_string())
+        self.shared
+            .settings
+            .get(name)
+            .map_or_else(|| wasmplane_runtime::NO_SETTINGS.to_string(), |value| value.to_string())
     }
 
     /// Whether what is in force for `kind` is not what the index wants: another module or
     /// version, or other settings. Returns what it wants.
     pub fn to_activate(&self, kind: GuestKind) -> Option<(String, u32)> {
         let (name, version) = self.wanted(kind)?;
-        let current = self.active(kind) == Some((name.as_str(), version)) && self.active_settings.get(&kind).is_some_and(|s| *s == self.settings_of(&name));
+        let current = self.active(kind) == Some((name.as_str(), version))
+            && self.active_settings.get(&kind).is_some_and(|s| *s == self.settings_of(&name));
         (!current).then_some((name, version))
     }
 
@@ -592,12 +637,16 @@ impl Registry {
         if let Some(b) = self.builtins.get(name) {
             return Ok(b.bytes.to_vec());
         }
-        let not_here = || std::io::Error::new(std::io::ErrorKind::NotFound, format!("{name}@{version} is not in the registry"));
+        let not_here =
+            || std::io::Error::new(std::io::ErrorKind::NotFound, format!("{name}@{version} is not in the registry"));
         let digest = self.digest_of(name, version).ok_or_else(not_here)?;
         match &self.blobs {
             BlobCache::Disk(dir) => std::fs::read(Self::blob_path(dir, digest)),
             BlobCache::Memory(map) => map.get(digest).cloned().ok_or_else(|| {
-                std::io::Error::new(std::io::ErrorKind::NotFound, format!("the bytes of {name}@{version} ({digest}) have not been fetched"))
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    format!("the bytes of {name}@{version} ({digest}) have not been fetched"),
+                )
             }),
         }
     }
@@ -614,7 +663,13 @@ mod tests {
     use super::*;
 
     fn info(digest: &str) -> ModuleInfo {
-        ModuleInfo { digest: digest.into(), size: 10, wit_version: "1.0.0".into(), imports: vec![], kind: GuestKind::ServiceTranslator }
+        ModuleInfo {
+            digest: digest.into(),
+            size: 10,
+            wit_version: "1.0.0".into(),
+            imports: vec![],
+            kind: GuestKind::ServiceTranslator,
+        }
     }
 
     #[test]
@@ -622,8 +677,15 @@ mod tests {
         let mut index = SharedIndex::default();
         assert_eq!(index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:a"), None), Ok(1));
         assert_eq!(index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:b"), None), Ok(2));
-        assert_eq!(index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:a"), None), Ok(1), "same bytes, same version");
-        assert!(matches!(index.add_version("m", GuestKind::Gc, &info("sha256:c"), None), Err(RegistryError::Conflict(_))));
+        assert_eq!(
+            index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:a"), None),
+            Ok(1),
+            "same bytes, same version"
+        );
+        assert!(matches!(
+            index.add_version("m", GuestKind::Gc, &info("sha256:c"), None),
+            Err(RegistryError::Conflict(_))
+        ));
         // A signature given again with the same bytes is recorded once; settings go with the module.
         index.add_version("m", GuestKind::ServiceTranslator, &info("sha256:a"), Some("sig")).unwrap();
         assert_eq!(index.modules["m"].version(1).unwrap().signature.as_deref(), Some("sig"));

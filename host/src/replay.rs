@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use serde::Serialize;
-use wasmplane_runtime::{CallError, GuestKind, Limits, LoadError, LoadedModule, NoLookups, Runtime, RuntimeError, TranslatorSession};
+use wasmplane_runtime::{
+    CallError, GuestKind, Limits, LoadError, LoadedModule, NoLookups, Runtime, RuntimeError, TranslatorSession,
+};
 
 use crate::controller::BUILTIN_SERVICE_TRANSLATOR;
 use crate::nft::{self, ObjectRules};
@@ -82,19 +84,35 @@ impl Replayer {
 
     /// [`Replayer::new`] with the module's settings (a JSON document) for every revision, as
     /// the host would give them: the way to try settings on a recording before setting them.
-    pub fn with_settings(runtime: &Runtime, module: Option<(&str, &[u8])>, settings: &str) -> Result<Replayer, ReplayError> {
-        let (name, bytes) = module.unwrap_or((BUILTIN_SERVICE_TRANSLATOR, wasmplane_guest_artifacts::SERVICE_TRANSLATOR));
+    pub fn with_settings(
+        runtime: &Runtime,
+        module: Option<(&str, &[u8])>,
+        settings: &str,
+    ) -> Result<Replayer, ReplayError> {
+        let (name, bytes) =
+            module.unwrap_or((BUILTIN_SERVICE_TRANSLATOR, wasmplane_guest_artifacts::SERVICE_TRANSLATOR));
         // Loaded like an upload (kind, world, imports checked); the size cap is the upload's concern.
-        let loaded = runtime.load(name, bytes, Some(GuestKind::ServiceTranslator), usize::MAX).map_err(|source| ReplayError::Load { name: name.into(), source })?.with_settings(settings);
+        let loaded = runtime
+            .load(name, bytes, Some(GuestKind::ServiceTranslator), usize::MAX)
+            .map_err(|source| ReplayError::Load { name: name.into(), source })?
+            .with_settings(settings);
         let kind = loaded.info.kind;
         // What the host would refuse before storing them; the calls below still show what they do.
         if let Ok(wasmplane_runtime::SettingsVerdict::Invalid(reason)) = loaded.validate_settings(settings) {
             tracing::warn!(module = name, "the module's own validator refuses these settings: {reason}");
         }
         // Service translators get no lookups live either (controller.rs).
-        let session = loaded.translator(Arc::new(NoLookups)).ok_or_else(|| ReplayError::NotATranslator { name: name.into(), kind })?;
+        let session = loaded
+            .translator(Arc::new(NoLookups))
+            .ok_or_else(|| ReplayError::NotATranslator { name: name.into(), kind })?;
         tracing::info!(module = name, digest = %loaded.info.digest, "replaying with");
-        Ok(Replayer { name: name.to_string(), loaded, session, recorded_settings: false, pod_traffic: Default::default() })
+        Ok(Replayer {
+            name: name.to_string(),
+            loaded,
+            session,
+            recorded_settings: false,
+            pod_traffic: Default::default(),
+        })
     }
 
     /// Reads the module at `path` (named by its file stem); `None`: the builtin. `settings`:
@@ -102,8 +120,10 @@ impl Replayer {
     pub fn from_file(runtime: &Runtime, path: Option<&Path>, settings: Option<&str>) -> Result<Replayer, ReplayError> {
         let module = match path {
             Some(path) => {
-                let bytes = std::fs::read(path).map_err(|source| ReplayError::ReadModule { path: path.to_path_buf(), source })?;
-                let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "module".into());
+                let bytes = std::fs::read(path)
+                    .map_err(|source| ReplayError::ReadModule { path: path.to_path_buf(), source })?;
+                let name =
+                    path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "module".into());
                 Some((name, bytes))
             }
             None => None,
@@ -121,7 +141,10 @@ impl Replayer {
         if !self.recorded_settings || record.translator.is_none() {
             return;
         }
-        let recorded = record.translator_settings.as_ref().map_or_else(|| wasmplane_runtime::NO_SETTINGS.to_string(), |s| s.to_string());
+        let recorded = record
+            .translator_settings
+            .as_ref()
+            .map_or_else(|| wasmplane_runtime::NO_SETTINGS.to_string(), |s| s.to_string());
         if **self.loaded.settings() != *recorded {
             tracing::debug!(revision = record.revision, settings = recorded, "the recorded settings changed");
             self.loaded.set_settings(&recorded);
@@ -156,11 +179,21 @@ impl Replayer {
             outputs.insert(input.key.clone(), result);
         }
         let differing = record.outputs.as_ref().map(|recorded| {
-            let mut differing: Vec<String> = outputs.iter().filter(|(k, r)| recorded.get(*k) != Some(&Outcome::of(r))).map(|(k, _)| k.clone()).collect();
+            let mut differing: Vec<String> = outputs
+                .iter()
+                .filter(|(k, r)| recorded.get(*k) != Some(&Outcome::of(r)))
+                .map(|(k, _)| k.clone())
+                .collect();
             differing.extend(recorded.keys().filter(|k| !outputs.contains_key(*k)).cloned());
             differing
         });
-        Replayed { revision: record.revision, outputs, deleted: record.deleted.clone(), recorded_translator: record.translator.clone(), differing }
+        Replayed {
+            revision: record.revision,
+            outputs,
+            deleted: record.deleted.clone(),
+            recorded_translator: record.translator.clone(),
+            differing,
+        }
     }
 }
 
@@ -204,7 +237,13 @@ fn write_text(out: &mut dyn Write, translator: &str, r: &Replayed) -> std::io::R
         (Some(d), Some(t)) if d.is_empty() => format!("; same as recorded live ({t})"),
         (Some(d), t) => format!("; differs from recorded live ({}): {}", t.as_deref().unwrap_or("?"), d.join(", ")),
     };
-    writeln!(out, "# revision {} ({translator}): {} services, {} deleted{comparison}", r.revision, r.outputs.len(), r.deleted.len())?;
+    writeln!(
+        out,
+        "# revision {} ({translator}): {} services, {} deleted{comparison}",
+        r.revision,
+        r.outputs.len(),
+        r.deleted.len()
+    )?;
     for (key, result) in &r.outputs {
         match result {
             Ok(rules) => {
@@ -227,7 +266,12 @@ fn write_text(out: &mut dyn Write, translator: &str, r: &Replayed) -> std::io::R
 }
 
 /// Replays every revision of `reader` and prints each in `format`.
-pub fn replay<R: BufRead>(reader: RecordingReader<R>, replayer: &mut Replayer, format: OutputFormat, out: &mut dyn Write) -> Result<ReplaySummary, ReplayError> {
+pub fn replay<R: BufRead>(
+    reader: RecordingReader<R>,
+    replayer: &mut Replayer,
+    format: OutputFormat,
+    out: &mut dyn Write,
+) -> Result<ReplaySummary, ReplayError> {
     let mut summary = ReplaySummary::default();
     replayer.pod_traffic = reader.header().pod_traffic.clone();
     for record in reader {
@@ -290,7 +334,11 @@ pub struct ReplayArgs {
 pub fn command(args: ReplayArgs) -> anyhow::Result<()> {
     // Header checked before the engine starts: a wrong file fails at once.
     let reader = RecordingReader::open(&args.file)?;
-    let limits = Limits { call_timeout: Duration::from_millis(args.guest_timeout_ms), memory_bytes: args.guest_memory_mib << 20, ..Default::default() };
+    let limits = Limits {
+        call_timeout: Duration::from_millis(args.guest_timeout_ms),
+        memory_bytes: args.guest_memory_mib << 20,
+        ..Default::default()
+    };
     let runtime = Runtime::new(limits, None).context("starting the Wasm runtime")?;
     let settings = args.settings.as_deref().map(crate::cli::settings_document).transpose()?;
     let mut replayer = Replayer::from_file(&runtime, args.module.as_deref(), settings.as_deref())?;
@@ -306,6 +354,10 @@ pub fn command(args: ReplayArgs) -> anyhow::Result<()> {
         summary.differing,
         summary.compared
     );
-    anyhow::ensure!(!args.check || summary.differing == 0, "{} revisions differ from the recorded live output", summary.differing);
+    anyhow::ensure!(
+        !args.check || summary.differing == 0,
+        "{} revisions differ from the recorded live output",
+        summary.differing
+    );
     Ok(())
 }

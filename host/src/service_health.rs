@@ -75,9 +75,12 @@ impl Desired {
         // refuses it) stays with the first.
         for (service, check) in &self.by_service {
             match by_port.get(&check.port) {
-                Some(owner) => tracing::warn!(port = check.port, service = %service, owner = %owner.service, "health check port already served for another service"),
+                Some(owner) => {
+                    tracing::warn!(port = check.port, service = %service, owner = %owner.service, "health check port already served for another service")
+                }
                 None => {
-                    by_port.insert(check.port, Check { service: service.clone(), local_endpoints: check.local_endpoints });
+                    by_port
+                        .insert(check.port, Check { service: service.clone(), local_endpoints: check.local_endpoints });
                 }
             }
         }
@@ -131,7 +134,11 @@ pub struct ProxyHealth {
 
 impl ProxyHealth {
     pub fn healthy(&self, now: SystemTime) -> bool {
-        self.ready.load(Ordering::Relaxed) && self.writes.failing_since().is_none_or(|since| now.duration_since(since).unwrap_or_default() < self.timeout)
+        self.ready.load(Ordering::Relaxed)
+            && self
+                .writes
+                .failing_since()
+                .is_none_or(|since| now.duration_since(since).unwrap_or_default() < self.timeout)
     }
 }
 
@@ -185,7 +192,15 @@ fn node_answer(health: &ProxyHealth, eligible: Option<bool>) -> Response {
 
 /// A JSON answer with the headers kube-proxy's health servers send.
 fn json_answer(status: StatusCode, body: &serde_json::Value) -> Response {
-    (status, [(header::CONTENT_TYPE, HeaderValue::from_static("application/json")), (header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"))], body.to_string()).into_response()
+    (
+        status,
+        [
+            (header::CONTENT_TYPE, HeaderValue::from_static("application/json")),
+            (header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff")),
+        ],
+        body.to_string(),
+    )
+        .into_response()
 }
 
 /// Serves the node's health on `listen` (retried every [`RETRY`] while the address is taken)
@@ -196,14 +211,17 @@ pub async fn serve_node(listen: SocketAddr, health: ProxyHealth) {
     let listener = loop {
         match tokio::net::TcpListener::bind(listen).await {
             Ok(listener) => break listener,
-            Err(e) if !warned => tracing::warn!(%listen, "cannot serve the node's health (retrying every {RETRY:?}): {e}"),
+            Err(e) if !warned => {
+                tracing::warn!(%listen, "cannot serve the node's health (retrying every {RETRY:?}): {e}")
+            }
             Err(e) => tracing::debug!(%listen, "cannot serve the node's health yet: {e}"),
         }
         warned = true;
         tokio::time::sleep(RETRY).await;
     };
     tracing::info!(%listen, "serving the node's health for load balancers");
-    let app = axum::Router::new().route("/livez", axum::routing::get(answer_live)).fallback(answer_node).with_state(health);
+    let app =
+        axum::Router::new().route("/livez", axum::routing::get(answer_live)).fallback(answer_node).with_state(health);
     if let Err(e) = axum::serve(listener, app).await {
         tracing::warn!(%listen, "node health server failed: {e}");
     }
@@ -232,7 +250,9 @@ async fn answer(State(a): State<Answering>) -> Response {
         "serviceProxyHealthy": healthy,
     });
     let mut response = json_answer(status, &body);
-    response.headers_mut().insert(HeaderName::from_static("x-load-balancing-endpoint-weight"), HeaderValue::from(count));
+    response
+        .headers_mut()
+        .insert(HeaderName::from_static("x-load-balancing-endpoint-weight"), HeaderValue::from(count));
     response
 }
 
@@ -282,7 +302,11 @@ pub async fn serve(bind: IpAddr, mut checks: watch::Receiver<Arc<Checks>>, healt
             warned.remove(&port);
             tracing::info!(%addr, service = %check.service, "serving the load balancer health check");
             let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-            let app = axum::Router::new().fallback(answer).with_state(Answering { port, checks: checks.clone(), health: health.clone() });
+            let app = axum::Router::new().fallback(answer).with_state(Answering {
+                port,
+                checks: checks.clone(),
+                health: health.clone(),
+            });
             servers.spawn(async move {
                 let shutdown = async move {
                     let _ = stopped.await;

@@ -15,12 +15,17 @@ use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-
-use wasmplane_kvstore::{EtcdConfig, KvStore, SharedBatch, SharedBatches, SharedChange, SharedEntry, SharedStore, SharedStoreConfig};
-use wasmplane_model::{ClusterEvent, ClusterObject, CompactString, Endpoint, EndpointPort, EndpointSlice, ObjectKind, Protocol};
-use wasmplane_operator::{CLUSTERS_PREFIX, NODE_INFO_PREFIX, RemoteNodes, SharedService, SharedSlice, follow_cluster_nodes};
-use wasmplane_sources::kube::SourceEvent;
 use futures::future::BoxFuture;
+use wasmplane_kvstore::{
+    EtcdConfig, KvStore, SharedBatch, SharedBatches, SharedChange, SharedEntry, SharedStore, SharedStoreConfig,
+};
+use wasmplane_model::{
+    ClusterEvent, ClusterObject, CompactString, Endpoint, EndpointPort, EndpointSlice, ObjectKind, Protocol,
+};
+use wasmplane_operator::{
+    CLUSTERS_PREFIX, NODE_INFO_PREFIX, RemoteNodes, SharedService, SharedSlice, follow_cluster_nodes,
+};
+use wasmplane_sources::kube::SourceEvent;
 
 use crate::clustermesh::Following;
 use crate::controller::Controller;
@@ -73,7 +78,11 @@ impl Importer {
                 return Vec::new();
             }
         };
-        let before = if slices.is_empty() { self.contributed.remove(name).unwrap_or_default() } else { self.contributed.insert(name.to_string(), slices.clone()).unwrap_or_default() };
+        let before = if slices.is_empty() {
+            self.contributed.remove(name).unwrap_or_default()
+        } else {
+            self.contributed.insert(name.to_string(), slices.clone()).unwrap_or_default()
+        };
         diff(before, slices)
     }
 
@@ -95,7 +104,8 @@ impl Importer {
     fn endpoints_by_cluster(&self) -> BTreeMap<String, usize> {
         let mut counts = BTreeMap::new();
         for slice in self.contributed.values().flatten() {
-            *counts.entry(slice.cluster.as_deref().unwrap_or_default().to_string()).or_default() += slice.endpoints.len();
+            *counts.entry(slice.cluster.as_deref().unwrap_or_default().to_string()).or_default() +=
+                slice.endpoints.len();
         }
         counts
     }
@@ -110,7 +120,10 @@ impl Importer {
                     cluster: first.cluster.as_deref().unwrap_or_default().to_string(),
                     namespace: first.namespace.to_string(),
                     name: first.service_name.to_string(),
-                    endpoints: slices.iter().flat_map(|s| s.endpoints.iter().map(|e| e.addresses[0].to_string())).collect(),
+                    endpoints: slices
+                        .iter()
+                        .flat_map(|s| s.endpoints.iter().map(|e| e.addresses[0].to_string()))
+                        .collect(),
                 })
             })
             .collect()
@@ -150,7 +163,12 @@ pub struct ImportedService {
 fn parse_entry(name: &str) -> Option<(&str, &str, &str)> {
     let (cluster, rest) = name.split_once("/services/")?;
     let (namespace, service) = rest.split_once('/')?;
-    (!cluster.is_empty() && !cluster.contains('/') && !namespace.is_empty() && !service.is_empty() && !service.contains('/')).then_some((cluster, namespace, service))
+    (!cluster.is_empty()
+        && !cluster.contains('/')
+        && !namespace.is_empty()
+        && !service.is_empty()
+        && !service.contains('/'))
+    .then_some((cluster, namespace, service))
 }
 
 /// The model slices of one export: one per exported slice, named `<service>@<cluster>.<n>`
@@ -175,7 +193,11 @@ fn imported_slice(shared: &SharedService, slice: &SharedSlice) -> Option<Endpoin
         .ports
         .iter()
         .filter_map(|p| {
-            Some(EndpointPort { name: p.name.as_deref().unwrap_or_default().into(), protocol: Protocol::parse(&p.protocol)?, port: u16::try_from(p.port).ok().filter(|port| *port != 0)? })
+            Some(EndpointPort {
+                name: p.name.as_deref().unwrap_or_default().into(),
+                protocol: Protocol::parse(&p.protocol)?,
+                port: u16::try_from(p.port).ok().filter(|port| *port != 0)?,
+            })
         })
         .collect();
     let mut endpoints: Vec<Endpoint> = slice
@@ -215,7 +237,12 @@ fn diff(before: Vec<EndpointSlice>, after: Vec<EndpointSlice>) -> Vec<ClusterEve
         .filter(|old| !after.iter().any(|new| new.name == old.name))
         .map(|old| ClusterEvent::Delete(ObjectKind::EndpointSlice, old.key()))
         .collect();
-    events.extend(after.into_iter().filter(|new| !before.contains(new)).map(|new| ClusterEvent::Upsert(ClusterObject::EndpointSlice(new))));
+    events.extend(
+        after
+            .into_iter()
+            .filter(|new| !before.contains(new))
+            .map(|new| ClusterEvent::Upsert(ClusterObject::EndpointSlice(new))),
+    );
     events
 }
 
@@ -235,7 +262,13 @@ impl Drop for ServiceImport {
 impl ServiceImport {
     /// Reads the clusters' prefix of `kv` (fails if it does not answer) and applies what it
     /// holds before returning, then follows it.
-    pub async fn start(kv: Arc<dyn KvStore>, controller: &Arc<Mutex<Controller>>, clusters: Clusters, clusters_prefix: &str, gauges: ClusterMeshGauges) -> anyhow::Result<ServiceImport> {
+    pub async fn start(
+        kv: Arc<dyn KvStore>,
+        controller: &Arc<Mutex<Controller>>,
+        clusters: Clusters,
+        clusters_prefix: &str,
+        gauges: ClusterMeshGauges,
+    ) -> anyhow::Result<ServiceImport> {
         let importer = Arc::new(Mutex::new(Importer::new(clusters)));
         let store = SharedStore::follow(kv, SharedStoreConfig::new(clusters_prefix)).await?;
         let mut counted = Counted::new(gauges);
@@ -281,7 +314,13 @@ impl Drop for RemoteImport {
 impl RemoteImport {
     /// Connected in the background, again and again until it answers: a remote cluster that
     /// is down delays nothing here.
-    pub fn start(cluster: &str, etcd: EtcdConfig, controller: Weak<Mutex<Controller>>, gauges: ClusterMeshGauges, nodes: Option<RemoteNodes>) -> RemoteImport {
+    pub fn start(
+        cluster: &str,
+        etcd: EtcdConfig,
+        controller: Weak<Mutex<Controller>>,
+        gauges: ClusterMeshGauges,
+        nodes: Option<RemoteNodes>,
+    ) -> RemoteImport {
         let remote = Remote {
             cluster: cluster.to_string(),
             importer: Arc::new(Mutex::new(Importer::new(Clusters::Only(cluster.to_string())))),
@@ -299,7 +338,13 @@ impl Remote {
     /// Connects to the cluster's etcd (retrying in the background) and follows its exports,
     /// and its nodes when wanted, over that one connection.
     fn follow(&self, etcd: EtcdConfig) -> tokio::task::JoinHandle<()> {
-        let (cluster, importer, connected, controller, nodes) = (self.cluster.clone(), self.importer.clone(), self.connected.clone(), self.controller.clone(), self.nodes.clone());
+        let (cluster, importer, connected, controller, nodes) = (
+            self.cluster.clone(),
+            self.importer.clone(),
+            self.connected.clone(),
+            self.controller.clone(),
+            self.nodes.clone(),
+        );
         let ready = self.gauges.remote_cluster_ready.get_or_create(&ClusterLabels { cluster: cluster.clone() }).clone();
         ready.set(0);
         let mut counted = Counted::new(self.gauges.clone());
@@ -307,11 +352,20 @@ impl Remote {
         counted.clusters = vec![cluster.clone()];
         tokio::spawn(async move {
             let routed = nodes.is_some();
-            let (services, node_registry) = crate::clustermesh::connect_until_answered(&cluster, &etcd, &connected, |kv: Arc<dyn KvStore>| async move {
-                let services = SharedStore::follow(kv.clone(), SharedStoreConfig::new(CLUSTERS_PREFIX)).await?;
-                let node_registry = if routed { Some(SharedStore::follow(kv, SharedStoreConfig::new(NODE_INFO_PREFIX)).await?) } else { None };
-                Ok((services, node_registry))
-            })
+            let (services, node_registry) = crate::clustermesh::connect_until_answered(
+                &cluster,
+                &etcd,
+                &connected,
+                |kv: Arc<dyn KvStore>| async move {
+                    let services = SharedStore::follow(kv.clone(), SharedStoreConfig::new(CLUSTERS_PREFIX)).await?;
+                    let node_registry = if routed {
+                        Some(SharedStore::follow(kv, SharedStoreConfig::new(NODE_INFO_PREFIX)).await?)
+                    } else {
+                        None
+                    };
+                    Ok((services, node_registry))
+                },
+            )
             .await;
             tracing::info!(cluster, "following the remote cluster's services");
             ready.set(1);
@@ -404,14 +458,23 @@ impl Counted {
             self.gauges.imported_endpoints.get_or_create(&ClusterLabels { cluster: gone.clone() }).set(0);
         }
         for (cluster, endpoints) in &counts {
-            self.gauges.imported_endpoints.get_or_create(&ClusterLabels { cluster: cluster.clone() }).set(*endpoints as i64);
+            self.gauges
+                .imported_endpoints
+                .get_or_create(&ClusterLabels { cluster: cluster.clone() })
+                .set(*endpoints as i64);
         }
         self.clusters = counts.into_keys().collect();
     }
 }
 
 /// Each batch (a relist's difference, many exports at once) is one model update.
-async fn follow(store: SharedStore, mut batches: SharedBatches, importer: Arc<Mutex<Importer>>, controller: std::sync::Weak<Mutex<Controller>>, mut counted: Counted) {
+async fn follow(
+    store: SharedStore,
+    mut batches: SharedBatches,
+    importer: Arc<Mutex<Importer>>,
+    controller: std::sync::Weak<Mutex<Controller>>,
+    mut counted: Counted,
+) {
     // Holds the store: the batches end when it is dropped.
     let _store = store;
     while let Some(batch) = batches.next().await {
@@ -427,7 +490,10 @@ async fn apply(controller: &Arc<Mutex<Controller>>, events: Vec<ClusterEvent>) {
     }
     let count = events.len();
     let controller = controller.clone();
-    let result = tokio::task::spawn_blocking(move || controller.lock().unwrap_or_else(|p| p.into_inner()).apply_source(vec![SourceEvent::Events(events)])).await;
+    let result = tokio::task::spawn_blocking(move || {
+        controller.lock().unwrap_or_else(|p| p.into_inner()).apply_source(vec![SourceEvent::Events(events)])
+    })
+    .await;
     match result {
         Ok(Ok(())) => tracing::debug!(events = count, "other clusters' endpoints applied"),
         // The model took them; only writing failed, and the periodic reconcile retries.
@@ -450,7 +516,15 @@ mod tests {
             ports: vec![SharedPort { name: Some("http".into()), port: 80, protocol: "TCP".into() }],
             endpoint_slices: slices
                 .iter()
-                .map(|(addresses, port)| SharedSlice { ports: vec![SharedPort { name: Some("http".into()), port: i32::from(*port), protocol: "TCP".into() }], addresses: addresses.iter().map(|a| a.to_string()).collect(), hostnames: Default::default() })
+                .map(|(addresses, port)| SharedSlice {
+                    ports: vec![SharedPort {
+                        name: Some("http".into()),
+                        port: i32::from(*port),
+                        protocol: "TCP".into(),
+                    }],
+                    addresses: addresses.iter().map(|a| a.to_string()).collect(),
+                    hostnames: Default::default(),
+                })
                 .collect(),
         };
         serde_json::to_vec(&shared).unwrap()
@@ -461,7 +535,11 @@ mod tests {
             .iter()
             .map(|e| match e {
                 ClusterEvent::Upsert(ClusterObject::EndpointSlice(s)) => {
-                    format!("+{} {}", s.name, s.endpoints.iter().map(|e| e.addresses[0].as_str()).collect::<Vec<_>>().join(","))
+                    format!(
+                        "+{} {}",
+                        s.name,
+                        s.endpoints.iter().map(|e| e.addresses[0].as_str()).collect::<Vec<_>>().join(",")
+                    )
                 }
                 ClusterEvent::Delete(_, key) => format!("-{}", key.name),
                 other => panic!("unexpected event {other:?}"),
@@ -481,16 +559,25 @@ mod tests {
         let events = importer.set(east, Some(&export("east", &[(&["10.245.0.7", "10.245.0.8"], 8080)])));
         assert_eq!(summary(&events), ["+web@east.0 10.245.0.7,10.245.0.8"]);
         let ClusterEvent::Upsert(ClusterObject::EndpointSlice(slice)) = &events[0] else { unreachable!() };
-        assert_eq!((slice.namespace.as_str(), slice.service_name.as_str(), slice.cluster.as_deref()), ("shop", "web", Some("east")));
+        assert_eq!(
+            (slice.namespace.as_str(), slice.service_name.as_str(), slice.cluster.as_deref()),
+            ("shop", "web", Some("east"))
+        );
         assert!(slice.endpoints.iter().all(|e| e.ready && e.node_name.is_none()), "never local here");
 
-        assert!(importer.set(east, Some(&export("east", &[(&["10.245.0.7", "10.245.0.8"], 8080)]))).is_empty(), "unchanged");
+        assert!(
+            importer.set(east, Some(&export("east", &[(&["10.245.0.7", "10.245.0.8"], 8080)]))).is_empty(),
+            "unchanged"
+        );
         let events = importer.set(east, Some(&export("east", &[(&["10.245.0.7"], 8080), (&["10.245.1.9"], 9090)])));
         assert_eq!(summary(&events), ["+web@east.0 10.245.0.7", "+web@east.1 10.245.1.9"]);
         let imports = importer.imported();
         assert_eq!(imports.len(), 1);
         let east_web = &imports[0];
-        assert_eq!((east_web.cluster.as_str(), east_web.namespace.as_str(), east_web.name.as_str()), ("east", "shop", "web"));
+        assert_eq!(
+            (east_web.cluster.as_str(), east_web.namespace.as_str(), east_web.name.as_str()),
+            ("east", "shop", "web")
+        );
         assert_eq!(east_web.endpoints, ["10.245.0.7", "10.245.1.9"]);
 
         // Our own export and keys that are no service export are not imported.
@@ -499,7 +586,10 @@ mod tests {
 
         // Garbage keeps what was there; an export without endpoints, or gone, removes it.
         assert!(importer.set(east, Some(b"{not json")).is_empty());
-        assert!(importer.set(east, Some(&export("other", &[(&["10.245.0.1"], 8080)]))).is_empty(), "content of another name");
+        assert!(
+            importer.set(east, Some(&export("other", &[(&["10.245.0.1"], 8080)]))).is_empty(),
+            "content of another name"
+        );
         assert_eq!(importer.imported()[0].endpoints.len(), 2);
         assert_eq!(summary(&importer.set(east, Some(&export("east", &[])))), ["-web@east.0", "-web@east.1"]);
         importer.set(east, Some(&export("east", &[(&["10.245.0.7"], 8080)])));
@@ -522,7 +612,10 @@ mod tests {
     #[test]
     fn invalid_addresses_and_ports_are_left_out() {
         let mut importer = Importer::new(Clusters::AllBut(vec!["west".into()]));
-        let events = importer.set("east/services/shop/web", Some(&export("east", &[(&["10.245.0.7", "not-an-ip", "10.245.0.7"], 8080), (&["10.245.0.9"], 0)])));
+        let events = importer.set(
+            "east/services/shop/web",
+            Some(&export("east", &[(&["10.245.0.7", "not-an-ip", "10.245.0.7"], 8080), (&["10.245.0.9"], 0)])),
+        );
         assert_eq!(summary(&events), ["+web@east.0 10.245.0.7"]);
     }
 

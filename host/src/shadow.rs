@@ -111,9 +111,15 @@ pub fn object_diff(applied: &ObjectRules, wanted: &ObjectRules) -> ObjectDiff {
         }
     }
     diff.sets_removed = applied.sets.keys().filter(|s| !wanted.sets.contains_key(*s)).cloned().collect();
-    let element = |((map, key), verdict): (&ElementKey, &CompactString)| Element { map: map.to_string(), key: key.to_string(), verdict: verdict.to_string() };
-    diff.elements_added = wanted.elements.iter().filter(|(k, v)| applied.elements.get(*k) != Some(*v)).map(element).collect();
-    diff.elements_removed = applied.elements.iter().filter(|(k, v)| wanted.elements.get(*k) != Some(*v)).map(element).collect();
+    let element = |((map, key), verdict): (&ElementKey, &CompactString)| Element {
+        map: map.to_string(),
+        key: key.to_string(),
+        verdict: verdict.to_string(),
+    };
+    diff.elements_added =
+        wanted.elements.iter().filter(|(k, v)| applied.elements.get(*k) != Some(*v)).map(element).collect();
+    diff.elements_removed =
+        applied.elements.iter().filter(|(k, v)| wanted.elements.get(*k) != Some(*v)).map(element).collect();
     diff
 }
 
@@ -161,16 +167,28 @@ mod tests {
 
     #[test]
     fn diff_names_chains_rules_and_elements_on_both_sides() {
-        let applied = rules(&[("svc/a", &["r1", "r2", "r2"]), ("svc/a/old", &["x"]), ("svc/a/same", &["s1", "s2"])], &[("service-ips", "k1", "goto svc/a"), ("service-ips", "k2", "goto svc/a")]);
-        let wanted = rules(&[("svc/a", &["r1", "r2", "r3"]), ("svc/a/new", &["y"]), ("svc/a/same", &["s2", "s1"])], &[("service-ips", "k1", "goto svc/a"), ("service-ips", "k2", "goto svc/a/new")]);
+        let applied = rules(
+            &[("svc/a", &["r1", "r2", "r2"]), ("svc/a/old", &["x"]), ("svc/a/same", &["s1", "s2"])],
+            &[("service-ips", "k1", "goto svc/a"), ("service-ips", "k2", "goto svc/a")],
+        );
+        let wanted = rules(
+            &[("svc/a", &["r1", "r2", "r3"]), ("svc/a/new", &["y"]), ("svc/a/same", &["s2", "s1"])],
+            &[("service-ips", "k1", "goto svc/a"), ("service-ips", "k2", "goto svc/a/new")],
+        );
         let d = object_diff(&applied, &wanted);
         assert_eq!(d.chains_added, ["svc/a/new"]);
         assert_eq!(d.chains_removed, ["svc/a/old"]);
         assert_eq!(d.rules_added["svc/a"], ["r3"]);
         assert_eq!(d.rules_removed["svc/a"], ["r2"], "one of the two identical rules goes");
         assert_eq!(d.reordered, ["svc/a/same"]);
-        assert_eq!(d.elements_added, [Element { map: "service-ips".into(), key: "k2".into(), verdict: "goto svc/a/new".into() }]);
-        assert_eq!(d.elements_removed, [Element { map: "service-ips".into(), key: "k2".into(), verdict: "goto svc/a".into() }]);
+        assert_eq!(
+            d.elements_added,
+            [Element { map: "service-ips".into(), key: "k2".into(), verdict: "goto svc/a/new".into() }]
+        );
+        assert_eq!(
+            d.elements_removed,
+            [Element { map: "service-ips".into(), key: "k2".into(), verdict: "goto svc/a".into() }]
+        );
         assert!(object_diff(&applied, &applied).is_empty());
     }
 }

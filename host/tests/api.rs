@@ -7,7 +7,10 @@ use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
 use serde_json::Value;
-use support::rest::{API_SERVICE, SHOP_NAMESPACE, WEB_SERVICE, documents, endpoint_slice, error_of, json_answer, limited_config, upload_request, write_manifest};
+use support::rest::{
+    API_SERVICE, SHOP_NAMESPACE, WEB_SERVICE, documents, endpoint_slice, error_of, json_answer, limited_config,
+    upload_request, write_manifest,
+};
 use wasmplane::app::{HostConfig, RunningHost, start};
 use wasmplane_guest_artifacts as artifacts;
 
@@ -100,7 +103,12 @@ async fn builtin_translator_renders_cluster_ip_services() {
     // the host's hairpin set.
     assert!(support::set_holds(&dp, "service-ips", "10.96.0.20 . tcp . 80 : goto pick-by-count"), "{dp}");
     assert!(support::set_holds(&dp, "frontends-2", "10.96.0.20 . tcp . 80"), "{dp}");
-    assert!(dp.contains("add rule inet wasmplane-s0 pick-by-count ip daddr . meta l4proto . th dport @frontends-2 goto pick-2"), "{dp}");
+    assert!(
+        dp.contains(
+            "add rule inet wasmplane-s0 pick-by-count ip daddr . meta l4proto . th dport @frontends-2 goto pick-2"
+        ),
+        "{dp}"
+    );
     assert!(support::set_holds(&dp, "service-endpoints", "10.96.0.20 . tcp . 80 . 0 : 10.244.0.11 . 8080"), "{dp}");
     assert!(support::set_holds(&dp, "service-endpoints", "10.96.0.20 . tcp . 80 . 1 : 10.244.1.11 . 8080"), "{dp}");
     assert!(dp.contains("add rule inet wasmplane-s0 pick-2 dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 2 map @service-endpoints"), "{dp}");
@@ -111,7 +119,8 @@ async fn builtin_translator_renders_cluster_ip_services() {
     assert!(state["revision"].as_u64().unwrap() >= 1);
     let (status, modules) = t.get_json("/v1/modules").await;
     assert_eq!(status, StatusCode::OK);
-    let builtin = modules["modules"].as_array().unwrap().iter().find(|m| m["name"] == "default-service-translator").unwrap();
+    let builtin =
+        modules["modules"].as_array().unwrap().iter().find(|m| m["name"] == "default-service-translator").unwrap();
     assert_eq!(builtin["status"], "active");
     assert!(builtin["calls"].as_u64().unwrap() >= 2);
 }
@@ -119,7 +128,8 @@ async fn builtin_translator_renders_cluster_ip_services() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uploading_and_activating_a_module_changes_the_dataplane_and_rollback_restores_it() {
     let t = TestHost::start().await;
-    let (status, body) = t.upload("port-filter", "service-translator", artifacts::examples::PORT_FILTER_TRANSLATOR).await;
+    let (status, body) =
+        t.upload("port-filter", "service-translator", artifacts::examples::PORT_FILTER_TRANSLATOR).await;
     assert_eq!(status, StatusCode::CREATED, "{body}");
     assert_eq!(body["version"], 1);
     let dp = t.dataplane().await;
@@ -160,13 +170,43 @@ async fn bad_uploads_are_refused_with_clear_errors_and_change_nothing() {
     let before = t.dataplane().await;
     let core_module = b"\0asm\x01\0\0\0".to_vec();
     let cases: Vec<(&str, &str, Vec<u8>, StatusCode, &str)> = vec![
-        ("garbage", "service-translator", b"definitely not wasm".to_vec(), StatusCode::BAD_REQUEST, "not a WebAssembly binary"),
-        ("core", "service-translator", core_module, StatusCode::BAD_REQUEST, "core WebAssembly module, not a component"),
-        ("wrong", "service-translator", artifacts::test_programs::WRONG_WORLD.to_vec(), StatusCode::UNPROCESSABLE_ENTITY, "implements no known wasmplane world"),
-        ("kind", "network-policy", artifacts::SERVICE_TRANSLATOR.to_vec(), StatusCode::UNPROCESSABLE_ENTITY, "uploaded as kind network-policy but implements service-translator"),
+        (
+            "garbage",
+            "service-translator",
+            b"definitely not wasm".to_vec(),
+            StatusCode::BAD_REQUEST,
+            "not a WebAssembly binary",
+        ),
+        (
+            "core",
+            "service-translator",
+            core_module,
+            StatusCode::BAD_REQUEST,
+            "core WebAssembly module, not a component",
+        ),
+        (
+            "wrong",
+            "service-translator",
+            artifacts::test_programs::WRONG_WORLD.to_vec(),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "implements no known wasmplane world",
+        ),
+        (
+            "kind",
+            "network-policy",
+            artifacts::SERVICE_TRANSLATOR.to_vec(),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "uploaded as kind network-policy but implements service-translator",
+        ),
         ("huge", "service-translator", vec![0u8; 5 << 20], StatusCode::PAYLOAD_TOO_LARGE, ""),
         ("nokind", "", artifacts::SERVICE_TRANSLATOR.to_vec(), StatusCode::BAD_REQUEST, "unknown kind"),
-        ("Bad_Name", "service-translator", artifacts::SERVICE_TRANSLATOR.to_vec(), StatusCode::BAD_REQUEST, "DNS label"),
+        (
+            "Bad_Name",
+            "service-translator",
+            artifacts::SERVICE_TRANSLATOR.to_vec(),
+            StatusCode::BAD_REQUEST,
+            "DNS label",
+        ),
     ];
     for (name, kind, bytes, want, message) in cases {
         let (status, body) = t.upload(name, kind, &bytes).await;
@@ -178,7 +218,14 @@ async fn bad_uploads_are_refused_with_clear_errors_and_change_nothing() {
     let r = t.client.put(&url).body(artifacts::SERVICE_TRANSLATOR.to_vec()).send().await.unwrap();
     assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
     assert!(r.text().await.unwrap().contains("missing bearer token"));
-    let r = t.client.put(&url).bearer_auth("wrong-token-wrong-token").body(artifacts::SERVICE_TRANSLATOR.to_vec()).send().await.unwrap();
+    let r = t
+        .client
+        .put(&url)
+        .bearer_auth("wrong-token-wrong-token")
+        .body(artifacts::SERVICE_TRANSLATOR.to_vec())
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
     let r = t.client.post(t.url("/v1/modules/default-service-translator/rollback")).send().await.unwrap();
     assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
@@ -204,7 +251,9 @@ async fn refused_uploads_are_answered_while_the_body_is_still_being_sent() {
         let addr = addr.clone();
         async move {
             let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
-            tcp.write_all(format!("{head}Host: {addr}\r\nContent-Length: {}\r\n\r\n", first + second).as_bytes()).await.unwrap();
+            tcp.write_all(format!("{head}Host: {addr}\r\nContent-Length: {}\r\n\r\n", first + second).as_bytes())
+                .await
+                .unwrap();
             tcp.write_all(&vec![0u8; first]).await.unwrap();
             tokio::time::sleep(Duration::from_millis(300)).await;
             tcp.write_all(&vec![0u8; second]).await.expect("the host closed the connection on an unread body");
@@ -214,27 +263,45 @@ async fn refused_uploads_are_answered_while_the_body_is_still_being_sent() {
         }
     };
     // Larger than the socket buffers, within the upload limit (4 MiB here).
-    let text = send_in_two_parts("PUT /v1/modules/sneaky?kind=service-translator HTTP/1.1\r\n".into(), (1 << 20, 2 << 20)).await;
+    let text =
+        send_in_two_parts("PUT /v1/modules/sneaky?kind=service-translator HTTP/1.1\r\n".into(), (1 << 20, 2 << 20))
+            .await;
     assert!(text.starts_with("HTTP/1.1 401"), "{text}");
     assert!(text.contains("missing bearer token"), "{text}");
     // Authenticated but larger than the upload limit: 413, also read to the end.
-    let text = send_in_two_parts(format!("PUT /v1/modules/huge?kind=service-translator HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\n"), (1 << 20, 4 << 20)).await;
+    let text = send_in_two_parts(
+        format!("PUT /v1/modules/huge?kind=service-translator HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\n"),
+        (1 << 20, 4 << 20),
+    )
+    .await;
     assert!(text.starts_with("HTTP/1.1 413"), "{text}");
     assert!(text.contains("larger than the upload limit of 4194304 bytes"), "{text}");
 
     // A client that waits for `100 Continue` is refused at once and not invited to send.
     let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    let head = format!("PUT /v1/modules/sneaky?kind=service-translator HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\nExpect: 100-continue\r\n\r\n", 3 << 20);
+    let head = format!(
+        "PUT /v1/modules/sneaky?kind=service-translator HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\nExpect: 100-continue\r\n\r\n",
+        3 << 20
+    );
     tcp.write_all(head.as_bytes()).await.unwrap();
     let mut answer = vec![0u8; 4096];
-    let n = tokio::time::timeout(Duration::from_secs(5), tcp.read(&mut answer)).await.expect("no answer without the body").unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(5), tcp.read(&mut answer))
+        .await
+        .expect("no answer without the body")
+        .unwrap();
     let answer = String::from_utf8_lossy(&answer[..n]);
     assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
 
     // Through the client, many times, as the CLI uploads.
     let url = t.url("/v1/modules/sneaky?kind=service-translator");
     for round in 0..8 {
-        let r = t.client.put(&url).body(vec![0u8; 3 << 20]).send().await.unwrap_or_else(|e| panic!("round {round}: the refusal was not answered: {e:?}"));
+        let r = t
+            .client
+            .put(&url)
+            .body(vec![0u8; 3 << 20])
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: the refusal was not answered: {e:?}"));
         assert_eq!(r.status(), StatusCode::UNAUTHORIZED, "round {round}");
     }
     assert!(t.healthy().await);
@@ -258,7 +325,11 @@ async fn misbehaving_guests_are_stopped_and_the_last_good_dataplane_stays() {
         assert!(error_of(&body).contains("previous module stays in force"), "{body}");
         // The 200 ms call limit did the stopping (the error says so); the bound, which includes
         // compiling the guest, only catches a stop far later, with room for a loaded machine.
-        assert!(started.elapsed() < Duration::from_secs(30), "{name} was not stopped promptly: {:?}", started.elapsed());
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{name} was not stopped promptly: {:?}",
+            started.elapsed()
+        );
         assert!(t.healthy().await);
         let (_, module) = t.get_json(&format!("/v1/modules/{name}")).await;
         assert_eq!(module["status"], "failed", "{module}");
@@ -270,9 +341,9 @@ async fn misbehaving_guests_are_stopped_and_the_last_good_dataplane_stays() {
     let metrics = t.client.get(t.url("/metrics")).send().await.unwrap().text().await.unwrap();
     assert!(metrics.contains("wasmplane_model_events_total"), "{metrics}");
     assert!(metrics.contains("result=\"refused\""), "{metrics}");
-    let translator_calls_timed = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("wasmplane_guest_call_seconds_count{kind=\"service-translator\"} ")?.parse::<u64>().ok());
+    let translator_calls_timed = metrics.lines().find_map(|l| {
+        l.strip_prefix("wasmplane_guest_call_seconds_count{kind=\"service-translator\"} ")?.parse::<u64>().ok()
+    });
     assert!(translator_calls_timed.is_some_and(|n| n > 0), "translator calls timed by kind: {metrics}");
 }
 
@@ -289,7 +360,10 @@ spec:
 "#;
     std::fs::write(t.dir.path().join("manifests/cart.yaml"), extra).unwrap();
     // No endpoints: the service rejects instead of blackholing.
-    t.wait_until("the new service", |dp| support::set_holds(dp, "no-endpoint-services", "10.96.0.30 . tcp . 9000 : goto reject-chain")).await;
+    t.wait_until("the new service", |dp| {
+        support::set_holds(dp, "no-endpoint-services", "10.96.0.30 . tcp . 9000 : goto reject-chain")
+    })
+    .await;
 
     let (status, _) = t.upload("port-filter", "service-translator", artifacts::examples::PORT_FILTER_TRANSLATOR).await;
     assert_eq!(status, StatusCode::CREATED);
@@ -308,7 +382,14 @@ async fn state_and_dataplane_are_readable_as_json() {
     assert_eq!(dp["mode"], "record");
     assert_eq!(dp["translator"], "default-service-translator@1");
     let web = &dp["objects"]["shop/web"];
-    assert!(web["elements"].as_array().unwrap().iter().any(|e| e["map"] == "service-ips" && e["key"] == "10.96.0.20 . tcp . 80"), "{web}");
+    assert!(
+        web["elements"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["map"] == "service-ips" && e["key"] == "10.96.0.20 . tcp . 80"),
+        "{web}"
+    );
     let (_, state) = t.get_json("/v1/state").await;
     assert_eq!(state["model"]["services"]["shop/web"]["service"]["cluster_ips"][0], "10.96.0.20");
     assert_eq!(state["model"]["context"]["node_name"], "node-a");
@@ -322,8 +403,18 @@ async fn the_cli_pushes_lists_and_removes_modules() {
     let t = TestHost::start().await;
     let file = t.dir.path().join("port_filter.wasm");
     std::fs::write(&file, artifacts::examples::PORT_FILTER_TRANSLATOR).unwrap();
-    let api = |token: Option<&str>| ApiArgs { api: t.host.as_ref().unwrap().url(), token: token.map(str::to_string), token_file: None };
-    let push = || ModuleCommand::Push { name: "cli-filter".into(), source: file.display().to_string(), kind: "service-translator".into(), no_activate: false, registry: Default::default() };
+    let api = |token: Option<&str>| ApiArgs {
+        api: t.host.as_ref().unwrap().url(),
+        token: token.map(str::to_string),
+        token_file: None,
+    };
+    let push = || ModuleCommand::Push {
+        name: "cli-filter".into(),
+        source: file.display().to_string(),
+        kind: "service-translator".into(),
+        no_activate: false,
+        registry: Default::default(),
+    };
     let refused = module_command(api(None), push()).await.unwrap_err().to_string();
     assert!(refused.contains("401") && refused.contains("missing bearer token"), "{refused}");
     module_command(api(Some(TOKEN)), push()).await.unwrap();
@@ -331,7 +422,10 @@ async fn the_cli_pushes_lists_and_removes_modules() {
     module_command(api(None), ModuleCommand::Ls).await.unwrap();
     module_command(api(Some(TOKEN)), ModuleCommand::Rm { name: "cli-filter".into() }).await.unwrap();
     assert!(t.dataplane().await.contains("10.96.0.20 . tcp . 80"), "the builtin is back in force");
-    let missing = module_command(api(Some(TOKEN)), ModuleCommand::Rollback { name: "cli-filter".into() }).await.unwrap_err().to_string();
+    let missing = module_command(api(Some(TOKEN)), ModuleCommand::Rollback { name: "cli-filter".into() })
+        .await
+        .unwrap_err()
+        .to_string();
     assert!(missing.contains("404"), "{missing}");
 }
 
@@ -360,14 +454,19 @@ async fn local_policies_without_endpoints_and_write_times_are_in_the_metrics() {
             &endpoint_slice("local", "http", 8080, &[("10.244.1.40", node)]),
         ])
     };
-    let policy = |text: &str, p: &str| metric(text, &format!("wasmplane_model_service_ports_without_local_endpoints{{traffic_policy=\"{p}\"}}"));
+    let policy = |text: &str, p: &str| {
+        metric(text, &format!("wasmplane_model_service_ports_without_local_endpoints{{traffic_policy=\"{p}\"}}"))
+    };
     let until = |what: &'static str, want: f64| {
         let metrics = &metrics;
         async move {
             let deadline = Instant::now() + Duration::from_secs(10);
             loop {
                 let text = metrics().await;
-                if text.contains("traffic_policy") && policy(&text, "internal") == want && policy(&text, "external") == want {
+                if text.contains("traffic_policy")
+                    && policy(&text, "internal") == want
+                    && policy(&text, "external") == want
+                {
                     return;
                 }
                 assert!(Instant::now() < deadline, "{what}: {text}");
@@ -391,8 +490,20 @@ async fn local_policies_without_endpoints_and_write_times_are_in_the_metrics() {
 async fn readyz_waits_for_the_nodes_pod_cidr_in_node_cidr_mode() {
     let dir = tempfile::tempdir().unwrap();
     write_manifest(&dir.path().join("manifests"), "shop.yaml", &manifests());
-    let host = start(HostConfig { local_detection: wasmplane::controller::LocalDetection::NodeCidr, node_name: "node-a".into(), ..config(dir.path()) }).await.unwrap();
-    let readyz = || async { reqwest::get(format!("{}/readyz", host.url())).await.map(|r| async { (r.status(), r.text().await.unwrap()) }).unwrap().await };
+    let host = start(HostConfig {
+        local_detection: wasmplane::controller::LocalDetection::NodeCidr,
+        node_name: "node-a".into(),
+        ..config(dir.path())
+    })
+    .await
+    .unwrap();
+    let readyz = || async {
+        reqwest::get(format!("{}/readyz", host.url()))
+            .await
+            .map(|r| async { (r.status(), r.text().await.unwrap()) })
+            .unwrap()
+            .await
+    };
     let deadline = Instant::now() + Duration::from_secs(10);
     let (status, body) = loop {
         let (status, body) = readyz().await;
@@ -405,7 +516,11 @@ async fn readyz_waits_for_the_nodes_pod_cidr_in_node_cidr_mode() {
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
     assert!(body.contains("no pod CIDR yet"), "{body}");
 
-    write_manifest(&dir.path().join("manifests"), "node.yaml", "apiVersion: v1\nkind: Node\nmetadata: { name: node-a }\nspec: { podCIDR: 10.244.0.0/24, podCIDRs: [10.244.0.0/24] }\n");
+    write_manifest(
+        &dir.path().join("manifests"),
+        "node.yaml",
+        "apiVersion: v1\nkind: Node\nmetadata: { name: node-a }\nspec: { podCIDR: 10.244.0.0/24, podCIDRs: [10.244.0.0/24] }\n",
+    );
     let deadline = Instant::now() + Duration::from_secs(10);
     while readyz().await.0 != StatusCode::OK {
         assert!(Instant::now() < deadline, "not ready with the Node's pod CIDR: {}", readyz().await.1);
@@ -422,7 +537,8 @@ async fn metrics_are_served_alone_on_a_listener_of_their_own() {
     let client = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
     let dir = tempfile::tempdir().unwrap();
     write_manifest(&dir.path().join("manifests"), "shop.yaml", &manifests());
-    let host = start(HostConfig { metrics_listen: Some("127.0.0.1:0".parse().unwrap()), ..config(dir.path()) }).await.unwrap();
+    let host =
+        start(HostConfig { metrics_listen: Some("127.0.0.1:0".parse().unwrap()), ..config(dir.path()) }).await.unwrap();
     let metrics_addr = host.metrics_addr.expect("a free port is bound at start");
     assert_ne!(metrics_addr, host.addr);
     let answer = client.get(format!("http://{metrics_addr}/metrics")).send().await.unwrap();
@@ -433,7 +549,11 @@ async fn metrics_are_served_alone_on_a_listener_of_their_own() {
     assert_eq!(mode.headers()["content-type"], "text/plain; charset=utf-8");
     assert_eq!(mode.text().await.unwrap(), "record");
     for path in ["/v1/status", "/v1/modules", "/healthz"] {
-        assert_eq!(client.get(format!("http://{metrics_addr}{path}")).send().await.unwrap().status(), StatusCode::NOT_FOUND, "{path}");
+        assert_eq!(
+            client.get(format!("http://{metrics_addr}{path}")).send().await.unwrap().status(),
+            StatusCode::NOT_FOUND,
+            "{path}"
+        );
     }
     host.stop().await;
 
@@ -443,7 +563,10 @@ async fn metrics_are_served_alone_on_a_listener_of_their_own() {
     write_manifest(&dir.path().join("manifests"), "shop.yaml", &manifests());
     let host = start(HostConfig { metrics_listen: Some(taken), ..config(dir.path()) }).await.unwrap();
     assert_eq!(host.metrics_addr, None, "the port is taken");
-    assert!(client.get(format!("{}/healthz", host.url())).send().await.unwrap().status().is_success(), "the host serves anyway");
+    assert!(
+        client.get(format!("{}/healthz", host.url())).send().await.unwrap().status().is_success(),
+        "the host serves anyway"
+    );
     drop(blocker);
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
@@ -478,7 +601,14 @@ spec:
 ";
     let dir = tempfile::tempdir().unwrap();
     write_manifest(&dir.path().join("manifests"), "shop.yaml", &documents(&[&manifests(), POD_AND_POLICY]));
-    let host = start(HostConfig { policy_log_group: 1001, policy_log_rate: 50, node_name: "node-a".into(), ..config(dir.path()) }).await.unwrap();
+    let host = start(HostConfig {
+        policy_log_group: 1001,
+        policy_log_rate: 50,
+        node_name: "node-a".into(),
+        ..config(dir.path())
+    })
+    .await
+    .unwrap();
     let client = reqwest::Client::new();
     let deadline = Instant::now() + Duration::from_secs(10);
     let text = loop {
@@ -496,7 +626,8 @@ spec:
     let (service, policy): (Vec<&str>, Vec<&str>) = log_rules.iter().partition(|l| l.contains("wasmplane-service "));
     assert!(policy.iter().all(|l| l.contains("limit rate 50/second burst 100 packets log group 1001")), "{policy:#?}");
     assert!(
-        service.iter().all(|l| l.contains("th dport limit rate 50/second burst 100 packets }") && l.contains("limit rate 500/second burst 1000 packets log group 1001")),
+        service.iter().all(|l| l.contains("th dport limit rate 50/second burst 100 packets }")
+            && l.contains("limit rate 500/second burst 1000 packets log group 1001")),
         "{service:#?}"
     );
     for prefix in ["wasmplane-service no-endpoints", "wasmplane-policy deny ingress 10.244.0.11"] {

@@ -17,8 +17,8 @@ use support::cluster::{Cluster, NODES_YAML, start_host, wait_for};
 use support::netns::{Netns, require_root};
 use wasmplane::app::DataplaneMode;
 use wasmplane::cni::CniConfig;
-use wasmplane_cni::{CniRequest, Command};
 use wasmplane::controller::ModelObserver;
+use wasmplane_cni::{CniRequest, Command};
 use wasmplane_model::state::ModelUpdate;
 use wasmplane_model::{NodeLocalModel, ObjectKey};
 
@@ -30,7 +30,9 @@ fn cni(socket: &Path, command: Command, container: &str, netns: &str, pod: &str)
 }
 
 fn pod_yaml(name: &str) -> String {
-    format!("apiVersion: v1\nkind: Pod\nmetadata: {{ name: {name}, namespace: default, uid: uid-{name}, labels: {{ app: web }} }}\nspec: {{ nodeName: node-a, containers: [{{ name: c, image: x }}] }}\nstatus: {{ phase: Pending }}\n")
+    format!(
+        "apiVersion: v1\nkind: Pod\nmetadata: {{ name: {name}, namespace: default, uid: uid-{name}, labels: {{ app: web }} }}\nspec: {{ nodeName: node-a, containers: [{{ name: c, image: x }}] }}\nstatus: {{ phase: Pending }}\n"
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -44,7 +46,10 @@ async fn an_added_pod_is_in_the_model_at_once_and_del_takes_it_out() {
     // node-a is dual-stack here: its pods get an address of each family.
     let dual = NODES_YAML.replacen("podCIDRs: [10.244.0.0/24]", "podCIDRs: [10.244.0.0/24, \"fd00:10:244::/64\"]", 1);
     assert_ne!(dual, NODES_YAML);
-    cluster.put_file("cluster.yaml", &format!("{dual}---\napiVersion: v1\nkind: Namespace\nmetadata: {{ name: default }}\n"));
+    cluster.put_file(
+        "cluster.yaml",
+        &format!("{dual}---\napiVersion: v1\nkind: Namespace\nmetadata: {{ name: default }}\n"),
+    );
     let mut config = cluster.config(Vec::new());
     config.dataplane = DataplaneMode::Record;
     // No pod CIDR given: the daemon takes node-a's from its Node object in the watch cache.
@@ -75,17 +80,30 @@ async fn an_added_pod_is_in_the_model_at_once_and_del_takes_it_out() {
     std::fs::write(cluster.manifests().join("pod.yaml"), pod_yaml("web-1")).unwrap();
     let (status, result) = add.join().unwrap();
     assert_eq!(status, 200, "{result}");
-    let address = |i: usize| result["ips"][i]["address"].as_str().expect("an address").split('/').next().unwrap().to_string();
+    let address =
+        |i: usize| result["ips"][i]["address"].as_str().expect("an address").split('/').next().unwrap().to_string();
     let (ip, ip6) = (address(0), address(1));
     assert!(ip.starts_with("10.244.0."), "from node-a's pod CIDR 10.244.0.0/24: {result}");
     assert!(ip6.starts_with("fd00:10:244::"), "from node-a's pod CIDR fd00:10:244::/64: {result}");
-    assert!(pod_ns.exec(&["ip", "-4", "-o", "addr", "show", "dev", "eth0"]).contains(&ip), "the interface has the address");
-    assert!(pod_ns.exec(&["ip", "-6", "-o", "addr", "show", "dev", "eth0"]).contains(&ip6), "the interface has the address");
+    assert!(
+        pod_ns.exec(&["ip", "-4", "-o", "addr", "show", "dev", "eth0"]).contains(&ip),
+        "the interface has the address"
+    );
+    assert!(
+        pod_ns.exec(&["ip", "-6", "-o", "addr", "show", "dev", "eth0"]).contains(&ip6),
+        "the interface has the address"
+    );
     let both = vec![ip.clone(), ip6.clone()];
     // The host's status tells the daemon's use of each pod CIDR.
-    let cni_status = || async { reqwest::get(format!("{}/v1/status", host.url())).await.unwrap().json::<serde_json::Value>().await.unwrap()["cni"].clone() };
+    let cni_status = || async {
+        reqwest::get(format!("{}/v1/status", host.url())).await.unwrap().json::<serde_json::Value>().await.unwrap()["cni"].clone()
+    };
     let serving = cni_status().await;
-    assert_eq!((&serving["serving"], &serving["chained"]), (&serde_json::json!(true), &serde_json::json!(false)), "{serving}");
+    assert_eq!(
+        (&serving["serving"], &serving["chained"]),
+        (&serde_json::json!(true), &serde_json::json!(false)),
+        "{serving}"
+    );
     assert_eq!(
         serving["pools"],
         serde_json::json!([{ "cidr": "10.244.0.0/24", "allocated": 1, "capacity": 253 }, { "cidr": "fd00:10:244::/64", "allocated": 1, "capacity": u64::MAX }]),
@@ -95,13 +113,17 @@ async fn an_added_pod_is_in_the_model_at_once_and_del_takes_it_out() {
     // In the model, and written, before ADD answered (the runtime starts the containers
     // after it): the manifest never reports an address.
     let key = ObjectKey::new("default", "web-1");
-    let pod_ips = || host.controller.lock().unwrap().cluster().pods.get(&key).map(|p| p.ips.clone()).unwrap_or_default();
+    let pod_ips =
+        || host.controller.lock().unwrap().cluster().pods.get(&key).map(|p| p.ips.clone()).unwrap_or_default();
     assert_eq!(pod_ips(), both, "the pod's addresses in the model when ADD answers");
     // A manifest change that still reports no address keeps the one the daemon gave.
     std::fs::write(cluster.manifests().join("pod.yaml"), pod_yaml("web-1").replace("app: web", "app: web2")).unwrap();
-    wait_for("the relabelled pod", Duration::from_secs(15), || host.controller.lock().unwrap().cluster().pods.get(&key).map(|p| p.labels.clone()), |l| {
-        l.as_ref().is_some_and(|l| l.get("app").map(|v| v.as_str()) == Some("web2"))
-    });
+    wait_for(
+        "the relabelled pod",
+        Duration::from_secs(15),
+        || host.controller.lock().unwrap().cluster().pods.get(&key).map(|p| p.labels.clone()),
+        |l| l.as_ref().is_some_and(|l| l.get("app").map(|v| v.as_str()) == Some("web2")),
+    );
     assert_eq!(pod_ips(), both, "the addresses survive a pod update without them");
 
     // A pod that never arrives: the ADD fails after the wait, with a CNI error.
@@ -112,7 +134,11 @@ async fn an_added_pod_is_in_the_model_at_once_and_del_takes_it_out() {
     let (status, body) = cni(&socket, Command::Del, "c-web-1", &pod_netns, "web-1");
     assert!((200..300).contains(&status), "{body}");
     wait_for("the address gone from the model", Duration::from_secs(15), pod_ips, |ips| ips.is_empty());
-    assert_eq!(cni_status().await["pools"][0]["allocated"], 0, "released by DEL (and the ghost's failed ADD kept none)");
+    assert_eq!(
+        cni_status().await["pools"][0]["allocated"],
+        0,
+        "released by DEL (and the ghost's failed ADD kept none)"
+    );
     host.stop().await;
     // A stopped host's daemon takes its socket with it: the plugin is refused at once
     // ("no daemon") instead of connecting to nothing.
@@ -145,12 +171,23 @@ async fn chained_the_daemon_takes_the_addresses_the_plugin_before_it_gave() {
     let socket = cluster.data_dir().parent().unwrap().join("cni.sock");
     let no_cidr = NODES_YAML.replacen("spec: { podCIDR: 10.244.0.0/24, podCIDRs: [10.244.0.0/24] }", "spec: {}", 1);
     assert_ne!(no_cidr, NODES_YAML);
-    cluster.put_file("cluster.yaml", &format!("{no_cidr}---\napiVersion: v1\nkind: Namespace\nmetadata: {{ name: default }}\n"));
+    cluster.put_file(
+        "cluster.yaml",
+        &format!("{no_cidr}---\napiVersion: v1\nkind: Namespace\nmetadata: {{ name: default }}\n"),
+    );
     let pods: Vec<String> = (1..=5).map(|i| format!("web-{i}")).collect();
     cluster.put_file("pods.yaml", &pods.iter().map(|p| pod_yaml(p)).collect::<Vec<_>>().join("---\n"));
     let mut config = cluster.config(Vec::new());
     config.dataplane = DataplaneMode::Record;
-    config.cni = Some(CniConfig { socket: socket.clone(), pod_cidrs: Vec::new(), state_dir: None, pod_wait: Duration::from_secs(3), node_netns: None, chained: true, mtu: None });
+    config.cni = Some(CniConfig {
+        socket: socket.clone(),
+        pod_cidrs: Vec::new(),
+        state_dir: None,
+        pod_wait: Duration::from_secs(3),
+        node_netns: None,
+        chained: true,
+        mtu: None,
+    });
     let host = start_host(config).await;
     wait_for("the CNI socket without a pod CIDR", Duration::from_secs(10), || socket.exists(), |up| *up);
     // A slow revision (as a large dataplane write is): when each pod's address made one.
@@ -169,7 +206,8 @@ async fn chained_the_daemon_takes_the_addresses_the_plugin_before_it_gave() {
         let answered = Instant::now();
         assert_eq!((status, &result), (200, &previous), "the other plugin's result, unchanged");
         let key = ObjectKey::new("default", pod);
-        let pod_ips = || host.controller.lock().unwrap().cluster().pods.get(&key).map(|p| p.ips.clone()).unwrap_or_default();
+        let pod_ips =
+            || host.controller.lock().unwrap().cluster().pods.get(&key).map(|p| p.ips.clone()).unwrap_or_default();
         assert_eq!(pod_ips(), [ip.as_str()], "{pod}'s address in the model");
         let applied = written.lock().unwrap().get(&key).copied().expect("a revision with the address");
         assert!(applied <= answered, "{pod}: ADD answered before its address was in force");

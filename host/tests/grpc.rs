@@ -63,7 +63,10 @@ async fn a_grpc_sink_mirrors_the_model_through_changes() {
                 return;
             }
             let message = tokio::time::timeout_at(deadline.into(), stream.message()).await;
-            let message = message.unwrap_or_else(|_| panic!("timed out waiting for {what}")).expect("stream healthy").expect("stream open");
+            let message = message
+                .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+                .expect("stream healthy")
+                .expect("stream open");
             mirror.apply(message).expect("the stream keeps the protocol: no gap, no repeat");
         }
     }
@@ -71,14 +74,17 @@ async fn a_grpc_sink_mirrors_the_model_through_changes() {
         m.services()
             .iter()
             .find(|(k, _)| k.name == name)
-            .map(|(_, v)| v.slices.iter().flat_map(|s| s.endpoints.iter().map(|e| e.addresses[0].to_string())).collect())
+            .map(|(_, v)| {
+                v.slices.iter().flat_map(|s| s.endpoints.iter().map(|e| e.addresses[0].to_string())).collect()
+            })
             .unwrap_or_default()
     };
 
     until(&mut stream, &mut mirror, "the initial state", |m| endpoints(m, "web") == ["10.244.1.2"]).await;
 
     // Scale up, add a service, delete one: each arrives as a delta.
-    std::fs::write(manifests.join("web.yaml"), service_yaml("web", "10.96.0.10", &["10.244.1.2", "10.244.1.3"])).unwrap();
+    std::fs::write(manifests.join("web.yaml"), service_yaml("web", "10.96.0.10", &["10.244.1.2", "10.244.1.3"]))
+        .unwrap();
     until(&mut stream, &mut mirror, "scale up", |m| endpoints(m, "web").len() == 2).await;
     std::fs::write(manifests.join("api.yaml"), service_yaml("api", "10.96.0.11", &["10.244.1.9"])).unwrap();
     until(&mut stream, &mut mirror, "new service", |m| endpoints(m, "api") == ["10.244.1.9"]).await;
@@ -91,12 +97,19 @@ async fn a_grpc_sink_mirrors_the_model_through_changes() {
     assert_eq!(cidrs(&mirror), ["10.96.0.0/16"]);
     let service_cidr = "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16, \"fd00:96::/108\"]}\n";
     std::fs::write(manifests.join("service-cidr.yaml"), service_cidr).unwrap();
-    until(&mut stream, &mut mirror, "the ServiceCIDR object's ranges", |m| cidrs(m) == ["10.96.0.0/16", "fd00:96::/108"]).await;
+    until(&mut stream, &mut mirror, "the ServiceCIDR object's ranges", |m| {
+        cidrs(m) == ["10.96.0.0/16", "fd00:96::/108"]
+    })
+    .await;
     std::fs::remove_file(manifests.join("service-cidr.yaml")).unwrap();
-    until(&mut stream, &mut mirror, "the object's ranges gone, the configured one kept", |m| cidrs(m) == ["10.96.0.0/16"]).await;
+    until(&mut stream, &mut mirror, "the object's ranges gone, the configured one kept", |m| {
+        cidrs(m) == ["10.96.0.0/16"]
+    })
+    .await;
 
     // The mirror is exactly the host's model at the same revision.
-    let state: serde_json::Value = reqwest::get(format!("{}/v1/state", host.url())).await.unwrap().json().await.unwrap();
+    let state: serde_json::Value =
+        reqwest::get(format!("{}/v1/state", host.url())).await.unwrap().json().await.unwrap();
     assert_eq!(Some(state["revision"].as_u64().unwrap()), mirror.revision());
     let host_services: Vec<String> = state["model"]["services"].as_object().unwrap().keys().cloned().collect();
     let mirror_services: Vec<String> = mirror.services().keys().map(|k| k.to_string()).collect();
@@ -127,7 +140,8 @@ mod tonic_stream {
 /// A self-signed certificate for `names` (IP addresses and DNS names), written where the
 /// host reads it; and its PEM, for clients to trust.
 fn self_signed(dir: &Path, names: &[&str]) -> (TlsFiles, String) {
-    let rcgen::CertifiedKey { cert, signing_key } = rcgen::generate_simple_self_signed(names.iter().map(|n| n.to_string()).collect::<Vec<_>>()).unwrap();
+    let rcgen::CertifiedKey { cert, signing_key } =
+        rcgen::generate_simple_self_signed(names.iter().map(|n| n.to_string()).collect::<Vec<_>>()).unwrap();
     let files = TlsFiles { cert: dir.join("tls.crt"), key: dir.join("tls.key") };
     std::fs::write(&files.cert, cert.pem()).unwrap();
     std::fs::write(&files.key, signing_key.serialize_pem()).unwrap();
@@ -155,18 +169,28 @@ async fn secured_host(dir: &Path, grpc_listen: SocketAddr, tls: Option<TlsFiles>
 }
 
 /// Connects (trusting `ca` for `https://`) and starts a watch, with `token` as bearer.
-async fn watch(url: &str, ca: Option<&str>, token: Option<&str>) -> Result<tonic::Streaming<proto::WatchResponse>, String> {
+async fn watch(
+    url: &str,
+    ca: Option<&str>,
+    token: Option<&str>,
+) -> Result<tonic::Streaming<proto::WatchResponse>, String> {
     let attempt = async {
         let mut endpoint = Channel::from_shared(url.to_string()).map_err(|e| e.to_string())?;
         if let Some(ca) = ca {
-            endpoint = endpoint.tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca))).map_err(|e| e.to_string())?;
+            endpoint = endpoint
+                .tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)))
+                .map_err(|e| e.to_string())?;
         }
         let channel = endpoint.connect().await.map_err(|e| format!("connect: {e:?}"))?;
         let mut request = tonic::Request::new(WatchRequest {});
         if let Some(token) = token {
             request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
         }
-        LocalModelClient::new(channel).watch(request).await.map(tonic::Response::into_inner).map_err(|s| format!("{:?}: {}", s.code(), s.message()))
+        LocalModelClient::new(channel)
+            .watch(request)
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|s| format!("{:?}: {}", s.code(), s.message()))
     };
     tokio::time::timeout(WAIT, attempt).await.unwrap_or_else(|_| Err("timed out".into()))
 }
@@ -177,15 +201,21 @@ async fn expect_snapshot(stream: &mut tonic::Streaming<proto::WatchResponse>, wh
     let mut mirror = Mirror::new();
     // Until the manifests are loaded (a snapshot of the empty model may come first).
     while !mirror.services().keys().any(|k| k.name == "web") {
-        let message = tokio::time::timeout_at(deadline.into(), stream.message()).await.unwrap_or_else(|_| panic!("{who}: no snapshot in time"));
-        let message = message.unwrap_or_else(|e| panic!("{who}: stream failed: {e}")).unwrap_or_else(|| panic!("{who}: stream ended"));
+        let message = tokio::time::timeout_at(deadline.into(), stream.message())
+            .await
+            .unwrap_or_else(|_| panic!("{who}: no snapshot in time"));
+        let message = message
+            .unwrap_or_else(|e| panic!("{who}: stream failed: {e}"))
+            .unwrap_or_else(|| panic!("{who}: stream ended"));
         if mirror.revision().is_none() {
-            assert!(matches!(message.event, Some(Event::Snapshot(_))), "{who}: the first message is not a snapshot: {message:?}");
+            assert!(
+                matches!(message.event, Some(Event::Snapshot(_))),
+                "{who}: the first message is not a snapshot: {message:?}"
+            );
         }
         mirror.apply(message).unwrap_or_else(|e| panic!("{who}: {e}"));
     }
 }
-
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_is_served_over_tls_and_loopback_needs_no_token() {
@@ -206,14 +236,21 @@ async fn grpc_is_served_over_tls_and_loopback_needs_no_token() {
     let plain = watch(&format!("http://{addr}"), None, None).await;
     assert!(plain.is_err(), "plain text must not be served on the TLS port");
     let untrusting = async {
-        let endpoint = Channel::from_shared(format!("https://{addr}")).unwrap().tls_config(ClientTlsConfig::new()).unwrap();
+        let endpoint =
+            Channel::from_shared(format!("https://{addr}")).unwrap().tls_config(ClientTlsConfig::new()).unwrap();
         endpoint.connect().await
     };
-    assert!(tokio::time::timeout(WAIT, untrusting).await.expect("an answer in time").is_err(), "an untrusted certificate must fail");
+    assert!(
+        tokio::time::timeout(WAIT, untrusting).await.expect("an answer in time").is_err(),
+        "an untrusted certificate must fail"
+    );
 
     // gRPC gets HTTP/2; the REST API on the same certificate still offers HTTP/1.1 only.
     assert_eq!(support::tls::handshake(addr, &ca, &[b"h2", b"http/1.1"]).await.unwrap().as_deref(), Some(&b"h2"[..]));
-    assert_eq!(support::tls::handshake(host.addr, &ca, &[b"h2", b"http/1.1"]).await.unwrap().as_deref(), Some(&b"http/1.1"[..]));
+    assert_eq!(
+        support::tls::handshake(host.addr, &ca, &[b"h2", b"http/1.1"]).await.unwrap().as_deref(),
+        Some(&b"http/1.1"[..])
+    );
     host.stop().await;
 }
 
@@ -261,16 +298,27 @@ async fn from_another_host_grpc_needs_the_token() {
                     assert_eq!(local.local_addr().unwrap().ip(), theirs, "the client is not in the other namespace");
 
                     let ca = ca.as_deref();
-                    let missing = watch(&url, ca, None).await.map(|_| ()).expect_err("no token from another host must be refused");
-                    let wrong = watch(&url, ca, Some("wrong-token-wrong-token")).await.map(|_| ()).expect_err("a wrong token must be refused");
-                    let mut stream = watch(&url, ca, Some(TOKEN)).await.unwrap_or_else(|e| panic!("the host's token must be let in: {e}"));
+                    let missing = watch(&url, ca, None)
+                        .await
+                        .map(|_| ())
+                        .expect_err("no token from another host must be refused");
+                    let wrong = watch(&url, ca, Some("wrong-token-wrong-token"))
+                        .await
+                        .map(|_| ())
+                        .expect_err("a wrong token must be refused");
+                    let mut stream = watch(&url, ca, Some(TOKEN))
+                        .await
+                        .unwrap_or_else(|e| panic!("the host's token must be let in: {e}"));
                     expect_snapshot(&mut stream, "client in the other namespace").await;
                     (missing, wrong)
                 })
             })
         });
         let (missing, wrong) = outcome;
-        assert!(missing.starts_with(&format!("{:?}: missing bearer token", Code::Unauthenticated)), "tls={tls}: {missing}");
+        assert!(
+            missing.starts_with(&format!("{:?}: missing bearer token", Code::Unauthenticated)),
+            "tls={tls}: {missing}"
+        );
         assert!(wrong.starts_with(&format!("{:?}: invalid bearer token", Code::Unauthenticated)), "tls={tls}: {wrong}");
         host.stop().await;
     }
@@ -301,9 +349,15 @@ async fn refused_and_served_watches_are_in_the_metrics() {
     let dir = tempfile::tempdir().unwrap();
     let host = secured_host(dir.path(), SocketAddr::new(ours.parse().unwrap(), 0), None).await;
     let url = format!("http://{}", host.grpc_addr.expect("gRPC is served"));
-    let scrape = || async { reqwest::get(format!("{}/metrics", host.url())).await.unwrap().error_for_status().unwrap().text().await.unwrap() };
+    let scrape = || async {
+        reqwest::get(format!("{}/metrics", host.url())).await.unwrap().error_for_status().unwrap().text().await.unwrap()
+    };
     let before = scrape().await;
-    assert_eq!(sample(&before, "wasmplane_grpc_watches_refused_total{code=\"unauthenticated\"}"), Some(0.0), "{before}");
+    assert_eq!(
+        sample(&before, "wasmplane_grpc_watches_refused_total{code=\"unauthenticated\"}"),
+        Some(0.0),
+        "{before}"
+    );
 
     let refused = tokio::task::block_in_place(|| {
         ns.run(|| {
@@ -314,15 +368,29 @@ async fn refused_and_served_watches_are_in_the_metrics() {
     let refused = refused.expect_err("no token from another host must be refused");
     assert!(refused.starts_with(&format!("{:?}:", Code::Unauthenticated)), "{refused}");
 
-    let mut stream = watch(&url, None, Some(TOKEN)).await.unwrap_or_else(|e| panic!("the host's token must be let in: {e}"));
+    let mut stream =
+        watch(&url, None, Some(TOKEN)).await.unwrap_or_else(|e| panic!("the host's token must be let in: {e}"));
     expect_snapshot(&mut stream, "client with the token").await;
     let serving = scrape().await;
-    for (series, at_least) in [("wasmplane_grpc_watches_total", 1.0), ("wasmplane_grpc_snapshots_sent_total", 1.0), ("wasmplane_grpc_subscribers", 1.0), ("wasmplane_grpc_revisions_published_total", 1.0)] {
+    for (series, at_least) in [
+        ("wasmplane_grpc_watches_total", 1.0),
+        ("wasmplane_grpc_snapshots_sent_total", 1.0),
+        ("wasmplane_grpc_subscribers", 1.0),
+        ("wasmplane_grpc_revisions_published_total", 1.0),
+    ] {
         let value = sample(&serving, series).unwrap_or_else(|| panic!("{series} not in /metrics:\n{serving}"));
         assert!(value >= at_least, "{series} is {value}:\n{serving}");
     }
-    assert_eq!(sample(&serving, "wasmplane_grpc_watches_refused_total{code=\"unauthenticated\"}"), Some(1.0), "{serving}");
-    assert_eq!(sample(&serving, "wasmplane_grpc_watches_refused_total{code=\"permission_denied\"}"), Some(0.0), "{serving}");
+    assert_eq!(
+        sample(&serving, "wasmplane_grpc_watches_refused_total{code=\"unauthenticated\"}"),
+        Some(1.0),
+        "{serving}"
+    );
+    assert_eq!(
+        sample(&serving, "wasmplane_grpc_watches_refused_total{code=\"permission_denied\"}"),
+        Some(0.0),
+        "{serving}"
+    );
 
     // The server notices the client went away (a reset stream) and drops the watch.
     drop(stream);

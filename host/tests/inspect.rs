@@ -8,7 +8,10 @@ use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
 use serde_json::{Value, json};
-use support::rest::{API_SERVICE, SHOP_NAMESPACE, WEB_SERVICE, documents, endpoint_slice, error_of, json_answer, limited_config, write_manifest};
+use support::rest::{
+    API_SERVICE, SHOP_NAMESPACE, WEB_SERVICE, documents, endpoint_slice, error_of, json_answer, limited_config,
+    write_manifest,
+};
 use wasmplane::app::{HostConfig, RunningHost, start};
 use wasmplane::cli::ApiArgs;
 
@@ -100,7 +103,11 @@ impl Host {
 
     /// The status of a host over [`manifests`] that is ready with all four services.
     fn synced(status: &Value) -> bool {
-        status["ready"] == true && status["model"]["services"] == 4 && status["model"]["local_pods"] == 1 && status["model"]["policies"] == 1 && status["service_errors"] == 1
+        status["ready"] == true
+            && status["model"]["services"] == 4
+            && status["model"]["local_pods"] == 1
+            && status["model"]["policies"] == 1
+            && status["service_errors"] == 1
     }
 
     /// A host over [`manifests`] with its `config` changed, once its status is `until`.
@@ -145,7 +152,12 @@ impl Host {
 
 /// The row of `service` in a `/v1/services` answer.
 fn row<'a>(list: &'a Value, service: &str) -> &'a Value {
-    list["services"].as_array().unwrap().iter().find(|s| s["service"] == service).unwrap_or_else(|| panic!("no row for {service}: {list}"))
+    list["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["service"] == service)
+        .unwrap_or_else(|| panic!("no row for {service}: {list}"))
 }
 
 fn services_of(list: &Value) -> Vec<&str> {
@@ -164,7 +176,11 @@ async fn status_summarises_the_node_in_counts() {
     assert_eq!(summary["leader"], Value::Null, "no operator role here: {summary}");
     let (_, state) = h.get("/v1/state").await;
     assert_eq!(summary["model"]["revision"], state["revision"], "{summary}");
-    assert!(summary["model"]["revisions_total"].as_u64() >= Some(1) && summary["model"]["events_total"].as_u64() >= summary["model"]["revisions_total"].as_u64(), "{summary}");
+    assert!(
+        summary["model"]["revisions_total"].as_u64() >= Some(1)
+            && summary["model"]["events_total"].as_u64() >= summary["model"]["revisions_total"].as_u64(),
+        "{summary}"
+    );
     // Counts, never the model itself.
     assert_eq!(summary["model"]["services"], json!(4));
     assert_eq!(summary["model"]["local_pods"], json!(1));
@@ -202,12 +218,18 @@ async fn services_list_counts_endpoints_and_shows_translation_errors() {
     assert_eq!(web["ports"], json!([{ "name": "http", "port": 80, "protocol": "TCP", "node_port": null }]));
     assert_eq!(web["endpoints"], json!({ "total": 3, "ready": 2, "local": 2, "local_ready": 1 }), "{list}");
     assert_eq!(web["error"], Value::Null);
-    assert_eq!(row(&list, "shop/api")["endpoints"], json!({ "total": 1, "ready": 1, "local": 0, "local_ready": 0 }), "{list}");
+    assert_eq!(
+        row(&list, "shop/api")["endpoints"],
+        json!({ "total": 1, "ready": 1, "local": 0, "local_ready": 0 }),
+        "{list}"
+    );
     let edge = row(&list, "other/edge");
     assert_eq!((&edge["type"], &edge["ports"][0]["node_port"]), (&json!("NodePort"), &json!(30080)), "{list}");
     // The error as the controller keeps it, the one `/v1/state` shows.
     let (_, state) = h.get("/v1/state").await;
-    let error = state["service_errors"]["other/broken"].as_str().unwrap_or_else(|| panic!("the translator refused other/broken: {state}"));
+    let error = state["service_errors"]["other/broken"]
+        .as_str()
+        .unwrap_or_else(|| panic!("the translator refused other/broken: {state}"));
     assert!(error.contains("invalid IP"), "{error}");
     assert_eq!(row(&list, "other/broken")["error"], error, "{list}");
 
@@ -273,7 +295,8 @@ async fn the_cli_reads_and_formats_the_running_host() {
 
     let (_, list) = h.get("/v1/services?namespace=shop").await;
     let table = wasmplane::inspect::format_services(&list);
-    let rows: Vec<Vec<&str>> = table.lines().map(|l| l.split("   ").map(str::trim).filter(|c| !c.is_empty()).collect()).collect();
+    let rows: Vec<Vec<&str>> =
+        table.lines().map(|l| l.split("   ").map(str::trim).filter(|c| !c.is_empty()).collect()).collect();
     assert_eq!(rows.len(), 3, "{table}");
     assert_eq!(rows[0], ["NAMESPACE/NAME", "TYPE", "CLUSTER-IPS", "PORTS", "ENDPOINTS", "ERROR"], "{table}");
     assert_eq!(rows[1], ["shop/api", "ClusterIP", "10.96.0.21", "443/TCP", "1/1, local 0/0"], "{table}");
@@ -299,8 +322,15 @@ async fn the_cli_reads_and_formats_the_running_host() {
 /// same reason, and `wasmplane status` says so (and returns false) until then.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_is_ready_exactly_when_readyz_is() {
-    let synced_without_pod_cidr = |status: &Value| status["model"]["services"] == 4 && status["not_ready_reason"].as_str().is_some_and(|r| !r.contains("initial sync"));
-    let h = Host::start_with(|config| HostConfig { local_detection: wasmplane::controller::LocalDetection::NodeCidr, ..config }, synced_without_pod_cidr).await;
+    let synced_without_pod_cidr = |status: &Value| {
+        status["model"]["services"] == 4
+            && status["not_ready_reason"].as_str().is_some_and(|r| !r.contains("initial sync"))
+    };
+    let h = Host::start_with(
+        |config| HostConfig { local_detection: wasmplane::controller::LocalDetection::NodeCidr, ..config },
+        synced_without_pod_cidr,
+    )
+    .await;
     let (_, summary) = h.get("/v1/status").await;
     assert_eq!(summary["ready"], false, "{summary}");
     let reason = summary["not_ready_reason"].as_str().unwrap();
@@ -311,7 +341,11 @@ async fn status_is_ready_exactly_when_readyz_is() {
     let text = wasmplane::inspect::format_status(&summary);
     assert_eq!(text.lines().next(), Some(format!("Ready:               no: {reason}").as_str()), "{text}");
 
-    write_manifest(&h.dir.path().join("manifests"), "node.yaml", "apiVersion: v1\nkind: Node\nmetadata: { name: node-a }\nspec: { podCIDR: 10.244.0.0/24, podCIDRs: [10.244.0.0/24] }\n");
+    write_manifest(
+        &h.dir.path().join("manifests"),
+        "node.yaml",
+        "apiVersion: v1\nkind: Node\nmetadata: { name: node-a }\nspec: { podCIDR: 10.244.0.0/24, podCIDRs: [10.244.0.0/24] }\n",
+    );
     let summary = h.wait_for_status("the Node's pod CIDR", |status| status["ready"] == true).await;
     assert_eq!(summary["not_ready_reason"], Value::Null, "{summary}");
     assert_eq!(h.readyz().await, (StatusCode::OK, "ready\n".to_string()));
@@ -327,16 +361,34 @@ async fn the_policy_cli_lists_policies_and_says_when_verdicts_are_not_read() {
     policy(&api, PolicyCommand::Ls { counters: false }).await.unwrap();
     let mut shown = Vec::new();
     policy_to(&api, PolicyCommand::Ls { counters: false }, &mut shown).await.unwrap();
-    let cells = |table: &str| -> Vec<Vec<String>> { table.lines().map(|l| l.split("   ").map(str::trim).filter(|c| !c.is_empty()).map(String::from).collect()).collect() };
+    let cells = |table: &str| -> Vec<Vec<String>> {
+        table
+            .lines()
+            .map(|l| l.split("   ").map(str::trim).filter(|c| !c.is_empty()).map(String::from).collect())
+            .collect()
+    };
 
     let (status, list) = h.get("/v1/policies").await;
     assert_eq!(status, StatusCode::OK, "{list}");
     let table = format_policies(&list, false);
-    assert_eq!(cells(&table), [vec!["NAMESPACE/NAME", "GENERATION", "MODE", "TARGETS", "ERROR"], vec!["default/web-ingress", "1/1", "enforce", "ingress 1, egress 0"]], "{table}");
+    assert_eq!(
+        cells(&table),
+        [
+            vec!["NAMESPACE/NAME", "GENERATION", "MODE", "TARGETS", "ERROR"],
+            vec!["default/web-ingress", "1/1", "enforce", "ingress 1, egress 0"]
+        ],
+        "{table}"
+    );
     assert_eq!(String::from_utf8(shown).unwrap(), table, "what `wasmplane policy ls` prints");
 
     // In audit mode, with the counters (a record dataplane has none: zero).
-    let audit = h.client.post(h.url("/v1/policies/default/web-ingress/audit?enabled=true")).bearer_auth(TOKEN).send().await.unwrap();
+    let audit = h
+        .client
+        .post(h.url("/v1/policies/default/web-ingress/audit?enabled=true"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(audit.status(), StatusCode::OK);
     let mut shown = Vec::new();
     policy_to(&api, PolicyCommand::Ls { counters: true }, &mut shown).await.unwrap();
@@ -346,11 +398,14 @@ async fn the_policy_cli_lists_policies_and_says_when_verdicts_are_not_read() {
     assert_eq!(String::from_utf8(shown).unwrap(), table, "what `wasmplane policy ls --counters` prints");
 
     // A record dataplane reads no verdicts: the host's 404 and its reason, at once, also with --follow.
-    let verdicts = |follow: bool| policy(&api, PolicyCommand::Verdicts { pod: None, verdict: Some(VerdictFilter::Deny), limit: 5, follow });
+    let verdicts = |follow: bool| {
+        policy(&api, PolicyCommand::Verdicts { pod: None, verdict: Some(VerdictFilter::Deny), limit: 5, follow })
+    };
     let error = verdicts(false).await.unwrap_err().to_string();
     assert!(error.starts_with("404") && error.contains("policy verdicts are not read on this host"), "{error}");
     // Sooner than the first poll of a follow (a second): refused before following.
-    let followed = tokio::time::timeout(Duration::from_millis(900), verdicts(true)).await.expect("refused before following");
+    let followed =
+        tokio::time::timeout(Duration::from_millis(900), verdicts(true)).await.expect("refused before following");
     assert_eq!(followed.unwrap_err().to_string(), error);
     h.host.stop().await;
 }
@@ -372,29 +427,61 @@ async fn the_policy_cli_switches_audit_and_allow_logging() {
             policy_to(api, command, &mut shown).await.map(|()| String::from_utf8(shown).unwrap())
         }
     };
-    let policy_row = |list: &Value| list["policies"].as_array().unwrap().iter().find(|p| p["name"] == "web-ingress").unwrap().clone();
+    let policy_row = |list: &Value| {
+        list["policies"].as_array().unwrap().iter().find(|p| p["name"] == "web-ingress").unwrap().clone()
+    };
 
-    assert_eq!(run(PolicyCommand::LogAllowed(PolicyToggle { policy: web(), all: false, off: false })).await.unwrap(), "default/web-ingress: log-allowed on\n");
+    assert_eq!(
+        run(PolicyCommand::LogAllowed(PolicyToggle { policy: web(), all: false, off: false })).await.unwrap(),
+        "default/web-ingress: log-allowed on\n"
+    );
     let (_, list) = h.get("/v1/policies").await;
-    assert_eq!((policy_row(&list)["audit"].clone(), policy_row(&list)["log_allowed"].clone()), (json!(false), json!(true)), "{list}");
+    assert_eq!(
+        (policy_row(&list)["audit"].clone(), policy_row(&list)["log_allowed"].clone()),
+        (json!(false), json!(true)),
+        "{list}"
+    );
     assert!(run(PolicyCommand::Ls { counters: false }).await.unwrap().contains("enforce, log-allowed"));
 
-    assert_eq!(run(PolicyCommand::Audit(PolicyToggle { policy: None, all: true, off: false })).await.unwrap(), "every policy on this node: audit on\n");
+    assert_eq!(
+        run(PolicyCommand::Audit(PolicyToggle { policy: None, all: true, off: false })).await.unwrap(),
+        "every policy on this node: audit on\n"
+    );
     let (_, list) = h.get("/v1/policies").await;
     assert_eq!(policy_row(&list)["audit"], true, "{list}");
     // Allow logging on for every policy, then off for one: it stays on, and the line says so.
     run(PolicyCommand::LogAllowed(PolicyToggle { policy: None, all: true, off: false })).await.unwrap();
-    assert_eq!(run(PolicyCommand::LogAllowed(PolicyToggle { policy: web(), all: false, off: true })).await.unwrap(), "default/web-ingress: log-allowed on\n");
-    assert_eq!(run(PolicyCommand::LogAllowed(PolicyToggle { policy: None, all: true, off: true })).await.unwrap(), "every policy on this node: log-allowed off\n");
+    assert_eq!(
+        run(PolicyCommand::LogAllowed(PolicyToggle { policy: web(), all: false, off: true })).await.unwrap(),
+        "default/web-ingress: log-allowed on\n"
+    );
+    assert_eq!(
+        run(PolicyCommand::LogAllowed(PolicyToggle { policy: None, all: true, off: true })).await.unwrap(),
+        "every policy on this node: log-allowed off\n"
+    );
     // Audit likewise: off for one while on for every policy stays on.
-    assert_eq!(run(PolicyCommand::Audit(PolicyToggle { policy: web(), all: false, off: true })).await.unwrap(), "default/web-ingress: audit on\n");
-    assert_eq!(run(PolicyCommand::Audit(PolicyToggle { policy: None, all: true, off: true })).await.unwrap(), "every policy on this node: audit off\n");
+    assert_eq!(
+        run(PolicyCommand::Audit(PolicyToggle { policy: web(), all: false, off: true })).await.unwrap(),
+        "default/web-ingress: audit on\n"
+    );
+    assert_eq!(
+        run(PolicyCommand::Audit(PolicyToggle { policy: None, all: true, off: true })).await.unwrap(),
+        "every policy on this node: audit off\n"
+    );
     let (_, list) = h.get("/v1/policies").await;
-    assert_eq!((policy_row(&list)["audit"].clone(), policy_row(&list)["log_allowed"].clone()), (json!(false), json!(false)), "{list}");
+    assert_eq!(
+        (policy_row(&list)["audit"].clone(), policy_row(&list)["log_allowed"].clone()),
+        (json!(false), json!(false)),
+        "{list}"
+    );
 
     // Without the token: the host's 401 and its reason, and nothing changes.
     let mut shown = Vec::new();
-    let refused = policy_to(&h.api(), PolicyCommand::Audit(PolicyToggle { policy: web(), all: false, off: false }), &mut shown).await.unwrap_err().to_string();
+    let refused =
+        policy_to(&h.api(), PolicyCommand::Audit(PolicyToggle { policy: web(), all: false, off: false }), &mut shown)
+            .await
+            .unwrap_err()
+            .to_string();
     assert!(refused.starts_with("401") && refused.contains("missing bearer token"), "{refused}");
     let (_, list) = h.get("/v1/policies").await;
     assert_eq!(policy_row(&list)["audit"], false, "{list}");
@@ -414,7 +501,11 @@ async fn verdicts_follow_polls_with_the_filters_and_prints_each_event_once() {
                 "destination": "10.244.0.41", "protocol": "tcp", "source_port": source_port, "destination_port": 80, "policies": ["default/web-ingress"] })
     };
     // Newest first, as the host answers; the second poll adds two events of one millisecond, the third nothing.
-    let answers = [vec![event(1_000, 1)], vec![event(2_000, 3), event(2_000, 2), event(1_000, 1)], vec![event(2_000, 3), event(2_000, 2), event(1_000, 1)]];
+    let answers = [
+        vec![event(1_000, 1)],
+        vec![event(2_000, 3), event(2_000, 2), event(1_000, 1)],
+        vec![event(2_000, 3), event(2_000, 2), event(1_000, 1)],
+    ];
     let queries: Arc<Mutex<Vec<String>>> = Arc::default();
     let recorded = queries.clone();
     let app = axum::Router::new().route(
@@ -423,7 +514,10 @@ async fn verdicts_follow_polls_with_the_filters_and_prints_each_event_once() {
             let mut queries = recorded.lock().unwrap();
             queries.push(uri.query().unwrap_or_default().to_string());
             match answers.get(queries.len() - 1) {
-                Some(events) => (StatusCode::OK, axum::Json(json!({ "totals": { "deny": 0, "audit": 3, "lost": 0 }, "events": events }))),
+                Some(events) => (
+                    StatusCode::OK,
+                    axum::Json(json!({ "totals": { "deny": 0, "audit": 3, "lost": 0 }, "events": events })),
+                ),
                 None => (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({ "error": "shutting down" }))),
             }
         }),
@@ -433,14 +527,26 @@ async fn verdicts_follow_polls_with_the_filters_and_prints_each_event_once() {
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
 
     let started = Instant::now();
-    let command = PolicyCommand::Verdicts { pod: Some("default/web-1".into()), verdict: Some(VerdictFilter::Audit), limit: 5, follow: true };
+    let command = PolicyCommand::Verdicts {
+        pod: Some("default/web-1".into()),
+        verdict: Some(VerdictFilter::Audit),
+        limit: 5,
+        follow: true,
+    };
     let mut printed = Vec::new();
-    let ended = tokio::time::timeout(Duration::from_secs(10), policy_to(&api, command, &mut printed)).await.expect("the host's error ends the follow");
+    let ended = tokio::time::timeout(Duration::from_secs(10), policy_to(&api, command, &mut printed))
+        .await
+        .expect("the host's error ends the follow");
     assert_eq!(ended.unwrap_err().to_string(), "503 Service Unavailable: shutting down");
     assert!(started.elapsed() >= Duration::from_secs(3), "a poll a second: {:?}", started.elapsed());
     // Polls ask only for what the newest printed millisecond and later hold.
-    let asked = |since: u64| format!("pod=default%2Fweb-1&verdict=audit&limit={}&since_unix_ms={since}", wasmplane::policy_log::CAPACITY);
-    assert_eq!(*queries.lock().unwrap(), ["pod=default%2Fweb-1&verdict=audit&limit=5".to_string(), asked(1_000), asked(2_000), asked(2_000)]);
+    let asked = |since: u64| {
+        format!("pod=default%2Fweb-1&verdict=audit&limit={}&since_unix_ms={since}", wasmplane::policy_log::CAPACITY)
+    };
+    assert_eq!(
+        *queries.lock().unwrap(),
+        ["pod=default%2Fweb-1&verdict=audit&limit=5".to_string(), asked(1_000), asked(2_000), asked(2_000)]
+    );
     // Each event once, oldest first, and no totals line.
     let printed = String::from_utf8(printed).unwrap();
     assert_eq!(
@@ -472,11 +578,21 @@ spec:
 ";
 
 fn pods_of(list: &Value) -> Vec<String> {
-    list["pods"].as_array().unwrap().iter().map(|p| format!("{}/{}", p["namespace"].as_str().unwrap(), p["name"].as_str().unwrap())).collect()
+    list["pods"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| format!("{}/{}", p["namespace"].as_str().unwrap(), p["name"].as_str().unwrap()))
+        .collect()
 }
 
 fn pod_row<'a>(list: &'a Value, pod: &str) -> &'a Value {
-    list["pods"].as_array().unwrap().iter().find(|p| format!("{}/{}", p["namespace"].as_str().unwrap(), p["name"].as_str().unwrap()) == pod).unwrap_or_else(|| panic!("no row for {pod}: {list}"))
+    list["pods"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| format!("{}/{}", p["namespace"].as_str().unwrap(), p["name"].as_str().unwrap()) == pod)
+        .unwrap_or_else(|| panic!("no row for {pod}: {list}"))
 }
 
 /// The enforcement flags of a pod row: ingress, egress, audit.
@@ -499,7 +615,11 @@ async fn pods_are_this_nodes_with_the_policies_enforced_on_them() {
     let web = pod_row(&list, "default/web-1");
     assert_eq!((&web["ips"], &web["host_network"]), (&json!(["10.244.0.41"]), &json!(false)), "{list}");
     assert_eq!(enforcement(web), (json!(true), json!(false), json!(false)), "{list}");
-    assert_eq!(web["policies"], json!([{ "name": "default/web-ingress", "policy_types": ["ingress"], "audit": false, "log_allowed": false, "error": null }]), "{list}");
+    assert_eq!(
+        web["policies"],
+        json!([{ "name": "default/web-ingress", "policy_types": ["ingress"], "audit": false, "log_allowed": false, "error": null }]),
+        "{list}"
+    );
     assert_eq!(web["cni_allocations"], Value::Null, "this host hands out no addresses: {list}");
     let cache = pod_row(&list, "shop/cache-1");
     assert_eq!(enforcement(cache), (json!(false), json!(false), json!(false)), "{list}");
@@ -528,7 +648,11 @@ async fn pods_are_this_nodes_with_the_policies_enforced_on_them() {
 
     let (status, remote) = h.get("/v1/pods/default/web-2").await;
     assert_eq!(status, StatusCode::NOT_FOUND, "{remote}");
-    assert_eq!(error_of(&remote), "pod default/web-2 is not one of this node's pods (it is on node node-b)", "{remote}");
+    assert_eq!(
+        error_of(&remote),
+        "pod default/web-2 is not one of this node's pods (it is on node node-b)",
+        "{remote}"
+    );
     let (status, unknown) = h.get("/v1/pods/default/nope").await;
     assert_eq!(status, StatusCode::NOT_FOUND, "{unknown}");
     assert!(error_of(&unknown).contains("not one of this node's pods"), "{unknown}");
@@ -546,8 +670,16 @@ async fn pods_are_this_nodes_with_the_policies_enforced_on_them() {
     };
     let cache = pod_row(&list, "shop/cache-1");
     assert_eq!(enforcement(cache), (json!(false), json!(true), json!(false)), "{list}");
-    assert_eq!(cache["policies"], json!([{ "name": "shop/cache-egress", "policy_types": ["egress"], "audit": false, "log_allowed": false, "error": null }]), "{list}");
-    assert_eq!(enforcement(pod_row(&list, "default/web-1")), (json!(true), json!(false), json!(false)), "the other pod as it was: {list}");
+    assert_eq!(
+        cache["policies"],
+        json!([{ "name": "shop/cache-egress", "policy_types": ["egress"], "audit": false, "log_allowed": false, "error": null }]),
+        "{list}"
+    );
+    assert_eq!(
+        enforcement(pod_row(&list, "default/web-1")),
+        (json!(true), json!(false), json!(false)),
+        "the other pod as it was: {list}"
+    );
     h.host.stop().await;
 }
 
@@ -557,7 +689,12 @@ async fn the_pod_cli_reads_and_formats_the_running_host() {
     let h = Host::start().await;
     write_manifest(&h.dir.path().join("manifests"), "cache.yaml", CACHE_POD);
     h.wait_for_status("the second local pod", |status| status["model"]["local_pods"] == 2).await;
-    let cells = |table: &str| -> Vec<Vec<String>> { table.lines().map(|l| l.split("   ").map(str::trim).filter(|c| !c.is_empty()).map(String::from).collect()).collect() };
+    let cells = |table: &str| -> Vec<Vec<String>> {
+        table
+            .lines()
+            .map(|l| l.split("   ").map(str::trim).filter(|c| !c.is_empty()).map(String::from).collect())
+            .collect()
+    };
 
     let (_, list) = h.get("/v1/pods").await;
     let table = format_pods(&list);
@@ -573,23 +710,43 @@ async fn the_pod_cli_reads_and_formats_the_running_host() {
     let (_, detail) = h.get("/v1/pods/default/web-1").await;
     let text = format_pod(&detail);
     let lines: Vec<&str> = text.lines().collect();
-    for expected in ["Pod:           default/web-1", "Labels:        app=web", "Ingress:       enforced", "Egress:        -", "Policy:        default/web-ingress (ingress, enforce)", "Recent drops:  not read on this host"] {
+    for expected in [
+        "Pod:           default/web-1",
+        "Labels:        app=web",
+        "Ingress:       enforced",
+        "Egress:        -",
+        "Policy:        default/web-ingress (ingress, enforce)",
+        "Recent drops:  not read on this host",
+    ] {
         assert!(lines.contains(&expected), "{expected:?} in:\n{text}");
     }
 
     // In audit mode nothing is dropped: the table says so.
-    let audit = h.client.post(h.url("/v1/policies/default/web-ingress/audit?enabled=true")).bearer_auth(TOKEN).send().await.unwrap();
+    let audit = h
+        .client
+        .post(h.url("/v1/policies/default/web-ingress/audit?enabled=true"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(audit.status(), StatusCode::OK);
     let (_, list) = h.get("/v1/pods?namespace=default").await;
     assert_eq!(pod_row(&list, "default/web-1")["audit"], true, "{list}");
     let table = format_pods(&list);
-    assert_eq!(cells(&table)[1], ["default/web-1", "10.244.0.41", "audit", "-", "default/web-ingress (audit)"], "{table}");
+    assert_eq!(
+        cells(&table)[1],
+        ["default/web-1", "10.244.0.41", "audit", "-", "default/web-ingress (audit)"],
+        "{table}"
+    );
 
     let api = h.api();
     wasmplane::inspect::pods(&api, Some("shop")).await.unwrap();
     wasmplane::inspect::pod(&api, &"default/web-1".parse::<NamespacedName>().unwrap(), false).await.unwrap();
     wasmplane::inspect::pod(&api, &"default/web-1".parse::<NamespacedName>().unwrap(), true).await.unwrap();
-    let remote = wasmplane::inspect::pod(&api, &"default/web-2".parse::<NamespacedName>().unwrap(), false).await.unwrap_err().to_string();
+    let remote = wasmplane::inspect::pod(&api, &"default/web-2".parse::<NamespacedName>().unwrap(), false)
+        .await
+        .unwrap_err()
+        .to_string();
     assert_eq!(remote, "404 Not Found: pod default/web-2 is not one of this node's pods (it is on node node-b)");
     h.host.stop().await;
 }
@@ -604,7 +761,10 @@ async fn the_node_cli_lists_this_node_or_says_the_host_does_not_register() {
     node_to(&h.api(), NodeCommand::Ls, &mut shown).await.unwrap();
     let text = String::from_utf8(shown).unwrap();
     // No Node object in the manifests: neither addresses nor pod CIDRs published.
-    assert_eq!(text, "NAME     ID   ADDRESSES   POD CIDRS   ROUTE\nnode-a   1    <none>      <none>      (this node)\nRoutes:  not programmed by this host (--node-routes)\n");
+    assert_eq!(
+        text,
+        "NAME     ID   ADDRESSES   POD CIDRS   ROUTE\nnode-a   1    <none>      <none>      (this node)\nRoutes:  not programmed by this host (--node-routes)\n"
+    );
     h.host.stop().await;
 
     let h = Host::start_with(|config| HostConfig { agent: None, ..config }, |status| status["ready"] == true).await;

@@ -53,7 +53,10 @@ async fn host_in(ns: &Netns, manifests: &std::path::Path, dir: &std::path::Path)
 /// A namespace `<tag>-<pid>` (`Netns::new` deletes one of that name first, another run's too),
 /// a temporary directory whose `manifests/` holds `examples` from examples/manifests, and a
 /// host writing into the namespace from them.
-async fn host_on_examples(tag: &str, examples: &[&str]) -> (Netns, tempfile::TempDir, std::path::PathBuf, wasmplane::app::RunningHost) {
+async fn host_on_examples(
+    tag: &str,
+    examples: &[&str],
+) -> (Netns, tempfile::TempDir, std::path::PathBuf, wasmplane::app::RunningHost) {
     let ns = Netns::new(&format!("{tag}-{}", std::process::id())).expect("creating a network namespace");
     let dir = tempfile::tempdir().unwrap();
     let manifests = dir.path().join("manifests");
@@ -81,15 +84,28 @@ async fn transactions_apply_to_the_kernel_and_reconcile_repairs_drift() {
         }
     };
     // Full sync of the example cluster: ClusterIP, affinity sets, NodePort, UDP.
-    let table = wait_for("initial sync", &|t| t.contains("10.96.0.20 . tcp . 80 : goto pick-by-count") && set_holds(t, "frontends-3", "10.96.0.20 . tcp . 80"));
+    let table = wait_for("initial sync", &|t| {
+        t.contains("10.96.0.20 . tcp . 80 : goto pick-by-count") && set_holds(t, "frontends-3", "10.96.0.20 . tcp . 80")
+    });
     // web as data: its three backends by number in its shard's endpoint map, no chain.
-    assert!(table.contains("10.96.0.20 . tcp . 80 . 2 : 10.244.1.11 . 8080") && !table.contains("chain svc/shop/web/"), "{table}");
+    assert!(
+        table.contains("10.96.0.20 . tcp . 80 . 2 : 10.244.1.11 . 8080") && !table.contains("chain svc/shop/web/"),
+        "{table}"
+    );
     // api's session affinity as data: its frontend to the shard's chain for 600 s, which
     // goes on by its backend count and remembers clients in the shard's slot sets.
-    assert!(table.contains("10.96.0.21 . tcp . 443 : goto affinity-600-pick-by-count") && table.contains("chain affinity-600-lookup {"), "{table}");
+    assert!(
+        table.contains("10.96.0.21 . tcp . 443 : goto affinity-600-pick-by-count")
+            && table.contains("chain affinity-600-lookup {"),
+        "{table}"
+    );
     assert!(table.contains("set affinity-slot-0 {") && !table.contains("chain svc/shop/api/"), "{table}");
     assert!(table.contains("10.244.0.12 . 10.244.0.12"), "hairpin endpoints: {table}");
-    assert!(table.contains("tcp . 30080 : goto svc/shop/web/tcp/http") || table.contains("tcp . 30080 : goto svc/shop/checkout/tcp/http/external"), "{table}");
+    assert!(
+        table.contains("tcp . 30080 : goto svc/shop/web/tcp/http")
+            || table.contains("tcp . 30080 : goto svc/shop/checkout/tcp/http/external"),
+        "{table}"
+    );
     assert!(table.contains("10.96.0.10 . udp . 53"), "{table}");
 
     // Incremental: scale web down to one endpoint.
@@ -102,39 +118,73 @@ async fn transactions_apply_to_the_kernel_and_reconcile_repairs_drift() {
     std::fs::rename(dir.path().join("shop.yaml.tmp"), manifests.join("shop.yaml")).unwrap();
     let table = wait_for("scale-down", &|t| !t.contains("10.244.0.12"));
     // A draw between the two left: renumbered backends, the frontend counted as two.
-    assert!(set_holds(&table, "frontends-2", "10.96.0.20 . tcp . 80") && !set_holds(&table, "frontends-3", "10.96.0.20 . tcp . 80"), "{table}");
-    assert!(table.contains("10.96.0.20 . tcp . 80 : goto pick-by-count") && table.contains("10.96.0.20 . tcp . 80 . 1 : 10.244.1.11 . 8080"), "{table}");
+    assert!(
+        set_holds(&table, "frontends-2", "10.96.0.20 . tcp . 80")
+            && !set_holds(&table, "frontends-3", "10.96.0.20 . tcp . 80"),
+        "{table}"
+    );
+    assert!(
+        table.contains("10.96.0.20 . tcp . 80 : goto pick-by-count")
+            && table.contains("10.96.0.20 . tcp . 80 . 1 : 10.244.1.11 . 8080"),
+        "{table}"
+    );
     assert!(!table.contains("10.96.0.20 . tcp . 80 . 2 "), "{table}");
     // The remaining endpoint is still a hairpin endpoint; the gone one left the set.
     assert!(table.contains("10.244.0.11 . 10.244.0.11"), "{table}");
     // Incremental changes go in as netlink batches (no nft process; see nft/netlink.rs).
     let metrics = reqwest::get(format!("{}/metrics", host.url())).await.unwrap().text().await.unwrap();
-    assert!(metrics.lines().any(|l| l.starts_with("wasmplane_dataplane_transactions_total{path=\"netlink\"} ") && !l.ends_with(" 0")), "{metrics}");
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("wasmplane_dataplane_transactions_total{path=\"netlink\"} ") && !l.ends_with(" 0")),
+        "{metrics}"
+    );
 
     // Services are spread over shard tables, each with its own NAT chains and maps.
     let layout = host.controller.lock().unwrap().dataplane().layout();
     assert!(layout.shards > 1, "{layout:?}");
     let web = layout.table_of("svc/shop/web/tcp/http").name();
     let table = ns.nft(&["list", "ruleset"]);
-    let shards_with_services = table.split("\ntable ").filter(|t| t.starts_with("inet wasmplane-s") && t.contains(" : goto ")).count();
+    let shards_with_services =
+        table.split("\ntable ").filter(|t| t.starts_with("inet wasmplane-s") && t.contains(" : goto ")).count();
     assert!(shards_with_services > 1, "services in {shards_with_services} shard table(s):\n{table}");
-    let web_table = table.split("\ntable ").find(|t| t.starts_with(&format!("inet {web} {{"))).unwrap_or_else(|| panic!("no table {web}:\n{table}"));
-    assert!(set_holds(web_table, "frontends-2", "10.96.0.20 . tcp . 80") && web_table.contains("type nat hook prerouting"), "{web_table}");
+    let web_table = table
+        .split("\ntable ")
+        .find(|t| t.starts_with(&format!("inet {web} {{")))
+        .unwrap_or_else(|| panic!("no table {web}:\n{table}"));
+    assert!(
+        set_holds(web_table, "frontends-2", "10.96.0.20 . tcp . 80") && web_table.contains("type nat hook prerouting"),
+        "{web_table}"
+    );
 
     // Drift: someone empties two of our chains and deletes the elements that lead to them;
     // the reconcile puts them back.
     let rendered = host.controller.lock().unwrap().dataplane().render();
-    let nft = |args: &[&str]| Command::new("ip").args(["netns", "exec", &ns.0, "nft"]).args(args).status().unwrap().success();
+    let nft =
+        |args: &[&str]| Command::new("ip").args(["netns", "exec", &ns.0, "nft"]).args(args).status().unwrap().success();
     assert!(nft(&["delete", "element", "inet", &web, "service-ips", "{ 10.96.0.20 . tcp . 80 }"]));
     assert!(nft(&["delete", "element", "inet", &web, "frontends-2", "{ 10.96.0.20 . tcp . 80 }"]));
-    assert!(nft(&["flush", "chain", "inet", &web, "pick-by-count"]) && nft(&["flush", "chain", "inet", &web, "pick-2"]));
+    assert!(
+        nft(&["flush", "chain", "inet", &web, "pick-by-count"]) && nft(&["flush", "chain", "inet", &web, "pick-2"])
+    );
     let table = ns.nft(&["list", "ruleset"]);
-    assert!(!table.contains("10.96.0.20 . tcp . 80 : goto") && !set_holds(&table, "frontends-2", "10.96.0.20 . tcp . 80"), "{table}");
+    assert!(
+        !table.contains("10.96.0.20 . tcp . 80 : goto") && !set_holds(&table, "frontends-2", "10.96.0.20 . tcp . 80"),
+        "{table}"
+    );
     host.controller.lock().unwrap().reconcile().unwrap();
     let table = ns.nft(&["list", "ruleset"]);
     let web_table = table.split("\ntable ").find(|t| t.starts_with(&format!("inet {web} {{"))).unwrap();
-    assert!(web_table.contains("10.96.0.20 . tcp . 80 : goto pick-by-count") && set_holds(web_table, "frontends-2", "10.96.0.20 . tcp . 80"), "{web_table}");
-    assert!(web_table.contains("@frontends-2 goto pick-2") && web_table.contains("numgen random mod 2 map @service-endpoints"), "{web_table}");
+    assert!(
+        web_table.contains("10.96.0.20 . tcp . 80 : goto pick-by-count")
+            && set_holds(web_table, "frontends-2", "10.96.0.20 . tcp . 80"),
+        "{web_table}"
+    );
+    assert!(
+        web_table.contains("@frontends-2 goto pick-2")
+            && web_table.contains("numgen random mod 2 map @service-endpoints"),
+        "{web_table}"
+    );
     assert_eq!(host.controller.lock().unwrap().dataplane().render(), rendered);
 
     // A module swap is one transaction too: the port filter keeps only api (labelled).
@@ -184,13 +234,20 @@ async fn cleanup_removes_our_tables_and_routes_and_nothing_else() {
     std::fs::write(&conf, "{}").unwrap();
 
     let cleanup = || {
-        let out = Command::new("ip").args(["netns", "exec", &ns.0, env!("CARGO_BIN_EXE_wasmplane"), "cleanup", "--cni-conf"]).arg(&conf).output().unwrap();
+        let out = Command::new("ip")
+            .args(["netns", "exec", &ns.0, env!("CARGO_BIN_EXE_wasmplane"), "cleanup", "--cni-conf"])
+            .arg(&conf)
+            .output()
+            .unwrap();
         assert!(out.status.success(), "cleanup failed: {}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     let said = cleanup();
     assert!(said.contains("inet wasmplane,") || said.contains("inet wasmplane\n"), "{said}");
-    assert!(said.contains("inet wasmplane-s1") && said.contains("10.244.5.0/24") && said.contains("fd00:10:244:5::/64"), "{said}");
+    assert!(
+        said.contains("inet wasmplane-s1") && said.contains("10.244.5.0/24") && said.contains("fd00:10:244:5::/64"),
+        "{said}"
+    );
     let tables = ns.nft(&["list", "tables"]);
     assert_eq!(tables.trim(), "table inet someone-else", "only someone else's table stays");
     let routes = ip(&["route", "show"]) + &ip(&["-6", "route", "show"]);

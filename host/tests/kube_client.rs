@@ -136,7 +136,10 @@ async fn a_kubeconfig_client_verifies_the_servers_ca_and_sends_its_bearer_token(
 
     let trusting = write_kubeconfig(dir.path(), "trusting", addr, &issued.ca_pem);
     let client = KubernetesSource::Kubeconfig(trusting).client().await.unwrap();
-    let list = tokio::time::timeout(WAIT, kube::Api::<Namespace>::all(client).list(&ListParams::default())).await.expect("listed in time").unwrap();
+    let list = tokio::time::timeout(WAIT, kube::Api::<Namespace>::all(client).list(&ListParams::default()))
+        .await
+        .expect("listed in time")
+        .unwrap();
     let names: Vec<_> = list.items.iter().map(|n| n.metadata.name.clone().unwrap()).collect();
     assert_eq!(names, ["default"]);
     let seen = log.lock().unwrap().clone();
@@ -149,7 +152,10 @@ async fn a_kubeconfig_client_verifies_the_servers_ca_and_sends_its_bearer_token(
     let other = issue("another CA");
     let distrusting = write_kubeconfig(dir.path(), "distrusting", addr, &other.ca_pem);
     let client = KubernetesSource::Kubeconfig(distrusting).client().await.unwrap();
-    let error = tokio::time::timeout(WAIT, kube::Api::<Namespace>::all(client).list(&ListParams::default())).await.expect("failed in time").unwrap_err();
+    let error = tokio::time::timeout(WAIT, kube::Api::<Namespace>::all(client).list(&ListParams::default()))
+        .await
+        .expect("failed in time")
+        .unwrap_err();
     assert_eq!(
         rustls_error(&error),
         Some(rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer)),
@@ -234,7 +240,12 @@ fn names_checking_the_large_one(namespaces: &[Namespace]) -> Vec<String> {
         .map(|n| {
             let name = n.metadata.name.clone().unwrap();
             if name == "large" {
-                let value = n.metadata.annotations.as_ref().and_then(|a| a.get("example.com/large")).expect("the large annotation");
+                let value = n
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get("example.com/large"))
+                    .expect("the large annotation");
                 assert_eq!(value.len(), LARGE);
                 assert!(*value == expected, "the large annotation arrived changed");
             }
@@ -252,10 +263,12 @@ async fn a_watch_much_larger_than_the_read_buffer_delivers_every_event_and_the_l
     let (url, log) = large_server().await;
     let client = client(kube::Config::new(url.parse().unwrap())).unwrap();
     let api = kube::Api::<Namespace>::all(client);
-    let events = tokio::time::timeout(WAIT, async { api.watch(&WatchParams::default(), "0").await.unwrap().try_collect::<Vec<_>>().await })
-        .await
-        .expect("watched in time")
-        .unwrap();
+    let events = tokio::time::timeout(WAIT, async {
+        api.watch(&WatchParams::default(), "0").await.unwrap().try_collect::<Vec<_>>().await
+    })
+    .await
+    .expect("watched in time")
+    .unwrap();
     let added: Vec<Namespace> = events
         .into_iter()
         .map(|e| match e {
@@ -273,6 +286,9 @@ async fn a_watch_much_larger_than_the_read_buffer_delivers_every_event_and_the_l
 async fn a_list_much_larger_than_the_read_buffer_arrives_whole() {
     let (url, _log) = large_server().await;
     let client = client(kube::Config::new(url.parse().unwrap())).unwrap();
-    let list = tokio::time::timeout(WAIT, kube::Api::<Namespace>::all(client).list(&ListParams::default())).await.expect("listed in time").unwrap();
+    let list = tokio::time::timeout(WAIT, kube::Api::<Namespace>::all(client).list(&ListParams::default()))
+        .await
+        .expect("listed in time")
+        .unwrap();
     assert_eq!(names_checking_the_large_one(&list.items), expected_names());
 }

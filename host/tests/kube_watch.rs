@@ -16,7 +16,8 @@ const TOKEN: &str = "kube-watch-test-token-0123456789";
 /// Every kind the host watches that the test API server serves by default, as it names them
 /// (ServiceCIDRs are not: the server stands for one before Kubernetes 1.33, which the host
 /// must take as having none, else it would never be ready).
-const KINDS: [&str; 6] = ["services", "endpointslices.discovery.k8s.io", "nodes", "namespaces", "pods", "networkpolicies.networking.k8s.io"];
+const KINDS: [&str; 6] =
+    ["services", "endpointslices.discovery.k8s.io", "nodes", "namespaces", "pods", "networkpolicies.networking.k8s.io"];
 
 /// Requests for `resource`'s whole state so far: lists, and watches that stream it.
 fn state_requests(server: &TestApiServer, resource: &str) -> (usize, usize) {
@@ -243,18 +244,24 @@ async fn every_kind_reaches_the_model_and_irrelevant_changes_make_no_revision() 
     let dir = tempfile::tempdir().unwrap();
     let host = start_host(&server, dir.path()).await;
     let api = Api::new(&host);
-    api.wait_state("initial sync", |s| !endpoints(s, "shop/web").is_empty() && s["model"]["policies"]["shop/web-ingress"].is_object()).await;
+    api.wait_state("initial sync", |s| {
+        !endpoints(s, "shop/web").is_empty() && s["model"]["policies"]["shop/web-ingress"].is_object()
+    })
+    .await;
 
     // Service: add, update, delete.
     server.create(&service("api", "10.96.0.11", 81)).unwrap();
     api.wait_state("service added", |s| s["model"]["services"]["shop/api"]["service"]["ports"][0]["port"] == 81).await;
     server.update(&service("api", "10.96.0.11", 82)).unwrap();
-    api.wait_state("service updated", |s| s["model"]["services"]["shop/api"]["service"]["ports"][0]["port"] == 82).await;
+    api.wait_state("service updated", |s| s["model"]["services"]["shop/api"]["service"]["ports"][0]["port"] == 82)
+        .await;
     server.delete::<Service>("shop", "api").unwrap();
     api.wait_state("service deleted", |s| s["model"]["services"]["shop/api"].is_null()).await;
 
     // EndpointSlice: scale up, down, delete.
-    server.update(&slice("web-1", "web", &[("10.244.1.5", "node-a"), ("10.244.1.6", "node-a"), ("10.244.2.5", "node-b")])).unwrap();
+    server
+        .update(&slice("web-1", "web", &[("10.244.1.5", "node-a"), ("10.244.1.6", "node-a"), ("10.244.2.5", "node-b")]))
+        .unwrap();
     api.wait_state("endpoint added", |s| endpoints(s, "shop/web").len() == 3).await;
     server.update(&slice("web-1", "web", &[("10.244.2.5", "node-b")])).unwrap();
     api.wait_state("endpoints removed", |s| endpoints(s, "shop/web") == ["10.244.2.5"]).await;
@@ -263,7 +270,11 @@ async fn every_kind_reaches_the_model_and_irrelevant_changes_make_no_revision() 
     // The operator's slice of another cluster's endpoints is not watched (agents import them
     // from that cluster's etcd): the slice created after it arrives, it never does.
     let mut mesh = slice("web-east-0", "web", &[("10.245.0.7", "east-node")]);
-    mesh.metadata.labels.as_mut().unwrap().insert("endpointslice.kubernetes.io/managed-by".into(), wasmplane_operator::MESH_SLICE_CONTROLLER.into());
+    mesh.metadata
+        .labels
+        .as_mut()
+        .unwrap()
+        .insert("endpointslice.kubernetes.io/managed-by".into(), wasmplane_operator::MESH_SLICE_CONTROLLER.into());
     server.create(&mesh).unwrap();
     server.create(&slice("web-2", "web", &[("10.244.2.6", "node-b")])).unwrap();
     api.wait_state("the controller's slice after the mesh slice", |s| !endpoints(s, "shop/web").is_empty()).await;
@@ -277,15 +288,23 @@ async fn every_kind_reaches_the_model_and_irrelevant_changes_make_no_revision() 
 
     // Pod: a new local pod selected by the policy; relabel it away; delete it.
     server.create(&pod("web-a2", "web", "node-a", "10.244.1.7")).unwrap();
-    api.wait_state("pod added", |s| s["model"]["local_pods"]["shop/web-a2"].is_object() && s["model"]["policies"]["shop/web-ingress"]["local_pods"].as_array().unwrap().len() == 2).await;
+    api.wait_state("pod added", |s| {
+        s["model"]["local_pods"]["shop/web-a2"].is_object()
+            && s["model"]["policies"]["shop/web-ingress"]["local_pods"].as_array().unwrap().len() == 2
+    })
+    .await;
     server.update(&pod("web-a2", "batch", "node-a", "10.244.1.7")).unwrap();
-    api.wait_state("pod relabelled", |s| s["model"]["policies"]["shop/web-ingress"]["local_pods"].as_array().unwrap().len() == 1).await;
+    api.wait_state("pod relabelled", |s| {
+        s["model"]["policies"]["shop/web-ingress"]["local_pods"].as_array().unwrap().len() == 1
+    })
+    .await;
     server.delete::<Pod>("shop", "web-a2").unwrap();
     api.wait_state("pod deleted", |s| s["model"]["local_pods"]["shop/web-a2"].is_null()).await;
 
     // A client pod anywhere in the namespace is a peer of the policy.
     server.create(&pod("client-b", "client", "node-b", "10.244.2.9")).unwrap();
-    api.wait_state("peer added", |s| s["model"]["policies"]["shop/web-ingress"]["peer_pods"][0]["name"] == "client-b").await;
+    api.wait_state("peer added", |s| s["model"]["policies"]["shop/web-ingress"]["peer_pods"][0]["name"] == "client-b")
+        .await;
 
     // NetworkPolicy: update (select nothing here), delete.
     server.update(&policy("web-ingress", "nothing")).unwrap();
@@ -338,12 +357,17 @@ async fn an_expired_watch_relists_and_loses_nothing() {
     // Resuming from their old versions gets each watcher an in-stream 410: it must relist.
     let state = api
         .wait_state("relisted state", |s| {
-            s["model"]["services"]["shop/web"].is_null() && endpoints(s, "shop/cart") == ["10.244.1.8"] && s["model"]["local_pods"]["shop/web-a"].is_null()
+            s["model"]["services"]["shop/web"].is_null()
+                && endpoints(s, "shop/cart") == ["10.244.1.8"]
+                && s["model"]["local_pods"]["shop/web-a"].is_null()
         })
         .await;
     assert!(state["model"]["policies"]["shop/web-ingress"].is_null(), "the policy's only local pod is gone");
     assert!(state_requests(&server, "services").1 > service_states.1, "services were not relisted");
-    assert!(state_requests(&server, "endpointslices.discovery.k8s.io").1 > slice_states.1, "endpoint slices were not relisted");
+    assert!(
+        state_requests(&server, "endpointslices.discovery.k8s.io").1 > slice_states.1,
+        "endpoint slices were not relisted"
+    );
     let status = host.watch_status.as_ref().unwrap().snapshot();
     assert!(status.relists >= 2, "relists not counted: {status:?}");
 
@@ -385,14 +409,22 @@ async fn a_minimum_sync_period_applies_a_burst_of_changes_together() {
         server.create(&service(&format!("burst-{i}"), &format!("10.96.1.{}", i + 1), 80)).unwrap();
         tokio::time::sleep(Duration::from_millis(40)).await;
     }
-    let first = api.wait_state("the burst's first change", |s| s["model"]["services"]["shop/burst-0"].is_object()).await;
+    let first =
+        api.wait_state("the burst's first change", |s| s["model"]["services"]["shop/burst-0"].is_object()).await;
     assert!(first["revision"].as_u64().unwrap() > revision);
-    let state = api.wait_state("every change of the burst", |s| (0..BURST).all(|i| s["model"]["services"][format!("shop/burst-{i}")].is_object())).await;
+    let state = api
+        .wait_state("every change of the burst", |s| {
+            (0..BURST).all(|i| s["model"]["services"][format!("shop/burst-{i}")].is_object())
+        })
+        .await;
     let waited = started.elapsed();
     let revisions = state["revision"].as_u64().unwrap() - revision;
     // Eight changes 40 ms apart, each a revision of its own without the pacing.
     assert!(revisions <= 3, "{revisions} revisions for {BURST} changes within one period");
-    assert!(waited >= PERIOD - Duration::from_millis(500), "the burst's rest was applied after {waited:?}, within the period");
+    assert!(
+        waited >= PERIOD - Duration::from_millis(500),
+        "the burst's rest was applied after {waited:?}, within the period"
+    );
     host.stop().await;
 }
 
@@ -406,7 +438,9 @@ async fn network_programming_latency_runs_from_the_trigger_time_to_the_rules() {
     let server = TestApiServer::start().await;
     seed(&server);
     let before_start = SystemTime::now() - Duration::from_secs(3600);
-    server.update(&triggered(slice("web-1", "web", &[("10.244.1.5", "node-a"), ("10.244.2.5", "node-b")]), before_start)).unwrap();
+    server
+        .update(&triggered(slice("web-1", "web", &[("10.244.1.5", "node-a"), ("10.244.2.5", "node-b")]), before_start))
+        .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let host = start_host(&server, dir.path()).await;
     let started = SystemTime::now();
@@ -416,7 +450,12 @@ async fn network_programming_latency_runs_from_the_trigger_time_to_the_rules() {
 
     // A change triggered a second and a half ago: its latency includes that time.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    server.update(&triggered(slice("web-1", "web", &[("10.244.1.5", "node-a"), ("10.244.1.6", "node-a"), ("10.244.2.5", "node-b")]), started)).unwrap();
+    server
+        .update(&triggered(
+            slice("web-1", "web", &[("10.244.1.5", "node-a"), ("10.244.1.6", "node-a"), ("10.244.2.5", "node-b")]),
+            started,
+        ))
+        .unwrap();
     api.wait_state("endpoint added", |s| endpoints(s, "shop/web").len() == 3).await;
     let until_observed = Instant::now() + Duration::from_secs(15);
     while api.metric(COUNT).await == 0 && Instant::now() < until_observed {
@@ -428,7 +467,12 @@ async fn network_programming_latency_runs_from_the_trigger_time_to_the_rules() {
 
     // A new trigger time with the same endpoints: no new rules, nothing observed.
     let events = api.metric("wasmplane_model_events_total").await;
-    server.update(&triggered(slice("web-1", "web", &[("10.244.1.5", "node-a"), ("10.244.1.6", "node-a"), ("10.244.2.5", "node-b")]), SystemTime::now())).unwrap();
+    server
+        .update(&triggered(
+            slice("web-1", "web", &[("10.244.1.5", "node-a"), ("10.244.1.6", "node-a"), ("10.244.2.5", "node-b")]),
+            SystemTime::now(),
+        ))
+        .unwrap();
     api.wait_events(events, 1, "annotation changed").await;
     // A real change, triggered before the host started: programmed, not observed.
     server.update(&triggered(slice("web-1", "web", &[("10.244.2.5", "node-b")]), before_start)).unwrap();
@@ -461,7 +505,9 @@ fn rendered_service_cidrs(host: &RunningHost) -> Vec<String> {
     let mut cidrs: Vec<String> = render
         .lines()
         .filter(|l| l.starts_with("add element inet wasmplane service-cidrs"))
-        .filter_map(|l| l.split_once('{').and_then(|(_, rest)| rest.split_once('}')).map(|(inside, _)| inside.to_string()))
+        .filter_map(|l| {
+            l.split_once('{').and_then(|(_, rest)| rest.split_once('}')).map(|(inside, _)| inside.to_string())
+        })
         .flat_map(|inside| inside.split(',').map(|c| c.trim().to_string()).collect::<Vec<_>>())
         .collect();
     cidrs.sort();
@@ -489,7 +535,8 @@ async fn service_cidr_objects_reach_the_dataplane() {
     api.wait_state("a second object", |s| s["model"]["service_cidrs"].as_array().is_some_and(|c| c.len() == 3)).await;
     assert_eq!(rendered_service_cidrs(&host), ["10.100.0.0/16", "10.96.0.0/16", "fd00:96::/108"]);
     server.delete::<ServiceCIDR>("", "kubernetes").unwrap();
-    api.wait_state("the first deleted", |s| s["model"]["service_cidrs"] == json!(["10.100.0.0/16", "fd00:96::/108"])).await;
+    api.wait_state("the first deleted", |s| s["model"]["service_cidrs"] == json!(["10.100.0.0/16", "fd00:96::/108"]))
+        .await;
     assert_eq!(rendered_service_cidrs(&host), ["10.100.0.0/16", "fd00:96::/108"]);
     host.stop().await;
 }

@@ -28,7 +28,13 @@ impl GcDecider for Naming {
 }
 
 fn info(bytes: &[u8]) -> ModuleInfo {
-    ModuleInfo { digest: format!("sha256:{}", blob::digest_of(bytes)), kind: GuestKind::ServiceTranslator, wit_version: "1.0.0".into(), size: bytes.len(), imports: vec![] }
+    ModuleInfo {
+        digest: format!("sha256:{}", blob::digest_of(bytes)),
+        kind: GuestKind::ServiceTranslator,
+        wit_version: "1.0.0".into(),
+        size: bytes.len(),
+        imports: vec![],
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -50,7 +56,8 @@ async fn only_unused_versions_are_offered_and_only_named_ones_go() {
     store.put_blob(&info(b"other newest").digest, b"other newest").await.unwrap();
     assert!(store.publish(0, &index).await.unwrap().is_some());
 
-    let offered: Vec<(String, bool)> = candidates(&index, u64::MAX).into_iter().map(|c| (c.key, c.owner_exists)).collect();
+    let offered: Vec<(String, bool)> =
+        candidates(&index, u64::MAX).into_iter().map(|c| (c.key, c.owner_exists)).collect();
     assert_eq!(
         offered,
         vec![(candidate_key("m", 1), true), (candidate_key("m", 3), false), (candidate_key("other", 1), false)],
@@ -58,7 +65,8 @@ async fn only_unused_versions_are_offered_and_only_named_ones_go() {
     );
 
     // The decider names v1, v3, the version in force and a key it was never offered.
-    let names = vec![candidate_key("m", 1), candidate_key("m", 3), candidate_key("m", 2), "/wasmplane/locks/x".to_string()];
+    let names =
+        vec![candidate_key("m", 1), candidate_key("m", 3), candidate_key("m", 2), "/wasmplane/locks/x".to_string()];
     let naming = Arc::new(Mutex::new(Naming { names, offered: vec![] }));
     let decider: Arc<Mutex<dyn GcDecider>> = naming.clone();
     let started = Instant::now();

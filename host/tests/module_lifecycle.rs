@@ -30,7 +30,12 @@ impl Host {
     async fn start(crash_budget: CrashBudget) -> Host {
         let dir = tempfile::tempdir().unwrap();
         write_manifest(&dir.path().join("manifests"), "shop.yaml", &manifests());
-        let host = start(HostConfig { crash_budget, ..config(&dir.path().join("manifests"), &dir.path().join("data"), TOKEN) }).await.unwrap();
+        let host = start(HostConfig {
+            crash_budget,
+            ..config(&dir.path().join("manifests"), &dir.path().join("data"), TOKEN)
+        })
+        .await
+        .unwrap();
         let h = Host { host, client: reqwest::Client::new(), dir };
         h.wait_for("initial sync", |dp| dp["objects"].get("shop/web").is_some()).await;
         h
@@ -78,10 +83,19 @@ async fn a_shadow_run_shows_the_exact_diff_and_promotion_applies_it() {
     let h = Host::start(CrashBudget::default()).await;
     let before = h.dataplane().await;
     let web_chains = chains_of(&before, "shop/web");
-    assert!(before["objects"]["shop/web"]["elements"].to_string().contains("service-endpoints"), "web is load balanced as data: {before}");
+    assert!(
+        before["objects"]["shop/web"]["elements"].to_string().contains("service-endpoints"),
+        "web is load balanced as data: {before}"
+    );
 
     // The example filter, in shadow: it would drop every unlabelled service (web).
-    let (status, body) = h.send(reqwest::Method::PUT, "/v1/modules/port-filter?kind=service-translator&shadow=true", Some(artifacts::examples::PORT_FILTER_TRANSLATOR)).await;
+    let (status, body) = h
+        .send(
+            reqwest::Method::PUT,
+            "/v1/modules/port-filter?kind=service-translator&shadow=true",
+            Some(artifacts::examples::PORT_FILTER_TRANSLATOR),
+        )
+        .await;
     assert_eq!(status, StatusCode::CREATED, "{body}");
     assert_eq!(body["shadow"], true);
     assert_eq!(h.dataplane().await, before, "a shadow never writes");
@@ -91,7 +105,8 @@ async fn a_shadow_run_shows_the_exact_diff_and_promotion_applies_it() {
     let (status, diff) = h.get("/v1/modules/port-filter/shadow-diff").await;
     assert_eq!(status, StatusCode::OK, "{diff}");
     let web = &diff["objects"]["shop/web"];
-    let mut removed: Vec<String> = web["chains_removed"].as_array().unwrap().iter().map(|c| c.as_str().unwrap().to_string()).collect();
+    let mut removed: Vec<String> =
+        web["chains_removed"].as_array().unwrap().iter().map(|c| c.as_str().unwrap().to_string()).collect();
     removed.sort();
     let mut expected = web_chains.clone();
     expected.sort();
@@ -120,12 +135,16 @@ async fn a_shadow_run_shows_the_exact_diff_and_promotion_applies_it() {
     // Exact: for every object, applied after = applied before − removed + added.
     for object in ["shop/web", "shop/api", "shop/cart"] {
         let d = &diff["objects"][object];
-        let names = |v: &Value| -> BTreeSet<String> { v.as_array().map(|a| a.iter().map(|x| x.as_str().unwrap().to_string()).collect()).unwrap_or_default() };
+        let names = |v: &Value| -> BTreeSet<String> {
+            v.as_array().map(|a| a.iter().map(|x| x.as_str().unwrap().to_string()).collect()).unwrap_or_default()
+        };
         let mut expected: BTreeSet<String> = chains_of(&live, object).into_iter().collect();
         expected.retain(|c| !names(&d["chains_removed"]).contains(c));
         expected.extend(names(&d["chains_added"]));
         assert_eq!(chains_of(&after, object).into_iter().collect::<BTreeSet<_>>(), expected, "{object}: {diff}");
-        let elements = |v: &Value| -> BTreeSet<String> { v.as_array().map(|a| a.iter().map(|e| e.to_string()).collect()).unwrap_or_default() };
+        let elements = |v: &Value| -> BTreeSet<String> {
+            v.as_array().map(|a| a.iter().map(|e| e.to_string()).collect()).unwrap_or_default()
+        };
         let mut expected = elements(&live["objects"][object]["elements"]);
         expected.retain(|e| !elements(&d["elements_removed"]).contains(e));
         expected.extend(elements(&d["elements_added"]));
@@ -140,7 +159,8 @@ async fn a_shadow_run_shows_the_exact_diff_and_promotion_applies_it() {
 async fn a_module_that_keeps_crashing_is_rolled_back_to_its_last_good_version() {
     let h = Host::start(CrashBudget { max_crashes: 3, window: Duration::from_secs(60) }).await;
     // v1: the default translation; v2: fine until a service carries the crash label.
-    let upload = |bytes: &'static [u8]| h.send(reqwest::Method::PUT, "/v1/modules/flaky?kind=service-translator", Some(bytes));
+    let upload =
+        |bytes: &'static [u8]| h.send(reqwest::Method::PUT, "/v1/modules/flaky?kind=service-translator", Some(bytes));
     assert_eq!(upload(artifacts::SERVICE_TRANSLATOR).await.0, StatusCode::CREATED);
     let (status, body) = upload(artifacts::test_programs::TRAP_ON_LABEL).await;
     assert_eq!(status, StatusCode::CREATED, "{body}");
@@ -157,7 +177,10 @@ async fn a_module_that_keeps_crashing_is_rolled_back_to_its_last_good_version() 
     // (They have no endpoints: their rules are the reject elements.)
     for i in 0..5 {
         let elements = dp["objects"][format!("shop/boom{i}")]["elements"].to_string();
-        assert!(elements.contains(&format!("10.96.1.{i} . tcp . 80")) && elements.contains("no-endpoint-services"), "boom{i}: {dp}");
+        assert!(
+            elements.contains(&format!("10.96.1.{i} . tcp . 80")) && elements.contains("no-endpoint-services"),
+            "boom{i}: {dp}"
+        );
     }
     assert!(dp["objects"]["shop/web"]["elements"].to_string().contains("service-endpoints"), "{dp}");
     let (_, module) = h.get("/v1/modules/flaky").await;
@@ -190,10 +213,19 @@ async fn the_load_balancer_firewall_is_the_hosts_whatever_the_translator_does() 
     let allowed = |dp: &Value| dp["objects"]["firewall:shop/guarded"]["elements"].to_string();
     let dp = h.wait_for("the firewall", |dp| allowed(dp).contains("203.0.113.40 . tcp . 443 . 198.51.100.0/24")).await;
     assert!(allowed(&dp).contains("firewall-ips"), "{dp}");
-    assert!(dp["objects"]["shop/guarded"]["elements"].to_string().contains("203.0.113.40 . tcp . 443"), "the translator serves the address: {dp}");
+    assert!(
+        dp["objects"]["shop/guarded"]["elements"].to_string().contains("203.0.113.40 . tcp . 443"),
+        "the translator serves the address: {dp}"
+    );
 
     // A hot swap rewrites the whole table: the firewall goes in with it.
-    let (status, body) = h.send(reqwest::Method::PUT, "/v1/modules/flaky?kind=service-translator", Some(artifacts::test_programs::TRAP_ON_LABEL)).await;
+    let (status, body) = h
+        .send(
+            reqwest::Method::PUT,
+            "/v1/modules/flaky?kind=service-translator",
+            Some(artifacts::test_programs::TRAP_ON_LABEL),
+        )
+        .await;
     assert_eq!(status, StatusCode::CREATED, "{body}");
     let dp = h.wait_for("the new translator in force", |dp| dp["translator"] == "flaky@1").await;
     assert!(allowed(&dp).contains("198.51.100.0/24"), "{dp}");
@@ -209,7 +241,10 @@ async fn the_load_balancer_firewall_is_the_hosts_whatever_the_translator_does() 
     assert_eq!(dp["objects"]["shop/guarded"], last_good, "the service keeps its last good rules");
 
     std::fs::remove_file(&guarded).unwrap();
-    h.wait_for("the firewall gone with the service", |dp| dp["objects"].get("firewall:shop/guarded").is_none() && dp["objects"].get("shop/guarded").is_none()).await;
+    h.wait_for("the firewall gone with the service", |dp| {
+        dp["objects"].get("firewall:shop/guarded").is_none() && dp["objects"].get("shop/guarded").is_none()
+    })
+    .await;
     h.host.stop().await;
 }
 
@@ -223,14 +258,21 @@ async fn an_annotation_only_change_beside_a_real_one_is_not_observed() {
     let h = Host::start(CrashBudget { max_crashes: 100, window: Duration::from_secs(60) }).await;
     let manifests = |stamp: k8s_openapi::jiff::Timestamp, second_endpoint: &str| {
         let triggered_slice = |name: &str, ip: &str| {
-            let annotation = format!("namespace: shop, annotations: {{ endpoints.kubernetes.io/last-change-trigger-time: \"{stamp}\" }},");
-            endpoint_slice("web", "http", 8080, &[(ip, "node-a")]).replacen("namespace: shop,", &annotation, 1).replacen("name: web-abc", &format!("name: web-{name}"), 1)
+            let annotation = format!(
+                "namespace: shop, annotations: {{ endpoints.kubernetes.io/last-change-trigger-time: \"{stamp}\" }},"
+            );
+            endpoint_slice("web", "http", 8080, &[(ip, "node-a")])
+                .replacen("namespace: shop,", &annotation, 1)
+                .replacen("name: web-abc", &format!("name: web-{name}"), 1)
         };
         documents(&[WEB_SERVICE, &triggered_slice("a", "10.244.0.61"), &triggered_slice("b", second_endpoint)])
     };
     let count = || async {
         let metrics = h.client.get(h.url("/metrics")).send().await.unwrap().text().await.unwrap();
-        let line = metrics.lines().find_map(|l| l.strip_prefix("wasmplane_network_programming_duration_seconds_count ")).map(str::to_string);
+        let line = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("wasmplane_network_programming_duration_seconds_count "))
+            .map(str::to_string);
         line.unwrap_or_else(|| panic!("no programming latency in {metrics}")).parse::<u64>().unwrap()
     };
     let wait_count = |want: u64| async move {
@@ -259,16 +301,25 @@ async fn an_annotation_only_change_beside_a_real_one_is_not_observed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_change_the_translator_fails_on_is_not_counted_as_programmed() {
     let h = Host::start(CrashBudget { max_crashes: 100, window: Duration::from_secs(60) }).await;
-    let (status, body) = h.send(reqwest::Method::PUT, "/v1/modules/flaky?kind=service-translator", Some(artifacts::test_programs::TRAP_ON_LABEL)).await;
+    let (status, body) = h
+        .send(
+            reqwest::Method::PUT,
+            "/v1/modules/flaky?kind=service-translator",
+            Some(artifacts::test_programs::TRAP_ON_LABEL),
+        )
+        .await;
     assert_eq!(status, StatusCode::CREATED, "{body}");
     h.wait_for("the new translator in force", |dp| dp["translator"] == "flaky@1").await;
 
     let now = k8s_openapi::jiff::Timestamp::now();
     let service = |name: &str, ip: &str, labels: &str| {
-        format!("apiVersion: v1\nkind: Service\nmetadata: {{ name: {name}, namespace: shop, labels: {{ {labels} }} }}\nspec:\n  clusterIP: {ip}\n  ports: [{{ name: http, port: 80 }}]\n")
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{ name: {name}, namespace: shop, labels: {{ {labels} }} }}\nspec:\n  clusterIP: {ip}\n  ports: [{{ name: http, port: 80 }}]\n"
+        )
     };
     let triggered_slice = |name: &str, ip: &str| {
-        let annotation = format!("namespace: shop, annotations: {{ endpoints.kubernetes.io/last-change-trigger-time: \"{now}\" }},");
+        let annotation =
+            format!("namespace: shop, annotations: {{ endpoints.kubernetes.io/last-change-trigger-time: \"{now}\" }},");
         endpoint_slice(name, "http", 8080, &[(ip, "node-a")]).replacen("namespace: shop,", &annotation, 1)
     };
     let manifests = documents(&[
@@ -286,7 +337,10 @@ async fn a_change_the_translator_fails_on_is_not_counted_as_programmed() {
 
     let count = || async {
         let metrics = h.client.get(h.url("/metrics")).send().await.unwrap().text().await.unwrap();
-        let line = metrics.lines().find_map(|l| l.strip_prefix("wasmplane_network_programming_duration_seconds_count ")).map(str::to_string);
+        let line = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("wasmplane_network_programming_duration_seconds_count "))
+            .map(str::to_string);
         line.unwrap_or_else(|| panic!("no programming latency in {metrics}")).parse::<u64>().unwrap()
     };
     let deadline = Instant::now() + Duration::from_secs(15);
@@ -302,14 +356,27 @@ async fn a_change_the_translator_fails_on_is_not_counted_as_programmed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_translator_built_against_wit_1_0_is_uploaded_and_runs() {
     let h = Host::start(CrashBudget::default()).await;
-    let (status, body) = h.send(reqwest::Method::PUT, "/v1/modules/old-abi?kind=service-translator", Some(artifacts::test_programs::TRANSLATOR_WIT_1_0)).await;
+    let (status, body) = h
+        .send(
+            reqwest::Method::PUT,
+            "/v1/modules/old-abi?kind=service-translator",
+            Some(artifacts::test_programs::TRANSLATOR_WIT_1_0),
+        )
+        .await;
     assert_eq!(status, StatusCode::CREATED, "{body}");
     let (_, module) = h.get("/v1/modules/old-abi").await;
     let versions = module["versions"].as_array().expect("versions");
     assert_eq!(versions.last().and_then(|v| v["wit_version"].as_str()), Some("1.0.0"), "{module}");
-    let dp = h.wait_for("the 1.0 guest's rules", |dp| chains_of(dp, "shop/web").iter().any(|c| c == "svc/shop/web/80")).await;
+    let dp = h
+        .wait_for("the 1.0 guest's rules", |dp| chains_of(dp, "shop/web").iter().any(|c| c == "svc/shop/web/80"))
+        .await;
     let rules = dp["objects"]["shop/web"]["chains"]["svc/shop/web/80"].to_string();
-    assert!(rules.contains("ip saddr != 10.244.0.0/16 jump mark-for-masquerade") && rules.contains("dnat ip to 10.244.0.11:8080") && rules.contains("wit 1.0"), "{rules}");
+    assert!(
+        rules.contains("ip saddr != 10.244.0.0/16 jump mark-for-masquerade")
+            && rules.contains("dnat ip to 10.244.0.11:8080")
+            && rules.contains("wit 1.0"),
+        "{rules}"
+    );
 }
 
 /// A translator built against a newer minor than the host's (its 1.0 names rewritten to 1.2.0,

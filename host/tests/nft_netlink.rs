@@ -17,13 +17,27 @@ fn ns_command(ns: &Netns) -> Vec<String> {
     ["ip", "netns", "exec", &ns.name, "nft"].map(String::from).to_vec()
 }
 
-fn object(chains: &[(&str, &[&str])], sets: &[(&str, &str, &[&str], bool)], elements: &[(&str, &str, &str)]) -> ObjectRules {
+fn object(
+    chains: &[(&str, &[&str])],
+    sets: &[(&str, &str, &[&str], bool)],
+    elements: &[(&str, &str, &str)],
+) -> ObjectRules {
     ObjectRules {
-        chains: chains.iter().map(|(n, rules)| (n.to_string(), rules.iter().map(|r| r.to_string()).collect())).collect(),
+        chains: chains
+            .iter()
+            .map(|(n, rules)| (n.to_string(), rules.iter().map(|r| r.to_string()).collect()))
+            .collect(),
         sets: sets
             .iter()
             .map(|(n, decl, elements, expires)| {
-                (n.to_string(), SetRules { declaration: decl.to_string(), elements: elements.iter().map(|e| e.to_string()).collect(), expires: *expires })
+                (
+                    n.to_string(),
+                    SetRules {
+                        declaration: decl.to_string(),
+                        elements: elements.iter().map(|e| e.to_string()).collect(),
+                        expires: *expires,
+                    },
+                )
             })
             .collect(),
         elements: elements.iter().map(|&(m, k, v)| ((m.into(), k.into()), v.into())).collect(),
@@ -38,8 +52,11 @@ fn twins(text_tag: &str, batch_tag: &str) -> (Netns, Netns, NftCommand, NetlinkN
     let text_ns = Netns::new(unique_prefix(text_tag));
     let netlink_ns = Netns::new(unique_prefix(batch_tag));
     let text = NftCommand::new(ns_command(&text_ns), vec![]);
-    let netlink = NetlinkNft::open(NftCommand::new(ns_command(&netlink_ns), vec![]), NetlinkNft::netns_of_command(&ns_command(&netlink_ns)).as_deref())
-        .expect("opening the netlink socket in the namespace");
+    let netlink = NetlinkNft::open(
+        NftCommand::new(ns_command(&netlink_ns), vec![]),
+        NetlinkNft::netns_of_command(&ns_command(&netlink_ns)).as_deref(),
+    )
+    .expect("opening the netlink socket in the namespace");
     (text_ns, netlink_ns, text, netlink)
 }
 
@@ -51,10 +68,13 @@ const AFFINITY: &str = "type ipv4_addr; flags dynamic,timeout; timeout 10800s;";
 /// A ClusterIP + NodePort service with affinity and `endpoints` (one chain each).
 fn service_a(endpoints: &[&str]) -> ObjectRules {
     let n = endpoints.len();
-    let dispatch: Vec<String> = std::iter::once("ip saddr != 10.244.0.0/16 ip daddr 10.96.0.1 meta l4proto tcp th dport 80 jump mark-for-masquerade".to_string())
-        .chain(endpoints.iter().map(|ip| format!("ip saddr @svc/ns/a/ep/{ip}/affinity goto svc/ns/a/ep/{ip}")))
-        .chain(endpoints.iter().enumerate().map(|(i, ip)| format!("numgen random mod {n} == {i} goto svc/ns/a/ep/{ip}")))
-        .collect();
+    let dispatch: Vec<String> = std::iter::once(
+        "ip saddr != 10.244.0.0/16 ip daddr 10.96.0.1 meta l4proto tcp th dport 80 jump mark-for-masquerade"
+            .to_string(),
+    )
+    .chain(endpoints.iter().map(|ip| format!("ip saddr @svc/ns/a/ep/{ip}/affinity goto svc/ns/a/ep/{ip}")))
+    .chain(endpoints.iter().enumerate().map(|(i, ip)| format!("numgen random mod {n} == {i} goto svc/ns/a/ep/{ip}")))
+    .collect();
     let mut rules = ObjectRules::default();
     rules.chains.insert("svc/ns/a".into(), dispatch);
     for ip in endpoints {
@@ -66,7 +86,10 @@ fn service_a(endpoints: &[&str]) -> ObjectRules {
                 format!("meta l4proto tcp dnat ip to {ip}:8080"),
             ],
         );
-        rules.sets.insert(format!("svc/ns/a/ep/{ip}/affinity"), SetRules { declaration: AFFINITY.into(), elements: BTreeSet::new(), expires: true });
+        rules.sets.insert(
+            format!("svc/ns/a/ep/{ip}/affinity"),
+            SetRules { declaration: AFFINITY.into(), elements: BTreeSet::new(), expires: true },
+        );
         rules.elements.insert(("hairpin".into(), format_compact!("{ip} . {ip}")), CompactString::default());
     }
     rules.elements.insert(("service-ips".into(), "10.96.0.1 . tcp . 80".into()), "goto svc/ns/a".into());
@@ -80,11 +103,14 @@ fn service_a(endpoints: &[&str]) -> ObjectRules {
 fn service_e(endpoints: &[&str]) -> ObjectRules {
     let n = endpoints.len();
     let set = |ip: &str| format!("svc/ns/e/ep/{ip}/8080/affinity");
-    let remember = |ip: &str| format!("meta l4proto tcp update @{} {{ ip saddr timeout 10800s }} dnat ip to {ip}:8080", set(ip));
+    let remember =
+        |ip: &str| format!("meta l4proto tcp update @{} {{ ip saddr timeout 10800s }} dnat ip to {ip}:8080", set(ip));
     let chain: Vec<String> = endpoints
         .iter()
         .map(|ip| format!("ip saddr @{} {}", set(ip), remember(ip)))
-        .chain(endpoints.iter().enumerate().map(|(i, ip)| if n - i > 1 { format!("numgen random mod {} == 0 {}", n - i, remember(ip)) } else { remember(ip) }))
+        .chain(endpoints.iter().enumerate().map(|(i, ip)| {
+            if n - i > 1 { format!("numgen random mod {} == 0 {}", n - i, remember(ip)) } else { remember(ip) }
+        }))
         .collect();
     let mut rules = ObjectRules::default();
     rules.chains.insert("svc/ns/e/tcp/http".into(), chain);
@@ -120,7 +146,13 @@ fn service_b(port: u16) -> ObjectRules {
                     "iifname != \"cbr0\" reject",
                 ],
             ),
-            ("svc/ns/b/ep", &[&format!("meta l4proto udp dnat ip6 to [fd00::5]:{port}"), "meta l4proto tcp dnat ip to 10.244.2.7:53"]),
+            (
+                "svc/ns/b/ep",
+                &[
+                    &format!("meta l4proto udp dnat ip6 to [fd00::5]:{port}"),
+                    "meta l4proto tcp dnat ip to 10.244.2.7:53",
+                ],
+            ),
         ],
         &[],
         &[
@@ -139,7 +171,9 @@ fn service_c(backends: &[&str]) -> ObjectRules {
     rules.service_prefix = Some("svc/ns/c".into());
     let front = "10.96.0.3 . udp . 53";
     for (i, b) in backends.iter().enumerate() {
-        rules.elements.insert(("service-endpoints".into(), format_compact!("{front} . {i}")), format_compact!("{b} . 5353"));
+        rules
+            .elements
+            .insert(("service-endpoints".into(), format_compact!("{front} . {i}")), format_compact!("{b} . 5353"));
     }
     rules.elements.insert(("service-ips".into(), front.into()), "goto pick-by-count".into());
     rules.elements.insert((format_compact!("frontends-{}", backends.len()), front.into()), CompactString::default());
@@ -150,10 +184,14 @@ fn service_c(backends: &[&str]) -> ObjectRules {
     // Its node port, as data too: numbered per family, dispatched by the shard.
     let node_port = "udp . 30053";
     for (i, b) in backends.iter().enumerate() {
-        rules.elements.insert(("nodeport-endpoints".into(), format_compact!("{node_port} . {i}")), format_compact!("{b} . 5353"));
+        rules
+            .elements
+            .insert(("nodeport-endpoints".into(), format_compact!("{node_port} . {i}")), format_compact!("{b} . 5353"));
     }
     rules.elements.insert(("nodeport-picks".into(), node_port.into()), "goto nodeport-pick-by-count".into());
-    rules.elements.insert((format_compact!("nodeports-{}", backends.len()), node_port.into()), CompactString::default());
+    rules
+        .elements
+        .insert((format_compact!("nodeports-{}", backends.len()), node_port.into()), CompactString::default());
     rules.elements.insert(("nodeport-endpoints6".into(), format_compact!("{node_port} . 0")), "fd00::33 . 5353".into());
     rules.elements.insert(("nodeport-picks6".into(), node_port.into()), "goto nodeport-pick-by-count6".into());
     rules.elements.insert(("nodeports6-1".into(), node_port.into()), CompactString::default());
@@ -168,7 +206,9 @@ fn service_f(backends: &[&str]) -> ObjectRules {
     rules.service_prefix = Some("svc/ns/f".into());
     let front = "10.96.0.6 . tcp . 80";
     for (i, b) in backends.iter().enumerate() {
-        rules.elements.insert(("service-endpoints".into(), format_compact!("{front} . {i}")), format_compact!("{b} . 8080"));
+        rules
+            .elements
+            .insert(("service-endpoints".into(), format_compact!("{front} . {i}")), format_compact!("{b} . 8080"));
     }
     rules.elements.insert(("service-ips".into(), front.into()), "goto affinity-10800-pick-by-count".into());
     rules.elements.insert((format_compact!("frontends-{}", backends.len()), front.into()), CompactString::default());
@@ -178,7 +218,15 @@ fn service_f(backends: &[&str]) -> ObjectRules {
 fn policy(peers: &[&str]) -> ObjectRules {
     object(
         // Policies' pod-traffic matches look sources up in the main table's cluster-cidrs sets.
-        &[("pol/ns/p/in", &["ip saddr @pol/ns/p/peers meta l4proto tcp th dport 80 accept", "ip saddr 10.0.0.0/8 accept", "ip6 saddr != @cluster-cidrs6 accept", "iifname != \"veth*\" accept"])],
+        &[(
+            "pol/ns/p/in",
+            &[
+                "ip saddr @pol/ns/p/peers meta l4proto tcp th dport 80 accept",
+                "ip saddr 10.0.0.0/8 accept",
+                "ip6 saddr != @cluster-cidrs6 accept",
+                "iifname != \"veth*\" accept",
+            ],
+        )],
         &[("pol/ns/p/peers", "type ipv4_addr;", peers, false)],
         &[],
     )
@@ -187,15 +235,28 @@ fn policy(peers: &[&str]) -> ObjectRules {
 fn dispatch() -> ObjectRules {
     object(
         &[
-            ("polpod/10.244.0.5/ingress", &["counter jump pol/ns/p/in", "counter log prefix \"wasmplane-policy-audit ingress 10.244.0.5: \" accept comment \"audit\""]),
+            (
+                "polpod/10.244.0.5/ingress",
+                &[
+                    "counter jump pol/ns/p/in",
+                    "counter log prefix \"wasmplane-policy-audit ingress 10.244.0.5: \" accept comment \"audit\"",
+                ],
+            ),
             // The verdict log's shape: a rate-limited NFLOG rule before the verdict.
             (
                 "polpod/10.244.0.5/egress",
-                &["counter jump pol/ns/p/in", "limit rate 10/second burst 20 packets log group 1001 prefix \"wasmplane-policy deny egress 10.244.0.5\"", "counter drop comment \"deny\""],
+                &[
+                    "counter jump pol/ns/p/in",
+                    "limit rate 10/second burst 20 packets log group 1001 prefix \"wasmplane-policy deny egress 10.244.0.5\"",
+                    "counter drop comment \"deny\"",
+                ],
             ),
         ],
         &[],
-        &[("pod-ingress", "10.244.0.5", "goto polpod/10.244.0.5/ingress"), ("pod-egress", "10.244.0.5", "goto polpod/10.244.0.5/egress")],
+        &[
+            ("pod-ingress", "10.244.0.5", "goto polpod/10.244.0.5/ingress"),
+            ("pod-egress", "10.244.0.5", "goto polpod/10.244.0.5/egress"),
+        ],
     )
 }
 
@@ -220,7 +281,8 @@ type State = BTreeMap<&'static str, ObjectRules>;
 fn delta(old: &State, new: &State) -> String {
     let empty = ObjectRules::default();
     let keys: BTreeSet<&&str> = old.keys().chain(new.keys()).collect();
-    let pairs: Vec<(&ObjectRules, &ObjectRules)> = keys.into_iter().map(|k| (old.get(*k).unwrap_or(&empty), new.get(*k).unwrap_or(&empty))).collect();
+    let pairs: Vec<(&ObjectRules, &ObjectRules)> =
+        keys.into_iter().map(|k| (old.get(*k).unwrap_or(&empty), new.get(*k).unwrap_or(&empty))).collect();
     let mut out = String::new();
     nft::objects_delta(&pairs, &mut out, LAYOUT);
     // Shared-set elements, as the writer counts them: those no object had or has any more.
@@ -256,7 +318,11 @@ fn netlink_batches_leave_the_table_nft_would() {
     // Settling after a full transaction commits and changes nothing.
     netlink.settle().expect("settling batch");
     assert_eq!(listing(&text_ns), listing(&netlink_ns));
-    assert_eq!((netlink.text_transactions, netlink.netlink_transactions), (1, 0), "settling is not a transaction of ours");
+    assert_eq!(
+        (netlink.text_transactions, netlink.netlink_transactions),
+        (1, 0),
+        "settling is not a transaction of ours"
+    );
 
     let mut steps: Vec<(&str, State)> = Vec::new();
     let mut next = state.clone();
@@ -301,7 +367,9 @@ fn netlink_batches_leave_the_table_nft_would() {
         assert!(!transaction.is_empty(), "{what}: no change rendered");
         let before = netlink.netlink_transactions;
         text.apply(&transaction).unwrap_or_else(|e| panic!("{what}: nft -f refused {e}:\n{transaction}"));
-        netlink.apply(&transaction).unwrap_or_else(|e| panic!("{what}: the netlink batch was refused: {e}:\n{transaction}"));
+        netlink
+            .apply(&transaction)
+            .unwrap_or_else(|e| panic!("{what}: the netlink batch was refused: {e}:\n{transaction}"));
         assert_eq!(netlink.netlink_transactions, before + 1, "{what}: not sent as netlink:\n{transaction}");
         assert_eq!(listing(&text_ns), listing(&netlink_ns), "{what}: the tables differ after\n{transaction}");
         // The writer's listing for reconciliation: one kernel dump, the same names as nft's.
@@ -311,23 +379,50 @@ fn netlink_batches_leave_the_table_nft_would() {
             l.sets.sort();
         }
         assert_eq!(dumped, listed, "{what}: netlink and nft list different objects");
-        assert!(dumped.tables.len() >= 2 && dumped.chains.iter().any(|(_, c)| c == "svc/ns/a") && !dumped.sets.is_empty(), "{what}: {dumped:?}");
+        assert!(
+            dumped.tables.len() >= 2 && dumped.chains.iter().any(|(_, c)| c == "svc/ns/a") && !dumped.sets.is_empty(),
+            "{what}: {dumped:?}"
+        );
         current = wanted;
     }
     let table = listing(&netlink_ns);
     assert!(table.contains("numgen random mod 1 0 goto svc/ns/a/ep/10.244.1.6"), "{table}");
-    for pod_traffic in ["ip saddr != @cluster-cidrs ip daddr 10.96.0.2 jump", "iifname != \"veth*\" ip daddr", "iifname \"cbr0\" ip6 saddr @cluster-cidrs6 accept", "ip6 saddr != @cluster-cidrs6 accept"] {
+    for pod_traffic in [
+        "ip saddr != @cluster-cidrs ip daddr 10.96.0.2 jump",
+        "iifname != \"veth*\" ip daddr",
+        "iifname \"cbr0\" ip6 saddr @cluster-cidrs6 accept",
+        "ip6 saddr != @cluster-cidrs6 accept",
+    ] {
         assert!(table.contains(pod_traffic), "{pod_traffic:?} missing in {table}");
     }
     assert!(table.contains("10.96.0.1 . tcp . 80 : goto svc/ns/a"), "{table}");
     assert!(table.contains("elements = { 10.244.0.7, 10.244.0.11 }"), "{table}");
     assert!(table.contains("elements = { 10.244.1.6 . 10.244.1.6 }"), "hairpin pairs added and deleted: {table}");
-    assert!(set_holds(&table, "firewall-allowed", "203.0.113.10 . tcp . 443 . 192.0.2.0/24") && set_holds(&table, "firewall-allowed6", "2001:db8::10 . tcp . 443 . 2001:db8::/32"), "{table}");
-    assert!(set_holds(&table, "firewall-ips6", "2001:db8::10 . tcp . 443") && !table.contains("198.51.100.0"), "{table}");
-    assert!(table.contains("10.96.0.3 . udp . 53 . 2 : 10.244.3.9 . 5353") && set_holds(&table, "frontends-3", "10.96.0.3 . udp . 53"), "{table}");
+    assert!(
+        set_holds(&table, "firewall-allowed", "203.0.113.10 . tcp . 443 . 192.0.2.0/24")
+            && set_holds(&table, "firewall-allowed6", "2001:db8::10 . tcp . 443 . 2001:db8::/32"),
+        "{table}"
+    );
+    assert!(
+        set_holds(&table, "firewall-ips6", "2001:db8::10 . tcp . 443") && !table.contains("198.51.100.0"),
+        "{table}"
+    );
+    assert!(
+        table.contains("10.96.0.3 . udp . 53 . 2 : 10.244.3.9 . 5353")
+            && set_holds(&table, "frontends-3", "10.96.0.3 . udp . 53"),
+        "{table}"
+    );
     assert!(table.contains("ip saddr @svc/ns/e/ep/10.244.5.3/8080/affinity meta l4proto tcp update @svc/ns/e/ep/10.244.5.3/8080/affinity { ip saddr timeout 3h } dnat ip to 10.244.5.3:8080"), "{table}");
-    assert!(table.contains("udp . 30053 . 2 : 10.244.3.9 . 5353") && set_holds(&table, "nodeports-3", "udp . 30053"), "{table}");
-    assert!(table.contains("10.96.0.6 . tcp . 80 : goto affinity-10800-pick-by-count") && set_holds(&table, "frontends-3", "10.96.0.6 . tcp . 80") && table.contains("10.96.0.6 . tcp . 80 . 2 : 10.244.6.4 . 8080"), "{table}");
+    assert!(
+        table.contains("udp . 30053 . 2 : 10.244.3.9 . 5353") && set_holds(&table, "nodeports-3", "udp . 30053"),
+        "{table}"
+    );
+    assert!(
+        table.contains("10.96.0.6 . tcp . 80 : goto affinity-10800-pick-by-count")
+            && set_holds(&table, "frontends-3", "10.96.0.6 . tcp . 80")
+            && table.contains("10.96.0.6 . tcp . 80 . 2 : 10.244.6.4 . 8080"),
+        "{table}"
+    );
     assert!(
         table.contains("update @affinity-slot-2 { ip saddr . ip daddr . meta l4proto . th dport timeout 3h } dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 1 offset 2 map @service-endpoints"),
         "{table}"
@@ -352,7 +447,10 @@ fn netlink_batches_leave_the_table_nft_would() {
                add rule inet wasmplane-s0 svc/ns/new accept\n\
                delete element inet wasmplane-s0 service-ips { 10.96.9.9 . tcp . 80 }\n";
     let err = netlink.apply(bad).expect_err("deleting a missing element must fail").to_string();
-    assert!(err.contains("delete element inet wasmplane-s0 service-ips") && err.contains("No such file or directory"), "{err}");
+    assert!(
+        err.contains("delete element inet wasmplane-s0 service-ips") && err.contains("No such file or directory"),
+        "{err}"
+    );
     assert_eq!(listing(&netlink_ns), before, "a failed batch changed the table");
     // The socket is usable afterwards.
     netlink.apply("add chain inet wasmplane-s0 svc/ns/new\n").unwrap();
@@ -392,7 +490,9 @@ fn an_upgrade_from_one_table_moves_services_into_shards() {
     let mut service = ObjectRules::default();
     service.chains.insert("svc/ns/a".into(), vec!["meta l4proto tcp dnat ip to 10.244.1.6:8080".into()]);
     service.elements.insert(("service-ips".into(), "10.96.0.1 . tcp . 80".into()), "goto svc/ns/a".into());
-    let stats = dataplane.sync(vec![(wasmplane_model::ObjectKey::new("ns", "a"), Some(service))]).expect("the first full sync over the old table");
+    let stats = dataplane
+        .sync(vec![(wasmplane_model::ObjectKey::new("ns", "a"), Some(service))])
+        .expect("the first full sync over the old table");
     assert!(stats.full);
 
     let main = ns.exec(&["nft", "list", "table", "inet", "wasmplane"]);
@@ -401,7 +501,10 @@ fn an_upgrade_from_one_table_moves_services_into_shards() {
     }
     assert!(main.contains("chain masquerading {"), "{main}");
     let shard = ns.exec(&["nft", "list", "table", "inet", "wasmplane-s0"]);
-    assert!(shard.contains("10.96.0.1 . tcp . 80 : goto svc/ns/a") && shard.contains("dnat ip to 10.244.1.6:8080"), "{shard}");
+    assert!(
+        shard.contains("10.96.0.1 . tcp . 80 : goto svc/ns/a") && shard.contains("dnat ip to 10.244.1.6:8080"),
+        "{shard}"
+    );
     // The next full sync finds nothing of the old layout.
     dataplane.full_sync(None).expect("a reconcile after the upgrade");
     assert!(!dataplane.last_transaction.contains("delete map inet wasmplane "), "{}", dataplane.last_transaction);
@@ -413,7 +516,8 @@ fn a_refused_element_of_a_long_statement_is_quoted_in_the_error() {
     let ns = Netns::new(unique_prefix("nl-refused"));
     // A full transaction writes a map's elements in one statement; nft echoes only its
     // first ~1,000 characters.
-    let good: Vec<String> = (0..300).map(|i| format!("10.96.{}.{} . tcp . 80 : goto svc/ns/a", i / 250, i % 250)).collect();
+    let good: Vec<String> =
+        (0..300).map(|i| format!("10.96.{}.{} . tcp . 80 : goto svc/ns/a", i / 250, i % 250)).collect();
     let t = "inet wasmplane-test";
     let transaction = format!(
         "add table {t}\n\
@@ -422,11 +526,18 @@ fn a_refused_element_of_a_long_statement_is_quoted_in_the_error() {
          add element {t} service-ips {{ {}, 10.96.9.9 . tcp . 80 : goto svc/ns/missing, 10.96.9.10 . tcp . 80 : goto svc/ns/a }}\n",
         good.join(", ")
     );
-    let error = NftCommand::new(ns_command(&ns), vec![]).apply(&transaction).expect_err("a goto to no chain").to_string();
+    let error =
+        NftCommand::new(ns_command(&ns), vec![]).apply(&transaction).expect_err("a goto to no chain").to_string();
     assert!(error.contains("No such file or directory"), "{error}");
-    assert!(error.contains(&format!("add element {t} service-ips {{ … 10.96.9.9 . tcp . 80 : goto svc/ns/missing …")), "{error}");
+    assert!(
+        error.contains(&format!("add element {t} service-ips {{ … 10.96.9.9 . tcp . 80 : goto svc/ns/missing …")),
+        "{error}"
+    );
     assert!(error.len() < 1000, "{error}");
-    assert!(!ns.exec(&["nft", "list", "tables"]).contains("wasmplane-test"), "nothing of a refused transaction is applied");
+    assert!(
+        !ns.exec(&["nft", "list", "tables"]).contains("wasmplane-test"),
+        "nothing of a refused transaction is applied"
+    );
 }
 
 /// Service drops logged (`nft::service_drops`): the skeleton's log rules as nft writes them,
@@ -437,7 +548,8 @@ fn service_drop_log_rules_encode_as_nft_writes_them() {
     require_root!();
     let (text_ns, netlink_ns, mut text, mut netlink) = twins("nl-dlog-t", "nl-dlog-b");
     let listing = |ns: &Netns| ns.exec(&["nft", "list", "ruleset"]);
-    let networks = nft::NodeNetworks { service_drop_log: Some(nft::policy::VerdictLog::new(1001)), ..Default::default() };
+    let networks =
+        nft::NodeNetworks { service_drop_log: Some(nft::policy::VerdictLog::new(1001)), ..Default::default() };
 
     let mut state: State = BTreeMap::new();
     state.insert("a", service_a(&["10.244.1.5"]));
@@ -449,7 +561,9 @@ fn service_drop_log_rules_encode_as_nft_writes_them() {
     // Metered per frontend, then limited for the node (`service_drops::log_rules`).
     let metered = |family: &str| {
         let set = if family == "ip" { "service-drop-log" } else { "service-drop-log6" };
-        format!("update @{set} {{ {family} daddr . meta l4proto . th dport limit rate 10/second burst 20 packets }} limit rate 100/second burst 200 packets log prefix")
+        format!(
+            "update @{set} {{ {family} daddr . meta l4proto . th dport limit rate 10/second burst 20 packets }} limit rate 100/second burst 200 packets log prefix"
+        )
     };
     for logged in [
         format!("{} \"wasmplane-service no-endpoints\" group 1001", metered("ip")),
@@ -463,7 +577,11 @@ fn service_drop_log_rules_encode_as_nft_writes_them() {
     }
 
     // A Local service without a local endpoint: its drop goes through the drop chain, as a batch.
-    let mut local = object(&[], &[], &[("no-endpoint-services", "203.0.113.7 . tcp . 80", "drop"), ("no-endpoint-nodeports", "tcp . 30007", "drop")]);
+    let mut local = object(
+        &[],
+        &[],
+        &[("no-endpoint-services", "203.0.113.7 . tcp . 80", "drop"), ("no-endpoint-nodeports", "tcp . 30007", "drop")],
+    );
     nft::service_drops::route_drops_through_log(&mut local);
     let mut next = state.clone();
     next.insert("l", local);
@@ -510,11 +628,17 @@ fn allow_logged_policies_encode_as_netlink_with_their_per_pod_meters() {
     let key = wasmplane_model::ObjectKey::new("ns", "p");
     let pod: std::net::IpAddr = "10.244.0.5".parse().unwrap();
     let mut egress = policy(&["10.244.0.7"]);
-    egress.chains.insert("pol/ns/p/out".into(), vec!["ip daddr 10.0.0.0/8 meta l4proto tcp th dport 443 accept".into()]);
+    egress
+        .chains
+        .insert("pol/ns/p/out".into(), vec!["ip daddr 10.0.0.0/8 meta l4proto tcp th dport 443 accept".into()]);
     let rules = nft::policy::PolicyRules {
         rules: egress,
         shared: BTreeMap::new(),
-        targets: [((nft::policy::Direction::Ingress, pod), "pol/ns/p/in".to_string()), ((nft::policy::Direction::Egress, pod), "pol/ns/p/out".to_string())].into(),
+        targets: [
+            ((nft::policy::Direction::Ingress, pod), "pol/ns/p/in".to_string()),
+            ((nft::policy::Direction::Egress, pod), "pol/ns/p/out".to_string()),
+        ]
+        .into(),
     };
     let mut state: State = BTreeMap::new();
     state.insert("p", rules.rules.clone());
@@ -535,8 +659,10 @@ fn allow_logged_policies_encode_as_netlink_with_their_per_pod_meters() {
         assert_eq!(listing(&text_ns), listing(&netlink_ns), "{what}: the tables differ after\n{transaction}");
         if what == "allow logging on" {
             let table = listing(&netlink_ns);
-            for metered in ["update @policy-allow-log-ingress { ip daddr limit rate 10/second burst 20 packets } limit rate 100/second burst 200 packets log prefix",
-                            "update @policy-allow-log-egress6 { ip6 saddr limit rate 10/second burst 20 packets } limit rate 100/second burst 200 packets log prefix"] {
+            for metered in [
+                "update @policy-allow-log-ingress { ip daddr limit rate 10/second burst 20 packets } limit rate 100/second burst 200 packets log prefix",
+                "update @policy-allow-log-egress6 { ip6 saddr limit rate 10/second burst 20 packets } limit rate 100/second burst 200 packets log prefix",
+            ] {
                 assert!(table.contains(metered), "missing {metered:?} in\n{table}");
             }
         }
@@ -561,8 +687,8 @@ fn a_full_sync_without_service_drop_logging_deletes_the_drop_chain() {
     };
     let main = || ns.exec(&["nft", "list", "table", "inet", "wasmplane"]);
 
-    let mut logging =
-        Dataplane::new(Box::new(NftCommand::new(ns_command(&ns), vec![]))).with_service_drop_log(Some(nft::policy::VerdictLog::new(1001)));
+    let mut logging = Dataplane::new(Box::new(NftCommand::new(ns_command(&ns), vec![])))
+        .with_service_drop_log(Some(nft::policy::VerdictLog::new(1001)));
     logging.full_sync(Some([(key.clone(), local(true))].into())).expect("the logging run's full sync");
     let table = main();
     assert!(table.contains("chain drop-chain {") && table.contains("tcp . 30007 : goto drop-chain"), "{table}");

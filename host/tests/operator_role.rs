@@ -49,7 +49,13 @@ async fn embedded_operator_leads_writes_the_heartbeat_and_collects_what_the_gc_g
     assert_eq!(status, StatusCode::NOT_FOUND);
 
     let kv = host.modules.store().kv().clone();
-    let _ = eventually("the heartbeat", Duration::from_secs(20), || kv.get(HEARTBEAT_KEY), |hb| hb.as_ref().is_ok_and(|v| v.as_ref().is_some_and(|v| String::from_utf8_lossy(&v.value).contains("solo")))).await;
+    let _ = eventually(
+        "the heartbeat",
+        Duration::from_secs(20),
+        || kv.get(HEARTBEAT_KEY),
+        |hb| hb.as_ref().is_ok_and(|v| v.as_ref().is_some_and(|v| String::from_utf8_lossy(&v.value).contains("solo"))),
+    )
+    .await;
 
     // Two locks: one whose holder is no registered node and which has no lease (the guest
     // names it at once), one held under a live lease (kept).
@@ -58,7 +64,13 @@ async fn embedded_operator_leads_writes_the_heartbeat_and_collects_what_the_gc_g
     kv.put(&orphan, Bytes::from_static(b"node-that-is-gone"), None).await.unwrap();
     let lease = kv.grant_lease(Duration::from_secs(60)).await.unwrap();
     kv.put(&held, Bytes::from_static(b"node-that-is-gone"), Some(lease.id)).await.unwrap();
-    let _ = eventually("the orphaned lock collected", Duration::from_secs(20), || kv.get(&orphan), |v| matches!(v, Ok(None))).await;
+    let _ = eventually(
+        "the orphaned lock collected",
+        Duration::from_secs(20),
+        || kv.get(&orphan),
+        |v| matches!(v, Ok(None)),
+    )
+    .await;
     assert!(kv.get(&held).await.unwrap().is_some(), "a lock under a live lease is never named");
     host.stop().await;
 }
@@ -97,14 +109,26 @@ async fn two_replicas_elect_one_leader_and_the_other_takes_over() {
     np.metadata.namespace = Some("shop".into());
     let uid = server.create(&np).unwrap().metadata.uid.unwrap();
     let kv: std::sync::Arc<dyn KvStore> = KvstoreConfig::etcd(vec![etcd.endpoint()]).open(None).await.unwrap();
-    for (node, status) in [("node-1", r#"{"generation":1}"#), ("node-2", r#"{"generation":1,"error":"guest trapped"}"#)] {
-        kv.put(&format!("/wasmplane/policystatus/{uid}/shop/web/{node}"), Bytes::copy_from_slice(status.as_bytes()), None).await.unwrap();
+    for (node, status) in [("node-1", r#"{"generation":1}"#), ("node-2", r#"{"generation":1,"error":"guest trapped"}"#)]
+    {
+        kv.put(
+            &format!("/wasmplane/policystatus/{uid}/shop/web/{node}"),
+            Bytes::copy_from_slice(status.as_bytes()),
+            None,
+        )
+        .await
+        .unwrap();
     }
     let leader_host = if a_leads { &a } else { &b };
-    let summary = eventually("the leader's summary", Duration::from_secs(10), || async {
-        let r = reqwest::get(format!("{}/v1/policies/shop/web/status", leader_host.url())).await.unwrap();
-        if r.status() == StatusCode::OK { r.json::<Value>().await.unwrap() } else { Value::Null }
-    }, |s| !s.is_null())
+    let summary = eventually(
+        "the leader's summary",
+        Duration::from_secs(10),
+        || async {
+            let r = reqwest::get(format!("{}/v1/policies/shop/web/status", leader_host.url())).await.unwrap();
+            if r.status() == StatusCode::OK { r.json::<Value>().await.unwrap() } else { Value::Null }
+        },
+        |s| !s.is_null(),
+    )
     .await;
     let text = summary.to_string();
     assert!(text.contains("node-2") && text.contains("guest trapped"), "the failing node is named: {summary}");
@@ -120,10 +144,18 @@ async fn two_replicas_elect_one_leader_and_the_other_takes_over() {
     let holder = leases[0].spec.as_ref().and_then(|s| s.holder_identity.clone());
     assert_ne!(holder.as_deref(), Some(leader_identity), "released on stop: {:?}", leases[0].spec);
     // The follower takes over within about one lease duration (2 s) and writes the heartbeat.
-    eventually("the follower leads", Duration::from_secs(20), || operator_state(&follower), |s| s["leader"] == true).await;
-    let _ = eventually("the new leader's heartbeat", Duration::from_secs(20), || kv.get(HEARTBEAT_KEY), |hb| {
-        hb.as_ref().is_ok_and(|v| v.as_ref().is_some_and(|v| String::from_utf8_lossy(&v.value).contains(follower_identity)))
-    })
+    eventually("the follower leads", Duration::from_secs(20), || operator_state(&follower), |s| s["leader"] == true)
+        .await;
+    let _ = eventually(
+        "the new leader's heartbeat",
+        Duration::from_secs(20),
+        || kv.get(HEARTBEAT_KEY),
+        |hb| {
+            hb.as_ref().is_ok_and(|v| {
+                v.as_ref().is_some_and(|v| String::from_utf8_lossy(&v.value).contains(follower_identity))
+            })
+        },
+    )
     .await;
     follower.stop().await;
 }
@@ -153,7 +185,13 @@ async fn an_unsigned_gc_module_in_the_index_is_not_run_where_signatures_are_requ
     let (store, kv) = (host.modules.store(), host.modules.store().kv().clone());
     // The builtin GC guest's own bytes under another name: it would collect the orphan.
     let bytes = wasmplane_guest_artifacts::GC;
-    let info = ModuleInfo { digest: LoadedModule::digest_of(bytes), kind: GuestKind::Gc, wit_version: "1.0.0".into(), size: bytes.len(), imports: vec![] };
+    let info = ModuleInfo {
+        digest: LoadedModule::digest_of(bytes),
+        kind: GuestKind::Gc,
+        wit_version: "1.0.0".into(),
+        size: bytes.len(),
+        imports: vec![],
+    };
     store.put_blob(&info.digest, bytes).await.unwrap();
     let publish = |signature: Option<String>| {
         let info = info.clone();
@@ -173,7 +211,13 @@ async fn an_unsigned_gc_module_in_the_index_is_not_run_where_signatures_are_requ
 
     let key = admission::read_private_key(&private_path).unwrap();
     publish(Some(admission::sign(&key, bytes))).await;
-    let _ = eventually("the orphaned lock collected by the signed module", Duration::from_secs(20), || kv.get(&orphan), |v| matches!(v, Ok(None))).await;
+    let _ = eventually(
+        "the orphaned lock collected by the signed module",
+        Duration::from_secs(20),
+        || kv.get(&orphan),
+        |v| matches!(v, Ok(None)),
+    )
+    .await;
     host.stop().await;
 }
 
@@ -184,7 +228,8 @@ async fn an_unsigned_gc_module_in_the_index_is_not_run_where_signatures_are_requ
 async fn the_leader_writes_slices_of_a_remote_clusters_endpoints_for_a_headless_global_service() {
     use k8s_openapi::api::core::v1::Service;
     use k8s_openapi::api::discovery::v1::EndpointSlice;
-    let (etcd, east) = (Etcd::start().await.expect("etcd-server must be installed (scripts/setup.sh)"), Etcd::start().await.unwrap());
+    let (etcd, east) =
+        (Etcd::start().await.expect("etcd-server must be installed (scripts/setup.sh)"), Etcd::start().await.unwrap());
     let server = TestApiServer::start().await;
     let service: Service = serde_json::from_value(serde_json::json!({
         "metadata": {"namespace": "db", "name": "pg", "annotations": {"wasmplane.io/global": "true"}},
@@ -195,22 +240,44 @@ async fn the_leader_writes_slices_of_a_remote_clusters_endpoints_for_a_headless_
     let export = serde_json::json!({"cluster": "east", "namespace": "db", "name": "pg", "clusterIps": [], "ports": [{"name": "sql", "port": 5432, "protocol": "TCP"}],
         "endpointSlices": [{"ports": [{"name": "sql", "port": 5432, "protocol": "TCP"}], "addresses": ["10.245.0.7"], "hostnames": {"10.245.0.7": "pg-0"}}]});
     let east_kv = KvstoreConfig::etcd(vec![east.endpoint()]).open(None).await.unwrap();
-    east_kv.put(&format!("{}east/services/db/pg", wasmplane_operator::CLUSTERS_PREFIX), export.to_string().into(), None).await.unwrap();
+    east_kv
+        .put(&format!("{}east/services/db/pg", wasmplane_operator::CLUSTERS_PREFIX), export.to_string().into(), None)
+        .await
+        .unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let mesh = wasmplane::clustermesh::ClusterMeshConfig { remotes: vec![wasmplane::clustermesh::RemoteEtcd { cluster: "east".into(), endpoints: vec![east.endpoint()], tls: None, user: None }], ..Default::default() };
+    let mesh = wasmplane::clustermesh::ClusterMeshConfig {
+        remotes: vec![wasmplane::clustermesh::RemoteEtcd {
+            cluster: "east".into(),
+            endpoints: vec![east.endpoint()],
+            tls: None,
+            user: None,
+        }],
+        ..Default::default()
+    };
     let host = start(HostConfig {
         kvstore: KvstoreConfig::etcd(vec![etcd.endpoint()]),
         kubernetes: Some(KubernetesSource::Url(server.url())),
         listen: "127.0.0.1:0".parse().unwrap(),
         data_dir: Some(dir.path().into()),
         token: Some("operator-test-token-0123456789".into()),
-        operator: Some(OperatorRoleConfig { cluster_name: Some("west".into()), mesh_slices: Some(mesh), ..fast("operator-a") }),
+        operator: Some(OperatorRoleConfig {
+            cluster_name: Some("west".into()),
+            mesh_slices: Some(mesh),
+            ..fast("operator-a")
+        }),
         ..Default::default()
     })
     .await
     .unwrap();
-    let slices = || async { server.list::<EndpointSlice>().into_iter().filter(|s| wasmplane_operator::is_mesh_slice(s.metadata.labels.as_ref())).collect::<Vec<_>>() };
-    let written = eventually("east's endpoints as a slice of db/pg", Duration::from_secs(15), slices, |s| s.len() == 1).await;
+    let slices = || async {
+        server
+            .list::<EndpointSlice>()
+            .into_iter()
+            .filter(|s| wasmplane_operator::is_mesh_slice(s.metadata.labels.as_ref()))
+            .collect::<Vec<_>>()
+    };
+    let written =
+        eventually("east's endpoints as a slice of db/pg", Duration::from_secs(15), slices, |s| s.len() == 1).await;
     let endpoint = &written[0].endpoints[0];
     assert_eq!((endpoint.addresses[0].as_str(), endpoint.hostname.as_deref()), ("10.245.0.7", Some("pg-0")));
     // East's export goes: so does the slice.
@@ -237,7 +304,14 @@ async fn gc_settings_are_checked_where_set_and_tune_the_grace_periods() {
     .await
     .unwrap();
     let client = reqwest::Client::new();
-    let put_settings = |name: &str, body: &str| client.put(format!("{}/v1/modules/{name}/settings", host.url())).bearer_auth(token).header("content-type", "application/json").body(body.to_string()).send();
+    let put_settings = |name: &str, body: &str| {
+        client
+            .put(format!("{}/v1/modules/{name}/settings", host.url()))
+            .bearer_auth(token)
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+    };
     // The builtin GC guest is listed like the other builtins, in force (nothing else is).
     let module = |name: &str| {
         let url = format!("{}/v1/modules/{name}", host.url());
@@ -247,8 +321,15 @@ async fn gc_settings_are_checked_where_set_and_tune_the_grace_periods() {
     let names: Vec<&str> = listed["modules"].as_array().unwrap().iter().filter_map(|m| m["name"].as_str()).collect();
     assert!(names.contains(&"default-gc"), "{listed}");
     let builtin = module("default-gc").await;
-    assert_eq!((builtin["kind"].as_str(), builtin["builtin"].as_bool(), builtin["status"].as_str()), (Some("gc"), Some(true), Some("active")), "{builtin}");
-    assert_eq!(builtin["versions"][0]["digest"].as_str(), Some(wasmplane_runtime::LoadedModule::digest_of(wasmplane_guest_artifacts::GC).as_str()));
+    assert_eq!(
+        (builtin["kind"].as_str(), builtin["builtin"].as_bool(), builtin["status"].as_str()),
+        (Some("gc"), Some(true), Some("active")),
+        "{builtin}"
+    );
+    assert_eq!(
+        builtin["versions"][0]["digest"].as_str(),
+        Some(wasmplane_runtime::LoadedModule::digest_of(wasmplane_guest_artifacts::GC).as_str())
+    );
     let refused = put_settings("default-gc", r#"{"graceSeconds": {"nodes": 60}}"#).await.unwrap();
     assert_eq!(refused.status(), StatusCode::UNPROCESSABLE_ENTITY);
     let reason = refused.text().await.unwrap();
@@ -263,26 +344,45 @@ async fn gc_settings_are_checked_where_set_and_tune_the_grace_periods() {
     tokio::time::sleep(Duration::from_millis(1400)).await;
     assert!(kv.get(&held).await.unwrap().is_some(), "kept under the default limit");
     assert!(put_settings("default-gc", r#"{"lockHardLimitSeconds": 1}"#).await.unwrap().status().is_success());
-    let _ = eventually("the held lock collected past the new limit", Duration::from_secs(20), || kv.get(&held), |v| matches!(v, Ok(None))).await;
+    let _ = eventually(
+        "the held lock collected past the new limit",
+        Duration::from_secs(20),
+        || kv.get(&held),
+        |v| matches!(v, Ok(None)),
+    )
+    .await;
 
     // The same guest uploaded as another module, with settings it refuses written straight
     // into the index (as anyone who can write etcd could): activating it here is refused, and
     // put in force the same way, it decides nothing.
     let store = host.modules.store();
     let bytes = wasmplane_guest_artifacts::GC;
-    let info = ModuleInfo { digest: LoadedModule::digest_of(bytes), kind: GuestKind::Gc, wit_version: "1.0.0".into(), size: bytes.len(), imports: vec![] };
+    let info = ModuleInfo {
+        digest: LoadedModule::digest_of(bytes),
+        kind: GuestKind::Gc,
+        wit_version: "1.0.0".into(),
+        size: bytes.len(),
+        imports: vec![],
+    };
     store.put_blob(&info.digest, bytes).await.unwrap();
     let (mut index, revision) = store.load().await.unwrap();
     index.add_version("tuned-gc", GuestKind::Gc, &info, None).unwrap();
     index.set_settings("tuned-gc", Some(serde_json::json!({"grace": 1})));
     assert!(store.publish(revision, &index).await.unwrap().is_some());
-    let activated = client.post(format!("{}/v1/modules/tuned-gc/activate", host.url())).bearer_auth(token).send().await.unwrap();
+    let activated =
+        client.post(format!("{}/v1/modules/tuned-gc/activate", host.url())).bearer_auth(token).send().await.unwrap();
     assert_eq!(activated.status(), StatusCode::UNPROCESSABLE_ENTITY);
     assert!(activated.text().await.unwrap().contains("unknown field `grace`"));
     let (mut index, revision) = store.load().await.unwrap();
     index.activate("tuned-gc", Some(1)).unwrap();
     assert!(store.publish(revision, &index).await.unwrap().is_some());
-    let _ = eventually("the uploaded GC module in force", Duration::from_secs(20), || module("tuned-gc"), |m| m["status"] == "active").await;
+    let _ = eventually(
+        "the uploaded GC module in force",
+        Duration::from_secs(20),
+        || module("tuned-gc"),
+        |m| m["status"] == "active",
+    )
+    .await;
     assert_eq!(module("default-gc").await["status"], "inactive");
     let orphan = format!("{LOCKS_PREFIX}orphaned");
     kv.put(&orphan, Bytes::from_static(b"node-that-is-gone"), None).await.unwrap();
@@ -292,13 +392,24 @@ async fn gc_settings_are_checked_where_set_and_tune_the_grace_periods() {
     // The operator says why GC stopped: the host refused the module's settings through its
     // validator before the guest was asked anything (the guest's own refusal reads otherwise).
     // Waited for, not assumed after the sleep above: a loaded machine can delay a cycle.
-    let refused = |s: &Value| s["gc"]["last_error"].as_str().is_some_and(|e| e.contains("GC module tuned-gc@1 refuses its settings"));
-    let gc = eventually("the refused settings reported", Duration::from_secs(20), || operator_state(&host), refused).await["gc"].clone();
+    let refused = |s: &Value| {
+        s["gc"]["last_error"].as_str().is_some_and(|e| e.contains("GC module tuned-gc@1 refuses its settings"))
+    };
+    let gc = eventually("the refused settings reported", Duration::from_secs(20), || operator_state(&host), refused)
+        .await["gc"]
+        .clone();
     let error = gc["last_error"].as_str().unwrap_or_default();
-    assert!(error.contains("GC module tuned-gc@1 refuses its settings") && error.contains("unknown field `grace`"), "{gc}");
+    assert!(
+        error.contains("GC module tuned-gc@1 refuses its settings") && error.contains("unknown field `grace`"),
+        "{gc}"
+    );
     assert!(gc["failed_cycles"].as_u64() >= Some(1) && gc["deleted"]["lock"].as_u64() >= Some(1), "{gc}");
     let metrics = reqwest::get(format!("{}/metrics", host.url())).await.unwrap().text().await.unwrap();
-    for line in ["wasmplane_gc_cycles_total{result=\"failed\"}", "wasmplane_gc_deleted_total{kind=\"lock\"}", "wasmplane_gc_last_success_timestamp_seconds"] {
+    for line in [
+        "wasmplane_gc_cycles_total{result=\"failed\"}",
+        "wasmplane_gc_deleted_total{kind=\"lock\"}",
+        "wasmplane_gc_last_success_timestamp_seconds",
+    ] {
         assert!(metrics.contains(line), "{line} in /metrics:\n{metrics}");
     }
     host.stop().await;

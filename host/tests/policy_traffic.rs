@@ -99,8 +99,22 @@ fn rule(ports: Vec<PolicyPort>, peers: Vec<PolicyPeer>) -> PolicyRule {
     PolicyRule { ports, peers }
 }
 
-fn policy(ns: &str, name: &str, select: LabelSelector, ingress: Option<Vec<PolicyRule>>, egress: Option<Vec<PolicyRule>>) -> NetworkPolicy {
-    NetworkPolicy { namespace: ns.into(), name: name.into(), uid: Default::default(), generation: 1, pod_selector: select, ingress, egress }
+fn policy(
+    ns: &str,
+    name: &str,
+    select: LabelSelector,
+    ingress: Option<Vec<PolicyRule>>,
+    egress: Option<Vec<PolicyRule>>,
+) -> NetworkPolicy {
+    NetworkPolicy {
+        namespace: ns.into(),
+        name: name.into(),
+        uid: Default::default(),
+        generation: 1,
+        pod_selector: select,
+        ingress,
+        egress,
+    }
 }
 
 /// The cluster, the model, the guest, the controller and the writer, all real.
@@ -150,7 +164,8 @@ impl Node {
             }
         }
         let runtime = Runtime::new(Limits::default(), None).unwrap();
-        let module = runtime.load_policy("default-network-policy", wasmplane_guest_artifacts::NETWORK_POLICY, 8 << 20).unwrap();
+        let module =
+            runtime.load_policy("default-network-policy", wasmplane_guest_artifacts::NETWORK_POLICY, 8 << 20).unwrap();
         let controller = PolicyController::new(&module);
         let mut dataplane = Dataplane::new(Box::new(NftCommand::new(topology.nft_command(), vec![])));
         dataplane.full_sync(Some(BTreeMap::new())).expect("the writer creates its table");
@@ -182,7 +197,9 @@ impl Node {
         let changes = self.controller.apply(&self.cluster, &self.model, &update, self.dataplane.pod_detection());
         assert_eq!(changes.failed, 0, "policy compile failures: {:?}", self.controller.status(&self.model));
         let compiled = changes.compiled;
-        self.dataplane.sync(changes.changes).unwrap_or_else(|e| panic!("writing policy rules: {e}\n{}", self.dataplane.last_transaction));
+        self.dataplane
+            .sync(changes.changes)
+            .unwrap_or_else(|e| panic!("writing policy rules: {e}\n{}", self.dataplane.last_transaction));
         compiled
     }
 
@@ -212,7 +229,13 @@ impl Node {
                         continue;
                     }
                     let port = if udp { UDP_PORT } else { TCP_PORT };
-                    let to: SocketAddr = if ipv6 { format!("[{}]:{port}", pod_ip6(j / 3, j % 3)) } else { format!("{}:{port}", pod_ip(j / 3, j % 3)) }.parse().unwrap();
+                    let to: SocketAddr = if ipv6 {
+                        format!("[{}]:{port}", pod_ip6(j / 3, j % 3))
+                    } else {
+                        format!("{}:{port}", pod_ip(j / 3, j % 3))
+                    }
+                    .parse()
+                    .unwrap();
                     handles.push(((i, j), s.spawn(move || in_ns(src, || reach(to, udp)))));
                 }
             }
@@ -277,9 +300,17 @@ fn reach(to: SocketAddr, udp: bool) -> bool {
     ask(PROBE_TIMEOUT) || ask(PROBE_TIMEOUT * 2)
 }
 
-
-const OPEN: [&str; 9] =
-    ["-11 111 111", "1-1 111 111", "11- 111 111", "111 -11 111", "111 1-1 111", "111 11- 111", "111 111 -11", "111 111 1-1", "111 111 11-"];
+const OPEN: [&str; 9] = [
+    "-11 111 111",
+    "1-1 111 111",
+    "11- 111 111",
+    "111 -11 111",
+    "111 1-1 111",
+    "111 11- 111",
+    "111 111 -11",
+    "111 111 1-1",
+    "111 111 11-",
+];
 
 #[test]
 fn ingress_policies_selectors_union_and_a_label_change() {
@@ -357,8 +388,13 @@ fn ingress_policies_selectors_union_and_a_label_change() {
 
     // Two policies select a.web: the union of what they allow. The second one lets anything
     // from namespace c in (namespaceSelector alone), on every port and protocol.
-    let from_c =
-        policy("a", "web-from-c", sel(&[("app", "web")]), Some(vec![rule(vec![], vec![peer(None, Some(sel(&[("name", "c")])))])]), None);
+    let from_c = policy(
+        "a",
+        "web-from-c",
+        sel(&[("app", "web")]),
+        Some(vec![rule(vec![], vec![peer(None, Some(sel(&[("name", "c")])))])]),
+        None,
+    );
     node.set_policies(vec![web_from_blue_clients, from_c]);
     let tcp = [
         "-11 111 111",
@@ -401,7 +437,10 @@ fn egress_ip_blocks_named_ports_and_port_ranges() {
         "dns-to-c-only",
         all(),
         None,
-        Some(vec![rule(vec![port(Protocol::Udp, PolicyPortNumber::Number(53), None)], vec![peer(None, Some(sel(&[("name", "c")])))])]),
+        Some(vec![rule(
+            vec![port(Protocol::Udp, PolicyPortNumber::Number(53), None)],
+            vec![peer(None, Some(sel(&[("name", "c")])))],
+        )]),
     )]);
     let tcp = [
         "-.. ... ...",
@@ -568,7 +607,13 @@ fn dual_stack_pods_are_policed_in_both_families() {
 
     // a.client may send only to c's IPv6 pod network: over IPv6 it reaches c; over IPv4,
     // which no block of the policy names, nothing. Everyone still reaches a.client.
-    node.set_policies(vec![policy("a", "client-to-c6", sel(&[("app", "client")]), None, Some(vec![rule(vec![], vec![block("fd00:10:244:3::/64", &[])])]))]);
+    node.set_policies(vec![policy(
+        "a",
+        "client-to-c6",
+        sel(&[("app", "client")]),
+        None,
+        Some(vec![rule(vec![], vec![block("fd00:10:244:3::/64", &[])])]),
+    )]);
     let mut only_c6 = OPEN;
     only_c6[2] = "..- ... 111";
     let mut nothing = OPEN;
@@ -589,7 +634,13 @@ fn a_pod_under_an_egress_policy_keeps_resolving_its_ipv6_neighbours() {
     require_root!();
     let mut node = Node::new_dual_stack("npnd");
     // a.client may send to every pod of the cluster.
-    node.set_policies(vec![policy("a", "client-to-pods", sel(&[("app", "client")]), None, Some(vec![rule(vec![], vec![peer(Some(all()), Some(all()))])]))]);
+    node.set_policies(vec![policy(
+        "a",
+        "client-to-pods",
+        sel(&[("app", "client")]),
+        None,
+        Some(vec![rule(vec![], vec![peer(Some(all()), Some(all()))])]),
+    )]);
     // Every neighbour forgotten, as expiry would have it.
     let prefix = &node.topology.prefix;
     for ns in std::iter::once(format!("{prefix}-node")).chain((0..9).map(|i| format!("{prefix}-p{i}"))) {
@@ -695,12 +746,25 @@ fn a_pods_counts_credit_each_policy_with_the_connections_it_accepted() {
     let mut node = Node::new("npcnt");
     // b.web: from namespace a, and from any namespace's clients (a.client matches both).
     node.set_policies(vec![
-        policy("b", "from-a", sel(&[("app", "web")]), Some(vec![rule(vec![], vec![peer(None, Some(sel(&[("name", "a")])))])]), None),
-        policy("b", "from-clients", sel(&[("app", "web")]), Some(vec![rule(vec![], vec![peer(Some(sel(&[("app", "client")])), Some(all()))])]), None),
+        policy(
+            "b",
+            "from-a",
+            sel(&[("app", "web")]),
+            Some(vec![rule(vec![], vec![peer(None, Some(sel(&[("name", "a")])))])]),
+            None,
+        ),
+        policy(
+            "b",
+            "from-clients",
+            sel(&[("app", "web")]),
+            Some(vec![rule(vec![], vec![peer(Some(sel(&[("app", "client")])), Some(all()))])]),
+            None,
+        ),
     ]);
     let web: std::net::IpAddr = pod_ip(1, 0).parse().unwrap();
     let to_web: SocketAddr = format!("{web}:{TCP_PORT}").parse().unwrap();
-    let connect = |ns: usize, app: usize| in_ns(&node.pods[ns * 3 + app], || tcp_ask(to_web, Duration::from_secs(2)).map(|_| ()));
+    let connect =
+        |ns: usize, app: usize| in_ns(&node.pods[ns * 3 + app], || tcp_ask(to_web, Duration::from_secs(2)).map(|_| ()));
     for _ in 0..3 {
         connect(0, 0).expect("a.web → b.web (from-a)");
     }
@@ -719,7 +783,14 @@ fn a_pods_counts_credit_each_policy_with_the_connections_it_accepted() {
     let accepted = |name: &str, accepted: u64| PolicyAccepted { policy: ObjectKey::new("b", name), accepted };
     assert_eq!(
         counts,
-        PodPolicyCounts { ingress: Some(DirectionCounts { policies: vec![accepted("from-a", 4), accepted("from-clients", 2)], dropped: 1, would_drop: 0 }), egress: None },
+        PodPolicyCounts {
+            ingress: Some(DirectionCounts {
+                policies: vec![accepted("from-a", 4), accepted("from-clients", 2)],
+                dropped: 1,
+                would_drop: 0
+            }),
+            egress: None
+        },
         "{listing}"
     );
 }
@@ -734,7 +805,10 @@ fn policy_verdicts_are_logged_over_nflog_and_read_back() {
     use wasmplane::policy_log::{DropEvent, PolicyVerdictLog};
     const GROUP: u16 = 1001;
     let mut node = Node::new("nplog");
-    let module = node._runtime.load_policy("default-network-policy", wasmplane_guest_artifacts::NETWORK_POLICY, 8 << 20).unwrap();
+    let module = node
+        ._runtime
+        .load_policy("default-network-policy", wasmplane_guest_artifacts::NETWORK_POLICY, 8 << 20)
+        .unwrap();
     node.controller = PolicyController::new(&module).with_verdict_log(Some(VerdictLog::new(GROUP)));
     let log = PolicyVerdictLog::new();
     let netns = std::path::PathBuf::from(format!("/var/run/netns/{}", node.topology.node.name));
@@ -742,7 +816,13 @@ fn policy_verdicts_are_logged_over_nflog_and_read_back() {
     // Default deny into b, egress of c.client allowed only to a: the two directions.
     node.set_policies(vec![
         policy("b", "deny", all(), Some(vec![]), None),
-        policy("c", "out", sel(&[("app", "client")]), None, Some(vec![rule(vec![], vec![peer(None, Some(sel(&[("team", "blue")])))])])),
+        policy(
+            "c",
+            "out",
+            sel(&[("app", "client")]),
+            None,
+            Some(vec![rule(vec![], vec![peer(None, Some(sel(&[("team", "blue")])))])]),
+        ),
     ]);
     let (a_web, b_db, c_client) = (pod_ip(0, 0), pod_ip(1, 1), pod_ip(2, 2));
     let wait_for = |what: &str, wanted: &dyn Fn(&DropEvent) -> bool| {
@@ -753,29 +833,62 @@ fn policy_verdicts_are_logged_over_nflog_and_read_back() {
         }
     };
     let a_web_pod = node.pods[0].clone();
-    assert!(!in_ns(&a_web_pod, || reach(format!("{b_db}:{TCP_PORT}").parse().unwrap(), false)), "a.web → b.db is denied");
+    assert!(
+        !in_ns(&a_web_pod, || reach(format!("{b_db}:{TCP_PORT}").parse().unwrap(), false)),
+        "a.web → b.db is denied"
+    );
     wait_for("a.web → b.db, TCP", &|e| {
         (e.policy(), e.source.to_string(), e.destination.to_string(), e.protocol.as_str(), e.destination_port)
-            == (Some((PolicyVerdict::Deny, Direction::Ingress, b_db.parse().unwrap())), a_web.clone(), b_db.clone(), "tcp", Some(TCP_PORT))
+            == (
+                Some((PolicyVerdict::Deny, Direction::Ingress, b_db.parse().unwrap())),
+                a_web.clone(),
+                b_db.clone(),
+                "tcp",
+                Some(TCP_PORT),
+            )
     });
     assert!(!in_ns(&a_web_pod, || reach(format!("{b_db}:{UDP_PORT}").parse().unwrap(), true)));
-    wait_for("a.web → b.db, UDP", &|e| e.policy().is_some_and(|(_, _, pod)| pod.to_string() == b_db) && e.protocol == "udp" && e.destination_port == Some(UDP_PORT));
+    wait_for("a.web → b.db, UDP", &|e| {
+        e.policy().is_some_and(|(_, _, pod)| pod.to_string() == b_db)
+            && e.protocol == "udp"
+            && e.destination_port == Some(UDP_PORT)
+    });
     // Egress: c.client may reach a and b (team blue), not c.
     let c_client_pod = node.pods[8].clone();
-    assert!(!in_ns(&c_client_pod, || reach(format!("{}:{TCP_PORT}", pod_ip(2, 0)).parse().unwrap(), false)), "c.client → c.web is denied");
-    wait_for("c.client → c.web, egress", &|e| e.policy().is_some_and(|p| p == (PolicyVerdict::Deny, Direction::Egress, c_client.parse().unwrap())));
+    assert!(
+        !in_ns(&c_client_pod, || reach(format!("{}:{TCP_PORT}", pod_ip(2, 0)).parse().unwrap(), false)),
+        "c.client → c.web is denied"
+    );
+    wait_for("c.client → c.web, egress", &|e| {
+        e.policy().is_some_and(|p| p == (PolicyVerdict::Deny, Direction::Egress, c_client.parse().unwrap()))
+    });
     // Allowed traffic and traffic no policy selects log nothing.
     let before = log.totals();
-    assert!(in_ns(&c_client_pod, || reach(format!("{a_web}:{TCP_PORT}").parse().unwrap(), false)), "c.client → a.web is allowed");
-    assert!(in_ns(&a_web_pod, || reach(format!("{}:{TCP_PORT}", pod_ip(0, 1)).parse().unwrap(), false)), "a is not policed");
+    assert!(
+        in_ns(&c_client_pod, || reach(format!("{a_web}:{TCP_PORT}").parse().unwrap(), false)),
+        "c.client → a.web is allowed"
+    );
+    assert!(
+        in_ns(&a_web_pod, || reach(format!("{}:{TCP_PORT}", pod_ip(0, 1)).parse().unwrap(), false)),
+        "a is not policed"
+    );
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(log.totals(), before, "nothing logged for allowed or unpoliced traffic: {:?}", log.recent(5, |_| true));
     // Audit mode: the packet passes and is logged as a would-be drop.
     let changes = node.controller.set_audit(&ObjectKey::new("b", "deny"), true);
     node.dataplane.sync(changes.changes).unwrap();
-    assert!(in_ns(&a_web_pod, || reach(format!("{b_db}:{TCP_PORT}").parse().unwrap(), false)), "audited: a.web → b.db passes");
-    wait_for("a.web → b.db, audited", &|e| e.policy().is_some_and(|(v, _, pod)| v == PolicyVerdict::Audit && pod.to_string() == b_db) && e.source.to_string() == a_web);
-    assert_eq!(node.controller.policies_selecting(Direction::Ingress, b_db.parse().unwrap()), vec![ObjectKey::new("b", "deny")]);
+    assert!(
+        in_ns(&a_web_pod, || reach(format!("{b_db}:{TCP_PORT}").parse().unwrap(), false)),
+        "audited: a.web → b.db passes"
+    );
+    wait_for("a.web → b.db, audited", &|e| {
+        e.policy().is_some_and(|(v, _, pod)| v == PolicyVerdict::Audit && pod.to_string() == b_db)
+            && e.source.to_string() == a_web
+    });
+    assert_eq!(
+        node.controller.policies_selecting(Direction::Ingress, b_db.parse().unwrap()),
+        vec![ObjectKey::new("b", "deny")]
+    );
     // A second reader of the same group (an agent starting while the one it replaces still
     // stops) gets it once the first lets go, and reads from then on.
     let successor = PolicyVerdictLog::new();
@@ -804,7 +917,8 @@ fn scale_policies_over_5k_pods() {
     for policies in [1_000usize, 10_000] {
         let topology = Topology::new("npsc");
         let runtime = Runtime::new(Limits::default(), None).unwrap();
-        let module = runtime.load_policy("default-network-policy", wasmplane_guest_artifacts::NETWORK_POLICY, 8 << 20).unwrap();
+        let module =
+            runtime.load_policy("default-network-policy", wasmplane_guest_artifacts::NETWORK_POLICY, 8 << 20).unwrap();
         let mut controller = PolicyController::new(&module);
         let mut dataplane = Dataplane::new(Box::new(NftCommand::new(topology.nft_command(), vec![])));
         dataplane.full_sync(Some(BTreeMap::new())).unwrap();
@@ -816,7 +930,9 @@ fn scale_policies_over_5k_pods() {
             namespace: format!("ns{}", (i / 50) % 50).into(),
             name: format!("pod{i}").into(),
             ips: vec![format!("10.244.{}.{}", i / 250, i % 250 + 1).into()],
-            node_name: Some(format!("node-{}", if i.is_multiple_of(50) { "a".to_string() } else { (i % 50).to_string() }).into()),
+            node_name: Some(
+                format!("node-{}", if i.is_multiple_of(50) { "a".to_string() } else { (i % 50).to_string() }).into(),
+            ),
             labels: labels(&[("app", &format!("app{app}"))]),
             ports: vec![],
             host_network: false,

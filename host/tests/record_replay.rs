@@ -11,7 +11,7 @@ use reqwest::StatusCode;
 use serde_json::Value;
 use wasmplane::app::{DataplaneMode, HostConfig, RunningHost, start};
 use wasmplane::record::{Outcome, RecordError, RecordingReader, RevisionRecord};
-use wasmplane::replay::{Replayer, ReplayError};
+use wasmplane::replay::{ReplayError, Replayer};
 use wasmplane_guest_artifacts as artifacts;
 use wasmplane_runtime::{Limits, Runtime};
 
@@ -27,7 +27,14 @@ spec: { podCIDR: 10.244.0.0/24, podCIDRs: [10.244.0.0/24] }
 status: { addresses: [{ type: InternalIP, address: 192.168.77.1 }] }
 ";
 
-fn service(name: &str, ip: &str, port: u16, target: u16, expose: bool, endpoints: Option<&[(&str, &str, bool)]>) -> String {
+fn service(
+    name: &str,
+    ip: &str,
+    port: u16,
+    target: u16,
+    expose: bool,
+    endpoints: Option<&[(&str, &str, bool)]>,
+) -> String {
     let labels = if expose { ", labels: { wasmplane.io/expose: \"true\" }" } else { "" };
     let mut yaml = format!(
         "---\napiVersion: v1\nkind: Service\nmetadata: {{ name: {name}, namespace: shop{labels} }}\n\
@@ -70,7 +77,14 @@ impl Live {
     }
 
     async fn dataplane(&self) -> Value {
-        self.client.get(format!("{}/v1/dataplane?format=json", self.host.url())).send().await.unwrap().json().await.unwrap()
+        self.client
+            .get(format!("{}/v1/dataplane?format=json", self.host.url()))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
     }
 
     /// Waits for a revision past the last snapshot where `done` holds, and keeps it.
@@ -81,7 +95,11 @@ impl Live {
             let dp = self.dataplane().await;
             if dp["revision"].as_u64().unwrap() > after && done(&dp) {
                 let objects = dp["objects"].as_object().unwrap().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-                let snapshot = Snapshot { revision: dp["revision"].as_u64().unwrap(), translator: dp["translator"].as_str().unwrap().to_string(), objects };
+                let snapshot = Snapshot {
+                    revision: dp["revision"].as_u64().unwrap(),
+                    translator: dp["translator"].as_str().unwrap().to_string(),
+                    objects,
+                };
                 self.snapshots.push(snapshot);
                 return;
             }
@@ -137,7 +155,10 @@ async fn record_live() -> (tempfile::TempDir, PathBuf, Vec<Snapshot>) {
     let web2 = [("10.244.0.11", "node-a", true), ("10.244.0.12", "node-a", true), ("10.244.1.11", "node-b", false)];
     live.write("shop.yaml", &shop(&web2, &api, true));
     live.snapshot("web endpoints", |dp| rules_text(dp, "shop/web").contains("10.244.0.12")).await;
-    live.write("cache.yaml", &service("cache", "10.96.0.23", 6379, 6379, true, Some(&[("10.244.0.31", "node-a", true)])));
+    live.write(
+        "cache.yaml",
+        &service("cache", "10.96.0.23", 6379, 6379, true, Some(&[("10.244.0.31", "node-a", true)])),
+    );
     live.snapshot("cache added", |dp| dp["objects"].get("shop/cache").is_some()).await;
 
     // The example module in force: not a model revision, but what later revisions get.
@@ -171,7 +192,10 @@ fn read_all(path: &Path) -> Vec<RevisionRecord> {
 
 /// Replays every revision with `replayer`; returns per revision whether it matched the
 /// recorded outputs, and the dataplane state (key → rules) it builds up after each.
-fn replay_states(replayer: &mut Replayer, revisions: &[RevisionRecord]) -> Vec<(u64, Option<bool>, BTreeMap<String, Value>)> {
+fn replay_states(
+    replayer: &mut Replayer,
+    revisions: &[RevisionRecord],
+) -> Vec<(u64, Option<bool>, BTreeMap<String, Value>)> {
     let mut state = BTreeMap::new();
     let mut out = Vec::new();
     for record in revisions {
@@ -198,7 +222,10 @@ async fn a_recording_replays_offline_to_what_the_live_host_applied() {
     let (dir, recording, snapshots) = record_live().await;
     let revisions = read_all(&recording);
     let header = RecordingReader::open(&recording).unwrap().header().clone();
-    assert_eq!((header.format.as_str(), header.version, header.wit.as_str()), ("wasmplane-recording", 1, "wasmplane:dataplane@1.1.0"));
+    assert_eq!(
+        (header.format.as_str(), header.version, header.wit.as_str()),
+        ("wasmplane-recording", 1, "wasmplane:dataplane@1.1.0")
+    );
     assert_eq!(header.node.node_name, "node-a");
 
     // What was recorded: the initial state whole, then exactly the changed services.
@@ -209,11 +236,10 @@ async fn a_recording_replays_offline_to_what_the_live_host_applied() {
     assert_eq!(inputs(&revisions[1]), vec!["shop/web"]);
     let web = &revisions[1].services[0];
     assert_eq!(web.prefix, "svc/shop/web");
-    assert_eq!(web.slices[0].endpoints.iter().map(|e| (e.addresses[0].as_str(), e.ready, e.is_local)).collect::<Vec<_>>(), vec![
-        ("10.244.0.11", true, true),
-        ("10.244.0.12", true, true),
-        ("10.244.1.11", false, false)
-    ]);
+    assert_eq!(
+        web.slices[0].endpoints.iter().map(|e| (e.addresses[0].as_str(), e.ready, e.is_local)).collect::<Vec<_>>(),
+        vec![("10.244.0.11", true, true), ("10.244.0.12", true, true), ("10.244.1.11", false, false)]
+    );
     assert_eq!(inputs(&revisions[2]), vec!["shop/cache"]);
     assert_eq!(inputs(&revisions[3]), vec!["shop/api"]);
     assert_eq!((inputs(&revisions[4]), revisions[4].deleted.clone()), (vec![], vec!["shop/db".to_string()]));
@@ -221,20 +247,38 @@ async fn a_recording_replays_offline_to_what_the_live_host_applied() {
     let translators: Vec<&str> = revisions.iter().map(|r| r.translator.as_deref().unwrap()).collect();
     assert_eq!(translators, vec![DEFAULT, DEFAULT, DEFAULT, PORT_FILTER, PORT_FILTER, PORT_FILTER]);
     let revision_numbers: Vec<u64> = revisions.iter().map(|r| r.revision).collect();
-    assert_eq!(revision_numbers, snapshots.iter().map(|s| s.revision).collect::<Vec<_>>(), "one recorded revision per change");
+    assert_eq!(
+        revision_numbers,
+        snapshots.iter().map(|s| s.revision).collect::<Vec<_>>(),
+        "one recorded revision per change"
+    );
 
     // Offline, in the real runtime, with each translator the host had in force.
     let runtime = Runtime::new(Limits::default(), None).unwrap();
     let mut default = Replayer::new(&runtime, None).unwrap();
-    let mut port_filter = Replayer::new(&runtime, Some(("port-filter", artifacts::examples::PORT_FILTER_TRANSLATOR))).unwrap();
+    let mut port_filter =
+        Replayer::new(&runtime, Some(("port-filter", artifacts::examples::PORT_FILTER_TRANSLATOR))).unwrap();
     let by_default = replay_states(&mut default, &revisions);
     let by_port_filter = replay_states(&mut port_filter, &revisions);
     for (i, snapshot) in snapshots.iter().enumerate() {
-        let (replayed, other) = if snapshot.translator == DEFAULT { (&by_default[i], &by_port_filter[i]) } else { (&by_port_filter[i], &by_default[i]) };
+        let (replayed, other) = if snapshot.translator == DEFAULT {
+            (&by_default[i], &by_port_filter[i])
+        } else {
+            (&by_port_filter[i], &by_default[i])
+        };
         assert_eq!(replayed.0, snapshot.revision);
         // Same outputs as the live translator at this revision, and the same applied state.
-        assert_eq!(replayed.1, Some(true), "revision {}: replayed outputs differ from the recorded ones", snapshot.revision);
-        assert_eq!(replayed.2, snapshot.objects, "revision {}: replayed state differs from what the host applied", snapshot.revision);
+        assert_eq!(
+            replayed.1,
+            Some(true),
+            "revision {}: replayed outputs differ from the recorded ones",
+            snapshot.revision
+        );
+        assert_eq!(
+            replayed.2, snapshot.objects,
+            "revision {}: replayed state differs from what the host applied",
+            snapshot.revision
+        );
         // The other translator is told apart wherever it ran on something it treats differently.
         if !revisions[i].services.is_empty() {
             assert_eq!(other.1, Some(false), "revision {}: a different translator went unnoticed", snapshot.revision);
@@ -280,20 +324,44 @@ fn check_cli(recording: &Path, dir: &Path) {
     std::fs::write(&module, artifacts::examples::PORT_FILTER_TRANSLATOR).unwrap();
     let (ok, text, stderr) = wasmplane(&["replay", file, "--module", module.to_str().unwrap(), "--format", "text"]);
     assert!(ok, "{stderr}");
-    assert!(text.contains("# revision") && text.contains("(port-filter): 1 services, 0 deleted; same as recorded live (port-filter@1)"), "{text}");
+    assert!(
+        text.contains("# revision")
+            && text.contains("(port-filter): 1 services, 0 deleted; same as recorded live (port-filter@1)"),
+        "{text}"
+    );
     assert!(text.contains("add rule inet wasmplane-s0 svc/shop/api/tcp/443") && text.contains("10.244.1.21"), "{text}");
     assert!(text.contains("## shop/db: deleted"), "{text}");
-    assert!(text.contains("differs from recorded live (default-service-translator@1): shop/api, shop/db, shop/web"), "{text}");
+    assert!(
+        text.contains("differs from recorded live (default-service-translator@1): shop/api, shop/db, shop/web"),
+        "{text}"
+    );
 
     // --settings: the module's settings tried on the recording before they are set.
     let settings = dir.join("settings.yaml");
     std::fs::write(&settings, "label: tier\nvalue: front\n").unwrap();
-    let (ok, json, stderr) = wasmplane(&["replay", file, "--module", module.to_str().unwrap(), "--settings", settings.to_str().unwrap(), "--format", "json"]);
+    let (ok, json, stderr) = wasmplane(&[
+        "replay",
+        file,
+        "--module",
+        module.to_str().unwrap(),
+        "--settings",
+        settings.to_str().unwrap(),
+        "--format",
+        "json",
+    ]);
     assert!(ok, "{stderr}");
-    assert!(json.contains("not exposed: label tier=front is missing") && !json.contains("wasmplane.io/expose=true is missing"), "{json}");
+    assert!(
+        json.contains("not exposed: label tier=front is missing")
+            && !json.contains("wasmplane.io/expose=true is missing"),
+        "{json}"
+    );
     std::fs::write(&settings, "lable: tier\n").unwrap();
-    let (_, _, stderr) = wasmplane(&["replay", file, "--module", module.to_str().unwrap(), "--settings", settings.to_str().unwrap()]);
-    assert!(stderr.contains("calls, ") && !stderr.contains(" 0 errors"), "settings the guest refuses fail its calls: {stderr}");
+    let (_, _, stderr) =
+        wasmplane(&["replay", file, "--module", module.to_str().unwrap(), "--settings", settings.to_str().unwrap()]);
+    assert!(
+        stderr.contains("calls, ") && !stderr.contains(" 0 errors"),
+        "settings the guest refuses fail its calls: {stderr}"
+    );
 
     // --check: a module whose output differs from what ran live fails the run.
     let (ok, _, stderr) = wasmplane(&["replay", file, "--check"]);
@@ -309,8 +377,14 @@ fn unreadable_recordings_fail_with_a_clear_error() {
         path
     };
     let garbage = write("garbage.jsonl", "PK\u{3}\u{4} not json at all\n");
-    let future = write("future.jsonl", "{\"format\":\"wasmplane-recording\",\"version\":99,\"wit\":\"wasmplane:dataplane@1.0.0\"}\n");
-    let other_wit = write("wit.jsonl", "{\"format\":\"wasmplane-recording\",\"version\":1,\"wit\":\"wasmplane:dataplane@2.0.0\"}\n");
+    let future = write(
+        "future.jsonl",
+        "{\"format\":\"wasmplane-recording\",\"version\":99,\"wit\":\"wasmplane:dataplane@1.0.0\"}\n",
+    );
+    let other_wit = write(
+        "wit.jsonl",
+        "{\"format\":\"wasmplane-recording\",\"version\":1,\"wit\":\"wasmplane:dataplane@2.0.0\"}\n",
+    );
     let header = std::fs::read_to_string(fixture()).unwrap().lines().next().unwrap().to_string();
     let truncated = write("truncated.jsonl", &format!("{header}\n{{\"revision\": 4, \"context\": {{\"node_na\n"));
 
@@ -368,24 +442,47 @@ async fn recordings_carry_the_settings_in_force() {
     };
     live.write("shop.yaml", &front("10.244.0.41"));
     live.snapshot("initial state", |dp| dp["objects"].get("shop/front").is_some()).await;
-    let upload = live.client.put(format!("{}/v1/modules/port-filter?kind=service-translator", live.host.url())).bearer_auth(TOKEN).body(artifacts::examples::PORT_FILTER_TRANSLATOR.to_vec()).send().await.unwrap();
+    let upload = live
+        .client
+        .put(format!("{}/v1/modules/port-filter?kind=service-translator", live.host.url()))
+        .bearer_auth(TOKEN)
+        .body(artifacts::examples::PORT_FILTER_TRANSLATOR.to_vec())
+        .send()
+        .await
+        .unwrap();
     assert_eq!(upload.status(), StatusCode::CREATED);
-    let settings = live.client.put(format!("{}/v1/modules/port-filter/settings", live.host.url())).bearer_auth(TOKEN).json(&serde_json::json!({"label": "tier", "value": "front"})).send().await.unwrap();
+    let settings = live
+        .client
+        .put(format!("{}/v1/modules/port-filter/settings", live.host.url()))
+        .bearer_auth(TOKEN)
+        .json(&serde_json::json!({"label": "tier", "value": "front"}))
+        .send()
+        .await
+        .unwrap();
     assert!(settings.status().is_success(), "{}", settings.text().await.unwrap());
     live.write("shop.yaml", &front("10.244.0.42"));
-    live.snapshot("the endpoint moved, exposed by the settings", |dp| rules_text(dp, "shop/front").contains("10.244.0.42")).await;
+    live.snapshot("the endpoint moved, exposed by the settings", |dp| {
+        rules_text(dp, "shop/front").contains("10.244.0.42")
+    })
+    .await;
     let Live { host, snapshots, .. } = live;
     host.stop().await;
 
     let revisions = read_all(&recording);
     let last = revisions.last().unwrap();
-    assert_eq!((last.translator.as_deref(), last.translator_settings.clone()), (Some(PORT_FILTER), Some(serde_json::json!({"label": "tier", "value": "front"}))));
+    assert_eq!(
+        (last.translator.as_deref(), last.translator_settings.clone()),
+        (Some(PORT_FILTER), Some(serde_json::json!({"label": "tier", "value": "front"})))
+    );
     assert_eq!(revisions[0].translator_settings, None, "the builtin ran without settings");
     let runtime = Runtime::new(Limits::default(), None).unwrap();
     let module = Some(("port-filter", artifacts::examples::PORT_FILTER_TRANSLATOR));
     let replayed = Replayer::new(&runtime, module).unwrap().revision(last);
     assert_eq!(replayed.matches_recording(), Some(true), "with the recorded settings");
-    assert!(serde_json::to_string(&replayed.outcomes()["shop/front"]).unwrap().contains("10.244.0.42"), "exposed by the label the settings name");
+    assert!(
+        serde_json::to_string(&replayed.outcomes()["shop/front"]).unwrap().contains("10.244.0.42"),
+        "exposed by the label the settings name"
+    );
     assert_eq!(snapshots.last().unwrap().revision, last.revision);
     let without = Replayer::with_settings(&runtime, module, "{}").unwrap().revision(last);
     assert_eq!(without.matches_recording(), Some(false), "settings given by hand are used instead");

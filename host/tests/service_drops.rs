@@ -119,17 +119,28 @@ async fn service_drops_are_logged_with_their_reason_and_named_by_service() {
     // Served on 80, so 81 is a port none of its services has.
     cluster.put(&Svc::new("web", WEB, vec![Port::new("http", "TCP", 80, 8080)], vec![ready(POD_A, NODE)]));
     // Traffic policy Local, its only endpoint on the other node: the node port drops.
-    let mut elsewhere = Svc::new("elsewhere", "10.96.0.42", vec![Port::new("http", "TCP", 80, 8080).node_port(30082)], vec![ready(REMOTE_POD, OTHER_NODE)]);
+    let mut elsewhere = Svc::new(
+        "elsewhere",
+        "10.96.0.42",
+        vec![Port::new("http", "TCP", 80, 8080).node_port(30082)],
+        vec![ready(REMOTE_POD, OTHER_NODE)],
+    );
     elsewhere.service_type = "NodePort";
     elsewhere.external_local = true;
     cluster.put(&elsewhere);
     // A load balancer open to the external network only.
-    let mut guarded = Svc::new("guarded", "10.96.0.43", vec![Port::new("https", "TCP", 443, 8080)], vec![ready(POD_A, NODE)]);
+    let mut guarded =
+        Svc::new("guarded", "10.96.0.43", vec![Port::new("https", "TCP", 443, 8080)], vec![ready(POD_A, NODE)]);
     guarded.service_type = "LoadBalancer";
     guarded.load_balancer_ip = Some(LOAD_BALANCER_IP);
     guarded.source_ranges = vec!["192.168.77.0/24"];
     cluster.put(&guarded);
-    let host = start_host(HostConfig { policy_log_group: GROUP, service_cidrs: vec!["10.96.0.0/16".into()], ..cluster.config(topo.nft_command()) }).await;
+    let host = start_host(HostConfig {
+        policy_log_group: GROUP,
+        service_cidrs: vec!["10.96.0.0/16".into()],
+        ..cluster.config(topo.nft_command())
+    })
+    .await;
     wait_applied(&host, "the services", |t| {
         t.contains(&format!("{EMPTY} . tcp . 80 : goto reject-chain"))
             && t.contains("tcp . 30082 : goto drop-chain")
@@ -141,23 +152,42 @@ async fn service_drops_are_logged_with_their_reason_and_named_by_service() {
 
     // Served traffic logs nothing, and no drop is logged before one happens.
     assert_backends("the served port", &tcp_many(&client, addr(WEB, 80), 5), &["a"]);
-    assert_backends("the load balancer from inside its ranges", &tcp_many(&ext, addr(LOAD_BALANCER_IP, 443), 3), &["a"]);
+    assert_backends(
+        "the load balancer from inside its ranges",
+        &tcp_many(&ext, addr(LOAD_BALANCER_IP, 443), 3),
+        &["a"],
+    );
     tokio::time::sleep(Duration::from_millis(300)).await;
     let (_, nothing) = get(&host, "/v1/drops").await;
     assert_eq!(nothing["events"], json!([]), "served traffic logs no drop: {nothing}");
-    assert!(nothing["totals"]["service_drops"].as_object().is_some_and(|t| t.len() == 5 && t.values().all(|n| n == 0)), "{nothing}");
+    assert!(
+        nothing["totals"]["service_drops"].as_object().is_some_and(|t| t.len() == 5 && t.values().all(|n| n == 0)),
+        "{nothing}"
+    );
 
     // No endpoints: a real connect is refused, and the drop names the service and port.
     let started = Instant::now();
     assert_refused("pod → a service without endpoints", in_ns(&client, || tcp_ask(addr(EMPTY, 80), TIMEOUT)), started);
     let event = drop_event(&host, "?service=default/empty", |e| e["reason"] == "no-endpoints").await;
     assert_eq!(described(&event), ("no-endpoints", Some("default/empty"), Some("http"), EMPTY, Some(80)), "{event}");
-    assert_eq!((event["kind"].as_str(), event["source"].as_str(), event["pod"].as_str(), event["protocol"].as_str()), (Some("service"), Some(CLIENT), Some("default/client"), Some("tcp")), "{event}");
+    assert_eq!(
+        (event["kind"].as_str(), event["source"].as_str(), event["pod"].as_str(), event["protocol"].as_str()),
+        (Some("service"), Some(CLIENT), Some("default/client"), Some("tcp")),
+        "{event}"
+    );
     // Its node port, from outside: named by the node port.
     let started = Instant::now();
-    assert_refused("external → the node port of a service without endpoints", in_ns(&ext, || tcp_ask(addr(NODE_EXTERNAL_IP, 30040), TIMEOUT)), started);
+    assert_refused(
+        "external → the node port of a service without endpoints",
+        in_ns(&ext, || tcp_ask(addr(NODE_EXTERNAL_IP, 30040), TIMEOUT)),
+        started,
+    );
     let event = drop_event(&host, "?reason=no-endpoints", |e| e["destination_port"] == 30040).await;
-    assert_eq!(described(&event), ("no-endpoints", Some("default/empty"), Some("http"), NODE_EXTERNAL_IP, Some(30040)), "{event}");
+    assert_eq!(
+        described(&event),
+        ("no-endpoints", Some("default/empty"), Some("http"), NODE_EXTERNAL_IP, Some(30040)),
+        "{event}"
+    );
 
     // A cluster IP's port no service has: refused, logged as such, the service named.
     let started = Instant::now();
@@ -173,12 +203,20 @@ async fn service_drops_are_logged_with_their_reason_and_named_by_service() {
     // Outside the load balancer's source ranges.
     assert!(dropped(&client, addr(LOAD_BALANCER_IP, 443)), "a pod is outside the ranges");
     let event = drop_event(&host, "?service=default/guarded", |_| true).await;
-    assert_eq!(described(&event), ("source-range", Some("default/guarded"), Some("https"), LOAD_BALANCER_IP, Some(443)), "{event}");
+    assert_eq!(
+        described(&event),
+        ("source-range", Some("default/guarded"), Some("https"), LOAD_BALANCER_IP, Some(443)),
+        "{event}"
+    );
 
     // Traffic policy Local, no endpoint here: the node port drops (through the drop chain).
     assert!(dropped(&ext, addr(NODE_EXTERNAL_IP, 30082)), "no local endpoint: dropped");
     let event = drop_event(&host, "?reason=no-local-endpoints", |_| true).await;
-    assert_eq!(described(&event), ("no-local-endpoints", Some("default/elsewhere"), Some("http"), NODE_EXTERNAL_IP, Some(30082)), "{event}");
+    assert_eq!(
+        described(&event),
+        ("no-local-endpoints", Some("default/elsewhere"), Some("http"), NODE_EXTERNAL_IP, Some(30082)),
+        "{event}"
+    );
     assert_eq!(event["source"], EXTERNAL_CLIENT_IP, "{event}");
 
     // Served traffic still logs nothing: the served port, after all these drops.
@@ -187,13 +225,20 @@ async fn service_drops_are_logged_with_their_reason_and_named_by_service() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let (_, after) = get(&host, "/v1/drops?limit=1024").await;
     assert_eq!(after["totals"], before["totals"], "a served connection logged a drop: {after}");
-    assert!(after["events"].as_array().unwrap().iter().all(|e| e["destination_port"] != 80 || e["destination"] != WEB), "{after}");
+    assert!(
+        after["events"].as_array().unwrap().iter().all(|e| e["destination_port"] != 80 || e["destination"] != WEB),
+        "{after}"
+    );
 
     // Filters: the client pod's drops are those it sent; limit and since cut the newest.
     let (_, of_client) = get(&host, "/v1/drops?pod=default/client&limit=1024").await;
     let events = of_client["events"].as_array().unwrap();
     assert!(!events.is_empty() && events.iter().all(|e| e["source"] == CLIENT), "{of_client}");
-    assert!(events.iter().any(|e| e["reason"] == "unknown-port") && !events.iter().any(|e| e["reason"] == "no-local-endpoints"), "{of_client}");
+    assert!(
+        events.iter().any(|e| e["reason"] == "unknown-port")
+            && !events.iter().any(|e| e["reason"] == "no-local-endpoints"),
+        "{of_client}"
+    );
     let (_, newest) = get(&host, "/v1/drops?limit=1").await;
     assert_eq!(newest["events"].as_array().map(Vec::len), Some(1), "{newest}");
     assert_eq!(newest["events"][0]["reason"], "no-local-endpoints", "newest first: {newest}");
@@ -205,7 +250,10 @@ async fn service_drops_are_logged_with_their_reason_and_named_by_service() {
     let (_, later) = get(&host, &format!("/v1/drops?since_unix_ms={}", newest_ms + 60_000)).await;
     assert_eq!(later["events"], json!([]), "{later}");
     let (_, unknown_ports) = get(&host, "/v1/drops?reason=unknown-port&limit=1024").await;
-    assert!(unknown_ports["events"].as_array().unwrap().iter().all(|e| e["reason"] == "unknown-port"), "{unknown_ports}");
+    assert!(
+        unknown_ports["events"].as_array().unwrap().iter().all(|e| e["reason"] == "unknown-port"),
+        "{unknown_ports}"
+    );
 
     // Bad filters: a reason of no such name, a service or pod that is not here.
     let (status, answer) = get(&host, "/v1/drops?reason=dropped").await;
@@ -223,19 +271,44 @@ async fn service_drops_are_logged_with_their_reason_and_named_by_service() {
     assert_eq!(verdicts["events"], json!([]), "service drops are no policy verdicts: {verdicts}");
     assert_eq!(verdicts["totals"], json!({ "deny": 0, "audit": 0, "allow": 0, "lost": 0 }), "{verdicts}");
     let (_, status) = get(&host, "/v1/status").await;
-    assert!(status["service_drops"]["unknown-port"].as_u64() >= Some(1) && status["service_drops"]["no-endpoints"].as_u64() >= Some(2), "{status}");
+    assert!(
+        status["service_drops"]["unknown-port"].as_u64() >= Some(1)
+            && status["service_drops"]["no-endpoints"].as_u64() >= Some(2),
+        "{status}"
+    );
     let metrics = reqwest::get(format!("{}/metrics", host.url())).await.unwrap().text().await.unwrap();
-    let logged = |reason: &str| metrics.lines().find_map(|l| l.strip_prefix(&format!("wasmplane_service_drops_logged_total{{reason=\"{reason}\"}} "))?.parse::<u64>().ok());
+    let logged = |reason: &str| {
+        metrics.lines().find_map(|l| {
+            l.strip_prefix(&format!("wasmplane_service_drops_logged_total{{reason=\"{reason}\"}} "))?
+                .parse::<u64>()
+                .ok()
+        })
+    };
     assert!(logged("source-range") >= Some(1) && logged("unallocated") >= Some(1), "{metrics}");
 
     // The CLI: one line per drop, the service named.
     let api = wasmplane::cli::ApiArgs { api: host.url(), token: None, token_file: None };
-    let args = wasmplane::inspect::DropsArgs { service: Some("default/empty".into()), pod: None, reason: None, limit: 5, follow: false };
+    let args = wasmplane::inspect::DropsArgs {
+        service: Some("default/empty".into()),
+        pod: None,
+        reason: None,
+        limit: 5,
+        follow: false,
+    };
     let mut printed = Vec::new();
     wasmplane::inspect::drops_to(&api, args, &mut printed).await.unwrap();
     let printed = String::from_utf8(printed).unwrap();
-    assert!(printed.contains(&format!("REJECT  service  default/empty:http  {CLIENT}:")) && printed.contains(&format!(" -> {EMPTY}:80 tcp  reason: no-endpoints")), "{printed}");
-    assert!(printed.lines().last().is_some_and(|l| l.contains("shown; since the host started: deny 0, audit 0") && l.contains("no-endpoints ")), "{printed}");
+    assert!(
+        printed.contains(&format!("REJECT  service  default/empty:http  {CLIENT}:"))
+            && printed.contains(&format!(" -> {EMPTY}:80 tcp  reason: no-endpoints")),
+        "{printed}"
+    );
+    assert!(
+        printed.lines().last().is_some_and(
+            |l| l.contains("shown; since the host started: deny 0, audit 0") && l.contains("no-endpoints ")
+        ),
+        "{printed}"
+    );
     host.stop().await;
 }
 
@@ -269,12 +342,23 @@ async fn ipv6_service_drops_are_logged_with_their_ipv6_addresses() {
 
     let cluster = Cluster::new();
     cluster.put_file("pods.yaml", CLIENT_POD6);
-    cluster.put(&Svc::new("empty6", EMPTY6, vec![Port::new("http", "TCP", 80, 8080), Port::new("dns", "UDP", 53, 8080)], vec![]));
+    cluster.put(&Svc::new(
+        "empty6",
+        EMPTY6,
+        vec![Port::new("http", "TCP", 80, 8080), Port::new("dns", "UDP", 53, 8080)],
+        vec![],
+    ));
     cluster.put(&Svc::new("web6", WEB6, vec![Port::new("http", "TCP", 80, 8080)], vec![ready(POD_A6, NODE)]));
-    let config = HostConfig { policy_log_group: GROUP, service_cidrs: vec!["10.96.0.0/16".into(), "fd00:96::/108".into()], ..cluster.config(topo.nft_command()) };
+    let config = HostConfig {
+        policy_log_group: GROUP,
+        service_cidrs: vec!["10.96.0.0/16".into(), "fd00:96::/108".into()],
+        ..cluster.config(topo.nft_command())
+    };
     let host = start_host(config).await;
     wait_applied(&host, "the services", |t| {
-        t.contains(&format!("{EMPTY6} . tcp . 80 : goto reject-chain")) && t.contains(&format!("{EMPTY6} . udp . 53 : goto reject-chain")) && t.contains(&format!("{WEB6} . tcp . 80 : goto"))
+        t.contains(&format!("{EMPTY6} . tcp . 80 : goto reject-chain"))
+            && t.contains(&format!("{EMPTY6} . udp . 53 : goto reject-chain"))
+            && t.contains(&format!("{WEB6} . tcp . 80 : goto"))
     });
     let table = topo.table();
     assert!(set_holds(&table, "service-cidrs6", "fd00:96::/108"), "{table}");
@@ -287,10 +371,19 @@ async fn ipv6_service_drops_are_logged_with_their_ipv6_addresses() {
 
     // No endpoints, over TCP: refused, logged with the pod's IPv6 address.
     let started = Instant::now();
-    assert_refused("pod → an IPv6 cluster IP without endpoints", in_ns(&client, || tcp_ask(addr(EMPTY6, 80), TIMEOUT)), started);
-    let event = drop_event(&host, "?service=default/empty6", |e| e["reason"] == "no-endpoints" && e["protocol"] == "tcp").await;
+    assert_refused(
+        "pod → an IPv6 cluster IP without endpoints",
+        in_ns(&client, || tcp_ask(addr(EMPTY6, 80), TIMEOUT)),
+        started,
+    );
+    let event =
+        drop_event(&host, "?service=default/empty6", |e| e["reason"] == "no-endpoints" && e["protocol"] == "tcp").await;
     assert_eq!(described(&event), ("no-endpoints", Some("default/empty6"), Some("http"), EMPTY6, Some(80)), "{event}");
-    assert_eq!((event["kind"].as_str(), event["source"].as_str(), event["pod"].as_str()), (Some("service"), Some(CLIENT6), Some("default/client")), "{event}");
+    assert_eq!(
+        (event["kind"].as_str(), event["source"].as_str(), event["pod"].as_str()),
+        (Some("service"), Some(CLIENT6), Some("default/client")),
+        "{event}"
+    );
     assert!(event["source_port"].as_u64().is_some_and(|p| p != 0), "{event}");
 
     // No endpoints, over UDP: the ICMPv6 port unreachable refuses it; both ports logged.
@@ -299,11 +392,19 @@ async fn ipv6_service_drops_are_logged_with_their_ipv6_addresses() {
     assert_refused("UDP pod → an IPv6 cluster IP without endpoints", answer, started);
     let event = drop_event(&host, "?service=default/empty6", |e| e["protocol"] == "udp").await;
     assert_eq!(described(&event), ("no-endpoints", Some("default/empty6"), Some("dns"), EMPTY6, Some(53)), "{event}");
-    assert_eq!((event["source"].as_str(), event["source_port"].as_u64(), event["pod"].as_str()), (Some(CLIENT6), Some(u64::from(source_port)), Some("default/client")), "{event}");
+    assert_eq!(
+        (event["source"].as_str(), event["source_port"].as_u64(), event["pod"].as_str()),
+        (Some(CLIENT6), Some(u64::from(source_port)), Some("default/client")),
+        "{event}"
+    );
 
     // A port of the IPv6 cluster IP that no service has: refused, the service named.
     let started = Instant::now();
-    assert_refused("pod → an IPv6 cluster IP's unknown port", in_ns(&client, || tcp_ask(addr(WEB6, 81), TIMEOUT)), started);
+    assert_refused(
+        "pod → an IPv6 cluster IP's unknown port",
+        in_ns(&client, || tcp_ask(addr(WEB6, 81), TIMEOUT)),
+        started,
+    );
     let event = drop_event(&host, "?reason=unknown-port", |_| true).await;
     assert_eq!(described(&event), ("unknown-port", Some("default/web6"), None, WEB6, Some(81)), "{event}");
     assert_eq!((event["source"].as_str(), event["protocol"].as_str()), (Some(CLIENT6), Some("tcp")), "{event}");
@@ -348,7 +449,13 @@ async fn a_udp_reject_is_logged_with_its_protocol_and_ports() {
     let event = drop_event(&host, "?service=default/dns", |e| e["reason"] == "no-endpoints").await;
     assert_eq!(described(&event), ("no-endpoints", Some("default/dns"), Some("dns"), EMPTY, Some(53)), "{event}");
     assert_eq!(
-        (event["kind"].as_str(), event["protocol"].as_str(), event["source"].as_str(), event["source_port"].as_u64(), event["pod"].as_str()),
+        (
+            event["kind"].as_str(),
+            event["protocol"].as_str(),
+            event["source"].as_str(),
+            event["source_port"].as_u64(),
+            event["pod"].as_str()
+        ),
         (Some("service"), Some("udp"), Some(CLIENT), Some(u64::from(source_port)), Some("default/client")),
         "{event}"
     );
@@ -359,7 +466,11 @@ async fn a_udp_reject_is_logged_with_its_protocol_and_ports() {
     assert_refused("UDP pod → a cluster IP's unknown port", answer, started);
     let event = drop_event(&host, "?reason=unknown-port", |_| true).await;
     assert_eq!(described(&event), ("unknown-port", Some("default/dns"), None, EMPTY, Some(54)), "{event}");
-    assert_eq!((event["protocol"].as_str(), event["source_port"].as_u64()), (Some("udp"), Some(u64::from(source_port))), "{event}");
+    assert_eq!(
+        (event["protocol"].as_str(), event["source_port"].as_u64()),
+        (Some("udp"), Some(u64::from(source_port))),
+        "{event}"
+    );
     host.stop().await;
 }
 
@@ -382,7 +493,8 @@ async fn a_flooded_service_does_not_use_up_another_services_drop_log() {
     cluster.put(&Svc::new("quiet", QUIET, vec![Port::new("dns", "UDP", 53, 5353)], vec![]));
     let host = start_host(HostConfig { policy_log_group: GROUP, ..cluster.config(topo.nft_command()) }).await;
     wait_applied(&host, "the services", |t| {
-        t.contains(&format!("{EMPTY} . udp . 53 : goto reject-chain")) && t.contains(&format!("{QUIET} . udp . 53 : goto reject-chain"))
+        t.contains(&format!("{EMPTY} . udp . 53 : goto reject-chain"))
+            && t.contains(&format!("{QUIET} . udp . 53 : goto reject-chain"))
     });
 
     // 20 datagrams to the noisy service for each one to the quiet one, five times: 100 in
@@ -398,7 +510,9 @@ async fn a_flooded_service_does_not_use_up_another_services_drop_log() {
     }
     let flood_seconds = started.elapsed().as_secs_f64();
     // Every quiet drop reaches the host (the kernel sends the log within 100 ms).
-    let count = |answer: &Value, service: &str| answer["events"].as_array().map_or(0, |e| e.iter().filter(|e| e["service"] == service).count());
+    let count = |answer: &Value, service: &str| {
+        answer["events"].as_array().map_or(0, |e| e.iter().filter(|e| e["service"] == service).count())
+    };
     let mut answer = Value::Null;
     for _ in 0..50 {
         answer = get(&host, "/v1/drops?limit=1024").await.1;
@@ -407,11 +521,19 @@ async fn a_flooded_service_does_not_use_up_another_services_drop_log() {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert_eq!(count(&answer, "default/quiet"), ROUNDS, "every drop of the quiet service is logged beside the flood: {answer}");
+    assert_eq!(
+        count(&answer, "default/quiet"),
+        ROUNDS,
+        "every drop of the quiet service is logged beside the flood: {answer}"
+    );
     // The noisy one is held to its own rate: its burst, plus 10 a second while it lasted.
     let noisy = count(&answer, "default/noisy");
     let allowed = 20 + (10.0 * (flood_seconds + 0.5)).ceil() as usize;
-    assert!((1..=allowed).contains(&noisy), "{noisy} of {} noisy drops logged in {flood_seconds:.2} s (at most {allowed}): {answer}", ROUNDS * FLOOD);
+    assert!(
+        (1..=allowed).contains(&noisy),
+        "{noisy} of {} noisy drops logged in {flood_seconds:.2} s (at most {allowed}): {answer}",
+        ROUNDS * FLOOD
+    );
     host.stop().await;
 }
 
@@ -422,7 +544,12 @@ async fn without_a_log_group_nothing_is_logged_or_read() {
     require_root!();
     let topo = Topology::new("sdrop0");
     let cluster = Cluster::new();
-    let mut elsewhere = Svc::new("elsewhere", "10.96.0.42", vec![Port::new("http", "TCP", 80, 8080).node_port(30082)], vec![ready(REMOTE_POD, OTHER_NODE)]);
+    let mut elsewhere = Svc::new(
+        "elsewhere",
+        "10.96.0.42",
+        vec![Port::new("http", "TCP", 80, 8080).node_port(30082)],
+        vec![ready(REMOTE_POD, OTHER_NODE)],
+    );
     elsewhere.service_type = "NodePort";
     elsewhere.external_local = true;
     cluster.put(&elsewhere);
@@ -437,7 +564,8 @@ async fn without_a_log_group_nothing_is_logged_or_read() {
 
 #[track_caller]
 fn assert_backends(what: &str, replies: &[std::io::Result<Reply>], expected: &[&str]) {
-    let mut seen: Vec<&str> = replies.iter().map(|r| r.as_ref().unwrap_or_else(|e| panic!("{what}: {e}")).identity.as_str()).collect();
+    let mut seen: Vec<&str> =
+        replies.iter().map(|r| r.as_ref().unwrap_or_else(|e| panic!("{what}: {e}")).identity.as_str()).collect();
     seen.sort();
     seen.dedup();
     assert_eq!(seen, expected, "{what}");

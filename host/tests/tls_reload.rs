@@ -9,12 +9,12 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
+use support::tls::{self, Issued, handshake};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 use wasmplane::app::{HostConfig, RunningHost, start};
 use wasmplane::auth::TlsFiles;
 use wasmplane_grpc::LocalModelClient;
 use wasmplane_grpc::proto::WatchRequest;
-use support::tls::{self, Issued, handshake};
 
 const TOKEN: &str = "tls-reload-test-token-0123456789";
 /// Short, so the test waits a few of them rather than the default 30 s.
@@ -54,7 +54,13 @@ async fn host_with(dir: &Path, files: &TlsFiles) -> anyhow::Result<RunningHost> 
 /// `GET /healthz` trusting only `ca_pem`; a fresh connection each time (no pool).
 async fn rest_health(host: &RunningHost, ca_pem: &str) -> Result<StatusCode, String> {
     let ca = reqwest::Certificate::from_pem(ca_pem.as_bytes()).unwrap();
-    let client = reqwest::Client::builder().tls_built_in_root_certs(false).add_root_certificate(ca).pool_max_idle_per_host(0).timeout(WAIT).build().unwrap();
+    let client = reqwest::Client::builder()
+        .tls_built_in_root_certs(false)
+        .add_root_certificate(ca)
+        .pool_max_idle_per_host(0)
+        .timeout(WAIT)
+        .build()
+        .unwrap();
     client.get(format!("{}/healthz", host.url())).send().await.map(|r| r.status()).map_err(|e| format!("{e:?}"))
 }
 
@@ -62,9 +68,16 @@ async fn rest_health(host: &RunningHost, ca_pem: &str) -> Result<StatusCode, Str
 async fn grpc_watch(host: &RunningHost, ca_pem: &str) -> Result<(), String> {
     let addr = host.grpc_addr.expect("gRPC is served");
     let attempt = async {
-        let endpoint = Channel::from_shared(format!("https://{addr}")).unwrap().tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca_pem))).map_err(|e| e.to_string())?;
+        let endpoint = Channel::from_shared(format!("https://{addr}"))
+            .unwrap()
+            .tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca_pem)))
+            .map_err(|e| e.to_string())?;
         let channel = endpoint.connect().await.map_err(|e| format!("connect: {e:?}"))?;
-        LocalModelClient::new(channel).watch(WatchRequest {}).await.map(drop).map_err(|s| format!("{:?}: {}", s.code(), s.message()))
+        LocalModelClient::new(channel)
+            .watch(WatchRequest {})
+            .await
+            .map(drop)
+            .map_err(|s| format!("{:?}: {}", s.code(), s.message()))
     };
     tokio::time::timeout(WAIT, attempt).await.unwrap_or_else(|_| Err("timed out".into()))
 }
@@ -75,7 +88,9 @@ async fn assert_served_by(host: &RunningHost, ca: &Issued, when: &str) {
     assert_eq!(rest_health(host, &ca.ca_pem).await, Ok(StatusCode::OK), "{when}: REST");
     grpc_watch(host, &ca.ca_pem).await.unwrap_or_else(|e| panic!("{when}: gRPC: {e}"));
     handshake(host.addr, &ca.ca_pem, &[b"http/1.1"]).await.unwrap_or_else(|e| panic!("{when}: REST handshake: {e}"));
-    handshake(host.grpc_addr.unwrap(), &ca.ca_pem, &[b"h2"]).await.unwrap_or_else(|e| panic!("{when}: gRPC handshake: {e}"));
+    handshake(host.grpc_addr.unwrap(), &ca.ca_pem, &[b"h2"])
+        .await
+        .unwrap_or_else(|e| panic!("{when}: gRPC handshake: {e}"));
 }
 
 /// Neither port serves a certificate `ca` signed.
@@ -91,7 +106,10 @@ async fn assert_not_served_by(host: &RunningHost, ca: &Issued, when: &str) {
 async fn until_served_by(host: &RunningHost, ca: &Issued, when: &str) {
     let deadline = Instant::now() + WAIT;
     while rest_health(host, &ca.ca_pem).await.is_err() {
-        assert!(Instant::now() < deadline, "{when}: the new certificate is not served after {WAIT:?} (reloads every {RELOAD_INTERVAL:?})");
+        assert!(
+            Instant::now() < deadline,
+            "{when}: the new certificate is not served after {WAIT:?} (reloads every {RELOAD_INTERVAL:?})"
+        );
         tokio::time::sleep(RELOAD_INTERVAL / 4).await;
     }
 }
@@ -147,7 +165,10 @@ async fn unusable_certificate_files_at_start_stop_the_host_naming_the_file() {
 
     install(&files, &a.cert_pem, &b.key_pem);
     let error = format!("{:#}", host_with(dir.path(), &files).await.err().expect("a key of another certificate"));
-    assert!(error.contains("does not belong to the certificate") && error.contains(&files.key.display().to_string()), "{error}");
+    assert!(
+        error.contains("does not belong to the certificate") && error.contains(&files.key.display().to_string()),
+        "{error}"
+    );
 
     install(&files, &a.cert_pem, &a.key_pem);
     let host = host_with(dir.path(), &files).await.unwrap();

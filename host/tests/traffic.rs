@@ -16,12 +16,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use support::cluster::*;
-use wasmplane::app::{HostConfig, RunningHost};
-use wasmplane::nft::NodePortAddresses;
-use support::set_holds;
 use support::echo::*;
 use support::netns::*;
-
+use support::set_holds;
+use wasmplane::app::{HostConfig, RunningHost};
+use wasmplane::nft::NodePortAddresses;
 
 /// `frontend` (`address . protocol . port`) is in a service map: load balanced as data (a
 /// goto to a shard's by-count chain) or by a chain of the service's own.
@@ -33,7 +32,8 @@ fn serves(t: &str, frontend: &str) -> bool {
 fn targets(t: &str, backend: &str) -> bool {
     // An endpoint map's element (`… : backend . 8080`, then ` }` or `, ` in a grouped
     // statement) or a DNAT rule.
-    [" ", ","].iter().any(|after| t.contains(&format!(": {backend} . 8080{after}"))) || t.contains(&format!("dnat ip to {backend}:8080"))
+    [" ", ","].iter().any(|after| t.contains(&format!(": {backend} . 8080{after}")))
+        || t.contains(&format!("dnat ip to {backend}:8080"))
 }
 
 fn addr(ip: &str, port: u16) -> SocketAddr {
@@ -101,8 +101,10 @@ const MANY: usize = 60;
 async fn cluster_ip_reaches_every_ready_backend_over_tcp_and_udp() {
     require_root!();
     let mut topo = Topology::new("cip");
-    let pods: Vec<(String, &str)> =
-        [(POD_A, "a"), (POD_B, "b"), (REMOTE_POD, "remote"), (POD_D, "unready")].iter().map(|(ip, id)| (topo.add_pod(ip), *id)).collect();
+    let pods: Vec<(String, &str)> = [(POD_A, "a"), (POD_B, "b"), (REMOTE_POD, "remote"), (POD_D, "unready")]
+        .iter()
+        .map(|(ip, id)| (topo.add_pod(ip), *id))
+        .collect();
     let client = topo.add_pod(CLIENT);
     let _servers: Vec<Server> = pods.iter().map(|(ns, id)| Server::start(ns, id, &[8080, 9090])).collect();
 
@@ -138,20 +140,35 @@ async fn cluster_ip_reaches_every_ready_backend_over_tcp_and_udp() {
     );
     cluster.put(&draining);
     // internalTrafficPolicy Local: this node's endpoints only; with none here, drop.
-    let mut node_local = Svc::new("node-local", "10.96.0.12", vec![Port::new("http", "TCP", 80, 8080)], vec![ready(POD_A, NODE), ready(REMOTE_POD, OTHER_NODE)]);
+    let mut node_local = Svc::new(
+        "node-local",
+        "10.96.0.12",
+        vec![Port::new("http", "TCP", 80, 8080)],
+        vec![ready(POD_A, NODE), ready(REMOTE_POD, OTHER_NODE)],
+    );
     node_local.internal_local = true;
     cluster.put(&node_local);
-    let mut elsewhere = Svc::new("elsewhere", "10.96.0.13", vec![Port::new("http", "TCP", 80, 8080)], vec![ready(REMOTE_POD, OTHER_NODE)]);
+    let mut elsewhere = Svc::new(
+        "elsewhere",
+        "10.96.0.13",
+        vec![Port::new("http", "TCP", 80, 8080)],
+        vec![ready(REMOTE_POD, OTHER_NODE)],
+    );
     elsewhere.internal_local = true;
     cluster.put(&elsewhere);
     let host = start_host(cluster.config(topo.nft_command())).await;
     wait_applied(&host, "all services", |t| {
-        serves(t, "10.96.0.10 . tcp . 80") && serves(t, "10.96.0.11 . tcp . 80") && t.contains("10.96.0.13 . tcp . 80 : drop")
+        serves(t, "10.96.0.10 . tcp . 80")
+            && serves(t, "10.96.0.11 . tcp . 80")
+            && t.contains("10.96.0.13 . tcp . 80 : drop")
     });
     // One service to a shard (the test config): the traffic below crosses several shard
     // tables, each with its own NAT chains, and the main table's checks.
     let table = topo.table();
-    let shards = table.split("\ntable ").filter(|t| t.starts_with("inet wasmplane-s") && t.contains(" : goto pick-by-count")).count();
+    let shards = table
+        .split("\ntable ")
+        .filter(|t| t.starts_with("inet wasmplane-s") && t.contains(" : goto pick-by-count"))
+        .count();
     assert!(shards > 1, "services in {shards} shard table(s):\n{table}");
 
     let replies = tcp_many(&client, addr("10.96.0.10", 80), MANY);
@@ -177,7 +194,10 @@ async fn cluster_ip_reaches_every_ready_backend_over_tcp_and_udp() {
     let replies = tcp_many(&client, addr("10.96.0.12", 80), 20);
     assert_backends("internalTrafficPolicy Local", &replies, &["a"]);
     let result = in_ns(&client, || tcp_ask(addr("10.96.0.13", 80), Duration::from_millis(300)));
-    assert!(matches!(&result, Err(e) if e.kind() == ErrorKind::TimedOut), "internalTrafficPolicy Local, no local endpoint: {result:?}");
+    assert!(
+        matches!(&result, Err(e) if e.kind() == ErrorKind::TimedOut),
+        "internalTrafficPolicy Local, no local endpoint: {result:?}"
+    );
     host.stop().await;
 }
 
@@ -185,7 +205,8 @@ async fn cluster_ip_reaches_every_ready_backend_over_tcp_and_udp() {
 async fn node_port_load_balancer_ip_and_external_traffic_policy_local() {
     require_root!();
     let mut topo = Topology::new("np");
-    let pods: Vec<(String, &str)> = [(POD_A, "a"), (POD_B, "b"), (REMOTE_POD, "remote")].iter().map(|(ip, id)| (topo.add_pod(ip), *id)).collect();
+    let pods: Vec<(String, &str)> =
+        [(POD_A, "a"), (POD_B, "b"), (REMOTE_POD, "remote")].iter().map(|(ip, id)| (topo.add_pod(ip), *id)).collect();
     let client = topo.add_pod(CLIENT);
     let _servers: Vec<Server> = pods.iter().map(|(ns, id)| Server::start(ns, id, &[8080])).collect();
     topo.external.exec(&["ip", "route", "add", &format!("{LOAD_BALANCER_IP}/32"), "via", NODE_EXTERNAL_IP]);
@@ -210,17 +231,27 @@ async fn node_port_load_balancer_ip_and_external_traffic_policy_local() {
     local.service_type = "NodePort";
     local.external_local = true;
     cluster.put(&local);
-    let mut elsewhere = Svc::new("elsewhere", "10.96.0.22", vec![Port::new("http", "TCP", 80, 8080).node_port(30082)], vec![ready(REMOTE_POD, OTHER_NODE)]);
+    let mut elsewhere = Svc::new(
+        "elsewhere",
+        "10.96.0.22",
+        vec![Port::new("http", "TCP", 80, 8080).node_port(30082)],
+        vec![ready(REMOTE_POD, OTHER_NODE)],
+    );
     elsewhere.service_type = "NodePort";
     elsewhere.external_local = true;
     cluster.put(&elsewhere);
 
     let host = start_host(cluster.config(topo.nft_command())).await;
     let applied = wait_applied(&host, "three services", |t| {
-        t.contains("tcp . 30080 : goto nodeport-dispatch") && t.contains("svc/default/local/tcp/http/local") && t.contains("tcp . 30082 : drop")
+        t.contains("tcp . 30080 : goto nodeport-dispatch")
+            && t.contains("svc/default/local/tcp/http/local")
+            && t.contains("tcp . 30082 : drop")
     });
     // Policy Cluster is load balanced as data, the node port too: no chain of its own.
-    assert!(!applied.lines().any(|l| l.contains(" chain ") && l.contains("svc/default/open")), "open has a chain:\n{applied}");
+    assert!(
+        !applied.lines().any(|l| l.contains(" chain ") && l.contains("svc/default/open")),
+        "open has a chain:\n{applied}"
+    );
     let ext = topo.external.name.clone();
 
     // Cluster policy: every endpoint, source masqueraded (replies must come back via us).
@@ -252,7 +283,10 @@ async fn node_port_load_balancer_ip_and_external_traffic_policy_local() {
     // Local policy without a local endpoint: dropped here (a load balancer would health-check
     // this node out), never sent to another node's endpoint.
     let result = topo.external.run(|| tcp_ask(addr(NODE_EXTERNAL_IP, 30082), Duration::from_millis(300)));
-    assert!(matches!(&result, Err(e) if e.kind() == ErrorKind::TimedOut), "policy Local without local endpoints must drop: {result:?}");
+    assert!(
+        matches!(&result, Err(e) if e.kind() == ErrorKind::TimedOut),
+        "policy Local without local endpoints must drop: {result:?}"
+    );
     host.stop().await;
 }
 
@@ -266,7 +300,8 @@ async fn external_ips_are_served_like_the_cluster_ip() {
     const SHARED_IP: &str = "198.51.100.60";
     const LOCAL_IP: &str = "198.51.100.61";
     let mut topo = Topology::new("xip");
-    let pods: Vec<(String, &str)> = [(POD_A, "a"), (POD_B, "b"), (REMOTE_POD, "remote")].iter().map(|(ip, id)| (topo.add_pod(ip), *id)).collect();
+    let pods: Vec<(String, &str)> =
+        [(POD_A, "a"), (POD_B, "b"), (REMOTE_POD, "remote")].iter().map(|(ip, id)| (topo.add_pod(ip), *id)).collect();
     let client = topo.add_pod(CLIENT);
     let _servers: Vec<Server> = pods.iter().map(|(ns, id)| Server::start(ns, id, &[8080, 8081])).collect();
     for external_ip in [SHARED_IP, LOCAL_IP] {
@@ -275,22 +310,34 @@ async fn external_ips_are_served_like_the_cluster_ip() {
 
     let cluster = Cluster::new();
     let endpoints = vec![ready(POD_A, NODE), ready(POD_B, NODE), ready(REMOTE_POD, OTHER_NODE)];
-    let mut shared = Svc::new("shared", "10.96.0.60", vec![Port::new("http", "TCP", 80, 8080), Port::new("dns", "UDP", 80, 8080)], endpoints.clone());
+    let mut shared = Svc::new(
+        "shared",
+        "10.96.0.60",
+        vec![Port::new("http", "TCP", 80, 8080), Port::new("dns", "UDP", 80, 8080)],
+        endpoints.clone(),
+    );
     shared.external_ips = vec![SHARED_IP];
     cluster.put(&shared);
-    let mut local = Svc::new("local", "10.96.0.61", vec![Port::new("http", "TCP", 80, 8080).node_port(30061)], endpoints);
+    let mut local =
+        Svc::new("local", "10.96.0.61", vec![Port::new("http", "TCP", 80, 8080).node_port(30061)], endpoints);
     local.service_type = "NodePort";
     local.external_local = true;
     local.external_ips = vec![LOCAL_IP];
     cluster.put(&local);
     let host = start_host(cluster.config(topo.nft_command())).await;
-    wait_applied(&host, "both services", |t| t.contains(&format!("{SHARED_IP} . udp . 80")) && t.contains(&format!("{LOCAL_IP} . tcp . 80")));
+    wait_applied(&host, "both services", |t| {
+        t.contains(&format!("{SHARED_IP} . udp . 80")) && t.contains(&format!("{LOCAL_IP} . tcp . 80"))
+    });
     let ext = topo.external.name.clone();
 
     let replies = tcp_many(&ext, addr(SHARED_IP, 80), MANY);
     assert_backends("TCP to the external IP from outside", &replies, &["a", "b", "remote"]);
     assert_all("TCP to the external IP from outside", &replies, |r| r.peer == ip(POD_GATEWAY));
-    assert_backends("UDP to the external IP from outside", &udp_many(&ext, addr(SHARED_IP, 80), MANY), &["a", "b", "remote"]);
+    assert_backends(
+        "UDP to the external IP from outside",
+        &udp_many(&ext, addr(SHARED_IP, 80), MANY),
+        &["a", "b", "remote"],
+    );
     let replies = tcp_many(&client, addr(SHARED_IP, 80), MANY);
     assert_backends("TCP to the external IP from a pod", &replies, &["a", "b", "remote"]);
     // Policy Cluster masquerades all traffic to external destinations, a pod's too (kube-proxy).
@@ -327,16 +374,28 @@ async fn unallocated_service_addresses_do_not_leave_the_node() {
     topo.external.exec(&["ip", "addr", "add", &format!("{UNALLOCATED}/32"), "dev", "eth0"]);
     topo.node.exec(&["ip", "route", "add", &format!("{UNALLOCATED}/32"), "via", EXTERNAL_CLIENT_IP]);
     let _outside = Server::start(&topo.external.name, "outside", &[80]);
-    assert_backends("before the host runs: the connection leaves the node", &tcp_many(&client, addr(UNALLOCATED, 80), 3), &["outside"]);
+    assert_backends(
+        "before the host runs: the connection leaves the node",
+        &tcp_many(&client, addr(UNALLOCATED, 80), 3),
+        &["outside"],
+    );
 
     let cluster = Cluster::new();
     cluster.put(&Svc::new("web", "10.96.0.60", vec![Port::new("http", "TCP", 80, 8080)], vec![ready(POD_A, NODE)]));
-    let host = start_host(HostConfig { service_cidrs: vec!["10.96.0.0/16".into()], ..cluster.config(topo.nft_command()) }).await;
+    let host =
+        start_host(HostConfig { service_cidrs: vec!["10.96.0.0/16".into()], ..cluster.config(topo.nft_command()) })
+            .await;
     wait_applied(&host, "the service", |t| serves(t, "10.96.0.60 . tcp . 80"));
     let table = topo.table();
     assert!(set_holds(&table, "service-cidrs", "10.96.0.0/16"), "{table}");
-    assert!(dropped(&client, addr(UNALLOCATED, 80), false), "TCP from a pod to an unallocated service address must be dropped");
-    assert!(dropped(&client, addr(UNALLOCATED, 80), true), "UDP from a pod to an unallocated service address must be dropped");
+    assert!(
+        dropped(&client, addr(UNALLOCATED, 80), false),
+        "TCP from a pod to an unallocated service address must be dropped"
+    );
+    assert!(
+        dropped(&client, addr(UNALLOCATED, 80), true),
+        "UDP from a pod to an unallocated service address must be dropped"
+    );
     let from_node = topo.node.run(|| tcp_ask(addr(UNALLOCATED, 80), Duration::from_millis(300)));
     assert!(from_node.is_err(), "the node's own connection must not leave either: {from_node:?}");
     assert_backends("a service's address", &tcp_many(&client, addr("10.96.0.60", 80), 3), &["a"]);
@@ -350,7 +409,11 @@ async fn unallocated_service_addresses_do_not_leave_the_node() {
 
 /// Whether a request from inside `ns` to `to` goes unanswered (dropped, not refused).
 fn dropped(ns: &str, to: SocketAddr, udp: bool) -> bool {
-    let result = in_ns(ns, || if udp { udp_ask(to, Duration::from_millis(300)) } else { tcp_ask(to, Duration::from_millis(300)) });
+    let result =
+        in_ns(
+            ns,
+            || if udp { udp_ask(to, Duration::from_millis(300)) } else { tcp_ask(to, Duration::from_millis(300)) },
+        );
     matches!(&result, Err(e) if matches!(e.kind(), ErrorKind::TimedOut | ErrorKind::WouldBlock))
 }
 
@@ -379,7 +442,9 @@ async fn load_balancer_source_ranges_admit_only_their_sources() {
     guarded.source_ranges = vec!["192.168.77.0/24", "192.168.77.0/25"];
     cluster.put(&guarded);
     let host = start_host(cluster.config(topo.nft_command())).await;
-    wait_applied(&host, "the firewall", |t| set_holds(t, "firewall-allowed", &format!("{LOAD_BALANCER_IP} . tcp . 80 . 192.168.77.0/24")));
+    wait_applied(&host, "the firewall", |t| {
+        set_holds(t, "firewall-allowed", &format!("{LOAD_BALANCER_IP} . tcp . 80 . 192.168.77.0/24"))
+    });
     let table = topo.table();
     assert!(set_holds(&table, "firewall-ips", &format!("{LOAD_BALANCER_IP} . udp . 80")), "{table}");
 
@@ -397,7 +462,8 @@ async fn load_balancer_source_ranges_admit_only_their_sources() {
     guarded.source_ranges = vec!["10.244.0.0/16"];
     cluster.put(&guarded);
     wait_applied(&host, "the new ranges", |t| {
-        set_holds(t, "firewall-allowed", &format!("{LOAD_BALANCER_IP} . tcp . 80 . 10.244.0.0/16")) && !t.contains("192.168.77.0/24")
+        set_holds(t, "firewall-allowed", &format!("{LOAD_BALANCER_IP} . tcp . 80 . 10.244.0.0/16"))
+            && !t.contains("192.168.77.0/24")
     });
     assert_backends("TCP from the pod, now inside the ranges", &tcp_many(&client, lb, 5), &["a"]);
     assert!(dropped(&ext, lb, false), "TCP from the external network, now outside the ranges, must be dropped");
@@ -431,14 +497,17 @@ async fn load_balancer_source_ranges_of_ipv6() {
     topo.external.exec(&["ip", "-6", "route", "add", &format!("{LB6}/128"), "via", "fd00:77::1"]);
 
     let cluster = Cluster::new();
-    let mut guarded = Svc::new("guarded6", "fd00:96::36", vec![Port::new("http", "TCP", 80, 8080)], vec![ready(a6, NODE)]);
+    let mut guarded =
+        Svc::new("guarded6", "fd00:96::36", vec![Port::new("http", "TCP", 80, 8080)], vec![ready(a6, NODE)]);
     guarded.service_type = "LoadBalancer";
     guarded.load_balancer_ip = Some(LB6);
     // An IPv4 range besides, which an IPv6 address leaves aside.
     guarded.source_ranges = vec!["fd00:77::/64", "10.244.0.0/16"];
     cluster.put(&guarded);
     let host = start_host(cluster.config(topo.nft_command())).await;
-    wait_applied(&host, "the firewall", |t| set_holds(t, "firewall-allowed6", &format!("{LB6} . tcp . 80 . fd00:77::/64")));
+    wait_applied(&host, "the firewall", |t| {
+        set_holds(t, "firewall-allowed6", &format!("{LB6} . tcp . 80 . fd00:77::/64"))
+    });
     let lb = addr(LB6, 80);
     assert_backends("IPv6 TCP from inside the ranges", &tcp_many(&topo.external.name, lb, 5), &["a"]);
     assert!(dropped(&client, lb, false), "IPv6 TCP from a pod, outside the ranges, must be dropped");
@@ -458,18 +527,32 @@ async fn node_ports_are_served_only_on_the_chosen_addresses() {
     let _server = Server::start(&pod, "a", &[8080]);
     topo.node.exec(&["ip", "addr", "add", &format!("{SECOND_IP}/24"), "dev", "ext0"]);
     let cluster = Cluster::new();
-    let mut svc = Svc::new("np", "10.96.0.35", vec![Port::new("http", "TCP", 80, 8080).node_port(30095)], vec![ready(POD_A, NODE)]);
+    let mut svc = Svc::new(
+        "np",
+        "10.96.0.35",
+        vec![Port::new("http", "TCP", 80, 8080).node_port(30095)],
+        vec![ready(POD_A, NODE)],
+    );
     svc.service_type = "NodePort";
     cluster.put(&svc);
     let ext = topo.external.name.clone();
-    let serves = |ip: &str| in_ns(&ext, || tcp_ask(addr(ip, 30095), Duration::from_millis(500))).is_ok_and(|r| r.identity == "a");
+    let serves = |ip: &str| {
+        in_ns(&ext, || tcp_ask(addr(ip, 30095), Duration::from_millis(500))).is_ok_and(|r| r.identity == "a")
+    };
 
-    let host = start_host(HostConfig { node_port_addresses: NodePortAddresses::Primary, ..cluster.config(topo.nft_command()) }).await;
-    wait_applied(&host, "the node port", |t| set_holds(t, "nodeport-ips", NODE_EXTERNAL_IP) && t.contains("tcp . 30095"));
+    let host = start_host(HostConfig {
+        node_port_addresses: NodePortAddresses::Primary,
+        ..cluster.config(topo.nft_command())
+    })
+    .await;
+    wait_applied(&host, "the node port", |t| {
+        set_holds(t, "nodeport-ips", NODE_EXTERNAL_IP) && t.contains("tcp . 30095")
+    });
     assert!(serves(NODE_EXTERNAL_IP), "the node's primary address");
     assert!(!serves(SECOND_IP), "another local address of the node");
     // The Node object names another address: node ports follow it.
-    cluster.put_file("cluster.yaml", &NODES_YAML.replace("address: 192.168.77.1 }", &format!("address: {SECOND_IP} }}")));
+    cluster
+        .put_file("cluster.yaml", &NODES_YAML.replace("address: 192.168.77.1 }", &format!("address: {SECOND_IP} }}")));
     wait_applied(&host, "the node's new address", |t| set_holds(t, "nodeport-ips", SECOND_IP));
     assert!(serves(SECOND_IP) && !serves(NODE_EXTERNAL_IP), "the node's new primary address only");
     host.stop().await;
@@ -482,13 +565,17 @@ async fn node_ports_are_served_only_on_the_chosen_addresses() {
         ..cluster.config(topo.nft_command())
     };
     let host = start_host(config).await;
-    wait_applied(&host, "the node port", |t| set_holds(t, "nodeport-ips", SECOND_IP) && !set_holds(t, "nodeport-ips", NODE_EXTERNAL_IP));
+    wait_applied(&host, "the node port", |t| {
+        set_holds(t, "nodeport-ips", SECOND_IP) && !set_holds(t, "nodeport-ips", NODE_EXTERNAL_IP)
+    });
     assert!(serves(SECOND_IP) && !serves(NODE_EXTERNAL_IP), "the local address inside the network only");
     topo.node.exec(&["ip", "addr", "add", &format!("{THIRD_IP}/24"), "dev", "ext0"]);
     wait_applied(&host, "a new local address inside the network", |t| set_holds(t, "nodeport-ips", THIRD_IP));
     assert!(serves(THIRD_IP));
     topo.node.exec(&["ip", "addr", "del", &format!("{THIRD_IP}/24"), "dev", "ext0"]);
-    wait_applied(&host, "the address gone", |t| !set_holds(t, "nodeport-ips", THIRD_IP) && set_holds(t, "nodeport-ips", SECOND_IP));
+    wait_applied(&host, "the address gone", |t| {
+        !set_holds(t, "nodeport-ips", THIRD_IP) && set_holds(t, "nodeport-ips", SECOND_IP)
+    });
     host.stop().await;
 }
 
@@ -496,7 +583,10 @@ async fn node_ports_are_served_only_on_the_chosen_addresses() {
 async fn session_affinity_client_ip_sticks() {
     require_root!();
     let mut topo = Topology::new("aff");
-    let pods: Vec<(String, &str)> = [(POD_A, "a"), (POD_B, "b"), (POD_C, "c"), (POD_D, "d")].iter().map(|(ip, id)| (topo.add_pod(ip), *id)).collect();
+    let pods: Vec<(String, &str)> = [(POD_A, "a"), (POD_B, "b"), (POD_C, "c"), (POD_D, "d")]
+        .iter()
+        .map(|(ip, id)| (topo.add_pod(ip), *id))
+        .collect();
     let (client, client2) = (topo.add_pod(CLIENT), topo.add_pod(CLIENT2));
     let _servers: Vec<Server> = pods.iter().map(|(ns, id)| Server::start(ns, id, &[8080])).collect();
 
@@ -513,9 +603,17 @@ async fn session_affinity_client_ip_sticks() {
     let host = start_host(cluster.config(topo.nft_command())).await;
     // Affinity as data: no chain of the service's own, the frontends go to the shard's
     // affinity chain for 600 s, counted as 3 backends.
-    let t = wait_applied(&host, "the sticky service", |t| t.contains("10.96.0.30 . udp . 80 : goto affinity-600-pick-by-count"));
-    assert!(t.contains("10.96.0.30 . tcp . 80 : goto affinity-600-pick-by-count") && !t.contains("svc/default/sticky"), "{t}");
-    assert!(set_holds(&t, "frontends-3", "10.96.0.30 . tcp . 80") && set_holds(&t, "frontends-3", "10.96.0.30 . udp . 80"), "{t}");
+    let t = wait_applied(&host, "the sticky service", |t| {
+        t.contains("10.96.0.30 . udp . 80 : goto affinity-600-pick-by-count")
+    });
+    assert!(
+        t.contains("10.96.0.30 . tcp . 80 : goto affinity-600-pick-by-count") && !t.contains("svc/default/sticky"),
+        "{t}"
+    );
+    assert!(
+        set_holds(&t, "frontends-3", "10.96.0.30 . tcp . 80") && set_holds(&t, "frontends-3", "10.96.0.30 . udp . 80"),
+        "{t}"
+    );
 
     let one = |what: &str, replies: Vec<std::io::Result<Reply>>| -> String {
         let seen = tally(what, &replies);
@@ -526,7 +624,11 @@ async fn session_affinity_client_ip_sticks() {
     let udp1 = one("client 1, UDP", udp_many(&client, addr("10.96.0.30", 80), 30));
     one("client 2, TCP", tcp_many(&client2, addr("10.96.0.30", 80), 30));
     // The node port remembers its clients too (chains of its own for the timeout).
-    assert!(t.contains("tcp . 30030 : goto nodeport-affinity-600-pick-by-count") && set_holds(&t, "nodeports-3", "tcp . 30030"), "{t}");
+    assert!(
+        t.contains("tcp . 30030 : goto nodeport-affinity-600-pick-by-count")
+            && set_holds(&t, "nodeports-3", "tcp . 30030"),
+        "{t}"
+    );
     let ext = topo.external.name.clone();
     one("external client, TCP node port", tcp_many(&ext, addr(NODE_EXTERNAL_IP, 30030), 30));
 
@@ -540,7 +642,8 @@ async fn session_affinity_client_ip_sticks() {
     assert_eq!(one("client 1, UDP, after reconcile and scale-up", udp_many(&client, addr("10.96.0.30", 80), 30)), udp1);
 
     // Client 1's backend goes: it is sent to another one and sticks to that.
-    let gone_ip = [(POD_A, "a"), (POD_B, "b"), (POD_C, "c"), (POD_D, "d")].into_iter().find(|(_, id)| *id == tcp1).unwrap().0;
+    let gone_ip =
+        [(POD_A, "a"), (POD_B, "b"), (POD_C, "c"), (POD_D, "d")].into_iter().find(|(_, id)| *id == tcp1).unwrap().0;
     sticky.endpoints.retain(|e| e.ip != gone_ip);
     cluster.put(&sticky);
     wait_applied(&host, "client 1's backend gone", |t| !targets(t, gone_ip));
@@ -580,7 +683,9 @@ async fn a_service_without_endpoints_rejects_fast() {
     empty.service_type = "NodePort";
     cluster.put(&empty);
     let host = start_host(cluster.config(topo.nft_command())).await;
-    wait_applied(&host, "reject elements", |t| t.contains("10.96.0.40 . tcp . 80 : goto reject-chain") && t.contains("udp . 30040 : goto reject-chain"));
+    wait_applied(&host, "reject elements", |t| {
+        t.contains("10.96.0.40 . tcp . 80 : goto reject-chain") && t.contains("udp . 30040 : goto reject-chain")
+    });
 
     let check_rejected = |stage: &str| {
         for (what, ns, to) in [
@@ -604,7 +709,11 @@ async fn a_service_without_endpoints_rejects_fast() {
     wait_applied(&host, "an endpoint", |t| targets(t, POD_A));
     assert_backends("TCP once an endpoint is ready", &tcp_many(&client, addr("10.96.0.40", 80), 5), &["a"]);
     assert_backends("UDP once an endpoint is ready", &udp_many(&client, addr("10.96.0.40", 80), 5), &["a"]);
-    assert_backends("node port once an endpoint is ready", &tcp_many(&topo.external.name, addr(NODE_EXTERNAL_IP, 30040), 5), &["a"]);
+    assert_backends(
+        "node port once an endpoint is ready",
+        &tcp_many(&topo.external.name, addr(NODE_EXTERNAL_IP, 30040), 5),
+        &["a"],
+    );
     // A port the service does not have: the cluster IP is ours, so the connection is refused
     // at once (kube-proxy's `cluster-ips` set) rather than routed on to time out.
     for (what, ns) in [("pod", &client), ("node", &topo.node.name)] {
@@ -633,8 +742,18 @@ async fn scaling_moves_new_traffic_and_keeps_established_connections() {
     let _servers: Vec<Server> = pods.iter().map(|(ns, id)| Server::start(ns, id, &[8080])).collect();
 
     let cluster = Cluster::new();
-    let mut scaled = Svc::new("scaled", "10.96.0.50", vec![Port::new("http", "TCP", 80, 8080)], vec![ready(POD_A, NODE), ready(POD_B, NODE)]);
-    let steady = Svc::new("steady", "10.96.0.51", vec![Port::new("http", "TCP", 80, 8080)], vec![ready(POD_C, NODE), ready(POD_D, NODE)]);
+    let mut scaled = Svc::new(
+        "scaled",
+        "10.96.0.50",
+        vec![Port::new("http", "TCP", 80, 8080)],
+        vec![ready(POD_A, NODE), ready(POD_B, NODE)],
+    );
+    let steady = Svc::new(
+        "steady",
+        "10.96.0.51",
+        vec![Port::new("http", "TCP", 80, 8080)],
+        vec![ready(POD_C, NODE), ready(POD_D, NODE)],
+    );
     cluster.put(&scaled);
     cluster.put(&steady);
     let host = start_host(cluster.config(topo.nft_command())).await;
@@ -684,14 +803,23 @@ async fn deleting_a_service_removes_its_rules() {
     let _server = Server::start(&pod_a, "a", &[8080]);
 
     let cluster = Cluster::new();
-    let mut gone = Svc::new("gone", "10.96.0.60", vec![Port::new("http", "TCP", 80, 8080).node_port(30060)], vec![ready(POD_A, NODE)]);
+    let mut gone = Svc::new(
+        "gone",
+        "10.96.0.60",
+        vec![Port::new("http", "TCP", 80, 8080).node_port(30060)],
+        vec![ready(POD_A, NODE)],
+    );
     gone.service_type = "NodePort";
     cluster.put(&gone);
     cluster.put(&Svc::new("kept", "10.96.0.61", vec![Port::new("http", "TCP", 80, 8080)], vec![ready(POD_A, NODE)]));
     let host = start_host(cluster.config(topo.nft_command())).await;
     wait_applied(&host, "both services", |t| serves(t, "10.96.0.60 . tcp . 80") && serves(t, "10.96.0.61 . tcp . 80"));
     assert_backends("before deletion", &tcp_many(&client, addr("10.96.0.60", 80), 3), &["a"]);
-    assert_backends("node port before deletion", &tcp_many(&topo.external.name, addr(NODE_EXTERNAL_IP, 30060), 3), &["a"]);
+    assert_backends(
+        "node port before deletion",
+        &tcp_many(&topo.external.name, addr(NODE_EXTERNAL_IP, 30060), 3),
+        &["a"],
+    );
 
     cluster.remove("gone");
     wait_applied(&host, "deletion", |t| !t.contains("svc/default/gone") && !t.contains("10.96.0.60"));
@@ -703,7 +831,10 @@ async fn deleting_a_service_removes_its_rules() {
     let result = in_ns(&client, || tcp_ask(addr("10.96.0.60", 80), Duration::from_millis(300)));
     assert!(matches!(&result, Err(e) if e.kind() == ErrorKind::TimedOut), "cluster IP after deletion: {result:?}");
     let result = topo.external.run(|| tcp_ask(addr(NODE_EXTERNAL_IP, 30060), TIMEOUT));
-    assert!(matches!(&result, Err(e) if e.kind() == ErrorKind::ConnectionRefused), "node port after deletion: {result:?}");
+    assert!(
+        matches!(&result, Err(e) if e.kind() == ErrorKind::ConnectionRefused),
+        "node port after deletion: {result:?}"
+    );
     assert_backends("the other service", &tcp_many(&client, addr("10.96.0.61", 80), 3), &["a"]);
     host.stop().await;
 }
@@ -767,9 +898,12 @@ fn dual_stack_pods(tag: &str) -> (Topology, String, String, [Server; 2]) {
 async fn conntrack_timeouts_are_set_as_kube_proxy_sets_them() {
     require_root!();
     let topo = Topology::new("ctt");
-    let sysctl = |name: &str| topo.node.exec(&["sysctl", "-n", &format!("net.netfilter.{name}")]).trim().parse::<u64>().unwrap();
-    let (established, close_wait, max) = ("nf_conntrack_tcp_timeout_established", "nf_conntrack_tcp_timeout_close_wait", "nf_conntrack_max");
-    let (udp, udp_stream, be_liberal) = ("nf_conntrack_udp_timeout", "nf_conntrack_udp_timeout_stream", "nf_conntrack_tcp_be_liberal");
+    let sysctl =
+        |name: &str| topo.node.exec(&["sysctl", "-n", &format!("net.netfilter.{name}")]).trim().parse::<u64>().unwrap();
+    let (established, close_wait, max) =
+        ("nf_conntrack_tcp_timeout_established", "nf_conntrack_tcp_timeout_close_wait", "nf_conntrack_max");
+    let (udp, udp_stream, be_liberal) =
+        ("nf_conntrack_udp_timeout", "nf_conntrack_udp_timeout_stream", "nf_conntrack_tcp_be_liberal");
     let kernels = [sysctl(established), sysctl(close_wait), sysctl(udp), sysctl(udp_stream), sysctl(be_liberal)];
     assert_eq!(kernels, [432000, 60, 30, 120, 0], "a new namespace has the kernel's");
     let max_before = sysctl(max);
@@ -782,7 +916,10 @@ async fn conntrack_timeouts_are_set_as_kube_proxy_sets_them() {
         ..Default::default()
     };
     let host = start_host(HostConfig { conntrack: Some(tuning), ..cluster.config(topo.nft_command()) }).await;
-    assert_eq!([sysctl(established), sysctl(close_wait), sysctl(udp), sysctl(udp_stream), sysctl(be_liberal)], [86400, 3600, 45, 150, 1]);
+    assert_eq!(
+        [sysctl(established), sysctl(close_wait), sysctl(udp), sysctl(udp_stream), sysctl(be_liberal)],
+        [86400, 3600, 45, 150, 1]
+    );
     assert_eq!(sysctl(max), max_before, "only the initial namespace sets the table size");
     host.stop().await;
 }
@@ -828,7 +965,10 @@ async fn ipv6_cluster_ip_reaches_every_backend_and_masquerades_only_hairpin() {
     let host = start_host(cluster.config(topo.nft_command())).await;
     wait_applied(&host, "the service", |t| serves(t, "fd00:96::70 . udp . 80"));
     let table = topo.table();
-    assert!(table.contains(&format!("{a6} . {a6}")) && table.contains("ct status dnat ip6 saddr . ip6 daddr @hairpin6"), "{table}");
+    assert!(
+        table.contains(&format!("{a6} . {a6}")) && table.contains("ct status dnat ip6 saddr . ip6 daddr @hairpin6"),
+        "{table}"
+    );
 
     // From pod a: landing on itself it sees the node's gateway address (hairpin), landing on
     // b it keeps its own; the same from pod b the other way round.
@@ -847,11 +987,17 @@ async fn ipv6_cluster_ip_reaches_every_backend_and_masquerades_only_hairpin() {
 async fn periodic_reconcile_repairs_hand_made_damage() {
     require_root!();
     let mut topo = Topology::new("drift");
-    let pods: Vec<(String, &str)> = [(POD_A, "a"), (POD_B, "b")].iter().map(|(ip, id)| (topo.add_pod(ip), *id)).collect();
+    let pods: Vec<(String, &str)> =
+        [(POD_A, "a"), (POD_B, "b")].iter().map(|(ip, id)| (topo.add_pod(ip), *id)).collect();
     let client = topo.add_pod(CLIENT);
     let _servers: Vec<Server> = pods.iter().map(|(ns, id)| Server::start(ns, id, &[8080])).collect();
     let cluster = Cluster::new();
-    cluster.put(&Svc::new("drift", "10.96.0.80", vec![Port::new("http", "TCP", 80, 8080)], vec![ready(POD_A, NODE), ready(POD_B, NODE)]));
+    cluster.put(&Svc::new(
+        "drift",
+        "10.96.0.80",
+        vec![Port::new("http", "TCP", 80, 8080)],
+        vec![ready(POD_A, NODE), ready(POD_B, NODE)],
+    ));
     let mut config = cluster.config(topo.nft_command());
     config.reconcile_interval = Duration::from_millis(300);
     let host = start_host(config).await;
@@ -883,23 +1029,39 @@ async fn periodic_reconcile_repairs_hand_made_damage() {
                  flush chain {shard} pick-by-count\n\
                  delete chain {shard} pick-by-count\n"
             ),
-            &|t| t.contains("chain pick-by-count {") && t.contains("@frontends-2 goto pick-2") && t.contains("10.96.0.80 . tcp . 80 : goto pick-by-count"),
+            &|t| {
+                t.contains("chain pick-by-count {")
+                    && t.contains("@frontends-2 goto pick-2")
+                    && t.contains("10.96.0.80 . tcp . 80 : goto pick-by-count")
+            },
         ),
         ("a base chain flushed", format!("flush chain {shard} nat-prerouting\n"), &|t| {
             t.split("chain nat-prerouting {").skip(1).all(|c| c.split('}').next().unwrap().contains("jump services"))
         }),
         ("the shard table deleted", format!("delete table {shard}\n"), &|t| {
-            t.contains("10.96.0.80 . tcp . 80 : goto pick-by-count") && set_holds(t, "frontends-2", "10.96.0.80 . tcp . 80")
+            t.contains("10.96.0.80 . tcp . 80 : goto pick-by-count")
+                && set_holds(t, "frontends-2", "10.96.0.80 . tcp . 80")
         }),
-        ("the main table deleted", "delete table inet wasmplane\n".into(), &|t| t.contains("table inet wasmplane {") && t.contains("chain masquerading {")),
+        ("the main table deleted", "delete table inet wasmplane\n".into(), &|t| {
+            t.contains("table inet wasmplane {") && t.contains("chain masquerading {")
+        }),
     ];
     for (what, commands, repaired) in damage {
         // One nft transaction, so a reconcile cannot land between its statements.
         let file = tempfile::NamedTempFile::new().unwrap();
         std::fs::write(file.path(), commands).unwrap();
         topo.nft(&["-f", file.path().to_str().unwrap()]).unwrap_or_else(|e| panic!("{what}: {e}"));
-        wait_for(&format!("the reconcile to repair: {what}"), Duration::from_secs(10), || topo.table(), |t| repaired(t));
-        assert_backends(&format!("after repairing: {what}"), &tcp_many(&client, addr("10.96.0.80", 80), MANY), &["a", "b"]);
+        wait_for(
+            &format!("the reconcile to repair: {what}"),
+            Duration::from_secs(10),
+            || topo.table(),
+            |t| repaired(t),
+        );
+        assert_backends(
+            &format!("after repairing: {what}"),
+            &tcp_many(&client, addr("10.96.0.80", 80), MANY),
+            &["a", "b"],
+        );
     }
     host.stop().await;
 }
@@ -908,7 +1070,8 @@ async fn periodic_reconcile_repairs_hand_made_damage() {
 async fn restarting_the_host_leaves_no_window_without_rules() {
     require_root!();
     let mut topo = Topology::new("restart");
-    let pods: Vec<(String, &str)> = [(POD_A, "a"), (POD_B, "b")].iter().map(|(ip, id)| (topo.add_pod(ip), *id)).collect();
+    let pods: Vec<(String, &str)> =
+        [(POD_A, "a"), (POD_B, "b")].iter().map(|(ip, id)| (topo.add_pod(ip), *id)).collect();
     let client = topo.add_pod(CLIENT);
     let _servers: Vec<Server> = pods.iter().map(|(ns, id)| Server::start(ns, id, &[8080])).collect();
     let cluster = Cluster::new();
@@ -954,27 +1117,47 @@ async fn restarting_the_host_leaves_no_window_without_rules() {
 
     host.stop().await;
     let table = topo.table();
-    assert!(table.contains("10.96.0.90 . tcp . 80 : goto pick-by-count") && set_holds(&table, "frontends-2", "10.96.0.90 . tcp . 80"), "rules must stay while the host is down");
+    assert!(
+        table.contains("10.96.0.90 . tcp . 80 : goto pick-by-count")
+            && set_holds(&table, "frontends-2", "10.96.0.90 . tcp . 80"),
+        "rules must stay while the host is down"
+    );
     wait_successes("traffic while the host is down", 20);
 
     let host = start_host(cluster.config(topo.nft_command())).await;
     // Before the new host has read its sources, it must not have replaced working rules
     // with its (still empty) view of the cluster.
     let table = topo.table();
-    assert!(table.contains("10.96.0.90 . tcp . 80 : goto pick-by-count") && set_holds(&table, "frontends-2", "10.96.0.90 . tcp . 80"), "rules right after restart:\n{table}");
+    assert!(
+        table.contains("10.96.0.90 . tcp . 80 : goto pick-by-count")
+            && set_holds(&table, "frontends-2", "10.96.0.90 . tcp . 80"),
+        "rules right after restart:\n{table}"
+    );
     wait_applied(&host, "the new host's first sync", |t| serves(t, "10.96.0.90 . udp . 80"));
     // The first sync is one full transaction: the last one written is full, and no change
     // went in as a netlink batch (full transactions go through `nft -f`). The kept start of
     // the transaction ends in the shards' skeletons, before the services' elements.
     let first = host.controller.lock().unwrap().dataplane().last_transaction.clone();
-    assert!(first.starts_with("add table inet wasmplane\n") && first.contains("flush table inet wasmplane\n"), "the first sync is one full transaction:\n{first}");
-    let batches = host.metrics.dataplane_transactions.get_or_create(&wasmplane::metrics::PathLabels { path: "netlink".into() }).get();
+    assert!(
+        first.starts_with("add table inet wasmplane\n") && first.contains("flush table inet wasmplane\n"),
+        "the first sync is one full transaction:\n{first}"
+    );
+    let batches = host
+        .metrics
+        .dataplane_transactions
+        .get_or_create(&wasmplane::metrics::PathLabels { path: "netlink".into() })
+        .get();
     assert_eq!(batches, 0, "the first sync is one full transaction, not a start from nothing and changes");
     wait_successes("traffic after the restart", 20);
 
     stop.store(true, Ordering::SeqCst);
     let failures = looper.join().unwrap();
-    assert!(failures.is_empty(), "{} of {} requests failed across the restart: {failures:?}", failures.len(), failures.len() + successes.load(Ordering::SeqCst));
+    assert!(
+        failures.is_empty(),
+        "{} of {} requests failed across the restart: {failures:?}",
+        failures.len(),
+        failures.len() + successes.load(Ordering::SeqCst)
+    );
     host.stop().await;
 }
 
@@ -985,18 +1168,30 @@ async fn sctp_services_load_and_dnat() {
     let pod_a = topo.add_pod(POD_A);
     let client = topo.add_pod(CLIENT);
     let cluster = Cluster::new();
-    cluster.put(&Svc::new("assoc", "10.96.0.100", vec![Port::new("sig", "SCTP", 7777, 7070)], vec![ready(POD_A, NODE)]));
+    cluster.put(&Svc::new(
+        "assoc",
+        "10.96.0.100",
+        vec![Port::new("sig", "SCTP", 7777, 7070)],
+        vec![ready(POD_A, NODE)],
+    ));
     let host = start_host(cluster.config(topo.nft_command())).await;
     wait_applied(&host, "the SCTP service", |t| serves(t, "10.96.0.100 . sctp . 7777"));
     let table = topo.table();
-    assert!(table.contains("10.96.0.100 . sctp . 7777 : goto pick-by-count") && set_holds(&table, "frontends-1", "10.96.0.100 . sctp . 7777") && table.contains("10.96.0.100 . sctp . 7777 . 0 : 10.244.0.11 . 7070"), "{table}");
+    assert!(
+        table.contains("10.96.0.100 . sctp . 7777 : goto pick-by-count")
+            && set_holds(&table, "frontends-1", "10.96.0.100 . sctp . 7777")
+            && table.contains("10.96.0.100 . sctp . 7777 . 0 : 10.244.0.11 . 7070"),
+        "{table}"
+    );
 
     // No SCTP sockets on this kernel; raw sockets show the INIT arriving DNATed.
     use support::sctp::*;
     let listener = match in_ns(&pod_a, raw_socket) {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("\n!!!!!!!! sctp_services_load_and_dnat: no raw SCTP sockets ({e}); only checked that the rules load !!!!!!!!\n");
+            eprintln!(
+                "\n!!!!!!!! sctp_services_load_and_dnat: no raw SCTP sockets ({e}); only checked that the rules load !!!!!!!!\n"
+            );
             host.stop().await;
             return;
         }
@@ -1015,7 +1210,15 @@ async fn sctp_services_load_and_dnat() {
             break seen;
         }
     };
-    assert_eq!(seen, SeenInit { source: CLIENT.parse().unwrap(), destination: POD_A.parse().unwrap(), src_port: 40001, dst_port: 7070 });
+    assert_eq!(
+        seen,
+        SeenInit {
+            source: CLIENT.parse().unwrap(),
+            destination: POD_A.parse().unwrap(),
+            src_port: 40001,
+            dst_port: 7070
+        }
+    );
     host.stop().await;
 }
 
@@ -1027,11 +1230,17 @@ async fn sctp_services_load_and_dnat() {
 async fn a_udp_flow_to_a_removed_endpoint_moves_to_a_live_one() {
     require_root!();
     let mut topo = Topology::new("udpct");
-    let pods: Vec<(String, &str)> = [(POD_A, "a"), (POD_B, "b")].iter().map(|(ip, id)| (topo.add_pod(ip), *id)).collect();
+    let pods: Vec<(String, &str)> =
+        [(POD_A, "a"), (POD_B, "b")].iter().map(|(ip, id)| (topo.add_pod(ip), *id)).collect();
     let client = topo.add_pod(CLIENT);
     let _servers: Vec<Server> = pods.iter().map(|(ns, id)| Server::start(ns, id, &[8080])).collect();
     let cluster = Cluster::new();
-    let mut dns = Svc::new("dns", "10.96.0.53", vec![Port::new("dns", "UDP", 53, 8080)], vec![ready(POD_A, NODE), ready(POD_B, NODE)]);
+    let mut dns = Svc::new(
+        "dns",
+        "10.96.0.53",
+        vec![Port::new("dns", "UDP", 53, 8080)],
+        vec![ready(POD_A, NODE), ready(POD_B, NODE)],
+    );
     cluster.put(&dns);
     let host = start_host(cluster.config(topo.nft_command())).await;
     wait_applied(&host, "the service", |t| serves(t, "10.96.0.53 . udp . 53"));
@@ -1074,7 +1283,8 @@ async fn a_global_service_balances_to_another_clusters_endpoints() {
     require_root!();
     const EAST_POD: &str = "10.245.0.7";
     const EAST_POD_STARTING: &str = "10.245.0.8";
-    let (mut east_etcd, west_etcd) = (Etcd::start().await.expect("etcd-server must be installed (scripts/setup.sh)"), Etcd::start().await.unwrap());
+    let (mut east_etcd, west_etcd) =
+        (Etcd::start().await.expect("etcd-server must be installed (scripts/setup.sh)"), Etcd::start().await.unwrap());
     let east_api = TestApiServer::start().await;
     let east_service: Service = serde_json::from_value(serde_json::json!({
         "metadata": {"name": "web", "namespace": "default", "annotations": {"wasmplane.io/global": "true"}},
@@ -1102,7 +1312,11 @@ async fn a_global_service_balances_to_another_clusters_endpoints() {
         listen: "127.0.0.1:0".parse().unwrap(),
         data_dir: Some(east_dir.path().into()),
         token: Some("east-operator-token-0123456789".into()),
-        operator: Some(wasmplane::operator_role::OperatorRoleConfig { identity: "east-operator".into(), cluster_name: Some("east".into()), ..Default::default() }),
+        operator: Some(wasmplane::operator_role::OperatorRoleConfig {
+            identity: "east-operator".into(),
+            cluster_name: Some("east".into()),
+            ..Default::default()
+        }),
         ..Default::default()
     })
     .await
@@ -1111,10 +1325,21 @@ async fn a_global_service_balances_to_another_clusters_endpoints() {
     // East's export written, then east's etcd down: west must start without it.
     let export_key = "/wasmplane/clusters/east/services/default/web";
     let east_client = east_etcd.client().await.unwrap();
-    let _ = eventually("east's export", Duration::from_secs(20), || {
-        let mut client = east_client.clone();
-        async move { client.get(export_key, None).await.ok().and_then(|r| r.kvs().first().and_then(|kv| kv.value_str().ok().map(String::from))) }
-    }, |value| value.as_ref().is_some_and(|v| v.contains(EAST_POD)))
+    let _ = eventually(
+        "east's export",
+        Duration::from_secs(20),
+        || {
+            let mut client = east_client.clone();
+            async move {
+                client
+                    .get(export_key, None)
+                    .await
+                    .ok()
+                    .and_then(|r| r.kvs().first().and_then(|kv| kv.value_str().ok().map(String::from)))
+            }
+        },
+        |value| value.as_ref().is_some_and(|v| v.contains(EAST_POD)),
+    )
     .await;
     east_etcd.stop().await.unwrap();
 
@@ -1125,24 +1350,46 @@ async fn a_global_service_balances_to_another_clusters_endpoints() {
     let _servers = [Server::start(&west_pod, "west", &[8080]), Server::start(&east_pod, "east", &[8080])];
     let cluster = Cluster::new();
     let svc = Svc::new("web", "10.96.0.50", vec![Port::new("http", "TCP", 80, 8080)], vec![ready(POD_A, NODE)]);
-    let global = |yaml: String| yaml.replacen("metadata: { name: web, namespace: default }", "metadata: { name: web, namespace: default, annotations: { wasmplane.io/global: \"true\" } }", 1);
+    let global = |yaml: String| {
+        yaml.replacen(
+            "metadata: { name: web, namespace: default }",
+            "metadata: { name: web, namespace: default, annotations: { wasmplane.io/global: \"true\" } }",
+            1,
+        )
+    };
     cluster.put_file("svc-web.yaml", &global(svc.yaml()));
     let west = start_host(HostConfig {
         kvstore: KvstoreConfig::etcd(vec![west_etcd.endpoint()]),
-        agent: Some(wasmplane::agent::AgentConfig { cluster_name: Some("west".into()), clustermesh: wasmplane::clustermesh::ClusterMeshConfig { remotes: vec![wasmplane::clustermesh::RemoteEtcd { cluster: "east".into(), endpoints: vec![east_etcd.endpoint()], tls: None, user: None }], ..Default::default() }, ..Default::default() }),
+        agent: Some(wasmplane::agent::AgentConfig {
+            cluster_name: Some("west".into()),
+            clustermesh: wasmplane::clustermesh::ClusterMeshConfig {
+                remotes: vec![wasmplane::clustermesh::RemoteEtcd {
+                    cluster: "east".into(),
+                    endpoints: vec![east_etcd.endpoint()],
+                    tls: None,
+                    user: None,
+                }],
+                ..Default::default()
+            },
+            ..Default::default()
+        }),
         ..cluster.config(topo.nft_command())
     })
     .await;
     let to = addr("10.96.0.50", 80);
     wait_applied(&west, "west's own endpoint", |t| targets(t, POD_A));
     assert_backends("west's alone while east's etcd is down", &tcp_many(&client, to, MANY), &["west"]);
-    let imports: serde_json::Value = reqwest::get(format!("{}/v1/cluster/services", west.url())).await.unwrap().json().await.unwrap();
+    let imports: serde_json::Value =
+        reqwest::get(format!("{}/v1/cluster/services", west.url())).await.unwrap().json().await.unwrap();
     assert_eq!(imports["remote_clusters"], serde_json::json!([{"name": "east", "connected": false}]), "{imports}");
     let metric = |name: &'static str| {
         let url = format!("{}/metrics", west.url());
         async move {
             let text = reqwest::get(url).await.unwrap().text().await.unwrap();
-            text.lines().find_map(|l| l.strip_prefix(&format!("wasmplane_clustermesh_{name}{{cluster=\"east\"}} ")).map(|v| v.trim().to_string()))
+            text.lines().find_map(|l| {
+                l.strip_prefix(&format!("wasmplane_clustermesh_{name}{{cluster=\"east\"}} "))
+                    .map(|v| v.trim().to_string())
+            })
         }
     };
     assert_eq!(metric("remote_cluster_ready").await.as_deref(), Some("0"));
@@ -1151,9 +1398,16 @@ async fn a_global_service_balances_to_another_clusters_endpoints() {
     wait_applied(&west, "east's ready endpoint", |t| targets(t, EAST_POD));
     assert_backends("both clusters' endpoints", &tcp_many(&client, to, MANY), &["east", "west"]);
     assert!(!targets(&applied(&west), EAST_POD_STARTING), "east's endpoint that is not ready is no backend");
-    let imports: serde_json::Value = reqwest::get(format!("{}/v1/cluster/services", west.url())).await.unwrap().json().await.unwrap();
-    assert_eq!(imports, serde_json::json!({"cluster": "west", "remote_clusters": [{"name": "east", "connected": true}], "imported": [{"cluster": "east", "namespace": "default", "name": "web", "endpoints": [EAST_POD]}]}));
-    assert_eq!((metric("remote_cluster_ready").await.as_deref(), metric("imported_endpoints").await.as_deref()), (Some("1"), Some("1")));
+    let imports: serde_json::Value =
+        reqwest::get(format!("{}/v1/cluster/services", west.url())).await.unwrap().json().await.unwrap();
+    assert_eq!(
+        imports,
+        serde_json::json!({"cluster": "west", "remote_clusters": [{"name": "east", "connected": true}], "imported": [{"cluster": "east", "namespace": "default", "name": "web", "endpoints": [EAST_POD]}]})
+    );
+    assert_eq!(
+        (metric("remote_cluster_ready").await.as_deref(), metric("imported_endpoints").await.as_deref()),
+        (Some("1"), Some("1"))
+    );
 
     // East's pod stops being ready: its endpoint leaves west's rules.
     east_api.update(&east_slice(false)).unwrap();
@@ -1215,7 +1469,9 @@ async fn node_cidr_local_detection_masquerades_what_is_not_this_nodes_pods() {
         ..cluster.config(topo.nft_command())
     })
     .await;
-    wait_applied(&host, "the service and node-a's pod CIDR", |t| serves(t, "10.96.0.61 . tcp . 80") && t.contains("cluster-cidrs { 10.244.0.0/24 }"));
+    wait_applied(&host, "the service and node-a's pod CIDR", |t| {
+        serves(t, "10.96.0.61 . tcp . 80") && t.contains("cluster-cidrs { 10.244.0.0/24 }")
+    });
     let to = addr("10.96.0.61", 80);
     let peer_seen_from = |ns: &str| in_ns(ns, || tcp_ask(to, TIMEOUT)).expect("an answer").peer;
     assert_eq!(peer_seen_from(&client), ip(CLIENT), "a pod of this node keeps its source");
@@ -1223,7 +1479,14 @@ async fn node_cidr_local_detection_masquerades_what_is_not_this_nodes_pods() {
     assert_eq!(peer_seen_from(&topo.external.name), ip(POD_GATEWAY), "an external client is masqueraded");
 
     // node-a's pod CIDR becomes 10.244.1.0/24: now the other client is the local one.
-    cluster.put_file("cluster.yaml", &NODES_YAML.replacen("podCIDR: 10.244.0.0/24, podCIDRs: [10.244.0.0/24]", "podCIDR: 10.244.1.0/24, podCIDRs: [10.244.1.0/24]", 1));
+    cluster.put_file(
+        "cluster.yaml",
+        &NODES_YAML.replacen(
+            "podCIDR: 10.244.0.0/24, podCIDRs: [10.244.0.0/24]",
+            "podCIDR: 10.244.1.0/24, podCIDRs: [10.244.1.0/24]",
+            1,
+        ),
+    );
     wait_applied(&host, "the moved pod CIDR", |t| t.contains("cluster-cidrs { 10.244.1.0/24 }"));
     assert_eq!(peer_seen_from(&other), ip(OTHER_NODES_POD));
     assert_eq!(peer_seen_from(&client), ip(POD_GATEWAY));
@@ -1238,18 +1501,39 @@ const NO_PODS_CIDR: &str = "10.99.0.0/16";
 /// cluster IP 10.96.0.61 from pod a and `local`'s node port 30081 (externalTrafficPolicy
 /// Local) from pod a and the remote pod; once the rules hold the host's off-cluster
 /// masquerade as `rendered`.
-async fn start_with_interface_detection(topo: &Topology, local_detection: wasmplane::controller::LocalDetection, rendered: &str) -> (Cluster, RunningHost) {
+async fn start_with_interface_detection(
+    topo: &Topology,
+    local_detection: wasmplane::controller::LocalDetection,
+    rendered: &str,
+) -> (Cluster, RunningHost) {
     let cluster = Cluster::new();
     cluster.put(&Svc::new("web", "10.96.0.61", vec![Port::new("http", "TCP", 80, 8080)], vec![ready(POD_A, NODE)]));
-    let mut local = Svc::new("local", "10.96.0.62", vec![Port::new("http", "TCP", 80, 8080).node_port(30081)], vec![ready(POD_A, NODE), ready(REMOTE_POD, OTHER_NODE)]);
+    let mut local = Svc::new(
+        "local",
+        "10.96.0.62",
+        vec![Port::new("http", "TCP", 80, 8080).node_port(30081)],
+        vec![ready(POD_A, NODE), ready(REMOTE_POD, OTHER_NODE)],
+    );
     local.service_type = "NodePort";
     local.external_local = true;
     cluster.put(&local);
-    let host = start_host(HostConfig { cluster_cidrs: vec![NO_PODS_CIDR.into()], local_detection, ..cluster.config(topo.nft_command()) }).await;
-    let masquerade = format!("masquerade-check ip daddr . meta l4proto . th dport @masquerade-off-cluster {rendered} jump mark-for-masquerade");
-    let applied = wait_applied(&host, "the services", |t| serves(t, "10.96.0.61 . tcp . 80") && t.contains("svc/default/local/tcp/http/local"));
+    let host = start_host(HostConfig {
+        cluster_cidrs: vec![NO_PODS_CIDR.into()],
+        local_detection,
+        ..cluster.config(topo.nft_command())
+    })
+    .await;
+    let masquerade = format!(
+        "masquerade-check ip daddr . meta l4proto . th dport @masquerade-off-cluster {rendered} jump mark-for-masquerade"
+    );
+    let applied = wait_applied(&host, "the services", |t| {
+        serves(t, "10.96.0.61 . tcp . 80") && t.contains("svc/default/local/tcp/http/local")
+    });
     assert!(applied.contains(&masquerade), "no `{masquerade}` in:\n{applied}");
-    assert!(applied.contains(&format!("cluster-cidrs {{ {NO_PODS_CIDR} }}")), "the configured cluster CIDR stays (WIT 1.0 guests'):\n{applied}");
+    assert!(
+        applied.contains(&format!("cluster-cidrs {{ {NO_PODS_CIDR} }}")),
+        "the configured cluster CIDR stays (WIT 1.0 guests'):\n{applied}"
+    );
     (cluster, host)
 }
 
@@ -1281,10 +1565,15 @@ async fn interface_name_prefix_local_detection_keeps_pods_sources() {
     let client = topo.add_pod(CLIENT);
     let _servers = [Server::start(&pod_a, "a", &[8080]), Server::start(&remote, "remote", &[8080])];
     let detection = wasmplane::controller::LocalDetection::InterfaceNamePrefix(POD_VETH_PREFIX.into());
-    let (_cluster, host) = start_with_interface_detection(&topo, detection, &format!("iifname != \"{POD_VETH_PREFIX}*\"")).await;
+    let (_cluster, host) =
+        start_with_interface_detection(&topo, detection, &format!("iifname != \"{POD_VETH_PREFIX}*\"")).await;
     let peer_seen_from = |ns: &str, to: SocketAddr| in_ns(ns, || tcp_ask(to, TIMEOUT)).expect("an answer");
     assert_eq!(peer_seen_from(&client, addr("10.96.0.61", 80)).peer, ip(CLIENT), "a pod keeps its source");
-    assert_eq!(peer_seen_from(&topo.external.name, addr("10.96.0.61", 80)).peer, ip(POD_GATEWAY), "the external client is masqueraded");
+    assert_eq!(
+        peer_seen_from(&topo.external.name, addr("10.96.0.61", 80)).peer,
+        ip(POD_GATEWAY),
+        "the external client is masqueraded"
+    );
     assert_policy_local_node_port(&topo, &client);
     host.stop().await;
 }
@@ -1308,8 +1597,16 @@ async fn bridge_interface_local_detection_keeps_bridged_pods_sources() {
     let (_cluster, host) = start_with_interface_detection(&topo, detection, &format!("iifname != \"{BRIDGE}\"")).await;
     let peer_seen_from = |ns: &str, to: SocketAddr| in_ns(ns, || tcp_ask(to, TIMEOUT)).expect("an answer");
     assert_eq!(peer_seen_from(&client, addr("10.96.0.61", 80)).peer, ip(CLIENT), "a bridged pod keeps its source");
-    assert_eq!(peer_seen_from(&unbridged, addr("10.96.0.61", 80)).peer, ip(POD_GATEWAY), "a pod off the bridge is masqueraded");
-    assert_eq!(peer_seen_from(&topo.external.name, addr("10.96.0.61", 80)).peer, ip(POD_GATEWAY), "the external client is masqueraded");
+    assert_eq!(
+        peer_seen_from(&unbridged, addr("10.96.0.61", 80)).peer,
+        ip(POD_GATEWAY),
+        "a pod off the bridge is masqueraded"
+    );
+    assert_eq!(
+        peer_seen_from(&topo.external.name, addr("10.96.0.61", 80)).peer,
+        ip(POD_GATEWAY),
+        "the external client is masqueraded"
+    );
     assert_policy_local_node_port(&topo, &client);
     host.stop().await;
 }
@@ -1329,9 +1626,16 @@ async fn interface_name_prefix_local_detection_masquerades_ipv6_without_an_ipv6_
     // Pod a alone serves it: pod b, the client, never lands on itself (no hairpin).
     cluster.put(&Svc::new("six", "fd00:96::63", vec![Port::new("http", "TCP", 80, 8080)], vec![ready(POD_A6, NODE)]));
     let detection = wasmplane::controller::LocalDetection::InterfaceNamePrefix(POD_VETH_PREFIX.into());
-    let host = start_host(HostConfig { cluster_cidrs: vec![CLUSTER_CIDR.into()], local_detection: detection, ..cluster.config(topo.nft_command()) }).await;
+    let host = start_host(HostConfig {
+        cluster_cidrs: vec![CLUSTER_CIDR.into()],
+        local_detection: detection,
+        ..cluster.config(topo.nft_command())
+    })
+    .await;
     let applied = wait_applied(&host, "the service", |t| serves(t, "fd00:96::63 . tcp . 80"));
-    let masquerade = format!("masquerade-check ip6 daddr . meta l4proto . th dport @masquerade-off-cluster6 iifname != \"{POD_VETH_PREFIX}*\" jump mark-for-masquerade");
+    let masquerade = format!(
+        "masquerade-check ip6 daddr . meta l4proto . th dport @masquerade-off-cluster6 iifname != \"{POD_VETH_PREFIX}*\" jump mark-for-masquerade"
+    );
     assert!(applied.contains(&masquerade), "no `{masquerade}` in:\n{applied}");
     assert!(set_holds(&applied, "masquerade-off-cluster6", "fd00:96::63 . tcp . 80"), "{applied}");
     let to = addr("fd00:96::63", 80);
@@ -1350,7 +1654,9 @@ fn hostport_pod(name: &str, node: &str, ip: Option<&str>, ports: &[(u16, &str, u
             format!("{{ containerPort: {port}, protocol: {protocol}, hostPort: {host_port}{host_ip} }}")
         })
         .collect();
-    let status = ip.map(|ip| format!("status: {{ phase: Running, podIP: {ip}, podIPs: [{{ ip: {ip} }}] }}\n")).unwrap_or_default();
+    let status = ip
+        .map(|ip| format!("status: {{ phase: Running, podIP: {ip}, podIPs: [{{ ip: {ip} }}] }}\n"))
+        .unwrap_or_default();
     format!(
         "apiVersion: v1\nkind: Pod\nmetadata: {{ name: {name}, namespace: default }}\nspec: {{ nodeName: {node}, containers: [{{ name: c, image: x, ports: [{}] }}] }}\n{status}---\n",
         ports.join(", ")
@@ -1374,37 +1680,70 @@ async fn hostport_forwards_node_ports_of_its_pod_and_closes_when_the_pod_goes() 
     let pod_b = topo.add_pod(POD_B);
     let pod_c = topo.add_pod(POD_C);
     let client = topo.add_pod(CLIENT);
-    let _servers = [Server::start(&pod_a, "a", &[8080]), Server::start(&pod_b, "b", &[8080]), Server::start(&pod_c, "c", &[8080])];
+    let _servers =
+        [Server::start(&pod_a, "a", &[8080]), Server::start(&pod_b, "b", &[8080]), Server::start(&pod_c, "c", &[8080])];
     topo.node.exec(&["ip", "addr", "add", &format!("{SECOND_IP}/24"), "dev", "ext0"]);
     let cluster = Cluster::new();
-    let mut node_port = Svc::new("np", "10.96.0.80", vec![Port::new("http", "TCP", 80, 8080).node_port(30070)], vec![ready(POD_C, NODE)]);
+    let mut node_port = Svc::new(
+        "np",
+        "10.96.0.80",
+        vec![Port::new("http", "TCP", 80, 8080).node_port(30070)],
+        vec![ready(POD_C, NODE)],
+    );
     node_port.service_type = "NodePort";
     cluster.put(&node_port);
-    let mut taken = Svc::new("taken", "10.96.0.81", vec![Port::new("http", "TCP", 80, 8080).node_port(30071)], vec![ready(POD_C, NODE)]);
+    let mut taken = Svc::new(
+        "taken",
+        "10.96.0.81",
+        vec![Port::new("http", "TCP", 80, 8080).node_port(30071)],
+        vec![ready(POD_C, NODE)],
+    );
     taken.service_type = "NodePort";
     cluster.put(&taken);
     let host = start_host(cluster.config(topo.nft_command())).await;
-    wait_applied(&host, "the node ports", |t| t.contains("tcp . 30070 : goto nodeport-dispatch") && t.contains("tcp . 30071 : goto nodeport-dispatch"));
+    wait_applied(&host, "the node ports", |t| {
+        t.contains("tcp . 30070 : goto nodeport-dispatch") && t.contains("tcp . 30071 : goto nodeport-dispatch")
+    });
     let ext = topo.external.name.clone();
     assert_backends("the node port before any host port", &tcp_many(&ext, addr(NODE_EXTERNAL_IP, 30071), 3), &["c"]);
 
     // Pod a: host ports on every address; pod b: on the second address only, and no address
     // from the API server yet; a pod of another node: nothing here.
-    let pod_a_yaml = hostport_pod("a", NODE, Some(POD_A), &[(8080, "TCP", 18080, None), (8080, "UDP", 18053, Some("0.0.0.0")), (8080, "TCP", 30071, None)]);
-    let others = hostport_pod("b", NODE, None, &[(8080, "TCP", 18081, Some(SECOND_IP))]) + &hostport_pod("remote", OTHER_NODE, Some(REMOTE_POD), &[(8080, "TCP", 18082, None)]);
+    let pod_a_yaml = hostport_pod(
+        "a",
+        NODE,
+        Some(POD_A),
+        &[(8080, "TCP", 18080, None), (8080, "UDP", 18053, Some("0.0.0.0")), (8080, "TCP", 30071, None)],
+    );
+    let others = hostport_pod("b", NODE, None, &[(8080, "TCP", 18081, Some(SECOND_IP))])
+        + &hostport_pod("remote", OTHER_NODE, Some(REMOTE_POD), &[(8080, "TCP", 18082, None)]);
     cluster.put_file("pods.yaml", &format!("{pod_a_yaml}{others}"));
     wait_applied(&host, "pod a's host ports", |t| {
-        set_holds(t, "hostports-any", "tcp . 18080 : 10.244.0.11 . 8080") && set_holds(t, "hostports-any", "udp . 18053 : 10.244.0.11 . 8080")
+        set_holds(t, "hostports-any", "tcp . 18080 : 10.244.0.11 . 8080")
+            && set_holds(t, "hostports-any", "udp . 18053 : 10.244.0.11 . 8080")
     });
     let b = wasmplane_model::ObjectKey::new("default", "b");
     host.controller.lock().unwrap().set_pod_network(&b, Some(vec![POD_B.to_string()]), &[]).unwrap();
-    let applied = wait_applied(&host, "pod b's host port from its CNI address", |t| set_holds(t, "hostports", &format!("{SECOND_IP} . tcp . 18081 : 10.244.0.12 . 8080")));
+    let applied = wait_applied(&host, "pod b's host port from its CNI address", |t| {
+        set_holds(t, "hostports", &format!("{SECOND_IP} . tcp . 18081 : 10.244.0.12 . 8080"))
+    });
     assert!(!applied.contains("18082") && !applied.contains(REMOTE_POD), "another node's pod:\n{applied}");
     let table = topo.table();
-    assert!(set_holds(&table, "hostports-any", "tcp . 18080 : 10.244.0.11 . 8080") && set_holds(&table, "hairpin", "10.244.0.11 . 10.244.0.11"), "{table}");
+    assert!(
+        set_holds(&table, "hostports-any", "tcp . 18080 : 10.244.0.11 . 8080")
+            && set_holds(&table, "hairpin", "10.244.0.11 . 10.244.0.11"),
+        "{table}"
+    );
     let errors = host.metrics.syncs.get_or_create(&wasmplane::metrics::ResultLabels { result: "error".into() }).get();
-    let batches = host.metrics.dataplane_transactions.get_or_create(&wasmplane::metrics::PathLabels { path: "netlink".into() }).get();
-    assert!(errors == 0 && batches > 0, "every change written, as netlink batches: {errors} refused, {batches} batches");
+    let batches = host
+        .metrics
+        .dataplane_transactions
+        .get_or_create(&wasmplane::metrics::PathLabels { path: "netlink".into() })
+        .get();
+    assert!(
+        errors == 0 && batches > 0,
+        "every change written, as netlink batches: {errors} refused, {batches} batches"
+    );
 
     // From outside, on any local address, TCP and UDP; the client keeps its address.
     for node_ip in [NODE_EXTERNAL_IP, SECOND_IP] {
@@ -1425,14 +1764,29 @@ async fn hostport_forwards_node_ports_of_its_pod_and_closes_when_the_pod_goes() 
     assert_backends("hairpin UDP through the host port", &udp_many(&pod_a, addr(NODE_EXTERNAL_IP, 18053), 5), &["a"]);
     // Loopback is not served (as node ports).
     let started = Instant::now();
-    assert_refused_fast("the host port on loopback", topo.node.run(|| tcp_ask(addr("127.0.0.1", 18080), TIMEOUT)), started, false);
+    assert_refused_fast(
+        "the host port on loopback",
+        topo.node.run(|| tcp_ask(addr("127.0.0.1", 18080), TIMEOUT)),
+        started,
+        false,
+    );
 
     // hostIP: that address only.
     assert_backends("the host port on its hostIP", &tcp_many(&ext, addr(SECOND_IP, 18081), 5), &["b"]);
     let started = Instant::now();
-    assert_refused_fast("the host port on another address", topo.external.run(|| tcp_ask(addr(NODE_EXTERNAL_IP, 18081), TIMEOUT)), started, false);
+    assert_refused_fast(
+        "the host port on another address",
+        topo.external.run(|| tcp_ask(addr(NODE_EXTERNAL_IP, 18081), TIMEOUT)),
+        started,
+        false,
+    );
     let started = Instant::now();
-    assert_refused_fast("another node's pod's host port", topo.external.run(|| tcp_ask(addr(NODE_EXTERNAL_IP, 18082), TIMEOUT)), started, false);
+    assert_refused_fast(
+        "another node's pod's host port",
+        topo.external.run(|| tcp_ask(addr(NODE_EXTERNAL_IP, 18082), TIMEOUT)),
+        started,
+        false,
+    );
 
     // Node ports beside them; one that is also pod a's host port goes to pod a on this node.
     assert_backends("a node port beside host ports", &tcp_many(&ext, addr(NODE_EXTERNAL_IP, 30070), 5), &["c"]);
@@ -1441,16 +1795,32 @@ async fn hostport_forwards_node_ports_of_its_pod_and_closes_when_the_pod_goes() 
     // Pod a goes: its ports close at once (nothing listens on the node), the node port is
     // the service's again, pod b keeps its port.
     cluster.put_file("pods.yaml", &others);
-    wait_applied(&host, "pod a's host ports gone", |t| !t.contains("10.244.0.11 . 8080") && !t.contains("10.244.0.11 . 10.244.0.11"));
+    wait_applied(&host, "pod a's host ports gone", |t| {
+        !t.contains("10.244.0.11 . 8080") && !t.contains("10.244.0.11 . 10.244.0.11")
+    });
     let table = topo.table();
     for gone in ["18080", "18053", "10.244.0.11 . 10.244.0.11"] {
         assert!(!table.contains(gone), "{gone} still in the kernel:\n{table}");
     }
     let started = Instant::now();
-    assert_refused_fast("TCP host port after the pod went", topo.external.run(|| tcp_ask(addr(NODE_EXTERNAL_IP, 18080), TIMEOUT)), started, false);
+    assert_refused_fast(
+        "TCP host port after the pod went",
+        topo.external.run(|| tcp_ask(addr(NODE_EXTERNAL_IP, 18080), TIMEOUT)),
+        started,
+        false,
+    );
     let started = Instant::now();
-    assert_refused_fast("UDP host port after the pod went", topo.external.run(|| udp_ask(addr(NODE_EXTERNAL_IP, 18053), TIMEOUT)), started, false);
-    assert_backends("the node port after the host port went", &tcp_many(&ext, addr(NODE_EXTERNAL_IP, 30071), 5), &["c"]);
+    assert_refused_fast(
+        "UDP host port after the pod went",
+        topo.external.run(|| udp_ask(addr(NODE_EXTERNAL_IP, 18053), TIMEOUT)),
+        started,
+        false,
+    );
+    assert_backends(
+        "the node port after the host port went",
+        &tcp_many(&ext, addr(NODE_EXTERNAL_IP, 30071), 5),
+        &["c"],
+    );
     assert_backends("the other pod's host port", &tcp_many(&ext, addr(SECOND_IP, 18081), 3), &["b"]);
 
     // A hot swap of the translator rewrites the whole table: the host ports go in with it.
@@ -1463,7 +1833,9 @@ async fn hostport_forwards_node_ports_of_its_pod_and_closes_when_the_pod_goes() 
         .unwrap();
     assert!(response.status().is_success(), "upload: {}", response.text().await.unwrap_or_default());
     let in_force = || host.controller.lock().unwrap_or_else(|p| p.into_inner()).active_translator();
-    wait_for("the swapped translator in force", Duration::from_secs(10), in_force, |t| t.as_ref().is_some_and(|(name, _)| name == "swapped"));
+    wait_for("the swapped translator in force", Duration::from_secs(10), in_force, |t| {
+        t.as_ref().is_some_and(|(name, _)| name == "swapped")
+    });
     let table = topo.table();
     assert!(set_holds(&table, "hostports", &format!("{SECOND_IP} . tcp . 18081 : 10.244.0.12 . 8080")), "{table}");
     assert_backends("a host port after a hot swap", &tcp_many(&ext, addr(SECOND_IP, 18081), 3), &["b"]);
@@ -1490,16 +1862,26 @@ async fn hostport_of_a_dual_stack_pod_serves_ipv6_too() {
     cluster.put_file("pods.yaml", &pod);
     let host = start_host(cluster.config(topo.nft_command())).await;
     wait_applied(&host, "pod a's host ports", |t| {
-        set_holds(t, "hostports-any6", &format!("tcp . 18080 : {POD_A6} . 8080")) && set_holds(t, "hostports6", &format!("{NODE6} . tcp . 18081 : {POD_A6} . 8080"))
+        set_holds(t, "hostports-any6", &format!("tcp . 18080 : {POD_A6} . 8080"))
+            && set_holds(t, "hostports6", &format!("{NODE6} . tcp . 18081 : {POD_A6} . 8080"))
     });
     let ext = topo.external.name.clone();
     let replies = tcp_many(&ext, addr(NODE6, 18080), 5);
     assert_backends("the host port on the node's IPv6 address", &replies, &["a"]);
     assert_all("the host port on the node's IPv6 address", &replies, |r| r.peer == ip("fd00:77::2"));
-    assert_backends("the host port on the node's IPv4 address", &tcp_many(&ext, addr(NODE_EXTERNAL_IP, 18080), 5), &["a"]);
+    assert_backends(
+        "the host port on the node's IPv4 address",
+        &tcp_many(&ext, addr(NODE_EXTERNAL_IP, 18080), 5),
+        &["a"],
+    );
     assert_backends("the IPv6 hostIP", &tcp_many(&ext, addr(NODE6, 18081), 5), &["a"]);
     let started = Instant::now();
-    assert_refused_fast("the IPv6 hostIP's port on IPv4", topo.external.run(|| tcp_ask(addr(NODE_EXTERNAL_IP, 18081), TIMEOUT)), started, false);
+    assert_refused_fast(
+        "the IPv6 hostIP's port on IPv4",
+        topo.external.run(|| tcp_ask(addr(NODE_EXTERNAL_IP, 18081), TIMEOUT)),
+        started,
+        false,
+    );
     let replies = tcp_many(&pod_a, addr(NODE6, 18080), 5);
     assert_backends("IPv6 hairpin through the host port", &replies, &["a"]);
     assert_all("IPv6 hairpin through the host port", &replies, |r| r.peer == ip(POD_GATEWAY6));
@@ -1528,25 +1910,54 @@ async fn pods_egress_out_of_the_cluster_leaves_with_the_nodes_address() {
         ..Default::default()
     };
     let outside = addr(EXTERNAL_CLIENT_IP, 8080);
-    let ask = |ns: &str, to: SocketAddr, udp: bool| in_ns(ns, || if udp { udp_ask(to, Duration::from_secs(2)) } else { tcp_ask(to, Duration::from_secs(2)) }).map(|r| r.peer);
+    let ask = |ns: &str, to: SocketAddr, udp: bool| {
+        in_ns(ns, || if udp { udp_ask(to, Duration::from_secs(2)) } else { tcp_ask(to, Duration::from_secs(2)) })
+            .map(|r| r.peer)
+    };
 
-    let host = start_host(HostConfig { egress_masquerade: Some(egress(&[], &[CLUSTER_CIDR])), ..cluster.config(topo.nft_command()) }).await;
+    let host = start_host(HostConfig {
+        egress_masquerade: Some(egress(&[], &[CLUSTER_CIDR])),
+        ..cluster.config(topo.nft_command())
+    })
+    .await;
     wait_applied(&host, "the web service", |t| serves(t, "10.96.0.10 . tcp . 80"));
     // Until the Node object's pod CIDR is in force nothing is masqueraded (the outside routes
     // back to this test's node, so the connection works and tells the source).
-    let _ = wait_for("the pod CIDR's egress masqueraded", Duration::from_secs(10), || ask(&client, outside, false), |peer| matches!(peer, Ok(p) if *p == ip(NODE_EXTERNAL_IP)));
+    let _ = wait_for(
+        "the pod CIDR's egress masqueraded",
+        Duration::from_secs(10),
+        || ask(&client, outside, false),
+        |peer| matches!(peer, Ok(p) if *p == ip(NODE_EXTERNAL_IP)),
+    );
     assert_eq!(ask(&client, outside, true).unwrap(), ip(NODE_EXTERNAL_IP), "UDP out of the cluster");
     assert_eq!(ask(&client, addr(POD_A, 8080), false).unwrap(), ip(CLIENT), "to a pod: the pod's own address");
-    assert_eq!(ask(&client, addr("10.96.0.10", 80), false).unwrap(), ip(CLIENT), "to a service's pod: the pod's own address");
-    assert_eq!(ask(&other_nodes_pod, outside, false).unwrap(), ip(REMOTE_POD), "another node's pod CIDR is its node's to masquerade");
+    assert_eq!(
+        ask(&client, addr("10.96.0.10", 80), false).unwrap(),
+        ip(CLIENT),
+        "to a service's pod: the pod's own address"
+    );
+    assert_eq!(
+        ask(&other_nodes_pod, outside, false).unwrap(),
+        ip(REMOTE_POD),
+        "another node's pod CIDR is its node's to masquerade"
+    );
     // From the node itself: not a pod, untouched.
     assert_eq!(ask(&topo.node.name, outside, false).unwrap(), ip(NODE_EXTERNAL_IP));
     host.stop().await;
 
     // The external network is a non-masquerade CIDR (it routes the pod CIDRs): the pod's
     // address reaches it; configured pod CIDRs need no Node object.
-    let host = start_host(HostConfig { egress_masquerade: Some(egress(&["10.244.0.0/24"], &[CLUSTER_CIDR, "192.168.77.0/24"])), ..cluster.config(topo.nft_command()) }).await;
-    let _ = wait_for("the non-masquerade CIDR in force", Duration::from_secs(10), || ask(&client, outside, false), |peer| matches!(peer, Ok(p) if *p == ip(CLIENT)));
+    let host = start_host(HostConfig {
+        egress_masquerade: Some(egress(&["10.244.0.0/24"], &[CLUSTER_CIDR, "192.168.77.0/24"])),
+        ..cluster.config(topo.nft_command())
+    })
+    .await;
+    let _ = wait_for(
+        "the non-masquerade CIDR in force",
+        Duration::from_secs(10),
+        || ask(&client, outside, false),
+        |peer| matches!(peer, Ok(p) if *p == ip(CLIENT)),
+    );
     assert!(topo.table().contains("192.168.77.0/24"), "{}", topo.table());
     host.stop().await;
 

@@ -127,10 +127,13 @@ mod tests {
     #[test]
     fn pod_traffic_matches_carry_family_and_negation() {
         let rule = RuleBuilder::new().not_from_pods(AddressFamily::Ipv6).from_pods(AddressFamily::Ipv4).masquerade();
-        assert_eq!(rule.matches, vec![
-            RuleMatch::PodTraffic(PodTrafficMatch { family: AddressFamily::Ipv6, negate: true }),
-            RuleMatch::PodTraffic(PodTrafficMatch { family: AddressFamily::Ipv4, negate: false }),
-        ]);
+        assert_eq!(
+            rule.matches,
+            vec![
+                RuleMatch::PodTraffic(PodTrafficMatch { family: AddressFamily::Ipv6, negate: true }),
+                RuleMatch::PodTraffic(PodTrafficMatch { family: AddressFamily::Ipv4, negate: false }),
+            ]
+        );
         assert_eq!(rule.verdict, Verdict::Masquerade);
     }
 }

@@ -61,7 +61,8 @@ impl Cidr {
         }
         match (self.addr, ip) {
             (IpAddr::V4(net), IpAddr::V4(ip)) => {
-                masked(u32::from(net) as u128, self.prefix_len, 32) == masked(u32::from(ip) as u128, self.prefix_len, 32)
+                masked(u32::from(net) as u128, self.prefix_len, 32)
+                    == masked(u32::from(ip) as u128, self.prefix_len, 32)
             }
             (IpAddr::V6(net), IpAddr::V6(ip)) => {
                 masked(u128::from(net), self.prefix_len, 128) == masked(u128::from(ip), self.prefix_len, 128)

@@ -116,7 +116,7 @@ macro_rules! export_settings_validator {
                     $validate(&settings)
                 }
             }
-            $crate::validation::export_settings_validation!(SettingsValidator with_types_in $crate::validation);
+    $crate::validation::export_settings_validation!(SettingsValidator with_types_in $crate::validation);
         };
     };
 }

@@ -9,7 +9,12 @@ pub trait Lookups {
     /// Pods matching both selectors. `namespace_selector: None` means the pods of
     /// `namespace` (of every namespace when that is `None` too). Host-network pods are never
     /// returned: policies neither select them nor name them as peers.
-    fn pods_matching(&self, namespace: Option<&str>, namespace_selector: Option<&LabelSelector>, pod_selector: &LabelSelector) -> Vec<Pod>;
+    fn pods_matching(
+        &self,
+        namespace: Option<&str>,
+        namespace_selector: Option<&LabelSelector>,
+        pod_selector: &LabelSelector,
+    ) -> Vec<Pod>;
     fn namespace(&self, name: &str) -> Option<Namespace>;
 }
 
@@ -18,7 +23,12 @@ pub struct HostLookups;
 
 #[cfg(target_family = "wasm")]
 impl Lookups for HostLookups {
-    fn pods_matching(&self, namespace: Option<&str>, namespace_selector: Option<&LabelSelector>, pod_selector: &LabelSelector) -> Vec<Pod> {
+    fn pods_matching(
+        &self,
+        namespace: Option<&str>,
+        namespace_selector: Option<&LabelSelector>,
+        pod_selector: &LabelSelector,
+    ) -> Vec<Pod> {
         crate::service::wasmplane::dataplane::lookups::pods_matching(namespace, namespace_selector, pod_selector)
     }
     fn namespace(&self, name: &str) -> Option<Namespace> {
@@ -34,7 +44,12 @@ pub struct StaticLookups {
 }
 
 impl Lookups for StaticLookups {
-    fn pods_matching(&self, namespace: Option<&str>, namespace_selector: Option<&LabelSelector>, pod_selector: &LabelSelector) -> Vec<Pod> {
+    fn pods_matching(
+        &self,
+        namespace: Option<&str>,
+        namespace_selector: Option<&LabelSelector>,
+        pod_selector: &LabelSelector,
+    ) -> Vec<Pod> {
         self.pods
             .iter()
             .filter(|p| !p.host_network && selector::matches(pod_selector, &p.labels))

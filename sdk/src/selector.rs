@@ -8,10 +8,8 @@ fn label_value<'a>(labels: &'a [Label], key: &str) -> Option<&'a str> {
 
 /// Whether `labels` satisfy `selector`; an empty selector matches everything.
 pub fn matches(selector: &LabelSelector, labels: &[Label]) -> bool {
-    let labels_ok = selector
-        .match_labels
-        .iter()
-        .all(|want| label_value(labels, &want.key) == Some(want.value.as_str()));
+    let labels_ok =
+        selector.match_labels.iter().all(|want| label_value(labels, &want.key) == Some(want.value.as_str()));
     labels_ok
         && selector.match_expressions.iter().all(|req| {
             let value = label_value(labels, &req.key);
@@ -45,7 +43,11 @@ mod tests {
         let sel = LabelSelector {
             match_labels: vec![label("app", "web")],
             match_expressions: vec![
-                SelectorRequirement { key: "tier".into(), operator: SelectorOperator::In, values: vec!["fe".into(), "be".into()] },
+                SelectorRequirement {
+                    key: "tier".into(),
+                    operator: SelectorOperator::In,
+                    values: vec!["fe".into(), "be".into()],
+                },
                 SelectorRequirement { key: "canary".into(), operator: SelectorOperator::DoesNotExist, values: vec![] },
             ],
         };
@@ -59,7 +61,11 @@ mod tests {
     fn not_in_matches_missing_key() {
         let sel = LabelSelector {
             match_labels: vec![],
-            match_expressions: vec![SelectorRequirement { key: "env".into(), operator: SelectorOperator::NotIn, values: vec!["prod".into()] }],
+            match_expressions: vec![SelectorRequirement {
+                key: "env".into(),
+                operator: SelectorOperator::NotIn,
+                values: vec!["prod".into()],
+            }],
         };
         assert!(matches(&sel, &[]));
         assert!(matches(&sel, &[label("env", "dev")]));

@@ -29,7 +29,8 @@ pub fn shared_set_name(kind: &str, key: &[u8], family: &str) -> String {
 /// same bytes only if they have the same requirements (labels and expressions sorted,
 /// values sorted and deduplicated, every string length-prefixed).
 pub fn selector_key(selector: &LabelSelector, out: &mut Vec<u8>) {
-    let mut labels: Vec<(&str, &str)> = selector.match_labels.iter().map(|l| (l.key.as_str(), l.value.as_str())).collect();
+    let mut labels: Vec<(&str, &str)> =
+        selector.match_labels.iter().map(|l| (l.key.as_str(), l.value.as_str())).collect();
     labels.sort_unstable();
     labels.dedup();
     put_len(out, labels.len());
@@ -92,15 +93,28 @@ mod tests {
 
     #[test]
     fn order_does_not_matter_requirements_do() {
-        let expression = |values: &[&str]| SelectorRequirement { key: "tier".into(), operator: SelectorOperator::In, values: values.iter().map(|v| v.to_string()).collect() };
-        let a = LabelSelector { match_labels: vec![label("app", "web"), label("env", "prod")], match_expressions: vec![expression(&["fe", "be"])] };
-        let b = LabelSelector { match_labels: vec![label("env", "prod"), label("app", "web")], match_expressions: vec![expression(&["be", "fe", "be"])] };
+        let expression = |values: &[&str]| SelectorRequirement {
+            key: "tier".into(),
+            operator: SelectorOperator::In,
+            values: values.iter().map(|v| v.to_string()).collect(),
+        };
+        let a = LabelSelector {
+            match_labels: vec![label("app", "web"), label("env", "prod")],
+            match_expressions: vec![expression(&["fe", "be"])],
+        };
+        let b = LabelSelector {
+            match_labels: vec![label("env", "prod"), label("app", "web")],
+            match_expressions: vec![expression(&["be", "fe", "be"])],
+        };
         assert_eq!(key(&a), key(&b));
         let c = LabelSelector { match_labels: a.match_labels.clone(), match_expressions: vec![expression(&["fe"])] };
         assert_ne!(key(&a), key(&c));
         let not_in = LabelSelector {
             match_labels: a.match_labels.clone(),
-            match_expressions: vec![SelectorRequirement { operator: SelectorOperator::NotIn, ..expression(&["fe", "be"]) }],
+            match_expressions: vec![SelectorRequirement {
+                operator: SelectorOperator::NotIn,
+                ..expression(&["fe", "be"])
+            }],
         };
         assert_ne!(key(&a), key(&not_in));
     }

@@ -71,7 +71,9 @@ impl RecordedOutput {
         match self {
             RecordedOutput::Rules(rules) => rules["chains"]
                 .as_object()
-                .map(|chains| chains.iter().map(|(name, rules)| (name.clone(), rules.as_array().map_or(0, Vec::len))).collect())
+                .map(|chains| {
+                    chains.iter().map(|(name, rules)| (name.clone(), rules.as_array().map_or(0, Vec::len))).collect()
+                })
                 .unwrap_or_default(),
             RecordedOutput::Error(_) => BTreeMap::new(),
         }
@@ -133,14 +135,16 @@ pub struct Replayed<'a> {
 impl Recording {
     pub fn read(path: impl AsRef<Path>) -> Result<Recording, RecordingError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| RecordingError::Io { path: path.to_path_buf(), source })?;
+        let text =
+            std::fs::read_to_string(path).map_err(|source| RecordingError::Io { path: path.to_path_buf(), source })?;
         Recording::parse(&text)
     }
 
     pub fn parse(text: &str) -> Result<Recording, RecordingError> {
         let mut lines = text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty());
         let (_, first) = lines.next().ok_or_else(|| RecordingError::NotARecording("empty".into()))?;
-        let value: serde_json::Value = serde_json::from_str(first).map_err(|e| RecordingError::NotARecording(format!("line 1 is not JSON: {e}")))?;
+        let value: serde_json::Value = serde_json::from_str(first)
+            .map_err(|e| RecordingError::NotARecording(format!("line 1 is not JSON: {e}")))?;
         if value.get("format").and_then(|f| f.as_str()) != Some(FORMAT) {
             return Err(RecordingError::NotARecording(format!("line 1 has no \"format\": \"{FORMAT}\"")));
         }
@@ -149,9 +153,12 @@ impl Recording {
             Some(v) => return Err(RecordingError::UnsupportedVersion(v)),
             None => return Err(RecordingError::NotARecording("the header has no version".into())),
         }
-        let header: Header = serde_json::from_value(value).map_err(|e| RecordingError::BadLine { line: 1, reason: e.to_string() })?;
+        let header: Header =
+            serde_json::from_value(value).map_err(|e| RecordingError::BadLine { line: 1, reason: e.to_string() })?;
         let revisions = lines
-            .map(|(i, line)| serde_json::from_str(line).map_err(|e| RecordingError::BadLine { line: i + 1, reason: e.to_string() }))
+            .map(|(i, line)| {
+                serde_json::from_str(line).map_err(|e| RecordingError::BadLine { line: i + 1, reason: e.to_string() })
+            })
             .collect::<Result<_, _>>()?;
         Ok(Recording { header, revisions })
     }
@@ -170,7 +177,9 @@ impl Recording {
     {
         self.inputs()
             .map(|(revision, input)| {
-                crate::settings::set_for_tests(&revision.translator_settings.as_ref().map_or_else(|| "{}".to_string(), |s| s.to_string()));
+                crate::settings::set_for_tests(
+                    &revision.translator_settings.as_ref().map_or_else(|| "{}".to_string(), |s| s.to_string()),
+                );
                 Replayed {
                     revision,
                     input,
@@ -190,7 +199,10 @@ mod tests {
     fn the_header_is_checked() {
         assert!(matches!(Recording::parse(""), Err(RecordingError::NotARecording(_))));
         assert!(matches!(Recording::parse("{\"format\": \"x\"}"), Err(RecordingError::NotARecording(_))));
-        assert!(matches!(Recording::parse("{\"format\": \"wasmplane-recording\", \"version\": 2}"), Err(RecordingError::UnsupportedVersion(2))));
+        assert!(matches!(
+            Recording::parse("{\"format\": \"wasmplane-recording\", \"version\": 2}"),
+            Err(RecordingError::UnsupportedVersion(2))
+        ));
     }
 
     #[test]

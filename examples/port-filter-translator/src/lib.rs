@@ -12,9 +12,9 @@
 //! Build: `cargo build --release --target wasm32-wasip2 -p port-filter-translator`
 //! Upload: `wasmplane module push port-filter target/wasm32-wasip2/release/port_filter_translator.wasm --kind service-translator`
 
+use wasmplane_sdk::RuleBuilder;
 use wasmplane_sdk::builders::service_map_element;
 use wasmplane_sdk::types::*;
-use wasmplane_sdk::RuleBuilder;
 
 pub const EXPOSE_LABEL: &str = "wasmplane.io/expose";
 
@@ -67,7 +67,10 @@ pub fn translate(prefix: &str, service: &Service, slices: &[EndpointSlice], sett
             .iter()
             .flat_map(|s| {
                 let target = s.ports.iter().find(|p| p.name == port.name).map(|p| p.port);
-                s.endpoints.iter().filter(|e| e.ready).filter_map(move |e| Some((e.addresses.first()?.clone(), target?)))
+                s.endpoints
+                    .iter()
+                    .filter(|e| e.ready)
+                    .filter_map(move |e| Some((e.addresses.first()?.clone(), target?)))
             })
             .collect();
         let chain = format!("{prefix}/tcp/{}", port.port);
@@ -101,9 +104,15 @@ mod export {
     struct PortFilter;
 
     impl Guest for PortFilter {
-        fn translate(_node: NodeContext, prefix: String, svc: Service, slices: Vec<EndpointSlice>) -> Result<Ruleset, GuestError> {
+        fn translate(
+            _node: NodeContext,
+            prefix: String,
+            svc: Service,
+            slices: Vec<EndpointSlice>,
+        ) -> Result<Ruleset, GuestError> {
             wasmplane_sdk::log::debug(&format!("port-filter: {}/{}", svc.namespace, svc.name));
-            let settings = super::Settings::parse(&wasmplane_sdk::settings::raw()).map_err(|message| GuestError { message })?;
+            let settings =
+                super::Settings::parse(&wasmplane_sdk::settings::raw()).map_err(|message| GuestError { message })?;
             Ok(super::translate(&prefix, &svc, &slices, &settings))
         }
     }
@@ -119,7 +128,10 @@ mod tests {
     #[test]
     fn settings_default_to_the_expose_label_and_refuse_what_they_do_not_know() {
         assert_eq!(Settings::parse("{}"), Ok(Settings { label: EXPOSE_LABEL.into(), value: "true".into() }));
-        assert_eq!(Settings::parse(r#"{"label": "team", "value": "edge"}"#), Ok(Settings { label: "team".into(), value: "edge".into() }));
+        assert_eq!(
+            Settings::parse(r#"{"label": "team", "value": "edge"}"#),
+            Ok(Settings { label: "team".into(), value: "edge".into() })
+        );
         assert!(Settings::parse(r#"{"lable": "team"}"#).unwrap_err().contains("lable"));
         assert!(Settings::parse(r#"{"label": 5}"#).is_err());
     }

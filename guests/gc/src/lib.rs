@@ -101,7 +101,10 @@ impl Settings {
     /// The module's settings document; a mistake is an error naming it.
     pub fn parse(document: &str) -> Result<Settings, String> {
         let given: Document = serde_json::from_str(document).map_err(|e| format!("default-gc settings: {e}"))?;
-        Ok(Settings { grace: given.grace_seconds, lock_hard_limit_seconds: given.lock_hard_limit_seconds.unwrap_or(LOCK_HARD_LIMIT_SECONDS) })
+        Ok(Settings {
+            grace: given.grace_seconds,
+            lock_hard_limit_seconds: given.lock_hard_limit_seconds.unwrap_or(LOCK_HARD_LIMIT_SECONDS),
+        })
     }
 
     /// Grace period, in seconds, after which an entry of `kind` whose owner is gone
@@ -155,18 +158,8 @@ pub fn collect(candidates: &[Candidate], settings: &Settings) -> Vec<String> {
 mod tests {
     use super::*;
 
-    fn candidate(
-        key: &str,
-        kind: CandidateKind,
-        age_seconds: u64,
-        owner_exists: bool,
-    ) -> Candidate {
-        Candidate {
-            key: key.into(),
-            kind,
-            age_seconds,
-            owner_exists,
-        }
+    fn candidate(key: &str, kind: CandidateKind, age_seconds: u64, owner_exists: bool) -> Candidate {
+        Candidate { key: key.into(), kind, age_seconds, owner_exists }
     }
 
     #[test]
@@ -178,11 +171,8 @@ mod tests {
             CandidateKind::ServiceSync,
             CandidateKind::ModuleVersion,
         ];
-        let offered: Vec<Candidate> = kinds
-            .iter()
-            .enumerate()
-            .map(|(i, k)| candidate(&format!("k{i}"), *k, 10 * 24 * 3600, true))
-            .collect();
+        let offered: Vec<Candidate> =
+            kinds.iter().enumerate().map(|(i, k)| candidate(&format!("k{i}"), *k, 10 * 24 * 3600, true)).collect();
         assert!(collect(&offered, &Settings::default()).is_empty());
     }
 
@@ -197,17 +187,9 @@ mod tests {
             candidate("svc-young", CandidateKind::ServiceSync, 5, false),
             candidate("svc-old", CandidateKind::ServiceSync, 120, false),
             candidate("mod-young", CandidateKind::ModuleVersion, 3600, false),
-            candidate(
-                "mod-old",
-                CandidateKind::ModuleVersion,
-                2 * 24 * 3600,
-                false,
-            ),
+            candidate("mod-old", CandidateKind::ModuleVersion, 2 * 24 * 3600, false),
         ];
-        assert_eq!(
-            collect(&offered, &Settings::default()),
-            vec!["node-old", "ns-old", "ps-old", "svc-old", "mod-old"]
-        );
+        assert_eq!(collect(&offered, &Settings::default()), vec!["node-old", "ns-old", "ps-old", "svc-old", "mod-old"]);
     }
 
     #[test]
@@ -215,12 +197,7 @@ mod tests {
         let offered = vec![
             candidate("lock-orphan", CandidateKind::Lock, 0, false),
             candidate("lock-held", CandidateKind::Lock, 30, true),
-            candidate(
-                "lock-wedged",
-                CandidateKind::Lock,
-                LOCK_HARD_LIMIT_SECONDS,
-                true,
-            ),
+            candidate("lock-wedged", CandidateKind::Lock, LOCK_HARD_LIMIT_SECONDS, true),
         ];
         assert_eq!(collect(&offered, &Settings::default()), vec!["lock-orphan", "lock-wedged"]);
     }
@@ -236,7 +213,10 @@ mod tests {
 
     #[test]
     fn settings_change_grace_periods_and_the_lock_limit() {
-        let settings = Settings::parse(r#"{"graceSeconds": {"node-status": 30, "stale-node": 86400}, "lockHardLimitSeconds": 60}"#).unwrap();
+        let settings = Settings::parse(
+            r#"{"graceSeconds": {"node-status": 30, "stale-node": 86400}, "lockHardLimitSeconds": 60}"#,
+        )
+        .unwrap();
         let offered = vec![
             candidate("ns", CandidateKind::NodeStatus, 31, false),
             candidate("node", CandidateKind::StaleNode, 7200, false),

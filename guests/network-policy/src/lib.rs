@@ -48,7 +48,12 @@ mod export {
     struct DefaultPolicy;
 
     impl Guest for DefaultPolicy {
-        fn compile(node: NodeContext, chain_prefix: String, policy: NetworkPolicy, local_pods: Vec<Pod>) -> Result<Ruleset, GuestError> {
+        fn compile(
+            node: NodeContext,
+            chain_prefix: String,
+            policy: NetworkPolicy,
+            local_pods: Vec<Pod>,
+        ) -> Result<Ruleset, GuestError> {
             super::compile(&node, &chain_prefix, &policy, &local_pods, &wasmplane_sdk::lookups::HostLookups)
         }
     }
@@ -141,7 +146,9 @@ pub fn compile(
     // The host passes the selected pods; re-checking keeps the guest correct on its own.
     let mut targets: Vec<&Pod> = local_pods
         .iter()
-        .filter(|p| !p.host_network && p.namespace == policy.namespace && selector::matches(&policy.pod_selector, &p.labels))
+        .filter(|p| {
+            !p.host_network && p.namespace == policy.namespace && selector::matches(&policy.pod_selector, &p.labels)
+        })
         .collect();
     targets.sort_by(|a, b| a.ips.cmp(&b.ips));
     let families = families(node);
@@ -210,7 +217,12 @@ impl DirectionCompiler<'_> {
         if !self.sets.iter().any(|s| s.name == name) {
             elements.sort();
             elements.dedup();
-            self.sets.push(SetDeclaration { name: name.clone(), family: family.wit(), timeout_seconds: None, elements });
+            self.sets.push(SetDeclaration {
+                name: name.clone(),
+                family: family.wit(),
+                timeout_seconds: None,
+                elements,
+            });
         }
         name
     }
@@ -265,7 +277,10 @@ impl DirectionCompiler<'_> {
                     }
                     None => {
                         if peer.pod_selector.is_none() && peer.namespace_selector.is_none() {
-                            return Err(error(self.policy, "a peer must have a podSelector, a namespaceSelector or an ipBlock".into()));
+                            return Err(error(
+                                self.policy,
+                                "a peer must have a podSelector, a namespaceSelector or an ipBlock".into(),
+                            ));
                         }
                         any_selector = true;
                         peer_pods.extend(self.peer_pods(peer));
@@ -286,7 +301,12 @@ impl DirectionCompiler<'_> {
                 families.extend(peer_pods.iter().flat_map(|p| p.ips.iter()).map(|ip| Family::of(ip)));
                 let mut in_sets = Vec::new();
                 for family in families {
-                    let ips = peer_pods.iter().flat_map(|p| p.ips.iter()).filter(|ip| Family::of(ip) == family).cloned().collect();
+                    let ips = peer_pods
+                        .iter()
+                        .flat_map(|p| p.ips.iter())
+                        .filter(|ip| Family::of(ip) == family)
+                        .cloned()
+                        .collect();
                     let set = self.declare_set(shared_set_name("peers", &key, family.suffix()), family, ips);
                     in_sets.push(vec![self.direction.peer_in_set(set)]);
                 }
@@ -303,12 +323,18 @@ impl DirectionCompiler<'_> {
             let protocol = RuleMatch::Protocol(port.protocol);
             match (&port.port, port.end_port) {
                 (PolicyPortNumber::Any, None) => clauses.push(PortClause::Plain(vec![protocol])),
-                (PolicyPortNumber::Number(n), None) => clauses.push(PortClause::Plain(vec![protocol, RuleMatch::DestinationPort(*n)])),
+                (PolicyPortNumber::Number(n), None) => {
+                    clauses.push(PortClause::Plain(vec![protocol, RuleMatch::DestinationPort(*n)]))
+                }
                 (PolicyPortNumber::Number(n), Some(end)) => {
                     if end < *n {
                         return Err(error(self.policy, format!("endPort {end} is below port {n}")));
                     }
-                    let m = if end == *n { RuleMatch::DestinationPort(*n) } else { RuleMatch::DestinationPortRange((*n, end)) };
+                    let m = if end == *n {
+                        RuleMatch::DestinationPort(*n)
+                    } else {
+                        RuleMatch::DestinationPortRange((*n, end))
+                    };
                     clauses.push(PortClause::Plain(vec![protocol, m]));
                 }
                 (_, Some(_)) => return Err(error(self.policy, "endPort is only allowed with a numeric port".into())),
@@ -334,7 +360,9 @@ impl DirectionCompiler<'_> {
         let peer_alternatives = peers.as_ref().unwrap_or(&any_peer);
         for clause in clauses {
             let combos: Vec<Vec<RuleMatch>> = match clause {
-                PortClause::Plain(port) => peer_alternatives.iter().map(|p| [p.clone(), port.clone()].concat()).collect(),
+                PortClause::Plain(port) => {
+                    peer_alternatives.iter().map(|p| [p.clone(), port.clone()].concat()).collect()
+                }
                 PortClause::ForDestinations(port, dest) => {
                     peer_alternatives.iter().map(|p| [p.clone(), dest.clone(), port.clone()].concat()).collect()
                 }
@@ -348,12 +376,19 @@ impl DirectionCompiler<'_> {
     }
 
     fn ip_block(&self, block: &IpBlock) -> Result<Vec<RuleMatch>, GuestError> {
-        let cidr: Cidr = block.cidr.parse().map_err(|_| error(self.policy, format!("ipBlock cidr {:?} is not a CIDR", block.cidr)))?;
+        let cidr: Cidr = block
+            .cidr
+            .parse()
+            .map_err(|_| error(self.policy, format!("ipBlock cidr {:?} is not a CIDR", block.cidr)))?;
         let mut matches = vec![self.direction.peer(cidr.to_string(), false)];
         for except in &block.except {
-            let e: Cidr = except.parse().map_err(|_| error(self.policy, format!("ipBlock except {except:?} is not a CIDR")))?;
+            let e: Cidr =
+                except.parse().map_err(|_| error(self.policy, format!("ipBlock except {except:?} is not a CIDR")))?;
             if e.is_ipv4() != cidr.is_ipv4() {
-                return Err(error(self.policy, format!("ipBlock except {except} is not of the family of {}", block.cidr)));
+                return Err(error(
+                    self.policy,
+                    format!("ipBlock except {except} is not of the family of {}", block.cidr),
+                ));
             }
             matches.push(self.direction.peer(e.to_string(), true));
         }
@@ -394,7 +429,14 @@ impl DirectionCompiler<'_> {
     }
 
     /// Egress named port: resolved on the destination pods, grouped by number.
-    fn egress_named(&mut self, base: &str, name: &str, protocol: Protocol, destinations: &[Pod], clauses: &mut Vec<PortClause>) {
+    fn egress_named(
+        &mut self,
+        base: &str,
+        name: &str,
+        protocol: Protocol,
+        destinations: &[Pod],
+        clauses: &mut Vec<PortClause>,
+    ) {
         let mut by_number: BTreeMap<u16, Vec<String>> = BTreeMap::new();
         for pod in destinations.iter().filter(|p| !p.host_network) {
             if let Some(p) = pod.ports.iter().find(|p| p.name == name && p.protocol == protocol) {

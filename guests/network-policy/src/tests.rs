@@ -32,7 +32,12 @@ fn with_port(mut p: Pod, name: &str, protocol: Protocol, port: u16) -> Pod {
 }
 
 fn ctx() -> NodeContext {
-    NodeContext { node_name: "node-a".into(), node_ips: vec![], cluster_cidrs: vec!["10.244.0.0/16".into()], pod_cidrs: vec![] }
+    NodeContext {
+        node_name: "node-a".into(),
+        node_ips: vec![],
+        cluster_cidrs: vec!["10.244.0.0/16".into()],
+        pod_cidrs: vec![],
+    }
 }
 
 /// Namespaces `a`, `b` (team=blue), `c` (team=red); pods web/db/client in each.
@@ -56,7 +61,12 @@ fn ip(l: &StaticLookups, ns: &str, app: &str) -> String {
     l.pods.iter().find(|p| p.namespace == ns && p.labels[0].value == app).unwrap().ips[0].clone()
 }
 
-fn policy(ns: &str, selector: LabelSelector, ingress: Option<Vec<PolicyRule>>, egress: Option<Vec<PolicyRule>>) -> NetworkPolicy {
+fn policy(
+    ns: &str,
+    selector: LabelSelector,
+    ingress: Option<Vec<PolicyRule>>,
+    egress: Option<Vec<PolicyRule>>,
+) -> NetworkPolicy {
     NetworkPolicy { namespace: ns.into(), name: "p".into(), generation: 1, pod_selector: selector, ingress, egress }
 }
 
@@ -82,8 +92,12 @@ fn rule(ports: Vec<PolicyPort>, peers: Vec<PolicyPeer>) -> PolicyRule {
 
 /// Compiles `p` with the pods of `l` it selects as the local pods (every pod is on this node).
 fn compile_in(l: &StaticLookups, p: &NetworkPolicy) -> Ruleset {
-    let local: Vec<Pod> =
-        l.pods.iter().filter(|x| x.namespace == p.namespace && selector::matches(&p.pod_selector, &x.labels)).cloned().collect();
+    let local: Vec<Pod> = l
+        .pods
+        .iter()
+        .filter(|x| x.namespace == p.namespace && selector::matches(&p.pod_selector, &x.labels))
+        .cloned()
+        .collect();
     let prefix = format!("pol/{}/{}", p.namespace, p.name);
     compile(&ctx(), &prefix, p, &local, l).unwrap()
 }
@@ -138,7 +152,8 @@ fn direction_allows(outputs: &[Ruleset], map: &str, addr: &str, p: &Packet) -> O
 }
 
 fn allowed(outputs: &[Ruleset], p: Packet) -> bool {
-    direction_allows(outputs, EGRESS_MAP, p.src, &p).unwrap_or(true) && direction_allows(outputs, INGRESS_MAP, p.dst, &p).unwrap_or(true)
+    direction_allows(outputs, EGRESS_MAP, p.src, &p).unwrap_or(true)
+        && direction_allows(outputs, INGRESS_MAP, p.dst, &p).unwrap_or(true)
 }
 
 fn can(outputs: &[Ruleset], src: &str, dst: &str, protocol: Protocol, port: u16) -> bool {
@@ -150,7 +165,12 @@ fn can(outputs: &[Ruleset], src: &str, dst: &str, protocol: Protocol, port: u16)
 #[test]
 fn ingress_from_pod_selector_in_own_namespace_with_peer_set() {
     let l = cluster();
-    let p = policy("a", sel(&[("app", "web")]), Some(vec![rule(vec![tcp(8080)], vec![peer(Some(sel(&[("app", "client")])), None)])]), None);
+    let p = policy(
+        "a",
+        sel(&[("app", "web")]),
+        Some(vec![rule(vec![tcp(8080)], vec![peer(Some(sel(&[("app", "client")])), None)])]),
+        None,
+    );
     let r = compile_in(&l, &p);
     assert_eq!(r.chains.len(), 1);
     assert_eq!(r.chains[0].name, "pol/a/p/ingress");
@@ -164,7 +184,10 @@ fn ingress_from_pod_selector_in_own_namespace_with_peer_set() {
     assert!(!can(std::slice::from_ref(&r), &ip(&l, "a", "client"), &web, Protocol::Tcp, 8081), "other port");
     assert!(!can(std::slice::from_ref(&r), &ip(&l, "a", "client"), &web, Protocol::Udp, 8080), "other protocol");
     assert!(!can(std::slice::from_ref(&r), &ip(&l, "a", "db"), &web, Protocol::Tcp, 8080), "other pod");
-    assert!(!can(std::slice::from_ref(&r), &ip(&l, "b", "client"), &web, Protocol::Tcp, 8080), "same labels, other namespace");
+    assert!(
+        !can(std::slice::from_ref(&r), &ip(&l, "b", "client"), &web, Protocol::Tcp, 8080),
+        "same labels, other namespace"
+    );
     assert!(can(std::slice::from_ref(&r), &web, &ip(&l, "a", "db"), Protocol::Tcp, 1), "egress not restricted");
     assert!(can(&[r], &ip(&l, "a", "client"), &ip(&l, "a", "db"), Protocol::Tcp, 1), "unselected pod open");
 }
@@ -185,9 +208,13 @@ fn empty_rule_lists_deny_and_policy_types_are_independent() {
     assert!(!can(std::slice::from_ref(&deny_out), &web, &db, Protocol::Udp, 53));
     assert!(can(&[deny_out], &db, &web, Protocol::Tcp, 80));
     // Both types, allow-all rules (`- {}`): everything passes.
-    let all = compile_in(&l, &policy("a", PodSel::all(), Some(vec![rule(vec![], vec![])]), Some(vec![rule(vec![], vec![])])));
+    let all =
+        compile_in(&l, &policy("a", PodSel::all(), Some(vec![rule(vec![], vec![])]), Some(vec![rule(vec![], vec![])])));
     assert_eq!(all.map_elements.len(), 6, "3 pods x 2 directions");
-    assert!(can(std::slice::from_ref(&all), &web, &db, Protocol::Sctp, 9) && can(&[all], &ip(&l, "c", "web"), &web, Protocol::Udp, 1));
+    assert!(
+        can(std::slice::from_ref(&all), &web, &db, Protocol::Sctp, 9)
+            && can(&[all], &ip(&l, "c", "web"), &web, Protocol::Udp, 1)
+    );
 }
 
 struct PodSel;
@@ -203,7 +230,12 @@ fn namespace_selector_alone_and_combined_with_pod_selector() {
     let web = ip(&l, "a", "web");
     let ns_only = compile_in(
         &l,
-        &policy("a", sel(&[("app", "web")]), Some(vec![rule(vec![], vec![peer(None, Some(sel(&[("team", "blue")])))])]), None),
+        &policy(
+            "a",
+            sel(&[("app", "web")]),
+            Some(vec![rule(vec![], vec![peer(None, Some(sel(&[("team", "blue")])))])]),
+            None,
+        ),
     );
     for (ns, app, ok) in [("a", "db", true), ("b", "client", true), ("b", "web", true), ("c", "client", false)] {
         assert_eq!(can(std::slice::from_ref(&ns_only), &ip(&l, ns, app), &web, Protocol::Tcp, 80), ok, "{ns}/{app}");
@@ -217,7 +249,9 @@ fn namespace_selector_alone_and_combined_with_pod_selector() {
             None,
         ),
     );
-    for (ns, app, ok) in [("a", "client", true), ("b", "client", true), ("b", "db", false), ("c", "client", false), ("a", "db", false)] {
+    for (ns, app, ok) in
+        [("a", "client", true), ("b", "client", true), ("b", "db", false), ("c", "client", false), ("a", "db", false)]
+    {
         assert_eq!(can(std::slice::from_ref(&both), &ip(&l, ns, app), &web, Protocol::Tcp, 80), ok, "{ns}/{app}");
     }
     // Two separate peers are a union: clients of a, or anything in c.
@@ -226,7 +260,10 @@ fn namespace_selector_alone_and_combined_with_pod_selector() {
         &policy(
             "a",
             sel(&[("app", "web")]),
-            Some(vec![rule(vec![], vec![peer(Some(sel(&[("app", "client")])), None), peer(None, Some(sel(&[("team", "red")])))])]),
+            Some(vec![rule(
+                vec![],
+                vec![peer(Some(sel(&[("app", "client")])), None), peer(None, Some(sel(&[("team", "red")])))],
+            )]),
             None,
         ),
     );
@@ -236,7 +273,12 @@ fn namespace_selector_alone_and_combined_with_pod_selector() {
     // An empty namespace selector: every namespace.
     let every = compile_in(
         &l,
-        &policy("a", sel(&[("app", "web")]), Some(vec![rule(vec![], vec![peer(Some(sel(&[("app", "db")])), Some(sel(&[])))])]), None),
+        &policy(
+            "a",
+            sel(&[("app", "web")]),
+            Some(vec![rule(vec![], vec![peer(Some(sel(&[("app", "db")])), Some(sel(&[])))])]),
+            None,
+        ),
     );
     assert_eq!(every.sets.iter().find(|s| peer_sets(&every).contains(&s.name.as_str())).unwrap().elements.len(), 3);
 }
@@ -257,10 +299,18 @@ fn ip_block_with_except_both_directions() {
     assert!(r.sets.is_empty());
     assert_eq!(ingress.rules[0].matches.len(), 3);
     // Sources are no selected pod (web's own egress policy would decide for those).
-    for (src, ok) in [("10.244.1.99", true), ("10.244.2.11", false), ("10.244.3.10", false), ("10.244.3.11", true), ("10.1.0.1", false)] {
+    for (src, ok) in [
+        ("10.244.1.99", true),
+        ("10.244.2.11", false),
+        ("10.244.3.10", false),
+        ("10.244.3.11", true),
+        ("10.1.0.1", false),
+    ] {
         assert_eq!(can(std::slice::from_ref(&r), src, &web, Protocol::Tcp, 80), ok, "from {src}");
     }
-    for (dst, port, ok) in [("192.168.7.1", 443, true), ("192.168.1.1", 443, false), ("192.168.7.1", 80, false), ("8.8.8.8", 443, false)] {
+    for (dst, port, ok) in
+        [("192.168.7.1", 443, true), ("192.168.1.1", 443, false), ("192.168.7.1", 80, false), ("8.8.8.8", 443, false)]
+    {
         assert_eq!(can(std::slice::from_ref(&r), &web, dst, Protocol::Tcp, port), ok, "to {dst}:{port}");
     }
     let bad = policy("a", sel(&[]), Some(vec![rule(vec![], vec![block("10.0.0.0/8", &["fd00::/64"])])]), None);
@@ -293,9 +343,19 @@ fn ports_protocols_and_end_port_ranges() {
         assert_eq!(can(std::slice::from_ref(&r), &db, &web, proto, port), ok, "{proto:?}/{port}");
     }
     let bad = |port, end| {
-        policy("a", sel(&[]), Some(vec![rule(vec![PolicyPort { protocol: Protocol::Tcp, port, end_port: end }], vec![])]), None)
+        policy(
+            "a",
+            sel(&[]),
+            Some(vec![rule(vec![PolicyPort { protocol: Protocol::Tcp, port, end_port: end }], vec![])]),
+            None,
+        )
     };
-    assert!(compile(&ctx(), "pol/a/p", &bad(PolicyPortNumber::Number(90), Some(80)), &[], &l).unwrap_err().message.contains("endPort"));
+    assert!(
+        compile(&ctx(), "pol/a/p", &bad(PolicyPortNumber::Number(90), Some(80)), &[], &l)
+            .unwrap_err()
+            .message
+            .contains("endPort")
+    );
     assert!(compile(&ctx(), "pol/a/p", &bad(PolicyPortNumber::Name("http".into()), Some(80)), &[], &l).is_err());
 }
 
@@ -304,9 +364,15 @@ fn named_ports_resolve_on_the_destination() {
     let mut l = cluster();
     // Ingress to every pod of namespace a on "http": web/db/client all say 8080 there.
     let named = |dir_in: bool| {
-        let r =
-            vec![rule(vec![PolicyPort { protocol: Protocol::Tcp, port: PolicyPortNumber::Name("http".into()), end_port: None }], vec![])];
-        if dir_in { policy("a", sel(&[]), Some(r), None) } else { policy("a", sel(&[("app", "client")]), None, Some(r)) }
+        let r = vec![rule(
+            vec![PolicyPort { protocol: Protocol::Tcp, port: PolicyPortNumber::Name("http".into()), end_port: None }],
+            vec![],
+        )];
+        if dir_in {
+            policy("a", sel(&[]), Some(r), None)
+        } else {
+            policy("a", sel(&[("app", "client")]), None, Some(r))
+        }
     };
     let r = compile_in(&l, &named(true));
     assert!(r.sets.is_empty(), "uniform resolution needs no destination set");
@@ -354,9 +420,15 @@ fn policies_combine_as_a_union() {
     let web = ip(&l, "a", "web");
     let from_clients = compile_in(
         &l,
-        &policy("a", sel(&[("app", "web")]), Some(vec![rule(vec![tcp(80)], vec![peer(Some(sel(&[("app", "client")])), None)])]), None),
+        &policy(
+            "a",
+            sel(&[("app", "web")]),
+            Some(vec![rule(vec![tcp(80)], vec![peer(Some(sel(&[("app", "client")])), None)])]),
+            None,
+        ),
     );
-    let mut from_c = policy("a", sel(&[]), Some(vec![rule(vec![], vec![peer(None, Some(sel(&[("team", "red")])))])]), None);
+    let mut from_c =
+        policy("a", sel(&[]), Some(vec![rule(vec![], vec![peer(None, Some(sel(&[("team", "red")])))])]), None);
     from_c.name = "q".into();
     let from_c = compile_in(&l, &from_c);
     let both = [from_clients.clone(), from_c.clone()];
@@ -411,7 +483,12 @@ fn dual_stack_declares_a_set_per_family() {
     l.pods[2].ips.push("fd00::a:c".into());
     let mut node = ctx();
     node.cluster_cidrs.push("fd00::/48".into());
-    let p = policy("a", sel(&[("app", "web")]), Some(vec![rule(vec![], vec![peer(Some(sel(&[("app", "client")])), None)])]), None);
+    let p = policy(
+        "a",
+        sel(&[("app", "web")]),
+        Some(vec![rule(vec![], vec![peer(Some(sel(&[("app", "client")])), None)])]),
+        None,
+    );
     let r = compile(&node, "pol/a/p", &p, &[l.pods[0].clone()], &l).unwrap();
     let names: Vec<&str> = r.sets.iter().map(|s| s.name.as_str()).collect();
     assert_eq!(names.len(), 2);
@@ -423,7 +500,11 @@ fn dual_stack_declares_a_set_per_family() {
 
 /// The peer set of each rule, by name (v4 only).
 fn peer_sets(r: &Ruleset) -> Vec<&str> {
-    r.sets.iter().map(|s| s.name.as_str()).filter(|n| n.starts_with("pol/_shared/peers/") && n.ends_with("/v4")).collect()
+    r.sets
+        .iter()
+        .map(|s| s.name.as_str())
+        .filter(|n| n.starts_with("pol/_shared/peers/") && n.ends_with("/v4"))
+        .collect()
 }
 
 #[test]
@@ -431,9 +512,15 @@ fn policies_with_the_same_peers_share_one_set() {
     let l = cluster();
     let clients = || peer(Some(sel(&[("app", "client")])), None);
     let db_anywhere = || peer(Some(sel(&[("app", "db")])), Some(sel(&[])));
-    let one = compile_in(&l, &policy("a", sel(&[("app", "web")]), Some(vec![rule(vec![tcp(80)], vec![clients(), db_anywhere()])]), None));
+    let one = compile_in(
+        &l,
+        &policy("a", sel(&[("app", "web")]), Some(vec![rule(vec![tcp(80)], vec![clients(), db_anywhere()])]), None),
+    );
     // Another policy, other ports, the same peers in another order: the same set.
-    let two = compile_in(&l, &policy("a", sel(&[("app", "db")]), Some(vec![rule(vec![tcp(5432)], vec![db_anywhere(), clients()])]), None));
+    let two = compile_in(
+        &l,
+        &policy("a", sel(&[("app", "db")]), Some(vec![rule(vec![tcp(5432)], vec![db_anywhere(), clients()])]), None),
+    );
     assert_eq!(peer_sets(&one).len(), 1);
     assert_eq!(peer_sets(&one), peer_sets(&two));
     assert_eq!(one.sets[0].elements, two.sets[0].elements);
@@ -445,7 +532,12 @@ fn policies_with_the_same_peers_share_one_set() {
     // One policy naming the same peers in two rules and both directions declares it once.
     let both = compile_in(
         &l,
-        &policy("a", sel(&[("app", "web")]), Some(vec![rule(vec![tcp(80)], vec![clients()]), rule(vec![tcp(81)], vec![clients()])]), Some(vec![rule(vec![], vec![clients()])])),
+        &policy(
+            "a",
+            sel(&[("app", "web")]),
+            Some(vec![rule(vec![tcp(80)], vec![clients()]), rule(vec![tcp(81)], vec![clients()])]),
+            Some(vec![rule(vec![], vec![clients()])]),
+        ),
     );
     assert_eq!(peer_sets(&both), peer_sets(&here));
     let web = ip(&l, "a", "web");

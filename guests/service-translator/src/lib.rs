@@ -174,16 +174,15 @@ fn categorize(port: &ServicePort, slices: &[EndpointSlice], family_of: &str) -> 
     let mut ready = (Vec::new(), Vec::new());
     let mut terminating = (Vec::new(), Vec::new());
     for slice in slices {
-        let Some(ep_port) = slice
-            .ports
-            .iter()
-            .find(|p| p.name == port.name && p.protocol == port.protocol)
-            .or_else(|| match &port.target_port {
-                // A slice without names for a single-port service still matches by number.
-                TargetPort::Number(n) if slice.ports.len() == 1 && slice.ports[0].name.is_empty() => {
-                    slice.ports.iter().find(|p| p.port == *n)
+        let Some(ep_port) =
+            slice.ports.iter().find(|p| p.name == port.name && p.protocol == port.protocol).or_else(|| {
+                match &port.target_port {
+                    // A slice without names for a single-port service still matches by number.
+                    TargetPort::Number(n) if slice.ports.len() == 1 && slice.ports[0].name.is_empty() => {
+                        slice.ports.iter().find(|p| p.port == *n)
+                    }
+                    _ => None,
                 }
-                _ => None,
             })
         else {
             continue;
@@ -286,13 +285,26 @@ impl PortRules<'_> {
         };
         let protocol = self.protocol;
         let Some(timeout) = self.affinity else {
-            return backends.iter().enumerate().map(|(i, b)| draw(i).protocol(protocol).dnat(&b.address, b.port).build()).collect();
+            return backends
+                .iter()
+                .enumerate()
+                .map(|(i, b)| draw(i).protocol(protocol).dnat(&b.address, b.port).build())
+                .collect();
         };
         let sets: Vec<String> = backends.iter().map(|b| self.affinity_set(b, timeout)).collect();
-        let remember = |set: &str| RuleStatement::AddSourceToSet(SetUpdate { set: set.to_string(), timeout_seconds: Some(timeout) });
+        let remember = |set: &str| {
+            RuleStatement::AddSourceToSet(SetUpdate { set: set.to_string(), timeout_seconds: Some(timeout) })
+        };
         let mut rules = Vec::with_capacity(backends.len() * 2);
         for (b, set) in backends.iter().zip(&sets) {
-            rules.push(RuleBuilder::new().source_in_set(set).protocol(protocol).statement(remember(set)).dnat(&b.address, b.port).build());
+            rules.push(
+                RuleBuilder::new()
+                    .source_in_set(set)
+                    .protocol(protocol)
+                    .statement(remember(set))
+                    .dnat(&b.address, b.port)
+                    .build(),
+            );
         }
         for (i, (b, set)) in backends.iter().zip(&sets).enumerate() {
             rules.push(draw(i).protocol(protocol).statement(remember(set)).dnat(&b.address, b.port).build());
@@ -322,7 +334,9 @@ pub fn translate(
     }
     for ip in cluster_ips.iter().copied().chain(&service.external_ips).chain(&service.load_balancer_ips) {
         if ip.parse::<Cidr>().map(|c| c.prefix_len != if c.is_ipv4() { 32 } else { 128 }).unwrap_or(true) {
-            return Err(GuestError { message: format!("service {}/{}: invalid IP {ip:?}", service.namespace, service.name) });
+            return Err(GuestError {
+                message: format!("service {}/{}: invalid IP {ip:?}", service.namespace, service.name),
+            });
         }
     }
     let primary_family = cluster_ips[0].as_str();
@@ -331,9 +345,11 @@ pub fn translate(
         translate_port(chain_prefix, service, port, slices, primary_family, &cluster_ips, &mut ruleset, &mut hairpin);
     }
     // Many services may name the same endpoint here: the host keeps it while one does.
-    ruleset.map_elements.extend(
-        hairpin.into_iter().map(|address| MapElement { map_name: "hairpin".into(), key: vec![KeyPart::Address(address)], verdict: Verdict::None }),
-    );
+    ruleset.map_elements.extend(hairpin.into_iter().map(|address| MapElement {
+        map_name: "hairpin".into(),
+        key: vec![KeyPart::Address(address)],
+        verdict: Verdict::None,
+    }));
     if !service.ports.is_empty() {
         // The host rejects new connections to these addresses on ports no service port
         // handles (kube-proxy's `cluster-ips` set), so they fail at once instead of being
@@ -412,11 +428,20 @@ fn translate_port(
             rules.ruleset.warnings.push(format!("{}: no ready endpoints", port_id(port)));
             Verdict::Reject
         } else {
-            rules.ruleset.warnings.push(format!("{}: internalTrafficPolicy Local and no endpoint on this node", port_id(port)));
+            rules
+                .ruleset
+                .warnings
+                .push(format!("{}: internalTrafficPolicy Local and no endpoint on this node", port_id(port)));
             Verdict::Drop
         };
         for ip in cluster_ips {
-            rules.ruleset.map_elements.push(service_map_element("no-endpoint-services", ip, port.protocol, port.port, verdict.clone()));
+            rules.ruleset.map_elements.push(service_map_element(
+                "no-endpoint-services",
+                ip,
+                port.protocol,
+                port.port,
+                verdict.clone(),
+            ));
         }
     } else {
         let mut chain_rules = Vec::new();
@@ -482,7 +507,13 @@ fn translate_port(
     let routed = matches!(external_verdict, Verdict::Goto(_));
     for ip in service.external_ips.iter().chain(&service.load_balancer_ips) {
         let map = if routed { ok_ips } else { none_ips };
-        rules.ruleset.map_elements.push(service_map_element(map, ip, port.protocol, port.port, external_verdict.clone()));
+        rules.ruleset.map_elements.push(service_map_element(
+            map,
+            ip,
+            port.protocol,
+            port.port,
+            external_verdict.clone(),
+        ));
     }
     if port.node_port != 0 && matches!(service.service_type, ServiceType::NodePort | ServiceType::LoadBalancer) {
         let map = if routed { ok_ports } else { none_ports };
@@ -520,14 +551,22 @@ fn translate_port_as_data(
         for b in backends {
             let mut k = key(ip);
             k.extend([KeyPart::Address(b.address.clone()), KeyPart::Port(b.port)]);
-            ruleset.map_elements.push(MapElement { map_name: "service-backends".into(), key: k, verdict: Verdict::None });
+            ruleset.map_elements.push(MapElement {
+                map_name: "service-backends".into(),
+                key: k,
+                verdict: Verdict::None,
+            });
             hairpin.insert(b.address.clone());
         }
         if let Some(set) = masquerade {
             ruleset.map_elements.push(MapElement { map_name: set.into(), key: key(ip), verdict: Verdict::None });
         }
         if let Some(t) = affinity {
-            ruleset.map_elements.push(MapElement { map_name: format!("session-affinity-{t}"), key: key(ip), verdict: Verdict::None });
+            ruleset.map_elements.push(MapElement {
+                map_name: format!("session-affinity-{t}"),
+                key: key(ip),
+                verdict: Verdict::None,
+            });
         }
     };
 
@@ -542,10 +581,19 @@ fn translate_port_as_data(
                 ruleset.warnings.push(format!("{}: no ready endpoints for {ip}", port_id(port)));
                 Verdict::Reject
             } else {
-                ruleset.warnings.push(format!("{}: internalTrafficPolicy Local and no endpoint on this node for {ip}", port_id(port)));
+                ruleset.warnings.push(format!(
+                    "{}: internalTrafficPolicy Local and no endpoint on this node for {ip}",
+                    port_id(port)
+                ));
                 Verdict::Drop
             };
-            ruleset.map_elements.push(service_map_element("no-endpoint-services", ip, port.protocol, port.port, verdict));
+            ruleset.map_elements.push(service_map_element(
+                "no-endpoint-services",
+                ip,
+                port.protocol,
+                port.port,
+                verdict,
+            ));
             continue;
         }
         // Off-cluster sources reaching a cluster IP are masqueraded so replies return (the
@@ -558,7 +606,13 @@ fn translate_port_as_data(
     for ip in service.external_ips.iter().chain(&service.load_balancer_ips) {
         let endpoints = by_family.of(ip);
         if endpoints.cluster.is_empty() {
-            ruleset.map_elements.push(service_map_element("no-endpoint-services", ip, port.protocol, port.port, Verdict::Reject));
+            ruleset.map_elements.push(service_map_element(
+                "no-endpoint-services",
+                ip,
+                port.protocol,
+                port.port,
+                Verdict::Reject,
+            ));
         } else {
             balance(ruleset, ip, &endpoints.cluster, Some("masquerade-always"));
         }
@@ -570,13 +624,23 @@ fn translate_port_as_data(
     // The node port: each address family over its own endpoints, always masqueraded.
     let backends: Vec<&Backend> = by_family.v4.cluster.iter().chain(&by_family.v6.cluster).collect();
     if backends.is_empty() {
-        ruleset.map_elements.push(port_map_element("no-endpoint-nodeports", port.protocol, port.node_port, Verdict::Reject));
+        ruleset.map_elements.push(port_map_element(
+            "no-endpoint-nodeports",
+            port.protocol,
+            port.node_port,
+            Verdict::Reject,
+        ));
         return;
     }
     for b in backends {
         ruleset.map_elements.push(MapElement {
             map_name: "nodeport-backends".into(),
-            key: vec![KeyPart::Protocol(port.protocol), KeyPart::Port(port.node_port), KeyPart::Address(b.address.clone()), KeyPart::Port(b.port)],
+            key: vec![
+                KeyPart::Protocol(port.protocol),
+                KeyPart::Port(port.node_port),
+                KeyPart::Address(b.address.clone()),
+                KeyPart::Port(b.port),
+            ],
             verdict: Verdict::None,
         });
         hairpin.insert(b.address.clone());

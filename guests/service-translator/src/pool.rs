@@ -32,7 +32,13 @@ unsafe impl Sync for Pool {}
 
 impl Pool {
     pub const fn new() -> Pool {
-        Pool { state: UnsafeCell::new(State { free: [std::ptr::null_mut(); CLASSES], next: std::ptr::null_mut(), left: 0 }) }
+        Pool {
+            state: UnsafeCell::new(State {
+                free: [std::ptr::null_mut(); CLASSES],
+                next: std::ptr::null_mut(),
+                left: 0,
+            }),
+        }
     }
 }
 

@@ -1,7 +1,12 @@
 use super::*;
 
 fn ctx() -> NodeContext {
-    NodeContext { node_name: "node-a".into(), node_ips: vec!["192.168.0.1".into()], cluster_cidrs: vec!["10.244.0.0/16".into()], pod_cidrs: vec![] }
+    NodeContext {
+        node_name: "node-a".into(),
+        node_ips: vec!["192.168.0.1".into()],
+        cluster_cidrs: vec!["10.244.0.0/16".into()],
+        pod_cidrs: vec![],
+    }
 }
 
 fn service() -> Service {
@@ -12,7 +17,13 @@ fn service() -> Service {
         cluster_ips: vec!["10.96.0.20".into()],
         external_ips: vec![],
         load_balancer_ips: vec![],
-        ports: vec![ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: 0, target_port: TargetPort::Number(8080) }],
+        ports: vec![ServicePort {
+            name: "http".into(),
+            protocol: Protocol::Tcp,
+            port: 80,
+            node_port: 0,
+            target_port: TargetPort::Number(8080),
+        }],
         session_affinity_timeout: None,
         external_traffic_policy: TrafficPolicy::Cluster,
         internal_traffic_policy: TrafficPolicy::Cluster,
@@ -21,11 +32,23 @@ fn service() -> Service {
 }
 
 fn endpoint(ip: &str, ready: bool, terminating: bool, local: bool) -> Endpoint {
-    Endpoint { addresses: vec![ip.into()], ready, serving: ready || terminating, terminating, node_name: None, zone: None, is_local: local }
+    Endpoint {
+        addresses: vec![ip.into()],
+        ready,
+        serving: ready || terminating,
+        terminating,
+        node_name: None,
+        zone: None,
+        is_local: local,
+    }
 }
 
 fn slice(endpoints: Vec<Endpoint>) -> EndpointSlice {
-    EndpointSlice { name: "web-1".into(), endpoints, ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }] }
+    EndpointSlice {
+        name: "web-1".into(),
+        endpoints,
+        ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }],
+    }
 }
 
 /// Where the service DNATs to: in its chains, or as backends in the host's map.
@@ -50,7 +73,11 @@ fn elements<'a>(r: &'a Ruleset, map: &str) -> Vec<&'a [KeyPart]> {
 
 #[test]
 fn cluster_ip_picks_uniformly_among_ready_endpoints() {
-    let eps = slice(vec![endpoint("10.244.0.11", true, false, true), endpoint("10.244.1.11", true, false, false), endpoint("10.244.1.12", false, false, false)]);
+    let eps = slice(vec![
+        endpoint("10.244.0.11", true, false, true),
+        endpoint("10.244.1.11", true, false, false),
+        endpoint("10.244.1.12", false, false, false),
+    ]);
     let r = translate(&ctx(), "svc/shop/web", &service(), &[eps]).unwrap();
     assert!(r.warnings.is_empty(), "{:?}", r.warnings);
     assert_eq!(dnat_targets(&r), vec!["10.244.0.11:8080", "10.244.1.11:8080"]);
@@ -63,20 +90,25 @@ fn cluster_ip_picks_uniformly_among_ready_endpoints() {
     assert_eq!(elements(&r, "masquerade-off-cluster"), vec![&frontend[..]]);
     assert!(elements(&r, "service-ips").is_empty() && elements(&r, "masquerade-always").is_empty());
     // The cluster IP itself, for the host's reject of ports the service does not define.
-    let cluster_ip = MapElement { map_name: "cluster-ips".into(), key: vec![KeyPart::Address("10.96.0.20".into())], verdict: Verdict::None };
+    let cluster_ip = MapElement {
+        map_name: "cluster-ips".into(),
+        key: vec![KeyPart::Address("10.96.0.20".into())],
+        verdict: Verdict::None,
+    };
     assert!(r.map_elements.contains(&cluster_ip), "{:?}", r.map_elements);
     // Each endpoint once, for the host's hairpin masquerade.
     let hairpin: Vec<&MapElement> = r.map_elements.iter().filter(|e| e.map_name == "hairpin").collect();
     assert!(hairpin.iter().all(|e| e.verdict == Verdict::None), "{hairpin:?}");
-    assert_eq!(hairpin.iter().map(|e| e.key.clone()).collect::<Vec<_>>(), vec![
-        vec![KeyPart::Address("10.244.0.11".into())],
-        vec![KeyPart::Address("10.244.1.11".into())],
-    ]);
+    assert_eq!(
+        hairpin.iter().map(|e| e.key.clone()).collect::<Vec<_>>(),
+        vec![vec![KeyPart::Address("10.244.0.11".into())], vec![KeyPart::Address("10.244.1.11".into())],]
+    );
 }
 
 #[test]
 fn more_backends_than_the_host_picks_among_get_a_chain_that_draws_and_dnats() {
-    let many: Vec<Endpoint> = (0..=MAX_BACKENDS_PER_FRONTEND).map(|i| endpoint(&format!("10.244.2.{i}"), true, false, false)).collect();
+    let many: Vec<Endpoint> =
+        (0..=MAX_BACKENDS_PER_FRONTEND).map(|i| endpoint(&format!("10.244.2.{i}"), true, false, false)).collect();
     let r = translate(&ctx(), "svc/shop/web", &service(), &[slice(many)]).unwrap();
     assert!(elements(&r, "service-backends").is_empty());
     assert_eq!(r.chains.len(), 1, "one chain, no chain per endpoint");
@@ -85,16 +117,23 @@ fn more_backends_than_the_host_picks_among_get_a_chain_that_draws_and_dnats() {
     // Masquerade sources not from pods (as the host detects them), then 1/33, 1/32, ... and
     // the rest, each DNATing.
     assert_eq!(svc_chain.rules[0].verdict, Verdict::Masquerade);
-    assert_eq!(svc_chain.rules[0].matches, vec![
-        RuleMatch::Destination(AddressMatch { cidr: "10.96.0.20".into(), negate: false }),
-        RuleMatch::Protocol(Protocol::Tcp),
-        RuleMatch::DestinationPort(80),
-        pod_traffic(AddressFamily::Ipv4, true),
-    ]);
+    assert_eq!(
+        svc_chain.rules[0].matches,
+        vec![
+            RuleMatch::Destination(AddressMatch { cidr: "10.96.0.20".into(), negate: false }),
+            RuleMatch::Protocol(Protocol::Tcp),
+            RuleMatch::DestinationPort(80),
+            pod_traffic(AddressFamily::Ipv4, true),
+        ]
+    );
     let n = MAX_BACKENDS_PER_FRONTEND as u32 + 1;
     assert_eq!(svc_chain.rules[1].matches, vec![RuleMatch::Random((n, 0)), RuleMatch::Protocol(Protocol::Tcp)]);
     assert_eq!(svc_chain.rules.last().unwrap().matches, vec![RuleMatch::Protocol(Protocol::Tcp)]);
-    assert!(svc_chain.rules[1..].iter().all(|rule| rule.verdict == Verdict::None && matches!(rule.statements[..], [RuleStatement::Dnat(_)])));
+    assert!(
+        svc_chain.rules[1..]
+            .iter()
+            .all(|rule| rule.verdict == Verdict::None && matches!(rule.statements[..], [RuleStatement::Dnat(_)]))
+    );
     assert_eq!(dnat_targets(&r).len(), n as usize);
     assert_eq!(elements(&r, "service-ips").len(), 1);
 }
@@ -125,14 +164,22 @@ fn pods_are_told_by_the_host_in_one_rule_however_many_cluster_cidrs() {
     // The cluster chain: one masquerade of what does not come from pods (of the chain's
     // family), before the pick; no rule per cluster CIDR.
     let service_chain = chain(&r, "svc/shop/web/tcp/http");
-    assert_eq!(service_chain.rules.iter().filter(|rule| rule.verdict == Verdict::Masquerade).count(), 1, "{:?}", service_chain.rules);
+    assert_eq!(
+        service_chain.rules.iter().filter(|rule| rule.verdict == Verdict::Masquerade).count(),
+        1,
+        "{:?}",
+        service_chain.rules
+    );
     assert_eq!(service_chain.rules[0].verdict, Verdict::Masquerade);
-    assert_eq!(service_chain.rules[0].matches, vec![
-        RuleMatch::Destination(AddressMatch { cidr: "10.96.0.20".into(), negate: false }),
-        RuleMatch::Protocol(Protocol::Tcp),
-        RuleMatch::DestinationPort(80),
-        pod_traffic(AddressFamily::Ipv4, true),
-    ]);
+    assert_eq!(
+        service_chain.rules[0].matches,
+        vec![
+            RuleMatch::Destination(AddressMatch { cidr: "10.96.0.20".into(), negate: false }),
+            RuleMatch::Protocol(Protocol::Tcp),
+            RuleMatch::DestinationPort(80),
+            pod_traffic(AddressFamily::Ipv4, true),
+        ]
+    );
     assert_eq!(service_chain.rules.len(), 1 + 2, "the masquerade and a rule per endpoint");
     // The external chain: pods to the cluster chain in one rule, everything else to a local endpoint.
     let external = chain(&r, "svc/shop/web/tcp/http/external");
@@ -165,12 +212,15 @@ fn pod_traffic_is_always_of_the_chains_family() {
     assert_eq!(translate(&none, "svc/shop/web", &svc, &eps).unwrap(), r);
     let service_chain = chain(&r, "svc/shop/web/tcp/http");
     assert_eq!(service_chain.rules[0].verdict, Verdict::Masquerade);
-    assert_eq!(service_chain.rules[0].matches, vec![
-        RuleMatch::Destination(AddressMatch { cidr: "fd00:96::20".into(), negate: false }),
-        RuleMatch::Protocol(Protocol::Tcp),
-        RuleMatch::DestinationPort(80),
-        pod_traffic(AddressFamily::Ipv6, true),
-    ]);
+    assert_eq!(
+        service_chain.rules[0].matches,
+        vec![
+            RuleMatch::Destination(AddressMatch { cidr: "fd00:96::20".into(), negate: false }),
+            RuleMatch::Protocol(Protocol::Tcp),
+            RuleMatch::DestinationPort(80),
+            pod_traffic(AddressFamily::Ipv6, true),
+        ]
+    );
     assert_eq!(service_chain.rules.len(), 2, "the masquerade and the endpoint's DNAT: {:?}", service_chain.rules);
     let external = chain(&r, "svc/shop/web/tcp/http/external");
     assert_eq!(external.rules[0].matches, vec![pod_traffic(AddressFamily::Ipv6, false)]);
@@ -194,7 +244,12 @@ fn cluster_ips_of_both_families_are_masqueraded_off_the_cluster() {
     for node in [ctx(), none] {
         let r = translate(&node, "svc/shop/web", &svc, &[v4.clone(), v6.clone()]).unwrap();
         assert!(r.chains.is_empty(), "{:?}", r.chains);
-        assert_eq!(elements(&r, "masquerade-off-cluster"), vec![&frontend("10.96.0.20")[..], &frontend("fd00:96::20")[..]], "{:?}", node.cluster_cidrs);
+        assert_eq!(
+            elements(&r, "masquerade-off-cluster"),
+            vec![&frontend("10.96.0.20")[..], &frontend("fd00:96::20")[..]],
+            "{:?}",
+            node.cluster_cidrs
+        );
     }
 }
 
@@ -204,14 +259,20 @@ fn node_ports_and_external_ips_as_data_are_masqueraded() {
     svc.service_type = ServiceType::NodePort;
     svc.ports[0].node_port = 30080;
     svc.external_ips = vec!["203.0.113.7".into()];
-    let r = translate(&ctx(), "svc/shop/web", &svc, &[slice(vec![endpoint("10.244.0.11", true, false, true)])]).unwrap();
+    let r =
+        translate(&ctx(), "svc/shop/web", &svc, &[slice(vec![endpoint("10.244.0.11", true, false, true)])]).unwrap();
     let external = [KeyPart::Address("203.0.113.7".into()), KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(80)];
     assert_eq!(elements(&r, "masquerade-always"), vec![&external[..]]);
     assert_eq!(elements(&r, "service-backends").len(), 2, "the cluster IP and the external IP");
     // The node port as data too: its backends in `nodeport-backends`, no chain, no element
     // of `service-nodeports` (the host writes that one).
     assert!(r.chains.is_empty(), "{:?}", r.chains);
-    let node_port = [KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(30080), KeyPart::Address("10.244.0.11".into()), KeyPart::Port(8080)];
+    let node_port = [
+        KeyPart::Protocol(Protocol::Tcp),
+        KeyPart::Port(30080),
+        KeyPart::Address("10.244.0.11".into()),
+        KeyPart::Port(8080),
+    ];
     assert_eq!(elements(&r, "nodeport-backends"), vec![&node_port[..]]);
     assert!(elements(&r, "service-nodeports").is_empty());
 }
@@ -229,7 +290,9 @@ fn a_dual_stack_node_port_names_the_backends_of_both_families() {
     let backends: Vec<String> = elements(&r, "nodeport-backends")
         .iter()
         .map(|k| match k {
-            [KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(30080), KeyPart::Address(a), KeyPart::Port(8080)] => a.clone(),
+            [KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(30080), KeyPart::Address(a), KeyPart::Port(8080)] => {
+                a.clone()
+            }
             other => panic!("unexpected key {other:?}"),
         })
         .collect();
@@ -240,7 +303,13 @@ fn a_dual_stack_node_port_names_the_backends_of_both_families() {
 #[test]
 fn an_endpoint_behind_several_ports_is_one_hairpin_element() {
     let mut svc = service();
-    svc.ports.push(ServicePort { name: "admin".into(), protocol: Protocol::Udp, port: 81, node_port: 0, target_port: TargetPort::Number(9090) });
+    svc.ports.push(ServicePort {
+        name: "admin".into(),
+        protocol: Protocol::Udp,
+        port: 81,
+        node_port: 0,
+        target_port: TargetPort::Number(9090),
+    });
     let mut eps = slice(vec![endpoint("10.244.0.11", true, false, true)]);
     eps.ports.push(EndpointPort { name: "admin".into(), protocol: Protocol::Udp, port: 9090 });
     let r = translate(&ctx(), "svc/shop/web", &svc, &[eps]).unwrap();
@@ -300,12 +369,16 @@ fn session_affinity_in_a_chain_declares_sets_and_checks_them_first() {
         let (returning, drawn) = (&rules[0..2], &rules[2..4]);
         for (rule, ip) in returning.iter().zip(["10.244.0.11", "10.244.0.12"]) {
             assert!(matches!(&rule.matches[0], RuleMatch::SourceInSet(s) if *s == set(ip)), "{rule:?}");
-            let [RuleStatement::AddSourceToSet(u), RuleStatement::Dnat(t)] = &rule.statements[..] else { panic!("{rule:?}") };
+            let [RuleStatement::AddSourceToSet(u), RuleStatement::Dnat(t)] = &rule.statements[..] else {
+                panic!("{rule:?}")
+            };
             assert!(u.set == set(ip) && u.timeout_seconds == Some(10800) && t.address == ip, "{rule:?}");
         }
         assert!(matches!(drawn[0].matches[0], RuleMatch::Random((2, 0))), "{:?}", drawn[0]);
         for (rule, ip) in drawn.iter().zip(["10.244.0.11", "10.244.0.12"]) {
-            let [RuleStatement::AddSourceToSet(u), RuleStatement::Dnat(t)] = &rule.statements[..] else { panic!("{rule:?}") };
+            let [RuleStatement::AddSourceToSet(u), RuleStatement::Dnat(t)] = &rule.statements[..] else {
+                panic!("{rule:?}")
+            };
             assert!(u.set == set(ip) && t.address == ip, "{rule:?}");
         }
     };
@@ -324,7 +397,8 @@ fn session_affinity_in_a_chain_declares_sets_and_checks_them_first() {
 fn session_affinity_with_too_many_backends_stays_in_the_chain() {
     let mut svc = service();
     svc.session_affinity_timeout = Some(10800);
-    let many: Vec<Endpoint> = (0..=MAX_BACKENDS_PER_FRONTEND).map(|i| endpoint(&format!("10.244.2.{i}"), true, false, false)).collect();
+    let many: Vec<Endpoint> =
+        (0..=MAX_BACKENDS_PER_FRONTEND).map(|i| endpoint(&format!("10.244.2.{i}"), true, false, false)).collect();
     let r = translate(&ctx(), "svc/shop/web", &svc, &[slice(many)]).unwrap();
     let n = MAX_BACKENDS_PER_FRONTEND + 1;
     assert_eq!(r.chains.len(), 1);
@@ -349,14 +423,19 @@ fn session_affinity_on_cluster_ips_is_data_one_element_per_frontend() {
     assert!(r.sets.is_empty(), "{:?}", r.sets);
     let frontend = |ip: &str| vec![KeyPart::Address(ip.into()), KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(80)];
     let backend = |f: &str, b: &str| [frontend(f), vec![KeyPart::Address(b.into()), KeyPart::Port(8080)]].concat();
-    assert_eq!(elements(&r, "service-backends"), vec![
-        &backend("10.96.0.20", "10.244.0.11")[..],
-        &backend("10.96.0.20", "10.244.1.11")[..],
-        &backend("fd00:96::20", "fd00::11")[..],
-    ]);
+    assert_eq!(
+        elements(&r, "service-backends"),
+        vec![
+            &backend("10.96.0.20", "10.244.0.11")[..],
+            &backend("10.96.0.20", "10.244.1.11")[..],
+            &backend("fd00:96::20", "fd00::11")[..],
+        ]
+    );
     // Exactly one affinity element per frontend, of each family's cluster IP.
     assert_eq!(elements(&r, "session-affinity-10800"), vec![&frontend("10.96.0.20")[..], &frontend("fd00:96::20")[..]]);
-    assert!(r.map_elements.iter().filter(|e| e.map_name == "session-affinity-10800").all(|e| e.verdict == Verdict::None));
+    assert!(
+        r.map_elements.iter().filter(|e| e.map_name == "session-affinity-10800").all(|e| e.verdict == Verdict::None)
+    );
     assert_eq!(affinity_maps(&r), vec!["session-affinity-10800"], "no node port, no other timeout");
     assert_eq!(r.map_elements.iter().filter(|e| e.map_name == "hairpin").count(), 3);
 }
@@ -368,13 +447,16 @@ fn session_affinity_on_a_node_port_is_data_too() {
     svc.service_type = ServiceType::NodePort;
     svc.ports[0].node_port = 30080;
     svc.external_ips = vec!["203.0.113.7".into()];
-    let r = translate(&ctx(), "svc/shop/web", &svc, &[slice(vec![endpoint("10.244.0.11", true, false, true)])]).unwrap();
+    let r =
+        translate(&ctx(), "svc/shop/web", &svc, &[slice(vec![endpoint("10.244.0.11", true, false, true)])]).unwrap();
     assert!(r.chains.is_empty() && r.sets.is_empty(), "{:?} {:?}", r.chains, r.sets);
     let frontend = |ip: &str| vec![KeyPart::Address(ip.into()), KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(80)];
     assert_eq!(elements(&r, "session-affinity-10800"), vec![&frontend("10.96.0.20")[..], &frontend("203.0.113.7")[..]]);
     let node_port = [KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(30080)];
     assert_eq!(elements(&r, "nodeport-affinity-10800"), vec![&node_port[..]]);
-    assert!(r.map_elements.iter().filter(|e| e.map_name == "nodeport-affinity-10800").all(|e| e.verdict == Verdict::None));
+    assert!(
+        r.map_elements.iter().filter(|e| e.map_name == "nodeport-affinity-10800").all(|e| e.verdict == Verdict::None)
+    );
     assert_eq!(elements(&r, "nodeport-backends").len(), 1);
 }
 
@@ -394,7 +476,8 @@ fn frontends_without_backends_get_no_affinity_element() {
     // without affinity; the node port has backends, so it has its affinity.
     svc.cluster_ips = vec!["10.96.0.20".into(), "fd00:96::20".into()];
     svc.external_ips = vec![];
-    let r = translate(&ctx(), "svc/shop/web", &svc, &[slice(vec![endpoint("10.244.0.11", true, false, true)])]).unwrap();
+    let r =
+        translate(&ctx(), "svc/shop/web", &svc, &[slice(vec![endpoint("10.244.0.11", true, false, true)])]).unwrap();
     let frontend = |ip: &str| vec![KeyPart::Address(ip.into()), KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(80)];
     assert_eq!(elements(&r, "no-endpoint-services"), vec![&frontend("fd00:96::20")[..]]);
     assert_eq!(elements(&r, "session-affinity-10800"), vec![&frontend("10.96.0.20")[..]]);
@@ -404,8 +487,12 @@ fn frontends_without_backends_get_no_affinity_element() {
     let mut svc = service();
     svc.session_affinity_timeout = Some(10800);
     svc.internal_traffic_policy = TrafficPolicy::Local;
-    let r = translate(&ctx(), "svc/shop/web", &svc, &[slice(vec![endpoint("10.244.1.11", true, false, false)])]).unwrap();
-    assert_eq!(r.map_elements.iter().find(|e| e.map_name == "no-endpoint-services").map(|e| &e.verdict), Some(&Verdict::Drop));
+    let r =
+        translate(&ctx(), "svc/shop/web", &svc, &[slice(vec![endpoint("10.244.1.11", true, false, false)])]).unwrap();
+    assert_eq!(
+        r.map_elements.iter().find(|e| e.map_name == "no-endpoint-services").map(|e| &e.verdict),
+        Some(&Verdict::Drop)
+    );
     assert!(affinity_maps(&r).is_empty(), "{:?}", r.map_elements);
 }
 
@@ -420,7 +507,10 @@ fn the_affinity_timeout_names_the_map() {
     assert_eq!(affinity_maps(&r), vec!["session-affinity-30", "nodeport-affinity-30"]);
     // Out of what a valid Service allows: clamped to 1..=86400 seconds.
     svc.session_affinity_timeout = Some(0);
-    assert_eq!(affinity_maps(&translate(&ctx(), "svc/shop/web", &svc, &eps).unwrap()), vec!["session-affinity-1", "nodeport-affinity-1"]);
+    assert_eq!(
+        affinity_maps(&translate(&ctx(), "svc/shop/web", &svc, &eps).unwrap()),
+        vec!["session-affinity-1", "nodeport-affinity-1"]
+    );
     svc.session_affinity_timeout = Some(86401);
     let r = translate(&ctx(), "svc/shop/web", &svc, &eps).unwrap();
     assert_eq!(affinity_maps(&r), vec!["session-affinity-86400", "nodeport-affinity-86400"]);
@@ -435,7 +525,13 @@ fn node_port_with_local_policy_uses_only_local_endpoints() {
     svc.service_type = ServiceType::NodePort;
     svc.ports[0].node_port = 30080;
     svc.external_traffic_policy = TrafficPolicy::Local;
-    let r = translate(&ctx(), "svc/shop/web", &svc, &[slice(vec![endpoint("10.244.0.11", true, false, true), endpoint("10.244.1.11", true, false, false)])]).unwrap();
+    let r = translate(
+        &ctx(),
+        "svc/shop/web",
+        &svc,
+        &[slice(vec![endpoint("10.244.0.11", true, false, true), endpoint("10.244.1.11", true, false, false)])],
+    )
+    .unwrap();
     let nodeport = r.map_elements.iter().find(|e| e.map_name == "service-nodeports").unwrap();
     assert_eq!(nodeport.verdict, Verdict::Goto("svc/shop/web/tcp/http/external".into()));
     let local = r.chains.iter().find(|c| c.name == "svc/shop/web/tcp/http/local").unwrap();
@@ -478,10 +574,16 @@ fn a_frontend_of_either_family_with_too_many_backends_keeps_the_port_in_a_chain(
     let mut svc = service();
     svc.cluster_ips = vec!["10.96.0.20".into(), "fd00:96::20".into()];
     let v4 = slice(vec![endpoint("10.244.0.11", true, false, true)]);
-    let mut v6 = slice((0..=MAX_BACKENDS_PER_FRONTEND).map(|i| endpoint(&format!("fd00:10:244::{i:x}"), true, false, false)).collect());
+    let mut v6 = slice(
+        (0..=MAX_BACKENDS_PER_FRONTEND).map(|i| endpoint(&format!("fd00:10:244::{i:x}"), true, false, false)).collect(),
+    );
     v6.name = "web-v6".into();
     let r = translate(&ctx(), "svc/shop/web", &svc, &[v4.clone(), v6]).unwrap();
-    assert!(elements(&r, "service-backends").is_empty(), "the host would refuse the v6 frontend's {} backends", MAX_BACKENDS_PER_FRONTEND + 1);
+    assert!(
+        elements(&r, "service-backends").is_empty(),
+        "the host would refuse the v6 frontend's {} backends",
+        MAX_BACKENDS_PER_FRONTEND + 1
+    );
     assert!(r.chains.iter().any(|c| c.name == "svc/shop/web/tcp/http"));
     // Within the limit, each cluster IP gets the backends of its own family.
     let v6 = slice(vec![endpoint("fd00:10:244::11", true, false, false)]);
@@ -495,7 +597,13 @@ fn a_frontend_of_either_family_with_too_many_backends_keeps_the_port_in_a_chain(
             _ => None,
         })
         .collect();
-    assert_eq!(backends, vec![("10.96.0.20".to_string(), "10.244.0.11".to_string()), ("fd00:96::20".to_string(), "fd00:10:244::11".to_string())]);
+    assert_eq!(
+        backends,
+        vec![
+            ("10.96.0.20".to_string(), "10.244.0.11".to_string()),
+            ("fd00:96::20".to_string(), "fd00:10:244::11".to_string())
+        ]
+    );
 }
 
 /// The bench's serialized boundary gives the typed translation's ruleset, and a buffer that

@@ -10,7 +10,12 @@ mod translator {
 
     impl Guest for Misbehaving {
         #[allow(unreachable_code, unused_variables)]
-        fn translate(_node: NodeContext, prefix: String, _svc: Service, _slices: Vec<EndpointSlice>) -> Result<Ruleset, GuestError> {
+        fn translate(
+            _node: NodeContext,
+            prefix: String,
+            _svc: Service,
+            _slices: Vec<EndpointSlice>,
+        ) -> Result<Ruleset, GuestError> {
             #[cfg(feature = "loop-forever")]
             loop {
                 std::hint::black_box(());
@@ -115,13 +120,23 @@ mod translator_1_0 {
     struct Translator;
 
     impl Guest for Translator {
-        fn translate(node: NodeContext, prefix: String, service: Service, slices: Vec<EndpointSlice>) -> Result<Ruleset, GuestError> {
+        fn translate(
+            node: NodeContext,
+            prefix: String,
+            service: Service,
+            slices: Vec<EndpointSlice>,
+        ) -> Result<Ruleset, GuestError> {
             if service.labels.iter().any(|l| l.key == "wasmplane.io/decline") {
                 return Err(GuestError { message: format!("declined {}/{}", service.namespace, service.name) });
             }
-            wasmplane::dataplane::log::log(wasmplane::dataplane::log::Level::Debug, &format!("1.0 guest translating {}/{}", service.namespace, service.name));
+            wasmplane::dataplane::log::log(
+                wasmplane::dataplane::log::Level::Debug,
+                &format!("1.0 guest translating {}/{}", service.namespace, service.name),
+            );
             let mut ruleset = Ruleset { chains: vec![], sets: vec![], map_elements: vec![], warnings: vec![] };
-            let Some(backend) = slices.iter().flat_map(|s| &s.endpoints).find(|e| e.ready).and_then(|e| e.addresses.first()) else {
+            let Some(backend) =
+                slices.iter().flat_map(|s| &s.endpoints).find(|e| e.ready).and_then(|e| e.addresses.first())
+            else {
                 ruleset.warnings.push("no ready endpoint".into());
                 return Ok(ruleset);
             };
@@ -131,13 +146,27 @@ mod translator_1_0 {
                 let mut rules: Vec<Rule> = node
                     .cluster_cidrs
                     .iter()
-                    .map(|cidr| Rule { matches: vec![RuleMatch::Source(AddressMatch { cidr: cidr.clone(), negate: true })], statements: vec![], verdict: Verdict::Masquerade, comment: None })
+                    .map(|cidr| Rule {
+                        matches: vec![RuleMatch::Source(AddressMatch { cidr: cidr.clone(), negate: true })],
+                        statements: vec![],
+                        verdict: Verdict::Masquerade,
+                        comment: None,
+                    })
                     .collect();
-                rules.push(Rule { matches: vec![], statements: vec![RuleStatement::Dnat(DnatTarget { address: backend.clone(), port: target })], verdict: Verdict::None, comment: Some("wit 1.0".into()) });
+                rules.push(Rule {
+                    matches: vec![],
+                    statements: vec![RuleStatement::Dnat(DnatTarget { address: backend.clone(), port: target })],
+                    verdict: Verdict::None,
+                    comment: Some("wit 1.0".into()),
+                });
                 for ip in &service.cluster_ips {
                     ruleset.map_elements.push(MapElement {
                         map_name: "service-ips".into(),
-                        key: vec![KeyPart::Address(ip.clone()), KeyPart::Protocol(port.protocol), KeyPart::Port(port.port)],
+                        key: vec![
+                            KeyPart::Address(ip.clone()),
+                            KeyPart::Protocol(port.protocol),
+                            KeyPart::Port(port.port),
+                        ],
                         verdict: Verdict::Goto(chain.clone()),
                     });
                 }
@@ -162,14 +191,35 @@ mod policy_1_0 {
     struct Policy;
 
     impl Guest for Policy {
-        fn compile(_node: NodeContext, prefix: String, policy: NetworkPolicy, local_pods: Vec<Pod>) -> Result<Ruleset, GuestError> {
-            let block = policy.ingress.iter().chain(&policy.egress).flatten().flat_map(|r| &r.peers).find_map(|p| p.ip_block.as_ref());
+        fn compile(
+            _node: NodeContext,
+            prefix: String,
+            policy: NetworkPolicy,
+            local_pods: Vec<Pod>,
+        ) -> Result<Ruleset, GuestError> {
+            let block = policy
+                .ingress
+                .iter()
+                .chain(&policy.egress)
+                .flatten()
+                .flat_map(|r| &r.peers)
+                .find_map(|p| p.ip_block.as_ref());
             let rules = block
-                .map(|b| Rule { matches: vec![RuleMatch::Source(AddressMatch { cidr: b.cidr.clone(), negate: false })], statements: vec![RuleStatement::Counter], verdict: Verdict::Accept, comment: None })
+                .map(|b| Rule {
+                    matches: vec![RuleMatch::Source(AddressMatch { cidr: b.cidr.clone(), negate: false })],
+                    statements: vec![RuleStatement::Counter],
+                    verdict: Verdict::Accept,
+                    comment: None,
+                })
                 .into_iter()
                 .collect();
             let warnings = vec![format!("{} local pods", local_pods.len())];
-            Ok(Ruleset { chains: vec![Chain { name: format!("{prefix}/ingress"), rules }], sets: vec![], map_elements: vec![], warnings })
+            Ok(Ruleset {
+                chains: vec![Chain { name: format!("{prefix}/ingress"), rules }],
+                sets: vec![],
+                map_elements: vec![],
+                warnings,
+            })
         }
     }
 

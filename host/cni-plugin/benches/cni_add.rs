@@ -50,10 +50,7 @@ fn concurrently(n: usize, f: impl Fn(usize) -> Reply + Sync) -> (Vec<Reply>, Dur
                 s.spawn(move || f(i))
             })
             .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap())
-            .collect::<Vec<_>>()
+        handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
     });
     (replies, started.elapsed())
 }
@@ -61,22 +58,12 @@ fn concurrently(n: usize, f: impl Fn(usize) -> Reply + Sync) -> (Vec<Reply>, Dur
 fn row(name: &'static str, command: &'static str, replies: &[Reply], wall: Duration) -> Row {
     let mut latencies: Vec<Duration> = replies.iter().map(|r| r.elapsed).collect();
     latencies.sort();
-    let ips: HashSet<Ipv4Addr> = replies
-        .iter()
-        .filter(|r| r.ok && command.starts_with("ADD"))
-        .map(|r| r.ip())
-        .collect();
+    let ips: HashSet<Ipv4Addr> =
+        replies.iter().filter(|r| r.ok && command.starts_with("ADD")).map(|r| r.ip()).collect();
     if let Some(bad) = replies.iter().find(|r| !r.ok) {
         eprintln!("{name} {command}: a failure: {} {}", bad.json, bad.stderr);
     }
-    Row {
-        name,
-        command,
-        ok: replies.iter().filter(|r| r.ok).count(),
-        distinct_ips: ips.len(),
-        latencies,
-        wall,
-    }
+    Row { name, command, ok: replies.iter().filter(|r| r.ok).count(), distinct_ips: ips.len(), latencies, wall }
 }
 
 /// Pods sent one at a time after the concurrent burst: the unloaded latency.
@@ -106,25 +93,14 @@ fn ours(n: usize, name: &'static str, cidrs: &str) -> Vec<Row> {
     node.stop();
     // Benchmarks have no watch: every pod is known.
     node.start_with(Arc::new(wasmplane_cni::AnyPod));
-    let pods: Vec<Netns> = (0..n + SEQUENTIAL)
-        .map(|i| Netns::new(unique(&format!("-b{i}"))))
-        .collect();
-    measure(name, n, |command, i| {
-        node.cni(
-            command,
-            &format!("bench-{i}"),
-            &pods[i].path(),
-            &format!("b{i}"),
-        )
-    })
+    let pods: Vec<Netns> = (0..n + SEQUENTIAL).map(|i| Netns::new(unique(&format!("-b{i}")))).collect();
+    measure(name, n, |command, i| node.cni(command, &format!("bench-{i}"), &pods[i].path(), &format!("b{i}")))
 }
 
 fn reference(n: usize) -> Vec<Row> {
     let node = Netns::new(unique("-refnode"));
     node.exec(&["ip", "link", "set", "lo", "up"]);
-    let pods: Vec<Netns> = (0..n + SEQUENTIAL)
-        .map(|i| Netns::new(unique(&format!("-rb{i}"))))
-        .collect();
+    let pods: Vec<Netns> = (0..n + SEQUENTIAL).map(|i| Netns::new(unique(&format!("-rb{i}")))).collect();
     let dir = tempfile::tempdir().unwrap();
     let config: Value = json!({
         "cniVersion": "1.0.0",
@@ -156,18 +132,13 @@ fn main() {
         eprintln!("SKIPPED cni_add benchmark: needs root for network namespaces");
         return;
     }
-    if !Path::new(REFERENCE_DIR).join("bridge").exists()
-        || !Path::new(REFERENCE_DIR).join("host-local").exists()
-    {
+    if !Path::new(REFERENCE_DIR).join("bridge").exists() || !Path::new(REFERENCE_DIR).join("host-local").exists() {
         eprintln!(
             "SKIPPED cni_add benchmark: reference plugins missing in {REFERENCE_DIR} (apt-get install containernetworking-plugins)"
         );
         return;
     }
-    let n: usize = std::env::var("WPCNI_BENCH_N")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(100);
+    let n: usize = std::env::var("WPCNI_BENCH_N").ok().and_then(|v| v.parse().ok()).unwrap_or(100);
     println!(
         "{n} concurrent CNI invocations, then {SEQUENTIAL} one at a time (\"1x\"); each pod in a fresh network namespace; latency = plugin spawn to exit\n"
     );
@@ -179,11 +150,7 @@ fn main() {
         "plugin", "cmd", "ok", "IPs", "p50", "p99", "max", "wall"
     );
     for r in &rows {
-        let ips = if r.command.starts_with("ADD") {
-            r.distinct_ips.to_string()
-        } else {
-            "-".into()
-        };
+        let ips = if r.command.starts_with("ADD") { r.distinct_ips.to_string() } else { "-".into() };
         println!(
             "{:<28} {:<6} {:>7} {:>6} {:>10} {:>10} {:>10} {:>10}",
             r.name,

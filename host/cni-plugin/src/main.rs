@@ -48,11 +48,7 @@ struct Failure {
 
 impl Failure {
     fn new(code: u32, msg: impl Into<String>, details: impl Into<String>) -> Failure {
-        Failure {
-            code,
-            msg: msg.into(),
-            details: details.into(),
-        }
+        Failure { code, msg: msg.into(), details: details.into() }
     }
 }
 
@@ -81,31 +77,16 @@ fn main() {
 fn run(version: &mut String) -> Result<Option<String>, Failure> {
     let command = std::env::var("CNI_COMMAND").unwrap_or_default();
     if command == "VERSION" {
-        return Ok(Some(
-            json!({"cniVersion": "1.1.0", "supportedVersions": SUPPORTED_VERSIONS}).to_string(),
-        ));
+        return Ok(Some(json!({"cniVersion": "1.1.0", "supportedVersions": SUPPORTED_VERSIONS}).to_string()));
     }
     let mut stdin = Vec::new();
-    std::io::stdin().read_to_end(&mut stdin).map_err(|e| {
-        Failure::new(
-            5,
-            "failed to read the network configuration from stdin",
-            e.to_string(),
-        )
-    })?;
-    let config: Value = serde_json::from_slice(&stdin).map_err(|e| {
-        Failure::new(
-            6,
-            "failed to decode the network configuration",
-            e.to_string(),
-        )
-    })?;
+    std::io::stdin()
+        .read_to_end(&mut stdin)
+        .map_err(|e| Failure::new(5, "failed to read the network configuration from stdin", e.to_string()))?;
+    let config: Value = serde_json::from_slice(&stdin)
+        .map_err(|e| Failure::new(6, "failed to decode the network configuration", e.to_string()))?;
     let Some(conf_version) = config.get("cniVersion").and_then(Value::as_str) else {
-        return Err(Failure::new(
-            7,
-            "invalid network configuration",
-            "cniVersion is missing or not a string",
-        ));
+        return Err(Failure::new(7, "invalid network configuration", "cniVersion is missing or not a string"));
     };
     if !SUPPORTED_VERSIONS.contains(&conf_version) {
         return Err(Failure::new(
@@ -117,13 +98,10 @@ fn run(version: &mut String) -> Result<Option<String>, Failure> {
     *version = conf_version.to_string();
 
     let env = |name: &str| std::env::var(name).unwrap_or_default();
-    let (container_id, netns, if_name) =
-        (env("CNI_CONTAINERID"), env("CNI_NETNS"), env("CNI_IFNAME"));
+    let (container_id, netns, if_name) = (env("CNI_CONTAINERID"), env("CNI_NETNS"), env("CNI_IFNAME"));
     let mut missing = Vec::new();
     if !matches!(command.as_str(), "ADD" | "DEL" | "CHECK" | "STATUS" | "GC") {
-        missing.push(format!(
-            "CNI_COMMAND ({command:?} is not ADD, DEL, CHECK, STATUS, GC or VERSION)"
-        ));
+        missing.push(format!("CNI_COMMAND ({command:?} is not ADD, DEL, CHECK, STATUS, GC or VERSION)"));
     }
     // STATUS and GC are about the network, not one attachment.
     let attachment = !matches!(command.as_str(), "STATUS" | "GC");
@@ -144,17 +122,9 @@ fn run(version: &mut String) -> Result<Option<String>, Failure> {
         ));
     }
 
-    let socket = config
-        .get("daemonSocket")
-        .and_then(Value::as_str)
-        .unwrap_or(DEFAULT_SOCKET)
-        .to_string();
-    let timeout = Duration::from_secs(
-        config
-            .get("daemonTimeoutSeconds")
-            .and_then(Value::as_u64)
-            .unwrap_or(DEFAULT_TIMEOUT_SECS),
-    );
+    let socket = config.get("daemonSocket").and_then(Value::as_str).unwrap_or(DEFAULT_SOCKET).to_string();
+    let timeout =
+        Duration::from_secs(config.get("daemonTimeoutSeconds").and_then(Value::as_u64).unwrap_or(DEFAULT_TIMEOUT_SECS));
     let body = json!({
         "command": command,
         "containerId": container_id,
@@ -189,21 +159,13 @@ fn run(version: &mut String) -> Result<Option<String>, Failure> {
         _ => Err(Failure::new(
             110,
             format!("wasmplane daemon answered HTTP {status}"),
-            String::from_utf8_lossy(&reply)
-                .chars()
-                .take(500)
-                .collect::<String>(),
+            String::from_utf8_lossy(&reply).chars().take(500).collect::<String>(),
         )),
     }
 }
 
 /// One HTTP/1.1 request over a unix socket, `Connection: close`; returns status and body.
-fn post(
-    socket: &str,
-    path: &str,
-    body: &str,
-    timeout: Duration,
-) -> std::io::Result<(u16, Vec<u8>)> {
+fn post(socket: &str, path: &str, body: &str, timeout: Duration) -> std::io::Result<(u16, Vec<u8>)> {
     let mut stream = UnixStream::connect(socket)?;
     stream.set_read_timeout(Some(timeout))?;
     stream.set_write_timeout(Some(timeout))?;
@@ -219,27 +181,17 @@ fn post(
 }
 
 fn bad(what: &str) -> std::io::Error {
-    std::io::Error::new(
-        std::io::ErrorKind::InvalidData,
-        format!("malformed HTTP response: {what}"),
-    )
+    std::io::Error::new(std::io::ErrorKind::InvalidData, format!("malformed HTTP response: {what}"))
 }
 
 /// Status line, headers (only Content-Length and chunked transfer matter), body.
 fn parse_response(raw: &[u8]) -> std::io::Result<(u16, Vec<u8>)> {
-    let end = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or_else(|| bad("no end of headers"))?;
+    let end = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(|| bad("no end of headers"))?;
     let head = std::str::from_utf8(&raw[..end]).map_err(|_| bad("headers not UTF-8"))?;
     let rest = &raw[end + 4..];
     let mut lines = head.split("\r\n");
     let status_line = lines.next().unwrap_or_default();
-    let status = status_line
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| bad("status line"))?;
+    let status = status_line.split(' ').nth(1).and_then(|s| s.parse().ok()).ok_or_else(|| bad("status line"))?;
     let (mut length, mut chunked) = (None, false);
     for line in lines {
         let Some((k, v)) = line.split_once(':') else {
@@ -255,9 +207,7 @@ fn parse_response(raw: &[u8]) -> std::io::Result<(u16, Vec<u8>)> {
     let body = if chunked {
         dechunk(rest)?
     } else if let Some(n) = length {
-        rest.get(..n)
-            .ok_or_else(|| bad("body shorter than content-length"))?
-            .to_vec()
+        rest.get(..n).ok_or_else(|| bad("body shorter than content-length"))?.to_vec()
     } else {
         rest.to_vec()
     };
@@ -267,10 +217,7 @@ fn parse_response(raw: &[u8]) -> std::io::Result<(u16, Vec<u8>)> {
 fn dechunk(mut data: &[u8]) -> std::io::Result<Vec<u8>> {
     let mut out = Vec::new();
     loop {
-        let eol = data
-            .windows(2)
-            .position(|w| w == b"\r\n")
-            .ok_or_else(|| bad("chunk size line"))?;
+        let eol = data.windows(2).position(|w| w == b"\r\n").ok_or_else(|| bad("chunk size line"))?;
         let size_text = std::str::from_utf8(&data[..eol]).map_err(|_| bad("chunk size"))?;
         let size = usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
             .map_err(|_| bad("chunk size"))?;
@@ -291,7 +238,10 @@ mod tests {
     fn parses_length_and_chunked_bodies() {
         let (s, b) = parse_response(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}").unwrap();
         assert_eq!((s, b.as_slice()), (200, &b"{}"[..]));
-        let (s, b) = parse_response(b"HTTP/1.1 503 Service Unavailable\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n").unwrap();
+        let (s, b) = parse_response(
+            b"HTTP/1.1 503 Service Unavailable\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n",
+        )
+        .unwrap();
         assert_eq!((s, b.as_slice()), (503, &b"abcde"[..]));
         assert!(parse_response(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n{}").is_err());
         assert!(parse_response(b"garbage").is_err());

@@ -41,18 +41,11 @@ fn add_gives_working_network_and_del_frees_it() {
     assert_eq!(r["cniVersion"], "1.0.0");
     assert_eq!(r["interfaces"][1]["name"], "eth0");
     assert_eq!(r["interfaces"][1]["sandbox"], a.path());
-    assert_eq!(
-        r["interfaces"][0]["name"],
-        wasmplane_cni::host_if_name("ctr-a", "eth0")
-    );
+    assert_eq!(r["interfaces"][0]["name"], wasmplane_cni::host_if_name("ctr-a", "eth0"));
     assert_eq!(r["ips"][0]["interface"], 1);
     assert_eq!(r["ips"][0]["gateway"], "10.244.11.1");
     assert!(
-        r["routes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|rt| rt["dst"] == "0.0.0.0/0" && rt["gw"] == "10.244.11.1"),
+        r["routes"].as_array().unwrap().iter().any(|rt| rt["dst"] == "0.0.0.0/0" && rt["gw"] == "10.244.11.1"),
         "{r}"
     );
     assert!(r["interfaces"][1]["mac"].as_str().unwrap().len() == 17);
@@ -62,54 +55,26 @@ fn add_gives_working_network_and_del_frees_it() {
     let (status, body) = support::http_get(&node.socket(), "/healthz");
     assert!(status.contains("200") && body == "ok", "{status} {body}");
     let (status, body) = support::http_get(&node.socket(), "/v1/allocations");
-    let allocs: serde_json::Value =
-        serde_json::from_str(&body).unwrap_or_else(|e| panic!("{status} {body}: {e}"));
+    let allocs: serde_json::Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{status} {body}: {e}"));
     assert_eq!(allocs["pools"], json!([{"podCIDR": "10.244.11.0/24", "gateway": "10.244.11.1"}]));
     let listed: HashSet<String> = allocs["allocations"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|a| {
-            format!(
-                "{} {}",
-                a["containerId"].as_str().unwrap(),
-                a["ip"].as_str().unwrap()
-            )
-        })
+        .map(|a| format!("{} {}", a["containerId"].as_str().unwrap(), a["ip"].as_str().unwrap()))
         .collect();
-    assert_eq!(
-        listed,
-        HashSet::from([format!("ctr-a {ip_a}"), format!("ctr-b {ip_b}")])
-    );
+    assert_eq!(listed, HashSet::from([format!("ctr-a {ip_a}"), format!("ctr-b {ip_b}")]));
     // The kernel agrees.
-    assert!(
-        a.exec(&["ip", "-o", "addr", "show", "dev", "eth0"])
-            .contains(&format!("{ip_a}/32"))
-    );
+    assert!(a.exec(&["ip", "-o", "addr", "show", "dev", "eth0"]).contains(&format!("{ip_a}/32")));
 
     // Traffic: node -> pod (ICMP, TCP), pod -> pod (ICMP, TCP), pod -> gateway.
     let node_path = node.ns.path();
-    assert!(
-        icmp_echo(&node_path, ip_a, ECHO),
-        "node cannot ping pod a {ip_a}"
-    );
-    assert!(
-        icmp_echo(&a.path(), ip_b, ECHO),
-        "pod a cannot ping pod b {ip_b}"
-    );
-    assert!(
-        icmp_echo(&b.path(), Ipv4Addr::new(10, 244, 11, 1), ECHO),
-        "pod b cannot ping its gateway"
-    );
+    assert!(icmp_echo(&node_path, ip_a, ECHO), "node cannot ping pod a {ip_a}");
+    assert!(icmp_echo(&a.path(), ip_b, ECHO), "pod a cannot ping pod b {ip_b}");
+    assert!(icmp_echo(&b.path(), Ipv4Addr::new(10, 244, 11, 1), ECHO), "pod b cannot ping its gateway");
     let server = tcp_server(&b.path(), 8080, "b");
-    assert_eq!(
-        tcp_ask(&node_path, SocketAddr::from((ip_b, 8080))).unwrap(),
-        "b saw 10.244.11.1"
-    );
-    assert_eq!(
-        tcp_ask(&a.path(), SocketAddr::from((ip_b, 8080))).unwrap(),
-        format!("b saw {ip_a}")
-    );
+    assert_eq!(tcp_ask(&node_path, SocketAddr::from((ip_b, 8080))).unwrap(), "b saw 10.244.11.1");
+    assert_eq!(tcp_ask(&a.path(), SocketAddr::from((ip_b, 8080))).unwrap(), format!("b saw {ip_a}"));
     drop(server);
 
     // DEL removes both ends and the address; a new pod does not get the address at once,
@@ -117,23 +82,11 @@ fn add_gives_working_network_and_del_frees_it() {
     let host_if = wasmplane_cni::host_if_name("ctr-a", "eth0");
     let del = node.cni("DEL", "ctr-a", &a.path(), "a");
     assert!(del.ok && del.json.is_null(), "{del:?}");
-    assert!(
-        !node.ns.try_exec(&["ip", "link", "show", &host_if]),
-        "{host_if} still on the node"
-    );
-    assert!(
-        !a.try_exec(&["ip", "link", "show", "eth0"]),
-        "eth0 still in pod a"
-    );
-    assert!(
-        !icmp_echo(&node_path, ip_a, Duration::from_millis(300)),
-        "{ip_a} still answers"
-    );
+    assert!(!node.ns.try_exec(&["ip", "link", "show", &host_if]), "{host_if} still on the node");
+    assert!(!a.try_exec(&["ip", "link", "show", "eth0"]), "eth0 still in pod a");
+    assert!(!icmp_echo(&node_path, ip_a, Duration::from_millis(300)), "{ip_a} still answers");
     let daemon = node.daemon.as_ref().unwrap();
-    assert!(
-        daemon.ipam().unwrap().all().iter().all(|x| x.ips != [IpAddr::V4(ip_a)]),
-        "{ip_a} still allocated"
-    );
+    assert!(daemon.ipam().unwrap().all().iter().all(|x| x.ips != [IpAddr::V4(ip_a)]), "{ip_a} still allocated");
     assert_eq!(node.sink.get("test", "a"), None);
     assert!(node.sink.get("test", "b").is_some());
     // DEL again, and DEL with the namespace gone: both fine (idempotent).
@@ -160,10 +113,7 @@ fn repeated_add_is_idempotent_and_check_detects_a_deleted_interface() {
     let second = node.cni("ADD", "ctr", &pod.path(), "p");
     assert!(second.ok, "{second:?}");
     assert_eq!(second.ip(), first.ip());
-    assert_eq!(
-        second.json["interfaces"][1]["mac"],
-        first.json["interfaces"][1]["mac"]
-    );
+    assert_eq!(second.json["interfaces"][1]["mac"], first.json["interfaces"][1]["mac"]);
     assert_eq!(node.daemon.as_ref().unwrap().ipam().unwrap().all().len(), 1);
     assert_eq!(node.host_links().len(), 1);
 
@@ -194,13 +144,7 @@ fn repeated_add_is_idempotent_and_check_detects_a_deleted_interface() {
     pod.exec(&["ip", "route", "del", "default"]);
     let check = node.cni("CHECK", "ctr", &pod.path(), "p");
     assert_eq!(check.code(), 105, "{check:?}");
-    assert!(
-        check.json["details"]
-            .as_str()
-            .unwrap()
-            .contains("default route"),
-        "{check:?}"
-    );
+    assert!(check.json["details"].as_str().unwrap().contains("default route"), "{check:?}");
 
     // CHECK of a container never added.
     let unknown = node.cni("CHECK", "nope", &pod.path(), "p");
@@ -211,9 +155,7 @@ fn repeated_add_is_idempotent_and_check_detects_a_deleted_interface() {
 fn restart_keeps_allocations() {
     require_root!();
     let mut node = Node::new("10.244.13.0/24");
-    let pods: Vec<Netns> = (0..3)
-        .map(|i| Netns::new(unique(&format!("-r{i}"))))
-        .collect();
+    let pods: Vec<Netns> = (0..3).map(|i| Netns::new(unique(&format!("-r{i}")))).collect();
     for i in 0..3 {
         node.know_pod("test", &format!("r{i}"));
     }
@@ -229,27 +171,14 @@ fn restart_keeps_allocations() {
     // A new container after the restart gets a different address; the old ones still check.
     let c = node.cni("ADD", "ctr-2", &pods[2].path(), "r2");
     assert!(c.ok, "{c:?}");
-    assert!(
-        c.ip() != a.ip() && c.ip() != b.ip(),
-        "{} handed out twice",
-        c.ip()
-    );
+    assert!(c.ip() != a.ip() && c.ip() != b.ip(), "{} handed out twice", c.ip());
     assert!(node.cni("CHECK", "ctr-0", &pods[0].path(), "r0").ok);
     // A repeated ADD after the restart still returns the recovered address.
     assert_eq!(node.cni("ADD", "ctr-1", &pods[1].path(), "r1").ip(), b.ip());
     // DEL after the restart frees the recovered address.
     assert!(node.cni("DEL", "ctr-0", &pods[0].path(), "r0").ok);
     node.restart();
-    let left: HashSet<IpAddr> = node
-        .daemon
-        .as_ref()
-        .unwrap()
-        .ipam()
-        .unwrap()
-        .all()
-        .iter()
-        .map(|x| x.ips[0])
-        .collect();
+    let left: HashSet<IpAddr> = node.daemon.as_ref().unwrap().ipam().unwrap().all().iter().map(|x| x.ips[0]).collect();
     assert_eq!(left, HashSet::from([b.ip().into(), c.ip().into()]));
     assert!(icmp_echo(&node.ns.path(), c.ip(), ECHO));
 
@@ -263,30 +192,14 @@ fn restart_keeps_allocations() {
     let gone = wasmplane_cni::host_if_name("ctr-1", "eth0");
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while node.host_links().contains(&gone) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{gone} outlived its namespace"
-        );
+        assert!(std::time::Instant::now() < deadline, "{gone} outlived its namespace");
         std::thread::sleep(Duration::from_millis(20));
     }
     assert!(node.sink.get("test", "r1").is_some());
     node.start();
-    let left: HashSet<IpAddr> = node
-        .daemon
-        .as_ref()
-        .unwrap()
-        .ipam()
-        .unwrap()
-        .all()
-        .iter()
-        .map(|x| x.ips[0])
-        .collect();
+    let left: HashSet<IpAddr> = node.daemon.as_ref().unwrap().ipam().unwrap().all().iter().map(|x| x.ips[0]).collect();
     assert_eq!(left, HashSet::from([c.ip().into()]));
-    assert_eq!(
-        node.sink.get("test", "r1"),
-        None,
-        "the host's model is told too"
-    );
+    assert_eq!(node.sink.get("test", "r1"), None, "the host's model is told too");
     assert!(node.cni("CHECK", "ctr-2", &pods[1].path(), "r2").ok);
 }
 
@@ -302,10 +215,7 @@ fn add_waits_for_the_pod_cache_then_asks_to_try_again() {
     let r = node.cni("ADD", "ctr", &pod.path(), "late");
     assert!(!r.ok);
     assert_eq!(r.code(), 11, "{r:?}");
-    assert!(
-        r.json["details"].as_str().unwrap().contains("test/late"),
-        "{r:?}"
-    );
+    assert!(r.json["details"].as_str().unwrap().contains("test/late"), "{r:?}");
     assert!(r.elapsed >= Duration::from_millis(300), "{:?}", r.elapsed);
     assert!(node.daemon.as_ref().unwrap().ipam().unwrap().all().is_empty());
     assert!(node.host_links().is_empty());
@@ -326,11 +236,7 @@ fn add_waits_for_the_pod_cache_then_asks_to_try_again() {
     let r = node.cni("ADD", "ctr", &pod.path(), "late");
     feeder.join().unwrap();
     assert!(r.ok, "{r:?}");
-    assert!(
-        r.elapsed >= Duration::from_millis(400) && r.elapsed < Duration::from_secs(20),
-        "{:?}",
-        r.elapsed
-    );
+    assert!(r.elapsed >= Duration::from_millis(400) && r.elapsed < Duration::from_secs(20), "{:?}", r.elapsed);
 }
 
 #[test]
@@ -339,9 +245,7 @@ fn hundred_concurrent_adds_get_distinct_addresses() {
     let mut node = Node::new("10.244.15.0/24");
     node.stop();
     node.start_with(Arc::new(AnyPod));
-    let pods: Vec<Netns> = (0..100)
-        .map(|i| Netns::new(unique(&format!("-c{i}"))))
-        .collect();
+    let pods: Vec<Netns> = (0..100).map(|i| Netns::new(unique(&format!("-c{i}")))).collect();
     let replies: Vec<_> = std::thread::scope(|s| {
         let handles: Vec<_> = pods
             .iter()
@@ -354,12 +258,7 @@ fn hundred_concurrent_adds_get_distinct_addresses() {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     let failed: Vec<_> = replies.iter().filter(|r| !r.ok).collect();
-    assert!(
-        failed.is_empty(),
-        "{} failed, first: {:?}",
-        failed.len(),
-        failed.first()
-    );
+    assert!(failed.is_empty(), "{} failed, first: {:?}", failed.len(), failed.first());
     let ips: HashSet<Ipv4Addr> = replies.iter().map(|r| r.ip()).collect();
     assert_eq!(ips.len(), 100, "addresses handed out twice");
     assert_eq!(node.host_links().len(), 100);
@@ -379,19 +278,12 @@ fn errors_carry_cni_codes_and_versions() {
     let version = run_plugin(support::PLUGIN, &[("CNI_COMMAND", "VERSION")], &cfg, None);
     assert!(version.ok);
     let supported = version.json["supportedVersions"].as_array().unwrap();
-    assert!(
-        supported.contains(&json!("1.0.0")) && supported.contains(&json!("0.4.0")),
-        "{version:?}"
-    );
+    assert!(supported.contains(&json!("1.0.0")) && supported.contains(&json!("0.4.0")), "{version:?}");
 
     // Missing CNI_IFNAME: 4, naming the variable.
     let r = run_plugin(
         support::PLUGIN,
-        &[
-            ("CNI_COMMAND", "ADD"),
-            ("CNI_CONTAINERID", "x"),
-            ("CNI_NETNS", &pod.path()),
-        ],
+        &[("CNI_COMMAND", "ADD"), ("CNI_CONTAINERID", "x"), ("CNI_NETNS", &pod.path())],
         &cfg,
         None,
     );
@@ -410,24 +302,10 @@ fn errors_carry_cni_codes_and_versions() {
         .code(),
         1
     );
-    assert_eq!(
-        node.cni_with("ADD", "x", &pod.path(), "e", &json!("not a config"))
-            .code(),
-        7
-    );
+    assert_eq!(node.cni_with("ADD", "x", &pod.path(), "e", &json!("not a config")).code(), 7);
     // Missing name: the daemon's validation (7), in the config's version.
-    let r = node.cni_with(
-        "ADD",
-        "x",
-        &pod.path(),
-        "e",
-        &json!({"cniVersion": "0.4.0", "daemonSocket": node.socket()}),
-    );
-    assert_eq!(
-        (r.code(), r.json["cniVersion"].as_str()),
-        (7, Some("0.4.0")),
-        "{r:?}"
-    );
+    let r = node.cni_with("ADD", "x", &pod.path(), "e", &json!({"cniVersion": "0.4.0", "daemonSocket": node.socket()}));
+    assert_eq!((r.code(), r.json["cniVersion"].as_str()), (7, Some("0.4.0")), "{r:?}");
     // Pod namespace that does not exist: ours (102), and nothing stays allocated.
     let r = node.cni("ADD", "x", "/var/run/netns/wpcni-does-not-exist", "e");
     assert_eq!(r.code(), 102, "{r:?}");
@@ -441,12 +319,7 @@ fn errors_carry_cni_codes_and_versions() {
         &json!({"cniVersion": "1.0.0", "name": "n", "daemonSocket": "/nonexistent/cni.sock"}),
     );
     assert_eq!(r.code(), 11, "{r:?}");
-    assert!(
-        r.json["msg"]
-            .as_str()
-            .unwrap()
-            .contains("/nonexistent/cni.sock")
-    );
+    assert!(r.json["msg"].as_str().unwrap().contains("/nonexistent/cni.sock"));
 
     // A 0.4.0 configuration gets a 0.4.0 result (with the per-IP version field).
     let r = node.cni_with("ADD", "v4", &pod.path(), "e", &node.config("0.4.0"));
@@ -454,19 +327,11 @@ fn errors_carry_cni_codes_and_versions() {
     assert_eq!(r.json["cniVersion"], "0.4.0");
     assert_eq!(r.json["ips"][0]["version"], "4");
     // The same container ID again on an interface that is taken by it: handled (same IP).
-    assert_eq!(
-        node.cni_with("ADD", "v4", &pod.path(), "e", &node.config("0.4.0"))
-            .ip(),
-        r.ip()
-    );
+    assert_eq!(node.cni_with("ADD", "v4", &pod.path(), "e", &node.config("0.4.0")).ip(), r.ip());
     // Another container asking for the same interface name in that namespace: refused.
     let clash = node.cni("ADD", "other", &pod.path(), "e");
     assert_eq!(clash.code(), 104, "{clash:?}");
-    assert_eq!(
-        node.daemon.as_ref().unwrap().ipam().unwrap().all().len(),
-        1,
-        "the refused ADD released its address"
-    );
+    assert_eq!(node.daemon.as_ref().unwrap().ipam().unwrap().all().len(), 1, "the refused ADD released its address");
 }
 
 /// CNI 1.1.0: STATUS says whether an ADD can be served; GC releases the addresses and
@@ -499,7 +364,8 @@ fn status_and_gc_of_spec_1_1() {
 
     // GC: the runtime still has g0 (and lists one the daemon never saw); g1 and g2 go.
     let mut gc = cfg.clone();
-    gc["cni.dev/valid-attachments"] = json!([{"containerID": "ctr-g0", "ifname": "eth0"}, {"containerID": "ghost", "ifname": "eth0"}]);
+    gc["cni.dev/valid-attachments"] =
+        json!([{"containerID": "ctr-g0", "ifname": "eth0"}, {"containerID": "ghost", "ifname": "eth0"}]);
     let r = node.network("GC", &gc);
     assert!(r.ok && r.json.is_null(), "{r:?}");
     let daemon = node.daemon.clone().unwrap();
@@ -552,7 +418,10 @@ fn dual_stack_pods_get_an_address_of_each_family() {
     }
     let r = &ra.json;
     assert_eq!(r["ips"][0]["address"], format!("{}/128", ips_a[0]));
-    assert_eq!((r["ips"][0]["gateway"].as_str(), r["ips"][1]["gateway"].as_str()), (Some("fd00:10:244:18::1"), Some("10.244.18.1")));
+    assert_eq!(
+        (r["ips"][0]["gateway"].as_str(), r["ips"][1]["gateway"].as_str()),
+        (Some("fd00:10:244:18::1"), Some("10.244.18.1"))
+    );
     let routes = r["routes"].as_array().unwrap();
     assert!(routes.iter().any(|rt| rt["dst"] == "::/0" && rt["gw"] == "fd00:10:244:18::1"), "{r}");
     assert!(routes.iter().any(|rt| rt["dst"] == "0.0.0.0/0" && rt["gw"] == "10.244.18.1"), "{r}");
@@ -595,7 +464,8 @@ fn dual_stack_pods_get_an_address_of_each_family() {
     assert!(node.cni("DEL", "ctr-b", &b.path(), "b").ok);
     assert_eq!(node.sink.get("test", "b"), None);
     assert!(tcp_ask(&node.ns.path(), SocketAddr::new(ips_b[0], 8086)).is_err(), "{} still answers", ips_b[0]);
-    let left: Vec<Vec<IpAddr>> = node.daemon.as_ref().unwrap().ipam().unwrap().all().into_iter().map(|x| x.ips).collect();
+    let left: Vec<Vec<IpAddr>> =
+        node.daemon.as_ref().unwrap().ipam().unwrap().all().into_iter().map(|x| x.ips).collect();
     assert_eq!(left, [ips_a]);
 
     // IPv6 only.
@@ -657,9 +527,17 @@ fn chained_daemon_follows_the_previous_plugin_and_touches_nothing() {
         "nothing allocated: {allocs}"
     );
     let recorded = &allocs["chainedAttachments"];
-    assert_eq!((recorded[0]["containerId"].as_str(), recorded.as_array().map(Vec::len)), (Some("ctr-ch"), Some(1)), "{allocs}");
+    assert_eq!(
+        (recorded[0]["containerId"].as_str(), recorded.as_array().map(Vec::len)),
+        (Some("ctr-ch"), Some(1)),
+        "{allocs}"
+    );
     for forwarding in ["net.ipv4.ip_forward", "net.ipv6.conf.all.forwarding"] {
-        assert_eq!(node.ns.exec(&["sysctl", "-n", forwarding]).trim(), "0", "{forwarding}: the primary plugin's to turn on");
+        assert_eq!(
+            node.ns.exec(&["sysctl", "-n", forwarding]).trim(),
+            "0",
+            "{forwarding}: the primary plugin's to turn on"
+        );
     }
 
     // Not after an address-giving plugin: refused with the configuration code and why.
@@ -667,7 +545,10 @@ fn chained_daemon_follows_the_previous_plugin_and_touches_nothing() {
     assert!(!alone.ok);
     assert_eq!((alone.code(), alone.json["cniVersion"].as_str()), (7, Some("1.1.0")), "{alone:?}");
     let details = alone.json["details"].as_str().unwrap();
-    assert!(details.contains("chained") && details.contains("must come after") && details.contains("prevResult"), "{details}");
+    assert!(
+        details.contains("chained") && details.contains("must come after") && details.contains("prevResult"),
+        "{details}"
+    );
     assert!(alone.json["msg"].as_str().unwrap().contains("chained"), "{alone:?}");
     let mut empty = chained.clone();
     empty["prevResult"]["ips"] = json!([]);

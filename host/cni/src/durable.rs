@@ -25,10 +25,8 @@ impl DurableFile {
         fs::create_dir_all(dir).map_err(|source| Error::State { path: dir.into(), source })?;
         let path = dir.join(name);
         let contents = match fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| Error::CorruptState {
-                path: path.clone(),
-                reason: e.to_string(),
-            })?,
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map_err(|e| Error::CorruptState { path: path.clone(), reason: e.to_string() })?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => T::default(),
             Err(source) => return Err(Error::State { path, source }),
         };
@@ -43,7 +41,11 @@ impl DurableFile {
     /// state and the version it is at. One writer at a time; a caller that waited while
     /// another wrote usually finds its change already on disk, so a burst of N changes
     /// costs a few fsyncs, not N.
-    pub(crate) fn flush_to<T: Serialize>(&self, version: u64, snapshot: impl FnOnce() -> (T, u64)) -> Result<(), Error> {
+    pub(crate) fn flush_to<T: Serialize>(
+        &self,
+        version: u64,
+        snapshot: impl FnOnce() -> (T, u64),
+    ) -> Result<(), Error> {
         let mut durable = self.durable.lock().unwrap_or_else(|p| p.into_inner());
         if *durable >= version {
             return Ok(());
@@ -60,10 +62,7 @@ impl DurableFile {
         let mut tmp = self.path.as_os_str().to_owned();
         tmp.push(".tmp");
         let tmp = PathBuf::from(tmp);
-        let err = |source| Error::State {
-            path: self.path.clone(),
-            source,
-        };
+        let err = |source| Error::State { path: self.path.clone(), source };
         let mut f = File::create(&tmp).map_err(err)?;
         f.write_all(&bytes).map_err(err)?;
         // Content on disk before the rename: after a crash the file is the old state or the

@@ -54,38 +54,20 @@ pub enum Error {
         "wasmplane runs chained (--cni-chained) and must come after the plugin that gives pods their addresses in the conflist's plugins: {0}"
     )]
     NoPreviousAddresses(String),
-    #[error(
-        "pod {namespace}/{name} is not yet in wasmplane's watch cache (waited {waited:?}); try again later"
-    )]
-    PodNotInCache {
-        namespace: String,
-        name: String,
-        waited: Duration,
-    },
+    #[error("pod {namespace}/{name} is not yet in wasmplane's watch cache (waited {waited:?}); try again later")]
+    PodNotInCache { namespace: String, name: String, waited: Duration },
     #[error("CNI daemon state in {path}: {source}")]
-    State {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    State { path: PathBuf, source: std::io::Error },
     #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Io { path: PathBuf, source: std::io::Error },
     #[error("CNI daemon state in {path} is corrupt: {reason}")]
     CorruptState { path: PathBuf, reason: String },
     #[error("no free address left in the node's pod CIDR {cidr} ({allocated} allocated)")]
-    PoolExhausted {
-        cidr: ipnet::IpNet,
-        allocated: usize,
-    },
+    PoolExhausted { cidr: ipnet::IpNet, allocated: usize },
     #[error("network namespace {path}: {reason}")]
     Netns { path: PathBuf, reason: String },
     #[error("kernel refused {what}: {source}")]
-    Netlink {
-        what: String,
-        source: rtnetlink::Error,
-    },
+    Netlink { what: String, source: rtnetlink::Error },
     #[error(
         "interface {if_name} already exists in network namespace {netns} and was not created by wasmplane for this container"
     )]
@@ -95,10 +77,7 @@ pub enum Error {
     #[error(
         "container {container_id} interface {if_name} has no wasmplane allocation (never added, or already deleted)"
     )]
-    UnknownContainer {
-        container_id: String,
-        if_name: String,
-    },
+    UnknownContainer { container_id: String, if_name: String },
     #[error("cannot add pods now: {0}")]
     NotAvailable(String),
     #[error("{0}")]
@@ -163,10 +142,7 @@ impl Error {
     }
 
     pub(crate) fn netlink(what: impl Into<String>, source: rtnetlink::Error) -> Error {
-        Error::Netlink {
-            what: what.into(),
-            source,
-        }
+        Error::Netlink { what: what.into(), source }
     }
 }
 

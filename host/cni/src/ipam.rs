@@ -104,9 +104,7 @@ impl Pool {
         // Network, gateway and one pod (and IPv4's broadcast).
         let longest = if cidr.addr().is_ipv4() { 30 } else { 126 };
         if cidr.prefix_len() > longest {
-            return Err(Error::InvalidConfig(format!(
-                "pod CIDR {cidr} is too small (needs at least a /{longest})"
-            )));
+            return Err(Error::InvalidConfig(format!("pod CIDR {cidr} is too small (needs at least a /{longest})")));
         }
         let cidr = cidr.trunc();
         Ok(Pool { cidr, gateway: nth_address(cidr, as_u128(cidr.network()) + 1) })
@@ -125,9 +123,7 @@ impl Pool {
             Some(l) if (first..=end).contains(&l) => l - first + 1,
             _ => 0,
         };
-        (0..size)
-            .map(|i| nth_address(self.cidr, first + (start + i) % size))
-            .find(|ip| !taken.contains(ip))
+        (0..size).map(|i| nth_address(self.cidr, first + (start + i) % size)).find(|ip| !taken.contains(ip))
     }
 }
 
@@ -213,7 +209,10 @@ impl Ipam {
                 }
             }
             if let Some(dup) = by_key.insert(a.key(), a) {
-                return Err(corrupt(format!("container {} interface {} allocated twice", dup.container_id, dup.if_name)));
+                return Err(corrupt(format!(
+                    "container {} interface {} allocated twice",
+                    dup.container_id, dup.if_name
+                )));
             }
         }
         let last = pools
@@ -225,11 +224,7 @@ impl Ipam {
             .collect();
         let cidrs: Vec<String> = pools.iter().map(|p| p.cidr.to_string()).collect();
         tracing::info!(path = %path.display(), ?cidrs, recovered = by_key.len(), "IPAM state opened");
-        Ok(Ipam {
-            pools,
-            file: durable,
-            state: Mutex::new(State { last, by_key, taken, version: 0 }),
-        })
+        Ok(Ipam { pools, file: durable, state: Mutex::new(State { last, by_key, taken, version: 0 }) })
     }
 
     /// The pod CIDRs with their gateways, the primary family first.
@@ -278,10 +273,10 @@ impl Ipam {
             }
             let mut ips = Vec::with_capacity(self.pools.len());
             for (pool, last) in self.pools.iter().zip(&state.last) {
-                ips.push(pool.free_after(*last, &state.taken).ok_or(Error::PoolExhausted {
-                    cidr: pool.cidr,
-                    allocated: state.by_key.len(),
-                })?);
+                ips.push(
+                    pool.free_after(*last, &state.taken)
+                        .ok_or(Error::PoolExhausted { cidr: pool.cidr, allocated: state.by_key.len() })?,
+                );
             }
             let alloc = Allocation {
                 ips,
@@ -335,10 +330,7 @@ impl Ipam {
     fn flush_to(&self, version: u64) -> Result<(), Error> {
         self.file.flush_to(version, || {
             let state = self.lock();
-            let mut file = StateFile {
-                allocations: state.by_key.values().cloned().collect(),
-                ..StateFile::default()
-            };
+            let mut file = StateFile { allocations: state.by_key.values().cloned().collect(), ..StateFile::default() };
             for ip in state.last.iter().flatten() {
                 match *ip {
                     IpAddr::V4(v4) => file.last = Some(v4),
@@ -384,19 +376,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let ipam = Ipam::open(dir.path(), &cidrs(&["10.244.9.0/29"])).unwrap();
         assert_eq!(ipam.pools()[0].gateway, ip("10.244.9.1"));
-        let ips: Vec<_> = (0..5)
-            .map(|i| ipam.allocate(&format!("c{i}"), "eth0", None).unwrap().0.ips[0])
-            .collect();
+        let ips: Vec<_> = (0..5).map(|i| ipam.allocate(&format!("c{i}"), "eth0", None).unwrap().0.ips[0]).collect();
         assert_eq!(ips.iter().collect::<HashSet<_>>().len(), 5);
         for a in &ips {
             assert!(*a > ip("10.244.9.1") && *a < ip("10.244.9.7"), "{a}");
         }
         // /29: .2-.6 usable, all taken.
         assert_eq!(ipam.exhausted(), Some(cidrs(&["10.244.9.0/29"])[0]));
-        assert!(matches!(
-            ipam.allocate("c9", "eth0", None),
-            Err(Error::PoolExhausted { .. })
-        ));
+        assert!(matches!(ipam.allocate("c9", "eth0", None), Err(Error::PoolExhausted { .. })));
         // Same key again: same address, not a new one.
         let (again, new) = ipam.allocate("c0", "eth0", None).unwrap();
         assert_eq!((again.ips[0], new), (ips[0], false));
@@ -416,10 +403,7 @@ mod tests {
         assert_eq!(ipam.get("b", "eth0").unwrap().ips, b.ips);
         assert!(ipam.get("a", "eth0").is_none());
         let c = ipam.allocate("c", "eth0", None).unwrap().0;
-        assert!(
-            c.ips != a.ips && c.ips != b.ips,
-            "a released address is not reused at once: {c:?}"
-        );
+        assert!(c.ips != a.ips && c.ips != b.ips, "a released address is not reused at once: {c:?}");
     }
 
     #[test]
@@ -447,10 +431,7 @@ mod tests {
     fn corrupt_state_is_an_error_not_a_reset() {
         let dir = tempfile::tempdir().unwrap();
         fs::write(dir.path().join("allocations.json"), b"{not json").unwrap();
-        assert!(matches!(
-            Ipam::open(dir.path(), &cidrs(&["10.244.9.0/24"])),
-            Err(Error::CorruptState { .. })
-        ));
+        assert!(matches!(Ipam::open(dir.path(), &cidrs(&["10.244.9.0/24"])), Err(Error::CorruptState { .. })));
     }
 
     /// Dual stack: one address of each family per attachment, in the pools' order (the

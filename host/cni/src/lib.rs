@@ -58,8 +58,8 @@ pub use link::host_if_name;
 pub use mtu::{PodMtu, check_mtu};
 pub use pods::{AnyPod, BoxFuture, PodCache, PodDirectory, PodInfo, PodNetworkSink, PodNetworks};
 pub use protocol::{
-    Attachment, CniRequest, Command, DEFAULT_SOCKET, NetConf, PodAddress, PodNetwork, PodRef,
-    SUPPORTED_VERSIONS, parse_pod_args, version_at_least,
+    Attachment, CniRequest, Command, DEFAULT_SOCKET, NetConf, PodAddress, PodNetwork, PodRef, SUPPORTED_VERSIONS,
+    parse_pod_args, version_at_least,
 };
 
 /// How the daemon runs on this node.
@@ -232,9 +232,7 @@ impl CniDaemon {
 
     /// The allocator, for the code of a daemon that is not chained.
     fn allocator(&self) -> Result<&Arc<Ipam>, Error> {
-        self.ipam
-            .as_ref()
-            .ok_or_else(|| Error::Internal("a chained daemon has no allocator".into()))
+        self.ipam.as_ref().ok_or_else(|| Error::Internal("a chained daemon has no allocator".into()))
     }
 
     /// Binds the socket (replacing a stale one) and serves until the handle is shut down.
@@ -253,16 +251,12 @@ impl CniDaemon {
         }
         self.release_stale().await?;
         let path = self.config.socket_path.clone();
-        let listener = bind(&path).map_err(|source| Error::Io {
-            path: path.clone(),
-            source,
-        })?;
+        let listener = bind(&path).map_err(|source| Error::Io { path: path.clone(), source })?;
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let app = self.router();
         let task = tokio::spawn(async move {
-            if let Err(e) = axum::serve(listener, app)
-                .with_graceful_shutdown(async move { rx.await.unwrap_or(()) })
-                .await
+            if let Err(e) =
+                axum::serve(listener, app).with_graceful_shutdown(async move { rx.await.unwrap_or(()) }).await
             {
                 tracing::error!(error = %e, "CNI socket server failed");
             }
@@ -270,11 +264,7 @@ impl CniDaemon {
         let cidrs: Vec<String> = self.pools().iter().map(|p| p.cidr.to_string()).collect();
         let mtu = self.pod_mtu().map_or_else(|| "the other plugin's".to_string(), PodMtu::to_string);
         tracing::info!(socket = %path.display(), ?cidrs, chained = self.config.chained, %mtu, "CNI daemon listening");
-        Ok(DaemonHandle {
-            stop: Some(tx),
-            task,
-            socket_path: path,
-        })
+        Ok(DaemonHandle { stop: Some(tx), task, socket_path: path })
     }
 
     /// Releases allocations whose node-side interface is gone: their pod's namespace was
@@ -344,10 +334,7 @@ impl CniDaemon {
                 Command::Add if chained => self.add_chained(req, conf).await.map(Some),
                 Command::Add => self.add(req, conf).await.map(Some),
                 Command::Del if chained => self.del_chained(req, conf).await.map(|()| None),
-                Command::Del => self
-                    .remove_attachment(&req.container_id, &req.if_name)
-                    .await
-                    .map(|_| None),
+                Command::Del => self.remove_attachment(&req.container_id, &req.if_name).await.map(|_| None),
                 // Chained, nothing of ours to check beyond what the pod stands on.
                 Command::Check if chained => conf.previous_addresses().map(|_| None),
                 Command::Check => self.check(req, conf).await.map(|()| None),
@@ -358,20 +345,9 @@ impl CniDaemon {
     }
 
     /// Runs `op` as the only operation on the attachment `(container_id, if_name)`.
-    async fn exclusively<T>(
-        &self,
-        container_id: &str,
-        if_name: &str,
-        op: impl std::future::Future<Output = T>,
-    ) -> T {
+    async fn exclusively<T>(&self, container_id: &str, if_name: &str, op: impl std::future::Future<Output = T>) -> T {
         let key = format!("{container_id}/{if_name}");
-        let lock = self
-            .in_flight
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(key.clone())
-            .or_default()
-            .clone();
+        let lock = self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).entry(key.clone()).or_default().clone();
         let guard = lock.lock().await;
         let result = op.await;
         drop(guard);
@@ -391,9 +367,7 @@ impl CniDaemon {
             ));
         }
         if let Some(cidr) = self.ipam.as_ref().and_then(|ipam| ipam.exhausted()) {
-            return Err(Error::NotAvailable(format!(
-                "no free address left in the pod CIDR {cidr}"
-            )));
+            return Err(Error::NotAvailable(format!("no free address left in the pod CIDR {cidr}")));
         }
         Ok(())
     }
@@ -403,9 +377,10 @@ impl CniDaemon {
     /// model. Goes on past failures and reports them together.
     async fn gc(&self, conf: &NetConf) -> Result<(), Error> {
         // Without the list nothing is known to be valid: releasing everything is not GC.
-        let valid = conf.valid_attachments.as_ref().ok_or_else(|| {
-            Error::InvalidConfig("GC needs cni.dev/valid-attachments".into())
-        })?;
+        let valid = conf
+            .valid_attachments
+            .as_ref()
+            .ok_or_else(|| Error::InvalidConfig("GC needs cni.dev/valid-attachments".into()))?;
         let staleness = Staleness::new(valid, self.config.gc_grace);
         let (released, failures) = if self.config.chained {
             self.gc_chained(&staleness).await?
@@ -416,11 +391,7 @@ impl CniDaemon {
             tracing::debug!(released, valid = valid.len(), "GC");
             Ok(())
         } else {
-            Err(Error::GcIncomplete(format!(
-                "released {released}, failed {}: {}",
-                failures.len(),
-                failures.join("; ")
-            )))
+            Err(Error::GcIncomplete(format!("released {released}, failed {}: {}", failures.len(), failures.join("; "))))
         }
     }
 
@@ -495,7 +466,11 @@ impl CniDaemon {
     /// the store. The model first: should the write fail, the runtime's retried DEL (or the
     /// next GC) finds no record but has nothing left to take out; the sink forgets a pod only
     /// while it has exactly these addresses, so doing it twice is harmless.
-    async fn forget_chained(&self, store: &Arc<ChainedAttachments>, a: ChainedAttachment) -> Result<ChainedAttachment, Error> {
+    async fn forget_chained(
+        &self,
+        store: &Arc<ChainedAttachments>,
+        a: ChainedAttachment,
+    ) -> Result<ChainedAttachment, Error> {
         self.sink.pod_network_removed(&a.pod_namespace, &a.pod_name, &a.ips);
         let (store, ctr, ifn) = (store.clone(), a.container_id.clone(), a.if_name.clone());
         blocking(move || store.remove(&ctr, &ifn)).await?;
@@ -570,7 +545,9 @@ impl CniDaemon {
         }
         match conf.previous_addresses() {
             Ok(ips) => self.sink.pod_network_removed(&pod.namespace, &pod.name, &ips),
-            Err(e) => tracing::warn!(container = %req.container_id, namespace = %pod.namespace, pod = %pod.name, error = %e, "chained DEL: the prevResult's addresses are unreadable, the model keeps the pod's"),
+            Err(e) => {
+                tracing::warn!(container = %req.container_id, namespace = %pod.namespace, pod = %pod.name, error = %e, "chained DEL: the prevResult's addresses are unreadable, the model keeps the pod's")
+            }
         }
         Ok(())
     }
@@ -578,20 +555,9 @@ impl CniDaemon {
     async fn add(&self, req: &CniRequest, conf: &NetConf) -> Result<Value, Error> {
         let pod = self.pod_in_cache(req).await?;
         let ipam = self.allocator()?.clone();
-        let (allocator, ctr, ifn, owner) = (
-            ipam.clone(),
-            req.container_id.clone(),
-            req.if_name.clone(),
-            pod.clone(),
-        );
+        let (allocator, ctr, ifn, owner) = (ipam.clone(), req.container_id.clone(), req.if_name.clone(), pod.clone());
         let (alloc, new) = blocking(move || {
-            allocator.allocate(
-                &ctr,
-                &ifn,
-                owner
-                    .as_ref()
-                    .map(|p| (p.namespace.as_str(), p.name.as_str())),
-            )
+            allocator.allocate(&ctr, &ifn, owner.as_ref().map(|p| (p.namespace.as_str(), p.name.as_str())))
         })
         .await?;
         let spec = self.link_spec(req, &alloc);
@@ -618,11 +584,7 @@ impl CniDaemon {
 
     /// DEL (and GC of a stale attachment): the node side of the veth (the pod side goes
     /// with it) and the address. Returns the allocation it released.
-    async fn remove_attachment(
-        &self,
-        container_id: &str,
-        if_name: &str,
-    ) -> Result<Option<Allocation>, Error> {
+    async fn remove_attachment(&self, container_id: &str, if_name: &str) -> Result<Option<Allocation>, Error> {
         let host_if = host_if_name(container_id, if_name);
         let ipam = self.allocator()?.clone();
         let removed = link::teardown(self.config.host_netns.clone(), host_if.clone()).await?;
@@ -630,33 +592,23 @@ impl CniDaemon {
         let released = blocking(move || ipam.release(&ctr, &ifn)).await?;
         tracing::debug!(%host_if, removed, released = ?released.as_ref().map(|a| &a.ips), "attachment removed");
         // Only what this call released leaves the model (nothing, for a repeated DEL).
-        if let Some(Allocation {
-            ips,
-            pod_namespace: Some(ns),
-            pod_name: Some(name),
-            ..
-        }) = &released
-        {
+        if let Some(Allocation { ips, pod_namespace: Some(ns), pod_name: Some(name), .. }) = &released {
             self.sink.pod_network_removed(ns, name, ips);
         }
         Ok(released)
     }
 
     async fn check(&self, req: &CniRequest, conf: &NetConf) -> Result<(), Error> {
-        let alloc = self
-            .allocator()?
-            .get(&req.container_id, &req.if_name)
-            .ok_or_else(|| Error::UnknownContainer {
-                container_id: req.container_id.clone(),
-                if_name: req.if_name.clone(),
-            })?;
+        let alloc = self.allocator()?.get(&req.container_id, &req.if_name).ok_or_else(|| Error::UnknownContainer {
+            container_id: req.container_id.clone(),
+            if_name: req.if_name.clone(),
+        })?;
         let spec = self.link_spec(req, &alloc);
         if let Some(prev) = &conf.prev_result {
             for a in &spec.addresses {
                 let want = format!("{}/{}", a.ip, a.host_prefix());
-                let listed = prev["ips"]
-                    .as_array()
-                    .is_some_and(|ips| ips.iter().any(|ip| ip["address"] == want.as_str()));
+                let listed =
+                    prev["ips"].as_array().is_some_and(|ips| ips.iter().any(|ip| ip["address"] == want.as_str()));
                 if !listed {
                     return Err(Error::CheckFailed(format!(
                         "prevResult does not list {want}, an address wasmplane allocated"
@@ -794,12 +746,8 @@ fn bind(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
 }
 
 /// Runs file I/O (persisting the state, with its fsyncs) off the async workers.
-async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, Error> + Send + 'static,
-) -> Result<T, Error> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| Error::Internal(format!("state task: {e}")))?
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, Error> + Send + 'static) -> Result<T, Error> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| Error::Internal(format!("state task: {e}")))?
 }
 
 fn validate_env(req: &CniRequest) -> Result<(), Error> {
@@ -818,11 +766,7 @@ fn validate_env(req: &CniRequest) -> Result<(), Error> {
     if req.command != Command::Del && req.netns.is_empty() {
         bad.push("CNI_NETNS (empty)");
     }
-    if bad.is_empty() {
-        Ok(())
-    } else {
-        Err(Error::InvalidEnv(bad.join(", ")))
-    }
+    if bad.is_empty() { Ok(()) } else { Err(Error::InvalidEnv(bad.join(", "))) }
 }
 
 fn version_of(config: &Value) -> String {
@@ -891,18 +835,10 @@ async fn cni_handler(State(daemon): State<Arc<CniDaemon>>, body: Bytes) -> Respo
     });
     let result = match task.await {
         Ok(r) => r,
-        Err(e) => Err((
-            version_of(&req.config),
-            Error::Internal(format!("CNI task failed: {e}")),
-        )),
+        Err(e) => Err((version_of(&req.config), Error::Internal(format!("CNI task failed: {e}")))),
     };
     let elapsed_ms = started.elapsed().as_secs_f64() * 1000.0;
-    let pod = req
-        .args
-        .split(';')
-        .filter(|kv| kv.starts_with("K8S_POD_"))
-        .collect::<Vec<_>>()
-        .join(" ");
+    let pod = req.args.split(';').filter(|kv| kv.starts_with("K8S_POD_")).collect::<Vec<_>>().join(" ");
     match result {
         Ok(reply) => {
             tracing::info!(command = req.command.as_str(), container = %req.container_id, if_name = %req.if_name, %pod, elapsed_ms, "CNI ok");
@@ -985,13 +921,13 @@ mod tests {
             ips: Vec::new(),
             added_at,
         };
-        let stale: Vec<bool> = [chained("kept", 100), chained("gone", 100), chained("young", 990)].iter().map(|a| staleness.of(a, now)).collect();
-        assert_eq!(stale, [false, true, false]);
-        let stale: Vec<String> = allocations
-            .into_iter()
-            .filter(|a| staleness.of(a, now))
-            .map(|a| a.container_id)
+        let stale: Vec<bool> = [chained("kept", 100), chained("gone", 100), chained("young", 990)]
+            .iter()
+            .map(|a| staleness.of(a, now))
             .collect();
+        assert_eq!(stale, [false, true, false]);
+        let stale: Vec<String> =
+            allocations.into_iter().filter(|a| staleness.of(a, now)).map(|a| a.container_id).collect();
         assert_eq!(stale, ["gone", "unrecorded"]);
         // Another interface of a listed container is not listed.
         let mut other_if = allocation("kept", Some(100));
@@ -1034,7 +970,10 @@ mod tests {
         let code = |r: Result<Option<Value>, (String, Error)>| r.err().map(|(_, e)| e.code());
         assert_eq!(code(daemon.handle(&network_request(Command::Status, v11.clone())).await), None);
         let v10 = json!({"cniVersion": "1.0.0", "name": "k8s"});
-        assert_eq!(code(daemon.handle(&network_request(Command::Status, v10.clone())).await), Some(code::INCOMPATIBLE_VERSION));
+        assert_eq!(
+            code(daemon.handle(&network_request(Command::Status, v10.clone())).await),
+            Some(code::INCOMPATIBLE_VERSION)
+        );
         assert_eq!(code(daemon.handle(&network_request(Command::Gc, v10)).await), Some(code::INCOMPATIBLE_VERSION));
         let no_list = daemon.handle(&network_request(Command::Gc, v11.clone())).await.unwrap_err();
         assert_eq!((no_list.0.as_str(), no_list.1.code()), ("1.1.0", code::INVALID_CONFIG));
@@ -1093,7 +1032,8 @@ mod tests {
     async fn chained_gc_takes_out_what_the_runtime_no_longer_lists() {
         let dir = tempfile::tempdir().unwrap();
         let sink = Arc::new(PodNetworks::new());
-        let young = CniDaemon::new(chained_config(dir.path(), Duration::from_secs(60)), Arc::new(AnyPod), sink.clone()).unwrap();
+        let young = CniDaemon::new(chained_config(dir.path(), Duration::from_secs(60)), Arc::new(AnyPod), sink.clone())
+            .unwrap();
         let (a, b) = (["10.244.4.9/24", "fd00:10:244:4::9/64"], ["10.244.4.10/24"]);
         young.handle(&chained_request(Command::Add, "ctr-a", "a", Some(&prev_result(&a)))).await.unwrap();
         young.handle(&chained_request(Command::Add, "ctr-b", "b", Some(&prev_result(&b)))).await.unwrap();
@@ -1107,8 +1047,15 @@ mod tests {
         drop(young);
 
         // Restarted (the same directory), now past the grace period.
-        let daemon = CniDaemon::new(chained_config(dir.path(), Duration::ZERO), Arc::new(AnyPod), sink.clone()).unwrap();
-        let recorded: Vec<_> = daemon.chained_attachments().unwrap().all().into_iter().map(|r| (r.container_id, r.pod_name, r.ips)).collect();
+        let daemon =
+            CniDaemon::new(chained_config(dir.path(), Duration::ZERO), Arc::new(AnyPod), sink.clone()).unwrap();
+        let recorded: Vec<_> = daemon
+            .chained_attachments()
+            .unwrap()
+            .all()
+            .into_iter()
+            .map(|r| (r.container_id, r.pod_name, r.ips))
+            .collect();
         assert_eq!(recorded, [("ctr-a".into(), "a".into(), ip_list(&a)), ("ctr-b".into(), "b".into(), ip_list(&b))]);
         assert_eq!(daemon.handle(&gc_request(&["ctr-b", "ctr-unknown"])).await.unwrap(), None);
         assert_eq!(sink.get("ns", "a"), None, "a's addresses out of the model");
@@ -1163,7 +1110,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let sink = Arc::new(PodNetworks::new());
         let daemon = |cidrs: &[&str], chained: bool, mtu: u32| {
-            let mut config = DaemonConfig::new(cidrs.iter().map(|c| c.parse().unwrap()).collect(), dir.path().join("state"));
+            let mut config =
+                DaemonConfig::new(cidrs.iter().map(|c| c.parse().unwrap()).collect(), dir.path().join("state"));
             config.chained = chained;
             config.mtu = Some(mtu);
             CniDaemon::new(config, Arc::new(AnyPod), sink.clone())
@@ -1217,7 +1165,10 @@ mod tests {
         assert_eq!((refused.0.as_str(), refused.1.code()), ("1.1.0", code::INVALID_CONFIG));
         assert!(refused.1.to_string().contains("chained"), "{}", refused.1);
         let no_ips = json!({"cniVersion": "1.0.0", "ips": []});
-        assert_eq!(daemon.handle(&request(Command::Check, Some(&no_ips))).await.unwrap_err().1.code(), code::INVALID_CONFIG);
+        assert_eq!(
+            daemon.handle(&request(Command::Check, Some(&no_ips))).await.unwrap_err().1.code(),
+            code::INVALID_CONFIG
+        );
 
         let status = json!({"cniVersion": "1.1.0", "name": "k8s"});
         assert!(daemon.handle(&network_request(Command::Status, status)).await.is_ok());
@@ -1231,7 +1182,10 @@ mod tests {
         // STATUS waits for the watch cache as unchained.
         let unsynced = CniDaemon::new(config.clone(), Arc::new(Unsynced), sink.clone()).unwrap();
         let status = json!({"cniVersion": "1.1.0", "name": "k8s"});
-        assert_eq!(unsynced.handle(&network_request(Command::Status, status)).await.unwrap_err().1.code(), code::NOT_AVAILABLE);
+        assert_eq!(
+            unsynced.handle(&network_request(Command::Status, status)).await.unwrap_err().1.code(),
+            code::NOT_AVAILABLE
+        );
 
         // Pod CIDRs make no sense chained: refused, not ignored.
         config.pod_cidrs = vec!["10.244.4.0/24".parse().unwrap()];

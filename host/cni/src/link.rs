@@ -114,10 +114,7 @@ pub(crate) async fn enable_forwarding(host_netns: Option<PathBuf>, ipv6: bool) -
             if std::fs::read_to_string(path).is_ok_and(|v| v.trim() == "1") {
                 continue;
             }
-            std::fs::write(path, b"1").map_err(|source| Error::Io {
-                path: path.into(),
-                source,
-            })?;
+            std::fs::write(path, b"1").map_err(|source| Error::Io { path: path.into(), source })?;
             tracing::info!(sysctl = %path.display(), "enabled forwarding for pod traffic");
         }
         Ok(())
@@ -126,22 +123,15 @@ pub(crate) async fn enable_forwarding(host_netns: Option<PathBuf>, ipv6: bool) -
 }
 
 /// The names of every interface in the node namespace.
-pub(crate) async fn link_names(
-    host_netns: Option<PathBuf>,
-) -> Result<std::collections::HashSet<String>, Error> {
+pub(crate) async fn link_names(host_netns: Option<PathBuf>) -> Result<std::collections::HashSet<String>, Error> {
     on_thread("wpcni-links", move || {
         block_on(async {
             if let Some(ns) = &host_netns {
                 enter(&open_netns(ns)?, ns)?;
             }
             let host = connect()?;
-            let links: Vec<LinkMessage> = host
-                .link()
-                .get()
-                .execute()
-                .try_collect()
-                .await
-                .map_err(|e| Error::netlink("listing interfaces", e))?;
+            let links: Vec<LinkMessage> =
+                host.link().get().execute().try_collect().await.map_err(|e| Error::netlink("listing interfaces", e))?;
             Ok(links
                 .iter()
                 .flat_map(|l| l.attributes.iter())
@@ -198,8 +188,13 @@ pub(crate) async fn default_route_device(host_netns: Option<PathBuf>) -> Result<
                     LinkAttribute::IfName(n) => Some(n.clone()),
                     _ => None,
                 });
-                let mtu = link_mtu(&link).ok_or_else(|| Error::Internal(format!("interface {index} reports no MTU")))?;
-                return Ok(Some(RouteDevice { name: name.unwrap_or_else(|| index.to_string()), mtu, ipv6: family.is_ipv6() }));
+                let mtu =
+                    link_mtu(&link).ok_or_else(|| Error::Internal(format!("interface {index} reports no MTU")))?;
+                return Ok(Some(RouteDevice {
+                    name: name.unwrap_or_else(|| index.to_string()),
+                    mtu,
+                    ipv6: family.is_ipv6(),
+                }));
             }
             Ok(None)
         })
@@ -270,25 +265,23 @@ pub(crate) async fn check(spec: LinkSpec) -> Result<(), Error> {
                 return fail(format!("node-side interface {} is down", spec.host_if));
             }
             let Some(pl) = link_by_name(&pod, &spec.pod_if).await? else {
-                return fail(format!(
-                    "interface {} is missing in {}",
-                    spec.pod_if,
-                    spec.pod_netns.display()
-                ));
+                return fail(format!("interface {} is missing in {}", spec.pod_if, spec.pod_netns.display()));
             };
             if !is_up(&pl) {
-                return fail(format!(
-                    "interface {} is down in {}",
-                    spec.pod_if,
-                    spec.pod_netns.display()
-                ));
+                return fail(format!("interface {} is down in {}", spec.pod_if, spec.pod_netns.display()));
             }
             // Both ends as ADD sized them: a pod left at another MTU black-holes large packets.
             if let Some(mtu) = spec.mtu {
-                for (link, name) in [(&hl, format!("node-side interface {}", spec.host_if)), (&pl, format!("interface {} in {}", spec.pod_if, spec.pod_netns.display()))] {
+                for (link, name) in [
+                    (&hl, format!("node-side interface {}", spec.host_if)),
+                    (&pl, format!("interface {} in {}", spec.pod_if, spec.pod_netns.display())),
+                ] {
                     let actual = link_mtu(link);
                     if actual != Some(mtu) {
-                        return fail(format!("{name} has MTU {}, the pods' is {mtu}", actual.map_or("none".into(), |m| m.to_string())));
+                        return fail(format!(
+                            "{name} has MTU {}, the pods' is {mtu}",
+                            actual.map_or("none".into(), |m| m.to_string())
+                        ));
                     }
                 }
             }
@@ -297,7 +290,8 @@ pub(crate) async fn check(spec: LinkSpec) -> Result<(), Error> {
                 if !has_address(&pod, pl.header.index, a.ip, len).await? {
                     return fail(format!("interface {} lacks address {}/{len}", spec.pod_if, a.ip));
                 }
-                let unspecified = if a.ip.is_ipv4() { Ipv4Addr::UNSPECIFIED.into() } else { Ipv6Addr::UNSPECIFIED.into() };
+                let unspecified =
+                    if a.ip.is_ipv4() { Ipv4Addr::UNSPECIFIED.into() } else { Ipv6Addr::UNSPECIFIED.into() };
                 let pod_routes = routes(&pod, a.ip).await?;
                 if !pod_routes.iter().any(|r| route_is(r, unspecified, 0, Some(a.gateway), pl.header.index)) {
                     return fail(format!("default route via {} on {} is missing", a.gateway, spec.pod_if));
@@ -318,18 +312,10 @@ async fn configure(host: &Handle, pod: &Handle, spec: &LinkSpec) -> Result<PodNe
     let hl = link_by_name(host, &spec.host_if)
         .await?
         .ok_or_else(|| Error::Internal(format!("{} vanished", spec.host_if)))?;
-    let pl = link_by_name(pod, &spec.pod_if)
-        .await?
-        .ok_or_else(|| Error::Internal(format!("{} vanished", spec.pod_if)))?;
+    let pl =
+        link_by_name(pod, &spec.pod_if).await?.ok_or_else(|| Error::Internal(format!("{} vanished", spec.pod_if)))?;
     let (hi, pi) = (hl.header.index, pl.header.index);
-    let ctx = |what: &str| {
-        format!(
-            "{what} ({} / {}:{})",
-            spec.host_if,
-            spec.pod_netns.display(),
-            spec.pod_if
-        )
-    };
+    let ctx = |what: &str| format!("{what} ({} / {}:{})", spec.host_if, spec.pod_netns.display(), spec.pod_if);
 
     // Links must be up before routes through them are accepted. The MTU again: a repeated
     // ADD after the node's MTU changed brings an existing pair in line.
@@ -340,24 +326,24 @@ async fn configure(host: &Handle, pod: &Handle, spec: &LinkSpec) -> Result<PodNe
             None => link.build(),
         }
     };
-    host.link()
-        .set(up(hi))
-        .execute()
-        .await
-        .map_err(|e| Error::netlink(ctx("setting node side up"), e))?;
-    pod.link()
-        .set(up(pi))
-        .execute()
-        .await
-        .map_err(|e| Error::netlink(ctx("setting pod side up"), e))?;
+    host.link().set(up(hi)).execute().await.map_err(|e| Error::netlink(ctx("setting node side up"), e))?;
+    pod.link().set(up(pi)).execute().await.map_err(|e| Error::netlink(ctx("setting pod side up"), e))?;
 
     for a in &spec.addresses {
         let len = a.host_prefix();
-        add_address(host, hi, a.gateway, len).await.map_err(|e| Error::netlink(ctx("adding the gateway address"), e))?;
-        replace_route(host, link_route(a.ip, len, hi)).await.map_err(|e| Error::netlink(ctx("adding the node route to the pod"), e))?;
+        add_address(host, hi, a.gateway, len)
+            .await
+            .map_err(|e| Error::netlink(ctx("adding the gateway address"), e))?;
+        replace_route(host, link_route(a.ip, len, hi))
+            .await
+            .map_err(|e| Error::netlink(ctx("adding the node route to the pod"), e))?;
         add_address(pod, pi, a.ip, len).await.map_err(|e| Error::netlink(ctx("adding the pod address"), e))?;
-        replace_route(pod, link_route(a.gateway, len, pi)).await.map_err(|e| Error::netlink(ctx("adding the pod route to the gateway"), e))?;
-        replace_route(pod, default_route(a.gateway, pi)).await.map_err(|e| Error::netlink(ctx("adding the pod default route"), e))?;
+        replace_route(pod, link_route(a.gateway, len, pi))
+            .await
+            .map_err(|e| Error::netlink(ctx("adding the pod route to the gateway"), e))?;
+        replace_route(pod, default_route(a.gateway, pi))
+            .await
+            .map_err(|e| Error::netlink(ctx("adding the pod default route"), e))?;
     }
 
     Ok(PodNetwork {
@@ -397,10 +383,9 @@ fn link_route(dst: IpAddr, len: u8, index: u32) -> RouteMessage {
             .output_interface(index)
             .scope(RouteScope::Link)
             .build(),
-        IpAddr::V6(dst) => RouteMessageBuilder::<Ipv6Addr>::new()
-            .destination_prefix(dst, len)
-            .output_interface(index)
-            .build(),
+        IpAddr::V6(dst) => {
+            RouteMessageBuilder::<Ipv6Addr>::new().destination_prefix(dst, len).output_interface(index).build()
+        }
     }
 }
 
@@ -424,8 +409,7 @@ async fn on_thread<T: Send + 'static>(
             let _ = tx.send(f());
         })
         .map_err(|e| Error::Internal(format!("spawning a netns worker: {e}")))?;
-    rx.await
-        .map_err(|_| Error::Internal("netns worker panicked".into()))?
+    rx.await.map_err(|_| Error::Internal("netns worker panicked".into()))?
 }
 
 fn block_on<T>(f: impl Future<Output = Result<T, Error>>) -> Result<T, Error> {
@@ -437,10 +421,7 @@ fn block_on<T>(f: impl Future<Output = Result<T, Error>>) -> Result<T, Error> {
 }
 
 fn open_netns(path: &Path) -> Result<File, Error> {
-    File::open(path).map_err(|e| Error::Netns {
-        path: path.into(),
-        reason: format!("cannot open: {e}"),
-    })
+    File::open(path).map_err(|e| Error::Netns { path: path.into(), reason: format!("cannot open: {e}") })
 }
 
 /// Moves the current thread into the namespace `file` refers to.
@@ -449,27 +430,20 @@ fn enter(file: &File, path: &Path) -> Result<(), Error> {
     // namespace, and this thread is dedicated to one operation.
     let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
     if rc != 0 {
-        return Err(Error::Netns {
-            path: path.into(),
-            reason: format!("setns: {}", std::io::Error::last_os_error()),
-        });
+        return Err(Error::Netns { path: path.into(), reason: format!("setns: {}", std::io::Error::last_os_error()) });
     }
     Ok(())
 }
 
 /// A netlink socket in the thread's current namespace, driven by the thread's runtime.
 fn connect() -> Result<Handle, Error> {
-    let (conn, handle, _) = rtnetlink::new_connection()
-        .map_err(|e| Error::Internal(format!("opening a netlink socket: {e}")))?;
+    let (conn, handle, _) =
+        rtnetlink::new_connection().map_err(|e| Error::Internal(format!("opening a netlink socket: {e}")))?;
     tokio::spawn(conn);
     Ok(handle)
 }
 
-fn connect_both(
-    host_netns: Option<&Path>,
-    pod_ns: &File,
-    pod_path: &Path,
-) -> Result<(Handle, Handle), Error> {
+fn connect_both(host_netns: Option<&Path>, pod_ns: &File, pod_path: &Path) -> Result<(Handle, Handle), Error> {
     if let Some(ns) = host_netns {
         enter(&open_netns(ns)?, ns)?;
     }
@@ -504,16 +478,11 @@ async fn del_link(h: &Handle, index: u32, name: &str) -> Result<bool, Error> {
 
 async fn has_address(h: &Handle, index: u32, ip: IpAddr, len: u8) -> Result<bool, Error> {
     let stream = h.address().get().set_link_index_filter(index).execute();
-    let addrs: Vec<_> = stream
-        .try_collect()
-        .await
-        .map_err(|e| Error::netlink("listing addresses", e))?;
+    let addrs: Vec<_> = stream.try_collect().await.map_err(|e| Error::netlink("listing addresses", e))?;
     Ok(addrs.iter().any(|a| {
         a.header.index == index
             && a.header.prefix_len == len
-            && a.attributes
-                .iter()
-                .any(|attr| matches!(attr, AddressAttribute::Address(x) if *x == ip))
+            && a.attributes.iter().any(|attr| matches!(attr, AddressAttribute::Address(x) if *x == ip))
     }))
 }
 
@@ -523,12 +492,7 @@ async fn routes(h: &Handle, like: IpAddr) -> Result<Vec<RouteMessage>, Error> {
         IpAddr::V4(_) => RouteMessageBuilder::<Ipv4Addr>::new().build(),
         IpAddr::V6(_) => RouteMessageBuilder::<Ipv6Addr>::new().build(),
     };
-    h.route()
-        .get(query)
-        .execute()
-        .try_collect()
-        .await
-        .map_err(|e| Error::netlink("listing routes", e))
+    h.route().get(query).execute().try_collect().await.map_err(|e| Error::netlink("listing routes", e))
 }
 
 fn route_is(r: &RouteMessage, dst: IpAddr, len: u8, gw: Option<IpAddr>, oif: u32) -> bool {
@@ -571,13 +535,9 @@ fn mac(link: &LinkMessage) -> String {
     link.attributes
         .iter()
         .find_map(|a| match a {
-            LinkAttribute::Address(bytes) => Some(
-                bytes
-                    .iter()
-                    .map(|b| format!("{b:02x}"))
-                    .collect::<Vec<_>>()
-                    .join(":"),
-            ),
+            LinkAttribute::Address(bytes) => {
+                Some(bytes.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":"))
+            }
             _ => None,
         })
         .unwrap_or_default()
@@ -613,7 +573,8 @@ mod tests {
             }
         };
         let other_table = RouteMessageBuilder::<Ipv4Addr>::new().gateway(gw).output_interface(7).table_id(100).build();
-        let other_table_attr = RouteMessageBuilder::<Ipv4Addr>::new().gateway(gw).output_interface(8).table_id(1000).build();
+        let other_table_attr =
+            RouteMessageBuilder::<Ipv4Addr>::new().gateway(gw).output_interface(8).table_id(1000).build();
         let unreachable = RouteMessageBuilder::<Ipv4Addr>::new().kind(RouteType::Unreachable).build();
         let subnet = link_route(IpAddr::V4(Ipv4Addr::new(192, 0, 2, 0)), 24, 9);
         let ignored = [other_table, other_table_attr, unreachable, subnet];

@@ -60,7 +60,9 @@ impl PodMtu {
     /// pods are left at the kernel default: their MTU may not be the network's.
     pub(crate) fn detected(device: Option<RouteDevice>, pod_cidrs: &[IpNet]) -> PodMtu {
         let Some(RouteDevice { name, mtu, ipv6 }) = device else {
-            tracing::warn!("the node has no default route to take the pods' MTU from: pods get the kernel default (1500); set --cni-mtu if the network's differs");
+            tracing::warn!(
+                "the node has no default route to take the pods' MTU from: pods get the kernel default (1500); set --cni-mtu if the network's differs"
+            );
             return PodMtu::KernelDefault("the node has no default route".into());
         };
         if let Err(e) = check_mtu(mtu, pod_cidrs) {

@@ -27,11 +27,7 @@ pub trait PodDirectory: Send + Sync {
     /// Resolves as soon as the pod is known (with `pod.uid` when that is given: a pod
     /// recreated under the same name is not the one the runtime asks for until the watch
     /// has delivered it), or with `None` once `timeout` has passed.
-    fn wait_for_pod<'a>(
-        &'a self,
-        pod: &'a PodRef,
-        timeout: Duration,
-    ) -> BoxFuture<'a, Option<PodInfo>>;
+    fn wait_for_pod<'a>(&'a self, pod: &'a PodRef, timeout: Duration) -> BoxFuture<'a, Option<PodInfo>>;
 
     /// Whether the cache has had the cluster's whole state once; before that an ADD may
     /// wait for its pod up to its timeout (STATUS reports the plugin not available).
@@ -65,20 +61,16 @@ impl PodCache {
     }
 
     pub fn insert(&self, pod: PodInfo) {
-        self.lock()
-            .insert((pod.namespace.clone(), pod.name.clone()), pod);
+        self.lock().insert((pod.namespace.clone(), pod.name.clone()), pod);
         self.changed.notify_waiters();
     }
 
     pub fn remove(&self, namespace: &str, name: &str) -> Option<PodInfo> {
-        self.lock()
-            .remove(&(namespace.to_string(), name.to_string()))
+        self.lock().remove(&(namespace.to_string(), name.to_string()))
     }
 
     pub fn get(&self, namespace: &str, name: &str) -> Option<PodInfo> {
-        self.lock()
-            .get(&(namespace.to_string(), name.to_string()))
-            .cloned()
+        self.lock().get(&(namespace.to_string(), name.to_string())).cloned()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<(String, String), PodInfo>> {
@@ -87,11 +79,7 @@ impl PodCache {
 }
 
 impl PodDirectory for PodCache {
-    fn wait_for_pod<'a>(
-        &'a self,
-        pod: &'a PodRef,
-        timeout: Duration,
-    ) -> BoxFuture<'a, Option<PodInfo>> {
+    fn wait_for_pod<'a>(&'a self, pod: &'a PodRef, timeout: Duration) -> BoxFuture<'a, Option<PodInfo>> {
         Box::pin(async move {
             let deadline = tokio::time::Instant::now() + timeout;
             loop {
@@ -117,17 +105,9 @@ impl PodDirectory for PodCache {
 pub struct AnyPod;
 
 impl PodDirectory for AnyPod {
-    fn wait_for_pod<'a>(
-        &'a self,
-        pod: &'a PodRef,
-        _timeout: Duration,
-    ) -> BoxFuture<'a, Option<PodInfo>> {
+    fn wait_for_pod<'a>(&'a self, pod: &'a PodRef, _timeout: Duration) -> BoxFuture<'a, Option<PodInfo>> {
         Box::pin(async move {
-            Some(PodInfo {
-                namespace: pod.namespace.clone(),
-                name: pod.name.clone(),
-                uid: pod.uid.clone(),
-            })
+            Some(PodInfo { namespace: pod.namespace.clone(), name: pod.name.clone(), uid: pod.uid.clone() })
         })
     }
 }
@@ -145,9 +125,7 @@ impl PodNetworks {
     }
 
     pub fn get(&self, namespace: &str, name: &str) -> Option<Vec<IpAddr>> {
-        self.lock()
-            .get(&(namespace.to_string(), name.to_string()))
-            .cloned()
+        self.lock().get(&(namespace.to_string(), name.to_string())).cloned()
     }
 
     pub fn snapshot(&self) -> BTreeMap<(String, String), Vec<IpAddr>> {
@@ -161,18 +139,14 @@ impl PodNetworks {
 
 impl PodNetworkSink for PodNetworks {
     fn pod_network_added(&self, namespace: &str, name: &str, ips: &[IpAddr]) -> BoxFuture<'static, ()> {
-        self.lock()
-            .insert((namespace.into(), name.into()), ips.to_vec());
+        self.lock().insert((namespace.into(), name.into()), ips.to_vec());
         Box::pin(std::future::ready(()))
     }
 
     fn pod_network_removed(&self, namespace: &str, name: &str, ips: &[IpAddr]) {
         let mut map = self.lock();
         let key = (namespace.to_string(), name.to_string());
-        if map
-            .get(&key)
-            .is_some_and(|current| current.as_slice() == ips)
-        {
+        if map.get(&key).is_some_and(|current| current.as_slice() == ips) {
             map.remove(&key);
         }
     }
@@ -185,8 +159,7 @@ mod tests {
     #[test]
     fn late_removal_of_a_predecessor_keeps_the_new_pod() {
         let sink = PodNetworks::new();
-        let (old, new): (IpAddr, IpAddr) =
-            ("10.244.0.2".parse().unwrap(), "10.244.0.3".parse().unwrap());
+        let (old, new): (IpAddr, IpAddr) = ("10.244.0.2".parse().unwrap(), "10.244.0.3".parse().unwrap());
         // This sink records at the call; its future has nothing left to wait for.
         drop(sink.pod_network_added("ns", "web-0", &[old]));
         drop(sink.pod_network_added("ns", "web-0", &[new])); // recreated before the old DEL
@@ -210,25 +183,12 @@ mod tests {
         let waiter = tokio::spawn(async move { c.wait_for_pod(&p, Duration::from_secs(5)).await });
         tokio::time::sleep(Duration::from_millis(50)).await;
         // The old incarnation (another uid) does not satisfy the wait.
-        cache.insert(PodInfo {
-            namespace: "ns".into(),
-            name: "p".into(),
-            uid: Some("old".into()),
-        });
+        cache.insert(PodInfo { namespace: "ns".into(), name: "p".into(), uid: Some("old".into()) });
         tokio::time::sleep(Duration::from_millis(50)).await;
-        cache.insert(PodInfo {
-            namespace: "ns".into(),
-            name: "p".into(),
-            uid: Some("u".into()),
-        });
+        cache.insert(PodInfo { namespace: "ns".into(), name: "p".into(), uid: Some("u".into()) });
         assert_eq!(waiter.await.unwrap().unwrap().uid.as_deref(), Some("u"));
         let started = std::time::Instant::now();
-        assert!(
-            cache
-                .wait_for_pod(&want("other", None), Duration::from_millis(100))
-                .await
-                .is_none()
-        );
+        assert!(cache.wait_for_pod(&want("other", None), Duration::from_millis(100)).await.is_none());
         assert!(started.elapsed() >= Duration::from_millis(100));
     }
 }

@@ -100,12 +100,18 @@ impl CniRequest {
         use std::io::{Read as _, Write as _};
         let body = serde_json::to_string(self)?;
         let mut stream = std::os::unix::net::UnixStream::connect(socket)?;
-        write!(stream, "POST /v1/cni HTTP/1.1\r\nHost: cni\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len())?;
+        write!(
+            stream,
+            "POST /v1/cni HTTP/1.1\r\nHost: cni\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )?;
         let mut raw = String::new();
         stream.read_to_string(&mut raw)?;
-        let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("the daemon's reply: {what}"));
+        let bad =
+            |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("the daemon's reply: {what}"));
         let (head, body) = raw.split_once("\r\n\r\n").ok_or_else(|| bad("not an HTTP response"))?;
-        let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).ok_or_else(|| bad("no status code"))?;
+        let status =
+            head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).ok_or_else(|| bad("no status code"))?;
         Ok((status, serde_json::from_str(body.trim()).unwrap_or(Value::Null)))
     }
 }
@@ -131,15 +137,12 @@ pub struct Attachment {
 
 impl NetConf {
     pub fn parse(config: &Value) -> Result<NetConf, Error> {
-        let obj = config
-            .as_object()
-            .ok_or_else(|| Error::Decode("network configuration is not a JSON object".into()))?;
+        let obj =
+            config.as_object().ok_or_else(|| Error::Decode("network configuration is not a JSON object".into()))?;
         let cni_version = match obj.get("cniVersion") {
             Some(Value::String(v)) => v.clone(),
             Some(other) => {
-                return Err(Error::InvalidConfig(format!(
-                    "cniVersion must be a string, got {other}"
-                )));
+                return Err(Error::InvalidConfig(format!("cniVersion must be a string, got {other}")));
             }
             None => return Err(Error::InvalidConfig("cniVersion is missing".into())),
         };
@@ -152,16 +155,12 @@ impl NetConf {
         };
         let valid_attachments = match obj.get("cni.dev/valid-attachments") {
             None => None,
-            Some(list) => Some(Vec::<Attachment>::deserialize(list).map_err(|e| {
-                Error::InvalidConfig(format!("cni.dev/valid-attachments: {e}"))
-            })?),
+            Some(list) => Some(
+                Vec::<Attachment>::deserialize(list)
+                    .map_err(|e| Error::InvalidConfig(format!("cni.dev/valid-attachments: {e}")))?,
+            ),
         };
-        Ok(NetConf {
-            cni_version,
-            name,
-            prev_result: obj.get("prevResult").cloned(),
-            valid_attachments,
-        })
+        Ok(NetConf { cni_version, name, prev_result: obj.get("prevResult").cloned(), valid_attachments })
     }
 
     /// The pod's addresses in the previous plugin's result (`ips[].address`, CIDR notation),
@@ -210,9 +209,9 @@ pub struct PodRef {
 pub fn parse_pod_args(args: &str) -> Result<Option<PodRef>, Error> {
     let (mut namespace, mut name, mut uid) = (None, None, None);
     for pair in args.split(';').filter(|p| !p.is_empty()) {
-        let (k, v) = pair.split_once('=').ok_or_else(|| {
-            Error::InvalidEnv(format!("CNI_ARGS entry {pair:?} is not KEY=VALUE"))
-        })?;
+        let (k, v) = pair
+            .split_once('=')
+            .ok_or_else(|| Error::InvalidEnv(format!("CNI_ARGS entry {pair:?} is not KEY=VALUE")))?;
         match k {
             "K8S_POD_NAMESPACE" => namespace = Some(v.to_string()),
             "K8S_POD_NAME" => name = Some(v.to_string()),
@@ -222,16 +221,10 @@ pub fn parse_pod_args(args: &str) -> Result<Option<PodRef>, Error> {
     }
     match (namespace, name) {
         (Some(namespace), Some(name)) if !namespace.is_empty() && !name.is_empty() => {
-            Ok(Some(PodRef {
-                namespace,
-                name,
-                uid,
-            }))
+            Ok(Some(PodRef { namespace, name, uid }))
         }
         (None, None) => Ok(None),
-        _ => Err(Error::InvalidEnv(
-            "CNI_ARGS has only one of K8S_POD_NAMESPACE and K8S_POD_NAME".into(),
-        )),
+        _ => Err(Error::InvalidEnv("CNI_ARGS has only one of K8S_POD_NAMESPACE and K8S_POD_NAME".into())),
     }
 }
 
@@ -319,45 +312,22 @@ mod tests {
 
     #[test]
     fn pod_args() {
-        let p = parse_pod_args("IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=web-0;K8S_POD_INFRA_CONTAINER_ID=abc;K8S_POD_UID=u1").unwrap();
-        assert_eq!(
-            p,
-            Some(PodRef {
-                namespace: "shop".into(),
-                name: "web-0".into(),
-                uid: Some("u1".into()),
-            })
-        );
+        let p = parse_pod_args(
+            "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=web-0;K8S_POD_INFRA_CONTAINER_ID=abc;K8S_POD_UID=u1",
+        )
+        .unwrap();
+        assert_eq!(p, Some(PodRef { namespace: "shop".into(), name: "web-0".into(), uid: Some("u1".into()) }));
         assert_eq!(parse_pod_args("").unwrap(), None);
-        assert_eq!(
-            parse_pod_args("K8S_POD_NAME=x").unwrap_err().code(),
-            crate::code::INVALID_ENV
-        );
-        assert_eq!(
-            parse_pod_args("garbage").unwrap_err().code(),
-            crate::code::INVALID_ENV
-        );
+        assert_eq!(parse_pod_args("K8S_POD_NAME=x").unwrap_err().code(), crate::code::INVALID_ENV);
+        assert_eq!(parse_pod_args("garbage").unwrap_err().code(), crate::code::INVALID_ENV);
     }
 
     #[test]
     fn netconf_versions() {
         assert!(NetConf::parse(&json!({"cniVersion": "0.4.0", "name": "k8s"})).is_ok());
-        assert_eq!(
-            NetConf::parse(&json!({"cniVersion": "2.0.0", "name": "k8s"}))
-                .unwrap_err()
-                .code(),
-            1
-        );
-        assert_eq!(
-            NetConf::parse(&json!({"name": "k8s"})).unwrap_err().code(),
-            7
-        );
-        assert_eq!(
-            NetConf::parse(&json!({"cniVersion": "1.0.0"}))
-                .unwrap_err()
-                .code(),
-            7
-        );
+        assert_eq!(NetConf::parse(&json!({"cniVersion": "2.0.0", "name": "k8s"})).unwrap_err().code(), 1);
+        assert_eq!(NetConf::parse(&json!({"name": "k8s"})).unwrap_err().code(), 7);
+        assert_eq!(NetConf::parse(&json!({"cniVersion": "1.0.0"})).unwrap_err().code(), 7);
     }
 
     #[test]
@@ -368,10 +338,7 @@ mod tests {
             pod_if: "eth0".into(),
             pod_mac: "bb".into(),
             sandbox: "/run/netns/x".into(),
-            addresses: vec![PodAddress {
-                ip: "10.244.0.5".parse().unwrap(),
-                gateway: "10.244.0.1".parse().unwrap(),
-            }],
+            addresses: vec![PodAddress { ip: "10.244.0.5".parse().unwrap(), gateway: "10.244.0.1".parse().unwrap() }],
             mtu: None,
         };
         let v1 = n.to_result("1.0.0");
@@ -384,10 +351,8 @@ mod tests {
 
         // Dual stack: each family's address, gateway and default route, in the pools' order.
         let mut dual = n.clone();
-        dual.addresses.push(PodAddress {
-            ip: "fd00:10:244::5".parse().unwrap(),
-            gateway: "fd00:10:244::1".parse().unwrap(),
-        });
+        dual.addresses
+            .push(PodAddress { ip: "fd00:10:244::5".parse().unwrap(), gateway: "fd00:10:244::1".parse().unwrap() });
         let r = dual.to_result("1.0.0");
         assert_eq!(r["ips"][1]["address"], "fd00:10:244::5/128");
         assert_eq!(r["ips"][1]["gateway"], "fd00:10:244::1");
@@ -460,8 +425,10 @@ mod tests {
             conf.valid_attachments,
             Some(vec![Attachment { container_id: "c1".into(), if_name: "eth0".into() }])
         );
-        let e = NetConf::parse(&json!({"cniVersion": "1.1.0", "name": "k8s", "cni.dev/valid-attachments": [{"containerID": 5}]}))
-            .unwrap_err();
+        let e = NetConf::parse(
+            &json!({"cniVersion": "1.1.0", "name": "k8s", "cni.dev/valid-attachments": [{"containerID": 5}]}),
+        )
+        .unwrap_err();
         assert_eq!(e.code(), 7, "{e}");
         assert!(e.to_string().contains("valid-attachments"), "{e}");
     }

@@ -29,7 +29,12 @@ impl Model {
 }
 
 fn service(i: u32) -> ClusterObject {
-    ClusterObject::Service(Service::cluster_ip("demo", &format!("svc-{i}"), &format!("10.96.0.{i}"), vec![ServicePort::tcp("http", 80, 8080)]))
+    ClusterObject::Service(Service::cluster_ip(
+        "demo",
+        &format!("svc-{i}"),
+        &format!("10.96.0.{i}"),
+        vec![ServicePort::tcp("http", 80, 8080)],
+    ))
 }
 
 fn slice(i: u32, replicas: u32) -> ClusterObject {
@@ -58,7 +63,10 @@ fn slice(i: u32, replicas: u32) -> ClusterObject {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let addr = std::env::args().nth(1).unwrap_or_else(|| "127.0.0.1:50151".to_string());
-    let model = Arc::new(Mutex::new(Model { cluster: ClusterState::new(), local: NodeLocalModel::new(NODE, vec!["10.244.0.0/16".into()]) }));
+    let model = Arc::new(Mutex::new(Model {
+        cluster: ClusterState::new(),
+        local: NodeLocalModel::new(NODE, vec!["10.244.0.0/16".into()]),
+    }));
     let source = model.clone();
     let feed = ModelFeed::new(Arc::new(move || Snapshot::of(&source.lock().unwrap().local)), 256);
     {
@@ -86,7 +94,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             model.apply(&feed, ClusterEvent::Upsert(service(100 + tick)));
         }
         if tick % 7 == 3 && tick > 10 {
-            model.apply(&feed, ClusterEvent::Delete(ObjectKind::Service, ObjectKey::new("demo", format!("svc-{}", 100 + tick - 10))));
+            model.apply(
+                &feed,
+                ClusterEvent::Delete(ObjectKind::Service, ObjectKey::new("demo", format!("svc-{}", 100 + tick - 10))),
+            );
         }
     }
     server.await??;

@@ -39,7 +39,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         None => None,
     };
     let bearer = match std::env::var("WASMPLANE_TOKEN") {
-        Ok(token) if !token.trim().is_empty() => Some(format!("Bearer {}", token.trim()).parse().map_err(|_| "WASMPLANE_TOKEN is not a valid header value")?),
+        Ok(token) if !token.trim().is_empty() => Some(
+            format!("Bearer {}", token.trim()).parse().map_err(|_| "WASMPLANE_TOKEN is not a valid header value")?,
+        ),
         _ => None,
     };
     if bearer.is_some() && addr.starts_with("http://") {
@@ -125,7 +127,8 @@ fn describe(response: &proto::WatchResponse, before: &Mirror) -> String {
     for upsert in &delta.upserts {
         if let Some(proto::object::Kind::Service(view)) = &upsert.kind {
             let service = view.service.as_ref();
-            let key = ObjectKey::new(service.map_or("", |s| s.namespace.as_str()), service.map_or("", |s| s.name.as_str()));
+            let key =
+                ObjectKey::new(service.map_or("", |s| s.namespace.as_str()), service.map_or("", |s| s.name.as_str()));
             let sign = if before.services().contains_key(&key) { '~' } else { '+' };
             let endpoints: usize = view.slices.iter().map(|s| s.endpoints.len()).sum();
             let local = view.slices.iter().flat_map(|s| &s.endpoints).filter(|e| e.is_local).count();
@@ -139,7 +142,12 @@ fn describe(response: &proto::WatchResponse, before: &Mirror) -> String {
     }
     if let Some(context) = &delta.context {
         let draining = if context.being_deleted { " (being deleted: drain it)" } else { "" };
-        words.push(format!("node context: ips={:?} zone={} service CIDRs={:?}{draining}", context.node_ips, context.zone.as_deref().unwrap_or("-"), context.service_cidrs));
+        words.push(format!(
+            "node context: ips={:?} zone={} service CIDRs={:?}{draining}",
+            context.node_ips,
+            context.zone.as_deref().unwrap_or("-"),
+            context.service_cidrs
+        ));
     }
     if words.is_empty() {
         // The revision moved for objects this API does not stream yet (pods, policies).

@@ -9,7 +9,10 @@
 use std::sync::Arc;
 
 use wasmplane_model::state::{LocalEndpoint, LocalSlice, NodeContext};
-use wasmplane_model::{ClusterAffinity, EndpointPort, IntoModel, ObjectKey, Protocol, Service, ServicePort, ServiceType, ServiceView, TargetPort, ToStd, TrafficPolicy};
+use wasmplane_model::{
+    ClusterAffinity, EndpointPort, IntoModel, ObjectKey, Protocol, Service, ServicePort, ServiceType, ServiceView,
+    TargetPort, ToStd, TrafficPolicy,
+};
 
 use crate::feed::NodeFacts;
 use crate::proto;
@@ -116,7 +119,9 @@ impl From<&Service> for proto::Service {
             external_ips: s.external_ips.to_std(),
             load_balancer_ips: s.load_balancer_ips.to_std(),
             ports: s.ports.iter().map(Into::into).collect(),
-            session_affinity: s.session_affinity_timeout.map(|timeout_seconds| proto::SessionAffinity { timeout_seconds }),
+            session_affinity: s
+                .session_affinity_timeout
+                .map(|timeout_seconds| proto::SessionAffinity { timeout_seconds }),
             external_traffic_policy: proto::TrafficPolicy::from(s.external_traffic_policy).into(),
             internal_traffic_policy: proto::TrafficPolicy::from(s.internal_traffic_policy).into(),
             health_check_node_port: s.health_check_node_port.into(),
@@ -130,7 +135,11 @@ impl From<&Service> for proto::Service {
 
 impl From<&EndpointPort> for proto::EndpointPort {
     fn from(p: &EndpointPort) -> Self {
-        proto::EndpointPort { name: p.name.to_std(), protocol: proto::Protocol::from(p.protocol).into(), port: p.port.into() }
+        proto::EndpointPort {
+            name: p.name.to_std(),
+            protocol: proto::Protocol::from(p.protocol).into(),
+            port: p.port.into(),
+        }
     }
 }
 
@@ -205,9 +214,18 @@ impl TryFrom<proto::NodeContext> for NodeFacts {
         let service_cidrs = c
             .service_cidrs
             .into_iter()
-            .map(|cidr| cidr.parse().map_err(|_| ConversionError::InvalidCidr { field: "NodeContext.service_cidrs", value: cidr }))
+            .map(|cidr| {
+                cidr.parse()
+                    .map_err(|_| ConversionError::InvalidCidr { field: "NodeContext.service_cidrs", value: cidr })
+            })
             .collect::<Result<_, _>>()?;
-        let context = NodeContext { node_name: c.node_name.into_model(), node_ips: c.node_ips.into_model(), cluster_cidrs: c.cluster_cidrs.into_model(), pod_cidrs: c.pod_cidrs.into_model(), zone: c.zone.into_model() };
+        let context = NodeContext {
+            node_name: c.node_name.into_model(),
+            node_ips: c.node_ips.into_model(),
+            cluster_cidrs: c.cluster_cidrs.into_model(),
+            pod_cidrs: c.pod_cidrs.into_model(),
+            zone: c.zone.into_model(),
+        };
         Ok(NodeFacts { context, being_deleted: c.being_deleted, service_cidrs })
     }
 }
@@ -250,7 +268,12 @@ impl TryFrom<proto::Service> for Service {
             load_balancer_source_ranges: s
                 .load_balancer_source_ranges
                 .into_iter()
-                .map(|range| range.parse().map_err(|_| ConversionError::InvalidCidr { field: "Service.load_balancer_source_ranges", value: range }))
+                .map(|range| {
+                    range.parse().map_err(|_| ConversionError::InvalidCidr {
+                        field: "Service.load_balancer_source_ranges",
+                        value: range,
+                    })
+                })
                 .collect::<Result<_, _>>()?,
             ports: s.ports.into_iter().map(TryInto::try_into).collect::<Result<_, _>>()?,
             session_affinity_timeout: s.session_affinity.map(|a| a.timeout_seconds),
@@ -265,7 +288,12 @@ impl TryFrom<proto::Service> for Service {
                 Ok(proto::ClusterAffinity::None) => ClusterAffinity::None,
                 Ok(proto::ClusterAffinity::Local) => ClusterAffinity::Local,
                 Ok(proto::ClusterAffinity::Remote) => ClusterAffinity::Remote,
-                Err(_) => return Err(ConversionError::UnknownEnum { field: "Service.cluster_affinity", value: s.cluster_affinity }),
+                Err(_) => {
+                    return Err(ConversionError::UnknownEnum {
+                        field: "Service.cluster_affinity",
+                        value: s.cluster_affinity,
+                    });
+                }
             },
         })
     }
@@ -274,7 +302,11 @@ impl TryFrom<proto::Service> for Service {
 impl TryFrom<proto::EndpointPort> for EndpointPort {
     type Error = ConversionError;
     fn try_from(p: proto::EndpointPort) -> Result<Self, ConversionError> {
-        Ok(EndpointPort { protocol: protocol("EndpointPort.protocol", p.protocol)?, port: port("EndpointPort.port", p.port)?, name: p.name.into_model() })
+        Ok(EndpointPort {
+            protocol: protocol("EndpointPort.protocol", p.protocol)?,
+            port: port("EndpointPort.port", p.port)?,
+            name: p.name.into_model(),
+        })
     }
 }
 
@@ -331,9 +363,27 @@ pub(crate) mod tests_support {
                 external_ips: vec!["203.0.113.7".into()],
                 load_balancer_ips: vec!["198.51.100.1".into()],
                 ports: vec![
-                    ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: 30080, target_port: TargetPort::Number(8080) },
-                    ServicePort { name: "dns".into(), protocol: Protocol::Udp, port: 53, node_port: 0, target_port: TargetPort::Name("dns".into()) },
-                    ServicePort { name: "sig".into(), protocol: Protocol::Sctp, port: 9000, node_port: 0, target_port: TargetPort::Number(9000) },
+                    ServicePort {
+                        name: "http".into(),
+                        protocol: Protocol::Tcp,
+                        port: 80,
+                        node_port: 30080,
+                        target_port: TargetPort::Number(8080),
+                    },
+                    ServicePort {
+                        name: "dns".into(),
+                        protocol: Protocol::Udp,
+                        port: 53,
+                        node_port: 0,
+                        target_port: TargetPort::Name("dns".into()),
+                    },
+                    ServicePort {
+                        name: "sig".into(),
+                        protocol: Protocol::Sctp,
+                        port: 9000,
+                        node_port: 0,
+                        target_port: TargetPort::Number(9000),
+                    },
                 ],
                 session_affinity_timeout: Some(10800),
                 external_traffic_policy: TrafficPolicy::Local,
@@ -343,7 +393,8 @@ pub(crate) mod tests_support {
                 labels: Labels::from([("app".into(), "web".into()), ("tier".into(), "front".into())]),
                 global: true,
                 cluster_affinity: ClusterAffinity::Remote,
-            }.into(),
+            }
+            .into(),
             slices: vec![LocalSlice {
                 name: "web-abc".into(),
                 endpoints: vec![
@@ -399,12 +450,19 @@ mod tests {
             zone: Some("zone-a".into()),
         };
         for being_deleted in [false, true] {
-            let node = NodeFacts { context: context.clone(), being_deleted, service_cidrs: vec!["10.96.0.0/16".parse().unwrap(), "fd00:96::/112".parse().unwrap()] };
+            let node = NodeFacts {
+                context: context.clone(),
+                being_deleted,
+                service_cidrs: vec!["10.96.0.0/16".parse().unwrap(), "fd00:96::/112".parse().unwrap()],
+            };
             assert_eq!(NodeFacts::try_from(proto::NodeContext::from(&node)), Ok(node));
         }
         let mut wire = proto::NodeContext::from(&NodeFacts::from(context));
         wire.service_cidrs = vec!["10.96.0.0/33".into()];
-        assert_eq!(NodeFacts::try_from(wire), Err(ConversionError::InvalidCidr { field: "NodeContext.service_cidrs", value: "10.96.0.0/33".into() }));
+        assert_eq!(
+            NodeFacts::try_from(wire),
+            Err(ConversionError::InvalidCidr { field: "NodeContext.service_cidrs", value: "10.96.0.0/33".into() })
+        );
     }
 
     #[test]
@@ -417,10 +475,16 @@ mod tests {
         );
         wire.service.as_mut().unwrap().ports[0].port = 80;
         wire.service.as_mut().unwrap().r#type = 42;
-        assert_eq!(ServiceView::try_from(wire.clone()), Err(ConversionError::UnknownEnum { field: "Service.type", value: 42 }));
+        assert_eq!(
+            ServiceView::try_from(wire.clone()),
+            Err(ConversionError::UnknownEnum { field: "Service.type", value: 42 })
+        );
         wire.service.as_mut().unwrap().r#type = proto::ServiceType::ClusterIp.into();
         wire.slices[0].ports[0].protocol = proto::Protocol::Unspecified.into();
-        assert_eq!(ServiceView::try_from(wire.clone()), Err(ConversionError::UnknownEnum { field: "EndpointPort.protocol", value: 0 }));
+        assert_eq!(
+            ServiceView::try_from(wire.clone()),
+            Err(ConversionError::UnknownEnum { field: "EndpointPort.protocol", value: 0 })
+        );
         wire.service = None;
         assert_eq!(ServiceView::try_from(wire), Err(ConversionError::Missing("ServiceView.service")));
     }

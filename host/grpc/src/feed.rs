@@ -12,8 +12,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::{broadcast, watch};
 use tonic::Code;
 use wasmplane_model::NodeLocalModel;
-use wasmplane_model::state::{ModelUpdate, NodeContext, ServiceChange};
 use wasmplane_model::ServiceView;
+use wasmplane_model::state::{ModelUpdate, NodeContext, ServiceChange};
 
 /// This node as a watch sees it: the guests' context, and, outside it (neither translates
 /// any service again when it changes), whether the node is being deleted and the cluster's
@@ -27,7 +27,11 @@ pub struct NodeFacts {
 
 impl NodeFacts {
     pub fn of(model: &NodeLocalModel) -> NodeFacts {
-        NodeFacts { context: model.context.clone(), being_deleted: model.node_being_deleted, service_cidrs: model.service_cidrs.clone() }
+        NodeFacts {
+            context: model.context.clone(),
+            being_deleted: model.node_being_deleted,
+            service_cidrs: model.service_cidrs.clone(),
+        }
     }
 }
 
@@ -48,7 +52,11 @@ pub struct Snapshot {
 impl Snapshot {
     /// The model as it is. O(services) `Arc` clones: call it under the host's model lock.
     pub fn of(model: &NodeLocalModel) -> Snapshot {
-        Snapshot { revision: model.revision, node: NodeFacts::of(model), services: model.services.values().cloned().collect() }
+        Snapshot {
+            revision: model.revision,
+            node: NodeFacts::of(model),
+            services: model.services.values().cloned().collect(),
+        }
     }
 }
 
@@ -69,7 +77,8 @@ impl Delta {
     pub fn from_update(model: &NodeLocalModel, update: &ModelUpdate) -> Delta {
         Delta {
             revision: model.revision,
-            node: (update.context_changed || update.node_being_deleted_changed || update.service_cidrs_changed).then(|| NodeFacts::of(model)),
+            node: (update.context_changed || update.node_being_deleted_changed || update.service_cidrs_changed)
+                .then(|| NodeFacts::of(model)),
             changes: update.changed.clone(),
         }
     }
@@ -142,7 +151,11 @@ impl RefusedWatches {
 
     /// The codes refused at least once, with their counts, in code order.
     pub fn iter(&self) -> impl Iterator<Item = (Code, u64)> + '_ {
-        self.0.iter().enumerate().filter(|(_, count)| **count > 0).map(|(slot, count)| (Code::from_i32(slot as i32), *count))
+        self.0
+            .iter()
+            .enumerate()
+            .filter(|(_, count)| **count > 0)
+            .map(|(slot, count)| (Code::from_i32(slot as i32), *count))
     }
 }
 
@@ -223,7 +236,11 @@ impl ModelFeed {
     pub fn publish(&self, delta: Delta) {
         let previous = self.inner.last_published.swap(delta.revision, Ordering::Relaxed);
         if previous != 0 && delta.revision != previous + 1 {
-            tracing::warn!(previous, revision = delta.revision, "model revisions published out of order; watches will resync");
+            tracing::warn!(
+                previous,
+                revision = delta.revision,
+                "model revisions published out of order; watches will resync"
+            );
         }
         Counters::bump(&self.inner.counters.published);
         // An error only means nobody is watching right now.
@@ -273,11 +290,17 @@ mod tests {
 
     #[test]
     fn a_delta_carries_the_node_when_it_starts_or_stops_being_deleted() {
-        use wasmplane_model::state::{ClusterState, ClusterObject, ClusterEvent};
+        use wasmplane_model::state::{ClusterEvent, ClusterObject, ClusterState};
         use wasmplane_model::{Labels, Node};
         let (mut cluster, mut model) = (ClusterState::new(), NodeLocalModel::new("node-a", vec![]));
         let mut publish = |being_deleted: bool| {
-            let node = Node { name: "node-a".into(), addresses: vec!["192.168.0.1".into()], pod_cidrs: vec![], labels: Labels::new(), being_deleted };
+            let node = Node {
+                name: "node-a".into(),
+                addresses: vec!["192.168.0.1".into()],
+                pod_cidrs: vec![],
+                labels: Labels::new(),
+                being_deleted,
+            };
             let touched = cluster.apply(ClusterEvent::Upsert(ClusterObject::Node(node)), "node-a");
             let update = model.update(&cluster, &touched);
             Delta::from_update(&model, &update)

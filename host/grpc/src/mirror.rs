@@ -117,21 +117,33 @@ impl Mirror {
         // Part 0 always starts afresh, even over an unfinished snapshot: that is the rule
         // that lets a server restart a snapshot at any time.
         let mut building = if part.part == 0 {
-            Building { revision: part.revision, next_part: 0, node: part.context.map(NodeFacts::try_from).transpose()?.unwrap_or_default(), services: BTreeMap::new() }
+            Building {
+                revision: part.revision,
+                next_part: 0,
+                node: part.context.map(NodeFacts::try_from).transpose()?.unwrap_or_default(),
+                services: BTreeMap::new(),
+            }
         } else {
             match self.building.take() {
                 Some(b) if b.revision != part.revision => {
-                    let error = MirrorError::PartOfAnotherSnapshot { part: part.part, got: part.revision, expected: b.revision };
+                    let error = MirrorError::PartOfAnotherSnapshot {
+                        part: part.part,
+                        got: part.revision,
+                        expected: b.revision,
+                    };
                     self.building = Some(b);
                     return Err(error);
                 }
                 Some(b) if b.next_part != part.part => {
-                    let error = MirrorError::PartOutOfOrder { revision: part.revision, got: part.part, expected: b.next_part };
+                    let error =
+                        MirrorError::PartOutOfOrder { revision: part.revision, got: part.part, expected: b.next_part };
                     self.building = Some(b);
                     return Err(error);
                 }
                 Some(b) => b,
-                None => return Err(MirrorError::PartOutOfOrder { revision: part.revision, got: part.part, expected: 0 }),
+                None => {
+                    return Err(MirrorError::PartOutOfOrder { revision: part.revision, got: part.part, expected: 0 });
+                }
             }
         };
         building.services.extend(services);
@@ -176,7 +188,12 @@ impl Mirror {
             })
             .collect();
         let node = delta.context.map(NodeFacts::try_from).transpose()?;
-        let applied = Applied::Delta { revision: delta.revision, upserts: upserts.len(), deletes: deletes.len(), context_changed: node.is_some() };
+        let applied = Applied::Delta {
+            revision: delta.revision,
+            upserts: upserts.len(),
+            deletes: deletes.len(),
+            context_changed: node.is_some(),
+        };
         if let Some(node) = node {
             self.node = node;
         }
@@ -206,7 +223,10 @@ mod tests {
             node: NodeContext { node_name: "node-a".into(), ..Default::default() }.into(),
             services: views.iter().cloned().map(Arc::new).collect(),
         };
-        split_snapshot(&snapshot, part_bytes).into_iter().map(|p| proto::WatchResponse { event: Some(Event::Snapshot(p)) }).collect()
+        split_snapshot(&snapshot, part_bytes)
+            .into_iter()
+            .map(|p| proto::WatchResponse { event: Some(Event::Snapshot(p)) })
+            .collect()
     }
 
     fn delta_message(delta: &Delta) -> proto::WatchResponse {
@@ -240,13 +260,20 @@ mod tests {
         std::sync::Arc::make_mut(&mut changed.service).cluster_ips = vec!["10.96.9.9".into()];
         let delta = Delta {
             revision: 6,
-            node: Some(NodeFacts { context: NodeContext { node_name: "node-a".into(), zone: Some("z".into()), ..Default::default() }, being_deleted: true, service_cidrs: vec!["10.96.0.0/16".parse().unwrap()] }),
+            node: Some(NodeFacts {
+                context: NodeContext { node_name: "node-a".into(), zone: Some("z".into()), ..Default::default() },
+                being_deleted: true,
+                service_cidrs: vec!["10.96.0.0/16".parse().unwrap()],
+            }),
             changes: vec![
                 ServiceChange { key: ObjectKey::new("shop", "svc-3"), view: Some(Arc::new(changed.clone())) },
                 ServiceChange { key: ObjectKey::new("shop", "svc-4"), view: None },
             ],
         };
-        assert_eq!(mirror.apply(delta_message(&delta)).unwrap(), Applied::Delta { revision: 6, upserts: 1, deletes: 1, context_changed: true });
+        assert_eq!(
+            mirror.apply(delta_message(&delta)).unwrap(),
+            Applied::Delta { revision: 6, upserts: 1, deletes: 1, context_changed: true }
+        );
         assert_eq!(mirror.services().len(), 19);
         assert_eq!(mirror.services()[&ObjectKey::new("shop", "svc-3")], changed);
         assert_eq!(mirror.context().zone.as_deref(), Some("z"));
@@ -280,11 +307,18 @@ mod tests {
         let parts = snapshot_messages(8, &(0..10).map(|i| named(&format!("s{i}"))).collect::<Vec<_>>(), 1024);
         mirror.apply(parts[0].clone()).unwrap();
         assert_eq!(mirror.apply(delta_message(&empty(5))), Err(MirrorError::DeltaDuringSnapshot(5)));
-        assert_eq!(mirror.apply(parts[2].clone()), Err(MirrorError::PartOutOfOrder { revision: 8, got: 2, expected: 1 }));
+        assert_eq!(
+            mirror.apply(parts[2].clone()),
+            Err(MirrorError::PartOutOfOrder { revision: 8, got: 2, expected: 1 })
+        );
         assert_eq!(mirror.revision(), Some(4));
         assert_eq!(mirror.services().len(), 1);
 
-        let mut bad = delta_message(&Delta { revision: 5, node: None, changes: vec![ServiceChange { key: ObjectKey::new("shop", "a"), view: Some(Arc::new(named("a"))) }] });
+        let mut bad = delta_message(&Delta {
+            revision: 5,
+            node: None,
+            changes: vec![ServiceChange { key: ObjectKey::new("shop", "a"), view: Some(Arc::new(named("a"))) }],
+        });
         let Some(Event::Delta(d)) = &mut bad.event else { unreachable!() };
         let Some(proto::object::Kind::Service(v)) = &mut d.upserts[0].kind else { unreachable!() };
         v.service.as_mut().unwrap().ports[0].port = 1 << 20;
@@ -302,7 +336,12 @@ mod tests {
         for m in snapshot_messages(1, &[], 1 << 20) {
             mirror.apply(m).unwrap();
         }
-        let delta = proto::Delta { revision: 2, context: None, upserts: vec![proto::Object { kind: None }], deletes: vec![proto::ObjectRef { kind: None }] };
+        let delta = proto::Delta {
+            revision: 2,
+            context: None,
+            upserts: vec![proto::Object { kind: None }],
+            deletes: vec![proto::ObjectRef { kind: None }],
+        };
         let applied = mirror.apply(proto::WatchResponse { event: Some(Event::Delta(delta)) }).unwrap();
         assert_eq!(applied, Applied::Delta { revision: 2, upserts: 0, deletes: 0, context_changed: false });
     }

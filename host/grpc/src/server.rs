@@ -24,8 +24,8 @@ use tokio::net::TcpListener;
 use tokio::sync::broadcast::error::RecvError;
 use tokio::sync::{broadcast, watch};
 use tokio_stream::wrappers::TcpListenerStream;
-use tonic::transport::server::Connected;
 use tonic::codegen::http::HeaderMap;
+use tonic::transport::server::Connected;
 use tonic::{Code, Request, Response, Status};
 
 use crate::feed::{Counters, Delta, ModelFeed, Snapshot};
@@ -117,7 +117,11 @@ pub fn service(feed: ModelFeed) -> LocalModelServer<WatchService> {
 
 /// Serves the model on `listener` until `shutdown` resolves, then ends every watch of this
 /// server cleanly (clients see their stream finish) and returns once connections are done.
-pub async fn serve<F>(service: impl Into<WatchService> + Send, listener: TcpListener, shutdown: F) -> Result<(), ServeError>
+pub async fn serve<F>(
+    service: impl Into<WatchService> + Send,
+    listener: TcpListener,
+    shutdown: F,
+) -> Result<(), ServeError>
 where
     F: Future<Output = ()> + Send,
 {
@@ -128,7 +132,11 @@ where
 }
 
 /// [`serve`] over any stream of connections (a Unix socket for node-local sinks, say).
-pub async fn serve_incoming<I, IO, IE, F>(service: impl Into<WatchService> + Send, incoming: I, shutdown: F) -> Result<(), ServeError>
+pub async fn serve_incoming<I, IO, IE, F>(
+    service: impl Into<WatchService> + Send,
+    incoming: I,
+    shutdown: F,
+) -> Result<(), ServeError>
 where
     I: Stream<Item = Result<IO, IE>> + Send,
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Connected + Unpin + Send + 'static,
@@ -336,7 +344,13 @@ async fn take_snapshot(feed: &ModelFeed, part_bytes: usize) -> Result<(u64, VecD
 
 /// The snapshot as consecutive parts of at most about `part_bytes` encoded bytes each.
 pub(crate) fn split_snapshot(snapshot: &Snapshot, part_bytes: usize) -> VecDeque<proto::Snapshot> {
-    let new_part = |part: u32| proto::Snapshot { revision: snapshot.revision, context: None, services: Vec::new(), part, more: true };
+    let new_part = |part: u32| proto::Snapshot {
+        revision: snapshot.revision,
+        context: None,
+        services: Vec::new(),
+        part,
+        more: true,
+    };
     let mut first = new_part(0);
     first.context = Some((&snapshot.node).into());
     let mut size = first.encoded_len();
@@ -366,7 +380,9 @@ pub(crate) fn delta_to_proto(delta: &Delta) -> proto::Delta {
     for change in &delta.changes {
         match &change.view {
             Some(view) => upserts.push(proto::Object { kind: Some(proto::object::Kind::Service(view.into())) }),
-            None => deletes.push(proto::ObjectRef { kind: Some(proto::object_ref::Kind::Service((&change.key).into())) }),
+            None => {
+                deletes.push(proto::ObjectRef { kind: Some(proto::object_ref::Kind::Service((&change.key).into())) })
+            }
         }
     }
     proto::Delta { revision: delta.revision, context: delta.node.as_ref().map(Into::into), upserts, deletes }
@@ -391,7 +407,11 @@ mod tests {
     struct Refuse(Code);
 
     impl Authorize for Refuse {
-        fn authorize<'a>(&'a self, _peer: Option<SocketAddr>, _headers: &'a HeaderMap) -> BoxFuture<'a, Result<(), Status>> {
+        fn authorize<'a>(
+            &'a self,
+            _peer: Option<SocketAddr>,
+            _headers: &'a HeaderMap,
+        ) -> BoxFuture<'a, Result<(), Status>> {
             Box::pin(async move { Err(Status::new(self.0, "refused")) })
         }
     }
@@ -402,7 +422,8 @@ mod tests {
 
     #[tokio::test]
     async fn refused_watches_are_counted_by_code() {
-        let feed = ModelFeed::new(Arc::new(|| Snapshot { revision: 0, node: NodeFacts::default(), services: vec![] }), 4);
+        let feed =
+            ModelFeed::new(Arc::new(|| Snapshot { revision: 0, node: NodeFacts::default(), services: vec![] }), 4);
         let unauthenticated = WatchService::new(feed.clone()).authorize(Arc::new(Refuse(Code::Unauthenticated)));
         let forbidden = WatchService::new(feed.clone()).authorize(Arc::new(Refuse(Code::PermissionDenied)));
         let open = WatchService::new(feed.clone());
@@ -414,9 +435,19 @@ mod tests {
 
         let stats = feed.stats();
         assert_eq!(stats.watches, 1, "{stats:?}");
-        assert_eq!((stats.refused.get(Code::Unauthenticated), stats.refused.get(Code::PermissionDenied), stats.refused.get(Code::Unavailable)), (2, 1, 0));
+        assert_eq!(
+            (
+                stats.refused.get(Code::Unauthenticated),
+                stats.refused.get(Code::PermissionDenied),
+                stats.refused.get(Code::Unavailable)
+            ),
+            (2, 1, 0)
+        );
         assert_eq!(stats.refused.total(), 3);
-        assert_eq!(stats.refused.iter().collect::<Vec<_>>(), vec![(Code::PermissionDenied, 1), (Code::Unauthenticated, 2)]);
+        assert_eq!(
+            stats.refused.iter().collect::<Vec<_>>(),
+            vec![(Code::PermissionDenied, 1), (Code::Unauthenticated, 2)]
+        );
         assert_eq!(format!("{:?}", stats.refused), "{PermissionDenied: 1, Unauthenticated: 2}");
 
         // A closed feed refuses with `Unavailable`, but the hook answers first: a caller it
@@ -425,12 +456,20 @@ mod tests {
         assert_eq!(call(&open).await, Err(Code::Unavailable));
         assert_eq!(call(&unauthenticated).await, Err(Code::Unauthenticated));
         let stats = feed.stats();
-        assert_eq!((stats.refused.get(Code::Unavailable), stats.refused.get(Code::Unauthenticated), stats.watches), (1, 3, 1), "{stats:?}");
+        assert_eq!(
+            (stats.refused.get(Code::Unavailable), stats.refused.get(Code::Unauthenticated), stats.watches),
+            (1, 3, 1),
+            "{stats:?}"
+        );
     }
 
     #[test]
     fn small_snapshots_are_one_part() {
-        let snapshot = Snapshot { revision: 7, node: NodeContext { node_name: "n".into(), ..Default::default() }.into(), services: vec![view("a", 10)] };
+        let snapshot = Snapshot {
+            revision: 7,
+            node: NodeContext { node_name: "n".into(), ..Default::default() }.into(),
+            services: vec![view("a", 10)],
+        };
         let parts = split_snapshot(&snapshot, DEFAULT_SNAPSHOT_PART_BYTES);
         assert_eq!(parts.len(), 1);
         assert_eq!((parts[0].part, parts[0].more, parts[0].revision), (0, false, 7));
@@ -455,11 +494,16 @@ mod tests {
             assert!(!part.services.is_empty());
             assert!(part.encoded_len() <= 8 * 1024, "part {i} is {} bytes", part.encoded_len());
         }
-        let names: Vec<_> = parts.iter().flat_map(|p| &p.services).map(|s| s.service.as_ref().unwrap().name.clone()).collect();
+        let names: Vec<_> =
+            parts.iter().flat_map(|p| &p.services).map(|s| s.service.as_ref().unwrap().name.clone()).collect();
         assert_eq!(names, (0..50).map(|i| format!("svc-{i:02}")).collect::<Vec<_>>());
 
         // A service larger than the bound still goes, alone in its part.
-        let big = Snapshot { revision: 1, node: NodeFacts::default(), services: vec![view("a", 10), view("b", 20_000), view("c", 10)] };
+        let big = Snapshot {
+            revision: 1,
+            node: NodeFacts::default(),
+            services: vec![view("a", 10), view("b", 20_000), view("c", 10)],
+        };
         let parts = split_snapshot(&big, 8 * 1024);
         assert_eq!(parts.iter().map(|p| p.services.len()).collect::<Vec<_>>(), vec![1, 1, 1]);
     }

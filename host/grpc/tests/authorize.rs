@@ -44,7 +44,11 @@ impl Authorize for Recording {
             self.seen.lock().unwrap().push((peer, given.clone()));
             // Answer from another task's turn, as a real check (a TokenReview) would.
             tokio::task::yield_now().await;
-            if given.as_deref() == Some(&format!("Bearer {}", self.token)) { Ok(()) } else { Err(Status::new(self.refusal, "no valid token")) }
+            if given.as_deref() == Some(&format!("Bearer {}", self.token)) {
+                Ok(())
+            } else {
+                Err(Status::new(self.refusal, "no valid token"))
+            }
         })
     }
 }
@@ -53,7 +57,11 @@ impl Authorize for Recording {
 fn feed() -> (ModelFeed, Arc<AtomicUsize>) {
     let taken = Arc::new(AtomicUsize::new(0));
     let counter = taken.clone();
-    let snapshot = Snapshot { revision: 3, node: NodeContext { node_name: "node-a".into(), ..Default::default() }.into(), services: vec![] };
+    let snapshot = Snapshot {
+        revision: 3,
+        node: NodeContext { node_name: "node-a".into(), ..Default::default() }.into(),
+        services: vec![],
+    };
     let feed = ModelFeed::new(
         Arc::new(move || {
             counter.fetch_add(1, Ordering::Relaxed);
@@ -106,7 +114,10 @@ async fn a_refused_caller_gets_the_refusal_and_no_snapshot() {
         // But both refusals were, under the code they were answered with.
         assert_eq!((stats.refused.get(code), stats.refused.total()), (2, 2), "{stats:?}");
         let seen = authorize.seen();
-        assert_eq!(seen.iter().map(|(_, token)| token.clone()).collect::<Vec<_>>(), vec![None, Some("Bearer wrong-token".to_string())]);
+        assert_eq!(
+            seen.iter().map(|(_, token)| token.clone()).collect::<Vec<_>>(),
+            vec![None, Some("Bearer wrong-token".to_string())]
+        );
 
         stop.send(()).unwrap();
         timeout(WAIT, task).await.expect("server did not stop").unwrap();

@@ -13,7 +13,9 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio::time::timeout;
 use wasmplane_grpc::proto::{self, watch_response::Event};
-use wasmplane_grpc::{Applied, Delta, LocalModelClient, Mirror, ModelFeed, ServeError, Snapshot, SnapshotSource, WatchService};
+use wasmplane_grpc::{
+    Applied, Delta, LocalModelClient, Mirror, ModelFeed, ServeError, Snapshot, SnapshotSource, WatchService,
+};
 use wasmplane_model::state::NodeContext;
 use wasmplane_model::*;
 
@@ -60,7 +62,8 @@ impl Host {
         let touched = cluster.apply(event, NODE);
         let update = model.update(cluster, &touched);
         if !update.is_empty() {
-            history.insert(model.revision, Recorded { context: model.context.clone(), services: model.services.clone() });
+            history
+                .insert(model.revision, Recorded { context: model.context.clone(), services: model.services.clone() });
             feed.publish(Delta::from_update(model, &update));
         }
         model.revision
@@ -186,7 +189,10 @@ impl Client {
 
     /// The next raw message, or `None` when the stream ended cleanly.
     async fn raw(&mut self) -> Option<proto::WatchResponse> {
-        timeout(WAIT, self.stream.message()).await.unwrap_or_else(|_| panic!("{}: no message in time", self.name)).unwrap()
+        timeout(WAIT, self.stream.message())
+            .await
+            .unwrap_or_else(|_| panic!("{}: no message in time", self.name))
+            .unwrap()
     }
 
     /// Applies the next message to the mirror and, if the mirror is complete after it, checks
@@ -219,7 +225,10 @@ impl Client {
     }
 
     fn snapshots(&self) -> Vec<u64> {
-        self.log.iter().filter_map(|a| if let Applied::Snapshot { revision, .. } = a { Some(*revision) } else { None }).collect()
+        self.log
+            .iter()
+            .filter_map(|a| if let Applied::Snapshot { revision, .. } = a { Some(*revision) } else { None })
+            .collect()
     }
 }
 
@@ -289,7 +298,15 @@ async fn full_state_first_then_contiguous_deltas() {
     let (raw, _) = client.step(&host).await;
     let d = delta(&raw);
     assert_eq!((d.revision, d.upserts.len()), (r, 0));
-    assert_eq!(d.deletes, vec![proto::ObjectRef { kind: Some(proto::object_ref::Kind::Service(proto::ObjectKey { namespace: "default".into(), name: "db".into() })) }]);
+    assert_eq!(
+        d.deletes,
+        vec![proto::ObjectRef {
+            kind: Some(proto::object_ref::Kind::Service(proto::ObjectKey {
+                namespace: "default".into(),
+                name: "db".into()
+            }))
+        }]
+    );
 
     // This node's addresses: a context change alone.
     let r = host.upsert(&feed, node(&["192.168.0.1", "fd00::1"], "zone-a"));
@@ -398,7 +415,10 @@ async fn a_client_that_falls_behind_gets_a_fresh_snapshot_then_contiguous_deltas
 
     // The client stops reading while the host moves on.
     for i in 0..REVISIONS {
-        host.upsert(&feed, service(&format!("svc-{}", i % SERVICES), &format!("10.96.0.{}", i % SERVICES), &blob(i + SERVICES)));
+        host.upsert(
+            &feed,
+            service(&format!("svc-{}", i % SERVICES), &format!("10.96.0.{}", i % SERVICES), &blob(i + SERVICES)),
+        );
     }
     let end = host.revision();
 
@@ -432,7 +452,10 @@ async fn large_snapshots_arrive_in_parts() {
     let feed = feed_for(&host, 16);
     for i in 0..200 {
         host.upsert(&feed, service(&format!("svc-{i:03}"), &format!("10.96.{}.{}", i / 250, i % 250), ""));
-        host.upsert(&feed, slice(&format!("svc-{i:03}-1"), &format!("svc-{i:03}"), &[("10.244.1.2", NODE), ("10.244.2.2", "node-b")]));
+        host.upsert(
+            &feed,
+            slice(&format!("svc-{i:03}-1"), &format!("svc-{i:03}"), &[("10.244.1.2", NODE), ("10.244.2.2", "node-b")]),
+        );
     }
     let server = Server::start(WatchService::new(feed.clone()).snapshot_part_bytes(4096)).await;
     let mut client = Client::connect("parts", server.addr).await;
@@ -483,17 +506,16 @@ async fn closing_the_feed_ends_watches_of_a_hand_built_server() {
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = oneshot::channel::<()>();
     let server = tokio::spawn(
-        tonic::transport::Server::builder().add_service(wasmplane_grpc::service(feed.clone())).serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            {
+        tonic::transport::Server::builder()
+            .add_service(wasmplane_grpc::service(feed.clone()))
+            .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), {
                 let feed = feed.clone();
                 async move {
                     let _ = rx.await;
                     // The documented pattern: end the watches, then let tonic drain.
                     feed.close();
                 }
-            },
-        ),
+            }),
     );
     let mut client = Client::connect("a", addr).await;
     client.step(&host).await;
@@ -509,7 +531,11 @@ async fn closing_the_feed_ends_watches_of_a_hand_built_server() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gap_in_published_revisions_resyncs_instead_of_passing_it_on() {
     // A host bug (a revision never published) must not reach sinks as a silent gap.
-    let state = Arc::new(Mutex::new(Snapshot { revision: 1, node: NodeContext { node_name: NODE.into(), ..Default::default() }.into(), services: vec![] }));
+    let state = Arc::new(Mutex::new(Snapshot {
+        revision: 1,
+        node: NodeContext { node_name: NODE.into(), ..Default::default() }.into(),
+        services: vec![],
+    }));
     let source = state.clone();
     let feed = ModelFeed::new(Arc::new(move || source.lock().unwrap().clone()), 16);
     let server = Server::start(feed.clone()).await;

@@ -24,10 +24,7 @@ const VALUE_SIZE: usize = 128;
 const ROUNDS: usize = 4;
 
 fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
 struct Latency {
@@ -40,11 +37,7 @@ fn latency(mut samples: Vec<Duration>) -> Latency {
     samples.sort();
     let at = |q: f64| samples[((samples.len() as f64 * q) as usize).min(samples.len() - 1)];
     let total: Duration = samples.iter().sum();
-    Latency {
-        p50: at(0.50),
-        p99: at(0.99),
-        mean: total / samples.len() as u32,
-    }
+    Latency { p50: at(0.50), p99: at(0.99), mean: total / samples.len() as u32 }
 }
 
 fn ms(d: Duration) -> String {
@@ -59,10 +52,7 @@ struct Row {
 }
 
 fn main() -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     runtime.block_on(run())
 }
 
@@ -79,11 +69,8 @@ async fn run() -> anyhow::Result<()> {
 
     // Warm-up: connections, server caches.
     for i in 0..100 {
-        ours.put(&format!("bench/warm/{i}"), value.clone(), None)
-            .await?;
-        direct
-            .put(format!("bench/warm/{i}"), value.to_vec(), None)
-            .await?;
+        ours.put(&format!("bench/warm/{i}"), value.clone(), None).await?;
+        direct.put(format!("bench/warm/{i}"), value.to_vec(), None).await?;
     }
     let mut ours_samples = Vec::with_capacity(puts);
     let mut direct_samples = Vec::with_capacity(puts);
@@ -109,11 +96,7 @@ async fn run() -> anyhow::Result<()> {
         .map(|i| {
             let mut client = direct.clone();
             let value = value.to_vec();
-            async move {
-                client
-                    .put(format!("bench/watch/{}", i % 1000), value, None)
-                    .await
-            }
+            async move { client.put(format!("bench/watch/{}", i % 1000), value, None).await }
         })
         .buffer_unordered(64)
         .collect::<Vec<_>>()
@@ -145,30 +128,23 @@ async fn run() -> anyhow::Result<()> {
     // --- embedded ---
     let dir = tempfile::tempdir()?;
     let memory: Arc<dyn KvStore> = Arc::new(EmbeddedStore::in_memory());
-    let disk: Arc<dyn KvStore> = Arc::new(
-        EmbeddedStore::open(EmbeddedConfig::persistent(dir.path().join("durable.redb"))).await?,
-    );
+    let disk: Arc<dyn KvStore> =
+        Arc::new(EmbeddedStore::open(EmbeddedConfig::persistent(dir.path().join("durable.redb"))).await?);
     let mut fast_config = EmbeddedConfig::persistent(dir.path().join("fast.redb"));
     fast_config.durable = false;
     let fast: Arc<dyn KvStore> = Arc::new(EmbeddedStore::open(fast_config).await?);
-    for (path, store, n) in [
-        ("in memory", memory, puts),
-        ("redb, fsync per commit", disk, puts.min(500)),
-        ("redb, no fsync", fast, puts),
-    ] {
+    for (path, store, n) in
+        [("in memory", memory, puts), ("redb, fsync per commit", disk, puts.min(500)), ("redb, no fsync", fast, puts)]
+    {
         let mut samples = Vec::with_capacity(n);
         for i in 0..n {
             let start = Instant::now();
-            store
-                .put(&format!("bench/put/{}", i % 100), value.clone(), None)
-                .await?;
+            store.put(&format!("bench/put/{}", i % 100), value.clone(), None).await?;
             samples.push(start.elapsed());
         }
         let from = store.current_revision().await? + 1;
         for i in 0..events {
-            store
-                .put(&format!("bench/watch/{}", i % 1000), value.clone(), None)
-                .await?;
+            store.put(&format!("bench/watch/{}", i % 1000), value.clone(), None).await?;
         }
         let mut rates = Vec::new();
         for _ in 0..3 {
@@ -201,15 +177,9 @@ async fn watch_ours(store: &dyn KvStore, from: i64, n: usize) -> anyhow::Result<
 }
 
 /// The same through a raw etcd-client watch stream.
-async fn watch_direct(
-    client: &mut etcd_client::Client,
-    from: i64,
-    n: usize,
-) -> anyhow::Result<f64> {
+async fn watch_direct(client: &mut etcd_client::Client, from: i64, n: usize) -> anyhow::Result<f64> {
     let start = Instant::now();
-    let options = etcd_client::WatchOptions::new()
-        .with_prefix()
-        .with_start_revision(from);
+    let options = etcd_client::WatchOptions::new().with_prefix().with_start_revision(from);
     let mut stream = client.watch("bench/watch/", Some(options)).await?;
     let mut seen = 0;
     while seen < n {
@@ -235,14 +205,8 @@ fn print_table(rows: &[Row], puts: usize, events: usize) {
             Some(l) => (ms(l.p50), ms(l.p99), ms(l.mean)),
             None => ("-".into(), "-".into(), "-".into()),
         };
-        let watch = row
-            .watch_events_per_sec
-            .map(|r| format!("{r:.0}"))
-            .unwrap_or_else(|| "-".into());
-        println!(
-            "| {} | {} | {p50} | {p99} | {mean} | {watch} |",
-            row.backend, row.path
-        );
+        let watch = row.watch_events_per_sec.map(|r| format!("{r:.0}")).unwrap_or_else(|| "-".into());
+        println!("| {} | {} | {p50} | {p99} | {mean} | {watch} |", row.backend, row.path);
     }
     if let (Some(ours), Some(direct)) = (rows.first(), rows.get(1))
         && let (Some(o), Some(d)) = (&ours.put, &direct.put)

@@ -59,9 +59,7 @@ pub fn manifest_digest<'a>(prefix: &str, key: &'a str) -> Option<&'a str> {
 }
 
 fn is_digest(s: &str) -> bool {
-    s.len() == 64
-        && s.bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    s.len() == 64 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
 /// Hex SHA-256 of `data`: the name [`put_blob`] stores it under.
@@ -78,10 +76,8 @@ pub async fn put_blob(store: &dyn KvStore, prefix: &str, data: &[u8]) -> Result<
         return Ok(digest);
     }
     let chunks: Vec<&[u8]> = data.chunks(CHUNK_SIZE).collect();
-    let count = u32::try_from(chunks.len()).map_err(|_| KvError::TooLarge {
-        size: data.len(),
-        limit: CHUNK_SIZE * u32::MAX as usize,
-    })?;
+    let count = u32::try_from(chunks.len())
+        .map_err(|_| KvError::TooLarge { size: data.len(), limit: CHUNK_SIZE * u32::MAX as usize })?;
     // Owned keys and values before the stream: a closure taking borrowed chunks makes the
     // future not `Send` for every lifetime (rustc #64552), which axum handlers need.
     let writes: Vec<(String, Bytes)> = chunks
@@ -94,44 +90,25 @@ pub async fn put_blob(store: &dyn KvStore, prefix: &str, data: &[u8]) -> Result<
         .buffer_unordered(PARALLEL_CHUNKS)
         .try_collect::<Vec<_>>()
         .await?;
-    let manifest = BlobManifest {
-        digest: digest.clone(),
-        size: data.len() as u64,
-        chunk_size: CHUNK_SIZE as u64,
-        chunks: count,
-    };
-    let encoded = serde_json::to_vec(&manifest)
-        .map_err(|e| KvError::Backend(format!("encoding blob manifest: {e}")))?;
+    let manifest =
+        BlobManifest { digest: digest.clone(), size: data.len() as u64, chunk_size: CHUNK_SIZE as u64, chunks: count };
+    let encoded =
+        serde_json::to_vec(&manifest).map_err(|e| KvError::Backend(format!("encoding blob manifest: {e}")))?;
     // Concurrent uploads of the same content race harmlessly: same chunks, and
     // whoever loses the create finds an identical manifest.
-    store
-        .create(&manifest_key, Bytes::from(encoded), None)
-        .await?;
+    store.create(&manifest_key, Bytes::from(encoded), None).await?;
     debug!(digest, size = data.len(), chunks = count, "blob stored");
     Ok(digest)
 }
 
 /// Reads a blob's manifest.
-pub async fn get_blob_manifest(
-    store: &dyn KvStore,
-    prefix: &str,
-    digest: &str,
-) -> Result<BlobManifest> {
+pub async fn get_blob_manifest(store: &dyn KvStore, prefix: &str, digest: &str) -> Result<BlobManifest> {
     let key = manifest_key(prefix, digest);
-    let kv = store
-        .get(&key)
-        .await?
-        .ok_or_else(|| KvError::NotFound(key.clone()))?;
-    let manifest: BlobManifest =
-        serde_json::from_slice(&kv.value).map_err(|e| KvError::Corrupt {
-            key: key.clone(),
-            reason: format!("manifest is not valid JSON: {e}"),
-        })?;
+    let kv = store.get(&key).await?.ok_or_else(|| KvError::NotFound(key.clone()))?;
+    let manifest: BlobManifest = serde_json::from_slice(&kv.value)
+        .map_err(|e| KvError::Corrupt { key: key.clone(), reason: format!("manifest is not valid JSON: {e}") })?;
     if manifest.digest != digest {
-        return Err(KvError::Corrupt {
-            key,
-            reason: format!("manifest names digest {}", manifest.digest),
-        });
+        return Err(KvError::Corrupt { key, reason: format!("manifest names digest {}", manifest.digest) });
     }
     Ok(manifest)
 }
@@ -141,16 +118,9 @@ pub async fn get_blob(store: &dyn KvStore, prefix: &str, digest: &str) -> Result
     let manifest = get_blob_manifest(store, prefix, digest).await?;
     let chunk_prefix = format!("{}/", manifest_key(prefix, digest));
     let listing = store.list_prefix(&chunk_prefix).await?;
-    let corrupt = |reason: String| KvError::Corrupt {
-        key: manifest_key(prefix, digest),
-        reason,
-    };
+    let corrupt = |reason: String| KvError::Corrupt { key: manifest_key(prefix, digest), reason };
     if listing.items.len() != manifest.chunks as usize {
-        return Err(corrupt(format!(
-            "{} chunks stored, manifest says {}",
-            listing.items.len(),
-            manifest.chunks
-        )));
+        return Err(corrupt(format!("{} chunks stored, manifest says {}", listing.items.len(), manifest.chunks)));
     }
     let mut data = Vec::with_capacity(manifest.size as usize);
     for (i, kv) in listing.items.iter().enumerate() {
@@ -160,11 +130,7 @@ pub async fn get_blob(store: &dyn KvStore, prefix: &str, digest: &str) -> Result
         data.extend_from_slice(&kv.value);
     }
     if data.len() as u64 != manifest.size {
-        return Err(corrupt(format!(
-            "{} bytes stored, manifest says {}",
-            data.len(),
-            manifest.size
-        )));
+        return Err(corrupt(format!("{} bytes stored, manifest says {}", data.len(), manifest.size)));
     }
     let actual = digest_of(&data);
     if actual != digest {
@@ -176,9 +142,7 @@ pub async fn get_blob(store: &dyn KvStore, prefix: &str, digest: &str) -> Result
 /// Deletes a blob: the manifest first (so nobody starts reading it), then the chunks.
 pub async fn delete_blob(store: &dyn KvStore, prefix: &str, digest: &str) -> Result<()> {
     store.delete(&manifest_key(prefix, digest)).await?;
-    store
-        .delete_prefix(&format!("{}/", manifest_key(prefix, digest)))
-        .await?;
+    store.delete_prefix(&format!("{}/", manifest_key(prefix, digest))).await?;
     Ok(())
 }
 
@@ -190,17 +154,8 @@ mod tests {
     fn keys_and_manifest_detection() {
         let digest = digest_of(b"x");
         assert_eq!(manifest_key("mods/", &digest), format!("mods/{digest}"));
-        assert_eq!(
-            chunk_key("mods", &digest, 3),
-            format!("mods/{digest}/00000003")
-        );
-        assert_eq!(
-            manifest_digest("mods/", &manifest_key("mods", &digest)),
-            Some(digest.as_str())
-        );
-        assert_eq!(
-            manifest_digest("mods/", &chunk_key("mods", &digest, 0)),
-            None
-        );
+        assert_eq!(chunk_key("mods", &digest, 3), format!("mods/{digest}/00000003"));
+        assert_eq!(manifest_digest("mods/", &manifest_key("mods", &digest)), Some(digest.as_str()));
+        assert_eq!(manifest_digest("mods/", &chunk_key("mods", &digest, 0)), None);
     }
 }

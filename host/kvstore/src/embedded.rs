@@ -27,8 +27,8 @@ use tracing::{debug, info, warn};
 
 use crate::view::WatchView;
 use crate::{
-    Bytes, Created, DEFAULT_MAX_REQUEST_BYTES, Deleted, KeyValue, KvError, KvStore, Lease, LeaseId,
-    Listing, Result, Revision, WatchEvent, WatchStream,
+    Bytes, Created, DEFAULT_MAX_REQUEST_BYTES, Deleted, KeyValue, KvError, KvStore, Lease, LeaseId, Listing, Result,
+    Revision, WatchEvent, WatchStream,
 };
 
 const KV_TABLE: TableDefinition<&str, &[u8]> = TableDefinition::new("kv");
@@ -72,10 +72,7 @@ impl EmbeddedConfig {
 
     /// A store persisted to `path` (created if missing).
     pub fn persistent(path: impl Into<PathBuf>) -> Self {
-        EmbeddedConfig {
-            path: Some(path.into()),
-            ..Self::in_memory()
-        }
+        EmbeddedConfig { path: Some(path.into()), ..Self::in_memory() }
     }
 }
 
@@ -105,10 +102,7 @@ impl Drop for Shared {
         if let Some(db) = &core.db
             && !self.config.durable
         {
-            let flushed = db
-                .begin_write()
-                .map_err(storage_err)
-                .and_then(|txn| txn.commit().map_err(storage_err));
+            let flushed = db.begin_write().map_err(storage_err).and_then(|txn| txn.commit().map_err(storage_err));
             match flushed {
                 Ok(()) => debug!("embedded kvstore flushed on close"),
                 Err(e) => warn!(error = %e, "flushing the embedded kvstore on close failed"),
@@ -160,14 +154,8 @@ struct LeaseEntry {
 }
 
 enum Op {
-    Put {
-        key: String,
-        value: Bytes,
-        lease: Option<LeaseId>,
-    },
-    Delete {
-        key: String,
-    },
+    Put { key: String, value: Bytes, lease: Option<LeaseId> },
+    Delete { key: String },
 }
 
 enum LeaseOp {
@@ -212,11 +200,7 @@ impl EmbeddedStore {
         let (revision_tx, _) = watch::channel(state.revision);
         EmbeddedStore {
             shared: Arc::new(Shared {
-                core: Mutex::new(Core {
-                    state,
-                    db,
-                    reaper_started: false,
-                }),
+                core: Mutex::new(Core { state, db, reaper_started: false }),
                 revision_tx,
                 lease_wakeup: Arc::new(Notify::new()),
                 config,
@@ -250,10 +234,7 @@ impl EmbeddedStore {
         }
         core.reaper_started = true;
         drop(core);
-        tokio::spawn(reap_leases(
-            Arc::downgrade(&self.shared),
-            self.shared.lease_wakeup.clone(),
-        ));
+        tokio::spawn(reap_leases(Arc::downgrade(&self.shared), self.shared.lease_wakeup.clone()));
     }
 }
 
@@ -305,19 +286,13 @@ impl State {
 
     fn under<'a>(&'a self, prefix: &'a str) -> impl Iterator<Item = (&'a String, &'a Record)> + 'a {
         self.kv
-            .range::<str, _>((
-                std::ops::Bound::Included(prefix),
-                std::ops::Bound::Unbounded,
-            ))
+            .range::<str, _>((std::ops::Bound::Included(prefix), std::ops::Bound::Unbounded))
             .take_while(move |(key, _)| key.starts_with(prefix))
     }
 
     fn list(&self, prefix: &str) -> Listing {
         Listing {
-            items: self
-                .under(prefix)
-                .map(|(key, record)| Self::to_key_value(key, record))
-                .collect(),
+            items: self.under(prefix).map(|(key, record)| Self::to_key_value(key, record)).collect(),
             revision: self.revision,
         }
     }
@@ -325,16 +300,9 @@ impl State {
     /// Key → modification revision under `prefix` as of `revision`, rebuilt by
     /// undoing history newer than it. Caller checks `revision >= compact_revision`.
     fn keys_at(&self, prefix: &str, revision: Revision) -> HashMap<String, Revision> {
-        let mut keys: HashMap<String, Revision> = self
-            .under(prefix)
-            .map(|(key, record)| (key.clone(), record.mod_revision))
-            .collect();
-        for entry in self
-            .history
-            .iter()
-            .rev()
-            .take_while(|e| e.revision > revision)
-        {
+        let mut keys: HashMap<String, Revision> =
+            self.under(prefix).map(|(key, record)| (key.clone(), record.mod_revision)).collect();
+        for entry in self.history.iter().rev().take_while(|e| e.revision > revision) {
             if !entry.key.starts_with(prefix) {
                 continue;
             }
@@ -383,12 +351,7 @@ impl Core {
     /// Commits key operations (all at one new revision) and lease changes:
     /// to disk first, then to memory. Deleting an absent key is a no-op; when
     /// nothing changes the revision stays.
-    fn commit(
-        &mut self,
-        shared: &Shared,
-        ops: Vec<Op>,
-        lease_ops: Vec<LeaseOp>,
-    ) -> Result<Revision> {
+    fn commit(&mut self, shared: &Shared, ops: Vec<Op>, lease_ops: Vec<LeaseOp>) -> Result<Revision> {
         let state = &self.state;
         let new_revision = state.revision + 1;
         let mut changes: Vec<(String, Option<Record>, Revision)> = Vec::with_capacity(ops.len());
@@ -417,21 +380,10 @@ impl Core {
         if changes.is_empty() && lease_ops.is_empty() {
             return Ok(state.revision);
         }
-        let revision = if changes.is_empty() {
-            state.revision
-        } else {
-            new_revision
-        };
+        let revision = if changes.is_empty() { state.revision } else { new_revision };
 
         if let Some(db) = &self.db {
-            persist(
-                db,
-                shared.config.durable,
-                &changes,
-                &lease_ops,
-                revision,
-                state.next_lease_id,
-            )?;
+            persist(db, shared.config.durable, &changes, &lease_ops, revision, state.next_lease_id)?;
         }
 
         // Memory (infallible from here on).
@@ -440,14 +392,7 @@ impl Core {
         for op in &lease_ops {
             match *op {
                 LeaseOp::Grant { id, ttl } => {
-                    state.leases.insert(
-                        id,
-                        LeaseEntry {
-                            ttl,
-                            deadline: now + ttl,
-                            keys: BTreeSet::new(),
-                        },
-                    );
+                    state.leases.insert(id, LeaseEntry { ttl, deadline: now + ttl, keys: BTreeSet::new() });
                 }
                 LeaseOp::Remove { id } => {
                     state.leases.remove(&id);
@@ -475,21 +420,13 @@ impl Core {
                     state.kv.remove(&key);
                 }
             }
-            let entry = HistoryEntry {
-                key,
-                value,
-                revision,
-                prev_mod_revision,
-            };
+            let entry = HistoryEntry { key, value, revision, prev_mod_revision };
             state.history_bytes += entry_size(&entry);
             state.history.push_back(entry);
         }
         if revision != state.revision {
             state.revision = revision;
-            state.trim_history(
-                shared.config.history_max_events,
-                shared.config.history_max_bytes,
-            );
+            state.trim_history(shared.config.history_max_events, shared.config.history_max_bytes);
             shared.revision_tx.send_replace(revision);
         }
         Ok(revision)
@@ -507,16 +444,14 @@ fn persist(
 ) -> Result<()> {
     let mut txn = db.begin_write().map_err(storage_err)?;
     if !durable {
-        txn.set_durability(redb::Durability::None)
-            .map_err(storage_err)?;
+        txn.set_durability(redb::Durability::None).map_err(storage_err)?;
     }
     {
         let mut kv = txn.open_table(KV_TABLE).map_err(storage_err)?;
         for (key, record, _) in changes {
             match record {
                 Some(record) => {
-                    kv.insert(key.as_str(), encode_record(record).as_slice())
-                        .map_err(storage_err)?;
+                    kv.insert(key.as_str(), encode_record(record).as_slice()).map_err(storage_err)?;
                 }
                 None => {
                     kv.remove(key.as_str()).map_err(storage_err)?;
@@ -539,8 +474,7 @@ fn persist(
         }
         let mut meta = txn.open_table(META_TABLE).map_err(storage_err)?;
         meta.insert(META_REVISION, revision).map_err(storage_err)?;
-        meta.insert(META_NEXT_LEASE, next_lease)
-            .map_err(storage_err)?;
+        meta.insert(META_NEXT_LEASE, next_lease).map_err(storage_err)?;
     }
     txn.commit().map_err(storage_err)
 }
@@ -563,10 +497,7 @@ fn decode_record(key: &str, bytes: &[u8]) -> Result<Record> {
         reason: format!("record of {} bytes is shorter than its header", bytes.len()),
     };
     let field = |i: usize| -> Result<i64> {
-        let raw: [u8; 8] = bytes
-            .get(i * 8..i * 8 + 8)
-            .and_then(|s| s.try_into().ok())
-            .ok_or_else(corrupt)?;
+        let raw: [u8; 8] = bytes.get(i * 8..i * 8 + 8).and_then(|s| s.try_into().ok()).ok_or_else(corrupt)?;
         Ok(i64::from_le_bytes(raw))
     };
     let lease = field(3)?;
@@ -621,14 +552,7 @@ fn load(path: &std::path::Path) -> Result<(State, redb::Database)> {
     for row in leases.iter().map_err(storage_err)? {
         let (id, ttl) = row.map_err(storage_err)?;
         let ttl = Duration::from_millis(ttl.value());
-        state.leases.insert(
-            id.value(),
-            LeaseEntry {
-                ttl,
-                deadline: now + ttl,
-                keys: BTreeSet::new(),
-            },
-        );
+        state.leases.insert(id.value(), LeaseEntry { ttl, deadline: now + ttl, keys: BTreeSet::new() });
     }
     let kv = read.open_table(KV_TABLE).map_err(storage_err)?;
     for row in kv.iter().map_err(storage_err)? {
@@ -641,11 +565,7 @@ fn load(path: &std::path::Path) -> Result<(State, redb::Database)> {
                     lease.keys.insert(key.clone());
                 }
                 None => {
-                    warn!(
-                        key,
-                        lease = id,
-                        "key attached to an unknown lease; detaching"
-                    );
+                    warn!(key, lease = id, "key attached to an unknown lease; detaching");
                     record.lease = None;
                 }
             }
@@ -684,20 +604,11 @@ async fn reap_leases(shared: Weak<Shared>, wakeup: Arc<Notify>) {
         };
         let result = exec(strong, |core, shared| {
             let now = Instant::now();
-            let expired: Vec<LeaseId> = core
-                .state
-                .leases
-                .iter()
-                .filter(|(_, l)| l.deadline <= now)
-                .map(|(id, _)| *id)
-                .collect();
+            let expired: Vec<LeaseId> =
+                core.state.leases.iter().filter(|(_, l)| l.deadline <= now).map(|(id, _)| *id).collect();
             for id in expired {
-                let keys: Vec<String> = core
-                    .state
-                    .leases
-                    .get(&id)
-                    .map(|l| l.keys.iter().cloned().collect())
-                    .unwrap_or_default();
+                let keys: Vec<String> =
+                    core.state.leases.get(&id).map(|l| l.keys.iter().cloned().collect()).unwrap_or_default();
                 let count = keys.len();
                 let ops = keys.into_iter().map(|key| Op::Delete { key }).collect();
                 core.commit(shared, ops, vec![LeaseOp::Remove { id }])?;
@@ -790,11 +701,7 @@ impl KvStore for EmbeddedStore {
 
     async fn get(&self, key: &str) -> Result<Option<KeyValue>> {
         let core = self.shared.lock();
-        Ok(core
-            .state
-            .kv
-            .get(key)
-            .map(|record| State::to_key_value(key, record)))
+        Ok(core.state.kv.get(key).map(|record| State::to_key_value(key, record)))
     }
 
     async fn put(&self, key: &str, value: Bytes, lease: Option<LeaseId>) -> Result<Revision> {
@@ -824,11 +731,7 @@ impl KvStore for EmbeddedStore {
     async fn delete_prefix(&self, prefix: &str) -> Result<Deleted> {
         let prefix = prefix.to_owned();
         self.exec(move |core, shared| {
-            let ops: Vec<Op> = core
-                .state
-                .under(&prefix)
-                .map(|(key, _)| Op::Delete { key: key.clone() })
-                .collect();
+            let ops: Vec<Op> = core.state.under(&prefix).map(|(key, _)| Op::Delete { key: key.clone() }).collect();
             let count = ops.len() as u64;
             let revision = core.commit(shared, ops, Vec::new())?;
             Ok(Deleted { count, revision })
@@ -856,9 +759,7 @@ impl KvStore for EmbeddedStore {
                         )));
                     }
                     if from <= state.compact_revision {
-                        return Err(KvError::Compacted {
-                            compact_revision: state.compact_revision,
-                        });
+                        return Err(KvError::Compacted { compact_revision: state.compact_revision });
                     }
                     WatchView::new(from, state.keys_at(prefix, from - 1))
                 }
@@ -871,17 +772,14 @@ impl KvStore for EmbeddedStore {
             pending: VecDeque::new(),
             revision_rx,
         };
-        Ok(Box::pin(futures::stream::unfold(
-            watch,
-            |mut watch| async move { watch.next_event().await.map(|item| (item, watch)) },
-        )))
+        Ok(Box::pin(futures::stream::unfold(watch, |mut watch| async move {
+            watch.next_event().await.map(|item| (item, watch))
+        })))
     }
 
     async fn grant_lease(&self, ttl: Duration) -> Result<Lease> {
         if ttl.is_zero() {
-            return Err(KvError::InvalidArgument(
-                "lease TTL must be positive".into(),
-            ));
+            return Err(KvError::InvalidArgument("lease TTL must be positive".into()));
         }
         self.ensure_reaper();
         let lease = self
@@ -913,11 +811,7 @@ impl KvStore for EmbeddedStore {
             let Some(entry) = core.state.leases.get(&lease) else {
                 return Err(KvError::LeaseNotFound(lease));
             };
-            let ops = entry
-                .keys
-                .iter()
-                .map(|key| Op::Delete { key: key.clone() })
-                .collect();
+            let ops = entry.keys.iter().map(|key| Op::Delete { key: key.clone() }).collect();
             core.commit(shared, ops, vec![LeaseOp::Remove { id: lease }])?;
             Ok(())
         })
@@ -929,10 +823,7 @@ impl KvStore for EmbeddedStore {
         let key = key.to_owned();
         self.exec(move |core, shared| {
             if let Some(existing) = core.state.kv.get(&key) {
-                return Ok(Created {
-                    won: false,
-                    revision: existing.mod_revision,
-                });
+                return Ok(Created { won: false, revision: existing.mod_revision });
             }
             if let Some(id) = lease
                 && !core.state.lease_alive(id, Instant::now())
@@ -940,10 +831,7 @@ impl KvStore for EmbeddedStore {
                 return Err(KvError::LeaseNotFound(id));
             }
             let revision = core.commit(shared, vec![Op::Put { key, value, lease }], Vec::new())?;
-            Ok(Created {
-                won: true,
-                revision,
-            })
+            Ok(Created { won: true, revision })
         })
         .await
     }
@@ -960,10 +848,7 @@ impl KvStore for EmbeddedStore {
         self.exec(move |core, shared| {
             let current = core.state.mod_revision(&key);
             if current != expected {
-                return Err(KvError::Conflict {
-                    key,
-                    current_revision: current,
-                });
+                return Err(KvError::Conflict { key, current_revision: current });
             }
             if let Some(id) = lease
                 && !core.state.lease_alive(id, Instant::now())
@@ -980,10 +865,7 @@ impl KvStore for EmbeddedStore {
         self.exec(move |core, shared| {
             let current = core.state.mod_revision(&key);
             if current != expected {
-                return Err(KvError::Conflict {
-                    key,
-                    current_revision: current,
-                });
+                return Err(KvError::Conflict { key, current_revision: current });
             }
             core.commit(shared, vec![Op::Delete { key }], Vec::new())
         })
@@ -1024,18 +906,7 @@ mod tests {
         };
         let decoded = decode_record("k", &encode_record(&record)).expect("decodes");
         assert_eq!(decoded.value, record.value);
-        assert_eq!(
-            (
-                decoded.create_revision,
-                decoded.mod_revision,
-                decoded.version,
-                decoded.lease
-            ),
-            (2, 7, 3, Some(9))
-        );
-        assert!(matches!(
-            decode_record("k", &[1, 2, 3]),
-            Err(KvError::Corrupt { .. })
-        ));
+        assert_eq!((decoded.create_revision, decoded.mod_revision, decoded.version, decoded.lease), (2, 7, 3, Some(9)));
+        assert!(matches!(decode_record("k", &[1, 2, 3]), Err(KvError::Corrupt { .. })));
     }
 }

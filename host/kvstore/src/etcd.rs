@@ -12,16 +12,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{
-    CompactionOptions, Compare, CompareOp, DeleteOptions, GetOptions, KvClient, LeaseClient,
-    PutOptions, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchClient, WatchOptions,
+    CompactionOptions, Compare, CompareOp, DeleteOptions, GetOptions, KvClient, LeaseClient, PutOptions, Txn, TxnOp,
+    TxnOpResponse, TxnResponse, WatchClient, WatchOptions,
 };
 use tokio::sync::mpsc;
 use tracing::{Instrument, debug, info, warn};
 
 use crate::view::WatchView;
 use crate::{
-    Backoff, Bytes, Created, Deleted, KeyValue, KvError, KvStore, Lease, LeaseId, Listing, Result,
-    Revision, WatchEvent, WatchStream, prefix_end,
+    Backoff, Bytes, Created, Deleted, KeyValue, KvError, KvStore, Lease, LeaseId, Listing, Result, Revision,
+    WatchEvent, WatchStream, prefix_end,
 };
 
 /// Largest gRPC response we accept. etcd-client's default (4 MiB) is too small
@@ -163,22 +163,11 @@ impl Clients {
             // when etcd says it is stale.
             options = options.with_user(&user.name, &user.password);
         }
-        let client = etcd_client::Client::connect(&config.endpoints, Some(options))
-            .await
-            .map_err(map_err)?;
-        let kv = client
-            .kv_client()
-            .max_decoding_message_size(MAX_DECODING_MESSAGE_SIZE);
-        let watch = client
-            .watch_client()
-            .max_decoding_message_size(MAX_DECODING_MESSAGE_SIZE);
+        let client = etcd_client::Client::connect(&config.endpoints, Some(options)).await.map_err(map_err)?;
+        let kv = client.kv_client().max_decoding_message_size(MAX_DECODING_MESSAGE_SIZE);
+        let watch = client.watch_client().max_decoding_message_size(MAX_DECODING_MESSAGE_SIZE);
         let lease = client.lease_client();
-        Ok(Clients {
-            client,
-            kv,
-            watch,
-            lease,
-        })
+        Ok(Clients { client, kv, watch, lease })
     }
 }
 
@@ -191,10 +180,7 @@ impl EtcdStore {
         config.validate()?;
         let clients = Clients::connect(&config, config.tls.as_ref()).await?;
         debug!(endpoints = ?config.endpoints, tls = ?config.tls, user = ?config.user, "etcd client created");
-        let inner = Arc::new(Inner {
-            clients: std::sync::RwLock::new(Arc::new(clients)),
-            config,
-        });
+        let inner = Arc::new(Inner { clients: std::sync::RwLock::new(Arc::new(clients)), config });
         if let Some(tls) = &inner.config.tls
             && tls.files.is_some()
         {
@@ -263,12 +249,7 @@ impl Inner {
 
     /// Lists `[prefix, prefix_end)` page by page at one revision (the first
     /// page's, or `revision` when given).
-    async fn range(
-        &self,
-        prefix: &str,
-        revision: Option<Revision>,
-        keys_only: bool,
-    ) -> Result<Listing> {
+    async fn range(&self, prefix: &str, revision: Option<Revision>, keys_only: bool) -> Result<Listing> {
         let end = prefix_end(prefix.as_bytes());
         let mut start = prefix.as_bytes().to_vec();
         let mut at = revision.unwrap_or(0);
@@ -283,10 +264,7 @@ impl Inner {
                 options = options.with_keys_only();
             }
             let mut kv = self.clients().kv.clone();
-            let mut resp = match self
-                .call("list", kv.get(start.clone(), Some(options)))
-                .await
-            {
+            let mut resp = match self.call("list", kv.get(start.clone(), Some(options))).await {
                 Ok(resp) => resp,
                 Err(e) if e.is_response_too_large() && limit > 1 => {
                     limit /= 2;
@@ -311,10 +289,7 @@ impl Inner {
                 _ => break,
             }
         }
-        Ok(Listing {
-            items,
-            revision: at,
-        })
+        Ok(Listing { items, revision: at })
     }
 
     /// etcd's range errors do not say how far history is compacted, but a watch
@@ -322,10 +297,7 @@ impl Inner {
     async fn probe_compact_revision(&self) -> Revision {
         let probe = async {
             let mut client = self.clients().watch.clone();
-            let mut stream = client
-                .watch(vec![0u8], Some(WatchOptions::new().with_start_revision(1)))
-                .await
-                .ok()?;
+            let mut stream = client.watch(vec![0u8], Some(WatchOptions::new().with_start_revision(1))).await.ok()?;
             while let Ok(Some(resp)) = stream.message().await {
                 if resp.compact_revision() > 0 {
                     return Some(resp.compact_revision());
@@ -336,11 +308,7 @@ impl Inner {
             }
             None
         };
-        tokio::time::timeout(self.config.request_timeout, probe)
-            .await
-            .ok()
-            .flatten()
-            .unwrap_or(0)
+        tokio::time::timeout(self.config.request_timeout, probe).await.ok().flatten().unwrap_or(0)
     }
 
     async fn txn(&self, what: &'static str, txn: Txn) -> Result<TxnResponse, RawError> {
@@ -379,23 +347,14 @@ impl KvStore for EtcdStore {
     async fn delete(&self, key: &str) -> Result<Deleted> {
         let mut kv = self.inner.clients().kv.clone();
         let resp = self.inner.call("delete", kv.delete(key, None)).await?;
-        Ok(Deleted {
-            count: resp.deleted().max(0) as u64,
-            revision: header_revision(resp.header()),
-        })
+        Ok(Deleted { count: resp.deleted().max(0) as u64, revision: header_revision(resp.header()) })
     }
 
     async fn delete_prefix(&self, prefix: &str) -> Result<Deleted> {
         let mut kv = self.inner.clients().kv.clone();
         let options = DeleteOptions::new().with_range(prefix_end(prefix.as_bytes()));
-        let resp = self
-            .inner
-            .call("delete prefix", kv.delete(prefix, Some(options)))
-            .await?;
-        Ok(Deleted {
-            count: resp.deleted().max(0) as u64,
-            revision: header_revision(resp.header()),
-        })
+        let resp = self.inner.call("delete prefix", kv.delete(prefix, Some(options))).await?;
+        Ok(Deleted { count: resp.deleted().max(0) as u64, revision: header_revision(resp.header()) })
     }
 
     async fn list_prefix(&self, prefix: &str) -> Result<Listing> {
@@ -412,16 +371,10 @@ impl KvStore for EtcdStore {
             }
             // etcd's first revision is 1 (an empty store), so seeding from
             // revision 1 is an empty seed that still detects compaction.
-            Some(from) => match self
-                .inner
-                .range(prefix, Some((from - 1).max(1)), true)
-                .await
-            {
+            Some(from) => match self.inner.range(prefix, Some((from - 1).max(1)), true).await {
                 Ok(listing) => (from.max(1), listing.items),
                 Err(KvError::Compacted { .. }) => {
-                    return Err(KvError::Compacted {
-                        compact_revision: self.inner.probe_compact_revision().await,
-                    });
+                    return Err(KvError::Compacted { compact_revision: self.inner.probe_compact_revision().await });
                 }
                 Err(e) => return Err(e),
             },
@@ -437,20 +390,14 @@ impl KvStore for EtcdStore {
         // etcd leases are whole seconds; round up so a lease never lives shorter
         // than asked.
         let secs = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
-        let secs = i64::try_from(secs.max(1))
-            .map_err(|_| KvError::InvalidArgument(format!("lease TTL {ttl:?} too long")))?;
+        let secs =
+            i64::try_from(secs.max(1)).map_err(|_| KvError::InvalidArgument(format!("lease TTL {ttl:?} too long")))?;
         let mut lease = self.inner.clients().lease.clone();
-        let resp = self
-            .inner
-            .call("grant lease", lease.grant(secs, None))
-            .await?;
+        let resp = self.inner.call("grant lease", lease.grant(secs, None)).await?;
         if !resp.error().is_empty() {
             return Err(KvError::Backend(format!("lease grant: {}", resp.error())));
         }
-        Ok(Lease {
-            id: resp.id(),
-            ttl: Duration::from_secs(resp.ttl().max(0) as u64),
-        })
+        Ok(Lease { id: resp.id(), ttl: Duration::from_secs(resp.ttl().max(0) as u64) })
     }
 
     async fn keep_alive(&self, lease: LeaseId) -> Result<()> {
@@ -480,21 +427,12 @@ impl KvStore for EtcdStore {
             .when([Compare::create_revision(key, CompareOp::Equal, 0)])
             .and_then([TxnOp::put(key, Vec::from(value), put_options(lease))])
             .or_else([TxnOp::get(key, None)]);
-        let resp = self
-            .inner
-            .txn("create", txn)
-            .await
-            .map_err(|e| KvError::from(e).with_size(size).with_lease(lease))?;
+        let resp =
+            self.inner.txn("create", txn).await.map_err(|e| KvError::from(e).with_size(size).with_lease(lease))?;
         if resp.succeeded() {
-            Ok(Created {
-                won: true,
-                revision: header_revision(resp.header()),
-            })
+            Ok(Created { won: true, revision: header_revision(resp.header()) })
         } else {
-            Ok(Created {
-                won: false,
-                revision: txn_get_mod_revision(&resp),
-            })
+            Ok(Created { won: false, revision: txn_get_mod_revision(&resp) })
         }
     }
 
@@ -518,10 +456,7 @@ impl KvStore for EtcdStore {
         if resp.succeeded() {
             Ok(header_revision(resp.header()))
         } else {
-            Err(KvError::Conflict {
-                key: key.to_owned(),
-                current_revision: txn_get_mod_revision(&resp),
-            })
+            Err(KvError::Conflict { key: key.to_owned(), current_revision: txn_get_mod_revision(&resp) })
         }
     }
 
@@ -534,22 +469,14 @@ impl KvStore for EtcdStore {
         if resp.succeeded() {
             Ok(header_revision(resp.header()))
         } else {
-            Err(KvError::Conflict {
-                key: key.to_owned(),
-                current_revision: txn_get_mod_revision(&resp),
-            })
+            Err(KvError::Conflict { key: key.to_owned(), current_revision: txn_get_mod_revision(&resp) })
         }
     }
 
     async fn current_revision(&self) -> Result<Revision> {
         let mut kv = self.inner.clients().kv.clone();
-        let resp = self
-            .inner
-            .call(
-                "current revision",
-                kv.get(vec![0u8], Some(GetOptions::new().with_count_only())),
-            )
-            .await?;
+        let resp =
+            self.inner.call("current revision", kv.get(vec![0u8], Some(GetOptions::new().with_count_only()))).await?;
         Ok(header_revision(resp.header()))
     }
 
@@ -558,12 +485,7 @@ impl KvStore for EtcdStore {
         // Physical: when this returns, watches behind `revision` are cancelled
         // and reads below it fail, which is what callers (and tests) expect.
         let options = CompactionOptions::new().with_physical();
-        match self
-            .inner
-            .call("compact", kv.compact(revision, Some(options)))
-            .await
-            .map_err(KvError::from)
-        {
+        match self.inner.call("compact", kv.compact(revision, Some(options))).await.map_err(KvError::from) {
             Ok(_) | Err(KvError::Compacted { .. }) => Ok(()),
             Err(e) => Err(e),
         }
@@ -573,12 +495,7 @@ impl KvStore for EtcdStore {
 /// The body of one watch: (re)create the server-side watch from the first
 /// undelivered revision, forward events, relist on compaction; until the
 /// consumer drops the stream.
-async fn run_watch(
-    inner: Arc<Inner>,
-    prefix: String,
-    mut view: WatchView,
-    tx: mpsc::Sender<Result<WatchEvent>>,
-) {
+async fn run_watch(inner: Arc<Inner>, prefix: String, mut view: WatchView, tx: mpsc::Sender<Result<WatchEvent>>) {
     let end = prefix_end(prefix.as_bytes());
     let mut backoff = Backoff::new(inner.config.retry_min, inner.config.retry_max);
     'connect: loop {
@@ -609,10 +526,7 @@ async fn run_watch(
             let resp = match message {
                 Ok(Some(resp)) => resp,
                 Ok(None) => {
-                    debug!(
-                        next_revision = view.next_revision(),
-                        "watch stream ended; resuming"
-                    );
+                    debug!(next_revision = view.next_revision(), "watch stream ended; resuming");
                     if !sleep_unless_closed(&tx, backoff.next_delay()).await {
                         return;
                     }
@@ -641,10 +555,7 @@ async fn run_watch(
                         return;
                     }
                 } else {
-                    warn!(
-                        reason = resp.cancel_reason(),
-                        "watch cancelled by etcd; re-creating"
-                    );
+                    warn!(reason = resp.cancel_reason(), "watch cancelled by etcd; re-creating");
                     if !sleep_unless_closed(&tx, backoff.next_delay()).await {
                         return;
                     }
@@ -690,11 +601,7 @@ async fn relist(
             Ok(listing) => {
                 let revision = listing.revision;
                 let events = view.resync(listing);
-                info!(
-                    revision,
-                    changes = events.len(),
-                    "relisted after compaction"
-                );
+                info!(revision, changes = events.len(), "relisted after compaction");
                 for event in events {
                     if tx.send(Ok(event)).await.is_err() {
                         return false;
@@ -734,9 +641,7 @@ fn txn_get_mod_revision(resp: &TxnResponse) -> Revision {
     resp.op_responses()
         .into_iter()
         .find_map(|op| match op {
-            TxnOpResponse::Get(get) => {
-                Some(get.kvs().first().map(|kv| kv.mod_revision()).unwrap_or(0))
-            }
+            TxnOpResponse::Get(get) => Some(get.kvs().first().map(|kv| kv.mod_revision()).unwrap_or(0)),
             _ => None,
         })
         .unwrap_or(0)
@@ -751,12 +656,8 @@ fn key_string(key: Vec<u8>) -> String {
 }
 
 fn convert_kv(kv: etcd_client::KeyValue) -> KeyValue {
-    let (create_revision, mod_revision, version, lease) = (
-        kv.create_revision(),
-        kv.mod_revision(),
-        kv.version(),
-        kv.lease(),
-    );
+    let (create_revision, mod_revision, version, lease) =
+        (kv.create_revision(), kv.mod_revision(), kv.version(), kv.lease());
     let (key, value) = kv.into_key_value();
     KeyValue {
         key: key_string(key),
@@ -774,11 +675,7 @@ fn convert_event(event: &etcd_client::Event) -> Option<WatchEvent> {
         etcd_client::EventType::Put => Some(Bytes::copy_from_slice(kv.value())),
         etcd_client::EventType::Delete => None,
     };
-    Some(WatchEvent {
-        key: key_string(kv.key().to_vec()),
-        value,
-        mod_revision: kv.mod_revision(),
-    })
+    Some(WatchEvent { key: key_string(kv.key().to_vec()), value, mod_revision: kv.mod_revision() })
 }
 
 /// An etcd failure before translation: keeps the original for the few cases
@@ -804,8 +701,7 @@ impl RawError {
         match self {
             RawError::Etcd(etcd_client::Error::GRpcStatus(status)) => {
                 status.message().contains("message length too large")
-                    || (status.code() == tonic::Code::OutOfRange
-                        && status.message().contains("decoded message"))
+                    || (status.code() == tonic::Code::OutOfRange && status.message().contains("decoded message"))
             }
             _ => false,
         }
@@ -816,9 +712,7 @@ impl From<RawError> for KvError {
     fn from(e: RawError) -> Self {
         match e {
             RawError::Etcd(e) => map_err(e),
-            RawError::Timeout(what, after) => {
-                KvError::Unavailable(format!("{what} timed out after {after:?}"))
-            }
+            RawError::Timeout(what, after) => KvError::Unavailable(format!("{what} timed out after {after:?}")),
         }
     }
 }
@@ -880,27 +774,20 @@ fn map_status(status: &tonic::Status) -> KvError {
     use tonic::Code;
     let message = status.message();
     if message.contains("required revision has been compacted") {
-        return KvError::Compacted {
-            compact_revision: 0,
-        };
+        return KvError::Compacted { compact_revision: 0 };
     }
     if message.contains("requested lease not found") || message.contains("lease not found") {
         return KvError::LeaseNotFound(0);
     }
     if message.contains("request is too large") {
-        return KvError::TooLarge {
-            size: 0,
-            limit: crate::DEFAULT_MAX_REQUEST_BYTES,
-        };
+        return KvError::TooLarge { size: 0, limit: crate::DEFAULT_MAX_REQUEST_BYTES };
     }
     if message.contains("future revision") {
         return KvError::InvalidArgument(message.to_owned());
     }
     match status.code() {
         // The server's gRPC layer refusing an oversized message.
-        Code::ResourceExhausted if message.contains("larger than max") => {
-            KvError::TooLarge { size: 0, limit: 0 }
-        }
+        Code::ResourceExhausted if message.contains("larger than max") => KvError::TooLarge { size: 0, limit: 0 },
         Code::Unavailable
         | Code::DeadlineExceeded
         | Code::Cancelled

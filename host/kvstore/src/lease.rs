@@ -48,12 +48,7 @@ impl LeaseKeeper {
         let (tx, status) = watch::channel(LeaseStatus::Alive);
         let span = tracing::debug_span!("lease_keeper", lease = lease.id);
         let task = tokio::spawn(keep_alive_loop(store.clone(), lease, tx).instrument(span));
-        LeaseKeeper {
-            store,
-            lease,
-            status,
-            task,
-        }
+        LeaseKeeper { store, lease, status, task }
     }
 
     pub fn id(&self) -> LeaseId {
@@ -102,11 +97,7 @@ pub(crate) fn renew_interval(ttl: Duration) -> Duration {
     (ttl / 3).max(Duration::from_millis(50))
 }
 
-async fn keep_alive_loop(
-    store: Arc<dyn KvStore>,
-    lease: Lease,
-    status: watch::Sender<LeaseStatus>,
-) {
+async fn keep_alive_loop(store: Arc<dyn KvStore>, lease: Lease, status: watch::Sender<LeaseStatus>) {
     let interval = renew_interval(lease.ttl);
     loop {
         tokio::time::sleep(interval).await;

@@ -40,9 +40,7 @@ pub use embedded::{EmbeddedConfig, EmbeddedStore};
 pub use error::{KvError, Result};
 pub use etcd::{EtcdConfig, EtcdStore};
 pub use lease::{LeaseKeeper, LeaseStatus};
-pub use shared::{
-    SharedBatch, SharedBatches, SharedChange, SharedEntry, SharedStore, SharedStoreConfig,
-};
+pub use shared::{SharedBatch, SharedBatches, SharedChange, SharedEntry, SharedStore, SharedStoreConfig};
 pub use tls::{EtcdConfigFile, EtcdTls, EtcdTlsError, EtcdTlsFiles, EtcdUser};
 
 /// A store revision (etcd's `int64`). 0 means "none" (e.g. the modification
@@ -213,9 +211,7 @@ pub trait KvStore: Send + Sync + 'static {
     /// way to build a cache that never misses an update.
     async fn list_and_watch(&self, prefix: &str) -> Result<(Listing, WatchStream)> {
         let listing = self.list_prefix(prefix).await?;
-        let stream = self
-            .watch_prefix(prefix, Some(listing.revision + 1))
-            .await?;
+        let stream = self.watch_prefix(prefix, Some(listing.revision + 1)).await?;
         Ok((listing, stream))
     }
 }
@@ -245,11 +241,7 @@ pub(crate) struct Backoff {
 
 impl Backoff {
     pub(crate) fn new(min: Duration, max: Duration) -> Self {
-        Backoff {
-            min,
-            max,
-            current: min,
-        }
+        Backoff { min, max, current: min }
     }
 
     pub(crate) fn reset(&mut self) {
@@ -260,10 +252,8 @@ impl Backoff {
     pub(crate) fn next_delay(&mut self) -> Duration {
         let base = self.current;
         self.current = (self.current * 2).min(self.max);
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or(0);
+        let nanos =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
         let jitter_range = (base.as_millis() as u64 / 2).max(1);
         base + Duration::from_millis(u64::from(nanos) % jitter_range)
     }

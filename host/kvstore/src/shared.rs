@@ -26,10 +26,7 @@ use tokio::time::Instant;
 use tracing::{Instrument, debug, info, warn};
 
 use crate::lease::renew_interval;
-use crate::{
-    Backoff, Bytes, KvError, KvStore, Lease, LeaseId, Listing, Result, Revision, WatchEvent,
-    WatchStream,
-};
+use crate::{Backoff, Bytes, KvError, KvStore, Lease, LeaseId, Listing, Result, Revision, WatchEvent, WatchStream};
 
 /// How a [`SharedStore`] joins its prefix.
 #[derive(Debug, Clone)]
@@ -74,14 +71,8 @@ pub struct SharedEntry {
 /// A change of the shared cache, as seen by subscribers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SharedChange {
-    Upsert {
-        name: String,
-        value: Bytes,
-        mod_revision: Revision,
-    },
-    Delete {
-        name: String,
-    },
+    Upsert { name: String, value: Bytes, mod_revision: Revision },
+    Delete { name: String },
 }
 
 /// What [`SharedBatches::next`] yields.
@@ -222,12 +213,7 @@ impl SharedStore {
 
     /// A snapshot and the changes after it, with nothing missed in between. A
     /// receiver that lags (`RecvError::Lagged`) should subscribe again.
-    pub fn subscribe(
-        &self,
-    ) -> (
-        BTreeMap<String, SharedEntry>,
-        broadcast::Receiver<SharedChange>,
-    ) {
+    pub fn subscribe(&self) -> (BTreeMap<String, SharedEntry>, broadcast::Receiver<SharedChange>) {
         let cache = lock(&self.inner.cache);
         (cache.clone(), self.inner.changes.subscribe())
     }
@@ -237,10 +223,7 @@ impl SharedStore {
     /// something from the entries (routes, imported services), so that none of them has
     /// to handle a lagging receiver itself.
     pub fn batches(&self) -> SharedBatches {
-        SharedBatches {
-            inner: Arc::downgrade(&self.inner),
-            changes: None,
-        }
+        SharedBatches { inner: Arc::downgrade(&self.inner), changes: None }
     }
 
     /// Sets a local key (owned by this node, attached to its lease). The value is
@@ -259,11 +242,7 @@ impl SharedStore {
             self.inner.local_wakeup.notify_one();
             return Ok(());
         };
-        let result = self
-            .inner
-            .store
-            .put(&self.inner.key(name), value, Some(lease))
-            .await;
+        let result = self.inner.store.put(&self.inner.key(name), value, Some(lease)).await;
         if result.is_err() {
             self.inner.local_wakeup.notify_one();
         }
@@ -275,11 +254,7 @@ impl SharedStore {
         self.inner.writable()?;
         let _guard = self.inner.write_lock.lock().await;
         lock(&self.inner.local).desired.remove(name);
-        self.inner
-            .store
-            .delete(&self.inner.key(name))
-            .await
-            .map(|_| ())
+        self.inner.store.delete(&self.inner.key(name)).await.map(|_| ())
     }
 
     /// Names and values of this node's local keys.
@@ -325,7 +300,10 @@ impl Drop for SharedStore {
 impl Inner {
     fn writable(&self) -> Result<()> {
         if self.read_only {
-            return Err(KvError::InvalidArgument(format!("{} is followed read-only: no local keys", self.config.prefix)));
+            return Err(KvError::InvalidArgument(format!(
+                "{} is followed read-only: no local keys",
+                self.config.prefix
+            )));
         }
         Ok(())
     }
@@ -343,22 +321,14 @@ impl Inner {
         let mut fresh = BTreeMap::new();
         for kv in listing.items {
             if let Some(name) = self.name(&kv.key) {
-                fresh.insert(
-                    name.to_owned(),
-                    SharedEntry {
-                        value: kv.value,
-                        mod_revision: kv.mod_revision,
-                    },
-                );
+                fresh.insert(name.to_owned(), SharedEntry { value: kv.value, mod_revision: kv.mod_revision });
             }
         }
         let mut cache = lock(&self.cache);
         for (name, old) in cache.iter() {
             match fresh.get(name) {
                 None => {
-                    let _ = self
-                        .changes
-                        .send(SharedChange::Delete { name: name.clone() });
+                    let _ = self.changes.send(SharedChange::Delete { name: name.clone() });
                 }
                 Some(new) if new.value != old.value => {
                     let _ = self.changes.send(SharedChange::Upsert {
@@ -391,23 +361,14 @@ impl Inner {
         let mut cache = lock(&self.cache);
         let change = match event.value {
             Some(value) => {
-                let entry = SharedEntry {
-                    value: value.clone(),
-                    mod_revision: event.mod_revision,
-                };
+                let entry = SharedEntry { value: value.clone(), mod_revision: event.mod_revision };
                 match cache.insert(name.clone(), entry) {
                     // A re-write of the same value is not news to subscribers.
                     Some(old) if old.value == value => None,
-                    _ => Some(SharedChange::Upsert {
-                        name: name.clone(),
-                        value,
-                        mod_revision: event.mod_revision,
-                    }),
+                    _ => Some(SharedChange::Upsert { name: name.clone(), value, mod_revision: event.mod_revision }),
                 }
             }
-            None => cache
-                .remove(&name)
-                .map(|_| SharedChange::Delete { name: name.clone() }),
+            None => cache.remove(&name).map(|_| SharedChange::Delete { name: name.clone() }),
         };
         let current = cache.get(&name).map(|e| e.value.clone());
         if let Some(change) = change {
@@ -416,10 +377,7 @@ impl Inner {
         drop(cache);
         // One of ours deleted or overwritten (lease expired, someone else wrote
         // it): repair now rather than at the next sync.
-        let damaged = lock(&self.local)
-            .desired
-            .get(&name)
-            .is_some_and(|want| current.as_ref() != Some(want));
+        let damaged = lock(&self.local).desired.get(&name).is_some_and(|want| current.as_ref() != Some(want));
         if damaged {
             debug!(name, "local key missing or changed in the store; repairing");
             self.local_wakeup.notify_one();
@@ -444,21 +402,14 @@ impl Inner {
         let batch: Vec<(String, Bytes)> = {
             let local = lock(&self.local);
             match names {
-                None => local
-                    .desired
-                    .iter()
-                    .map(|(n, v)| (n.clone(), v.clone()))
-                    .collect(),
-                Some(names) => names
-                    .into_iter()
-                    .filter_map(|n| local.desired.get(&n).map(|v| (n, v.clone())))
-                    .collect(),
+                None => local.desired.iter().map(|(n, v)| (n.clone(), v.clone())).collect(),
+                Some(names) => {
+                    names.into_iter().filter_map(|n| local.desired.get(&n).map(|v| (n, v.clone()))).collect()
+                }
             }
         };
         for (name, value) in &batch {
-            self.store
-                .put(&self.key(name), value.clone(), Some(lease))
-                .await?;
+            self.store.put(&self.key(name), value.clone(), Some(lease)).await?;
         }
         Ok(batch.len())
     }
@@ -523,11 +474,7 @@ async fn maintain_local(inner: Arc<Inner>) {
         };
 
         let full = rewrite_all || last_full.elapsed() >= config.sync_interval;
-        let names = if full {
-            None
-        } else {
-            Some(inner.damaged_local_keys())
-        };
+        let names = if full { None } else { Some(inner.damaged_local_keys()) };
         let needed = names.as_ref().is_none_or(|n| !n.is_empty());
         if needed {
             match inner.write_local(names, current.id).await {

@@ -16,10 +16,7 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 #[derive(Debug, thiserror::Error)]
 pub enum EtcdTlsError {
     #[error("reading {path}: {source}")]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Read { path: PathBuf, source: std::io::Error },
     #[error("{path}: {what}")]
     Pem { path: PathBuf, what: String },
     #[error("{path}: {reason}")]
@@ -47,9 +44,7 @@ pub struct EtcdTls {
 /// Key material stays out of logs and panics.
 impl std::fmt::Debug for EtcdTls {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EtcdTls")
-            .field("client_certificate", &self.identity.is_some())
-            .finish_non_exhaustive()
+        f.debug_struct("EtcdTls").field("client_certificate", &self.identity.is_some()).finish_non_exhaustive()
     }
 }
 
@@ -76,16 +71,11 @@ impl EtcdTlsFiles {
             (Some(only), None) | (None, Some(only)) => {
                 return Err(EtcdTlsError::Config {
                     path: only.clone(),
-                    reason: "a client certificate needs both its certificate and its key file"
-                        .into(),
+                    reason: "a client certificate needs both its certificate and its key file".into(),
                 });
             }
         };
-        Ok(EtcdTls {
-            ca_pem,
-            identity,
-            files: Some(self.clone()),
-        })
+        Ok(EtcdTls { ca_pem, identity, files: Some(self.clone()) })
     }
 }
 
@@ -101,8 +91,7 @@ impl EtcdTls {
     }
 
     pub(crate) fn options(&self) -> etcd_client::TlsOptions {
-        let options = etcd_client::TlsOptions::new()
-            .ca_certificate(etcd_client::Certificate::from_pem(&self.ca_pem));
+        let options = etcd_client::TlsOptions::new().ca_certificate(etcd_client::Certificate::from_pem(&self.ca_pem));
         match &self.identity {
             Some((cert, key)) => options.identity(etcd_client::Identity::from_pem(cert, key)),
             None => options,
@@ -111,24 +100,17 @@ impl EtcdTls {
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, EtcdTlsError> {
-    std::fs::read(path).map_err(|source| EtcdTlsError::Read {
-        path: path.to_owned(),
-        source,
-    })
+    std::fs::read(path).map_err(|source| EtcdTlsError::Read { path: path.to_owned(), source })
 }
 
 fn require_certificate(path: &Path, pem: &[u8]) -> Result<(), EtcdTlsError> {
     let mut certificates = CertificateDer::pem_slice_iter(pem);
     match certificates.next() {
         Some(Ok(_)) => Ok(()),
-        Some(Err(e)) => Err(EtcdTlsError::Pem {
-            path: path.to_owned(),
-            what: format!("not a PEM certificate: {e}"),
-        }),
-        None => Err(EtcdTlsError::Pem {
-            path: path.to_owned(),
-            what: "no certificate (PEM `BEGIN CERTIFICATE`)".into(),
-        }),
+        Some(Err(e)) => Err(EtcdTlsError::Pem { path: path.to_owned(), what: format!("not a PEM certificate: {e}") }),
+        None => {
+            Err(EtcdTlsError::Pem { path: path.to_owned(), what: "no certificate (PEM `BEGIN CERTIFICATE`)".into() })
+        }
     }
 }
 
@@ -187,12 +169,8 @@ impl EtcdConfigFile {
 
     /// `path` names the file in errors and anchors relative paths.
     pub fn parse(path: &Path, text: &[u8]) -> Result<EtcdConfigFile, EtcdTlsError> {
-        let invalid = |reason: String| EtcdTlsError::Config {
-            path: path.to_owned(),
-            reason,
-        };
-        let raw: RawConfigFile =
-            serde_yaml::from_slice(text).map_err(|e| invalid(e.to_string()))?;
+        let invalid = |reason: String| EtcdTlsError::Config { path: path.to_owned(), reason };
+        let raw: RawConfigFile = serde_yaml::from_slice(text).map_err(|e| invalid(e.to_string()))?;
         if raw.endpoints.is_empty() {
             return Err(invalid("no endpoints".into()));
         }
@@ -216,11 +194,7 @@ impl EtcdConfigFile {
             (None, None) => None,
             _ => return Err(invalid("username and password go together".into())),
         };
-        Ok(EtcdConfigFile {
-            endpoints: raw.endpoints,
-            tls,
-            user,
-        })
+        Ok(EtcdConfigFile { endpoints: raw.endpoints, tls, user })
     }
 }
 
@@ -243,18 +217,19 @@ mod tests {
         );
         let plain = EtcdConfigFile::parse(Path::new("x"), b"endpoints: [http://a:2379]").unwrap();
         assert_eq!((plain.tls, plain.user), (None, None));
-        let user = EtcdConfigFile::parse(Path::new("x"), b"endpoints: [https://a:2379]\ntrusted-ca-file: ca\nusername: agent\npassword: s3cret\n").unwrap();
+        let user = EtcdConfigFile::parse(
+            Path::new("x"),
+            b"endpoints: [https://a:2379]\ntrusted-ca-file: ca\nusername: agent\npassword: s3cret\n",
+        )
+        .unwrap();
         assert_eq!(user.user, Some(EtcdUser { name: "agent".into(), password: "s3cret".into() }));
         assert!(!format!("{user:?}").contains("s3cret"), "{user:?}");
     }
 
     #[test]
     fn config_files_refuse_what_they_cannot_honour() {
-        let refused = |text: &str| {
-            EtcdConfigFile::parse(Path::new("/etc/mesh/east"), text.as_bytes())
-                .unwrap_err()
-                .to_string()
-        };
+        let refused =
+            |text: &str| EtcdConfigFile::parse(Path::new("/etc/mesh/east"), text.as_bytes()).unwrap_err().to_string();
         let unknown = refused("endpoints: [https://a:2379]\ninsecure-skip-tls-verify: true\n");
         assert!(unknown.contains("/etc/mesh/east") && unknown.contains("insecure-skip-tls-verify"), "{unknown}");
         assert!(refused("endpoints: []\n").contains("no endpoints"));
@@ -286,11 +261,20 @@ mod tests {
         assert!(files(&pki.ca, None, None).load().is_ok());
         // What needs a new connection: other TLS material, endpoints or user.
         let other = wasmplane_test_etcd::TestPki::generate(dir.path(), "other").unwrap();
-        let config = |pki: &wasmplane_test_etcd::TestPki| crate::EtcdConfig::new(["https://a:2379"]).with_tls(Some(files(&pki.ca, Some(&pki.client_cert), Some(&pki.client_key)).load().unwrap()));
+        let config = |pki: &wasmplane_test_etcd::TestPki| {
+            crate::EtcdConfig::new(["https://a:2379"])
+                .with_tls(Some(files(&pki.ca, Some(&pki.client_cert), Some(&pki.client_key)).load().unwrap()))
+        };
         assert!(config(&pki).same_connection(&config(&pki)));
         assert!(!config(&pki).same_connection(&config(&other)), "a rotated certificate");
-        assert!(!config(&pki).same_connection(&crate::EtcdConfig { endpoints: vec!["https://b:2379".into()], ..config(&pki) }));
-        assert!(!config(&pki).same_connection(&config(&pki).with_user(Some(EtcdUser { name: "u".into(), password: "p".into() }))));
+        assert!(
+            !config(&pki)
+                .same_connection(&crate::EtcdConfig { endpoints: vec!["https://b:2379".into()], ..config(&pki) })
+        );
+        assert!(
+            !config(&pki)
+                .same_connection(&config(&pki).with_user(Some(EtcdUser { name: "u".into(), password: "p".into() })))
+        );
         let half = files(&pki.ca, Some(&pki.client_cert), None).load().unwrap_err().to_string();
         assert!(half.contains("both its certificate and its key"), "{half}");
     }

@@ -28,10 +28,7 @@ impl WatchView {
     /// A view for a watch starting at `start` whose consumer knows `keys`
     /// (key and modification revision, as of `start - 1`).
     pub(crate) fn new(start: Revision, keys: impl IntoIterator<Item = (String, Revision)>) -> Self {
-        WatchView {
-            next_revision: start,
-            keys: keys.into_iter().collect(),
-        }
+        WatchView { next_revision: start, keys: keys.into_iter().collect() }
     }
 
     pub(crate) fn next_revision(&self) -> Revision {
@@ -81,21 +78,13 @@ impl WatchView {
             let known = old.remove(&kv.key);
             self.keys.insert(kv.key.clone(), kv.mod_revision);
             if known != Some(kv.mod_revision) {
-                events.push(WatchEvent {
-                    key: kv.key,
-                    value: Some(kv.value),
-                    mod_revision: kv.mod_revision,
-                });
+                events.push(WatchEvent { key: kv.key, value: Some(kv.value), mod_revision: kv.mod_revision });
             }
         }
         events.sort_by(|a, b| (a.mod_revision, &a.key).cmp(&(b.mod_revision, &b.key)));
         let mut vanished: Vec<String> = old.into_keys().collect();
         vanished.sort();
-        events.extend(vanished.into_iter().map(|key| WatchEvent {
-            key,
-            value: None,
-            mod_revision: listing.revision,
-        }));
+        events.extend(vanished.into_iter().map(|key| WatchEvent { key, value: None, mod_revision: listing.revision }));
         self.next_revision = self.next_revision.max(listing.revision + 1);
         events
     }
@@ -107,11 +96,7 @@ mod tests {
     use crate::{Bytes, KeyValue};
 
     fn put(key: &str, rev: Revision) -> WatchEvent {
-        WatchEvent {
-            key: key.into(),
-            value: Some(Bytes::from_static(b"v")),
-            mod_revision: rev,
-        }
+        WatchEvent { key: key.into(), value: Some(Bytes::from_static(b"v")), mod_revision: rev }
     }
 
     fn kv(key: &str, rev: Revision) -> KeyValue {
@@ -131,31 +116,16 @@ mod tests {
         assert_eq!(view.accept_batch(vec![put("a", 5), put("b", 5)]).len(), 2);
         assert_eq!(view.next_revision(), 6);
         // A reconnect replaying revision 5 delivers nothing twice.
-        assert_eq!(
-            view.accept_batch(vec![put("a", 5), put("b", 5), put("c", 6)]),
-            vec![put("c", 6)]
-        );
+        assert_eq!(view.accept_batch(vec![put("a", 5), put("b", 5), put("c", 6)]), vec![put("c", 6)]);
         assert_eq!(view.next_revision(), 7);
     }
 
     #[test]
     fn resync_emits_exact_difference() {
-        let mut view = WatchView::new(
-            4,
-            [("keep".into(), 2), ("change".into(), 3), ("gone".into(), 1)],
-        );
-        let events = view.resync(Listing {
-            items: vec![kv("change", 9), kv("keep", 2), kv("new", 7)],
-            revision: 10,
-        });
-        let summary: Vec<_> = events
-            .iter()
-            .map(|e| (e.key.as_str(), e.is_delete(), e.mod_revision))
-            .collect();
-        assert_eq!(
-            summary,
-            vec![("new", false, 7), ("change", false, 9), ("gone", true, 10)]
-        );
+        let mut view = WatchView::new(4, [("keep".into(), 2), ("change".into(), 3), ("gone".into(), 1)]);
+        let events = view.resync(Listing { items: vec![kv("change", 9), kv("keep", 2), kv("new", 7)], revision: 10 });
+        let summary: Vec<_> = events.iter().map(|e| (e.key.as_str(), e.is_delete(), e.mod_revision)).collect();
+        assert_eq!(summary, vec![("new", false, 7), ("change", false, 9), ("gone", true, 10)]);
         assert_eq!(view.next_revision(), 11);
     }
 }

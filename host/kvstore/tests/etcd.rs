@@ -8,9 +8,7 @@ use std::time::Duration;
 use wasmplane_kvstore::{Bytes, KvError};
 use wasmplane_test_etcd::{Etcd, TcpProxy};
 
-use support::{
-    assert_quiet, etcd_store, init_tracing, next_event, next_events, retry_unavailable, summary,
-};
+use support::{assert_quiet, etcd_store, init_tracing, next_event, next_events, retry_unavailable, summary};
 
 fn b(s: &str) -> Bytes {
     Bytes::copy_from_slice(s.as_bytes())
@@ -30,10 +28,7 @@ async fn watch_resumes_across_kill_and_restart() {
     let before = next_events(&mut watch, 2, "writes before the kill").await;
     assert_eq!(
         summary(&before),
-        [
-            ("res/1".into(), Some("before-1".into())),
-            ("res/2".into(), Some("before-2".into()))
-        ]
+        [("res/1".into(), Some("before-1".into())), ("res/2".into(), Some("before-2".into()))]
     );
 
     etcd.kill().await.expect("kill");
@@ -50,10 +45,7 @@ async fn watch_resumes_across_kill_and_restart() {
     let after = next_events(&mut watch, 2, "writes after the restart").await;
     assert_eq!(
         summary(&after),
-        [
-            ("res/3".into(), Some("after-3".into())),
-            ("res/1".into(), None)
-        ],
+        [("res/3".into(), Some("after-3".into())), ("res/1".into(), None)],
         "no event missed or replayed across the restart"
     );
     assert!(after[0].mod_revision > before[1].mod_revision);
@@ -74,10 +66,7 @@ async fn compaction_forces_relist_with_exact_diff() {
     // Known to the watcher from before its start (seeded, never delivered)...
     writer.put("cmp/keep", b("k"), None).await.expect("put");
     writer.put("cmp/gone-old", b("g"), None).await.expect("put");
-    let (listing, mut watch) = watcher
-        .list_and_watch("cmp/")
-        .await
-        .expect("list and watch");
+    let (listing, mut watch) = watcher.list_and_watch("cmp/").await.expect("list and watch");
     assert_eq!(listing.items.len(), 2);
     // ...and delivered by it.
     writer.put("cmp/change", b("v1"), None).await.expect("put");
@@ -112,11 +101,7 @@ async fn compaction_forces_relist_with_exact_diff() {
     );
     assert_eq!(diff[1].mod_revision, change_rev);
     assert!(diff[2].mod_revision >= compacted && diff[3].mod_revision >= compacted);
-    assert!(
-        diff.windows(2)
-            .all(|w| w[0].mod_revision <= w[1].mod_revision),
-        "revisions never go backwards"
-    );
+    assert!(diff.windows(2).all(|w| w[0].mod_revision <= w[1].mod_revision), "revisions never go backwards");
     assert_quiet(&mut watch, Duration::from_millis(300)).await;
 
     // And it keeps watching from the listing's revision.
@@ -137,14 +122,8 @@ async fn outage_errors_are_unavailable() {
     etcd.stop().await.expect("stop");
     let err = store.list_prefix("out/").await.expect_err("etcd is down");
     assert!(err.is_retryable(), "{err}");
-    assert!(matches!(
-        store.watch_prefix("out/", None).await,
-        Err(KvError::Unavailable(_))
-    ));
-    assert!(matches!(
-        store.grant_lease(Duration::from_secs(5)).await,
-        Err(KvError::Unavailable(_))
-    ));
+    assert!(matches!(store.watch_prefix("out/", None).await, Err(KvError::Unavailable(_))));
+    assert!(matches!(store.grant_lease(Duration::from_secs(5)).await, Err(KvError::Unavailable(_))));
     etcd.restart().await.expect("restart");
     retry_unavailable(|| store.put("out/k", b("v"), None)).await;
     let event = next_event(&mut watch, "a write after the outage").await;

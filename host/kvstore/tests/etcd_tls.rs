@@ -36,7 +36,8 @@ async fn a_client_certificate_of_the_trusted_ca_reads_writes_and_watches() {
     let mut watch = store.watch_prefix("tls/", None).await.unwrap();
     store.put("tls/a", Bytes::from_static(b"1"), None).await.unwrap();
     assert_eq!(store.get("tls/a").await.unwrap().unwrap().value, Bytes::from_static(b"1"));
-    let event = tokio::time::timeout(Duration::from_secs(10), watch.next()).await.expect("an event in time").unwrap().unwrap();
+    let event =
+        tokio::time::timeout(Duration::from_secs(10), watch.next()).await.expect("an event in time").unwrap().unwrap();
     assert_eq!((event.key.as_str(), event.value.as_deref()), ("tls/a", Some(&b"1"[..])));
 }
 
@@ -85,7 +86,8 @@ async fn rotated_certificate_files_are_read_again() {
         std::fs::copy(&from.client_key, &key).unwrap();
     };
     install(pki);
-    let files = EtcdTlsFiles { trusted_ca_file: pki.ca.clone(), cert_file: Some(cert.clone()), key_file: Some(key.clone()) };
+    let files =
+        EtcdTlsFiles { trusted_ca_file: pki.ca.clone(), cert_file: Some(cert.clone()), key_file: Some(key.clone()) };
     let mut config = etcd_config(etcd.endpoint()).with_tls(Some(files.load().unwrap()));
     config.tls_reload_interval = Duration::from_millis(100);
     let store = EtcdStore::connect(config).await.unwrap();
@@ -99,7 +101,11 @@ async fn rotated_certificate_files_are_read_again() {
                 if store.get("rotation").await.is_ok() == expected {
                     return;
                 }
-                assert!(std::time::Instant::now() < deadline, "the store never {} requests", if expected { "answered" } else { "refused" });
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the store never {} requests",
+                    if expected { "answered" } else { "refused" }
+                );
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
@@ -124,7 +130,9 @@ async fn etcd_users_authenticate_and_are_held_to_their_roles() {
     let pki = etcd.pki().unwrap();
     let connect = |password: Option<&str>| {
         let user = password.map(|password| EtcdUser { name: "agent".into(), password: password.into() });
-        EtcdStore::connect(etcd_config(etcd.endpoint()).with_tls(Some(files(pki, Some(pki)).load().unwrap())).with_user(user))
+        EtcdStore::connect(
+            etcd_config(etcd.endpoint()).with_tls(Some(files(pki, Some(pki)).load().unwrap())).with_user(user),
+        )
     };
     let store = connect(Some("agent-pw")).await.unwrap();
     store.put("/wasmplane/x", Bytes::from_static(b"1"), None).await.unwrap();
@@ -137,5 +145,8 @@ async fn etcd_users_authenticate_and_are_held_to_their_roles() {
     // No user: the client certificate's name is no etcd user.
     let anonymous = connect(None).await.unwrap();
     let refused = anonymous.get("/wasmplane/x").await.unwrap_err();
-    assert!(refused.to_string().contains("permission denied") || refused.to_string().contains("user name"), "{refused}");
+    assert!(
+        refused.to_string().contains("permission denied") || refused.to_string().contains("user name"),
+        "{refused}"
+    );
 }

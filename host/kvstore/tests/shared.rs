@@ -27,47 +27,26 @@ fn config(ttl: Duration) -> SharedStoreConfig {
 
 async fn two_nodes_see_each_other(a_store: Arc<dyn KvStore>, b_store: Arc<dyn KvStore>) {
     // Something already there before anybody joins.
-    a_store
-        .put("cluster/nodes/old", b("static"), None)
-        .await
-        .expect("put");
-    let a = SharedStore::join(a_store.clone(), config(Duration::from_secs(5)))
-        .await
-        .expect("join a");
-    let node_b = SharedStore::join(b_store.clone(), config(Duration::from_secs(5)))
-        .await
-        .expect("join b");
-    assert_eq!(
-        a.get("old").map(|e| e.value),
-        Some(b("static")),
-        "join lists first"
-    );
+    a_store.put("cluster/nodes/old", b("static"), None).await.expect("put");
+    let a = SharedStore::join(a_store.clone(), config(Duration::from_secs(5))).await.expect("join a");
+    let node_b = SharedStore::join(b_store.clone(), config(Duration::from_secs(5))).await.expect("join b");
+    assert_eq!(a.get("old").map(|e| e.value), Some(b("static")), "join lists first");
     let (_, mut b_changes) = node_b.subscribe();
 
     a.update_local("a", b("10.0.0.1")).await.expect("local a");
-    node_b
-        .update_local("b", b("10.0.0.2"))
-        .await
-        .expect("local b");
+    node_b.update_local("b", b("10.0.0.2")).await.expect("local b");
     eventually("both nodes see both keys", Duration::from_secs(10), || {
         let (sa, sb) = (a.snapshot(), node_b.snapshot());
         sa.contains_key("a") && sa.contains_key("b") && sb.contains_key("a") && sb.contains_key("b")
     })
     .await;
     assert_eq!(node_b.get("a").map(|e| e.value), Some(b("10.0.0.1")));
-    let kv = b_store
-        .get("cluster/nodes/a")
-        .await
-        .expect("get")
-        .expect("stored");
+    let kv = b_store.get("cluster/nodes/a").await.expect("get").expect("stored");
     assert_eq!(kv.lease, a.lease(), "local keys hang on the node's lease");
 
     a.update_local("a", b("10.0.0.9")).await.expect("update a");
     a.close().await.expect("close a");
-    eventually("b sees a's key vanish", Duration::from_secs(10), || {
-        !node_b.snapshot().contains_key("a")
-    })
-    .await;
+    eventually("b sees a's key vanish", Duration::from_secs(10), || !node_b.snapshot().contains_key("a")).await;
     // The change stream told the same story.
     let mut seen = Vec::new();
     while let Ok(change) = b_changes.try_recv() {
@@ -81,22 +60,14 @@ async fn two_nodes_see_each_other(a_store: Arc<dyn KvStore>, b_store: Arc<dyn Kv
         matches!(about_a.last(), Some(SharedChange::Delete { .. })),
         "changes about a end with its deletion: {about_a:?}"
     );
-    assert!(
-        about_a
-            .iter()
-            .any(|c| matches!(c, SharedChange::Upsert { value, .. } if *value == b("10.0.0.9")))
-    );
+    assert!(about_a.iter().any(|c| matches!(c, SharedChange::Upsert { value, .. } if *value == b("10.0.0.9"))));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_two_nodes_see_each_others_local_keys() {
     init_tracing();
     let etcd = Etcd::start().await.expect("etcd");
-    two_nodes_see_each_other(
-        etcd_store(etcd.endpoint()).await,
-        etcd_store(etcd.endpoint()).await,
-    )
-    .await;
+    two_nodes_see_each_other(etcd_store(etcd.endpoint()).await, etcd_store(etcd.endpoint()).await).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -129,7 +100,8 @@ async fn a_follower_reads_without_writing() {
     assert!(follower.delete_local("a").await.is_err());
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(follower.lease(), None, "no lease taken");
-    let keys: Vec<String> = store.list_prefix("cluster/nodes/").await.expect("list").items.into_iter().map(|kv| kv.key).collect();
+    let keys: Vec<String> =
+        store.list_prefix("cluster/nodes/").await.expect("list").items.into_iter().map(|kv| kv.key).collect();
     assert_eq!(keys, ["cluster/nodes/a", "cluster/nodes/b"], "nothing written by the follower");
 }
 
@@ -188,26 +160,14 @@ async fn local_keys_rewritten_after_etcd_restart() {
     init_tracing();
     let mut etcd = Etcd::start().await.expect("etcd");
     let a_store = etcd_store(etcd.endpoint()).await;
-    let a = SharedStore::join(a_store.clone(), config(Duration::from_secs(3)))
+    let a = SharedStore::join(a_store.clone(), config(Duration::from_secs(3))).await.expect("join a");
+    let observer = SharedStore::join(etcd_store(etcd.endpoint()).await, config(Duration::from_secs(3)))
         .await
-        .expect("join a");
-    let observer = SharedStore::join(
-        etcd_store(etcd.endpoint()).await,
-        config(Duration::from_secs(3)),
-    )
-    .await
-    .expect("join observer");
+        .expect("join observer");
     a.update_local("a", b("up")).await.expect("local");
     a.update_local("a2", b("up")).await.expect("local");
-    eventually("observer sees a's keys", Duration::from_secs(10), || {
-        observer.snapshot().len() == 2
-    })
-    .await;
-    let before = a_store
-        .get("cluster/nodes/a")
-        .await
-        .expect("get")
-        .expect("stored");
+    eventually("observer sees a's keys", Duration::from_secs(10), || observer.snapshot().len() == 2).await;
+    let before = a_store.get("cluster/nodes/a").await.expect("get").expect("stored");
     let rewrites = a.full_rewrites();
 
     etcd.kill().await.expect("kill");
@@ -215,29 +175,14 @@ async fn local_keys_rewritten_after_etcd_restart() {
     tokio::time::sleep(Duration::from_millis(1800)).await;
     etcd.restart().await.expect("restart");
 
-    eventually("a re-wrote its keys", Duration::from_secs(15), || {
-        a.full_rewrites() > rewrites
-    })
-    .await;
-    let after = support::retry_unavailable(|| a_store.get("cluster/nodes/a"))
-        .await
-        .expect("still stored");
-    assert!(
-        after.mod_revision > before.mod_revision,
-        "written again after the restart"
-    );
+    eventually("a re-wrote its keys", Duration::from_secs(15), || a.full_rewrites() > rewrites).await;
+    let after = support::retry_unavailable(|| a_store.get("cluster/nodes/a")).await.expect("still stored");
+    assert!(after.mod_revision > before.mod_revision, "written again after the restart");
     assert_eq!(after.value, b("up"));
-    eventually(
-        "observer has both keys after the restart",
-        Duration::from_secs(10),
-        || {
-            let snap = observer.snapshot();
-            snap.len() == 2
-                && snap
-                    .get("a")
-                    .is_some_and(|e| e.mod_revision == after.mod_revision)
-        },
-    )
+    eventually("observer has both keys after the restart", Duration::from_secs(10), || {
+        let snap = observer.snapshot();
+        snap.len() == 2 && snap.get("a").is_some_and(|e| e.mod_revision == after.mod_revision)
+    })
     .await;
 }
 
@@ -249,47 +194,23 @@ async fn local_keys_restored_after_lease_loss() {
     init_tracing();
     let etcd = Etcd::start().await.expect("etcd");
     let store = etcd_store(etcd.endpoint()).await;
-    let a = SharedStore::join(store.clone(), config(Duration::from_secs(5)))
-        .await
-        .expect("join");
+    let a = SharedStore::join(store.clone(), config(Duration::from_secs(5))).await.expect("join");
     a.update_local("a", b("v")).await.expect("local");
-    eventually(
-        "lease granted and key written",
-        Duration::from_secs(10),
-        || a.get("a").is_some(),
-    )
-    .await;
+    eventually("lease granted and key written", Duration::from_secs(10), || a.get("a").is_some()).await;
     let old_lease = a.lease().expect("lease");
-    store
-        .revoke_lease(old_lease)
-        .await
-        .expect("revoke behind its back");
-    eventually(
-        "key back under a new lease",
-        Duration::from_secs(10),
-        || a.lease().is_some_and(|l| l != old_lease) && a.get("a").is_some(),
-    )
+    store.revoke_lease(old_lease).await.expect("revoke behind its back");
+    eventually("key back under a new lease", Duration::from_secs(10), || {
+        a.lease().is_some_and(|l| l != old_lease) && a.get("a").is_some()
+    })
     .await;
-    let kv = store
-        .get("cluster/nodes/a")
-        .await
-        .expect("get")
-        .expect("rewritten");
+    let kv = store.get("cluster/nodes/a").await.expect("get").expect("rewritten");
     assert_eq!(kv.lease, a.lease());
 
     // Someone deletes one of our keys: repaired promptly, same lease.
     store.delete("cluster/nodes/a").await.expect("delete");
-    eventually("deleted key repaired", Duration::from_secs(10), || {
-        a.get("a").is_some()
-    })
-    .await;
+    eventually("deleted key repaired", Duration::from_secs(10), || a.get("a").is_some()).await;
     a.delete_local("a").await.expect("delete local");
-    eventually(
-        "deleted local key stays gone",
-        Duration::from_secs(5),
-        || a.get("a").is_none(),
-    )
-    .await;
+    eventually("deleted local key stays gone", Duration::from_secs(5), || a.get("a").is_none()).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(store.get("cluster/nodes/a").await.expect("get").is_none());
 }

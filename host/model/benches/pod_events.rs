@@ -51,7 +51,9 @@ impl Cluster {
             node_name: Some(format!("node-{}", n * 7_919 % self.nodes).into()),
             labels: match self.peer_key(service) {
                 key if key == "app" => labels(&[("app", &format!("svc-{service}")), ("version", "v1")]),
-                key => labels(&[("app", &format!("svc-{service}")), (&key, &format!("svc-{service}")), ("version", "v1")]),
+                key => {
+                    labels(&[("app", &format!("svc-{service}")), (&key, &format!("svc-{service}")), ("version", "v1")])
+                }
             },
             ports: vec![],
             host_network: false,
@@ -98,7 +100,13 @@ struct Row {
 }
 
 fn run(services: usize, policies: usize, peer_keys: usize) -> Row {
-    let mut cluster = Cluster { services, namespaces: (services / 100).max(1), nodes: (services * 3 / 2 / 30).max(1), peer_keys, made: 0 };
+    let mut cluster = Cluster {
+        services,
+        namespaces: (services / 100).max(1),
+        nodes: (services * 3 / 2 / 30).max(1),
+        peer_keys,
+        made: 0,
+    };
     let mut state = ClusterState::new();
     let mut model = NodeLocalModel::new(NODE, vec!["10.64.0.0/10".into()]);
     let apply = |state: &mut ClusterState, model: &mut NodeLocalModel, event: ClusterEvent| {
@@ -109,7 +117,14 @@ fn run(services: usize, policies: usize, peer_keys: usize) -> Row {
     let started = Instant::now();
     for n in 0..cluster.namespaces {
         let name = format!("ns-{n}");
-        apply(&mut state, &mut model, ClusterEvent::Upsert(ClusterObject::Namespace(Namespace { name: name.as_str().into(), labels: labels(&[("kubernetes.io/metadata.name", &name)]) })));
+        apply(
+            &mut state,
+            &mut model,
+            ClusterEvent::Upsert(ClusterObject::Namespace(Namespace {
+                name: name.as_str().into(),
+                labels: labels(&[("kubernetes.io/metadata.name", &name)]),
+            })),
+        );
     }
     for j in 0..policies {
         apply(&mut state, &mut model, ClusterEvent::Upsert(ClusterObject::NetworkPolicy(cluster.policy(j))));
@@ -140,18 +155,36 @@ fn run(services: usize, policies: usize, peer_keys: usize) -> Row {
         best = best.min(started.elapsed());
     }
     let events = 2 * REPLACEMENTS;
-    Row { services, policies, peer_keys, load, per_event: best / events as u32, touched_per_event: touched as f64 / events as f64, views: model.policies.len() }
+    Row {
+        services,
+        policies,
+        peer_keys,
+        load,
+        per_event: best / events as u32,
+        touched_per_event: touched as f64 / events as f64,
+        views: model.policies.len(),
+    }
 }
 
 fn sizes(var: &str, default: &str) -> Vec<usize> {
-    std::env::var(var).unwrap_or_else(|_| default.into()).split(',').map(|s| s.trim().parse().expect("a comma-separated list of numbers")).collect()
+    std::env::var(var)
+        .unwrap_or_else(|_| default.into())
+        .split(',')
+        .map(|s| s.trim().parse().expect("a comma-separated list of numbers"))
+        .collect()
 }
 
 fn main() {
-    println!("| services | policies | peer label keys | load, one event each (ms) | one pod event (µs, best of {PASSES} passes of {} events) | policies touched per event | policies with a view on this node |", 2 * REPLACEMENTS);
+    println!(
+        "| services | policies | peer label keys | load, one event each (ms) | one pod event (µs, best of {PASSES} passes of {} events) | policies touched per event | policies with a view on this node |",
+        2 * REPLACEMENTS
+    );
     println!("|---|---|---|---|---|---|---|");
     for services in sizes("WASMPLANE_BENCH_SERVICES", "1000,10000") {
-        for (policies, peer_keys) in sizes("WASMPLANE_BENCH_POLICIES", "0,1000").into_iter().flat_map(|p| sizes("WASMPLANE_BENCH_PEER_KEYS", "1").into_iter().map(move |k| (p, k.max(1)))) {
+        for (policies, peer_keys) in sizes("WASMPLANE_BENCH_POLICIES", "0,1000")
+            .into_iter()
+            .flat_map(|p| sizes("WASMPLANE_BENCH_PEER_KEYS", "1").into_iter().map(move |k| (p, k.max(1))))
+        {
             let row = run(services, policies, peer_keys);
             println!(
                 "| {} | {} | {} | {:.1} | {:.2} | {:.2} | {} |",

@@ -3,14 +3,14 @@
 //! the runtime reads views out of it.
 
 mod labels;
-mod strings;
-mod vec_map;
 pub mod objects;
 pub mod state;
+mod strings;
+mod vec_map;
 
 /// The model's string type (see `strings`).
 pub use compact_str::{CompactString, ToCompactString, format_compact};
-pub use strings::{IntoModel, ToStd};
 pub use objects::*;
-pub use vec_map::VecMap;
 pub use state::{ClusterEvent, ClusterObject, ClusterState, NodeLocalModel, ObjectKind, PolicyView, ServiceView};
+pub use strings::{IntoModel, ToStd};
+pub use vec_map::VecMap;

@@ -208,7 +208,8 @@ impl Service {
         let mut frontends = Vec::new();
         for address in &addresses {
             let same_family = |ip: &IpAddr| ip.is_ipv4() == address.is_ipv4();
-            let mut allowed: Vec<IpNet> = self.load_balancer_source_ranges.iter().filter(|r| same_family(&r.addr())).map(IpNet::trunc).collect();
+            let mut allowed: Vec<IpNet> =
+                self.load_balancer_source_ranges.iter().filter(|r| same_family(&r.addr())).map(IpNet::trunc).collect();
             if allowed.is_empty() {
                 continue;
             }
@@ -218,7 +219,12 @@ impl Service {
             // The kernel keeps a frontend's ranges in one interval set: none may overlap.
             let allowed = IpNet::aggregate(&allowed);
             for port in &self.ports {
-                frontends.push(FirewalledFrontend { address: *address, protocol: port.protocol, port: port.port, allowed: allowed.clone() });
+                frontends.push(FirewalledFrontend {
+                    address: *address,
+                    protocol: port.protocol,
+                    port: port.port,
+                    allowed: allowed.clone(),
+                });
             }
         }
         frontends
@@ -285,7 +291,8 @@ impl EndpointSlice {
     /// The same slice but for its trigger time: an update that changed only the annotation.
     pub fn same_but_trigger_time(&self, other: &EndpointSlice) -> bool {
         let EndpointSlice { namespace, name, service_name, endpoints, ports, trigger_time: _, cluster } = self;
-        (namespace, name, service_name, endpoints, ports, cluster) == (&other.namespace, &other.name, &other.service_name, &other.endpoints, &other.ports, &other.cluster)
+        (namespace, name, service_name, endpoints, ports, cluster)
+            == (&other.namespace, &other.name, &other.service_name, &other.endpoints, &other.ports, &other.cluster)
     }
 }
 
@@ -485,7 +492,12 @@ impl PolicyPeer {
     }
 
     /// Whether this peer selects pods of `namespace` (labelled `namespace_labels`) at all.
-    pub fn selects_namespace(&self, policy_namespace: &str, namespace: &str, namespace_labels: Option<&Labels>) -> bool {
+    pub fn selects_namespace(
+        &self,
+        policy_namespace: &str,
+        namespace: &str,
+        namespace_labels: Option<&Labels>,
+    ) -> bool {
         match &self.namespace_selector {
             Some(selector) => namespace_labels.is_some_and(|labels| selector.matches(labels)),
             None => self.pod_selector.is_some() && namespace == policy_namespace,
@@ -507,7 +519,15 @@ mod tests {
     }
 
     fn load_balancer(ips: &[&str], ranges: &[&str]) -> Service {
-        let mut s = Service::cluster_ip("shop", "web", "10.96.0.10", vec![ServicePort::tcp("http", 80, 8080), ServicePort { protocol: Protocol::Udp, ..ServicePort::tcp("dns", 53, 5353) }]);
+        let mut s = Service::cluster_ip(
+            "shop",
+            "web",
+            "10.96.0.10",
+            vec![
+                ServicePort::tcp("http", 80, 8080),
+                ServicePort { protocol: Protocol::Udp, ..ServicePort::tcp("dns", 53, 5353) },
+            ],
+        );
         s.service_type = ServiceType::LoadBalancer;
         s.load_balancer_ips = ips.iter().map(|ip| (*ip).into()).collect();
         s.load_balancer_source_ranges = ranges.iter().map(|r| net(r)).collect();
@@ -518,27 +538,48 @@ mod tests {
     fn source_ranges_close_each_load_balancer_port_to_the_ranges_of_its_family() {
         let node_ips: Vec<CompactString> = vec!["192.168.77.1".into()];
         assert!(load_balancer(&["203.0.113.10"], &[]).firewalled_frontends(&node_ips).is_empty(), "no ranges: open");
-        assert!(load_balancer(&[], &["198.51.100.0/24"]).firewalled_frontends(&node_ips).is_empty(), "no load balancer address yet");
+        assert!(
+            load_balancer(&[], &["198.51.100.0/24"]).firewalled_frontends(&node_ips).is_empty(),
+            "no load balancer address yet"
+        );
 
         // Host bits dropped, contained and adjacent ranges merged (one interval set: no overlaps).
-        let s = load_balancer(&["203.0.113.10", "2001:db8::10"], &["198.51.100.7/24", "198.51.100.128/25", "198.51.101.0/24", "10.0.0.0/8", "10.1.0.0/16"]);
+        let s = load_balancer(
+            &["203.0.113.10", "2001:db8::10"],
+            &["198.51.100.7/24", "198.51.100.128/25", "198.51.101.0/24", "10.0.0.0/8", "10.1.0.0/16"],
+        );
         let frontends = s.firewalled_frontends(&node_ips);
         let v4_allowed = vec![net("10.0.0.0/8"), net("198.51.100.0/23")];
         assert_eq!(
             frontends,
             vec![
-                FirewalledFrontend { address: "203.0.113.10".parse().unwrap(), protocol: Protocol::Tcp, port: 80, allowed: v4_allowed.clone() },
-                FirewalledFrontend { address: "203.0.113.10".parse().unwrap(), protocol: Protocol::Udp, port: 53, allowed: v4_allowed },
+                FirewalledFrontend {
+                    address: "203.0.113.10".parse().unwrap(),
+                    protocol: Protocol::Tcp,
+                    port: 80,
+                    allowed: v4_allowed.clone()
+                },
+                FirewalledFrontend {
+                    address: "203.0.113.10".parse().unwrap(),
+                    protocol: Protocol::Udp,
+                    port: 53,
+                    allowed: v4_allowed
+                },
             ],
             "the IPv6 address has no IPv6 range: it stays open, as in kube-proxy"
         );
 
         // A range holding the node's own address lets the load balancer addresses in too.
-        let s = load_balancer(&["203.0.113.10", "203.0.113.11", "2001:db8::10"], &["192.168.0.0/16", "2001:db8:1::/48"]);
+        let s =
+            load_balancer(&["203.0.113.10", "203.0.113.11", "2001:db8::10"], &["192.168.0.0/16", "2001:db8:1::/48"]);
         let frontends = s.firewalled_frontends(&node_ips);
         assert_eq!(frontends.len(), 6);
         assert_eq!(frontends[0].allowed, vec![net("192.168.0.0/16"), net("203.0.113.10/31")]);
-        assert_eq!(frontends[4].allowed, vec![net("2001:db8:1::/48")], "per family: no IPv6 range holds a node address");
+        assert_eq!(
+            frontends[4].allowed,
+            vec![net("2001:db8:1::/48")],
+            "per family: no IPv6 range holds a node address"
+        );
         let dual_stack_node = s.firewalled_frontends(&["192.168.77.1".into(), "2001:db8:1::1".into()]);
         assert_eq!(dual_stack_node[4].allowed, vec![net("2001:db8::10/128"), net("2001:db8:1::/48")]);
         let elsewhere = s.firewalled_frontends(&["10.0.0.1".into()]);

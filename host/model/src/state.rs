@@ -124,7 +124,11 @@ impl Touched {
         self.service_cidrs |= other.service_cidrs;
     }
     pub fn is_empty(&self) -> bool {
-        self.services.is_empty() && self.policies.is_empty() && self.local_pods.is_empty() && !self.node_context && !self.service_cidrs
+        self.services.is_empty()
+            && self.policies.is_empty()
+            && self.local_pods.is_empty()
+            && !self.node_context
+            && !self.service_cidrs
     }
 }
 
@@ -288,7 +292,10 @@ impl PeerPodIndex {
             return;
         }
         let old_keys = old.into_iter().flat_map(|p| p.labels.keys());
-        let new_only = new.into_iter().flat_map(|p| p.labels.keys()).filter(|k| !old.is_some_and(|p| p.labels.contains_key(k.as_str())));
+        let new_only = new
+            .into_iter()
+            .flat_map(|p| p.labels.keys())
+            .filter(|k| !old.is_some_and(|p| p.labels.contains_key(k.as_str())));
         for label in old_keys.chain(new_only) {
             let Some(values) = self.by_label.get_mut(label) else { continue };
             let (before, after) = (old.and_then(|p| p.labels.get(label)), new.and_then(|p| p.labels.get(label)));
@@ -345,7 +352,9 @@ impl PolicyIndex {
         for (scope, requirement) in Self::requirements(policy) {
             match scope {
                 Scope::AnyNamespace => self.any_namespace.insert(key, requirement),
-                Scope::OwnNamespace => self.by_namespace.entry(policy.namespace.clone()).or_default().insert(key, requirement),
+                Scope::OwnNamespace => {
+                    self.by_namespace.entry(policy.namespace.clone()).or_default().insert(key, requirement)
+                }
             }
         }
     }
@@ -368,13 +377,17 @@ impl PolicyIndex {
 
     /// Every policy that may select `pod` or name it as a peer (some more than once).
     fn candidates<'a>(&'a self, pod: &'a Pod) -> impl Iterator<Item = &'a ObjectKey> {
-        let own_namespace = self.by_namespace.get(&pod.namespace).into_iter().flat_map(|index| index.candidates(&pod.labels));
+        let own_namespace =
+            self.by_namespace.get(&pod.namespace).into_iter().flat_map(|index| index.candidates(&pod.labels));
         own_namespace.chain(self.any_namespace.candidates(&pod.labels))
     }
 }
 
 /// The objects of one namespace in a map keyed by [`ObjectKey`].
-fn in_namespace<'a, V>(map: &'a BTreeMap<ObjectKey, V>, namespace: &str) -> impl Iterator<Item = (&'a ObjectKey, &'a V)> {
+fn in_namespace<'a, V>(
+    map: &'a BTreeMap<ObjectKey, V>,
+    namespace: &str,
+) -> impl Iterator<Item = (&'a ObjectKey, &'a V)> {
     map.range(ObjectKey::new(namespace, "")..).take_while(move |(k, _)| k.namespace == namespace)
 }
 
@@ -386,8 +399,10 @@ impl ClusterState {
     /// The service's slices: its own, and other clusters' when the service is global; with a
     /// cluster affinity, the preferred side's alone while it has a ready endpoint.
     pub fn slices_of(&self, service: &ObjectKey) -> impl Iterator<Item = &EndpointSlice> {
-        let all = || self.slices_by_service.get(service).into_iter().flatten().filter_map(|k| self.endpoint_slices.get(k));
-        let (global, affinity) = self.services.get(service).map_or((false, ClusterAffinity::None), |s| (s.global, s.cluster_affinity));
+        let all =
+            || self.slices_by_service.get(service).into_iter().flatten().filter_map(|k| self.endpoint_slices.get(k));
+        let (global, affinity) =
+            self.services.get(service).map_or((false, ClusterAffinity::None), |s| (s.global, s.cluster_affinity));
         let prefer_remote = match affinity {
             _ if !global => None,
             ClusterAffinity::None => None,
@@ -395,7 +410,8 @@ impl ClusterState {
             ClusterAffinity::Remote => Some(true),
         };
         // Only a side that can serve is preferred; else both are used, as without affinity.
-        let only_remote = prefer_remote.filter(|remote| all().any(|s| s.cluster.is_some() == *remote && s.endpoints.iter().any(|e| e.ready)));
+        let only_remote = prefer_remote
+            .filter(|remote| all().any(|s| s.cluster.is_some() == *remote && s.endpoints.iter().any(|e| e.ready)));
         all().filter(move |slice| match only_remote {
             Some(remote) => slice.cluster.is_some() == remote,
             None => global || slice.cluster.is_none(),
@@ -413,9 +429,16 @@ impl ClusterState {
         // Peers requiring a label: the pods filed under it, wherever they are.
         let mut unfiled: Vec<&PolicyPeer> = Vec::new();
         for peer in peers {
-            let filed = peer.pod_selector.as_ref().and_then(LabelSelector::required_label).and_then(|(k, v)| self.peer_pods.pods(k, v));
+            let filed = peer
+                .pod_selector
+                .as_ref()
+                .and_then(LabelSelector::required_label)
+                .and_then(|(k, v)| self.peer_pods.pods(k, v));
             match filed {
-                Some(pods) => found.extend(pods.iter().filter(|pod| peer.selects(&policy.namespace, pod, self.namespace_labels(&pod.namespace)))),
+                Some(pods) => found.extend(
+                    pods.iter()
+                        .filter(|pod| peer.selects(&policy.namespace, pod, self.namespace_labels(&pod.namespace))),
+                ),
                 None => unfiled.push(peer),
             }
         }
@@ -428,9 +451,16 @@ impl ClusterState {
             }
             for namespace in namespaces {
                 let labels = self.namespace_labels(namespace);
-                let selecting: Vec<&PolicyPeer> = unfiled.iter().copied().filter(|p| p.selects_namespace(&policy.namespace, namespace, labels)).collect();
+                let selecting: Vec<&PolicyPeer> = unfiled
+                    .iter()
+                    .copied()
+                    .filter(|p| p.selects_namespace(&policy.namespace, namespace, labels))
+                    .collect();
                 if !selecting.is_empty() {
-                    found.extend(self.pods_in(namespace).filter(|pod| selecting.iter().any(|peer| peer.selects_in_namespace(pod))));
+                    found.extend(
+                        self.pods_in(namespace)
+                            .filter(|pod| selecting.iter().any(|peer| peer.selects_in_namespace(pod))),
+                    );
                 }
             }
         }
@@ -450,7 +480,8 @@ impl ClusterState {
     fn policies_involving(&self, pod: &Pod, into: &mut BTreeSet<ObjectKey>) {
         let labels = self.namespace_labels(&pod.namespace);
         for key in self.policy_index.candidates(pod) {
-            if !into.contains(key) && self.network_policies.get(key).is_some_and(|policy| policy.involves(pod, labels)) {
+            if !into.contains(key) && self.network_policies.get(key).is_some_and(|policy| policy.involves(pod, labels))
+            {
                 into.insert(key.clone());
             }
         }
@@ -487,7 +518,8 @@ impl ClusterState {
                     }
                     touched.services.insert(slice.service_key());
                     // Most services have one slice: a first push would reserve four keys (192 bytes).
-                    let slices = self.slices_by_service.entry(slice.service_key()).or_insert_with(|| Vec::with_capacity(1));
+                    let slices =
+                        self.slices_by_service.entry(slice.service_key()).or_insert_with(|| Vec::with_capacity(1));
                     if let Err(at) = slices.binary_search(&key) {
                         slices.insert(at, key.clone());
                     }
@@ -601,11 +633,23 @@ impl ClusterState {
     /// of upserts and deletes; objects of other kinds in `objects` are ignored. Objects in
     /// `keep` exist at the source but could not be read this time: their last good version
     /// stays rather than being deleted.
-    pub fn replace_kind(&mut self, kind: ObjectKind, objects: Vec<ClusterObject>, keep: &[ObjectKey], node_name: &str) -> Touched {
+    pub fn replace_kind(
+        &mut self,
+        kind: ObjectKind,
+        objects: Vec<ClusterObject>,
+        keep: &[ObjectKey],
+        node_name: &str,
+    ) -> Touched {
         self.replace(Some(kind), objects, keep, node_name)
     }
 
-    fn replace(&mut self, only: Option<ObjectKind>, objects: Vec<ClusterObject>, keep: &[ObjectKey], node_name: &str) -> Touched {
+    fn replace(
+        &mut self,
+        only: Option<ObjectKind>,
+        objects: Vec<ClusterObject>,
+        keep: &[ObjectKey],
+        node_name: &str,
+    ) -> Touched {
         let wanted = |kind: ObjectKind| only.is_none_or(|k| k == kind);
         let mut incoming: BTreeMap<(ObjectKind, ObjectKey), ClusterObject> = BTreeMap::new();
         for object in objects.into_iter().filter(|o| wanted(o.kind())) {
@@ -617,7 +661,12 @@ impl ClusterState {
         }
         if wanted(ObjectKind::EndpointSlice) {
             // Imported slices come from the kvstore, never in a listing of this cluster's.
-            existing.extend(self.endpoint_slices.iter().filter(|(_, s)| s.cluster.is_none()).map(|(k, _)| (ObjectKind::EndpointSlice, k.clone())));
+            existing.extend(
+                self.endpoint_slices
+                    .iter()
+                    .filter(|(_, s)| s.cluster.is_none())
+                    .map(|(k, _)| (ObjectKind::EndpointSlice, k.clone())),
+            );
         }
         if wanted(ObjectKind::Node) {
             existing.extend(self.nodes.keys().map(|k| (ObjectKind::Node, ObjectKey::cluster(k))));
@@ -724,14 +773,18 @@ impl ServiceView {
     /// exactly those; the API server allocates the port only for them).
     pub fn health_check(&self) -> Option<HealthCheck> {
         let s = &self.service;
-        if s.service_type != ServiceType::LoadBalancer || s.external_traffic_policy != TrafficPolicy::Local || s.health_check_node_port == 0 {
+        if s.service_type != ServiceType::LoadBalancer
+            || s.external_traffic_policy != TrafficPolicy::Local
+            || s.health_check_node_port == 0
+        {
             return None;
         }
         let local_endpoints: BTreeSet<(&str, u16)> = self
             .slices
             .iter()
             .flat_map(|slice| {
-                let ready = slice.endpoints.iter().filter(|e| e.ready && e.is_local).filter_map(|e| e.addresses.first());
+                let ready =
+                    slice.endpoints.iter().filter(|e| e.ready && e.is_local).filter_map(|e| e.addresses.first());
                 ready.flat_map(|address| slice.ports.iter().map(move |p| (address.as_str(), p.port)))
             })
             .collect();
@@ -748,12 +801,17 @@ impl ServiceView {
         let s = &self.service;
         let internal = s.internal_traffic_policy == TrafficPolicy::Local;
         let external = s.external_traffic_policy == TrafficPolicy::Local
-            && (matches!(s.service_type, ServiceType::NodePort | ServiceType::LoadBalancer) || !s.external_ips.is_empty());
+            && (matches!(s.service_type, ServiceType::NodePort | ServiceType::LoadBalancer)
+                || !s.external_ips.is_empty());
         if !internal && !external {
             return NoLocalEndpoints::default();
         }
         let has_local = |port: &ServicePort| {
-            self.slices.iter().filter(|slice| slice.ports.iter().any(|p| p.name == port.name)).flat_map(|slice| &slice.endpoints).any(|e| e.is_local && (e.ready || e.serving))
+            self.slices
+                .iter()
+                .filter(|slice| slice.ports.iter().any(|p| p.name == port.name))
+                .flat_map(|slice| &slice.endpoints)
+                .any(|e| e.is_local && (e.ready || e.serving))
         };
         let without = s.ports.iter().filter(|port| !has_local(port)).count();
         NoLocalEndpoints { internal: if internal { without } else { 0 }, external: if external { without } else { 0 } }
@@ -850,12 +908,21 @@ pub struct ModelUpdate {
 
 impl ModelUpdate {
     pub fn is_empty(&self) -> bool {
-        self.changed.is_empty() && self.policies.is_empty() && self.pods.is_empty() && !self.context_changed && !self.node_being_deleted_changed && !self.service_cidrs_changed
+        self.changed.is_empty()
+            && self.policies.is_empty()
+            && self.pods.is_empty()
+            && !self.context_changed
+            && !self.node_being_deleted_changed
+            && !self.service_cidrs_changed
     }
 }
 
 /// Applies `new` at `key` in `map`, returning the change if it is a real one.
-fn replace_if_changed<V: PartialEq>(map: &mut BTreeMap<ObjectKey, Arc<V>>, key: &ObjectKey, new: Option<V>) -> Option<Option<Arc<V>>> {
+fn replace_if_changed<V: PartialEq>(
+    map: &mut BTreeMap<ObjectKey, Arc<V>>,
+    key: &ObjectKey,
+    new: Option<V>,
+) -> Option<Option<Arc<V>>> {
     match (map.get(key), new) {
         (Some(old), Some(new)) if **old == new => None,
         (None, None) => None,
@@ -875,7 +942,11 @@ impl NodeLocalModel {
     pub fn new(node_name: &str, cluster_cidrs: Vec<CompactString>) -> Self {
         NodeLocalModel {
             revision: 0,
-            context: NodeContext { node_name: node_name.into(), cluster_cidrs: cluster_cidrs.clone(), ..Default::default() },
+            context: NodeContext {
+                node_name: node_name.into(),
+                cluster_cidrs: cluster_cidrs.clone(),
+                ..Default::default()
+            },
             services: BTreeMap::new(),
             policies: BTreeMap::new(),
             local_pods: BTreeMap::new(),
@@ -930,7 +1001,14 @@ impl NodeLocalModel {
             if context != self.context {
                 // Topology hints are read against the node's zone: every view may differ.
                 if context.zone != self.context.zone {
-                    services = cluster.services.keys().chain(self.services.keys()).cloned().collect::<BTreeSet<_>>().into_iter().collect();
+                    services = cluster
+                        .services
+                        .keys()
+                        .chain(self.services.keys())
+                        .cloned()
+                        .collect::<BTreeSet<_>>()
+                        .into_iter()
+                        .collect();
                 }
                 self.context = context;
                 update.context_changed = true;
@@ -953,7 +1031,11 @@ impl NodeLocalModel {
             }
         }
         for key in &touched.local_pods {
-            let pod = cluster.pods.get(key).filter(|p| p.node_name.as_deref() == Some(self.node_name())).map(|p| Pod::clone(p));
+            let pod = cluster
+                .pods
+                .get(key)
+                .filter(|p| p.node_name.as_deref() == Some(self.node_name()))
+                .map(|p| Pod::clone(p));
             if let Some(pod) = replace_if_changed(&mut self.local_pods, key, pod) {
                 update.pods.push(PodChange { key: key.clone(), pod });
             }
@@ -976,7 +1058,11 @@ impl NodeLocalModel {
         NodeContext {
             node_name: self.context.node_name.clone(),
             node_ips: node.map(|n| n.addresses.clone()).unwrap_or_default(),
-            cluster_cidrs: if self.local_is_node_cidrs { pod_cidrs.clone() } else { self.configured_cluster_cidrs.clone() },
+            cluster_cidrs: if self.local_is_node_cidrs {
+                pod_cidrs.clone()
+            } else {
+                self.configured_cluster_cidrs.clone()
+            },
             pod_cidrs,
             zone: node.and_then(|n| n.zone()).map(CompactString::from),
         }
@@ -986,7 +1072,11 @@ impl NodeLocalModel {
     fn policy_view(&self, cluster: &ClusterState, policy: &NetworkPolicy) -> Option<PolicyView> {
         // This node's pods, already brought up to date by `update`: a few per namespace,
         // where the namespace may hold thousands.
-        let local_pods: Vec<Arc<Pod>> = in_namespace(&self.local_pods, &policy.namespace).map(|(_, p)| p).filter(|p| policy.selects(p)).cloned().collect();
+        let local_pods: Vec<Arc<Pod>> = in_namespace(&self.local_pods, &policy.namespace)
+            .map(|(_, p)| p)
+            .filter(|p| policy.selects(p))
+            .cloned()
+            .collect();
         if local_pods.is_empty() {
             return None;
         }
@@ -1035,7 +1125,8 @@ impl NodeLocalModel {
     fn topology<'a>(&'a self, cluster: &ClusterState, service: &Service) -> Option<Topology<'a>> {
         let key = service.key();
         let zone = self.context.zone.as_deref();
-        let (mut all_node_hints, mut for_node, mut all_zone_hints, mut for_zone, mut any_ready) = (true, false, true, false, false);
+        let (mut all_node_hints, mut for_node, mut all_zone_hints, mut for_zone, mut any_ready) =
+            (true, false, true, false, false);
         for e in cluster.slices_of(&key).flat_map(|s| s.endpoints.iter()).filter(|e| e.ready) {
             any_ready = true;
             all_node_hints &= !e.for_nodes.is_empty();
@@ -1103,7 +1194,11 @@ mod tests {
 
     /// The first address of every endpoint of `default/{service}`'s view, in slice order.
     fn endpoint_addresses(model: &NodeLocalModel, service: &str) -> Vec<String> {
-        model.services[&ObjectKey::new("default", service)].slices.iter().flat_map(|s| s.endpoints.iter().map(|e| e.addresses[0].to_string())).collect()
+        model.services[&ObjectKey::new("default", service)]
+            .slices
+            .iter()
+            .flat_map(|s| s.endpoints.iter().map(|e| e.addresses[0].to_string()))
+            .collect()
     }
 
     fn apply(state: &mut ClusterState, model: &mut NodeLocalModel, obj: ClusterObject) -> ModelUpdate {
@@ -1120,18 +1215,28 @@ mod tests {
         let endpoints = |model: &NodeLocalModel| endpoint_addresses(model, "web");
         apply(&mut state, &mut model, ClusterObject::Service(service("web", "10.96.0.10")));
         apply(&mut state, &mut model, ClusterObject::EndpointSlice(slice("web-1", "web", &[("10.244.1.2", "node-a")])));
-        let remote = EndpointSlice { cluster: Some("east".into()), ..slice("web@east", "web", &[("10.245.0.7", "east-1")]) };
+        let remote =
+            EndpointSlice { cluster: Some("east".into()), ..slice("web@east", "web", &[("10.245.0.7", "east-1")]) };
         let u = apply(&mut state, &mut model, ClusterObject::EndpointSlice(remote.clone()));
         assert!(u.is_empty(), "not global: another cluster's slice changes nothing here");
         assert_eq!(endpoints(&model), ["10.244.1.2"]);
 
-        let u = apply(&mut state, &mut model, ClusterObject::Service(Service { global: true, ..service("web", "10.96.0.10") }));
+        let u = apply(
+            &mut state,
+            &mut model,
+            ClusterObject::Service(Service { global: true, ..service("web", "10.96.0.10") }),
+        );
         assert_eq!(u.changed.len(), 1);
         assert_eq!(endpoints(&model), ["10.244.1.2", "10.245.0.7"]);
         assert!(!model.services[&ObjectKey::new("default", "web")].slices[1].endpoints[0].is_local);
 
         // This cluster's slices relisted, the imported one not among them: it stays.
-        let touched = state.replace_kind(ObjectKind::EndpointSlice, vec![ClusterObject::EndpointSlice(slice("web-2", "web", &[("10.244.1.3", "node-a")]))], &[], "node-a");
+        let touched = state.replace_kind(
+            ObjectKind::EndpointSlice,
+            vec![ClusterObject::EndpointSlice(slice("web-2", "web", &[("10.244.1.3", "node-a")]))],
+            &[],
+            "node-a",
+        );
         model.update(&state, &touched);
         assert_eq!(endpoints(&model), ["10.244.1.3", "10.245.0.7"]);
 
@@ -1151,7 +1256,14 @@ mod tests {
         apply(&mut state, &mut model, ClusterObject::Service(global(ClusterAffinity::Local)));
         let local = slice("web-1", "web", &[("10.244.1.2", "node-a")]);
         apply(&mut state, &mut model, ClusterObject::EndpointSlice(local.clone()));
-        apply(&mut state, &mut model, ClusterObject::EndpointSlice(EndpointSlice { cluster: Some("east".into()), ..slice("web@east.0", "web", &[("10.245.0.7", "east-1")]) }));
+        apply(
+            &mut state,
+            &mut model,
+            ClusterObject::EndpointSlice(EndpointSlice {
+                cluster: Some("east".into()),
+                ..slice("web@east.0", "web", &[("10.245.0.7", "east-1")])
+            }),
+        );
         assert_eq!(endpoints(&model), ["10.244.1.2"], "local affinity, a local endpoint ready");
         apply(&mut state, &mut model, ClusterObject::Service(global(ClusterAffinity::Remote)));
         assert_eq!(endpoints(&model), ["10.245.0.7"], "remote affinity");
@@ -1165,7 +1277,11 @@ mod tests {
         apply(&mut state, &mut model, ClusterObject::EndpointSlice(unready));
         assert_eq!(endpoints(&model), ["10.244.1.2", "10.245.0.7"], "local affinity without a ready local endpoint");
         // Not global: the affinity means nothing, other clusters' slices stay out.
-        apply(&mut state, &mut model, ClusterObject::Service(Service { global: false, ..global(ClusterAffinity::Remote) }));
+        apply(
+            &mut state,
+            &mut model,
+            ClusterObject::Service(Service { global: false, ..global(ClusterAffinity::Remote) }),
+        );
         assert_eq!(endpoints(&model), ["10.244.1.2"]);
     }
 
@@ -1177,8 +1293,18 @@ mod tests {
         let mut model = NodeLocalModel::new("node-a", vec![]).with_node_cidr_local_detection();
         assert!(model.context.cluster_cidrs.is_empty());
         assert!(model.local_detection_pending().is_some(), "no Node yet");
-        assert_eq!(NodeLocalModel::new("node-a", vec![]).local_detection_pending(), None, "ClusterCIDR detection waits for nothing");
-        let node = |cidr: &str| Node { name: "node-a".into(), addresses: vec!["192.168.0.1".into()], pod_cidrs: vec![cidr.into()], labels: Labels::new(), being_deleted: false };
+        assert_eq!(
+            NodeLocalModel::new("node-a", vec![]).local_detection_pending(),
+            None,
+            "ClusterCIDR detection waits for nothing"
+        );
+        let node = |cidr: &str| Node {
+            name: "node-a".into(),
+            addresses: vec!["192.168.0.1".into()],
+            pod_cidrs: vec![cidr.into()],
+            labels: Labels::new(),
+            being_deleted: false,
+        };
         let u = apply(&mut state, &mut model, ClusterObject::Node(node("10.244.3.0/24")));
         assert!(u.context_changed);
         assert_eq!(model.context.cluster_cidrs, ["10.244.3.0/24"]);
@@ -1199,7 +1325,11 @@ mod tests {
         assert_eq!(u.changed.len(), 1);
         assert_eq!(model.revision, 1);
 
-        let u = apply(&mut state, &mut model, ClusterObject::EndpointSlice(slice("web-1", "web", &[("10.244.1.2", "node-a"), ("10.244.2.2", "node-b")])));
+        let u = apply(
+            &mut state,
+            &mut model,
+            ClusterObject::EndpointSlice(slice("web-1", "web", &[("10.244.1.2", "node-a"), ("10.244.2.2", "node-b")])),
+        );
         assert_eq!(u.changed.len(), 1);
         assert_eq!(model.revision, 2);
         let view = &model.services[&ObjectKey::new("default", "web")];
@@ -1207,16 +1337,32 @@ mod tests {
         assert!(view.slices[0].endpoints.iter().any(|e| !e.is_local && e.addresses[0] == "10.244.2.2"));
 
         // Same endpoints in another order: no revision.
-        let u = apply(&mut state, &mut model, ClusterObject::EndpointSlice(slice("web-1", "web", &[("10.244.2.2", "node-b"), ("10.244.1.2", "node-a")])));
+        let u = apply(
+            &mut state,
+            &mut model,
+            ClusterObject::EndpointSlice(slice("web-1", "web", &[("10.244.2.2", "node-b"), ("10.244.1.2", "node-a")])),
+        );
         assert!(u.is_empty());
         assert_eq!(model.revision, 2);
 
         // Another node's heartbeat: no revision.
-        let node_b = Node { name: "node-b".into(), addresses: vec!["192.168.0.2".into()], pod_cidrs: vec![], labels: Labels::new(), being_deleted: false };
+        let node_b = Node {
+            name: "node-b".into(),
+            addresses: vec!["192.168.0.2".into()],
+            pod_cidrs: vec![],
+            labels: Labels::new(),
+            being_deleted: false,
+        };
         assert!(apply(&mut state, &mut model, ClusterObject::Node(node_b)).is_empty());
 
         // Our own node's addresses: a context change and a revision.
-        let node_a = Node { name: "node-a".into(), addresses: vec!["192.168.0.1".into()], pod_cidrs: vec!["10.244.1.0/24".into()], labels: Labels::new(), being_deleted: false };
+        let node_a = Node {
+            name: "node-a".into(),
+            addresses: vec!["192.168.0.1".into()],
+            pod_cidrs: vec!["10.244.1.0/24".into()],
+            labels: Labels::new(),
+            being_deleted: false,
+        };
         let u = apply(&mut state, &mut model, ClusterObject::Node(node_a.clone()));
         assert!(u.context_changed);
         assert_eq!(model.context.node_ips, vec!["192.168.0.1".to_string()]);
@@ -1248,7 +1394,15 @@ mod tests {
         web_1.endpoints[0].addresses.reserve(7);
         web_1.ports.reserve(7);
         apply(&mut state, &mut model, ClusterObject::EndpointSlice(web_1));
-        let mut pod = Pod { namespace: "default".into(), name: "p".into(), ips: Vec::with_capacity(8), node_name: None, labels: Labels::new(), ports: Vec::with_capacity(8), host_network: false };
+        let mut pod = Pod {
+            namespace: "default".into(),
+            name: "p".into(),
+            ips: Vec::with_capacity(8),
+            node_name: None,
+            labels: Labels::new(),
+            ports: Vec::with_capacity(8),
+            host_network: false,
+        };
         pod.ips.push("10.244.1.2".into());
         apply(&mut state, &mut model, ClusterObject::Pod(pod));
 
@@ -1256,7 +1410,10 @@ mod tests {
         let stored = &state.services[&key];
         assert_eq!((stored.cluster_ips.capacity(), stored.ports.capacity()), (1, 1));
         let stored = &state.endpoint_slices[&ObjectKey::new("default", "web-1")];
-        assert_eq!((stored.endpoints.capacity(), stored.endpoints[0].addresses.capacity(), stored.ports.capacity()), (2, 1, 1));
+        assert_eq!(
+            (stored.endpoints.capacity(), stored.endpoints[0].addresses.capacity(), stored.ports.capacity()),
+            (2, 1, 1)
+        );
         let stored = &state.pods[&ObjectKey::new("default", "p")];
         assert_eq!((stored.ips.capacity(), stored.ports.capacity()), (1, 0));
         // The view filters endpoints (topology) into vectors of its own.
@@ -1276,7 +1433,8 @@ mod tests {
         let key = ObjectKey::new("default", "web");
         assert_eq!(model.services[&key].health_check(), Some(HealthCheck { port: 31000, local_endpoints: 0 }));
 
-        let mut web_1 = slice("web-1", "web", &[("10.244.1.2", "node-a"), ("10.244.1.3", "node-a"), ("10.244.2.2", "node-b")]);
+        let mut web_1 =
+            slice("web-1", "web", &[("10.244.1.2", "node-a"), ("10.244.1.3", "node-a"), ("10.244.2.2", "node-b")]);
         web_1.ports.push(EndpointPort { name: "metrics".into(), protocol: Protocol::Tcp, port: 9090 });
         web_1.endpoints[1].ready = false;
         web_1.endpoints[1].terminating = true;
@@ -1300,7 +1458,12 @@ mod tests {
     fn service_cidrs_are_the_union_of_the_objects_and_not_the_guests_business() {
         let mut state = ClusterState::new();
         let mut model = NodeLocalModel::new("node-a", vec![]);
-        let cidr = |name: &str, cidrs: &[&str]| ClusterObject::ServiceCidr(ServiceCidr { name: name.into(), cidrs: cidrs.iter().map(|c| c.parse().unwrap()).collect() });
+        let cidr = |name: &str, cidrs: &[&str]| {
+            ClusterObject::ServiceCidr(ServiceCidr {
+                name: name.into(),
+                cidrs: cidrs.iter().map(|c| c.parse().unwrap()).collect(),
+            })
+        };
         let nets = |cidrs: &[&str]| cidrs.iter().map(|c| c.parse().unwrap()).collect::<Vec<ipnet::IpNet>>();
         apply(&mut state, &mut model, ClusterObject::Service(service("web", "10.96.0.10")));
         let u = apply(&mut state, &mut model, cidr("kubernetes", &["fd00:96::/108", "10.96.0.0/16"]));
@@ -1310,24 +1473,37 @@ mod tests {
         apply(&mut state, &mut model, cidr("extra", &["10.96.0.0/16", "10.100.0.0/16"]));
         assert_eq!(model.service_cidrs, nets(&["10.96.0.0/16", "10.100.0.0/16", "fd00:96::/108"]));
         let revision = model.revision;
-        assert!(apply(&mut state, &mut model, cidr("extra", &["10.96.0.0/16", "10.100.0.0/16"])).is_empty(), "the same object again");
+        assert!(
+            apply(&mut state, &mut model, cidr("extra", &["10.96.0.0/16", "10.100.0.0/16"])).is_empty(),
+            "the same object again"
+        );
         assert_eq!(model.revision, revision);
         // A relist without one of them deletes it.
-        let touched = state.replace_kind(ObjectKind::ServiceCidr, vec![cidr("kubernetes", &["fd00:96::/108", "10.96.0.0/16"])], &[], "node-a");
+        let touched = state.replace_kind(
+            ObjectKind::ServiceCidr,
+            vec![cidr("kubernetes", &["fd00:96::/108", "10.96.0.0/16"])],
+            &[],
+            "node-a",
+        );
         assert!(model.update(&state, &touched).service_cidrs_changed);
         assert_eq!(model.service_cidrs, nets(&["10.96.0.0/16", "fd00:96::/108"]));
-        let touched = state.apply(ClusterEvent::Delete(ObjectKind::ServiceCidr, ObjectKey::cluster("kubernetes")), "node-a");
+        let touched =
+            state.apply(ClusterEvent::Delete(ObjectKind::ServiceCidr, ObjectKey::cluster("kubernetes")), "node-a");
         assert!(model.update(&state, &touched).service_cidrs_changed && model.service_cidrs.is_empty());
 
         // Configured ranges (`--service-cidr`) are there from the start and stay when the
         // objects go; an object repeating one changes nothing.
         let mut state = ClusterState::new();
-        let mut model = NodeLocalModel::new("node-a", vec![]).with_service_cidrs(nets(&["10.96.0.0/16", "10.96.0.0/16"]));
+        let mut model =
+            NodeLocalModel::new("node-a", vec![]).with_service_cidrs(nets(&["10.96.0.0/16", "10.96.0.0/16"]));
         assert_eq!(model.service_cidrs, nets(&["10.96.0.0/16"]));
         assert!(!apply(&mut state, &mut model, cidr("kubernetes", &["10.96.0.0/16"])).service_cidrs_changed);
-        assert!(apply(&mut state, &mut model, cidr("kubernetes", &["10.96.0.0/16", "fd00:96::/108"])).service_cidrs_changed);
+        assert!(
+            apply(&mut state, &mut model, cidr("kubernetes", &["10.96.0.0/16", "fd00:96::/108"])).service_cidrs_changed
+        );
         assert_eq!(model.service_cidrs, nets(&["10.96.0.0/16", "fd00:96::/108"]));
-        let touched = state.apply(ClusterEvent::Delete(ObjectKind::ServiceCidr, ObjectKey::cluster("kubernetes")), "node-a");
+        let touched =
+            state.apply(ClusterEvent::Delete(ObjectKind::ServiceCidr, ObjectKey::cluster("kubernetes")), "node-a");
         assert!(model.update(&state, &touched).service_cidrs_changed);
         assert_eq!(model.service_cidrs, nets(&["10.96.0.0/16"]));
     }
@@ -1362,16 +1538,31 @@ mod tests {
         // endpoint counts alone.
         web.ports.push(ServicePort::tcp("metrics", 9090, 9090));
         apply(&mut state, &mut model, ClusterObject::Service(web.clone()));
-        assert_eq!(model.services[&key].without_local_endpoints(), NoLocalEndpoints { internal: 1, external: 1 }, "no slice carries the metrics port");
-        let metrics = EndpointSlice { ports: vec![EndpointPort { name: "metrics".into(), protocol: Protocol::Tcp, port: 9090 }], ..slice("web-2", "web", &[("10.244.1.3", "node-a")]) };
+        assert_eq!(
+            model.services[&key].without_local_endpoints(),
+            NoLocalEndpoints { internal: 1, external: 1 },
+            "no slice carries the metrics port"
+        );
+        let metrics = EndpointSlice {
+            ports: vec![EndpointPort { name: "metrics".into(), protocol: Protocol::Tcp, port: 9090 }],
+            ..slice("web-2", "web", &[("10.244.1.3", "node-a")])
+        };
         apply(&mut state, &mut model, ClusterObject::EndpointSlice(metrics));
         assert_eq!(model.services[&key].without_local_endpoints(), NoLocalEndpoints::default());
         slice_ab.endpoints[1].serving = false;
         apply(&mut state, &mut model, ClusterObject::EndpointSlice(slice_ab));
-        assert_eq!(model.services[&key].without_local_endpoints(), NoLocalEndpoints { internal: 1, external: 1 }, "http alone");
+        assert_eq!(
+            model.services[&key].without_local_endpoints(),
+            NoLocalEndpoints { internal: 1, external: 1 },
+            "http alone"
+        );
 
         // Cluster policies never count.
-        let cluster = Service { internal_traffic_policy: TrafficPolicy::Cluster, external_traffic_policy: TrafficPolicy::Cluster, ..web };
+        let cluster = Service {
+            internal_traffic_policy: TrafficPolicy::Cluster,
+            external_traffic_policy: TrafficPolicy::Cluster,
+            ..web
+        };
         apply(&mut state, &mut model, ClusterObject::EndpointSlice(slice("web-1", "web", &[("10.244.2.2", "node-b")])));
         apply(&mut state, &mut model, ClusterObject::Service(cluster));
         assert_eq!(model.services[&key].without_local_endpoints(), NoLocalEndpoints::default());
@@ -1385,7 +1576,8 @@ mod tests {
         headless.cluster_ips = vec!["None".into()];
         assert!(apply(&mut state, &mut model, ClusterObject::Service(headless)).is_empty());
         apply(&mut state, &mut model, ClusterObject::Service(service("web", "10.96.0.10")));
-        let touched = state.apply(ClusterEvent::Delete(ObjectKind::Service, ObjectKey::new("default", "web")), "node-a");
+        let touched =
+            state.apply(ClusterEvent::Delete(ObjectKind::Service, ObjectKey::new("default", "web")), "node-a");
         let u = model.update(&state, &touched);
         assert_eq!(u.changed.len(), 1);
         assert!(u.changed[0].view.is_none());
@@ -1503,7 +1695,12 @@ mod tests {
     fn same_namespace_peers_do_not_see_other_namespaces() {
         let mut state = ClusterState::new();
         let mut model = NodeLocalModel::new("node-a", vec![]);
-        for o in [namespace("shop", "blue"), namespace("tools", "red"), policy("shop", None), pod("shop", "web-1", "10.244.1.5", "node-a", "web")] {
+        for o in [
+            namespace("shop", "blue"),
+            namespace("tools", "red"),
+            policy("shop", None),
+            pod("shop", "web-1", "10.244.1.5", "node-a", "web"),
+        ] {
             apply(&mut state, &mut model, o);
         }
         let revision = model.revision;
@@ -1521,18 +1718,33 @@ mod tests {
         let mut state = ClusterState::new();
         let mut model = NodeLocalModel::new("node-a", vec![]);
         let select = |pairs: &[(&str, &str)]| LabelSelector { match_labels: labels(pairs), match_expressions: vec![] };
-        let peer = |pod: Option<&[(&str, &str)]>, namespace: Option<&[(&str, &str)]>| PolicyPeer { pod_selector: pod.map(select), namespace_selector: namespace.map(select), ip_block: None };
+        let peer = |pod: Option<&[(&str, &str)]>, namespace: Option<&[(&str, &str)]>| PolicyPeer {
+            pod_selector: pod.map(select),
+            namespace_selector: namespace.map(select),
+            ip_block: None,
+        };
         let mut policy = NetworkPolicy {
             namespace: "shop".into(),
             name: "mixed".into(),
             uid: CompactString::default(),
             generation: 1,
             pod_selector: select(&[("app", "web")]),
-            ingress: Some(vec![PolicyRule { ports: vec![], peers: vec![peer(Some(&[("app", "client")]), None), peer(None, Some(&[("team", "red")]))] }]),
-            egress: Some(vec![PolicyRule { ports: vec![], peers: vec![peer(Some(&[("app", "db")]), Some(&[("team", "blue")]))] }]),
+            ingress: Some(vec![PolicyRule {
+                ports: vec![],
+                peers: vec![peer(Some(&[("app", "client")]), None), peer(None, Some(&[("team", "red")]))],
+            }]),
+            egress: Some(vec![PolicyRule {
+                ports: vec![],
+                peers: vec![peer(Some(&[("app", "db")]), Some(&[("team", "blue")]))],
+            }]),
         };
         // `shop` has pods but no Namespace object: only the same-namespace peer reaches it.
-        let mut objects = vec![namespace("tools", "red"), namespace("data", "blue"), namespace("misc", "green"), pod("shop", "web-1", "10.244.1.5", "node-a", "web")];
+        let mut objects = vec![
+            namespace("tools", "red"),
+            namespace("data", "blue"),
+            namespace("misc", "green"),
+            pod("shop", "web-1", "10.244.1.5", "node-a", "web"),
+        ];
         for (i, ns) in ["shop", "tools", "data", "misc", "nowhere"].iter().enumerate() {
             for (j, app) in ["client", "db", "web", "batch"].iter().enumerate() {
                 objects.push(pod(ns, &format!("{app}-{i}{j}"), &format!("10.244.{i}.{}", 10 + j), "node-b", app));
@@ -1551,7 +1763,11 @@ mod tests {
             let expected: Vec<&str> = state
                 .pods
                 .values()
-                .filter(|pod| policy.peers().any(|peer| peer.selects(&policy.namespace, pod, state.namespace_labels(&pod.namespace))))
+                .filter(|pod| {
+                    policy
+                        .peers()
+                        .any(|peer| peer.selects(&policy.namespace, pod, state.namespace_labels(&pod.namespace)))
+                })
                 .map(|p| p.name.as_str())
                 .collect();
             let view = &model.policies[&ObjectKey::new("shop", "mixed")];
@@ -1559,10 +1775,15 @@ mod tests {
             assert_eq!(got, expected, "round {round}");
             let mut names = got.clone();
             names.sort_unstable();
-            let want = if round == 0 { vec!["batch-13", "client-00", "client-10", "db-11", "db-21", "web-12"] } else { vec!["client-00"] };
+            let want = if round == 0 {
+                vec!["batch-13", "client-00", "client-10", "db-11", "db-21", "web-12"]
+            } else {
+                vec!["client-00"]
+            };
             assert_eq!(names, want, "round {round}");
             // Second round: only same-namespace peers left, in a namespace with no object.
-            policy.ingress = Some(vec![PolicyRule { ports: vec![], peers: vec![peer(Some(&[("app", "client")]), None)] }]);
+            policy.ingress =
+                Some(vec![PolicyRule { ports: vec![], peers: vec![peer(Some(&[("app", "client")]), None)] }]);
             policy.egress = None;
         }
     }
@@ -1575,7 +1796,11 @@ mod tests {
         let mut state = ClusterState::new();
         let mut model = NodeLocalModel::new("node-a", vec![]);
         let select = |pairs: &[(&str, &str)]| LabelSelector { match_labels: labels(pairs), match_expressions: vec![] };
-        let peer = |pod: &[(&str, &str)], namespace: Option<&[(&str, &str)]>| PolicyPeer { pod_selector: Some(select(pod)), namespace_selector: namespace.map(select), ip_block: None };
+        let peer = |pod: &[(&str, &str)], namespace: Option<&[(&str, &str)]>| PolicyPeer {
+            pod_selector: Some(select(pod)),
+            namespace_selector: namespace.map(select),
+            ip_block: None,
+        };
         let policy = |name: &str, peers: Vec<PolicyPeer>| NetworkPolicy {
             namespace: "shop".into(),
             name: name.into(),
@@ -1585,14 +1810,25 @@ mod tests {
             ingress: Some(vec![PolicyRule { ports: vec![], peers }]),
             egress: None,
         };
-        let mut objects = vec![namespace("shop", "green"), namespace("tools", "red"), namespace("data", "blue"), pod("shop", "web-1", "10.244.1.5", "node-a", "web")];
+        let mut objects = vec![
+            namespace("shop", "green"),
+            namespace("tools", "red"),
+            namespace("data", "blue"),
+            pod("shop", "web-1", "10.244.1.5", "node-a", "web"),
+        ];
         for (i, ns) in ["shop", "tools", "data"].iter().enumerate() {
             for (j, app) in ["client", "db", "batch"].iter().enumerate() {
                 objects.push(pod(ns, &format!("{app}-{i}{j}"), &format!("10.244.{i}.{}", 10 + j), "node-b", app));
             }
         }
-        objects.push(ClusterObject::NetworkPolicy(policy("any-client", vec![peer(&[("app", "client")], Some(&[])), peer(&[("app", "db")], None)])));
-        objects.push(ClusterObject::NetworkPolicy(policy("red-client", vec![peer(&[("app", "client")], Some(&[("team", "red")]))])));
+        objects.push(ClusterObject::NetworkPolicy(policy(
+            "any-client",
+            vec![peer(&[("app", "client")], Some(&[])), peer(&[("app", "db")], None)],
+        )));
+        objects.push(ClusterObject::NetworkPolicy(policy(
+            "red-client",
+            vec![peer(&[("app", "client")], Some(&[("team", "red")]))],
+        )));
         for o in objects {
             apply(&mut state, &mut model, o);
         }
@@ -1601,7 +1837,11 @@ mod tests {
                 let expected: Vec<&Pod> = state
                     .pods
                     .values()
-                    .filter(|pod| policy.peers().any(|peer| peer.selects(&policy.namespace, pod, state.namespace_labels(&pod.namespace))))
+                    .filter(|pod| {
+                        policy
+                            .peers()
+                            .any(|peer| peer.selects(&policy.namespace, pod, state.namespace_labels(&pod.namespace)))
+                    })
                     .map(|p| &**p)
                     .collect();
                 // Whole pods: a peer's new address must be in the view, not its old one.
@@ -1626,7 +1866,11 @@ mod tests {
         delete(&mut state, &mut model, ObjectKind::Pod, "data", "client-20");
         check(&state, &model, "a peer deleted");
         // A second key, which pods gain and lose as a label of their own (not a new value).
-        apply(&mut state, &mut model, ClusterObject::NetworkPolicy(policy("gold", vec![peer(&[("tier", "gold")], Some(&[]))])));
+        apply(
+            &mut state,
+            &mut model,
+            ClusterObject::NetworkPolicy(policy("gold", vec![peer(&[("tier", "gold")], Some(&[]))])),
+        );
         let with_tier = |ip: &str, tier: Option<&str>| {
             let ClusterObject::Pod(mut pod) = pod("data", "batch-22", ip, "node-b", "batch") else { unreachable!() };
             if let Some(tier) = tier {
@@ -1646,7 +1890,11 @@ mod tests {
         delete(&mut state, &mut model, ObjectKind::NetworkPolicy, "shop", "any-client");
         apply(&mut state, &mut model, pod("tools", "db-11", "10.244.1.11", "node-b", "client"));
         check(&state, &model, "one of two policies requiring `app` gone");
-        assert_eq!(model.policies[&ObjectKey::new("shop", "red-client")].peer_pods.len(), 2, "batch-12 and db-11, relabelled");
+        assert_eq!(
+            model.policies[&ObjectKey::new("shop", "red-client")].peer_pods.len(),
+            2,
+            "batch-12 and db-11, relabelled"
+        );
         delete(&mut state, &mut model, ObjectKind::NetworkPolicy, "shop", "red-client");
         assert!(state.peer_pods.by_label.is_empty() && state.peer_pods.wanted.is_empty(), "{:?}", state.peer_pods);
     }
@@ -1659,16 +1907,27 @@ mod tests {
         let select = |pairs: &[(&str, &str)]| LabelSelector { match_labels: labels(pairs), match_expressions: vec![] };
         let tier_in = LabelSelector {
             match_labels: Labels::new(),
-            match_expressions: vec![SelectorRequirement { key: "app".into(), operator: SelectorOperator::In, values: vec!["db".into()] }],
+            match_expressions: vec![SelectorRequirement {
+                key: "app".into(),
+                operator: SelectorOperator::In,
+                values: vec!["db".into()],
+            }],
         };
-        let peer = |pod: Option<LabelSelector>, namespace: Option<LabelSelector>| PolicyPeer { pod_selector: pod, namespace_selector: namespace, ip_block: None };
+        let peer = |pod: Option<LabelSelector>, namespace: Option<LabelSelector>| PolicyPeer {
+            pod_selector: pod,
+            namespace_selector: namespace,
+            ip_block: None,
+        };
         let peers: Vec<Vec<PolicyPeer>> = vec![
             vec![peer(Some(select(&[("app", "client")])), None)],
             vec![peer(Some(select(&[("app", "client")])), Some(select(&[("team", "red")])))],
             vec![peer(Some(select(&[("app", "db")])), Some(select(&[])))],
             vec![peer(Some(tier_in.clone()), Some(select(&[])))],
             vec![peer(None, Some(select(&[("team", "blue")])))],
-            vec![peer(Some(select(&[("app", "web")])), None), peer(Some(select(&[("app", "client"), ("tier", "x")])), Some(select(&[])))],
+            vec![
+                peer(Some(select(&[("app", "web")])), None),
+                peer(Some(select(&[("app", "client"), ("tier", "x")])), Some(select(&[]))),
+            ],
         ];
         for o in [namespace("shop", "blue"), namespace("tools", "red")] {
             state.apply(ClusterEvent::Upsert(o), "node-a");
@@ -1686,7 +1945,11 @@ mod tests {
                         1 => tier_in.clone(),
                         4 => LabelSelector {
                             match_labels: Labels::new(),
-                            match_expressions: vec![SelectorRequirement { key: "app".into(), operator: SelectorOperator::NotIn, values: vec!["batch".into()] }],
+                            match_expressions: vec![SelectorRequirement {
+                                key: "app".into(),
+                                operator: SelectorOperator::NotIn,
+                                values: vec!["batch".into()],
+                            }],
                         },
                         _ => select(&[("app", "web")]),
                     },
@@ -1698,17 +1961,33 @@ mod tests {
             }
         }
         let naming = |state: &ClusterState, pod: &Pod| -> BTreeSet<ObjectKey> {
-            policies.iter().filter(|p| p.involves(pod, state.namespace_labels(&pod.namespace))).map(|p| p.key()).collect()
+            policies
+                .iter()
+                .filter(|p| p.involves(pod, state.namespace_labels(&pod.namespace)))
+                .map(|p| p.key())
+                .collect()
         };
         // One pod per namespace, relabelled in turn: the old and the new labels count.
         let mut current: BTreeMap<&str, Pod> = BTreeMap::new();
-        for (ns, app) in [("shop", "client"), ("shop", "db"), ("tools", "db"), ("tools", "client"), ("tools", "web"), ("tools", "batch"), ("shop", "batch")] {
+        for (ns, app) in [
+            ("shop", "client"),
+            ("shop", "db"),
+            ("tools", "db"),
+            ("tools", "client"),
+            ("tools", "web"),
+            ("tools", "batch"),
+            ("shop", "batch"),
+        ] {
             let ClusterObject::Pod(mut pod) = pod(ns, "x", "10.244.1.9", "node-b", app) else { unreachable!() };
             if app == "client" && ns == "tools" {
                 pod.labels.insert("tier".into(), "x".into());
             }
             let mut want = naming(&state, &pod);
-            assert_eq!(want.is_empty(), (ns, app) == ("tools", "batch"), "only a batch pod of a red namespace is nobody's peer");
+            assert_eq!(
+                want.is_empty(),
+                (ns, app) == ("tools", "batch"),
+                "only a batch pod of a red namespace is nobody's peer"
+            );
             if let Some(old) = current.get(ns) {
                 want.extend(naming(&state, old));
             }
@@ -1729,17 +2008,28 @@ mod tests {
         let mut state = ClusterState::new();
         let mut model = NodeLocalModel::new("node-a", vec![]);
         apply(&mut state, &mut model, ClusterObject::Service(service("web", "10.96.0.10")));
-        let mut hinted = slice("web-1", "web", &[("10.244.1.2", "node-a"), ("10.244.2.2", "node-b"), ("10.244.3.2", "node-c")]);
+        let mut hinted =
+            slice("web-1", "web", &[("10.244.1.2", "node-a"), ("10.244.2.2", "node-b"), ("10.244.3.2", "node-c")]);
         for (e, zone) in hinted.endpoints.iter_mut().zip(["zone-b", "zone-a", "zone-b"]) {
             e.for_zones = vec![zone.into()];
         }
         apply(&mut state, &mut model, ClusterObject::EndpointSlice(hinted));
         let addresses = |model: &NodeLocalModel| -> Vec<CompactString> {
-            model.services[&ObjectKey::new("default", "web")].slices[0].endpoints.iter().map(|e| e.addresses[0].clone()).collect()
+            model.services[&ObjectKey::new("default", "web")].slices[0]
+                .endpoints
+                .iter()
+                .map(|e| e.addresses[0].clone())
+                .collect()
         };
         // No zone on the node yet: hints are ignored.
         assert_eq!(addresses(&model).len(), 3);
-        let node = Node { name: "node-a".into(), addresses: vec![], pod_cidrs: vec![], labels: labels(&[(ZONE_LABEL, "zone-a")]), being_deleted: false };
+        let node = Node {
+            name: "node-a".into(),
+            addresses: vec![],
+            pod_cidrs: vec![],
+            labels: labels(&[(ZONE_LABEL, "zone-a")]),
+            being_deleted: false,
+        };
         let u = apply(&mut state, &mut model, ClusterObject::Node(node));
         assert!(u.context_changed);
         assert_eq!(u.changed.len(), 1, "a zone change re-reads every service's hints");
@@ -1751,14 +2041,23 @@ mod tests {
     fn node_hints_narrow_endpoints_to_this_nodes_before_zone_hints() {
         let mut state = ClusterState::new();
         let mut model = NodeLocalModel::new("node-a", vec![]);
-        let node = Node { name: "node-a".into(), addresses: vec![], pod_cidrs: vec![], labels: labels(&[(ZONE_LABEL, "zone-a")]), being_deleted: false };
+        let node = Node {
+            name: "node-a".into(),
+            addresses: vec![],
+            pod_cidrs: vec![],
+            labels: labels(&[(ZONE_LABEL, "zone-a")]),
+            being_deleted: false,
+        };
         apply(&mut state, &mut model, ClusterObject::Node(node));
         apply(&mut state, &mut model, ClusterObject::Service(service("web", "10.96.0.10")));
         // What the EndpointSlice controller writes for `trafficDistribution: PreferSameNode`:
         // each endpoint hinted for its own node, and for its zone as a fallback.
         let hinted = |ready_here: bool, unhinted: bool| {
-            let mut s = slice("web-1", "web", &[("10.244.1.2", "node-b"), ("10.244.2.2", "node-c"), ("10.244.3.2", "node-d")]);
-            for (e, (node, zone)) in s.endpoints.iter_mut().zip([("node-a", "zone-a"), ("node-c", "zone-a"), ("node-d", "zone-b")]) {
+            let mut s =
+                slice("web-1", "web", &[("10.244.1.2", "node-b"), ("10.244.2.2", "node-c"), ("10.244.3.2", "node-d")]);
+            for (e, (node, zone)) in
+                s.endpoints.iter_mut().zip([("node-a", "zone-a"), ("node-c", "zone-a"), ("node-d", "zone-b")])
+            {
                 e.for_nodes = vec![node.into()];
                 e.for_zones = vec![zone.into()];
             }
@@ -1769,18 +2068,34 @@ mod tests {
             s
         };
         let addresses = |model: &NodeLocalModel| -> Vec<String> {
-            model.services[&ObjectKey::new("default", "web")].slices[0].endpoints.iter().map(|e| e.addresses[0].to_string()).collect()
+            model.services[&ObjectKey::new("default", "web")].slices[0]
+                .endpoints
+                .iter()
+                .map(|e| e.addresses[0].to_string())
+                .collect()
         };
         apply(&mut state, &mut model, ClusterObject::EndpointSlice(hinted(true, false)));
         assert_eq!(addresses(&model), ["10.244.1.2"], "node hints first: the endpoint hinted for this node only");
         apply(&mut state, &mut model, ClusterObject::EndpointSlice(hinted(false, false)));
         // (The unready one stays in the view, as in kube-proxy: readiness is the translator's.)
-        assert_eq!(addresses(&model), ["10.244.1.2", "10.244.2.2"], "no ready endpoint hinted for this node: the zone's");
+        assert_eq!(
+            addresses(&model),
+            ["10.244.1.2", "10.244.2.2"],
+            "no ready endpoint hinted for this node: the zone's"
+        );
         apply(&mut state, &mut model, ClusterObject::EndpointSlice(hinted(true, true)));
-        assert_eq!(addresses(&model), ["10.244.1.2", "10.244.2.2"], "a ready endpoint without node hints: zone hints apply");
+        assert_eq!(
+            addresses(&model),
+            ["10.244.1.2", "10.244.2.2"],
+            "a ready endpoint without node hints: zone hints apply"
+        );
         let mut elsewhere = hinted(true, false);
         elsewhere.endpoints[0].for_nodes = vec!["node-b".into()];
         apply(&mut state, &mut model, ClusterObject::EndpointSlice(elsewhere));
-        assert_eq!(addresses(&model), ["10.244.1.2", "10.244.2.2"], "no endpoint hinted for this node: zone hints apply");
+        assert_eq!(
+            addresses(&model),
+            ["10.244.1.2", "10.244.2.2"],
+            "no endpoint hinted for this node: zone hints apply"
+        );
     }
 }

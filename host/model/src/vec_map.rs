@@ -199,7 +199,8 @@ mod tests {
     #[test]
     fn behaves_like_a_btree_map_with_tuple_keys() {
         let k = |m: &str, key: &str| (m.to_string(), key.to_string());
-        let steps = [(k("service-ips", "b"), 1), (k("hairpin", "a"), 2), (k("service-ips", "a"), 3), (k("hairpin", "a"), 4)];
+        let steps =
+            [(k("service-ips", "b"), 1), (k("hairpin", "a"), 2), (k("service-ips", "a"), 3), (k("hairpin", "a"), 4)];
         let mut map = VecMap::new();
         let mut btree = BTreeMap::new();
         for (key, v) in steps.clone() {

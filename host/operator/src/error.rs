@@ -63,24 +63,15 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
     pub(crate) fn kube(what: impl Into<String>, source: kube::Error) -> Self {
-        Error::Kube {
-            what: what.into(),
-            source,
-        }
+        Error::Kube { what: what.into(), source }
     }
 
     pub(crate) fn kv(what: impl Into<String>, source: KvError) -> Self {
-        Error::Kv {
-            what: what.into(),
-            source,
-        }
+        Error::Kv { what: what.into(), source }
     }
 
     pub(crate) fn netlink(what: impl Into<String>, source: rtnetlink::Error) -> Self {
-        Error::Netlink {
-            what: what.into(),
-            source,
-        }
+        Error::Netlink { what: what.into(), source }
     }
 }
 

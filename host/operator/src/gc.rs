@@ -101,10 +101,7 @@ pub struct DeciderError(pub String);
 /// its Wasm session), or any native implementation. Called off the async
 /// runtime (a guest call blocks for up to its time limit).
 pub trait GcDecider: Send + 'static {
-    fn collect(
-        &mut self,
-        candidates: &[GcCandidate],
-    ) -> std::result::Result<Vec<String>, DeciderError>;
+    fn collect(&mut self, candidates: &[GcCandidate]) -> std::result::Result<Vec<String>, DeciderError>;
 }
 
 /// How the collector works.
@@ -228,19 +225,13 @@ struct TokenBucket {
 impl TokenBucket {
     fn new(rate: f64, burst: u32) -> Self {
         let burst = f64::from(burst.max(1));
-        TokenBucket {
-            rate,
-            burst,
-            tokens: burst,
-            last: Instant::now(),
-        }
+        TokenBucket { rate, burst, tokens: burst, last: Instant::now() }
     }
 
     async fn acquire(&mut self) {
         loop {
             let now = Instant::now();
-            self.tokens = (self.tokens + now.duration_since(self.last).as_secs_f64() * self.rate)
-                .min(self.burst);
+            self.tokens = (self.tokens + now.duration_since(self.last).as_secs_f64() * self.rate).min(self.burst);
             self.last = now;
             if self.tokens >= 1.0 {
                 self.tokens -= 1.0;
@@ -273,22 +264,13 @@ impl GarbageCollector {
         config: GcConfig,
     ) -> Result<Self> {
         if !(config.deletes_per_second.is_finite() && config.deletes_per_second > 0.0) {
-            return Err(Error::InvalidConfig(
-                "GC deletes_per_second must be positive".into(),
-            ));
+            return Err(Error::InvalidConfig("GC deletes_per_second must be positive".into()));
         }
         if config.interval.is_zero() {
             return Err(Error::InvalidConfig("GC interval must be positive".into()));
         }
         let bucket = TokenBucket::new(config.deletes_per_second, config.burst);
-        Ok(GarbageCollector {
-            store,
-            client,
-            decider,
-            config,
-            first_seen: HashMap::new(),
-            bucket,
-        })
+        Ok(GarbageCollector { store, client, decider, config, first_seen: HashMap::new(), bucket })
     }
 
     /// Runs a cycle every interval, forever (errors are logged and the next
@@ -325,26 +307,19 @@ impl GarbageCollector {
 
     async fn cycle(&mut self) -> Result<GcReport> {
         let candidates = self.candidates().await?;
-        let mut report = GcReport {
-            offered: candidates.len(),
-            ..GcReport::default()
-        };
+        let mut report = GcReport { offered: candidates.len(), ..GcReport::default() };
         if candidates.is_empty() {
             return Ok(report);
         }
         let decider = self.decider.clone();
         let offered = candidates.clone();
         let named = tokio::task::spawn_blocking(move || {
-            decider
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .collect(&offered)
+            decider.lock().unwrap_or_else(PoisonError::into_inner).collect(&offered)
         })
         .await
         .map_err(|e| Error::Internal(format!("GC decider task: {e}")))?
         .map_err(|e| Error::Gc(e.0))?;
-        let by_key: HashMap<&str, &GcCandidate> =
-            candidates.iter().map(|c| (c.key.as_str(), c)).collect();
+        let by_key: HashMap<&str, &GcCandidate> = candidates.iter().map(|c| (c.key.as_str(), c)).collect();
         let mut done = HashSet::new();
         for key in named {
             if !done.insert(key.clone()) {
@@ -356,11 +331,7 @@ impl GarbageCollector {
                 continue;
             };
             self.bucket.acquire().await;
-            match self
-                .store
-                .delete_if_revision(&candidate.key, candidate.mod_revision)
-                .await
-            {
+            match self.store.delete_if_revision(&candidate.key, candidate.mod_revision).await {
                 Ok(_) => {
                     debug!(key = %candidate.key, kind = ?candidate.kind, "GC deleted");
                     self.first_seen.remove(&candidate.key);
@@ -383,12 +354,7 @@ impl GarbageCollector {
         let now = Instant::now();
         let list = |prefix: String| {
             let store = self.store.clone();
-            async move {
-                store
-                    .list_prefix(&prefix)
-                    .await
-                    .map_err(|e| Error::kv(format!("GC listing {prefix}"), e))
-            }
+            async move { store.list_prefix(&prefix).await.map_err(|e| Error::kv(format!("GC listing {prefix}"), e)) }
         };
         let info = list(self.config.node_info_prefix.clone()).await?;
         let registered: BTreeSet<String> = info
@@ -408,8 +374,7 @@ impl GarbageCollector {
             found.push((kv.key, CandidateKind::StaleNode, owner, kv.mod_revision));
         }
         for kv in list(self.config.policy_status_prefix.clone()).await?.items {
-            let Some((policy, node)) = parse_status_key(&self.config.policy_status_prefix, &kv.key)
-            else {
+            let Some((policy, node)) = parse_status_key(&self.config.policy_status_prefix, &kv.key) else {
                 continue;
             };
             if !registered.contains(&node) {
@@ -440,22 +405,13 @@ impl GarbageCollector {
         self.first_seen.retain(|k, _| present.contains(k.as_str()));
         let mut candidates = Vec::with_capacity(found.len().min(self.config.max_candidates));
         for (key, kind, owner_exists, mod_revision) in found {
-            let seen = self
-                .first_seen
-                .entry(key.clone())
-                .or_insert((mod_revision, now));
+            let seen = self.first_seen.entry(key.clone()).or_insert((mod_revision, now));
             if seen.0 != mod_revision {
                 *seen = (mod_revision, now);
             }
             let age = now.duration_since(seen.1);
             if candidates.len() < self.config.max_candidates {
-                candidates.push(GcCandidate {
-                    key,
-                    kind,
-                    age,
-                    owner_exists,
-                    mod_revision,
-                });
+                candidates.push(GcCandidate { key, kind, age, owner_exists, mod_revision });
             }
         }
         Ok(candidates)
@@ -467,12 +423,7 @@ impl GarbageCollector {
         let client = self.client.clone()?;
         let api: Api<NetworkPolicy> = Api::all(client);
         match api.list(&ListParams::default()).await {
-            Ok(list) => Some(
-                list.items
-                    .into_iter()
-                    .filter_map(|p| p.metadata.uid)
-                    .collect(),
-            ),
+            Ok(list) => Some(list.items.into_iter().filter_map(|p| p.metadata.uid).collect()),
             Err(e) => {
                 warn!(error = %e, "GC: listing NetworkPolicies failed; policy statuses not judged");
                 None
@@ -527,9 +478,6 @@ mod tests {
             bucket.acquire().await;
         }
         let elapsed = start.elapsed();
-        assert!(
-            elapsed >= Duration::from_millis(990) && elapsed <= Duration::from_millis(1100),
-            "{elapsed:?}"
-        );
+        assert!(elapsed >= Duration::from_millis(990) && elapsed <= Duration::from_millis(1100), "{elapsed:?}");
     }
 }

@@ -34,18 +34,12 @@ pub struct Heartbeat {
 }
 
 fn unix_millis(t: SystemTime) -> u64 {
-    t.duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
+    t.duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
 
 /// Whether `heartbeat` (read at wall-clock `now`) is older than `max_age`;
 /// a missing heartbeat is stale. Skew-sensitive: prefer [`HeartbeatMonitor`].
-pub fn heartbeat_is_stale(
-    heartbeat: Option<&Heartbeat>,
-    now: SystemTime,
-    max_age: Duration,
-) -> bool {
+pub fn heartbeat_is_stale(heartbeat: Option<&Heartbeat>, now: SystemTime, max_age: Duration) -> bool {
     match heartbeat {
         None => true,
         Some(hb) => unix_millis(now).saturating_sub(hb.unix_millis) > max_age.as_millis() as u64,
@@ -54,23 +48,14 @@ pub fn heartbeat_is_stale(
 
 /// The leader's duty: writes the heartbeat every `interval`, forever. Run it
 /// through [`crate::Leadership::run_while_leading`].
-pub async fn write_heartbeats(
-    store: Arc<dyn KvStore>,
-    key: String,
-    identity: String,
-    interval: Duration,
-) {
+pub async fn write_heartbeats(store: Arc<dyn KvStore>, key: String, identity: String, interval: Duration) {
     let mut sequence = 0u64;
     let mut ticks = tokio::time::interval(interval);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticks.tick().await;
         sequence += 1;
-        let beat = Heartbeat {
-            identity: identity.clone(),
-            unix_millis: unix_millis(SystemTime::now()),
-            sequence,
-        };
+        let beat = Heartbeat { identity: identity.clone(), unix_millis: unix_millis(SystemTime::now()), sequence };
         let value = serde_json::to_vec(&beat).expect("a heartbeat always encodes");
         match store.put(&key, Bytes::from(value), None).await {
             Ok(_) => debug!(sequence, "heartbeat written"),
@@ -96,35 +81,22 @@ pub struct HeartbeatMonitor {
 impl HeartbeatMonitor {
     /// Reads the key once (failing if the store is unreachable) and follows it.
     /// `max_age` is typically three heartbeat intervals.
-    pub async fn start(
-        store: Arc<dyn KvStore>,
-        key: impl Into<String>,
-        max_age: Duration,
-    ) -> Result<Self> {
+    pub async fn start(store: Arc<dyn KvStore>, key: impl Into<String>, max_age: Duration) -> Result<Self> {
         let key = key.into();
-        let (listing, stream) = store
-            .list_and_watch(&key)
-            .await
-            .map_err(|e| Error::kv("reading the heartbeat", e))?;
+        let (listing, stream) = store.list_and_watch(&key).await.map_err(|e| Error::kv("reading the heartbeat", e))?;
         let seen = Arc::new(Mutex::new(Seen::default()));
         if let Some(kv) = listing.items.iter().find(|kv| kv.key == key)
             && let Ok(beat) = serde_json::from_slice::<Heartbeat>(&kv.value)
         {
             // Before seeing a change, the written time is all we have.
-            let age = Duration::from_millis(
-                unix_millis(SystemTime::now()).saturating_sub(beat.unix_millis),
-            );
+            let age = Duration::from_millis(unix_millis(SystemTime::now()).saturating_sub(beat.unix_millis));
             let mut s = seen.lock().unwrap_or_else(PoisonError::into_inner);
             s.at = Instant::now().checked_sub(age);
             s.last = Some(beat);
         }
         let span = tracing::info_span!("heartbeat_monitor", key = %key);
         let task = tokio::spawn(follow(store, key, stream, seen.clone()).instrument(span));
-        Ok(HeartbeatMonitor {
-            seen,
-            max_age,
-            task,
-        })
+        Ok(HeartbeatMonitor { seen, max_age, task })
     }
 
     /// Whether no heartbeat was seen within `max_age`.
@@ -134,20 +106,12 @@ impl HeartbeatMonitor {
 
     /// Time since the heartbeat last changed, if it was ever seen.
     pub fn age(&self) -> Option<Duration> {
-        self.seen
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .at
-            .map(|at| at.elapsed())
+        self.seen.lock().unwrap_or_else(PoisonError::into_inner).at.map(|at| at.elapsed())
     }
 
     /// The last heartbeat seen.
     pub fn last(&self) -> Option<Heartbeat> {
-        self.seen
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .last
-            .clone()
+        self.seen.lock().unwrap_or_else(PoisonError::into_inner).last.clone()
     }
 }
 

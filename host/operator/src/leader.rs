@@ -60,11 +60,7 @@ pub struct LeaderElectionConfig {
 impl LeaderElectionConfig {
     /// A 15 s lease renewed every 5 s, the leader giving up after 10 s without a
     /// successful renewal (client-go's defaults, with the renewal every L/3).
-    pub fn new(
-        namespace: impl Into<String>,
-        lease_name: impl Into<String>,
-        identity: impl Into<String>,
-    ) -> Self {
+    pub fn new(namespace: impl Into<String>, lease_name: impl Into<String>, identity: impl Into<String>) -> Self {
         LeaderElectionConfig {
             namespace: namespace.into(),
             lease_name: lease_name.into(),
@@ -167,11 +163,7 @@ impl Leadership {
     /// A leadership that is always held: the single process of embedded mode.
     pub fn always() -> Self {
         let (tx, rx) = watch::channel(true);
-        Leadership {
-            leading: rx,
-            active: Arc::default(),
-            _always: Some(Arc::new(tx)),
-        }
+        Leadership { leading: rx, active: Arc::default(), _always: Some(Arc::new(tx)) }
     }
 
     /// Whether this replica leads right now.
@@ -190,12 +182,8 @@ impl Leadership {
     /// waits until it has stopped. A duty that ends on its own while still
     /// leading is restarted after `restart_delay`. Returns once the elector is
     /// gone, with the duty stopped.
-    pub async fn run_while_leading<F, Fut>(
-        &self,
-        name: &str,
-        restart_delay: Duration,
-        mut make_duty: F,
-    ) where
+    pub async fn run_while_leading<F, Fut>(&self, name: &str, restart_delay: Duration, mut make_duty: F)
+    where
         F: FnMut() -> Fut,
         Fut: Future<Output = ()> + Send + 'static,
     {
@@ -270,18 +258,10 @@ impl LeaderElector {
         let (tx, rx) = watch::channel(false);
         let tx = Arc::new(tx);
         let span = tracing::info_span!("leader_election", lease = %config.lease_name, identity = %config.identity);
-        let candidate = Candidate {
-            api: api.clone(),
-            config: config.clone(),
-            observed: None,
-        };
+        let candidate = Candidate { api: api.clone(), config: config.clone(), observed: None };
         let task = tokio::spawn(campaign(candidate, tx.clone()).instrument(span));
         Ok(LeaderElector {
-            leadership: Leadership {
-                leading: rx,
-                active: Arc::default(),
-                _always: None,
-            },
+            leadership: Leadership { leading: rx, active: Arc::default(), _always: None },
             leading_tx: tx,
             api,
             config,
@@ -313,10 +293,7 @@ impl LeaderElector {
         if !was_leading {
             return Ok(());
         }
-        if tokio::time::timeout(self.config.renew_deadline, self.leadership.duties_stopped())
-            .await
-            .is_err()
-        {
+        if tokio::time::timeout(self.config.renew_deadline, self.leadership.duties_stopped()).await.is_err() {
             // Releasing now could let a duty overlap with the next leader's: let
             // the lease expire instead.
             warn!("duties did not stop in time; not releasing the lease");
@@ -345,12 +322,8 @@ impl Record {
     fn of(lease: &Lease) -> Self {
         let spec = lease.spec.as_ref();
         Record {
-            holder: spec
-                .and_then(|s| s.holder_identity.clone())
-                .filter(|h| !h.is_empty()),
-            renew_time: spec
-                .and_then(|s| s.renew_time.as_ref())
-                .map(|t| t.0.to_string()),
+            holder: spec.and_then(|s| s.holder_identity.clone()).filter(|h| !h.is_empty()),
+            renew_time: spec.and_then(|s| s.renew_time.as_ref()).map(|t| t.0.to_string()),
             resource_version: lease.metadata.resource_version.clone(),
         }
     }
@@ -375,11 +348,7 @@ impl Candidate {
     async fn try_acquire_or_renew(&mut self) -> Result<bool> {
         let name = &self.config.lease_name.clone();
         let now = Instant::now();
-        let existing = self
-            .api
-            .get_opt(name)
-            .await
-            .map_err(|e| Error::kube(format!("reading lease {name}"), e))?;
+        let existing = self.api.get_opt(name).await.map_err(|e| Error::kube(format!("reading lease {name}"), e))?;
         let Some(mut lease) = existing else {
             let lease = Lease {
                 metadata: ObjectMeta {
@@ -403,10 +372,7 @@ impl Candidate {
         self.observe(&lease, now);
         let observed = self.observed.as_ref().expect("just observed");
         let ours = observed.record.holder.as_deref() == Some(self.config.identity.as_str());
-        if !ours
-            && observed.record.holder.is_some()
-            && now.duration_since(observed.since) < observed.lease_duration
-        {
+        if !ours && observed.record.holder.is_some() && now.duration_since(observed.since) < observed.lease_duration {
             return Ok(false);
         }
         let previous = lease.spec.take();
@@ -444,36 +410,20 @@ impl Candidate {
             .unwrap_or(self.config.lease_duration);
         match &mut self.observed {
             Some(o) if o.record == record => o.lease_duration = lease_duration,
-            _ => {
-                self.observed = Some(Observed {
-                    record,
-                    since: now,
-                    lease_duration,
-                })
-            }
+            _ => self.observed = Some(Observed { record, since: now, lease_duration }),
         }
     }
 
     fn spec_for_acquire(&self, previous: Option<LeaseSpec>) -> LeaseSpec {
-        let transitions = previous
-            .as_ref()
-            .and_then(|s| s.lease_transitions)
-            .unwrap_or(0);
-        let had_holder = previous
-            .as_ref()
-            .and_then(|s| s.holder_identity.as_ref())
-            .is_some_and(|h| !h.is_empty());
+        let transitions = previous.as_ref().and_then(|s| s.lease_transitions).unwrap_or(0);
+        let had_holder = previous.as_ref().and_then(|s| s.holder_identity.as_ref()).is_some_and(|h| !h.is_empty());
         let now = MicroTime(jiff::Timestamp::now());
         LeaseSpec {
             holder_identity: Some(self.config.identity.clone()),
             lease_duration_seconds: Some(self.config.lease_seconds()),
             acquire_time: Some(now.clone()),
             renew_time: Some(now),
-            lease_transitions: Some(if had_holder {
-                transitions + 1
-            } else {
-                transitions
-            }),
+            lease_transitions: Some(if had_holder { transitions + 1 } else { transitions }),
             ..previous.unwrap_or_default()
         }
     }
@@ -541,11 +491,7 @@ async fn campaign(mut candidate: Candidate, leading: Arc<watch::Sender<bool>>) {
 /// duration (as client-go does), conditioned on the version we read.
 async fn release(api: &Api<Lease>, config: &LeaderElectionConfig) -> Result<()> {
     let name = &config.lease_name;
-    let Some(mut lease) = api
-        .get_opt(name)
-        .await
-        .map_err(|e| Error::kube(format!("reading lease {name}"), e))?
-    else {
+    let Some(mut lease) = api.get_opt(name).await.map_err(|e| Error::kube(format!("reading lease {name}"), e))? else {
         return Ok(());
     };
     let Some(spec) = lease.spec.as_mut() else {

@@ -24,37 +24,38 @@ pub mod error;
 pub mod gc;
 pub mod heartbeat;
 pub mod leader;
+pub mod meshslices;
 pub mod nodes;
 pub mod operator;
 pub mod per_cluster;
 pub mod policystatus;
-pub mod meshslices;
 pub mod routes;
 pub mod services;
 mod servicewatch;
 
 pub use error::{Error, Result};
 pub use gc::{
-    CandidateKind, DeciderError, GarbageCollector, GcCandidate, GcConfig, GcDecider, GcReport,
-    GcStats, GcStatus, LOCKS_PREFIX,
+    CandidateKind, DeciderError, GarbageCollector, GcCandidate, GcConfig, GcDecider, GcReport, GcStats, GcStatus,
+    LOCKS_PREFIX,
 };
-pub use heartbeat::{
-    HEARTBEAT_KEY, Heartbeat, HeartbeatMonitor, heartbeat_is_stale, write_heartbeats,
-};
+pub use heartbeat::{HEARTBEAT_KEY, Heartbeat, HeartbeatMonitor, heartbeat_is_stale, write_heartbeats};
 pub use leader::{LeaderElectionConfig, LeaderElector, Leadership};
+pub use meshslices::{
+    ExportSet, MESH_SLICE_CONTROLLER, MeshSliceConfig, RemoteExports, SYNC_SLICES_ANNOTATION, cluster_exports_prefix,
+    follow_cluster_exports, is_mesh_slice, sync_mesh_slices,
+};
 pub use nodes::{NODE_INFO_PREFIX, NodeInfo, NodeRegistry, NodeRegistryConfig, allocate_node_id, release_node_id};
 pub use operator::{Operator, OperatorConfig};
 pub use per_cluster::PerCluster;
 pub use policystatus::{
-    AggregatorConfig, NodePolicyStatus, NodeStatusWriter, PolicyRef, PolicyStatusAggregator,
-    PolicySummary, read_summary,
-};
-pub use meshslices::{
-    ExportSet, MESH_SLICE_CONTROLLER, MeshSliceConfig, RemoteExports, SYNC_SLICES_ANNOTATION, cluster_exports_prefix, follow_cluster_exports, is_mesh_slice,
-    sync_mesh_slices,
+    AggregatorConfig, NodePolicyStatus, NodeStatusWriter, PolicyRef, PolicyStatusAggregator, PolicySummary,
+    read_summary,
 };
 pub use routes::{
-    DEFAULT_ROUTE_PROTOCOL, RemoteNodeSet, RemoteNodes, RouteConfig, RoutePlanner, RouteSync, RouteSyncReport, remove_routes,
-    desired_routes, follow_cluster_nodes,
+    DEFAULT_ROUTE_PROTOCOL, RemoteNodeSet, RemoteNodes, RouteConfig, RoutePlanner, RouteSync, RouteSyncReport,
+    desired_routes, follow_cluster_nodes, remove_routes,
 };
-pub use services::{CLUSTERS_PREFIX, ExportError, GLOBAL_SERVICE_ANNOTATION, SHARED_SERVICE_ANNOTATION, ServiceSyncConfig, SharedPort, SharedService, SharedSlice, sync_services};
+pub use services::{
+    CLUSTERS_PREFIX, ExportError, GLOBAL_SERVICE_ANNOTATION, SHARED_SERVICE_ANNOTATION, ServiceSyncConfig, SharedPort,
+    SharedService, SharedSlice, sync_services,
+};

@@ -28,8 +28,8 @@ use tracing::{debug, info, warn};
 use wasmplane_kvstore::{Revision, SharedBatch, SharedChange, SharedStore};
 
 use crate::per_cluster::PerCluster;
-use crate::servicewatch::{ServiceEvent, ServiceEvents, with_own_watch};
 use crate::services::{SERVICE_NAME_LABEL, SharedService, SharedSlice};
+use crate::servicewatch::{ServiceEvent, ServiceEvents, with_own_watch};
 
 /// The `endpointslice.kubernetes.io/managed-by` value of the slices written here.
 pub const MESH_SLICE_CONTROLLER: &str = "endpointslice-mesh-controller.wasmplane.io";
@@ -128,7 +128,12 @@ impl FollowedExports {
             Err(e) => {
                 if self.first_warning(name, revision) {
                     let kept = self.services.contains_key(&(namespace.to_string(), service.to_string()));
-                    warn!(cluster = self.cluster, key = name, kept, "an export not taken, its last good one stays: {e}");
+                    warn!(
+                        cluster = self.cluster,
+                        key = name,
+                        kept,
+                        "an export not taken, its last good one stays: {e}"
+                    );
                 }
             }
         }
@@ -163,7 +168,11 @@ fn is_headless(service: &Service) -> bool {
 fn mesh_slice(service: &Service, cluster: &str, index: usize, export: &SharedSlice) -> Option<EndpointSlice> {
     let (namespace, name) = (service.metadata.namespace.clone()?, service.metadata.name.clone()?);
     let first: IpAddr = export.addresses.first()?.parse().ok()?;
-    let addresses: Vec<&String> = export.addresses.iter().filter(|a| a.parse::<IpAddr>().is_ok_and(|ip| ip.is_ipv4() == first.is_ipv4())).collect();
+    let addresses: Vec<&String> = export
+        .addresses
+        .iter()
+        .filter(|a| a.parse::<IpAddr>().is_ok_and(|ip| ip.is_ipv4() == first.is_ipv4()))
+        .collect();
     let mut labels = BTreeMap::from([
         (SERVICE_NAME_LABEL.to_string(), name.clone()),
         (MANAGED_BY_LABEL.to_string(), MESH_SLICE_CONTROLLER.to_string()),
@@ -172,26 +181,58 @@ fn mesh_slice(service: &Service, cluster: &str, index: usize, export: &SharedSli
     if is_headless(service) {
         labels.insert(HEADLESS_LABEL.to_string(), String::new());
     }
-    let owner = service.metadata.uid.clone().map(|uid| OwnerReference { api_version: "v1".into(), kind: "Service".into(), name: name.clone(), uid, controller: Some(true), block_owner_deletion: None });
+    let owner = service.metadata.uid.clone().map(|uid| OwnerReference {
+        api_version: "v1".into(),
+        kind: "Service".into(),
+        name: name.clone(),
+        uid,
+        controller: Some(true),
+        block_owner_deletion: None,
+    });
     Some(EndpointSlice {
-        metadata: ObjectMeta { name: Some(format!("{name}-{cluster}-{index}")), namespace: Some(namespace), labels: Some(labels), owner_references: owner.map(|o| vec![o]), ..Default::default() },
+        metadata: ObjectMeta {
+            name: Some(format!("{name}-{cluster}-{index}")),
+            namespace: Some(namespace),
+            labels: Some(labels),
+            owner_references: owner.map(|o| vec![o]),
+            ..Default::default()
+        },
         address_type: if first.is_ipv4() { "IPv4" } else { "IPv6" }.into(),
         endpoints: addresses
             .into_iter()
             .map(|address| Endpoint {
                 addresses: vec![address.clone()],
                 // Only ready endpoints are exported.
-                conditions: Some(EndpointConditions { ready: Some(true), serving: Some(true), terminating: Some(false) }),
+                conditions: Some(EndpointConditions {
+                    ready: Some(true),
+                    serving: Some(true),
+                    terminating: Some(false),
+                }),
                 hostname: export.hostnames.get(address).cloned(),
                 ..Default::default()
             })
             .collect(),
-        ports: Some(export.ports.iter().map(|p| EndpointPort { name: p.name.clone(), port: Some(p.port), protocol: Some(p.protocol.clone()), app_protocol: None }).collect()),
+        ports: Some(
+            export
+                .ports
+                .iter()
+                .map(|p| EndpointPort {
+                    name: p.name.clone(),
+                    port: Some(p.port),
+                    protocol: Some(p.protocol.clone()),
+                    app_protocol: None,
+                })
+                .collect(),
+        ),
     })
 }
 
 /// Every mesh slice wanted now, by namespace and name.
-fn wanted_slices(services: &BTreeMap<ServiceRef, Arc<Service>>, exports: &ExportSet, global_annotation: &str) -> BTreeMap<ServiceRef, EndpointSlice> {
+fn wanted_slices(
+    services: &BTreeMap<ServiceRef, Arc<Service>>,
+    exports: &ExportSet,
+    global_annotation: &str,
+) -> BTreeMap<ServiceRef, EndpointSlice> {
     let mut wanted = BTreeMap::new();
     for (service_ref, service) in services.iter().filter(|(_, s)| synchronized(s, global_annotation)) {
         for (cluster, exported) in exports {
@@ -208,7 +249,13 @@ fn wanted_slices(services: &BTreeMap<ServiceRef, Arc<Service>>, exports: &Export
 
 /// What a mesh slice says (labels, address type, endpoints, ports, owner), for comparing
 /// the one wanted with the one there.
-type SliceContent<'a> = (&'a Option<BTreeMap<String, String>>, &'a str, &'a [Endpoint], &'a Option<Vec<EndpointPort>>, &'a Option<Vec<OwnerReference>>);
+type SliceContent<'a> = (
+    &'a Option<BTreeMap<String, String>>,
+    &'a str,
+    &'a [Endpoint],
+    &'a Option<Vec<EndpointPort>>,
+    &'a Option<Vec<OwnerReference>>,
+);
 
 fn content(slice: &EndpointSlice) -> SliceContent<'_> {
     (&slice.metadata.labels, &slice.address_type, &slice.endpoints, &slice.ports, &slice.metadata.owner_references)
@@ -227,7 +274,11 @@ pub struct MeshSliceConfig {
 
 impl MeshSliceConfig {
     pub fn new(exports: watch::Receiver<ExportSet>) -> Self {
-        MeshSliceConfig { exports, global_annotation: crate::GLOBAL_SERVICE_ANNOTATION.into(), resync_interval: Duration::from_secs(60) }
+        MeshSliceConfig {
+            exports,
+            global_annotation: crate::GLOBAL_SERVICE_ANNOTATION.into(),
+            resync_interval: Duration::from_secs(60),
+        }
     }
 }
 
@@ -257,7 +308,10 @@ pub(crate) async fn sync_mesh_slices_from(client: kube::Client, config: MeshSlic
     let services = services.map(Update::Service).chain(futures::stream::once(async { Update::ServicesEnded })).boxed();
     let mine = watcher::Config::default().labels(&format!("{MANAGED_BY_LABEL}={MESH_SLICE_CONTROLLER}"));
     let slices = watcher::watcher(slices_api, mine).default_backoff().map(|e| Update::Slice(Box::new(e))).boxed();
-    let changed_exports = futures::stream::unfold(exports.clone(), |mut exports| async move { exports.changed().await.ok().map(|()| (Update::Exports, exports)) }).boxed();
+    let changed_exports = futures::stream::unfold(exports.clone(), |mut exports| async move {
+        exports.changed().await.ok().map(|()| (Update::Exports, exports))
+    })
+    .boxed();
     let mut resync = tokio::time::interval(config.resync_interval);
     resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let ticks = futures::stream::unfold(resync, |mut resync| async move {
@@ -302,7 +356,13 @@ fn key_of(meta: &ObjectMeta) -> Option<ServiceRef> {
 
 /// Applies one watch event to an index and its relist buffer, keeping only the objects
 /// `wanted` (others are dropped, as if deleted); `true` once a list is done.
-fn apply_event<K>(index: &mut BTreeMap<ServiceRef, K>, relist: &mut Option<BTreeMap<ServiceRef, K>>, event: Event<K>, meta: impl Fn(&K) -> &ObjectMeta, wanted: impl Fn(&K) -> bool) -> bool {
+fn apply_event<K>(
+    index: &mut BTreeMap<ServiceRef, K>,
+    relist: &mut Option<BTreeMap<ServiceRef, K>>,
+    event: Event<K>,
+    meta: impl Fn(&K) -> &ObjectMeta,
+    wanted: impl Fn(&K) -> bool,
+) -> bool {
     match event {
         Event::Init => *relist = Some(BTreeMap::new()),
         Event::InitApply(object) => {
@@ -343,10 +403,26 @@ impl MeshState {
     fn take(&mut self, update: Update) -> bool {
         match update {
             // Only those synchronized are kept: at most a few of a large cluster's.
-            Update::Service(event) => self.services_listed |= apply_event(&mut self.services, &mut self.services_relist, event, |s: &Arc<Service>| &s.metadata, |s| synchronized(s, &self.global_annotation)),
+            Update::Service(event) => {
+                self.services_listed |= apply_event(
+                    &mut self.services,
+                    &mut self.services_relist,
+                    event,
+                    |s: &Arc<Service>| &s.metadata,
+                    |s| synchronized(s, &self.global_annotation),
+                )
+            }
             Update::ServicesEnded => return false,
             Update::Slice(event) => match *event {
-                Ok(event) => self.slices_listed |= apply_event(&mut self.slices, &mut self.slices_relist, event, |s: &EndpointSlice| &s.metadata, |_| true),
+                Ok(event) => {
+                    self.slices_listed |= apply_event(
+                        &mut self.slices,
+                        &mut self.slices_relist,
+                        event,
+                        |s: &EndpointSlice| &s.metadata,
+                        |_| true,
+                    )
+                }
                 Err(e) => warn!("watching mesh EndpointSlices: {e}"),
             },
             Update::Exports | Update::Resync => {}
@@ -449,17 +525,38 @@ mod tests {
         .collect();
         let east: BTreeMap<ServiceRef, SharedService> = ["pg", "web", "api", "cache", "local"]
             .into_iter()
-            .map(|name| (("db".to_string(), name.to_string()), export("east", name, &["10.245.0.7", "10.245.0.8", "fd00::9"], &[("10.245.0.7", "pg-0")])))
+            .map(|name| {
+                (
+                    ("db".to_string(), name.to_string()),
+                    export("east", name, &["10.245.0.7", "10.245.0.8", "fd00::9"], &[("10.245.0.7", "pg-0")]),
+                )
+            })
             .collect();
         let wanted = wanted_slices(&services, &ExportSet::from([("east".to_string(), east)]), "wasmplane.io/global");
-        assert_eq!(wanted.keys().map(|(_, n)| n.as_str()).collect::<Vec<_>>(), ["api-east-0", "pg-east-0"], "headless by default, others by annotation, never without global");
+        assert_eq!(
+            wanted.keys().map(|(_, n)| n.as_str()).collect::<Vec<_>>(),
+            ["api-east-0", "pg-east-0"],
+            "headless by default, others by annotation, never without global"
+        );
         let pg = &wanted[&("db".to_string(), "pg-east-0".to_string())];
         let labels = pg.metadata.labels.as_ref().unwrap();
-        assert_eq!((labels[SERVICE_NAME_LABEL].as_str(), labels[SOURCE_CLUSTER_LABEL].as_str(), labels.contains_key(HEADLESS_LABEL)), ("pg", "east", true));
+        assert_eq!(
+            (
+                labels[SERVICE_NAME_LABEL].as_str(),
+                labels[SOURCE_CLUSTER_LABEL].as_str(),
+                labels.contains_key(HEADLESS_LABEL)
+            ),
+            ("pg", "east", true)
+        );
         assert!(is_mesh_slice(Some(labels)));
         assert_eq!(pg.address_type, "IPv4");
-        let endpoints: Vec<(&str, Option<&str>)> = pg.endpoints.iter().map(|e| (e.addresses[0].as_str(), e.hostname.as_deref())).collect();
-        assert_eq!(endpoints, [("10.245.0.7", Some("pg-0")), ("10.245.0.8", None)], "one family per slice, hostnames kept");
+        let endpoints: Vec<(&str, Option<&str>)> =
+            pg.endpoints.iter().map(|e| (e.addresses[0].as_str(), e.hostname.as_deref())).collect();
+        assert_eq!(
+            endpoints,
+            [("10.245.0.7", Some("pg-0")), ("10.245.0.8", None)],
+            "one family per slice, hostnames kept"
+        );
         assert_eq!(pg.metadata.owner_references.as_ref().unwrap()[0].uid, "uid-pg");
         let api = &wanted[&("db".to_string(), "api-east-0".to_string())];
         assert!(!api.metadata.labels.as_ref().unwrap().contains_key(HEADLESS_LABEL));
@@ -470,23 +567,37 @@ mod tests {
         use wasmplane_kvstore::{Bytes, SharedEntry};
         let good = |address: &str| Bytes::from(serde_json::to_vec(&export("east", "pg", &[address], &[])).unwrap());
         let addresses = |followed: &FollowedExports| -> BTreeMap<String, Vec<String>> {
-            followed.services.iter().map(|((_, name), s)| (name.clone(), s.endpoint_slices[0].addresses.clone())).collect()
+            followed
+                .services
+                .iter()
+                .map(|((_, name), s)| (name.clone(), s.endpoint_slices[0].addresses.clone()))
+                .collect()
         };
         let pg = |address: &str| BTreeMap::from([("pg".to_string(), vec![address.to_string()])]);
-        let upsert = |name: &str, value: Bytes, mod_revision: Revision| SharedChange::Upsert { name: name.into(), value, mod_revision };
+        let upsert = |name: &str, value: Bytes, mod_revision: Revision| SharedChange::Upsert {
+            name: name.into(),
+            value,
+            mod_revision,
+        };
         let mut followed = FollowedExports::new("east".into());
         followed.apply(SharedBatch::Changes(vec![upsert("db/pg", good("10.245.0.7"), 2)]));
         assert_eq!(addresses(&followed), pg("10.245.0.7"));
 
         // Garbage, and an export naming another Service: the last good export stays.
         let other = Bytes::from(serde_json::to_vec(&export("east", "mysql", &["10.245.0.9"], &[])).unwrap());
-        followed.apply(SharedBatch::Changes(vec![upsert("db/pg", Bytes::from_static(b"{not json"), 3), upsert("db/pg", other, 4)]));
+        followed.apply(SharedBatch::Changes(vec![
+            upsert("db/pg", Bytes::from_static(b"{not json"), 3),
+            upsert("db/pg", other, 4),
+        ]));
         assert_eq!(addresses(&followed), pg("10.245.0.7"), "a bad value deleted the last good export");
         assert_eq!(followed.warned.get("db/pg"), Some(&4));
         // A snapshot (the follower fell behind) with the bad value again: still kept, and
         // no second warning for that revision.
         let entry = |value: Bytes, mod_revision: Revision| SharedEntry { value, mod_revision };
-        followed.apply(SharedBatch::Snapshot(BTreeMap::from([("db/pg".to_string(), entry(Bytes::from_static(b"{not json"), 4))])));
+        followed.apply(SharedBatch::Snapshot(BTreeMap::from([(
+            "db/pg".to_string(),
+            entry(Bytes::from_static(b"{not json"), 4),
+        )])));
         assert_eq!(addresses(&followed), pg("10.245.0.7"), "a bad value in a snapshot deleted the last good export");
         assert!(!followed.first_warning("db/pg", 4), "warned again about the same revision");
         assert!(followed.first_warning("db/pg", 9));
@@ -499,11 +610,15 @@ mod tests {
         assert!(followed.services.is_empty());
 
         // A key missing from a snapshot was deleted meanwhile: gone, bad value or not.
-        followed.apply(SharedBatch::Changes(vec![upsert("db/pg", good("10.245.0.7"), 6), upsert("db/pg", Bytes::from_static(b"{"), 7)]));
+        followed.apply(SharedBatch::Changes(vec![
+            upsert("db/pg", good("10.245.0.7"), 6),
+            upsert("db/pg", Bytes::from_static(b"{"), 7),
+        ]));
         followed.apply(SharedBatch::Snapshot(BTreeMap::new()));
         assert!(followed.services.is_empty() && followed.warned.is_empty());
         // A bad value with no good one before: nothing to keep.
-        followed.apply(SharedBatch::Snapshot(BTreeMap::from([("db/pg".to_string(), entry(Bytes::from_static(b"{"), 8))])));
+        followed
+            .apply(SharedBatch::Snapshot(BTreeMap::from([("db/pg".to_string(), entry(Bytes::from_static(b"{"), 8))])));
         assert!(followed.services.is_empty());
     }
 }

@@ -74,18 +74,11 @@ pub async fn allocate_node_id(store: &dyn KvStore, ids_prefix: &str, node: &str)
         return Err(Error::InvalidConfig("node name is empty".into()));
     }
     for _ in 0..ALLOCATION_ROUNDS {
-        let listing = store
-            .list_prefix(ids_prefix)
-            .await
-            .map_err(|e| Error::kv("listing node IDs", e))?;
+        let listing = store.list_prefix(ids_prefix).await.map_err(|e| Error::kv("listing node IDs", e))?;
         let mut taken = BTreeSet::new();
         let mut mine = None;
         for kv in &listing.items {
-            let Some(id) = kv
-                .key
-                .strip_prefix(ids_prefix)
-                .and_then(|s| s.parse::<u32>().ok())
-                .filter(|id| *id > 0)
+            let Some(id) = kv.key.strip_prefix(ids_prefix).and_then(|s| s.parse::<u32>().ok()).filter(|id| *id > 0)
             else {
                 warn!(key = %kv.key, "ignoring a malformed node ID key");
                 continue;
@@ -105,10 +98,7 @@ pub async fn allocate_node_id(store: &dyn KvStore, ids_prefix: &str, node: &str)
             while taken.contains(&candidate) {
                 candidate = candidate
                     .checked_add(1)
-                    .ok_or_else(|| Error::NodeIdAllocation {
-                        node: node.into(),
-                        reason: "no free ID left".into(),
-                    })?;
+                    .ok_or_else(|| Error::NodeIdAllocation { node: node.into(), reason: "no free ID left".into() })?;
             }
             let key = format!("{ids_prefix}{candidate}");
             let created = store
@@ -130,18 +120,9 @@ pub async fn allocate_node_id(store: &dyn KvStore, ids_prefix: &str, node: &str)
 }
 
 /// Frees a decommissioned node's ID, only if it still belongs to `node`.
-pub async fn release_node_id(
-    store: &dyn KvStore,
-    ids_prefix: &str,
-    node: &str,
-    id: u32,
-) -> Result<bool> {
+pub async fn release_node_id(store: &dyn KvStore, ids_prefix: &str, node: &str, id: u32) -> Result<bool> {
     let key = format!("{ids_prefix}{id}");
-    let Some(kv) = store
-        .get(&key)
-        .await
-        .map_err(|e| Error::kv(format!("reading node ID {id}"), e))?
-    else {
+    let Some(kv) = store.get(&key).await.map_err(|e| Error::kv(format!("reading node ID {id}"), e))? else {
         return Ok(false);
     };
     if kv.value.as_ref() != node.as_bytes() {
@@ -178,34 +159,19 @@ impl NodeRegistry {
         let id = allocate_node_id(store.as_ref(), &config.ids_prefix, name).await?;
         let mut shared_config = SharedStoreConfig::new(config.info_prefix.clone());
         shared_config.lease_ttl = config.lease_ttl;
-        let shared = SharedStore::join(store, shared_config)
-            .await
-            .map_err(|e| Error::kv("joining the node info prefix", e))?;
-        let local = NodeInfo {
-            name: name.into(),
-            id,
-            node_ips,
-            pod_cidrs,
-        };
-        let registry = NodeRegistry {
-            shared,
-            name: name.into(),
-            id,
-            local: Mutex::new(local),
-        };
+        let shared =
+            SharedStore::join(store, shared_config).await.map_err(|e| Error::kv("joining the node info prefix", e))?;
+        let local = NodeInfo { name: name.into(), id, node_ips, pod_cidrs };
+        let registry = NodeRegistry { shared, name: name.into(), id, local: Mutex::new(local) };
         registry.publish().await?;
         Ok(registry)
     }
 
     async fn publish(&self) -> Result<()> {
-        let value = serde_json::to_vec(&self.local())
-            .map_err(|e| Error::Internal(format!("encoding node info: {e}")))?;
+        let value =
+            serde_json::to_vec(&self.local()).map_err(|e| Error::Internal(format!("encoding node info: {e}")))?;
         // A failed first write is retried by the shared store's own loop.
-        if let Err(e) = self
-            .shared
-            .update_local(&self.name, Bytes::from(value))
-            .await
-        {
+        if let Err(e) = self.shared.update_local(&self.name, Bytes::from(value)).await {
             warn!(error = %e, "publishing node info failed; it is retried in the background");
         }
         Ok(())
@@ -221,10 +187,7 @@ impl NodeRegistry {
 
     /// What this node publishes.
     pub fn local(&self) -> NodeInfo {
-        self.local
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+        self.local.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
     /// Changes this node's addresses or pod CIDRs.
@@ -239,12 +202,7 @@ impl NodeRegistry {
 
     /// Every registered node (this one included once its write landed).
     pub fn nodes(&self) -> BTreeMap<String, NodeInfo> {
-        decode_all(
-            self.shared
-                .snapshot()
-                .into_iter()
-                .map(|(k, e)| (k, e.value)),
-        )
+        decode_all(self.shared.snapshot().into_iter().map(|(k, e)| (k, e.value)))
     }
 
     /// Every node's entry, then the changes in batches ([`SharedStore::batches`]); decode
@@ -256,10 +214,7 @@ impl NodeRegistry {
     /// Leaves the cluster now: revokes the lease, so the info disappears at
     /// once. The node ID stays reserved for this name.
     pub async fn leave(self) -> Result<()> {
-        self.shared
-            .close()
-            .await
-            .map_err(|e| Error::kv("revoking the node lease", e))
+        self.shared.close().await.map_err(|e| Error::kv("revoking the node lease", e))
     }
 }
 
@@ -279,7 +234,5 @@ pub fn decode_node_info(name: &str, value: &[u8]) -> Option<NodeInfo> {
 }
 
 pub(crate) fn decode_all(entries: impl Iterator<Item = (String, Bytes)>) -> BTreeMap<String, NodeInfo> {
-    entries
-        .filter_map(|(name, value)| decode_node_info(&name, &value).map(|info| (name, info)))
-        .collect()
+    entries.filter_map(|(name, value)| decode_node_info(&name, &value).map(|info| (name, info))).collect()
 }

@@ -77,13 +77,9 @@ impl Operator {
         gc_decider: Option<Arc<Mutex<dyn GcDecider>>>,
         config: OperatorConfig,
     ) -> Result<Self> {
-        let aggregator = PolicyStatusAggregator::start(
-            store.clone(),
-            client.clone(),
-            leadership.clone(),
-            config.aggregator.clone(),
-        )
-        .await?;
+        let aggregator =
+            PolicyStatusAggregator::start(store.clone(), client.clone(), leadership.clone(), config.aggregator.clone())
+                .await?;
         let delay = config.restart_delay;
         let mut tasks = Vec::new();
 
@@ -102,14 +98,11 @@ impl Operator {
                     .await
             }
         };
-        tasks.push(tokio::spawn(
-            heartbeat.instrument(tracing::info_span!("heartbeat")),
-        ));
+        tasks.push(tokio::spawn(heartbeat.instrument(tracing::info_span!("heartbeat"))));
 
         // The one Service watch of the duties that follow Services. Each start of a
         // duty subscribes: it gets the watch's complete list, at once or when listed.
-        let services = (config.service_sync.is_some() || config.mesh_slices.is_some())
-            .then(ServiceWatch::default);
+        let services = (config.service_sync.is_some() || config.mesh_slices.is_some()).then(ServiceWatch::default);
         if let Some(watch) = services.clone() {
             let (client, leadership) = (client.clone(), leadership.clone());
             let duty = async move {
@@ -120,9 +113,7 @@ impl Operator {
                     })
                     .await
             };
-            tasks.push(tokio::spawn(
-                duty.instrument(tracing::info_span!("service_watch")),
-            ));
+            tasks.push(tokio::spawn(duty.instrument(tracing::info_span!("service_watch"))));
         }
 
         if let (Some(sync), Some(watch)) = (config.service_sync.clone(), services.clone()) {
@@ -140,9 +131,7 @@ impl Operator {
                     })
                     .await
             };
-            tasks.push(tokio::spawn(
-                duty.instrument(tracing::info_span!("service_sync")),
-            ));
+            tasks.push(tokio::spawn(duty.instrument(tracing::info_span!("service_sync"))));
         }
 
         if let (Some(mesh), Some(watch)) = (config.mesh_slices.clone(), services) {
@@ -154,36 +143,21 @@ impl Operator {
                     })
                     .await
             };
-            tasks.push(tokio::spawn(
-                duty.instrument(tracing::info_span!("mesh_endpoint_slices")),
-            ));
+            tasks.push(tokio::spawn(duty.instrument(tracing::info_span!("mesh_endpoint_slices"))));
         }
 
         if let Some(decider) = gc_decider {
             // Validate once here so a bad configuration fails start-up, not every term.
-            GarbageCollector::new(
-                store.clone(),
-                Some(client.clone()),
-                decider.clone(),
-                config.gc.clone(),
-            )?;
-            let (store, client, leadership, gc) = (
-                store.clone(),
-                client.clone(),
-                leadership.clone(),
-                config.gc.clone(),
-            );
+            GarbageCollector::new(store.clone(), Some(client.clone()), decider.clone(), config.gc.clone())?;
+            let (store, client, leadership, gc) =
+                (store.clone(), client.clone(), leadership.clone(), config.gc.clone());
             let duty = async move {
                 leadership
                     .run_while_leading("gc", delay, move || {
                         // A fresh collector per term: ages restart at zero, which
                         // only delays deletions.
-                        let collector = GarbageCollector::new(
-                            store.clone(),
-                            Some(client.clone()),
-                            decider.clone(),
-                            gc.clone(),
-                        );
+                        let collector =
+                            GarbageCollector::new(store.clone(), Some(client.clone()), decider.clone(), gc.clone());
                         async move {
                             match collector {
                                 Ok(mut collector) => collector.run().await,

@@ -62,17 +62,11 @@ pub struct NodePolicyStatus {
 
 impl NodePolicyStatus {
     pub fn ok(generation: i64) -> Self {
-        NodePolicyStatus {
-            generation,
-            error: None,
-        }
+        NodePolicyStatus { generation, error: None }
     }
 
     pub fn failed(generation: i64, error: impl Into<String>) -> Self {
-        NodePolicyStatus {
-            generation,
-            error: Some(error.into()),
-        }
+        NodePolicyStatus { generation, error: Some(error.into()) }
     }
 }
 
@@ -102,10 +96,7 @@ pub struct PolicySummary {
 
 impl PolicySummary {
     /// Summarises the node statuses of one policy.
-    pub fn of<'a>(
-        uid: &str,
-        statuses: impl IntoIterator<Item = (&'a String, &'a NodePolicyStatus)>,
-    ) -> Self {
+    pub fn of<'a>(uid: &str, statuses: impl IntoIterator<Item = (&'a String, &'a NodePolicyStatus)>) -> Self {
         let mut summary = PolicySummary {
             uid: uid.into(),
             nodes: 0,
@@ -135,10 +126,7 @@ impl PolicySummary {
 
 /// The status key of one node for one policy.
 pub fn status_key(prefix: &str, policy: &PolicyRef, node: &str) -> String {
-    format!(
-        "{prefix}{}/{}/{}/{node}",
-        policy.uid, policy.namespace, policy.name
-    )
+    format!("{prefix}{}/{}/{}/{node}", policy.uid, policy.namespace, policy.name)
 }
 
 /// Splits a status key into policy and node.
@@ -149,14 +137,7 @@ pub fn parse_status_key(prefix: &str, key: &str) -> Option<(PolicyRef, String)> 
     if parts.next().is_some() || [uid, namespace, name, node].iter().any(|p| p.is_empty()) {
         return None;
     }
-    Some((
-        PolicyRef {
-            uid: uid.into(),
-            namespace: namespace.into(),
-            name: name.into(),
-        },
-        node.into(),
-    ))
+    Some((PolicyRef { uid: uid.into(), namespace: namespace.into(), name: name.into() }, node.into()))
 }
 
 /// Agent side: writes this node's status per policy, only when it changed.
@@ -168,17 +149,8 @@ pub struct NodeStatusWriter {
 }
 
 impl NodeStatusWriter {
-    pub fn new(
-        store: Arc<dyn KvStore>,
-        prefix: impl Into<String>,
-        node: impl Into<String>,
-    ) -> Self {
-        NodeStatusWriter {
-            store,
-            prefix: prefix.into(),
-            node: node.into(),
-            written: Default::default(),
-        }
+    pub fn new(store: Arc<dyn KvStore>, prefix: impl Into<String>, node: impl Into<String>) -> Self {
+        NodeStatusWriter { store, prefix: prefix.into(), node: node.into(), written: Default::default() }
     }
 
     /// Records this node's status for `policy`; writes only if it changed.
@@ -188,12 +160,8 @@ impl NodeStatusWriter {
             return Ok(());
         }
         let key = status_key(&self.prefix, policy, &self.node);
-        let value = serde_json::to_vec(&status)
-            .map_err(|e| Error::Internal(format!("encoding status: {e}")))?;
-        self.store
-            .put(&key, Bytes::from(value), None)
-            .await
-            .map_err(|e| Error::kv(format!("writing {key}"), e))?;
+        let value = serde_json::to_vec(&status).map_err(|e| Error::Internal(format!("encoding status: {e}")))?;
+        self.store.put(&key, Bytes::from(value), None).await.map_err(|e| Error::kv(format!("writing {key}"), e))?;
         written.insert(policy.clone(), status);
         Ok(())
     }
@@ -202,10 +170,7 @@ impl NodeStatusWriter {
     pub async fn remove(&self, policy: &PolicyRef) -> Result<()> {
         let mut written = self.written.lock().await;
         let key = status_key(&self.prefix, policy, &self.node);
-        self.store
-            .delete(&key)
-            .await
-            .map_err(|e| Error::kv(format!("deleting {key}"), e))?;
+        self.store.delete(&key).await.map_err(|e| Error::kv(format!("deleting {key}"), e))?;
         written.remove(policy);
         Ok(())
     }
@@ -213,19 +178,9 @@ impl NodeStatusWriter {
 
 /// Reads the summary of one policy straight from the kvstore (one listing):
 /// for nodes that do not run the aggregator.
-pub async fn read_summary(
-    store: &dyn KvStore,
-    prefix: &str,
-    policy: &PolicyRef,
-) -> Result<PolicySummary> {
-    let policy_prefix = format!(
-        "{prefix}{}/{}/{}/",
-        policy.uid, policy.namespace, policy.name
-    );
-    let listing = store
-        .list_prefix(&policy_prefix)
-        .await
-        .map_err(|e| Error::kv("listing policy status", e))?;
+pub async fn read_summary(store: &dyn KvStore, prefix: &str, policy: &PolicyRef) -> Result<PolicySummary> {
+    let policy_prefix = format!("{prefix}{}/{}/{}/", policy.uid, policy.namespace, policy.name);
+    let listing = store.list_prefix(&policy_prefix).await.map_err(|e| Error::kv("listing policy status", e))?;
     let statuses: BTreeMap<String, NodePolicyStatus> = listing
         .items
         .iter()
@@ -307,40 +262,25 @@ impl PolicyStatusAggregator {
         config: AggregatorConfig,
     ) -> Result<Self> {
         if config.max_writes_per_second == 0 {
-            return Err(Error::InvalidConfig(
-                "max_writes_per_second must be positive".into(),
-            ));
+            return Err(Error::InvalidConfig("max_writes_per_second must be positive".into()));
         }
-        let (listing, stream) = store
-            .list_and_watch(&config.prefix)
-            .await
-            .map_err(|e| Error::kv("listing policy status", e))?;
-        let shared = Arc::new(Shared {
-            state: Mutex::default(),
-            wakeup: Notify::new(),
-            writes: Default::default(),
-        });
+        let (listing, stream) =
+            store.list_and_watch(&config.prefix).await.map_err(|e| Error::kv("listing policy status", e))?;
+        let shared = Arc::new(Shared { state: Mutex::default(), wakeup: Notify::new(), writes: Default::default() });
         {
             let mut state = shared.state();
             for kv in listing.items {
                 apply_event(
                     &mut state,
                     &config.prefix,
-                    WatchEvent {
-                        key: kv.key,
-                        value: Some(kv.value),
-                        mod_revision: kv.mod_revision,
-                    },
+                    WatchEvent { key: kv.key, value: Some(kv.value), mod_revision: kv.mod_revision },
                 );
             }
             state.synced = true;
         }
         let follower = {
             let (shared, config) = (shared.clone(), config.clone());
-            tokio::spawn(
-                follow(store, stream, shared, config)
-                    .instrument(tracing::info_span!("policy_status")),
-            )
+            tokio::spawn(follow(store, stream, shared, config).instrument(tracing::info_span!("policy_status")))
         };
         let writer = {
             let shared = shared.clone();
@@ -355,10 +295,7 @@ impl PolicyStatusAggregator {
                 .instrument(tracing::info_span!("policy_status_writer")),
             )
         };
-        Ok(PolicyStatusAggregator {
-            shared,
-            tasks: vec![follower, writer],
-        })
+        Ok(PolicyStatusAggregator { shared, tasks: vec![follower, writer] })
     }
 
     /// The summary of a policy by namespace and name (its newest incarnation).
@@ -374,9 +311,7 @@ impl PolicyStatusAggregator {
 
     /// API-server writes done by this replica.
     pub fn writes(&self) -> u64 {
-        self.shared
-            .writes
-            .load(std::sync::atomic::Ordering::Relaxed)
+        self.shared.writes.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 
@@ -393,11 +328,7 @@ fn apply_event(state: &mut State, prefix: &str, event: WatchEvent) -> bool {
         debug!(key = %event.key, "ignoring a malformed policy status key");
         return false;
     };
-    let status = match event
-        .value
-        .as_deref()
-        .map(serde_json::from_slice::<NodePolicyStatus>)
-    {
+    let status = match event.value.as_deref().map(serde_json::from_slice::<NodePolicyStatus>) {
         None => None,
         Some(Ok(status)) => Some(status),
         Some(Err(e)) => {
@@ -457,22 +388,14 @@ async fn follow(
                     apply_event(
                         &mut state,
                         &config.prefix,
-                        WatchEvent {
-                            key,
-                            value: None,
-                            mod_revision: listing.revision,
-                        },
+                        WatchEvent { key, value: None, mod_revision: listing.revision },
                     );
                 }
                 for kv in listing.items {
                     apply_event(
                         &mut state,
                         &config.prefix,
-                        WatchEvent {
-                            key: kv.key,
-                            value: Some(kv.value),
-                            mod_revision: kv.mod_revision,
-                        },
+                        WatchEvent { key: kv.key, value: Some(kv.value), mod_revision: kv.mod_revision },
                     );
                 }
                 drop(state);
@@ -496,27 +419,13 @@ async fn write_summaries(shared: Arc<Shared>, client: kube::Client, config: Aggr
                 let mut state = shared.state();
                 let mut known: HashMap<PolicyRef, String> = HashMap::new();
                 for np in list.items {
-                    let (Some(uid), Some(ns), Some(name)) = (
-                        np.metadata.uid.clone(),
-                        np.metadata.namespace.clone(),
-                        np.metadata.name.clone(),
-                    ) else {
+                    let (Some(uid), Some(ns), Some(name)) =
+                        (np.metadata.uid.clone(), np.metadata.namespace.clone(), np.metadata.name.clone())
+                    else {
                         continue;
                     };
-                    if let Some(value) = np
-                        .metadata
-                        .annotations
-                        .as_ref()
-                        .and_then(|a| a.get(&config.annotation))
-                    {
-                        known.insert(
-                            PolicyRef {
-                                uid,
-                                namespace: ns,
-                                name,
-                            },
-                            value.clone(),
-                        );
+                    if let Some(value) = np.metadata.annotations.as_ref().and_then(|a| a.get(&config.annotation)) {
+                        known.insert(PolicyRef { uid, namespace: ns, name }, value.clone());
                     }
                 }
                 for (policy, ps) in state.policies.iter_mut() {
@@ -550,12 +459,8 @@ async fn write_summaries(shared: Arc<Shared>, client: kube::Client, config: Aggr
         };
         let api: Api<NetworkPolicy> = Api::namespaced(client.clone(), &policy.namespace);
         let patch = serde_json::json!({"metadata": {"annotations": {config.annotation.clone(): value.clone()}}});
-        let result = api
-            .patch(&policy.name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await;
-        shared
-            .writes
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let result = api.patch(&policy.name, &PatchParams::default(), &Patch::Merge(&patch)).await;
+        shared.writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         {
             let mut state = shared.state();
             if let Some(ps) = state.policies.get_mut(&policy) {
@@ -610,10 +515,7 @@ fn next_write(shared: &Shared, config: &AggregatorConfig) -> NextWrite {
         let value = if ps.nodes.is_empty() {
             None
         } else {
-            Some(
-                serde_json::to_string(&PolicySummary::of(&policy.uid, &ps.nodes))
-                    .expect("a summary always encodes"),
-            )
+            Some(serde_json::to_string(&PolicySummary::of(&policy.uid, &ps.nodes)).expect("a summary always encodes"))
         };
         ps.dirty = false;
         if value == ps.written {
@@ -641,28 +543,12 @@ mod tests {
 
     #[test]
     fn status_keys_round_trip() {
-        let p = PolicyRef {
-            uid: "u1".into(),
-            namespace: "ns".into(),
-            name: "deny".into(),
-        };
+        let p = PolicyRef { uid: "u1".into(), namespace: "ns".into(), name: "deny".into() };
         let key = status_key(POLICY_STATUS_PREFIX, &p, "node-7");
         assert_eq!(key, "/wasmplane/policystatus/u1/ns/deny/node-7");
-        assert_eq!(
-            parse_status_key(POLICY_STATUS_PREFIX, &key),
-            Some((p, "node-7".into()))
-        );
-        assert_eq!(
-            parse_status_key(POLICY_STATUS_PREFIX, "/wasmplane/policystatus/u1/ns/deny"),
-            None
-        );
-        assert_eq!(
-            parse_status_key(
-                POLICY_STATUS_PREFIX,
-                "/wasmplane/policystatus/u1/ns/deny/n/x"
-            ),
-            None
-        );
+        assert_eq!(parse_status_key(POLICY_STATUS_PREFIX, &key), Some((p, "node-7".into())));
+        assert_eq!(parse_status_key(POLICY_STATUS_PREFIX, "/wasmplane/policystatus/u1/ns/deny"), None);
+        assert_eq!(parse_status_key(POLICY_STATUS_PREFIX, "/wasmplane/policystatus/u1/ns/deny/n/x"), None);
     }
 
     #[test]
@@ -671,10 +557,7 @@ mod tests {
         nodes.insert("a".to_string(), NodePolicyStatus::ok(2));
         nodes.insert("b".to_string(), NodePolicyStatus::ok(2));
         nodes.insert("c".to_string(), NodePolicyStatus::ok(1));
-        nodes.insert(
-            "d".to_string(),
-            NodePolicyStatus::failed(2, "guest trapped"),
-        );
+        nodes.insert("d".to_string(), NodePolicyStatus::failed(2, "guest trapped"));
         let s = PolicySummary::of("u", &nodes);
         assert_eq!(s.nodes, 4);
         assert_eq!(s.enforcing, BTreeMap::from([(1, 1), (2, 2)]));

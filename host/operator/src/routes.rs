@@ -22,17 +22,15 @@ use std::time::Duration;
 
 use futures::TryStreamExt as _;
 use ipnet::IpNet;
-use rtnetlink::packet_route::route::{
-    RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol,
-};
+use rtnetlink::packet_route::route::{RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol};
 use rtnetlink::{Handle, RouteMessageBuilder};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tracing::{Instrument, debug, info, warn};
 
 use crate::error::{Error, Result};
-use crate::per_cluster::PerCluster;
 use crate::nodes::{NodeInfo, NodeRegistry, decode_all, decode_node_info};
+use crate::per_cluster::PerCluster;
 use wasmplane_kvstore::{SharedBatch, SharedChange, SharedStore};
 
 /// The route protocol marking wasmplane's routes (`ip route show proto 149`).
@@ -54,11 +52,7 @@ pub struct RouteConfig {
 
 impl Default for RouteConfig {
     fn default() -> Self {
-        RouteConfig {
-            netns: None,
-            protocol: DEFAULT_ROUTE_PROTOCOL,
-            resync_interval: Duration::from_secs(60),
-        }
+        RouteConfig { netns: None, protocol: DEFAULT_ROUTE_PROTOCOL, resync_interval: Duration::from_secs(60) }
     }
 }
 
@@ -75,11 +69,7 @@ pub type RemoteNodeSet = BTreeMap<String, BTreeMap<String, NodeInfo>>;
 /// equal to or overlapping a local pod CIDR is never routed away, nor is a
 /// remote cluster's that overlaps a CIDR already routed (clusters of a mesh must
 /// have disjoint pod CIDRs: the first one keeps it).
-pub fn desired_routes(
-    local: &NodeInfo,
-    nodes: &BTreeMap<String, NodeInfo>,
-    remote: &RemoteNodeSet,
-) -> RouteSet {
+pub fn desired_routes(local: &NodeInfo, nodes: &BTreeMap<String, NodeInfo>, remote: &RemoteNodeSet) -> RouteSet {
     let mut routes = RouteSet::new();
     add_cluster_routes(&mut routes, local, nodes, None);
     for (cluster, nodes) in remote {
@@ -97,10 +87,7 @@ fn add_cluster_routes(
 ) {
     let own = &local.pod_cidrs;
     // This cluster's nodes are others only by name; a remote one may reuse it.
-    let mut by_id: Vec<&NodeInfo> = nodes
-        .values()
-        .filter(|n| cluster.is_some() || n.name != local.name)
-        .collect();
+    let mut by_id: Vec<&NodeInfo> = nodes.values().filter(|n| cluster.is_some() || n.name != local.name).collect();
     by_id.sort_by_key(|n| (n.id, n.name.clone()));
     let remote_routes = cluster.map(|_| routes.clone());
     for node in by_id {
@@ -112,14 +99,13 @@ fn add_cluster_routes(
             }
             // Against the routes of the clusters before this one only: within a
             // cluster, a CIDR claimed twice is the rule below.
-            if let Some((taken, via)) = remote_routes.iter().flatten().find(|(r, _)| r.contains(&cidr) || cidr.contains(*r)) {
+            if let Some((taken, via)) =
+                remote_routes.iter().flatten().find(|(r, _)| r.contains(&cidr) || cidr.contains(*r))
+            {
                 warn!(cluster, node = %node.name, %cidr, overlaps = %taken, %via, "pod CIDR overlaps another cluster's; not routed");
                 continue;
             }
-            let gateway = node
-                .node_ips
-                .iter()
-                .find(|ip| ip.is_ipv4() == cidr.addr().is_ipv4());
+            let gateway = node.node_ips.iter().find(|ip| ip.is_ipv4() == cidr.addr().is_ipv4());
             let Some(gateway) = gateway else {
                 warn!(cluster, node = %node.name, %cidr, "no node IP of the CIDR's family; not routed");
                 continue;
@@ -167,13 +153,8 @@ impl RoutePlanner {
             .name("wp-routes".into())
             .spawn(move || route_worker(config, desired_rx, report_tx, ready_tx, span))
             .map_err(|e| Error::Internal(format!("spawning the route worker: {e}")))?;
-        ready_rx
-            .await
-            .map_err(|_| Error::Internal("route worker ended during start-up".into()))??;
-        Ok(RoutePlanner {
-            desired: desired_tx,
-            report: report_rx,
-        })
+        ready_rx.await.map_err(|_| Error::Internal("route worker ended during start-up".into()))??;
+        Ok(RoutePlanner { desired: desired_tx, report: report_rx })
     }
 
     /// Replaces the desired set.
@@ -210,14 +191,8 @@ impl RouteSync {
         let planner = Arc::new(RoutePlanner::start(config).await?);
         let (remote, remote_rx) = RemoteNodes::new();
         let span = tracing::info_span!("route_sync", node = %registry.name());
-        let follower = tokio::spawn(
-            follow_registry(registry, remote_rx, planner.clone()).instrument(span),
-        );
-        Ok(RouteSync {
-            planner,
-            remote,
-            follower,
-        })
+        let follower = tokio::spawn(follow_registry(registry, remote_rx, planner.clone()).instrument(span));
+        Ok(RouteSync { planner, remote, follower })
     }
 
     /// Where other clusters' nodes are given (see [`follow_cluster_nodes`]).
@@ -318,8 +293,8 @@ fn route_worker(
             .map_err(|e| Error::Internal(format!("route worker runtime: {e}")))?;
         // The socket is opened here, after setns: it belongs to the target namespace.
         let handle = runtime.block_on(async {
-            let (connection, handle, _) = rtnetlink::new_connection()
-                .map_err(|e| Error::Internal(format!("opening a netlink socket: {e}")))?;
+            let (connection, handle, _) =
+                rtnetlink::new_connection().map_err(|e| Error::Internal(format!("opening a netlink socket: {e}")))?;
             tokio::spawn(connection);
             Ok::<_, Error>(handle)
         })?;
@@ -343,11 +318,7 @@ fn route_worker(
             if let Some(wanted) = wanted {
                 let (applied, errors) = reconcile(&handle, protocol, &wanted).await;
                 reconciles += 1;
-                report.send_replace(RouteSyncReport {
-                    applied,
-                    errors,
-                    reconciles,
-                });
+                report.send_replace(RouteSyncReport { applied, errors, reconciles });
             }
             tokio::select! {
                 changed = desired.changed() => if changed.is_err() {
@@ -361,18 +332,13 @@ fn route_worker(
 }
 
 fn enter_netns(path: &PathBuf) -> Result<()> {
-    let file = File::open(path).map_err(|e| Error::Netns {
-        path: path.clone(),
-        reason: format!("cannot open: {e}"),
-    })?;
+    let file =
+        File::open(path).map_err(|e| Error::Netns { path: path.clone(), reason: format!("cannot open: {e}") })?;
     // SAFETY: a plain syscall on a descriptor we own; it changes only this
     // thread's network namespace, and this thread is dedicated to routes.
     let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
     if rc != 0 {
-        return Err(Error::Netns {
-            path: path.clone(),
-            reason: format!("setns: {}", std::io::Error::last_os_error()),
-        });
+        return Err(Error::Netns { path: path.clone(), reason: format!("setns: {}", std::io::Error::last_os_error()) });
     }
     Ok(())
 }
@@ -385,11 +351,7 @@ struct OwnedRoute {
 
 /// Brings the kernel's routes of our protocol to `wanted`; returns what is
 /// applied afterwards and the failures.
-async fn reconcile(
-    handle: &Handle,
-    protocol: RouteProtocol,
-    wanted: &RouteSet,
-) -> (RouteSet, Vec<String>) {
+async fn reconcile(handle: &Handle, protocol: RouteProtocol, wanted: &RouteSet) -> (RouteSet, Vec<String>) {
     let mut errors = Vec::new();
     let mut current = match owned_routes(handle, protocol).await {
         Ok(current) => current,
@@ -438,8 +400,7 @@ async fn add_route(
     gateway: IpAddr,
     replace: bool,
 ) -> Result<()> {
-    let invalid =
-        |e: &dyn std::fmt::Display| Error::Internal(format!("route {cidr} via {gateway}: {e}"));
+    let invalid = |e: &dyn std::fmt::Display| Error::Internal(format!("route {cidr} via {gateway}: {e}"));
     let message = RouteMessageBuilder::<IpAddr>::new()
         .destination_prefix(cidr.addr(), cidr.prefix_len())
         .map_err(|e| invalid(&e))?
@@ -450,22 +411,23 @@ async fn add_route(
         .build();
     let request = handle.route().add(message);
     let request = if replace { request.replace() } else { request };
-    request
-        .execute()
-        .await
-        .map_err(|e| Error::netlink(format!("adding route {cidr} via {gateway}"), e))
+    request.execute().await.map_err(|e| Error::netlink(format!("adding route {cidr} via {gateway}"), e))
 }
 
 /// Deletes every route of `protocol` in the main table of this process's network namespace
 /// (`wasmplane cleanup`: what the route sync leaves behind when the agent is removed; routes
 /// of any other protocol are never touched). Returns the destinations removed.
 pub async fn remove_routes(protocol: u8) -> Result<Vec<IpNet>> {
-    let (connection, handle, _) = rtnetlink::new_connection().map_err(|e| Error::Internal(format!("opening a netlink socket: {e}")))?;
+    let (connection, handle, _) =
+        rtnetlink::new_connection().map_err(|e| Error::Internal(format!("opening a netlink socket: {e}")))?;
     let connection = tokio::spawn(connection);
     let mut removed = Vec::new();
     let outcome = async {
         for (cidr, route) in owned_routes(&handle, RouteProtocol::from(protocol)).await? {
-            if delete_route(&handle, route.message).await.map_err(|e| Error::netlink(format!("removing the route to {cidr}"), e))? {
+            if delete_route(&handle, route.message)
+                .await
+                .map_err(|e| Error::netlink(format!("removing the route to {cidr}"), e))?
+            {
                 removed.push(cidr);
             }
         }
@@ -486,25 +448,13 @@ async fn delete_route(handle: &Handle, route: RouteMessage) -> std::result::Resu
 }
 
 /// Our routes in the main table, IPv4 and IPv6.
-async fn owned_routes(
-    handle: &Handle,
-    protocol: RouteProtocol,
-) -> Result<BTreeMap<IpNet, OwnedRoute>> {
+async fn owned_routes(handle: &Handle, protocol: RouteProtocol) -> Result<BTreeMap<IpNet, OwnedRoute>> {
     let mut owned = BTreeMap::new();
-    let queries = [
-        RouteMessageBuilder::<Ipv4Addr>::new().build(),
-        RouteMessageBuilder::<Ipv6Addr>::new().build(),
-    ];
+    let queries = [RouteMessageBuilder::<Ipv4Addr>::new().build(), RouteMessageBuilder::<Ipv6Addr>::new().build()];
     for query in queries {
         let mut routes = handle.route().get(query).execute();
-        while let Some(route) = routes
-            .try_next()
-            .await
-            .map_err(|e| Error::netlink("listing routes", e))?
-        {
-            if route.header.protocol != protocol
-                || route_table(&route) != u32::from(RouteHeader::RT_TABLE_MAIN)
-            {
+        while let Some(route) = routes.try_next().await.map_err(|e| Error::netlink("listing routes", e))? {
+            if route.header.protocol != protocol || route_table(&route) != u32::from(RouteHeader::RT_TABLE_MAIN) {
                 continue;
             }
             let Some(cidr) = destination(&route) else {
@@ -515,13 +465,7 @@ async fn owned_routes(
                 RouteAttribute::Gateway(RouteAddress::Inet6(ip)) => Some(IpAddr::V6(*ip)),
                 _ => None,
             });
-            owned.insert(
-                cidr,
-                OwnedRoute {
-                    gateway,
-                    message: route,
-                },
-            );
+            owned.insert(cidr, OwnedRoute { gateway, message: route });
         }
     }
     Ok(owned)
@@ -570,19 +514,9 @@ mod tests {
         let me = node("a", 1, &["192.168.1.1"], &["10.244.1.0/24"]);
         let nodes: BTreeMap<String, NodeInfo> = [
             me.clone(),
-            node(
-                "b",
-                2,
-                &["fd00::2", "192.168.1.2"],
-                &["10.244.2.0/24", "fd10:2::/64"],
-            ),
+            node("b", 2, &["fd00::2", "192.168.1.2"], &["10.244.2.0/24", "fd10:2::/64"]),
             // Claims b's CIDR with a higher ID, and overlaps ours: neither routed.
-            node(
-                "c",
-                3,
-                &["192.168.1.3"],
-                &["10.244.2.0/24", "10.244.1.128/25"],
-            ),
+            node("c", 3, &["192.168.1.3"], &["10.244.2.0/24", "10.244.1.128/25"]),
             // No IPv6 address for its IPv6 CIDR.
             node("d", 4, &["192.168.1.4"], &["fd10:4::/64", "10.244.4.0/24"]),
         ]
@@ -590,27 +524,21 @@ mod tests {
         .map(|n| (n.name.clone(), n))
         .collect();
         let routes = desired_routes(&me, &nodes, &RemoteNodeSet::new());
-        let expected: RouteSet = [
-            ("10.244.2.0/24", "192.168.1.2"),
-            ("fd10:2::/64", "fd00::2"),
-            ("10.244.4.0/24", "192.168.1.4"),
-        ]
-        .into_iter()
-        .map(|(c, g)| (c.parse().unwrap(), g.parse().unwrap()))
-        .collect();
+        let expected: RouteSet =
+            [("10.244.2.0/24", "192.168.1.2"), ("fd10:2::/64", "fd00::2"), ("10.244.4.0/24", "192.168.1.4")]
+                .into_iter()
+                .map(|(c, g)| (c.parse().unwrap(), g.parse().unwrap()))
+                .collect();
         assert_eq!(routes, expected);
     }
 
     #[test]
     fn remote_clusters_nodes_are_routed_after_this_clusters_without_overlaps() {
         let me = node("a", 1, &["192.168.1.1"], &["10.244.1.0/24"]);
-        let nodes: BTreeMap<String, NodeInfo> = [
-            me.clone(),
-            node("b", 2, &["192.168.1.2"], &["10.244.2.0/24"]),
-        ]
-        .into_iter()
-        .map(|n| (n.name.clone(), n))
-        .collect();
+        let nodes: BTreeMap<String, NodeInfo> = [me.clone(), node("b", 2, &["192.168.1.2"], &["10.244.2.0/24"])]
+            .into_iter()
+            .map(|n| (n.name.clone(), n))
+            .collect();
         let cluster = |list: Vec<NodeInfo>| -> BTreeMap<String, NodeInfo> {
             list.into_iter().map(|n| (n.name.clone(), n)).collect()
         };

@@ -119,7 +119,12 @@ pub enum ExportError {
 impl SharedService {
     /// The export stored for `cluster`'s Service `namespace`/`name`, checked to be that one:
     /// whoever reads another cluster's exports takes nothing it did not ask for.
-    pub fn decode_export(value: &[u8], cluster: &str, namespace: &str, name: &str) -> std::result::Result<SharedService, ExportError> {
+    pub fn decode_export(
+        value: &[u8],
+        cluster: &str,
+        namespace: &str,
+        name: &str,
+    ) -> std::result::Result<SharedService, ExportError> {
         let shared: SharedService = serde_json::from_slice(value)?;
         if (shared.cluster.as_str(), shared.namespace.as_str(), shared.name.as_str()) != (cluster, namespace, name) {
             return Err(ExportError::NamesAnother(format!("{}/{}/{}", shared.cluster, shared.namespace, shared.name)));
@@ -176,11 +181,7 @@ pub fn shared_service(config: &ServiceSyncConfig, service: &Service) -> Option<S
             .ports
             .unwrap_or_default()
             .into_iter()
-            .map(|p| SharedPort {
-                name: p.name,
-                port: p.port,
-                protocol: p.protocol.unwrap_or_else(|| "TCP".into()),
-            })
+            .map(|p| SharedPort { name: p.name, port: p.port, protocol: p.protocol.unwrap_or_else(|| "TCP".into()) })
             .collect(),
         endpoint_slices: Vec::new(),
     })
@@ -214,8 +215,7 @@ fn shared_slice(slice: &EndpointSlice) -> Option<SharedSlice> {
         .filter(|e| {
             let conditions = e.conditions.as_ref();
             // Kubernetes: a nil `ready` means ready (unknown state).
-            conditions.and_then(|c| c.ready) != Some(false)
-                && conditions.and_then(|c| c.terminating) != Some(true)
+            conditions.and_then(|c| c.ready) != Some(false) && conditions.and_then(|c| c.terminating) != Some(true)
         })
         .filter_map(|e| {
             let address = e.addresses.first()?;
@@ -235,10 +235,7 @@ fn shared_slice(slice: &EndpointSlice) -> Option<SharedSlice> {
 type ServiceRef = (String, String);
 
 fn service_ref(service: &Service) -> Option<ServiceRef> {
-    Some((
-        service.metadata.namespace.clone()?,
-        service.metadata.name.clone()?,
-    ))
+    Some((service.metadata.namespace.clone()?, service.metadata.name.clone()?))
 }
 
 /// Exported Services, as shared without endpoints.
@@ -246,11 +243,7 @@ type ServiceIndex = BTreeMap<ServiceRef, SharedService>;
 
 /// Records `service` in `index` (or removes it when no longer exported); returns
 /// its reference.
-fn index_service(
-    config: &ServiceSyncConfig,
-    index: &mut ServiceIndex,
-    service: &Service,
-) -> Option<ServiceRef> {
+fn index_service(config: &ServiceSyncConfig, index: &mut ServiceIndex, service: &Service) -> Option<ServiceRef> {
     let service_ref = service_ref(service)?;
     match shared_service(config, service) {
         Some(shared) => index.insert(service_ref.clone(), shared),
@@ -273,8 +266,7 @@ impl SliceIndex {
     /// Records `slice`; returns the Services whose endpoints may have changed
     /// (its Service, and the previous one if its label moved).
     fn apply(&mut self, slice: &EndpointSlice) -> Vec<ServiceRef> {
-        let (Some(namespace), Some(name)) = (&slice.metadata.namespace, &slice.metadata.name)
-        else {
+        let (Some(namespace), Some(name)) = (&slice.metadata.namespace, &slice.metadata.name) else {
             return Vec::new();
         };
         let mut touched: Vec<ServiceRef> = self.remove(namespace, name).into_iter().collect();
@@ -287,12 +279,8 @@ impl SliceIndex {
         if let Some(service) = service {
             let service_ref = (namespace.clone(), service.clone());
             if let Some(contribution) = shared_slice(slice) {
-                self.owners
-                    .insert((namespace.clone(), name.clone()), service.clone());
-                self.by_service
-                    .entry(service_ref.clone())
-                    .or_default()
-                    .insert(name.clone(), contribution);
+                self.owners.insert((namespace.clone(), name.clone()), service.clone());
+                self.by_service.entry(service_ref.clone()).or_default().insert(name.clone(), contribution);
             }
             if !touched.contains(&service_ref) {
                 touched.push(service_ref);
@@ -303,9 +291,7 @@ impl SliceIndex {
 
     /// Forgets a slice; returns its Service if it contributed.
     fn remove(&mut self, namespace: &str, name: &str) -> Option<ServiceRef> {
-        let service = self
-            .owners
-            .remove(&(namespace.to_owned(), name.to_owned()))?;
+        let service = self.owners.remove(&(namespace.to_owned(), name.to_owned()))?;
         let service_ref = (namespace.to_owned(), service);
         if let Some(slices) = self.by_service.get_mut(&service_ref) {
             slices.remove(name);
@@ -318,10 +304,7 @@ impl SliceIndex {
 
     /// The contributions to `service`, sorted by slice name.
     fn slices(&self, service: &ServiceRef) -> Vec<SharedSlice> {
-        self.by_service
-            .get(service)
-            .map(|slices| slices.values().cloned().collect())
-            .unwrap_or_default()
+        self.by_service.get(service).map(|slices| slices.values().cloned().collect()).unwrap_or_default()
     }
 }
 
@@ -373,8 +356,7 @@ impl SyncState {
                 self.sync_all(store).await?;
             }
             Event::Apply(service) => {
-                if let Some(service_ref) = index_service(&self.config, &mut self.services, &service)
-                {
+                if let Some(service_ref) = index_service(&self.config, &mut self.services, &service) {
                     self.sync_one(store, &service_ref).await?;
                 }
             }
@@ -411,8 +393,7 @@ impl SyncState {
                 }
             }
             Event::Delete(slice) => {
-                if let (Some(namespace), Some(name)) =
-                    (&slice.metadata.namespace, &slice.metadata.name)
+                if let (Some(namespace), Some(name)) = (&slice.metadata.namespace, &slice.metadata.name)
                     && let Some(service_ref) = self.slices.remove(namespace, name)
                 {
                     self.sync_one(store, &service_ref).await?;
@@ -441,11 +422,8 @@ impl SyncState {
         if !self.ready() {
             return Ok(());
         }
-        let desired: BTreeMap<String, Bytes> = self
-            .services
-            .keys()
-            .filter_map(|service_ref| self.encode(service_ref))
-            .collect();
+        let desired: BTreeMap<String, Bytes> =
+            self.services.keys().filter_map(|service_ref| self.encode(service_ref)).collect();
         info!(services = desired.len(), "reconciling shared services");
         reconcile(store, &mut self.stored, desired).await
     }
@@ -464,15 +442,8 @@ enum Update {
 /// lists again and reconciles. Run it through [`crate::Leadership::run_while_leading`]. This
 /// runs it on a Service watch of its own; [`crate::Operator`] runs it on the
 /// one it shares with the mesh slice sync.
-pub async fn sync_services(
-    store: Arc<dyn KvStore>,
-    client: kube::Client,
-    config: ServiceSyncConfig,
-) -> Result<()> {
-    with_own_watch(client.clone(), |services| {
-        sync_services_from(store, client, config, services)
-    })
-    .await
+pub async fn sync_services(store: Arc<dyn KvStore>, client: kube::Client, config: ServiceSyncConfig) -> Result<()> {
+    with_own_watch(client.clone(), |services| sync_services_from(store, client, config, services)).await
 }
 
 /// [`sync_services`] on a subscription to a shared Service watch: it starts with
@@ -484,10 +455,7 @@ pub(crate) async fn sync_services_from(
     services: ServiceEvents,
 ) -> Result<()> {
     let prefix = config.services_prefix();
-    let listing = store
-        .list_prefix(&prefix)
-        .await
-        .map_err(|e| Error::kv("listing synced services", e))?;
+    let listing = store.list_prefix(&prefix).await.map_err(|e| Error::kv("listing synced services", e))?;
     let mut state = SyncState {
         config,
         services: ServiceIndex::new(),
@@ -496,24 +464,15 @@ pub(crate) async fn sync_services_from(
         slices_listed: false,
         services_relist: None,
         slices_relist: None,
-        stored: listing
-            .items
-            .into_iter()
-            .map(|kv| (kv.key, kv.value))
-            .collect(),
+        stored: listing.items.into_iter().map(|kv| (kv.key, kv.value)).collect(),
     };
-    let services = services
-        .map(Update::Service)
-        .chain(futures::stream::once(async { Update::ServicesEnded }))
-        .boxed();
+    let services = services.map(Update::Service).chain(futures::stream::once(async { Update::ServicesEnded })).boxed();
     // Only slices that name their Service can contribute.
-    let slices = watcher::watcher(
-        Api::<EndpointSlice>::all(client),
-        watcher::Config::default().labels(SERVICE_NAME_LABEL),
-    )
-    .default_backoff()
-    .map(|event| Update::Slice(Box::new(event)))
-    .boxed();
+    let slices =
+        watcher::watcher(Api::<EndpointSlice>::all(client), watcher::Config::default().labels(SERVICE_NAME_LABEL))
+            .default_backoff()
+            .map(|event| Update::Slice(Box::new(event)))
+            .boxed();
     let mut updates = futures::stream::select(services, slices);
     while let Some(update) = updates.next().await {
         match update {
@@ -534,11 +493,7 @@ async fn reconcile(
     stored: &mut BTreeMap<String, Bytes>,
     desired: BTreeMap<String, Bytes>,
 ) -> Result<()> {
-    let stale: Vec<String> = stored
-        .keys()
-        .filter(|k| !desired.contains_key(*k))
-        .cloned()
-        .collect();
+    let stale: Vec<String> = stored.keys().filter(|k| !desired.contains_key(*k)).cloned().collect();
     for key in stale {
         info!(%key, "removing a stale shared service");
         delete_if_stored(store, stored, &key).await?;
@@ -558,27 +513,17 @@ async fn put_if_changed(
     if stored.get(&key) == Some(&value) {
         return Ok(());
     }
-    store
-        .put(&key, value.clone(), None)
-        .await
-        .map_err(|e| Error::kv(format!("writing {key}"), e))?;
+    store.put(&key, value.clone(), None).await.map_err(|e| Error::kv(format!("writing {key}"), e))?;
     debug!(%key, "shared service written");
     stored.insert(key, value);
     Ok(())
 }
 
-async fn delete_if_stored(
-    store: &dyn KvStore,
-    stored: &mut BTreeMap<String, Bytes>,
-    key: &str,
-) -> Result<()> {
+async fn delete_if_stored(store: &dyn KvStore, stored: &mut BTreeMap<String, Bytes>, key: &str) -> Result<()> {
     if !stored.contains_key(key) {
         return Ok(());
     }
-    store
-        .delete(key)
-        .await
-        .map_err(|e| Error::kv(format!("deleting {key}"), e))?;
+    store.delete(key).await.map_err(|e| Error::kv(format!("deleting {key}"), e))?;
     debug!(%key, "shared service removed");
     stored.remove(key);
     Ok(())
@@ -595,12 +540,8 @@ mod tests {
         service.metadata.namespace = Some("default".into());
         service.metadata.name = Some("web".into());
         if !annotations.is_empty() {
-            service.metadata.annotations = Some(
-                annotations
-                    .iter()
-                    .map(|(k, v)| (k.to_string(), v.to_string()))
-                    .collect(),
-            );
+            service.metadata.annotations =
+                Some(annotations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
         }
         service
     }
@@ -623,54 +564,29 @@ mod tests {
         ];
         for (annotations, exported) in cases {
             let service = annotated(annotations);
-            assert_eq!(
-                shared_service(&config, &service).is_some(),
-                *exported,
-                "{annotations:?}"
-            );
+            assert_eq!(shared_service(&config, &service).is_some(), *exported, "{annotations:?}");
         }
     }
 
     fn endpoint(ip: &str, ready: Option<bool>, terminating: Option<bool>) -> Endpoint {
         Endpoint {
             addresses: vec![ip.into(), "fd00::1".into()],
-            conditions: Some(EndpointConditions {
-                ready,
-                terminating,
-                ..Default::default()
-            }),
+            conditions: Some(EndpointConditions { ready, terminating, ..Default::default() }),
             ..Default::default()
         }
     }
 
-    fn slice(
-        name: &str,
-        service: &str,
-        ports: Vec<EndpointPort>,
-        endpoints: Vec<Endpoint>,
-    ) -> EndpointSlice {
-        let mut slice = EndpointSlice {
-            address_type: "IPv4".into(),
-            endpoints,
-            ports: Some(ports),
-            ..Default::default()
-        };
+    fn slice(name: &str, service: &str, ports: Vec<EndpointPort>, endpoints: Vec<Endpoint>) -> EndpointSlice {
+        let mut slice =
+            EndpointSlice { address_type: "IPv4".into(), endpoints, ports: Some(ports), ..Default::default() };
         slice.metadata.namespace = Some("default".into());
         slice.metadata.name = Some(name.into());
-        slice.metadata.labels = Some(BTreeMap::from([(
-            SERVICE_NAME_LABEL.to_owned(),
-            service.to_owned(),
-        )]));
+        slice.metadata.labels = Some(BTreeMap::from([(SERVICE_NAME_LABEL.to_owned(), service.to_owned())]));
         slice
     }
 
     fn port(name: Option<&str>, port: Option<i32>, protocol: Option<&str>) -> EndpointPort {
-        EndpointPort {
-            name: name.map(Into::into),
-            port,
-            protocol: protocol.map(Into::into),
-            ..Default::default()
-        }
+        EndpointPort { name: name.map(Into::into), port, protocol: protocol.map(Into::into), ..Default::default() }
     }
 
     #[test]
@@ -686,13 +602,24 @@ mod tests {
     #[test]
     fn another_clusters_endpoints_are_never_exported_as_this_ones() {
         let mut index = SliceIndex::default();
-        let mut mesh = slice("web-east-0", "web", vec![port(Some("http"), Some(80), None)], vec![endpoint("10.245.0.7", None, None)]);
-        mesh.metadata.labels.as_mut().unwrap().insert(
-            crate::meshslices::MANAGED_BY_LABEL.into(),
-            crate::meshslices::MESH_SLICE_CONTROLLER.into(),
+        let mut mesh = slice(
+            "web-east-0",
+            "web",
+            vec![port(Some("http"), Some(80), None)],
+            vec![endpoint("10.245.0.7", None, None)],
         );
+        mesh.metadata
+            .labels
+            .as_mut()
+            .unwrap()
+            .insert(crate::meshslices::MANAGED_BY_LABEL.into(), crate::meshslices::MESH_SLICE_CONTROLLER.into());
         index.apply(&mesh);
-        let own = slice("web-abcde", "web", vec![port(Some("http"), Some(80), None)], vec![endpoint("10.244.0.7", None, None)]);
+        let own = slice(
+            "web-abcde",
+            "web",
+            vec![port(Some("http"), Some(80), None)],
+            vec![endpoint("10.244.0.7", None, None)],
+        );
         index.apply(&own);
         let service = ("default".to_string(), "web".to_string());
         let exported: Vec<Vec<String>> = index.slices(&service).into_iter().map(|s| s.addresses).collect();
@@ -714,18 +641,11 @@ mod tests {
                 endpoint("10.0.0.2", Some(true), Some(false)),
                 endpoint("10.0.0.3", Some(false), None),
                 endpoint("10.0.0.4", Some(true), Some(true)),
-                Endpoint {
-                    addresses: vec!["10.0.0.5".into()],
-                    hostname: Some("web-5".into()),
-                    ..Default::default()
-                },
+                Endpoint { addresses: vec!["10.0.0.5".into()], hostname: Some("web-5".into()), ..Default::default() },
                 Endpoint {
                     addresses: vec!["10.0.0.6".into()],
                     hostname: Some("web-6".into()),
-                    conditions: Some(EndpointConditions {
-                        ready: Some(false),
-                        ..Default::default()
-                    }),
+                    conditions: Some(EndpointConditions { ready: Some(false), ..Default::default() }),
                     ..Default::default()
                 },
             ],
@@ -734,41 +654,20 @@ mod tests {
             shared_slice(&s),
             Some(SharedSlice {
                 ports: vec![
-                    SharedPort {
-                        name: None,
-                        port: 80,
-                        protocol: "TCP".into()
-                    },
-                    SharedPort {
-                        name: Some("dns".into()),
-                        port: 53,
-                        protocol: "UDP".into()
-                    },
+                    SharedPort { name: None, port: 80, protocol: "TCP".into() },
+                    SharedPort { name: Some("dns".into()), port: 53, protocol: "UDP".into() },
                 ],
                 addresses: vec!["10.0.0.1".into(), "10.0.0.2".into(), "10.0.0.5".into()],
                 hostnames: BTreeMap::from([("10.0.0.5".into(), "web-5".into())]),
             })
         );
-        let unready = slice(
-            "web-2",
-            "web",
-            vec![port(None, Some(80), None)],
-            vec![endpoint("10.0.0.3", Some(false), None)],
-        );
+        let unready =
+            slice("web-2", "web", vec![port(None, Some(80), None)], vec![endpoint("10.0.0.3", Some(false), None)]);
         assert_eq!(shared_slice(&unready), None);
-        let portless = slice(
-            "web-3",
-            "web",
-            vec![port(None, None, None)],
-            vec![endpoint("10.0.0.1", None, None)],
-        );
+        let portless = slice("web-3", "web", vec![port(None, None, None)], vec![endpoint("10.0.0.1", None, None)]);
         assert_eq!(shared_slice(&portless), None);
-        let mut fqdn = slice(
-            "web-4",
-            "web",
-            vec![port(None, Some(80), None)],
-            vec![endpoint("db.example.com", None, None)],
-        );
+        let mut fqdn =
+            slice("web-4", "web", vec![port(None, Some(80), None)], vec![endpoint("db.example.com", None, None)]);
         fqdn.address_type = "FQDN".into();
         assert_eq!(shared_slice(&fqdn), None);
     }
@@ -782,10 +681,7 @@ mod tests {
         let ready = || vec![endpoint("10.0.0.1", None, None)];
         assert_eq!(index.apply(&slice("s", "web", ports(), ready())), vec![web.clone()]);
         assert_eq!(index.slices(&web).len(), 1);
-        assert_eq!(
-            index.apply(&slice("s", "api", ports(), ready())),
-            vec![web.clone(), api.clone()]
-        );
+        assert_eq!(index.apply(&slice("s", "api", ports(), ready())), vec![web.clone(), api.clone()]);
         assert!(index.slices(&web).is_empty());
         assert_eq!(index.slices(&api).len(), 1);
         // No longer contributing: forgotten, its Service recomputed.

@@ -56,9 +56,8 @@ impl ServiceWatch {
     pub(crate) async fn run(&self, client: kube::Client) {
         self.hub().start();
         let _stop = StopOnDrop(self.hub.clone());
-        let mut events = watcher::watcher(Api::<Service>::all(client), watcher::Config::default())
-            .default_backoff()
-            .boxed();
+        let mut events =
+            watcher::watcher(Api::<Service>::all(client), watcher::Config::default()).default_backoff().boxed();
         while let Some(event) = events.next().await {
             match event {
                 Ok(event) => self.hub().apply(event),
@@ -214,7 +213,8 @@ mod tests {
         let mut service = Service::default();
         service.metadata.namespace = Some("default".into());
         service.metadata.name = Some(name.into());
-        service.spec = Some(k8s_openapi::api::core::v1::ServiceSpec { cluster_ip: Some(ip.into()), ..Default::default() });
+        service.spec =
+            Some(k8s_openapi::api::core::v1::ServiceSpec { cluster_ip: Some(ip.into()), ..Default::default() });
         service
     }
 
@@ -242,7 +242,9 @@ mod tests {
                     seen.append(&mut listed);
                     seen.push("done".into());
                 }
-                Event::Apply(s) => seen.push(format!("apply {} {}", name(&s), s.spec.as_ref().unwrap().cluster_ip.as_ref().unwrap())),
+                Event::Apply(s) => {
+                    seen.push(format!("apply {} {}", name(&s), s.spec.as_ref().unwrap().cluster_ip.as_ref().unwrap()))
+                }
                 Event::Delete(s) => seen.push(format!("delete {}", name(&s))),
             }
         }
@@ -258,14 +260,20 @@ mod tests {
         let mut bulky = service("a", "10.0.0.1");
         bulky.metadata.managed_fields = Some(vec![Default::default()]);
         bulky.metadata.annotations = Some(
-            [("kubectl.kubernetes.io/last-applied-configuration", "{...}"), ("service.cilium.io/global", "true")].map(|(k, v)| (k.to_string(), v.to_string())).into(),
+            [("kubectl.kubernetes.io/last-applied-configuration", "{...}"), ("service.cilium.io/global", "true")]
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .into(),
         );
         bulky.status = Some(Default::default());
         hub.apply(Event::Init);
         hub.apply(Event::InitApply(bulky));
         hub.apply(Event::InitDone);
         let mut events = hub.subscribe();
-        let Some(Event::InitApply(stored)) = std::iter::from_fn(|| events.try_recv().ok()).find(|e| matches!(e, Event::InitApply(_))) else { panic!("no list") };
+        let Some(Event::InitApply(stored)) =
+            std::iter::from_fn(|| events.try_recv().ok()).find(|e| matches!(e, Event::InitApply(_)))
+        else {
+            panic!("no list")
+        };
         assert_eq!(stored.metadata.managed_fields, None);
         assert_eq!(stored.status, None);
         let annotations: Vec<&String> = stored.metadata.annotations.as_ref().unwrap().keys().collect();

@@ -15,8 +15,7 @@ use tokio::time::Instant;
 use wasmplane_kvstore::{Bytes, EtcdConfig, EtcdStore, KvStore};
 use wasmplane_operator::policystatus::POLICY_STATUS_PREFIX;
 use wasmplane_operator::{
-    CandidateKind, DeciderError, GarbageCollector, GcCandidate, GcConfig, GcDecider, GcStats,
-    LOCKS_PREFIX,
+    CandidateKind, DeciderError, GarbageCollector, GcCandidate, GcConfig, GcDecider, GcStats, LOCKS_PREFIX,
     SHARED_SERVICE_ANNOTATION, ServiceSyncConfig,
 };
 use wasmplane_test_apiserver::TestApiServer;
@@ -46,10 +45,7 @@ impl GcDecider for Scripted {
 }
 
 async fn put(store: &dyn KvStore, key: &str, value: &str) {
-    store
-        .put(key, Bytes::copy_from_slice(value.as_bytes()), None)
-        .await
-        .unwrap();
+    store.put(key, Bytes::copy_from_slice(value.as_bytes()), None).await.unwrap();
 }
 
 async fn keys(store: &dyn KvStore, prefix: &str) -> BTreeSet<String> {
@@ -59,27 +55,17 @@ async fn keys(store: &dyn KvStore, prefix: &str) -> BTreeSet<String> {
 
 fn shared_service(name: &str) -> Service {
     let mut svc = Service {
-        spec: Some(ServiceSpec {
-            cluster_ip: Some("10.96.0.10".into()),
-            ..Default::default()
-        }),
+        spec: Some(ServiceSpec { cluster_ip: Some("10.96.0.10".into()), ..Default::default() }),
         ..Default::default()
     };
     svc.metadata.name = Some(name.into());
     svc.metadata.namespace = Some("default".into());
-    svc.metadata.annotations = Some(BTreeMap::from([(
-        SHARED_SERVICE_ANNOTATION.to_owned(),
-        "true".to_owned(),
-    )]));
+    svc.metadata.annotations = Some(BTreeMap::from([(SHARED_SERVICE_ANNOTATION.to_owned(), "true".to_owned())]));
     svc
 }
 
 async fn connect(etcd: &Etcd) -> Arc<dyn KvStore> {
-    Arc::new(
-        EtcdStore::connect(EtcdConfig::new([etcd.endpoint()]))
-            .await
-            .expect("connect to etcd"),
-    )
+    Arc::new(EtcdStore::connect(EtcdConfig::new([etcd.endpoint()])).await.expect("connect to etcd"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -115,10 +101,7 @@ async fn gc_deletes_exactly_the_offered_keys_the_decider_named_at_the_configured
     }
     let lease = store.grant_lease(Duration::from_secs(30)).await.unwrap();
     let lock_held = format!("{LOCKS_PREFIX}held");
-    store
-        .put(&lock_held, Bytes::from_static(b"node-x"), Some(lease.id))
-        .await
-        .unwrap();
+    store.put(&lock_held, Bytes::from_static(b"node-x"), Some(lease.id)).await.unwrap();
     let lock_orphan = format!("{LOCKS_PREFIX}orphan");
     put(store.as_ref(), &lock_orphan, "node-b").await;
     let unrelated = "/elsewhere/data".to_owned();
@@ -137,19 +120,11 @@ async fn gc_deletes_exactly_the_offered_keys_the_decider_named_at_the_configured
         lock_orphan.clone(), // twice: deleted once
     ];
     let offered = Arc::new(Mutex::new(Vec::new()));
-    let decider = Arc::new(Mutex::new(Scripted {
-        names: named,
-        offered: offered.clone(),
-    }));
+    let decider = Arc::new(Mutex::new(Scripted { names: named, offered: offered.clone() }));
     const RATE: f64 = 8.0;
-    let config = GcConfig {
-        deletes_per_second: RATE,
-        burst: 1,
-        service_sync: Some(sync.clone()),
-        ..GcConfig::default()
-    };
-    let mut gc =
-        GarbageCollector::new(store.clone(), Some(server.client()), decider, config).unwrap();
+    let config =
+        GcConfig { deletes_per_second: RATE, burst: 1, service_sync: Some(sync.clone()), ..GcConfig::default() };
+    let mut gc = GarbageCollector::new(store.clone(), Some(server.client()), decider, config).unwrap();
 
     // Watch deletions to time them as etcd sees them.
     let mut deletions = store.watch_prefix("/", None).await.unwrap();
@@ -158,21 +133,14 @@ async fn gc_deletes_exactly_the_offered_keys_the_decider_named_at_the_configured
     let took = started.elapsed();
 
     // What was offered, with the owners judged right.
-    let offered: BTreeMap<String, (CandidateKind, bool)> = offered
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|c| (c.key.clone(), (c.kind, c.owner_exists)))
-        .collect();
+    let offered: BTreeMap<String, (CandidateKind, bool)> =
+        offered.lock().unwrap().iter().map(|c| (c.key.clone(), (c.kind, c.owner_exists))).collect();
     let expected_offer: BTreeMap<String, (CandidateKind, bool)> = [
         (format!("{IDS}1"), (CandidateKind::StaleNode, true)),
         (stale_id.clone(), (CandidateKind::StaleNode, false)),
         (status_ok.clone(), (CandidateKind::PolicyStatus, true)),
         (status_dead_node.clone(), (CandidateKind::NodeStatus, false)),
-        (
-            status_dead_policy.clone(),
-            (CandidateKind::PolicyStatus, false),
-        ),
+        (status_dead_policy.clone(), (CandidateKind::PolicyStatus, false)),
         (svc_live.clone(), (CandidateKind::ServiceSync, true)),
         (svc_gone.clone(), (CandidateKind::ServiceSync, false)),
         (lock_held.clone(), (CandidateKind::Lock, true)),
@@ -185,12 +153,8 @@ async fn gc_deletes_exactly_the_offered_keys_the_decider_named_at_the_configured
 
     // Exactly the named ∩ offered keys are gone; the rest is refused.
     let deleted: BTreeSet<String> = report.deleted.iter().cloned().collect();
-    let expected_deleted = BTreeSet::from([
-        stale_id.clone(),
-        status_dead_node.clone(),
-        status_dead_policy.clone(),
-        lock_orphan.clone(),
-    ]);
+    let expected_deleted =
+        BTreeSet::from([stale_id.clone(), status_dead_node.clone(), status_dead_policy.clone(), lock_orphan.clone()]);
     assert_eq!(deleted, expected_deleted);
     assert_eq!(report.deleted.len(), 4, "each key deleted once");
     assert_eq!(
@@ -227,17 +191,12 @@ async fn gc_deletes_exactly_the_offered_keys_the_decider_named_at_the_configured
     }
     assert_eq!(seen, expected_deleted);
     assert!(
-        tokio::time::timeout(Duration::from_millis(200), deletions.next())
-            .await
-            .is_err(),
+        tokio::time::timeout(Duration::from_millis(200), deletions.next()).await.is_err(),
         "more changes than the four deletions"
     );
     // The rate: with a burst of 1, four deletions span at least three gaps of 1/RATE.
     let min_span = Duration::from_secs_f64(3.0 / RATE);
-    assert!(
-        took >= min_span - Duration::from_millis(20),
-        "4 deletions in {took:?}, faster than {RATE}/s"
-    );
+    assert!(took >= min_span - Duration::from_millis(20), "4 deletions in {took:?}, faster than {RATE}/s");
     // Not throttled far past the rate; generous, as each deletion is an etcd round trip on a loaded machine.
     assert!(took < min_span + Duration::from_secs(10), "took {took:?}");
 
@@ -259,19 +218,13 @@ async fn gc_deletes_exactly_the_offered_keys_the_decider_named_at_the_configured
             Ok(vec![self.key.clone()])
         }
     }
-    let decider = Arc::new(Mutex::new(Rewrites {
-        store: store.clone(),
-        key: svc_gone.clone(),
-        offered: offered_once.clone(),
-    }));
+    let decider =
+        Arc::new(Mutex::new(Rewrites { store: store.clone(), key: svc_gone.clone(), offered: offered_once.clone() }));
     let mut gc = GarbageCollector::new(
         store.clone(),
         Some(server.client()),
         decider,
-        GcConfig {
-            service_sync: Some(sync),
-            ..GcConfig::default()
-        },
+        GcConfig { service_sync: Some(sync), ..GcConfig::default() },
     )
     .unwrap();
     let report = gc.run_once().await.unwrap();
@@ -292,11 +245,7 @@ async fn gc_rate_limit_holds_over_many_deletions_and_cycles() {
     struct All;
     impl GcDecider for All {
         fn collect(&mut self, candidates: &[GcCandidate]) -> Result<Vec<String>, DeciderError> {
-            Ok(candidates
-                .iter()
-                .filter(|c| !c.owner_exists)
-                .map(|c| c.key.clone())
-                .collect())
+            Ok(candidates.iter().filter(|c| !c.owner_exists).map(|c| c.key.clone()).collect())
         }
     }
     const RATE: f64 = 40.0;
@@ -311,8 +260,7 @@ async fn gc_rate_limit_holds_over_many_deletions_and_cycles() {
         stats: stats.clone(),
         ..GcConfig::default()
     };
-    let mut gc = GarbageCollector::new(store.clone(), None, Arc::new(Mutex::new(All)), config)
-        .expect("valid config");
+    let mut gc = GarbageCollector::new(store.clone(), None, Arc::new(Mutex::new(All)), config).expect("valid config");
     let started = Instant::now();
     // At most max_candidates per cycle: two cycles for 30 locks.
     let first = gc.run_once().await.unwrap();
@@ -322,10 +270,7 @@ async fn gc_rate_limit_holds_over_many_deletions_and_cycles() {
     let took = started.elapsed();
     // The bucket carries over cycles: 30 deletions, 5 free, 25 at 40/s.
     let min = Duration::from_secs_f64(f64::from(30 - BURST) / RATE);
-    assert!(
-        took >= min - Duration::from_millis(20),
-        "{took:?} for 30 deletions"
-    );
+    assert!(took >= min - Duration::from_millis(20), "{took:?} for 30 deletions");
     // Generous: 30 etcd round trips on a loaded machine.
     assert!(took < min + Duration::from_secs(10), "{took:?}");
     assert!(keys(store.as_ref(), LOCKS_PREFIX).await.is_empty());
@@ -344,10 +289,7 @@ async fn gc_rate_limit_holds_over_many_deletions_and_cycles() {
         store.clone(),
         None,
         Arc::new(Mutex::new(Fails)),
-        GcConfig {
-            stats: stats.clone(),
-            ..GcConfig::default()
-        },
+        GcConfig { stats: stats.clone(), ..GcConfig::default() },
     )
     .unwrap();
     assert!(failing.run_once().await.is_err());
@@ -369,10 +311,7 @@ async fn gc_rate_limit_holds_over_many_deletions_and_cycles() {
             store.clone(),
             None,
             Arc::new(Mutex::new(All)),
-            GcConfig {
-                deletes_per_second: 0.0,
-                ..GcConfig::default()
-            }
+            GcConfig { deletes_per_second: 0.0, ..GcConfig::default() }
         )
         .is_err()
     );
@@ -414,25 +353,10 @@ async fn the_default_guest_removes_orphaned_locks_and_spares_young_orphans() {
     put(store.as_ref(), &format!("{IDS}1"), "node-a").await;
     put(store.as_ref(), &format!("{IDS}2"), "node-gone").await;
     put(store.as_ref(), &format!("{LOCKS_PREFIX}of-a"), "node-a").await;
-    put(
-        store.as_ref(),
-        &format!("{LOCKS_PREFIX}of-gone"),
-        "node-gone",
-    )
-    .await;
-    put(
-        store.as_ref(),
-        &format!("{POLICY_STATUS_PREFIX}u/ns/p/node-gone"),
-        "{}",
-    )
-    .await;
-    let mut gc = GarbageCollector::new(
-        store.clone(),
-        None,
-        Arc::new(Mutex::new(DefaultGuest)),
-        GcConfig::default(),
-    )
-    .unwrap();
+    put(store.as_ref(), &format!("{LOCKS_PREFIX}of-gone"), "node-gone").await;
+    put(store.as_ref(), &format!("{POLICY_STATUS_PREFIX}u/ns/p/node-gone"), "{}").await;
+    let mut gc =
+        GarbageCollector::new(store.clone(), None, Arc::new(Mutex::new(DefaultGuest)), GcConfig::default()).unwrap();
     let report = gc.run_once().await.unwrap();
     assert_eq!(report.offered, 5);
     // Only the lock of a gone holder has no grace period; the stale node ID

@@ -24,8 +24,7 @@ fn init_tracing() {
 }
 
 fn elector(server: &TestApiServer, identity: &str) -> LeaderElector {
-    let config =
-        LeaderElectionConfig::new(NAMESPACE, LEASE_NAME, identity).with_lease_duration(LEASE);
+    let config = LeaderElectionConfig::new(NAMESPACE, LEASE_NAME, identity).with_lease_duration(LEASE);
     LeaderElector::start(server.client(), config).expect("valid config")
 }
 
@@ -58,11 +57,7 @@ impl DutyLog {
                     async move {
                         let index = {
                             let mut runs = log.0.lock().unwrap();
-                            runs.push(DutyRun {
-                                replica,
-                                start: Instant::now(),
-                                stop: None,
-                            });
+                            runs.push(DutyRun { replica, start: Instant::now(), stop: None });
                             runs.len() - 1
                         };
                         // Records the stop when the duty is cancelled (dropped).
@@ -86,9 +81,7 @@ impl DutyLog {
         runs.sort_by_key(|r| r.start);
         for pair in runs.windows(2) {
             let (a, b) = (&pair[0], &pair[1]);
-            let a_stop = a
-                .stop
-                .unwrap_or_else(|| panic!("run {a:?} still going while {b:?} started"));
+            let a_stop = a.stop.unwrap_or_else(|| panic!("run {a:?} still going while {b:?} started"));
             assert!(a_stop <= b.start, "duty ran twice at once: {a:?} and {b:?}");
         }
     }
@@ -106,11 +99,7 @@ async fn wait_until(timeout: Duration, mut condition: impl FnMut() -> bool) -> O
 }
 
 fn leaders(electors: &[(&str, &LeaderElector)]) -> Vec<String> {
-    electors
-        .iter()
-        .filter(|(_, e)| e.is_leader())
-        .map(|(n, _)| n.to_string())
-        .collect()
+    electors.iter().filter(|(_, e)| e.is_leader()).map(|(n, _)| n.to_string()).collect()
 }
 
 #[tokio::test]
@@ -123,9 +112,7 @@ async fn two_replicas_one_leader_and_takeover_after_the_leader_dies() {
     let duty_a = log.spawn_duty("replica-a", a.leadership());
     let duty_b = log.spawn_duty("replica-b", b.leadership());
 
-    wait_until(Duration::from_secs(5), || a.is_leader() || b.is_leader())
-        .await
-        .expect("a leader within 5 s");
+    wait_until(Duration::from_secs(5), || a.is_leader() || b.is_leader()).await.expect("a leader within 5 s");
     // For a while (several renewals), exactly one leads.
     for _ in 0..150 {
         let now = leaders(&[("a", &a), ("b", &b)]);
@@ -133,11 +120,7 @@ async fn two_replicas_one_leader_and_takeover_after_the_leader_dies() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let lease: Lease = server.get(NAMESPACE, LEASE_NAME).expect("lease created");
-    let (leader, follower, follower_name) = if a.is_leader() {
-        (a, b, "replica-b")
-    } else {
-        (b, a, "replica-a")
-    };
+    let (leader, follower, follower_name) = if a.is_leader() { (a, b, "replica-b") } else { (b, a, "replica-a") };
     let spec = lease.spec.expect("lease spec");
     assert_ne!(spec.holder_identity.as_deref(), Some(follower_name));
     assert_eq!(spec.lease_duration_seconds, Some(2));
@@ -145,19 +128,11 @@ async fn two_replicas_one_leader_and_takeover_after_the_leader_dies() {
     // Crash the leader: no release, the lease must expire.
     let killed = Instant::now();
     drop(leader);
-    let took = wait_until(Duration::from_secs(8), || follower.is_leader())
-        .await
-        .expect("the follower takes over");
+    let took = wait_until(Duration::from_secs(8), || follower.is_leader()).await.expect("the follower takes over");
     // It waited for the lease to expire (at least L minus one renewal period)
     // and not much longer than one lease duration.
-    assert!(
-        took >= Duration::from_millis(1200),
-        "took over too early ({took:?}): the lease was still valid"
-    );
-    assert!(
-        took <= LEASE + Duration::from_millis(1500),
-        "takeover took {took:?}"
-    );
+    assert!(took >= Duration::from_millis(1200), "took over too early ({took:?}): the lease was still valid");
+    assert!(took <= LEASE + Duration::from_millis(1500), "takeover took {took:?}");
     tracing::info!(after = ?killed.elapsed(), "takeover");
 
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -173,10 +148,7 @@ async fn two_replicas_one_leader_and_takeover_after_the_leader_dies() {
     log.assert_never_concurrent();
     drop(follower);
     for duty in [duty_a, duty_b] {
-        tokio::time::timeout(Duration::from_secs(2), duty)
-            .await
-            .expect("duty runner ends with its elector")
-            .unwrap();
+        tokio::time::timeout(Duration::from_secs(2), duty).await.expect("duty runner ends with its elector").unwrap();
     }
     log.assert_never_concurrent();
 }
@@ -188,9 +160,7 @@ async fn graceful_shutdown_hands_over_without_waiting_for_expiry() {
     let log = DutyLog::default();
     let a = elector(&server, "replica-a");
     log.spawn_duty("replica-a", a.leadership());
-    wait_until(Duration::from_secs(5), || a.is_leader())
-        .await
-        .expect("a leads");
+    wait_until(Duration::from_secs(5), || a.is_leader()).await.expect("a leads");
     let b = elector(&server, "replica-b");
     log.spawn_duty("replica-b", b.leadership());
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -198,14 +168,9 @@ async fn graceful_shutdown_hands_over_without_waiting_for_expiry() {
 
     let stopped = Instant::now();
     a.shutdown().await.expect("release");
-    let took = wait_until(Duration::from_secs(5), || b.is_leader())
-        .await
-        .expect("b takes over");
+    let took = wait_until(Duration::from_secs(5), || b.is_leader()).await.expect("b takes over");
     // b only polls every L/3; without the release it would wait ~L.
-    assert!(
-        took < Duration::from_millis(1200),
-        "handover took {took:?} after shutdown at {stopped:?}"
-    );
+    assert!(took < Duration::from_millis(1200), "handover took {took:?} after shutdown at {stopped:?}");
     tokio::time::sleep(Duration::from_millis(200)).await;
     log.assert_never_concurrent();
     assert_eq!(log.runs().len(), 2);
@@ -220,23 +185,16 @@ async fn leader_steps_down_when_it_cannot_renew() {
     let b = elector(&server, "replica-b");
     log.spawn_duty("replica-a", a.leadership());
     log.spawn_duty("replica-b", b.leadership());
-    wait_until(Duration::from_secs(5), || a.is_leader() || b.is_leader())
-        .await
-        .expect("a leader");
+    wait_until(Duration::from_secs(5), || a.is_leader() || b.is_leader()).await.expect("a leader");
 
     server.set_unavailable(true);
     let down = Instant::now();
-    let stepped_down = wait_until(Duration::from_secs(5), || !a.is_leader() && !b.is_leader())
-        .await
-        .expect("the leader steps down");
+    let stepped_down =
+        wait_until(Duration::from_secs(5), || !a.is_leader() && !b.is_leader()).await.expect("the leader steps down");
     // Renew deadline is 2L/3; it must be gone well before the lease expires.
     assert!(stepped_down < LEASE, "stepped down after {stepped_down:?}");
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert!(
-        log.runs().iter().all(|r| r.stop.is_some()),
-        "duty still running after step-down: {:?}",
-        log.runs()
-    );
+    assert!(log.runs().iter().all(|r| r.stop.is_some()), "duty still running after step-down: {:?}", log.runs());
     tracing::info!(after = ?down.elapsed(), "stepped down");
 
     // Nobody can lead while the API server is unreachable.
@@ -244,9 +202,7 @@ async fn leader_steps_down_when_it_cannot_renew() {
     assert!(!a.is_leader() && !b.is_leader());
 
     server.set_unavailable(false);
-    wait_until(Duration::from_secs(6), || a.is_leader() || b.is_leader())
-        .await
-        .expect("a leader again");
+    wait_until(Duration::from_secs(6), || a.is_leader() || b.is_leader()).await.expect("a leader again");
     for _ in 0..50 {
         assert!(!(a.is_leader() && b.is_leader()));
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -261,9 +217,7 @@ async fn five_racing_replicas_elect_exactly_one() {
     let names = ["r1", "r2", "r3", "r4", "r5"];
     let electors: Vec<LeaderElector> = names.iter().map(|n| elector(&server, n)).collect();
     let pairs: Vec<(&str, &LeaderElector)> = names.iter().copied().zip(electors.iter()).collect();
-    wait_until(Duration::from_secs(5), || !leaders(&pairs).is_empty())
-        .await
-        .expect("a leader");
+    wait_until(Duration::from_secs(5), || !leaders(&pairs).is_empty()).await.expect("a leader");
     for _ in 0..100 {
         let now = leaders(&pairs);
         assert_eq!(now.len(), 1, "exactly one leader expected, got {now:?}");
@@ -277,9 +231,7 @@ async fn embedded_mode_always_leads() {
     assert!(leadership.is_leader());
     let log = DutyLog::default();
     let runner = log.spawn_duty("embedded", leadership.clone());
-    wait_until(Duration::from_secs(2), || log.runs().len() == 1)
-        .await
-        .expect("duty started");
+    wait_until(Duration::from_secs(2), || log.runs().len() == 1).await.expect("duty started");
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(log.runs().len(), 1);
     assert!(log.runs()[0].stop.is_none(), "the duty keeps running");
@@ -288,14 +240,10 @@ async fn embedded_mode_always_leads() {
 
 #[test]
 fn invalid_configurations_are_refused() {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
         let server = TestApiServer::start().await;
-        let mut config =
-            LeaderElectionConfig::new(NAMESPACE, LEASE_NAME, "x").with_lease_duration(LEASE);
+        let mut config = LeaderElectionConfig::new(NAMESPACE, LEASE_NAME, "x").with_lease_duration(LEASE);
         config.renew_deadline = LEASE;
         assert!(LeaderElector::start(server.client(), config).is_err());
         let config = LeaderElectionConfig::new(NAMESPACE, LEASE_NAME, "");

@@ -10,7 +10,8 @@ use k8s_openapi::api::core::v1::{Service, ServicePort, ServiceSpec};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
 use wasmplane_kvstore::{EtcdConfig, EtcdStore, KvStore, SharedStore, SharedStoreConfig};
 use wasmplane_operator::{
-    CLUSTERS_PREFIX, GLOBAL_SERVICE_ANNOTATION, MeshSliceConfig, RemoteExports, cluster_exports_prefix, follow_cluster_exports, is_mesh_slice, sync_mesh_slices,
+    CLUSTERS_PREFIX, GLOBAL_SERVICE_ANNOTATION, MeshSliceConfig, RemoteExports, cluster_exports_prefix,
+    follow_cluster_exports, is_mesh_slice, sync_mesh_slices,
 };
 use wasmplane_test_apiserver::TestApiServer;
 use wasmplane_test_etcd::Etcd;
@@ -50,7 +51,12 @@ type Named = (String, Option<String>);
 /// The mesh slices the API server holds: name → (address, hostname) of each endpoint.
 fn mesh_slices(server: &TestApiServer) -> Vec<(String, Vec<Named>)> {
     let endpoints = |e: &Vec<Endpoint>| e.iter().map(|e| (e.addresses[0].clone(), e.hostname.clone())).collect();
-    server.list::<EndpointSlice>().iter().filter(|s| is_mesh_slice(s.metadata.labels.as_ref())).map(|s| (s.metadata.name.clone().unwrap(), endpoints(&s.endpoints))).collect()
+    server
+        .list::<EndpointSlice>()
+        .iter()
+        .filter(|s| is_mesh_slice(s.metadata.labels.as_ref()))
+        .map(|s| (s.metadata.name.clone().unwrap(), endpoints(&s.endpoints)))
+        .collect()
 }
 
 async fn until(what: &str, mut ok: impl FnMut() -> bool) {
@@ -78,23 +84,45 @@ async fn a_remote_clusters_exports_become_slices_of_the_local_headless_global_se
     own = server.create(&own).unwrap();
 
     let (exports, received) = RemoteExports::new();
-    let followed = SharedStore::follow(east_kv.clone(), SharedStoreConfig::new(cluster_exports_prefix(CLUSTERS_PREFIX, "east"))).await.unwrap();
+    let followed =
+        SharedStore::follow(east_kv.clone(), SharedStoreConfig::new(cluster_exports_prefix(CLUSTERS_PREFIX, "east")))
+            .await
+            .unwrap();
     let follower = tokio::spawn(follow_cluster_exports(followed, "east".into(), exports.clone()));
     let config = MeshSliceConfig { resync_interval: Duration::from_millis(500), ..MeshSliceConfig::new(received) };
     let sync = tokio::spawn(sync_mesh_slices(server.client(), config));
 
-    let first = || vec![("pg-east-0".to_string(), vec![("10.245.0.7".to_string(), Some("pg-0".to_string())), ("10.245.0.8".to_string(), Some("pg-1".to_string()))])];
+    let first = || {
+        vec![(
+            "pg-east-0".to_string(),
+            vec![
+                ("10.245.0.7".to_string(), Some("pg-0".to_string())),
+                ("10.245.0.8".to_string(), Some("pg-1".to_string())),
+            ],
+        )]
+    };
     until("east's endpoints as a slice of db/pg", || mesh_slices(&server) == first()).await;
     let slice = server.get::<EndpointSlice>("db", "pg-east-0").unwrap();
     let labels = slice.metadata.labels.as_ref().unwrap();
-    assert_eq!((labels["kubernetes.io/service-name"].as_str(), labels["wasmplane.io/cluster"].as_str()), ("pg", "east"));
+    assert_eq!(
+        (labels["kubernetes.io/service-name"].as_str(), labels["wasmplane.io/cluster"].as_str()),
+        ("pg", "east")
+    );
     assert!(labels.contains_key("service.kubernetes.io/headless"), "proxies skip it, as the Service's own slices");
     let uid = server.get::<Service>("db", "pg").unwrap().metadata.uid;
     assert_eq!(slice.metadata.owner_references.as_ref().unwrap()[0].uid, uid.unwrap(), "deleted with its Service");
 
     // East's export changes: the slice follows.
     east_kv.put(&key, export(&[("10.245.0.8", "pg-1"), ("10.245.0.9", "pg-3")]).into(), None).await.unwrap();
-    let second = || vec![("pg-east-0".to_string(), vec![("10.245.0.8".to_string(), Some("pg-1".to_string())), ("10.245.0.9".to_string(), Some("pg-3".to_string()))])];
+    let second = || {
+        vec![(
+            "pg-east-0".to_string(),
+            vec![
+                ("10.245.0.8".to_string(), Some("pg-1".to_string())),
+                ("10.245.0.9".to_string(), Some("pg-3".to_string())),
+            ],
+        )]
+    };
     until("the slice following east's export", || mesh_slices(&server) == second()).await;
 
     // Deleted by hand: written again.
@@ -115,7 +143,11 @@ async fn a_remote_clusters_exports_become_slices_of_the_local_headless_global_se
     follower.abort();
     exports.remove("east");
     until("the slice gone with east", || mesh_slices(&server).is_empty()).await;
-    assert_eq!(server.get::<EndpointSlice>("db", "pg-abcde").unwrap().metadata.resource_version, own.metadata.resource_version, "the controller's own slice untouched");
+    assert_eq!(
+        server.get::<EndpointSlice>("db", "pg-abcde").unwrap().metadata.resource_version,
+        own.metadata.resource_version,
+        "the controller's own slice untouched"
+    );
     assert!(!sync.is_finished(), "the sync runs on");
     sync.abort();
 }

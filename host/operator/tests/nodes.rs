@@ -23,10 +23,7 @@ fn init_tracing() {
 }
 
 fn config() -> NodeRegistryConfig {
-    NodeRegistryConfig {
-        lease_ttl: Duration::from_secs(2),
-        ..NodeRegistryConfig::default()
-    }
+    NodeRegistryConfig { lease_ttl: Duration::from_secs(2), ..NodeRegistryConfig::default() }
 }
 
 fn node_ip(i: u32) -> IpAddr {
@@ -38,15 +35,9 @@ fn pod_cidr(i: u32) -> IpNet {
 }
 
 async fn join(store: Arc<dyn KvStore>, i: u32) -> NodeRegistry {
-    NodeRegistry::join(
-        store,
-        config(),
-        &format!("node-{i}"),
-        vec![node_ip(i)],
-        vec![pod_cidr(i)],
-    )
-    .await
-    .unwrap_or_else(|e| panic!("node-{i} joins: {e}"))
+    NodeRegistry::join(store, config(), &format!("node-{i}"), vec![node_ip(i)], vec![pod_cidr(i)])
+        .await
+        .unwrap_or_else(|e| panic!("node-{i} joins: {e}"))
 }
 
 /// Stores for the agents: one connection each where the backend has
@@ -65,22 +56,14 @@ async fn registry_scenario(new_store: StoreFactory) {
         agents.push(j.await.expect("join task"));
     }
     let ids: BTreeSet<u32> = agents.iter().map(|a| a.node_id()).collect();
-    assert_eq!(
-        ids,
-        (1..=20).collect::<BTreeSet<_>>(),
-        "IDs 1..20, no duplicate"
-    );
+    assert_eq!(ids, (1..=20).collect::<BTreeSet<_>>(), "IDs 1..20, no duplicate");
 
     // The store says the same: one key per ID, holding its owner's name.
     let observer = new_store().await;
     let listing = observer.list_prefix(NODE_IDS_PREFIX).await.unwrap();
     assert_eq!(listing.items.len(), 20);
     for agent in &agents {
-        let kv = observer
-            .get(&format!("{NODE_IDS_PREFIX}{}", agent.node_id()))
-            .await
-            .unwrap()
-            .unwrap();
+        let kv = observer.get(&format!("{NODE_IDS_PREFIX}{}", agent.node_id())).await.unwrap().unwrap();
         assert_eq!(kv.value.as_ref(), agent.name().as_bytes());
     }
 
@@ -88,22 +71,12 @@ async fn registry_scenario(new_store: StoreFactory) {
     // Deadlines here are generous: 20 watches over one etcd on a loaded 2-core machine.
     let deadline = Instant::now() + Duration::from_secs(15);
     while agents.iter().any(|a| a.nodes().len() < 20) {
-        assert!(
-            Instant::now() < deadline,
-            "node info did not reach every agent"
-        );
+        assert!(Instant::now() < deadline, "node info did not reach every agent");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let seen = agents[0].nodes();
     let seventh = &seen["node-7"];
-    assert_eq!(
-        seventh.id,
-        agents
-            .iter()
-            .find(|a| a.name() == "node-7")
-            .unwrap()
-            .node_id()
-    );
+    assert_eq!(seventh.id, agents.iter().find(|a| a.name() == "node-7").unwrap().node_id());
     assert_eq!(seventh.node_ips, vec![node_ip(7)]);
     assert_eq!(seventh.pod_cidrs, vec![pod_cidr(7)]);
 
@@ -123,11 +96,7 @@ async fn registry_scenario(new_store: StoreFactory) {
     let third = agents.remove(index);
     let third_name = third.name().to_owned();
     third.leave().await.unwrap();
-    assert!(
-        release_node_id(observer.as_ref(), NODE_IDS_PREFIX, &third_name, 3)
-            .await
-            .unwrap()
-    );
+    assert!(release_node_id(observer.as_ref(), NODE_IDS_PREFIX, &third_name, 3).await.unwrap());
     let late = join(new_store().await, 22).await;
     assert_eq!(late.node_id(), 3, "the first free ID is reused");
 
@@ -144,28 +113,19 @@ async fn registry_scenario(new_store: StoreFactory) {
         if observer.get(&key).await.unwrap().is_none() {
             break;
         }
-        assert!(
-            crashed.elapsed() < Duration::from_secs(20),
-            "{crashing_name}'s info outlived its lease"
-        );
+        assert!(crashed.elapsed() < Duration::from_secs(20), "{crashing_name}'s info outlived its lease");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // ... and from the other agents' views.
     let deadline = Instant::now() + Duration::from_secs(10);
     while agents[0].nodes().contains_key(&crashing_name) {
-        assert!(
-            Instant::now() < deadline,
-            "{crashing_name} still in another agent's view"
-        );
+        assert!(Instant::now() < deadline, "{crashing_name} still in another agent's view");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // Its ID stays reserved for it.
     let ids_after = observer.list_prefix(NODE_IDS_PREFIX).await.unwrap();
     assert!(
-        ids_after
-            .items
-            .iter()
-            .any(|kv| kv.value.as_ref() == crashing_name.as_bytes()),
+        ids_after.items.iter().any(|kv| kv.value.as_ref() == crashing_name.as_bytes()),
         "{crashing_name} keeps its ID"
     );
     drop(late);
@@ -180,9 +140,7 @@ async fn registry_on_real_etcd() {
     let factory: StoreFactory = Box::new(move || {
         let endpoint = endpoint.clone();
         Box::pin(async move {
-            let store = EtcdStore::connect(EtcdConfig::new([endpoint]))
-                .await
-                .expect("connect to etcd");
+            let store = EtcdStore::connect(EtcdConfig::new([endpoint])).await.expect("connect to etcd");
             Arc::new(store) as Arc<dyn KvStore>
         })
     });
@@ -206,20 +164,12 @@ async fn leaving_removes_the_info_at_once_and_update_republishes() {
     let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::in_memory());
     let a = join(store.clone(), 1).await;
     let b = join(store.clone(), 2).await;
-    a.update(vec![node_ip(101)], vec![pod_cidr(101)])
-        .await
-        .unwrap();
+    a.update(vec![node_ip(101)], vec![pod_cidr(101)]).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     while b.nodes().get("node-1").map(|n| n.node_ips.clone()) != Some(vec![node_ip(101)]) {
         assert!(Instant::now() < deadline, "update not seen");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     a.leave().await.unwrap();
-    assert!(
-        store
-            .get(&format!("{NODE_INFO_PREFIX}node-1"))
-            .await
-            .unwrap()
-            .is_none()
-    );
+    assert!(store.get(&format!("{NODE_INFO_PREFIX}node-1")).await.unwrap().is_none());
 }

@@ -13,14 +13,12 @@ use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use tokio::time::Instant;
-use wasmplane_kvstore::{
-    Bytes, EtcdConfig, EtcdStore, KvStore, SharedStore, SharedStoreConfig,
-};
+use wasmplane_kvstore::{Bytes, EtcdConfig, EtcdStore, KvStore, SharedStore, SharedStoreConfig};
 use wasmplane_operator::{
-    CLUSTERS_PREFIX, DeciderError, GLOBAL_SERVICE_ANNOTATION, GcCandidate, GcConfig, GcDecider,
-    HEARTBEAT_KEY, Heartbeat, LOCKS_PREFIX, LeaderElectionConfig, LeaderElector, MeshSliceConfig,
-    Operator, OperatorConfig, RemoteExports, SHARED_SERVICE_ANNOTATION, ServiceSyncConfig,
-    SharedService, cluster_exports_prefix, follow_cluster_exports, is_mesh_slice,
+    CLUSTERS_PREFIX, DeciderError, GLOBAL_SERVICE_ANNOTATION, GcCandidate, GcConfig, GcDecider, HEARTBEAT_KEY,
+    Heartbeat, LOCKS_PREFIX, LeaderElectionConfig, LeaderElector, MeshSliceConfig, Operator, OperatorConfig,
+    RemoteExports, SHARED_SERVICE_ANNOTATION, ServiceSyncConfig, SharedService, cluster_exports_prefix,
+    follow_cluster_exports, is_mesh_slice,
 };
 use wasmplane_test_apiserver::{TestApiServer, Verb};
 use wasmplane_test_etcd::{Etcd, TcpProxy};
@@ -46,11 +44,7 @@ impl GcDecider for Recorder {
         let start = Instant::now();
         // Long enough that two replicas collecting at once would overlap.
         std::thread::sleep(Duration::from_millis(30));
-        self.log
-            .0
-            .lock()
-            .unwrap()
-            .push((self.replica.clone(), start, Instant::now()));
+        self.log.0.lock().unwrap().push((self.replica.clone(), start, Instant::now()));
         Ok(Vec::new())
     }
 }
@@ -61,11 +55,8 @@ struct Replica {
 }
 
 async fn replica(etcd: &Etcd, server: &TestApiServer, identity: &str, log: &CallLog) -> Replica {
-    let store: Arc<dyn KvStore> = Arc::new(
-        EtcdStore::connect(EtcdConfig::new([etcd.endpoint()]))
-            .await
-            .expect("connect"),
-    );
+    let store: Arc<dyn KvStore> =
+        Arc::new(EtcdStore::connect(EtcdConfig::new([etcd.endpoint()])).await.expect("connect"));
     let elector = LeaderElector::start(
         server.client(),
         LeaderElectionConfig::new("kube-system", "wasmplane-operator", identity)
@@ -74,26 +65,14 @@ async fn replica(etcd: &Etcd, server: &TestApiServer, identity: &str, log: &Call
     .unwrap();
     let config = OperatorConfig {
         heartbeat_interval: Duration::from_millis(100),
-        gc: GcConfig {
-            interval: Duration::from_millis(100),
-            ..GcConfig::default()
-        },
+        gc: GcConfig { interval: Duration::from_millis(100), ..GcConfig::default() },
         restart_delay: Duration::from_millis(100),
         ..OperatorConfig::new(identity)
     };
-    let decider = Arc::new(Mutex::new(Recorder {
-        replica: identity.into(),
-        log: log.clone(),
-    }));
-    let operator = Operator::start(
-        store,
-        server.client(),
-        elector.leadership(),
-        Some(decider),
-        config,
-    )
-    .await
-    .expect("operator starts");
+    let decider = Arc::new(Mutex::new(Recorder { replica: identity.into(), log: log.clone() }));
+    let operator = Operator::start(store, server.client(), elector.leadership(), Some(decider), config)
+        .await
+        .expect("operator starts");
     Replica { elector, operator }
 }
 
@@ -102,15 +81,10 @@ async fn two_operator_replicas_fail_over_without_running_a_duty_twice() {
     init_tracing();
     let etcd = Etcd::start().await.expect("etcd");
     let server = TestApiServer::start().await;
-    let observer = EtcdStore::connect(EtcdConfig::new([etcd.endpoint()]))
-        .await
-        .unwrap();
+    let observer = EtcdStore::connect(EtcdConfig::new([etcd.endpoint()])).await.unwrap();
     let mut heartbeats = observer.watch_prefix(HEARTBEAT_KEY, None).await.unwrap();
     // Something for GC to be offered (the recorder names nothing).
-    observer
-        .put(&format!("{LOCKS_PREFIX}x"), Bytes::from_static(b"x"), None)
-        .await
-        .unwrap();
+    observer.put(&format!("{LOCKS_PREFIX}x"), Bytes::from_static(b"x"), None).await.unwrap();
     let log = CallLog::default();
     let a = replica(&etcd, &server, "replica-a", &log).await;
     let b = replica(&etcd, &server, "replica-b", &log).await;
@@ -120,11 +94,8 @@ async fn two_operator_replicas_fail_over_without_running_a_duty_twice() {
         assert!(Instant::now() < deadline, "no leader");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let (leader, follower, leader_name, follower_name) = if a.elector.is_leader() {
-        (a, b, "replica-a", "replica-b")
-    } else {
-        (b, a, "replica-b", "replica-a")
-    };
+    let (leader, follower, leader_name, follower_name) =
+        if a.elector.is_leader() { (a, b, "replica-a", "replica-b") } else { (b, a, "replica-b", "replica-a") };
     tokio::time::sleep(Duration::from_secs(1)).await;
     // Both replicas aggregate status; only the leader writes anything.
     assert!(leader.operator.policy_status("ns", "none").is_none());
@@ -152,32 +123,16 @@ async fn two_operator_replicas_fail_over_without_running_a_duty_twice() {
     assert!(took < Duration::from_secs(10), "takeover took {took:?}");
     // Heartbeats: the old leader's, then the new one's, never interleaved.
     let first_b = identities.iter().position(|i| i == follower_name).unwrap();
-    assert!(
-        first_b >= 5,
-        "the leader wrote heartbeats before: {identities:?}"
-    );
+    assert!(first_b >= 5, "the leader wrote heartbeats before: {identities:?}");
     assert!(identities[..first_b].iter().all(|i| i == leader_name));
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     // GC: both replicas collected, one at a time, the old leader entirely before
     // the new one.
     let calls = log.0.lock().unwrap().clone();
-    let last_a = calls
-        .iter()
-        .filter(|c| c.0 == leader_name)
-        .map(|c| c.2)
-        .max()
-        .expect("the first leader collected");
-    let first_b = calls
-        .iter()
-        .filter(|c| c.0 == follower_name)
-        .map(|c| c.1)
-        .min()
-        .expect("the new leader collects");
-    assert!(
-        last_a <= first_b,
-        "GC ran on both replicas at once: {calls:?}"
-    );
+    let last_a = calls.iter().filter(|c| c.0 == leader_name).map(|c| c.2).max().expect("the first leader collected");
+    let first_b = calls.iter().filter(|c| c.0 == follower_name).map(|c| c.1).min().expect("the new leader collects");
+    assert!(last_a <= first_b, "GC ran on both replicas at once: {calls:?}");
     drop(follower);
 }
 
@@ -244,10 +199,7 @@ async fn eventually<Fut: Future<Output = bool>>(what: &str, mut done: impl FnMut
 
 /// Service LIST and WATCH requests served so far.
 fn service_requests(server: &TestApiServer) -> (usize, usize) {
-    let (lists, watches) = (
-        server.requests_of::<Service>(Verb::List),
-        server.requests_of::<Service>(Verb::Watch),
-    );
+    let (lists, watches) = (server.requests_of::<Service>(Verb::List), server.requests_of::<Service>(Verb::Watch));
     assert!(
         lists.iter().chain(&watches).all(|r| r.namespace.is_none()),
         "every Service request is cluster-wide: {lists:?} {watches:?}"
@@ -265,7 +217,10 @@ async fn the_service_sync_and_the_mesh_slice_sync_share_one_service_watch() {
     let observer = EtcdStore::connect(EtcdConfig::new([local.endpoint()])).await.unwrap();
     let east_kv: Arc<dyn KvStore> = Arc::new(EtcdStore::connect(EtcdConfig::new([east.endpoint()])).await.unwrap());
     for name in ["pg", "cache"] {
-        east_kv.put(&format!("{CLUSTERS_PREFIX}east/services/db/{name}"), east_export(name, "10.245.0.7"), None).await.unwrap();
+        east_kv
+            .put(&format!("{CLUSTERS_PREFIX}east/services/db/{name}"), east_export(name, "10.245.0.7"), None)
+            .await
+            .unwrap();
         server.create(&headless_global(name)).unwrap();
     }
     server.create(&service("default", "web", "10.96.0.10", &[(SHARED_SERVICE_ANNOTATION, "true")])).unwrap();
@@ -277,7 +232,10 @@ async fn the_service_sync_and_the_mesh_slice_sync_share_one_service_watch() {
     server.create(&web_slice).unwrap();
 
     let (exports, received) = RemoteExports::new();
-    let followed = SharedStore::follow(east_kv.clone(), SharedStoreConfig::new(cluster_exports_prefix(CLUSTERS_PREFIX, "east"))).await.unwrap();
+    let followed =
+        SharedStore::follow(east_kv.clone(), SharedStoreConfig::new(cluster_exports_prefix(CLUSTERS_PREFIX, "east")))
+            .await
+            .unwrap();
     let follower = tokio::spawn(follow_cluster_exports(followed, "east".into(), exports));
     let store: Arc<dyn KvStore> = Arc::new(
         EtcdStore::connect(EtcdConfig {
@@ -298,18 +256,23 @@ async fn the_service_sync_and_the_mesh_slice_sync_share_one_service_watch() {
     let prefix = sync.services_prefix();
     let config = OperatorConfig {
         service_sync: Some(sync),
-        mesh_slices: Some(MeshSliceConfig { resync_interval: Duration::from_millis(500), ..MeshSliceConfig::new(received) }),
+        mesh_slices: Some(MeshSliceConfig {
+            resync_interval: Duration::from_millis(500),
+            ..MeshSliceConfig::new(received)
+        }),
         restart_delay: Duration::from_millis(100),
         ..OperatorConfig::new("replica-a")
     };
-    let operator = Operator::start(store, server.client(), elector.leadership(), None, config).await.expect("operator starts");
+    let operator =
+        Operator::start(store, server.client(), elector.leadership(), None, config).await.expect("operator starts");
 
     // Both duties work: the shared Services in the kvstore, east's endpoints as slices here.
     let web = || ("default/web".to_string(), vec![vec!["10.1.0.1".to_string()]]);
     let headless = |name: &str| (format!("db/{name}"), Vec::new());
     let all = BTreeMap::from([web(), headless("cache"), headless("pg")]);
     eventually("the shared Services synced", || async { synced(&observer, &prefix).await == all }).await;
-    eventually("east's endpoints as mesh slices", || async { mesh_slices(&server) == ["cache-east-0", "pg-east-0"] }).await;
+    eventually("east's endpoints as mesh slices", || async { mesh_slices(&server) == ["cache-east-0", "pg-east-0"] })
+        .await;
     // On one Service list and watch.
     eventually("the Service watch open", || async { service_requests(&server).1 >= 1 }).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -327,7 +290,10 @@ async fn the_service_sync_and_the_mesh_slice_sync_share_one_service_watch() {
     server.delete::<Service>("db", "cache").unwrap();
     server.compact();
     server.set_unavailable(false);
-    eventually("cache's export gone after the relist", || async { synced(&observer, &prefix).await == BTreeMap::from([web()]) }).await;
+    eventually("cache's export gone after the relist", || async {
+        synced(&observer, &prefix).await == BTreeMap::from([web()])
+    })
+    .await;
     eventually("cache's mesh slice gone after the relist", || async { mesh_slices(&server).is_empty() }).await;
     assert_eq!(service_requests(&server).0, 2, "one relist, of one watch");
 
@@ -338,7 +304,8 @@ async fn the_service_sync_and_the_mesh_slice_sync_share_one_service_watch() {
     server.delete::<Service>("default", "web").unwrap();
     server.create(&service("default", "api", "10.96.0.11", &[(SHARED_SERVICE_ANNOTATION, "true")])).unwrap();
     server.create(&headless_global("pg")).unwrap();
-    eventually("pg's mesh slice back while the kvstore is away", || async { mesh_slices(&server) == ["pg-east-0"] }).await;
+    eventually("pg's mesh slice back while the kvstore is away", || async { mesh_slices(&server) == ["pg-east-0"] })
+        .await;
     // Long enough for the service sync to fail on the kvstore (a request timeout).
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(synced(&observer, &prefix).await, BTreeMap::from([web()]), "written while cut off");

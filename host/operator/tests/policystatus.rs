@@ -11,8 +11,8 @@ use tokio::time::Instant;
 use wasmplane_kvstore::{EmbeddedStore, KvStore};
 use wasmplane_operator::policystatus::{POLICY_STATUS_ANNOTATION, POLICY_STATUS_PREFIX};
 use wasmplane_operator::{
-    AggregatorConfig, Leadership, NodePolicyStatus, NodeStatusWriter, PolicyRef,
-    PolicyStatusAggregator, PolicySummary, read_summary,
+    AggregatorConfig, Leadership, NodePolicyStatus, NodeStatusWriter, PolicyRef, PolicyStatusAggregator, PolicySummary,
+    read_summary,
 };
 use wasmplane_test_apiserver::{TestApiServer, Verb};
 
@@ -45,11 +45,7 @@ fn seed_policies(server: &TestApiServer) -> Vec<PolicyRef> {
 
 fn annotation(server: &TestApiServer, policy: &PolicyRef) -> Option<PolicySummary> {
     let np: NetworkPolicy = server.get(&policy.namespace, &policy.name)?;
-    let value = np
-        .metadata
-        .annotations?
-        .get(POLICY_STATUS_ANNOTATION)?
-        .clone();
+    let value = np.metadata.annotations?.get(POLICY_STATUS_ANNOTATION)?.clone();
     Some(serde_json::from_str(&value).expect("the annotation is a summary"))
 }
 
@@ -60,30 +56,18 @@ async fn wait_converged(
 ) -> Duration {
     let start = Instant::now();
     loop {
-        let done = policies
-            .iter()
-            .enumerate()
-            .all(|(i, p)| annotation(server, p) == Some(expected(i)));
+        let done = policies.iter().enumerate().all(|(i, p)| annotation(server, p) == Some(expected(i)));
         if done {
             return start.elapsed();
         }
-        assert!(
-            start.elapsed() < Duration::from_secs(90),
-            "summaries did not converge"
-        );
+        assert!(start.elapsed() < Duration::from_secs(90), "summaries did not converge");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
 fn writers(store: &Arc<dyn KvStore>) -> Vec<Arc<NodeStatusWriter>> {
     (0..NODES)
-        .map(|n| {
-            Arc::new(NodeStatusWriter::new(
-                store.clone(),
-                POLICY_STATUS_PREFIX,
-                format!("node-{n}"),
-            ))
-        })
+        .map(|n| Arc::new(NodeStatusWriter::new(store.clone(), POLICY_STATUS_PREFIX, format!("node-{n}"))))
         .collect()
 }
 
@@ -115,13 +99,11 @@ fn summary(uid: &str, enforcing: &[(i64, u32)], failing: &[(&str, i64, &str)]) -
         failing_count: failing.len() as u32,
         failing: failing
             .iter()
-            .map(
-                |(node, generation, error)| wasmplane_operator::policystatus::FailingNode {
-                    node: node.to_string(),
-                    generation: *generation,
-                    error: error.to_string(),
-                },
-            )
+            .map(|(node, generation, error)| wasmplane_operator::policystatus::FailingNode {
+                node: node.to_string(),
+                generation: *generation,
+                error: error.to_string(),
+            })
             .collect(),
     }
 }
@@ -139,77 +121,42 @@ async fn status_of_200_policies_on_50_nodes_makes_a_bounded_number_of_writes() {
     let server = TestApiServer::start().await;
     let policies = seed_policies(&server);
     let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::in_memory());
-    let config = AggregatorConfig {
-        per_policy_interval: INTERVAL,
-        max_writes_per_second: 500,
-        ..AggregatorConfig::default()
-    };
+    let config =
+        AggregatorConfig { per_policy_interval: INTERVAL, max_writes_per_second: 500, ..AggregatorConfig::default() };
     server.reset_request_counts();
-    let aggregator = PolicyStatusAggregator::start(
-        store.clone(),
-        server.client(),
-        Leadership::always(),
-        config.clone(),
-    )
-    .await
-    .expect("aggregator starts");
+    let aggregator =
+        PolicyStatusAggregator::start(store.clone(), server.client(), Leadership::always(), config.clone())
+            .await
+            .expect("aggregator starts");
     let nodes = writers(&store);
 
     // Phase 1: every node enforces generation 1 of every policy: 10 000 statuses.
     let start = Instant::now();
     report(&nodes, &policies, |_, _| NodePolicyStatus::ok(1)).await;
     let uids: Vec<String> = policies.iter().map(|p| p.uid.clone()).collect();
-    wait_converged(&server, &policies, |i| {
-        summary(&uids[i], &[(1, NODES as u32)], &[])
-    })
-    .await;
+    wait_converged(&server, &policies, |i| summary(&uids[i], &[(1, NODES as u32)], &[])).await;
     let elapsed = start.elapsed();
     let patches = server.request_count::<NetworkPolicy>(Verb::Patch);
     tracing::info!(patches, ?elapsed, "phase 1 converged");
-    assert!(
-        patches >= POLICIES as u64,
-        "each policy written at least once: {patches}"
-    );
-    assert!(
-        patches <= write_bound(POLICIES, elapsed),
-        "{patches} writes in {elapsed:?} exceed the per-policy limit"
-    );
-    assert!(
-        patches < (POLICIES * NODES / 10) as u64,
-        "{patches} writes: not coalesced across nodes"
-    );
-    assert_eq!(
-        server.request_count::<NetworkPolicy>(Verb::List),
-        1,
-        "one listing on gaining leadership"
-    );
+    assert!(patches >= POLICIES as u64, "each policy written at least once: {patches}");
+    assert!(patches <= write_bound(POLICIES, elapsed), "{patches} writes in {elapsed:?} exceed the per-policy limit");
+    assert!(patches < (POLICIES * NODES / 10) as u64, "{patches} writes: not coalesced across nodes");
+    assert_eq!(server.request_count::<NetworkPolicy>(Verb::List), 1, "one listing on gaining leadership");
 
     // Nothing changes: nothing is written.
     tokio::time::sleep(INTERVAL * 3).await;
-    assert_eq!(
-        server.request_count::<NetworkPolicy>(Verb::Patch),
-        patches,
-        "unchanged summaries were rewritten"
-    );
+    assert_eq!(server.request_count::<NetworkPolicy>(Verb::Patch), patches, "unchanged summaries were rewritten");
 
     // Phase 2: 20 policies move to generation 2 on every node; node-3 fails on policy 0.
     let changed: Vec<PolicyRef> = policies[..20].to_vec();
     let start = Instant::now();
     report(&nodes, &changed, |n, i| {
-        if n == 3 && i == 0 {
-            NodePolicyStatus::failed(2, "guest trapped")
-        } else {
-            NodePolicyStatus::ok(2)
-        }
+        if n == 3 && i == 0 { NodePolicyStatus::failed(2, "guest trapped") } else { NodePolicyStatus::ok(2) }
     })
     .await;
     wait_converged(&server, &changed, |i| {
         if i == 0 {
-            summary(
-                &uids[0],
-                &[(2, NODES as u32 - 1)],
-                &[("node-3", 2, "guest trapped")],
-            )
+            summary(&uids[0], &[(2, NODES as u32 - 1)], &[("node-3", 2, "guest trapped")])
         } else {
             summary(&uids[i], &[(2, NODES as u32)], &[])
         }
@@ -224,45 +171,25 @@ async fn status_of_200_policies_on_50_nodes_makes_a_bounded_number_of_writes() {
     );
 
     // The aggregate is available in memory and straight from the kvstore.
-    let expected0 = summary(
-        &uids[0],
-        &[(2, NODES as u32 - 1)],
-        &[("node-3", 2, "guest trapped")],
-    );
-    assert_eq!(
-        aggregator.summary(&policies[0].namespace, &policies[0].name),
-        Some(expected0.clone())
-    );
-    assert_eq!(
-        read_summary(store.as_ref(), POLICY_STATUS_PREFIX, &policies[0])
-            .await
-            .unwrap(),
-        expected0
-    );
+    let expected0 = summary(&uids[0], &[(2, NODES as u32 - 1)], &[("node-3", 2, "guest trapped")]);
+    assert_eq!(aggregator.summary(&policies[0].namespace, &policies[0].name), Some(expected0.clone()));
+    assert_eq!(read_summary(store.as_ref(), POLICY_STATUS_PREFIX, &policies[0]).await.unwrap(), expected0);
     assert_eq!(aggregator.summary("team-0", "no-such-policy"), None);
 
     // Failover: a new leader with the same kvstore content writes nothing, since
     // the API server already carries every summary.
     drop(aggregator);
     let before = server.request_count::<NetworkPolicy>(Verb::Patch);
-    let successor =
-        PolicyStatusAggregator::start(store.clone(), server.client(), Leadership::always(), config)
-            .await
-            .expect("successor starts");
+    let successor = PolicyStatusAggregator::start(store.clone(), server.client(), Leadership::always(), config)
+        .await
+        .expect("successor starts");
     tokio::time::sleep(INTERVAL * 4).await;
     assert_eq!(server.request_count::<NetworkPolicy>(Verb::List), 2);
-    assert_eq!(
-        server.request_count::<NetworkPolicy>(Verb::Patch),
-        before,
-        "failover rewrote unchanged summaries"
-    );
+    assert_eq!(server.request_count::<NetworkPolicy>(Verb::Patch), before, "failover rewrote unchanged summaries");
 
     // A node that stops reporting a policy is dropped from its summary.
     nodes[3].remove(&policies[0]).await.unwrap();
-    wait_converged(&server, &policies[..1], |_| {
-        summary(&uids[0], &[(2, NODES as u32 - 1)], &[])
-    })
-    .await;
+    wait_converged(&server, &policies[..1], |_| summary(&uids[0], &[(2, NODES as u32 - 1)], &[])).await;
     // The server holds the patch before the writer's client has its answer (and counts
     // the write): wait for the count instead of reading it at once.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
@@ -276,19 +203,11 @@ async fn status_of_200_policies_on_50_nodes_makes_a_bounded_number_of_writes() {
 async fn unchanged_status_is_not_rewritten_by_agents() {
     let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::in_memory());
     let writer = NodeStatusWriter::new(store.clone(), POLICY_STATUS_PREFIX, "node-1");
-    let policy = PolicyRef {
-        uid: "u".into(),
-        namespace: "ns".into(),
-        name: "p".into(),
-    };
+    let policy = PolicyRef { uid: "u".into(), namespace: "ns".into(), name: "p".into() };
     writer.set(&policy, NodePolicyStatus::ok(1)).await.unwrap();
     let revision = store.current_revision().await.unwrap();
     writer.set(&policy, NodePolicyStatus::ok(1)).await.unwrap();
-    assert_eq!(
-        store.current_revision().await.unwrap(),
-        revision,
-        "identical status written again"
-    );
+    assert_eq!(store.current_revision().await.unwrap(), revision, "identical status written again");
     writer.set(&policy, NodePolicyStatus::ok(2)).await.unwrap();
     assert!(store.current_revision().await.unwrap() > revision);
 }

@@ -14,9 +14,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use wasmplane_kvstore::{EmbeddedStore, KvStore};
-use wasmplane_operator::{
-    DEFAULT_ROUTE_PROTOCOL, NodeRegistry, NodeRegistryConfig, RouteConfig, RouteSync,
-};
+use wasmplane_operator::{DEFAULT_ROUTE_PROTOCOL, NodeRegistry, NodeRegistryConfig, RouteConfig, RouteSync};
 
 fn init_tracing() {
     let _ = tracing_subscriber::fmt()
@@ -27,11 +25,7 @@ fn init_tracing() {
 
 fn ip(args: &[&str]) -> String {
     let out = Command::new("ip").args(args).output().expect("run ip");
-    assert!(
-        out.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
@@ -99,42 +93,18 @@ async fn routes_follow_the_node_registry_in_namespaces() {
     for i in 1..=3 {
         let ns = namespaces.add(format!("{tag}n{i}"));
         let port = format!("sw{i}");
-        ip(&[
-            "-n", &ns, "link", "add", "eth0", "type", "veth", "peer", "name", &port, "netns",
-            &switch,
-        ]);
+        ip(&["-n", &ns, "link", "add", "eth0", "type", "veth", "peer", "name", &port, "netns", &switch]);
         ip(&["-n", &switch, "link", "set", &port, "master", "br0", "up"]);
-        ip(&[
-            "-n",
-            &ns,
-            "addr",
-            "add",
-            &format!("192.168.77.{i}/24"),
-            "dev",
-            "eth0",
-        ]);
+        ip(&["-n", &ns, "addr", "add", &format!("192.168.77.{i}/24"), "dev", "eth0"]);
         ip(&["-n", &ns, "link", "set", "eth0", "up"]);
         ip(&["-n", &ns, "link", "set", "lo", "up"]);
         node_ns.push(ns);
     }
     // A route someone else owns, to a CIDR node 4 will claim.
-    ip(&[
-        "-n",
-        &node_ns[0],
-        "route",
-        "add",
-        "10.244.9.0/24",
-        "via",
-        "192.168.77.3",
-        "proto",
-        "static",
-    ]);
+    ip(&["-n", &node_ns[0], "route", "add", "10.244.9.0/24", "via", "192.168.77.3", "proto", "static"]);
 
     let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::in_memory());
-    let registry_config = NodeRegistryConfig {
-        lease_ttl: Duration::from_secs(2),
-        ..NodeRegistryConfig::default()
-    };
+    let registry_config = NodeRegistryConfig { lease_ttl: Duration::from_secs(2), ..NodeRegistryConfig::default() };
     let mut registries = Vec::new();
     let mut syncs = Vec::new();
     for i in 1..=3u32 {
@@ -150,55 +120,31 @@ async fn routes_follow_the_node_registry_in_namespaces() {
             .expect("join"),
         );
         let config = RouteConfig {
-            netns: Some(PathBuf::from(format!(
-                "/run/netns/{}",
-                node_ns[i as usize - 1]
-            ))),
+            netns: Some(PathBuf::from(format!("/run/netns/{}", node_ns[i as usize - 1]))),
             protocol: DEFAULT_ROUTE_PROTOCOL,
             resync_interval: Duration::from_millis(500),
         };
-        syncs.push(
-            RouteSync::start(registry.clone(), config)
-                .await
-                .expect("route sync starts"),
-        );
+        syncs.push(RouteSync::start(registry.clone(), config).await.expect("route sync starts"));
         registries.push(registry);
     }
     let proto = DEFAULT_ROUTE_PROTOCOL.to_string();
     let (n1, n2, n3) = (&node_ns[0], &node_ns[1], &node_ns[2]);
 
     // Each node routes the others' CIDRs, never its own.
-    let expect_n1 = BTreeSet::from([
-        route("10.244.2.0/24", "192.168.77.2"),
-        route("10.244.3.0/24", "192.168.77.3"),
-    ]);
-    let expect_n2 = BTreeSet::from([
-        route("10.244.1.0/24", "192.168.77.1"),
-        route("10.244.3.0/24", "192.168.77.3"),
-    ]);
-    let expect_n3 = BTreeSet::from([
-        route("10.244.1.0/24", "192.168.77.1"),
-        route("10.244.2.0/24", "192.168.77.2"),
-    ]);
+    let expect_n1 = BTreeSet::from([route("10.244.2.0/24", "192.168.77.2"), route("10.244.3.0/24", "192.168.77.3")]);
+    let expect_n2 = BTreeSet::from([route("10.244.1.0/24", "192.168.77.1"), route("10.244.3.0/24", "192.168.77.3")]);
+    let expect_n3 = BTreeSet::from([route("10.244.1.0/24", "192.168.77.1"), route("10.244.2.0/24", "192.168.77.2")]);
     eventually("every node routes the others' pod CIDRs", || {
-        routes(n1, &proto) == expect_n1
-            && routes(n2, &proto) == expect_n2
-            && routes(n3, &proto) == expect_n3
+        routes(n1, &proto) == expect_n1 && routes(n2, &proto) == expect_n2 && routes(n3, &proto) == expect_n3
     })
     .await;
     // The process's own namespace was not touched.
     let host_routes = ip(&["route", "show", "proto", &proto]);
-    assert!(
-        !host_routes.contains("10.244."),
-        "routes leaked into the host namespace: {host_routes}"
-    );
+    assert!(!host_routes.contains("10.244."), "routes leaked into the host namespace: {host_routes}");
 
     // A route deleted behind our back comes back at the next reconcile.
     ip(&["-n", n1, "route", "del", "10.244.2.0/24"]);
-    eventually("the deleted route is repaired", || {
-        routes(n1, &proto) == expect_n1
-    })
-    .await;
+    eventually("the deleted route is repaired", || routes(n1, &proto) == expect_n1).await;
 
     // Node 4 claims a CIDR node 1 already has a foreign route for: node 1 reports
     // it and leaves the foreign route alone; node 2 routes it.
@@ -211,38 +157,21 @@ async fn routes_follow_the_node_registry_in_namespaces() {
     )
     .await
     .expect("join node-4");
-    eventually("node 2 routes node 4's CIDR", || {
-        routes(n2, &proto).contains(&route("10.244.9.0/24", "192.168.77.4"))
-    })
-    .await;
+    eventually("node 2 routes node 4's CIDR", || routes(n2, &proto).contains(&route("10.244.9.0/24", "192.168.77.4")))
+        .await;
     eventually("node 1 reports the conflicting route", || {
-        syncs[0]
-            .report()
-            .errors
-            .iter()
-            .any(|e| e.contains("10.244.9.0/24"))
+        syncs[0].report().errors.iter().any(|e| e.contains("10.244.9.0/24"))
     })
     .await;
-    assert_eq!(
-        routes(n1, "static"),
-        BTreeSet::from([route("10.244.9.0/24", "192.168.77.3")])
-    );
+    assert_eq!(routes(n1, "static"), BTreeSet::from([route("10.244.9.0/24", "192.168.77.3")]));
     assert_eq!(routes(n1, &proto), expect_n1);
 
     // Node 3 leaves: its CIDR is unrouted everywhere; node 4 leaves too.
     let node3 = registries.remove(2);
     drop(syncs.remove(2));
     // The route sync's follower holds the registry until its abort lands.
-    eventually("the route sync released node 3's registry", || {
-        Arc::strong_count(&node3) == 1
-    })
-    .await;
-    Arc::try_unwrap(node3)
-        .ok()
-        .expect("only holder")
-        .leave()
-        .await
-        .unwrap();
+    eventually("the route sync released node 3's registry", || Arc::strong_count(&node3) == 1).await;
+    Arc::try_unwrap(node3).ok().expect("only holder").leave().await.unwrap();
     node4.leave().await.unwrap();
     eventually("node 3's and node 4's routes are gone", || {
         routes(n1, &proto) == BTreeSet::from([route("10.244.2.0/24", "192.168.77.2")])
@@ -250,10 +179,7 @@ async fn routes_follow_the_node_registry_in_namespaces() {
     })
     .await;
     // The foreign route survived all of it.
-    assert_eq!(
-        routes(n1, "static"),
-        BTreeSet::from([route("10.244.9.0/24", "192.168.77.3")])
-    );
+    assert_eq!(routes(n1, "static"), BTreeSet::from([route("10.244.9.0/24", "192.168.77.3")]));
     drop(syncs);
     drop(namespaces);
 }

@@ -18,17 +18,13 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use wasmplane_kvstore::{Bytes, EmbeddedStore, KvStore, WatchEvent};
 use wasmplane_operator::{
-    GLOBAL_SERVICE_ANNOTATION, Leadership, SHARED_SERVICE_ANNOTATION, ServiceSyncConfig,
-    SharedPort, SharedService, sync_services,
+    GLOBAL_SERVICE_ANNOTATION, Leadership, SHARED_SERVICE_ANNOTATION, ServiceSyncConfig, SharedPort, SharedService,
+    sync_services,
 };
 use wasmplane_test_apiserver::{TestApiServer, Verb};
 
 fn service(name: &str, ip: &str, shared: bool) -> Service {
-    let annotations: &[(&str, &str)] = if shared {
-        &[(SHARED_SERVICE_ANNOTATION, "true")]
-    } else {
-        &[]
-    };
+    let annotations: &[(&str, &str)] = if shared { &[(SHARED_SERVICE_ANNOTATION, "true")] } else { &[] };
     annotated_service(name, ip, annotations)
 }
 
@@ -50,12 +46,7 @@ fn annotated_service(name: &str, ip: &str, annotations: &[(&str, &str)]) -> Serv
     svc.metadata.name = Some(name.into());
     svc.metadata.namespace = Some("default".into());
     if !annotations.is_empty() {
-        svc.metadata.annotations = Some(
-            annotations
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
-        );
+        svc.metadata.annotations = Some(annotations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
     }
     svc
 }
@@ -74,28 +65,17 @@ fn endpoint_slice(name: &str, service: Option<&str>, endpoints: &[Ep]) -> Endpoi
             .iter()
             .map(|(ip, ready, terminating)| Endpoint {
                 addresses: vec![ip.to_string()],
-                conditions: Some(EndpointConditions {
-                    ready: *ready,
-                    serving: Some(true),
-                    terminating: *terminating,
-                }),
+                conditions: Some(EndpointConditions { ready: *ready, serving: Some(true), terminating: *terminating }),
                 ..Default::default()
             })
             .collect(),
-        ports: Some(vec![EndpointPort {
-            name: Some("http".into()),
-            port: Some(80),
-            ..Default::default()
-        }]),
+        ports: Some(vec![EndpointPort { name: Some("http".into()), port: Some(80), ..Default::default() }]),
         ..Default::default()
     };
     slice.metadata.name = Some(name.into());
     slice.metadata.namespace = Some("default".into());
     if let Some(service) = service {
-        slice.metadata.labels = Some(BTreeMap::from([(
-            "kubernetes.io/service-name".to_owned(),
-            service.to_owned(),
-        )]));
+        slice.metadata.labels = Some(BTreeMap::from([("kubernetes.io/service-name".to_owned(), service.to_owned())]));
     }
     slice
 }
@@ -129,11 +109,7 @@ fn start_sync_with(
 
 async fn synced_names(store: &dyn KvStore, prefix: &str) -> BTreeSet<String> {
     let listing = store.list_prefix(prefix).await.unwrap();
-    listing
-        .items
-        .iter()
-        .map(|kv| kv.key.strip_prefix(prefix).unwrap().to_owned())
-        .collect()
+    listing.items.iter().map(|kv| kv.key.strip_prefix(prefix).unwrap().to_owned()).collect()
 }
 
 async fn eventually_names(store: &dyn KvStore, prefix: &str, expected: &[&str]) {
@@ -144,10 +120,7 @@ async fn eventually_names(store: &dyn KvStore, prefix: &str, expected: &[&str]) 
         if now == expected {
             return;
         }
-        assert!(
-            Instant::now() < deadline,
-            "synced services {now:?}, expected {expected:?}"
-        );
+        assert!(Instant::now() < deadline, "synced services {now:?}, expected {expected:?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -156,42 +129,21 @@ async fn eventually_names(store: &dyn KvStore, prefix: &str, expected: &[&str]) 
 async fn shared_services_are_synced_and_stale_ones_cleaned() {
     let _ = tracing_subscriber::fmt().with_test_writer().try_init();
     let server = TestApiServer::start().await;
-    server
-        .create(&service("svc-a", "10.96.0.10", true))
-        .unwrap();
-    server
-        .create(&service("svc-b", "10.96.0.11", true))
-        .unwrap();
-    server
-        .create(&service("svc-c", "10.96.0.12", false))
-        .unwrap();
+    server.create(&service("svc-a", "10.96.0.10", true)).unwrap();
+    server.create(&service("svc-b", "10.96.0.11", true)).unwrap();
+    server.create(&service("svc-c", "10.96.0.12", false)).unwrap();
 
     let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::in_memory());
     let config = ServiceSyncConfig::new("cluster-1");
     let prefix = config.services_prefix();
     // Left over from before: a deleted service of ours, and another cluster's.
-    store
-        .put(
-            &format!("{prefix}default/gone"),
-            Bytes::from_static(b"{}"),
-            None,
-        )
-        .await
-        .unwrap();
+    store.put(&format!("{prefix}default/gone"), Bytes::from_static(b"{}"), None).await.unwrap();
     let foreign = "/wasmplane/clusters/cluster-2/services/default/svc-a";
-    store
-        .put(foreign, Bytes::from_static(b"theirs"), None)
-        .await
-        .unwrap();
+    store.put(foreign, Bytes::from_static(b"theirs"), None).await.unwrap();
 
     let sync = start_sync(store.clone(), &server, config.clone());
     eventually_names(store.as_ref(), &prefix, &["default/svc-a", "default/svc-b"]).await;
-    let value = store
-        .get(&format!("{prefix}default/svc-a"))
-        .await
-        .unwrap()
-        .unwrap()
-        .value;
+    let value = store.get(&format!("{prefix}default/svc-a")).await.unwrap().unwrap().value;
     let shared: SharedService = serde_json::from_slice(&value).unwrap();
     assert_eq!(shared.cluster, "cluster-1");
     assert_eq!(shared.cluster_ips, vec!["10.96.0.10".to_string()]);
@@ -219,14 +171,9 @@ async fn shared_services_are_synced_and_stale_ones_cleaned() {
     sync.abort();
     let _ = sync.await;
     server.delete::<Service>("default", "svc-c").unwrap();
-    server
-        .create(&service("svc-d", "10.96.0.13", true))
-        .unwrap();
+    server.create(&service("svc-d", "10.96.0.13", true)).unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(
-        synced_names(store.as_ref(), &prefix).await,
-        BTreeSet::from(["default/svc-c".to_string()])
-    );
+    assert_eq!(synced_names(store.as_ref(), &prefix).await, BTreeSet::from(["default/svc-c".to_string()]));
     let sync = start_sync(store.clone(), &server, config);
     eventually_names(store.as_ref(), &prefix, &["default/svc-d"]).await;
 
@@ -245,23 +192,12 @@ async fn stored_service(store: &dyn KvStore, key: &str) -> Option<SharedService>
 
 /// The exported addresses, one list per slice.
 fn addresses(shared: &SharedService) -> Vec<Vec<String>> {
-    shared
-        .endpoint_slices
-        .iter()
-        .map(|s| s.addresses.clone())
-        .collect()
+    shared.endpoint_slices.iter().map(|s| s.addresses.clone()).collect()
 }
 
 /// Waits until `key` holds a service whose slices export `expected`; returns it.
-async fn eventually_endpoints(
-    store: &dyn KvStore,
-    key: &str,
-    expected: &[&[&str]],
-) -> SharedService {
-    let expected: Vec<Vec<String>> = expected
-        .iter()
-        .map(|s| s.iter().map(|a| a.to_string()).collect())
-        .collect();
+async fn eventually_endpoints(store: &dyn KvStore, key: &str, expected: &[&[&str]]) -> SharedService {
+    let expected: Vec<Vec<String>> = expected.iter().map(|s| s.iter().map(|a| a.to_string()).collect()).collect();
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let now = stored_service(store, key).await;
@@ -270,10 +206,7 @@ async fn eventually_endpoints(
         {
             return now.unwrap();
         }
-        assert!(
-            Instant::now() < deadline,
-            "{key} holds {now:?}, expected endpoints {expected:?}"
-        );
+        assert!(Instant::now() < deadline, "{key} holds {now:?}, expected endpoints {expected:?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -289,11 +222,7 @@ async fn drain(events: &mut wasmplane_kvstore::WatchStream) -> Vec<WatchEvent> {
 }
 
 fn http_port() -> SharedPort {
-    SharedPort {
-        name: Some("http".into()),
-        port: 80,
-        protocol: "TCP".into(),
-    }
+    SharedPort { name: Some("http".into()), port: 80, protocol: "TCP".into() }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -315,13 +244,9 @@ async fn a_shared_service_exports_the_ready_endpoints_of_its_slices() {
         ))
         .unwrap();
     // Nothing ready: contributes nothing.
-    server
-        .create(&endpoint_slice("web-c", Some("web"), &[("10.1.0.6", UNREADY, None)]))
-        .unwrap();
+    server.create(&endpoint_slice("web-c", Some("web"), &[("10.1.0.6", UNREADY, None)])).unwrap();
     // No service-name label: belongs to no Service.
-    server
-        .create(&endpoint_slice("stray", None, &[("10.1.0.9", READY, None)]))
-        .unwrap();
+    server.create(&endpoint_slice("stray", None, &[("10.1.0.9", READY, None)])).unwrap();
 
     let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::in_memory());
     let config = ServiceSyncConfig::new("cluster-1");
@@ -331,18 +256,9 @@ async fn a_shared_service_exports_the_ready_endpoints_of_its_slices() {
 
     // A slice created while watching, named before the first.
     server
-        .create(&endpoint_slice(
-            "web-a",
-            Some("web"),
-            &[("10.1.0.1", READY, None), ("10.1.0.2", Some(true), None)],
-        ))
+        .create(&endpoint_slice("web-a", Some("web"), &[("10.1.0.1", READY, None), ("10.1.0.2", Some(true), None)]))
         .unwrap();
-    let shared = eventually_endpoints(
-        store.as_ref(),
-        &key,
-        &[&["10.1.0.1", "10.1.0.2"], &["10.1.0.3"]],
-    )
-    .await;
+    let shared = eventually_endpoints(store.as_ref(), &key, &[&["10.1.0.1", "10.1.0.2"], &["10.1.0.3"]]).await;
     assert_eq!(shared.cluster_ips, vec!["10.96.0.10".to_string()]);
     assert_eq!(shared.ports, vec![http_port()]);
     for slice in &shared.endpoint_slices {
@@ -362,29 +278,13 @@ async fn a_shared_service_exports_the_ready_endpoints_of_its_slices() {
             ],
         ))
         .unwrap();
-    eventually_endpoints(
-        store.as_ref(),
-        &key,
-        &[&["10.1.0.1", "10.1.0.2"], &["10.1.0.3", "10.1.0.7"]],
-    )
-    .await;
+    eventually_endpoints(store.as_ref(), &key, &[&["10.1.0.1", "10.1.0.2"], &["10.1.0.3", "10.1.0.7"]]).await;
     server
-        .apply(&endpoint_slice(
-            "web-a",
-            Some("web"),
-            &[("10.1.0.1", READY, None), ("10.1.0.2", UNREADY, None)],
-        ))
+        .apply(&endpoint_slice("web-a", Some("web"), &[("10.1.0.1", READY, None), ("10.1.0.2", UNREADY, None)]))
         .unwrap();
     eventually_endpoints(store.as_ref(), &key, &[&["10.1.0.1"], &["10.1.0.3", "10.1.0.7"]]).await;
-    server
-        .apply(&endpoint_slice("web-c", Some("web"), &[("10.1.0.6", READY, None)]))
-        .unwrap();
-    eventually_endpoints(
-        store.as_ref(),
-        &key,
-        &[&["10.1.0.1"], &["10.1.0.3", "10.1.0.7"], &["10.1.0.6"]],
-    )
-    .await;
+    server.apply(&endpoint_slice("web-c", Some("web"), &[("10.1.0.6", READY, None)])).unwrap();
+    eventually_endpoints(store.as_ref(), &key, &[&["10.1.0.1"], &["10.1.0.3", "10.1.0.7"], &["10.1.0.6"]]).await;
 
     // Deleted slices take their endpoints with them; the Service stays exported.
     server.delete::<EndpointSlice>("default", "web-b").unwrap();
@@ -402,36 +302,21 @@ async fn global_services_are_exported_unless_unshared_and_others_slices_never_wr
     let _ = tracing_subscriber::fmt().with_test_writer().try_init();
     let server = TestApiServer::start().await;
     let (shared, global) = (SHARED_SERVICE_ANNOTATION, GLOBAL_SERVICE_ANNOTATION);
-    server
-        .create(&annotated_service("global-only", "10.96.0.20", &[(global, "true")]))
-        .unwrap();
-    server
-        .create(&annotated_service(
-            "global-private",
-            "10.96.0.21",
-            &[(global, "true"), (shared, "false")],
-        ))
-        .unwrap();
-    server
-        .create(&annotated_service("plain", "10.96.0.22", &[]))
-        .unwrap();
+    server.create(&annotated_service("global-only", "10.96.0.20", &[(global, "true")])).unwrap();
+    server.create(&annotated_service("global-private", "10.96.0.21", &[(global, "true"), (shared, "false")])).unwrap();
+    server.create(&annotated_service("plain", "10.96.0.22", &[])).unwrap();
     for (slice, svc, ip) in [
         ("global-only-1", "global-only", "10.2.0.1"),
         ("global-private-1", "global-private", "10.2.0.2"),
         ("plain-1", "plain", "10.2.0.3"),
     ] {
-        server
-            .create(&endpoint_slice(slice, Some(svc), &[(ip, READY, None)]))
-            .unwrap();
+        server.create(&endpoint_slice(slice, Some(svc), &[(ip, READY, None)])).unwrap();
     }
 
     let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::in_memory());
     let config = ServiceSyncConfig::new("cluster-1");
     let prefix = config.services_prefix();
-    let mut writes = store
-        .watch_prefix(&prefix, Some(store.current_revision().await.unwrap() + 1))
-        .await
-        .unwrap();
+    let mut writes = store.watch_prefix(&prefix, Some(store.current_revision().await.unwrap() + 1)).await.unwrap();
     let sync = start_sync(store.clone(), &server, config.clone());
     let global_only = format!("{prefix}default/global-only");
     eventually_endpoints(store.as_ref(), &global_only, &[&["10.2.0.1"]]).await;
@@ -439,11 +324,7 @@ async fn global_services_are_exported_unless_unshared_and_others_slices_never_wr
     // The unexported Services' slices change, then the exported one's: once that last
     // change is written (one slice watch, events in order), the others have been seen.
     server
-        .apply(&endpoint_slice(
-            "plain-1",
-            Some("plain"),
-            &[("10.2.0.3", READY, None), ("10.2.0.13", READY, None)],
-        ))
+        .apply(&endpoint_slice("plain-1", Some("plain"), &[("10.2.0.3", READY, None), ("10.2.0.13", READY, None)]))
         .unwrap();
     server
         .apply(&endpoint_slice(
@@ -461,11 +342,7 @@ async fn global_services_are_exported_unless_unshared_and_others_slices_never_wr
         .unwrap();
     eventually_endpoints(store.as_ref(), &global_only, &[&["10.2.0.1", "10.2.0.11"]]).await;
     let written: BTreeSet<String> = drain(&mut writes).await.into_iter().map(|e| e.key).collect();
-    assert_eq!(
-        written,
-        BTreeSet::from([global_only.clone()]),
-        "only the global Service is ever written"
-    );
+    assert_eq!(written, BTreeSet::from([global_only.clone()]), "only the global Service is ever written");
 
     // Unsharing a global Service's own endpoints keeps it out; dropping the opt-out
     // exports it, with the endpoints its slice got while it was not exported.
@@ -484,20 +361,11 @@ async fn global_services_are_exported_unless_unshared_and_others_slices_never_wr
         )
         .unwrap();
     eventually_names(store.as_ref(), &prefix, &["default/global-private"]).await;
-    let exported = eventually_endpoints(
-        store.as_ref(),
-        &format!("{prefix}default/global-private"),
-        &[&["10.2.0.2", "10.2.0.12"]],
-    )
-    .await;
+    let exported =
+        eventually_endpoints(store.as_ref(), &format!("{prefix}default/global-private"), &[&["10.2.0.2", "10.2.0.12"]])
+            .await;
     assert_eq!(exported.cluster_ips, vec!["10.96.0.21".to_string()]);
-    assert!(
-        drain(&mut writes)
-            .await
-            .iter()
-            .all(|e| !e.key.ends_with("/plain")),
-        "the unannotated Service was written"
-    );
+    assert!(drain(&mut writes).await.iter().all(|e| !e.key.ends_with("/plain")), "the unannotated Service was written");
     sync.abort();
 }
 
@@ -564,8 +432,7 @@ async fn proxy_connection(client: TcpStream, upstream: SocketAddr, open: watch::
                 .lines()
                 .find_map(|l| {
                     let (name, value) = l.split_once(':')?;
-                    name.eq_ignore_ascii_case("content-length")
-                        .then(|| value.trim().parse().ok())?
+                    name.eq_ignore_ascii_case("content-length").then(|| value.trim().parse().ok())?
                 })
                 .unwrap_or(0);
             while buffer.len() < head_end + body_len {
@@ -593,28 +460,17 @@ async fn relists_correct_the_endpoints_and_nothing_is_written_before_both_lists(
     let proxy = GatedProxy::start(server.addr()).await;
     server.create(&service("web", "10.96.0.30", true)).unwrap();
     server.create(&service("steady", "10.96.0.31", true)).unwrap();
-    server
-        .create(&endpoint_slice("web-a", Some("web"), &[("10.3.0.1", READY, None)]))
-        .unwrap();
-    server
-        .create(&endpoint_slice("web-b", Some("web"), &[("10.3.0.2", READY, None)]))
-        .unwrap();
-    server
-        .create(&endpoint_slice("steady-a", Some("steady"), &[("10.3.0.5", READY, None)]))
-        .unwrap();
+    server.create(&endpoint_slice("web-a", Some("web"), &[("10.3.0.1", READY, None)])).unwrap();
+    server.create(&endpoint_slice("web-b", Some("web"), &[("10.3.0.2", READY, None)])).unwrap();
+    server.create(&endpoint_slice("steady-a", Some("steady"), &[("10.3.0.5", READY, None)])).unwrap();
     server.create(&service("quiet", "10.96.0.33", true)).unwrap();
     server.create(&service("gone", "10.96.0.34", true)).unwrap();
-    server
-        .create(&endpoint_slice("quiet-a", Some("quiet"), &[("10.3.0.6", READY, None)]))
-        .unwrap();
+    server.create(&endpoint_slice("quiet-a", Some("quiet"), &[("10.3.0.6", READY, None)])).unwrap();
 
     let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::in_memory());
     let config = ServiceSyncConfig::new("cluster-1");
     let prefix = config.services_prefix();
-    let (web, steady) = (
-        format!("{prefix}default/web"),
-        format!("{prefix}default/steady"),
-    );
+    let (web, steady) = (format!("{prefix}default/web"), format!("{prefix}default/steady"));
     let sync = start_sync_with(store.clone(), proxy.client(), config.clone());
     eventually_endpoints(store.as_ref(), &web, &[&["10.3.0.1"], &["10.3.0.2"]]).await;
     eventually_endpoints(store.as_ref(), &steady, &[&["10.3.0.5"]]).await;
@@ -637,20 +493,11 @@ async fn relists_correct_the_endpoints_and_nothing_is_written_before_both_lists(
     // The operator is down while slices change.
     sync.abort();
     let _ = sync.await;
-    assert!(
-        wait_until(|| server.open_watches() == 0).await,
-        "the stopped sync's watches stay open"
-    );
+    assert!(wait_until(|| server.open_watches() == 0).await, "the stopped sync's watches stay open");
     server
-        .apply(&endpoint_slice(
-            "web-a",
-            Some("web"),
-            &[("10.3.0.1", READY, None), ("10.3.0.3", READY, None)],
-        ))
+        .apply(&endpoint_slice("web-a", Some("web"), &[("10.3.0.1", READY, None), ("10.3.0.3", READY, None)]))
         .unwrap();
-    server
-        .create(&endpoint_slice("web-c", Some("web"), &[("10.3.0.4", READY, None)]))
-        .unwrap();
+    server.create(&endpoint_slice("web-c", Some("web"), &[("10.3.0.4", READY, None)])).unwrap();
 
     // Restarted with the slice list held: the Service list completes alone, and nothing
     // may be written from that half-built picture (it would export no endpoints).
@@ -659,10 +506,7 @@ async fn relists_correct_the_endpoints_and_nothing_is_written_before_both_lists(
     let before = store.current_revision().await.unwrap();
     let mut writes = store.watch_prefix(&prefix, Some(before + 1)).await.unwrap();
     let sync = start_sync_with(store.clone(), proxy.client(), config.clone());
-    assert!(
-        wait_until(|| server.request_count::<Service>(Verb::Watch) >= 1).await,
-        "the Service watcher never listed"
-    );
+    assert!(wait_until(|| server.request_count::<Service>(Verb::Watch) >= 1).await, "the Service watcher never listed");
     // A Service change while the slices are still unlisted is not written either.
     server
         .patch::<Service>(
@@ -681,12 +525,7 @@ async fn relists_correct_the_endpoints_and_nothing_is_written_before_both_lists(
     );
 
     proxy.set_open(true);
-    let web_now = eventually_endpoints(
-        store.as_ref(),
-        &web,
-        &[&["10.3.0.1", "10.3.0.3"], &["10.3.0.4"]],
-    )
-    .await;
+    let web_now = eventually_endpoints(store.as_ref(), &web, &[&["10.3.0.1", "10.3.0.3"], &["10.3.0.4"]]).await;
     let deadline = Instant::now() + Duration::from_secs(20);
     let steady_now = loop {
         let now = stored_service(store.as_ref(), &steady).await.unwrap();

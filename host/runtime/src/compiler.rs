@@ -100,7 +100,9 @@ fn parse_limit_args(args: &[String]) -> Result<Limits, String> {
         match name {
             "memory-bytes" => limits.memory_bytes = number(value)? as usize,
             "table-elements" => limits.table_elements = number(value)? as usize,
-            "max-instances" => limits.max_instances = u32::try_from(number(value)?).map_err(|e| format!("{name}: {e}"))?,
+            "max-instances" => {
+                limits.max_instances = u32::try_from(number(value)?).map_err(|e| format!("{name}: {e}"))?
+            }
             _ => return Err(format!("unknown argument {name}")),
         }
     }
@@ -154,7 +156,10 @@ mod tests {
     /// stand-in compiler reports its own score once it has read stdin.
     #[test]
     fn the_compiler_child_is_the_oom_killers_first_pick() {
-        let reporter = CompilerCommand::new("sh", ["-c", "cat >/dev/null; echo score $(cat /proc/self/oom_score_adj) >&2; exit 3", "sh"]);
+        let reporter = CompilerCommand::new(
+            "sh",
+            ["-c", "cat >/dev/null; echo score $(cat /proc/self/oom_score_adj) >&2; exit 3", "sh"],
+        );
         let message = reporter.compile(b"component bytes", &Limits::default()).unwrap_err();
         assert_eq!(message, format!("score {COMPILER_OOM_SCORE_ADJ}"));
     }

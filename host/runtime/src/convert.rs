@@ -99,7 +99,11 @@ macro_rules! service_conversions {
                     ports: s
                         .ports
                         .iter()
-                        .map(|p| wit::EndpointPort { name: p.name.to_std(), protocol: protocol(p.protocol), port: p.port })
+                        .map(|p| wit::EndpointPort {
+                            name: p.name.to_std(),
+                            protocol: protocol(p.protocol),
+                            port: p.port,
+                        })
                         .collect(),
                 })
                 .collect()

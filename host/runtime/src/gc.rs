@@ -29,7 +29,6 @@ mod bindings {
 pub use bindings::exports::wasmplane::dataplane::gc::{Candidate, CandidateKind};
 use bindings::{GarbageCollection, GarbageCollectionPre};
 
-
 /// A validated, compiled GC component ready to instantiate.
 pub struct GcModule {
     pub info: ModuleInfo,
@@ -43,12 +42,7 @@ pub struct GcModule {
 
 impl Runtime {
     /// Validates and compiles a GC component.
-    pub fn load_gc(
-        &self,
-        name: &str,
-        bytes: &[u8],
-        max_size: usize,
-    ) -> Result<GcModule, LoadError> {
+    pub fn load_gc(&self, name: &str, bytes: &[u8], max_size: usize) -> Result<GcModule, LoadError> {
         let checked = self.checked(bytes, Some(GuestKind::Gc), max_size)?;
         let pre = checked.instance_pre(self)?;
         let validator = SettingsValidator::find(&pre, checked.settings_validation.as_deref());
@@ -112,24 +106,13 @@ impl GcSession {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::Limits;
 
-    fn candidate(
-        key: &str,
-        kind: CandidateKind,
-        age_seconds: u64,
-        owner_exists: bool,
-    ) -> Candidate {
-        Candidate {
-            key: key.into(),
-            kind,
-            age_seconds,
-            owner_exists,
-        }
+    fn candidate(key: &str, kind: CandidateKind, age_seconds: u64, owner_exists: bool) -> Candidate {
+        Candidate { key: key.into(), kind, age_seconds, owner_exists }
     }
 
     fn offered() -> Vec<Candidate> {
@@ -147,9 +130,7 @@ mod tests {
     #[test]
     fn the_shipped_gc_guest_names_what_its_policy_says() {
         let runtime = Runtime::new(Limits::default(), None).unwrap();
-        let module = runtime
-            .load_gc("gc", wasmplane_guest_artifacts::GC, 8 << 20)
-            .expect("the default GC guest loads");
+        let module = runtime.load_gc("gc", wasmplane_guest_artifacts::GC, 8 << 20).expect("the default GC guest loads");
         assert_eq!(module.info.kind, GuestKind::Gc);
         let mut session = module.session();
         let named = session.collect(&offered()).expect("collect");
@@ -161,19 +142,11 @@ mod tests {
 
     #[test]
     fn output_over_the_limit_is_refused_and_the_session_recovers() {
-        let limits = Limits {
-            max_output_objects: 2,
-            ..Limits::default()
-        };
+        let limits = Limits { max_output_objects: 2, ..Limits::default() };
         let runtime = Runtime::new(limits, None).unwrap();
-        let module = runtime
-            .load_gc("gc", wasmplane_guest_artifacts::GC, 8 << 20)
-            .unwrap();
+        let module = runtime.load_gc("gc", wasmplane_guest_artifacts::GC, 8 << 20).unwrap();
         let mut session = module.session();
-        assert!(matches!(
-            session.collect(&offered()),
-            Err(CallError::OutputTooLarge(_))
-        ));
+        assert!(matches!(session.collect(&offered()), Err(CallError::OutputTooLarge(_))));
         let small = &offered()[..2];
         assert_eq!(session.collect(small).unwrap(), vec!["/ids/2"]);
     }
@@ -181,23 +154,11 @@ mod tests {
     #[test]
     fn another_kind_is_not_loaded_as_gc() {
         let runtime = Runtime::new(Limits::default(), None).unwrap();
-        let err = runtime
-            .load_gc("st", wasmplane_guest_artifacts::SERVICE_TRANSLATOR, 8 << 20)
-            .err()
-            .expect("refused");
+        let err = runtime.load_gc("st", wasmplane_guest_artifacts::SERVICE_TRANSLATOR, 8 << 20).err().expect("refused");
         assert!(
-            matches!(
-                err,
-                LoadError::KindMismatch {
-                    declared: GuestKind::Gc,
-                    found: GuestKind::ServiceTranslator
-                }
-            ),
+            matches!(err, LoadError::KindMismatch { declared: GuestKind::Gc, found: GuestKind::ServiceTranslator }),
             "{err:?}"
         );
-        assert!(matches!(
-            runtime.load_gc("junk", b"not wasm at all", 1 << 20),
-            Err(LoadError::NotWasm)
-        ));
+        assert!(matches!(runtime.load_gc("junk", b"not wasm at all", 1 << 20), Err(LoadError::NotWasm)));
     }
 }

@@ -54,7 +54,10 @@ impl ResourceLimiter for GuestLimiter {
     fn memory_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
         if desired > self.memory_bytes {
             self.memory_exceeded = true;
-            return Err(wasmtime::format_err!("memory limit of {} bytes exceeded (wanted {desired})", self.memory_bytes));
+            return Err(wasmtime::format_err!(
+                "memory limit of {} bytes exceeded (wanted {desired})",
+                self.memory_bytes
+            ));
         }
         Ok(true)
     }
@@ -250,7 +253,10 @@ impl<B> GuestSlot<B> {
     }
 
     /// Instantiates now rather than on the first call (benchmarks, warm-up).
-    pub fn instantiate_now(&mut self, instantiate: impl FnOnce(&mut wasmtime::Store<GuestState>) -> wasmtime::Result<B>) -> Result<(), crate::CallError> {
+    pub fn instantiate_now(
+        &mut self,
+        instantiate: impl FnOnce(&mut wasmtime::Store<GuestState>) -> wasmtime::Result<B>,
+    ) -> Result<(), crate::CallError> {
         let GuestSlot { sandbox, name, capabilities, live } = self;
         let _ticking = sandbox.ticker.running();
         live_instance(live, sandbox, name, capabilities, instantiate).map(|_| ())
@@ -297,7 +303,12 @@ fn live_instance<'s, B>(
 }
 
 /// A guest's output against the size limits: `objects` (counted as `unit`) and `bytes`.
-pub(crate) fn check_output_size(objects: usize, bytes: usize, unit: &str, limits: &crate::Limits) -> Result<(), crate::CallError> {
+pub(crate) fn check_output_size(
+    objects: usize,
+    bytes: usize,
+    unit: &str,
+    limits: &crate::Limits,
+) -> Result<(), crate::CallError> {
     if objects > limits.max_output_objects || bytes > limits.max_output_bytes {
         return Err(crate::CallError::OutputTooLarge(format!(
             "{objects} {unit} / {bytes} bytes (limits {} / {})",

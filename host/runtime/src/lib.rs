@@ -148,9 +148,11 @@ impl Runtime {
         let engine = Engine::new(&config).map_err(|e| RuntimeError::Engine(format!("{e:#}")))?;
         let linker = host::linker(&engine).map_err(|e| RuntimeError::Engine(format!("{e:#}")))?;
         if let Some(dir) = &cache_dir {
-            std::fs::create_dir_all(dir).map_err(|e| RuntimeError::Engine(format!("creating {}: {e}", dir.display())))?;
+            std::fs::create_dir_all(dir)
+                .map_err(|e| RuntimeError::Engine(format!("creating {}: {e}", dir.display())))?;
         }
-        let ticker = epoch::EpochTicker::start(engine.clone()).map_err(|e| RuntimeError::Engine(format!("starting the epoch ticker: {e}")))?;
+        let ticker = epoch::EpochTicker::start(engine.clone())
+            .map_err(|e| RuntimeError::Engine(format!("starting the epoch ticker: {e}")))?;
         Ok(Runtime { sandbox: host::Sandbox { engine, ticker, limits }, linker, cache_dir, compiler: None })
     }
 

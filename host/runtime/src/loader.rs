@@ -22,7 +22,6 @@ pub const WIT_PACKAGE: &str = "wasmplane:dataplane";
 /// (1.0 through `wit_1_0.rs`). A newer minor is refused at load ([`LoadError::NewerVersion`]).
 pub const WIT_VERSION: &str = "1.1.0";
 
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum GuestKind {
@@ -61,17 +60,24 @@ pub enum LoadError {
     TooLarge { size: usize, max: usize },
     #[error("not a WebAssembly binary (bad magic number)")]
     NotWasm,
-    #[error("this is a core WebAssembly module, not a component: build for wasm32-wasip2 or run `wasm-tools component new`")]
+    #[error(
+        "this is a core WebAssembly module, not a component: build for wasm32-wasip2 or run `wasm-tools component new`"
+    )]
     CoreModule,
     #[error("component does not compile: {0}")]
     Compile(String),
-    #[error("component implements no known wasmplane world (it exports {exports:?}; expected one of {expected:?} from {WIT_PACKAGE}@{WIT_VERSION} or an older 1.x)")]
+    #[error(
+        "component implements no known wasmplane world (it exports {exports:?}; expected one of {expected:?} from {WIT_PACKAGE}@{WIT_VERSION} or an older 1.x)"
+    )]
     UnknownWorld { exports: Vec<String>, expected: Vec<String> },
     #[error("component was uploaded as kind {declared} but implements {found}")]
     KindMismatch { declared: GuestKind, found: GuestKind },
     #[error("component targets {WIT_PACKAGE}@{found}, this host implements {WIT_VERSION} (major version 1)")]
     UnsupportedVersion { found: String },
-    #[error("component targets {WIT_PACKAGE}@{found}, newer than this host's {WIT_VERSION}: build it against {} or older, or upgrade the host", minor_line(WIT_VERSION))]
+    #[error(
+        "component targets {WIT_PACKAGE}@{found}, newer than this host's {WIT_VERSION}: build it against {} or older, or upgrade the host",
+        minor_line(WIT_VERSION)
+    )]
     NewerVersion { found: String },
     #[error("component imports {0}, which this host does not grant")]
     ForbiddenImport(String),
@@ -152,7 +158,9 @@ fn split_name(name: &str) -> Option<(&str, &str)> {
 
 /// `MAJOR.MINOR.PATCH`, plain digits: a pre-release or build metadata is no release to judge.
 fn parse_version(version: &str) -> Option<(u64, u64, u64)> {
-    let mut parts = version.split('.').map(|p| if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) { p.parse().ok() } else { None });
+    let mut parts = version
+        .split('.')
+        .map(|p| if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) { p.parse().ok() } else { None });
     match (parts.next(), parts.next(), parts.next(), parts.next()) {
         (Some(Some(major)), Some(Some(minor)), Some(Some(patch)), None) => Some((major, minor, patch)),
         _ => None,
@@ -218,7 +226,10 @@ pub fn describe(bytes: &[u8]) -> Result<ModuleInfo, LoadError> {
         }
     }
     let Some((kind, wit_version)) = found else {
-        return Err(LoadError::UnknownWorld { exports, expected: GuestKind::ALL.iter().map(|k| format!("{WIT_PACKAGE}/{k}")).collect() });
+        return Err(LoadError::UnknownWorld {
+            exports,
+            expected: GuestKind::ALL.iter().map(|k| format!("{WIT_PACKAGE}/{k}")).collect(),
+        });
     };
     check_version(&wit_version)?;
     for (_, version) in imports.iter().filter_map(|i| split_name(i)).filter(|(iface, _)| granted_interface(iface)) {
@@ -229,7 +240,13 @@ pub fn describe(bytes: &[u8]) -> Result<ModuleInfo, LoadError> {
 
 impl Runtime {
     /// Validates and compiles `bytes`. `expected`: the kind the uploader declared.
-    pub fn load(&self, name: &str, bytes: &[u8], expected: Option<GuestKind>, max_size: usize) -> Result<LoadedModule, LoadError> {
+    pub fn load(
+        &self,
+        name: &str,
+        bytes: &[u8],
+        expected: Option<GuestKind>,
+        max_size: usize,
+    ) -> Result<LoadedModule, LoadError> {
         let checked = self.checked(bytes, expected, max_size)?;
         let pre = checked.instance_pre(self)?;
         let validator = SettingsValidator::find(&pre, checked.settings_validation.as_deref());
@@ -237,11 +254,14 @@ impl Runtime {
         let runner = match info.kind {
             GuestKind::ServiceTranslator if wit_1_0::is_1_0(&info.wit_version) => {
                 let export = format!("{WIT_PACKAGE}/{}@{}", GuestKind::ServiceTranslator, info.wit_version);
-                Runner::ServiceTranslator1_0(wit_1_0::Export::find(&pre, &export, "translate").ok_or_else(|| LoadError::Link(format!("{export} exports no `translate`")))?)
+                Runner::ServiceTranslator1_0(
+                    wit_1_0::Export::find(&pre, &export, "translate")
+                        .ok_or_else(|| LoadError::Link(format!("{export} exports no `translate`")))?,
+                )
             }
-            GuestKind::ServiceTranslator => {
-                Runner::ServiceTranslator(ServiceTranslationPre::new(pre).map_err(|e| LoadError::Link(format!("{e:#}")))?)
-            }
+            GuestKind::ServiceTranslator => Runner::ServiceTranslator(
+                ServiceTranslationPre::new(pre).map_err(|e| LoadError::Link(format!("{e:#}")))?,
+            ),
             other => return Err(LoadError::KindNotRunnable(other)),
         };
         Ok(LoadedModule {
@@ -257,7 +277,12 @@ impl Runtime {
     /// Every check a module of any kind passes (size, header, a known world of a supported
     /// version, the declared kind, granted imports only, an optional settings validator of
     /// the one signature the host calls) and its compiled form.
-    pub(crate) fn checked(&self, bytes: &[u8], expected: Option<GuestKind>, max_size: usize) -> Result<Checked, LoadError> {
+    pub(crate) fn checked(
+        &self,
+        bytes: &[u8],
+        expected: Option<GuestKind>,
+        max_size: usize,
+    ) -> Result<Checked, LoadError> {
         if bytes.len() > max_size {
             return Err(LoadError::TooLarge { size: bytes.len(), max: max_size });
         }
@@ -305,7 +330,11 @@ impl Runtime {
             }
             imports.push(import.to_string());
         }
-        Ok(Checked { component, info: ModuleInfo { digest, kind, wit_version: version, size: bytes.len(), imports }, settings_validation })
+        Ok(Checked {
+            component,
+            info: ModuleInfo { digest, kind, wit_version: version, size: bytes.len(), imports },
+            settings_validation,
+        })
     }
 
     /// Loads the machine code compiled earlier for the same bytes and engine, or compiles.
@@ -349,7 +378,8 @@ impl Runtime {
         let code = match &self.compiler {
             Some(command) => command.compile(bytes, self.limits()).map_err(LoadError::Compile)?,
             None => {
-                let compiler = wasmtime::Engine::new(&crate::engine_config(self.limits())).map_err(|e| LoadError::Compile(format!("{e:#}")))?;
+                let compiler = wasmtime::Engine::new(&crate::engine_config(self.limits()))
+                    .map_err(|e| LoadError::Compile(format!("{e:#}")))?;
                 let code = compiler.precompile_component(bytes).map_err(|e| LoadError::Compile(format!("{e:#}")))?;
                 drop(compiler);
                 crate::release_free_memory();
@@ -420,10 +450,17 @@ impl LoadedModule {
     pub fn translator(&self, lookups: Arc<dyn Lookups>) -> Option<TranslatorSession> {
         let capabilities = crate::host::Capabilities { lookups, settings: self.settings.clone() };
         let (sandbox, name) = (self.sandbox.clone(), self.name.clone());
-        Some(TranslatorSession { context: None, translator: match &self.runner {
-            Runner::ServiceTranslator(pre) => Translator::Current { pre: pre.clone(), slot: GuestSlot::new(sandbox, name, capabilities) },
-            Runner::ServiceTranslator1_0(export) => Translator::V1_0 { export: export.clone(), slot: GuestSlot::new(sandbox, name, capabilities) },
-        } })
+        Some(TranslatorSession {
+            context: None,
+            translator: match &self.runner {
+                Runner::ServiceTranslator(pre) => {
+                    Translator::Current { pre: pre.clone(), slot: GuestSlot::new(sandbox, name, capabilities) }
+                }
+                Runner::ServiceTranslator1_0(export) => {
+                    Translator::V1_0 { export: export.clone(), slot: GuestSlot::new(sandbox, name, capabilities) }
+                }
+            },
+        })
     }
 }
 
@@ -437,7 +474,10 @@ pub struct TranslatorSession {
 }
 
 /// `context` in WIT form, converted again only when it differs from the cached one.
-fn cached_context<'c>(cache: &'c mut Option<(NodeContext, wit::NodeContext)>, context: &NodeContext) -> &'c wit::NodeContext {
+fn cached_context<'c>(
+    cache: &'c mut Option<(NodeContext, wit::NodeContext)>,
+    context: &NodeContext,
+) -> &'c wit::NodeContext {
     if cache.as_ref().is_none_or(|(model, _)| model != context) {
         *cache = Some((context.clone(), convert::node_context(context)));
     }
@@ -460,7 +500,12 @@ impl TranslatorSession {
     }
 
     /// Translates one service. On any error but the guest's own the instance is dropped.
-    pub fn translate(&mut self, context: &NodeContext, chain_prefix: &str, view: &ServiceView) -> Result<wit::Ruleset, CallError> {
+    pub fn translate(
+        &mut self,
+        context: &NodeContext,
+        chain_prefix: &str,
+        view: &ServiceView,
+    ) -> Result<wit::Ruleset, CallError> {
         let service = convert::service(&view.service);
         let slices = convert::slices(view);
         // Out of the session for the call, which borrows it whole.
@@ -481,7 +526,15 @@ impl TranslatorSession {
         match &mut self.translator {
             Translator::Current { pre, slot } => slot.call(
                 |store| pre.instantiate(store),
-                |bindings, store| bindings.wasmplane_dataplane_service_translator().call_translate(store, ctx, chain_prefix, service, slices),
+                |bindings, store| {
+                    bindings.wasmplane_dataplane_service_translator().call_translate(
+                        store,
+                        ctx,
+                        chain_prefix,
+                        service,
+                        slices,
+                    )
+                },
                 accept_ruleset,
             ),
             Translator::V1_0 { export, slot } => slot.call(
@@ -492,7 +545,6 @@ impl TranslatorSession {
         }
     }
 }
-
 
 /// Counts the objects and string bytes a call returned.
 pub fn output_cost(r: &wit::Ruleset) -> (usize, usize) {
@@ -518,7 +570,10 @@ pub fn output_cost(r: &wit::Ruleset) -> (usize, usize) {
 
 /// What a translator or policy guest returned: its ruleset within the size limits, or its
 /// own error (which keeps the instance), cut to 1 KiB.
-pub(crate) fn accept_ruleset(result: Result<wit::Ruleset, wit::GuestError>, limits: &Limits) -> Result<wit::Ruleset, CallError> {
+pub(crate) fn accept_ruleset(
+    result: Result<wit::Ruleset, wit::GuestError>,
+    limits: &Limits,
+) -> Result<wit::Ruleset, CallError> {
     match result {
         Ok(ruleset) => check_ruleset_size(&ruleset, limits).map(|_| ruleset),
         Err(guest_error) => Err(CallError::Guest(guest_error.message.chars().take(1024).collect())),
@@ -542,15 +597,26 @@ mod tests {
         }
         assert_eq!(check_version("1.2.0"), Err(LoadError::NewerVersion { found: "1.2.0".into() }));
         for refused in ["2.0.0", "0.9.0", "1.1", "1.x.0", "1.1.0-rc.1", "1.1.0+build", "1.+1.0", "", "1.1.0.0"] {
-            assert_eq!(check_version(refused), Err(LoadError::UnsupportedVersion { found: refused.into() }), "{refused}");
+            assert_eq!(
+                check_version(refused),
+                Err(LoadError::UnsupportedVersion { found: refused.into() }),
+                "{refused}"
+            );
         }
-        assert!(LoadError::NewerVersion { found: "1.2.0".into() }.to_string().contains("build it against 1.1 or older"));
+        assert!(
+            LoadError::NewerVersion { found: "1.2.0".into() }.to_string().contains("build it against 1.1 or older")
+        );
     }
 
     /// The WIT node context is converted once and again only when the model's changes.
     #[test]
     fn the_node_context_is_converted_again_only_when_it_changes() {
-        let a = NodeContext { node_name: "node-a".into(), node_ips: vec!["192.168.0.1".into()], cluster_cidrs: vec!["10.244.0.0/16".into()], ..Default::default() };
+        let a = NodeContext {
+            node_name: "node-a".into(),
+            node_ips: vec!["192.168.0.1".into()],
+            cluster_cidrs: vec!["10.244.0.0/16".into()],
+            ..Default::default()
+        };
         let mut cache = None;
         assert_eq!(*cached_context(&mut cache, &a), convert::node_context(&a));
         // A marked conversion in the cache: what comes back for the same context is it.

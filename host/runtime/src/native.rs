@@ -5,9 +5,9 @@
 //! instead of the host's WIT types.
 
 use wasmplane_guest_service_translator as translator;
+use wasmplane_model as m;
 use wasmplane_model::ToStd;
 use wasmplane_model::state as ms;
-use wasmplane_model as m;
 
 pub use wasmplane_sdk::types as sdk;
 
@@ -19,7 +19,11 @@ mod to_sdk {
 pub use to_sdk::{node_context, service, slices};
 
 /// What a Wasm session's `translate` does, natively: model → SDK types, then the translation.
-pub fn translate(context: &sdk::NodeContext, prefix: &str, view: &ms::ServiceView) -> Result<sdk::Ruleset, sdk::GuestError> {
+pub fn translate(
+    context: &sdk::NodeContext,
+    prefix: &str,
+    view: &ms::ServiceView,
+) -> Result<sdk::Ruleset, sdk::GuestError> {
     translator::translate(context, prefix, &service(&view.service), &slices(view))
 }
 
@@ -52,8 +56,20 @@ mod tests {
                 external_ips: vec!["203.0.113.5".into()],
                 load_balancer_ips: vec![],
                 ports: vec![
-                    m::ServicePort { name: "http".into(), protocol: m::Protocol::Tcp, port: 80, node_port: 30080, target_port: m::TargetPort::Number(8080) },
-                    m::ServicePort { name: "dns".into(), protocol: m::Protocol::Udp, port: 53, node_port: 0, target_port: m::TargetPort::Name("dns".into()) },
+                    m::ServicePort {
+                        name: "http".into(),
+                        protocol: m::Protocol::Tcp,
+                        port: 80,
+                        node_port: 30080,
+                        target_port: m::TargetPort::Number(8080),
+                    },
+                    m::ServicePort {
+                        name: "dns".into(),
+                        protocol: m::Protocol::Udp,
+                        port: 53,
+                        node_port: 0,
+                        target_port: m::TargetPort::Name("dns".into()),
+                    },
                 ],
                 session_affinity_timeout: Some(600),
                 external_traffic_policy: m::TrafficPolicy::Local,
@@ -67,7 +83,11 @@ mod tests {
             .into(),
             slices: vec![LocalSlice {
                 name: "web-1".into(),
-                endpoints: vec![endpoint("10.244.0.5", true, true), endpoint("10.244.1.6", false, true), endpoint("10.244.1.7", false, false)],
+                endpoints: vec![
+                    endpoint("10.244.0.5", true, true),
+                    endpoint("10.244.1.6", false, true),
+                    endpoint("10.244.1.7", false, false),
+                ],
                 ports: vec![
                     m::EndpointPort { name: "http".into(), protocol: m::Protocol::Tcp, port: 8080 },
                     m::EndpointPort { name: "dns".into(), protocol: m::Protocol::Udp, port: 5353 },
@@ -82,9 +102,16 @@ mod tests {
     #[test]
     fn native_and_wasm_translate_alike() {
         let runtime = Runtime::new(Limits::default(), None).unwrap();
-        let module = runtime.load("t", wasmplane_guest_artifacts::SERVICE_TRANSLATOR, Some(GuestKind::ServiceTranslator), usize::MAX).unwrap();
+        let module = runtime
+            .load("t", wasmplane_guest_artifacts::SERVICE_TRANSLATOR, Some(GuestKind::ServiceTranslator), usize::MAX)
+            .unwrap();
         let mut session = module.translator(Arc::new(NoLookups)).unwrap();
-        let ctx = NodeContext { node_name: "node-0".into(), node_ips: vec!["192.168.0.1".into()], cluster_cidrs: vec!["10.244.0.0/16".into()], ..Default::default() };
+        let ctx = NodeContext {
+            node_name: "node-0".into(),
+            node_ips: vec!["192.168.0.1".into()],
+            cluster_cidrs: vec!["10.244.0.0/16".into()],
+            ..Default::default()
+        };
         let view = view();
         let wasm = session.translate(&ctx, "svc/shop/web", &view).unwrap();
         let native = translate(&node_context(&ctx), "svc/shop/web", &view).unwrap();

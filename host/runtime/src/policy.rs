@@ -17,9 +17,9 @@ use wasmplane_model as m;
 use wasmplane_model::state::{NodeContext, PolicyView};
 
 use crate::host::{GuestSlot, GuestState, Lookups, Sandbox};
-use wasmplane_model::ToStd;
 use crate::validation::SettingsValidator;
 use crate::{CallError, GuestKind, LoadError, ModuleInfo, Runtime, SettingsVerdict, convert, wit};
+use wasmplane_model::ToStd;
 
 mod bindings {
     wasmtime::component::bindgen!({
@@ -37,7 +37,6 @@ mod bindings {
 }
 
 use bindings::{NetworkPolicyEnforcement, NetworkPolicyEnforcementPre};
-
 
 /// A validated, compiled network-policy component ready to instantiate.
 pub struct PolicyModule {
@@ -59,7 +58,10 @@ impl Runtime {
         let info = checked.info;
         let pre = if crate::wit_1_0::is_1_0(&info.wit_version) {
             let export = format!("{}/{}@{}", crate::WIT_PACKAGE, GuestKind::NetworkPolicy, info.wit_version);
-            PolicyPre::V1_0(crate::wit_1_0::Export::find(&pre, &export, "compile").ok_or_else(|| LoadError::Link(format!("{export} exports no `compile`")))?)
+            PolicyPre::V1_0(
+                crate::wit_1_0::Export::find(&pre, &export, "compile")
+                    .ok_or_else(|| LoadError::Link(format!("{export} exports no `compile`")))?,
+            )
         } else {
             PolicyPre::Current(NetworkPolicyEnforcementPre::new(pre).map_err(|e| LoadError::Link(format!("{e:#}")))?)
         };
@@ -97,8 +99,12 @@ impl PolicyModule {
         let capabilities = crate::host::Capabilities { lookups, settings: self.settings.clone() };
         let (sandbox, name) = (self.sandbox.clone(), self.name.clone());
         PolicySession(match &self.pre {
-            PolicyPre::Current(pre) => PolicyGuest::Current { pre: pre.clone(), slot: GuestSlot::new(sandbox, name, capabilities) },
-            PolicyPre::V1_0(export) => PolicyGuest::V1_0 { export: export.clone(), slot: GuestSlot::new(sandbox, name, capabilities) },
+            PolicyPre::Current(pre) => {
+                PolicyGuest::Current { pre: pre.clone(), slot: GuestSlot::new(sandbox, name, capabilities) }
+            }
+            PolicyPre::V1_0(export) => {
+                PolicyGuest::V1_0 { export: export.clone(), slot: GuestSlot::new(sandbox, name, capabilities) }
+            }
         })
     }
 }
@@ -110,8 +116,14 @@ enum PolicyPre {
 }
 
 enum PolicyGuest {
-    Current { pre: NetworkPolicyEnforcementPre<GuestState>, slot: GuestSlot<NetworkPolicyEnforcement> },
-    V1_0 { export: crate::wit_1_0::Export<crate::wit_1_0::Compile>, slot: GuestSlot<crate::wit_1_0::Checked<crate::wit_1_0::Compile>> },
+    Current {
+        pre: NetworkPolicyEnforcementPre<GuestState>,
+        slot: GuestSlot<NetworkPolicyEnforcement>,
+    },
+    V1_0 {
+        export: crate::wit_1_0::Export<crate::wit_1_0::Compile>,
+        slot: GuestSlot<crate::wit_1_0::Checked<crate::wit_1_0::Compile>>,
+    },
 }
 
 /// Runs `compile` on one instance, reused across calls until a call fails (a trapped
@@ -120,7 +132,12 @@ pub struct PolicySession(PolicyGuest);
 
 impl PolicySession {
     /// Compiles the policy of `view` for the local pods it selects.
-    pub fn compile(&mut self, context: &NodeContext, chain_prefix: &str, view: &PolicyView) -> Result<wit::Ruleset, CallError> {
+    pub fn compile(
+        &mut self,
+        context: &NodeContext,
+        chain_prefix: &str,
+        view: &PolicyView,
+    ) -> Result<wit::Ruleset, CallError> {
         let ctx = convert::node_context(context);
         let policy = network_policy(&view.policy);
         let local: Vec<wit::Pod> = view.local_pods.iter().map(|p| convert::pod(p)).collect();
@@ -138,7 +155,15 @@ impl PolicySession {
         match &mut self.0 {
             PolicyGuest::Current { pre, slot } => slot.call(
                 |store| pre.instantiate(store),
-                |bindings, store| bindings.wasmplane_dataplane_network_policy().call_compile(store, ctx, chain_prefix, policy, local_pods),
+                |bindings, store| {
+                    bindings.wasmplane_dataplane_network_policy().call_compile(
+                        store,
+                        ctx,
+                        chain_prefix,
+                        policy,
+                        local_pods,
+                    )
+                },
                 crate::loader::accept_ruleset,
             ),
             PolicyGuest::V1_0 { export, slot } => slot.call(
@@ -149,8 +174,6 @@ impl PolicySession {
         }
     }
 }
-
-
 
 // ---- model → WIT ----------------------------------------------------------------------------
 
@@ -199,7 +222,10 @@ fn rule(r: &m::PolicyRule) -> wit::PolicyRule {
             .map(|p| wit::PolicyPeer {
                 pod_selector: p.pod_selector.as_ref().map(selector),
                 namespace_selector: p.namespace_selector.as_ref().map(selector),
-                ip_block: p.ip_block.as_ref().map(|b| wit::IpBlock { cidr: b.cidr.to_std(), except: b.except.to_std() }),
+                ip_block: p
+                    .ip_block
+                    .as_ref()
+                    .map(|b| wit::IpBlock { cidr: b.cidr.to_std(), except: b.except.to_std() }),
             })
             .collect(),
     }
@@ -252,7 +278,9 @@ impl Lookups for PodLookups {
         let guard = self.snapshot.read().unwrap_or_else(|e| e.into_inner());
         let (pods, namespaces) = &*guard;
         pods.iter()
-            .filter(|p| !p.host_network && namespace.is_none_or(|n| n == p.namespace) && pod_selector.matches(&p.labels))
+            .filter(|p| {
+                !p.host_network && namespace.is_none_or(|n| n == p.namespace) && pod_selector.matches(&p.labels)
+            })
             // A namespace this node does not know has no labels to match.
             .filter(|p| namespace_selector.is_none_or(|s| namespaces.get(&p.namespace).is_some_and(|l| s.matches(l))))
             .map(|p| m::Pod::clone(p))
@@ -286,7 +314,13 @@ mod tests {
             ips: vec![ip.into()],
             node_name: Some("node-a".into()),
             labels: labels(&[("app", app)]),
-            ports: vec![m::ContainerPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080, host_port: None, host_ip: None }],
+            ports: vec![m::ContainerPort {
+                name: "http".into(),
+                protocol: Protocol::Tcp,
+                port: 8080,
+                host_port: None,
+                host_ip: None,
+            }],
             host_network: false,
         })
     }
@@ -304,7 +338,11 @@ mod tests {
             generation: 3,
             pod_selector: sel(&[("app", "web")]),
             ingress: Some(vec![m::PolicyRule {
-                ports: vec![m::PolicyPort { protocol: Protocol::Tcp, port: m::PolicyPortNumber::Number(8080), end_port: None }],
+                ports: vec![m::PolicyPort {
+                    protocol: Protocol::Tcp,
+                    port: m::PolicyPortNumber::Number(8080),
+                    end_port: None,
+                }],
                 peers: vec![m::PolicyPeer {
                     pod_selector: Some(sel(&[("app", "client")])),
                     namespace_selector: Some(sel(&[("team", "blue")])),
@@ -355,19 +393,26 @@ mod tests {
     #[test]
     fn a_policy_guest_built_against_1_0_loads_and_runs() {
         let runtime = Runtime::new(Limits::default(), None).unwrap();
-        let module = runtime.load_policy("old", wasmplane_guest_artifacts::test_programs::POLICY_WIT_1_0, 8 << 20).expect("a 1.0 policy guest loads");
+        let module = runtime
+            .load_policy("old", wasmplane_guest_artifacts::test_programs::POLICY_WIT_1_0, 8 << 20)
+            .expect("a 1.0 policy guest loads");
         assert_eq!(module.info.wit_version, "1.0.0");
         let mut session = module.session(PodLookups::new());
         let out = session.compile(&context(), "pol/a/p", &view(Some("192.0.2.0/24"))).expect("compile");
         assert_eq!(out.chains[0].name, "pol/a/p/ingress");
-        assert!(matches!(&out.chains[0].rules[0].matches[..], [wit::RuleMatch::Source(a)] if a.cidr == "192.0.2.0/24" && !a.negate), "{out:?}");
+        assert!(
+            matches!(&out.chains[0].rules[0].matches[..], [wit::RuleMatch::Source(a)] if a.cidr == "192.0.2.0/24" && !a.negate),
+            "{out:?}"
+        );
         assert_eq!(out.warnings, ["1 local pods"]);
     }
 
     #[test]
     fn the_shipped_policy_guest_compiles_through_host_lookups() {
         let runtime = Runtime::new(Limits::default(), None).unwrap();
-        let module = runtime.load_policy("np", wasmplane_guest_artifacts::NETWORK_POLICY, 8 << 20).expect("the default policy guest loads");
+        let module = runtime
+            .load_policy("np", wasmplane_guest_artifacts::NETWORK_POLICY, 8 << 20)
+            .expect("the default policy guest loads");
         assert_eq!(module.info.kind, GuestKind::NetworkPolicy);
         let lookups = PodLookups::new();
         lookups.replace(cluster(), namespaces());
@@ -377,8 +422,12 @@ mod tests {
         assert_eq!(chains, vec!["pol/a/p/ingress", "pol/a/p/egress"]);
         // The peer sets come from the host's answers to the guest's lookups.
         assert_eq!(peer_set(&out, "pol/a/p/ingress").elements, vec!["10.244.1.12".to_string()]);
-        assert_eq!(peer_set(&out, "pol/a/p/egress").elements, vec!["10.244.2.11".to_string(), "10.244.2.12".to_string()]);
-        let elements: Vec<(&str, &wit::Verdict)> = out.map_elements.iter().map(|e| (e.map_name.as_str(), &e.verdict)).collect();
+        assert_eq!(
+            peer_set(&out, "pol/a/p/egress").elements,
+            vec!["10.244.2.11".to_string(), "10.244.2.12".to_string()]
+        );
+        let elements: Vec<(&str, &wit::Verdict)> =
+            out.map_elements.iter().map(|e| (e.map_name.as_str(), &e.verdict)).collect();
         assert_eq!(
             elements,
             vec![
@@ -391,7 +440,10 @@ mod tests {
         relabelled.insert("b".into(), labels(&[("team", "blue")]));
         lookups.replace(cluster(), Arc::new(relabelled));
         let out = session.compile(&context(), "pol/a/p", &view(None)).unwrap();
-        assert_eq!(peer_set(&out, "pol/a/p/ingress").elements, vec!["10.244.1.12".to_string(), "10.244.2.12".to_string()]);
+        assert_eq!(
+            peer_set(&out, "pol/a/p/ingress").elements,
+            vec!["10.244.1.12".to_string(), "10.244.2.12".to_string()]
+        );
         assert!(peer_set(&out, "pol/a/p/egress").elements.is_empty());
     }
 
@@ -401,7 +453,9 @@ mod tests {
         let module = runtime.load_policy("np", wasmplane_guest_artifacts::NETWORK_POLICY, 8 << 20).unwrap();
         let mut session = module.session(PodLookups::new());
         match session.compile(&context(), "pol/a/p", &view(Some("not-a-cidr"))) {
-            Err(CallError::Guest(message)) => assert!(message.contains("not-a-cidr") && message.contains("a/p"), "{message}"),
+            Err(CallError::Guest(message)) => {
+                assert!(message.contains("not-a-cidr") && message.contains("a/p"), "{message}")
+            }
             other => panic!("expected a guest error, got {other:?}"),
         }
         let out = session.compile(&context(), "pol/a/p", &view(Some("192.168.0.0/16"))).unwrap();
@@ -418,7 +472,8 @@ mod tests {
         let runtime = Runtime::new(Limits { max_output_objects: 16, ..Limits::default() }, None).unwrap();
         let module = runtime.load_policy("np", wasmplane_guest_artifacts::NETWORK_POLICY, 8 << 20).unwrap();
         let lookups = PodLookups::new();
-        let many: Vec<Arc<m::Pod>> = (0..20).map(|i| pod("a", &format!("c{i}"), &format!("10.244.1.{}", 100 + i), "client")).collect();
+        let many: Vec<Arc<m::Pod>> =
+            (0..20).map(|i| pod("a", &format!("c{i}"), &format!("10.244.1.{}", 100 + i), "client")).collect();
         lookups.replace(many, namespaces());
         let mut session = module.session(lookups.clone());
         assert!(matches!(session.compile(&context(), "pol/a/p", &view(None)), Err(CallError::OutputTooLarge(_))));
@@ -429,9 +484,13 @@ mod tests {
     #[test]
     fn another_kind_is_not_loaded_as_a_policy_module() {
         let runtime = Runtime::new(Limits::default(), None).unwrap();
-        let err = runtime.load_policy("st", wasmplane_guest_artifacts::SERVICE_TRANSLATOR, 8 << 20).err().expect("refused");
+        let err =
+            runtime.load_policy("st", wasmplane_guest_artifacts::SERVICE_TRANSLATOR, 8 << 20).err().expect("refused");
         assert!(
-            matches!(err, LoadError::KindMismatch { declared: GuestKind::NetworkPolicy, found: GuestKind::ServiceTranslator }),
+            matches!(
+                err,
+                LoadError::KindMismatch { declared: GuestKind::NetworkPolicy, found: GuestKind::ServiceTranslator }
+            ),
             "{err:?}"
         );
     }
@@ -447,8 +506,14 @@ mod tests {
         lookups.replace(pods, namespaces());
         let names = |v: Vec<m::Pod>| v.into_iter().map(|p| format!("{}/{}", p.namespace, p.name)).collect::<Vec<_>>();
         assert_eq!(names(lookups.pods_matching(Some("a"), None, &sel(&[("app", "client")]))), vec!["a/client-0"]);
-        assert_eq!(names(lookups.pods_matching(None, Some(&sel(&[("team", "red")])), &sel(&[]))), vec!["b/client-0", "b/db-0"]);
-        assert_eq!(names(lookups.pods_matching(None, Some(&sel(&[])), &sel(&[("app", "client")]))), vec!["a/client-0", "b/client-0"]);
+        assert_eq!(
+            names(lookups.pods_matching(None, Some(&sel(&[("team", "red")])), &sel(&[]))),
+            vec!["b/client-0", "b/db-0"]
+        );
+        assert_eq!(
+            names(lookups.pods_matching(None, Some(&sel(&[])), &sel(&[("app", "client")]))),
+            vec!["a/client-0", "b/client-0"]
+        );
         assert_eq!(lookups.namespace("b").unwrap().labels, labels(&[("team", "red")]));
         assert!(lookups.namespace("zzz").is_none());
     }

@@ -51,7 +51,10 @@ pub(crate) fn check_export(engine: &Engine, item: &ComponentItem) -> Result<(), 
     let params: Vec<Type> = func.params().map(|(_, ty)| ty).collect();
     let results: Vec<Type> = func.results().collect();
     let string_error = |ty: &Type| matches!(ty, Type::Result(r) if r.ok().is_none() && r.err() == Some(Type::String));
-    if func.async_() || !matches!(params.as_slice(), [Type::String]) || !matches!(results.as_slice(), [result] if string_error(result)) {
+    if func.async_()
+        || !matches!(params.as_slice(), [Type::String])
+        || !matches!(results.as_slice(), [result] if string_error(result))
+    {
         let params: Vec<String> = params.iter().map(describe).collect();
         let results: Vec<String> = results.iter().map(describe).collect();
         let async_ = if func.async_() { "async " } else { "" };
@@ -122,7 +125,12 @@ impl SettingsValidator {
 }
 
 /// What a module without a validator, or with one, says of `settings`.
-pub(crate) fn verdict(validator: Option<&SettingsValidator>, sandbox: &Sandbox, name: &Arc<str>, settings: &str) -> Result<SettingsVerdict, CallError> {
+pub(crate) fn verdict(
+    validator: Option<&SettingsValidator>,
+    sandbox: &Sandbox,
+    name: &Arc<str>,
+    settings: &str,
+) -> Result<SettingsVerdict, CallError> {
     match validator {
         Some(validator) => validator.run(sandbox, name, settings),
         None => Ok(SettingsVerdict::NotImplemented),
@@ -141,7 +149,13 @@ pub struct SettingsCheck {
 impl crate::Runtime {
     /// Loads `bytes` (every check an upload passes, `expected` its kind) for
     /// [`SettingsCheck::validate`].
-    pub fn settings_check(&self, name: &str, bytes: &[u8], expected: Option<crate::GuestKind>, max_size: usize) -> Result<SettingsCheck, crate::LoadError> {
+    pub fn settings_check(
+        &self,
+        name: &str,
+        bytes: &[u8],
+        expected: Option<crate::GuestKind>,
+        max_size: usize,
+    ) -> Result<SettingsCheck, crate::LoadError> {
         let checked = self.checked(bytes, expected, max_size)?;
         let pre = checked.instance_pre(self)?;
         let validator = SettingsValidator::find(&pre, checked.settings_validation.as_deref());

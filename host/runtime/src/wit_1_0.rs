@@ -12,7 +12,9 @@
 
 use std::marker::PhantomData;
 
-use wasmtime::component::{ComponentExportIndex, ComponentNamedList, ComponentType, Func, InstancePre, Lift, Lower, TypedFunc};
+use wasmtime::component::{
+    ComponentExportIndex, ComponentNamedList, ComponentType, Func, InstancePre, Lift, Lower, TypedFunc,
+};
 
 use crate::host::GuestState;
 use crate::wit;
@@ -94,9 +96,18 @@ impl From<RuleMatch> for wit::RuleMatch {
 
 impl From<Ruleset> for wit::Ruleset {
     fn from(r: Ruleset) -> wit::Ruleset {
-        let rule = |r: Rule| wit::Rule { matches: r.matches.into_iter().map(Into::into).collect(), statements: r.statements, verdict: r.verdict, comment: r.comment };
+        let rule = |r: Rule| wit::Rule {
+            matches: r.matches.into_iter().map(Into::into).collect(),
+            statements: r.statements,
+            verdict: r.verdict,
+            comment: r.comment,
+        };
         wit::Ruleset {
-            chains: r.chains.into_iter().map(|c| wit::Chain { name: c.name, rules: c.rules.into_iter().map(rule).collect() }).collect(),
+            chains: r
+                .chains
+                .into_iter()
+                .map(|c| wit::Chain { name: c.name, rules: c.rules.into_iter().map(rule).collect() })
+                .collect(),
             sets: r.sets,
             map_elements: r.map_elements,
             warnings: r.warnings,
@@ -158,7 +169,9 @@ impl<S: Signature> Export<S> {
     /// A new instance's function, its type checked against 1.0's.
     pub fn instantiate(&self, store: &mut wasmtime::Store<GuestState>) -> wasmtime::Result<Checked<S>> {
         let instance = self.pre.instantiate(&mut *store)?;
-        let func = instance.get_func(&mut *store, self.func).ok_or_else(|| wasmtime::format_err!("the component exports no function at the index it had when loaded"))?;
+        let func = instance.get_func(&mut *store, self.func).ok_or_else(|| {
+            wasmtime::format_err!("the component exports no function at the index it had when loaded")
+        })?;
         func.typed::<S::Params<'_>, GuestResult>(&*store)?;
         Ok(Checked { func, signature: PhantomData })
     }
@@ -166,7 +179,11 @@ impl<S: Signature> Export<S> {
 
 impl<S: Signature> Checked<S> {
     /// Calls it; the ruleset comes back in today's types.
-    pub fn call(&self, store: &mut wasmtime::Store<GuestState>, params: S::Params<'_>) -> wasmtime::Result<Result<wit::Ruleset, wit::GuestError>> {
+    pub fn call(
+        &self,
+        store: &mut wasmtime::Store<GuestState>,
+        params: S::Params<'_>,
+    ) -> wasmtime::Result<Result<wit::Ruleset, wit::GuestError>> {
         // SAFETY: the type was checked as `S`'s when this instance was made (`Export::instantiate`).
         let typed: TypedFunc<S::Params<'_>, GuestResult> = unsafe { TypedFunc::new_unchecked(self.func) };
         let (result,) = typed.call(store, params)?;

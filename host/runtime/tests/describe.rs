@@ -2,7 +2,7 @@
 //! sections without compiling it (how the host lists a builtin where it never runs).
 
 use wasmplane_guest_artifacts as artifacts;
-use wasmplane_runtime::{LoadError, Limits, Runtime, describe};
+use wasmplane_runtime::{Limits, LoadError, Runtime, describe};
 
 #[test]
 fn describing_a_component_finds_what_loading_it_finds() {

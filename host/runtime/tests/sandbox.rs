@@ -10,7 +10,16 @@ use wasmplane_model::*;
 use wasmplane_runtime::{CallError, GuestKind, Limits, LoadError, NoLookups, Runtime};
 
 fn runtime(cache: Option<std::path::PathBuf>) -> Runtime {
-    Runtime::new(Limits { call_timeout: Duration::from_millis(100), memory_bytes: 16 << 20, max_instances: 8, ..Default::default() }, cache).unwrap()
+    Runtime::new(
+        Limits {
+            call_timeout: Duration::from_millis(100),
+            memory_bytes: 16 << 20,
+            max_instances: 8,
+            ..Default::default()
+        },
+        cache,
+    )
+    .unwrap()
 }
 
 fn view() -> ServiceView {
@@ -18,7 +27,15 @@ fn view() -> ServiceView {
         service: Service::cluster_ip("shop", "web", "10.96.0.20", vec![ServicePort::tcp("http", 80, 8080)]).into(),
         slices: vec![LocalSlice {
             name: "web-1".into(),
-            endpoints: vec![LocalEndpoint { addresses: vec!["10.244.0.11".into()], ready: true, serving: true, terminating: false, node_name: None, zone: None, is_local: false }],
+            endpoints: vec![LocalEndpoint {
+                addresses: vec!["10.244.0.11".into()],
+                ready: true,
+                serving: true,
+                terminating: false,
+                node_name: None,
+                zone: None,
+                is_local: false,
+            }],
             ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }],
         }],
     }
@@ -34,7 +51,10 @@ fn call(rt: &Runtime, bytes: &[u8]) -> Result<wasmplane_runtime::wit::Ruleset, C
 fn limits_stop_guests_with_typed_errors() {
     let rt = runtime(None);
     let started = Instant::now();
-    assert_eq!(call(&rt, artifacts::test_programs::LOOP_FOREVER).unwrap_err(), CallError::Timeout(Duration::from_millis(100)));
+    assert_eq!(
+        call(&rt, artifacts::test_programs::LOOP_FOREVER).unwrap_err(),
+        CallError::Timeout(Duration::from_millis(100))
+    );
     // The error says the 100 ms deadline stopped it; the bound (which includes compiling the
     // guest) only catches a stop far later, with room for a loaded 2-core machine.
     assert!(started.elapsed() < Duration::from_secs(30), "{:?}", started.elapsed());
@@ -57,7 +77,11 @@ fn the_epoch_advances_only_while_a_guest_runs() {
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(rt.epoch_ticks(), 0, "no guest has run");
     let started = Instant::now();
-    let error = loaded.translator(Arc::new(NoLookups)).unwrap().translate(&NodeContext::default(), "svc/shop/web", &view()).unwrap_err();
+    let error = loaded
+        .translator(Arc::new(NoLookups))
+        .unwrap()
+        .translate(&NodeContext::default(), "svc/shop/web", &view())
+        .unwrap_err();
     assert_eq!(error, CallError::Timeout(Duration::from_millis(100)));
     // Generous: the error already says the deadline stopped it; a loaded machine stretches time.
     assert!(started.elapsed() < Duration::from_secs(30), "{:?}", started.elapsed());
@@ -73,11 +97,17 @@ fn a_session_recovers_after_a_failed_call() {
     let rt = runtime(None);
     let module = rt.load("t", artifacts::SERVICE_TRANSLATOR, None, usize::MAX).unwrap();
     assert_eq!(module.info.kind, GuestKind::ServiceTranslator);
-    assert!(module.info.imports.iter().all(|i| i.starts_with("wasi:") || i.starts_with("wasmplane:dataplane/")), "{:?}", module.info.imports);
+    assert!(
+        module.info.imports.iter().all(|i| i.starts_with("wasi:") || i.starts_with("wasmplane:dataplane/")),
+        "{:?}",
+        module.info.imports
+    );
     let mut session = module.translator(Arc::new(NoLookups)).unwrap();
     let mut bad = view();
     std::sync::Arc::make_mut(&mut bad.service).cluster_ips = vec!["10.96.0.300".into()];
-    assert!(matches!(session.translate(&NodeContext::default(), "svc/shop/web", &bad), Err(CallError::Guest(m)) if m.contains("invalid IP")));
+    assert!(
+        matches!(session.translate(&NodeContext::default(), "svc/shop/web", &bad), Err(CallError::Guest(m)) if m.contains("invalid IP"))
+    );
     assert!(session.translate(&NodeContext::default(), "svc/shop/web", &view()).is_ok());
 }
 
@@ -103,7 +133,8 @@ fn compiled_components_are_cached_by_content() {
     let dir = tempfile::tempdir().unwrap();
     let rt = runtime(Some(dir.path().to_path_buf()));
     rt.load("t", artifacts::SERVICE_TRANSLATOR, None, usize::MAX).unwrap();
-    let files: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let files: Vec<_> =
+        std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     assert_eq!(files.len(), 1);
     let digest = wasmplane_runtime::LoadedModule::digest_of(artifacts::SERVICE_TRANSLATOR);
     assert!(files[0].starts_with(digest.trim_start_matches("sha256:")), "{files:?}");
@@ -129,7 +160,8 @@ fn output_over_the_cap_is_refused() {
 #[test]
 fn the_host_engine_loads_guests_but_cannot_compile() {
     let rt = runtime(None);
-    let err = wasmtime::component::Component::new(rt.engine(), artifacts::SERVICE_TRANSLATOR).expect_err("the host's engine compiled a component");
+    let err = wasmtime::component::Component::new(rt.engine(), artifacts::SERVICE_TRANSLATOR)
+        .expect_err("the host's engine compiled a component");
     assert!(format!("{err:#}").contains("not configured with a compiler"), "{err:#}");
     let rules = call(&rt, artifacts::SERVICE_TRANSLATOR).expect("a guest compiled elsewhere runs on it");
     assert!(!rules.map_elements.is_empty(), "{rules:?}");

@@ -13,7 +13,14 @@ fn runtime(limits: Limits) -> Runtime {
 #[test]
 fn a_module_exporting_a_validator_says_which_settings_it_takes() {
     let rt = runtime(Limits::default());
-    let module = rt.load("port-filter", artifacts::examples::PORT_FILTER_TRANSLATOR, Some(GuestKind::ServiceTranslator), usize::MAX).unwrap();
+    let module = rt
+        .load(
+            "port-filter",
+            artifacts::examples::PORT_FILTER_TRANSLATOR,
+            Some(GuestKind::ServiceTranslator),
+            usize::MAX,
+        )
+        .unwrap();
     assert_eq!(module.validate_settings("{}"), Ok(SettingsVerdict::Valid));
     assert_eq!(module.validate_settings(r#"{"label": "team", "value": "edge"}"#), Ok(SettingsVerdict::Valid));
     match module.validate_settings(r#"{"lable": "team"}"#) {
@@ -21,7 +28,9 @@ fn a_module_exporting_a_validator_says_which_settings_it_takes() {
         other => panic!("expected a refusal naming the key, got {other:?}"),
     }
     match module.validate_settings(r#"{"label": "team"}"#) {
-        Ok(SettingsVerdict::Invalid(message)) => assert!(message.contains("`label` given without `value`"), "{message}"),
+        Ok(SettingsVerdict::Invalid(message)) => {
+            assert!(message.contains("`label` given without `value`"), "{message}")
+        }
         other => panic!("expected a refusal naming the missing key, got {other:?}"),
     }
     // The settings it runs with do not matter: the document under test is what it checks.
@@ -35,7 +44,8 @@ fn a_module_exporting_a_validator_says_which_settings_it_takes() {
 #[test]
 fn modules_without_the_export_load_and_have_no_verdict() {
     let rt = runtime(Limits::default());
-    let translator = rt.load("st", artifacts::SERVICE_TRANSLATOR, Some(GuestKind::ServiceTranslator), usize::MAX).unwrap();
+    let translator =
+        rt.load("st", artifacts::SERVICE_TRANSLATOR, Some(GuestKind::ServiceTranslator), usize::MAX).unwrap();
     assert_eq!(translator.validate_settings("{\"anything\": 1}"), Ok(SettingsVerdict::NotImplemented));
     let policy = rt.load_policy("np", artifacts::NETWORK_POLICY, usize::MAX).unwrap();
     assert_eq!(policy.validate_settings("{}"), Ok(SettingsVerdict::NotImplemented));
@@ -56,9 +66,13 @@ fn the_builtin_gc_guest_checks_its_grace_periods() {
 #[test]
 fn a_trapping_validator_is_an_error_not_a_verdict() {
     let rt = runtime(Limits::default());
-    let module = rt.load("t", artifacts::test_programs::TRAPPING_VALIDATOR, Some(GuestKind::ServiceTranslator), usize::MAX).unwrap();
+    let module = rt
+        .load("t", artifacts::test_programs::TRAPPING_VALIDATOR, Some(GuestKind::ServiceTranslator), usize::MAX)
+        .unwrap();
     match module.validate_settings("{}") {
-        Err(CallError::Trap(message)) => assert!(message.contains("this validator always traps (settings {})"), "{message}"),
+        Err(CallError::Trap(message)) => {
+            assert!(message.contains("this validator always traps (settings {})"), "{message}")
+        }
         other => panic!("expected a trap, got {other:?}"),
     }
     // Every call gets a fresh instance: the next one traps the same way, it does not hang.

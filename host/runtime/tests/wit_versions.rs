@@ -6,14 +6,22 @@ use std::sync::Arc;
 use wasmplane_guest_artifacts as artifacts;
 use wasmplane_model::state::{LocalEndpoint, LocalSlice, NodeContext, ServiceView};
 use wasmplane_model::*;
-use wasmplane_runtime::{CallError, GuestKind, LoadError, Limits, NoLookups, Runtime, WIT_VERSION, describe, wit};
+use wasmplane_runtime::{CallError, GuestKind, Limits, LoadError, NoLookups, Runtime, WIT_VERSION, describe, wit};
 
 fn view(ready: bool) -> ServiceView {
     ServiceView {
         service: Service::cluster_ip("shop", "web", "10.96.0.20", vec![ServicePort::tcp("http", 80, 8080)]).into(),
         slices: vec![LocalSlice {
             name: "web-1".into(),
-            endpoints: vec![LocalEndpoint { addresses: vec!["10.244.0.11".into()], ready, serving: ready, terminating: false, node_name: None, zone: None, is_local: false }],
+            endpoints: vec![LocalEndpoint {
+                addresses: vec!["10.244.0.11".into()],
+                ready,
+                serving: ready,
+                terminating: false,
+                node_name: None,
+                zone: None,
+                is_local: false,
+            }],
             ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }],
         }],
     }
@@ -22,7 +30,9 @@ fn view(ready: bool) -> ServiceView {
 #[test]
 fn a_translator_built_against_1_0_loads_and_runs() {
     let rt = Runtime::new(Limits::default(), None).unwrap();
-    let module = rt.load("old", artifacts::test_programs::TRANSLATOR_WIT_1_0, Some(GuestKind::ServiceTranslator), usize::MAX).expect("a 1.0 guest loads");
+    let module = rt
+        .load("old", artifacts::test_programs::TRANSLATOR_WIT_1_0, Some(GuestKind::ServiceTranslator), usize::MAX)
+        .expect("a 1.0 guest loads");
     assert_eq!(module.info.wit_version, "1.0.0");
     assert!(module.info.imports.iter().any(|i| i == "wasmplane:dataplane/log@1.0.0"), "{:?}", module.info.imports);
     let mut session = module.translator(Arc::new(NoLookups)).unwrap();
@@ -32,9 +42,15 @@ fn a_translator_built_against_1_0_loads_and_runs() {
     assert_eq!(out.chains.len(), 1);
     let rules = &out.chains[0].rules;
     assert_eq!(out.chains[0].name, "svc/shop/web/80");
-    assert!(matches!(&rules[0].matches[..], [wit::RuleMatch::Source(a)] if a.cidr == "10.244.0.0/16" && a.negate), "{rules:?}");
+    assert!(
+        matches!(&rules[0].matches[..], [wit::RuleMatch::Source(a)] if a.cidr == "10.244.0.0/16" && a.negate),
+        "{rules:?}"
+    );
     assert!(matches!(rules[0].verdict, wit::Verdict::Masquerade));
-    assert!(matches!(&rules[1].statements[..], [wit::RuleStatement::Dnat(t)] if t.address == "10.244.0.11" && t.port == 8080), "{rules:?}");
+    assert!(
+        matches!(&rules[1].statements[..], [wit::RuleStatement::Dnat(t)] if t.address == "10.244.0.11" && t.port == 8080),
+        "{rules:?}"
+    );
     assert_eq!(rules[1].comment.as_deref(), Some("wit 1.0"));
     assert_eq!(out.map_elements.len(), 1);
     assert!(matches!(&out.map_elements[0].verdict, wit::Verdict::Goto(c) if c == "svc/shop/web/80"));
@@ -42,7 +58,10 @@ fn a_translator_built_against_1_0_loads_and_runs() {
     // Its own error keeps the session, as for any guest.
     let mut declined = view(true);
     std::sync::Arc::make_mut(&mut declined.service).labels.insert("wasmplane.io/decline".into(), "yes".into());
-    assert_eq!(session.translate(&context, "svc/shop/web", &declined).unwrap_err(), CallError::Guest("declined shop/web".into()));
+    assert_eq!(
+        session.translate(&context, "svc/shop/web", &declined).unwrap_err(),
+        CallError::Guest("declined shop/web".into())
+    );
     assert!(session.translate(&context, "svc/shop/web", &view(true)).is_ok());
 }
 
@@ -91,7 +110,14 @@ fn a_guest_importing_a_newer_minor_is_refused_at_load() {
     // Only its `log` import is of the newer minor; the world it exports is 1.0's.
     let rt = Runtime::new(Limits::default(), None).unwrap();
     let refused = LoadError::NewerVersion { found: "1.2.0".into() };
-    let import = renamed(artifacts::test_programs::TRANSLATOR_WIT_1_0, "wasmplane:dataplane/log@1.0.0", "wasmplane:dataplane/log@1.2.0");
-    assert_eq!(rt.load("newer-import", &import, Some(GuestKind::ServiceTranslator), usize::MAX).err(), Some(refused.clone()));
+    let import = renamed(
+        artifacts::test_programs::TRANSLATOR_WIT_1_0,
+        "wasmplane:dataplane/log@1.0.0",
+        "wasmplane:dataplane/log@1.2.0",
+    );
+    assert_eq!(
+        rt.load("newer-import", &import, Some(GuestKind::ServiceTranslator), usize::MAX).err(),
+        Some(refused.clone())
+    );
     assert_eq!(describe(&import), Err(refused));
 }

@@ -111,13 +111,19 @@ impl Subject {
     /// A container port's `hostPort` and `hostIP` (`at` is the port's path). No host port
     /// or 0 is none, as in the API; a host IP that is empty or unspecified (`0.0.0.0`, `::`)
     /// means every address, and is kept only with a host port.
-    fn host_port(&self, at: &str, cp: &core::ContainerPort) -> Result<(Option<u16>, Option<CompactString>), ConvertError> {
+    fn host_port(
+        &self,
+        at: &str,
+        cp: &core::ContainerPort,
+    ) -> Result<(Option<u16>, Option<CompactString>), ConvertError> {
         let host_ip = match cp.host_ip.as_deref().filter(|ip| !ip.is_empty()) {
             None => None,
             Some(text) => match text.parse::<std::net::IpAddr>() {
                 Ok(ip) if ip.is_unspecified() => None,
                 Ok(ip) => Some(CompactString::from(ip.to_string())),
-                Err(_) => return Err(self.error(Problem::InvalidIp { at: format!("{at}.hostIP"), value: text.to_string() })),
+                Err(_) => {
+                    return Err(self.error(Problem::InvalidIp { at: format!("{at}.hostIP"), value: text.to_string() }));
+                }
             },
         };
         match cp.host_port.filter(|p| *p != 0) {
@@ -181,7 +187,11 @@ pub fn service(s: &slim::Service) -> Result<Service, ConvertError> {
     let session_affinity_timeout = match spec.session_affinity.as_deref() {
         None | Some("None") => None,
         Some("ClientIP") => {
-            let timeout = spec.session_affinity_config.as_ref().and_then(|c| c.client_ip.as_ref()).and_then(|c| c.timeout_seconds);
+            let timeout = spec
+                .session_affinity_config
+                .as_ref()
+                .and_then(|c| c.client_ip.as_ref())
+                .and_then(|c| c.timeout_seconds);
             match timeout {
                 None => Some(DEFAULT_AFFINITY_TIMEOUT),
                 Some(t) => Some(
@@ -203,7 +213,9 @@ pub fn service(s: &slim::Service) -> Result<Service, ConvertError> {
         .as_ref()
         .and_then(|st| st.load_balancer.as_ref())
         .and_then(|lb| lb.ingress.as_ref())
-        .map(|ingress| texts(ingress.iter().filter(|i| i.ip_mode.as_deref() != Some("Proxy")).filter_map(|i| i.ip.as_ref())))
+        .map(|ingress| {
+            texts(ingress.iter().filter(|i| i.ip_mode.as_deref() != Some("Proxy")).filter_map(|i| i.ip.as_ref()))
+        })
         .unwrap_or_default();
     let annotation = |key: &str| m.annotations.as_ref().and_then(|a| a.get(key)).map(String::as_str);
     Ok(Service {
@@ -240,11 +252,19 @@ pub fn service(s: &slim::Service) -> Result<Service, ConvertError> {
 /// `spec.loadBalancerSourceRanges`, parsed as the API server parses them (surrounding
 /// spaces allowed, host bits dropped). A range it would refuse is an error: left out, the
 /// service would be open to every source.
-fn source_ranges<'a>(subject: &Subject, ranges: impl Iterator<Item = &'a String>) -> Result<Vec<ipnet::IpNet>, ConvertError> {
+fn source_ranges<'a>(
+    subject: &Subject,
+    ranges: impl Iterator<Item = &'a String>,
+) -> Result<Vec<ipnet::IpNet>, ConvertError> {
     ranges
         .enumerate()
         .map(|(i, range)| {
-            let invalid = || subject.error(Problem::InvalidCidr { at: format!("spec.loadBalancerSourceRanges[{i}]"), value: range.clone() });
+            let invalid = || {
+                subject.error(Problem::InvalidCidr {
+                    at: format!("spec.loadBalancerSourceRanges[{i}]"),
+                    value: range.clone(),
+                })
+            };
             cidr_sloppy(range.trim()).ok_or_else(invalid)
         })
         .collect()
@@ -331,8 +351,20 @@ pub fn endpoint_slice(s: &slim::EndpointSlice) -> Result<EndpointSlice, ConvertE
             port: subject.port(&format!("{at}.port"), number)?,
         });
     }
-    let trigger_time = m.annotations.as_ref().and_then(|a| a.get(slim::TRIGGER_TIME_ANNOTATION)).and_then(|t| trigger_time(&subject, t));
-    Ok(EndpointSlice { namespace: namespace_of(m), name: subject.name(m)?, service_name, endpoints, ports, trigger_time, cluster: None })
+    let trigger_time = m
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(slim::TRIGGER_TIME_ANNOTATION))
+        .and_then(|t| trigger_time(&subject, t));
+    Ok(EndpointSlice {
+        namespace: namespace_of(m),
+        name: subject.name(m)?,
+        service_name,
+        endpoints,
+        ports,
+        trigger_time,
+        cluster: None,
+    })
 }
 
 /// The trigger-time annotation (RFC 3339). Only a metric starts from it: a malformed one is
@@ -362,8 +394,14 @@ pub fn node(n: &slim::Node) -> Result<Node, ConvertError> {
     // Only IPs: `Hostname` and `*DNS` addresses are not something traffic is addressed to.
     // InternalIPs first: the first of a family is the node's primary one (kube-proxy's).
     let listed = n.status.as_ref().and_then(|s| s.addresses.as_deref()).unwrap_or_default();
-    let addresses = texts(["InternalIP", "ExternalIP"].iter().flat_map(|kind| listed.iter().filter(move |a| a.type_ == *kind)).map(|a| &a.address));
-    let being_deleted = m.deletion_timestamp.is_some() || spec.and_then(|s| s.taints.as_ref()).is_some_and(|t| t.iter().any(|t| t.key == TO_BE_DELETED_TAINT));
+    let addresses = texts(
+        ["InternalIP", "ExternalIP"]
+            .iter()
+            .flat_map(|kind| listed.iter().filter(move |a| a.type_ == *kind))
+            .map(|a| &a.address),
+    );
+    let being_deleted = m.deletion_timestamp.is_some()
+        || spec.and_then(|s| s.taints.as_ref()).is_some_and(|t| t.iter().any(|t| t.key == TO_BE_DELETED_TAINT));
     Ok(Node { name: subject.name(m)?, addresses, pod_cidrs, labels: labels(m), being_deleted })
 }
 
@@ -427,12 +465,20 @@ fn selector(subject: &Subject, at: &str, s: &meta::LabelSelector) -> Result<Labe
                 return Err(subject.error(Problem::UnknownSelectorOperator { at, value: other.into() }));
             }
         };
-        match_expressions.push(SelectorRequirement { key: text(&r.key), operator, values: texts(r.values.iter().flatten()) });
+        match_expressions.push(SelectorRequirement {
+            key: text(&r.key),
+            operator,
+            values: texts(r.values.iter().flatten()),
+        });
     }
     Ok(LabelSelector { match_labels: s.match_labels.as_ref().map(label_map).unwrap_or_default(), match_expressions })
 }
 
-fn policy_ports(subject: &Subject, at: &str, ports: Option<&Vec<networking::NetworkPolicyPort>>) -> Result<Vec<PolicyPort>, ConvertError> {
+fn policy_ports(
+    subject: &Subject,
+    at: &str,
+    ports: Option<&Vec<networking::NetworkPolicyPort>>,
+) -> Result<Vec<PolicyPort>, ConvertError> {
     let mut out = Vec::new();
     for (i, p) in ports.into_iter().flatten().enumerate() {
         let at = format!("{at}.ports[{i}]");
@@ -443,7 +489,9 @@ fn policy_ports(subject: &Subject, at: &str, ports: Option<&Vec<networking::Netw
         };
         let end_port = match (p.end_port, &port) {
             (None, _) => None,
-            (Some(end), PolicyPortNumber::Number(start)) if i32::from(*start) <= end => Some(subject.port(&format!("{at}.endPort"), end)?),
+            (Some(end), PolicyPortNumber::Number(start)) if i32::from(*start) <= end => {
+                Some(subject.port(&format!("{at}.endPort"), end)?)
+            }
             (Some(end), _) => return Err(subject.error(Problem::InvalidEndPort { at, end })),
         };
         out.push(PolicyPort { protocol: subject.protocol(&at, p.protocol.as_deref())?, port, end_port });
@@ -451,18 +499,29 @@ fn policy_ports(subject: &Subject, at: &str, ports: Option<&Vec<networking::Netw
     Ok(out)
 }
 
-fn policy_peers(subject: &Subject, at: &str, peers: Option<&Vec<networking::NetworkPolicyPeer>>) -> Result<Vec<PolicyPeer>, ConvertError> {
+fn policy_peers(
+    subject: &Subject,
+    at: &str,
+    peers: Option<&Vec<networking::NetworkPolicyPeer>>,
+) -> Result<Vec<PolicyPeer>, ConvertError> {
     let mut out = Vec::new();
     for (i, peer) in peers.into_iter().flatten().enumerate() {
         let at = format!("{at}[{i}]");
         out.push(PolicyPeer {
-            pod_selector: peer.pod_selector.as_ref().map(|s| selector(subject, &format!("{at}.podSelector"), s)).transpose()?,
+            pod_selector: peer
+                .pod_selector
+                .as_ref()
+                .map(|s| selector(subject, &format!("{at}.podSelector"), s))
+                .transpose()?,
             namespace_selector: peer
                 .namespace_selector
                 .as_ref()
                 .map(|s| selector(subject, &format!("{at}.namespaceSelector"), s))
                 .transpose()?,
-            ip_block: peer.ip_block.as_ref().map(|b| IpBlock { cidr: text(&b.cidr), except: texts(b.except.iter().flatten()) }),
+            ip_block: peer
+                .ip_block
+                .as_ref()
+                .map(|b| IpBlock { cidr: text(&b.cidr), except: texts(b.except.iter().flatten()) }),
         });
     }
     Ok(out)
@@ -521,7 +580,12 @@ pub fn network_policy(p: &slim::NetworkPolicy) -> Result<NetworkPolicy, ConvertE
         uid: text(m.uid.as_deref().unwrap_or_default()),
         generation: m.generation.and_then(|g| u64::try_from(g).ok()).unwrap_or(0),
         // An absent podSelector is the empty selector: every pod in the namespace.
-        pod_selector: spec.pod_selector.as_ref().map(|s| selector(&subject, "spec.podSelector", s)).transpose()?.unwrap_or_default(),
+        pod_selector: spec
+            .pod_selector
+            .as_ref()
+            .map(|s| selector(&subject, "spec.podSelector", s))
+            .transpose()?
+            .unwrap_or_default(),
         ingress,
         egress,
     })
@@ -537,7 +601,11 @@ pub fn service_cidr(c: &slim::ServiceCidr) -> Result<ServiceCidr, ConvertError> 
         .iter()
         .flat_map(|s| s.cidrs.iter().flatten())
         .enumerate()
-        .map(|(i, cidr)| cidr.parse::<ipnet::IpNet>().map_err(|_| subject.error(Problem::InvalidCidr { at: format!("spec.cidrs[{i}]"), value: cidr.clone() })))
+        .map(|(i, cidr)| {
+            cidr.parse::<ipnet::IpNet>().map_err(|_| {
+                subject.error(Problem::InvalidCidr { at: format!("spec.cidrs[{i}]"), value: cidr.clone() })
+            })
+        })
         .collect::<Result<_, _>>()?;
     Ok(ServiceCidr { name: subject.name(m)?, cidrs })
 }
@@ -554,9 +622,15 @@ pub fn object_from_json(value: serde_json::Value) -> Result<Option<ClusterObject
         ("v1", "Node") => ClusterObject::Node(node(&parse("Node", false, value)?)?),
         ("v1", "Namespace") => ClusterObject::Namespace(namespace(&parse("Namespace", false, value)?)?),
         ("v1", "Pod") => ClusterObject::Pod(pod(&parse("Pod", true, value)?)?),
-        ("discovery.k8s.io/v1", "EndpointSlice") => ClusterObject::EndpointSlice(endpoint_slice(&parse("EndpointSlice", true, value)?)?),
-        ("networking.k8s.io/v1", "NetworkPolicy") => ClusterObject::NetworkPolicy(network_policy(&parse("NetworkPolicy", true, value)?)?),
-        ("networking.k8s.io/v1", "ServiceCIDR") => ClusterObject::ServiceCidr(service_cidr(&parse("ServiceCIDR", false, value)?)?),
+        ("discovery.k8s.io/v1", "EndpointSlice") => {
+            ClusterObject::EndpointSlice(endpoint_slice(&parse("EndpointSlice", true, value)?)?)
+        }
+        ("networking.k8s.io/v1", "NetworkPolicy") => {
+            ClusterObject::NetworkPolicy(network_policy(&parse("NetworkPolicy", true, value)?)?)
+        }
+        ("networking.k8s.io/v1", "ServiceCIDR") => {
+            ClusterObject::ServiceCidr(service_cidr(&parse("ServiceCIDR", false, value)?)?)
+        }
         _ => {
             tracing::trace!(api_version = %api_version, kind = %kind, "ignoring a kind wasmplane does not use");
             return Ok(None);
@@ -565,10 +639,16 @@ pub fn object_from_json(value: serde_json::Value) -> Result<Option<ClusterObject
     Ok(Some(object))
 }
 
-fn parse<T: serde::de::DeserializeOwned>(kind: &'static str, namespaced: bool, value: serde_json::Value) -> Result<T, ConvertError> {
-    let meta = |field: &str| value.pointer(&format!("/metadata/{field}")).and_then(|v| v.as_str()).filter(|s| !s.is_empty());
+fn parse<T: serde::de::DeserializeOwned>(
+    kind: &'static str,
+    namespaced: bool,
+    value: serde_json::Value,
+) -> Result<T, ConvertError> {
+    let meta =
+        |field: &str| value.pointer(&format!("/metadata/{field}")).and_then(|v| v.as_str()).filter(|s| !s.is_empty());
     let name = meta("name").unwrap_or("<unnamed>");
-    let object = if namespaced { format!("{}/{name}", meta("namespace").unwrap_or("default")) } else { name.to_string() };
+    let object =
+        if namespaced { format!("{}/{name}", meta("namespace").unwrap_or("default")) } else { name.to_string() };
     serde_json::from_value(value).map_err(|e| ConvertError { kind, object, problem: Problem::Schema(e.to_string()) })
 }
 
@@ -598,14 +678,31 @@ mod tests {
         assert_eq!(
             s.ports,
             vec![
-                ServicePort { name: Default::default(), protocol: Protocol::Tcp, port: 80, node_port: 0, target_port: TargetPort::Number(80) },
-                ServicePort { name: Default::default(), protocol: Protocol::Tcp, port: 81, node_port: 0, target_port: TargetPort::Number(81) },
+                ServicePort {
+                    name: Default::default(),
+                    protocol: Protocol::Tcp,
+                    port: 80,
+                    node_port: 0,
+                    target_port: TargetPort::Number(80)
+                },
+                ServicePort {
+                    name: Default::default(),
+                    protocol: Protocol::Tcp,
+                    port: 81,
+                    node_port: 0,
+                    target_port: TargetPort::Number(81)
+                },
             ]
         );
         assert_eq!(s.session_affinity_timeout, None);
         assert_eq!(s.external_traffic_policy, TrafficPolicy::Cluster);
         assert_eq!(s.internal_traffic_policy, TrafficPolicy::Cluster);
-        assert!(s.external_ips.is_empty() && s.load_balancer_ips.is_empty() && s.labels.is_empty() && s.health_check_node_port == 0);
+        assert!(
+            s.external_ips.is_empty()
+                && s.load_balancer_ips.is_empty()
+                && s.labels.is_empty()
+                && s.health_check_node_port == 0
+        );
         assert!(!s.global);
 
         let bare = service(&k8s(json!({"metadata": {"name": "bare"}}))).unwrap();
@@ -618,7 +715,8 @@ mod tests {
     fn service_global_annotation() {
         let annotated = |value: &str| -> Service {
             let slim: slim::Service = serde_json::from_value(json!({"metadata": {"name": "web", "annotations": {
-                "wasmplane.io/global": value, "kubectl.kubernetes.io/last-applied-configuration": "{}"}}})).unwrap();
+                "wasmplane.io/global": value, "kubectl.kubernetes.io/last-applied-configuration": "{}"}}}))
+            .unwrap();
             service(&slim).unwrap()
         };
         assert!(annotated("true").global);
@@ -626,10 +724,14 @@ mod tests {
         assert!(!annotated("yes").global);
         let affinity = |value: &str| -> ClusterAffinity {
             let slim: slim::Service = serde_json::from_value(json!({"metadata": {"name": "web", "annotations": {
-                "wasmplane.io/global": "true", "wasmplane.io/affinity": value}}})).unwrap();
+                "wasmplane.io/global": "true", "wasmplane.io/affinity": value}}}))
+            .unwrap();
             service(&slim).unwrap().cluster_affinity
         };
-        assert_eq!([affinity("local"), affinity("remote"), affinity("none"), affinity("nearest")], [ClusterAffinity::Local, ClusterAffinity::Remote, ClusterAffinity::None, ClusterAffinity::None]);
+        assert_eq!(
+            [affinity("local"), affinity("remote"), affinity("none"), affinity("nearest")],
+            [ClusterAffinity::Local, ClusterAffinity::Remote, ClusterAffinity::None, ClusterAffinity::None]
+        );
     }
 
     #[test]
@@ -656,16 +758,42 @@ mod tests {
         assert_eq!(s.service_type, ServiceType::LoadBalancer);
         assert_eq!(s.cluster_ips, vec!["10.96.0.30", "fd00::30"], "clusterIPs wins over clusterIP");
         assert_eq!(s.external_ips, vec!["203.0.113.5"]);
-        assert_eq!(s.load_balancer_ips, vec!["198.51.100.7", "198.51.100.8"], "hostnames and `ipMode: Proxy` addresses left out");
+        assert_eq!(
+            s.load_balancer_ips,
+            vec!["198.51.100.7", "198.51.100.8"],
+            "hostnames and `ipMode: Proxy` addresses left out"
+        );
         assert_eq!(s.session_affinity_timeout, Some(600));
         assert_eq!(s.external_traffic_policy, TrafficPolicy::Local);
         assert_eq!(s.internal_traffic_policy, TrafficPolicy::Local);
         assert_eq!(s.health_check_node_port, 31999);
         let ranges: Vec<String> = s.load_balancer_source_ranges.iter().map(ToString::to_string).collect();
-        assert_eq!(ranges, ["198.51.100.0/24", "2001:db8::/32", "10.1.0.0/16"], "spaces trimmed, host bits dropped, leading zeros read as Kubernetes reads them");
+        assert_eq!(
+            ranges,
+            ["198.51.100.0/24", "2001:db8::/32", "10.1.0.0/16"],
+            "spaces trimmed, host bits dropped, leading zeros read as Kubernetes reads them"
+        );
         assert_eq!(s.labels["app"], "lb");
-        assert_eq!(s.ports[0], ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: 30080, target_port: TargetPort::Number(8080) });
-        assert_eq!(s.ports[1], ServicePort { name: "dns".into(), protocol: Protocol::Udp, port: 53, node_port: 30053, target_port: TargetPort::Name("dns-udp".into()) });
+        assert_eq!(
+            s.ports[0],
+            ServicePort {
+                name: "http".into(),
+                protocol: Protocol::Tcp,
+                port: 80,
+                node_port: 30080,
+                target_port: TargetPort::Number(8080)
+            }
+        );
+        assert_eq!(
+            s.ports[1],
+            ServicePort {
+                name: "dns".into(),
+                protocol: Protocol::Udp,
+                port: 53,
+                node_port: 30053,
+                target_port: TargetPort::Name("dns-udp".into())
+            }
+        );
 
         let affinity = svc(json!({"sessionAffinity": "ClientIP"})).unwrap();
         assert_eq!(affinity.session_affinity_timeout, Some(DEFAULT_AFFINITY_TIMEOUT));
@@ -673,7 +801,9 @@ mod tests {
         assert!(!headless.is_proxied());
         let external = svc(json!({"type": "ExternalName", "externalName": "payments.example.com"})).unwrap();
         assert_eq!(external.service_type, ServiceType::ExternalName);
-        assert!(svc(json!({"externalTrafficPolicy": "Bogus"})).unwrap().external_traffic_policy == TrafficPolicy::Cluster);
+        assert!(
+            svc(json!({"externalTrafficPolicy": "Bogus"})).unwrap().external_traffic_policy == TrafficPolicy::Cluster
+        );
     }
 
     #[test]
@@ -683,10 +813,22 @@ mod tests {
             ports(json!([{"port": 1}, {"port": 2}, {"port": 3}, {"port": 4, "protocol": "FOO"}])),
             "Service shop/web: spec.ports[3] has invalid protocol \"FOO\" (TCP, UDP or SCTP)"
         );
-        assert_eq!(ports(json!([{"port": 70000}])), "Service shop/web: spec.ports[0].port is 70000, not a port number (1-65535)");
-        assert_eq!(ports(json!([{"port": 80, "targetPort": -1}])), "Service shop/web: spec.ports[0].targetPort is -1, not a port number (1-65535)");
-        assert_eq!(ports(json!([{"port": 80, "nodePort": 65536}])), "Service shop/web: spec.ports[0].nodePort is 65536, not a port number (1-65535)");
-        assert_eq!(svc(json!({"healthCheckNodePort": -5})).unwrap_err().to_string(), "Service shop/web: spec.healthCheckNodePort is -5, not a port number (1-65535)");
+        assert_eq!(
+            ports(json!([{"port": 70000}])),
+            "Service shop/web: spec.ports[0].port is 70000, not a port number (1-65535)"
+        );
+        assert_eq!(
+            ports(json!([{"port": 80, "targetPort": -1}])),
+            "Service shop/web: spec.ports[0].targetPort is -1, not a port number (1-65535)"
+        );
+        assert_eq!(
+            ports(json!([{"port": 80, "nodePort": 65536}])),
+            "Service shop/web: spec.ports[0].nodePort is 65536, not a port number (1-65535)"
+        );
+        assert_eq!(
+            svc(json!({"healthCheckNodePort": -5})).unwrap_err().to_string(),
+            "Service shop/web: spec.healthCheckNodePort is -5, not a port number (1-65535)"
+        );
         assert_eq!(
             svc(json!({"loadBalancerSourceRanges": ["10.0.0.0/8", "office"]})).unwrap_err().to_string(),
             "Service shop/web: spec.loadBalancerSourceRanges[1] is \"office\", not a CIDR (10.0.0.0/8, 2001:db8::/32)"
@@ -696,8 +838,12 @@ mod tests {
         }
         let e = svc(json!({"type": "Mesh"})).unwrap_err();
         assert_eq!(e.problem, Problem::UnknownServiceType("Mesh".into()));
-        assert_eq!(svc(json!({"sessionAffinity": "Cookie"})).unwrap_err().problem, Problem::UnknownSessionAffinity("Cookie".into()));
-        let timeout = svc(json!({"sessionAffinity": "ClientIP", "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 0}}}));
+        assert_eq!(
+            svc(json!({"sessionAffinity": "Cookie"})).unwrap_err().problem,
+            Problem::UnknownSessionAffinity("Cookie".into())
+        );
+        let timeout =
+            svc(json!({"sessionAffinity": "ClientIP", "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 0}}}));
         assert_eq!(timeout.unwrap_err().problem, Problem::InvalidAffinityTimeout(0));
         let unnamed = service(&k8s(json!({"metadata": {"namespace": "shop"}}))).unwrap_err();
         assert_eq!(unnamed.to_string(), "Service shop/<unnamed>: metadata.name is missing");
@@ -729,17 +875,31 @@ mod tests {
         .unwrap();
         assert_eq!(s.service_key(), ObjectKey::new("shop", "web"));
         let flags: Vec<_> = s.endpoints.iter().map(|e| (e.ready, e.serving, e.terminating)).collect();
-        assert_eq!(flags, vec![(true, true, false), (true, true, false), (false, true, false), (false, true, true), (false, false, true)]);
+        assert_eq!(
+            flags,
+            vec![
+                (true, true, false),
+                (true, true, false),
+                (false, true, false),
+                (false, true, true),
+                (false, false, true)
+            ]
+        );
         assert_eq!(s.endpoints[0].node_name.as_deref(), Some("node-a"));
         assert_eq!(s.endpoints[0].zone.as_deref(), Some("zone-1"));
         assert_eq!(s.endpoints[1].node_name, None);
-        assert_eq!((s.endpoints[0].for_zones.as_slice(), s.endpoints[0].for_nodes.as_slice()), (&["zone-1".into()][..], &["node-a".into(), "node-b".into()][..]));
+        assert_eq!(
+            (s.endpoints[0].for_zones.as_slice(), s.endpoints[0].for_nodes.as_slice()),
+            (&["zone-1".into()][..], &["node-a".into(), "node-b".into()][..])
+        );
         assert!(s.endpoints[1].for_zones.is_empty() && s.endpoints[1].for_nodes.is_empty());
     }
 
     #[test]
     fn endpoint_slice_ports() {
-        let s = slice(json!({"ports": [{"port": 8080}, {"name": "dns", "port": 53, "protocol": "UDP"}, {"name": "all"}]})).unwrap();
+        let s =
+            slice(json!({"ports": [{"port": 8080}, {"name": "dns", "port": 53, "protocol": "UDP"}, {"name": "all"}]}))
+                .unwrap();
         assert_eq!(
             s.ports,
             vec![
@@ -749,8 +909,14 @@ mod tests {
             "a port without a number is skipped"
         );
         let e = slice(json!({"ports": [{"port": 80, "protocol": "ICMP"}]})).unwrap_err();
-        assert_eq!(e.to_string(), "EndpointSlice shop/web-1: ports[0] has invalid protocol \"ICMP\" (TCP, UDP or SCTP)");
-        assert!(matches!(slice(json!({"ports": [{"port": 0}]})).unwrap_err().problem, Problem::InvalidPort { value: 0, .. }));
+        assert_eq!(
+            e.to_string(),
+            "EndpointSlice shop/web-1: ports[0] has invalid protocol \"ICMP\" (TCP, UDP or SCTP)"
+        );
+        assert!(matches!(
+            slice(json!({"ports": [{"port": 0}]})).unwrap_err().problem,
+            Problem::InvalidPort { value: 0, .. }
+        ));
     }
 
     #[test]
@@ -774,15 +940,22 @@ mod tests {
             "spec": {"cidrs": ["10.96.0.0/12", "fd00:96::/108"]}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}}))
         .unwrap();
         let Some(ClusterObject::ServiceCidr(c)) = c else { panic!("{c:?}") };
-        assert_eq!((c.name.as_str(), c.cidrs), ("kubernetes", vec!["10.96.0.0/12".parse().unwrap(), "fd00:96::/108".parse().unwrap()]));
+        assert_eq!(
+            (c.name.as_str(), c.cidrs),
+            ("kubernetes", vec!["10.96.0.0/12".parse().unwrap(), "fd00:96::/108".parse().unwrap()])
+        );
         let e = object_from_json(json!({"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR", "metadata": {"name": "bad"}, "spec": {"cidrs": ["10.96.0.0/12", "10.300.0.0/16"]}}))
             .unwrap_err();
-        assert_eq!(e.to_string(), "ServiceCIDR bad: spec.cidrs[1] is \"10.300.0.0/16\", not a CIDR (10.0.0.0/8, 2001:db8::/32)");
+        assert_eq!(
+            e.to_string(),
+            "ServiceCIDR bad: spec.cidrs[1] is \"10.300.0.0/16\", not a CIDR (10.0.0.0/8, 2001:db8::/32)"
+        );
     }
 
     #[test]
     fn endpoint_slice_needs_its_service() {
-        let e = endpoint_slice(&k8s(json!({"metadata": {"name": "orphan"}, "addressType": "IPv4", "endpoints": []}))).unwrap_err();
+        let e = endpoint_slice(&k8s(json!({"metadata": {"name": "orphan"}, "addressType": "IPv4", "endpoints": []})))
+            .unwrap_err();
         assert_eq!(e.to_string(), "EndpointSlice default/orphan: label kubernetes.io/service-name is missing");
     }
 
@@ -844,24 +1017,49 @@ mod tests {
         assert_eq!(
             p.ports,
             vec![
-                ContainerPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080, host_port: None, host_ip: None },
-                ContainerPort { name: "metrics".into(), protocol: Protocol::Tcp, port: 9090, host_port: None, host_ip: None },
-                ContainerPort { name: Default::default(), protocol: Protocol::Udp, port: 53, host_port: None, host_ip: None },
+                ContainerPort {
+                    name: "http".into(),
+                    protocol: Protocol::Tcp,
+                    port: 8080,
+                    host_port: None,
+                    host_ip: None
+                },
+                ContainerPort {
+                    name: "metrics".into(),
+                    protocol: Protocol::Tcp,
+                    port: 9090,
+                    host_port: None,
+                    host_ip: None
+                },
+                ContainerPort {
+                    name: Default::default(),
+                    protocol: Protocol::Udp,
+                    port: 53,
+                    host_port: None,
+                    host_ip: None
+                },
             ]
         );
         let host = pod(&k8s(json!({"metadata": {"name": "agent"}, "spec": {"hostNetwork": true, "containers": []}, "status": {"podIP": "192.168.56.10"}}))).unwrap();
-        assert_eq!((host.namespace.as_str(), host.ips.as_slice(), host.host_network), ("default", &["192.168.56.10".into()][..], true));
+        assert_eq!(
+            (host.namespace.as_str(), host.ips.as_slice(), host.host_network),
+            ("default", &["192.168.56.10".into()][..], true)
+        );
         let pending = pod(&k8s(json!({"metadata": {"name": "pending"}, "spec": {"containers": []}}))).unwrap();
         assert!(pending.ips.is_empty() && pending.node_name.is_none());
         let e = pod(&k8s(json!({"metadata": {"name": "bad"}, "spec": {"containers": [{"name": "c", "ports": [{"containerPort": 80, "protocol": "tcp"}]}]}})))
             .unwrap_err();
-        assert_eq!(e.to_string(), "Pod default/bad: spec.containers[0].ports[0] has invalid protocol \"tcp\" (TCP, UDP or SCTP)");
+        assert_eq!(
+            e.to_string(),
+            "Pod default/bad: spec.containers[0].ports[0] has invalid protocol \"tcp\" (TCP, UDP or SCTP)"
+        );
     }
 
     #[test]
     fn finished_pods_have_no_addresses() {
         let in_phase = |phase: &str| {
-            let status = json!({"phase": phase, "podIP": "10.244.0.12", "podIPs": [{"ip": "10.244.0.12"}, {"ip": "fd00::12"}]});
+            let status =
+                json!({"phase": phase, "podIP": "10.244.0.12", "podIPs": [{"ip": "10.244.0.12"}, {"ip": "fd00::12"}]});
             pod(&k8s(json!({"metadata": {"name": "job-1", "labels": {"app": "job"}}, "spec": {"nodeName": "node-a", "containers": []}, "status": status}))).unwrap()
         };
         for phase in ["Pending", "Running", "Unknown"] {
@@ -870,13 +1068,19 @@ mod tests {
         for phase in ["Succeeded", "Failed"] {
             let p = in_phase(phase);
             assert!(p.ips.is_empty(), "{phase}: a finished pod's addresses may be another pod's");
-            assert_eq!((p.labels["app"].as_str(), p.node_name.as_deref()), ("job", Some("node-a")), "{phase}: the pod itself is kept");
+            assert_eq!(
+                (p.labels["app"].as_str(), p.node_name.as_deref()),
+                ("job", Some("node-a")),
+                "{phase}: the pod itself is kept"
+            );
         }
     }
 
     #[test]
     fn pod_host_ports_and_host_ips() {
-        let with_ports = |ports: Value| pod(&k8s(json!({"metadata": {"name": "ingress"}, "spec": {"containers": [{"name": "c", "ports": ports}]}})));
+        let with_ports = |ports: Value| {
+            pod(&k8s(json!({"metadata": {"name": "ingress"}, "spec": {"containers": [{"name": "c", "ports": ports}]}})))
+        };
         let p = with_ports(json!([
             {"name": "http", "containerPort": 8080, "hostPort": 18080},
             {"name": "dns", "containerPort": 53, "protocol": "UDP", "hostPort": 5353, "hostIP": "192.168.77.1"},
@@ -888,7 +1092,8 @@ mod tests {
             {"containerPort": 9091}
         ]))
         .unwrap();
-        let host: Vec<(u16, Option<u16>, Option<&str>)> = p.ports.iter().map(|c| (c.port, c.host_port, c.host_ip.as_deref())).collect();
+        let host: Vec<(u16, Option<u16>, Option<&str>)> =
+            p.ports.iter().map(|c| (c.port, c.host_port, c.host_ip.as_deref())).collect();
         assert_eq!(
             host,
             vec![
@@ -904,12 +1109,19 @@ mod tests {
             "an unspecified or empty hostIP is every address; hostPort 0 is none, as in the API; addresses as IpAddr prints them"
         );
         let e = with_ports(json!([{"containerPort": 80}, {"containerPort": 8080, "hostPort": 70000}])).unwrap_err();
-        assert_eq!(e.to_string(), "Pod default/ingress: spec.containers[0].ports[1].hostPort is 70000, not a port number (1-65535)");
+        assert_eq!(
+            e.to_string(),
+            "Pod default/ingress: spec.containers[0].ports[1].hostPort is 70000, not a port number (1-65535)"
+        );
         let e = with_ports(json!([{"containerPort": 8080, "hostPort": -1}])).unwrap_err();
         assert!(matches!(e.problem, Problem::InvalidPort { value: -1, .. }), "{e}");
         let e = with_ports(json!([{"containerPort": 8080, "hostPort": 18080, "hostIP": "node-a"}])).unwrap_err();
-        assert_eq!(e.to_string(), "Pod default/ingress: spec.containers[0].ports[0].hostIP is \"node-a\", not an IP address (192.168.0.10, 2001:db8::10)");
-        let e = with_ports(json!([{"containerPort": 8080, "hostPort": 18080, "hostIP": "192.168.77.0/24"}])).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "Pod default/ingress: spec.containers[0].ports[0].hostIP is \"node-a\", not an IP address (192.168.0.10, 2001:db8::10)"
+        );
+        let e =
+            with_ports(json!([{"containerPort": 8080, "hostPort": 18080, "hostIP": "192.168.77.0/24"}])).unwrap_err();
         assert!(matches!(e.problem, Problem::InvalidIp { .. }), "{e}");
     }
 
@@ -930,7 +1142,10 @@ mod tests {
         assert_eq!(sides(json!({"policyTypes": ["Ingress"], "egress": rule})), (Some(0), None));
         assert_eq!(sides(json!({"policyTypes": ["Egress"], "ingress": rule})), (None, Some(0)));
         assert_eq!(sides(json!({"policyTypes": ["Ingress", "Egress"], "ingress": rule})), (Some(1), Some(0)));
-        assert_eq!(policy(json!({"policyTypes": ["Sideways"]})).unwrap_err().problem, Problem::UnknownPolicyType("Sideways".into()));
+        assert_eq!(
+            policy(json!({"policyTypes": ["Sideways"]})).unwrap_err().problem,
+            Problem::UnknownPolicyType("Sideways".into())
+        );
     }
 
     #[test]
@@ -954,19 +1169,33 @@ mod tests {
             rule.ports,
             vec![
                 PolicyPort { protocol: Protocol::Tcp, port: PolicyPortNumber::Number(8000), end_port: Some(8100) },
-                PolicyPort { protocol: Protocol::Tcp, port: PolicyPortNumber::Name("https-api".into()), end_port: None },
+                PolicyPort {
+                    protocol: Protocol::Tcp,
+                    port: PolicyPortNumber::Name("https-api".into()),
+                    end_port: None
+                },
                 PolicyPort { protocol: Protocol::Udp, port: PolicyPortNumber::Any, end_port: None },
             ]
         );
         assert_eq!(rule.peers[0].pod_selector.as_ref().unwrap().match_labels["app"], "web");
         assert_eq!(
             rule.peers[0].namespace_selector.as_ref().unwrap().match_expressions,
-            vec![SelectorRequirement { key: "team".into(), operator: SelectorOperator::In, values: vec!["shop".into()] }]
+            vec![SelectorRequirement {
+                key: "team".into(),
+                operator: SelectorOperator::In,
+                values: vec!["shop".into()]
+            }]
         );
-        assert_eq!(rule.peers[1].ip_block, Some(IpBlock { cidr: "10.0.0.0/8".into(), except: vec!["10.1.0.0/16".into()] }));
+        assert_eq!(
+            rule.peers[1].ip_block,
+            Some(IpBlock { cidr: "10.0.0.0/8".into(), except: vec!["10.1.0.0/16".into()] })
+        );
         assert_eq!(rule.peers[1].pod_selector, None);
         let egress = &p.egress.as_ref().unwrap()[0];
-        assert_eq!(egress.peers[0].namespace_selector.as_ref().unwrap().match_expressions[0].operator, SelectorOperator::Exists);
+        assert_eq!(
+            egress.peers[0].namespace_selector.as_ref().unwrap().match_expressions[0].operator,
+            SelectorOperator::Exists
+        );
 
         let all = network_policy(&k8s(json!({"metadata": {"name": "deny"}, "spec": {"podSelector": {}}}))).unwrap();
         assert_eq!((all.namespace.as_str(), all.generation), ("default", 0));
@@ -977,15 +1206,24 @@ mod tests {
     #[test]
     fn network_policy_errors() {
         let e = policy(json!({"ingress": [{"ports": [{"port": "https", "endPort": 9000}]}]})).unwrap_err();
-        assert_eq!(e.to_string(), "NetworkPolicy shop/p: spec.ingress[0].ports[0].endPort 9000 needs a numeric port no greater than it");
+        assert_eq!(
+            e.to_string(),
+            "NetworkPolicy shop/p: spec.ingress[0].ports[0].endPort 9000 needs a numeric port no greater than it"
+        );
         let e = policy(json!({"egress": [{"ports": [{"port": 9000, "endPort": 8000}]}]})).unwrap_err();
         assert!(matches!(e.problem, Problem::InvalidEndPort { .. }), "{e}");
-        let e = policy(json!({"egress": [{"to": [{"podSelector": {"matchExpressions": [{"key": "a", "operator": "Like"}]}}]}]})).unwrap_err();
+        let e = policy(
+            json!({"egress": [{"to": [{"podSelector": {"matchExpressions": [{"key": "a", "operator": "Like"}]}}]}]}),
+        )
+        .unwrap_err();
         assert_eq!(
             e.to_string(),
             "NetworkPolicy shop/p: spec.egress[0].to[0].podSelector.matchExpressions[0] has unknown operator \"Like\" (In, NotIn, Exists or DoesNotExist)"
         );
-        assert!(matches!(policy(json!({"ingress": [{"ports": [{"port": 0}]}]})).unwrap_err().problem, Problem::InvalidPort { .. }));
+        assert!(matches!(
+            policy(json!({"ingress": [{"ports": [{"port": 0}]}]})).unwrap_err().problem,
+            Problem::InvalidPort { .. }
+        ));
     }
 
     #[test]
@@ -999,7 +1237,8 @@ mod tests {
                    "metadata": {"name": "e", "labels": {SERVICE_NAME_LABEL: "s"}}}),
             json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "np"}}),
         ];
-        let keys: Vec<String> = kinds.into_iter().map(|v| object_from_json(v).unwrap().unwrap().key().to_string()).collect();
+        let keys: Vec<String> =
+            kinds.into_iter().map(|v| object_from_json(v).unwrap().unwrap().key().to_string()).collect();
         assert_eq!(keys, vec!["default/s", "n", "ns", "default/p", "default/e", "default/np"]);
 
         for ignored in [
@@ -1020,8 +1259,16 @@ mod tests {
         assert!(matches!(e.problem, Problem::Schema(_)), "{e}");
         let e = object_from_json(json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "metadata": {"name": "e"}, "endpoints": {"addresses": []}}))
             .unwrap_err();
-        assert!(e.to_string().starts_with("EndpointSlice default/e: does not match the Kubernetes schema: invalid type: map, expected"), "{e}");
-        let e = object_from_json(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n"}, "spec": {"podCIDRs": "10.0.0.0/24"}})).unwrap_err();
+        assert!(
+            e.to_string().starts_with(
+                "EndpointSlice default/e: does not match the Kubernetes schema: invalid type: map, expected"
+            ),
+            "{e}"
+        );
+        let e = object_from_json(
+            json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n"}, "spec": {"podCIDRs": "10.0.0.0/24"}}),
+        )
+        .unwrap_err();
         assert_eq!(e.object, "n", "cluster-scoped objects have no namespace");
     }
 }

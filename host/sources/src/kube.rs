@@ -18,13 +18,13 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use futures::{StreamExt as _, TryStreamExt as _};
-use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt as _;
+use kube::runtime::watcher::{self, Event};
 use kube::{Api, Resource, ResourceExt as _};
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
-use wasmplane_model::state::{ClusterEvent, ClusterObject, ObjectKind};
 use wasmplane_model::ObjectKey;
+use wasmplane_model::state::{ClusterEvent, ClusterObject, ObjectKind};
 
 use crate::convert::{self, ConvertError};
 use crate::slim;
@@ -37,8 +37,7 @@ pub const SERVICE_LABEL_SELECTOR: &str = "!service.kubernetes.io/service-proxy-n
 /// The slices of proxied Services, except the operator's mesh slices (its
 /// `MESH_SLICE_CONTROLLER`): another cluster's endpoints, which agents import from that
 /// cluster's etcd themselves (Cilium's agents skip them alike).
-pub const SLICE_LABEL_SELECTOR: &str =
-    "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless,endpointslice.kubernetes.io/managed-by!=endpointslice-mesh-controller.wasmplane.io";
+pub const SLICE_LABEL_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless,endpointslice.kubernetes.io/managed-by!=endpointslice-mesh-controller.wasmplane.io";
 
 /// What the watchers tell the host.
 #[derive(Debug)]
@@ -93,11 +92,22 @@ pub const WATCHED_KINDS: [ObjectKind; 7] = [
 const NOT_SERVED_RETRY: Duration = Duration::from_secs(600);
 
 /// Starts one watcher per kind; they run until `tx` is closed.
-pub fn spawn_watchers(client: kube::Client, tx: mpsc::Sender<SourceEvent>, status: std::sync::Arc<WatchStatus>) -> Vec<tokio::task::JoinHandle<()>> {
+pub fn spawn_watchers(
+    client: kube::Client,
+    tx: mpsc::Sender<SourceEvent>,
+    status: std::sync::Arc<WatchStatus>,
+) -> Vec<tokio::task::JoinHandle<()>> {
     let proxied = || watcher::Config::default().labels(SERVICE_LABEL_SELECTOR);
     let all = watcher::Config::default;
     vec![
-        spawn(Api::<slim::Service>::all(client.clone()), proxied(), ObjectKind::Service, |s| convert::service(s).map(ClusterObject::Service), tx.clone(), status.clone()),
+        spawn(
+            Api::<slim::Service>::all(client.clone()),
+            proxied(),
+            ObjectKind::Service,
+            |s| convert::service(s).map(ClusterObject::Service),
+            tx.clone(),
+            status.clone(),
+        ),
         spawn(
             Api::<slim::EndpointSlice>::all(client.clone()),
             watcher::Config::default().labels(SLICE_LABEL_SELECTOR),
@@ -106,9 +116,30 @@ pub fn spawn_watchers(client: kube::Client, tx: mpsc::Sender<SourceEvent>, statu
             tx.clone(),
             status.clone(),
         ),
-        spawn(Api::<slim::Node>::all(client.clone()), all(), ObjectKind::Node, |n| convert::node(n).map(ClusterObject::Node), tx.clone(), status.clone()),
-        spawn(Api::<slim::Namespace>::all(client.clone()), all(), ObjectKind::Namespace, |n| convert::namespace(n).map(ClusterObject::Namespace), tx.clone(), status.clone()),
-        spawn(Api::<slim::Pod>::all(client.clone()), all(), ObjectKind::Pod, |p| convert::pod(p).map(ClusterObject::Pod), tx.clone(), status.clone()),
+        spawn(
+            Api::<slim::Node>::all(client.clone()),
+            all(),
+            ObjectKind::Node,
+            |n| convert::node(n).map(ClusterObject::Node),
+            tx.clone(),
+            status.clone(),
+        ),
+        spawn(
+            Api::<slim::Namespace>::all(client.clone()),
+            all(),
+            ObjectKind::Namespace,
+            |n| convert::namespace(n).map(ClusterObject::Namespace),
+            tx.clone(),
+            status.clone(),
+        ),
+        spawn(
+            Api::<slim::Pod>::all(client.clone()),
+            all(),
+            ObjectKind::Pod,
+            |p| convert::pod(p).map(ClusterObject::Pod),
+            tx.clone(),
+            status.clone(),
+        ),
         spawn(
             Api::<slim::NetworkPolicy>::all(client.clone()),
             all(),
@@ -117,7 +148,14 @@ pub fn spawn_watchers(client: kube::Client, tx: mpsc::Sender<SourceEvent>, statu
             tx.clone(),
             status.clone(),
         ),
-        spawn(Api::<slim::ServiceCidr>::all(client), all(), ObjectKind::ServiceCidr, |c| convert::service_cidr(c).map(ClusterObject::ServiceCidr), tx, status),
+        spawn(
+            Api::<slim::ServiceCidr>::all(client),
+            all(),
+            ObjectKind::ServiceCidr,
+            |c| convert::service_cidr(c).map(ClusterObject::ServiceCidr),
+            tx,
+            status,
+        ),
     ]
 }
 
@@ -156,8 +194,15 @@ where
                 Ended::NotServed(e) => {
                     let first = !status.snapshot().listed.contains(&kind);
                     if first {
-                        tracing::info!(?kind, "the API server does not serve this kind (before Kubernetes 1.33?): taken as none, asked again every {NOT_SERVED_RETRY:?}: {e}");
-                        if tx.send(SourceEvent::Relisted { kind, objects: Vec::new(), unconvertible: Vec::new() }).await.is_err() {
+                        tracing::info!(
+                            ?kind,
+                            "the API server does not serve this kind (before Kubernetes 1.33?): taken as none, asked again every {NOT_SERVED_RETRY:?}: {e}"
+                        );
+                        if tx
+                            .send(SourceEvent::Relisted { kind, objects: Vec::new(), unconvertible: Vec::new() })
+                            .await
+                            .is_err()
+                        {
                             return;
                         }
                         status.update(|s| {
@@ -247,10 +292,18 @@ where
                 });
                 Some(SourceEvent::Relisted { kind, objects, unconvertible })
             }
-            Ok(Event::Apply(object)) => convert_logged(&object).map(|o| SourceEvent::Events(vec![ClusterEvent::Upsert(o)])),
+            Ok(Event::Apply(object)) => {
+                convert_logged(&object).map(|o| SourceEvent::Events(vec![ClusterEvent::Upsert(o)]))
+            }
             Ok(Event::Delete(object)) => Some(SourceEvent::Events(vec![ClusterEvent::Delete(kind, key_of(&object))])),
-            Err(watcher::Error::WatchStartFailed(e)) if streaming && refuses_streaming(&e) => return Ended::StreamingRefused(e),
-            Err(watcher::Error::InitialListFailed(e) | watcher::Error::WatchStartFailed(e)) if optional(kind) && not_found(&e) => return Ended::NotServed(e),
+            Err(watcher::Error::WatchStartFailed(e)) if streaming && refuses_streaming(&e) => {
+                return Ended::StreamingRefused(e);
+            }
+            Err(watcher::Error::InitialListFailed(e) | watcher::Error::WatchStartFailed(e))
+                if optional(kind) && not_found(&e) =>
+            {
+                return Ended::NotServed(e);
+            }
             Err(e) => {
                 // The watcher retries on its own (with backoff); a 410 is handled inside
                 // it as a relist. Here it is only counted and reported.

@@ -214,7 +214,13 @@ fn parse_files(files: &[ManifestFile]) -> ManifestSet {
 fn parse_file(set: &mut ManifestSet, file: &ManifestFile) {
     let text = match std::str::from_utf8(&file.bytes) {
         Ok(text) => text,
-        Err(e) => return set.errors.push(ManifestError { file: file.path.clone(), document: 0, reason: format!("not UTF-8: {e}") }),
+        Err(e) => {
+            return set.errors.push(ManifestError {
+                file: file.path.clone(),
+                document: 0,
+                reason: format!("not UTF-8: {e}"),
+            });
+        }
     };
     let is_json = file.path.extension().is_some_and(|e| e == "json");
     if is_json {
@@ -223,7 +229,11 @@ fn parse_file(set: &mut ManifestSet, file: &ManifestFile) {
             match value {
                 Ok(value) => push_document(set, &file.path, n + 1, value),
                 Err(e) => {
-                    set.errors.push(ManifestError { file: file.path.clone(), document: n + 1, reason: format!("invalid JSON: {e}") });
+                    set.errors.push(ManifestError {
+                        file: file.path.clone(),
+                        document: n + 1,
+                        reason: format!("invalid JSON: {e}"),
+                    });
                     break;
                 }
             }
@@ -242,7 +252,11 @@ fn parse_file(set: &mut ManifestSet, file: &ManifestFile) {
                 // numbers are the file's.
                 let placed = format!("{}{document}", "\n".repeat(first_line - 1));
                 let e = yaml_values(&placed).err().unwrap_or(e);
-                set.errors.push(ManifestError { file: file.path.clone(), document: n + 1, reason: format!("invalid YAML: {e}") });
+                set.errors.push(ManifestError {
+                    file: file.path.clone(),
+                    document: n + 1,
+                    reason: format!("invalid YAML: {e}"),
+                });
             }
         }
     }
@@ -262,7 +276,8 @@ fn split_yaml(text: &str) -> Vec<(usize, &str)> {
     let mut documents = Vec::new();
     let (mut start, mut start_line, mut has_content, mut offset) = (0, 1, false, 0);
     for (i, line) in text.split_inclusive('\n').enumerate() {
-        let marker = |m: &str| line.strip_prefix(m).filter(|rest| rest.trim().is_empty() || rest.starts_with([' ', '\t']));
+        let marker =
+            |m: &str| line.strip_prefix(m).filter(|rest| rest.trim().is_empty() || rest.starts_with([' ', '\t']));
         let (begins, ends) = (marker("---"), marker("..."));
         if begins.is_some() && has_content {
             documents.push((start_line, &text[start..offset]));
@@ -289,7 +304,9 @@ fn split_yaml(text: &str) -> Vec<(usize, &str)> {
 /// Records one document's object, expanding lists; `kubectl get -o yaml` writes `List`,
 /// the API `ServiceList` and the like, whose items may omit `apiVersion` and `kind`.
 fn push_document(set: &mut ManifestSet, file: &Path, document: usize, value: Value) {
-    let skip = |set: &mut ManifestSet, reason: String| set.errors.push(ManifestError { file: file.to_path_buf(), document, reason });
+    let skip = |set: &mut ManifestSet, reason: String| {
+        set.errors.push(ManifestError { file: file.to_path_buf(), document, reason })
+    };
     let Value::Object(object) = &value else {
         if !value.is_null() {
             skip(set, "not a Kubernetes object (a mapping with apiVersion and kind)".into());
@@ -424,15 +441,27 @@ spec:
             "apiVersion: v1\nkind: Namespace\nmetadata: {name: before}\n---\napiVersion: v1\nkind: [unclosed\n---\napiVersion: v1\nkind: Namespace\nmetadata: {name: after}\n",
         );
         write(dir.path(), "good.yaml", "apiVersion: v1\nkind: Namespace\nmetadata: {name: good}\n");
-        write(dir.path(), "list.json", r#"{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "j"}} {"apiVersion": "#);
+        write(
+            dir.path(),
+            "list.json",
+            r#"{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "j"}} {"apiVersion": "#,
+        );
         let set = load_dir(dir.path()).unwrap();
         assert_eq!(keys(&set), vec!["Namespace before", "Namespace after", "Namespace good", "Namespace j"]);
         assert_eq!(set.errors.len(), 2, "{:?}", set.errors);
         let yaml = &set.errors[0];
         assert_eq!((yaml.file.as_path(), yaml.document), (dir.path().join("broken.yaml").as_path(), 2));
-        assert!(yaml.reason.starts_with("invalid YAML") && yaml.reason.contains("line 7"), "line numbers are the file's: {yaml}");
+        assert!(
+            yaml.reason.starts_with("invalid YAML") && yaml.reason.contains("line 7"),
+            "line numbers are the file's: {yaml}"
+        );
         assert!(yaml.to_string().contains("broken.yaml document 2: invalid YAML"), "{yaml}");
-        assert_eq!((set.errors[1].document, set.errors[1].reason.starts_with("invalid JSON")), (2, true), "{}", set.errors[1]);
+        assert_eq!(
+            (set.errors[1].document, set.errors[1].reason.starts_with("invalid JSON")),
+            (2, true),
+            "{}",
+            set.errors[1]
+        );
     }
 
     #[test]
@@ -463,11 +492,19 @@ spec:
 
     #[test]
     fn yaml_documents_split_where_the_parser_splits_them() {
-        let text = "# head\n%YAML 1.2\n---\na: 1\n--- # c\nb: |\n  --- not a marker\n  x\n---\n---\n...\nc: 3\n...\n# tail\n";
+        let text =
+            "# head\n%YAML 1.2\n---\na: 1\n--- # c\nb: |\n  --- not a marker\n  x\n---\n---\n...\nc: 3\n...\n# tail\n";
         let docs = split_yaml(text);
         assert_eq!(docs.iter().map(|(line, _)| *line).collect::<Vec<_>>(), vec![1, 5, 12]);
         let values: Vec<Value> = docs.iter().flat_map(|(_, d)| yaml_values(d).unwrap()).collect();
-        assert_eq!(values, vec![serde_json::json!({"a": 1}), serde_json::json!({"b": "--- not a marker\nx\n"}), serde_json::json!({"c": 3})]);
+        assert_eq!(
+            values,
+            vec![
+                serde_json::json!({"a": 1}),
+                serde_json::json!({"b": "--- not a marker\nx\n"}),
+                serde_json::json!({"c": 3})
+            ]
+        );
         assert!(split_yaml("").is_empty() && split_yaml("# nothing\n---\n").is_empty());
         assert_eq!(split_yaml("a: 1\r\n---\r\nb: 2"), vec![(1, "a: 1\r\n"), (2, "---\r\nb: 2")]);
     }
@@ -478,7 +515,11 @@ spec:
         // The kubelet's layout: visible symlinks into `..data`, itself a symlink to a
         // timestamped directory swapped on update.
         let dir = tempfile::tempdir().unwrap();
-        write(dir.path(), "..2025_01_01_00_00_00.1/ns.yaml", "apiVersion: v1\nkind: Namespace\nmetadata: {name: shop}\n");
+        write(
+            dir.path(),
+            "..2025_01_01_00_00_00.1/ns.yaml",
+            "apiVersion: v1\nkind: Namespace\nmetadata: {name: shop}\n",
+        );
         std::os::unix::fs::symlink("..2025_01_01_00_00_00.1", dir.path().join("..data")).unwrap();
         std::os::unix::fs::symlink("..data/ns.yaml", dir.path().join("ns.yaml")).unwrap();
         std::os::unix::fs::symlink("..data/gone.yaml", dir.path().join("gone.yaml")).unwrap();

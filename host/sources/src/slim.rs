@@ -35,7 +35,8 @@ pub const GLOBAL_SERVICE_ANNOTATION: &str = "wasmplane.io/global";
 pub const CLUSTER_AFFINITY_ANNOTATION: &str = "wasmplane.io/affinity";
 /// The annotations wasmplane reads; others (a `last-applied-configuration` can be as large as
 /// the object) are skipped while parsing.
-pub const READ_ANNOTATIONS: &[&str] = &[TRIGGER_TIME_ANNOTATION, GLOBAL_SERVICE_ANNOTATION, CLUSTER_AFFINITY_ANNOTATION];
+pub const READ_ANNOTATIONS: &[&str] =
+    &[TRIGGER_TIME_ANNOTATION, GLOBAL_SERVICE_ANNOTATION, CLUSTER_AFFINITY_ANNOTATION];
 
 /// The metadata fields wasmplane reads; the rest are skipped while parsing. Kept as
 /// k8s-openapi's `ObjectMeta` (what kube's `Resource` hands out), with everything else unset.
@@ -299,13 +300,26 @@ mod tests {
             "status": {"phase": "Running", "podIP": "10.244.1.5", "podIPs": [{"ip": "10.244.1.5"}], "conditions": [{"type": "Ready", "status": "True"}]}
         }))
         .unwrap();
-        assert_eq!((pod.name_any(), pod.namespace(), pod.resource_version()), ("web-1".into(), Some("shop".into()), Some("42".into())));
+        assert_eq!(
+            (pod.name_any(), pod.namespace(), pod.resource_version()),
+            ("web-1".into(), Some("shop".into()), Some("42".into()))
+        );
         assert_eq!(pod.labels()["app"], "web");
-        assert!(pod.metadata.annotations.is_none() && pod.metadata.managed_fields.is_none() && pod.metadata.owner_references.is_none());
+        assert!(
+            pod.metadata.annotations.is_none()
+                && pod.metadata.managed_fields.is_none()
+                && pod.metadata.owner_references.is_none()
+        );
         let spec = pod.spec.as_ref().unwrap();
-        assert_eq!((spec.node_name.as_deref(), spec.containers[0].ports.as_ref().unwrap()[0].container_port), (Some("node-a"), 8080));
+        assert_eq!(
+            (spec.node_name.as_deref(), spec.containers[0].ports.as_ref().unwrap()[0].container_port),
+            (Some("node-a"), 8080)
+        );
         assert_eq!(pod.status.as_ref().unwrap().pod_ips.as_ref().unwrap()[0].ip, "10.244.1.5");
-        assert_eq!(<Pod as kube::Resource>::url_path(&(), Some("shop")), <core::Pod as kube::Resource>::url_path(&(), Some("shop")));
+        assert_eq!(
+            <Pod as kube::Resource>::url_path(&(), Some("shop")),
+            <core::Pod as kube::Resource>::url_path(&(), Some("shop"))
+        );
         assert_eq!(<EndpointSlice as kube::Resource>::url_path(&(), None), "/apis/discovery.k8s.io/v1/endpointslices");
         assert_eq!(<Node as kube::Resource>::url_path(&(), None), "/api/v1/nodes");
     }
@@ -324,18 +338,24 @@ mod tests {
         assert_eq!(annotations.len(), 1, "{annotations:?}");
         assert_eq!(annotations[TRIGGER_TIME_ANNOTATION], "2026-11-27T14:00:00.123456789Z");
         // An escaped key is still compared by its text; null annotations are none.
-        let slice: EndpointSlice = serde_json::from_slice(br#"{"metadata": {"annotations": {"endpoints.kubernetes.io\/last-change-trigger-time": "t"}}}"#).unwrap();
+        let slice: EndpointSlice = serde_json::from_slice(
+            br#"{"metadata": {"annotations": {"endpoints.kubernetes.io\/last-change-trigger-time": "t"}}}"#,
+        )
+        .unwrap();
         assert_eq!(slice.metadata.annotations.unwrap()[TRIGGER_TIME_ANNOTATION], "t");
         let slice: EndpointSlice = serde_json::from_value(json!({"metadata": {"annotations": null}})).unwrap();
         assert!(slice.metadata.annotations.is_none());
-        let e = serde_json::from_value::<EndpointSlice>(json!({"metadata": {"annotations": {TRIGGER_TIME_ANNOTATION: 5}}})).unwrap_err();
+        let e =
+            serde_json::from_value::<EndpointSlice>(json!({"metadata": {"annotations": {TRIGGER_TIME_ANNOTATION: 5}}}))
+                .unwrap_err();
         assert!(e.to_string().contains("expected a string"), "{e}");
     }
 
     /// What is read still has to be well-formed.
     #[test]
     fn rejects_malformed_fields_it_reads() {
-        let e = serde_json::from_value::<Pod>(json!({"metadata": {"name": "p"}, "status": {"podIPs": "10.244.1.5"}})).unwrap_err();
+        let e = serde_json::from_value::<Pod>(json!({"metadata": {"name": "p"}, "status": {"podIPs": "10.244.1.5"}}))
+            .unwrap_err();
         assert!(e.to_string().contains("expected a sequence"), "{e}");
         let e = serde_json::from_value::<Node>(json!({"metadata": {"labels": ["a"]}})).unwrap_err();
         assert!(e.to_string().contains("expected a map"), "{e}");

@@ -33,7 +33,10 @@ pub(super) struct VerdictsQuery {
 /// policies with allow logging allowed, newest first: the pod (by name, from the model now),
 /// the direction, the addresses, protocol and port, and the policies selecting the pod in
 /// that direction (an allowed one's also the `policy` that allowed it).
-pub(super) async fn policy_verdicts(State(state): State<ApiState>, Query(query): Query<VerdictsQuery>) -> ApiResult<Response> {
+pub(super) async fn policy_verdicts(
+    State(state): State<ApiState>,
+    Query(query): Query<VerdictsQuery>,
+) -> ApiResult<Response> {
     let Some(log) = state.policy_verdicts.clone() else {
         return Err(ApiError(StatusCode::NOT_FOUND, "policy verdicts are not read on this host: it writes no kernel (--dataplane nftables), logs none (--policy-log-group 0) or could not bind the group (see its log)".into()));
     };
@@ -46,11 +49,15 @@ pub(super) async fn policy_verdicts(State(state): State<ApiState>, Query(query):
         let allows = AllowedBy::new(c);
         // Policy events only: the service side's are in `GET /v1/drops`.
         let events = log.recent(limit, |e| {
-            let wanted_pod = |pod: Option<IpAddr>| wanted_addresses.as_ref().is_none_or(|a| pod.is_some_and(|pod| a.contains(&pod)));
+            let wanted_pod =
+                |pod: Option<IpAddr>| wanted_addresses.as_ref().is_none_or(|a| pod.is_some_and(|pod| a.contains(&pod)));
             e.at_unix_ms >= since
                 && match (e.policy(), e.allow()) {
                     (Some((v, _, pod)), _) => verdict.is_none_or(|wanted| v == wanted) && wanted_pod(Some(pod)),
-                    (None, Some(_)) => verdict.is_none_or(|wanted| wanted == PolicyVerdict::Allow) && wanted_pod(allows.of(e).and_then(|a| a.pod_address)),
+                    (None, Some(_)) => {
+                        verdict.is_none_or(|wanted| wanted == PolicyVerdict::Allow)
+                            && wanted_pod(allows.of(e).and_then(|a| a.pod_address))
+                    }
                     (None, None) => false,
                 }
         });
@@ -86,7 +93,9 @@ pub(super) fn local_pods_by_address(c: &Controller) -> BTreeMap<IpAddr, String> 
     c.model()
         .local_pods
         .iter()
-        .flat_map(|(key, pod)| pod.ips.iter().filter_map(|ip| ip.parse().ok()).map(move |ip: IpAddr| (ip, key.to_string())))
+        .flat_map(|(key, pod)| {
+            pod.ips.iter().filter_map(|ip| ip.parse().ok()).map(move |ip: IpAddr| (ip, key.to_string()))
+        })
         .collect()
 }
 
@@ -104,10 +113,18 @@ fn addresses_of_pod(pod_of: &BTreeMap<IpAddr, String>, pod: Option<&str>) -> Res
 /// A logged event with what is looked up when it is read: a policy event's pod (by name)
 /// and the policies selecting it in that direction; a service event's source pod and, given
 /// `frontends`, its service and port name (`null` when no service has the address now).
-fn event_json(c: &Controller, pod_of: &BTreeMap<IpAddr, String>, frontends: Option<&ServiceFrontends>, allows: &AllowedBy, event: &DropEvent) -> Value {
+fn event_json(
+    c: &Controller,
+    pod_of: &BTreeMap<IpAddr, String>,
+    frontends: Option<&ServiceFrontends>,
+    allows: &AllowedBy,
+    event: &DropEvent,
+) -> Value {
     let mut v = serde_json::to_value(event).unwrap_or(Value::Null);
     let name_of = |addr: &IpAddr| pod_of.get(addr).map_or(Value::Null, |k| Value::String(k.clone()));
-    let selecting = |direction: Direction, pod_address: IpAddr| -> Vec<String> { c.policies_selecting(direction, pod_address).iter().map(ToString::to_string).collect() };
+    let selecting = |direction: Direction, pod_address: IpAddr| -> Vec<String> {
+        c.policies_selecting(direction, pod_address).iter().map(ToString::to_string).collect()
+    };
     match (event.policy(), allows.of(event)) {
         (Some((_, direction, pod_address)), _) => {
             v["pod"] = name_of(&pod_address);
@@ -120,7 +137,8 @@ fn event_json(c: &Controller, pod_of: &BTreeMap<IpAddr, String>, frontends: Opti
             v["pod_address"] = json!(allowed.pod_address);
             v["pod"] = allowed.pod_address.as_ref().map_or(Value::Null, name_of);
             v["policy"] = json!(allowed.policy.as_ref().map(ToString::to_string));
-            v["policies"] = json!(allowed.direction.zip(allowed.pod_address).map(|(d, pod)| selecting(d, pod)).unwrap_or_default());
+            v["policies"] =
+                json!(allowed.direction.zip(allowed.pod_address).map(|(d, pod)| selecting(d, pod)).unwrap_or_default());
             if let Some(object) = v.as_object_mut() {
                 object.remove("policy_id");
             }
@@ -151,8 +169,12 @@ impl<'a> ServiceFrontends<'a> {
     /// What [`ServiceFrontends::resolve`] needs to answer for `events`: the services with
     /// their destinations, and those with the node ports of their no-endpoint drops. Each
     /// address and node port answers with the first service (by name) that has it.
-    pub(super) fn of<'e>(services: &'a BTreeMap<ObjectKey, Arc<ServiceView>>, events: impl IntoIterator<Item = &'e DropEvent>) -> ServiceFrontends<'a> {
-        let mut frontends = ServiceFrontends { ports: HashMap::new(), node_ports: HashMap::new(), addresses: HashMap::new() };
+    pub(super) fn of<'e>(
+        services: &'a BTreeMap<ObjectKey, Arc<ServiceView>>,
+        events: impl IntoIterator<Item = &'e DropEvent>,
+    ) -> ServiceFrontends<'a> {
+        let mut frontends =
+            ServiceFrontends { ports: HashMap::new(), node_ports: HashMap::new(), addresses: HashMap::new() };
         let mut destinations = HashSet::new();
         let mut wanted_node_ports = HashSet::new();
         for event in events {
@@ -202,13 +224,17 @@ impl<'a> ServiceFrontends<'a> {
     fn resolve(&self, event: &DropEvent) -> Option<(&'a ObjectKey, Option<&'a str>)> {
         let reason = event.service_reason()?;
         let port = event_port(event);
-        if let Some(&(key, name)) = port.and_then(|(protocol, port)| self.ports.get(&(event.destination, protocol, port))) {
+        if let Some(&(key, name)) =
+            port.and_then(|(protocol, port)| self.ports.get(&(event.destination, protocol, port)))
+        {
             return Some((key, Some(name)));
         }
         if let Some(&key) = self.addresses.get(&event.destination) {
             return Some((key, None));
         }
-        port.filter(|_| Self::may_be_node_port(reason)).and_then(|port| self.node_ports.get(&port)).map(|&(key, name)| (key, Some(name)))
+        port.filter(|_| Self::may_be_node_port(reason))
+            .and_then(|port| self.node_ports.get(&port))
+            .map(|&(key, name)| (key, Some(name)))
     }
 }
 
@@ -289,7 +315,12 @@ fn pod_side(event: &DropEvent) -> IpAddr {
 }
 
 /// A logged drop as `GET /v1/drops` shows it: [`event_json`] with its `kind` and `reason`.
-pub(super) fn drop_json(c: &Controller, pod_of: &BTreeMap<IpAddr, String>, frontends: &ServiceFrontends, event: &DropEvent) -> Value {
+pub(super) fn drop_json(
+    c: &Controller,
+    pod_of: &BTreeMap<IpAddr, String>,
+    frontends: &ServiceFrontends,
+    event: &DropEvent,
+) -> Value {
     let mut v = event_json(c, pod_of, Some(frontends), &AllowedBy::new(c), event);
     v["kind"] = json!(event.cause.kind());
     v["reason"] = json!(event.cause.reason());
@@ -299,7 +330,11 @@ pub(super) fn drop_json(c: &Controller, pod_of: &BTreeMap<IpAddr, String>, front
 /// The newest `limit` drops filed under one of `addresses` (see [`pod_side`]), as
 /// `GET /v1/drops?pod=` picks them. A host-network pod's addresses are the node's: its drops
 /// are those of the node's addresses.
-pub(super) fn drops_of_pod(log: &crate::policy_log::PolicyVerdictLog, addresses: &[IpAddr], limit: usize) -> Vec<DropEvent> {
+pub(super) fn drops_of_pod(
+    log: &crate::policy_log::PolicyVerdictLog,
+    addresses: &[IpAddr],
+    limit: usize,
+) -> Vec<DropEvent> {
     log.recent(limit, |event| event.cause.is_drop() && addresses.contains(&pod_side(event)))
 }
 
@@ -313,7 +348,15 @@ mod tests {
     }
 
     fn logged(at_unix_ms: u64, cause: DropCause, source: &str, destination: &str) -> DropEvent {
-        DropEvent { at_unix_ms, cause, source: ip(source), destination: ip(destination), protocol: "tcp".into(), source_port: Some(40000), destination_port: Some(80) }
+        DropEvent {
+            at_unix_ms,
+            cause,
+            source: ip(source),
+            destination: ip(destination),
+            protocol: "tcp".into(),
+            source_port: Some(40000),
+            destination_port: Some(80),
+        }
     }
 
     /// A pod's drops: its policy verdicts (either direction) and the service drops of what it
@@ -322,7 +365,11 @@ mod tests {
     fn a_pods_drops_are_those_drops_list_files_under_it() {
         const POD: &str = "10.244.0.41";
         const OTHER: &str = "10.244.0.42";
-        let policy = |direction, pod_address: &str| DropCause::Policy { verdict: PolicyVerdict::Deny, direction, pod_address: ip(pod_address) };
+        let policy = |direction, pod_address: &str| DropCause::Policy {
+            verdict: PolicyVerdict::Deny,
+            direction,
+            pod_address: ip(pod_address),
+        };
         let service = DropCause::Service { reason: ServiceDropReason::NoEndpoints };
         let log = PolicyVerdictLog::new();
         log.record(logged(1, policy(Direction::Ingress, POD), "10.0.0.1", POD));
@@ -344,7 +391,13 @@ mod tests {
         use wasmplane_model::{Service, ServicePort};
         let service = |name: &str, cluster_ip: &str, ports: Vec<ServicePort>| {
             let key = ObjectKey::new("default", name);
-            (key, Arc::new(ServiceView { service: Arc::new(Service::cluster_ip("default", name, cluster_ip, ports)), slices: Vec::new() }))
+            (
+                key,
+                Arc::new(ServiceView {
+                    service: Arc::new(Service::cluster_ip("default", name, cluster_ip, ports)),
+                    slices: Vec::new(),
+                }),
+            )
         };
         let node_port = ServicePort { node_port: 30080, ..ServicePort::tcp("web", 80, 8080) };
         let services: BTreeMap<_, _> = [
@@ -367,7 +420,8 @@ mod tests {
             drop(ServiceDropReason::NoEndpoints, "10.96.0.99", 80),
         ];
         let frontends = ServiceFrontends::of(&services, &events);
-        let named = |event: &DropEvent| frontends.resolve(event).map(|(key, port)| (key.to_string(), port.map(str::to_string)));
+        let named =
+            |event: &DropEvent| frontends.resolve(event).map(|(key, port)| (key.to_string(), port.map(str::to_string)));
         assert_eq!(named(&events[0]), Some(("default/b-shared".into(), Some("http".into()))), "by frontend");
         assert_eq!(named(&events[1]), Some(("default/a-shared".into(), None)), "by address: the first by name");
         assert_eq!(named(&events[2]), Some(("default/web".into(), Some("web".into()))), "by node port");
@@ -376,9 +430,21 @@ mod tests {
         assert_eq!(frontends.addresses.len(), 1, "only the events' destinations");
         assert!(!frontends.ports.keys().any(|(address, _, _)| *address == ip("10.96.0.30")));
 
-        let policy = logged(1, DropCause::Policy { verdict: PolicyVerdict::Deny, direction: Direction::Ingress, pod_address: ip("10.96.0.10") }, "10.0.0.1", "10.96.0.10");
+        let policy = logged(
+            1,
+            DropCause::Policy {
+                verdict: PolicyVerdict::Deny,
+                direction: Direction::Ingress,
+                pod_address: ip("10.96.0.10"),
+            },
+            "10.0.0.1",
+            "10.96.0.10",
+        );
         let none = ServiceFrontends::of(&services, [&policy]);
-        assert!(none.ports.is_empty() && none.addresses.is_empty() && none.node_ports.is_empty(), "no service drop, nothing indexed");
+        assert!(
+            none.ports.is_empty() && none.addresses.is_empty() && none.node_ports.is_empty(),
+            "no service drop, nothing indexed"
+        );
         assert_eq!(none.resolve(&policy), None);
     }
 }

@@ -111,12 +111,22 @@ fn cni_allocations(state: &ApiState) -> Option<BTreeMap<ObjectKey, Vec<CniAlloca
     Some(allocations_by_pod(ipam.all(), ipam.pools()))
 }
 
-fn allocations_by_pod(allocations: Vec<wasmplane_cni::Allocation>, pools: &[wasmplane_cni::Pool]) -> BTreeMap<ObjectKey, Vec<CniAllocation>> {
+fn allocations_by_pod(
+    allocations: Vec<wasmplane_cni::Allocation>,
+    pools: &[wasmplane_cni::Pool],
+) -> BTreeMap<ObjectKey, Vec<CniAllocation>> {
     let mut by_pod: BTreeMap<ObjectKey, Vec<CniAllocation>> = BTreeMap::new();
     for allocation in allocations {
         // State from before allocations named their pod cannot be told apart: left out.
         let (Some(namespace), Some(name)) = (&allocation.pod_namespace, &allocation.pod_name) else { continue };
-        let addresses = allocation.ips.iter().map(|ip| CniAddress { ip: *ip, pod_cidr: pools.iter().find(|pool| pool.cidr.contains(ip)).map(|pool| pool.cidr.to_string()) }).collect();
+        let addresses = allocation
+            .ips
+            .iter()
+            .map(|ip| CniAddress {
+                ip: *ip,
+                pod_cidr: pools.iter().find(|pool| pool.cidr.contains(ip)).map(|pool| pool.cidr.to_string()),
+            })
+            .collect();
         by_pod.entry(ObjectKey::new(namespace, name)).or_default().push(CniAllocation {
             container_id: allocation.container_id,
             interface: allocation.if_name,
@@ -134,7 +144,12 @@ fn policy_statuses(c: &Controller) -> BTreeMap<ObjectKey, crate::policy::PolicyS
 
 /// `pod`'s row. The policies are those of the dispatch chains of its addresses, so that
 /// "enforced" means the kernel decides, not that some policy's selector matches.
-fn pod_row(c: &Controller, statuses: &BTreeMap<ObjectKey, crate::policy::PolicyStatus>, cni: Option<&BTreeMap<ObjectKey, Vec<CniAllocation>>>, pod: &Pod) -> PodRow {
+fn pod_row(
+    c: &Controller,
+    statuses: &BTreeMap<ObjectKey, crate::policy::PolicyStatus>,
+    cni: Option<&BTreeMap<ObjectKey, Vec<CniAllocation>>>,
+    pod: &Pod,
+) -> PodRow {
     let mut selecting: BTreeMap<ObjectKey, BTreeSet<Direction>> = BTreeMap::new();
     // A host-network pod's addresses are the node's, which no policy selects.
     if !pod.host_network {
@@ -182,7 +197,11 @@ pub(super) async fn list_pods(State(state): State<ApiState>, Query(query): Query
         let local_pods = &c.model().local_pods;
         let selected: Box<dyn Iterator<Item = (&ObjectKey, &Arc<Pod>)>> = match &query.namespace {
             // Keys sort by namespace first: one namespace is one range.
-            Some(namespace) => Box::new(local_pods.range(ObjectKey::new(namespace, "")..).take_while(|(key, _)| key.namespace == namespace.as_str())),
+            Some(namespace) => Box::new(
+                local_pods
+                    .range(ObjectKey::new(namespace, "")..)
+                    .take_while(|(key, _)| key.namespace == namespace.as_str()),
+            ),
             None => Box::new(local_pods.iter()),
         };
         Ok(selected.map(|(_, pod)| pod_row(c, &statuses, cni.as_ref(), pod)).collect())
@@ -192,7 +211,11 @@ pub(super) async fn list_pods(State(state): State<ApiState>, Query(query): Query
 }
 
 /// One pod on this node: its row, labels and latest drops; any other pod is not found.
-pub(super) async fn pod_detail(State(state): State<ApiState>, Path((namespace, name)): Path<(String, String)>, Query(query): Query<PodQuery>) -> ApiResult<Response> {
+pub(super) async fn pod_detail(
+    State(state): State<ApiState>,
+    Path((namespace, name)): Path<(String, String)>,
+    Query(query): Query<PodQuery>,
+) -> ApiResult<Response> {
     let key = ObjectKey::new(&namespace, &name);
     let cni = cni_allocations(&state);
     let log = state.policy_verdicts.clone();
@@ -207,7 +230,8 @@ pub(super) async fn pod_detail(State(state): State<ApiState>, Path((namespace, n
             let frontends = ServiceFrontends::of(&c.model().services, &drops);
             drops.iter().map(|event| drop_json(c, &pod_of, &frontends, event)).collect()
         });
-        let (row, node, labels) = (pod_row(c, &policy_statuses(c), cni.as_ref(), pod), pod.node_name.clone(), pod.labels.clone());
+        let (row, node, labels) =
+            (pod_row(c, &policy_statuses(c), cni.as_ref(), pod), pod.node_name.clone(), pod.labels.clone());
         let policy_counts = if query.counters { Some(c.pod_policy_counts(policy_addresses)?) } else { None };
         Ok(PodDetail { row, node, labels, recent_drops, policy_counts })
     })
@@ -237,7 +261,10 @@ mod tests {
     /// Allocations by pod, each address with the pod CIDR it is from; unnamed ones left out.
     #[test]
     fn cni_allocations_name_their_pod_cidr() {
-        let pools = [wasmplane_cni::Pool { cidr: "10.244.0.0/24".parse().unwrap(), gateway: ip("10.244.0.1") }, wasmplane_cni::Pool { cidr: "fd00::/64".parse().unwrap(), gateway: ip("fd00::1") }];
+        let pools = [
+            wasmplane_cni::Pool { cidr: "10.244.0.0/24".parse().unwrap(), gateway: ip("10.244.0.1") },
+            wasmplane_cni::Pool { cidr: "fd00::/64".parse().unwrap(), gateway: ip("fd00::1") },
+        ];
         let allocation = |container: &str, pod: Option<(&str, &str)>, ips: &[&str]| wasmplane_cni::Allocation {
             ips: ips.iter().map(|i| ip(i)).collect(),
             container_id: container.into(),
@@ -247,7 +274,11 @@ mod tests {
             allocated_at: Some(7),
         };
         let by_pod = allocations_by_pod(
-            vec![allocation("c1", Some(("default", "web-1")), &["10.244.0.41", "fd00::41"]), allocation("c2", None, &["10.244.0.50"]), allocation("c3", Some(("default", "old")), &["10.9.0.5"])],
+            vec![
+                allocation("c1", Some(("default", "web-1")), &["10.244.0.41", "fd00::41"]),
+                allocation("c2", None, &["10.244.0.50"]),
+                allocation("c3", Some(("default", "old")), &["10.9.0.5"]),
+            ],
             &pools,
         );
         assert_eq!(by_pod.len(), 2, "{by_pod:?}");
@@ -257,6 +288,10 @@ mod tests {
             json!([{ "container_id": "c1", "interface": "eth0", "allocated_at_unix_seconds": 7,
                      "addresses": [{ "ip": "10.244.0.41", "pod_cidr": "10.244.0.0/24" }, { "ip": "fd00::41", "pod_cidr": "fd00::/64" }] }])
         );
-        assert_eq!(by_pod[&ObjectKey::new("default", "old")][0].addresses[0].pod_cidr, None, "outside today's pod CIDRs");
+        assert_eq!(
+            by_pod[&ObjectKey::new("default", "old")][0].addresses[0].pod_cidr,
+            None,
+            "outside today's pod CIDRs"
+        );
     }
 }

@@ -18,7 +18,10 @@ pub(super) struct PoliciesQuery {
 }
 
 /// The policies this node enforces: generation, audit mode, targets, errors.
-pub(super) async fn list_policies(State(state): State<ApiState>, Query(query): Query<PoliciesQuery>) -> ApiResult<Response> {
+pub(super) async fn list_policies(
+    State(state): State<ApiState>,
+    Query(query): Query<PoliciesQuery>,
+) -> ApiResult<Response> {
     let body = with_controller(&state, move |c| {
         let counts = if query.counters.unwrap_or(false) {
             c.refresh_policy_metrics(true)?;
@@ -32,7 +35,8 @@ pub(super) async fn list_policies(State(state): State<ApiState>, Query(query): Q
             .map(|p| {
                 let mut v = serde_json::to_value(&p).unwrap_or(Value::Null);
                 if let Some(counts) = &counts {
-                    let (dropped, would_drop) = counts.get(&ObjectKey::new(&p.namespace, &p.name)).copied().unwrap_or_default();
+                    let (dropped, would_drop) =
+                        counts.get(&ObjectKey::new(&p.namespace, &p.name)).copied().unwrap_or_default();
                     v["dropped_packets"] = json!(dropped);
                     v["audit_would_drop_packets"] = json!(would_drop);
                 }
@@ -51,7 +55,11 @@ pub(super) struct AuditQuery {
 }
 
 /// Audit mode for one policy on this node: would-be drops are logged and counted, not enforced.
-pub(super) async fn set_policy_audit(State(state): State<ApiState>, Path((namespace, name)): Path<(String, String)>, Query(query): Query<AuditQuery>) -> ApiResult<Response> {
+pub(super) async fn set_policy_audit(
+    State(state): State<ApiState>,
+    Path((namespace, name)): Path<(String, String)>,
+    Query(query): Query<AuditQuery>,
+) -> ApiResult<Response> {
     let key = ObjectKey::new(&namespace, &name);
     // Off for one policy while every policy is audited stays on: the answer says what holds.
     let audit = with_controller(&state, move |c| {
@@ -63,14 +71,21 @@ pub(super) async fn set_policy_audit(State(state): State<ApiState>, Path((namesp
 }
 
 /// Audit mode for every policy on this node (the whole policy module).
-pub(super) async fn set_module_audit(State(state): State<ApiState>, Query(query): Query<AuditQuery>) -> ApiResult<Response> {
+pub(super) async fn set_module_audit(
+    State(state): State<ApiState>,
+    Query(query): Query<AuditQuery>,
+) -> ApiResult<Response> {
     with_controller(&state, move |c| c.set_policy_audit(None, query.enabled)).await?;
     Ok(Json(json!({ "audit": query.enabled })).into_response())
 }
 
 /// Allow logging for one policy on this node: the connections it accepts are logged to the
 /// verdict log (`GET /v1/policies/verdicts?verdict=allow`); 409 where none is kept.
-pub(super) async fn set_policy_log_allowed(State(state): State<ApiState>, Path((namespace, name)): Path<(String, String)>, Query(query): Query<AuditQuery>) -> ApiResult<Response> {
+pub(super) async fn set_policy_log_allowed(
+    State(state): State<ApiState>,
+    Path((namespace, name)): Path<(String, String)>,
+    Query(query): Query<AuditQuery>,
+) -> ApiResult<Response> {
     let key = ObjectKey::new(&namespace, &name);
     // Off for one policy while on for every policy stays on: the answer says what holds.
     let log_allowed = with_controller(&state, move |c| {
@@ -82,15 +97,24 @@ pub(super) async fn set_policy_log_allowed(State(state): State<ApiState>, Path((
 }
 
 /// Allow logging for every policy on this node.
-pub(super) async fn set_module_log_allowed(State(state): State<ApiState>, Query(query): Query<AuditQuery>) -> ApiResult<Response> {
+pub(super) async fn set_module_log_allowed(
+    State(state): State<ApiState>,
+    Query(query): Query<AuditQuery>,
+) -> ApiResult<Response> {
     with_controller(&state, move |c| c.set_policy_log_allowed(None, query.enabled)).await?;
     Ok(Json(json!({ "log_allowed": query.enabled })).into_response())
 }
 
 /// A policy's realization status over every node, as the operator aggregates it.
-pub(super) async fn policy_status(State(state): State<ApiState>, Path((namespace, name)): Path<(String, String)>) -> ApiResult<Response> {
+pub(super) async fn policy_status(
+    State(state): State<ApiState>,
+    Path((namespace, name)): Path<(String, String)>,
+) -> ApiResult<Response> {
     let Some(operator) = &state.operator else {
-        return Err(ApiError(StatusCode::NOT_FOUND, "policy status is aggregated by the operator role (--role operator)".into()));
+        return Err(ApiError(
+            StatusCode::NOT_FOUND,
+            "policy status is aggregated by the operator role (--role operator)".into(),
+        ));
     };
     match operator.policy_status(&namespace, &name) {
         Some(summary) => Ok(Json(summary).into_response()),

@@ -67,21 +67,37 @@ fn service_row<'a>(key: &ObjectKey, view: &'a ServiceView, error: Option<&'a str
         service: key.to_string(),
         service_type: service.service_type,
         cluster_ips: &service.cluster_ips,
-        ports: service.ports.iter().map(|p| PortRow { name: &p.name, port: p.port, protocol: p.protocol, node_port: (p.node_port != 0).then_some(p.node_port) }).collect(),
+        ports: service
+            .ports
+            .iter()
+            .map(|p| PortRow {
+                name: &p.name,
+                port: p.port,
+                protocol: p.protocol,
+                node_port: (p.node_port != 0).then_some(p.node_port),
+            })
+            .collect(),
         endpoints,
         error,
     }
 }
 
 /// The services of this node's model, one row each (`?namespace=NS`: those of one namespace).
-pub(super) async fn list_services(State(state): State<ApiState>, Query(query): Query<ServicesQuery>) -> ApiResult<Response> {
+pub(super) async fn list_services(
+    State(state): State<ApiState>,
+    Query(query): Query<ServicesQuery>,
+) -> ApiResult<Response> {
     // Shared views taken under the lock, rows built after it.
     let services = with_controller(&state, move |c| {
         let errors = c.service_errors();
         let services = &c.model().services;
         let selected: Box<dyn Iterator<Item = (&ObjectKey, &Arc<ServiceView>)>> = match &query.namespace {
             // Keys sort by namespace first: one namespace is one range.
-            Some(namespace) => Box::new(services.range(ObjectKey::new(namespace, "")..).take_while(|(key, _)| key.namespace == namespace.as_str())),
+            Some(namespace) => Box::new(
+                services
+                    .range(ObjectKey::new(namespace, "")..)
+                    .take_while(|(key, _)| key.namespace == namespace.as_str()),
+            ),
             None => Box::new(services.iter()),
         };
         Ok(selected.map(|(key, view)| (key.clone(), view.clone(), errors.get(key).cloned())).collect::<Vec<_>>())
@@ -93,10 +109,17 @@ pub(super) async fn list_services(State(state): State<ApiState>, Query(query): Q
 
 /// One service: the model's view of it, the rules applied for it (and the host's firewall
 /// of its load balancer addresses), its translation error.
-pub(super) async fn service_detail(State(state): State<ApiState>, Path((namespace, name)): Path<(String, String)>) -> ApiResult<Response> {
+pub(super) async fn service_detail(
+    State(state): State<ApiState>,
+    Path((namespace, name)): Path<(String, String)>,
+) -> ApiResult<Response> {
     let key = ObjectKey::new(&namespace, &name);
     let body = with_controller(&state, move |c| {
-        let view = c.model().services.get(&key).ok_or_else(|| HostError::NotFound(format!("no service {key} in this node's model")))?;
+        let view = c
+            .model()
+            .services
+            .get(&key)
+            .ok_or_else(|| HostError::NotFound(format!("no service {key} in this node's model")))?;
         let applied = c.dataplane().applied();
         Ok(json!({
             "service": key.to_string(),

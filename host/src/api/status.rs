@@ -32,7 +32,9 @@ pub(super) async fn status(State(state): State<ApiState>) -> ApiResult<Response>
                 (ModuleStatus::Active, Some(version)) => {
                     in_force.insert(module.kind.to_string(), format!("{}@{version}", module.name));
                 }
-                (ModuleStatus::Failed, _) => failed_modules.push(json!({ "name": module.name, "kind": module.kind, "error": module.last_error })),
+                (ModuleStatus::Failed, _) => {
+                    failed_modules.push(json!({ "name": module.name, "kind": module.kind, "error": module.last_error }))
+                }
                 _ => {}
             }
         }

@@ -66,7 +66,9 @@ impl<S: BuildHasher + Default> ElementOwners<S> {
         let hash = self.hasher.hash_one(element);
         // Different keys may share a hash: the owner's rules must have this one.
         self.table
-            .find(hash, |o| o.hash == hash && objects.get(&*o.owner).is_some_and(|rules| rules.elements.contains_key(element)))
+            .find(hash, |o| {
+                o.hash == hash && objects.get(&*o.owner).is_some_and(|rules| rules.elements.contains_key(element))
+            })
             .map(|o| &*o.owner)
     }
 
@@ -112,7 +114,8 @@ mod tests {
     fn owners_follow_objects_in_and_out() {
         let (a, b) = (ObjectKey::new("default", "a"), ObjectKey::new("default", "b"));
         let mut objects = Objects::new();
-        objects.insert(a.clone(), Arc::new(rules(&[("service-ips", "10.96.0.1 . tcp . 80"), ("hairpin", "10.244.0.1")])));
+        objects
+            .insert(a.clone(), Arc::new(rules(&[("service-ips", "10.96.0.1 . tcp . 80"), ("hairpin", "10.244.0.1")])));
         objects.insert(b.clone(), Arc::new(rules(&[("service-ips", "10.96.0.2 . tcp . 80")])));
         let mut owners = ElementOwners::<RandomState>::of(&objects);
         assert_eq!(owners.owner(&element("service-ips", "10.96.0.1 . tcp . 80"), &objects), Some(&a));

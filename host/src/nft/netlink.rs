@@ -157,27 +157,62 @@ struct Verdict {
 /// One nf_tables expression, as nft 1.0.6 would generate it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Expr {
-    Meta { key: u32 },
-    Payload { base: u32, offset: u32, len: u32 },
-    Cmp { op: u32, data: Vec<u8> },
-    Bitwise { len: u32, mask: Vec<u8> },
+    Meta {
+        key: u32,
+    },
+    Payload {
+        base: u32,
+        offset: u32,
+        len: u32,
+    },
+    Cmp {
+        op: u32,
+        data: Vec<u8>,
+    },
+    Bitwise {
+        len: u32,
+        mask: Vec<u8>,
+    },
     CtState,
     FibDaddrType,
-    Numgen { modulus: u32 },
+    Numgen {
+        modulus: u32,
+    },
     /// `invert`: `!= @set` (`NFT_LOOKUP_F_INV`).
-    Lookup { set: String, invert: bool },
+    Lookup {
+        set: String,
+        invert: bool,
+    },
     /// `update @set { key [timeout Ns] [limit …] }`: `limit` meters each key on its own
     /// (a stateful expression per element, as `meter` rules are).
-    Dynset { set: String, timeout_ms: Option<u64>, limit: Option<Box<Expr>> },
+    Dynset {
+        set: String,
+        timeout_ms: Option<u64>,
+        limit: Option<Box<Expr>>,
+    },
     Counter,
     /// `group`: to the NFLOG group (a listener reads it), else to the kernel log.
-    Log { prefix: String, group: Option<u16> },
+    Log {
+        prefix: String,
+        group: Option<u16>,
+    },
     /// `limit rate N/second burst M packets`: the rule stops here above the rate.
-    Limit { per_second: u64, burst: u32 },
-    Immediate { reg: u32, data: Vec<u8> },
+    Limit {
+        per_second: u64,
+        burst: u32,
+    },
+    Immediate {
+        reg: u32,
+        data: Vec<u8>,
+    },
     Verdict(Verdict),
-    Dnat { family: u32 },
-    Reject { kind: u32, code: u8 },
+    Dnat {
+        family: u32,
+    },
+    Reject {
+        kind: u32,
+        code: u8,
+    },
 }
 
 const META_IIFNAME: u32 = 6;
@@ -433,7 +468,10 @@ impl RuleCompiler {
                         continue;
                     }
                     let (addr, prefix) = match value.split_once('/') {
-                        Some((a, p)) => (a.parse::<IpAddr>().map_err(|e| e.to_string())?, Some(p.parse::<u32>().map_err(|e| e.to_string())?)),
+                        Some((a, p)) => (
+                            a.parse::<IpAddr>().map_err(|e| e.to_string())?,
+                            Some(p.parse::<u32>().map_err(|e| e.to_string())?),
+                        ),
                         None => (value.parse::<IpAddr>().map_err(|e| e.to_string())?, None),
                     };
                     if (fam == "ip") != addr.is_ipv4() {
@@ -476,7 +514,10 @@ impl RuleCompiler {
                     }
                     i += if negate { 3 } else { 2 };
                     c.exprs.push(Expr::Meta { key: META_IIFNAME });
-                    c.exprs.push(Expr::Cmp { op: if negate { CMP_NEQ } else { CMP_EQ }, data: interface_name_bytes(value)? });
+                    c.exprs.push(Expr::Cmp {
+                        op: if negate { CMP_NEQ } else { CMP_EQ },
+                        data: interface_name_bytes(value)?,
+                    });
                 }
                 "meta" if word(i + 1)? == "l4proto" => {
                     let proto = protocol_number(word(i + 2)?).ok_or("unknown protocol")?;
@@ -541,7 +582,8 @@ impl RuleCompiler {
                             (NFPROTO_IPV4, a.parse::<std::net::Ipv4Addr>().map_err(|e| e.to_string())?.into(), p)
                         }
                         "ip6" => {
-                            let (a, p) = target.strip_prefix('[').and_then(|t| t.split_once("]:")).ok_or("dnat ip6 target")?;
+                            let (a, p) =
+                                target.strip_prefix('[').and_then(|t| t.split_once("]:")).ok_or("dnat ip6 target")?;
                             (NFPROTO_IPV6, a.parse::<std::net::Ipv6Addr>().map_err(|e| e.to_string())?.into(), p)
                         }
                         other => return Err(format!("dnat family {other:?}")),
@@ -724,13 +766,24 @@ fn parse_elements(set: &str, body: &str) -> Result<Vec<Element>, String> {
                 return Ok(Element { key: element_key(key)?, key_end: None, value: data.map(ElementValue::Data) });
             }
             let Some(parts) = endpoint_map_key_parts(set) else {
-                return Ok(Element { key: element_key(key)?, key_end: None, value: value.map(parse_verdict).transpose()?.map(ElementValue::Verdict) });
+                return Ok(Element {
+                    key: element_key(key)?,
+                    key_end: None,
+                    value: value.map(parse_verdict).transpose()?.map(ElementValue::Verdict),
+                });
             };
             // [address .] protocol . port . number
-            let (front, index) = key.rsplit_once(" . ").filter(|_| key.split(" . ").count() == parts).ok_or_else(|| format!("endpoint key {key:?} is not frontend . number"))?;
+            let (front, index) = key
+                .rsplit_once(" . ")
+                .filter(|_| key.split(" . ").count() == parts)
+                .ok_or_else(|| format!("endpoint key {key:?} is not frontend . number"))?;
             let mut bytes = element_key(front)?;
             bytes.extend(index.trim().parse::<u32>().map_err(|_| format!("endpoint number {index:?}"))?.to_ne_bytes());
-            Ok(Element { key: bytes, key_end: None, value: value.map(element_key).transpose()?.map(ElementValue::Data) })
+            Ok(Element {
+                key: bytes,
+                key_end: None,
+                value: value.map(element_key).transpose()?.map(ElementValue::Data),
+            })
         })
         .collect()
 }
@@ -738,7 +791,8 @@ fn parse_elements(set: &str, body: &str) -> Result<Vec<Element>, String> {
 /// Adds (`NFT_MSG_NEWSETELEM`, with their verdicts) or deletes elements of one set or map.
 fn encode_elements(w: &mut Writer, msg: u16, seq: u32, table: &str, set: &str, elements: &[Element]) {
     let adding = msg == NFT_MSG_NEWSETELEM;
-    let m = w.begin_message((NFNL_SUBSYS_NFTABLES << 8) | msg, if adding { NLM_F_CREATE } else { 0 }, seq, NFPROTO_INET, 0);
+    let m =
+        w.begin_message((NFNL_SUBSYS_NFTABLES << 8) | msg, if adding { NLM_F_CREATE } else { 0 }, seq, NFPROTO_INET, 0);
     w.attr_str(1, table);
     w.attr_str(2, set);
     w.nest(3, |w| {
@@ -788,7 +842,8 @@ impl SetDeclaration {
                     }
                 }
                 Some(("timeout", t)) => {
-                    let secs: u64 = t.strip_suffix('s').and_then(|s| s.parse().ok()).ok_or_else(|| format!("set timeout {t:?}"))?;
+                    let secs: u64 =
+                        t.strip_suffix('s').and_then(|s| s.parse().ok()).ok_or_else(|| format!("set timeout {t:?}"))?;
                     set.timeout_ms = Some(secs * 1000);
                 }
                 _ => return Err(format!("set clause {clause:?}")),
@@ -827,10 +882,19 @@ pub fn encode_transaction(text: &str, first_seq: u32) -> Result<Batch, Unsupport
             continue;
         }
         let unsupported = |reason: String| Unsupported { statement: line.chars().take(200).collect(), reason };
-        let (verb, rest) = ["add chain ", "flush chain ", "delete chain ", "add rule ", "add element ", "delete element ", "delete set ", "add set "]
-            .iter()
-            .find_map(|verb| line.strip_prefix(verb).map(|rest| (verb.trim_end(), rest)))
-            .ok_or_else(|| unsupported("statement kind".into()))?;
+        let (verb, rest) = [
+            "add chain ",
+            "flush chain ",
+            "delete chain ",
+            "add rule ",
+            "add element ",
+            "delete element ",
+            "delete set ",
+            "add set ",
+        ]
+        .iter()
+        .find_map(|verb| line.strip_prefix(verb).map(|rest| (verb.trim_end(), rest)))
+        .ok_or_else(|| unsupported("statement kind".into()))?;
         let (table, rest) = rest
             .strip_prefix(&family_prefix)
             .and_then(|rest| rest.split_once(' '))
@@ -864,7 +928,11 @@ pub fn encode_transaction(text: &str, first_seq: u32) -> Result<Batch, Unsupport
                     .ok_or_else(|| unsupported("set body not in braces".into()))?;
                 let (declaration, elements) = match body.split_once("elements = {") {
                     Some((d, e)) => {
-                        let e = e.trim_end().strip_suffix(';').and_then(|e| e.trim_end().strip_suffix('}')).ok_or_else(|| unsupported("elements".into()))?;
+                        let e = e
+                            .trim_end()
+                            .strip_suffix(';')
+                            .and_then(|e| e.trim_end().strip_suffix('}'))
+                            .ok_or_else(|| unsupported("elements".into()))?;
                         (d, Some(parse_elements(name, e.trim()).map_err(unsupported)?))
                     }
                     None => (body, None),
@@ -913,7 +981,14 @@ pub fn encode_transaction(text: &str, first_seq: u32) -> Result<Batch, Unsupport
                     .and_then(|b| b.strip_suffix('}'))
                     .ok_or_else(|| unsupported("elements not in braces".into()))?;
                 let elements = parse_elements(name, body.trim()).map_err(unsupported)?;
-                encode_elements(&mut w, if verb == "add element" { NFT_MSG_NEWSETELEM } else { NFT_MSG_DELSETELEM }, seq, table, name, &elements);
+                encode_elements(
+                    &mut w,
+                    if verb == "add element" { NFT_MSG_NEWSETELEM } else { NFT_MSG_DELSETELEM },
+                    seq,
+                    table,
+                    name,
+                    &elements,
+                );
             }
         }
         messages.push((seq, line_no));
@@ -1044,9 +1119,18 @@ mod tests {
         w.end_message(done);
         let part = parse_dump(&w.buf, 5);
         assert!(part.done && part.interrupted && part.error.is_none());
-        let names: Vec<(Option<String>, Option<String>)> =
-            part.objects.iter().map(|a| (string_attribute(a, NFTA_TABLE), string_attribute(a, NFTA_CHAIN_NAME))).collect();
-        assert_eq!(names, vec![(Some("wasmplane-s1".into()), Some("svc/ns/a".into())), (Some("wasmplane".into()), Some("services".into()))]);
+        let names: Vec<(Option<String>, Option<String>)> = part
+            .objects
+            .iter()
+            .map(|a| (string_attribute(a, NFTA_TABLE), string_attribute(a, NFTA_CHAIN_NAME)))
+            .collect();
+        assert_eq!(
+            names,
+            vec![
+                (Some("wasmplane-s1".into()), Some("svc/ns/a".into())),
+                (Some("wasmplane".into()), Some("services".into()))
+            ]
+        );
         assert_eq!(u32_attribute(&part.objects[0], 2), Some(7));
         assert_eq!(attribute(&part.objects[0], 9), None);
 
@@ -1066,7 +1150,8 @@ mod tests {
 
     #[test]
     fn rules_compile_like_nft() {
-        let (exprs, comment) = RuleCompiler::compile("ip saddr != 10.244.16.0/20 counter accept comment \"x y\"").unwrap();
+        let (exprs, comment) =
+            RuleCompiler::compile("ip saddr != 10.244.16.0/20 counter accept comment \"x y\"").unwrap();
         assert_eq!(comment.as_deref(), Some("x y"));
         assert_eq!(exprs[0], Expr::Meta { key: META_NFPROTO });
         assert_eq!(exprs[2], Expr::Payload { base: PAYLOAD_NETWORK, offset: 12, len: 4 });
@@ -1094,18 +1179,37 @@ mod tests {
         let v4 = Expr::Payload { base: PAYLOAD_NETWORK, offset: 12, len: 4 };
         let v6 = Expr::Payload { base: PAYLOAD_NETWORK, offset: 8, len: 16 };
         let lookup = |set: &str, invert| Expr::Lookup { set: set.into(), invert };
-        assert_eq!(compiled("ip saddr @cluster-cidrs accept"), [&family(2)[..], &[v4.clone(), lookup("cluster-cidrs", false), accept.clone()]].concat());
-        assert_eq!(compiled("ip saddr != @cluster-cidrs accept"), [&family(2)[..], &[v4, lookup("cluster-cidrs", true), accept.clone()]].concat());
-        assert_eq!(compiled("ip6 saddr != @cluster-cidrs6 accept"), [&family(10)[..], &[v6, lookup("cluster-cidrs6", true), accept.clone()]].concat());
-        let iifname = |op, data: &[u8]| vec![Expr::Meta { key: META_IIFNAME }, Expr::Cmp { op, data: data.to_vec() }, accept.clone()];
+        assert_eq!(
+            compiled("ip saddr @cluster-cidrs accept"),
+            [&family(2)[..], &[v4.clone(), lookup("cluster-cidrs", false), accept.clone()]].concat()
+        );
+        assert_eq!(
+            compiled("ip saddr != @cluster-cidrs accept"),
+            [&family(2)[..], &[v4, lookup("cluster-cidrs", true), accept.clone()]].concat()
+        );
+        assert_eq!(
+            compiled("ip6 saddr != @cluster-cidrs6 accept"),
+            [&family(10)[..], &[v6, lookup("cluster-cidrs6", true), accept.clone()]].concat()
+        );
+        let iifname = |op, data: &[u8]| {
+            vec![Expr::Meta { key: META_IIFNAME }, Expr::Cmp { op, data: data.to_vec() }, accept.clone()]
+        };
         assert_eq!(compiled("iifname \"veth*\" accept"), iifname(CMP_EQ, b"veth"));
         assert_eq!(compiled("iifname != \"veth*\" accept"), iifname(CMP_NEQ, b"veth"));
         assert_eq!(compiled("iifname \"eth*\" accept"), iifname(CMP_EQ, b"eth"));
         let cbr0 = *b"cbr0\0\0\0\0\0\0\0\0\0\0\0\0";
         assert_eq!(compiled("iifname \"cbr0\" accept"), iifname(CMP_EQ, &cbr0));
         assert_eq!(compiled("iifname != \"cbr0\" accept"), iifname(CMP_NEQ, &cbr0));
-        assert_eq!(compiled("iifname \"abcdefghijklmn*\" accept")[1], Expr::Cmp { op: CMP_EQ, data: b"abcdefghijklmn".to_vec() }, "the longest prefix nft takes");
-        assert_eq!(compiled("iifname \"abcdefghijklmno\" accept")[1], Expr::Cmp { op: CMP_EQ, data: b"abcdefghijklmno\0".to_vec() }, "the longest name");
+        assert_eq!(
+            compiled("iifname \"abcdefghijklmn*\" accept")[1],
+            Expr::Cmp { op: CMP_EQ, data: b"abcdefghijklmn".to_vec() },
+            "the longest prefix nft takes"
+        );
+        assert_eq!(
+            compiled("iifname \"abcdefghijklmno\" accept")[1],
+            Expr::Cmp { op: CMP_EQ, data: b"abcdefghijklmno\0".to_vec() },
+            "the longest name"
+        );
         // A family match after an interface match still checks the family, as nft does.
         let with_family = compiled("iifname \"veth*\" ip daddr 10.96.0.1 accept");
         assert_eq!(with_family[2..4], family(2));
@@ -1116,7 +1220,10 @@ mod tests {
             w.buf
         };
         let inverted = data(&lookup("cluster-cidrs", true));
-        assert_eq!((string_attribute(&inverted, 1).as_deref(), u32_attribute(&inverted, 2), u32_attribute(&inverted, 5)), (Some("cluster-cidrs"), Some(NFT_REG_1), Some(1)));
+        assert_eq!(
+            (string_attribute(&inverted, 1).as_deref(), u32_attribute(&inverted, 2), u32_attribute(&inverted, 5)),
+            (Some("cluster-cidrs"), Some(NFT_REG_1), Some(1))
+        );
         assert_eq!(attribute(&data(&lookup("cluster-cidrs", false)), 5), None);
         let meta = data(&Expr::Meta { key: META_IIFNAME });
         assert_eq!((u32_attribute(&meta, 1), u32_attribute(&meta, 2)), (Some(NFT_REG_1), Some(6)));
@@ -1143,7 +1250,10 @@ mod tests {
         let err = encode_transaction("add table inet wasmplane\n", 1).err().unwrap();
         assert_eq!(err.reason, "statement kind");
         assert!(encode_transaction("add set inet wasmplane s { type ipv4_addr; flags interval; }\n", 1).is_err());
-        assert!(encode_transaction("add set inet wasmplane s { type ipv4_addr; elements = { 10.0.0.1, 10.0.0.2 }; }\n", 1).is_ok());
+        assert!(
+            encode_transaction("add set inet wasmplane s { type ipv4_addr; elements = { 10.0.0.1, 10.0.0.2 }; }\n", 1)
+                .is_ok()
+        );
         assert!(encode_transaction("add rule ip other c accept\n", 1).is_err());
     }
 
@@ -1156,33 +1266,69 @@ mod tests {
         let elements = parse_elements("s", "10.0.0.1, 10.0.0.2").unwrap();
         assert_eq!(elements.len(), 2);
         let elements = parse_elements("service-ips", "10.96.0.1 . tcp . 80 : goto svc/a/b").unwrap();
-        assert_eq!(elements[0].value, Some(ElementValue::Verdict(Verdict { code: NFT_GOTO, chain: Some("svc/a/b".into()) })));
+        assert_eq!(
+            elements[0].value,
+            Some(ElementValue::Verdict(Verdict { code: NFT_GOTO, chain: Some("svc/a/b".into()) }))
+        );
         // The endpoint maps: a numgen value (host order) ends the key, the value is data.
         let elements = parse_elements("service-endpoints", "10.96.0.1 . tcp . 80 . 2 : 10.244.0.3 . 8080").unwrap();
         let mut key = vec![10, 96, 0, 1, 6, 0, 0, 0, 0, 80, 0, 0];
         key.extend(2u32.to_ne_bytes());
-        assert_eq!(elements[0], Element { key, key_end: None, value: Some(ElementValue::Data(vec![10, 244, 0, 3, 0x1f, 0x90, 0, 0])) });
+        assert_eq!(
+            elements[0],
+            Element { key, key_end: None, value: Some(ElementValue::Data(vec![10, 244, 0, 3, 0x1f, 0x90, 0, 0])) }
+        );
         assert!(parse_elements("service-endpoints", "10.96.0.1 . tcp . 80 : 10.244.0.3 . 8080").is_err(), "no number");
         // A node port's: protocol . port . number.
         let elements = parse_elements("nodeport-endpoints", "tcp . 30001 . 2 : 10.244.0.7 . 8080").unwrap();
         let mut key = vec![6, 0, 0, 0, 0x75, 0x31, 0, 0];
         key.extend(2u32.to_ne_bytes());
-        assert_eq!(elements[0], Element { key, key_end: None, value: Some(ElementValue::Data(vec![10, 244, 0, 7, 0x1f, 0x90, 0, 0])) });
+        assert_eq!(
+            elements[0],
+            Element { key, key_end: None, value: Some(ElementValue::Data(vec![10, 244, 0, 7, 0x1f, 0x90, 0, 0])) }
+        );
         // The firewall's ranges: first and last key, a single address a range of one.
-        let elements = parse_elements("firewall-allowed", "203.0.113.10 . tcp . 80 . 192.168.0.0/16, 203.0.113.10 . tcp . 80 . 203.0.113.10").unwrap();
+        let elements = parse_elements(
+            "firewall-allowed",
+            "203.0.113.10 . tcp . 80 . 192.168.0.0/16, 203.0.113.10 . tcp . 80 . 203.0.113.10",
+        )
+        .unwrap();
         let front = [203, 0, 113, 10, 6, 0, 0, 0, 0, 80, 0, 0];
         let keys = |last: [u8; 4]| [&front[..], &last[..]].concat();
-        assert_eq!((&elements[0].key, elements[0].key_end.as_deref()), (&keys([192, 168, 0, 0]), Some(&keys([192, 168, 255, 255])[..])));
-        assert_eq!((&elements[1].key, elements[1].key_end.as_deref()), (&keys([203, 0, 113, 10]), Some(&keys([203, 0, 113, 10])[..])));
+        assert_eq!(
+            (&elements[0].key, elements[0].key_end.as_deref()),
+            (&keys([192, 168, 0, 0]), Some(&keys([192, 168, 255, 255])[..]))
+        );
+        assert_eq!(
+            (&elements[1].key, elements[1].key_end.as_deref()),
+            (&keys([203, 0, 113, 10]), Some(&keys([203, 0, 113, 10])[..]))
+        );
         assert!(parse_elements("firewall-allowed", "203.0.113.10 . tcp . 80 . office").is_err());
-        assert!(parse_elements("nodeport-endpoints", "10.96.0.1 . tcp . 80 . 1 : 10.244.0.3 . 8080").is_err(), "a service key");
+        assert!(
+            parse_elements("nodeport-endpoints", "10.96.0.1 . tcp . 80 . 1 : 10.244.0.3 . 8080").is_err(),
+            "a service key"
+        );
         // Host ports: a plain concatenated key, an address . port value (data, not a verdict).
         let elements = parse_elements("hostports", "192.168.77.1 . udp . 5353 : 10.244.0.11 . 53").unwrap();
         let data = |address: &[u8], port: u16| [address, &port.to_be_bytes()[..], &[0, 0]].concat();
-        assert_eq!(elements[0], Element { key: vec![192, 168, 77, 1, 17, 0, 0, 0, 0x14, 0xe9, 0, 0], key_end: None, value: Some(ElementValue::Data(data(&[10, 244, 0, 11], 53))) });
+        assert_eq!(
+            elements[0],
+            Element {
+                key: vec![192, 168, 77, 1, 17, 0, 0, 0, 0x14, 0xe9, 0, 0],
+                key_end: None,
+                value: Some(ElementValue::Data(data(&[10, 244, 0, 11], 53)))
+            }
+        );
         let elements = parse_elements("hostports-any6", "tcp . 18080 : fd00::11 . 8080").unwrap();
         let pod6: std::net::Ipv6Addr = "fd00::11".parse().unwrap();
-        assert_eq!(elements[0], Element { key: vec![6, 0, 0, 0, 0x46, 0xa0, 0, 0], key_end: None, value: Some(ElementValue::Data(data(&pod6.octets(), 8080))) });
+        assert_eq!(
+            elements[0],
+            Element {
+                key: vec![6, 0, 0, 0, 0x46, 0xa0, 0, 0],
+                key_end: None,
+                value: Some(ElementValue::Data(data(&pod6.octets(), 8080)))
+            }
+        );
         // Deleting names the key only.
         assert_eq!(parse_elements("hostports-any", "tcp . 18080").unwrap()[0].value, None);
         for bad in ["tcp . 18080 : goto svc/a/b", "tcp . 18080 : 10.244.0.11", "tcp . 18080 : 10.244.0.11 . 8080 . 1"] {

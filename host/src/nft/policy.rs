@@ -167,18 +167,33 @@ pub fn validate_policy_output(
     for chain in &out.chains {
         for rule in &chain.rules {
             match &rule.verdict {
-                wit::Verdict::None | wit::Verdict::Accept | wit::Verdict::Return | wit::Verdict::Jump(_) | wit::Verdict::Goto(_) => {}
-                other => return fail(format!("chain {:?}: verdict {other:?} (policy chains accept or fall through)", chain.name)),
+                wit::Verdict::None
+                | wit::Verdict::Accept
+                | wit::Verdict::Return
+                | wit::Verdict::Jump(_)
+                | wit::Verdict::Goto(_) => {}
+                other => {
+                    return fail(format!(
+                        "chain {:?}: verdict {other:?} (policy chains accept or fall through)",
+                        chain.name
+                    ));
+                }
             }
-            if let Some(s) = rule.statements.iter().find(|s| !matches!(s, wit::RuleStatement::Counter | wit::RuleStatement::Log(_))) {
+            if let Some(s) =
+                rule.statements.iter().find(|s| !matches!(s, wit::RuleStatement::Counter | wit::RuleStatement::Log(_)))
+            {
                 return fail(format!("chain {:?}: statement {s:?} is not allowed in a policy", chain.name));
             }
         }
     }
     // Everything else (names under the prefix, addresses, references) as for services:
     // render chains and sets through the shared validator, without the map elements.
-    let without_elements =
-        wit::Ruleset { chains: out.chains.clone(), sets: out.sets.clone(), map_elements: vec![], warnings: out.warnings.clone() };
+    let without_elements = wit::Ruleset {
+        chains: out.chains.clone(),
+        sets: out.sets.clone(),
+        map_elements: vec![],
+        warnings: out.warnings.clone(),
+    };
     let (rules, shared) = validate_rendered(&object, &prefix, &without_elements, pods)?;
     let mut targets = BTreeMap::new();
     for element in &out.map_elements {
@@ -193,7 +208,10 @@ pub fn validate_policy_output(
             return fail(format!("map {:?}: {addr} is not a local pod this policy selects", element.map_name));
         }
         let (wit::Verdict::Jump(chain) | wit::Verdict::Goto(chain)) = &element.verdict else {
-            return fail(format!("map {:?}: verdict {:?} (must jump to one of the policy's chains)", element.map_name, element.verdict));
+            return fail(format!(
+                "map {:?}: verdict {:?} (must jump to one of the policy's chains)",
+                element.map_name, element.verdict
+            ));
         };
         if !rules.chains.contains_key(chain) {
             return fail(format!("map {:?}: target chain {chain:?} is not declared by this policy", element.map_name));
@@ -206,15 +224,32 @@ pub fn validate_policy_output(
 }
 
 /// The policy's own chains and sets, and apart from them the shared sets it declares.
-fn validate_rendered(object: &str, prefix: &str, out: &wit::Ruleset, pods: super::PodDetection) -> Result<(ObjectRules, BTreeMap<String, super::SetRules>), InvalidOutput> {
-    let mut v = Validator { object, pods, prefix, shared_sets: Some(SHARED_SET_PREFIX), chains: BTreeSet::new(), sets: BTreeMap::new() };
+fn validate_rendered(
+    object: &str,
+    prefix: &str,
+    out: &wit::Ruleset,
+    pods: super::PodDetection,
+) -> Result<(ObjectRules, BTreeMap<String, super::SetRules>), InvalidOutput> {
+    let mut v = Validator {
+        object,
+        pods,
+        prefix,
+        shared_sets: Some(SHARED_SET_PREFIX),
+        chains: BTreeSet::new(),
+        sets: BTreeMap::new(),
+    };
     for chain in &out.chains {
         v.own_name("chain", &chain.name)?;
         if !v.chains.insert(&chain.name) {
             return v.fail(format!("chain {:?} declared twice", chain.name));
         }
         if chain.rules.len() > super::MAX_RULES_PER_CHAIN {
-            return v.fail(format!("chain {:?} has {} rules (limit {})", chain.name, chain.rules.len(), super::MAX_RULES_PER_CHAIN));
+            return v.fail(format!(
+                "chain {:?} has {} rules (limit {})",
+                chain.name,
+                chain.rules.len(),
+                super::MAX_RULES_PER_CHAIN
+            ));
         }
     }
     let mut rules = ObjectRules::with_guest_warnings(&out.warnings);
@@ -344,7 +379,11 @@ pub struct PolicyLogId(pub u64);
 impl PolicyLogId {
     pub fn of(key: &ObjectKey) -> PolicyLogId {
         use sha2::Digest as _;
-        let digest = sha2::Sha256::new().chain_update(key.namespace.as_bytes()).chain_update(b"/").chain_update(key.name.as_bytes()).finalize();
+        let digest = sha2::Sha256::new()
+            .chain_update(key.namespace.as_bytes())
+            .chain_update(b"/")
+            .chain_update(key.name.as_bytes())
+            .finalize();
         PolicyLogId(u64::from_be_bytes(digest[..8].try_into().expect("a SHA-256 digest has 8 bytes")))
     }
 
@@ -416,9 +455,13 @@ fn verdict_target(rule: &str) -> Option<&str> {
 
 /// Which directions reach each of a policy's chains: its targets' chains, and what they jump
 /// or go to, transitively.
-fn chain_directions<'a>(rules: &'a ObjectRules, targets: &'a BTreeMap<(Direction, IpAddr), String>) -> BTreeMap<&'a str, BTreeSet<Direction>> {
+fn chain_directions<'a>(
+    rules: &'a ObjectRules,
+    targets: &'a BTreeMap<(Direction, IpAddr), String>,
+) -> BTreeMap<&'a str, BTreeSet<Direction>> {
     let mut reached: BTreeMap<&str, BTreeSet<Direction>> = BTreeMap::new();
-    let mut work: Vec<(&str, Direction)> = targets.iter().map(|((direction, _), chain)| (chain.as_str(), *direction)).collect();
+    let mut work: Vec<(&str, Direction)> =
+        targets.iter().map(|((direction, _), chain)| (chain.as_str(), *direction)).collect();
     while let Some((chain, direction)) = work.pop() {
         if !reached.entry(chain).or_default().insert(direction) {
             continue;
@@ -453,7 +496,9 @@ pub fn allow_logged_object(key: &ObjectKey, policy: &PolicyRules, log: VerdictLo
             let (body, comment) = split_comment(rule);
             // The verdict is the rendered body's last word; no match or statement ends in a
             // bare `accept` (names carry no spaces, log prefixes are quoted).
-            let Some(before) = body.strip_suffix("accept").filter(|b| b.is_empty() || b.ends_with(' ')) else { continue };
+            let Some(before) = body.strip_suffix("accept").filter(|b| b.is_empty() || b.ends_with(' ')) else {
+                continue;
+            };
             *rule = format!("{before}goto {}{comment}", allow_chain(id, direction));
             used.insert(direction);
         }
@@ -484,13 +529,19 @@ pub const ALLOW_METER_SETS: [(&str, &str); 4] = [
 /// chain only.
 fn allow_log_rules(direction: Option<Direction>, prefix: &str, log: VerdictLog) -> Vec<String> {
     let Some(direction) = direction else {
-        return vec![format!("limit rate {}/second burst {} packets log group {} prefix \"{prefix}\"", log.per_second, log.burst, log.group)];
+        return vec![format!(
+            "limit rate {}/second burst {} packets log group {} prefix \"{prefix}\"",
+            log.per_second, log.burst, log.group
+        )];
     };
     let (sets, pod) = match direction {
         Direction::Ingress => ((ALLOW_METER_SETS[0].0, ALLOW_METER_SETS[1].0), "daddr"),
         Direction::Egress => ((ALLOW_METER_SETS[2].0, ALLOW_METER_SETS[3].0), "saddr"),
     };
-    [("ip", sets.0), ("ip6", sets.1)].into_iter().map(|(family, set)| log.metered_log(set, &format!("{family} {pod}"), prefix)).collect()
+    [("ip", sets.0), ("ip6", sets.1)]
+        .into_iter()
+        .map(|(family, set)| log.metered_log(set, &format!("{family} {pod}"), prefix))
+        .collect()
 }
 
 /// The dispatch object of one pod address in one direction: the chain that applies the
@@ -504,7 +555,12 @@ fn allow_log_rules(direction: Option<Direction>, prefix: &str, log: VerdictLog) 
 /// are dropped anyway, its allowances are not granted.) With `log`, what falls through to
 /// the end is logged to its NFLOG group first, rate-limited; without, audit mode logs to the
 /// kernel log as before and drops are only counted.
-pub fn dispatch_object(direction: Direction, addr: &IpAddr, entries: &[DispatchEntry], log: Option<VerdictLog>) -> Option<ObjectRules> {
+pub fn dispatch_object(
+    direction: Direction,
+    addr: &IpAddr,
+    entries: &[DispatchEntry],
+    log: Option<VerdictLog>,
+) -> Option<ObjectRules> {
     if entries.is_empty() {
         return None;
     }
@@ -513,7 +569,8 @@ pub fn dispatch_object(direction: Direction, addr: &IpAddr, entries: &[DispatchE
     // A dispatch chain ends in deny or audit only (allows are the policy chains' business).
     let audit = enforcing.is_empty();
     let verdict = if audit { PolicyVerdict::Audit } else { PolicyVerdict::Deny };
-    let deciding: BTreeSet<&str> = if enforcing.is_empty() { entries.iter().map(|e| e.chain.as_str()).collect() } else { enforcing };
+    let deciding: BTreeSet<&str> =
+        if enforcing.is_empty() { entries.iter().map(|e| e.chain.as_str()).collect() } else { enforcing };
     // Counted: a packet reaching one jump and not the next was accepted by that policy
     // ([`DispatchCounts`]), which is what a pod's per-policy counts read.
     let mut rules: Vec<String> = deciding.iter().map(|c| format!("counter jump {c}")).collect();
@@ -529,18 +586,27 @@ pub fn dispatch_object(direction: Direction, addr: &IpAddr, entries: &[DispatchE
     }
     rules.push(match (audit, log) {
         (true, Some(_)) => "counter accept comment \"audit\"".to_string(),
-        (true, None) => format!("counter log prefix \"{AUDIT_LOG_PREFIX} {} {addr}: \" accept comment \"audit\"", direction.name()),
+        (true, None) => {
+            format!("counter log prefix \"{AUDIT_LOG_PREFIX} {} {addr}: \" accept comment \"audit\"", direction.name())
+        }
         (false, _) => "counter drop comment \"deny\"".to_string(),
     });
     let mut object = ObjectRules::default();
-    object.elements.insert((direction.map(addr.is_ipv6()).to_compact_string(), addr.to_compact_string()), format_compact!("goto {chain}"));
+    object.elements.insert(
+        (direction.map(addr.is_ipv6()).to_compact_string(), addr.to_compact_string()),
+        format_compact!("goto {chain}"),
+    );
     object.chains.insert(chain, rules);
     Some(object)
 }
 
 /// The host maps of the policy side.
-pub const POLICY_MAPS: [(&str, &str); 4] =
-    [("pod-ingress", "ipv4_addr"), ("pod-ingress6", "ipv6_addr"), ("pod-egress", "ipv4_addr"), ("pod-egress6", "ipv6_addr")];
+pub const POLICY_MAPS: [(&str, &str); 4] = [
+    ("pod-ingress", "ipv4_addr"),
+    ("pod-ingress6", "ipv6_addr"),
+    ("pod-egress", "ipv4_addr"),
+    ("pod-egress6", "ipv6_addr"),
+];
 
 /// The policy side's static part of the table (maps and base chains), for `nft::skeleton`
 /// to include. `flush_first`: also empty the maps (a full sync refills them in the same
@@ -646,13 +712,17 @@ pub struct DispatchCounts {
 /// print); `None` when the listing has no such chain or its rules carry no counters (the
 /// chain was written by a host that did not count its jumps).
 pub fn dispatch_counts(listing: &str, chain: &str) -> Option<DispatchCounts> {
-    let mut lines = listing.lines().map(str::trim).skip_while(|line| line.strip_prefix("chain ").map(|rest| rest.trim_end_matches(" {").trim_matches('"')) != Some(chain));
+    let mut lines = listing.lines().map(str::trim).skip_while(|line| {
+        line.strip_prefix("chain ").map(|rest| rest.trim_end_matches(" {").trim_matches('"')) != Some(chain)
+    });
     lines.next()?;
     let mut reached: Vec<(String, u64)> = Vec::new();
     let mut out = DispatchCounts::default();
     let mut ended = false;
     for line in lines.take_while(|line| *line != "}") {
-        if let Some(target) = line.strip_prefix("jump ").or_else(|| line.rsplit_once(" jump ").map(|(_, target)| target)) {
+        if let Some(target) =
+            line.strip_prefix("jump ").or_else(|| line.rsplit_once(" jump ").map(|(_, target)| target))
+        {
             reached.push((target.to_string(), rule_packets(line)?));
         } else if line.ends_with("comment \"audit\"") || line.ends_with("comment \"deny\"") {
             out.audit = line.ends_with("comment \"audit\"");
@@ -666,7 +736,11 @@ pub fn dispatch_counts(listing: &str, chain: &str) -> Option<DispatchCounts> {
     // The kernel sums each rule's per-CPU counters as it dumps them, one rule after the
     // other: a packet in flight can be in a later count and not yet in an earlier one.
     let next: Vec<u64> = reached.iter().skip(1).map(|(_, packets)| *packets).chain([out.final_packets]).collect();
-    out.accepted = reached.into_iter().zip(next).map(|((target, packets), after)| (target, packets.saturating_sub(after))).collect();
+    out.accepted = reached
+        .into_iter()
+        .zip(next)
+        .map(|((target, packets), after)| (target, packets.saturating_sub(after)))
+        .collect();
     Some(out)
 }
 
@@ -676,8 +750,17 @@ mod tests {
 
     /// Policies' rules with pod traffic detected by source address, the default, on a
     /// dual-stack node (a detector in each family).
-    fn validate_policy_output(key: &ObjectKey, out: &wit::Ruleset, local: &BTreeSet<IpAddr>) -> Result<PolicyRules, InvalidOutput> {
-        super::validate_policy_output(key, out, local, super::super::PodDetection::new(&super::super::PodTraffic::default(), &dual_stack()))
+    fn validate_policy_output(
+        key: &ObjectKey,
+        out: &wit::Ruleset,
+        local: &BTreeSet<IpAddr>,
+    ) -> Result<PolicyRules, InvalidOutput> {
+        super::validate_policy_output(
+            key,
+            out,
+            local,
+            super::super::PodDetection::new(&super::super::PodTraffic::default(), &dual_stack()),
+        )
     }
 
     /// Cluster CIDRs of both families.
@@ -738,7 +821,10 @@ mod tests {
         assert_eq!(set.elements, BTreeSet::from(["10.244.1.12".to_string()]));
         assert!(p.rules.elements.is_empty(), "map elements are composed by the host");
         assert!(p.shared.is_empty());
-        assert_eq!(p.targets, BTreeMap::from([((Direction::Ingress, addr("10.244.1.10")), "pol/a/p/ingress".to_string())]));
+        assert_eq!(
+            p.targets,
+            BTreeMap::from([((Direction::Ingress, addr("10.244.1.10")), "pol/a/p/ingress".to_string())])
+        );
     }
 
     #[test]
@@ -767,14 +853,21 @@ mod tests {
             assert!(err.to_string().contains("networkpolicy a/p"), "{err}");
             err.reason
         };
-        let r = refused(&|o| o.map_elements[0].key = vec![wit::KeyPart::Address("10.244.9.9".into())], "another pod's address");
+        let r = refused(
+            &|o| o.map_elements[0].key = vec![wit::KeyPart::Address("10.244.9.9".into())],
+            "another pod's address",
+        );
         assert!(r.contains("not a local pod"), "{r}");
         let r = refused(&|o| o.chains[0].name = "svc/a/web/x".into(), "a chain outside the prefix");
         assert!(r.contains("outside"), "{r}");
         let r = refused(&|o| o.chains[0].rules[0].verdict = wit::Verdict::Drop, "a drop");
         assert!(r.contains("Drop"), "{r}");
         refused(
-            &|o| o.chains[0].rules[0].statements.push(wit::RuleStatement::Dnat(wit::DnatTarget { address: "1.1.1.1".into(), port: 1 })),
+            &|o| {
+                o.chains[0].rules[0]
+                    .statements
+                    .push(wit::RuleStatement::Dnat(wit::DnatTarget { address: "1.1.1.1".into(), port: 1 }))
+            },
             "dnat",
         );
         refused(&|o| o.map_elements[0].map_name = "service-ips".into(), "a service map");
@@ -782,7 +875,10 @@ mod tests {
         refused(&|o| o.map_elements[0].verdict = wit::Verdict::Jump("pol/a/p/other".into()), "undeclared target");
         refused(&|o| o.sets[0].elements.push("fd00::1".into()), "wrong family");
         refused(&|o| o.sets[0].timeout_seconds = Some(5), "expiring set");
-        refused(&|o| o.chains[0].rules[0].matches.push(wit::RuleMatch::SourceInSet("pol/a/p/nope".into())), "undeclared set");
+        refused(
+            &|o| o.chains[0].rules[0].matches.push(wit::RuleMatch::SourceInSet("pol/a/p/nope".into())),
+            "undeclared set",
+        );
         refused(
             &|o| o.chains.extend((0..MAX_CHAINS).map(|i| wit::Chain { name: format!("pol/a/p/c{i}"), rules: vec![] })),
             "too many chains",
@@ -808,7 +904,10 @@ mod tests {
         let audit_only = dispatch_object(Direction::Egress, &addr("fd00::a"), &entries[2..], None).unwrap();
         let chain = &audit_only.chains["polpod/fd00--a/egress"];
         assert_eq!(chain[0], "counter jump pol/a/r/ingress");
-        assert!(chain[1].starts_with("counter log prefix") && chain[1].ends_with("accept comment \"audit\""), "{chain:?}");
+        assert!(
+            chain[1].starts_with("counter log prefix") && chain[1].ends_with("accept comment \"audit\""),
+            "{chain:?}"
+        );
         assert!(audit_only.elements.contains_key(&("pod-egress6".into(), "fd00::a".into())));
         assert!(dispatch_object(Direction::Egress, &a, &[], None).is_none());
     }
@@ -818,7 +917,10 @@ mod tests {
     #[test]
     fn dispatch_logs_its_verdict_to_the_group_before_deciding() {
         let log = Some(VerdictLog { group: 7, per_second: 5, burst: 9 });
-        let entries = vec![DispatchEntry { chain: "pol/a/p/ingress".into(), audit: false }, DispatchEntry { chain: "pol/a/r/ingress".into(), audit: true }];
+        let entries = vec![
+            DispatchEntry { chain: "pol/a/p/ingress".into(), audit: false },
+            DispatchEntry { chain: "pol/a/r/ingress".into(), audit: true },
+        ];
         let denying = dispatch_object(Direction::Ingress, &addr("10.244.1.10"), &entries, log).unwrap();
         assert_eq!(
             denying.chains["polpod/10.244.1.10/ingress"],
@@ -830,11 +932,25 @@ mod tests {
         );
         let auditing = dispatch_object(Direction::Egress, &addr("fd00::a"), &entries[1..], log).unwrap();
         let chain = &auditing.chains["polpod/fd00--a/egress"];
-        assert_eq!(chain[1], "limit rate 5/second burst 9 packets log group 7 prefix \"wasmplane-policy audit egress fd00::a\"");
+        assert_eq!(
+            chain[1],
+            "limit rate 5/second burst 9 packets log group 7 prefix \"wasmplane-policy audit egress fd00::a\""
+        );
         assert_eq!(chain[2], "counter accept comment \"audit\"", "the group, not the kernel log too");
-        assert_eq!(parse_verdict_prefix("wasmplane-policy audit egress fd00::a"), Some((PolicyVerdict::Audit, Direction::Egress, addr("fd00::a"))));
-        assert_eq!(parse_verdict_prefix("wasmplane-policy deny ingress 10.244.1.10"), Some((PolicyVerdict::Deny, Direction::Ingress, addr("10.244.1.10"))));
-        for foreign in ["ulogd 1 2 3", "wasmplane-policy deny sideways 10.0.0.1", "wasmplane-policy deny ingress 10.0.0.1 extra", "wasmplane-policy-audit ingress 10.0.0.1: "] {
+        assert_eq!(
+            parse_verdict_prefix("wasmplane-policy audit egress fd00::a"),
+            Some((PolicyVerdict::Audit, Direction::Egress, addr("fd00::a")))
+        );
+        assert_eq!(
+            parse_verdict_prefix("wasmplane-policy deny ingress 10.244.1.10"),
+            Some((PolicyVerdict::Deny, Direction::Ingress, addr("10.244.1.10")))
+        );
+        for foreign in [
+            "ulogd 1 2 3",
+            "wasmplane-policy deny sideways 10.0.0.1",
+            "wasmplane-policy deny ingress 10.0.0.1 extra",
+            "wasmplane-policy-audit ingress 10.0.0.1: ",
+        ] {
             assert_eq!(parse_verdict_prefix(foreign), None, "{foreign}");
         }
     }
@@ -850,7 +966,10 @@ mod tests {
             accept(vec![pod_traffic(wit::AddressFamily::Ipv4, false), wit::RuleMatch::Protocol(wit::Protocol::Tcp)]),
             accept(vec![pod_traffic(wit::AddressFamily::Ipv4, true)]),
             accept(vec![pod_traffic(wit::AddressFamily::Ipv6, false)]),
-            accept(vec![pod_traffic(wit::AddressFamily::Ipv6, true), wit::RuleMatch::SourceInSet("pol/a/p/ingress/0/peers/v4".into())]),
+            accept(vec![
+                pod_traffic(wit::AddressFamily::Ipv6, true),
+                wit::RuleMatch::SourceInSet("pol/a/p/ingress/0/peers/v4".into()),
+            ]),
         ];
         for (mode, wanted) in [
             (
@@ -864,19 +983,36 @@ mod tests {
             ),
             (
                 PodTraffic::InterfacePrefix("veth".into()),
-                ["iifname \"veth*\" meta l4proto tcp accept", "iifname != \"veth*\" accept", "iifname \"veth*\" accept", "iifname != \"veth*\" ip saddr @pol/a/p/ingress/0/peers/v4 accept"],
+                [
+                    "iifname \"veth*\" meta l4proto tcp accept",
+                    "iifname != \"veth*\" accept",
+                    "iifname \"veth*\" accept",
+                    "iifname != \"veth*\" ip saddr @pol/a/p/ingress/0/peers/v4 accept",
+                ],
             ),
             (
                 PodTraffic::Bridge("cbr0".into()),
-                ["iifname \"cbr0\" meta l4proto tcp accept", "iifname != \"cbr0\" accept", "iifname \"cbr0\" accept", "iifname != \"cbr0\" ip saddr @pol/a/p/ingress/0/peers/v4 accept"],
+                [
+                    "iifname \"cbr0\" meta l4proto tcp accept",
+                    "iifname != \"cbr0\" accept",
+                    "iifname \"cbr0\" accept",
+                    "iifname != \"cbr0\" ip saddr @pol/a/p/ingress/0/peers/v4 accept",
+                ],
             ),
         ] {
-            let p = super::validate_policy_output(&key(), &out, &local(), super::super::PodDetection::new(&mode, &dual_stack())).unwrap();
+            let p = super::validate_policy_output(
+                &key(),
+                &out,
+                &local(),
+                super::super::PodDetection::new(&mode, &dual_stack()),
+            )
+            .unwrap();
             assert_eq!(p.rules.chains["pol/a/p/ingress"], wanted, "{mode:?}");
             // The sets looked up are the host's, not the policy's own to declare.
             assert_eq!(p.rules.sets.keys().collect::<Vec<_>>(), ["pol/a/p/ingress/0/peers/v4"], "{mode:?}");
             // The incremental path sends the chain as a netlink batch, not through nft -f.
-            let chain: String = wanted.iter().map(|r| format!("add rule {FAMILY} {TABLE} pol/a/p/ingress {r}\n")).collect();
+            let chain: String =
+                wanted.iter().map(|r| format!("add rule {FAMILY} {TABLE} pol/a/p/ingress {r}\n")).collect();
             super::super::netlink::encode_transaction(&chain, 1).unwrap_or_else(|e| panic!("{mode:?}: {e}"));
         }
     }
@@ -897,16 +1033,31 @@ mod tests {
         ];
         let v4_only: Vec<ipnet::IpNet> = vec!["10.244.0.0/16".parse().unwrap()];
         let source = PodTraffic::SourceAddress;
-        let rendered = |pods: PodDetection<'_>| super::validate_policy_output(&key(), &out, &local(), pods).unwrap().rules.chains["pol/a/p/ingress"].clone();
-        assert_eq!(rendered(PodDetection::new(&source, &v4_only)), ["ip saddr @cluster-cidrs accept", "ip saddr @pol/a/p/ingress/0/peers/v4 accept"]);
+        let rendered = |pods: PodDetection<'_>| {
+            super::validate_policy_output(&key(), &out, &local(), pods).unwrap().rules.chains["pol/a/p/ingress"].clone()
+        };
+        assert_eq!(
+            rendered(PodDetection::new(&source, &v4_only)),
+            ["ip saddr @cluster-cidrs accept", "ip saddr @pol/a/p/ingress/0/peers/v4 accept"]
+        );
         assert_eq!(rendered(PodDetection::new(&source, &[])), ["ip saddr @pol/a/p/ingress/0/peers/v4 accept"]);
         for mode in [PodTraffic::InterfacePrefix("veth".into()), PodTraffic::Bridge("cbr0".into())] {
             assert_eq!(rendered(PodDetection::new(&mode, &v4_only)).len(), 4, "{mode:?}");
             assert_eq!(rendered(PodDetection::new(&mode, &[])).len(), 4, "{mode:?}");
         }
         // Left out, not unchecked: a rule of an undetected family is validated all the same.
-        out.chains[0].rules.push(wit::Rule { matches: vec![pod_traffic(wit::AddressFamily::Ipv6, false)], statements: vec![], verdict: wit::Verdict::Jump("pol/a/p/nowhere".into()), comment: None });
-        assert!(super::validate_policy_output(&key(), &out, &local(), PodDetection::new(&source, &v4_only)).unwrap_err().reason.contains("does not declare"));
+        out.chains[0].rules.push(wit::Rule {
+            matches: vec![pod_traffic(wit::AddressFamily::Ipv6, false)],
+            statements: vec![],
+            verdict: wit::Verdict::Jump("pol/a/p/nowhere".into()),
+            comment: None,
+        });
+        assert!(
+            super::validate_policy_output(&key(), &out, &local(), PodDetection::new(&source, &v4_only))
+                .unwrap_err()
+                .reason
+                .contains("does not declare")
+        );
     }
 
     #[test]
@@ -915,7 +1066,10 @@ mod tests {
         let c = final_rule_counters(listing);
         assert_eq!(
             c,
-            BTreeMap::from([("polpod/10.244.1.10/ingress".to_string(), (false, 7)), ("polpod/10.244.1.11/egress".to_string(), (true, 2))])
+            BTreeMap::from([
+                ("polpod/10.244.1.10/ingress".to_string(), (false, 7)),
+                ("polpod/10.244.1.11/egress".to_string(), (true, 2))
+            ])
         );
     }
 
@@ -927,17 +1081,32 @@ mod tests {
         let listing = "table inet wasmplane {\n\tchain polpod/10.244.1.10/ingress {\n\t\tcounter packets 12 bytes 720 jump pol/a/p/ingress\n\t\tcounter packets 5 bytes 300 jump pol/a/q/ingress\n\t\tlimit rate 10/second burst 20 packets log group 1001 prefix \"wasmplane-policy deny ingress 10.244.1.10\"\n\t\tcounter packets 2 bytes 120 drop comment \"deny\"\n\t}\n\tchain polpod/10.244.1.11/egress {\n\t\tjump pol/a/p/egress\n\t\tcounter packets 2 bytes 120 drop comment \"deny\"\n\t}\n\tchain polpod/10.244.1.12/egress {\n\t\tcounter packets 4 bytes 240 jump pol/a/r/egress\n\t\tcounter packets 1 bytes 60 accept comment \"audit\"\n\t}\n}\n";
         assert_eq!(
             dispatch_counts(listing, "polpod/10.244.1.10/ingress"),
-            Some(DispatchCounts { accepted: vec![("pol/a/p/ingress".into(), 7), ("pol/a/q/ingress".into(), 3)], audit: false, final_packets: 2 })
+            Some(DispatchCounts {
+                accepted: vec![("pol/a/p/ingress".into(), 7), ("pol/a/q/ingress".into(), 3)],
+                audit: false,
+                final_packets: 2
+            })
         );
-        assert_eq!(dispatch_counts(listing, "polpod/10.244.1.12/egress"), Some(DispatchCounts { accepted: vec![("pol/a/r/egress".into(), 3)], audit: true, final_packets: 1 }));
+        assert_eq!(
+            dispatch_counts(listing, "polpod/10.244.1.12/egress"),
+            Some(DispatchCounts { accepted: vec![("pol/a/r/egress".into(), 3)], audit: true, final_packets: 1 })
+        );
         assert_eq!(dispatch_counts(listing, "polpod/10.244.1.11/egress"), None, "jumps without counters");
         assert_eq!(dispatch_counts(listing, "polpod/10.244.1.13/egress"), None, "no such chain");
         // What the dispatch chain is written as is what is read back.
         let entries = [DispatchEntry { chain: "pol/a/p/ingress".into(), audit: false }];
-        let object = dispatch_object(Direction::Ingress, &addr("10.244.1.10"), &entries, Some(VerdictLog::new(1001))).unwrap();
+        let object =
+            dispatch_object(Direction::Ingress, &addr("10.244.1.10"), &entries, Some(VerdictLog::new(1001))).unwrap();
         let rules = &object.chains["polpod/10.244.1.10/ingress"];
-        let written = format!("chain polpod/10.244.1.10/ingress {{\n{}\n}}\n", rules.iter().map(|r| r.replace("counter ", "counter packets 3 bytes 9 ")).collect::<Vec<_>>().join("\n"));
-        assert_eq!(dispatch_counts(&written, "polpod/10.244.1.10/ingress"), Some(DispatchCounts { accepted: vec![("pol/a/p/ingress".into(), 0)], audit: false, final_packets: 3 }), "{written}");
+        let written = format!(
+            "chain polpod/10.244.1.10/ingress {{\n{}\n}}\n",
+            rules.iter().map(|r| r.replace("counter ", "counter packets 3 bytes 9 ")).collect::<Vec<_>>().join("\n")
+        );
+        assert_eq!(
+            dispatch_counts(&written, "polpod/10.244.1.10/ingress"),
+            Some(DispatchCounts { accepted: vec![("pol/a/p/ingress".into(), 0)], audit: false, final_packets: 3 }),
+            "{written}"
+        );
     }
 
     fn allow_policy(chains: &[(&str, &[&str])], targets: &[(Direction, &str, &str)]) -> PolicyRules {
@@ -955,34 +1124,69 @@ mod tests {
     fn allow_logging_sends_each_accept_to_the_allow_chain_of_its_direction() {
         let policy = allow_policy(
             &[
-                ("pol/a/p/ingress", &["ip saddr @pol/a/p/peers tcp dport 80 accept comment \"from web\"", "jump pol/a/p/more", "counter"]),
+                (
+                    "pol/a/p/ingress",
+                    &[
+                        "ip saddr @pol/a/p/peers tcp dport 80 accept comment \"from web\"",
+                        "jump pol/a/p/more",
+                        "counter",
+                    ],
+                ),
                 ("pol/a/p/more", &["udp dport 53 accept"]),
                 ("pol/a/p/egress", &["ip daddr 10.0.0.1 accept"]),
             ],
-            &[(Direction::Ingress, "10.244.0.5", "pol/a/p/ingress"), (Direction::Egress, "10.244.0.5", "pol/a/p/egress")],
+            &[
+                (Direction::Ingress, "10.244.0.5", "pol/a/p/ingress"),
+                (Direction::Egress, "10.244.0.5", "pol/a/p/egress"),
+            ],
         );
         let object = allow_logged_object(&key(), &policy, LOG);
         let id = PolicyLogId::of(&key());
         let (ingress, egress) = (allow_chain(id, Some(Direction::Ingress)), allow_chain(id, Some(Direction::Egress)));
-        assert_eq!(object.chains["pol/a/p/ingress"], vec![format!("ip saddr @pol/a/p/peers tcp dport 80 goto {ingress} comment \"from web\""), "jump pol/a/p/more".to_string(), "counter".to_string()]);
-        assert_eq!(object.chains["pol/a/p/more"], vec![format!("udp dport 53 goto {ingress}")], "reached from ingress only");
+        assert_eq!(
+            object.chains["pol/a/p/ingress"],
+            vec![
+                format!("ip saddr @pol/a/p/peers tcp dport 80 goto {ingress} comment \"from web\""),
+                "jump pol/a/p/more".to_string(),
+                "counter".to_string()
+            ]
+        );
+        assert_eq!(
+            object.chains["pol/a/p/more"],
+            vec![format!("udp dport 53 goto {ingress}")],
+            "reached from ingress only"
+        );
         assert_eq!(object.chains["pol/a/p/egress"], vec![format!("ip daddr 10.0.0.1 goto {egress}")]);
         // Each family's rule meters the pod (the destination of ingress), then the chain at 10×.
         let metered = |set: &str, key: &str, direction: Direction| {
-            format!("update @{set} {{ {key} limit rate 5/second burst 9 packets }} limit rate 50/second burst 90 packets log group 7 prefix \"{}\"", allow_prefix(id, Some(direction)))
+            format!(
+                "update @{set} {{ {key} limit rate 5/second burst 9 packets }} limit rate 50/second burst 90 packets log group 7 prefix \"{}\"",
+                allow_prefix(id, Some(direction))
+            )
         };
         assert_eq!(
             object.chains[&ingress],
-            [metered("policy-allow-log-ingress", "ip daddr", Direction::Ingress), metered("policy-allow-log-ingress6", "ip6 daddr", Direction::Ingress), "accept".to_string()]
+            [
+                metered("policy-allow-log-ingress", "ip daddr", Direction::Ingress),
+                metered("policy-allow-log-ingress6", "ip6 daddr", Direction::Ingress),
+                "accept".to_string()
+            ]
         );
         assert_eq!(
             object.chains[&egress],
-            [metered("policy-allow-log-egress", "ip saddr", Direction::Egress), metered("policy-allow-log-egress6", "ip6 saddr", Direction::Egress), "accept".to_string()],
+            [
+                metered("policy-allow-log-egress", "ip saddr", Direction::Egress),
+                metered("policy-allow-log-egress6", "ip6 saddr", Direction::Egress),
+                "accept".to_string()
+            ],
             "egress meters the source"
         );
         assert_eq!(object.chains.len(), 5, "{:?}", object.chains.keys());
         assert!(is_policy_object(&ingress) && ingress.len() <= 64, "{ingress}");
-        assert_eq!((object.sets.clone(), object.elements.clone()), (policy.rules.sets.clone(), policy.rules.elements.clone()));
+        assert_eq!(
+            (object.sets.clone(), object.elements.clone()),
+            (policy.rules.sets.clone(), policy.rules.elements.clone())
+        );
     }
 
     #[test]
@@ -997,18 +1201,33 @@ mod tests {
         assert_eq!(object.chains["pol/a/p/both"], vec![format!("tcp dport 443 goto {any}")]);
         assert_eq!(object.chains.len(), 2);
         // Which address is the pod's is unknown here: limited for the chain only.
-        assert_eq!(object.chains[&any], [format!("limit rate 5/second burst 9 packets log group 7 prefix \"{}\"", allow_prefix(PolicyLogId::of(&key()), None)), "accept".to_string()]);
+        assert_eq!(
+            object.chains[&any],
+            [
+                format!(
+                    "limit rate 5/second burst 9 packets log group 7 prefix \"{}\"",
+                    allow_prefix(PolicyLogId::of(&key()), None)
+                ),
+                "accept".to_string()
+            ]
+        );
     }
 
     #[test]
     fn a_policy_without_accepts_gets_no_allow_chain() {
-        let policy = allow_policy(&[("pol/a/p/ingress", &["counter", "jump pol/a/p/x"])], &[(Direction::Ingress, "10.244.0.5", "pol/a/p/ingress")]);
+        let policy = allow_policy(
+            &[("pol/a/p/ingress", &["counter", "jump pol/a/p/x"])],
+            &[(Direction::Ingress, "10.244.0.5", "pol/a/p/ingress")],
+        );
         assert_eq!(allow_logged_object(&key(), &policy, LOG), policy.rules);
     }
 
     #[test]
     fn allow_prefixes_read_back() {
-        let id = PolicyLogId::of(&ObjectKey::new("a-very-long-namespace-name-indeed", "and-a-policy-name-just-as-long-as-it-can-be"));
+        let id = PolicyLogId::of(&ObjectKey::new(
+            "a-very-long-namespace-name-indeed",
+            "and-a-policy-name-just-as-long-as-it-can-be",
+        ));
         for direction in [Some(Direction::Ingress), Some(Direction::Egress), None] {
             let prefix = allow_prefix(id, direction);
             assert!(prefix.len() < 64, "{prefix}");
@@ -1016,10 +1235,15 @@ mod tests {
         }
         assert_eq!(PolicyLogId::of(&key()), PolicyLogId::of(&key()));
         assert_ne!(PolicyLogId::of(&key()), PolicyLogId::of(&ObjectKey::new("a", "q")));
-        for bad in ["wasmplane-policy deny ingress 10.0.0.1", "wasmplane-policy allow sideways 0123456789abcdef", "wasmplane-policy allow any 0123", "wasmplane-policy allow any 0123456789abcdef extra", "other allow any 0123456789abcdef"] {
+        for bad in [
+            "wasmplane-policy deny ingress 10.0.0.1",
+            "wasmplane-policy allow sideways 0123456789abcdef",
+            "wasmplane-policy allow any 0123",
+            "wasmplane-policy allow any 0123456789abcdef extra",
+            "other allow any 0123456789abcdef",
+        ] {
             assert_eq!(parse_allow_prefix(bad), None, "{bad}");
         }
         assert_eq!(parse_verdict_prefix(&allow_prefix(id, None)), None, "an allow is no deny or audit");
     }
 }
-

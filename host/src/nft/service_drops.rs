@@ -119,7 +119,12 @@ pub fn log_rules(matches: &str, reason: ServiceDropReason, log: VerdictLog) -> V
     let separator = if matches.is_empty() { "" } else { " " };
     families
         .iter()
-        .map(|(family, set)| format!("{matches}{separator}{}", log.metered_log(set, &format!("{family} daddr . meta l4proto . th dport"), &prefix(reason))))
+        .map(|(family, set)| {
+            format!(
+                "{matches}{separator}{}",
+                log.metered_log(set, &format!("{family} daddr . meta l4proto . th dport"), &prefix(reason))
+            )
+        })
         .collect()
 }
 
@@ -139,7 +144,9 @@ pub(super) fn write_drop_chain(out: &mut String, t: super::Table, log: VerdictLo
 /// service drops. Only the no-endpoint maps hold a plain `drop`; their rejects already go to
 /// `reject-chain`.
 pub fn route_drops_through_log(rules: &mut ObjectRules) {
-    let terminal = |map: &str| SERVICE_MAPS.iter().any(|m| m.kind == MapKind::Terminal && (m.name == map || m.v6_name == Some(map)));
+    let terminal = |map: &str| {
+        SERVICE_MAPS.iter().any(|m| m.kind == MapKind::Terminal && (m.name == map || m.v6_name == Some(map)))
+    };
     for ((map, _), verdict) in rules.elements.iter_mut() {
         if verdict == "drop" && terminal(map) {
             *verdict = format_compact!("goto {DROP_CHAIN}");
@@ -164,7 +171,13 @@ mod tests {
         assert_eq!(parse_prefix("wasmplane-service source-range"), Some(ServiceDropReason::SourceRange));
         assert_eq!(parse_prefix("wasmplane-service unknown-port"), Some(ServiceDropReason::UnknownPort));
         assert_eq!(parse_prefix("wasmplane-service unallocated"), Some(ServiceDropReason::Unallocated));
-        for foreign in ["wasmplane-service", "wasmplane-service gone", "wasmplane-service no-endpoints extra", "wasmplane-policy deny ingress 10.0.0.1", "ulogd x"] {
+        for foreign in [
+            "wasmplane-service",
+            "wasmplane-service gone",
+            "wasmplane-service no-endpoints extra",
+            "wasmplane-policy deny ingress 10.0.0.1",
+            "ulogd x",
+        ] {
             assert_eq!(parse_prefix(foreign), None, "{foreign}");
         }
         // Fits the kernel's prefix (NF_LOG_PREFIXLEN, 128 with its NUL).
@@ -180,9 +193,18 @@ mod tests {
             )
         };
         let reason = ServiceDropReason::UnknownPort;
-        assert_eq!(log_rules("", reason, log), vec![metered("ip", "service-drop-log"), metered("ip6", "service-drop-log6")]);
-        assert_eq!(log_rules("ip daddr @cluster-ips", reason, log), vec![format!("ip daddr @cluster-ips {}", metered("ip", "service-drop-log"))]);
-        assert_eq!(log_rules("ip6 daddr @cluster-ips6", reason, log), vec![format!("ip6 daddr @cluster-ips6 {}", metered("ip6", "service-drop-log6"))]);
+        assert_eq!(
+            log_rules("", reason, log),
+            vec![metered("ip", "service-drop-log"), metered("ip6", "service-drop-log6")]
+        );
+        assert_eq!(
+            log_rules("ip daddr @cluster-ips", reason, log),
+            vec![format!("ip daddr @cluster-ips {}", metered("ip", "service-drop-log"))]
+        );
+        assert_eq!(
+            log_rules("ip6 daddr @cluster-ips6", reason, log),
+            vec![format!("ip6 daddr @cluster-ips6 {}", metered("ip6", "service-drop-log6"))]
+        );
         // The sets the rules name are the ones the skeleton declares.
         assert_eq!(METER_SETS.map(|(name, _)| name), ["service-drop-log", "service-drop-log6"]);
         assert!(METER_SETS.iter().all(|(_, declaration)| declaration.contains("flags dynamic,timeout")));
@@ -209,6 +231,10 @@ mod tests {
         }
         route_drops_through_log(&mut rules);
         let verdicts: Vec<&str> = rules.elements.values().map(|v| v.as_str()).collect();
-        assert_eq!(verdicts, vec!["", "goto drop-chain", "goto reject-chain", "goto drop-chain", "goto drop-chain", "goto svc/ns/a"], "{rules:?}");
+        assert_eq!(
+            verdicts,
+            vec!["", "goto drop-chain", "goto reject-chain", "goto drop-chain", "goto drop-chain", "goto svc/ns/a"],
+            "{rules:?}"
+        );
     }
 }

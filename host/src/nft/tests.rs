@@ -33,17 +33,28 @@ fn dnat_chain(name: &str, addr: &str) -> Chain {
 }
 
 fn element(map: &str, ip: &str, verdict: Verdict) -> MapElement {
-    MapElement { map_name: map.into(), key: vec![KeyPart::Address(ip.into()), KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(80)], verdict }
+    MapElement {
+        map_name: map.into(),
+        key: vec![KeyPart::Address(ip.into()), KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(80)],
+        verdict,
+    }
 }
 
 #[test]
 fn renders_valid_output() {
-    let out = ruleset(vec![dnat_chain("svc/shop/web/tcp/http", "10.244.0.11")], vec![element("service-ips", "10.96.0.20", Verdict::Goto("svc/shop/web/tcp/http".into()))]);
+    let out = ruleset(
+        vec![dnat_chain("svc/shop/web/tcp/http", "10.244.0.11")],
+        vec![element("service-ips", "10.96.0.20", Verdict::Goto("svc/shop/web/tcp/http".into()))],
+    );
     let rules = validate_service_output(&key(), &out).unwrap();
     assert_eq!(rules.chains["svc/shop/web/tcp/http"], vec!["meta l4proto tcp dnat ip to 10.244.0.11:8080".to_string()]);
     assert_eq!(rules.elements[&("service-ips".into(), "10.96.0.20 . tcp . 80".into())], "goto svc/shop/web/tcp/http");
     let text = full_transaction([&rules].into_iter(), &Stale::default(), Layout::default(), &NodeNetworks::default());
-    assert!(text.contains("add element inet wasmplane-s0 service-ips { 10.96.0.20 . tcp . 80 : goto svc/shop/web/tcp/http }"));
+    assert!(
+        text.contains(
+            "add element inet wasmplane-s0 service-ips { 10.96.0.20 . tcp . 80 : goto svc/shop/web/tcp/http }"
+        )
+    );
     let flush = text.find("flush table inet wasmplane-s0\n").unwrap();
     assert!(text.find("add map inet wasmplane-s0 service-ips ").unwrap() < flush, "maps exist before they are flushed");
     assert!(text.find("flush map inet wasmplane-s0 service-ips\n").unwrap() > flush);
@@ -51,7 +62,10 @@ fn renders_valid_output() {
 
 #[test]
 fn ipv6_keys_go_to_the_v6_map() {
-    let out = ruleset(vec![dnat_chain("svc/shop/web/tcp/http", "fd00::11")], vec![element("service-ips", "fd00:96::20", Verdict::Goto("svc/shop/web/tcp/http".into()))]);
+    let out = ruleset(
+        vec![dnat_chain("svc/shop/web/tcp/http", "fd00::11")],
+        vec![element("service-ips", "fd00:96::20", Verdict::Goto("svc/shop/web/tcp/http".into()))],
+    );
     let rules = validate_service_output(&key(), &out).unwrap();
     assert!(rules.elements.contains_key(&("service-ips6".into(), "fd00:96::20 . tcp . 80".into())));
     assert_eq!(rules.chains["svc/shop/web/tcp/http"][0], "meta l4proto tcp dnat ip6 to [fd00::11]:8080");
@@ -64,7 +78,10 @@ fn rejects_what_is_not_its_own_or_not_well_formed() {
         (ruleset(vec![dnat_chain("evil", "10.244.0.1")], vec![]), "outside"),
         (ruleset(vec![dnat_chain("svc/shop/web/x; flush ruleset", "10.244.0.1")], vec![]), "not a valid identifier"),
         (ruleset(vec![dnat_chain("svc/shop/web/x", "10.244.0.1 ; drop")], vec![]), "not an IP address"),
-        (ruleset(vec![], vec![element("service-ips", "10.96.0.20", Verdict::Goto("svc/shop/web/missing".into()))]), "does not declare"),
+        (
+            ruleset(vec![], vec![element("service-ips", "10.96.0.20", Verdict::Goto("svc/shop/web/missing".into()))]),
+            "does not declare",
+        ),
         (ruleset(vec![], vec![element("filter-input", "10.96.0.20", Verdict::Drop)]), "unknown map"),
         (ruleset(vec![], vec![element("service-ips", "10.96.0.20", Verdict::Accept)]), "cannot hold"),
         (ruleset(vec![], vec![element("no-endpoint-services", "10.96.0.0/24", Verdict::Reject)]), "not an IP address"),
@@ -78,16 +95,35 @@ fn rejects_what_is_not_its_own_or_not_well_formed() {
 #[test]
 fn delta_touches_only_what_changed_in_a_valid_order() {
     let chain = "svc/shop/web/tcp/http";
-    let old = validate_service_output(&key(), &ruleset(vec![dnat_chain(chain, "10.244.0.11"), dnat_chain("svc/shop/web/gone", "10.244.0.12")], vec![element("service-ips", "10.96.0.20", Verdict::Goto(chain.into()))])).unwrap();
-    let new = validate_service_output(&key(), &ruleset(vec![dnat_chain(chain, "10.244.0.13")], vec![element("service-ips", "10.96.0.20", Verdict::Goto(chain.into()))])).unwrap();
+    let old = validate_service_output(
+        &key(),
+        &ruleset(
+            vec![dnat_chain(chain, "10.244.0.11"), dnat_chain("svc/shop/web/gone", "10.244.0.12")],
+            vec![element("service-ips", "10.96.0.20", Verdict::Goto(chain.into()))],
+        ),
+    )
+    .unwrap();
+    let new = validate_service_output(
+        &key(),
+        &ruleset(
+            vec![dnat_chain(chain, "10.244.0.13")],
+            vec![element("service-ips", "10.96.0.20", Verdict::Goto(chain.into()))],
+        ),
+    )
+    .unwrap();
     let mut out = String::new();
     object_delta(&old, &new, &mut out, Layout::default());
     let lines: Vec<&str> = out.lines().collect();
     // The unchanged element is left alone; the changed chain is flushed and refilled; the
     // removed chain is flushed before it is deleted.
     assert!(!out.contains("element"), "{out}");
-    let pos = |needle: &str| lines.iter().position(|l| l.contains(needle)).unwrap_or_else(|| panic!("{needle} missing in {out}"));
-    assert!(pos("flush chain inet wasmplane-s0 svc/shop/web/gone") < pos("delete chain inet wasmplane-s0 svc/shop/web/gone"));
+    let pos = |needle: &str| {
+        lines.iter().position(|l| l.contains(needle)).unwrap_or_else(|| panic!("{needle} missing in {out}"))
+    };
+    assert!(
+        pos("flush chain inet wasmplane-s0 svc/shop/web/gone")
+            < pos("delete chain inet wasmplane-s0 svc/shop/web/gone")
+    );
     assert!(pos(&format!("flush chain inet wasmplane-s0 {chain}")) < pos("dnat ip to 10.244.0.13:8080"));
     let mut nothing = String::new();
     object_delta(&new, &new, &mut nothing, Layout::default());
@@ -119,7 +155,10 @@ fn skeleton_serves_node_ports_on_both_families_and_rejects_unknown_cluster_ip_po
     }
     // The check comes after the no-endpoint check (which rejects or drops on its own terms).
     let pos = |needle: &str| text.find(needle).unwrap();
-    assert!(pos("filter-forward ct state new jump endpoints-check") < pos("filter-forward ct state new jump cluster-ips-check"));
+    assert!(
+        pos("filter-forward ct state new jump endpoints-check")
+            < pos("filter-forward ct state new jump cluster-ips-check")
+    );
     assert!(!text.contains("filter-input ct state new jump cluster-ips-check"), "input is not routed on");
 }
 
@@ -129,16 +168,25 @@ fn node_ports_are_served_on_the_addresses_chosen() {
     let node_ips = [ip("203.0.113.10"), ip("192.168.56.10"), ip("fd00::10"), ip("192.168.56.11")];
     let local = [ip("127.0.0.1"), ip("192.168.56.10"), ip("10.0.0.5"), ip("::1"), ip("fd00::10"), ip("fd00:1::5")];
     assert_eq!(NodePortAddresses::All.select(&node_ips, &local), None);
-    assert_eq!(NodePortAddresses::Primary.select(&node_ips, &local), Some(vec![ip("203.0.113.10"), ip("fd00::10")]), "the first of each family");
+    assert_eq!(
+        NodePortAddresses::Primary.select(&node_ips, &local),
+        Some(vec![ip("203.0.113.10"), ip("fd00::10")]),
+        "the first of each family"
+    );
     let networks: NodePortAddresses = "192.168.0.0/16, fd00::/64,127.0.0.0/8".parse().unwrap();
-    assert_eq!(networks.select(&node_ips, &local), Some(vec![ip("192.168.56.10"), ip("fd00::10")]), "local addresses inside, never loopback");
+    assert_eq!(
+        networks.select(&node_ips, &local),
+        Some(vec![ip("192.168.56.10"), ip("fd00::10")]),
+        "local addresses inside, never loopback"
+    );
     assert_eq!("primary".parse(), Ok(NodePortAddresses::Primary));
     assert_eq!("10.0.0.1/8".parse(), Ok(NodePortAddresses::Networks(vec!["10.0.0.0/8".parse().unwrap()])));
     assert!("10.0.0.0/8,lan".parse::<NodePortAddresses>().unwrap_err().contains("\"lan\" is not a CIDR"));
     assert_eq!(NodePortAddresses::Primary.select(&[], &local), Some(vec![]), "no node address known: no node port");
 
     // Chosen addresses: every table looks them up in its own set, no route lookup.
-    let networks = NodeNetworks { node_port_ips: Some(vec![ip("192.168.56.10"), ip("fd00::10")]), ..Default::default() };
+    let networks =
+        NodeNetworks { node_port_ips: Some(vec![ip("192.168.56.10"), ip("fd00::10")]), ..Default::default() };
     let mut text = String::new();
     skeleton(&mut text, true, Layout { shards: 2 }, &networks);
     for line in [
@@ -154,7 +202,10 @@ fn node_ports_are_served_on_the_addresses_chosen() {
     // (Host ports are served on every local address whatever node ports do, as portmap's.)
     assert!(!text.lines().any(|l| l.contains("node-ports") && l.contains("fib daddr type local")), "{text}");
     let pos = |needle: &str| text.find(needle).unwrap();
-    assert!(pos("flush set inet wasmplane-s1 nodeport-ips\n") < pos("add element inet wasmplane-s1 nodeport-ips {"), "emptied before refilled");
+    assert!(
+        pos("flush set inet wasmplane-s1 nodeport-ips\n") < pos("add element inet wasmplane-s1 nodeport-ips {"),
+        "emptied before refilled"
+    );
 }
 
 fn cluster_ip(ip: &str) -> MapElement {
@@ -164,7 +215,10 @@ fn cluster_ip(ip: &str) -> MapElement {
 #[test]
 fn cluster_ips_go_to_the_host_set_only_for_addresses_the_object_serves() {
     let chain = "svc/shop/web/tcp/http";
-    let out = ruleset(vec![dnat_chain(chain, "10.244.0.11")], vec![element("service-ips", "10.96.0.20", Verdict::Goto(chain.into())), cluster_ip("10.96.0.20")]);
+    let out = ruleset(
+        vec![dnat_chain(chain, "10.244.0.11")],
+        vec![element("service-ips", "10.96.0.20", Verdict::Goto(chain.into())), cluster_ip("10.96.0.20")],
+    );
     let rules = validate_service_output(&key(), &out).unwrap();
     assert_eq!(rules.elements[&("cluster-ips".into(), "10.96.0.20".into())], "");
     let text = full_transaction([&rules].into_iter(), &Stale::default(), Layout::default(), &NodeNetworks::default());
@@ -174,17 +228,27 @@ fn cluster_ips_go_to_the_host_set_only_for_addresses_the_object_serves() {
     assert!(delta.contains("delete element inet wasmplane cluster-ips { 10.96.0.20 }\n"), "{delta}");
 
     // A service without endpoints still owns its address; IPv6 goes to the v6 set.
-    let out = ruleset(vec![], vec![element("no-endpoint-services", "fd00:96::20", Verdict::Reject), cluster_ip("fd00:96::20")]);
+    let out = ruleset(
+        vec![],
+        vec![element("no-endpoint-services", "fd00:96::20", Verdict::Reject), cluster_ip("fd00:96::20")],
+    );
     let rules = validate_service_output(&key(), &out).unwrap();
     assert!(rules.elements.contains_key(&("cluster-ips6".into(), "fd00:96::20".into())));
 
     // Claiming an address it does not serve (the node's), or with a verdict, is refused.
     for (bad, expected) in [
-        (vec![element("service-ips", "10.96.0.20", Verdict::Goto(chain.into())), cluster_ip("192.168.0.1")], "not the address of any"),
+        (
+            vec![element("service-ips", "10.96.0.20", Verdict::Goto(chain.into())), cluster_ip("192.168.0.1")],
+            "not the address of any",
+        ),
         (
             vec![
                 element("service-ips", "10.96.0.20", Verdict::Goto(chain.into())),
-                MapElement { map_name: "cluster-ips".into(), key: vec![KeyPart::Address("10.96.0.20".into())], verdict: Verdict::Drop },
+                MapElement {
+                    map_name: "cluster-ips".into(),
+                    key: vec![KeyPart::Address("10.96.0.20".into())],
+                    verdict: Verdict::Drop,
+                },
             ],
             "cannot hold",
         ),
@@ -198,10 +262,24 @@ fn cluster_ips_go_to_the_host_set_only_for_addresses_the_object_serves() {
 fn with_set(elements: &[&str], timeout: Option<u32>) -> ObjectRules {
     let chain = Chain {
         name: "svc/shop/web/from-peers".into(),
-        rules: vec![Rule { matches: vec![RuleMatch::SourceInSet("svc/shop/web/peers".into())], statements: vec![], verdict: Verdict::Accept, comment: None }],
+        rules: vec![Rule {
+            matches: vec![RuleMatch::SourceInSet("svc/shop/web/peers".into())],
+            statements: vec![],
+            verdict: Verdict::Accept,
+            comment: None,
+        }],
     };
-    let set = SetDeclaration { name: "svc/shop/web/peers".into(), family: AddressFamily::Ipv4, timeout_seconds: timeout, elements: elements.iter().map(|e| e.to_string()).collect() };
-    validate_service_output(&key(), &Ruleset { chains: vec![chain], sets: vec![set], map_elements: vec![], warnings: vec![] }).unwrap()
+    let set = SetDeclaration {
+        name: "svc/shop/web/peers".into(),
+        family: AddressFamily::Ipv4,
+        timeout_seconds: timeout,
+        elements: elements.iter().map(|e| e.to_string()).collect(),
+    };
+    validate_service_output(
+        &key(),
+        &Ruleset { chains: vec![chain], sets: vec![set], map_elements: vec![], warnings: vec![] },
+    )
+    .unwrap()
 }
 
 #[test]
@@ -233,10 +311,22 @@ fn set_elements_change_as_element_deltas() {
     let mut out = String::new();
     object_delta(&old, &new, &mut out, Layout::default());
     let lines: Vec<&str> = out.lines().collect();
-    let pos = |needle: &str| lines.iter().position(|l| l.starts_with(needle)).unwrap_or_else(|| panic!("{needle} missing in {out}"));
-    assert!(pos("flush chain inet wasmplane-s0 svc/shop/web/from-peers") < pos("delete set inet wasmplane-s0 svc/shop/web/peers"));
-    assert!(pos("delete set") < pos("add set inet wasmplane-s0 svc/shop/web/peers { type ipv4_addr; flags dynamic,timeout; timeout 30s; elements = { 10.244.0.1 }; }"));
-    assert!(pos("add set") < pos("add rule inet wasmplane-s0 svc/shop/web/from-peers ip saddr @svc/shop/web/peers accept"));
+    let pos = |needle: &str| {
+        lines.iter().position(|l| l.starts_with(needle)).unwrap_or_else(|| panic!("{needle} missing in {out}"))
+    };
+    assert!(
+        pos("flush chain inet wasmplane-s0 svc/shop/web/from-peers")
+            < pos("delete set inet wasmplane-s0 svc/shop/web/peers")
+    );
+    assert!(
+        pos("delete set")
+            < pos(
+                "add set inet wasmplane-s0 svc/shop/web/peers { type ipv4_addr; flags dynamic,timeout; timeout 30s; elements = { 10.244.0.1 }; }"
+            )
+    );
+    assert!(
+        pos("add set") < pos("add rule inet wasmplane-s0 svc/shop/web/from-peers ip saddr @svc/shop/web/peers accept")
+    );
     // The full document declares the set with its elements in one statement.
     let text = full_transaction([&new].into_iter(), &Stale::default(), Layout::default(), &NodeNetworks::default());
     assert!(text.contains("add set inet wasmplane-s0 svc/shop/web/peers { type ipv4_addr; flags dynamic,timeout; timeout 30s; elements = { 10.244.0.1 }; }"), "{text}");
@@ -259,7 +349,12 @@ fn udp_service(protocol: Protocol, endpoints: &[&str]) -> ObjectRules {
         let name = format!("{svc}/ep/{ep}/8053");
         chains.push(Chain {
             name: name.clone(),
-            rules: vec![Rule { matches: vec![RuleMatch::Protocol(protocol)], statements: vec![RuleStatement::Dnat(DnatTarget { address: ep.to_string(), port: 8053 })], verdict: Verdict::None, comment: Some("dnat to an endpoint: goto nowhere".into()) }],
+            rules: vec![Rule {
+                matches: vec![RuleMatch::Protocol(protocol)],
+                statements: vec![RuleStatement::Dnat(DnatTarget { address: ep.to_string(), port: 8053 })],
+                verdict: Verdict::None,
+                comment: Some("dnat to an endpoint: goto nowhere".into()),
+            }],
         });
         pick.push(Rule { matches: vec![], statements: vec![], verdict: Verdict::Goto(name), comment: None });
     }
@@ -267,15 +362,40 @@ fn udp_service(protocol: Protocol, endpoints: &[&str]) -> ObjectRules {
     let service_key = |ip: &str| vec![KeyPart::Address(ip.into()), KeyPart::Protocol(protocol), KeyPart::Port(53)];
     let node_port = vec![KeyPart::Protocol(protocol), KeyPart::Port(30053)];
     if endpoints.is_empty() {
-        elements.push(MapElement { map_name: "no-endpoint-services".into(), key: service_key("10.96.0.53"), verdict: Verdict::Reject });
-        elements.push(MapElement { map_name: "no-endpoint-nodeports".into(), key: node_port, verdict: Verdict::Reject });
+        elements.push(MapElement {
+            map_name: "no-endpoint-services".into(),
+            key: service_key("10.96.0.53"),
+            verdict: Verdict::Reject,
+        });
+        elements.push(MapElement {
+            map_name: "no-endpoint-nodeports".into(),
+            key: node_port,
+            verdict: Verdict::Reject,
+        });
     } else {
-        chains.push(Chain { name: format!("{svc}/external"), rules: vec![Rule { matches: vec![], statements: vec![], verdict: Verdict::Goto(svc.clone()), comment: None }] });
+        chains.push(Chain {
+            name: format!("{svc}/external"),
+            rules: vec![Rule {
+                matches: vec![],
+                statements: vec![],
+                verdict: Verdict::Goto(svc.clone()),
+                comment: None,
+            }],
+        });
         chains.push(Chain { name: svc.clone(), rules: pick });
-        elements.push(MapElement { map_name: "service-ips".into(), key: service_key("10.96.0.53"), verdict: Verdict::Goto(svc.clone()) });
-        elements.push(MapElement { map_name: "service-nodeports".into(), key: node_port, verdict: Verdict::Goto(format!("{svc}/external")) });
+        elements.push(MapElement {
+            map_name: "service-ips".into(),
+            key: service_key("10.96.0.53"),
+            verdict: Verdict::Goto(svc.clone()),
+        });
+        elements.push(MapElement {
+            map_name: "service-nodeports".into(),
+            key: node_port,
+            verdict: Verdict::Goto(format!("{svc}/external")),
+        });
     }
-    validate_service_output(&key(), &Ruleset { chains, sets: vec![], map_elements: elements, warnings: vec![] }).unwrap()
+    validate_service_output(&key(), &Ruleset { chains, sets: vec![], map_elements: elements, warnings: vec![] })
+        .unwrap()
 }
 
 #[test]
@@ -296,7 +416,10 @@ fn conntrack_cleanup_follows_the_dnat_targets_a_service_lost() {
     let two = udp_service(Protocol::Udp, &["10.244.0.11", "10.244.0.12"]);
     let one = udp_service(Protocol::Udp, &["10.244.0.11"]);
     // An endpoint goes: its flows through the cluster IP and through the node port.
-    assert_eq!(sorted(conntrack_cleanup(&two, &one)), sorted(vec![lost("10.244.0.12", Some("10.96.0.53"), 53), lost("10.244.0.12", None, 30053)]));
+    assert_eq!(
+        sorted(conntrack_cleanup(&two, &one)),
+        sorted(vec![lost("10.244.0.12", Some("10.96.0.53"), 53), lost("10.244.0.12", None, 30053)])
+    );
     assert_eq!(
         lost("10.244.0.12", Some("10.96.0.53"), 53).args().join(" "),
         "-D -f ipv4 -p udp --orig-dst 10.96.0.53 --orig-port-dst 53 --reply-src 10.244.0.12 --reply-port-src 8053"
@@ -305,19 +428,40 @@ fn conntrack_cleanup_follows_the_dnat_targets_a_service_lost() {
     assert!(conntrack_cleanup(&one, &two).is_empty());
     assert!(conntrack_cleanup(&two, &two).is_empty());
     // The service goes: every flow of it.
-    assert_eq!(sorted(conntrack_cleanup(&one, &ObjectRules::default())), sorted(vec![lost("10.244.0.11", Some("10.96.0.53"), 53), lost("10.244.0.11", None, 30053)]));
+    assert_eq!(
+        sorted(conntrack_cleanup(&one, &ObjectRules::default())),
+        sorted(vec![lost("10.244.0.11", Some("10.96.0.53"), 53), lost("10.244.0.11", None, 30053)])
+    );
     // From no endpoints to some: every flow of its addresses (made while it rejected).
     let none = udp_service(Protocol::Udp, &[]);
-    let all = |destination: Option<&str>, port| ConntrackFilter { protocol: "udp", ipv6: false, destination: destination.map(ip), port, endpoint: None };
+    let all = |destination: Option<&str>, port| ConntrackFilter {
+        protocol: "udp",
+        ipv6: false,
+        destination: destination.map(ip),
+        port,
+        endpoint: None,
+    };
     assert_eq!(sorted(conntrack_cleanup(&none, &one)), sorted(vec![all(Some("10.96.0.53"), 53), all(None, 30053)]));
     assert_eq!(all(None, 30053).args().join(" "), "-D -f ipv4 -p udp --orig-port-dst 30053");
     // ... and when they go to none, the lost endpoint's flows.
-    assert_eq!(sorted(conntrack_cleanup(&one, &none)), sorted(vec![lost("10.244.0.11", Some("10.96.0.53"), 53), lost("10.244.0.11", None, 30053)]));
+    assert_eq!(
+        sorted(conntrack_cleanup(&one, &none)),
+        sorted(vec![lost("10.244.0.11", Some("10.96.0.53"), 53), lost("10.244.0.11", None, 30053)])
+    );
     // SCTP like UDP; TCP is left alone (like kube-proxy).
-    let sctp = conntrack_cleanup(&udp_service(Protocol::Sctp, &["10.244.0.11", "10.244.0.12"]), &udp_service(Protocol::Sctp, &["10.244.0.11"]));
+    let sctp = conntrack_cleanup(
+        &udp_service(Protocol::Sctp, &["10.244.0.11", "10.244.0.12"]),
+        &udp_service(Protocol::Sctp, &["10.244.0.11"]),
+    );
     assert_eq!(sctp.len(), 2);
     assert!(sctp.iter().all(|f| f.protocol == "sctp"));
-    assert!(conntrack_cleanup(&udp_service(Protocol::Tcp, &["10.244.0.11", "10.244.0.12"]), &udp_service(Protocol::Tcp, &["10.244.0.11"])).is_empty());
+    assert!(
+        conntrack_cleanup(
+            &udp_service(Protocol::Tcp, &["10.244.0.11", "10.244.0.12"]),
+            &udp_service(Protocol::Tcp, &["10.244.0.11"])
+        )
+        .is_empty()
+    );
 }
 
 #[test]
@@ -368,7 +512,14 @@ fn a_service_keeps_all_its_names_in_one_shard_and_everything_else_in_the_main_ta
         assert_eq!(layout.element_table("nodeports6-32", "", Some(&service)), t);
         assert_eq!(layout.element_table("hairpin", "", Some(&service)), Table::MAIN);
         // Only the names `CountedKeys::set` spells are count sets.
-        for name in ["frontends-01".to_string(), "frontends-+3".into(), "frontends-0".into(), "frontends-".into(), "backends-3".into(), format!("frontends-{}", MAX_PICK + 1)] {
+        for name in [
+            "frontends-01".to_string(),
+            "frontends-+3".into(),
+            "frontends-0".into(),
+            "frontends-".into(),
+            "backends-3".into(),
+            format!("frontends-{}", MAX_PICK + 1),
+        ] {
             assert_eq!(layout.element_table(&name, "", Some(&service)), Table::MAIN, "{name}");
         }
     }
@@ -378,7 +529,11 @@ fn a_service_keeps_all_its_names_in_one_shard_and_everything_else_in_the_main_ta
         assert_eq!(layout.table_of(name), Table::MAIN);
     }
     // The same name, the same shard: the hash does not depend on the process.
-    assert_eq!(Layout { shards: 1 << 20 }.table_of("svc/default/kubernetes"), Table::shard(0x13797), "FNV-1a 64 of \"default/kubernetes\" mod 2^20");
+    assert_eq!(
+        Layout { shards: 1 << 20 }.table_of("svc/default/kubernetes"),
+        Table::shard(0x13797),
+        "FNV-1a 64 of \"default/kubernetes\" mod 2^20"
+    );
 }
 
 #[test]
@@ -387,7 +542,9 @@ fn table_names_parse_back_and_nothing_else_is_ours() {
         assert_eq!(Table::parse(&t.name()), Some(t));
         assert_eq!(t.to_string(), format!("inet {}", t.name()));
     }
-    for other in ["wasmplane-s", "wasmplane-x1", "wasmplane-s1a", "kube-proxy", "wasmplane2", "wasmplane-s007", "wasmplane-s+7"] {
+    for other in
+        ["wasmplane-s", "wasmplane-x1", "wasmplane-s1a", "kube-proxy", "wasmplane2", "wasmplane-s007", "wasmplane-s+7"]
+    {
         assert_eq!(Table::parse(other), None, "{other}");
         assert!(!is_our_table(other));
     }
@@ -396,12 +553,19 @@ fn table_names_parse_back_and_nothing_else_is_ours() {
 #[test]
 fn a_full_transaction_declares_every_shard_and_deletes_stale_tables_last() {
     let layout = Layout { shards: 2 };
-    let stale = Stale { tables: vec![Table::shard(5)], chains: vec![(Table::shard(1), "svc/a/b".into())], sets: vec![], unsharded_main: false };
+    let stale = Stale {
+        tables: vec![Table::shard(5)],
+        chains: vec![(Table::shard(1), "svc/a/b".into())],
+        sets: vec![],
+        unsharded_main: false,
+    };
     let text = full_transaction(std::iter::empty(), &stale, layout, &NodeNetworks::default());
     for t in ["inet wasmplane", "inet wasmplane-s0", "inet wasmplane-s1"] {
         assert!(text.contains(&format!("add table {t}\n")) && text.contains(&format!("flush table {t}\n")), "{t}");
     }
-    assert!(text.contains("add chain inet wasmplane-s1 nat-output { type nat hook output priority -100; policy accept; }"));
+    assert!(
+        text.contains("add chain inet wasmplane-s1 nat-output { type nat hook output priority -100; policy accept; }")
+    );
     assert!(!text.contains("add chain inet wasmplane nat-prerouting"), "the main table has no service NAT chains");
     assert!(text.ends_with("delete chain inet wasmplane-s1 svc/a/b\ndelete table inet wasmplane-s5\n"), "{text}");
 }
@@ -412,7 +576,8 @@ fn hairpin(ip: &str) -> MapElement {
 
 #[test]
 fn hairpin_endpoints_are_address_pairs_of_their_family_written_once_however_many_services_name_them() {
-    let web = validate_service_output(&key(), &ruleset(vec![], vec![hairpin("10.244.0.11"), hairpin("fd00::11")])).unwrap();
+    let web =
+        validate_service_output(&key(), &ruleset(vec![], vec![hairpin("10.244.0.11"), hairpin("fd00::11")])).unwrap();
     let both = |ip: &str| format_compact!("{ip} . {ip}");
     assert_eq!(web.elements.get(&("hairpin".into(), both("10.244.0.11"))).map(CompactString::as_str), Some(""));
     assert_eq!(web.elements.get(&("hairpin6".into(), both("fd00::11"))).map(CompactString::as_str), Some(""));
@@ -424,12 +589,25 @@ fn hairpin_endpoints_are_address_pairs_of_their_family_written_once_however_many
         let err = validate_service_output(&key(), &ruleset(vec![], vec![bad])).unwrap_err();
         assert!(err.reason.contains(why), "{err}");
     }
-    assert!(is_shared_set("hairpin") && is_shared_set("hairpin6") && !is_shared_set("cluster-ips") && !is_shared_set("service-ips"));
+    assert!(
+        is_shared_set("hairpin")
+            && is_shared_set("hairpin6")
+            && !is_shared_set("cluster-ips")
+            && !is_shared_set("service-ips")
+    );
 
     // Another service with the same pod behind it: the full transaction adds the pair once.
-    let api = validate_service_output(&ObjectKey::new("shop", "api"), &ruleset(vec![], vec![hairpin("10.244.0.11"), hairpin("10.244.0.12")])).unwrap();
-    let text = full_transaction([&web, &api].into_iter(), &Stale::default(), Layout::default(), &NodeNetworks::default());
-    assert!(text.contains("add element inet wasmplane hairpin { 10.244.0.11 . 10.244.0.11, 10.244.0.12 . 10.244.0.12 }\n"), "{text}");
+    let api = validate_service_output(
+        &ObjectKey::new("shop", "api"),
+        &ruleset(vec![], vec![hairpin("10.244.0.11"), hairpin("10.244.0.12")]),
+    )
+    .unwrap();
+    let text =
+        full_transaction([&web, &api].into_iter(), &Stale::default(), Layout::default(), &NodeNetworks::default());
+    assert!(
+        text.contains("add element inet wasmplane hairpin { 10.244.0.11 . 10.244.0.11, 10.244.0.12 . 10.244.0.12 }\n"),
+        "{text}"
+    );
     assert_eq!(text.matches("10.244.0.11 . 10.244.0.11").count(), 1, "{text}");
     // The set is declared, emptied with the table and consulted after DNAT at postrouting.
     for line in [
@@ -441,12 +619,20 @@ fn hairpin_endpoints_are_address_pairs_of_their_family_written_once_however_many
         assert!(text.contains(line), "{line} missing:\n{text}");
     }
     let pos = |s: &str| text.find(s).unwrap();
-    assert!(pos("nat-postrouting ct status dnat ip6 saddr") < pos("nat-postrouting jump masquerading"), "marked before masquerading");
+    assert!(
+        pos("nat-postrouting ct status dnat ip6 saddr") < pos("nat-postrouting jump masquerading"),
+        "marked before masquerading"
+    );
 
     // Rendered alone (replay), an object adds and deletes its pairs itself.
     let mut alone = String::new();
     object_delta(&api, &ObjectRules::default(), &mut alone, Layout::default());
-    assert!(alone.contains("delete element inet wasmplane hairpin { 10.244.0.11 . 10.244.0.11, 10.244.0.12 . 10.244.0.12 }\n"), "{alone}");
+    assert!(
+        alone.contains(
+            "delete element inet wasmplane hairpin { 10.244.0.11 . 10.244.0.11, 10.244.0.12 . 10.244.0.12 }\n"
+        ),
+        "{alone}"
+    );
     // Among other objects, their owners decide (the writer counts them).
     let mut among = String::new();
     objects_delta(&[(&api, &ObjectRules::default())], &mut among, Layout::default());
@@ -462,7 +648,11 @@ fn conntrack_cleanup_finds_dnat_targets_in_the_service_chain_itself() {
             .iter()
             .enumerate()
             .map(|(i, ep)| Rule {
-                matches: if n - (i as u32) > 1 { vec![RuleMatch::Random((n - i as u32, 0)), RuleMatch::Protocol(Protocol::Udp)] } else { vec![RuleMatch::Protocol(Protocol::Udp)] },
+                matches: if n - (i as u32) > 1 {
+                    vec![RuleMatch::Random((n - i as u32, 0)), RuleMatch::Protocol(Protocol::Udp)]
+                } else {
+                    vec![RuleMatch::Protocol(Protocol::Udp)]
+                },
                 statements: vec![RuleStatement::Dnat(DnatTarget { address: ep.to_string(), port: 8053 })],
                 verdict: Verdict::None,
                 comment: None,
@@ -473,26 +663,49 @@ fn conntrack_cleanup_finds_dnat_targets_in_the_service_chain_itself() {
         let out = Ruleset {
             chains: vec![Chain { name: svc.clone(), rules }],
             sets: vec![],
-            map_elements: vec![MapElement { map_name: "service-ips".into(), key: frontend, verdict: Verdict::Goto(svc) }],
+            map_elements: vec![MapElement {
+                map_name: "service-ips".into(),
+                key: frontend,
+                verdict: Verdict::Goto(svc),
+            }],
             warnings: vec![],
         };
         validate_service_output(&key(), &out).unwrap()
     };
-    let filters = conntrack_cleanup(&service(&["10.244.0.11", "10.244.0.12", "10.244.0.13"]), &service(&["10.244.0.11", "10.244.0.13"]));
-    let lost = ConntrackFilter { protocol: "udp", ipv6: false, destination: Some("10.96.0.53".parse().unwrap()), port: 53, endpoint: Some(("10.244.0.12".parse().unwrap(), 8053)) };
+    let filters = conntrack_cleanup(
+        &service(&["10.244.0.11", "10.244.0.12", "10.244.0.13"]),
+        &service(&["10.244.0.11", "10.244.0.13"]),
+    );
+    let lost = ConntrackFilter {
+        protocol: "udp",
+        ipv6: false,
+        destination: Some("10.96.0.53".parse().unwrap()),
+        port: 53,
+        endpoint: Some(("10.244.0.12".parse().unwrap(), 8053)),
+    };
     assert_eq!(filters, vec![lost]);
 }
 
 fn backend(frontend: &str, protocol: Protocol, port: u16, address: &str, backend_port: u16) -> MapElement {
     MapElement {
         map_name: "service-backends".into(),
-        key: vec![KeyPart::Address(frontend.into()), KeyPart::Protocol(protocol), KeyPart::Port(port), KeyPart::Address(address.into()), KeyPart::Port(backend_port)],
+        key: vec![
+            KeyPart::Address(frontend.into()),
+            KeyPart::Protocol(protocol),
+            KeyPart::Port(port),
+            KeyPart::Address(address.into()),
+            KeyPart::Port(backend_port),
+        ],
         verdict: Verdict::None,
     }
 }
 
 fn frontend_set(map: &str, ip: &str) -> MapElement {
-    MapElement { map_name: map.into(), key: vec![KeyPart::Address(ip.into()), KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(80)], verdict: Verdict::None }
+    MapElement {
+        map_name: map.into(),
+        key: vec![KeyPart::Address(ip.into()), KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(80)],
+        verdict: Verdict::None,
+    }
 }
 
 #[test]
@@ -516,7 +729,11 @@ fn backends_as_data_are_numbered_in_the_endpoint_maps_and_counted_in_the_count_s
     assert_eq!(get("service-endpoints6", "fd00:96::20 . udp . 53 . 0"), Some("fd00::11 . 5353"));
     assert_eq!(get("service-ips6", "fd00:96::20 . udp . 53"), Some("goto pick-by-count6"));
     assert_eq!(get("frontends6-1", "fd00:96::20 . udp . 53"), Some(""));
-    assert_eq!(rules.elements.keys().filter(|(map, _)| map.starts_with("frontends")).count(), 2, "one count per frontend");
+    assert_eq!(
+        rules.elements.keys().filter(|(map, _)| map.starts_with("frontends")).count(),
+        2,
+        "one count per frontend"
+    );
     assert_eq!(get("masquerade-off-cluster", "10.96.0.20 . tcp . 80"), Some(""));
     assert!(rules.is_sharded() && rules.chains.is_empty());
 
@@ -525,13 +742,22 @@ fn backends_as_data_are_numbered_in_the_endpoint_maps_and_counted_in_the_count_s
     let shard = layout.table_of("svc/shop/web");
     let cidrs: Vec<IpNet> = vec!["10.244.0.0/16".parse().unwrap(), "fd00:10:244::/56".parse().unwrap()];
     let service_cidrs: Vec<IpNet> = vec!["10.96.0.0/12".parse().unwrap(), "fd00:96::/108".parse().unwrap()];
-    let text = full_transaction([&rules].into_iter(), &Stale::default(), layout, &NodeNetworks { cluster_cidrs: cidrs, service_cidrs, ..Default::default() });
+    let text = full_transaction(
+        [&rules].into_iter(),
+        &Stale::default(),
+        layout,
+        &NodeNetworks { cluster_cidrs: cidrs, service_cidrs, ..Default::default() },
+    );
     for line in [
         format!("add set {shard} frontends-{MAX_PICK} {{ type ipv4_addr . inet_proto . inet_service; }}"),
         format!("flush set {shard} frontends6-1"),
         format!("add rule {shard} pick-by-count ip daddr . meta l4proto . th dport @frontends-1 goto pick-1"),
-        format!("add rule {shard} pick-by-count6 ip6 daddr . meta l4proto . th dport @frontends6-{MAX_PICK} goto pick-{MAX_PICK}"),
-        format!("add rule {shard} pick-2 dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 2 map @service-endpoints"),
+        format!(
+            "add rule {shard} pick-by-count6 ip6 daddr . meta l4proto . th dport @frontends6-{MAX_PICK} goto pick-{MAX_PICK}"
+        ),
+        format!(
+            "add rule {shard} pick-2 dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 2 map @service-endpoints"
+        ),
         format!("add rule {shard} pick-{MAX_PICK} jump masquerade-check"),
         format!("add element {shard} cluster-cidrs {{ 10.244.0.0/16 }}"),
         format!("add element {shard} cluster-cidrs6 {{ fd00:10:244::/56 }}"),
@@ -550,51 +776,94 @@ fn backends_as_data_are_numbered_in_the_endpoint_maps_and_counted_in_the_count_s
     ] {
         assert!(has_element(&text, &shard.to_string(), set, element), "{set}: {element} missing");
     }
-    assert!(!text.contains(&format!("pick-{} ", MAX_PICK + 1)) && !text.contains(&format!("frontends-{} ", MAX_PICK + 1)));
+    assert!(
+        !text.contains(&format!("pick-{} ", MAX_PICK + 1)) && !text.contains(&format!("frontends-{} ", MAX_PICK + 1))
+    );
     // The smallest count is tried first: a frontend of N backends costs a new connection N
     // set lookups.
     assert!(text.find("@frontends-1 goto pick-1\n") < text.find("@frontends-2 goto pick-2\n"));
     // An endpoint change is element deltas only: one number's backend, no chain touched.
-    let out = ruleset(vec![], vec![backend("10.96.0.20", Protocol::Tcp, 80, "10.244.0.11", 8080), backend("10.96.0.20", Protocol::Tcp, 80, "10.244.0.13", 8080)]);
+    let out = ruleset(
+        vec![],
+        vec![
+            backend("10.96.0.20", Protocol::Tcp, 80, "10.244.0.11", 8080),
+            backend("10.96.0.20", Protocol::Tcp, 80, "10.244.0.13", 8080),
+        ],
+    );
     let next = validate_service_output(&key(), &out).unwrap();
     let mut delta = String::new();
     objects_delta(&[(&rules, &next)], &mut delta, layout);
-    assert!(delta.contains(&format!("delete element {shard} service-endpoints {{ 10.96.0.20 . tcp . 80 . 1 }}")), "{delta}");
-    assert!(delta.contains(&format!("add element {shard} service-endpoints {{ 10.96.0.20 . tcp . 80 . 1 : 10.244.0.13 . 8080 }}")), "{delta}");
+    assert!(
+        delta.contains(&format!("delete element {shard} service-endpoints {{ 10.96.0.20 . tcp . 80 . 1 }}")),
+        "{delta}"
+    );
+    assert!(
+        delta.contains(&format!(
+            "add element {shard} service-endpoints {{ 10.96.0.20 . tcp . 80 . 1 : 10.244.0.13 . 8080 }}"
+        )),
+        "{delta}"
+    );
     assert!(!delta.contains("chain") && !delta.contains("service-ips {"), "{delta}");
 
     // Scaling is element deltas of plain sets: the frontend moves from one count set to the
     // next, and no element with a goto is written (it would make the kernel validate the
     // whole table: see `CountedKeys`).
-    let out = ruleset(vec![], ["10.244.0.11", "10.244.0.12", "10.244.0.13"].map(|b| backend("10.96.0.20", Protocol::Tcp, 80, b, 8080)).to_vec());
+    let out = ruleset(
+        vec![],
+        ["10.244.0.11", "10.244.0.12", "10.244.0.13"]
+            .map(|b| backend("10.96.0.20", Protocol::Tcp, 80, b, 8080))
+            .to_vec(),
+    );
     let scaled = validate_service_output(&key(), &out).unwrap();
     let mut delta = String::new();
     objects_delta(&[(&next, &scaled)], &mut delta, layout);
     assert!(delta.contains(&format!("delete element {shard} frontends-2 {{ 10.96.0.20 . tcp . 80 }}")), "{delta}");
     assert!(delta.contains(&format!("add element {shard} frontends-3 {{ 10.96.0.20 . tcp . 80 }}")), "{delta}");
-    assert!(delta.contains(&format!("add element {shard} service-endpoints {{ 10.96.0.20 . tcp . 80 . 2 : 10.244.0.13 . 8080 }}")), "{delta}");
+    assert!(
+        delta.contains(&format!(
+            "add element {shard} service-endpoints {{ 10.96.0.20 . tcp . 80 . 2 : 10.244.0.13 . 8080 }}"
+        )),
+        "{delta}"
+    );
     assert!(!delta.contains("goto") && !delta.contains("jump") && !delta.contains("chain"), "{delta}");
 }
 
 #[test]
 fn a_full_transaction_writes_each_set_and_map_in_one_statement() {
     let service = |name: &str, ip: &str| {
-        let out = ruleset(vec![], ["10.244.0.11", "10.244.0.12"].map(|b| backend(ip, Protocol::Tcp, 80, b, 8080)).to_vec());
+        let out =
+            ruleset(vec![], ["10.244.0.11", "10.244.0.12"].map(|b| backend(ip, Protocol::Tcp, 80, b, 8080)).to_vec());
         validate_service_output(&ObjectKey::new("shop", name), &out).unwrap()
     };
     let (web, api) = (service("web", "10.96.0.20"), service("api", "10.96.0.21"));
-    let text = full_transaction([&web, &api].into_iter(), &Stale::default(), Layout::default(), &NodeNetworks::default());
-    let statements = |set: &str| -> Vec<&str> { text.lines().filter(|l| l.starts_with(&format!("add element inet wasmplane-s0 {set} "))).collect() };
-    assert_eq!(statements("frontends-2"), ["add element inet wasmplane-s0 frontends-2 { 10.96.0.20 . tcp . 80, 10.96.0.21 . tcp . 80 }"]);
+    let text =
+        full_transaction([&web, &api].into_iter(), &Stale::default(), Layout::default(), &NodeNetworks::default());
+    let statements = |set: &str| -> Vec<&str> {
+        text.lines().filter(|l| l.starts_with(&format!("add element inet wasmplane-s0 {set} "))).collect()
+    };
+    assert_eq!(
+        statements("frontends-2"),
+        ["add element inet wasmplane-s0 frontends-2 { 10.96.0.20 . tcp . 80, 10.96.0.21 . tcp . 80 }"]
+    );
     assert_eq!(
         statements("service-ips"),
-        ["add element inet wasmplane-s0 service-ips { 10.96.0.20 . tcp . 80 : goto pick-by-count, 10.96.0.21 . tcp . 80 : goto pick-by-count }"]
+        [
+            "add element inet wasmplane-s0 service-ips { 10.96.0.20 . tcp . 80 : goto pick-by-count, 10.96.0.21 . tcp . 80 : goto pick-by-count }"
+        ]
     );
     let endpoints = statements("service-endpoints");
     assert_eq!(endpoints.len(), 1, "{endpoints:?}");
     for ip in ["10.96.0.20", "10.96.0.21"] {
         for (n, backend) in [(0, "10.244.0.11"), (1, "10.244.0.12")] {
-            assert!(has_element(&text, "inet wasmplane-s0", "service-endpoints", &format!("{ip} . tcp . 80 . {n} : {backend} . 8080")), "{ip} #{n}: {endpoints:?}");
+            assert!(
+                has_element(
+                    &text,
+                    "inet wasmplane-s0",
+                    "service-endpoints",
+                    &format!("{ip} . tcp . 80 . {n} : {backend} . 8080")
+                ),
+                "{ip} #{n}: {endpoints:?}"
+            );
         }
     }
 }
@@ -602,18 +871,33 @@ fn a_full_transaction_writes_each_set_and_map_in_one_statement() {
 /// Whether a statement `add element {table} {set} { … }` of `text` holds `element`.
 pub(crate) fn has_element(text: &str, table: &str, set: &str, element: &str) -> bool {
     let opening = format!("add element {table} {set} {{ ");
-    text.lines().filter_map(|l| l.strip_prefix(&opening)?.strip_suffix(" }")).any(|body| body.split(", ").any(|e| e == element))
+    text.lines()
+        .filter_map(|l| l.strip_prefix(&opening)?.strip_suffix(" }"))
+        .any(|body| body.split(", ").any(|e| e == element))
 }
 
 #[test]
 fn backends_as_data_are_refused_when_they_do_not_add_up() {
-    let too_many: Vec<MapElement> = (0..=MAX_PICK).map(|i| backend("10.96.0.20", Protocol::Tcp, 80, &format!("10.244.1.{i}"), 8080)).collect();
+    let too_many: Vec<MapElement> =
+        (0..=MAX_PICK).map(|i| backend("10.96.0.20", Protocol::Tcp, 80, &format!("10.244.1.{i}"), 8080)).collect();
     for (elements, why) in [
         (too_many, "limit"),
         (vec![backend("10.96.0.20", Protocol::Tcp, 80, "fd00::11", 8080)], "another address family"),
-        (vec![backend("10.96.0.20", Protocol::Tcp, 80, "10.244.0.11", 8080), element("service-ips", "10.96.0.20", Verdict::Reject)], "cannot hold verdict"),
+        (
+            vec![
+                backend("10.96.0.20", Protocol::Tcp, 80, "10.244.0.11", 8080),
+                element("service-ips", "10.96.0.20", Verdict::Reject),
+            ],
+            "cannot hold verdict",
+        ),
         (vec![frontend_set("masquerade-always", "10.96.0.99")], "not a frontend of this object"),
-        (vec![MapElement { verdict: Verdict::Accept, ..backend("10.96.0.20", Protocol::Tcp, 80, "10.244.0.11", 8080) }], "wrong shape"),
+        (
+            vec![MapElement {
+                verdict: Verdict::Accept,
+                ..backend("10.96.0.20", Protocol::Tcp, 80, "10.244.0.11", 8080)
+            }],
+            "wrong shape",
+        ),
     ] {
         let err = validate_service_output(&key(), &ruleset(vec![], elements)).unwrap_err();
         assert!(err.reason.contains(why), "{why}: {err}");
@@ -621,7 +905,10 @@ fn backends_as_data_are_refused_when_they_do_not_add_up() {
     // The frontend named both ways.
     let both = ruleset(
         vec![dnat_chain("svc/shop/web/tcp/http", "10.244.0.11")],
-        vec![backend("10.96.0.20", Protocol::Tcp, 80, "10.244.0.11", 8080), element("service-ips", "10.96.0.20", Verdict::Goto("svc/shop/web/tcp/http".into()))],
+        vec![
+            backend("10.96.0.20", Protocol::Tcp, 80, "10.244.0.11", 8080),
+            element("service-ips", "10.96.0.20", Verdict::Goto("svc/shop/web/tcp/http".into())),
+        ],
     );
     assert!(validate_service_output(&key(), &both).unwrap_err().reason.contains("given twice"));
 }
@@ -629,7 +916,12 @@ fn backends_as_data_are_refused_when_they_do_not_add_up() {
 fn node_port_backend(port: u16, address: &str, backend_port: u16) -> MapElement {
     MapElement {
         map_name: "nodeport-backends".into(),
-        key: vec![KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(port), KeyPart::Address(address.into()), KeyPart::Port(backend_port)],
+        key: vec![
+            KeyPart::Protocol(Protocol::Tcp),
+            KeyPart::Port(port),
+            KeyPart::Address(address.into()),
+            KeyPart::Port(backend_port),
+        ],
         verdict: Verdict::None,
     }
 }
@@ -671,7 +963,9 @@ fn node_port_backends_are_numbered_per_family_and_dispatched_by_the_host() {
         format!("add rule {shard} nodeport-pick-by-count meta l4proto . th dport @nodeports-2 goto nodeport-pick-2"),
         format!("add rule {shard} nodeport-pick-by-count6 meta l4proto . th dport @nodeports6-1 goto nodeport-pick-1"),
         format!("add rule {shard} nodeport-pick-2 jump mark-for-masquerade"),
-        format!("add rule {shard} nodeport-pick-2 meta nfproto ipv4 dnat ip to meta l4proto . th dport . numgen random mod 2 map @nodeport-endpoints"),
+        format!(
+            "add rule {shard} nodeport-pick-2 meta nfproto ipv4 dnat ip to meta l4proto . th dport . numgen random mod 2 map @nodeport-endpoints"
+        ),
     ] {
         assert!(text.contains(&line), "{line} missing");
     }
@@ -679,21 +973,37 @@ fn node_port_backends_are_numbered_per_family_and_dispatched_by_the_host() {
     assert!(has_element(&text, &shard.to_string(), "service-nodeports", "tcp . 30080 : goto nodeport-dispatch"));
 
     // A backend change is element deltas only.
-    let out = ruleset(vec![], vec![node_port_backend(30080, "10.244.0.11", 8080), node_port_backend(30080, "10.244.0.13", 8080), node_port_backend(30080, "fd00::11", 8080), node_port_backend(30081, "10.244.0.11", 9090)]);
+    let out = ruleset(
+        vec![],
+        vec![
+            node_port_backend(30080, "10.244.0.11", 8080),
+            node_port_backend(30080, "10.244.0.13", 8080),
+            node_port_backend(30080, "fd00::11", 8080),
+            node_port_backend(30081, "10.244.0.11", 9090),
+        ],
+    );
     let next = validate_service_output(&key(), &out).unwrap();
     let mut delta = String::new();
     objects_delta(&[(&rules, &next)], &mut delta, layout);
-    assert!(delta.contains(&format!("add element {shard} nodeport-endpoints {{ tcp . 30080 . 1 : 10.244.0.13 . 8080 }}")), "{delta}");
+    assert!(
+        delta.contains(&format!("add element {shard} nodeport-endpoints {{ tcp . 30080 . 1 : 10.244.0.13 . 8080 }}")),
+        "{delta}"
+    );
     assert!(!delta.contains("chain") && !delta.contains("picks"), "{delta}");
 
     // Too many of one family, and the port named both ways, are refused.
-    let too_many: Vec<MapElement> = (0..=MAX_PICK).map(|i| node_port_backend(30080, &format!("10.244.1.{i}"), 8080)).collect();
+    let too_many: Vec<MapElement> =
+        (0..=MAX_PICK).map(|i| node_port_backend(30080, &format!("10.244.1.{i}"), 8080)).collect();
     assert!(validate_service_output(&key(), &ruleset(vec![], too_many)).unwrap_err().reason.contains("limit"));
     let both = ruleset(
         vec![dnat_chain("svc/shop/web/tcp/http", "10.244.0.11")],
         vec![
             node_port_backend(30080, "10.244.0.11", 8080),
-            MapElement { map_name: "service-nodeports".into(), key: vec![KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(30080)], verdict: Verdict::Goto("svc/shop/web/tcp/http".into()) },
+            MapElement {
+                map_name: "service-nodeports".into(),
+                key: vec![KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(30080)],
+                verdict: Verdict::Goto("svc/shop/web/tcp/http".into()),
+            },
         ],
     );
     assert!(validate_service_output(&key(), &both).unwrap_err().reason.contains("given twice"));
@@ -706,14 +1016,28 @@ fn node_port_udp_backends_gone_clean_up_their_flows() {
             .iter()
             .map(|b| MapElement {
                 map_name: "nodeport-backends".into(),
-                key: vec![KeyPart::Protocol(Protocol::Udp), KeyPart::Port(30053), KeyPart::Address((*b).into()), KeyPart::Port(53)],
+                key: vec![
+                    KeyPart::Protocol(Protocol::Udp),
+                    KeyPart::Port(30053),
+                    KeyPart::Address((*b).into()),
+                    KeyPart::Port(53),
+                ],
                 verdict: Verdict::None,
             })
             .collect();
         validate_service_output(&key(), &ruleset(vec![], elements)).unwrap()
     };
     let filters = conntrack_cleanup(&service(&["10.244.0.11", "10.244.0.12"]), &service(&["10.244.0.11"]));
-    assert_eq!(filters, vec![ConntrackFilter { protocol: "udp", ipv6: false, destination: None, port: 30053, endpoint: Some(("10.244.0.12".parse().unwrap(), 53)) }]);
+    assert_eq!(
+        filters,
+        vec![ConntrackFilter {
+            protocol: "udp",
+            ipv6: false,
+            destination: None,
+            port: 30053,
+            endpoint: Some(("10.244.0.12".parse().unwrap(), 53))
+        }]
+    );
 }
 
 fn affinity(seconds: u32, ip: &str) -> MapElement {
@@ -721,7 +1045,11 @@ fn affinity(seconds: u32, ip: &str) -> MapElement {
 }
 
 fn node_port_affinity(seconds: u32, port: u16) -> MapElement {
-    MapElement { map_name: format!("nodeport-affinity-{seconds}"), key: vec![KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(port)], verdict: Verdict::None }
+    MapElement {
+        map_name: format!("nodeport-affinity-{seconds}"),
+        key: vec![KeyPart::Protocol(Protocol::Tcp), KeyPart::Port(port)],
+        verdict: Verdict::None,
+    }
 }
 
 #[test]
@@ -750,8 +1078,18 @@ fn session_affinity_as_data_goes_to_the_by_count_chain_of_its_timeout() {
     let layout = Layout { shards: 4 };
     let shard = layout.table_of("svc/shop/web");
     let classes: BTreeSet<(Table, AffinityClass)> = affinity_classes(&rules, layout).collect();
-    assert_eq!(classes, [(shard, AffinityClass { node_port: false, seconds: 10800 }), (shard, AffinityClass { node_port: true, seconds: 30 })].into());
-    assert_eq!(AffinityPick::parse("nodeport-affinity-30-pick-1").map(|p| p.class()), Some(AffinityClass { node_port: true, seconds: 30 }));
+    assert_eq!(
+        classes,
+        [
+            (shard, AffinityClass { node_port: false, seconds: 10800 }),
+            (shard, AffinityClass { node_port: true, seconds: 30 })
+        ]
+        .into()
+    );
+    assert_eq!(
+        AffinityPick::parse("nodeport-affinity-30-pick-1").map(|p| p.class()),
+        Some(AffinityClass { node_port: true, seconds: 30 })
+    );
     let text = full_transaction([&rules].into_iter(), &Stale::default(), layout, &NodeNetworks::default());
     let chain = "affinity-10800-pick-2";
     for line in [
@@ -760,37 +1098,72 @@ fn session_affinity_as_data_goes_to_the_by_count_chain_of_its_timeout() {
         format!("add rule {shard} {chain} jump affinity-10800-lookup"),
         format!("add rule {shard} {chain} numgen random mod 2 == 0 goto affinity-10800-slot-0"),
         format!("add rule {shard} {chain} goto affinity-10800-slot-1"),
-        format!("add rule {shard} affinity-10800-lookup meta nfproto ipv4 ip saddr . ip daddr . meta l4proto . th dport @affinity-slot-1 goto affinity-10800-slot-1"),
-        format!("add rule {shard} affinity-10800-lookup meta nfproto ipv6 ip6 saddr . ip6 daddr . meta l4proto . th dport @affinity6-slot-31 goto affinity-10800-slot-31"),
+        format!(
+            "add rule {shard} affinity-10800-lookup meta nfproto ipv4 ip saddr . ip daddr . meta l4proto . th dport @affinity-slot-1 goto affinity-10800-slot-1"
+        ),
+        format!(
+            "add rule {shard} affinity-10800-lookup meta nfproto ipv6 ip6 saddr . ip6 daddr . meta l4proto . th dport @affinity6-slot-31 goto affinity-10800-slot-31"
+        ),
         // The slot chain records the client (the timeout restarts) and DNATs.
-        format!("add rule {shard} affinity-10800-slot-1 meta nfproto ipv4 update @affinity-slot-1 {{ ip saddr . ip daddr . meta l4proto . th dport timeout 10800s }} dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 1 offset 1 map @service-endpoints"),
-        format!("add rule {shard} affinity-10800-slot-0 meta nfproto ipv6 update @affinity6-slot-0 {{ ip6 saddr . ip6 daddr . meta l4proto . th dport timeout 10800s }} dnat ip6 to ip6 daddr . meta l4proto . th dport . numgen random mod 1 offset 0 map @service-endpoints6"),
+        format!(
+            "add rule {shard} affinity-10800-slot-1 meta nfproto ipv4 update @affinity-slot-1 {{ ip saddr . ip daddr . meta l4proto . th dport timeout 10800s }} dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 1 offset 1 map @service-endpoints"
+        ),
+        format!(
+            "add rule {shard} affinity-10800-slot-0 meta nfproto ipv6 update @affinity6-slot-0 {{ ip6 saddr . ip6 daddr . meta l4proto . th dport timeout 10800s }} dnat ip6 to ip6 daddr . meta l4proto . th dport . numgen random mod 1 offset 0 map @service-endpoints6"
+        ),
         format!("add rule {shard} nodeport-affinity-30-pick-1 jump mark-for-masquerade"),
-        format!("add rule {shard} nodeport-affinity-30-slot-0 meta nfproto ipv4 update @affinity-slot-0 {{ ip saddr . ip daddr . meta l4proto . th dport timeout 30s }} dnat ip to meta l4proto . th dport . numgen random mod 1 offset 0 map @nodeport-endpoints"),
+        format!(
+            "add rule {shard} nodeport-affinity-30-slot-0 meta nfproto ipv4 update @affinity-slot-0 {{ ip saddr . ip daddr . meta l4proto . th dport timeout 30s }} dnat ip to meta l4proto . th dport . numgen random mod 1 offset 0 map @nodeport-endpoints"
+        ),
         // Every count of a timeout in use, so that a frontend scaling changes its count set.
         format!("add rule {shard} affinity-10800-pick-{MAX_PICK} jump masquerade-check"),
-        format!("add rule {shard} affinity-10800-pick-by-count ip daddr . meta l4proto . th dport @frontends-2 goto affinity-10800-pick-2"),
-        format!("add rule {shard} affinity-10800-pick-by-count6 ip6 daddr . meta l4proto . th dport @frontends6-1 goto affinity-10800-pick-1"),
-        format!("add rule {shard} nodeport-affinity-30-pick-by-count6 meta l4proto . th dport @nodeports6-{MAX_PICK} goto nodeport-affinity-30-pick-{MAX_PICK}"),
-        format!("add set {shard} affinity-slot-{} {{ typeof ip saddr . ip daddr . meta l4proto . th dport; size 262144; flags dynamic,timeout; }}", MAX_PICK - 1),
+        format!(
+            "add rule {shard} affinity-10800-pick-by-count ip daddr . meta l4proto . th dport @frontends-2 goto affinity-10800-pick-2"
+        ),
+        format!(
+            "add rule {shard} affinity-10800-pick-by-count6 ip6 daddr . meta l4proto . th dport @frontends6-1 goto affinity-10800-pick-1"
+        ),
+        format!(
+            "add rule {shard} nodeport-affinity-30-pick-by-count6 meta l4proto . th dport @nodeports6-{MAX_PICK} goto nodeport-affinity-30-pick-{MAX_PICK}"
+        ),
+        format!(
+            "add set {shard} affinity-slot-{} {{ typeof ip saddr . ip daddr . meta l4proto . th dport; size 262144; flags dynamic,timeout; }}",
+            MAX_PICK - 1
+        ),
     ] {
         assert!(text.contains(&line), "{line} missing");
     }
     // The chains are declared before the element that goes to them.
     assert!(text.find(&format!("add chain {shard} {chain}")) < text.find(&format!("add element {shard} service-ips")));
-    assert!(text.find(&format!("add chain {shard} affinity-10800-pick-by-count\n")) < text.find(&format!("add element {shard} service-ips")));
+    assert!(
+        text.find(&format!("add chain {shard} affinity-10800-pick-by-count\n"))
+            < text.find(&format!("add element {shard} service-ips"))
+    );
     // Clients are remembered across full syncs: the slot sets are never flushed.
     assert!(!text.lines().any(|l| l.starts_with("flush set") && l.contains("affinity-slot")));
     // The chains are the host's, named for what they do, and nothing else parses as one.
-    assert!(!is_static_chain(chain) && !is_static_chain("nodeport-affinity-30-lookup") && !is_static_chain("affinity-30-slot-31") && is_static_chain("pick-2"));
+    assert!(
+        !is_static_chain(chain)
+            && !is_static_chain("nodeport-affinity-30-lookup")
+            && !is_static_chain("affinity-30-slot-31")
+            && is_static_chain("pick-2")
+    );
     assert_eq!(AffinityClass::of_chain("affinity-30-slot-31"), Some(AffinityClass { node_port: false, seconds: 30 }));
     assert_eq!(AffinityClass::of_chain("affinity-30-slot-32"), None);
-    assert_eq!(AffinityClass::of_chain("nodeport-affinity-30-lookup"), Some(AffinityClass { node_port: true, seconds: 30 }));
+    assert_eq!(
+        AffinityClass::of_chain("nodeport-affinity-30-lookup"),
+        Some(AffinityClass { node_port: true, seconds: 30 })
+    );
     assert_eq!(AffinityClass::of_chain("affinity-30-lookups"), None);
-    assert_eq!(AffinityClass::of_chain("nodeport-affinity-30-pick-by-count6"), Some(AffinityClass { node_port: true, seconds: 30 }));
+    assert_eq!(
+        AffinityClass::of_chain("nodeport-affinity-30-pick-by-count6"),
+        Some(AffinityClass { node_port: true, seconds: 30 })
+    );
     assert_eq!(AffinityClass::of_chain("affinity-30-pick-by-count7"), None);
     assert!(is_static_chain("pick-by-count6") && !is_static_chain("affinity-30-pick-by-count"));
-    for name in ["affinity-0-pick-2", "affinity-10800-pick-33", "affinity-10800-pick-02", "affinity-x-pick-2", "svc/shop/web"] {
+    for name in
+        ["affinity-0-pick-2", "affinity-10800-pick-33", "affinity-10800-pick-02", "affinity-x-pick-2", "svc/shop/web"]
+    {
         assert_eq!(AffinityPick::parse(name), None, "{name}");
     }
 }
@@ -817,12 +1190,18 @@ fn session_affinity_is_refused_when_it_does_not_add_up() {
 #[test]
 fn backends_with_affinity_keep_their_numbers_across_changes() {
     let service = |backends: &[&str]| {
-        let mut elements: Vec<MapElement> = backends.iter().map(|b| backend("10.96.0.20", Protocol::Tcp, 80, b, 8080)).collect();
+        let mut elements: Vec<MapElement> =
+            backends.iter().map(|b| backend("10.96.0.20", Protocol::Tcp, 80, b, 8080)).collect();
         elements.push(affinity(10800, "10.96.0.20"));
         validate_service_output(&key(), &ruleset(vec![], elements)).unwrap()
     };
     let numbered = |rules: &ObjectRules| -> Vec<String> {
-        (0..).map_while(|i| rules.elements.get(&("service-endpoints".into(), format_compact!("10.96.0.20 . tcp . 80 . {i}")))).map(|b| b[..11].to_string()).collect()
+        (0..)
+            .map_while(|i| {
+                rules.elements.get(&("service-endpoints".into(), format_compact!("10.96.0.20 . tcp . 80 . {i}")))
+            })
+            .map(|b| b[..11].to_string())
+            .collect()
     };
     let old = service(&["10.244.0.11", "10.244.0.12", "10.244.0.13"]);
     // .12 goes, .14 comes: .14 takes its number, .11 and .13 keep theirs (in order: .11 .13 .14).
@@ -841,14 +1220,31 @@ fn backends_with_affinity_keep_their_numbers_across_changes() {
     keep_affinity_slots(&new, &mut more);
     assert_eq!(numbered(&more), ["10.244.0.11", "10.244.0.14", "10.244.0.13", "10.244.0.10"]);
     // Without affinity, numbers stay in order.
-    let plain = |backends: &[&str]| validate_service_output(&key(), &ruleset(vec![], backends.iter().map(|b| backend("10.96.0.20", Protocol::Tcp, 80, b, 8080)).collect())).unwrap();
+    let plain = |backends: &[&str]| {
+        validate_service_output(
+            &key(),
+            &ruleset(vec![], backends.iter().map(|b| backend("10.96.0.20", Protocol::Tcp, 80, b, 8080)).collect()),
+        )
+        .unwrap()
+    };
     let mut next = plain(&["10.244.0.11", "10.244.0.13", "10.244.0.14"]);
     keep_affinity_slots(&old, &mut next);
     assert_eq!(numbered(&next), ["10.244.0.11", "10.244.0.13", "10.244.0.14"]);
 }
 
-fn container_port(protocol: wasmplane_model::Protocol, port: u16, host_port: Option<u16>, host_ip: Option<&str>) -> wasmplane_model::ContainerPort {
-    wasmplane_model::ContainerPort { name: Default::default(), protocol, port, host_port, host_ip: host_ip.map(Into::into) }
+fn container_port(
+    protocol: wasmplane_model::Protocol,
+    port: u16,
+    host_port: Option<u16>,
+    host_ip: Option<&str>,
+) -> wasmplane_model::ContainerPort {
+    wasmplane_model::ContainerPort {
+        name: Default::default(),
+        protocol,
+        port,
+        host_port,
+        host_ip: host_ip.map(Into::into),
+    }
 }
 
 /// A pod of node-a with `ips` and `ports`.
@@ -909,7 +1305,10 @@ fn host_ports_are_dnat_elements_per_family_of_a_host_ip_or_any_address_with_the_
     // A pod that comes and goes is element statements only, and the netlink writer takes them.
     let mut added = String::new();
     object_delta(&ObjectRules::default(), &rules, &mut added, Layout::default());
-    assert!(added.contains("add element inet wasmplane hostports-any { tcp . 18080 : 10.244.0.11 . 8080 }\n"), "{added}");
+    assert!(
+        added.contains("add element inet wasmplane hostports-any { tcp . 18080 : 10.244.0.11 . 8080 }\n"),
+        "{added}"
+    );
     assert!(added.lines().all(|l| l.starts_with("add element inet wasmplane ")), "{added}");
     let mut removed = String::new();
     object_delta(&rules, &ObjectRules::default(), &mut removed, Layout::default());
@@ -926,14 +1325,33 @@ fn host_ports_need_a_pod_on_this_node_off_the_host_network_with_an_address_of_th
     let pod = pod_with(&["10.244.0.11"], any());
     assert!(hostport_rules(&pod, "node-a").is_some());
     assert_eq!(hostport_rules(&pod, "node-b"), None, "another node's pod");
-    assert_eq!(hostport_rules(&wasmplane_model::Pod { node_name: None, ..pod.clone() }, "node-a"), None, "a pod not scheduled");
-    assert_eq!(hostport_rules(&wasmplane_model::Pod { host_network: true, ..pod.clone() }, "node-a"), None, "the pod listens on the node itself");
+    assert_eq!(
+        hostport_rules(&wasmplane_model::Pod { node_name: None, ..pod.clone() }, "node-a"),
+        None,
+        "a pod not scheduled"
+    );
+    assert_eq!(
+        hostport_rules(&wasmplane_model::Pod { host_network: true, ..pod.clone() }, "node-a"),
+        None,
+        "the pod listens on the node itself"
+    );
     assert_eq!(hostport_rules(&pod_with(&[], any()), "node-a"), None, "no address yet");
-    assert_eq!(hostport_rules(&pod_with(&["10.244.0.11"], vec![container_port(Tcp, 8080, None, None)]), "node-a"), None, "no host port");
+    assert_eq!(
+        hostport_rules(&pod_with(&["10.244.0.11"], vec![container_port(Tcp, 8080, None, None)]), "node-a"),
+        None,
+        "no host port"
+    );
     let v6_host_ip = vec![container_port(Tcp, 8080, Some(18080), Some("2001:db8::10"))];
-    assert_eq!(hostport_rules(&pod_with(&["10.244.0.11"], v6_host_ip), "node-a"), None, "a host IP of a family the pod has no address of");
+    assert_eq!(
+        hostport_rules(&pod_with(&["10.244.0.11"], v6_host_ip), "node-a"),
+        None,
+        "a host IP of a family the pod has no address of"
+    );
     let v6_only = hostport_rules(&pod_with(&["fd00::11"], any()), "node-a").unwrap();
-    assert_eq!(elements_of(&v6_only), vec![("hairpin6", "fd00::11 . fd00::11", ""), ("hostports-any6", "tcp . 18080", "fd00::11 . 8080")]);
+    assert_eq!(
+        elements_of(&v6_only),
+        vec![("hairpin6", "fd00::11 . fd00::11", ""), ("hostports-any6", "tcp . 18080", "fd00::11 . 8080")]
+    );
 }
 
 #[test]
@@ -969,19 +1387,44 @@ fn the_skeleton_dnats_host_ports_on_local_addresses_before_the_services() {
 #[test]
 fn conntrack_cleanup_of_host_ports_follows_the_pod_and_clears_a_new_udp_port() {
     use wasmplane_model::Protocol::{Tcp, Udp};
-    let dns = |ip: &str| hostport_rules(&pod_with(&[ip], vec![container_port(Udp, 53, Some(5353), None), container_port(Tcp, 8080, Some(18080), None)]), "node-a").unwrap();
+    let dns = |ip: &str| {
+        hostport_rules(
+            &pod_with(
+                &[ip],
+                vec![container_port(Udp, 53, Some(5353), None), container_port(Tcp, 8080, Some(18080), None)],
+            ),
+            "node-a",
+        )
+        .unwrap()
+    };
     let none = ObjectRules::default();
-    let filter = |endpoint: Option<&str>| ConntrackFilter { protocol: "udp", ipv6: false, destination: None, port: 5353, endpoint: endpoint.map(|ip| (ip.parse().unwrap(), 53)) };
+    let filter = |endpoint: Option<&str>| ConntrackFilter {
+        protocol: "udp",
+        ipv6: false,
+        destination: None,
+        port: 5353,
+        endpoint: endpoint.map(|ip| (ip.parse().unwrap(), 53)),
+    };
     // Recreated with another address: flows to the old one go.
     assert_eq!(conntrack_cleanup(&dns("10.244.0.11"), &dns("10.244.0.12")), vec![filter(Some("10.244.0.11"))]);
     // A new host port: every UDP flow to the port, as portmap clears them on ADD; TCP is left alone.
     assert_eq!(conntrack_cleanup(&none, &dns("10.244.0.11")), vec![filter(None)]);
     assert_eq!(conntrack_cleanup(&dns("10.244.0.11"), &none), vec![filter(Some("10.244.0.11"))]);
     assert_eq!(conntrack_cleanup(&dns("10.244.0.11"), &dns("10.244.0.11")), vec![]);
-    let specific = hostport_rules(&pod_with(&["10.244.0.11"], vec![container_port(Udp, 53, Some(5353), Some("192.168.77.1"))]), "node-a").unwrap();
+    let specific = hostport_rules(
+        &pod_with(&["10.244.0.11"], vec![container_port(Udp, 53, Some(5353), Some("192.168.77.1"))]),
+        "node-a",
+    )
+    .unwrap();
     assert_eq!(
         conntrack_cleanup(&none, &specific),
-        vec![ConntrackFilter { protocol: "udp", ipv6: false, destination: Some("192.168.77.1".parse().unwrap()), port: 5353, endpoint: None }]
+        vec![ConntrackFilter {
+            protocol: "udp",
+            ipv6: false,
+            destination: Some("192.168.77.1".parse().unwrap()),
+            port: 5353,
+            endpoint: None
+        }]
     );
 }
 
@@ -1005,11 +1448,21 @@ fn service_drops_are_logged_before_their_verdicts_when_a_group_is_given() {
     let mut text = String::new();
     skeleton(&mut text, true, Layout::default(), &networks);
     // Reached by goto from map elements of either family: a rule for each.
-    assert_eq!(chain_rules(&text, "reject-chain"), vec![log("ip", "no-endpoints"), log("ip6", "no-endpoints"), "reject".into()]);
-    assert_eq!(chain_rules(&text, "drop-chain"), vec![log("ip", "no-local-endpoints"), log("ip6", "no-local-endpoints"), "drop".into()]);
+    assert_eq!(
+        chain_rules(&text, "reject-chain"),
+        vec![log("ip", "no-endpoints"), log("ip6", "no-endpoints"), "reject".into()]
+    );
+    assert_eq!(
+        chain_rules(&text, "drop-chain"),
+        vec![log("ip", "no-local-endpoints"), log("ip6", "no-local-endpoints"), "drop".into()]
+    );
     assert!(text.contains("add chain inet wasmplane drop-chain\n") && is_static_chain("drop-chain"), "{text}");
     for set in ["service-drop-log", "service-drop-log6"] {
-        assert!(text.contains(&format!("add set inet wasmplane {set} {{ type ")) && text.contains(&format!("flush set inet wasmplane {set}\n")), "{set}:\n{text}");
+        assert!(
+            text.contains(&format!("add set inet wasmplane {set} {{ type "))
+                && text.contains(&format!("flush set inet wasmplane {set}\n")),
+            "{set}:\n{text}"
+        );
     }
     let firewall = "ip daddr . meta l4proto . th dport @firewall-ips ip daddr . meta l4proto . th dport . ip saddr != @firewall-allowed";
     let firewall6 = "ip6 daddr . meta l4proto . th dport @firewall-ips6 ip6 daddr . meta l4proto . th dport . ip6 saddr != @firewall-allowed6";
@@ -1038,7 +1491,10 @@ fn service_drops_are_logged_before_their_verdicts_when_a_group_is_given() {
     // The verdict maps and the shards are as without logging; every reason has its rule.
     assert_eq!(chain_rules(&text, "endpoints-check").len(), 3);
     for reason in service_drops::ServiceDropReason::ALL {
-        assert!(text.contains(&format!("prefix \"{}\"", service_drops::prefix(reason))), "{reason:?} is not logged:\n{text}");
+        assert!(
+            text.contains(&format!("prefix \"{}\"", service_drops::prefix(reason))),
+            "{reason:?} is not logged:\n{text}"
+        );
     }
     assert!(!text.lines().any(|l| l.starts_with("add rule inet wasmplane-s0") && l.contains(" log ")), "{text}");
     assert!(!text.contains("log-service-drop"), "a marker left in:\n{text}");
@@ -1047,9 +1503,20 @@ fn service_drops_are_logged_before_their_verdicts_when_a_group_is_given() {
     let mut unlogged = String::new();
     skeleton(&mut unlogged, true, Layout::default(), &NodeNetworks::default());
     assert_eq!(chain_rules(&unlogged, "reject-chain"), vec!["reject"]);
-    assert_eq!(chain_rules(&unlogged, "cluster-ips-check"), vec!["ip daddr @cluster-ips reject", "ip6 daddr @cluster-ips6 reject", "ip daddr @service-cidrs drop", "ip6 daddr @service-cidrs6 drop"]);
+    assert_eq!(
+        chain_rules(&unlogged, "cluster-ips-check"),
+        vec![
+            "ip daddr @cluster-ips reject",
+            "ip6 daddr @cluster-ips6 reject",
+            "ip daddr @service-cidrs drop",
+            "ip6 daddr @service-cidrs6 drop"
+        ]
+    );
     assert_eq!(chain_rules(&unlogged, "firewall-check"), vec![format!("{firewall} drop"), format!("{firewall6} drop")]);
-    assert!(!unlogged.contains(" log ") && !unlogged.contains("drop-chain") && !unlogged.contains("log-service-drop"), "{unlogged}");
+    assert!(
+        !unlogged.contains(" log ") && !unlogged.contains("drop-chain") && !unlogged.contains("log-service-drop"),
+        "{unlogged}"
+    );
     // Logging only adds lines: every line of the unlogged skeleton is there, in order.
     let mut logged_lines = text.lines();
     for line in unlogged.lines() {
@@ -1071,7 +1538,12 @@ fn the_skeletons_chains_are_read_from_what_it_writes() {
             let (table, chain) = (Table::parse(words.next().unwrap()).unwrap(), words.next().unwrap().to_string());
             assert!(chains.contains(&(table, chain)), "{line}");
         }
-        for (t, chain) in [(Table::MAIN, "policy-ingress"), (Table::MAIN, "nat-postrouting"), (Table::shard(1), "nat-prerouting"), (Table::shard(1), "pick-32")] {
+        for (t, chain) in [
+            (Table::MAIN, "policy-ingress"),
+            (Table::MAIN, "nat-postrouting"),
+            (Table::shard(1), "nat-prerouting"),
+            (Table::shard(1), "pick-32"),
+        ] {
             assert!(chains.contains(&(t, chain.to_string())), "{t} {chain}");
         }
         assert!(chains.iter().all(|(_, chain)| is_static_chain(chain)), "{chains:?}");
@@ -1083,16 +1555,28 @@ fn the_skeletons_chains_are_read_from_what_it_writes() {
 #[test]
 fn a_logging_dataplane_sends_no_endpoint_drops_through_the_drop_chain() {
     // The builtin translator's drop: traffic policy Local without a local endpoint.
-    let out = ruleset(vec![], vec![element("no-endpoint-services", "203.0.113.7", Verdict::Drop), element("no-endpoint-services", "10.96.0.7", Verdict::Reject)]);
+    let out = ruleset(
+        vec![],
+        vec![
+            element("no-endpoint-services", "203.0.113.7", Verdict::Drop),
+            element("no-endpoint-services", "10.96.0.7", Verdict::Reject),
+        ],
+    );
     let mut rules = validate_service_output(&key(), &out).unwrap();
     let verdicts = |rules: &ObjectRules| rules.elements.values().map(|v| v.to_string()).collect::<Vec<_>>();
     assert_eq!(verdicts(&rules), vec!["goto reject-chain", "drop"], "unchanged without logging");
     service_drops::route_drops_through_log(&mut rules);
     assert_eq!(verdicts(&rules), vec!["goto reject-chain", "goto drop-chain"]);
-    assert_eq!(Layout { shards: 4 }.element_table("no-endpoint-services", "goto drop-chain", Some("svc/shop/web")), Table::MAIN);
+    assert_eq!(
+        Layout { shards: 4 }.element_table("no-endpoint-services", "goto drop-chain", Some("svc/shop/web")),
+        Table::MAIN
+    );
     let mut text = String::new();
     object_delta(&ObjectRules::default(), &rules, &mut text, Layout::default());
-    assert!(text.contains("add element inet wasmplane no-endpoint-services { 203.0.113.7 . tcp . 80 : goto drop-chain }"), "{text}");
+    assert!(
+        text.contains("add element inet wasmplane no-endpoint-services { 203.0.113.7 . tcp . 80 : goto drop-chain }"),
+        "{text}"
+    );
     // The incremental path encodes it as a batch (no detour through nft).
     netlink::encode_transaction(&text, 1).expect("a goto drop-chain element as netlink");
 }
@@ -1106,11 +1590,14 @@ fn the_reject_drop_and_cluster_ip_checks_encode_as_netlink_but_for_their_metered
     assert!(netlink::encode_transaction(&text, 1).is_err());
     let rules: Vec<String> = ["reject-chain", "drop-chain", "cluster-ips-check"]
         .iter()
-        .flat_map(|chain| chain_rules(&text, chain).into_iter().map(move |rule| format!("add rule inet wasmplane {chain} {rule}\n")))
+        .flat_map(|chain| {
+            chain_rules(&text, chain).into_iter().map(move |rule| format!("add rule inet wasmplane {chain} {rule}\n"))
+        })
         .collect();
     // The log rules meter per frontend (a dynset with a concatenated key and a limit inside),
     // which only nft writes; only the skeleton, a full sync, holds them.
-    let (metered, plain): (Vec<_>, Vec<_>) = rules.into_iter().partition(|rule| rule.contains("update @service-drop-log"));
+    let (metered, plain): (Vec<_>, Vec<_>) =
+        rules.into_iter().partition(|rule| rule.contains("update @service-drop-log"));
     assert_eq!((metered.len(), plain.len()), (8, 6), "{metered:?} {plain:?}");
     assert!(metered.iter().all(|rule| rule.contains(" log group 1001 ")), "{metered:?}");
     netlink::encode_transaction(&plain.concat(), 1).expect("the verdicts as netlink");
@@ -1123,9 +1610,23 @@ fn the_reject_drop_and_cluster_ip_checks_encode_as_netlink_but_for_their_metered
 /// renders for IPv4 and IPv6, from pods and not.
 fn pod_traffic_modes() -> [(PodTraffic, [&'static str; 4]); 3] {
     [
-        (PodTraffic::SourceAddress, ["ip saddr @cluster-cidrs", "ip saddr != @cluster-cidrs", "ip6 saddr @cluster-cidrs6", "ip6 saddr != @cluster-cidrs6"]),
-        (PodTraffic::InterfacePrefix("veth".into()), ["iifname \"veth*\"", "iifname != \"veth*\"", "iifname \"veth*\"", "iifname != \"veth*\""]),
-        (PodTraffic::Bridge("cbr0".into()), ["iifname \"cbr0\"", "iifname != \"cbr0\"", "iifname \"cbr0\"", "iifname != \"cbr0\""]),
+        (
+            PodTraffic::SourceAddress,
+            [
+                "ip saddr @cluster-cidrs",
+                "ip saddr != @cluster-cidrs",
+                "ip6 saddr @cluster-cidrs6",
+                "ip6 saddr != @cluster-cidrs6",
+            ],
+        ),
+        (
+            PodTraffic::InterfacePrefix("veth".into()),
+            ["iifname \"veth*\"", "iifname != \"veth*\"", "iifname \"veth*\"", "iifname != \"veth*\""],
+        ),
+        (
+            PodTraffic::Bridge("cbr0".into()),
+            ["iifname \"cbr0\"", "iifname != \"cbr0\"", "iifname \"cbr0\"", "iifname != \"cbr0\""],
+        ),
     ]
 }
 
@@ -1136,7 +1637,12 @@ fn pod_traffic(family: AddressFamily, negate: bool) -> RuleMatch {
 #[test]
 fn pod_traffic_matches_render_as_the_node_detects_pod_traffic() {
     let chain = "svc/shop/web/tcp/http";
-    let rule = |family, negate, verdict| Rule { matches: vec![pod_traffic(family, negate), RuleMatch::Protocol(Protocol::Tcp)], statements: vec![], verdict, comment: None };
+    let rule = |family, negate, verdict| Rule {
+        matches: vec![pod_traffic(family, negate), RuleMatch::Protocol(Protocol::Tcp)],
+        statements: vec![],
+        verdict,
+        comment: None,
+    };
     let out = ruleset(
         vec![Chain {
             name: chain.into(),
@@ -1175,7 +1681,12 @@ fn pod_traffic_matches_render_as_the_node_detects_pod_traffic() {
 #[test]
 fn pod_traffic_rules_of_a_family_without_a_detector_are_left_out() {
     let chain = "svc/shop/web/tcp/http";
-    let rule = |family, negate, verdict| Rule { matches: vec![pod_traffic(family, negate), RuleMatch::Protocol(Protocol::Tcp)], statements: vec![], verdict, comment: None };
+    let rule = |family, negate, verdict| Rule {
+        matches: vec![pod_traffic(family, negate), RuleMatch::Protocol(Protocol::Tcp)],
+        statements: vec![],
+        verdict,
+        comment: None,
+    };
     let out = ruleset(
         vec![
             Chain {
@@ -1191,11 +1702,19 @@ fn pod_traffic_rules_of_a_family_without_a_detector_are_left_out() {
         ],
         vec![],
     );
-    let rendered = |mode: &PodTraffic, cidrs: &[IpNet]| super::validate_service_output(&key(), &out, PodDetection::new(mode, cidrs)).unwrap().chains[chain].clone();
+    let rendered = |mode: &PodTraffic, cidrs: &[IpNet]| {
+        super::validate_service_output(&key(), &out, PodDetection::new(mode, cidrs)).unwrap().chains[chain].clone()
+    };
     let v4_only: Vec<IpNet> = vec!["10.244.0.0/16".parse().unwrap()];
     let v6_only: Vec<IpNet> = vec!["fd00:10::/48".parse().unwrap()];
     let source = PodTraffic::SourceAddress;
-    assert_eq!(rendered(&source, &v4_only), ["ip saddr != @cluster-cidrs meta l4proto tcp jump mark-for-masquerade", "meta l4proto tcp dnat ip to 10.244.0.11:8080"]);
+    assert_eq!(
+        rendered(&source, &v4_only),
+        [
+            "ip saddr != @cluster-cidrs meta l4proto tcp jump mark-for-masquerade",
+            "meta l4proto tcp dnat ip to 10.244.0.11:8080"
+        ]
+    );
     assert_eq!(
         rendered(&source, &v6_only),
         [
@@ -1214,7 +1733,12 @@ fn pod_traffic_rules_of_a_family_without_a_detector_are_left_out() {
     // Left out, not unchecked: the rule is validated all the same.
     let mut bad = out.clone();
     bad.chains[0].rules[1].verdict = Verdict::Goto("svc/shop/web/nowhere".into());
-    assert!(super::validate_service_output(&key(), &bad, PodDetection::new(&source, &v4_only)).unwrap_err().reason.contains("does not declare"));
+    assert!(
+        super::validate_service_output(&key(), &bad, PodDetection::new(&source, &v4_only))
+            .unwrap_err()
+            .reason
+            .contains("does not declare")
+    );
 }
 
 /// The skeleton's off-cluster masquerade of a family without a pod detector (by source
@@ -1225,24 +1749,42 @@ fn pod_traffic_rules_of_a_family_without_a_detector_are_left_out() {
 fn the_skeleton_masquerades_off_cluster_sources_only_where_pods_are_detected() {
     let masquerade_checks = |pod_traffic: PodTraffic, cluster_cidrs: Vec<IpNet>| -> Vec<String> {
         let networks = NodeNetworks { pod_traffic, cluster_cidrs, ..Default::default() };
-        let text = full_transaction(std::iter::empty::<&ObjectRules>(), &Stale::default(), Layout { shards: 2 }, &networks);
+        let text =
+            full_transaction(std::iter::empty::<&ObjectRules>(), &Stale::default(), Layout { shards: 2 }, &networks);
         let of_shard = |shard: &str| -> Vec<String> {
             let prefix = format!("add rule inet {shard} masquerade-check ");
-            text.lines().filter_map(|l| l.strip_prefix(prefix.as_str())).filter(|r| r.contains("@masquerade-off-cluster")).map(str::to_string).collect()
+            text.lines()
+                .filter_map(|l| l.strip_prefix(prefix.as_str()))
+                .filter(|r| r.contains("@masquerade-off-cluster"))
+                .map(str::to_string)
+                .collect()
         };
         let rules = of_shard("wasmplane-s0");
         assert_eq!(rules, of_shard("wasmplane-s1"), "every shard alike");
         rules
     };
-    let v4 = |rest: &str| format!("ip daddr . meta l4proto . th dport @masquerade-off-cluster {rest} jump mark-for-masquerade");
-    let v6 = |rest: &str| format!("ip6 daddr . meta l4proto . th dport @masquerade-off-cluster6 {rest} jump mark-for-masquerade");
-    let (v4_only, v6_only): (Vec<IpNet>, Vec<IpNet>) = (vec!["10.244.0.0/16".parse().unwrap()], vec!["fd00:10::/48".parse().unwrap()]);
+    let v4 = |rest: &str| {
+        format!("ip daddr . meta l4proto . th dport @masquerade-off-cluster {rest} jump mark-for-masquerade")
+    };
+    let v6 = |rest: &str| {
+        format!("ip6 daddr . meta l4proto . th dport @masquerade-off-cluster6 {rest} jump mark-for-masquerade")
+    };
+    let (v4_only, v6_only): (Vec<IpNet>, Vec<IpNet>) =
+        (vec!["10.244.0.0/16".parse().unwrap()], vec!["fd00:10::/48".parse().unwrap()]);
     assert_eq!(masquerade_checks(PodTraffic::SourceAddress, v4_only.clone()), [v4("ip saddr != @cluster-cidrs")]);
     assert_eq!(masquerade_checks(PodTraffic::SourceAddress, v6_only.clone()), [v6("ip6 saddr != @cluster-cidrs6")]);
     assert_eq!(masquerade_checks(PodTraffic::SourceAddress, vec![]), Vec::<String>::new());
     for cidrs in [v4_only, v6_only, vec![]] {
-        assert_eq!(masquerade_checks(PodTraffic::InterfacePrefix("vp".into()), cidrs.clone()), [v4("iifname != \"vp*\""), v6("iifname != \"vp*\"")], "{cidrs:?}");
-        assert_eq!(masquerade_checks(PodTraffic::Bridge("cbr0".into()), cidrs.clone()), [v4("iifname != \"cbr0\""), v6("iifname != \"cbr0\"")], "{cidrs:?}");
+        assert_eq!(
+            masquerade_checks(PodTraffic::InterfacePrefix("vp".into()), cidrs.clone()),
+            [v4("iifname != \"vp*\""), v6("iifname != \"vp*\"")],
+            "{cidrs:?}"
+        );
+        assert_eq!(
+            masquerade_checks(PodTraffic::Bridge("cbr0".into()), cidrs.clone()),
+            [v4("iifname != \"cbr0\""), v6("iifname != \"cbr0\"")],
+            "{cidrs:?}"
+        );
     }
 }
 
@@ -1251,7 +1793,8 @@ fn the_skeleton_masquerades_off_cluster_sources_as_the_node_detects_pod_traffic(
     let cidrs = dual_stack();
     for (mode, [_, not_v4, _, not_v6]) in pod_traffic_modes() {
         let networks = NodeNetworks { pod_traffic: mode.clone(), cluster_cidrs: cidrs.clone(), ..Default::default() };
-        let text = full_transaction(std::iter::empty::<&ObjectRules>(), &Stale::default(), Layout { shards: 2 }, &networks);
+        let text =
+            full_transaction(std::iter::empty::<&ObjectRules>(), &Stale::default(), Layout { shards: 2 }, &networks);
         for shard in ["inet wasmplane-s0", "inet wasmplane-s1"] {
             let prefix = format!("add rule {shard} masquerade-check ");
             // In any order: each rule only jumps to mark-for-masquerade.
@@ -1261,7 +1804,9 @@ fn the_skeleton_masquerades_off_cluster_sources_as_the_node_detects_pod_traffic(
                 "ip daddr . meta l4proto . th dport @masquerade-always jump mark-for-masquerade".to_string(),
                 "ip6 daddr . meta l4proto . th dport @masquerade-always6 jump mark-for-masquerade".to_string(),
                 format!("ip daddr . meta l4proto . th dport @masquerade-off-cluster {not_v4} jump mark-for-masquerade"),
-                format!("ip6 daddr . meta l4proto . th dport @masquerade-off-cluster6 {not_v6} jump mark-for-masquerade"),
+                format!(
+                    "ip6 daddr . meta l4proto . th dport @masquerade-off-cluster6 {not_v6} jump mark-for-masquerade"
+                ),
             ];
             wanted.sort();
             assert_eq!(rules, wanted, "{mode:?} in {shard}");

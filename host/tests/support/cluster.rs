@@ -69,7 +69,20 @@ pub struct Svc {
 
 impl Svc {
     pub fn new(name: &'static str, cluster_ip: &'static str, ports: Vec<Port>, endpoints: Vec<Endpoint>) -> Svc {
-        Svc { name, cluster_ip, service_type: "ClusterIP", ports, affinity_seconds: None, external_local: false, internal_local: false, load_balancer_ip: None, health_check_node_port: None, source_ranges: vec![], external_ips: vec![], endpoints }
+        Svc {
+            name,
+            cluster_ip,
+            service_type: "ClusterIP",
+            ports,
+            affinity_seconds: None,
+            external_local: false,
+            internal_local: false,
+            load_balancer_ip: None,
+            health_check_node_port: None,
+            source_ranges: vec![],
+            external_ips: vec![],
+            endpoints,
+        }
     }
 
     pub fn yaml(&self) -> String {
@@ -77,14 +90,21 @@ impl Svc {
             .ports
             .iter()
             .map(|p| {
-                let target = if p.target.parse::<u16>().is_ok() { p.target.clone() } else { format!("\"{}\"", p.target) };
+                let target =
+                    if p.target.parse::<u16>().is_ok() { p.target.clone() } else { format!("\"{}\"", p.target) };
                 let node_port = p.node_port.map(|n| format!(", nodePort: {n}")).unwrap_or_default();
-                format!("    - {{ name: {}, protocol: {}, port: {}, targetPort: {target}{node_port} }}", p.name, p.protocol, p.port)
+                format!(
+                    "    - {{ name: {}, protocol: {}, port: {}, targetPort: {target}{node_port} }}",
+                    p.name, p.protocol, p.port
+                )
             })
             .collect();
-        let mut spec = format!("  type: {}\n  clusterIP: {ip}\n  clusterIPs: [{ip}]\n", self.service_type, ip = self.cluster_ip);
+        let mut spec =
+            format!("  type: {}\n  clusterIP: {ip}\n  clusterIPs: [{ip}]\n", self.service_type, ip = self.cluster_ip);
         if let Some(t) = self.affinity_seconds {
-            spec += &format!("  sessionAffinity: ClientIP\n  sessionAffinityConfig: {{ clientIP: {{ timeoutSeconds: {t} }} }}\n");
+            spec += &format!(
+                "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {{ clientIP: {{ timeoutSeconds: {t} }} }}\n"
+            );
         }
         if self.external_local {
             spec += "  externalTrafficPolicy: Local\n";
@@ -120,7 +140,11 @@ impl Svc {
                 )
             })
             .collect();
-        let endpoints = if endpoints.is_empty() { "endpoints: []".to_string() } else { format!("endpoints:\n{}", endpoints.join("\n")) };
+        let endpoints = if endpoints.is_empty() {
+            "endpoints: []".to_string()
+        } else {
+            format!("endpoints:\n{}", endpoints.join("\n"))
+        };
         format!(
             "apiVersion: v1\nkind: Service\nmetadata: {{ name: {name}, namespace: default }}\nspec:\n{spec}  ports:\n{ports}\n{status}---\n\
              apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}-abcde\n  namespace: default\n  labels: {{ kubernetes.io/service-name: {name} }}\n\
@@ -232,7 +256,12 @@ pub fn applied(host: &RunningHost) -> String {
 
 /// Polls `cond` until it holds (panics with `what` and the last value after `timeout`).
 #[track_caller]
-pub fn wait_for<T: std::fmt::Debug>(what: &str, timeout: Duration, mut probe: impl FnMut() -> T, cond: impl Fn(&T) -> bool) -> T {
+pub fn wait_for<T: std::fmt::Debug>(
+    what: &str,
+    timeout: Duration,
+    mut probe: impl FnMut() -> T,
+    cond: impl Fn(&T) -> bool,
+) -> T {
     let deadline = Instant::now() + timeout;
     loop {
         let value = probe();
@@ -251,7 +280,12 @@ pub fn wait_applied(host: &RunningHost, what: &str, cond: impl Fn(&str) -> bool)
 }
 
 /// Polls an async probe until `cond` holds (panics with `what` and the last value after `timeout`).
-pub async fn eventually<T: std::fmt::Debug, F: std::future::Future<Output = T>>(what: &str, timeout: Duration, mut probe: impl FnMut() -> F, cond: impl Fn(&T) -> bool) -> T {
+pub async fn eventually<T: std::fmt::Debug, F: std::future::Future<Output = T>>(
+    what: &str,
+    timeout: Duration,
+    mut probe: impl FnMut() -> F,
+    cond: impl Fn(&T) -> bool,
+) -> T {
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
         let value = probe().await;

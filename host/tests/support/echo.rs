@@ -85,7 +85,13 @@ impl Server {
         });
         let stop = Arc::new(AtomicBool::new(false));
         let connections: Connections = Arc::default();
-        let mut server = Server { stop: stop.clone(), fds: Vec::new(), threads: Vec::new(), connections: connections.clone(), _sockets: Vec::new() };
+        let mut server = Server {
+            stop: stop.clone(),
+            fds: Vec::new(),
+            threads: Vec::new(),
+            connections: connections.clone(),
+            _sockets: Vec::new(),
+        };
         for (port, tcp, udp) in sockets {
             let (tcp, udp) = (Arc::new(tcp), Arc::new(udp));
             server.fds.push(tcp.as_raw_fd());

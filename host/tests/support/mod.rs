@@ -4,8 +4,8 @@
 pub mod cluster;
 pub mod echo;
 pub mod netns;
-pub mod rest;
 pub mod registry;
+pub mod rest;
 pub mod sctp;
 pub mod tls;
 

@@ -43,7 +43,12 @@ pub(crate) use require_root;
 #[track_caller]
 pub fn run(cmd: &[&str]) -> String {
     let out = Command::new(cmd[0]).args(&cmd[1..]).output().unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
-    assert!(out.status.success(), "{cmd:?} failed: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
@@ -240,7 +245,11 @@ impl Topology {
 
     /// `nft <args>` in the node namespace; stdout, or the error text.
     pub fn nft(&self, args: &[&str]) -> Result<String, String> {
-        let out = Command::new("ip").args(["netns", "exec", &self.node.name, "nft"]).args(args).output().map_err(|e| e.to_string())?;
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.node.name, "nft"])
+            .args(args)
+            .output()
+            .map_err(|e| e.to_string())?;
         if out.status.success() {
             Ok(String::from_utf8_lossy(&out.stdout).into_owned())
         } else {

@@ -22,7 +22,8 @@ impl OciRegistry {
     /// with the password whose bcrypt hash is `bcrypt`.
     pub fn start_tls_with_user(user: &str, bcrypt: &str) -> OciRegistry {
         OciRegistry::start_with(|dir| {
-            let rcgen::CertifiedKey { cert, signing_key } = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string()]).unwrap();
+            let rcgen::CertifiedKey { cert, signing_key } =
+                rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string()]).unwrap();
             let (cert_file, key_file, htpasswd) = (dir.join("ca.pem"), dir.join("key.pem"), dir.join("htpasswd"));
             std::fs::write(&cert_file, cert.pem()).unwrap();
             std::fs::write(&key_file, signing_key.serialize_pem()).unwrap();
@@ -53,7 +54,11 @@ impl OciRegistry {
     /// A started registry, or how it exited (its status and log) before it listened.
     fn start_once(extra_config: &impl Fn(&Path) -> String) -> Result<OciRegistry, String> {
         let binary = Path::new("/usr/bin/docker-registry");
-        assert!(binary.is_file(), "{} is missing: run scripts/setup.sh (Debian package docker-registry)", binary.display());
+        assert!(
+            binary.is_file(),
+            "{} is missing: run scripts/setup.sh (Debian package docker-registry)",
+            binary.display()
+        );
         let dir = tempfile::tempdir().unwrap();
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let addr = format!("127.0.0.1:{port}");
@@ -68,14 +73,26 @@ impl OciRegistry {
         )
         .unwrap();
         let log = std::fs::File::create(dir.path().join("log")).unwrap();
-        let child = Command::new(binary).arg("serve").arg(&config).stdout(log.try_clone().unwrap()).stderr(log).stdin(Stdio::null()).spawn().expect("starting docker-registry");
+        let child = Command::new(binary)
+            .arg("serve")
+            .arg(&config)
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("starting docker-registry");
         let mut registry = OciRegistry { child, dir, addr };
         let deadline = Instant::now() + Duration::from_secs(10);
         while std::net::TcpStream::connect(&registry.addr).is_err() {
             if let Ok(Some(status)) = registry.child.try_wait() {
                 return Err(format!("({status}): {}", registry.log()));
             }
-            assert!(Instant::now() < deadline, "docker-registry did not listen on {}: {}", registry.addr, registry.log());
+            assert!(
+                Instant::now() < deadline,
+                "docker-registry did not listen on {}: {}",
+                registry.addr,
+                registry.log()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         Ok(registry)

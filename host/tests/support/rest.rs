@@ -106,7 +106,13 @@ pub fn node_config(dir: &Path, node: &str, etcd: &Etcd, token: &str, file: &str,
 }
 
 /// `PUT /v1/modules/{name}?kind={kind}` with the module's bytes, to the API at `base`.
-pub fn upload_request(client: &reqwest::Client, base: &str, name: &str, kind: &str, bytes: &[u8]) -> reqwest::RequestBuilder {
+pub fn upload_request(
+    client: &reqwest::Client,
+    base: &str,
+    name: &str,
+    kind: &str,
+    bytes: &[u8],
+) -> reqwest::RequestBuilder {
     client.put(format!("{base}/v1/modules/{name}?kind={kind}")).body(bytes.to_vec())
 }
 

@@ -47,10 +47,7 @@ pub enum ApiError {
 
 impl ApiError {
     pub(crate) fn not_found(resource: impl Into<String>, name: impl Into<String>) -> Self {
-        Self::NotFound {
-            resource: resource.into(),
-            name: name.into(),
-        }
+        Self::NotFound { resource: resource.into(), name: name.into() }
     }
 
     /// HTTP status code, as a real API server would answer.

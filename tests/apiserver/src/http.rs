@@ -61,10 +61,7 @@ pub struct RequestRecord {
 impl RequestRecord {
     /// The first value of a query parameter.
     pub fn param(&self, key: &str) -> Option<&str> {
-        self.query
-            .iter()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_str())
+        self.query.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
     }
 }
 
@@ -92,9 +89,7 @@ pub(crate) struct Shared {
 /// Lock ignoring poison: a panicking test thread must not turn every later request into
 /// a second panic; the store's invariants hold between operations.
 pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl Shared {
@@ -126,16 +121,16 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
 async fn handle(State(shared): State<Arc<Shared>>, request: Request) -> Response {
     let method = request.method().clone();
     let uri = request.uri().clone();
-    if method == Method::POST && matches!(uri.path(), crate::reviews::TOKEN_REVIEWS | crate::reviews::SUBJECT_ACCESS_REVIEWS) {
+    if method == Method::POST
+        && matches!(uri.path(), crate::reviews::TOKEN_REVIEWS | crate::reviews::SUBJECT_ACCESS_REVIEWS)
+    {
         let body = match axum::body::to_bytes(request.into_body(), 1 << 20).await {
             Ok(body) => body,
             Err(e) => return (StatusCode::BAD_REQUEST, e.to_string()).into_response(),
         };
         return crate::reviews::answer(&mut lock(&shared.reviews), uri.path(), &body);
     }
-    let response = dispatch(&shared, request)
-        .await
-        .unwrap_or_else(IntoResponse::into_response);
+    let response = dispatch(&shared, request).await.unwrap_or_else(IntoResponse::into_response);
     tracing::debug!(%method, %uri, status = response.status().as_u16(), "test apiserver request");
     response
 }
@@ -151,10 +146,7 @@ impl Params {
     }
 
     fn get(&self, key: &str) -> Option<&str> {
-        self.0
-            .iter()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_str())
+        self.0.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
     }
 
     fn flag(&self, key: &str) -> bool {
@@ -164,10 +156,7 @@ impl Params {
     fn number(&self, key: &str) -> Result<Option<u64>, ApiError> {
         self.get(key)
             .filter(|v| !v.is_empty())
-            .map(|v| {
-                v.parse::<u64>()
-                    .map_err(|_| ApiError::BadRequest(format!("invalid {key}: {v:?}")))
-            })
+            .map(|v| v.parse::<u64>().map_err(|_| ApiError::BadRequest(format!("invalid {key}: {v:?}"))))
             .transpose()
     }
 
@@ -196,11 +185,7 @@ fn resolve(store: &Store, group: &str, version: &str, rest: &[&str]) -> Result<T
         ["watch", rest @ ..] => (true, rest),
         rest => (false, rest),
     };
-    let lookup = |plural: &str| {
-        store
-            .resource_type(&ResourceKey::new(group, version, plural))
-            .ok()
-    };
+    let lookup = |plural: &str| store.resource_type(&ResourceKey::new(group, version, plural)).ok();
     // `namespaces/{ns}/{plural}` only if `{plural}` is a registered resource; otherwise this
     // is the Namespace object itself (`namespaces/{name}/status`).
     let (namespace, rt, tail) = match rest {
@@ -217,22 +202,14 @@ fn resolve(store: &Store, group: &str, version: &str, rest: &[&str]) -> Result<T
     let (name, subresource) = match tail {
         [] => (None, None),
         [name] => (Some((*name).to_owned()), None),
-        [name, "status"] if rt.status_subresource => {
-            (Some((*name).to_owned()), Some("status".to_owned()))
-        }
+        [name, "status"] if rt.status_subresource => (Some((*name).to_owned()), Some("status".to_owned())),
         _ => return Err(not_found()),
     };
     // A namespaced object is only addressable inside its namespace.
     if rt.namespaced && namespace.is_none() && name.is_some() {
         return Err(not_found());
     }
-    Ok(Target {
-        rt,
-        namespace,
-        name,
-        subresource,
-        watch_prefix,
-    })
+    Ok(Target { rt, namespace, name, subresource, watch_prefix })
 }
 
 async fn dispatch(shared: &Arc<Shared>, request: Request) -> Result<Response, ApiError> {
@@ -261,16 +238,10 @@ async fn dispatch(shared: &Arc<Shared>, request: Request) -> Result<Response, Ap
     let metadata_only = wants_partial_metadata(&parts.headers);
     let key = target.rt.key.clone();
     let ns = target.namespace.as_deref();
-    let scope = if target.subresource.is_some() {
-        WriteScope::Status
-    } else {
-        WriteScope::Main
-    };
+    let scope = if target.subresource.is_some() { WriteScope::Status } else { WriteScope::Main };
     if params.get("dryRun").is_some() {
         // Silently writing on a dry run would be worse than refusing it.
-        return Err(ApiError::BadRequest(
-            "dryRun is not supported by the test API server".into(),
-        ));
+        return Err(ApiError::BadRequest("dryRun is not supported by the test API server".into()));
     }
 
     let named = target.name.as_deref();
@@ -284,9 +255,7 @@ async fn dispatch(shared: &Arc<Shared>, request: Request) -> Result<Response, Ap
         (&Method::DELETE, Some(_)) if target.subresource.is_none() => Verb::Delete,
         (&Method::DELETE, None) => Verb::DeleteCollection,
         (method, _) => {
-            return Err(ApiError::MethodNotAllowed(format!(
-                "{method} is not supported on {path}"
-            )));
+            return Err(ApiError::MethodNotAllowed(format!("{method} is not supported on {path}")));
         }
     };
     shared.record(verb, &target, &params);
@@ -300,9 +269,7 @@ async fn dispatch(shared: &Arc<Shared>, request: Request) -> Result<Response, Ap
         }
         (Verb::Create, _) => {
             if target.rt.namespaced && ns.is_none() {
-                return Err(ApiError::MethodNotAllowed(format!(
-                    "create {key} needs a namespace in the path"
-                )));
+                return Err(ApiError::MethodNotAllowed(format!("create {key} needs a namespace in the path")));
             }
             let object = json_body(body).await?;
             let created = shared.store().create(&key, ns, object)?;
@@ -314,19 +281,12 @@ async fn dispatch(shared: &Arc<Shared>, request: Request) -> Result<Response, Ap
             Ok(Json(present(&updated, metadata_only)).into_response())
         }
         (Verb::Patch, Some(name)) => {
-            let content_type = parts
-                .headers
-                .get(header::CONTENT_TYPE)
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or_default();
+            let content_type =
+                parts.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or_default();
             let kind = PatchKind::from_content_type(content_type)?;
             let patch = kind.parse_body(&read_body(body).await?)?;
             let (object, created) = shared.store().patch(&key, ns, name, kind, &patch, scope)?;
-            let code = if created {
-                StatusCode::CREATED
-            } else {
-                StatusCode::OK
-            };
+            let code = if created { StatusCode::CREATED } else { StatusCode::OK };
             Ok((code, Json(present(&object, metadata_only))).into_response())
         }
         (Verb::Delete, Some(name)) => {
@@ -340,11 +300,7 @@ async fn dispatch(shared: &Arc<Shared>, request: Request) -> Result<Response, Ap
             let preconditions = options.get("preconditions").cloned().unwrap_or(Value::Null);
             let (object, pending) = shared.store().delete(&key, ns, name, &preconditions)?;
             // 202: accepted, but finalizers keep the object until they are removed.
-            let code = if pending {
-                StatusCode::ACCEPTED
-            } else {
-                StatusCode::OK
-            };
+            let code = if pending { StatusCode::ACCEPTED } else { StatusCode::OK };
             Ok((code, Json(present(&object, metadata_only))).into_response())
         }
         (Verb::DeleteCollection, _) => {
@@ -354,9 +310,9 @@ async fn dispatch(shared: &Arc<Shared>, request: Request) -> Result<Response, Ap
             Ok(Json(list_body(&target.rt, rv, None, None, items, false)).into_response())
         }
         // The verb table above gives these verbs a name.
-        (Verb::Get | Verb::Update | Verb::Patch | Verb::Delete, None) => Err(
-            ApiError::MethodNotAllowed(format!("{} is not supported on {path}", parts.method)),
-        ),
+        (Verb::Get | Verb::Update | Verb::Patch | Verb::Delete, None) => {
+            Err(ApiError::MethodNotAllowed(format!("{} is not supported on {path}", parts.method)))
+        }
     }
 }
 
@@ -368,8 +324,7 @@ async fn read_body(body: Body) -> Result<Bytes, ApiError> {
 
 async fn json_body(body: Body) -> Result<Value, ApiError> {
     let bytes = read_body(body).await?;
-    serde_json::from_slice(&bytes)
-        .map_err(|e| ApiError::BadRequest(format!("invalid JSON body: {e}")))
+    serde_json::from_slice(&bytes).map_err(|e| ApiError::BadRequest(format!("invalid JSON body: {e}")))
 }
 
 /// kube's metadata-only API (`Api::get_metadata`, `metadata_watcher`) asks for this.
@@ -446,10 +401,7 @@ fn list_body(
     metadata_only: bool,
 ) -> ListBody {
     let (kind, api_version) = if metadata_only {
-        (
-            "PartialObjectMetadataList".to_owned(),
-            "meta.k8s.io/v1".to_owned(),
-        )
+        ("PartialObjectMetadataList".to_owned(), "meta.k8s.io/v1".to_owned())
     } else {
         (rt.list_kind(), rt.api_version())
     };
@@ -460,60 +412,48 @@ fn list_body(
     if let Some(remaining) = remaining {
         metadata["remainingItemCount"] = json!(remaining);
     }
-    ListBody {
-        kind,
-        api_version,
-        metadata,
-        items: ListItems {
-            objects,
-            metadata_only,
-        },
-    }
+    ListBody { kind, api_version, metadata, items: ListItems { objects, metadata_only } }
 }
 
 /// LIST. `resourceVersion`/`resourceVersionMatch` are accepted and answered with the
 /// current state, which satisfies "NotOlderThan" and "Any"; exact historical reads are not
 /// served (no client of ours needs them).
-fn list(
-    shared: &Shared,
-    target: &Target,
-    params: &Params,
-    metadata_only: bool,
-) -> Result<Response, ApiError> {
+fn list(shared: &Shared, target: &Target, params: &Params, metadata_only: bool) -> Result<Response, ApiError> {
     let filter = params.filter(target.namespace.as_deref())?;
-    let limit = params
-        .number("limit")?
-        .and_then(|l| usize::try_from(l).ok());
+    let limit = params.number("limit")?.and_then(|l| usize::try_from(l).ok());
     let continue_token = params.get("continue").filter(|c| !c.is_empty());
-    let page = shared
-        .store()
-        .list(&target.rt.key, &filter, limit, continue_token)?;
-    let body = list_body(
-        &target.rt,
-        page.resource_version,
-        page.continue_token,
-        page.remaining,
-        page.items,
-        metadata_only,
-    );
+    let page = shared.store().list(&target.rt.key, &filter, limit, continue_token)?;
+    let body =
+        list_body(&target.rt, page.resource_version, page.continue_token, page.remaining, page.items, metadata_only);
     Ok(Json(body).into_response())
 }
 
 /// A watch's `sendInitialEvents` and `resourceVersionMatch` as a real server checks them
 /// (`ValidateListOptions` in apimachinery), with the `WatchList` feature `enabled` or not.
 fn check_streaming_list(params: &Params, enabled: bool) -> Result<(), ApiError> {
-    let invalid = |field: &str, why: &str| Err(ApiError::Invalid(format!("ListOptions.meta.k8s.io \"\" is invalid: {field}: Forbidden: {why}")));
+    let invalid = |field: &str, why: &str| {
+        Err(ApiError::Invalid(format!("ListOptions.meta.k8s.io \"\" is invalid: {field}: Forbidden: {why}")))
+    };
     let Some(send_initial_events) = params.get("sendInitialEvents") else {
         return match params.get("resourceVersionMatch").filter(|m| !m.is_empty()) {
-            Some(_) => invalid("resourceVersionMatch", "resourceVersionMatch is forbidden for watch unless sendInitialEvents is provided"),
+            Some(_) => invalid(
+                "resourceVersionMatch",
+                "resourceVersionMatch is forbidden for watch unless sendInitialEvents is provided",
+            ),
             None => Ok(()),
         };
     };
     if !enabled {
-        return invalid("sendInitialEvents", "sendInitialEvents is forbidden for watch unless the WatchList feature gate is enabled");
+        return invalid(
+            "sendInitialEvents",
+            "sendInitialEvents is forbidden for watch unless the WatchList feature gate is enabled",
+        );
     }
     if params.get("resourceVersionMatch") != Some("NotOlderThan") {
-        return invalid("resourceVersionMatch", "sendInitialEvents requires setting resourceVersionMatch to NotOlderThan");
+        return invalid(
+            "resourceVersionMatch",
+            "sendInitialEvents requires setting resourceVersionMatch to NotOlderThan",
+        );
     }
     if matches!(send_initial_events, "true" | "1") && !params.flag("allowWatchBookmarks") {
         return invalid("allowWatchBookmarks", "sendInitialEvents requires setting allowWatchBookmarks to true");
@@ -526,20 +466,12 @@ const DEFAULT_WATCH_TIMEOUT: Duration = Duration::from_secs(1800);
 const MAX_WATCH_TIMEOUT_SECONDS: u64 = 24 * 3600;
 
 /// WATCH: a chunked stream of JSON lines, one event per line, produced by a task.
-fn watch(
-    shared: &Arc<Shared>,
-    target: &Target,
-    params: &Params,
-    metadata_only: bool,
-) -> Result<Response, ApiError> {
+fn watch(shared: &Arc<Shared>, target: &Target, params: &Params, metadata_only: bool) -> Result<Response, ApiError> {
     let filter = params.filter(target.namespace.as_deref())?;
     check_streaming_list(params, shared.watch_list)?;
     let from = match params.get("resourceVersion").unwrap_or_default() {
         "" | "0" => WatchFrom::Current,
-        v => WatchFrom::Version(
-            v.parse()
-                .map_err(|_| ApiError::BadRequest(format!("invalid resourceVersion {v:?}")))?,
-        ),
+        v => WatchFrom::Version(v.parse().map_err(|_| ApiError::BadRequest(format!("invalid resourceVersion {v:?}")))?),
     };
     let timeout = match params.number("timeoutSeconds")? {
         Some(0) | None => DEFAULT_WATCH_TIMEOUT,
@@ -552,12 +484,7 @@ fn watch(
     if shared.unavailable.load(Ordering::SeqCst) {
         return Err(ApiError::Unavailable);
     }
-    let start = store.watch(
-        &target.rt.key,
-        &filter,
-        from,
-        params.flag("sendInitialEvents"),
-    )?;
+    let start = store.watch(&target.rt.key, &filter, from, params.flag("sendInitialEvents"))?;
     drop(store);
     let (out, body) = mpsc::channel::<Bytes>(64);
     let stream = WatchStream {
@@ -631,15 +558,10 @@ impl WatchStream {
             EventType::Added => matches_now.then(|| ("ADDED", event.object.clone())),
             EventType::Deleted => {
                 let before = event.previous.as_ref().unwrap_or(&event.object);
-                self.filter
-                    .matches(before)
-                    .then(|| ("DELETED", event.object.clone()))
+                self.filter.matches(before).then(|| ("DELETED", event.object.clone()))
             }
             EventType::Modified => {
-                let matched_before = event
-                    .previous
-                    .as_ref()
-                    .is_some_and(|p| self.filter.matches(p));
+                let matched_before = event.previous.as_ref().is_some_and(|p| self.filter.matches(p));
                 match (matched_before, matches_now) {
                     (true, true) => Some(("MODIFIED", event.object.clone())),
                     (false, true) => Some(("ADDED", event.object.clone())),
@@ -746,10 +668,8 @@ fn core_versions(addr: SocketAddr) -> Value {
 }
 
 fn group_json(group: &str, versions: &[String]) -> Value {
-    let versions: Vec<Value> = versions
-        .iter()
-        .map(|v| json!({ "groupVersion": format!("{group}/{v}"), "version": v }))
-        .collect();
+    let versions: Vec<Value> =
+        versions.iter().map(|v| json!({ "groupVersion": format!("{group}/{v}"), "version": v })).collect();
     json!({
         "kind": "APIGroup",
         "apiVersion": "v1",
@@ -771,10 +691,7 @@ fn groups(store: &Store) -> BTreeMap<String, Vec<String>> {
 }
 
 fn api_groups(store: &Store) -> Value {
-    let groups: Vec<Value> = groups(store)
-        .iter()
-        .map(|(g, versions)| group_json(g, versions))
-        .collect();
+    let groups: Vec<Value> = groups(store).iter().map(|(g, versions)| group_json(g, versions)).collect();
     json!({ "kind": "APIGroupList", "apiVersion": "v1", "groups": groups })
 }
 
@@ -787,10 +704,7 @@ fn api_group(store: &Store, group: &str) -> Result<Value, ApiError> {
 
 fn resource_list(store: &Store, group: &str, version: &str) -> Result<Value, ApiError> {
     let mut resources = Vec::new();
-    for rt in store
-        .types()
-        .filter(|rt| rt.key.group == group && rt.key.version == version)
-    {
+    for rt in store.types().filter(|rt| rt.key.group == group && rt.key.version == version) {
         resources.push(json!({
             "name": rt.key.plural,
             "singularName": rt.kind.to_lowercase(),
@@ -811,11 +725,7 @@ fn resource_list(store: &Store, group: &str, version: &str) -> Result<Value, Api
     if resources.is_empty() {
         return Err(ApiError::PathNotFound(format!("{group}/{version}")));
     }
-    let group_version = if group.is_empty() {
-        version.to_owned()
-    } else {
-        format!("{group}/{version}")
-    };
+    let group_version = if group.is_empty() { version.to_owned() } else { format!("{group}/{version}") };
     Ok(json!({
         "kind": "APIResourceList",
         "apiVersion": "v1",

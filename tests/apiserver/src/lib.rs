@@ -170,14 +170,7 @@ impl Builder {
             }
         });
         tracing::debug!(%addr, "test apiserver listening");
-        Ok(TestApiServer {
-            _guard: Arc::new(Guard {
-                shared: shared.clone(),
-                shutdown: Some(shutdown),
-            }),
-            shared,
-            addr,
-        })
+        Ok(TestApiServer { _guard: Arc::new(Guard { shared: shared.clone(), shutdown: Some(shutdown) }), shared, addr })
     }
 
     /// [`Builder::try_start`], panicking if no loopback port can be bound.
@@ -223,20 +216,16 @@ pub struct TestApiServer {
 
 impl std::fmt::Debug for TestApiServer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TestApiServer")
-            .field("addr", &self.addr)
-            .finish_non_exhaustive()
+        f.debug_struct("TestApiServer").field("addr", &self.addr).finish_non_exhaustive()
     }
 }
 
 fn to_value<K: Serialize>(object: &K) -> Result<Value, ApiError> {
-    serde_json::to_value(object)
-        .map_err(|e| ApiError::BadRequest(format!("cannot serialize object: {e}")))
+    serde_json::to_value(object).map_err(|e| ApiError::BadRequest(format!("cannot serialize object: {e}")))
 }
 
 fn from_value<K: DeserializeOwned>(value: Value) -> Result<K, ApiError> {
-    serde_json::from_value(value)
-        .map_err(|e| ApiError::BadRequest(format!("stored object does not decode: {e}")))
+    serde_json::from_value(value).map_err(|e| ApiError::BadRequest(format!("stored object does not decode: {e}")))
 }
 
 /// The namespace a test-control write goes to: the object's, or `default`.
@@ -279,17 +268,13 @@ impl TestApiServer {
 
     /// A kube client configuration for this server (plain HTTP, no auth, namespace `default`).
     pub fn config(&self) -> kube::Config {
-        let uri = self
-            .url()
-            .parse()
-            .unwrap_or_else(|e| panic!("own URL {} does not parse: {e}", self.url()));
+        let uri = self.url().parse().unwrap_or_else(|e| panic!("own URL {} does not parse: {e}", self.url()));
         kube::Config::new(uri)
     }
 
     /// A fresh kube client for this server.
     pub fn client(&self) -> kube::Client {
-        kube::Client::try_from(self.config())
-            .unwrap_or_else(|e| panic!("kube client for the test apiserver: {e}"))
+        kube::Client::try_from(self.config()).unwrap_or_else(|e| panic!("kube client for the test apiserver: {e}"))
     }
 
     /// Serve one more resource type from now on.
@@ -315,12 +300,7 @@ impl TestApiServer {
     }
 
     /// JSON-merge-patch an object (status included).
-    pub fn patch<K: Object>(
-        &self,
-        namespace: &str,
-        name: &str,
-        merge_patch: &Value,
-    ) -> Result<K, ApiError> {
+    pub fn patch<K: Object>(&self, namespace: &str, name: &str, merge_patch: &Value) -> Result<K, ApiError> {
         from_value(self.patch_value(&ResourceKey::of::<K>(), namespace, name, merge_patch)?)
     }
 
@@ -331,16 +311,12 @@ impl TestApiServer {
     }
 
     pub fn get<K: Object>(&self, namespace: &str, name: &str) -> Option<K> {
-        self.get_value(&ResourceKey::of::<K>(), namespace, name)
-            .and_then(|v| from_value(v).ok())
+        self.get_value(&ResourceKey::of::<K>(), namespace, name).and_then(|v| from_value(v).ok())
     }
 
     /// Every stored object of a kind, in (namespace, name) order.
     pub fn list<K: Object>(&self) -> Vec<K> {
-        self.list_values(&ResourceKey::of::<K>())
-            .into_iter()
-            .filter_map(|v| from_value(v).ok())
-            .collect()
+        self.list_values(&ResourceKey::of::<K>()).into_iter().filter_map(|v| from_value(v).ok()).collect()
     }
 
     // ---- dynamic test control (kinds without a k8s-openapi type) ----
@@ -381,34 +357,15 @@ impl TestApiServer {
         name: &str,
         merge_patch: &Value,
     ) -> Result<Value, ApiError> {
-        let ns = if namespace.is_empty() {
-            "default"
-        } else {
-            namespace
-        };
+        let ns = if namespace.is_empty() { "default" } else { namespace };
         self.shared
             .store()
-            .patch(
-                key,
-                Some(ns),
-                name,
-                PatchKind::Merge,
-                merge_patch,
-                WriteScope::Everything,
-            )
+            .patch(key, Some(ns), name, PatchKind::Merge, merge_patch, WriteScope::Everything)
             .map(|(stored, _)| Value::clone(&stored))
     }
 
-    pub fn delete_value(
-        &self,
-        key: &ResourceKey,
-        namespace: &str,
-        name: &str,
-    ) -> Result<Value, ApiError> {
-        self.shared
-            .store()
-            .delete(key, Some(namespace), name, &Value::Null)
-            .map(|(stored, _)| Value::clone(&stored))
+    pub fn delete_value(&self, key: &ResourceKey, namespace: &str, name: &str) -> Result<Value, ApiError> {
+        self.shared.store().delete(key, Some(namespace), name, &Value::Null).map(|(stored, _)| Value::clone(&stored))
     }
 
     pub fn get_value(&self, key: &ResourceKey, namespace: &str, name: &str) -> Option<Value> {
@@ -484,16 +441,14 @@ impl TestApiServer {
     }
 
     pub fn request_count_for(&self, verb: Verb, key: &ResourceKey) -> u64 {
-        lock(&self.shared.requests)
-            .counts
-            .get(&(verb, key.to_string()))
-            .copied()
-            .unwrap_or(0)
+        lock(&self.shared.requests).counts.get(&(verb, key.to_string())).copied().unwrap_or(0)
     }
 
     /// TokenReview: `token` authenticates as `user` in `groups` (unknown tokens do not).
     pub fn add_token(&self, token: &str, user: &str, groups: &[&str]) {
-        lock(&self.shared.reviews).tokens.insert(token.into(), (user.into(), groups.iter().map(|g| g.to_string()).collect()));
+        lock(&self.shared.reviews)
+            .tokens
+            .insert(token.into(), (user.into(), groups.iter().map(|g| g.to_string()).collect()));
     }
 
     /// SubjectAccessReview: `user` may `verb` `resource` in API `group` (everything else is denied).
@@ -520,12 +475,7 @@ impl TestApiServer {
     /// The logged requests of one verb on one kind, oldest first.
     pub fn requests_of<K: k8s_openapi::Resource>(&self, verb: Verb) -> Vec<RequestRecord> {
         let resource = ResourceKey::of::<K>().to_string();
-        lock(&self.shared.requests)
-            .log
-            .iter()
-            .filter(|r| r.verb == verb && r.resource == resource)
-            .cloned()
-            .collect()
+        lock(&self.shared.requests).log.iter().filter(|r| r.verb == verb && r.resource == resource).cloned().collect()
     }
 
     /// Clear the counters and the request log.

@@ -61,9 +61,7 @@ impl PatchKind {
             Self::Json => json_patch(&mut patched, patch)?,
         }
         if !patched.is_object() {
-            return Err(ApiError::BadRequest(
-                "the patch does not leave an object".into(),
-            ));
+            return Err(ApiError::BadRequest("the patch does not leave an object".into()));
         }
         *target = patched;
         Ok(())
@@ -96,10 +94,7 @@ pub fn merge_patch(target: &mut Value, patch: &Value) {
 fn strip_directives(patch: &Value) -> Value {
     match patch {
         Value::Object(map) => Value::Object(
-            map.iter()
-                .filter(|(k, _)| !k.starts_with('$'))
-                .map(|(k, v)| (k.clone(), strip_directives(v)))
-                .collect(),
+            map.iter().filter(|(k, _)| !k.starts_with('$')).map(|(k, v)| (k.clone(), strip_directives(v))).collect(),
         ),
         Value::Array(items) => Value::Array(items.iter().map(strip_directives).collect()),
         other => other.clone(),
@@ -118,18 +113,13 @@ fn pointer_tokens(pointer: &str) -> Result<Vec<String>, ApiError> {
     let Some(rest) = pointer.strip_prefix('/') else {
         return Err(invalid(format!("json patch: invalid pointer {pointer:?}")));
     };
-    Ok(rest
-        .split('/')
-        .map(|t| t.replace("~1", "/").replace("~0", "~"))
-        .collect())
+    Ok(rest.split('/').map(|t| t.replace("~1", "/").replace("~0", "~")).collect())
 }
 
 /// The container holding the pointer's last token, and that token.
 fn parent_mut<'a>(doc: &'a mut Value, pointer: &str) -> Result<(&'a mut Value, String), ApiError> {
     let mut tokens = pointer_tokens(pointer)?;
-    let last = tokens
-        .pop()
-        .ok_or_else(|| invalid("json patch: cannot operate on the whole document".into()))?;
+    let last = tokens.pop().ok_or_else(|| invalid("json patch: cannot operate on the whole document".into()))?;
     let mut cursor = doc;
     for token in tokens {
         cursor = match cursor {
@@ -150,22 +140,14 @@ fn patch_add(doc: &mut Value, pointer: &str, value: Value) -> Result<(), ApiErro
             Ok(())
         }
         Value::Array(items) => {
-            let index = if last == "-" {
-                items.len()
-            } else {
-                last.parse::<usize>().unwrap_or(usize::MAX)
-            };
+            let index = if last == "-" { items.len() } else { last.parse::<usize>().unwrap_or(usize::MAX) };
             if index > items.len() {
-                return Err(invalid(format!(
-                    "json patch: index out of range in {pointer:?}"
-                )));
+                return Err(invalid(format!("json patch: index out of range in {pointer:?}")));
             }
             items.insert(index, value);
             Ok(())
         }
-        _ => Err(invalid(format!(
-            "json patch: parent of {pointer:?} is not a container"
-        ))),
+        _ => Err(invalid(format!("json patch: parent of {pointer:?} is not a container"))),
     }
 }
 
@@ -184,19 +166,13 @@ fn patch_remove(doc: &mut Value, pointer: &str) -> Result<Value, ApiError> {
 
 /// RFC 6902 operations: add, remove, replace, move, copy, test. All or nothing.
 pub fn json_patch(target: &mut Value, patch: &Value) -> Result<(), ApiError> {
-    let operations = patch
-        .as_array()
-        .ok_or_else(|| ApiError::BadRequest("json patch must be an array of operations".into()))?;
+    let operations =
+        patch.as_array().ok_or_else(|| ApiError::BadRequest("json patch must be an array of operations".into()))?;
     let mut doc = target.clone();
     for op in operations {
         let field = |name: &str| op.get(name).and_then(Value::as_str);
-        let path =
-            field("path").ok_or_else(|| invalid("json patch: operation without path".into()))?;
-        let value = || {
-            op.get("value")
-                .cloned()
-                .ok_or_else(|| invalid("json patch: operation without value".into()))
-        };
+        let path = field("path").ok_or_else(|| invalid("json patch: operation without path".into()))?;
+        let value = || op.get("value").cloned().ok_or_else(|| invalid("json patch: operation without value".into()));
         match field("op").unwrap_or_default() {
             "add" => patch_add(&mut doc, path, value()?)?,
             "remove" => {
@@ -207,14 +183,12 @@ pub fn json_patch(target: &mut Value, patch: &Value) -> Result<(), ApiError> {
                 patch_add(&mut doc, path, value()?)?;
             }
             "move" => {
-                let from =
-                    field("from").ok_or_else(|| invalid("json patch: move without from".into()))?;
+                let from = field("from").ok_or_else(|| invalid("json patch: move without from".into()))?;
                 let moved = patch_remove(&mut doc, from)?;
                 patch_add(&mut doc, path, moved)?;
             }
             "copy" => {
-                let from =
-                    field("from").ok_or_else(|| invalid("json patch: copy without from".into()))?;
+                let from = field("from").ok_or_else(|| invalid("json patch: copy without from".into()))?;
                 let copied = doc
                     .pointer(from)
                     .cloned()
@@ -225,9 +199,7 @@ pub fn json_patch(target: &mut Value, patch: &Value) -> Result<(), ApiError> {
                 // As the API server's JSON patch library: a missing member tests equal to
                 // null (kube's finalizer helper relies on it to add the first finalizer).
                 if doc.pointer(path).unwrap_or(&Value::Null) != &value()? {
-                    return Err(invalid(format!(
-                        "json patch: test operation failed at {path:?}"
-                    )));
+                    return Err(invalid(format!("json patch: test operation failed at {path:?}")));
                 }
             }
             other => return Err(invalid(format!("json patch: unknown operation {other:?}"))),
@@ -260,10 +232,7 @@ mod tests {
     fn strategic_drops_directives() {
         let mut doc = json!({"spec": {"x": 1}});
         PatchKind::Strategic
-            .apply_to(
-                &mut doc,
-                &json!({"spec": {"y": 2, "$retainKeys": ["y"]}, "$patch": "merge"}),
-            )
+            .apply_to(&mut doc, &json!({"spec": {"y": 2, "$retainKeys": ["y"]}, "$patch": "merge"}))
             .unwrap();
         assert_eq!(doc, json!({"spec": {"x": 1, "y": 2}}));
     }
@@ -284,10 +253,7 @@ mod tests {
             ]),
         )
         .unwrap();
-        assert_eq!(
-            doc,
-            json!({"metadata": {"labels": {"b/c": "2"}}, "list": [9, 3], "copied": 9, "moved": "1"})
-        );
+        assert_eq!(doc, json!({"metadata": {"labels": {"b/c": "2"}}, "list": [9, 3], "copied": 9, "moved": "1"}));
         let before = doc.clone();
         let failed = json_patch(
             &mut doc,

@@ -20,11 +20,7 @@ pub struct ResourceKey {
 
 impl ResourceKey {
     pub fn new(group: &str, version: &str, plural: &str) -> Self {
-        Self {
-            group: group.to_owned(),
-            version: version.to_owned(),
-            plural: plural.to_owned(),
-        }
+        Self { group: group.to_owned(), version: version.to_owned(), plural: plural.to_owned() }
     }
 
     /// The key of a k8s-openapi type.
@@ -36,11 +32,7 @@ impl ResourceKey {
 impl fmt::Display for ResourceKey {
     /// `plural` for the core group, `plural.group` otherwise, as kubectl and error messages name it.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.group.is_empty() {
-            f.write_str(&self.plural)
-        } else {
-            write!(f, "{}.{}", self.plural, self.group)
-        }
+        if self.group.is_empty() { f.write_str(&self.plural) } else { write!(f, "{}.{}", self.plural, self.group) }
     }
 }
 
@@ -78,15 +70,8 @@ impl ResourceType {
         K: k8s_openapi::Resource,
         K::Scope: 'static,
     {
-        let namespaced =
-            TypeId::of::<K::Scope>() == TypeId::of::<k8s_openapi::NamespaceResourceScope>();
-        Self::new(
-            K::GROUP,
-            K::VERSION,
-            K::URL_PATH_SEGMENT,
-            K::KIND,
-            namespaced,
-        )
+        let namespaced = TypeId::of::<K::Scope>() == TypeId::of::<k8s_openapi::NamespaceResourceScope>();
+        Self::new(K::GROUP, K::VERSION, K::URL_PATH_SEGMENT, K::KIND, namespaced)
     }
 
     /// Serve this type without a `/status` subresource: the main resource writes everything.

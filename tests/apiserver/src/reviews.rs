@@ -5,9 +5,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use axum::Json;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::Json;
 use serde_json::{Value, json};
 
 pub(crate) const TOKEN_REVIEWS: &str = "/apis/authentication.k8s.io/v1/tokenreviews";
@@ -43,7 +43,12 @@ pub(crate) fn answer(reviews: &mut Reviews, path: &str, body: &[u8]) -> Response
     } else {
         reviews.counts.1 += 1;
         let field = |p: &str| review.pointer(p).and_then(Value::as_str).unwrap_or_default().to_string();
-        let key = (field("/spec/user"), field("/spec/resourceAttributes/verb"), field("/spec/resourceAttributes/group"), field("/spec/resourceAttributes/resource"));
+        let key = (
+            field("/spec/user"),
+            field("/spec/resourceAttributes/verb"),
+            field("/spec/resourceAttributes/group"),
+            field("/spec/resourceAttributes/resource"),
+        );
         if reviews.allowed.contains(&key) {
             json!({"allowed": true, "reason": "allowed by the test table"})
         } else {

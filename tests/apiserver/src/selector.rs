@@ -102,9 +102,7 @@ fn tokenize(input: &str) -> Vec<Token> {
 }
 
 fn bad_selector(input: &str, why: &str) -> ApiError {
-    ApiError::BadRequest(format!(
-        "unable to parse requirement: invalid label selector {input:?}: {why}"
-    ))
+    ApiError::BadRequest(format!("unable to parse requirement: invalid label selector {input:?}: {why}"))
 }
 
 impl LabelSelector {
@@ -120,8 +118,7 @@ impl LabelSelector {
         };
         while pos < tokens.len() {
             let requirement = if tokens[pos] == Token::Not {
-                let key =
-                    word(pos + 1).ok_or_else(|| bad_selector(input, "expected a key after '!'"))?;
+                let key = word(pos + 1).ok_or_else(|| bad_selector(input, "expected a key after '!'"))?;
                 pos += 2;
                 LabelRequirement::DoesNotExist(key)
             } else {
@@ -147,9 +144,7 @@ impl LabelSelector {
                         let greater = *op == Token::Gt;
                         let value = word(pos + 1)
                             .and_then(|v| v.parse::<i64>().ok())
-                            .ok_or_else(|| {
-                                bad_selector(input, "expected an integer after '>' or '<'")
-                            })?;
+                            .ok_or_else(|| bad_selector(input, "expected an integer after '>' or '<'"))?;
                         pos += 2;
                         if greater {
                             LabelRequirement::GreaterThan(key, value)
@@ -179,11 +174,7 @@ impl LabelSelector {
                                 _ => return Err(bad_selector(input, "unterminated value set")),
                             }
                         }
-                        if notin {
-                            LabelRequirement::NotIn(key, values)
-                        } else {
-                            LabelRequirement::In(key, values)
-                        }
+                        if notin { LabelRequirement::NotIn(key, values) } else { LabelRequirement::In(key, values) }
                     }
                     Some(_) => return Err(bad_selector(input, "unexpected operator")),
                 }
@@ -207,23 +198,17 @@ impl LabelSelector {
     pub fn matches(&self, object: &Value) -> bool {
         let labels = object.pointer("/metadata/labels");
         let label = |key: &str| labels.and_then(|l| l.get(key)).and_then(Value::as_str);
-        self.requirements
-            .iter()
-            .all(|requirement| match requirement {
-                LabelRequirement::Exists(k) => label(k).is_some(),
-                LabelRequirement::DoesNotExist(k) => label(k).is_none(),
-                LabelRequirement::Equals(k, v) => label(k) == Some(v.as_str()),
-                // As in Kubernetes, `!=` and `notin` also match objects without the label.
-                LabelRequirement::NotEquals(k, v) => label(k) != Some(v.as_str()),
-                LabelRequirement::In(k, vs) => label(k).is_some_and(|l| vs.contains(l)),
-                LabelRequirement::NotIn(k, vs) => !label(k).is_some_and(|l| vs.contains(l)),
-                LabelRequirement::GreaterThan(k, n) => label(k)
-                    .and_then(|l| l.parse::<i64>().ok())
-                    .is_some_and(|l| l > *n),
-                LabelRequirement::LessThan(k, n) => label(k)
-                    .and_then(|l| l.parse::<i64>().ok())
-                    .is_some_and(|l| l < *n),
-            })
+        self.requirements.iter().all(|requirement| match requirement {
+            LabelRequirement::Exists(k) => label(k).is_some(),
+            LabelRequirement::DoesNotExist(k) => label(k).is_none(),
+            LabelRequirement::Equals(k, v) => label(k) == Some(v.as_str()),
+            // As in Kubernetes, `!=` and `notin` also match objects without the label.
+            LabelRequirement::NotEquals(k, v) => label(k) != Some(v.as_str()),
+            LabelRequirement::In(k, vs) => label(k).is_some_and(|l| vs.contains(l)),
+            LabelRequirement::NotIn(k, vs) => !label(k).is_some_and(|l| vs.contains(l)),
+            LabelRequirement::GreaterThan(k, n) => label(k).and_then(|l| l.parse::<i64>().ok()).is_some_and(|l| l > *n),
+            LabelRequirement::LessThan(k, n) => label(k).and_then(|l| l.parse::<i64>().ok()).is_some_and(|l| l < *n),
+        })
     }
 }
 
@@ -302,11 +287,7 @@ impl FieldSelector {
                         break;
                     }
                     b'=' => {
-                        let len = if bytes.get(i + 1) == Some(&b'=') {
-                            2
-                        } else {
-                            1
-                        };
+                        let len = if bytes.get(i + 1) == Some(&b'=') { 2 } else { 1 };
                         found = Some((i, len, false));
                         break;
                     }
@@ -314,15 +295,11 @@ impl FieldSelector {
                 }
             }
             let (at, len, negate) = found.ok_or_else(|| {
-                ApiError::BadRequest(format!(
-                    "invalid field selector: {term:?}: expected an operator"
-                ))
+                ApiError::BadRequest(format!("invalid field selector: {term:?}: expected an operator"))
             })?;
             let field = term[..at].trim();
             if field.is_empty() {
-                return Err(ApiError::BadRequest(format!(
-                    "invalid field selector: {term:?}: empty field"
-                )));
+                return Err(ApiError::BadRequest(format!("invalid field selector: {term:?}: empty field")));
             }
             requirements.push(FieldRequirement {
                 path: field.split('.').map(str::to_owned).collect(),
@@ -376,9 +353,7 @@ mod tests {
         assert!(m("app=web,tier=front"));
         assert!(!m("app=web,tier=back"));
         assert!(m("n>4,n<6"));
-        assert!(m(
-            "app in (web),!service.kubernetes.io/service-proxy-name,tier"
-        ));
+        assert!(m("app in (web),!service.kubernetes.io/service-proxy-name,tier"));
     }
 
     #[test]

@@ -96,10 +96,7 @@ pub(crate) struct Filter {
 impl Filter {
     pub fn matches(&self, object: &Value) -> bool {
         if let Some(ns) = &self.namespace
-            && object
-                .pointer("/metadata/namespace")
-                .and_then(Value::as_str)
-                != Some(ns.as_str())
+            && object.pointer("/metadata/namespace").and_then(Value::as_str) != Some(ns.as_str())
         {
             return false;
         }
@@ -184,9 +181,7 @@ pub(crate) struct Store {
 }
 
 fn now_rfc3339() -> String {
-    k8s_openapi::jiff::Timestamp::now()
-        .strftime("%Y-%m-%dT%H:%M:%SZ")
-        .to_string()
+    k8s_openapi::jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
 }
 
 /// splitmix64: cheap, well-spread bits for uids and generated names without an RNG crate.
@@ -218,9 +213,7 @@ fn spec_part(object: &Value) -> Map<String, Value> {
         .as_object()
         .map(|m| {
             m.iter()
-                .filter(|(k, _)| {
-                    !matches!(k.as_str(), "metadata" | "status" | "apiVersion" | "kind")
-                })
+                .filter(|(k, _)| !matches!(k.as_str(), "metadata" | "status" | "apiVersion" | "kind"))
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect()
         })
@@ -228,10 +221,7 @@ fn spec_part(object: &Value) -> Map<String, Value> {
 }
 
 fn finalizers_pending(object: &Value) -> bool {
-    object
-        .pointer("/metadata/finalizers")
-        .and_then(Value::as_array)
-        .is_some_and(|f| !f.is_empty())
+    object.pointer("/metadata/finalizers").and_then(Value::as_array).is_some_and(|f| !f.is_empty())
 }
 
 fn set_rv(object: &mut Value, rv: u64) {
@@ -240,10 +230,7 @@ fn set_rv(object: &mut Value, rv: u64) {
 
 impl Store {
     pub fn new(types: impl IntoIterator<Item = ResourceType>, history_limit: usize) -> Self {
-        let seed = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or_default()
+        let seed = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or_default()
             ^ u64::from(std::process::id());
         let mut store = Self {
             rv: 0,
@@ -330,13 +317,7 @@ impl Store {
             .and_then(Value::as_str)
             .and_then(|v| v.parse().ok())
             .unwrap_or(self.rv);
-        let event = Arc::new(Event {
-            rv,
-            resource: resource.clone(),
-            event_type,
-            object,
-            previous,
-        });
+        let event = Arc::new(Event { rv, resource: resource.clone(), event_type, object, previous });
         self.history.push_back(event.clone());
         while self.history.len() > self.history_limit {
             if let Some(dropped) = self.history.pop_front() {
@@ -344,16 +325,11 @@ impl Store {
             }
         }
         // Watchers that went away (client disconnected) are pruned here.
-        self.subscribers
-            .retain(|s| s.resource != *resource || s.sender.send(event.clone()).is_ok());
+        self.subscribers.retain(|s| s.resource != *resource || s.sender.send(event.clone()).is_ok());
     }
 
     /// Resolve the namespace an object belongs to: the path's, checked against the body's.
-    fn namespace_for(
-        rt: &ResourceType,
-        path_ns: Option<&str>,
-        object: &Value,
-    ) -> Result<String, ApiError> {
+    fn namespace_for(rt: &ResourceType, path_ns: Option<&str>, object: &Value) -> Result<String, ApiError> {
         if !rt.namespaced {
             return Ok(String::new());
         }
@@ -363,26 +339,14 @@ impl Store {
                 "the namespace of the provided object ({b}) does not match the namespace sent on the request ({p})"
             ))),
             (Some(ns), _) | (None, Some(ns)) => Ok(ns.to_owned()),
-            (None, None) => Err(ApiError::BadRequest(format!(
-                "{} is namespaced: a namespace is required",
-                rt.key
-            ))),
+            (None, None) => Err(ApiError::BadRequest(format!("{} is namespaced: a namespace is required", rt.key))),
         }
     }
 
-    pub fn get(
-        &self,
-        key: &ResourceKey,
-        namespace: Option<&str>,
-        name: &str,
-    ) -> Result<Arc<Stored>, ApiError> {
+    pub fn get(&self, key: &ResourceKey, namespace: Option<&str>, name: &str) -> Result<Arc<Stored>, ApiError> {
         let rt = self.resource_type(key)?;
         let id = ObjectName {
-            namespace: if rt.namespaced {
-                namespace.unwrap_or_default().to_owned()
-            } else {
-                String::new()
-            },
+            namespace: if rt.namespaced { namespace.unwrap_or_default().to_owned() } else { String::new() },
             name: name.to_owned(),
         };
         self.objects
@@ -396,13 +360,7 @@ impl Store {
     pub fn matching(&self, key: &ResourceKey, filter: &Filter) -> Vec<Arc<Stored>> {
         self.objects
             .get(key)
-            .map(|objects| {
-                objects
-                    .values()
-                    .filter(|o| filter.matches(o))
-                    .cloned()
-                    .collect()
-            })
+            .map(|objects| objects.values().filter(|o| filter.matches(o)).cloned().collect())
             .unwrap_or_default()
     }
 
@@ -414,9 +372,7 @@ impl Store {
     ) -> Result<Arc<Stored>, ApiError> {
         let rt = self.resource_type(key)?;
         if !object.is_object() {
-            return Err(ApiError::BadRequest(
-                "the request body must be a JSON object".into(),
-            ));
+            return Err(ApiError::BadRequest("the request body must be a JSON object".into()));
         }
         let namespace = Self::namespace_for(&rt, path_ns, &object)?;
         let name = match meta_str(&object, "name").filter(|n| !n.is_empty()) {
@@ -433,25 +389,16 @@ impl Store {
                     })?;
                 loop {
                     let candidate = format!("{prefix}{}", self.name_suffix());
-                    let id = ObjectName {
-                        namespace: namespace.clone(),
-                        name: candidate.clone(),
-                    };
+                    let id = ObjectName { namespace: namespace.clone(), name: candidate.clone() };
                     if !self.objects.get(key).is_some_and(|o| o.contains_key(&id)) {
                         break candidate;
                     }
                 }
             }
         };
-        let id = ObjectName {
-            namespace: namespace.clone(),
-            name: name.clone(),
-        };
+        let id = ObjectName { namespace: namespace.clone(), name: name.clone() };
         if self.objects.get(key).is_some_and(|o| o.contains_key(&id)) {
-            return Err(ApiError::AlreadyExists {
-                resource: key.to_string(),
-                name,
-            });
+            return Err(ApiError::AlreadyExists { resource: key.to_string(), name });
         }
         let rv = self.next_rv();
         let uid = self.new_uid();
@@ -472,10 +419,7 @@ impl Store {
         meta.remove("deletionTimestamp");
         meta.remove("deletionGracePeriodSeconds");
         let object = Stored::new(object);
-        self.objects
-            .entry(key.clone())
-            .or_default()
-            .insert(id, object.clone());
+        self.objects.entry(key.clone()).or_default().insert(id, object.clone());
         self.record(key, EventType::Added, object.clone(), None);
         Ok(object)
     }
@@ -492,9 +436,7 @@ impl Store {
     ) -> Result<Arc<Stored>, ApiError> {
         let rt = self.resource_type(key)?;
         if !object.is_object() {
-            return Err(ApiError::BadRequest(
-                "the request body must be a JSON object".into(),
-            ));
+            return Err(ApiError::BadRequest("the request body must be a JSON object".into()));
         }
         let namespace = Self::namespace_for(&rt, path_ns, &object)?;
         if let Some(body_name) = meta_str(&object, "name").filter(|n| !n.is_empty())
@@ -504,26 +446,18 @@ impl Store {
                 "the name of the object ({body_name}) does not match the name on the URL ({name})"
             )));
         }
-        let id = ObjectName {
-            namespace: namespace.clone(),
-            name: name.to_owned(),
-        };
+        let id = ObjectName { namespace: namespace.clone(), name: name.to_owned() };
         let old = self
             .objects
             .get(key)
             .and_then(|o| o.get(&id))
             .cloned()
             .ok_or_else(|| ApiError::not_found(key.to_string(), name))?;
-        let old_rv = meta_str(&old, "resourceVersion")
-            .unwrap_or_default()
-            .to_owned();
+        let old_rv = meta_str(&old, "resourceVersion").unwrap_or_default().to_owned();
         if let Some(wanted) = meta_str(&object, "resourceVersion").filter(|v| !v.is_empty())
             && wanted != old_rv
         {
-            return Err(ApiError::Conflict {
-                resource: key.to_string(),
-                name: name.to_owned(),
-            });
+            return Err(ApiError::Conflict { resource: key.to_string(), name: name.to_owned() });
         }
 
         // What each scope may change.
@@ -560,13 +494,7 @@ impl Store {
         if rt.namespaced {
             meta.insert("namespace".into(), Value::String(namespace));
         }
-        for owned in [
-            "uid",
-            "creationTimestamp",
-            "deletionTimestamp",
-            "deletionGracePeriodSeconds",
-            "generation",
-        ] {
+        for owned in ["uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "generation"] {
             match old_meta.get(owned) {
                 Some(v) => meta.insert(owned.into(), v.clone()),
                 None => meta.remove(owned),
@@ -580,11 +508,7 @@ impl Store {
             return Ok(old);
         }
         if spec_part(&object) != spec_part(&old) {
-            let generation = old
-                .pointer("/metadata/generation")
-                .and_then(Value::as_i64)
-                .unwrap_or(0)
-                + 1;
+            let generation = old.pointer("/metadata/generation").and_then(Value::as_i64).unwrap_or(0) + 1;
             metadata_mut(&mut object).insert("generation".into(), json!(generation));
         }
         let rv = self.next_rv();
@@ -623,9 +547,7 @@ impl Store {
         let rt = self.resource_type(key)?;
         let current = match self.get(key, path_ns, name) {
             Ok(current) => current,
-            Err(ApiError::NotFound { .. })
-                if kind == PatchKind::Apply && scope != WriteScope::Status =>
-            {
+            Err(ApiError::NotFound { .. }) if kind == PatchKind::Apply && scope != WriteScope::Status => {
                 // Server-side apply creates what does not exist.
                 let mut object = json!({});
                 kind.apply_to(&mut object, patch)?;
@@ -641,24 +563,18 @@ impl Store {
             }
             Err(e) => return Err(e),
         };
-        let current_rv = meta_str(&current, "resourceVersion")
-            .unwrap_or_default()
-            .to_owned();
+        let current_rv = meta_str(&current, "resourceVersion").unwrap_or_default().to_owned();
         let mut patched = Value::clone(&current);
         kind.apply_to(&mut patched, patch)?;
         match meta_str(&patched, "resourceVersion") {
             Some(rv) if !rv.is_empty() && rv != current_rv => {
-                return Err(ApiError::Conflict {
-                    resource: key.to_string(),
-                    name: name.to_owned(),
-                });
+                return Err(ApiError::Conflict { resource: key.to_string(), name: name.to_owned() });
             }
             _ => {}
         }
         // The precondition is checked; the write itself is unconditional under the lock.
         metadata_mut(&mut patched).insert("resourceVersion".into(), Value::String(current_rv));
-        self.update(key, path_ns, name, patched, scope)
-            .map(|o| (o, false))
+        self.update(key, path_ns, name, patched, scope).map(|o| (o, false))
     }
 
     /// Delete an object. Returns it and whether the delete is still pending on finalizers
@@ -672,10 +588,7 @@ impl Store {
     ) -> Result<(Arc<Stored>, bool), ApiError> {
         let rt = self.resource_type(key)?;
         let previous = self.get(key, path_ns, name)?;
-        let conflict = || ApiError::Conflict {
-            resource: key.to_string(),
-            name: name.to_owned(),
-        };
+        let conflict = || ApiError::Conflict { resource: key.to_string(), name: name.to_owned() };
         if let Some(uid) = preconditions.get("uid").and_then(Value::as_str)
             && Some(uid) != meta_str(&previous, "uid")
         {
@@ -687,11 +600,7 @@ impl Store {
             return Err(conflict());
         }
         let id = ObjectName {
-            namespace: if rt.namespaced {
-                path_ns.unwrap_or_default().to_owned()
-            } else {
-                String::new()
-            },
+            namespace: if rt.namespaced { path_ns.unwrap_or_default().to_owned() } else { String::new() },
             name: name.to_owned(),
         };
         let mut object = Value::clone(&previous);
@@ -723,19 +632,12 @@ impl Store {
     }
 
     /// Delete every object matching the filter; returns them (as deleted or marked).
-    pub fn delete_collection(
-        &mut self,
-        key: &ResourceKey,
-        filter: &Filter,
-    ) -> Result<Vec<Arc<Stored>>, ApiError> {
+    pub fn delete_collection(&mut self, key: &ResourceKey, filter: &Filter) -> Result<Vec<Arc<Stored>>, ApiError> {
         let mut deleted = Vec::new();
         for object in self.matching(key, filter) {
             let name = meta_str(&object, "name").unwrap_or_default().to_owned();
             let namespace = meta_str(&object, "namespace").map(str::to_owned);
-            deleted.push(
-                self.delete(key, namespace.as_deref(), &name, &Value::Null)?
-                    .0,
-            );
+            deleted.push(self.delete(key, namespace.as_deref(), &name, &Value::Null)?.0);
         }
         Ok(deleted)
     }
@@ -752,12 +654,8 @@ impl Store {
             Some(token) => {
                 let (id, offset) = token
                     .split_once(':')
-                    .and_then(|(id, offset)| {
-                        Some((id.parse::<u64>().ok()?, offset.parse::<usize>().ok()?))
-                    })
-                    .ok_or_else(|| {
-                        ApiError::BadRequest(format!("invalid continue token {token:?}"))
-                    })?;
+                    .and_then(|(id, offset)| Some((id.parse::<u64>().ok()?, offset.parse::<usize>().ok()?)))
+                    .ok_or_else(|| ApiError::BadRequest(format!("invalid continue token {token:?}")))?;
                 let snapshot = self.snapshots.get(&id).ok_or_else(|| {
                     ApiError::Expired(
                         "The provided continue parameter is too old to display a consistent list result. \
@@ -771,11 +669,7 @@ impl Store {
         };
         let all: &[Arc<Stored>] = match (&items, snapshot_id) {
             (Some(items), _) => items,
-            (None, Some(id)) => self
-                .snapshots
-                .get(&id)
-                .map(|s| s.items.as_slice())
-                .unwrap_or_default(),
+            (None, Some(id)) => self.snapshots.get(&id).map(|s| s.items.as_slice()).unwrap_or_default(),
             (None, None) => &[],
         };
         let start = offset.min(all.len());
@@ -796,13 +690,7 @@ impl Store {
                 None => {
                     let id = self.next_snapshot;
                     self.next_snapshot += 1;
-                    self.snapshots.insert(
-                        id,
-                        Snapshot {
-                            resource_version,
-                            items: items.unwrap_or_default(),
-                        },
-                    );
+                    self.snapshots.insert(id, Snapshot { resource_version, items: items.unwrap_or_default() });
                     while self.snapshots.len() > MAX_SNAPSHOTS {
                         self.snapshots.pop_first();
                     }
@@ -811,12 +699,7 @@ impl Store {
             };
             Some(format!("{id}:{end}"))
         };
-        Ok(ListPage {
-            resource_version,
-            items: page,
-            remaining: (remaining > 0).then_some(remaining),
-            continue_token,
-        })
+        Ok(ListPage { resource_version, items: page, remaining: (remaining > 0).then_some(remaining), continue_token })
     }
 
     /// Start a watch: the prelude (initial state, or the 410 ERROR) and the subscription.
@@ -839,50 +722,26 @@ impl Store {
                         event_type: "ERROR",
                         object: Stored::new(failure_status(410, "Expired", &message)),
                     });
-                    return Ok(WatchStart {
-                        prelude,
-                        events: None,
-                        resource_version: self.rv,
-                    });
+                    return Ok(WatchStart { prelude, events: None, resource_version: self.rv });
                 }
-                for event in self
-                    .history
-                    .iter()
-                    .filter(|e| e.rv > v && e.resource == *key)
-                {
+                for event in self.history.iter().filter(|e| e.rv > v && e.resource == *key) {
                     // Cannot fail: the receiver is still in our hands.
                     let _ = sender.send(event.clone());
                 }
             }
             _ => {
                 prelude.extend(
-                    self.matching(key, filter)
-                        .into_iter()
-                        .map(|object| WireEvent {
-                            event_type: "ADDED",
-                            object,
-                        }),
+                    self.matching(key, filter).into_iter().map(|object| WireEvent { event_type: "ADDED", object }),
                 );
                 if send_initial_events {
                     let mut bookmark = bookmark_object(&rt, self.rv);
-                    bookmark["metadata"]["annotations"] =
-                        json!({ "k8s.io/initial-events-end": "true" });
-                    prelude.push(WireEvent {
-                        event_type: "BOOKMARK",
-                        object: Stored::new(bookmark),
-                    });
+                    bookmark["metadata"]["annotations"] = json!({ "k8s.io/initial-events-end": "true" });
+                    prelude.push(WireEvent { event_type: "BOOKMARK", object: Stored::new(bookmark) });
                 }
             }
         }
-        self.subscribers.push(Subscriber {
-            resource: key.clone(),
-            sender,
-        });
-        Ok(WatchStart {
-            prelude,
-            events: Some(receiver),
-            resource_version: self.rv,
-        })
+        self.subscribers.push(Subscriber { resource: key.clone(), sender });
+        Ok(WatchStart { prelude, events: Some(receiver), resource_version: self.rv })
     }
 
     /// Drop the event history (and pagination snapshots): resuming from any version older
@@ -930,13 +789,8 @@ mod tests {
     fn versions_are_global_and_server_owned() {
         let mut store = Store::new(default_resources(), 100);
         let a = store.create(&svc_key(), Some("ns"), svc("a")).unwrap();
-        let node = store
-            .create(
-                &ResourceKey::new("", "v1", "nodes"),
-                None,
-                json!({"metadata": {"name": "n"}}),
-            )
-            .unwrap();
+        let node =
+            store.create(&ResourceKey::new("", "v1", "nodes"), None, json!({"metadata": {"name": "n"}})).unwrap();
         assert_eq!(a["metadata"]["resourceVersion"], "1");
         assert_eq!(a["metadata"]["namespace"], "ns");
         assert_eq!(a["metadata"]["generation"], 1);
@@ -950,23 +804,17 @@ mod tests {
     fn generation_tracks_spec_and_noop_is_not_a_write() {
         let mut store = Store::new(default_resources(), 100);
         let a = store.create(&svc_key(), Some("ns"), svc("a")).unwrap();
-        let same = store
-            .update(&svc_key(), Some("ns"), "a", Value::clone(&a), WriteScope::Main)
-            .unwrap();
+        let same = store.update(&svc_key(), Some("ns"), "a", Value::clone(&a), WriteScope::Main).unwrap();
         assert!(Arc::ptr_eq(&same, &a), "a write that changes nothing keeps the stored object");
         let mut labelled = Value::clone(&a);
         labelled["metadata"]["labels"] = json!({"x": "y"});
-        let labelled = store
-            .update(&svc_key(), Some("ns"), "a", labelled, WriteScope::Main)
-            .unwrap();
+        let labelled = store.update(&svc_key(), Some("ns"), "a", labelled, WriteScope::Main).unwrap();
         assert_eq!(labelled["metadata"]["generation"], 1);
         assert_eq!(labelled["metadata"]["resourceVersion"], "2");
         assert_eq!(a["metadata"]["resourceVersion"], "1", "a stored version never changes");
         let mut changed = Value::clone(&labelled);
         changed["spec"]["ports"][0]["port"] = json!(81);
-        let changed = store
-            .update(&svc_key(), Some("ns"), "a", changed, WriteScope::Main)
-            .unwrap();
+        let changed = store.update(&svc_key(), Some("ns"), "a", changed, WriteScope::Main).unwrap();
         assert_eq!(changed["metadata"]["generation"], 2);
         // Stale version.
         assert!(matches!(
@@ -984,21 +832,14 @@ mod tests {
         let mut main = Value::clone(&a);
         main["status"] = json!({});
         main["spec"]["type"] = json!("NodePort");
-        let main = store
-            .update(&svc_key(), Some("ns"), "a", main, WriteScope::Main)
-            .unwrap();
+        let main = store.update(&svc_key(), Some("ns"), "a", main, WriteScope::Main).unwrap();
         assert_eq!(main["status"], a["status"], "main writes keep status");
         let mut status = Value::clone(&main);
         status["status"] = json!({});
         status["spec"]["type"] = json!("ClusterIP");
-        let status = store
-            .update(&svc_key(), Some("ns"), "a", status, WriteScope::Status)
-            .unwrap();
+        let status = store.update(&svc_key(), Some("ns"), "a", status, WriteScope::Status).unwrap();
         assert_eq!(status["status"], json!({}));
-        assert_eq!(
-            status["spec"]["type"], "NodePort",
-            "status writes keep spec"
-        );
+        assert_eq!(status["spec"]["type"], "NodePort", "status writes keep spec");
     }
 
     #[test]
@@ -1007,55 +848,30 @@ mod tests {
         let mut a = svc("a");
         a["metadata"]["finalizers"] = json!(["x"]);
         store.create(&svc_key(), Some("ns"), a).unwrap();
-        let (marked, pending) = store
-            .delete(&svc_key(), Some("ns"), "a", &json!({}))
-            .unwrap();
+        let (marked, pending) = store.delete(&svc_key(), Some("ns"), "a", &json!({})).unwrap();
         assert!(pending);
         assert!(marked["metadata"]["deletionTimestamp"].is_string());
         let mut cleared = Value::clone(&marked);
         cleared["metadata"]["finalizers"] = json!([]);
-        store
-            .update(&svc_key(), Some("ns"), "a", cleared, WriteScope::Main)
-            .unwrap();
-        assert!(matches!(
-            store.get(&svc_key(), Some("ns"), "a"),
-            Err(ApiError::NotFound { .. })
-        ));
+        store.update(&svc_key(), Some("ns"), "a", cleared, WriteScope::Main).unwrap();
+        assert!(matches!(store.get(&svc_key(), Some("ns"), "a"), Err(ApiError::NotFound { .. })));
     }
 
     #[test]
     fn pagination_is_a_snapshot() {
         let mut store = Store::new(default_resources(), 100);
         for i in 0..5 {
-            store
-                .create(&svc_key(), Some("ns"), svc(&format!("s{i}")))
-                .unwrap();
+            store.create(&svc_key(), Some("ns"), svc(&format!("s{i}"))).unwrap();
         }
-        let first = store
-            .list(&svc_key(), &Filter::default(), Some(2), None)
-            .unwrap();
+        let first = store.list(&svc_key(), &Filter::default(), Some(2), None).unwrap();
         assert_eq!(first.items.len(), 2);
         assert_eq!(first.remaining, Some(3));
-        store
-            .delete(&svc_key(), Some("ns"), "s4", &json!({}))
-            .unwrap();
+        store.delete(&svc_key(), Some("ns"), "s4", &json!({})).unwrap();
         let token = first.continue_token.unwrap();
-        let second = store
-            .list(&svc_key(), &Filter::default(), Some(2), Some(&token))
-            .unwrap();
-        let third = store
-            .list(
-                &svc_key(),
-                &Filter::default(),
-                Some(2),
-                second.continue_token.as_deref(),
-            )
-            .unwrap();
+        let second = store.list(&svc_key(), &Filter::default(), Some(2), Some(&token)).unwrap();
+        let third = store.list(&svc_key(), &Filter::default(), Some(2), second.continue_token.as_deref()).unwrap();
         assert_eq!(third.items.len(), 1);
-        assert_eq!(
-            third.items[0]["metadata"]["name"], "s4",
-            "the snapshot predates the delete"
-        );
+        assert_eq!(third.items[0]["metadata"]["name"], "s4", "the snapshot predates the delete");
         assert_eq!(third.resource_version, first.resource_version);
         assert!(third.continue_token.is_none());
     }
@@ -1066,18 +882,11 @@ mod tests {
         let created = store.create(&svc_key(), Some("ns"), svc("a")).unwrap();
         let mut labelled = Value::clone(&created);
         labelled["metadata"]["labels"] = json!({"x": "y"});
-        let updated = store
-            .update(&svc_key(), Some("ns"), "a", labelled, WriteScope::Main)
-            .unwrap();
-        let listed = store
-            .list(&svc_key(), &Filter::default(), None, None)
-            .unwrap();
+        let updated = store.update(&svc_key(), Some("ns"), "a", labelled, WriteScope::Main).unwrap();
+        let listed = store.list(&svc_key(), &Filter::default(), None, None).unwrap();
         assert!(Arc::ptr_eq(&listed.items[0], &updated), "a list shares the stored object");
-        let mut replay = store
-            .watch(&svc_key(), &Filter::default(), WatchFrom::Version(0), false)
-            .unwrap()
-            .events
-            .unwrap();
+        let mut replay =
+            store.watch(&svc_key(), &Filter::default(), WatchFrom::Version(0), false).unwrap().events.unwrap();
         let added = replay.try_recv().unwrap();
         let modified = replay.try_recv().unwrap();
         assert!(Arc::ptr_eq(&added.object, &created), "the history shares the created version");
@@ -1086,10 +895,7 @@ mod tests {
             modified.previous.as_ref().is_some_and(|p| Arc::ptr_eq(p, &created)),
             "a modification's previous state is the version before, not a copy"
         );
-        let prelude = store
-            .watch(&svc_key(), &Filter::default(), WatchFrom::Current, false)
-            .unwrap()
-            .prelude;
+        let prelude = store.watch(&svc_key(), &Filter::default(), WatchFrom::Current, false).unwrap().prelude;
         assert!(Arc::ptr_eq(&prelude[0].object, &updated), "a watch's initial events too");
     }
 
@@ -1113,18 +919,12 @@ mod tests {
     fn history_limit_compacts() {
         let mut store = Store::new(default_resources(), 2);
         for i in 0..4 {
-            store
-                .create(&svc_key(), Some("ns"), svc(&format!("s{i}")))
-                .unwrap();
+            store.create(&svc_key(), Some("ns"), svc(&format!("s{i}"))).unwrap();
         }
-        let expired = store
-            .watch(&svc_key(), &Filter::default(), WatchFrom::Version(1), false)
-            .unwrap();
+        let expired = store.watch(&svc_key(), &Filter::default(), WatchFrom::Version(1), false).unwrap();
         assert_eq!(expired.prelude[0].event_type, "ERROR");
         assert!(expired.events.is_none());
-        let mut ok = store
-            .watch(&svc_key(), &Filter::default(), WatchFrom::Version(2), false)
-            .unwrap();
+        let mut ok = store.watch(&svc_key(), &Filter::default(), WatchFrom::Version(2), false).unwrap();
         let events = ok.events.as_mut().unwrap();
         assert_eq!(events.try_recv().unwrap().rv, 3);
         assert_eq!(events.try_recv().unwrap().rv, 4);

@@ -9,7 +9,11 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 fn deploy_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).ancestors().nth(2).expect("tests/deploy is two levels below the workspace").join("deploy")
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .expect("tests/deploy is two levels below the workspace")
+        .join("deploy")
 }
 
 /// The agent's `--cni-socket`, as deploy/agent.yaml passes it.
@@ -37,18 +41,24 @@ fn violations(file_name: &str, text: &str, agent_socket: &str) -> Vec<String> {
         v.push(format!("{file_name} lacks cniVersion or name"));
     }
     let plugins = conf["plugins"].as_array().map(Vec::as_slice).unwrap_or_default();
-    let ours: Vec<usize> = plugins.iter().enumerate().filter(|(_, p)| p["type"] == "wasmplane-cni").map(|(i, _)| i).collect();
+    let ours: Vec<usize> =
+        plugins.iter().enumerate().filter(|(_, p)| p["type"] == "wasmplane-cni").map(|(i, _)| i).collect();
     match ours.as_slice() {
         [i] if *i + 1 == plugins.len() && *i > 0 => {
             let p = &plugins[*i];
             if p["daemonSocket"] != agent_socket {
-                v.push(format!("{file_name}: daemonSocket {} is not the agent's --cni-socket {agent_socket}", p["daemonSocket"]));
+                v.push(format!(
+                    "{file_name}: daemonSocket {} is not the agent's --cni-socket {agent_socket}",
+                    p["daemonSocket"]
+                ));
             }
             if p.get("daemonTimeoutSeconds").is_some_and(|t| t.as_u64().is_none_or(|t| t == 0)) {
                 v.push(format!("{file_name}: daemonTimeoutSeconds is not a positive integer"));
             }
         }
-        _ => v.push(format!("{file_name}: wasmplane-cni must be the last plugin, once, after the one that gives pods their addresses")),
+        _ => v.push(format!(
+            "{file_name}: wasmplane-cni must be the last plugin, once, after the one that gives pods their addresses"
+        )),
     }
     if plugins.iter().any(|p| p["type"] == "portmap") {
         v.push(format!("{file_name}: portmap beside wasmplane, which serves hostPort itself"));
@@ -71,7 +81,10 @@ fn examples() -> Vec<(String, String)> {
 #[test]
 fn chained_conflist_examples_are_valid() {
     let examples = examples();
-    assert!(examples.iter().any(|(name, _)| name.contains("chained")), "no chained example in deploy/cni: {examples:?}");
+    assert!(
+        examples.iter().any(|(name, _)| name.contains("chained")),
+        "no chained example in deploy/cni: {examples:?}"
+    );
     let socket = agent_socket();
     for (name, text) in &examples {
         let v = violations(name, text, &socket);
@@ -95,7 +108,10 @@ fn broken_chained_conflists_are_caught() {
     alone["plugins"].as_array_mut().unwrap().remove(0);
     caught(&name, &alone, "last plugin");
     let mut portmap = conf.clone();
-    portmap["plugins"].as_array_mut().unwrap().insert(1, serde_json::json!({"type": "portmap", "capabilities": {"portMappings": true}}));
+    portmap["plugins"]
+        .as_array_mut()
+        .unwrap()
+        .insert(1, serde_json::json!({"type": "portmap", "capabilities": {"portMappings": true}}));
     caught(&name, &portmap, "portmap");
     let mut elsewhere = conf.clone();
     let last = elsewhere["plugins"].as_array().unwrap().len() - 1;

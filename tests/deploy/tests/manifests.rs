@@ -13,14 +13,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
-use k8s_openapi::api::core::v1::{
-    ConfigMap, Container, Namespace, PodSpec, PodTemplateSpec, Service, ServiceAccount,
-};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, Namespace, PodSpec, PodTemplateSpec, Service, ServiceAccount};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use k8s_openapi::api::rbac::v1::{
-    ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding, RoleRef, Subject,
-};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use serde::Deserialize as _;
 use serde::Serialize;
@@ -34,13 +30,8 @@ const OPERATOR: &str = "wasmplane-operator";
 /// pairs and addresses; SYS_ADMIN for setns(2) into pod network namespaces.
 const AGENT_CAPABILITIES: &[&str] = &["NET_ADMIN", "SYS_ADMIN"];
 /// The node paths the agent mounts, exactly.
-const AGENT_HOST_PATHS: &[&str] = &[
-    "/etc/cni/net.d",
-    "/opt/cni/bin",
-    "/run/netns",
-    "/run/wasmplane",
-    "/var/lib/wasmplane",
-];
+const AGENT_HOST_PATHS: &[&str] =
+    &["/etc/cni/net.d", "/opt/cni/bin", "/run/netns", "/run/wasmplane", "/var/lib/wasmplane"];
 /// Flags the manifests use that host/src/cli.rs may not define yet (the operator role is
 /// added by the integrator). Tolerated when absent, reported.
 const PENDING_FLAGS: &[&str] = &["role"];
@@ -74,8 +65,7 @@ struct Doc {
 fn parse_documents(text: &str, source: &str) -> Result<Vec<Value>, String> {
     let mut out = Vec::new();
     for (i, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
-        let value = Value::deserialize(document)
-            .map_err(|e| format!("{source}: YAML document {i}: {e}"))?;
+        let value = Value::deserialize(document).map_err(|e| format!("{source}: YAML document {i}: {e}"))?;
         if !value.is_null() {
             out.push(value);
         }
@@ -102,33 +92,19 @@ fn render(dir: &Path, read: &dyn Fn(&Path) -> Result<String, String>) -> Result<
             ));
         }
     }
-    if kustomization["apiVersion"] != "kustomize.config.k8s.io/v1beta1"
-        || kustomization["kind"] != "Kustomization"
-    {
-        return Err(
-            "kustomization.yaml: not a kustomize.config.k8s.io/v1beta1 Kustomization".into(),
-        );
+    if kustomization["apiVersion"] != "kustomize.config.k8s.io/v1beta1" || kustomization["kind"] != "Kustomization" {
+        return Err("kustomization.yaml: not a kustomize.config.k8s.io/v1beta1 Kustomization".into());
     }
-    let resources = kustomization["resources"]
-        .as_array()
-        .ok_or("kustomization.yaml: `resources` is not a list")?;
+    let resources = kustomization["resources"].as_array().ok_or("kustomization.yaml: `resources` is not a list")?;
     let mut docs = Vec::new();
     for resource in resources {
-        let name = resource
-            .as_str()
-            .ok_or("kustomization.yaml: a resource is not a string")?;
-        if name.contains("://") || name.starts_with('/') || name.split('/').any(|part| part == "..")
-        {
-            return Err(format!(
-                "kustomization.yaml: resource {name} is not a file inside deploy/"
-            ));
+        let name = resource.as_str().ok_or("kustomization.yaml: a resource is not a string")?;
+        if name.contains("://") || name.starts_with('/') || name.split('/').any(|part| part == "..") {
+            return Err(format!("kustomization.yaml: resource {name} is not a file inside deploy/"));
         }
         let text = read(&dir.join(name))?;
         for value in parse_documents(&text, name)? {
-            docs.push(Doc {
-                source: name.to_string(),
-                value,
-            });
+            docs.push(Doc { source: name.to_string(), value });
         }
     }
     Ok(docs)
@@ -150,17 +126,12 @@ fn rendered() -> Vec<Doc> {
 /// ignores unknown fields, so a misspelled or unknown field is exactly one that does not
 /// survive the round trip. Wrong types and missing required fields fail the parse itself.
 fn strict<T: DeserializeOwned + Serialize>(value: &Value, what: &str) -> Result<T, String> {
-    let typed: T = serde_json::from_value(value.clone())
-        .map_err(|e| format!("{what}: not a valid object of its kind: {e}"))?;
-    let back =
-        serde_json::to_value(&typed).map_err(|e| format!("{what}: serializing back: {e}"))?;
+    let typed: T =
+        serde_json::from_value(value.clone()).map_err(|e| format!("{what}: not a valid object of its kind: {e}"))?;
+    let back = serde_json::to_value(&typed).map_err(|e| format!("{what}: serializing back: {e}"))?;
     let mut differences = Vec::new();
     diff("", value, &back, &mut differences);
-    if differences.is_empty() {
-        Ok(typed)
-    } else {
-        Err(format!("{what}: {}", differences.join("; ")))
-    }
+    if differences.is_empty() { Ok(typed) } else { Err(format!("{what}: {}", differences.join("; "))) }
 }
 
 fn diff(path: &str, original: &Value, typed: &Value, out: &mut Vec<String>) {
@@ -218,35 +189,25 @@ fn parse_objects(docs: &[Doc], errors: &mut Vec<String>) -> Objects {
             ("v1", "ServiceAccount") => strict(v, &what).map(|x| o.service_accounts.push(x)),
             ("v1", "ConfigMap") => strict(v, &what).map(|x| o.config_maps.push(x)),
             ("v1", "Service") => strict(v, &what).map(|x| o.services.push(x)),
-            ("rbac.authorization.k8s.io/v1", "ClusterRole") => {
-                strict(v, &what).map(|x| o.cluster_roles.push(x))
-            }
+            ("rbac.authorization.k8s.io/v1", "ClusterRole") => strict(v, &what).map(|x| o.cluster_roles.push(x)),
             ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding") => {
                 strict(v, &what).map(|x| o.cluster_role_bindings.push(x))
             }
             ("rbac.authorization.k8s.io/v1", "Role") => strict(v, &what).map(|x| o.roles.push(x)),
-            ("rbac.authorization.k8s.io/v1", "RoleBinding") => {
-                strict(v, &what).map(|x| o.role_bindings.push(x))
-            }
+            ("rbac.authorization.k8s.io/v1", "RoleBinding") => strict(v, &what).map(|x| o.role_bindings.push(x)),
             ("apps/v1", "DaemonSet") => strict(v, &what).map(|x| o.daemon_sets.push(x)),
             ("apps/v1", "Deployment") => strict(v, &what).map(|x| o.deployments.push(x)),
-            ("policy/v1", "PodDisruptionBudget") => {
-                strict(v, &what).map(|x| o.pod_disruption_budgets.push(x))
-            }
+            ("policy/v1", "PodDisruptionBudget") => strict(v, &what).map(|x| o.pod_disruption_budgets.push(x)),
             ("apiextensions.k8s.io/v1", "CustomResourceDefinition") => {
                 strict(v, &what).map(|x| o.custom_resource_definitions.push(x))
             }
             // Notably Secret: the API token must never be part of the manifests.
-            _ => Err(format!(
-                "{what}: {api_version} {kind} is not a kind deploy/ is expected to contain"
-            )),
+            _ => Err(format!("{what}: {api_version} {kind} is not a kind deploy/ is expected to contain")),
         };
         match parsed {
             Ok(()) => o.all.push((
                 kind.to_string(),
-                doc.value["metadata"]["namespace"]
-                    .as_str()
-                    .map(str::to_string),
+                doc.value["metadata"]["namespace"].as_str().map(str::to_string),
                 name.to_string(),
             )),
             Err(e) => errors.push(e),
@@ -287,27 +248,16 @@ struct Workload<'a> {
 impl Workload<'_> {
     fn spec(&self) -> &PodSpec {
         static EMPTY: std::sync::OnceLock<PodSpec> = std::sync::OnceLock::new();
-        self.template
-            .spec
-            .as_ref()
-            .unwrap_or_else(|| EMPTY.get_or_init(PodSpec::default))
+        self.template.spec.as_ref().unwrap_or_else(|| EMPTY.get_or_init(PodSpec::default))
     }
 
     fn all_containers(&self) -> impl Iterator<Item = (&Container, bool)> {
         let spec = self.spec();
-        spec.init_containers
-            .iter()
-            .flatten()
-            .map(|c| (c, true))
-            .chain(spec.containers.iter().map(|c| (c, false)))
+        spec.init_containers.iter().flatten().map(|c| (c, true)).chain(spec.containers.iter().map(|c| (c, false)))
     }
 
     fn labels(&self) -> BTreeMap<String, String> {
-        self.template
-            .metadata
-            .as_ref()
-            .and_then(|m| m.labels.clone())
-            .unwrap_or_default()
+        self.template.metadata.as_ref().and_then(|m| m.labels.clone()).unwrap_or_default()
     }
 }
 
@@ -337,26 +287,16 @@ fn workloads(o: &Objects) -> Vec<Workload<'_>> {
 }
 
 fn check_namespaces(o: &Objects, v: &mut Vec<String>) {
-    if !o
-        .namespaces
-        .iter()
-        .any(|n| n.metadata.name.as_deref() == Some(NAMESPACE))
-    {
+    if !o.namespaces.iter().any(|n| n.metadata.name.as_deref() == Some(NAMESPACE)) {
         v.push(format!("no Namespace {NAMESPACE}"));
     }
     for (kind, namespace, name) in &o.all {
-        let cluster_scoped = matches!(
-            kind.as_str(),
-            "Namespace" | "ClusterRole" | "ClusterRoleBinding" | "CustomResourceDefinition"
-        );
+        let cluster_scoped =
+            matches!(kind.as_str(), "Namespace" | "ClusterRole" | "ClusterRoleBinding" | "CustomResourceDefinition");
         match (cluster_scoped, namespace.as_deref()) {
             (true, None) | (false, Some(NAMESPACE)) => {}
-            (true, Some(ns)) => v.push(format!(
-                "{kind}/{name} is cluster-scoped but names namespace {ns}"
-            )),
-            (false, ns) => v.push(format!(
-                "{kind}/{name} is in namespace {ns:?}, not {NAMESPACE}"
-            )),
+            (true, Some(ns)) => v.push(format!("{kind}/{name} is cluster-scoped but names namespace {ns}")),
+            (false, ns) => v.push(format!("{kind}/{name} is in namespace {ns:?}, not {NAMESPACE}")),
         }
     }
 }
@@ -388,30 +328,13 @@ fn check_pod(w: &Workload, v: &mut Vec<String>) {
     if !is_agent && spec.host_network == Some(true) {
         v.push(format!("{id}: hostNetwork, which only the agent needs"));
     }
-    let host_paths: BTreeSet<&str> = spec
-        .volumes
-        .iter()
-        .flatten()
-        .filter_map(|vol| vol.host_path.as_ref())
-        .map(|h| h.path.as_str())
-        .collect();
-    let allowed: BTreeSet<&str> = if is_agent {
-        AGENT_HOST_PATHS.iter().copied().collect()
-    } else {
-        BTreeSet::new()
-    };
+    let host_paths: BTreeSet<&str> =
+        spec.volumes.iter().flatten().filter_map(|vol| vol.host_path.as_ref()).map(|h| h.path.as_str()).collect();
+    let allowed: BTreeSet<&str> = if is_agent { AGENT_HOST_PATHS.iter().copied().collect() } else { BTreeSet::new() };
     if host_paths != allowed {
-        v.push(format!(
-            "{id}: hostPath volumes {host_paths:?}, expected {allowed:?}"
-        ));
+        v.push(format!("{id}: hostPath volumes {host_paths:?}, expected {allowed:?}"));
     }
-    if w.kind == "Deployment"
-        && spec
-            .security_context
-            .as_ref()
-            .and_then(|s| s.run_as_non_root)
-            != Some(true)
-    {
+    if w.kind == "Deployment" && spec.security_context.as_ref().and_then(|s| s.run_as_non_root) != Some(true) {
         v.push(format!("{id}: pod does not set runAsNonRoot: true"));
     }
     for (c, init) in w.all_containers() {
@@ -431,9 +354,7 @@ fn check_pod(w: &Workload, v: &mut Vec<String>) {
             BTreeSet::new()
         };
         if added != expected {
-            v.push(format!(
-                "{cid}: capabilities added {added:?}, expected exactly {expected:?}"
-            ));
+            v.push(format!("{cid}: capabilities added {added:?}, expected exactly {expected:?}"));
         }
         // With CAP_SYS_ADMIN the kernel allows escalation regardless; everywhere else it is off.
         if !added.contains("SYS_ADMIN") && sc.allow_privilege_escalation != Some(false) {
@@ -443,10 +364,7 @@ fn check_pod(w: &Workload, v: &mut Vec<String>) {
             v.push(format!("{cid}: root filesystem is writable"));
         }
         let resources = c.resources.clone().unwrap_or_default();
-        for (what, map) in [
-            ("limits", &resources.limits),
-            ("requests", &resources.requests),
-        ] {
+        for (what, map) in [("limits", &resources.limits), ("requests", &resources.requests)] {
             for resource in ["cpu", "memory"] {
                 if !map.as_ref().is_some_and(|m| m.contains_key(resource)) {
                     v.push(format!("{cid}: no {resource} in resources.{what}"));
@@ -460,33 +378,25 @@ fn check_pod(w: &Workload, v: &mut Vec<String>) {
         let listen_port = flag_value(c.args.as_deref().unwrap_or_default(), "listen")
             .and_then(|l| l.rsplit(':').next())
             .and_then(|p| p.parse::<i32>().ok());
-        for (what, probe, path) in [
-            ("readinessProbe", &c.readiness_probe, "/readyz"),
-            ("livenessProbe", &c.liveness_probe, "/healthz"),
-        ] {
+        for (what, probe, path) in
+            [("readinessProbe", &c.readiness_probe, "/readyz"), ("livenessProbe", &c.liveness_probe, "/healthz")]
+        {
             let Some(http) = probe.as_ref().and_then(|p| p.http_get.as_ref()) else {
                 v.push(format!("{cid}: no {what} with httpGet"));
                 continue;
             };
             if http.path.as_deref() != Some(path) {
-                v.push(format!(
-                    "{cid}: {what} path {:?}, expected {path}",
-                    http.path
-                ));
+                v.push(format!("{cid}: {what} path {:?}, expected {path}", http.path));
             }
             let declared = ports.iter().find(|p| match &http.port {
                 IntOrString::Int(n) => p.container_port == *n,
                 IntOrString::String(name) => p.name.as_deref() == Some(name.as_str()),
             });
             match declared {
-                None => v.push(format!(
-                    "{cid}: {what} port {:?} is not a declared container port",
-                    http.port
-                )),
-                Some(p) if listen_port.is_some_and(|l| l != p.container_port) => v.push(format!(
-                    "{cid}: {what} port {} is not the --listen port {listen_port:?}",
-                    p.container_port
-                )),
+                None => v.push(format!("{cid}: {what} port {:?} is not a declared container port", http.port)),
+                Some(p) if listen_port.is_some_and(|l| l != p.container_port) => {
+                    v.push(format!("{cid}: {what} port {} is not the --listen port {listen_port:?}", p.container_port))
+                }
                 Some(_) => {}
             }
         }
@@ -496,9 +406,7 @@ fn check_pod(w: &Workload, v: &mut Vec<String>) {
 /// Flag names (without `--`) of `wasmplane run`, read from the clap derive in
 /// host/src/cli.rs: `long = "name"`, or plain `long` on a field (snake_case → kebab-case).
 fn run_flags_from_cli(source: &str) -> BTreeSet<String> {
-    let start = source
-        .find("pub struct RunArgs")
-        .expect("host/src/cli.rs has no RunArgs");
+    let start = source.find("pub struct RunArgs").expect("host/src/cli.rs has no RunArgs");
     let body = &source[start..];
     let body = &body[..body.find("\n}").expect("RunArgs is closed")];
     let mut flags = BTreeSet::new();
@@ -511,10 +419,7 @@ fn run_flags_from_cli(source: &str) -> BTreeSet<String> {
             if let Some(i) = attributes.find("long = \"") {
                 let rest = &attributes[i + "long = \"".len()..];
                 flags.insert(rest[..rest.find('"').unwrap_or(0)].to_string());
-            } else if attributes
-                .split(|c: char| !(c.is_alphanumeric() || c == '_'))
-                .any(|word| word == "long")
-            {
+            } else if attributes.split(|c: char| !(c.is_alphanumeric() || c == '_')).any(|word| word == "long") {
                 flags.insert(field.trim().replace('_', "-"));
             }
             attributes.clear();
@@ -548,11 +453,8 @@ fn check_args(w: &Workload, cli_flags: &BTreeSet<String>, v: &mut Vec<String>) {
                 rest = &rest[end..];
             }
         }
-        let runs_wasmplane = c
-            .command
-            .as_ref()
-            .and_then(|c| c.first())
-            .is_some_and(|p| p.rsplit('/').next() == Some("wasmplane"));
+        let runs_wasmplane =
+            c.command.as_ref().and_then(|c| c.first()).is_some_and(|p| p.rsplit('/').next() == Some("wasmplane"));
         if !runs_wasmplane {
             continue;
         }
@@ -562,42 +464,31 @@ fn check_args(w: &Workload, cli_flags: &BTreeSet<String>, v: &mut Vec<String>) {
         for arg in args.iter().filter_map(|a| a.strip_prefix("--")) {
             let flag = arg.split('=').next().unwrap_or_default();
             if !cli_flags.contains(flag) && !PENDING_FLAGS.contains(&flag) {
-                v.push(format!(
-                    "{cid}: --{flag} is not a flag of `wasmplane run` (host/src/cli.rs)"
-                ));
+                v.push(format!("{cid}: --{flag} is not a flag of `wasmplane run` (host/src/cli.rs)"));
             }
         }
         if !args.iter().any(|a| a == "--kubernetes") {
             v.push(format!("{cid}: does not watch the cluster (--kubernetes)"));
         }
-        if !flag_value(&args, "kvstore")
-            .is_some_and(|k| k.starts_with("etcd://") || k.starts_with("$("))
-        {
-            v.push(format!(
-                "{cid}: --kvstore does not come from the etcd configuration"
-            ));
+        if !flag_value(&args, "kvstore").is_some_and(|k| k.starts_with("etcd://") || k.starts_with("$(")) {
+            v.push(format!("{cid}: --kvstore does not come from the etcd configuration"));
         }
         if !flag_value(&args, "token-file").is_some_and(|path| {
             c.volume_mounts.iter().flatten().any(|m| {
                 path.starts_with(&format!("{}/", m.mount_path))
                     && w.spec().volumes.iter().flatten().any(|vol| {
                         vol.name == m.name
-                            && vol.secret.as_ref().and_then(|s| s.secret_name.as_deref())
-                                == Some(TOKEN_SECRET)
+                            && vol.secret.as_ref().and_then(|s| s.secret_name.as_deref()) == Some(TOKEN_SECRET)
                     })
             })
         }) {
-            v.push(format!(
-                "{cid}: --token-file is not in the mounted Secret {TOKEN_SECRET}"
-            ));
+            v.push(format!("{cid}: --token-file is not in the mounted Secret {TOKEN_SECRET}"));
         }
     }
 }
 
 fn agent_workload<'a>(o: &'a Objects) -> Option<Workload<'a>> {
-    workloads(o)
-        .into_iter()
-        .find(|w| w.kind == "DaemonSet" && w.name == AGENT)
+    workloads(o).into_iter().find(|w| w.kind == "DaemonSet" && w.name == AGENT)
 }
 
 fn check_agent(o: &Objects, v: &mut Vec<String>) {
@@ -610,10 +501,7 @@ fn check_agent(o: &Objects, v: &mut Vec<String>) {
         v.push(format!("DaemonSet {AGENT}: not on the host network"));
     }
     if spec.service_account_name.as_deref() != Some(AGENT) {
-        v.push(format!(
-            "DaemonSet {AGENT}: service account {:?}",
-            spec.service_account_name
-        ));
+        v.push(format!("DaemonSet {AGENT}: service account {:?}", spec.service_account_name));
     }
     if !spec
         .tolerations
@@ -632,11 +520,7 @@ fn check_agent(o: &Objects, v: &mut Vec<String>) {
             .map(|h| h.path.clone())
     };
     let mounts = |c: &Container| -> BTreeMap<String, Option<String>> {
-        c.volume_mounts
-            .iter()
-            .flatten()
-            .map(|m| (m.mount_path.clone(), host_path_of(&m.name)))
-            .collect()
+        c.volume_mounts.iter().flatten().map(|m| (m.mount_path.clone(), host_path_of(&m.name))).collect()
     };
     let Some(agent) = spec.containers.iter().find(|c| c.name == "agent") else {
         v.push(format!("DaemonSet {AGENT}: no container named agent"));
@@ -647,41 +531,28 @@ fn check_agent(o: &Objects, v: &mut Vec<String>) {
     if flag_value(&args, "dataplane") != Some("nftables") {
         v.push(format!("DaemonSet {AGENT}: --dataplane is not nftables"));
     }
-    let netns = agent
-        .volume_mounts
-        .iter()
-        .flatten()
-        .find(|m| m.mount_path == "/run/netns");
+    let netns = agent.volume_mounts.iter().flatten().find(|m| m.mount_path == "/run/netns");
     if !netns.is_some_and(|m| {
         host_path_of(&m.name).as_deref() == Some("/run/netns")
             && m.mount_propagation.as_deref() == Some("HostToContainer")
     }) {
-        v.push(format!(
-            "DaemonSet {AGENT}: /run/netns is not the node's, with HostToContainer propagation"
-        ));
+        v.push(format!("DaemonSet {AGENT}: /run/netns is not the node's, with HostToContainer propagation"));
     }
     let socket = flag_value(&args, "cni-socket").map(Path::new);
     match socket.and_then(Path::parent) {
         Some(dir) if agent_mounts.get(dir.to_str().unwrap_or_default()) == Some(&Some(dir.display().to_string())) => {}
-        _ => v.push(format!("DaemonSet {AGENT}: --cni-socket {socket:?} is not in a directory mounted from the same node path")),
+        _ => v.push(format!(
+            "DaemonSet {AGENT}: --cni-socket {socket:?} is not in a directory mounted from the same node path"
+        )),
     }
     match flag_value(&args, "data-dir") {
         Some(dir) if agent_mounts.get(dir).is_some_and(Option::is_some) => {}
-        dir => v.push(format!(
-            "DaemonSet {AGENT}: --data-dir {dir:?} is not kept on the node"
-        )),
+        dir => v.push(format!("DaemonSet {AGENT}: --data-dir {dir:?} is not kept on the node")),
     }
     // The init container installs the plugin and its configuration on the node.
     let installed = spec.init_containers.iter().flatten().any(|c| {
         let m = mounts(c);
-        let script = c
-            .command
-            .iter()
-            .flatten()
-            .chain(c.args.iter().flatten())
-            .cloned()
-            .collect::<Vec<_>>()
-            .join(" ");
+        let script = c.command.iter().flatten().chain(c.args.iter().flatten()).cloned().collect::<Vec<_>>().join(" ");
         m.values().any(|p| p.as_deref() == Some("/opt/cni/bin"))
             && m.values().any(|p| p.as_deref() == Some("/etc/cni/net.d"))
             && script.contains("wasmplane-cni")
@@ -705,19 +576,18 @@ fn check_agent(o: &Objects, v: &mut Vec<String>) {
         match serde_json::from_str::<Value>(text) {
             Err(e) => v.push(format!("conflist is not JSON: {e}")),
             Ok(conf) => {
-                let plugin = conf["plugins"]
-                    .as_array()
-                    .and_then(|p| p.iter().find(|p| p["type"] == "wasmplane-cni"));
+                let plugin = conf["plugins"].as_array().and_then(|p| p.iter().find(|p| p["type"] == "wasmplane-cni"));
                 match plugin {
                     None => v.push("conflist has no wasmplane-cni plugin".into()),
                     Some(p) => {
                         if p["daemonSocket"].as_str().map(Path::new) != socket {
-                            v.push(format!("conflist daemonSocket {} is not the agent's --cni-socket {socket:?}", p["daemonSocket"]));
+                            v.push(format!(
+                                "conflist daemonSocket {} is not the agent's --cni-socket {socket:?}",
+                                p["daemonSocket"]
+                            ));
                         }
                         if p["daemonTimeoutSeconds"].as_u64().unwrap_or(0) == 0 {
-                            v.push(
-                                "conflist daemonTimeoutSeconds is not a positive integer".into(),
-                            );
+                            v.push("conflist daemonTimeoutSeconds is not a positive integer".into());
                         }
                     }
                 }
@@ -730,36 +600,20 @@ fn check_agent(o: &Objects, v: &mut Vec<String>) {
 }
 
 fn check_operator(o: &Objects, v: &mut Vec<String>) {
-    let Some(d) = o
-        .deployments
-        .iter()
-        .find(|d| d.metadata.name.as_deref() == Some(OPERATOR))
-    else {
+    let Some(d) = o.deployments.iter().find(|d| d.metadata.name.as_deref() == Some(OPERATOR)) else {
         v.push(format!("no Deployment {OPERATOR}"));
         return;
     };
     let spec = d.spec.clone().unwrap_or_default();
     if spec.replicas != Some(2) {
-        v.push(format!(
-            "Deployment {OPERATOR}: replicas {:?}, expected 2",
-            spec.replicas
-        ));
+        v.push(format!("Deployment {OPERATOR}: replicas {:?}, expected 2", spec.replicas));
     }
     let pod = spec.template.spec.clone().unwrap_or_default();
     if pod.service_account_name.as_deref() != Some(OPERATOR) {
-        v.push(format!(
-            "Deployment {OPERATOR}: service account {:?}",
-            pod.service_account_name
-        ));
+        v.push(format!("Deployment {OPERATOR}: service account {:?}", pod.service_account_name));
     }
-    if !pod
-        .containers
-        .iter()
-        .any(|c| flag_value(c.args.as_deref().unwrap_or_default(), "role") == Some("operator"))
-    {
-        v.push(format!(
-            "Deployment {OPERATOR}: not started with --role operator"
-        ));
+    if !pod.containers.iter().any(|c| flag_value(c.args.as_deref().unwrap_or_default(), "role") == Some("operator")) {
+        v.push(format!("Deployment {OPERATOR}: not started with --role operator"));
     }
 }
 
@@ -780,45 +634,29 @@ fn add_rules(grants: &mut Grants, scope: Option<String>, rules: &[PolicyRule]) {
 }
 
 fn bound_to(subjects: &Option<Vec<Subject>>, account: &str) -> bool {
-    subjects.iter().flatten().any(|s| {
-        s.kind == "ServiceAccount" && s.name == account && s.namespace.as_deref() == Some(NAMESPACE)
-    })
+    subjects
+        .iter()
+        .flatten()
+        .any(|s| s.kind == "ServiceAccount" && s.name == account && s.namespace.as_deref() == Some(NAMESPACE))
 }
 
 /// What `account` (in NAMESPACE) may do, through every binding.
 fn grants_of(o: &Objects, account: &str) -> Grants {
-    let cluster_role = |name: &str| {
-        o.cluster_roles
-            .iter()
-            .find(|r| r.metadata.name.as_deref() == Some(name))
-    };
+    let cluster_role = |name: &str| o.cluster_roles.iter().find(|r| r.metadata.name.as_deref() == Some(name));
     let mut grants = Grants::new();
-    for b in o
-        .cluster_role_bindings
-        .iter()
-        .filter(|b| bound_to(&b.subjects, account))
-    {
-        if let Some(role) =
-            cluster_role(&b.role_ref.name).filter(|_| b.role_ref.kind == "ClusterRole")
-        {
+    for b in o.cluster_role_bindings.iter().filter(|b| bound_to(&b.subjects, account)) {
+        if let Some(role) = cluster_role(&b.role_ref.name).filter(|_| b.role_ref.kind == "ClusterRole") {
             add_rules(&mut grants, None, role.rules.as_deref().unwrap_or_default());
         }
     }
-    for b in o
-        .role_bindings
-        .iter()
-        .filter(|b| bound_to(&b.subjects, account))
-    {
+    for b in o.role_bindings.iter().filter(|b| bound_to(&b.subjects, account)) {
         let scope = b.metadata.namespace.clone();
         let rules = match b.role_ref.kind.as_str() {
             "ClusterRole" => cluster_role(&b.role_ref.name).and_then(|r| r.rules.clone()),
             _ => o
                 .roles
                 .iter()
-                .find(|r| {
-                    r.metadata.name.as_deref() == Some(b.role_ref.name.as_str())
-                        && r.metadata.namespace == scope
-                })
+                .find(|r| r.metadata.name.as_deref() == Some(b.role_ref.name.as_str()) && r.metadata.namespace == scope)
                 .and_then(|r| r.rules.clone()),
         };
         add_rules(&mut grants, scope, rules.as_deref().unwrap_or_default());
@@ -830,10 +668,7 @@ fn expected_agent_grants() -> Grants {
     let mut g = Grants::new();
     let read = ["get", "list", "watch"];
     let mut put = |group: &str, resource: &str, verbs: &[&str]| {
-        g.insert(
-            (None, group.into(), resource.into()),
-            verbs.iter().map(|v| v.to_string()).collect(),
-        );
+        g.insert((None, group.into(), resource.into()), verbs.iter().map(|v| v.to_string()).collect());
     };
     for resource in ["services", "nodes", "pods", "namespaces"] {
         put("", resource, &read);
@@ -849,15 +684,9 @@ fn expected_agent_grants() -> Grants {
 fn expected_operator_grants() -> Grants {
     let mut g = expected_agent_grants();
     // The per-policy status summary is a merge patch of an annotation on the policy.
-    g.get_mut(&(None, "networking.k8s.io".into(), "networkpolicies".into()))
-        .unwrap()
-        .insert("patch".into());
+    g.get_mut(&(None, "networking.k8s.io".into(), "networkpolicies".into())).unwrap().insert("patch".into());
     g.insert(
-        (
-            Some(NAMESPACE.into()),
-            "coordination.k8s.io".into(),
-            "leases".into(),
-        ),
+        (Some(NAMESPACE.into()), "coordination.k8s.io".into(), "leases".into()),
         ["get", "create", "update"].map(String::from).into(),
     );
     // Slices of other clusters' endpoints (--clustermesh-sync-endpoint-slices).
@@ -869,10 +698,7 @@ fn expected_operator_grants() -> Grants {
         (None, "wasmplane.io".into(), "wasmmodules".into()),
         ["get", "list", "watch", "patch"].map(String::from).into(),
     );
-    g.insert(
-        (None, "wasmplane.io".into(), "wasmmodules/status".into()),
-        ["patch"].map(String::from).into(),
-    );
+    g.insert((None, "wasmplane.io".into(), "wasmmodules/status".into()), ["patch"].map(String::from).into());
     g
 }
 
@@ -894,8 +720,13 @@ fn check_crds(o: &Objects, v: &mut Vec<String>) {
     };
     let spec = &crd.spec;
     let (group, plural, kind) = (constant("GROUP"), constant("PLURAL"), constant("KIND"));
-    if (spec.group.as_str(), spec.names.plural.as_str(), spec.names.kind.as_str()) != (group.as_str(), plural.as_str(), kind.as_str()) {
-        v.push(format!("CRD {}/{}/{} is not the host's {group}/{plural}/{kind}", spec.group, spec.names.plural, spec.names.kind));
+    if (spec.group.as_str(), spec.names.plural.as_str(), spec.names.kind.as_str())
+        != (group.as_str(), plural.as_str(), kind.as_str())
+    {
+        v.push(format!(
+            "CRD {}/{}/{} is not the host's {group}/{plural}/{kind}",
+            spec.group, spec.names.plural, spec.names.kind
+        ));
     }
     if crd.metadata.name.as_deref() != Some(&format!("{plural}.{group}")) {
         v.push(format!("CRD named {:?}, not {plural}.{group}", crd.metadata.name));
@@ -931,76 +762,46 @@ fn check_crds(o: &Objects, v: &mut Vec<String>) {
 fn check_rbac(o: &Objects, v: &mut Vec<String>) {
     let mut all_rules: Vec<(String, &PolicyRule)> = Vec::new();
     for r in &o.cluster_roles {
-        all_rules.extend(r.rules.iter().flatten().map(|rule| {
-            (
-                format!(
-                    "ClusterRole/{}",
-                    r.metadata.name.as_deref().unwrap_or_default()
-                ),
-                rule,
-            )
-        }));
+        all_rules.extend(
+            r.rules
+                .iter()
+                .flatten()
+                .map(|rule| (format!("ClusterRole/{}", r.metadata.name.as_deref().unwrap_or_default()), rule)),
+        );
         if r.aggregation_rule.is_some() {
-            v.push(format!(
-                "ClusterRole/{}: aggregation rule",
-                r.metadata.name.as_deref().unwrap_or_default()
-            ));
+            v.push(format!("ClusterRole/{}: aggregation rule", r.metadata.name.as_deref().unwrap_or_default()));
         }
     }
     for r in &o.roles {
-        all_rules.extend(r.rules.iter().flatten().map(|rule| {
-            (
-                format!("Role/{}", r.metadata.name.as_deref().unwrap_or_default()),
-                rule,
-            )
-        }));
+        all_rules.extend(
+            r.rules
+                .iter()
+                .flatten()
+                .map(|rule| (format!("Role/{}", r.metadata.name.as_deref().unwrap_or_default()), rule)),
+        );
     }
     for (role, rule) in all_rules {
-        let fields = [
-            &rule.api_groups,
-            &rule.resources,
-            &rule.resource_names,
-            &rule.non_resource_urls,
-        ];
-        if rule
-            .verbs
-            .iter()
-            .chain(fields.into_iter().flatten().flatten())
-            .any(|x| x.contains('*'))
-        {
+        let fields = [&rule.api_groups, &rule.resources, &rule.resource_names, &rule.non_resource_urls];
+        if rule.verbs.iter().chain(fields.into_iter().flatten().flatten()).any(|x| x.contains('*')) {
             v.push(format!("{role}: wildcard in rule {rule:?}"));
         }
-        if rule
-            .resources
-            .iter()
-            .flatten()
-            .any(|r| r == "secrets" || r.starts_with("secrets/"))
-        {
+        if rule.resources.iter().flatten().any(|r| r == "secrets" || r.starts_with("secrets/")) {
             v.push(format!("{role}: grants access to secrets"));
         }
-        if rule
-            .verbs
-            .iter()
-            .any(|verb| matches!(verb.as_str(), "escalate" | "bind" | "impersonate"))
-        {
+        if rule.verbs.iter().any(|verb| matches!(verb.as_str(), "escalate" | "bind" | "impersonate")) {
             v.push(format!("{role}: grants {:?}", rule.verbs));
         }
         if rule.non_resource_urls.is_some() {
             v.push(format!("{role}: non-resource URLs"));
         }
     }
-    for (account, expected) in [
-        (AGENT, expected_agent_grants()),
-        (OPERATOR, expected_operator_grants()),
-    ] {
+    for (account, expected) in [(AGENT, expected_agent_grants()), (OPERATOR, expected_operator_grants())] {
         let actual = grants_of(o, account);
         if actual != expected {
             let describe = |g: &Grants, h: &Grants| {
                 g.iter()
                     .filter(|(k, verbs)| h.get(*k) != Some(verbs))
-                    .map(|((scope, group, resource), verbs)| {
-                        format!("{scope:?} {group}/{resource} {verbs:?}")
-                    })
+                    .map(|((scope, group, resource), verbs)| format!("{scope:?} {group}/{resource} {verbs:?}"))
                     .collect::<Vec<_>>()
             };
             v.push(format!(
@@ -1017,33 +818,20 @@ fn check_rbac(o: &Objects, v: &mut Vec<String>) {
                          subjects: &Option<Vec<Subject>>,
                          v: &mut Vec<String>| {
         let role_exists = match role_ref.kind.as_str() {
-            "ClusterRole" => o
-                .cluster_roles
-                .iter()
-                .any(|r| r.metadata.name.as_deref() == Some(role_ref.name.as_str())),
-            "Role" => o
-                .roles
-                .iter()
-                .any(|r| r.metadata.name.as_deref() == Some(role_ref.name.as_str())),
+            "ClusterRole" => o.cluster_roles.iter().any(|r| r.metadata.name.as_deref() == Some(role_ref.name.as_str())),
+            "Role" => o.roles.iter().any(|r| r.metadata.name.as_deref() == Some(role_ref.name.as_str())),
             _ => false,
         };
         if !role_exists || role_ref.api_group != "rbac.authorization.k8s.io" {
-            v.push(format!(
-                "{kind}/{name}: roleRef {} {} is not defined here",
-                role_ref.kind, role_ref.name
-            ));
+            v.push(format!("{kind}/{name}: roleRef {} {} is not defined here", role_ref.kind, role_ref.name));
         }
         for s in subjects.iter().flatten() {
             let exists = s.kind == "ServiceAccount"
                 && o.service_accounts.iter().any(|a| {
-                    a.metadata.name.as_deref() == Some(s.name.as_str())
-                        && a.metadata.namespace == s.namespace
+                    a.metadata.name.as_deref() == Some(s.name.as_str()) && a.metadata.namespace == s.namespace
                 });
             if !exists {
-                v.push(format!(
-                    "{kind}/{name}: subject {} {} is not a ServiceAccount defined here",
-                    s.kind, s.name
-                ));
+                v.push(format!("{kind}/{name}: subject {} {} is not a ServiceAccount defined here", s.kind, s.name));
             }
         }
     };
@@ -1057,13 +845,7 @@ fn check_rbac(o: &Objects, v: &mut Vec<String>) {
         );
     }
     for b in &o.role_bindings {
-        check_binding(
-            "RoleBinding",
-            b.metadata.name.as_deref().unwrap_or_default(),
-            &b.role_ref,
-            &b.subjects,
-            v,
-        );
+        check_binding("RoleBinding", b.metadata.name.as_deref().unwrap_or_default(), &b.role_ref, &b.subjects, v);
     }
 }
 
@@ -1071,20 +853,19 @@ fn check_rbac(o: &Objects, v: &mut Vec<String>) {
 fn check_references(o: &Objects, v: &mut Vec<String>) {
     let config_key = |name: &str, key: &str| {
         o.config_maps.iter().any(|cm| {
-            cm.metadata.name.as_deref() == Some(name)
-                && cm.data.as_ref().is_some_and(|d| d.contains_key(key))
+            cm.metadata.name.as_deref() == Some(name) && cm.data.as_ref().is_some_and(|d| d.contains_key(key))
         })
     };
     for w in workloads(o) {
         let id = format!("{}/{}", w.kind, w.name);
         let spec = w.spec();
         let account = spec.service_account_name.as_deref().unwrap_or("default");
-        if !o.service_accounts.iter().any(|a| {
-            a.metadata.name.as_deref() == Some(account) && a.metadata.namespace == w.namespace
-        }) {
-            v.push(format!(
-                "{id}: ServiceAccount {account} is not defined here"
-            ));
+        if !o
+            .service_accounts
+            .iter()
+            .any(|a| a.metadata.name.as_deref() == Some(account) && a.metadata.namespace == w.namespace)
+        {
+            v.push(format!("{id}: ServiceAccount {account} is not defined here"));
         }
         for vol in spec.volumes.iter().flatten() {
             if let Some(cm) = &vol.config_map {
@@ -1097,10 +878,7 @@ fn check_references(o: &Objects, v: &mut Vec<String>) {
                     }
                 }
                 if cm.items.is_none()
-                    && !o
-                        .config_maps
-                        .iter()
-                        .any(|c| c.metadata.name.as_deref() == Some(cm.name.as_str()))
+                    && !o.config_maps.iter().any(|c| c.metadata.name.as_deref() == Some(cm.name.as_str()))
                 {
                     v.push(format!("{id}: ConfigMap {} is missing", cm.name));
                 }
@@ -1108,10 +886,7 @@ fn check_references(o: &Objects, v: &mut Vec<String>) {
             if let Some(secret) = &vol.secret
                 && secret.secret_name.as_deref() != Some(TOKEN_SECRET)
             {
-                v.push(format!(
-                    "{id}: Secret {:?} is not the API token's",
-                    secret.secret_name
-                ));
+                v.push(format!("{id}: Secret {:?} is not the API token's", secret.secret_name));
             }
         }
         for (c, _) in w.all_containers() {
@@ -1129,11 +904,11 @@ fn check_references(o: &Objects, v: &mut Vec<String>) {
                         c.name, e.name, r.name, r.key
                     ));
                 }
-                if e.value_from
-                    .as_ref()
-                    .is_some_and(|f| f.secret_key_ref.is_some())
-                {
-                    v.push(format!("{id} container {}: env {} comes from a Secret (mount the token file instead)", c.name, e.name));
+                if e.value_from.as_ref().is_some_and(|f| f.secret_key_ref.is_some()) {
+                    v.push(format!(
+                        "{id} container {}: env {} comes from a Secret (mount the token file instead)",
+                        c.name, e.name
+                    ));
                 }
             }
         }
@@ -1142,20 +917,13 @@ fn check_references(o: &Objects, v: &mut Vec<String>) {
         if let Some(kvstore) = cm.data.as_ref().and_then(|d| d.get("kvstore"))
             && !(kvstore.starts_with("etcd://") && kvstore.len() > "etcd://".len())
         {
-            v.push(format!(
-                "ConfigMap {:?}: kvstore {kvstore:?} is not etcd://host:port[,…]",
-                cm.metadata.name
-            ));
+            v.push(format!("ConfigMap {:?}: kvstore {kvstore:?} is not etcd://host:port[,…]", cm.metadata.name));
         }
     }
 }
 
 fn check_service(o: &Objects, v: &mut Vec<String>) {
-    if !o
-        .services
-        .iter()
-        .any(|s| s.metadata.name.as_deref() == Some("wasmplane-api"))
-    {
+    if !o.services.iter().any(|s| s.metadata.name.as_deref() == Some("wasmplane-api")) {
         v.push("no Service wasmplane-api (the REST API)".into());
     }
     for s in &o.services {
@@ -1165,36 +933,21 @@ fn check_service(o: &Objects, v: &mut Vec<String>) {
         let all = workloads(o);
         let selected: Vec<&Workload> = all
             .iter()
-            .filter(|w| {
-                !selector.is_empty()
-                    && selector
-                        .iter()
-                        .all(|(k, val)| w.labels().get(k) == Some(val))
-            })
+            .filter(|w| !selector.is_empty() && selector.iter().all(|(k, val)| w.labels().get(k) == Some(val)))
             .collect();
         if selected.is_empty() {
             v.push(format!("Service/{name}: selects no pods"));
         }
         for port in spec.ports.iter().flatten() {
-            let target = port
-                .target_port
-                .clone()
-                .unwrap_or(IntOrString::Int(port.port));
+            let target = port.target_port.clone().unwrap_or(IntOrString::Int(port.port));
             for w in &selected {
-                let declared = w
-                    .spec()
-                    .containers
-                    .iter()
-                    .flat_map(|c| c.ports.iter().flatten())
-                    .any(|p| match &target {
+                let declared =
+                    w.spec().containers.iter().flat_map(|c| c.ports.iter().flatten()).any(|p| match &target {
                         IntOrString::Int(n) => p.container_port == *n,
                         IntOrString::String(n) => p.name.as_deref() == Some(n.as_str()),
                     });
                 if !declared {
-                    v.push(format!(
-                        "Service/{name}: targetPort {target:?} is not declared by {}/{}",
-                        w.kind, w.name
-                    ));
+                    v.push(format!("Service/{name}: targetPort {target:?} is not declared by {}/{}", w.kind, w.name));
                 }
             }
         }
@@ -1210,15 +963,8 @@ fn deploy_manifests_are_valid_and_least_privilege() {
     let docs = rendered();
     let flags = cli_flags();
     let violations = validate(&docs, &flags);
-    assert!(
-        violations.is_empty(),
-        "deploy/ violations:\n  {}",
-        violations.join("\n  ")
-    );
-    let missing: Vec<&&str> = PENDING_FLAGS
-        .iter()
-        .filter(|f| !flags.contains(**f))
-        .collect();
+    assert!(violations.is_empty(), "deploy/ violations:\n  {}", violations.join("\n  "));
+    let missing: Vec<&&str> = PENDING_FLAGS.iter().filter(|f| !flags.contains(**f)).collect();
     if !missing.is_empty() {
         println!("flags the manifests use that host/src/cli.rs does not define yet: {missing:?}");
     }
@@ -1227,69 +973,29 @@ fn deploy_manifests_are_valid_and_least_privilege() {
 
 #[test]
 fn kubectl_kustomize_renders_the_same_objects() {
-    let available = Command::new("kubectl")
-        .args(["version", "--client"])
-        .output()
-        .is_ok_and(|o| o.status.success());
+    let available = Command::new("kubectl").args(["version", "--client"]).output().is_ok_and(|o| o.status.success());
     if !available {
         println!("kubectl not found: `kubectl kustomize deploy/` comparison skipped");
         return;
     }
-    let output = Command::new("kubectl")
-        .arg("kustomize")
-        .arg(deploy_dir())
-        .output()
-        .expect("running kubectl kustomize");
-    assert!(
-        output.status.success(),
-        "kubectl kustomize deploy/ failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let output =
+        Command::new("kubectl").arg("kustomize").arg(deploy_dir()).output().expect("running kubectl kustomize");
+    assert!(output.status.success(), "kubectl kustomize deploy/ failed: {}", String::from_utf8_lossy(&output.stderr));
     let key = |v: &Value| {
-        format!(
-            "{} {} {} {}",
-            v["apiVersion"], v["kind"], v["metadata"]["namespace"], v["metadata"]["name"]
-        )
+        format!("{} {} {} {}", v["apiVersion"], v["kind"], v["metadata"]["namespace"], v["metadata"]["name"])
     };
-    let by_key = |values: Vec<Value>| {
-        values
-            .into_iter()
-            .map(|v| (key(&v), v))
-            .collect::<BTreeMap<_, _>>()
-    };
-    let kubectl = by_key(
-        parse_documents(
-            &String::from_utf8(output.stdout).unwrap(),
-            "kubectl kustomize",
-        )
-        .unwrap(),
-    );
+    let by_key = |values: Vec<Value>| values.into_iter().map(|v| (key(&v), v)).collect::<BTreeMap<_, _>>();
+    let kubectl = by_key(parse_documents(&String::from_utf8(output.stdout).unwrap(), "kubectl kustomize").unwrap());
     let ours = rendered();
     let count = ours.len();
     let ours = by_key(ours.into_iter().map(|d| d.value).collect());
-    assert_eq!(
-        ours.len(),
-        count,
-        "two objects with the same kind, namespace and name"
-    );
-    assert_eq!(
-        kubectl.keys().collect::<Vec<_>>(),
-        ours.keys().collect::<Vec<_>>()
-    );
+    assert_eq!(ours.len(), count, "two objects with the same kind, namespace and name");
+    assert_eq!(kubectl.keys().collect::<Vec<_>>(), ours.keys().collect::<Vec<_>>());
     for (k, v) in &ours {
-        assert_eq!(
-            &kubectl[k], v,
-            "{k}: kubectl kustomize renders it differently"
-        );
+        assert_eq!(&kubectl[k], v, "{k}: kubectl kustomize renders it differently");
     }
     // And kubectl's rendering passes the same checks.
-    let docs: Vec<Doc> = kubectl
-        .into_values()
-        .map(|value| Doc {
-            source: "kubectl kustomize".into(),
-            value,
-        })
-        .collect();
+    let docs: Vec<Doc> = kubectl.into_values().map(|value| Doc { source: "kubectl kustomize".into(), value }).collect();
     let violations = validate(&docs, &cli_flags());
     assert!(violations.is_empty(), "{violations:#?}");
 }
@@ -1299,10 +1005,7 @@ fn conflist_keys_are_the_plugins() {
     // The keys deploy/ sets are the ones wasmplane-cni reads (host/cni-plugin/src/main.rs).
     let plugin = read_file(&workspace().join("host/cni-plugin/src/main.rs")).unwrap();
     for key in ["daemonSocket", "daemonTimeoutSeconds"] {
-        assert!(
-            plugin.contains(&format!("\"{key}\"")),
-            "wasmplane-cni no longer reads {key}"
-        );
+        assert!(plugin.contains(&format!("\"{key}\"")), "wasmplane-cni no longer reads {key}");
     }
 }
 
@@ -1321,10 +1024,7 @@ fn cli_flag_parser_reads_run_args() {
         "token-file",
         "kubernetes-auth",
     ] {
-        assert!(
-            flags.contains(flag),
-            "--{flag} not found in host/src/cli.rs: {flags:?}"
-        );
+        assert!(flags.contains(flag), "--{flag} not found in host/src/cli.rs: {flags:?}");
     }
     // Fields without `long` are not flags; ApiArgs' flags are not run's.
     assert!(!flags.contains("api"));
@@ -1375,18 +1075,11 @@ fn misspelled_field_is_caught() {
     assert!(text.contains("hostNetwork: true"));
     let broken = text.replace("hostNetwork: true", "hostNetwrok: true");
     let read = |p: &Path| {
-        if p.ends_with("agent.yaml") {
-            Ok(broken.clone())
-        } else {
-            read_file(p)
-        }
+        if p.ends_with("agent.yaml") { Ok(broken.clone()) } else { read_file(p) }
     };
     let docs = render(&deploy_dir(), &read).unwrap();
     let violations = validate(&docs, &cli_flags());
-    assert_caught(
-        violations.clone(),
-        "unknown field .spec.template.spec.hostNetwrok",
-    );
+    assert_caught(violations.clone(), "unknown field .spec.template.spec.hostNetwrok");
     // The object is rejected whole: nothing reads the misspelled value as if it were right.
     assert_caught(violations, "no DaemonSet wasmplane-agent");
 }
@@ -1416,9 +1109,7 @@ fn crd_mismatch_is_caught() {
 #[test]
 fn wrong_type_is_caught() {
     assert_caught(
-        mutated("Deployment", OPERATOR, |d| {
-            d["spec"]["replicas"] = "two".into()
-        }),
+        mutated("Deployment", OPERATOR, |d| d["spec"]["replicas"] = "two".into()),
         "not a valid object of its kind",
     );
 }
@@ -1446,8 +1137,7 @@ fn extra_capability_is_caught() {
     );
     assert_caught(
         mutated("Deployment", OPERATOR, |d| {
-            pod(d)["containers"][0]["securityContext"]["capabilities"]["add"] =
-                serde_json::json!(["NET_ADMIN"])
+            pod(d)["containers"][0]["securityContext"]["capabilities"]["add"] = serde_json::json!(["NET_ADMIN"])
         }),
         "capabilities added",
     );
@@ -1456,9 +1146,7 @@ fn extra_capability_is_caught() {
 #[test]
 fn privileged_is_caught() {
     assert_caught(
-        mutated("DaemonSet", AGENT, |d| {
-            pod(d)["initContainers"][0]["securityContext"]["privileged"] = true.into()
-        }),
+        mutated("DaemonSet", AGENT, |d| pod(d)["initContainers"][0]["securityContext"]["privileged"] = true.into()),
         "privileged: true",
     );
 }
@@ -1478,16 +1166,9 @@ fn extra_host_path_is_caught() {
 
 #[test]
 fn wildcard_rbac_is_caught() {
+    assert_caught(mutated("ClusterRole", AGENT, |d| d["rules"][0]["verbs"] = serde_json::json!(["*"])), "wildcard");
     assert_caught(
-        mutated("ClusterRole", AGENT, |d| {
-            d["rules"][0]["verbs"] = serde_json::json!(["*"])
-        }),
-        "wildcard",
-    );
-    assert_caught(
-        mutated("ClusterRole", OPERATOR, |d| {
-            d["rules"][0]["resources"] = serde_json::json!(["*"])
-        }),
+        mutated("ClusterRole", OPERATOR, |d| d["rules"][0]["resources"] = serde_json::json!(["*"])),
         "wildcard",
     );
 }
@@ -1495,19 +1176,15 @@ fn wildcard_rbac_is_caught() {
 #[test]
 fn extra_grant_is_caught() {
     assert_caught(
-        mutated("ClusterRole", AGENT, |d| {
-            d["rules"][0]["verbs"]
-                .as_array_mut()
-                .unwrap()
-                .push("delete".into())
-        }),
+        mutated("ClusterRole", AGENT, |d| d["rules"][0]["verbs"].as_array_mut().unwrap().push("delete".into())),
         "grants differ",
     );
     assert_caught(
         mutated("ClusterRole", AGENT, |d| {
-            d["rules"].as_array_mut().unwrap().push(
-                serde_json::json!({"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}),
-            )
+            d["rules"]
+                .as_array_mut()
+                .unwrap()
+                .push(serde_json::json!({"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}))
         }),
         "secrets",
     );
@@ -1522,19 +1199,14 @@ fn operator_without_leases_is_caught() {
         "missing",
     );
     assert_caught(
-        mutated("Role", "wasmplane-operator-leader-election", |d| {
-            d["rules"][0]["verbs"] = serde_json::json!(["get"])
-        }),
+        mutated("Role", "wasmplane-operator-leader-election", |d| d["rules"][0]["verbs"] = serde_json::json!(["get"])),
         "leases",
     );
 }
 
 #[test]
 fn operator_replicas_are_caught() {
-    assert_caught(
-        mutated("Deployment", OPERATOR, |d| d["spec"]["replicas"] = 1.into()),
-        "replicas",
-    );
+    assert_caught(mutated("Deployment", OPERATOR, |d| d["spec"]["replicas"] = 1.into()), "replicas");
     assert_caught(
         mutated("Deployment", OPERATOR, |d| {
             let args = pod(d)["containers"][0]["args"].as_array_mut().unwrap();
@@ -1548,23 +1220,13 @@ fn operator_replicas_are_caught() {
 fn missing_limits_are_caught() {
     assert_caught(
         mutated("DaemonSet", AGENT, |d| {
-            pod(d)["initContainers"][0]["resources"]
-                .as_object_mut()
-                .unwrap()
-                .remove("limits")
-                .map(drop)
-                .unwrap()
+            pod(d)["initContainers"][0]["resources"].as_object_mut().unwrap().remove("limits").map(drop).unwrap()
         }),
         "no cpu in resources.limits",
     );
     assert_caught(
         mutated("Deployment", OPERATOR, |d| {
-            pod(d)["containers"][0]["resources"]["limits"]
-                .as_object_mut()
-                .unwrap()
-                .remove("memory")
-                .map(drop)
-                .unwrap()
+            pod(d)["containers"][0]["resources"]["limits"].as_object_mut().unwrap().remove("memory").map(drop).unwrap()
         }),
         "no memory in resources.limits",
     );
@@ -1573,25 +1235,16 @@ fn missing_limits_are_caught() {
 #[test]
 fn probe_on_undeclared_port_is_caught() {
     assert_caught(
-        mutated("DaemonSet", AGENT, |d| {
-            pod(d)["containers"][0]["livenessProbe"]["httpGet"]["port"] = "metrics".into()
-        }),
+        mutated("DaemonSet", AGENT, |d| pod(d)["containers"][0]["livenessProbe"]["httpGet"]["port"] = "metrics".into()),
+        "not a declared container port",
+    );
+    assert_caught(
+        mutated("Deployment", OPERATOR, |d| pod(d)["containers"][0]["readinessProbe"]["httpGet"]["port"] = 9999.into()),
         "not a declared container port",
     );
     assert_caught(
         mutated("Deployment", OPERATOR, |d| {
-            pod(d)["containers"][0]["readinessProbe"]["httpGet"]["port"] = 9999.into()
-        }),
-        "not a declared container port",
-    );
-    assert_caught(
-        mutated("Deployment", OPERATOR, |d| {
-            pod(d)["containers"][0]
-                .as_object_mut()
-                .unwrap()
-                .remove("readinessProbe")
-                .map(drop)
-                .unwrap()
+            pod(d)["containers"][0].as_object_mut().unwrap().remove("readinessProbe").map(drop).unwrap()
         }),
         "no readinessProbe",
     );
@@ -1601,19 +1254,13 @@ fn probe_on_undeclared_port_is_caught() {
 fn unknown_flag_is_caught() {
     assert_caught(
         mutated("DaemonSet", AGENT, |d| {
-            pod(d)["containers"][0]["args"]
-                .as_array_mut()
-                .unwrap()
-                .push("--listne=0.0.0.0:1".into())
+            pod(d)["containers"][0]["args"].as_array_mut().unwrap().push("--listne=0.0.0.0:1".into())
         }),
         "--listne is not a flag",
     );
     assert_caught(
         mutated("DaemonSet", AGENT, |d| {
-            pod(d)["containers"][0]["args"]
-                .as_array_mut()
-                .unwrap()
-                .push("--kvstore=$(ETCD)".into())
+            pod(d)["containers"][0]["args"].as_array_mut().unwrap().push("--kvstore=$(ETCD)".into())
         }),
         "undeclared variable ETCD",
     );
@@ -1631,20 +1278,13 @@ fn broken_cni_wiring_is_caught() {
         }),
         "daemonSocket",
     );
-    assert_caught(
-        mutated("DaemonSet", AGENT, |d| {
-            pod(d)["tolerations"] = serde_json::json!([])
-        }),
-        "taint",
-    );
+    assert_caught(mutated("DaemonSet", AGENT, |d| pod(d)["tolerations"] = serde_json::json!([])), "taint");
 }
 
 #[test]
 fn service_to_undeclared_port_is_caught() {
     assert_caught(
-        mutated("Service", "wasmplane-api", |d| {
-            d["spec"]["ports"][0]["targetPort"] = "http".into()
-        }),
+        mutated("Service", "wasmplane-api", |d| d["spec"]["ports"][0]["targetPort"] = "http".into()),
         "targetPort",
     );
     assert_caught(

@@ -50,14 +50,8 @@ pub enum HarnessError {
     Io(#[from] io::Error),
     #[error("etcd exited during start-up ({status}); log tail:\n{log}")]
     Exited { status: ExitStatus, log: String },
-    #[error(
-        "etcd did not become healthy within {timeout:?}; last error: {last_error}; log tail:\n{log}"
-    )]
-    NotHealthy {
-        timeout: Duration,
-        last_error: String,
-        log: String,
-    },
+    #[error("etcd did not become healthy within {timeout:?}; last error: {last_error}; log tail:\n{log}")]
+    NotHealthy { timeout: Duration, last_error: String, log: String },
     #[error("etcd is not running")]
     NotRunning,
     #[error("etcd client error: {0}")]
@@ -118,9 +112,7 @@ impl Etcd {
 
     async fn start_once(tls: bool) -> Result<Self, HarnessError> {
         let binary = find_binary().ok_or(HarnessError::BinaryMissing)?;
-        let dir = tempfile::Builder::new()
-            .prefix("wasmplane-etcd-")
-            .tempdir()?;
+        let dir = tempfile::Builder::new().prefix("wasmplane-etcd-").tempdir()?;
         let client_port = free_port()?;
         let mut peer_port = free_port()?;
         while peer_port == client_port {
@@ -193,7 +185,13 @@ impl Etcd {
     /// Turns etcd's authentication on (`etcdctl auth enable`) with user `root` (every
     /// permission) and `user` (read and write under `prefix` only); from then on every
     /// client needs a user and password, the harness's own as `root`.
-    pub async fn enable_auth(&mut self, root_password: &str, user: &str, password: &str, prefix: &str) -> Result<(), HarnessError> {
+    pub async fn enable_auth(
+        &mut self,
+        root_password: &str,
+        user: &str,
+        password: &str,
+        prefix: &str,
+    ) -> Result<(), HarnessError> {
         let mut client = self.client().await?;
         client.user_add("root", root_password, None).await?;
         client.user_grant_role("root", "root").await?;
@@ -204,12 +202,7 @@ impl Etcd {
             *end.last_mut().expect("a non-empty prefix") += 1;
             end
         };
-        client
-            .role_grant_permission(
-                user,
-                etcd_client::Permission::read_write(prefix).with_range_end(end),
-            )
-            .await?;
+        client.role_grant_permission(user, etcd_client::Permission::read_write(prefix).with_range_end(end)).await?;
         client.user_add(user, password, None).await?;
         client.user_grant_role(user, user).await?;
         client.auth_enable().await?;
@@ -264,21 +257,14 @@ impl Etcd {
     /// compaction is complete when this returns). Watches behind it get cancelled.
     pub async fn compact(&self, revision: i64) -> Result<(), HarnessError> {
         let mut client = self.client().await?;
-        client
-            .compact(
-                revision,
-                Some(etcd_client::CompactionOptions::new().with_physical()),
-            )
-            .await?;
+        client.compact(revision, Some(etcd_client::CompactionOptions::new().with_physical())).await?;
         Ok(())
     }
 
     /// The store's current revision.
     pub async fn current_revision(&self) -> Result<i64, HarnessError> {
         let mut client = self.client().await?;
-        let resp = client
-            .get("\0", Some(etcd_client::GetOptions::new().with_count_only()))
-            .await?;
+        let resp = client.get("\0", Some(etcd_client::GetOptions::new().with_count_only())).await?;
         Ok(resp.header().map(|h| h.revision()).unwrap_or(0))
     }
 
@@ -294,10 +280,7 @@ impl Etcd {
     }
 
     async fn spawn_and_wait(&mut self) -> Result<(), HarnessError> {
-        let log = File::options()
-            .create(true)
-            .append(true)
-            .open(self.log_path())?;
+        let log = File::options().create(true).append(true).open(self.log_path())?;
         let client_url = self.endpoint();
         let peer_url = format!("http://127.0.0.1:{}", self.peer_port);
         let mut command = Command::new(&self.binary);
@@ -354,15 +337,11 @@ impl Etcd {
             };
             if let Some(status) = exited {
                 self.child = None;
-                return Err(HarnessError::Exited {
-                    status,
-                    log: tail(&self.log_path()),
-                });
+                return Err(HarnessError::Exited { status, log: tail(&self.log_path()) });
             }
             // A linearizable read needs an elected leader, so success means the
             // member is really ready, not only listening.
-            match tokio::time::timeout(Duration::from_millis(500), client.get("health", None)).await
-            {
+            match tokio::time::timeout(Duration::from_millis(500), client.get("health", None)).await {
                 Ok(Ok(_)) => {
                     tracing::debug!(
                         endpoint = %self.endpoint(),
@@ -412,9 +391,7 @@ fn find_binary() -> Option<PathBuf> {
         return path.is_file().then_some(path);
     }
     let from_path = std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|dir| dir.join("etcd"))
-            .find(|candidate| candidate.is_file())
+        std::env::split_paths(&paths).map(|dir| dir.join("etcd")).find(|candidate| candidate.is_file())
     });
     from_path.or_else(|| {
         let fallback = PathBuf::from("/usr/bin/etcd");
@@ -460,33 +437,24 @@ impl TestPki {
     /// `<name>-client{,-key}.pem` into `dir`.
     pub fn generate(dir: &Path, name: &str) -> Result<TestPki, HarnessError> {
         use rcgen::{
-            BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose,
-            IsCa, KeyPair,
+            BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
         };
         std::fs::create_dir_all(dir)?;
         let mut ca_params = CertificateParams::new(Vec::new())?;
         ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca_params
-            .distinguished_name
-            .push(DnType::CommonName, format!("{name} test CA"));
+        ca_params.distinguished_name.push(DnType::CommonName, format!("{name} test CA"));
         let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate()?)?;
         let issue = |sans: Vec<String>, common_name: &str, usage: ExtendedKeyUsagePurpose| {
             let mut params = CertificateParams::new(sans)?;
-            params
-                .distinguished_name
-                .push(DnType::CommonName, common_name);
+            params.distinguished_name.push(DnType::CommonName, common_name);
             params.extended_key_usages = vec![usage];
             let key = KeyPair::generate()?;
             let cert = params.signed_by(&key, &ca)?;
             Ok::<_, rcgen::Error>((cert.pem(), key.serialize_pem()))
         };
-        let (server_cert, server_key) = issue(
-            vec!["127.0.0.1".into(), "localhost".into()],
-            "etcd server",
-            ExtendedKeyUsagePurpose::ServerAuth,
-        )?;
-        let (client_cert, client_key) =
-            issue(Vec::new(), "wasmplane", ExtendedKeyUsagePurpose::ClientAuth)?;
+        let (server_cert, server_key) =
+            issue(vec!["127.0.0.1".into(), "localhost".into()], "etcd server", ExtendedKeyUsagePurpose::ServerAuth)?;
+        let (client_cert, client_key) = issue(Vec::new(), "wasmplane", ExtendedKeyUsagePurpose::ClientAuth)?;
         let write = |file: &str, pem: &str| -> io::Result<PathBuf> {
             let path = dir.join(format!("{name}-{file}.pem"));
             std::fs::write(&path, pem)?;
@@ -536,20 +504,9 @@ impl TcpProxy {
         let enabled = Arc::new(AtomicBool::new(true));
         let (generation, _) = watch::channel(0u64);
         let active = Arc::new(AtomicUsize::new(0));
-        let accept_task = tokio::spawn(accept_loop(
-            listener,
-            target,
-            enabled.clone(),
-            generation.clone(),
-            active.clone(),
-        ));
-        Ok(TcpProxy {
-            addr,
-            enabled,
-            generation,
-            active,
-            accept_task,
-        })
+        let accept_task =
+            tokio::spawn(accept_loop(listener, target, enabled.clone(), generation.clone(), active.clone()));
+        Ok(TcpProxy { addr, enabled, generation, active, accept_task })
     }
 
     /// The proxy's URL, e.g. `http://127.0.0.1:40124`.
@@ -659,35 +616,24 @@ mod tests {
 
         client.put("k", "v2", None).await.expect("put");
         let compacted = etcd.compact_to_current().await.expect("compact");
-        let old = client
-            .get("k", Some(etcd_client::GetOptions::new().with_revision(rev)))
-            .await;
+        let old = client.get("k", Some(etcd_client::GetOptions::new().with_revision(rev))).await;
         assert!(old.is_err(), "revision {rev} is compacted (at {compacted})");
 
         let pid = etcd.pid().expect("pid");
         drop(etcd);
-        assert!(
-            !Path::new(&format!("/proc/{pid}")).exists(),
-            "etcd process {pid} is gone after drop"
-        );
+        assert!(!Path::new(&format!("/proc/{pid}")).exists(), "etcd process {pid} is gone after drop");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn proxy_cuts_and_restores() {
         let etcd = Etcd::start().await.expect("etcd starts");
         let proxy = TcpProxy::start(etcd.client_addr()).await.expect("proxy");
-        let opts =
-            etcd_client::ConnectOptions::new().with_connect_timeout(Duration::from_millis(300));
-        let mut client = etcd_client::Client::connect([proxy.endpoint()], Some(opts))
-            .await
-            .expect("client");
+        let opts = etcd_client::ConnectOptions::new().with_connect_timeout(Duration::from_millis(300));
+        let mut client = etcd_client::Client::connect([proxy.endpoint()], Some(opts)).await.expect("client");
         client.put("k", "v", None).await.expect("put through proxy");
         proxy.cut().await;
         let cut = tokio::time::timeout(Duration::from_secs(2), client.get("k", None)).await;
-        assert!(
-            !matches!(cut, Ok(Ok(_))),
-            "request through a cut proxy fails"
-        );
+        assert!(!matches!(cut, Ok(Ok(_))), "request through a cut proxy fails");
         proxy.restore();
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
@@ -696,9 +642,7 @@ mod tests {
                     assert_eq!(resp.kvs()[0].value(), b"v");
                     break;
                 }
-                _ if Instant::now() < deadline => {
-                    tokio::time::sleep(Duration::from_millis(50)).await
-                }
+                _ if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(50)).await,
                 other => panic!("client did not reconnect after restore: {other:?}"),
             }
         }

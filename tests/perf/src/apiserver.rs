@@ -35,12 +35,15 @@ fn apply(server: &TestApiServer, writes: Vec<Write>) -> anyhow::Result<usize> {
                     // As the EndpointSlice controller writes a slice: triggered now, where the
                     // host's network programming SLI starts. Stamped here, at the write: the
                     // generated cluster and churn stay the same for a seed.
-                    value["metadata"]["annotations"]["endpoints.kubernetes.io/last-change-trigger-time"] = serde_json::json!(k8s_openapi::jiff::Timestamp::now().to_string());
+                    value["metadata"]["annotations"]["endpoints.kubernetes.io/last-change-trigger-time"] =
+                        serde_json::json!(k8s_openapi::jiff::Timestamp::now().to_string());
                 }
                 server.apply_value(&key(kind), value).map_err(|e| anyhow::anyhow!("writing a {kind:?}: {e}"))?;
             }
             Write::Delete(kind, ns, name) => {
-                server.delete_value(&key(kind), &ns, &name).map_err(|e| anyhow::anyhow!("deleting {kind:?} {ns}/{name}: {e}"))?;
+                server
+                    .delete_value(&key(kind), &ns, &name)
+                    .map_err(|e| anyhow::anyhow!("deleting {kind:?} {ns}/{name}: {e}"))?;
             }
         }
     }
@@ -59,7 +62,14 @@ pub fn serve(spec: Spec) -> anyhow::Result<()> {
         server.create_value(&key(kind), value).map_err(|e| anyhow::anyhow!("seeding a {kind:?}: {e}"))?;
     }
     let mut out = std::io::stdout().lock();
-    writeln!(out, "ready {} {count} {} {} {:.2}", server.url(), cluster.pods(), cluster.nodes(), started.elapsed().as_secs_f64())?;
+    writeln!(
+        out,
+        "ready {} {count} {} {} {:.2}",
+        server.url(),
+        cluster.pods(),
+        cluster.nodes(),
+        started.elapsed().as_secs_f64()
+    )?;
     out.flush()?;
     let mut pending: Option<usize> = None;
     let mut gone: Option<PodGone> = None;

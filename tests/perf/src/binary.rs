@@ -68,17 +68,32 @@ impl HostProc {
         // before the run is dirty until written back (half a minute), and the host's page-out
         // (MADV_PAGEOUT) cannot reclaim dirty file pages: its first runs kept ~1.1 MiB more
         // read-only data resident than later ones (BENCHMARKS.md, thirty-fourth run).
-        std::fs::File::open(binary).and_then(|f| f.sync_all()).with_context(|| format!("writing {} back to disk", binary.display()))?;
+        std::fs::File::open(binary)
+            .and_then(|f| f.sync_all())
+            .with_context(|| format!("writing {} back to disk", binary.display()))?;
         let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let child = Command::new(binary)
-            .args(["run", "--listen", &format!("127.0.0.1:{port}"), "--node-name", HOST_NODE, "--cluster-cidr", CLUSTER_CIDR])
+            .args([
+                "run",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--node-name",
+                HOST_NODE,
+                "--cluster-cidr",
+                CLUSTER_CIDR,
+            ])
             .arg("--kubeconfig")
             .arg(dir.join("kubeconfig"))
             .arg("--data-dir")
             .arg(dir.join("data"))
             .arg("--token-file")
             .arg(dir.join("token"))
-            .args(["--dataplane", if nftables { "nftables" } else { "record" }, "--reconcile-seconds", &o.reconcile_seconds.to_string()])
+            .args([
+                "--dataplane",
+                if nftables { "nftables" } else { "record" },
+                "--reconcile-seconds",
+                &o.reconcile_seconds.to_string(),
+            ])
             .arg(format!("--min-sync-period={}ms", o.min_sync_period.as_millis()))
             .args(if o.page_out { &[][..] } else { &["--no-page-out"][..] })
             .env("RUST_LOG", "warn")
@@ -113,7 +128,10 @@ impl HostProc {
     /// read them: the scrape is part of what the host runs).
     async fn events(&self) -> anyhow::Result<u64> {
         let text = self.http.get(format!("{}/metrics", self.api)).send().await?.error_for_status()?.text().await?;
-        let value = text.lines().find_map(|l| l.strip_prefix("wasmplane_model_events_total ")).context("no wasmplane_model_events_total in /metrics")?;
+        let value = text
+            .lines()
+            .find_map(|l| l.strip_prefix("wasmplane_model_events_total "))
+            .context("no wasmplane_model_events_total in /metrics")?;
         Ok(value.trim().parse::<f64>()? as u64)
     }
 
@@ -166,7 +184,10 @@ fn smaps_rollup(pid: &str) -> (u64, u64) {
 fn binary_resident(pid: &str) -> (u64, u64) {
     let mappings = wasmplane::memory::binary_mappings(pid).unwrap_or_default();
     let read_only = || mappings.iter().filter(|m| !m.writable);
-    (read_only().filter(|m| m.executable).map(|m| m.resident_kib).sum(), read_only().filter(|m| !m.executable).map(|m| m.resident_kib).sum())
+    (
+        read_only().filter(|m| m.executable).map(|m| m.resident_kib).sum(),
+        read_only().filter(|m| !m.executable).map(|m| m.resident_kib).sum(),
+    )
 }
 
 /// Resident KiB of the read-only mappings of files in the host's data directory: the compiled
@@ -180,7 +201,10 @@ fn data_dir_resident(pid: &str, data_dir: &Path) -> (u64, u64) {
     let mappings = wasmplane::memory::mappings_under(pid, data_dir).unwrap_or_default();
     let read_only = || mappings.iter().filter(|m| !m.writable);
     let guests = read_only().filter(|m| Path::new(&m.file).starts_with(&compiled)).map(|m| m.resident_kib).sum();
-    let relocated = read_only().filter(|m| !Path::new(&m.file).starts_with(&compiled) && m.file.ends_with(" (deleted)")).map(|m| m.resident_kib).sum();
+    let relocated = read_only()
+        .filter(|m| !Path::new(&m.file).starts_with(&compiled) && m.file.ends_with(" (deleted)"))
+        .map(|m| m.resident_kib)
+        .sum();
     (guests, relocated)
 }
 
@@ -254,7 +278,9 @@ async fn measure(o: &Opts, binary: &Binary, nftables: bool) -> anyhow::Result<Va
     let (guests_end, relocated_end) = data_dir_resident(&pid, &data_dir);
     if let Some(dir) = &o.smaps_dir {
         let to = dir.join(format!("smaps-{}-{}.txt", o.services, std::process::id()));
-        std::fs::create_dir_all(dir).and_then(|()| std::fs::copy(format!("/proc/{pid}/smaps"), &to)).with_context(|| format!("copying the host's smaps to {}", to.display()))?;
+        std::fs::create_dir_all(dir)
+            .and_then(|()| std::fs::copy(format!("/proc/{pid}/smaps"), &to))
+            .with_context(|| format!("copying the host's smaps to {}", to.display()))?;
     }
     // As after the sync: what the host holds once it has been idle a while (its steady state
     // between bursts), not in the middle of applying the last of them.

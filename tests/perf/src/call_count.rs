@@ -47,7 +47,10 @@ pub fn mount_tracefs() -> anyhow::Result<PathBuf> {
 /// Where the byte at virtual address `address` is in the file, from the loadable segments'
 /// (virtual address, size, file offset).
 fn file_offset(segments: &[(u64, u64, u64)], address: u64) -> Option<u64> {
-    segments.iter().find(|(start, size, _)| (*start..start + size).contains(&address)).map(|(start, _, offset)| address - start + offset)
+    segments
+        .iter()
+        .find(|(start, size, _)| (*start..start + size).contains(&address))
+        .map(|(start, _, offset)| address - start + offset)
 }
 
 /// `uprobe_profile`'s lines (`  FILE  EVENT  HITS`, the event without its group) as hits by
@@ -106,9 +109,11 @@ fn switch_off_when_hit(tracefs: &Path, events: Vec<String>, stop: &AtomicBool) -
         let stopping = stop.load(Ordering::Relaxed);
         let profile = std::fs::read_to_string(tracefs.join("uprobe_profile"))?;
         let hits = hits_by_event(&profile);
-        let newly: Vec<String> = armed.iter().filter(|event| hits.get(event.as_str()).is_some_and(|h| *h > 0)).cloned().collect();
+        let newly: Vec<String> =
+            armed.iter().filter(|event| hits.get(event.as_str()).is_some_and(|h| *h > 0)).cloned().collect();
         for event in newly {
-            std::fs::write(events_dir.join(&event).join("enable"), "0").with_context(|| format!("switching off {event}"))?;
+            std::fs::write(events_dir.join(&event).join("enable"), "0")
+                .with_context(|| format!("switching off {event}"))?;
             armed.remove(&event);
             hit.insert(event);
         }
@@ -126,8 +131,13 @@ impl CallCounter {
         let binary = std::fs::read_link(format!("/proc/{pid}/exe"))?;
         let data = std::fs::read(&binary).with_context(|| format!("reading {}", binary.display()))?;
         let elf = object::File::parse(&*data)?;
-        let segments: Vec<(u64, u64, u64)> = elf.segments().map(|s| (s.address(), s.size(), s.file_range().0)).collect();
-        let addresses: HashMap<&str, u64> = elf.symbols().filter(|s| s.kind() == object::SymbolKind::Text).filter_map(|s| Some((s.name().ok()?, s.address()))).collect();
+        let segments: Vec<(u64, u64, u64)> =
+            elf.segments().map(|s| (s.address(), s.size(), s.file_range().0)).collect();
+        let addresses: HashMap<&str, u64> = elf
+            .symbols()
+            .filter(|s| s.kind() == object::SymbolKind::Text)
+            .filter_map(|s| Some((s.name().ok()?, s.address())))
+            .collect();
         let mut counter = CallCounter { tracefs, probes: Vec::new(), unprobed: Vec::new(), poller: None };
         // One write per probe: the kernel takes a batch until its first bad line.
         let mut events = std::fs::OpenOptions::new().append(true).open(counter.tracefs.join("uprobe_events"))?;
@@ -139,7 +149,9 @@ impl CallCounter {
             let offset = addresses.get(name.as_str()).and_then(|a| file_offset(&segments, *a));
             // Unique to this process: probes a killed run left behind do not collide.
             let event = format!("p{}_{}", std::process::id(), counter.probes.len() + counter.unprobed.len());
-            let added = offset.is_some_and(|offset| events.write_all(format!("p:{GROUP}/{event} {}:{offset:#x}\n", binary.display()).as_bytes()).is_ok());
+            let added = offset.is_some_and(|offset| {
+                events.write_all(format!("p:{GROUP}/{event} {}:{offset:#x}\n", binary.display()).as_bytes()).is_ok()
+            });
             if added {
                 counter.probes.push((event, name.clone()));
             } else {
@@ -150,12 +162,22 @@ impl CallCounter {
         // (ENOTSUPP for an instruction it cannot single-step out of line), and a refused one
         // would switch off the whole group.
         let events_dir = counter.tracefs.join("events").join(GROUP);
-        let (enabled, refused): (Vec<_>, Vec<_>) = std::mem::take(&mut counter.probes).into_iter().partition(|(event, _)| std::fs::write(events_dir.join(event).join("enable"), "1").is_ok());
+        let (enabled, refused): (Vec<_>, Vec<_>) = std::mem::take(&mut counter.probes)
+            .into_iter()
+            .partition(|(event, _)| std::fs::write(events_dir.join(event).join("enable"), "1").is_ok());
         counter.probes = enabled;
         remove_probes(&counter.tracefs, &refused)?;
         counter.unprobed.extend(refused.into_iter().map(|(_, name)| name));
-        anyhow::ensure!(!counter.probes.is_empty(), "none of {} candidates could be probed in {}", candidates.len(), binary.display());
-        counter.poller = Some(Poller::start(counter.tracefs.clone(), counter.probes.iter().map(|(event, _)| event.clone()).collect()));
+        anyhow::ensure!(
+            !counter.probes.is_empty(),
+            "none of {} candidates could be probed in {}",
+            candidates.len(),
+            binary.display()
+        );
+        counter.poller = Some(Poller::start(
+            counter.tracefs.clone(),
+            counter.probes.iter().map(|(event, _)| event.clone()).collect(),
+        ));
         Ok(counter)
     }
 
@@ -180,7 +202,11 @@ impl Drop for CallCounter {
             eprintln!("warning: switching off the call-counting probes as they were hit: {e:#}");
         }
         let events_dir = self.tracefs.join("events").join(GROUP);
-        let removed = self.probes.iter().try_for_each(|(event, _)| std::fs::write(events_dir.join(event).join("enable"), "0")).and_then(|()| remove_probes(&self.tracefs, &self.probes));
+        let removed = self
+            .probes
+            .iter()
+            .try_for_each(|(event, _)| std::fs::write(events_dir.join(event).join("enable"), "0"))
+            .and_then(|()| remove_probes(&self.tracefs, &self.probes));
         if let Err(e) = removed {
             eprintln!("warning: removing the call-counting probes ({GROUP} in uprobe_events): {e:#}");
         }
@@ -204,7 +230,11 @@ fn remove_probes(tracefs: &Path, probes: &[(String, String)]) -> std::io::Result
 
 /// The candidates' names, one per line.
 pub fn read_list(path: &Path) -> anyhow::Result<Vec<String>> {
-    Ok(std::fs::read_to_string(path)?.lines().filter(|l| !l.is_empty() && !l.starts_with('#')).map(str::to_string).collect())
+    Ok(std::fs::read_to_string(path)?
+        .lines()
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(str::to_string)
+        .collect())
 }
 
 #[cfg(test)]
@@ -213,10 +243,18 @@ mod tests {
 
     #[test]
     fn vector_string_functions_are_not_probed() {
-        for name in ["__memmove_avx_unaligned_erms", "__strlen_evex", "__strncmp_sse42", "__memset_avx512_unaligned_erms"] {
+        for name in
+            ["__memmove_avx_unaligned_erms", "__strlen_evex", "__strncmp_sse42", "__memset_avx512_unaligned_erms"]
+        {
             assert!(is_vector_string_function(name), "{name}");
         }
-        for name in ["malloc", "__vfscanf_internal", "getaddrinfo", "_RNvCs1234_9wasmplane4main", "_ZN4core3fmt5write17h0123456789abcdefE"] {
+        for name in [
+            "malloc",
+            "__vfscanf_internal",
+            "getaddrinfo",
+            "_RNvCs1234_9wasmplane4main",
+            "_ZN4core3fmt5write17h0123456789abcdefE",
+        ] {
             assert!(!is_vector_string_function(name), "{name}");
         }
     }
@@ -258,14 +296,17 @@ mod tests {
         extern "C" fn wasmplane_perf_probed_not_called(x: u64) -> u64 {
             std::hint::black_box(x.wrapping_mul(5))
         }
-        let names = ["wasmplane_perf_probed_and_called", "wasmplane_perf_probed_not_called", "wasmplane_perf_missing"].map(String::from).to_vec();
+        let names = ["wasmplane_perf_probed_and_called", "wasmplane_perf_probed_not_called", "wasmplane_perf_missing"]
+            .map(String::from)
+            .to_vec();
         let mut counter = CallCounter::start(&std::process::id().to_string(), &names).unwrap();
         assert_eq!(counter.probed(), (2, 1));
         std::hint::black_box(wasmplane_perf_probed_and_called(std::hint::black_box(7)));
         // Referenced so that it is linked, never called.
         std::hint::black_box(wasmplane_perf_probed_not_called as extern "C" fn(u64) -> u64);
 
-        let (event, _) = counter.probes.iter().find(|(_, name)| name == "wasmplane_perf_probed_and_called").unwrap().clone();
+        let (event, _) =
+            counter.probes.iter().find(|(_, name)| name == "wasmplane_perf_probed_and_called").unwrap().clone();
         let enable = counter.tracefs.join("events").join(GROUP).join(&event).join("enable");
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while std::fs::read_to_string(&enable).unwrap().trim() != "0" {
@@ -279,7 +320,11 @@ mod tests {
         assert_eq!(hits_by_event(&profile).get(event.as_str()), Some(&1), "calls after the first are not trapped");
 
         let called = counter.called(&names).unwrap();
-        assert_eq!(called, ["wasmplane_perf_probed_and_called", "wasmplane_perf_missing"], "the called one, and the one not probed");
+        assert_eq!(
+            called,
+            ["wasmplane_perf_probed_and_called", "wasmplane_perf_missing"],
+            "the called one, and the one not probed"
+        );
         assert!(counter.called(&names).is_err(), "counting ended");
     }
 }

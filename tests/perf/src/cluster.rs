@@ -127,7 +127,16 @@ impl Cluster {
         let expected_pods = (spec.services as f64 * spec.endpoints).ceil() as usize;
         let nodes = expected_pods.div_ceil(PODS_PER_NODE).clamp(2, 16_000);
         let free = (0..nodes).map(|_| (2..=254u8).rev().collect()).collect();
-        let mut cluster = Cluster { spec: spec.clone(), rng: rng.clone(), namespaces, nodes, services: Vec::new(), free, pod_seq: 0, cni_seq: 0 };
+        let mut cluster = Cluster {
+            spec: spec.clone(),
+            rng: rng.clone(),
+            namespaces,
+            nodes,
+            services: Vec::new(),
+            free,
+            pod_seq: 0,
+            cni_seq: 0,
+        };
         for i in 0..spec.services {
             let namespace = cluster.namespaces[rng.below(cluster.namespaces.len())].clone();
             let whole = spec.endpoints.floor() as usize;
@@ -248,7 +257,10 @@ impl Cluster {
                 })
             })
             .collect();
-        let ports: Vec<Value> = Self::ports(i).into_iter().map(|(name, _, target)| json!({"name": name, "protocol": "TCP", "port": target})).collect();
+        let ports: Vec<Value> = Self::ports(i)
+            .into_iter()
+            .map(|(name, _, target)| json!({"name": name, "protocol": "TCP", "port": target}))
+            .collect();
         self.detailed(Kind::EndpointSlice, json!({
             "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
             "metadata": {"name": format!("{}-slice", s.name), "namespace": s.namespace, "labels": {"kubernetes.io/service-name": s.name}},
@@ -258,7 +270,10 @@ impl Cluster {
 
     fn pod_obj(&self, i: usize, pod: &PodRef) -> Value {
         let s = &self.services[i];
-        let ports: Vec<Value> = Self::ports(i).into_iter().map(|(name, _, target)| json!({"name": name, "containerPort": target})).collect();
+        let ports: Vec<Value> = Self::ports(i)
+            .into_iter()
+            .map(|(name, _, target)| json!({"name": name, "containerPort": target}))
+            .collect();
         self.detailed(Kind::Pod, json!({
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": pod.name, "namespace": s.namespace, "labels": {"app": s.name, "version": format!("v{}", s.label_version)}},
@@ -444,7 +459,10 @@ mod tests {
             let app = pod["metadata"]["labels"]["app"].as_str().unwrap();
             let i: usize = app.strip_prefix("svc-").and_then(|i| i.parse().ok()).unwrap();
             assert!(i < 5, "a service one of the 5 policies targets: {app}");
-            assert_eq!((pod["metadata"]["namespace"].as_str(), pod["metadata"]["name"].as_str()), (Some(ns.as_str()), Some(name.as_str())));
+            assert_eq!(
+                (pod["metadata"]["namespace"].as_str(), pod["metadata"]["name"].as_str()),
+                (Some(ns.as_str()), Some(name.as_str()))
+            );
             assert_eq!(ns, with_cni.services[i].namespace);
             assert!(names.insert(name.clone()), "{name} twice");
             assert_eq!(Cluster::cni_pod_gone(&ns, &name), Write::Delete(Kind::Pod, ns, name));
@@ -464,7 +482,11 @@ mod tests {
         assert!((400..=500).contains(&c.pods()), "1.5 endpoints per service on average: {}", c.pods());
         assert_eq!(count(Kind::NetworkPolicy), 5);
         // Pod addresses are unique and inside the cluster CIDR's /24 of their node.
-        let ips: std::collections::BTreeSet<_> = objects.iter().filter(|(k, _)| *k == Kind::Pod).map(|(_, v)| v["status"]["podIP"].as_str().unwrap().to_string()).collect();
+        let ips: std::collections::BTreeSet<_> = objects
+            .iter()
+            .filter(|(k, _)| *k == Kind::Pod)
+            .map(|(_, v)| v["status"]["podIP"].as_str().unwrap().to_string())
+            .collect();
         assert_eq!(ips.len(), c.pods());
         assert!(ips.iter().all(|ip| ip.starts_with("10.64.")));
     }

@@ -24,7 +24,10 @@ pub fn add(kind: Kind, object: &mut Value) {
         Kind::Node => node(object, &name),
         Kind::Service => service(object),
         Kind::EndpointSlice => endpoint_slice(object, &namespace),
-        Kind::Namespace => merge(object, json!({"metadata": {"labels": {"kubernetes.io/metadata.name": name}}, "spec": {"finalizers": ["kubernetes"]}, "status": {"phase": "Active"}})),
+        Kind::Namespace => merge(
+            object,
+            json!({"metadata": {"labels": {"kubernetes.io/metadata.name": name}}, "spec": {"finalizers": ["kubernetes"]}, "status": {"phase": "Active"}}),
+        ),
         Kind::NetworkPolicy => {}
     }
     let manager = match kind {
@@ -33,7 +36,9 @@ pub fn add(kind: Kind, object: &mut Value) {
         _ => "kubectl-client-side-apply",
     };
     // The API server records, per manager, every field it set: about the object's own size.
-    let mut managed = vec![json!({"manager": manager, "operation": "Update", "apiVersion": object["apiVersion"], "time": CREATED, "fieldsType": "FieldsV1", "fieldsV1": fields_v1(&without_status(object))})];
+    let mut managed = vec![
+        json!({"manager": manager, "operation": "Update", "apiVersion": object["apiVersion"], "time": CREATED, "fieldsType": "FieldsV1", "fieldsV1": fields_v1(&without_status(object))}),
+    ];
     if let Some(status) = object.get("status").filter(|s| !s.as_object().is_some_and(Map::is_empty)) {
         managed.push(json!({"manager": "kubelet", "operation": "Update", "apiVersion": object["apiVersion"], "time": CREATED, "fieldsType": "FieldsV1", "fieldsV1": {"f:status": fields_v1(status)}, "subresource": "status"}));
     }
@@ -218,7 +223,14 @@ fn fields_v1(value: &Value) -> Value {
 fn uid_of(seed: &str) -> String {
     let h = crate::symbol_order::fnv1a(seed.as_bytes());
     let (a, b) = (h, h.rotate_left(29) ^ 0x9e37_79b9_7f4a_7c15);
-    format!("{:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}", a >> 32, (a >> 16) & 0xffff, a & 0xfff, b >> 52, b & 0xffff_ffff_ffff)
+    format!(
+        "{:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}",
+        a >> 32,
+        (a >> 16) & 0xffff,
+        a & 0xfff,
+        b >> 52,
+        b & 0xffff_ffff_ffff
+    )
 }
 
 #[cfg(test)]
@@ -234,9 +246,21 @@ mod tests {
         let slim = Cluster::new(spec.clone()).objects();
         let full = Cluster::new(Spec { full_objects: true, ..spec }).objects();
         assert_eq!(slim.len(), full.len());
-        let bytes = |objects: &[(Kind, Value)], kind: Kind| objects.iter().filter(|(k, _)| *k == kind).map(|(_, v)| v.to_string().len()).sum::<usize>();
-        assert!(bytes(&full, Kind::Pod) > 5 * bytes(&slim, Kind::Pod), "pods {} → {}", bytes(&slim, Kind::Pod), bytes(&full, Kind::Pod));
-        assert!(bytes(&full, Kind::Node) > 10 * bytes(&slim, Kind::Node), "nodes {} → {}", bytes(&slim, Kind::Node), bytes(&full, Kind::Node));
+        let bytes = |objects: &[(Kind, Value)], kind: Kind| {
+            objects.iter().filter(|(k, _)| *k == kind).map(|(_, v)| v.to_string().len()).sum::<usize>()
+        };
+        assert!(
+            bytes(&full, Kind::Pod) > 5 * bytes(&slim, Kind::Pod),
+            "pods {} → {}",
+            bytes(&slim, Kind::Pod),
+            bytes(&full, Kind::Pod)
+        );
+        assert!(
+            bytes(&full, Kind::Node) > 10 * bytes(&slim, Kind::Node),
+            "nodes {} → {}",
+            bytes(&slim, Kind::Node),
+            bytes(&full, Kind::Node)
+        );
         for ((kind, a), (_, b)) in slim.iter().zip(&full) {
             let read = |v: &Value| wasmplane_sources::convert::object_from_json(v.clone()).unwrap().unwrap();
             let (mut a, b) = (read(a), read(b));
@@ -249,7 +273,10 @@ mod tests {
                 _ => None,
             };
             if let Some((own, with_standard)) = labels {
-                assert!(own.iter().all(|(k, v)| with_standard.get(k) == Some(v)), "{kind:?}: {own:?} in {with_standard:?}");
+                assert!(
+                    own.iter().all(|(k, v)| with_standard.get(k) == Some(v)),
+                    "{kind:?}: {own:?} in {with_standard:?}"
+                );
                 *own = with_standard.clone();
             }
             // So is a slice's trigger time (the EndpointSlice controller's annotation).

@@ -177,18 +177,35 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
 
 fn run() -> anyhow::Result<()> {
     let a = parse()?;
-    let spec = |services| cluster::Spec { services, endpoints: a.endpoints, policies: a.policies, seed: a.seed, full_objects: a.full_objects };
+    let spec = |services| cluster::Spec {
+        services,
+        endpoints: a.endpoints,
+        policies: a.policies,
+        seed: a.seed,
+        full_objects: a.full_objects,
+    };
     if let Some(services) = a.apiserver {
         return apiserver::serve(spec(services));
     }
     if let Some(dir) = &a.write_manifests {
         let c = cluster::Cluster::new(spec(a.services));
         let n = cluster::write_manifests(&c, std::path::Path::new(dir))?;
-        println!("{n} objects ({} services, {} pods, {} nodes) written to {dir}; run the host as node {}", c.services(), c.pods(), c.nodes(), cluster::HOST_NODE);
+        println!(
+            "{n} objects ({} services, {} pods, {} nodes) written to {dir}; run the host as node {}",
+            c.services(),
+            c.pods(),
+            c.nodes(),
+            cluster::HOST_NODE
+        );
         return Ok(());
     }
     if let Some(services) = a.worker {
-        tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_env("WASMPLANE_PERF_LOG").unwrap_or_else(|_| "warn".into())).with_writer(std::io::stderr).init();
+        tracing_subscriber::fmt()
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_env("WASMPLANE_PERF_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .with_writer(std::io::stderr)
+            .init();
         let opts = worker::Opts {
             services,
             endpoints: a.endpoints,
@@ -208,7 +225,10 @@ fn run() -> anyhow::Result<()> {
             smaps_dir: a.smaps_dir.as_ref().map(Into::into),
         };
         let result = match &a.binary {
-            Some(path) => binary::run_size(opts, binary::Binary { path: path.into(), warm_with: a.warm_binary.as_ref().map(Into::into) })?,
+            Some(path) => binary::run_size(
+                opts,
+                binary::Binary { path: path.into(), warm_with: a.warm_binary.as_ref().map(Into::into) },
+            )?,
             None => worker::run_size(opts)?,
         };
         println!("RESULT {result}");
@@ -216,7 +236,9 @@ fn run() -> anyhow::Result<()> {
     }
 
     if !a.record && !worker::is_root() {
-        eprintln!("not root: no network namespace can be made; the dataplane runs in Record mode (nothing reaches a kernel)");
+        eprintln!(
+            "not root: no network namespace can be made; the dataplane runs in Record mode (nothing reaches a kernel)"
+        );
     }
     if let Some(path) = &a.symbol_order {
         return symbol_order(&a, path);
@@ -225,14 +247,19 @@ fn run() -> anyhow::Result<()> {
     // (A wrapper script, say, has no compiler to read: then the check is skipped, said so.)
     let stale_order = a.binary.as_ref().and_then(|binary| {
         symbol_order::stale_order(std::path::Path::new(binary), std::path::Path::new(symbol_order::CHECKOUT_ORDER_FILE))
-            .unwrap_or_else(|e| Some(format!("could not check {binary} against {}: {e:#}", symbol_order::CHECKOUT_ORDER_FILE)))
+            .unwrap_or_else(|e| {
+                Some(format!("could not check {binary} against {}: {e:#}", symbol_order::CHECKOUT_ORDER_FILE))
+            })
     });
     if let Some(warning) = &stale_order {
         eprintln!("WARNING: {warning}");
     }
     let mut results = Vec::new();
     for (round, &services) in (0..a.repeat).flat_map(|round| a.sizes.iter().map(move |size| (round, size))) {
-        eprintln!("== {services} services{} ==", if a.repeat > 1 { format!(", round {} of {}", round + 1, a.repeat) } else { String::new() });
+        eprintln!(
+            "== {services} services{} ==",
+            if a.repeat > 1 { format!(", round {} of {}", round + 1, a.repeat) } else { String::new() }
+        );
         let mut cmd = worker_command(&a, services, &std::env::current_exe()?);
         if let Some(binary) = &a.binary {
             cmd.args(["--binary", binary]);
@@ -259,8 +286,24 @@ fn run() -> anyhow::Result<()> {
 /// One worker run of `exe` at one size.
 fn worker_command(a: &Args, services: usize, exe: &std::path::Path) -> Command {
     let mut cmd = Command::new(exe);
-    cmd.args(["--worker", &services.to_string(), "--endpoints", &a.endpoints.to_string(), "--policies", &a.policies.to_string(), "--seed", &a.seed.to_string()]);
-    cmd.args(["--samples", &samples(a).to_string(), "--churn-rate", &a.churn_rate.to_string(), "--churn-seconds", &churn_seconds(a).to_string()]);
+    cmd.args([
+        "--worker",
+        &services.to_string(),
+        "--endpoints",
+        &a.endpoints.to_string(),
+        "--policies",
+        &a.policies.to_string(),
+        "--seed",
+        &a.seed.to_string(),
+    ]);
+    cmd.args([
+        "--samples",
+        &samples(a).to_string(),
+        "--churn-rate",
+        &a.churn_rate.to_string(),
+        "--churn-seconds",
+        &churn_seconds(a).to_string(),
+    ]);
     if a.record {
         cmd.arg("--record");
     }
@@ -321,7 +364,14 @@ fn symbol_order(a: &Args, path: &str) -> anyhow::Result<()> {
     let mut lists = Vec::new();
     // The third run counts the calls into the first one's functions (`--binary` only).
     let counted = a.binary.is_some();
-    for (name, page_out, count) in [("after the initial sync", true, false), ("in all", false, false), ("after the initial sync, by calls", true, true)].into_iter().filter(|r| !r.2 || counted) {
+    for (name, page_out, count) in [
+        ("after the initial sync", true, false),
+        ("in all", false, false),
+        ("after the initial sync, by calls", true, true),
+    ]
+    .into_iter()
+    .filter(|r| !r.2 || counted)
+    {
         symbol_order::drop_cached_pages(&copy)?;
         let mut cmd = if a.binary.is_some() {
             let mut cmd = worker_command(a, services, &this);
@@ -346,11 +396,20 @@ fn symbol_order(a: &Args, path: &str) -> anyhow::Result<()> {
         }
         eprintln!("== {services} services, traced: the code run {name} ==");
         let out = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).output().context("running the traced worker")?;
-        let result = worker_result(&out.stdout)?.with_context(|| format!("the traced worker failed ({})", out.status))?;
+        let result =
+            worker_result(&out.stdout)?.with_context(|| format!("the traced worker failed ({})", out.status))?;
         if count {
-            println!("code run {name}: {} of {} functions called ({} could not be probed, kept)", result["called_functions"], result["probed_functions"], result["unprobed_functions"]);
+            println!(
+                "code run {name}: {} of {} functions called ({} could not be probed, kept)",
+                result["called_functions"], result["probed_functions"], result["unprobed_functions"]
+            );
         } else {
-            println!("code run {name}: {} functions on {} MiB of touched code pages; host RSS steady {} MiB", result["traced_functions"], mib(&result, "traced_code_kib"), mib(&result, "rss_steady_kib"));
+            println!(
+                "code run {name}: {} functions on {} MiB of touched code pages; host RSS steady {} MiB",
+                result["traced_functions"],
+                mib(&result, "traced_code_kib"),
+                mib(&result, "rss_steady_kib")
+            );
         }
         lists.push(std::fs::read_to_string(&trace)?);
     }
@@ -376,49 +435,175 @@ type Row = (&'static str, Box<dyn Fn(&Value) -> String>);
 /// The in-process worker's results: rows are measurements, columns sizes (Markdown).
 fn table(results: &[Value]) -> String {
     let rows: Vec<Row> = vec![
-        ("cluster: services / pods (endpoints) / nodes", Box::new(|v| format!("{} / {} / {}", v["services"], v["pods"], v["nodes"]))),
-        ("dataplane (statements of the applied ruleset, as one `nft -f` document)", Box::new(|v| format!("{} ({})", v["mode"].as_str().unwrap_or("?"), v["ruleset_lines"]))),
-        ("initial sync: `start()` → every kind listed, one full transaction in the kernel (s)", Box::new(|v| format!("{:.2}", f(v, "initial_sync_s")))),
-        ("  host CPU / child processes' CPU (nft, the guest compiler) during it (s)", Box::new(|v| format!("{:.2} / {:.2}", f(v, "initial_sync_cpu_s"), f(v, "initial_sync_nft_cpu_s")))),
-        ("  Wasm guest time: total (s), share of the sync", Box::new(|v| format!("{:.3}, {:.1}%", f(v, "initial_sync_guest_s"), 100.0 * f(v, "initial_sync_guest_s") / f(v, "initial_sync_s")))),
-        ("  full load of that ruleset into an empty namespace: our writer (list, render, one transaction: how it went) / one plain `nft -f` of the same document (s)", Box::new(|v| {
-            if v["load_writer_s"].is_null() {
-                "— (record mode)".into()
-            } else {
-                format!("{:.2} ({}) / {:.2} = {:.2}×", f(v, "load_writer_s"), v["load_writer_path"].as_str().unwrap_or("?"), f(v, "load_nft_f_s"), f(v, "load_writer_s") / f(v, "load_nft_f_s"))
-            }
-        })),
-        ("default translator per call, Wasm / the same Rust native, both from the model, over this node's services (µs, best of 3 passes)", Box::new(|v| {
-            format!("{:.2} / {:.2} = {:.2}×", f(v, "translator_wasm_us"), f(v, "translator_native_us"), f(v, "translator_wasm_us") / f(v, "translator_native_us"))
-        })),
-        ("one endpoint change, slice write → applied in the kernel: p50 / p99 (ms)", Box::new(|v| format!("{:.1} / {:.1}", f(v, "change_p50_ms"), f(v, "change_p99_ms")))),
+        (
+            "cluster: services / pods (endpoints) / nodes",
+            Box::new(|v| format!("{} / {} / {}", v["services"], v["pods"], v["nodes"])),
+        ),
+        (
+            "dataplane (statements of the applied ruleset, as one `nft -f` document)",
+            Box::new(|v| format!("{} ({})", v["mode"].as_str().unwrap_or("?"), v["ruleset_lines"])),
+        ),
+        (
+            "initial sync: `start()` → every kind listed, one full transaction in the kernel (s)",
+            Box::new(|v| format!("{:.2}", f(v, "initial_sync_s"))),
+        ),
+        (
+            "  host CPU / child processes' CPU (nft, the guest compiler) during it (s)",
+            Box::new(|v| format!("{:.2} / {:.2}", f(v, "initial_sync_cpu_s"), f(v, "initial_sync_nft_cpu_s"))),
+        ),
+        (
+            "  Wasm guest time: total (s), share of the sync",
+            Box::new(|v| {
+                format!(
+                    "{:.3}, {:.1}%",
+                    f(v, "initial_sync_guest_s"),
+                    100.0 * f(v, "initial_sync_guest_s") / f(v, "initial_sync_s")
+                )
+            }),
+        ),
+        (
+            "  full load of that ruleset into an empty namespace: our writer (list, render, one transaction: how it went) / one plain `nft -f` of the same document (s)",
+            Box::new(|v| {
+                if v["load_writer_s"].is_null() {
+                    "— (record mode)".into()
+                } else {
+                    format!(
+                        "{:.2} ({}) / {:.2} = {:.2}×",
+                        f(v, "load_writer_s"),
+                        v["load_writer_path"].as_str().unwrap_or("?"),
+                        f(v, "load_nft_f_s"),
+                        f(v, "load_writer_s") / f(v, "load_nft_f_s")
+                    )
+                }
+            }),
+        ),
+        (
+            "default translator per call, Wasm / the same Rust native, both from the model, over this node's services (µs, best of 3 passes)",
+            Box::new(|v| {
+                format!(
+                    "{:.2} / {:.2} = {:.2}×",
+                    f(v, "translator_wasm_us"),
+                    f(v, "translator_native_us"),
+                    f(v, "translator_wasm_us") / f(v, "translator_native_us")
+                )
+            }),
+        ),
+        (
+            "one endpoint change, slice write → applied in the kernel: p50 / p99 (ms)",
+            Box::new(|v| format!("{:.1} / {:.1}", f(v, "change_p50_ms"), f(v, "change_p99_ms"))),
+        ),
         ("  samples (p99 of n<100 is the max)", Box::new(|v| format!("{}", v["change_samples"]))),
-        ("  p50 by stage: API server write / host apply (model, guests, dataplane) / dataplane transaction / guest calls (ms)", Box::new(|v| format!("{:.2} / {:.2} / {:.2} / {:.3}", f(v, "change_write_p50_ms"), f(v, "change_apply_p50_ms"), f(v, "change_dataplane_p50_ms"), f(v, "change_guest_p50_ms")))),
-        ("  the host's own SLI metric for the same changes (wasmplane_network_programming_duration_seconds, from the slice's trigger time): p50 (ms); changes observed", Box::new(|v| {
-            if v["change_sli_samples"].is_null() { "—".into() } else { format!("{:.2}; {}", f(v, "change_sli_p50_ms"), v["change_sli_samples"]) }
-        })),
+        (
+            "  p50 by stage: API server write / host apply (model, guests, dataplane) / dataplane transaction / guest calls (ms)",
+            Box::new(|v| {
+                format!(
+                    "{:.2} / {:.2} / {:.2} / {:.3}",
+                    f(v, "change_write_p50_ms"),
+                    f(v, "change_apply_p50_ms"),
+                    f(v, "change_dataplane_p50_ms"),
+                    f(v, "change_guest_p50_ms")
+                )
+            }),
+        ),
+        (
+            "  the host's own SLI metric for the same changes (wasmplane_network_programming_duration_seconds, from the slice's trigger time): p50 (ms); changes observed",
+            Box::new(|v| {
+                if v["change_sli_samples"].is_null() {
+                    "—".into()
+                } else {
+                    format!("{:.2}; {}", f(v, "change_sli_p50_ms"), v["change_sli_samples"])
+                }
+            }),
+        ),
         ("  Wasm guest share of that latency", Box::new(|v| format!("{:.2}%", 100.0 * f(v, "change_guest_share")))),
-        ("CNI ADD of a pod on this node through the host's daemon (the plugin's request → reply: veth, address, routes): p50 / p99 (ms)", Box::new(|v| {
-            if v["cni_samples"].is_null() { "— (record mode)".into() } else { format!("{:.1} / {:.1}", f(v, "cni_add_p50_ms"), f(v, "cni_add_p99_ms")) }
-        })),
-        ("  ADD → the pod's ingress policy in the kernel, its address from the daemon (no API server write): p50 / p99 (ms); DEL p50 (ms); pods", Box::new(|v| {
-            if v["cni_samples"].is_null() {
-                "—".into()
-            } else if v["cni_policy_p50_ms"].is_null() {
-                format!("— (no policies); {:.1}; {}", f(v, "cni_del_p50_ms"), v["cni_samples"])
-            } else {
-                format!("{:.1} / {:.1}; {:.1}; {}", f(v, "cni_policy_p50_ms"), f(v, "cni_policy_p99_ms"), f(v, "cni_del_p50_ms"), v["cni_samples"])
-            }
-        })),
-        ("churn: ops (rate × s) / watch events", Box::new(|v| format!("{} ({}/s × {}s) / {}", v["churn_ops"], v["churn_rate_ops"], v["churn_seconds"], v["churn_events"]))),
-        ("  model revisions / events", Box::new(|v| format!("{} / {} = {:.1}%", v["churn_revisions"], v["churn_events"], 100.0 * f(v, "churn_revisions") / f(v, "churn_events")))),
-        ("  nft transactions; drained after churn end (s)", Box::new(|v| format!("{}; {:.2}{}", v["churn_syncs"], f(v, "churn_drain_s"), if v["churn_converged"] == true { "" } else { " (not converged)" }))),
-        ("  CPU s per 1,000 events: host process / nft processes", Box::new(|v| format!("{:.3} / {:.3}", f(v, "cpu_per_1k_events_s"), f(v, "nft_cpu_per_1k_events_s")))),
-        ("no-op events (pod label changes nothing selects, same rate): revisions / events; transactions", Box::new(|v| format!("{} / {} = {:.1}%; {}", v["noop_revisions"], v["noop_events"], 100.0 * f(v, "noop_revisions") / f(v, "noop_events"), v["noop_syncs"]))),
-        ("host RSS: steady after sync / end (MiB)", Box::new(|v| format!("{} / {}", mib(v, "rss_steady_kib"), mib(v, "rss_end_kib")))),
+        (
+            "CNI ADD of a pod on this node through the host's daemon (the plugin's request → reply: veth, address, routes): p50 / p99 (ms)",
+            Box::new(|v| {
+                if v["cni_samples"].is_null() {
+                    "— (record mode)".into()
+                } else {
+                    format!("{:.1} / {:.1}", f(v, "cni_add_p50_ms"), f(v, "cni_add_p99_ms"))
+                }
+            }),
+        ),
+        (
+            "  ADD → the pod's ingress policy in the kernel, its address from the daemon (no API server write): p50 / p99 (ms); DEL p50 (ms); pods",
+            Box::new(|v| {
+                if v["cni_samples"].is_null() {
+                    "—".into()
+                } else if v["cni_policy_p50_ms"].is_null() {
+                    format!("— (no policies); {:.1}; {}", f(v, "cni_del_p50_ms"), v["cni_samples"])
+                } else {
+                    format!(
+                        "{:.1} / {:.1}; {:.1}; {}",
+                        f(v, "cni_policy_p50_ms"),
+                        f(v, "cni_policy_p99_ms"),
+                        f(v, "cni_del_p50_ms"),
+                        v["cni_samples"]
+                    )
+                }
+            }),
+        ),
+        (
+            "churn: ops (rate × s) / watch events",
+            Box::new(|v| {
+                format!(
+                    "{} ({}/s × {}s) / {}",
+                    v["churn_ops"], v["churn_rate_ops"], v["churn_seconds"], v["churn_events"]
+                )
+            }),
+        ),
+        (
+            "  model revisions / events",
+            Box::new(|v| {
+                format!(
+                    "{} / {} = {:.1}%",
+                    v["churn_revisions"],
+                    v["churn_events"],
+                    100.0 * f(v, "churn_revisions") / f(v, "churn_events")
+                )
+            }),
+        ),
+        (
+            "  nft transactions; drained after churn end (s)",
+            Box::new(|v| {
+                format!(
+                    "{}; {:.2}{}",
+                    v["churn_syncs"],
+                    f(v, "churn_drain_s"),
+                    if v["churn_converged"] == true { "" } else { " (not converged)" }
+                )
+            }),
+        ),
+        (
+            "  CPU s per 1,000 events: host process / nft processes",
+            Box::new(|v| format!("{:.3} / {:.3}", f(v, "cpu_per_1k_events_s"), f(v, "nft_cpu_per_1k_events_s"))),
+        ),
+        (
+            "no-op events (pod label changes nothing selects, same rate): revisions / events; transactions",
+            Box::new(|v| {
+                format!(
+                    "{} / {} = {:.1}%; {}",
+                    v["noop_revisions"],
+                    v["noop_events"],
+                    100.0 * f(v, "noop_revisions") / f(v, "noop_events"),
+                    v["noop_syncs"]
+                )
+            }),
+        ),
+        (
+            "host RSS: steady after sync / end (MiB)",
+            Box::new(|v| format!("{} / {}", mib(v, "rss_steady_kib"), mib(v, "rss_end_kib"))),
+        ),
         ("  of the steady RSS: heap in use (glibc `mallinfo2`, MiB)", Box::new(|v| mib(v, "heap_in_use_steady_kib"))),
-        ("  of the steady RSS: anonymous / file-backed (code, read-only data) (MiB)", Box::new(|v| format!("{} / {}", mib(v, "rss_anon_steady_kib"), mib(v, "rss_file_steady_kib")))),
-        ("host peak RSS (VmHWM): after sync / end (MiB)", Box::new(|v| format!("{} / {}", mib(v, "hwm_sync_kib"), mib(v, "hwm_end_kib")))),
+        (
+            "  of the steady RSS: anonymous / file-backed (code, read-only data) (MiB)",
+            Box::new(|v| format!("{} / {}", mib(v, "rss_anon_steady_kib"), mib(v, "rss_file_steady_kib"))),
+        ),
+        (
+            "host peak RSS (VmHWM): after sync / end (MiB)",
+            Box::new(|v| format!("{} / {}", mib(v, "hwm_sync_kib"), mib(v, "hwm_end_kib"))),
+        ),
     ];
     render(&rows, results)
 }
@@ -426,19 +611,73 @@ fn table(results: &[Value]) -> String {
 /// `--binary`'s results: the shipped binary's memory, read from outside.
 fn binary_table(results: &[Value]) -> String {
     let rows: Vec<Row> = vec![
-        ("cluster: services / pods (endpoints) / nodes", Box::new(|v| format!("{} / {} / {}", v["services"], v["pods"], v["nodes"]))),
+        (
+            "cluster: services / pods (endpoints) / nodes",
+            Box::new(|v| format!("{} / {} / {}", v["services"], v["pods"], v["nodes"])),
+        ),
         ("dataplane", Box::new(|v| v["mode"].as_str().unwrap_or("?").to_string())),
         ("start → ready (initial sync applied) (s)", Box::new(|v| format!("{:.2}", f(v, "initial_sync_s")))),
-        ("host CPU (s): until ready (its children: nft, the guest compiler) / after, per 1,000 events", Box::new(|v| {
-            format!("{:.2} ({:.2}) / {:.3}", f(v, "cpu_sync_s"), f(v, "children_cpu_sync_s"), f(v, "cpu_after_sync_s") / f(v, "events_after_sync") * 1000.0)
-        })),
-        ("RSS 3 s after the sync / at the end of the run / 3 s after that (MiB)", Box::new(|v| format!("{} / {} / {}", mib(v, "rss_steady_kib"), mib(v, "rss_end_kib"), mib(v, "rss_idle_kib")))),
-        ("  anonymous / file-backed: after the sync; end; 3 s after (MiB)", Box::new(|v| format!("{} / {}; {} / {}; {} / {}", mib(v, "rss_anon_steady_kib"), mib(v, "rss_file_steady_kib"), mib(v, "rss_anon_end_kib"), mib(v, "rss_file_end_kib"), mib(v, "rss_anon_idle_kib"), mib(v, "rss_file_idle_kib")))),
-        ("  the binary's resident code / read-only data / relocated data (in a file of its own after the sync; anonymous in the read-only mappings before): steady; end (MiB)", Box::new(|v| format!("{} / {} / {}; {} / {} / {}", mib(v, "binary_code_steady_kib"), mib(v, "binary_rodata_steady_kib"), mib(v, "relocated_steady_kib"), mib(v, "binary_code_end_kib"), mib(v, "binary_rodata_end_kib"), mib(v, "relocated_end_kib")))),
-        ("  the compiled guests' resident code and read-only data: steady; end (MiB)", Box::new(|v| format!("{}; {}", mib(v, "guests_code_steady_kib"), mib(v, "guests_code_end_kib")))),
-        ("PSS (shared pages divided) / private: steady (MiB)", Box::new(|v| format!("{} / {}", mib(v, "pss_steady_kib"), mib(v, "private_steady_kib")))),
-        ("peak RSS (VmHWM): after sync / end (MiB)", Box::new(|v| format!("{} / {}", mib(v, "hwm_sync_kib"), mib(v, "hwm_end_kib")))),
-        ("events received in all (initial sync, changes, churn, no-op); all taken in", Box::new(|v| format!("{}, {}", v["events"], if v["converged"] == true { "yes" } else { "no" }))),
+        (
+            "host CPU (s): until ready (its children: nft, the guest compiler) / after, per 1,000 events",
+            Box::new(|v| {
+                format!(
+                    "{:.2} ({:.2}) / {:.3}",
+                    f(v, "cpu_sync_s"),
+                    f(v, "children_cpu_sync_s"),
+                    f(v, "cpu_after_sync_s") / f(v, "events_after_sync") * 1000.0
+                )
+            }),
+        ),
+        (
+            "RSS 3 s after the sync / at the end of the run / 3 s after that (MiB)",
+            Box::new(|v| {
+                format!("{} / {} / {}", mib(v, "rss_steady_kib"), mib(v, "rss_end_kib"), mib(v, "rss_idle_kib"))
+            }),
+        ),
+        (
+            "  anonymous / file-backed: after the sync; end; 3 s after (MiB)",
+            Box::new(|v| {
+                format!(
+                    "{} / {}; {} / {}; {} / {}",
+                    mib(v, "rss_anon_steady_kib"),
+                    mib(v, "rss_file_steady_kib"),
+                    mib(v, "rss_anon_end_kib"),
+                    mib(v, "rss_file_end_kib"),
+                    mib(v, "rss_anon_idle_kib"),
+                    mib(v, "rss_file_idle_kib")
+                )
+            }),
+        ),
+        (
+            "  the binary's resident code / read-only data / relocated data (in a file of its own after the sync; anonymous in the read-only mappings before): steady; end (MiB)",
+            Box::new(|v| {
+                format!(
+                    "{} / {} / {}; {} / {} / {}",
+                    mib(v, "binary_code_steady_kib"),
+                    mib(v, "binary_rodata_steady_kib"),
+                    mib(v, "relocated_steady_kib"),
+                    mib(v, "binary_code_end_kib"),
+                    mib(v, "binary_rodata_end_kib"),
+                    mib(v, "relocated_end_kib")
+                )
+            }),
+        ),
+        (
+            "  the compiled guests' resident code and read-only data: steady; end (MiB)",
+            Box::new(|v| format!("{}; {}", mib(v, "guests_code_steady_kib"), mib(v, "guests_code_end_kib"))),
+        ),
+        (
+            "PSS (shared pages divided) / private: steady (MiB)",
+            Box::new(|v| format!("{} / {}", mib(v, "pss_steady_kib"), mib(v, "private_steady_kib"))),
+        ),
+        (
+            "peak RSS (VmHWM): after sync / end (MiB)",
+            Box::new(|v| format!("{} / {}", mib(v, "hwm_sync_kib"), mib(v, "hwm_end_kib"))),
+        ),
+        (
+            "events received in all (initial sync, changes, churn, no-op); all taken in",
+            Box::new(|v| format!("{}, {}", v["events"], if v["converged"] == true { "yes" } else { "no" })),
+        ),
     ];
     render(&rows, results)
 }
@@ -456,7 +695,10 @@ fn binary_spread_table(sizes: &[usize], results: &[Value]) -> String {
         ("  anonymous / file-backed at the end (MiB): anonymous", Box::new(kib("rss_anon_end_kib"))),
         ("  anonymous / file-backed at the end (MiB): file-backed", Box::new(kib("rss_file_end_kib"))),
         ("peak RSS (MiB)", Box::new(kib("hwm_end_kib"))),
-        ("host CPU per 1,000 events after the sync (s)", Box::new(|v| f(v, "cpu_after_sync_s") / f(v, "events_after_sync") * 1000.0)),
+        (
+            "host CPU per 1,000 events after the sync (s)",
+            Box::new(|v| f(v, "cpu_after_sync_s") / f(v, "events_after_sync") * 1000.0),
+        ),
     ];
     let mut out = String::from("| median (min–max) over the rounds |");
     for services in sizes {
@@ -466,7 +708,8 @@ fn binary_spread_table(sizes: &[usize], results: &[Value]) -> String {
     for (name, value) in &rows {
         out += &format!("| {name} |");
         for &services in sizes {
-            let mut values: Vec<f64> = results.iter().filter(|v| v["services"].as_u64() == Some(services as u64)).map(value).collect();
+            let mut values: Vec<f64> =
+                results.iter().filter(|v| v["services"].as_u64() == Some(services as u64)).map(value).collect();
             out += &match spread(&mut values) {
                 Some((median, min, max)) => format!(" {median:.2} ({min:.2}–{max:.2}), n={} |", values.len()),
                 None => " – |".to_string(),
@@ -521,9 +764,7 @@ mod tests {
     /// Each size's cell holds only that size's rounds.
     #[test]
     fn spread_table_keeps_sizes_apart() {
-        let run = |services: u64, rss_mib: u64| {
-            json!({"services": services, "rss_end_kib": rss_mib * 1024, "rss_steady_kib": 0, "rss_anon_end_kib": 0, "rss_file_end_kib": 0, "hwm_end_kib": 0, "cpu_after_sync_s": 1.0, "events_after_sync": 2000})
-        };
+        let run = |services: u64, rss_mib: u64| json!({"services": services, "rss_end_kib": rss_mib * 1024, "rss_steady_kib": 0, "rss_anon_end_kib": 0, "rss_file_end_kib": 0, "hwm_end_kib": 0, "cpu_after_sync_s": 1.0, "events_after_sync": 2000});
         let results = [run(10, 5), run(1000, 9), run(10, 7), run(1000, 11), run(10, 6), run(1000, 10)];
         let table = super::binary_spread_table(&[10, 1000], &results);
         let end_row = table.lines().find(|l| l.starts_with("| RSS at the end")).unwrap();

@@ -27,8 +27,8 @@ use std::os::fd::AsRawFd as _;
 use std::path::Path;
 
 use anyhow::Context as _;
-use wasmplane::memory::FileMapping;
 use object::{Object as _, ObjectSection as _, ObjectSegment as _, ObjectSymbol as _};
+use wasmplane::memory::FileMapping;
 
 /// An ext4 image mounted on a loop device with read-ahead off; unmounted (and the device
 /// freed) on drop.
@@ -45,7 +45,8 @@ impl PrivateVolume {
         let mount_point = dir.path().join("mnt");
         std::fs::create_dir(&mount_point)?;
         std::fs::File::create(&image)?.set_len(bytes)?;
-        let (image_arg, mount_arg) = (image.to_str().context("temp path")?.to_string(), mount_point.to_str().context("temp path")?.to_string());
+        let (image_arg, mount_arg) =
+            (image.to_str().context("temp path")?.to_string(), mount_point.to_str().context("temp path")?.to_string());
         run(&["mkfs.ext4", "-q", &image_arg])?;
         run(&["mount", "-o", "loop", &image_arg, &mount_arg])?;
         let volume = PrivateVolume { mount_point, _dir: dir };
@@ -72,7 +73,10 @@ impl Drop for PrivateVolume {
 /// The executable mapping of a process's binary (`process`: `self` or a process ID).
 fn code_mapping(process: &str) -> anyhow::Result<FileMapping> {
     let mappings = wasmplane::memory::binary_mappings(process)?;
-    mappings.into_iter().find(|m| m.executable).with_context(|| format!("no executable mapping of its binary in /proc/{process}/smaps"))
+    mappings
+        .into_iter()
+        .find(|m| m.executable)
+        .with_context(|| format!("no executable mapping of its binary in /proc/{process}/smaps"))
 }
 
 fn page_size() -> u64 {
@@ -132,7 +136,11 @@ pub fn start_tracing() -> anyhow::Result<()> {
     // only drops its page-table entries, and the next instruction fetch faults each page back
     // in from the file.
     unsafe {
-        anyhow::ensure!(libc::madvise(addr, len, libc::MADV_DONTNEED) == 0, "madvise(MADV_DONTNEED): {}", std::io::Error::last_os_error());
+        anyhow::ensure!(
+            libc::madvise(addr, len, libc::MADV_DONTNEED) == 0,
+            "madvise(MADV_DONTNEED): {}",
+            std::io::Error::last_os_error()
+        );
     }
     drop_cached_pages(Path::new("/proc/self/exe"))
 }
@@ -142,7 +150,12 @@ pub fn drop_cached_pages(path: &Path) -> anyhow::Result<()> {
     let file = std::fs::File::open(path)?;
     // SAFETY: advice on an open file descriptor.
     let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
-    anyhow::ensure!(rc == 0, "posix_fadvise(POSIX_FADV_DONTNEED) on {}: {}", path.display(), std::io::Error::from_raw_os_error(rc));
+    anyhow::ensure!(
+        rc == 0,
+        "posix_fadvise(POSIX_FADV_DONTNEED) on {}: {}",
+        path.display(),
+        std::io::Error::from_raw_os_error(rc)
+    );
     Ok(())
 }
 
@@ -197,7 +210,12 @@ pub fn write_trace(process: &str, path: &Path, result: &mut serde_json::Value) -
 /// `in_all`, each once.
 pub fn steady_first(after_start_up: &str, in_all: &str) -> String {
     let mut seen = std::collections::HashSet::new();
-    after_start_up.lines().chain(in_all.lines()).filter(|name| !name.is_empty() && seen.insert(*name)).map(|name| format!("{name}\n")).collect()
+    after_start_up
+        .lines()
+        .chain(in_all.lines())
+        .filter(|name| !name.is_empty() && seen.insert(*name))
+        .map(|name| format!("{name}\n"))
+        .collect()
 }
 
 /// Functions (address, size, name) with a byte on any of the pages (start addresses), each

@@ -59,14 +59,27 @@ pub(crate) struct ClusterProc {
 impl ClusterProc {
     pub(crate) fn start(o: &Opts) -> anyhow::Result<(ClusterProc, Vec<String>)> {
         let mut child = Command::new(children_exe(o)?)
-            .args(["--apiserver", &o.services.to_string(), "--endpoints", &o.endpoints.to_string(), "--policies", &o.policies.to_string(), "--seed", &o.seed.to_string()])
+            .args([
+                "--apiserver",
+                &o.services.to_string(),
+                "--endpoints",
+                &o.endpoints.to_string(),
+                "--policies",
+                &o.policies.to_string(),
+                "--seed",
+                &o.seed.to_string(),
+            ])
             .args((!o.full_objects).then_some("--minimal-objects"))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .context("starting the cluster process")?;
-        let mut p = ClusterProc { stdin: child.stdin.take().unwrap(), stdout: BufReader::new(child.stdout.take().unwrap()), child };
+        let mut p = ClusterProc {
+            stdin: child.stdin.take().unwrap(),
+            stdout: BufReader::new(child.stdout.take().unwrap()),
+            child,
+        };
         let ready = p.read()?;
         anyhow::ensure!(ready.first().map(String::as_str) == Some("ready"), "cluster process: {ready:?}");
         Ok((p, ready))
@@ -204,10 +217,14 @@ fn cpu() -> (f64, f64) {
 /// A process's CPU seconds, its own (user + system) and its waited-for children's.
 pub(crate) fn cpu_of(pid: &str) -> (f64, f64) {
     static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
-    let ticks = *TICKS.get_or_init(|| run(&["getconf", "CLK_TCK"]).ok().and_then(|t| t.trim().parse().ok()).unwrap_or(100.0));
+    let ticks =
+        *TICKS.get_or_init(|| run(&["getconf", "CLK_TCK"]).ok().and_then(|t| t.trim().parse().ok()).unwrap_or(100.0));
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     // Fields after the command name (which may hold spaces) start at field 3 (state).
-    let rest: Vec<f64> = stat.rsplit_once(')').map(|(_, r)| r.split_whitespace().map(|f| f.parse().unwrap_or(0.0)).collect()).unwrap_or_default();
+    let rest: Vec<f64> = stat
+        .rsplit_once(')')
+        .map(|(_, r)| r.split_whitespace().map(|f| f.parse().unwrap_or(0.0)).collect())
+        .unwrap_or_default();
     let f = |n: usize| rest.get(n - 3).copied().unwrap_or(0.0) / ticks;
     (f(14) + f(15), f(16) + f(17))
 }
@@ -232,10 +249,17 @@ struct Counters {
 fn counters(host: &RunningHost) -> Counters {
     let m = &host.metrics;
     let text = m.encode();
-    let metric = |name: &str| text.lines().find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' '))).and_then(|v| v.trim().parse::<f64>().ok()).unwrap_or(0.0);
+    let metric = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
     // Every series of a labelled metric (guest calls are by kind), summed.
     let labelled = |name: &str| -> f64 {
-        text.lines().filter_map(|l| l.strip_prefix(name)?.strip_prefix('{')?.split_once("} ")?.1.trim().parse::<f64>().ok()).sum()
+        text.lines()
+            .filter_map(|l| l.strip_prefix(name)?.strip_prefix('{')?.split_once("} ")?.1.trim().parse::<f64>().ok())
+            .sum()
     };
     Counters {
         events: m.events.get(),
@@ -317,7 +341,8 @@ pub fn run_size(o: Opts) -> anyhow::Result<Value> {
 async fn measure(o: Opts) -> anyhow::Result<Value> {
     let rss_before = memory().rss;
     let (mut cluster, ready) = ClusterProc::start(&o)?;
-    let (objects, pods, nodes, seed_seconds) = (ready[2].parse::<u64>()?, ready[3].parse::<u64>()?, ready[4].parse::<u64>()?, ready[5].parse::<f64>()?);
+    let (objects, pods, nodes, seed_seconds) =
+        (ready[2].parse::<u64>()?, ready[3].parse::<u64>()?, ready[4].parse::<u64>()?, ready[5].parse::<f64>()?);
     eprintln!("[{}] cluster seeded: {objects} objects ({pods} pods, {nodes} nodes) in {seed_seconds:.1} s", o.services);
     let mode = if o.record || !is_root() { DataplaneMode::Record } else { DataplaneMode::Nftables };
     let netns = if mode == DataplaneMode::Nftables { Some(Netns::new()?) } else { None };
@@ -339,19 +364,25 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
         stats_interval: Duration::from_secs(3600),
         reconcile_interval: Duration::from_secs(o.reconcile_seconds),
         min_sync_period: o.min_sync_period,
-        compiler: Some(wasmplane_runtime::CompilerCommand::new(children_exe(&o)?, [wasmplane_runtime::compiler::COMPILE_SUBCOMMAND])),
+        compiler: Some(wasmplane_runtime::CompilerCommand::new(
+            children_exe(&o)?,
+            [wasmplane_runtime::compiler::COMPILE_SUBCOMMAND],
+        )),
         // The CNI daemon, as an agent serves it, with pod veths in the host's namespace.
-        cni: netns.as_ref().map(|ns| -> anyhow::Result<_> {
-            Ok(wasmplane::cni::CniConfig {
-                socket: data.path().join("cni.sock"),
-                pod_cidrs: vec![CNI_POD_CIDR.parse()?],
-                state_dir: None,
-                pod_wait: Duration::from_secs(30),
-                node_netns: Some(ns.path().into()),
-                chained: false,
-                mtu: None,
+        cni: netns
+            .as_ref()
+            .map(|ns| -> anyhow::Result<_> {
+                Ok(wasmplane::cni::CniConfig {
+                    socket: data.path().join("cni.sock"),
+                    pod_cidrs: vec![CNI_POD_CIDR.parse()?],
+                    state_dir: None,
+                    pod_wait: Duration::from_secs(30),
+                    node_netns: Some(ns.path().into()),
+                    chained: false,
+                    mtu: None,
+                })
             })
-        }).transpose()?,
+            .transpose()?,
         ..Default::default()
     };
     let cni_socket = config.cni.as_ref().map(|c| c.socket.clone());
@@ -376,7 +407,10 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
     let (cpu1, child_cpu1) = cpu();
     let after_sync = counters(&host);
     let hwm_sync = memory().hwm;
-    eprintln!("[{}] initial sync {sync_seconds:.2} s ({} events, guest {:.2} s in {} calls)", o.services, after_sync.events, after_sync.guest_seconds, after_sync.guest_calls);
+    eprintln!(
+        "[{}] initial sync {sync_seconds:.2} s ({} events, guest {:.2} s in {} calls)",
+        o.services, after_sync.events, after_sync.guest_seconds, after_sync.guest_calls
+    );
     if o.page_out {
         wasmplane::memory::page_out_code(host.compiled_guests.as_deref()).context("paging out start-up code")?;
     }
@@ -391,7 +425,8 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
     let (mut guest_in_changes, mut change_syncs) = (0.0, 0);
     // Per change, where the time went: the API server's write (until its reply), the host's
     // apply (model, guests, dataplane), the dataplane transaction alone, the guest calls.
-    let (mut write_times, mut apply_times, mut dataplane_times, mut guest_times) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut write_times, mut apply_times, mut dataplane_times, mut guest_times) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     // What the host's own SLI metric said of the same change (it starts at the trigger time
     // the harness wrote into the slice, just before the write).
     let mut sli_times = Vec::new();
@@ -401,7 +436,11 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
         // The new pod's event (one) in and applied before the measured write.
         let expected = after_sync.events + 3 * n as u64 + 1;
         if !settle(&host, expected, Duration::from_secs(600)).await {
-            eprintln!("[{}] warning: the pod event did not arrive ({} < {expected})", o.services, host.metrics.events.get());
+            eprintln!(
+                "[{}] warning: the pod event did not arrive ({} < {expected})",
+                o.services,
+                host.metrics.events.get()
+            );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
         let before = counters(&host);
@@ -421,22 +460,37 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
         guest_in_changes += after.guest_seconds - before.guest_seconds;
         change_syncs += after.syncs - before.syncs;
         latencies.push(latency);
-        let (apply, dataplane, guest) = (after.apply_seconds - before.apply_seconds, after.dataplane_seconds - before.dataplane_seconds, after.guest_seconds - before.guest_seconds);
+        let (apply, dataplane, guest) = (
+            after.apply_seconds - before.apply_seconds,
+            after.dataplane_seconds - before.dataplane_seconds,
+            after.guest_seconds - before.guest_seconds,
+        );
         write_times.push(written);
         apply_times.push(apply);
         dataplane_times.push(dataplane);
         guest_times.push(guest);
-        let sli = (after.programmed == before.programmed + 1).then_some(after.programming_seconds - before.programming_seconds);
+        let sli = (after.programmed == before.programmed + 1)
+            .then_some(after.programming_seconds - before.programming_seconds);
         sli_times.extend(sli);
         let ms = |s: f64| s * 1000.0;
         let sli = sli.map_or("not observed".into(), |s| format!("{:.2}", ms(s)));
-        eprintln!("[{}] change {n}: {:.2} ms (write {:.2}, host apply {:.2}: dataplane {:.2}, guest {:.3}; the host's SLI {sli})", o.services, ms(latency), ms(written), ms(apply), ms(dataplane), ms(guest));
+        eprintln!(
+            "[{}] change {n}: {:.2} ms (write {:.2}, host apply {:.2}: dataplane {:.2}, guest {:.3}; the host's SLI {sli})",
+            o.services,
+            ms(latency),
+            ms(written),
+            ms(apply),
+            ms(dataplane),
+            ms(guest)
+        );
         cluster.call("finish")?;
         if !settle(&host, after_sync.events + 3 * (n as u64 + 1), Duration::from_secs(600)).await {
             eprintln!("[{}] warning: the pod deletion did not arrive", o.services);
         }
     }
-    for times in [&mut latencies, &mut write_times, &mut apply_times, &mut dataplane_times, &mut guest_times, &mut sli_times] {
+    for times in
+        [&mut latencies, &mut write_times, &mut apply_times, &mut dataplane_times, &mut guest_times, &mut sli_times]
+    {
         times.sort_by(|a, b| a.total_cmp(b));
     }
     let latency_total: f64 = latencies.iter().sum();
@@ -457,7 +511,12 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
     let (cpu3, child_cpu3) = cpu();
     let after = counters(&host);
     let churn_events = after.events - before.events;
-    eprintln!("[{}] churn: {ops} ops, {writes} writes, {churn_events} events, {} revisions, {} syncs; drained {drain:.2} s after", o.services, after.revisions - before.revisions, after.syncs - before.syncs);
+    eprintln!(
+        "[{}] churn: {ops} ops, {writes} writes, {churn_events} events, {} revisions, {} syncs; drained {drain:.2} s after",
+        o.services,
+        after.revisions - before.revisions,
+        after.syncs - before.syncs
+    );
 
     // Events that should change nothing: pod label changes no service or policy selects on,
     // at the same rate, for a third of the churn time.
@@ -467,7 +526,13 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
     let noop_writes: u64 = reply[2].parse()?;
     let noop_converged = settle(&host, before_noop.events + noop_writes, Duration::from_secs(600)).await;
     let after_noop = counters(&host);
-    eprintln!("[{}] no-op events: {} events, {} revisions, {} syncs", o.services, after_noop.events - before_noop.events, after_noop.revisions - before_noop.revisions, after_noop.syncs - before_noop.syncs);
+    eprintln!(
+        "[{}] no-op events: {} events, {} revisions, {} syncs",
+        o.services,
+        after_noop.events - before_noop.events,
+        after_noop.revisions - before_noop.revisions,
+        after_noop.syncs - before_noop.syncs
+    );
     let end = memory();
 
     // The host's own rendering of what it applied (one statement a line), not `nft list
@@ -476,10 +541,17 @@ async fn measure(o: Opts) -> anyhow::Result<Value> {
     let ruleset_lines = host.controller.lock().unwrap_or_else(|p| p.into_inner()).dataplane().render().lines().count();
     // After every memory reading: both load what the host holds a second time.
     let translator = translator_ratio(&host).context("timing the default translator")?;
-    eprintln!("[{}] default translator per call: Wasm {:.2} µs, native {:.2} µs", o.services, translator.wasm_us, translator.native_us);
-    let load = if mode == DataplaneMode::Nftables { Some(writer_vs_nft(&host).context("timing full loads")?) } else { None };
+    eprintln!(
+        "[{}] default translator per call: Wasm {:.2} µs, native {:.2} µs",
+        o.services, translator.wasm_us, translator.native_us
+    );
+    let load =
+        if mode == DataplaneMode::Nftables { Some(writer_vs_nft(&host).context("timing full loads")?) } else { None };
     if let Some(l) = &load {
-        eprintln!("[{}] full load of the applied ruleset: our writer {:.2} s ({}), one nft -f {:.2} s", o.services, l.writer_s, l.writer_path, l.nft_f_s);
+        eprintln!(
+            "[{}] full load of the applied ruleset: our writer {:.2} s ({}), one nft -f {:.2} s",
+            o.services, l.writer_s, l.writer_path, l.nft_f_s
+        );
     }
     host.stop().await;
     drop(cluster);
@@ -541,13 +613,21 @@ struct CniTimes {
 /// the host sees it, then the plugin's one request (ADD) on the daemon's socket for a network
 /// namespace of the pod's own, as the kubelet's runtime would make it; then DEL and the pod
 /// deleted. The pod is selected by a policy when there are policies (`Cluster::cni_pod`).
-async fn cni_adds(host: &RunningHost, cluster: &mut ClusterProc, socket: &std::path::Path, o: &Opts) -> anyhow::Result<CniTimes> {
+async fn cni_adds(
+    host: &RunningHost,
+    cluster: &mut ClusterProc,
+    socket: &std::path::Path,
+    o: &Opts,
+) -> anyhow::Result<CniTimes> {
     let mut times = CniTimes { add: Vec::new(), policy: Vec::new(), del: Vec::new() };
     for n in 0..o.samples {
         let events = host.metrics.events.get();
         let reply = cluster.call("cni-pod")?;
         let (namespace, name) = (reply[1].clone(), reply[2].clone());
-        anyhow::ensure!(settle(host, events + 1, Duration::from_secs(60)).await, "the pod {namespace}/{name} did not reach the host");
+        anyhow::ensure!(
+            settle(host, events + 1, Duration::from_secs(60)).await,
+            "the pod {namespace}/{name} did not reach the host"
+        );
         let pod_netns = Netns::named(&format!("wpperf{}-pod{n}", std::process::id()))?;
         let request = |command: CniCommand| {
             let socket = socket.to_path_buf();
@@ -570,7 +650,10 @@ async fn cni_adds(host: &RunningHost, cluster: &mut ClusterProc, socket: &std::p
                 if host.controller.try_lock().is_ok_and(|c| c.dataplane().applied().contains_key(&key)) {
                     break;
                 }
-                anyhow::ensure!(t0.elapsed() < Duration::from_secs(60), "{namespace}/{name} ({ip}): its ingress policy was not applied within 60 s");
+                anyhow::ensure!(
+                    t0.elapsed() < Duration::from_secs(60),
+                    "{namespace}/{name} ({ip}): its ingress policy was not applied within 60 s"
+                );
                 tokio::time::sleep(Duration::from_micros(500)).await;
             }
             times.policy.push(t0.elapsed().as_secs_f64());
@@ -591,7 +674,10 @@ async fn cni_adds(host: &RunningHost, cluster: &mut ClusterProc, socket: &std::p
         anyhow::ensure!(status == 200, "DEL {namespace}/{name}: {status} {result}");
         let events = host.metrics.events.get();
         cluster.call(&format!("cni-pod-gone {namespace} {name}"))?;
-        anyhow::ensure!(settle(host, events + 1, Duration::from_secs(60)).await, "the deletion of {namespace}/{name} did not reach the host");
+        anyhow::ensure!(
+            settle(host, events + 1, Duration::from_secs(60)).await,
+            "the deletion of {namespace}/{name} did not reach the host"
+        );
     }
     for v in [&mut times.add, &mut times.policy, &mut times.del] {
         v.sort_by(f64::total_cmp);
@@ -621,13 +707,21 @@ fn translator_ratio(host: &RunningHost) -> anyhow::Result<TranslatorCost> {
     let (context, views) = {
         let controller = host.controller.lock().unwrap_or_else(|p| p.into_inner());
         let model = controller.model();
-        let views: Vec<_> = model.services.iter().map(|(key, view)| (wasmplane::nft::service_prefix(key), view.clone())).collect();
+        let views: Vec<_> =
+            model.services.iter().map(|(key, view)| (wasmplane::nft::service_prefix(key), view.clone())).collect();
         (model.context.clone(), views)
     };
     anyhow::ensure!(!views.is_empty(), "the host has no services");
     let runtime = Runtime::new(Limits { call_timeout: Duration::from_secs(5), ..Default::default() }, None)?;
-    let module = runtime.load("translator", wasmplane_guest_artifacts::SERVICE_TRANSLATOR, Some(GuestKind::ServiceTranslator), usize::MAX)?;
-    let mut session = module.translator(std::sync::Arc::new(NoLookups)).context("the embedded translator is not a service translator")?;
+    let module = runtime.load(
+        "translator",
+        wasmplane_guest_artifacts::SERVICE_TRANSLATOR,
+        Some(GuestKind::ServiceTranslator),
+        usize::MAX,
+    )?;
+    let mut session = module
+        .translator(std::sync::Arc::new(NoLookups))
+        .context("the embedded translator is not a service translator")?;
     session.instantiate_now()?;
     let sdk_context = native::node_context(&context);
     // Best of three passes over every service, alternating the two sides.
@@ -640,7 +734,10 @@ fn translator_ratio(host: &RunningHost) -> anyhow::Result<TranslatorCost> {
         wasm = wasm.min(t.elapsed());
         let t = Instant::now();
         for (prefix, view) in &views {
-            std::hint::black_box(native::translate(&sdk_context, prefix, view).map_err(|e| anyhow::anyhow!("native translate: {e:?}"))?);
+            std::hint::black_box(
+                native::translate(&sdk_context, prefix, view)
+                    .map_err(|e| anyhow::anyhow!("native translate: {e:?}"))?,
+            );
         }
         native_best = native_best.min(t.elapsed());
     }
@@ -663,7 +760,8 @@ fn writer_vs_nft(host: &RunningHost) -> anyhow::Result<FullLoad> {
     let (objects, document) = {
         let controller = host.controller.lock().unwrap_or_else(|p| p.into_inner());
         let dataplane = controller.dataplane();
-        let objects: std::collections::BTreeMap<_, _> = dataplane.applied().iter().map(|(key, rules)| (key.clone(), (**rules).clone())).collect();
+        let objects: std::collections::BTreeMap<_, _> =
+            dataplane.applied().iter().map(|(key, rules)| (key.clone(), (**rules).clone())).collect();
         (objects, dataplane.render())
     };
     let reference = Netns::named(&format!("wpperf{}-nft", std::process::id()))?;
@@ -679,7 +777,10 @@ fn writer_vs_nft(host: &RunningHost) -> anyhow::Result<FullLoad> {
 
     let ns = Netns::named(&format!("wpperf{}-writer", std::process::id()))?;
     let command = ns.command("nft");
-    let kernel = NetlinkNft::open(NftCommand::new(command.clone(), Vec::new()), NetlinkNft::netns_of_command(&command).as_deref())?;
+    let kernel = NetlinkNft::open(
+        NftCommand::new(command.clone(), Vec::new()),
+        NetlinkNft::netns_of_command(&command).as_deref(),
+    )?;
     let mut dataplane = Dataplane::new(Box::new(kernel)).with_cluster_cidrs(&[CLUSTER_CIDR.to_string()]);
     let t = Instant::now();
     let stats = dataplane.full_sync(Some(objects))?;

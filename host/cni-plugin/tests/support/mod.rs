@@ -14,9 +14,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use wasmplane_cni::{
-    CniDaemon, DaemonConfig, DaemonHandle, PodCache, PodDirectory, PodInfo, PodNetworks,
-};
+use wasmplane_cni::{CniDaemon, DaemonConfig, DaemonHandle, PodCache, PodDirectory, PodInfo, PodNetworks};
 
 pub const PLUGIN: &str = env!("CARGO_BIN_EXE_wasmplane-cni");
 
@@ -33,12 +31,7 @@ macro_rules! require_root {
             // Straight to the stderr handle: libtest captures eprintln! of passing tests.
             let _ = std::io::Write::write_all(
                 &mut std::io::stderr(),
-                format!(
-                    "SKIPPED test at {}:{}: needs root for network namespaces\n",
-                    file!(),
-                    line!()
-                )
-                .as_bytes(),
+                format!("SKIPPED test at {}:{}: needs root for network namespaces\n", file!(), line!()).as_bytes(),
             );
             return;
         }
@@ -47,10 +40,7 @@ macro_rules! require_root {
 
 #[track_caller]
 pub fn run(cmd: &[&str]) -> String {
-    let out = Command::new(cmd[0])
-        .args(&cmd[1..])
-        .output()
-        .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
+    let out = Command::new(cmd[0]).args(&cmd[1..]).output().unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
     assert!(
         out.status.success(),
         "{cmd:?} failed: {}{}",
@@ -64,11 +54,7 @@ static NEXT: AtomicU32 = AtomicU32::new(0);
 
 /// `wpcni-<pid>-<n>`: unique per process and call, so tests and runs can overlap.
 pub fn unique(tag: &str) -> String {
-    format!(
-        "wpcni-{}-{}{tag}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    )
+    format!("wpcni-{}-{}{tag}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
 }
 
 /// A named network namespace, deleted on drop.
@@ -123,9 +109,7 @@ impl Netns {
 
 impl Drop for Netns {
     fn drop(&mut self) {
-        let _ = Command::new("ip")
-            .args(["netns", "del", &self.name])
-            .output();
+        let _ = Command::new("ip").args(["netns", "del", &self.name]).output();
     }
 }
 
@@ -136,12 +120,7 @@ pub fn in_ns<T: Send>(path: &str, f: impl FnOnce() -> T + Send) -> T {
         s.spawn(|| {
             // SAFETY: plain syscall on a valid descriptor; only this short-lived thread moves.
             let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
-            assert_eq!(
-                rc,
-                0,
-                "setns into {path}: {}",
-                std::io::Error::last_os_error()
-            );
+            assert_eq!(rc, 0, "setns into {path}: {}", std::io::Error::last_os_error());
             f()
         })
         .join()
@@ -158,10 +137,7 @@ pub fn icmp_echo(ns_path: &str, to: Ipv4Addr, timeout: Duration) -> bool {
         unsafe {
             let fd = libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_ICMP);
             assert!(fd >= 0, "raw socket: {}", std::io::Error::last_os_error());
-            let tv = libc::timeval {
-                tv_sec: 0,
-                tv_usec: 100_000,
-            };
+            let tv = libc::timeval { tv_sec: 0, tv_usec: 100_000 };
             libc::setsockopt(
                 fd,
                 libc::SOL_SOCKET,
@@ -180,9 +156,7 @@ pub fn icmp_echo(ns_path: &str, to: Ipv4Addr, timeout: Duration) -> bool {
             let addr = libc::sockaddr_in {
                 sin_family: libc::AF_INET as u16,
                 sin_port: 0,
-                sin_addr: libc::in_addr {
-                    s_addr: u32::from(to).to_be(),
-                },
+                sin_addr: libc::in_addr { s_addr: u32::from(to).to_be() },
                 sin_zero: [0; 8],
             };
             let sent = libc::sendto(
@@ -217,10 +191,7 @@ pub fn icmp_echo(ns_path: &str, to: Ipv4Addr, timeout: Duration) -> bool {
 }
 
 fn checksum(data: &[u8]) -> u16 {
-    let mut sum: u32 = data
-        .chunks(2)
-        .map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])))
-        .sum();
+    let mut sum: u32 = data.chunks(2).map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]))).sum();
     while sum >> 16 != 0 {
         sum = (sum & 0xffff) + (sum >> 16);
     }
@@ -240,10 +211,7 @@ pub fn tcp_server_on(ns_path: &str, addr: SocketAddr, name: &'static str) -> std
         // Serves a bounded number of connections, then stops (tests make only a few).
         for stream in listener.incoming().take(8) {
             let Ok(mut s) = stream else { continue };
-            let peer = s
-                .peer_addr()
-                .map(|a| a.ip().to_string())
-                .unwrap_or_default();
+            let peer = s.peer_addr().map(|a| a.ip().to_string()).unwrap_or_default();
             let _ = writeln!(s, "{name} saw {peer}");
         }
     })
@@ -251,9 +219,7 @@ pub fn tcp_server_on(ns_path: &str, addr: SocketAddr, name: &'static str) -> std
 
 /// Connects from inside `ns_path` and returns the server's line.
 pub fn tcp_ask(ns_path: &str, to: SocketAddr) -> std::io::Result<String> {
-    let mut stream = in_ns(ns_path, || {
-        TcpStream::connect_timeout(&to, Duration::from_secs(2))
-    })?;
+    let mut stream = in_ns(ns_path, || TcpStream::connect_timeout(&to, Duration::from_secs(2)))?;
     stream.set_read_timeout(Some(Duration::from_secs(2)))?;
     let mut line = String::new();
     stream.read_to_string(&mut line)?;
@@ -281,34 +247,23 @@ impl Reply {
     }
 
     pub fn ip(&self) -> Ipv4Addr {
-        let addr = self.json["ips"][0]["address"]
-            .as_str()
-            .unwrap_or_else(|| panic!("no ips in {}", self.json));
+        let addr = self.json["ips"][0]["address"].as_str().unwrap_or_else(|| panic!("no ips in {}", self.json));
         addr.split('/').next().unwrap().parse().unwrap()
     }
 
     pub fn code(&self) -> u64 {
-        self.json["code"]
-            .as_u64()
-            .unwrap_or_else(|| panic!("not an error object: {self:?}"))
+        self.json["code"].as_u64().unwrap_or_else(|| panic!("not an error object: {self:?}"))
     }
 }
 
 /// Runs a CNI plugin binary with `env` and `config` on stdin.
-pub fn run_plugin(
-    bin: &str,
-    env: &[(&str, &str)],
-    config: &Value,
-    pre_exec_netns: Option<&str>,
-) -> Reply {
+pub fn run_plugin(bin: &str, env: &[(&str, &str)], config: &Value, pre_exec_netns: Option<&str>) -> Reply {
     let mut cmd = Command::new(bin);
     cmd.env_clear().env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin");
     for (k, v) in env {
         cmd.env(k, v);
     }
-    cmd.stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
     if let Some(ns) = pre_exec_netns {
         let file = File::open(ns).unwrap();
         let fd = file.as_raw_fd();
@@ -316,11 +271,7 @@ pub fn run_plugin(
         // SAFETY: only async-signal-safe setns between fork and exec; `file` outlives spawn.
         unsafe {
             cmd.pre_exec(move || {
-                if libc::setns(fd, libc::CLONE_NEWNET) == 0 {
-                    Ok(())
-                } else {
-                    Err(std::io::Error::last_os_error())
-                }
+                if libc::setns(fd, libc::CLONE_NEWNET) == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
             });
         }
         let reply = spawn_and_wait(cmd, config);
@@ -334,43 +285,26 @@ fn spawn_and_wait(mut cmd: Command, config: &Value) -> Reply {
     let started = Instant::now();
     let mut child = cmd.spawn().expect("spawning plugin");
     // A plugin may exit without reading stdin (VERSION): a broken pipe here is fine.
-    let _ = child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(config.to_string().as_bytes());
+    let _ = child.stdin.take().unwrap().write_all(config.to_string().as_bytes());
     let out = child.wait_with_output().unwrap();
     let elapsed = started.elapsed();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let json = if stdout.trim().is_empty() {
         Value::Null
     } else {
-        serde_json::from_str(&stdout)
-            .unwrap_or_else(|e| panic!("plugin printed non-JSON {stdout:?}: {e}"))
+        serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("plugin printed non-JSON {stdout:?}: {e}"))
     };
-    Reply {
-        ok: out.status.success(),
-        json,
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-        elapsed,
-    }
+    Reply { ok: out.status.success(), json, stderr: String::from_utf8_lossy(&out.stderr).into_owned(), elapsed }
 }
 
 /// `GET path` on the daemon's socket with a hand-written request; status line and body.
 pub fn http_get(socket: &std::path::Path, path: &str) -> (String, String) {
     let mut s = std::os::unix::net::UnixStream::connect(socket).expect("connecting to the daemon");
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: wasmplane\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: wasmplane\r\nConnection: close\r\n\r\n").unwrap();
     let mut raw = String::new();
     s.read_to_string(&mut raw).unwrap();
     let (head, body) = raw.split_once("\r\n\r\n").expect("HTTP response");
-    (
-        head.lines().next().unwrap_or_default().to_string(),
-        body.to_string(),
-    )
+    (head.lines().next().unwrap_or_default().to_string(), body.to_string())
 }
 
 /// A node namespace with the CNI daemon running in-process, its node side in that namespace.
@@ -422,15 +356,8 @@ impl Node {
         let ns = Netns::new(unique("-node"));
         ns.exec(&["ip", "link", "set", "lo", "up"]);
         // Forwarding stays off here: the daemon must turn it on (pod-to-pod traffic tests it).
-        assert_eq!(
-            ns.exec(&["sysctl", "-n", "net.ipv4.ip_forward"]).trim(),
-            "0"
-        );
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
+        assert_eq!(ns.exec(&["sysctl", "-n", "net.ipv4.ip_forward"]).trim(), "0");
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         Node {
             cidrs,
             chained,
@@ -468,11 +395,7 @@ impl Node {
         config.chained = self.chained;
         config.mtu = self.mtu;
         let daemon = CniDaemon::new(config, pods, self.sink.clone()).expect("daemon");
-        self.handle = Some(
-            self.rt
-                .block_on(daemon.clone().spawn())
-                .expect("spawn daemon"),
-        );
+        self.handle = Some(self.rt.block_on(daemon.clone().spawn()).expect("spawn daemon"));
         self.daemon = Some(daemon);
     }
 
@@ -489,11 +412,7 @@ impl Node {
     }
 
     pub fn know_pod(&self, namespace: &str, name: &str) {
-        self.pods.insert(PodInfo {
-            namespace: namespace.into(),
-            name: name.into(),
-            uid: None,
-        });
+        self.pods.insert(PodInfo { namespace: namespace.into(), name: name.into(), uid: None });
     }
 
     pub fn config(&self, version: &str) -> Value {
@@ -505,14 +424,7 @@ impl Node {
         self.cni_with(command, container, netns, pod, &self.config("1.0.0"))
     }
 
-    pub fn cni_with(
-        &self,
-        command: &str,
-        container: &str,
-        netns: &str,
-        pod: &str,
-        config: &Value,
-    ) -> Reply {
+    pub fn cni_with(&self, command: &str, container: &str, netns: &str, pod: &str, config: &Value) -> Reply {
         let args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=test;K8S_POD_NAME={pod}");
         let env = [
             ("CNI_COMMAND", command),
@@ -528,12 +440,7 @@ impl Node {
     /// Runs the real plugin binary for a command about the network (STATUS, GC): no
     /// container, interface or namespace.
     pub fn network(&self, command: &str, config: &Value) -> Reply {
-        run_plugin(
-            PLUGIN,
-            &[("CNI_COMMAND", command), ("CNI_PATH", "/usr/lib/cni")],
-            config,
-            None,
-        )
+        run_plugin(PLUGIN, &[("CNI_COMMAND", command), ("CNI_PATH", "/usr/lib/cni")], config, None)
     }
 
     /// Interfaces named `wp*` in the node namespace.

@@ -47,43 +47,23 @@ pub fn etcd_config(endpoint: String) -> EtcdConfig {
 }
 
 pub async fn etcd_store(endpoint: String) -> Arc<dyn KvStore> {
-    Arc::new(
-        EtcdStore::connect(etcd_config(endpoint))
-            .await
-            .expect("etcd client"),
-    )
+    Arc::new(EtcdStore::connect(etcd_config(endpoint)).await.expect("etcd client"))
 }
 
 pub async fn fixture(backend: Backend) -> Fixture {
     init_tracing();
     match backend {
-        Backend::Memory => Fixture {
-            store: Arc::new(EmbeddedStore::in_memory()),
-            etcd: None,
-            dir: None,
-        },
+        Backend::Memory => Fixture { store: Arc::new(EmbeddedStore::in_memory()), etcd: None, dir: None },
         Backend::Disk => {
             let dir = tempfile::tempdir().expect("temp dir");
             let config = EmbeddedConfig::persistent(dir.path().join("kv.redb"));
-            let store = EmbeddedStore::open(config)
-                .await
-                .expect("open embedded store");
-            Fixture {
-                store: Arc::new(store),
-                etcd: None,
-                dir: Some(dir),
-            }
+            let store = EmbeddedStore::open(config).await.expect("open embedded store");
+            Fixture { store: Arc::new(store), etcd: None, dir: Some(dir) }
         }
         Backend::Etcd => {
-            let etcd = Etcd::start()
-                .await
-                .expect("etcd must start (apt-get install etcd-server)");
+            let etcd = Etcd::start().await.expect("etcd must start (apt-get install etcd-server)");
             let store = etcd_store(etcd.endpoint()).await;
-            Fixture {
-                store,
-                etcd: Some(etcd),
-                dir: None,
-            }
+            Fixture { store, etcd: Some(etcd), dir: None }
         }
     }
 }
@@ -115,17 +95,7 @@ pub async fn assert_quiet(stream: &mut WatchStream, quiet: Duration) {
 
 /// (key, value as string or None, revision) for compact assertions.
 pub fn summary(events: &[WatchEvent]) -> Vec<(String, Option<String>)> {
-    events
-        .iter()
-        .map(|e| {
-            (
-                e.key.clone(),
-                e.value
-                    .as_ref()
-                    .map(|v| String::from_utf8_lossy(v).into_owned()),
-            )
-        })
-        .collect()
+    events.iter().map(|e| (e.key.clone(), e.value.as_ref().map(|v| String::from_utf8_lossy(v).into_owned()))).collect()
 }
 
 /// Retries `f` while the store reports itself unavailable (e.g. etcd restarting).

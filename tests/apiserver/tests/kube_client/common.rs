@@ -55,20 +55,14 @@ where
 {
     let deadline = tokio::time::Instant::now() + WAIT;
     while !condition().await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for: {what}"
-        );
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
 /// Wait until `count` watch streams are open on the server.
 pub async fn watching(server: &TestApiServer, count: usize) {
-    eventually(&format!("{count} open watches"), || async {
-        server.open_watches() >= count
-    })
-    .await;
+    eventually(&format!("{count} open watches"), || async { server.open_watches() >= count }).await;
 }
 
 /// name → resourceVersion of what a reflector holds.
@@ -76,20 +70,12 @@ pub fn reflected<K>(store: &Store<K>) -> BTreeMap<String, String>
 where
     K: kube::Resource<DynamicType = ()> + Clone + Debug + 'static,
 {
-    store
-        .state()
-        .iter()
-        .map(|o| (o.name_any(), o.resource_version().unwrap_or_default()))
-        .collect()
+    store.state().iter().map(|o| (o.name_any(), o.resource_version().unwrap_or_default())).collect()
 }
 
 /// name → resourceVersion of what the server holds.
 pub fn stored(server: &TestApiServer) -> BTreeMap<String, String> {
-    server
-        .list::<Service>()
-        .iter()
-        .map(|o| (o.name_any(), o.resource_version().unwrap_or_default()))
-        .collect()
+    server.list::<Service>().iter().map(|o| (o.name_any(), o.resource_version().unwrap_or_default())).collect()
 }
 
 pub fn labels_patch(labels: Value) -> Value {

@@ -11,9 +11,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
-use kube::api::{
-    Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams,
-};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
 use kube::core::PartialObjectMeta;
 use kube::runtime::watcher::{self, Event, watcher};
 use kube::runtime::{WatchStreamExt as _, reflector};
@@ -23,9 +21,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use wasmplane_test_apiserver::{TestApiServer, Verb};
 
-use crate::common::{
-    eventually, init_tracing, labels_patch, next, node, reflected, service, stored, watching,
-};
+use crate::common::{eventually, init_tracing, labels_patch, next, node, reflected, service, stored, watching};
 
 type Events<K> = futures::stream::BoxStream<'static, Result<Event<K>, watcher::Error>>;
 
@@ -53,46 +49,26 @@ where
     let object = |name: &str| -> K { serde_json::from_value(make(name)).expect("object JSON") };
     let kind = K::KIND;
     server.create(&object("existing")).unwrap();
-    let mut events: Events<K> =
-        watcher(Api::all(server.client()), watcher::Config::default()).boxed();
-    assert!(
-        matches!(next_event(&mut events).await, Event::Init),
-        "{kind}: Init"
-    );
+    let mut events: Events<K> = watcher(Api::all(server.client()), watcher::Config::default()).boxed();
+    assert!(matches!(next_event(&mut events).await, Event::Init), "{kind}: Init");
     match next_event(&mut events).await {
         Event::InitApply(o) => assert_eq!(o.name_any(), "existing", "{kind}"),
         other => panic!("{kind}: expected InitApply, got {other:?}"),
     }
-    assert!(
-        matches!(next_event(&mut events).await, Event::InitDone),
-        "{kind}: InitDone"
-    );
+    assert!(matches!(next_event(&mut events).await, Event::InitDone), "{kind}: InitDone");
 
-    writes
-        .create(&PostParams::default(), &object("fresh"))
-        .await
-        .unwrap();
+    writes.create(&PostParams::default(), &object("fresh")).await.unwrap();
     match next_event(&mut events).await {
         Event::Apply(o) => assert_eq!(o.name_any(), "fresh", "{kind}"),
         other => panic!("{kind}: expected Apply(fresh), got {other:?}"),
     }
     let patch = labels_patch(json!({ "changed": "yes" }));
-    writes
-        .patch("fresh", &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-        .unwrap();
+    writes.patch("fresh", &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
     match next_event(&mut events).await {
-        Event::Apply(o) => assert_eq!(
-            o.labels().get("changed").map(String::as_str),
-            Some("yes"),
-            "{kind}"
-        ),
+        Event::Apply(o) => assert_eq!(o.labels().get("changed").map(String::as_str), Some("yes"), "{kind}"),
         other => panic!("{kind}: expected Apply(fresh, changed), got {other:?}"),
     }
-    writes
-        .delete("fresh", &DeleteParams::default())
-        .await
-        .unwrap();
+    writes.delete("fresh", &DeleteParams::default()).await.unwrap();
     match next_event(&mut events).await {
         Event::Delete(o) => assert_eq!(o.name_any(), "fresh", "{kind}"),
         other => panic!("{kind}: expected Delete(fresh), got {other:?}"),
@@ -104,9 +80,11 @@ async fn watcher_sees_every_kind() {
     init_tracing();
     let server = TestApiServer::start().await;
     let client = server.client();
-    watch_kind::<Service>(&server, Api::namespaced(client.clone(), "default"), |name| {
-        json!({ "metadata": { "name": name, "namespace": "default" }, "spec": { "ports": [{ "port": 80 }] } })
-    })
+    watch_kind::<Service>(
+        &server,
+        Api::namespaced(client.clone(), "default"),
+        |name| json!({ "metadata": { "name": name, "namespace": "default" }, "spec": { "ports": [{ "port": 80 }] } }),
+    )
     .await;
     watch_kind::<EndpointSlice>(&server, Api::namespaced(client.clone(), "default"), |name| {
         json!({
@@ -117,36 +95,26 @@ async fn watcher_sees_every_kind() {
         })
     })
     .await;
-    watch_kind::<Node>(
-        &server,
-        Api::all(client.clone()),
-        |name| json!({ "metadata": { "name": name } }),
-    )
+    watch_kind::<Node>(&server, Api::all(client.clone()), |name| json!({ "metadata": { "name": name } })).await;
+    watch_kind::<Pod>(&server, Api::namespaced(client.clone(), "default"), |name| {
+        json!({
+            "metadata": { "name": name, "namespace": "default" },
+            "spec": { "nodeName": "n1", "containers": [{ "name": "c", "image": "i" }] },
+        })
+    })
     .await;
-    watch_kind::<Pod>(
+    watch_kind::<Namespace>(&server, Api::all(client.clone()), |name| json!({ "metadata": { "name": name } })).await;
+    watch_kind::<NetworkPolicy>(
         &server,
         Api::namespaced(client.clone(), "default"),
-        |name| {
-            json!({
-                "metadata": { "name": name, "namespace": "default" },
-                "spec": { "nodeName": "n1", "containers": [{ "name": "c", "image": "i" }] },
-            })
-        },
+        |name| json!({ "metadata": { "name": name, "namespace": "default" }, "spec": { "podSelector": {} } }),
     )
     .await;
-    watch_kind::<Namespace>(
+    watch_kind::<Lease>(
         &server,
-        Api::all(client.clone()),
-        |name| json!({ "metadata": { "name": name } }),
+        Api::namespaced(client, "default"),
+        |name| json!({ "metadata": { "name": name, "namespace": "default" }, "spec": { "holderIdentity": "a" } }),
     )
-    .await;
-    watch_kind::<NetworkPolicy>(&server, Api::namespaced(client.clone(), "default"), |name| {
-        json!({ "metadata": { "name": name, "namespace": "default" }, "spec": { "podSelector": {} } })
-    })
-    .await;
-    watch_kind::<Lease>(&server, Api::namespaced(client, "default"), |name| {
-        json!({ "metadata": { "name": name, "namespace": "default" }, "spec": { "holderIdentity": "a" } })
-    })
     .await;
 }
 
@@ -167,11 +135,7 @@ fn reflect(server: &TestApiServer, config: watcher::Config) -> Reflected {
     let (reader, writer) = reflector::store();
     let errors = Arc::new(Mutex::new(Vec::new()));
     let seen = errors.clone();
-    let stream = reflector(
-        writer,
-        watcher(Api::<Service>::all(server.client()), config),
-    )
-    .default_backoff();
+    let stream = reflector(writer, watcher(Api::<Service>::all(server.client()), config)).default_backoff();
     let task = tokio::spawn(async move {
         stream
             .for_each(|event| {
@@ -182,11 +146,7 @@ fn reflect(server: &TestApiServer, config: watcher::Config) -> Reflected {
             })
             .await;
     });
-    Reflected {
-        reader,
-        errors,
-        task,
-    }
+    Reflected { reader, errors, task }
 }
 
 #[tokio::test]
@@ -207,38 +167,19 @@ async fn relist_after_compaction_loses_nothing() {
     assert_eq!(server.open_watches(), 0);
     server.delete::<Service>("default", "s1").unwrap();
     server.create(&service("default", "s3", &[])).unwrap();
-    server
-        .patch::<Service>("default", "s0", &labels_patch(json!({ "new": "label" })))
-        .unwrap();
+    server.patch::<Service>("default", "s0", &labels_patch(json!({ "new": "label" }))).unwrap();
     server.compact();
     server.close_watches();
     server.set_unavailable(false);
 
     // kube resumes from its old version, gets the in-stream 410, relists, and its view
     // is the server's, including the delete it never saw as an event.
-    eventually("the reflector to match the server", || async {
-        reflected(&reflected_view.reader) == stored(&server)
-    })
-    .await;
-    assert!(
-        !reflected_view
-            .reader
-            .state()
-            .iter()
-            .any(|s| s.name_any() == "s1")
-    );
-    assert_eq!(
-        server.request_count::<Service>(Verb::List),
-        2,
-        "exactly one relist"
-    );
+    eventually("the reflector to match the server", || async { reflected(&reflected_view.reader) == stored(&server) })
+        .await;
+    assert!(!reflected_view.reader.state().iter().any(|s| s.name_any() == "s1"));
+    assert_eq!(server.request_count::<Service>(Verb::List), 2, "exactly one relist");
     let errors = reflected_view.errors.lock().unwrap().clone();
-    assert!(
-        errors
-            .iter()
-            .any(|e| e.contains("too old resource version")),
-        "{errors:?}"
-    );
+    assert!(errors.iter().any(|e| e.contains("too old resource version")), "{errors:?}");
 }
 
 #[tokio::test]
@@ -254,31 +195,18 @@ async fn compact_and_close_watches_force_a_relist() {
     server.create(&node("n1")).unwrap();
     server.compact();
     server.close_watches();
-    eventually("a relist", || async {
-        server.request_count::<Service>(Verb::List) == 2
-    })
-    .await;
+    eventually("a relist", || async { server.request_count::<Service>(Verb::List) == 2 }).await;
     server.create(&service("default", "b", &[])).unwrap();
-    eventually("the reflector to match the server", || async {
-        reflected(&reflected_view.reader) == stored(&server)
-    })
-    .await;
+    eventually("the reflector to match the server", || async { reflected(&reflected_view.reader) == stored(&server) })
+        .await;
     let errors = reflected_view.errors.lock().unwrap().clone();
-    assert!(
-        errors
-            .iter()
-            .any(|e| e.contains("410") || e.contains("too old")),
-        "{errors:?}"
-    );
+    assert!(errors.iter().any(|e| e.contains("410") || e.contains("too old")), "{errors:?}");
 }
 
 #[tokio::test]
 async fn bookmarks_arrive_and_timeout_ends_the_stream() {
     init_tracing();
-    let server = TestApiServer::builder()
-        .bookmark_interval(Duration::from_millis(100))
-        .start()
-        .await;
+    let server = TestApiServer::builder().bookmark_interval(Duration::from_millis(100)).start().await;
     let services: Api<Service> = Api::namespaced(server.client(), "default");
     let list = services.list(&ListParams::default()).await.unwrap();
     let from = list.metadata.resource_version.unwrap();
@@ -287,21 +215,12 @@ async fn bookmarks_arrive_and_timeout_ends_the_stream() {
     let global = server.current_resource_version().to_string();
 
     let started = Instant::now();
-    let stream = services
-        .watch(&WatchParams::default().timeout(1), &from)
-        .await
-        .unwrap();
+    let stream = services.watch(&WatchParams::default().timeout(1), &from).await.unwrap();
     let events: Vec<WatchEvent<Service>> =
-        tokio::time::timeout(Duration::from_secs(10), stream.try_collect())
-            .await
-            .expect("stream ends")
-            .unwrap();
+        tokio::time::timeout(Duration::from_secs(10), stream.try_collect()).await.expect("stream ends").unwrap();
     let elapsed = started.elapsed();
     // Ends at timeoutSeconds (1 s), not at the 10 s above; the upper bound is generous for a loaded machine.
-    assert!(
-        elapsed >= Duration::from_millis(900) && elapsed < Duration::from_secs(8),
-        "{elapsed:?}"
-    );
+    assert!(elapsed >= Duration::from_millis(900) && elapsed < Duration::from_secs(8), "{elapsed:?}");
     let bookmarks: Vec<String> = events
         .iter()
         .filter_map(|e| match e {
@@ -313,13 +232,7 @@ async fn bookmarks_arrive_and_timeout_ends_the_stream() {
     assert!(bookmarks.iter().all(|rv| *rv == global), "{bookmarks:?}");
 
     // Without allowWatchBookmarks there are none.
-    let quiet = services
-        .watch(
-            &WatchParams::default().timeout(1).disable_bookmarks(),
-            &from,
-        )
-        .await
-        .unwrap();
+    let quiet = services.watch(&WatchParams::default().timeout(1).disable_bookmarks(), &from).await.unwrap();
     let events: Vec<WatchEvent<Service>> = quiet.try_collect().await.unwrap();
     assert!(events.is_empty(), "{events:?}");
 }
@@ -327,16 +240,9 @@ async fn bookmarks_arrive_and_timeout_ends_the_stream() {
 #[tokio::test]
 async fn watcher_rewatches_after_timeout_without_relisting() {
     init_tracing();
-    let server = TestApiServer::builder()
-        .bookmark_interval(Duration::from_millis(100))
-        .start()
-        .await;
+    let server = TestApiServer::builder().bookmark_interval(Duration::from_millis(100)).start().await;
     server.create(&service("default", "a", &[])).unwrap();
-    let mut events: Events<Service> = watcher(
-        Api::all(server.client()),
-        watcher::Config::default().timeout(1),
-    )
-    .boxed();
+    let mut events: Events<Service> = watcher(Api::all(server.client()), watcher::Config::default().timeout(1)).boxed();
     assert!(matches!(next_event(&mut events).await, Event::Init));
     assert!(matches!(next_event(&mut events).await, Event::InitApply(_)));
     assert!(matches!(next_event(&mut events).await, Event::InitDone));
@@ -355,19 +261,14 @@ async fn watcher_rewatches_after_timeout_without_relisting() {
     // from it when the stream times out.
     let node_rv = server.create(&node("n1")).unwrap().resource_version();
     eventually("a watch resumed from the bookmarked version", || async {
-        server
-            .requests_of::<Service>(Verb::Watch)
-            .iter()
-            .any(|r| r.param("resourceVersion") == node_rv.as_deref())
+        server.requests_of::<Service>(Verb::Watch).iter().any(|r| r.param("resourceVersion") == node_rv.as_deref())
     })
     .await;
 
     // Services created across stream timeouts all arrive.
     for i in 0..3 {
         tokio::time::sleep(Duration::from_millis(700)).await;
-        server
-            .create(&service("default", &format!("late{i}"), &[]))
-            .unwrap();
+        server.create(&service("default", &format!("late{i}"), &[])).unwrap();
     }
     for i in 0..3 {
         match next(&mut received).await {
@@ -379,23 +280,13 @@ async fn watcher_rewatches_after_timeout_without_relisting() {
     assert_eq!(server.request_count::<Service>(Verb::List), 1, "no relist");
     let watches = server.requests_of::<Service>(Verb::Watch);
     assert!(watches.len() >= 3, "{watches:?}");
-    let versions: Vec<u64> = watches
-        .iter()
-        .map(|w| {
-            w.param("resourceVersion")
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0)
-        })
-        .collect();
+    let versions: Vec<u64> =
+        watches.iter().map(|w| w.param("resourceVersion").and_then(|v| v.parse().ok()).unwrap_or(0)).collect();
     assert!(
         versions.windows(2).all(|w| w[0] <= w[1]) && versions[0] > 0,
         "resume points only move forward: {versions:?}"
     );
-    assert!(
-        watches
-            .iter()
-            .all(|w| w.param("timeoutSeconds") == Some("1"))
-    );
+    assert!(watches.iter().all(|w| w.param("timeoutSeconds") == Some("1")));
 }
 
 #[tokio::test]
@@ -405,25 +296,12 @@ async fn selector_transitions_are_deletes_and_adds() {
     let selector = "!service.kubernetes.io/headless";
     let headless = json!({ "service.kubernetes.io/headless": "" });
     server.create(&service("default", "a", &[])).unwrap();
-    server
-        .create(&service(
-            "default",
-            "h",
-            &[("service.kubernetes.io/headless", "")],
-        ))
-        .unwrap();
+    server.create(&service("default", "h", &[("service.kubernetes.io/headless", "")])).unwrap();
     let services: Api<Service> = Api::namespaced(server.client(), "default");
-    let list = services
-        .list(&ListParams::default().labels(selector))
-        .await
-        .unwrap();
+    let list = services.list(&ListParams::default().labels(selector)).await.unwrap();
     assert_eq!(list.items.len(), 1);
     let params = WatchParams::default().labels(selector).disable_bookmarks();
-    let mut stream = services
-        .watch(&params, &list.metadata.resource_version.unwrap())
-        .await
-        .unwrap()
-        .boxed();
+    let mut stream = services.watch(&params, &list.metadata.resource_version.unwrap()).await.unwrap().boxed();
     let mut expect = async |kind: &str, name: &str| -> Service {
         let (got, object) = match next(&mut stream).await.unwrap() {
             WatchEvent::Added(o) => ("ADDED", o),
@@ -436,42 +314,16 @@ async fn selector_transitions_are_deletes_and_adds() {
     };
 
     // `a` becomes headless: it leaves the watcher's view.
-    let changed = server
-        .patch::<Service>("default", "a", &labels_patch(headless.clone()))
-        .unwrap();
+    let changed = server.patch::<Service>("default", "a", &labels_patch(headless.clone())).unwrap();
     let gone = expect("DELETED", "a").await;
-    assert_eq!(
-        gone.resource_version(),
-        changed.resource_version(),
-        "the DELETED carries the change's version"
-    );
+    assert_eq!(gone.resource_version(), changed.resource_version(), "the DELETED carries the change's version");
     // A headless create is invisible; `h` stops being headless: it enters.
-    server
-        .create(&service(
-            "default",
-            "h2",
-            &[("service.kubernetes.io/headless", "")],
-        ))
-        .unwrap();
-    server
-        .patch::<Service>(
-            "default",
-            "h",
-            &labels_patch(json!({ "service.kubernetes.io/headless": null })),
-        )
-        .unwrap();
+    server.create(&service("default", "h2", &[("service.kubernetes.io/headless", "")])).unwrap();
+    server.patch::<Service>("default", "h", &labels_patch(json!({ "service.kubernetes.io/headless": null }))).unwrap();
     expect("ADDED", "h").await;
-    server
-        .patch::<Service>(
-            "default",
-            "a",
-            &labels_patch(json!({ "service.kubernetes.io/headless": null })),
-        )
-        .unwrap();
+    server.patch::<Service>("default", "a", &labels_patch(json!({ "service.kubernetes.io/headless": null }))).unwrap();
     expect("ADDED", "a").await;
-    server
-        .patch::<Service>("default", "a", &labels_patch(json!({ "other": "x" })))
-        .unwrap();
+    server.patch::<Service>("default", "a", &labels_patch(json!({ "other": "x" }))).unwrap();
     expect("MODIFIED", "a").await;
     server.delete::<Service>("default", "h2").unwrap();
     server.delete::<Service>("default", "h").unwrap();
@@ -480,21 +332,11 @@ async fn selector_transitions_are_deletes_and_adds() {
     // kube's watcher + reflector with the same selector ends with the same view.
     let (reader, writer) = reflector::store();
     let config = watcher::Config::default().labels(selector);
-    let task = tokio::spawn(
-        reflector(
-            writer,
-            watcher(Api::<Service>::all(server.client()), config),
-        )
-        .for_each(|_| async {}),
-    );
+    let task =
+        tokio::spawn(reflector(writer, watcher(Api::<Service>::all(server.client()), config)).for_each(|_| async {}));
     reader.wait_until_ready().await.unwrap();
-    server
-        .patch::<Service>("default", "a", &labels_patch(headless))
-        .unwrap();
-    eventually("a to leave the filtered view", || async {
-        reader.state().is_empty()
-    })
-    .await;
+    server.patch::<Service>("default", "a", &labels_patch(headless)).unwrap();
+    eventually("a to leave the filtered view", || async { reader.state().is_empty() }).await;
     task.abort();
 }
 
@@ -503,80 +345,43 @@ async fn paginated_initial_list_is_complete() {
     init_tracing();
     let server = TestApiServer::start().await;
     for i in 0..1234 {
-        server
-            .create(&service("default", &format!("s{i:04}"), &[]))
-            .unwrap();
+        server.create(&service("default", &format!("s{i:04}"), &[])).unwrap();
     }
     let (reader, writer) = reflector::store::<Service>();
     let task = tokio::spawn(
-        reflector(
-            writer,
-            watcher(Api::all(server.client()), watcher::Config::default()),
-        )
-        .for_each(|_| async {}),
+        reflector(writer, watcher(Api::all(server.client()), watcher::Config::default())).for_each(|_| async {}),
     );
     reader.wait_until_ready().await.unwrap();
     assert_eq!(reader.state().len(), 1234);
-    assert_eq!(
-        server.request_count::<Service>(Verb::List),
-        3,
-        "pages of 500"
-    );
+    assert_eq!(server.request_count::<Service>(Verb::List), 3, "pages of 500");
     task.abort();
 
     // Pages come from one snapshot: a delete between pages does not shift them.
     let services: Api<Service> = Api::namespaced(server.client(), "default");
-    let first = services
-        .list(&ListParams::default().limit(500))
-        .await
-        .unwrap();
+    let first = services.list(&ListParams::default().limit(500)).await.unwrap();
     let token = first.metadata.continue_.clone().unwrap();
     assert_eq!(first.metadata.remaining_item_count, Some(734));
     server.delete::<Service>("default", "s0000").unwrap();
     server.delete::<Service>("default", "s1233").unwrap();
-    let second = services
-        .list(&ListParams::default().limit(500).continue_token(&token))
-        .await
-        .unwrap();
+    let second = services.list(&ListParams::default().limit(500).continue_token(&token)).await.unwrap();
     let third = services
-        .list(
-            &ListParams::default()
-                .limit(500)
-                .continue_token(second.metadata.continue_.as_deref().unwrap()),
-        )
+        .list(&ListParams::default().limit(500).continue_token(second.metadata.continue_.as_deref().unwrap()))
         .await
         .unwrap();
     assert!(third.metadata.continue_.is_none());
-    let names: Vec<String> = [first.items, second.items, third.items]
-        .concat()
-        .iter()
-        .map(|s| s.name_any())
-        .collect();
+    let names: Vec<String> = [first.items, second.items, third.items].concat().iter().map(|s| s.name_any()).collect();
     assert_eq!(names.len(), 1234);
     assert_eq!(names.last().map(String::as_str), Some("s1233"));
-    assert_eq!(
-        first.metadata.resource_version,
-        third.metadata.resource_version
-    );
+    assert_eq!(first.metadata.resource_version, third.metadata.resource_version);
 
     // After a compaction a pending continue token has expired: 410.
-    let again = services
-        .list(&ListParams::default().limit(10))
-        .await
-        .unwrap();
+    let again = services.list(&ListParams::default().limit(10)).await.unwrap();
     server.compact();
     let err = services
-        .list(
-            &ListParams::default()
-                .limit(10)
-                .continue_token(again.metadata.continue_.as_deref().unwrap()),
-        )
+        .list(&ListParams::default().limit(10).continue_token(again.metadata.continue_.as_deref().unwrap()))
         .await
         .unwrap_err();
-    assert!(
-        matches!(err, kube::Error::Api(s) if s.code == 410),
-        "expired continue"
-    );
+    assert!(matches!(err, kube::Error::Api(s) if s.code == 410), "expired continue");
 }
 
 #[tokio::test]
@@ -585,11 +390,8 @@ async fn streaming_list_sends_initial_events() {
     let server = TestApiServer::start().await;
     server.create(&service("default", "a", &[])).unwrap();
     server.create(&service("default", "b", &[])).unwrap();
-    let mut events: Events<Service> = watcher(
-        Api::all(server.client()),
-        watcher::Config::default().streaming_lists(),
-    )
-    .boxed();
+    let mut events: Events<Service> =
+        watcher(Api::all(server.client()), watcher::Config::default().streaming_lists()).boxed();
     assert!(matches!(next_event(&mut events).await, Event::Init));
     let mut initial = Vec::new();
     loop {
@@ -613,11 +415,8 @@ async fn streaming_list_refused_without_the_watch_list_feature() {
     init_tracing();
     let server = TestApiServer::builder().watch_list(false).start().await;
     server.create(&service("default", "a", &[])).unwrap();
-    let mut streaming: Events<Service> = watcher(
-        Api::all(server.client()),
-        watcher::Config::default().streaming_lists(),
-    )
-    .boxed();
+    let mut streaming: Events<Service> =
+        watcher(Api::all(server.client()), watcher::Config::default().streaming_lists()).boxed();
     match next(&mut streaming).await {
         Err(watcher::Error::WatchStartFailed(kube::Error::Api(status))) => {
             assert_eq!((status.code, status.reason.as_str()), (422, "Invalid"));
@@ -625,8 +424,7 @@ async fn streaming_list_refused_without_the_watch_list_feature() {
         }
         other => panic!("expected the watch to be refused, got {other:?}"),
     }
-    let mut listing: Events<Service> =
-        watcher(Api::all(server.client()), watcher::Config::default()).boxed();
+    let mut listing: Events<Service> = watcher(Api::all(server.client()), watcher::Config::default()).boxed();
     assert!(matches!(next_event(&mut listing).await, Event::Init));
     assert!(matches!(next_event(&mut listing).await, Event::InitApply(s) if s.name_any() == "a"));
     assert!(matches!(next_event(&mut listing).await, Event::InitDone));
@@ -663,9 +461,7 @@ async fn streaming_list_parameters_are_checked() {
 #[tokio::test]
 async fn metadata_watcher_gets_partial_objects() {
     let server = TestApiServer::start().await;
-    server
-        .create(&service("default", "a", &[("app", "web")]))
-        .unwrap();
+    server.create(&service("default", "a", &[("app", "web")])).unwrap();
     let api = Api::<PartialObjectMeta<Service>>::all(server.client());
     let mut events = watcher(api, watcher::Config::default()).boxed();
     assert!(matches!(next(&mut events).await.unwrap(), Event::Init));
@@ -691,27 +487,15 @@ async fn closed_watches_resume_without_loss() {
     // resumes from its last version each time and the history fills the gaps.
     for round in 0..5 {
         watching(&server, 1).await;
-        server
-            .create(&service("default", &format!("s{round}"), &[]))
-            .unwrap();
+        server.create(&service("default", &format!("s{round}"), &[])).unwrap();
         server.close_watches();
-        server
-            .create(&service("default", &format!("t{round}"), &[]))
-            .unwrap();
+        server.create(&service("default", &format!("t{round}"), &[])).unwrap();
         if round > 0 {
-            server
-                .delete::<Service>("default", &format!("s{}", round - 1))
-                .unwrap();
+            server.delete::<Service>("default", &format!("s{}", round - 1)).unwrap();
         }
     }
-    eventually("the reflector to match the server", || async {
-        reflected(&reflected_view.reader) == stored(&server)
-    })
-    .await;
-    assert_eq!(
-        server.request_count::<Service>(Verb::List),
-        1,
-        "resumed, never relisted"
-    );
+    eventually("the reflector to match the server", || async { reflected(&reflected_view.reader) == stored(&server) })
+        .await;
+    assert_eq!(server.request_count::<Service>(Verb::List), 1, "resumed, never relisted");
     assert!(server.request_count::<Service>(Verb::Watch) >= 6);
 }

@@ -28,11 +28,7 @@ async fn lease_apply_merge_and_replace() {
 
     // Server-side apply creates what does not exist.
     let created = leases
-        .patch(
-            "wasmplane-operator",
-            &apply,
-            &Patch::Apply(lease_apply("a", "2025-01-01T00:00:00.000000Z")),
-        )
+        .patch("wasmplane-operator", &apply, &Patch::Apply(lease_apply("a", "2025-01-01T00:00:00.000000Z")))
         .await
         .unwrap();
     let spec = created.spec.as_ref().unwrap();
@@ -42,11 +38,7 @@ async fn lease_apply_merge_and_replace() {
 
     // Apply again: an update of the same object.
     let renewed = leases
-        .patch(
-            "wasmplane-operator",
-            &apply,
-            &Patch::Apply(lease_apply("a", "2025-01-01T00:00:05.000000Z")),
-        )
+        .patch("wasmplane-operator", &apply, &Patch::Apply(lease_apply("a", "2025-01-01T00:00:05.000000Z")))
         .await
         .unwrap();
     assert_eq!(renewed.uid(), created.uid());
@@ -57,55 +49,19 @@ async fn lease_apply_merge_and_replace() {
         "metadata": { "resourceVersion": renewed.resource_version() },
         "spec": { "holderIdentity": "b", "leaseTransitions": 1 },
     });
-    let taken = leases
-        .patch(
-            "wasmplane-operator",
-            &PatchParams::default(),
-            &Patch::Merge(&take_over),
-        )
-        .await
-        .unwrap();
-    assert_eq!(
-        taken.spec.as_ref().unwrap().holder_identity.as_deref(),
-        Some("b")
-    );
-    assert_eq!(
-        taken.spec.as_ref().unwrap().lease_duration_seconds,
-        Some(15),
-        "merge keeps other fields"
-    );
-    let err = leases
-        .patch(
-            "wasmplane-operator",
-            &PatchParams::default(),
-            &Patch::Merge(&take_over),
-        )
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(&err, kube::Error::Api(s) if s.is_conflict()),
-        "{err:?}"
-    );
+    let taken = leases.patch("wasmplane-operator", &PatchParams::default(), &Patch::Merge(&take_over)).await.unwrap();
+    assert_eq!(taken.spec.as_ref().unwrap().holder_identity.as_deref(), Some("b"));
+    assert_eq!(taken.spec.as_ref().unwrap().lease_duration_seconds, Some(15), "merge keeps other fields");
+    let err = leases.patch("wasmplane-operator", &PatchParams::default(), &Patch::Merge(&take_over)).await.unwrap_err();
+    assert!(matches!(&err, kube::Error::Api(s) if s.is_conflict()), "{err:?}");
 
     // Replace: current version works, the same (now stale) version conflicts.
     let mut mine = leases.get("wasmplane-operator").await.unwrap();
     mine.spec.as_mut().unwrap().holder_identity = Some("c".into());
-    let replaced = leases
-        .replace("wasmplane-operator", &PostParams::default(), &mine)
-        .await
-        .unwrap();
-    assert_eq!(
-        replaced.spec.as_ref().unwrap().holder_identity.as_deref(),
-        Some("c")
-    );
-    let err = leases
-        .replace("wasmplane-operator", &PostParams::default(), &mine)
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(&err, kube::Error::Api(s) if s.is_conflict() && s.code == 409),
-        "{err:?}"
-    );
+    let replaced = leases.replace("wasmplane-operator", &PostParams::default(), &mine).await.unwrap();
+    assert_eq!(replaced.spec.as_ref().unwrap().holder_identity.as_deref(), Some("c"));
+    let err = leases.replace("wasmplane-operator", &PostParams::default(), &mine).await.unwrap_err();
+    assert!(matches!(&err, kube::Error::Api(s) if s.is_conflict() && s.code == 409), "{err:?}");
 
     // JSON patch (kube's `Patch::Json` needs a feature the workspace does not enable, so
     // this one goes through `Client::request`), with a test operation as an optimistic lock.
@@ -114,32 +70,21 @@ async fn lease_apply_merge_and_replace() {
             { "op": "test", "path": "/spec/holderIdentity", "value": "c" },
             { "op": "replace", "path": "/spec/holderIdentity", "value": "d" },
         ]);
-        axum::http::Request::patch(
-            "/apis/coordination.k8s.io/v1/namespaces/kube-system/leases/wasmplane-operator",
-        )
-        .header("content-type", "application/json-patch+json")
-        .body(serde_json::to_vec(&ops).unwrap())
-        .unwrap()
+        axum::http::Request::patch("/apis/coordination.k8s.io/v1/namespaces/kube-system/leases/wasmplane-operator")
+            .header("content-type", "application/json-patch+json")
+            .body(serde_json::to_vec(&ops).unwrap())
+            .unwrap()
     };
     let client = server.client();
     let patched: Lease = client.request(json_patch()).await.unwrap();
-    assert_eq!(
-        patched.spec.as_ref().unwrap().holder_identity.as_deref(),
-        Some("d")
-    );
+    assert_eq!(patched.spec.as_ref().unwrap().holder_identity.as_deref(), Some("d"));
     let err = client.request::<Lease>(json_patch()).await.unwrap_err();
-    assert!(
-        matches!(&err, kube::Error::Api(s) if s.code == 422),
-        "{err:?}"
-    );
+    assert!(matches!(&err, kube::Error::Api(s) if s.code == 422), "{err:?}");
 
     assert_eq!(server.request_count::<Lease>(Verb::Patch), 6);
     assert_eq!(server.request_count::<Lease>(Verb::Update), 2);
     assert_eq!(
-        server
-            .get::<Lease>("kube-system", "wasmplane-operator")
-            .unwrap()
-            .resource_version(),
+        server.get::<Lease>("kube-system", "wasmplane-operator").unwrap().resource_version(),
         patched.resource_version()
     );
 }
@@ -149,16 +94,10 @@ async fn status_subresource() {
     init_tracing();
     let server = TestApiServer::start().await;
     let services: Api<Service> = Api::namespaced(server.client(), "default");
-    let created = services
-        .create(&PostParams::default(), &service("default", "lb", &[]))
-        .await
-        .unwrap();
+    let created = services.create(&PostParams::default(), &service("default", "lb", &[])).await.unwrap();
 
     let status = json!({ "status": { "loadBalancer": { "ingress": [{ "ip": "192.0.2.1" }] } } });
-    let with_status = services
-        .patch_status("lb", &PatchParams::default(), &Patch::Merge(&status))
-        .await
-        .unwrap();
+    let with_status = services.patch_status("lb", &PatchParams::default(), &Patch::Merge(&status)).await.unwrap();
     let ip = |s: &Service| {
         s.status
             .as_ref()
@@ -167,19 +106,13 @@ async fn status_subresource() {
             .and_then(|i| i[0].ip.clone())
     };
     assert_eq!(ip(&with_status).as_deref(), Some("192.0.2.1"));
-    assert_eq!(
-        with_status.metadata.generation, created.metadata.generation,
-        "status is not spec"
-    );
+    assert_eq!(with_status.metadata.generation, created.metadata.generation, "status is not spec");
 
     // A write to the main resource cannot change status...
     let mut main = with_status.clone();
     main.status = None;
     main.labels_mut().insert("x".into(), "y".into());
-    let replaced = services
-        .replace("lb", &PostParams::default(), &main)
-        .await
-        .unwrap();
+    let replaced = services.replace("lb", &PostParams::default(), &main).await.unwrap();
     assert_eq!(ip(&replaced).as_deref(), Some("192.0.2.1"));
     assert_eq!(replaced.labels().get("x").map(String::as_str), Some("y"));
 
@@ -187,18 +120,12 @@ async fn status_subresource() {
     let mut status_only = replaced.clone();
     status_only.labels_mut().clear();
     status_only.status = Some(Default::default());
-    let replaced = services
-        .replace_status("lb", &PostParams::default(), &status_only)
-        .await
-        .unwrap();
+    let replaced = services.replace_status("lb", &PostParams::default(), &status_only).await.unwrap();
     assert_eq!(replaced.labels().get("x").map(String::as_str), Some("y"));
     assert_eq!(ip(&replaced), None);
 
     // Strategic merge patches are accepted (as merge patches).
     let strategic = json!({ "metadata": { "labels": { "s": "t" } } });
-    let patched = services
-        .patch("lb", &PatchParams::default(), &Patch::Strategic(&strategic))
-        .await
-        .unwrap();
+    let patched = services.patch("lb", &PatchParams::default(), &Patch::Strategic(&strategic)).await.unwrap();
     assert_eq!(patched.labels().get("s").map(String::as_str), Some("t"));
 }
