@@ -190,27 +190,92 @@ async fn authenticate(
     }
 }
 
-/// A body declared larger than the API takes is refused before a handler starts reading
-/// it, with the limit in the answer (the body limit's own refusal names none), and read to
-/// be dropped as a refused request's is when it is at most [`OVERSIZED_DRAIN_FACTOR`] times
-/// the limit. Only a client that passed authentication gets here.
+/// A body larger than the API takes is refused with the limit in the answer (the body
+/// limit's own refusal names none), and read to be dropped as a refused request's is when it
+/// is at most [`OVERSIZED_DRAIN_FACTOR`] times the limit. A declared length is judged before
+/// any handler runs. A body of unknown length (chunked) is read here, up to the limit, and
+/// handed on whole: otherwise the handler's extractor would stop reading at the limit and the
+/// connection would close on unread input, which can reset it before the 413 is read. Only a
+/// client that passed authentication gets here.
 async fn refuse_oversized(State(state): State<ApiState>, request: Request, next: Next) -> Response {
     let limit = max_request_body(&state);
-    let declared = declared_length(request.headers());
-    let Some(declared) = declared.filter(|&n| n > limit as u64) else {
-        return next.run(request).await;
+    let too_large = |size: String| {
+        format!(
+            "a request body of {size} is larger than the upload limit of {} bytes (--max-module-bytes)",
+            state.max_module_bytes
+        )
     };
-    let message = format!(
-        "a request body of {declared} bytes is larger than the upload limit of {} bytes (--max-module-bytes)",
-        state.max_module_bytes
-    );
-    // drain_refused_body leaves a body declared over its bound unread itself.
-    let drained = drain_refused_body(request, limit.saturating_mul(OVERSIZED_DRAIN_FACTOR as usize)).await;
+    match declared_length(request.headers()) {
+        Some(declared) if declared > limit as u64 => {
+            // drain_refused_body leaves a body declared over its bound unread itself.
+            let drained = drain_refused_body(request, limit.saturating_mul(OVERSIZED_DRAIN_FACTOR as usize)).await;
+            payload_too_large(too_large(format!("{declared} bytes")), drained)
+        }
+        Some(_) => next.run(request).await,
+        None if http_body::Body::size_hint(request.body()).exact().is_some() => next.run(request).await,
+        None => {
+            let (parts, body) = request.into_parts();
+            match read_bounded(body, limit).await {
+                Ok(bytes) => next.run(Request::from_parts(parts, axum::body::Body::from(bytes))).await,
+                Err(BoundedRead::TooLarge { drained }) => {
+                    payload_too_large(too_large("unknown length".into()), drained)
+                }
+                // The client went away mid-body: nobody reads more than this.
+                Err(BoundedRead::Failed) => {
+                    let mut response =
+                        ApiError(StatusCode::BAD_REQUEST, "the request body could not be read".into()).into_response();
+                    response.headers_mut().insert(header::CONNECTION, "close".parse().expect("static header"));
+                    response
+                }
+            }
+        }
+    }
+}
+
+fn payload_too_large(message: String, drained: bool) -> Response {
     let mut response = ApiError(StatusCode::PAYLOAD_TOO_LARGE, message).into_response();
     if !drained {
         response.headers_mut().insert(header::CONNECTION, "close".parse().expect("static header"));
     }
     response
+}
+
+/// Why a body of unknown length was not handed on.
+enum BoundedRead {
+    /// Longer than the limit; `drained`: the rest was read and dropped (within
+    /// [`OVERSIZED_DRAIN_FACTOR`] times the limit and [`REFUSED_BODY_DRAIN_TIME`]).
+    TooLarge { drained: bool },
+    /// The body stream failed: the client went away mid-body.
+    Failed,
+}
+
+/// Reads a body of at most `limit` bytes, as the handler's extractor would have (no time
+/// bound of its own); a longer one is drained as a refused body is.
+async fn read_bounded(body: axum::body::Body, limit: usize) -> Result<Bytes, BoundedRead> {
+    let mut body = body.into_data_stream();
+    let mut buffer = bytes::BytesMut::new();
+    let mut read = loop {
+        match futures::StreamExt::next(&mut body).await {
+            None => return Ok(buffer.freeze()),
+            Some(Err(_)) => return Err(BoundedRead::Failed),
+            Some(Ok(chunk)) if buffer.len() + chunk.len() > limit => break buffer.len() + chunk.len(),
+            Some(Ok(chunk)) => buffer.extend_from_slice(&chunk),
+        }
+    };
+    drop(buffer);
+    let drain_bound = limit.saturating_mul(OVERSIZED_DRAIN_FACTOR as usize);
+    let drain = async {
+        while let Some(chunk) = futures::StreamExt::next(&mut body).await {
+            let Ok(chunk) = chunk else { return false };
+            read += chunk.len();
+            if read > drain_bound {
+                return false;
+            }
+        }
+        true
+    };
+    let drained = tokio::time::timeout(REFUSED_BODY_DRAIN_TIME, drain).await.unwrap_or(false);
+    Err(BoundedRead::TooLarge { drained })
 }
 
 /// How far past the body limit an oversized body is still read to be dropped.

@@ -307,6 +307,57 @@ async fn refused_uploads_are_answered_while_the_body_is_still_being_sent() {
     assert!(t.healthy().await);
 }
 
+/// An upload of unknown length (`Transfer-Encoding: chunked`, as `curl -T -` sends one) is
+/// taken whole within the limit, and past it gets the same 413 naming the limit as a declared
+/// length does, read to the end: the client still sending its second part reads the answer
+/// instead of a reset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunked_uploads_are_taken_within_the_limit_and_answered_past_it() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let t = TestHost::start().await;
+    let addr = t.url("").trim_start_matches("http://").trim_end_matches('/').to_string();
+    // Sends `body` as chunks of at most 64 KiB, pausing 300 ms after `pause_after` bytes, and
+    // reads the answer's head.
+    let send_chunked = |path: &str, body: Vec<u8>, pause_after: usize| {
+        let (addr, path) = (addr.clone(), path.to_string());
+        async move {
+            let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+            let head = format!(
+                "PUT {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {TOKEN}\r\nTransfer-Encoding: chunked\r\n\r\n"
+            );
+            tcp.write_all(head.as_bytes()).await.unwrap();
+            let mut sent = 0;
+            for chunk in body.chunks(64 << 10) {
+                if sent >= pause_after && sent - chunk.len() < pause_after {
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                }
+                let framed = [format!("{:x}\r\n", chunk.len()).as_bytes(), chunk, b"\r\n"].concat();
+                tcp.write_all(&framed).await.expect("the host closed the connection on an unread body");
+                sent += chunk.len();
+            }
+            tcp.write_all(b"0\r\n\r\n").await.unwrap();
+            let mut answer = vec![0u8; 4096];
+            let n = tcp.read(&mut answer).await.expect("the answer was lost to a connection reset");
+            String::from_utf8_lossy(&answer[..n]).into_owned()
+        }
+    };
+    let module = artifacts::examples::PORT_FILTER_TRANSLATOR.to_vec();
+    let text = send_chunked("/v1/modules/port-filter?kind=service-translator", module, 64 << 10).await;
+    assert!(text.starts_with("HTTP/1.1 201"), "{text}");
+    let (_, listed) = t.get_json("/v1/modules/port-filter").await;
+    assert_eq!(listed["status"], "active", "{listed}");
+    assert_eq!(listed["versions"][0]["size"], artifacts::examples::PORT_FILTER_TRANSLATOR.len(), "{listed}");
+
+    // 5 MiB against the 4 MiB limit, the last 4 MiB after the pause.
+    let text = send_chunked("/v1/modules/huge?kind=service-translator", vec![0u8; 5 << 20], 1 << 20).await;
+    assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+    assert!(text.contains("of unknown length is larger than the upload limit of 4194304 bytes"), "{text}");
+    assert!(!text.to_ascii_lowercase().contains("connection: close"), "drained, so the connection stays: {text}");
+    let (status, _) = t.get_json("/v1/modules/huge").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(t.healthy().await);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn misbehaving_guests_are_stopped_and_the_last_good_dataplane_stays() {
     let t = TestHost::start().await;
