@@ -254,7 +254,7 @@ enum BoundedRead {
 async fn read_bounded(body: axum::body::Body, limit: usize) -> Result<Bytes, BoundedRead> {
     let mut body = body.into_data_stream();
     let mut buffer = bytes::BytesMut::new();
-    let mut read = loop {
+    let read = loop {
         match futures::StreamExt::next(&mut body).await {
             None => return Ok(buffer.freeze()),
             Some(Err(_)) => return Err(BoundedRead::Failed),
@@ -263,19 +263,24 @@ async fn read_bounded(body: axum::body::Body, limit: usize) -> Result<Bytes, Bou
         }
     };
     drop(buffer);
-    let drain_bound = limit.saturating_mul(OVERSIZED_DRAIN_FACTOR as usize);
-    let drain = async {
-        while let Some(chunk) = futures::StreamExt::next(&mut body).await {
+    let drained = drain(&mut body, read, limit.saturating_mul(OVERSIZED_DRAIN_FACTOR as usize)).await;
+    Err(BoundedRead::TooLarge { drained })
+}
+
+/// Reads the rest of a body and drops it, `read` bytes of it already read: whether it ended
+/// within `bound` bytes in all and [`REFUSED_BODY_DRAIN_TIME`].
+async fn drain(body: &mut axum::body::BodyDataStream, mut read: usize, bound: usize) -> bool {
+    let to_the_end = async {
+        while let Some(chunk) = futures::StreamExt::next(body).await {
             let Ok(chunk) = chunk else { return false };
             read += chunk.len();
-            if read > drain_bound {
+            if read > bound {
                 return false;
             }
         }
         true
     };
-    let drained = tokio::time::timeout(REFUSED_BODY_DRAIN_TIME, drain).await.unwrap_or(false);
-    Err(BoundedRead::TooLarge { drained })
+    tokio::time::timeout(REFUSED_BODY_DRAIN_TIME, to_the_end).await.unwrap_or(false)
 }
 
 /// How far past the body limit an oversized body is still read to be dropped.
@@ -308,19 +313,7 @@ async fn drain_refused_body(request: Request, limit: usize) -> bool {
     if declared_length(headers).is_some_and(|n| n > limit as u64) {
         return false;
     }
-    let mut body = request.into_body().into_data_stream();
-    let mut read = 0usize;
-    let drain = async {
-        while let Some(chunk) = futures::StreamExt::next(&mut body).await {
-            let Ok(chunk) = chunk else { return false };
-            read += chunk.len();
-            if read > limit {
-                return false;
-            }
-        }
-        true
-    };
-    tokio::time::timeout(REFUSED_BODY_DRAIN_TIME, drain).await.unwrap_or(false)
+    drain(&mut request.into_body().into_data_stream(), 0, limit).await
 }
 
 /// Why this host is not ready before the model is asked (see [`readyz`]): the initial sync,
