@@ -175,10 +175,7 @@ async fn authenticate(
             };
             tracing::debug!(%peer, "refused: {e}");
             let drained = drain_refused_body(request, max_request_body(&state)).await;
-            let mut response = ApiError(status, e.to_string()).into_response();
-            if !drained {
-                response.headers_mut().insert(header::CONNECTION, "close".parse().expect("static header"));
-            }
+            let mut response = refusal(status, e.to_string(), drained);
             if status == StatusCode::UNAUTHORIZED {
                 response.headers_mut().insert(header::WWW_AUTHENTICATE, "Bearer".parse().expect("static header"));
             }
@@ -205,35 +202,33 @@ async fn refuse_oversized(State(state): State<ApiState>, request: Request, next:
             state.max_module_bytes
         )
     };
-    match declared_length(request.headers()) {
-        Some(declared) if declared > limit as u64 => {
-            // drain_refused_body leaves a body declared over its bound unread itself.
-            let drained = drain_refused_body(request, limit.saturating_mul(OVERSIZED_DRAIN_FACTOR as usize)).await;
-            payload_too_large(too_large(format!("{declared} bytes")), drained)
+    if let Some(declared) = declared_length(request.headers()).filter(|&n| n > limit as u64) {
+        // drain_refused_body leaves a body declared over its bound unread itself.
+        let drained = drain_refused_body(request, limit.saturating_mul(OVERSIZED_DRAIN_FACTOR as usize)).await;
+        return refusal(StatusCode::PAYLOAD_TOO_LARGE, too_large(format!("{declared} bytes")), drained);
+    }
+    // Declared within the limit (or known otherwise): the handler's body limit holds.
+    if http_body::Body::size_hint(request.body()).exact().is_some() {
+        return next.run(request).await;
+    }
+    let (parts, body) = request.into_parts();
+    match read_bounded(body, limit).await {
+        Ok(bytes) => next.run(Request::from_parts(parts, axum::body::Body::from(bytes))).await,
+        Err(BoundedRead::TooLarge { drained }) => {
+            refusal(StatusCode::PAYLOAD_TOO_LARGE, too_large("unknown length".into()), drained)
         }
-        Some(_) => next.run(request).await,
-        None if http_body::Body::size_hint(request.body()).exact().is_some() => next.run(request).await,
-        None => {
-            let (parts, body) = request.into_parts();
-            match read_bounded(body, limit).await {
-                Ok(bytes) => next.run(Request::from_parts(parts, axum::body::Body::from(bytes))).await,
-                Err(BoundedRead::TooLarge { drained }) => {
-                    payload_too_large(too_large("unknown length".into()), drained)
-                }
-                // The client went away mid-body: nobody reads more than this.
-                Err(BoundedRead::Failed) => {
-                    let mut response =
-                        ApiError(StatusCode::BAD_REQUEST, "the request body could not be read".into()).into_response();
-                    response.headers_mut().insert(header::CONNECTION, "close".parse().expect("static header"));
-                    response
-                }
-            }
+        // The client went away mid-body: nobody reads more than this.
+        Err(BoundedRead::Failed) => {
+            refusal(StatusCode::BAD_REQUEST, "the request body could not be read".into(), false)
         }
     }
 }
 
-fn payload_too_large(message: String, drained: bool) -> Response {
-    let mut response = ApiError(StatusCode::PAYLOAD_TOO_LARGE, message).into_response();
+/// The answer to a request refused with its body perhaps not read to the end (`drained`:
+/// it was): such a connection is closed, as its unread rest cannot be told from the next
+/// request.
+fn refusal(status: StatusCode, message: String, drained: bool) -> Response {
+    let mut response = ApiError(status, message).into_response();
     if !drained {
         response.headers_mut().insert(header::CONNECTION, "close".parse().expect("static header"));
     }
@@ -262,6 +257,7 @@ async fn read_bounded(body: axum::body::Body, limit: usize) -> Result<Bytes, Bou
             Some(Ok(chunk)) => buffer.extend_from_slice(&chunk),
         }
     };
+    // Not kept while the rest is drained.
     drop(buffer);
     let drained = drain(&mut body, read, limit.saturating_mul(OVERSIZED_DRAIN_FACTOR as usize)).await;
     Err(BoundedRead::TooLarge { drained })
