@@ -236,6 +236,20 @@ async fn bad_uploads_are_refused_with_clear_errors_and_change_nothing() {
     assert_eq!(t.dataplane().await, before);
 }
 
+/// Sends `head` (its blank line included) and `first` on a connection of its own, then after
+/// 300 ms `second`, and reads the answer: the host answers while `second` is still to come.
+async fn send_with_a_pause(addr: &str, head: &str, first: &[u8], second: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    tcp.write_all(head.as_bytes()).await.unwrap();
+    tcp.write_all(first).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    tcp.write_all(second).await.expect("the host closed the connection on an unread body");
+    let mut answer = vec![0u8; 4096];
+    let n = tcp.read(&mut answer).await.expect("the answer was lost to a connection reset");
+    String::from_utf8_lossy(&answer[..n]).into_owned()
+}
+
 /// A refused upload is answered, not reset: the host reads (and drops) the body of a request
 /// it refuses before answering, so a client still sending it reads the 401 instead of a
 /// connection reset (RFC 9112 §9.6: closing with unread input resets the connection, and the
@@ -248,19 +262,9 @@ async fn refused_uploads_are_answered_while_the_body_is_still_being_sent() {
     // Sends `head` and a body of `first` then `second` bytes, with a pause between them (the
     // host answers while the second is still to come), and reads the answer.
     let send_in_two_parts = |head: String, (first, second): (usize, usize)| {
+        let head = format!("{head}Host: {addr}\r\nContent-Length: {}\r\n\r\n", first + second);
         let addr = addr.clone();
-        async move {
-            let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
-            tcp.write_all(format!("{head}Host: {addr}\r\nContent-Length: {}\r\n\r\n", first + second).as_bytes())
-                .await
-                .unwrap();
-            tcp.write_all(&vec![0u8; first]).await.unwrap();
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            tcp.write_all(&vec![0u8; second]).await.expect("the host closed the connection on an unread body");
-            let mut answer = vec![0u8; 4096];
-            let n = tcp.read(&mut answer).await.expect("the answer was lost to a connection reset");
-            String::from_utf8_lossy(&answer[..n]).into_owned()
-        }
+        async move { send_with_a_pause(&addr, &head, &vec![0u8; first], &vec![0u8; second]).await }
     };
     // Larger than the socket buffers, within the upload limit (4 MiB here).
     let text =
@@ -313,33 +317,20 @@ async fn refused_uploads_are_answered_while_the_body_is_still_being_sent() {
 /// instead of a reset.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chunked_uploads_are_taken_within_the_limit_and_answered_past_it() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let t = TestHost::start().await;
     let addr = t.url("").trim_start_matches("http://").trim_end_matches('/').to_string();
-    // Sends `body` as chunks of at most 64 KiB, pausing 300 ms after `pause_after` bytes, and
-    // reads the answer's head.
+    // Sends `body` as chunks of at most 64 KiB, pausing 300 ms after `pause_after` bytes.
     let send_chunked = |path: &str, body: Vec<u8>, pause_after: usize| {
-        let (addr, path) = (addr.clone(), path.to_string());
-        async move {
-            let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
-            let head = format!(
-                "PUT {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {TOKEN}\r\nTransfer-Encoding: chunked\r\n\r\n"
-            );
-            tcp.write_all(head.as_bytes()).await.unwrap();
-            let mut sent = 0;
-            for chunk in body.chunks(64 << 10) {
-                if sent >= pause_after && sent - chunk.len() < pause_after {
-                    tokio::time::sleep(Duration::from_millis(300)).await;
-                }
-                let framed = [format!("{:x}\r\n", chunk.len()).as_bytes(), chunk, b"\r\n"].concat();
-                tcp.write_all(&framed).await.expect("the host closed the connection on an unread body");
-                sent += chunk.len();
-            }
-            tcp.write_all(b"0\r\n\r\n").await.unwrap();
-            let mut answer = vec![0u8; 4096];
-            let n = tcp.read(&mut answer).await.expect("the answer was lost to a connection reset");
-            String::from_utf8_lossy(&answer[..n]).into_owned()
-        }
+        let head = format!(
+            "PUT {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {TOKEN}\r\nTransfer-Encoding: chunked\r\n\r\n"
+        );
+        let framed = |part: &[u8]| -> Vec<u8> {
+            part.chunks(64 << 10).flat_map(|c| [format!("{:x}\r\n", c.len()).as_bytes(), c, b"\r\n"].concat()).collect()
+        };
+        let (first, rest) = body.split_at(pause_after.min(body.len()));
+        let (first, second) = (framed(first), [framed(rest), b"0\r\n\r\n".to_vec()].concat());
+        let addr = addr.clone();
+        async move { send_with_a_pause(&addr, &head, &first, &second).await }
     };
     let module = artifacts::examples::PORT_FILTER_TRANSLATOR.to_vec();
     let text = send_chunked("/v1/modules/port-filter?kind=service-translator", module, 64 << 10).await;
