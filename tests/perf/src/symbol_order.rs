@@ -90,7 +90,10 @@ fn page_size() -> u64 {
 /// (`host/build.rs`); lld reads a line from `#` on as a comment.
 pub fn provenance(binary: &Path) -> anyhow::Result<String> {
     let data = std::fs::read(binary)?;
-    let elf = object::File::parse(&*data)?;
+    provenance_of(&object::File::parse(&*data)?)
+}
+
+fn provenance_of(elf: &object::File) -> anyhow::Result<String> {
     let comment = elf.section_by_name(".comment").context("no .comment section")?.data()?;
     let rustc = comment
         .split(|b| *b == 0)
@@ -112,7 +115,9 @@ pub const CHECKOUT_ORDER_FILE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../.
 /// run: resident code 1.8 → 2.7 MiB, RSS 9.08 → 9.86 MiB, with no other sign). The build
 /// warns of the first too, where it is easily missed.
 pub fn stale_order(binary: &Path, order: &Path) -> anyhow::Result<Option<String>> {
-    let this_build = provenance(binary)?;
+    let data = std::fs::read(binary).with_context(|| format!("reading {}", binary.display()))?;
+    let elf = object::File::parse(&*data)?;
+    let this_build = provenance_of(&elf)?;
     let text = std::fs::read_to_string(order).with_context(|| format!("reading {}", order.display()))?;
     let traced = text.lines().next().unwrap_or_default();
     if traced != this_build.trim_end() {
@@ -123,7 +128,7 @@ pub fn stale_order(binary: &Path, order: &Path) -> anyhow::Result<Option<String>
             this_build.trim_end()
         )));
     }
-    let (missing, total) = names_missing_from(binary, &text)?;
+    let (missing, total) = names_missing_from(&elf, &text);
     Ok((missing * 100 > total * STALE_NAMES_PERCENT).then(|| {
         format!(
             "{missing} of the {total} functions {} names are not in {}: the code changed since it was traced, so the functions it runs now are not all laid out first, and its memory is not the figure to compare (trace it again: BENCHMARKS.md, \"Reproducing\")",
@@ -137,14 +142,12 @@ pub fn stale_order(binary: &Path, order: &Path) -> anyhow::Result<Option<String>
 /// stale: a trace names a few functions that a later build of the same code inlines.
 pub const STALE_NAMES_PERCENT: usize = 2;
 
-/// How many of the names in an order file's text (after its provenance line) `binary`'s
+/// How many of the names in an order file's text (after its provenance line) the binary's
 /// symbol table lacks, of how many.
-fn names_missing_from(binary: &Path, order: &str) -> anyhow::Result<(usize, usize)> {
-    let data = std::fs::read(binary).with_context(|| format!("reading {}", binary.display()))?;
-    let elf = object::File::parse(&*data)?;
+fn names_missing_from(elf: &object::File, order: &str) -> (usize, usize) {
     let present: std::collections::HashSet<&str> = elf.symbols().filter_map(|s| s.name().ok()).collect();
     let names: Vec<&str> = order.lines().filter(|l| !l.starts_with('#') && !l.is_empty()).collect();
-    Ok((names.iter().filter(|n| !present.contains(*n)).count(), names.len()))
+    (names.iter().filter(|n| !present.contains(*n)).count(), names.len())
 }
 
 /// 64-bit FNV-1a: stable across toolchains, unlike std's `DefaultHasher` (`host/build.rs`
