@@ -4,17 +4,8 @@
 //! hostPort itself), and a file name the runtime picks before the other plugin's own.
 //! Each check is also run against a broken variant it must reject.
 
-use std::path::{Path, PathBuf};
-
 use serde_json::Value;
-
-fn deploy_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .ancestors()
-        .nth(2)
-        .expect("tests/deploy is two levels below the workspace")
-        .join("deploy")
-}
+use wasmplane_test_deploy::deploy_dir;
 
 /// The agent's `--cni-socket`, as deploy/agent.yaml passes it.
 fn agent_socket() -> String {

@@ -9,7 +9,7 @@
 //! silently passes everything fails here.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
@@ -22,6 +22,7 @@ use serde::Deserialize as _;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
+use wasmplane_test_deploy::{deploy_dir, workspace};
 
 const NAMESPACE: &str = "wasmplane-system";
 const AGENT: &str = "wasmplane-agent";
@@ -38,18 +39,6 @@ const PENDING_FLAGS: &[&str] = &["role"];
 /// The only Secret the manifests may reference; it is created by the cluster admin, never
 /// part of the kustomization.
 const TOKEN_SECRET: &str = "wasmplane-api-token";
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .ancestors()
-        .nth(2)
-        .expect("tests/deploy is two levels below the workspace")
-        .to_path_buf()
-}
-
-fn deploy_dir() -> PathBuf {
-    workspace().join("deploy")
-}
 
 // ---------------------------------------------------------------------------------------
 // Rendering

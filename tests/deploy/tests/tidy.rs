@@ -2,16 +2,9 @@
 //! skipped `cargo fmt --all` fails here, naming the files, instead of leaving the reformatting
 //! and its noise in the next person's diff.
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .ancestors()
-        .nth(2)
-        .expect("tests/deploy is two levels below the workspace")
-        .to_path_buf()
-}
+use wasmplane_test_deploy::workspace;
 
 fn cargo() -> String {
     std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string())
