@@ -18,7 +18,7 @@ use wasmplane_runtime::GuestKind;
 use crate::admission::Admission;
 use crate::controller::{Controller, HostError, RollbackRequest};
 use crate::module_store::{MAX_CAS_ATTEMPTS, ModuleStore, StoreError};
-use crate::registry::{RegistryError, RollbackOutcome, SharedIndex};
+use crate::registry::{BUILTIN_VERSION, RegistryError, RollbackOutcome, SharedIndex};
 
 #[derive(Debug, Serialize)]
 pub struct UploadOutcome {
@@ -44,6 +44,9 @@ pub struct Modules {
     /// The index revision this host has applied; held across a publish.
     applied: tokio::sync::Mutex<Revision>,
 }
+
+/// Why a builtin module has no shadow to start, stop or promote.
+const SHADOW_REFUSAL: &str = "cannot run in shadow (upload a module and shadow that)";
 
 async fn blocking<T: Send + 'static>(
     controller: &Arc<Mutex<Controller>>,
@@ -204,10 +207,15 @@ impl Modules {
 
     pub async fn activate(&self, name: &str, version: Option<u32>) -> Result<u32, HostError> {
         if let Some(kind) = self.builtin_kind(name).await? {
+            if let Some(v) = version.filter(|v| *v != BUILTIN_VERSION) {
+                return Err(HostError::NotFound(format!(
+                    "module {name:?} has no version {v}: a builtin module has only version {BUILTIN_VERSION}"
+                )));
+            }
             return self
                 .update(|index| {
                     index.activate_builtin(kind);
-                    Ok(1)
+                    Ok(BUILTIN_VERSION)
                 })
                 .await;
         }
@@ -233,28 +241,41 @@ impl Modules {
     }
 
     pub async fn rollback(&self, name: &str) -> Result<u32, HostError> {
+        self.refuse_builtin(name, "has no earlier version to roll back to (activate it to put it back in force)")
+            .await?;
         self.update(|index| index.rollback(name)).await
     }
 
     pub async fn delete(&self, name: &str) -> Result<(), HostError> {
-        if self.builtin_kind(name).await?.is_some() {
-            return Err(HostError::Conflict(format!("{name:?} is a builtin module and cannot be deleted")));
-        }
+        self.refuse_builtin(name, "cannot be deleted").await?;
         self.update(|index| index.remove(name)).await
     }
 
     /// Runs `name@version` (latest if `None`) in shadow on every host.
     pub async fn start_shadow(&self, name: &str, version: Option<u32>) -> Result<u32, HostError> {
+        self.refuse_builtin(name, SHADOW_REFUSAL).await?;
         self.update(|index| index.start_shadow(name, version)).await
     }
 
     pub async fn stop_shadow(&self, name: &str) -> Result<(), HostError> {
+        self.refuse_builtin(name, SHADOW_REFUSAL).await?;
         self.update(|index| index.stop_shadow(name)).await
     }
 
     /// Puts the shadowed version in force everywhere.
     pub async fn promote(&self, name: &str) -> Result<u32, HostError> {
+        self.refuse_builtin(name, SHADOW_REFUSAL).await?;
         self.update(|index| index.promote_shadow(name)).await
+    }
+
+    /// A builtin module is in the host's binary, not in the shared index that uploads,
+    /// rollbacks and shadows change: a call meant for an uploaded module is refused for it
+    /// by what it is, not answered "no module named" for a module the API lists.
+    async fn refuse_builtin(&self, name: &str, refusal: &str) -> Result<(), HostError> {
+        match self.builtin_kind(name).await? {
+            Some(_) => Err(HostError::Conflict(format!("{name:?} is a builtin module and {refusal}"))),
+            None => Ok(()),
+        }
     }
 
     /// Carries out the rollbacks the controller asks for when a module exhausts its crash

@@ -437,6 +437,9 @@ enum BlobCache {
     Memory(HashMap<String, Vec<u8>>),
 }
 
+/// The one version a builtin module has: its bytes are the binary's, never uploaded.
+pub const BUILTIN_VERSION: u32 = 1;
+
 impl Registry {
     /// `dir`: the data dir (blobs are cached in `dir/modules/blobs`); `None` keeps them in memory.
     pub fn open(dir: Option<&Path>) -> std::io::Result<Registry> {
@@ -460,7 +463,7 @@ impl Registry {
 
     pub fn add_builtin(&mut self, name: &str, kind: GuestKind, info: &ModuleInfo, bytes: &'static [u8]) {
         let version = ModuleVersion {
-            version: 1,
+            version: BUILTIN_VERSION,
             digest: info.digest.clone(),
             size: info.size,
             wit_version: info.wit_version.clone(),

@@ -236,6 +236,43 @@ async fn bad_uploads_are_refused_with_clear_errors_and_change_nothing() {
     assert_eq!(t.dataplane().await, before);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_meant_for_uploaded_modules_are_refused_for_a_builtin_by_what_it_is() {
+    let t = TestHost::start().await;
+    let before = t.dataplane().await;
+    let builtin = "/v1/modules/default-service-translator";
+    // (method, path, status, what the error says): never "no module named" for a module the
+    // API lists.
+    let cases = [
+        ("POST", format!("{builtin}/rollback"), StatusCode::CONFLICT, "builtin module and has no earlier version"),
+        ("POST", format!("{builtin}/shadow"), StatusCode::CONFLICT, "builtin module and cannot run in shadow"),
+        ("DELETE", format!("{builtin}/shadow"), StatusCode::CONFLICT, "builtin module and cannot run in shadow"),
+        ("POST", format!("{builtin}/promote"), StatusCode::CONFLICT, "builtin module and cannot run in shadow"),
+        ("DELETE", builtin.to_string(), StatusCode::CONFLICT, "builtin module and cannot be deleted"),
+        ("POST", format!("{builtin}/activate?version=2"), StatusCode::NOT_FOUND, "has no version 2"),
+    ];
+    for (method, path, want, message) in cases {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        let (status, body) = json_answer(t.client.request(method.clone(), t.url(&path)).bearer_auth(TOKEN)).await;
+        assert_eq!(status, want, "{method} {path}: {body}");
+        assert!(error_of(&body).contains(message), "{method} {path}: {message:?} not in {body}");
+    }
+    assert_eq!(t.dataplane().await, before, "a refused call changes nothing");
+
+    // Its one version is version 1: activating it by number puts it back in force.
+    let (status, body) =
+        t.upload("port-filter", "service-translator", artifacts::examples::PORT_FILTER_TRANSLATOR).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    t.wait_until("the uploaded module in force", |dp| !dp.contains("10.96.0.20")).await;
+    let (status, body) = t.post(&format!("{builtin}/activate?version=2")).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
+    assert!(!t.dataplane().await.contains("10.96.0.20"), "the uploaded module stays in force");
+    let (status, body) = t.post(&format!("{builtin}/activate?version=1")).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["active_version"], 1);
+    t.wait_until("the builtin back in force", |dp| dp.contains("10.96.0.20 . tcp . 80")).await;
+}
+
 /// Sends `head` (its blank line included) and `first` on a connection of its own, then after
 /// 300 ms `second`, and reads the answer: the host answers while `second` is still to come.
 async fn send_with_a_pause(addr: &str, head: &str, first: &[u8], second: &[u8]) -> String {
