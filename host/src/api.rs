@@ -88,6 +88,22 @@ impl From<HostError> for ApiError {
 
 type ApiResult<T> = Result<T, ApiError>;
 
+/// axum's `Query`, refused as every other error of this API is: `{"error": …}` with the
+/// rejection's status, not axum's plain-text body (clients, the CLI included, read the
+/// JSON).
+struct ApiQuery<T>(T);
+
+impl<T: serde::de::DeserializeOwned, S: Send + Sync> axum::extract::FromRequestParts<S> for ApiQuery<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Self, ApiError> {
+        match Query::<T>::from_request_parts(parts, state).await {
+            Ok(Query(query)) => Ok(ApiQuery(query)),
+            Err(rejection) => Err(ApiError(rejection.status(), rejection.body_text())),
+        }
+    }
+}
+
 /// Runs a controller operation on a blocking thread (guest calls are synchronous).
 async fn with_controller<T: Send + 'static>(
     state: &ApiState,
@@ -408,7 +424,7 @@ struct UploadQuery {
 async fn upload_module(
     State(state): State<ApiState>,
     Path(name): Path<String>,
-    Query(q): Query<UploadQuery>,
+    ApiQuery(q): ApiQuery<UploadQuery>,
     headers: HeaderMap,
     body: Bytes,
 ) -> ApiResult<Response> {
@@ -457,7 +473,7 @@ struct ActivateQuery {
 async fn activate_module(
     State(state): State<ApiState>,
     Path(name): Path<String>,
-    Query(q): Query<ActivateQuery>,
+    ApiQuery(q): ApiQuery<ActivateQuery>,
 ) -> ApiResult<Response> {
     let version = state.modules.activate(&name, q.version).await?;
     Ok(Json(json!({ "name": name, "active_version": version })).into_response())
@@ -497,7 +513,7 @@ async fn rollback_module(State(state): State<ApiState>, Path(name): Path<String>
 async fn start_shadow(
     State(state): State<ApiState>,
     Path(name): Path<String>,
-    Query(q): Query<ActivateQuery>,
+    ApiQuery(q): ApiQuery<ActivateQuery>,
 ) -> ApiResult<Response> {
     let version = state.modules.start_shadow(&name, q.version).await?;
     Ok(Json(json!({ "name": name, "shadow_version": version })).into_response())
@@ -540,7 +556,7 @@ struct DataplaneQuery {
     format: Option<String>,
 }
 
-async fn dataplane(State(state): State<ApiState>, Query(q): Query<DataplaneQuery>) -> ApiResult<Response> {
+async fn dataplane(State(state): State<ApiState>, ApiQuery(q): ApiQuery<DataplaneQuery>) -> ApiResult<Response> {
     let json_format = q.format.as_deref() == Some("json");
     with_controller(&state, move |c| {
         let dp = c.dataplane();

@@ -273,6 +273,28 @@ async fn calls_meant_for_uploaded_modules_are_refused_for_a_builtin_by_what_it_i
     t.wait_until("the builtin back in force", |dp| dp.contains("10.96.0.20 . tcp . 80")).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_query_string_that_does_not_parse_is_refused_in_the_apis_json() {
+    let t = TestHost::start().await;
+    let before = t.dataplane().await;
+    // (method, path, what the error names): a missing field, a value of the wrong type.
+    let cases = [
+        ("POST", "/v1/policies/audit", "enabled"),
+        ("POST", "/v1/policies/shop/web/audit?enabled=maybe", "enabled"),
+        ("POST", "/v1/modules/default-service-translator/activate?version=latest", "version"),
+        ("GET", "/v1/drops?limit=-1", "limit"),
+        ("GET", "/v1/policies?counters=yes", "counters"),
+    ];
+    for (method, path, field) in cases {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        let (status, body) = json_answer(t.client.request(method.clone(), t.url(path)).bearer_auth(TOKEN)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{method} {path}: {body}");
+        let error = error_of(&body);
+        assert!(error.contains("query string") && error.contains(field), "{method} {path}: {body}");
+    }
+    assert_eq!(t.dataplane().await, before, "a refused call changes nothing");
+}
+
 /// Sends `head` (its blank line included) and `first` on a connection of its own, then after
 /// 300 ms `second`, and reads the answer: the host answers while `second` is still to come.
 async fn send_with_a_pause(addr: &str, head: &str, first: &[u8], second: &[u8]) -> String {

@@ -6,14 +6,14 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use axum::Json;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use wasmplane_model::{CompactString, Labels, ObjectKey, Pod};
 
 use super::drops::{ServiceFrontends, drop_json, drops_of_pod, local_pods_by_address};
-use super::{ApiResult, ApiState, with_controller};
+use super::{ApiQuery, ApiResult, ApiState, with_controller};
 use crate::controller::{Controller, HostError};
 use crate::nft::policy::Direction;
 
@@ -190,7 +190,10 @@ fn pod_row(
 
 /// The pods on this node (`?namespace=NS`: of one namespace), by namespace and name, with
 /// the policies their dispatch chains run.
-pub(super) async fn list_pods(State(state): State<ApiState>, Query(query): Query<PodsQuery>) -> ApiResult<Response> {
+pub(super) async fn list_pods(
+    State(state): State<ApiState>,
+    ApiQuery(query): ApiQuery<PodsQuery>,
+) -> ApiResult<Response> {
     let cni = cni_allocations(&state);
     let pods = with_controller(&state, move |c| {
         let statuses = policy_statuses(c);
@@ -214,7 +217,7 @@ pub(super) async fn list_pods(State(state): State<ApiState>, Query(query): Query
 pub(super) async fn pod_detail(
     State(state): State<ApiState>,
     Path((namespace, name)): Path<(String, String)>,
-    Query(query): Query<PodQuery>,
+    ApiQuery(query): ApiQuery<PodQuery>,
 ) -> ApiResult<Response> {
     let key = ObjectKey::new(&namespace, &name);
     let cni = cni_allocations(&state);

@@ -2,14 +2,14 @@
 //! (`GET /v1/policies/verdicts`) are served with the drops.
 
 use axum::Json;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use wasmplane_model::ObjectKey;
 
-use super::{ApiError, ApiResult, ApiState, with_controller};
+use super::{ApiError, ApiQuery, ApiResult, ApiState, with_controller};
 
 #[derive(Deserialize)]
 pub(super) struct PoliciesQuery {
@@ -20,7 +20,7 @@ pub(super) struct PoliciesQuery {
 /// The policies this node enforces: generation, audit mode, targets, errors.
 pub(super) async fn list_policies(
     State(state): State<ApiState>,
-    Query(query): Query<PoliciesQuery>,
+    ApiQuery(query): ApiQuery<PoliciesQuery>,
 ) -> ApiResult<Response> {
     let body = with_controller(&state, move |c| {
         let counts = if query.counters.unwrap_or(false) {
@@ -58,7 +58,7 @@ pub(super) struct AuditQuery {
 pub(super) async fn set_policy_audit(
     State(state): State<ApiState>,
     Path((namespace, name)): Path<(String, String)>,
-    Query(query): Query<AuditQuery>,
+    ApiQuery(query): ApiQuery<AuditQuery>,
 ) -> ApiResult<Response> {
     let key = ObjectKey::new(&namespace, &name);
     // Off for one policy while every policy is audited stays on: the answer says what holds.
@@ -73,7 +73,7 @@ pub(super) async fn set_policy_audit(
 /// Audit mode for every policy on this node (the whole policy module).
 pub(super) async fn set_module_audit(
     State(state): State<ApiState>,
-    Query(query): Query<AuditQuery>,
+    ApiQuery(query): ApiQuery<AuditQuery>,
 ) -> ApiResult<Response> {
     with_controller(&state, move |c| c.set_policy_audit(None, query.enabled)).await?;
     Ok(Json(json!({ "audit": query.enabled })).into_response())
@@ -84,7 +84,7 @@ pub(super) async fn set_module_audit(
 pub(super) async fn set_policy_log_allowed(
     State(state): State<ApiState>,
     Path((namespace, name)): Path<(String, String)>,
-    Query(query): Query<AuditQuery>,
+    ApiQuery(query): ApiQuery<AuditQuery>,
 ) -> ApiResult<Response> {
     let key = ObjectKey::new(&namespace, &name);
     // Off for one policy while on for every policy stays on: the answer says what holds.
@@ -99,7 +99,7 @@ pub(super) async fn set_policy_log_allowed(
 /// Allow logging for every policy on this node.
 pub(super) async fn set_module_log_allowed(
     State(state): State<ApiState>,
-    Query(query): Query<AuditQuery>,
+    ApiQuery(query): ApiQuery<AuditQuery>,
 ) -> ApiResult<Response> {
     with_controller(&state, move |c| c.set_policy_log_allowed(None, query.enabled)).await?;
     Ok(Json(json!({ "log_allowed": query.enabled })).into_response())
