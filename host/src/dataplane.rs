@@ -20,7 +20,7 @@
 //! map and the map-key owner index in place (no copy of the table per sync), and a full sync
 //! finds stale chains with hashed lookups (a scan per listed chain took 60 s at 10k).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io::Write as _;
 use std::net::IpAddr;
 use std::process::{Command, Stdio};
@@ -760,6 +760,10 @@ pub struct Dataplane {
     /// it in step with the state it builds (`replace_object`, `full_sync`), so a full write
     /// does not index every element again.
     element_owner: ElementOwners,
+    /// The objects of the wanted state that were refused a claim another object owns, with
+    /// their rules as given: each is offered them again once what it was refused is free
+    /// (its owner changed or went away), as the owner's own change frees it.
+    waiting: BTreeMap<ObjectKey, ObjectRules>,
     /// Elements of shared host sets ([`nft::is_shared_set`]) in `applied`, with how many
     /// objects want each: one is deleted when its last owner lets go.
     shared_owners: HashMap<nft::ElementKey, usize>,
@@ -841,14 +845,27 @@ impl WriteHealth {
     }
 }
 
-/// Drops the map keys of `rules` that another object owns in `owners`, with a warning each.
-/// Elements of shared sets have no single owner ([`nft::is_shared_set`]).
-/// `owners` describes `objects`, which must not hold `key` itself.
-fn refuse_taken_keys(owners: &ElementOwners, objects: &Objects, key: &ObjectKey, rules: &mut ObjectRules) {
-    let mut conflicts = Vec::new();
+/// Drops the map keys of `rules` whose claim ([`nft::Claim`]: a frontend, a node port, the
+/// element itself) another object owns in `owners`, with a warning per claim, and keeps the
+/// rules as given in `waiting` if anything was. Elements of shared sets have no single
+/// owner ([`nft::is_shared_set`]). `owners` describes `objects`, which must not hold `key`
+/// itself.
+fn refuse_taken_keys(
+    owners: &ElementOwners,
+    objects: &Objects,
+    waiting: &mut BTreeMap<ObjectKey, ObjectRules>,
+    key: &ObjectKey,
+    rules: &mut ObjectRules,
+) {
+    let taken = |k: &nft::ElementKey| owners.owner(k, objects).is_some_and(|owner| owner != key);
+    if !rules.owned_keys().any(taken) {
+        return;
+    }
+    waiting.insert(key.clone(), rules.clone());
+    let mut conflicts = BTreeSet::new();
     rules.elements.retain(|k, _| match owners.owner(k, objects) {
         Some(owner) if owner != key && !nft::is_shared_set(&k.0) => {
-            conflicts.push(format!("{} {{ {} }} already belongs to {owner}", k.0, k.1));
+            conflicts.insert(format!("{} already belongs to {owner}", nft::claim(k)));
             false
         }
         _ => true,
@@ -880,6 +897,7 @@ impl Dataplane {
             pending: None,
             element_owner: ElementOwners::default(),
             shared_owners: HashMap::new(),
+            waiting: BTreeMap::new(),
             in_sync: false,
             held,
             layout: Layout::default(),
@@ -1125,6 +1143,10 @@ impl Dataplane {
             for (key, rules) in changes {
                 self.replace_object(&mut next, key, rules);
             }
+            for key in self.freed_waiting(&next) {
+                let rules = self.waiting.remove(&key);
+                self.replace_object(&mut next, key, rules);
+            }
             return self.write_full(next);
         }
         // In sync: `applied` is what is wanted. Change it in place and remember what the
@@ -1133,6 +1155,14 @@ impl Dataplane {
         let mut olds: Vec<(ObjectKey, Option<Arc<ObjectRules>>)> = Vec::new();
         let mut seen = HashSet::new();
         for (key, rules) in changes {
+            let old = self.replace_object(&mut next, key.clone(), rules);
+            if seen.insert(key.clone()) {
+                olds.push((key, old));
+            }
+        }
+        // What the changes freed goes to the objects that wanted it, in the same transaction.
+        for key in self.freed_waiting(&next) {
+            let rules = self.waiting.remove(&key);
             let old = self.replace_object(&mut next, key.clone(), rules);
             if seen.insert(key.clone()) {
                 olds.push((key, old));
@@ -1278,13 +1308,24 @@ impl Dataplane {
         if let Some(old) = &old {
             self.element_owner.remove_object(&key, old);
         }
+        self.waiting.remove(&key);
         if let Some(mut rules) = rules {
             // Map keys another object already owns are refused (first owner wins).
-            refuse_taken_keys(&self.element_owner, objects, &key, &mut rules);
+            refuse_taken_keys(&self.element_owner, objects, &mut self.waiting, &key, &mut rules);
             self.element_owner.insert_object(&key, &rules);
             objects.insert(key, Arc::new(rules));
         }
         old
+    }
+
+    /// The waiting objects (see [`Dataplane::waiting`]) of which a claim is free in `objects`
+    /// (owned by none), in key order.
+    fn freed_waiting(&self, objects: &Objects) -> Vec<ObjectKey> {
+        self.waiting
+            .iter()
+            .filter(|(_, rules)| rules.owned_keys().any(|k| self.element_owner.owner(k, objects).is_none()))
+            .map(|(key, _)| key.clone())
+            .collect()
     }
 
     /// Rewrites the whole table from what we want (periodic reconcile, first sync, hot swap).
@@ -1299,15 +1340,21 @@ impl Dataplane {
             Some(objects) => {
                 let mut next = BTreeMap::new();
                 let mut owners = ElementOwners::default();
-                for (key, mut rules) in objects {
+                let mut waiting = BTreeMap::new();
+                // Those that own what they claim keep it: the objects that were waiting for
+                // a claim come after the others (each part in key order).
+                let (later, first): (Vec<_>, Vec<_>) =
+                    objects.into_iter().partition(|(key, _)| self.waiting.contains_key(key));
+                for (key, mut rules) in first.into_iter().chain(later) {
                     if let Some(old) = self.desired().get(&key) {
                         nft::keep_affinity_slots(old, &mut rules);
                     }
-                    refuse_taken_keys(&owners, &next, &key, &mut rules);
+                    refuse_taken_keys(&owners, &next, &mut waiting, &key, &mut rules);
                     owners.insert_object(&key, &rules);
                     next.insert(key, Arc::new(rules));
                 }
                 self.element_owner = owners;
+                self.waiting = waiting;
                 next
             }
             None => self.desired().clone(),
@@ -1960,14 +2007,83 @@ mod tests {
         dp.sync(vec![(key("b"), Some(rules("b", "10.244.0.2")))]).unwrap();
         let b = &dp.applied()[&key("b")];
         assert!(b.elements.is_empty() && b.warnings[0].contains("already belongs to default/a"), "{b:?}");
+        // The owner's going hands the key to the object that wanted it, in the same
+        // transaction: b is not translated again.
         dp.sync(vec![(key("a"), None)]).unwrap();
-        dp.sync(vec![(key("b"), Some(rules("b", "10.244.0.2")))]).unwrap();
-        assert_eq!(dp.applied()[&key("b")].elements.len(), 1);
+        let b = &dp.applied()[&key("b")];
+        assert!(b.elements.len() == 1 && b.warnings.is_empty(), "{b:?}");
         let last = fake.applied.lock().unwrap().last().unwrap().clone();
+        assert!(last.contains("delete chain inet wasmplane-s0 svc/default/a"), "{last}");
         assert!(
             last.contains("add element inet wasmplane-s0 service-ips { 10.96.0.1 . tcp . 80 : goto svc/default/b }"),
             "{last}"
         );
+        assert!(dp.waiting.is_empty());
+    }
+
+    /// `rules` with the elements `(map, key, verdict)` only.
+    fn elements(elements: &[(&str, &str, &str)]) -> ObjectRules {
+        let mut r = ObjectRules::default();
+        for (map, key, verdict) in elements {
+            r.elements.insert(((*map).into(), (*key).into()), (*verdict).into());
+        }
+        r
+    }
+
+    #[test]
+    fn a_frontend_and_a_node_port_have_one_owner_across_maps() {
+        let fake = Fake::default();
+        let mut dp = Dataplane::new(Box::new(fake.clone()));
+        let last = || fake.applied.lock().unwrap().last().unwrap().clone();
+        // web serves the frontend and the node port; dup, with the same ones and no
+        // endpoints, would reject them (another map, the same frontend), and has a port of
+        // its own. dup sorts first.
+        let (web, dup) = (key("web"), key("dup"));
+        let web_rules = elements(&[
+            ("service-ips", "10.96.0.1 . tcp . 80", "goto pick-by-count"),
+            ("service-endpoints", "10.96.0.1 . tcp . 80 . 0", "10.244.0.1 . 8080"),
+            ("service-nodeports", "tcp . 30080", "goto nodeport-dispatch"),
+        ]);
+        let dup_rules = elements(&[
+            ("no-endpoint-services", "10.96.0.1 . tcp . 80", "goto reject-chain"),
+            ("no-endpoint-services", "10.96.0.1 . tcp . 81", "goto reject-chain"),
+            ("no-endpoint-nodeports", "tcp . 30080", "goto reject-chain"),
+        ]);
+        dp.sync(vec![(web.clone(), Some(web_rules.clone()))]).unwrap();
+        dp.sync(vec![(dup.clone(), Some(dup_rules.clone()))]).unwrap();
+        let applied = &dp.applied()[&dup];
+        let kept: Vec<&str> = applied.elements.keys().map(|(_, k)| k.as_str()).collect();
+        assert_eq!(kept, ["10.96.0.1 . tcp . 81"], "only dup's own frontend");
+        assert_eq!(
+            applied.warnings,
+            [
+                "frontend 10.96.0.1 . tcp . 80 already belongs to default/web",
+                "node port tcp . 30080 already belongs to default/web"
+            ]
+        );
+        let written = last();
+        assert!(written.contains("10.96.0.1 . tcp . 81 : goto reject-chain"), "{written}");
+        assert!(!written.contains("10.96.0.1 . tcp . 80 : goto reject-chain"), "{written}");
+        assert!(!written.contains("tcp . 30080 : goto reject-chain"), "{written}");
+
+        // A full sync of both (a new translator's outputs), the waiting one first in key
+        // order: the owner keeps what it has.
+        dp.full_sync(Some(BTreeMap::from([(web.clone(), web_rules.clone()), (dup.clone(), dup_rules.clone())])))
+            .unwrap();
+        assert_eq!(dp.applied()[&web].elements.len(), 3);
+        assert_eq!(dp.applied()[&dup].elements.len(), 1);
+
+        // web loses its node port (its frontend stays its own): dup has the port at once.
+        let web_without_node_port = elements(&[("service-ips", "10.96.0.1 . tcp . 80", "goto pick-by-count")]);
+        dp.sync(vec![(web.clone(), Some(web_without_node_port))]).unwrap();
+        assert_eq!(dp.applied()[&dup].elements.len(), 2, "the node port web let go is dup's");
+        assert!(last().contains("tcp . 30080 : goto reject-chain"), "{}", last());
+        // web goes, and dup has it all.
+        dp.sync(vec![(web, None)]).unwrap();
+        assert_eq!(dp.applied()[&dup].elements.len(), 3);
+        assert!(dp.applied()[&dup].warnings.is_empty());
+        assert!(last().contains("10.96.0.1 . tcp . 80 : goto reject-chain"), "{}", last());
+        assert!(dp.waiting.is_empty());
     }
 
     #[test]

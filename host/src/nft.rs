@@ -855,6 +855,80 @@ pub fn is_shared_set(map: &str) -> bool {
     SERVICE_MAPS.iter().any(|m| m.shared && (m.name == map || m.v6_name == Some(map)))
 }
 
+/// What one element claims for its object alone. A service frontend (address . protocol .
+/// port) and a node port (protocol . port) are each claimed as a whole, across every host
+/// map keyed by them: two objects holding one frontend in different maps would collide in
+/// the kernel as surely as in one map (a second service's `no-endpoint-services` element
+/// rejects what the first one's `service-ips` element serves, two cluster IPs alike in
+/// embedded manifests or two services with one external IP). Any other element claims
+/// itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Claim<'a> {
+    Frontend(&'a str),
+    NodePort(&'a str),
+    Element(&'a str, &'a str),
+}
+
+impl std::fmt::Display for Claim<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Claim::Frontend(front) => write!(f, "frontend {front}"),
+            Claim::NodePort(port) => write!(f, "node port {port}"),
+            Claim::Element(map, key) => write!(f, "{map} {{ {key} }}"),
+        }
+    }
+}
+
+/// The host maps keyed by a service frontend, first in their keys (`service-endpoints` as
+/// `frontend . number`), besides the count sets `frontends-N` and `frontends6-N`.
+const FRONTEND_MAPS: &[&str] = &[
+    "service-ips",
+    "service-ips6",
+    "no-endpoint-services",
+    "no-endpoint-services6",
+    "masquerade-off-cluster",
+    "masquerade-off-cluster6",
+    "masquerade-always",
+    "masquerade-always6",
+    "service-endpoints",
+    "service-endpoints6",
+];
+
+/// The host maps keyed by a node port, first in their keys, besides the count sets
+/// `nodeports-N` and `nodeports6-N`.
+const NODE_PORT_MAPS: &[&str] = &[
+    "service-nodeports",
+    "no-endpoint-nodeports",
+    "nodeport-picks",
+    "nodeport-picks6",
+    "nodeport-endpoints",
+    "nodeport-endpoints6",
+];
+
+/// Whether `map` is the count set `<prefix>-N`.
+fn is_count_set(map: &str, prefix: &str) -> bool {
+    map.strip_prefix(prefix)
+        .and_then(|rest| rest.strip_prefix('-'))
+        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// The first `parts` parts of a concatenated key (`a . b . c . d`).
+fn key_head(key: &str, parts: usize) -> &str {
+    key.match_indices(" . ").nth(parts - 1).map_or(key, |(at, _)| &key[..at])
+}
+
+/// What `element` claims (see [`Claim`]).
+pub fn claim(element: &ElementKey) -> Claim<'_> {
+    let (map, key) = (element.0.as_str(), element.1.as_str());
+    if FRONTEND_MAPS.contains(&map) || is_count_set(map, "frontends") || is_count_set(map, "frontends6") {
+        Claim::Frontend(key_head(key, 3))
+    } else if NODE_PORT_MAPS.contains(&map) || is_count_set(map, "nodeports") || is_count_set(map, "nodeports6") {
+        Claim::NodePort(key_head(key, 2))
+    } else {
+        Claim::Element(map, key)
+    }
+}
+
 /// The chain prefix a service's objects must live under.
 pub fn service_prefix(key: &ObjectKey) -> String {
     format!("svc/{}/{}", key.namespace, key.name)
@@ -913,6 +987,25 @@ impl ObjectRules {
     /// Its elements that have one owner: all but those of shared sets.
     pub fn owned_keys(&self) -> impl Iterator<Item = &ElementKey> {
         self.elements.keys().filter(|(map, _)| !is_shared_set(map))
+    }
+
+    /// What its owned elements claim ([`Claim`]), each once.
+    pub fn claims(&self) -> Vec<Claim<'_>> {
+        let mut claims: Vec<Claim<'_>> = self.owned_keys().map(claim).collect();
+        claims.sort_unstable();
+        claims.dedup();
+        claims
+    }
+
+    /// Whether one of its owned elements claims `wanted`.
+    pub fn holds_claim(&self, wanted: &Claim<'_>) -> bool {
+        match wanted {
+            // An element claims itself only where no family takes it: look it up.
+            Claim::Element(map, key) => {
+                !is_shared_set(map) && self.elements.contains_key(&((*map).into(), (*key).into()))
+            }
+            _ => self.owned_keys().any(|k| claim(k) == *wanted),
+        }
     }
 
     /// Empty rules carrying what the guest warned about (bounded: 32 warnings of 256 chars).

@@ -794,6 +794,63 @@ async fn scaling_moves_new_traffic_and_keeps_established_connections() {
     host.stop().await;
 }
 
+/// Two services with one frontend (address, protocol, port): no allocator checks the
+/// manifests of the embedded mode, nor `externalIPs` in a cluster. The first keeps serving
+/// it, though the second, without endpoints, would reject it through another map (the node's
+/// own connections meet that check before their DNAT); once the first is gone the second has
+/// it, without being translated again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_service_on_one_frontend_does_not_take_it_over() {
+    require_root!();
+    const CLUSTER_IP: &str = "10.96.0.70";
+    let mut topo = Topology::new("dupf");
+    let pod_a = topo.add_pod(POD_A);
+    let client = topo.add_pod(CLIENT);
+    let _server = Server::start(&pod_a, "a", &[8080]);
+
+    let cluster = Cluster::new();
+    cluster.put(&Svc::new("web", CLUSTER_IP, vec![Port::new("http", "TCP", 80, 8080)], vec![ready(POD_A, NODE)]));
+    let host = start_host(cluster.config(topo.nft_command())).await;
+    wait_applied(&host, "the first service", |t| serves(t, &format!("{CLUSTER_IP} . tcp . 80")));
+    // "dup" sorts before "web", and a full sync offers services in key order. Its second
+    // port is its own.
+    cluster.put(&Svc::new(
+        "dup",
+        CLUSTER_IP,
+        vec![Port::new("http", "TCP", 80, 8080), Port::new("other", "TCP", 81, 8080)],
+        vec![],
+    ));
+    let frontend_reject = format!("{CLUSTER_IP} . tcp . 80 : goto reject-chain");
+    wait_applied(&host, "the second service's own port", |t| {
+        t.contains(&format!("{CLUSTER_IP} . tcp . 81 : goto reject-chain"))
+    });
+    let node = topo.node.name.clone();
+    let check_served = |stage: &str| {
+        assert_backends(&format!("{stage}: from the node"), &tcp_many(&node, addr(CLUSTER_IP, 80), 5), &["a"]);
+        assert_backends(&format!("{stage}: from a pod"), &tcp_many(&client, addr(CLUSTER_IP, 80), 5), &["a"]);
+    };
+    check_served("a second service");
+    let table = topo.table();
+    assert!(!table.contains(&frontend_reject), "{table}");
+    let controller = || host.controller.lock().unwrap_or_else(|p| p.into_inner());
+    let dup = wasmplane_model::ObjectKey::new("default", "dup");
+    let warnings = controller().dataplane().applied()[&dup].warnings.clone();
+    let refused = format!("frontend {CLUSTER_IP} . tcp . 80 already belongs to default/web");
+    assert!(warnings.contains(&refused), "{warnings:?}");
+    // A periodic reconcile keeps it so.
+    controller().reconcile().unwrap();
+    check_served("after a reconcile");
+
+    cluster.remove("web");
+    wait_applied(&host, "the second service's reject", |t| t.contains(&frontend_reject));
+    let table = topo.table();
+    assert!(table.contains(&frontend_reject), "{table}");
+    let started = Instant::now();
+    let result = in_ns(&node, || tcp_ask(addr(CLUSTER_IP, 80), TIMEOUT));
+    assert_refused_fast("from the node, the frontend now the second service's", result, started, true);
+    host.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deleting_a_service_removes_its_rules() {
     require_root!();

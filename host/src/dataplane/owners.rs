@@ -1,7 +1,8 @@
-//! Which object owns each single-owner map element of a wanted dataplane state, kept without
-//! a second copy of the element keys: the index holds a key's hash and its owner, and the
-//! owner's own rules confirm the key. Copies of the keys were ~100 bytes an element, the
-//! largest index of the host (12.7 MiB at 10k services).
+//! Which object owns each claim ([`Claim`]: a service frontend, a node port, or another
+//! single-owner map element) of a wanted dataplane state, kept without a second copy of the
+//! element keys: the index holds a claim's hash and its owner, and the owner's own rules
+//! confirm the claim. Copies of the keys were ~100 bytes an element, the largest index of
+//! the host (12.7 MiB at 10k services).
 
 use std::collections::BTreeMap;
 use std::hash::{BuildHasher, RandomState};
@@ -10,7 +11,7 @@ use std::sync::Arc;
 use hashbrown::HashTable;
 use wasmplane_model::ObjectKey;
 
-use crate::nft::{ElementKey, ObjectRules};
+use crate::nft::{Claim, ElementKey, ObjectRules, claim};
 
 /// A wanted state: what the index describes, and what confirms its answers.
 pub(super) type Objects = BTreeMap<ObjectKey, Arc<ObjectRules>>;
@@ -21,7 +22,7 @@ struct Owned {
     owner: Arc<ObjectKey>,
 }
 
-/// Owners of the elements [`ObjectRules::owned_keys`] lists (shared-set elements have none).
+/// Owners of the claims [`ObjectRules::claims`] lists (shared-set elements have none).
 #[derive(Default)]
 pub(super) struct ElementOwners<S = RandomState> {
     /// Randomly keyed by default: element keys come from guests.
@@ -40,35 +41,37 @@ impl<S: BuildHasher + Default> ElementOwners<S> {
         owners
     }
 
-    /// Records `key` as the owner of its rules' elements. Their keys must be free (see
+    /// Records `key` as the owner of its rules' claims. They must be free (see
     /// [`ElementOwners::owner`]): the first owner wins, and callers refuse the rest.
     pub fn insert_object(&mut self, key: &ObjectKey, rules: &ObjectRules) {
         let owner = Arc::new(key.clone());
-        for element in rules.owned_keys() {
-            let hash = self.hasher.hash_one(element);
+        for claim in rules.claims() {
+            let hash = self.hasher.hash_one(claim);
             self.table.insert_unique(hash, Owned { hash, owner: owner.clone() }, |o| o.hash);
         }
     }
 
-    /// Forgets `key` as the owner of the elements of `rules` (what it had).
+    /// Forgets `key` as the owner of the claims of `rules` (what it had).
     pub fn remove_object(&mut self, key: &ObjectKey, rules: &ObjectRules) {
-        for element in rules.owned_keys() {
-            let hash = self.hasher.hash_one(element);
+        for claim in rules.claims() {
+            let hash = self.hasher.hash_one(claim);
             if let Ok(found) = self.table.find_entry(hash, |o| o.hash == hash && *o.owner == *key) {
                 found.remove();
             }
         }
     }
 
-    /// The object of `objects` that owns `element`, if any. Only objects that are in
-    /// `objects` answer: one removed from it and not yet from the index owns nothing.
+    /// The object of `objects` that owns what `element` claims, if any. Only objects that
+    /// are in `objects` answer: one removed from it and not yet from the index owns nothing.
     pub fn owner<'a>(&'a self, element: &ElementKey, objects: &Objects) -> Option<&'a ObjectKey> {
-        let hash = self.hasher.hash_one(element);
-        // Different keys may share a hash: the owner's rules must have this one.
+        self.owner_of(&claim(element), objects)
+    }
+
+    fn owner_of<'a>(&'a self, claim: &Claim<'_>, objects: &Objects) -> Option<&'a ObjectKey> {
+        let hash = self.hasher.hash_one(claim);
+        // Different claims may share a hash: the owner's rules must make this one.
         self.table
-            .find(hash, |o| {
-                o.hash == hash && objects.get(&*o.owner).is_some_and(|rules| rules.elements.contains_key(element))
-            })
+            .find(hash, |o| o.hash == hash && objects.get(&*o.owner).is_some_and(|rules| rules.holds_claim(claim)))
             .map(|o| &*o.owner)
     }
 
@@ -77,14 +80,14 @@ impl<S: BuildHasher + Default> ElementOwners<S> {
         self.table.len()
     }
 
-    /// Whether this is the index of `objects`: each of their owned elements answers with its
-    /// object, and nothing else is indexed. For debug checks of the paths that keep it.
+    /// Whether this is the index of `objects`: each of their claims answers with its object,
+    /// and nothing else is indexed. For debug checks of the paths that keep it.
     pub fn describes(&self, objects: &Objects) -> bool {
         let mut owned = 0;
         for (key, rules) in objects {
-            for element in rules.owned_keys() {
+            for claim in rules.claims() {
                 owned += 1;
-                if self.owner(element, objects) != Some(key) {
+                if self.owner_of(&claim, objects) != Some(key) {
                     return false;
                 }
             }

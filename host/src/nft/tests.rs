@@ -1827,3 +1827,40 @@ fn the_skeleton_masquerades_off_cluster_sources_as_the_node_detects_pod_traffic(
         }
     }
 }
+
+#[test]
+fn a_frontend_or_a_node_port_is_claimed_whole_across_the_maps_keyed_by_it() {
+    let claim_of = |map: &str, key: &str| claim(&(map.into(), key.into())).to_string();
+    for (map, key) in [
+        ("service-ips", "10.96.0.1 . tcp . 80"),
+        ("no-endpoint-services", "10.96.0.1 . tcp . 80"),
+        ("masquerade-off-cluster", "10.96.0.1 . tcp . 80"),
+        ("masquerade-always", "10.96.0.1 . tcp . 80"),
+        ("frontends-3", "10.96.0.1 . tcp . 80"),
+        ("service-endpoints", "10.96.0.1 . tcp . 80 . 2"),
+    ] {
+        assert_eq!(claim_of(map, key), "frontend 10.96.0.1 . tcp . 80", "{map}");
+    }
+    for (map, key) in [
+        ("service-ips6", "fd00::1 . udp . 53"),
+        ("no-endpoint-services6", "fd00::1 . udp . 53"),
+        ("frontends6-12", "fd00::1 . udp . 53"),
+        ("service-endpoints6", "fd00::1 . udp . 53 . 11"),
+    ] {
+        assert_eq!(claim_of(map, key), "frontend fd00::1 . udp . 53", "{map}");
+    }
+    for (map, key) in [
+        ("service-nodeports", "tcp . 30080"),
+        ("no-endpoint-nodeports", "tcp . 30080"),
+        ("nodeport-picks6", "tcp . 30080"),
+        ("nodeports-1", "tcp . 30080"),
+        ("nodeport-endpoints", "tcp . 30080 . 0"),
+    ] {
+        assert_eq!(claim_of(map, key), "node port tcp . 30080", "{map}");
+    }
+    // Another port or address is another frontend; other maps claim the element itself.
+    assert_ne!(claim_of("service-ips", "10.96.0.1 . tcp . 81"), claim_of("service-ips", "10.96.0.1 . tcp . 80"));
+    assert_eq!(claim_of("cluster-ips", "10.96.0.1"), "cluster-ips { 10.96.0.1 }");
+    assert_eq!(claim_of("firewall-ips", "10.96.0.1 . tcp . 80"), "firewall-ips { 10.96.0.1 . tcp . 80 }");
+    assert_eq!(claim_of("frontends-x", "10.96.0.1 . tcp . 80"), "frontends-x { 10.96.0.1 . tcp . 80 }");
+}
