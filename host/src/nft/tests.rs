@@ -1831,32 +1831,25 @@ fn the_skeleton_masquerades_off_cluster_sources_as_the_node_detects_pod_traffic(
 #[test]
 fn a_frontend_or_a_node_port_is_claimed_whole_across_the_maps_keyed_by_it() {
     let claim_of = |map: &str, key: &str| claim(&(map.into(), key.into())).to_string();
-    for (map, key) in [
-        ("service-ips", "10.96.0.1 . tcp . 80"),
-        ("no-endpoint-services", "10.96.0.1 . tcp . 80"),
-        ("masquerade-off-cluster", "10.96.0.1 . tcp . 80"),
-        ("masquerade-always", "10.96.0.1 . tcp . 80"),
-        ("frontends-3", "10.96.0.1 . tcp . 80"),
-        ("service-endpoints", "10.96.0.1 . tcp . 80 . 2"),
+    let (v4, v6, node_port) = ("frontend 10.96.0.1 . tcp . 80", "frontend fd00::1 . udp . 53", "node port tcp . 30080");
+    for (map, key, claimed) in [
+        ("service-ips", "10.96.0.1 . tcp . 80", v4),
+        ("no-endpoint-services", "10.96.0.1 . tcp . 80", v4),
+        ("masquerade-off-cluster", "10.96.0.1 . tcp . 80", v4),
+        ("masquerade-always", "10.96.0.1 . tcp . 80", v4),
+        ("frontends-3", "10.96.0.1 . tcp . 80", v4),
+        ("service-endpoints", "10.96.0.1 . tcp . 80 . 2", v4),
+        ("service-ips6", "fd00::1 . udp . 53", v6),
+        ("no-endpoint-services6", "fd00::1 . udp . 53", v6),
+        ("frontends6-12", "fd00::1 . udp . 53", v6),
+        ("service-endpoints6", "fd00::1 . udp . 53 . 11", v6),
+        ("service-nodeports", "tcp . 30080", node_port),
+        ("no-endpoint-nodeports", "tcp . 30080", node_port),
+        ("nodeport-picks6", "tcp . 30080", node_port),
+        ("nodeports-1", "tcp . 30080", node_port),
+        ("nodeport-endpoints", "tcp . 30080 . 0", node_port),
     ] {
-        assert_eq!(claim_of(map, key), "frontend 10.96.0.1 . tcp . 80", "{map}");
-    }
-    for (map, key) in [
-        ("service-ips6", "fd00::1 . udp . 53"),
-        ("no-endpoint-services6", "fd00::1 . udp . 53"),
-        ("frontends6-12", "fd00::1 . udp . 53"),
-        ("service-endpoints6", "fd00::1 . udp . 53 . 11"),
-    ] {
-        assert_eq!(claim_of(map, key), "frontend fd00::1 . udp . 53", "{map}");
-    }
-    for (map, key) in [
-        ("service-nodeports", "tcp . 30080"),
-        ("no-endpoint-nodeports", "tcp . 30080"),
-        ("nodeport-picks6", "tcp . 30080"),
-        ("nodeports-1", "tcp . 30080"),
-        ("nodeport-endpoints", "tcp . 30080 . 0"),
-    ] {
-        assert_eq!(claim_of(map, key), "node port tcp . 30080", "{map}");
+        assert_eq!(claim_of(map, key), claimed, "{map}");
     }
     // Another port or address is another frontend; other maps claim the element itself.
     assert_ne!(claim_of("service-ips", "10.96.0.1 . tcp . 81"), claim_of("service-ips", "10.96.0.1 . tcp . 80"));
