@@ -2,11 +2,14 @@
 //!
 //! Every `*.yaml`, `*.yml` and `*.json` file below the directory is read, in path order.
 //! A malformed document is reported with its file and position and skipped; every other
-//! document stays in force, so one typo does not withdraw the whole cluster. Kinds
+//! document stays in force, so one typo does not withdraw the whole cluster. An object
+//! defined twice (the same kind, namespace and name) is taken from its first document in
+//! path order; the later ones are reported and skipped. Kinds
 //! wasmplane does not use (Deployments, ConfigMaps, ...) are ignored, so an ordinary
 //! application's manifests can be pointed at as they are.
 
-use std::collections::HashSet;
+use std::collections::hash_map::Entry;
+use std::collections::{HashMap, HashSet};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -15,7 +18,8 @@ use serde::Deserialize as _;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
-use wasmplane_model::state::ClusterObject;
+use wasmplane_model::ObjectKey;
+use wasmplane_model::state::{ClusterObject, ObjectKind};
 
 use crate::convert::object_from_json;
 
@@ -200,10 +204,14 @@ fn fingerprint(files: &[ManifestFile]) -> [u8; 32] {
     hasher.finalize().into()
 }
 
+/// Where each object of a load was first defined: file and document.
+type FirstDefinitions<'a> = HashMap<(ObjectKind, ObjectKey), (&'a Path, usize)>;
+
 fn parse_files(files: &[ManifestFile]) -> ManifestSet {
     let mut set = ManifestSet { files: files.len(), ..Default::default() };
+    let mut first = FirstDefinitions::new();
     for file in files {
-        parse_file(&mut set, file);
+        parse_file(&mut set, &mut first, file);
     }
     for e in &set.errors {
         tracing::warn!(file = %e.file.display(), document = e.document, "skipping manifest document: {}", e.reason);
@@ -211,7 +219,7 @@ fn parse_files(files: &[ManifestFile]) -> ManifestSet {
     set
 }
 
-fn parse_file(set: &mut ManifestSet, file: &ManifestFile) {
+fn parse_file<'a>(set: &mut ManifestSet, first: &mut FirstDefinitions<'a>, file: &'a ManifestFile) {
     let text = match std::str::from_utf8(&file.bytes) {
         Ok(text) => text,
         Err(e) => {
@@ -227,7 +235,7 @@ fn parse_file(set: &mut ManifestSet, file: &ManifestFile) {
         // JSON is parsed as JSON: exact line numbers, and no YAML corner cases (tabs).
         for (n, value) in serde_json::Deserializer::from_str(text).into_iter::<Value>().enumerate() {
             match value {
-                Ok(value) => push_document(set, &file.path, n + 1, value),
+                Ok(value) => push_document(set, first, &file.path, n + 1, value),
                 Err(e) => {
                     set.errors.push(ManifestError {
                         file: file.path.clone(),
@@ -244,7 +252,7 @@ fn parse_file(set: &mut ManifestSet, file: &ManifestFile) {
         match yaml_values(document) {
             Ok(values) => {
                 for value in values {
-                    push_document(set, &file.path, n + 1, value);
+                    push_document(set, first, &file.path, n + 1, value);
                 }
             }
             Err(e) => {
@@ -303,7 +311,13 @@ fn split_yaml(text: &str) -> Vec<(usize, &str)> {
 
 /// Records one document's object, expanding lists; `kubectl get -o yaml` writes `List`,
 /// the API `ServiceList` and the like, whose items may omit `apiVersion` and `kind`.
-fn push_document(set: &mut ManifestSet, file: &Path, document: usize, value: Value) {
+fn push_document<'a>(
+    set: &mut ManifestSet,
+    first: &mut FirstDefinitions<'a>,
+    file: &'a Path,
+    document: usize,
+    value: Value,
+) {
     let skip = |set: &mut ManifestSet, reason: String| {
         set.errors.push(ManifestError { file: file.to_path_buf(), document, reason })
     };
@@ -328,7 +342,7 @@ fn push_document(set: &mut ManifestSet, file: &Path, document: usize, value: Val
                 item.entry("kind").or_insert_with(|| item_kind.into());
             }
             let before = set.errors.len();
-            push_document(set, file, document, item);
+            push_document(set, first, file, document, item);
             for e in &mut set.errors[before..] {
                 e.reason = format!("items[{i}]: {}", e.reason);
             }
@@ -336,7 +350,24 @@ fn push_document(set: &mut ManifestSet, file: &Path, document: usize, value: Val
         return;
     }
     match object_from_json(value) {
-        Ok(Some(object)) => set.objects.push(object),
+        Ok(Some(object)) => match first.entry((object.kind(), object.key())) {
+            Entry::Vacant(entry) => {
+                entry.insert((file, document));
+                set.objects.push(object);
+            }
+            Entry::Occupied(entry) => {
+                let (first_file, first_document) = entry.get();
+                skip(
+                    set,
+                    format!(
+                        "{:?} {} is defined again: the one in {} document {first_document} is used",
+                        object.kind(),
+                        object.key(),
+                        first_file.display()
+                    ),
+                );
+            }
+        },
         Ok(None) => {}
         Err(e) => skip(set, e.to_string()),
     }
@@ -430,6 +461,40 @@ spec:
         assert!(set.errors.is_empty(), "{:?}", set.errors);
         assert_eq!(set.files, 3);
         assert_eq!(keys(&set), vec!["Namespace shop", "Service shop/web", "Namespace a", "Namespace b", "Node node-a"]);
+    }
+
+    #[test]
+    fn an_object_defined_twice_is_taken_from_its_first_document_and_the_later_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path(), "a.yaml", MULTI);
+        // The same service again in a later file (another cluster IP), and once more in a
+        // list; a service of the same name in another namespace is another object.
+        let again = MULTI.replace("10.96.0.20", "10.96.0.99");
+        write(dir.path(), "b.yaml", &again);
+        write(
+            dir.path(),
+            "c.yaml",
+            "apiVersion: v1\nkind: List\nitems:\n- {apiVersion: v1, kind: Service, metadata: {name: web, namespace: shop}, spec: {clusterIP: 10.96.0.98, ports: [{port: 80}]}}\n- {apiVersion: v1, kind: Service, metadata: {name: web, namespace: other}, spec: {clusterIP: 10.96.0.97, ports: [{port: 80}]}}\n",
+        );
+        let set = load_dir(dir.path()).unwrap();
+        assert_eq!(keys(&set), vec!["Namespace shop", "Service shop/web", "Service other/web"]);
+        let ClusterObject::Service(web) = &set.objects[1] else { panic!("{:?}", set.objects[1]) };
+        assert_eq!(web.cluster_ips.iter().map(|ip| ip.as_str()).collect::<Vec<_>>(), ["10.96.0.20"], "the first one");
+        let used =
+            |document: usize| format!("the one in {} document {document} is used", dir.path().join("a.yaml").display());
+        let reported: Vec<(String, usize, String)> = set
+            .errors
+            .iter()
+            .map(|e| (e.file.file_name().unwrap().to_string_lossy().into_owned(), e.document, e.reason.clone()))
+            .collect();
+        assert_eq!(
+            reported,
+            [
+                ("b.yaml".to_string(), 1, format!("Namespace shop is defined again: {}", used(1))),
+                ("b.yaml".to_string(), 3, format!("Service shop/web is defined again: {}", used(3))),
+                ("c.yaml".to_string(), 1, format!("items[0]: Service shop/web is defined again: {}", used(3))),
+            ]
+        );
     }
 
     #[test]
