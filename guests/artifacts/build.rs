@@ -49,6 +49,11 @@ const TEST_PROGRAMS: &[Guest] = &[
         features: &["bench-encoded"],
     },
     Guest {
+        constant: "TRANSLATOR_BENCH_FLAT",
+        package: "wasmplane-guest-service-translator",
+        features: &["bench-flat"],
+    },
+    Guest {
         constant: "TRANSLATOR_BENCH_BATCH",
         package: "wasmplane-guest-service-translator",
         features: &["bench-batch"],

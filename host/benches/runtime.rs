@@ -12,8 +12,9 @@
 //! the guest's own work apart from all of it (`guest_work`). Another times single calls
 //! after idling, as one change in the host makes them (`isolated_calls`). The last ones time
 //! the same translation across a boundary of one serialized buffer each way instead of typed
-//! values (`serialized_boundary`): what a WIT 2.0 of that shape would cost; and typed, with
-//! many services per call (`batched_boundary`).
+//! values (`serialized_boundary`): what a WIT 2.0 of that shape would cost; typed, with
+//! many services per call (`batched_boundary`); and one archive each way, read in place on
+//! both sides (`flat::flat_boundary`, the zero-copy prototype).
 //!
 //! `WASMPLANE_BENCH_GUEST=path.wasm` runs a component from a file instead of the embedded
 //! translator (to compare guest builds without rebuilding the host);
@@ -27,6 +28,9 @@ use wasmplane_model::state::{LocalEndpoint, LocalSlice, NodeContext, ServiceView
 use wasmplane_model::*;
 use wasmplane_runtime::{GuestKind, Limits, NoLookups, Runtime, convert, native, wit};
 use wasmplane_sdk::types as sdk;
+
+#[path = "runtime/flat.rs"]
+mod flat;
 
 /// The host side of `guests/service-translator/bench-encoded.wit`.
 mod encoded {
@@ -550,6 +554,7 @@ fn main() {
         let serialized = serialized_boundary(&sdk_ctx, &views, &prefixes);
         let isolated = isolated_calls(&mut session, &ctx, &sdk_ctx, &views, &prefixes);
         let batched = batched_boundary(&mut session, &ctx, &sdk_ctx, &views, &prefixes);
+        let flat = flat::flat_boundary(&mut session, &ctx, &sdk_ctx, &views, &prefixes);
         breakdown.push(Breakdown {
             n,
             wasm,
@@ -565,6 +570,7 @@ fn main() {
             serialized,
             isolated,
             batched,
+            flat,
         });
     }
     println!(
@@ -696,6 +702,32 @@ fn main() {
             in_place.as_secs_f64() / b.native.as_secs_f64()
         );
     }
+    // The zero-copy prototype (`bench-flat`): the estimate above, measured. Its native side
+    // runs the same translation on the same archive; the last column holds it against
+    // today's native translator instead.
+    println!(
+        "\n| services | archive in / out | today's call (interleaved) | native (interleaved) | model → archive | validating the result | fixed cost of a call (ExternalName) | zero-copy, natively | the same round trip natively | zero-copy Wasm | zero-copy Wasm / zero-copy native | zero-copy Wasm / today's native |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for b in &breakdown {
+        let f = &b.flat;
+        println!(
+            "| {} | {} / {} B | {} | {} | {} | {} | {} | {} | {} | {} | {:.2}× | {:.2}× |",
+            b.n,
+            f.bytes_in,
+            f.bytes_out,
+            per_call(f.typed, b.n),
+            per_call(f.native, b.n),
+            per_call(f.encode, b.n),
+            per_call(f.validate, b.n),
+            per_call(f.empty_call, b.n),
+            per_call(f.flat_native, b.n),
+            per_call(f.round_trip_native, b.n),
+            per_call(f.flat_wasm, b.n),
+            f.flat_wasm.as_secs_f64() / f.flat_native.as_secs_f64(),
+            f.flat_wasm.as_secs_f64() / f.native.as_secs_f64()
+        );
+    }
 }
 
 /// Per service count, where a call's time goes (per-call times are totals over `n` calls).
@@ -719,6 +751,7 @@ struct Breakdown {
     serialized: SerializedBoundary,
     isolated: Isolated,
     batched: Batched,
+    flat: flat::FlatBoundary,
 }
 
 /// Borrowed mirrors of the SDK's types, field for field and variant for variant (postcard

@@ -44,7 +44,10 @@ mod pool;
 #[global_allocator]
 static ALLOCATOR: pool::Pool = pool::Pool::new();
 
-#[cfg(all(target_family = "wasm", not(any(feature = "bench-encoded", feature = "bench-batch"))))]
+#[cfg(all(
+    target_family = "wasm",
+    not(any(feature = "bench-encoded", feature = "bench-batch", feature = "bench-flat"))
+))]
 mod export {
     use wasmplane_sdk::service::exports::wasmplane::dataplane::service_translator::Guest;
     use wasmplane_sdk::types::*;
@@ -83,6 +86,25 @@ mod export_encoded {
 
     export!(EncodedTranslator);
 }
+
+#[cfg(all(target_family = "wasm", feature = "bench-flat"))]
+mod export_flat {
+    wit_bindgen::generate!({ path: "bench-flat.wit", world: "flat-translation" });
+
+    struct FlatTranslator;
+
+    impl exports::wasmplane::bench_flat::flat_translator::Guest for FlatTranslator {
+        fn translate(input: Vec<u8>) -> Vec<u8> {
+            // SAFETY: only the host writes the input, with `flat::encode_inputs`.
+            unsafe { super::flat::translate_archive(&input) }
+        }
+    }
+
+    export!(FlatTranslator);
+}
+
+#[cfg(feature = "bench-flat")]
+pub mod flat;
 
 #[cfg(all(target_family = "wasm", feature = "bench-batch"))]
 mod export_batch {

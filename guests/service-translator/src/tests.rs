@@ -620,3 +620,210 @@ fn the_serialized_boundary_translates_the_same_and_refuses_garbage() {
     let message = garbage.unwrap_err().message;
     assert!(message.starts_with("decoding the input:"), "{message}");
 }
+
+/// The typed inputs as the flat prototype's archive (the bench encodes from the model the same
+/// way).
+#[cfg(feature = "bench-flat")]
+fn flat_archive(node: &NodeContext, prefix: &str, service: &Service, slices: &[EndpointSlice]) -> Vec<u8> {
+    use std::net::IpAddr;
+    let ips = |l: &[String]| -> Vec<IpAddr> {
+        l.iter().filter(|ip| !ip.is_empty() && *ip != "None").map(|ip| ip.parse().unwrap()).collect()
+    };
+    let nets = |l: &[String]| -> Vec<flat::Net> {
+        l.iter()
+            .map(|c| {
+                let (ip, len) = c.split_once('/').unwrap();
+                flat::Net { address: ip.parse().unwrap(), prefix_len: len.parse().unwrap() }
+            })
+            .collect()
+    };
+    let protocol = |p: Protocol| match p {
+        Protocol::Tcp => flat::Protocol::Tcp,
+        Protocol::Udp => flat::Protocol::Udp,
+        Protocol::Sctp => flat::Protocol::Sctp,
+    };
+    let inputs = flat::Inputs {
+        node: flat::NodeContext {
+            node_name: &node.node_name,
+            node_ips: ips(&node.node_ips),
+            cluster_cidrs: nets(&node.cluster_cidrs),
+            pod_cidrs: nets(&node.pod_cidrs),
+        },
+        chain_prefix: prefix,
+        service: flat::Service {
+            namespace: &service.namespace,
+            name: &service.name,
+            service_type: match service.service_type {
+                ServiceType::ClusterIp => flat::ServiceType::ClusterIp,
+                ServiceType::NodePort => flat::ServiceType::NodePort,
+                ServiceType::LoadBalancer => flat::ServiceType::LoadBalancer,
+                ServiceType::ExternalName => flat::ServiceType::ExternalName,
+            },
+            cluster_ips: ips(&service.cluster_ips),
+            external_ips: ips(&service.external_ips),
+            load_balancer_ips: ips(&service.load_balancer_ips),
+            ports: service
+                .ports
+                .iter()
+                .map(|p| flat::ServicePort {
+                    name: &p.name,
+                    protocol: protocol(p.protocol),
+                    port: p.port,
+                    node_port: p.node_port,
+                    target_port: match &p.target_port {
+                        TargetPort::Number(n) => flat::TargetPort::Number(*n),
+                        TargetPort::Name(n) => flat::TargetPort::Name(n),
+                    },
+                })
+                .collect(),
+            session_affinity_timeout: service.session_affinity_timeout,
+            external_traffic_local: service.external_traffic_policy == TrafficPolicy::Local,
+            internal_traffic_local: service.internal_traffic_policy == TrafficPolicy::Local,
+            labels: service.labels.iter().map(|l| flat::Label { key: &l.key, value: &l.value }).collect(),
+        },
+        slices: slices
+            .iter()
+            .map(|s| flat::Slice {
+                name: &s.name,
+                endpoints: s
+                    .endpoints
+                    .iter()
+                    .map(|e| flat::Endpoint {
+                        addresses: ips(&e.addresses),
+                        ready: e.ready,
+                        serving: e.serving,
+                        terminating: e.terminating,
+                        node_name: e.node_name.as_deref(),
+                        zone: e.zone.as_deref(),
+                        is_local: e.is_local,
+                    })
+                    .collect(),
+                ports: s
+                    .ports
+                    .iter()
+                    .map(|p| flat::EndpointPort { name: &p.name, protocol: protocol(p.protocol), port: p.port })
+                    .collect(),
+            })
+            .collect(),
+    };
+    flat::encode_inputs(&inputs, Vec::new())
+}
+
+/// The zero-copy prototype gives the typed translation's ruleset on every path it covers,
+/// through its own archive and back (as the host reads a guest's), and refuses the rest.
+#[cfg(feature = "bench-flat")]
+#[test]
+fn the_zero_copy_prototype_translates_as_data_the_same() {
+    let dual = |mut s: Service| {
+        s.cluster_ips.push("fd00::20".into());
+        s
+    };
+    let node_port = |mut s: Service| {
+        s.service_type = ServiceType::NodePort;
+        s.ports[0].node_port = 30080;
+        s
+    };
+    let mixed = slice(vec![
+        endpoint("10.244.0.11", true, false, true),
+        endpoint("10.244.1.11", true, false, false),
+        endpoint("10.244.1.12", false, false, false),
+        endpoint("fd00:244::11", true, false, false),
+    ]);
+    let terminating =
+        slice(vec![endpoint("10.244.0.11", false, true, true), endpoint("10.244.1.2", false, false, false)]);
+    let cases: Vec<(&str, Service, Vec<EndpointSlice>)> = vec![
+        ("cluster IP", service(), vec![mixed.clone()]),
+        ("no endpoints", service(), vec![]),
+        ("terminating only", service(), vec![terminating]),
+        ("dual stack", dual(service()), vec![mixed.clone()]),
+        (
+            "node port, dual stack, affinity",
+            {
+                let mut s = node_port(dual(service()));
+                s.session_affinity_timeout = Some(600);
+                s
+            },
+            vec![mixed.clone()],
+        ),
+        (
+            "external and load-balancer IPs",
+            {
+                let mut s = service();
+                s.service_type = ServiceType::LoadBalancer;
+                s.external_ips = vec!["203.0.113.5".into()];
+                s.load_balancer_ips = vec!["198.51.100.7".into()];
+                s.ports[0].node_port = 30080;
+                s
+            },
+            vec![mixed.clone()],
+        ),
+        (
+            "internal traffic local",
+            {
+                let mut s = service();
+                s.internal_traffic_policy = TrafficPolicy::Local;
+                s
+            },
+            vec![slice(vec![endpoint("10.244.1.11", true, false, false)])],
+        ),
+        (
+            "affinity beyond a day",
+            {
+                let mut s = service();
+                s.session_affinity_timeout = Some(100_000);
+                s
+            },
+            vec![mixed.clone()],
+        ),
+        (
+            "headless",
+            {
+                let mut s = service();
+                s.cluster_ips = vec!["None".into()];
+                s
+            },
+            vec![mixed.clone()],
+        ),
+    ];
+    for (case, service, slices) in &cases {
+        let archive = flat_archive(&ctx(), "svc/shop/web", service, slices);
+        // SAFETY: `flat_archive` made it.
+        let on_archive = unsafe { flat::translate(flat::inputs_in_place(&archive)) }.unwrap();
+        assert_eq!(
+            flat::typed(&on_archive),
+            flat::canonical(translate(&ctx(), "svc/shop/web", service, slices).unwrap()),
+            "{case}"
+        );
+        // SAFETY: as above.
+        let output = unsafe { flat::translate_archive(&archive) };
+        let read_back: Result<flat::Ruleset, String> =
+            rkyv::deserialize::<_, rkyv::rancor::Error>(flat::validate_result(&output).unwrap()).unwrap();
+        assert_eq!(read_back, Ok(on_archive), "{case}: the result archive");
+    }
+
+    // A port that needs chains of its own is not in the prototype: it says so.
+    let mut local = node_port(service());
+    local.external_traffic_policy = TrafficPolicy::Local;
+    let archive = flat_archive(&ctx(), "svc/shop/web", &local, &[mixed]);
+    // SAFETY: `flat_archive` made it.
+    let refused = unsafe { flat::translate(flat::inputs_in_place(&archive)) }.unwrap_err();
+    assert!(refused.contains("load balancing as data only"), "{refused}");
+}
+
+/// The host checks a guest's result archive before reading it: a truncated one, or one with
+/// a tag no variant has, is an error.
+#[cfg(feature = "bench-flat")]
+#[test]
+fn the_zero_copy_prototype_validates_what_a_guest_returns() {
+    let archive =
+        flat_archive(&ctx(), "svc/shop/web", &service(), &[slice(vec![endpoint("10.244.0.11", true, false, true)])]);
+    // SAFETY: `flat_archive` made it.
+    let output = unsafe { flat::translate_archive(&archive) };
+    assert!(flat::validate_result(&output).is_ok());
+    assert!(flat::validate_result(&output[..output.len() - 1]).is_err(), "truncated");
+    // The result's tag is the archive's last bytes (the root is written last): 0 is Ok.
+    let mut bad_tag = output.clone();
+    let root = bad_tag.len() - std::mem::size_of::<rkyv::Archived<Result<flat::Ruleset, String>>>();
+    bad_tag[root] = 7;
+    assert!(flat::validate_result(&bad_tag).is_err(), "an unknown tag");
+}

@@ -1,0 +1,269 @@
+//! The zero-copy boundary prototype (`bench-flat` build of the default translator,
+//! `guests/service-translator/src/flat.rs`): the inputs archived straight from the model, read
+//! in place by the guest; the result archived by the guest, validated and read in place by
+//! the host. Native runs the same translation on the same archive, so the two differ by the
+//! boundary alone. Timed in interleaved rounds beside today's typed call and native translator.
+
+use std::net::IpAddr;
+use std::time::Duration;
+
+use wasmplane_guest_service_translator::flat;
+use wasmplane_model as m;
+use wasmplane_model::state::{NodeContext, ServiceView};
+use wasmplane_runtime::native;
+use wasmplane_sdk::types as sdk;
+
+use super::{bench_guest, best_of};
+
+mod bindings {
+    wasmtime::component::bindgen!({ path: "../guests/service-translator/bench-flat.wit", world: "flat-translation" });
+}
+
+/// Best rounds over every service (totals), and the sizes of one service's archives.
+pub struct FlatBoundary {
+    /// Today's call: `TranslatorSession::translate` (model → WIT, typed boundary).
+    pub typed: Duration,
+    /// Today's native reference: model → SDK types + `translate`.
+    pub native: Duration,
+    /// Model → archive, then `flat::translate` on it in place, natively.
+    pub flat_native: Duration,
+    /// Model → archive, the Wasm call (one list each way), the result validated in place.
+    pub flat_wasm: Duration,
+    /// The parts apart: model → archive, and validating a result archive.
+    pub encode: Duration,
+    pub validate: Duration,
+    /// Natively, the whole round trip but the Wasm: model → archive, translation, the result
+    /// archived and validated.
+    pub round_trip_native: Duration,
+    /// The Wasm call for an ExternalName service (the guest returns an empty result at once),
+    /// its archive made beforehand: the fixed cost of a call.
+    pub empty_call: Duration,
+    pub bytes_in: usize,
+    pub bytes_out: usize,
+}
+
+fn address(text: &str) -> IpAddr {
+    text.parse().unwrap_or_else(|e| panic!("the bench's address {text:?}: {e}"))
+}
+
+/// Headless markers are no address: such a service has no cluster IP in the archive.
+fn addresses(list: &[m::CompactString]) -> Vec<IpAddr> {
+    list.iter().filter(|ip| !ip.is_empty() && ip.as_str() != "None").map(|ip| address(ip)).collect()
+}
+
+fn nets(list: &[m::CompactString]) -> Vec<flat::Net> {
+    list.iter()
+        .map(|cidr| {
+            let (ip, len) = cidr.split_once('/').unwrap_or_else(|| panic!("the bench's CIDR {cidr:?}"));
+            flat::Net { address: address(ip), prefix_len: len.parse().unwrap() }
+        })
+        .collect()
+}
+
+fn protocol(p: m::Protocol) -> flat::Protocol {
+    match p {
+        m::Protocol::Tcp => flat::Protocol::Tcp,
+        m::Protocol::Udp => flat::Protocol::Udp,
+        m::Protocol::Sctp => flat::Protocol::Sctp,
+    }
+}
+
+/// Model → archive: strings borrowed from the model, addresses parsed to integers.
+pub fn encode(ctx: &NodeContext, prefix: &str, view: &ServiceView) -> Vec<u8> {
+    let s = &view.service;
+    let inputs = flat::Inputs {
+        node: flat::NodeContext {
+            node_name: &ctx.node_name,
+            node_ips: addresses(&ctx.node_ips),
+            cluster_cidrs: nets(&ctx.cluster_cidrs),
+            pod_cidrs: nets(&ctx.pod_cidrs),
+        },
+        chain_prefix: prefix,
+        service: flat::Service {
+            namespace: &s.namespace,
+            name: &s.name,
+            service_type: match s.service_type {
+                m::ServiceType::ClusterIP => flat::ServiceType::ClusterIp,
+                m::ServiceType::NodePort => flat::ServiceType::NodePort,
+                m::ServiceType::LoadBalancer => flat::ServiceType::LoadBalancer,
+                m::ServiceType::ExternalName => flat::ServiceType::ExternalName,
+            },
+            cluster_ips: addresses(&s.cluster_ips),
+            external_ips: addresses(&s.external_ips),
+            load_balancer_ips: addresses(&s.load_balancer_ips),
+            ports: s
+                .ports
+                .iter()
+                .map(|p| flat::ServicePort {
+                    name: &p.name,
+                    protocol: protocol(p.protocol),
+                    port: p.port,
+                    node_port: p.node_port,
+                    target_port: match &p.target_port {
+                        m::TargetPort::Number(n) => flat::TargetPort::Number(*n),
+                        m::TargetPort::Name(n) => flat::TargetPort::Name(n),
+                    },
+                })
+                .collect(),
+            session_affinity_timeout: s.session_affinity_timeout,
+            external_traffic_local: s.external_traffic_policy == m::TrafficPolicy::Local,
+            internal_traffic_local: s.internal_traffic_policy == m::TrafficPolicy::Local,
+            labels: s.labels.iter().map(|(key, value)| flat::Label { key, value }).collect(),
+        },
+        slices: view
+            .slices
+            .iter()
+            .map(|slice| flat::Slice {
+                name: &slice.name,
+                endpoints: slice
+                    .endpoints
+                    .iter()
+                    .map(|e| flat::Endpoint {
+                        addresses: addresses(&e.addresses),
+                        ready: e.ready,
+                        serving: e.serving,
+                        terminating: e.terminating,
+                        node_name: e.node_name.as_deref(),
+                        zone: e.zone.as_deref(),
+                        is_local: e.is_local,
+                    })
+                    .collect(),
+                ports: slice
+                    .ports
+                    .iter()
+                    .map(|p| flat::EndpointPort { name: &p.name, protocol: protocol(p.protocol), port: p.port })
+                    .collect(),
+            })
+            .collect(),
+    };
+    flat::encode_inputs(&inputs, Vec::with_capacity(512))
+}
+
+pub fn flat_boundary(
+    session: &mut wasmplane_runtime::TranslatorSession,
+    ctx: &NodeContext,
+    sdk_ctx: &sdk::NodeContext,
+    views: &[ServiceView],
+    prefixes: &[String],
+) -> FlatBoundary {
+    let (mut store, component, linker) = bench_guest(wasmplane_guest_artifacts::test_programs::TRANSLATOR_BENCH_FLAT);
+    let guest = bindings::FlatTranslation::instantiate(&mut store, &component, &linker).unwrap();
+    let translator = guest.wasmplane_bench_flat_flat_translator();
+
+    // Every service: the guest's archive holds what native computes on the same archive,
+    // and that is the typed translator's ruleset.
+    let mut sizes = (0, 0);
+    for (view, prefix) in views.iter().zip(prefixes) {
+        let input = encode(ctx, prefix, view);
+        // SAFETY: `encode` made the archive.
+        let on_archive = unsafe { flat::translate(flat::inputs_in_place(&input)) }.unwrap();
+        let output = translator.call_translate(&mut store, &input).unwrap();
+        let archived = flat::validate_result(&output).unwrap();
+        let from_guest: Result<flat::Ruleset, String> = rkyv::deserialize::<_, rkyv::rancor::Error>(archived).unwrap();
+        assert_eq!(from_guest.as_ref(), Ok(&on_archive), "the flat guest's ruleset for {prefix}");
+        let typed_ruleset = native::translate(sdk_ctx, prefix, view).unwrap();
+        assert_eq!(flat::typed(&on_archive), flat::canonical(typed_ruleset), "the flat ruleset for {prefix}");
+        sizes = (input.len(), output.len());
+    }
+
+    let mut result = FlatBoundary {
+        typed: Duration::MAX,
+        native: Duration::MAX,
+        flat_native: Duration::MAX,
+        flat_wasm: Duration::MAX,
+        encode: Duration::MAX,
+        validate: Duration::MAX,
+        round_trip_native: Duration::MAX,
+        empty_call: Duration::MAX,
+        bytes_in: sizes.0,
+        bytes_out: sizes.1,
+    };
+    let outputs: Vec<Vec<u8>> = views
+        .iter()
+        .zip(prefixes)
+        .map(|(v, p)| translator.call_translate(&mut store, &encode(ctx, p, v)).unwrap())
+        .collect();
+    let external_name: Vec<Vec<u8>> = views
+        .iter()
+        .zip(prefixes)
+        .map(|(v, p)| {
+            let mut service = (*v.service).clone();
+            service.service_type = m::ServiceType::ExternalName;
+            encode(ctx, p, &ServiceView { service: service.into(), slices: v.slices.clone() })
+        })
+        .collect();
+    for _round in 0..5 {
+        let min = |best: &mut Duration, d: Duration| *best = (*best).min(d);
+        min(
+            &mut result.typed,
+            best_of(1, || {
+                for (v, p) in views.iter().zip(prefixes) {
+                    std::hint::black_box(session.translate(ctx, p, v).unwrap());
+                }
+            }),
+        );
+        min(
+            &mut result.native,
+            best_of(1, || {
+                for (v, p) in views.iter().zip(prefixes) {
+                    std::hint::black_box(native::translate(sdk_ctx, p, v).unwrap());
+                }
+            }),
+        );
+        min(
+            &mut result.flat_native,
+            best_of(1, || {
+                for (v, p) in views.iter().zip(prefixes) {
+                    let input = encode(ctx, p, v);
+                    // SAFETY: `encode` made the archive.
+                    std::hint::black_box(unsafe { flat::translate(flat::inputs_in_place(&input)) }.unwrap());
+                }
+            }),
+        );
+        min(
+            &mut result.flat_wasm,
+            best_of(1, || {
+                for (v, p) in views.iter().zip(prefixes) {
+                    let output = translator.call_translate(&mut store, &encode(ctx, p, v)).unwrap();
+                    assert!(std::hint::black_box(flat::validate_result(&output).unwrap()).is_ok());
+                }
+            }),
+        );
+        min(
+            &mut result.round_trip_native,
+            best_of(1, || {
+                for (v, p) in views.iter().zip(prefixes) {
+                    // SAFETY: `encode` made the archive.
+                    let output = unsafe { flat::translate_archive(&encode(ctx, p, v)) };
+                    assert!(std::hint::black_box(flat::validate_result(&output).unwrap()).is_ok());
+                }
+            }),
+        );
+        min(
+            &mut result.empty_call,
+            best_of(1, || {
+                for input in &external_name {
+                    let output = translator.call_translate(&mut store, input).unwrap();
+                    assert!(std::hint::black_box(flat::validate_result(&output).unwrap()).is_ok());
+                }
+            }),
+        );
+        min(
+            &mut result.encode,
+            best_of(1, || {
+                for (v, p) in views.iter().zip(prefixes) {
+                    std::hint::black_box(encode(ctx, p, v));
+                }
+            }),
+        );
+        min(
+            &mut result.validate,
+            best_of(1, || {
+                for output in &outputs {
+                    std::hint::black_box(flat::validate_result(output).unwrap());
+                }
+            }),
+        );
+    }
+    result
+}
