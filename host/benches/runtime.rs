@@ -728,6 +728,23 @@ fn main() {
             f.flat_wasm.as_secs_f64() / f.native.as_secs_f64()
         );
     }
+    println!(
+        "\n| services | one zero-copy Wasm call after 20 ms idle: p50 / p90 | today's call, the same (table above) | today's native, the same |"
+    );
+    println!("|---|---|---|---|");
+    for b in &breakdown {
+        let us = |d: Duration| d.as_secs_f64() * 1e6;
+        println!(
+            "| {} | {:.1} / {:.1} µs | {:.1} / {:.1} µs | {:.1} / {:.1} µs |",
+            b.n,
+            us(b.flat.isolated_p50),
+            us(b.flat.isolated_p90),
+            us(b.isolated.wasm_p50),
+            us(b.isolated.wasm_p90),
+            us(b.isolated.native_p50),
+            us(b.isolated.native_p90)
+        );
+    }
 }
 
 /// Per service count, where a call's time goes (per-call times are totals over `n` calls).

@@ -40,6 +40,9 @@ pub struct FlatBoundary {
     pub empty_call: Duration,
     pub bytes_in: usize,
     pub bytes_out: usize,
+    /// One zero-copy Wasm call at a time after 20 ms idle, as one change makes it: p50, p90.
+    pub isolated_p50: Duration,
+    pub isolated_p90: Duration,
 }
 
 fn address(text: &str) -> IpAddr {
@@ -177,6 +180,8 @@ pub fn flat_boundary(
         empty_call: Duration::MAX,
         bytes_in: sizes.0,
         bytes_out: sizes.1,
+        isolated_p50: Duration::MAX,
+        isolated_p90: Duration::MAX,
     };
     let outputs: Vec<Vec<u8>> = views
         .iter()
@@ -265,5 +270,21 @@ pub fn flat_boundary(
             }),
         );
     }
+    // As `isolated_calls` times today's call and native.
+    let mut isolated: Vec<Duration> = views
+        .iter()
+        .zip(prefixes)
+        .take(100)
+        .map(|(v, p)| {
+            std::thread::sleep(Duration::from_millis(20));
+            let t = std::time::Instant::now();
+            let output = translator.call_translate(&mut store, &encode(ctx, p, v)).unwrap();
+            assert!(std::hint::black_box(flat::validate_result(&output).unwrap()).is_ok());
+            t.elapsed()
+        })
+        .collect();
+    isolated.sort();
+    result.isolated_p50 = isolated[isolated.len() / 2];
+    result.isolated_p90 = isolated[isolated.len() * 9 / 10];
     result
 }
