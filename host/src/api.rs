@@ -88,19 +88,33 @@ impl From<HostError> for ApiError {
 
 type ApiResult<T> = Result<T, ApiError>;
 
-/// axum's `Query`, refused as every other error of this API is: `{"error": …}` with the
-/// rejection's status, not axum's plain-text body (clients, the CLI included, read the
-/// JSON).
-struct ApiQuery<T>(T);
+/// An axum extractor (`Query`, `Path`) whose rejection is answered as every other error of
+/// this API is: `{"error": …}` with the rejection's status, not axum's plain-text body
+/// (clients, the CLI included, read the JSON).
+struct Api<E>(E);
 
-impl<T: serde::de::DeserializeOwned, S: Send + Sync> axum::extract::FromRequestParts<S> for ApiQuery<T> {
+impl<E, S> axum::extract::FromRequestParts<S> for Api<E>
+where
+    E: axum::extract::FromRequestParts<S>,
+    E::Rejection: Into<ApiError>,
+    S: Send + Sync,
+{
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Self, ApiError> {
-        match Query::<T>::from_request_parts(parts, state).await {
-            Ok(Query(query)) => Ok(ApiQuery(query)),
-            Err(rejection) => Err(ApiError(rejection.status(), rejection.body_text())),
-        }
+        E::from_request_parts(parts, state).await.map(Api).map_err(Into::into)
+    }
+}
+
+impl From<axum::extract::rejection::QueryRejection> for ApiError {
+    fn from(rejection: axum::extract::rejection::QueryRejection) -> ApiError {
+        ApiError(rejection.status(), rejection.body_text())
+    }
+}
+
+impl From<axum::extract::rejection::PathRejection> for ApiError {
+    fn from(rejection: axum::extract::rejection::PathRejection) -> ApiError {
+        ApiError(rejection.status(), rejection.body_text())
     }
 }
 
@@ -405,7 +419,7 @@ async fn list_modules(State(state): State<ApiState>) -> ApiResult<Response> {
     Ok(Json(json!({ "modules": modules })).into_response())
 }
 
-async fn get_module(State(state): State<ApiState>, Path(name): Path<String>) -> ApiResult<Response> {
+async fn get_module(State(state): State<ApiState>, Api(Path(name)): Api<Path<String>>) -> ApiResult<Response> {
     let module = with_controller(&state, move |c| {
         c.module(&name).ok_or_else(|| HostError::NotFound(format!("no module named {name:?}")))
     })
@@ -423,8 +437,8 @@ struct UploadQuery {
 
 async fn upload_module(
     State(state): State<ApiState>,
-    Path(name): Path<String>,
-    ApiQuery(q): ApiQuery<UploadQuery>,
+    Api(Path(name)): Api<Path<String>>,
+    Api(Query(q)): Api<Query<UploadQuery>>,
     headers: HeaderMap,
     body: Bytes,
 ) -> ApiResult<Response> {
@@ -472,15 +486,15 @@ struct ActivateQuery {
 
 async fn activate_module(
     State(state): State<ApiState>,
-    Path(name): Path<String>,
-    ApiQuery(q): ApiQuery<ActivateQuery>,
+    Api(Path(name)): Api<Path<String>>,
+    Api(Query(q)): Api<Query<ActivateQuery>>,
 ) -> ApiResult<Response> {
     let version = state.modules.activate(&name, q.version).await?;
     Ok(Json(json!({ "name": name, "active_version": version })).into_response())
 }
 
 /// The module's settings document (`{}` when none).
-async fn module_settings(State(state): State<ApiState>, Path(name): Path<String>) -> ApiResult<Response> {
+async fn module_settings(State(state): State<ApiState>, Api(Path(name)): Api<Path<String>>) -> ApiResult<Response> {
     let record = with_controller(&state, move |c| {
         c.module(&name).ok_or_else(|| HostError::NotFound(format!("no module named {name:?}")))
     })
@@ -491,7 +505,7 @@ async fn module_settings(State(state): State<ApiState>, Path(name): Path<String>
 /// Any JSON document; the module's guests read it through the `settings` capability.
 async fn set_module_settings(
     State(state): State<ApiState>,
-    Path(name): Path<String>,
+    Api(Path(name)): Api<Path<String>>,
     body: axum::body::Bytes,
 ) -> ApiResult<Response> {
     let settings: Value = serde_json::from_slice(&body)
@@ -500,41 +514,44 @@ async fn set_module_settings(
     Ok(Json(json!({ "name": name, "settings": settings })).into_response())
 }
 
-async fn clear_module_settings(State(state): State<ApiState>, Path(name): Path<String>) -> ApiResult<Response> {
+async fn clear_module_settings(
+    State(state): State<ApiState>,
+    Api(Path(name)): Api<Path<String>>,
+) -> ApiResult<Response> {
     state.modules.set_settings(&name, None).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
-async fn rollback_module(State(state): State<ApiState>, Path(name): Path<String>) -> ApiResult<Response> {
+async fn rollback_module(State(state): State<ApiState>, Api(Path(name)): Api<Path<String>>) -> ApiResult<Response> {
     let version = state.modules.rollback(&name).await?;
     Ok(Json(json!({ "name": name, "active_version": version })).into_response())
 }
 
 async fn start_shadow(
     State(state): State<ApiState>,
-    Path(name): Path<String>,
-    ApiQuery(q): ApiQuery<ActivateQuery>,
+    Api(Path(name)): Api<Path<String>>,
+    Api(Query(q)): Api<Query<ActivateQuery>>,
 ) -> ApiResult<Response> {
     let version = state.modules.start_shadow(&name, q.version).await?;
     Ok(Json(json!({ "name": name, "shadow_version": version })).into_response())
 }
 
-async fn stop_shadow(State(state): State<ApiState>, Path(name): Path<String>) -> ApiResult<Response> {
+async fn stop_shadow(State(state): State<ApiState>, Api(Path(name)): Api<Path<String>>) -> ApiResult<Response> {
     state.modules.stop_shadow(&name).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
-async fn shadow_diff(State(state): State<ApiState>, Path(name): Path<String>) -> ApiResult<Response> {
+async fn shadow_diff(State(state): State<ApiState>, Api(Path(name)): Api<Path<String>>) -> ApiResult<Response> {
     let diff = with_controller(&state, move |c| c.shadow_diff(&name)).await?;
     Ok(Json(diff).into_response())
 }
 
-async fn promote_shadow(State(state): State<ApiState>, Path(name): Path<String>) -> ApiResult<Response> {
+async fn promote_shadow(State(state): State<ApiState>, Api(Path(name)): Api<Path<String>>) -> ApiResult<Response> {
     let version = state.modules.promote(&name).await?;
     Ok(Json(json!({ "name": name, "active_version": version })).into_response())
 }
 
-async fn delete_module(State(state): State<ApiState>, Path(name): Path<String>) -> ApiResult<Response> {
+async fn delete_module(State(state): State<ApiState>, Api(Path(name)): Api<Path<String>>) -> ApiResult<Response> {
     state.modules.delete(&name).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
@@ -556,7 +573,7 @@ struct DataplaneQuery {
     format: Option<String>,
 }
 
-async fn dataplane(State(state): State<ApiState>, ApiQuery(q): ApiQuery<DataplaneQuery>) -> ApiResult<Response> {
+async fn dataplane(State(state): State<ApiState>, Api(Query(q)): Api<Query<DataplaneQuery>>) -> ApiResult<Response> {
     let json_format = q.format.as_deref() == Some("json");
     with_controller(&state, move |c| {
         let dp = c.dataplane();

@@ -295,6 +295,27 @@ async fn a_query_string_that_does_not_parse_is_refused_in_the_apis_json() {
     assert_eq!(t.dataplane().await, before, "a refused call changes nothing");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_path_that_does_not_decode_is_refused_in_the_apis_json() {
+    let t = TestHost::start().await;
+    let before = t.dataplane().await;
+    // %FF decodes to a byte that is not UTF-8, in a module name and in a namespace.
+    let cases = [
+        ("GET", "/v1/modules/%FF"),
+        ("DELETE", "/v1/modules/%FF"),
+        ("POST", "/v1/modules/%FF/rollback"),
+        ("GET", "/v1/services/%FF/web"),
+        ("POST", "/v1/policies/%FF/web/audit?enabled=true"),
+    ];
+    for (method, path) in cases {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        let (status, body) = json_answer(t.client.request(method.clone(), t.url(path)).bearer_auth(TOKEN)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{method} {path}: {body}");
+        assert!(error_of(&body).contains("UTF-8"), "{method} {path}: {body}");
+    }
+    assert_eq!(t.dataplane().await, before, "a refused call changes nothing");
+}
+
 /// Sends `head` (its blank line included) and `first` on a connection of its own, then after
 /// 300 ms `second`, and reads the answer: the host answers while `second` is still to come.
 async fn send_with_a_pause(addr: &str, head: &str, first: &[u8], second: &[u8]) -> String {

@@ -6,14 +6,14 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use axum::Json;
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use wasmplane_model::{ObjectKey, Protocol, ServiceView};
 
-use super::{ApiError, ApiQuery, ApiResult, ApiState, with_controller};
+use super::{Api, ApiError, ApiResult, ApiState, with_controller};
 use crate::controller::{Controller, HostError};
 use crate::nft::policy::{Direction, PolicyVerdict};
 use crate::nft::service_drops::ServiceDropReason;
@@ -35,7 +35,7 @@ pub(super) struct VerdictsQuery {
 /// that direction (an allowed one's also the `policy` that allowed it).
 pub(super) async fn policy_verdicts(
     State(state): State<ApiState>,
-    ApiQuery(query): ApiQuery<VerdictsQuery>,
+    Api(Query(query)): Api<Query<VerdictsQuery>>,
 ) -> ApiResult<Response> {
     let Some(log) = state.policy_verdicts.clone() else {
         return Err(ApiError(StatusCode::NOT_FOUND, "policy verdicts are not read on this host: it writes no kernel (--dataplane nftables), logs none (--policy-log-group 0) or could not bind the group (see its log)".into()));
@@ -261,7 +261,10 @@ pub(super) struct DropsQuery {
 /// `GET /v1/policies/verdicts` has them, and the service side's drops and rejects with their
 /// reason, named by service and port from the model now. Each has its `kind` (`policy`,
 /// `service`) and `reason` (`deny`, `audit`, or the service's).
-pub(super) async fn drops(State(state): State<ApiState>, ApiQuery(query): ApiQuery<DropsQuery>) -> ApiResult<Response> {
+pub(super) async fn drops(
+    State(state): State<ApiState>,
+    Api(Query(query)): Api<Query<DropsQuery>>,
+) -> ApiResult<Response> {
     let Some(log) = state.policy_verdicts.clone() else {
         return Err(ApiError(StatusCode::NOT_FOUND, "drops are not read on this host: it writes no kernel (--dataplane nftables), logs none (--policy-log-group 0) or could not bind the group (see its log)".into()));
     };

@@ -6,14 +6,14 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use wasmplane_model::{CompactString, Labels, ObjectKey, Pod};
 
 use super::drops::{ServiceFrontends, drop_json, drops_of_pod, local_pods_by_address};
-use super::{ApiQuery, ApiResult, ApiState, with_controller};
+use super::{Api, ApiResult, ApiState, with_controller};
 use crate::controller::{Controller, HostError};
 use crate::nft::policy::Direction;
 
@@ -192,7 +192,7 @@ fn pod_row(
 /// the policies their dispatch chains run.
 pub(super) async fn list_pods(
     State(state): State<ApiState>,
-    ApiQuery(query): ApiQuery<PodsQuery>,
+    Api(Query(query)): Api<Query<PodsQuery>>,
 ) -> ApiResult<Response> {
     let cni = cni_allocations(&state);
     let pods = with_controller(&state, move |c| {
@@ -216,8 +216,8 @@ pub(super) async fn list_pods(
 /// One pod on this node: its row, labels and latest drops; any other pod is not found.
 pub(super) async fn pod_detail(
     State(state): State<ApiState>,
-    Path((namespace, name)): Path<(String, String)>,
-    ApiQuery(query): ApiQuery<PodQuery>,
+    Api(Path((namespace, name))): Api<Path<(String, String)>>,
+    Api(Query(query)): Api<Query<PodQuery>>,
 ) -> ApiResult<Response> {
     let key = ObjectKey::new(&namespace, &name);
     let cni = cni_allocations(&state);

@@ -2,14 +2,14 @@
 //! (`GET /v1/policies/verdicts`) are served with the drops.
 
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use wasmplane_model::ObjectKey;
 
-use super::{ApiError, ApiQuery, ApiResult, ApiState, with_controller};
+use super::{Api, ApiError, ApiResult, ApiState, with_controller};
 
 #[derive(Deserialize)]
 pub(super) struct PoliciesQuery {
@@ -20,7 +20,7 @@ pub(super) struct PoliciesQuery {
 /// The policies this node enforces: generation, audit mode, targets, errors.
 pub(super) async fn list_policies(
     State(state): State<ApiState>,
-    ApiQuery(query): ApiQuery<PoliciesQuery>,
+    Api(Query(query)): Api<Query<PoliciesQuery>>,
 ) -> ApiResult<Response> {
     let body = with_controller(&state, move |c| {
         let counts = if query.counters.unwrap_or(false) {
@@ -57,8 +57,8 @@ pub(super) struct AuditQuery {
 /// Audit mode for one policy on this node: would-be drops are logged and counted, not enforced.
 pub(super) async fn set_policy_audit(
     State(state): State<ApiState>,
-    Path((namespace, name)): Path<(String, String)>,
-    ApiQuery(query): ApiQuery<AuditQuery>,
+    Api(Path((namespace, name))): Api<Path<(String, String)>>,
+    Api(Query(query)): Api<Query<AuditQuery>>,
 ) -> ApiResult<Response> {
     let key = ObjectKey::new(&namespace, &name);
     // Off for one policy while every policy is audited stays on: the answer says what holds.
@@ -73,7 +73,7 @@ pub(super) async fn set_policy_audit(
 /// Audit mode for every policy on this node (the whole policy module).
 pub(super) async fn set_module_audit(
     State(state): State<ApiState>,
-    ApiQuery(query): ApiQuery<AuditQuery>,
+    Api(Query(query)): Api<Query<AuditQuery>>,
 ) -> ApiResult<Response> {
     with_controller(&state, move |c| c.set_policy_audit(None, query.enabled)).await?;
     Ok(Json(json!({ "audit": query.enabled })).into_response())
@@ -83,8 +83,8 @@ pub(super) async fn set_module_audit(
 /// verdict log (`GET /v1/policies/verdicts?verdict=allow`); 409 where none is kept.
 pub(super) async fn set_policy_log_allowed(
     State(state): State<ApiState>,
-    Path((namespace, name)): Path<(String, String)>,
-    ApiQuery(query): ApiQuery<AuditQuery>,
+    Api(Path((namespace, name))): Api<Path<(String, String)>>,
+    Api(Query(query)): Api<Query<AuditQuery>>,
 ) -> ApiResult<Response> {
     let key = ObjectKey::new(&namespace, &name);
     // Off for one policy while on for every policy stays on: the answer says what holds.
@@ -99,7 +99,7 @@ pub(super) async fn set_policy_log_allowed(
 /// Allow logging for every policy on this node.
 pub(super) async fn set_module_log_allowed(
     State(state): State<ApiState>,
-    ApiQuery(query): ApiQuery<AuditQuery>,
+    Api(Query(query)): Api<Query<AuditQuery>>,
 ) -> ApiResult<Response> {
     with_controller(&state, move |c| c.set_policy_log_allowed(None, query.enabled)).await?;
     Ok(Json(json!({ "log_allowed": query.enabled })).into_response())
@@ -108,7 +108,7 @@ pub(super) async fn set_module_log_allowed(
 /// A policy's realization status over every node, as the operator aggregates it.
 pub(super) async fn policy_status(
     State(state): State<ApiState>,
-    Path((namespace, name)): Path<(String, String)>,
+    Api(Path((namespace, name))): Api<Path<(String, String)>>,
 ) -> ApiResult<Response> {
     let Some(operator) = &state.operator else {
         return Err(ApiError(

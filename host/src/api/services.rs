@@ -4,13 +4,13 @@
 use std::sync::Arc;
 
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use wasmplane_model::{CompactString, ObjectKey, Protocol, ServiceType, ServiceView};
 
-use super::{ApiQuery, ApiResult, ApiState, with_controller};
+use super::{Api, ApiResult, ApiState, with_controller};
 use crate::controller::HostError;
 
 #[derive(Deserialize)]
@@ -85,7 +85,7 @@ fn service_row<'a>(key: &ObjectKey, view: &'a ServiceView, error: Option<&'a str
 /// The services of this node's model, one row each (`?namespace=NS`: those of one namespace).
 pub(super) async fn list_services(
     State(state): State<ApiState>,
-    ApiQuery(query): ApiQuery<ServicesQuery>,
+    Api(Query(query)): Api<Query<ServicesQuery>>,
 ) -> ApiResult<Response> {
     // Shared views taken under the lock, rows built after it.
     let services = with_controller(&state, move |c| {
@@ -111,7 +111,7 @@ pub(super) async fn list_services(
 /// of its load balancer addresses), its translation error.
 pub(super) async fn service_detail(
     State(state): State<ApiState>,
-    Path((namespace, name)): Path<(String, String)>,
+    Api(Path((namespace, name))): Api<Path<(String, String)>>,
 ) -> ApiResult<Response> {
     let key = ObjectKey::new(&namespace, &name);
     let body = with_controller(&state, move |c| {
