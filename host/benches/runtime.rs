@@ -415,8 +415,12 @@ fn isolated_calls(
     }
     wasm.sort();
     native.sort();
-    let p = |v: &[Duration], q: usize| v[(v.len() * q / 100).min(v.len() - 1)];
-    Isolated { wasm_p50: p(&wasm, 50), wasm_p90: p(&wasm, 90), native_p50: p(&native, 50), native_p90: p(&native, 90) }
+    Isolated {
+        wasm_p50: percentile(&wasm, 50),
+        wasm_p90: percentile(&wasm, 90),
+        native_p50: percentile(&native, 50),
+        native_p90: percentile(&native, 90),
+    }
 }
 
 struct Isolated {
@@ -435,6 +439,11 @@ fn best_of<T>(runs: usize, mut f: impl FnMut() -> T) -> Duration {
         })
         .min()
         .unwrap()
+}
+
+/// The `q`th percentile of sorted samples.
+fn percentile(sorted: &[Duration], q: usize) -> Duration {
+    sorted[(sorted.len() * q / 100).min(sorted.len() - 1)]
 }
 
 fn per_call(d: Duration, n: usize) -> String {

@@ -17,6 +17,7 @@ use std::net::IpAddr;
 
 use rkyv::with::{InlineAsBox, Map};
 use rkyv::{Archive, Deserialize, Serialize};
+use wasmplane_sdk::builders::protocol_name;
 use wasmplane_sdk::types as sdk;
 
 use crate::MAX_AFFINITY_TIMEOUT_SECONDS;
@@ -75,12 +76,12 @@ impl ArchivedProtocol {
     }
 }
 
-impl Protocol {
-    pub fn name(self) -> &'static str {
-        match self {
-            Protocol::Tcp => "tcp",
-            Protocol::Udp => "udp",
-            Protocol::Sctp => "sctp",
+impl From<Protocol> for sdk::Protocol {
+    fn from(p: Protocol) -> sdk::Protocol {
+        match p {
+            Protocol::Tcp => sdk::Protocol::Tcp,
+            Protocol::Udp => sdk::Protocol::Udp,
+            Protocol::Sctp => sdk::Protocol::Sctp,
         }
     }
 }
@@ -240,11 +241,6 @@ pub enum Verdict {
 /// A flat ruleset in the typed world's terms, its elements in a canonical order
 /// ([`canonical`]): the typed translator orders hairpin addresses as text, this one as numbers.
 pub fn typed(ruleset: &Ruleset) -> sdk::Ruleset {
-    let protocol = |p: Protocol| match p {
-        Protocol::Tcp => sdk::Protocol::Tcp,
-        Protocol::Udp => sdk::Protocol::Udp,
-        Protocol::Sctp => sdk::Protocol::Sctp,
-    };
     let map_elements = ruleset
         .elements
         .iter()
@@ -256,7 +252,7 @@ pub fn typed(ruleset: &Ruleset) -> sdk::Ruleset {
                 .flatten()
                 .map(|part| match *part {
                     KeyPart::Address(a) => sdk::KeyPart::Address(a.to_string()),
-                    KeyPart::Protocol(p) => sdk::KeyPart::Protocol(protocol(p)),
+                    KeyPart::Protocol(p) => sdk::KeyPart::Protocol(p.into()),
                     KeyPart::Port(p) => sdk::KeyPart::Port(p),
                 })
                 .collect(),
@@ -379,7 +375,7 @@ impl ByFamily {
 }
 
 fn port_id(port: &ArchivedServicePort<'_>) -> String {
-    let protocol = port.protocol.native().name();
+    let protocol = protocol_name(port.protocol.native().into());
     if port.name.is_empty() { format!("{protocol}/{}", port.port) } else { format!("{protocol}/{}", &*port.name) }
 }
 

@@ -13,7 +13,7 @@ use wasmplane_model::state::{NodeContext, ServiceView};
 use wasmplane_runtime::native;
 use wasmplane_sdk::types as sdk;
 
-use super::{bench_guest, best_of};
+use super::{bench_guest, best_of, percentile};
 
 mod bindings {
     wasmtime::component::bindgen!({ path: "../guests/service-translator/bench-flat.wit", world: "flat-translation" });
@@ -284,7 +284,7 @@ pub fn flat_boundary(
         })
         .collect();
     isolated.sort();
-    result.isolated_p50 = isolated[isolated.len() / 2];
-    result.isolated_p90 = isolated[isolated.len() * 9 / 10];
+    result.isolated_p50 = percentile(&isolated, 50);
+    result.isolated_p90 = percentile(&isolated, 90);
     result
 }
