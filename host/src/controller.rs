@@ -743,6 +743,11 @@ impl Controller {
         self.sync(changes.changes)
     }
 
+    /// Whether the cluster has this NetworkPolicy (whether or not it selects a pod here).
+    pub fn policy_exists(&self, policy: &ObjectKey) -> bool {
+        self.cluster.network_policies.contains_key(policy)
+    }
+
     /// Whether a policy is in audit mode on this node (by itself or with every policy).
     pub fn policy_audited(&self, policy: &ObjectKey) -> bool {
         self.policy.is_audit(policy)

@@ -645,9 +645,13 @@ pub fn format_toggle(what: &str, field: &str, answer: &Value) -> String {
         Some(false) => "off",
         None => "?",
     };
-    match answer["policy"].as_str() {
+    let line = match answer["policy"].as_str() {
         Some(policy) => format!("{policy}: {what} {state}\n"),
         None => format!("every policy on this node: {what} {state}\n"),
+    };
+    match answer["warning"].as_str() {
+        Some(warning) => format!("{line}warning: {warning}\n"),
+        None => line,
     }
 }
 

@@ -2,11 +2,38 @@ use anyhow::Context as _;
 use tracing_subscriber::EnvFilter;
 use wasmplane::cli::{Command, LogFormat, PodCommand, ServiceCommand};
 
-fn main() -> anyhow::Result<std::process::ExitCode> {
+fn main() -> std::process::ExitCode {
     // A compile request from a running host: nothing else of the host starts in that process.
     if let Some(exit) = wasmplane_runtime::compiler::serve_if_compiler_process() {
-        return Ok(exit);
+        return exit;
     }
+    match start_and_run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprint!("{}", error_report(&error));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// An error as a command line tool reports it: the error, then each cause. Never the
+/// backtrace that returning it from `main` would print under `RUST_BACKTRACE=1`, which
+/// operators set for the host's panics, not for a mistyped flag.
+fn error_report(error: &anyhow::Error) -> String {
+    let mut report = format!("error: {error}\n");
+    let mut said = error.to_string();
+    for cause in error.chain().skip(1) {
+        // Library errors often print their source in their own message too.
+        let cause = cause.to_string();
+        if !said.contains(&cause) {
+            report.push_str(&format!("  caused by: {cause}\n"));
+        }
+        said = cause;
+    }
+    report
+}
+
+fn start_and_run() -> anyhow::Result<()> {
     // Before the runtime starts any thread.
     wasmplane::memory::configure_malloc();
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
@@ -15,8 +42,7 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
     {
         runtime.worker_threads(workers);
     }
-    runtime.enable_all().build().context("starting the tokio runtime")?.block_on(run())?;
-    Ok(std::process::ExitCode::SUCCESS)
+    runtime.enable_all().build().context("starting the tokio runtime")?.block_on(run())
 }
 
 /// The log on stderr, filtered by `RUST_LOG` (default `info`).

@@ -385,10 +385,13 @@ impl PolicyController {
         self.compiled.iter().map(|(k, c)| (k.clone(), c.generation)).collect()
     }
 
+    /// Also lists the policies set to audit or allow logging that this node has no rules of
+    /// (not created yet, or selecting no pod here): the setting waits for them, and is seen.
     pub fn status(&self, model: &NodeLocalModel) -> Vec<PolicyStatus> {
         let mut keys: BTreeSet<&ObjectKey> = model.policies.keys().collect();
         keys.extend(self.compiled.keys());
         keys.extend(self.errors.keys());
+        keys.extend(self.audit.iter().chain(&self.log_allowed));
         keys.into_iter()
             .map(|k| {
                 let compiled = self.compiled.get(k);
@@ -954,6 +957,31 @@ mod tests {
             w.controller.set_audit(&ObjectKey::new("a", "p"), true).changes.is_empty(),
             "no change, nothing written"
         );
+    }
+
+    /// Audit mode set for a policy before it exists writes nothing, is listed, and the
+    /// policy starts audited: no moment enforced.
+    #[test]
+    fn audit_mode_set_before_the_policy_exists_is_listed_and_holds_from_its_first_rules() {
+        let mut w = World::new();
+        let later = ObjectKey::new("a", "later");
+        assert!(w.controller.set_audit(&later, true).changes.is_empty(), "nothing of it to rewrite");
+        let status = w.controller.status(&w.model);
+        assert_eq!(status.len(), 1, "{status:?}");
+        assert!(status[0].name == "later" && status[0].audit && !status[0].log_allowed);
+        assert_eq!(
+            (status[0].enforced_generation, status[0].desired_generation, status[0].ingress_targets),
+            (None, 0, 0)
+        );
+
+        let c = w.apply(policy("later", "web", 1));
+        let dispatch = c.changes.iter().find_map(|(_, rules)| rules.as_ref()?.chains.get("polpod/10.244.1.10/ingress"));
+        assert!(dispatch.unwrap().last().unwrap().ends_with("accept comment \"audit\""), "{:?}", c.changes);
+        // Gone again: the setting stays listed until switched off.
+        w.delete_policy("later");
+        assert!(w.controller.status(&w.model)[0].audit);
+        w.controller.set_audit(&later, false);
+        assert!(w.controller.status(&w.model).is_empty());
     }
 
     /// Allow logging rewrites only that policy's object (its accepts go to its allow chain),

@@ -361,18 +361,12 @@ async fn the_policy_cli_lists_policies_and_says_when_verdicts_are_not_read() {
     policy(&api, PolicyCommand::Ls { counters: false }).await.unwrap();
     let mut shown = Vec::new();
     policy_to(&api, PolicyCommand::Ls { counters: false }, &mut shown).await.unwrap();
-    let cells = |table: &str| -> Vec<Vec<String>> {
-        table
-            .lines()
-            .map(|l| l.split("   ").map(str::trim).filter(|c| !c.is_empty()).map(String::from).collect())
-            .collect()
-    };
 
     let (status, list) = h.get("/v1/policies").await;
     assert_eq!(status, StatusCode::OK, "{list}");
     let table = format_policies(&list, false);
     assert_eq!(
-        cells(&table),
+        table_cells(&table),
         [
             vec!["NAMESPACE/NAME", "GENERATION", "MODE", "TARGETS", "ERROR"],
             vec!["default/web-ingress", "1/1", "enforce", "ingress 1, egress 0"]
@@ -394,7 +388,11 @@ async fn the_policy_cli_lists_policies_and_says_when_verdicts_are_not_read() {
     policy_to(&api, PolicyCommand::Ls { counters: true }, &mut shown).await.unwrap();
     let (_, counted) = h.get("/v1/policies?counters=true").await;
     let table = format_policies(&counted, true);
-    assert_eq!(cells(&table)[1], ["default/web-ingress", "1/1", "audit", "ingress 1, egress 0", "0", "0"], "{table}");
+    assert_eq!(
+        table_cells(&table)[1],
+        ["default/web-ingress", "1/1", "audit", "ingress 1, egress 0", "0", "0"],
+        "{table}"
+    );
     assert_eq!(String::from_utf8(shown).unwrap(), table, "what `wasmplane policy ls --counters` prints");
 
     // A record dataplane reads no verdicts: the host's 404 and its reason, at once, also with --follow.
@@ -474,6 +472,28 @@ async fn the_policy_cli_switches_audit_and_allow_logging() {
         (json!(false), json!(false)),
         "{list}"
     );
+
+    // A policy the cluster does not have (misspelt, or not created yet): kept, listed, and said.
+    let misspelt = || Some(NamespacedName { namespace: "default".into(), name: "web-ingres".into() });
+    assert_eq!(
+        run(PolicyCommand::Audit(PolicyToggle { policy: misspelt(), all: false, off: false })).await.unwrap(),
+        "default/web-ingres: audit on\nwarning: the cluster has no NetworkPolicy default/web-ingres: the setting is \
+         kept for it until switched off\n"
+    );
+    let (_, list) = h.get("/v1/policies").await;
+    let kept = list["policies"].as_array().unwrap().iter().find(|p| p["name"] == "web-ingres").cloned();
+    assert_eq!(kept.as_ref().map(|p| (&p["audit"], &p["enforced_generation"])), Some((&json!(true), &Value::Null)));
+    let table = run(PolicyCommand::Ls { counters: false }).await.unwrap();
+    assert!(
+        table_cells(&table).iter().any(|row| row == &["default/web-ingres", "-/0", "audit", "ingress 0, egress 0"]),
+        "{table}"
+    );
+    assert_eq!(
+        run(PolicyCommand::Audit(PolicyToggle { policy: misspelt(), all: false, off: true })).await.unwrap(),
+        "default/web-ingres: audit off\n"
+    );
+    let (_, list) = h.get("/v1/policies").await;
+    assert_eq!(list["policies"].as_array().unwrap().len(), 1, "{list}");
 
     // Without the token: the host's 401 and its reason, and nothing changes.
     let mut shown = Vec::new();
@@ -689,17 +709,11 @@ async fn the_pod_cli_reads_and_formats_the_running_host() {
     let h = Host::start().await;
     write_manifest(&h.dir.path().join("manifests"), "cache.yaml", CACHE_POD);
     h.wait_for_status("the second local pod", |status| status["model"]["local_pods"] == 2).await;
-    let cells = |table: &str| -> Vec<Vec<String>> {
-        table
-            .lines()
-            .map(|l| l.split("   ").map(str::trim).filter(|c| !c.is_empty()).map(String::from).collect())
-            .collect()
-    };
 
     let (_, list) = h.get("/v1/pods").await;
     let table = format_pods(&list);
     assert_eq!(
-        cells(&table),
+        table_cells(&table),
         [
             vec!["POD", "IPS", "INGRESS", "EGRESS", "POLICIES"],
             vec!["default/web-1", "10.244.0.41", "enforced", "-", "default/web-ingress"],
@@ -734,7 +748,7 @@ async fn the_pod_cli_reads_and_formats_the_running_host() {
     assert_eq!(pod_row(&list, "default/web-1")["audit"], true, "{list}");
     let table = format_pods(&list);
     assert_eq!(
-        cells(&table)[1],
+        table_cells(&table)[1],
         ["default/web-1", "10.244.0.41", "audit", "-", "default/web-ingress (audit)"],
         "{table}"
     );
@@ -771,4 +785,9 @@ async fn the_node_cli_lists_this_node_or_says_the_host_does_not_register() {
     let error = node_to(&h.api(), NodeCommand::Ls, &mut Vec::new()).await.unwrap_err().to_string();
     assert_eq!(error, "404 Not Found: this host does not register in the kvstore");
     h.host.stop().await;
+}
+
+/// A table as `wasmplane` prints it, cell by cell (columns are three or more spaces apart).
+fn table_cells(table: &str) -> Vec<Vec<String>> {
+    table.lines().map(|l| l.split("   ").map(str::trim).filter(|c| !c.is_empty()).map(String::from).collect()).collect()
 }

@@ -406,6 +406,19 @@ fn unreadable_recordings_fail_with_a_clear_error() {
     }
     let (ok, _, stderr) = wasmplane(&["replay", fixture().to_str().unwrap(), "--module", "/nonexistent/m.wasm"]);
     assert!(!ok && stderr.contains("reading module /nonexistent/m.wasm"), "{stderr}");
+    // Reported as a command line tool does, with its causes, and no backtrace even where
+    // RUST_BACKTRACE is set for the host's panics.
+    let out = Command::new(env!("CARGO_BIN_EXE_wasmplane"))
+        .args(["replay", fixture().to_str().unwrap(), "--module", "/nonexistent/m.wasm"])
+        .env("RUST_BACKTRACE", "1")
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.starts_with("error: ") && stderr.contains("reading module /nonexistent/m.wasm"), "{stderr}");
+    assert_eq!(stderr.matches("No such file or directory").count(), 1, "each cause once: {stderr}");
+    assert!(!stderr.to_lowercase().contains("backtrace"), "{stderr}");
     // Not a service translator: refused when loaded, like an upload.
     let runtime = Runtime::new(Limits::default(), None).unwrap();
     assert!(matches!(Replayer::new(&runtime, Some(("gc", artifacts::GC))), Err(ReplayError::Load { .. })));

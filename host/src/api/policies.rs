@@ -62,12 +62,25 @@ pub(super) async fn set_policy_audit(
 ) -> ApiResult<Response> {
     let key = ObjectKey::new(&namespace, &name);
     // Off for one policy while every policy is audited stays on: the answer says what holds.
-    let audit = with_controller(&state, move |c| {
+    let (audit, exists) = with_controller(&state, move |c| {
         c.set_policy_audit(Some(&key), query.enabled)?;
-        Ok(c.policy_audited(&key))
+        Ok((c.policy_audited(&key), c.policy_exists(&key)))
     })
     .await?;
-    Ok(Json(json!({ "policy": format!("{namespace}/{name}"), "audit": audit })).into_response())
+    Ok(Json(toggled(&namespace, &name, "audit", audit, exists)).into_response())
+}
+
+/// What holds for one policy after a switch. A policy the cluster does not have keeps the
+/// setting (so that a new policy can start in audit mode, with no moment enforced), and the
+/// answer says so: a misspelt name would otherwise look applied.
+fn toggled(namespace: &str, name: &str, field: &str, enabled: bool, exists: bool) -> Value {
+    let mut answer = json!({ "policy": format!("{namespace}/{name}"), (field): enabled, "exists": exists });
+    if !exists && enabled {
+        answer["warning"] = json!(format!(
+            "the cluster has no NetworkPolicy {namespace}/{name}: the setting is kept for it until switched off"
+        ));
+    }
+    answer
 }
 
 /// Audit mode for every policy on this node (the whole policy module).
@@ -88,12 +101,12 @@ pub(super) async fn set_policy_log_allowed(
 ) -> ApiResult<Response> {
     let key = ObjectKey::new(&namespace, &name);
     // Off for one policy while on for every policy stays on: the answer says what holds.
-    let log_allowed = with_controller(&state, move |c| {
+    let (log_allowed, exists) = with_controller(&state, move |c| {
         c.set_policy_log_allowed(Some(&key), query.enabled)?;
-        Ok(c.policy_logs_allowed(&key))
+        Ok((c.policy_logs_allowed(&key), c.policy_exists(&key)))
     })
     .await?;
-    Ok(Json(json!({ "policy": format!("{namespace}/{name}"), "log_allowed": log_allowed })).into_response())
+    Ok(Json(toggled(&namespace, &name, "log_allowed", log_allowed, exists)).into_response())
 }
 
 /// Allow logging for every policy on this node.
