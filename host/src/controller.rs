@@ -227,6 +227,7 @@ fn translate_one(
     })?;
     let mut rules = nft::validate_service_output(key, &out, dataplane.pod_detection())
         .map_err(|e| CallFailure::Crash(e.to_string()))?;
+    rules.created_unix = view.service.created_unix;
     if dataplane.logs_service_drops() {
         nft::service_drops::route_drops_through_log(&mut rules);
     }

@@ -1123,8 +1123,11 @@ impl Dataplane {
         self.noted(result)
     }
 
-    fn sync_changes(&mut self, changes: Vec<(ObjectKey, Option<ObjectRules>)>) -> Result<SyncStats, WriteError> {
+    fn sync_changes(&mut self, mut changes: Vec<(ObjectKey, Option<ObjectRules>)>) -> Result<SyncStats, WriteError> {
         self.held = false;
+        // The oldest claimant first (a stable sort: objects of no age, policies' among them,
+        // keep their order, which matters).
+        changes.sort_by_key(|(_, rules)| rules.as_ref().map_or(i64::MAX, ObjectRules::claim_order));
         if self.in_sync && self.relayout_with(&changes) {
             // The change is most of the table anyway (a first delivery of state after an
             // empty start): one full sync costs the same and lays the services out for
@@ -1319,13 +1322,16 @@ impl Dataplane {
     }
 
     /// The waiting objects (see [`Dataplane::waiting`]) of which a claim is free in `objects`
-    /// (owned by none), in key order.
+    /// (owned by none), the oldest first, then in key order.
     fn freed_waiting(&self, objects: &Objects) -> Vec<ObjectKey> {
-        self.waiting
+        let mut freed: Vec<(i64, &ObjectKey)> = self
+            .waiting
             .iter()
             .filter(|(_, rules)| rules.owned_keys().any(|k| self.element_owner.owner(k, objects).is_none()))
-            .map(|(key, _)| key.clone())
-            .collect()
+            .map(|(key, rules)| (rules.claim_order(), key))
+            .collect();
+        freed.sort();
+        freed.into_iter().map(|(_, key)| key.clone()).collect()
     }
 
     /// Rewrites the whole table from what we want (periodic reconcile, first sync, hot swap).
@@ -1343,8 +1349,11 @@ impl Dataplane {
                 let mut waiting = BTreeMap::new();
                 // Those that own what they claim keep it: the objects that were waiting for
                 // a claim come after the others (each part in key order).
-                let (later, first): (Vec<_>, Vec<_>) =
+                let (mut later, mut first): (Vec<_>, Vec<_>) =
                     objects.into_iter().partition(|(key, _)| self.waiting.contains_key(key));
+                // Then the oldest first (see `ObjectRules::created_unix`).
+                first.sort_by_key(|(_, rules)| rules.claim_order());
+                later.sort_by_key(|(_, rules)| rules.claim_order());
                 for (key, mut rules) in first.into_iter().chain(later) {
                     if let Some(old) = self.desired().get(&key) {
                         nft::keep_affinity_slots(old, &mut rules);
@@ -2084,6 +2093,53 @@ mod tests {
         assert!(dp.applied()[&dup].warnings.is_empty());
         assert!(last().contains("10.96.0.1 . tcp . 80 : goto reject-chain"), "{}", last());
         assert!(dp.waiting.is_empty());
+    }
+
+    /// Of the objects new to a sync that claim one frontend, the oldest gets it whatever
+    /// their names: so after a restart (a new dataplane, offered everything at once, as a
+    /// change or in full) the owner is the one that was. A waiting object gets it freed in
+    /// the same order. Without ages, the first by key.
+    #[test]
+    fn the_oldest_claimant_gets_a_frontend_in_every_run_alike() {
+        let frontend = |verdict: &str, created: Option<i64>| ObjectRules {
+            created_unix: created,
+            ..elements(&[("service-ips", "10.96.0.1 . tcp . 80", verdict)])
+        };
+        let (web, dup, zzz) = (key("web"), key("dup"), key("zzz"));
+        let owner = |dp: &Dataplane| -> Vec<String> {
+            dp.applied().iter().filter(|(_, r)| !r.elements.is_empty()).map(|(k, _)| k.name.to_string()).collect()
+        };
+        // "dup", created later, sorts first: offered in key order, it does not get it.
+        let both = || {
+            vec![
+                (dup.clone(), Some(frontend("goto reject-chain", Some(200)))),
+                (web.clone(), Some(frontend("goto pick-by-count", Some(100)))),
+            ]
+        };
+        let mut restarted = Dataplane::new(Box::new(Fake::default()));
+        restarted.sync(both()).unwrap();
+        assert_eq!(owner(&restarted), ["web"]);
+        assert_eq!(
+            restarted.applied()[&dup].warnings,
+            ["frontend 10.96.0.1 . tcp . 80 already belongs to default/web"]
+        );
+        let mut restarted = Dataplane::new(Box::new(Fake::default()));
+        restarted.full_sync(Some(both().into_iter().map(|(k, r)| (k, r.unwrap())).collect())).unwrap();
+        assert_eq!(owner(&restarted), ["web"]);
+        // Of no age: the first by key.
+        let mut ageless = Dataplane::new(Box::new(Fake::default()));
+        ageless
+            .sync(both().into_iter().map(|(k, r)| (k, r.map(|r| ObjectRules { created_unix: None, ..r }))).collect())
+            .unwrap();
+        assert_eq!(owner(&ageless), ["dup"]);
+
+        // In a run, an owner keeps what it has; when it goes, the oldest waiting one gets it.
+        let mut dp = Dataplane::new(Box::new(Fake::default()));
+        dp.sync(both()).unwrap();
+        dp.sync(vec![(zzz.clone(), Some(frontend("goto reject-chain", Some(50))))]).unwrap();
+        assert_eq!(owner(&dp), ["web"], "the owner keeps it");
+        dp.sync(vec![(web, None)]).unwrap();
+        assert_eq!(owner(&dp), ["zzz"], "the oldest of those waiting, not the first by key");
     }
 
     #[test]

@@ -969,6 +969,12 @@ pub struct ObjectRules {
     /// A service's prefix (`svc/<namespace>/<name>`): its shard, also for its map elements.
     #[serde(skip)]
     pub service_prefix: Option<String>,
+    /// When its object was created (a Service's creationTimestamp, Unix seconds). Of the
+    /// objects new to a sync that claim one frontend or node port, the oldest gets it (then
+    /// the first by key), so that after a restart the owner is the one that was: a service
+    /// created later under a name that sorts first does not take another's address.
+    #[serde(skip)]
+    pub created_unix: Option<i64>,
 }
 
 impl ObjectRules {
@@ -977,6 +983,12 @@ impl ObjectRules {
     pub fn is_sharded(&self) -> bool {
         self.chains.keys().next().is_some_and(|c| c.starts_with("svc/"))
             || (self.service_prefix.is_some() && self.elements.keys().any(|(map, _)| is_sharded_map(map)))
+    }
+
+    /// Where it comes among objects new to a sync that claim the same (see
+    /// [`ObjectRules::created_unix`]); ties keep their order.
+    pub fn claim_order(&self) -> i64 {
+        self.created_unix.unwrap_or(i64::MAX)
     }
 
     /// Its elements of shared host sets ([`is_shared_set`]): many objects may hold each.

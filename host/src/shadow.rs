@@ -162,6 +162,7 @@ mod tests {
             elements: elements.iter().map(|(m, k, v)| (((*m).into(), (*k).into()), (*v).into())).collect(),
             warnings: vec![],
             service_prefix: None,
+            created_unix: None,
         }
     }
 

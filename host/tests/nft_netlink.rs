@@ -43,6 +43,7 @@ fn object(
         elements: elements.iter().map(|&(m, k, v)| ((m.into(), k.into()), v.into())).collect(),
         warnings: Vec::new(),
         service_prefix: None,
+        created_unix: None,
     }
 }
 

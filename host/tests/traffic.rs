@@ -809,17 +809,23 @@ async fn a_second_service_on_one_frontend_does_not_take_it_over() {
     let _server = Server::start(&pod_a, "a", &[8080]);
 
     let cluster = Cluster::new();
-    cluster.put(&Svc::new("web", CLUSTER_IP, vec![Port::new("http", "TCP", 80, 8080)], vec![ready(POD_A, NODE)]));
+    cluster.put(&Svc {
+        created: Some("2026-01-01T00:00:00Z"),
+        ..Svc::new("web", CLUSTER_IP, vec![Port::new("http", "TCP", 80, 8080)], vec![ready(POD_A, NODE)])
+    });
     let host = start_host(cluster.config(topo.nft_command())).await;
     wait_applied(&host, "the first service", |t| serves(t, &format!("{CLUSTER_IP} . tcp . 80")));
     // "dup" sorts before "web", and a full sync offers services in key order. Its second
     // port is its own.
-    cluster.put(&Svc::new(
-        "dup",
-        CLUSTER_IP,
-        vec![Port::new("http", "TCP", 80, 8080), Port::new("other", "TCP", 81, 8080)],
-        vec![],
-    ));
+    cluster.put(&Svc {
+        created: Some("2026-06-01T00:00:00Z"),
+        ..Svc::new(
+            "dup",
+            CLUSTER_IP,
+            vec![Port::new("http", "TCP", 80, 8080), Port::new("other", "TCP", 81, 8080)],
+            vec![],
+        )
+    });
     let frontend_reject = format!("{CLUSTER_IP} . tcp . 80 : goto reject-chain");
     wait_applied(&host, "the second service's own port", |t| {
         t.contains(&format!("{CLUSTER_IP} . tcp . 81 : goto reject-chain"))
@@ -840,6 +846,16 @@ async fn a_second_service_on_one_frontend_does_not_take_it_over() {
     // A periodic reconcile keeps it so.
     controller().reconcile().unwrap();
     check_served("after a reconcile");
+    // So does a restart, which offers both at once in key order: the older service keeps it.
+    host.stop().await;
+    let host = start_host(cluster.config(topo.nft_command())).await;
+    wait_applied(&host, "both services after a restart", |t| {
+        t.contains(&format!("{CLUSTER_IP} . tcp . 81 : goto reject-chain"))
+    });
+    check_served("after a restart");
+    let controller = || host.controller.lock().unwrap_or_else(|p| p.into_inner());
+    let warnings = controller().dataplane().applied()[&dup].warnings.clone();
+    assert!(warnings.contains(&refused), "after a restart: {warnings:?}");
 
     cluster.remove("web");
     wait_applied(&host, "the second service's reject", |t| t.contains(&frontend_reject));

@@ -128,6 +128,7 @@ impl From<&Service> for proto::Service {
             load_balancer_source_ranges: s.load_balancer_source_ranges.iter().map(ToString::to_string).collect(),
             global: s.global,
             cluster_affinity: proto::ClusterAffinity::from(s.cluster_affinity).into(),
+            created_unix: s.created_unix,
             labels: s.labels.iter().map(|(k, v)| (k.to_std(), v.to_std())).collect(),
         }
     }
@@ -295,6 +296,7 @@ impl TryFrom<proto::Service> for Service {
                     });
                 }
             },
+            created_unix: s.created_unix,
         })
     }
 }
@@ -393,6 +395,7 @@ pub(crate) mod tests_support {
                 labels: Labels::from([("app".into(), "web".into()), ("tier".into(), "front".into())]),
                 global: true,
                 cluster_affinity: ClusterAffinity::Remote,
+                created_unix: Some(1_765_000_000),
             }
             .into(),
             slices: vec![LocalSlice {

@@ -152,6 +152,10 @@ pub struct Service {
     /// A global service's preference among the clusters' endpoints.
     #[serde(default, skip_serializing_if = "ClusterAffinity::is_none")]
     pub cluster_affinity: ClusterAffinity,
+    /// `metadata.creationTimestamp`, Unix seconds (`None`: not given, as in a manifest):
+    /// of two services claiming one frontend, the older keeps it, in every run alike.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub created_unix: Option<i64>,
 }
 
 /// A load balancer frontend closed to all sources but some (kube-proxy's `firewall-ips`).
@@ -184,6 +188,7 @@ impl Service {
             labels: Labels::new(),
             global: false,
             cluster_affinity: ClusterAffinity::None,
+            created_unix: None,
         }
     }
 

@@ -79,6 +79,7 @@ mod tests {
                 labels: [("app".into(), "web".into())].into_iter().collect(),
                 global: false,
                 cluster_affinity: m::ClusterAffinity::None,
+                created_unix: None,
             }
             .into(),
             slices: vec![LocalSlice {

@@ -246,6 +246,7 @@ pub fn service(s: &slim::Service) -> Result<Service, ConvertError> {
                 ClusterAffinity::None
             }
         },
+        created_unix: m.creation_timestamp.as_ref().map(|t| t.0.as_second()),
     })
 }
 
@@ -732,6 +733,19 @@ mod tests {
             [affinity("local"), affinity("remote"), affinity("none"), affinity("nearest")],
             [ClusterAffinity::Local, ClusterAffinity::Remote, ClusterAffinity::None, ClusterAffinity::None]
         );
+    }
+
+    /// Its creationTimestamp, read through the slim parser, in Unix seconds: what decides
+    /// which of two services claiming one frontend keeps it.
+    #[test]
+    fn service_creation_time() {
+        let created = |metadata: serde_json::Value| -> Option<i64> {
+            let slim: slim::Service = serde_json::from_value(json!({ "metadata": metadata })).unwrap();
+            service(&slim).unwrap().created_unix
+        };
+        assert_eq!(created(json!({"name": "web", "creationTimestamp": "2026-12-07T10:00:05Z"})), Some(1_796_637_605));
+        assert_eq!(created(json!({"name": "web"})), None, "a manifest that gives none");
+        assert_eq!(created(json!({"name": "web", "creationTimestamp": "yesterday"})), None, "no age, not refused");
     }
 
     #[test]

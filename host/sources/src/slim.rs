@@ -55,6 +55,9 @@ fn metadata<'de, D: Deserializer<'de>>(deserializer: D) -> Result<ObjectMeta, D:
         annotations: Option<ReadAnnotations>,
         /// A node being deleted is drained by load balancers.
         deletion_timestamp: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+        /// Of two services claiming one frontend, the older keeps it. One that does not
+        /// parse (a hand-written manifest) is no age, not a broken object.
+        creation_timestamp: Option<String>,
     }
     let read = Read::deserialize(deserializer)?;
     Ok(ObjectMeta {
@@ -66,6 +69,10 @@ fn metadata<'de, D: Deserializer<'de>>(deserializer: D) -> Result<ObjectMeta, D:
         labels: read.labels,
         annotations: read.annotations.map(|a| a.0).filter(|a| !a.is_empty()),
         deletion_timestamp: read.deletion_timestamp,
+        creation_timestamp: read
+            .creation_timestamp
+            .and_then(|t| t.parse().ok())
+            .map(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time),
         ..ObjectMeta::default()
     })
 }

@@ -65,6 +65,8 @@ pub struct Svc {
     /// `spec.externalIPs`.
     pub external_ips: Vec<&'static str>,
     pub endpoints: Vec<Endpoint>,
+    /// `metadata.creationTimestamp` (RFC 3339), as an API server would give it.
+    pub created: Option<&'static str>,
 }
 
 impl Svc {
@@ -81,6 +83,7 @@ impl Svc {
             health_check_node_port: None,
             source_ranges: vec![],
             external_ips: vec![],
+            created: None,
             endpoints,
         }
     }
@@ -146,10 +149,11 @@ impl Svc {
             format!("endpoints:\n{}", endpoints.join("\n"))
         };
         format!(
-            "apiVersion: v1\nkind: Service\nmetadata: {{ name: {name}, namespace: default }}\nspec:\n{spec}  ports:\n{ports}\n{status}---\n\
+            "apiVersion: v1\nkind: Service\nmetadata: {{ name: {name}, namespace: default{created} }}\nspec:\n{spec}  ports:\n{ports}\n{status}---\n\
              apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}-abcde\n  namespace: default\n  labels: {{ kubernetes.io/service-name: {name} }}\n\
              addressType: {family}\nports:\n{slice_ports}\n{endpoints}\n",
             name = self.name,
+            created = self.created.map(|t| format!(", creationTimestamp: \"{t}\"")).unwrap_or_default(),
             family = if self.cluster_ip.contains(':') { "IPv6" } else { "IPv4" },
             ports = ports.join("\n"),
             slice_ports = slice_ports.join("\n"),
