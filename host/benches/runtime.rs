@@ -738,6 +738,23 @@ fn main() {
         );
     }
     println!(
+        "\n| services, as LoadBalancers with externalTrafficPolicy Local (three chains a port) | today's call | native | zero-copy, natively | zero-copy Wasm | today's call / native | zero-copy Wasm / today's native |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for b in &breakdown {
+        let c = &b.flat.chains;
+        println!(
+            "| {} | {} | {} | {} | {} | {:.2}× | {:.2}× |",
+            b.n,
+            per_call(c.typed, b.n),
+            per_call(c.native, b.n),
+            per_call(c.flat_native, b.n),
+            per_call(c.flat_wasm, b.n),
+            c.typed.as_secs_f64() / c.native.as_secs_f64(),
+            c.flat_wasm.as_secs_f64() / c.native.as_secs_f64()
+        );
+    }
+    println!(
         "\n| services | one zero-copy Wasm call after 20 ms idle: p50 / p90 | today's call, the same (table above) | today's native, the same |"
     );
     println!("|---|---|---|---|");

@@ -8,9 +8,12 @@
 //! the host validates (bytecheck) and then reads in place. Native code runs the same
 //! [`translate`] on the same archive, so the two sides differ only by the boundary.
 //!
-//! It covers load balancing as data, the common case of [`crate::translate`] (every service of
-//! the bench); a service that needs chains of its own is refused with an error, and the
-//! bench checks every ruleset against the typed translator's.
+//! It covers every path of [`crate::translate`]: load balancing as data, the common case (every
+//! service of the bench's cluster), and the ports that need chains of their own
+//! (externalTrafficPolicy Local with external addresses, more than 32 backends), whose chains
+//! and affinity sets are named by numbers too (a port's index and role, a backend's address
+//! and port) and whose rules hold their matches and statements inline. The bench and the unit
+//! tests check every ruleset against the typed translator's.
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -158,11 +161,110 @@ pub struct EndpointPort<'a> {
     pub port: u16,
 }
 
-/// The result: elements of the host's maps, named by number.
+/// The result: elements of the host's maps, named by number, and the chains and affinity
+/// sets of the ports that need their own.
 #[derive(Archive, Serialize, Deserialize, Debug, Default, PartialEq)]
 pub struct Ruleset {
     pub elements: Vec<Element>,
+    pub chains: Vec<Chain>,
+    pub sets: Vec<SetDeclaration>,
     pub warnings: Vec<String>,
+}
+
+/// A chain of the service's own: the host names it `<chain prefix>/<port id>` for
+/// [`ChainRole::Service`], with `/external` or `/local` after it for the others.
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[rkyv(derive(Clone, Copy, Debug, PartialEq, Eq))]
+pub struct ChainName {
+    /// The port's index in the service's ports.
+    pub port: u16,
+    pub role: ChainRole,
+}
+
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[rkyv(derive(Clone, Copy, Debug, PartialEq, Eq))]
+pub enum ChainRole {
+    /// Cluster traffic.
+    Service,
+    /// Node ports, external and load-balancer addresses.
+    External,
+    /// externalTrafficPolicy Local: the node's own endpoints.
+    Local,
+}
+
+/// The clients that last reached one backend of a port (session affinity): the host names it
+/// `<chain prefix>/<port id>/ep/<address>/<port>/affinity`, its family the address's.
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[rkyv(derive(Clone, Copy, Debug, PartialEq, Eq))]
+pub struct SetName {
+    pub port: u16,
+    pub address: IpAddr,
+    pub backend_port: u16,
+}
+
+#[derive(Archive, Serialize, Deserialize, Debug, PartialEq)]
+pub struct SetDeclaration {
+    pub name: SetName,
+    pub timeout_seconds: u32,
+}
+
+#[derive(Archive, Serialize, Deserialize, Debug, PartialEq)]
+pub struct Chain {
+    pub name: ChainName,
+    pub rules: Vec<Rule>,
+}
+
+/// The most matches a rule of the translator has (destination, protocol, port, pod traffic).
+pub const MAX_MATCHES: usize = 4;
+/// The most statements (remember the client, DNAT).
+pub const MAX_STATEMENTS: usize = 2;
+
+/// A rule with its matches and statements inline, so that it allocates nothing.
+#[derive(Archive, Serialize, Deserialize, Debug, PartialEq)]
+pub struct Rule {
+    pub matches: [Option<Match>; MAX_MATCHES],
+    pub statements: [Option<Statement>; MAX_STATEMENTS],
+    pub verdict: Verdict,
+}
+
+impl Rule {
+    fn new(matches: &[Match], statements: &[Statement], verdict: Verdict) -> Rule {
+        debug_assert!(matches.len() <= MAX_MATCHES && statements.len() <= MAX_STATEMENTS);
+        let mut rule = Rule { matches: [None; MAX_MATCHES], statements: [None; MAX_STATEMENTS], verdict };
+        rule.matches.iter_mut().zip(matches).for_each(|(slot, m)| *slot = Some(*m));
+        rule.statements.iter_mut().zip(statements).for_each(|(slot, s)| *slot = Some(*s));
+        rule
+    }
+}
+
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[rkyv(derive(Clone, Copy, Debug, PartialEq, Eq))]
+pub enum Match {
+    Destination(IpAddr),
+    Protocol(Protocol),
+    DestinationPort(u16),
+    SourceInSet(SetName),
+    /// `numgen random mod <modulus> == 0`.
+    Random(u32),
+    /// Traffic from pods (or, negated, from anywhere else) of a family, as the host detects it.
+    PodTraffic {
+        ipv6: bool,
+        negate: bool,
+    },
+}
+
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[rkyv(derive(Clone, Copy, Debug, PartialEq, Eq))]
+pub enum Statement {
+    Dnat {
+        address: IpAddr,
+        port: u16,
+    },
+    /// Remember the client in an affinity set, for `timeout` seconds.
+    RememberSource {
+        set: SetName,
+        timeout: u32,
+    },
 }
 
 /// The host's maps a service translator writes to (their names in the typed world).
@@ -179,6 +281,8 @@ pub enum MapName {
     NoEndpointNodeports,
     Hairpin,
     ClusterIps,
+    ServiceIps,
+    ServiceNodeports,
 }
 
 impl MapName {
@@ -195,6 +299,8 @@ impl MapName {
             MapName::NoEndpointNodeports => "no-endpoint-nodeports".into(),
             MapName::Hairpin => "hairpin".into(),
             MapName::ClusterIps => "cluster-ips".into(),
+            MapName::ServiceIps => "service-ips".into(),
+            MapName::ServiceNodeports => "service-nodeports".into(),
         }
     }
 }
@@ -228,19 +334,92 @@ impl Element {
     }
 }
 
-/// The verdicts of map elements (chains, and the verdicts naming them, are not in the
-/// prototype).
 #[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
 #[rkyv(derive(Clone, Copy, Debug, PartialEq, Eq))]
 pub enum Verdict {
     None,
     Drop,
     Reject,
+    Goto(ChainName),
+    /// Mark for masquerading at postrouting.
+    Masquerade,
 }
 
-/// A flat ruleset in the typed world's terms, its elements in a canonical order
-/// ([`canonical`]): the typed translator orders hairpin addresses as text, this one as numbers.
-pub fn typed(ruleset: &Ruleset) -> sdk::Ruleset {
+/// The names a flat ruleset's numbers stand for, from the inputs it was translated from
+/// (what the host would resolve them with).
+struct Names<'i> {
+    chain_prefix: &'i str,
+    port_ids: Vec<String>,
+}
+
+impl Names<'_> {
+    fn port_prefix(&self, port: u16) -> String {
+        format!("{}/{}", self.chain_prefix, self.port_ids[usize::from(port)])
+    }
+
+    fn chain(&self, name: ChainName) -> String {
+        let suffix = match name.role {
+            ChainRole::Service => "",
+            ChainRole::External => "/external",
+            ChainRole::Local => "/local",
+        };
+        format!("{}{suffix}", self.port_prefix(name.port))
+    }
+
+    fn set(&self, name: SetName) -> String {
+        let address = name.address.to_string().replace(':', "-");
+        format!("{}/ep/{address}/{}/affinity", self.port_prefix(name.port), name.backend_port)
+    }
+
+    fn verdict(&self, verdict: Verdict) -> sdk::Verdict {
+        match verdict {
+            Verdict::None => sdk::Verdict::None,
+            Verdict::Drop => sdk::Verdict::Drop,
+            Verdict::Reject => sdk::Verdict::Reject,
+            Verdict::Goto(chain) => sdk::Verdict::Goto(self.chain(chain)),
+            Verdict::Masquerade => sdk::Verdict::Masquerade,
+        }
+    }
+
+    fn rule(&self, rule: &Rule) -> sdk::Rule {
+        let address = |a: IpAddr| sdk::AddressMatch { cidr: a.to_string(), negate: false };
+        let family = |ipv6: bool| if ipv6 { sdk::AddressFamily::Ipv6 } else { sdk::AddressFamily::Ipv4 };
+        sdk::Rule {
+            matches: (rule.matches.iter().flatten())
+                .map(|m| match *m {
+                    Match::Destination(a) => sdk::RuleMatch::Destination(address(a)),
+                    Match::Protocol(p) => sdk::RuleMatch::Protocol(p.into()),
+                    Match::DestinationPort(p) => sdk::RuleMatch::DestinationPort(p),
+                    Match::SourceInSet(set) => sdk::RuleMatch::SourceInSet(self.set(set)),
+                    Match::Random(modulus) => sdk::RuleMatch::Random((modulus, 0)),
+                    Match::PodTraffic { ipv6, negate } => {
+                        sdk::RuleMatch::PodTraffic(sdk::PodTrafficMatch { family: family(ipv6), negate })
+                    }
+                })
+                .collect(),
+            statements: (rule.statements.iter().flatten())
+                .map(|s| match *s {
+                    Statement::Dnat { address, port } => {
+                        sdk::RuleStatement::Dnat(sdk::DnatTarget { address: address.to_string(), port })
+                    }
+                    Statement::RememberSource { set, timeout } => sdk::RuleStatement::AddSourceToSet(sdk::SetUpdate {
+                        set: self.set(set),
+                        timeout_seconds: Some(timeout),
+                    }),
+                })
+                .collect(),
+            verdict: self.verdict(rule.verdict),
+            comment: None,
+        }
+    }
+}
+
+/// A flat ruleset in the typed world's terms, its names resolved from the `inputs` it was
+/// translated from, and its elements in a canonical order ([`canonical`]): the typed
+/// translator orders hairpin addresses as text, this one as numbers.
+pub fn typed(ruleset: &Ruleset, inputs: &ArchivedInputs<'_>) -> sdk::Ruleset {
+    let names =
+        Names { chain_prefix: &inputs.chain_prefix, port_ids: inputs.service.ports.iter().map(port_id).collect() };
     let map_elements = ruleset
         .elements
         .iter()
@@ -256,14 +435,21 @@ pub fn typed(ruleset: &Ruleset) -> sdk::Ruleset {
                     KeyPart::Port(p) => sdk::KeyPart::Port(p),
                 })
                 .collect(),
-            verdict: match e.verdict {
-                Verdict::None => sdk::Verdict::None,
-                Verdict::Drop => sdk::Verdict::Drop,
-                Verdict::Reject => sdk::Verdict::Reject,
-            },
+            verdict: names.verdict(e.verdict),
         })
         .collect();
-    canonical(sdk::Ruleset { chains: vec![], sets: vec![], map_elements, warnings: ruleset.warnings.clone() })
+    let chains = (ruleset.chains.iter())
+        .map(|c| sdk::Chain { name: names.chain(c.name), rules: c.rules.iter().map(|r| names.rule(r)).collect() })
+        .collect();
+    let sets = (ruleset.sets.iter())
+        .map(|s| sdk::SetDeclaration {
+            name: names.set(s.name),
+            family: if s.name.address.is_ipv6() { sdk::AddressFamily::Ipv6 } else { sdk::AddressFamily::Ipv4 },
+            timeout_seconds: Some(s.timeout_seconds),
+            elements: vec![],
+        })
+        .collect();
+    canonical(sdk::Ruleset { chains, sets, map_elements, warnings: ruleset.warnings.clone() })
 }
 
 /// A typed ruleset with its map elements in one order, to compare with [`typed`]'s.
@@ -383,8 +569,14 @@ fn addresses(list: &[rkyv::net::ArchivedIpAddr]) -> Vec<IpAddr> {
     list.iter().map(|a| a.as_ipaddr()).collect()
 }
 
-/// [`crate::translate`] over the archive, for services whose ports are all load balanced as
-/// data.
+/// One of the service's ports, with its index (what its chains and sets are named by).
+#[derive(Clone, Copy)]
+struct PortOf<'p, 'a> {
+    index: u16,
+    port: &'p ArchivedServicePort<'a>,
+}
+
+/// [`crate::translate`] over the archive.
 pub fn translate(inputs: &ArchivedInputs<'_>) -> Result<Ruleset, String> {
     let service = &inputs.service;
     let mut ruleset = Ruleset::default();
@@ -395,8 +587,10 @@ pub fn translate(inputs: &ArchivedInputs<'_>) -> Result<Ruleset, String> {
     let external: Vec<IpAddr> =
         service.external_ips.iter().chain(service.load_balancer_ips.iter()).map(|a| a.as_ipaddr()).collect();
     let mut hairpin = BTreeSet::new();
-    for port in service.ports.iter() {
-        translate_port(service, port, &inputs.slices, &cluster_ips, &external, &mut ruleset, &mut hairpin)?;
+    for (index, port) in service.ports.iter().enumerate() {
+        let index = u16::try_from(index).map_err(|_| "more than 65,535 ports".to_string())?;
+        let port = PortOf { index, port };
+        translate_port(service, port, &inputs.slices, &cluster_ips, &external, &mut ruleset, &mut hairpin);
     }
     ruleset.elements.extend(
         hairpin.into_iter().map(|address| Element::new(MapName::Hairpin, &[KeyPart::Address(address)], Verdict::None)),
@@ -411,13 +605,14 @@ pub fn translate(inputs: &ArchivedInputs<'_>) -> Result<Ruleset, String> {
 
 fn translate_port(
     service: &ArchivedService<'_>,
-    port: &ArchivedServicePort<'_>,
+    port_of: PortOf<'_, '_>,
     slices: &[ArchivedSlice<'_>],
     cluster_ips: &[IpAddr],
     external: &[IpAddr],
     ruleset: &mut Ruleset,
     hairpin: &mut BTreeSet<IpAddr>,
-) -> Result<(), String> {
+) {
+    let port = port_of.port;
     let by_family = ByFamily { v4: categorize(port, slices, false), v6: categorize(port, slices, true) };
     let node_port = port.node_port.to_native();
     let has_node_port = node_port != 0
@@ -427,12 +622,9 @@ fn translate_port(
         && cluster_ips.iter().chain(external).all(|ip| by_family.of(*ip).cluster.len() <= MAX_BACKENDS_PER_FRONTEND)
         && [&by_family.v4, &by_family.v6].iter().all(|f| f.cluster.len() <= MAX_BACKENDS_PER_FRONTEND);
     if !as_data {
-        return Err(format!(
-            "service {}/{} port {}: the flat prototype covers load balancing as data only",
-            &*service.namespace,
-            &*service.name,
-            port_id(port)
-        ));
+        let frontends = Frontends { cluster_ips, external, node_port: has_node_port.then_some(node_port) };
+        translate_port_in_chains(service, port_of, &by_family, frontends, ruleset, hairpin);
+        return;
     }
     let protocol = port.protocol.native();
     let number = port.port.to_native();
@@ -483,13 +675,13 @@ fn translate_port(
         }
     }
     if !has_node_port {
-        return Ok(());
+        return;
     }
     let node_port_key = [KeyPart::Protocol(protocol), KeyPart::Port(node_port)];
     let backends: Vec<&Backend> = by_family.v4.cluster.iter().chain(&by_family.v6.cluster).collect();
     if backends.is_empty() {
         ruleset.elements.push(Element::new(MapName::NoEndpointNodeports, &node_port_key, Verdict::Reject));
-        return Ok(());
+        return;
     }
     for b in backends {
         let [p, n] = node_port_key;
@@ -503,5 +695,180 @@ fn translate_port(
     if let Some(t) = affinity {
         ruleset.elements.push(Element::new(MapName::NodeportAffinity(t), &node_port_key, Verdict::None));
     }
-    Ok(())
+}
+
+/// A port's frontends: its cluster IPs, its external and load-balancer addresses, its node
+/// port (where the service type opens one).
+#[derive(Clone, Copy)]
+struct Frontends<'f> {
+    cluster_ips: &'f [IpAddr],
+    external: &'f [IpAddr],
+    node_port: Option<u16>,
+}
+
+/// Backends in the typed translator's order, by their text, so that the rules picking among
+/// them come out in the same order (only the chain path's rules depend on it).
+fn in_text_order(backends: &[Backend]) -> Vec<Backend> {
+    let mut ordered = backends.to_vec();
+    ordered.sort_by_cached_key(|b| (b.address.to_string(), b.port));
+    ordered
+}
+
+/// The typed `translate_port`'s chains: the rules that pick one of a port's backends, with the
+/// affinity sets they need declared once, in `ruleset`.
+struct ChainRules<'r> {
+    port: u16,
+    affinity: Option<u32>,
+    protocol: Protocol,
+    ruleset: &'r mut Ruleset,
+    declared: BTreeSet<SetName>,
+    hairpin: &'r mut BTreeSet<IpAddr>,
+}
+
+impl ChainRules<'_> {
+    fn affinity_set(&mut self, backend: &Backend, timeout: u32) -> SetName {
+        let name = SetName { port: self.port, address: backend.address, backend_port: backend.port };
+        if self.declared.insert(name) {
+            self.ruleset.sets.push(SetDeclaration { name, timeout_seconds: timeout });
+        }
+        name
+    }
+
+    /// A uniform pick, as the typed `pick_rules`: rule i matches with probability 1/(n-i)
+    /// among what is left, the last always; with affinity, a remembered client goes back
+    /// first, and every DNAT remembers the client.
+    fn pick_rules(&mut self, backends: &[Backend]) -> Vec<Rule> {
+        self.hairpin.extend(backends.iter().map(|b| b.address));
+        let n = backends.len() as u32;
+        let protocol = Match::Protocol(self.protocol);
+        let draw = |i: usize, rest: &[Statement]| {
+            let left = n - i as u32;
+            if left > 1 {
+                Rule::new(&[Match::Random(left), protocol], rest, Verdict::None)
+            } else {
+                Rule::new(&[protocol], rest, Verdict::None)
+            }
+        };
+        let dnat = |b: &Backend| Statement::Dnat { address: b.address, port: b.port };
+        let Some(timeout) = self.affinity else {
+            return backends.iter().enumerate().map(|(i, b)| draw(i, &[dnat(b)])).collect();
+        };
+        let sets: Vec<SetName> = backends.iter().map(|b| self.affinity_set(b, timeout)).collect();
+        let remember = |set: SetName| Statement::RememberSource { set, timeout };
+        let mut rules = Vec::with_capacity(backends.len() * 2);
+        for (b, set) in backends.iter().zip(&sets) {
+            rules.push(Rule::new(&[Match::SourceInSet(*set), protocol], &[remember(*set), dnat(b)], Verdict::None));
+        }
+        for (i, (b, set)) in backends.iter().zip(&sets).enumerate() {
+            rules.push(draw(i, &[remember(*set), dnat(b)]));
+        }
+        rules
+    }
+}
+
+/// The typed `translate_port`'s chain path, over the archive: a service chain for cluster
+/// traffic, an external chain (and for externalTrafficPolicy Local a local one) for the rest,
+/// over the endpoints of the service's first family.
+fn translate_port_in_chains(
+    service: &ArchivedService<'_>,
+    port_of: PortOf<'_, '_>,
+    by_family: &ByFamily,
+    frontends: Frontends<'_>,
+    ruleset: &mut Ruleset,
+    hairpin: &mut BTreeSet<IpAddr>,
+) {
+    let Frontends { cluster_ips, external, node_port } = frontends;
+    let port = port_of.port;
+    let family_of = cluster_ips[0];
+    let endpoints = by_family.of(family_of);
+    let cluster_backends =
+        in_text_order(if service.internal_traffic_local { &endpoints.local } else { &endpoints.cluster });
+    let external_local = service.external_traffic_local;
+    let external_backends = in_text_order(if external_local { &endpoints.local } else { &endpoints.cluster });
+    let protocol = port.protocol.native();
+    let number = port.port.to_native();
+    let frontend = |ip: IpAddr| [KeyPart::Address(ip), KeyPart::Protocol(protocol), KeyPart::Port(number)];
+    let mut rules = ChainRules {
+        port: port_of.index,
+        affinity: service.session_affinity_timeout.as_ref().map(|t| t.to_native()),
+        protocol,
+        ruleset,
+        declared: BTreeSet::new(),
+        hairpin,
+    };
+    let pods_v6 = family_of.is_ipv6();
+
+    let service_chain = ChainName { port: port_of.index, role: ChainRole::Service };
+    if cluster_backends.is_empty() {
+        let verdict = if endpoints.cluster.is_empty() {
+            rules.ruleset.warnings.push(format!("{}: no ready endpoints", port_id(port)));
+            Verdict::Reject
+        } else {
+            rules
+                .ruleset
+                .warnings
+                .push(format!("{}: internalTrafficPolicy Local and no endpoint on this node", port_id(port)));
+            Verdict::Drop
+        };
+        for &ip in cluster_ips {
+            rules.ruleset.elements.push(Element::new(MapName::NoEndpointServices, &frontend(ip), verdict));
+        }
+    } else {
+        let mut chain_rules: Vec<Rule> = (cluster_ips.iter().filter(|ip| ip.is_ipv6() == pods_v6))
+            .map(|&ip| {
+                // Off-cluster sources reaching a cluster IP are masqueraded so replies return.
+                let off_cluster = Match::PodTraffic { ipv6: pods_v6, negate: true };
+                let matches =
+                    [Match::Destination(ip), Match::Protocol(protocol), Match::DestinationPort(number), off_cluster];
+                Rule::new(&matches, &[], Verdict::Masquerade)
+            })
+            .collect();
+        chain_rules.extend(rules.pick_rules(&cluster_backends));
+        rules.ruleset.chains.push(Chain { name: service_chain, rules: chain_rules });
+        for &ip in cluster_ips {
+            rules.ruleset.elements.push(Element::new(MapName::ServiceIps, &frontend(ip), Verdict::Goto(service_chain)));
+        }
+    }
+
+    if external.is_empty() && node_port.is_none() {
+        return;
+    }
+    let external_verdict = if external_backends.is_empty() {
+        if external_local && !endpoints.cluster.is_empty() { Verdict::Drop } else { Verdict::Reject }
+    } else {
+        let external_chain = ChainName { port: port_of.index, role: ChainRole::External };
+        let mut chain_rules = Vec::new();
+        if external_local {
+            if !cluster_backends.is_empty() {
+                chain_rules.push(Rule::new(
+                    &[Match::PodTraffic { ipv6: pods_v6, negate: false }],
+                    &[],
+                    Verdict::Goto(service_chain),
+                ));
+            }
+            let local_chain = ChainName { port: port_of.index, role: ChainRole::Local };
+            let pick = rules.pick_rules(&external_backends);
+            rules.ruleset.chains.push(Chain { name: local_chain, rules: pick });
+            chain_rules.push(Rule::new(&[], &[], Verdict::Goto(local_chain)));
+        } else {
+            chain_rules.push(Rule::new(&[], &[], Verdict::Masquerade));
+            if cluster_backends.is_empty() {
+                chain_rules.extend(rules.pick_rules(&external_backends));
+            } else {
+                chain_rules.push(Rule::new(&[], &[], Verdict::Goto(service_chain)));
+            }
+        }
+        rules.ruleset.chains.push(Chain { name: external_chain, rules: chain_rules });
+        Verdict::Goto(external_chain)
+    };
+    let routed = matches!(external_verdict, Verdict::Goto(_));
+    for &ip in external {
+        let map = if routed { MapName::ServiceIps } else { MapName::NoEndpointServices };
+        rules.ruleset.elements.push(Element::new(map, &frontend(ip), external_verdict));
+    }
+    if let Some(node_port) = node_port {
+        let map = if routed { MapName::ServiceNodeports } else { MapName::NoEndpointNodeports };
+        let key = [KeyPart::Protocol(protocol), KeyPart::Port(node_port)];
+        rules.ruleset.elements.push(Element::new(map, &key, external_verdict));
+    }
 }

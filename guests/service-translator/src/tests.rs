@@ -709,11 +709,12 @@ fn flat_archive(node: &NodeContext, prefix: &str, service: &Service, slices: &[E
     flat::encode_inputs(&inputs, Vec::new())
 }
 
-/// The zero-copy prototype gives the typed translation's ruleset on every path it covers,
-/// through its own archive and back (as the host reads a guest's), and refuses the rest.
+/// The zero-copy prototype gives the typed translation's ruleset on every path, load
+/// balancing as data and chains alike, through its own archive and back (as the host reads a
+/// guest's).
 #[cfg(feature = "bench-flat")]
 #[test]
-fn the_zero_copy_prototype_translates_as_data_the_same() {
+fn the_zero_copy_prototype_translates_every_path_the_same() {
     let dual = |mut s: Service| {
         s.cluster_ips.push("fd00::20".into());
         s
@@ -731,6 +732,17 @@ fn the_zero_copy_prototype_translates_as_data_the_same() {
     ]);
     let terminating =
         slice(vec![endpoint("10.244.0.11", false, true, true), endpoint("10.244.1.2", false, false, false)]);
+    let external_local = |mut s: Service| {
+        s = node_port(s);
+        s.service_type = ServiceType::LoadBalancer;
+        s.load_balancer_ips = vec!["198.51.100.7".into()];
+        s.external_traffic_policy = TrafficPolicy::Local;
+        s
+    };
+    // 40 backends, 5 of them here: addresses of one to three digits, whose order as text and
+    // as numbers differ.
+    let many =
+        slice((1..=40).map(|i| endpoint(&format!("10.244.{}.{}", i % 2, i * 6), true, false, i % 8 == 0)).collect());
     let cases: Vec<(&str, Service, Vec<EndpointSlice>)> = vec![
         ("cluster IP", service(), vec![mixed.clone()]),
         ("no endpoints", service(), vec![]),
@@ -784,16 +796,62 @@ fn the_zero_copy_prototype_translates_as_data_the_same() {
             },
             vec![mixed.clone()],
         ),
+        // Chains of the port's own.
+        ("externalTrafficPolicy Local, a node port and LB IP", external_local(service()), vec![mixed.clone()]),
+        (
+            "externalTrafficPolicy Local, affinity, a second port",
+            {
+                let mut s = external_local(service());
+                s.session_affinity_timeout = Some(600);
+                s.ports.push(ServicePort { name: "".into(), port: 443, node_port: 30443, ..s.ports[0].clone() });
+                s
+            },
+            vec![
+                mixed.clone(),
+                EndpointSlice {
+                    ports: vec![EndpointPort { name: "".into(), protocol: Protocol::Tcp, port: 8443 }],
+                    ..mixed.clone()
+                },
+            ],
+        ),
+        (
+            "externalTrafficPolicy Local, no endpoint here",
+            external_local(service()),
+            vec![slice(vec![endpoint("10.244.1.11", true, false, false)])],
+        ),
+        (
+            "externalTrafficPolicy Local, IPv6 first",
+            {
+                let mut s = external_local(service());
+                s.cluster_ips = vec!["fd00::20".into(), "10.96.0.20".into()];
+                s.session_affinity_timeout = Some(60);
+                s
+            },
+            vec![slice(vec![
+                endpoint("fd00:244::11", true, false, true),
+                endpoint("fd00:244::12", true, false, false),
+            ])],
+        ),
+        ("more than 32 backends", service(), vec![many.clone()]),
+        (
+            "more than 32 backends, affinity, internal traffic local",
+            {
+                let mut s = node_port(service());
+                s.session_affinity_timeout = Some(100_000);
+                s.internal_traffic_policy = TrafficPolicy::Local;
+                s
+            },
+            vec![many.clone()],
+        ),
     ];
     for (case, service, slices) in &cases {
         let archive = flat_archive(&ctx(), "svc/shop/web", service, slices);
         // SAFETY: `flat_archive` made it.
-        let on_archive = unsafe { flat::translate(flat::inputs_in_place(&archive)) }.unwrap();
-        assert_eq!(
-            flat::typed(&on_archive),
-            flat::canonical(translate(&ctx(), "svc/shop/web", service, slices).unwrap()),
-            "{case}"
-        );
+        // SAFETY: as above.
+        let inputs = unsafe { flat::inputs_in_place(&archive) };
+        let on_archive = flat::translate(inputs).unwrap();
+        let expected = translate(&ctx(), "svc/shop/web", service, slices).unwrap();
+        assert_eq!(flat::typed(&on_archive, inputs), flat::canonical(expected), "{case}");
         // SAFETY: as above.
         let output = unsafe { flat::translate_archive(&archive) };
         let read_back: Result<flat::Ruleset, String> =
@@ -801,13 +859,14 @@ fn the_zero_copy_prototype_translates_as_data_the_same() {
         assert_eq!(read_back, Ok(on_archive), "{case}: the result archive");
     }
 
-    // A port that needs chains of its own is not in the prototype: it says so.
-    let mut local = node_port(service());
-    local.external_traffic_policy = TrafficPolicy::Local;
-    let archive = flat_archive(&ctx(), "svc/shop/web", &local, &[mixed]);
-    // SAFETY: `flat_archive` made it.
-    let refused = unsafe { flat::translate(flat::inputs_in_place(&archive)) }.unwrap_err();
-    assert!(refused.contains("load balancing as data only"), "{refused}");
+    // Each chain case took the chain path (and the others did not).
+    let chains = |case: &str| {
+        let (_, service, slices) = cases.iter().find(|(c, ..)| *c == case).unwrap();
+        translate(&ctx(), "svc/shop/web", service, slices).unwrap().chains.len()
+    };
+    assert_eq!(chains("cluster IP"), 0);
+    assert_eq!(chains("externalTrafficPolicy Local, a node port and LB IP"), 3);
+    assert_eq!(chains("more than 32 backends"), 1);
 }
 
 /// The host checks a guest's result archive before reading it: a truncated one, or one with

@@ -43,7 +43,21 @@ pub struct FlatBoundary {
     /// One zero-copy Wasm call at a time after 20 ms idle, as one change makes it: p50, p90.
     pub isolated_p50: Duration,
     pub isolated_p90: Duration,
+    /// The same services as LoadBalancers with externalTrafficPolicy Local: every port with
+    /// chains of its own (three), the path the rest of the table does not take.
+    pub chains: PathTimes,
 }
+
+/// Best interleaved rounds of one set of services, translated the four ways (totals).
+pub struct PathTimes {
+    pub typed: Duration,
+    pub native: Duration,
+    pub flat_native: Duration,
+    pub flat_wasm: Duration,
+}
+
+type Store = wasmtime::Store<super::BenchGuestState>;
+type Translator = bindings::exports::wasmplane::bench_flat::flat_translator::Guest;
 
 fn address(text: &str) -> IpAddr {
     text.parse().unwrap_or_else(|e| panic!("the bench's address {text:?}: {e}"))
@@ -153,21 +167,7 @@ pub fn flat_boundary(
     let guest = bindings::FlatTranslation::instantiate(&mut store, &component, &linker).unwrap();
     let translator = guest.wasmplane_bench_flat_flat_translator();
 
-    // Every service: the guest's archive holds what native computes on the same archive,
-    // and that is the typed translator's ruleset.
-    let mut sizes = (0, 0);
-    for (view, prefix) in views.iter().zip(prefixes) {
-        let input = encode(ctx, prefix, view);
-        // SAFETY: `encode` made the archive.
-        let on_archive = unsafe { flat::translate(flat::inputs_in_place(&input)) }.unwrap();
-        let output = translator.call_translate(&mut store, &input).unwrap();
-        let archived = flat::validate_result(&output).unwrap();
-        let from_guest: Result<flat::Ruleset, String> = rkyv::deserialize::<_, rkyv::rancor::Error>(archived).unwrap();
-        assert_eq!(from_guest.as_ref(), Ok(&on_archive), "the flat guest's ruleset for {prefix}");
-        let typed_ruleset = native::translate(sdk_ctx, prefix, view).unwrap();
-        assert_eq!(flat::typed(&on_archive), flat::canonical(typed_ruleset), "the flat ruleset for {prefix}");
-        sizes = (input.len(), output.len());
-    }
+    let sizes = check_every_service(&mut store, translator, ctx, sdk_ctx, views, prefixes);
 
     let mut result = FlatBoundary {
         typed: Duration::MAX,
@@ -182,6 +182,12 @@ pub fn flat_boundary(
         bytes_out: sizes.1,
         isolated_p50: Duration::MAX,
         isolated_p90: Duration::MAX,
+        chains: PathTimes {
+            typed: Duration::MAX,
+            native: Duration::MAX,
+            flat_native: Duration::MAX,
+            flat_wasm: Duration::MAX,
+        },
     };
     let outputs: Vec<Vec<u8>> = views
         .iter()
@@ -286,5 +292,109 @@ pub fn flat_boundary(
     isolated.sort();
     result.isolated_p50 = percentile(&isolated, 50);
     result.isolated_p90 = percentile(&isolated, 90);
+
+    let in_chains = chain_views(views);
+    check_every_service(&mut store, translator, ctx, sdk_ctx, &in_chains, prefixes);
+    result.chains = time_paths(session, &mut store, translator, ctx, sdk_ctx, &in_chains, prefixes);
     result
+}
+
+/// Every service: the guest's archive holds what native computes on the same archive, and
+/// that is the typed translator's ruleset. The sizes of the last one's archives.
+fn check_every_service(
+    store: &mut Store,
+    translator: &Translator,
+    ctx: &NodeContext,
+    sdk_ctx: &sdk::NodeContext,
+    views: &[ServiceView],
+    prefixes: &[String],
+) -> (usize, usize) {
+    let mut sizes = (0, 0);
+    for (view, prefix) in views.iter().zip(prefixes) {
+        let input = encode(ctx, prefix, view);
+        // SAFETY: `encode` made the archive.
+        let inputs = unsafe { flat::inputs_in_place(&input) };
+        let on_archive = flat::translate(inputs).unwrap();
+        let output = translator.call_translate(&mut *store, &input).unwrap();
+        let archived = flat::validate_result(&output).unwrap();
+        let from_guest: Result<flat::Ruleset, String> = rkyv::deserialize::<_, rkyv::rancor::Error>(archived).unwrap();
+        assert_eq!(from_guest.as_ref(), Ok(&on_archive), "the flat guest's ruleset for {prefix}");
+        let typed_ruleset = native::translate(sdk_ctx, prefix, view).unwrap();
+        assert_eq!(flat::typed(&on_archive, inputs), flat::canonical(typed_ruleset), "the flat ruleset for {prefix}");
+        sizes = (input.len(), output.len());
+    }
+    sizes
+}
+
+/// The services as LoadBalancers with externalTrafficPolicy Local, an address of their
+/// first family and a node port on every port: each port then has a service, an external and
+/// a local chain.
+fn chain_views(views: &[ServiceView]) -> Vec<ServiceView> {
+    (views.iter().enumerate())
+        .map(|(i, view)| {
+            let mut service = (*view.service).clone();
+            let v6 = service.cluster_ips.first().is_some_and(|ip| ip.contains(':'));
+            service.service_type = m::ServiceType::LoadBalancer;
+            service.load_balancer_ips = vec![if v6 { "2001:db8::7" } else { "203.0.113.7" }.into()];
+            service.external_traffic_policy = m::TrafficPolicy::Local;
+            for (j, port) in service.ports.iter_mut().enumerate() {
+                port.node_port = 30000 + ((i * 4 + j) % 2000) as u16;
+            }
+            ServiceView { service: service.into(), slices: view.slices.clone() }
+        })
+        .collect()
+}
+
+/// Today's call, today's native translator, the zero-copy translation natively and through
+/// Wasm, over `views`, in interleaved rounds.
+fn time_paths(
+    session: &mut wasmplane_runtime::TranslatorSession,
+    store: &mut Store,
+    translator: &Translator,
+    ctx: &NodeContext,
+    sdk_ctx: &sdk::NodeContext,
+    views: &[ServiceView],
+    prefixes: &[String],
+) -> PathTimes {
+    let mut times =
+        PathTimes { typed: Duration::MAX, native: Duration::MAX, flat_native: Duration::MAX, flat_wasm: Duration::MAX };
+    for _round in 0..5 {
+        let min = |best: &mut Duration, d: Duration| *best = (*best).min(d);
+        min(
+            &mut times.typed,
+            best_of(1, || {
+                for (v, p) in views.iter().zip(prefixes) {
+                    std::hint::black_box(session.translate(ctx, p, v).unwrap());
+                }
+            }),
+        );
+        min(
+            &mut times.native,
+            best_of(1, || {
+                for (v, p) in views.iter().zip(prefixes) {
+                    std::hint::black_box(native::translate(sdk_ctx, p, v).unwrap());
+                }
+            }),
+        );
+        min(
+            &mut times.flat_native,
+            best_of(1, || {
+                for (v, p) in views.iter().zip(prefixes) {
+                    let input = encode(ctx, p, v);
+                    // SAFETY: `encode` made the archive.
+                    std::hint::black_box(unsafe { flat::translate(flat::inputs_in_place(&input)) }.unwrap());
+                }
+            }),
+        );
+        min(
+            &mut times.flat_wasm,
+            best_of(1, || {
+                for (v, p) in views.iter().zip(prefixes) {
+                    let output = translator.call_translate(&mut *store, &encode(ctx, p, v)).unwrap();
+                    assert!(std::hint::black_box(flat::validate_result(&output).unwrap()).is_ok());
+                }
+            }),
+        );
+    }
+    times
 }
