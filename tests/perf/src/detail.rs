@@ -279,10 +279,15 @@ mod tests {
                 );
                 *own = with_standard.clone();
             }
-            // So is a slice's trigger time (the EndpointSlice controller's annotation).
+            // So is a slice's trigger time (the EndpointSlice controller's annotation), and a
+            // service's creation time (which of two claiming one frontend keeps it).
             if let (ClusterObject::EndpointSlice(x), ClusterObject::EndpointSlice(y)) = (&mut a, &b) {
                 assert!(x.trigger_time.is_none() && y.trigger_time.is_some(), "{kind:?}: {x:?} / {y:?}");
                 x.trigger_time = y.trigger_time;
+            }
+            if let (ClusterObject::Service(x), ClusterObject::Service(y)) = (&mut a, &b) {
+                assert!(x.created_unix.is_none() && y.created_unix.is_some(), "{kind:?}: {x:?} / {y:?}");
+                x.created_unix = y.created_unix;
             }
             assert_eq!(format!("{a:?}"), format!("{b:?}"), "{kind:?}");
         }
