@@ -725,16 +725,16 @@ fn main() {
             b.n,
             f.bytes_in,
             f.bytes_out,
-            per_call(f.typed, b.n),
-            per_call(f.native, b.n),
+            per_call(f.as_data.typed, b.n),
+            per_call(f.as_data.native, b.n),
             per_call(f.encode, b.n),
             per_call(f.validate, b.n),
             per_call(f.empty_call, b.n),
-            per_call(f.flat_native, b.n),
+            per_call(f.as_data.flat_native, b.n),
             per_call(f.round_trip_native, b.n),
-            per_call(f.flat_wasm, b.n),
-            f.flat_wasm.as_secs_f64() / f.flat_native.as_secs_f64(),
-            f.flat_wasm.as_secs_f64() / f.native.as_secs_f64()
+            per_call(f.as_data.flat_wasm, b.n),
+            f.as_data.flat_wasm.as_secs_f64() / f.as_data.flat_native.as_secs_f64(),
+            f.as_data.flat_wasm.as_secs_f64() / f.as_data.native.as_secs_f64()
         );
     }
     println!(

@@ -21,14 +21,8 @@ mod bindings {
 
 /// Best rounds over every service (totals), and the sizes of one service's archives.
 pub struct FlatBoundary {
-    /// Today's call: `TranslatorSession::translate` (model → WIT, typed boundary).
-    pub typed: Duration,
-    /// Today's native reference: model → SDK types + `translate`.
-    pub native: Duration,
-    /// Model → archive, then `flat::translate` on it in place, natively.
-    pub flat_native: Duration,
-    /// Model → archive, the Wasm call (one list each way), the result validated in place.
-    pub flat_wasm: Duration,
+    /// The services of the bench's cluster (load balancing as data).
+    pub as_data: PathTimes,
     /// The parts apart: model → archive, and validating a result archive.
     pub encode: Duration,
     pub validate: Duration,
@@ -50,9 +44,13 @@ pub struct FlatBoundary {
 
 /// Best interleaved rounds of one set of services, translated the four ways (totals).
 pub struct PathTimes {
+    /// Today's call: `TranslatorSession::translate` (model → WIT, typed boundary).
     pub typed: Duration,
+    /// Today's native reference: model → SDK types + `translate`.
     pub native: Duration,
+    /// Model → archive, then `flat::translate` on it in place, natively.
     pub flat_native: Duration,
+    /// Model → archive, the Wasm call (one list each way), the result validated in place.
     pub flat_wasm: Duration,
 }
 
@@ -169,11 +167,14 @@ pub fn flat_boundary(
 
     let sizes = check_every_service(&mut store, translator, ctx, sdk_ctx, views, prefixes);
 
-    let mut result = FlatBoundary {
+    let unmeasured = || PathTimes {
         typed: Duration::MAX,
         native: Duration::MAX,
         flat_native: Duration::MAX,
         flat_wasm: Duration::MAX,
+    };
+    let mut result = FlatBoundary {
+        as_data: unmeasured(),
         encode: Duration::MAX,
         validate: Duration::MAX,
         round_trip_native: Duration::MAX,
@@ -182,12 +183,7 @@ pub fn flat_boundary(
         bytes_out: sizes.1,
         isolated_p50: Duration::MAX,
         isolated_p90: Duration::MAX,
-        chains: PathTimes {
-            typed: Duration::MAX,
-            native: Duration::MAX,
-            flat_native: Duration::MAX,
-            flat_wasm: Duration::MAX,
-        },
+        chains: unmeasured(),
     };
     let outputs: Vec<Vec<u8>> = views
         .iter()
@@ -203,45 +199,13 @@ pub fn flat_boundary(
             encode(ctx, p, &ServiceView { service: service.into(), slices: v.slices.clone() })
         })
         .collect();
-    for _round in 0..5 {
+    // The parts apart, in the same rounds as the four ways.
+    let mut parts = (Duration::MAX, Duration::MAX, Duration::MAX, Duration::MAX);
+    let as_data = time_paths(session, &mut store, translator, ctx, sdk_ctx, views, prefixes, |store| {
         let min = |best: &mut Duration, d: Duration| *best = (*best).min(d);
+        let (round_trip_native, empty_call, encoded, validate) = &mut parts;
         min(
-            &mut result.typed,
-            best_of(1, || {
-                for (v, p) in views.iter().zip(prefixes) {
-                    std::hint::black_box(session.translate(ctx, p, v).unwrap());
-                }
-            }),
-        );
-        min(
-            &mut result.native,
-            best_of(1, || {
-                for (v, p) in views.iter().zip(prefixes) {
-                    std::hint::black_box(native::translate(sdk_ctx, p, v).unwrap());
-                }
-            }),
-        );
-        min(
-            &mut result.flat_native,
-            best_of(1, || {
-                for (v, p) in views.iter().zip(prefixes) {
-                    let input = encode(ctx, p, v);
-                    // SAFETY: `encode` made the archive.
-                    std::hint::black_box(unsafe { flat::translate(flat::inputs_in_place(&input)) }.unwrap());
-                }
-            }),
-        );
-        min(
-            &mut result.flat_wasm,
-            best_of(1, || {
-                for (v, p) in views.iter().zip(prefixes) {
-                    let output = translator.call_translate(&mut store, &encode(ctx, p, v)).unwrap();
-                    assert!(std::hint::black_box(flat::validate_result(&output).unwrap()).is_ok());
-                }
-            }),
-        );
-        min(
-            &mut result.round_trip_native,
+            round_trip_native,
             best_of(1, || {
                 for (v, p) in views.iter().zip(prefixes) {
                     // SAFETY: `encode` made the archive.
@@ -251,16 +215,16 @@ pub fn flat_boundary(
             }),
         );
         min(
-            &mut result.empty_call,
+            empty_call,
             best_of(1, || {
                 for input in &external_name {
-                    let output = translator.call_translate(&mut store, input).unwrap();
+                    let output = translator.call_translate(&mut *store, input).unwrap();
                     assert!(std::hint::black_box(flat::validate_result(&output).unwrap()).is_ok());
                 }
             }),
         );
         min(
-            &mut result.encode,
+            encoded,
             best_of(1, || {
                 for (v, p) in views.iter().zip(prefixes) {
                     std::hint::black_box(encode(ctx, p, v));
@@ -268,14 +232,16 @@ pub fn flat_boundary(
             }),
         );
         min(
-            &mut result.validate,
+            validate,
             best_of(1, || {
                 for output in &outputs {
                     std::hint::black_box(flat::validate_result(output).unwrap());
                 }
             }),
         );
-    }
+    });
+    result.as_data = as_data;
+    (result.round_trip_native, result.empty_call, result.encode, result.validate) = parts;
     // As `isolated_calls` times today's call and native.
     let mut isolated: Vec<Duration> = views
         .iter()
@@ -295,7 +261,7 @@ pub fn flat_boundary(
 
     let in_chains = chain_views(views);
     check_every_service(&mut store, translator, ctx, sdk_ctx, &in_chains, prefixes);
-    result.chains = time_paths(session, &mut store, translator, ctx, sdk_ctx, &in_chains, prefixes);
+    result.chains = time_paths(session, &mut store, translator, ctx, sdk_ctx, &in_chains, prefixes, |_| ());
     result
 }
 
@@ -346,7 +312,8 @@ fn chain_views(views: &[ServiceView]) -> Vec<ServiceView> {
 }
 
 /// Today's call, today's native translator, the zero-copy translation natively and through
-/// Wasm, over `views`, in interleaved rounds.
+/// Wasm, over `views`, in interleaved rounds; `also` times more in each round.
+#[allow(clippy::too_many_arguments)]
 fn time_paths(
     session: &mut wasmplane_runtime::TranslatorSession,
     store: &mut Store,
@@ -355,6 +322,7 @@ fn time_paths(
     sdk_ctx: &sdk::NodeContext,
     views: &[ServiceView],
     prefixes: &[String],
+    mut also: impl FnMut(&mut Store),
 ) -> PathTimes {
     let mut times =
         PathTimes { typed: Duration::MAX, native: Duration::MAX, flat_native: Duration::MAX, flat_wasm: Duration::MAX };
@@ -395,6 +363,7 @@ fn time_paths(
                 }
             }),
         );
+        also(store);
     }
     times
 }
