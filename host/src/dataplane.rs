@@ -1348,10 +1348,10 @@ impl Dataplane {
                 let mut owners = ElementOwners::default();
                 let mut waiting = BTreeMap::new();
                 // Those that own what they claim keep it: the objects that were waiting for
-                // a claim come after the others (each part in key order).
+                // a claim come after the others, each part the oldest first, then in key
+                // order (see `ObjectRules::created_unix`).
                 let (mut later, mut first): (Vec<_>, Vec<_>) =
                     objects.into_iter().partition(|(key, _)| self.waiting.contains_key(key));
-                // Then the oldest first (see `ObjectRules::created_unix`).
                 first.sort_by_key(|(_, rules)| rules.claim_order());
                 later.sort_by_key(|(_, rules)| rules.claim_order());
                 for (key, mut rules) in first.into_iter().chain(later) {
