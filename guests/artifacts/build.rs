@@ -38,6 +38,8 @@ const TEST_PROGRAMS: &[Guest] = &[
     Guest { constant: "WRONG_VALIDATOR", package: "wasmplane-test-guests", features: &["wrong-validator"] },
     Guest { constant: "TRANSLATOR_WIT_1_0", package: "wasmplane-test-guests", features: &["wit-1-0-translator"] },
     Guest { constant: "POLICY_WIT_1_0", package: "wasmplane-test-guests", features: &["wit-1-0-policy"] },
+    Guest { constant: "TRANSLATOR_WIT_1_1", package: "wasmplane-test-guests", features: &["wit-1-1-translator"] },
+    Guest { constant: "ARCHIVED_MISBEHAVING", package: "wasmplane-test-guests", features: &["archived-misbehaving"] },
     Guest {
         constant: "TRANSLATOR_BENCH_REPEAT",
         package: "wasmplane-guest-service-translator",
@@ -48,11 +50,9 @@ const TEST_PROGRAMS: &[Guest] = &[
         package: "wasmplane-guest-service-translator",
         features: &["bench-encoded"],
     },
-    Guest {
-        constant: "TRANSLATOR_BENCH_FLAT",
-        package: "wasmplane-guest-service-translator",
-        features: &["bench-flat"],
-    },
+    // The default translator of the typed world: what the shipped (archived) one is checked
+    // and measured against, and a guest of the typed world for the host's tests.
+    Guest { constant: "TRANSLATOR_TYPED", package: "wasmplane-guest-service-translator", features: &["typed-world"] },
     Guest {
         constant: "TRANSLATOR_BENCH_BATCH",
         package: "wasmplane-guest-service-translator",

@@ -1,12 +1,14 @@
 //! Runtime benchmark: compile, cached load, instantiate, and the default translator's
-//! per-call cost as Wasm vs the same Rust compiled natively, measured in one run.
+//! per-call cost as Wasm vs the same Rust compiled natively, measured in one run: the shipped
+//! translator (the archived world, package 1.2.0) and the same one built for the typed world.
 //!
 //! `cargo bench --workspace --bench runtime`
 //!
-//! Both sides get the same inputs and pay for the same conversion: the Wasm side converts the
-//! model to WIT types (`TranslatorSession::translate`), the native side converts it to the
+//! Both sides get the same inputs and pay for the same conversion: the typed Wasm side converts
+//! the model to WIT types (`TranslatorSession::translate`), the native side converts it to the
 //! SDK's (identical) types with the same code (`wasmplane_runtime::native`), per call; chain
-//! prefixes are computed once for both. The Wasm side
+//! prefixes are computed once for both. The shipped (archived) side archives the model
+//! instead (`TranslatorSession::translate_output`). The typed Wasm side
 //! also pays what only it has: lowering the inputs into the guest, lifting the ruleset back
 //! out and freeing the guest's copies. The breakdown rows split that cost, and a table times
 //! the guest's own work apart from all of it (`guest_work`). Another times single calls
@@ -14,7 +16,8 @@
 //! the same translation across a boundary of one serialized buffer each way instead of typed
 //! values (`serialized_boundary`): what a WIT 2.0 of that shape would cost; typed, with
 //! many services per call (`batched_boundary`); and one archive each way, read in place on
-//! both sides (`flat::flat_boundary`, the zero-copy prototype).
+//! both sides (`archived::archived_boundary`, the shipped world), with the host's validation
+//! after each way.
 //!
 //! `WASMPLANE_BENCH_GUEST=path.wasm` runs a component from a file instead of the embedded
 //! translator (to compare guest builds without rebuilding the host);
@@ -29,8 +32,8 @@ use wasmplane_model::*;
 use wasmplane_runtime::{GuestKind, Limits, NoLookups, Runtime, convert, native, wit};
 use wasmplane_sdk::types as sdk;
 
-#[path = "runtime/flat.rs"]
-mod flat;
+#[path = "runtime/archived.rs"]
+mod archived;
 
 /// The host side of `guests/service-translator/bench-encoded.wit`.
 mod encoded {
@@ -43,7 +46,7 @@ mod batch {
     wasmtime::component::bindgen!({
         path: "../guests/service-translator/bench-batch",
         world: "batch-translation",
-        with: { "wasmplane:dataplane/types@1.1.0": wasmplane_runtime::wit },
+        with: { "wasmplane:dataplane/types@1.2.0": wasmplane_runtime::wit },
     });
 }
 
@@ -475,6 +478,15 @@ fn main() {
     let cached = best_of(5, || runtime.load("t", bytes, Some(GuestKind::ServiceTranslator), usize::MAX).unwrap());
     println!("| load from on-disk cache | {:.2} ms |", cached.as_secs_f64() * 1e3);
     let module = runtime.load("t", bytes, Some(GuestKind::ServiceTranslator), usize::MAX).unwrap();
+    // The same translator in the typed world: what the breakdown below takes apart.
+    let typed_module = runtime
+        .load(
+            "typed",
+            wasmplane_guest_artifacts::test_programs::TRANSLATOR_TYPED,
+            Some(GuestKind::ServiceTranslator),
+            usize::MAX,
+        )
+        .unwrap();
     let instantiate = best_of(50, || {
         let mut s = module.translator(Arc::new(NoLookups)).unwrap();
         s.instantiate_now().unwrap();
@@ -491,15 +503,24 @@ fn main() {
     };
     let sdk_ctx = native::node_context(&ctx);
     let mut breakdown = Vec::new();
-    println!("\n| services | Wasm total | Wasm per call | native total | native per call | Wasm/native |");
-    println!("|---|---|---|---|---|---|");
+    println!(
+        "\n| services | Wasm total | Wasm per call | native total | native per call | Wasm/native | the typed world's call | typed/native |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
     for &n in &sizes {
         let views = synthetic(n);
         let prefixes: Vec<String> =
             views.iter().map(|v| format!("svc/{}/{}", v.service.namespace, v.service.name)).collect();
-        let mut session = module.translator(Arc::new(NoLookups)).unwrap();
+        let mut shipped = module.translator(Arc::new(NoLookups)).unwrap();
+        shipped.instantiate_now().unwrap();
+        let mut session = typed_module.translator(Arc::new(NoLookups)).unwrap();
         session.instantiate_now().unwrap();
         let wasm = best_of(3, || {
+            for (v, p) in views.iter().zip(&prefixes) {
+                std::hint::black_box(shipped.translate_output(&ctx, p, v).unwrap());
+            }
+        });
+        let typed = best_of(3, || {
             for (v, p) in views.iter().zip(&prefixes) {
                 std::hint::black_box(session.translate(&ctx, p, v).unwrap());
             }
@@ -511,12 +532,14 @@ fn main() {
             }
         });
         println!(
-            "| {n} | {:.1} ms | {} | {:.1} ms | {} | {:.2}× |",
+            "| {n} | {:.1} ms | {} | {:.1} ms | {} | {:.2}× | {} | {:.2}× |",
             wasm.as_secs_f64() * 1e3,
             per_call(wasm, n),
             native.as_secs_f64() * 1e3,
             per_call(native, n),
-            wasm.as_secs_f64() / native.as_secs_f64()
+            wasm.as_secs_f64() / native.as_secs_f64(),
+            per_call(typed, n),
+            typed.as_secs_f64() / native.as_secs_f64()
         );
 
         // Where the Wasm call's time goes.
@@ -563,7 +586,7 @@ fn main() {
         let serialized = serialized_boundary(&sdk_ctx, &views, &prefixes);
         let isolated = isolated_calls(&mut session, &ctx, &sdk_ctx, &views, &prefixes);
         let batched = batched_boundary(&mut session, &ctx, &sdk_ctx, &views, &prefixes);
-        let flat = flat::flat_boundary(&mut session, &ctx, &sdk_ctx, &views, &prefixes);
+        let archived = archived::archived_boundary(&mut session, &mut shipped, &ctx, &sdk_ctx, &views, &prefixes);
         breakdown.push(Breakdown {
             n,
             wasm,
@@ -579,7 +602,7 @@ fn main() {
             serialized,
             isolated,
             batched,
-            flat,
+            archived,
         });
     }
     println!(
@@ -711,51 +734,80 @@ fn main() {
             in_place.as_secs_f64() / b.native.as_secs_f64()
         );
     }
-    // The zero-copy prototype (`bench-flat`): the estimate above, measured. Its native side
-    // runs the same translation on the same archive; the last column holds it against
-    // today's native translator instead.
+    // The archived world (shipped): the estimate above, measured. Its native side runs the
+    // same translation on the same archive; the next columns hold it against today's native
+    // translator instead.
     println!(
-        "\n| services | archive in / out | today's call (interleaved) | native (interleaved) | model → archive | validating the result | fixed cost of a call (ExternalName) | zero-copy, natively | the same round trip natively | zero-copy Wasm | zero-copy Wasm / zero-copy native | zero-copy Wasm / today's native |"
+        "\n| services | archive in / out | the typed call (interleaved) | native (interleaved) | model → archive | checking the result | fixed cost of a call (ExternalName) | archived, natively | the same round trip natively | archived Wasm | archived Wasm / archived native | archived Wasm / today's native | archived Wasm into the typed ruleset | the same / today's native |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for b in &breakdown {
-        let f = &b.flat;
+        let f = &b.archived;
         println!(
-            "| {} | {} / {} B | {} | {} | {} | {} | {} | {} | {} | {} | {:.2}× | {:.2}× |",
+            "| {} | {} / {} B | {} | {} | {} | {} | {} | {} | {} | {} | {:.2}× | {:.2}× | {} | {:.2}× |",
             b.n,
             f.bytes_in,
             f.bytes_out,
             per_call(f.as_data.typed, b.n),
             per_call(f.as_data.native, b.n),
             per_call(f.encode, b.n),
-            per_call(f.validate, b.n),
+            per_call(f.check, b.n),
             per_call(f.empty_call, b.n),
-            per_call(f.as_data.flat_native, b.n),
+            per_call(f.as_data.archived_native, b.n),
             per_call(f.round_trip_native, b.n),
-            per_call(f.as_data.flat_wasm, b.n),
-            f.as_data.flat_wasm.as_secs_f64() / f.as_data.flat_native.as_secs_f64(),
-            f.as_data.flat_wasm.as_secs_f64() / f.as_data.native.as_secs_f64()
+            per_call(f.as_data.archived_wasm, b.n),
+            f.as_data.archived_wasm.as_secs_f64() / f.as_data.archived_native.as_secs_f64(),
+            f.as_data.archived_wasm.as_secs_f64() / f.as_data.native.as_secs_f64(),
+            per_call(f.as_data.archived_wasm_typed, b.n),
+            f.as_data.archived_wasm_typed.as_secs_f64() / f.as_data.native.as_secs_f64()
         );
     }
     println!(
-        "\n| services, as LoadBalancers with externalTrafficPolicy Local (three chains a port) | today's call | native | zero-copy, natively | zero-copy Wasm | today's call / native | zero-copy Wasm / today's native |"
+        "\n| services, as LoadBalancers with externalTrafficPolicy Local (three chains a port) | the typed call | native | archived, natively | archived Wasm | typed call / native | archived Wasm / today's native | archived Wasm into the typed ruleset | the same / today's native |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for b in &breakdown {
-        let c = &b.flat.chains;
+        let c = &b.archived.chains;
         println!(
-            "| {} | {} | {} | {} | {} | {:.2}× | {:.2}× |",
+            "| {} | {} | {} | {} | {} | {:.2}× | {:.2}× | {} | {:.2}× |",
             b.n,
             per_call(c.typed, b.n),
             per_call(c.native, b.n),
-            per_call(c.flat_native, b.n),
-            per_call(c.flat_wasm, b.n),
+            per_call(c.archived_native, b.n),
+            per_call(c.archived_wasm, b.n),
             c.typed.as_secs_f64() / c.native.as_secs_f64(),
-            c.flat_wasm.as_secs_f64() / c.native.as_secs_f64()
+            c.archived_wasm.as_secs_f64() / c.native.as_secs_f64(),
+            per_call(c.archived_wasm_typed, b.n),
+            c.archived_wasm_typed.as_secs_f64() / c.native.as_secs_f64()
         );
     }
+    // Up to the rules the host hands its dataplane: each way's translation, then the host's
+    // validation of its result (native has no validation of its own: a native host would
+    // validate the typed ruleset it returns, as for the typed call).
     println!(
-        "\n| services | one zero-copy Wasm call after 20 ms idle: p50 / p90 | today's call, the same (table above) | today's native, the same |"
+        "\n| services: translation + validation | validating a typed ruleset | validating an archive | the typed call + validation | native + validation of its typed ruleset | archived Wasm + validation | typed / native | archived / native |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for b in &breakdown {
+        for (path, t) in [("as data", &b.archived.as_data), ("three chains a port", &b.archived.chains)] {
+            let typed = t.typed + t.validate_typed;
+            let native = t.native + t.validate_typed;
+            let archived = t.archived_wasm + t.validate_archived;
+            println!(
+                "| {} ({path}) | {} | {} | {} | {} | {} | {:.2}× | {:.2}× |",
+                b.n,
+                per_call(t.validate_typed, b.n),
+                per_call(t.validate_archived, b.n),
+                per_call(typed, b.n),
+                per_call(native, b.n),
+                per_call(archived, b.n),
+                typed.as_secs_f64() / native.as_secs_f64(),
+                archived.as_secs_f64() / native.as_secs_f64()
+            );
+        }
+    }
+    println!(
+        "\n| services | one archived Wasm call after 20 ms idle: p50 / p90 | the typed call, the same (table above) | today's native, the same |"
     );
     println!("|---|---|---|---|");
     for b in &breakdown {
@@ -763,8 +815,8 @@ fn main() {
         println!(
             "| {} | {:.1} / {:.1} µs | {:.1} / {:.1} µs | {:.1} / {:.1} µs |",
             b.n,
-            us(b.flat.isolated_p50),
-            us(b.flat.isolated_p90),
+            us(b.archived.isolated_p50),
+            us(b.archived.isolated_p90),
             us(b.isolated.wasm_p50),
             us(b.isolated.wasm_p90),
             us(b.isolated.native_p50),
@@ -794,7 +846,7 @@ struct Breakdown {
     serialized: SerializedBoundary,
     isolated: Isolated,
     batched: Batched,
-    flat: flat::FlatBoundary,
+    archived: archived::ArchivedBoundary,
 }
 
 /// Borrowed mirrors of the SDK's types, field for field and variant for variant (postcard

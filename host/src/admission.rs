@@ -260,6 +260,7 @@ mod tests {
         ModuleInfo {
             digest: wasmplane_runtime::LoadedModule::digest_of(bytes),
             kind: wasmplane_runtime::GuestKind::ServiceTranslator,
+            interface: None,
             wit_version: "1.0.0".into(),
             size: bytes.len(),
             imports: imports.iter().map(|s| s.to_string()).collect(),

@@ -221,11 +221,12 @@ fn translate_one(
     view: &ServiceView,
     dataplane: &Dataplane,
 ) -> Result<ObjectRules, CallFailure> {
-    let out = session.translate(&model.context, &nft::service_prefix(key), view).map_err(|e| match e {
-        CallError::Guest(_) => CallFailure::Declined(e.to_string()),
+    let out = session.translate_output(&model.context, &nft::service_prefix(key), view).map_err(|e| match e {
+        // The host refusing the object's inputs is no failure of the guest's.
+        CallError::Guest(_) | CallError::Input(_) => CallFailure::Declined(e.to_string()),
         other => CallFailure::Crash(other.to_string()),
     })?;
-    let mut rules = nft::validate_service_output(key, &out, dataplane.pod_detection())
+    let mut rules = nft::validate_translated(key, &out, dataplane.pod_detection())
         .map_err(|e| CallFailure::Crash(e.to_string()))?;
     rules.created_unix = view.service.created_unix;
     if dataplane.logs_service_drops() {

@@ -104,6 +104,7 @@
 //! Shape (kube-proxy's nftables mode): static base chains and named verdict maps owned by
 //! the host; per service, chains under the service's own prefix and elements in the maps.
 
+mod archived;
 pub mod netlink;
 pub mod policy;
 pub mod service_drops;
@@ -116,6 +117,8 @@ use ipnet::IpNet;
 use serde::Serialize;
 use wasmplane_model::{CompactString, FirewalledFrontend, ObjectKey, Pod, ToCompactString, VecMap, format_compact};
 use wasmplane_runtime::wit;
+
+use archived::{ElementsIn, Part};
 
 pub const FAMILY: &str = "inet";
 pub const TABLE: &str = "wasmplane";
@@ -1021,9 +1024,9 @@ impl ObjectRules {
     }
 
     /// Empty rules carrying what the guest warned about (bounded: 32 warnings of 256 chars).
-    fn with_guest_warnings(warnings: &[String]) -> ObjectRules {
+    fn with_guest_warnings<'w>(warnings: impl Iterator<Item = &'w str>) -> ObjectRules {
         ObjectRules {
-            warnings: warnings.iter().take(32).map(|w| w.chars().take(256).collect()).collect(),
+            warnings: warnings.take(32).map(|w| w.chars().take(256).collect()).collect(),
             ..Default::default()
         }
     }
@@ -1283,6 +1286,72 @@ pub fn validate_service_output(
     out: &wit::Ruleset,
     pods: PodDetection,
 ) -> Result<ObjectRules, InvalidOutput> {
+    let parts = ServiceOutput {
+        chains: &out.chains,
+        sets: &out.sets,
+        warnings: &mut out.warnings.iter().map(String::as_str),
+        elements: ElementsIn::Typed(&out.map_elements),
+    };
+    validate_service_parts(key, parts, pods)
+}
+
+/// [`validate_service_output`] for a result of an archived translator (package 1.2.0,
+/// `wasmplane-archive`), read in place: its map elements straight from the archive
+/// (addresses are integers there, nothing to parse); its chains and sets, which only ports
+/// with chains of their own have, named by `names` (the service's prefix and port ids) and
+/// then checked as a typed translator's. A number naming no port of the service rejects
+/// the output.
+pub fn validate_archived_service_output(
+    key: &ObjectKey,
+    out: &wasmplane_archive::ArchivedRuleset,
+    names: &wasmplane_archive::Names,
+    pods: PodDetection,
+) -> Result<ObjectRules, InvalidOutput> {
+    let object = || key.to_string();
+    let chains = (out.chains.iter())
+        .map(|chain| wasmplane_runtime::archived::chain(chain, names))
+        .collect::<Result<Vec<_>, String>>()
+        .map_err(|reason| InvalidOutput { object: object(), reason })?;
+    let sets = (out.sets.iter())
+        .map(|set| wasmplane_runtime::archived::set(set, names))
+        .collect::<Result<Vec<_>, String>>()
+        .map_err(|reason| InvalidOutput { object: object(), reason })?;
+    let parts = ServiceOutput {
+        chains: &chains,
+        sets: &sets,
+        warnings: &mut out.warnings.iter().map(|w| w.as_str()),
+        elements: ElementsIn::Archived(&out.elements, names),
+    };
+    validate_service_parts(key, parts, pods)
+}
+
+/// [`validate_service_output`] or [`validate_archived_service_output`], as `out` came.
+pub fn validate_translated(
+    key: &ObjectKey,
+    out: &wasmplane_runtime::Translated,
+    pods: PodDetection,
+) -> Result<ObjectRules, InvalidOutput> {
+    match out {
+        wasmplane_runtime::Translated::Typed(ruleset) => validate_service_output(key, ruleset, pods),
+        wasmplane_runtime::Translated::Archived(output) => {
+            validate_archived_service_output(key, output.ruleset(), &output.names(), pods)
+        }
+    }
+}
+
+/// What [`validate_service_parts`] checks of a service translator's result, from either world.
+struct ServiceOutput<'o> {
+    chains: &'o [wit::Chain],
+    sets: &'o [wit::SetDeclaration],
+    warnings: &'o mut dyn Iterator<Item = &'o str>,
+    elements: ElementsIn<'o>,
+}
+
+fn validate_service_parts(
+    key: &ObjectKey,
+    out: ServiceOutput<'_>,
+    pods: PodDetection,
+) -> Result<ObjectRules, InvalidOutput> {
     let object = key.to_string();
     let prefix = service_prefix(key);
     let mut v = Validator {
@@ -1293,7 +1362,7 @@ pub fn validate_service_output(
         chains: BTreeSet::new(),
         sets: BTreeMap::new(),
     };
-    for chain in &out.chains {
+    for chain in out.chains {
         v.own_name("chain", &chain.name)?;
         if !v.chains.insert(&chain.name) {
             return v.fail(format!("chain {:?} declared twice", chain.name));
@@ -1306,8 +1375,8 @@ pub fn validate_service_output(
             ));
         }
     }
-    let mut rules = ObjectRules::with_guest_warnings(&out.warnings);
-    for set in &out.sets {
+    let mut rules = ObjectRules::with_guest_warnings(out.warnings);
+    for set in out.sets {
         let (ty, elements) = v.address_set(set)?;
         let mut declaration = format!("type {ty}; flags dynamic");
         if let Some(t) = set.timeout_seconds {
@@ -1316,7 +1385,7 @@ pub fn validate_service_output(
         declaration.push(';');
         rules.sets.insert(set.name.clone(), SetRules { declaration, elements, expires: set.timeout_seconds.is_some() });
     }
-    for chain in &out.chains {
+    for chain in out.chains {
         rules.chains.insert(chain.name.clone(), v.chain_rules(chain)?);
     }
     rules.service_prefix = Some(prefix.clone());
@@ -1330,7 +1399,8 @@ pub fn validate_service_output(
     // Frontends and node ports with session affinity → its timeout in seconds.
     let mut affinity: BTreeMap<(IpAddr, &'static str, u16), u32> = BTreeMap::new();
     let mut node_port_affinity: BTreeMap<(&'static str, u16), u32> = BTreeMap::new();
-    for element in &out.map_elements {
+    for index in 0..out.elements.len() {
+        let element = out.elements.get(index, &v)?;
         if let Some((node_port, seconds)) = affinity_family(&element.map_name) {
             let Some(seconds) = seconds.filter(|s| (1..=MAX_AFFINITY_SECONDS).contains(s)) else {
                 return v.fail(format!(
@@ -1338,13 +1408,11 @@ pub fn validate_service_output(
                     element.map_name
                 ));
             };
-            let earlier = match (node_port, element.key.as_slice(), &element.verdict) {
-                (
-                    false,
-                    [wit::KeyPart::Address(a), wit::KeyPart::Protocol(p), wit::KeyPart::Port(port)],
-                    wit::Verdict::None,
-                ) => affinity.insert((v.address(a)?, protocol(*p), *port), seconds),
-                (true, [wit::KeyPart::Protocol(p), wit::KeyPart::Port(port)], wit::Verdict::None) => {
+            let earlier = match (node_port, element.key.as_slice(), element.verdict.as_ref()) {
+                (false, [Part::Address(a), Part::Protocol(p), Part::Port(port)], wit::Verdict::None) => {
+                    affinity.insert((*a, protocol(*p), *port), seconds)
+                }
+                (true, [Part::Protocol(p), Part::Port(port)], wit::Verdict::None) => {
                     node_port_affinity.insert((protocol(*p), *port), seconds)
                 }
                 _ => {
@@ -1369,35 +1437,19 @@ pub fn validate_service_output(
         };
         let by_family = |addr: &IpAddr| if addr.is_ipv4() { map.name } else { map.v6_name.unwrap_or(map.name) };
         let (target_map, key) = match (map.key, element.key.as_slice()) {
-            (
-                KeyShape::AddressProtocolPort,
-                [wit::KeyPart::Address(a), wit::KeyPart::Protocol(p), wit::KeyPart::Port(port)],
-            ) => {
-                let addr = v.address(a)?;
-                (by_family(&addr), format_compact!("{addr} . {} . {port}", protocol(*p)))
+            (KeyShape::AddressProtocolPort, [Part::Address(addr), Part::Protocol(p), Part::Port(port)]) => {
+                (by_family(addr), format_compact!("{addr} . {} . {port}", protocol(*p)))
             }
-            (KeyShape::ProtocolPort, [wit::KeyPart::Protocol(p), wit::KeyPart::Port(port)]) => {
+            (KeyShape::ProtocolPort, [Part::Protocol(p), Part::Port(port)]) => {
                 (map.name, format_compact!("{} . {port}", protocol(*p)))
             }
-            (KeyShape::Address, [wit::KeyPart::Address(a)]) => {
-                let addr = v.address(a)?;
-                (by_family(&addr), addr.to_compact_string())
-            }
-            (KeyShape::Endpoint, [wit::KeyPart::Address(a)]) => {
-                let addr = v.address(a)?;
-                (by_family(&addr), format_compact!("{addr} . {addr}"))
-            }
+            (KeyShape::Address, [Part::Address(addr)]) => (by_family(addr), addr.to_compact_string()),
+            (KeyShape::Endpoint, [Part::Address(addr)]) => (by_family(addr), format_compact!("{addr} . {addr}")),
             (
                 KeyShape::Backend,
-                [
-                    wit::KeyPart::Address(a),
-                    wit::KeyPart::Protocol(p),
-                    wit::KeyPart::Port(port),
-                    wit::KeyPart::Address(b),
-                    wit::KeyPart::Port(bp),
-                ],
-            ) if element.verdict == wit::Verdict::None => {
-                let (frontend, backend) = (v.address(a)?, v.address(b)?);
+                [Part::Address(a), Part::Protocol(p), Part::Port(port), Part::Address(b), Part::Port(bp)],
+            ) if *element.verdict == wit::Verdict::None => {
+                let (frontend, backend) = (*a, *b);
                 if frontend.is_ipv4() != backend.is_ipv4() {
                     return v.fail(format!(
                         "service-backends: backend {backend} of {frontend} is of another address family"
@@ -1406,18 +1458,17 @@ pub fn validate_service_output(
                 backends.entry((frontend, protocol(*p), *port)).or_default().insert((backend, *bp));
                 continue;
             }
-            (
-                KeyShape::NodePortBackend,
-                [wit::KeyPart::Protocol(p), wit::KeyPart::Port(port), wit::KeyPart::Address(b), wit::KeyPart::Port(bp)],
-            ) if element.verdict == wit::Verdict::None => {
-                let backend = v.address(b)?;
+            (KeyShape::NodePortBackend, [Part::Protocol(p), Part::Port(port), Part::Address(b), Part::Port(bp)])
+                if *element.verdict == wit::Verdict::None =>
+            {
+                let backend = *b;
                 let families = node_port_backends.entry((protocol(*p), *port)).or_default();
                 if backend.is_ipv4() { &mut families.0 } else { &mut families.1 }.insert((backend, *bp));
                 continue;
             }
             _ => return v.fail(format!("map {:?}: key {:?} has the wrong shape", map.name, element.key)),
         };
-        let verdict = match (&element.verdict, map.kind) {
+        let verdict = match (element.verdict.as_ref(), map.kind) {
             (wit::Verdict::None, MapKind::Set) => CompactString::default(),
             (wit::Verdict::Reject, MapKind::Terminal) => "goto reject-chain".into(),
             (wit::Verdict::Drop, MapKind::Terminal) => "drop".into(),

@@ -672,6 +672,7 @@ mod tests {
             wit_version: "1.0.0".into(),
             imports: vec![],
             kind: GuestKind::ServiceTranslator,
+            interface: None,
         }
     }
 

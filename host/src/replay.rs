@@ -172,7 +172,7 @@ impl Replayer {
                 .session
                 .translate_wit(&record.context, &input.prefix, &input.service, &input.slices)
                 .map_err(|e: CallError| e.to_string())
-                .and_then(|out| nft::validate_service_output(&key, &out, pods).map_err(|e| e.to_string()));
+                .and_then(|out| nft::validate_translated(&key, &out, pods).map_err(|e| e.to_string()));
             if let Err(e) = &result {
                 tracing::debug!(revision = record.revision, service = %key, "replayed call failed: {e}");
             }

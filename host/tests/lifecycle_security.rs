@@ -832,7 +832,7 @@ async fn the_cli_inspects_a_component_and_its_settings_offline() {
     let report = inspect(&file, Some(&good)).unwrap();
     assert_eq!(
         (report["kind"].as_str(), report["witVersion"].as_str(), report["validatesSettings"].as_bool()),
-        (Some("service-translator"), Some("1.1.0"), Some(true)),
+        (Some("service-translator"), Some("1.2.0"), Some(true)),
         "{report}"
     );
     assert_eq!(

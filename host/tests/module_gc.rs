@@ -31,6 +31,7 @@ fn info(bytes: &[u8]) -> ModuleInfo {
     ModuleInfo {
         digest: format!("sha256:{}", blob::digest_of(bytes)),
         kind: GuestKind::ServiceTranslator,
+        interface: None,
         wit_version: "1.0.0".into(),
         size: bytes.len(),
         imports: vec![],

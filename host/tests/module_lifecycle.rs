@@ -379,14 +379,14 @@ async fn a_translator_built_against_wit_1_0_is_uploaded_and_runs() {
     );
 }
 
-/// A translator built against a newer minor than the host's (its 1.0 names rewritten to 1.2.0,
+/// A translator built against a newer minor than the host's (its 1.0 names rewritten to 1.3.0,
 /// same length) is refused at upload with why, instead of failing at its first call; nothing is
 /// stored.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_translator_built_against_a_newer_wit_minor_is_refused_at_upload() {
     let h = Host::start(CrashBudget::default()).await;
     let mut newer = artifacts::test_programs::TRANSLATOR_WIT_1_0.to_vec();
-    let (from, to) = (b"@1.0.0", b"@1.2.0");
+    let (from, to) = (b"@1.0.0", b"@1.3.0");
     for i in 0..=newer.len() - from.len() {
         if &newer[i..i + from.len()] == from {
             newer[i..i + to.len()].copy_from_slice(to);
@@ -396,7 +396,7 @@ async fn a_translator_built_against_a_newer_wit_minor_is_refused_at_upload() {
     let (status, body) = h.send(reqwest::Method::PUT, "/v1/modules/newer?kind=service-translator", Some(&newer)).await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
     let error = body["error"].as_str().unwrap_or_default();
-    assert!(error.contains("wasmplane:dataplane@1.2.0, newer than this host's 1.1.0"), "{body}");
+    assert!(error.contains("wasmplane:dataplane@1.3.0, newer than this host's 1.2.0"), "{body}");
     assert_eq!(h.get("/v1/modules").await.1, before, "nothing stored");
     assert_eq!(h.get("/v1/modules/newer").await.0, StatusCode::NOT_FOUND);
     h.host.stop().await;

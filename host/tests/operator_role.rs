@@ -188,6 +188,7 @@ async fn an_unsigned_gc_module_in_the_index_is_not_run_where_signatures_are_requ
     let info = ModuleInfo {
         digest: LoadedModule::digest_of(bytes),
         kind: GuestKind::Gc,
+        interface: None,
         wit_version: "1.0.0".into(),
         size: bytes.len(),
         imports: vec![],
@@ -360,6 +361,7 @@ async fn gc_settings_are_checked_where_set_and_tune_the_grace_periods() {
     let info = ModuleInfo {
         digest: LoadedModule::digest_of(bytes),
         kind: GuestKind::Gc,
+        interface: None,
         wit_version: "1.0.0".into(),
         size: bytes.len(),
         imports: vec![],

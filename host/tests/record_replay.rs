@@ -224,7 +224,7 @@ async fn a_recording_replays_offline_to_what_the_live_host_applied() {
     let header = RecordingReader::open(&recording).unwrap().header().clone();
     assert_eq!(
         (header.format.as_str(), header.version, header.wit.as_str()),
-        ("wasmplane-recording", 1, "wasmplane:dataplane@1.1.0")
+        ("wasmplane-recording", 1, "wasmplane:dataplane@1.2.0")
     );
     assert_eq!(header.node.node_name, "node-a");
 
@@ -397,7 +397,7 @@ fn unreadable_recordings_fail_with_a_clear_error() {
     for (path, expected) in [
         (&garbage, "not a wasmplane recording (line 1: not JSON"),
         (&future, "recording format version 99, this wasmplane reads version 1"),
-        (&other_wit, "recorded against wasmplane:dataplane@2.0.0, this wasmplane implements wasmplane:dataplane@1.1.0"),
+        (&other_wit, "recorded against wasmplane:dataplane@2.0.0, this wasmplane implements wasmplane:dataplane@1.2.0"),
         (&truncated, "truncated.jsonl:2: not a revision record"),
     ] {
         let (ok, stdout, stderr) = wasmplane(&["replay", path.to_str().unwrap()]);

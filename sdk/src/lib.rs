@@ -59,10 +59,10 @@ pub mod policy {
         export_macro_name: "export_network_policy",
         default_bindings_module: "wasmplane_sdk::policy",
         with: {
-            "wasmplane:dataplane/types@1.1.0": crate::service::wasmplane::dataplane::types,
-            "wasmplane:dataplane/log@1.1.0": crate::service::wasmplane::dataplane::log,
-            "wasmplane:dataplane/lookups@1.1.0": crate::service::wasmplane::dataplane::lookups,
-            "wasmplane:dataplane/settings@1.1.0": crate::service::wasmplane::dataplane::settings,
+            "wasmplane:dataplane/types@1.2.0": crate::service::wasmplane::dataplane::types,
+            "wasmplane:dataplane/log@1.2.0": crate::service::wasmplane::dataplane::log,
+            "wasmplane:dataplane/lookups@1.2.0": crate::service::wasmplane::dataplane::lookups,
+            "wasmplane:dataplane/settings@1.2.0": crate::service::wasmplane::dataplane::settings,
         },
     });
 }
@@ -75,10 +75,93 @@ pub mod gc {
         export_macro_name: "export_gc",
         default_bindings_module: "wasmplane_sdk::gc",
         with: {
-            "wasmplane:dataplane/log@1.1.0": crate::service::wasmplane::dataplane::log,
-            "wasmplane:dataplane/settings@1.1.0": crate::service::wasmplane::dataplane::settings,
+            "wasmplane:dataplane/log@1.2.0": crate::service::wasmplane::dataplane::log,
+            "wasmplane:dataplane/settings@1.2.0": crate::service::wasmplane::dataplane::settings,
         },
     });
+}
+
+/// A service translator that reads its inputs in place and returns a string-free ruleset, one
+/// archive each way (`archived-service-translation`, package 1.2.0; feature `archived`): what
+/// the typed world does at the cost of native code (BENCHMARKS.md, fiftieth run).
+///
+/// The types are `wasmplane-archive`'s, re-exported here. Implement [`archived::Translator`]
+/// and export it with [`export_archived_translator!`]:
+///
+/// ```ignore
+/// use wasmplane_sdk::archived::{ArchivedInputs, Element, KeyPart, MapName, Ruleset, TranslateResult, Verdict};
+///
+/// struct MyTranslator;
+/// impl wasmplane_sdk::archived::Translator for MyTranslator {
+///     fn translate(inputs: &ArchivedInputs<'_>) -> TranslateResult {
+///         let mut ruleset = Ruleset::default();
+///         for ip in inputs.service.cluster_ips.iter() {
+///             let key = [KeyPart::Address(ip.as_ipaddr())];
+///             ruleset.elements.push(Element::new(MapName::ClusterIps, &key, Verdict::None));
+///         }
+///         Ok(ruleset)
+///     }
+/// }
+/// wasmplane_sdk::export_archived_translator!(MyTranslator);
+/// ```
+///
+/// The maps are those `service-translator` documents, by number ([`archived::MapName`]); the
+/// host names a port's chains and affinity sets itself ([`archived::ChainName`],
+/// [`archived::SetName`]). Natively, [`archived::translate_archive`] runs a translator on an
+/// archive as the export does, for unit tests.
+#[cfg(feature = "archived")]
+pub mod archived {
+    pub use wasmplane_archive::*;
+
+    wit_bindgen::generate!({
+        path: "../wit",
+        world: "archived-service-translation",
+        pub_export_macro: true,
+        export_macro_name: "export_archived_service_translation",
+        default_bindings_module: "wasmplane_sdk::archived",
+        with: {
+            "wasmplane:dataplane/log@1.2.0": crate::service::wasmplane::dataplane::log,
+            "wasmplane:dataplane/lookups@1.2.0": crate::service::wasmplane::dataplane::lookups,
+            "wasmplane:dataplane/settings@1.2.0": crate::service::wasmplane::dataplane::settings,
+            "wasmplane:dataplane/types@1.2.0": crate::service::wasmplane::dataplane::types,
+        },
+    });
+
+    /// A service translator of the archived world.
+    pub trait Translator {
+        /// Rules for one service, from its inputs read in place.
+        fn translate(inputs: &ArchivedInputs<'_>) -> TranslateResult;
+    }
+
+    /// What the export does with the host's archive: `T` on it, its result archived.
+    ///
+    /// # Safety
+    /// `input` must be an archive of [`Inputs`] (the host's, or one made with
+    /// [`encode_inputs`]).
+    pub unsafe fn translate_archive<T: Translator>(input: &[u8]) -> Vec<u8> {
+        // SAFETY: the caller's contract.
+        let inputs = unsafe { inputs_in_place(input) };
+        encode_result(&T::translate(inputs), Vec::with_capacity(1024))
+    }
+}
+
+/// Exports a [`archived::Translator`] as the `archived-service-translation` world (feature
+/// `archived`).
+#[cfg(feature = "archived")]
+#[macro_export]
+macro_rules! export_archived_translator {
+    ($translator:ty) => {
+        const _: () = {
+            struct ArchivedExport;
+            impl $crate::archived::exports::wasmplane::dataplane::archived_service_translator::Guest for ArchivedExport {
+                fn translate(input: ::std::vec::Vec<u8>) -> ::std::vec::Vec<u8> {
+                    // SAFETY: the host passes an archive of the inputs (`wasmplane_runtime::archived`).
+                    unsafe { $crate::archived::translate_archive::<$translator>(&input) }
+                }
+            }
+            $crate::archived::export_archived_service_translation!(ArchivedExport with_types_in $crate::archived);
+        };
+    };
 }
 
 /// The optional `settings-validation` export (see [`export_settings_validator!`]).

@@ -37,7 +37,7 @@ pub const FORMAT_VERSION: u32 = 1;
 pub struct Header {
     pub format: String,
     pub version: u32,
-    /// WIT package of the inputs (`wasmplane:dataplane@1.1.0`; `@1.0.0` from older hosts).
+    /// WIT package of the inputs (`wasmplane:dataplane@1.2.0`; `@1.1.0`, `@1.0.0` from older hosts).
     pub wit: String,
     /// Version of the host that recorded.
     pub host: String,

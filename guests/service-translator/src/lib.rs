@@ -30,6 +30,11 @@
 //!
 //! Services without usable endpoints get `no-endpoint-*` elements that reject. Cluster IPs go
 //! into the host's `cluster-ips` set: other ports of them are rejected.
+//!
+//! What ships is the same translation over archives ([`archived`], the
+//! `archived-service-translation` world of package 1.2.0), which costs what this code costs
+//! natively; [`translate`] here is its typed twin (feature `typed-world` builds it as a
+//! guest), which the archived one is tested against on every path.
 
 use std::collections::BTreeSet;
 
@@ -46,7 +51,8 @@ static ALLOCATOR: pool::Pool = pool::Pool::new();
 
 #[cfg(all(
     target_family = "wasm",
-    not(any(feature = "bench-encoded", feature = "bench-batch", feature = "bench-flat"))
+    any(feature = "typed-world", feature = "bench-repeat"),
+    not(any(feature = "bench-encoded", feature = "bench-batch"))
 ))]
 mod export {
     use wasmplane_sdk::service::exports::wasmplane::dataplane::service_translator::Guest;
@@ -87,24 +93,25 @@ mod export_encoded {
     export!(EncodedTranslator);
 }
 
-#[cfg(all(target_family = "wasm", feature = "bench-flat"))]
-mod export_flat {
-    wit_bindgen::generate!({ path: "bench-flat.wit", world: "flat-translation" });
+/// The shipped build: the `archived-service-translation` world (package 1.2.0), which costs
+/// what native code does (BENCHMARKS.md, fiftieth run).
+#[cfg(all(
+    target_family = "wasm",
+    not(any(feature = "typed-world", feature = "bench-repeat", feature = "bench-encoded", feature = "bench-batch"))
+))]
+mod export_archived {
+    struct ArchivedTranslator;
 
-    struct FlatTranslator;
-
-    impl exports::wasmplane::bench_flat::flat_translator::Guest for FlatTranslator {
-        fn translate(input: Vec<u8>) -> Vec<u8> {
-            // SAFETY: only the host writes the input, with `flat::encode_inputs`.
-            unsafe { super::flat::translate_archive(&input) }
+    impl wasmplane_sdk::archived::Translator for ArchivedTranslator {
+        fn translate(inputs: &wasmplane_sdk::archived::ArchivedInputs<'_>) -> wasmplane_sdk::archived::TranslateResult {
+            super::archived::translate(inputs)
         }
     }
 
-    export!(FlatTranslator);
+    wasmplane_sdk::export_archived_translator!(ArchivedTranslator);
 }
 
-#[cfg(feature = "bench-flat")]
-pub mod flat;
+pub mod archived;
 
 #[cfg(all(target_family = "wasm", feature = "bench-batch"))]
 mod export_batch {
@@ -112,7 +119,7 @@ mod export_batch {
         path: "bench-batch",
         world: "batch-translation",
         // The SDK's types, so the same `translate` runs on what arrives.
-        with: { "wasmplane:dataplane/types@1.1.0": wasmplane_sdk::types },
+        with: { "wasmplane:dataplane/types@1.2.0": wasmplane_sdk::types },
     });
 
     use exports::wasmplane::bench_batch::batch_translator::{Guest, ServiceInputs};

@@ -621,43 +621,42 @@ fn the_serialized_boundary_translates_the_same_and_refuses_garbage() {
     assert!(message.starts_with("decoding the input:"), "{message}");
 }
 
-/// The typed inputs as the flat prototype's archive (the bench encodes from the model the same
-/// way).
-#[cfg(feature = "bench-flat")]
-fn flat_archive(node: &NodeContext, prefix: &str, service: &Service, slices: &[EndpointSlice]) -> Vec<u8> {
+/// The typed inputs as the host archives them (`wasmplane_runtime::archived::encode`, from the
+/// model).
+fn archive_of(node: &NodeContext, prefix: &str, service: &Service, slices: &[EndpointSlice]) -> Vec<u8> {
     use std::net::IpAddr;
     let ips = |l: &[String]| -> Vec<IpAddr> {
         l.iter().filter(|ip| !ip.is_empty() && *ip != "None").map(|ip| ip.parse().unwrap()).collect()
     };
-    let nets = |l: &[String]| -> Vec<flat::Net> {
+    let nets = |l: &[String]| -> Vec<archived::Net> {
         l.iter()
             .map(|c| {
                 let (ip, len) = c.split_once('/').unwrap();
-                flat::Net { address: ip.parse().unwrap(), prefix_len: len.parse().unwrap() }
+                archived::Net { address: ip.parse().unwrap(), prefix_len: len.parse().unwrap() }
             })
             .collect()
     };
     let protocol = |p: Protocol| match p {
-        Protocol::Tcp => flat::Protocol::Tcp,
-        Protocol::Udp => flat::Protocol::Udp,
-        Protocol::Sctp => flat::Protocol::Sctp,
+        Protocol::Tcp => archived::Protocol::Tcp,
+        Protocol::Udp => archived::Protocol::Udp,
+        Protocol::Sctp => archived::Protocol::Sctp,
     };
-    let inputs = flat::Inputs {
-        node: flat::NodeContext {
+    let inputs = archived::Inputs {
+        node: archived::NodeContext {
             node_name: &node.node_name,
             node_ips: ips(&node.node_ips),
             cluster_cidrs: nets(&node.cluster_cidrs),
             pod_cidrs: nets(&node.pod_cidrs),
         },
         chain_prefix: prefix,
-        service: flat::Service {
+        service: archived::Service {
             namespace: &service.namespace,
             name: &service.name,
             service_type: match service.service_type {
-                ServiceType::ClusterIp => flat::ServiceType::ClusterIp,
-                ServiceType::NodePort => flat::ServiceType::NodePort,
-                ServiceType::LoadBalancer => flat::ServiceType::LoadBalancer,
-                ServiceType::ExternalName => flat::ServiceType::ExternalName,
+                ServiceType::ClusterIp => archived::ServiceType::ClusterIp,
+                ServiceType::NodePort => archived::ServiceType::NodePort,
+                ServiceType::LoadBalancer => archived::ServiceType::LoadBalancer,
+                ServiceType::ExternalName => archived::ServiceType::ExternalName,
             },
             cluster_ips: ips(&service.cluster_ips),
             external_ips: ips(&service.external_ips),
@@ -665,30 +664,30 @@ fn flat_archive(node: &NodeContext, prefix: &str, service: &Service, slices: &[E
             ports: service
                 .ports
                 .iter()
-                .map(|p| flat::ServicePort {
+                .map(|p| archived::ServicePort {
                     name: &p.name,
                     protocol: protocol(p.protocol),
                     port: p.port,
                     node_port: p.node_port,
                     target_port: match &p.target_port {
-                        TargetPort::Number(n) => flat::TargetPort::Number(*n),
-                        TargetPort::Name(n) => flat::TargetPort::Name(n),
+                        TargetPort::Number(n) => archived::TargetPort::Number(*n),
+                        TargetPort::Name(n) => archived::TargetPort::Name(n),
                     },
                 })
                 .collect(),
             session_affinity_timeout: service.session_affinity_timeout,
             external_traffic_local: service.external_traffic_policy == TrafficPolicy::Local,
             internal_traffic_local: service.internal_traffic_policy == TrafficPolicy::Local,
-            labels: service.labels.iter().map(|l| flat::Label { key: &l.key, value: &l.value }).collect(),
+            labels: service.labels.iter().map(|l| archived::Label { key: &l.key, value: &l.value }).collect(),
         },
         slices: slices
             .iter()
-            .map(|s| flat::Slice {
+            .map(|s| archived::Slice {
                 name: &s.name,
                 endpoints: s
                     .endpoints
                     .iter()
-                    .map(|e| flat::Endpoint {
+                    .map(|e| archived::Endpoint {
                         addresses: ips(&e.addresses),
                         ready: e.ready,
                         serving: e.serving,
@@ -701,18 +700,17 @@ fn flat_archive(node: &NodeContext, prefix: &str, service: &Service, slices: &[E
                 ports: s
                     .ports
                     .iter()
-                    .map(|p| flat::EndpointPort { name: &p.name, protocol: protocol(p.protocol), port: p.port })
+                    .map(|p| archived::EndpointPort { name: &p.name, protocol: protocol(p.protocol), port: p.port })
                     .collect(),
             })
             .collect(),
     };
-    flat::encode_inputs(&inputs, Vec::new())
+    archived::encode_inputs(&inputs, Vec::new())
 }
 
 /// The zero-copy prototype gives the typed translation's ruleset on every path, load
 /// balancing as data and chains alike, through its own archive and back (as the host reads a
 /// guest's).
-#[cfg(feature = "bench-flat")]
 #[test]
 fn the_zero_copy_prototype_translates_every_path_the_same() {
     let dual = |mut s: Service| {
@@ -845,17 +843,17 @@ fn the_zero_copy_prototype_translates_every_path_the_same() {
         ),
     ];
     for (case, service, slices) in &cases {
-        let archive = flat_archive(&ctx(), "svc/shop/web", service, slices);
-        // SAFETY: `flat_archive` made it.
+        let archive = archive_of(&ctx(), "svc/shop/web", service, slices);
+        // SAFETY: `archive_of` made it.
         // SAFETY: as above.
-        let inputs = unsafe { flat::inputs_in_place(&archive) };
-        let on_archive = flat::translate(inputs).unwrap();
+        let inputs = unsafe { archived::inputs_in_place(&archive) };
+        let on_archive = archived::translate(inputs).unwrap();
         let expected = translate(&ctx(), "svc/shop/web", service, slices).unwrap();
-        assert_eq!(flat::typed(&on_archive, inputs), flat::canonical(expected), "{case}");
+        assert_eq!(archived::typed(&on_archive, inputs), archived::canonical(expected), "{case}");
         // SAFETY: as above.
-        let output = unsafe { flat::translate_archive(&archive) };
-        let read_back: Result<flat::Ruleset, String> =
-            rkyv::deserialize::<_, rkyv::rancor::Error>(flat::validate_result(&output).unwrap()).unwrap();
+        let output = unsafe { archived::translate_archive(&archive) };
+        let read_back: Result<archived::Ruleset, String> =
+            rkyv::deserialize::<_, rkyv::rancor::Error>(archived::validate_result(&output).unwrap()).unwrap();
         assert_eq!(read_back, Ok(on_archive), "{case}: the result archive");
     }
 
@@ -871,18 +869,17 @@ fn the_zero_copy_prototype_translates_every_path_the_same() {
 
 /// The host checks a guest's result archive before reading it: a truncated one, or one with
 /// a tag no variant has, is an error.
-#[cfg(feature = "bench-flat")]
 #[test]
 fn the_zero_copy_prototype_validates_what_a_guest_returns() {
     let archive =
-        flat_archive(&ctx(), "svc/shop/web", &service(), &[slice(vec![endpoint("10.244.0.11", true, false, true)])]);
-    // SAFETY: `flat_archive` made it.
-    let output = unsafe { flat::translate_archive(&archive) };
-    assert!(flat::validate_result(&output).is_ok());
-    assert!(flat::validate_result(&output[..output.len() - 1]).is_err(), "truncated");
+        archive_of(&ctx(), "svc/shop/web", &service(), &[slice(vec![endpoint("10.244.0.11", true, false, true)])]);
+    // SAFETY: `archive_of` made it.
+    let output = unsafe { archived::translate_archive(&archive) };
+    assert!(archived::validate_result(&output).is_ok());
+    assert!(archived::validate_result(&output[..output.len() - 1]).is_err(), "truncated");
     // The result's tag is the archive's last bytes (the root is written last): 0 is Ok.
     let mut bad_tag = output.clone();
-    let root = bad_tag.len() - std::mem::size_of::<rkyv::Archived<Result<flat::Ruleset, String>>>();
+    let root = bad_tag.len() - std::mem::size_of::<rkyv::Archived<Result<archived::Ruleset, String>>>();
     bad_tag[root] = 7;
-    assert!(flat::validate_result(&bad_tag).is_err(), "an unknown tag");
+    assert!(archived::validate_result(&bad_tag).is_err(), "an unknown tag");
 }

@@ -1,7 +1,13 @@
 //! Misbehaving guests: each feature builds one component that breaks a different rule, so
 //! the host's tests can check that nothing it breaks reaches the dataplane.
 
-#[cfg(not(any(feature = "wrong-world", feature = "wit-1-0-translator", feature = "wit-1-0-policy")))]
+#[cfg(not(any(
+    feature = "wrong-world",
+    feature = "wit-1-0-translator",
+    feature = "wit-1-0-policy",
+    feature = "wit-1-1-translator",
+    feature = "archived-misbehaving"
+)))]
 mod translator {
     use wasmplane_sdk::service::exports::wasmplane::dataplane::service_translator::Guest;
     use wasmplane_sdk::types::*;
@@ -224,4 +230,119 @@ mod policy_1_0 {
     }
 
     export!(Policy);
+}
+
+/// A translator built against `wasmplane:dataplane@1.1.0` as released (`wit/1.1.0/`): a guest
+/// of the minor before the host's keeps loading and running. Each cluster IP port goes to its
+/// first ready endpoint, masquerading traffic not from pods (1.1's `pod-traffic` match).
+#[cfg(feature = "wit-1-1-translator")]
+mod translator_1_1 {
+    wit_bindgen::generate!({ path: "../../wit/1.1.0", world: "service-translation" });
+
+    use exports::wasmplane::dataplane::service_translator::Guest;
+    use wasmplane::dataplane::types::*;
+
+    struct Translator;
+
+    impl Guest for Translator {
+        fn translate(
+            _node: NodeContext,
+            prefix: String,
+            service: Service,
+            slices: Vec<EndpointSlice>,
+        ) -> Result<Ruleset, GuestError> {
+            let mut ruleset = Ruleset { chains: vec![], sets: vec![], map_elements: vec![], warnings: vec![] };
+            let Some(backend) =
+                slices.iter().flat_map(|s| &s.endpoints).find(|e| e.ready).and_then(|e| e.addresses.first())
+            else {
+                ruleset.warnings.push("no ready endpoint".into());
+                return Ok(ruleset);
+            };
+            for port in &service.ports {
+                let TargetPort::Number(target) = port.target_port else { continue };
+                let chain = format!("{prefix}/{}", port.port);
+                let not_from_pods =
+                    RuleMatch::PodTraffic(PodTrafficMatch { family: AddressFamily::Ipv4, negate: true });
+                let rules = vec![
+                    Rule {
+                        matches: vec![not_from_pods],
+                        statements: vec![],
+                        verdict: Verdict::Masquerade,
+                        comment: None,
+                    },
+                    Rule {
+                        matches: vec![],
+                        statements: vec![RuleStatement::Dnat(DnatTarget { address: backend.clone(), port: target })],
+                        verdict: Verdict::None,
+                        comment: Some("wit 1.1".into()),
+                    },
+                ];
+                for ip in &service.cluster_ips {
+                    ruleset.map_elements.push(MapElement {
+                        map_name: "service-ips".into(),
+                        key: vec![
+                            KeyPart::Address(ip.clone()),
+                            KeyPart::Protocol(port.protocol),
+                            KeyPart::Port(port.port),
+                        ],
+                        verdict: Verdict::Goto(chain.clone()),
+                    });
+                }
+                ruleset.chains.push(Chain { name: chain, rules });
+            }
+            Ok(ruleset)
+        }
+    }
+
+    export!(Translator);
+}
+
+/// An archived translator (package 1.2.0) that misbehaves on request, by the service's labels:
+/// `wasmplane.io/garbage` returns bytes that are no archive; `wasmplane.io/bad-port` sends its
+/// frontends to a chain of a port the service does not have; `wasmplane.io/decline` returns its
+/// own error. Otherwise it rejects every cluster IP port (valid rules).
+#[cfg(feature = "archived-misbehaving")]
+mod archived_misbehaving {
+    use wasmplane_sdk::archived::*;
+
+    struct Raw;
+
+    impl exports::wasmplane::dataplane::archived_service_translator::Guest for Raw {
+        fn translate(input: Vec<u8>) -> Vec<u8> {
+            // SAFETY: the host passes an archive of the inputs.
+            let inputs = unsafe { inputs_in_place(&input) };
+            let service = &inputs.service;
+            let labelled = |key: &str| service.labels.iter().any(|l| &*l.key == key);
+            if labelled("wasmplane.io/garbage") {
+                return vec![0xff; 64];
+            }
+            if labelled("wasmplane.io/decline") {
+                return encode_result(&Err(format!("declined {}/{}", &*service.namespace, &*service.name)), Vec::new());
+            }
+            let mut ruleset = Ruleset::default();
+            for port in service.ports.iter() {
+                let protocol = port.protocol.native();
+                for ip in service.cluster_ips.iter() {
+                    let key = [
+                        KeyPart::Address(ip.as_ipaddr()),
+                        KeyPart::Protocol(protocol),
+                        KeyPart::Port(port.port.to_native()),
+                    ];
+                    let element = if labelled("wasmplane.io/bad-port") {
+                        Element::new(
+                            MapName::ServiceIps,
+                            &key,
+                            Verdict::Goto(ChainName { port: 9, role: ChainRole::Service }),
+                        )
+                    } else {
+                        Element::new(MapName::NoEndpointServices, &key, Verdict::Reject)
+                    };
+                    ruleset.elements.push(element);
+                }
+            }
+            encode_result(&Ok(ruleset), Vec::new())
+        }
+    }
+
+    export_archived_service_translation!(Raw with_types_in wasmplane_sdk::archived);
 }

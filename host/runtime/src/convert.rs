@@ -154,3 +154,92 @@ pub fn selector_from_wit(s: wit::LabelSelector) -> m::LabelSelector {
             .collect(),
     }
 }
+
+/// WIT → model for what a service translator takes: a recording's inputs (WIT) given to an
+/// archived translator, which is given the model's archive. Kept to what translation reads.
+pub fn node_context_from_wit(c: &wit::NodeContext) -> ms::NodeContext {
+    let texts = |list: &[String]| list.iter().map(|s| m::CompactString::from(s.as_str())).collect();
+    ms::NodeContext {
+        node_name: c.node_name.as_str().into(),
+        node_ips: texts(&c.node_ips),
+        cluster_cidrs: texts(&c.cluster_cidrs),
+        pod_cidrs: texts(&c.pod_cidrs),
+        zone: None,
+    }
+}
+
+fn protocol_from_wit(p: wit::Protocol) -> m::Protocol {
+    match p {
+        wit::Protocol::Tcp => m::Protocol::Tcp,
+        wit::Protocol::Udp => m::Protocol::Udp,
+        wit::Protocol::Sctp => m::Protocol::Sctp,
+    }
+}
+
+fn policy_from_wit(p: wit::TrafficPolicy) -> m::TrafficPolicy {
+    match p {
+        wit::TrafficPolicy::Cluster => m::TrafficPolicy::Cluster,
+        wit::TrafficPolicy::Local => m::TrafficPolicy::Local,
+    }
+}
+
+/// See [`node_context_from_wit`].
+pub fn view_from_wit(s: &wit::Service, slices: &[wit::EndpointSlice]) -> ms::ServiceView {
+    let texts = |list: &[String]| list.iter().map(|s| m::CompactString::from(s.as_str())).collect();
+    let service = m::Service {
+        service_type: match s.service_type {
+            wit::ServiceType::ClusterIp => m::ServiceType::ClusterIP,
+            wit::ServiceType::NodePort => m::ServiceType::NodePort,
+            wit::ServiceType::LoadBalancer => m::ServiceType::LoadBalancer,
+            wit::ServiceType::ExternalName => m::ServiceType::ExternalName,
+        },
+        cluster_ips: texts(&s.cluster_ips),
+        external_ips: texts(&s.external_ips),
+        load_balancer_ips: texts(&s.load_balancer_ips),
+        session_affinity_timeout: s.session_affinity_timeout,
+        external_traffic_policy: policy_from_wit(s.external_traffic_policy),
+        internal_traffic_policy: policy_from_wit(s.internal_traffic_policy),
+        labels: s.labels.iter().map(|l| (l.key.as_str().into(), l.value.as_str().into())).collect(),
+        ..m::Service::cluster_ip(
+            &s.namespace,
+            &s.name,
+            "",
+            (s.ports.iter())
+                .map(|p| m::ServicePort {
+                    name: p.name.as_str().into(),
+                    protocol: protocol_from_wit(p.protocol),
+                    port: p.port,
+                    node_port: p.node_port,
+                    target_port: match &p.target_port {
+                        wit::TargetPort::Number(n) => m::TargetPort::Number(*n),
+                        wit::TargetPort::Name(n) => m::TargetPort::Name(n.as_str().into()),
+                    },
+                })
+                .collect(),
+        )
+    };
+    let slices = (slices.iter())
+        .map(|slice| ms::LocalSlice {
+            name: slice.name.as_str().into(),
+            endpoints: (slice.endpoints.iter())
+                .map(|e| ms::LocalEndpoint {
+                    addresses: texts(&e.addresses),
+                    ready: e.ready,
+                    serving: e.serving,
+                    terminating: e.terminating,
+                    node_name: e.node_name.as_deref().map(Into::into),
+                    zone: e.zone.as_deref().map(Into::into),
+                    is_local: e.is_local,
+                })
+                .collect(),
+            ports: (slice.ports.iter())
+                .map(|p| m::EndpointPort {
+                    name: p.name.as_str().into(),
+                    protocol: protocol_from_wit(p.protocol),
+                    port: p.port,
+                })
+                .collect(),
+        })
+        .collect();
+    ms::ServiceView { service: std::sync::Arc::new(service), slices }
+}

@@ -20,8 +20,8 @@ mod bindings {
         world: "garbage-collection",
         // The log capability is the one every guest kind shares (already in the linker).
         with: {
-            "wasmplane:dataplane/log@1.1.0": crate::bindings::service::wasmplane::dataplane::log,
-            "wasmplane:dataplane/settings@1.1.0": crate::bindings::service::wasmplane::dataplane::settings,
+            "wasmplane:dataplane/log@1.2.0": crate::bindings::service::wasmplane::dataplane::log,
+            "wasmplane:dataplane/settings@1.2.0": crate::bindings::service::wasmplane::dataplane::settings,
         },
     });
 }

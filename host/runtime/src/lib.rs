@@ -15,6 +15,7 @@
 //! WASI is linked with an empty context: no preopened directories, environment, arguments,
 //! network or stdio, and clocks that stand still, unless a module is granted more.
 
+pub mod archived;
 mod bindings;
 pub mod compiler;
 pub mod convert;
@@ -98,6 +99,14 @@ pub enum CallError {
     OutputTooLarge(String),
     #[error("instantiating the guest failed: {0}")]
     Instantiate(String),
+    /// The host refused the inputs before the call (an archived translator is given only
+    /// addresses that parse).
+    #[error("{0}")]
+    Input(String),
+    /// An archived translator's result that does not check (its bytes, or a number naming
+    /// nothing).
+    #[error("invalid guest output: {0}")]
+    InvalidOutput(String),
 }
 
 /// The Wasm engine and everything shared by all modules.
@@ -191,4 +200,5 @@ pub fn release_free_memory() {
     }
 }
 
-pub use loader::TranslatorSession;
+pub use archived::ArchivedOutput;
+pub use loader::{Translated, TranslatorSession};

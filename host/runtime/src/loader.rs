@@ -8,19 +8,20 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use wasmtime::component::types::ComponentItem;
-use wasmtime::component::{Component, InstancePre};
+use wasmtime::component::{Component, ComponentExportIndex, Func, InstancePre, TypedFunc};
 
+use crate::archived::{ArchivedOutput, ParsedContext};
 use crate::bindings::service::{ServiceTranslation, ServiceTranslationPre};
 use crate::host::{GuestSlot, GuestState, Lookups, Sandbox, check_output_size};
 use crate::validation::{SETTINGS_VALIDATION, SettingsValidator};
-use crate::{CallError, Limits, Runtime, SettingsVerdict, convert, wit, wit_1_0};
+use crate::{CallError, Limits, Runtime, SettingsVerdict, archived, convert, wit, wit_1_0};
 use wasmplane_model::state::{NodeContext, ServiceView};
 
 /// The WIT package every guest world belongs to.
 pub const WIT_PACKAGE: &str = "wasmplane:dataplane";
 /// The package version this host implements; guests built against it or an older 1.x load
 /// (1.0 through `wit_1_0.rs`). A newer minor is refused at load ([`LoadError::NewerVersion`]).
-pub const WIT_VERSION: &str = "1.1.0";
+pub const WIT_VERSION: &str = "1.2.0";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -45,7 +46,19 @@ impl GuestKind {
     pub fn parse(s: &str) -> Option<GuestKind> {
         GuestKind::ALL.into_iter().find(|k| k.interface() == s)
     }
+
+    /// The kind of a component exporting `interface` of the package: a kind's own, or the
+    /// archived service translator's (1.2.0).
+    pub fn of_export(interface: &str) -> Option<GuestKind> {
+        match interface {
+            ARCHIVED_TRANSLATOR => Some(GuestKind::ServiceTranslator),
+            other => GuestKind::parse(other),
+        }
+    }
 }
+
+/// The interface of a service translator that takes and returns archives (`archived.rs`).
+pub const ARCHIVED_TRANSLATOR: &str = "archived-service-translator";
 
 impl fmt::Display for GuestKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -95,6 +108,9 @@ pub struct ModuleInfo {
     /// `sha256:<hex>` of the component bytes.
     pub digest: String,
     pub kind: GuestKind,
+    /// The interface it exports for its kind, when not the kind's own (`archived-service-translator`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interface: Option<String>,
     pub wit_version: String,
     pub size: usize,
     pub imports: Vec<String>,
@@ -104,6 +120,37 @@ enum Runner {
     ServiceTranslator(ServiceTranslationPre<GuestState>),
     /// Built against 1.0.0 (`wit_1_0.rs`).
     ServiceTranslator1_0(wit_1_0::Export<wit_1_0::Translate>),
+    /// `archived-service-translator` (1.2.0, `archived.rs`).
+    ArchivedServiceTranslator(ArchivedExport),
+}
+
+/// An archived translator's `translate`, found when the module loads.
+#[derive(Clone)]
+struct ArchivedExport {
+    pre: InstancePre<GuestState>,
+    func: ComponentExportIndex,
+}
+
+/// `translate(input: list<u8>) -> list<u8>`.
+type ArchivedTranslate<'a> = TypedFunc<(&'a [u8],), (Vec<u8>,)>;
+
+impl ArchivedExport {
+    fn find(pre: &InstancePre<GuestState>, interface: &str) -> Option<ArchivedExport> {
+        let component = pre.component();
+        let instance = component.get_export_index(None, interface)?;
+        let func = component.get_export_index(Some(&instance), "translate")?;
+        Some(ArchivedExport { pre: pre.clone(), func })
+    }
+
+    /// A new instance's `translate`, its type checked.
+    fn instantiate(&self, store: &mut wasmtime::Store<GuestState>) -> wasmtime::Result<Func> {
+        let instance = self.pre.instantiate(&mut *store)?;
+        let func = instance.get_func(&mut *store, self.func).ok_or_else(|| {
+            wasmtime::format_err!("the component exports no function at the index it had when loaded")
+        })?;
+        func.typed::<(&[u8],), (Vec<u8>,)>(&*store)?;
+        Ok(func)
+    }
 }
 
 /// A validated, compiled component ready to instantiate.
@@ -184,6 +231,12 @@ fn check_version(version: &str) -> Result<(), LoadError> {
     }
 }
 
+/// What a component may export for its kind, for an error that names none of them.
+fn expected_exports() -> Vec<String> {
+    let kinds = GuestKind::ALL.iter().map(|k| k.interface());
+    kinds.chain([ARCHIVED_TRANSLATOR]).map(|i| format!("{WIT_PACKAGE}/{i}")).collect()
+}
+
 /// The interfaces of the package a component may import.
 fn granted_interface(iface: &str) -> bool {
     matches!(iface, "types" | "log" | "lookups" | "settings")
@@ -215,9 +268,9 @@ pub fn describe(bytes: &[u8]) -> Result<ModuleInfo, LoadError> {
                     if let Some((SETTINGS_VALIDATION, version)) = split_name(name) {
                         check_version(version)?;
                     } else if let Some((iface, version)) = split_name(name)
-                        && let Some(kind) = GuestKind::parse(iface)
+                        && let Some(kind) = GuestKind::of_export(iface)
                     {
-                        found = Some((kind, version.to_string()));
+                        found = Some((kind, iface.to_string(), version.to_string()));
                     }
                     exports.push(name.to_string());
                 }
@@ -225,17 +278,15 @@ pub fn describe(bytes: &[u8]) -> Result<ModuleInfo, LoadError> {
             _ => {}
         }
     }
-    let Some((kind, wit_version)) = found else {
-        return Err(LoadError::UnknownWorld {
-            exports,
-            expected: GuestKind::ALL.iter().map(|k| format!("{WIT_PACKAGE}/{k}")).collect(),
-        });
+    let Some((kind, iface, wit_version)) = found else {
+        return Err(LoadError::UnknownWorld { exports, expected: expected_exports() });
     };
     check_version(&wit_version)?;
     for (_, version) in imports.iter().filter_map(|i| split_name(i)).filter(|(iface, _)| granted_interface(iface)) {
         check_version(version)?;
     }
-    Ok(ModuleInfo { digest: digest(bytes), kind, wit_version, size: bytes.len(), imports })
+    let interface = (iface != kind.interface()).then_some(iface);
+    Ok(ModuleInfo { digest: digest(bytes), kind, interface, wit_version, size: bytes.len(), imports })
 }
 
 impl Runtime {
@@ -256,6 +307,13 @@ impl Runtime {
                 let export = format!("{WIT_PACKAGE}/{}@{}", GuestKind::ServiceTranslator, info.wit_version);
                 Runner::ServiceTranslator1_0(
                     wit_1_0::Export::find(&pre, &export, "translate")
+                        .ok_or_else(|| LoadError::Link(format!("{export} exports no `translate`")))?,
+                )
+            }
+            GuestKind::ServiceTranslator if info.interface.as_deref() == Some(ARCHIVED_TRANSLATOR) => {
+                let export = format!("{WIT_PACKAGE}/{ARCHIVED_TRANSLATOR}@{}", info.wit_version);
+                Runner::ArchivedServiceTranslator(
+                    ArchivedExport::find(&pre, &export)
                         .ok_or_else(|| LoadError::Link(format!("{export} exports no `translate`")))?,
                 )
             }
@@ -304,16 +362,13 @@ impl Runtime {
                 continue;
             }
             if let (Some((iface, version)), ComponentItem::ComponentInstance(_)) = (split_name(export), item.ty)
-                && let Some(kind) = GuestKind::parse(iface)
+                && let Some(kind) = GuestKind::of_export(iface)
             {
-                found = Some((kind, version.to_string()));
+                found = Some((kind, iface.to_string(), version.to_string()));
             }
         }
-        let Some((kind, version)) = found else {
-            return Err(LoadError::UnknownWorld {
-                exports,
-                expected: GuestKind::ALL.iter().map(|k| format!("{WIT_PACKAGE}/{k}")).collect(),
-            });
+        let Some((kind, iface, version)) = found else {
+            return Err(LoadError::UnknownWorld { exports, expected: expected_exports() });
         };
         check_version(&version)?;
         if let Some(declared) = expected
@@ -330,9 +385,10 @@ impl Runtime {
             }
             imports.push(import.to_string());
         }
+        let interface = (iface != kind.interface()).then_some(iface);
         Ok(Checked {
             component,
-            info: ModuleInfo { digest, kind, wit_version: version, size: bytes.len(), imports },
+            info: ModuleInfo { digest, kind, interface, wit_version: version, size: bytes.len(), imports },
             settings_validation,
         })
     }
@@ -452,12 +508,16 @@ impl LoadedModule {
         let (sandbox, name) = (self.sandbox.clone(), self.name.clone());
         Some(TranslatorSession {
             context: None,
+            parsed_context: None,
             translator: match &self.runner {
                 Runner::ServiceTranslator(pre) => {
                     Translator::Current { pre: pre.clone(), slot: GuestSlot::new(sandbox, name, capabilities) }
                 }
                 Runner::ServiceTranslator1_0(export) => {
                     Translator::V1_0 { export: export.clone(), slot: GuestSlot::new(sandbox, name, capabilities) }
+                }
+                Runner::ArchivedServiceTranslator(export) => {
+                    Translator::Archived { export: export.clone(), slot: GuestSlot::new(sandbox, name, capabilities) }
                 }
             },
         })
@@ -471,6 +531,24 @@ pub struct TranslatorSession {
     /// The node context of the last call, as the model has it and in WIT form: it changes
     /// rarely, and a full sync translates every service with the same one.
     context: Option<(NodeContext, wit::NodeContext)>,
+    /// The same for an archived translator: its addresses parsed.
+    parsed_context: Option<ParsedContext>,
+}
+
+/// What a translator returned, checked against the limits (and for an archive, its layout).
+pub enum Translated {
+    Typed(wit::Ruleset),
+    Archived(ArchivedOutput),
+}
+
+impl Translated {
+    /// The ruleset in the typed world's terms (an archive's names made from its inputs).
+    pub fn into_typed(self) -> Result<wit::Ruleset, CallError> {
+        match self {
+            Translated::Typed(ruleset) => Ok(ruleset),
+            Translated::Archived(output) => output.to_typed().map_err(CallError::InvalidOutput),
+        }
+    }
 }
 
 /// `context` in WIT form, converted again only when it differs from the cached one.
@@ -484,10 +562,12 @@ fn cached_context<'c>(
     &cache.as_ref().expect("filled above").1
 }
 
-/// A translator of this host's WIT version, or of 1.0 (`wit_1_0.rs`).
+/// A translator of this host's WIT version, of 1.0 (`wit_1_0.rs`), or an archived one
+/// (`archived.rs`).
 enum Translator {
     Current { pre: ServiceTranslationPre<GuestState>, slot: GuestSlot<ServiceTranslation> },
     V1_0 { export: wit_1_0::Export<wit_1_0::Translate>, slot: GuestSlot<wit_1_0::Checked<wit_1_0::Translate>> },
+    Archived { export: ArchivedExport, slot: GuestSlot<Func> },
 }
 
 impl TranslatorSession {
@@ -496,16 +576,34 @@ impl TranslatorSession {
         match &mut self.translator {
             Translator::Current { pre, slot } => slot.instantiate_now(|store| pre.instantiate(store)),
             Translator::V1_0 { export, slot } => slot.instantiate_now(|store| export.instantiate(store)),
+            Translator::Archived { export, slot } => slot.instantiate_now(|store| export.instantiate(store)),
         }
     }
 
-    /// Translates one service. On any error but the guest's own the instance is dropped.
+    /// Translates one service, in the typed world's terms. On any error but the guest's own
+    /// the instance is dropped.
     pub fn translate(
         &mut self,
         context: &NodeContext,
         chain_prefix: &str,
         view: &ServiceView,
     ) -> Result<wit::Ruleset, CallError> {
+        self.translate_output(context, chain_prefix, view)?.into_typed()
+    }
+
+    /// Translates one service: what the guest returned, checked; an archived translator's
+    /// result stays an archive, which the dataplane reads in place.
+    pub fn translate_output(
+        &mut self,
+        context: &NodeContext,
+        chain_prefix: &str,
+        view: &ServiceView,
+    ) -> Result<Translated, CallError> {
+        if let Translator::Archived { export, slot } = &mut self.translator {
+            let parsed = ParsedContext::cached(&mut self.parsed_context, context);
+            let input = archived::encode(parsed, chain_prefix, view, Vec::with_capacity(512))?;
+            return call_archived(export, slot, input);
+        }
         let service = convert::service(&view.service);
         let slices = convert::slices(view);
         // Out of the session for the call, which borrows it whole.
@@ -515,35 +613,61 @@ impl TranslatorSession {
         result
     }
 
-    /// Like [`translate`](Self::translate) with inputs already in WIT form.
+    /// Like [`translate_output`](Self::translate_output) with inputs already in WIT form (a
+    /// recording's). An archived translator is given them archived, through the model's types.
     pub fn translate_wit(
         &mut self,
         ctx: &wit::NodeContext,
         chain_prefix: &str,
         service: &wit::Service,
         slices: &[wit::EndpointSlice],
-    ) -> Result<wit::Ruleset, CallError> {
+    ) -> Result<Translated, CallError> {
         match &mut self.translator {
-            Translator::Current { pre, slot } => slot.call(
-                |store| pre.instantiate(store),
-                |bindings, store| {
-                    bindings.wasmplane_dataplane_service_translator().call_translate(
-                        store,
-                        ctx,
-                        chain_prefix,
-                        service,
-                        slices,
-                    )
-                },
-                accept_ruleset,
-            ),
-            Translator::V1_0 { export, slot } => slot.call(
-                |store| export.instantiate(store),
-                |func, store| func.call(store, (ctx, chain_prefix, service, slices)),
-                accept_ruleset,
-            ),
+            Translator::Current { pre, slot } => slot
+                .call(
+                    |store| pre.instantiate(store),
+                    |bindings, store| {
+                        bindings.wasmplane_dataplane_service_translator().call_translate(
+                            store,
+                            ctx,
+                            chain_prefix,
+                            service,
+                            slices,
+                        )
+                    },
+                    accept_ruleset,
+                )
+                .map(Translated::Typed),
+            Translator::V1_0 { export, slot } => slot
+                .call(
+                    |store| export.instantiate(store),
+                    |func, store| func.call(store, (ctx, chain_prefix, service, slices)),
+                    accept_ruleset,
+                )
+                .map(Translated::Typed),
+            Translator::Archived { export, slot } => {
+                let (context, view) = (convert::node_context_from_wit(ctx), convert::view_from_wit(service, slices));
+                let parsed = ParsedContext::cached(&mut self.parsed_context, &context);
+                let input = archived::encode(parsed, chain_prefix, &view, Vec::with_capacity(512))?;
+                call_archived(export, slot, input)
+            }
         }
     }
+}
+
+/// One call of an archived translator with `input`, its result checked (a result that does
+/// not check drops the instance, as a trap does).
+fn call_archived(export: &ArchivedExport, slot: &mut GuestSlot<Func>, input: Vec<u8>) -> Result<Translated, CallError> {
+    let output = slot.call(
+        |store| export.instantiate(store),
+        |func, store| {
+            // SAFETY: the type was checked when this instance was made (`ArchivedExport::instantiate`).
+            let typed: ArchivedTranslate<'_> = unsafe { TypedFunc::new_unchecked(*func) };
+            typed.call(store, (&input,)).map(|(output,)| output)
+        },
+        ArchivedOutput::check,
+    )?;
+    Ok(Translated::Archived(ArchivedOutput::checked(input, output)))
 }
 
 /// Counts the objects and string bytes a call returned.
@@ -592,10 +716,10 @@ mod tests {
 
     #[test]
     fn versions_up_to_the_hosts_minor_are_accepted() {
-        for ok in ["1.0.0", "1.1.0", "1.1.7"] {
+        for ok in ["1.0.0", "1.1.0", "1.1.7", "1.2.0"] {
             assert_eq!(check_version(ok), Ok(()), "{ok}");
         }
-        assert_eq!(check_version("1.2.0"), Err(LoadError::NewerVersion { found: "1.2.0".into() }));
+        assert_eq!(check_version("1.3.0"), Err(LoadError::NewerVersion { found: "1.3.0".into() }));
         for refused in ["2.0.0", "0.9.0", "1.1", "1.x.0", "1.1.0-rc.1", "1.1.0+build", "1.+1.0", "", "1.1.0.0"] {
             assert_eq!(
                 check_version(refused),
@@ -604,7 +728,7 @@ mod tests {
             );
         }
         assert!(
-            LoadError::NewerVersion { found: "1.2.0".into() }.to_string().contains("build it against 1.1 or older")
+            LoadError::NewerVersion { found: "1.3.0".into() }.to_string().contains("build it against 1.2 or older")
         );
     }
 

@@ -98,15 +98,17 @@ mod tests {
     }
 
     /// The comparison is only fair if both sides do the same work: the native translator
-    /// returns what the embedded guest returns for the same view, rule for rule (the two
-    /// sets of generated types print alike).
+    /// returns what the guest built for the typed world returns for the same view, rule for
+    /// rule (the two sets of generated types print alike), and the shipped (archived) one the
+    /// same rules, its map elements in another order.
     #[test]
     fn native_and_wasm_translate_alike() {
         let runtime = Runtime::new(Limits::default(), None).unwrap();
-        let module = runtime
-            .load("t", wasmplane_guest_artifacts::SERVICE_TRANSLATOR, Some(GuestKind::ServiceTranslator), usize::MAX)
-            .unwrap();
+        let load = |bytes| runtime.load("t", bytes, Some(GuestKind::ServiceTranslator), usize::MAX).unwrap();
+        let module = load(wasmplane_guest_artifacts::test_programs::TRANSLATOR_TYPED);
+        let shipped = load(wasmplane_guest_artifacts::SERVICE_TRANSLATOR);
         let mut session = module.translator(Arc::new(NoLookups)).unwrap();
+        let mut shipped = shipped.translator(Arc::new(NoLookups)).unwrap();
         let ctx = NodeContext {
             node_name: "node-0".into(),
             node_ips: vec!["192.168.0.1".into()],
@@ -118,6 +120,17 @@ mod tests {
         let native = translate(&node_context(&ctx), "svc/shop/web", &view).unwrap();
         assert!(native.chains.len() > 2 && !native.map_elements.is_empty(), "the view takes several paths: {native:?}");
         assert_eq!(format!("{native:?}"), format!("{wasm:?}"));
+        let sorted = |elements: Vec<String>| {
+            let mut elements = elements;
+            elements.sort();
+            elements
+        };
+        let archived = shipped.translate(&ctx, "svc/shop/web", &view).unwrap();
+        assert_eq!(format!("{:?}", archived.chains), format!("{:?}", native.chains));
+        assert_eq!(
+            sorted(archived.map_elements.iter().map(|e| format!("{e:?}")).collect()),
+            sorted(native.map_elements.iter().map(|e| format!("{e:?}")).collect())
+        );
         assert_eq!(format!("{:?}", service(&view.service)), format!("{:?}", crate::convert::service(&view.service)));
     }
 }

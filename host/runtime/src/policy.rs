@@ -28,10 +28,10 @@ mod bindings {
         // Shared with the service world: one set of types (with their serde derive), one
         // implementation of each capability in the linker.
         with: {
-            "wasmplane:dataplane/types@1.1.0": crate::bindings::service::wasmplane::dataplane::types,
-            "wasmplane:dataplane/log@1.1.0": crate::bindings::service::wasmplane::dataplane::log,
-            "wasmplane:dataplane/lookups@1.1.0": crate::bindings::service::wasmplane::dataplane::lookups,
-            "wasmplane:dataplane/settings@1.1.0": crate::bindings::service::wasmplane::dataplane::settings,
+            "wasmplane:dataplane/types@1.2.0": crate::bindings::service::wasmplane::dataplane::types,
+            "wasmplane:dataplane/log@1.2.0": crate::bindings::service::wasmplane::dataplane::log,
+            "wasmplane:dataplane/lookups@1.2.0": crate::bindings::service::wasmplane::dataplane::lookups,
+            "wasmplane:dataplane/settings@1.2.0": crate::bindings::service::wasmplane::dataplane::settings,
         },
     });
 }

@@ -69,7 +69,7 @@ fn a_translator_built_against_1_0_loads_and_runs() {
 fn the_sdks_guests_are_of_this_version() {
     let rt = Runtime::new(Limits::default(), None).unwrap();
     let module = rt.load("new", artifacts::SERVICE_TRANSLATOR, Some(GuestKind::ServiceTranslator), usize::MAX).unwrap();
-    assert_eq!((module.info.wit_version.as_str(), WIT_VERSION), ("1.1.0", "1.1.0"));
+    assert_eq!((module.info.wit_version.as_str(), WIT_VERSION), ("1.2.0", "1.2.0"));
     let policy = rt.load_policy("np", artifacts::NETWORK_POLICY, usize::MAX).unwrap();
     assert_eq!(policy.info.wit_version, WIT_VERSION);
 }
@@ -95,13 +95,13 @@ fn renamed(bytes: &[u8], from: &str, to: &str) -> Vec<u8> {
 #[test]
 fn a_guest_built_against_a_newer_minor_is_refused_at_load() {
     let rt = Runtime::new(Limits::default(), None).unwrap();
-    let newer = renamed(artifacts::test_programs::TRANSLATOR_WIT_1_0, "@1.0.0", "@1.2.0");
-    let refused = LoadError::NewerVersion { found: "1.2.0".into() };
+    let newer = renamed(artifacts::test_programs::TRANSLATOR_WIT_1_0, "@1.0.0", "@1.3.0");
+    let refused = LoadError::NewerVersion { found: "1.3.0".into() };
     assert_eq!(rt.load("newer", &newer, Some(GuestKind::ServiceTranslator), usize::MAX).err(), Some(refused.clone()));
     assert_eq!(describe(&newer), Err(refused.clone()));
     assert_eq!(
         refused.to_string(),
-        "component targets wasmplane:dataplane@1.2.0, newer than this host's 1.1.0: build it against 1.1 or older, or upgrade the host"
+        "component targets wasmplane:dataplane@1.3.0, newer than this host's 1.2.0: build it against 1.2 or older, or upgrade the host"
     );
 }
 
@@ -109,11 +109,11 @@ fn a_guest_built_against_a_newer_minor_is_refused_at_load() {
 fn a_guest_importing_a_newer_minor_is_refused_at_load() {
     // Only its `log` import is of the newer minor; the world it exports is 1.0's.
     let rt = Runtime::new(Limits::default(), None).unwrap();
-    let refused = LoadError::NewerVersion { found: "1.2.0".into() };
+    let refused = LoadError::NewerVersion { found: "1.3.0".into() };
     let import = renamed(
         artifacts::test_programs::TRANSLATOR_WIT_1_0,
         "wasmplane:dataplane/log@1.0.0",
-        "wasmplane:dataplane/log@1.2.0",
+        "wasmplane:dataplane/log@1.3.0",
     );
     assert_eq!(
         rt.load("newer-import", &import, Some(GuestKind::ServiceTranslator), usize::MAX).err(),

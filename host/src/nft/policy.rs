@@ -252,7 +252,7 @@ fn validate_rendered(
             ));
         }
     }
-    let mut rules = ObjectRules::with_guest_warnings(&out.warnings);
+    let mut rules = ObjectRules::with_guest_warnings(out.warnings.iter().map(String::as_str));
     let mut shared = BTreeMap::new();
     for set in &out.sets {
         let (ty, elements) = v.address_set(set)?;

@@ -1,486 +1,125 @@
-//! A prototype of a zero-copy boundary (feature `bench-flat`, never shipped): the runtime
-//! bench's measure of the "WIT 2.0" that BENCHMARKS.md estimates, to confirm or refute the
-//! estimate before anyone changes how guests are written.
+//! The default translator of the archived world (`archived-service-translation`, package
+//! 1.2.0): [`crate::translate`] over the archive the host passes, read in place, returning a
+//! string-free ruleset (BENCHMARKS.md, forty-eighth to fiftieth runs). It is what ships; the
+//! typed translator it mirrors is built as a guest too (feature `typed-world`).
 //!
-//! The inputs cross as one rkyv archive that the guest reads in place (strings are views,
-//! addresses are integers); the result is built from values without a string in them (map
-//! names are numbers, addresses integers, keys fixed arrays) and crosses as one archive that
-//! the host validates (bytecheck) and then reads in place. Native code runs the same
-//! [`translate`] on the same archive, so the two sides differ only by the boundary.
+//! The inputs cross as one rkyv archive (strings are views, addresses are integers); the
+//! result is built from values without a string in them (map names are numbers, addresses
+//! integers, keys fixed arrays) and crosses as one archive that the host checks and reads in
+//! place. The archive's types are the `wasmplane-archive` crate's, which the host reads them
+//! with. Native code runs the same [`translate`] on the same archive (the runtime bench).
 //!
-//! It covers every path of [`crate::translate`]: load balancing as data, the common case (every
-//! service of the bench's cluster), and the ports that need chains of their own
-//! (externalTrafficPolicy Local with external addresses, more than 32 backends), whose chains
-//! and affinity sets are named by numbers too (a port's index and role, a backend's address
-//! and port) and whose rules hold their matches and statements inline. The bench and the unit
-//! tests check every ruleset against the typed translator's.
+//! It covers every path of [`crate::translate`]: load balancing as data, the common case, and
+//! the ports that need chains of their own (externalTrafficPolicy Local with external
+//! addresses, more than 32 backends), whose chains and affinity sets are named by numbers too
+//! (a port's index and role, a backend's address and port) and whose rules hold their matches
+//! and statements inline. The unit tests check every ruleset against the typed translator's
+//! ([`typed`]), and the host's tests that both validate to the same dataplane.
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 
-use rkyv::with::{InlineAsBox, Map};
-use rkyv::{Archive, Deserialize, Serialize};
-use wasmplane_sdk::builders::protocol_name;
+pub use wasmplane_archive::*;
 use wasmplane_sdk::types as sdk;
 
 use crate::MAX_AFFINITY_TIMEOUT_SECONDS;
 use crate::MAX_BACKENDS_PER_FRONTEND;
 
-/// One call's inputs: what `translate` of the service-translation world gets, with every
-/// string borrowed from the host's model while it is archived.
-#[derive(Archive, Serialize)]
-pub struct Inputs<'a> {
-    pub node: NodeContext<'a>,
-    #[rkyv(with = InlineAsBox)]
-    pub chain_prefix: &'a str,
-    pub service: Service<'a>,
-    pub slices: Vec<Slice<'a>>,
-}
-
-#[derive(Archive, Serialize)]
-pub struct NodeContext<'a> {
-    #[rkyv(with = InlineAsBox)]
-    pub node_name: &'a str,
-    pub node_ips: Vec<IpAddr>,
-    pub cluster_cidrs: Vec<Net>,
-    pub pod_cidrs: Vec<Net>,
-}
-
-#[derive(Archive, Serialize)]
-pub struct Net {
-    pub address: IpAddr,
-    pub prefix_len: u8,
-}
-
-#[derive(Archive, Serialize, Clone, Copy, Debug, PartialEq, Eq)]
-#[rkyv(derive(Clone, Copy, Debug, PartialEq, Eq))]
-pub enum ServiceType {
-    ClusterIp,
-    NodePort,
-    LoadBalancer,
-    ExternalName,
-}
-
-#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-#[rkyv(derive(Clone, Copy, Debug, PartialEq, Eq))]
-pub enum Protocol {
-    Tcp,
-    Udp,
-    Sctp,
-}
-
-impl ArchivedProtocol {
-    fn native(self) -> Protocol {
-        match self {
-            ArchivedProtocol::Tcp => Protocol::Tcp,
-            ArchivedProtocol::Udp => Protocol::Udp,
-            ArchivedProtocol::Sctp => Protocol::Sctp,
-        }
-    }
-}
-
-impl From<Protocol> for sdk::Protocol {
-    fn from(p: Protocol) -> sdk::Protocol {
-        match p {
-            Protocol::Tcp => sdk::Protocol::Tcp,
-            Protocol::Udp => sdk::Protocol::Udp,
-            Protocol::Sctp => sdk::Protocol::Sctp,
-        }
-    }
-}
-
-/// Headless and ExternalName services have no cluster IPs here: an address that does not
-/// parse never reaches a guest (the host refuses the object as it archives it).
-#[derive(Archive, Serialize)]
-pub struct Service<'a> {
-    #[rkyv(with = InlineAsBox)]
-    pub namespace: &'a str,
-    #[rkyv(with = InlineAsBox)]
-    pub name: &'a str,
-    pub service_type: ServiceType,
-    pub cluster_ips: Vec<IpAddr>,
-    pub external_ips: Vec<IpAddr>,
-    pub load_balancer_ips: Vec<IpAddr>,
-    pub ports: Vec<ServicePort<'a>>,
-    pub session_affinity_timeout: Option<u32>,
-    pub external_traffic_local: bool,
-    pub internal_traffic_local: bool,
-    pub labels: Vec<Label<'a>>,
-}
-
-#[derive(Archive, Serialize)]
-pub struct Label<'a> {
-    #[rkyv(with = InlineAsBox)]
-    pub key: &'a str,
-    #[rkyv(with = InlineAsBox)]
-    pub value: &'a str,
-}
-
-#[derive(Archive, Serialize)]
-pub struct ServicePort<'a> {
-    #[rkyv(with = InlineAsBox)]
-    pub name: &'a str,
-    pub protocol: Protocol,
-    pub port: u16,
-    pub node_port: u16,
-    pub target_port: TargetPort<'a>,
-}
-
-#[derive(Archive, Serialize)]
-pub enum TargetPort<'a> {
-    Number(u16),
-    Name(#[rkyv(with = InlineAsBox)] &'a str),
-}
-
-#[derive(Archive, Serialize)]
-pub struct Slice<'a> {
-    #[rkyv(with = InlineAsBox)]
-    pub name: &'a str,
-    pub endpoints: Vec<Endpoint<'a>>,
-    pub ports: Vec<EndpointPort<'a>>,
-}
-
-#[derive(Archive, Serialize)]
-pub struct Endpoint<'a> {
-    pub addresses: Vec<IpAddr>,
-    pub ready: bool,
-    pub serving: bool,
-    pub terminating: bool,
-    #[rkyv(with = Map<InlineAsBox>)]
-    pub node_name: Option<&'a str>,
-    #[rkyv(with = Map<InlineAsBox>)]
-    pub zone: Option<&'a str>,
-    pub is_local: bool,
-}
-
-#[derive(Archive, Serialize)]
-pub struct EndpointPort<'a> {
-    #[rkyv(with = InlineAsBox)]
-    pub name: &'a str,
-    pub protocol: Protocol,
-    pub port: u16,
-}
-
-/// The result: elements of the host's maps, named by number, and the chains and affinity
-/// sets of the ports that need their own.
-#[derive(Archive, Serialize, Deserialize, Debug, Default, PartialEq)]
-pub struct Ruleset {
-    pub elements: Vec<Element>,
-    pub chains: Vec<Chain>,
-    pub sets: Vec<SetDeclaration>,
-    pub warnings: Vec<String>,
-}
-
-/// A chain of the service's own: the host names it `<chain prefix>/<port id>` for
-/// [`ChainRole::Service`], with `/external` or `/local` after it for the others.
-#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
-#[rkyv(derive(Clone, Copy, Debug, PartialEq, Eq))]
-pub struct ChainName {
-    /// The port's index in the service's ports.
-    pub port: u16,
-    pub role: ChainRole,
-}
-
-#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
-#[rkyv(derive(Clone, Copy, Debug, PartialEq, Eq))]
-pub enum ChainRole {
-    /// Cluster traffic.
-    Service,
-    /// Node ports, external and load-balancer addresses.
-    External,
-    /// externalTrafficPolicy Local: the node's own endpoints.
-    Local,
-}
-
-/// The clients that last reached one backend of a port (session affinity): the host names it
-/// `<chain prefix>/<port id>/ep/<address>/<port>/affinity`, its family the address's.
-#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-#[rkyv(derive(Clone, Copy, Debug, PartialEq, Eq))]
-pub struct SetName {
-    pub port: u16,
-    pub address: IpAddr,
-    pub backend_port: u16,
-}
-
-#[derive(Archive, Serialize, Deserialize, Debug, PartialEq)]
-pub struct SetDeclaration {
-    pub name: SetName,
-    pub timeout_seconds: u32,
-}
-
-#[derive(Archive, Serialize, Deserialize, Debug, PartialEq)]
-pub struct Chain {
-    pub name: ChainName,
-    pub rules: Vec<Rule>,
-}
-
-/// The most matches a rule of the translator has (destination, protocol, port, pod traffic).
-pub const MAX_MATCHES: usize = 4;
-/// The most statements (remember the client, DNAT).
-pub const MAX_STATEMENTS: usize = 2;
-
-/// A rule with its matches and statements inline, so that it allocates nothing.
-#[derive(Archive, Serialize, Deserialize, Debug, PartialEq)]
-pub struct Rule {
-    pub matches: [Option<Match>; MAX_MATCHES],
-    pub statements: [Option<Statement>; MAX_STATEMENTS],
-    pub verdict: Verdict,
-}
-
-impl Rule {
-    fn new(matches: &[Match], statements: &[Statement], verdict: Verdict) -> Rule {
-        debug_assert!(matches.len() <= MAX_MATCHES && statements.len() <= MAX_STATEMENTS);
-        let mut rule = Rule { matches: [None; MAX_MATCHES], statements: [None; MAX_STATEMENTS], verdict };
-        rule.matches.iter_mut().zip(matches).for_each(|(slot, m)| *slot = Some(*m));
-        rule.statements.iter_mut().zip(statements).for_each(|(slot, s)| *slot = Some(*s));
-        rule
-    }
-}
-
-#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
-#[rkyv(derive(Clone, Copy, Debug, PartialEq, Eq))]
-pub enum Match {
-    Destination(IpAddr),
-    Protocol(Protocol),
-    DestinationPort(u16),
-    SourceInSet(SetName),
-    /// `numgen random mod <modulus> == 0`.
-    Random(u32),
-    /// Traffic from pods (or, negated, from anywhere else) of a family, as the host detects it.
-    PodTraffic {
-        ipv6: bool,
-        negate: bool,
-    },
-}
-
-#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
-#[rkyv(derive(Clone, Copy, Debug, PartialEq, Eq))]
-pub enum Statement {
-    Dnat {
-        address: IpAddr,
-        port: u16,
-    },
-    /// Remember the client in an affinity set, for `timeout` seconds.
-    RememberSource {
-        set: SetName,
-        timeout: u32,
-    },
-}
-
-/// The host's maps a service translator writes to (their names in the typed world).
-#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
-#[rkyv(derive(Clone, Copy, Debug, PartialEq, Eq))]
-pub enum MapName {
-    ServiceBackends,
-    NodeportBackends,
-    MasqueradeOffCluster,
-    MasqueradeAlways,
-    SessionAffinity(u32),
-    NodeportAffinity(u32),
-    NoEndpointServices,
-    NoEndpointNodeports,
-    Hairpin,
-    ClusterIps,
-    ServiceIps,
-    ServiceNodeports,
-}
-
-impl MapName {
-    /// The map's name in the typed world.
-    pub fn typed(self) -> String {
-        match self {
-            MapName::ServiceBackends => "service-backends".into(),
-            MapName::NodeportBackends => "nodeport-backends".into(),
-            MapName::MasqueradeOffCluster => "masquerade-off-cluster".into(),
-            MapName::MasqueradeAlways => "masquerade-always".into(),
-            MapName::SessionAffinity(t) => format!("session-affinity-{t}"),
-            MapName::NodeportAffinity(t) => format!("nodeport-affinity-{t}"),
-            MapName::NoEndpointServices => "no-endpoint-services".into(),
-            MapName::NoEndpointNodeports => "no-endpoint-nodeports".into(),
-            MapName::Hairpin => "hairpin".into(),
-            MapName::ClusterIps => "cluster-ips".into(),
-            MapName::ServiceIps => "service-ips".into(),
-            MapName::ServiceNodeports => "service-nodeports".into(),
-        }
-    }
-}
-
-#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
-#[rkyv(derive(Clone, Copy, Debug, PartialEq, Eq))]
-pub enum KeyPart {
-    Address(IpAddr),
-    Protocol(Protocol),
-    Port(u16),
-}
-
-/// The longest key of the host's maps (`service-backends`: address . protocol . port .
-/// backend address . backend port), kept inline so that an element allocates nothing.
-pub const MAX_KEY_PARTS: usize = 5;
-
-#[derive(Archive, Serialize, Deserialize, Debug, PartialEq)]
-pub struct Element {
-    pub map: MapName,
-    pub key: [Option<KeyPart>; MAX_KEY_PARTS],
-    pub verdict: Verdict,
-}
-
-impl Element {
-    fn new(map: MapName, parts: &[KeyPart], verdict: Verdict) -> Element {
-        let mut key = [None; MAX_KEY_PARTS];
-        for (slot, part) in key.iter_mut().zip(parts) {
-            *slot = Some(*part);
-        }
-        Element { map, key, verdict }
-    }
-}
-
-#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
-#[rkyv(derive(Clone, Copy, Debug, PartialEq, Eq))]
-pub enum Verdict {
-    None,
-    Drop,
-    Reject,
-    Goto(ChainName),
-    /// Mark for masquerading at postrouting.
-    Masquerade,
-}
-
-/// The names a flat ruleset's numbers stand for, from the inputs it was translated from
-/// (what the host would resolve them with).
-struct Names<'i> {
-    chain_prefix: &'i str,
-    port_ids: Vec<String>,
-}
-
-impl Names<'_> {
-    fn port_prefix(&self, port: u16) -> String {
-        format!("{}/{}", self.chain_prefix, self.port_ids[usize::from(port)])
-    }
-
-    fn chain(&self, name: ChainName) -> String {
-        let suffix = match name.role {
-            ChainRole::Service => "",
-            ChainRole::External => "/external",
-            ChainRole::Local => "/local",
-        };
-        format!("{}{suffix}", self.port_prefix(name.port))
-    }
-
-    fn set(&self, name: SetName) -> String {
-        let address = name.address.to_string().replace(':', "-");
-        format!("{}/ep/{address}/{}/affinity", self.port_prefix(name.port), name.backend_port)
-    }
-
-    fn verdict(&self, verdict: Verdict) -> sdk::Verdict {
-        match verdict {
-            Verdict::None => sdk::Verdict::None,
-            Verdict::Drop => sdk::Verdict::Drop,
-            Verdict::Reject => sdk::Verdict::Reject,
-            Verdict::Goto(chain) => sdk::Verdict::Goto(self.chain(chain)),
-            Verdict::Masquerade => sdk::Verdict::Masquerade,
-        }
-    }
-
-    fn rule(&self, rule: &Rule) -> sdk::Rule {
-        let address = |a: IpAddr| sdk::AddressMatch { cidr: a.to_string(), negate: false };
-        let family = |ipv6: bool| if ipv6 { sdk::AddressFamily::Ipv6 } else { sdk::AddressFamily::Ipv4 };
-        sdk::Rule {
-            matches: (rule.matches.iter().flatten())
-                .map(|m| match *m {
-                    Match::Destination(a) => sdk::RuleMatch::Destination(address(a)),
-                    Match::Protocol(p) => sdk::RuleMatch::Protocol(p.into()),
-                    Match::DestinationPort(p) => sdk::RuleMatch::DestinationPort(p),
-                    Match::SourceInSet(set) => sdk::RuleMatch::SourceInSet(self.set(set)),
-                    Match::Random(modulus) => sdk::RuleMatch::Random((modulus, 0)),
-                    Match::PodTraffic { ipv6, negate } => {
-                        sdk::RuleMatch::PodTraffic(sdk::PodTrafficMatch { family: family(ipv6), negate })
-                    }
-                })
-                .collect(),
-            statements: (rule.statements.iter().flatten())
-                .map(|s| match *s {
-                    Statement::Dnat { address, port } => {
-                        sdk::RuleStatement::Dnat(sdk::DnatTarget { address: address.to_string(), port })
-                    }
-                    Statement::RememberSource { set, timeout } => sdk::RuleStatement::AddSourceToSet(sdk::SetUpdate {
-                        set: self.set(set),
-                        timeout_seconds: Some(timeout),
-                    }),
-                })
-                .collect(),
-            verdict: self.verdict(rule.verdict),
-            comment: None,
-        }
-    }
-}
-
 /// A flat ruleset in the typed world's terms, its names resolved from the `inputs` it was
 /// translated from, and its elements in a canonical order ([`canonical`]): the typed
 /// translator orders hairpin addresses as text, this one as numbers.
 pub fn typed(ruleset: &Ruleset, inputs: &ArchivedInputs<'_>) -> sdk::Ruleset {
-    let names =
-        Names { chain_prefix: &inputs.chain_prefix, port_ids: inputs.service.ports.iter().map(port_id).collect() };
+    canonical(typed_in_order(ruleset, inputs))
+}
+
+/// [`typed`] with the elements in the order the guest gave them: what a host that keeps the
+/// typed world's validator would convert every result into (the bench times it).
+pub fn typed_in_order(ruleset: &Ruleset, inputs: &ArchivedInputs<'_>) -> sdk::Ruleset {
+    let names = Names::of_inputs(inputs);
+    let chain = |name: ChainName| names.chain(name).expect("the translator names its own ports");
+    let set = |name: SetName| names.set(name).expect("the translator names its own ports");
+    let verdict = |v: Verdict| match v {
+        Verdict::None => sdk::Verdict::None,
+        Verdict::Drop => sdk::Verdict::Drop,
+        Verdict::Reject => sdk::Verdict::Reject,
+        Verdict::Goto(name) => sdk::Verdict::Goto(chain(name)),
+        Verdict::Masquerade => sdk::Verdict::Masquerade,
+    };
+    let address = |a: IpAddr| sdk::AddressMatch { cidr: a.to_string(), negate: false };
+    let family = |ipv6: bool| if ipv6 { sdk::AddressFamily::Ipv6 } else { sdk::AddressFamily::Ipv4 };
+    let rule = |rule: &Rule| sdk::Rule {
+        matches: (rule.matches.iter().flatten())
+            .map(|m| match *m {
+                Match::Destination(a) => sdk::RuleMatch::Destination(address(a)),
+                Match::Protocol(p) => sdk::RuleMatch::Protocol(sdk_protocol(p)),
+                Match::DestinationPort(p) => sdk::RuleMatch::DestinationPort(p),
+                Match::SourceInSet(name) => sdk::RuleMatch::SourceInSet(set(name)),
+                Match::Random(modulus) => sdk::RuleMatch::Random((modulus, 0)),
+                Match::PodTraffic { ipv6, negate } => {
+                    sdk::RuleMatch::PodTraffic(sdk::PodTrafficMatch { family: family(ipv6), negate })
+                }
+            })
+            .collect(),
+        statements: (rule.statements.iter().flatten())
+            .map(|s| match *s {
+                Statement::Dnat { address, port } => {
+                    sdk::RuleStatement::Dnat(sdk::DnatTarget { address: address.to_string(), port })
+                }
+                Statement::RememberSource { set: name, timeout } => {
+                    sdk::RuleStatement::AddSourceToSet(sdk::SetUpdate {
+                        set: set(name),
+                        timeout_seconds: Some(timeout),
+                    })
+                }
+            })
+            .collect(),
+        verdict: verdict(rule.verdict),
+        comment: None,
+    };
     let map_elements = ruleset
         .elements
         .iter()
         .map(|e| sdk::MapElement {
-            map_name: e.map.typed(),
+            map_name: e.map.name().into_owned(),
             key: e
                 .key
                 .iter()
                 .flatten()
                 .map(|part| match *part {
                     KeyPart::Address(a) => sdk::KeyPart::Address(a.to_string()),
-                    KeyPart::Protocol(p) => sdk::KeyPart::Protocol(p.into()),
+                    KeyPart::Protocol(p) => sdk::KeyPart::Protocol(sdk_protocol(p)),
                     KeyPart::Port(p) => sdk::KeyPart::Port(p),
                 })
                 .collect(),
-            verdict: names.verdict(e.verdict),
+            verdict: verdict(e.verdict),
         })
         .collect();
     let chains = (ruleset.chains.iter())
-        .map(|c| sdk::Chain { name: names.chain(c.name), rules: c.rules.iter().map(|r| names.rule(r)).collect() })
+        .map(|c| sdk::Chain { name: chain(c.name), rules: c.rules.iter().map(rule).collect() })
         .collect();
     let sets = (ruleset.sets.iter())
         .map(|s| sdk::SetDeclaration {
-            name: names.set(s.name),
-            family: if s.name.address.is_ipv6() { sdk::AddressFamily::Ipv6 } else { sdk::AddressFamily::Ipv4 },
+            name: set(s.name),
+            family: family(s.name.address.is_ipv6()),
             timeout_seconds: Some(s.timeout_seconds),
             elements: vec![],
         })
         .collect();
-    canonical(sdk::Ruleset { chains, sets, map_elements, warnings: ruleset.warnings.clone() })
+    sdk::Ruleset { chains, sets, map_elements, warnings: ruleset.warnings.clone() }
+}
+
+fn sdk_protocol(p: Protocol) -> sdk::Protocol {
+    match p {
+        Protocol::Tcp => sdk::Protocol::Tcp,
+        Protocol::Udp => sdk::Protocol::Udp,
+        Protocol::Sctp => sdk::Protocol::Sctp,
+    }
 }
 
 /// A typed ruleset with its map elements in one order, to compare with [`typed`]'s.
 pub fn canonical(mut ruleset: sdk::Ruleset) -> sdk::Ruleset {
     ruleset.map_elements.sort_by_key(|e| format!("{e:?}"));
     ruleset
-}
-
-/// The archive of `inputs`, as the host passes it.
-pub fn encode_inputs(inputs: &Inputs<'_>, buffer: Vec<u8>) -> Vec<u8> {
-    rkyv::api::high::to_bytes_in::<_, rkyv::rancor::Error>(inputs, buffer).expect("archiving into a Vec cannot fail")
-}
-
-/// The archive of a result, as the guest returns it.
-pub fn encode_result(result: &Result<Ruleset, String>, buffer: Vec<u8>) -> Vec<u8> {
-    rkyv::api::high::to_bytes_in::<_, rkyv::rancor::Error>(result, buffer).expect("archiving into a Vec cannot fail")
-}
-
-/// Reads a guest's result in place after checking every byte of it: tags, lengths, offsets
-/// and UTF-8 (the guest is not trusted).
-pub fn validate_result(output: &[u8]) -> Result<&rkyv::Archived<Result<Ruleset, String>>, rkyv::rancor::Error> {
-    rkyv::access::<rkyv::Archived<Result<Ruleset, String>>, rkyv::rancor::Error>(output)
-}
-
-/// The inputs in place, unchecked: only the host writes them.
-///
-/// # Safety
-/// `input` must be an archive of [`Inputs`] made by [`encode_inputs`].
-pub unsafe fn inputs_in_place(input: &[u8]) -> &ArchivedInputs<'static> {
-    // SAFETY: the caller's contract.
-    unsafe { rkyv::access_unchecked::<ArchivedInputs<'static>>(input) }
 }
 
 /// What the Wasm export does with its input buffer, and native code with the same archive.
@@ -560,9 +199,8 @@ impl ByFamily {
     }
 }
 
-fn port_id(port: &ArchivedServicePort<'_>) -> String {
-    let protocol = protocol_name(port.protocol.native().into());
-    if port.name.is_empty() { format!("{protocol}/{}", port.port) } else { format!("{protocol}/{}", &*port.name) }
+fn id_of(port: &ArchivedServicePort<'_>) -> String {
+    wasmplane_archive::port_id(port.protocol.native(), &port.name, port.port.to_native())
 }
 
 fn addresses(list: &[rkyv::net::ArchivedIpAddr]) -> Vec<IpAddr> {
@@ -652,12 +290,12 @@ fn translate_port(
         let backends = if service.internal_traffic_local { &endpoints.local } else { &endpoints.cluster };
         if backends.is_empty() {
             let verdict = if endpoints.cluster.is_empty() {
-                ruleset.warnings.push(format!("{}: no ready endpoints for {ip}", port_id(port)));
+                ruleset.warnings.push(format!("{}: no ready endpoints for {ip}", id_of(port)));
                 Verdict::Reject
             } else {
                 ruleset.warnings.push(format!(
                     "{}: internalTrafficPolicy Local and no endpoint on this node for {ip}",
-                    port_id(port)
+                    id_of(port)
                 ));
                 Verdict::Drop
             };
@@ -801,13 +439,13 @@ fn translate_port_in_chains(
     let service_chain = ChainName { port: port_of.index, role: ChainRole::Service };
     if cluster_backends.is_empty() {
         let verdict = if endpoints.cluster.is_empty() {
-            rules.ruleset.warnings.push(format!("{}: no ready endpoints", port_id(port)));
+            rules.ruleset.warnings.push(format!("{}: no ready endpoints", id_of(port)));
             Verdict::Reject
         } else {
             rules
                 .ruleset
                 .warnings
-                .push(format!("{}: internalTrafficPolicy Local and no endpoint on this node", port_id(port)));
+                .push(format!("{}: internalTrafficPolicy Local and no endpoint on this node", id_of(port)));
             Verdict::Drop
         };
         for &ip in cluster_ips {
