@@ -41,6 +41,11 @@ const TEST_PROGRAMS: &[Guest] = &[
     Guest { constant: "TRANSLATOR_WIT_1_1", package: "wasmplane-test-guests", features: &["wit-1-1-translator"] },
     Guest { constant: "ARCHIVED_MISBEHAVING", package: "wasmplane-test-guests", features: &["archived-misbehaving"] },
     Guest {
+        constant: "ARCHIVED_WRONG_SIGNATURE",
+        package: "wasmplane-test-guests",
+        features: &["archived-wrong-signature"],
+    },
+    Guest {
         constant: "TRANSLATOR_BENCH_REPEAT",
         package: "wasmplane-guest-service-translator",
         features: &["bench-repeat"],

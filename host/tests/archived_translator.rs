@@ -261,6 +261,39 @@ fn an_archived_result_over_the_output_limit_is_refused() {
     assert!(matches!(&refused, Err(CallError::OutputTooLarge(_))), "{:?}", refused.err());
 }
 
+/// An archived translator must be of a version that has the interface (one claiming 1.1.0, its
+/// names rewritten, same length) and export `translate` of its signature: otherwise it is
+/// refused at load, saying why, not at its first call.
+#[test]
+fn an_archived_translator_of_another_version_or_signature_is_refused_at_load() {
+    let runtime = Runtime::new(Limits::default(), None).unwrap();
+    let mut older = artifacts::test_programs::ARCHIVED_MISBEHAVING.to_vec();
+    let (from, to) = (b"@1.2.0", b"@1.1.0");
+    let mut renamed = 0;
+    for i in 0..=older.len() - from.len() {
+        if &older[i..i + from.len()] == from {
+            older[i..i + to.len()].copy_from_slice(to);
+            renamed += 1;
+        }
+    }
+    assert!(renamed > 0);
+    let refused = runtime.load("older", &older, None, usize::MAX).err().expect("refused");
+    assert!(
+        refused
+            .to_string()
+            .contains("the archived service translator exists since wasmplane:dataplane@1.2.0, not 1.1.0"),
+        "{refused}"
+    );
+    let wrong = runtime.load("wrong", artifacts::test_programs::ARCHIVED_WRONG_SIGNATURE, None, usize::MAX);
+    let refused = wrong.err().expect("refused").to_string();
+    assert!(
+        refused.contains(
+            "`translate` is `func(string) -> (string)`; expected `translate: func(input: list<u8>) -> list<u8>`"
+        ),
+        "{refused}"
+    );
+}
+
 /// A guest of the minor before the host's (1.1.0, built against `wit/1.1.0/` as released)
 /// loads and runs, `pod-traffic` match and all.
 #[test]

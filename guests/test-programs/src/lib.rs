@@ -6,7 +6,8 @@
     feature = "wit-1-0-translator",
     feature = "wit-1-0-policy",
     feature = "wit-1-1-translator",
-    feature = "archived-misbehaving"
+    feature = "archived-misbehaving",
+    feature = "archived-wrong-signature"
 )))]
 mod translator {
     use wasmplane_sdk::service::exports::wasmplane::dataplane::service_translator::Guest;
@@ -345,4 +346,28 @@ mod archived_misbehaving {
     }
 
     export_archived_service_translation!(Raw with_types_in wasmplane_sdk::archived);
+}
+
+/// `archived-service-translator` as a careless author might export it: strings, not archives.
+#[cfg(feature = "archived-wrong-signature")]
+mod archived_wrong_signature {
+    wit_bindgen::generate!({
+        inline: "
+            package wasmplane:dataplane@1.2.0;
+            interface archived-service-translator {
+                translate: func(input: string) -> string;
+            }
+            world wrong-signature {
+                export archived-service-translator;
+            }
+        ",
+    });
+
+    struct Wrong;
+    impl exports::wasmplane::dataplane::archived_service_translator::Guest for Wrong {
+        fn translate(input: String) -> String {
+            input
+        }
+    }
+    export!(Wrong);
 }

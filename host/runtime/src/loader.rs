@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use wasmtime::component::types::ComponentItem;
+use wasmtime::component::types::{ComponentItem, Type};
 use wasmtime::component::{Component, ComponentExportIndex, Func, InstancePre, TypedFunc};
 
 use crate::archived::{ArchivedOutput, ParsedContext};
@@ -231,6 +231,30 @@ fn check_version(version: &str) -> Result<(), LoadError> {
     }
 }
 
+/// An archived translator's export: of a version that has it, and its `translate` of the one
+/// signature the host calls (the typed worlds' bindings check theirs when the module loads).
+fn check_archived_export(engine: &wasmtime::Engine, version: &str, item: &ComponentItem) -> Result<(), String> {
+    if parse_version(version).is_some_and(|(major, minor, _)| major == 1 && minor < 2) {
+        return Err(format!("the archived service translator exists since {WIT_PACKAGE}@1.2.0, not {version}"));
+    }
+    let expected = "expected `translate: func(input: list<u8>) -> list<u8>`";
+    let ComponentItem::ComponentInstance(instance) = item else {
+        return Err(format!("it is not an interface; {expected}"));
+    };
+    let Some(ComponentItem::ComponentFunc(func)) = instance.get_export(engine, "translate").map(|e| e.ty) else {
+        return Err(format!("it has no function `translate`; {expected}"));
+    };
+    let bytes = |ty: &Type| matches!(ty, Type::List(list) if list.ty() == Type::U8);
+    let params: Vec<Type> = func.params().map(|(_, ty)| ty).collect();
+    let results: Vec<Type> = func.results().collect();
+    if func.async_() || !matches!(params.as_slice(), [p] if bytes(p)) || !matches!(results.as_slice(), [r] if bytes(r))
+    {
+        let describe = |types: &[Type]| types.iter().map(crate::validation::describe).collect::<Vec<_>>().join(", ");
+        return Err(format!("`translate` is `func({}) -> ({})`; {expected}", describe(&params), describe(&results)));
+    }
+    Ok(())
+}
+
 /// What a component may export for its kind, for an error that names none of them.
 fn expected_exports() -> Vec<String> {
     let kinds = GuestKind::ALL.iter().map(|k| k.interface());
@@ -361,9 +385,13 @@ impl Runtime {
                 settings_validation = Some(export.to_string());
                 continue;
             }
-            if let (Some((iface, version)), ComponentItem::ComponentInstance(_)) = (split_name(export), item.ty)
+            if let (Some((iface, version)), ComponentItem::ComponentInstance(_)) = (split_name(export), &item.ty)
                 && let Some(kind) = GuestKind::of_export(iface)
             {
+                if iface == ARCHIVED_TRANSLATOR {
+                    check_archived_export(self.engine(), version, &item.ty)
+                        .map_err(|reason| LoadError::Link(format!("{export}: {reason}")))?;
+                }
                 found = Some((kind, iface.to_string(), version.to_string()));
             }
         }

@@ -64,7 +64,7 @@ pub(crate) fn check_export(engine: &Engine, item: &ComponentItem) -> Result<(), 
 }
 
 /// A WIT type as the load error shows it (wasmtime's own names are private).
-fn describe(ty: &Type) -> String {
+pub(crate) fn describe(ty: &Type) -> String {
     let optional = |ty: Option<Type>| ty.as_ref().map_or_else(|| "_".to_string(), describe);
     match ty {
         Type::Bool => "bool".into(),
