@@ -122,14 +122,22 @@ pub fn canonical(mut ruleset: sdk::Ruleset) -> sdk::Ruleset {
     ruleset
 }
 
+/// [`translate`] as the SDK's archived world calls it: what the Wasm export runs (`lib.rs`).
+pub struct DefaultTranslator;
+
+impl wasmplane_sdk::archived::Translator for DefaultTranslator {
+    fn translate(inputs: &ArchivedInputs<'_>) -> TranslateResult {
+        translate(inputs)
+    }
+}
+
 /// What the Wasm export does with its input buffer, and native code with the same archive.
 ///
 /// # Safety
 /// As [`inputs_in_place`].
 pub unsafe fn translate_archive(input: &[u8]) -> Vec<u8> {
     // SAFETY: the caller's contract.
-    let inputs = unsafe { inputs_in_place(input) };
-    encode_result(&translate(inputs), Vec::with_capacity(1024))
+    unsafe { wasmplane_sdk::archived::translate_archive::<DefaultTranslator>(input) }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]

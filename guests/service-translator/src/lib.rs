@@ -100,15 +100,7 @@ mod export_encoded {
     not(any(feature = "typed-world", feature = "bench-repeat", feature = "bench-encoded", feature = "bench-batch"))
 ))]
 mod export_archived {
-    struct ArchivedTranslator;
-
-    impl wasmplane_sdk::archived::Translator for ArchivedTranslator {
-        fn translate(inputs: &wasmplane_sdk::archived::ArchivedInputs<'_>) -> wasmplane_sdk::archived::TranslateResult {
-            super::archived::translate(inputs)
-        }
-    }
-
-    wasmplane_sdk::export_archived_translator!(ArchivedTranslator);
+    wasmplane_sdk::export_archived_translator!(super::archived::DefaultTranslator);
 }
 
 pub mod archived;

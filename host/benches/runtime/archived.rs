@@ -172,7 +172,7 @@ pub fn archived_boundary(
 }
 
 fn encode(parsed: &ParsedContext, prefix: &str, view: &ServiceView) -> Vec<u8> {
-    wasmplane_runtime::archived::encode(parsed, prefix, view, Vec::with_capacity(512)).unwrap()
+    wasmplane_runtime::archived::encode(parsed, prefix, view).unwrap()
 }
 
 /// Every service: the shipped guest's archive holds what native computes on the same

@@ -63,15 +63,10 @@ fn protocol(p: m::Protocol) -> archive::Protocol {
     }
 }
 
-/// Model → archive, into `buffer`. A service address or an endpoint address that is not an
+/// Model → archive. A service address or an endpoint address that is not an
 /// IP address refuses the service, as the default typed translator does for the former
 /// (`CallError::Input`, with its text); headless markers are no address.
-pub fn encode(
-    context: &ParsedContext,
-    prefix: &str,
-    view: &ServiceView,
-    buffer: Vec<u8>,
-) -> Result<Vec<u8>, CallError> {
+pub fn encode(context: &ParsedContext, prefix: &str, view: &ServiceView) -> Result<Vec<u8>, CallError> {
     let s = &view.service;
     let invalid = |ip: &str| CallError::Input(format!("service {}/{}: invalid IP {ip:?}", s.namespace, s.name));
     let addresses = |list: &[m::CompactString], headless: bool| -> Result<Vec<IpAddr>, CallError> {
@@ -144,7 +139,7 @@ pub fn encode(
         },
         slices,
     };
-    Ok(archive::encode_inputs(&inputs, buffer))
+    Ok(archive::encode_inputs(&inputs, Vec::with_capacity(512)))
 }
 
 /// An archived translator's result, every byte checked: its inputs (the host's archive, for

@@ -629,7 +629,7 @@ impl TranslatorSession {
     ) -> Result<Translated, CallError> {
         if let Translator::Archived { export, slot } = &mut self.translator {
             let parsed = ParsedContext::cached(&mut self.parsed_context, context);
-            let input = archived::encode(parsed, chain_prefix, view, Vec::with_capacity(512))?;
+            let input = archived::encode(parsed, chain_prefix, view)?;
             return call_archived(export, slot, input);
         }
         let service = convert::service(&view.service);
@@ -676,7 +676,7 @@ impl TranslatorSession {
             Translator::Archived { export, slot } => {
                 let (context, view) = (convert::node_context_from_wit(ctx), convert::view_from_wit(service, slices));
                 let parsed = ParsedContext::cached(&mut self.parsed_context, &context);
-                let input = archived::encode(parsed, chain_prefix, &view, Vec::with_capacity(512))?;
+                let input = archived::encode(parsed, chain_prefix, &view)?;
                 call_archived(export, slot, input)
             }
         }
